@@ -1,0 +1,1 @@
+"""The Kafka side of freshline: decode, route, batch, recompute, commit."""

@@ -1,0 +1,71 @@
+"""The exception hierarchy: one root, a few subclasses that carry data."""
+
+from __future__ import annotations
+
+
+class FreshlineError(Exception):
+    """Root of every error freshline raises on purpose."""
+
+
+class ConfigError(FreshlineError):
+    """A setting is missing or invalid."""
+
+
+class ServiceUnavailable(FreshlineError):
+    """Postgres, Redis, Kafka or Kafka Connect did not answer."""
+
+    def __init__(self, service: str, url: str, detail: str = "") -> None:
+        self.service = service
+        self.url = url
+        self.detail = detail
+        hint = "start the local stack with: scripts/stack up"
+        super().__init__(f"{service} is not reachable at {url} ({detail or 'no answer'}); {hint}")
+
+
+class InvalidId(FreshlineError, ValueError):
+    """A tenant, entity, model or arm id that must never reach a key."""
+
+    def __init__(self, kind: str, value: object, reason: str) -> None:
+        self.kind = kind
+        self.value = value
+        self.reason = reason
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        super().__init__(f"invalid {kind} id {shown}: {reason}")
+
+
+class UnknownFeatureSet(FreshlineError, KeyError):
+    """A feature set name that is not in the registry."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.name = name
+        super().__init__(f"unknown feature set {name!r}; known: {', '.join(sorted(known))}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class SchemaVersionMismatch(FreshlineError):
+    """An entry or write names a schema version other than the one expected."""
+
+    def __init__(self, expected: int, found: int) -> None:
+        self.expected = expected
+        self.found = found
+        super().__init__(f"schema version mismatch: expected {expected}, found {found}")
+
+
+class CorruptEntry(FreshlineError):
+    """Bytes in a feature key that do not decode as an entry."""
+
+
+class LockMismatch(FreshlineError):
+    """A feature definition changed without a SCHEMA_VERSION bump."""
+
+
+class DeployError(FreshlineError):
+    """A warm, flip or purge that would be unsafe."""
+
+
+class ModelError(FreshlineError):
+    """An unknown model, or one that must not be cached."""

@@ -1,0 +1,1 @@
+"""Event contracts (JSON Schema) and the feature-definition lock."""

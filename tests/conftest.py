@@ -1,0 +1,100 @@
+"""Session fixtures on the real services started by ``scripts/stack up``.
+
+Tests get their own Postgres database (``freshline_test``, created afresh and migrated
+once per session) and their own Redis logical database, so a test run never touches
+the demo's data. Within the session each test isolates itself by tenant: the
+``tenant_factory`` fixture seeds fresh tenants with unique ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine, make_url
+
+import migrations
+from pipeline.db import make_engine
+from pipeline.seed import SeedSummary, seed
+from pipeline.settings import Settings
+
+TEST_DB = os.environ.get("FRESHLINE_TEST_DB", "freshline_test")
+TEST_REDIS_DB = int(os.environ.get("FRESHLINE_TEST_REDIS_DB", "1"))
+ANCHOR = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+
+
+def _admin_engine(base: Settings) -> Engine:
+    url = make_url(base.postgres_url).set(database="postgres")
+    return sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+
+
+def recreate_database(base: Settings, name: str) -> str:
+    """Drop and create ``name``; return its URL."""
+    admin = _admin_engine(base)
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    admin.dispose()
+    return make_url(base.postgres_url).set(database=name).render_as_string(hide_password=False)
+
+
+def drop_database(base: Settings, name: str) -> None:
+    admin = _admin_engine(base)
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def base_settings() -> Settings:
+    return Settings()
+
+
+@pytest.fixture(scope="session")
+def settings(base_settings: Settings) -> Settings:
+    url = recreate_database(base_settings, TEST_DB)
+    migrations.upgrade(url)
+    redis_url = make_url_redis(base_settings.redis_url, TEST_REDIS_DB)
+    return base_settings.model_copy(update={"postgres_url": url, "redis_url": redis_url})
+
+
+def make_url_redis(url: str, db: int) -> str:
+    head, _, _ = url.rpartition("/")
+    return f"{head}/{db}" if head.count("/") >= 2 else f"{url}/{db}"
+
+
+@pytest.fixture(scope="session")
+def engine(settings: Settings) -> Iterator[Engine]:
+    eng = make_engine(settings, pool_size=8)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture(scope="session")
+def redis_client(settings: Settings) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(settings.redis_url)
+    client.flushdb()  # the test run's own logical database, never the demo's
+    yield client
+    client.close()
+
+
+_tenant_counter = itertools.count(1)
+
+
+@pytest.fixture
+def tenant_factory(engine: Engine) -> Callable[..., SeedSummary]:
+    """Seed fresh tenants with unique ids: ``tenant_factory(users=50, transactions=2000)``."""
+
+    def make(users: int = 50, transactions: int = 2000, tenants: int = 1,
+             seed_value: int = 42) -> SeedSummary:
+        prefix = f"t{next(_tenant_counter)}{uuid.uuid4().hex[:6]}-"
+        return seed(engine, users=users, transactions=transactions, tenants=tenants,
+                    seed=seed_value, tenant_prefix=prefix, anchor=ANCHOR)
+
+    return make

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from pipeline.errors import ConfigError
+from pipeline.settings import Settings, get_settings, redact
+
+
+def test_environment_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FRESHLINE_SCHEMA_VERSION", "7")
+    monkeypatch.setenv("FRESHLINE_KAFKA_BOOTSTRAP", "127.0.0.1:19092")
+    s = Settings()
+    assert s.schema_version == 7
+    assert s.kafka_bootstrap == "127.0.0.1:19092"
+
+
+def test_settings_are_frozen() -> None:
+    s = Settings()
+    with pytest.raises(pydantic.ValidationError):
+        s.schema_version = 3  # type: ignore[misc]
+
+
+def test_passwords_are_masked_when_printed() -> None:
+    s = Settings(postgres_url="postgresql+psycopg://u:s3cret@127.0.0.1:5432/db")
+    assert "s3cret" not in repr(s)
+    assert "u:***@" in repr(s)
+    assert redact("redis://:pw@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
+
+
+def test_invalid_setting_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FRESHLINE_SCHEMA_VERSION", "zero")
+    get_settings.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match="FRESHLINE_SCHEMA_VERSION"):
+            get_settings()
+    finally:
+        get_settings.cache_clear()
