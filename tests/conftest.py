@@ -87,10 +87,7 @@ def redis_client(settings: Settings) -> Iterator[redis.Redis]:
 _tenant_counter = itertools.count(1)
 
 
-@pytest.fixture
-def tenant_factory(engine: Engine) -> Callable[..., SeedSummary]:
-    """Seed fresh tenants with unique ids: ``tenant_factory(users=50, transactions=2000)``."""
-
+def _tenant_maker(engine: Engine) -> Callable[..., SeedSummary]:
     def make(users: int = 50, transactions: int = 2000, tenants: int = 1,
              seed_value: int = 42) -> SeedSummary:
         prefix = f"t{next(_tenant_counter)}{uuid.uuid4().hex[:6]}-"
@@ -98,3 +95,15 @@ def tenant_factory(engine: Engine) -> Callable[..., SeedSummary]:
                     seed=seed_value, tenant_prefix=prefix, anchor=ANCHOR)
 
     return make
+
+
+@pytest.fixture
+def tenant_factory(engine: Engine) -> Callable[..., SeedSummary]:
+    """Seed fresh tenants with unique ids: ``tenant_factory(users=50, transactions=2000)``."""
+    return _tenant_maker(engine)
+
+
+@pytest.fixture(scope="module")
+def tenant_factory_module(engine: Engine) -> Callable[..., SeedSummary]:
+    """Like ``tenant_factory``, for data a whole module reads but never changes."""
+    return _tenant_maker(engine)

@@ -1,0 +1,62 @@
+"""The Python client for scoring services: features straight from Redis, no HTTP hop.
+
+One call reads any number of (feature set, tenant, entity) entries in one Redis round
+trip and returns each with its age and schema version, or ``None`` for a miss: the
+caller decides whether to read through (:class:`pipeline.readthrough.ReadThrough`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis
+
+from pipeline.features import REGISTRY, Registry
+from pipeline.store import FeatureStore
+from pipeline.types import EntityRef, FeatureValues
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """One entity's features as served: values, age and the schema version."""
+
+    feature_set: str
+    tenant: str
+    entity: str
+    values: FeatureValues
+    age_ms: int
+    schema_version: int
+    watermark: int
+
+
+class FeatureClient:
+    """Read feature entries for one schema version.
+
+    >>> client = FeatureClient.from_url("redis://127.0.0.1:6379/0", schema_version=1)
+    >>> client.get("txn_90d", "acme", "42")  # Features(...) or None
+    """
+
+    def __init__(self, client: redis.Redis, schema_version: int, *,
+                 registry: Registry = REGISTRY) -> None:
+        self.store = FeatureStore(client, schema_version, registry=registry)
+
+    @classmethod
+    def from_url(cls, url: str, schema_version: int, **kwargs: Registry) -> FeatureClient:
+        return cls(redis.Redis.from_url(url), schema_version, **kwargs)
+
+    def get(self, feature_set: str, tenant: str, entity: str | int) -> Features | None:
+        return self.get_many([(feature_set, tenant, entity)])[0]
+
+    def get_many(self, items: Sequence[tuple[str, str, str | int]]) -> list[Features | None]:
+        """All ``items`` in one MGET, in order; ``None`` marks a miss."""
+        refs = [EntityRef(fs, tenant, str(entity)) for fs, tenant, entity in items]
+        entries = self.store.read(refs)
+        now = time.time_ns() // 1_000_000
+        return [
+            None if e is None else Features(r.feature_set, r.tenant, r.entity, e.values,
+                                            max(0, now - e.computed_at_ms),
+                                            e.schema_version, e.watermark)
+            for r, e in zip(refs, entries, strict=True)
+        ]

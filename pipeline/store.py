@@ -1,0 +1,152 @@
+"""The Redis feature store: versioned entries, conditional writes, TTLs, tombstones.
+
+Every write goes through one Lua script, so the compare-and-set happens atomically
+inside Redis: an entry (or tombstone) replaces the current one only when its
+watermark is strictly greater. An equal watermark is an idempotent no-op, so
+redelivered and reordered events are harmless. Every write sets a TTL; there is no
+code path that writes a feature key without one.
+
+Writes also carry the entity's read-through lease (same hash tag, so the script
+touches one slot): a source-driven write or an invalidation revokes any lease, and a
+read-through fill stores only while it still holds its own (Meta's memcache leases).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import redis
+
+from pipeline.codec import decode_entry, encode_entry, encode_tombstone
+from pipeline.features import REGISTRY, FeatureSet, Registry
+from pipeline.keys import feature_key, lease_key
+from pipeline.recompute import Batch
+from pipeline.types import EntityRef, Entry, Watermark
+
+# KEYS[1] entry, KEYS[2] lease; ARGV[1] encoded entry or tombstone, ARGV[2] TTL in ms,
+# ARGV[3] lease token ("" for a source-driven write, which revokes any lease).
+# Returns 1 written, 0 refused (older), 2 no-op (equal), -1 lease lost.
+_WRITE_LUA: Final = """
+local token = ARGV[3]
+if token ~= '' and redis.call('GET', KEYS[2]) ~= token then
+  return -1
+end
+redis.call('DEL', KEYS[2])
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local cur_wm = string.sub(cur, 2, 31)
+  local new_wm = string.sub(ARGV[1], 2, 31)
+  if cur_wm > new_wm then return 0 end
+  if cur_wm == new_wm then return 2 end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+WRITTEN, REFUSED, UNCHANGED, LEASE_LOST = 1, 0, 2, -1
+TTL_JITTER = 0.1
+
+
+@dataclass(slots=True)
+class WriteResult:
+    written: int = 0
+    refused: int = 0
+    unchanged: int = 0
+    lease_lost: int = 0
+
+    def add(self, code: int) -> None:
+        if code == WRITTEN:
+            self.written += 1
+        elif code == REFUSED:
+            self.refused += 1
+        elif code == UNCHANGED:
+            self.unchanged += 1
+        else:
+            self.lease_lost += 1
+
+
+def jittered_ttl_ms(ttl_s: int) -> int:
+    """The TTL less up to 10%, so entries written together do not expire together."""
+    return max(1000, int(ttl_s * 1000 * (1 - TTL_JITTER * random.random())))
+
+
+class FeatureStore:
+    """Reads and conditional writes of feature entries for one schema version."""
+
+    def __init__(self, client: redis.Redis, schema_version: int, *,
+                 registry: Registry = REGISTRY, tombstone_ttl_s: int = 300) -> None:
+        self.redis = client
+        self.schema_version = schema_version
+        self.registry = registry
+        self.tombstone_ttl_ms = tombstone_ttl_s * 1000
+        self._write = client.register_script(_WRITE_LUA)
+
+    def key(self, ref: EntityRef, schema_version: int | None = None) -> str:
+        self.registry[ref.feature_set]
+        return feature_key(schema_version or self.schema_version, ref)
+
+    def read(self, refs: Sequence[EntityRef]) -> list[Entry | None]:
+        """One MGET for all ``refs``; ``None`` where missing or a tombstone."""
+        if not refs:
+            return []
+        keys = [self.key(r) for r in refs]
+        raws = self.redis.mget(keys)
+        return [self._decode(r.feature_set, raw) for r, raw in zip(refs, raws, strict=True)]
+
+    def _decode(self, feature_set: str, raw: bytes | str | None) -> Entry | None:
+        if raw is None:
+            return None
+        if isinstance(raw, str):
+            raw = raw.encode()
+        fs = self.registry[feature_set]
+        return decode_entry(raw, fs.field_names, self.schema_version)
+
+    def write(self, batch: Batch, *, schema_version: int | None = None) -> WriteResult:
+        """Write a computed batch, source-driven: revokes leases, keeps newer entries."""
+        version = schema_version or self.schema_version
+        fs = batch.feature_set
+        pipe = self.redis.pipeline(transaction=False)
+        for (tenant, entity), values in batch.values.items():
+            self._queue(pipe, fs, EntityRef(fs.name, tenant, entity), values, version,
+                        batch.computed_at_ms, batch.watermark, "")
+        return self._execute(pipe)
+
+    def fill(self, batch: Batch, token: str, refs: Sequence[EntityRef]) -> WriteResult:
+        """Store read-through results for ``refs``, only where ``token`` still holds the lease."""
+        fs = batch.feature_set
+        pipe = self.redis.pipeline(transaction=False)
+        for ref in refs:
+            values = batch.values.get((ref.tenant, ref.entity))
+            if values is not None:
+                self._queue(pipe, fs, ref, values, self.schema_version,
+                            batch.computed_at_ms, batch.watermark, token)
+        return self._execute(pipe)
+
+    def invalidate(self, refs: Sequence[EntityRef], watermark: Watermark, *,
+                   schema_version: int | None = None) -> WriteResult:
+        """Replace entries older than ``watermark`` with a short-lived tombstone."""
+        version = schema_version or self.schema_version
+        tomb = encode_tombstone(watermark)
+        pipe = self.redis.pipeline(transaction=False)
+        for ref in refs:
+            keys = [self.key(ref, version), lease_key(version, ref)]
+            self._write(keys=keys, args=[tomb, self.tombstone_ttl_ms, ""], client=pipe)
+        return self._execute(pipe)
+
+    def _queue(self, pipe: redis.client.Pipeline, fs: FeatureSet, ref: EntityRef,
+               values: dict[str, object], version: int, computed_at_ms: int,
+               watermark: Watermark, token: str) -> None:
+        raw = encode_entry([values[f] for f in fs.field_names], version, computed_at_ms,
+                           watermark)
+        keys = [feature_key(version, ref), lease_key(version, ref)]
+        self._write(keys=keys, args=[raw, jittered_ttl_ms(fs.ttl_s), token], client=pipe)
+
+    @staticmethod
+    def _execute(pipe: redis.client.Pipeline) -> WriteResult:
+        result = WriteResult()
+        for code in pipe.execute():
+            result.add(int(code))
+        return result

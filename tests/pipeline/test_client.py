@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from sqlalchemy.engine import Engine
+
+from pipeline.client import FeatureClient
+from pipeline.features import REGISTRY
+from pipeline.recompute import compute
+from pipeline.seed import SeedSummary
+from pipeline.settings import Settings
+from pipeline.store import FeatureStore
+
+
+class CountingRedis(redis.Redis):
+    """A real client that counts the commands it sends."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands: list[str] = []
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        self.commands.append(str(args[0]))
+        return super().execute_command(*args, **options)
+
+
+def test_many_entities_in_one_round_trip_with_misses_reported(
+    settings: Settings, redis_client: redis.Redis, engine: Engine,
+    tenant_factory: Callable[..., SeedSummary],
+) -> None:
+    version = 1000 + uuid.uuid4().int % 8000
+    tenant = tenant_factory(users=20, transactions=400).tenants[0]
+    store = FeatureStore(redis_client, version)
+    refs = [(tenant, str(u)) for u in range(1, 11)]
+    for fs in REGISTRY:
+        store.write(compute(engine, fs, refs))
+    counting = CountingRedis.from_url(settings.redis_url)
+    client = FeatureClient(counting, version)
+    items = [(fs.name, tenant, u) for fs in REGISTRY for u in range(1, 13)]
+    got = client.get_many(items)
+    assert counting.commands == ["MGET"]
+    assert len(got) == len(items)
+    for (fs_name, _, user), features in zip(items, got, strict=True):
+        if user > 10:
+            assert features is None
+            continue
+        assert features is not None
+        assert features.feature_set == fs_name and features.entity == str(user)
+        assert features.schema_version == version
+        assert 0 <= features.age_ms < 600_000
+        assert set(features.values) == set(REGISTRY[fs_name].field_names)
+    one = client.get("txn_90d", tenant, 3)
+    assert one is not None and one.values == got[2].values  # type: ignore[union-attr]

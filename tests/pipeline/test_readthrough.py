@@ -1,0 +1,202 @@
+"""Read-through: hits, batched misses, no stale set, one computation per stampede."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import uuid
+from collections.abc import Callable
+
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from pipeline.db import make_engine
+from pipeline.features import TXN_90D
+from pipeline.keys import lease_key
+from pipeline.readthrough import Hooks, ReadThrough
+from pipeline.recompute import compute, current_watermark
+from pipeline.seed import SeedSummary
+from pipeline.settings import Settings
+from pipeline.store import FeatureStore
+from pipeline.types import EntityRef
+
+
+@pytest.fixture
+def version() -> int:
+    return 1000 + uuid.uuid4().int % 8000
+
+
+@pytest.fixture
+def tenant(tenant_factory: Callable[..., SeedSummary]) -> str:
+    return tenant_factory(users=30, transactions=900).tenants[0]
+
+
+def truth(engine: Engine, ref: EntityRef) -> dict[str, object]:
+    batch = compute(engine, TXN_90D, [(ref.tenant, ref.entity)])
+    return batch.values[(ref.tenant, ref.entity)]
+
+
+def bump_amounts(engine: Engine, ref: EntityRef) -> None:
+    """A change that commits: every recent transaction of the user costs 1000 more."""
+    with engine.begin() as conn:
+        conn.execute(sa.text(
+            "UPDATE transactions SET amount = amount + 1000, updated_at = now() "
+            "WHERE tenant_id = :t AND user_id = :u"), {"t": ref.tenant, "u": int(ref.entity)})
+
+
+def test_hit_miss_and_batch(redis_client: redis.Redis, engine: Engine, tenant: str,
+                            version: int) -> None:
+    computed: list[list[EntityRef]] = []
+    rt = ReadThrough(FeatureStore(redis_client, version), engine,
+                     hooks=Hooks(before_compute=computed.append), early_refresh=False)
+    refs = [EntityRef(fs, tenant, str(u)) for fs in ("txn_90d", "geo") for u in (1, 2, 3)]
+    first = rt.get_many([*refs, refs[0]])
+    assert [r.source for r in first] == ["computed"] * 7
+    assert first[0] == first[-1]
+    assert sorted(len(group) for group in computed) == [3, 3]  # one query per feature set
+    second = rt.get_many(refs)
+    assert [r.source for r in second] == ["hit"] * 6
+    assert [r.values for r in second] == [r.values for r in first[:6]]
+    assert all(r.schema_version == version for r in second)
+    assert len(computed) == 2
+    single = rt.get(refs[4])
+    assert single.values == second[4].values and single.hit
+    assert second[0].values == truth(engine, refs[0])
+
+
+def _paused_reader(rt: ReadThrough, ref: EntityRef) -> tuple[threading.Thread,
+                                                            threading.Event,
+                                                            threading.Event, list[object]]:
+    queried, resume = threading.Event(), threading.Event()
+
+    def pause(_: list[EntityRef]) -> None:
+        queried.set()
+        if not resume.wait(timeout=30):
+            raise TimeoutError("the test never resumed the reader")
+
+    rt.hooks.after_compute = pause
+    out: list[object] = []
+    reader = threading.Thread(target=lambda: out.append(rt.get(ref)))
+    reader.start()
+    assert queried.wait(timeout=30)
+    return reader, queried, resume, out
+
+
+def test_no_stale_set_when_an_invalidation_lands_mid_read(
+    redis_client: redis.Redis, engine: Engine, tenant: str, version: int
+) -> None:
+    store = FeatureStore(redis_client, version)
+    rt = ReadThrough(store, engine, early_refresh=False)
+    ref = EntityRef("txn_90d", tenant, "1")
+    old = truth(engine, ref)
+    # The reader has queried the database and is paused before its write.
+    reader, _, resume, out = _paused_reader(rt, ref)
+    # A change commits and its invalidation is applied.
+    bump_amounts(engine, ref)
+    store.invalidate([ref], current_watermark(engine))
+    # The reader writes its older value: it must not be stored.
+    resume.set()
+    reader.join(timeout=30)
+    assert out and out[0].values == old  # type: ignore[attr-defined]
+    assert store.read([ref]) == [None]
+    rt.hooks.after_compute = None
+    fresh = rt.get(ref)
+    assert fresh.source == "computed"
+    assert fresh.values == truth(engine, ref) != old
+
+
+def test_no_stale_set_when_the_newer_entry_is_evicted_mid_read(
+    redis_client: redis.Redis, engine: Engine, tenant: str, version: int
+) -> None:
+    """Meta's "Cache made consistent" case: the newer entry is gone when the stale
+    reader comes to write, so only the lease stands between it and the cache."""
+    store = FeatureStore(redis_client, version)
+    rt = ReadThrough(store, engine, early_refresh=False)
+    ref = EntityRef("txn_90d", tenant, "2")
+    reader, _, resume, _ = _paused_reader(rt, ref)
+    bump_amounts(engine, ref)
+    store.write(compute(engine, TXN_90D, [(ref.tenant, ref.entity)]))  # the consumer
+    redis_client.delete(store.key(ref))  # evicted
+    resume.set()
+    reader.join(timeout=30)
+    entry = store.read([ref])[0]
+    assert entry is None
+
+
+def test_the_watermark_alone_refuses_a_stale_fill(
+    redis_client: redis.Redis, engine: Engine, tenant: str, version: int
+) -> None:
+    """Defence in depth: even if the lease survived, the tombstone's watermark wins."""
+    store = FeatureStore(redis_client, version)
+    rt = ReadThrough(store, engine, early_refresh=False)
+    ref = EntityRef("txn_90d", tenant, "3")
+    lease = lease_key(version, ref)
+    reader, _, resume, _ = _paused_reader(rt, ref)
+    token = redis_client.get(lease)
+    bump_amounts(engine, ref)
+    store.invalidate([ref], current_watermark(engine))
+    redis_client.set(lease, token, px=10_000)  # pretend the revocation was lost
+    resume.set()
+    reader.join(timeout=30)
+    assert store.read([ref]) == [None]
+
+
+def test_sixteen_threads_on_one_missing_key_compute_once(
+    redis_client: redis.Redis, engine: Engine, tenant: str, version: int
+) -> None:
+    calls: list[int] = []
+    lock = threading.Lock()
+
+    def count(group: list[EntityRef]) -> None:
+        with lock:
+            calls.append(len(group))
+
+    rt = ReadThrough(FeatureStore(redis_client, version), engine,
+                     hooks=Hooks(before_compute=count), early_refresh=False)
+    ref = EntityRef("txn_90d", tenant, "4")
+    start = threading.Barrier(16)
+    results: list[object] = []
+
+    def read() -> None:
+        start.wait(timeout=30)
+        results.append(rt.get(ref))
+
+    threads = [threading.Thread(target=read) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert calls == [1]
+    assert len(results) == 16
+    assert len({str(r.values) for r in results}) == 1  # type: ignore[attr-defined]
+
+
+def _process_reader(settings: Settings, version: int, ref: EntityRef, counter: str,
+                    start: mp.synchronize.Barrier) -> None:  # type: ignore[name-defined]
+    client = redis.Redis.from_url(settings.redis_url)
+    engine = make_engine(settings, pool_size=1)
+    rt = ReadThrough(FeatureStore(client, version), engine, early_refresh=False,
+                     hooks=Hooks(before_compute=lambda group: client.incr(counter)))
+    start.wait(timeout=60)
+    rt.get(ref)
+    engine.dispose()
+
+
+def test_sixteen_processes_on_one_missing_key_compute_once(
+    redis_client: redis.Redis, settings: Settings, tenant: str, version: int
+) -> None:
+    ctx = mp.get_context("spawn")
+    start = ctx.Barrier(16)
+    counter = f"test:computations:{uuid.uuid4().hex}"
+    ref = EntityRef("txn_90d", tenant, "5")
+    procs = [ctx.Process(target=_process_reader, args=(settings, version, ref, counter, start))
+             for _ in range(16)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0] * 16
+    assert int(redis_client.get(counter) or 0) == 1
+    redis_client.delete(counter)
