@@ -1,8 +1,8 @@
 """Session fixtures on the real services started by ``scripts/stack up``.
 
-Tests get their own Postgres database (``freshline_test``, created afresh and migrated
-once per session) and their own Redis logical database, so a test run never touches
-the demo's data. Within the session each test isolates itself by tenant: the
+Tests get their own Postgres database (``freshline_test_<pid>``, created afresh and
+migrated once per session, dropped at the end) and their own Redis logical database,
+so a test run never touches the demo's data. Within the session each test isolates itself by tenant: the
 ``tenant_factory`` fixture seeds fresh tenants with unique ids.
 """
 
@@ -24,7 +24,8 @@ from pipeline.db import make_engine
 from pipeline.seed import SeedSummary, seed
 from pipeline.settings import Settings
 
-TEST_DB = os.environ.get("FRESHLINE_TEST_DB", "freshline_test")
+# One database per test session, so sessions running side by side never collide.
+TEST_DB = os.environ.get("FRESHLINE_TEST_DB", f"freshline_test_{os.getpid()}")
 TEST_REDIS_DB = int(os.environ.get("FRESHLINE_TEST_REDIS_DB", "1"))
 ANCHOR = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -57,11 +58,12 @@ def base_settings() -> Settings:
 
 
 @pytest.fixture(scope="session")
-def settings(base_settings: Settings) -> Settings:
+def settings(base_settings: Settings) -> Iterator[Settings]:
     url = recreate_database(base_settings, TEST_DB)
     migrations.upgrade(url)
     redis_url = make_url_redis(base_settings.redis_url, TEST_REDIS_DB)
-    return base_settings.model_copy(update={"postgres_url": url, "redis_url": redis_url})
+    yield base_settings.model_copy(update={"postgres_url": url, "redis_url": redis_url})
+    drop_database(base_settings, TEST_DB)
 
 
 def make_url_redis(url: str, db: int) -> str:
@@ -78,8 +80,9 @@ def engine(settings: Settings) -> Iterator[Engine]:
 
 @pytest.fixture(scope="session")
 def redis_client(settings: Settings) -> Iterator[redis.Redis]:
+    # The test runs' own logical database, never the demo's. Tests keep apart by
+    # tenant ids and schema versions of their own, never by flushing.
     client = redis.Redis.from_url(settings.redis_url)
-    client.flushdb()  # the test run's own logical database, never the demo's
     yield client
     client.close()
 
