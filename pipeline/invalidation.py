@@ -5,7 +5,11 @@ One JSON object per affected entry, the same bytes on the Kafka topic
 ``freshline:invalidations``::
 
     {"tenant": "acme", "feature_set": "txn_90d", "entity": "42",
-     "watermark": 123456789, "schema_version": 1}
+     "watermark": "00000000002eb1cb80661a6ac7e63f", "schema_version": 1}
+
+The watermark is the same 30-digit hex string that heads the entry (see
+:mod:`pipeline.codec`): it is wider than 64 bits, and hex strings of equal width
+compare in the same order as the numbers.
 
 Readers holding a copy of that entry (the in-process tier) drop it on receipt.
 """
@@ -17,6 +21,7 @@ from typing import Any
 
 import orjson
 
+from pipeline.codec import watermark_hex
 from pipeline.errors import FreshlineError
 
 
@@ -33,7 +38,7 @@ class Invalidation:
             "tenant": self.tenant,
             "feature_set": self.feature_set,
             "entity": self.entity,
-            "watermark": self.watermark,
+            "watermark": watermark_hex(self.watermark).decode(),
             "schema_version": self.schema_version,
         })
 
@@ -46,6 +51,6 @@ class Invalidation:
         try:
             obj: Any = orjson.loads(raw)
             return cls(str(obj["tenant"]), str(obj["feature_set"]), str(obj["entity"]),
-                       int(obj["watermark"]), int(obj["schema_version"]))
+                       int(obj["watermark"], 16), int(obj["schema_version"]))
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise FreshlineError(f"not an invalidation message: {raw[:80]!r}") from exc
