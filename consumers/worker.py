@@ -1,0 +1,270 @@
+"""The consumer run loop: a loop, a batch, a commit.
+
+Each iteration (:meth:`Worker._iteration`):
+
+1. consume up to ``batch_max_events`` records, waiting at most ``batch_max_wait_ms``;
+2. decode them; a record that cannot become an event goes to the dead-letter topic
+   with its reason, and so does an event that fails to apply on its own;
+3. apply the events as one batch (:class:`consumers.processor.Processor`): Redis
+   writes, then invalidations on the Redis channel and handed to the producer;
+4. flush the producer (dead letters and invalidations acknowledged by the broker);
+5. commit the offsets after the batch, for partitions still assigned.
+
+A crash anywhere before step 5 replays the batch; conditional writes make that
+harmless. A transient failure (Postgres or Redis down) pauses the assigned
+partitions and retries the same batch with backoff until it succeeds or a stop is
+requested; it never dead-letters a healthy stream. Rebalance callbacks only run
+inside ``consume``/``poll``, which the loop calls between batches (and while paused
+in a retry), so a revoke never finds half a batch: a revoked partition's records of
+a retried batch are dropped uncommitted and their new owner reads them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import redis
+import sqlalchemy as sa
+from confluent_kafka import Message, TopicPartition
+
+from consumers.dlq import DeadLetters, Record
+from consumers.events import EventRejected, decode
+from consumers.kafka import Consumer, Producer
+from consumers.metrics import consumer_metrics
+from consumers.processor import Processor
+from consumers.routing import Router
+from consumers.topics import CDC_SUBSCRIPTION, DOMAIN_TOPICS, INVALIDATIONS
+from pipeline.db import make_engine
+from pipeline.errors import FreshlineError
+from pipeline.invalidation import Invalidation
+from pipeline.settings import Settings
+from pipeline.types import ChangeEvent
+
+logger = logging.getLogger("freshline.consumer")
+
+DEFAULT_TOPICS: tuple[str, ...] = (*DOMAIN_TOPICS, CDC_SUBSCRIPTION)
+TRANSIENT: tuple[type[BaseException], ...] = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    sa.exc.OperationalError,
+    sa.exc.InterfaceError,
+)
+DATA_ERRORS: tuple[type[BaseException], ...] = (FreshlineError, ValueError, sa.exc.DataError)
+"""Failures of one event's data: dead-lettered, never retried."""
+MAX_BACKOFF_S = 5.0
+LAG_EVERY_S = 5.0
+
+
+@dataclass(slots=True)
+class Totals:
+    """The accounting identity: ``applied + dead_lettered + skipped == consumed``."""
+
+    consumed: int = 0
+    applied: int = 0
+    dead_lettered: int = 0
+    skipped: int = 0
+    batches: int = 0
+    retries: int = 0
+
+
+class Worker:
+    """One member of the consumer group."""
+
+    def __init__(self, settings: Settings, *, topics: Sequence[str] = DEFAULT_TOPICS,
+                 group: str | None = None, versions: Callable[[], Sequence[int]] | None = None,
+                 client_overrides: dict[str, object] | None = None) -> None:
+        self.settings = settings
+        self.topics = list(topics)
+        overrides = dict(client_overrides or {})
+        if group:
+            overrides["group.id"] = group
+        self.consumer = Consumer(settings, **overrides)
+        self.producer = Producer(settings)
+        self.dead_letters = DeadLetters(self.producer)
+        self.engine = make_engine(settings)
+        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.processor = Processor(
+            self.engine, self.redis,
+            versions=versions or (lambda: [settings.schema_version]),
+            tombstone_ttl_s=settings.tombstone_ttl_s, publish=self._publish)
+        self.router = Router()
+        self.totals = Totals()
+        self.metrics = consumer_metrics()
+        self._stop = threading.Event()
+        self._revoked: set[tuple[str, int]] = set()
+        self._lag_due = 0.0
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the loop to stop after the batch in hand (signal-safe)."""
+        self._stop.set()
+
+    def run(self, *, max_messages: int | None = None, timeout: float | None = None,
+            idle_timeout: float | None = None) -> Totals:
+        """Consume until stopped, ``max_messages`` consumed, ``timeout`` seconds passed,
+        or nothing arrived for ``idle_timeout`` seconds. Then close cleanly."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        idle_since = time.monotonic()
+        self.consumer.subscribe(self.topics, on_assign=self._on_assign,
+                                on_revoke=self._on_revoke, on_lost=self._on_revoke)
+        try:
+            while not self._stop.is_set():
+                if self._iteration():
+                    idle_since = time.monotonic()
+                elif idle_timeout is not None and time.monotonic() - idle_since > idle_timeout:
+                    break
+                if max_messages is not None and self.totals.consumed >= max_messages:
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+        finally:
+            self.close()
+        return self.totals
+
+    def close(self) -> None:
+        try:
+            self.producer.close(timeout=10)
+        finally:
+            self.consumer.close()
+            self.redis.close()
+            self.engine.dispose()
+
+    # -- one batch -------------------------------------------------------------
+
+    def _iteration(self) -> int:
+        messages = self.consumer.consume(self.settings.batch_max_events,
+                                         timeout=self.settings.batch_max_wait_ms / 1000)
+        if not messages:
+            self._report_lag()
+            return 0
+        self._revoked.clear()
+        events: list[tuple[Message, ChangeEvent]] = []
+        for msg in messages:
+            topic = msg.topic() or ""
+            self.metrics.consumed.labels(topic).inc()
+            try:
+                event = decode(topic, msg.key(), msg.value(),
+                               max_bytes=self.settings.max_message_bytes)
+            except EventRejected as exc:
+                self._dead_letter(msg, exc)
+                continue
+            if event is None or not self.router.is_known(event.table):
+                self.totals.skipped += 1
+                self.metrics.skipped.labels(topic).inc()
+                continue
+            events.append((msg, event))
+        if events:
+            self._apply_with_retry(events)
+        self.producer.flush()
+        self._commit(messages)
+        self.totals.consumed += len(messages)
+        self.totals.batches += 1
+        self.metrics.batch_size.observe(len(messages))
+        self._report_lag()
+        return len(messages)
+
+    def _apply_with_retry(self, events: list[tuple[Message, ChangeEvent]]) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                self._apply(events)
+                return
+            except TRANSIENT as exc:
+                if self._stop.is_set():
+                    raise
+                service = "redis" if isinstance(exc, redis.exceptions.RedisError) else "postgres"
+                self.totals.retries += 1
+                self.metrics.retries.labels(service).inc()
+                logger.warning("%s unavailable (%s); retrying the batch in %.2fs",
+                               service, exc, backoff)
+                self._pause_for(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    def _pause_for(self, seconds: float) -> None:
+        """Wait without leaving the group: pause the partitions and keep polling."""
+        assignment = self.consumer.assignment()
+        if assignment:
+            self.consumer.inner.pause(assignment)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not self._stop.is_set():
+            self.consumer.inner.poll(min(0.1, max(0.0, deadline - time.monotonic())))
+        live = self.consumer.assignment()
+        if live:
+            self.consumer.inner.resume(live)
+
+    def _apply(self, events: list[tuple[Message, ChangeEvent]]) -> None:
+        """Apply the batch; if it fails on bad data, find the culprits one by one."""
+        try:
+            report = self.processor.apply([e for _, e in events])
+        except TRANSIENT:
+            raise
+        except DATA_ERRORS as exc:
+            logger.info("batch failed (%s); applying its events one by one", exc)
+            for msg, event in events:
+                try:
+                    single = self.processor.apply([event])
+                except TRANSIENT:
+                    raise
+                except DATA_ERRORS as one:
+                    self._dead_letter(msg, one)
+                else:
+                    self._applied(msg, event, single.written_at_ms)
+            return
+        for msg, event in events:
+            self._applied(msg, event, report.written_at_ms)
+        for name, ms in report.recompute_ms.items():
+            self.metrics.recompute_seconds.labels(name).observe(ms / 1000)
+        self.metrics.redis_write_seconds.observe(report.write_ms / 1000)
+
+    def _applied(self, msg: Message, event: ChangeEvent, written_at_ms: int) -> None:
+        self.totals.applied += 1
+        self.metrics.applied.labels(msg.topic() or "").inc()
+        if event.committed_at_ms:
+            lag = max(0, written_at_ms - event.committed_at_ms) / 1000
+            self.metrics.freshness_seconds.observe(lag)
+
+    def _dead_letter(self, msg: Message, error: BaseException) -> None:
+        self.dead_letters.send(cast(Record, msg), error)
+        self.totals.dead_lettered += 1
+        kind = error.kind if isinstance(error, EventRejected) else type(error).__name__
+        self.metrics.dead_lettered.labels(msg.topic() or "", kind).inc()
+
+    def _publish(self, message: Invalidation) -> None:
+        self.producer.produce(INVALIDATIONS, message.encode(), message.kafka_key)
+
+    def _commit(self, messages: list[Message]) -> None:
+        keep = [m for m in messages if (m.topic(), m.partition()) not in self._revoked]
+        if keep:
+            self.consumer.commit(keep)
+
+    # -- rebalances and lag ----------------------------------------------------
+
+    def _on_assign(self, _consumer: object, partitions: list[TopicPartition]) -> None:
+        logger.info("assigned %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))
+
+    def _on_revoke(self, _consumer: object, partitions: list[TopicPartition]) -> None:
+        self._revoked.update((p.topic, p.partition) for p in partitions)
+        logger.info("revoked %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))
+
+    def _report_lag(self) -> None:
+        now = time.monotonic()
+        if now < self._lag_due:
+            return
+        self._lag_due = now + LAG_EVERY_S
+        try:
+            assignment = self.consumer.assignment()
+            if not assignment:
+                return
+            positions = self.consumer.inner.position(assignment)
+            for tp in positions:
+                _, high = self.consumer.inner.get_watermark_offsets(tp, timeout=1.0)
+                behind = high - tp.offset if tp.offset >= 0 else high
+                self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(max(0, behind))
+        except Exception as exc:  # lag is advisory; never let it stop the loop
+            logger.debug("consumer lag not available: %s", exc)
