@@ -21,6 +21,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from pipeline.deploy_cli import register as register_deploy_commands
 from pipeline.errors import FreshlineError
 from pipeline.settings import get_settings
 
@@ -33,6 +34,7 @@ app = typer.Typer(
 )
 db_app = typer.Typer(help="The source Postgres schema.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+register_deploy_commands(app)
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False)
