@@ -1,0 +1,377 @@
+"""Thin wrappers over confluent-kafka: config from Settings, one error check, clean close.
+
+Modelled on Quix Streams' ``kafka/consumer.py``: clients are created lazily, every
+message's ``.error()`` is checked by one helper (:func:`check_message`), and the
+wrappers are context managers so ``close()`` always runs. No framework on top: the
+run loop polls, decodes, writes, then commits explicit offsets (auto-commit and
+auto offset store are off).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from types import TracebackType
+from typing import Any, Literal, Self
+
+import confluent_kafka
+from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from pipeline.errors import FreshlineError, ServiceUnavailable
+from pipeline.settings import Settings
+
+logger = logging.getLogger("freshline.kafka")
+
+Role = Literal["consumer", "producer", "admin"]
+Headers = list[tuple[str, str | bytes | None]]
+RebalanceCallback = Callable[[Any, list[TopicPartition]], None]
+
+PING_TIMEOUT_S = 3.0
+
+
+class BrokerError(FreshlineError):
+    """Kafka reported an error the caller cannot skip past."""
+
+    def __init__(self, error: KafkaError, context: str = "") -> None:
+        self.error = error
+        self.code: int = error.code()
+        self.fatal: bool = bool(error.fatal())
+        where = f" ({context})" if context else ""
+        super().__init__(f"Kafka error{where}: {error.name()}: {error.str()}")
+
+
+class MissingTopic(BrokerError):
+    """A subscribed topic does not exist; consumers never rely on auto-creation."""
+
+    def __init__(self, error: KafkaError, topic: str | None) -> None:
+        super().__init__(error, f"topic {topic!r}")
+        self.topic = topic
+        self.args = (f"{self.args[0]}; create the topics with: freshline topics ensure",)
+
+
+class DeliveryFailed(FreshlineError):
+    """A produced message was not acknowledged by the broker."""
+
+    def __init__(self, topic: str, error: KafkaError) -> None:
+        self.topic = topic
+        self.error = error
+        super().__init__(f"delivery to {topic!r} failed: {error.name()}: {error.str()}")
+
+
+def client_config(
+    settings: Settings, role: Role = "consumer", /, **overrides: Any
+) -> dict[str, Any]:
+    """The librdkafka configuration for one client, built from ``settings``.
+
+    Consumers get ``group.id`` from settings, manual commits of explicitly stored
+    offsets, ``auto.offset.reset`` from settings (a new group starts from the earliest
+    offset by default, so nothing produced before it joined is lost) and the
+    cooperative-sticky assignor. Producers are idempotent with ``acks=all``.
+    ``overrides`` are librdkafka keys used verbatim: ``**{"group.id": "g"}``.
+    """
+    config: dict[str, Any] = {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        "client.id": f"freshline-{role}",
+        "logger": logger,
+    }
+    if role == "consumer":
+        config.update({
+            "group.id": settings.consumer_group,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": settings.auto_offset_reset,
+            "partition.assignment.strategy": "cooperative-sticky",
+            "fetch.max.bytes": max(settings.max_message_bytes * 2, 52_428_800),
+        })
+    elif role == "producer":
+        config.update({
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 5,
+            "message.max.bytes": max(settings.max_message_bytes + 65_536, 1_000_000),
+        })
+    config.update(overrides)
+    return config
+
+
+def admin_client(settings: Settings, **overrides: Any) -> AdminClient:
+    """An AdminClient on the broker in ``settings``, after checking it answers."""
+    admin = AdminClient(client_config(settings, "admin", **overrides))
+    ping(admin, settings.kafka_bootstrap)
+    return admin
+
+
+def ping(admin: AdminClient, bootstrap: str, timeout_s: float = PING_TIMEOUT_S) -> None:
+    """Raise :class:`ServiceUnavailable` unless a metadata request succeeds in time."""
+    try:
+        admin.list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        err = exc.args[0] if exc.args else None
+        detail = err.str() if isinstance(err, KafkaError) else str(exc)
+        raise ServiceUnavailable("Kafka", bootstrap, detail) from exc
+
+
+def check_message(msg: Message | None) -> Message | None:
+    """Return ``msg`` if it carries a record, ``None`` if there is nothing to process.
+
+    The one place every polled message's ``.error()`` is checked: partition EOF is not
+    an error; a missing topic raises :class:`MissingTopic`; a fatal error raises
+    :class:`BrokerError`; other errors are ones librdkafka recovers from by itself,
+    so they are logged and skipped.
+    """
+    if msg is None:
+        return None
+    err = msg.error()
+    if err is None:
+        return msg
+    code = err.code()
+    if code == KafkaError._PARTITION_EOF:
+        return None
+    if code in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+        raise MissingTopic(err, msg.topic())
+    if err.fatal():
+        raise BrokerError(err, f"{msg.topic()}[{msg.partition()}]")
+    logger.warning("Kafka error on %s[%s], librdkafka recovers by itself: %s",
+                   msg.topic(), msg.partition(), err)
+    return None
+
+
+def next_offsets(messages: Iterable[Message]) -> list[TopicPartition]:
+    """The offsets to commit after processing ``messages``: per partition, highest + 1."""
+    highest: dict[tuple[str, int], int] = {}
+    for msg in messages:
+        topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+        if topic is None or partition is None or offset is None:
+            continue
+        if offset > highest.get((topic, partition), -1):
+            highest[topic, partition] = offset
+    return [TopicPartition(t, p, o + 1) for (t, p), o in sorted(highest.items())]
+
+
+class Consumer:
+    """A confluent-kafka consumer, created on first use and always closed.
+
+    ::
+
+        with Consumer(settings) as consumer:
+            consumer.subscribe(topics, on_revoke=...)
+            batch = consumer.consume(500, timeout=0.05)
+            ...  # write Redis, publish invalidations
+            consumer.commit(batch)
+    """
+
+    def __init__(self, settings: Settings, **overrides: Any) -> None:
+        self._config = client_config(settings, "consumer", **overrides)
+        self._config.setdefault("error_cb", self._on_error)
+        self.bootstrap = settings.kafka_bootstrap
+        self._inner: confluent_kafka.Consumer | None = None
+        self._fatal: KafkaError | None = None
+
+    @property
+    def inner(self) -> confluent_kafka.Consumer:
+        """The underlying client (created here on first access)."""
+        if self._inner is None:
+            self._inner = confluent_kafka.Consumer(self._config)
+        return self._inner
+
+    @property
+    def group_id(self) -> str:
+        return str(self._config["group.id"])
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            self._fatal = err
+        else:
+            logger.warning("Kafka consumer: %s", err)
+
+    def _raise_fatal(self) -> None:
+        if self._fatal is not None:
+            raise BrokerError(self._fatal, "consumer")
+
+    def subscribe(
+        self,
+        topics: Sequence[str],
+        *,
+        on_assign: RebalanceCallback | None = None,
+        on_revoke: RebalanceCallback | None = None,
+        on_lost: RebalanceCallback | None = None,
+    ) -> None:
+        """Subscribe to ``topics`` (names, or ``^regex`` patterns) with rebalance hooks."""
+        kwargs: dict[str, RebalanceCallback] = {}
+        if on_assign is not None:
+            kwargs["on_assign"] = on_assign
+        if on_revoke is not None:
+            kwargs["on_revoke"] = on_revoke
+        if on_lost is not None:
+            kwargs["on_lost"] = on_lost
+        self.inner.subscribe(list(topics), **kwargs)
+
+    def poll(self, timeout: float) -> Message | None:
+        """One record, or ``None`` when there is none within ``timeout`` seconds."""
+        msg = check_message(self.inner.poll(timeout))
+        self._raise_fatal()
+        return msg
+
+    def consume(self, max_messages: int, timeout: float) -> list[Message]:
+        """Up to ``max_messages`` records, waiting at most ``timeout`` seconds for the first."""
+        raw = self.inner.consume(num_messages=max_messages, timeout=timeout)
+        self._raise_fatal()
+        return [m for m in (check_message(msg) for msg in raw) if m is not None]
+
+    def commit(self, messages: Iterable[Message]) -> list[TopicPartition]:
+        """Synchronously commit the offsets after ``messages``; return what was committed."""
+        offsets = next_offsets(messages)
+        if not offsets:
+            return []
+        return self.commit_offsets(offsets)
+
+    def commit_offsets(self, offsets: list[TopicPartition]) -> list[TopicPartition]:
+        """Synchronously commit explicit offsets (the next offset to read per partition)."""
+        try:
+            committed = self.inner.commit(offsets=offsets, asynchronous=False)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if isinstance(err, KafkaError):
+                raise BrokerError(err, "commit") from exc
+            raise
+        for tp in committed or []:
+            if tp.error is not None:
+                raise BrokerError(tp.error, f"commit {tp.topic}[{tp.partition}]")
+        return list(committed or [])
+
+    def assignment(self) -> list[TopicPartition]:
+        return list(self.inner.assignment())
+
+    def close(self) -> None:
+        """Leave the group and release the client; safe to call twice."""
+        inner, self._inner = self._inner, None
+        if inner is not None:
+            inner.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Delivery:
+    """The outcome of one produced message, filled in by the delivery callback."""
+
+    __slots__ = ("done", "error", "offset", "partition", "topic")
+
+    def __init__(self, topic: str) -> None:
+        self.topic = topic
+        self.done = False
+        self.error: KafkaError | None = None
+        self.partition: int | None = None
+        self.offset: int | None = None
+
+    def _callback(self, err: KafkaError | None, msg: Message) -> None:
+        self.done = True
+        self.error = err
+        if err is None:
+            self.partition = msg.partition()
+            self.offset = msg.offset()
+
+    def raise_for_error(self) -> None:
+        """Raise :class:`DeliveryFailed` if the broker did not acknowledge the message."""
+        if self.error is not None:
+            raise DeliveryFailed(self.topic, self.error)
+        if not self.done:
+            raise DeliveryFailed(self.topic, KafkaError(KafkaError._MSG_TIMED_OUT,
+                                                        "not acknowledged yet"))
+
+
+class Producer:
+    """A confluent-kafka producer that flushes on close and reports failed deliveries.
+
+    Every :meth:`produce` returns a :class:`Delivery`; :meth:`flush` waits for all of
+    them and raises :class:`DeliveryFailed` for the first that failed, so a caller can
+    produce a batch, flush, and only then commit its input offsets.
+    """
+
+    def __init__(self, settings: Settings, **overrides: Any) -> None:
+        self._config = client_config(settings, "producer", **overrides)
+        self.bootstrap = settings.kafka_bootstrap
+        self._inner: confluent_kafka.Producer | None = None
+        self._pending: list[Delivery] = []
+
+    @property
+    def inner(self) -> confluent_kafka.Producer:
+        if self._inner is None:
+            self._inner = confluent_kafka.Producer(self._config)
+        return self._inner
+
+    def produce(
+        self,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None = None,
+        headers: Headers | None = None,
+        partition: int | None = None,
+    ) -> Delivery:
+        """Queue one message; the returned :class:`Delivery` is settled by :meth:`flush`."""
+        delivery = Delivery(topic)
+        kwargs: dict[str, Any] = {"on_delivery": delivery._callback}
+        if headers:
+            kwargs["headers"] = headers
+        if partition is not None:
+            kwargs["partition"] = partition
+        while True:
+            try:
+                self.inner.produce(topic, value, key, **kwargs)
+                break
+            except BufferError:
+                # The local queue is full: serve delivery callbacks to make room.
+                self.inner.poll(0.1)
+        self._pending.append(delivery)
+        self.inner.poll(0)
+        return delivery
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every queued message is acknowledged; raise if any delivery failed."""
+        pending, self._pending = self._pending, []
+        if self._inner is not None:
+            remaining = self._inner.flush(timeout)
+            if remaining:
+                self._pending = [d for d in pending if not d.done]
+                raise DeliveryFailed(
+                    pending[0].topic if pending else "?",
+                    KafkaError(KafkaError._MSG_TIMED_OUT,
+                               f"{remaining} message(s) not delivered in {timeout}s"),
+                )
+        for delivery in pending:
+            delivery.raise_for_error()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Flush, then release the client; safe to call twice."""
+        try:
+            self.flush(timeout)
+        finally:
+            self._inner = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # Already failing: still try to deliver what was queued, but let the
+            # original error propagate rather than a delivery error it caused.
+            try:
+                self.close()
+            except FreshlineError:
+                logger.exception("flush on close failed")

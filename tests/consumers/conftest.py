@@ -1,0 +1,93 @@
+"""Kafka fixtures on the real broker: unique topics per test, a producer, consumers.
+
+Nothing here sleeps: every wait polls a condition until a deadline.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from confluent_kafka import Message, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from consumers.kafka import Consumer, Producer, admin_client
+from consumers.topics import ensure
+from pipeline.settings import Settings
+
+DEADLINE_S = 30.0
+
+
+def wait_for(condition: Callable[[], bool], what: str, deadline_s: float = DEADLINE_S) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` at the deadline."""
+    end = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > end:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)  # polling interval, not synchronisation
+
+
+@pytest.fixture(scope="session")
+def admin(base_settings: Settings) -> AdminClient:
+    return admin_client(base_settings)
+
+
+def topic_exists(admin: AdminClient, name: str, partitions: int) -> bool:
+    found = admin.list_topics(name, timeout=5).topics.get(name)
+    return found is not None and found.error is None and len(found.partitions) == partitions
+
+
+@pytest.fixture
+def topic_factory(admin: AdminClient) -> Iterator[Callable[..., str]]:
+    """``topic_factory("dlq", partitions=3)`` creates a uniquely named topic, deleted after."""
+    made: list[str] = []
+
+    def make(label: str = "t", partitions: int = 1) -> str:
+        name = f"test.{label}.{uuid.uuid4().hex[:10]}"
+        ensure(admin, partitions, topics=[name])
+        made.append(name)
+        wait_for(lambda: topic_exists(admin, name, partitions), f"topic {name}")
+        return name
+
+    yield make
+    if made:
+        for future in admin.delete_topics(made, operation_timeout=10).values():
+            future.result()
+
+
+@pytest.fixture
+def producer(base_settings: Settings) -> Iterator[Producer]:
+    with Producer(base_settings) as p:
+        yield p
+
+
+@pytest.fixture
+def consumer_factory(base_settings: Settings) -> Iterator[Callable[..., Consumer]]:
+    """Consumers in fresh groups (unless ``group`` is given), closed after the test."""
+    made: list[Consumer] = []
+
+    def make(group: str | None = None, **overrides: Any) -> Consumer:
+        config = {"group.id": group or f"test-{uuid.uuid4().hex[:10]}", **overrides}
+        consumer = Consumer(base_settings, **config)
+        made.append(consumer)
+        return consumer
+
+    yield make
+    for consumer in made:
+        consumer.close()
+
+
+def read_topic(consumer: Consumer, topic: str, count: int, partitions: int = 1) -> list[Message]:
+    """Assign every partition of ``topic`` from the start and read ``count`` records."""
+    consumer.inner.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    got: list[Message] = []
+
+    def more() -> bool:
+        got.extend(consumer.consume(100, timeout=0.2))
+        return len(got) >= count
+
+    wait_for(more, f"{count} records on {topic}")
+    return got

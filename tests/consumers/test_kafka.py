@@ -1,0 +1,119 @@
+"""The confluent-kafka wrappers against the real broker."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from confluent_kafka import KafkaError, TopicPartition
+
+from consumers.kafka import (
+    Consumer,
+    DeliveryFailed,
+    MissingTopic,
+    Producer,
+    admin_client,
+    client_config,
+)
+from pipeline.errors import ServiceUnavailable
+from pipeline.settings import Settings
+from tests.consumers.conftest import read_topic, wait_for
+
+pytestmark = pytest.mark.kafka
+
+
+def test_consumer_config_from_settings() -> None:
+    settings = Settings(kafka_bootstrap="k:1", consumer_group="g", auto_offset_reset="latest")
+    config = client_config(settings)
+    assert config["bootstrap.servers"] == "k:1"
+    assert config["group.id"] == "g"
+    assert config["enable.auto.commit"] is False
+    assert config["enable.auto.offset.store"] is False
+    assert config["auto.offset.reset"] == "latest"
+    assert config["partition.assignment.strategy"] == "cooperative-sticky"
+    assert client_config(settings, **{"group.id": "other"})["group.id"] == "other"
+    producer = client_config(settings, "producer")
+    assert "group.id" not in producer and producer["enable.idempotence"] is True
+
+
+def test_unreachable_broker_is_service_unavailable() -> None:
+    with pytest.raises(ServiceUnavailable) as info:
+        admin_client(Settings(kafka_bootstrap="127.0.0.1:1"))
+    assert "Kafka" in str(info.value) and "127.0.0.1:1" in str(info.value)
+
+
+def test_commit_resumes_the_group_after_the_last_processed_record(
+    topic_factory: Callable[..., str],
+    producer: Producer,
+    consumer_factory: Callable[..., Consumer],
+) -> None:
+    topic = topic_factory("commit", partitions=2)
+    for i in range(10):
+        producer.produce(topic, str(i).encode(), str(i % 2).encode())
+    producer.flush()
+
+    first = consumer_factory("g-" + topic)
+    records = read_topic(first, topic, 10, partitions=2)
+    processed = [m for m in records if int(m.value() or b"0") < 6]
+    committed = first.commit(processed)
+    assert {tp.partition for tp in committed} == {m.partition() for m in processed}
+    first.close()
+
+    second = consumer_factory("g-" + topic)
+    second.subscribe([topic])
+    rest: list[bytes] = []
+
+    def more() -> bool:
+        rest.extend(m.value() or b"" for m in second.consume(100, timeout=0.2))
+        return len(rest) >= 4
+
+    wait_for(more, "the uncommitted records")
+    assert sorted(rest) == [b"6", b"7", b"8", b"9"]
+
+
+def test_partition_eof_is_not_an_error(
+    topic_factory: Callable[..., str],
+    producer: Producer,
+    consumer_factory: Callable[..., Consumer],
+) -> None:
+    topic = topic_factory("eof")
+    producer.produce(topic, b"only", None)
+    producer.flush()
+    consumer = consumer_factory(**{"enable.partition.eof": True})
+    consumer.inner.assign([TopicPartition(topic, 0, 0)])
+    seen: list[bytes | None] = []
+    polls = 0
+
+    def drained() -> bool:
+        nonlocal polls
+        polls += 1
+        seen.extend(m.value() for m in consumer.consume(10, timeout=0.2))
+        # past the record, librdkafka reports EOF on every poll: it must not surface
+        return seen == [b"only"] and polls > 3
+
+    wait_for(drained, "the record and EOF")
+
+
+def test_missing_topic_names_the_fix(consumer_factory: Callable[..., Consumer]) -> None:
+    consumer = consumer_factory(**{"allow.auto.create.topics": False})
+    consumer.subscribe(["test.never.created.topic"])
+
+    def raised() -> bool:
+        try:
+            consumer.poll(0.2)
+        except MissingTopic as exc:
+            assert "freshline topics ensure" in str(exc)
+            return True
+        return False
+
+    wait_for(raised, "a missing-topic error")
+
+
+def test_failed_delivery_raises_on_flush(base_settings: Settings) -> None:
+    producer = Producer(base_settings, **{"message.timeout.ms": 1000,
+                                          "bootstrap.servers": "127.0.0.1:1"})
+    delivery = producer.produce("nowhere", b"x")
+    with pytest.raises(DeliveryFailed):
+        producer.flush(timeout=10)
+    assert delivery.done
+    assert delivery.error is not None and delivery.error.code() == KafkaError._MSG_TIMED_OUT
