@@ -1,0 +1,216 @@
+"""Decoding Kafka records into :class:`pipeline.types.ChangeEvent`.
+
+Two input forms become one event:
+
+* Debezium Postgres connector envelopes (JSON converter, with or without the
+  ``{"schema": ..., "payload": ...}`` wrapper) on topics ``<prefix>.<schema>.<table>``;
+* domain events (``transaction.created``, ``transaction.updated``, ``device.updated``,
+  ``user.updated``), whose contracts are the JSON Schemas in ``schemas/``.
+
+:func:`decode` returns ``None`` for a tombstone (nothing to do) and raises
+:class:`EventRejected` for anything it cannot turn into an event, never another
+exception, so the run loop can dead-letter the record and move on.
+
+Every tenant and entity id in a returned event's ``row`` and ``before`` has passed
+:func:`pipeline.keys.validate_id`, so routing can build keys from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, cast, get_args
+
+import orjson
+
+from consumers.topics import CDC_TOPIC_PATTERN, DOMAIN_TOPICS, TRANSACTION_CREATED
+from pipeline.errors import FreshlineError, InvalidId
+from pipeline.keys import validate_id
+from pipeline.settings import Settings
+from pipeline.types import ChangeEvent, Op
+from schemas.events import DeviceEvent, DomainEvent, EventFieldError, TransactionEvent, UserEvent
+
+RejectKind = Literal[
+    "oversized",
+    "malformed_json",
+    "missing_field",
+    "invalid_field",
+    "invalid_id",
+    "unknown_table",
+    "unknown_event_type",
+]
+
+DEFAULT_MAX_BYTES = Settings.model_fields["max_message_bytes"].default
+
+DOMAIN_MODELS: dict[str, type[DomainEvent]] = {
+    topic: {"transactions": TransactionEvent, "devices": DeviceEvent, "users": UserEvent}[table]
+    for topic, table in DOMAIN_TOPICS.items()
+}
+"""The model each domain-event topic's JSON is parsed with."""
+
+ID_COLUMNS: dict[str, tuple[str, ...]] = {
+    "tenants": ("id",),
+    "users": ("tenant_id", "id"),
+    "transactions": ("tenant_id", "id", "user_id", "device_id"),
+    "devices": ("tenant_id", "id"),
+    "user_devices": ("tenant_id", "user_id", "device_id"),
+    "geoip": (),
+}
+"""The known source tables and the id columns of each that may reach a key."""
+
+_OPS: frozenset[str] = frozenset(get_args(Op))
+
+
+class EventRejected(FreshlineError):
+    """A record that cannot become a change event; it belongs in the dead-letter topic.
+
+    ``kind`` is short and machine-readable (one of :data:`RejectKind`); ``reason`` says
+    what was wrong in words.
+    """
+
+    def __init__(self, reason: str, *, kind: RejectKind) -> None:
+        self.reason = reason
+        self.kind: RejectKind = kind
+        super().__init__(f"{kind}: {reason}")
+
+
+def decode(
+    topic: str,
+    key: bytes | None,
+    value: bytes | None,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> ChangeEvent | None:
+    """Turn one Kafka record into a :class:`ChangeEvent`.
+
+    Returns ``None`` for a tombstone (a null value, as Debezium sends after a delete).
+    Raises :class:`EventRejected` for an oversized record, bad JSON, a missing or
+    invalid field, an id that must not reach a key, an unknown table or an unknown
+    topic. ``key`` is not needed: correctness never depends on how producers key.
+    """
+    if value is None:
+        return None
+    if len(value) > max_bytes:
+        raise EventRejected(f"{len(value)} bytes, over the {max_bytes}-byte limit",
+                            kind="oversized")
+    model = DOMAIN_MODELS.get(topic)
+    if model is not None:
+        return _domain_event(topic, model, _load_object(value))
+    match = CDC_TOPIC_PATTERN.fullmatch(topic)
+    if match is None:
+        raise EventRejected(f"no decoder for topic {topic!r}", kind="unknown_event_type")
+    return _debezium_event(match["table"], _load_object(value))
+
+
+def _load_object(value: bytes) -> dict[str, Any]:
+    try:
+        obj = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        raise EventRejected(f"not valid JSON: {exc}", kind="malformed_json") from exc
+    if not isinstance(obj, dict):
+        raise EventRejected(f"expected a JSON object, got {type(obj).__name__}",
+                            kind="missing_field")
+    return obj
+
+
+def _domain_event(topic: str, model: type[DomainEvent], obj: dict[str, Any]) -> ChangeEvent:
+    try:
+        event = model.parse(obj)
+    except EventFieldError as exc:
+        raise EventRejected(str(exc), kind=exc.kind) from exc
+    row = event.row()
+    if event.version is not None:
+        row["_version"] = event.version
+    return ChangeEvent(
+        table=model.table,
+        op="c" if topic == TRANSACTION_CREATED else "u",
+        tenant=event.tenant,
+        row=row,
+        watermark=0,
+        committed_at_ms=event.occurred_at_ms,
+    )
+
+
+def _debezium_event(topic_table: str, obj: dict[str, Any]) -> ChangeEvent | None:
+    payload: Any = obj
+    if "op" not in obj and "payload" in obj:
+        payload = obj["payload"]  # the JSON converter's schema wrapper
+        if payload is None:
+            return None  # a wrapped tombstone: nothing changed
+        if not isinstance(payload, dict):
+            raise EventRejected("'payload' is not a JSON object", kind="missing_field")
+    op = payload.get("op")
+    if op is None:
+        raise EventRejected("envelope has no 'op'", kind="missing_field")
+    if not isinstance(op, str) or op not in _OPS:
+        raise EventRejected(f"unknown op {op!r}", kind="invalid_field")
+    source = payload.get("source")
+    if source is None:
+        source = {}
+    elif not isinstance(source, dict):
+        raise EventRejected("'source' is not a JSON object", kind="invalid_field")
+    # source.table is the truth when present: a topic-routing SMT may rename topics.
+    table = source.get("table") or topic_table
+    if not isinstance(table, str) or table not in ID_COLUMNS:
+        raise EventRejected(f"table {table!r} is not a freshline source table",
+                            kind="unknown_table")
+    watermark = _non_negative_int(source, "lsn", "source.lsn") or 0
+    committed_at_ms = _non_negative_int(source, "ts_ms", "source.ts_ms")
+    if op == "t":
+        return ChangeEvent(table=table, op="t", tenant=None, row={}, before=None,
+                           watermark=watermark, committed_at_ms=committed_at_ms)
+    before = _row(payload, "before", table)
+    after = _row(payload, "after", table)
+    if op == "d":
+        if before is None:
+            raise EventRejected("delete envelope has no 'before'", kind="missing_field")
+        row: Mapping[str, Any] = before
+    else:
+        if after is None:
+            raise EventRejected(f"op {op!r} envelope has no 'after'", kind="missing_field")
+        row = {**before, **after} if before else after
+    return ChangeEvent(
+        table=table,
+        op=cast(Op, op),
+        tenant=_tenant(table, row),
+        row=row,
+        before=before,
+        watermark=watermark,
+        committed_at_ms=committed_at_ms,
+    )
+
+
+def _row(payload: dict[str, Any], name: str, table: str) -> dict[str, Any] | None:
+    row = payload.get(name)
+    if row is None:
+        return None
+    if not isinstance(row, dict):
+        raise EventRejected(f"'{name}' is not a JSON object", kind="invalid_field")
+    for column in ID_COLUMNS[table]:
+        value = row.get(column)
+        if value is not None:
+            try:
+                validate_id(f"{table}.{column}", value)
+            except InvalidId as exc:
+                raise EventRejected(f"{name}.{column}: {exc.reason}", kind="invalid_id") from exc
+    return row
+
+
+def _tenant(table: str, row: Mapping[str, Any]) -> str | None:
+    if table == "geoip":
+        return None
+    column = "id" if table == "tenants" else "tenant_id"
+    tenant = row.get(column)
+    if tenant is None:
+        raise EventRejected(f"{table} row has no {column!r}", kind="missing_field")
+    if not isinstance(tenant, str):
+        raise EventRejected(f"{table}.{column} must be a string", kind="invalid_id")
+    return tenant  # already validated with the row's id columns
+
+
+def _non_negative_int(obj: dict[str, Any], name: str, label: str) -> int | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise EventRejected(f"{label} must be a non-negative integer", kind="invalid_field")
+    return value
