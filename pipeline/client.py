@@ -3,6 +3,8 @@
 One call reads any number of (feature set, tenant, entity) entries in one Redis round
 trip and returns each with its age and schema version, or ``None`` for a miss: the
 caller decides whether to read through (:class:`pipeline.readthrough.ReadThrough`).
+With ``local=`` a started :class:`pipeline.local.LocalTier` answers first, and the
+entries read from Redis fill it.
 """
 
 from __future__ import annotations
@@ -10,12 +12,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis
 
 from pipeline.features import REGISTRY, Registry
 from pipeline.store import FeatureStore
-from pipeline.types import EntityRef, FeatureValues
+from pipeline.types import EntityRef, Entry, FeatureValues
+
+if TYPE_CHECKING:
+    from pipeline.local import LocalTier
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +45,14 @@ class FeatureClient:
     """
 
     def __init__(self, client: redis.Redis, schema_version: int, *,
-                 registry: Registry = REGISTRY) -> None:
+                 registry: Registry = REGISTRY, local: LocalTier | None = None) -> None:
         self.store = FeatureStore(client, schema_version, registry=registry)
+        self.local = local
 
     @classmethod
-    def from_url(cls, url: str, schema_version: int, **kwargs: Registry) -> FeatureClient:
-        return cls(redis.Redis.from_url(url), schema_version, **kwargs)
+    def from_url(cls, url: str, schema_version: int, *, registry: Registry = REGISTRY,
+                 local: LocalTier | None = None) -> FeatureClient:
+        return cls(redis.Redis.from_url(url), schema_version, registry=registry, local=local)
 
     def get(self, feature_set: str, tenant: str, entity: str | int) -> Features | None:
         return self.get_many([(feature_set, tenant, entity)])[0]
@@ -52,7 +60,7 @@ class FeatureClient:
     def get_many(self, items: Sequence[tuple[str, str, str | int]]) -> list[Features | None]:
         """All ``items`` in one MGET, in order; ``None`` marks a miss."""
         refs = [EntityRef(fs, tenant, str(entity)) for fs, tenant, entity in items]
-        entries = self.store.read(refs)
+        entries = self._read(refs)
         now = time.time_ns() // 1_000_000
         return [
             None if e is None else Features(r.feature_set, r.tenant, r.entity, e.values,
@@ -60,3 +68,28 @@ class FeatureClient:
                                             e.schema_version, e.watermark)
             for r, e in zip(refs, entries, strict=True)
         ]
+
+    def _read(self, refs: list[EntityRef]) -> list[Entry | None]:
+        """The local tier first; one MGET for the rest, which then fills the tier."""
+        local = self.local
+        if local is None:
+            return self.store.read(refs)
+        version = self.store.schema_version
+        entries = [local.get(r, version) for r in refs]
+        missing = [i for i, e in enumerate(entries) if e is None]
+        if missing:
+            token = local.token()
+            for i, entry in zip(missing, self.store.read([refs[i] for i in missing]), strict=True):
+                entries[i] = entry
+                if entry is not None:
+                    local.put(refs[i], entry, token)
+        return entries
+
+    def _store_for_call(self) -> FeatureStore:
+        if self.versions is None:
+            return self.store
+        version = self.versions.current()
+        if version not in self._stores:
+            self._stores[version] = FeatureStore(self.store.redis, version,
+                                                 registry=self.versions.decoders(version))
+        return self._stores[version]
