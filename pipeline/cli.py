@@ -22,6 +22,7 @@ from rich.progress import (
 from rich.table import Table
 
 from consumers.cli import topics_app
+from pipeline.api_cli import register as register_api_commands
 from pipeline.deploy_cli import register as register_deploy_commands
 from pipeline.errors import FreshlineError
 from pipeline.settings import get_settings
@@ -36,6 +37,7 @@ app = typer.Typer(
 db_app = typer.Typer(help="The source Postgres schema.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 register_deploy_commands(app)
+register_api_commands(app)
 app.add_typer(topics_app, name="topics")
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)

@@ -1,0 +1,96 @@
+"""Building the app: the services it reads with, its routes and its error handlers."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import redis
+from sqlalchemy.engine import Engine
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from pipeline.api import routes
+from pipeline.api.errors import HANDLERS
+from pipeline.api.openapi import document
+from pipeline.api.reader import FeatureReader
+from pipeline.auth import Authenticator
+from pipeline.db import make_engine
+from pipeline.features import REGISTRY, Registry
+from pipeline.inference import InferenceCache
+from pipeline.local import LocalTier
+from pipeline.models import ModelRegistry
+from pipeline.readthrough import ReadThrough
+from pipeline.settings import Settings, get_settings
+from pipeline.store import FeatureStore
+
+log = logging.getLogger(__name__)
+
+ROUTES = [
+    Route("/v1/features/batch", routes.batch, methods=["POST"]),
+    Route("/v1/features/{feature_set}/{entity_id}", routes.get_features, methods=["GET"]),
+    Route("/v1/models/{name}/predict", routes.predict, methods=["POST"]),
+    Route("/healthz", routes.healthz, methods=["GET"]),
+    Route("/readyz", routes.readyz, methods=["GET"]),
+    Route("/metrics", routes.metrics_text, methods=["GET"]),
+    Route("/openapi.json", routes.openapi, methods=["GET"]),
+]
+
+
+def create_app(settings: Settings, *, engine: Engine | None = None,
+               redis_client: redis.Redis | None = None, local: LocalTier | None = None,
+               registry: Registry = REGISTRY) -> Starlette:
+    """The read API. Clients not passed in are made from ``settings`` and closed on exit.
+
+    The in-process tier is used when ``local`` is given, or made (and started at
+    start-up) when ``settings.local_cache_size > 0``.
+    """
+    owned_engine = engine is None
+    owned_redis = redis_client is None
+    engine = engine or make_engine(settings, pool_size=10)
+    client = redis_client or redis.Redis.from_url(
+        settings.redis_url, socket_connect_timeout=2, socket_timeout=5)
+    owned_local = local is None and settings.local_cache_size > 0
+    if owned_local:
+        local = LocalTier(client, max_entries=settings.local_cache_size, registry=registry)
+
+    store = FeatureStore(client, settings.schema_version, registry=registry,
+                         tombstone_ttl_s=settings.tombstone_ttl_s)
+    readthrough = ReadThrough(store, engine, lease_ms=settings.lease_ms,
+                              wait_ms=settings.read_wait_ms)
+    services = routes.Services(
+        settings=settings,
+        redis=client,
+        engine=engine,
+        registry=registry,
+        reader=FeatureReader(readthrough, local),
+        auth=Authenticator(engine),
+        models=ModelRegistry(client),
+        inference=InferenceCache(client, decimals=settings.inference_decimals,
+                                 ttl_s=settings.inference_ttl_s),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if owned_local and local is not None:
+            local.start()
+        try:
+            yield
+        finally:
+            if owned_local and local is not None:
+                local.close()
+            if owned_redis:
+                client.close()
+            if owned_engine:
+                engine.dispose()
+
+    app = Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan)
+    app.state.services = services
+    app.state.openapi = document(registry.names())
+    return app
+
+
+def app_from_env() -> Starlette:
+    """The app factory servers call (``granian --factory``, ``uvicorn --factory``)."""
+    return create_app(get_settings())

@@ -1,0 +1,123 @@
+"""Errors as JSON: ``{"error": {"code": ..., "message": ...}}``, never a traceback.
+
+Every :class:`pipeline.errors.FreshlineError` a handler raises maps to a status and a
+code by its class (the most specific class in :data:`STATUS` wins); Starlette's own
+404 and 405 become the same JSON; anything unexpected is logged and answered 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+import redis
+import sqlalchemy as sa
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ExceptionHandler
+
+from pipeline.auth import Unauthorized
+from pipeline.errors import (
+    FreshlineError,
+    InvalidId,
+    ModelError,
+    ServiceUnavailable,
+    UnknownFeatureSet,
+)
+from pipeline.inference import InvalidInput, NonDeterministicModel
+from pipeline.models import UnknownModel
+
+log = logging.getLogger(__name__)
+
+
+class JSONResponse(Response):
+    """A JSON response rendered by orjson (numpy arrays included)."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+class ApiError(FreshlineError):
+    """A bad request the API names itself: a status, a code and a message."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        self.status = status
+        self.code = code
+        super().__init__(message)
+
+
+STATUS: dict[type[FreshlineError], tuple[int, str]] = {
+    Unauthorized: (401, "unauthorized"),
+    InvalidId: (400, "invalid_id"),
+    UnknownFeatureSet: (404, "unknown_feature_set"),
+    UnknownModel: (404, "unknown_model"),
+    InvalidInput: (422, "invalid_input"),
+    NonDeterministicModel: (409, "model_not_cacheable"),
+    ModelError: (500, "model_error"),
+    ServiceUnavailable: (503, "service_unavailable"),
+}
+
+_HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}
+
+
+def error_response(status: int, code: str, message: str,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status,
+                        headers=headers)
+
+
+def status_of(exc: FreshlineError) -> tuple[int, str]:
+    if isinstance(exc, ApiError):
+        return exc.status, exc.code
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500, "internal"
+
+
+async def freshline_error(request: Request, exc: Exception) -> Response:
+    if not isinstance(exc, FreshlineError):
+        return await unexpected_error(request, exc)
+    status, code = status_of(exc)
+    if status >= 500:
+        log.error("%s %s: %s", request.method, request.url.path, exc)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return error_response(status, code, str(exc), headers)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    if not isinstance(exc, HTTPException):
+        return await unexpected_error(request, exc)
+    code = _HTTP_CODES.get(exc.status_code, "http_error")
+    message = exc.detail
+    if exc.status_code == 404:
+        message = f"no such path: {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    return error_response(exc.status_code, code, message, exc.headers)
+
+
+async def unavailable(request: Request, exc: Exception) -> Response:
+    log.warning("%s %s: backing service unavailable: %s", request.method, request.url.path, exc)
+    return error_response(503, "service_unavailable",
+                          "a backing service (Redis or Postgres) did not answer")
+
+
+async def unexpected_error(request: Request, exc: Exception) -> Response:
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal", "internal error")
+
+
+HANDLERS: dict[Any, ExceptionHandler] = {
+    FreshlineError: freshline_error,
+    HTTPException: http_error,
+    redis.exceptions.ConnectionError: unavailable,
+    redis.exceptions.TimeoutError: unavailable,
+    sa.exc.OperationalError: unavailable,
+    Exception: unexpected_error,
+}

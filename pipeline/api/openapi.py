@@ -1,0 +1,203 @@
+"""The OpenAPI 3.1 document, written by hand so it says exactly what the API does.
+
+A test checks that every route of the app appears here with its methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.api.reader import MAX_USER_ID
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    reasons = {
+        400: "Invalid id, mode or JSON body",
+        401: "Missing or unknown API key",
+        404: "Unknown feature set or model, or a miss in cache-only mode",
+        409: "The model is marked non-deterministic and cannot be cached",
+        413: "Body over the size limit",
+        422: "Body of the wrong shape, a batch over the limit, or bad model inputs",
+        503: "Redis or Postgres did not answer",
+    }
+    return {
+        str(s): {"description": reasons[s],
+                 "content": {"application/json": {"schema": _ERROR}}}
+        for s in statuses
+    }
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+_MODE = {
+    "name": "mode",
+    "in": "query",
+    "required": False,
+    "description": "read-through (default): compute misses from Postgres and cache them; "
+                   "cache-only: never compute, report misses (404 for a single read).",
+    "schema": {"type": "string", "enum": ["read-through", "cache-only"]},
+}
+
+_SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": {
+            "type": "object",
+            "required": ["code", "message"],
+            "properties": {
+                "code": {"type": "string", "examples": ["invalid_id", "unknown_feature_set"]},
+                "message": {"type": "string"},
+            },
+        }},
+    },
+    "Features": {
+        "type": "object",
+        "required": ["feature_set", "entity", "values", "hit", "source", "age_ms",
+                     "schema_version"],
+        "properties": {
+            "feature_set": {"type": "string"},
+            "entity": {"type": "string"},
+            "values": {"type": ["object", "null"],
+                       "description": "The named features; null for a cache-only miss "
+                                      "in a batch."},
+            "hit": {"type": "boolean", "description": "True if served from a cache."},
+            "source": {"type": "string",
+                       "enum": ["local", "hit", "waited", "computed", "uncached", "miss"],
+                       "description": "local: the in-process tier; hit: Redis; waited: "
+                                      "Redis, after another reader's computation; computed: "
+                                      "read through and cached; uncached: computed but not "
+                                      "cached; miss: cache-only and not cached."},
+            "age_ms": {"type": "integer", "description": "Milliseconds since computed."},
+            "schema_version": {"type": "integer"},
+        },
+    },
+    "BatchRequest": {
+        "type": "object",
+        "required": ["feature_sets", "entities"],
+        "properties": {
+            "feature_sets": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            "entities": {"type": "array", "minItems": 1,
+                         "items": {"type": ["string", "integer"]}},
+        },
+        "description": "len(feature_sets) x len(entities) must not exceed the batch "
+                       "limit (FRESHLINE_API_BATCH_LIMIT). Other fields are ignored: the "
+                       "tenant always comes from the API key.",
+    },
+    "BatchResponse": {
+        "type": "object",
+        "required": ["schema_version", "items"],
+        "properties": {
+            "schema_version": {"type": "integer"},
+            "items": {"type": "array", "items": _ref("Features"),
+                      "description": "One per combination: for each entity in order, "
+                                     "each feature set in order."},
+        },
+    },
+    "PredictRequest": {
+        "type": "object",
+        "required": ["inputs"],
+        "properties": {
+            "inputs": {"type": "array", "minItems": 1,
+                       "items": {"type": "array", "items": {"type": "number"}}},
+            "arm": {"type": "string", "description": "Experiment arm; kept apart in the cache."},
+        },
+    },
+    "PredictResponse": {
+        "type": "object",
+        "required": ["model", "model_version", "predictions"],
+        "properties": {
+            "model": {"type": "string"},
+            "model_version": {"type": "string"},
+            "arm": {"type": ["string", "null"]},
+            "predictions": {"type": "array", "items": {
+                "type": "object",
+                "required": ["value", "hit"],
+                "properties": {"value": {}, "hit": {"type": "boolean"}},
+            }},
+        },
+    },
+}
+
+_SECURED: list[dict[str, list[str]]] = [{"bearer": []}]
+
+
+def document(feature_sets: list[str]) -> dict[str, Any]:
+    """The OpenAPI document, naming the feature sets this server knows."""
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "freshline read API",
+            "version": "1",
+            "description": "Fresh, versioned ML features and cached model predictions. "
+                           "Every /v1 endpoint needs 'Authorization: Bearer <api key>'; "
+                           "the key alone decides the tenant.",
+        },
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": _SCHEMAS,
+        },
+        "paths": {
+            "/v1/features/{feature_set}/{entity_id}": {"get": {
+                "summary": "One entity's features",
+                "security": _SECURED,
+                "parameters": [
+                    {"name": "feature_set", "in": "path", "required": True,
+                     "schema": {"type": "string", "enum": feature_sets}},
+                    {"name": "entity_id", "in": "path", "required": True,
+                     "schema": {"type": "string", "pattern": "^(0|[1-9][0-9]*)$",
+                                "description": f"A user id below {MAX_USER_ID}."}},
+                    _MODE,
+                ],
+                "responses": {"200": _json(_ref("Features"), "The features"),
+                              **_errors(400, 401, 404, 503)},
+            }},
+            "/v1/features/batch": {"post": {
+                "summary": "Many entities and feature sets in one request",
+                "security": _SECURED,
+                "parameters": [_MODE],
+                "requestBody": {"required": True, "content": {
+                    "application/json": {"schema": _ref("BatchRequest")}}},
+                "responses": {"200": _json(_ref("BatchResponse"), "Every combination"),
+                              **_errors(400, 401, 404, 413, 422, 503)},
+            }},
+            "/v1/models/{name}/predict": {"post": {
+                "summary": "Predictions through the inference cache",
+                "security": _SECURED,
+                "parameters": [{"name": "name", "in": "path", "required": True,
+                                "schema": {"type": "string", "pattern": "^[a-z][a-z0-9_]*$"}}],
+                "requestBody": {"required": True, "content": {
+                    "application/json": {"schema": _ref("PredictRequest")}}},
+                "responses": {"200": _json(_ref("PredictResponse"), "One per input row"),
+                              **_errors(400, 401, 404, 409, 413, 422, 503)},
+            }},
+            "/healthz": {"get": {
+                "summary": "The process is up",
+                "responses": {"200": _json({"type": "object"}, "Up")},
+            }},
+            "/readyz": {"get": {
+                "summary": "Redis and Postgres answer",
+                "responses": {
+                    "200": _json({"type": "object"}, "Ready"),
+                    "503": _json({"type": "object"}, "Not ready; 'checks' says which"),
+                },
+            }},
+            "/metrics": {"get": {
+                "summary": "Prometheus metrics",
+                "responses": {"200": {"description": "Prometheus text exposition",
+                                      "content": {"text/plain": {}}}},
+            }},
+            "/openapi.json": {"get": {
+                "summary": "This document",
+                "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")},
+            }},
+        },
+    }

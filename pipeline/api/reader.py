@@ -1,0 +1,116 @@
+"""What the API reads with: the in-process tier (optional), then Redis, then Postgres.
+
+One call answers many (feature set, entity) pairs of one tenant: the local tier
+first; one MGET for the rest; for the misses, one query per feature set through the
+lease-guarded read-through (:class:`pipeline.readthrough.ReadThrough`), unless the
+mode is ``cache-only``, which reports them as misses instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeline.errors import InvalidId
+from pipeline.keys import validate_id
+from pipeline.local import LocalTier
+from pipeline.readthrough import ReadThrough
+from pipeline.types import EntityRef, Entry, FeatureValues
+
+Mode = Literal["read-through", "cache-only"]
+AnswerSource = Literal["local", "hit", "waited", "computed", "uncached", "miss"]
+MODES: tuple[Mode, ...] = ("read-through", "cache-only")
+MAX_USER_ID = 10**18
+
+
+def parse_entity(value: object) -> str:
+    """A user id as the feature queries key it: a non-negative integer, no leading zeros.
+
+    ``"007"`` would reach Redis as a key of its own while Postgres answers for ``7``,
+    so only the canonical spelling is accepted.
+    """
+    text = validate_id("entity", value)
+    if not text.isdigit() or (len(text) > 1 and text[0] == "0") or int(text) >= MAX_USER_ID:
+        raise InvalidId("entity", value, "a user id is a non-negative integer, no leading zeros")
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    ref: EntityRef
+    values: FeatureValues | None
+    source: AnswerSource
+    age_ms: int
+    schema_version: int
+
+    @property
+    def hit(self) -> bool:
+        return self.source in ("local", "hit", "waited")
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class FeatureReader:
+    """Reads for the API: ``read(refs, mode)``; see the module docstring."""
+
+    def __init__(self, readthrough: ReadThrough, local: LocalTier | None = None) -> None:
+        self.readthrough = readthrough
+        self.store = readthrough.store
+        self.local = local
+
+    @property
+    def schema_version(self) -> int:
+        return self.store.schema_version
+
+    def read(self, refs: Sequence[EntityRef], mode: Mode = "read-through") -> list[Answer]:
+        """Answer every ref, in order."""
+        version = self.schema_version
+        answers: list[Answer | None] = [None] * len(refs)
+        pending: list[int] = []
+        now = _now_ms()
+        for i, ref in enumerate(refs):
+            entry = self.local.get(ref, version) if self.local is not None else None
+            if entry is None:
+                pending.append(i)
+            else:
+                answers[i] = Answer(ref, entry.values, "local",
+                                    max(0, now - entry.computed_at_ms), version)
+        if pending:
+            todo = [refs[i] for i in pending]
+            token = self.local.token() if self.local is not None else 0
+            fetched = self._cache_only(todo) if mode == "cache-only" else self._through(todo)
+            for i, (answer, entry) in zip(pending, fetched, strict=True):
+                answers[i] = answer
+                if self.local is not None and entry is not None:
+                    self.local.put(answer.ref, entry, token)
+        return [a for a in answers if a is not None]
+
+    def _cache_only(self, refs: list[EntityRef]) -> list[tuple[Answer, Entry | None]]:
+        now = _now_ms()
+        out: list[tuple[Answer, Entry | None]] = []
+        for ref, entry in zip(refs, self.store.read(refs), strict=True):
+            if entry is None:
+                out.append((Answer(ref, None, "miss", 0, self.schema_version), None))
+            else:
+                out.append((Answer(ref, entry.values, "hit", max(0, now - entry.computed_at_ms),
+                                   entry.schema_version), entry))
+        return out
+
+    def _through(self, refs: list[EntityRef]) -> list[tuple[Answer, Entry | None]]:
+        started_ms = _now_ms()
+        out: list[tuple[Answer, Entry | None]] = []
+        for r in self.readthrough.get_many(refs):
+            answer = Answer(r.ref, r.values, r.source, r.age_ms, r.schema_version)
+            entry = None
+            if r.source != "uncached":
+                # ``started_ms - age`` is no later than the true computed_at, so the
+                # local copy's lifetime errs short. A computed value whose store was
+                # refused is safe to hold too: the invalidation that revoked its lease
+                # is published after it, and voids this put or drops the copy.
+                entry = Entry(r.values, r.schema_version, started_ms - r.age_ms, r.watermark)
+            out.append((answer, entry))
+        return out

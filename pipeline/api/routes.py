@@ -1,0 +1,266 @@
+"""The endpoints. Each is a few lines: authenticate, validate, read, answer.
+
+Blocking work (Redis, Postgres, the model) runs in Starlette's thread pool, so the
+event loop only parses, validates and serialises.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import orjson
+import redis
+from sqlalchemy.engine import Engine
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pipeline.api import metrics
+from pipeline.api.errors import ApiError, JSONResponse, error_response, status_of
+from pipeline.api.reader import MODES, Answer, FeatureReader, Mode, parse_entity
+from pipeline.auth import Authenticator, Unauthorized, bearer_token
+from pipeline.db import ping
+from pipeline.errors import FreshlineError, InvalidId
+from pipeline.features import Registry
+from pipeline.inference import InferenceCache
+from pipeline.keys import validate_id, validate_name
+from pipeline.models import ModelRegistry
+from pipeline.settings import Settings
+from pipeline.types import EntityRef
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(slots=True)
+class Services:
+    """Everything the endpoints use, built once per app (see :func:`pipeline.api.create_app`)."""
+
+    settings: Settings
+    redis: redis.Redis
+    engine: Engine
+    registry: Registry
+    reader: FeatureReader
+    auth: Authenticator
+    models: ModelRegistry
+    inference: InferenceCache
+
+
+def services(request: Request) -> Services:
+    return cast(Services, request.app.state.services)
+
+
+async def authenticate(request: Request) -> str:
+    """The caller's tenant, from its API key alone."""
+    auth = services(request).auth
+    key = bearer_token(request.headers.get("authorization"))
+    known, tenant = auth.cached(key)
+    if not known:
+        tenant = await run_in_threadpool(auth.tenant, key)
+    if tenant is None:
+        raise Unauthorized("unknown API key")
+    return tenant
+
+
+async def read_json(request: Request) -> Any:
+    """The body parsed as JSON, refusing more than ``api_body_limit_bytes`` before parsing."""
+    limit = services(request).settings.api_body_limit_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise ApiError(400, "bad_request", "Content-Length is not a number")
+        if int(declared) > limit:
+            raise ApiError(413, "body_too_large", f"request body over {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, "body_too_large", f"request body over {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if not body:
+        raise ApiError(400, "invalid_json", "the request body is empty; send a JSON object")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, "invalid_json", f"the request body is not JSON: {exc}") from exc
+
+
+def mode_of(request: Request) -> Mode:
+    mode = request.query_params.get("mode", "read-through")
+    if mode not in MODES:
+        raise ApiError(400, "invalid_mode", f"mode must be one of {', '.join(MODES)}")
+    return mode
+
+
+def timed(endpoint: str) -> Callable[[Handler], Handler]:
+    """Observe the handler's latency, labelled with ``request.state.feature_set``."""
+
+    def wrap(handler: Handler) -> Handler:
+        async def run(request: Request) -> Response:
+            started = time.perf_counter()
+            status = 500
+            try:
+                response = await handler(request)
+                status = response.status_code
+                return response
+            except FreshlineError as exc:
+                status = status_of(exc)[0]
+                raise
+            finally:
+                fs = getattr(request.state, "feature_set", "")
+                metrics.observe(endpoint, fs, status, started)
+
+        run.__name__ = handler.__name__
+        run.__doc__ = handler.__doc__
+        return run
+
+    return wrap
+
+
+def _item(answer: Answer) -> dict[str, Any]:
+    return {
+        "feature_set": answer.ref.feature_set,
+        "entity": answer.ref.entity,
+        "values": answer.values,
+        "hit": answer.hit,
+        "source": answer.source,
+        "age_ms": answer.age_ms,
+        "schema_version": answer.schema_version,
+    }
+
+
+@timed("features")
+async def get_features(request: Request) -> Response:
+    """One entity's features for one feature set."""
+    tenant = await authenticate(request)
+    svc = services(request)
+    feature_set = request.path_params["feature_set"]
+    svc.registry[feature_set]
+    request.state.feature_set = feature_set
+    entity = parse_entity(request.path_params["entity_id"])
+    mode = mode_of(request)
+    ref = EntityRef(feature_set, tenant, entity)
+    [answer] = await run_in_threadpool(svc.reader.read, [ref], mode)
+    metrics.record_answers([answer])
+    if answer.values is None:
+        return error_response(404, "miss",
+                              f"{feature_set}/{entity} is not cached (mode=cache-only)")
+    return JSONResponse(_item(answer))
+
+
+def _string_list(body: dict[str, Any], field: str) -> list[Any]:
+    value = body.get(field)
+    if not isinstance(value, list) or not value:
+        raise ApiError(422, "invalid_request", f"{field!r} must be a non-empty JSON array")
+    return value
+
+
+@timed("batch")
+async def batch(request: Request) -> Response:
+    """Every combination of the given feature sets and entities."""
+    tenant = await authenticate(request)
+    svc = services(request)
+    mode = mode_of(request)
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise ApiError(422, "invalid_request", "the body must be a JSON object")
+    feature_sets = _string_list(body, "feature_sets")
+    entities = _string_list(body, "entities")
+    limit = svc.settings.api_batch_limit
+    if len(feature_sets) * len(entities) > limit:
+        raise ApiError(422, "batch_too_large",
+                       f"{len(entities)} entities x {len(feature_sets)} feature sets is over "
+                       f"the limit of {limit} per request")
+    for name in feature_sets:
+        if not isinstance(name, str):
+            raise InvalidId("feature set", name, "must be a string")
+        svc.registry[name]
+    request.state.feature_set = "*"
+    ids = [parse_entity(e) for e in entities]
+    refs = [EntityRef(fs, tenant, e) for e in ids for fs in feature_sets]
+    answers = await run_in_threadpool(svc.reader.read, refs, mode)
+    metrics.record_answers(answers)
+    return JSONResponse({"schema_version": svc.reader.schema_version,
+                         "items": [_item(a) for a in answers]})
+
+
+@timed("predict")
+async def predict(request: Request) -> Response:
+    """Predictions of a registered model through the inference cache."""
+    tenant = await authenticate(request)
+    svc = services(request)
+    name = validate_name("model", request.path_params["name"])
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise ApiError(422, "invalid_request", "the body must be a JSON object")
+    inputs = body.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise ApiError(422, "invalid_request", "'inputs' must be a non-empty array of rows")
+    limit = svc.settings.api_batch_limit
+    if len(inputs) > limit:
+        raise ApiError(422, "batch_too_large",
+                       f"{len(inputs)} inputs is over the limit of {limit} per request")
+    arm = body.get("arm")
+    if arm is not None:
+        arm = validate_id("arm", arm)
+
+    def run() -> dict[str, Any]:
+        model = svc.models.get(name)
+        out = svc.inference.predict(model, inputs, tenant=tenant, arm=arm)
+        hits = int(out.hit.sum())
+        metrics.record_predictions(name, hits, len(out) - hits)
+        return {
+            "model": out.model,
+            "model_version": out.model_version,
+            "arm": arm,
+            "predictions": [
+                {"value": value, "hit": bool(hit)}
+                for value, hit in zip(out.values.tolist(), out.hit.tolist(), strict=True)
+            ],
+        }
+
+    return JSONResponse(await run_in_threadpool(run))
+
+
+async def healthz(request: Request) -> Response:
+    """The process is up."""
+    return JSONResponse({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    """Redis and Postgres answer."""
+    svc = services(request)
+
+    def check() -> dict[str, str]:
+        checks: dict[str, str] = {}
+        try:
+            svc.redis.ping()
+            checks["redis"] = "ok"
+        except (redis.exceptions.RedisError, OSError) as exc:
+            checks["redis"] = f"unavailable: {type(exc).__name__}"
+        try:
+            ping(svc.engine)
+            checks["postgres"] = "ok"
+        except FreshlineError as exc:
+            checks["postgres"] = f"unavailable: {exc.__class__.__name__}"
+        return checks
+
+    checks = await run_in_threadpool(check)
+    ready = all(v == "ok" for v in checks.values())
+    return JSONResponse({"status": "ready" if ready else "unavailable", "checks": checks},
+                        status_code=200 if ready else 503)
+
+
+async def metrics_text(request: Request) -> Response:
+    """Prometheus metrics."""
+    body, content_type = metrics.render()
+    return Response(body, headers={"Content-Type": content_type})
+
+
+async def openapi(request: Request) -> Response:
+    """This API's OpenAPI document."""
+    return JSONResponse(request.app.state.openapi)
