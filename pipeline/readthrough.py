@@ -23,7 +23,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from sqlalchemy.engine import Engine
 
@@ -31,6 +31,10 @@ from pipeline.keys import lease_key
 from pipeline.recompute import Batch, compute
 from pipeline.store import FeatureStore
 from pipeline.types import EntityRef, Entry, FeatureValues
+
+if TYPE_CHECKING:
+    from pipeline.deploy import VersionResolver
+    from pipeline.warm import HotReads
 
 Source = Literal["hit", "computed", "waited", "uncached"]
 Hook = Callable[[list[EntityRef]], None]
@@ -78,11 +82,17 @@ def _now_ms() -> int:
 
 
 class ReadThrough:
-    """``get``/``get_many`` over a :class:`FeatureStore` and the source database."""
+    """``get``/``get_many`` over a :class:`FeatureStore` and the source database.
+
+    With ``versions``, each call serves the active schema version (resolved once per
+    call) when this code computes it, else the store's own; ``hot`` samples reads
+    for warming.
+    """
 
     def __init__(self, store: FeatureStore, engine: Engine, *, lease_ms: int = 5000,
                  wait_ms: int = 2000, hooks: Hooks | None = None,
-                 early_refresh: bool = True) -> None:
+                 early_refresh: bool = True, versions: VersionResolver | None = None,
+                 hot: HotReads | None = None) -> None:
         self.store = store
         self.engine = engine
         self.lease_ms = lease_ms
@@ -90,12 +100,21 @@ class ReadThrough:
         self.hooks = hooks or Hooks()
         self.early_refresh = early_refresh
         self.counters = Counters()
+        self.versions = versions
+        self.hot = hot
+        self._at_version: dict[int, ReadThrough] = {}
 
     def get(self, ref: EntityRef) -> Result:
         return self.get_many([ref])[0]
 
     def get_many(self, refs: Sequence[EntityRef]) -> list[Result]:
         """Answer every ref, in order; duplicates are read once."""
+        if self.versions is not None:
+            version = self.versions.current(self.store.registry)
+            if version != self.store.schema_version:
+                return self._for_version(version).get_many(refs)
+        if self.hot is not None:
+            self.hot.record(self.store.schema_version, refs)
         unique = list(dict.fromkeys(refs))
         entries = self.store.read(unique)
         now = _now_ms()
@@ -113,6 +132,18 @@ class ReadThrough:
         if misses or refresh:
             answers.update(self._resolve(misses, refresh))
         return [answers[r] for r in refs]
+
+    def _for_version(self, version: int) -> ReadThrough:
+        """The same read-through on another version's namespace, sharing counters."""
+        if version not in self._at_version:
+            store = FeatureStore(self.store.redis, version, registry=self.store.registry,
+                                 tombstone_ttl_s=self.store.tombstone_ttl_ms // 1000)
+            other = ReadThrough(store, self.engine, lease_ms=self.lease_ms,
+                                wait_ms=self.wait_ms, hooks=self.hooks,
+                                early_refresh=self.early_refresh, hot=self.hot)
+            other.counters = self.counters
+            self._at_version[version] = other
+        return self._at_version[version]
 
     def _should_refresh(self, ref: EntityRef, entry: Entry, now: int) -> bool:
         """XFetch: refresh early with a probability that rises toward expiry."""
