@@ -276,6 +276,15 @@ class VersionResolver:
             self._listener = None
 
 
+def purgeable(client: redis.Redis, settings: Settings, version: int, *,
+              pointer: Pointer = DEFAULT_POINTER) -> None:
+    """Raise :class:`DeployError` if ``version`` is active or next."""
+    seen = state(client, settings, pointer=pointer)
+    if version in (seen.active, seen.next):
+        role = "active" if version == seen.active else "being warmed (next)"
+        raise DeployError(f"schema version {version} is {role}; refusing to purge it")
+
+
 @dataclass(slots=True)
 class PurgeResult:
     removed: int = 0
@@ -305,10 +314,7 @@ def purge(client: redis.Redis, settings: Settings, version: int, *,
         while True:
             if max_batches is not None and result.scans >= max_batches:
                 return result
-            seen = state(client, settings, pointer=pointer)
-            if version in (seen.active, seen.next):
-                role = "active" if version == seen.active else "being warmed (next)"
-                raise DeployError(f"schema version {version} is {role}; refusing to purge it")
+            purgeable(client, settings, version, pointer=pointer)
             cursor, keys = client.scan(cursor=cursor, match=pattern, count=count)
             result.scans += 1
             for start_at in range(0, len(keys), count):

@@ -184,11 +184,15 @@ def purge(
 
     from pipeline.cli import console, progress_bar
     from pipeline.deploy import purge as purge_version
-    from pipeline.deploy import purge_model
+    from pipeline.deploy import purge_model, purgeable
     from pipeline.settings import get_settings
 
     settings = get_settings()
     client = redis.Redis.from_url(settings.redis_url)
+    if model is None:
+        if not version.isdigit():
+            raise typer.BadParameter(f"a schema version is a number, got {version!r}")
+        purgeable(client, settings, int(version))
     with progress_bar() as bar:
         label = f"purge {model} {version}" if model else f"purge v{version}"
         task = bar.add_task(label, total=None)
@@ -199,8 +203,6 @@ def purge(
         if model is not None:
             removed = purge_model(client, model, version, count=batch, progress=report)
         else:
-            if not version.isdigit():
-                raise typer.BadParameter(f"a schema version is a number, got {version!r}")
             removed = purge_version(client, settings, int(version), count=batch,
                                     progress=report).removed
     console.print(f"removed {removed:,} keys")
