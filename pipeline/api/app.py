@@ -17,6 +17,7 @@ from pipeline.api.openapi import document
 from pipeline.api.reader import FeatureReader
 from pipeline.auth import Authenticator
 from pipeline.db import make_engine
+from pipeline.deploy import VersionResolver
 from pipeline.features import REGISTRY, Registry
 from pipeline.inference import InferenceCache
 from pipeline.local import LocalTier
@@ -24,6 +25,7 @@ from pipeline.models import ModelRegistry
 from pipeline.readthrough import ReadThrough
 from pipeline.settings import Settings, get_settings
 from pipeline.store import FeatureStore
+from pipeline.warm import HotReads
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +42,13 @@ ROUTES = [
 
 def create_app(settings: Settings, *, engine: Engine | None = None,
                redis_client: redis.Redis | None = None, local: LocalTier | None = None,
-               registry: Registry = REGISTRY) -> Starlette:
+               registry: Registry = REGISTRY, follow_deploys: bool = True) -> Starlette:
     """The read API. Clients not passed in are made from ``settings`` and closed on exit.
 
     The in-process tier is used when ``local`` is given, or made (and started at
-    start-up) when ``settings.local_cache_size > 0``.
+    start-up) when ``settings.local_cache_size > 0``. With ``follow_deploys`` reads
+    serve the active schema version named by the deploy pointer
+    (:class:`pipeline.deploy.VersionResolver`) and are sampled for warming.
     """
     owned_engine = engine is None
     owned_redis = redis_client is None
@@ -57,8 +61,10 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
 
     store = FeatureStore(client, settings.schema_version, registry=registry,
                          tombstone_ttl_s=settings.tombstone_ttl_s)
+    versions = VersionResolver(client, settings) if follow_deploys else None
     readthrough = ReadThrough(store, engine, lease_ms=settings.lease_ms,
-                              wait_ms=settings.read_wait_ms)
+                              wait_ms=settings.read_wait_ms, versions=versions,
+                              hot=HotReads(client) if follow_deploys else None)
     services = routes.Services(
         settings=settings,
         redis=client,
@@ -75,9 +81,13 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if owned_local and local is not None:
             local.start()
+        if versions is not None:
+            versions.listen()
         try:
             yield
         finally:
+            if versions is not None:
+                versions.close()
             if owned_local and local is not None:
                 local.close()
             if owned_redis:

@@ -59,16 +59,26 @@ class FeatureReader:
 
     def __init__(self, readthrough: ReadThrough, local: LocalTier | None = None) -> None:
         self.readthrough = readthrough
-        self.store = readthrough.store
         self.local = local
 
     @property
     def schema_version(self) -> int:
-        return self.store.schema_version
+        """The version this call would serve: the active pointer's, when following it."""
+        return self._target().store.schema_version
+
+    def _target(self) -> ReadThrough:
+        rt = self.readthrough
+        if rt.versions is None:
+            return rt
+        version = rt.versions.current(rt.store.registry)
+        # The read-through's per-version twin, so cache-only reads and the local tier
+        # use the same namespace as read-through ones within a call.
+        return rt if version == rt.store.schema_version else rt._for_version(version)
 
     def read(self, refs: Sequence[EntityRef], mode: Mode = "read-through") -> list[Answer]:
-        """Answer every ref, in order."""
-        version = self.schema_version
+        """Answer every ref, in order, all from one schema version."""
+        target = self._target()
+        version = target.store.schema_version
         answers: list[Answer | None] = [None] * len(refs)
         pending: list[int] = []
         now = _now_ms()
@@ -82,28 +92,34 @@ class FeatureReader:
         if pending:
             todo = [refs[i] for i in pending]
             token = self.local.token() if self.local is not None else 0
-            fetched = self._cache_only(todo) if mode == "cache-only" else self._through(todo)
+            fetched = (self._cache_only(target, todo) if mode == "cache-only"
+                       else self._through(target, todo))
             for i, (answer, entry) in zip(pending, fetched, strict=True):
                 answers[i] = answer
                 if self.local is not None and entry is not None:
                     self.local.put(answer.ref, entry, token)
         return [a for a in answers if a is not None]
 
-    def _cache_only(self, refs: list[EntityRef]) -> list[tuple[Answer, Entry | None]]:
+    @staticmethod
+    def _cache_only(target: ReadThrough,
+                    refs: list[EntityRef]) -> list[tuple[Answer, Entry | None]]:
         now = _now_ms()
         out: list[tuple[Answer, Entry | None]] = []
-        for ref, entry in zip(refs, self.store.read(refs), strict=True):
+        version = target.store.schema_version
+        for ref, entry in zip(refs, target.store.read(refs), strict=True):
             if entry is None:
-                out.append((Answer(ref, None, "miss", 0, self.schema_version), None))
+                out.append((Answer(ref, None, "miss", 0, version), None))
             else:
                 out.append((Answer(ref, entry.values, "hit", max(0, now - entry.computed_at_ms),
                                    entry.schema_version), entry))
         return out
 
-    def _through(self, refs: list[EntityRef]) -> list[tuple[Answer, Entry | None]]:
+    @staticmethod
+    def _through(target: ReadThrough,
+                 refs: list[EntityRef]) -> list[tuple[Answer, Entry | None]]:
         started_ms = _now_ms()
         out: list[tuple[Answer, Entry | None]] = []
-        for r in self.readthrough.get_many(refs):
+        for r in target.get_many(refs):
             answer = Answer(r.ref, r.values, r.source, r.age_ms, r.schema_version)
             entry = None
             if r.source != "uncached":

@@ -184,7 +184,7 @@ async def batch(request: Request) -> Response:
     refs = [EntityRef(fs, tenant, e) for e in ids for fs in feature_sets]
     answers = await run_in_threadpool(svc.reader.read, refs, mode)
     metrics.record_answers(answers)
-    return JSONResponse({"schema_version": svc.reader.schema_version,
+    return JSONResponse({"schema_version": answers[0].schema_version,
                          "items": [_item(a) for a in answers]})
 
 
