@@ -99,7 +99,8 @@ def two_tenants(tenant_factory_module: Callable[..., SeedSummary]) -> list[str]:
 @pytest.fixture
 def api(api_settings: Settings, engine: Engine, redis_client: redis.Redis,
         two_tenants: list[str]) -> Iterator[Api]:
-    app = create_app(api_settings, engine=engine, redis_client=redis_client)
+    app = create_app(api_settings, engine=engine, redis_client=redis_client,
+                     follow_deploys=False)
     with running(app, create_api_key(engine, two_tenants[0])) as client:
         yield client
 
@@ -381,7 +382,7 @@ def test_readiness_is_503_when_a_service_does_not_answer(api_settings: Settings,
     for kwargs in ({"redis_client": dead_redis, "engine": engine},
                    {"redis_client": redis.Redis.from_url(api_settings.redis_url),
                     "engine": dead_pg}):
-        app = create_app(api_settings, **kwargs)  # type: ignore[arg-type]
+        app = create_app(api_settings, follow_deploys=False, **kwargs)  # type: ignore[arg-type]
         with running(app) as client:
             ready = client.get("/readyz", key=None)
             assert ready.status_code == 503
@@ -411,7 +412,8 @@ def test_the_api_serves_from_the_local_tier_until_invalidated(
         two_tenants: list[str]) -> None:
     tenant = two_tenants[0]
     app = create_app(api_settings.model_copy(update={"local_cache_size": 100}), engine=engine,
-                     redis_client=redis_client)
+                     redis_client=redis_client,
+                     follow_deploys=False)
     with running(app, create_api_key(engine, tenant)) as client:
         local: LocalTier = app.state.services.reader.local
         assert local.wait_live(5)

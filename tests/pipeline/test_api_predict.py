@@ -51,7 +51,7 @@ def tenants(tenant_factory: Callable[..., SeedSummary]) -> list[str]:
 def api(settings: Settings, engine: Engine, redis_client: redis.Redis,
         tenants: list[str]) -> Iterator[Api]:
     app = create_app(settings.model_copy(update={"api_batch_limit": 50}), engine=engine,
-                     redis_client=redis_client)
+                     redis_client=redis_client, follow_deploys=False)
     with running(app, create_api_key(engine, tenants[0])) as client:
         yield client
 

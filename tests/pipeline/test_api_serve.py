@@ -1,0 +1,85 @@
+"""``freshline serve`` for real: granian, two worker processes, metrics summed across them."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy.engine import Engine
+
+from pipeline.auth import create_api_key
+from pipeline.seed import SeedSummary
+from pipeline.settings import Settings
+
+FRESHLINE = str(Path(sys.executable).with_name("freshline"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def server(settings: Settings, tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    env = {**os.environ, "FRESHLINE_POSTGRES_URL": settings.postgres_url,
+           "FRESHLINE_REDIS_URL": settings.redis_url}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    log = tmp_path / "serve.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen([FRESHLINE, "serve", "--port", str(port), "--workers", "2"],
+                                env=env, stdout=sink, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    tick = threading.Event()
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            tick.wait(0.05)
+    else:
+        proc.kill()
+        proc.wait(5)
+        pytest.fail(f"serve did not come up: {log.read_text()[-2000:]}")
+    yield url
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+@pytest.mark.slow
+def test_serve_answers_and_sums_metrics_across_workers(
+        server: str, engine: Engine, tenant_factory: Callable[..., SeedSummary]) -> None:
+    tenant = tenant_factory(users=5, transactions=50).tenants[0]
+    headers = {"Authorization": f"Bearer {create_api_key(engine, tenant)}"}
+    n = 20
+    with httpx.Client(base_url=server, headers=headers, timeout=10) as client:
+        for _ in range(n):
+            response = client.get("/v1/features/device_risk/2")
+            assert response.status_code == 200, response.text
+        assert client.get("/v1/features/nope/1").json()["error"]["code"] == "unknown_feature_set"
+        assert client.get("/readyz").status_code == 200
+        text = client.get("/metrics").text
+
+    def total(name: str) -> float:
+        pattern = rf'^{name}\{{feature_set="device_risk"[^}}]*\}} ([0-9.e+]+)$'
+        return sum(float(v) for v in re.findall(pattern, text, re.MULTILINE))
+
+    served = total("freshline_api_feature_hits_total") + total(
+        "freshline_api_feature_misses_total")
+    assert served == n, text[-3000:]
