@@ -20,15 +20,95 @@ def topics_ensure(
     from rich.console import Console
 
     from consumers.kafka import admin_client
-    from consumers.topics import ensure
+    from consumers.topics import ensure, managed_topics
     from pipeline.settings import get_settings
 
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     settings = get_settings()
     wanted = partitions or settings.topic_partitions
-    report = ensure(admin_client(settings), wanted, replication_factor=replication_factor)
+    report = ensure(admin_client(settings), wanted, replication_factor=replication_factor,
+                    topics=managed_topics(settings))
     for name in report.created:
         console.print(f"created  {name} ({wanted} partitions)")
     for name, count in report.existing.items():
         note = "" if count == wanted else f", configured {wanted}: not changed"
         console.print(f"existing {name} ({count} partitions{note})")
+
+
+def consume(
+    topics: Annotated[list[str] | None, typer.Option(
+        "--topics", help="Topics or ^regex patterns [default: domain events, CDC topics]",
+    )] = None,
+    group: Annotated[str | None, typer.Option(
+        help="Consumer group [default: FRESHLINE_CONSUMER_GROUP]")] = None,
+    metrics_port: Annotated[int | None, typer.Option(
+        help="Prometheus port [default: FRESHLINE_CONSUMER_METRICS_PORT; 0 turns it off]")] = None,
+    max_messages: Annotated[int | None, typer.Option(min=1, help="Stop after this many")] = None,
+) -> None:
+    """Run one consumer-group member: change events in, fresh features out.
+
+    Start several (on one machine or many) with the same --group to share the
+    partitions. SIGTERM or Ctrl-C finishes the batch, commits and exits; a second
+    signal exits at once.
+    """
+    import logging
+    import os
+    import signal
+
+    from rich.console import Console
+
+    from consumers.worker import Worker
+    from pipeline.settings import get_settings
+
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = get_settings()
+    worker = Worker(settings, topics=topics, group=group)
+    port = settings.consumer_metrics_port if metrics_port is None else metrics_port
+    if port:
+        from prometheus_client import start_http_server
+
+        try:
+            start_http_server(port, addr="127.0.0.1")
+        except OSError as exc:
+            console.print(f"metrics port {port} unavailable ({exc}); running without /metrics")
+    signals = 0
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            os._exit(128 + signum)
+        console.print("stopping after this batch (signal again to exit now)")
+        worker.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    console.print(f"consuming {', '.join(worker.topics)} as group {worker.consumer.group_id}")
+    totals = worker.run(max_messages=max_messages)
+    console.print(f"consumed {totals.consumed:,}: applied {totals.applied:,}, "
+                  f"dead-lettered {totals.dead_lettered:,}, skipped {totals.skipped:,}")
+
+
+def produce_demo(
+    rate: Annotated[float, typer.Option(min=0.1, help="Changes per second")] = 20.0,
+    count: Annotated[int | None, typer.Option(min=1, help="Stop after this many")] = None,
+    duration: Annotated[float | None, typer.Option(min=0.1, help="Stop after seconds")] = None,
+) -> None:
+    """Write realistic changes to Postgres and emit the matching domain events."""
+    from rich.console import Console
+
+    from consumers.kafka import Producer
+    from consumers.simulator import Simulator
+    from consumers.topics import qualified
+    from pipeline.db import make_engine
+    from pipeline.settings import get_settings
+
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    settings = get_settings()
+    with Producer(settings) as producer:
+        sim = Simulator(make_engine(settings), producer, topic=lambda t: qualified(settings, t))
+        totals = sim.run(rate, count=count, duration=duration)
+    console.print(f"emitted {totals.created} created, {totals.updated} updated transactions "
+                  f"and {totals.devices} device changes")

@@ -110,9 +110,32 @@ def partition_count(admin: AdminClient, topic: str) -> int:
     return len(found.partitions)
 
 
+def qualified(settings: Settings, topic: str) -> str:
+    """The name on the broker: ``FRESHLINE_TOPIC_PREFIX`` + ``topic`` (no prefix by default).
+
+    A prefix lets several environments (or test runs) share one cluster.
+    """
+    return settings.topic_prefix + topic
+
+
+def logical(settings: Settings, topic: str) -> str:
+    """The contract name of a broker topic: :func:`qualified` undone."""
+    return topic.removeprefix(settings.topic_prefix)
+
+
+def managed_topics(settings: Settings) -> list[str]:
+    return [qualified(settings, t) for t in MANAGED_TOPICS]
+
+
+def subscription(settings: Settings) -> list[str]:
+    """What ``freshline consume`` reads by default: the domain events and every CDC topic."""
+    cdc = rf"^{re.escape(settings.topic_prefix + CDC_PREFIX)}\.public\..*"
+    return [*(qualified(settings, t) for t in DOMAIN_TOPICS), cdc]
+
+
 def ensure_from_settings(settings: Settings, *, replication_factor: int = 1) -> EnsureReport:
-    """:func:`ensure` with the partition count and broker from ``settings``."""
+    """:func:`ensure` with the partition count, broker and prefix from ``settings``."""
     from consumers.kafka import admin_client
 
     return ensure(admin_client(settings), settings.topic_partitions,
-                  replication_factor=replication_factor)
+                  replication_factor=replication_factor, topics=managed_topics(settings))

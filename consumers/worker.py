@@ -38,7 +38,7 @@ from consumers.kafka import Consumer, Producer
 from consumers.metrics import consumer_metrics
 from consumers.processor import Processor
 from consumers.routing import Router
-from consumers.topics import CDC_SUBSCRIPTION, DOMAIN_TOPICS, INVALIDATIONS
+from consumers.topics import DLQ, INVALIDATIONS, logical, qualified, subscription
 from pipeline.db import make_engine
 from pipeline.errors import FreshlineError
 from pipeline.invalidation import Invalidation
@@ -47,7 +47,6 @@ from pipeline.types import ChangeEvent
 
 logger = logging.getLogger("freshline.consumer")
 
-DEFAULT_TOPICS: tuple[str, ...] = (*DOMAIN_TOPICS, CDC_SUBSCRIPTION)
 TRANSIENT: tuple[type[BaseException], ...] = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
@@ -75,17 +74,18 @@ class Totals:
 class Worker:
     """One member of the consumer group."""
 
-    def __init__(self, settings: Settings, *, topics: Sequence[str] = DEFAULT_TOPICS,
+    def __init__(self, settings: Settings, *, topics: Sequence[str] | None = None,
                  group: str | None = None, versions: Callable[[], Sequence[int]] | None = None,
                  client_overrides: dict[str, object] | None = None) -> None:
         self.settings = settings
-        self.topics = list(topics)
+        self.topics = list(topics or subscription(settings))
         overrides = dict(client_overrides or {})
         if group:
             overrides["group.id"] = group
         self.consumer = Consumer(settings, **overrides)
         self.producer = Producer(settings)
-        self.dead_letters = DeadLetters(self.producer)
+        self.dead_letters = DeadLetters(self.producer, qualified(settings, DLQ))
+        self.invalidations_topic = qualified(settings, INVALIDATIONS)
         self.engine = make_engine(settings)
         self.redis = redis.Redis.from_url(settings.redis_url)
         self.processor = Processor(
@@ -149,7 +149,7 @@ class Worker:
             topic = msg.topic() or ""
             self.metrics.consumed.labels(topic).inc()
             try:
-                event = decode(topic, msg.key(), msg.value(),
+                event = decode(logical(self.settings, topic), msg.key(), msg.value(),
                                max_bytes=self.settings.max_message_bytes)
             except EventRejected as exc:
                 self._dead_letter(msg, exc)
@@ -236,7 +236,7 @@ class Worker:
         self.metrics.dead_lettered.labels(msg.topic() or "", kind).inc()
 
     def _publish(self, message: Invalidation) -> None:
-        self.producer.produce(INVALIDATIONS, message.encode(), message.kafka_key)
+        self.producer.produce(self.invalidations_topic, message.encode(), message.kafka_key)
 
     def _commit(self, messages: list[Message]) -> None:
         keep = [m for m in messages if (m.topic(), m.partition()) not in self._revoked]
@@ -263,7 +263,11 @@ class Worker:
                 return
             positions = self.consumer.inner.position(assignment)
             for tp in positions:
-                _, high = self.consumer.inner.get_watermark_offsets(tp, timeout=1.0)
+                # Cached: the high watermark of the last fetch. Asking the broker would
+                # queue behind the long-polling fetch and stall the loop for seconds.
+                _, high = self.consumer.inner.get_watermark_offsets(tp, cached=True)
+                if high < 0:
+                    continue
                 behind = high - tp.offset if tp.offset >= 0 else high
                 self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(max(0, behind))
         except Exception as exc:  # lag is advisory; never let it stop the loop

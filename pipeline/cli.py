@@ -21,7 +21,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from consumers.cli import topics_app
+from consumers.cli import consume, produce_demo, topics_app
 from pipeline.api_cli import register as register_api_commands
 from pipeline.deploy_cli import register as register_deploy_commands
 from pipeline.errors import FreshlineError
@@ -39,6 +39,8 @@ app.add_typer(db_app, name="db")
 register_deploy_commands(app)
 register_api_commands(app)
 app.add_typer(topics_app, name="topics")
+app.command("consume")(consume)
+app.command("produce-demo")(produce_demo)
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False)

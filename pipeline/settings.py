@@ -35,6 +35,7 @@ class Settings(BaseSettings):
     connect_url: str = "http://127.0.0.1:8083"
 
     schema_version: int = Field(default=1, ge=1, le=9999)
+    topic_prefix: str = Field(default="", pattern=r"^[A-Za-z0-9_.\-]*$")
     topic_partitions: int = Field(default=6, ge=1, le=1000)
     consumer_group: str = "freshline"
     auto_offset_reset: Literal["earliest", "latest"] = "earliest"

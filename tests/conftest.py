@@ -2,8 +2,8 @@
 
 Tests get their own Postgres database (``freshline_test_<pid>``, created afresh and
 migrated once per session, dropped at the end) and their own Redis logical database,
-so a test run never touches the demo's data. Within the session each test isolates itself by tenant: the
-``tenant_factory`` fixture seeds fresh tenants with unique ids.
+so a test run never touches the demo's data. Within the session each test isolates
+itself by tenant: the ``tenant_factory`` fixture seeds fresh tenants with unique ids.
 """
 
 from __future__ import annotations

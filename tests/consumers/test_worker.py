@@ -1,0 +1,272 @@
+"""The consumer run loop end to end: real broker, Postgres and Redis.
+
+Each test gets its own topic prefix (so its own domain-event, dead-letter and
+invalidation topics), its own consumer group and its own schema version (so its own
+Redis namespace).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+import pytest
+import redis
+import sqlalchemy as sa
+from confluent_kafka import Consumer as RawConsumer
+from confluent_kafka import TopicPartition
+from confluent_kafka.admin import AdminClient
+from sqlalchemy.engine import Engine
+
+from consumers.dlq import ERROR_KIND, SOURCE_OFFSET, SOURCE_TOPIC
+from consumers.kafka import Consumer, Producer
+from consumers.topics import (
+    DLQ,
+    INVALIDATIONS,
+    TRANSACTION_CREATED,
+    TRANSACTION_UPDATED,
+    ensure,
+    managed_topics,
+    qualified,
+)
+from consumers.worker import Worker
+from pipeline.features import REGISTRY
+from pipeline.keys import feature_pattern
+from pipeline.recompute import compute
+from pipeline.seed import SeedSummary
+from pipeline.settings import Settings
+from pipeline.store import FeatureStore
+from pipeline.types import EntityRef
+from tests.consumers.conftest import read_topic, wait_for
+
+FRESHLINE = str(Path(sys.executable).with_name("freshline"))
+PARTITIONS = 4
+
+pytestmark = pytest.mark.kafka
+
+
+@dataclass
+class Env:
+    settings: Settings
+    tenant: str
+    users: int
+
+    def topic(self, name: str) -> str:
+        return qualified(self.settings, name)
+
+
+@pytest.fixture
+def env(settings: Settings, admin: AdminClient,
+        tenant_factory: Callable[..., SeedSummary]) -> Iterator[Env]:
+    tag = uuid.uuid4().hex[:8]
+    local = settings.model_copy(update={
+        "topic_prefix": f"test{tag}.",
+        "consumer_group": f"test-{tag}",
+        "schema_version": 1000 + uuid.uuid4().int % 8000,
+        "topic_partitions": PARTITIONS,
+        "batch_max_wait_ms": 20,
+    })
+    topics = managed_topics(local)
+    ensure(admin, PARTITIONS, topics=topics)
+    seeded = tenant_factory(users=60, transactions=1500)
+    yield Env(local, seeded.tenants[0], seeded.users)
+    for future in admin.delete_topics(topics, operation_timeout=10).values():
+        future.result()
+
+
+def emit(producer: Producer, env: Env, topic: str, body: dict[str, object] | bytes,
+         key: bytes | None = None) -> None:
+    value = body if isinstance(body, bytes) else orjson.dumps(body)
+    producer.produce(env.topic(topic), value, key)
+
+
+def change_user(engine: Engine, tenant: str, user: int, factor: float = 2.0) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE transactions SET amount = round(amount * CAST(:f AS "
+                             "numeric), 2) WHERE tenant_id = :t AND user_id = :u"),
+                     {"f": factor, "t": tenant, "u": user})
+
+
+def assert_redis_equals_postgres(engine: Engine, client: redis.Redis, env: Env,
+                                 users: set[int]) -> None:
+    store = FeatureStore(client, env.settings.schema_version)
+    for name in ("txn_90d", "geo"):
+        truth = compute(engine, REGISTRY[name], [(env.tenant, str(u)) for u in users])
+        entries = store.read([EntityRef(name, env.tenant, str(u)) for u in sorted(users)])
+        for user, entry in zip(sorted(users), entries, strict=True):
+            assert entry is not None, (name, user)
+            assert entry.values == truth.values[(env.tenant, str(user))], (name, user)
+
+
+def test_a_change_and_its_event_yield_the_recomputed_entry(
+    env: Env, engine: Engine, redis_client: redis.Redis, producer: Producer,
+    consumer_factory: Callable[..., Consumer],
+) -> None:
+    with engine.begin() as conn:
+        txn = conn.execute(sa.text(
+            "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
+            "VALUES (:t, 4, 999.99, 'm-x', '11.0.0.9') RETURNING id"), {"t": env.tenant}
+        ).scalar_one()
+    change_user(engine, env.tenant, 5)
+    emit(producer, env, TRANSACTION_CREATED,
+         {"tenant": env.tenant, "user_id": 4, "transaction_id": txn,
+          "occurred_at": "2026-12-01T10:00:00Z"})
+    emit(producer, env, TRANSACTION_UPDATED,
+         {"tenant": env.tenant, "user_id": "5", "transaction_id": 1})
+    producer.flush()
+    totals = Worker(env.settings).run(max_messages=2, timeout=60)
+    assert (totals.consumed, totals.applied, totals.dead_lettered) == (2, 2, 0)
+    assert_redis_equals_postgres(engine, redis_client, env, {4, 5})
+    # Invalidations went to Kafka too, one per written entry.
+    got = read_topic(consumer_factory(), env.topic(INVALIDATIONS), 4, PARTITIONS)
+    seen = {(m["feature_set"], m["entity"]) for m in (orjson.loads(x.value()) for x in got)}
+    assert seen == {("txn_90d", "4"), ("geo", "4"), ("txn_90d", "5"), ("geo", "5")}
+
+
+def test_bad_input_is_dead_lettered_with_its_reason_and_nothing_is_lost(
+    env: Env, engine: Engine, redis_client: redis.Redis, producer: Producer,
+    consumer_factory: Callable[..., Consumer], admin: AdminClient,
+) -> None:
+    unknown = env.topic("freshline.public.payments")  # a CDC topic of an unknown table
+    ensure(admin, 1, topics=[unknown])
+    good = {"tenant": env.tenant, "user_id": 7, "transaction_id": 1}
+    bad: list[tuple[str, bytes, str]] = [
+        (TRANSACTION_UPDATED, b"{not json", "malformed_json"),
+        (TRANSACTION_UPDATED, orjson.dumps({"tenant": env.tenant}), "missing_field"),
+        (TRANSACTION_UPDATED, orjson.dumps({**good, "user_id": "7:*"}), "invalid_id"),
+        (TRANSACTION_UPDATED, orjson.dumps({**good, "tenant": "a{b}"}), "invalid_id"),
+        (TRANSACTION_UPDATED, b'{"tenant": "x", "pad": "' + b"x" * 5000 + b'"}', "oversized"),
+    ]
+    emit(producer, env, TRANSACTION_UPDATED, good, b"k1")
+    for topic, value, _ in bad:
+        emit(producer, env, topic, value, b"bad")
+    producer.produce(unknown, orjson.dumps({"payload": {"op": "c", "after": {"id": 1}}}), b"u")
+    emit(producer, env, TRANSACTION_UPDATED, {**good, "user_id": 8}, b"k2")
+    producer.flush()
+    settings = env.settings.model_copy(update={"max_message_bytes": 4096})
+    worker = Worker(settings, topics=[env.topic(TRANSACTION_UPDATED), unknown])
+    totals = worker.run(max_messages=8, timeout=60)
+    assert totals.consumed == 8
+    assert totals.applied == 2 and totals.dead_lettered == 6 and totals.skipped == 0
+    assert totals.applied + totals.dead_lettered + totals.skipped == totals.consumed
+    assert_redis_equals_postgres(engine, redis_client, env, {7, 8})
+    dead = read_topic(consumer_factory(), env.topic(DLQ), 6, PARTITIONS)
+    kinds = sorted(dict(m.headers())[ERROR_KIND].decode() for m in dead)
+    assert kinds == sorted([k for _, _, k in bad] + ["unknown_table"])
+    originals = {v for _, v, _ in bad}
+    for m in dead:
+        headers = dict(m.headers())
+        assert headers[SOURCE_TOPIC].decode() in (env.topic(TRANSACTION_UPDATED), unknown)
+        assert int(headers[SOURCE_OFFSET]) >= 0
+        assert m.value() in originals or m.key() == b"u"  # the record, unchanged
+    admin.delete_topics([unknown], operation_timeout=10)[unknown].result()
+
+
+def _group_caught_up(settings: Settings, topics: list[str]) -> bool:
+    probe = RawConsumer({"bootstrap.servers": settings.kafka_bootstrap,
+                         "group.id": settings.consumer_group, "enable.auto.commit": False})
+    try:
+        parts = [TopicPartition(t, p) for t in topics for p in range(PARTITIONS)]
+        committed = probe.committed(parts, timeout=10)
+        for tp in committed:
+            _, high = probe.get_watermark_offsets(tp, timeout=10)
+            if high > 0 and tp.offset < high:
+                return False
+        return True
+    finally:
+        probe.close()
+
+
+def _spawn(env: Env, log: Path) -> subprocess.Popen[bytes]:
+    s = env.settings
+    child_env = {**os.environ,
+                 "FRESHLINE_POSTGRES_URL": s.postgres_url, "FRESHLINE_REDIS_URL": s.redis_url,
+                 "FRESHLINE_TOPIC_PREFIX": s.topic_prefix, "FRESHLINE_SCHEMA_VERSION":
+                 str(s.schema_version), "FRESHLINE_CONSUMER_GROUP": s.consumer_group,
+                 "FRESHLINE_BATCH_MAX_EVENTS": "50", "FRESHLINE_BATCH_MAX_WAIT_MS": "20"}
+    with log.open("ab") as sink:  # a file, not a pipe: a full pipe would block the child
+        return subprocess.Popen([FRESHLINE, "consume", "--metrics-port", "0"], env=child_env,
+                                stdout=sink, stderr=sink)
+
+
+def _burst(engine: Engine, producer: Producer, env: Env, events: int) -> set[int]:
+    """Change users in Postgres and emit one event per change, skewed to a few users."""
+    touched: set[int] = set()
+    for i in range(events):
+        user = 1 + (i * 7) % 12 if i % 3 else 1 + i % env.users
+        if i % 10 == 0:
+            change_user(engine, env.tenant, user, 1.01)
+        touched.add(user)
+        emit(producer, env, TRANSACTION_UPDATED,
+             {"tenant": env.tenant, "user_id": user, "transaction_id": i},
+             f"{env.tenant}:{user}".encode())
+    producer.flush()
+    return touched
+
+
+def _stored_count(client: redis.Redis, env: Env) -> int:
+    return sum(1 for _ in client.scan_iter(match=feature_pattern(env.settings.schema_version)))
+
+
+def test_sigkill_mid_stream_then_restart_converges(
+    env: Env, engine: Engine, redis_client: redis.Redis, producer: Producer, tmp_path: Path,
+) -> None:
+    log = tmp_path / "consumer.log"
+    touched = _burst(engine, producer, env, 3000)
+    first = _spawn(env, log)
+    try:
+        wait_for(lambda: _stored_count(redis_client, env) > 0, "the first consumer to write")
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert not _group_caught_up(env.settings, [env.topic(TRANSACTION_UPDATED)]), \
+        "the consumer finished before it was killed; the test proves nothing"
+    # More changes land while it is down.
+    change_user(engine, env.tenant, 3, 3.0)
+    emit(producer, env, TRANSACTION_UPDATED, {"tenant": env.tenant, "user_id": 3,
+                                              "transaction_id": 1})
+    producer.flush()
+    second = _spawn(env, log)
+    try:
+        wait_for(lambda: _group_caught_up(env.settings, [env.topic(TRANSACTION_UPDATED)]),
+                 "the restarted consumer to catch up", deadline_s=120)
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=60)
+    assert second.returncode == 0, log.read_text()
+    assert_redis_equals_postgres(engine, redis_client, env, touched | {3})
+
+
+def test_two_processes_in_one_group_split_the_partitions(
+    env: Env, engine: Engine, redis_client: redis.Redis, producer: Producer,
+    admin: AdminClient, tmp_path: Path,
+) -> None:
+    log = tmp_path / "consumers.log"
+    procs = [_spawn(env, log), _spawn(env, log)]
+    try:
+        def both_assigned() -> bool:
+            group = admin.describe_consumer_groups([env.settings.consumer_group])
+            desc = group[env.settings.consumer_group].result()
+            owned = [len(m.assignment.topic_partitions) for m in desc.members]
+            return len(owned) == 2 and all(n > 0 for n in owned)
+
+        wait_for(both_assigned, "both consumers to own partitions", deadline_s=90)
+        touched = _burst(engine, producer, env, 600)
+        wait_for(lambda: _group_caught_up(env.settings, [env.topic(TRANSACTION_UPDATED)]),
+                 "the group to catch up", deadline_s=120)
+        assert_redis_equals_postgres(engine, redis_client, env, touched)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=60)
+        assert [p.returncode for p in procs] == [0, 0], log.read_text()
