@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING, Literal
 
 from sqlalchemy.engine import Engine
 
-from pipeline.keys import lease_key
 from pipeline.recompute import Batch, compute
-from pipeline.store import FeatureStore
+from pipeline.store import LEASE_BUSY, LEASE_FOUND, LEASE_GRANTED, FeatureStore
 from pipeline.types import EntityRef, Entry, FeatureValues
 
 if TYPE_CHECKING:
@@ -157,16 +156,21 @@ class ReadThrough:
                  refresh: list[EntityRef]) -> dict[EntityRef, Result]:
         token = uuid.uuid4().hex
         wanted = misses + refresh
-        pipe = self.store.redis.pipeline(transaction=False)
-        for ref in wanted:
-            pipe.set(lease_key(self.store.schema_version, ref), token, nx=True, px=self.lease_ms)
-        granted = pipe.execute()
-        mine = [r for r, ok in zip(wanted, granted, strict=True) if ok]
+        flags = [False] * len(misses) + [True] * len(refresh)
+        leases = self.store.lease(wanted, token, self.lease_ms, flags)
+        now = _now_ms()
+        found = {r: self._result(r, e, "hit", now)
+                 for r, (code, e) in zip(wanted, leases, strict=True)
+                 if code == LEASE_FOUND and e is not None}
+        self.counters.hits += len(found)
+        mine = [r for r, (code, _) in zip(wanted, leases, strict=True) if code == LEASE_GRANTED]
         # Misses whose lease another reader holds wait for that reader's result; an
         # early refresh that lost the race just keeps serving its hit.
-        others = [r for r, ok in zip(misses, granted[: len(misses)], strict=True) if not ok]
-        self.counters.early_refresh += sum(1 for ok in granted[len(misses):] if ok)
+        others = [r for r, (code, _) in zip(misses, leases, strict=False) if code == LEASE_BUSY]
+        self.counters.early_refresh += sum(
+            1 for code, _ in leases[len(misses):] if code == LEASE_GRANTED)
         answers = self._compute(mine, token)
+        answers.update(found)
         if others:
             answers.update(self._wait_or_compute(others))
         return answers

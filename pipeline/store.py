@@ -46,7 +46,22 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
+# KEYS[1] entry, KEYS[2] lease; ARGV[1] token, ARGV[2] lease ms, ARGV[3] "1" to grant a
+# lease even when an entry exists (an early refresh). Returns {1, entry} when an entry
+# exists (it may have landed since the reader's miss), {2} when the lease is granted,
+# {0} when another reader holds it. Checking and leasing in one step closes the gap
+# where a reader misses, another fills and releases, and the first leases again.
+_LEASE_LUA: Final = """
+if ARGV[3] ~= '1' then
+  local cur = redis.call('GET', KEYS[1])
+  if cur and string.sub(cur, 1, 1) ~= 'T' then return {1, cur} end
+end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2} end
+return {0}
+"""
+
 WRITTEN, REFUSED, UNCHANGED, LEASE_LOST = 1, 0, 2, -1
+LEASE_BUSY, LEASE_GRANTED, LEASE_FOUND = 0, 2, 1
 TTL_JITTER = 0.1
 
 
@@ -83,6 +98,7 @@ class FeatureStore:
         self.registry = registry
         self.tombstone_ttl_ms = tombstone_ttl_s * 1000
         self._write = client.register_script(_WRITE_LUA)
+        self._lease = client.register_script(_LEASE_LUA)
 
     def key(self, ref: EntityRef, schema_version: int | None = None) -> str:
         self.registry[ref.feature_set]
@@ -103,6 +119,24 @@ class FeatureStore:
             raw = raw.encode()
         fs = self.registry[feature_set]
         return decode_entry(raw, fs.field_names, self.schema_version)
+
+    def lease(self, refs: Sequence[EntityRef], token: str, lease_ms: int,
+              refresh: Sequence[bool]) -> list[tuple[int, Entry | None]]:
+        """Try to lease each ref for a read-through fill, in one round trip.
+
+        Each answer is ``(LEASE_GRANTED, None)``, ``(LEASE_BUSY, None)`` or
+        ``(LEASE_FOUND, entry)`` when an entry is there now (unless ``refresh``).
+        """
+        pipe = self.redis.pipeline(transaction=False)
+        for ref, again in zip(refs, refresh, strict=True):
+            keys = [self.key(ref), lease_key(self.schema_version, ref)]
+            self._lease(keys=keys, args=[token, lease_ms, "1" if again else ""], client=pipe)
+        out: list[tuple[int, Entry | None]] = []
+        for ref, reply in zip(refs, pipe.execute(), strict=True):
+            code = int(reply[0])
+            out.append((code, self._decode(ref.feature_set, reply[1]) if code == LEASE_FOUND
+                        else None))
+        return out
 
     def write(self, batch: Batch, *, schema_version: int | None = None) -> WriteResult:
         """Write a computed batch, source-driven: revokes leases, keeps newer entries."""
