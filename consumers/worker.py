@@ -40,6 +40,7 @@ from consumers.processor import Processor
 from consumers.routing import Router
 from consumers.topics import DLQ, INVALIDATIONS, logical, qualified, subscription
 from pipeline.db import make_engine
+from pipeline.deploy import write_versions
 from pipeline.errors import FreshlineError
 from pipeline.invalidation import Invalidation
 from pipeline.settings import Settings
@@ -90,7 +91,7 @@ class Worker:
         self.redis = redis.Redis.from_url(settings.redis_url)
         self.processor = Processor(
             self.engine, self.redis,
-            versions=versions or (lambda: [settings.schema_version]),
+            versions=versions or (lambda: write_versions(self.redis, settings)),
             tombstone_ttl_s=settings.tombstone_ttl_s, publish=self._publish)
         self.router = Router()
         self.totals = Totals()

@@ -93,8 +93,9 @@ def entity_ids(refs: Iterable[tuple[str, str]]) -> tuple[list[str], list[int]]:
     for tenant, entity in dict.fromkeys(refs):
         validate_id("tenant", tenant)
         text = validate_id("entity", entity)
-        if not text.isdigit() or len(text) > 18:
-            raise InvalidId("entity", entity, "a user id is a non-negative integer")
+        if not text.isdigit() or len(text) > 18 or (len(text) > 1 and text[0] == "0"):
+            raise InvalidId("entity", entity,
+                            "a user id is a non-negative integer without leading zeros")
         tenants.append(tenant)
         ids.append(int(text))
     return tenants, ids

@@ -156,6 +156,8 @@ def test_unknown_feature_set_and_bad_ids_are_refused() -> None:
         compute(None, TXN_90D, [("acme", "1:2")])  # type: ignore[arg-type]
     with pytest.raises(InvalidId):
         compute(None, TXN_90D, [("acme", "abc")])  # type: ignore[arg-type]
+    with pytest.raises(InvalidId):  # "007" would be computed for 7 and answered as nobody
+        compute(None, TXN_90D, [("acme", "007")])  # type: ignore[arg-type]
     with pytest.raises(InvalidId):
         compute(None, TXN_90D, [("ac*me", "1")])  # type: ignore[arg-type]
 
