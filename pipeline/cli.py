@@ -25,6 +25,7 @@ from consumers.cli import consume, produce_demo, topics_app
 from pipeline.api_cli import register as register_api_commands
 from pipeline.deploy_cli import register as register_deploy_commands
 from pipeline.errors import FreshlineError
+from pipeline.models_cli import models_app
 from pipeline.settings import get_settings
 
 app = typer.Typer(
@@ -41,6 +42,7 @@ register_api_commands(app)
 app.add_typer(topics_app, name="topics")
 app.command("consume")(consume)
 app.command("produce-demo")(produce_demo)
+app.add_typer(models_app, name="models")
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False)
