@@ -45,13 +45,6 @@ class BatchReport:
     written_at_ms: int = 0
 
 
-def _merge(total: WriteResult, part: WriteResult) -> None:
-    total.written += part.written
-    total.refused += part.refused
-    total.unchanged += part.unchanged
-    total.lease_lost += part.lease_lost
-
-
 class Processor:
     """Turns change events into fresh entries and invalidation messages."""
 
@@ -83,12 +76,12 @@ class Processor:
                     report.recompute_ms[name] = (time.perf_counter() - started) * 1000
                     started = time.perf_counter()
                     for version in versions:
-                        _merge(report.writes, self.store.write(batch, schema_version=version))
+                        report.writes.merge(self.store.write(batch, schema_version=version))
                 else:
                     watermark, _ = read_watermark(conn)
                     entity_refs = [EntityRef(name, t, e) for t, e in refs]
                     for version in versions:
-                        _merge(report.writes, self.store.invalidate(
+                        report.writes.merge(self.store.invalidate(
                             entity_refs, watermark, schema_version=version))
                 report.write_ms += (time.perf_counter() - started) * 1000
                 report.invalidations.extend(

@@ -82,6 +82,12 @@ class WriteResult:
         else:
             self.lease_lost += 1
 
+    def merge(self, other: WriteResult) -> None:
+        self.written += other.written
+        self.refused += other.refused
+        self.unchanged += other.unchanged
+        self.lease_lost += other.lease_lost
+
 
 def jittered_ttl_ms(ttl_s: int) -> int:
     """The TTL less up to 10%, so entries written together do not expire together."""
