@@ -1,0 +1,265 @@
+"""``python -m bench [--quick] [--only NAME ...] [--out DIR] [--no-plots]``.
+
+Runs the benchmarks in order against the local stack (``scripts/stack up``), each in
+an isolated world (:class:`bench.common.Context`), and writes ``results.json``,
+``RESULTS.md`` and PNG plots into the output directory (``bench/`` by default).
+
+A benchmark is a module ``bench/<name>.py`` with ``run(quick: bool) -> dict`` (JSON-able
+figures, parameters, references, ratios and targets) and ``markdown(results) -> str``
+(its section of RESULTS.md). Benchmarks print figures; they never decide pass or fail
+on speed. The exit status is 1 only when a benchmark raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench import common
+
+BENCHMARKS = (
+    "seed",
+    "recompute",
+    "read_path",
+    "write_path",
+    "cdc_freshness",
+    "inference",
+    "memory",
+    "redis_writes",
+    "deploy",
+)
+OPTIONAL = {"cdc_freshness"}
+"""Benchmarks owned elsewhere that may not exist yet: skipped if their module is missing."""
+
+LIBRARIES = ("redis", "hiredis", "confluent-kafka", "SQLAlchemy", "psycopg", "numpy", "orjson",
+             "starlette", "granian", "httpx", "matplotlib")
+
+
+def _sh(*cmd: str) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10,
+                              check=False).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 1024 / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _kafka_version() -> str:
+    pom = common.REPO / "pom.xml"
+    try:
+        text = pom.read_text()
+    except OSError:
+        return ""
+    import re
+
+    found = re.search(r"<version\.kafka>([^<]+)</version\.kafka>", text)
+    return found.group(1) if found else ""
+
+
+def environment(ctx: common.Context | None) -> dict[str, Any]:
+    """Versions and the machine, so a reader can tell what the figures came from."""
+    versions: dict[str, str] = {"python": platform.python_version()}
+    for lib in LIBRARIES:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[lib] = metadata.version(lib)
+    try:
+        import confluent_kafka
+
+        versions["librdkafka"] = confluent_kafka.libversion()[0]
+    except ImportError:
+        pass
+    if ctx is not None:
+        try:
+            versions["redis-server"] = str(ctx.redis.info("server")["redis_version"])
+        except Exception:
+            versions["redis-server"] = _sh("redis-server", "--version")
+        try:
+            import sqlalchemy as sa
+
+            with ctx.engine.connect() as conn:
+                versions["postgres"] = str(conn.execute(sa.text("SHOW server_version")).scalar())
+        except Exception:
+            pass
+    versions["kafka"] = _kafka_version()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {
+        "versions": versions,
+        "machine": {
+            "nproc": os.cpu_count(),
+            "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(),
+            "memory_gib": _memory_gib(),
+            "cpu_model": _cpu_model(),
+            "kernel": platform.release(),
+            "loadavg_at_start": [round(x, 2) for x in load] if load else None,
+        },
+    }
+
+
+def _git_commit() -> str:
+    commit = _sh("git", "-C", str(common.REPO), "rev-parse", "--short=12", "HEAD")
+    dirty = _sh("git", "-C", str(common.REPO), "status", "--porcelain", "--untracked-files=no")
+    return f"{commit}{' (with uncommitted changes)' if dirty else ''}"
+
+
+def _command(argv: list[str]) -> str:
+    return " ".join([".venv/bin/python", "-m", "bench", *(shlex.quote(a) for a in argv)])
+
+
+def _ensure_matplotlib(quick: bool) -> bool:
+    """Plots need the optional ``bench`` extra; a full run installs it when missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        if quick:
+            return False
+        print("bench: installing the optional plotting dependency (pip install -e '.[bench]')",
+              file=sys.stderr)
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e",
+                               f"{common.REPO}[bench]"], check=False)
+        if done.returncode != 0:
+            return False
+        importlib.invalidate_caches()
+    return True
+
+
+def render(doc: dict[str, Any], sections: dict[str, str]) -> str:
+    env = doc["environment"]
+    m = env["machine"]
+    v = env["versions"]
+    lines = [
+        "# freshline benchmarks",
+        "",
+        f"- date: {doc['date']}",
+        f"- git commit: `{doc['commit']}`",
+        f"- command: `{doc['command']}` (from the repository root, with the stack up: "
+        "`scripts/stack up`)",
+        f"- mode: {'quick (smoke sizes, not figures to quote)' if doc['quick'] else 'full'}; "
+        f"took {doc['elapsed_s']:.0f} s",
+        f"- machine: {m['nproc']} CPUs ({m['usable_cpus']} usable), {m['memory_gib']} GiB, "
+        f"{m['cpu_model']}, Linux {m['kernel']}; load average at start "
+        f"{m['loadavg_at_start']}",
+        "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+        "",
+        "The machine is shared with other work, so absolute times are noisy: each figure "
+        "is read against a reference measured in the same run, interleaved round by "
+        "round, and the ratio is the figure to quote. Nothing here is asserted; a missed "
+        "target is reported as missed.",
+        "",
+    ]
+    summary = [(name, t["name"], common.fmt(t["value"], 2), f"{t['op']} {common.fmt(t['limit'])}",
+                t["unit"], "met" if t["met"] else ("**missed**" if t["met"] is False else "-"))
+               for name, res in doc["results"].items() if isinstance(res, dict)
+               for t in res.get("targets", [])]
+    if summary:
+        lines += ["## Targets at a glance", "",
+                  common.table(["benchmark", "target", "this run", "goal", "unit", ""], summary),
+                  ""]
+    for _name, text in sections.items():
+        lines += [text.rstrip(), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_list = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke sizes: under two minutes")
+    parser.add_argument("--only", nargs="+", metavar="NAME", choices=BENCHMARKS,
+                        help="run only these benchmarks (in the standard order)")
+    parser.add_argument("--out", type=Path, default=common.BENCH_DIR,
+                        help="where results.json, RESULTS.md and plots go (default: bench/)")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    args = parser.parse_args(args_list)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    plots = not args.no_plots and _ensure_matplotlib(args.quick)
+    common.configure(out, args.quick, plots=plots)
+    selected = [b for b in BENCHMARKS if not args.only or b in args.only]
+    started = time.monotonic()
+    results: dict[str, Any] = {}
+    sections: dict[str, str] = {}
+    failed = False
+    ctx = common.context(args.quick)
+    try:
+        for name in selected:
+            try:
+                module = importlib.import_module(f"bench.{name}")
+            except ModuleNotFoundError as exc:
+                if name in OPTIONAL and exc.name == f"bench.{name}":
+                    continue
+                raise
+            print(f"bench: {name} ...", file=sys.stderr, flush=True)
+            t0 = time.monotonic()
+            try:
+                result = module.run(args.quick)
+                result["elapsed_s"] = round(time.monotonic() - t0, 1)
+                results[name] = result
+                sections[name] = module.markdown(result)
+            except Exception as exc:
+                failed = True
+                trace = traceback.format_exc()
+                print(trace, file=sys.stderr)
+                results[name] = {"error": f"{type(exc).__name__}: {exc}",
+                                 "elapsed_s": round(time.monotonic() - t0, 1)}
+                sections[name] = (f"## {name}\n\n**failed**: `{type(exc).__name__}: "
+                                  f"{str(exc)[:300]}`\n")
+            print(f"bench: {name} done in {time.monotonic() - t0:.1f}s", file=sys.stderr,
+                  flush=True)
+        env = environment(ctx)
+    finally:
+        common.close_context()
+    doc = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": _git_commit(),
+        "command": _command(args_list),
+        "quick": args.quick,
+        "elapsed_s": round(time.monotonic() - started, 1),
+        "environment": env,
+        "results": results,
+    }
+    (out / "results.json").write_bytes(
+        orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+    (out / "RESULTS.md").write_text(render(doc, sections))
+    print(f"bench: wrote {out / 'RESULTS.md'} and results.json in {doc['elapsed_s']:.0f}s",
+          file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,400 @@
+"""Shared helpers for the benchmarks: timing, interleaved rounds, an isolated world.
+
+Every figure is reported next to a reference measured in the same run, with the two
+interleaved round by round (:func:`measure`), so the noise of a shared machine hits
+both alike; the ratio is the figure to read, the absolute times are context.
+
+:class:`Context` isolates a run from everything else on the machine: its own Postgres
+database (``freshline_bench_<pid>``, created and migrated at the start, dropped at
+the end), a Redis logical database of its own (``FRESHLINE_BENCH_REDIS_DB``, 3 by
+default) inside which each benchmark takes unique schema versions, and a unique Kafka
+topic prefix and consumer group. The seeded data set lives in its own tenants and is
+created once per run, then reused by every benchmark that needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine, make_url
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+ANCHOR = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+
+now_ns = time.perf_counter_ns
+
+
+# -- statistics -------------------------------------------------------------------------
+
+
+def stats_ns(samples: Sequence[int] | np.ndarray) -> dict[str, float]:
+    """Median, p90, p99, mean and max of nanosecond samples, in microseconds."""
+    arr = np.asarray(samples, dtype=np.float64) / 1000.0
+    if arr.size == 0:
+        return {"n": 0}
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {"n": int(arr.size), "p50_us": round(float(p50), 2), "p90_us": round(float(p90), 2),
+            "p99_us": round(float(p99), 2), "mean_us": round(float(arr.mean()), 2),
+            "max_us": round(float(arr.max()), 2)}
+
+
+def ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def target(name: str, value: float | None, op: str, limit: float, unit: str = "") -> dict[str, Any]:
+    """A target and whether this run met it: ``target("x", 1.2, "<=", 1.5, "x")``."""
+    met = None if value is None else (value <= limit if op == "<=" else
+                                      value < limit if op == "<" else
+                                      value >= limit if op == ">=" else value > limit)
+    return {"name": name, "value": value, "op": op, "limit": limit, "unit": unit, "met": met}
+
+
+# -- measuring ------------------------------------------------------------------------
+
+
+@dataclass
+class Series:
+    """Latency samples (ns) and per-round throughput of one candidate."""
+
+    latencies: list[int] = field(default_factory=list)
+    round_rates: list[float] = field(default_factory=list)
+    items_per_call: int = 1
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = stats_ns(self.latencies)
+        rates = self.round_rates
+        out["ops_per_s"] = round(float(np.median(rates)), 1) if rates else None
+        out["items_per_s"] = (round(out["ops_per_s"] * self.items_per_call, 1)
+                              if rates else None)
+        out["items_per_call"] = self.items_per_call
+        return out
+
+
+def _run_serial(fn: Callable[[], Any], calls: int, series: Series) -> None:
+    lat = series.latencies
+    started = now_ns()
+    for _ in range(calls):
+        t0 = now_ns()
+        fn()
+        lat.append(now_ns() - t0)
+    series.round_rates.append(calls / ((now_ns() - started) / 1e9))
+
+
+def _run_concurrent(fn: Callable[[], Any], calls: int, series: Series,
+                    pool: ThreadPoolExecutor, concurrency: int) -> None:
+    per_thread = max(1, calls // concurrency)
+    barrier = threading.Barrier(concurrency)
+
+    def worker() -> list[int]:
+        mine: list[int] = []
+        barrier.wait()
+        for _ in range(per_thread):
+            t0 = now_ns()
+            fn()
+            mine.append(now_ns() - t0)
+        return mine
+
+    started = now_ns()
+    futures = [pool.submit(worker) for _ in range(concurrency)]
+    for f in futures:
+        series.latencies.extend(f.result())
+    series.round_rates.append(per_thread * concurrency / ((now_ns() - started) / 1e9))
+
+
+def measure(candidates: dict[str, Callable[[], Any]], *, rounds: int, calls: int,
+            concurrency: int = 1, warmup: int = 20,
+            items: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
+    """Time each candidate in interleaved rounds; returns a summary per candidate.
+
+    Each round runs every candidate for ``calls`` calls (split over ``concurrency``
+    threads), in an order that rotates from round to round, so drift and bursts of
+    load from other processes land on all of them alike. Latency is per call;
+    ``ops_per_s`` is the median over rounds of calls per second of wall time.
+    ``items`` gives the items per call (a batch of 100 is 100 items) for items/s.
+    """
+    names = list(candidates)
+    series = {n: Series(items_per_call=(items or {}).get(n, 1)) for n in names}
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    pool = ThreadPoolExecutor(concurrency) if concurrency > 1 else None
+    try:
+        for r in range(rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                if pool is None:
+                    _run_serial(candidates[name], calls, series[name])
+                else:
+                    _run_concurrent(candidates[name], calls, series[name], pool, concurrency)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    return {n: s.summary() for n, s in series.items()}
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """Run ``fn`` once; its result and the seconds it took."""
+    t0 = now_ns()
+    out = fn()
+    return out, (now_ns() - t0) / 1e9
+
+
+# -- the isolated world -----------------------------------------------------------------
+
+
+_counter = itertools.count(1)
+
+
+@dataclass
+class Dataset:
+    tenant: str
+    users: int
+    transactions: int
+    seeded_in_s: float | None = None
+
+
+class Context:
+    """The run's isolated services and its one seeded data set.
+
+    Build with :meth:`open`, release with :meth:`close` (the harness does both).
+    """
+
+    def __init__(self, quick: bool) -> None:
+        from pipeline.settings import Settings
+
+        self.quick = quick
+        self.tag = uuid.uuid4().hex[:8]
+        base = Settings()
+        self.base = base
+        self.db_name = f"freshline_bench_{os.getpid()}"
+        self.redis_db = int(os.environ.get("FRESHLINE_BENCH_REDIS_DB", "3"))
+        head, _, _ = base.redis_url.rpartition("/")
+        redis_url = f"{head}/{self.redis_db}"
+        pg_url = make_url(base.postgres_url).set(database=self.db_name)
+        self.settings = base.model_copy(update={
+            "postgres_url": pg_url.render_as_string(hide_password=False),
+            "redis_url": redis_url,
+            "schema_version": self.new_schema_version(),
+            "topic_prefix": f"bench{self.tag}.",
+            "consumer_group": f"bench-{self.tag}",
+            "consumer_metrics_port": 0,
+        })
+        self._engine: Engine | None = None
+        self._redis: redis.Redis | None = None
+        self._dataset: Dataset | None = None
+        self.versions_used: list[int] = []
+        self.topics: list[str] = []
+
+    @staticmethod
+    def new_schema_version() -> int:
+        """A schema version no one else is likely to use: its own Redis namespace."""
+        return 5000 + uuid.uuid4().int % 4900
+
+    def schema_version(self) -> int:
+        v = self.new_schema_version()
+        self.versions_used.append(v)
+        return v
+
+    def settings_for(self, **update: Any) -> Any:
+        return self.settings.model_copy(update=update)
+
+    def open(self) -> Context:
+        import migrations
+
+        admin = self._admin()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)'))
+            conn.execute(sa.text(f'CREATE DATABASE "{self.db_name}"'))
+        admin.dispose()
+        migrations.upgrade(self.settings.postgres_url)
+        return self
+
+    def _admin(self) -> Engine:
+        url = make_url(self.base.postgres_url).set(database="postgres")
+        return sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            from pipeline.db import make_engine
+
+            self._engine = make_engine(self.settings, pool_size=20)
+        return self._engine
+
+    @property
+    def redis(self) -> redis.Redis:
+        if self._redis is None:
+            self._redis = redis.Redis.from_url(self.settings.redis_url)
+        return self._redis
+
+    def new_redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.settings.redis_url)
+
+    def tenant_prefix(self) -> str:
+        return f"b{self.tag}{next(_counter)}-"
+
+    def dataset(self) -> Dataset:
+        """The run's seeded tenant, created on first use (or adopted from ``seed``)."""
+        if self._dataset is None:
+            from pipeline.seed import seed
+
+            users, txns = (2_000, 40_000) if self.quick else (20_000, 400_000)
+            t0 = now_ns()
+            summary = seed(self.engine, users=users, transactions=txns,
+                           tenant_prefix=self.tenant_prefix(), anchor=ANCHOR)
+            self._dataset = Dataset(summary.tenants[0], users, txns, (now_ns() - t0) / 1e9)
+        return self._dataset
+
+    def adopt_dataset(self, data: Dataset) -> None:
+        if self._dataset is None:
+            self._dataset = data
+
+    def kafka_topics(self) -> list[str]:
+        """Create the run's prefixed topics (once) and return their names."""
+        if not self.topics:
+            from consumers.topics import ensure_from_settings, managed_topics
+
+            ensure_from_settings(self.settings)
+            self.topics = managed_topics(self.settings)
+        return self.topics
+
+    def close(self) -> None:
+        if self._redis is not None:
+            for version in [self.settings.schema_version, *self.versions_used]:
+                for pattern in (f"feat:{version}:*", f"lease:{version}:*", f"hot:{version}:*"):
+                    _unlink_matching(self._redis, pattern)
+            _unlink_matching(self._redis, f"infer:bench{self.tag}*")
+            self._redis.close()
+        if self.topics:
+            from consumers.kafka import admin_client
+
+            futures = admin_client(self.settings).delete_topics(self.topics,
+                                                                operation_timeout=10)
+            for future in futures.values():
+                with contextlib.suppress(Exception):
+                    future.result()
+        if self._engine is not None:
+            self._engine.dispose()
+        admin = self._admin()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def _unlink_matching(client: redis.Redis, pattern: str) -> None:
+    batch: list[bytes] = []
+    for key in client.scan_iter(match=pattern, count=1000):
+        batch.append(key)
+        if len(batch) >= 500:
+            client.unlink(*batch)
+            batch.clear()
+    if batch:
+        client.unlink(*batch)
+
+
+# -- formatting -------------------------------------------------------------------------
+
+
+def fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.{digits}f}" if abs(value) >= 1 or value == 0 else f"{value:.3g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def targets_table(targets: Sequence[dict[str, Any]]) -> str:
+    rows = [(t["name"], f"{fmt(t['value'], 2)} {t['unit']}".strip(),
+             f"{t['op']} {fmt(t['limit'])} {t['unit']}".strip(),
+             "met" if t["met"] else ("**missed**" if t["met"] is False else "-"))
+            for t in targets]
+    return table(["target", "this run", "goal", ""], rows)
+
+
+def chunks(seq: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for i in range(0, len(seq), size):
+        yield seq[i:i + size]
+
+
+# -- the run's shared state -------------------------------------------------------------
+
+_state: dict[str, Any] = {"context": None, "out": BENCH_DIR, "quick": False, "plots": True}
+
+
+def configure(out: Path, quick: bool, *, plots: bool = True) -> None:
+    _state.update(out=out, quick=quick, plots=plots)
+
+
+def context(quick: bool | None = None) -> Context:
+    """The run's :class:`Context`; opened on first use (closed at exit if not by the harness)."""
+    if _state["context"] is None:
+        import atexit
+
+        ctx = Context(_state["quick"] if quick is None else quick).open()
+        _state["context"] = ctx
+        atexit.register(close_context)
+    return _state["context"]  # type: ignore[no-any-return]
+
+
+def close_context() -> None:
+    ctx = _state["context"]
+    _state["context"] = None
+    if ctx is not None:
+        ctx.close()
+
+
+def out_dir() -> Path:
+    return _state["out"]  # type: ignore[no-any-return]
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or None when plots are off or unavailable."""
+    if not _state["plots"]:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_plot(fig: Any, name: str) -> str:
+    """Save ``fig`` as ``<out>/<name>.png``; returns the file name (relative to the out dir)."""
+    path = out_dir() / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path.name
