@@ -51,7 +51,10 @@ from pipeline.types import FeatureValues, Watermark
 
 CLOCK_BITS = 56
 _WATERMARK_SQL = sa.text(
-    "SELECT pg_current_wal_flush_lsn() - '0/0'::pg_lsn AS lsn, "
+    # On a read replica the flush position does not exist; the replay position is
+    # its equivalent: everything replayed before the snapshot is visible in it.
+    "SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() "
+    "ELSE pg_current_wal_flush_lsn() END - '0/0'::pg_lsn AS lsn, "
     "floor(extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS us"
 )
 
