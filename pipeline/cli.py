@@ -22,6 +22,7 @@ from rich.progress import (
 from rich.table import Table
 
 from consumers.cli import consume, produce_demo, topics_app
+from pipeline.advisor_cli import register as register_advisor_commands
 from pipeline.api_cli import register as register_api_commands
 from pipeline.cdc_cli import register as register_cdc_commands
 from pipeline.deploy_cli import register as register_deploy_commands
@@ -40,6 +41,7 @@ db_app = typer.Typer(help="The source Postgres schema.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 register_deploy_commands(app)
 register_api_commands(app)
+register_advisor_commands(app)
 register_cdc_commands(app)
 app.add_typer(topics_app, name="topics")
 app.command("consume")(consume)
