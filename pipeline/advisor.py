@@ -168,16 +168,18 @@ Samples = dict[tuple[str, Labels], float]
 """Sample name and labels -> value, summed over the scraped processes."""
 
 
-def _sum(samples: Mapping[tuple[str, Labels], float], name: str, **match: str) -> float | None:
+def _sum(samples: Mapping[tuple[str, Labels], float], metric: str, /,
+         **match: str) -> float | None:
     found = [v for (n, labels), v in samples.items()
-             if n == name and all((k, val) in labels for k, val in match.items())]
+             if n == metric and all((k, val) in labels for k, val in match.items())]
     return sum(found) if found else None
 
 
-def _max(samples: Mapping[tuple[str, Labels], float], name: str, **match: str) -> float | None:
+def _max(samples: Mapping[tuple[str, Labels], float], metric: str, /,
+         **match: str) -> float | None:
     """A gauge's largest value across the series matching (instances report alike)."""
     found = [v for (n, labels), v in samples.items()
-             if n == name and all((k, val) in labels for k, val in match.items())]
+             if n == metric and all((k, val) in labels for k, val in match.items())]
     return max(found) if found else None
 
 
@@ -186,7 +188,7 @@ def _values(samples: Mapping[tuple[str, Labels], float], name: str, label: str) 
             if n == name and label in dict(labels)}
 
 
-def _mean(delta: Samples, total: Samples, histogram: str, **match: str) -> float | None:
+def _mean(delta: Samples, total: Samples, histogram: str, /, **match: str) -> float | None:
     """A histogram's mean over the window, else over its whole life, else None."""
     for source in (delta, total):
         count = _sum(source, f"{histogram}_count", **match)
