@@ -11,7 +11,7 @@ from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from pipeline.api import routes
+from pipeline.api import metrics, routes
 from pipeline.api.errors import HANDLERS
 from pipeline.api.openapi import document
 from pipeline.api.reader import FeatureReader
@@ -24,6 +24,8 @@ from pipeline.local import LocalTier
 from pipeline.models import ModelRegistry
 from pipeline.readthrough import ReadThrough
 from pipeline.settings import Settings, get_settings
+from pipeline.staleness import GroupLag
+from pipeline.status import Observer, SampledMetrics, StatusBoard
 from pipeline.store import FeatureStore
 from pipeline.warm import HotReads
 
@@ -37,18 +39,26 @@ ROUTES = [
     Route("/readyz", routes.readyz, methods=["GET"]),
     Route("/metrics", routes.metrics_text, methods=["GET"]),
     Route("/openapi.json", routes.openapi, methods=["GET"]),
+    Route("/status", routes.status_page, methods=["GET"]),
+    Route("/status.json", routes.status_json, methods=["GET"]),
 ]
 
 
 def create_app(settings: Settings, *, engine: Engine | None = None,
                redis_client: redis.Redis | None = None, local: LocalTier | None = None,
-               registry: Registry = REGISTRY, follow_deploys: bool = True) -> Starlette:
+               registry: Registry = REGISTRY, follow_deploys: bool = True,
+               consumer_metrics: list[str] | None = None,
+               status_interval_s: float = 60.0) -> Starlette:
     """The read API. Clients not passed in are made from ``settings`` and closed on exit.
 
     The in-process tier is used when ``local`` is given, or made (and started at
     start-up) when ``settings.local_cache_size > 0``. With ``follow_deploys`` reads
     serve the active schema version named by the deploy pointer
     (:class:`pipeline.deploy.VersionResolver`) and are sampled for warming.
+
+    ``/status`` keeps a snapshot every ``status_interval_s`` (:mod:`pipeline.status`);
+    ``consumer_metrics`` are the consumers' ``/metrics`` URLs it reads freshness lag
+    from (default: the local consumer's port, ``FRESHLINE_CONSUMER_METRICS_PORT``).
     """
     owned_engine = engine is None
     owned_redis = redis_client is None
@@ -77,15 +87,28 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
                                  ttl_s=settings.inference_ttl_s),
     )
 
+    if consumer_metrics is None:
+        port = settings.consumer_metrics_port
+        consumer_metrics = [f"http://127.0.0.1:{port}/metrics"] if port else []
+    observer = Observer(client, registry, settings,
+                        version=lambda: services.reader.schema_version,
+                        counters=metrics.process_registry, consumer_metrics=consumer_metrics,
+                        lag=GroupLag(settings))
+    board = StatusBoard(observer, interval_s=status_interval_s)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if owned_local and local is not None:
             local.start()
         if versions is not None:
             versions.listen()
+        stop_timing = metrics.time_feature_queries(engine, registry)
+        board.start()
         try:
             yield
         finally:
+            board.close()
+            stop_timing()
             if versions is not None:
                 versions.close()
             if owned_local and local is not None:
@@ -98,6 +121,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
     app = Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan)
     app.state.services = services
     app.state.openapi = document(registry.names())
+    app.state.status = board
+    app.state.sampled_metrics = SampledMetrics(observer)
     return app
 
 

@@ -11,19 +11,27 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter as Tally
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, Engine, ExecutionContext
+from sqlalchemy.sql.elements import TextClause
 
 from pipeline.api.reader import Answer
+from pipeline.features import Registry
+from pipeline.inference import Array, Model
 
 BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -52,6 +60,35 @@ PREDICTIONS = Counter(
     "freshline_api_predictions_total",
     "Predictions served, by model and outcome (hit or computed).",
     ["model", "outcome"],
+)
+
+
+# The caching decision (pipeline.advisor) rests on these three per cache: the cost of a
+# read the cache answers, of one it does not, and of the computation alone. ``cache`` is
+# "feature" (``name`` a feature set) or "model" (``name`` a model).
+CACHE_READ_SECONDS = Histogram(
+    "freshline_cache_read_seconds",
+    "Latency of a read answered wholly from the cache (the lookup cost).",
+    ["cache", "name"],
+    buckets=BUCKETS,
+)
+CACHE_MISS_SECONDS = Histogram(
+    "freshline_cache_miss_seconds",
+    "Latency of a read that computed: lookup, lease, computation and store.",
+    ["cache", "name"],
+    buckets=BUCKETS,
+)
+COMPUTE_SECONDS = Histogram(
+    "freshline_compute_seconds",
+    "The computation alone: the feature query in Postgres, or model.predict.",
+    ["cache", "name"],
+    buckets=BUCKETS,
+)
+MODEL_DETERMINISTIC = Gauge(
+    "freshline_model_deterministic",
+    "1 if the model's registered version is deterministic (cacheable), else 0.",
+    ["model"],
+    multiprocess_mode="livemax",
 )
 
 
@@ -90,10 +127,95 @@ def observe(endpoint: str, feature_set: str, status: int, started: float) -> Non
         time.perf_counter() - started)
 
 
-def render() -> tuple[bytes, str]:
-    """The exposition text, summed over processes in multiprocess mode."""
+def observe_read(cache: str, name: str, hit: bool, seconds: float) -> None:
+    """One read's latency, as a cache read (every answer a hit) or a miss path."""
+    (CACHE_READ_SECONDS if hit else CACHE_MISS_SECONDS).labels(cache, name).observe(seconds)
+
+
+def process_registry() -> CollectorRegistry:
+    """The counters of every API process: summed over processes in multiprocess mode."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-        return generate_latest(registry), CONTENT_TYPE_LATEST
-    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+        return registry
+    return REGISTRY
+
+
+def render(extra: Collector | None = None) -> tuple[bytes, str]:
+    """The exposition text, summed over processes in multiprocess mode.
+
+    ``extra`` is sampled on each call (staleness from Redis, lag from the broker): those
+    figures are the same whichever process answers, so they are never summed.
+    """
+    body = generate_latest(process_registry())
+    if extra is not None:
+        sampled = CollectorRegistry(auto_describe=False)
+        sampled.register(extra)
+        body += generate_latest(sampled)
+    return body, CONTENT_TYPE_LATEST
+
+
+def time_feature_queries(engine: Engine, registry: Registry) -> Callable[[], None]:
+    """Observe :data:`COMPUTE_SECONDS` for every feature-set query run on ``engine``.
+
+    Returns the function that stops it. The queries are recognised by their text, so
+    the read-through code needs no hook; the watermark read that precedes each query
+    is not counted.
+    """
+    names = {registry[n].statement.text: n for n in registry.names()}
+    key = "freshline_compute_started"
+
+    def before(conn: Connection, cursor: Any, statement: str, parameters: Any,
+               context: ExecutionContext | None, executemany: bool) -> None:
+        stmt = getattr(getattr(context, "compiled", None), "statement", None)
+        if isinstance(stmt, TextClause) and stmt.text in names:
+            conn.info.setdefault(key, []).append((names[stmt.text], time.perf_counter()))
+
+    def after(conn: Connection, cursor: Any, statement: str, parameters: Any,
+              context: ExecutionContext | None, executemany: bool) -> None:
+        stmt = getattr(getattr(context, "compiled", None), "statement", None)
+        started = conn.info.get(key)
+        if isinstance(stmt, TextClause) and stmt.text in names and started:
+            name, at = started.pop()
+            COMPUTE_SECONDS.labels("feature", name).observe(time.perf_counter() - at)
+
+    event.listen(engine, "before_cursor_execute", before)
+    event.listen(engine, "after_cursor_execute", after)
+
+    def stop() -> None:
+        event.remove(engine, "before_cursor_execute", before)
+        event.remove(engine, "after_cursor_execute", after)
+
+    return stop
+
+
+class TimedModel:
+    """A model whose ``predict`` observes :data:`COMPUTE_SECONDS` (``cache="model"``)."""
+
+    def __init__(self, inner: Model) -> None:
+        self.inner = inner
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def version(self) -> str:
+        return self.inner.version
+
+    @property
+    def deterministic(self) -> bool:
+        return self.inner.deterministic
+
+    @property
+    def n_features(self) -> int | None:
+        n = getattr(self.inner, "n_features", None)
+        return n if isinstance(n, int) else None
+
+    def predict(self, x: Array, /) -> Array:
+        started = time.perf_counter()
+        try:
+            return self.inner.predict(x)
+        finally:
+            COMPUTE_SECONDS.labels("model", self.inner.name).observe(
+                time.perf_counter() - started)

@@ -199,5 +199,14 @@ def document(feature_sets: list[str]) -> dict[str, Any]:
                 "summary": "This document",
                 "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")},
             }},
+            "/status": {"get": {
+                "summary": "Status page: hit rate, staleness and lag per feature set, last hour",
+                "responses": {"200": {"description": "A self-contained HTML page",
+                                      "content": {"text/html": {}}}},
+            }},
+            "/status.json": {"get": {
+                "summary": "The status page's data: current figures and per-minute series",
+                "responses": {"200": _json({"type": "object"}, "The status report")},
+            }},
         },
     }

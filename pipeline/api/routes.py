@@ -21,6 +21,7 @@ from starlette.responses import Response
 from pipeline.api import metrics
 from pipeline.api.errors import ApiError, JSONResponse, error_response, status_of
 from pipeline.api.reader import MODES, Answer, FeatureReader, Mode, parse_entity
+from pipeline.api.status_page import page as render_status_page
 from pipeline.auth import Authenticator, Unauthorized, bearer_token
 from pipeline.db import ping
 from pipeline.errors import FreshlineError, InvalidId
@@ -144,7 +145,11 @@ async def get_features(request: Request) -> Response:
     entity = parse_entity(request.path_params["entity_id"])
     mode = mode_of(request)
     ref = EntityRef(feature_set, tenant, entity)
+    started = time.perf_counter()
     [answer] = await run_in_threadpool(svc.reader.read, [ref], mode)
+    if answer.source in ("local", "hit", "computed"):
+        metrics.observe_read("feature", feature_set, answer.hit,
+                             time.perf_counter() - started)
     metrics.record_answers([answer])
     if answer.values is None:
         return error_response(404, "miss",
@@ -210,8 +215,11 @@ async def predict(request: Request) -> Response:
 
     def run() -> dict[str, Any]:
         model = svc.models.get(name)
-        out = svc.inference.predict(model, inputs, tenant=tenant, arm=arm)
+        metrics.MODEL_DETERMINISTIC.labels(name).set(1 if model.deterministic else 0)
+        started = time.perf_counter()
+        out = svc.inference.predict(metrics.TimedModel(model), inputs, tenant=tenant, arm=arm)
         hits = int(out.hit.sum())
+        metrics.observe_read("model", name, hits == len(out), time.perf_counter() - started)
         metrics.record_predictions(name, hits, len(out) - hits)
         return {
             "model": out.model,
@@ -257,10 +265,25 @@ async def readyz(request: Request) -> Response:
 
 async def metrics_text(request: Request) -> Response:
     """Prometheus metrics."""
-    body, content_type = metrics.render()
+    body, content_type = await run_in_threadpool(metrics.render,
+                                                 request.app.state.sampled_metrics)
     return Response(body, headers={"Content-Type": content_type})
 
 
 async def openapi(request: Request) -> Response:
     """This API's OpenAPI document."""
     return JSONResponse(request.app.state.openapi)
+
+
+async def status_page(request: Request) -> Response:
+    """The status page: hit rate, staleness and lag per feature set over the last hour."""
+    report = await run_in_threadpool(request.app.state.status.report)
+    return Response(render_status_page(report), media_type="text/html; charset=utf-8",
+                    headers={"Cache-Control": "no-store"})
+
+
+async def status_json(request: Request) -> Response:
+    """The status page's data, as JSON."""
+    report = await run_in_threadpool(request.app.state.status.report)
+    return JSONResponse(report, headers={"Cache-Control": "no-store"})
+

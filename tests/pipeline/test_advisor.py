@@ -136,7 +136,8 @@ def test_figures_from_two_scrapes_a_window_apart() -> None:
     assert geo.hit_rate == pytest.approx(0.8)
     assert geo.lookup_s == pytest.approx(0.001)
     assert geo.compute_s == pytest.approx(0.04)
-    assert geo.miss_overhead_s == pytest.approx(8.55 / 200 - 0.04 - 0.001)  # miss - compute - lookup
+    # The miss path, less the computation and the lookup.
+    assert geo.miss_overhead_s == pytest.approx(8.55 / 200 - 0.04 - 0.001)
     assert (geo.ttl_s, geo.oldest_age_s, geo.mean_age_s) == (86400, 80000, 43000)
     assert advise(geo).verdict == "keep"
     assert advise(figures["dice"]).verdict == "refuse"
