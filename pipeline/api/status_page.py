@@ -42,7 +42,7 @@ _PAGE = """<!doctype html>
   .figure .big { font-size:30px; font-weight:650; font-variant-numeric:tabular-nums; }
   .figure .sub { color:var(--muted); font-size:12px; }
   .good { color:var(--good); } .warn { color:var(--warn); } .bad { color:var(--bad); }
-  .charts { display:grid; grid-template-columns:repeat(auto-fit, minmax(300px, 1fr));
+  .charts { display:grid; grid-template-columns:repeat(auto-fill, minmax(300px, 1fr));
             gap:12px; }
   .chart { border-top:1px solid var(--line); padding-top:6px; }
   .chart .title { font-size:12px; color:var(--muted); margin-bottom:2px; }
@@ -115,9 +115,11 @@ function chart(times, values, opts) {
                          "aria-label": opts.label});
   const now = opts.now, span = opts.window;
   const finite = values.filter(v => v !== null && v !== undefined);
-  const top = opts.unit === "%" ? 1 : niceMax(Math.max(opts.limit || 0, ...finite, 0) * 1.1);
+  const peak = Math.max(opts.limit || 0, ...finite, 0) * 1.1;
+  const top = opts.unit === "%" ? 1
+    : opts.unit === "s" && peak > 120 ? niceMax(peak / 60) * 60 : niceMax(peak);
   const x = t => L + (W - L - R) * (1 - (now - t) / span);
-  const y = v => T + (H - T - B) * (1 - Math.min(v, top) / top);
+  const y = v => T + (H - T - B) * (1 - Math.max(0, Math.min(v, top)) / top);
   for (let i = 0; i <= 4; i++) {
     const v = top * i / 4;
     svg.append(el("line", {class: "grid", x1: L, x2: W - R, y1: y(v), y2: y(v)}));
