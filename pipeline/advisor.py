@@ -137,9 +137,9 @@ def advise(f: Figures) -> Advice:
         return verdict("kill", f"hit rate {f.hit_rate:.0%} is under {MIN_HIT_RATE:.0%}: "
                                "the lookup and miss overhead are a tax on most requests")
     if cached >= uncached:
-        return verdict("kill", f"E[cached] {_ms(cached)} >= E[uncached] {_ms(uncached)}: "
+        return verdict("kill", f"E(cached) {_ms(cached)} >= E(uncached) {_ms(uncached)}: "
                                "the computation is cheaper than the cache")
-    reason = f"E[cached] {_ms(cached)} < E[uncached] {_ms(uncached)}"
+    reason = f"E(cached) {_ms(cached)} < E(uncached) {_ms(uncached)}"
     if f.hit_rate < GOOD_HIT_RATE:
         reason += f" (hit rate {f.hit_rate:.0%} is marginal, under {GOOD_HIT_RATE:.0%})"
     ttl, oldest, mean = f.ttl_s, f.oldest_age_s, f.mean_age_s

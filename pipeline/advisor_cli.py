@@ -112,7 +112,7 @@ def _ms(seconds: float) -> str:
 def table(advice: list[Advice]) -> Table:
     t = Table(title="Cache verdicts", title_justify="left")
     for col in ("cache", "verdict", "req/s", "hit rate", "lookup ms", "compute ms",
-                "miss overhead ms", "E[cached] ms", "E[uncached] ms", "read/compute",
+                "miss overhead ms", "E(cached) ms", "E(uncached) ms", "read/compute",
                 "staleness / TTL"):
         t.add_column(col, justify="left" if col in ("cache", "verdict") else "right")
     for a in advice:
