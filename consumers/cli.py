@@ -70,7 +70,7 @@ def consume(
         from prometheus_client import start_http_server
 
         try:
-            start_http_server(port, addr="127.0.0.1")
+            start_http_server(port, addr=settings.consumer_metrics_host)
         except OSError as exc:
             console.print(f"metrics port {port} unavailable ({exc}); running without /metrics")
     signals = 0

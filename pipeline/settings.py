@@ -42,6 +42,7 @@ class Settings(BaseSettings):
     batch_max_events: int = Field(default=2000, ge=1)
     batch_max_wait_ms: int = Field(default=50, ge=1)
     max_message_bytes: int = Field(default=1_000_000, ge=1024)
+    consumer_metrics_host: str = "127.0.0.1"
     consumer_metrics_port: int = Field(default=9464, ge=0, le=65535)
 
     lease_ms: int = Field(default=5000, ge=10)
