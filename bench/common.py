@@ -284,11 +284,11 @@ class Context:
         if self.topics:
             from consumers.kafka import admin_client
 
-            futures = admin_client(self.settings).delete_topics(self.topics,
-                                                                operation_timeout=10)
+            admin = admin_client(self.settings)  # keep it alive until the futures resolve
+            futures = admin.delete_topics(self.topics, operation_timeout=10)
             for future in futures.values():
-                with contextlib.suppress(Exception):
-                    future.result()
+                with contextlib.suppress(Exception):  # best effort clean-up
+                    future.result(timeout=30)
         if self._engine is not None:
             self._engine.dispose()
         admin = self._admin()
@@ -398,3 +398,10 @@ def save_plot(fig: Any, name: str) -> str:
 
     plt.close(fig)
     return path.name
+
+
+def note(message: str) -> None:
+    """A progress line on stderr."""
+    import sys
+
+    print(f"bench:   {message}", file=sys.stderr, flush=True)
