@@ -34,7 +34,7 @@ class Settings(BaseSettings):
     kafka_bootstrap: str = "127.0.0.1:9092"
     connect_url: str = "http://127.0.0.1:8083"
 
-    schema_version: int = Field(default=1, ge=1, le=9999)
+    schema_version: int = Field(default=1, ge=1, le=999_999)
     topic_prefix: str = Field(default="", pattern=r"^[A-Za-z0-9_.\-]*$")
     topic_partitions: int = Field(default=6, ge=1, le=1000)
     consumer_group: str = "freshline"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -88,6 +89,20 @@ def redis_client(settings: Settings) -> Iterator[redis.Redis]:
 
 
 _tenant_counter = itertools.count(1)
+# Schema versions for tests' own Redis namespaces: consecutive within a session, from
+# a random base so sessions side by side (rarely) overlap. Never random per test: a
+# session's tests would collide on the birthday bound.
+_versions = itertools.count(random.SystemRandom().randrange(100, 1000) * 1000)
+
+
+def fresh_version() -> int:
+    """A schema version no other test of this session uses."""
+    return next(_versions)
+
+
+@pytest.fixture
+def version() -> int:
+    return fresh_version()
 
 
 def _tenant_maker(engine: Engine) -> Callable[..., SeedSummary]:

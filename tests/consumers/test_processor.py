@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 
 import pytest
@@ -19,11 +18,6 @@ from pipeline.recompute import compute
 from pipeline.seed import SeedSummary
 from pipeline.store import FeatureStore
 from pipeline.types import ChangeEvent, EntityRef
-
-
-@pytest.fixture
-def version() -> int:
-    return 1000 + uuid.uuid4().int % 8000
 
 
 @pytest.fixture

@@ -44,6 +44,7 @@ from pipeline.seed import SeedSummary
 from pipeline.settings import Settings
 from pipeline.store import FeatureStore
 from pipeline.types import EntityRef
+from tests.conftest import fresh_version
 from tests.consumers.conftest import read_topic, wait_for
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
@@ -69,7 +70,7 @@ def env(settings: Settings, admin: AdminClient,
     local = settings.model_copy(update={
         "topic_prefix": f"test{tag}.",
         "consumer_group": f"test-{tag}",
-        "schema_version": 1000 + uuid.uuid4().int % 8000,
+        "schema_version": fresh_version(),
         "topic_partitions": PARTITIONS,
         "batch_max_wait_ms": 20,
     })

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -29,6 +28,7 @@ from pipeline.seed import SeedSummary
 from pipeline.settings import Settings
 from pipeline.store import FeatureStore
 from pipeline.types import EntityRef
+from tests.conftest import fresh_version
 
 
 class Api:
@@ -85,7 +85,7 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
 def api_settings(settings: Settings) -> Settings:
     # A schema version of the test's own keeps its Redis keys apart from other tests.
     return settings.model_copy(update={
-        "schema_version": 1000 + uuid.uuid4().int % 8000,
+        "schema_version": fresh_version(),
         "api_batch_limit": 12,
         "api_body_limit_bytes": 2048,
     })

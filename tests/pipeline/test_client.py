@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +12,7 @@ from pipeline.recompute import compute
 from pipeline.seed import SeedSummary
 from pipeline.settings import Settings
 from pipeline.store import FeatureStore
+from tests.conftest import fresh_version
 
 
 class CountingRedis(redis.Redis):
@@ -31,7 +31,7 @@ def test_many_entities_in_one_round_trip_with_misses_reported(
     settings: Settings, redis_client: redis.Redis, engine: Engine,
     tenant_factory: Callable[..., SeedSummary],
 ) -> None:
-    version = 1000 + uuid.uuid4().int % 8000
+    version = fresh_version()
     tenant = tenant_factory(users=20, transactions=400).tenants[0]
     store = FeatureStore(redis_client, version)
     refs = [(tenant, str(u)) for u in range(1, 11)]

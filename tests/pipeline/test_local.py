@@ -18,6 +18,7 @@ from pipeline.local import LocalTier
 from pipeline.recompute import Batch
 from pipeline.store import TTL_JITTER, FeatureStore
 from pipeline.types import EntityRef, Entry
+from tests.conftest import fresh_version
 
 VALUES = {"txn_count": 1, "txn_sum": 2.0, "txn_mean": 2.0, "txn_max": 2.0, "txn_std": 0.0,
           "distinct_merchants": 1, "distinct_devices": 1, "last_txn_at": None}
@@ -94,7 +95,7 @@ def test_a_put_that_raced_an_invalidation_is_refused(tier: LocalTier, tenant: st
 
 def test_the_client_follows_redis_after_an_invalidation(
         tier: LocalTier, redis_client: redis.Redis, tenant: str) -> None:
-    version = 1000 + uuid.uuid4().int % 8000
+    version = fresh_version()
     store = FeatureStore(redis_client, version)
     client = FeatureClient(redis_client, version, local=tier)
 

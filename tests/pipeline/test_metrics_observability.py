@@ -25,7 +25,7 @@ from pipeline.seed import SeedSummary
 from pipeline.settings import Settings
 from pipeline.staleness import GroupLag, sample, source_topics
 from pipeline.types import EntityRef
-from tests.conftest import make_url_redis
+from tests.conftest import fresh_version, make_url_redis
 from tests.consumers.conftest import wait_for
 from tests.pipeline.test_api import Api, running
 
@@ -49,7 +49,7 @@ def metric(text: str, name: str, /, **labels: str) -> float:
 
 @pytest.fixture
 def obs_settings(settings: Settings) -> Settings:
-    return settings.model_copy(update={"schema_version": 1000 + uuid.uuid4().int % 8000,
+    return settings.model_copy(update={"schema_version": fresh_version(),
                                        "consumer_metrics_port": 0})
 
 

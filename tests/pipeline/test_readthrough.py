@@ -24,11 +24,6 @@ from pipeline.types import EntityRef
 
 
 @pytest.fixture
-def version() -> int:
-    return 1000 + uuid.uuid4().int % 8000
-
-
-@pytest.fixture
 def tenant(tenant_factory: Callable[..., SeedSummary]) -> str:
     return tenant_factory(users=30, transactions=900).tenants[0]
 

@@ -16,7 +16,6 @@ import socket
 import subprocess
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from pipeline.seed import SeedSummary
 from pipeline.settings import Settings
 from pipeline.staleness import Staleness
 from pipeline.status import Snapshot, StatusBoard
+from tests.conftest import fresh_version
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -76,7 +76,7 @@ def served(settings: Settings, engine: Engine, redis_client: redis.Redis,
            tenant_factory: Callable[..., SeedSummary]) -> Iterator[tuple[str, str, StatusBoard]]:
     """The app on a real socket (uvicorn in a thread): (base URL, API key, status board)."""
     tenant = tenant_factory(users=10, transactions=200).tenants[0]
-    local = settings.model_copy(update={"schema_version": 1000 + uuid.uuid4().int % 8000,
+    local = settings.model_copy(update={"schema_version": fresh_version(),
                                         "consumer_metrics_port": 0})
     app = create_app(local, engine=engine, redis_client=redis_client, follow_deploys=False)
     port = free_port()

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 
 import pytest
@@ -15,12 +14,6 @@ from pipeline.recompute import Batch, compute, current_watermark
 from pipeline.seed import SeedSummary
 from pipeline.store import FeatureStore
 from pipeline.types import EntityRef
-
-
-@pytest.fixture
-def version() -> int:
-    """A schema version of this test's own, so its namespace is empty."""
-    return 1000 + uuid.uuid4().int % 8000
 
 
 def _batch(values: dict[str, object], watermark: int, tenant: str = "acme",
