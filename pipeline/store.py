@@ -16,9 +16,11 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import redis
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
 from pipeline.codec import decode_entry, encode_entry, encode_tombstone
 from pipeline.features import REGISTRY, FeatureSet, Registry
@@ -59,6 +61,9 @@ end
 if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2} end
 return {0}
 """
+
+Call = tuple[tuple[str, str], tuple[str | bytes | int, ...]]
+"""One script call: its keys (entry, lease) and its arguments."""
 
 WRITTEN, REFUSED, UNCHANGED, LEASE_LOST = 1, 0, 2, -1
 LEASE_BUSY, LEASE_GRANTED, LEASE_FOUND = 0, 2, 1
@@ -133,12 +138,12 @@ class FeatureStore:
         Each answer is ``(LEASE_GRANTED, None)``, ``(LEASE_BUSY, None)`` or
         ``(LEASE_FOUND, entry)`` when an entry is there now (unless ``refresh``).
         """
-        pipe = self.redis.pipeline(transaction=False)
+        calls: list[Call] = []
         for ref, again in zip(refs, refresh, strict=True):
-            keys = [self.key(ref), lease_key(self.schema_version, ref)]
-            self._lease(keys=keys, args=[token, lease_ms, "1" if again else ""], client=pipe)
+            keys = (self.key(ref), lease_key(self.schema_version, ref))
+            calls.append((keys, (token, lease_ms, "1" if again else "")))
         out: list[tuple[int, Entry | None]] = []
-        for ref, reply in zip(refs, pipe.execute(), strict=True):
+        for ref, reply in zip(refs, self._run(self._lease, calls), strict=True):
             code = int(reply[0])
             out.append((code, self._decode(ref.feature_set, reply[1]) if code == LEASE_FOUND
                         else None))
@@ -148,45 +153,70 @@ class FeatureStore:
         """Write a computed batch, source-driven: revokes leases, keeps newer entries."""
         version = schema_version or self.schema_version
         fs = batch.feature_set
-        pipe = self.redis.pipeline(transaction=False)
-        for (tenant, entity), values in batch.values.items():
-            self._queue(pipe, fs, EntityRef(fs.name, tenant, entity), values, version,
-                        batch.computed_at_ms, batch.watermark, "")
-        return self._execute(pipe)
+        calls = [self._call(fs, EntityRef(fs.name, tenant, entity), values, version,
+                            batch.computed_at_ms, batch.watermark, "")
+                 for (tenant, entity), values in batch.values.items()]
+        return self._written(calls)
 
     def fill(self, batch: Batch, token: str, refs: Sequence[EntityRef]) -> WriteResult:
         """Store read-through results for ``refs``, only where ``token`` still holds the lease."""
         fs = batch.feature_set
-        pipe = self.redis.pipeline(transaction=False)
+        calls: list[Call] = []
         for ref in refs:
             values = batch.values.get((ref.tenant, ref.entity))
             if values is not None:
-                self._queue(pipe, fs, ref, values, self.schema_version,
-                            batch.computed_at_ms, batch.watermark, token)
-        return self._execute(pipe)
+                calls.append(self._call(fs, ref, values, self.schema_version,
+                                        batch.computed_at_ms, batch.watermark, token))
+        return self._written(calls)
 
     def invalidate(self, refs: Sequence[EntityRef], watermark: Watermark, *,
                    schema_version: int | None = None) -> WriteResult:
         """Replace entries older than ``watermark`` with a short-lived tombstone."""
         version = schema_version or self.schema_version
         tomb = encode_tombstone(watermark)
-        pipe = self.redis.pipeline(transaction=False)
-        for ref in refs:
-            keys = [self.key(ref, version), lease_key(version, ref)]
-            self._write(keys=keys, args=[tomb, self.tombstone_ttl_ms, ""], client=pipe)
-        return self._execute(pipe)
-
-    def _queue(self, pipe: redis.client.Pipeline, fs: FeatureSet, ref: EntityRef,
-               values: dict[str, object], version: int, computed_at_ms: int,
-               watermark: Watermark, token: str) -> None:
-        raw = encode_entry([values[f] for f in fs.field_names], version, computed_at_ms,
-                           watermark)
-        keys = [feature_key(version, ref), lease_key(version, ref)]
-        self._write(keys=keys, args=[raw, jittered_ttl_ms(fs.ttl_s), token], client=pipe)
+        calls: list[Call] = [
+            ((self.key(ref, version), lease_key(version, ref)), (tomb, self.tombstone_ttl_ms, ""))
+            for ref in refs]
+        return self._written(calls)
 
     @staticmethod
-    def _execute(pipe: redis.client.Pipeline) -> WriteResult:
+    def _call(fs: FeatureSet, ref: EntityRef, values: dict[str, object], version: int,
+              computed_at_ms: int, watermark: Watermark, token: str) -> Call:
+        raw = encode_entry([values[f] for f in fs.field_names], version, computed_at_ms,
+                           watermark)
+        return ((feature_key(version, ref), lease_key(version, ref)),
+                (raw, jittered_ttl_ms(fs.ttl_s), token))
+
+    def _written(self, calls: list[Call]) -> WriteResult:
         result = WriteResult()
-        for code in pipe.execute():
+        for code in self._run(self._write, calls):
             result.add(int(code))
         return result
+
+    def _run(self, script: Script, calls: list[Call]) -> list[Any]:
+        """Run ``script`` once per call, all in one pipelined round trip.
+
+        Plain EVALSHA: redis-py's ``Script`` in a pipeline sends ``SCRIPT EXISTS``
+        before every execute, an extra round trip per batch. Calls the server refused
+        with NOSCRIPT (a restart or SCRIPT FLUSH dropped the script) did nothing; they
+        are sent again, alone, after loading the script.
+        """
+        replies = self._pipeline(script, calls)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            script.sha = self.redis.script_load(script.script)
+            for i, reply in zip(missing, self._pipeline(script, [calls[i] for i in missing]),
+                                strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    def _pipeline(self, script: Script, calls: list[Call]) -> list[Any]:
+        if not calls:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        return list(pipe.execute(raise_on_error=False))
