@@ -6,10 +6,9 @@ replaces its entry (an equal watermark would be a cheaper no-op). Candidates,
 interleaved round by round:
 
 * ``conditional``: :meth:`pipeline.store.FeatureStore.write`, the shipped path: encode
-  each entry, one pipeline of the compare-and-set Lua script (redis-py ``Script``);
-* ``conditional, plain EVALSHA``: the same script and encoding through ``pipe.evalsha``
-  with the script loaded once, to show what redis-py's ``Script`` adds in a pipeline
-  (it sends ``SCRIPT EXISTS`` before every execute);
+  each entry, one pipeline of EVALSHA of the compare-and-set Lua script;
+* ``conditional, plain EVALSHA``: the same script and encoding in a bare loop, without
+  the store's bookkeeping (its entity refs, result codes, NOSCRIPT handling);
 * ``SETEX``: the same entries encoded the same way, written with pipelined ``SET .. PX``
   to keys of another namespace: no compare, no lease;
 * ``SETEX, pre-encoded``: the same bytes, encoded beforehand: the floor.
