@@ -133,7 +133,7 @@ def environment(ctx: common.Context | None) -> dict[str, Any]:
 def _git_commit() -> str:
     commit = _sh("git", "-C", str(common.REPO), "rev-parse", "--short=12", "HEAD")
     dirty = _sh("git", "-C", str(common.REPO), "status", "--porcelain", "--untracked-files=no")
-    return f"{commit}{' (with uncommitted changes)' if dirty else ''}"
+    return f"{commit}{' (working tree not clean)' if dirty else ''}"
 
 
 def _command(argv: list[str]) -> str:
@@ -194,6 +194,19 @@ def render(doc: dict[str, Any], sections: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def rerender(out: Path) -> int:
+    """RESULTS.md again from ``out/results.json`` (after a change to a ``markdown``)."""
+    doc = orjson.loads((out / "results.json").read_bytes())
+    sections = {}
+    for name, result in doc["results"].items():
+        if "error" in result:
+            sections[name] = f"## {name}\n\n**failed**: `{result['error'][:300]}`\n"
+        else:
+            sections[name] = importlib.import_module(f"bench.{name}").markdown(result)
+    (out / "RESULTS.md").write_text(render(doc, sections))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
@@ -203,7 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=common.BENCH_DIR,
                         help="where results.json, RESULTS.md and plots go (default: bench/)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--render-only", action="store_true",
+                        help="rewrite RESULTS.md from the results.json in --out; run nothing")
     args = parser.parse_args(args_list)
+    if args.render_only:
+        return rerender(args.out)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     out: Path = args.out

@@ -350,5 +350,29 @@ def markdown(res: dict[str, Any]) -> str:
                                 "non-2xx"], rows), ""]
     for plot in res.get("plots", []):
         lines += [f"![read path latency]({plot})", ""]
-    lines.append(common.targets_table(res["targets"]))
+    lines += [_why_http(res), "", common.targets_table(res["targets"])]
     return "\n".join(lines)
+
+
+def _why_http(res: dict[str, Any]) -> str:
+    """What bounds the HTTP latency at concurrency 16, from this run's own figures."""
+    wrk = res.get("wrk") or {}
+    single = wrk.get("c16:HTTP GET") or {}
+    one = wrk.get("c1:HTTP GET") or {}
+    rate = single.get("ops_per_s") or res["results"]["c16"]["HTTP GET"]["ops_per_s"]
+    if not rate:
+        return ""
+    mean_ms = 16 / rate * 1000
+    text = (f"On HTTP at concurrency 16: with 16 requests always in flight, Little's law "
+            f"makes the mean latency 16 / throughput; this server answered {rate:,.0f} "
+            f"single GETs/s, so the mean is {mean_ms:.1f} ms and p99 under 2 ms would need "
+            f"over 8,000 requests/s from {res['parameters']['server_workers']} Python "
+            "workers on a machine whose CPUs the load generator (and, here, other "
+            "engineers' runs) share.")
+    if one.get("p50_us"):
+        text += (f" Alone (concurrency 1) a cache-only GET costs {one['p50_us'] / 1000:.2f} ms "
+                 f"at p50 on the server, against {res['results']['c1']['raw GET']['p50_us']:.0f}"
+                 " µs for the raw Redis GET it wraps: the per-request cost of the app "
+                 "(auth, thread-pool hop, version resolution, metrics, JSON) is "
+                 "what a faster server would have to cut.")
+    return text
