@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -228,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     plots = not args.no_plots and _ensure_matplotlib(args.quick)
     common.configure(out, args.quick, plots=plots)
     selected = [b for b in BENCHMARKS if not args.only or b in args.only]
+
+    def on_term(_signum: int, _frame: object) -> None:
+        raise SystemExit(143)  # unwinds through the finally below, which cleans up
+
+    signal.signal(signal.SIGTERM, on_term)
     started = time.monotonic()
     results: dict[str, Any] = {}
     sections: dict[str, str] = {}
