@@ -147,6 +147,19 @@ def seed_cmd(
     )
 
 
+@app.command("bench", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_cmd(ctx: typer.Context) -> None:
+    """Run the benchmarks: `python -m bench [--quick] [--only NAME ...] [--out DIR]`."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / "__main__.py").exists():
+        raise FreshlineError("the benchmarks live in the source checkout (bench/); run from it")
+    raise typer.Exit(subprocess.call([sys.executable, "-m", "bench", *ctx.args], cwd=root))
+
+
 def main() -> None:
     """Entry point: one clear line for expected failures, never a traceback."""
     from pipeline.services import translate_errors
