@@ -69,9 +69,11 @@ class FeatureSet:
     entity: str = "user"
     description: str = ""
     statement: sa.TextClause = field(init=False, repr=False, compare=False)
+    _fingerprint: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "statement", sa.text(_KEYS_CTE + self.query))
+        object.__setattr__(self, "_fingerprint", self._digest())
 
     @property
     def field_names(self) -> tuple[str, ...]:
@@ -83,6 +85,9 @@ class FeatureSet:
         The lock file in ``schemas/`` records it per schema version; a change
         without a SCHEMA_VERSION bump is refused (``freshline check``).
         """
+        return self._fingerprint
+
+    def _digest(self) -> str:
         body = orjson.dumps(
             {
                 "name": self.name,

@@ -125,7 +125,7 @@ class ReadThrough:
                 misses.append(ref)
                 continue
             answers[ref] = self._result(ref, entry, "hit", now)
-            if self.early_refresh and self._should_refresh(ref, entry, now):
+            if self.should_refresh(ref, entry, now):
                 refresh.append(ref)
         self.counters.hits += len(answers)
         if misses or refresh:
@@ -144,8 +144,10 @@ class ReadThrough:
             self._at_version[version] = other
         return self._at_version[version]
 
-    def _should_refresh(self, ref: EntityRef, entry: Entry, now: int) -> bool:
+    def should_refresh(self, ref: EntityRef, entry: Entry, now: int) -> bool:
         """XFetch: refresh early with a probability that rises toward expiry."""
+        if not self.early_refresh:
+            return False
         ttl_ms = self.store.registry[ref.feature_set].ttl_s * 1000
         delta = self.counters.compute_ms.get(ref.feature_set, 5.0)
         expiry = entry.computed_at_ms + ttl_ms * 0.9  # the shortest jittered TTL

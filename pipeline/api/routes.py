@@ -146,7 +146,10 @@ async def get_features(request: Request) -> Response:
     mode = mode_of(request)
     ref = EntityRef(feature_set, tenant, entity)
     started = time.perf_counter()
-    [answer] = await run_in_threadpool(svc.reader.read, [ref], mode)
+    answers = svc.reader.cached([ref])
+    if answers is None:
+        answers = await run_in_threadpool(svc.reader.read, [ref], mode)
+    [answer] = answers
     if answer.source in ("local", "hit", "computed"):
         metrics.observe_read("feature", feature_set, answer.hit,
                              time.perf_counter() - started)
@@ -187,7 +190,9 @@ async def batch(request: Request) -> Response:
     request.state.feature_set = "*"
     ids = [parse_entity(e) for e in entities]
     refs = [EntityRef(fs, tenant, e) for e in ids for fs in feature_sets]
-    answers = await run_in_threadpool(svc.reader.read, refs, mode)
+    answers = svc.reader.cached(refs)
+    if answers is None:
+        answers = await run_in_threadpool(svc.reader.read, refs, mode)
     metrics.record_answers(answers)
     return JSONResponse({"schema_version": answers[0].schema_version,
                          "items": [_item(a) for a in answers]})

@@ -16,7 +16,7 @@ from pipeline.db import make_engine
 from pipeline.features import TXN_90D
 from pipeline.keys import lease_key
 from pipeline.readthrough import Hooks, ReadThrough
-from pipeline.recompute import compute, current_watermark
+from pipeline.recompute import Batch, compute, current_watermark
 from pipeline.seed import SeedSummary
 from pipeline.settings import Settings
 from pipeline.store import FeatureStore
@@ -195,3 +195,23 @@ def test_sixteen_processes_on_one_missing_key_compute_once(
     assert [p.exitcode for p in procs] == [0] * 16
     assert int(redis_client.get(counter) or 0) == 1
     redis_client.delete(counter)
+
+
+def test_an_entry_near_expiry_is_refreshed_early_by_one_reader(
+    redis_client: redis.Redis, engine: Engine, tenant: str, version: int
+) -> None:
+    """XFetch: past 90% of its TTL an entry is recomputed by the reader that sees it."""
+    store = FeatureStore(redis_client, version)
+    ref = EntityRef("txn_90d", tenant, "6")
+    batch = compute(engine, TXN_90D, [(ref.tenant, ref.entity)])
+    old = batch.computed_at_ms - int(TXN_90D.ttl_s * 1000 * 0.95)
+    store.write(Batch(TXN_90D, batch.values, batch.watermark, old))
+    lazy = ReadThrough(store, engine, early_refresh=False)
+    assert lazy.get(ref).source == "hit"
+    eager = ReadThrough(store, engine, early_refresh=True)
+    refreshed = eager.get(ref)
+    assert refreshed.source == "computed"
+    assert eager.counters.early_refresh == 1
+    entry = store.read([ref])[0]
+    assert entry is not None and entry.computed_at_ms > old
+    assert eager.get(ref).source == "hit"  # fresh again: no second refresh
