@@ -138,7 +138,7 @@ def connector_config(
         "heartbeat.interval.ms": str(HEARTBEAT_MS),
         "heartbeat.action.query":
             f"SELECT pg_logical_emit_message(false, '{HEARTBEAT_PREFIX}', now()::text)",
-        "message.prefix.include.list": HEARTBEAT_PREFIX,
+        "message.prefix.exclude.list": HEARTBEAT_PREFIX,
         # Freshness: hand events to Connect every 50 ms rather than the 500 ms default.
         "poll.interval.ms": "50",
         "slot.drop.on.stop": "false",
@@ -179,6 +179,10 @@ class ConnectClient:
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise ServiceUnavailable("Kafka Connect", redact(self.url), str(reason)) from exc
+
+    def ping(self) -> None:
+        """Raise :class:`ServiceUnavailable` unless the worker answers."""
+        self.request("GET", "/")
 
     def put_config(self, name: str, config: dict[str, str]) -> bool:
         """Create or update connector ``name``; True when it was created."""

@@ -63,6 +63,7 @@ def cdc_register(
     client = ConnectClient(settings.connect_url)
     config = connector_config(settings, owned, snapshot_mode=cast(SnapshotMode, snapshot_mode),
                               database_host=database_host, tables=tables)
+    client.ping()
     created_topics = ensure_topics(settings, owned, tables)
     created = client.put_config(owned.connector, config)
     console.print(f"{'created' if created else 'updated'} connector {owned.connector}: "

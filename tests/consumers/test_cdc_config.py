@@ -1,0 +1,78 @@
+"""The connector configuration and names, without services; the CLI's failure modes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from consumers.cdc import captured_tables, connector_config, names, slot_name
+from consumers.topics import subscription
+from pipeline.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+FRESHLINE = str(Path(sys.executable).with_name("freshline"))
+
+
+def test_names_follow_the_topic_prefix() -> None:
+    plain = names(Settings())
+    assert (plain.connector, plain.slot, plain.topic_prefix) == (
+        "freshline-postgres", "freshline", "freshline")
+    assert plain.topic("transactions") == "freshline.public.transactions"
+    mine = names(Settings(topic_prefix="Test-1a.b."))
+    assert mine.connector == "Test-1a.b.freshline-postgres"
+    assert mine.topic_prefix == "Test-1a.b.freshline"
+    assert re.fullmatch(r"[a-z0-9_]{1,63}", mine.slot) and mine.slot == "test_1a_b_freshline"
+    assert len(slot_name("x" * 200)) <= 63
+
+
+@pytest.mark.parametrize("prefix", ["", "cdc1234."])
+def test_the_subscription_takes_table_topics_but_not_heartbeats_or_messages(prefix: str) -> None:
+    settings = Settings(topic_prefix=prefix)
+    owned = names(settings)
+    pattern = re.compile(subscription(settings)[-1])
+    assert pattern.match(owned.topic("transactions"))
+    assert not pattern.match(f"__debezium-heartbeat.{owned.topic_prefix}")
+    assert not pattern.match(f"{owned.topic_prefix}.message")
+
+
+def test_connector_config() -> None:
+    settings = Settings(postgres_url="postgresql+psycopg://u:p%40ss@db.example:6543/shop")
+    config = connector_config(settings, names(settings), database_host="postgres")
+    assert config["database.hostname"] == "postgres"
+    assert (config["database.port"], config["database.user"], config["database.password"],
+            config["database.dbname"]) == ("6543", "u", "p@ss", "shop")
+    assert config["plugin.name"] == "pgoutput"
+    assert config["snapshot.mode"] == "no_data"
+    assert config["value.converter.schemas.enable"] == "false"
+    assert config["decimal.handling.mode"] == "string"
+    assert config["tombstones.on.delete"] == "true"
+    assert int(config["heartbeat.interval.ms"]) > 0
+    assert config["table.include.list"].split(",") == [f"public.{t}" for t in captured_tables()]
+    assert all(isinstance(v, str) for v in config.values())
+
+
+def test_the_migration_publishes_exactly_the_captured_tables() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "m0002", ROOT / "migrations" / "versions" / "0002_cdc.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert sorted(module.CAPTURED) == captured_tables()
+
+
+def test_register_says_in_one_line_when_connect_is_down(settings: Settings) -> None:
+    env = {**os.environ, "FRESHLINE_POSTGRES_URL": settings.postgres_url,
+           "FRESHLINE_CONNECT_URL": "http://127.0.0.1:9"}
+    done = subprocess.run([FRESHLINE, "cdc", "register"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "Kafka Connect is not reachable at http://127.0.0.1:9" in lines[0]
+    assert "scripts/stack up" in lines[0]
