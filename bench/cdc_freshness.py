@@ -1,0 +1,393 @@
+"""CDC freshness: from a Postgres commit to the fresh Redis entry, through Debezium.
+
+The whole production path, nothing simulated: plain SQL writes (one transaction each)
+at a fixed offered rate -> Postgres WAL -> the Debezium connector in Kafka Connect
+(``freshline cdc register``'s configuration, its own topic prefix, slot and connector
+name) -> Kafka -> ``freshline consume`` (a subprocess) -> Redis, then an invalidation on
+the Redis channel ``freshline:invalidations``.
+
+**Commit time** is Debezium's ``source.ts_ms`` of each change, read from the CDC topic
+by a consumer of our own. **Fresh** for a feature set means an invalidation for the
+changed user arrived whose watermark's clock (Postgres ``clock_timestamp()``, read
+before the recompute's snapshot) is at least 1 ms after the commit time: that entry
+was computed from a snapshot that contains the commit. Freshness of a write = receipt
+of that message minus the commit time, the later of its two feature sets
+(``txn_90d``, ``geo``). Postgres and this process share the machine's clock.
+
+The writes are 70% INSERTs of a transaction for a random user of the run's data set
+and 30% UPDATEs of the amount of a row inserted earlier in the run.
+
+Run alone: ``.venv/bin/python -m bench.cdc_freshness [--quick] [--json]``; or as part
+of ``python -m bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import psycopg
+import redis
+from sqlalchemy.engine import make_url
+
+from bench import common
+from consumers.cdc import (
+    HEARTBEAT_MS,
+    ConnectClient,
+    captured_tables,
+    connector_config,
+    connector_state,
+    drop_slot,
+    ensure_topics,
+    names,
+    slot_state,
+)
+from consumers.kafka import Consumer
+from pipeline.errors import FreshlineError
+from pipeline.invalidation import Invalidation
+from pipeline.keys import INVALIDATION_CHANNEL
+from pipeline.recompute import unpack_watermark
+
+RATE = 500
+TARGET_P99_MS = 1000.0
+FEATURE_SETS = ("txn_90d", "geo")
+UPDATE_SHARE = 0.3
+FRESHLINE = str(Path(sys.executable).with_name("freshline"))
+
+
+class Watcher:
+    """Invalidations of one tenant and schema version: (fs, entity) -> [(clock_us, t)]."""
+
+    def __init__(self, client: redis.Redis, version: int, tenant: str) -> None:
+        self.seen: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
+        self.version, self.tenant = version, tenant
+        self.client = client  # the pubsub's connection pool lives as long as the client
+        self.reconnects = 0
+        self.pubsub = client.pubsub(ignore_subscribe_messages=True)
+        self.pubsub.subscribe(INVALIDATION_CHANNEL)
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="cdc-watcher", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                msg = self.pubsub.get_message(timeout=0.1)
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                # A dropped subscription: take a new one; writes in the gap count as
+                # "never fresh", never as fast.
+                self.reconnects += 1
+                self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+                self.pubsub.subscribe(INVALIDATION_CHANNEL)
+                continue
+            if msg is None:
+                continue
+            at = time.time()
+            try:
+                inv = Invalidation.decode(msg["data"])
+            except FreshlineError:
+                continue  # someone else's message on the shared channel
+            if inv.tenant == self.tenant and inv.schema_version == self.version:
+                _, clock_us = unpack_watermark(inv.watermark)
+                self.seen[(inv.feature_set, inv.entity)].append((clock_us, at))
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.pubsub.close()
+
+
+class Commits:
+    """The CDC topic of ``transactions``: (user, ``source.ts_ms``) of each change of ours."""
+
+    def __init__(self, settings: Any, topic: str, tenant: str) -> None:
+        self.changes: list[tuple[str, int]] = []
+        self.tenant = tenant
+        self.consumer = Consumer(settings, **{"group.id": f"{settings.consumer_group}-commits",
+                                              "auto.offset.reset": "earliest"})
+        self.consumer.subscribe([topic])
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="cdc-commits", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for msg in self.consumer.consume(500, timeout=0.2):
+                value = msg.value()
+                if not value:
+                    continue  # a tombstone
+                env = orjson.loads(value)
+                env = env.get("payload", env)
+                row = env.get("after") or env.get("before") or {}
+                if row.get("tenant_id") == self.tenant:
+                    self.changes.append((str(row["user_id"]), int(env["source"]["ts_ms"])))
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.consumer.close()
+
+
+def _connstr(url: str) -> str:
+    u = make_url(url)
+    return (f"host={u.host} port={u.port or 5432} dbname={u.database} user={u.username} "
+            f"password={u.password}")
+
+
+def _write(conninfo: str, tenant: str, users: int, rate: int, window: float,
+           seed: int) -> tuple[int, float]:
+    """Offer ``rate`` writes/s for ``window`` seconds, open loop; (writes, achieved rate)."""
+    rng = random.Random(seed)
+    mine: list[int] = []
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        insert = ("INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
+                  "VALUES (%s, %s, %s, %s, %s) RETURNING id")
+        update = "UPDATE transactions SET amount = amount + 1 WHERE tenant_id = %s AND id = %s"
+        started = time.monotonic()
+        i = 0
+        while True:
+            due = started + i / rate
+            now = time.monotonic()
+            if now - started >= window:
+                break
+            if due > now:
+                time.sleep(due - now)  # pacing the offered rate
+            if mine and rng.random() < UPDATE_SHARE:
+                conn.execute(update, (tenant, rng.choice(mine)), prepare=True)
+            else:
+                user = rng.randint(1, users)
+                ip = f"11.{rng.randint(0, 127)}.{rng.randint(0, 255)}.{rng.randint(1, 254)}"
+                row = conn.execute(insert, (tenant, user, round(rng.uniform(1, 500), 2),
+                                            f"m{rng.randint(1, 300)}", ip),
+                                   prepare=True).fetchone()
+                if row is not None:
+                    mine.append(int(row[0]))
+            i += 1
+        elapsed = time.monotonic() - started
+    return i, i / elapsed
+
+
+def _wait(condition: Any, what: str, deadline_s: float, proc: subprocess.Popen[bytes] | None = None,
+          log: Any = None) -> None:
+    end = time.monotonic() + deadline_s
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"freshline consume exited: {log.read()[-2000:]!r}")
+        if time.monotonic() > end:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.1)  # polling interval
+
+
+def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
+    data = ctx.dataset()  # seeded before the connector exists: no snapshot events
+    window = 5.0 if quick else 30.0
+    version = ctx.schema_version()
+    settings = ctx.settings_for(schema_version=version)
+    ctx.kafka_topics()
+    owned = names(settings)
+    tables = captured_tables()
+    client = ConnectClient(settings.connect_url)
+    client.ping()
+    config = connector_config(settings, owned)
+    env = {**os.environ, "FRESHLINE_POSTGRES_URL": settings.postgres_url,
+           "FRESHLINE_REDIS_URL": settings.redis_url,
+           "FRESHLINE_SCHEMA_VERSION": str(version),
+           "FRESHLINE_TOPIC_PREFIX": settings.topic_prefix,
+           "FRESHLINE_CONSUMER_GROUP": f"{settings.consumer_group}-cdc-{version}",
+           "FRESHLINE_AUTO_OFFSET_RESET": "earliest"}
+    watcher = Watcher(ctx.new_redis(), version, data.tenant)
+    commits: Commits | None = None
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
+    proc: subprocess.Popen[bytes] | None = None
+    conninfo = _connstr(settings.postgres_url)
+    try:
+        ensure_topics(settings, owned, tables)
+        client.put_config(owned.connector, config)
+
+        def running() -> bool:
+            connector, tasks = connector_state(client, owned.connector)
+            return (connector is not None and connector.state == "RUNNING" and bool(tasks)
+                    and all(t.state == "RUNNING" for t in tasks)
+                    and slot_state(ctx.engine, owned.slot) is not None)
+
+        _wait(running, "the connector to run", 60)
+        commits = Commits(settings, owned.topic("transactions"), data.tenant)
+        proc = subprocess.Popen([FRESHLINE, "consume", "--metrics-port", "0"], env=env,
+                                stdout=log, stderr=log, start_new_session=True)
+        # Probe until a write comes out the far end: the group has formed.
+        common.note("cdc_freshness: waiting for the consumer to apply a probe write")
+        probes = 0
+        end = time.monotonic() + 90
+        while not watcher.seen:
+            if time.monotonic() > end:
+                raise RuntimeError("no probe write reached Redis within 90 s")
+            _write(conninfo, data.tenant, 1, 10, 0.1, seed=probes)
+            probes += 1
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"freshline consume exited: {log.read()[-2000:]!r}")
+            time.sleep(0.5)  # pacing the probes while the group forms
+        time.sleep(1.0)  # let the probes drain before the window opens
+        seen_before = len(commits.changes)
+        common.note(f"cdc_freshness: {RATE} SQL writes/s for {window:.0f} s")
+        writes, achieved = _write(conninfo, data.tenant, data.users, RATE, window, seed=7)
+        _wait(lambda: len(commits.changes) >= seen_before + writes,
+              "every write on the CDC topic", 60, proc, log)
+        changes = commits.changes[seen_before:seen_before + writes]
+
+        def fresh(user: str, ts_ms: int) -> float | None:
+            worst = 0.0
+            for fs in FEATURE_SETS:
+                rows = watcher.seen.get((fs, user), [])
+                j = bisect.bisect_left(rows, ((ts_ms + 1) * 1000, 0.0))
+                if j >= len(rows):
+                    return None
+                worst = max(worst, rows[j][1] - ts_ms / 1000)
+            return worst
+
+        def sort_seen() -> None:
+            for rows in list(watcher.seen.values()):
+                rows.sort()
+
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            sort_seen()
+            if fresh(*changes[-1]) is not None:
+                break
+            time.sleep(0.1)  # polling for the drain
+        time.sleep(0.5)  # stragglers of the last batch
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        log.close()
+        watcher.close()
+        if commits is not None:
+            commits.close()
+        with contextlib.suppress(Exception):
+            client.delete(owned.connector)
+        drop_slot(ctx.engine, owned.slot)
+        _delete_topics(ctx, [*(owned.topic(t) for t in tables),
+                             f"__debezium-heartbeat.{owned.topic_prefix}"])
+    sort_seen()
+    lags = [fresh(user, ts) for user, ts in changes]
+    got = np.array([x for x in lags if x is not None]) * 1000
+    p50, p90, p99 = np.percentile(got, [50, 90, 99]) if got.size else (None, None, None)
+    return {"offered_per_s": RATE, "achieved_per_s": round(achieved, 1), "window_s": window,
+            "writes": writes, "changes_on_topic": len(changes),
+            "fresh": int(got.size), "never_fresh": sum(1 for x in lags if x is None),
+            "subscription_reconnects": watcher.reconnects,
+            "lag_ms": {"p50": _r(p50), "p90": _r(p90), "p99": _r(p99),
+                       "max": _r(got.max()) if got.size else None},
+            "lags_ms_sample": [round(float(x), 1)
+                               for x in np.sort(got)[:: max(1, got.size // 2000)]],
+            "config": {k: config[k] for k in ("snapshot.mode", "poll.interval.ms",
+                                              "heartbeat.interval.ms", "plugin.name")},
+            "batch_max_wait_ms": settings.batch_max_wait_ms,
+            "partitions": settings.topic_partitions}
+
+
+def _delete_topics(ctx: common.Context, topics: list[str]) -> None:
+    from consumers.kafka import admin_client
+
+    admin = admin_client(ctx.settings)
+    for future in admin.delete_topics(topics, operation_timeout=10).values():
+        with contextlib.suppress(Exception):  # best effort clean-up
+            future.result(timeout=30)
+
+
+def _r(x: Any) -> float | None:
+    return None if x is None else round(float(x), 1)
+
+
+def run(quick: bool) -> dict[str, Any]:
+    ctx = common.context(quick)
+    res = _measure(ctx, quick)
+    plots = _plot(res)
+    res.pop("lags_ms_sample")
+    res["plots"] = plots
+    res["targets"] = [common.target(f"commit-to-Redis p99 at {RATE} SQL writes/s",
+                                    res["lag_ms"]["p99"], "<", TARGET_P99_MS, "ms")]
+    res["parameters"] = {"rate": RATE, "window_s": res["window_s"],
+                         "update_share": UPDATE_SHARE, "feature_sets": list(FEATURE_SETS),
+                         "heartbeat_ms": HEARTBEAT_MS}
+    return res
+
+
+def _plot(res: dict[str, Any]) -> list[str]:
+    plt = common.pyplot()
+    lags = res.get("lags_ms_sample") or []
+    if plt is None or not lags:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    xs = np.array(lags)
+    ax.plot(xs, np.arange(1, xs.size + 1) / xs.size)
+    ax.axvline(TARGET_P99_MS, color="red", linestyle="--", label="target p99 1 s")
+    ax.set_xlabel("commit to fresh Redis entry (ms)")
+    ax.set_ylabel("fraction of writes")
+    ax.set_title(f"CDC freshness at {res['offered_per_s']} SQL writes/s offered")
+    ax.legend()
+    return [common.save_plot(fig, "cdc_freshness")]
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lag = res["lag_ms"]
+    lines = [
+        "## cdc_freshness: Postgres commit to fresh Redis entry, through Debezium",
+        "",
+        f"Plain SQL writes ({1 - UPDATE_SHARE:.0%} INSERT, {UPDATE_SHARE:.0%} UPDATE, one "
+        f"transaction each) offered at {res['offered_per_s']}/s for {res['window_s']:.0f} s "
+        f"(achieved {common.fmt(res['achieved_per_s'])}/s, {res['writes']:,} writes) -> "
+        "Debezium (pgoutput, Kafka Connect) -> `freshline consume` -> Redis. Commit time is "
+        "the change's `source.ts_ms`; a write is fresh when an invalidation for its user "
+        "arrives whose watermark clock is after the commit, for both `txn_90d` and `geo`. "
+        f"Connector: {', '.join(f'`{k}={v}`' for k, v in res['config'].items())}; consumer "
+        f"batches wait at most {res['batch_max_wait_ms']} ms; {res['partitions']} partitions.",
+        "",
+        common.table(["writes", "fresh", "never fresh", "p50 ms", "p90 ms", "p99 ms", "max ms"],
+                     [(res["writes"], res["fresh"], res["never_fresh"], lag["p50"], lag["p90"],
+                       lag["p99"], lag["max"])]),
+        "",
+        common.targets_table(res["targets"]),
+    ]
+    for plot in res.get("plots", []):
+        lines += ["", f"![CDC freshness]({plot})"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.cdc_freshness",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a 5 s window instead of 30 s")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args()
+    common.configure(common.out_dir(), args.quick, plots=False)
+    try:
+        res = run(args.quick)
+    finally:
+        common.close_context()
+    print(orjson.dumps(res, option=orjson.OPT_INDENT_2).decode() if args.json else markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
