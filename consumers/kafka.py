@@ -82,6 +82,9 @@ def client_config(
             "enable.auto.offset.store": False,
             # A dead member's partitions move on after 10 s, not the 45 s default.
             "session.timeout.ms": 10000,
+            # Regex subscriptions (the CDC topics) notice a new topic at the next
+            # metadata refresh: every 10 s rather than librdkafka's 5 minutes.
+            "topic.metadata.refresh.interval.ms": 10000,
             "heartbeat.interval.ms": 2000,
             "auto.offset.reset": settings.auto_offset_reset,
             "partition.assignment.strategy": "cooperative-sticky",

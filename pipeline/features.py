@@ -163,7 +163,13 @@ LEFT JOIN LATERAL (
 GROUP BY k.tenant_id, k.user_id
 """,
     sources=(
-        Source("user_devices", user_columns=("user_id",)),
+        # A link added or removed changes shared_device_users for every user of the device.
+        Source(
+            "user_devices",
+            user_columns=("user_id",),
+            reverse="SELECT tenant_id, user_id FROM user_devices "
+            "WHERE tenant_id = :tenant_id AND device_id = :device_id",
+        ),
         Source(
             "devices",
             reverse="SELECT tenant_id, user_id FROM user_devices "

@@ -181,3 +181,28 @@ def test_truncate_cannot_be_routed(engine: Engine, redis_client: redis.Redis,
                                    version: int) -> None:
     with pytest.raises(Unroutable):
         make(engine, redis_client, version).apply([ChangeEvent("transactions", "t", None, {})])
+
+
+def test_a_new_device_link_refreshes_every_user_of_that_device(
+    engine: Engine, redis_client: redis.Redis, tenant: str, version: int
+) -> None:
+    with engine.begin() as conn:
+        device, users = conn.execute(sa.text(
+            """SELECT device_id, array_agg(user_id::text ORDER BY user_id) FROM user_devices
+               WHERE tenant_id = :t GROUP BY device_id HAVING count(*) > 1 LIMIT 1"""),
+            {"t": tenant}).one()
+        newcomer = conn.execute(sa.text(
+            "SELECT max(id) FROM users WHERE tenant_id = :t"), {"t": tenant}).scalar_one()
+        conn.execute(sa.text("INSERT INTO user_devices VALUES (:t, :u, :d) "
+                             "ON CONFLICT DO NOTHING"),
+                     {"t": tenant, "u": newcomer, "d": device})
+    event = ChangeEvent("user_devices", "c", tenant,
+                        {"tenant_id": tenant, "user_id": newcomer, "device_id": device})
+    make(engine, redis_client, version).apply([event])
+    got = stored(redis_client, version, tenant)
+    everyone = {*users, str(newcomer)}
+    assert set(got) == {("device_risk", u) for u in everyone}
+    want = truth(engine, "device_risk", tenant, sorted(everyone))
+    for u in everyone:
+        assert got[("device_risk", u)]["shared_device_users"] >= len(everyone)
+        assert got[("device_risk", u)] == want[u]
