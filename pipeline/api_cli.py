@@ -51,8 +51,11 @@ def serve(
             Granian("pipeline.api:app_from_env", address=host, port=port, workers=workers,
                     interface=Interfaces.ASGI, factory=True, log_access=False).serve()
         else:
-            import uvicorn
-
+            try:
+                import uvicorn
+            except ImportError:
+                raise typer.BadParameter("uvicorn is not installed: pip install "
+                                         "'freshline[uvicorn]'", param_hint="--server") from None
             uvicorn.run("pipeline.api:app_from_env", host=host, port=port, workers=workers,
                         factory=True, access_log=False)
     finally:
