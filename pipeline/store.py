@@ -120,7 +120,8 @@ class FeatureStore:
         if not refs:
             return []
         keys = [self.key(r) for r in refs]
-        raws = self.redis.mget(keys)
+        # One key: GET, which redis-py sends with less work than a one-key MGET.
+        raws = [self.redis.get(keys[0])] if len(keys) == 1 else self.redis.mget(keys)
         return [self._decode(r.feature_set, raw) for r, raw in zip(refs, raws, strict=True)]
 
     def _decode(self, feature_set: str, raw: bytes | str | None) -> Entry | None:

@@ -11,6 +11,10 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import shutil
+import socket
+import subprocess
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -119,6 +123,50 @@ def _tenant_maker(engine: Engine) -> Callable[..., SeedSummary]:
 def tenant_factory(engine: Engine) -> Callable[..., SeedSummary]:
     """Seed fresh tenants with unique ids: ``tenant_factory(users=50, transactions=2000)``."""
     return _tenant_maker(engine)
+
+
+@pytest.fixture
+def private_redis() -> Iterator[tuple[str, Callable[[], None], Callable[[], None]]]:
+    """A throwaway redis-server of this test's own, to stop and start: a real outage.
+
+    Yields ``(url, stop, start)``; it is running when the test begins.
+    """
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (scripts/stack up installs it)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def answers(client: redis.Redis) -> bool:
+        try:
+            return bool(client.ping())
+        except redis.exceptions.ConnectionError:
+            return False
+
+    def start() -> None:
+        procs.append(subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        probe = redis.Redis(port=port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while not answers(probe):
+            if time.monotonic() > deadline:
+                pytest.fail("the private redis-server did not start")
+            time.sleep(0.02)  # polling interval while the server starts
+        probe.close()
+
+    def stop() -> None:
+        procs[-1].terminate()
+        procs[-1].wait(5)
+
+    start()
+    yield f"redis://127.0.0.1:{port}/0", stop, start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(5)
 
 
 @pytest.fixture(scope="module")

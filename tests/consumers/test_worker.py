@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -271,3 +272,32 @@ def test_two_processes_in_one_group_split_the_partitions(
         for p in procs:
             p.wait(timeout=60)
         assert [p.returncode for p in procs] == [0, 0], log.read_text()
+
+
+def test_redis_down_pauses_and_retries_and_dead_letters_nothing(
+    env: Env, engine: Engine, producer: Producer,
+    private_redis: tuple[str, Callable[[], None], Callable[[], None]],
+) -> None:
+    """A real outage: the consumer's own redis-server is stopped, then started again."""
+    url, stop, start = private_redis
+    settings = env.settings.model_copy(update={"redis_url": url})
+    for user in (1, 2, 3):
+        emit(producer, env, TRANSACTION_UPDATED,
+             {"tenant": env.tenant, "user_id": user, "transaction_id": user})
+    producer.flush()
+    stop()
+    worker = Worker(settings)
+    done: list[object] = []
+    runner = threading.Thread(target=lambda: done.append(worker.run(max_messages=3,
+                                                                    timeout=120)))
+    runner.start()
+    wait_for(lambda: worker.totals.retries >= 2, "the consumer to retry while Redis is down")
+    assert (worker.totals.applied, worker.totals.dead_lettered) == (0, 0)
+    assert worker.totals.consumed == 0  # the batch is held, not committed
+    start()
+    runner.join(timeout=120)
+    assert done, "the consumer did not finish after Redis came back"
+    assert (worker.totals.applied, worker.totals.dead_lettered) == (3, 0)
+    client = redis.Redis.from_url(url)
+    assert_redis_equals_postgres(engine, client, env, {1, 2, 3})
+    client.close()

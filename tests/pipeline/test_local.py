@@ -160,50 +160,16 @@ def test_the_tier_stays_dark_while_redis_is_unreachable(
 
 @pytest.fixture
 def tier_on_private_redis(
-        tmp_path: object) -> Iterator[tuple[LocalTier, Callable[[], None], Callable[[], None]]]:
-    """A throwaway redis-server we can stop and start, so the outage is real and ours alone."""
-    import shutil
-    import socket
-    import subprocess
-
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start() -> None:
-        procs.append(subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        probe = redis.Redis(port=port, socket_connect_timeout=0.2)
-        assert wait_until(lambda: _answers(probe))
-        probe.close()
-
-    def stop() -> None:
-        procs[-1].terminate()
-        procs[-1].wait(5)
-
-    start()
-    client = redis.Redis(port=port)
+    private_redis: tuple[str, Callable[[], None], Callable[[], None]],
+) -> Iterator[tuple[LocalTier, Callable[[], None], Callable[[], None]]]:
+    """The tier on a throwaway redis-server we can stop and start: the outage is ours."""
+    url, stop, start = private_redis
+    client = redis.Redis.from_url(url)
     local = LocalTier(client, max_entries=10, heartbeat_s=0.2).start()
     assert local.wait_live(5)
     yield local, stop, start
     local.close()
     client.close()
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(5)
-
-
-def _answers(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.exceptions.ConnectionError:
-        return False
 
 
 def test_a_message_that_does_not_decode_flushes(tier: LocalTier, redis_client: redis.Redis,
