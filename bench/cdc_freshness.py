@@ -290,11 +290,40 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
         _delete_topics(ctx, [*(owned.topic(t) for t in tables),
                              f"__debezium-heartbeat.{owned.topic_prefix}"])
     return {"offered_per_s": RATE, "window_s": window, "windows": windows,
+            "dataset": {"users": data.users, "transactions": data.transactions},
+            "heaviest_user": _heaviest_user_cost(ctx, data.tenant),
             "subscription_reconnects": watcher.reconnects,
             "config": {k: config[k] for k in ("snapshot.mode", "poll.interval.ms",
                                               "heartbeat.interval.ms", "plugin.name")},
             "batch_max_wait_ms": settings.batch_max_wait_ms,
             "partitions": settings.topic_partitions}
+
+
+def _heaviest_user_cost(ctx: common.Context, tenant: str) -> dict[str, Any]:
+    """What one recompute of the busiest user costs: a batch waits for its slowest entity.
+
+    The writes pick users uniformly, but the seeded activity is Zipf-skewed, so the
+    head users own a large share of all transactions and each change to one of them
+    recomputes an aggregate over all of its recent rows.
+    """
+    import sqlalchemy as sa
+
+    from pipeline.features import REGISTRY
+    from pipeline.recompute import compute
+
+    with ctx.engine.connect() as conn:
+        user, count = conn.execute(sa.text(
+            "SELECT user_id, count(*) FROM transactions WHERE tenant_id = :t "
+            "GROUP BY user_id ORDER BY 2 DESC LIMIT 1"), {"t": tenant}).one()
+    cost: dict[str, float] = {}
+    for name in FEATURE_SETS:
+        runs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            compute(ctx.engine, REGISTRY[name], [(tenant, str(user))])
+            runs.append((time.perf_counter() - t0) * 1000)
+        cost[name] = round(float(np.median(runs)), 1)
+    return {"user": str(user), "transactions": int(count), "recompute_ms": cost}
 
 
 def _fresh(watcher: Watcher, user: str, ts_ms: int) -> float | None:
@@ -368,6 +397,21 @@ def _plot(res: dict[str, Any]) -> list[str]:
     return [common.save_plot(fig, "cdc_freshness")]
 
 
+def _heaviest_note(res: dict[str, Any]) -> str:
+    heavy = res.get("heaviest_user")
+    if not heavy:
+        return ""
+    data = res.get("dataset", {})
+    costs = ", ".join(f"{k} {v:,.0f} ms" for k, v in heavy["recompute_ms"].items())
+    return (f"The dataset: {data.get('users', 0):,} users, {data.get('transactions', 0):,} "
+            f"transactions, Zipf-skewed. Its busiest user owns {heavy['transactions']:,} of "
+            f"them, and one recompute of that user costs {costs} (median of 3, measured "
+            "after the windows). A consumer batch that contains such a user waits for it, "
+            "so the head of a skewed dataset, not the pipeline, sets the tail of the "
+            "lag: full recomputes of a 90-day aggregate grow with the entity's rows. "
+            "Incremental aggregates for such entities are the fix this design leaves open.")
+
+
 def markdown(res: dict[str, Any]) -> str:
     rows = [(f"`{mode}`", w["achieved_per_s"], w["writes"], w["fresh"], w["never_fresh"],
              w["lag_ms"]["p50"], w["lag_ms"]["p90"], w["lag_ms"]["p99"], w["lag_ms"]["max"])
@@ -386,8 +430,10 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         "One window per `synchronous_commit` of the writing session. Logical decoding only "
         "sends WAL that is flushed: with `on` (what applications get by default) the commit "
-        "flushes it; with `off` (the dev stack's server default) it waits for the WAL "
+        "flushes it; with `off` it waits for the WAL "
         "writer, up to `wal_writer_delay` (200 ms).",
+        "",
+        _heaviest_note(res),
         "",
         common.table(["synchronous_commit", "achieved/s", "writes", "fresh", "never fresh",
                       "p50 ms", "p90 ms", "p99 ms", "max ms"], rows),
