@@ -72,6 +72,8 @@ def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> None:
     _say(f"GET {path} again: {again['source']}, {again['age_ms']} ms old")
 
     engine = make_engine(settings)
+    producer = Producer(settings)
+    producer.inner.list_topics(timeout=10)  # connected before the change, as a service is
     committed = datetime.now(UTC)
     with engine.begin() as conn:
         txn = conn.execute(sa.text(
@@ -79,10 +81,10 @@ def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> None:
             "VALUES (:t, :u, 4999.00, 'm-demo', '11.0.0.42') RETURNING id"),
             {"t": tenant, "u": user}).scalar_one()
     started = time.monotonic()  # the change has committed
-    with Producer(settings) as producer:
-        producer.produce(qualified(settings, TRANSACTION_CREATED), orjson.dumps(
-            {"tenant": tenant, "user_id": user, "transaction_id": txn,
-             "occurred_at": committed.isoformat()}), f"{tenant}:{user}".encode())
+    producer.produce(qualified(settings, TRANSACTION_CREATED), orjson.dumps(
+        {"tenant": tenant, "user_id": user, "transaction_id": txn,
+         "occurred_at": committed.isoformat()}), f"{tenant}:{user}".encode())
+    producer.close()
     _say(f"INSERT transaction {txn} of 4999.00 for user {user}, "
          "and its transaction.created event")
     while time.monotonic() - started < DEADLINE_S:
