@@ -34,14 +34,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
 import psycopg
-import redis
 from sqlalchemy.engine import make_url
 
 from bench import common
@@ -57,10 +55,6 @@ from consumers.cdc import (
     slot_state,
 )
 from consumers.kafka import Consumer
-from pipeline.errors import FreshlineError
-from pipeline.invalidation import Invalidation
-from pipeline.keys import INVALIDATION_CHANNEL
-from pipeline.recompute import unpack_watermark
 
 RATE = 500
 TARGET_P99_MS = 1000.0
@@ -69,52 +63,6 @@ UPDATE_SHARE = 0.3
 SYNC_MODES = ("on", "off")
 """``synchronous_commit`` of the writes, one window each; the target is read on "on"."""
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
-
-
-class Watcher:
-    """Invalidations of one tenant and schema version: (fs, entity) -> [(clock_us, t)]."""
-
-    def __init__(self, client: redis.Redis, version: int, tenant: str) -> None:
-        self.seen: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
-        self.version, self.tenant = version, tenant
-        self.client = client  # the pubsub's connection pool lives as long as the client
-        self.reconnects = 0
-        self.pubsub = client.pubsub(ignore_subscribe_messages=True)
-        self.pubsub.subscribe(INVALIDATION_CHANNEL)
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="cdc-watcher", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                msg = self.pubsub.get_message(timeout=0.1)
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                # A dropped subscription: take a new one; writes in the gap count as
-                # "never fresh", never as fast.
-                self.reconnects += 1
-                self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-                self.pubsub.subscribe(INVALIDATION_CHANNEL)
-                continue
-            if msg is None:
-                continue
-            at = time.time()
-            try:
-                inv = Invalidation.decode(msg["data"])
-            except FreshlineError:
-                continue  # someone else's message on the shared channel
-            if inv.tenant == self.tenant and inv.schema_version == self.version:
-                _, clock_us = unpack_watermark(inv.watermark)
-                self.seen[(inv.feature_set, inv.entity)].append((clock_us, at))
-
-    def sort(self) -> None:
-        for rows in list(self.seen.values()):
-            rows.sort()
-
-    def close(self) -> None:
-        self._stop.set()
-        self.thread.join(5)
-        self.pubsub.close()
 
 
 class Commits:
@@ -220,7 +168,7 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
            "FRESHLINE_TOPIC_PREFIX": settings.topic_prefix,
            "FRESHLINE_CONSUMER_GROUP": f"{settings.consumer_group}-cdc-{version}",
            "FRESHLINE_AUTO_OFFSET_RESET": "earliest"}
-    watcher = Watcher(ctx.new_redis(), version, data.tenant)
+    watcher = common.InvalidationWatcher(ctx.new_redis(), version, data.tenant)
     commits: Commits | None = None
     log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
     proc: subprocess.Popen[bytes] | None = None
@@ -326,7 +274,7 @@ def _heaviest_user_cost(ctx: common.Context, tenant: str) -> dict[str, Any]:
     return {"user": str(user), "transactions": int(count), "recompute_ms": cost}
 
 
-def _fresh(watcher: Watcher, user: str, ts_ms: int) -> float | None:
+def _fresh(watcher: common.InvalidationWatcher, user: str, ts_ms: int) -> float | None:
     """Seconds from commit to the first invalidation reflecting it, the later of the sets."""
     worst = 0.0
     for fs in FEATURE_SETS:
@@ -338,7 +286,7 @@ def _fresh(watcher: Watcher, user: str, ts_ms: int) -> float | None:
     return worst
 
 
-def _summary(watcher: Watcher, changes: list[tuple[str, int]], writes: int,
+def _summary(watcher: common.InvalidationWatcher, changes: list[tuple[str, int]], writes: int,
              achieved: float) -> dict[str, Any]:
     lags = [_fresh(watcher, user, ts) for user, ts in changes]
     got = np.array([x for x in lags if x is not None]) * 1000

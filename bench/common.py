@@ -20,6 +20,7 @@ import os
 import threading
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,6 +32,11 @@ import numpy as np
 import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
+
+from pipeline.errors import FreshlineError
+from pipeline.invalidation import Invalidation
+from pipeline.keys import INVALIDATION_CHANNEL
+from pipeline.recompute import unpack_watermark
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -405,3 +411,63 @@ def note(message: str) -> None:
     import sys
 
     print(f"bench:   {message}", file=sys.stderr, flush=True)
+
+
+class InvalidationWatcher:
+    """Receipt times of the invalidations of one tenant and schema version.
+
+    ``seen[(feature_set, entity)]`` lists ``(watermark clock µs, receipt time)``: when
+    an entry computed from a snapshot at that clock reached Redis, as readers learn it.
+    """
+
+    def __init__(self, client: redis.Redis, version: int, tenant: str) -> None:
+        self.seen: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
+        self.version, self.tenant = version, tenant
+        self.client = client  # the pubsub's connection pool lives as long as the client
+        self.reconnects = 0
+        self.pubsub = client.pubsub(ignore_subscribe_messages=True)
+        self.pubsub.subscribe(INVALIDATION_CHANNEL)
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="invalidation-watcher", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                msg = self.pubsub.get_message(timeout=0.1)
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                # A dropped subscription: take a new one; writes in the gap count as
+                # "never fresh", never as fast.
+                self.reconnects += 1
+                self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+                self.pubsub.subscribe(INVALIDATION_CHANNEL)
+                continue
+            if msg is None:
+                continue
+            at = time.time()
+            try:
+                inv = Invalidation.decode(msg["data"])
+            except FreshlineError:
+                continue  # someone else's message on the shared channel
+            if inv.tenant == self.tenant and inv.schema_version == self.version:
+                _, clock_us = unpack_watermark(inv.watermark)
+                self.seen[(inv.feature_set, inv.entity)].append((clock_us, at))
+
+    def fresh_at(self, feature_set: str, entity: str, produced: float) -> float | None:
+        """Receipt time of the first invalidation computed after ``produced``."""
+        rows = self.seen.get((feature_set, entity), [])
+        want = int(produced * 1e6)
+        best: float | None = None
+        for clock_us, at in rows:
+            if clock_us >= want and (best is None or at < best):
+                best = at
+        return best
+
+    def sort(self) -> None:
+        for rows in list(self.seen.values()):
+            rows.sort()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.pubsub.close()

@@ -36,16 +36,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import defaultdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
-import redis
 
 from bench import common
 from consumers.events import decode
@@ -53,11 +50,10 @@ from consumers.kafka import Consumer, Producer
 from consumers.routing import Router
 from consumers.topics import TRANSACTION_UPDATED, logical, qualified
 from consumers.worker import Worker
-from pipeline.errors import FreshlineError
 from pipeline.features import REGISTRY
 from pipeline.invalidation import Invalidation
 from pipeline.keys import INVALIDATION_CHANNEL
-from pipeline.recompute import compute, unpack_watermark
+from pipeline.recompute import compute
 from pipeline.settings import Settings
 from pipeline.store import FeatureStore
 
@@ -187,58 +183,6 @@ def _throughput(ctx: common.Context, quick: bool) -> dict[str, Any]:
             "ratio": common.ratio(real_rate, naive_rate)}
 
 
-class Watcher:
-    """Timestamps every invalidation of one schema version and tenant on receipt."""
-
-    def __init__(self, client: redis.Redis, version: int, tenant: str) -> None:
-        self.version, self.tenant = version, tenant
-        self.client = client
-        self.reconnects = 0
-        self.seen: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
-        self.pubsub = client.pubsub(ignore_subscribe_messages=True)
-        self.pubsub.subscribe(INVALIDATION_CHANNEL)
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                msg = self.pubsub.get_message(timeout=0.1)
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                # Others share this server; if our subscription drops, take a new one
-                # (messages in the gap are missed and show up as "never fresh").
-                self.reconnects += 1
-                self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-                self.pubsub.subscribe(INVALIDATION_CHANNEL)
-                continue
-            if msg is None:
-                continue
-            at = time.time()
-            try:
-                inv = Invalidation.decode(msg["data"])
-            except FreshlineError:
-                continue  # someone else's test message on the shared channel
-            if inv.schema_version == self.version and inv.tenant == self.tenant:
-                clock_us = unpack_watermark(inv.watermark)[1]
-                self.seen[(inv.feature_set, inv.entity)].append((clock_us, at))
-
-    def fresh_at(self, feature_set: str, entity: str, produced: float) -> float | None:
-        """Receipt time of the first invalidation computed after ``produced``."""
-        rows = self.seen.get((feature_set, entity), [])
-        want = int(produced * 1e6)
-        best: float | None = None
-        for clock_us, at in rows:
-            if clock_us >= want and (best is None or at < best):
-                best = at
-        return best
-
-    def close(self) -> None:
-        self._stop.set()
-        self.thread.join(5)
-        self.pubsub.close()
-
-
 def _freshness(ctx: common.Context, quick: bool) -> dict[str, Any]:
     data = ctx.dataset()
     rate, window = (2000, 3.0) if quick else (2000, 20.0)
@@ -252,7 +196,7 @@ def _freshness(ctx: common.Context, quick: bool) -> dict[str, Any]:
            "FRESHLINE_TOPIC_PREFIX": settings.topic_prefix,
            "FRESHLINE_AUTO_OFFSET_RESET": "latest"}
     common.note(f"write_path: freshness at {rate}/s for {window:.0f}s")
-    watcher = Watcher(ctx.new_redis(), version, data.tenant)
+    watcher = common.InvalidationWatcher(ctx.new_redis(), version, data.tenant)
     topic = qualified(settings, TRANSACTION_UPDATED)
     log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen([FRESHLINE, "consume", "--topics", topic, "--group", group,

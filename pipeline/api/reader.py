@@ -78,26 +78,13 @@ class FeatureReader:
     def read(self, refs: Sequence[EntityRef], mode: Mode = "read-through") -> list[Answer]:
         """Answer every ref, in order, all from one schema version."""
         target = self._target()
-        version = target.store.schema_version
-        answers: list[Answer | None] = [None] * len(refs)
-        pending: list[int] = []
-        now = _now_ms()
-        for i, ref in enumerate(refs):
-            entry = self.local.get(ref, version) if self.local is not None else None
-            if entry is None:
-                pending.append(i)
-            else:
-                answers[i] = Answer(ref, entry.values, "local",
-                                    max(0, now - entry.computed_at_ms), version)
+        answers, pending = self._from_local(target, refs)
         if pending:
             todo = [refs[i] for i in pending]
             token = self.local.token() if self.local is not None else 0
             fetched = (self._cache_only(target, todo) if mode == "cache-only"
                        else self._through(target, todo))
-            for i, (answer, entry) in zip(pending, fetched, strict=True):
-                answers[i] = answer
-                if self.local is not None and entry is not None:
-                    self.local.put(answer.ref, entry, token)
+            self._fill(answers, pending, fetched, token)
         return [a for a in answers if a is not None]
 
     def cached(self, refs: Sequence[EntityRef]) -> list[Answer] | None:
@@ -108,10 +95,27 @@ class FeatureReader:
         machine costs more than the MGET itself. Misses go the full way, off the loop.
         """
         target = self._target()
+        answers, pending = self._from_local(target, refs)
+        if pending:
+            token = self.local.token() if self.local is not None else 0
+            fetched = self._cache_only(target, [refs[i] for i in pending])
+            now = _now_ms()
+            # A miss, or a hot entry XFetch picks for early refresh: the full way.
+            if any(entry is None or target.should_refresh(answer.ref, entry, now)
+                   for answer, entry in fetched):
+                return None
+            self._fill(answers, pending, fetched, token)
+        if target.hot is not None:  # read() samples its reads in ReadThrough.get_many
+            target.hot.record(target.store.schema_version, refs)
+        return [a for a in answers if a is not None]
+
+    def _from_local(self, target: ReadThrough, refs: Sequence[EntityRef],
+                    ) -> tuple[list[Answer | None], list[int]]:
+        """Answers from the in-process tier, and the positions it did not have."""
         version = target.store.schema_version
-        now = _now_ms()
         answers: list[Answer | None] = [None] * len(refs)
         pending: list[int] = []
+        now = _now_ms()
         for i, ref in enumerate(refs):
             entry = self.local.get(ref, version) if self.local is not None else None
             if entry is None:
@@ -119,20 +123,15 @@ class FeatureReader:
             else:
                 answers[i] = Answer(ref, entry.values, "local",
                                     max(0, now - entry.computed_at_ms), version)
-        if pending:
-            token = self.local.token() if self.local is not None else 0
-            fetched = self._cache_only(target, [refs[i] for i in pending])
-            # A miss, or a hot entry XFetch picks for early refresh: the full way.
-            if any(entry is None or target.should_refresh(answer.ref, entry, now)
-                   for answer, entry in fetched):
-                return None
-            for i, (answer, entry) in zip(pending, fetched, strict=True):
-                answers[i] = answer
-                if self.local is not None and entry is not None:
-                    self.local.put(answer.ref, entry, token)
-        if target.hot is not None:  # read() samples its reads in ReadThrough.get_many
-            target.hot.record(version, refs)
-        return [a for a in answers if a is not None]
+        return answers, pending
+
+    def _fill(self, answers: list[Answer | None], pending: list[int],
+              fetched: list[tuple[Answer, Entry | None]], token: int) -> None:
+        """Put fetched answers in place, and their entries in the in-process tier."""
+        for i, (answer, entry) in zip(pending, fetched, strict=True):
+            answers[i] = answer
+            if self.local is not None and entry is not None:
+                self.local.put(answer.ref, entry, token)
 
     @staticmethod
     def _cache_only(target: ReadThrough,
