@@ -209,7 +209,7 @@ class GroupLag:
         group reads from the start: ``auto_offset_reset=earliest``). Topics that do not
         exist are left out.
         """
-        from confluent_kafka import TopicPartition
+        from confluent_kafka import KafkaException, TopicPartition
 
         probe = self._client()
         wanted = list(dict.fromkeys(topics))
@@ -221,7 +221,13 @@ class GroupLag:
             return {}
         lag: dict[str, int] = {}
         for tp in probe.committed(parts, timeout=self.timeout_s):
-            low, high = probe.get_watermark_offsets(tp, timeout=self.timeout_s)
+            try:
+                low, high = probe.get_watermark_offsets(tp, timeout=self.timeout_s)
+            except KafkaException as exc:
+                # Lag is advisory: a partition without a leader this moment (a topic
+                # just created, a broker restarting) is left out, not an error.
+                log.debug("no offsets for %s[%s]: %s", tp.topic, tp.partition, exc)
+                continue
             done = tp.offset if tp.offset >= 0 else low
             lag[tp.topic] = lag.get(tp.topic, 0) + max(0, high - done)
         return lag
