@@ -108,22 +108,15 @@ def _write(conninfo: str, tenant: str, users: int, rate: int, window: float,
     rng = random.Random(seed)
     mine: list[int] = []
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        # As applications commit by default. The dev stack turns synchronous_commit off,
-        # and logical decoding only sends flushed WAL: with it off, a commit waits for
-        # the WAL writer (wal_writer_delay, 200 ms) before Debezium can see it.
+        # Logical decoding only sends flushed WAL: with synchronous_commit off, a commit
+        # waits for the WAL writer (wal_writer_delay, 200 ms) before Debezium sees it.
         conn.execute(f"SET synchronous_commit = {synchronous_commit}")
         insert = ("INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
                   "VALUES (%s, %s, %s, %s, %s) RETURNING id")
         update = "UPDATE transactions SET amount = amount + 1 WHERE tenant_id = %s AND id = %s"
         started = time.monotonic()
-        i = 0
-        while True:
-            due = started + i / rate
-            now = time.monotonic()
-            if now - started >= window:
-                break
-            if due > now:
-                time.sleep(due - now)  # pacing the offered rate
+        writes = 0
+        for _ in common.paced(rate, window):
             if mine and rng.random() < UPDATE_SHARE:
                 conn.execute(update, (tenant, rng.choice(mine)), prepare=True)
             else:
@@ -134,9 +127,9 @@ def _write(conninfo: str, tenant: str, users: int, rate: int, window: float,
                                    prepare=True).fetchone()
                 if row is not None:
                     mine.append(int(row[0]))
-            i += 1
+            writes += 1
         elapsed = time.monotonic() - started
-    return i, i / elapsed
+    return writes, writes / elapsed
 
 
 def _wait(condition: Any, what: str, deadline_s: float, proc: subprocess.Popen[bytes] | None = None,

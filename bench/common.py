@@ -471,3 +471,18 @@ class InvalidationWatcher:
         self._stop.set()
         self.thread.join(5)
         self.pubsub.close()
+
+
+def paced(rate: float, window: float) -> Iterator[int]:
+    """Yield 0, 1, 2, ... at ``rate`` per second, open loop, until ``window`` s have passed."""
+    started = time.monotonic()
+    i = 0
+    while True:
+        now = time.monotonic()
+        if now - started >= window:
+            return
+        due = started + i / rate
+        if due > now:
+            time.sleep(due - now)  # pacing the offered rate
+        yield i
+        i += 1

@@ -220,21 +220,13 @@ def _freshness(ctx: common.Context, quick: bool) -> dict[str, Any]:
                 time.sleep(0.5)  # pacing the probes while the group forms
             time.sleep(1.0)  # let the probes drain before the window opens
             started = time.monotonic()
-            i = 0
-            while True:
-                due = started + i / rate
-                now = time.monotonic()
-                if now - started >= window:
-                    break
-                if due > now:
-                    time.sleep(due - now)  # pacing the offered rate
+            for i in common.paced(rate, window):
                 user = _user(rng, data.users)
                 at = time.time()
                 producer.produce(topic, _event(data.tenant, user, i, at),
                                  f"{data.tenant}:{user}".encode())
                 sent.append((at, user))
-                i += 1
-                if i % 200 == 0:
+                if i % 200 == 199:
                     producer.inner.poll(0)
             producer.flush()
             offered = len(sent) / (time.monotonic() - started)

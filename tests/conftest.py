@@ -40,6 +40,16 @@ def _admin_engine(base: Settings) -> Engine:
     return sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
 
 
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` until it holds or the deadline passes; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)  # polling interval, not synchronisation
+    return predicate()
+
+
 def recreate_database(base: Settings, name: str) -> str:
     """Drop and create ``name``; return its URL."""
     admin = _admin_engine(base)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +27,7 @@ from pipeline.seed import SeedSummary
 from pipeline.settings import Settings
 from pipeline.store import FeatureStore
 from pipeline.types import EntityRef
-from tests.conftest import fresh_version
+from tests.conftest import fresh_version, wait_until
 
 
 class Api:
@@ -68,17 +67,6 @@ def running(app: Starlette, key: str | None = None) -> Iterator[Api]:
             yield Api(app, portal, client, key)
         finally:
             portal.call(client.aclose)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """Poll ``predicate`` until it holds or the deadline passes."""
-    deadline = time.monotonic() + timeout
-    tick = threading.Event()
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        tick.wait(0.005)
-    return predicate()
 
 
 @pytest.fixture

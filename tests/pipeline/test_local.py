@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,21 +17,10 @@ from pipeline.local import LocalTier
 from pipeline.recompute import Batch
 from pipeline.store import TTL_JITTER, FeatureStore
 from pipeline.types import EntityRef, Entry
-from tests.conftest import fresh_version
+from tests.conftest import fresh_version, wait_until
 
 VALUES = {"txn_count": 1, "txn_sum": 2.0, "txn_mean": 2.0, "txn_max": 2.0, "txn_std": 0.0,
           "distinct_merchants": 1, "distinct_devices": 1, "last_txn_at": None}
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """Poll ``predicate`` until it holds or the deadline passes."""
-    deadline = time.monotonic() + timeout
-    tick = threading.Event()
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        tick.wait(0.005)
-    return predicate()
 
 
 def now_ms() -> int:
