@@ -1,0 +1,103 @@
+"""scripts/bootstrap takes any Python from 3.11 on, as pyproject.toml's requires-python says.
+
+Bootstrap runs from a copy in a temporary directory (it works on the directory above its
+own), with ``--check-python`` so it only chooses the interpreter. The interpreters are
+fakes: each claims a version both to ``--version`` and to code run with ``-c``, so the
+test holds however bootstrap asks, and refuses anything else (such as ``-m venv``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAKE_PYTHON = '''\
+#!{executable}
+import collections
+import sys
+
+VersionInfo = collections.namedtuple("version_info", "major minor micro releaselevel serial")
+sys.version_info = VersionInfo({major}, {minor}, {micro}, "final", 0)
+sys.version = "{version} (fake)"
+args = sys.argv[1:]
+if args in (["--version"], ["-V"]):
+    print("Python {version}")
+elif len(args) >= 2 and args[0] == "-c":
+    sys.argv = ["-c", *args[2:]]
+    exec(compile(args[1], "<string>", "exec"), {{"__name__": "__main__"}})
+else:
+    sys.exit("fake Python {version}: unexpected arguments %r" % (args,))
+'''
+
+# What a pyenv shim for a version that is not selected does.
+BROKEN_SHIM = "#!/bin/sh\necho \"pyenv: $(basename \"$0\"): command not found\" >&2\nexit 127\n"
+
+
+def fake_python(path: Path, version: str) -> Path:
+    major, minor, micro = (int(part) for part in version.split("."))
+    write_executable(path, FAKE_PYTHON.format(executable=sys.executable, version=version,
+                                              major=major, minor=minor, micro=micro))
+    return path
+
+
+def write_executable(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+def check_python(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``scripts/bootstrap --check-python`` from a copy, PYTHON unset unless given."""
+    copy = tmp_path / "repo" / "scripts" / "bootstrap"
+    copy.parent.mkdir(parents=True)
+    shutil.copy2(ROOT / "scripts" / "bootstrap", copy)
+    base = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    return subprocess.run([str(copy), "--check-python"], capture_output=True, text=True,
+                          env={**base, **env}, timeout=60)
+
+
+@pytest.mark.parametrize("version", ["3.11.9", "3.12.4", "3.13.1"])
+def test_accepts_python_3_11_and_later(tmp_path: Path, version: str) -> None:
+    python = fake_python(tmp_path / "bin" / "python", version)
+    r = check_python(tmp_path, PYTHON=str(python))
+    assert r.returncode == 0, r.stderr
+    minor = version.rpartition(".")[0]
+    assert f"Python {minor}" in r.stdout and str(python) in r.stdout
+
+
+def test_refuses_python_3_10_in_one_line(tmp_path: Path) -> None:
+    python = fake_python(tmp_path / "bin" / "python", "3.10.13")
+    r = check_python(tmp_path, PYTHON=str(python))
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "3.10" in lines[0] and "3.11 or later" in lines[0] and str(python) in lines[0]
+
+
+def test_without_PYTHON_the_newest_interpreter_that_runs_is_chosen(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    write_executable(bin_dir / "python3.13", BROKEN_SHIM)
+    fake_python(bin_dir / "python3.12", "3.12.4")
+    fake_python(bin_dir / "python3.11", "3.11.9")
+    r = check_python(tmp_path, PATH=f"{bin_dir}:/usr/bin:/bin")
+    assert r.returncode == 0, r.stderr
+    assert "Python 3.12" in r.stdout and r.stdout.strip().endswith("python3.12")
+
+
+def test_without_PYTHON_an_old_python3_alone_is_refused(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    for name in ("python3.13", "python3.12", "python3.11"):
+        write_executable(bin_dir / name, BROKEN_SHIM)
+    fake_python(bin_dir / "python3", "3.10.13")
+    r = check_python(tmp_path, PATH=f"{bin_dir}:/usr/bin:/bin")
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "3.11 or later" in lines[0] and "PYTHON=" in lines[0]
