@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 import redis
@@ -28,6 +29,25 @@ import migrations
 from pipeline.db import make_engine
 from pipeline.seed import SeedSummary, seed
 from pipeline.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_stack_env(path: Path = ROOT / ".stack" / "env") -> None:
+    """Take the local stack's connection settings from ``.stack/env`` (``scripts/stack up``
+    writes it) unless the environment names a Postgres already; set variables win."""
+    if "FRESHLINE_POSTGRES_URL" in os.environ or not path.is_file():
+        return
+    for line in path.read_text().splitlines():
+        key, sep, value = line.strip().partition("=")
+        if not sep or key.startswith("#"):
+            continue
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        os.environ.setdefault(key, value)
+
+
+load_stack_env()
 
 # One database per test session, so sessions running side by side never collide.
 TEST_DB = os.environ.get("FRESHLINE_TEST_DB", f"freshline_test_{os.getpid()}")
