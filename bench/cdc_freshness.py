@@ -43,18 +43,18 @@ import psycopg
 from sqlalchemy.engine import make_url
 
 from bench import common
-from consumers.cdc import (
+from consumers.kafka import Consumer
+from consumers.topics import ensure_cdc_topics
+from pipeline.cdc.connect import (
     HEARTBEAT_MS,
     ConnectClient,
     captured_tables,
     connector_config,
     connector_state,
     drop_slot,
-    ensure_topics,
     names,
     slot_state,
 )
-from consumers.kafka import Consumer
 
 RATE = 500
 TARGET_P99_MS = 1000.0
@@ -168,7 +168,7 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
     conninfo = _connstr(settings.postgres_url)
     windows: dict[str, dict[str, Any]] = {}
     try:
-        ensure_topics(settings, owned, tables)
+        ensure_cdc_topics(settings, [owned.topic(t) for t in tables])
         client.put_config(owned.connector, config)
 
         def running() -> bool:
@@ -249,8 +249,8 @@ def _heaviest_user_cost(ctx: common.Context, tenant: str) -> dict[str, Any]:
     """
     import sqlalchemy as sa
 
-    from pipeline.features import REGISTRY
-    from pipeline.recompute import compute
+    from pipeline.cache.recompute import compute
+    from pipeline.core.features import REGISTRY
 
     with ctx.engine.connect() as conn:
         user, count = conn.execute(sa.text(

@@ -33,10 +33,10 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
-from pipeline.errors import FreshlineError
-from pipeline.invalidation import Invalidation
-from pipeline.keys import INVALIDATION_CHANNEL
-from pipeline.recompute import unpack_watermark
+from pipeline.cache.invalidation import Invalidation
+from pipeline.cache.recompute import unpack_watermark
+from pipeline.core.errors import FreshlineError
+from pipeline.core.keys import INVALIDATION_CHANNEL
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -182,7 +182,7 @@ class Context:
     """
 
     def __init__(self, quick: bool) -> None:
-        from pipeline.settings import Settings
+        from pipeline.core.settings import Settings
 
         self.quick = quick
         self.tag = uuid.uuid4().hex[:8]
@@ -238,7 +238,7 @@ class Context:
     @property
     def engine(self) -> Engine:
         if self._engine is None:
-            from pipeline.db import make_engine
+            from pipeline.core.db import make_engine
 
             self._engine = make_engine(self.settings, pool_size=20)
         return self._engine
@@ -258,7 +258,7 @@ class Context:
     def dataset(self) -> Dataset:
         """The run's seeded tenant, created on first use (or adopted from ``seed``)."""
         if self._dataset is None:
-            from pipeline.seed import seed
+            from pipeline.dev.seed import seed
 
             users, txns = (2_000, 40_000) if self.quick else (20_000, 400_000)
             t0 = now_ns()

@@ -1,16 +1,16 @@
 """Deploys: the hit rate across a SCHEMA_VERSION bump, and purging an old namespace.
 
 **Hit rate over time.** A reader thread reads random batches of the hottest users
-through :class:`pipeline.readthrough.ReadThrough` following a private deploy pointer
-(:class:`pipeline.deploy.Pointer.scoped`, an in-memory lock holding both versions),
+through :class:`pipeline.cache.readthrough.ReadThrough` following a private deploy pointer
+(:class:`pipeline.cache.versions.Pointer.scoped`, an in-memory lock holding both versions),
 and records, per call, how many answers were cache hits. Mid-way the version is
 bumped, twice in the same run: cold (``flip`` straight to the new version) and warmed
-(``start``, warm the hottest users by sampled reads with :func:`pipeline.warm.warm`,
+(``start``, warm the hottest users by sampled reads with :func:`pipeline.deploy.warm.warm`,
 then ``flip``). Each bump gets fresh versions.
 
-**Purge.** An old namespace of N keys is removed by :func:`pipeline.deploy.purge`
+**Purge.** An old namespace of N keys is removed by :func:`pipeline.deploy.purge.purge`
 (SCAN + UNLINK batches of 500) in a separate process, while a reader in this process
-reads active entries with :class:`pipeline.client.FeatureClient`; the reader's
+reads active entries with :class:`pipeline.cache.client.FeatureClient`; the reader's
 latency during the purge is compared with its latency just before and after.
 """
 
@@ -28,16 +28,18 @@ from typing import Any
 import numpy as np
 
 from bench import common
-from pipeline.client import FeatureClient
-from pipeline.codec import encode_entry
-from pipeline.deploy import Pointer, VersionResolver, flip, start
-from pipeline.features import REGISTRY
-from pipeline.keys import feature_key
-from pipeline.lock import Lock, LockedSet
-from pipeline.readthrough import ReadThrough
-from pipeline.store import FeatureStore
-from pipeline.types import EntityRef
-from pipeline.warm import HotReads, warm
+from pipeline.cache.client import FeatureClient
+from pipeline.cache.hot import HotReads
+from pipeline.cache.readthrough import ReadThrough
+from pipeline.cache.store import FeatureStore
+from pipeline.cache.versions import Pointer, VersionResolver
+from pipeline.core.codec import encode_entry
+from pipeline.core.features import REGISTRY
+from pipeline.core.keys import feature_key
+from pipeline.core.lock import Lock, LockedSet
+from pipeline.core.types import EntityRef
+from pipeline.deploy.pointer import flip, start
+from pipeline.deploy.warm import warm
 
 FEATURE_SET = "txn_90d"
 READ_BATCH = 50
@@ -132,8 +134,9 @@ def _rate(h: np.ndarray, t: np.ndarray) -> float | None:
 
 _PURGE = """
 import json, sys, time, redis
-from pipeline.deploy import Pointer, purge
-from pipeline.settings import Settings
+from pipeline.cache.versions import Pointer
+from pipeline.deploy.purge import purge
+from pipeline.core.settings import Settings
 s = Settings(redis_url=sys.argv[1], schema_version=int(sys.argv[2]))
 r = redis.Redis.from_url(sys.argv[1])
 pointer = Pointer.scoped(sys.argv[4])
@@ -152,7 +155,7 @@ def _purge(ctx: common.Context, keys: int, quiet_s: float) -> dict[str, Any]:
     r = ctx.new_redis()
     # The active namespace the reader reads, and an old one of ``keys`` entries.
     readers = [(data.tenant, str(u)) for u in range(1, min(1000, data.users) + 1)]
-    from pipeline.recompute import compute
+    from pipeline.cache.recompute import compute
 
     store = FeatureStore(r, active)
     for chunk in common.chunks(readers, 500):

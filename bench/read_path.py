@@ -5,9 +5,9 @@ run's data set, in a schema version of its own), cycling through them, at concur
 1 and 16 (threads sharing one process, as a scoring service's request threads would):
 
 * ``raw GET`` / ``raw MGET 100``: redis-py on the same keys, the floor;
-* ``client get`` / ``client get_many 100``: :class:`pipeline.client.FeatureClient`
+* ``client get`` / ``client get_many 100``: :class:`pipeline.cache.client.FeatureClient`
   (MGET, decode, age);
-* ``in-process hit``: the same client with a started :class:`pipeline.local.LocalTier`
+* ``in-process hit``: the same client with a started :class:`pipeline.cache.local.LocalTier`
   (every read a local hit);
 * ``HTTP GET`` / ``HTTP batch 100``: a real ``freshline serve`` subprocess (granian,
   2 workers) over keep-alive connections with httpx, one client per thread. The
@@ -38,13 +38,13 @@ import httpx
 import orjson
 
 from bench import common
-from pipeline.auth import create_api_key
-from pipeline.client import FeatureClient
-from pipeline.features import REGISTRY
-from pipeline.local import LocalTier
-from pipeline.recompute import compute
-from pipeline.store import FeatureStore
-from pipeline.types import EntityRef
+from pipeline.api.auth import create_api_key
+from pipeline.cache.client import FeatureClient
+from pipeline.cache.local import LocalTier
+from pipeline.cache.recompute import compute
+from pipeline.cache.store import FeatureStore
+from pipeline.core.features import REGISTRY
+from pipeline.core.types import EntityRef
 
 FEATURE_SET = "txn_90d"
 ENTITIES = 1000

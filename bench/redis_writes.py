@@ -5,7 +5,7 @@ and again, each call with a newer watermark, so every conditional write really
 replaces its entry (an equal watermark would be a cheaper no-op). Candidates,
 interleaved round by round:
 
-* ``conditional``: :meth:`pipeline.store.FeatureStore.write`, the shipped path: encode
+* ``conditional``: :meth:`pipeline.cache.store.FeatureStore.write`, the shipped path: encode
   each entry, one pipeline of EVALSHA of the compare-and-set Lua script;
 * ``conditional, plain EVALSHA``: the same script and encoding in a bare loop, without
   the store's bookkeeping (its entity refs, result codes, NOSCRIPT handling);
@@ -21,12 +21,12 @@ import random
 from typing import Any
 
 from bench import common
-from pipeline.codec import encode_entry
-from pipeline.features import REGISTRY
-from pipeline.keys import feature_key, lease_key
-from pipeline.recompute import Batch, compute
-from pipeline.store import _WRITE_LUA, FeatureStore, jittered_ttl_ms
-from pipeline.types import EntityRef
+from pipeline.cache.recompute import Batch, compute
+from pipeline.cache.store import _WRITE_LUA, FeatureStore, jittered_ttl_ms
+from pipeline.core.codec import encode_entry
+from pipeline.core.features import REGISTRY
+from pipeline.core.keys import feature_key, lease_key
+from pipeline.core.types import EntityRef
 
 BATCH = 500
 

@@ -1,6 +1,6 @@
 """Seeding: rows/s of ``freshline seed`` (COPY) against a naive ``executemany`` INSERT.
 
-Two figures. First, the whole ``freshline seed`` load (:func:`pipeline.seed.seed`, the
+Two figures. First, the whole ``freshline seed`` load (:func:`pipeline.dev.seed.seed`, the
 function the command calls): generating and COPYing users, devices, links and
 1,000,000 transactions (50,000 with ``--quick``) into a fresh tenant, timed once. The
 tenant it creates becomes the run's data set for the other benchmarks.
@@ -45,7 +45,7 @@ def run(quick: bool) -> dict[str, Any]:
     users, txns = (2_500, 50_000) if quick else (100_000, 1_000_000)
     sample, rounds = (2_000, 2) if quick else (20_000, 3)
 
-    from pipeline.seed import seed
+    from pipeline.dev.seed import seed
 
     summary, seconds = common.timed(lambda: seed(
         ctx.engine, users=users, transactions=txns, tenant_prefix=ctx.tenant_prefix(),

@@ -48,14 +48,14 @@ from bench import common
 from consumers.events import decode
 from consumers.kafka import Consumer, Producer
 from consumers.routing import Router
-from consumers.topics import TRANSACTION_UPDATED, logical, qualified
 from consumers.worker import Worker
-from pipeline.features import REGISTRY
-from pipeline.invalidation import Invalidation
-from pipeline.keys import INVALIDATION_CHANNEL
-from pipeline.recompute import compute
-from pipeline.settings import Settings
-from pipeline.store import FeatureStore
+from pipeline.cache.invalidation import Invalidation
+from pipeline.cache.recompute import compute
+from pipeline.cache.store import FeatureStore
+from pipeline.core.features import REGISTRY
+from pipeline.core.keys import INVALIDATION_CHANNEL
+from pipeline.core.settings import Settings
+from pipeline.core.topics import TRANSACTION_UPDATED, logical, qualified
 
 HOT_USERS = 20
 HOT_SHARE = 0.8

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from consumers.events import EventRejected
 from consumers.kafka import Delivery, Headers, Producer
-from consumers.topics import DLQ
+from pipeline.core.topics import DLQ
 
 HEADER_PREFIX = "x-freshline-"
 ERROR_CLASS = "x-freshline-error-class"

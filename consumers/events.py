@@ -1,4 +1,4 @@
-"""Decoding Kafka records into :class:`pipeline.types.ChangeEvent`.
+"""Decoding Kafka records into :class:`pipeline.core.types.ChangeEvent`.
 
 Two input forms become one event:
 
@@ -12,7 +12,7 @@ Two input forms become one event:
 exception, so the run loop can dead-letter the record and move on.
 
 Every tenant and entity id in a returned event's ``row`` and ``before`` has passed
-:func:`pipeline.keys.validate_id`, so routing can build keys from them.
+:func:`pipeline.core.keys.validate_id`, so routing can build keys from them.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any, Literal, cast, get_args
 
 import orjson
 
-from consumers.topics import CDC_TOPIC_PATTERN, DOMAIN_TOPICS, TRANSACTION_CREATED
-from pipeline.errors import FreshlineError, InvalidId
-from pipeline.keys import validate_id
-from pipeline.settings import Settings
-from pipeline.types import ChangeEvent, Op
+from pipeline.core.errors import FreshlineError, InvalidId
+from pipeline.core.keys import validate_id
+from pipeline.core.settings import Settings
+from pipeline.core.topics import CDC_TOPIC_PATTERN, DOMAIN_TOPICS, TRANSACTION_CREATED
+from pipeline.core.types import ChangeEvent, Op
 from schemas.events import DeviceEvent, DomainEvent, EventFieldError, TransactionEvent, UserEvent
 
 RejectKind = Literal[

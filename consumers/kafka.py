@@ -18,8 +18,8 @@ import confluent_kafka
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from pipeline.errors import FreshlineError, ServiceUnavailable
-from pipeline.settings import Settings
+from pipeline.core.errors import FreshlineError, ServiceUnavailable
+from pipeline.core.settings import Settings
 
 logger = logging.getLogger("freshline.kafka")
 

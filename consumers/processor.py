@@ -24,12 +24,12 @@ import redis
 from sqlalchemy.engine import Engine
 
 from consumers.routing import Router
-from pipeline.features import REGISTRY, Registry
-from pipeline.invalidation import Invalidation
-from pipeline.keys import INVALIDATION_CHANNEL
-from pipeline.recompute import compute, read_watermark
-from pipeline.store import FeatureStore, WriteResult
-from pipeline.types import ChangeEvent, EntityRef
+from pipeline.cache.invalidation import Invalidation
+from pipeline.cache.recompute import compute, read_watermark
+from pipeline.cache.store import FeatureStore, WriteResult
+from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.keys import INVALIDATION_CHANNEL
+from pipeline.core.types import ChangeEvent, EntityRef
 
 
 @dataclass(slots=True)

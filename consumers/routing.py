@@ -1,6 +1,6 @@
 """Routing: which (feature set, tenant, entity) entries a change affects.
 
-A change reaches a feature set through the set's :class:`~pipeline.features.Source`
+A change reaches a feature set through the set's :class:`~pipeline.core.features.Source`
 for the changed table: directly, through columns that hold a user id (the old and
 the new value both, so a row that moves between users affects both), or through a
 reverse-lookup query (a changed device affects every user of it; a changed geoip
@@ -17,10 +17,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from pipeline.errors import FreshlineError, InvalidId
-from pipeline.features import REGISTRY, Registry, Source
-from pipeline.keys import validate_id
-from pipeline.types import ChangeEvent
+from pipeline.core.errors import FreshlineError, InvalidId
+from pipeline.core.features import REGISTRY, Registry, Source
+from pipeline.core.keys import validate_id
+from pipeline.core.types import ChangeEvent
 
 Targets = dict[str, set[tuple[str, str]]]
 """Feature set name -> the (tenant, entity) pairs to recompute or invalidate."""

@@ -1,4 +1,4 @@
-"""Every Kafka topic name freshline uses, and ``ensure``, which creates them.
+"""Creating freshline's Kafka topics: ``ensure`` and the topic sets it is given.
 
 Consumers never rely on broker-side auto-creation: ``freshline topics ensure`` creates
 the domain-event, invalidation and dead-letter topics with the configured partition
@@ -17,33 +17,9 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
-from pipeline.errors import FreshlineError
-from pipeline.settings import Settings
-
-TRANSACTION_CREATED = "transaction.created"
-TRANSACTION_UPDATED = "transaction.updated"
-DEVICE_UPDATED = "device.updated"
-USER_UPDATED = "user.updated"
-
-DOMAIN_TOPICS: dict[str, str] = {
-    TRANSACTION_CREATED: "transactions",
-    TRANSACTION_UPDATED: "transactions",
-    DEVICE_UPDATED: "devices",
-    USER_UPDATED: "users",
-}
-"""Each domain-event topic and the source table its events describe."""
-
-INVALIDATIONS = "freshline.invalidations"
-DLQ = "freshline.dlq"
-
-CDC_PREFIX = "freshline"
-CDC_TOPIC_PATTERN = re.compile(r"(?P<prefix>[^.]+)\.(?P<schema>[^.]+)\.(?P<table>[^.]+)")
-"""``<prefix>.<schema>.<table>``: the topic names Debezium's Postgres connector uses."""
-CDC_SUBSCRIPTION = rf"^{re.escape(CDC_PREFIX)}\.public\..*"
-"""A librdkafka regex subscription matching every CDC topic of our database."""
-
-MANAGED_TOPICS: tuple[str, ...] = (*DOMAIN_TOPICS, INVALIDATIONS, DLQ)
-"""The topics ``freshline topics ensure`` creates."""
+from pipeline.core.errors import FreshlineError
+from pipeline.core.settings import Settings
+from pipeline.core.topics import CDC_PREFIX, DOMAIN_TOPICS, MANAGED_TOPICS, qualified
 
 ADMIN_TIMEOUT_S = 15.0
 
@@ -110,19 +86,6 @@ def partition_count(admin: AdminClient, topic: str) -> int:
     return len(found.partitions)
 
 
-def qualified(settings: Settings, topic: str) -> str:
-    """The name on the broker: ``FRESHLINE_TOPIC_PREFIX`` + ``topic`` (no prefix by default).
-
-    A prefix lets several environments (or test runs) share one cluster.
-    """
-    return settings.topic_prefix + topic
-
-
-def logical(settings: Settings, topic: str) -> str:
-    """The contract name of a broker topic: :func:`qualified` undone."""
-    return topic.removeprefix(settings.topic_prefix)
-
-
 def managed_topics(settings: Settings) -> list[str]:
     return [qualified(settings, t) for t in MANAGED_TOPICS]
 
@@ -139,3 +102,15 @@ def ensure_from_settings(settings: Settings, *, replication_factor: int = 1) -> 
 
     return ensure(admin_client(settings), settings.topic_partitions,
                   replication_factor=replication_factor, topics=managed_topics(settings))
+
+
+def ensure_cdc_topics(settings: Settings, topics: Iterable[str]) -> list[str]:
+    """Create Debezium's CDC topics with ``FRESHLINE_TOPIC_PARTITIONS``; return the new.
+
+    Made before the connector runs, not left to broker auto-creation: they get the
+    configured partition count (consumers scale out by partition), and a consumer's
+    regex subscription finds them at once instead of at its next metadata refresh.
+    """
+    from consumers.kafka import admin_client
+
+    return ensure(admin_client(settings), settings.topic_partitions, topics=topics).created

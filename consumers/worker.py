@@ -38,13 +38,14 @@ from consumers.kafka import Consumer, Producer
 from consumers.metrics import consumer_metrics
 from consumers.processor import Processor
 from consumers.routing import Router
-from consumers.topics import DLQ, INVALIDATIONS, logical, qualified, subscription
-from pipeline.db import make_engine
-from pipeline.deploy import write_versions
-from pipeline.errors import FreshlineError
-from pipeline.invalidation import Invalidation
-from pipeline.settings import Settings
-from pipeline.types import ChangeEvent
+from consumers.topics import subscription
+from pipeline.cache.invalidation import Invalidation
+from pipeline.cache.versions import WriteVersions
+from pipeline.core.db import make_engine
+from pipeline.core.errors import FreshlineError
+from pipeline.core.settings import Settings
+from pipeline.core.topics import DLQ, INVALIDATIONS, logical, qualified
+from pipeline.core.types import ChangeEvent
 
 logger = logging.getLogger("freshline.consumer")
 
@@ -91,7 +92,7 @@ class Worker:
         self.redis = redis.Redis.from_url(settings.redis_url)
         self.processor = Processor(
             self.engine, self.redis,
-            versions=versions or (lambda: write_versions(self.redis, settings)),
+            versions=versions or WriteVersions(self.redis, settings),
             tombstone_ttl_s=settings.tombstone_ttl_s, publish=self._publish)
         self.router = Router()
         self.totals = Totals()

@@ -14,8 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self
 
-from pipeline.errors import FreshlineError, InvalidId
-from pipeline.keys import validate_id
+from schemas.ids import id_problem
 
 SCHEMA_DIR = Path(__file__).resolve().parent
 MAX_BIGINT = 2**63 - 1
@@ -23,7 +22,7 @@ MAX_BIGINT = 2**63 - 1
 FieldProblem = Literal["missing_field", "invalid_id", "invalid_field"]
 
 
-class EventFieldError(FreshlineError, ValueError):
+class EventFieldError(ValueError):
     """A domain event whose fields break its contract."""
 
     def __init__(self, kind: FieldProblem, field: str, reason: str) -> None:
@@ -49,10 +48,10 @@ def _text_id(obj: dict[str, Any], name: str) -> str:
     value = _required(obj, name)
     if not isinstance(value, str):
         raise EventFieldError("invalid_id", name, "must be a string")
-    try:
-        return validate_id(name, value)
-    except InvalidId as exc:
-        raise EventFieldError("invalid_id", name, exc.reason) from exc
+    problem = id_problem(value)
+    if problem is not None:
+        raise EventFieldError("invalid_id", name, problem)
+    return value
 
 
 def _numeric_id(obj: dict[str, Any], name: str) -> int:

@@ -26,9 +26,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
 import migrations
-from pipeline.db import make_engine
-from pipeline.seed import SeedSummary, seed
-from pipeline.settings import Settings
+from pipeline.core.db import make_engine
+from pipeline.core.settings import Settings
+from pipeline.dev.seed import SeedSummary, seed
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 import migrations
-from pipeline.db import metadata
-from pipeline.settings import Settings
+from pipeline.core.db import metadata
+from pipeline.core.settings import Settings
 from tests.conftest import drop_database, recreate_database
 
 

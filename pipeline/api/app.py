@@ -12,22 +12,22 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from pipeline.api import metrics, routes
+from pipeline.api.auth import Authenticator
 from pipeline.api.errors import HANDLERS
 from pipeline.api.openapi import document
 from pipeline.api.reader import FeatureReader
-from pipeline.auth import Authenticator
-from pipeline.db import make_engine
-from pipeline.deploy import VersionResolver
-from pipeline.features import REGISTRY, Registry
-from pipeline.inference import InferenceCache
-from pipeline.local import LocalTier
-from pipeline.models import ModelRegistry
-from pipeline.readthrough import ReadThrough
-from pipeline.settings import Settings, get_settings
-from pipeline.staleness import GroupLag
-from pipeline.status import Observer, SampledMetrics, StatusBoard
-from pipeline.store import FeatureStore
-from pipeline.warm import HotReads
+from pipeline.cache.hot import HotReads
+from pipeline.cache.local import LocalTier
+from pipeline.cache.readthrough import ReadThrough
+from pipeline.cache.store import FeatureStore
+from pipeline.cache.versions import VersionResolver
+from pipeline.core.db import make_engine
+from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.settings import Settings, load_settings
+from pipeline.inference.models import ModelRegistry
+from pipeline.inference.predictions import InferenceCache
+from pipeline.observe.staleness import GroupLag
+from pipeline.observe.status import Observer, SampledMetrics, StatusBoard
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,9 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
     The in-process tier is used when ``local`` is given, or made (and started at
     start-up) when ``settings.local_cache_size > 0``. With ``follow_deploys`` reads
     serve the active schema version named by the deploy pointer
-    (:class:`pipeline.deploy.VersionResolver`) and are sampled for warming.
+    (:class:`pipeline.deploy.pointer.VersionResolver`) and are sampled for warming.
 
-    ``/status`` keeps a snapshot every ``status_interval_s`` (:mod:`pipeline.status`);
+    ``/status`` keeps a snapshot every ``status_interval_s`` (:mod:`pipeline.observe.status`);
     ``consumer_metrics`` are the consumers' ``/metrics`` URLs it reads freshness lag
     from (default: the local consumer's port, ``FRESHLINE_CONSUMER_METRICS_PORT``).
     """
@@ -128,4 +128,4 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
 
 def app_from_env() -> Starlette:
     """The app factory servers call (``granian --factory``, ``uvicorn --factory``)."""
-    return create_app(get_settings())
+    return create_app(load_settings())

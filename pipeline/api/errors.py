@@ -1,6 +1,6 @@
 """Errors as JSON: ``{"error": {"code": ..., "message": ...}}``, never a traceback.
 
-Every :class:`pipeline.errors.FreshlineError` a handler raises maps to a status and a
+Every :class:`pipeline.core.errors.FreshlineError` a handler raises maps to a status and a
 code by its class (the most specific class in :data:`STATUS` wins); Starlette's own
 404 and 405 become the same JSON; anything unexpected is logged and answered 500.
 """
@@ -19,16 +19,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ExceptionHandler
 
-from pipeline.auth import Unauthorized
-from pipeline.errors import (
+from pipeline.api.auth import Unauthorized
+from pipeline.core.errors import (
     FreshlineError,
     InvalidId,
     ModelError,
     ServiceUnavailable,
     UnknownFeatureSet,
 )
-from pipeline.inference import InvalidInput, NonDeterministicModel
-from pipeline.models import UnknownModel
+from pipeline.inference.models import UnknownModel
+from pipeline.inference.predictions import InvalidInput, NonDeterministicModel
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from sqlalchemy.engine import Connection, Engine, ExecutionContext
 from sqlalchemy.sql.elements import TextClause
 
 from pipeline.api.reader import Answer
-from pipeline.features import Registry
-from pipeline.inference import Array, Model
+from pipeline.core.features import Registry
+from pipeline.inference.predictions import Array, Model
 
 BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -63,7 +63,7 @@ PREDICTIONS = Counter(
 )
 
 
-# The caching decision (pipeline.advisor) rests on these three per cache: the cost of a
+# The caching decision (pipeline.observe.advisor) rests on these three per cache: the cost of a
 # read the cache answers, of one it does not, and of the computation alone. ``cache`` is
 # "feature" (``name`` a feature set) or "model" (``name`` a model).
 CACHE_READ_SECONDS = Histogram(

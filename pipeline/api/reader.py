@@ -2,22 +2,22 @@
 
 One call answers many (feature set, entity) pairs of one tenant: the local tier
 first; one MGET for the rest; for the misses, one query per feature set through the
-lease-guarded read-through (:class:`pipeline.readthrough.ReadThrough`), unless the
+lease-guarded read-through (:class:`pipeline.cache.readthrough.ReadThrough`), unless the
 mode is ``cache-only``, which reports them as misses instead.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeline.errors import InvalidId
-from pipeline.keys import validate_id
-from pipeline.local import LocalTier
-from pipeline.readthrough import ReadThrough
-from pipeline.types import EntityRef, Entry, FeatureValues
+from pipeline.cache.local import LocalTier
+from pipeline.cache.readthrough import ReadThrough
+from pipeline.core.clock import now_ms
+from pipeline.core.errors import InvalidId
+from pipeline.core.keys import validate_id
+from pipeline.core.types import EntityRef, Entry, FeatureValues
 
 Mode = Literal["read-through", "cache-only"]
 AnswerSource = Literal["local", "hit", "waited", "computed", "uncached", "miss"]
@@ -48,10 +48,6 @@ class Answer:
     @property
     def hit(self) -> bool:
         return self.source in ("local", "hit", "waited")
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class FeatureReader:
@@ -99,7 +95,7 @@ class FeatureReader:
         if pending:
             token = self.local.token() if self.local is not None else 0
             fetched = self._cache_only(target, [refs[i] for i in pending])
-            now = _now_ms()
+            now = now_ms()
             # A miss, or a hot entry XFetch picks for early refresh: the full way.
             if any(entry is None or target.should_refresh(answer.ref, entry, now)
                    for answer, entry in fetched):
@@ -115,7 +111,7 @@ class FeatureReader:
         version = target.store.schema_version
         answers: list[Answer | None] = [None] * len(refs)
         pending: list[int] = []
-        now = _now_ms()
+        now = now_ms()
         for i, ref in enumerate(refs):
             entry = self.local.get(ref, version) if self.local is not None else None
             if entry is None:
@@ -136,7 +132,7 @@ class FeatureReader:
     @staticmethod
     def _cache_only(target: ReadThrough,
                     refs: list[EntityRef]) -> list[tuple[Answer, Entry | None]]:
-        now = _now_ms()
+        now = now_ms()
         out: list[tuple[Answer, Entry | None]] = []
         version = target.store.schema_version
         for ref, entry in zip(refs, target.store.read(refs), strict=True):
@@ -150,7 +146,7 @@ class FeatureReader:
     @staticmethod
     def _through(target: ReadThrough,
                  refs: list[EntityRef]) -> list[tuple[Answer, Entry | None]]:
-        started_ms = _now_ms()
+        started_ms = now_ms()
         out: list[tuple[Answer, Entry | None]] = []
         for r in target.get_many(refs):
             answer = Answer(r.ref, r.values, r.source, r.age_ms, r.schema_version)

@@ -19,18 +19,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pipeline.api import metrics
+from pipeline.api.auth import Authenticator, Unauthorized, bearer_token
 from pipeline.api.errors import ApiError, JSONResponse, error_response, status_of
 from pipeline.api.reader import MODES, Answer, FeatureReader, Mode, parse_entity
 from pipeline.api.status_page import page as render_status_page
-from pipeline.auth import Authenticator, Unauthorized, bearer_token
-from pipeline.db import ping
-from pipeline.errors import FreshlineError, InvalidId
-from pipeline.features import Registry
-from pipeline.inference import InferenceCache
-from pipeline.keys import validate_id, validate_name
-from pipeline.models import ModelRegistry
-from pipeline.settings import Settings
-from pipeline.types import EntityRef
+from pipeline.core.db import ping
+from pipeline.core.errors import FreshlineError, InvalidId
+from pipeline.core.features import Registry
+from pipeline.core.keys import validate_id, validate_name
+from pipeline.core.settings import Settings
+from pipeline.core.types import EntityRef
+from pipeline.inference.models import ModelRegistry
+from pipeline.inference.predictions import InferenceCache
 
 Handler = Callable[[Request], Awaitable[Response]]
 

@@ -1,6 +1,6 @@
 """The ``/status`` page: one self-contained HTML document, no external assets.
 
-The report (:meth:`pipeline.status.StatusBoard.report`) is embedded in the page, so it
+The report (:meth:`pipeline.observe.status.StatusBoard.report`) is embedded in the page, so it
 renders at once, and fetched again from ``status.json`` every 15 seconds. The charts
 are inline SVG drawn by a few lines of vanilla JavaScript: the page works air-gapped.
 """

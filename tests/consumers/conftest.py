@@ -16,7 +16,7 @@ from confluent_kafka.admin import AdminClient
 
 from consumers.kafka import Consumer, Producer, admin_client
 from consumers.topics import ensure
-from pipeline.settings import Settings
+from pipeline.core.settings import Settings
 
 DEADLINE_S = 30.0
 

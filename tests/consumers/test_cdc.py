@@ -25,26 +25,25 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine
 
-from consumers.cdc import (
+from consumers.topics import ensure, ensure_cdc_topics, managed_topics
+from consumers.worker import Worker
+from pipeline.cache.recompute import compute
+from pipeline.cache.store import FeatureStore
+from pipeline.cdc.connect import (
     ConnectClient,
     Names,
     captured_tables,
     connector_config,
     connector_state,
     drop_slot,
-    ensure_topics,
     names,
     slot_state,
 )
-from consumers.topics import ensure, managed_topics
-from consumers.worker import Worker
-from pipeline.features import REGISTRY
-from pipeline.keys import feature_pattern
-from pipeline.recompute import compute
-from pipeline.seed import SeedSummary
-from pipeline.settings import Settings
-from pipeline.store import FeatureStore
-from pipeline.types import EntityRef
+from pipeline.core.features import REGISTRY
+from pipeline.core.keys import feature_pattern
+from pipeline.core.settings import Settings
+from pipeline.core.types import EntityRef
+from pipeline.dev.seed import SeedSummary
 from tests.consumers.conftest import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.connect]
@@ -99,7 +98,7 @@ def cdc(settings: Settings, engine: Engine, admin: AdminClient,
     client = ConnectClient(local.connect_url)
     ensure(admin, PARTITIONS, topics=managed_topics(local))
     tables = captured_tables()
-    ensure_topics(local, owned, tables)
+    ensure_cdc_topics(local, [owned.topic(t) for t in tables])
     client.put_config(owned.connector, connector_config(local, owned, snapshot_mode="no_data"))
     worker = Worker(local)
     failure: list[BaseException] = []

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from consumers.cdc import captured_tables, connector_config, names, slot_name
 from consumers.topics import subscription
-from pipeline.settings import Settings
+from pipeline.cdc.connect import captured_tables, connector_config, names, slot_name
+from pipeline.core.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from consumers.events import EventRejected, decode
-from pipeline.types import ChangeEvent
+from pipeline.core.types import ChangeEvent
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TOPIC = "freshline.public.transactions"

@@ -15,8 +15,8 @@ from consumers.kafka import (
     admin_client,
     client_config,
 )
-from pipeline.errors import ServiceUnavailable
-from pipeline.settings import Settings
+from pipeline.core.errors import ServiceUnavailable
+from pipeline.core.settings import Settings
 from tests.consumers.conftest import read_topic, wait_for
 
 pytestmark = pytest.mark.kafka

@@ -11,13 +11,13 @@ from sqlalchemy.engine import Engine
 
 from consumers.processor import Processor
 from consumers.routing import Unroutable
-from pipeline.features import REGISTRY
-from pipeline.invalidation import Invalidation
-from pipeline.keys import INVALIDATION_CHANNEL, feature_pattern
-from pipeline.recompute import compute
-from pipeline.seed import SeedSummary
-from pipeline.store import FeatureStore
-from pipeline.types import ChangeEvent, EntityRef
+from pipeline.cache.invalidation import Invalidation
+from pipeline.cache.recompute import compute
+from pipeline.cache.store import FeatureStore
+from pipeline.core.features import REGISTRY
+from pipeline.core.keys import INVALIDATION_CHANNEL, feature_pattern
+from pipeline.core.types import ChangeEvent, EntityRef
+from pipeline.dev.seed import SeedSummary
 
 
 @pytest.fixture

@@ -12,15 +12,14 @@ from pathlib import Path
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from consumers.topics import (
+from consumers.topics import ensure, partition_count
+from pipeline.core.topics import (
     CDC_SUBSCRIPTION,
     CDC_TOPIC_PATTERN,
     DLQ,
     DOMAIN_TOPICS,
     INVALIDATIONS,
     MANAGED_TOPICS,
-    ensure,
-    partition_count,
 )
 
 pytestmark = pytest.mark.kafka

@@ -28,23 +28,22 @@ from sqlalchemy.engine import Engine
 
 from consumers.dlq import ERROR_KIND, SOURCE_OFFSET, SOURCE_TOPIC
 from consumers.kafka import Consumer, Producer
-from consumers.topics import (
+from consumers.topics import ensure, managed_topics
+from consumers.worker import Worker
+from pipeline.cache.recompute import compute
+from pipeline.cache.store import FeatureStore
+from pipeline.core.features import REGISTRY
+from pipeline.core.keys import feature_pattern
+from pipeline.core.settings import Settings
+from pipeline.core.topics import (
     DLQ,
     INVALIDATIONS,
     TRANSACTION_CREATED,
     TRANSACTION_UPDATED,
-    ensure,
-    managed_topics,
     qualified,
 )
-from consumers.worker import Worker
-from pipeline.features import REGISTRY
-from pipeline.keys import feature_pattern
-from pipeline.recompute import compute
-from pipeline.seed import SeedSummary
-from pipeline.settings import Settings
-from pipeline.store import FeatureStore
-from pipeline.types import EntityRef
+from pipeline.core.types import EntityRef
+from pipeline.dev.seed import SeedSummary
 from tests.conftest import fresh_version
 from tests.consumers.conftest import read_topic, wait_for
 

@@ -17,16 +17,16 @@ from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
 
 from pipeline.api import create_app
-from pipeline.auth import create_api_key
-from pipeline.features import REGISTRY
-from pipeline.invalidation import Invalidation
-from pipeline.keys import INVALIDATION_CHANNEL, feature_key
-from pipeline.local import LocalTier
-from pipeline.recompute import Batch, compute
-from pipeline.seed import SeedSummary
-from pipeline.settings import Settings
-from pipeline.store import FeatureStore
-from pipeline.types import EntityRef
+from pipeline.api.auth import create_api_key
+from pipeline.cache.invalidation import Invalidation
+from pipeline.cache.local import LocalTier
+from pipeline.cache.recompute import Batch, compute
+from pipeline.cache.store import FeatureStore
+from pipeline.core.features import REGISTRY
+from pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
+from pipeline.core.settings import Settings
+from pipeline.core.types import EntityRef
+from pipeline.dev.seed import SeedSummary
 from tests.conftest import fresh_version, wait_until
 
 

@@ -13,10 +13,10 @@ import redis
 from sqlalchemy.engine import Engine
 
 from pipeline.api import create_app
-from pipeline.auth import create_api_key
-from pipeline.models import LogisticModel, ModelRegistry
-from pipeline.seed import SeedSummary
-from pipeline.settings import Settings
+from pipeline.api.auth import create_api_key
+from pipeline.core.settings import Settings
+from pipeline.dev.seed import SeedSummary
+from pipeline.inference.models import LogisticModel, ModelRegistry
 from tests.pipeline.test_api import Api, running
 
 FEATURES = ("a", "b", "c")

@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.auth import (
+from pipeline.api.auth import (
     Authenticator,
     TenantExists,
     Unauthorized,
@@ -22,8 +22,8 @@ from pipeline.auth import (
     create_api_key,
     create_tenant,
 )
-from pipeline.errors import InvalidId
-from pipeline.settings import Settings
+from pipeline.core.errors import InvalidId
+from pipeline.core.settings import Settings
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 

@@ -6,12 +6,12 @@ from typing import Any
 import redis
 from sqlalchemy.engine import Engine
 
-from pipeline.client import FeatureClient
-from pipeline.features import REGISTRY
-from pipeline.recompute import compute
-from pipeline.seed import SeedSummary
-from pipeline.settings import Settings
-from pipeline.store import FeatureStore
+from pipeline.cache.client import FeatureClient
+from pipeline.cache.recompute import compute
+from pipeline.cache.store import FeatureStore
+from pipeline.core.features import REGISTRY
+from pipeline.core.settings import Settings
+from pipeline.dev.seed import SeedSummary
 from tests.conftest import fresh_version
 
 

@@ -16,29 +16,23 @@ import pytest
 import redis
 from sqlalchemy.engine import Engine
 
-from pipeline.client import FeatureClient
-from pipeline.deploy import (
-    Pointer,
-    VersionResolver,
-    cancel,
-    flip,
-    purge,
-    purge_model,
-    start,
-    state,
-    write_versions,
-)
-from pipeline.errors import DeployError
-from pipeline.features import REGISTRY, TXN_90D
-from pipeline.keys import LEASE_PREFIX, feature_pattern, inference_key
-from pipeline.lock import Lock, LockedSet
-from pipeline.readthrough import ReadThrough, Result
-from pipeline.recompute import Batch, compute
-from pipeline.seed import SeedSummary
-from pipeline.settings import Settings
-from pipeline.store import FeatureStore
-from pipeline.types import EntityRef
-from pipeline.warm import HotReads, Throttle, active_users, count_active_users, warm
+from pipeline.cache.client import FeatureClient
+from pipeline.cache.hot import HotReads
+from pipeline.cache.readthrough import ReadThrough, Result
+from pipeline.cache.recompute import Batch, compute
+from pipeline.cache.store import FeatureStore
+from pipeline.cache.versions import Pointer, VersionResolver, WriteVersions, state
+from pipeline.core.errors import DeployError
+from pipeline.core.features import REGISTRY, TXN_90D
+from pipeline.core.keys import LEASE_PREFIX, feature_pattern, inference_key
+from pipeline.core.lock import Lock, LockedSet
+from pipeline.core.settings import Settings
+from pipeline.core.types import EntityRef
+from pipeline.deploy.pointer import cancel, flip, start
+from pipeline.deploy.purge import purge
+from pipeline.deploy.warm import Throttle, active_users, count_active_users, warm
+from pipeline.dev.seed import SeedSummary
+from pipeline.inference.models import purge_model
 
 USERS = 40
 
@@ -98,12 +92,13 @@ def world(settings: Settings, redis_client: redis.Redis, engine: Engine,
 def test_the_pointer_moves_through_a_deploy(world: Deploy) -> None:
     r, s, p, lock = world.redis, world.settings, world.pointer, world.lock
     assert state(r, s, pointer=p, lock=lock).active == world.a
-    assert write_versions(r, s, pointer=p, lock=lock, max_age_s=0) == [world.a]
+    writes = WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0)
+    assert writes() == [world.a]
     assert start(r, s, world.b, lock, pointer=p).next == world.b
-    assert write_versions(r, s, pointer=p, lock=lock, max_age_s=0) == [world.a, world.b]
+    assert writes() == [world.a, world.b]
     after = flip(r, s, world.b, lock, pointer=p)
     assert (after.active, after.next) == (world.b, None)
-    assert write_versions(r, s, pointer=p, lock=lock, max_age_s=0) == [world.b]
+    assert writes() == [world.b]
     rollback = flip(r, s, world.a, lock, pointer=p)
     assert (rollback.active, rollback.next) == (world.a, None)
 
@@ -116,15 +111,16 @@ def test_write_versions_is_cached_and_skips_versions_the_code_cannot_compute(
                  world.b: {**locked_entry(), "txn_90d": LockedSet("txn_90d", "0" * 16,
                                                                  TXN_90D.fields, 1, "user")}})
     start(r, s, world.b, lock, pointer=p)
-    assert write_versions(r, s, pointer=p, lock=lock, max_age_s=0) == [world.a]
-    assert write_versions(r, s, pointer=p, lock=lock, max_age_s=0,
-                          feature_set="geo") == [world.a, world.b]
-    cached = write_versions(r, s, pointer=p, lock=lock, feature_set="geo", max_age_s=3600)
+    fresh = WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0)
+    assert fresh() == [world.a]
+    assert fresh("geo") == [world.a, world.b]
+    kept = WriteVersions(r, s, pointer=p, lock=lock, max_age_s=3600)
+    cached = kept("geo")
     flip(r, s, world.b, lock, pointer=p)
-    assert write_versions(r, s, pointer=p, lock=lock, feature_set="geo",
-                          max_age_s=3600) == cached  # one GET per max_age_s at most
+    assert kept("geo") == cached  # one GET per max_age_s at most
+    assert fresh("geo") == [world.b]
     # After a flip to a version this code cannot compute, it keeps its own fresh.
-    assert write_versions(r, s, pointer=p, lock=lock, max_age_s=0) == [world.a]
+    assert fresh() == [world.a]
 
 
 def test_refusals_change_nothing(world: Deploy) -> None:

@@ -18,10 +18,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.errors import InvalidId, UnknownFeatureSet
-from pipeline.features import DEVICE_RISK, GEO, REGISTRY, TXN_90D
-from pipeline.recompute import compute
-from pipeline.seed import SeedSummary
+from pipeline.cache.recompute import compute
+from pipeline.core.errors import InvalidId, UnknownFeatureSet
+from pipeline.core.features import DEVICE_RISK, GEO, REGISTRY, TXN_90D
+from pipeline.dev.seed import SeedSummary
 from tests.conftest import ANCHOR
 
 

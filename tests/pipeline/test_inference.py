@@ -9,8 +9,11 @@ import numpy as np
 import pytest
 import redis
 
-from pipeline.errors import ModelError
-from pipeline.inference import (
+from pipeline.core.errors import ModelError
+from pipeline.core.keys import inference_key, inference_pattern
+from pipeline.dev.models import SlowModel
+from pipeline.inference.models import LogisticModel
+from pipeline.inference.predictions import (
     Array,
     InferenceCache,
     InvalidInput,
@@ -19,8 +22,6 @@ from pipeline.inference import (
     encode,
     purge,
 )
-from pipeline.keys import inference_key, inference_pattern
-from pipeline.models import LogisticModel, SlowModel
 
 TTL_S = 600
 

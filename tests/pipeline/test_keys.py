@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.errors import InvalidId
-from pipeline.keys import feature_key, inference_key, lease_key, validate_id
-from pipeline.types import EntityRef
+from pipeline.core.errors import InvalidId
+from pipeline.core.keys import feature_key, inference_key, lease_key, validate_id
+from pipeline.core.types import EntityRef
 
 
 def test_feature_key_format_is_the_documented_one() -> None:

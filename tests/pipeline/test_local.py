@@ -9,14 +9,14 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from pipeline.client import FeatureClient
-from pipeline.features import REGISTRY
-from pipeline.invalidation import Invalidation
-from pipeline.keys import INVALIDATION_CHANNEL
-from pipeline.local import LocalTier
-from pipeline.recompute import Batch
-from pipeline.store import TTL_JITTER, FeatureStore
-from pipeline.types import EntityRef, Entry
+from pipeline.cache.client import FeatureClient
+from pipeline.cache.invalidation import Invalidation
+from pipeline.cache.local import LocalTier
+from pipeline.cache.recompute import Batch
+from pipeline.cache.store import TTL_JITTER, FeatureStore
+from pipeline.core.features import REGISTRY
+from pipeline.core.keys import INVALIDATION_CHANNEL
+from pipeline.core.types import EntityRef, Entry
 from tests.conftest import fresh_version, wait_until
 
 VALUES = {"txn_count": 1, "txn_sum": 2.0, "txn_mean": 2.0, "txn_max": 2.0, "txn_std": 0.0,

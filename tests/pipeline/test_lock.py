@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.errors import LockMismatch
-from pipeline.features import REGISTRY, TXN_90D, Field, Registry
-from pipeline.lock import LOCK_PATH, Lock, check, update
-from pipeline.settings import Settings
+from pipeline.core.errors import LockMismatch
+from pipeline.core.features import REGISTRY, TXN_90D, Field, Registry
+from pipeline.core.lock import LOCK_PATH, Lock, check, update
+from pipeline.core.settings import Settings
 
 
 def test_shipped_lock_matches_the_registry() -> None:
@@ -88,20 +88,15 @@ def test_update_adds_a_new_version_and_never_rewrites_one(tmp_path: Path) -> Non
 
 def test_check_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pipeline.cli import app
-    from pipeline.settings import get_settings
 
     path = tmp_path / "features.lock.json"
     Lock({1: {fs.name: Lock.load(LOCK_PATH).entry(1)[fs.name] for fs in REGISTRY}}).save(path)
     runner = CliRunner()
     monkeypatch.setenv("FRESHLINE_SCHEMA_VERSION", "2")
-    get_settings.cache_clear()
-    try:
-        result = runner.invoke(app, ["check", "--lock", str(path)])
-        assert result.exit_code == 1
-        assert "--update-lock" in result.output
-        result = runner.invoke(app, ["check", "--lock", str(path), "--update-lock"])
-        assert result.exit_code == 0, result.output
-        assert sorted(Lock.load(path).versions) == [1, 2]
-        assert runner.invoke(app, ["check", "--lock", str(path)]).exit_code == 0
-    finally:
-        get_settings.cache_clear()
+    result = runner.invoke(app, ["check", "--lock", str(path)])
+    assert result.exit_code == 1
+    assert "--update-lock" in result.output
+    result = runner.invoke(app, ["check", "--lock", str(path), "--update-lock"])
+    assert result.exit_code == 0, result.output
+    assert sorted(Lock.load(path).versions) == [1, 2]
+    assert runner.invoke(app, ["check", "--lock", str(path)]).exit_code == 0

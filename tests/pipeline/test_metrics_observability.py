@@ -15,16 +15,17 @@ from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine
 
 from consumers.kafka import Producer, admin_client
-from consumers.topics import TRANSACTION_UPDATED, ensure, managed_topics, qualified
+from consumers.topics import ensure, managed_topics
 from pipeline.api import create_app
-from pipeline.auth import create_api_key
-from pipeline.codec import encode_entry
-from pipeline.features import REGISTRY
-from pipeline.keys import feature_key
-from pipeline.seed import SeedSummary
-from pipeline.settings import Settings
-from pipeline.staleness import GroupLag, sample, source_topics
-from pipeline.types import EntityRef
+from pipeline.api.auth import create_api_key
+from pipeline.core.codec import encode_entry
+from pipeline.core.features import REGISTRY
+from pipeline.core.keys import feature_key
+from pipeline.core.settings import Settings
+from pipeline.core.topics import TRANSACTION_UPDATED, qualified
+from pipeline.core.types import EntityRef
+from pipeline.dev.seed import SeedSummary
+from pipeline.observe.staleness import GroupLag, sample, source_topics
 from tests.conftest import fresh_version, make_url_redis
 from tests.consumers.conftest import wait_for
 from tests.pipeline.test_api import Api, running

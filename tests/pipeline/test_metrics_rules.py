@@ -21,7 +21,7 @@ from sqlalchemy.engine import Engine
 import pipeline.api.metrics  # noqa: F401  (registers the API's metrics)
 from consumers.metrics import consumer_metrics
 from pipeline.api import create_app
-from pipeline.settings import Settings
+from pipeline.core.settings import Settings
 from tests.pipeline.test_api import running
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"

@@ -8,16 +8,16 @@ import orjson
 import pytest
 import redis
 
-from pipeline.errors import ModelError
-from pipeline.inference import Array, InferenceCache
-from pipeline.keys import MODELS_KEY
-from pipeline.models import (
+from pipeline.core.errors import ModelError
+from pipeline.core.keys import MODELS_KEY
+from pipeline.dev.models import SlowModel
+from pipeline.inference.models import (
     LogisticModel,
     ModelRegistry,
-    SlowModel,
     UnknownModel,
     train_example,
 )
+from pipeline.inference.predictions import Array, InferenceCache
 
 FEATURES = ("txn_count_90d", "txn_amount_90d", "device_users", "geo_distance_km")
 

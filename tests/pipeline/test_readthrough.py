@@ -12,15 +12,15 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.db import make_engine
-from pipeline.features import TXN_90D
-from pipeline.keys import lease_key
-from pipeline.readthrough import Hooks, ReadThrough
-from pipeline.recompute import Batch, compute, current_watermark
-from pipeline.seed import SeedSummary
-from pipeline.settings import Settings
-from pipeline.store import FeatureStore
-from pipeline.types import EntityRef
+from pipeline.cache.readthrough import Hooks, ReadThrough
+from pipeline.cache.recompute import Batch, compute, current_watermark
+from pipeline.cache.store import FeatureStore
+from pipeline.core.db import make_engine
+from pipeline.core.features import TXN_90D
+from pipeline.core.keys import lease_key
+from pipeline.core.settings import Settings
+from pipeline.core.types import EntityRef
+from pipeline.dev.seed import SeedSummary
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from collections.abc import Callable
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.seed import SeedSummary
+from pipeline.dev.seed import SeedSummary
 from tests.conftest import ANCHOR
 
 

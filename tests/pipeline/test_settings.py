@@ -3,8 +3,8 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from pipeline.errors import ConfigError
-from pipeline.settings import Settings, get_settings, redact
+from pipeline.core.errors import ConfigError
+from pipeline.core.settings import Settings, load_settings, redact
 
 
 def test_environment_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -30,9 +30,5 @@ def test_passwords_are_masked_when_printed() -> None:
 
 def test_invalid_setting_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FRESHLINE_SCHEMA_VERSION", "zero")
-    get_settings.cache_clear()
-    try:
-        with pytest.raises(ConfigError, match="FRESHLINE_SCHEMA_VERSION"):
-            get_settings()
-    finally:
-        get_settings.cache_clear()
+    with pytest.raises(ConfigError, match="FRESHLINE_SCHEMA_VERSION"):
+        load_settings()

@@ -27,11 +27,11 @@ import uvicorn
 from sqlalchemy.engine import Engine
 
 from pipeline.api import create_app
-from pipeline.auth import create_api_key
-from pipeline.seed import SeedSummary
-from pipeline.settings import Settings
-from pipeline.staleness import Staleness
-from pipeline.status import Snapshot, StatusBoard
+from pipeline.api.auth import create_api_key
+from pipeline.core.settings import Settings
+from pipeline.dev.seed import SeedSummary
+from pipeline.observe.staleness import Staleness
+from pipeline.observe.status import Snapshot, StatusBoard
 from tests.conftest import fresh_version
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

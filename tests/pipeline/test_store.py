@@ -6,14 +6,14 @@ import pytest
 import redis
 from sqlalchemy.engine import Engine
 
-from pipeline.codec import decode_entry, encode_entry
-from pipeline.errors import CorruptEntry, InvalidId, SchemaVersionMismatch, UnknownFeatureSet
-from pipeline.features import REGISTRY, TXN_90D
-from pipeline.keys import feature_pattern
-from pipeline.recompute import Batch, compute, current_watermark
-from pipeline.seed import SeedSummary
-from pipeline.store import FeatureStore
-from pipeline.types import EntityRef
+from pipeline.cache.recompute import Batch, compute, current_watermark
+from pipeline.cache.store import FeatureStore
+from pipeline.core.codec import decode_entry, encode_entry
+from pipeline.core.errors import CorruptEntry, InvalidId, SchemaVersionMismatch, UnknownFeatureSet
+from pipeline.core.features import REGISTRY, TXN_90D
+from pipeline.core.keys import feature_pattern
+from pipeline.core.types import EntityRef
+from pipeline.dev.seed import SeedSummary
 
 
 def _batch(values: dict[str, object], watermark: int, tenant: str = "acme",

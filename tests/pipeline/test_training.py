@@ -7,10 +7,16 @@ import numpy as np
 import redis
 from sqlalchemy.engine import Engine
 
-from pipeline.inference import InferenceCache
-from pipeline.models import ModelRegistry, load_model
-from pipeline.seed import SeedSummary
-from pipeline.training import FEATURE_NAMES, MODEL_NAME, dataset, train, vector
+from pipeline.dev.seed import SeedSummary
+from pipeline.inference.models import ModelRegistry, load_model
+from pipeline.inference.predictions import InferenceCache
+from pipeline.inference.training import (
+    FEATURE_NAMES,
+    MODEL_NAME,
+    dataset,
+    train,
+    vector,
+)
 
 
 def test_the_example_model_trains_on_seeded_features_and_serves_through_the_cache(

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from consumers.events import DOMAIN_MODELS
-from consumers.topics import DOMAIN_TOPICS
-from pipeline.keys import _ID, MAX_ID_LENGTH
+from pipeline.core.topics import DOMAIN_TOPICS
 from schemas.events import SCHEMA_DIR, DomainEvent, schema_path
+from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
 
 ID_PROPERTIES = {"tenant", "device_id"}
 NUMERIC_ID_PROPERTIES = {"user_id", "transaction_id"}
@@ -60,7 +60,7 @@ def test_schema_shape(topic: str) -> None:
 def test_id_rules_match_the_key_scheme(topic: str) -> None:
     for name, prop in load(topic)["properties"].items():
         if name in ID_PROPERTIES:
-            assert prop["pattern"] == f"^{_ID.pattern}$"
+            assert prop["pattern"] == f"^{ID_PATTERN.pattern}$"
             assert prop["maxLength"] == MAX_ID_LENGTH
         elif name in NUMERIC_ID_PROPERTIES:
             integer, digits = prop["oneOf"]

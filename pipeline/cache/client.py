@@ -1,0 +1,122 @@
+"""The Python client for scoring services: features straight from Redis, no HTTP hop.
+
+One call reads any number of (feature set, tenant, entity) entries in one Redis round
+trip and returns each with its age and schema version, or ``None`` for a miss: the
+caller decides whether to read through (:class:`pipeline.cache.readthrough.ReadThrough`).
+With ``local=`` a started :class:`pipeline.cache.local.LocalTier` answers first, and the
+entries read from Redis fill it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import redis
+
+from pipeline.cache.store import FeatureStore
+from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.types import EntityRef, Entry, FeatureValues
+
+if TYPE_CHECKING:
+    from pipeline.cache.hot import HotReads
+    from pipeline.cache.local import LocalTier
+    from pipeline.cache.versions import VersionResolver
+    from pipeline.core.settings import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """One entity's features as served: values, age and the schema version."""
+
+    feature_set: str
+    tenant: str
+    entity: str
+    values: FeatureValues
+    age_ms: int
+    schema_version: int
+    watermark: int
+
+
+class FeatureClient:
+    """Read feature entries for one schema version, or for the active one.
+
+    >>> client = FeatureClient.from_url("redis://127.0.0.1:6379/0", schema_version=1)
+    >>> client.get("txn_90d", "acme", "42")  # Features(...) or None
+
+    With ``versions`` (see :meth:`following`) each call reads the version the
+    resolver names at its start, decoded with that version's locked field list, so
+    the client follows a deploy flip without a restart and no answer mixes versions.
+    With ``hot``, reads are sampled into the per-entity counters that warming uses.
+    """
+
+    def __init__(self, client: redis.Redis, schema_version: int, *,
+                 registry: Registry = REGISTRY, local: LocalTier | None = None,
+                 versions: VersionResolver | None = None, hot: HotReads | None = None) -> None:
+        self.store = FeatureStore(client, schema_version, registry=registry)
+        self.local = local
+        self.versions = versions
+        self.hot = hot
+        self._stores = {schema_version: self.store}
+
+    @classmethod
+    def from_url(cls, url: str, schema_version: int, *, registry: Registry = REGISTRY,
+                 local: LocalTier | None = None) -> FeatureClient:
+        return cls(redis.Redis.from_url(url), schema_version, registry=registry, local=local)
+
+    @classmethod
+    def following(cls, client: redis.Redis, settings: Settings, *,
+                  listen: bool = True) -> FeatureClient:
+        """A client on the active-version pointer that samples reads for warming."""
+        from pipeline.cache.hot import HotReads
+        from pipeline.cache.versions import VersionResolver
+
+        versions = VersionResolver(client, settings)
+        if listen:
+            versions.listen()
+        return cls(client, settings.schema_version, versions=versions, hot=HotReads(client))
+
+    def get(self, feature_set: str, tenant: str, entity: str | int) -> Features | None:
+        return self.get_many([(feature_set, tenant, entity)])[0]
+
+    def get_many(self, items: Sequence[tuple[str, str, str | int]]) -> list[Features | None]:
+        """All ``items`` in one MGET, in order; ``None`` marks a miss."""
+        refs = [EntityRef(fs, tenant, str(entity)) for fs, tenant, entity in items]
+        store = self._store_for_call()
+        entries = self._read(refs, store)
+        if self.hot is not None:
+            self.hot.record(store.schema_version, refs)
+        now = time.time_ns() // 1_000_000
+        return [
+            None if e is None else Features(r.feature_set, r.tenant, r.entity, e.values,
+                                            max(0, now - e.computed_at_ms),
+                                            e.schema_version, e.watermark)
+            for r, e in zip(refs, entries, strict=True)
+        ]
+
+    def _read(self, refs: list[EntityRef], store: FeatureStore) -> list[Entry | None]:
+        """The local tier first; one MGET for the rest, which then fills the tier."""
+        local = self.local
+        if local is None:
+            return store.read(refs)
+        version = store.schema_version
+        entries = [local.get(r, version) for r in refs]
+        missing = [i for i, e in enumerate(entries) if e is None]
+        if missing:
+            token = local.token()
+            for i, entry in zip(missing, store.read([refs[i] for i in missing]), strict=True):
+                entries[i] = entry
+                if entry is not None:
+                    local.put(refs[i], entry, token)
+        return entries
+
+    def _store_for_call(self) -> FeatureStore:
+        if self.versions is None:
+            return self.store
+        version = self.versions.current()
+        if version not in self._stores:
+            self._stores[version] = FeatureStore(self.store.redis, version,
+                                                 registry=self.versions.decoders(version))
+        return self._stores[version]

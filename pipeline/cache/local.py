@@ -1,0 +1,305 @@
+"""The in-process tier: a small LRU of feature entries in front of Redis.
+
+A hit costs a dict lookup instead of a network round trip. Three rules keep it from
+serving what Redis would not:
+
+* **Bounded life.** An entry lives no longer than its Redis copy can: the feature
+  set's shortest jittered TTL (``ttl * (1 - TTL_JITTER)``) counted from the entry's
+  ``computed_at_ms`` (the Redis copy was written after it was computed, with at least
+  that TTL), and never longer than ``max_ttl_ms`` when set.
+* **Invalidations.** A background thread subscribes to the Redis channel
+  :data:`pipeline.core.keys.INVALIDATION_CHANNEL` and drops the entity's entry, in every
+  schema version, on each message (:class:`pipeline.cache.invalidation.Invalidation`). A
+  message that does not decode flushes the whole tier: it may have been an
+  invalidation.
+* **No gap in the subscription.** Until the subscription is confirmed, and from the
+  moment it drops (a connection error, or no answer to a heartbeat PING within
+  ``3 * heartbeat_s``), the tier is *dark*: flushed whole, refusing new entries and
+  answering every read with a miss. Each (re)subscription starts a new epoch, so an
+  entry read from Redis in an older epoch is never stored.
+
+Storing is two-step, so an invalidation that arrives while a value is in flight from
+Redis is never overtaken: take :meth:`LocalTier.token` *before* the Redis read, then
+:meth:`LocalTier.put` with it; the put is refused if that entity was invalidated, or
+the tier flushed, since the token was taken.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from types import TracebackType
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from pipeline.cache.invalidation import Invalidation
+from pipeline.cache.store import TTL_JITTER
+from pipeline.core.clock import now_ms
+from pipeline.core.errors import FreshlineError
+from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.keys import INVALIDATION_CHANNEL
+from pipeline.core.types import EntityRef, Entry
+
+log = logging.getLogger(__name__)
+
+RECENT_LIMIT = 65_536
+
+
+class SubscriptionLost(FreshlineError):
+    """The invalidation subscription stopped answering."""
+
+
+@dataclass(slots=True)
+class LocalStats:
+    hits: int = 0
+    misses: int = 0
+    stored: int = 0
+    refused: int = 0
+    evicted: int = 0
+    expired: int = 0
+    invalidations: int = 0
+    flushes: int = 0
+    subscriptions: int = 0
+    drops: int = 0
+    bad_messages: int = 0
+
+
+class LocalTier:
+    """A bounded, invalidation-driven LRU of feature entries; see the module docstring.
+
+    >>> tier = LocalTier(redis_client, max_entries=10_000).start()
+    >>> tier.wait_live(5)
+    """
+
+    def __init__(self, client: redis.Redis, *, max_entries: int, max_ttl_ms: int | None = None,
+                 registry: Registry = REGISTRY, channel: str = INVALIDATION_CHANNEL,
+                 heartbeat_s: float = 1.0) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be at least 1, got {max_entries}")
+        self.max_entries = max_entries
+        self.max_ttl_ms = max_ttl_ms
+        self.registry = registry
+        self.channel = channel
+        self.heartbeat_s = heartbeat_s
+        self.name = f"freshline-local-{uuid.uuid4().hex[:12]}"
+        self.stats = LocalStats()
+        # One entry per entity and feature set, whatever its schema version: an
+        # invalidation finds it in O(1), and a reader of another version sees a miss.
+        self._entries: OrderedDict[EntityRef, tuple[Entry, float]] = OrderedDict()
+        self._recent: OrderedDict[EntityRef, int] = OrderedDict()
+        self._seq = 0
+        self._floor = 0
+        self._live = False
+        self._lock = threading.Lock()
+        self._live_changed = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._subscriber = self._subscriber_client(client)
+
+    def _subscriber_client(self, client: redis.Redis) -> redis.Redis:
+        """A client of its own for the subscription, which never retries silently.
+
+        redis-py reconnects a pub/sub connection and re-subscribes by itself; messages
+        published in between would be lost without a trace. With no retries the error
+        reaches :meth:`_run`, which goes dark first. The client name lets an operator
+        (or a test) find the connection in ``CLIENT LIST``.
+        """
+        pool = client.connection_pool
+        kwargs = dict(pool.connection_kwargs)
+        kwargs.update(retry=Retry(NoBackoff(), 0), client_name=self.name, socket_keepalive=True)
+        return redis.Redis(connection_pool=redis.ConnectionPool(
+            connection_class=pool.connection_class, **kwargs))
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> LocalTier:
+        """Start the subscription thread; the tier serves once it is confirmed."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the subscription thread and flush."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        self._go_dark()
+        self._subscriber.close()
+        self._subscriber.connection_pool.disconnect()
+
+    def __enter__(self) -> LocalTier:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    @property
+    def live(self) -> bool:
+        """True while the invalidation subscription is confirmed."""
+        return self._live
+
+    def wait_live(self, timeout: float) -> bool:
+        """Block until the subscription is confirmed, or ``timeout`` seconds pass."""
+        with self._live_changed:
+            return self._live_changed.wait_for(lambda: self._live, timeout)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- reads and writes --------------------------------------------------------------
+
+    def token(self) -> int:
+        """Take before reading Redis; pass to :meth:`put`."""
+        return self._seq
+
+    def get(self, ref: EntityRef, schema_version: int) -> Entry | None:
+        """The entry if held, live, unexpired and of ``schema_version``; else ``None``."""
+        with self._lock:
+            item = self._entries.get(ref)
+            if item is None:
+                self.stats.misses += 1
+                return None
+            entry, deadline = item
+            if deadline <= time.monotonic():
+                del self._entries[ref]
+                self.stats.expired += 1
+                self.stats.misses += 1
+                return None
+            if entry.schema_version != schema_version:
+                self.stats.misses += 1
+                return None
+            self._entries.move_to_end(ref)
+            self.stats.hits += 1
+            return entry
+
+    def put(self, ref: EntityRef, entry: Entry, token: int) -> bool:
+        """Hold ``entry`` unless it may be stale: see the module docstring."""
+        lifetime_ms = self._lifetime_ms(ref, entry)
+        with self._lock:
+            if (not self._live or token < self._floor or self._recent.get(ref, -1) > token
+                    or lifetime_ms <= 0):
+                self.stats.refused += 1
+                return False
+            self._entries[ref] = (entry, time.monotonic() + lifetime_ms / 1000)
+            self._entries.move_to_end(ref)
+            self.stats.stored += 1
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+                self.stats.evicted += 1
+            return True
+
+    def _lifetime_ms(self, ref: EntityRef, entry: Entry) -> float:
+        ttl_ms = self.registry[ref.feature_set].ttl_s * 1000 * (1 - TTL_JITTER)
+        left = ttl_ms - (now_ms() - entry.computed_at_ms)
+        return left if self.max_ttl_ms is None else min(left, self.max_ttl_ms)
+
+    def invalidate(self, feature_set: str, tenant: str, entity: str) -> None:
+        """Drop the entity's entry in every schema version, and refuse older puts of it."""
+        ref = EntityRef(feature_set, tenant, entity)
+        with self._lock:
+            self._seq += 1
+            self._recent[ref] = self._seq
+            self._recent.move_to_end(ref)
+            if len(self._recent) > RECENT_LIMIT:
+                # Forgetting an invalidation: every token older than it becomes void.
+                _, seq = self._recent.popitem(last=False)
+                self._floor = max(self._floor, seq)
+            self._entries.pop(ref, None)
+            self.stats.invalidations += 1
+
+    def flush(self) -> None:
+        """Drop everything, and void every token taken so far."""
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        self._seq += 1
+        self._floor = self._seq
+        self._entries.clear()
+        self._recent.clear()
+        self.stats.flushes += 1
+
+    # -- the subscription --------------------------------------------------------------
+
+    def _go_dark(self) -> None:
+        with self._live_changed:
+            if self._live:
+                self.stats.drops += 1
+            self._live = False
+            self._flush_locked()
+            self._live_changed.notify_all()
+
+    def _go_live(self) -> None:
+        with self._live_changed:
+            self._flush_locked()
+            self._live = True
+            self.stats.subscriptions += 1
+            self._live_changed.notify_all()
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._stop.is_set():
+            try:
+                self._listen()
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
+                    SubscriptionLost) as exc:
+                log.warning("invalidation subscription lost (%s); local tier flushed", exc)
+            except Exception:
+                log.exception("invalidation subscription failed; local tier flushed")
+            was_live = self._live
+            self._go_dark()
+            backoff = 0.05 if was_live else min(backoff * 2, 2.0)
+            self._stop.wait(backoff)
+
+    def _listen(self) -> None:
+        """One subscription, until it fails or the tier closes."""
+        pubsub = self._subscriber.pubsub()  # type: ignore[no-untyped-call]
+        try:
+            pubsub.subscribe(self.channel)
+            last_seen = time.monotonic()
+            next_ping = last_seen + self.heartbeat_s
+            while not self._stop.is_set():
+                message = pubsub.get_message(timeout=min(0.25, self.heartbeat_s / 2))
+                now = time.monotonic()
+                if message is not None:
+                    last_seen = now
+                    self._handle(message)
+                if now >= next_ping:
+                    pubsub.ping()
+                    next_ping = now + self.heartbeat_s
+                if now - last_seen > 3 * self.heartbeat_s:
+                    raise SubscriptionLost(f"no answer for {now - last_seen:.1f}s")
+        finally:
+            try:
+                pubsub.close()
+            except (redis.exceptions.RedisError, OSError):
+                log.debug("closing a broken subscription", exc_info=True)
+
+    def _handle(self, message: dict[str, object]) -> None:
+        kind = message.get("type")
+        kind = kind.decode() if isinstance(kind, bytes) else kind
+        if kind == "subscribe":
+            self._go_live()
+        elif kind == "message":
+            data = message.get("data")
+            try:
+                if not isinstance(data, (bytes, str)):
+                    raise FreshlineError(f"not an invalidation message: {data!r}")
+                msg = Invalidation.decode(data)
+            except FreshlineError as exc:
+                self.stats.bad_messages += 1
+                log.warning("%s; flushing the local tier", exc)
+                self.flush()
+                return
+            self.invalidate(msg.feature_set, msg.tenant, msg.entity)
+        elif kind == "unsubscribe":
+            raise SubscriptionLost("unsubscribed")

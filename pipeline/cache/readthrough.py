@@ -1,0 +1,240 @@
+"""Read-through: serve hits, compute misses in one query, and never store a stale set.
+
+``get_many`` reads every key in one MGET. For the misses it asks Redis for a lease
+per key (``SET NX PX``, same hash tag as the entry) in one round trip. It computes
+the misses it holds leases for with one query per feature set and stores them with
+the lease-guarded write, which fails if an invalidation or a source-driven write
+revoked the lease in the meantime: the computation may predate the change, so its
+result is returned to this caller but not stored. Readers that did not get a lease
+wait a bounded time for the holder's result, then compute without storing. This
+gives one database computation per missing key however many threads and processes
+ask at once (Meta's leases against thundering herds).
+
+Hot keys are refreshed a little before they expire, by one reader chosen at random
+(XFetch, Vattani et al., VLDB 2015), so a popular entry does not expire under load.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from sqlalchemy.engine import Engine
+
+from pipeline.cache.recompute import Batch, compute
+from pipeline.cache.store import LEASE_BUSY, LEASE_FOUND, LEASE_GRANTED, FeatureStore
+from pipeline.core.clock import now_ms
+from pipeline.core.types import EntityRef, Entry, FeatureValues
+
+if TYPE_CHECKING:
+    from pipeline.cache.hot import HotReads
+    from pipeline.cache.versions import VersionResolver
+
+Source = Literal["hit", "computed", "waited", "uncached"]
+Hook = Callable[[list[EntityRef]], None]
+XFETCH_BETA = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """A read's answer: the values, where they came from, and how old they are."""
+
+    ref: EntityRef
+    values: FeatureValues
+    source: Source
+    age_ms: int
+    schema_version: int
+    watermark: int
+
+    @property
+    def hit(self) -> bool:
+        return self.source in ("hit", "waited")
+
+
+@dataclass(slots=True)
+class Hooks:
+    """Test seams. ``after_compute`` runs between the query and the write."""
+
+    before_compute: Hook | None = None
+    after_compute: Hook | None = None
+
+
+@dataclass(slots=True)
+class Counters:
+    hits: int = 0
+    computed: int = 0
+    waited: int = 0
+    uncached: int = 0
+    stored: int = 0
+    refused: int = 0
+    early_refresh: int = 0
+    compute_ms: dict[str, float] = field(default_factory=dict)
+
+
+class ReadThrough:
+    """``get``/``get_many`` over a :class:`FeatureStore` and the source database.
+
+    With ``versions``, each call serves the active schema version (resolved once per
+    call) when this code computes it, else the store's own; ``hot`` samples reads
+    for warming.
+    """
+
+    def __init__(self, store: FeatureStore, engine: Engine, *, lease_ms: int = 5000,
+                 wait_ms: int = 2000, hooks: Hooks | None = None,
+                 early_refresh: bool = True, versions: VersionResolver | None = None,
+                 hot: HotReads | None = None) -> None:
+        self.store = store
+        self.engine = engine
+        self.lease_ms = lease_ms
+        self.wait_ms = wait_ms
+        self.hooks = hooks or Hooks()
+        self.early_refresh = early_refresh
+        self.counters = Counters()
+        self.versions = versions
+        self.hot = hot
+        self._at_version: dict[int, ReadThrough] = {}
+
+    def get(self, ref: EntityRef) -> Result:
+        return self.get_many([ref])[0]
+
+    def get_many(self, refs: Sequence[EntityRef]) -> list[Result]:
+        """Answer every ref, in order; duplicates are read once."""
+        if self.versions is not None:
+            version = self.versions.current(self.store.registry)
+            if version != self.store.schema_version:
+                return self._for_version(version).get_many(refs)
+        if self.hot is not None:
+            self.hot.record(self.store.schema_version, refs)
+        unique = list(dict.fromkeys(refs))
+        entries = self.store.read(unique)
+        now = now_ms()
+        answers: dict[EntityRef, Result] = {}
+        misses: list[EntityRef] = []
+        refresh: list[EntityRef] = []
+        for ref, entry in zip(unique, entries, strict=True):
+            if entry is None:
+                misses.append(ref)
+                continue
+            answers[ref] = self._result(ref, entry, "hit", now)
+            if self.should_refresh(ref, entry, now):
+                refresh.append(ref)
+        self.counters.hits += len(answers)
+        if misses or refresh:
+            answers.update(self._resolve(misses, refresh))
+        return [answers[r] for r in refs]
+
+    def _for_version(self, version: int) -> ReadThrough:
+        """The same read-through on another version's namespace, sharing counters."""
+        if version not in self._at_version:
+            store = FeatureStore(self.store.redis, version, registry=self.store.registry,
+                                 tombstone_ttl_s=self.store.tombstone_ttl_ms // 1000)
+            other = ReadThrough(store, self.engine, lease_ms=self.lease_ms,
+                                wait_ms=self.wait_ms, hooks=self.hooks,
+                                early_refresh=self.early_refresh, hot=self.hot)
+            other.counters = self.counters
+            self._at_version[version] = other
+        return self._at_version[version]
+
+    def should_refresh(self, ref: EntityRef, entry: Entry, now: int) -> bool:
+        """XFetch: refresh early with a probability that rises toward expiry."""
+        if not self.early_refresh:
+            return False
+        ttl_ms = self.store.registry[ref.feature_set].ttl_s * 1000
+        delta = self.counters.compute_ms.get(ref.feature_set, 5.0)
+        expiry = entry.computed_at_ms + ttl_ms * 0.9  # the shortest jittered TTL
+        gap = -delta * XFETCH_BETA * math.log(random.random() or 1e-12)
+        return now + gap >= expiry
+
+    def _resolve(self, misses: list[EntityRef],
+                 refresh: list[EntityRef]) -> dict[EntityRef, Result]:
+        token = uuid.uuid4().hex
+        wanted = misses + refresh
+        flags = [False] * len(misses) + [True] * len(refresh)
+        leases = self.store.lease(wanted, token, self.lease_ms, flags)
+        now = now_ms()
+        found = {r: self._result(r, e, "hit", now)
+                 for r, (code, e) in zip(wanted, leases, strict=True)
+                 if code == LEASE_FOUND and e is not None}
+        self.counters.hits += len(found)
+        mine = [r for r, (code, _) in zip(wanted, leases, strict=True) if code == LEASE_GRANTED]
+        # Misses whose lease another reader holds wait for that reader's result; an
+        # early refresh that lost the race just keeps serving its hit.
+        others = [r for r, (code, _) in zip(misses, leases, strict=False) if code == LEASE_BUSY]
+        self.counters.early_refresh += sum(
+            1 for code, _ in leases[len(misses):] if code == LEASE_GRANTED)
+        answers = self._compute(mine, token)
+        answers.update(found)
+        if others:
+            answers.update(self._wait_or_compute(others))
+        return answers
+
+    def _compute(self, refs: list[EntityRef], token: str | None) -> dict[EntityRef, Result]:
+        """One query per feature set; store under ``token`` if given."""
+        answers: dict[EntityRef, Result] = {}
+        by_set: dict[str, list[EntityRef]] = defaultdict(list)
+        for ref in refs:
+            by_set[ref.feature_set].append(ref)
+        for name, group in by_set.items():
+            if self.hooks.before_compute:
+                self.hooks.before_compute(group)
+            started = time.perf_counter()
+            batch = compute(self.engine, self.store.registry[name],
+                            [(r.tenant, r.entity) for r in group])
+            elapsed = (time.perf_counter() - started) * 1000
+            prev = self.counters.compute_ms.get(name, elapsed)
+            self.counters.compute_ms[name] = 0.8 * prev + 0.2 * elapsed
+            if self.hooks.after_compute:
+                self.hooks.after_compute(group)
+            source: Source = "computed"
+            if token is None:
+                source = "uncached"
+                self.counters.uncached += len(group)
+            else:
+                written = self.store.fill(batch, token, group)
+                self.counters.computed += len(group)
+                self.counters.stored += written.written
+                self.counters.refused += len(group) - written.written
+            answers.update(self._from_batch(batch, group, source))
+        return answers
+
+    def _from_batch(self, batch: Batch, refs: list[EntityRef],
+                    source: Source) -> dict[EntityRef, Result]:
+        now = now_ms()
+        return {
+            r: Result(r, batch.values[(r.tenant, r.entity)], source,
+                      max(0, now - batch.computed_at_ms), self.store.schema_version,
+                      batch.watermark)
+            for r in refs
+        }
+
+    def _wait_or_compute(self, refs: list[EntityRef]) -> dict[EntityRef, Result]:
+        """Wait for the lease holders' results with backoff, then compute the rest."""
+        answers: dict[EntityRef, Result] = {}
+        pending = list(refs)
+        deadline = time.monotonic() + self.wait_ms / 1000
+        pause = 0.001
+        while pending and time.monotonic() < deadline:
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.02)
+            now = now_ms()
+            still: list[EntityRef] = []
+            for ref, entry in zip(pending, self.store.read(pending), strict=True):
+                if entry is None:
+                    still.append(ref)
+                else:
+                    answers[ref] = self._result(ref, entry, "waited", now)
+            pending = still
+        self.counters.waited += len(answers)
+        if pending:
+            answers.update(self._compute(pending, None))
+        return answers
+
+    def _result(self, ref: EntityRef, entry: Entry, source: Source, now: int) -> Result:
+        return Result(ref, entry.values, source, max(0, now - entry.computed_at_ms),
+                      entry.schema_version, entry.watermark)

@@ -1,0 +1,223 @@
+"""The Redis feature store: versioned entries, conditional writes, TTLs, tombstones.
+
+Every write goes through one Lua script, so the compare-and-set happens atomically
+inside Redis: an entry (or tombstone) replaces the current one only when its
+watermark is strictly greater. An equal watermark is an idempotent no-op, so
+redelivered and reordered events are harmless. Every write sets a TTL; there is no
+code path that writes a feature key without one.
+
+Writes also carry the entity's read-through lease (same hash tag, so the script
+touches one slot): a source-driven write or an invalidation revokes any lease, and a
+read-through fill stores only while it still holds its own (Meta's memcache leases).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import redis
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
+
+from pipeline.cache.recompute import Batch
+from pipeline.core.codec import decode_entry, encode_entry, encode_tombstone
+from pipeline.core.features import REGISTRY, FeatureSet, Registry
+from pipeline.core.keys import feature_key, lease_key
+from pipeline.core.types import EntityRef, Entry, Watermark
+
+# KEYS[1] entry, KEYS[2] lease; ARGV[1] encoded entry or tombstone, ARGV[2] TTL in ms,
+# ARGV[3] lease token ("" for a source-driven write, which revokes any lease).
+# Returns 1 written, 0 refused (older), 2 no-op (equal), -1 lease lost.
+_WRITE_LUA: Final = """
+local token = ARGV[3]
+if token ~= '' and redis.call('GET', KEYS[2]) ~= token then
+  return -1
+end
+redis.call('DEL', KEYS[2])
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local cur_wm = string.sub(cur, 2, 31)
+  local new_wm = string.sub(ARGV[1], 2, 31)
+  if cur_wm > new_wm then return 0 end
+  if cur_wm == new_wm then return 2 end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS[1] entry, KEYS[2] lease; ARGV[1] token, ARGV[2] lease ms, ARGV[3] "1" to grant a
+# lease even when an entry exists (an early refresh). Returns {1, entry} when an entry
+# exists (it may have landed since the reader's miss), {2} when the lease is granted,
+# {0} when another reader holds it. Checking and leasing in one step closes the gap
+# where a reader misses, another fills and releases, and the first leases again.
+_LEASE_LUA: Final = """
+if ARGV[3] ~= '1' then
+  local cur = redis.call('GET', KEYS[1])
+  if cur and string.sub(cur, 1, 1) ~= 'T' then return {1, cur} end
+end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2} end
+return {0}
+"""
+
+Call = tuple[tuple[str, str], tuple[str | bytes | int, ...]]
+"""One script call: its keys (entry, lease) and its arguments."""
+
+WRITTEN, REFUSED, UNCHANGED, LEASE_LOST = 1, 0, 2, -1
+LEASE_BUSY, LEASE_GRANTED, LEASE_FOUND = 0, 2, 1
+TTL_JITTER = 0.1
+
+
+@dataclass(slots=True)
+class WriteResult:
+    written: int = 0
+    refused: int = 0
+    unchanged: int = 0
+    lease_lost: int = 0
+
+    def add(self, code: int) -> None:
+        if code == WRITTEN:
+            self.written += 1
+        elif code == REFUSED:
+            self.refused += 1
+        elif code == UNCHANGED:
+            self.unchanged += 1
+        else:
+            self.lease_lost += 1
+
+    def merge(self, other: WriteResult) -> None:
+        self.written += other.written
+        self.refused += other.refused
+        self.unchanged += other.unchanged
+        self.lease_lost += other.lease_lost
+
+
+def jittered_ttl_ms(ttl_s: int) -> int:
+    """The TTL less up to 10%, so entries written together do not expire together."""
+    return max(1000, int(ttl_s * 1000 * (1 - TTL_JITTER * random.random())))
+
+
+class FeatureStore:
+    """Reads and conditional writes of feature entries for one schema version."""
+
+    def __init__(self, client: redis.Redis, schema_version: int, *,
+                 registry: Registry = REGISTRY, tombstone_ttl_s: int = 300) -> None:
+        self.redis = client
+        self.schema_version = schema_version
+        self.registry = registry
+        self.tombstone_ttl_ms = tombstone_ttl_s * 1000
+        self._write = client.register_script(_WRITE_LUA)
+        self._lease = client.register_script(_LEASE_LUA)
+
+    def key(self, ref: EntityRef, schema_version: int | None = None) -> str:
+        self.registry[ref.feature_set]
+        return feature_key(schema_version or self.schema_version, ref)
+
+    def read(self, refs: Sequence[EntityRef]) -> list[Entry | None]:
+        """One MGET for all ``refs``; ``None`` where missing or a tombstone."""
+        if not refs:
+            return []
+        keys = [self.key(r) for r in refs]
+        # One key: GET, which redis-py sends with less work than a one-key MGET.
+        raws = [self.redis.get(keys[0])] if len(keys) == 1 else self.redis.mget(keys)
+        return [self._decode(r.feature_set, raw) for r, raw in zip(refs, raws, strict=True)]
+
+    def _decode(self, feature_set: str, raw: bytes | str | None) -> Entry | None:
+        if raw is None:
+            return None
+        if isinstance(raw, str):
+            raw = raw.encode()
+        fs = self.registry[feature_set]
+        return decode_entry(raw, fs.field_names, self.schema_version)
+
+    def lease(self, refs: Sequence[EntityRef], token: str, lease_ms: int,
+              refresh: Sequence[bool]) -> list[tuple[int, Entry | None]]:
+        """Try to lease each ref for a read-through fill, in one round trip.
+
+        Each answer is ``(LEASE_GRANTED, None)``, ``(LEASE_BUSY, None)`` or
+        ``(LEASE_FOUND, entry)`` when an entry is there now (unless ``refresh``).
+        """
+        calls: list[Call] = []
+        for ref, again in zip(refs, refresh, strict=True):
+            keys = (self.key(ref), lease_key(self.schema_version, ref))
+            calls.append((keys, (token, lease_ms, "1" if again else "")))
+        out: list[tuple[int, Entry | None]] = []
+        for ref, reply in zip(refs, self._run(self._lease, calls), strict=True):
+            code = int(reply[0])
+            out.append((code, self._decode(ref.feature_set, reply[1]) if code == LEASE_FOUND
+                        else None))
+        return out
+
+    def write(self, batch: Batch, *, schema_version: int | None = None) -> WriteResult:
+        """Write a computed batch, source-driven: revokes leases, keeps newer entries."""
+        version = schema_version or self.schema_version
+        fs = batch.feature_set
+        calls = [self._call(fs, EntityRef(fs.name, tenant, entity), values, version,
+                            batch.computed_at_ms, batch.watermark, "")
+                 for (tenant, entity), values in batch.values.items()]
+        return self._written(calls)
+
+    def fill(self, batch: Batch, token: str, refs: Sequence[EntityRef]) -> WriteResult:
+        """Store read-through results for ``refs``, only where ``token`` still holds the lease."""
+        fs = batch.feature_set
+        calls: list[Call] = []
+        for ref in refs:
+            values = batch.values.get((ref.tenant, ref.entity))
+            if values is not None:
+                calls.append(self._call(fs, ref, values, self.schema_version,
+                                        batch.computed_at_ms, batch.watermark, token))
+        return self._written(calls)
+
+    def invalidate(self, refs: Sequence[EntityRef], watermark: Watermark, *,
+                   schema_version: int | None = None) -> WriteResult:
+        """Replace entries older than ``watermark`` with a short-lived tombstone."""
+        version = schema_version or self.schema_version
+        tomb = encode_tombstone(watermark)
+        calls: list[Call] = [
+            ((self.key(ref, version), lease_key(version, ref)), (tomb, self.tombstone_ttl_ms, ""))
+            for ref in refs]
+        return self._written(calls)
+
+    @staticmethod
+    def _call(fs: FeatureSet, ref: EntityRef, values: dict[str, object], version: int,
+              computed_at_ms: int, watermark: Watermark, token: str) -> Call:
+        raw = encode_entry([values[f] for f in fs.field_names], version, computed_at_ms,
+                           watermark)
+        return ((feature_key(version, ref), lease_key(version, ref)),
+                (raw, jittered_ttl_ms(fs.ttl_s), token))
+
+    def _written(self, calls: list[Call]) -> WriteResult:
+        result = WriteResult()
+        for code in self._run(self._write, calls):
+            result.add(int(code))
+        return result
+
+    def _run(self, script: Script, calls: list[Call]) -> list[Any]:
+        """Run ``script`` once per call, all in one pipelined round trip.
+
+        Plain EVALSHA: redis-py's ``Script`` in a pipeline sends ``SCRIPT EXISTS``
+        before every execute, an extra round trip per batch. Calls the server refused
+        with NOSCRIPT (a restart or SCRIPT FLUSH dropped the script) did nothing; they
+        are sent again, alone, after loading the script.
+        """
+        replies = self._pipeline(script, calls)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            script.sha = self.redis.script_load(script.script)
+            for i, reply in zip(missing, self._pipeline(script, [calls[i] for i in missing]),
+                                strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    def _pipeline(self, script: Script, calls: list[Call]) -> list[Any]:
+        if not calls:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        return list(pipe.execute(raise_on_error=False))

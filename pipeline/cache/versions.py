@@ -1,0 +1,184 @@
+"""Which schema versions readers read and writers write: the version pointer, as read.
+
+The pointer is two Redis keys, *active* and *next* (see :mod:`pipeline.deploy.pointer`,
+which moves it). Readers resolve the active version once per call
+(:class:`VersionResolver`), so no response mixes versions; consumers ask
+:class:`WriteVersions` once per batch which versions to write.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Final
+
+import redis
+
+from pipeline.core.errors import DeployError
+from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.keys import ACTIVE_SCHEMA_KEY, META_PREFIX, NEXT_SCHEMA_KEY
+from pipeline.core.lock import Lock
+from pipeline.core.settings import Settings
+from pipeline.core.types import text
+
+log = logging.getLogger(__name__)
+
+DEPLOY_CHANNEL: Final = f"{META_PREFIX}:deploy"
+WRITE_VERSIONS_MAX_AGE_S: Final = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Pointer:
+    """Where the pointer lives. ``Pointer.scoped(x)`` gives a private one (tests)."""
+
+    active_key: str = ACTIVE_SCHEMA_KEY
+    next_key: str = NEXT_SCHEMA_KEY
+    channel: str = DEPLOY_CHANNEL
+
+    @classmethod
+    def scoped(cls, scope: str) -> Pointer:
+        return cls(f"{ACTIVE_SCHEMA_KEY}:{scope}", f"{NEXT_SCHEMA_KEY}:{scope}",
+                   f"{DEPLOY_CHANNEL}:{scope}")
+
+
+DEFAULT_POINTER: Final = Pointer()
+
+
+@dataclass(frozen=True, slots=True)
+class DeployState:
+    """The pointer as read: ``active`` falls back to the settings when unset."""
+
+    active: int
+    next: int | None
+    active_raw: str
+    next_raw: str
+
+
+
+def _version(raw: str, key: str, lock: Lock | None) -> int | None:
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise DeployError(f"{key} holds {raw!r}, not a schema version; "
+                          "set it with `freshline deploy flip <version>`")
+    version = int(raw)
+    if lock is not None and version not in lock:
+        raise DeployError(f"{key} names schema version {version}, which is not in the lock "
+                          f"(locked: {', '.join(map(str, sorted(lock.versions)))}); "
+                          "point it at a locked version with `freshline deploy flip`")
+    return version
+
+
+def state(client: redis.Redis, settings: Settings, *, pointer: Pointer = DEFAULT_POINTER,
+          lock: Lock | None = None) -> DeployState:
+    """Read the pointer in one MGET; with ``lock``, refuse versions it does not know."""
+    active_raw, next_raw = (text(r) for r in client.mget([pointer.active_key,
+                                                          pointer.next_key]))
+    active = _version(active_raw, pointer.active_key, lock) or settings.schema_version
+    return DeployState(active, _version(next_raw, pointer.next_key, lock), active_raw, next_raw)
+
+
+
+class WriteVersions:
+    """The schema versions a consumer writes now: call it once per batch.
+
+    The active and the next version, each only if this code computes it (its lock
+    entry matches the registry, for ``feature_set`` or for all sets); if neither,
+    ``settings.schema_version``: a process never writes entries it cannot compute,
+    and keeps its own namespace fresh for readers of its own version. Each answer is
+    kept ``max_age_s`` per feature set, so it costs one GET a second at most.
+    """
+
+    def __init__(self, client: redis.Redis, settings: Settings, *,
+                 pointer: Pointer = DEFAULT_POINTER, lock: Lock | None = None,
+                 registry: Registry = REGISTRY,
+                 max_age_s: float = WRITE_VERSIONS_MAX_AGE_S) -> None:
+        self.redis = client
+        self.settings = settings
+        self.pointer = pointer
+        self.lock = lock or Lock.load()
+        self.registry = registry
+        self.max_age_s = max_age_s
+        self._answers: dict[str | None, tuple[float, list[int]]] = {}
+
+    def __call__(self, feature_set: str | None = None) -> list[int]:
+        now = time.monotonic()
+        cached = self._answers.get(feature_set)
+        if cached is not None and now - cached[0] < self.max_age_s:
+            return list(cached[1])
+        seen = state(self.redis, self.settings, pointer=self.pointer)
+        versions = [v for v in (seen.active, seen.next)
+                    if v is not None and self.lock.compatible(v, self.registry, feature_set)]
+        versions = versions or [self.settings.schema_version]
+        self._answers[feature_set] = (now, versions)
+        return list(versions)
+
+
+class VersionResolver:
+    """Which schema version readers use now: resolved once per call, cached briefly.
+
+    ``current()`` does a GET at most every ``max_age_s``; ``listen()`` also drops the
+    cache as soon as a deploy command publishes, so readers follow a flip at once.
+    A reader's whole call uses the one version it resolved, so no response mixes
+    versions. A pointer naming a version missing from the lock raises
+    :class:`DeployError` rather than serve entries nobody can decode.
+    """
+
+    def __init__(self, client: redis.Redis, settings: Settings, *,
+                 pointer: Pointer = DEFAULT_POINTER, lock: Lock | None = None,
+                 max_age_s: float = 1.0) -> None:
+        self.redis = client
+        self.settings = settings
+        self.pointer = pointer
+        self.lock = lock or Lock.load()
+        self.max_age_s = max_age_s
+        self._cached: tuple[float, int] | None = None
+        self._decoders: dict[int, Registry] = {}
+        self._warned: set[int] = set()
+        self._listener: Any = None
+
+    def current(self, registry: Registry | None = None) -> int:
+        """The active version; with ``registry``, only if that code can compute it.
+
+        A read-through passes its registry: where the active version's definitions
+        differ from its code it stays on ``settings.schema_version`` (and logs once).
+        """
+        cached = self._cached
+        now = time.monotonic()
+        if cached is None or now - cached[0] >= self.max_age_s:
+            version = state(self.redis, self.settings, pointer=self.pointer,
+                            lock=self.lock).active
+            self._cached = cached = (now, version)
+        version = cached[1]
+        if registry is not None and not self.lock.compatible(version, registry):
+            if version not in self._warned:
+                self._warned.add(version)
+                log.warning("active schema version %d differs from this code's definitions; "
+                            "staying on %d", version, self.settings.schema_version)
+            return self.settings.schema_version
+        return version
+
+    def refresh(self) -> None:
+        """Drop the cached version; the next call reads the pointer."""
+        self._cached = None
+
+    def decoders(self, version: int) -> Registry:
+        """Field lists for ``version`` from the lock, for decoding its entries."""
+        if version not in self._decoders:
+            self._decoders[version] = self.lock.decoders(version)
+        return self._decoders[version]
+
+    def listen(self) -> None:
+        """Follow deploy messages on the pointer's channel in a daemon thread."""
+        if self._listener is None:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+            pubsub.subscribe(**{self.pointer.channel: lambda _msg: self.refresh()})
+            self._listener = pubsub.run_in_thread(sleep_time=0.5, daemon=True)
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.stop()
+            self._listener.join(timeout=2)
+            self._listener = None
+

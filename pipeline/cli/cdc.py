@@ -1,0 +1,177 @@
+"""``freshline cdc register | status | remove``: the Debezium connector and its slot.
+
+Thin shells over :mod:`pipeline.cdc.connect`; see ``docs/cdc.md``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, cast, get_args
+
+import typer
+
+from pipeline.cdc.connect import WAL_WARN_BYTES, SnapshotMode
+from pipeline.cli.app import console, out
+
+cdc_app = typer.Typer(help="Postgres change data capture through Debezium.",
+                      no_args_is_help=True)
+
+NameOption = Annotated[str | None, typer.Option(
+    "--name", help="Connector name [default: <FRESHLINE_TOPIC_PREFIX>freshline-postgres]")]
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``freshline cdc ...`` to the main CLI."""
+    app.add_typer(cdc_app, name="cdc")
+
+
+@cdc_app.command("register")
+def cdc_register(
+    name: NameOption = None,
+    snapshot_mode: Annotated[str, typer.Option(
+        "--snapshot-mode", help=f"Debezium snapshot.mode: {', '.join(get_args(SnapshotMode))}",
+    )] = "no_data",
+    database_host: Annotated[str | None, typer.Option(
+        "--database-host", help="Postgres host as Connect sees it [default: from the URL]",
+    )] = None,
+    wait: Annotated[float, typer.Option(
+        "--wait", min=0, help="Seconds to wait for the task to run (0: do not wait)")] = 60.0,
+) -> None:
+    """Create or update the Debezium connector (idempotent), and its topics."""
+    from consumers.topics import ensure_cdc_topics
+    from pipeline.cdc.connect import (
+        ConnectClient,
+        captured_tables,
+        check_publication,
+        connector_config,
+        connector_state,
+        names,
+    )
+    from pipeline.core.db import make_engine, ping
+    from pipeline.core.settings import load_settings
+
+    if snapshot_mode not in get_args(SnapshotMode):
+        raise typer.BadParameter(f"choose one of {', '.join(get_args(SnapshotMode))}",
+                                 param_hint="--snapshot-mode")
+    settings = load_settings()
+    owned = names(settings, name)
+    tables = captured_tables()
+    engine = make_engine(settings)
+    ping(engine)
+    check_publication(engine, tables, owned.publication)
+    engine.dispose()
+    client = ConnectClient(settings.connect_url)
+    config = connector_config(settings, owned, snapshot_mode=cast(SnapshotMode, snapshot_mode),
+                              database_host=database_host, tables=tables)
+    client.ping()
+    created_topics = ensure_cdc_topics(settings, [owned.topic(t) for t in tables])
+    created = client.put_config(owned.connector, config)
+    console.print(f"{'created' if created else 'updated'} connector {owned.connector}: "
+                  f"slot {owned.slot}, publication {owned.publication}, "
+                  f"snapshot {snapshot_mode}, topics {owned.topic('<table>')} "
+                  f"({len(created_topics)} created) for {', '.join(tables)}")
+    if not wait:
+        return
+    deadline = time.monotonic() + wait
+    while True:
+        connector, tasks = connector_state(client, owned.connector)
+        states = [t.state for t in ([connector] if connector else []) + tasks]
+        failed = next((t for t in ([connector] if connector else []) + tasks
+                       if t.state == "FAILED"), None)
+        if failed is not None:
+            console.print(f"[red]error:[/red] connector {owned.connector} FAILED: {failed.error}")
+            raise typer.Exit(1)
+        if tasks and all(s == "RUNNING" for s in states):
+            console.print(f"connector {owned.connector} RUNNING")
+            return
+        if time.monotonic() > deadline:
+            console.print(f"[yellow]warning:[/yellow] connector {owned.connector} not running "
+                          f"after {wait:.0f}s ({', '.join(states) or 'no tasks yet'}); "
+                          "see: freshline cdc status")
+            return
+        time.sleep(0.25)
+
+
+@cdc_app.command("status")
+def cdc_status(
+    name: NameOption = None,
+    wal_warn_mib: Annotated[int, typer.Option(
+        "--wal-warn-mib", min=1, help="Warn when the slot retains more WAL than this")]
+        = WAL_WARN_BYTES >> 20,
+) -> None:
+    """The connector's and its tasks' state, and the replication slot's WAL retention.
+
+    Exits 1 when the connector or a task FAILED, or the connector is not registered;
+    2 when the slot retains more WAL than --wal-warn-mib.
+    """
+    from pipeline.cdc.connect import format_bytes, status
+
+    def say(line: str) -> None:
+        out.print(line, soft_wrap=True)
+
+    from pipeline.core.db import make_engine, ping
+    from pipeline.core.settings import load_settings
+
+    settings = load_settings()
+    engine = make_engine(settings)
+    ping(engine)
+    state = status(settings, engine, name)
+    engine.dispose()
+    owned = state.names
+    code = 0
+    if state.connector is None:
+        say(f"connector  {owned.connector}: [red]not registered[/red] "
+                  "(run: freshline cdc register)")
+        code = 1
+    else:
+        say(f"connector  {owned.connector}: {_state(state.connector.state)}"
+                  f"  worker {state.connector.worker}")
+        if state.connector.error:
+            say(f"           {state.connector.error}")
+        for task in state.tasks:
+            say(f"task {task.id:<5} {_state(task.state)}  worker {task.worker}")
+            if task.error:
+                say(f"           {task.error}")
+        if not state.tasks:
+            say("tasks      none yet")
+        if state.failed:
+            code = 1
+    say(f"topics     {owned.topic('<table>')}; publication {owned.publication}: "
+              f"{', '.join(state.publication_tables) or '[red]missing[/red]'}")
+    slot = state.slot
+    if slot is None:
+        say(f"slot       {owned.slot}: [yellow]none[/yellow]")
+    else:
+        retained = format_bytes(slot.retained_bytes)
+        say(f"slot       {slot.name}: {'active' if slot.active else 'inactive'}, "
+                  f"confirmed_flush_lsn {slot.confirmed_flush_lsn}, "
+                  f"restart_lsn {slot.restart_lsn}, retains {retained} of WAL")
+        if slot.retained_bytes > wal_warn_mib << 20:
+            say(f"[yellow]warning:[/yellow] slot {slot.name} retains {retained} of WAL "
+                      f"(over {wal_warn_mib} MiB): the server cannot recycle it until the "
+                      "connector catches up. Fix the connector, or drop the slot with "
+                      "`freshline cdc remove` before the disk fills.")
+            code = code or 2
+    raise typer.Exit(code)
+
+
+@cdc_app.command("remove")
+def cdc_remove(name: NameOption = None) -> None:
+    """Delete the connector (and its stored offsets), then drop its replication slot."""
+    from pipeline.cdc.connect import ConnectClient, drop_slot, names
+    from pipeline.core.db import make_engine
+    from pipeline.core.settings import load_settings
+
+    settings = load_settings()
+    owned = names(settings, name)
+    deleted = ConnectClient(settings.connect_url).delete(owned.connector)
+    console.print(f"connector {owned.connector}: {'deleted' if deleted else 'not registered'}")
+    engine = make_engine(settings)
+    dropped = drop_slot(engine, owned.slot)
+    engine.dispose()
+    console.print(f"slot {owned.slot}: {'dropped' if dropped else 'none'}")
+
+
+def _state(state: str) -> str:
+    color = {"RUNNING": "green", "FAILED": "red"}.get(state, "yellow")
+    return f"[{color}]{state}[/{color}]"

@@ -1,0 +1,114 @@
+"""``freshline topics ensure``, ``consume`` and ``produce-demo``: the Kafka side."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from pipeline.cli.app import console
+
+topics_app = typer.Typer(help="The Kafka topics freshline owns.", no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``freshline topics ...``, ``consume`` and ``produce-demo`` to the main CLI."""
+    app.add_typer(topics_app, name="topics")
+    app.command("consume")(consume)
+    app.command("produce-demo")(produce_demo)
+
+
+@topics_app.command("ensure")
+def topics_ensure(
+    partitions: Annotated[int | None, typer.Option(
+        min=1, help="Partitions per topic [default: FRESHLINE_TOPIC_PARTITIONS]")] = None,
+    replication_factor: Annotated[int, typer.Option(
+        min=1, help="Replicas per partition (1 on a single local broker)")] = 1,
+) -> None:
+    """Create the domain-event, invalidation and dead-letter topics if they are missing."""
+    from consumers.kafka import admin_client
+    from consumers.topics import ensure, managed_topics
+    from pipeline.core.settings import load_settings
+
+    settings = load_settings()
+    wanted = partitions or settings.topic_partitions
+    report = ensure(admin_client(settings), wanted, replication_factor=replication_factor,
+                    topics=managed_topics(settings))
+    for name in report.created:
+        console.print(f"created  {name} ({wanted} partitions)")
+    for name, count in report.existing.items():
+        note = "" if count == wanted else f", configured {wanted}: not changed"
+        console.print(f"existing {name} ({count} partitions{note})")
+
+
+def consume(
+    topics: Annotated[list[str] | None, typer.Option(
+        "--topics", help="Topics or ^regex patterns [default: domain events, CDC topics]",
+    )] = None,
+    group: Annotated[str | None, typer.Option(
+        help="Consumer group [default: FRESHLINE_CONSUMER_GROUP]")] = None,
+    metrics_port: Annotated[int | None, typer.Option(
+        help="Prometheus port [default: FRESHLINE_CONSUMER_METRICS_PORT; 0 turns it off]")] = None,
+    max_messages: Annotated[int | None, typer.Option(min=1, help="Stop after this many")] = None,
+) -> None:
+    """Run one consumer-group member: change events in, fresh features out.
+
+    Start several (on one machine or many) with the same --group to share the
+    partitions. SIGTERM or Ctrl-C finishes the batch, commits and exits; a second
+    signal exits at once.
+    """
+    import logging
+    import os
+    import signal
+
+    from consumers.worker import Worker
+    from pipeline.core.settings import load_settings
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = load_settings()
+    worker = Worker(settings, topics=topics, group=group)
+    port = settings.consumer_metrics_port if metrics_port is None else metrics_port
+    if port:
+        from prometheus_client import start_http_server
+
+        try:
+            start_http_server(port, addr=settings.consumer_metrics_host)
+        except OSError as exc:
+            console.print(f"metrics port {port} unavailable ({exc}); running without /metrics")
+    signals = 0
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            os._exit(128 + signum)
+        console.print("stopping after this batch (signal again to exit now)")
+        worker.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    console.print(f"consuming {', '.join(worker.topics)} as group {worker.consumer.group_id}")
+    totals = worker.run(max_messages=max_messages)
+    console.print(f"consumed {totals.consumed:,}: applied {totals.applied:,}, "
+                  f"dead-lettered {totals.dead_lettered:,}, skipped {totals.skipped:,}")
+
+
+def produce_demo(
+    rate: Annotated[float, typer.Option(min=0.1, help="Changes per second")] = 20.0,
+    count: Annotated[int | None, typer.Option(min=1, help="Stop after this many")] = None,
+    duration: Annotated[float | None, typer.Option(min=0.1, help="Stop after seconds")] = None,
+) -> None:
+    """Write realistic changes to Postgres and emit the matching domain events."""
+    from consumers.kafka import Producer
+    from pipeline.core.db import make_engine
+    from pipeline.core.settings import load_settings
+    from pipeline.core.topics import qualified
+    from pipeline.dev.simulator import Simulator
+
+    settings = load_settings()
+    with Producer(settings) as producer:
+        sim = Simulator(make_engine(settings), producer, topic=lambda t: qualified(settings, t))
+        totals = sim.run(rate, count=count, duration=duration)
+    console.print(f"emitted {totals.created} created, {totals.updated} updated transactions "
+                  f"and {totals.devices} device changes")

@@ -1,0 +1,218 @@
+"""The deploy commands: ``check``, ``warm``, ``deploy start|flip|cancel|status``, ``purge``.
+
+Thin shells over :mod:`pipeline.core.lock`, :mod:`pipeline.deploy.pointer`,
+:mod:`pipeline.deploy.warm` and :mod:`pipeline.deploy.purge`;
+see ``docs/deploy.md`` for the runbook.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import TaskID
+
+from pipeline.cli.app import console, out, progress_bar
+from pipeline.core.lock import LOCK_PATH
+
+LockOption = Annotated[Path, typer.Option("--lock", help="The lock file")]
+
+deploy_app = typer.Typer(help="Move readers to another schema version.",
+                         no_args_is_help=True)
+
+
+def check(
+    update_lock: Annotated[bool, typer.Option(
+        "--update-lock", help="Add FRESHLINE_SCHEMA_VERSION to the lock if it is new")] = False,
+    lock_path: LockOption = LOCK_PATH,
+) -> None:
+    """Refuse feature definitions that changed without a FRESHLINE_SCHEMA_VERSION bump."""
+    from pipeline.core.lock import Lock, update
+    from pipeline.core.lock import check as check_lock
+    from pipeline.core.settings import load_settings
+
+    version = load_settings().schema_version
+    lock = Lock.load(lock_path)
+    if update_lock:
+        if update(lock, version):
+            lock.save(lock_path)
+            console.print(f"added schema version {version} to {lock_path}")
+        else:
+            console.print(f"schema version {version} is already locked and matches")
+        return
+    if check_lock(lock, version) == "new":
+        console.print(f"[red]error:[/red] schema version {version} is not in {lock_path}; "
+                      "run `freshline check --update-lock` and commit the lock")
+        raise typer.Exit(1)
+    console.print(f"feature definitions match the lock for schema version {version}")
+
+
+def warm(
+    version: Annotated[int, typer.Option("--version", min=1, help="Schema version to warm")],
+    feature_set: Annotated[list[str] | None, typer.Option(
+        "--feature-set", help="Only these feature sets (repeatable); default all")] = None,
+    top: Annotated[int | None, typer.Option(
+        "--top", min=1, help="The N most-read entities per feature set")] = None,
+    all_active: Annotated[bool, typer.Option(
+        "--all", help="Every user with a transaction in the last 90 days")] = False,
+    tenant: Annotated[list[str] | None, typer.Option(
+        "--tenant", help="Only these tenants (repeatable); default all")] = None,
+    rate: Annotated[float | None, typer.Option(
+        "--rate", min=1, help="At most this many entities per second")] = 2000.0,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=10000)] = 500,
+    lock_path: LockOption = LOCK_PATH,
+) -> None:
+    """Materialize a schema version before flipping to it (marks it next first)."""
+    import redis
+
+    from pipeline.cache.hot import HotReads
+    from pipeline.cache.versions import WRITE_VERSIONS_MAX_AGE_S, state
+    from pipeline.core.db import make_engine
+    from pipeline.core.features import REGISTRY
+    from pipeline.core.lock import Lock
+    from pipeline.core.settings import load_settings
+    from pipeline.deploy.pointer import start
+    from pipeline.deploy.warm import active_users, count_active_users, tenant_ids
+    from pipeline.deploy.warm import warm as warm_version
+
+    if (top is None) == (not all_active):
+        raise typer.BadParameter("choose one of --top N or --all")
+    settings = load_settings()
+    client = redis.Redis.from_url(settings.redis_url)
+    engine = make_engine(settings)
+    lock = Lock.load(lock_path)
+    names = feature_set or REGISTRY.names()
+    for name in names:
+        REGISTRY[name]
+    seen = state(client, settings, lock=lock)
+    if version != seen.active:
+        start(client, settings, version, lock)
+        # Consumers cache write_versions this long: wait, so every change from now on
+        # reaches the new namespace too and nothing warmed below can go stale.
+        console.print(f"schema version {version} is next; consumers now write it too")
+        time.sleep(2 * WRITE_VERSIONS_MAX_AGE_S)
+    tenants = tenant or tenant_ids(engine)
+    total = 0
+    with progress_bar() as bar:
+        for name in names:
+            batches: Iterable[Sequence[tuple[str, str]]]
+            if top is not None:
+                refs = HotReads(client).top(seen.active, name, tenants, top)
+                batches = [refs[i:i + batch_size] for i in range(0, len(refs), batch_size)]
+                size = len(refs)
+            else:
+                batches = active_users(engine, tenants, batch_size=batch_size)
+                size = count_active_users(engine, tenants)
+            task = bar.add_task(f"warm {name} v{version}", total=size)
+
+            def report(done: int, task: TaskID = task) -> None:
+                bar.update(task, completed=done)
+
+            result = warm_version(client, engine, version, name, batches, lock, rate=rate,
+                                  progress=report)
+            total += result.entities
+    console.print(f"warmed {total:,} entities into schema version {version}; "
+                  f"flip with: freshline deploy flip {version}")
+
+
+@deploy_app.command("start")
+def deploy_start(version: Annotated[int, typer.Argument(min=1)],
+                 lock_path: LockOption = LOCK_PATH) -> None:
+    """Mark a version next: consumers write it alongside the active one."""
+    _pointer_command("start", version, lock_path)
+
+
+@deploy_app.command("flip")
+def deploy_flip(version: Annotated[int, typer.Argument(min=1)],
+                lock_path: LockOption = LOCK_PATH) -> None:
+    """Make a version active, atomically; readers follow without a restart."""
+    _pointer_command("flip", version, lock_path)
+
+
+@deploy_app.command("cancel")
+def deploy_cancel(lock_path: LockOption = LOCK_PATH) -> None:
+    """Forget the next version; its keys expire by TTL."""
+    _pointer_command("cancel", None, lock_path)
+
+
+@deploy_app.command("status")
+def deploy_status(lock_path: LockOption = LOCK_PATH) -> None:
+    """The active and next schema versions and the locked ones."""
+    _pointer_command("status", None, lock_path)
+
+
+def _pointer_command(action: str, version: int | None, lock_path: Path) -> None:
+    import redis
+
+    from pipeline.cache.versions import state
+    from pipeline.core.lock import Lock
+    from pipeline.core.settings import load_settings
+    from pipeline.deploy.pointer import cancel, flip, start
+
+    settings = load_settings()
+    client = redis.Redis.from_url(settings.redis_url)
+    lock = Lock.load(lock_path)
+    if action == "start" and version is not None:
+        start(client, settings, version, lock)
+    elif action == "flip" and version is not None:
+        flip(client, settings, version, lock)
+    elif action == "cancel":
+        cancel(client, settings, lock)
+    seen = state(client, settings, lock=lock)
+    out.print(f"active schema version: {seen.active}"
+              f"{'' if seen.active_raw else ' (pointer unset: FRESHLINE_SCHEMA_VERSION)'}")
+    out.print(f"next schema version:   {seen.next if seen.next is not None else '-'}")
+    out.print(f"locked versions:       {', '.join(map(str, sorted(lock.versions)))}")
+
+
+def purge(
+    version: Annotated[str, typer.Option("--version", help="Schema or model version")],
+    model: Annotated[str | None, typer.Option(
+        "--model", help="Purge this model's cached predictions instead")] = None,
+    batch: Annotated[int, typer.Option("--batch", min=1, max=10000,
+                                       help="Keys per SCAN step and UNLINK")] = 500,
+) -> None:
+    """Remove an old schema version's keys (or a model version's predictions) in batches.
+
+    Not needed for correctness: old keys expire by their TTL, and that remains the
+    default. Purge frees the memory sooner, with SCAN + UNLINK in small batches
+    (never KEYS or FLUSHDB); it refuses the active and next versions and is safe to
+    interrupt and run again.
+    """
+    import redis
+
+    from pipeline.core.settings import load_settings
+    from pipeline.deploy.purge import purge as purge_version
+    from pipeline.deploy.purge import purgeable
+    from pipeline.inference.models import purge_model
+
+    settings = load_settings()
+    client = redis.Redis.from_url(settings.redis_url)
+    if model is None:
+        if not version.isdigit():
+            raise typer.BadParameter(f"a schema version is a number, got {version!r}")
+        purgeable(client, settings, int(version))
+    with progress_bar() as bar:
+        label = f"purge {model} {version}" if model else f"purge v{version}"
+        task = bar.add_task(label, total=None)
+
+        def report(done: int) -> None:
+            bar.update(task, completed=done)
+
+        if model is not None:
+            removed = purge_model(client, model, version, count=batch, progress=report)
+        else:
+            removed = purge_version(client, settings, int(version), count=batch,
+                                    progress=report).removed
+    console.print(f"removed {removed:,} keys")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the deploy commands to the ``freshline`` app."""
+    app.command("check")(check)
+    app.command("warm")(warm)
+    app.command("purge")(purge)
+    app.add_typer(deploy_app, name="deploy")

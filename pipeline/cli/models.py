@@ -1,0 +1,62 @@
+"""``freshline models train | list``: the example model and the registry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from pipeline.cli.app import console, out, progress_bar
+from pipeline.core.settings import load_settings
+
+models_app = typer.Typer(help="Models served through the inference cache.",
+                         no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``freshline models ...`` to the main CLI."""
+    app.add_typer(models_app, name="models")
+
+
+@models_app.command("train")
+def models_train(
+    tenant: Annotated[str, typer.Option(help="Tenant whose users to train on")] = "acme",
+    out: Annotated[Path, typer.Option(help="Where to save the model file")] = Path(
+        ".freshline/models"),
+) -> None:
+    """Train the example fraud model on the seeded features and register it."""
+    import redis
+
+    from pipeline.core.db import make_engine, ping
+    from pipeline.inference.models import ModelRegistry
+    from pipeline.inference.training import train
+
+    settings = load_settings()
+    engine = make_engine(settings)
+    ping(engine)
+    out.mkdir(parents=True, exist_ok=True)
+    with progress_bar() as bar:
+        task = bar.add_task("features", total=None)
+        _, path = train(engine, tenant, out,
+                            progress=lambda done, total: bar.update(task, completed=done,
+                                                                    total=total))
+    record = ModelRegistry(redis.Redis.from_url(settings.redis_url)).register(path)
+    console.print(f"registered {record.name} version {record.version} ({len(record.feature_names)}"
+                  f" inputs) from {path}")
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """The registered models and their versions."""
+    import redis
+
+    from pipeline.inference.models import ModelRegistry
+
+    registry = ModelRegistry(redis.Redis.from_url(load_settings().redis_url))
+    table = Table("model", "version", "inputs", "file")
+    for name in registry.names():
+        record = registry.record(name)
+        table.add_row(name, record.version, str(len(record.feature_names)), record.path)
+    out.print(table)

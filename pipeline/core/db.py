@@ -1,0 +1,108 @@
+"""Postgres access: the engine, the table definitions (SQLAlchemy Core), a ping.
+
+The tables mirror the Alembic migrations under ``migrations/``; a test checks that
+the two agree.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql as pg
+from sqlalchemy.engine import Engine
+
+from pipeline.core.errors import ServiceUnavailable
+from pipeline.core.settings import Settings
+
+metadata = sa.MetaData()
+
+tenants = sa.Table(
+    "tenants",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+)
+
+users = sa.Table(
+    "users",
+    metadata,
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), primary_key=True),
+    sa.Column("id", sa.BigInteger, primary_key=True),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+)
+
+transactions = sa.Table(
+    "transactions",
+    metadata,
+    sa.Column("tenant_id", sa.Text, primary_key=True),
+    sa.Column("id", sa.BigInteger, primary_key=True),
+    sa.Column("user_id", sa.BigInteger, nullable=False),
+    sa.Column("amount", sa.Numeric(12, 2), nullable=False),
+    sa.Column("currency", sa.Text, nullable=False),
+    sa.Column("merchant_id", sa.Text, nullable=False),
+    sa.Column("device_id", sa.Text),
+    sa.Column("ip", pg.INET),
+    sa.Column("status", sa.Text, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+)
+
+devices = sa.Table(
+    "devices",
+    metadata,
+    sa.Column("tenant_id", sa.Text, primary_key=True),
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("fingerprint", sa.Text, nullable=False),
+    sa.Column("risk_score", sa.REAL, nullable=False),
+    sa.Column("first_seen", sa.DateTime(timezone=True), nullable=False),
+)
+
+user_devices = sa.Table(
+    "user_devices",
+    metadata,
+    sa.Column("tenant_id", sa.Text, primary_key=True),
+    sa.Column("user_id", sa.BigInteger, primary_key=True),
+    sa.Column("device_id", sa.Text, primary_key=True),
+)
+
+geoip = sa.Table(
+    "geoip",
+    metadata,
+    sa.Column("ip_from", pg.INET, primary_key=True),
+    sa.Column("ip_to", pg.INET, nullable=False),
+    sa.Column("country", sa.Text, nullable=False),
+    sa.Column("city", sa.Text, nullable=False),
+    sa.Column("asn", sa.Integer, nullable=False),
+)
+
+api_keys = sa.Table(
+    "api_keys",
+    metadata,
+    sa.Column("key_hash", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+)
+
+SOURCE_TABLES = ("tenants", "users", "transactions", "devices", "user_devices", "geoip")
+
+
+def make_engine(settings: Settings, *, pool_size: int = 5) -> Engine:
+    """An engine on psycopg 3 with a small pool; nothing connects until first use."""
+    return sa.create_engine(
+        settings.postgres_url,
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_pre_ping=True,
+        connect_args={"connect_timeout": 3, "application_name": "freshline"},
+    )
+
+
+def ping(engine: Engine) -> None:
+    """Raise :class:`ServiceUnavailable` unless Postgres answers."""
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+    except sa.exc.OperationalError as exc:
+        detail = str(exc.orig).strip().splitlines()[0] if exc.orig else "no answer"
+        url = engine.url.render_as_string(hide_password=True)
+        raise ServiceUnavailable("Postgres", url, detail) from exc

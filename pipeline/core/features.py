@@ -1,0 +1,262 @@
+"""The feature-set registry: what each set computes, from what, and who it affects.
+
+A :class:`FeatureSet` is declarative. It names its entity (always a user here), its
+fields and their types, its TTL, one set-based SQL query that computes the features
+for a whole batch of entities in one round trip, and its sources: the tables (and
+so the Debezium topics and domain events) whose changes affect it, each with the way
+a changed row maps to the affected entities, either directly through a column or
+through a reverse-lookup query.
+
+The batch queries take two parallel arrays, ``:tenants`` and ``:ids``, unnested into
+the key set ``k(tenant_id, user_id)``, and ``:as_of`` (NULL means ``now()``); they
+return one row per key, in no particular order, starting with ``tenant_id, user_id``
+and then the fields in declared order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import orjson
+import sqlalchemy as sa
+
+from pipeline.core.errors import UnknownFeatureSet
+
+FieldType = Literal["int", "float", "bool", "str", "timestamp"]
+WriteMode = Literal["recompute", "invalidate"]
+
+_KEYS_CTE = """
+WITH k(tenant_id, user_id) AS (
+    SELECT * FROM unnest(CAST(:tenants AS text[]), CAST(:ids AS bigint[]))
+), t(as_of) AS (
+    SELECT coalesce(CAST(:as_of AS timestamptz), now())
+)
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    name: str
+    type: FieldType
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """How changes to one source table reach a feature set's entities.
+
+    ``user_columns``: row columns holding an affected user id directly (both the
+    old and the new value are looked at, so a row that moves users affects both).
+    ``reverse``: a query taking the changed row's columns as parameters and
+    returning ``(tenant_id, user_id)`` rows for every affected user.
+    """
+
+    table: str
+    user_columns: tuple[str, ...] = ()
+    reverse: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureSet:
+    name: str
+    fields: tuple[Field, ...]
+    ttl_s: int
+    query: str
+    sources: tuple[Source, ...]
+    mode: WriteMode = "recompute"
+    entity: str = "user"
+    description: str = ""
+    statement: sa.TextClause = field(init=False, repr=False, compare=False)
+    _fingerprint: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "statement", sa.text(_KEYS_CTE + self.query))
+        object.__setattr__(self, "_fingerprint", self._digest())
+
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    def fingerprint(self) -> str:
+        """A digest of everything that shapes an entry: fields, types, query, TTL, mode.
+
+        The lock file in ``schemas/`` records it per schema version; a change
+        without a SCHEMA_VERSION bump is refused (``freshline check``).
+        """
+        return self._fingerprint
+
+    def _digest(self) -> str:
+        body = orjson.dumps(
+            {
+                "name": self.name,
+                "entity": self.entity,
+                "fields": [[f.name, f.type] for f in self.fields],
+                "ttl_s": self.ttl_s,
+                "mode": self.mode,
+                "query": " ".join(self.query.split()),
+            }
+        )
+        return hashlib.sha256(body).hexdigest()[:16]
+
+    def sources_for(self, table: str) -> list[Source]:
+        return [s for s in self.sources if s.table == table]
+
+
+TXN_90D = FeatureSet(
+    name="txn_90d",
+    description="Spending over the user's transactions created in the last 90 days.",
+    fields=(
+        Field("txn_count", "int"),
+        Field("txn_sum", "float"),
+        Field("txn_mean", "float"),
+        Field("txn_max", "float"),
+        Field("txn_std", "float"),
+        Field("distinct_merchants", "int"),
+        Field("distinct_devices", "int"),
+        Field("last_txn_at", "timestamp"),
+    ),
+    ttl_s=3600,
+    query="""
+SELECT k.tenant_id, k.user_id,
+       count(x.amount) AS txn_count,
+       coalesce(sum(x.amount), 0)::float8 AS txn_sum,
+       round(coalesce(avg(x.amount), 0), 4)::float8 AS txn_mean,
+       coalesce(max(x.amount), 0)::float8 AS txn_max,
+       round(coalesce(stddev_pop(x.amount), 0), 4)::float8 AS txn_std,
+       count(DISTINCT x.merchant_id) AS distinct_merchants,
+       count(DISTINCT x.device_id) AS distinct_devices,
+       max(x.created_at) AS last_txn_at
+FROM k CROSS JOIN t
+LEFT JOIN transactions x
+       ON x.tenant_id = k.tenant_id AND x.user_id = k.user_id
+      AND x.created_at > t.as_of - interval '90 days' AND x.created_at <= t.as_of
+GROUP BY k.tenant_id, k.user_id
+""",
+    sources=(Source("transactions", user_columns=("user_id",)), Source("users", ("id",))),
+)
+
+DEVICE_RISK = FeatureSet(
+    name="device_risk",
+    description="Risk of the devices the user has used.",
+    fields=(
+        Field("device_count", "int"),
+        Field("max_device_risk", "float"),
+        Field("new_device_24h", "bool"),
+        Field("shared_device_users", "int"),
+    ),
+    ttl_s=3600,
+    query="""
+SELECT k.tenant_id, k.user_id,
+       count(d.id) AS device_count,
+       round(coalesce(max(d.risk_score), 0)::numeric, 4)::float8 AS max_device_risk,
+       coalesce(bool_or(d.first_seen > t.as_of - interval '24 hours'), false) AS new_device_24h,
+       coalesce(max(s.users), 0) AS shared_device_users
+FROM k CROSS JOIN t
+LEFT JOIN user_devices ud ON ud.tenant_id = k.tenant_id AND ud.user_id = k.user_id
+LEFT JOIN devices d ON d.tenant_id = ud.tenant_id AND d.id = ud.device_id
+LEFT JOIN LATERAL (
+    SELECT count(*) AS users FROM user_devices o
+    WHERE o.tenant_id = ud.tenant_id AND o.device_id = ud.device_id
+) s ON ud.device_id IS NOT NULL
+GROUP BY k.tenant_id, k.user_id
+""",
+    sources=(
+        # A link added or removed changes shared_device_users for every user of the device.
+        Source(
+            "user_devices",
+            user_columns=("user_id",),
+            reverse="SELECT tenant_id, user_id FROM user_devices "
+            "WHERE tenant_id = :tenant_id AND device_id = :device_id",
+        ),
+        Source(
+            "devices",
+            reverse="SELECT tenant_id, user_id FROM user_devices "
+            "WHERE tenant_id = :tenant_id AND device_id = :id",
+        ),
+        Source("users", ("id",)),
+    ),
+)
+
+# The geoip lookup: the range whose start is the greatest at or below the IP, if the
+# IP is also at or below its end. The primary key on ip_from serves it.
+_GEO_OF = """
+SELECT g.country, g.city FROM (
+    SELECT country, city, ip_to FROM geoip WHERE ip_from <= {ip}
+    ORDER BY ip_from DESC LIMIT 1
+) g WHERE {ip} <= g.ip_to
+"""
+
+GEO = FeatureSet(
+    name="geo",
+    description="Where the user transacts: the latest country and city, and how many.",
+    fields=(
+        Field("last_country", "str"),
+        Field("last_city", "str"),
+        Field("distinct_countries_30d", "int"),
+    ),
+    ttl_s=3600,
+    query=f"""
+SELECT k.tenant_id, k.user_id,
+       lg.country AS last_country,
+       lg.city AS last_city,
+       coalesce(c.n, 0) AS distinct_countries_30d
+FROM k CROSS JOIN t
+LEFT JOIN LATERAL (
+    SELECT x.ip FROM transactions x
+    WHERE x.tenant_id = k.tenant_id AND x.user_id = k.user_id AND x.created_at <= t.as_of
+    ORDER BY x.created_at DESC, x.id DESC LIMIT 1
+) lt ON true
+LEFT JOIN LATERAL ({_GEO_OF.format(ip="lt.ip")}) lg ON true
+LEFT JOIN LATERAL (
+    SELECT count(DISTINCT xg.country) AS n
+    FROM transactions x
+    CROSS JOIN LATERAL ({_GEO_OF.format(ip="x.ip")}) xg
+    WHERE x.tenant_id = k.tenant_id AND x.user_id = k.user_id
+      AND x.created_at > t.as_of - interval '30 days' AND x.created_at <= t.as_of
+) c ON true
+""",
+    sources=(
+        Source("transactions", user_columns=("user_id",)),
+        Source(
+            "geoip",
+            # Every user with a transaction from an IP in the changed range: a superset
+            # of those whose latest or last-30-day countries can change.
+            reverse="SELECT DISTINCT tenant_id, user_id FROM transactions "
+            "WHERE ip BETWEEN CAST(:ip_from AS inet) AND CAST(:ip_to AS inet)",
+        ),
+        Source("users", ("id",)),
+    ),
+)
+
+
+class Registry:
+    """The feature sets by name."""
+
+    def __init__(self, feature_sets: Iterable[FeatureSet]) -> None:
+        self._sets = {fs.name: fs for fs in feature_sets}
+
+    def __getitem__(self, name: str) -> FeatureSet:
+        try:
+            return self._sets[name]
+        except KeyError:
+            raise UnknownFeatureSet(name, list(self._sets)) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._sets
+
+    def __iter__(self) -> Iterator[FeatureSet]:
+        return iter(self._sets.values())
+
+    def names(self) -> list[str]:
+        return list(self._sets)
+
+    def affected_by(self, table: str) -> list[tuple[FeatureSet, Source]]:
+        return [(fs, src) for fs in self._sets.values() for src in fs.sources_for(table)]
+
+    def fingerprints(self) -> Mapping[str, str]:
+        return {name: fs.fingerprint() for name, fs in self._sets.items()}
+
+
+REGISTRY = Registry([TXN_90D, DEVICE_RISK, GEO])

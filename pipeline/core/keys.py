@@ -1,0 +1,95 @@
+"""Every Redis key and channel freshline uses, made in one place.
+
+Feature keys::
+
+    feat:<schema_version>:<feature_set>:{<tenant>:<entity>}
+
+The braces are a Redis Cluster hash tag: every key of one entity (all feature sets,
+its lease) lands in the same slot, so one entity's keys can be read and written in
+one round trip on a cluster too. Tenant and entity ids are validated before they can
+reach a key: see :func:`validate_id`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pipeline.core.errors import InvalidId
+from pipeline.core.types import EntityRef
+from schemas.ids import MAX_ID_LENGTH, id_problem
+
+FEATURE_PREFIX = "feat"
+LEASE_PREFIX = "lease"
+INFERENCE_PREFIX = "infer"
+HOT_PREFIX = "hot"
+META_PREFIX = "freshline"
+
+INVALIDATION_CHANNEL = "freshline:invalidations"
+ACTIVE_SCHEMA_KEY = "freshline:active_schema_version"
+NEXT_SCHEMA_KEY = "freshline:next_schema_version"
+MODELS_KEY = "freshline:models"
+
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def validate_id(kind: str, value: object) -> str:
+    """Return ``value`` as text if it is safe inside a key, else raise :class:`InvalidId`.
+
+    The rule is the contracts' (:mod:`schemas.ids`): letters, digits, ``_``, ``.`` and
+    ``-``, starting alphanumeric, at most 64 characters.
+    """
+    problem = id_problem(value)
+    if problem is not None:
+        raise InvalidId(kind, value, problem)
+    return str(value)
+
+
+def validate_name(kind: str, value: str) -> str:
+    """Feature-set and model names: lower-case identifiers."""
+    if not isinstance(value, str) or len(value) > MAX_ID_LENGTH or not _NAME.fullmatch(value):
+        raise InvalidId(kind, value, "must be a lower-case identifier ([a-z][a-z0-9_]*)")
+    return value
+
+
+def entity_tag(tenant: str, entity: str) -> str:
+    return f"{{{tenant}:{entity}}}"
+
+
+def feature_key(schema_version: int, ref: EntityRef) -> str:
+    """The Redis key of one entity's entry for one feature set."""
+    tenant = validate_id("tenant", ref.tenant)
+    entity = validate_id("entity", ref.entity)
+    return f"{FEATURE_PREFIX}:{schema_version}:{ref.feature_set}:{entity_tag(tenant, entity)}"
+
+
+def lease_key(schema_version: int, ref: EntityRef) -> str:
+    """The read-through lease of one entity's entry (same hash tag as the entry)."""
+    tenant = validate_id("tenant", ref.tenant)
+    entity = validate_id("entity", ref.entity)
+    return f"{LEASE_PREFIX}:{schema_version}:{ref.feature_set}:{entity_tag(tenant, entity)}"
+
+
+def feature_pattern(schema_version: int, feature_set: str | None = None) -> str:
+    """A SCAN MATCH pattern for one schema version's namespace."""
+    return f"{FEATURE_PREFIX}:{schema_version}:{feature_set or '*'}:*"
+
+
+def inference_key(
+    model: str, version: str, digest: str, tenant: str | None = None, arm: str | None = None
+) -> str:
+    """``infer:<model>:<version>:<tenant>:<arm>:<digest>``; absent tenant/arm are empty."""
+    name = validate_name("model", model)
+    ver = validate_id("model version", version)
+    ten = validate_id("tenant", tenant) if tenant is not None else ""
+    arm_id = validate_id("arm", arm) if arm is not None else ""
+    return f"{INFERENCE_PREFIX}:{name}:{ver}:{ten}:{arm_id}:{digest}"
+
+
+def inference_pattern(model: str, version: str) -> str:
+    name, ver = validate_name("model", model), validate_id("model version", version)
+    return f"{INFERENCE_PREFIX}:{name}:{ver}:*"
+
+
+def hot_key(schema_version: int, feature_set: str, tenant: str) -> str:
+    """A sorted set of sampled read counts per entity, for warming the hottest."""
+    return f"{HOT_PREFIX}:{schema_version}:{feature_set}:{validate_id('tenant', tenant)}"

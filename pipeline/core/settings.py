@@ -1,0 +1,84 @@
+"""One frozen settings object, read from ``FRESHLINE_*`` environment variables.
+
+Nothing reads the environment at import time: call :func:`load_settings` once at
+start-up and pass the object on, or build ``Settings()`` yourself in tests. Defaults
+point at the local stack started by ``scripts/stack up``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pipeline.core.errors import ConfigError
+
+_PASSWORD_IN_URL = re.compile(r"(?P<head>://[^:/@]*:)[^@]+@")
+
+
+def redact(url: str) -> str:
+    """Mask the password in a URL for logs and error messages."""
+    return _PASSWORD_IN_URL.sub(r"\g<head>***@", url)
+
+
+class Settings(BaseSettings):
+    """Every knob freshline has. See the README's "Settings" table."""
+
+    model_config = SettingsConfigDict(env_prefix="FRESHLINE_", frozen=True, extra="ignore")
+
+    postgres_url: str = "postgresql+psycopg://freshline:freshline@127.0.0.1:5432/freshline"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    kafka_bootstrap: str = "127.0.0.1:9092"
+    connect_url: str = "http://127.0.0.1:8083"
+
+    schema_version: int = Field(default=1, ge=1, le=999_999)
+    topic_prefix: str = Field(default="", pattern=r"^[A-Za-z0-9_.\-]*$")
+    topic_partitions: int = Field(default=6, ge=1, le=1000)
+    consumer_group: str = "freshline"
+    auto_offset_reset: Literal["earliest", "latest"] = "earliest"
+    batch_max_events: int = Field(default=2000, ge=1)
+    batch_max_wait_ms: int = Field(default=50, ge=1)
+    max_message_bytes: int = Field(default=1_000_000, ge=1024)
+    consumer_metrics_host: str = "127.0.0.1"
+    consumer_metrics_port: int = Field(default=9464, ge=0, le=65535)
+
+    lease_ms: int = Field(default=5000, ge=10)
+    read_wait_ms: int = Field(default=2000, ge=0)
+    tombstone_ttl_s: int = Field(default=300, ge=1)
+
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=8000, ge=1, le=65535)
+    api_batch_limit: int = Field(default=500, ge=1)
+    api_body_limit_bytes: int = Field(default=1_000_000, ge=1024)
+    local_cache_size: int = Field(default=0, ge=0)
+
+    inference_decimals: int = Field(default=4, ge=0, le=12)
+    inference_ttl_s: int = Field(default=3600, ge=1)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.redacted().items())
+        return f"Settings({fields})"
+
+    def redacted(self) -> dict[str, object]:
+        """The settings as a dict with passwords masked, safe to print."""
+        out: dict[str, object] = {}
+        for name, value in self.model_dump().items():
+            out[name] = redact(value) if isinstance(value, str) and "://" in value else value
+        return out
+
+
+def load_settings() -> Settings:
+    """Settings read from the environment now; a bad value raises :class:`ConfigError`.
+
+    Not cached: a process builds its settings once at start-up and passes them on.
+    """
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"FRESHLINE_{'_'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"invalid settings: {problems}") from exc

@@ -1,0 +1,64 @@
+"""The small vocabulary the rest of freshline speaks in."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Watermark = int
+"""A monotonic measure of source state: a Postgres WAL LSN as an integer.
+
+See :mod:`pipeline.cache.recompute` for why a computation's watermark is read *before* its
+snapshot is taken, and :mod:`pipeline.cache.store` for how writes compare them.
+"""
+
+TenantId = str
+EntityId = str
+FeatureSetName = str
+FeatureValues = dict[str, Any]
+Op = Literal["c", "u", "d", "r", "t"]
+
+
+@dataclass(frozen=True, slots=True)
+class EntityRef:
+    """One entity of one feature set for one tenant: the unit a key names."""
+
+    feature_set: FeatureSetName
+    tenant: TenantId
+    entity: EntityId
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A decoded feature entry as stored in Redis."""
+
+    values: FeatureValues
+    schema_version: int
+    computed_at_ms: int
+    watermark: Watermark
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeEvent:
+    """A change to one source row, decoded from a Debezium envelope or a domain event.
+
+    ``row`` holds the row's columns after the change (before it, for a delete), merged
+    with ``before`` where the envelope carries both, so routing can find every entity
+    the change affects. ``watermark`` is the Postgres LSN for CDC events and 0 when the
+    source has none (domain events); ``committed_at_ms`` is the source commit time
+    (Debezium ``source.ts_ms``, a domain event's ``occurred_at``) when known.
+    """
+
+    table: str
+    op: Op
+    tenant: TenantId | None
+    row: Mapping[str, Any]
+    before: Mapping[str, Any] | None = None
+    watermark: Watermark = 0
+    committed_at_ms: int | None = None
+
+
+def text(raw: bytes | str | None) -> str:
+    """A Redis reply as text: bytes decoded as UTF-8, ``None`` as the empty string."""
+    return raw.decode() if isinstance(raw, bytes) else (raw or "")

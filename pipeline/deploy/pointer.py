@@ -1,0 +1,101 @@
+"""Schema-version deployments: moving the version pointer (start, flip, cancel).
+
+A deploy moves readers from one key namespace (``feat:<version>:...``) to another
+without a miss storm:
+
+1. ``start(V)`` records V as the *next* version. Consumers ask
+   :class:`~pipeline.cache.versions.WriteVersions` per batch, and from then on write
+   both the active and the next version (each one their code can compute, see
+   :meth:`Lock.compatible`).
+2. :func:`pipeline.deploy.warm.warm` materializes V for the hottest (or all active)
+   entities, in batches, through the set-based queries, at a bounded rate.
+3. ``flip(V)`` sets active=V and clears next in one Lua script, which also
+   publishes on the pointer's channel. Readers
+   (:class:`~pipeline.cache.versions.VersionResolver`) follow within their cache
+   age, at once if listening; consumers stop writing the old one.
+4. The old namespace expires by TTL, or :func:`pipeline.deploy.purge.purge` removes
+   it in small SCAN + UNLINK batches.
+
+Every step checks the lock and the pointer first and changes nothing when refusing.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import redis
+
+from pipeline.cache.versions import DEFAULT_POINTER, DeployState, Pointer, state
+from pipeline.core.errors import DeployError
+from pipeline.core.lock import Lock
+from pipeline.core.settings import Settings
+
+# KEYS[1] active, KEYS[2] next; ARGV[1] expected active, ARGV[2] expected next ('' for
+# absent), ARGV[3] new active ('' keeps it), ARGV[4] new next ('' clears it), ARGV[5]
+# channel. Compare-and-set on both, so a concurrent deploy command cannot be lost.
+_MOVE_LUA: Final = """
+local active = redis.call('GET', KEYS[1]) or ''
+local nxt = redis.call('GET', KEYS[2]) or ''
+if active ~= ARGV[1] or nxt ~= ARGV[2] then return 0 end
+if ARGV[3] ~= '' then redis.call('SET', KEYS[1], ARGV[3]) end
+if ARGV[4] ~= '' then redis.call('SET', KEYS[2], ARGV[4]) else redis.call('DEL', KEYS[2]) end
+redis.call('PUBLISH', ARGV[5], (ARGV[3] ~= '' and ARGV[3] or active) .. ' ' .. ARGV[4])
+return 1
+"""
+
+
+
+def locked(lock: Lock, version: int, action: str) -> None:
+    if version not in lock:
+        raise DeployError(f"cannot {action} schema version {version}: it has no lock entry; "
+                          "add it with `freshline check --update-lock` under that version")
+
+
+def _move(client: redis.Redis, pointer: Pointer, seen: DeployState, *,
+          active: int | None, nxt: int | None) -> None:
+    script = client.register_script(_MOVE_LUA)
+    done = script(keys=[pointer.active_key, pointer.next_key],
+                  args=[seen.active_raw, seen.next_raw, active or "", nxt or "", pointer.channel])
+    if not done:
+        raise DeployError("the version pointer changed while this command ran "
+                          "(another deploy?); nothing was changed, check and retry")
+
+
+def start(client: redis.Redis, settings: Settings, version: int, lock: Lock, *,
+          pointer: Pointer = DEFAULT_POINTER) -> DeployState:
+    """Mark ``version`` as next: consumers start writing it alongside the active one."""
+    locked(lock, version, "warm")
+    seen = state(client, settings, pointer=pointer, lock=lock)
+    if version == seen.active:
+        raise DeployError(f"schema version {version} is already active")
+    if seen.next not in (None, version):
+        raise DeployError(f"a deploy of schema version {seen.next} is in progress; "
+                          "flip to it or cancel it first (`freshline deploy cancel`)")
+    if seen.next != version:
+        _move(client, pointer, seen, active=None, nxt=version)
+    return state(client, settings, pointer=pointer, lock=lock)
+
+
+def cancel(client: redis.Redis, settings: Settings, lock: Lock, *,
+           pointer: Pointer = DEFAULT_POINTER) -> DeployState:
+    """Forget the next version; consumers stop writing it. Its keys expire by TTL."""
+    seen = state(client, settings, pointer=pointer, lock=lock)
+    if seen.next is not None:
+        _move(client, pointer, seen, active=None, nxt=None)
+    return state(client, settings, pointer=pointer, lock=lock)
+
+
+def flip(client: redis.Redis, settings: Settings, version: int, lock: Lock, *,
+         pointer: Pointer = DEFAULT_POINTER) -> DeployState:
+    """Make ``version`` active and clear next, atomically; readers follow.
+
+    Flipping back to the previous version is a rollback and works the same way.
+    """
+    locked(lock, version, "flip to")
+    seen = state(client, settings, pointer=pointer, lock=lock)
+    if seen.next not in (None, version):
+        raise DeployError(f"schema version {seen.next} is being warmed; flip to it, or "
+                          "cancel it first (`freshline deploy cancel`)")
+    if seen.active_raw != str(version) or seen.next is not None:
+        _move(client, pointer, seen, active=version, nxt=None)
+    return state(client, settings, pointer=pointer, lock=lock)

@@ -1,0 +1,360 @@
+"""What the ``/status`` page shows: per feature set, the last hour minute by minute.
+
+:class:`Observer` takes a :class:`Snapshot` of everything the page plots: the API's
+hit and miss counters (summed over worker processes), entry staleness sampled from
+Redis (:mod:`pipeline.observe.staleness`), the consumer group's lag read from the broker, and
+the consumers' freshness-lag histogram scraped from their ``/metrics``.
+
+:class:`StatusBoard` keeps a snapshot a minute in an in-process ring buffer (an hour
+of them) and turns consecutive snapshots into per-minute points. Every figure it
+records is global (counters summed across processes through
+``PROMETHEUS_MULTIPROC_DIR``, Redis, the broker), so each API worker's buffer holds
+the same curves; a worker started later just has a shorter history. Nothing is
+written to Redis for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
+
+from pipeline.core.features import Registry
+from pipeline.core.settings import Settings
+from pipeline.observe.staleness import GroupLag, Staleness, sample, source_topics
+
+log = logging.getLogger(__name__)
+
+WINDOW_S = 3600
+INTERVAL_S = 60.0
+RATE_WINDOW_S = 300
+"""The current hit rate and freshness lag are taken over the last five minutes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Cumulative counters and sampled figures at one moment (epoch seconds)."""
+
+    at: float
+    hits: dict[str, float]
+    misses: dict[str, float]
+    staleness: dict[str, Staleness]
+    lag: dict[str, int] | None
+    """Consumer-group lag per feature set; None when the broker did not answer."""
+    freshness: tuple[float, float] | None
+    """The consumers' freshness histogram: (sum of seconds, count); None if unreachable."""
+    dead_letters: float | None = None
+
+
+def counter_totals(registry: CollectorRegistry, family: str,
+                   label: str = "feature_set") -> dict[str, float]:
+    """The samples of counter ``family`` summed by ``label`` (other labels added up)."""
+    out: dict[str, float] = {}
+    for metric in registry.collect():
+        if metric.name != family:
+            continue
+        for s in metric.samples:
+            if s.name == f"{family}_total":
+                key = s.labels.get(label, "")
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def scrape_freshness(urls: Sequence[str],
+                     timeout_s: float = 1.0) -> tuple[tuple[float, float] | None, float | None]:
+    """``((sum, count) of freshness lag, dead letters)`` summed over consumer scrapes."""
+    total = count = dlq = 0.0
+    answered = False
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310
+                text = response.read().decode()
+        except OSError as exc:
+            log.debug("consumer metrics at %s unavailable: %s", url, exc)
+            continue
+        answered = True
+        for metric in text_string_to_metric_families(text):
+            for s in metric.samples:
+                if s.name == "freshline_freshness_lag_seconds_sum":
+                    total += s.value
+                elif s.name == "freshline_freshness_lag_seconds_count":
+                    count += s.value
+                elif s.name == "freshline_events_dead_lettered_total":
+                    dlq += s.value
+    return ((total, count), dlq) if answered else (None, None)
+
+
+class Observer:
+    """Takes snapshots; caches the slow parts (Redis sample, broker) for ``max_age_s``."""
+
+    def __init__(self, client: redis.Redis, registry: Registry, settings: Settings, *,
+                 version: Callable[[], int], counters: Callable[[], CollectorRegistry],
+                 consumer_metrics: Sequence[str] = (), lag: GroupLag | None = None,
+                 max_age_s: float = 5.0) -> None:
+        self.redis = client
+        self.registry = registry
+        self.settings = settings
+        self.version = version
+        self.counters = counters
+        self.consumer_metrics = list(consumer_metrics)
+        self.group_lag = lag
+        self.max_age_s = max_age_s
+        self.topics = source_topics(settings, registry)
+        self._lock = threading.Lock()
+        self._slow: tuple[float, dict[str, Staleness], dict[str, int] | None] | None
+        self._slow = None
+
+    def staleness(self) -> dict[str, Staleness]:
+        """A fresh sample of the served schema version's entries."""
+        return sample(self.redis, self.registry, self.version()).by_set
+
+    def lag(self) -> dict[str, int] | None:
+        """Consumer-group lag per feature set, or None if the broker did not answer."""
+        if self.group_lag is None:
+            return None
+        try:
+            return self.group_lag.by_feature_set(self.topics)
+        except Exception as exc:  # the broker is advisory here; never fail a page
+            log.debug("consumer-group lag unavailable: %s", exc)
+            return None
+
+    def _sampled(self, max_age_s: float) -> tuple[dict[str, Staleness],
+                                                  dict[str, int] | None]:
+        with self._lock:
+            now = time.monotonic()
+            if self._slow is None or now - self._slow[0] > max_age_s:
+                self._slow = (now, self.staleness(), self.lag())
+            return self._slow[1], self._slow[2]
+
+    def snapshot(self, max_age_s: float | None = None, *, light: bool = False) -> Snapshot:
+        """Counters and scrapes now; the Redis sample and broker lag unless ``light``."""
+        ages: dict[str, Staleness] = {}
+        lag: dict[str, int] | None = None
+        if not light:
+            ages, lag = self._sampled(self.max_age_s if max_age_s is None else max_age_s)
+        counters = self.counters()
+        fresh, dlq = scrape_freshness(self.consumer_metrics)
+        return Snapshot(
+            at=time.time(),
+            hits=counter_totals(counters, "freshline_api_feature_hits"),
+            misses=counter_totals(counters, "freshline_api_feature_misses"),
+            staleness=ages, lag=lag, freshness=fresh, dead_letters=dlq)
+
+    def close(self) -> None:
+        if self.group_lag is not None:
+            self.group_lag.close()
+
+
+class SampledMetrics:
+    """A Prometheus collector of the sampled figures, taken at each scrape.
+
+    Staleness is sampled afresh on every scrape (independent samples); the group lag
+    is reused for up to ``lag_max_age_s`` to spare the broker.
+    """
+
+    def __init__(self, observer: Observer, lag_max_age_s: float = 10.0) -> None:
+        self.observer = observer
+        self.lag_max_age_s = lag_max_age_s
+        self._lag: tuple[float, dict[str, int] | None] | None = None
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        ages = self.observer.staleness()
+        now = time.monotonic()
+        if self._lag is None or now - self._lag[0] > self.lag_max_age_s:
+            self._lag = (now, self.observer.lag())
+        lag = self._lag[1]
+        families = {
+            "oldest": GaugeMetricFamily(
+                "freshline_staleness_oldest_age_seconds",
+                "Age of the oldest entry in a random sample of the served namespace.",
+                labels=["feature_set"]),
+            "mean": GaugeMetricFamily(
+                "freshline_staleness_mean_age_seconds",
+                "Mean entry age in the sample (about TTL/2 when entries live out their TTL).",
+                labels=["feature_set"]),
+            "over": GaugeMetricFamily(
+                "freshline_staleness_over_ttl_entries",
+                "Sampled entries older than their feature set's TTL (a bug: TTL not enforced).",
+                labels=["feature_set"]),
+            "immortal": GaugeMetricFamily(
+                "freshline_staleness_immortal_entries",
+                "Sampled keys without an expiry (a bug: every entry has a TTL).",
+                labels=["feature_set"]),
+            "sampled": GaugeMetricFamily(
+                "freshline_staleness_sampled_entries", "Entries in the sample.",
+                labels=["feature_set"]),
+            "ttl": GaugeMetricFamily(
+                "freshline_feature_ttl_seconds", "The feature set's TTL.",
+                labels=["feature_set"]),
+        }
+        for name, s in ages.items():
+            if s.oldest_age_s is not None and s.mean_age_s is not None:
+                families["oldest"].add_metric([name], s.oldest_age_s)
+                families["mean"].add_metric([name], s.mean_age_s)
+            families["over"].add_metric([name], s.over_ttl)
+            families["immortal"].add_metric([name], s.immortal)
+            families["sampled"].add_metric([name], s.sampled)
+            families["ttl"].add_metric([name], s.ttl_s)
+        yield from families.values()
+        if lag is not None:
+            by_set = GaugeMetricFamily(
+                "freshline_feature_set_consumer_lag",
+                "Records the consumer group has yet to read on the topics feeding the set, "
+                "read from the broker (grows while no consumer runs).",
+                labels=["feature_set"])
+            for name, n in lag.items():
+                by_set.add_metric([name], n)
+            yield by_set
+
+
+@dataclass
+class _Series:
+    t: list[float] = field(default_factory=list)
+    values: dict[str, list[float | None]] = field(default_factory=dict)
+
+    def add(self, at: float, **values: float | None) -> None:
+        self.t.append(round(at, 3))
+        for k, v in values.items():
+            self.values.setdefault(k, []).append(None if v is None else round(v, 6))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"t": self.t, **self.values}
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+class StatusBoard:
+    """The ring buffer of per-minute snapshots and the report the page draws."""
+
+    def __init__(self, observer: Observer, *, interval_s: float = INTERVAL_S,
+                 window_s: int = WINDOW_S) -> None:
+        self.observer = observer
+        self.interval_s = interval_s
+        self.window_s = window_s
+        self.history: deque[Snapshot] = deque(maxlen=int(window_s / interval_s) + 1)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def record(self) -> Snapshot:
+        snap = self.observer.snapshot(max_age_s=0)
+        self.history.append(snap)
+        return snap
+
+    def start(self) -> None:
+        """Record a baseline of the counters now, then a snapshot per interval in a thread.
+
+        The baseline is light (no Redis sample, no broker call), so start-up stays fast
+        and the rates shown from the first request on count only this app's lifetime.
+        """
+        self.history.append(self.observer.snapshot(light=True))
+        self._thread = threading.Thread(target=self._run, name="freshline-status",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._safe_record()
+
+    def _safe_record(self) -> None:
+        try:
+            self.record()
+        except Exception as exc:  # a failed sample leaves a gap, never kills the thread
+            log.warning("status sample failed: %s", exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.observer.close()
+
+    def report(self) -> dict[str, Any]:
+        """The page's data: current figures and the last hour, per feature set."""
+        now = self.observer.snapshot()
+        points = [s for s in self.history if s.at >= now.at - self.window_s] + [now]
+        base = self._base(now)
+        names = self.observer.registry.names()
+        sets: list[dict[str, Any]] = []
+        problems: list[str] = []
+        for name in names:
+            series = _Series()
+            for prev, cur in itertools.pairwise(points):
+                hits = cur.hits.get(name, 0.0) - prev.hits.get(name, 0.0)
+                misses = cur.misses.get(name, 0.0) - prev.misses.get(name, 0.0)
+                age = cur.staleness.get(name)
+                series.add(cur.at, hit_rate=_ratio(hits, hits + misses),
+                           requests=hits + misses,
+                           staleness_s=age.oldest_age_s if age else None,
+                           consumer_lag=None if cur.lag is None else cur.lag.get(name))
+            hits = now.hits.get(name, 0.0) - base.hits.get(name, 0.0)
+            misses = now.misses.get(name, 0.0) - base.misses.get(name, 0.0)
+            age = now.staleness.get(name)
+            ttl = self.observer.registry[name].ttl_s
+            current = {
+                "hit_rate": _ratio(hits, hits + misses),
+                "hits": hits,
+                "misses": misses,
+                "window_s": round(now.at - base.at, 1),
+                "staleness_s": age.oldest_age_s if age else None,
+                "mean_age_s": age.mean_age_s if age else None,
+                "sampled": age.sampled if age else 0,
+                "over_ttl": age.over_ttl if age else 0,
+                "immortal": age.immortal if age else 0,
+                "consumer_lag": None if now.lag is None else now.lag.get(name),
+            }
+            if current["over_ttl"]:
+                problems.append(f"{name}: {current['over_ttl']} sampled entries are older "
+                                f"than the {ttl}s TTL (TTL not enforced)")
+            if current["immortal"]:
+                problems.append(f"{name}: {current['immortal']} sampled keys have no expiry")
+            rate = current["hit_rate"]
+            if rate is not None and rate < 0.25 and hits + misses >= 20:
+                problems.append(f"{name}: hit rate {rate:.0%} is below 25%")
+            sets.append({"name": name, "ttl_s": ttl, "current": current,
+                         "series": series.as_dict()})
+        fresh = _Series()
+        for prev, cur in itertools.pairwise(points):
+            fresh.add(cur.at, lag_s=_mean_between(prev.freshness, cur.freshness))
+        return {
+            "generated_at": round(now.at, 3),
+            "schema_version": self.observer.version(),
+            "window_s": self.window_s,
+            "interval_s": self.interval_s,
+            "feature_sets": sets,
+            "freshness": {
+                "current_s": _mean_between(base.freshness, now.freshness),
+                "reachable": now.freshness is not None,
+                "series": fresh.as_dict(),
+            },
+            "broker_reachable": now.lag is not None,
+            "problems": problems,
+        }
+
+    def _base(self, now: Snapshot) -> Snapshot:
+        """The snapshot the current rates are measured from: about five minutes ago."""
+        older = [s for s in self.history if s.at <= now.at - RATE_WINDOW_S]
+        if older:
+            return older[-1]
+        return self.history[0] if self.history else now
+
+
+def _mean_between(a: tuple[float, float] | None, b: tuple[float, float] | None) -> float | None:
+    if a is None or b is None:
+        return None
+    return _ratio(b[0] - a[0], b[1] - a[1])
