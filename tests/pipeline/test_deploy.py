@@ -33,6 +33,7 @@ from pipeline.deploy.purge import purge
 from pipeline.deploy.warm import Throttle, active_users, count_active_users, warm
 from pipeline.dev.seed import SeedSummary
 from pipeline.inference.models import purge_model
+from tests.conftest import wait_until
 
 USERS = 40
 
@@ -307,8 +308,8 @@ def test_a_listening_resolver_follows_the_flip_at_once(world: Deploy) -> None:
     resolver.listen()
     try:
         channel = world.pointer.channel
-        while world.redis.pubsub_numsub(channel)[0][1] < 1:
-            pass  # the SUBSCRIBE is on the wire; wait until Redis has registered it
+        # The SUBSCRIBE is on the wire; wait until Redis has registered it.
+        assert wait_until(lambda: world.redis.pubsub_numsub(channel)[0][1] >= 1, timeout=30)
         assert resolver.current() == world.a  # cached for an hour...
         flip(world.redis, world.settings, world.b, world.lock, pointer=world.pointer)
         assert got.wait(10)
