@@ -6,13 +6,14 @@ import multiprocessing as mp
 import threading
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import pytest
 import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.cache.readthrough import Hooks, ReadThrough
+from pipeline.cache.readthrough import Hooks, ReadThrough, Result
 from pipeline.cache.recompute import Batch, compute, current_watermark
 from pipeline.cache.store import FeatureStore
 from pipeline.core.db import make_engine
@@ -61,9 +62,27 @@ def test_hit_miss_and_batch(redis_client: redis.Redis, engine: Engine, tenant: s
     assert second[0].values == truth(engine, refs[0])
 
 
-def _paused_reader(rt: ReadThrough, ref: EntityRef) -> tuple[threading.Thread,
-                                                            threading.Event,
-                                                            threading.Event, list[object]]:
+@dataclass
+class PausedReader:
+    """A reader thread held between its database query and its write to Redis."""
+
+    thread: threading.Thread
+    resume: threading.Event
+    answers: list[Result] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+
+    def finish(self) -> Result:
+        """Let the reader write, wait for its thread to end; its one answer."""
+        self.resume.set()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the paused reader never finished"
+        assert not self.errors, f"the paused reader raised: {self.errors[0]!r}"
+        assert len(self.answers) == 1
+        return self.answers[0]
+
+
+def _paused_reader(rt: ReadThrough, ref: EntityRef) -> PausedReader:
+    """Start a reader of ``ref`` and return once it has queried the database."""
     queried, resume = threading.Event(), threading.Event()
 
     def pause(_: list[EntityRef]) -> None:
@@ -71,12 +90,17 @@ def _paused_reader(rt: ReadThrough, ref: EntityRef) -> tuple[threading.Thread,
         if not resume.wait(timeout=30):
             raise TimeoutError("the test never resumed the reader")
 
+    def read() -> None:
+        try:
+            paused.answers.append(rt.get(ref))
+        except BaseException as exc:  # reported by finish(), in the test's thread
+            paused.errors.append(exc)
+
     rt.hooks.after_compute = pause
-    out: list[object] = []
-    reader = threading.Thread(target=lambda: out.append(rt.get(ref)))
-    reader.start()
+    paused = PausedReader(threading.Thread(target=read), resume)
+    paused.thread.start()
     assert queried.wait(timeout=30)
-    return reader, queried, resume, out
+    return paused
 
 
 def test_no_stale_set_when_an_invalidation_lands_mid_read(
@@ -87,14 +111,14 @@ def test_no_stale_set_when_an_invalidation_lands_mid_read(
     ref = EntityRef("txn_90d", tenant, "1")
     old = truth(engine, ref)
     # The reader has queried the database and is paused before its write.
-    reader, _, resume, out = _paused_reader(rt, ref)
+    reader = _paused_reader(rt, ref)
     # A change commits and its invalidation is applied.
     bump_amounts(engine, ref)
     store.invalidate([ref], current_watermark(engine))
-    # The reader writes its older value: it must not be stored.
-    resume.set()
-    reader.join(timeout=30)
-    assert out and out[0].values == old  # type: ignore[attr-defined]
+    # The reader writes its older value: its caller gets it, the cache does not.
+    answer = reader.finish()
+    assert answer.source == "computed" and answer.values == old
+    assert (rt.counters.stored, rt.counters.refused) == (0, 1)
     assert store.read([ref]) == [None]
     rt.hooks.after_compute = None
     fresh = rt.get(ref)
@@ -110,14 +134,15 @@ def test_no_stale_set_when_the_newer_entry_is_evicted_mid_read(
     store = FeatureStore(redis_client, version)
     rt = ReadThrough(store, engine, early_refresh=False)
     ref = EntityRef("txn_90d", tenant, "2")
-    reader, _, resume, _ = _paused_reader(rt, ref)
+    old = truth(engine, ref)
+    reader = _paused_reader(rt, ref)
     bump_amounts(engine, ref)
     store.write(compute(engine, TXN_90D, [(ref.tenant, ref.entity)]))  # the consumer
     redis_client.delete(store.key(ref))  # evicted
-    resume.set()
-    reader.join(timeout=30)
-    entry = store.read([ref])[0]
-    assert entry is None
+    answer = reader.finish()
+    assert answer.source == "computed" and answer.values == old != truth(engine, ref)
+    assert (rt.counters.stored, rt.counters.refused) == (0, 1)
+    assert store.read([ref]) == [None]
 
 
 def test_the_watermark_alone_refuses_a_stale_fill(
@@ -128,13 +153,16 @@ def test_the_watermark_alone_refuses_a_stale_fill(
     rt = ReadThrough(store, engine, early_refresh=False)
     ref = EntityRef("txn_90d", tenant, "3")
     lease = lease_key(version, ref)
-    reader, _, resume, _ = _paused_reader(rt, ref)
+    old = truth(engine, ref)
+    reader = _paused_reader(rt, ref)
     token = redis_client.get(lease)
+    assert token is not None
     bump_amounts(engine, ref)
     store.invalidate([ref], current_watermark(engine))
     redis_client.set(lease, token, px=10_000)  # pretend the revocation was lost
-    resume.set()
-    reader.join(timeout=30)
+    answer = reader.finish()
+    assert answer.source == "computed" and answer.values == old
+    assert (rt.counters.stored, rt.counters.refused) == (0, 1)
     assert store.read([ref]) == [None]
 
 
