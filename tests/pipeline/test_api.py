@@ -13,6 +13,7 @@ import httpx
 import pytest
 import redis
 import sqlalchemy as sa
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
 
@@ -382,15 +383,31 @@ def test_readiness_is_503_when_a_service_does_not_answer(api_settings: Settings,
     dead_redis.close()
 
 
+COUNTED = {
+    "hits": ("freshline_api_feature_hits_total", {"feature_set": "device_risk", "tier": "redis"}),
+    "misses": ("freshline_api_feature_misses_total", {"feature_set": "device_risk"}),
+    "read_throughs": ("freshline_api_feature_read_throughs_total", {"feature_set": "device_risk"}),
+    "requests": ("freshline_api_request_seconds_count",
+                 {"endpoint": "features", "feature_set": "device_risk", "status": "200"}),
+}
+
+
+def scrape(api: Api) -> dict[str, float]:
+    """The values of :data:`COUNTED` in ``/metrics`` now (0 for a series not there yet)."""
+    samples = [s for family in text_string_to_metric_families(api.get("/metrics", key=None).text)
+               for s in family.samples]
+    return {what: sum(s.value for s in samples if s.name == name and s.labels == labels)
+            for what, (name, labels) in COUNTED.items()}
+
+
 def test_metrics_count_hits_misses_and_read_throughs(api: Api) -> None:
-    api.get("/v1/features/device_risk/11")
-    api.get("/v1/features/device_risk/11")
-    text = api.get("/metrics", key=None).text
-    assert 'freshline_api_feature_hits_total{feature_set="device_risk",tier="redis"}' in text
-    assert 'freshline_api_feature_misses_total{feature_set="device_risk"}' in text
-    assert 'freshline_api_feature_read_throughs_total{feature_set="device_risk"}' in text
-    assert ('freshline_api_request_seconds_count{endpoint="features",'
-            'feature_set="device_risk",status="200"}') in text
+    # The counters are the process's: other tests have moved them, so count the change.
+    before = scrape(api)
+    assert api.get("/v1/features/device_risk/11").status_code == 200  # a miss, read through
+    assert api.get("/v1/features/device_risk/11").status_code == 200  # a hit in Redis
+    after = scrape(api)
+    assert {what: after[what] - before[what] for what in COUNTED} == {
+        "hits": 1, "misses": 1, "read_throughs": 1, "requests": 2}
 
 
 # -- with the in-process tier --------------------------------------------------------------
