@@ -76,19 +76,23 @@ def seed_cmd(
     from pipeline.dev.seed import seed as run_seed
 
     engine = make_engine(load_settings())
-    ping(engine)
-    started = time.perf_counter()
-    with progress_bar() as bar:
-        tasks: dict[str, TaskID] = {}
+    try:
+        ping(engine)
+        started = time.perf_counter()
+        with progress_bar() as bar:
+            tasks: dict[str, TaskID] = {}
 
-        def report(stage: str, done: int, total: int) -> None:
-            if stage not in tasks:
-                tasks[stage] = bar.add_task(stage, total=total)
-            bar.update(tasks[stage], completed=done)
+            def report(stage: str, done: int, total: int) -> None:
+                if stage not in tasks:
+                    tasks[stage] = bar.add_task(stage, total=total)
+                bar.update(tasks[stage], completed=done)
 
-        summary = run_seed(engine, users=users, transactions=transactions, tenants=tenants,
-                           seed=seed, tenant_prefix=tenant_prefix, anchor=anchor,
-                           progress=report)
+            # Refuses tenants that exist (TenantsExist, one line from main()), unwritten.
+            summary = run_seed(engine, users=users, transactions=transactions,
+                               tenants=tenants, seed=seed, tenant_prefix=tenant_prefix,
+                               anchor=anchor, progress=report)
+    finally:
+        engine.dispose()
     elapsed = time.perf_counter() - started
     rate = summary.transactions / elapsed if elapsed else 0.0
     console.print(

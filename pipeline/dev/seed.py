@@ -20,6 +20,7 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from pipeline.core.errors import FreshlineError
 from pipeline.core.keys import validate_id
 
 Progress = Callable[[str, int, int], None]
@@ -46,6 +47,16 @@ COUNTRIES = [
     ("ES", ["Madrid", "Valencia", "Seville"]),
     ("PL", ["Warsaw", "Krakow", "Gdansk"]),
 ]
+
+
+class TenantsExist(FreshlineError):
+    """Seeding would create tenants that are already there; nothing was written."""
+
+    def __init__(self, tenants: list[str]) -> None:
+        self.tenants = tenants
+        super().__init__(f"already seeded: tenant(s) {', '.join(tenants)}; nothing was "
+                         "written. To seed more, give the new tenants a prefix: "
+                         "--tenant-prefix PREFIX")
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +143,9 @@ def seed(
 ) -> SeedSummary:
     """Create ``tenants`` tenants sharing ``users`` users and ``transactions`` rows.
 
-    Tenants that already exist are refused by the primary key, so seed new ones with
-    a ``tenant_prefix``. Everything commits in one transaction.
+    Raises :class:`TenantsExist`, having written nothing, if any of the tenants is
+    already there: seed new ones with a ``tenant_prefix``. Everything commits in one
+    transaction.
     """
     if users < 1 or transactions < 0 or tenants < 1:
         raise ValueError("users and tenants must be at least 1, transactions at least 0")
@@ -144,6 +156,11 @@ def seed(
     per_tenant_txns = np.array_split(np.arange(transactions), tenants)
     total_devices = 0
     with engine.begin() as conn:
+        existing = list(conn.execute(
+            sa.text("SELECT id FROM tenants WHERE id = ANY(:ids) ORDER BY id"), {"ids": ids},
+        ).scalars())
+        if existing:
+            raise TenantsExist(existing)
         geo = ensure_geoip(conn, progress)
         conn.execute(
             sa.text("INSERT INTO tenants (id, name) VALUES (:id, :name)"),

@@ -1,12 +1,22 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
+from typer.testing import CliRunner
 
-from pipeline.dev.seed import SeedSummary
+from pipeline.cli import app
+from pipeline.core.settings import Settings
+from pipeline.dev.seed import SeedSummary, TenantsExist, seed
 from tests.conftest import ANCHOR
+
+FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 
 
 def _profile(engine: Engine, tenant: str) -> list[tuple[object, ...]]:
@@ -67,3 +77,54 @@ def test_seeded_data_has_the_shape_of_production(
         # Many merchants.
         assert q("SELECT count(DISTINCT merchant_id) FROM transactions "
                  "WHERE tenant_id = :t").scalar_one() > 2000
+
+
+def _counts(engine: Engine, tenants: list[str]) -> dict[str, int]:
+    with engine.connect() as conn:
+        return {table: conn.execute(sa.text(
+            f"SELECT count(*) FROM {table} WHERE "
+            f"{'id' if table == 'tenants' else 'tenant_id'} = ANY(:t)"), {"t": tenants},
+        ).scalar_one() for table in ("tenants", "users", "devices", "transactions")}
+
+
+@pytest.fixture
+def seeded(tenant_factory: Callable[..., SeedSummary]) -> tuple[str, str]:
+    """A freshly seeded ``<prefix>acme``: ``(prefix, tenant)``."""
+    tenant = tenant_factory(users=10, transactions=100).tenants[0]
+    return tenant.removesuffix("acme"), tenant
+
+
+def test_seeding_a_tenant_again_is_refused_and_writes_nothing(
+    engine: Engine, seeded: tuple[str, str]
+) -> None:
+    prefix, tenant = seeded
+    new = f"{prefix}globex"  # the second tenant of the same run: it must not appear either
+    before = _counts(engine, [tenant, new])
+    with pytest.raises(TenantsExist) as refused:
+        seed(engine, users=20, transactions=200, tenants=2, tenant_prefix=prefix)
+    assert refused.value.tenants == [tenant]
+    assert tenant in str(refused.value) and "--tenant-prefix" in str(refused.value)
+    assert _counts(engine, [tenant, new]) == before
+
+
+def test_the_cli_refuses_in_one_line_without_a_traceback(
+    settings: Settings, seeded: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix, tenant = seeded
+    args = ["seed", "--users", "10", "--transactions", "100", "--tenant-prefix", prefix]
+    env = {"FRESHLINE_POSTGRES_URL": settings.postgres_url}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1
+    assert isinstance(result.exception, TenantsExist)  # main() prints it as one line
+    assert "--tenant-prefix" in str(result.exception)
+    assert "Traceback" not in result.output
+    # The installed command, through main(): one line on stderr, exit status 1.
+    done = subprocess.run([FRESHLINE, *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env}, check=False)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert tenant in lines[0] and "--tenant-prefix" in lines[0]
+    assert "Traceback" not in done.stderr
