@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 
 import pytest
@@ -16,7 +17,8 @@ from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.features import REGISTRY
 from pipeline.core.keys import INVALIDATION_CHANNEL, feature_pattern
-from pipeline.core.types import ChangeEvent, EntityRef
+from pipeline.core.settings import Settings
+from pipeline.core.types import ChangeEvent, EntityRef, Entry
 from pipeline.dev.seed import SeedSummary
 
 
@@ -141,17 +143,50 @@ def test_redelivery_and_reordering_are_harmless(
     assert got[("txn_90d", "9")] != stale.values[(tenant, "9")]
 
 
+def in_redis(client: redis.Redis, message: Invalidation) -> Entry | None:
+    """The entry a reader told of ``message`` finds in Redis."""
+    ref = EntityRef(message.feature_set, message.tenant, message.entity)
+    return FeatureStore(client, message.schema_version).read([ref])[0]
+
+
+def executed(url: str, action: Callable[[], object], *needles: str) -> list[str]:
+    """The commands Redis ran during ``action`` that mention one of ``needles``, in the
+    order it ran them (MONITOR), whichever connection sent them."""
+    sentinel = f"executed-{uuid.uuid4().hex}"
+    commands: list[str] = []
+    client = redis.Redis.from_url(url, socket_timeout=30)  # a lost sentinel fails, not hangs
+    with client.monitor() as monitor:
+        action()
+        client.echo(sentinel)  # Redis runs it after everything ``action`` sent
+        while sentinel not in (command := monitor.next_command()["command"]):
+            if any(needle in command for needle in needles):
+                commands.append(command)
+    client.close()
+    return commands
+
+
 def test_invalidations_are_published_after_the_write(
-    engine: Engine, redis_client: redis.Redis, tenant: str, version: int
+    engine: Engine, redis_client: redis.Redis, settings: Settings, tenant: str, version: int
 ) -> None:
+    """Whoever is told of a change, on the Redis channel or through the Kafka hand-off,
+    finds the new entry in Redis when the message is published."""
+    store = FeatureStore(redis_client, version)
+    store.write(compute(engine, REGISTRY["txn_90d"], [(tenant, "11")]))  # before the change
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE transactions SET amount = amount * 3 WHERE tenant_id = :t "
+                             "AND user_id = 11"), {"t": tenant})
+    new = truth(engine, "txn_90d", tenant, ["11"])["11"]
     sub = redis_client.pubsub(ignore_subscribe_messages=True)
     sub.subscribe(INVALIDATION_CHANNEL)
     assert sub.get_message(timeout=5) is None  # the subscribe confirmation, ignored
-    kafka_side: list[Invalidation] = []
+    # The hand-off to Kafka runs in the processor's thread as it publishes: what it
+    # reads is what Redis held at that moment.
+    handed_off: list[tuple[Invalidation, Entry | None]] = []
     processor = Processor(engine, redis_client, versions=lambda: [version],
-                          publish=kafka_side.append)
-    processor.apply([ChangeEvent("transactions", "u", tenant,
-                                 {"tenant_id": tenant, "user_id": 11})])
+                          publish=lambda m: handed_off.append((m, in_redis(redis_client, m))))
+    keys = [store.key(EntityRef(name, tenant, "11")) for name in ("txn_90d", "geo")]
+    commands = executed(settings.redis_url, lambda: processor.apply([ChangeEvent(
+        "transactions", "u", tenant, {"tenant_id": tenant, "user_id": 11})]), *keys, tenant)
     seen = []
     while (msg := sub.get_message(timeout=5)) is not None:
         inv = Invalidation.decode(msg["data"])
@@ -162,9 +197,18 @@ def test_invalidations_are_published_after_the_write(
     sub.close()
     assert {(i.feature_set, i.entity, i.schema_version) for i in seen} == {
         ("txn_90d", "11", version), ("geo", "11", version)}
-    assert sorted(kafka_side, key=str) == sorted(seen, key=str)
-    entry = FeatureStore(redis_client, version).read([EntityRef("txn_90d", tenant, "11")])[0]
-    assert entry is not None and entry.watermark == seen[0].watermark
+    assert sorted((m for m, _ in handed_off), key=str) == sorted(seen, key=str)
+    for message, entry in handed_off:
+        assert entry is not None, f"{message} was handed off before its entry was written"
+        assert entry.watermark == message.watermark
+        if message.feature_set == "txn_90d":
+            assert entry.values == new
+    # On the Redis channel: Redis ran every write of the entries before any PUBLISH.
+    publishes = [i for i, c in enumerate(commands) if c.startswith("PUBLISH ")]
+    writes = [i for i, c in enumerate(commands)
+              if c.split(" ", 1)[0] not in ("PUBLISH", "GET", "MGET")]
+    assert publishes and writes, commands
+    assert max(writes) < min(publishes), commands
 
 
 def test_two_versions_are_written_during_a_deploy(
