@@ -10,6 +10,16 @@ headers that say why and where it came from::
     x-freshline-source-partition the partition, as decimal text
     x-freshline-source-offset    the offset, as decimal text
 
+A copy that would not fit the dead-letter topic (``max_bytes``, the same limit as
+``FRESHLINE_MAX_MESSAGE_BYTES``) is cut, never dropped: it keeps the key, the headers
+and the first :data:`KEPT_VALUE_BYTES` of the value, and says so::
+
+    x-freshline-truncated        "1"
+    x-freshline-original-size    the value's size in bytes, as decimal text
+    x-freshline-value-sha256     the SHA-256 of the whole value, hex
+
+(and if the original headers alone are too big, only freshline's are kept).
+
 Order matters: the caller sends, flushes the producer (which raises if the broker
 did not acknowledge), and only then commits the source offset. A crash in between
 re-reads the record and dead-letters it again: at least once, never lost.
@@ -17,6 +27,7 @@ re-reads the record and dead-letters it again: at least once, never lost.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Protocol
 
 from consumers.events import EventRejected
@@ -30,8 +41,14 @@ ERROR = "x-freshline-error"
 SOURCE_TOPIC = "x-freshline-source-topic"
 SOURCE_PARTITION = "x-freshline-source-partition"
 SOURCE_OFFSET = "x-freshline-source-offset"
+TRUNCATED = "x-freshline-truncated"
+ORIGINAL_SIZE = "x-freshline-original-size"
+VALUE_SHA256 = "x-freshline-value-sha256"
 
 MAX_ERROR_BYTES = 1024
+KEPT_VALUE_BYTES = 1024
+RECORD_OVERHEAD_BYTES = 512
+"""Room left for the record batch framing around key, value and headers."""
 
 RecordHeaders = dict[str, str | bytes | None] | list[tuple[str, str | bytes | None]] | None
 
@@ -50,9 +67,11 @@ class Record(Protocol):
 class DeadLetters:
     """Sends records that cannot be applied to the dead-letter topic."""
 
-    def __init__(self, producer: Producer, topic: str = DLQ) -> None:
+    def __init__(self, producer: Producer, topic: str = DLQ, *,
+                 max_bytes: int = 1_000_000) -> None:
         self.producer = producer
         self.topic = topic
+        self.max_bytes = max_bytes
 
     def send(self, msg: Record, error: BaseException) -> Delivery:
         """Queue ``msg`` for the dead-letter topic with headers saying why.
@@ -60,8 +79,14 @@ class DeadLetters:
         Returns the :class:`Delivery`; call ``producer.flush()`` (or
         ``delivery.raise_for_error()`` after a flush) before committing the offset.
         """
-        return self.producer.produce(self.topic, _as_bytes(msg.value()), _as_bytes(msg.key()),
-                                     headers=dead_letter_headers(msg, error))
+        value, key = _as_bytes(msg.value()), _as_bytes(msg.key())
+        headers = dead_letter_headers(msg, error)
+        if _size(value, key, headers) > self.max_bytes:
+            value, headers = _cut(value, headers)
+        if _size(value, key, headers) > self.max_bytes:
+            # The original headers alone are too big: keep only ours.
+            headers = [(k, v) for k, v in headers if k.startswith(HEADER_PREFIX)]
+        return self.producer.produce(self.topic, value, key, headers=headers)
 
 
 def dead_letter_headers(msg: Record, error: BaseException) -> Headers:
@@ -80,6 +105,21 @@ def dead_letter_headers(msg: Record, error: BaseException) -> Headers:
     if isinstance(error, EventRejected):
         ours.insert(1, (ERROR_KIND, error.kind.encode()))
     return kept + ours
+
+
+def _size(value: bytes | None, key: bytes | None, headers: Headers) -> int:
+    header_bytes = sum(len(k) + len(v or b"") for k, v in headers)
+    return len(value or b"") + len(key or b"") + header_bytes + RECORD_OVERHEAD_BYTES
+
+
+def _cut(value: bytes | None, headers: Headers) -> tuple[bytes, Headers]:
+    """The first bytes of ``value``, with headers giving its size and digest."""
+    whole = value or b""
+    return whole[:KEPT_VALUE_BYTES], [*headers,
+        (TRUNCATED, b"1"),
+        (ORIGINAL_SIZE, str(len(whole)).encode()),
+        (VALUE_SHA256, hashlib.sha256(whole).hexdigest().encode()),
+    ]
 
 
 def _as_bytes(data: str | bytes | None) -> bytes | None:

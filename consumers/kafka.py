@@ -51,12 +51,30 @@ class MissingTopic(BrokerError):
 
 
 class DeliveryFailed(FreshlineError):
-    """A produced message was not acknowledged by the broker."""
+    """A produced message was not acknowledged by the broker.
 
-    def __init__(self, topic: str, error: KafkaError) -> None:
+    ``failed`` holds every delivery of the flush that the broker refused, so a caller
+    can send them again (:meth:`Producer.resend`) instead of losing them.
+    """
+
+    def __init__(self, topic: str, error: KafkaError,
+                 failed: Sequence[Delivery] = ()) -> None:
         self.topic = topic
         self.error = error
+        self.failed = list(failed)
         super().__init__(f"delivery to {topic!r} failed: {error.name()}: {error.str()}")
+
+
+REBALANCE_COMMIT_ERRORS = frozenset({
+    KafkaError.ILLEGAL_GENERATION,
+    KafkaError.REBALANCE_IN_PROGRESS,
+    KafkaError.UNKNOWN_MEMBER_ID,
+    KafkaError._ASSIGNMENT_LOST,
+    KafkaError._NO_OFFSET,
+    KafkaError._STATE,
+})
+"""Commit failures that a rebalance causes: the partitions' new owner replays from the
+last committed offset, so they lose nothing and are logged, not raised."""
 
 
 def client_config(
@@ -237,18 +255,34 @@ class Consumer:
         return self.commit_offsets(offsets)
 
     def commit_offsets(self, offsets: list[TopicPartition]) -> list[TopicPartition]:
-        """Synchronously commit explicit offsets (the next offset to read per partition)."""
+        """Synchronously commit explicit offsets (the next offset to read per partition).
+
+        A commit refused because of a rebalance (:data:`REBALANCE_COMMIT_ERRORS`) is
+        logged and left out of the result: the partition's new owner reads from the
+        last committed offset, so the records are applied again, never lost. Any other
+        failure raises :class:`BrokerError`.
+        """
         try:
             committed = self.inner.commit(offsets=offsets, asynchronous=False)
         except KafkaException as exc:
             err = exc.args[0]
+            if isinstance(err, KafkaError) and err.code() in REBALANCE_COMMIT_ERRORS:
+                logger.warning("commit of %s skipped during a rebalance (%s); the new owner "
+                               "replays from the last commit", _names(offsets), err.name())
+                return []
             if isinstance(err, KafkaError):
                 raise BrokerError(err, "commit") from exc
             raise
+        done: list[TopicPartition] = []
         for tp in committed or []:
-            if tp.error is not None:
+            if tp.error is None:
+                done.append(tp)
+            elif tp.error.code() in REBALANCE_COMMIT_ERRORS:
+                logger.warning("commit of %s skipped during a rebalance (%s)",
+                               _names([tp]), tp.error.name())
+            else:
                 raise BrokerError(tp.error, f"commit {tp.topic}[{tp.partition}]")
-        return list(committed or [])
+        return done
 
     def assignment(self) -> list[TopicPartition]:
         return list(self.inner.assignment())
@@ -271,13 +305,26 @@ class Consumer:
         self.close()
 
 
+def _names(offsets: Iterable[TopicPartition]) -> str:
+    return ", ".join(f"{tp.topic}[{tp.partition}]" for tp in offsets)
+
+
 class Delivery:
-    """The outcome of one produced message, filled in by the delivery callback."""
+    """One produced message and its outcome, filled in by the delivery callback.
 
-    __slots__ = ("done", "error", "offset", "partition", "topic")
+    It keeps what was sent, so a refused message can be sent again.
+    """
 
-    def __init__(self, topic: str) -> None:
+    __slots__ = ("done", "error", "headers", "key", "offset", "partition", "topic", "value",
+                 "wanted_partition")
+
+    def __init__(self, topic: str, value: bytes | None = None, key: bytes | None = None,
+                 headers: Headers | None = None, partition: int | None = None) -> None:
         self.topic = topic
+        self.value = value
+        self.key = key
+        self.headers = headers
+        self.wanted_partition = partition
         self.done = False
         self.error: KafkaError | None = None
         self.partition: int | None = None
@@ -328,7 +375,7 @@ class Producer:
         partition: int | None = None,
     ) -> Delivery:
         """Queue one message; the returned :class:`Delivery` is settled by :meth:`flush`."""
-        delivery = Delivery(topic)
+        delivery = Delivery(topic, value, key, headers, partition)
         kwargs: dict[str, Any] = {"on_delivery": delivery._callback}
         if headers:
             kwargs["headers"] = headers
@@ -346,7 +393,11 @@ class Producer:
         return delivery
 
     def flush(self, timeout: float = 30.0) -> None:
-        """Wait until every queued message is acknowledged; raise if any delivery failed."""
+        """Wait until every queued message is acknowledged; raise if any delivery failed.
+
+        The :class:`DeliveryFailed` raised lists every refused delivery; messages not
+        settled in ``timeout`` stay pending for the next flush.
+        """
         pending, self._pending = self._pending, []
         if self._inner is not None:
             remaining = self._inner.flush(timeout)
@@ -356,9 +407,18 @@ class Producer:
                     pending[0].topic if pending else "?",
                     KafkaError(KafkaError._MSG_TIMED_OUT,
                                f"{remaining} message(s) not delivered in {timeout}s"),
+                    [d for d in pending if d.done and d.error is not None],
                 )
-        for delivery in pending:
-            delivery.raise_for_error()
+        failed = [d for d in pending if d.error is not None or not d.done]
+        if failed:
+            first = failed[0]
+            raise DeliveryFailed(first.topic, first.error or KafkaError(
+                KafkaError._MSG_TIMED_OUT, "not acknowledged yet"), failed)
+
+    def resend(self, deliveries: Iterable[Delivery]) -> list[Delivery]:
+        """Queue the messages of failed deliveries again; settle them with :meth:`flush`."""
+        return [self.produce(d.topic, d.value, d.key, d.headers, d.wanted_partition)
+                for d in deliveries]
 
     def close(self, timeout: float = 30.0) -> None:
         """Flush, then release the client; safe to call twice."""

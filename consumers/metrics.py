@@ -37,6 +37,10 @@ class ConsumerMetrics:
                                   ["topic", "partition"], multiprocess_mode="max")
         self.retries = Counter("freshline_transient_retries_total",
                                "Batches retried after a transient failure", ["service"])
+        self.delivery_failures = Counter(
+            "freshline_delivery_failures_total",
+            "Flushes whose dead letters or invalidations the broker refused (sent again)",
+            ["topic"])
 
 
 @functools.cache

@@ -11,12 +11,17 @@ Each iteration (:meth:`Worker._iteration`):
 5. commit the offsets after the batch, for partitions still assigned.
 
 A crash anywhere before step 5 replays the batch; conditional writes make that
-harmless. A transient failure (Postgres or Redis down) pauses the assigned
-partitions and retries the same batch with backoff until it succeeds or a stop is
-requested; it never dead-letters a healthy stream. Rebalance callbacks only run
-inside ``consume``/``poll``, which the loop calls between batches (and while paused
-in a retry), so a revoke never finds half a batch: a revoked partition's records of
-a retried batch are dropped uncommitted and their new owner reads them again.
+harmless. A transient failure (Postgres or Redis down, a change not yet visible) pauses
+the assigned partitions and retries the same batch with backoff until it succeeds or
+a stop is requested; it never dead-letters a healthy stream. While paused the loop
+keeps polling, to stay in the group: a partition assigned meanwhile is paused too, and
+a record that a poll returns anyway is never dropped: the partition is rewound to it.
+Rebalance callbacks only run inside ``consume``/``poll``, so a revoke never finds half
+a batch: a revoked partition's records of a retried batch are left uncommitted and
+their new owner reads them again; a commit the rebalance refuses is logged, not fatal.
+If the broker refuses the dead letters or invalidations of a batch (the dead-letter
+topic unavailable), they are sent again with backoff and counted in
+``freshline_delivery_failures_total``; the offsets wait, so nothing is skipped.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from confluent_kafka import Message, TopicPartition
 
 from consumers.dlq import DeadLetters, Record
 from consumers.events import EventRejected, decode
-from consumers.kafka import Consumer, Producer
+from consumers.kafka import Consumer, DeliveryFailed, Producer, check_message
 from consumers.metrics import consumer_metrics
 from consumers.processor import Processor
 from consumers.routing import Router
@@ -59,6 +64,12 @@ DATA_ERRORS: tuple[type[BaseException], ...] = (FreshlineError, ValueError, sa.e
 """Failures of one event's data: dead-lettered, never retried."""
 MAX_BACKOFF_S = 5.0
 LAG_EVERY_S = 5.0
+
+
+def _service(exc: BaseException) -> str:
+    if isinstance(exc, redis.exceptions.RedisError):
+        return "redis"
+    return "postgres"
 
 
 @dataclass(slots=True)
@@ -86,7 +97,8 @@ class Worker:
             overrides["group.id"] = group
         self.consumer = Consumer(settings, **overrides)
         self.producer = Producer(settings)
-        self.dead_letters = DeadLetters(self.producer, qualified(settings, DLQ))
+        self.dead_letters = DeadLetters(self.producer, qualified(settings, DLQ),
+                                        max_bytes=settings.max_message_bytes)
         self.invalidations_topic = qualified(settings, INVALIDATIONS)
         self.engine = make_engine(settings)
         self.redis = redis.Redis.from_url(settings.redis_url)
@@ -163,7 +175,7 @@ class Worker:
             events.append((msg, event))
         if events:
             self._apply_with_retry(events)
-        self.producer.flush()
+        self._flush_with_retry()
         self._commit(messages)
         self.totals.consumed += len(messages)
         self.totals.batches += 1
@@ -180,7 +192,7 @@ class Worker:
             except TRANSIENT as exc:
                 if self._stop.is_set():
                     raise
-                service = "redis" if isinstance(exc, redis.exceptions.RedisError) else "postgres"
+                service = _service(exc)
                 self.totals.retries += 1
                 self.metrics.retries.labels(service).inc()
                 logger.warning("%s unavailable (%s); retrying the batch in %.2fs",
@@ -188,17 +200,57 @@ class Worker:
                 self._pause_for(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
 
+    def _flush_with_retry(self) -> None:
+        """Flush dead letters and invalidations; send refused ones again until they land.
+
+        Never skips a record and never ends the loop: the offsets are committed only
+        after every dead letter of the batch is acknowledged.
+        """
+        backoff = 0.05
+        while True:
+            try:
+                self.producer.flush()
+                return
+            except DeliveryFailed as exc:
+                if self._stop.is_set():
+                    raise
+                self.totals.retries += 1
+                self.metrics.delivery_failures.labels(exc.topic).inc()
+                logger.error("the broker refused %d message(s) to %s (%s); sending them "
+                             "again in %.2fs", len(exc.failed), exc.topic, exc.error.name(),
+                             backoff)
+                self._pause_for(backoff)
+                self.producer.resend(exc.failed)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+
     def _pause_for(self, seconds: float) -> None:
-        """Wait without leaving the group: pause the partitions and keep polling."""
-        assignment = self.consumer.assignment()
-        if assignment:
-            self.consumer.inner.pause(assignment)
+        """Wait without leaving the group: pause the partitions and keep polling.
+
+        Polling serves rebalances. A partition assigned during the wait is paused as
+        soon as it is seen, and a record that a poll returns anyway (from a partition
+        not yet paused) is not dropped: its partition is rewound to it and paused, so
+        the record is consumed again after the wait.
+        """
+        inner = self.consumer.inner
+        paused = self.consumer.assignment()
+        if paused:
+            inner.pause(paused)
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and not self._stop.is_set():
-            self.consumer.inner.poll(min(0.1, max(0.0, deadline - time.monotonic())))
+            msg = check_message(inner.poll(min(0.1, max(0.0, deadline - time.monotonic()))))
+            if msg is not None:
+                rewind = TopicPartition(cast(str, msg.topic()), cast(int, msg.partition()),
+                                        cast(int, msg.offset()))
+                inner.seek(rewind)
+                inner.pause([rewind])
+            fresh = [tp for tp in self.consumer.assignment()
+                     if (tp.topic, tp.partition) not in {(p.topic, p.partition) for p in paused}]
+            if fresh:
+                inner.pause(fresh)
+                paused += fresh
         live = self.consumer.assignment()
         if live:
-            self.consumer.inner.resume(live)
+            inner.resume(live)
 
     def _apply(self, events: list[tuple[Message, ChangeEvent]]) -> None:
         """Apply the batch; if it fails on bad data, find the culprits one by one."""

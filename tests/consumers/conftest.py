@@ -8,17 +8,29 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import pytest
+import redis
 from confluent_kafka import Message, TopicPartition
 from confluent_kafka.admin import AdminClient
+from sqlalchemy.engine import Engine
 
 from consumers.kafka import Consumer, Producer, admin_client
-from consumers.topics import ensure
+from consumers.topics import ensure, managed_topics
+from pipeline.cache.recompute import compute
+from pipeline.cache.store import FeatureStore
+from pipeline.core.features import REGISTRY
 from pipeline.core.settings import Settings
+from pipeline.core.topics import qualified
+from pipeline.core.types import EntityRef
+from pipeline.dev.seed import SeedSummary
+from tests.conftest import fresh_version
 
 DEADLINE_S = 30.0
+PARTITIONS = 4
 
 
 def wait_for(condition: Callable[[], bool], what: str, deadline_s: float = DEADLINE_S) -> None:
@@ -91,3 +103,49 @@ def read_topic(consumer: Consumer, topic: str, count: int, partitions: int = 1) 
 
     wait_for(more, f"{count} records on {topic}")
     return got
+
+
+@dataclass
+class Env:
+    settings: Settings
+    tenant: str
+    users: int
+
+    def topic(self, name: str) -> str:
+        return qualified(self.settings, name)
+
+
+@pytest.fixture
+def env(settings: Settings, admin: AdminClient,
+        tenant_factory: Callable[..., SeedSummary]) -> Iterator[Env]:
+    tag = uuid.uuid4().hex[:8]
+    local = settings.model_copy(update={
+        "topic_prefix": f"test{tag}.",
+        "consumer_group": f"test-{tag}",
+        "schema_version": fresh_version(),
+        "topic_partitions": PARTITIONS,
+        "batch_max_wait_ms": 20,
+    })
+    topics = managed_topics(local)
+    ensure(admin, PARTITIONS, topics=topics)
+    seeded = tenant_factory(users=60, transactions=1500)
+    yield Env(local, seeded.tenants[0], seeded.users)
+    for future in admin.delete_topics(topics, operation_timeout=10).values():
+        future.result()
+
+
+def emit(producer: Producer, env: Env, topic: str, body: dict[str, object] | bytes,
+         key: bytes | None = None) -> None:
+    value = body if isinstance(body, bytes) else orjson.dumps(body)
+    producer.produce(env.topic(topic), value, key)
+
+
+def assert_redis_equals_postgres(engine: Engine, client: redis.Redis, env: Env,
+                                 users: set[int]) -> None:
+    store = FeatureStore(client, env.settings.schema_version)
+    for name in ("txn_90d", "geo"):
+        truth = compute(engine, REGISTRY[name], [(env.tenant, str(u)) for u in users])
+        entries = store.read([EntityRef(name, env.tenant, str(u)) for u in sorted(users)])
+        for user, entry in zip(sorted(users), entries, strict=True):
+            assert entry is not None, (name, user)
+            assert entry.values == truth.values[(env.tenant, str(user))], (name, user)

@@ -7,14 +7,13 @@ Redis namespace).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
 import sys
 import threading
-import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -26,13 +25,17 @@ from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine
 
-from consumers.dlq import ERROR_KIND, SOURCE_OFFSET, SOURCE_TOPIC
+from consumers.dlq import (
+    ERROR_KIND,
+    ORIGINAL_SIZE,
+    SOURCE_OFFSET,
+    SOURCE_TOPIC,
+    TRUNCATED,
+    VALUE_SHA256,
+)
 from consumers.kafka import Consumer, Producer
-from consumers.topics import ensure, managed_topics
+from consumers.topics import ensure
 from consumers.worker import Worker
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.core.features import REGISTRY
 from pipeline.core.keys import feature_pattern
 from pipeline.core.settings import Settings
 from pipeline.core.topics import (
@@ -40,52 +43,19 @@ from pipeline.core.topics import (
     INVALIDATIONS,
     TRANSACTION_CREATED,
     TRANSACTION_UPDATED,
-    qualified,
 )
-from pipeline.core.types import EntityRef
-from pipeline.dev.seed import SeedSummary
-from tests.conftest import fresh_version
-from tests.consumers.conftest import read_topic, wait_for
+from tests.consumers.conftest import (
+    PARTITIONS,
+    Env,
+    assert_redis_equals_postgres,
+    emit,
+    read_topic,
+    wait_for,
+)
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
-PARTITIONS = 4
 
 pytestmark = pytest.mark.kafka
-
-
-@dataclass
-class Env:
-    settings: Settings
-    tenant: str
-    users: int
-
-    def topic(self, name: str) -> str:
-        return qualified(self.settings, name)
-
-
-@pytest.fixture
-def env(settings: Settings, admin: AdminClient,
-        tenant_factory: Callable[..., SeedSummary]) -> Iterator[Env]:
-    tag = uuid.uuid4().hex[:8]
-    local = settings.model_copy(update={
-        "topic_prefix": f"test{tag}.",
-        "consumer_group": f"test-{tag}",
-        "schema_version": fresh_version(),
-        "topic_partitions": PARTITIONS,
-        "batch_max_wait_ms": 20,
-    })
-    topics = managed_topics(local)
-    ensure(admin, PARTITIONS, topics=topics)
-    seeded = tenant_factory(users=60, transactions=1500)
-    yield Env(local, seeded.tenants[0], seeded.users)
-    for future in admin.delete_topics(topics, operation_timeout=10).values():
-        future.result()
-
-
-def emit(producer: Producer, env: Env, topic: str, body: dict[str, object] | bytes,
-         key: bytes | None = None) -> None:
-    value = body if isinstance(body, bytes) else orjson.dumps(body)
-    producer.produce(env.topic(topic), value, key)
 
 
 def change_user(engine: Engine, tenant: str, user: int, factor: float = 2.0) -> None:
@@ -93,17 +63,6 @@ def change_user(engine: Engine, tenant: str, user: int, factor: float = 2.0) -> 
         conn.execute(sa.text("UPDATE transactions SET amount = round(amount * CAST(:f AS "
                              "numeric), 2) WHERE tenant_id = :t AND user_id = :u"),
                      {"f": factor, "t": tenant, "u": user})
-
-
-def assert_redis_equals_postgres(engine: Engine, client: redis.Redis, env: Env,
-                                 users: set[int]) -> None:
-    store = FeatureStore(client, env.settings.schema_version)
-    for name in ("txn_90d", "geo"):
-        truth = compute(engine, REGISTRY[name], [(env.tenant, str(u)) for u in users])
-        entries = store.read([EntityRef(name, env.tenant, str(u)) for u in sorted(users)])
-        for user, entry in zip(sorted(users), entries, strict=True):
-            assert entry is not None, (name, user)
-            assert entry.values == truth.values[(env.tenant, str(user))], (name, user)
 
 
 def test_a_change_and_its_event_yield_the_recomputed_entry(
@@ -166,7 +125,15 @@ def test_bad_input_is_dead_lettered_with_its_reason_and_nothing_is_lost(
         headers = dict(m.headers())
         assert headers[SOURCE_TOPIC].decode() in (env.topic(TRANSACTION_UPDATED), unknown)
         assert int(headers[SOURCE_OFFSET]) >= 0
-        assert m.value() in originals or m.key() == b"u"  # the record, unchanged
+        if headers[ERROR_KIND] == b"oversized":
+            # Larger than the dead-letter limit: cut, with its size and digest.
+            oversized = bad[-1][1]
+            assert headers[TRUNCATED] == b"1"
+            assert int(headers[ORIGINAL_SIZE]) == len(oversized)
+            assert headers[VALUE_SHA256].decode() == hashlib.sha256(oversized).hexdigest()
+            assert oversized.startswith(m.value()) and len(m.value()) < len(oversized)
+        else:
+            assert m.value() in originals or m.key() == b"u"  # the record, unchanged
     admin.delete_topics([unknown], operation_timeout=10)[unknown].result()
 
 

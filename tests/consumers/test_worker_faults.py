@@ -1,0 +1,220 @@
+"""The consumer under faults it must survive without losing a record.
+
+Each test causes its fault for real on the local broker (or a private redis-server):
+a rebalance that invalidates a pending commit, a partition assigned while a batch is
+being retried, a record too large to dead-letter whole, and a dead-letter topic that
+refuses writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+from confluent_kafka import Consumer as RawConsumer
+from confluent_kafka import TopicPartition
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+from sqlalchemy.engine import Engine
+
+from consumers.dlq import ERROR_KIND, ORIGINAL_SIZE, TRUNCATED, VALUE_SHA256
+from consumers.kafka import Consumer, Producer
+from consumers.worker import Totals, Worker
+from pipeline.core.topics import DLQ, TRANSACTION_UPDATED
+from tests.consumers.conftest import (
+    PARTITIONS,
+    Env,
+    assert_redis_equals_postgres,
+    emit,
+    read_topic,
+    wait_for,
+)
+
+pytestmark = pytest.mark.kafka
+
+BROKER_DEFAULT_MAX_MESSAGE_BYTES = 1_048_588
+
+
+class Running:
+    """A worker's ``run`` in a thread: its totals, or the exception that ended it."""
+
+    def __init__(self, worker: Worker, **run_args: float) -> None:
+        self.worker = worker
+        self.totals: Totals | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, kwargs=run_args, daemon=True)
+        self.thread.start()
+
+    def _run(self, **run_args: float) -> None:
+        try:
+            self.totals = self.worker.run(**run_args)
+        except BaseException as exc:  # reported to the test, which asserts on it
+            self.error = exc
+
+    def stop(self) -> None:
+        self.worker.stop()
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "the worker did not stop"
+        assert self.error is None, f"the worker died: {self.error!r}"
+
+
+def committed(group: str, bootstrap: str, topic: str) -> list[int]:
+    """The group's committed offset per partition of ``topic`` (negative: none)."""
+    raw = RawConsumer({"bootstrap.servers": bootstrap, "group.id": group,
+                       "enable.auto.commit": False})
+    try:
+        parts = raw.committed([TopicPartition(topic, p) for p in range(PARTITIONS)], timeout=10)
+        return [tp.offset for tp in parts]
+    finally:
+        raw.close()
+
+
+def set_topic_max_bytes(admin: AdminClient, topic: str, value: int) -> None:
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[
+        ConfigEntry("max.message.bytes", str(value),
+                    incremental_operation=AlterConfigOpType.SET)])
+    for future in admin.incremental_alter_configs([resource]).values():
+        future.result()
+
+
+def test_a_record_too_big_to_dead_letter_whole_is_cut_and_the_stream_goes_on(
+    env: Env, engine: Engine, redis_client: redis.Redis,
+    consumer_factory: Callable[..., Consumer],
+) -> None:
+    # Big enough that the broker takes it, too big to take it again with the
+    # dead-letter headers added (the broker's limit is 1,048,588 bytes a record).
+    huge = b'{"tenant": "' + b"x" * 1_048_400 + b'"}'
+    with Producer(env.settings, **{"message.max.bytes": 2_000_000}) as big:
+        emit(big, env, TRANSACTION_UPDATED,
+             {"tenant": env.tenant, "user_id": 3, "transaction_id": 1}, b"k")
+        big.produce(env.topic(TRANSACTION_UPDATED), huge, b"k")
+        emit(big, env, TRANSACTION_UPDATED,
+             {"tenant": env.tenant, "user_id": 4, "transaction_id": 2}, b"k")
+        big.flush()
+    worker = Worker(env.settings, topics=[env.topic(TRANSACTION_UPDATED)])
+    totals = worker.run(max_messages=3, timeout=60)
+    assert (totals.consumed, totals.applied, totals.dead_lettered) == (3, 2, 1)
+    assert_redis_equals_postgres(engine, redis_client, env, {3, 4})
+    [copy] = read_topic(consumer_factory(), env.topic(DLQ), 1, PARTITIONS)
+    headers = dict(copy.headers())
+    assert headers[ERROR_KIND] == b"oversized"
+    assert headers[TRUNCATED] == b"1"
+    assert int(headers[ORIGINAL_SIZE]) == len(huge)
+    assert headers[VALUE_SHA256].decode() == hashlib.sha256(huge).hexdigest()
+    assert copy.key() == b"k" and huge.startswith(copy.value())
+
+
+def test_a_dead_letter_topic_that_refuses_writes_is_retried_and_nothing_is_skipped(
+    env: Env, admin: AdminClient, producer: Producer,
+    consumer_factory: Callable[..., Consumer],
+) -> None:
+    dlq = env.topic(DLQ)
+    set_topic_max_bytes(admin, dlq, 64)  # every dead letter is now refused by the broker
+    emit(producer, env, TRANSACTION_UPDATED, b"{not json", b"bad")
+    producer.flush()
+    worker = Worker(env.settings, topics=[env.topic(TRANSACTION_UPDATED)])
+    running = Running(worker, timeout=120)
+    try:
+        wait_for(lambda: worker.totals.retries >= 2 or running.error is not None,
+                 "the worker to retry the refused dead letter")
+        assert running.error is None, f"the worker died: {running.error!r}"
+        assert worker.totals.consumed == 0  # the batch is still in hand, uncommitted
+        assert all(o < 0 for o in committed(env.settings.consumer_group,
+                                            env.settings.kafka_bootstrap,
+                                            env.topic(TRANSACTION_UPDATED)))
+        set_topic_max_bytes(admin, dlq, BROKER_DEFAULT_MAX_MESSAGE_BYTES)
+        wait_for(lambda: worker.totals.consumed == 1 or running.error is not None,
+                 "the batch to complete once the topic takes writes again")
+    finally:
+        running.stop()
+    assert worker.totals.dead_lettered == 1
+    [copy] = read_topic(consumer_factory(), dlq, 1, PARTITIONS)
+    assert copy.value() == b"{not json"
+
+
+def test_a_commit_refused_by_a_rebalance_is_not_fatal(
+    env: Env, producer: Producer, consumer_factory: Callable[..., Consumer],
+    topic_factory: Callable[..., str],
+) -> None:
+    topic = topic_factory("rebalance", partitions=2)
+    for p in range(2):
+        producer.produce(topic, b"x", partition=p)
+    producer.flush()
+    group = f"test-{uuid.uuid4().hex[:10]}"
+    # The shortest poll interval librdkafka allows with the broker's minimum session.
+    first = consumer_factory(group, **{"session.timeout.ms": 6000,
+                                       "max.poll.interval.ms": 6000})
+    first.subscribe([topic])
+    batch: list[object] = []
+    wait_for(lambda: bool(batch.extend(first.consume(10, timeout=0.2)) or len(batch) == 2),
+             "the first member's batch")
+    # The first member stops polling (a long batch): it leaves the group, and a second
+    # member takes its partitions. Its pending commit is then refused.
+    second = consumer_factory(group)
+    second.subscribe([topic])
+    wait_for(lambda: second.poll(0.2) is not None or len(second.assignment()) == 2,
+             "the second member to own both partitions")
+    assert first.commit(batch) == []  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def worker_on_private_redis(
+    env: Env, private_redis: tuple[str, Callable[[], None], Callable[[], None]],
+) -> Iterator[tuple[Worker, Callable[[], None], Callable[[], None]]]:
+    url, stop, start = private_redis
+    worker = Worker(env.settings.model_copy(update={"redis_url": url}),
+                    topics=[env.topic(TRANSACTION_UPDATED)])
+    yield worker, stop, start
+
+
+def test_a_partition_assigned_during_a_retry_loses_no_record(
+    env: Env, engine: Engine, producer: Producer, consumer_factory: Callable[..., Consumer],
+    worker_on_private_redis: tuple[Worker, Callable[[], None], Callable[[], None]],
+) -> None:
+    worker, stop_redis, start_redis = worker_on_private_redis
+    users = set(range(1, 41))
+    for user in sorted(users):
+        emit(producer, env, TRANSACTION_UPDATED,
+             {"tenant": env.tenant, "user_id": user, "transaction_id": user},
+             str(user).encode())
+    producer.flush()
+    # Another member of the group holds some partitions; it reads without committing.
+    other = consumer_factory(env.settings.consumer_group)
+    other.subscribe([env.topic(TRANSACTION_UPDATED)])
+    wait_for(lambda: other.poll(0.1) is not None or len(other.assignment()) == PARTITIONS,
+             "the other member's assignment")
+    stop_redis()
+    running = Running(worker, timeout=180)
+    leaving = threading.Event()
+
+    def keep_polling() -> None:
+        while not leaving.is_set():
+            other.poll(0.1)  # stays in the group; its records are never committed
+
+    poller = threading.Thread(target=keep_polling, daemon=True)
+    poller.start()
+    try:
+        wait_for(lambda: worker.totals.retries >= 1 or running.error is not None,
+                 "the worker to retry its batch while Redis is down")
+        # The other member leaves: its partitions move to the worker mid-retry.
+        leaving.set()
+        poller.join(10)
+        other.close()
+        wait_for(lambda: len(worker.consumer.assignment()) == PARTITIONS,
+                 "the worker to own every partition", deadline_s=60)
+        retries = worker.totals.retries
+        wait_for(lambda: worker.totals.retries >= retries + 2,
+                 "the worker to poll through two more retries")
+        start_redis()
+        wait_for(lambda: worker.totals.applied >= len(users) or running.error is not None,
+                 f"all {len(users)} events applied", deadline_s=60)
+    finally:
+        running.stop()
+    client = redis.Redis.from_url(worker.settings.redis_url)
+    try:
+        assert_redis_equals_postgres(engine, client, env, users)
+    finally:
+        client.close()
