@@ -15,9 +15,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -25,8 +23,9 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
-from pipeline.core.errors import FreshlineError, ServiceUnavailable
+from pipeline.core.errors import FreshlineError
 from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.http import fetch
 from pipeline.core.settings import Settings, redact
 from pipeline.core.topics import CDC_PREFIX, qualified
 
@@ -158,27 +157,26 @@ class ConnectClient:
         self.timeout_s = timeout_s
 
     def request(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
-        """One call; returns ``(status, decoded JSON or None)``; 404 is returned, not raised."""
-        data = None if body is None else orjson.dumps(body)
-        req = urllib.request.Request(self.url + path, data=data, method=method,  # noqa: S310
-                                     headers={"Content-Type": "application/json",
-                                              "Accept": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:  # noqa: S310
-                raw = resp.read()
-                return resp.status, orjson.loads(raw) if raw else None
-        except urllib.error.HTTPError as exc:
-            raw = exc.read()
+        """One call: ``(status, decoded JSON or None)``.
+
+        A 404 is returned, not raised; another error status raises :class:`ConnectError`
+        with Connect's message; no answer raises :class:`ServiceUnavailable`.
+        """
+        response = fetch(self.url + path, method=method,
+                         body=None if body is None else orjson.dumps(body),
+                         headers={"Content-Type": "application/json",
+                                  "Accept": "application/json"},
+                         timeout=self.timeout_s, service="Kafka Connect")
+        if response.status == 404:
+            return 404, None
+        if not response.ok:
             try:
-                detail = orjson.loads(raw).get("message", "") if raw else ""
+                found = response.json()
+                detail = found.get("message", "") if isinstance(found, dict) else ""
             except orjson.JSONDecodeError:
-                detail = raw[:200].decode(errors="replace")
-            if exc.code == 404:
-                return 404, None
-            raise ConnectError(method, path, exc.code, str(detail) or exc.reason) from exc
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise ServiceUnavailable("Kafka Connect", redact(self.url), str(reason)) from exc
+                detail = response.body[:200].decode(errors="replace")
+            raise ConnectError(method, path, response.status, str(detail) or "no message")
+        return response.status, response.json()
 
     def ping(self) -> None:
         """Raise :class:`ServiceUnavailable` unless the worker answers."""

@@ -11,14 +11,21 @@ class ConfigError(FreshlineError):
     """A setting is missing or invalid."""
 
 
-class ServiceUnavailable(FreshlineError):
-    """Postgres, Redis, Kafka or Kafka Connect did not answer."""
+STACK_HINT = "start the local stack with: scripts/stack up"
 
-    def __init__(self, service: str, url: str, detail: str = "") -> None:
+
+class ServiceUnavailable(FreshlineError):
+    """A service (Postgres, Redis, Kafka, Kafka Connect, an HTTP endpoint) did not answer.
+
+    ``hint`` is the remedy the message ends with: by default, start the local stack;
+    a caller that knows better (the API is a process of its own) names its own.
+    """
+
+    def __init__(self, service: str, url: str, detail: str = "", hint: str = STACK_HINT) -> None:
         self.service = service
         self.url = url
         self.detail = detail
-        hint = "start the local stack with: scripts/stack up"
+        self.hint = hint
         super().__init__(f"{service} is not reachable at {url} ({detail or 'no answer'}); {hint}")
 
 

@@ -19,7 +19,6 @@ import itertools
 import logging
 import threading
 import time
-import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,11 +27,13 @@ from typing import Any
 import redis
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
+from pipeline.core.errors import ServiceUnavailable
 from pipeline.core.features import Registry
+from pipeline.core.http import fetch
 from pipeline.core.settings import Settings
+from pipeline.observe.advisor import parse_exposition
 from pipeline.observe.staleness import GroupLag, Staleness, sample, source_topics
 
 log = logging.getLogger(__name__)
@@ -75,25 +76,27 @@ def counter_totals(registry: CollectorRegistry, family: str,
 def scrape_freshness(urls: Sequence[str],
                      timeout_s: float = 1.0) -> tuple[tuple[float, float] | None, float | None]:
     """``((sum, count) of freshness lag, dead letters)`` summed over consumer scrapes."""
-    total = count = dlq = 0.0
-    answered = False
+    texts: list[str] = []
     for url in urls:
         try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310
-                text = response.read().decode()
-        except OSError as exc:
-            log.debug("consumer metrics at %s unavailable: %s", url, exc)
+            response = fetch(url, timeout=timeout_s, service="consumer metrics")
+        except ServiceUnavailable as exc:
+            log.debug("%s", exc)
             continue
-        answered = True
-        for metric in text_string_to_metric_families(text):
-            for s in metric.samples:
-                if s.name == "freshline_freshness_lag_seconds_sum":
-                    total += s.value
-                elif s.name == "freshline_freshness_lag_seconds_count":
-                    count += s.value
-                elif s.name == "freshline_events_dead_lettered_total":
-                    dlq += s.value
-    return ((total, count), dlq) if answered else (None, None)
+        if response.status != 200:
+            log.debug("consumer metrics at %s answered HTTP %s", url, response.status)
+            continue
+        texts.append(response.text())
+    if not texts:
+        return None, None
+    samples = parse_exposition(texts)
+
+    def total(name: str) -> float:
+        return sum(v for (n, _), v in samples.items() if n == name)
+
+    return ((total("freshline_freshness_lag_seconds_sum"),
+             total("freshline_freshness_lag_seconds_count")),
+            total("freshline_events_dead_lettered_total"))
 
 
 class Observer:
