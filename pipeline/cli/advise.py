@@ -11,20 +11,24 @@ import json
 import re
 import threading
 import urllib.parse
-import urllib.request
 from typing import Annotated, Any
 
+import orjson
 import typer
-from rich.table import Table
+from rich.console import Group, RenderableType
+from rich.padding import Padding
+from rich.text import Text
 
 from pipeline.cli.app import console, out
-from pipeline.core.errors import ConfigError, ServiceUnavailable
+from pipeline.core.errors import ConfigError, FreshlineError
+from pipeline.core.http import fetch
 from pipeline.observe.advisor import (
     Advice,
     Samples,
     advise_all,
     difference,
     figures_from_samples,
+    format_ms,
     parse_exposition,
 )
 
@@ -42,6 +46,11 @@ GAUGES = (
     "freshline_feature_ttl_seconds", "freshline_staleness_oldest_age_seconds",
     "freshline_staleness_mean_age_seconds", "freshline_model_deterministic",
 )
+API_HINT = ("the API is not running: start it with `freshline serve`, "
+            "or pass `--from-metrics URL`")
+METRICS_HINT = ("nothing serves metrics there: start the process (`freshline serve` for "
+                "the API), or check the --from-metrics URL")
+PROMETHEUS_HINT = "is Prometheus running there? check the --from-prometheus URL"
 _STYLE = {"keep": "green", "kill": "red", "refuse": "magenta", "shorten-ttl": "yellow",
           "lengthen-ttl": "cyan"}
 
@@ -54,32 +63,44 @@ def parse_window(text: str) -> float:
     return float(m["n"]) * _UNITS[m["unit"]]
 
 
-def _get(url: str, timeout_s: float = 10.0) -> str:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310
-            return str(response.read().decode())
-    except OSError as exc:
-        raise ServiceUnavailable("metrics", url, str(exc)) from exc
+def _scrape_one(url: str, service: str, hint: str) -> str:
+    response = fetch(url, service=service, hint=hint)
+    if response.status != 200:
+        raise FreshlineError(f"{url} answered HTTP {response.status}, not metrics: "
+                             "is it a /metrics URL?")
+    return response.text()
 
 
-def scrape(urls: list[str]) -> Samples:
-    return parse_exposition(_get(u) for u in urls)
+def scrape(urls: list[str], *, api: bool = True) -> Samples:
+    """Every URL's metrics, merged (:func:`parse_exposition`).
+
+    One that does not answer is :class:`ServiceUnavailable` with the remedy: start the
+    API (``api``: the URL is the local API's) or check the ``--from-metrics`` URL.
+    """
+    service, hint = ("the API", API_HINT) if api else ("the metrics endpoint", METRICS_HINT)
+    return parse_exposition([_scrape_one(u, service, hint) for u in urls])
 
 
-def measure_scrapes(urls: list[str], window_s: float) -> tuple[Samples, Samples]:
+def measure_scrapes(urls: list[str], window_s: float, *,
+                    api: bool = True) -> tuple[Samples, Samples]:
     """Two scrapes ``window_s`` apart: ``(increase, latest)``."""
-    before = scrape(urls)
+    before = scrape(urls, api=api)
     console.print(f"measuring {', '.join(urls)} for {window_s:g}s ...")
     threading.Event().wait(window_s)  # the measurement window itself
-    after = scrape(urls)
+    after = scrape(urls, api=api)
     return difference(after, before), after
 
 
 def _query(base: str, expr: str) -> list[dict[str, Any]]:
     url = f"{base.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
-    body = json.loads(_get(url))
-    if body.get("status") != "success":
-        raise ServiceUnavailable("Prometheus", base, f"refused {expr!r}: {body.get('error')}")
+    response = fetch(url, service="Prometheus", hint=PROMETHEUS_HINT)
+    try:
+        body = response.json()
+    except orjson.JSONDecodeError:
+        body = None
+    if not isinstance(body, dict) or body.get("status") != "success":
+        error = body.get("error") if isinstance(body, dict) else f"HTTP {response.status}"
+        raise FreshlineError(f"Prometheus at {base} refused {expr!r}: {error}")
     return list(body["data"]["result"])
 
 
@@ -102,46 +123,49 @@ def measure_prometheus(base: str, window_s: float) -> tuple[Samples, Samples]:
     return delta, latest
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:,.2f}"
+def _line(text: str | Text, indent: int = 2) -> Padding:
+    """One ``key: value`` line of a block, wrapped under its indent at the console width."""
+    return Padding(text if isinstance(text, Text) else Text(text), (0, 0, 0, indent),
+                   expand=False)
 
 
-def table(advice: list[Advice]) -> Table:
-    t = Table(title="Cache verdicts", title_justify="left")
-    for col in ("cache", "verdict", "req/s", "hit rate", "lookup ms", "compute ms",
-                "miss overhead ms", "E(cached) ms", "E(uncached) ms", "read/compute",
-                "staleness / TTL"):
-        t.add_column(col, justify="left" if col in ("cache", "verdict") else "right")
+def block(a: Advice) -> Group:
+    """One cache's verdict, its reason, and the figures behind it, as short lines."""
+    f = a.figures
+    verdict = a.verdict + (f" to {a.suggested_ttl_s:,.0f}s" if a.suggested_ttl_s else "")
+    lines: list[RenderableType] = [
+        _line(Text.assemble((f.name, "bold"), f" ({f.kind.replace('_', ' ')}): ",
+                            (verdict, _STYLE[a.verdict])), indent=0),
+        _line(a.reason),
+        _line(f"traffic: {f.qps:,.1f} requests/s, hit rate {f.hit_rate:.1%}"),
+        _line(f"cost: lookup {format_ms(f.lookup_s)}, compute {format_ms(f.compute_s)}, "
+              f"miss overhead {format_ms(f.miss_overhead_s)}"),
+    ]
+    ratio = f", read/compute {f.lookup_s / f.compute_s:.2g}" if f.compute_s > 0 else ""
+    lines.append(_line(f"expected latency: {format_ms(a.cached_s)} cached, "
+                       f"{format_ms(a.uncached_s)} uncached{ratio}"))
+    if f.ttl_s:
+        oldest = "-" if f.oldest_age_s is None else f"{f.oldest_age_s:,.0f}s"
+        mean = "-" if f.mean_age_s is None else f"{f.mean_age_s:,.0f}s"
+        lines.append(_line(f"staleness: oldest {oldest}, mean {mean}, of a {f.ttl_s:,.0f}s TTL"))
+    if a.slots_cached is not None and a.slots_uncached is not None:
+        lines.append(_line(f"serving slots: {a.slots_uncached:,.2f} uncached, "
+                           f"{a.slots_cached:,.2f} cached, "
+                           f"{a.slots_uncached - a.slots_cached:,.2f} saved"))
+    lines += [_line(Text.assemble(("warning: ", "yellow"), w)) for w in a.warnings]
+    return Group(*lines)
+
+
+def report(advice: list[Advice]) -> Group:
+    """Every block, under a legend for the figures; reads at 80 columns and in a pipe."""
+    legend = Text(
+        "Per feature set and model, over the window. Expected latency: cached = lookup + "
+        "(1 - hit rate) x (compute + miss overhead), uncached = compute. Serving slots "
+        "(models, Little's law): requests/s x (1 - hit rate) x compute.", style="dim")
+    parts: list[RenderableType] = [legend]
     for a in advice:
-        f = a.figures
-        ratio = f"{f.lookup_s / f.compute_s:.2f}" if f.compute_s > 0 else "-"
-        stale = "-"
-        if f.ttl_s:
-            oldest = "-" if f.oldest_age_s is None else f"{f.oldest_age_s:,.0f}s"
-            stale = f"{oldest} / {f.ttl_s:,.0f}s"
-        verdict = a.verdict + (f" → {a.suggested_ttl_s:,.0f}s" if a.suggested_ttl_s else "")
-        t.add_row(f"{f.kind.replace('_', ' ')} {f.name}",
-                  f"[{_STYLE[a.verdict]}]{verdict}[/]", f"{f.qps:,.1f}", f"{f.hit_rate:.1%}",
-                  _ms(f.lookup_s), _ms(f.compute_s), _ms(f.miss_overhead_s), _ms(a.cached_s),
-                  _ms(a.uncached_s), ratio, stale)
-    return t
-
-
-def slots_table(advice: list[Advice]) -> Table | None:
-    models = [(a, a.slots_cached, a.slots_uncached) for a in advice
-              if a.slots_cached is not None and a.slots_uncached is not None]
-    if not models:
-        return None
-    t = Table(title="Model serving slots (Little's law: QPS x (1-h) x compute)",
-              title_justify="left")
-    for col in ("model", "req/s", "hit rate", "compute ms", "slots, no cache",
-                "slots, cached", "slots saved"):
-        t.add_column(col, justify="left" if col == "model" else "right")
-    for a, cached, uncached in models:
-        f = a.figures
-        t.add_row(f.name, f"{f.qps:,.1f}", f"{f.hit_rate:.1%}", _ms(f.compute_s),
-                  f"{uncached:,.2f}", f"{cached:,.2f}", f"{uncached - cached:,.2f}")
-    return t
+        parts += ["", block(a)]
+    return Group(*parts)
 
 
 def as_json(advice: list[Advice]) -> list[dict[str, Any]]:
@@ -183,7 +207,7 @@ def advise(
     else:
         settings = load_settings()
         urls = from_metrics or [f"http://{settings.api_host}:{settings.api_port}/metrics"]
-        delta, latest = measure_scrapes(urls, window_s)
+        delta, latest = measure_scrapes(urls, window_s, api=not from_metrics)
     advice = advise_all(figures_from_samples(delta, latest, window_s))
     if json_out:
         typer.echo(json.dumps(as_json(advice), indent=2))
@@ -191,14 +215,7 @@ def advise(
     if not advice:
         console.print("no feature set or model has been read yet: nothing to advise on")
         return
-    out.print(table(advice))
-    slots = slots_table(advice)
-    if slots is not None:
-        out.print(slots)
-    for a in advice:
-        out.print(f"[bold]{a.figures.name}[/]: [{_STYLE[a.verdict]}]{a.verdict}[/] - {a.reason}")
-        for w in a.warnings:
-            out.print(f"  [yellow]warning:[/] {w}")
+    out.print(report(advice))
 
 
 def register(app: typer.Typer) -> None:

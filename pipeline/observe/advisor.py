@@ -108,8 +108,9 @@ def expected_latency(f: Figures) -> tuple[float, float]:
 
 
 def format_ms(seconds: float) -> str:
-    """Seconds as milliseconds to three significant figures, for people."""
-    return f"{seconds * 1000:.3g} ms"
+    """Seconds as milliseconds for people: three significant figures, whole ms from 1 s."""
+    ms = seconds * 1000
+    return f"{ms:,.0f} ms" if abs(ms) >= 1000 else f"{ms:.3g} ms"
 
 
 def advise(f: Figures) -> Advice:
