@@ -9,8 +9,10 @@ import time
 from typing import Annotated, cast, get_args
 
 import typer
+from rich.markup import escape
+from rich.table import Table
 
-from pipeline.cdc.connect import WAL_WARN_BYTES, SnapshotMode
+from pipeline.cdc.connect import WAL_WARN_BYTES, CdcStatus, SnapshotMode
 from pipeline.cli.app import console, out
 
 cdc_app = typer.Typer(help="Postgres change data capture through Debezium.",
@@ -104,11 +106,7 @@ def cdc_status(
     Exits 1 when the connector or a task FAILED, or the connector is not registered;
     2 when the slot retains more WAL than --wal-warn-mib.
     """
-    from pipeline.cdc.connect import format_bytes, status
-
-    def say(line: str) -> None:
-        out.print(line, soft_wrap=True)
-
+    from pipeline.cdc.connect import status
     from pipeline.core.db import make_engine, ping
     from pipeline.core.settings import load_settings
 
@@ -117,42 +115,66 @@ def cdc_status(
     ping(engine)
     state = status(settings, engine, name)
     engine.dispose()
+    report, code = status_report(state, wal_warn_mib << 20)
+    out.print(report)
+    raise typer.Exit(code)
+
+
+def status_report(state: CdcStatus, wal_warn_bytes: int) -> tuple[Table, int]:
+    """``freshline cdc status``'s report and exit code.
+
+    One short line per thing (connector, task, topics, slot) under a 10-column label,
+    details on the lines below it; anything long (a Java trace, an LSN) wraps under
+    its label, so the report reads at 80 columns and in a pipe.
+    """
+    from pipeline.cdc.connect import format_bytes
+
+    report = Table.grid(padding=(0, 1, 0, 0))
+    report.add_column(width=10, no_wrap=True)
+    report.add_column(overflow="fold")
+
+    def say(label: str, text: str) -> None:
+        report.add_row(label, text)
+
     owned = state.names
     code = 0
     if state.connector is None:
-        say(f"connector  {owned.connector}: [red]not registered[/red] "
-                  "(run: freshline cdc register)")
+        say("connector", f"{escape(owned.connector)}: [red]not registered[/red] "
+                         "(run: freshline cdc register)")
         code = 1
     else:
-        say(f"connector  {owned.connector}: {_state(state.connector.state)}"
-                  f"  worker {state.connector.worker}")
+        say("connector", f"{escape(owned.connector)}: {_state(state.connector.state)}")
+        say("", f"worker {escape(state.connector.worker)}")
         if state.connector.error:
-            say(f"           {state.connector.error}")
+            say("", escape(state.connector.error))
         for task in state.tasks:
-            say(f"task {task.id:<5} {_state(task.state)}  worker {task.worker}")
+            say(f"task {task.id}", f"{_state(task.state)}  worker {escape(task.worker)}")
             if task.error:
-                say(f"           {task.error}")
+                say("", escape(task.error))
         if not state.tasks:
-            say("tasks      none yet")
+            say("tasks", "none yet")
         if state.failed:
             code = 1
-    say(f"topics     {owned.topic('<table>')}; publication {owned.publication}: "
-              f"{', '.join(state.publication_tables) or '[red]missing[/red]'}")
+    say("topics", escape(owned.topic("<table>")))
+    say("", f"publication {escape(owned.publication)}: "
+            f"{escape(', '.join(state.publication_tables)) or '[red]missing[/red]'}")
     slot = state.slot
     if slot is None:
-        say(f"slot       {owned.slot}: [yellow]none[/yellow]")
+        say("slot", f"{escape(owned.slot)}: [yellow]none[/yellow]")
     else:
         retained = format_bytes(slot.retained_bytes)
-        say(f"slot       {slot.name}: {'active' if slot.active else 'inactive'}, "
-                  f"confirmed_flush_lsn {slot.confirmed_flush_lsn}, "
-                  f"restart_lsn {slot.restart_lsn}, retains {retained} of WAL")
-        if slot.retained_bytes > wal_warn_mib << 20:
-            say(f"[yellow]warning:[/yellow] slot {slot.name} retains {retained} of WAL "
-                      f"(over {wal_warn_mib} MiB): the server cannot recycle it until the "
-                      "connector catches up. Fix the connector, or drop the slot with "
-                      "`freshline cdc remove` before the disk fills.")
+        say("slot", f"{escape(slot.name)}: {'active' if slot.active else 'inactive'}, "
+                    f"retains {retained} of WAL")
+        say("", f"confirmed_flush_lsn {slot.confirmed_flush_lsn}")
+        say("", f"restart_lsn {slot.restart_lsn}")
+        if slot.retained_bytes > wal_warn_bytes:
+            say("[yellow]warning[/yellow]",
+                f"slot {escape(slot.name)} retains {retained} of WAL (over "
+                f"{wal_warn_bytes >> 20} MiB): the server cannot recycle it until the "
+                "connector catches up. Fix the connector, or drop the slot with "
+                "`freshline cdc remove` before the disk fills.")
             code = code or 2
-    raise typer.Exit(code)
+    return report, code
 
 
 @cdc_app.command("remove")

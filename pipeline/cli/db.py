@@ -7,6 +7,7 @@ from typing import Annotated
 
 import sqlalchemy as sa
 import typer
+from rich import box
 from rich.progress import TaskID
 from rich.table import Table
 
@@ -40,7 +41,6 @@ def db_summary() -> None:
     """Row counts per tenant and table."""
     engine = make_engine(load_settings())
     ping(engine)
-    table = Table("tenant", "users", "devices", "transactions", "last 90 days", "newest")
     with engine.connect() as conn:
         rows = conn.execute(sa.text(
             """
@@ -55,11 +55,24 @@ def db_summary() -> None:
             """
         )).all()
         geo = conn.execute(sa.text("SELECT count(*) FROM geoip")).scalar_one()
-    for tenant, n_users, n_dev, n_tx, n_recent, newest in rows:
-        table.add_row(tenant, f"{n_users:,}", f"{n_dev:,}", f"{n_tx:,}", f"{n_recent:,}",
-                      newest.strftime("%Y-%m-%d %H:%M") if newest else "-")
-    out.print(table)
+    out.print(summary_table([
+        (tenant, n_users, n_dev, n_tx, n_recent,
+         newest.strftime("%Y-%m-%d %H:%M") if newest else "-")
+        for tenant, n_users, n_dev, n_tx, n_recent, newest in rows]))
     out.print(f"geoip ranges: {geo:,}")
+
+
+def summary_table(rows: list[tuple[str, int, int, int, int, str]]) -> Table:
+    """Counts per tenant, borderless so that it reads at 80 columns: figures never wrap,
+    a long tenant id folds within its column."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
+    table.add_column("tenant", overflow="fold")
+    for name in ("users", "devices", "transactions", "last 90 days"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("newest", no_wrap=True)
+    for tenant, *counts, newest in rows:
+        table.add_row(tenant, *(f"{n:,}" for n in counts), newest)
+    return table
 
 
 def seed_cmd(

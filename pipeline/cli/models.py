@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.table import Table
+from rich.console import Group
+from rich.padding import Padding
+from rich.text import Text
 
 from pipeline.cli.app import console, out, progress_bar
 from pipeline.core.settings import load_settings
+
+if TYPE_CHECKING:
+    from pipeline.inference.models import ModelRecord
 
 models_app = typer.Typer(help="Models served through the inference cache.",
                          no_args_is_help=True)
@@ -55,8 +60,18 @@ def models_list() -> None:
     from pipeline.inference.models import ModelRegistry
 
     registry = ModelRegistry(redis.Redis.from_url(load_settings().redis_url))
-    table = Table("model", "version", "inputs", "file")
-    for name in registry.names():
-        record = registry.record(name)
-        table.add_row(name, record.version, str(len(record.feature_names)), record.path)
-    out.print(table)
+    records = [registry.record(name) for name in registry.names()]
+    if not records:
+        console.print("no model registered: train one with `freshline models train`")
+    for record in records:
+        out.print(model_block(record))
+
+
+def model_block(record: ModelRecord) -> Group:
+    """One model: its name, version and inputs on a line, its file on the next (a long
+    path folds at the console width instead of widening a table)."""
+    kind = "deterministic" if record.deterministic else "non-deterministic"
+    return Group(
+        Text.assemble((record.name, "bold"),
+                      f"  version {record.version}, {len(record.feature_names)} inputs, {kind}"),
+        Padding(Text(f"file: {record.path}", overflow="fold"), (0, 0, 0, 2), expand=False))
