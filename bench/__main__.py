@@ -29,6 +29,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import confluent_kafka
 import orjson
 
 from bench import common
@@ -44,8 +45,6 @@ BENCHMARKS = (
     "redis_writes",
     "deploy",
 )
-OPTIONAL = {"cdc_freshness"}
-"""Benchmarks owned elsewhere that may not exist yet: skipped if their module is missing."""
 
 LIBRARIES = ("redis", "hiredis", "confluent-kafka", "SQLAlchemy", "psycopg", "numpy", "orjson",
              "starlette", "granian", "httpx", "matplotlib")
@@ -97,12 +96,7 @@ def environment(ctx: common.Context | None) -> dict[str, Any]:
     for lib in LIBRARIES:
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[lib] = metadata.version(lib)
-    try:
-        import confluent_kafka
-
-        versions["librdkafka"] = confluent_kafka.libversion()[0]
-    except ImportError:
-        pass
+    versions["librdkafka"] = confluent_kafka.libversion()[0]
     if ctx is not None:
         try:
             versions["redis-server"] = str(ctx.redis.info("server")["redis_version"])
@@ -241,12 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = common.context(args.quick)
     try:
         for name in selected:
-            try:
-                module = importlib.import_module(f"bench.{name}")
-            except ModuleNotFoundError as exc:
-                if name in OPTIONAL and exc.name == f"bench.{name}":
-                    continue
-                raise
+            module = importlib.import_module(f"bench.{name}")
             print(f"bench: {name} ...", file=sys.stderr, flush=True)
             t0 = time.monotonic()
             try:

@@ -46,10 +46,6 @@ def encode_tombstone(watermark: Watermark) -> bytes:
     return TOMBSTONE_TAG + watermark_hex(watermark)
 
 
-def entry_watermark(raw: bytes) -> Watermark:
-    return int(raw[1:HEADER], 16)
-
-
 def decode_entry(raw: bytes, fields: Sequence[str], schema_version: int) -> Entry | None:
     """Decode ``raw``; ``None`` for a tombstone. Raises on a foreign or corrupt entry."""
     tag = raw[:1]

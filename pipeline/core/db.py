@@ -83,8 +83,6 @@ api_keys = sa.Table(
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
 )
 
-SOURCE_TABLES = ("tenants", "users", "transactions", "devices", "user_devices", "geoip")
-
 
 def make_engine(settings: Settings, *, pool_size: int = 5) -> Engine:
     """An engine on psycopg 3 with a small pool; nothing connects until first use."""

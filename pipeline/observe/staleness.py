@@ -60,13 +60,6 @@ class Staleness:
     immortal: int = 0
     """Sampled keys (entries or tombstones) without any expiry."""
 
-    @property
-    def over_ttl_ratio(self) -> float | None:
-        """The oldest age as a fraction of the TTL (above 1.0 is a bug)."""
-        if self.oldest_age_s is None or self.ttl_s <= 0:
-            return None
-        return self.oldest_age_s / self.ttl_s
-
 
 @dataclass(frozen=True, slots=True)
 class Sample:
