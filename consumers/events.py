@@ -155,9 +155,10 @@ def _debezium_event(topic_table: str, obj: dict[str, Any]) -> ChangeEvent | None
                             kind="unknown_table")
     watermark = _non_negative_int(source, "lsn", "source.lsn") or 0
     committed_at_ms = _non_negative_int(source, "ts_ms", "source.ts_ms")
+    txid = _non_negative_int(source, "txId", "source.txId")
     if op == "t":
         return ChangeEvent(table=table, op="t", tenant=None, row={}, before=None,
-                           watermark=watermark, committed_at_ms=committed_at_ms)
+                           watermark=watermark, committed_at_ms=committed_at_ms, txid=txid)
     before = _row(payload, "before", table)
     after = _row(payload, "after", table)
     if op == "d":
@@ -176,6 +177,7 @@ def _debezium_event(topic_table: str, obj: dict[str, Any]) -> ChangeEvent | None
         before=before,
         watermark=watermark,
         committed_at_ms=committed_at_ms,
+        txid=txid,
     )
 
 

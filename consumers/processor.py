@@ -1,7 +1,10 @@
 """Applying a batch of change events: route, coalesce, recompute or invalidate, publish.
 
-The order of side effects, per batch:
+The order of side effects, per batch, all reads on one REPEATABLE READ snapshot:
 
+0. take the snapshot and check that every CDC event's transaction is visible in it;
+   if one is not yet (:class:`~pipeline.cache.recompute.NotYetVisible`), write
+   nothing: the caller retries the batch;
 1. route every event to the entries it affects (reverse lookups run once per batch);
 2. for each feature set, recompute all its affected entities in one query and write
    them with the conditional write (``recompute`` mode), or tombstone them
@@ -25,7 +28,7 @@ from sqlalchemy.engine import Engine
 
 from consumers.routing import Router
 from pipeline.cache.invalidation import Invalidation
-from pipeline.cache.recompute import compute, read_watermark
+from pipeline.cache.recompute import compute, take_snapshot
 from pipeline.cache.store import FeatureStore, WriteResult
 from pipeline.core.features import REGISTRY, Registry
 from pipeline.core.keys import INVALIDATION_CHANNEL
@@ -63,7 +66,9 @@ class Processor:
     def apply(self, events: Sequence[ChangeEvent]) -> BatchReport:
         report = BatchReport(events=len(events))
         versions = list(self.versions())
-        with self.engine.connect() as conn:
+        txids = [e.txid for e in events if e.txid is not None]
+        with self.engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
+            snapshot = take_snapshot(conn, txids).require_visible()
             targets = self.router.route(conn, events)
             for name, pairs in targets.items():
                 fs = self.registry[name]
@@ -78,7 +83,7 @@ class Processor:
                     for version in versions:
                         report.writes.merge(self.store.write(batch, schema_version=version))
                 else:
-                    watermark, _ = read_watermark(conn)
+                    watermark = snapshot.watermark
                     entity_refs = [EntityRef(name, t, e) for t, e in refs]
                     for version in versions:
                         report.writes.merge(self.store.invalidate(

@@ -45,6 +45,7 @@ from consumers.processor import Processor
 from consumers.routing import Router
 from consumers.topics import subscription
 from pipeline.cache.invalidation import Invalidation
+from pipeline.cache.recompute import NotYetVisible
 from pipeline.cache.versions import WriteVersions
 from pipeline.core.db import make_engine
 from pipeline.core.errors import FreshlineError
@@ -55,6 +56,7 @@ from pipeline.core.types import ChangeEvent
 logger = logging.getLogger("freshline.consumer")
 
 TRANSIENT: tuple[type[BaseException], ...] = (
+    NotYetVisible,
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
     sa.exc.OperationalError,
@@ -67,6 +69,8 @@ LAG_EVERY_S = 5.0
 
 
 def _service(exc: BaseException) -> str:
+    if isinstance(exc, NotYetVisible):
+        return "visibility"
     if isinstance(exc, redis.exceptions.RedisError):
         return "redis"
     return "postgres"
@@ -195,8 +199,7 @@ class Worker:
                 service = _service(exc)
                 self.totals.retries += 1
                 self.metrics.retries.labels(service).inc()
-                logger.warning("%s unavailable (%s); retrying the batch in %.2fs",
-                               service, exc, backoff)
+                logger.warning("%s: %s; retrying the batch in %.2fs", service, exc, backoff)
                 self._pause_for(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
 

@@ -1,37 +1,53 @@
-"""Computing feature sets for a batch of entities, with a safe watermark.
+"""Computing feature sets for a batch of entities, with a watermark taken from its snapshot.
 
 Why this watermark
 ------------------
 Every entry carries a watermark, and a write replaces an entry only when its
-watermark is strictly greater (:mod:`pipeline.cache.store`). For that to keep stale values
-out, the order of watermarks must follow the order of the snapshots they describe:
-a computation that saw less must never outrank one that saw more.
+watermark is strictly greater (:mod:`pipeline.cache.store`). For that to keep stale
+values out, the order of watermarks must follow the order of what the computations
+saw: one that saw less must never outrank one that saw more.
 
-So a computation reads its watermark *before* its snapshot exists: in one READ
-COMMITTED transaction, statement 1 reads ``pg_current_wal_flush_lsn()`` and
-``clock_timestamp()``; statement 2, the feature query, takes its snapshot when it
-starts, after both were read. The watermark is the pair ``(flush LSN, clock µs)``
-packed into one integer and compared LSN first.
+So the watermark is read from the very snapshot the feature query runs on, in the
+same statement: ``pg_current_snapshot()`` returns the statement's own snapshot
+(``xmin:xmax:xip``), and the watermark packs its ``xmax`` and the number of its
+in-progress ids, then the clock as a tie-breaker. Why that order is the order of
+what snapshots see:
 
-* Both readings only move forward, so the pair orders readings by when they were
-  taken, and a snapshot taken after a reading sees everything committed before it.
-  Of two computations, the one with the greater watermark read it later and so
-  began its snapshot later: it saw at least as much.
-* An invalidation reads its watermark the same way, *after* the change committed.
-  A computation whose snapshot missed the change read its watermark before the
-  change was visible, so it is strictly older than the invalidation's tombstone
-  and cannot replace it; a computation that began after the invalidation is newer.
-* The LSN alone would not do: it can stand still while commits become visible
-  (asynchronous commit, a quiet WAL), and two snapshots sharing an LSN may differ.
-  The clock alone would not either: a wall clock can step back. The LSN makes a
-  backward clock step harmless whenever WAL was written in between.
-* Nothing compares a computation's watermark with an event's own LSN
-  (``source.lsn``): the consumer always recomputes from a snapshot taken after it
-  read the event, and writes that snapshot's watermark.
+* ``xmax`` is one past the newest transaction that had ended when the snapshot was
+  taken. It only grows, so a snapshot with a greater ``xmax`` was taken later, and a
+  snapshot taken later sees at least what an earlier one saw: Postgres makes a
+  commit visible once, for every later snapshot.
+* While ``xmax`` stands still, no transaction at or above it ends, and no new one can
+  enter the in-progress list below it (new ids are at least ``xmax``); the list can
+  only shrink, as older transactions end. Of two snapshots with the same ``xmax``, the
+  one with fewer in-progress ids was taken later and sees more; with as many, they see
+  exactly the same rows.
+* The clock (``clock_timestamp()``, µs) only breaks ties between snapshots that see the
+  same rows: the later computation wins, which matters for windows that move with
+  time ("last 90 days"). A clock stepping back can only reorder such equals.
 
-The read-through path is also guarded by leases (:mod:`pipeline.cache.readthrough`), which
-an invalidation or source-driven write revokes, so a stale fill needs both guards to
-fail.
+Hence: a greater watermark never saw less. It is *not* the WAL position: a commit is
+flushed, and shipped to Debezium, before it is visible to new snapshots (with a
+synchronous standby, for the whole wait for the standby), so an LSN read before or
+after a snapshot says nothing sure about what the snapshot sees.
+
+Events and visibility
+---------------------
+An event can therefore reach the consumer before its change is visible. The consumer
+passes each CDC event's transaction id (Debezium's ``source.txId``) and the snapshot
+statement checks, on the same snapshot, that every one of them is visible
+(``pg_visible_in_snapshot``, the 32-bit id widened to ``xid8`` against the snapshot's
+``xmax``). If one is not, :class:`NotYetVisible` is raised: nothing is written and the
+batch is retried with backoff. A batch that passes computes from a snapshot that sees
+every change it was sent for, and its watermark outranks every computation that missed
+one of them (those snapshots were taken before the change became visible). An
+invalidation takes its tombstone's watermark the same way, after the same check.
+
+The read-through path is also guarded by leases (:mod:`pipeline.cache.readthrough`),
+which an invalidation or source-driven write revokes.
+
+On a hot standby Postgres keeps in-progress ids where ``pg_current_snapshot()`` does not
+report them, so this argument holds for computations on the primary.
 """
 
 from __future__ import annotations
@@ -44,39 +60,96 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.core.errors import InvalidId
+from pipeline.core.errors import FreshlineError, InvalidId
 from pipeline.core.features import FeatureSet
 from pipeline.core.keys import validate_id
 from pipeline.core.types import FeatureValues, Watermark
 
-CLOCK_BITS = 56
-_WATERMARK_SQL = sa.text(
-    # On a read replica the flush position does not exist; the replay position is
-    # its equivalent: everything replayed before the snapshot is visible in it.
-    "SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() "
-    "ELSE pg_current_wal_flush_lsn() END - '0/0'::pg_lsn AS lsn, "
-    "floor(extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS us"
-)
+FORMAT = 1 << 116
+"""The top hex digit of a snapshot watermark: above every LSN-based one written before."""
+XMAX_BITS, XIP_BITS, CLOCK_BITS = 48, 16, 52
+_XIP_ROOM = (1 << XIP_BITS) - 1
+_XID_SPAN = 1 << 32
+
+# One statement, so pg_current_snapshot() is the snapshot of everything it reads. The
+# 32-bit transaction ids of the events are widened to xid8 against the snapshot's xmax
+# (the xid8 with those low 32 bits at or below it); ids of 2**32 and up are full xid8s.
+_SNAPSHOT_SELECT = """
+SELECT snap.s::text AS snapshot,
+       floor(extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS us,
+       ARRAY(SELECT t FROM unnest(CAST(:txids AS bigint[])) AS t
+             WHERE NOT pg_visible_in_snapshot(CAST(CAST(
+                 CASE WHEN t >= 4294967296 THEN t
+                      WHEN ((snap.xmax >> 32) << 32 | t) >= snap.xmax
+                          THEN ((snap.xmax >> 32) << 32 | t) - 4294967296
+                      ELSE (snap.xmax >> 32) << 32 | t END AS text) AS xid8), snap.s)
+       ) AS invisible
+FROM (SELECT s, pg_snapshot_xmax(s)::text::bigint AS xmax
+      FROM (SELECT pg_current_snapshot() AS s) AS cur) AS snap
+"""
+_SNAPSHOT_SQL = sa.text(_SNAPSHOT_SELECT)
 
 
-def pack_watermark(lsn: int, clock_us: int) -> Watermark:
-    return (lsn << CLOCK_BITS) | clock_us
+class NotYetVisible(FreshlineError):
+    """A change's transaction is committed but not yet visible to new snapshots.
+
+    Transient: the batch is retried, and writes nothing meanwhile.
+    """
+
+    def __init__(self, txids: Sequence[int]) -> None:
+        self.txids = tuple(txids)
+        shown = ", ".join(map(str, self.txids[:5])) + (" ..." if len(self.txids) > 5 else "")
+        super().__init__(f"transaction(s) {shown} not yet visible to new snapshots")
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What one statement's snapshot says: its watermark, the clock, unseen changes."""
+
+    watermark: Watermark
+    now_ms: int
+    invisible: tuple[int, ...] = ()
+
+    def require_visible(self) -> Snapshot:
+        """Raise :class:`NotYetVisible` if a change it was asked about is not visible."""
+        if self.invisible:
+            raise NotYetVisible(self.invisible)
+        return self
+
+
+def snapshot_watermark(snapshot: str, clock_us: int) -> Watermark:
+    """The watermark of a ``pg_current_snapshot()`` text and a clock reading (µs)."""
+    _, xmax, xip = snapshot.split(":")
+    in_progress = len(xip.split(",")) if xip else 0
+    return (FORMAT | (int(xmax) & ((1 << XMAX_BITS) - 1)) << (XIP_BITS + CLOCK_BITS)
+            | (_XIP_ROOM - min(in_progress, _XIP_ROOM)) << CLOCK_BITS
+            | (clock_us & ((1 << CLOCK_BITS) - 1)))
 
 
 def unpack_watermark(wm: Watermark) -> tuple[int, int]:
+    """``(the snapshot's part, the clock in µs)`` of a watermark."""
     return wm >> CLOCK_BITS, wm & ((1 << CLOCK_BITS) - 1)
 
 
-def read_watermark(conn: Connection) -> tuple[Watermark, int]:
-    """The current watermark and the database clock in ms; see the module docstring."""
-    lsn, us = conn.execute(_WATERMARK_SQL).one()
-    return pack_watermark(int(lsn), int(us)), int(us) // 1000
+def _snapshot(snapshot: str, us: int, invisible: Sequence[int] | None) -> Snapshot:
+    return Snapshot(snapshot_watermark(snapshot, int(us)), int(us) // 1000,
+                    tuple(invisible or ()))
+
+
+def take_snapshot(conn: Connection, txids: Iterable[int] = ()) -> Snapshot:
+    """The watermark of the statement run now, and which of ``txids`` it cannot see.
+
+    In a REPEATABLE READ transaction, run first, it is the snapshot of every later
+    statement of the transaction too.
+    """
+    row = conn.execute(_SNAPSHOT_SQL, {"txids": sorted(set(txids))}).one()
+    return _snapshot(row.snapshot, row.us, row.invisible)
 
 
 def current_watermark(engine: Engine) -> Watermark:
     """A watermark read now: what an invalidation applied after a commit carries."""
     with engine.connect() as conn:
-        return read_watermark(conn)[0]
+        return take_snapshot(conn).watermark
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,30 +189,41 @@ def compute(
     refs: Sequence[tuple[str, str]],
     *,
     as_of: dt.datetime | None = None,
+    txids: Iterable[int] = (),
 ) -> Batch:
-    """Compute ``feature_set`` for every (tenant, entity) in ``refs`` in one query.
+    """Compute ``feature_set`` for every (tenant, entity) in ``refs`` in one statement.
 
-    Timestamps come back as epoch milliseconds. The watermark is read first, in
-    the same transaction, so it is a lower bound of the query's snapshot.
+    Timestamps come back as epoch milliseconds. The watermark comes from the same
+    statement's snapshot (see the module docstring); if any of ``txids`` is not visible
+    in it, :class:`NotYetVisible` is raised and nothing is returned.
     """
     tenants, ids = entity_ids(refs)
     if isinstance(db, Connection):
-        return _compute(db, feature_set, tenants, ids, as_of)
+        return _compute(db, feature_set, tenants, ids, as_of, txids)
     with db.connect() as conn:
-        batch = _compute(conn, feature_set, tenants, ids, as_of)
+        batch = _compute(conn, feature_set, tenants, ids, as_of, txids)
         conn.rollback()
         return batch
 
 
+def _statement(fs: FeatureSet) -> sa.TextClause:
+    """The feature query joined to the snapshot select: one statement, one snapshot."""
+    return sa.text(f"SELECT w.snapshot, w.us, w.invisible, f.* FROM ({_SNAPSHOT_SELECT}) AS w "
+                   f"LEFT JOIN ({fs.statement.text}) AS f ON true")
+
+
 def _compute(conn: Connection, fs: FeatureSet, tenants: list[str], ids: list[int],
-             as_of: dt.datetime | None) -> Batch:
-    watermark, now_ms = read_watermark(conn)
+             as_of: dt.datetime | None, txids: Iterable[int]) -> Batch:
+    rows = conn.execute(_statement(fs), {"tenants": tenants, "ids": ids, "as_of": as_of,
+                                         "txids": sorted(set(txids))}).all()
+    first = rows[0]
+    snap = _snapshot(first[0], first[1], first[2]).require_visible()
     values: dict[tuple[str, str], FeatureValues] = {}
-    if ids:
-        rows = conn.execute(fs.statement, {"tenants": tenants, "ids": ids, "as_of": as_of})
-        names = fs.field_names
-        for row in rows:
-            values[(row[0], str(row[1]))] = {
-                name: _jsonable(v) for name, v in zip(names, row[2:], strict=True)
-            }
-    return Batch(fs, values, watermark, now_ms)
+    names = fs.field_names
+    for row in rows:
+        if row[3] is None:  # the LEFT JOIN's row when no entity has features
+            continue
+        values[(row[3], str(row[4]))] = {
+            name: _jsonable(v) for name, v in zip(names, row[5:], strict=True)
+        }
+    return Batch(fs, values, snap.watermark, snap.now_ms)

@@ -57,6 +57,7 @@ class ChangeEvent:
     before: Mapping[str, Any] | None = None
     watermark: Watermark = 0
     committed_at_ms: int | None = None
+    txid: int | None = None
 
 
 def text(raw: bytes | str | None) -> str:

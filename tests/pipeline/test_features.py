@@ -146,7 +146,8 @@ def test_batch_is_one_query_and_one_watermark(engine: Engine, seeded: SeedSummar
     assert len(batch.values) == 100
     feature_queries = [s for s in statements if "FROM k CROSS JOIN t" in s]
     assert len(feature_queries) == 1
-    assert len(statements) == 2  # the watermark, then the features
+    # One statement: the watermark comes from the features' own snapshot.
+    assert len(statements) == 1 and "pg_current_snapshot()" in statements[0]
 
 
 def test_unknown_feature_set_and_bad_ids_are_refused() -> None:
