@@ -1,25 +1,49 @@
 """The guided part of ``scripts/demo``: a change made, and fresh features served.
 
-Runs against a stack, consumer and API that ``scripts/demo`` started. Uses only the
-standard library's HTTP client, so it reads exactly as any scoring service would.
+Runs against the stack, consumer and API that ``scripts/demo`` started, and calls the
+API through :func:`pipeline.core.http.fetch` (the standard library's client), as any
+scoring service would::
+
+    python -m pipeline.dev.demo tour API_URL API_KEY
+    python -m pipeline.dev.demo catch-up
+    python -m pipeline.dev.demo cdc API_URL API_KEY TENANT USER PSQL_URL
+
+Every timed change first waits for the consumer group to catch up (:func:`catch_up`):
+on a fresh clone the seed's tens of thousands of CDC events are still queued, and a
+change behind them would time the backlog, not the pipeline.
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import sqlalchemy as sa
 
 from pipeline.core.db import make_engine
-from pipeline.core.settings import load_settings
+from pipeline.core.errors import FreshlineError
+from pipeline.core.http import fetch
+from pipeline.core.settings import Settings, load_settings
+from pipeline.observe.staleness import GroupLag
+
+if TYPE_CHECKING:
+    from confluent_kafka.admin import AdminClient
 
 DEADLINE_S = 15.0
+"""How long a change may take to be served before the demo says it did not arrive."""
+CATCH_UP_S = 300.0
+"""How long the demo waits for the consumer to work through a backlog."""
+PROGRESS_S = 5.0
+"""How often the wait says how many events are still queued."""
+API_HINT = "is `freshline serve` running? scripts/demo starts it"
+USAGE = """usage: python -m pipeline.dev.demo tour API_URL API_KEY
+       python -m pipeline.dev.demo catch-up
+       python -m pipeline.dev.demo cdc API_URL API_KEY TENANT USER PSQL_URL
+"""
 
 
 def has_tenant(tenant: str) -> bool:
@@ -30,25 +54,93 @@ def has_tenant(tenant: str) -> bool:
 
 
 class Api:
+    """The read API as a scoring service calls it: a bearer key, JSON in and out."""
+
     def __init__(self, base: str, key: str) -> None:
         self.base = base.rstrip("/")
         self.key = key
 
     def call(self, method: str, path: str, body: object | None = None) -> tuple[int, Any]:
-        data = None if body is None else orjson.dumps(body)
-        request = urllib.request.Request(  # noqa: S310 (the demo's own http:// API)
-            self.base + path, data=data, method=method, headers={
-            "Authorization": f"Bearer {self.key}", "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
-                return response.status, orjson.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, orjson.loads(exc.read() or b"null")
+        """``(status, decoded JSON body)``, whatever the status."""
+        response = fetch(self.base + path, method=method,
+                         body=None if body is None else orjson.dumps(body),
+                         headers={"Authorization": f"Bearer {self.key}",
+                                  "Content-Type": "application/json"},
+                         service="the read API", hint=API_HINT)
+        return response.status, response.json()
 
 
 def _say(text: str) -> None:
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
+
+
+# -- waiting for the consumer -------------------------------------------------------
+
+
+def queued(admin: AdminClient, lag: GroupLag, timeout_s: float = 10.0) -> int | None:
+    """Records the consumer group (``lag``'s) has yet to commit on the topics assigned
+    to its members: per partition, the high watermark less the committed offset
+    (:meth:`GroupLag.measure`).
+
+    ``None`` while the group is not stable with an assignment (no member has joined,
+    or a rebalance is under way): it is then not known to be caught up.
+    """
+    from confluent_kafka import ConsumerGroupState
+
+    group = lag.settings.consumer_group
+    found = admin.describe_consumer_groups([group], request_timeout=timeout_s)
+    described = found[group].result()
+    if described.state != ConsumerGroupState.STABLE:
+        return None
+    topics = {tp.topic for member in described.members
+              for tp in member.assignment.topic_partitions}
+    if not topics:
+        return None
+    return sum(lag.measure(sorted(topics)).values())
+
+
+def catch_up(settings: Settings, deadline_s: float = CATCH_UP_S) -> bool:
+    """Wait until the consumer group has nothing queued on its partitions (:func:`queued`).
+
+    Says how many events are still queued every few seconds while it waits; False, and
+    says so, if the deadline passes first.
+    """
+    from consumers.kafka import admin_client
+
+    admin, lag = admin_client(settings), GroupLag(settings)
+    try:
+        return _wait_for(admin, lag, deadline_s)
+    finally:
+        lag.close()
+
+
+def _wait_for(admin: AdminClient, lag: GroupLag, deadline_s: float) -> bool:
+    started = time.monotonic()
+    next_report = 0.0
+    said_waiting = False
+    while True:
+        count = queued(admin, lag)
+        waited = time.monotonic() - started
+        if count == 0:
+            if said_waiting:
+                _say(f"the consumer caught up in {waited:.0f} s")
+            return True
+        if waited > deadline_s:
+            left = "an unknown number of" if count is None else f"{count:,}"
+            _say(f"the consumer still has {left} events queued after {deadline_s:.0f} s: "
+                 "the times below include waiting behind them")
+            return False
+        if waited >= next_report:
+            _say("waiting for the consumer to catch up before a timed change: "
+                 + (f"group {lag.settings.consumer_group!r} has no assignment yet (is "
+                    "`freshline consume` running, or still joining?)" if count is None
+                    else f"{count:,} events still queued"))
+            said_waiting, next_report = True, waited + PROGRESS_S
+        time.sleep(0.2)  # polling the broker while the consumer works
+
+
+# -- the tour -----------------------------------------------------------------------
 
 
 def _brief(values: dict[str, Any]) -> str:
@@ -71,6 +163,7 @@ def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> None:
     status, again = api.call("GET", path)
     _say(f"GET {path} again: {again['source']}, {again['age_ms']} ms old")
 
+    catch_up(settings)
     engine = make_engine(settings)
     producer = Producer(settings)
     producer.inner.list_topics(timeout=10)  # connected before the change, as a service is
@@ -95,7 +188,8 @@ def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> None:
             break
         time.sleep(0.02)  # polling the API, as a dashboard would
     else:
-        _say("the change did not arrive within 15 s: is `freshline consume` running?")
+        _say(f"the change did not arrive within {DEADLINE_S:.0f} s: "
+             "is `freshline consume` running?")
 
     entities = [str(u) for u in range(user, user + 5)]
     status, batch = api.call("POST", "/v1/features/batch", {
@@ -120,5 +214,70 @@ def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> None:
              f"{cached} of {len(inputs)} from the inference cache")
 
 
+# -- the CDC step -------------------------------------------------------------------
+
+
+def cdc_change(base: str, key: str, tenant: str, user: int, psql_url: str,
+               deadline_s: float = 10.0) -> bool:
+    """An UPDATE made with plain ``psql`` (no freshline code in the write), then the
+    served ``txn_90d`` polled until it changes; False if it did not within the deadline.
+    """
+    api = Api(base, key)
+    path = f"/v1/features/txn_90d/{user}"
+
+    def served(mode: str) -> dict[str, Any] | None:
+        status, body = api.call("GET", f"{path}?mode={mode}")
+        if status == 404:
+            return None  # not cached (yet)
+        if status != 200:
+            raise FreshlineError(f"GET {path}?mode={mode}: {status} {body}")
+        return dict(body["values"])
+
+    def brief(values: dict[str, Any]) -> str:
+        return (f"txn_sum={values['txn_sum']} txn_max={values['txn_max']} "
+                f"txn_count={values['txn_count']}")
+
+    before = served("read-through")  # fills the cache if the entry was cold
+    if before is None:
+        raise FreshlineError(f"tenant {tenant} has no user {user}")
+    _say(f"-- before: tenant {tenant} user {user}: {brief(before)}")
+    sql = (f"UPDATE transactions SET amount = amount + 100 WHERE tenant_id = '{tenant}' "
+           f"AND id = (SELECT max(id) FROM transactions WHERE tenant_id = '{tenant}' "
+           f"AND user_id = {int(user)} AND created_at > now() - interval '90 days')")
+    _say(f"-- psql: {sql}")
+    subprocess.run(["psql", psql_url, "-X", "-q", "-v", "ON_ERROR_STOP=1", "-c", sql],
+                   check=True)
+    committed = time.monotonic()
+    after: dict[str, Any] | None = before
+    while after is None or after == before:
+        if time.monotonic() - committed > deadline_s:
+            _say(f"-- no change served within {deadline_s:.0f} s: is `freshline consume` "
+                 "running, and did it start after the CDC topics existed? "
+                 "(see `freshline cdc status`)")
+            return False
+        time.sleep(0.01)  # polling the API, as a dashboard would
+        after = served("cache-only")
+    elapsed = time.monotonic() - committed
+    _say(f"-- after:  tenant {tenant} user {user}: {brief(after)}")
+    _say(f"-- served the new value {elapsed * 1000:.0f} ms after psql returned "
+         f"({'within' if elapsed < 1 else 'NOT within'} a second)")
+    return True
+
+
+def main(argv: list[str]) -> int:
+    match argv:
+        case ["tour", base, key]:
+            tour(base, key)
+        case ["catch-up"]:
+            catch_up(load_settings())
+        case ["cdc", base, key, tenant, user, psql_url]:
+            catch_up(load_settings())
+            return 0 if cdc_change(base, key, tenant, int(user), psql_url) else 1
+        case _:
+            sys.stderr.write(USAGE)
+            return 2
+    return 0
+
+
 if __name__ == "__main__":
-    tour(sys.argv[1], sys.argv[2])
+    sys.exit(main(sys.argv[1:]))
