@@ -62,6 +62,26 @@ def feature_key(schema_version: int, ref: EntityRef) -> str:
     return f"{FEATURE_PREFIX}:{schema_version}:{ref.feature_set}:{entity_tag(tenant, entity)}"
 
 
+def parse_feature_key(key: str | bytes) -> tuple[int, EntityRef]:
+    """``(schema_version, ref)`` of a feature key: :func:`feature_key` inverted.
+
+    Anything :func:`feature_key` would not have made (another prefix, a malformed
+    version or tag, an id it would refuse) raises :class:`InvalidId`.
+    """
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    parts = text.split(":", 3)
+    tenant, sep, entity = parts[3][1:-1].partition(":") if len(parts) == 4 else ("", "", "")
+    if (not sep or parts[0] != FEATURE_PREFIX or not parts[1].isascii()
+            or not parts[1].isdigit()):
+        raise InvalidId("feature key", text, f"not {FEATURE_PREFIX}:<schema_version>:"
+                        "<feature_set>:{<tenant>:<entity>}")
+    version = int(parts[1])
+    ref = EntityRef(validate_name("feature set", parts[2]), tenant, entity)
+    if feature_key(version, ref) != text:
+        raise InvalidId("feature key", text, "not in canonical form")
+    return version, ref
+
+
 def lease_key(schema_version: int, ref: EntityRef) -> str:
     """The read-through lease of one entity's entry (same hash tag as the entry)."""
     tenant = validate_id("tenant", ref.tenant)

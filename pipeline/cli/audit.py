@@ -1,0 +1,235 @@
+"""``freshline audit``: recompute a sample of served entries and report consistency.
+
+A thin shell over :class:`pipeline.observe.audit.Auditor`: chooses the keys (a SCAN
+sample of the active schema version, or a keys file), paces the run, shows progress
+on stderr and prints a summary readable at 80 columns (or JSON). Exit status 1 when
+a mismatch persisted past the last grace.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import textwrap
+from pathlib import Path
+from typing import Annotated
+
+import orjson
+import typer
+
+from pipeline.cli.app import console, out, progress_bar
+from pipeline.core.errors import ConfigError, InvalidId
+from pipeline.observe.audit import DEFAULT_RATE
+from pipeline.observe.consistency import AuditReport, GraceResult, Mismatch, describe_watermark
+
+_DURATION = re.compile(r"^(?P<n>\d+(?:\.\d+)?)(?P<unit>ms|s|m)?$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
+SHOWN_MISMATCHES = 20
+NAME_WIDTH = 20
+VALUE_WIDTH = 27
+
+
+def parse_graces(text: str) -> tuple[float, ...]:
+    """``1s,10s,60s`` (also ``500ms``, ``2m``, plain seconds) as seconds."""
+    graces: list[float] = []
+    for part in text.split(","):
+        m = _DURATION.match(part.strip())
+        if not m:
+            raise typer.BadParameter("durations such as 1s,10s,60s", param_hint="--grace")
+        graces.append(float(m["n"]) * _UNITS[m["unit"]])
+    return tuple(sorted(set(graces)))
+
+
+def read_keys(path: Path) -> list[str]:
+    """Feature keys, one a line; blank lines and ``#`` comments are skipped."""
+    text = sys.stdin.read() if str(path) == "-" else path.read_text()
+    return [s for line in text.splitlines() if (s := line.strip()) and not s.startswith("#")]
+
+
+def _floor_percent(fraction: float) -> str:
+    # Rounded down, so 99.99995% never shows as 100%.
+    return f"{math.floor(fraction * 1e6) / 1e4:.4f}%"
+
+
+def _nines(result: GraceResult) -> str:
+    if result.nines is None:
+        return "-"
+    return (">=" if result.lower_bound else "") + f"{result.nines:.2f}"
+
+
+def _value(value: object) -> str:
+    text = orjson.dumps(value).decode()
+    return text if len(text) <= VALUE_WIDTH else text[:VALUE_WIDTH - 3] + "..."
+
+
+def _row(name: str, served: str, recomputed: str) -> str:
+    return f"  {name[:NAME_WIDTH]:<{NAME_WIDTH}} {served:<{VALUE_WIDTH}} {recomputed}".rstrip()
+
+
+def mismatch_lines(m: Mismatch) -> list[str]:
+    """One mismatch: its key, the two watermarks, then each differing field."""
+    lines = [m.key,
+             _row("served watermark", describe_watermark(m.served_watermark), ""),
+             _row("recomputed watermark", describe_watermark(m.recomputed_watermark), "")]
+    if m.problem:
+        lines += textwrap.wrap(m.problem, 78, initial_indent="  ", subsequent_indent="  ")
+    lines.append(_row("field", "served", "recomputed"))
+    lines += [_row(name, "-" if m.served is None else _value(s), _value(r))
+              for name, (s, r) in m.differing.items()]
+    return lines
+
+
+def summary_lines(report: AuditReport, source: str) -> list[str]:
+    """The report at 80 columns: counts, speed, consistency per grace, mismatches."""
+    by_set = ", ".join(f"{n} {c:,}" for n, c in sorted(report.checked_by_set.items()))
+    limit = f"rate limit {report.rate:,.0f}/s" if report.rate else "no rate limit"
+    lines = [
+        f"audit of schema version {report.schema_version}: {source}",
+        f"checked     {report.checked:,} entries ({by_set or 'none'})",
+        f"            {report.absent:,} absent or tombstoned, {report.suspects:,} mismatched "
+        "at first check",
+    ]
+    if report.skipped:
+        lines.append(f"            {report.skipped:,} sampled keys skipped (not this code's)")
+    lines += [
+        f"speed       {report.entries_per_s:,.0f} entries/s ({limit}); "
+        f"{report.capacity_per_s:,.0f}/s of busy time",
+        f"time        {report.checking_s:,.1f} s checking, {report.elapsed_s:,.1f} s with "
+        "the re-checks",
+        "",
+        f"{'grace':<8}{'inconsistent':>14}{'consistent':>14}{'nines':>10}",
+    ]
+    for r in report.results():
+        fraction = r.consistent_fraction
+        lines.append(f"{r.label:<8}{r.inconsistent:>14,}"
+                     f"{'-' if fraction is None else _floor_percent(fraction):>14}"
+                     f"{_nines(r):>10}")
+    last = report.results()[-1].label
+    lines.append("")
+    if report.consistent:
+        lines.append(f"no mismatch persisted past {last}")
+        return lines
+    lines.append(f"{len(report.mismatches):,} mismatched after {last} (persistent):")
+    for m in report.mismatches[:SHOWN_MISMATCHES]:
+        lines += ["", *mismatch_lines(m)]
+    hidden = len(report.mismatches) - SHOWN_MISMATCHES
+    if hidden > 0:
+        lines += ["", f"... and {hidden:,} more (--json lists them all)"]
+    return lines
+
+
+def audit(
+    sample: Annotated[int | None, typer.Option(
+        "--sample", min=1, help="Entries to sample by SCAN from a random cursor "
+                                "[default: 1000]")] = None,
+    feature_set: Annotated[str | None, typer.Option(
+        "--feature-set", help="Sample only this feature set")] = None,
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Sample only this tenant")] = None,
+    keys_file: Annotated[Path | None, typer.Option(
+        "--keys-file", help="Audit the feature keys in this file, one a line ('-': stdin)")
+    ] = None,
+    rate: Annotated[float, typer.Option(
+        "--rate", min=0, help="Entries per second at most, re-checks included (0: no limit)")
+    ] = DEFAULT_RATE,
+    grace: Annotated[str, typer.Option(
+        "--grace", help="Re-check a mismatch after each of these; only one that persists "
+                        "past the last counts")] = "1s,10s,60s",
+    version: Annotated[int | None, typer.Option(
+        "--version", min=1, help="Schema version to audit [default: the keys', or the "
+                                 "active one]")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=10000)] = 500,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON, not a summary")] = False,
+    metrics_port: Annotated[int | None, typer.Option(
+        "--metrics-port", min=1, max=65535,
+        help="Serve the freshline_audit_* metrics on this port while the audit runs")] = None,
+    metrics_host: Annotated[str, typer.Option("--metrics-host")] = "127.0.0.1",
+) -> None:
+    """Recompute served entries from Postgres; report consistency in nines per grace.
+
+    A mismatch is re-checked after each grace (a change in flight heals); one still
+    there after the last is printed with both values and watermarks, and the exit
+    status is 1. Absent or tombstoned entries are consistent (correct or absent).
+    """
+    import redis
+
+    from pipeline.cache.versions import state
+    from pipeline.core.db import make_engine
+    from pipeline.core.features import REGISTRY
+    from pipeline.core.keys import parse_feature_key
+    from pipeline.core.lock import Lock
+    from pipeline.core.settings import load_settings
+    from pipeline.observe.audit import Auditor
+    from pipeline.observe.audit_metrics import audit_metrics
+
+    graces = parse_graces(grace)
+    if keys_file is not None and (sample or feature_set or tenant):
+        raise typer.BadParameter("--keys-file audits exactly its keys; --sample, "
+                                 "--feature-set and --tenant choose keys by SCAN")
+    if feature_set is not None:
+        REGISTRY[feature_set]
+    settings = load_settings()
+    keys: list[str] | None = None
+    if keys_file is not None:
+        keys = read_keys(keys_file)
+        versions = set()
+        for i, key in enumerate(keys, 1):
+            try:
+                versions.add(parse_feature_key(key)[0])
+            except InvalidId as exc:
+                raise ConfigError(f"{keys_file}, line {i}: {exc}") from exc
+        if version is None and len(versions) > 1:
+            raise ConfigError(f"{keys_file} holds keys of schema versions "
+                              f"{', '.join(map(str, sorted(versions)))}; audit one at a time")
+        version = version or (versions.pop() if versions else None)
+    client = redis.Redis.from_url(settings.redis_url)
+    if version is None:
+        version = state(client, settings).active
+    lock = Lock.load()
+    if version != settings.schema_version and not lock.compatible(version, REGISTRY, feature_set):
+        raise ConfigError(f"this code's feature definitions differ from schema version "
+                          f"{version}'s in the lock; audit it with the code that writes it "
+                          f"(this code writes version {settings.schema_version})")
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=metrics_host)
+    engine = make_engine(settings)
+    with progress_bar() as bar:
+        task = bar.add_task(f"audit v{version}", total=None)
+
+        def progress(done: int, total: int, note: str) -> None:
+            bar.update(task, completed=done, total=total,
+                       description=note or f"audit v{version}")
+
+        auditor = Auditor(client, engine, version, rate=rate, batch_size=batch_size,
+                          metrics=audit_metrics(), progress=progress)
+        if keys is not None:
+            report = auditor.audit_keys(keys, graces)
+            source = f"{len(keys):,} keys from {keys_file}"
+            chosen: dict[str, object] = {"keys_file": str(keys_file), "keys": len(keys)}
+        else:
+            want = sample or 1000
+            report = auditor.audit_sample(want, feature_set=feature_set, tenant=tenant,
+                                          graces=graces)
+            scope = " and ".join(f"{k} {v}" for k, v in (("feature set", feature_set),
+                                                           ("tenant", tenant)) if v)
+            source = f"up to {want:,} keys by SCAN ({scope or 'all feature sets'})"
+            chosen = {"sample": want, "feature_set": feature_set, "tenant": tenant}
+    engine.dispose()
+    if json_out:
+        typer.echo(json.dumps({"source": chosen, **report.as_json()}, indent=2))
+    else:
+        for line in summary_lines(report, source):
+            out.print(line, markup=False)
+    if not report.consistent:
+        if not json_out:
+            n = len(report.mismatches)
+            console.print(f"{n:,} persistent mismatch{'' if n == 1 else 'es'}")
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``audit`` to the ``freshline`` app."""
+    app.command("audit")(audit)

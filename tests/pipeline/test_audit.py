@@ -1,0 +1,376 @@
+"""The consistency auditor against the real Postgres and Redis.
+
+Every test writes entries of its own schema version through the real compute and
+store path, for tenants of its own. What a re-check sees is decided by the
+``before_recheck`` hook, never by racing a sleep; graces run either on a fake clock
+(exact, instant) or are a few milliseconds long (where only the outcome matters).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
+from sqlalchemy.engine import Engine
+
+from pipeline.cache.recompute import Batch, compute
+from pipeline.cache.store import FeatureStore
+from pipeline.core.errors import ConfigError, InvalidId, UnknownFeatureSet
+from pipeline.core.features import REGISTRY
+from pipeline.core.keys import feature_key, parse_feature_key
+from pipeline.core.settings import Settings
+from pipeline.core.types import EntityRef
+from pipeline.dev.seed import SeedSummary
+from pipeline.observe.audit import Auditor, sample_pattern
+from pipeline.observe.audit_metrics import AuditMetrics
+from pipeline.observe.consistency import GraceResult, Mismatch, same
+
+FRESHLINE = str(Path(sys.executable).with_name("freshline"))
+USERS = 20
+GRACES = (0.001, 0.002)  # real but tiny: these tests assert outcomes, not timings
+
+
+class FakeClock:
+    """A clock that moves only when the auditor sleeps: graces and pacing, exactly."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def materialize(engine: Engine, store: FeatureStore, tenant: str,
+                users: Sequence[int] = range(1, USERS + 1)) -> list[EntityRef]:
+    """Compute and write every feature set for ``users``: what a consumer does."""
+    pairs = [(tenant, str(u)) for u in users]
+    for fs in REGISTRY:
+        assert store.write(compute(engine, fs, pairs)).written == len(pairs)
+    return [EntityRef(fs.name, tenant, str(u)) for fs in REGISTRY for u in users]
+
+
+def corrupt(engine: Engine, store: FeatureStore, ref: EntityRef, field: str,
+            value: object) -> Batch:
+    """Overwrite ``ref``'s entry with a wrong ``field``, under a higher watermark."""
+    truth = compute(engine, REGISTRY[ref.feature_set], [(ref.tenant, ref.entity)])
+    wrong = {**truth.values[(ref.tenant, ref.entity)], field: value}
+    bad = Batch(truth.feature_set, {(ref.tenant, ref.entity): wrong}, truth.watermark + 1,
+                truth.computed_at_ms)
+    assert store.write(bad).written == 1
+    return bad
+
+
+def rewrite_truth(engine: Engine, store: FeatureStore, ref: EntityRef) -> None:
+    """What a consumer catching up does: recompute now and write (a newer watermark)."""
+    batch = compute(engine, REGISTRY[ref.feature_set], [(ref.tenant, ref.entity)])
+    assert store.write(batch).written == 1
+
+
+@pytest.fixture
+def tenant(tenant_factory: Callable[..., SeedSummary]) -> str:
+    return tenant_factory(users=USERS, transactions=400).tenants[0]
+
+
+@pytest.fixture
+def store(redis_client: redis.Redis, version: int) -> FeatureStore:
+    return FeatureStore(redis_client, version)
+
+
+def auditor(redis_client: redis.Redis, engine: Engine, version: int, **kwargs: Any) -> Auditor:
+    """An unthrottled auditor: these tests are about verdicts, not pacing."""
+    return Auditor(redis_client, engine, version, rate=None, **kwargs)
+
+
+# -- keys and comparisons -------------------------------------------------------------
+
+
+def test_feature_keys_parse_back_into_refs() -> None:
+    ref = EntityRef("txn_90d", "acme-eu.1", "42")
+    assert parse_feature_key(feature_key(7, ref)) == (7, ref)
+    assert parse_feature_key(feature_key(7, ref).encode()) == (7, ref)
+    for bad in ("lease:7:txn_90d:{acme:42}", "feat:07:txn_90d:{acme:42}",
+                "feat:x:txn_90d:{acme:42}", "feat:7:txn_90d:acme:42", "feat:7:txn_90d",
+                "feat:7:txn_90d:{acme:4*2}", "feat:7:Txn:{acme:42}", "feat:7:geo:{acme:1}x",
+                "feat:7:geo:{acme}", "feat:7:geo:{:1}"):
+        with pytest.raises(InvalidId):
+            parse_feature_key(bad)
+
+
+def test_values_compare_exactly_as_the_codec_stores_them() -> None:
+    assert same(0.1 + 0.2, 0.30000000000000004)
+    assert not same(0.1 + 0.2, 0.3)
+    assert not same(1, 1.0) and not same(True, 1) and not same(None, 0)
+    assert same("Lisbon", "Lisbon") and not same("Lisbon", "lisbon")
+
+
+def test_nines_per_grace() -> None:
+    assert GraceResult(1.0, 1000, 1).nines == pytest.approx(3.0)
+    assert GraceResult(1.0, 1000, 1).consistent_fraction == pytest.approx(0.999)
+    perfect = GraceResult(10.0, 1000, 0)
+    assert perfect.nines == pytest.approx(3.0) and perfect.lower_bound
+    assert GraceResult(60.0, 0, 0).nines is None
+    assert GraceResult(0.25, 1, 0).label == "250ms" and GraceResult(60, 1, 0).label == "60s"
+
+
+# -- audits ---------------------------------------------------------------------------
+
+
+def test_entries_written_by_the_pipeline_are_consistent(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    refs = materialize(engine, store, tenant)
+    registry = CollectorRegistry()
+    report = auditor(redis_client, engine, version, metrics=AuditMetrics(registry)
+                     ).audit_refs(refs)
+    assert report.checked == 3 * USERS and report.absent == 0
+    assert report.suspects == 0 and report.consistent and report.mismatches == []
+    assert report.checked_by_set == dict.fromkeys(REGISTRY.names(), USERS)
+    assert [r.inconsistent for r in report.results()] == [0, 0, 0]
+    assert all(r.lower_bound and r.nines == pytest.approx(math.log10(3 * USERS))
+               for r in report.results())
+    assert report.capacity_per_s > 0
+    assert registry.get_sample_value("freshline_audit_consistency_nines", {"grace": "10s"}
+                                     ) == pytest.approx(math.log10(3 * USERS))
+
+    keys = [feature_key(version, r) for r in refs]
+    assert auditor(redis_client, engine, version).audit_keys(keys).checked == 3 * USERS
+    sampled = auditor(redis_client, engine, version).audit_sample(1000)
+    assert sampled.checked == 3 * USERS and sampled.consistent and sampled.skipped == 0
+
+
+def test_a_corrupted_entry_is_reported_with_both_values_and_watermarks(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    refs = materialize(engine, store, tenant)
+    target = next(r for r in refs if r.feature_set == "txn_90d")
+    bad = corrupt(engine, store, target, "txn_sum", 123456.78)
+    truth = bad.values[(target.tenant, target.entity)]
+    registry = CollectorRegistry()
+    report = auditor(redis_client, engine, version, metrics=AuditMetrics(registry)
+                     ).audit_refs(refs, graces=GRACES)
+
+    assert report.checked == 3 * USERS and report.suspects == 1
+    assert report.inconsistent == {GRACES[0]: 1, GRACES[1]: 1} and not report.consistent
+    [m] = report.mismatches
+    assert m.key == feature_key(version, target) and m.ref == target
+    assert m.served is not None and m.recomputed is not None
+    assert m.served["txn_sum"] == 123456.78
+    assert m.recomputed["txn_sum"] != 123456.78
+    assert set(m.differing) == {"txn_sum"}
+    assert m.differing["txn_sum"] == (123456.78, m.recomputed["txn_sum"])
+    assert {k: v for k, v in m.served.items() if k != "txn_sum"} == {
+        k: v for k, v in truth.items() if k != "txn_sum"}
+    assert m.served_watermark == bad.watermark
+    assert m.recomputed_watermark > bad.watermark
+
+    nines = -math.log10(1 / (3 * USERS))
+    assert report.result(GRACES[1]).nines == pytest.approx(nines)
+    sample = registry.get_sample_value
+    assert sample("freshline_audit_consistency_nines", {"grace": "2ms"}) == pytest.approx(nines)
+    assert sample("freshline_audit_inconsistent_total",
+                  {"feature_set": "txn_90d", "grace": "1ms"}) == 1
+    assert sample("freshline_audit_checked_total", {"feature_set": "geo"}) == USERS
+    as_json = json.loads(json.dumps(report.as_json()))
+    assert as_json["mismatches"][0]["differing"]["txn_sum"]["served"] == 123456.78
+    assert int(as_json["mismatches"][0]["served_watermark"], 16) == bad.watermark
+
+
+@pytest.mark.parametrize("fixed_at", [0, 1])
+def test_a_mismatch_healed_within_a_grace_counts_only_before_it(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    fixed_at: int,
+) -> None:
+    """A change in flight: Postgres moved, the consumer writes the new entry late."""
+    refs = materialize(engine, store, tenant)
+    txn = [r for r in refs if r.feature_set == "txn_90d"]
+    entries = store.read(txn)
+    target = next(r for r, e in zip(txn, entries, strict=True)
+                  if e is not None and e.values["txn_count"] > 0)
+    with engine.begin() as conn:
+        conn.execute(sa.text(
+            "UPDATE transactions SET amount = amount + 100 WHERE tenant_id = :t "
+            "AND user_id = :u AND created_at > now() - interval '90 days'"),
+            {"t": target.tenant, "u": int(target.entity)})
+    graces = (1.0, 10.0)
+    seen: list[tuple[float, list[Mismatch]]] = []
+
+    def before_recheck(grace: float, suspects: Sequence[Mismatch]) -> None:
+        seen.append((grace, list(suspects)))
+        if grace == graces[fixed_at]:
+            rewrite_truth(engine, store, target)
+
+    clock = FakeClock()
+    report = auditor(redis_client, engine, version, before_recheck=before_recheck,
+                     clock=clock, sleep=clock.sleep).audit_refs(refs, graces=graces)
+
+    assert report.suspects == 1 and report.consistent
+    assert report.inconsistent == {1.0: fixed_at, 10.0: 0}
+    assert [g for g, _ in seen] == list(graces[:fixed_at + 1])
+    first = seen[0][1][0]
+    assert first.ref == target and set(first.differing) >= {"txn_sum"}
+    entry = store.read([target])[0]
+    assert entry is not None and first.recomputed is not None
+    assert entry.values["txn_sum"] == first.recomputed["txn_sum"]
+
+
+def test_rechecks_run_at_each_grace_after_the_first_check(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    refs = materialize(engine, store, tenant)
+    corrupt(engine, store, refs[0], "txn_count", 999_999)
+    clock = FakeClock()
+    at: list[float] = []
+    report = auditor(redis_client, engine, version, clock=clock, sleep=clock.sleep,
+                     before_recheck=lambda grace, _s: at.append(clock.now)
+                     ).audit_refs(refs, graces=(60, 1, 10))
+    assert report.graces == (1.0, 10.0, 60.0)
+    assert at == [1.0, 10.0, 60.0]
+    assert report.inconsistent == {1.0: 1, 10.0: 1, 60.0: 1}
+    assert [m.ref for m in report.mismatches] == [refs[0]]
+    assert report.rechecks == 3 and report.elapsed_s == 60.0
+
+
+def test_tombstones_and_absent_entries_are_consistent(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    from pipeline.cache.recompute import current_watermark
+
+    written = materialize(engine, store, tenant, users=range(1, 6))
+    store.invalidate(written[:3], current_watermark(engine))
+    never = [EntityRef(fs.name, tenant, str(u)) for fs in REGISTRY for u in range(6, 9)]
+    report = auditor(redis_client, engine, version).audit_refs([*written, *never])
+    assert report.checked == 15 + 9 and report.absent == 3 + 9
+    assert report.suspects == 0 and report.consistent
+
+
+def test_samples_one_feature_set_or_tenant_and_skips_foreign_keys(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int,
+    tenant_factory: Callable[..., SeedSummary],
+) -> None:
+    one, two = (tenant_factory(users=USERS, transactions=400).tenants[0] for _ in range(2))
+    materialize(engine, store, one)
+    materialize(engine, store, two)
+    redis_client.set(f"feat:{version}:nope:{{{one}:1}}", b"x", px=60_000)
+    redis_client.set(f"feat:{version}:geo:{{{one}:u1}}", b"x", px=60_000)
+    audit = auditor(redis_client, engine, version)
+
+    by_set = audit.audit_sample(1000, feature_set="device_risk")
+    assert by_set.checked_by_set == {"device_risk": 2 * USERS} and by_set.consistent
+    by_tenant = audit.audit_sample(1000, tenant=two)
+    assert by_tenant.checked == 3 * USERS and by_tenant.skipped == 0
+    everything = audit.audit_sample(1000)
+    assert everything.checked == 6 * USERS and everything.skipped == 2
+    few = audit.audit_sample(7)
+    assert few.checked + few.skipped == 7
+    assert sample_pattern(version, "geo", one) == f"feat:{version}:geo:{{{one}:*}}"
+
+
+def test_the_rate_limit_paces_checks_and_rechecks(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    refs = materialize(engine, store, tenant)  # 60 entries
+    clock = FakeClock()
+    report = Auditor(redis_client, engine, version, rate=100, clock=clock,
+                     sleep=clock.sleep).audit_refs(refs)
+    # Batches of a tenth of a second's worth (10 entries), one every 0.1 s.
+    assert report.checked == 60 and report.consistent
+    assert report.elapsed_s == pytest.approx(0.5)
+    assert clock.sleeps == pytest.approx([0.1] * 5)
+
+
+def test_bad_requests_raise(redis_client: redis.Redis, engine: Engine, version: int) -> None:
+    audit = auditor(redis_client, engine, version)
+    with pytest.raises(UnknownFeatureSet):
+        audit.audit_refs([EntityRef("nope", "acme", "1")])
+    with pytest.raises(InvalidId):
+        audit.audit_refs([EntityRef("geo", "acme", "not-a-user")])
+    with pytest.raises(ConfigError):
+        audit.audit_keys([feature_key(version + 1, EntityRef("geo", "acme", "1"))])
+    with pytest.raises(ConfigError):
+        audit.audit_refs([], graces=())
+    with pytest.raises(ConfigError):
+        audit.audit_refs([], graces=(-1,))
+
+
+# -- the command ------------------------------------------------------------------------
+
+
+def run_audit(settings: Settings, version: int, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FRESHLINE_POSTGRES_URL": settings.postgres_url,
+           "FRESHLINE_REDIS_URL": settings.redis_url,
+           "FRESHLINE_SCHEMA_VERSION": str(version), "COLUMNS": "80"}
+    return subprocess.run([FRESHLINE, "audit", *args], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_command_prints_a_summary_at_80_columns(
+    settings: Settings, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    tmp_path: Path,
+) -> None:
+    refs = materialize(engine, store, tenant)
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# entries to audit\n" + "".join(f"{feature_key(version, r)}\n"
+                                                    for r in refs))
+    done = run_audit(settings, version, "--keys-file", str(keys), "--grace", "0s,1ms")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, done.stdout
+    assert lines[0].startswith(f"audit of schema version {version}: 60 keys from")
+    assert "checked     60 entries" in done.stdout
+    assert "no mismatch persisted past 1ms" in done.stdout
+    assert "entries/s" in done.stdout
+
+    sampled = run_audit(settings, version, "--version", str(version), "--sample", "5",
+                        "--feature-set", "geo", "--rate", "0")
+    assert sampled.returncode == 0, sampled.stdout + sampled.stderr
+    assert "checked     5 entries (geo 5)" in sampled.stdout
+
+
+def test_the_command_exits_1_on_a_persistent_mismatch_and_prints_json(
+    settings: Settings, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    tmp_path: Path,
+) -> None:
+    refs = materialize(engine, store, tenant)
+    target = next(r for r in refs if r.feature_set == "geo")
+    bad = corrupt(engine, store, target, "last_city", "Atlantis")
+    keys = tmp_path / "keys.txt"
+    keys.write_text("".join(f"{feature_key(version, r)}\n" for r in refs))
+
+    done = run_audit(settings, version, "--keys-file", str(keys), "--grace", "1ms")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert max(len(line) for line in done.stdout.splitlines()) <= 80, done.stdout
+    assert "1 mismatched after 1ms (persistent):" in done.stdout
+    assert feature_key(version, target) in done.stdout
+    city = next(line for line in done.stdout.splitlines() if line.strip().startswith("last_city"))
+    assert '"Atlantis"' in city
+    assert "watermark" in done.stdout and "Traceback" not in done.stderr
+
+    as_json = run_audit(settings, version, "--keys-file", str(keys), "--grace", "1ms", "--json")
+    assert as_json.returncode == 1, as_json.stderr
+    doc = json.loads(as_json.stdout)
+    assert doc["checked"] == 60 and doc["consistent"] is False
+    assert doc["graces"][0]["grace"] == "1ms" and doc["graces"][0]["inconsistent"] == 1
+    [m] = doc["mismatches"]
+    assert m["key"] == feature_key(version, target)
+    assert m["differing"]["last_city"]["served"] == "Atlantis"
+    assert int(m["served_watermark"], 16) == bad.watermark
+    assert int(m["recomputed_watermark"], 16) > bad.watermark
+
+    bad_grace = run_audit(settings, version, "--keys-file", str(keys), "--grace", "soon")
+    assert bad_grace.returncode == 2 and "Traceback" not in bad_grace.stderr
