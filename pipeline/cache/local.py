@@ -13,10 +13,11 @@ serving what Redis would not:
   message that does not decode flushes the whole tier: it may have been an
   invalidation.
 * **No gap in the subscription.** Until the subscription is confirmed, and from the
-  moment it drops (a connection error, or no answer to a heartbeat PING within
-  ``3 * heartbeat_s``), the tier is *dark*: flushed whole, refusing new entries and
-  answering every read with a miss. Each (re)subscription starts a new epoch, so an
-  entry read from Redis in an older epoch is never stored.
+  moment it may have missed a message (a connection error, or ``silence_s`` without
+  confirmed contact, which a half-open connection causes; see
+  :mod:`pipeline.cache.subscription`), the tier is *dark*: flushed whole, refusing new
+  entries and answering every read with a miss. Each (re)subscription starts a new
+  epoch, so an entry read from Redis in an older epoch is never stored.
 
 Storing is two-step, so an invalidation that arrives while a value is in flight from
 Redis is never overtaken: take :meth:`LocalTier.token` *before* the Redis read, then
@@ -35,11 +36,10 @@ from dataclasses import dataclass
 from types import TracebackType
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.store import TTL_JITTER
+from pipeline.cache.subscription import DEFAULT_SILENCE_S, Subscription
 from pipeline.core.clock import now_ms
 from pipeline.core.errors import FreshlineError
 from pipeline.core.features import REGISTRY, Registry
@@ -49,10 +49,6 @@ from pipeline.core.types import EntityRef, Entry
 log = logging.getLogger(__name__)
 
 RECENT_LIMIT = 65_536
-
-
-class SubscriptionLost(FreshlineError):
-    """The invalidation subscription stopped answering."""
 
 
 @dataclass(slots=True)
@@ -75,18 +71,21 @@ class LocalTier:
 
     >>> tier = LocalTier(redis_client, max_entries=10_000).start()
     >>> tier.wait_live(5)
+
+    ``silence_s`` bounds how long the tier serves without confirmed contact with Redis
+    (``FRESHLINE_SUBSCRIPTION_SILENCE_MS``); ``heartbeat_s``, how often it asks,
+    defaults to a quarter of it.
     """
 
     def __init__(self, client: redis.Redis, *, max_entries: int, max_ttl_ms: int | None = None,
                  registry: Registry = REGISTRY, channel: str = INVALIDATION_CHANNEL,
-                 heartbeat_s: float = 1.0) -> None:
+                 silence_s: float = DEFAULT_SILENCE_S, heartbeat_s: float | None = None) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be at least 1, got {max_entries}")
         self.max_entries = max_entries
         self.max_ttl_ms = max_ttl_ms
         self.registry = registry
         self.channel = channel
-        self.heartbeat_s = heartbeat_s
         self.name = f"freshline-local-{uuid.uuid4().hex[:12]}"
         self.stats = LocalStats()
         # One entry per entity and feature set, whatever its schema version: an
@@ -98,42 +97,33 @@ class LocalTier:
         self._live = False
         self._lock = threading.Lock()
         self._live_changed = threading.Condition(self._lock)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._subscriber = self._subscriber_client(client)
+        self._subscription = Subscription(
+            client, [channel], on_message=self._handle, on_live=self._go_live,
+            on_dark=self._go_dark, silence_s=silence_s, heartbeat_s=heartbeat_s, name=self.name)
 
-    def _subscriber_client(self, client: redis.Redis) -> redis.Redis:
-        """A client of its own for the subscription, which never retries silently.
+    @property
+    def silence_s(self) -> float:
+        return self._subscription.silence_s
 
-        redis-py reconnects a pub/sub connection and re-subscribes by itself; messages
-        published in between would be lost without a trace. With no retries the error
-        reaches :meth:`_run`, which goes dark first. The client name lets an operator
-        (or a test) find the connection in ``CLIENT LIST``.
-        """
-        pool = client.connection_pool
-        kwargs = dict(pool.connection_kwargs)
-        kwargs.update(retry=Retry(NoBackoff(), 0), client_name=self.name, socket_keepalive=True)
-        return redis.Redis(connection_pool=redis.ConnectionPool(
-            connection_class=pool.connection_class, **kwargs))
+    @property
+    def heartbeat_s(self) -> float:
+        return self._subscription.heartbeat_s
+
+    @property
+    def heartbeats(self) -> int:
+        """Heartbeats answered so far."""
+        return self._subscription.heartbeats
 
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> LocalTier:
         """Start the subscription thread; the tier serves once it is confirmed."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            self._thread.start()
+        self._subscription.start()
         return self
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the subscription thread and flush."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        self._go_dark()
-        self._subscriber.close()
-        self._subscriber.connection_pool.disconnect()
+        self._subscription.close(timeout)
 
     def __enter__(self) -> LocalTier:
         return self.start()
@@ -144,13 +134,13 @@ class LocalTier:
 
     @property
     def live(self) -> bool:
-        """True while the invalidation subscription is confirmed."""
-        return self._live
+        """True while the invalidation subscription is confirmed (see ``silence_s``)."""
+        return self._live and self._subscription.live
 
     def wait_live(self, timeout: float) -> bool:
         """Block until the subscription is confirmed, or ``timeout`` seconds pass."""
         with self._live_changed:
-            return self._live_changed.wait_for(lambda: self._live, timeout)
+            return self._live_changed.wait_for(lambda: self.live, timeout)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -164,7 +154,7 @@ class LocalTier:
     def get(self, ref: EntityRef, schema_version: int) -> Entry | None:
         """The entry if held, live, unexpired and of ``schema_version``; else ``None``."""
         with self._lock:
-            item = self._entries.get(ref)
+            item = self._entries.get(ref) if self.live else None
             if item is None:
                 self.stats.misses += 1
                 return None
@@ -185,7 +175,7 @@ class LocalTier:
         """Hold ``entry`` unless it may be stale: see the module docstring."""
         lifetime_ms = self._lifetime_ms(ref, entry)
         with self._lock:
-            if (not self._live or token < self._floor or self._recent.get(ref, -1) > token
+            if (not self.live or token < self._floor or self._recent.get(ref, -1) > token
                     or lifetime_ms <= 0):
                 self.stats.refused += 1
                 return False
@@ -245,61 +235,12 @@ class LocalTier:
             self.stats.subscriptions += 1
             self._live_changed.notify_all()
 
-    def _run(self) -> None:
-        backoff = 0.05
-        while not self._stop.is_set():
-            try:
-                self._listen()
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
-                    SubscriptionLost) as exc:
-                log.warning("invalidation subscription lost (%s); local tier flushed", exc)
-            except Exception:
-                log.exception("invalidation subscription failed; local tier flushed")
-            was_live = self._live
-            self._go_dark()
-            backoff = 0.05 if was_live else min(backoff * 2, 2.0)
-            self._stop.wait(backoff)
-
-    def _listen(self) -> None:
-        """One subscription, until it fails or the tier closes."""
-        pubsub = self._subscriber.pubsub()  # type: ignore[no-untyped-call]
+    def _handle(self, channel: str, data: bytes | str) -> None:
         try:
-            pubsub.subscribe(self.channel)
-            last_seen = time.monotonic()
-            next_ping = last_seen + self.heartbeat_s
-            while not self._stop.is_set():
-                message = pubsub.get_message(timeout=min(0.25, self.heartbeat_s / 2))
-                now = time.monotonic()
-                if message is not None:
-                    last_seen = now
-                    self._handle(message)
-                if now >= next_ping:
-                    pubsub.ping()
-                    next_ping = now + self.heartbeat_s
-                if now - last_seen > 3 * self.heartbeat_s:
-                    raise SubscriptionLost(f"no answer for {now - last_seen:.1f}s")
-        finally:
-            try:
-                pubsub.close()
-            except (redis.exceptions.RedisError, OSError):
-                log.debug("closing a broken subscription", exc_info=True)
-
-    def _handle(self, message: dict[str, object]) -> None:
-        kind = message.get("type")
-        kind = kind.decode() if isinstance(kind, bytes) else kind
-        if kind == "subscribe":
-            self._go_live()
-        elif kind == "message":
-            data = message.get("data")
-            try:
-                if not isinstance(data, (bytes, str)):
-                    raise FreshlineError(f"not an invalidation message: {data!r}")
-                msg = Invalidation.decode(data)
-            except FreshlineError as exc:
-                self.stats.bad_messages += 1
-                log.warning("%s; flushing the local tier", exc)
-                self.flush()
-                return
-            self.invalidate(msg.feature_set, msg.tenant, msg.entity)
-        elif kind == "unsubscribe":
-            raise SubscriptionLost("unsubscribed")
+            msg = Invalidation.decode(data)
+        except FreshlineError as exc:
+            self.stats.bad_messages += 1
+            log.warning("%s; flushing the local tier", exc)
+            self.flush()
+            return
+        self.invalidate(msg.feature_set, msg.tenant, msg.entity)

@@ -53,6 +53,7 @@ class Settings(BaseSettings):
     api_batch_limit: int = Field(default=500, ge=1)
     api_body_limit_bytes: int = Field(default=1_000_000, ge=1024)
     local_cache_size: int = Field(default=0, ge=0)
+    subscription_silence_ms: int = Field(default=1000, ge=50, le=60_000)
 
     inference_decimals: int = Field(default=4, ge=0, le=12)
     inference_ttl_s: int = Field(default=3600, ge=1)
