@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 import redis
 
+from pipeline.cache.subscription import Subscription
 from pipeline.core.errors import DeployError
 from pipeline.core.features import REGISTRY, Registry
 from pipeline.core.keys import ACTIVE_SCHEMA_KEY, META_PREFIX, NEXT_SCHEMA_KEY
@@ -120,9 +122,12 @@ class VersionResolver:
 
     ``current()`` does a GET at most every ``max_age_s``; ``listen()`` also drops the
     cache as soon as a deploy command publishes, so readers follow a flip at once.
-    A reader's whole call uses the one version it resolved, so no response mixes
-    versions. A pointer naming a version missing from the lock raises
-    :class:`DeployError` rather than serve entries nobody can decode.
+    A listening resolver keeps a version only while its subscription is confirmed
+    (:mod:`pipeline.cache.subscription`: within ``FRESHLINE_SUBSCRIPTION_SILENCE_MS``
+    of the last contact, on the same connection it was read under); otherwise every
+    call reads the pointer. A reader's whole call uses the one version it resolved, so
+    no response mixes versions. A pointer naming a version missing from the lock
+    raises :class:`DeployError` rather than serve entries nobody can decode.
     """
 
     def __init__(self, client: redis.Redis, settings: Settings, *,
@@ -133,10 +138,12 @@ class VersionResolver:
         self.pointer = pointer
         self.lock = lock or Lock.load()
         self.max_age_s = max_age_s
-        self._cached: tuple[float, int] | None = None
+        # (read at, version, the subscription epoch it was read under, if confirmed)
+        self._cached: tuple[float, int, int | None] | None = None
+        self._refreshes = 0
         self._decoders: dict[int, Registry] = {}
         self._warned: set[int] = set()
-        self._listener: Any = None
+        self._subscription: Subscription | None = None
 
     def current(self, registry: Registry | None = None) -> int:
         """The active version; with ``registry``, only if that code can compute it.
@@ -144,13 +151,9 @@ class VersionResolver:
         A read-through passes its registry: where the active version's definitions
         differ from its code it stays on ``settings.schema_version`` (and logs once).
         """
-        cached = self._cached
-        now = time.monotonic()
-        if cached is None or now - cached[0] >= self.max_age_s:
-            version = state(self.redis, self.settings, pointer=self.pointer,
-                            lock=self.lock).active
-            self._cached = cached = (now, version)
-        version = cached[1]
+        version = self._kept()
+        if version is None:
+            version = self._read()
         if registry is not None and not self.lock.compatible(version, registry):
             if version not in self._warned:
                 self._warned.add(version)
@@ -159,8 +162,34 @@ class VersionResolver:
             return self.settings.schema_version
         return version
 
+    def _kept(self) -> int | None:
+        """The cached version, if it may still be relied on."""
+        cached = self._cached
+        if cached is None or time.monotonic() - cached[0] >= self.max_age_s:
+            return None
+        sub = self._subscription
+        if sub is not None and not (sub.live and sub.epoch == cached[2]):
+            return None
+        return cached[1]
+
+    def _read(self) -> int:
+        """Read the pointer; cache it unless a deploy message came in meanwhile.
+
+        The subscription's state is taken *before* the GET: a flip published after
+        the GET reaches a subscription that was confirmed before it.
+        """
+        sub = self._subscription
+        epoch = sub.epoch if sub is not None and sub.live else None
+        refreshes = self._refreshes
+        now = time.monotonic()
+        version = state(self.redis, self.settings, pointer=self.pointer, lock=self.lock).active
+        if self._refreshes == refreshes:
+            self._cached = (now, version, epoch)
+        return version
+
     def refresh(self) -> None:
         """Drop the cached version; the next call reads the pointer."""
+        self._refreshes += 1
         self._cached = None
 
     def decoders(self, version: int) -> Registry:
@@ -169,16 +198,31 @@ class VersionResolver:
             self._decoders[version] = self.lock.decoders(version)
         return self._decoders[version]
 
+    @property
+    def silence_s(self) -> float:
+        """How long a listening resolver relies on its subscription without contact."""
+        return self.settings.subscription_silence_ms / 1000
+
+    @property
+    def listening(self) -> bool:
+        """True while the deploy subscription is confirmed."""
+        return self._subscription is not None and self._subscription.live
+
     def listen(self) -> None:
-        """Follow deploy messages on the pointer's channel in a daemon thread."""
-        if self._listener is None:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
-            pubsub.subscribe(**{self.pointer.channel: lambda _msg: self.refresh()})
-            self._listener = pubsub.run_in_thread(sleep_time=0.5, daemon=True)
+        """Follow deploy messages on the pointer's channel in a thread of their own.
+
+        The thread reconnects by itself after Redis restarts or the connection goes
+        silent, logging one line; meanwhile every call reads the pointer.
+        """
+        if self._subscription is None:
+            self._subscription = Subscription(
+                self.redis, [self.pointer.channel],
+                on_message=lambda _channel, _data: self.refresh(),
+                silence_s=self.silence_s, name=f"freshline-deploy-{uuid.uuid4().hex[:12]}",
+            ).start()
 
     def close(self) -> None:
-        if self._listener is not None:
-            self._listener.stop()
-            self._listener.join(timeout=2)
-            self._listener = None
+        if self._subscription is not None:
+            self._subscription.close()
+            self._subscription = None
 

@@ -29,8 +29,12 @@ from redis.retry import Retry
 
 from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.local import LocalTier
+from pipeline.cache.versions import Pointer, VersionResolver
+from pipeline.core.features import REGISTRY
+from pipeline.core.lock import Lock, LockedSet
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef, Entry
+from pipeline.deploy.pointer import flip
 from tests.conftest import wait_until
 
 PrivateRedis = tuple[str, Callable[[], None], Callable[[], None]]
@@ -152,6 +156,21 @@ def address(client: redis.Redis) -> tuple[str, int, int]:
     return str(kwargs["host"]), int(kwargs["port"]), int(kwargs.get("db", 0))
 
 
+def readers(admin: redis.Redis, hole: Forwarder) -> set[int]:
+    """The forwarder's connections that Redis sees subscribed to nothing: the reads'."""
+    ports = hole.ports()
+    found = {int(c["addr"].rpartition(":")[2]) for c in admin.client_list()
+             if int(c.get("sub", 0)) == 0 and int(c.get("psub", 0)) == 0}
+    return found & ports
+
+
+def subscribers(client: redis.Redis, channel: str) -> int:
+    try:
+        return int(client.pubsub_numsub(channel)[0][1])
+    except redis.exceptions.ConnectionError:
+        return 0
+
+
 @pytest.fixture
 def thread_errors() -> Iterator[list[threading.ExceptHookArgs]]:
     """Exceptions that ended a thread during the test (the traceback redis-py prints)."""
@@ -232,6 +251,64 @@ def test_a_quiet_healthy_subscription_stays_live(redis_client: redis.Redis,
         assert tier.stats.drops == 0 and tier.stats.subscriptions == 1
 
 
+@pytest.fixture
+def deploy(settings: Settings, redis_client: redis.Redis) -> Iterator[tuple[Settings, Lock,
+                                                                            Pointer, int, int]]:
+    """A private pointer at version ``a`` of an in-memory lock that also knows ``b``."""
+    a = 1000 + uuid.uuid4().int % 4000
+    b = a + 1
+    locked = {fs.name: LockedSet.of(fs) for fs in REGISTRY}
+    lock = Lock({a: locked, b: locked})
+    pointer = Pointer.scoped(uuid.uuid4().hex)
+    yield settings.model_copy(update={"schema_version": a}), lock, pointer, a, b
+    redis_client.delete(pointer.active_key, pointer.next_key)
+
+
+def observe_refreshes(resolver: VersionResolver) -> threading.Event:
+    """An event set each time a deploy message drops the resolver's cached version."""
+    got = threading.Event()
+    original = resolver.refresh
+
+    def refresh() -> None:
+        original()
+        got.set()
+
+    resolver.refresh = refresh  # type: ignore[method-assign]
+    return got
+
+
+def test_a_resolver_with_a_silent_listener_rereads_the_pointer(
+        redis_client: redis.Redis,
+        deploy: tuple[Settings, Lock, Pointer, int, int]) -> None:
+    settings, lock, pointer, a, b = deploy
+    settings = settings.model_copy(update={"subscription_silence_ms": 300})
+    flip(redis_client, settings, a, lock, pointer=pointer)
+    host, port, db = address(redis_client)
+    with Forwarder(host, port) as hole:
+        client = redis.Redis(host="127.0.0.1", port=hole.port, db=db)
+        # Cached for an hour: only the deploy messages keep it current.
+        resolver = VersionResolver(client, settings, pointer=pointer, lock=lock,
+                                   max_age_s=3600)
+        assert resolver.current() == a
+        got = observe_refreshes(resolver)
+        resolver.listen()
+        try:
+            assert wait_until(lambda: subscribers(redis_client, pointer.channel) >= 1)
+            redis_client.publish(pointer.channel, "probe")
+            assert got.wait(5)  # the listener hears the channel
+            assert resolver.current() == a
+
+            spare = readers(redis_client, hole)
+            assert spare
+            hole.cut(spare=spare)  # the listener's connection goes silent, reads still work
+            flip(redis_client, settings, b, lock, pointer=pointer)  # its message is lost
+            assert wait_until(lambda: resolver.current() == b, timeout=0.3 * SLACK)
+            assert not resolver.listening
+        finally:
+            resolver.close()
+            client.close()
+
+
 # -- a Redis restart -----------------------------------------------------------------------
 
 def no_retries(url: str) -> redis.Redis:
@@ -245,10 +322,52 @@ def no_retries(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0))
 
 
+def deploy_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate()
+            if t.name.startswith("freshline-deploy-") and t.is_alive()}
+
+
 def warnings_and_tracebacks(caplog: pytest.LogCaptureFixture) -> tuple[list[str], int]:
     records = [r for r in caplog.records if r.name.startswith("pipeline.")]
     return ([r.getMessage() for r in records if r.levelno >= logging.WARNING],
             sum(1 for r in records if r.exc_info))
+
+
+def test_the_deploy_listener_survives_a_redis_restart(
+        private_redis: PrivateRedis, deploy: tuple[Settings, Lock, Pointer, int, int],
+        thread_errors: list[threading.ExceptHookArgs], caplog: pytest.LogCaptureFixture,
+) -> None:
+    url, stop, start = private_redis
+    settings, lock, pointer, a, b = deploy
+    admin = redis.Redis.from_url(url)
+    client = no_retries(url)
+    flip(admin, settings, a, lock, pointer=pointer)
+    resolver = VersionResolver(client, settings, pointer=pointer, lock=lock, max_age_s=3600)
+    got = observe_refreshes(resolver)
+    before = deploy_threads()
+    resolver.listen()
+    try:
+        assert wait_until(lambda: subscribers(admin, pointer.channel) >= 1)
+        caplog.set_level(logging.INFO, logger="pipeline")
+        stop()
+        start()  # empty: no persistence
+        flip(admin, settings, a, lock, pointer=pointer)
+        assert wait_until(lambda: subscribers(admin, pointer.channel) >= 1, timeout=10)
+        assert wait_until(lambda: resolver.listening)
+        assert len(deploy_threads() - before) == 1  # the same listener thread, still alive
+        assert resolver.current() == a
+        got.clear()
+        flip(admin, settings, b, lock, pointer=pointer)
+        assert got.wait(5)  # the message published after the restart arrived
+        assert resolver.current() == b
+    finally:
+        resolver.close()
+        client.close()
+        admin.close()
+    assert thread_errors == []
+    warned, tracebacks = warnings_and_tracebacks(caplog)
+    assert len(warned) == 1 and "lost" in warned[0], warned
+    assert tracebacks == 0
 
 
 def test_the_local_tier_survives_a_redis_restart(
