@@ -5,11 +5,14 @@ The order of side effects, per batch, all reads on one REPEATABLE READ snapshot:
 0. take the snapshot and check that every CDC event's transaction is visible in it;
    if one is not yet (:class:`~pipeline.cache.recompute.NotYetVisible`), write
    nothing: the caller retries the batch;
-1. route every event to the entries it affects (reverse lookups run once per batch);
-2. for each feature set, recompute all its affected entities in one query and write
+1. for a TRUNCATE, raise the floor of every feature set the table feeds to the
+   snapshot's watermark (every entry computed before it reads as absent), and tell
+   in-process tiers to drop that set (an invalidation naming entity ``*``);
+2. route every other event to the entries it affects (reverse lookups once per batch);
+3. for each feature set, recompute all its affected entities in one query and write
    them with the conditional write (``recompute`` mode), or tombstone them
    (``invalidate`` mode), in every schema version being written (two during a deploy);
-3. publish one invalidation message per entry to the Redis channel, and hand the same
+4. publish one invalidation message per entry to the Redis channel, and hand the same
    messages to the Kafka producer.
 
 The caller (:class:`consumers.worker.Worker`) then flushes the producer and only then
@@ -27,7 +30,7 @@ import redis
 from sqlalchemy.engine import Engine
 
 from consumers.routing import Router
-from pipeline.cache.invalidation import Invalidation
+from pipeline.cache.invalidation import ALL, Invalidation
 from pipeline.cache.recompute import compute, take_snapshot
 from pipeline.cache.store import FeatureStore, WriteResult
 from pipeline.core.features import REGISTRY, Registry
@@ -69,7 +72,13 @@ class Processor:
         txids = [e.txid for e in events if e.txid is not None]
         with self.engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
             snapshot = take_snapshot(conn, txids).require_visible()
-            targets = self.router.route(conn, events)
+            for table in dict.fromkeys(e.table for e in events if e.op == "t"):
+                for fs, _ in self.registry.affected_by(table):
+                    for version in versions:
+                        self.store.truncate(fs.name, snapshot.watermark, schema_version=version)
+                        report.invalidations.append(Invalidation(
+                            ALL, fs.name, ALL, snapshot.watermark, version))
+            targets = self.router.route(conn, [e for e in events if e.op != "t"])
             for name, pairs in targets.items():
                 fs = self.registry[name]
                 refs = sorted(pairs)

@@ -30,6 +30,7 @@ from sqlalchemy.engine import Connection, Engine, ExecutionContext
 from sqlalchemy.sql.elements import TextClause
 
 from pipeline.api.reader import Answer
+from pipeline.cache.recompute import feature_statement
 from pipeline.core.features import Registry
 from pipeline.inference.predictions import Array, Model
 
@@ -159,10 +160,9 @@ def time_feature_queries(engine: Engine, registry: Registry) -> Callable[[], Non
     """Observe :data:`COMPUTE_SECONDS` for every feature-set query run on ``engine``.
 
     Returns the function that stops it. The queries are recognised by their text, so
-    the read-through code needs no hook; the watermark read that precedes each query
-    is not counted.
+    the read-through code needs no hook.
     """
-    names = {registry[n].statement.text: n for n in registry.names()}
+    names = {feature_statement(registry[n]).text: n for n in registry.names()}
     key = "freshline_compute_started"
 
     def before(conn: Connection, cursor: Any, statement: str, parameters: Any,

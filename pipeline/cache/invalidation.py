@@ -11,7 +11,9 @@ The watermark is the same 30-digit hex string that heads the entry (see
 :mod:`pipeline.core.codec`): it is wider than 64 bits, and hex strings of equal width
 compare in the same order as the numbers.
 
-Readers holding a copy of that entry (the in-process tier) drop it on receipt.
+Readers holding a copy of that entry (the in-process tier) drop it on receipt. After a
+TRUNCATE of a source table, one message per feature set it feeds names tenant and
+entity :data:`ALL`: readers drop every entry of that feature set.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import orjson
 
 from pipeline.core.codec import watermark_hex
 from pipeline.core.errors import FreshlineError
+
+ALL = "*"
+"""Tenant and entity of an invalidation that covers every entity of a feature set."""
 
 
 @dataclass(frozen=True, slots=True)

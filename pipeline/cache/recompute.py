@@ -206,7 +206,7 @@ def compute(
         return batch
 
 
-def _statement(fs: FeatureSet) -> sa.TextClause:
+def feature_statement(fs: FeatureSet) -> sa.TextClause:
     """The feature query joined to the snapshot select: one statement, one snapshot."""
     return sa.text(f"SELECT w.snapshot, w.us, w.invisible, f.* FROM ({_SNAPSHOT_SELECT}) AS w "
                    f"LEFT JOIN ({fs.statement.text}) AS f ON true")
@@ -214,7 +214,7 @@ def _statement(fs: FeatureSet) -> sa.TextClause:
 
 def _compute(conn: Connection, fs: FeatureSet, tenants: list[str], ids: list[int],
              as_of: dt.datetime | None, txids: Iterable[int]) -> Batch:
-    rows = conn.execute(_statement(fs), {"tenants": tenants, "ids": ids, "as_of": as_of,
+    rows = conn.execute(feature_statement(fs), {"tenants": tenants, "ids": ids, "as_of": as_of,
                                          "txids": sorted(set(txids))}).all()
     first = rows[0]
     snap = _snapshot(first[0], first[1], first[2]).require_visible()

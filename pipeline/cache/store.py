@@ -9,6 +9,14 @@ code path that writes a feature key without one.
 Writes also carry the entity's read-through lease (same hash tag, so the script
 touches one slot): a source-driven write or an invalidation revokes any lease, and a
 read-through fill stores only while it still holds its own (Meta's memcache leases).
+
+A TRUNCATE of a source table voids every entry of the feature sets it affects: the
+consumer raises the feature set's *floor* (:func:`pipeline.core.keys.floor_key`) to the
+watermark of a snapshot that sees the truncate. Reads fetch the floors with the entries
+(one MGET) and treat an entry below its floor as absent; writes and leases below the
+floor are refused. Floors outlive every entry they void (twice the set's TTL).
+(The floor key is not in the entity's hash slot: on Redis Cluster the scripts would
+need it copied per slot.)
 """
 
 from __future__ import annotations
@@ -23,20 +31,23 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from pipeline.cache.recompute import Batch
-from pipeline.core.codec import decode_entry, encode_entry, encode_tombstone
+from pipeline.core.codec import decode_entry, encode_entry, encode_tombstone, watermark_hex
 from pipeline.core.features import REGISTRY, FeatureSet, Registry
-from pipeline.core.keys import feature_key, lease_key
-from pipeline.core.types import EntityRef, Entry, Watermark
+from pipeline.core.keys import feature_key, floor_key, lease_key
+from pipeline.core.types import EntityRef, Entry, Watermark, text
 
-# KEYS[1] entry, KEYS[2] lease; ARGV[1] encoded entry or tombstone, ARGV[2] TTL in ms,
-# ARGV[3] lease token ("" for a source-driven write, which revokes any lease).
-# Returns 1 written, 0 refused (older), 2 no-op (equal), -1 lease lost.
+# KEYS[1] entry, KEYS[2] lease, KEYS[3] floor; ARGV[1] encoded entry or tombstone,
+# ARGV[2] TTL in ms, ARGV[3] lease token ("" for a source-driven write, which revokes
+# any lease). Returns 1 written, 0 refused (older, or below the floor), 2 no-op
+# (equal), -1 lease lost.
 _WRITE_LUA: Final = """
 local token = ARGV[3]
 if token ~= '' and redis.call('GET', KEYS[2]) ~= token then
   return -1
 end
 redis.call('DEL', KEYS[2])
+local floor = redis.call('GET', KEYS[3])
+if floor and string.sub(ARGV[1], 2, 31) < floor then return 0 end
 local cur = redis.call('GET', KEYS[1])
 if cur then
   local cur_wm = string.sub(cur, 2, 31)
@@ -48,22 +59,35 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
-# KEYS[1] entry, KEYS[2] lease; ARGV[1] token, ARGV[2] lease ms, ARGV[3] "1" to grant a
-# lease even when an entry exists (an early refresh). Returns {1, entry} when an entry
-# exists (it may have landed since the reader's miss), {2} when the lease is granted,
-# {0} when another reader holds it. Checking and leasing in one step closes the gap
-# where a reader misses, another fills and releases, and the first leases again.
+# KEYS[1] entry, KEYS[2] lease, KEYS[3] floor; ARGV[1] token, ARGV[2] lease ms, ARGV[3]
+# "1" to grant a lease even when an entry exists (an early refresh). Returns {1, entry}
+# when a live entry exists (it may have landed since the reader's miss), {2} when the
+# lease is granted, {0} when another reader holds it. Checking and leasing in one step
+# closes the gap where a reader misses, another fills and releases, and the first
+# leases again. An entry below the floor counts as absent.
 _LEASE_LUA: Final = """
 if ARGV[3] ~= '1' then
   local cur = redis.call('GET', KEYS[1])
-  if cur and string.sub(cur, 1, 1) ~= 'T' then return {1, cur} end
+  local floor = redis.call('GET', KEYS[3])
+  if cur and string.sub(cur, 1, 1) ~= 'T'
+      and (not floor or string.sub(cur, 2, 31) >= floor) then
+    return {1, cur}
+  end
 end
 if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2} end
 return {0}
 """
 
-Call = tuple[tuple[str, str], tuple[str | bytes | int, ...]]
-"""One script call: its keys (entry, lease) and its arguments."""
+# KEYS[1] floor; ARGV[1] watermark hex, ARGV[2] TTL in ms. Only ever raises the floor.
+_FLOOR_LUA: Final = """
+local cur = redis.call('GET', KEYS[1])
+if not cur or cur < ARGV[1] then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+else redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 1
+"""
+
+Call = tuple[tuple[str, ...], tuple[str | bytes | int, ...]]
+"""One script call: its keys (entry, lease, floor) and its arguments."""
 
 WRITTEN, REFUSED, UNCHANGED, LEASE_LOST = 1, 0, 2, -1
 LEASE_BUSY, LEASE_GRANTED, LEASE_FOUND = 0, 2, 1
@@ -110,6 +134,7 @@ class FeatureStore:
         self.tombstone_ttl_ms = tombstone_ttl_s * 1000
         self._write = client.register_script(_WRITE_LUA)
         self._lease = client.register_script(_LEASE_LUA)
+        self._floor = client.register_script(_FLOOR_LUA)
 
     def key(self, ref: EntityRef, schema_version: int | None = None) -> str:
         self.registry[ref.feature_set]
@@ -120,9 +145,18 @@ class FeatureStore:
         if not refs:
             return []
         keys = [self.key(r) for r in refs]
-        # One key: GET, which redis-py sends with less work than a one-key MGET.
-        raws = [self.redis.get(keys[0])] if len(keys) == 1 else self.redis.mget(keys)
-        return [self._decode(r.feature_set, raw) for r, raw in zip(refs, raws, strict=True)]
+        sets = list(dict.fromkeys(r.feature_set for r in refs))
+        raws = self.redis.mget(keys + [floor_key(self.schema_version, s) for s in sets])
+        floors = dict(zip(sets, raws[len(keys):], strict=True))
+        return [self._live(self._decode(r.feature_set, raw), floors[r.feature_set])
+                for r, raw in zip(refs, raws[:len(keys)], strict=True)]
+
+    @staticmethod
+    def _live(entry: Entry | None, floor: bytes | str | None) -> Entry | None:
+        """``entry``, unless a truncate since it was computed voided it."""
+        if entry is None or floor is None:
+            return entry
+        return entry if watermark_hex(entry.watermark).decode() >= text(floor) else None
 
     def _decode(self, feature_set: str, raw: bytes | str | None) -> Entry | None:
         if raw is None:
@@ -141,7 +175,8 @@ class FeatureStore:
         """
         calls: list[Call] = []
         for ref, again in zip(refs, refresh, strict=True):
-            keys = (self.key(ref), lease_key(self.schema_version, ref))
+            keys = (self.key(ref), lease_key(self.schema_version, ref),
+                    floor_key(self.schema_version, ref.feature_set))
             calls.append((keys, (token, lease_ms, "1" if again else "")))
         out: list[tuple[int, Entry | None]] = []
         for ref, reply in zip(refs, self._run(self._lease, calls), strict=True):
@@ -176,17 +211,30 @@ class FeatureStore:
         version = schema_version or self.schema_version
         tomb = encode_tombstone(watermark)
         calls: list[Call] = [
-            ((self.key(ref, version), lease_key(version, ref)), (tomb, self.tombstone_ttl_ms, ""))
+            ((self.key(ref, version), lease_key(version, ref),
+              floor_key(version, ref.feature_set)), (tomb, self.tombstone_ttl_ms, ""))
             for ref in refs]
         return self._written(calls)
+
+    def truncate(self, feature_set: str, watermark: Watermark, *,
+                 schema_version: int | None = None) -> None:
+        """Void every entry of ``feature_set`` computed before ``watermark``.
+
+        ``watermark`` is that of a snapshot that sees the truncate of a source table.
+        The floor lives twice the set's TTL, longer than any entry it voids.
+        """
+        version = schema_version or self.schema_version
+        ttl_ms = 2 * self.registry[feature_set].ttl_s * 1000
+        self._run(self._floor, [((floor_key(version, feature_set),),
+                                 (watermark_hex(watermark), ttl_ms))])
 
     @staticmethod
     def _call(fs: FeatureSet, ref: EntityRef, values: dict[str, object], version: int,
               computed_at_ms: int, watermark: Watermark, token: str) -> Call:
         raw = encode_entry([values[f] for f in fs.field_names], version, computed_at_ms,
                            watermark)
-        return ((feature_key(version, ref), lease_key(version, ref)),
-                (raw, jittered_ttl_ms(fs.ttl_s), token))
+        return ((feature_key(version, ref), lease_key(version, ref),
+                 floor_key(version, fs.name)), (raw, jittered_ttl_ms(fs.ttl_s), token))
 
     def _written(self, calls: list[Call]) -> WriteResult:
         result = WriteResult()

@@ -22,6 +22,7 @@ FEATURE_PREFIX = "feat"
 LEASE_PREFIX = "lease"
 INFERENCE_PREFIX = "infer"
 HOT_PREFIX = "hot"
+FLOOR_PREFIX = "floor"
 META_PREFIX = "freshline"
 
 INVALIDATION_CHANNEL = "freshline:invalidations"
@@ -87,6 +88,15 @@ def lease_key(schema_version: int, ref: EntityRef) -> str:
     tenant = validate_id("tenant", ref.tenant)
     entity = validate_id("entity", ref.entity)
     return f"{LEASE_PREFIX}:{schema_version}:{ref.feature_set}:{entity_tag(tenant, entity)}"
+
+
+def floor_key(schema_version: int, feature_set: str) -> str:
+    """``floor:<version>:<feature_set>``: the watermark below which its entries are void.
+
+    Set when a source table is truncated: every entry of an affected feature set that
+    was computed before the truncate is then stale, whatever its entity.
+    """
+    return f"{FLOOR_PREFIX}:{schema_version}:{validate_name('feature set', feature_set)}"
 
 
 def feature_pattern(schema_version: int, feature_set: str | None = None) -> str:

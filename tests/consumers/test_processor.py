@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from consumers.processor import Processor
-from consumers.routing import Unroutable
+from consumers.routing import Router, Unroutable
 from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
@@ -221,10 +221,11 @@ def test_two_versions_are_written_during_a_deploy(
     assert len(stored(redis_client, version, tenant)) == 2
 
 
-def test_truncate_cannot_be_routed(engine: Engine, redis_client: redis.Redis,
-                                   version: int) -> None:
-    with pytest.raises(Unroutable):
-        make(engine, redis_client, version).apply([ChangeEvent("transactions", "t", None, {})])
+def test_the_router_leaves_truncates_to_the_processor(engine: Engine) -> None:
+    # A truncate has no entities to route to; the processor raises floors instead
+    # (tests/consumers/test_truncate.py).
+    with engine.connect() as conn, pytest.raises(Unroutable):
+        Router().route(conn, [ChangeEvent("transactions", "t", None, {})])
 
 
 def test_a_new_device_link_refreshes_every_user_of_that_device(
