@@ -54,7 +54,9 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
     The in-process tier is used when ``local`` is given, or made (and started at
     start-up) when ``settings.local_cache_size > 0``. With ``follow_deploys`` reads
     serve the active schema version named by the deploy pointer
-    (:class:`pipeline.deploy.pointer.VersionResolver`) and are sampled for warming.
+    (:class:`pipeline.cache.versions.VersionResolver`) and are sampled for warming.
+    Both subscriptions rely on Redis for ``settings.subscription_silence_ms`` at most
+    without confirmed contact, and reconnect by themselves.
 
     ``/status`` keeps a snapshot every ``status_interval_s`` (:mod:`pipeline.observe.status`);
     ``consumer_metrics`` are the consumers' ``/metrics`` URLs it reads freshness lag
@@ -67,7 +69,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
         settings.redis_url, socket_connect_timeout=2, socket_timeout=5)
     owned_local = local is None and settings.local_cache_size > 0
     if owned_local:
-        local = LocalTier(client, max_entries=settings.local_cache_size, registry=registry)
+        local = LocalTier(client, max_entries=settings.local_cache_size, registry=registry,
+                          silence_s=settings.subscription_silence_ms / 1000)
 
     store = FeatureStore(client, settings.schema_version, registry=registry,
                          tombstone_ttl_s=settings.tombstone_ttl_s)

@@ -26,7 +26,9 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from sqlalchemy.engine import Engine
 
+from pipeline.api.app import create_app
 from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.local import LocalTier
 from pipeline.cache.versions import Pointer, VersionResolver
@@ -36,6 +38,7 @@ from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef, Entry
 from pipeline.deploy.pointer import flip
 from tests.conftest import wait_until
+from tests.pipeline.test_api import running
 
 PrivateRedis = tuple[str, Callable[[], None], Callable[[], None]]
 
@@ -401,6 +404,31 @@ def test_the_local_tier_survives_a_redis_restart(
     warned, tracebacks = warnings_and_tracebacks(caplog)
     assert len(warned) == 1 and "lost" in warned[0], warned
     assert tracebacks == 0
+
+
+def test_the_api_keeps_both_subscriptions_through_a_redis_restart(
+        private_redis: PrivateRedis, settings: Settings, engine: Engine,
+        thread_errors: list[threading.ExceptHookArgs]) -> None:
+    url, stop, start = private_redis
+    client = no_retries(url)
+    app = create_app(settings.model_copy(update={
+        "redis_url": url, "local_cache_size": 10, "subscription_silence_ms": 400,
+    }), engine=engine, redis_client=client)
+    try:
+        with running(app):
+            local: LocalTier = app.state.services.reader.local
+            versions: VersionResolver = app.state.services.reader.readthrough.versions
+            assert local.silence_s == versions.silence_s == 0.4
+            assert local.wait_live(5)
+            assert wait_until(lambda: versions.listening)
+            stop()
+            assert wait_until(lambda: not local.live and not versions.listening)
+            start()
+            assert local.wait_live(10)
+            assert wait_until(lambda: versions.listening)
+    finally:
+        client.close()
+    assert thread_errors == []
 
 
 def test_the_setting_defaults_to_one_second_and_is_read_from_the_environment(
