@@ -35,7 +35,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 import orjson
 import redis
@@ -53,9 +53,13 @@ from pipeline.core.keys import (
     validate_id,
 )
 from pipeline.core.types import EntityRef, Watermark
-from pipeline.observe.audit_metrics import AuditMetrics
 from pipeline.observe.consistency import AuditReport, Mismatch, grace_label, same
 from pipeline.observe.staleness import scan_sample
+
+if TYPE_CHECKING:
+    # Only a type here: importing prometheus_client fixes its multiprocess mode, which
+    # `freshline serve` sets for its workers after the CLI's modules are imported.
+    from pipeline.observe.audit_metrics import AuditMetrics
 
 log = logging.getLogger(__name__)
 

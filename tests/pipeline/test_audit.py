@@ -374,3 +374,13 @@ def test_the_command_exits_1_on_a_persistent_mismatch_and_prints_json(
 
     bad_grace = run_audit(settings, version, "--keys-file", str(keys), "--grace", "soon")
     assert bad_grace.returncode == 2 and "Traceback" not in bad_grace.stderr
+
+
+def test_the_command_leaves_prometheus_client_unimported_until_it_runs() -> None:
+    """``freshline serve`` sets PROMETHEUS_MULTIPROC_DIR after the CLI's modules load;
+    prometheus_client fixes its mode when first imported, so none of them may import it."""
+    code = "import sys, pipeline.cli; print('prometheus_client' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
