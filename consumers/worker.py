@@ -46,6 +46,7 @@ from consumers.routing import Router
 from consumers.topics import subscription
 from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.recompute import NotYetVisible
+from pipeline.cache.store import check_eviction_policy
 from pipeline.cache.versions import WriteVersions
 from pipeline.core.db import make_engine
 from pipeline.core.errors import FreshlineError
@@ -59,6 +60,7 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     NotYetVisible,
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
+    redis.exceptions.OutOfMemoryError,  # a full Redis under noeviction: wait for room
     sa.exc.OperationalError,
     sa.exc.InterfaceError,
 )
@@ -106,6 +108,7 @@ class Worker:
         self.invalidations_topic = qualified(settings, INVALIDATIONS)
         self.engine = make_engine(settings)
         self.redis = redis.Redis.from_url(settings.redis_url)
+        check_eviction_policy(self.redis)
         self.processor = Processor(
             self.engine, self.redis,
             versions=versions or WriteVersions(self.redis, settings),

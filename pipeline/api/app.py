@@ -19,7 +19,7 @@ from pipeline.api.reader import FeatureReader
 from pipeline.cache.hot import HotReads
 from pipeline.cache.local import LocalTier
 from pipeline.cache.readthrough import ReadThrough
-from pipeline.cache.store import FeatureStore
+from pipeline.cache.store import FeatureStore, check_eviction_policy
 from pipeline.cache.versions import VersionResolver
 from pipeline.core.db import make_engine
 from pipeline.core.features import REGISTRY, Registry
@@ -101,6 +101,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        check_eviction_policy(client)  # read-through fills are writes too
         if owned_local and local is not None:
             local.start()
         if versions is not None:

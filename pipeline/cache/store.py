@@ -21,6 +21,7 @@ need it copied per slot.)
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from redis.exceptions import NoScriptError
 
 from pipeline.cache.recompute import Batch
 from pipeline.core.codec import decode_entry, encode_entry, encode_tombstone, watermark_hex
+from pipeline.core.errors import ConfigError
 from pipeline.core.features import REGISTRY, FeatureSet, Registry
 from pipeline.core.keys import feature_key, floor_key, lease_key
 from pipeline.core.types import EntityRef, Entry, Watermark, text
@@ -93,6 +95,8 @@ WRITTEN, REFUSED, UNCHANGED, LEASE_LOST = 1, 0, 2, -1
 LEASE_BUSY, LEASE_GRANTED, LEASE_FOUND = 0, 2, 1
 TTL_JITTER = 0.1
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class WriteResult:
@@ -116,6 +120,34 @@ class WriteResult:
         self.refused += other.refused
         self.unchanged += other.unchanged
         self.lease_lost += other.lease_lost
+
+
+SAFE_EVICTION_POLICIES: Final = frozenset({"noeviction"})
+
+
+def check_eviction_policy(client: redis.Redis) -> None:
+    """Refuse a Redis that may evict keys: every writer calls this at start-up.
+
+    Writes compare watermarks with the entry (or tombstone) in Redis; if a newer one is
+    evicted between a slower writer's snapshot and its write, the older value lands.
+    Under ``maxmemory-policy noeviction`` (or no ``maxmemory``) nothing is evicted: a
+    full Redis refuses writes instead, which the consumer retries. Where ``CONFIG`` is
+    not allowed (a managed Redis, an ACL user without it) the check is logged and
+    skipped: then ensuring the policy is the operator's part.
+    """
+    try:
+        config = client.config_get("maxmemory*")
+    except redis.exceptions.ResponseError as exc:
+        log.warning("could not read Redis's maxmemory-policy (%s); make sure it is "
+                    "noeviction, or entries may go stale", exc)
+        return
+    policy = text(config.get("maxmemory-policy"))
+    maxmemory = int(text(config.get("maxmemory")) or 0)
+    if maxmemory and policy not in SAFE_EVICTION_POLICIES:
+        raise ConfigError(
+            f"Redis may evict keys (maxmemory {maxmemory}, maxmemory-policy {policy}): an "
+            "evicted newer entry would let an older one land. Set maxmemory-policy "
+            "noeviction (redis.conf, or CONFIG SET maxmemory-policy noeviction)")
 
 
 def jittered_ttl_ms(ttl_s: int) -> int:

@@ -69,6 +69,7 @@ def warm(
     import redis
 
     from pipeline.cache.hot import HotReads
+    from pipeline.cache.store import check_eviction_policy
     from pipeline.cache.versions import WRITE_VERSIONS_MAX_AGE_S, state
     from pipeline.core.db import make_engine
     from pipeline.core.features import REGISTRY
@@ -82,6 +83,7 @@ def warm(
         raise typer.BadParameter("choose one of --top N or --all")
     settings = load_settings()
     client = redis.Redis.from_url(settings.redis_url)
+    check_eviction_policy(client)
     engine = make_engine(settings)
     lock = Lock.load(lock_path)
     names = feature_set or REGISTRY.names()
