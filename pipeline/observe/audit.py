@@ -8,8 +8,9 @@ recompute from Postgres. One check of a batch, in this order:
 2. recompute the entries that exist: one :func:`~pipeline.cache.recompute.compute` per
    feature set, so its snapshot is taken after the entries were read;
 3. compare field by field, exactly, as the codec stores values
-   (:func:`~pipeline.observe.consistency.same`). An absent key or a tombstone is
-   consistent: every entry must be correct *or absent*.
+   (:func:`~pipeline.observe.consistency.same`). An absent key, a tombstone or an
+   entry below its feature set's floor (voided by a truncate) is consistent: every
+   entry must be correct *or absent*, as readers see it.
 
 A change committed between steps 1 and 3 that a consumer has not yet applied makes a
 correct pipeline look wrong for a moment, so a mismatch is only a suspect. It is
@@ -42,13 +43,14 @@ import redis
 from sqlalchemy.engine import Engine
 
 from pipeline.cache.recompute import Batch, compute, entity_ids
-from pipeline.core.codec import HEADER, TOMBSTONE_TAG, decode_entry
+from pipeline.core.codec import ENTRY_TAG, HEADER, TOMBSTONE_TAG, decode_entry
 from pipeline.core.errors import ConfigError, CorruptEntry, InvalidId, SchemaVersionMismatch
 from pipeline.core.features import REGISTRY, Registry
 from pipeline.core.keys import (
     entity_tag,
     feature_key,
     feature_pattern,
+    floor_key,
     parse_feature_key,
     validate_id,
 )
@@ -307,7 +309,7 @@ class Auditor:
         """Read the entries, then recompute those present, then compare."""
         started = self.clock()
         keys = [feature_key(self.schema_version, ref) for ref in refs]
-        raws = self._read(keys)
+        raws = self._read(keys, [ref.feature_set for ref in refs])
         present: dict[str, list[EntityRef]] = defaultdict(list)
         for ref, raw in zip(refs, raws, strict=True):
             if _present(raw):
@@ -320,15 +322,22 @@ class Auditor:
         report.busy_s += self.clock() - started
         return outcomes
 
-    def _read(self, keys: list[str]) -> list[bytes | None]:
-        """Every key's raw value, in pipelined MGETs of ``MGET_CHUNK`` keys."""
+    def _read(self, keys: list[str], feature_sets: list[str]) -> list[bytes | None]:
+        """Every key's raw value, in pipelined MGETs of ``MGET_CHUNK`` keys.
+
+        The feature sets' floors come in the same round trip: an entry below its set's
+        floor (a truncate voided it) reads as absent, as it does to every reader.
+        """
+        sets = list(dict.fromkeys(feature_sets))
         pipe = self.redis.pipeline(transaction=False)
         for i in range(0, len(keys), MGET_CHUNK):
             pipe.mget(keys[i:i + MGET_CHUNK])
-        raws: list[bytes | None] = []
-        for reply in pipe.execute():
-            raws += [r.encode() if isinstance(r, str) else r for r in reply]
-        return raws
+        pipe.mget([floor_key(self.schema_version, name) for name in sets])
+        *replies, floor_reply = pipe.execute()
+        floors = {name: _bytes(f) for name, f in zip(sets, floor_reply, strict=True)}
+        raws = [_bytes(r) for reply in replies for r in reply]
+        return [None if _voided(raw, floors[name]) else raw
+                for raw, name in zip(raws, feature_sets, strict=True)]
 
     def _compare(self, ref: EntityRef, key: str, raw: bytes | None,
                  batch: Batch | None) -> Outcome:
@@ -349,6 +358,16 @@ class Auditor:
         if recomputed is not None and all(same(entry.values[f], recomputed[f]) for f in fields):
             return "match"
         return Mismatch(key, ref, entry.values, recomputed, entry.watermark, batch.watermark)
+
+
+def _bytes(raw: bytes | str | None) -> bytes | None:
+    return raw.encode() if isinstance(raw, str) else raw
+
+
+def _voided(raw: bytes | None, floor: bytes | None) -> bool:
+    """An entry computed before its feature set's floor (compared as the store does)."""
+    return (raw is not None and floor is not None and raw[:1] == ENTRY_TAG
+            and raw[1:HEADER] < floor)
 
 
 def _present(raw: bytes | None) -> bool:

@@ -258,6 +258,21 @@ def test_tombstones_and_absent_entries_are_consistent(
     assert report.suspects == 0 and report.consistent
 
 
+def test_entries_below_a_truncate_floor_read_as_absent(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    """A truncate voids a feature set's older entries for readers, and so for the audit."""
+    from pipeline.cache.recompute import current_watermark
+
+    refs = materialize(engine, store, tenant, users=range(1, 6))
+    wrong = next(r for r in refs if r.feature_set == "device_risk")
+    corrupt(engine, store, wrong, "device_count", 99)
+    assert not auditor(redis_client, engine, version).audit_refs(refs, graces=(0,)).consistent
+    store.truncate("device_risk", current_watermark(engine))
+    report = auditor(redis_client, engine, version).audit_refs(refs, graces=(0,))
+    assert report.absent == 5 and report.suspects == 0 and report.consistent
+
+
 def test_samples_one_feature_set_or_tenant_and_skips_foreign_keys(
     redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int,
     tenant_factory: Callable[..., SeedSummary],
