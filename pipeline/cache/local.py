@@ -37,7 +37,7 @@ from types import TracebackType
 
 import redis
 
-from pipeline.cache.invalidation import Invalidation
+from pipeline.cache.invalidation import ALL, Invalidation
 from pipeline.cache.store import TTL_JITTER
 from pipeline.cache.subscription import DEFAULT_SILENCE_S, Subscription
 from pipeline.core.clock import now_ms
@@ -241,6 +241,9 @@ class LocalTier:
         except FreshlineError as exc:
             self.stats.bad_messages += 1
             log.warning("%s; flushing the local tier", exc)
+            self.flush()
+            return
+        if msg.entity == ALL:  # a truncated source table: every entity of the set
             self.flush()
             return
         self.invalidate(msg.feature_set, msg.tenant, msg.entity)

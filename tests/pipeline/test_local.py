@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from pipeline.cache.client import FeatureClient
-from pipeline.cache.invalidation import Invalidation
+from pipeline.cache.invalidation import ALL, Invalidation
 from pipeline.cache.local import LocalTier
 from pipeline.cache.recompute import Batch
 from pipeline.cache.store import TTL_JITTER, FeatureStore
@@ -69,6 +69,15 @@ def test_an_invalidation_stops_serving_the_entry(tier: LocalTier, redis_client: 
     publish(redis_client, tenant, "1", version=7)  # any schema version drops it
     assert wait_until(lambda: tier.get(ref, 1) is None)
     assert tier.get(EntityRef("txn_90d", tenant, "1"), 1) is None
+
+
+def test_a_truncate_invalidation_drops_every_entity(tier: LocalTier, redis_client: redis.Redis,
+                                                   tenant: str) -> None:
+    refs = [EntityRef("device_risk", tenant, str(u)) for u in range(1, 4)]
+    for ref in refs:
+        assert tier.put(ref, entry(), tier.token())
+    publish(redis_client, ALL, ALL, feature_set="device_risk")
+    assert wait_until(lambda: all(tier.get(ref, 1) is None for ref in refs))
 
 
 def test_a_put_that_raced_an_invalidation_is_refused(tier: LocalTier, tenant: str) -> None:
