@@ -1,0 +1,319 @@
+"""Running one case (a scenario with a seed) on the private stack, and its environment.
+
+:class:`FaultEnv` is the session's: the private stack, migrated, its topics made, one
+tenant seeded per case (before the Debezium connector exists, so the seed is not
+streamed), the connector registered, and a Toxiproxy proxy in front of its Redis and
+of its Postgres.
+
+:func:`run_case` gives each case a consumer group of its own, positioned at the end
+of every topic it reads (so it sees only this case's records), starts the scenario's
+consumers, runs the workload and the scenario's faults, then quiesces and asks the
+oracle. Whatever happens, it leaves the stack whole for the next case: toxics removed,
+every service running, every consumer stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import re
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import redis
+import sqlalchemy as sa
+from confluent_kafka.admin import AdminClient
+from sqlalchemy.engine import Engine, make_url
+
+from consumers.kafka import Producer, admin_client
+from pipeline.core.db import make_engine
+from pipeline.core.settings import Settings
+from pipeline.core.topics import DLQ, qualified
+from pipeline.dev.chaos import CaseResult, Profile
+from pipeline.dev.seed import seed
+from tests.faults import oracle
+from tests.faults.processes import Fleet, Member
+from tests.faults.scenarios import Scenario
+from tests.faults.stack import PrivateStack, free_ports
+from tests.faults.toxiproxy import Proxy, Toxiproxy
+from tests.faults.workload import Workload
+
+log = logging.getLogger("freshline.faults")
+
+HORIZON = "4 hours"
+"""How long the seeded data stays clear of the feature windows' edges (see _clear_edges)."""
+QUIESCE_S = 180.0
+WORKLOAD_S = 600.0
+LOG_LINES = 25
+Case = tuple[str, int]
+
+
+@dataclass
+class FaultEnv:
+    stack: PrivateStack
+    settings: Settings
+    engine: Engine
+    redis: redis.Redis
+    admin: AdminClient
+    toxiproxy: Toxiproxy
+    proxies: dict[str, Proxy]
+    tenants: dict[Case, str] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, stack: PrivateStack, cases: Sequence[Case], profile: Profile) -> FaultEnv:
+        stack.up()
+        stack.freshline("db", "upgrade")
+        stack.freshline("topics", "ensure")
+        settings = stack.settings
+        engine = make_engine(settings, pool_size=4)
+        tenants: dict[Case, str] = {}
+        for i, (name, case_seed) in enumerate(cases, 1):
+            summary = seed(engine, users=profile.users, transactions=profile.transactions,
+                           seed=case_seed, tenant_prefix=f"c{i}s{case_seed}-")
+            tenants[(name, case_seed)] = summary.tenants[0]
+        _clear_edges(engine)
+        stack.freshline("cdc", "register", "--wait", "120")
+        toxi = Toxiproxy(stack.toxiproxy_url)
+        redis_port, pg_port = free_ports(2)
+        proxies = {
+            "redis": toxi.create("redis", listen=redis_port,
+                                 upstream=f"127.0.0.1:{stack.ports['redis']}"),
+            "postgres": toxi.create("postgres", listen=pg_port,
+                                    upstream=f"127.0.0.1:{stack.ports['pg']}"),
+        }
+        return cls(stack, settings, engine, redis.Redis.from_url(settings.redis_url),
+                   admin_client(settings), toxi, proxies, tenants)
+
+    def close(self) -> None:
+        self.redis.close()
+        self.engine.dispose()
+
+    def heal(self) -> list[str]:
+        """Undo whatever a case left broken; what had to be restarted."""
+        restarted = []
+        self.toxiproxy.reset()
+        for service in ("postgres", "redis", "kafka", "connect"):
+            pid = self.stack.pid(service)
+            if pid is None or not Path(f"/proc/{pid}").exists():
+                self.stack.start(service)
+                restarted.append(service)
+        return restarted
+
+
+def _clear_edges(engine: Engine) -> None:
+    """Keep the seeded rows off the edges of the feature windows for ``HORIZON``.
+
+    The features count rows newer than now - 90 days, now - 30 days and now - 24 hours;
+    a seeded row just inside an edge would drop out while a case runs, and a served
+    value computed before that moment would then differ from the recompute after it
+    without anything being wrong. Those rows move back past the edge (out of the window
+    they were about to leave anyway), before the connector exists, so no event is made.
+    """
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"""
+            UPDATE transactions
+               SET created_at = created_at - interval '{HORIZON}',
+                   updated_at = updated_at - interval '{HORIZON}'
+             WHERE (created_at > now() - interval '90 days'
+                    AND created_at <= now() - interval '90 days' + interval '{HORIZON}')
+                OR (created_at > now() - interval '30 days'
+                    AND created_at <= now() - interval '30 days' + interval '{HORIZON}')"""))
+        conn.execute(sa.text(f"""
+            UPDATE devices SET first_seen = first_seen - interval '{HORIZON}'
+             WHERE first_seen > now() - interval '24 hours'
+               AND first_seen <= now() - interval '24 hours' + interval '{HORIZON}'"""))
+
+
+@dataclass
+class Run:
+    """What a scenario gets: the case's stack, consumers, workload, and its random stream."""
+
+    env: FaultEnv
+    scenario: Scenario
+    seed: int
+    fleet: Fleet
+    workload: Workload
+    changes: int
+    history: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Faults draw from their own stream, so a scenario's choices never shift the
+        # workload's (and vice versa).
+        self.rng = random.Random(f"faults:{self.scenario.name}:{self.seed}")
+
+    @property
+    def stack(self) -> PrivateStack:
+        return self.env.stack
+
+    @property
+    def proxies(self) -> dict[str, Proxy]:
+        return self.env.proxies
+
+    def note(self, what: str) -> None:
+        line = f"@{self.workload.progress} {what}"
+        self.history.append(line)
+        log.info("%s/%s: %s", self.scenario.name, self.seed, line)
+
+    def at(self, lo: float, hi: float) -> int:
+        """A change count between ``lo`` and ``hi`` of the workload (fractions)."""
+        return self.rng.randint(int(lo * self.changes), int(hi * self.changes))
+
+    def span(self, lo: int, hi: int) -> int:
+        """A number of changes for a fault to last."""
+        return self.rng.randint(lo, hi)
+
+    def pick_member(self) -> Member:
+        live = sorted(self.fleet.alive(), key=lambda m: m.name)
+        if not live:
+            raise RuntimeError("no live consumer to pick")
+        return self.rng.choice(live)
+
+    def consumer_settings(self) -> Settings:
+        """The settings consumers start with: through the scenario's proxies, if any."""
+        s = self.env.settings
+        update: dict[str, str] = {}
+        if "redis" in self.scenario.via:
+            update["redis_url"] = f"redis://127.0.0.1:{self.proxies['redis'].port}/0"
+        if "postgres" in self.scenario.via:
+            url = make_url(s.postgres_url).set(port=self.proxies["postgres"].port)
+            update["postgres_url"] = url.render_as_string(hide_password=False)
+        return s.model_copy(update=update)
+
+    def group_members(self) -> int:
+        desc = self.env.admin.describe_consumer_groups([self.fleet.group])[self.fleet.group]
+        return len(desc.result(timeout=15).members)
+
+    def catch_mid_batch(self, member: Member, *, leave_stopped: bool = False,
+                        deadline_s: float = 30.0) -> bool:
+        """Freeze ``member`` (SIGSTOP) at a moment it holds an uncounted batch.
+
+        Samples: stop it, read its counters from the shared files, and if it is between
+        batches let it run until the workload commits one more change, then try again.
+        Returns whether it was caught mid-batch; it is left stopped either way when
+        ``leave_stopped`` (or when caught), else running.
+        """
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            member.sigstop()
+            _wait(member.stopped, f"{member.name} to stop", 10)
+            if member.mid_batch():
+                return True
+            member.sigcont()
+            with contextlib.suppress(TimeoutError):
+                self.workload.wait_for(self.workload.progress + 1, deadline_s=5)
+        if leave_stopped:
+            member.sigstop()
+            _wait(member.stopped, f"{member.name} to stop", 10)
+        return False
+
+
+def _wait(condition: Callable[[], bool], what: str, deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.005)  # polling interval, not synchronisation
+
+
+def _assigned(env: FaultEnv, group: str) -> int:
+    desc = env.admin.describe_consumer_groups([group])[group].result(timeout=15)
+    return sum(len(m.assignment.topic_partitions) for m in desc.members)
+
+
+def _interesting(text: str) -> str:
+    keep = [line for line in text.splitlines()
+            if re.search(r"ERROR|CRITICAL|Traceback|Error|exception|WARNING", line)]
+    return "\n".join(keep[-LOG_LINES:])
+
+
+def run_case(env: FaultEnv, scenario: Scenario, case_seed: int, profile: Profile,
+             directory: Path) -> CaseResult:
+    """Run ``scenario`` with ``case_seed``; the oracle's verdict as a :class:`CaseResult`."""
+    started = time.monotonic()
+    settings = env.settings
+    tenant = env.tenants[(scenario.name, case_seed)]
+    directory.mkdir(parents=True, exist_ok=True)
+    group = f"faults-{scenario.name}-{case_seed}-{uuid.uuid4().hex[:6]}"
+    partitions = oracle.subscribed_partitions(env.admin, settings)
+    start = oracle.end_offsets(settings, partitions)
+    oracle.position_group(settings, group, start)
+    dlq = qualified(settings, DLQ)
+    dlq_meta = env.admin.list_topics(dlq, timeout=15).topics[dlq]
+    dlq_start = oracle.end_offsets(settings, [(dlq, p) for p in dlq_meta.partitions])
+    fleet = Fleet(settings, env.stack.freshline_env(), directory, group=group)
+    verdict = oracle.Verdict()
+    history: list[str] = []
+    workload: Workload | None = None
+    try:
+        producer = Producer(settings)
+        workload = Workload(env.engine, producer, tenant, case_seed)
+        run = Run(env, scenario, case_seed, fleet, workload, profile.changes, history)
+        for _ in range(scenario.consumers):
+            fleet.spawn(run.consumer_settings())
+        oracle.wait(lambda: _assigned(env, group) == len(partitions),
+                    "the consumers to join and own every partition", 120)
+        run.note(f"{scenario.consumers} consumers own {len(partitions)} partitions")
+        thread = workload.start(profile.changes, profile.rate)
+        try:
+            scenario.inject(run)
+        except Exception as exc:
+            verdict.failures.append(f"scenario: {type(exc).__name__}: {exc}")
+            log.exception("scenario %s failed", scenario.name)
+        thread.join(timeout=WORKLOAD_S)
+        if thread.is_alive() or workload.error is not None:
+            workload.stop()
+            verdict.failures.append(f"workload did not finish: {workload.error!r}")
+        producer.close(timeout=60)
+        run.note(f"workload done: {workload.report.changes} changes, "
+                 f"{workload.report.events} events")
+        try:
+            oracle.quiesce(settings, fleet, start, dict(workload.cdc_expected), QUIESCE_S)
+            run.note("quiesced")
+        except oracle.NotQuiesced as exc:
+            verdict.failures.append(f"quiesce: {exc}")
+        for check, args in (
+            (oracle.check_values, (env.engine, env.redis, settings, workload.touched, tenant,
+                                   verdict)),
+            (oracle.check_accounting, (settings, fleet, start, workload.produced,
+                                       dict(workload.cdc_expected), dlq_start, verdict,
+                                       scenario.expect_dead_letter)),
+            (oracle.check_ttls, (env.redis, verdict)),
+            (oracle.check_processes, (fleet, verdict)),
+        ):
+            try:
+                check(*args)  # type: ignore[operator]
+            except Exception as exc:
+                verdict.failures.append(f"{check.__name__}: {type(exc).__name__}: {exc}")
+                log.exception("%s failed", check.__name__)
+    finally:
+        codes = fleet.shutdown()
+        for name, code in codes.items():
+            if code not in (0, None):
+                verdict.failures.append(f"(d) {name} exited {code} on SIGTERM")
+        restarted = env.heal()
+        if restarted:
+            history.append(f"after the case: restarted {', '.join(restarted)}")
+    logs = ""
+    if not verdict.passed:
+        parts = [f"--- {m.name} ({m.log.name}) ---\n{_interesting(m.log_tail(400))}"
+                 for m in fleet.members]
+        logs = "\n".join(p for p in parts if p.strip())
+    return CaseResult(
+        scenario=scenario.name, seed=case_seed, passed=verdict.passed,
+        duration_s=round(time.monotonic() - started, 1), failures=verdict.failures,
+        checked=verdict.checked, present=verdict.present,
+        mismatches=len(verdict.mismatches), mismatch_examples=verdict.mismatches[:5],
+        accounting=verdict.accounting, ttl_violations=len(verdict.ttl_violations),
+        dead_processes=verdict.dead, faults=history,
+        workload={} if workload is None else {
+            "tenant": tenant, "changes": workload.report.changes,
+            "by_kind": dict(workload.report.by_kind), "events": workload.report.events,
+            "touched": len(workload.touched), "db_retries": workload.report.db_retries,
+            "at": datetime.now(UTC).isoformat(timespec="seconds")},
+        logs=logs,
+    )

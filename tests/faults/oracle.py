@@ -1,0 +1,428 @@
+"""The oracle: what must hold once a scenario's faults are over and the consumers quiesce.
+
+(a) **Values.** For every entity the workload touched, and every entry of its tenant
+    present in Redis, the served entry (active schema version) equals a recompute from
+    Postgres now. Correct or absent: a missing entry or a tombstone passes.
+(b) **Accounting.** Per partition of every topic the group reads: the group committed
+    every record (committed offset = end offset); the domain-event partitions hold
+    exactly the records the workload produced, and the CDC topics at least as many
+    records as its SQL changed; the dead-letter topic holds only what the scenario
+    expects. Per topic, the consumers' counters (every member's, killed ones included)
+    count every record at least once: ``applied + dead_lettered + skipped >= produced``,
+    with ``applied`` covering the non-null records and ``skipped`` the tombstones.
+    Redeliveries (counted more than once) are reported, not failed: at-least-once is
+    the contract. A shortfall is a record committed without being counted: skipped
+    silently.
+(c) **TTLs.** Every feature and lease key of the instance has one (SCAN + PTTL).
+(d) **Processes.** Every consumer is alive unless the scenario killed it.
+
+Quiescence (:func:`quiesce`): the CDC topics hold the records the workload's SQL must
+yield, every partition's committed offset is its end offset, and no live member holds
+a batch it has not counted, all within a deadline.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from confluent_kafka import Consumer as KafkaConsumer
+from confluent_kafka import TopicPartition
+from confluent_kafka.admin import AdminClient
+from sqlalchemy.engine import Engine
+
+from consumers.kafka import admin_client
+from consumers.topics import subscription
+from pipeline.cache.recompute import compute
+from pipeline.cache.store import FeatureStore
+from pipeline.cache.versions import state
+from pipeline.core.features import REGISTRY
+from pipeline.core.settings import Settings
+from pipeline.core.topics import DLQ, DOMAIN_TOPICS, qualified
+from pipeline.core.types import EntityRef
+from tests.faults.processes import Counts, Fleet
+from tests.faults.workload import Produced, Ref
+
+Partition = tuple[str, int]
+DLQ_SOURCE = ("x-freshline-source-topic", "x-freshline-source-partition",
+              "x-freshline-source-offset")
+POLL_S = 0.1
+EXAMPLES = 5
+
+
+class NotQuiesced(Exception):
+    """The consumers did not settle before the deadline; the message says where."""
+
+
+# -- Kafka reading ----------------------------------------------------------------------
+
+
+def subscribed_partitions(admin: AdminClient, settings: Settings) -> list[Partition]:
+    """Every partition of the topics ``freshline consume`` reads by default."""
+    patterns = [re.compile(t[1:]) if t.startswith("^") else None for t in subscription(settings)]
+    names = [t for t in subscription(settings) if not t.startswith("^")]
+    topics = admin.list_topics(timeout=15).topics
+    out: list[Partition] = []
+    for name, meta in sorted(topics.items()):
+        if meta.error is not None:
+            continue
+        if name in names or any(p is not None and p.match(name) for p in patterns):
+            out += [(name, p) for p in sorted(meta.partitions)]
+    return out
+
+
+def _probe(settings: Settings, group: str = "freshline-faults-probe") -> KafkaConsumer:
+    return KafkaConsumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": group,
+                          "enable.auto.commit": False, "auto.offset.reset": "earliest",
+                          "enable.partition.eof": True})
+
+
+def end_offsets(settings: Settings, partitions: Iterable[Partition]) -> dict[Partition, int]:
+    probe = _probe(settings)
+    try:
+        return {(t, p): probe.get_watermark_offsets(TopicPartition(t, p), timeout=10)[1]
+                for t, p in partitions}
+    finally:
+        probe.close()
+
+
+def committed_offsets(settings: Settings, group: str,
+                      partitions: Iterable[Partition]) -> dict[Partition, int]:
+    """The group's committed offsets (-1 where it committed none)."""
+    probe = _probe(settings, group)
+    try:
+        got = probe.committed([TopicPartition(t, p) for t, p in partitions], timeout=15)
+        return {(tp.topic, tp.partition): tp.offset for tp in got}
+    finally:
+        probe.close()
+
+
+def position_group(settings: Settings, group: str, offsets: dict[Partition, int]) -> None:
+    """Commit ``offsets`` for a group with no members yet: where its members will start."""
+    probe = _probe(settings, group)
+    try:
+        probe.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
+                     asynchronous=False)
+    finally:
+        probe.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    topic: str
+    partition: int
+    offset: int
+    value: bytes | None
+    headers: dict[str, bytes]
+
+
+def read_range(settings: Settings, ranges: dict[Partition, tuple[int, int]],
+               deadline_s: float = 60.0) -> list[Record]:
+    """Every record in ``[start, end)`` of each partition."""
+    wanted = {tp: rng for tp, rng in ranges.items() if rng[1] > rng[0]}
+    if not wanted:
+        return []
+    probe = _probe(settings)
+    out: list[Record] = []
+    try:
+        probe.assign([TopicPartition(t, p, start) for (t, p), (start, _) in wanted.items()])
+        left = dict(wanted)
+        end = time.monotonic() + deadline_s
+        while left:
+            if time.monotonic() > end:
+                raise NotQuiesced(f"could not read back {sorted(left)} in {deadline_s:.0f}s")
+            for msg in probe.consume(500, timeout=0.5):
+                if msg.error() is not None:
+                    continue
+                key = (msg.topic(), msg.partition())
+                if key not in left or msg.offset() >= left[key][1]:
+                    continue
+                out.append(Record(msg.topic(), msg.partition(), msg.offset(), msg.value(),
+                                  {k: v for k, v in (msg.headers() or [])}))
+                if msg.offset() + 1 >= left[key][1]:
+                    del left[key]
+    finally:
+        probe.close()
+    return out
+
+
+# -- quiescence ------------------------------------------------------------------------
+
+
+def wait(condition: Callable[[], bool], what: str, deadline_s: float,
+         detail: Callable[[], str] = lambda: "") -> None:
+    """Poll ``condition`` until it holds; :class:`NotQuiesced` naming ``what`` at the deadline."""
+    end = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > end:
+            extra = detail()
+            raise NotQuiesced(f"{what}: not within {deadline_s:.0f}s"
+                              + (f" ({extra})" if extra else ""))
+        time.sleep(POLL_S)  # polling interval, not synchronisation
+
+
+def cdc_delivered(settings: Settings, start: dict[Partition, int],
+                  expected: dict[str, int]) -> tuple[bool, str]:
+    """Whether each CDC topic grew by at least what the workload's SQL must yield."""
+    ends = end_offsets(settings, [tp for tp in start if ".public." in tp[0]])
+    grown: dict[str, int] = defaultdict(int)
+    for (topic, p), end in ends.items():
+        grown[topic.rsplit(".", 1)[1]] += end - start[(topic, p)]
+    short = {t: f"{grown.get(t, 0)}/{n}" for t, n in expected.items() if grown.get(t, 0) < n}
+    return not short, ", ".join(f"{t} {v}" for t, v in sorted(short.items()))
+
+
+def lag(settings: Settings, group: str, partitions: list[Partition]) -> dict[Partition, int]:
+    ends = end_offsets(settings, partitions)
+    done = committed_offsets(settings, group, partitions)
+    return {tp: ends[tp] - max(done.get(tp, -1), 0) for tp in partitions
+            if ends[tp] - max(done.get(tp, -1), 0) > 0}
+
+
+def quiesce(settings: Settings, fleet: Fleet, start: dict[Partition, int],
+            cdc_expected: dict[str, int], deadline_s: float) -> None:
+    """Wait for CDC delivery, then for zero lag with every live member between batches."""
+    end = time.monotonic() + deadline_s
+    state_cdc: list[str] = [""]
+
+    def delivered() -> bool:
+        ok, state_cdc[0] = cdc_delivered(settings, start, cdc_expected)
+        return ok
+
+    wait(delivered, "Debezium to deliver every change the workload committed",
+         deadline_s, lambda: f"records/expected: {state_cdc[0]}")
+    partitions = list(start)
+    last: list[dict[Partition, int]] = [{}]
+
+    def settled() -> bool:
+        if not fleet.alive():
+            return False
+        last[0] = lag(settings, fleet.group, partitions)
+        return not last[0] and fleet.settled()
+
+    def where() -> str:
+        behind = ", ".join(f"{t}[{p}]: {n}" for (t, p), n in sorted(last[0].items()))
+        mid = [m.name for m in fleet.alive() if m.mid_batch()]
+        return (f"lag {behind or 'none'}; mid-batch: {', '.join(mid) or 'none'}; "
+                f"alive: {', '.join(m.name for m in fleet.alive()) or 'none'}")
+
+    wait(settled, "the consumer group to commit every record with no batch in hand",
+         max(1.0, end - time.monotonic()), where)
+
+
+# -- the checks ------------------------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    failures: list[str] = field(default_factory=list)
+    checked: int = 0
+    present: int = 0
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
+    accounting: dict[str, Any] = field(default_factory=dict)
+    ttl_violations: list[str] = field(default_factory=list)
+    dead: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+def tenant_keys(client: redis.Redis, version: int, tenant: str) -> set[Ref]:
+    """Every entity of ``tenant`` with an entry (or tombstone) in ``version``."""
+    found: set[Ref] = set()
+    for key in client.scan_iter(match=f"feat:{version}:*:{{{tenant}:*}}", count=1000):
+        text = key.decode() if isinstance(key, bytes) else key
+        _, _, tag = text.partition("{")
+        _, _, entity = tag.rstrip("}").partition(":")
+        found.add((tenant, entity))
+    return found
+
+
+def check_values(engine: Engine, client: redis.Redis, settings: Settings,
+                 touched: set[Ref], tenant: str, verdict: Verdict) -> None:
+    """(a): served equals recomputed, or is absent."""
+    version = state(client, settings).active
+    refs = sorted(touched | tenant_keys(client, version, tenant))
+    store = FeatureStore(client, version)
+    for fs in REGISTRY:
+        entries = store.read([EntityRef(fs.name, t, e) for t, e in refs])
+        truth = compute(engine, fs, refs).values
+        for (t, e), entry in zip(refs, entries, strict=True):
+            verdict.checked += 1
+            if entry is None:
+                continue
+            verdict.present += 1
+            want = truth.get((t, e))
+            if entry.values != want:
+                verdict.mismatches.append({
+                    "feature_set": fs.name, "tenant": t, "entity": e,
+                    "served": entry.values, "postgres": want,
+                    "computed_at_ms": entry.computed_at_ms})
+    if verdict.mismatches:
+        sets = sorted({m["feature_set"] for m in verdict.mismatches})
+        verdict.failures.append(
+            f"(a) {len(verdict.mismatches)} of {verdict.present} present entries differ from "
+            f"Postgres ({', '.join(sets)}); e.g. {verdict.mismatches[0]}")
+    if verdict.present == 0:
+        verdict.failures.append(f"(a) no entry present for {len(refs)} entities: the check "
+                                "would pass vacuously")
+
+
+def check_accounting(settings: Settings, fleet: Fleet, start: dict[Partition, int],
+                     produced: list[Produced], cdc_expected: dict[str, int],
+                     dlq_start: dict[Partition, int], verdict: Verdict,
+                     expect_dead_letter: Callable[[Record], bool] = lambda _r: False) -> None:
+    """(b): every record committed and counted; the dead-letter topic as expected."""
+    partitions = list(start)
+    ends = end_offsets(settings, partitions)
+    committed = committed_offsets(settings, fleet.group, partitions)
+    records = read_range(settings, {tp: (start[tp], ends[tp]) for tp in partitions})
+    dlq_ends = end_offsets(settings, dlq_start)
+    dead = read_range(settings, {tp: (dlq_start[tp], dlq_ends[tp]) for tp in dlq_start})
+    totals: Counts = fleet.totals()
+    domain = {qualified(settings, t) for t in DOMAIN_TOPICS}
+    failures = verdict.failures
+
+    # Per partition: produced, committed, and the workload's own records.
+    per_partition: dict[str, dict[str, int]] = {}
+    sent: dict[Partition, set[int]] = defaultdict(set)
+    for p in produced:
+        sent[(p.topic, p.partition)].add(p.offset)
+    for tp in partitions:
+        name = f"{tp[0]}[{tp[1]}]"
+        n = ends[tp] - start[tp]
+        done = committed.get(tp, -1)
+        per_partition[name] = {"produced": n, "committed_to": done, "end": ends[tp]}
+        if n and done < ends[tp]:
+            failures.append(f"(b) {name}: committed to {done} of {ends[tp]}: "
+                            f"{ends[tp] - max(done, start[tp])} records never committed")
+        if tp[0] in domain:
+            mine = sent.pop(tp, set())
+            have = {r.offset for r in records if (r.topic, r.partition) == tp}
+            if mine != have:
+                failures.append(f"(b) {name}: holds {len(have)} records, the workload "
+                                f"produced {len(mine)} there")
+    for tp, offsets in sent.items():
+        failures.append(f"(b) {tp[0]}[{tp[1]}]: {len(offsets)} produced records outside the "
+                        "group's partitions")
+
+    # The dead-letter topic: only what the scenario expects, each with its reason.
+    by_coord = {(r.topic, r.partition, r.offset): r for r in records}
+    lettered: set[tuple[str, int, int]] = set()
+    unexpected: list[str] = []
+    for d in dead:
+        try:
+            coord = (d.headers[DLQ_SOURCE[0]].decode(), int(d.headers[DLQ_SOURCE[1]]),
+                     int(d.headers[DLQ_SOURCE[2]]))
+        except (KeyError, ValueError):
+            unexpected.append(f"dead letter {d.partition}:{d.offset} without its source headers")
+            continue
+        lettered.add(coord)
+        source = by_coord.get(coord)
+        if source is None or not expect_dead_letter(source):
+            kind = d.headers.get("x-freshline-error-kind", b"?").decode(errors="replace")
+            why = d.headers.get("x-freshline-error", b"").decode(errors="replace")
+            unexpected.append(f"{coord[0]}[{coord[1]}]@{coord[2]}: {kind}: {why}")
+    missing = [f"{r.topic}[{r.partition}]@{r.offset}" for r in records
+               if expect_dead_letter(r) and (r.topic, r.partition, r.offset) not in lettered]
+    if unexpected:
+        failures.append(f"(b) {len(unexpected)} unexpected dead letters, e.g. "
+                        f"{'; '.join(unexpected[:EXAMPLES])}")
+    if missing:
+        failures.append(f"(b) {len(missing)} bad records not dead-lettered: "
+                        f"{', '.join(missing[:EXAMPLES])}")
+
+    # CDC: every change the workload committed reached its topic.
+    cdc_records: dict[str, int] = defaultdict(int)
+    for r in records:
+        if r.topic not in domain:
+            cdc_records[r.topic.rsplit(".", 1)[1]] += 1
+    for table, n in sorted(cdc_expected.items()):
+        if cdc_records.get(table, 0) < n:
+            failures.append(f"(b) CDC {table}: {cdc_records.get(table, 0)} records, the "
+                            f"workload's SQL must yield {n}")
+
+    # Per topic: the counters count every record at least once.
+    per_topic: dict[str, dict[str, int]] = {}
+    by_topic: dict[str, list[Record]] = defaultdict(list)
+    for r in records:
+        by_topic[r.topic].append(r)
+    for topic in sorted({t for t, _ in partitions}):
+        rs = by_topic.get(topic, [])
+        nulls = sum(1 for r in rs if r.value is None)
+        dl = sum(1 for r in rs if (r.topic, r.partition, r.offset) in lettered)
+        row = {
+            "produced": len(rs), "tombstones": nulls, "dead_lettered_distinct": dl,
+            "consumed": totals.total("consumed", topic),
+            "applied": totals.total("applied", topic),
+            "dead_lettered": totals.total("dead_lettered", topic),
+            "skipped": totals.total("skipped", topic),
+        }
+        row["counted"] = row["applied"] + row["dead_lettered"] + row["skipped"]
+        row["redelivered"] = max(0, row["counted"] - row["produced"])
+        per_topic[topic] = row
+        if row["counted"] < row["produced"]:
+            failures.append(f"(b) {topic}: {row['produced']} records, counted "
+                            f"{row['counted']} (applied {row['applied']} + dead-lettered "
+                            f"{row['dead_lettered']} + skipped {row['skipped']}): "
+                            f"{row['produced'] - row['counted']} skipped silently")
+        elif row["applied"] < len(rs) - nulls - dl:
+            failures.append(f"(b) {topic}: {len(rs) - nulls - dl} records to apply, applied "
+                            f"{row['applied']}")
+    verdict.accounting = {
+        "produced": sum(r["produced"] for r in per_topic.values()),
+        "counted": sum(r["counted"] for r in per_topic.values()),
+        "redelivered": sum(r["redelivered"] for r in per_topic.values()),
+        "dead_lettered": len(lettered),
+        "workload_events": len(produced),
+        "cdc_expected": dict(cdc_expected),
+        "per_topic": per_topic,
+        "per_partition": per_partition,
+    }
+
+
+def check_ttls(client: redis.Redis, verdict: Verdict) -> None:
+    """(c): no feature or lease key without a TTL."""
+    for pattern in ("feat:*", "lease:*"):
+        batch: list[bytes] = []
+        for key in client.scan_iter(match=pattern, count=1000):
+            batch.append(key)
+            if len(batch) == 500:
+                _ttl_batch(client, batch, verdict)
+                batch = []
+        _ttl_batch(client, batch, verdict)
+    if verdict.ttl_violations:
+        verdict.failures.append(f"(c) {len(verdict.ttl_violations)} keys without a TTL, e.g. "
+                                f"{', '.join(verdict.ttl_violations[:EXAMPLES])}")
+
+
+def _ttl_batch(client: redis.Redis, keys: list[bytes], verdict: Verdict) -> None:
+    if not keys:
+        return
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.pttl(key)
+    for key, ttl in zip(keys, pipe.execute(), strict=True):
+        if ttl == -1:  # -2: gone since the scan, which is fine
+            verdict.ttl_violations.append(key.decode(errors="replace"))
+
+
+def check_processes(fleet: Fleet, verdict: Verdict) -> None:
+    """(d): every member alive unless the scenario killed it."""
+    for m in fleet.unexpectedly_dead():
+        verdict.dead.append(f"{m.name} (pid {m.pid}) exited {m.proc.returncode}")
+    if verdict.dead:
+        verdict.failures.append(f"(d) consumers died: {', '.join(verdict.dead)}")
+
+
+def admin(settings: Settings) -> AdminClient:
+    return admin_client(settings)
+
+
+DLQ_TOPIC = DLQ

@@ -1,0 +1,354 @@
+"""The fault scenarios' workload: seeded, fixed-rate changes to one seeded tenant.
+
+Every change commits in Postgres first (Debezium turns it into CDC records); about half
+of those that have a domain event also emit one afterwards, as a service would. Users
+are drawn with a Zipf skew (rank ``r`` weighs ``1 / r^1.1``), so a few are hot.
+
+The kinds of change: a transaction inserted, its amount updated, deleted, or moved to
+another user; a device's risk score changed; a user-device link added or removed; a
+geoip range's country edited.
+
+What it records, for the oracle:
+
+* ``touched``: every ``(tenant, user)`` whose features a change can alter (for a device
+  or a geoip range, every user of it, found in the change's own transaction);
+* ``produced``: the (topic, partition, offset) of every domain event it produced;
+* ``cdc_expected``: per table, how many CDC records its SQL must yield (an insert or an
+  update one per row, a delete two: the delete and its tombstone).
+
+``random.Random(seed)`` draws every choice in order, so a seed replays the same
+sequence of changes over the same seeded data. Progress is a count of committed
+changes; the scenarios time their faults by it (:meth:`Workload.wait_for`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import orjson
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from consumers.kafka import Delivery, Producer
+from pipeline.core.topics import DEVICE_UPDATED, TRANSACTION_CREATED, TRANSACTION_UPDATED
+from pipeline.dev.seed import COUNTRIES
+
+log = logging.getLogger("freshline.faults.workload")
+
+Ref = tuple[str, str]
+"""(tenant, user id) as the keys spell them."""
+
+Events = list[tuple[str, dict[str, object]]]
+"""The domain events a change would emit: (topic, body without tenant and time)."""
+
+MIX: tuple[tuple[str, float], ...] = (
+    ("txn_insert", 0.30),
+    ("txn_amount", 0.20),
+    ("txn_delete", 0.08),
+    ("txn_move", 0.08),
+    ("device_risk", 0.12),
+    ("link_add", 0.07),
+    ("link_remove", 0.05),
+    ("geoip_edit", 0.10),
+)
+DOMAIN_SHARE = 0.5
+"""Of the changes that have a domain event, the share that emits one."""
+DB_RETRY_S = 120.0
+"""How long one change keeps retrying while Postgres is away (a restart scenario)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Produced:
+    topic: str
+    partition: int
+    offset: int
+
+
+@dataclass
+class WorkloadReport:
+    changes: int = 0
+    by_kind: Counter[str] = field(default_factory=Counter)
+    events: int = 0
+    db_retries: int = 0
+
+
+class Workload:
+    """``run(total, rate)`` commits ``total`` changes at ``rate`` per second."""
+
+    def __init__(self, engine: Engine, producer: Producer, tenant: str, seed: int, *,
+                 topic: Callable[[str], str] = lambda t: t) -> None:
+        self.engine = engine
+        self.producer = producer
+        self.tenant = tenant
+        self.rng = random.Random(f"workload:{seed}")
+        self.topic = topic
+        self.touched: set[Ref] = set()
+        self.cdc_expected: Counter[str] = Counter()
+        self.report = WorkloadReport()
+        self.error: BaseException | None = None
+        self._deliveries: list[Delivery] = []
+        self._progress = 0
+        self._done = False
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        with engine.connect() as conn:
+            users = [int(u) for (u,) in conn.execute(sa.text(
+                "SELECT id FROM users WHERE tenant_id = :t ORDER BY id"), {"t": tenant})]
+            self.devices = [d for (d,) in conn.execute(sa.text(
+                "SELECT id FROM devices WHERE tenant_id = :t ORDER BY id"), {"t": tenant})]
+        if not users:
+            raise ValueError(f"tenant {tenant!r} has no users: seed it first")
+        self.users = users
+        order = users[:]
+        self.rng.shuffle(order)
+        self._hot = order
+        self._cum = list(itertools.accumulate(1.0 / (r + 1) ** 1.1 for r in range(len(order))))
+
+    # -- progress -----------------------------------------------------------------
+
+    @property
+    def progress(self) -> int:
+        return self._progress
+
+    def wait_for(self, changes: int, deadline_s: float = 300.0) -> None:
+        """Block until ``changes`` changes have committed (or the workload ended)."""
+        end = time.monotonic() + deadline_s
+        with self._cond:
+            while self._progress < changes and not self._done:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"workload at {self._progress} changes, waited for "
+                                       f"{changes}")
+                self._cond.wait(left)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- running ------------------------------------------------------------------
+
+    def run(self, total: int, rate: float) -> None:
+        """Commit ``total`` changes at ``rate`` per second, then flush the producer."""
+        started = time.monotonic()
+        try:
+            for i in range(total):
+                if self._stop.is_set():
+                    break
+                self._one(i)
+                with self._cond:
+                    self._progress = i + 1
+                    self._cond.notify_all()
+                ahead = started + (i + 1) / rate - time.monotonic()
+                if ahead > 0:
+                    self._stop.wait(ahead)  # pacing the offered rate
+            self.producer.flush(timeout=120)
+        except BaseException as exc:
+            self.error = exc
+            raise
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def start(self, total: int, rate: float) -> threading.Thread:
+        thread = threading.Thread(target=self._run_quietly, args=(total, rate),
+                                  name="workload", daemon=True)
+        thread.start()
+        return thread
+
+    def _run_quietly(self, total: int, rate: float) -> None:
+        try:
+            self.run(total, rate)
+        except BaseException:
+            log.exception("workload failed")
+
+    @property
+    def produced(self) -> list[Produced]:
+        """Every domain event the broker acknowledged, where it landed."""
+        return [Produced(d.topic, d.partition, d.offset) for d in self._deliveries
+                if d.done and d.error is None and d.partition is not None
+                and d.offset is not None]
+
+    @property
+    def unacknowledged(self) -> int:
+        return sum(1 for d in self._deliveries if not d.done or d.error is not None)
+
+    # -- one change ---------------------------------------------------------------
+
+    def _user(self) -> int:
+        return self.rng.choices(self._hot, cum_weights=self._cum)[0]
+
+    def _kind(self) -> str:
+        return self.rng.choices([k for k, _ in MIX], weights=[w for _, w in MIX])[0]
+
+    def _one(self, index: int) -> None:
+        kind = self._kind()
+        user = self._user()
+        other = self._user()
+        emit = self.rng.random() < DOMAIN_SHARE
+        pick = self.rng.random()
+        value = self.rng.random()
+        # Every draw is made before the database is asked, so a retried change (after
+        # a Postgres outage) makes the same draws, and the stream of draws never
+        # depends on what the database answered.
+        deadline = time.monotonic() + DB_RETRY_S
+        while True:
+            try:
+                with self.engine.begin() as conn:
+                    events = getattr(self, f"_{kind}")(conn, user, other, pick, value)
+                break
+            except (sa.exc.OperationalError, sa.exc.InterfaceError):
+                self.report.db_retries += 1
+                if time.monotonic() > deadline:
+                    raise
+                self._stop.wait(0.2)  # polling Postgres while it restarts
+        self.report.changes += 1
+        self.report.by_kind[kind] += 1
+        if emit:
+            now = datetime.now(UTC).isoformat()
+            for topic, body in events:
+                event = {"tenant": self.tenant, **body, "occurred_at": now}
+                entity = body.get("user_id", body.get("device_id"))
+                self._deliveries.append(self.producer.produce(
+                    self.topic(topic), orjson.dumps(event), f"{self.tenant}:{entity}".encode()))
+                self.report.events += 1
+
+    def _touch(self, *users: int) -> None:
+        self.touched.update((self.tenant, str(u)) for u in users)
+
+    def _device_users(self, conn: Connection, device: str) -> list[int]:
+        return [int(u) for (u,) in conn.execute(sa.text(
+            "SELECT user_id FROM user_devices WHERE tenant_id = :t AND device_id = :d"),
+            {"t": self.tenant, "d": device})]
+
+    def _some_txn(self, conn: Connection, user: int, pick: float) -> int | None:
+        rows = conn.execute(sa.text(
+            "SELECT id FROM transactions WHERE tenant_id = :t AND user_id = :u "
+            "ORDER BY created_at DESC, id DESC LIMIT 8"), {"t": self.tenant, "u": user}).all()
+        return int(rows[int(pick * len(rows))][0]) if rows else None
+
+    def _txn_insert(self, conn: Connection, user: int, _other: int, pick: float,
+                    value: float) -> Events:
+        txn = conn.execute(sa.text(
+            """INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, device_id,
+                   ip, created_at, updated_at)
+               SELECT :t, :u, :amount, :m,
+                      (SELECT device_id FROM user_devices
+                       WHERE tenant_id = :t AND user_id = :u ORDER BY device_id LIMIT 1),
+                      (SELECT ip FROM transactions WHERE tenant_id = :t AND user_id = :u
+                       ORDER BY created_at DESC, id DESC LIMIT 1),
+                      now(), now()
+               RETURNING id"""),
+            {"t": self.tenant, "u": user, "amount": round(10 + value * 490, 2),
+             "m": f"m{int(pick * 20000)}"}).scalar_one()
+        self.cdc_expected["transactions"] += 1
+        self._touch(user)
+        return [(TRANSACTION_CREATED, {"user_id": user, "transaction_id": int(txn)})]
+
+    def _txn_amount(self, conn: Connection, user: int, _other: int, pick: float,
+                    value: float) -> Events:
+        txn = self._some_txn(conn, user, pick)
+        if txn is None:
+            return []
+        conn.execute(sa.text(
+            "UPDATE transactions SET amount = :a, updated_at = now() "
+            "WHERE tenant_id = :t AND id = :id"),
+            {"a": round(1 + value * 999, 2), "t": self.tenant, "id": txn})
+        self.cdc_expected["transactions"] += 1
+        self._touch(user)
+        return [(TRANSACTION_UPDATED, {"user_id": user, "transaction_id": txn})]
+
+    def _txn_delete(self, conn: Connection, user: int, _other: int, pick: float,
+                    _value: float) -> Events:
+        txn = self._some_txn(conn, user, pick)
+        if txn is None:
+            return []
+        conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
+                     {"t": self.tenant, "id": txn})
+        self.cdc_expected["transactions"] += 2  # the delete and its tombstone
+        self._touch(user)
+        return [(TRANSACTION_UPDATED, {"user_id": user, "transaction_id": txn})]
+
+    def _txn_move(self, conn: Connection, user: int, other: int, pick: float,
+                  _value: float) -> Events:
+        txn = self._some_txn(conn, user, pick)
+        if txn is None or other == user:
+            return []
+        conn.execute(sa.text(
+            "UPDATE transactions SET user_id = :o, updated_at = now() "
+            "WHERE tenant_id = :t AND id = :id"), {"o": other, "t": self.tenant, "id": txn})
+        self.cdc_expected["transactions"] += 1
+        self._touch(user, other)
+        # As the README asks: once with the old user, once with the new.
+        return [(TRANSACTION_UPDATED, {"user_id": user, "transaction_id": txn}),
+                (TRANSACTION_UPDATED, {"user_id": other, "transaction_id": txn})]
+
+    def _device_risk(self, conn: Connection, user: int, _other: int, pick: float,
+                     value: float) -> Events:
+        devices = [d for (d,) in conn.execute(sa.text(
+            "SELECT device_id FROM user_devices WHERE tenant_id = :t AND user_id = :u "
+            "ORDER BY device_id"), {"t": self.tenant, "u": user})]
+        if not devices:
+            return []
+        device = devices[int(pick * len(devices))]
+        conn.execute(sa.text(
+            "UPDATE devices SET risk_score = :r WHERE tenant_id = :t AND id = :d"),
+            {"r": round(value, 4), "t": self.tenant, "d": device})
+        self.cdc_expected["devices"] += 1
+        self._touch(*self._device_users(conn, device))
+        return [(DEVICE_UPDATED, {"device_id": device})]
+
+    def _link_add(self, conn: Connection, user: int, _other: int, pick: float,
+                  _value: float) -> Events:
+        device = self.devices[int(pick * len(self.devices))]
+        added = conn.execute(sa.text(
+            "INSERT INTO user_devices (tenant_id, user_id, device_id) VALUES (:t, :u, :d) "
+            "ON CONFLICT DO NOTHING"), {"t": self.tenant, "u": user, "d": device}).rowcount
+        if added:
+            self.cdc_expected["user_devices"] += added
+            self._touch(user, *self._device_users(conn, device))
+        return []
+
+    def _link_remove(self, conn: Connection, user: int, _other: int, pick: float,
+                     _value: float) -> Events:
+        devices = [d for (d,) in conn.execute(sa.text(
+            "SELECT device_id FROM user_devices WHERE tenant_id = :t AND user_id = :u "
+            "ORDER BY device_id"), {"t": self.tenant, "u": user})]
+        if not devices:
+            return []
+        device = devices[int(pick * len(devices))]
+        sharing = self._device_users(conn, device)
+        conn.execute(sa.text(
+            "DELETE FROM user_devices WHERE tenant_id = :t AND user_id = :u AND device_id = :d"),
+            {"t": self.tenant, "u": user, "d": device})
+        self.cdc_expected["user_devices"] += 2
+        self._touch(*sharing)
+        return []
+
+    def _geoip_edit(self, conn: Connection, user: int, _other: int, pick: float,
+                    value: float) -> Events:
+        row = conn.execute(sa.text(
+            """SELECT g.ip_from::text, g.ip_to::text FROM geoip g
+               WHERE g.ip_from <= (SELECT ip FROM transactions
+                                   WHERE tenant_id = :t AND user_id = :u AND ip IS NOT NULL
+                                   ORDER BY created_at DESC, id DESC LIMIT 1)
+               ORDER BY g.ip_from DESC LIMIT 1"""), {"t": self.tenant, "u": user}).first()
+        if row is None:
+            return []
+        country, cities = COUNTRIES[int(pick * len(COUNTRIES))]
+        conn.execute(sa.text(
+            "UPDATE geoip SET country = :c, city = :city WHERE ip_from = CAST(:f AS inet)"),
+            {"c": country, "city": cities[int(value * len(cities))], "f": row[0]})
+        self.cdc_expected["geoip"] += 1
+        self._touch(*(int(u) for (u,) in conn.execute(sa.text(
+            "SELECT DISTINCT user_id FROM transactions WHERE tenant_id = :t "
+            "AND ip BETWEEN CAST(:f AS inet) AND CAST(:to AS inet)"),
+            {"t": self.tenant, "f": row[0], "to": row[1]})))
+        return []
