@@ -101,7 +101,12 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        check_eviction_policy(client)  # read-through fills are writes too
+        try:
+            check_eviction_policy(client)  # read-through fills are writes too
+        except redis.exceptions.ConnectionError as exc:
+            # Not ready yet (/readyz says so); the API still starts and serves health.
+            log.warning("Redis not reachable at start-up (%s); its eviction policy "
+                        "was not checked", exc)
         if owned_local and local is not None:
             local.start()
         if versions is not None:

@@ -19,7 +19,13 @@ import redis
 from pipeline.cache.subscription import Subscription
 from pipeline.core.errors import DeployError
 from pipeline.core.features import REGISTRY, Registry
-from pipeline.core.keys import ACTIVE_SCHEMA_KEY, META_PREFIX, NEXT_SCHEMA_KEY
+from pipeline.core.keys import (
+    ACTIVE_SCHEMA_KEY,
+    META_PREFIX,
+    NEXT_SCHEMA_KEY,
+    PREVIOUS_SCHEMA_KEY,
+    RETIRED_SCHEMA_KEY,
+)
 from pipeline.core.lock import Lock
 from pipeline.core.settings import Settings
 from pipeline.core.types import text
@@ -32,16 +38,27 @@ WRITE_VERSIONS_MAX_AGE_S: Final = 1.0
 
 @dataclass(frozen=True, slots=True)
 class Pointer:
-    """Where the pointer lives. ``Pointer.scoped(x)`` gives a private one (tests)."""
+    """Where the pointer lives. ``Pointer.scoped(x)`` gives a private one (tests).
+
+    Besides *active* and *next*, a flip leaves *previous* (the version it left, still
+    written for one TTL so that a rollback finds it fresh) and a *retired* marker per
+    version left, which lives until its last entries have expired.
+    """
 
     active_key: str = ACTIVE_SCHEMA_KEY
     next_key: str = NEXT_SCHEMA_KEY
     channel: str = DEPLOY_CHANNEL
+    previous_key: str = PREVIOUS_SCHEMA_KEY
+    retired_prefix: str = RETIRED_SCHEMA_KEY
 
     @classmethod
     def scoped(cls, scope: str) -> Pointer:
         return cls(f"{ACTIVE_SCHEMA_KEY}:{scope}", f"{NEXT_SCHEMA_KEY}:{scope}",
-                   f"{DEPLOY_CHANNEL}:{scope}")
+                   f"{DEPLOY_CHANNEL}:{scope}", f"{PREVIOUS_SCHEMA_KEY}:{scope}",
+                   f"{RETIRED_SCHEMA_KEY}:{scope}")
+
+    def retired_key(self, version: int) -> str:
+        return f"{self.retired_prefix}:{version}"
 
 
 DEFAULT_POINTER: Final = Pointer()
@@ -55,6 +72,7 @@ class DeployState:
     next: int | None
     active_raw: str
     next_raw: str
+    previous: int | None = None
 
 
 
@@ -75,18 +93,20 @@ def _version(raw: str, key: str, lock: Lock | None) -> int | None:
 def state(client: redis.Redis, settings: Settings, *, pointer: Pointer = DEFAULT_POINTER,
           lock: Lock | None = None) -> DeployState:
     """Read the pointer in one MGET; with ``lock``, refuse versions it does not know."""
-    active_raw, next_raw = (text(r) for r in client.mget([pointer.active_key,
-                                                          pointer.next_key]))
+    active_raw, next_raw, previous_raw = (text(r) for r in client.mget(
+        [pointer.active_key, pointer.next_key, pointer.previous_key]))
     active = _version(active_raw, pointer.active_key, lock) or settings.schema_version
-    return DeployState(active, _version(next_raw, pointer.next_key, lock), active_raw, next_raw)
+    return DeployState(active, _version(next_raw, pointer.next_key, lock), active_raw, next_raw,
+                       _version(previous_raw, pointer.previous_key, lock))
 
 
 
 class WriteVersions:
     """The schema versions a consumer writes now: call it once per batch.
 
-    The active and the next version, each only if this code computes it (its lock
-    entry matches the registry, for ``feature_set`` or for all sets); if neither,
+    The active, the next and the previous version (for one TTL after a flip, so a
+    rollback finds it fresh), each only if this code computes it (its lock entry
+    matches the registry, for ``feature_set`` or for all sets); if none,
     ``settings.schema_version``: a process never writes entries it cannot compute,
     and keeps its own namespace fresh for readers of its own version. Each answer is
     kept ``max_age_s`` per feature set, so it costs one GET a second at most.
@@ -110,7 +130,7 @@ class WriteVersions:
         if cached is not None and now - cached[0] < self.max_age_s:
             return list(cached[1])
         seen = state(self.redis, self.settings, pointer=self.pointer)
-        versions = [v for v in (seen.active, seen.next)
+        versions = [v for v in dict.fromkeys((seen.active, seen.next, seen.previous))
                     if v is not None and self.lock.compatible(v, self.registry, feature_set)]
         versions = versions or [self.settings.schema_version]
         self._answers[feature_set] = (now, versions)

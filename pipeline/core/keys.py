@@ -28,6 +28,8 @@ META_PREFIX = "freshline"
 INVALIDATION_CHANNEL = "freshline:invalidations"
 ACTIVE_SCHEMA_KEY = "freshline:active_schema_version"
 NEXT_SCHEMA_KEY = "freshline:next_schema_version"
+PREVIOUS_SCHEMA_KEY = "freshline:previous_schema_version"
+RETIRED_SCHEMA_KEY = "freshline:retired_schema_version"
 MODELS_KEY = "freshline:models"
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")

@@ -63,5 +63,6 @@ def purge(client: redis.Redis, settings: Settings, version: int, *,
                 progress(result.removed)
             if cursor == 0:
                 break
+    client.delete(pointer.retired_key(version))  # nothing of it is left to go stale
     result.done = True
     return result

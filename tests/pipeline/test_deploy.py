@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import redis
+import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from pipeline.cache.client import FeatureClient
@@ -87,7 +88,8 @@ def world(settings: Settings, redis_client: redis.Redis, engine: Engine,
                    a, b, lock, pointer, module_tenant)
     flip(redis_client, world.settings, a, lock, pointer=pointer)
     yield world
-    redis_client.delete(pointer.active_key, pointer.next_key)
+    redis_client.delete(pointer.active_key, pointer.next_key, pointer.previous_key,
+                        pointer.retired_key(a), pointer.retired_key(b))
 
 
 def test_the_pointer_moves_through_a_deploy(world: Deploy) -> None:
@@ -98,10 +100,10 @@ def test_the_pointer_moves_through_a_deploy(world: Deploy) -> None:
     assert start(r, s, world.b, lock, pointer=p).next == world.b
     assert writes() == [world.a, world.b]
     after = flip(r, s, world.b, lock, pointer=p)
-    assert (after.active, after.next) == (world.b, None)
-    assert writes() == [world.b]
+    assert (after.active, after.next, after.previous) == (world.b, None, world.a)
+    assert writes() == [world.b, world.a]  # A stays written for one TTL: a rollback is safe
     rollback = flip(r, s, world.a, lock, pointer=p)
-    assert (rollback.active, rollback.next) == (world.a, None)
+    assert (rollback.active, rollback.next, rollback.previous) == (world.a, None, world.b)
 
 
 def test_write_versions_is_cached_and_skips_versions_the_code_cannot_compute(
@@ -119,7 +121,7 @@ def test_write_versions_is_cached_and_skips_versions_the_code_cannot_compute(
     cached = kept("geo")
     flip(r, s, world.b, lock, pointer=p)
     assert kept("geo") == cached  # one GET per max_age_s at most
-    assert fresh("geo") == [world.b]
+    assert fresh("geo") == [world.b, world.a]
     # After a flip to a version this code cannot compute, it keeps its own fresh.
     assert fresh() == [world.a]
 
@@ -388,3 +390,37 @@ def test_throttle_caps_the_rate() -> None:
     unlimited = Throttle(None, clock=lambda: 0.0, sleep=sleep)
     unlimited.add(10_000)
     assert len(slept) == 4
+
+
+def test_a_rollback_serves_what_changed_after_the_flip(world: Deploy) -> None:
+    from consumers.processor import Processor
+    from pipeline.core.types import ChangeEvent
+
+    r, s, p, lock = world.redis, world.settings, world.pointer, world.lock
+    world.warm_all(world.a)
+    start(r, s, world.b, lock, pointer=p)
+    world.warm_all(world.b)
+    flip(r, s, world.b, lock, pointer=p)
+    writes = WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0)
+    assert writes() == [world.b, world.a]  # the version left is still written
+    with world.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE transactions SET amount = amount + 500 "
+                             "WHERE tenant_id = :t AND user_id = 3"), {"t": world.tenant})
+    Processor(world.engine, r, versions=writes).apply([ChangeEvent(
+        "transactions", "u", world.tenant, {"tenant_id": world.tenant, "user_id": 3})])
+    flip(r, s, world.a, lock, pointer=p)  # the rollback
+    [entry] = FeatureStore(r, world.a).read([EntityRef("txn_90d", world.tenant, "3")])
+    truth = compute(world.engine, TXN_90D, [(world.tenant, "3")]).values[(world.tenant, "3")]
+    assert entry is not None and entry.values == truth
+
+
+def test_a_version_not_written_for_a_ttl_is_purged_before_a_flip_back(world: Deploy) -> None:
+    r, s, p, lock = world.redis, world.settings, world.pointer, world.lock
+    flip(r, s, world.b, lock, pointer=p)
+    r.delete(p.previous_key)  # one TTL later: consumers stopped writing version A
+    assert WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0)() == [world.b]
+    with pytest.raises(DeployError, match="purge it first"):
+        flip(r, s, world.a, lock, pointer=p)
+    assert state(r, s, pointer=p).active == world.b  # nothing changed
+    assert purge(r, s, world.a, pointer=p).done
+    assert flip(r, s, world.a, lock, pointer=p).active == world.a
