@@ -108,7 +108,7 @@ class Worker:
         self.invalidations_topic = qualified(settings, INVALIDATIONS)
         self.engine = make_engine(settings)
         self.redis = redis.Redis.from_url(settings.redis_url)
-        check_eviction_policy(self.redis)
+        self._policy_checked = False
         self.processor = Processor(
             self.engine, self.redis,
             versions=versions or WriteVersions(self.redis, settings),
@@ -132,9 +132,10 @@ class Worker:
         or nothing arrived for ``idle_timeout`` seconds. Then close cleanly."""
         deadline = None if timeout is None else time.monotonic() + timeout
         idle_since = time.monotonic()
-        self.consumer.subscribe(self.topics, on_assign=self._on_assign,
-                                on_revoke=self._on_revoke, on_lost=self._on_revoke)
         try:
+            self._check_policy(at_start=True)
+            self.consumer.subscribe(self.topics, on_assign=self._on_assign,
+                                    on_revoke=self._on_revoke, on_lost=self._on_revoke)
             while not self._stop.is_set():
                 if self._iteration():
                     idle_since = time.monotonic()
@@ -258,8 +259,24 @@ class Worker:
         if live:
             inner.resume(live)
 
+    def _check_policy(self, *, at_start: bool) -> None:
+        """Refuse an evicting Redis: at start-up, or before the first write if Redis was
+        down at start-up (the check then fails like any write and is retried)."""
+        if self._policy_checked:
+            return
+        try:
+            check_eviction_policy(self.redis)
+        except TRANSIENT:
+            if not at_start:
+                raise
+            logger.warning("Redis not reachable at start-up; its eviction policy is "
+                           "checked before the first write")
+            return
+        self._policy_checked = True
+
     def _apply(self, events: list[tuple[Message, ChangeEvent]]) -> None:
         """Apply the batch; if it fails on bad data, find the culprits one by one."""
+        self._check_policy(at_start=False)
         try:
             report = self.processor.apply([e for _, e in events])
         except TRANSIENT:

@@ -27,8 +27,9 @@ def test_a_worker_refuses_a_redis_that_evicts(settings: Settings, private_redis:
     client = redis.Redis.from_url(url)
     client.config_set("maxmemory", "100mb")
     client.config_set("maxmemory-policy", policy)
+    worker = Worker(settings.model_copy(update={"redis_url": url}))
     with pytest.raises(ConfigError, match=f"maxmemory-policy {policy}") as refused:
-        Worker(settings.model_copy(update={"redis_url": url}))
+        worker.run(timeout=30)  # refused before its first write, whatever it reads
     assert "noeviction" in str(refused.value)
     client.close()
 
