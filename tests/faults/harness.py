@@ -220,14 +220,16 @@ def _wait(condition: Callable[[], bool], what: str, deadline_s: float) -> None:
         time.sleep(0.005)  # polling interval, not synchronisation
 
 
-def _assigned(env: FaultEnv, group: str) -> int:
+def _spread(env: FaultEnv, group: str, members: int, partitions: int) -> bool:
+    """The group has ``members`` members, each owning some of all ``partitions``."""
     desc = env.admin.describe_consumer_groups([group])[group].result(timeout=15)
-    return sum(len(m.assignment.topic_partitions) for m in desc.members)
+    owned = [len(m.assignment.topic_partitions) for m in desc.members]
+    return len(owned) == members and sum(owned) == partitions and all(owned)
 
 
 def _interesting(text: str) -> str:
     keep = [line for line in text.splitlines()
-            if re.search(r"ERROR|CRITICAL|Traceback|Error|exception|WARNING", line)]
+            if re.search(r"error|critical|traceback|exception|warning", line, re.IGNORECASE)]
     return "\n".join(keep[-LOG_LINES:])
 
 
@@ -255,8 +257,8 @@ def run_case(env: FaultEnv, scenario: Scenario, case_seed: int, profile: Profile
         run = Run(env, scenario, case_seed, fleet, workload, profile.changes, history)
         for _ in range(scenario.consumers):
             fleet.spawn(run.consumer_settings())
-        oracle.wait(lambda: _assigned(env, group) == len(partitions),
-                    "the consumers to join and own every partition", 120)
+        oracle.wait(lambda: _spread(env, group, scenario.consumers, len(partitions)),
+                    "the consumers to join and share every partition", 120)
         run.note(f"{scenario.consumers} consumers own {len(partitions)} partitions")
         thread = workload.start(profile.changes, profile.rate)
         try:
