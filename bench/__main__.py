@@ -44,6 +44,8 @@ BENCHMARKS = (
     "memory",
     "redis_writes",
     "deploy",
+    "local_tier",
+    "consistency",
 )
 
 LIBRARIES = ("redis", "hiredis", "confluent-kafka", "SQLAlchemy", "psycopg", "numpy", "orjson",
