@@ -11,7 +11,7 @@ from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from pipeline.api import metrics, routes
+from pipeline.api import llm, metrics, routes
 from pipeline.api.auth import Authenticator
 from pipeline.api.errors import HANDLERS
 from pipeline.api.openapi import document
@@ -35,6 +35,9 @@ ROUTES = [
     Route("/v1/features/batch", routes.batch, methods=["POST"]),
     Route("/v1/features/{feature_set}/{entity_id}", routes.get_features, methods=["GET"]),
     Route("/v1/models/{name}/predict", routes.predict, methods=["POST"]),
+    Route("/v1/llm/cache/lookup", llm.lookup, methods=["POST"]),
+    Route("/v1/llm/cache/store", llm.store, methods=["POST"]),
+    Route("/v1/llm/cache/flag", llm.flag, methods=["POST"]),
     Route("/healthz", routes.healthz, methods=["GET"]),
     Route("/readyz", routes.readyz, methods=["GET"]),
     Route("/metrics", routes.metrics_text, methods=["GET"]),
@@ -98,6 +101,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
                         counters=metrics.process_registry, consumer_metrics=consumer_metrics,
                         lag=GroupLag(settings))
     board = StatusBoard(observer, interval_s=status_interval_s)
+    semantic = llm.SemanticService(settings, client)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -117,6 +121,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
             yield
         finally:
             board.close()
+            semantic.close()
             stop_timing()
             if versions is not None:
                 versions.close()
@@ -131,6 +136,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
     app.state.services = services
     app.state.openapi = document(registry.names())
     app.state.status = board
+    app.state.semantic = semantic
     app.state.sampled_metrics = SampledMetrics(observer)
     return app
 

@@ -12,7 +12,7 @@ from pipeline.api.reader import MAX_USER_ID
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
 
-def _errors(*statuses: int) -> dict[str, Any]:
+def _errors(*statuses: int, override: dict[int, str] | None = None) -> dict[str, Any]:
     reasons = {
         400: "Invalid id, mode or JSON body",
         401: "Missing or unknown API key",
@@ -20,10 +20,11 @@ def _errors(*statuses: int) -> dict[str, Any]:
         409: "The model is marked non-deterministic and cannot be cached",
         413: "Body over the size limit",
         422: "Body of the wrong shape, a batch over the limit, or bad model inputs",
+        502: "The embeddings endpoint failed",
         503: "Redis or Postgres did not answer",
     }
     return {
-        str(s): {"description": reasons[s],
+        str(s): {"description": (override or {}).get(s, reasons[s]),
                  "content": {"application/json": {"schema": _ERROR}}}
         for s in statuses
     }
@@ -127,6 +128,76 @@ _SCHEMAS: dict[str, Any] = {
     },
 }
 
+_SCOPE = {
+    "model": {"type": "string", "description": "Model name (an id: letters, digits, _ . -)"},
+    "model_version": {"type": "string"},
+    "template_version": {"type": "string",
+                         "description": "Version of the prompt template (system prompt)."},
+}
+_PARAMS = {
+    "type": "object",
+    "description": "Generation parameters. Only temperature 0, or deterministic: true, "
+                   "may be cached; other keys (max_tokens, stop, ...) must match exactly.",
+    "properties": {"temperature": {"type": "number", "minimum": 0},
+                   "deterministic": {"type": "boolean"}},
+}
+_SCHEMAS.update({
+    "LlmLookupRequest": {
+        "type": "object", "required": ["model", "model_version", "template_version", "prompt",
+                                       "params"],
+        "properties": {**_SCOPE, "prompt": {"type": "string"}, "params": _PARAMS},
+    },
+    "LlmLookupResponse": {
+        "type": "object", "required": ["hit", "similarity", "threshold"],
+        "properties": {
+            "hit": {"type": "boolean"},
+            "response": {"type": "string", "description": "Only on a hit."},
+            "similarity": {"type": ["number", "null"],
+                           "description": "Exact cosine similarity of the served entry "
+                                          "(on a miss, of the best candidate, if any)."},
+            "threshold": {"type": "number"},
+            "age_ms": {"type": "integer", "description": "Only on a hit."},
+            "entry_id": {"type": "string", "description": "Only on a hit; flag it if wrong."},
+        },
+    },
+    "LlmStoreRequest": {
+        "type": "object", "required": ["model", "model_version", "template_version", "prompt",
+                                       "params", "response"],
+        "properties": {**_SCOPE, "prompt": {"type": "string"}, "params": _PARAMS,
+                       "response": {"type": "string"},
+                       "generation_ms": {"type": "number", "minimum": 0,
+                                         "description": "What the model call took; "
+                                                        "feeds freshline advise."}},
+    },
+    "LlmStoreResponse": {
+        "type": "object", "required": ["stored", "entry_id"],
+        "properties": {"stored": {"type": "boolean"}, "entry_id": {"type": "string"}},
+    },
+    "LlmFlagRequest": {
+        "type": "object", "required": ["model", "model_version", "template_version", "entry_id"],
+        "properties": {**_SCOPE, "entry_id": {"type": "string"}},
+    },
+    "LlmFlagResponse": {
+        "type": "object", "required": ["removed", "entry_id"],
+        "properties": {"removed": {"type": "boolean"}, "entry_id": {"type": "string"}},
+    },
+})
+
+
+def _llm(summary: str, request: str, response: str, status: str = "200") -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "security": _SECURED,
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": _ref(request)}}},
+        "responses": {status: _json(_ref(response), summary),
+                      **_errors(400, 401, 413, 422, 502, 503, override={
+                          422: "Body of the wrong shape, or params that are not "
+                               "deterministic (temperature above 0, not declared "
+                               "deterministic): code not_deterministic"})},
+    }}
+
+
 _SECURED: list[dict[str, list[str]]] = [{"bearer": []}]
 
 
@@ -179,6 +250,12 @@ def document(feature_sets: list[str]) -> dict[str, Any]:
                 "responses": {"200": _json(_ref("PredictResponse"), "One per input row"),
                               **_errors(400, 401, 404, 409, 413, 422, 503)},
             }},
+            "/v1/llm/cache/lookup": _llm("A cached LLM response for a close enough prompt",
+                                         "LlmLookupRequest", "LlmLookupResponse"),
+            "/v1/llm/cache/store": _llm("Cache a deterministic LLM response", "LlmStoreRequest",
+                                        "LlmStoreResponse", "201"),
+            "/v1/llm/cache/flag": _llm("Flag a bad hit: its entry is removed and counted",
+                                       "LlmFlagRequest", "LlmFlagResponse"),
             "/healthz": {"get": {
                 "summary": "The process is up",
                 "responses": {"200": _json({"type": "object"}, "Up")},

@@ -8,12 +8,25 @@ from __future__ import annotations
 
 import sys
 
-from pipeline.cli import advise, audit, bench, cdc, chaos, consume, db, deploy, models, serve
+from pipeline.cli import (
+    advise,
+    audit,
+    bench,
+    cdc,
+    chaos,
+    consume,
+    db,
+    deploy,
+    models,
+    semantic,
+    serve,
+)
 from pipeline.cli.app import app, console
 from pipeline.core.errors import FreshlineError
 from pipeline.core.services import translate_errors
 
-for _group in (db, consume, deploy, serve, advise, audit, cdc, models, bench, chaos):
+for _group in (db, consume, deploy, serve, advise, audit, cdc, models, bench, chaos,
+               semantic):
     _group.register(app)
 
 

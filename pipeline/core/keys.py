@@ -125,3 +125,65 @@ def inference_pattern(model: str, version: str) -> str:
 def hot_key(schema_version: int, feature_set: str, tenant: str) -> str:
     """A sorted set of sampled read counts per entity, for warming the hottest."""
     return f"{HOT_PREFIX}:{schema_version}:{feature_set}:{validate_id('tenant', tenant)}"
+
+
+SEMANTIC_PREFIX = "sem"
+
+
+def semantic_namespace(tenant: str, model: str, model_version: str,
+                       template_version: str) -> str:
+    """``{<tenant>:<model>:<model_version>:<template_version>}``: one semantic-cache space.
+
+    A Redis Cluster hash tag, so a namespace's entries, id set, change stream and
+    counters share a slot. Every part is validated as an id, so none can hold the
+    separator, a brace or a wildcard.
+    """
+    parts = (validate_id("tenant", tenant), validate_id("model", model),
+             validate_id("model version", model_version),
+             validate_id("template version", template_version))
+    return "{" + ":".join(parts) + "}"
+
+
+def parse_semantic_namespace(namespace: str) -> tuple[str, str, str, str]:
+    """``(tenant, model, model_version, template_version)`` of a namespace tag."""
+    parts = namespace[1:-1].split(":") if namespace[:1] == "{" and namespace[-1:] == "}" else []
+    if len(parts) != 4:
+        raise InvalidId("semantic namespace", namespace,
+                        "not {<tenant>:<model>:<model_version>:<template_version>}")
+    tenant, model, model_version, template_version = parts
+    if semantic_namespace(tenant, model, model_version, template_version) != namespace:
+        raise InvalidId("semantic namespace", namespace, "not in canonical form")
+    return tenant, model, model_version, template_version
+
+
+def semantic_entry_key(namespace: str, entry_id: int) -> str:
+    """``sem:e:<namespace>:<id as 16 hex digits>``: one cached response and its vector."""
+    return f"{SEMANTIC_PREFIX}:e:{namespace}:{entry_id:016x}"
+
+
+def semantic_ids_key(namespace: str) -> str:
+    """``sem:ids:<namespace>``: a sorted set of the entry ids, scored by expiry (ms)."""
+    return f"{SEMANTIC_PREFIX}:ids:{namespace}"
+
+
+def semantic_log_key(namespace: str) -> str:
+    """``sem:log:<namespace>``: a stream of adds and removals that keeps indexes in step."""
+    return f"{SEMANTIC_PREFIX}:log:{namespace}"
+
+
+def semantic_stats_key(namespace: str) -> str:
+    """``sem:stats:<namespace>``: counters (hits, misses, stored, flagged, refused)."""
+    return f"{SEMANTIC_PREFIX}:stats:{namespace}"
+
+
+def semantic_pattern(tenant: str | None = None, model: str | None = None,
+                     model_version: str | None = None,
+                     template_version: str | None = None, kind: str = "*") -> str:
+    """A SCAN MATCH pattern for semantic keys of ``kind`` (``e``, ``ids``, ``log``,
+    ``stats`` or ``*``), narrowed to whichever parts are given."""
+    parts = [validate_id("tenant", tenant) if tenant else "*",
+             validate_id("model", model) if model else "*",
+             validate_id("model version", model_version) if model_version else "*",
+             validate_id("template version", template_version) if template_version else "*"]
+    tag = "\\{" + ":".join(parts) + "\\}"
+    return f"{SEMANTIC_PREFIX}:{kind}:{tag}*"

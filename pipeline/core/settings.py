@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline.core.errors import ConfigError
@@ -57,6 +57,29 @@ class Settings(BaseSettings):
 
     inference_decimals: int = Field(default=4, ge=0, le=12)
     inference_ttl_s: int = Field(default=3600, ge=1)
+
+    semantic_threshold: float = Field(default=0.93, gt=0.0, le=1.0)
+    semantic_thresholds: dict[str, float] = Field(default_factory=dict)
+    """Per-model thresholds, JSON: ``{"support-bot": 0.95}``; others use the default."""
+    semantic_ttl_s: int = Field(default=86_400, ge=1)
+    semantic_embeddings_url: str = ""
+    """An OpenAI-compatible ``/v1/embeddings`` base URL; empty: the local model."""
+    semantic_embeddings_model: str = "all-MiniLM-L6-v2"
+    semantic_embeddings_api_key: SecretStr = SecretStr("")
+    semantic_max_prompt_chars: int = Field(default=32_000, ge=1)
+
+    @field_validator("semantic_thresholds")
+    @classmethod
+    def _thresholds_in_range(cls, value: dict[str, float]) -> dict[str, float]:
+        for model, threshold in value.items():
+            if not 0.0 < threshold <= 1.0:
+                raise ValueError(f"threshold {threshold} for {model!r} is not in (0, 1]")
+        return value
+
+    def semantic_threshold_for(self, model: str) -> float:
+        """The similarity a cached response must reach to be served for ``model``."""
+        return self.semantic_thresholds.get(model, self.semantic_threshold)
+
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self.redacted().items())

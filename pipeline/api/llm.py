@@ -1,0 +1,196 @@
+"""``/v1/llm/cache/*``: the semantic response cache over HTTP.
+
+The tenant comes from the API key, never from the body. The cache
+(:class:`pipeline.semantic.cache.SemanticCache`) is made on the first request, so
+the embedding model loads once per worker process and only in workers that use it;
+concurrent requests are embedded together (:class:`BatchingEmbedder`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, cast
+
+import redis
+from prometheus_client import Counter, Histogram
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pipeline.api import metrics
+from pipeline.api.errors import ApiError, JSONResponse
+from pipeline.api.routes import authenticate, read_json, timed
+from pipeline.core.keys import validate_id
+from pipeline.core.settings import Settings
+from pipeline.semantic.cache import (
+    InvalidPrompt,
+    Lookup,
+    NonDeterministicParams,
+    Scope,
+    SemanticCache,
+    Stored,
+)
+from pipeline.semantic.embed import BatchingEmbedder, EmbeddingError, embedder_from_settings
+
+LOOKUPS = Counter(
+    "freshline_semantic_lookups_total",
+    "Semantic cache lookups by model and outcome (hit, miss, refused).",
+    ["model", "outcome"],
+)
+STORED = Counter("freshline_semantic_stored_total", "Responses stored, by model.", ["model"])
+FLAGGED = Counter(
+    "freshline_semantic_flagged_total",
+    "Hits a caller flagged as wrong (each removes its entry), by model.",
+    ["model"],
+)
+LOOKUP_SECONDS = Histogram(
+    "freshline_semantic_lookup_seconds",
+    "Semantic lookup latency, embedding excluded: index search, Redis, exact check.",
+    ["model"],
+    buckets=metrics.BUCKETS,
+)
+EMBED_SECONDS = Histogram(
+    "freshline_semantic_embedding_seconds",
+    "Time to embed one request's prompt (batched with concurrent requests).",
+    ["model"],
+    buckets=metrics.BUCKETS,
+)
+
+
+class SemanticService:
+    """The process's semantic cache, made on first use."""
+
+    def __init__(self, settings: Settings, client: redis.Redis) -> None:
+        self.settings = settings
+        self.redis = client
+        self._cache: SemanticCache | None = None
+        self._embedder: BatchingEmbedder | None = None
+        self._lock = threading.Lock()
+
+    def cache(self) -> SemanticCache:
+        with self._lock:
+            if self._cache is None:
+                s = self.settings
+                self._embedder = BatchingEmbedder(embedder_from_settings(
+                    s.semantic_embeddings_url, s.semantic_embeddings_model,
+                    s.semantic_embeddings_api_key.get_secret_value()))
+                self._cache = SemanticCache(
+                    self.redis, self._embedder, threshold=s.semantic_threshold,
+                    thresholds=s.semantic_thresholds, ttl_s=s.semantic_ttl_s,
+                    max_prompt_chars=s.semantic_max_prompt_chars)
+            return self._cache
+
+    def close(self) -> None:
+        with self._lock:
+            if self._cache is not None:
+                self._cache.close()
+            if self._embedder is not None:
+                self._embedder.close()
+
+
+def as_api_error(exc: Exception) -> Exception:
+    """The semantic layer's errors as the API's: 422 for what the caller sent."""
+    if isinstance(exc, NonDeterministicParams):
+        return ApiError(422, "not_deterministic", str(exc))
+    if isinstance(exc, InvalidPrompt):
+        return ApiError(422, "invalid_request", str(exc))
+    if isinstance(exc, EmbeddingError):
+        return ApiError(502, "embedding_failed", str(exc))
+    return exc
+
+
+async def _call(fn: Any, *args: Any) -> Any:
+    try:
+        return await run_in_threadpool(fn, *args)
+    except (NonDeterministicParams, InvalidPrompt, EmbeddingError) as exc:
+        raise as_api_error(exc) from exc
+
+
+def _service(request: Request) -> SemanticService:
+    return cast(SemanticService, request.app.state.semantic)
+
+
+def _text(body: dict[str, Any], field: str) -> str:
+    value = body.get(field)
+    if not isinstance(value, str) or not value.strip():
+        raise ApiError(422, "invalid_request", f"{field!r} must be a non-empty string")
+    return value
+
+
+async def _request(request: Request) -> tuple[Scope, dict[str, Any]]:
+    tenant = await authenticate(request)
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise ApiError(422, "invalid_request", "the body must be a JSON object")
+    for field in ("model", "model_version", "template_version"):
+        if not isinstance(body.get(field), str):
+            raise ApiError(422, "invalid_request", f"{field!r} must be a string")
+    scope = Scope(tenant, validate_id("model", body["model"]),
+                  validate_id("model version", body["model_version"]),
+                  validate_id("template version", body["template_version"]))
+    params = body.get("params")
+    if "params" in body and not isinstance(params, dict):
+        raise ApiError(422, "invalid_request", "'params' must be an object, e.g. "
+                                               "{\"temperature\": 0}")
+    return scope, body
+
+
+@timed("llm_lookup")
+async def lookup(request: Request) -> Response:
+    """A cached response for a prompt close enough to a cached one, or a miss."""
+    scope, body = await _request(request)
+    prompt = _text(body, "prompt")
+    params = body.get("params") or {}
+    cache = await run_in_threadpool(_service(request).cache)
+    try:
+        found: Lookup = await _call(cache.lookup, scope, prompt, params)
+    except ApiError as exc:
+        if exc.code == "not_deterministic":
+            LOOKUPS.labels(scope.model, "refused").inc()
+        raise
+    LOOKUPS.labels(scope.model, "hit" if found.hit else "miss").inc()
+    LOOKUP_SECONDS.labels(scope.model).observe(found.lookup_s)
+    EMBED_SECONDS.labels(scope.model).observe(found.embed_s)
+    metrics.observe_read("semantic", scope.model, found.hit, found.lookup_s + found.embed_s)
+    answer: dict[str, Any] = {"hit": found.hit, "similarity": found.similarity,
+                              "threshold": found.threshold}
+    if found.hit:
+        answer.update(response=found.response, age_ms=found.age_ms, entry_id=found.entry_id)
+    return JSONResponse(answer)
+
+
+@timed("llm_store")
+async def store(request: Request) -> Response:
+    """Cache a deterministic response; anything else is refused (422)."""
+    scope, body = await _request(request)
+    prompt = _text(body, "prompt")
+    response = _text(body, "response")
+    params = body.get("params") or {}
+    generation_ms = body.get("generation_ms")
+    if generation_ms is not None and (isinstance(generation_ms, bool)
+                                      or not isinstance(generation_ms, int | float)
+                                      or generation_ms < 0):
+        raise ApiError(422, "invalid_request", "'generation_ms' must be a number >= 0")
+    cache = await run_in_threadpool(_service(request).cache)
+    started = time.perf_counter()
+    stored: Stored = await _call(cache.store, scope, prompt, params, response)
+    STORED.labels(scope.model).inc()
+    EMBED_SECONDS.labels(scope.model).observe(stored.embed_s)
+    if generation_ms is not None:
+        # The model call the cache saves on a hit: what `freshline advise` weighs.
+        metrics.COMPUTE_SECONDS.labels("semantic", scope.model).observe(generation_ms / 1000)
+        metrics.CACHE_MISS_SECONDS.labels("semantic", scope.model).observe(
+            generation_ms / 1000 + time.perf_counter() - started)
+    return JSONResponse({"stored": True, "entry_id": stored.entry_id}, status_code=201)
+
+
+@timed("llm_flag")
+async def flag(request: Request) -> Response:
+    """A caller reports a bad hit: its entry is removed and the flag counted."""
+    scope, body = await _request(request)
+    entry = _text(body, "entry_id")
+    cache = await run_in_threadpool(_service(request).cache)
+    removed = await _call(cache.flag, scope, entry)
+    FLAGGED.labels(scope.model).inc()
+    return JSONResponse({"removed": removed, "entry_id": entry})

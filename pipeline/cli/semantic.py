@@ -1,0 +1,125 @@
+"""``freshline semantic stats | purge | tune``: the semantic response cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.text import Text
+
+from pipeline.cli.app import console, out
+from pipeline.core.settings import load_settings
+
+semantic_app = typer.Typer(help="The semantic response cache for LLM pipelines.",
+                           no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``freshline semantic ...`` to the main CLI."""
+    app.add_typer(semantic_app, name="semantic")
+
+
+@semantic_app.command("stats")
+def stats(
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant")] = None,
+    model: Annotated[str | None, typer.Option(help="Only this model")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
+) -> None:
+    """Live entries, hit rate, flagged hits and refusals per namespace."""
+    import redis
+
+    from pipeline.semantic.cache import stats as namespace_stats
+
+    settings = load_settings()
+    client = redis.Redis.from_url(settings.redis_url)
+    rows = namespace_stats(client, tenant, model)
+    if json_out:
+        typer.echo(json.dumps([{
+            "tenant": r.tenant, "model": r.model, "model_version": r.model_version,
+            "template_version": r.template_version, "entries": r.entries,
+            "hit_rate": r.hit_rate, **r.counts} for r in rows], indent=2))
+        return
+    if not rows:
+        console.print("no semantic cache entries or counters"
+                      + (" for that selection" if tenant or model else ""))
+        return
+    for r in rows:
+        rate = "-" if r.hit_rate is None else f"{r.hit_rate:.1%}"
+        c = r.counts
+        out.print(Text.assemble(
+            (f"{r.tenant} {r.model}", "bold"),
+            f"  version {r.model_version}, template {r.template_version}"))
+        out.print(f"  {r.entries:,} entries; hit rate {rate} ({c['hits']:,} hits, "
+                  f"{c['misses']:,} misses)")
+        out.print(f"  {c['stored']:,} stored, {c['flagged']:,} flagged, "
+                  f"{c['refused']:,} refused (not deterministic)")
+
+
+@semantic_app.command("purge")
+def purge(
+    tenant: Annotated[str | None, typer.Option(help="Every entry of this tenant")] = None,
+    model: Annotated[str | None, typer.Option(help="Only this model")] = None,
+    model_version: Annotated[str | None, typer.Option(help="Only this model version")] = None,
+    template_version: Annotated[str | None, typer.Option(
+        help="Only this prompt-template version")] = None,
+) -> None:
+    """Remove the matching entries (SCAN + UNLINK in batches); every worker's index
+    empties through the namespace's stream. Give a tenant, a version, or both."""
+    import redis
+
+    from pipeline.semantic.cache import purge_keys
+
+    if not (tenant or model_version or template_version):
+        raise typer.BadParameter("give --tenant, --model-version or --template-version "
+                                 "(with --model to narrow)", param_hint="--tenant")
+    settings = load_settings()
+    client = redis.Redis.from_url(settings.redis_url)
+    removed = purge_keys(client, tenant=tenant, model=model, model_version=model_version,
+                         template_version=template_version)
+    if not removed:
+        console.print("nothing to purge")
+        return
+    for ns, n in sorted(removed.items()):
+        out.print(f"{ns}: {n:,} keys removed")
+    out.print(f"purged {len(removed)} namespace(s), {sum(removed.values()):,} keys")
+
+
+@semantic_app.command("tune")
+def tune(
+    pairs: Annotated[Path | None, typer.Option(
+        help="Labelled pairs (JSON) [default: the shipped set]")] = None,
+    model: Annotated[str | None, typer.Option(
+        help="Mark this model's configured threshold [default: the default threshold]")] = None,
+    show_false_hits: Annotated[bool, typer.Option(
+        help="List the different pairs that would hit at the marked threshold")] = False,
+) -> None:
+    """Hit rate and false-hit rate at each threshold from 0.85 to 0.97."""
+    from pipeline.semantic.embed import embedder_from_settings
+    from pipeline.semantic.tune import PAIRS, false_hits, load_pairs, similarities, sweep
+
+    settings = load_settings()
+    path = pairs or PAIRS
+    labelled = load_pairs(path)
+    paraphrases = sum(p.label == "paraphrase" for p in labelled)
+    embedder = embedder_from_settings(settings.semantic_embeddings_url,
+                                      settings.semantic_embeddings_model,
+                                      settings.semantic_embeddings_api_key.get_secret_value())
+    console.print(f"embedding {len(labelled)} pairs ({paraphrases} paraphrases, "
+                  f"{len(labelled) - paraphrases} different) with {embedder.name} ...")
+    sims = similarities(embedder, labelled)
+    current = settings.semantic_threshold_for(model) if model else settings.semantic_threshold
+    out.print(f"pairs: {path}")
+    out.print("threshold   hit rate   false hits   (similarity alone)")
+    for row in sweep(labelled, sims):
+        mark = "  <- configured" if abs(row.threshold - current) < 1e-9 else ""
+        out.print(f"     {row.threshold:.2f}     {row.hit_rate:6.1%}     "
+                  f"{row.false_hit_rate:6.1%}           {row.unguarded_false_hit_rate:6.1%}"
+                  f"{mark}")
+    out.print("hit rate: paraphrases served; false hits: different questions served "
+              "(numbers must match, as the cache checks); similarity alone: without "
+              "that check")
+    if show_false_hits:
+        for pair, sim in false_hits(labelled, sims, current):
+            out.print(f"{sim:.3f}  {pair.a!r} / {pair.b!r}")

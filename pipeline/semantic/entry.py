@@ -1,0 +1,111 @@
+"""A cached response as one Redis string, and the checks a candidate must pass.
+
+Encoding::
+
+    byte 0        format version, 1
+    bytes 1-4     length n of the JSON header, uint32 little-endian
+    bytes 5..     the header: {"prompt", "response", "created_at_ms", "params"}
+    rest          the prompt's unit vector, float32 little-endian
+
+``params`` is the digest of the generation parameters (:func:`params_digest`): a
+response generated with another temperature, ``seed``, ``max_tokens`` or ``stop`` is
+never served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+
+from pipeline.core.errors import FreshlineError
+from pipeline.semantic.embed import Vectors
+
+FORMAT_VERSION = 1
+
+
+class CorruptSemanticEntry(FreshlineError):
+    """Bytes under a semantic key that do not decode as an entry."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    prompt: str
+    response: str
+    created_at_ms: int
+    params: str
+    vector: Vectors
+
+
+def entry_id(prompt: str) -> int:
+    """The id of a prompt in its namespace: 63 bits of BLAKE2b of its text.
+
+    Storing the same prompt again replaces its entry instead of adding a twin.
+    """
+    digest = hashlib.blake2b(prompt.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def params_digest(params: dict[str, Any]) -> str:
+    """A digest of the parameters that shape a response.
+
+    ``deterministic`` is a claim about the backend, not a parameter, so it is left
+    out; the temperature counts as a float (``0`` and ``0.0`` are one).
+    """
+    rest = {k: v for k, v in params.items() if k != "deterministic"}
+    if isinstance(rest.get("temperature"), int | float):
+        rest["temperature"] = float(rest["temperature"])
+    return hashlib.blake2b(orjson.dumps(rest, option=orjson.OPT_SORT_KEYS),
+                           digest_size=8).hexdigest()
+
+
+def encode(entry: Entry) -> bytes:
+    header = orjson.dumps({"prompt": entry.prompt, "response": entry.response,
+                           "created_at_ms": entry.created_at_ms, "params": entry.params})
+    vector = np.ascontiguousarray(entry.vector, dtype="<f4").tobytes()
+    return bytes([FORMAT_VERSION]) + struct.pack("<I", len(header)) + header + vector
+
+
+def decode(raw: bytes) -> Entry:
+    try:
+        if raw[0] != FORMAT_VERSION:
+            raise ValueError(f"format version {raw[0]}")
+        (size,) = struct.unpack_from("<I", raw, 1)
+        header = orjson.loads(raw[5:5 + size])
+        vector = np.frombuffer(raw, dtype="<f4", offset=5 + size).astype(np.float32)
+        return Entry(header["prompt"], header["response"], int(header["created_at_ms"]),
+                     header["params"], vector)
+    except (IndexError, ValueError, KeyError, TypeError, struct.error,
+            orjson.JSONDecodeError) as exc:
+        raise CorruptSemanticEntry(f"not a semantic cache entry: {exc}") from exc
+
+
+_LITERAL = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def literals(text: str) -> Counter[str]:
+    """The numbers in a prompt (order ids, amounts, dates' digits), as a multiset."""
+    return Counter(_LITERAL.findall(text))
+
+
+def literals_match(a: str, b: str) -> bool:
+    """True when two prompts hold the same numbers.
+
+    Embeddings place "refund for order 123" and "... order 124" closer than many true
+    paraphrases, so similarity alone cannot tell them apart; the numbers can.
+    """
+    return literals(a) == literals(b)
+
+
+def cosine(a: Vectors, b: Vectors) -> float:
+    """Exact cosine similarity, in float64."""
+    x = a.astype(np.float64)
+    y = b.astype(np.float64)
+    den = float(np.linalg.norm(x) * np.linalg.norm(y))
+    return float(x @ y) / den if den > 0 else 0.0

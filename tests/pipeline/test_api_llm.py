@@ -1,0 +1,114 @@
+"""POST /v1/llm/cache/{lookup,store,flag}: the semantic cache over HTTP, on the real Redis."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from sqlalchemy.engine import Engine
+
+from pipeline.api import create_app
+from pipeline.api.auth import create_api_key
+from pipeline.core.settings import Settings
+from pipeline.dev.seed import SeedSummary
+from tests.pipeline.test_api import Api, running
+
+PROMPT = "How do I reset the password of my account?"
+NEAR = "How do I reset the password of my account ?"
+
+
+@pytest.fixture(scope="module")
+def tenants(tenant_factory_module: Callable[..., SeedSummary]) -> list[str]:
+    return tenant_factory_module(users=2, transactions=10, tenants=2).tenants
+
+
+@pytest.fixture
+def api(settings: Settings, engine: Engine, redis_client: redis.Redis,
+        tenants: list[str]) -> Iterator[Api]:
+    app = create_app(settings, engine=engine, redis_client=redis_client, follow_deploys=False)
+    with running(app, create_api_key(engine, tenants[0])) as client:
+        yield client
+
+
+@pytest.fixture
+def model() -> str:
+    return f"bot-{uuid.uuid4().hex[:8]}"
+
+
+def body(model: str, prompt: str = PROMPT, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "model_version": "v1", "template_version": "t1",
+            "prompt": prompt, "params": {"temperature": 0}, **extra}
+
+
+def test_store_then_lookup_then_flag(api: Api, model: str) -> None:
+    miss = api.post("/v1/llm/cache/lookup", json=body(model))
+    assert miss.status_code == 200, miss.text
+    assert miss.json()["hit"] is False and "response" not in miss.json()
+
+    stored = api.post("/v1/llm/cache/store", json=body(model, response="Use the reset link."))
+    assert stored.status_code == 201, stored.text
+    hit = api.post("/v1/llm/cache/lookup", json=body(model, NEAR)).json()
+    assert hit["hit"] is True and hit["response"] == "Use the reset link."
+    assert hit["similarity"] >= hit["threshold"] == 0.93
+    assert hit["entry_id"] == stored.json()["entry_id"] and hit["age_ms"] >= 0
+
+    flagged = api.post("/v1/llm/cache/flag", json={**body(model), "entry_id": hit["entry_id"]})
+    assert flagged.status_code == 200 and flagged.json()["removed"] is True
+    assert api.post("/v1/llm/cache/lookup", json=body(model, NEAR)).json()["hit"] is False
+    metrics = api.get("/metrics", key=None).text
+    assert f'freshline_semantic_flagged_total{{model="{model}"}} 1.0' in metrics
+    assert f'freshline_semantic_lookups_total{{model="{model}",outcome="hit"}} 1.0' in metrics
+    assert f'freshline_semantic_lookup_seconds_count{{model="{model}"}}' in metrics
+
+
+def test_the_tenant_comes_from_the_key(api: Api, engine: Engine, tenants: list[str],
+                                       model: str) -> None:
+    other = create_api_key(engine, tenants[1])
+    api.post("/v1/llm/cache/store", json=body(model, response="tenant A's answer"))
+    # A tenant named in the body changes nothing: the key decides.
+    theirs = api.post("/v1/llm/cache/lookup", key=other,
+                      json={**body(model, NEAR), "tenant": tenants[0]}).json()
+    assert theirs["hit"] is False
+    assert api.post("/v1/llm/cache/lookup", json=body(model, NEAR)).json()["hit"] is True
+
+
+def test_non_deterministic_params_are_refused(api: Api, model: str) -> None:
+    hot = body(model, response="sampled")
+    hot["params"] = {"temperature": 0.7}
+    for path in ("/v1/llm/cache/store", "/v1/llm/cache/lookup"):
+        answer = api.post(path, json=hot)
+        assert answer.status_code == 422, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "not_deterministic" and "temperature 0.7" in error["message"]
+    declared = {**hot, "params": {"temperature": 0.7, "deterministic": True}}
+    assert api.post("/v1/llm/cache/store", json=declared).status_code == 201
+    assert api.post("/v1/llm/cache/lookup", json=body(model)).json()["hit"] is False
+    assert api.post("/v1/llm/cache/lookup", json=declared).json()["response"] == "sampled"
+
+
+@pytest.mark.parametrize(("payload", "status", "code"), [
+    ({"model_version": "v1", "template_version": "t1", "prompt": "x"}, 422, "invalid_request"),
+    ({"model": "bot", "model_version": "v1", "template_version": "t1", "prompt": ""}, 422,
+     "invalid_request"),
+    ({"model": "b:*", "model_version": "v1", "template_version": "t1", "prompt": "x",
+      "params": {"temperature": 0}}, 400, "invalid_id"),
+    ({"model": "bot", "model_version": "v1", "template_version": "t1", "prompt": "x",
+      "params": [0]}, 422, "invalid_request"),
+    ({"model": "bot", "model_version": "v1", "template_version": "t1", "prompt": "x"}, 422,
+     "not_deterministic"),
+    (["not", "an", "object"], 422, "invalid_request"),
+])
+def test_bad_requests_get_clear_errors(api: Api, payload: Any, status: int, code: str) -> None:
+    answer = api.post("/v1/llm/cache/lookup", json=payload)
+    assert answer.status_code == status, answer.text
+    assert answer.json()["error"]["code"] == code
+
+
+def test_a_key_is_required(api: Api, model: str) -> None:
+    answer = api.post("/v1/llm/cache/lookup", key=None, json=body(model))
+    assert answer.status_code == 401
+    flag = api.post("/v1/llm/cache/flag", json={**body(model), "entry_id": "zz"})
+    assert flag.status_code == 422 and flag.json()["error"]["code"] == "invalid_request"

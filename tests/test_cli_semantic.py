@@ -1,0 +1,69 @@
+"""``freshline semantic stats | purge | tune`` as a person runs them."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import redis
+
+from pipeline.core.settings import Settings
+from pipeline.semantic.cache import Scope, SemanticCache
+from pipeline.semantic.embed import local_model
+from tests.test_cli import run
+
+
+def test_stats_then_purge(settings: Settings, redis_client: redis.Redis) -> None:
+    tenant = f"t{uuid.uuid4().hex[:12]}"
+    env = {"FRESHLINE_REDIS_URL": settings.redis_url}
+    cache = SemanticCache(redis_client, local_model())
+    for version in ("v1", "v2"):
+        cache.store(Scope(tenant, "bot", version, "t1"), "Where is order 12?", {"temperature": 0},
+                    "shipped")
+    cache.lookup(Scope(tenant, "bot", "v1", "t1"), "where is order 12", {"temperature": 0})
+    cache.close()
+
+    r = run("semantic", "stats", "--tenant", tenant, **env)
+    assert r.returncode == 0, r.stderr
+    assert f"{tenant} bot  version v1, template t1" in r.stdout
+    assert "1 entries; hit rate 100.0% (1 hits, 0 misses)" in r.stdout
+    assert max(len(line) for line in r.stdout.splitlines()) <= 80
+    rows = json.loads(run("semantic", "stats", "--tenant", tenant, "--json", **env).stdout)
+    assert [(row["model_version"], row["entries"]) for row in rows] == [("v1", 1), ("v2", 1)]
+
+    r = run("semantic", "purge", "--tenant", tenant, "--model-version", "v1", **env)
+    assert r.returncode == 0, r.stderr
+    assert "purged 1 namespace(s)" in r.stdout
+    rows = json.loads(run("semantic", "stats", "--tenant", tenant, "--json", **env).stdout)
+    assert [row["model_version"] for row in rows] == ["v2"]
+
+    r = run("semantic", "purge", **env)
+    assert r.returncode == 2 and "--tenant" in r.stderr and "Traceback" not in r.stderr
+    assert run("semantic", "purge", "--tenant", tenant, **env).returncode == 0
+    assert "no semantic cache entries" in run("semantic", "stats", "--tenant", tenant,
+                                              **env).stderr
+
+
+def test_tune_prints_both_rates_at_each_threshold(tmp_path: Path) -> None:
+    pairs = [
+        {"a": "Where is order 12?", "b": "Where is order 12 ?", "label": "paraphrase"},
+        {"a": "Cancel order 12.", "b": "Cancel order 13.", "label": "different"},
+        {"a": "Block the card ending 1234.", "b": "Block the card ending in 1234.",
+         "label": "paraphrase"},
+        {"a": "Is Maria Lopez high risk?", "b": "Is Mario Lopez high risk?",
+         "label": "different"},
+    ]
+    path = tmp_path / "pairs.json"
+    path.write_text(json.dumps({"pairs": pairs}))
+    r = run("semantic", "tune", "--pairs", str(path))
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip()[:2] == "0."]
+    assert [row[0] for row in rows] == [f"{0.85 + i / 100:.2f}" for i in range(13)]
+    assert any("<- configured" in line for line in r.stdout.splitlines() if "0.93" in line)
+    assert rows[0][1] == "100.0%"  # both paraphrases at 0.85
+    assert max(len(line) for line in r.stdout.splitlines()) <= 80
+
+    path.write_text(json.dumps([{"a": "x", "label": "same"}]))
+    r = run("semantic", "tune", "--pairs", str(path))
+    assert r.returncode == 1 and "pair 0" in r.stderr and "Traceback" not in r.stderr
