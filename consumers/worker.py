@@ -50,6 +50,7 @@ from pipeline.cache.store import check_eviction_policy
 from pipeline.cache.versions import WriteVersions
 from pipeline.core.db import make_engine
 from pipeline.core.errors import FreshlineError
+from pipeline.core.features import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.topics import DLQ, INVALIDATIONS, logical, qualified
 from pipeline.core.types import ChangeEvent
@@ -112,6 +113,7 @@ class Worker:
         self.processor = Processor(
             self.engine, self.redis,
             versions=versions or WriteVersions(self.redis, settings),
+            registry=REGISTRY.with_paths(settings.recompute_paths),
             tombstone_ttl_s=settings.tombstone_ttl_s, publish=self._publish)
         self.router = Router()
         self.totals = Totals()

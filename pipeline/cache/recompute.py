@@ -60,8 +60,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from pipeline.cache.incremental import query_text
 from pipeline.core.errors import FreshlineError, InvalidId
-from pipeline.core.features import FeatureSet
+from pipeline.core.features import FeatureSet, Path
 from pipeline.core.keys import validate_id
 from pipeline.core.types import FeatureValues, Watermark
 
@@ -190,32 +191,40 @@ def compute(
     *,
     as_of: dt.datetime | None = None,
     txids: Iterable[int] = (),
+    path: Path | None = None,
 ) -> Batch:
     """Compute ``feature_set`` for every (tenant, entity) in ``refs`` in one statement.
 
     Timestamps come back as epoch milliseconds. The watermark comes from the same
     statement's snapshot (see the module docstring); if any of ``txids`` is not visible
     in it, :class:`NotYetVisible` is raised and nothing is returned.
+
+    ``path`` picks the evaluation: ``"full"`` (the defining query over the source
+    rows: the reference, e.g. for an audit), ``"incremental"`` (the partial aggregates
+    of :mod:`pipeline.cache.incremental`, same values), or None for the feature set's
+    own ``path``.
     """
     tenants, ids = entity_ids(refs)
     if isinstance(db, Connection):
-        return _compute(db, feature_set, tenants, ids, as_of, txids)
+        return _compute(db, feature_set, tenants, ids, as_of, txids, path)
     with db.connect() as conn:
-        batch = _compute(conn, feature_set, tenants, ids, as_of, txids)
+        batch = _compute(conn, feature_set, tenants, ids, as_of, txids, path)
         conn.rollback()
         return batch
 
 
-def feature_statement(fs: FeatureSet) -> sa.TextClause:
+def feature_statement(fs: FeatureSet, path: Path | None = None) -> sa.TextClause:
     """The feature query joined to the snapshot select: one statement, one snapshot."""
+    body = query_text(fs, path or fs.path)
     return sa.text(f"SELECT w.snapshot, w.us, w.invisible, f.* FROM ({_SNAPSHOT_SELECT}) AS w "
-                   f"LEFT JOIN ({fs.statement.text}) AS f ON true")
+                   f"LEFT JOIN ({body}) AS f ON true")
 
 
 def _compute(conn: Connection, fs: FeatureSet, tenants: list[str], ids: list[int],
-             as_of: dt.datetime | None, txids: Iterable[int]) -> Batch:
-    rows = conn.execute(feature_statement(fs), {"tenants": tenants, "ids": ids, "as_of": as_of,
-                                         "txids": sorted(set(txids))}).all()
+             as_of: dt.datetime | None, txids: Iterable[int], path: Path | None) -> Batch:
+    rows = conn.execute(feature_statement(fs, path),
+                        {"tenants": tenants, "ids": ids, "as_of": as_of,
+                         "txids": sorted(set(txids))}).all()
     first = rows[0]
     snap = _snapshot(first[0], first[1], first[2]).require_visible()
     values: dict[tuple[str, str], FeatureValues] = {}

@@ -10,8 +10,10 @@ import sys
 
 from pipeline.cli import (
     advise,
+    apikey,
     audit,
     bench,
+    buckets,
     cdc,
     chaos,
     consume,
@@ -25,8 +27,8 @@ from pipeline.cli.app import app, console
 from pipeline.core.errors import FreshlineError
 from pipeline.core.services import translate_errors
 
-for _group in (db, consume, deploy, serve, advise, audit, cdc, models, bench, chaos,
-               semantic):
+for _group in (db, consume, deploy, serve, apikey, advise, audit, cdc, models, bench, chaos,
+               semantic, buckets):
     _group.register(app)
 
 

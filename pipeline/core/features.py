@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import orjson
 import sqlalchemy as sa
 
-from pipeline.core.errors import UnknownFeatureSet
+from pipeline.core.errors import ConfigError, UnknownFeatureSet
 
 FieldType = Literal["int", "float", "bool", "str", "timestamp"]
 WriteMode = Literal["recompute", "invalidate"]
+Path = Literal["full", "incremental"]
+"""How a recompute evaluates a feature set: its defining ``query`` over the source rows
+(``full``), or its ``incremental`` query over per-day partial aggregates, which gives
+the same values (see :mod:`pipeline.cache.incremental`)."""
 
 _KEYS_CTE = """
 WITH k(tenant_id, user_id) AS (
@@ -68,6 +72,11 @@ class FeatureSet:
     mode: WriteMode = "recompute"
     entity: str = "user"
     description: str = ""
+    incremental: str | None = field(default=None, repr=False, compare=False)
+    """The same features from the bucket tables: the query body for the keys it can
+    answer (``ki``), see :mod:`pipeline.cache.incremental`. Not part of the fingerprint."""
+    path: Path = field(default="full", compare=False)
+    """Which evaluation recomputes use by default. Not part of the fingerprint."""
     statement: sa.TextClause = field(init=False, repr=False, compare=False)
     _fingerprint: str = field(init=False, repr=False, compare=False)
 
@@ -84,6 +93,15 @@ class FeatureSet:
 
         The lock file in ``schemas/`` records it per schema version; a change
         without a SCHEMA_VERSION bump is refused (``freshline check``).
+
+        The ``incremental`` query and the ``path`` choice are left out on purpose. The
+        defining ``query`` is the specification; the incremental query is a way of
+        evaluating it that must give the same value for every field (the property
+        tests and ``freshline reconcile`` hold it to that). Choosing a path is then
+        like choosing an index: it changes the cost of an entry, never its value, so
+        it needs no new key namespace, and a deployment can flip it per environment
+        without a SCHEMA_VERSION bump. A change to the *values* still goes through
+        ``query`` and is refused without a bump.
         """
         return self._fingerprint
 
@@ -102,6 +120,13 @@ class FeatureSet:
 
     def sources_for(self, table: str) -> list[Source]:
         return [s for s in self.sources if s.table == table]
+
+    def on_path(self, path: Path) -> FeatureSet:
+        """This feature set recomputed by ``path`` by default."""
+        if path == "incremental" and self.incremental is None:
+            raise ConfigError(f"feature set {self.name!r} has no incremental path; "
+                              "it can only be recomputed in full")
+        return self if path == self.path else replace(self, path=path)
 
 
 TXN_90D = FeatureSet(
@@ -135,6 +160,65 @@ LEFT JOIN transactions x
 GROUP BY k.tenant_id, k.user_id
 """,
     sources=(Source("transactions", user_columns=("user_id",)), Source("users", ("id",))),
+    # The window (c, as_of] is the whole UTC days dc+1 .. da from txn_buckets, plus the
+    # rows of day dc after c read from the source. A merchant (device) is in the window
+    # when its latest day is after dc (counted by the buckets' *_latest), or is dc and
+    # it has a row after c (the edge). Sums of numerics are exact, and mean and std are
+    # the same numeric divisions Postgres's avg and stddev_pop do on (n, sum, sum of
+    # squares). Keys with rows after as_of never reach this query (see incremental.py).
+    incremental="""
+SELECT ki.tenant_id, ki.user_id,
+       a.n::bigint AS txn_count,
+       a.s::float8 AS txn_sum,
+       round(CASE WHEN a.n > 0 THEN a.s / a.n ELSE 0 END, 4)::float8 AS txn_mean,
+       coalesce(greatest(bk.mx, ed.mx), 0)::float8 AS txn_max,
+       round(CASE WHEN a.n = 0 OR a.n * a.q - a.s * a.s <= 0 THEN 0
+                  ELSE sqrt((a.n * a.q - a.s * a.s) / (a.n * a.n)) END, 4)::float8 AS txn_std,
+       (coalesce(bk.ml, 0) + em.n)::bigint AS distinct_merchants,
+       (coalesce(bk.dl, 0) + ev.n)::bigint AS distinct_devices,
+       greatest(bk.la, ed.la) AS last_txn_at
+FROM ki CROSS JOIN t
+CROSS JOIN LATERAL (SELECT t.as_of - interval '90 days' AS c) w0
+CROSS JOIN LATERAL (SELECT (w0.c AT TIME ZONE 'UTC')::date AS dc,
+                           (t.as_of AT TIME ZONE 'UTC')::date AS da) w1
+CROSS JOIN LATERAL (
+    SELECT sum(b.n) AS n, sum(b.amount_sum) AS s, sum(b.amount_sq) AS q,
+           max(b.amount_max) AS mx, max(b.last_at) AS la,
+           sum(b.merchants_latest) AS ml, sum(b.devices_latest) AS dl
+    FROM txn_buckets b
+    WHERE b.tenant_id = ki.tenant_id AND b.user_id = ki.user_id
+      AND b.day > w1.dc AND b.day <= w1.da
+) bk
+CROSS JOIN LATERAL (
+    SELECT count(*) AS n, sum(x.amount) AS s, sum(x.amount * x.amount) AS q,
+           max(x.amount) AS mx, max(x.created_at) AS la
+    FROM transactions x
+    WHERE x.tenant_id = ki.tenant_id AND x.user_id = ki.user_id
+      AND x.created_at > w0.c AND x.created_at < (w1.dc + 1)::timestamp AT TIME ZONE 'UTC'
+) ed
+CROSS JOIN LATERAL (
+    SELECT count(DISTINCT x.merchant_id) AS n
+    FROM transactions x
+    JOIN txn_bucket_latest l ON l.tenant_id = x.tenant_id AND l.user_id = x.user_id
+     AND l.kind = 'm' AND l.member = x.merchant_id AND l.latest = w1.dc
+    WHERE x.tenant_id = ki.tenant_id AND x.user_id = ki.user_id
+      AND x.created_at > w0.c AND x.created_at < (w1.dc + 1)::timestamp AT TIME ZONE 'UTC'
+) em
+CROSS JOIN LATERAL (
+    SELECT count(DISTINCT x.device_id) AS n
+    FROM transactions x
+    JOIN txn_bucket_latest l ON l.tenant_id = x.tenant_id AND l.user_id = x.user_id
+     AND l.kind = 'd' AND l.member = x.device_id AND l.latest = w1.dc
+    WHERE x.tenant_id = ki.tenant_id AND x.user_id = ki.user_id
+      AND x.created_at > w0.c AND x.created_at < (w1.dc + 1)::timestamp AT TIME ZONE 'UTC'
+) ev
+CROSS JOIN LATERAL (
+    SELECT coalesce(bk.n, 0) + ed.n AS n,
+           coalesce(bk.s, 0) + coalesce(ed.s, 0) AS s,
+           coalesce(bk.q, 0) + coalesce(ed.q, 0) AS q
+) a
+""",
+    path="incremental",
 )
 
 DEVICE_RISK = FeatureSet(
@@ -257,6 +341,13 @@ class Registry:
 
     def fingerprints(self) -> Mapping[str, str]:
         return {name: fs.fingerprint() for name, fs in self._sets.items()}
+
+    def with_paths(self, paths: Mapping[str, Path]) -> Registry:
+        """The same feature sets, with the recompute path of those named in ``paths``
+        overridden (``FRESHLINE_RECOMPUTE_PATHS``); an unknown name is an error."""
+        for name in paths:
+            self[name]  # raises UnknownFeatureSet
+        return Registry(fs.on_path(paths[fs.name]) if fs.name in paths else fs for fs in self)
 
 
 REGISTRY = Registry([TXN_90D, DEVICE_RISK, GEO])

@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     local_cache_size: int = Field(default=0, ge=0)
     subscription_silence_ms: int = Field(default=1000, ge=50, le=60_000)
 
+    recompute_paths: dict[str, Literal["full", "incremental"]] = Field(default_factory=dict)
+    """Per feature set, JSON: ``{"txn_90d": "full"}``; others keep their declared path."""
+
     inference_decimals: int = Field(default=4, ge=0, le=12)
     inference_ttl_s: int = Field(default=3600, ge=1)
 

@@ -1,0 +1,225 @@
+"""Per-user, per-day partial aggregates of ``transactions``, kept by triggers.
+
+What they hold, and why they stay exact, is argued in :mod:`pipeline.cache.incremental`.
+In short: statement-level triggers with transition tables apply every change of
+``transactions`` (INSERT, UPDATE, DELETE, COPY) to the buckets in the same
+transaction, so every snapshot sees a source row and its bucket together or neither;
+a TRUNCATE of ``transactions`` truncates the buckets too.
+
+* ``txn_buckets``: one row per (tenant, user, UTC day): count, sum, sum of squares,
+  max amount, latest ``created_at``, and how many merchants and devices have their
+  latest day here (for exact distinct counts over a window of whole days).
+* ``txn_bucket_members``: one row per (tenant, user, kind, member, day), ``kind`` 'm'
+  for a merchant, 'd' for a device: how many rows of that day name the member.
+* ``txn_bucket_latest``: one row per (tenant, user, kind, member): the latest day the
+  member occurs on. Every change of a member's rows updates this row, which
+  serialises the latest-day bookkeeping per member (a row lock under READ COMMITTED, a
+  serialisation failure under REPEATABLE READ).
+* ``txn_bucket_build``: how far ``freshline buckets build`` has rebuilt existing rows;
+  a database without transactions starts complete.
+
+Revision ID: 0003
+"""
+
+from __future__ import annotations
+
+from alembic import op
+
+revision = "0003"
+down_revision = "0002"
+branch_labels = None
+depends_on = None
+
+_DAY = "(({col}) AT TIME ZONE 'UTC')::date"
+
+# The changed rows of one statement, as weighted rows: +1 per new row, -1 per old row.
+# An UPDATE's unchanged rows (same user, time, amount, merchant, device) cancel out.
+_DELTAS = {
+    "insert": "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, "
+              "1 AS w FROM new_rows",
+    "delete": "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, "
+              "-1 AS w FROM old_rows",
+    "update": "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, "
+              "sum(w)::int AS w FROM ("
+              "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, 1 AS w "
+              "FROM new_rows UNION ALL "
+              "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, -1 "
+              "FROM old_rows) AS u GROUP BY 1, 2, 3, 4, 5, 6 HAVING sum(w) <> 0",
+}
+
+# One statement's changes applied in order; each statement of a VOLATILE function gets
+# a fresh snapshot under READ COMMITTED, so the later ones see the earlier ones.
+_APPLY = """
+CREATE FUNCTION freshline_txn_buckets_{op}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    -- 1. bucket sums; max and latest time only grow here (shrinking is step 2)
+    INSERT INTO txn_buckets AS b (tenant_id, user_id, day, n, amount_sum, amount_sq,
+                                  amount_max, last_at)
+    SELECT tenant_id, user_id, {day}, sum(w), sum(amount * w), sum(amount * amount * w),
+           max(amount) FILTER (WHERE w > 0), max(created_at) FILTER (WHERE w > 0)
+    FROM ({delta}) AS d GROUP BY 1, 2, 3
+    ON CONFLICT (tenant_id, user_id, day) DO UPDATE SET
+        n = b.n + excluded.n,
+        amount_sum = b.amount_sum + excluded.amount_sum,
+        amount_sq = b.amount_sq + excluded.amount_sq,
+        amount_max = greatest(b.amount_max, excluded.amount_max),
+        last_at = greatest(b.last_at, excluded.last_at);
+    -- 2. a removed row that may have been its day's max or latest: read the day again
+    UPDATE txn_buckets AS b SET
+        amount_max = (SELECT max(x.amount) FROM transactions x
+                      WHERE x.tenant_id = b.tenant_id AND x.user_id = b.user_id
+                        AND x.created_at >= b.day::timestamp AT TIME ZONE 'UTC'
+                        AND x.created_at < (b.day + 1)::timestamp AT TIME ZONE 'UTC'),
+        last_at = (SELECT max(x.created_at) FROM transactions x
+                   WHERE x.tenant_id = b.tenant_id AND x.user_id = b.user_id
+                     AND x.created_at >= b.day::timestamp AT TIME ZONE 'UTC'
+                     AND x.created_at < (b.day + 1)::timestamp AT TIME ZONE 'UTC')
+    FROM (SELECT tenant_id, user_id, {day} AS day, max(amount) AS amount,
+                 max(created_at) AS at
+          FROM ({delta}) AS d WHERE w < 0 GROUP BY 1, 2, 3) AS r
+    WHERE b.tenant_id = r.tenant_id AND b.user_id = r.user_id AND b.day = r.day
+      AND (r.amount >= b.amount_max OR r.at >= b.last_at);
+    -- 3. member counts per day
+    INSERT INTO txn_bucket_members AS m (tenant_id, user_id, kind, member, day, n)
+    SELECT tenant_id, user_id, kind, member, day, sum(w) FROM (
+        SELECT tenant_id, user_id, 'm' AS kind, merchant_id AS member, {day} AS day, w
+        FROM ({delta}) AS d
+        UNION ALL
+        SELECT tenant_id, user_id, 'd', device_id, {day}, w
+        FROM ({delta}) AS d WHERE device_id IS NOT NULL) AS e
+    GROUP BY 1, 2, 3, 4, 5 HAVING sum(w) <> 0
+    ON CONFLICT (tenant_id, user_id, kind, member, day) DO UPDATE SET n = m.n + excluded.n;
+    -- 4. lock each changed member's latest-day row (created if new), in key order
+    INSERT INTO txn_bucket_latest AS l (tenant_id, user_id, kind, member)
+    SELECT DISTINCT tenant_id, user_id, kind, member FROM ({members}) AS c
+    ORDER BY 1, 2, 3, 4
+    ON CONFLICT (tenant_id, user_id, kind, member) DO UPDATE SET prev = l.latest;
+    DELETE FROM txn_bucket_members AS m USING ({members}) AS c
+    WHERE m.tenant_id = c.tenant_id AND m.user_id = c.user_id AND m.kind = c.kind
+      AND m.member = c.member AND m.day = c.day AND m.n <= 0;
+    -- 5. with the lock held, every earlier change of the member is visible: re-derive
+    UPDATE txn_bucket_latest AS l SET prev = l.latest,
+        latest = (SELECT max(m.day) FROM txn_bucket_members m
+                  WHERE m.tenant_id = l.tenant_id AND m.user_id = l.user_id
+                    AND m.kind = l.kind AND m.member = l.member AND m.n > 0)
+    FROM (SELECT DISTINCT tenant_id, user_id, kind, member FROM ({members}) AS c) AS c
+    WHERE l.tenant_id = c.tenant_id AND l.user_id = c.user_id AND l.kind = c.kind
+      AND l.member = c.member;
+    -- 6. move each member's "latest here" mark from its old latest day to its new one
+    UPDATE txn_buckets AS b SET
+        merchants_latest = b.merchants_latest + t.merchants,
+        devices_latest = b.devices_latest + t.devices
+    FROM (SELECT tenant_id, user_id, day,
+                 coalesce(sum(d) FILTER (WHERE kind = 'm'), 0) AS merchants,
+                 coalesce(sum(d) FILTER (WHERE kind = 'd'), 0) AS devices
+          FROM (SELECT l.tenant_id, l.user_id, l.kind, l.prev AS day, -1 AS d
+                FROM txn_bucket_latest l
+                JOIN (SELECT DISTINCT tenant_id, user_id, kind, member FROM ({members}) AS c) c
+                  USING (tenant_id, user_id, kind, member)
+                WHERE l.prev IS DISTINCT FROM l.latest AND l.prev IS NOT NULL
+                UNION ALL
+                SELECT l.tenant_id, l.user_id, l.kind, l.latest, 1
+                FROM txn_bucket_latest l
+                JOIN (SELECT DISTINCT tenant_id, user_id, kind, member FROM ({members}) AS c) c
+                  USING (tenant_id, user_id, kind, member)
+                WHERE l.prev IS DISTINCT FROM l.latest AND l.latest IS NOT NULL) AS moves
+          GROUP BY 1, 2, 3) AS t
+    WHERE b.tenant_id = t.tenant_id AND b.user_id = t.user_id AND b.day = t.day;
+    DELETE FROM txn_bucket_latest AS l USING ({members}) AS c
+    WHERE l.tenant_id = c.tenant_id AND l.user_id = c.user_id AND l.kind = c.kind
+      AND l.member = c.member AND l.latest IS NULL;
+    DELETE FROM txn_buckets AS b USING (SELECT DISTINCT tenant_id, user_id, {day} AS day
+                                        FROM ({delta}) AS d) AS c
+    WHERE b.tenant_id = c.tenant_id AND b.user_id = c.user_id AND b.day = c.day
+      AND b.n = 0;
+    RETURN NULL;
+END
+$fn$;
+CREATE TRIGGER txn_buckets_{op} AFTER {event} ON transactions
+    REFERENCING {refs} FOR EACH STATEMENT EXECUTE FUNCTION freshline_txn_buckets_{op}();
+"""
+
+_MEMBERS = ("SELECT tenant_id, user_id, 'm' AS kind, merchant_id AS member, {day} AS day "
+            "FROM ({delta}) AS d UNION ALL "
+            "SELECT tenant_id, user_id, 'd', device_id, {day} FROM ({delta}) AS d "
+            "WHERE device_id IS NOT NULL")
+
+_REFS = {"insert": ("INSERT", "NEW TABLE AS new_rows"),
+         "delete": ("DELETE", "OLD TABLE AS old_rows"),
+         "update": ("UPDATE", "OLD TABLE AS old_rows NEW TABLE AS new_rows")}
+
+
+def apply_functions() -> str:
+    """The three statement triggers' functions and their triggers, as SQL."""
+    parts = []
+    day = _DAY.format(col="created_at")
+    for name, delta in _DELTAS.items():
+        event, refs = _REFS[name]
+        members = _MEMBERS.format(day=day, delta=delta)
+        parts.append(_APPLY.format(op=name, day=day, delta=delta, members=members,
+                                   event=event, refs=refs))
+    return "\n".join(parts)
+
+
+def upgrade() -> None:
+    op.execute(
+        """
+        CREATE TABLE txn_buckets (
+            tenant_id        text NOT NULL,
+            user_id          bigint NOT NULL,
+            day              date NOT NULL,
+            n                bigint NOT NULL,
+            amount_sum       numeric NOT NULL,
+            amount_sq        numeric NOT NULL,
+            amount_max       numeric(12, 2),
+            last_at          timestamptz,
+            merchants_latest integer NOT NULL DEFAULT 0,
+            devices_latest   integer NOT NULL DEFAULT 0,
+            PRIMARY KEY (tenant_id, user_id, day)
+        );
+        CREATE TABLE txn_bucket_members (
+            tenant_id   text NOT NULL,
+            user_id     bigint NOT NULL,
+            kind        text NOT NULL,
+            member      text NOT NULL,
+            day         date NOT NULL,
+            n           integer NOT NULL,
+            PRIMARY KEY (tenant_id, user_id, kind, member, day)
+        );
+        CREATE TABLE txn_bucket_latest (
+            tenant_id   text NOT NULL,
+            user_id     bigint NOT NULL,
+            kind        text NOT NULL,
+            member      text NOT NULL,
+            latest      date,
+            prev        date,
+            PRIMARY KEY (tenant_id, user_id, kind, member)
+        );
+        CREATE TABLE txn_bucket_build (
+            one         boolean PRIMARY KEY DEFAULT true CHECK (one),
+            complete    boolean NOT NULL,
+            tenant_id   text,
+            user_id     bigint
+        );
+        INSERT INTO txn_bucket_build (complete)
+        SELECT NOT EXISTS (SELECT 1 FROM transactions);
+        CREATE FUNCTION freshline_txn_buckets_truncate() RETURNS trigger
+        LANGUAGE plpgsql AS $fn$
+        BEGIN
+            TRUNCATE txn_buckets, txn_bucket_members, txn_bucket_latest;
+            UPDATE txn_bucket_build SET complete = true, tenant_id = NULL, user_id = NULL;
+            RETURN NULL;
+        END
+        $fn$;
+        CREATE TRIGGER txn_buckets_truncate AFTER TRUNCATE ON transactions
+            FOR EACH STATEMENT EXECUTE FUNCTION freshline_txn_buckets_truncate();
+        """
+    )
+    op.execute(apply_functions())
+
+
+def downgrade() -> None:
+    for name in (*_DELTAS, "truncate"):
+        op.execute(f"DROP TRIGGER IF EXISTS txn_buckets_{name} ON transactions")
+        op.execute(f"DROP FUNCTION IF EXISTS freshline_txn_buckets_{name}()")
+    op.execute("DROP TABLE txn_bucket_build, txn_bucket_latest, txn_bucket_members, txn_buckets")

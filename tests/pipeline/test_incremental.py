@@ -1,0 +1,261 @@
+"""The incremental path gives the full path's values, whatever happened to the rows.
+
+All on a private database of this module's own (the build state and TRUNCATE are
+database-wide). The property test drives random sequences of inserts, updates,
+deletes and moves between users through the real triggers, then compares both paths
+value by value, at a fixed ``as_of`` whose window edges the generated times straddle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+import sqlalchemy as sa
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from sqlalchemy.engine import Engine
+
+import migrations
+from pipeline.cache import incremental
+from pipeline.cache.recompute import compute
+from pipeline.core.errors import ConfigError
+from pipeline.core.features import REGISTRY
+from pipeline.core.settings import Settings
+from pipeline.observe.reconcile import reconcile
+from tests.conftest import drop_database, recreate_database
+
+AS_OF = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+EDGE = AS_OF - timedelta(days=90)
+FS = REGISTRY["txn_90d"]
+USERS = (1, 2, 3)
+REVISION = "head"
+_tenants = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def db(base_settings: Settings) -> Iterator[Engine]:
+    name = f"freshline_incremental_{uuid.uuid4().hex[:8]}"
+    url = recreate_database(base_settings, name)
+    migrations.upgrade(url, REVISION)
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    yield engine
+    engine.dispose()
+    drop_database(base_settings, name)
+
+
+def new_tenant() -> str:
+    return f"inc{next(_tenants)}{uuid.uuid4().hex[:6]}"
+
+
+def both(engine: Engine, tenant: str, users: tuple[int, ...] = USERS,
+         as_of: datetime | None = AS_OF) -> tuple[dict[object, object], dict[object, object]]:
+    refs = [(tenant, str(u)) for u in users]
+    with engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
+        full = compute(conn, FS, refs, as_of=as_of, path="full").values
+        inc = compute(conn, FS, refs, as_of=as_of, path="incremental").values
+        conn.rollback()
+    return full, inc
+
+
+def answered_by_buckets(engine: Engine, tenant: str, user: int) -> bool:
+    with engine.connect() as conn:
+        return (tenant, user) in incremental.answered(conn, [(tenant, user)], AS_OF)
+
+
+def insert(engine: Engine, tenant: str, rows: list[tuple[int, datetime, str, str, str | None]]
+           ) -> list[int]:
+    with engine.begin() as conn:
+        return list(conn.execute(sa.text(
+            "INSERT INTO transactions (tenant_id, user_id, created_at, amount, merchant_id, "
+            "device_id) SELECT :t, * FROM unnest(CAST(:u AS bigint[]), "
+            "CAST(:at AS timestamptz[]), CAST(:a AS numeric[]), CAST(:m AS text[]), "
+            "CAST(:d AS text[])) RETURNING id"),
+            {"t": tenant, "u": [r[0] for r in rows], "at": [r[1] for r in rows],
+             "a": [r[2] for r in rows], "m": [r[3] for r in rows],
+             "d": [r[4] for r in rows]}).scalars())
+
+
+# -- the property ---------------------------------------------------------------------
+
+# Times around both edges of the window and the day boundaries next to them, a few in
+# the future, most inside.
+_times = st.one_of(
+    st.integers(-3 * 86400, 100 * 86400).map(lambda s: AS_OF - timedelta(seconds=s)),
+    st.sampled_from([EDGE, EDGE + timedelta(microseconds=1), EDGE - timedelta(microseconds=1),
+                     AS_OF, AS_OF + timedelta(microseconds=1),
+                     datetime(2026, 9, 1, tzinfo=UTC), datetime(2026, 9, 2, tzinfo=UTC),
+                     datetime(2026, 11, 30, tzinfo=UTC)]),
+)
+_amounts = st.decimals(min_value=Decimal("0.01"), max_value=Decimal("999.99"), places=2)
+_row = st.tuples(st.sampled_from(USERS), _times, _amounts.map(str),
+                 st.sampled_from(["m1", "m2", "m3", "m4"]),
+                 st.sampled_from(["d1", "d2", "d3", None]))
+_op = st.one_of(
+    st.tuples(st.just("insert"), st.lists(_row, min_size=1, max_size=4)),
+    st.tuples(st.just("amount"), st.integers(0, 50), _amounts.map(str)),
+    st.tuples(st.just("time"), st.integers(0, 50), _times),
+    st.tuples(st.just("move"), st.integers(0, 50), st.sampled_from(USERS)),
+    st.tuples(st.just("merchant"), st.integers(0, 50), st.sampled_from(["m1", "m5"])),
+    st.tuples(st.just("device"), st.integers(0, 50), st.sampled_from(["d1", "d4", None])),
+    st.tuples(st.just("delete"), st.integers(0, 50)),
+    st.tuples(st.just("delete_user"), st.sampled_from(USERS)),
+    st.tuples(st.just("noop_update"), st.sampled_from(USERS)),
+)
+_UPDATES = {"amount": "amount = CAST(:v AS numeric)", "time": "created_at = :v",
+            "move": "user_id = :v", "merchant": "merchant_id = :v", "device": "device_id = :v"}
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(ops=st.lists(_op, min_size=1, max_size=25))
+def test_incremental_equals_full_after_any_sequence_of_changes(db: Engine, ops: list) -> None:
+    tenant = new_tenant()
+    ids: list[int] = []
+    for op in ops:
+        kind = op[0]
+        if kind == "insert":
+            ids += insert(db, tenant, op[1])
+            continue
+        with db.begin() as conn:
+            if kind == "delete_user":
+                conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t "
+                                     "AND user_id = :u"), {"t": tenant, "u": op[1]})
+            elif kind == "noop_update":
+                conn.execute(sa.text("UPDATE transactions SET status = 'reversed' "
+                                     "WHERE tenant_id = :t AND user_id = :u"),
+                             {"t": tenant, "u": op[1]})
+            elif ids:
+                row = ids[op[1] % len(ids)]
+                if kind == "delete":
+                    conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t "
+                                         "AND id = :id"), {"t": tenant, "id": row})
+                else:
+                    conn.execute(sa.text(f"UPDATE transactions SET {_UPDATES[kind]} "
+                                         "WHERE tenant_id = :t AND id = :id"),
+                                 {"t": tenant, "id": row, "v": op[2]})
+    with db.connect() as conn:
+        answered = incremental.answered(conn, [(tenant, u) for u in USERS], AS_OF)
+    event(f"keys answered by buckets: {len(answered)}/3")
+    full, inc = both(db, tenant)
+    assert inc == full
+    # And with as_of = now (every generated row is in the past then).
+    full_now, inc_now = both(db, tenant, as_of=None)
+    assert inc_now == full_now
+
+
+# -- the cases the property relies on, pinned ---------------------------------------
+
+
+def test_most_users_are_answered_by_buckets_and_a_future_row_falls_back(db: Engine) -> None:
+    tenant = new_tenant()
+    insert(db, tenant, [(1, AS_OF - timedelta(days=3), "10.00", "m1", "d1"),
+                        (2, AS_OF - timedelta(days=3), "10.00", "m1", "d1"),
+                        (2, AS_OF + timedelta(hours=1), "99.00", "m2", None)])
+    assert answered_by_buckets(db, tenant, 1)
+    assert not answered_by_buckets(db, tenant, 2)  # a row after as_of
+    full, inc = both(db, tenant, (1, 2))
+    assert inc == full
+
+
+def test_the_window_max_drops_when_the_max_row_leaves_or_is_deleted(db: Engine) -> None:
+    tenant = new_tenant()
+    day = AS_OF - timedelta(days=10)
+    big, *_ = insert(db, tenant, [(1, day, "500.00", "m1", None),
+                                  (1, day + timedelta(hours=1), "20.00", "m1", None),
+                                  (1, EDGE + timedelta(hours=1), "900.00", "m2", None)])
+    full, inc = both(db, tenant, (1,))
+    assert inc == full and inc[(tenant, "1")]["txn_max"] == 900.0
+    # The 900 row leaves the window as time moves on by two hours.
+    later = AS_OF + timedelta(hours=2)
+    full, inc = both(db, tenant, (1,), as_of=later)
+    assert inc == full and inc[(tenant, "1")]["txn_max"] == 500.0
+    with db.begin() as conn:
+        conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
+                     {"t": tenant, "id": big})
+        bucket_max = conn.execute(sa.text(
+            "SELECT amount_max FROM txn_buckets WHERE tenant_id = :t AND day = :d"),
+            {"t": tenant, "d": day.date()}).scalar_one()
+    assert bucket_max == Decimal("20.00")
+    full, inc = both(db, tenant, (1,), as_of=later)
+    assert inc == full and inc[(tenant, "1")]["txn_max"] == 20.0
+
+
+def test_a_moved_row_leaves_one_users_buckets_for_the_others(db: Engine) -> None:
+    tenant = new_tenant()
+    (row,) = insert(db, tenant, [(1, AS_OF - timedelta(days=1), "42.00", "m9", "d9")])
+    with db.begin() as conn:
+        conn.execute(sa.text("UPDATE transactions SET user_id = 2 WHERE tenant_id = :t "
+                             "AND id = :id"), {"t": tenant, "id": row})
+        left = conn.execute(sa.text(
+            "SELECT count(*) FROM txn_buckets WHERE tenant_id = :t AND user_id = 1"),
+            {"t": tenant}).scalar_one()
+    assert left == 0
+    full, inc = both(db, tenant, (1, 2))
+    assert inc == full
+    assert inc[(tenant, "2")]["distinct_merchants"] == 1
+    assert inc[(tenant, "1")]["txn_count"] == 0
+
+
+def test_build_resumes_after_an_interrupted_batch_and_truncate_empties(
+        base_settings: Settings) -> None:
+    name = f"freshline_incremental_{uuid.uuid4().hex[:8]}"
+    url = recreate_database(base_settings, name)
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        migrations.upgrade(url, "0002")
+        tenant = new_tenant()
+        insert(engine, tenant, [(u, AS_OF - timedelta(days=d), f"{u * d}.25", f"m{d % 3}",
+                                 f"d{u}") for u in range(1, 8) for d in range(1, 95, 7)])
+        migrations.upgrade(url, REVISION)  # rows exist: the build starts incomplete
+        assert incremental.state(engine) == incremental.BuildState(False, None)
+        assert not answered_by_buckets(engine, tenant, 1)
+        built, _ = incremental.build_batch(engine, 3)  # then "interrupted"
+        assert built == 3
+        assert incremental.state(engine).cursor == (tenant, 3)
+        assert answered_by_buckets(engine, tenant, 3)
+        assert not answered_by_buckets(engine, tenant, 4)
+        seen: list[int] = []
+        assert incremental.build(engine, batch=2, progress=seen.append) == 4
+        assert seen == [2, 2] and incremental.state(engine).complete
+        full, inc = both(engine, tenant, tuple(range(1, 8)))
+        assert inc == full
+        with engine.begin() as conn:
+            conn.execute(sa.text("TRUNCATE transactions"))
+            left = conn.execute(sa.text(
+                "SELECT (SELECT count(*) FROM txn_buckets) + (SELECT count(*) FROM "
+                "txn_bucket_members) + (SELECT count(*) FROM txn_bucket_latest)")).scalar_one()
+        assert left == 0
+        insert(engine, tenant, [(1, AS_OF - timedelta(days=1), "5.00", "m1", None)])
+        full, inc = both(engine, tenant, (1,))
+        assert inc == full and inc[(tenant, "1")]["txn_count"] == 1
+    finally:
+        engine.dispose()
+        drop_database(base_settings, name)
+
+
+def test_reconcile_finds_and_repairs_drift(db: Engine) -> None:
+    tenant = new_tenant()
+    insert(db, tenant, [(u, AS_OF - timedelta(days=u), "10.00", "m1", "d1") for u in USERS])
+    with db.begin() as conn:  # drift no trigger would make
+        conn.execute(sa.text("UPDATE txn_buckets SET amount_max = 999 WHERE tenant_id = :t "
+                             "AND user_id = 2"), {"t": tenant})
+    report = reconcile(db, [(tenant, str(u)) for u in USERS], as_of=AS_OF)
+    assert report.checked == 3
+    assert [(m.tenant, m.entity) for m in report.drifted] == [(tenant, "2")]
+    assert report.drifted[0].fields == {"txn_max": (999.0, 10.0)}
+    assert report.repaired == 1
+    again = reconcile(db, [(tenant, str(u)) for u in USERS], as_of=AS_OF)
+    assert again.drifted == []
+
+
+def test_a_feature_set_without_an_incremental_query_refuses_that_path() -> None:
+    with pytest.raises(ConfigError, match="no incremental path"):
+        REGISTRY.with_paths({"device_risk": "incremental"})
+    assert REGISTRY.with_paths({"txn_90d": "full"})["txn_90d"].path == "full"
+    assert REGISTRY["txn_90d"].fingerprint() == \
+        REGISTRY.with_paths({"txn_90d": "full"})["txn_90d"].fingerprint()
