@@ -38,6 +38,7 @@ BENCHMARKS = (
     "seed",
     "recompute",
     "read_path",
+    "reference_app",
     "write_path",
     "cdc_freshness",
     "inference",

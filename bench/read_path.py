@@ -4,95 +4,45 @@ Every candidate reads the same ``txn_90d`` entries (pre-filled for 1,000 users o
 run's data set, in a schema version of its own), cycling through them, at concurrency
 1 and 16 (threads sharing one process, as a scoring service's request threads would):
 
-* ``raw GET`` / ``raw MGET 100``: redis-py on the same keys, the floor;
+* ``raw GET`` / ``raw MGET 100``: redis-py on the same keys, the floor; ``+ decode``
+  adds :func:`pipeline.core.codec.decode_entry` of each value, the Python client's
+  reference;
 * ``client get`` / ``client get_many 100``: :class:`pipeline.cache.client.FeatureClient`
-  (MGET, decode, age);
+  (MGET with the truncate floors, decode, age);
 * ``in-process hit``: the same client with a started :class:`pipeline.cache.local.LocalTier`
   (every read a local hit);
 * ``HTTP GET`` / ``HTTP batch 100``: a real ``freshline serve`` subprocess (granian,
-  2 workers) over keep-alive connections with httpx, one client per thread. The
-  latency includes the Python client's own cost; with ``wrk`` installed (``apt-get
-  install wrk``) the full run also measures the server with a C load generator.
+  2 workers, in-process tier off) over keep-alive httpx connections, one client per
+  thread, beside the same requests to the minimal reference app
+  (:mod:`bench.reference_app`, same granian launch): ``HTTP ... (minimal)``.
 
+The full run then loads the servers with ``wrk`` (:func:`bench.reference_app.compare`)
+and reports each HTTP figure as a ratio to the minimal app's in the same run.
 Candidates of one group run interleaved, round by round.
 """
 
 from __future__ import annotations
 
-import os
-import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import orjson
 
-from bench import common
-from pipeline.api.auth import create_api_key
+from bench import common, reference_app
 from pipeline.cache.client import FeatureClient
 from pipeline.cache.local import LocalTier
-from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
+from pipeline.core.codec import decode_entry
 from pipeline.core.features import REGISTRY
 from pipeline.core.types import EntityRef
 
 FEATURE_SET = "txn_90d"
 ENTITIES = 1000
 BATCH = 100
-SERVER_WORKERS = 2
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def serve(ctx: common.Context, version: int) -> Iterator[str]:
-    """``freshline serve`` on a free port, in a process group of its own; yields its URL."""
-    port = _free_port()
-    env = {**os.environ, "FRESHLINE_POSTGRES_URL": ctx.settings.postgres_url,
-           "FRESHLINE_REDIS_URL": ctx.settings.redis_url,
-           "FRESHLINE_SCHEMA_VERSION": str(version)}
-    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen([FRESHLINE, "serve", "--port", str(port), "--workers",
-                             str(SERVER_WORKERS)], env=env, stdout=log, stderr=log,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise RuntimeError(f"freshline serve did not start: {log.read()[-2000:]!r}")
-            time.sleep(0.1)  # polling for readiness
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-        log.close()
+MINIMAL = " (minimal)"
 
 
 def _cycler(items: list[Any]) -> Callable[[], Any]:
@@ -104,14 +54,16 @@ def _cycler(items: list[Any]) -> Callable[[], Any]:
     return lambda: items[next(counter) % n]
 
 
-def _http_candidates(url: str, key: str, users: list[int]) -> dict[str, Callable[[], Any]]:
+def _http_candidates(url: str, key: str, users: list[int],
+                     suffix: str = "") -> dict[str, Callable[[], Any]]:
     local = threading.local()
     headers = {"Authorization": f"Bearer {key}"}
 
     def client() -> httpx.Client:
-        c = getattr(local, "client", None)
+        c = getattr(local, url, None)
         if c is None:
-            c = local.client = httpx.Client(base_url=url, headers=headers, timeout=10)
+            c = httpx.Client(base_url=url, headers=headers, timeout=10)
+            setattr(local, url, c)
         return c
 
     next_user = _cycler(users)
@@ -130,62 +82,16 @@ def _http_candidates(url: str, key: str, users: list[int]) -> dict[str, Callable
         if r.status_code != 200:
             raise RuntimeError(f"HTTP batch answered {r.status_code}: {r.text[:200]}")
 
-    return {"HTTP GET": get, "HTTP batch 100": batch}
-
-
-_WRK_LATENCY = re.compile(r"^\s+(50|75|90|99)%\s+([\d.]+)(us|ms|s)\s*$", re.M)
-_WRK_RATE = re.compile(r"Requests/sec:\s+([\d.]+)")
-
-
-def _wrk(url: str, key: str, users: list[int], *, batch: bool, concurrency: int,
-         seconds: int) -> dict[str, Any] | None:
-    wrk = shutil.which("wrk")
-    if wrk is None:
-        return None
-    if batch:
-        bodies = [orjson.dumps({"feature_sets": [FEATURE_SET],
-                                "entities": [str(u) for u in users[i:i + BATCH]]}).decode()
-                  for i in range(0, len(users), BATCH)]
-        items = ", ".join(f"'{b}'" for b in bodies)
-        script = (f"local bodies = {{{items}}}\nlocal i = 0\n"
-                  "request = function()\n  i = i % #bodies + 1\n"
-                  "  return wrk.format('POST', '/v1/features/batch?mode=cache-only', "
-                  f"{{['Authorization'] = 'Bearer {key}', ['Content-Type'] = 'application/json'}}, "
-                  "bodies[i])\nend\n")
-    else:
-        ids = ", ".join(str(u) for u in users)
-        script = (f"local ids = {{{ids}}}\nlocal i = 0\n"
-                  "request = function()\n  i = i % #ids + 1\n"
-                  f"  return wrk.format('GET', '/v1/features/{FEATURE_SET}/' .. ids[i] .. "
-                  f"'?mode=cache-only', {{['Authorization'] = 'Bearer {key}'}})\nend\n")
-    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
-        f.write(script)
-    try:
-        threads = 1 if concurrency == 1 else 2
-        out = subprocess.run([wrk, f"-t{threads}", f"-c{concurrency}", f"-d{seconds}s",
-                              "--latency", "-s", f.name, url], capture_output=True, text=True,
-                             timeout=seconds + 30, check=False).stdout
-    finally:
-        os.unlink(f.name)
-    scale = {"us": 1.0, "ms": 1000.0, "s": 1e6}
-    lat = {f"p{p}_us": round(float(v) * scale[u], 1) for p, v, u in _WRK_LATENCY.findall(out)}
-    rate = _WRK_RATE.search(out)
-    non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
-    return {**lat, "ops_per_s": float(rate.group(1)) if rate else None,
-            "errors": int(non2xx.group(1)) if non2xx else 0}
+    return {f"HTTP GET{suffix}": get, f"HTTP batch 100{suffix}": batch}
 
 
 def run(quick: bool) -> dict[str, Any]:
     ctx = common.context(quick)
-    data = ctx.dataset()
-    version = ctx.schema_version()
-    fs = REGISTRY[FEATURE_SET]
-    users = list(range(1, min(ENTITIES, data.users) + 1))
+    version, tenant, api_key, users = reference_app.prepared(ctx)
     store = FeatureStore(ctx.redis, version)
-    for chunk in common.chunks(users, 500):
-        store.write(compute(ctx.engine, fs, [(data.tenant, str(u)) for u in chunk]))
-    keys = [store.key(EntityRef(FEATURE_SET, data.tenant, str(u))) for u in users]
+    keys = [store.key(EntityRef(FEATURE_SET, tenant, str(u))) for u in users]
     payload_bytes = sum(len(ctx.redis.get(k) or b"") for k in keys[:100]) / 100
+    fields = REGISTRY[FEATURE_SET].field_names
 
     r = ctx.new_redis()
     client = FeatureClient(r, version)
@@ -193,11 +99,12 @@ def run(quick: bool) -> dict[str, Any]:
     if not tier.wait_live(10):
         raise RuntimeError("the local tier's invalidation subscription did not come up")
     local_client = FeatureClient(r, version, local=tier)
-    items = [(FEATURE_SET, data.tenant, str(u)) for u in users]
+    items = [(FEATURE_SET, tenant, str(u)) for u in users]
     batches = [items[i:i + BATCH] for i in range(0, len(items), BATCH)]
     key_batches = [keys[i:i + BATCH] for i in range(0, len(keys), BATCH)]
     next_key, next_item = _cycler(keys), _cycler(items)
     next_keys, next_items = _cycler(key_batches), _cycler(batches)
+    next_key_d, next_keys_d = _cycler(keys), _cycler(key_batches)
     next_local = _cycler(items)
     for it in items:  # fill the tier
         local_client.get(*it)
@@ -210,25 +117,36 @@ def run(quick: bool) -> dict[str, Any]:
         if local_client.get(*next_local()) is None:
             raise RuntimeError("unexpected miss")
 
+    def raw_get_decode() -> Any:
+        return decode_entry(r.get(next_key_d()), fields, version)
+
+    def raw_mget_decode() -> Any:
+        return [decode_entry(raw, fields, version) for raw in r.mget(next_keys_d())]
+
     single: dict[str, Callable[[], Any]] = {
         "raw GET": lambda: r.get(next_key()),
+        "raw GET + decode": raw_get_decode,
         "client get": client_get,
         "in-process hit": local_get,
     }
     many: dict[str, Callable[[], Any]] = {
         "raw MGET 100": lambda: r.mget(next_keys()),
+        "raw MGET 100 + decode": raw_mget_decode,
         "client get_many 100": lambda: client.get_many(next_items()),
     }
-    api_key = create_api_key(ctx.engine, data.tenant)
     rounds, calls = (2, 200) if quick else (5, 2000)
     results: dict[str, Any] = {}
-    wrk_results: dict[str, Any] = {}
+    wrk: dict[str, Any] = {}
     try:
-        with serve(ctx, version) as url:
-            http = _http_candidates(url, api_key, users)
-            single["HTTP GET"] = http["HTTP GET"]
-            many["HTTP batch 100"] = http["HTTP batch 100"]
+        with reference_app.serve_freshline(ctx, version) as url, \
+                reference_app.serve_reference(ctx, version, tenant) as ref_url:
+            for http in (_http_candidates(url, api_key, users),
+                         _http_candidates(ref_url, api_key, users, MINIMAL)):
+                get_name, batch_name = list(http)
+                single[get_name] = http[get_name]
+                many[batch_name] = http[batch_name]
             for concurrency in (1, 16):
+                common.note(f"Python candidates at concurrency {concurrency}")
                 c_calls = calls if concurrency == 1 else calls * 2
                 one = common.measure(single, rounds=rounds, calls=c_calls,
                                      concurrency=concurrency)
@@ -236,61 +154,61 @@ def run(quick: bool) -> dict[str, Any]:
                                          concurrency=concurrency,
                                          items=dict.fromkeys(many, BATCH))
                 results[f"c{concurrency}"] = {**one, **hundred}
-            if not quick:
-                for concurrency in (1, 16):
-                    for name, is_batch in (("HTTP GET", False), ("HTTP batch 100", True)):
-                        res = _wrk(url, api_key, users, batch=is_batch, concurrency=concurrency,
-                                   seconds=5)
-                        if res is not None:
-                            wrk_results[f"c{concurrency}:{name}"] = res
+        if shutil.which("wrk"):
+            common.note("wrk against the minimal app and freshline (tier off, tier warm)")
+            w_rounds, w_seconds = (1, 2) if quick else (3, 5)
+            with reference_app.servers(ctx, version, tenant, api_key, users) as urls:
+                wrk = reference_app.compare(urls, api_key, users, rounds=w_rounds,
+                                            seconds=w_seconds)
+            wrk["parameters"] = {"rounds": w_rounds, "seconds": w_seconds,
+                                 "server_workers": reference_app.SERVER_WORKERS}
     finally:
         tier.close()
     tier_stats = {"hits": tier.stats.hits, "misses": tier.stats.misses,
                   "invalidations_seen": tier.stats.invalidations}
-    c1, c16 = results["c1"], results["c16"]
-    wrk16 = wrk_results.get("c16:HTTP GET"), wrk_results.get("c16:HTTP batch 100")
+    ratios = {f"c{c}": _ratios(results[f"c{c}"]) for c in (1, 16)}
+    c1 = results["c1"]
     targets = [
-        common.target("client get p50 / raw GET p50 (c=1)",
-                      common.ratio(c1["client get"]["p50_us"], c1["raw GET"]["p50_us"]),
-                      "<=", 1.5, "x"),
+        common.target("client get p50 - raw GET + decode p50 (c=1)",
+                      round(c1["client get"]["p50_us"] - c1["raw GET + decode"]["p50_us"], 1),
+                      "<=", 25, "µs"),
+        common.target("client get_many(100) / raw MGET 100 + decode, p50 (c=1)",
+                      ratios["c1"]["client_get_many_vs_raw_mget_decode_p50"], "<=", 1.2, "x"),
         common.target("in-process hit p50 (c=1)", c1["in-process hit"]["p50_us"], "<", 20, "µs"),
-        common.target("HTTP GET p99 at c=16 (httpx client)", c16["HTTP GET"]["p99_us"] / 1000,
-                      "<", 2, "ms"),
-        common.target("HTTP batch-100 p99 at c=16 (httpx client)",
-                      c16["HTTP batch 100"]["p99_us"] / 1000, "<", 6, "ms"),
     ]
-    if wrk16[0] and "p99_us" in wrk16[0]:
-        targets.append(common.target("HTTP GET p99 at c=16 (wrk)", wrk16[0]["p99_us"] / 1000,
-                                     "<", 2, "ms"))
-    if wrk16[1] and "p99_us" in wrk16[1]:
-        targets.append(common.target("HTTP batch-100 p99 at c=16 (wrk)",
-                                     wrk16[1]["p99_us"] / 1000, "<", 6, "ms"))
-    ratios = {
-        f"c{c}": {
-            "client_get_vs_raw_get_p50": common.ratio(results[f"c{c}"]["client get"]["p50_us"],
-                                                      results[f"c{c}"]["raw GET"]["p50_us"]),
-            "client_get_many_vs_raw_mget_p50": common.ratio(
-                results[f"c{c}"]["client get_many 100"]["p50_us"],
-                results[f"c{c}"]["raw MGET 100"]["p50_us"]),
-            "http_get_vs_raw_get_p50": common.ratio(results[f"c{c}"]["HTTP GET"]["p50_us"],
-                                                    results[f"c{c}"]["raw GET"]["p50_us"]),
-            "http_batch_vs_raw_mget_p50": common.ratio(
-                results[f"c{c}"]["HTTP batch 100"]["p50_us"],
-                results[f"c{c}"]["raw MGET 100"]["p50_us"]),
-        } for c in (1, 16)
-    }
+    if wrk:
+        targets += reference_app.targets(wrk["ratios"], wrk["figures"])
+    for conc in ("c1", "c16"):
+        common.note(f"{conc}: " + ", ".join(f"{k} {v}x" for k, v in ratios[conc].items()))
+    if wrk:
+        reference_app.print_ratios(wrk["ratios"])
     plots = _plot(results)
     return {
         "parameters": {"feature_set": FEATURE_SET, "entities": len(users), "batch": BATCH,
                        "rounds": rounds, "calls_per_round_c1": calls,
-                       "server_workers": SERVER_WORKERS, "payload_bytes_mean": payload_bytes,
-                       "http_mode": "cache-only", "wrk": shutil.which("wrk") is not None},
+                       "server_workers": reference_app.SERVER_WORKERS,
+                       "payload_bytes_mean": payload_bytes, "http_mode": "cache-only",
+                       "wrk": shutil.which("wrk") is not None},
         "results": results,
         "ratios": ratios,
-        "wrk": wrk_results,
+        "wrk": wrk,
         "local_tier": tier_stats,
         "plots": plots,
         "targets": targets,
+    }
+
+
+def _ratios(res: dict[str, Any]) -> dict[str, float | None]:
+    """p50 ratios: the client to raw redis-py, HTTP to the minimal app."""
+    def p50(a: str, b: str) -> float | None:
+        return common.ratio(res[a]["p50_us"], res[b]["p50_us"])
+
+    return {
+        "client_get_vs_raw_get_decode_p50": p50("client get", "raw GET + decode"),
+        "client_get_many_vs_raw_mget_decode_p50": p50("client get_many 100",
+                                                      "raw MGET 100 + decode"),
+        "http_get_vs_minimal_p50": p50("HTTP GET", f"HTTP GET{MINIMAL}"),
+        "http_batch_vs_minimal_p50": p50("HTTP batch 100", f"HTTP batch 100{MINIMAL}"),
     }
 
 
@@ -323,9 +241,10 @@ def markdown(res: dict[str, Any]) -> str:
         f"bytes each), {p['rounds']} interleaved rounds, {p['calls_per_round_c1']:,} calls per "
         "candidate per round at c=1 (twice that at c=16; a fifth for batches). Latency per "
         f"call in µs; ops/s is calls per second of wall time. HTTP: `freshline serve` with "
-        f"granian, {p['server_workers']} workers, `mode=cache-only` (every read a hit), "
-        "keep-alive httpx clients in the same process as the other candidates, so their "
-        "latency includes the Python client's own cost.",
+        f"granian, {p['server_workers']} workers, in-process tier off, `mode=cache-only` "
+        "(every read a hit), and the minimal reference app (Starlette + redis.asyncio, "
+        "same granian launch), with keep-alive httpx clients in the same process as the "
+        "other candidates, so their latency includes the Python client's own cost.",
         "",
     ]
     for conc in ("c1", "c16"):
@@ -335,44 +254,16 @@ def markdown(res: dict[str, Any]) -> str:
                   common.table(["candidate", "p50 µs", "p90 µs", "p99 µs", "calls/s",
                                 "entities/s"], rows), ""]
         rr = res["ratios"][conc]
-        lines += [f"Ratios at c={conc[1:]} (p50): client get / raw GET "
-                  f"**{rr['client_get_vs_raw_get_p50']}x**; client get_many(100) / raw MGET(100) "
-                  f"**{rr['client_get_many_vs_raw_mget_p50']}x**; HTTP GET / raw GET "
-                  f"{rr['http_get_vs_raw_get_p50']}x; HTTP batch / raw MGET "
-                  f"{rr['http_batch_vs_raw_mget_p50']}x.", ""]
+        lines += [f"Ratios at c={conc[1:]} (p50): client get / raw GET + decode "
+                  f"**{rr['client_get_vs_raw_get_decode_p50']}x**; client get_many(100) / "
+                  f"raw MGET(100) + decode **{rr['client_get_many_vs_raw_mget_decode_p50']}x**;"
+                  f" HTTP GET / minimal app {rr['http_get_vs_minimal_p50']}x; HTTP batch / "
+                  f"minimal app {rr['http_batch_vs_minimal_p50']}x.", ""]
     if res["wrk"]:
-        rows = [(name, r.get("p50_us"), r.get("p90_us"), r.get("p99_us"), r.get("ops_per_s"),
-                 r.get("errors"))
-                for name, r in res["wrk"].items()]
-        lines += ["The server measured with `wrk` (C load generator, 5 s each; no Python "
-                  "client cost):", "",
-                  common.table(["concurrency:endpoint", "p50 µs", "p90 µs", "p99 µs", "req/s",
-                                "non-2xx"], rows), ""]
+        lines += ["The servers measured with `wrk` (a C load generator; no Python client "
+                  "cost):", ""]
+        lines += reference_app.section(res["wrk"])
     for plot in res.get("plots", []):
         lines += [f"![read path latency]({plot})", ""]
-    lines += [_why_http(res), "", common.targets_table(res["targets"])]
+    lines += [common.targets_table(res["targets"])]
     return "\n".join(lines)
-
-
-def _why_http(res: dict[str, Any]) -> str:
-    """What bounds the HTTP latency at concurrency 16, from this run's own figures."""
-    wrk = res.get("wrk") or {}
-    single = wrk.get("c16:HTTP GET") or {}
-    one = wrk.get("c1:HTTP GET") or {}
-    rate = single.get("ops_per_s") or res["results"]["c16"]["HTTP GET"]["ops_per_s"]
-    if not rate:
-        return ""
-    mean_ms = 16 / rate * 1000
-    text = (f"On HTTP at concurrency 16: with 16 requests always in flight, Little's law "
-            f"makes the mean latency 16 / throughput; this server answered {rate:,.0f} "
-            f"single GETs/s, so the mean is {mean_ms:.1f} ms and p99 under 2 ms would need "
-            f"over 8,000 requests/s from {res['parameters']['server_workers']} Python "
-            "workers on a machine whose CPUs the load generator (and, here, other "
-            "engineers' runs) share.")
-    if one.get("p50_us"):
-        text += (f" Alone (concurrency 1) a cache-only GET costs {one['p50_us'] / 1000:.2f} ms "
-                 f"at p50 on the server, against {res['results']['c1']['raw GET']['p50_us']:.0f}"
-                 " µs for the raw Redis GET it wraps: the per-request cost of the app "
-                 "(auth, thread-pool hop, version resolution, metrics, JSON) is "
-                 "what a faster server would have to cut.")
-    return text

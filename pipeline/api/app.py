@@ -7,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import redis
+import redis.asyncio
 from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
 from starlette.routing import Route
@@ -30,6 +31,8 @@ from pipeline.observe.staleness import GroupLag
 from pipeline.observe.status import Observer, SampledMetrics, StatusBoard
 
 log = logging.getLogger(__name__)
+
+HOT_FLUSH_S = 1.0
 
 ROUTES = [
     Route("/v1/features/batch", routes.batch, methods=["POST"]),
@@ -78,9 +81,10 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
     store = FeatureStore(client, settings.schema_version, registry=registry,
                          tombstone_ttl_s=settings.tombstone_ttl_s)
     versions = VersionResolver(client, settings) if follow_deploys else None
+    # Sampled reads gather in memory and are flushed in the background: no round trip.
+    hot = HotReads(client, flush_s=HOT_FLUSH_S) if follow_deploys else None
     readthrough = ReadThrough(store, engine, lease_ms=settings.lease_ms,
-                              wait_ms=settings.read_wait_ms, versions=versions,
-                              hot=HotReads(client) if follow_deploys else None)
+                              wait_ms=settings.read_wait_ms, versions=versions, hot=hot)
     services = routes.Services(
         settings=settings,
         redis=client,
@@ -113,6 +117,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
                         "was not checked", exc)
         if owned_local and local is not None:
             local.start()
+        # Made here, on the loop that serves: an asyncio client belongs to one loop.
+        services.reader.aredis = async_twin(client)
         if versions is not None:
             versions.listen()
         stop_timing = metrics.time_feature_queries(engine, registry)
@@ -121,6 +127,11 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
             yield
         finally:
             board.close()
+            aredis, services.reader.aredis = services.reader.aredis, None
+            if aredis is not None:
+                await aredis.aclose()
+            if hot is not None:
+                hot.close()
             semantic.close()
             stop_timing()
             if versions is not None:
@@ -139,6 +150,22 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
     app.state.semantic = semantic
     app.state.sampled_metrics = SampledMetrics(observer)
     return app
+
+
+def async_twin(client: redis.Redis) -> redis.asyncio.Redis:
+    """An asyncio client to the server ``client`` talks to, with its timeouts.
+
+    hiredis, a dependency, parses its replies.
+    """
+    kwargs = client.connection_pool.connection_kwargs
+    common = {k: kwargs[k] for k in ("db", "username", "password", "socket_timeout",
+                                     "socket_connect_timeout", "client_name")
+              if k in kwargs}
+    if "path" in kwargs:  # a Unix socket
+        return redis.asyncio.Redis(unix_socket_path=kwargs["path"], **common)
+    ssl = issubclass(client.connection_pool.connection_class, redis.SSLConnection)
+    return redis.asyncio.Redis(host=kwargs.get("host", "localhost"),
+                               port=kwargs.get("port", 6379), ssl=ssl, **common)
 
 
 def app_from_env() -> Starlette:

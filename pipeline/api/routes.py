@@ -1,7 +1,8 @@
 """The endpoints. Each is a few lines: authenticate, validate, read, answer.
 
-Blocking work (Redis, Postgres, the model) runs in Starlette's thread pool, so the
-event loop only parses, validates and serialises.
+Feature hits are read on the event loop with the asyncio Redis client; other blocking
+work (misses that reach Postgres, the model, auth lookups) runs in Starlette's thread
+pool.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ async def get_features(request: Request) -> Response:
     mode = mode_of(request)
     ref = EntityRef(feature_set, tenant, entity)
     started = time.perf_counter()
-    answers = svc.reader.cached([ref])
+    answers = await svc.reader.cached([ref], mode)
     if answers is None:
         answers = await run_in_threadpool(svc.reader.read, [ref], mode)
     [answer] = answers
@@ -190,7 +191,7 @@ async def batch(request: Request) -> Response:
     request.state.feature_set = "*"
     ids = [parse_entity(e) for e in entities]
     refs = [EntityRef(fs, tenant, e) for e in ids for fs in feature_sets]
-    answers = svc.reader.cached(refs)
+    answers = await svc.reader.cached(refs, mode)
     if answers is None:
         answers = await run_in_threadpool(svc.reader.read, refs, mode)
     metrics.record_answers(answers)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import redis
 
@@ -27,9 +26,11 @@ if TYPE_CHECKING:
     from pipeline.core.settings import Settings
 
 
-@dataclass(frozen=True, slots=True)
-class Features:
-    """One entity's features as served: values, age and the schema version."""
+class Features(NamedTuple):
+    """One entity's features as served: values, age and the schema version.
+
+    A named tuple: of the objects a read makes per entity, the cheapest to build.
+    """
 
     feature_set: str
     tenant: str
@@ -49,7 +50,8 @@ class FeatureClient:
     With ``versions`` (see :meth:`following`) each call reads the version the
     resolver names at its start, decoded with that version's locked field list, so
     the client follows a deploy flip without a restart and no answer mixes versions.
-    With ``hot``, reads are sampled into the per-entity counters that warming uses.
+    With ``hot``, reads are sampled into the per-entity counters that warming uses
+    (:meth:`following` flushes them in the background, so sampling costs no round trip).
     """
 
     def __init__(self, client: redis.Redis, schema_version: int, *,
@@ -76,14 +78,16 @@ class FeatureClient:
         versions = VersionResolver(client, settings)
         if listen:
             versions.listen()
-        return cls(client, settings.schema_version, versions=versions, hot=HotReads(client))
+        return cls(client, settings.schema_version, versions=versions,
+                   hot=HotReads(client, flush_s=1.0))
 
     def get(self, feature_set: str, tenant: str, entity: str | int) -> Features | None:
         return self.get_many([(feature_set, tenant, entity)])[0]
 
     def get_many(self, items: Sequence[tuple[str, str, str | int]]) -> list[Features | None]:
         """All ``items`` in one MGET, in order; ``None`` marks a miss."""
-        refs = [EntityRef(fs, tenant, str(entity)) for fs, tenant, entity in items]
+        refs = [EntityRef(fs, tenant, entity if type(entity) is str else str(entity))
+                for fs, tenant, entity in items]
         store = self._store_for_call()
         entries = self._read(refs, store)
         if self.hot is not None:

@@ -1,49 +1,126 @@
-"""Hot-read sampling: which entities readers ask for most, so a deploy warms them first."""
+"""Hot-read sampling: which entities readers ask for most, so a deploy warms them first.
+
+Reads are sampled into memory and flushed to Redis in one pipelined round trip, by a
+background thread every ``flush_s`` (the API and the following client), so sampling
+adds no round trip to a read; without ``flush_s`` each :meth:`HotReads.record` flushes
+at once. Each flush trims every sorted set it touched to its ``max_entities``
+highest scores, so ids that readers make up cannot grow a set without bound.
+"""
 
 from __future__ import annotations
 
+import logging
 import random
+import threading
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 import redis
 
+from pipeline.core.errors import InvalidId
 from pipeline.core.keys import hot_key
 from pipeline.core.types import EntityRef, text
 
 HOT_SAMPLE: Final = 16
 HOT_TTL_S: Final = 24 * 3600
+HOT_MAX_ENTITIES: Final = 10_000
+
+log = logging.getLogger(__name__)
+
+_Set = tuple[int, str, str]  # (schema version, feature set, tenant): one sorted set
 
 
 class HotReads:
-    """Sampled read counts per entity: one read in ``sample`` does a ZINCRBY.
+    """Sampled read counts per entity: one read in ``sample`` is counted.
 
     Counts go to ``hot:<version>:<feature_set>:<tenant>`` (a sorted set whose TTL is
-    renewed on each sample), weighted by ``sample`` so the scores estimate reads.
+    renewed on each flush), weighted by ``sample`` so the scores estimate reads; each
+    set keeps its ``max_entities`` highest scores. With ``flush_s`` the counts gather
+    in memory and a daemon thread flushes them; :meth:`close` stops it after a last
+    flush.
     """
 
     def __init__(self, client: redis.Redis, *, sample: int = HOT_SAMPLE,
-                 ttl_s: int = HOT_TTL_S, rng: Callable[[], float] = random.random) -> None:
+                 ttl_s: int = HOT_TTL_S, max_entities: int = HOT_MAX_ENTITIES,
+                 flush_s: float | None = None,
+                 rng: Callable[[], float] = random.random) -> None:
         if sample < 1:
             raise ValueError(f"sample must be at least 1, got {sample}")
+        if max_entities < 1:
+            raise ValueError(f"max_entities must be at least 1, got {max_entities}")
+        if flush_s is not None and flush_s <= 0:
+            raise ValueError(f"flush_s must be positive, got {flush_s}")
         self.redis = client
         self.sample = sample
         self.ttl_s = ttl_s
+        self.max_entities = max_entities
+        self.flush_s = flush_s
         self.rng = rng
+        self._pending: defaultdict[_Set, Counter[str]] = defaultdict(Counter)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def record(self, version: int, refs: Sequence[EntityRef]) -> None:
-        picked = [r for r in refs if self.sample == 1 or self.rng() * self.sample < 1]
+        """Count a sample of ``refs``; no Redis call when flushing in the background."""
+        sample, rng = self.sample, self.rng
+        picked = refs if sample == 1 else [r for r in refs if rng() * sample < 1]
         if not picked:
             return
+        with self._lock:
+            for ref in picked:
+                self._pending[(version, ref.feature_set, ref.tenant)][ref.entity] += sample
+        if self.flush_s is None:
+            self.flush()
+        elif self._thread is None:
+            self._start()
+
+    def flush(self) -> None:
+        """Write the counts gathered so far, in one pipelined round trip."""
+        with self._lock:
+            pending, self._pending = self._pending, defaultdict(Counter)
+        if not pending:
+            return
         pipe = self.redis.pipeline(transaction=False)
-        keys: set[str] = set()
-        for ref in picked:
-            key = hot_key(version, ref.feature_set, ref.tenant)
-            pipe.zincrby(key, self.sample, ref.entity)
-            keys.add(key)
-        for key in keys:
+        for (version, feature_set, tenant), counts in pending.items():
+            try:
+                key = hot_key(version, feature_set, tenant)
+            except InvalidId:  # a read that was refused: nothing to count
+                continue
+            for entity, score in counts.items():
+                pipe.zincrby(key, score, entity)
+            pipe.zremrangebyrank(key, 0, -self.max_entities - 1)
             pipe.expire(key, self.ttl_s)
         pipe.execute()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None or self._stop.is_set():
+                return
+            self._thread = threading.Thread(target=self._run, name="freshline-hot-reads",
+                                            daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        interval = self.flush_s or 1.0
+        while not self._stop.wait(interval):
+            self._flush_logged()
+
+    def _flush_logged(self) -> None:
+        try:
+            self.flush()
+        except (redis.RedisError, OSError) as exc:
+            # A sample, not a record: losing one interval's counts only blurs the ranking.
+            log.warning("hot-read counts not flushed (%s); dropped", exc)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the flushing thread, then flush what is left."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        self._flush_logged()
 
     def top(self, version: int, feature_set: str, tenants: Iterable[str],
             n: int) -> list[tuple[str, str]]:

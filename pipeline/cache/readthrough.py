@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 Source = Literal["hit", "computed", "waited", "uncached"]
 Hook = Callable[[list[EntityRef]], None]
 XFETCH_BETA = 1.0
+_MIN_DRAW = 1e-12
+_MAX_LOG = -math.log(_MIN_DRAW)  # the largest gap is delta * beta * this
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,9 +148,11 @@ class ReadThrough:
         if not self.early_refresh:
             return False
         ttl_ms = self.store.registry[ref.feature_set].ttl_s * 1000
-        delta = self.counters.compute_ms.get(ref.feature_set, 5.0)
+        delta = self.counters.compute_ms.get(ref.feature_set, 5.0) * XFETCH_BETA
         expiry = entry.computed_at_ms + ttl_ms * 0.9  # the shortest jittered TTL
-        gap = -delta * XFETCH_BETA * math.log(random.random() or 1e-12)
+        if now + delta * _MAX_LOG < expiry:
+            return False  # no draw could reach expiry: spare the random number
+        gap = -delta * math.log(random.random() or _MIN_DRAW)
         return now + gap >= expiry
 
     def _resolve(self, misses: list[EntityRef],

@@ -35,7 +35,7 @@ from pipeline.cache.recompute import Batch
 from pipeline.core.codec import decode_entry, encode_entry, encode_tombstone, watermark_hex
 from pipeline.core.errors import ConfigError
 from pipeline.core.features import REGISTRY, FeatureSet, Registry
-from pipeline.core.keys import feature_key, floor_key, lease_key
+from pipeline.core.keys import feature_key, feature_keys, floor_key, lease_key
 from pipeline.core.types import EntityRef, Entry, Watermark, text
 
 # KEYS[1] entry, KEYS[2] lease, KEYS[3] floor; ARGV[1] encoded entry or tombstone,
@@ -167,6 +167,7 @@ class FeatureStore:
         self._write = client.register_script(_WRITE_LUA)
         self._lease = client.register_script(_LEASE_LUA)
         self._floor = client.register_script(_FLOOR_LUA)
+        self._fields: dict[str, tuple[str, ...]] = {}  # per feature set, built once
 
     def key(self, ref: EntityRef, schema_version: int | None = None) -> str:
         self.registry[ref.feature_set]
@@ -176,12 +177,35 @@ class FeatureStore:
         """One MGET for all ``refs``; ``None`` where missing or a tombstone."""
         if not refs:
             return []
-        keys = [self.key(r) for r in refs]
-        sets = list(dict.fromkeys(r.feature_set for r in refs))
-        raws = self.redis.mget(keys + [floor_key(self.schema_version, s) for s in sets])
-        floors = dict(zip(sets, raws[len(keys):], strict=True))
-        return [self._live(self._decode(r.feature_set, raw), floors[r.feature_set])
-                for r, raw in zip(refs, raws[:len(keys)], strict=True)]
+        return self.entries(refs, self.redis.mget(self.read_keys(refs)))
+
+    def read_keys(self, refs: Sequence[EntityRef]) -> list[str]:
+        """What :meth:`read` fetches in its MGET: each ref's key, then each set's floor.
+
+        For a caller with a client of its own (the API's asyncio one): MGET these, then
+        :meth:`entries` turns the replies into what :meth:`read` would answer.
+        """
+        version = self.schema_version
+        keys = feature_keys(version, refs)
+        for name in dict.fromkeys(r.feature_set for r in refs):
+            keys.append(floor_key(version, self.registry[name].name))
+        return keys
+
+    def entries(self, refs: Sequence[EntityRef],
+                raws: Sequence[bytes | str | None]) -> list[Entry | None]:
+        """The entries of ``refs`` from the MGET of :meth:`read_keys`.
+
+        ``None`` where missing, a tombstone, or below its feature set's floor.
+        """
+        n = len(refs)
+        floors = dict(zip(dict.fromkeys(r.feature_set for r in refs), raws[n:], strict=True))
+        decode = self._decode
+        out: list[Entry | None] = []
+        for r, raw in zip(refs, raws[:n], strict=True):
+            entry = None if raw is None else decode(r.feature_set, raw)
+            floor = floors[r.feature_set]
+            out.append(entry if floor is None else self._live(entry, floor))
+        return out
 
     @staticmethod
     def _live(entry: Entry | None, floor: bytes | str | None) -> Entry | None:
@@ -195,8 +219,10 @@ class FeatureStore:
             return None
         if isinstance(raw, str):
             raw = raw.encode()
-        fs = self.registry[feature_set]
-        return decode_entry(raw, fs.field_names, self.schema_version)
+        fields = self._fields.get(feature_set)
+        if fields is None:
+            fields = self._fields[feature_set] = self.registry[feature_set].field_names
+        return decode_entry(raw, fields, self.schema_version)
 
     def lease(self, refs: Sequence[EntityRef], token: str, lease_ms: int,
               refresh: Sequence[bool]) -> list[tuple[int, Entry | None]]:

@@ -43,11 +43,7 @@ def serve(
                   f"{workers} worker(s)")
     try:
         if server == "granian":
-            from granian.constants import Interfaces
-            from granian.server import Server as Granian
-
-            Granian("pipeline.api:app_from_env", address=host, port=port, workers=workers,
-                    interface=Interfaces.ASGI, factory=True, log_access=False).serve()
+            run_granian("pipeline.api:app_from_env", host, port, workers)
         else:
             try:
                 import uvicorn
@@ -59,6 +55,19 @@ def serve(
     finally:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def run_granian(target: str, host: str, port: int, workers: int) -> None:
+    """Serve the ASGI app factory ``target`` with granian, as ``freshline serve`` does.
+
+    The benchmarks launch their minimal reference app through this too, so both
+    servers run with the same settings.
+    """
+    from granian.constants import Interfaces
+    from granian.server import Server as Granian
+
+    Granian(target, address=host, port=port, workers=workers, interface=Interfaces.ASGI,
+            factory=True, log_access=False).serve()
 
 
 @tenants_app.command("create")

@@ -13,6 +13,7 @@ reach a key: see :func:`validate_id`.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from pipeline.core.errors import InvalidId
 from pipeline.core.types import EntityRef
@@ -63,6 +64,20 @@ def feature_key(schema_version: int, ref: EntityRef) -> str:
     tenant = validate_id("tenant", ref.tenant)
     entity = validate_id("entity", ref.entity)
     return f"{FEATURE_PREFIX}:{schema_version}:{ref.feature_set}:{entity_tag(tenant, entity)}"
+
+
+def feature_keys(schema_version: int, refs: Iterable[EntityRef]) -> list[str]:
+    """:func:`feature_key` of each ref, validating each tenant once per call."""
+    heads: dict[tuple[str, str], str] = {}
+    out: list[str] = []
+    for ref in refs:
+        head = heads.get((ref.feature_set, ref.tenant))
+        if head is None:
+            tenant = validate_id("tenant", ref.tenant)
+            head = heads[(ref.feature_set, ref.tenant)] = (
+                f"{FEATURE_PREFIX}:{schema_version}:{ref.feature_set}:{{{tenant}:")
+        out.append(f"{head}{validate_id('entity', ref.entity)}}}")
+    return out
 
 
 def parse_feature_key(key: str | bytes) -> tuple[int, EntityRef]:

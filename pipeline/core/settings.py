@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     api_port: int = Field(default=8000, ge=1, le=65535)
     api_batch_limit: int = Field(default=500, ge=1)
     api_body_limit_bytes: int = Field(default=1_000_000, ge=1024)
-    local_cache_size: int = Field(default=0, ge=0)
+    local_cache_size: int = Field(default=100_000, ge=0)
     subscription_silence_ms: int = Field(default=1000, ge=50, le=60_000)
 
     recompute_paths: dict[str, Literal["full", "incremental"]] = Field(default_factory=dict)

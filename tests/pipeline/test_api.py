@@ -77,6 +77,7 @@ def api_settings(settings: Settings) -> Settings:
         "schema_version": fresh_version(),
         "api_batch_limit": 12,
         "api_body_limit_bytes": 2048,
+        "local_cache_size": 0,  # the Redis path; the tier's tests turn it on
     })
 
 

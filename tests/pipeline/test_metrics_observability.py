@@ -51,7 +51,8 @@ def metric(text: str, name: str, /, **labels: str) -> float:
 @pytest.fixture
 def obs_settings(settings: Settings) -> Settings:
     return settings.model_copy(update={"schema_version": fresh_version(),
-                                       "consumer_metrics_port": 0})
+                                       "consumer_metrics_port": 0,
+                                       "local_cache_size": 0})  # counts Redis hits
 
 
 @pytest.fixture

@@ -1,0 +1,346 @@
+"""The HTTP floor: a minimal Starlette + redis.asyncio app, measured beside freshline.
+
+The reference answers the read API's two feature requests with nothing but the Redis
+call: ``GET /v1/features/{feature_set}/{entity_id}`` does one GET and ``POST
+/v1/features/batch`` one MGET of the body's entities. No auth, no validation, no
+decoding: it returns the stored JSON as is. Served by the same granian launch as
+``freshline serve`` (:func:`pipeline.cli.serve.run_granian`, the same workers), it is
+what a Python ASGI server does on this machine against this Redis, so every HTTP
+figure of freshline is reported as a ratio to it, measured in the same run.
+
+freshline runs twice: with the in-process tier off (every read a Redis round trip)
+and on, warm (no round trip). ``wrk`` (``apt-get install wrk``) loads every server
+for a few seconds per figure, in interleaved rounds; figures are medians over rounds
+and each ratio the median of the rounds' ratios.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from bench import common
+
+FEATURE_SET = "txn_90d"
+ENTITIES = 1000
+BATCH = 100
+SERVER_WORKERS = 2
+FRESHLINE = str(Path(sys.executable).with_name("freshline"))
+HEADER = 31  # tag + watermark ahead of an entry's JSON (pipeline.core.codec.HEADER)
+SERVERS = ("minimal", "freshline", "freshline+tier")
+ENDPOINTS = ("GET", "batch 100")
+
+
+# -- the minimal app -------------------------------------------------------------------
+
+def app_from_env() -> Any:
+    """The reference app; ``BENCH_REFERENCE_REDIS_URL`` and ``_PREFIX`` from the launcher.
+
+    ``_PREFIX`` is the feature key up to the entity: ``feat:<v>:<set>:{<tenant>:``.
+    """
+    import redis.asyncio as aioredis
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    url = os.environ["BENCH_REFERENCE_REDIS_URL"]
+    prefix = os.environ["BENCH_REFERENCE_PREFIX"]
+    client = aioredis.Redis.from_url(url)
+
+    async def get(request: Request) -> Response:
+        raw = await client.get(f"{prefix}{request.path_params['entity_id']}}}")
+        if raw is None:
+            return Response(b'{"error":"miss"}', status_code=404,
+                            media_type="application/json")
+        return Response(raw[HEADER:], media_type="application/json")
+
+    async def mget(request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        raws: list[Any] = await client.mget([f"{prefix}{e}}}"
+                                                      for e in body["entities"]])
+        out = b",".join(b"null" if r is None else r[HEADER:] for r in raws)
+        return Response(b"[" + out + b"]", media_type="application/json")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    return Starlette(routes=[Route("/v1/features/batch", mget, methods=["POST"]),
+                             Route("/v1/features/{feature_set}/{entity_id}", get)],
+                     lifespan=lifespan)
+
+
+# -- servers ---------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def launch(argv: list[str], env: dict[str, str], port: int, ready: str) -> Iterator[str]:
+    """Run ``argv`` in a process group of its own until ``ready`` answers; yields the URL."""
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=log,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}{ready}", timeout=1).status_code < 500:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                raise RuntimeError(f"{argv[0]} did not start: {log.read()[-2000:]!r}")
+            time.sleep(0.1)  # polling for readiness
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        log.close()
+
+
+def serve_freshline(ctx: common.Context, version: int, *,
+                    local_cache_size: int = 0) -> contextlib.AbstractContextManager[str]:
+    """``freshline serve`` on a free port; yields its URL."""
+    port = free_port()
+    env = {"FRESHLINE_POSTGRES_URL": ctx.settings.postgres_url,
+           "FRESHLINE_REDIS_URL": ctx.settings.redis_url,
+           "FRESHLINE_SCHEMA_VERSION": str(version),
+           "FRESHLINE_LOCAL_CACHE_SIZE": str(local_cache_size)}
+    return launch([FRESHLINE, "serve", "--port", str(port), "--workers", str(SERVER_WORKERS)],
+                  env, port, "/readyz")
+
+
+def serve_reference(ctx: common.Context, version: int,
+                    tenant: str) -> contextlib.AbstractContextManager[str]:
+    """The minimal app on a free port, launched as ``freshline serve`` launches the API."""
+    port = free_port()
+    env = {"BENCH_REFERENCE_REDIS_URL": ctx.settings.redis_url,
+           "BENCH_REFERENCE_PREFIX": f"feat:{version}:{FEATURE_SET}:{{{tenant}:"}
+    code = ("from pipeline.cli.serve import run_granian; "
+            f"run_granian('bench.reference_app:app_from_env', '127.0.0.1', {port}, "
+            f"{SERVER_WORKERS})")
+    return launch([sys.executable, "-c", code], env, port, "/v1/features/x/0")
+
+
+# -- wrk -------------------------------------------------------------------------------
+
+_WRK_LATENCY = re.compile(r"^\s+(50|75|90|99)%\s+([\d.]+)(us|ms|s)\s*$", re.M)
+_WRK_RATE = re.compile(r"Requests/sec:\s+([\d.]+)")
+
+
+def wrk_script(key: str, users: list[int], *, batch: bool) -> str:
+    """A Lua script cycling through ``users`` (or batches of them) in cache-only mode."""
+    if batch:
+        bodies = [orjson.dumps({"feature_sets": [FEATURE_SET],
+                                "entities": [str(u) for u in users[i:i + BATCH]]}).decode()
+                  for i in range(0, len(users), BATCH)]
+        items = ", ".join(f"'{b}'" for b in bodies)
+        return (f"local bodies = {{{items}}}\nlocal i = 0\n"
+                "request = function()\n  i = i % #bodies + 1\n"
+                "  return wrk.format('POST', '/v1/features/batch?mode=cache-only', "
+                f"{{['Authorization'] = 'Bearer {key}', "
+                "['Content-Type'] = 'application/json'}, bodies[i])\nend\n")
+    ids = ", ".join(str(u) for u in users)
+    return (f"local ids = {{{ids}}}\nlocal i = 0\n"
+            "request = function()\n  i = i % #ids + 1\n"
+            f"  return wrk.format('GET', '/v1/features/{FEATURE_SET}/' .. ids[i] .. "
+            f"'?mode=cache-only', {{['Authorization'] = 'Bearer {key}'}})\nend\n")
+
+
+def wrk(url: str, script: str, *, concurrency: int, seconds: float) -> dict[str, Any]:
+    """One wrk run: p50/p75/p90/p99 in µs, requests/s and non-2xx responses."""
+    exe = shutil.which("wrk")
+    if exe is None:
+        raise RuntimeError("wrk is not installed (apt-get install wrk)")
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(script)
+    try:
+        threads = 1 if concurrency == 1 else 2
+        out = subprocess.run([exe, f"-t{threads}", f"-c{concurrency}", f"-d{seconds}s",
+                              "--latency", "-s", f.name, url], capture_output=True, text=True,
+                             timeout=seconds + 30, check=False).stdout
+    finally:
+        os.unlink(f.name)
+    scale = {"us": 1.0, "ms": 1000.0, "s": 1e6}
+    lat = {f"p{p}_us": round(float(v) * scale[u], 1) for p, v, u in _WRK_LATENCY.findall(out)}
+    rate = _WRK_RATE.search(out)
+    non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    return {**lat, "ops_per_s": float(rate.group(1)) if rate else 0.0,
+            "errors": int(non2xx.group(1)) if non2xx else 0}
+
+
+def compare(urls: dict[str, str], key: str, users: list[int], *, rounds: int,
+            seconds: float) -> dict[str, Any]:
+    """wrk every server on both endpoints at c=1 and c=16, interleaved round by round.
+
+    ``urls`` maps a server name of :data:`SERVERS` to its URL; the first is the
+    reference. Returns the median figures per ``c<n>:<endpoint>:<server>`` and the
+    median ratio of each to the reference's figure of the same round.
+    """
+    scripts = {e: wrk_script(key, users, batch=e != "GET") for e in ENDPOINTS}
+    ref = next(iter(urls))
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for r in range(rounds):
+        for conc in (1, 16):
+            for endpoint in ENDPOINTS:
+                names = list(urls)
+                order = names[r % len(names):] + names[:r % len(names)]
+                for server in order:
+                    res = wrk(urls[server], scripts[endpoint], concurrency=conc,
+                              seconds=seconds)
+                    runs.setdefault(f"c{conc}:{endpoint}:{server}", []).append(res)
+        common.note(f"wrk round {r + 1}/{rounds} done")
+    figures = {name: {m: statistics.median(run[m] for run in rs) for m in rs[0]}
+               for name, rs in runs.items()}
+    ratios: dict[str, dict[str, float]] = {}
+    for name, rs in runs.items():
+        level, endpoint, server = name.split(":")
+        if server == ref:
+            continue
+        base = runs[f"{level}:{endpoint}:{ref}"]
+        ratios[name] = {
+            m: round(statistics.median(a[m] / b[m] for a, b in zip(rs, base, strict=True)
+                                       if b.get(m)), 2)
+            for m in ("p50_us", "p99_us", "ops_per_s") if m in rs[0]}
+    return {"figures": figures, "ratios": ratios}
+
+
+def targets(ratios: dict[str, dict[str, float]],
+            figures: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets, from ratios to the minimal app in the same run."""
+    out: list[dict[str, Any]] = []
+    for conc in ("c1", "c16"):
+        for endpoint, lat_max, rate_min in (("GET", 1.2, 0.8), ("batch 100", 1.5, 0.6)):
+            r = ratios.get(f"{conc}:{endpoint}:freshline")
+            if r is None:
+                continue
+            what = f"{endpoint} vs minimal ({conc[1:]} conn.)"
+            out += [common.target(f"{what}: p50", r.get("p50_us"), "<=", lat_max, "x"),
+                    common.target(f"{what}: p99", r.get("p99_us"), "<=", lat_max, "x"),
+                    common.target(f"{what}: req/s", r.get("ops_per_s"), ">=", rate_min, "x")]
+        warm = ratios.get(f"{conc}:GET:freshline+tier")
+        if warm is not None:
+            out.append(common.target(f"GET, tier warm, vs minimal ({conc[1:]} conn.): p50",
+                                     warm.get("p50_us"), "<", 1.0, "x"))
+    return out
+
+
+def print_ratios(ratios: dict[str, dict[str, float]]) -> None:
+    """The ratios on stderr, one line per figure, readable at 80 columns."""
+    common.note("ratio to the minimal app      p50     p99   req/s")
+    for name, r in ratios.items():
+        common.note(f"{name:<28}{r.get('p50_us', 0):>5.2f}x {r.get('p99_us', 0):>6.2f}x "
+                    f"{r.get('ops_per_s', 0):>6.2f}x")
+
+
+def warm(url: str, key: str, users: list[int], passes: int = 3) -> None:
+    """Read every user a few times, so each worker's in-process tier holds them."""
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as c:
+        for _ in range(passes):
+            for u in users:
+                c.get(f"/v1/features/{FEATURE_SET}/{u}", params={"mode": "cache-only"})
+
+
+@contextlib.contextmanager
+def servers(ctx: common.Context, version: int, tenant: str, key: str,
+            users: list[int]) -> Iterator[dict[str, str]]:
+    """The minimal app, freshline with the tier off and with it on (warm): name -> URL."""
+    with serve_reference(ctx, version, tenant) as ref, \
+            serve_freshline(ctx, version) as plain, \
+            serve_freshline(ctx, version, local_cache_size=10 * len(users)) as tier:
+        warm(tier, key, users)
+        yield {"minimal": ref, "freshline": plain, "freshline+tier": tier}
+
+
+def prepared(ctx: common.Context) -> tuple[int, str, str, list[int]]:
+    """A schema version of the run's own with ``txn_90d`` entries of up to 1,000 users.
+
+    Returns ``(version, tenant, api_key, users)``.
+    """
+    from pipeline.api.auth import create_api_key
+    from pipeline.cache.recompute import compute
+    from pipeline.cache.store import FeatureStore
+    from pipeline.core.features import REGISTRY
+
+    data = ctx.dataset()
+    version = ctx.schema_version()
+    users = list(range(1, min(ENTITIES, data.users) + 1))
+    store = FeatureStore(ctx.redis, version)
+    for chunk in common.chunks(users, 500):
+        store.write(compute(ctx.engine, REGISTRY[FEATURE_SET],
+                            [(data.tenant, str(u)) for u in chunk]))
+    return version, data.tenant, create_api_key(ctx.engine, data.tenant), users
+
+
+def run(quick: bool) -> dict[str, Any]:
+    ctx = common.context(quick)
+    version, tenant, key, users = prepared(ctx)
+    rounds, seconds = (1, 2) if quick else (3, 5)
+    with servers(ctx, version, tenant, key, users) as urls:
+        res = compare(urls, key, users, rounds=rounds, seconds=seconds)
+    print_ratios(res["ratios"])
+    return {"parameters": {"feature_set": FEATURE_SET, "entities": len(users),
+                           "batch": BATCH, "server_workers": SERVER_WORKERS,
+                           "rounds": rounds, "seconds": seconds},
+            **res, "targets": targets(res["ratios"], res["figures"])}
+
+
+def table_rows(res: dict[str, Any]) -> list[tuple[Any, ...]]:
+    rows: list[tuple[Any, ...]] = []
+    for name, f in res["figures"].items():
+        r = res["ratios"].get(name, {})
+        rows.append((name, f.get("p50_us"), f.get("p99_us"), f.get("ops_per_s"),
+                     r.get("p50_us", "1"), r.get("p99_us", "1"), r.get("ops_per_s", "1")))
+    return rows
+
+
+def section(res: dict[str, Any]) -> list[str]:
+    """The wrk table: figures and their ratios to the minimal app."""
+    p = res["parameters"]
+    return [
+        f"wrk, {p['rounds']} interleaved round(s) of {p['seconds']} s per figure (medians; "
+        f"each ratio the median of the rounds' ratios to the minimal app), granian with "
+        f"{p['server_workers']} workers for every server, `mode=cache-only`. "
+        "`freshline+tier`: the in-process tier on and warm.",
+        "",
+        common.table(["conc:endpoint:server", "p50 µs", "p99 µs", "req/s",
+                      "p50 x", "p99 x", "req/s x"], table_rows(res)),
+        "",
+    ]
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = ["## reference_app: freshline's HTTP API against a minimal app", "",
+             "The minimal app: Starlette + redis.asyncio, one GET route and one MGET route, "
+             "no auth, validation or decoding.", ""]
+    lines += section(res)
+    lines.append(common.targets_table(res["targets"]))
+    return "\n".join(lines)
