@@ -68,6 +68,10 @@ _PAGE = """<!doctype html>
       <div id="freshness-chart"></div></div></div>
   </section>
   <div id="sets"></div>
+  <section class="card" id="semantic">
+    <h2>Semantic cache <small>LLM responses, last 5 minutes, per model</small></h2>
+    <div class="figures" id="semantic-models"></div>
+  </section>
 </main>
 <footer>Refreshes every 15 s. Hit rate and freshness lag over the last 5 minutes; staleness is the
 oldest entry in a random sample of Redis keys, against the TTL (dashed); consumer lag is read from
@@ -224,6 +228,14 @@ function render(data) {
     card.append(h, figs, charts);
     return card;
   }));
+  const sem = data.semantic || [];
+  document.getElementById("semantic-models").replaceChildren(...(sem.length ? sem.map(m => {
+    const cls = m.hit_rate === null ? "" : m.hit_rate < 0.25 ? "bad" : "good";
+    return figure(m.model + " hit rate", fmtNum(m.hit_rate, "%"),
+                  `${fmtNum(m.hits)} hits, ${fmtNum(m.misses)} misses, ` +
+                  `${fmtNum(m.flagged)} flagged, ${fmtNum(m.refused)} refused`,
+                  cls, "semantic_hit_rate", m.model);
+  }) : [figure("Lookups", "\u2013", "no semantic cache lookups yet", "", "semantic", "")]));
   document.body.dataset.rendered = String(now);
 }
 

@@ -37,7 +37,7 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 COUNTERS = (
     "freshline_api_feature_hits_total", "freshline_api_feature_misses_total",
-    "freshline_api_predictions_total",
+    "freshline_api_predictions_total", "freshline_semantic_lookups_total",
     "freshline_cache_read_seconds_sum", "freshline_cache_read_seconds_count",
     "freshline_cache_miss_seconds_sum", "freshline_cache_miss_seconds_count",
     "freshline_compute_seconds_sum", "freshline_compute_seconds_count",
@@ -159,8 +159,9 @@ def block(a: Advice) -> Group:
 def report(advice: list[Advice]) -> Group:
     """Every block, under a legend for the figures; reads at 80 columns and in a pipe."""
     legend = Text(
-        "Per feature set and model, over the window. Expected latency: cached = lookup + "
-        "(1 - hit rate) x (compute + miss overhead), uncached = compute. Serving slots "
+        "Per feature set, model and semantic cache, over the window. Expected latency: "
+        "cached = lookup + (1 - hit rate) x (compute + miss overhead), uncached = "
+        "compute. Serving slots "
         "(models, Little's law): requests/s x (1 - hit rate) x compute.", style="dim")
     parts: list[RenderableType] = [legend]
     for a in advice:
@@ -213,7 +214,8 @@ def advise(
         typer.echo(json.dumps(as_json(advice), indent=2))
         return
     if not advice:
-        console.print("no feature set or model has been read yet: nothing to advise on")
+        console.print("no feature set, model or semantic cache has been read yet: "
+                      "nothing to advise on")
         return
     out.print(report(advice))
 

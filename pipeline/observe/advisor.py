@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Verdict = Literal["keep", "kill", "shorten-ttl", "lengthen-ttl", "refuse"]
-Kind = Literal["feature_set", "model"]
+Kind = Literal["feature_set", "model", "semantic"]
 
 MIN_QPS = 5.0
 MIN_HIT_RATE = 0.30
@@ -226,6 +226,15 @@ def figures_from_samples(delta: Samples, latest: Samples, window_s: float) -> li
         flag = _max(latest, "freshline_model_deterministic", model=name)
         out.append(_figures(name, "model", "model", hits, misses, delta, latest, window_s,
                             deterministic=flag is None or flag > 0))
+    # The semantic cache of LLM responses: lookup = embedding + search (a hit's whole
+    # cost); compute = the generation callers report with each store (generation_ms).
+    # Refused (non-deterministic) requests are never cached, so they are not counted.
+    for name in sorted(_values(latest, "freshline_semantic_lookups_total", "model")):
+        hits = _sum(delta, "freshline_semantic_lookups_total", model=name, outcome="hit") or 0.0
+        misses = _sum(delta, "freshline_semantic_lookups_total", model=name,
+                      outcome="miss") or 0.0
+        out.append(_figures(name, "semantic", "semantic", hits, misses, delta, latest,
+                            window_s, deterministic=True))
     return out
 
 

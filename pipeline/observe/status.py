@@ -57,6 +57,8 @@ class Snapshot:
     freshness: tuple[float, float] | None
     """The consumers' freshness histogram: (sum of seconds, count); None if unreachable."""
     dead_letters: float | None = None
+    semantic: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The semantic cache's counters per model: hit, miss, refused, flagged."""
 
 
 def counter_totals(registry: CollectorRegistry, family: str,
@@ -70,6 +72,22 @@ def counter_totals(registry: CollectorRegistry, family: str,
             if s.name == f"{family}_total":
                 key = s.labels.get(label, "")
                 out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def semantic_totals(registry: CollectorRegistry) -> dict[str, dict[str, float]]:
+    """The semantic cache's lookups by outcome, and flags, per model."""
+    out: dict[str, dict[str, float]] = {}
+    for metric in registry.collect():
+        for s in metric.samples:
+            model = s.labels.get("model", "")
+            if s.name == "freshline_semantic_lookups_total":
+                counts = out.setdefault(model, {})
+                outcome = s.labels.get("outcome", "")
+                counts[outcome] = counts.get(outcome, 0.0) + s.value
+            elif s.name == "freshline_semantic_flagged_total":
+                counts = out.setdefault(model, {})
+                counts["flagged"] = counts.get("flagged", 0.0) + s.value
     return out
 
 
@@ -153,7 +171,8 @@ class Observer:
             at=time.time(),
             hits=counter_totals(counters, "freshline_api_feature_hits"),
             misses=counter_totals(counters, "freshline_api_feature_misses"),
-            staleness=ages, lag=lag, freshness=fresh, dead_letters=dlq)
+            staleness=ages, lag=lag, freshness=fresh, dead_letters=dlq,
+            semantic=semantic_totals(counters))
 
     def close(self) -> None:
         if self.group_lag is not None:
@@ -331,6 +350,7 @@ class StatusBoard:
                 problems.append(f"{name}: hit rate {rate:.0%} is below 25%")
             sets.append({"name": name, "ttl_s": ttl, "current": current,
                          "series": series.as_dict()})
+        semantic = self._semantic(now, base, problems)
         fresh = _Series()
         for prev, cur in itertools.pairwise(points):
             fresh.add(cur.at, lag_s=_mean_between(prev.freshness, cur.freshness))
@@ -345,9 +365,28 @@ class StatusBoard:
                 "reachable": now.freshness is not None,
                 "series": fresh.as_dict(),
             },
+            "semantic": semantic,
             "broker_reachable": now.lag is not None,
             "problems": problems,
         }
+
+    @staticmethod
+    def _semantic(now: Snapshot, base: Snapshot, problems: list[str]) -> list[dict[str, Any]]:
+        """Per model over the rate window: hit rate, lookups, refusals and flagged hits."""
+        rows: list[dict[str, Any]] = []
+        for model in sorted(now.semantic):
+            cur, old = now.semantic[model], base.semantic.get(model, {})
+            d = {k: cur.get(k, 0.0) - old.get(k, 0.0)
+                 for k in ("hit", "miss", "refused", "flagged")}
+            rate = _ratio(d["hit"], d["hit"] + d["miss"])
+            rows.append({"model": model, "hit_rate": rate, "hits": d["hit"],
+                         "misses": d["miss"], "refused": d["refused"], "flagged": d["flagged"]})
+            if d["flagged"]:
+                problems.append(f"semantic cache {model}: {d['flagged']:.0f} hits flagged as "
+                                "wrong (each entry removed)")
+            if rate is not None and rate < 0.25 and d["hit"] + d["miss"] >= 20:
+                problems.append(f"semantic cache {model}: hit rate {rate:.0%} is below 25%")
+        return rows
 
     def _base(self, now: Snapshot) -> Snapshot:
         """The snapshot the current rates are measured from: about five minutes ago."""

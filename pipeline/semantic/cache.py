@@ -245,41 +245,67 @@ class SemanticCache:
         ``add`` on the namespace's stream (with the vector, so other processes need
         not read the entry), the counters; every key's TTL set or extended.
         """
-        ns = scope.namespace
         try:
             check_deterministic(params)
         except NonDeterministicParams:
-            self._count(ns, "refused")
+            self._count(scope.namespace, "refused")
             raise
         self._check_text("response", response)
         vectors, embed_s = self.embed([prompt])
-        e = self.store_vector(scope, prompt, params, response, vectors[0])
+        [e] = self.store_many(scope, [(prompt, response)], params, vectors)
         return Stored(e, embed_s)
 
     def store_vector(self, scope: Scope, prompt: str, params: Mapping[str, Any],
                      response: str, vector: Vectors) -> str:
         """:meth:`store` with the prompt already embedded; returns the entry id."""
-        check_deterministic(params)
+        return self.store_many(scope, [(prompt, response)], params, vector[None, :])[0]
+
+    def store_many(self, scope: Scope, items: list[tuple[str, str]],
+                   params: Mapping[str, Any], vectors: Vectors | None = None) -> list[str]:
+        """Store ``(prompt, response)`` pairs in one pipeline; returns their entry ids.
+
+        The prompts are embedded in one batch unless ``vectors`` are given (one row
+        each). Refused as a whole unless the params are deterministic.
+        """
         ns = scope.namespace
-        e = entry_id(prompt)
+        try:
+            check_deterministic(params)
+        except NonDeterministicParams:
+            self._count(ns, "refused", len(items))
+            raise
+        for prompt, response in items:
+            self._check_text("prompt", prompt)
+            self._check_text("response", response)
+        if vectors is None:
+            vectors, _ = self.embed([p for p, _ in items])
+        if len(vectors) != len(items) or vectors.shape[1] != self.embedder.dim:
+            raise InvalidPrompt(f"{len(vectors)} vectors of width {vectors.shape[1]} for "
+                                f"{len(items)} prompts; the embedder gives {self.embedder.dim}")
         now_ms = int(time.time() * 1000)
-        entry = Entry(prompt, response, now_ms, params_digest(dict(params)),
-                      np.asarray(vector, dtype=np.float32))
         ttl = self.ttl_ms
-        log_key = semantic_log_key(ns)
+        digest = params_digest(dict(params))
+        ids_key, log_key = semantic_ids_key(ns), semantic_log_key(ns)
+        minid = str(now_ms - STREAM_RETENTION_MS)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(semantic_entry_key(ns, e), encode(entry), px=ttl)
-        pipe.zadd(semantic_ids_key(ns), {f"{e:016x}": now_ms + ttl})
-        pipe.zremrangebyscore(semantic_ids_key(ns), "-inf", now_ms)
-        pipe.pexpire(semantic_ids_key(ns), ttl)
-        pipe.xadd(log_key, {"op": "add", "id": f"{e:016x}",
-                            "v": entry.vector.astype("<f4").tobytes()},
-                  minid=str(now_ms - STREAM_RETENTION_MS), approximate=True)
+        out: list[str] = []
+        members: dict[str, int] = {}
+        for (prompt, response), vector in zip(items, vectors, strict=True):
+            e = entry_id(prompt)
+            vec = np.asarray(vector, dtype=np.float32)
+            entry = Entry(prompt, response, now_ms, digest, vec)
+            pipe.set(semantic_entry_key(ns, e), encode(entry), px=ttl)
+            members[f"{e:016x}"] = now_ms + ttl
+            pipe.xadd(log_key, {"op": "add", "id": f"{e:016x}", "v": vec.astype("<f4").tobytes()},
+                      minid=minid, approximate=True)
+            out.append(f"{e:016x}")
+        pipe.zadd(ids_key, members)
+        pipe.zremrangebyscore(ids_key, "-inf", now_ms)
+        pipe.pexpire(ids_key, ttl)
         pipe.pexpire(log_key, ttl)
-        self._count(ns, "stored")
+        self._count(ns, "stored", len(items))
         self._flush_into(pipe, ns)
         pipe.execute()
-        return f"{e:016x}"
+        return out
 
     def get_or_generate(self, scope: Scope, prompt: str, params: Mapping[str, Any],
                         generate: Callable[[str], str]) -> tuple[str, Lookup]:
@@ -380,9 +406,9 @@ class SemanticCache:
             added += self.indexes.catch_up(idx)
         return added
 
-    def _count(self, ns: str, field: str) -> None:
+    def _count(self, ns: str, field: str, n: int = 1) -> None:
         with self._pending_lock:
-            self._pending.setdefault(ns, Counter())[field] += 1
+            self._pending.setdefault(ns, Counter())[field] += n
 
     def _flush_into(self, pipe: Any, ns: str) -> None:
         """Add this process's pending counters of ``ns`` to ``pipe`` (with the key's TTL)."""

@@ -149,3 +149,29 @@ def test_scrapes_of_several_processes_add_counters_and_not_gauges() -> None:
                    frozenset({("feature_set", "geo"), ("tier", "local")}))]
     ttl = merged[("freshline_feature_ttl_seconds", frozenset({("feature_set", "geo")}))]
     assert (hits, ttl) == (400, 86400)
+
+
+SEMANTIC = """
+# TYPE freshline_semantic_lookups_total counter
+freshline_semantic_lookups_total{{model="support-bot",outcome="hit"}} {hits}
+freshline_semantic_lookups_total{{model="support-bot",outcome="miss"}} {misses}
+freshline_semantic_lookups_total{{model="support-bot",outcome="refused"}} {refused}
+# TYPE freshline_cache_read_seconds histogram
+freshline_cache_read_seconds_count{{cache="semantic",name="support-bot"}} {hits}
+freshline_cache_read_seconds_sum{{cache="semantic",name="support-bot"}} {read}
+# TYPE freshline_compute_seconds histogram
+freshline_compute_seconds_count{{cache="semantic",name="support-bot"}} {misses}
+freshline_compute_seconds_sum{{cache="semantic",name="support-bot"}} {compute}
+"""
+
+
+def test_the_semantic_cache_gets_a_verdict_from_its_own_figures() -> None:
+    before = parse_exposition([SEMANTIC.format(hits=0, misses=0, refused=0, read=0, compute=0)])
+    after = parse_exposition([SEMANTIC.format(hits=400, misses=600, refused=500, read=8.0,
+                                              compute=480.0)])
+    [bot] = figures_from_samples(difference(after, before), after, 100)
+    assert (bot.name, bot.kind) == ("support-bot", "semantic")
+    assert bot.qps == pytest.approx(10.0)  # refused requests are not cache traffic
+    assert bot.hit_rate == pytest.approx(0.4)
+    assert (bot.lookup_s, bot.compute_s) == (pytest.approx(0.02), pytest.approx(0.8))
+    assert advise(bot).verdict == "keep"  # 20 ms + 0.6 x 800 ms < 800 ms

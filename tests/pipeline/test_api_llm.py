@@ -62,6 +62,12 @@ def test_store_then_lookup_then_flag(api: Api, model: str) -> None:
     assert f'freshline_semantic_flagged_total{{model="{model}"}} 1.0' in metrics
     assert f'freshline_semantic_lookups_total{{model="{model}",outcome="hit"}} 1.0' in metrics
     assert f'freshline_semantic_lookup_seconds_count{{model="{model}"}}' in metrics
+    status = api.get("/status.json", key=None).json()
+    [row] = [r for r in status["semantic"] if r["model"] == model]
+    assert (row["hits"], row["misses"], row["flagged"]) == (1, 2, 1)
+    assert row["hit_rate"] == pytest.approx(1 / 3)
+    assert any(model in p and "flagged" in p for p in status["problems"])
+    assert "Semantic cache" in api.get("/status", key=None).text
 
 
 def test_the_tenant_comes_from_the_key(api: Api, engine: Engine, tenants: list[str],

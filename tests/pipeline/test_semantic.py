@@ -329,3 +329,18 @@ def test_the_labelled_set_and_the_sweep() -> None:
     assert rows[0].hit_rate == pytest.approx(
         np.mean([literals_match(p.a, p.b) for p in pairs if p.label == "paraphrase"]))
     assert all(r.false_hit_rate == 0 for r in rows)
+
+
+def test_store_many_embeds_once_and_stores_all(cache: SemanticCache, tenant: str,
+                                               redis_client: redis.Redis) -> None:
+    items = [(f"Where is order {n}?", f"order {n} ships today") for n in (11, 12, 13)]
+    ids = cache.store_many(scope(tenant), items, ZERO)
+    assert len(set(ids)) == 3
+    for n in (11, 12, 13):
+        assert cache.lookup(scope(tenant), f"where is order {n}", ZERO).response == \
+            f"order {n} ships today"
+    with pytest.raises(NonDeterministicParams):
+        cache.store_many(scope(tenant), [("Where is order 14?", "x")], {"temperature": 1})
+    with pytest.raises(InvalidPrompt):
+        cache.store_many(scope(tenant), items, ZERO, np.zeros((2, 384), dtype=np.float32))
+    assert redis_client.zcard(f"sem:ids:{scope(tenant).namespace}") == 3
