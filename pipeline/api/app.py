@@ -10,11 +10,13 @@ import redis
 import redis.asyncio
 from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from pipeline.api import llm, metrics, routes
+from pipeline.api import audit_log, llm, metrics, routes
 from pipeline.api.auth import Authenticator
 from pipeline.api.errors import HANDLERS
+from pipeline.api.limits import AccessGuard
 from pipeline.api.openapi import document
 from pipeline.api.reader import FeatureReader
 from pipeline.cache.hot import HotReads
@@ -91,7 +93,9 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
         engine=engine,
         registry=registry,
         reader=FeatureReader(readthrough, local),
-        auth=Authenticator(engine),
+        auth=Authenticator(engine, redis_client=client, ttl_s=settings.api_key_cache_s,
+                           silence_s=settings.subscription_silence_ms / 1000,
+                           last_used_interval_s=settings.api_key_last_used_s),
         models=ModelRegistry(client),
         inference=InferenceCache(client, decimals=settings.inference_decimals,
                                  ttl_s=settings.inference_ttl_s),
@@ -117,6 +121,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
                         "was not checked", exc)
         if owned_local and local is not None:
             local.start()
+        services.auth.start()
         # Made here, on the loop that serves: an asyncio client belongs to one loop.
         services.reader.aredis = async_twin(client)
         if versions is not None:
@@ -127,6 +132,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
             yield
         finally:
             board.close()
+            services.auth.close()
             aredis, services.reader.aredis = services.reader.aredis, None
             if aredis is not None:
                 await aredis.aclose()
@@ -143,9 +149,12 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
             if owned_engine:
                 engine.dispose()
 
-    app = Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan)
+    audit_log.configure(settings.audit_log)
+    app = Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan,
+                    middleware=[Middleware(AccessGuard, auth=services.auth, settings=settings)])
     app.state.services = services
-    app.state.openapi = document(registry.names())
+    app.state.openapi = document(registry.names(), batch_limit=settings.api_batch_limit,
+                                 body_limit=settings.api_body_limit_bytes)
     app.state.status = board
     app.state.semantic = semantic
     app.state.sampled_metrics = SampledMetrics(observer)

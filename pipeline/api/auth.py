@@ -1,37 +1,66 @@
-"""API keys: created once, stored hashed, resolved to a tenant with an in-process cache.
+"""API keys: created once, stored hashed, resolved to a tenant, revoked everywhere at once.
 
 A key is ``fl_`` followed by 32 random bytes in URL-safe base64 (``secrets``). Only
 its SHA-256 is stored, in ``api_keys.key_hash``; the plaintext is shown once, when it
-is created, and never written anywhere.
+is created, and never written anywhere. Each key also has a public ``id`` (12 hex
+digits) that names it in ``freshline apikey list|revoke``, the audit log and the
+revocation channel, a ``label``, and its created, expiry, last-use and revocation times.
 
 The caller's tenant comes from its key and from nothing else: the read API never
 takes a tenant from a path, query or body.
+
+Revocation reaches every API worker at once: :func:`revoke_api_key` marks the row,
+then publishes the key's id on :data:`pipeline.core.keys.APIKEY_CHANNEL`; each
+worker's :class:`Authenticator` drops the key from its cache when the message
+arrives, and trusts its cache only while that subscription is confirmed live
+(:class:`pipeline.cache.subscription.Subscription`, bounded by
+``FRESHLINE_SUBSCRIPTION_SILENCE_MS``). A lost message therefore keeps a revoked key
+working for that bound at most.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import logging
 import secrets
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import redis
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.engine import Engine
 
+from pipeline.api import audit_log
+from pipeline.cache.subscription import Subscription
 from pipeline.core.db import api_keys, tenants
 from pipeline.core.errors import FreshlineError
-from pipeline.core.keys import validate_id
+from pipeline.core.keys import APIKEY_CHANNEL, validate_id
+
+log = logging.getLogger(__name__)
 
 KEY_PREFIX = "fl_"
 KEY_BYTES = 32
 MAX_KEY_LENGTH = 128
+KEY_ID_HEX = 12
+MAX_LABEL_LENGTH = 200
 
 
 class Unauthorized(FreshlineError):
-    """A request without an API key, or with one that is not known."""
+    """A request without an API key, or with one that is unknown, revoked or expired.
+
+    ``key_id`` names the key when it is known (revoked or expired), for the audit log.
+    """
+
+    def __init__(self, message: str, *, key_id: str | None = None,
+                 reason: str = "unknown_key") -> None:
+        self.key_id = key_id
+        self.reason = reason
+        super().__init__(message)
 
 
 class TenantExists(FreshlineError):
@@ -44,6 +73,51 @@ class UnknownTenant(FreshlineError):
     def __init__(self, tenant: str) -> None:
         self.tenant = tenant
         super().__init__(f"unknown tenant {tenant!r}; create it with: freshline tenants create")
+
+
+class UnknownKey(FreshlineError):
+    def __init__(self, key_id: str) -> None:
+        self.key_id = key_id
+        super().__init__(f"no API key with id {key_id!r}; see: freshline apikey list")
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a request is: the key's id and its tenant (and when the key expires)."""
+
+    key_id: str
+    tenant: str
+    expires_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedKey:
+    """A new key as created: its id and the key itself (shown once)."""
+
+    key_id: str
+    key: str
+    tenant: str
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    """One key as ``freshline apikey list`` shows it: everything but the key."""
+
+    key_id: str
+    tenant: str
+    label: str
+    created_at: datetime
+    expires_at: datetime | None
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+
+    def state(self, now: datetime | None = None) -> str:
+        """``active``, ``expired`` or ``revoked``."""
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.expires_at is not None and self.expires_at <= (now or datetime.now(UTC)):
+            return "expired"
+        return "active"
 
 
 def generate_key() -> str:
@@ -64,6 +138,12 @@ def hash_key(key: str) -> str:
 
 def create_tenant(engine: Engine, tenant: str, name: str | None = None) -> str:
     """Create the tenant row and its first API key; return the key (shown once)."""
+    return register_tenant(engine, tenant, name).key
+
+
+def register_tenant(engine: Engine, tenant: str, name: str | None = None, *,
+                    label: str = "", expires_at: datetime | None = None) -> IssuedKey:
+    """Create the tenant row and its first API key (audited)."""
     tenant = validate_id("tenant", tenant)
     with engine.begin() as conn:
         inserted = conn.execute(
@@ -74,89 +154,293 @@ def create_tenant(engine: Engine, tenant: str, name: str | None = None) -> str:
         ).first()
         if inserted is None:
             raise TenantExists(tenant)
-        return _insert_key(conn, tenant)
+        issued = _insert_key(conn, tenant, label, expires_at)
+    audit_log.record("tenant.create", tenant=tenant, key_id=issued.key_id)
+    audit_log.record("apikey.create", tenant=tenant, key_id=issued.key_id, label=label,
+                     expires_at=expires_at)
+    return issued
 
 
-def create_api_key(engine: Engine, tenant: str) -> str:
+def create_api_key(engine: Engine, tenant: str, *, label: str = "",
+                   expires_at: datetime | None = None) -> str:
     """Add an API key for an existing tenant; return it (shown once)."""
+    return issue_api_key(engine, tenant, label=label, expires_at=expires_at).key
+
+
+def issue_api_key(engine: Engine, tenant: str, *, label: str = "",
+                  expires_at: datetime | None = None) -> IssuedKey:
+    """Add an API key for an existing tenant (audited)."""
     tenant = validate_id("tenant", tenant)
     with engine.begin() as conn:
         exists = conn.execute(sa.select(tenants.c.id).where(tenants.c.id == tenant)).first()
         if exists is None:
             raise UnknownTenant(tenant)
-        return _insert_key(conn, tenant)
+        issued = _insert_key(conn, tenant, label, expires_at)
+    audit_log.record("apikey.create", tenant=tenant, key_id=issued.key_id, label=label,
+                     expires_at=expires_at)
+    return issued
 
 
-def _insert_key(conn: sa.Connection, tenant: str) -> str:
+def _insert_key(conn: sa.Connection, tenant: str, label: str,
+                expires_at: datetime | None) -> IssuedKey:
+    if len(label) > MAX_LABEL_LENGTH or not label.isprintable():
+        raise ValueError(f"a label is printable text of at most {MAX_LABEL_LENGTH} characters")
+    if expires_at is not None and expires_at.tzinfo is None:
+        raise ValueError("expires_at must carry a time zone")
     key = generate_key()
-    conn.execute(sa.insert(api_keys).values(key_hash=hash_key(key), tenant_id=tenant,
-                                            created_at=datetime.now(UTC)))
-    return key
+    key_id = secrets.token_hex(KEY_ID_HEX // 2)
+    conn.execute(sa.insert(api_keys).values(
+        key_hash=hash_key(key), tenant_id=tenant, id=key_id, label=label,
+        created_at=datetime.now(UTC), expires_at=expires_at))
+    return IssuedKey(key_id, key, tenant)
+
+
+def list_api_keys(engine: Engine, tenant: str | None = None) -> list[KeyInfo]:
+    """Every key (of ``tenant`` if given), oldest first; never the key or its hash."""
+    c = api_keys.c
+    query = sa.select(c.id, c.tenant_id, c.label, c.created_at, c.expires_at,
+                      c.last_used_at, c.revoked_at).order_by(c.created_at, c.id)
+    if tenant is not None:
+        query = query.where(c.tenant_id == validate_id("tenant", tenant))
+    with engine.connect() as conn:
+        return [KeyInfo(*row) for row in conn.execute(query)]
+
+
+def revoke_api_key(engine: Engine, redis_client: redis.Redis | None, key_id: str) -> KeyInfo:
+    """Revoke a key: mark its row, then tell every API worker (audited).
+
+    The order matters: a worker that drops the key on the message and looks it up
+    again must find it revoked. Revoking twice keeps the first time and publishes
+    again. If Redis cannot be reached the row is revoked all the same: workers cut
+    off from Redis trust no cached key (their subscription is dark), so they see it.
+    """
+    c = api_keys.c
+    with engine.begin() as conn:
+        conn.execute(sa.update(api_keys)
+                     .where(c.id == key_id, c.revoked_at.is_(None))
+                     .values(revoked_at=datetime.now(UTC)))
+        row = conn.execute(sa.select(c.id, c.tenant_id, c.label, c.created_at, c.expires_at,
+                                     c.last_used_at, c.revoked_at)
+                           .where(c.id == key_id)).first()
+    if row is None:
+        raise UnknownKey(key_id)
+    info = KeyInfo(*row)
+    audit_log.record("apikey.revoke", tenant=info.tenant, key_id=key_id)
+    if redis_client is not None:
+        try:
+            redis_client.publish(APIKEY_CHANNEL, key_id)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            log.warning("key %s revoked in Postgres, but not announced on Redis (%s); "
+                        "workers without a live subscription do not trust their cache",
+                        key_id, exc)
+    return info
 
 
 def bearer_token(header: str | None) -> str:
     """The key in an ``Authorization: Bearer <key>`` header, or :class:`Unauthorized`."""
     if not header:
-        raise Unauthorized("missing API key: send 'Authorization: Bearer <api key>'")
+        raise Unauthorized("missing API key: send 'Authorization: Bearer <api key>'",
+                           reason="missing_key")
     scheme, _, token = header.partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
-        raise Unauthorized("malformed Authorization header: expected 'Bearer <api key>'")
+        raise Unauthorized("malformed Authorization header: expected 'Bearer <api key>'",
+                           reason="malformed_header")
     return token
 
 
-class Authenticator:
-    """Resolves API keys to tenants, caching answers in process for ``ttl_s``.
+@dataclass(frozen=True, slots=True)
+class _Cached:
+    digest: str
+    principal: Principal | None
+    refusal: Unauthorized | None
+    until: float  # time.monotonic()
 
-    Known keys are cached for ``ttl_s`` and unknown ones for ``negative_ttl_s``, so a
-    request costs no database round trip once its key has been seen, and a client
-    retrying a bad key does not reach Postgres on every request. The cache holds at
-    most ``max_entries`` hashes (least recently used are dropped). A deleted key stops
-    working within ``ttl_s``.
+
+class Authenticator:
+    """Resolves API keys to a :class:`Principal`, caching answers in process.
+
+    Known keys are cached for ``ttl_s`` and refused ones for ``negative_ttl_s``, so a
+    request costs no database round trip once its key has been seen. The cache holds
+    at most ``max_entries`` hashes (least recently used are dropped).
+
+    With ``redis_client`` and :meth:`start`, revocations published on
+    :data:`APIKEY_CHANNEL` drop the key at once, and the cache is trusted only while
+    that subscription is confirmed live (``silence_s``); without it a revoked key
+    keeps working for ``ttl_s``. Last-use times are gathered in memory and written in
+    one statement every ``last_used_interval_s`` (and on :meth:`close`), never one
+    write per request.
     """
 
-    def __init__(self, engine: Engine, *, ttl_s: float = 60.0, negative_ttl_s: float = 5.0,
-                 max_entries: int = 10_000) -> None:
+    def __init__(self, engine: Engine, *, redis_client: redis.Redis | None = None,
+                 ttl_s: float = 60.0, negative_ttl_s: float = 5.0,
+                 max_entries: int = 10_000, silence_s: float = 1.0,
+                 last_used_interval_s: float = 60.0) -> None:
         self.engine = engine
         self.ttl_s = ttl_s
         self.negative_ttl_s = negative_ttl_s
         self.max_entries = max_entries
-        self._cache: OrderedDict[str, tuple[str | None, float]] = OrderedDict()
+        self.last_used_interval_s = last_used_interval_s
+        self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._lock = threading.Lock()
+        self._generation = 0  # bumped by every revocation and outage: see _lookup
+        self._used: dict[str, datetime] = {}
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+        self._subscription = None if redis_client is None else Subscription(
+            redis_client, [APIKEY_CHANNEL], on_message=self._on_revoked,
+            on_dark=self.clear, silence_s=silence_s, name="freshline-apikeys")
         self.lookups = 0
 
-    def cached(self, key: str) -> tuple[bool, str | None]:
-        """``(known, tenant)`` from the cache alone: ``known`` False means ask :meth:`tenant`."""
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> Authenticator:
+        """Subscribe to revocations and start writing last-use times."""
+        if self._subscription is not None:
+            self._subscription.start()
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_loop, daemon=True,
+                                             name="freshline-apikey-usage")
+            self._flusher.start()
+        return self
+
+    def wait_live(self, timeout: float) -> bool:
+        """Block until the revocation subscription is confirmed (True without Redis)."""
+        return self._subscription is None or self._subscription.wait_live(timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._flusher is not None:
+            self._flusher.join(5)
+            self._flusher = None
+        if self._subscription is not None:
+            self._subscription.close()
+        self.flush_usage()
+
+    # -- the cache ---------------------------------------------------------------------
+
+    def _trusted(self) -> bool:
+        return self._subscription is None or self._subscription.live
+
+    def cached(self, key: str) -> tuple[bool, Principal | None]:
+        """``(known, principal)`` from the cache alone: ``known`` False means ask
+        :meth:`principal`; ``(True, None)`` is a refused key."""
+        found = self._cached(key)
+        if found is None:
+            return False, None
+        if found.principal is not None:
+            self._note_use(found.principal.key_id)
+        return True, found.principal
+
+    def _cached(self, key: str) -> _Cached | None:
+        if len(key) > MAX_KEY_LENGTH or not self._trusted():
+            return None
         digest = hash_key(key)
         with self._lock:
             hit = self._cache.get(digest)
-            if hit is None or hit[1] < time.monotonic():
-                return False, None
+            if hit is None or hit.until < time.monotonic():
+                return None
             self._cache.move_to_end(digest)
-            return True, hit[0]
+        if not hmac.compare_digest(hit.digest, digest):
+            return None
+        expires = hit.principal.expires_at if hit.principal else None
+        if expires is not None and expires <= datetime.now(UTC):
+            return None  # expired since cached: look it up, to refuse it with its reason
+        return hit
 
-    def tenant(self, key: str) -> str:
-        """The tenant of ``key``; :class:`Unauthorized` if the key is unknown."""
+    def principal(self, key: str) -> Principal:
+        """Who ``key`` is; :class:`Unauthorized` if it is unknown, revoked or expired."""
         if len(key) > MAX_KEY_LENGTH:
             raise Unauthorized("unknown API key")
-        known, tenant = self.cached(key)
-        if not known:
-            tenant = self._lookup(key)
-        if tenant is None:
-            raise Unauthorized("unknown API key")
-        return tenant
+        found = self._cached(key) or self._lookup(key)
+        if found.principal is None:
+            raise found.refusal or Unauthorized("unknown API key")
+        self._note_use(found.principal.key_id)
+        return found.principal
 
-    def _lookup(self, key: str) -> str | None:
-        digest = hash_key(key)
-        with self.engine.connect() as conn:
-            tenant = conn.execute(
-                sa.select(api_keys.c.tenant_id).where(api_keys.c.key_hash == digest)
-            ).scalar_one_or_none()
-        self.lookups += 1
-        ttl = self.ttl_s if tenant is not None else self.negative_ttl_s
+    def tenant(self, key: str) -> str:
+        """The tenant of ``key``; :class:`Unauthorized` if it may not be used."""
+        return self.principal(key).tenant
+
+    def forget(self, key_id: str) -> None:
+        """Drop every cached answer for the key ``key_id``."""
         with self._lock:
-            self._cache[digest] = (tenant, time.monotonic() + ttl)
-            self._cache.move_to_end(digest)
-            while len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)
-        return tenant
+            self._generation += 1
+            stale = [d for d, c in self._cache.items()
+                     if (c.principal and c.principal.key_id == key_id)
+                     or (c.refusal and c.refusal.key_id == key_id)]
+            for digest in stale:
+                del self._cache[digest]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._generation += 1
+            self._cache.clear()
+
+    def _on_revoked(self, channel: str, data: bytes | str) -> None:
+        self.forget(data.decode() if isinstance(data, bytes) else data)
+
+    def _lookup(self, key: str) -> _Cached:
+        digest = hash_key(key)
+        with self._lock:
+            generation = self._generation
+        c = api_keys.c
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                sa.select(c.key_hash, c.id, c.tenant_id, c.expires_at, c.revoked_at)
+                .where(c.key_hash == digest)
+            ).first()
+        self.lookups += 1
+        principal: Principal | None = None
+        refusal: Unauthorized | None = None
+        # The index found the row by hash; the final comparison takes constant time.
+        if row is None or not hmac.compare_digest(row.key_hash, digest):
+            refusal = Unauthorized("unknown API key")
+        elif row.revoked_at is not None:
+            refusal = Unauthorized("API key revoked", key_id=row.id, reason="revoked_key")
+        elif row.expires_at is not None and row.expires_at <= datetime.now(UTC):
+            refusal = Unauthorized("API key expired", key_id=row.id, reason="expired_key")
+        else:
+            principal = Principal(row.id, row.tenant_id, row.expires_at)
+        ttl = self.ttl_s if principal is not None else self.negative_ttl_s
+        found = _Cached(digest, principal, refusal, time.monotonic() + ttl)
+        with self._lock:
+            # A revocation (or an outage) during the query may predate what it read:
+            # answer with it, but cache nothing.
+            if generation == self._generation and self._trusted():
+                self._cache[digest] = found
+                self._cache.move_to_end(digest)
+                while len(self._cache) > self.max_entries:
+                    self._cache.popitem(last=False)
+        return found
+
+    # -- last use ----------------------------------------------------------------------
+
+    def _note_use(self, key_id: str) -> None:
+        self._used[key_id] = datetime.now(UTC)  # one dict store: atomic under the GIL
+
+    def pending_usage(self) -> dict[str, datetime]:
+        """Last-use times gathered since the last flush, by key id."""
+        return dict(self._used)
+
+    def flush_usage(self) -> int:
+        """Write the gathered last-use times in one statement; the number of keys."""
+        with self._lock:
+            used, self._used = self._used, {}
+        if not used:
+            return 0
+        statement = sa.text(
+            "UPDATE api_keys SET last_used_at = u.at "
+            "FROM unnest(CAST(:ids AS text[]), CAST(:ats AS timestamptz[])) AS u(id, at) "
+            "WHERE api_keys.id = u.id "
+            "AND (api_keys.last_used_at IS NULL OR api_keys.last_used_at < u.at)")
+        with self.engine.begin() as conn:
+            conn.execute(statement, {"ids": list(used), "ats": list(used.values())})
+        return len(used)
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(self.last_used_interval_s):
+            try:
+                self.flush_usage()
+            except Exception as exc:  # Postgres away: keep serving, try again next time
+                log.warning("could not record API key last-use times: %s", exc)

@@ -57,6 +57,12 @@ READ_THROUGHS = Counter(
     "Feature entries computed from Postgres on a miss.",
     ["feature_set"],
 )
+REFUSED = Counter(
+    "freshline_api_refused_total",
+    "Requests refused before their endpoint ran: 401 (missing_key, malformed_header, "
+    "unknown_key, revoked_key, expired_key, throttled) or 429 (rate_limited).",
+    ["reason"],
+)
 PREDICTIONS = Counter(
     "freshline_api_predictions_total",
     "Predictions served, by model and outcome (hit or computed).",

@@ -5,9 +5,11 @@ A test checks that every route of the app appears here with its methods.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from pipeline.api.reader import MAX_USER_ID
+from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -15,7 +17,8 @@ _ERROR = {"$ref": "#/components/schemas/Error"}
 def _errors(*statuses: int, override: dict[int, str] | None = None) -> dict[str, Any]:
     reasons = {
         400: "Invalid id, mode or JSON body",
-        401: "Missing or unknown API key",
+        401: "Missing, unknown, revoked or expired API key, or too many failed "
+             "authentications from this address",
         404: "Unknown feature set or model, or a miss in cache-only mode",
         409: "The model is marked non-deterministic and cannot be cached",
         413: "Body over the size limit",
@@ -37,6 +40,17 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
+
+# A user id as the server takes it (pipeline.api.reader.parse_entity): a decimal
+# below MAX_USER_ID, no leading zeros; as JSON, a string or an integer.
+_USER_DIGITS = len(str(MAX_USER_ID - 1))
+USER_ID = {"type": "string", "pattern": f"^(0|[1-9][0-9]{{0,{_USER_DIGITS - 1}}})$",
+           "maxLength": _USER_DIGITS, "description": f"A user id below {MAX_USER_ID}."}
+_USER_ID_JSON = {"oneOf": [USER_ID, {"type": "integer", "minimum": 0,
+                                     "maximum": MAX_USER_ID - 1}]}
+# Ids that reach keys (schemas/ids.py): the rule every tenant, entity and arm follows.
+ID = {"type": "string", "pattern": f"^{ID_PATTERN.pattern}$", "maxLength": MAX_ID_LENGTH}
+_NAME = {"type": "string", "pattern": "^[a-z][a-z0-9_]*$", "maxLength": MAX_ID_LENGTH}
 
 _MODE = {
     "name": "mode",
@@ -86,8 +100,7 @@ _SCHEMAS: dict[str, Any] = {
         "required": ["feature_sets", "entities"],
         "properties": {
             "feature_sets": {"type": "array", "items": {"type": "string"}, "minItems": 1},
-            "entities": {"type": "array", "minItems": 1,
-                         "items": {"type": ["string", "integer"]}},
+            "entities": {"type": "array", "minItems": 1, "items": _USER_ID_JSON},
         },
         "description": "len(feature_sets) x len(entities) must not exceed the batch "
                        "limit (FRESHLINE_API_BATCH_LIMIT). Other fields are ignored: the "
@@ -109,7 +122,9 @@ _SCHEMAS: dict[str, Any] = {
         "properties": {
             "inputs": {"type": "array", "minItems": 1,
                        "items": {"type": "array", "items": {"type": "number"}}},
-            "arm": {"type": "string", "description": "Experiment arm; kept apart in the cache."},
+            "arm": {**ID, "type": ["string", "null"],
+                    "description": "Experiment arm; kept apart in the cache. A string "
+                                   "id (an integer is refused)."},
         },
     },
     "PredictResponse": {
@@ -201,8 +216,49 @@ def _llm(summary: str, request: str, response: str, status: str = "200") -> dict
 _SECURED: list[dict[str, list[str]]] = [{"bearer": []}]
 
 
-def document(feature_sets: list[str]) -> dict[str, Any]:
-    """The OpenAPI document, naming the feature sets this server knows."""
+def document(feature_sets: list[str], *, batch_limit: int = 500,
+             body_limit: int = 1_000_000) -> dict[str, Any]:
+    """The OpenAPI document, naming the feature sets this server knows and the limits
+    it enforces (``FRESHLINE_API_BATCH_LIMIT``, ``FRESHLINE_API_BODY_LIMIT_BYTES``)."""
+    schemas = copy.deepcopy(_SCHEMAS)
+    batch = schemas["BatchRequest"]
+    batch["properties"]["feature_sets"]["maxItems"] = batch_limit
+    batch["properties"]["entities"]["maxItems"] = batch_limit
+    batch["description"] = (
+        f"len(feature_sets) x len(entities) must not exceed {batch_limit} "
+        "(FRESHLINE_API_BATCH_LIMIT; 422 batch_too_large otherwise). Other fields are "
+        "ignored: the tenant always comes from the API key.")
+    schemas["PredictRequest"]["properties"]["inputs"]["maxItems"] = batch_limit
+    doc = _document(feature_sets, schemas)
+    for item in doc["paths"].values():
+        for operation in item.values():
+            _limits(operation, body_limit)
+    return doc
+
+
+_LIMIT_RESPONSES = {
+    "408": _json(_ERROR, "The request body did not arrive within "
+                         "FRESHLINE_API_BODY_TIMEOUT_S"),
+    "429": {**_json(_ERROR, "Over this API key's request rate (FRESHLINE_API_RATE_PER_S)"),
+            "headers": {"Retry-After": {"description": "Seconds to wait",
+                                        "schema": {"type": "integer", "minimum": 1}}}},
+}
+
+
+def _limits(operation: dict[str, Any], body_limit: int) -> None:
+    """Add what the guard and the body limit answer to a secured operation."""
+    if "security" not in operation:
+        return
+    responses = operation["responses"]
+    responses["429"] = _LIMIT_RESPONSES["429"]
+    if "requestBody" in operation:
+        responses["408"] = _LIMIT_RESPONSES["408"]
+        responses["413"] = _json(_ERROR, f"Body over {body_limit} bytes "
+                                         "(FRESHLINE_API_BODY_LIMIT_BYTES)")
+        operation["requestBody"]["description"] = f"At most {body_limit} bytes."
+
+
+def _document(feature_sets: list[str], schemas: dict[str, Any]) -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {
@@ -214,7 +270,7 @@ def document(feature_sets: list[str]) -> dict[str, Any]:
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": _SCHEMAS,
+            "schemas": schemas,
         },
         "paths": {
             "/v1/features/{feature_set}/{entity_id}": {"get": {
@@ -224,8 +280,7 @@ def document(feature_sets: list[str]) -> dict[str, Any]:
                     {"name": "feature_set", "in": "path", "required": True,
                      "schema": {"type": "string", "enum": feature_sets}},
                     {"name": "entity_id", "in": "path", "required": True,
-                     "schema": {"type": "string", "pattern": "^(0|[1-9][0-9]*)$",
-                                "description": f"A user id below {MAX_USER_ID}."}},
+                     "schema": USER_ID},
                     _MODE,
                 ],
                 "responses": {"200": _json(_ref("Features"), "The features"),
@@ -244,7 +299,7 @@ def document(feature_sets: list[str]) -> dict[str, Any]:
                 "summary": "Predictions through the inference cache",
                 "security": _SECURED,
                 "parameters": [{"name": "name", "in": "path", "required": True,
-                                "schema": {"type": "string", "pattern": "^[a-z][a-z0-9_]*$"}}],
+                                "schema": _NAME}],
                 "requestBody": {"required": True, "content": {
                     "application/json": {"schema": _ref("PredictRequest")}}},
                 "responses": {"200": _json(_ref("PredictResponse"), "One per input row"),

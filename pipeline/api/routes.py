@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pipeline.api import metrics
-from pipeline.api.auth import Authenticator, Unauthorized, bearer_token
+from pipeline.api.auth import Authenticator, bearer_token
 from pipeline.api.errors import ApiError, JSONResponse, error_response, status_of
 from pipeline.api.reader import MODES, Answer, FeatureReader, Mode, parse_entity
 from pipeline.api.status_page import page as render_status_page
@@ -31,7 +31,7 @@ from pipeline.core.keys import validate_id, validate_name
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.inference.models import ModelRegistry
-from pipeline.inference.predictions import InferenceCache
+from pipeline.inference.predictions import InferenceCache, non_finite_rows
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -55,15 +55,16 @@ def services(request: Request) -> Services:
 
 
 async def authenticate(request: Request) -> str:
-    """The caller's tenant, from its API key alone."""
-    auth = services(request).auth
-    key = bearer_token(request.headers.get("authorization"))
-    known, tenant = auth.cached(key)
-    if not known:
-        tenant = await run_in_threadpool(auth.tenant, key)
-    if tenant is None:
-        raise Unauthorized("unknown API key")
-    return tenant
+    """The caller's tenant, from its API key alone.
+
+    :class:`pipeline.api.limits.AccessGuard` has checked the key (and its limits)
+    before any ``/v1`` endpoint runs; this is only the fallback for an app without it.
+    """
+    principal = request.scope.get("state", {}).get("principal")
+    if principal is None:
+        key = bearer_token(request.headers.get("authorization"))
+        principal = await run_in_threadpool(services(request).auth.principal, key)
+    return str(principal.tenant)
 
 
 async def read_json(request: Request) -> Any:
@@ -216,6 +217,8 @@ async def predict(request: Request) -> Response:
         raise ApiError(422, "batch_too_large",
                        f"{len(inputs)} inputs is over the limit of {limit} per request")
     arm = body.get("arm")
+    if arm is not None and not isinstance(arm, str):
+        raise ApiError(422, "invalid_request", "'arm' must be a string id or null")
     if arm is not None:
         arm = validate_id("arm", arm)
 
@@ -224,6 +227,11 @@ async def predict(request: Request) -> Response:
         metrics.MODEL_DETERMINISTIC.labels(name).set(1 if model.deterministic else 0)
         started = time.perf_counter()
         out = svc.inference.predict(metrics.TimedModel(model), inputs, tenant=tenant, arm=arm)
+        bad = non_finite_rows(out.values)
+        if bad:
+            raise ApiError(422, "non_finite_prediction",
+                           f"the model gave NaN or infinity for input row(s) "
+                           f"{', '.join(map(str, bad[:10]))}; such predictions are not cached")
         hits = int(out.hit.sum())
         metrics.observe_read("model", name, hits == len(out), time.perf_counter() - started)
         metrics.record_predictions(name, hits, len(out) - hits)

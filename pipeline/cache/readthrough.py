@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from pipeline.cache.recompute import Batch, compute
@@ -57,6 +58,27 @@ class Result:
     @property
     def hit(self) -> bool:
         return self.source in ("hit", "waited")
+
+
+def existing_entities(engine: Engine, refs: Sequence[EntityRef]) -> set[tuple[str, str]]:
+    """The ``(tenant, entity)`` pairs of ``refs`` that are rows of ``users``.
+
+    A read-through stores only these: an id with no source row would otherwise cost
+    a full-TTL entry of empty features, and anyone with a key could fill Redis with
+    them. One indexed query per computed group; the lease still guards the race with
+    a user created or deleted meanwhile (its change event revokes the lease).
+    """
+    pairs = {(r.tenant, r.entity) for r in refs}
+    if not pairs:
+        return set()
+    statement = sa.text(
+        "SELECT u.tenant_id, u.id::text FROM users u "
+        "JOIN unnest(CAST(:tenants AS text[]), CAST(:ids AS bigint[])) AS k(tenant_id, id) "
+        "ON u.tenant_id = k.tenant_id AND u.id = k.id")
+    tenants = [t for t, _ in pairs]
+    ids = [int(e) for _, e in pairs]
+    with engine.connect() as conn:
+        return {(t, e) for t, e in conn.execute(statement, {"tenants": tenants, "ids": ids})}
 
 
 @dataclass(slots=True)
@@ -195,16 +217,20 @@ class ReadThrough:
             self.counters.compute_ms[name] = 0.8 * prev + 0.2 * elapsed
             if self.hooks.after_compute:
                 self.hooks.after_compute(group)
-            source: Source = "computed"
             if token is None:
-                source = "uncached"
                 self.counters.uncached += len(group)
-            else:
-                written = self.store.fill(batch, token, group)
-                self.counters.computed += len(group)
-                self.counters.stored += written.written
-                self.counters.refused += len(group) - written.written
-            answers.update(self._from_batch(batch, group, source))
+                answers.update(self._from_batch(batch, group, "uncached"))
+                continue
+            known = existing_entities(self.engine, group)
+            filled = [r for r in group if (r.tenant, r.entity) in known]
+            unknown = [r for r in group if (r.tenant, r.entity) not in known]
+            written = self.store.fill(batch, token, filled)
+            self.counters.computed += len(filled)
+            self.counters.uncached += len(unknown)
+            self.counters.stored += written.written
+            self.counters.refused += len(filled) - written.written
+            answers.update(self._from_batch(batch, filled, "computed"))
+            answers.update(self._from_batch(batch, unknown, "uncached"))
         return answers
 
     def _from_batch(self, batch: Batch, refs: list[EntityRef],

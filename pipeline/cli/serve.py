@@ -1,4 +1,4 @@
-"""CLI commands of the read path: ``serve``, ``tenants create``, ``apikey create``.
+"""CLI command of the read path: ``serve``, with its connection limits, timeouts and TLS.
 
 Registered on the main app by :func:`register`, called from :mod:`pipeline.cli.app`.
 """
@@ -8,15 +8,43 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from pipeline.cli.app import console
-from pipeline.core.settings import load_settings
+from pipeline.core.settings import Settings, load_settings
 
-tenants_app = typer.Typer(help="Tenants and their API keys.", no_args_is_help=True)
-apikey_app = typer.Typer(help="API keys of the read API.", no_args_is_help=True)
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What the HTTP server bounds before the app sees a request.
+
+    ``max_connections`` is per worker: granian's backpressure (connections served at
+    once; others wait in the ``backlog``), uvicorn's ``limit_concurrency`` (503 past
+    it). ``header_timeout_s`` closes a connection that sends no complete request head
+    in time, idle keep-alive connections included, so silent connections cannot pile
+    up. The body's own timeout is the app's (``FRESHLINE_API_BODY_TIMEOUT_S``).
+    """
+
+    max_connections: int = 4096
+    backlog: int = 4096
+    header_timeout_s: float = 10.0
+    keep_alive: bool = True
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ServerLimits:
+        return cls(settings.api_max_connections, settings.api_backlog,
+                   settings.api_header_timeout_s, True, settings.api_tls_cert,
+                   settings.api_tls_key)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert else "http"
 
 
 def serve(
@@ -24,6 +52,17 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port [FRESHLINE_API_PORT]")] = None,
     workers: Annotated[int, typer.Option(min=1, help="Worker processes")] = 1,
     server: Annotated[str, typer.Option(help="granian or uvicorn")] = "granian",
+    max_connections: Annotated[int | None, typer.Option(
+        min=1, help="Connections served at once per worker [FRESHLINE_API_MAX_CONNECTIONS]")
+    ] = None,
+    header_timeout: Annotated[float | None, typer.Option(
+        min=0.001, help="Seconds for a request head, and for an idle keep-alive "
+                        "connection [FRESHLINE_API_HEADER_TIMEOUT_S]")] = None,
+    keep_alive: Annotated[bool, typer.Option(help="HTTP/1.1 keep-alive")] = True,
+    ssl_certificate: Annotated[Path | None, typer.Option(
+        help="PEM certificate (chain): serve HTTPS [FRESHLINE_API_TLS_CERT]")] = None,
+    ssl_keyfile: Annotated[Path | None, typer.Option(
+        help="PEM private key of the certificate [FRESHLINE_API_TLS_KEY]")] = None,
 ) -> None:
     """Serve the HTTP read API (Starlette) with granian or uvicorn."""
     from pipeline.core.db import make_engine, ping
@@ -34,16 +73,29 @@ def serve(
     port = port or settings.api_port
     if server not in ("granian", "uvicorn"):
         raise typer.BadParameter("choose granian or uvicorn", param_hint="--server")
+    base = ServerLimits.from_settings(settings)
+    limits = ServerLimits(
+        max_connections or base.max_connections, max(base.backlog, max_connections or 0),
+        header_timeout or base.header_timeout_s, keep_alive,
+        str(ssl_certificate) if ssl_certificate else base.tls_cert,
+        str(ssl_keyfile) if ssl_keyfile else base.tls_key)
+    if bool(limits.tls_cert) != bool(limits.tls_key):
+        raise typer.BadParameter("give both a certificate and its key",
+                                 param_hint="--ssl-certificate/--ssl-keyfile")
+    for path in (limits.tls_cert, limits.tls_key):
+        if path and not Path(path).is_file():
+            raise typer.BadParameter(f"no such file: {path}",
+                                     param_hint="--ssl-certificate/--ssl-keyfile")
     metrics_dir: str | None = None
     if workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Set before any worker imports prometheus_client, which reads it on import.
         metrics_dir = tempfile.mkdtemp(prefix="freshline-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    console.print(f"serving the read API on http://{host}:{port} with {server}, "
-                  f"{workers} worker(s)")
+    console.print(f"serving the read API on {limits.scheme}://{host}:{port} with {server}, "
+                  f"{workers} worker(s), up to {limits.max_connections} connections each")
     try:
         if server == "granian":
-            run_granian("pipeline.api:app_from_env", host, port, workers)
+            run_granian("pipeline.api:app_from_env", host, port, workers, limits)
         else:
             try:
                 import uvicorn
@@ -51,54 +103,38 @@ def serve(
                 raise typer.BadParameter("uvicorn is not installed: pip install "
                                          "'freshline[uvicorn]'", param_hint="--server") from None
             uvicorn.run("pipeline.api:app_from_env", host=host, port=port, workers=workers,
-                        factory=True, access_log=False)
+                        factory=True, access_log=False,
+                        limit_concurrency=limits.max_connections, backlog=limits.backlog,
+                        timeout_keep_alive=int(max(1, limits.header_timeout_s)),
+                        ssl_certfile=limits.tls_cert or None,
+                        ssl_keyfile=limits.tls_key or None)
     finally:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def run_granian(target: str, host: str, port: int, workers: int) -> None:
+def run_granian(target: str, host: str, port: int, workers: int,
+                limits: ServerLimits | None = None) -> None:
     """Serve the ASGI app factory ``target`` with granian, as ``freshline serve`` does.
 
     The benchmarks launch their minimal reference app through this too, so both
     servers run with the same settings.
     """
-    from granian.constants import Interfaces
+    from granian.constants import HTTPModes, Interfaces
+    from granian.http import HTTP1Settings
     from granian.server import Server as Granian
 
+    limits = limits or ServerLimits()
     Granian(target, address=host, port=port, workers=workers, interface=Interfaces.ASGI,
-            factory=True, log_access=False).serve()
-
-
-@tenants_app.command("create")
-def tenants_create(
-    tenant: Annotated[str, typer.Argument(help="Tenant id: letters, digits, '_', '.', '-'")],
-    name: Annotated[str | None, typer.Option(help="Display name (default: the id)")] = None,
-) -> None:
-    """Create a tenant and print its first API key (shown only this once)."""
-    from pipeline.api.auth import create_tenant
-    from pipeline.core.db import make_engine
-
-    key = create_tenant(make_engine(load_settings()), tenant, name)
-    console.print(f"created tenant {tenant}; its API key (stored hashed, shown only now):")
-    typer.echo(key)
-
-
-@apikey_app.command("create")
-def apikey_create(
-    tenant: Annotated[str, typer.Option("--tenant", help="An existing tenant id")],
-) -> None:
-    """Add an API key for a tenant and print it (shown only this once)."""
-    from pipeline.api.auth import create_api_key
-    from pipeline.core.db import make_engine
-
-    key = create_api_key(make_engine(load_settings()), tenant)
-    console.print(f"new API key for tenant {tenant} (stored hashed, shown only now):")
-    typer.echo(key)
+            factory=True, log_access=False, http=HTTPModes.http1,
+            backlog=limits.backlog, backpressure=limits.max_connections,
+            http1_settings=HTTP1Settings(
+                header_read_timeout=int(limits.header_timeout_s * 1000),
+                keep_alive=limits.keep_alive),
+            ssl_cert=Path(limits.tls_cert) if limits.tls_cert else None,
+            ssl_key=Path(limits.tls_key) if limits.tls_key else None).serve()
 
 
 def register(app: typer.Typer) -> None:
-    """Add these commands to the ``freshline`` app."""
+    """Add this command to the ``freshline`` app."""
     app.command("serve")(serve)
-    app.add_typer(tenants_app, name="tenants")
-    app.add_typer(apikey_app, name="apikey")

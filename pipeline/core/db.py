@@ -81,6 +81,11 @@ api_keys = sa.Table(
     sa.Column("key_hash", sa.Text, primary_key=True),
     sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("id", sa.Text, nullable=False, unique=True),
+    sa.Column("label", sa.Text, nullable=False, server_default=""),
+    sa.Column("expires_at", sa.DateTime(timezone=True)),
+    sa.Column("last_used_at", sa.DateTime(timezone=True)),
+    sa.Column("revoked_at", sa.DateTime(timezone=True)),
 )
 
 

@@ -27,6 +27,9 @@ FLOOR_PREFIX = "floor"
 META_PREFIX = "freshline"
 
 INVALIDATION_CHANNEL = "freshline:invalidations"
+APIKEY_CHANNEL = "freshline:apikeys:revoked"
+"""Revoked API keys' ids, published by ``freshline apikey revoke``; each API worker drops
+the key from its cache on the message."""
 ACTIVE_SCHEMA_KEY = "freshline:active_schema_version"
 NEXT_SCHEMA_KEY = "freshline:next_schema_version"
 PREVIOUS_SCHEMA_KEY = "freshline:previous_schema_version"

@@ -54,6 +54,21 @@ class Settings(BaseSettings):
     api_body_limit_bytes: int = Field(default=1_000_000, ge=1024)
     local_cache_size: int = Field(default=100_000, ge=0)
     subscription_silence_ms: int = Field(default=1000, ge=50, le=60_000)
+    api_rate_per_s: float = Field(default=1000.0, ge=0)
+    """Requests per second per API key and worker (token bucket; 0: no limit)."""
+    api_rate_burst: int = Field(default=2000, ge=1)
+    api_auth_failures_per_min: float = Field(default=30.0, ge=0)
+    """Failed authentications per client address and worker (0: no limit)."""
+    api_auth_failures_burst: int = Field(default=20, ge=1)
+    api_key_cache_s: float = Field(default=60.0, ge=0)
+    api_key_last_used_s: float = Field(default=60.0, gt=0)
+    api_max_connections: int = Field(default=4096, ge=1)
+    api_backlog: int = Field(default=4096, ge=1)
+    api_header_timeout_s: float = Field(default=10.0, gt=0)
+    api_body_timeout_s: float = Field(default=30.0, gt=0)
+    api_tls_cert: str = ""
+    api_tls_key: str = ""
+    audit_log: str = ""
 
     recompute_paths: dict[str, Literal["full", "incremental"]] = Field(default_factory=dict)
     """Per feature set, JSON: ``{"txn_90d": "full"}``; others keep their declared path."""

@@ -314,7 +314,10 @@ class InferenceCache:
             batch = x[first[missing]]
             computed = _checked_output(model, model.predict(batch), missing.size)
             pipe = self.redis.pipeline(transaction=False)
-            for j, blob in zip(missing, encode_rows(computed), strict=True):
+            # NaN and infinities are never cached: JSON cannot carry them, and a
+            # cached one would be served as if it were an answer.
+            finite = ~np.isin(np.arange(missing.size), non_finite_rows(computed))
+            for j, blob in zip(missing[finite], encode_rows(computed[finite]), strict=True):
                 # execute_command skips set()'s argument handling: a quarter of a
                 # cold batch's time goes to building these commands.
                 pipe.execute_command(  # type: ignore[no-untyped-call]
@@ -376,6 +379,14 @@ class InferenceCache:
                 "was the model changed without a version bump?"
             )
         return np.array(good, dtype=np.intp), np.stack(rows) if rows else None
+
+
+def non_finite_rows(values: Array) -> list[int]:
+    """The rows of ``values`` holding a NaN or an infinity (none for an integer array)."""
+    if values.dtype.kind not in "fc" or values.size == 0:
+        return []
+    flat = values.reshape(values.shape[0], -1)
+    return [int(i) for i in np.flatnonzero(~np.isfinite(flat).all(axis=1))]
 
 
 def _decode_stack(blobs: list[bytes]) -> Array | None:

@@ -404,8 +404,8 @@ def scrape(api: Api) -> dict[str, float]:
 def test_metrics_count_hits_misses_and_read_throughs(api: Api) -> None:
     # The counters are the process's: other tests have moved them, so count the change.
     before = scrape(api)
-    assert api.get("/v1/features/device_risk/11").status_code == 200  # a miss, read through
-    assert api.get("/v1/features/device_risk/11").status_code == 200  # a hit in Redis
+    assert api.get("/v1/features/device_risk/10").status_code == 200  # a miss, read through
+    assert api.get("/v1/features/device_risk/10").status_code == 200  # a hit in Redis
     after = scrape(api)
     assert {what: after[what] - before[what] for what in COUNTED} == {
         "hits": 1, "misses": 1, "read_throughs": 1, "requests": 2}
@@ -423,13 +423,13 @@ def test_the_api_serves_from_the_local_tier_until_invalidated(
     with running(app, create_api_key(engine, tenant)) as client:
         local: LocalTier = app.state.services.reader.local
         assert local.wait_live(5)
-        assert client.get("/v1/features/txn_90d/12").json()["source"] == "computed"
-        assert client.get("/v1/features/txn_90d/12").json()["source"] == "local"
+        assert client.get("/v1/features/txn_90d/10").json()["source"] == "computed"
+        assert client.get("/v1/features/txn_90d/10").json()["source"] == "local"
         batch = client.post("/v1/features/batch",
-                            json={"feature_sets": ["txn_90d", "geo"], "entities": [12]})
+                            json={"feature_sets": ["txn_90d", "geo"], "entities": [10]})
         assert [i["source"] for i in batch.json()["items"]] == ["local", "computed"]
 
-        message = Invalidation(tenant, "txn_90d", "12", 1, api_settings.schema_version)
+        message = Invalidation(tenant, "txn_90d", "10", 1, api_settings.schema_version)
         redis_client.publish(INVALIDATION_CHANNEL, message.encode())
         assert wait_until(lambda: local.stats.invalidations >= 1)
-        assert client.get("/v1/features/txn_90d/12").json()["source"] == "hit"
+        assert client.get("/v1/features/txn_90d/10").json()["source"] == "hit"

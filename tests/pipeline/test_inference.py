@@ -197,12 +197,28 @@ def test_the_width_and_the_rounding_are_part_of_the_digest(redis_client: redis.R
 
 def test_equal_rounded_inputs_are_served_as_one(cache: InferenceCache) -> None:
     model, _ = counted(d=2)
-    batch = np.array([[0.0, np.nan], [-0.0, -np.nan]])
+    batch = np.array([[0.0, 1.5], [-0.0, 1.50001]])
     out = cache.predict(model, batch)
     again = cache.predict(model, batch.astype(np.float32))
     assert model.calls == 1 and model.rows == [1]
     assert again.hit.all()
-    assert np.array_equal(out.values, again.values, equal_nan=True)
+    assert np.array_equal(out.values, again.values)
+    # Every NaN input is one NaN, whatever its sign or payload.
+    nans = np.array([[0.0, np.nan], [-0.0, -np.nan]])
+    assert len(set(cache.keys(model, nans))) == 1
+
+
+def test_non_finite_predictions_are_never_cached(cache: InferenceCache,
+                                                redis_client: redis.Redis) -> None:
+    model, _ = counted(d=2)
+    batch = np.array([[0.0, np.nan], [1.0, 2.0]])  # the first row's prediction is NaN
+    first = cache.predict(model, batch)
+    again = cache.predict(model, batch)
+    assert np.isnan(first.values[0]) and np.isfinite(first.values[1])
+    assert again.hit.tolist() == [False, True]
+    assert model.rows == [2, 1]
+    [nan_key, finite_key] = cache.keys(model, batch)
+    assert redis_client.exists(nan_key) == 0 and redis_client.exists(finite_key) == 1
 
 
 def test_the_digest_follows_the_documented_recipe(cache: InferenceCache) -> None:

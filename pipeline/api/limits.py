@@ -1,0 +1,192 @@
+"""Abuse limits: who may call ``/v1``, how often, and how slowly they may send.
+
+:class:`AccessGuard` is ASGI middleware in front of every ``/v1`` route. For each
+request, in order:
+
+1. the bearer key is resolved to a :class:`pipeline.api.auth.Principal`, from the
+   worker's cache when it can be. A key the cache does not know costs one Postgres
+   query, unless its client address has spent its budget of failed authentications
+   (a token bucket per address): then the answer is 401 at once, with no query, so
+   random keys cannot drive the database;
+2. the key takes a token from its own bucket (``FRESHLINE_API_RATE_PER_S``,
+   ``FRESHLINE_API_RATE_BURST``), or the answer is 429 with ``Retry-After``;
+3. the request body must arrive within ``FRESHLINE_API_BODY_TIMEOUT_S`` (408
+   otherwise), and a client that goes away mid-body ends the request as 499
+   ("client closed request"): neither is a server error.
+
+Refusals are written to the audit log (:mod:`pipeline.api.audit_log`) and counted in
+``freshline_api_refused_total{reason}``. Buckets live in the worker process (one event
+loop, so no lock): with ``N`` workers a key can reach ``N`` times its rate.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import anyio
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pipeline.api import audit_log, metrics
+from pipeline.api.auth import Authenticator, Principal, Unauthorized, bearer_token
+from pipeline.api.errors import ApiError, error_response
+from pipeline.core.settings import Settings
+
+GUARDED_PREFIX = "/v1/"
+
+
+class ClientClosed(ApiError):
+    """The client went away before sending the whole body (logged as nothing worse)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "client_closed", "the client closed the connection mid-request")
+
+
+class TokenBuckets:
+    """A token bucket per name: ``burst`` tokens, refilled at ``rate_per_s``.
+
+    At most ``max_entries`` names are tracked (least recently used are forgotten, which
+    only ever forgives). ``rate_per_s`` 0 means no limit.
+    """
+
+    def __init__(self, rate_per_s: float, burst: int, *, max_entries: int = 100_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate_per_s
+        self.burst = float(burst)
+        self.max_entries = max_entries
+        self.clock = clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def _level(self, name: str, now: float) -> float:
+        tokens, at = self._buckets.get(name, (self.burst, now))
+        return min(self.burst, tokens + (now - at) * self.rate)
+
+    def wait(self, name: str) -> float:
+        """Seconds until ``name`` has a token (0 if it has one now); takes nothing."""
+        if self.rate <= 0:
+            return 0.0
+        tokens = self._level(name, self.clock())
+        return 0.0 if tokens >= 1 else (1 - tokens) / self.rate
+
+    def take(self, name: str) -> float:
+        """Take a token: 0 if one was there, else the seconds until one will be."""
+        if self.rate <= 0:
+            return 0.0
+        now = self.clock()
+        tokens = self._level(name, now)
+        if tokens < 1:
+            self._store(name, tokens, now)
+            return (1 - tokens) / self.rate
+        self._store(name, tokens - 1, now)
+        return 0.0
+
+    def _store(self, name: str, tokens: float, now: float) -> None:
+        self._buckets[name] = (tokens, now)
+        self._buckets.move_to_end(name)
+        while len(self._buckets) > self.max_entries:
+            self._buckets.popitem(last=False)
+
+
+class AccessGuard:
+    """ASGI middleware: authentication, per-key rate and per-address failure limits,
+    and body timeouts for ``/v1``; see the module docstring."""
+
+    def __init__(self, app: ASGIApp, *, auth: Authenticator, settings: Settings) -> None:
+        self.app = app
+        self.auth = auth
+        self.per_key = TokenBuckets(settings.api_rate_per_s, settings.api_rate_burst)
+        self.failures = TokenBuckets(settings.api_auth_failures_per_min / 60,
+                                     settings.api_auth_failures_burst)
+        self.body_timeout_s = settings.api_body_timeout_s
+        self._throttle_logged: OrderedDict[str, float] = OrderedDict()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(GUARDED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        client = scope.get("client")
+        address = str(client[0]) if client else "-"
+        try:
+            principal = await self._authenticate(scope, address)
+        except Unauthorized as exc:
+            self._refused(exc.reason, address, exc.key_id)
+            response = error_response(401, "unauthorized", str(exc),
+                                      {"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        wait = self.per_key.take(principal.key_id)
+        if wait > 0:
+            metrics.REFUSED.labels("rate_limited").inc()
+            audit_log.record("rate.limited", key_id=principal.key_id, tenant=principal.tenant,
+                             client=address, path=scope["path"])
+            retry = max(1, math.ceil(wait))
+            response = error_response(
+                429, "rate_limited",
+                f"over {self.per_key.rate:g} requests/s for this API key; retry in {retry} s",
+                {"Retry-After": str(retry)})
+            await response(scope, receive, send)
+            return
+        scope.setdefault("state", {})["principal"] = principal
+        await self.app(scope, self._bounded(receive), send)
+
+    async def _authenticate(self, scope: Scope, address: str) -> Principal:
+        header = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                header = value.decode("latin-1")
+                break
+        key = bearer_token(header)
+        known, principal = self.auth.cached(key)
+        if known and principal is not None:
+            return principal
+        if not known and self.failures.wait(address) > 0:
+            raise Unauthorized("too many failed authentications from this address; "
+                               "retry later", reason="throttled")
+        try:
+            if known:
+                return self.auth.principal(key)  # a cached refusal: raises, no query
+            return await run_in_threadpool(self.auth.principal, key)
+        except Unauthorized:
+            self.failures.take(address)
+            raise
+
+    def _refused(self, reason: str, address: str, key_id: str | None) -> None:
+        metrics.REFUSED.labels(reason).inc()
+        if reason == "throttled":
+            # Once a minute per address: a flood of refusals must not flood the log.
+            now = time.monotonic()
+            if self._throttle_logged.get(address, -math.inf) > now - 60:
+                return
+            self._throttle_logged[address] = now
+            self._throttle_logged.move_to_end(address)
+            while len(self._throttle_logged) > 10_000:
+                self._throttle_logged.popitem(last=False)
+        audit_log.record("auth.refused", reason=reason, key_id=key_id, client=address)
+
+    def _bounded(self, receive: Receive) -> Receive:
+        """``receive`` with the body due within the timeout, and a disconnect mid-body
+        turned into :class:`ClientClosed` rather than an unexpected exception."""
+        deadline = time.monotonic() + self.body_timeout_s
+        done = False
+
+        async def bounded() -> Message:
+            nonlocal done
+            if done:
+                return await receive()
+            try:
+                with anyio.fail_after(max(0.0, deadline - time.monotonic())):
+                    message = await receive()
+            except TimeoutError:
+                raise ApiError(408, "body_timeout",
+                               f"the request body did not arrive within "
+                               f"{self.body_timeout_s:g} s") from None
+            if message["type"] == "http.disconnect":
+                raise ClientClosed()
+            if not message.get("more_body", False):
+                done = True
+            return message
+
+        return bounded

@@ -1,0 +1,129 @@
+"""CLI commands for tenants and API keys: ``tenants create``, ``apikey create|list|revoke``.
+
+Registered on the main app by :func:`register`. Each administrative action writes an
+audit line (``FRESHLINE_AUDIT_LOG``, else stderr) with the key's id, never the key.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime, timedelta
+from typing import Annotated
+
+import typer
+
+from pipeline.cli.app import console
+from pipeline.core.settings import Settings, load_settings
+
+tenants_app = typer.Typer(help="Tenants and their API keys.", no_args_is_help=True)
+apikey_app = typer.Typer(help="API keys of the read API.", no_args_is_help=True)
+
+_DURATION = re.compile(r"(\d+)([smhd])")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``90d``, ``12h``, ``30m``, ``45s``: a positive duration, or a usage error."""
+    match = _DURATION.fullmatch(text.strip())
+    if match is None or int(match.group(1)) == 0:
+        raise typer.BadParameter(f"{text!r} is not a duration like 90d, 12h, 30m or 45s",
+                                 param_hint="--expires-in")
+    return timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+
+
+def _settings() -> Settings:
+    from pipeline.api import audit_log
+
+    settings = load_settings()
+    audit_log.configure(settings.audit_log)
+    return settings
+
+
+def _when(value: datetime | None) -> str:
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M") if value else "-"
+
+
+@tenants_app.command("create")
+def tenants_create(
+    tenant: Annotated[str, typer.Argument(help="Tenant id: letters, digits, '_', '.', '-'")],
+    name: Annotated[str | None, typer.Option(help="Display name (default: the id)")] = None,
+) -> None:
+    """Create a tenant and print its first API key (shown only this once)."""
+    from pipeline.api.auth import register_tenant
+    from pipeline.core.db import make_engine
+
+    issued = register_tenant(make_engine(_settings()), tenant, name)
+    console.print(f"created tenant {tenant}; its API key {issued.key_id} "
+                  "(stored hashed, shown only now):")
+    typer.echo(issued.key)
+
+
+@apikey_app.command("create")
+def apikey_create(
+    tenant: Annotated[str, typer.Option("--tenant", help="An existing tenant id")],
+    label: Annotated[str, typer.Option(help="What the key is for (shown by list)")] = "",
+    expires_in: Annotated[str | None, typer.Option(
+        "--expires-in", help="Lifetime, e.g. 90d, 12h (default: no expiry)")] = None,
+) -> None:
+    """Add an API key for a tenant and print it (shown only this once)."""
+    from pipeline.api.auth import issue_api_key
+    from pipeline.core.db import make_engine
+
+    expires_at = datetime.now(UTC) + parse_duration(expires_in) if expires_in else None
+    try:
+        issued = issue_api_key(make_engine(_settings()), tenant, label=label,
+                               expires_at=expires_at)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--label") from None
+    until = f", expires {_when(expires_at)} UTC" if expires_at else ""
+    console.print(f"new API key {issued.key_id} for tenant {tenant}{until} "
+                  "(stored hashed, shown only now):")
+    typer.echo(issued.key)
+
+
+@apikey_app.command("list")
+def apikey_list(
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant's keys")] = None,
+) -> None:
+    """List keys: id, tenant, state, label and times (UTC). Never the keys themselves."""
+    from pipeline.api.auth import list_api_keys
+    from pipeline.core.db import make_engine
+
+    keys = list_api_keys(make_engine(load_settings()), tenant)
+    if not keys:
+        console.print("no API keys" + (f" for tenant {tenant}" if tenant else ""))
+        return
+    now = datetime.now(UTC)
+    typer.echo(f"{'id':<12}  {'tenant':<16}  {'state':<7}  {'created':<16}  "
+               f"{'expires':<16}  {'last used':<16}  label")
+    for k in keys:
+        typer.echo(f"{k.key_id:<12}  {k.tenant[:16]:<16}  {k.state(now):<7}  "
+                   f"{_when(k.created_at):<16}  {_when(k.expires_at):<16}  "
+                   f"{_when(k.last_used_at):<16}  {k.label}")
+
+
+@apikey_app.command("revoke")
+def apikey_revoke(
+    key_id: Annotated[str, typer.Argument(help="The key's id, as apikey list shows it")],
+) -> None:
+    """Revoke a key: every API worker refuses it within FRESHLINE_SUBSCRIPTION_SILENCE_MS."""
+    import redis
+
+    from pipeline.api.auth import revoke_api_key
+    from pipeline.core.db import make_engine
+
+    settings = _settings()
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
+                                  socket_timeout=5)
+    try:
+        info = revoke_api_key(make_engine(settings), client, key_id)
+    finally:
+        client.close()
+    console.print(f"revoked API key {info.key_id} of tenant {info.tenant} "
+                  f"(at {_when(info.revoked_at)} UTC)")
+
+
+def register(app: typer.Typer) -> None:
+    """Add these commands to the ``freshline`` app."""
+    app.add_typer(tenants_app, name="tenants")
+    app.add_typer(apikey_app, name="apikey")
