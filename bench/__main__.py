@@ -39,6 +39,7 @@ BENCHMARKS = (
     "recompute",
     "read_path",
     "reference_app",
+    "idle_connections",
     "write_path",
     "cdc_freshness",
     "inference",
