@@ -89,7 +89,13 @@ class NamespaceIndex:
         """Per query row, up to ``k`` live ``(id, approximate similarity)``, best first."""
         if not self.live:
             return [[] for _ in range(len(vectors))]
-        wanted = min(k + self.hidden, len(self.live) + self.hidden)
+        # Over-fetch a little for hidden (removed) ids, never by their number: a search
+        # for thousands of neighbours would cost more than the rebuild that clears them.
+        wanted = min(k + min(self.hidden, 3 * k), len(self.live) + self.hidden)
+        # One OpenMP thread (a per-thread setting): a single query gains nothing from
+        # more, and on a busy machine the team's spin-waiting made a 0.2 ms search take
+        # 5-10 ms (measured; bench/semantic.py).
+        faiss.omp_set_num_threads(1)
         scores, ids = self.index.search(np.ascontiguousarray(vectors, dtype=np.float32),
                                         max(1, wanted))
         out: list[list[tuple[int, float]]] = []
