@@ -37,6 +37,7 @@ from bench import common
 BENCHMARKS = (
     "seed",
     "recompute",
+    "incremental",
     "read_path",
     "reference_app",
     "idle_connections",

@@ -49,9 +49,26 @@ _DELTAS = {
 
 # One statement's changes applied in order; each statement of a VOLATILE function gets
 # a fresh snapshot under READ COMMITTED, so the later ones see the earlier ones.
+# The changed rows are first collected into arrays, and every statement reads them
+# with unnest(): PL/pgSQL caches plans per session, and a plan made for a transition
+# table's size at the first call (a 2,000-row COPY: hash joins over whole bucket
+# tables) would cost every later one-row INSERT milliseconds, and custom plans would
+# be planned again at every call. Generic plans estimate unnest() of a variable at
+# 100 rows: index probes, right for one row and linear for a COPY.
 _APPLY = """
-CREATE FUNCTION freshline_txn_buckets_{op}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+CREATE FUNCTION freshline_txn_buckets_{op}() RETURNS trigger LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan AS $fn$
+DECLARE
+    d_t text[]; d_u bigint[]; d_at timestamptz[]; d_a numeric[]; d_m text[]; d_d text[];
+    d_w int[];
 BEGIN
+    SELECT array_agg(tenant_id), array_agg(user_id), array_agg(created_at), array_agg(amount),
+           array_agg(merchant_id), array_agg(device_id), array_agg(w)
+    INTO d_t, d_u, d_at, d_a, d_m, d_d, d_w
+    FROM ({source}) AS s;
+    IF d_t IS NULL THEN
+        RETURN NULL;
+    END IF;
     -- 1. bucket sums; max and latest time only grow here (shrinking is step 2)
     INSERT INTO txn_buckets AS b (tenant_id, user_id, day, n, amount_sum, amount_sq,
                                   amount_max, last_at)
@@ -64,22 +81,7 @@ BEGIN
         amount_sq = b.amount_sq + excluded.amount_sq,
         amount_max = greatest(b.amount_max, excluded.amount_max),
         last_at = greatest(b.last_at, excluded.last_at);
-    -- 2. a removed row that may have been its day's max or latest: read the day again
-    UPDATE txn_buckets AS b SET
-        amount_max = (SELECT max(x.amount) FROM transactions x
-                      WHERE x.tenant_id = b.tenant_id AND x.user_id = b.user_id
-                        AND x.created_at >= b.day::timestamp AT TIME ZONE 'UTC'
-                        AND x.created_at < (b.day + 1)::timestamp AT TIME ZONE 'UTC'),
-        last_at = (SELECT max(x.created_at) FROM transactions x
-                   WHERE x.tenant_id = b.tenant_id AND x.user_id = b.user_id
-                     AND x.created_at >= b.day::timestamp AT TIME ZONE 'UTC'
-                     AND x.created_at < (b.day + 1)::timestamp AT TIME ZONE 'UTC')
-    FROM (SELECT tenant_id, user_id, {day} AS day, max(amount) AS amount,
-                 max(created_at) AS at
-          FROM ({delta}) AS d WHERE w < 0 GROUP BY 1, 2, 3) AS r
-    WHERE b.tenant_id = r.tenant_id AND b.user_id = r.user_id AND b.day = r.day
-      AND (r.amount >= b.amount_max OR r.at >= b.last_at);
-    -- 3. member counts per day
+{step2}    -- 3. member counts per day
     INSERT INTO txn_bucket_members AS m (tenant_id, user_id, kind, member, day, n)
     SELECT tenant_id, user_id, kind, member, day, sum(w) FROM (
         SELECT tenant_id, user_id, 'm' AS kind, merchant_id AS member, {day} AS day, w
@@ -89,23 +91,7 @@ BEGIN
         FROM ({delta}) AS d WHERE device_id IS NOT NULL) AS e
     GROUP BY 1, 2, 3, 4, 5 HAVING sum(w) <> 0
     ON CONFLICT (tenant_id, user_id, kind, member, day) DO UPDATE SET n = m.n + excluded.n;
-    -- 4. lock each changed member's latest-day row (created if new), in key order
-    INSERT INTO txn_bucket_latest AS l (tenant_id, user_id, kind, member)
-    SELECT DISTINCT tenant_id, user_id, kind, member FROM ({members}) AS c
-    ORDER BY 1, 2, 3, 4
-    ON CONFLICT (tenant_id, user_id, kind, member) DO UPDATE SET prev = l.latest;
-    DELETE FROM txn_bucket_members AS m USING ({members}) AS c
-    WHERE m.tenant_id = c.tenant_id AND m.user_id = c.user_id AND m.kind = c.kind
-      AND m.member = c.member AND m.day = c.day AND m.n <= 0;
-    -- 5. with the lock held, every earlier change of the member is visible: re-derive
-    UPDATE txn_bucket_latest AS l SET prev = l.latest,
-        latest = (SELECT max(m.day) FROM txn_bucket_members m
-                  WHERE m.tenant_id = l.tenant_id AND m.user_id = l.user_id
-                    AND m.kind = l.kind AND m.member = l.member AND m.n > 0)
-    FROM (SELECT DISTINCT tenant_id, user_id, kind, member FROM ({members}) AS c) AS c
-    WHERE l.tenant_id = c.tenant_id AND l.user_id = c.user_id AND l.kind = c.kind
-      AND l.member = c.member;
-    -- 6. move each member's "latest here" mark from its old latest day to its new one
+{step45}    -- 6. move each member's "latest here" mark from its old latest day to its new one
     UPDATE txn_buckets AS b SET
         merchants_latest = b.merchants_latest + t.merchants,
         devices_latest = b.devices_latest + t.devices
@@ -125,6 +111,50 @@ BEGIN
                 WHERE l.prev IS DISTINCT FROM l.latest AND l.latest IS NOT NULL) AS moves
           GROUP BY 1, 2, 3) AS t
     WHERE b.tenant_id = t.tenant_id AND b.user_id = t.user_id AND b.day = t.day;
+{cleanup}    RETURN NULL;
+END
+$fn$;
+CREATE TRIGGER txn_buckets_{op} AFTER {event} ON transactions
+    REFERENCING {refs} FOR EACH STATEMENT EXECUTE FUNCTION freshline_txn_buckets_{op}();
+"""
+
+_REMOVALS = {
+    "step2": """
+    -- 2. a removed row that may have been its day's max or latest: read the day again
+    UPDATE txn_buckets AS b SET
+        amount_max = (SELECT max(x.amount) FROM transactions x
+                      WHERE x.tenant_id = b.tenant_id AND x.user_id = b.user_id
+                        AND x.created_at >= b.day::timestamp AT TIME ZONE 'UTC'
+                        AND x.created_at < (b.day + 1)::timestamp AT TIME ZONE 'UTC'),
+        last_at = (SELECT max(x.created_at) FROM transactions x
+                   WHERE x.tenant_id = b.tenant_id AND x.user_id = b.user_id
+                     AND x.created_at >= b.day::timestamp AT TIME ZONE 'UTC'
+                     AND x.created_at < (b.day + 1)::timestamp AT TIME ZONE 'UTC')
+    FROM (SELECT tenant_id, user_id, {day} AS day, max(amount) AS amount,
+                 max(created_at) AS at
+          FROM ({delta}) AS d WHERE w < 0 GROUP BY 1, 2, 3) AS r
+    WHERE b.tenant_id = r.tenant_id AND b.user_id = r.user_id AND b.day = r.day
+      AND (r.amount >= b.amount_max OR r.at >= b.last_at);
+""",
+    "step45": """
+    -- 4. lock each changed member's latest-day row (created if new), in key order
+    INSERT INTO txn_bucket_latest AS l (tenant_id, user_id, kind, member)
+    SELECT DISTINCT tenant_id, user_id, kind, member FROM ({members}) AS c
+    ORDER BY 1, 2, 3, 4
+    ON CONFLICT (tenant_id, user_id, kind, member) DO UPDATE SET prev = l.latest;
+    DELETE FROM txn_bucket_members AS m USING ({members}) AS c
+    WHERE m.tenant_id = c.tenant_id AND m.user_id = c.user_id AND m.kind = c.kind
+      AND m.member = c.member AND m.day = c.day AND m.n <= 0;
+    -- 5. with the lock held, every earlier change of the member is visible: re-derive
+    UPDATE txn_bucket_latest AS l SET prev = l.latest,
+        latest = (SELECT max(m.day) FROM txn_bucket_members m
+                  WHERE m.tenant_id = l.tenant_id AND m.user_id = l.user_id
+                    AND m.kind = l.kind AND m.member = l.member AND m.n > 0)
+    FROM (SELECT DISTINCT tenant_id, user_id, kind, member FROM ({members}) AS c) AS c
+    WHERE l.tenant_id = c.tenant_id AND l.user_id = c.user_id AND l.kind = c.kind
+      AND l.member = c.member;
+""",
+    "cleanup": """
     DELETE FROM txn_bucket_latest AS l USING ({members}) AS c
     WHERE l.tenant_id = c.tenant_id AND l.user_id = c.user_id AND l.kind = c.kind
       AND l.member = c.member AND l.latest IS NULL;
@@ -132,11 +162,19 @@ BEGIN
                                         FROM ({delta}) AS d) AS c
     WHERE b.tenant_id = c.tenant_id AND b.user_id = c.user_id AND b.day = c.day
       AND b.n = 0;
-    RETURN NULL;
-END
-$fn$;
-CREATE TRIGGER txn_buckets_{op} AFTER {event} ON transactions
-    REFERENCING {refs} FOR EACH STATEMENT EXECUTE FUNCTION freshline_txn_buckets_{op}();
+""",
+}
+"""The parts only a removal (DELETE, UPDATE) needs: a shrinking max or latest day, and
+rows whose count fell to zero."""
+
+_INSERT_LATEST = """
+    -- 4-5. an insert only adds days: each changed member's latest day grows to the
+    -- newest added one (the row lock orders concurrent writers of the member)
+    INSERT INTO txn_bucket_latest AS l (tenant_id, user_id, kind, member, latest, prev)
+    SELECT tenant_id, user_id, kind, member, max(day), NULL FROM ({members}) AS c
+    GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4
+    ON CONFLICT (tenant_id, user_id, kind, member) DO UPDATE
+        SET prev = l.latest, latest = greatest(l.latest, excluded.latest);
 """
 
 _MEMBERS = ("SELECT tenant_id, user_id, 'm' AS kind, merchant_id AS member, {day} AS day "
@@ -149,15 +187,25 @@ _REFS = {"insert": ("INSERT", "NEW TABLE AS new_rows"),
          "update": ("UPDATE", "OLD TABLE AS old_rows NEW TABLE AS new_rows")}
 
 
+_UNNEST = ("SELECT * FROM unnest(d_t, d_u, d_at, d_a, d_m, d_d, d_w) AS "
+           "u(tenant_id, user_id, created_at, amount, merchant_id, device_id, w)")
+
+
 def apply_functions() -> str:
     """The three statement triggers' functions and their triggers, as SQL."""
     parts = []
     day = _DAY.format(col="created_at")
-    for name, delta in _DELTAS.items():
+    members = _MEMBERS.format(day=day, delta=_UNNEST)
+    for name, source in _DELTAS.items():
         event, refs = _REFS[name]
-        members = _MEMBERS.format(day=day, delta=delta)
-        parts.append(_APPLY.format(op=name, day=day, delta=delta, members=members,
-                                   event=event, refs=refs))
+        if name == "insert":
+            steps = {"step2": "", "step45": _INSERT_LATEST, "cleanup": ""}
+        else:
+            steps = dict(_REMOVALS)
+        body = _APPLY.format(op=name, event=event, refs=refs, source=source,
+                             day="{day}", delta="{delta}", members="{members}", **steps)
+        parts.append(body.replace("{delta}", _UNNEST).replace("{members}", members)
+                     .replace("{day}", day))
     return "\n".join(parts)
 
 

@@ -174,8 +174,8 @@ SELECT ki.tenant_id, ki.user_id,
        coalesce(greatest(bk.mx, ed.mx), 0)::float8 AS txn_max,
        round(CASE WHEN a.n = 0 OR a.n * a.q - a.s * a.s <= 0 THEN 0
                   ELSE sqrt((a.n * a.q - a.s * a.s) / (a.n * a.n)) END, 4)::float8 AS txn_std,
-       (coalesce(bk.ml, 0) + em.n)::bigint AS distinct_merchants,
-       (coalesce(bk.dl, 0) + ev.n)::bigint AS distinct_devices,
+       (coalesce(bk.ml, 0) + ed.m)::bigint AS distinct_merchants,
+       (coalesce(bk.dl, 0) + ed.d)::bigint AS distinct_devices,
        greatest(bk.la, ed.la) AS last_txn_at
 FROM ki CROSS JOIN t
 CROSS JOIN LATERAL (SELECT t.as_of - interval '90 days' AS c) w0
@@ -191,27 +191,19 @@ CROSS JOIN LATERAL (
 ) bk
 CROSS JOIN LATERAL (
     SELECT count(*) AS n, sum(x.amount) AS s, sum(x.amount * x.amount) AS q,
-           max(x.amount) AS mx, max(x.created_at) AS la
+           max(x.amount) AS mx, max(x.created_at) AS la,
+           count(DISTINCT x.merchant_id) FILTER (WHERE (
+               SELECT l.latest FROM txn_bucket_latest l
+               WHERE l.tenant_id = x.tenant_id AND l.user_id = x.user_id AND l.kind = 'm'
+                 AND l.member = x.merchant_id) = w1.dc) AS m,
+           count(DISTINCT x.device_id) FILTER (WHERE (
+               SELECT l.latest FROM txn_bucket_latest l
+               WHERE l.tenant_id = x.tenant_id AND l.user_id = x.user_id AND l.kind = 'd'
+                 AND l.member = x.device_id) = w1.dc) AS d
     FROM transactions x
     WHERE x.tenant_id = ki.tenant_id AND x.user_id = ki.user_id
       AND x.created_at > w0.c AND x.created_at < (w1.dc + 1)::timestamp AT TIME ZONE 'UTC'
 ) ed
-CROSS JOIN LATERAL (
-    SELECT count(DISTINCT x.merchant_id) AS n
-    FROM transactions x
-    JOIN txn_bucket_latest l ON l.tenant_id = x.tenant_id AND l.user_id = x.user_id
-     AND l.kind = 'm' AND l.member = x.merchant_id AND l.latest = w1.dc
-    WHERE x.tenant_id = ki.tenant_id AND x.user_id = ki.user_id
-      AND x.created_at > w0.c AND x.created_at < (w1.dc + 1)::timestamp AT TIME ZONE 'UTC'
-) em
-CROSS JOIN LATERAL (
-    SELECT count(DISTINCT x.device_id) AS n
-    FROM transactions x
-    JOIN txn_bucket_latest l ON l.tenant_id = x.tenant_id AND l.user_id = x.user_id
-     AND l.kind = 'd' AND l.member = x.device_id AND l.latest = w1.dc
-    WHERE x.tenant_id = ki.tenant_id AND x.user_id = ki.user_id
-      AND x.created_at > w0.c AND x.created_at < (w1.dc + 1)::timestamp AT TIME ZONE 'UTC'
-) ev
 CROSS JOIN LATERAL (
     SELECT coalesce(bk.n, 0) + ed.n AS n,
            coalesce(bk.s, 0) + coalesce(ed.s, 0) AS s,

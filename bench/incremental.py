@@ -1,0 +1,245 @@
+"""Incremental aggregates: head against median entity, and what the triggers cost writes.
+
+1. **Recompute cost by entity size.** The data set's busiest user (the head of the
+   Zipf activity) and a median user (the median row count among users with rows),
+   each recomputed alone by :func:`pipeline.cache.recompute.compute` on the full path
+   and on the incremental one, the four candidates interleaved round by round
+   (:func:`bench.common.measure`). The figures to read: head / median per path.
+2. **Write amplification.** The same transaction rows loaded with COPY into fresh
+   tenants with the bucket triggers enabled and disabled (``ALTER TABLE ... DISABLE
+   TRIGGER``), interleaved; and single-row INSERTs (autocommit, one transaction each,
+   ``synchronous_commit`` as configured) with and without, interleaved in blocks. The
+   rows written without triggers are removed with the triggers off, with their
+   tenants' buckets, so the buckets stay exact.
+
+Run alone: ``.venv/bin/python -m bench.incremental [--quick] [--users N
+--transactions N]``; or as part of ``python -m bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+from typing import Any
+
+import numpy as np
+import orjson
+import sqlalchemy as sa
+
+from bench import common
+from pipeline.cache.recompute import compute
+from pipeline.core.features import REGISTRY
+
+TRIGGERS = ("txn_buckets_insert", "txn_buckets_update", "txn_buckets_delete")
+_COLUMNS = "user_id, amount, currency, merchant_id, device_id, ip, status, created_at, updated_at"
+TARGET_HEAD_RATIO = 3.0
+TARGET_WRITE_COST = 1.30
+
+
+def _head_and_median(ctx: common.Context, tenant: str) -> dict[str, Any]:
+    with ctx.engine.connect() as conn:
+        counts = conn.execute(sa.text(
+            "SELECT user_id, count(*) FROM transactions WHERE tenant_id = :t "
+            "GROUP BY user_id ORDER BY 2 DESC, 1"), {"t": tenant}).all()
+    head = counts[0]
+    median = counts[len(counts) // 2]
+    return {"head": {"user": str(head[0]), "rows": int(head[1])},
+            "median": {"user": str(median[0]), "rows": int(median[1])},
+            "users_with_rows": len(counts)}
+
+
+def _recompute(ctx: common.Context, tenant: str, who: dict[str, Any],
+               rounds: int, calls: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for fs in REGISTRY:
+        if fs.incremental is None:
+            continue
+        candidates = {}
+        for path in ("full", "incremental"):
+            for role in ("head", "median"):
+                ref = [(tenant, who[role]["user"])]
+                candidates[f"{path}_{role}"] = (
+                    lambda ref=ref, path=path, fs=fs: compute(ctx.engine, fs, ref, path=path))
+        res = common.measure(candidates, rounds=rounds, calls=calls, warmup=3)
+        p50 = {name: r["p50_us"] / 1000 for name, r in res.items()}
+        out[fs.name] = {
+            "p50_ms": {k: round(v, 2) for k, v in p50.items()},
+            "p99_ms": {k: round(r["p99_us"] / 1000, 2) for k, r in res.items()},
+            "head_vs_median": {"full": common.ratio(p50["full_head"], p50["full_median"]),
+                               "incremental": common.ratio(p50["incremental_head"],
+                                                           p50["incremental_median"])},
+            "incremental_vs_full_head": common.ratio(p50["incremental_head"],
+                                                     p50["full_head"]),
+        }
+    return out
+
+
+def _triggers(ctx: common.Context, enabled: bool) -> None:
+    verb = "ENABLE" if enabled else "DISABLE"
+    with ctx.engine.begin() as conn:
+        for name in TRIGGERS:
+            conn.execute(sa.text(f"ALTER TABLE transactions {verb} TRIGGER {name}"))
+
+
+def _copy(ctx: common.Context, tenant: str, rows: list[tuple[Any, ...]]) -> None:
+    buf = io.StringIO()
+    for r in rows:
+        buf.write("\t".join([tenant, *("\\N" if v is None else str(v) for v in r)]) + "\n")
+    with ctx.engine.begin() as conn:
+        raw = conn.connection.driver_connection
+        with raw.cursor() as cur, cur.copy(  # type: ignore[union-attr]
+                f"COPY transactions (tenant_id, {_COLUMNS}) FROM STDIN") as copy:
+            copy.write(buf.getvalue())
+
+
+def _writes(ctx: common.Context, tenant: str, sample: int, rounds: int,
+            inserts: int) -> dict[str, Any]:
+    with ctx.engine.connect() as conn:
+        rows = [tuple(r) for r in conn.execute(sa.text(
+            f"SELECT {_COLUMNS} FROM transactions WHERE tenant_id = :t ORDER BY id LIMIT :n"),
+            {"t": tenant, "n": sample})]
+    scratch: list[str] = []
+    copy_rates: dict[str, list[float]] = {"with": [], "without": []}
+    insert_ns: dict[str, list[int]] = {"with": [], "without": []}
+    try:
+        for r in range(rounds):
+            for mode in (("with", "without") if r % 2 == 0 else ("without", "with")):
+                _triggers(ctx, mode == "with")
+                t = f"{ctx.tenant_prefix()}w"
+                scratch.append(t)
+                _, took = common.timed(lambda t=t: _copy(ctx, t, rows))
+                copy_rates[mode].append(len(rows) / took)
+                raw_conn = ctx.engine.raw_connection()
+                try:
+                    raw_conn.driver_connection.autocommit = True  # type: ignore[union-attr]
+                    with raw_conn.driver_connection.cursor() as cur:  # type: ignore[union-attr]
+                        for i in range(inserts):
+                            row = rows[i % len(rows)]
+                            t0 = common.now_ns()
+                            cur.execute(f"INSERT INTO transactions (tenant_id, {_COLUMNS}) "
+                                        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                                        (t, *row), prepare=True)
+                            insert_ns[mode].append(common.now_ns() - t0)
+                finally:
+                    raw_conn.close()
+    finally:
+        _cleanup(ctx, scratch)
+    copy = {m: round(float(np.median(v))) for m, v in copy_rates.items()}
+    ins = {m: common.stats_ns(v) for m, v in insert_ns.items()}
+    return {
+        "copy_rows_per_s": copy,
+        "copy_rounds": {m: [round(x) for x in v] for m, v in copy_rates.items()},
+        "copy_cost": common.ratio(copy["without"], copy["with"]),
+        "insert_us": ins,
+        "insert_p50_cost": common.ratio(ins["with"]["p50_us"], ins["without"]["p50_us"]),
+        "sample_rows": len(rows), "inserts_per_mode": inserts * rounds,
+    }
+
+
+def _cleanup(ctx: common.Context, tenants: list[str]) -> None:
+    """Remove the scratch rows with the triggers off, and their tenants' buckets."""
+    if not tenants:
+        return
+    _triggers(ctx, False)
+    try:
+        with ctx.engine.begin() as conn:
+            for table in ("transactions", "txn_buckets", "txn_bucket_members",
+                          "txn_bucket_latest"):
+                conn.execute(sa.text(f"DELETE FROM {table} WHERE tenant_id = ANY(:t)"),
+                             {"t": tenants})
+    finally:
+        _triggers(ctx, True)
+
+
+def run(quick: bool) -> dict[str, Any]:
+    ctx = common.context(quick)
+    data = ctx.dataset()
+    who = _head_and_median(ctx, data.tenant)
+    rounds, calls = (2, 5) if quick else (5, 20)
+    recompute = _recompute(ctx, data.tenant, who, rounds, calls)
+    sample, w_rounds, inserts = (2_000, 2, 100) if quick else (20_000, 4, 300)
+    writes = _writes(ctx, data.tenant, sample, w_rounds, inserts)
+    targets = []
+    for name, r in recompute.items():
+        targets.append(common.target(f"{name}: busiest user vs median, incremental",
+                                     r["head_vs_median"]["incremental"], "<=",
+                                     TARGET_HEAD_RATIO, "x"))
+    targets.append(common.target("COPY time with bucket triggers vs without",
+                                 writes["copy_cost"], "<=", TARGET_WRITE_COST, "x"))
+    targets.append(common.target("single-row INSERT p50 with bucket triggers vs without",
+                                 writes["insert_p50_cost"], "<=", TARGET_WRITE_COST, "x"))
+    return {
+        "parameters": {"rounds": rounds, "calls": calls, "write_rounds": w_rounds,
+                       "dataset": {"users": data.users, "transactions": data.transactions}},
+        "entities": who, "recompute": recompute, "writes": writes, "targets": targets,
+    }
+
+
+def markdown(res: dict[str, Any]) -> str:
+    p, who, w = res["parameters"], res["entities"], res["writes"]
+    rows = []
+    for name, r in res["recompute"].items():
+        ms = r["p50_ms"]
+        rows.append((name, ms["full_head"], ms["full_median"],
+                     f"{r['head_vs_median']['full']}x", ms["incremental_head"],
+                     ms["incremental_median"], f"{r['head_vs_median']['incremental']}x",
+                     f"{r['incremental_vs_full_head']}x"))
+    ins = w["insert_us"]
+    return "\n".join([
+        "## incremental: head entity against median, and the write cost of the buckets",
+        "",
+        f"Data set: {p['dataset']['users']:,} users, {p['dataset']['transactions']:,} "
+        f"transactions (Zipf). Busiest user: {who['head']['rows']:,} rows; median user "
+        f"(of {who['users_with_rows']:,} with rows): {who['median']['rows']:,}. One entity "
+        f"per `compute`, {p['rounds']} interleaved rounds of {p['calls']} calls (p50, ms).",
+        "",
+        common.table(["feature set", "full head", "full median", "full head/median",
+                      "incr. head", "incr. median", "incr. head/median",
+                      "incr./full head"], rows),
+        "",
+        f"Writes: {w['sample_rows']:,} rows by COPY into a fresh tenant per round, and "
+        f"{w['inserts_per_mode']:,} single-row INSERTs (autocommit) per mode, bucket "
+        "triggers enabled and disabled alternately.",
+        "",
+        common.table(["", "with triggers", "without", "cost"], [
+            ("COPY rows/s", w["copy_rows_per_s"]["with"], w["copy_rows_per_s"]["without"],
+             f"{w['copy_cost']}x"),
+            ("INSERT p50 µs", ins["with"]["p50_us"], ins["without"]["p50_us"],
+             f"{w['insert_p50_cost']}x"),
+            ("INSERT p99 µs", ins["with"]["p99_us"], ins["without"]["p99_us"], ""),
+        ]),
+        "",
+        common.targets_table(res["targets"]),
+    ])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.incremental",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--users", type=int, help="seed this many users (with --transactions)")
+    parser.add_argument("--transactions", type=int)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args()
+    common.configure(common.out_dir(), args.quick, plots=False)
+    try:
+        if args.users and args.transactions:
+            from pipeline.dev.seed import seed
+
+            ctx = common.context(args.quick)
+            summary, took = common.timed(lambda: seed(
+                ctx.engine, users=args.users, transactions=args.transactions,
+                tenant_prefix=ctx.tenant_prefix(), anchor=common.ANCHOR))
+            ctx.adopt_dataset(common.Dataset(summary.tenants[0], args.users,
+                                             args.transactions, took))
+        res = run(args.quick)
+    finally:
+        common.close_context()
+    print(orjson.dumps(res, option=orjson.OPT_INDENT_2).decode() if args.json
+          else markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
