@@ -44,6 +44,7 @@ BENCHMARKS = (
     "write_path",
     "cdc_freshness",
     "inference",
+    "semantic",
     "memory",
     "redis_writes",
     "deploy",
@@ -52,7 +53,7 @@ BENCHMARKS = (
 )
 
 LIBRARIES = ("redis", "hiredis", "confluent-kafka", "SQLAlchemy", "psycopg", "numpy", "orjson",
-             "starlette", "granian", "httpx", "matplotlib")
+             "starlette", "granian", "httpx", "matplotlib", "faiss-cpu")
 
 
 def _sh(*cmd: str) -> str:
