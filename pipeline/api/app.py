@@ -154,7 +154,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
                     middleware=[Middleware(AccessGuard, auth=services.auth, settings=settings)])
     app.state.services = services
     app.state.openapi = document(registry.names(), batch_limit=settings.api_batch_limit,
-                                 body_limit=settings.api_body_limit_bytes)
+                                 body_limit=settings.api_body_limit_bytes,
+                                 prompt_limit=settings.semantic_max_prompt_chars)
     app.state.status = board
     app.state.semantic = semantic
     app.state.sampled_metrics = SampledMetrics(observer)

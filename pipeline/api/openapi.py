@@ -144,23 +144,30 @@ _SCHEMAS: dict[str, Any] = {
 }
 
 _SCOPE = {
-    "model": {"type": "string", "description": "Model name (an id: letters, digits, _ . -)"},
-    "model_version": {"type": "string"},
-    "template_version": {"type": "string",
-                         "description": "Version of the prompt template (system prompt)."},
+    "model": {**ID, "description": "Model name (an id: letters, digits, _ . -)"},
+    "model_version": ID,
+    "template_version": {**ID, "description": "Version of the prompt template (system prompt)."},
 }
+# Text the cache takes: not blank. Its maxLength (FRESHLINE_SEMANTIC_MAX_PROMPT_CHARS) is
+# set by document().
+_TEXT = {"type": "string", "minLength": 1, "pattern": "\\S"}
+_ENTRY_ID = {"type": "string", "pattern": "^[0-9a-fA-F]{16}$", "description": "16 hex digits."}
 _PARAMS = {
     "type": "object",
     "description": "Generation parameters. Only temperature 0, or deterministic: true, "
-                   "may be cached; other keys (max_tokens, stop, ...) must match exactly.",
-    "properties": {"temperature": {"type": "number", "minimum": 0},
-                   "deterministic": {"type": "boolean"}},
+                   "may be cached (422 not_deterministic otherwise); other keys "
+                   "(max_tokens, stop, ...) must match exactly.",
+    "properties": {"deterministic": {"type": "boolean"}},
+    "anyOf": [
+        {"required": ["temperature"], "properties": {"temperature": {"const": 0}}},
+        {"required": ["deterministic"], "properties": {"deterministic": {"const": True}}},
+    ],
 }
 _SCHEMAS.update({
     "LlmLookupRequest": {
         "type": "object", "required": ["model", "model_version", "template_version", "prompt",
                                        "params"],
-        "properties": {**_SCOPE, "prompt": {"type": "string"}, "params": _PARAMS},
+        "properties": {**_SCOPE, "prompt": _TEXT, "params": _PARAMS},
     },
     "LlmLookupResponse": {
         "type": "object", "required": ["hit", "similarity", "threshold"],
@@ -178,9 +185,9 @@ _SCHEMAS.update({
     "LlmStoreRequest": {
         "type": "object", "required": ["model", "model_version", "template_version", "prompt",
                                        "params", "response"],
-        "properties": {**_SCOPE, "prompt": {"type": "string"}, "params": _PARAMS,
-                       "response": {"type": "string"},
-                       "generation_ms": {"type": "number", "minimum": 0,
+        "properties": {**_SCOPE, "prompt": _TEXT, "params": _PARAMS,
+                       "response": _TEXT,
+                       "generation_ms": {"type": ["number", "null"], "minimum": 0,
                                          "description": "What the model call took; "
                                                         "feeds freshline advise."}},
     },
@@ -190,7 +197,7 @@ _SCHEMAS.update({
     },
     "LlmFlagRequest": {
         "type": "object", "required": ["model", "model_version", "template_version", "entry_id"],
-        "properties": {**_SCOPE, "entry_id": {"type": "string"}},
+        "properties": {**_SCOPE, "entry_id": _ENTRY_ID},
     },
     "LlmFlagResponse": {
         "type": "object", "required": ["removed", "entry_id"],
@@ -217,18 +224,28 @@ _SECURED: list[dict[str, list[str]]] = [{"bearer": []}]
 
 
 def document(feature_sets: list[str], *, batch_limit: int = 500,
-             body_limit: int = 1_000_000) -> dict[str, Any]:
+             body_limit: int = 1_000_000, prompt_limit: int = 32_000) -> dict[str, Any]:
     """The OpenAPI document, naming the feature sets this server knows and the limits
     it enforces (``FRESHLINE_API_BATCH_LIMIT``, ``FRESHLINE_API_BODY_LIMIT_BYTES``)."""
     schemas = copy.deepcopy(_SCHEMAS)
     batch = schemas["BatchRequest"]
-    batch["properties"]["feature_sets"]["maxItems"] = batch_limit
+    most = min(len(feature_sets), batch_limit)
+    batch["properties"]["feature_sets"].update(
+        items={"type": "string", "enum": feature_sets}, maxItems=most, uniqueItems=True)
     batch["properties"]["entities"]["maxItems"] = batch_limit
+    # The limit is on the product; one branch per number of feature sets says it.
+    batch["anyOf"] = [{"properties": {"feature_sets": {"minItems": k, "maxItems": k},
+                                      "entities": {"maxItems": batch_limit // k}}}
+                      for k in range(1, most + 1)]
     batch["description"] = (
         f"len(feature_sets) x len(entities) must not exceed {batch_limit} "
-        "(FRESHLINE_API_BATCH_LIMIT; 422 batch_too_large otherwise). Other fields are "
-        "ignored: the tenant always comes from the API key.")
+        "(FRESHLINE_API_BATCH_LIMIT; 422 batch_too_large otherwise); a feature set may "
+        "appear once. Other fields are ignored: the tenant always comes from the API key.")
     schemas["PredictRequest"]["properties"]["inputs"]["maxItems"] = batch_limit
+    for name, fields in (("LlmLookupRequest", ("prompt",)),
+                         ("LlmStoreRequest", ("prompt", "response"))):
+        for field in fields:
+            schemas[name]["properties"][field] = {**_TEXT, "maxLength": prompt_limit}
     doc = _document(feature_sets, schemas)
     for item in doc["paths"].values():
         for operation in item.values():

@@ -189,8 +189,12 @@ async def batch(request: Request) -> Response:
         if not isinstance(name, str):
             raise InvalidId("feature set", name, "must be a string")
         svc.registry[name]
+    if len(set(feature_sets)) != len(feature_sets):
+        raise ApiError(422, "invalid_request", "'feature_sets' names a feature set twice")
     request.state.feature_set = "*"
-    ids = [parse_entity(e) for e in entities]
+    # JSON has one number type: 7.0 is the integer 7, as the OpenAPI document says.
+    ids = [parse_entity(int(e) if isinstance(e, float) and e.is_integer() else e)
+           for e in entities]
     refs = [EntityRef(fs, tenant, e) for e in ids for fs in feature_sets]
     answers = await svc.reader.cached(refs, mode)
     if answers is None:
