@@ -485,3 +485,20 @@ def test_an_integer_arm_is_refused_as_documented(
     with running(app, create_api_key(engine, tenant_module)) as api:
         out = api.post("/v1/models/anything/predict", json={"inputs": [[1.0]], "arm": 7})
         assert out.status_code == 422 and "arm" in out.json()["error"]["message"]
+
+
+def test_a_batch_names_each_feature_set_once_and_takes_integral_numbers(
+        settings: Settings, engine: Engine, redis_client: redis.Redis,
+        tenant_module: str) -> None:
+    app = limited_app(settings, engine, redis_client)
+    with running(app, create_api_key(engine, tenant_module)) as api:
+        twice = api.post("/v1/features/batch",
+                         json={"feature_sets": ["geo", "geo"], "entities": [1]})
+        assert twice.status_code == 422 and "twice" in twice.json()["error"]["message"]
+        integral = api.post("/v1/features/batch",
+                            json={"feature_sets": ["geo"], "entities": [2.0, "2"]})
+        assert integral.status_code == 200, integral.text
+        assert [i["entity"] for i in integral.json()["items"]] == ["2", "2"]
+        fraction = api.post("/v1/features/batch",
+                            json={"feature_sets": ["geo"], "entities": [2.5]})
+        assert fraction.status_code == 400
