@@ -16,6 +16,7 @@ never skips: a missing tool or a stack that will not start is an error (under CI
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -76,6 +77,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("faults") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _quiet_own_clients() -> None:
+    """This process's own Kafka clients (the workload's producer, the oracle's probes)
+    complain through every broker outage a scenario causes, as expected; the consumers'
+    logs are the ones that matter, and a failure quotes them."""
+    logging.getLogger("freshline.kafka").setLevel(logging.CRITICAL)
 
 
 @pytest.fixture(scope="session")

@@ -227,10 +227,18 @@ def _spread(env: FaultEnv, group: str, members: int, partitions: int) -> bool:
     return len(owned) == members and sum(owned) == partitions and all(owned)
 
 
+NOISE = re.compile(r"Connect to ipv4|_TRANSPORT|brokers are down|Disconnected|"
+                   r"Coordinator load in progress: retrying|_ALL_BROKERS_DOWN")
+
+
 def _interesting(text: str) -> str:
-    keep = [line for line in text.splitlines()
-            if re.search(r"error|critical|traceback|exception|warning", line, re.IGNORECASE)]
-    return "\n".join(keep[-LOG_LINES:])
+    """The log lines that explain a failure: freshline's own errors first, then warnings
+    (librdkafka's reconnection chatter left out)."""
+    lines = text.splitlines()
+    fatal = [line for line in lines if line.startswith("error:") or "Traceback" in line]
+    keep = [line for line in lines if not NOISE.search(line)
+            and re.search(r"error|critical|exception|warning", line, re.IGNORECASE)]
+    return "\n".join(dict.fromkeys(fatal + keep[-LOG_LINES:]))
 
 
 def run_case(env: FaultEnv, scenario: Scenario, case_seed: int, profile: Profile,
@@ -280,7 +288,7 @@ def run_case(env: FaultEnv, scenario: Scenario, case_seed: int, profile: Profile
             verdict.failures.append(f"quiesce: {exc}")
         for check, args in (
             (oracle.check_values, (env.engine, env.redis, settings, workload.touched, tenant,
-                                   verdict)),
+                                   verdict, workload.last_change)),
             (oracle.check_accounting, (settings, fleet, start, workload.produced,
                                        dict(workload.cdc_expected), dlq_start, verdict,
                                        scenario.expect_dead_letter)),

@@ -245,8 +245,14 @@ def tenant_keys(client: redis.Redis, version: int, tenant: str) -> set[Ref]:
 
 
 def check_values(engine: Engine, client: redis.Redis, settings: Settings,
-                 touched: set[Ref], tenant: str, verdict: Verdict) -> None:
-    """(a): served equals recomputed, or is absent."""
+                 touched: set[Ref], tenant: str, verdict: Verdict,
+                 last_change: dict[Ref, tuple[int, str, int]] | None = None) -> None:
+    """(a): served equals recomputed, or is absent.
+
+    A mismatch names the last change that touched the entity: an entry computed before
+    that change committed was never refreshed after it (an event lost or misrouted); one
+    computed after it read a state without it (a snapshot or visibility problem).
+    """
     version = state(client, settings).active
     refs = sorted(touched | tenant_keys(client, version, tenant))
     store = FeatureStore(client, version)
@@ -260,10 +266,15 @@ def check_values(engine: Engine, client: redis.Redis, settings: Settings,
             verdict.present += 1
             want = truth.get((t, e))
             if entry.values != want:
+                change = (last_change or {}).get((t, e))
                 verdict.mismatches.append({
                     "feature_set": fs.name, "tenant": t, "entity": e,
                     "served": entry.values, "postgres": want,
-                    "computed_at_ms": entry.computed_at_ms})
+                    "computed_at_ms": entry.computed_at_ms, "watermark": hex(entry.watermark),
+                    "last_change": None if change is None else {
+                        "index": change[0], "kind": change[1], "committed_at_ms": change[2],
+                        "entry_computed": "after" if entry.computed_at_ms >= change[2]
+                        else "before"}})
     if verdict.mismatches:
         sets = sorted({m["feature_set"] for m in verdict.mismatches})
         verdict.failures.append(

@@ -91,6 +91,9 @@ class Workload:
         self.rng = random.Random(f"workload:{seed}")
         self.topic = topic
         self.touched: set[Ref] = set()
+        self.last_change: dict[Ref, tuple[int, str, int]] = {}
+        """Per entity: the last change that touched it (index, kind, commit time in ms)."""
+        self._pending: set[Ref] = set()
         self.cdc_expected: Counter[str] = Counter()
         self.report = WorkloadReport()
         self.error: BaseException | None = None
@@ -200,6 +203,7 @@ class Workload:
         # depends on what the database answered.
         deadline = time.monotonic() + DB_RETRY_S
         while True:
+            self._pending = set()
             try:
                 with self.engine.begin() as conn:
                     events = getattr(self, f"_{kind}")(conn, user, other, pick, value)
@@ -209,6 +213,9 @@ class Workload:
                 if time.monotonic() > deadline:
                     raise
                 self._stop.wait(0.2)  # polling Postgres while it restarts
+        committed_ms = time.time_ns() // 1_000_000
+        for ref in self._pending:
+            self.last_change[ref] = (index, kind, committed_ms)
         self.report.changes += 1
         self.report.by_kind[kind] += 1
         if emit:
@@ -221,7 +228,9 @@ class Workload:
                 self.report.events += 1
 
     def _touch(self, *users: int) -> None:
-        self.touched.update((self.tenant, str(u)) for u in users)
+        refs = {(self.tenant, str(u)) for u in users}
+        self.touched |= refs
+        self._pending |= refs
 
     def _device_users(self, conn: Connection, device: str) -> list[int]:
         return [int(u) for (u,) in conn.execute(sa.text(
