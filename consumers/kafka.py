@@ -270,6 +270,8 @@ class Consumer:
                 logger.warning("commit of %s skipped during a rebalance (%s); the new owner "
                                "replays from the last commit", _names(offsets), err.name())
                 return []
+            if isinstance(err, KafkaError) and err.code() in RETRIABLE_COMMIT_ERRORS:
+                raise CommitNotYet(err, "commit") from exc
             if isinstance(err, KafkaError):
                 raise BrokerError(err, "commit") from exc
             raise
@@ -280,6 +282,8 @@ class Consumer:
             elif tp.error.code() in REBALANCE_COMMIT_ERRORS:
                 logger.warning("commit of %s skipped during a rebalance (%s)",
                                _names([tp]), tp.error.name())
+            elif tp.error.code() in RETRIABLE_COMMIT_ERRORS:
+                raise CommitNotYet(tp.error, f"commit {tp.topic}[{tp.partition}]")
             else:
                 raise BrokerError(tp.error, f"commit {tp.topic}[{tp.partition}]")
         return done
@@ -303,6 +307,24 @@ class Consumer:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+RETRIABLE_COMMIT_ERRORS = frozenset({
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError._TRANSPORT,
+    KafkaError._TIMED_OUT,
+    KafkaError._ALL_BROKERS_DOWN,
+    KafkaError._WAIT_COORD,
+})
+"""Commit failures of a broker or coordinator that is moving or restarting: the same
+commit succeeds once it is back (:class:`CommitNotYet`)."""
+
+
+class CommitNotYet(BrokerError):
+    """The group coordinator could not take the commit now; try the same one again."""
 
 
 def _names(offsets: Iterable[TopicPartition]) -> str:

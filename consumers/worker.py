@@ -39,7 +39,7 @@ from confluent_kafka import Message, TopicPartition
 
 from consumers.dlq import DeadLetters, Record
 from consumers.events import EventRejected, decode
-from consumers.kafka import Consumer, DeliveryFailed, Producer, check_message
+from consumers.kafka import CommitNotYet, Consumer, DeliveryFailed, Producer, check_message
 from consumers.metrics import consumer_metrics
 from consumers.processor import Processor
 from consumers.routing import Router
@@ -318,9 +318,24 @@ class Worker:
         self.producer.produce(self.invalidations_topic, message.encode(), message.kafka_key)
 
     def _commit(self, messages: list[Message]) -> None:
-        keep = [m for m in messages if (m.topic(), m.partition()) not in self._revoked]
-        if keep:
-            self.consumer.commit(keep)
+        """Commit the batch; while the coordinator is away (a broker restarting), wait and
+        commit the same offsets again, polling to stay in the group."""
+        backoff = 0.05
+        while True:
+            keep = [m for m in messages if (m.topic(), m.partition()) not in self._revoked]
+            if not keep:
+                return
+            try:
+                self.consumer.commit(keep)
+                return
+            except CommitNotYet as exc:
+                if self._stop.is_set():
+                    raise
+                self.totals.retries += 1
+                self.metrics.retries.labels("kafka").inc()
+                logger.warning("%s; committing again in %.2fs", exc, backoff)
+                self._pause_for(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     # -- rebalances and lag ----------------------------------------------------
 
