@@ -146,8 +146,8 @@ class AccessGuard:
             raise Unauthorized("too many failed authentications from this address; "
                                "retry later", reason="throttled")
         try:
-            if known:
-                return self.auth.principal(key)  # a cached refusal: raises, no query
+            # A cached refusal raises again from the cache; the thread keeps a lookup,
+            # should the entry expire meanwhile, off the event loop.
             return await run_in_threadpool(self.auth.principal, key)
         except Unauthorized:
             self.failures.take(address)
