@@ -59,6 +59,17 @@ MIX: tuple[tuple[str, float], ...] = (
     ("link_remove", 0.05),
     ("geoip_edit", 0.10),
 )
+AFFECTS: dict[str, tuple[str, ...]] = {
+    "txn_insert": ("txn_90d", "geo"),
+    "txn_amount": ("txn_90d",),
+    "txn_delete": ("txn_90d", "geo"),
+    "txn_move": ("txn_90d", "geo"),
+    "device_risk": ("device_risk",),
+    "link_add": ("device_risk",),
+    "link_remove": ("device_risk",),
+    "geoip_edit": ("geo",),
+}
+"""The feature sets whose values each kind of change can alter (for diagnosing a mismatch)."""
 DOMAIN_SHARE = 0.5
 """Of the changes that have a domain event, the share that emits one."""
 DB_RETRY_S = 120.0
@@ -91,8 +102,9 @@ class Workload:
         self.rng = random.Random(f"workload:{seed}")
         self.topic = topic
         self.touched: set[Ref] = set()
-        self.last_change: dict[Ref, tuple[int, str, int]] = {}
-        """Per entity: the last change that touched it (index, kind, commit time in ms)."""
+        self.last_change: dict[tuple[str, str, str], tuple[int, str, int]] = {}
+        """Per (feature set, tenant, entity): the last change that could alter it (index,
+        kind, commit time in ms)."""
         self._pending: set[Ref] = set()
         self.cdc_expected: Counter[str] = Counter()
         self.report = WorkloadReport()
@@ -214,8 +226,9 @@ class Workload:
                     raise
                 self._stop.wait(0.2)  # polling Postgres while it restarts
         committed_ms = time.time_ns() // 1_000_000
-        for ref in self._pending:
-            self.last_change[ref] = (index, kind, committed_ms)
+        for tenant, entity in self._pending:
+            for fs in AFFECTS[kind]:
+                self.last_change[(fs, tenant, entity)] = (index, kind, committed_ms)
         self.report.changes += 1
         self.report.by_kind[kind] += 1
         if emit:
