@@ -335,6 +335,7 @@ class SemanticCache:
             raise InvalidPrompt(f"entry id {entry!r} is not 16 hex digits") from exc
         if not isinstance(entry, str) or len(entry) != 16 or e < 0:
             raise InvalidPrompt(f"entry id {entry!r} is not 16 hex digits")
+        entry = f"{e:016x}"  # the stored form, whatever case the caller sent
         now_ms = int(time.time() * 1000)
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(semantic_entry_key(ns, e))

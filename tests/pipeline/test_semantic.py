@@ -344,3 +344,12 @@ def test_store_many_embeds_once_and_stores_all(cache: SemanticCache, tenant: str
     with pytest.raises(InvalidPrompt):
         cache.store_many(scope(tenant), items, ZERO, np.zeros((2, 384), dtype=np.float32))
     assert redis_client.zcard(f"sem:ids:{scope(tenant).namespace}") == 3
+
+
+def test_a_flag_in_upper_case_hex_removes_the_entry_everywhere(
+        cache: SemanticCache, redis_client: redis.Redis, tenant: str) -> None:
+    s = scope(tenant)
+    e = cache.store(s, PROMPT, ZERO, "x").entry_id
+    assert cache.flag(s, e.upper()) is True
+    assert redis_client.zcard(f"sem:ids:{s.namespace}") == 0
+    assert not cache.lookup(s, NEAR, ZERO).hit
