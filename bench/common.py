@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import signal
+import subprocess
 import threading
 import time
 import uuid
@@ -486,3 +488,15 @@ def paced(rate: float, window: float) -> Iterator[int]:
             time.sleep(due - now)  # pacing the offered rate
         yield i
         i += 1
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
+    """SIGTERM a child started with ``start_new_session``; SIGKILL its group after grace."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -163,13 +162,7 @@ def run(quick: bool) -> dict[str, Any]:
             raise RuntimeError("the audit did not finish")
     finally:
         stop.set()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+        common.stop_process(proc)
         log.close()
     checked = sum(r.checked for r in report)
     by_grace: dict[str, Any] = {}

@@ -20,7 +20,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -116,13 +115,7 @@ def launch(argv: list[str], env: dict[str, str], port: int, ready: str) -> Itera
             time.sleep(0.1)  # polling for readiness
         yield url
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+        common.stop_process(proc, 10)
         log.close()
 
 

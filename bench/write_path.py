@@ -32,7 +32,6 @@ from __future__ import annotations
 import bisect
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -238,13 +237,7 @@ def _freshness(ctx: common.Context, quick: bool) -> dict[str, Any]:
                 break
             time.sleep(0.1)  # polling for the drain
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+        common.stop_process(proc)
         log.close()
         watcher.close()
     for rows in watcher.seen.values():
