@@ -23,6 +23,8 @@ Revision ID: 0003
 
 from __future__ import annotations
 
+import re
+
 from alembic import op
 
 revision = "0003"
@@ -36,15 +38,15 @@ _DAY = "(({col}) AT TIME ZONE 'UTC')::date"
 # An UPDATE's unchanged rows (same user, time, amount, merchant, device) cancel out.
 _DELTAS = {
     "insert": "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, "
-              "1 AS w FROM new_rows",
+              "ip, 1 AS w FROM new_rows",
     "delete": "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, "
-              "-1 AS w FROM old_rows",
-    "update": "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, "
+              "ip, -1 AS w FROM old_rows",
+    "update": "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, ip, "
               "sum(w)::int AS w FROM ("
-              "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, 1 AS w "
+              "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, ip, 1 AS w "
               "FROM new_rows UNION ALL "
-              "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, -1 "
-              "FROM old_rows) AS u GROUP BY 1, 2, 3, 4, 5, 6 HAVING sum(w) <> 0",
+              "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, ip, -1 "
+              "FROM old_rows) AS u GROUP BY 1, 2, 3, 4, 5, 6, 7 HAVING sum(w) <> 0",
 }
 
 # One statement's changes applied in order; each statement of a VOLATILE function gets
@@ -60,11 +62,11 @@ CREATE FUNCTION freshline_txn_buckets_{op}() RETURNS trigger LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan AS $fn$
 DECLARE
     d_t text[]; d_u bigint[]; d_at timestamptz[]; d_a numeric[]; d_m text[]; d_d text[];
-    d_w int[];
+    d_ip inet[]; d_w int[];
 BEGIN
     SELECT array_agg(tenant_id), array_agg(user_id), array_agg(created_at), array_agg(amount),
-           array_agg(merchant_id), array_agg(device_id), array_agg(w)
-    INTO d_t, d_u, d_at, d_a, d_m, d_d, d_w
+           array_agg(merchant_id), array_agg(device_id), array_agg(ip), array_agg(w)
+    INTO d_t, d_u, d_at, d_a, d_m, d_d, d_ip, d_w
     FROM ({source}) AS s;
     IF d_t IS NULL THEN
         RETURN NULL;
@@ -88,16 +90,21 @@ BEGIN
         FROM ({delta}) AS d
         UNION ALL
         SELECT tenant_id, user_id, 'd', device_id, {day}, w
-        FROM ({delta}) AS d WHERE device_id IS NOT NULL) AS e
+        FROM ({delta}) AS d WHERE device_id IS NOT NULL
+        UNION ALL
+        SELECT tenant_id, user_id, 'c', g.country, {day}, w
+        FROM ({delta}) AS d CROSS JOIN LATERAL ({geo}) AS g) AS e
     GROUP BY 1, 2, 3, 4, 5 HAVING sum(w) <> 0
     ON CONFLICT (tenant_id, user_id, kind, member, day) DO UPDATE SET n = m.n + excluded.n;
 {step45}    -- 6. move each member's "latest here" mark from its old latest day to its new one
     UPDATE txn_buckets AS b SET
         merchants_latest = b.merchants_latest + t.merchants,
-        devices_latest = b.devices_latest + t.devices
+        devices_latest = b.devices_latest + t.devices,
+        countries_latest = b.countries_latest + t.countries
     FROM (SELECT tenant_id, user_id, day,
                  coalesce(sum(d) FILTER (WHERE kind = 'm'), 0) AS merchants,
-                 coalesce(sum(d) FILTER (WHERE kind = 'd'), 0) AS devices
+                 coalesce(sum(d) FILTER (WHERE kind = 'd'), 0) AS devices,
+                 coalesce(sum(d) FILTER (WHERE kind = 'c'), 0) AS countries
           FROM (SELECT l.tenant_id, l.user_id, l.kind, l.prev AS day, -1 AS d
                 FROM txn_bucket_latest l
                 JOIN (SELECT DISTINCT tenant_id, user_id, kind, member FROM ({members}) AS c) c
@@ -180,22 +187,28 @@ _INSERT_LATEST = """
 _MEMBERS = ("SELECT tenant_id, user_id, 'm' AS kind, merchant_id AS member, {day} AS day "
             "FROM ({delta}) AS d UNION ALL "
             "SELECT tenant_id, user_id, 'd', device_id, {day} FROM ({delta}) AS d "
-            "WHERE device_id IS NOT NULL")
+            "WHERE device_id IS NOT NULL UNION ALL "
+            "SELECT tenant_id, user_id, 'c', g.country, {day} FROM ({delta}) AS d "
+            "CROSS JOIN LATERAL ({geo}) AS g")
+
+# The country of an IP, as the geo feature set looks it up (features._GEO_OF).
+GEO_OF = ("SELECT g.country FROM (SELECT country, ip_to FROM geoip WHERE ip_from <= d.ip "
+          "ORDER BY ip_from DESC LIMIT 1) g WHERE d.ip <= g.ip_to")
 
 _REFS = {"insert": ("INSERT", "NEW TABLE AS new_rows"),
          "delete": ("DELETE", "OLD TABLE AS old_rows"),
          "update": ("UPDATE", "OLD TABLE AS old_rows NEW TABLE AS new_rows")}
 
 
-_UNNEST = ("SELECT * FROM unnest(d_t, d_u, d_at, d_a, d_m, d_d, d_w) AS "
-           "u(tenant_id, user_id, created_at, amount, merchant_id, device_id, w)")
+_UNNEST = ("SELECT * FROM unnest(d_t, d_u, d_at, d_a, d_m, d_d, d_ip, d_w) AS "
+           "u(tenant_id, user_id, created_at, amount, merchant_id, device_id, ip, w)")
 
 
 def apply_functions() -> str:
     """The three statement triggers' functions and their triggers, as SQL."""
     parts = []
     day = _DAY.format(col="created_at")
-    members = _MEMBERS.format(day=day, delta=_UNNEST)
+    members = _MEMBERS.format(day=day, delta=_UNNEST, geo=GEO_OF)
     for name, source in _DELTAS.items():
         event, refs = _REFS[name]
         if name == "insert":
@@ -203,10 +216,113 @@ def apply_functions() -> str:
         else:
             steps = dict(_REMOVALS)
         body = _APPLY.format(op=name, event=event, refs=refs, source=source,
-                             day="{day}", delta="{delta}", members="{members}", **steps)
-        parts.append(body.replace("{delta}", _UNNEST).replace("{members}", members)
-                     .replace("{day}", day))
+                             day="{day}", delta="{delta}", members="{members}",
+                             geo="{geo}", **steps)
+        body = (body.replace("{delta}", _UNNEST).replace("{members}", members)
+                .replace("{day}", day).replace("{geo}", GEO_OF))
+        parts.append(_both_plans(body))
     return "\n".join(parts)
+
+
+_VARS = ("d_t", "d_u", "d_at", "d_a", "d_m", "d_d", "d_ip", "d_w")
+BIG_DELTA = 1000
+"""Changed rows above which a statement is planned for its own size (EXECUTE)."""
+
+
+def _both_plans(body: str) -> str:
+    """Each bucket statement twice: as is (a cached generic plan, index probes: right
+    for a few rows) and through EXECUTE with the arrays as parameters (planned for
+    their real sizes: hash joins for a COPY of a million rows, where probes nested in
+    a loop over a misestimated side would go quadratic)."""
+    head, rest = body.split("    END IF;\n", 1)
+    stmts, tail = rest.split("    RETURN NULL;\nEND", 1)
+    out = [head, "    END IF;\n"]
+    for stmt in re.split(r";\s*\n", stmts):
+        lines = [ln for ln in stmt.splitlines() if ln.strip() and
+                 not ln.strip().startswith("--")]
+        if not lines:
+            continue
+        sql = "\n".join(lines)
+        dynamic = sql
+        for i, var in enumerate(_VARS, 1):
+            dynamic = re.sub(rf"\b{var}\b", f"${i}", dynamic)
+        out.append(f"    IF cardinality(d_t) > {BIG_DELTA} THEN\n"
+                   f"        EXECUTE $q${dynamic}$q$ USING {', '.join(_VARS)};\n"
+                   f"    ELSE\n{sql};\n    END IF;\n")
+    return "".join(out) + "    RETURN NULL;\nEND" + tail
+
+
+# geoip decides the country of every IP, so a changed range changes the countries of
+# the rows from its IPs: their users' country members are rebuilt, in the same
+# transaction, after waiting for writers of transactions to finish (SHARE lock).
+_COUNTRIES = f"""
+CREATE FUNCTION freshline_rebuild_countries(a_t text[], a_u bigint[]) RETURNS void
+LANGUAGE sql AS $fn$
+    UPDATE txn_buckets b SET countries_latest = 0 FROM unnest(a_t, a_u) AS k(t, u)
+    WHERE b.tenant_id = k.t AND b.user_id = k.u AND b.countries_latest <> 0;
+    DELETE FROM txn_bucket_members m USING unnest(a_t, a_u) AS k(t, u)
+    WHERE m.tenant_id = k.t AND m.user_id = k.u AND m.kind = 'c';
+    DELETE FROM txn_bucket_latest l USING unnest(a_t, a_u) AS k(t, u)
+    WHERE l.tenant_id = k.t AND l.user_id = k.u AND l.kind = 'c';
+    INSERT INTO txn_bucket_members (tenant_id, user_id, kind, member, day, n)
+    SELECT d.tenant_id, d.user_id, 'c', g.country, {_DAY.format(col="d.created_at")}, count(*)
+    FROM unnest(a_t, a_u) AS k(t, u)
+    JOIN transactions d ON d.tenant_id = k.t AND d.user_id = k.u
+    CROSS JOIN LATERAL ({GEO_OF}) AS g
+    GROUP BY 1, 2, 3, 4, 5;
+    INSERT INTO txn_bucket_latest (tenant_id, user_id, kind, member, latest)
+    SELECT m.tenant_id, m.user_id, 'c', m.member, max(m.day)
+    FROM unnest(a_t, a_u) AS k(t, u)
+    JOIN txn_bucket_members m ON m.tenant_id = k.t AND m.user_id = k.u AND m.kind = 'c'
+    GROUP BY 1, 2, 3, 4;
+    UPDATE txn_buckets b SET countries_latest = c.n
+    FROM (SELECT l.tenant_id, l.user_id, l.latest, count(*) AS n
+          FROM unnest(a_t, a_u) AS k(t, u)
+          JOIN txn_bucket_latest l ON l.tenant_id = k.t AND l.user_id = k.u AND l.kind = 'c'
+          GROUP BY 1, 2, 3) c
+    WHERE b.tenant_id = c.tenant_id AND b.user_id = c.user_id AND b.day = c.latest;
+$fn$;
+CREATE FUNCTION freshline_geoip_truncate() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    LOCK TABLE transactions IN SHARE MODE;
+    UPDATE txn_buckets SET countries_latest = 0 WHERE countries_latest <> 0;
+    DELETE FROM txn_bucket_members WHERE kind = 'c';
+    DELETE FROM txn_bucket_latest WHERE kind = 'c';
+    RETURN NULL;
+END
+$fn$;
+CREATE TRIGGER geoip_buckets_truncate AFTER TRUNCATE ON geoip
+    FOR EACH STATEMENT EXECUTE FUNCTION freshline_geoip_truncate();
+"""
+_GEOIP_RANGES = {
+    "insert": ("INSERT", "NEW TABLE AS new_rows", "SELECT ip_from, ip_to FROM new_rows"),
+    "delete": ("DELETE", "OLD TABLE AS old_rows", "SELECT ip_from, ip_to FROM old_rows"),
+    "update": ("UPDATE", "OLD TABLE AS old_rows NEW TABLE AS new_rows",
+               "SELECT ip_from, ip_to FROM new_rows UNION SELECT ip_from, ip_to FROM old_rows"),
+}
+_GEOIP = """
+CREATE FUNCTION freshline_geoip_buckets_{op}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+DECLARE a_t text[]; a_u bigint[];
+BEGIN
+    LOCK TABLE transactions IN SHARE MODE;
+    SELECT array_agg(tenant_id), array_agg(user_id) INTO a_t, a_u FROM (
+        SELECT DISTINCT x.tenant_id, x.user_id FROM ({ranges}) AS r
+        JOIN transactions x ON x.ip BETWEEN r.ip_from AND r.ip_to) AS s;
+    IF a_t IS NOT NULL THEN
+        PERFORM freshline_rebuild_countries(a_t, a_u);
+    END IF;
+    RETURN NULL;
+END
+$fn$;
+CREATE TRIGGER geoip_buckets_{op} AFTER {event} ON geoip
+    REFERENCING {refs} FOR EACH STATEMENT EXECUTE FUNCTION freshline_geoip_buckets_{op}();
+"""
+
+
+def geoip_functions() -> str:
+    """What keeps the country members exact when geoip changes, as SQL."""
+    return _COUNTRIES + "".join(_GEOIP.format(op=op, event=e, refs=r, ranges=q)
+                                for op, (e, r, q) in _GEOIP_RANGES.items())
 
 
 def upgrade() -> None:
@@ -223,6 +339,7 @@ def upgrade() -> None:
             last_at          timestamptz,
             merchants_latest integer NOT NULL DEFAULT 0,
             devices_latest   integer NOT NULL DEFAULT 0,
+            countries_latest integer NOT NULL DEFAULT 0,
             PRIMARY KEY (tenant_id, user_id, day)
         );
         CREATE TABLE txn_bucket_members (
@@ -264,9 +381,16 @@ def upgrade() -> None:
         """
     )
     op.execute(apply_functions())
+    op.execute(geoip_functions())
 
 
 def downgrade() -> None:
+    for name in _GEOIP_RANGES:
+        op.execute(f"DROP TRIGGER IF EXISTS geoip_buckets_{name} ON geoip")
+        op.execute(f"DROP FUNCTION IF EXISTS freshline_geoip_buckets_{name}()")
+    op.execute("DROP TRIGGER IF EXISTS geoip_buckets_truncate ON geoip")
+    op.execute("DROP FUNCTION IF EXISTS freshline_geoip_truncate()")
+    op.execute("DROP FUNCTION IF EXISTS freshline_rebuild_countries(text[], bigint[])")
     for name in (*_DELTAS, "truncate"):
         op.execute(f"DROP TRIGGER IF EXISTS txn_buckets_{name} ON transactions")
         op.execute(f"DROP FUNCTION IF EXISTS freshline_txn_buckets_{name}()")

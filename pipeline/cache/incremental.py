@@ -144,7 +144,13 @@ _REBUILD = [
     UNION ALL
     SELECT x.tenant_id, x.user_id, 'd', x.device_id, {_DAY}, count(*)
     FROM transactions x WHERE (x.tenant_id, x.user_id) IN ({_KEYS_OF})
-      AND x.device_id IS NOT NULL GROUP BY 1, 2, 3, 4, 5""",
+      AND x.device_id IS NOT NULL GROUP BY 1, 2, 3, 4, 5
+    UNION ALL
+    SELECT x.tenant_id, x.user_id, 'c', g.country, {_DAY}, count(*)
+    FROM transactions x CROSS JOIN LATERAL (
+        SELECT g.country FROM (SELECT country, ip_to FROM geoip WHERE ip_from <= x.ip
+                               ORDER BY ip_from DESC LIMIT 1) g WHERE x.ip <= g.ip_to) g
+    WHERE (x.tenant_id, x.user_id) IN ({_KEYS_OF}) GROUP BY 1, 2, 3, 4, 5""",
     f"""INSERT INTO txn_bucket_latest (tenant_id, user_id, kind, member, latest)
     SELECT tenant_id, user_id, kind, member, max(day) FROM txn_bucket_members
     WHERE (tenant_id, user_id) IN ({_KEYS_OF}) GROUP BY 1, 2, 3, 4""",
@@ -153,9 +159,11 @@ _REBUILD = [
     SELECT x.tenant_id, x.user_id, {_DAY}, count(*), sum(x.amount), sum(x.amount * x.amount),
            max(x.amount), max(x.created_at), 0, 0
     FROM transactions x WHERE (x.tenant_id, x.user_id) IN ({_KEYS_OF}) GROUP BY 1, 2, 3""",
-    f"""UPDATE txn_buckets b SET merchants_latest = c.m, devices_latest = c.d
+    f"""UPDATE txn_buckets b SET merchants_latest = c.m, devices_latest = c.d,
+                             countries_latest = c.c
     FROM (SELECT tenant_id, user_id, latest AS day,
-                 count(*) FILTER (WHERE kind = 'm') AS m, count(*) FILTER (WHERE kind = 'd') AS d
+                 count(*) FILTER (WHERE kind = 'm') AS m, count(*) FILTER (WHERE kind = 'd') AS d,
+                 count(*) FILTER (WHERE kind = 'c') AS c
           FROM txn_bucket_latest WHERE (tenant_id, user_id) IN ({_KEYS_OF})
           GROUP BY 1, 2, 3) c
     WHERE b.tenant_id = c.tenant_id AND b.user_id = c.user_id AND b.day = c.day""",

@@ -163,9 +163,12 @@ GROUP BY k.tenant_id, k.user_id
     # The window (c, as_of] is the whole UTC days dc+1 .. da from txn_buckets, plus the
     # rows of day dc after c read from the source. A merchant (device) is in the window
     # when its latest day is after dc (counted by the buckets' *_latest), or is dc and
-    # it has a row after c (the edge). Sums of numerics are exact, and mean and std are
-    # the same numeric divisions Postgres's avg and stddev_pop do on (n, sum, sum of
-    # squares). Keys with rows after as_of never reach this query (see incremental.py).
+    # it has a row after c (the edge). Sums of numerics are exact, and mean and variance
+    # are the same numeric divisions Postgres's avg and stddev_pop do on (n, sum, sum of
+    # squares); stddev_pop takes the root at the division's scale, sqrt() at its own
+    # (never fewer digits), so after round(, 4) they could differ only if the root's
+    # digits past the 4th were 5000...0 to 16 places. Keys with rows after as_of never
+    # reach this query (see incremental.py).
     incremental="""
 SELECT ki.tenant_id, ki.user_id,
        a.n::bigint AS txn_count,
@@ -304,6 +307,43 @@ LEFT JOIN LATERAL (
         ),
         Source("users", ("id",)),
     ),
+    # As txn_90d's: the 30-day window is the whole days after dc from txn_buckets
+    # (countries whose latest day is there) plus the countries whose latest day is dc
+    # and that occur after c that day. The latest row's country is looked up as above.
+    incremental=f"""
+SELECT ki.tenant_id, ki.user_id,
+       lg.country AS last_country,
+       lg.city AS last_city,
+       (coalesce(bk.n, 0) + ed.n)::bigint AS distinct_countries_30d
+FROM ki CROSS JOIN t
+CROSS JOIN LATERAL (SELECT t.as_of - interval '30 days' AS c) w0
+CROSS JOIN LATERAL (SELECT (w0.c AT TIME ZONE 'UTC')::date AS dc,
+                           (t.as_of AT TIME ZONE 'UTC')::date AS da) w1
+LEFT JOIN LATERAL (
+    SELECT x.ip FROM transactions x
+    WHERE x.tenant_id = ki.tenant_id AND x.user_id = ki.user_id AND x.created_at <= t.as_of
+    ORDER BY x.created_at DESC, x.id DESC LIMIT 1
+) lt ON true
+LEFT JOIN LATERAL ({_GEO_OF.format(ip="lt.ip")}) lg ON true
+CROSS JOIN LATERAL (
+    SELECT sum(b.countries_latest) AS n FROM txn_buckets b
+    WHERE b.tenant_id = ki.tenant_id AND b.user_id = ki.user_id
+      AND b.day > w1.dc AND b.day <= w1.da
+) bk
+CROSS JOIN LATERAL (
+    SELECT count(*) AS n FROM txn_bucket_latest l
+    WHERE l.tenant_id = ki.tenant_id AND l.user_id = ki.user_id AND l.kind = 'c'
+      AND l.latest = w1.dc
+      AND EXISTS (
+          SELECT 1 FROM transactions x
+          CROSS JOIN LATERAL ({_GEO_OF.format(ip="x.ip")}) xg
+          WHERE x.tenant_id = ki.tenant_id AND x.user_id = ki.user_id
+            AND x.created_at > w0.c
+            AND x.created_at < (w1.dc + 1)::timestamp AT TIME ZONE 'UTC'
+            AND xg.country = l.member)
+) ed
+""",
+    path="incremental",
 )
 
 

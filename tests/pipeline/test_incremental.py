@@ -9,10 +9,12 @@ value by value, at a fixed ``as_of`` whose window edges the generated times stra
 from __future__ import annotations
 
 import itertools
+import threading
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -24,14 +26,17 @@ import migrations
 from pipeline.cache import incremental
 from pipeline.cache.recompute import compute
 from pipeline.core.errors import ConfigError
-from pipeline.core.features import REGISTRY
+from pipeline.core.features import REGISTRY, FeatureSet
 from pipeline.core.settings import Settings
-from pipeline.observe.reconcile import reconcile
-from tests.conftest import drop_database, recreate_database
+from pipeline.observe.reconcile import compare, reconcile
+from tests.conftest import drop_database, recreate_database, wait_until
 
 AS_OF = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
-EDGE = AS_OF - timedelta(days=90)
+EDGE = AS_OF - timedelta(days=90)  # txn_90d's window starts after it
+EDGE30 = AS_OF - timedelta(days=30)  # geo's
 FS = REGISTRY["txn_90d"]
+SETS = [REGISTRY["txn_90d"], REGISTRY["geo"]]
+IPS = ["11.0.0.5", "11.0.1.7", "11.0.2.9", "11.0.3.3", None]  # US, GB, DE, no range, none
 USERS = (1, 2, 3)
 REVISION = "head"
 _tenants = itertools.count(1)
@@ -43,9 +48,21 @@ def db(base_settings: Settings) -> Iterator[Engine]:
     url = recreate_database(base_settings, name)
     migrations.upgrade(url, REVISION)
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    reset_geoip(engine)
     yield engine
     engine.dispose()
     drop_database(base_settings, name)
+
+
+def reset_geoip(engine: Engine) -> None:
+    """Three ranges, US, GB and DE (the property test changes them)."""
+    with engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM geoip"))
+        conn.execute(sa.text(
+            "INSERT INTO geoip (ip_from, ip_to, country, city, asn) VALUES "
+            "('11.0.0.0', '11.0.0.255', 'US', 'Austin', 1), "
+            "('11.0.1.0', '11.0.1.255', 'GB', 'Leeds', 2), "
+            "('11.0.2.0', '11.0.2.255', 'DE', 'Berlin', 3)"))
 
 
 def new_tenant() -> str:
@@ -53,11 +70,19 @@ def new_tenant() -> str:
 
 
 def both(engine: Engine, tenant: str, users: tuple[int, ...] = USERS,
-         as_of: datetime | None = AS_OF) -> tuple[dict[object, object], dict[object, object]]:
+         as_of: datetime | None = AS_OF, sets: list[FeatureSet] | None = None
+         ) -> tuple[dict[object, object], dict[object, object]]:
+    """Both paths on one snapshot, keyed (tenant, entity) for txn_90d alone, or
+    (feature set, tenant, entity) when ``sets`` is given."""
     refs = [(tenant, str(u)) for u in users]
+    full: dict[object, object] = {}
+    inc: dict[object, object] = {}
     with engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
-        full = compute(conn, FS, refs, as_of=as_of, path="full").values
-        inc = compute(conn, FS, refs, as_of=as_of, path="incremental").values
+        for fs in sets or [FS]:
+            f = compute(conn, fs, refs, as_of=as_of, path="full").values
+            i = compute(conn, fs, refs, as_of=as_of, path="incremental").values
+            full.update({(fs.name, *k) if sets else k: v for k, v in f.items()})
+            inc.update({(fs.name, *k) if sets else k: v for k, v in i.items()})
         conn.rollback()
     return full, inc
 
@@ -67,26 +92,30 @@ def answered_by_buckets(engine: Engine, tenant: str, user: int) -> bool:
         return (tenant, user) in incremental.answered(conn, [(tenant, user)], AS_OF)
 
 
-def insert(engine: Engine, tenant: str, rows: list[tuple[int, datetime, str, str, str | None]]
-           ) -> list[int]:
+def insert(engine: Engine, tenant: str, rows: list[tuple[Any, ...]]) -> list[int]:
+    """Rows of (user, created_at, amount, merchant, device[, ip]) in one statement."""
     with engine.begin() as conn:
         return list(conn.execute(sa.text(
             "INSERT INTO transactions (tenant_id, user_id, created_at, amount, merchant_id, "
-            "device_id) SELECT :t, * FROM unnest(CAST(:u AS bigint[]), "
+            "device_id, ip) SELECT :t, * FROM unnest(CAST(:u AS bigint[]), "
             "CAST(:at AS timestamptz[]), CAST(:a AS numeric[]), CAST(:m AS text[]), "
-            "CAST(:d AS text[])) RETURNING id"),
+            "CAST(:d AS text[]), CAST(:ip AS inet[])) RETURNING id"),
             {"t": tenant, "u": [r[0] for r in rows], "at": [r[1] for r in rows],
              "a": [r[2] for r in rows], "m": [r[3] for r in rows],
-             "d": [r[4] for r in rows]}).scalars())
+             "d": [r[4] for r in rows],
+             "ip": [r[5] if len(r) > 5 else None for r in rows]}).scalars())
 
 
 # -- the property ---------------------------------------------------------------------
 
-# Times around both edges of the window and the day boundaries next to them, a few in
-# the future, most inside.
+# Times around both ends of both windows and the day boundaries next to them (the edge
+# day is where the buckets hand over to source rows), a few in the future.
 _times = st.one_of(
     st.integers(-3 * 86400, 100 * 86400).map(lambda s: AS_OF - timedelta(seconds=s)),
+    st.integers(-14 * 3600, 14 * 3600).map(lambda s: EDGE + timedelta(seconds=s)),
+    st.integers(-14 * 3600, 14 * 3600).map(lambda s: EDGE30 + timedelta(seconds=s)),
     st.sampled_from([EDGE, EDGE + timedelta(microseconds=1), EDGE - timedelta(microseconds=1),
+                     EDGE30, EDGE30 + timedelta(microseconds=1),
                      AS_OF, AS_OF + timedelta(microseconds=1),
                      datetime(2026, 9, 1, tzinfo=UTC), datetime(2026, 9, 2, tzinfo=UTC),
                      datetime(2026, 11, 30, tzinfo=UTC)]),
@@ -94,7 +123,7 @@ _times = st.one_of(
 _amounts = st.decimals(min_value=Decimal("0.01"), max_value=Decimal("999.99"), places=2)
 _row = st.tuples(st.sampled_from(USERS), _times, _amounts.map(str),
                  st.sampled_from(["m1", "m2", "m3", "m4"]),
-                 st.sampled_from(["d1", "d2", "d3", None]))
+                 st.sampled_from(["d1", "d2", "d3", None]), st.sampled_from(IPS))
 _op = st.one_of(
     st.tuples(st.just("insert"), st.lists(_row, min_size=1, max_size=4)),
     st.tuples(st.just("amount"), st.integers(0, 50), _amounts.map(str)),
@@ -102,12 +131,16 @@ _op = st.one_of(
     st.tuples(st.just("move"), st.integers(0, 50), st.sampled_from(USERS)),
     st.tuples(st.just("merchant"), st.integers(0, 50), st.sampled_from(["m1", "m5"])),
     st.tuples(st.just("device"), st.integers(0, 50), st.sampled_from(["d1", "d4", None])),
+    st.tuples(st.just("ip"), st.integers(0, 50), st.sampled_from(IPS)),
+    st.tuples(st.just("geoip"), st.sampled_from(["11.0.0.0", "11.0.1.0", "11.0.3.0"]),
+              st.sampled_from(["US", "GB", "FR", None])),
     st.tuples(st.just("delete"), st.integers(0, 50)),
     st.tuples(st.just("delete_user"), st.sampled_from(USERS)),
     st.tuples(st.just("noop_update"), st.sampled_from(USERS)),
 )
 _UPDATES = {"amount": "amount = CAST(:v AS numeric)", "time": "created_at = :v",
-            "move": "user_id = :v", "merchant": "merchant_id = :v", "device": "device_id = :v"}
+            "move": "user_id = :v", "merchant": "merchant_id = :v", "device": "device_id = :v",
+            "ip": "ip = CAST(:v AS inet)"}
 
 
 @settings(max_examples=60, deadline=None,
@@ -122,7 +155,15 @@ def test_incremental_equals_full_after_any_sequence_of_changes(db: Engine, ops: 
             ids += insert(db, tenant, op[1])
             continue
         with db.begin() as conn:
-            if kind == "delete_user":
+            if kind == "geoip":  # a range changes country, appears or disappears
+                conn.execute(sa.text("DELETE FROM geoip WHERE ip_from = CAST(:f AS inet)"),
+                             {"f": op[1]})
+                if op[2] is not None:
+                    conn.execute(sa.text(
+                        "INSERT INTO geoip (ip_from, ip_to, country, city, asn) VALUES "
+                        "(CAST(:f AS inet), CAST(:f AS inet) + 255, :c, 'X', 9)"),
+                        {"f": op[1], "c": op[2]})
+            elif kind == "delete_user":
                 conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t "
                                      "AND user_id = :u"), {"t": tenant, "u": op[1]})
             elif kind == "noop_update":
@@ -141,10 +182,10 @@ def test_incremental_equals_full_after_any_sequence_of_changes(db: Engine, ops: 
     with db.connect() as conn:
         answered = incremental.answered(conn, [(tenant, u) for u in USERS], AS_OF)
     event(f"keys answered by buckets: {len(answered)}/3")
-    full, inc = both(db, tenant)
+    full, inc = both(db, tenant, sets=SETS)
     assert inc == full
-    # And with as_of = now (every generated row is in the past then).
-    full_now, inc_now = both(db, tenant, as_of=None)
+    # And with as_of = now.
+    full_now, inc_now = both(db, tenant, as_of=None, sets=SETS)
     assert inc_now == full_now
 
 
@@ -259,3 +300,66 @@ def test_a_feature_set_without_an_incremental_query_refuses_that_path() -> None:
     assert REGISTRY.with_paths({"txn_90d": "full"})["txn_90d"].path == "full"
     assert REGISTRY["txn_90d"].fingerprint() == \
         REGISTRY.with_paths({"txn_90d": "full"})["txn_90d"].fingerprint()
+
+
+@pytest.mark.parametrize("first", ["delete", "insert"])
+def test_concurrent_writers_of_one_member_keep_its_latest_day_exact(db: Engine,
+                                                                    first: str) -> None:
+    """A delete of a member's latest row races an insert of the same member on another
+    day, under READ COMMITTED: the second writer waits on the member's latest-day row
+    and then sees the first's commit, so the buckets' latest-day marks stay exact."""
+    tenant = new_tenant()
+    days = [AS_OF - timedelta(days=d) for d in (9, 6, 3)]
+    _, _, newest = insert(db, tenant, [(1, day, "10.00", "m1", "d1") for day in days])
+    statements = {
+        "delete": ("DELETE FROM transactions WHERE tenant_id = :t AND id = :id",
+                   {"t": tenant, "id": newest}),
+        "insert": ("INSERT INTO transactions (tenant_id, user_id, created_at, amount, "
+                   "merchant_id, device_id) VALUES (:t, 1, :at, 5, 'm1', 'd1')",
+                   {"t": tenant, "at": AS_OF - timedelta(days=1)}),
+    }
+    second = "insert" if first == "delete" else "delete"
+    holder = db.connect()
+    tx = holder.begin()
+    holder.execute(sa.text(statements[first][0]), statements[first][1])
+    pid = holder.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+    errors: list[BaseException] = []
+
+    def run_second() -> None:
+        try:
+            with db.begin() as conn:
+                conn.execute(sa.text(statements[second][0]), statements[second][1])
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run_second)
+    thread.start()
+    try:
+        with db.connect() as watcher:
+            assert wait_until(lambda: watcher.execute(sa.text(
+                "SELECT count(*) FROM pg_stat_activity WHERE :pid = ANY("
+                "pg_blocking_pids(pid))"), {"pid": pid}).scalar_one() == 1, timeout=10)
+    finally:
+        tx.commit()
+        holder.close()
+        thread.join(10)
+    assert not errors
+    full, inc = both(db, tenant, (1,))
+    assert inc == full
+    assert inc[(tenant, "1")]["distinct_merchants"] == 1
+    assert compare(db, [(tenant, "1")], as_of=AS_OF) == []
+
+
+def test_geo_counts_a_country_once_across_the_edge_day_and_later_days(db: Engine) -> None:
+    reset_geoip(db)
+    tenant = new_tenant()
+    insert(db, tenant, [
+        (1, EDGE30 + timedelta(hours=1), "1.00", "m1", None, "11.0.0.5"),  # US, edge day
+        (1, AS_OF - timedelta(days=1), "1.00", "m1", None, "11.0.0.6"),  # US, later
+        (1, EDGE30 + timedelta(hours=2), "1.00", "m1", None, "11.0.1.7"),  # GB, edge only
+        (1, EDGE30 - timedelta(hours=1), "1.00", "m1", None, "11.0.2.9"),  # DE, before c
+    ])
+    full, inc = both(db, tenant, (1,), sets=SETS)
+    assert inc == full
+    assert inc[("geo", tenant, "1")]["distinct_countries_30d"] == 2
+    assert answered_by_buckets(db, tenant, 1)
