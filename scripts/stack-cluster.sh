@@ -1,0 +1,447 @@
+# The cluster topology of scripts/stack, sourced by it (never run on its own):
+#
+#   scripts/stack up --topology cluster       start what is not running; returns once
+#                                             every node answers
+#   scripts/stack down --topology cluster     stop what `up --topology cluster` started
+#   scripts/stack status --topology cluster   one line per node
+#   scripts/stack kill NODE --topology cluster    crash one node (SIGKILL; Postgres:
+#                                             immediate stop); `start NODE` starts it again
+#
+# On loopback, beside the single topology (its ports are never used here):
+#
+#   redis-1..3    127.0.0.1:7001-7003   Redis Cluster masters (slots split in three)
+#   redis-4..6    127.0.0.1:7004-7006   one replica each (redis-4 of redis-1, ...)
+#   kafka-1..3    127.0.0.1:19092-19094 three KRaft nodes, broker and controller each
+#                 (controllers on 19192-19194); internal topics replicated 3 times,
+#                 min.insync.replicas 2
+#   pg-primary    127.0.0.1:15432       Postgres 15 primary (wal_level logical)
+#   pg-replica    127.0.0.1:15433       its streaming hot standby (physical slot)
+#
+# No Connect worker: the cluster topology serves the domain-event path (the CDC path is
+# tested on the single topology). State lives in $STACK/cluster (.stack/cluster); the
+# connection settings go to .stack/cluster/env, as .stack/env for the single topology.
+#
+# Sizing for a 2-core, 24 GiB machine: each broker gets a 384 MiB heap (serial GC), each
+# Redis node a 256 MiB maxmemory, Postgres 128 MiB shared_buffers: about 2.5 GiB resident
+# for the whole topology. CPU, not memory, is the bound.
+
+CL="$STACK/cluster"
+CL_REDIS_PORTS=(7001 7002 7003 7004 7005 7006)
+CL_KAFKA_PORTS=(19092 19093 19094)
+CL_CONTROLLER_PORTS=(19192 19193 19194)
+CL_PG_PORT=15432
+CL_PG_REPLICA_PORT=15433
+CL_KAFKA_OPTS=(-Xms256m -Xmx384m -XX:+UseSerialGC -XX:+ExitOnOutOfMemoryError
+  -XX:TieredStopAtLevel=1 -Djava.awt.headless=true
+  -Dlog4j2.configurationFile="$STACK/conf/log4j2.properties")
+
+# cluster_requested ARGS...: true when --topology cluster is among them; a usage error
+# for any other topology but single.
+cluster_requested() {
+  local prev="" arg
+  for arg in "$@"; do
+    if [[ $prev == --topology ]]; then
+      case $arg in
+        cluster) return 0 ;;
+        single) return 1 ;;
+        *) echo "stack: error: unknown topology: $arg (single or cluster)" >&2; exit 2 ;;
+      esac
+    fi
+    [[ $arg == --topology=cluster ]] && return 0
+    prev=$arg
+  done
+  return 1
+}
+
+# ---------------------------------------------------------------- redis cluster
+
+cl_redis_cli() { redis-cli -h "$HOST" -p "$1" "${@:2}"; }
+
+cl_up_redis_node() {
+  local port=$1 name=redis-$(($1 - 7000)) dir="$CL/redis/$1"
+  if [[ -n "$(pid_of "$name")" ]]; then return 0; fi
+  port_open "$port" && fail "$HOST:$port ($name) is taken by another process"
+  mkdir -p "$dir"
+  # No persistence: a node that restarts rejoins empty and resyncs from its master.
+  # nodes.conf stays: it is the node's cluster identity, so a restarted node rejoins.
+  cat >"$dir/redis.conf" <<EOF
+bind $HOST
+port $port
+protected-mode yes
+daemonize yes
+pidfile $STACK/run/$name.pid
+logfile $dir/redis.log
+dir $dir
+save ""
+appendonly no
+maxmemory 256mb
+maxmemory-policy noeviction
+cluster-enabled yes
+cluster-config-file $dir/nodes.conf
+cluster-node-timeout 2000
+cluster-replica-validity-factor 0
+cluster-require-full-coverage no
+cluster-allow-reads-when-down no
+EOF
+  redis-server "$dir/redis.conf" >"$dir/redis.out" 2>&1 || fail "$name did not start" "$dir/redis.log"
+  wait_until "$name" "$dir/redis.log" "" cl_redis_ping "$port"
+}
+
+cl_redis_ping() { [[ "$(cl_redis_cli "$1" ping 2>/dev/null)" == PONG ]]; }
+
+cl_redis_ok() { cl_redis_cli "$1" cluster info 2>/dev/null | grep -q '^cluster_state:ok'; }
+
+cl_redis_replicas_linked() {
+  # Every master has one connected replica.
+  local n
+  n="$(cl_redis_cli 7001 cluster nodes 2>/dev/null | grep -c ' slave ' || true)"
+  [[ $n -ge 3 ]] || return 1
+  ! cl_redis_cli 7001 cluster nodes 2>/dev/null | grep -q 'fail\|handshake'
+}
+
+cl_up_redis() {
+  local port addrs=()
+  for port in "${CL_REDIS_PORTS[@]}"; do cl_up_redis_node "$port"; done
+  if ! cl_redis_cli 7001 cluster info 2>/dev/null | grep -q '^cluster_known_nodes:6'; then
+    say "redis cluster: creating 3 masters, 3 replicas"
+    for port in "${CL_REDIS_PORTS[@]}"; do addrs+=("$HOST:$port"); done
+    redis-cli --cluster create "${addrs[@]}" --cluster-replicas 1 --cluster-yes \
+      >"$CL/redis/create.log" 2>&1 || fail "redis-cli --cluster create failed" "$CL/redis/create.log"
+  fi
+  wait_until "redis cluster state" "$CL/redis/create.log" "" cl_redis_ok 7001
+  wait_until "redis cluster replicas" "$CL/redis/create.log" "" cl_redis_replicas_linked
+  say "redis cluster up on $HOST:7001-7006"
+}
+
+# ---------------------------------------------------------------- kafka (3 nodes)
+
+cl_kafka_voters() {
+  local i out=""
+  for i in 1 2 3; do out+="${out:+,}$i@$HOST:${CL_CONTROLLER_PORTS[$((i - 1))]}"; done
+  echo "$out"
+}
+
+cl_kafka_bootstrap() {
+  local p out=""
+  for p in "${CL_KAFKA_PORTS[@]}"; do out+="${out:+,}$HOST:$p"; done
+  echo "$out"
+}
+
+cl_up_kafka_node() {
+  local i=$1 name=kafka-$1 dir="$CL/kafka/$1" cid
+  local port=${CL_KAFKA_PORTS[$((i - 1))]} cport=${CL_CONTROLLER_PORTS[$((i - 1))]}
+  if [[ -n "$(pid_of "$name")" ]]; then return 0; fi
+  port_open "$port" && fail "$HOST:$port ($name) is taken by another process"
+  mkdir -p "$dir/data"
+  cat >"$dir/server.properties" <<EOF
+process.roles=broker,controller
+node.id=$i
+controller.quorum.voters=$(cl_kafka_voters)
+listeners=PLAINTEXT://$HOST:$port,CONTROLLER://$HOST:$cport
+advertised.listeners=PLAINTEXT://$HOST:$port
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+log.dirs=$dir/data
+num.partitions=1
+default.replication.factor=3
+min.insync.replicas=2
+auto.create.topics.enable=false
+offsets.topic.replication.factor=3
+transaction.state.log.replication.factor=3
+transaction.state.log.min.isr=2
+share.coordinator.state.topic.replication.factor=3
+share.coordinator.state.topic.min.isr=2
+unclean.leader.election.enable=false
+group.initial.rebalance.delay.ms=0
+num.network.threads=1
+num.io.threads=2
+num.replica.fetchers=1
+log.retention.hours=24
+EOF
+  if [[ ! -s $dir/data/meta.properties ]]; then
+    cid="$(cat "$CL/kafka/cluster.id")"
+    java -Xmx256m -XX:+UseSerialGC -XX:TieredStopAtLevel=1 -Dfreshline.log="$dir/format.log" \
+      -Dlog4j2.configurationFile="$STACK/conf/log4j2.properties" -cp "$LIB/*" \
+      kafka.tools.StorageTool format -t "$cid" -c "$dir/server.properties" \
+      >"$dir/format.out" 2>&1 || fail "$name: storage format failed" "$dir/format.out"
+  fi
+  : >"$dir/kafka.log"
+  setsid nohup java "${CL_KAFKA_OPTS[@]}" -Dfreshline.log="$dir/kafka.log" -cp "$LIB/*" \
+    kafka.Kafka "$dir/server.properties" >"$dir/kafka.out" 2>&1 </dev/null &
+  echo $! >"$STACK/run/$name.pid"
+}
+
+cl_kafka_brokers_registered() {
+  java -Xmx128m -XX:+UseSerialGC -XX:TieredStopAtLevel=1 -Dfreshline.log="$CL/kafka/tools.log" \
+    -Dlog4j2.configurationFile="$STACK/conf/log4j2.properties" -cp "$LIB/*" \
+    org.apache.kafka.tools.BrokerApiVersionsCommand --bootstrap-server "$(cl_kafka_bootstrap)" \
+    >"$CL/kafka/brokers.out" 2>&1 || return 1
+  [[ "$(grep -c '^[^ ].*(id: [0-9]' "$CL/kafka/brokers.out")" -ge 3 ]]
+}
+
+cl_up_kafka() {
+  local i
+  mkdir -p "$CL/kafka"
+  [[ -s $CL/kafka/cluster.id ]] ||
+    head -c16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n' >"$CL/kafka/cluster.id"
+  for i in 1 2 3; do cl_up_kafka_node "$i"; done
+  for i in 1 2 3; do
+    wait_until "kafka-$i" "$CL/kafka/$i/kafka.log" "kafka-$i" port_open "${CL_KAFKA_PORTS[$((i - 1))]}"
+  done
+  wait_until "kafka brokers" "$CL/kafka/1/kafka.log" kafka-1 cl_kafka_brokers_registered
+  say "kafka cluster up on $(cl_kafka_bootstrap)"
+}
+
+# ---------------------------------------------------------------- postgres + replica
+
+cl_pg_socket() {
+  local dir="$CL/pg/run"
+  if ((${#dir} > 90)); then dir="/tmp/freshline-clpg-$(echo "$CL" | sha1sum | cut -c1-8)"; fi
+  echo "$dir"
+}
+
+cl_pg_psql() {
+  as_postgres "$PG_BIN/psql" -X -q -v ON_ERROR_STOP=1 -h "$(cl_pg_socket)" -p "$1" -U postgres "${@:2}"
+}
+
+cl_pg_conf() {
+  # cl_pg_conf DATA PORT: freshline.conf for a primary or a standby (the standby ignores
+  # what it does not need; hot_standby lets it serve reads).
+  cat >"$1/freshline.conf" <<EOF
+listen_addresses = '$HOST'
+port = $2
+unix_socket_directories = '$(cl_pg_socket)'
+wal_level = logical
+max_replication_slots = 10
+max_wal_senders = 10
+max_connections = 100
+shared_buffers = 128MB
+fsync = off
+full_page_writes = on
+hot_standby = on
+hot_standby_feedback = on
+wal_keep_size = 256MB
+password_encryption = scram-sha-256
+EOF
+  cat >"$1/pg_hba.conf" <<EOF
+local   all          all                  trust
+local   replication  all                  trust
+host    all          all    $HOST/32  scram-sha-256
+host    replication  all    $HOST/32  scram-sha-256
+EOF
+  if [[ $EUID -eq 0 ]]; then chown postgres:postgres "$1/freshline.conf" "$1/pg_hba.conf"; fi
+}
+
+cl_pg_start() {
+  # cl_pg_start NAME DATA PORT
+  local name=$1 data=$2 port=$3 log="$CL/pg/$1.log"
+  : >"$log"
+  if [[ $EUID -eq 0 ]]; then chown postgres:postgres "$log"; fi
+  as_postgres "$PG_BIN/pg_ctl" -D "$data" -l "$log" -w -t "$TIMEOUT" start >/dev/null 2>&1 ||
+    fail "$name did not start" "$log"
+  head -n1 "$data/postmaster.pid" >"$STACK/run/$name.pid"
+  wait_until "$name" "$log" "$name" "$PG_BIN/pg_isready" -q -h "$HOST" -p "$port"
+}
+
+cl_up_pg_primary() {
+  local data="$CL/pg/primary"
+  [[ -n "$(pid_of pg-primary)" ]] && return 0
+  port_open "$CL_PG_PORT" && fail "$HOST:$CL_PG_PORT (pg-primary) is taken by another process"
+  mkdir -p "$CL/pg" "$(cl_pg_socket)"
+  if [[ $EUID -eq 0 ]]; then chown postgres:postgres "$CL/pg" "$(cl_pg_socket)"; fi
+  chmod 700 "$(cl_pg_socket)"
+  if [[ ! -s $data/PG_VERSION ]]; then
+    mkdir -p "$data"
+    if [[ $EUID -eq 0 ]]; then chown postgres:postgres "$data"; fi
+    as_postgres "$PG_BIN/initdb" -D "$data" -U postgres -E UTF8 --locale=C \
+      --auth-local=trust --auth-host=scram-sha-256 >"$CL/pg/initdb.log" 2>&1 ||
+      fail "pg-primary initdb failed" "$CL/pg/initdb.log"
+    echo "include 'freshline.conf'" >>"$data/postgresql.conf"
+  fi
+  cl_pg_conf "$data" "$CL_PG_PORT"
+  cl_pg_start pg-primary "$data" "$CL_PG_PORT"
+  cl_pg_psql "$CL_PG_PORT" -d postgres -v user="$PG_USER" -v password="$PG_PASSWORD" \
+    -v db="$PG_DATABASE" >/dev/null <<'EOF' || fail "pg-primary: could not create role/database"
+SELECT format('CREATE ROLE %I', :'user')
+ WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = :'user') \gexec
+SELECT format('ALTER ROLE %I LOGIN SUPERUSER REPLICATION PASSWORD %L', :'user', :'password') \gexec
+SELECT format('CREATE DATABASE %I OWNER %I', :'db', :'user')
+ WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = :'db') \gexec
+SELECT 'SELECT pg_create_physical_replication_slot(''freshline_replica'')'
+ WHERE NOT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = 'freshline_replica') \gexec
+EOF
+}
+
+cl_pg_streaming() {
+  [[ "$(cl_pg_psql "$CL_PG_PORT" -d postgres -tAc \
+    "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'" 2>/dev/null)" -ge 1 ]]
+}
+
+cl_up_pg_replica() {
+  local data="$CL/pg/replica"
+  [[ -n "$(pid_of pg-replica)" ]] && return 0
+  port_open "$CL_PG_REPLICA_PORT" &&
+    fail "$HOST:$CL_PG_REPLICA_PORT (pg-replica) is taken by another process"
+  if [[ ! -s $data/PG_VERSION ]]; then
+    say "pg-replica: base backup from pg-primary"
+    rm -rf "$data"
+    as_postgres "$PG_BIN/pg_basebackup" -h "$(cl_pg_socket)" -p "$CL_PG_PORT" -U postgres \
+      -D "$data" -X stream -S freshline_replica -R -c fast >"$CL/pg/basebackup.log" 2>&1 ||
+      fail "pg_basebackup failed" "$CL/pg/basebackup.log"
+  fi
+  cl_pg_conf "$data" "$CL_PG_REPLICA_PORT"
+  cl_pg_start pg-replica "$data" "$CL_PG_REPLICA_PORT"
+  wait_until "pg-replica streaming" "$CL/pg/pg-replica.log" pg-replica cl_pg_streaming
+}
+
+cl_down_pg() {
+  local name=$1 data=$2 pid
+  pid="$(pid_of "$name")"
+  [[ -n $pid ]] || { rm -f "$STACK/run/$name.pid"; return 0; }
+  as_postgres "$PG_BIN/pg_ctl" -D "$data" -m fast -w -t 30 stop >/dev/null 2>&1 || true
+  if alive "$pid"; then stop "$name" 10; else rm -f "$STACK/run/$name.pid"; fi
+}
+
+# ---------------------------------------------------------------- env + commands
+
+cl_write_env() {
+  local tmp p seeds=""
+  for p in 7001 7002 7003; do seeds+="${seeds:+,}$HOST:$p"; done
+  tmp="$(mktemp "$CL/.env.XXXXXX")"
+  {
+    echo "# The cluster topology's connection settings, written by"
+    echo "# scripts/stack up --topology cluster. Load with: set -a; . .stack/cluster/env; set +a"
+    env_line FRESHLINE_POSTGRES_URL \
+      "postgresql+psycopg://$PG_USER:$PG_PASSWORD@$HOST:$CL_PG_PORT/$PG_DATABASE"
+    env_line FRESHLINE_POSTGRES_REPLICA_URL \
+      "postgresql+psycopg://$PG_USER:$PG_PASSWORD@$HOST:$CL_PG_REPLICA_PORT/$PG_DATABASE"
+    env_line FRESHLINE_REDIS_URL "redis://$HOST:7001/0"
+    env_line FRESHLINE_REDIS_CLUSTER "1"
+    env_line FRESHLINE_KAFKA_BOOTSTRAP "$(cl_kafka_bootstrap)"
+    env_line FRESHLINE_TOPIC_REPLICATION "3"
+    env_line FRESHLINE_STACK_TOPOLOGY cluster
+    env_line PGHOST "$HOST"
+    env_line PGPORT "$CL_PG_PORT"
+    env_line PGUSER "$PG_USER"
+    env_line PGPASSWORD "$PG_PASSWORD"
+    env_line PGDATABASE "$PG_DATABASE"
+  } >"$tmp" || { rm -f "$tmp"; exit 1; }
+  mv -f "$tmp" "$CL/env"
+}
+
+cl_nodes() {
+  local p
+  for p in "${CL_REDIS_PORTS[@]}"; do echo "redis-$((p - 7000)):$p"; done
+  echo "kafka-1:19092"; echo "kafka-2:19093"; echo "kafka-3:19094"
+  echo "pg-primary:$CL_PG_PORT"; echo "pg-replica:$CL_PG_REPLICA_PORT"
+}
+
+cl_cmd_up() {
+  local t0=$SECONDS
+  prepare
+  mkdir -p "$CL"
+  cl_write_env
+  ensure_jars
+  cl_up_pg_primary
+  cl_up_pg_replica
+  say "postgres primary $HOST:$CL_PG_PORT, streaming replica $HOST:$CL_PG_REPLICA_PORT"
+  cl_up_redis
+  cl_up_kafka
+  say "cluster topology up in $((SECONDS - t0))s (settings in ${CL#"$ROOT"/}/env)"
+}
+
+cl_cmd_down() {
+  local i
+  for i in 3 2 1; do stop "kafka-$i" 60; done
+  for i in 6 5 4 3 2 1; do stop "redis-$i" 30; done
+  cl_down_pg pg-replica "$CL/pg/replica"
+  cl_down_pg pg-primary "$CL/pg/primary"
+  say "cluster topology down"
+}
+
+cl_cmd_status() {
+  local line
+  for line in $(cl_nodes); do
+    status_line "${line%%:*}" "$HOST:${line#*:}" port_open "${line#*:}"
+  done
+}
+
+cl_node_arg() {
+  local line
+  for line in $(cl_nodes); do [[ ${line%%:*} == "${2:-}" ]] && return 0; done
+  echo "usage: scripts/stack $1 NODE --topology cluster (NODE: redis-1..6, kafka-1..3," \
+    "pg-primary, pg-replica)" >&2
+  exit 2
+}
+
+cl_cmd_kill() {
+  cl_node_arg kill "${1:-}"
+  local name=$1 pid port deadline
+  port="$(cl_nodes | sed -n "s/^$name://p")"
+  pid="$(pid_of "$name")"
+  [[ -n $pid ]] || fail "$name was not started by this script (no live pid in $STACK/run)"
+  if [[ $name == pg-* ]]; then
+    as_postgres "$PG_BIN/pg_ctl" -D "$CL/pg/${name#pg-}" -m immediate -w -t 30 stop \
+      >/dev/null 2>&1 || true
+  fi
+  kill -KILL "$pid" 2>/dev/null || true
+  deadline=$((SECONDS + 30))
+  while alive "$pid" || port_open "$port"; do
+    ((SECONDS < deadline)) || fail "$name (pid $pid) survived SIGKILL"
+    sleep 0.1
+  done
+  rm -f "$STACK/run/$name.pid"
+  say "$name killed (pid $pid)"
+}
+
+cl_cmd_start() {
+  cl_node_arg start "${1:-}"
+  prepare
+  case $1 in
+    redis-*) cl_up_redis_node $((7000 + ${1#redis-})) ;;
+    kafka-*)
+      ensure_jars
+      cl_up_kafka_node "${1#kafka-}"
+      wait_until "$1" "$CL/kafka/${1#kafka-}/kafka.log" "$1" port_open \
+        "${CL_KAFKA_PORTS[$((${1#kafka-} - 1))]}"
+      ;;
+    pg-primary) cl_up_pg_primary ;;
+    pg-replica) cl_up_pg_replica ;;
+  esac
+  say "$1 started"
+}
+
+cl_cmd_stop() {
+  cl_node_arg stop "${1:-}"
+  case $1 in
+    redis-*) stop "$1" 30 ;;
+    kafka-*) stop "$1" 60 ;;
+    pg-primary) cl_down_pg pg-primary "$CL/pg/primary" ;;
+    pg-replica) cl_down_pg pg-replica "$CL/pg/replica" ;;
+  esac
+}
+
+# cluster_main ARGS...: the command line of scripts/stack, --topology cluster among it.
+cluster_main() {
+  local args=() prev="" arg
+  for arg in "$@"; do
+    if [[ $arg == --topology ]]; then prev=$arg; continue; fi
+    if [[ $prev == --topology || $arg == --topology=* ]]; then prev=""; continue; fi
+    args+=("$arg")
+  done
+  set -- "${args[@]}"
+  case "${1:-}" in
+    up) cl_cmd_up ;;
+    down) cl_cmd_down ;;
+    status) cl_cmd_status ;;
+    kill) cl_cmd_kill "${2:-}" ;;
+    start) cl_cmd_start "${2:-}" ;;
+    stop) cl_cmd_stop "${2:-}" ;;
+    *)
+      echo "usage: scripts/stack up|down|status|start NODE|stop NODE|kill NODE" \
+        "--topology cluster" >&2
+      exit 2
+      ;;
+  esac
+}
