@@ -33,6 +33,7 @@ from consumers.routing import Router
 from pipeline.cache.invalidation import ALL, Invalidation
 from pipeline.cache.recompute import compute, take_snapshot
 from pipeline.cache.store import FeatureStore, WriteResult
+from pipeline.core.cluster import is_cluster, publish
 from pipeline.core.features import REGISTRY, Registry
 from pipeline.core.keys import INVALIDATION_CHANNEL
 from pipeline.core.types import ChangeEvent, EntityRef
@@ -109,9 +110,10 @@ class Processor:
     def _announce(self, invalidations: list[Invalidation]) -> None:
         if not invalidations:
             return
+        cluster = is_cluster(self.redis)
         pipe = self.redis.pipeline(transaction=False)
         for message in invalidations:
-            pipe.publish(INVALIDATION_CHANNEL, message.encode())
+            publish(pipe, INVALIDATION_CHANNEL, message.encode(), cluster=cluster)
         pipe.execute()
         if self.publish is not None:
             for message in invalidations:

@@ -37,11 +37,20 @@ class EnsureReport:
     """Existing topic -> its partition count (which may differ from the configured one)."""
 
 
+def auto_replication(broker_count: int) -> tuple[int, dict[str, str]]:
+    """The replication factor and topic config for a cluster of ``broker_count``:
+    3 replicas and ``min.insync.replicas`` 2 from three brokers on (an acknowledged
+    write survives one broker lost), else one replica per broker."""
+    if broker_count >= 3:
+        return 3, {"min.insync.replicas": "2"}
+    return max(1, broker_count), {}
+
+
 def ensure(
     admin: AdminClient,
     partitions: int,
     *,
-    replication_factor: int = 1,
+    replication_factor: int | None = None,
     topics: Iterable[str] = MANAGED_TOPICS,
     config: dict[str, str] | None = None,
 ) -> EnsureReport:
@@ -49,9 +58,13 @@ def ensure(
 
     Idempotent and safe to run concurrently with another ``ensure``: a topic created
     by someone else between the listing and the creation is reported as existing.
+    ``replication_factor`` None: :func:`auto_replication` of the brokers the cluster has.
     """
     wanted = list(dict.fromkeys(topics))
     metadata = admin.list_topics(timeout=ADMIN_TIMEOUT_S)
+    if replication_factor is None:
+        replication_factor, auto = auto_replication(len(metadata.brokers))
+        config = {**auto, **(config or {})}
     report = EnsureReport()
     missing: list[NewTopic] = []
     for name in wanted:
@@ -96,7 +109,8 @@ def subscription(settings: Settings) -> list[str]:
     return [*(qualified(settings, t) for t in DOMAIN_TOPICS), cdc]
 
 
-def ensure_from_settings(settings: Settings, *, replication_factor: int = 1) -> EnsureReport:
+def ensure_from_settings(settings: Settings, *,
+                         replication_factor: int | None = None) -> EnsureReport:
     """:func:`ensure` with the partition count, broker and prefix from ``settings``."""
     from consumers.kafka import admin_client
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Any, cast
 
 import redis
 import redis.asyncio
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -24,6 +27,7 @@ from pipeline.cache.local import LocalTier
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.cache.store import FeatureStore, check_eviction_policy
 from pipeline.cache.versions import VersionResolver
+from pipeline.core.cluster import is_cluster
 from pipeline.core.db import make_engine
 from pipeline.core.features import REGISTRY, Registry
 from pipeline.core.settings import Settings, load_settings
@@ -165,8 +169,11 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
 def async_twin(client: redis.Redis) -> redis.asyncio.Redis:
     """An asyncio client to the server ``client`` talks to, with its timeouts.
 
-    hiredis, a dependency, parses its replies.
+    hiredis, a dependency, parses its replies. For a cluster client, an asyncio
+    cluster client seeded with every node the first one knows.
     """
+    if is_cluster(client):
+        return cluster_twin(client)
     kwargs = client.connection_pool.connection_kwargs
     common = {k: kwargs[k] for k in ("db", "username", "password", "socket_timeout",
                                      "socket_connect_timeout", "client_name")
@@ -176,6 +183,16 @@ def async_twin(client: redis.Redis) -> redis.asyncio.Redis:
     ssl = issubclass(client.connection_pool.connection_class, redis.SSLConnection)
     return redis.asyncio.Redis(host=kwargs.get("host", "localhost"),
                                port=kwargs.get("port", 6379), ssl=ssl, **common)
+
+
+def cluster_twin(client: Any) -> redis.asyncio.Redis:
+    nodes = client.get_nodes()
+    kwargs = nodes[0].redis_connection.connection_pool.connection_kwargs
+    common = {k: kwargs[k] for k in ("username", "password", "socket_timeout",
+                                     "socket_connect_timeout") if k in kwargs}
+    twin = AsyncRedisCluster(startup_nodes=[AsyncClusterNode(n.host, n.port) for n in nodes],
+                             **common)
+    return cast(redis.asyncio.Redis, twin)
 
 
 def app_from_env() -> Starlette:

@@ -37,6 +37,7 @@ from sqlalchemy.engine import Engine
 
 from pipeline.api import audit_log
 from pipeline.cache.subscription import Subscription
+from pipeline.core.cluster import is_cluster, publish
 from pipeline.core.db import api_keys, tenants
 from pipeline.core.errors import FreshlineError
 from pipeline.core.keys import APIKEY_CHANNEL, validate_id
@@ -228,7 +229,7 @@ def revoke_api_key(engine: Engine, redis_client: redis.Redis | None, key_id: str
     audit_log.record("apikey.revoke", tenant=info.tenant, key_id=key_id)
     if redis_client is not None:
         try:
-            redis_client.publish(APIKEY_CHANNEL, key_id)
+            publish(redis_client, APIKEY_CHANNEL, key_id, cluster=is_cluster(redis_client))
         except (redis.exceptions.RedisError, OSError) as exc:
             log.warning("key %s revoked in Postgres, but not announced on Redis (%s); "
                         "workers without a live subscription do not trust their cache",

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 from pipeline.cache.local import LocalTier
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.core.clock import now_ms
+from pipeline.core.cluster import amget
 from pipeline.core.errors import InvalidId
 from pipeline.core.keys import validate_id
 from pipeline.core.types import EntityRef, Entry, FeatureValues
@@ -117,7 +118,7 @@ class FeatureReader:
         if pending:
             todo = refs if len(pending) == len(refs) else [refs[i] for i in pending]
             token = self.local.token() if self.local is not None else 0
-            entries = store.entries(todo, await self.aredis.mget(store.read_keys(todo)))
+            entries = store.entries(todo, await amget(self.aredis, store.read_keys(todo)))
             now = now_ms()
             if mode == "read-through" and any(
                     entry is None or target.should_refresh(ref, entry, now)

@@ -15,8 +15,23 @@ consumer raises the feature set's *floor* (:func:`pipeline.core.keys.floor_key`)
 watermark of a snapshot that sees the truncate. Reads fetch the floors with the entries
 (one MGET) and treat an entry below its floor as absent; writes and leases below the
 floor are refused. Floors outlive every entry they void (twice the set's TTL).
-(The floor key is not in the entity's hash slot: on Redis Cluster the scripts would
-need it copied per slot.)
+
+On Redis Cluster (:func:`pipeline.core.services.is_cluster`) every key of one entity
+(entries, lease) shares a slot by its hash tag, so the write and lease scripts stay
+atomic per entity; the floor key does not (a copy per slot is impractical: 16384
+keys per truncate). There the client reads the floors once per batch (one grouped
+read) and passes each as the scripts' last argument instead of a third key. The race
+this admits, and why it is harmless: a floor raised between that read and the
+script reaches the script late, so a write computed before the truncate may still
+land, and a lease call concurrent with the truncate may answer with such an entry.
+Every read fetches the floors with the entries and treats an entry below its floor
+as absent, and every later batch passes the raised floor; so only an operation that
+overlaps the truncate can see pre-truncate data, which is also what a read
+concurrent with the truncate sees on one node. The floor check is thus authoritative
+on the read path; the scripts' check keeps voided data from being written.
+
+Batched reads across slots (``get_many``) are grouped by slot into one ``MGET``
+each, all pipelined: one round trip per node that holds keys, never one per key.
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from pipeline.cache.recompute import Batch
+from pipeline.core.cluster import is_cluster, mget
 from pipeline.core.codec import decode_entry, encode_entry, encode_tombstone, watermark_hex
 from pipeline.core.errors import ConfigError
 from pipeline.core.features import REGISTRY, FeatureSet, Registry
@@ -40,15 +56,18 @@ from pipeline.core.types import EntityRef, Entry, Watermark, text
 
 # KEYS[1] entry, KEYS[2] lease, KEYS[3] floor; ARGV[1] encoded entry or tombstone,
 # ARGV[2] TTL in ms, ARGV[3] lease token ("" for a source-driven write, which revokes
-# any lease). Returns 1 written, 0 refused (older, or below the floor), 2 no-op
-# (equal), -1 lease lost.
+# any lease). On a cluster there is no KEYS[3]: ARGV[4] is the floor's value ("" none).
+# Returns 1 written, 0 refused (older, or below the floor), 2 no-op (equal), -1 lease
+# lost.
 _WRITE_LUA: Final = """
 local token = ARGV[3]
 if token ~= '' and redis.call('GET', KEYS[2]) ~= token then
   return -1
 end
 redis.call('DEL', KEYS[2])
-local floor = redis.call('GET', KEYS[3])
+local floor
+if #KEYS >= 3 then floor = redis.call('GET', KEYS[3])
+elseif ARGV[4] ~= '' then floor = ARGV[4] end
 if floor and string.sub(ARGV[1], 2, 31) < floor then return 0 end
 local cur = redis.call('GET', KEYS[1])
 if cur then
@@ -62,7 +81,8 @@ return 1
 """
 
 # KEYS[1] entry, KEYS[2] lease, KEYS[3] floor; ARGV[1] token, ARGV[2] lease ms, ARGV[3]
-# "1" to grant a lease even when an entry exists (an early refresh). Returns {1, entry}
+# "1" to grant a lease even when an entry exists (an early refresh); on a cluster no
+# KEYS[3] but ARGV[4], the floor's value, as for the write script. Returns {1, entry}
 # when a live entry exists (it may have landed since the reader's miss), {2} when the
 # lease is granted, {0} when another reader holds it. Checking and leasing in one step
 # closes the gap where a reader misses, another fills and releases, and the first
@@ -70,7 +90,9 @@ return 1
 _LEASE_LUA: Final = """
 if ARGV[3] ~= '1' then
   local cur = redis.call('GET', KEYS[1])
-  local floor = redis.call('GET', KEYS[3])
+  local floor
+  if #KEYS >= 3 then floor = redis.call('GET', KEYS[3])
+  elseif ARGV[4] ~= '' then floor = ARGV[4] end
   if cur and string.sub(cur, 1, 1) ~= 'T'
       and (not floor or string.sub(cur, 2, 31) >= floor) then
     return {1, cur}
@@ -168,6 +190,7 @@ class FeatureStore:
         self._lease = client.register_script(_LEASE_LUA)
         self._floor = client.register_script(_FLOOR_LUA)
         self._fields: dict[str, tuple[str, ...]] = {}  # per feature set, built once
+        self.cluster = is_cluster(client)
 
     def key(self, ref: EntityRef, schema_version: int | None = None) -> str:
         self.registry[ref.feature_set]
@@ -177,7 +200,7 @@ class FeatureStore:
         """One MGET for all ``refs``; ``None`` where missing or a tombstone."""
         if not refs:
             return []
-        return self.entries(refs, self.redis.mget(self.read_keys(refs)))
+        return self.entries(refs, mget(self.redis, self.read_keys(refs)))
 
     def read_keys(self, refs: Sequence[EntityRef]) -> list[str]:
         """What :meth:`read` fetches in its MGET: each ref's key, then each set's floor.
@@ -236,6 +259,7 @@ class FeatureStore:
             keys = (self.key(ref), lease_key(self.schema_version, ref),
                     floor_key(self.schema_version, ref.feature_set))
             calls.append((keys, (token, lease_ms, "1" if again else "")))
+        calls = self._floors_as_args(calls)
         out: list[tuple[int, Entry | None]] = []
         for ref, reply in zip(refs, self._run(self._lease, calls), strict=True):
             code = int(reply[0])
@@ -294,9 +318,19 @@ class FeatureStore:
         return ((feature_key(version, ref), lease_key(version, ref),
                  floor_key(version, fs.name)), (raw, jittered_ttl_ms(fs.ttl_s), token))
 
+    def _floors_as_args(self, calls: list[Call]) -> list[Call]:
+        """On a cluster: each call's floor key becomes its value, read once per batch
+        (see the module's docstring for the race this admits); unchanged on one node."""
+        if not self.cluster or not calls:
+            return calls
+        names = list(dict.fromkeys(keys[2] for keys, _ in calls))
+        floors = {name: text(raw) if raw is not None else ""
+                  for name, raw in zip(names, mget(self.redis, names), strict=True)}
+        return [(keys[:2], (*args, floors[keys[2]])) for keys, args in calls]
+
     def _written(self, calls: list[Call]) -> WriteResult:
         result = WriteResult()
-        for code in self._run(self._write, calls):
+        for code in self._run(self._write, self._floors_as_args(calls)):
             result.add(int(code))
         return result
 
@@ -325,5 +359,8 @@ class FeatureStore:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for keys, args in calls:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            # execute_command: redis-py's cluster pipeline refuses its evalsha() method,
+            # though it routes EVALSHA by its keys (one slot per call: the hash tag).
+            pipe.execute_command(  # type: ignore[no-untyped-call]
+                "EVALSHA", script.sha, len(keys), *keys, *args)
         return list(pipe.execute(raise_on_error=False))

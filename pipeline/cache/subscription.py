@@ -32,12 +32,13 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Any, Final, cast
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from pipeline.core.cluster import is_cluster
 from pipeline.core.errors import FreshlineError
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,26 @@ class Subscription:
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._client = self._subscriber_client(client)
+        self._cluster: Any = cast(Any, client) if is_cluster(client) else None
+        if self._cluster is not None:
+            slots = {self._cluster.keyslot(c) for c in self.channels}
+            if len(slots) > 1:
+                raise ValueError("on Redis Cluster a subscription's channels must share "
+                                 f"a slot (sharded pub/sub): {', '.join(self.channels)}")
+            self._client = redis.Redis()  # replaced by _node_client on every connect
+        else:
+            self._client = self._subscriber_client(client)
+
+    def _node_client(self) -> redis.Redis:
+        """On a cluster: a client of the master that owns the channels' slot now.
+
+        The slot map is refreshed first, so after a failover the promoted replica is
+        found; messages published while dark are lost, as on one node.
+        """
+        cluster = self._cluster
+        cluster.nodes_manager.initialize()
+        node = cluster.get_node_from_key(self.channels[0])
+        return self._subscriber_client(node.redis_connection)
 
     def _subscriber_client(self, client: redis.Redis) -> redis.Redis:
         """A client of its own: no silent retries, no read longer than ``silence_s``.
@@ -202,10 +222,17 @@ class Subscription:
 
     def _listen(self) -> None:
         """One connection, until it fails or the subscription closes."""
+        sharded = self._cluster is not None
+        if sharded:
+            self._client.close()
+            self._client = self._node_client()
         pubsub = self._client.pubsub()  # type: ignore[no-untyped-call]
         try:
             sent = time.monotonic()
-            pubsub.subscribe(*self.channels)
+            if sharded:
+                pubsub.ssubscribe(*self.channels)
+            else:
+                pubsub.subscribe(*self.channels)
             contact = sent  # the send time of the latest command Redis has answered
             waiting = set(self.channels)
             pending: OrderedDict[str, float] = OrderedDict()
@@ -225,7 +252,7 @@ class Subscription:
                 if message is None:
                     continue
                 kind = _text(message["type"])
-                if kind == "message":
+                if kind in ("message", "smessage"):
                     self._on_message(_text(message["channel"]), message["data"])
                 elif kind == "pong":
                     token = _text(message["data"])
@@ -238,11 +265,11 @@ class Subscription:
                         self.heartbeats += 1
                         if self._subscribed:
                             self._until = contact + self.silence_s
-                elif kind == "subscribe":
+                elif kind in ("subscribe", "ssubscribe"):
                     waiting.discard(_text(message["channel"]))
                     if not waiting:
                         self._go_live(contact + self.silence_s)
-                elif kind == "unsubscribe":
+                elif kind in ("unsubscribe", "sunsubscribe"):
                     raise SubscriptionLost("unsubscribed by the server")
         finally:
             try:

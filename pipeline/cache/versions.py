@@ -21,7 +21,7 @@ from pipeline.core.errors import DeployError
 from pipeline.core.features import REGISTRY, Registry
 from pipeline.core.keys import (
     ACTIVE_SCHEMA_KEY,
-    META_PREFIX,
+    DEPLOY_CHANNEL,
     NEXT_SCHEMA_KEY,
     PREVIOUS_SCHEMA_KEY,
     RETIRED_SCHEMA_KEY,
@@ -32,7 +32,6 @@ from pipeline.core.types import text
 
 log = logging.getLogger(__name__)
 
-DEPLOY_CHANNEL: Final = f"{META_PREFIX}:deploy"
 WRITE_VERSIONS_MAX_AGE_S: Final = 1.0
 
 

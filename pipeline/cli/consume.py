@@ -22,8 +22,9 @@ def register(app: typer.Typer) -> None:
 def topics_ensure(
     partitions: Annotated[int | None, typer.Option(
         min=1, help="Partitions per topic [default: FRESHLINE_TOPIC_PARTITIONS]")] = None,
-    replication_factor: Annotated[int, typer.Option(
-        min=1, help="Replicas per partition (1 on a single local broker)")] = 1,
+    replication_factor: Annotated[int | None, typer.Option(
+        min=1, help="Replicas per partition [default: 3 (min.insync.replicas 2) from "
+        "3 brokers on, else one per broker]")] = None,
 ) -> None:
     """Create the domain-event, invalidation and dead-letter topics if they are missing."""
     from consumers.kafka import admin_client

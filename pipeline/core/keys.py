@@ -30,10 +30,13 @@ INVALIDATION_CHANNEL = "freshline:invalidations"
 APIKEY_CHANNEL = "freshline:apikeys:revoked"
 """Revoked API keys' ids, published by ``freshline apikey revoke``; each API worker drops
 the key from its cache on the message."""
-ACTIVE_SCHEMA_KEY = "freshline:active_schema_version"
-NEXT_SCHEMA_KEY = "freshline:next_schema_version"
-PREVIOUS_SCHEMA_KEY = "freshline:previous_schema_version"
-RETIRED_SCHEMA_KEY = "freshline:retired_schema_version"
+# The deploy pointer's keys and channel share the hash tag {deploy}: its script moves
+# them together, and publishes the flip on a sharded channel of the same slot.
+ACTIVE_SCHEMA_KEY = "freshline:{deploy}:active_schema_version"
+NEXT_SCHEMA_KEY = "freshline:{deploy}:next_schema_version"
+PREVIOUS_SCHEMA_KEY = "freshline:{deploy}:previous_schema_version"
+RETIRED_SCHEMA_KEY = "freshline:{deploy}:retired_schema_version"
+DEPLOY_CHANNEL = "freshline:{deploy}"
 MODELS_KEY = "freshline:models"
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
@@ -127,12 +130,22 @@ def feature_pattern(schema_version: int, feature_set: str | None = None) -> str:
 def inference_key(
     model: str, version: str, digest: str, tenant: str | None = None, arm: str | None = None
 ) -> str:
-    """``infer:<model>:<version>:<tenant>:<arm>:<digest>``; absent tenant/arm are empty."""
+    """``infer:<model>:<version>:<tenant>:<arm>:{<digest>}``; absent tenant/arm are empty.
+
+    The digest is the Redis Cluster hash tag: one input row's predictions (every model
+    version, tenant and arm) share a slot, and different rows spread over all of them.
+    """
+    return f"{inference_prefix(model, version, tenant, arm)}{{{digest}}}"
+
+
+def inference_prefix(model: str, version: str, tenant: str | None = None,
+                     arm: str | None = None) -> str:
+    """:func:`inference_key` up to the digest's tag, each part validated once."""
     name = validate_name("model", model)
     ver = validate_id("model version", version)
     ten = validate_id("tenant", tenant) if tenant is not None else ""
     arm_id = validate_id("arm", arm) if arm is not None else ""
-    return f"{INFERENCE_PREFIX}:{name}:{ver}:{ten}:{arm_id}:{digest}"
+    return f"{INFERENCE_PREFIX}:{name}:{ver}:{ten}:{arm_id}:"
 
 
 def inference_pattern(model: str, version: str) -> str:

@@ -1,15 +1,75 @@
-"""Reaching the services: one place that turns a connection failure into one line."""
+"""Reaching the services: the one place Redis clients are built from settings, and
+the one place that turns a connection failure into one line."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any, cast
 
 import redis
 import sqlalchemy as sa
+from redis.cluster import RedisCluster
 
 from pipeline.core.errors import ServiceUnavailable
-from pipeline.core.settings import load_settings, redact
+from pipeline.core.settings import Settings, load_settings, redact
+
+
+def redis_options(settings: Settings) -> dict[str, Any]:
+    """The credentials and TLS options ``settings`` add to its Redis URL.
+
+    A username or password in ``FRESHLINE_REDIS_USERNAME``/``_PASSWORD`` wins over one
+    in the URL. The TLS options apply to ``rediss://`` URLs only; redis-py then verifies
+    the server's certificate (against ``redis_tls_ca`` when set).
+    """
+    options: dict[str, Any] = {}
+    if settings.redis_username:
+        options["username"] = settings.redis_username
+    if settings.redis_password.get_secret_value():
+        options["password"] = settings.redis_password.get_secret_value()
+    if settings.redis_url.startswith("rediss://"):
+        if settings.redis_tls_ca:
+            options["ssl_ca_certs"] = settings.redis_tls_ca
+        if settings.redis_tls_cert:
+            options["ssl_certfile"] = settings.redis_tls_cert
+            options["ssl_keyfile"] = settings.redis_tls_key or None
+    return options
+
+
+def redis_client(settings: Settings, url: str | None = None, **kwargs: Any) -> redis.Redis:
+    """A Redis client for ``url`` (default: ``settings.redis_url``) with the settings'
+    credentials and TLS options; ``kwargs`` are redis-py's (timeouts and the like).
+
+    With ``settings.redis_cluster`` it is redis-py's ``RedisCluster``, typed as
+    ``redis.Redis``: it answers the same commands; where a cluster needs another
+    path the code asks :func:`pipeline.core.cluster.is_cluster`. The URL names one
+    node; the client learns the others from it and follows slot moves and failovers.
+    """
+    options = {**redis_options(settings), **kwargs}
+    if settings.redis_cluster:
+        options.pop("db", None)
+        cluster = RedisCluster.from_url(url or settings.redis_url, **options)
+        return cast(redis.Redis, cluster)
+    return redis.Redis.from_url(url or settings.redis_url, **options)
+
+
+def kafka_security_config(settings: Settings) -> dict[str, Any]:
+    """librdkafka's security options from ``settings``: protocol, SASL login, CA file.
+
+    Empty for the default PLAINTEXT, so a plain broker sees the same clients as before.
+    """
+    config: dict[str, Any] = {}
+    if settings.kafka_security_protocol != "plaintext":
+        config["security.protocol"] = settings.kafka_security_protocol
+    if settings.kafka_sasl_mechanism:
+        config.update({
+            "sasl.mechanism": settings.kafka_sasl_mechanism,
+            "sasl.username": settings.kafka_sasl_username,
+            "sasl.password": settings.kafka_sasl_password.get_secret_value(),
+        })
+    if settings.kafka_ssl_ca:
+        config["ssl.ca.location"] = settings.kafka_ssl_ca
+    return config
 
 
 @contextmanager

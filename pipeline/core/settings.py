@@ -29,9 +29,30 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FRESHLINE_", frozen=True, extra="ignore")
 
     postgres_url: str = "postgresql+psycopg://freshline:freshline@127.0.0.1:5432/freshline"
+    postgres_admin_url: str = ""
+    """The owner's URL, for migrations and CDC registration; empty: ``postgres_url``."""
     redis_url: str = "redis://127.0.0.1:6379/0"
+    """``redis://`` or ``rediss://`` (TLS); credentials may sit in it or below."""
+    redis_username: str = ""
+    redis_password: SecretStr = SecretStr("")
+    redis_tls_ca: str = ""
+    """A CA file to verify the server with (``rediss://`` only); empty: the system's."""
+    redis_tls_cert: str = ""
+    redis_tls_key: str = ""
+    """A client certificate and key, for servers that require one (``tls-auth-clients``)."""
+    redis_cluster: bool = False
+    """Redis Cluster: ``redis_url`` names one node of it, the client finds the rest."""
     kafka_bootstrap: str = "127.0.0.1:9092"
+    kafka_security_protocol: Literal["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"] = (
+        "plaintext")
+    kafka_sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = ""
+    kafka_sasl_username: str = ""
+    kafka_sasl_password: SecretStr = SecretStr("")
+    kafka_ssl_ca: str = ""
     connect_url: str = "http://127.0.0.1:8083"
+    connect_secrets_file: str = ""
+    """A properties file on the Connect worker with ``database.password``, read by its
+    FileConfigProvider; empty: the password goes into the connector config in clear."""
 
     schema_version: int = Field(default=1, ge=1, le=999_999)
     topic_prefix: str = Field(default="", pattern=r"^[A-Za-z0-9_.\-]*$")
@@ -94,10 +115,14 @@ class Settings(BaseSettings):
                 raise ValueError(f"threshold {threshold} for {model!r} is not in (0, 1]")
         return value
 
+    @property
+    def migration_url(self) -> str:
+        """The URL migrations and other owner-only work run with."""
+        return self.postgres_admin_url or self.postgres_url
+
     def semantic_threshold_for(self, model: str) -> float:
         """The similarity a cached response must reach to be served for ``model``."""
         return self.semantic_thresholds.get(model, self.semantic_threshold)
-
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self.redacted().items())

@@ -26,6 +26,7 @@ from typing import Final
 import redis
 
 from pipeline.cache.versions import DEFAULT_POINTER, DeployState, Pointer, state
+from pipeline.core.cluster import is_cluster
 from pipeline.core.errors import DeployError
 from pipeline.core.features import REGISTRY, Registry
 from pipeline.core.lock import Lock
@@ -35,7 +36,8 @@ from pipeline.core.settings import Settings
 # left, KEYS[5] retired marker of the version flipped to; ARGV[1] expected active,
 # ARGV[2] expected next ('' for absent), ARGV[3] new active ('' keeps it), ARGV[4] new
 # next ('' clears it), ARGV[5] channel, ARGV[6] the version left ('' when not a flip),
-# ARGV[7] one TTL in ms. Compare-and-set on active and next, so a concurrent deploy
+# ARGV[7] one TTL in ms, ARGV[8] PUBLISH or SPUBLISH (a cluster: the channel shares
+# the keys' slot). Compare-and-set on active and next, so a concurrent deploy
 # command cannot be lost.
 _MOVE_LUA: Final = """
 local active = redis.call('GET', KEYS[1]) or ''
@@ -48,7 +50,7 @@ if ARGV[6] ~= '' then
   redis.call('SET', KEYS[4], '1', 'PX', 2 * tonumber(ARGV[7]))
   redis.call('DEL', KEYS[5])
 end
-redis.call('PUBLISH', ARGV[5], (ARGV[3] ~= '' and ARGV[3] or active) .. ' ' .. ARGV[4])
+redis.call(ARGV[8], ARGV[5], (ARGV[3] ~= '' and ARGV[3] or active) .. ' ' .. ARGV[4])
 return 1
 """
 
@@ -72,7 +74,7 @@ def _move(client: redis.Redis, pointer: Pointer, seen: DeployState, *,
     done = script(keys=[pointer.active_key, pointer.next_key, pointer.previous_key,
                         pointer.retired_key(seen.active), pointer.retired_key(active or 0)],
                   args=[seen.active_raw, seen.next_raw, active or "", nxt or "", pointer.channel,
-                        left, keep])
+                        left, keep, "SPUBLISH" if is_cluster(client) else "PUBLISH"])
     if not done:
         raise DeployError("the version pointer changed while this command ran "
                           "(another deploy?); nothing was changed, check and retry")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import redis
 
 from pipeline.cache.versions import DEFAULT_POINTER, Pointer, state
+from pipeline.core.cluster import is_cluster, scan_chunks
 from pipeline.core.errors import DeployError
 from pipeline.core.keys import LEASE_PREFIX, feature_pattern
 from pipeline.core.settings import Settings
@@ -46,7 +47,20 @@ def purge(client: redis.Redis, settings: Settings, version: int, *,
     if count < 1:
         raise ValueError(f"count must be positive, got {count}")
     result = PurgeResult(patterns=[feature_pattern(version), f"{LEASE_PREFIX}:{version}:*"])
+    cluster = is_cluster(client)
     for pattern in result.patterns:
+        if cluster:  # SCAN on every master; redis-py splits each UNLINK by slot
+            for chunk in scan_chunks(client, pattern, count):
+                if max_batches is not None and result.scans >= max_batches:
+                    return result
+                purgeable(client, settings, version, pointer=pointer)
+                result.scans += 1
+                result.removed += int(client.unlink(*chunk))
+                result.unlinks += 1
+                result.largest_unlink = max(result.largest_unlink, len(chunk))
+                if progress is not None:
+                    progress(result.removed)
+            continue
         cursor = 0
         while True:
             if max_batches is not None and result.scans >= max_batches:

@@ -4,7 +4,7 @@ A scoring service wraps its model with :class:`InferenceCache` and calls
 :meth:`InferenceCache.predict` with a batch of input vectors. Each row is looked up
 under::
 
-    infer:<model>:<version>:<tenant>:<arm>:<digest>
+    infer:<model>:<version>:<tenant>:<arm>:{<digest>}
 
 (:func:`pipeline.core.keys.inference_key`), so a new model version, another tenant or
 another experiment arm never sees the others' predictions.
@@ -66,8 +66,9 @@ import numpy as np
 import numpy.typing as npt
 import redis
 
+from pipeline.core.cluster import is_cluster, mget, scan_chunks
 from pipeline.core.errors import ModelError
-from pipeline.core.keys import inference_key, inference_pattern
+from pipeline.core.keys import inference_pattern, inference_prefix
 
 log = logging.getLogger(__name__)
 
@@ -346,14 +347,13 @@ class InferenceCache:
         return Prediction(out.values[0], bool(out.hit[0]), out.model, out.model_version)
 
     def _keys(self, model: Model, canon: Array, tenant: str | None, arm: str | None) -> list[str]:
-        # inference_key validates every part; do it once and append each digest, which
-        # the documented format puts last.
-        prefix = inference_key(model.name, model.version, "", tenant, arm)
-        return [prefix + digest for digest in digests(canon, self.decimals)]
+        # inference_prefix validates every part once; each digest is the key's hash tag.
+        prefix = inference_prefix(model.name, model.version, tenant, arm)
+        return [f"{prefix}{{{digest}}}" for digest in digests(canon, self.decimals)]
 
     def _lookup(self, keys: list[str]) -> tuple[npt.NDArray[np.intp], Array | None]:
         """One MGET: the positions of the readable entries and their rows, stacked."""
-        blobs = self.redis.mget(keys)
+        blobs = mget(self.redis, keys)
         found: list[int] = []
         present: list[bytes] = []
         for j, blob in enumerate(blobs):
@@ -476,6 +476,12 @@ def purge(
         raise ValueError(f"batch must be positive, got {batch}")
     pattern = inference_pattern(model, version)
     removed = 0
+    if is_cluster(redis_client):  # every master, one UNLINK per slot (redis-py splits)
+        for chunk in scan_chunks(redis_client, pattern, batch):
+            removed += int(redis_client.unlink(*chunk))
+            if progress is not None:
+                progress(removed)
+        return removed
     cursor = 0
     while True:
         cursor, found = redis_client.scan(cursor=cursor, match=pattern, count=batch)

@@ -42,5 +42,5 @@ def test_inference_key_keeps_tenant_and_arm_apart() -> None:
     plain = inference_key("fraud", "3", "abc")
     with_arm = inference_key("fraud", "3", "abc", arm="b")
     with_tenant = inference_key("fraud", "3", "abc", tenant="b")
-    assert plain == "infer:fraud:3:::abc"
+    assert plain == "infer:fraud:3:::{abc}"
     assert len({plain, with_arm, with_tenant}) == 3

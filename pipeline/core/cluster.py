@@ -1,0 +1,64 @@
+"""What differs on Redis Cluster, in one place: asking, batched reads, scans.
+
+A client from :func:`pipeline.core.services.redis_client` is redis-py's ``RedisCluster``
+when ``FRESHLINE_REDIS_CLUSTER`` is set. It answers single-slot commands as a plain
+client does; these helpers cover the multi-key ones that would fail with CROSSSLOT or
+return another shape:
+
+* :func:`mget`: one ``MGET`` per slot, pipelined, so one round trip per node that
+  holds keys (never one per key);
+* :func:`scan_chunks`: ``SCAN`` on every master (redis-py walks each one's cursor);
+* :func:`publish`: sharded pub/sub (``SPUBLISH``) on a cluster. A classic ``PUBLISH``
+  reaches other nodes over the cluster bus, after the publishing node answered, so a
+  subscriber's PING to its own node would no longer prove that earlier messages have
+  arrived (:mod:`pipeline.cache.subscription` relies on that). A sharded channel lives
+  on the master of its slot: publisher and subscriber talk to the same node, and its
+  answers stay in order. Each subscription's channels must share one slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import RedisCluster
+
+
+def is_cluster(client: object) -> bool:
+    """True for a Redis Cluster client (sync or asyncio)."""
+    return isinstance(client, RedisCluster | AsyncRedisCluster)
+
+
+def mget(client: Any, keys: Sequence[str]) -> list[Any]:
+    """``MGET`` of ``keys`` in order; on a cluster grouped by slot and pipelined."""
+    if is_cluster(client):
+        return list(client.mget_nonatomic(keys))
+    return list(client.mget(keys))
+
+
+async def amget(client: Any, keys: Sequence[str]) -> list[Any]:
+    """:func:`mget` for an asyncio client."""
+    if is_cluster(client):
+        return list(await client.mget_nonatomic(keys))
+    return list(await client.mget(keys))
+
+
+def publish(client: Any, channel: str, message: bytes | str, *, cluster: bool) -> None:
+    """``PUBLISH``, or ``SPUBLISH`` on a cluster; ``client`` may be a pipeline."""
+    if cluster:
+        client.execute_command("SPUBLISH", channel, message)
+    else:
+        client.publish(channel, message)
+
+
+def scan_chunks(client: Any, pattern: str, count: int) -> Iterator[list[Any]]:
+    """Lists of at most ``count`` keys matching ``pattern``, from every master."""
+    chunk: list[Any] = []
+    for key in client.scan_iter(match=pattern, count=count):
+        chunk.append(key)
+        if len(chunk) >= count:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk

@@ -1,0 +1,92 @@
+"""The cluster topology's tests: ``-m cluster``, against ``scripts/stack up --topology
+cluster`` (Redis Cluster 3+3, three Kafka brokers, a Postgres replica).
+
+Skipped when that topology is not up, unless ``FRESHLINE_CLUSTER_REQUIRED=1`` (set by
+scripts/test, which starts it): then a missing topology fails the run. The settings
+come from ``.stack/cluster/env``, never from the single topology's.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from pipeline.core.services import redis_client
+from pipeline.core.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+STACK = Path(os.environ.get("FRESHLINE_STACK_DIR", ROOT / ".stack"))
+ENV_FILE = STACK / "cluster" / "env"
+PORTS = (7001, 7002, 7003, 7004, 7005, 7006, 19092, 19093, 19094, 15432, 15433)
+
+
+def _open(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _cluster_env() -> dict[str, str] | None:
+    if not ENV_FILE.exists() or not all(_open(p) for p in PORTS):
+        return None
+    env: dict[str, str] = {}
+    for line in ENV_FILE.read_text().splitlines():
+        if line and not line.startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            env[key] = shlex.split(value)[0] if value else ""
+    return env
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cluster_env() is not None or os.environ.get("FRESHLINE_CLUSTER_REQUIRED") == "1":
+        return
+    skip = pytest.mark.skip(reason="cluster topology not up (scripts/stack up --topology "
+                                   "cluster)")
+    for item in items:
+        if item.get_closest_marker("cluster") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cluster_env() -> dict[str, str]:
+    env = _cluster_env()
+    if env is None:
+        pytest.fail("FRESHLINE_CLUSTER_REQUIRED=1 but the cluster topology is not up")
+    return env
+
+
+@pytest.fixture(scope="session")
+def cluster_settings(cluster_env: dict[str, str]) -> Settings:
+    fields = {k.removeprefix("FRESHLINE_").lower(): v for k, v in cluster_env.items()
+              if k.startswith("FRESHLINE_") and k not in (
+                  "FRESHLINE_STACK_TOPOLOGY", "FRESHLINE_POSTGRES_REPLICA_URL")}
+    # Credentials the single topology's .stack/env may set must not reach this one.
+    for name in ("redis_username", "redis_password", "redis_tls_ca", "kafka_sasl_mechanism",
+                 "kafka_sasl_username", "kafka_sasl_password", "kafka_ssl_ca",
+                 "postgres_admin_url"):
+        if name in Settings.model_fields:
+            fields.setdefault(name, "")
+    if "kafka_security_protocol" in Settings.model_fields:
+        fields.setdefault("kafka_security_protocol", "plaintext")
+    return Settings(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def cluster_redis(cluster_settings: Settings) -> Iterator[redis.Redis]:
+    client = redis_client(cluster_settings)
+    yield client
+    client.close()
+
+
+def stack(*args: str) -> None:
+    """``scripts/stack ARGS --topology cluster``; fails the test with its output."""
+    done = subprocess.run([str(ROOT / "scripts" / "stack"), *args, "--topology", "cluster"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
