@@ -43,6 +43,7 @@ import redis
 from sqlalchemy.engine import Engine
 
 from pipeline.cache.recompute import Batch, compute, entity_ids
+from pipeline.core.cluster import is_cluster, mget
 from pipeline.core.codec import ENTRY_TAG, HEADER, TOMBSTONE_TAG, decode_entry
 from pipeline.core.errors import ConfigError, CorruptEntry, InvalidId, SchemaVersionMismatch
 from pipeline.core.features import REGISTRY, Registry
@@ -329,11 +330,16 @@ class Auditor:
         floor (a truncate voided it) reads as absent, as it does to every reader.
         """
         sets = list(dict.fromkeys(feature_sets))
-        pipe = self.redis.pipeline(transaction=False)
-        for i in range(0, len(keys), MGET_CHUNK):
-            pipe.mget(keys[i:i + MGET_CHUNK])
-        pipe.mget([floor_key(self.schema_version, name) for name in sets])
-        *replies, floor_reply = pipe.execute()
+        floor_keys = [floor_key(self.schema_version, name) for name in sets]
+        if is_cluster(self.redis):  # one MGET per slot, pipelined per node
+            both = mget(self.redis, [*keys, *floor_keys])
+            replies, floor_reply = [both[:len(keys)]], both[len(keys):]
+        else:
+            pipe = self.redis.pipeline(transaction=False)
+            for i in range(0, len(keys), MGET_CHUNK):
+                pipe.mget(keys[i:i + MGET_CHUNK])
+            pipe.mget(floor_keys)
+            *replies, floor_reply = pipe.execute()
         floors = {name: _bytes(f) for name, f in zip(sets, floor_reply, strict=True)}
         raws = [_bytes(r) for reply in replies for r in reply]
         return [None if _voided(raw, floors[name]) else raw

@@ -29,11 +29,12 @@ import random
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis
 
+from pipeline.core.cluster import is_cluster
 from pipeline.core.codec import ENTRY_TAG, HEADER
 from pipeline.core.features import Registry
 from pipeline.core.keys import FEATURE_PREFIX, feature_pattern
@@ -84,8 +85,21 @@ def scan_sample(client: redis.Redis, pattern: str, *, want: int = SAMPLE_WANT,
 
     Returns ``(keys, scan_calls, complete)``. The cursor starts at a random slot of the
     hash table, runs to the end (cursor 0), then wraps once from 0; a walk that comes
-    back to 0 the second time has seen every key.
+    back to 0 the second time has seen every key. On Redis Cluster: a share of
+    ``want`` from every master, each walked so.
     """
+    if is_cluster(client):
+        masters = cast(Any, client).get_primaries()
+        share = -(-want // len(masters))
+        found: list[bytes] = []
+        calls, complete = 0, True
+        for node in masters:
+            part, n, done = scan_sample(node.redis_connection, pattern, want=share,
+                                        count=count, max_calls=max_calls, rng=rng)
+            found += part
+            calls += n
+            complete = complete and done
+        return found[:want], calls, complete
     rng = rng or random.Random()
     start = rng.randrange(_table_size(client))
     cursor = start

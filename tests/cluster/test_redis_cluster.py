@@ -247,3 +247,13 @@ def test_a_killed_master_fails_over_and_writes_and_reads_recover(
     entries = store.read(refs(tenant, range(60)))
     assert [e.watermark if e else None for e in entries] == [final] * 60
     assert load["errors"] > 0  # the writer did see the master go
+
+
+def test_the_audit_reads_and_samples_every_master(
+        cluster_redis: redis.Redis, tenant: str, version: int) -> None:
+    from pipeline.observe.staleness import scan_sample
+
+    store = FeatureStore(cluster_redis, version)
+    store.write(batch(tenant, range(60), 50))
+    keys, _, complete = scan_sample(cluster_redis, f"feat:{version}:*", want=1000)
+    assert complete and len(keys) == 60
