@@ -39,6 +39,7 @@ from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.recompute import unpack_watermark
 from pipeline.core.errors import FreshlineError
 from pipeline.core.keys import INVALIDATION_CHANNEL
+from pipeline.core.services import redis_client
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -194,7 +195,8 @@ class Context:
         self.redis_db = int(os.environ.get("FRESHLINE_BENCH_REDIS_DB", "3"))
         head, _, _ = base.redis_url.rpartition("/")
         redis_url = f"{head}/{self.redis_db}"
-        pg_url = make_url(base.postgres_url).set(database=self.db_name)
+        # A database of its own, made and seeded as the owner.
+        pg_url = make_url(base.migration_url).set(database=self.db_name)
         self.settings = base.model_copy(update={
             "postgres_url": pg_url.render_as_string(hide_password=False),
             "redis_url": redis_url,
@@ -248,11 +250,11 @@ class Context:
     @property
     def redis(self) -> redis.Redis:
         if self._redis is None:
-            self._redis = redis.Redis.from_url(self.settings.redis_url)
+            self._redis = redis_client(self.settings)
         return self._redis
 
     def new_redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.settings.redis_url)
+        return redis_client(self.settings)
 
     def tenant_prefix(self) -> str:
         return f"b{self.tag}{next(_counter)}-"

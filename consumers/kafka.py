@@ -19,6 +19,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from pipeline.core.errors import FreshlineError, ServiceUnavailable
+from pipeline.core.services import kafka_security_config
 from pipeline.core.settings import Settings
 
 logger = logging.getLogger("freshline.kafka")
@@ -92,6 +93,7 @@ def client_config(
         "bootstrap.servers": settings.kafka_bootstrap,
         "client.id": f"freshline-{role}",
         "logger": logger,
+        **kafka_security_config(settings),
     }
     if role == "consumer":
         config.update({

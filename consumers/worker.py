@@ -51,6 +51,7 @@ from pipeline.cache.versions import WriteVersions
 from pipeline.core.db import make_engine
 from pipeline.core.errors import FreshlineError
 from pipeline.core.features import REGISTRY
+from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.topics import DLQ, INVALIDATIONS, logical, qualified
 from pipeline.core.types import ChangeEvent
@@ -108,7 +109,7 @@ class Worker:
                                         max_bytes=settings.max_message_bytes)
         self.invalidations_topic = qualified(settings, INVALIDATIONS)
         self.engine = make_engine(settings)
-        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.redis = redis_client(settings)
         self._policy_checked = False
         self.processor = Processor(
             self.engine, self.redis,

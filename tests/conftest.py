@@ -27,6 +27,7 @@ from sqlalchemy.engine import Engine, make_url
 
 import migrations
 from pipeline.core.db import make_engine
+from pipeline.core.services import redis_client as make_redis_client
 from pipeline.core.settings import Settings
 from pipeline.dev.seed import SeedSummary, seed
 
@@ -47,7 +48,28 @@ def load_stack_env(path: Path = ROOT / ".stack" / "env") -> None:
         os.environ.setdefault(key, value)
 
 
+def act_as_operator() -> None:
+    """Tests act as the operator: the Postgres owner and the Redis admin, in this process
+    and in the ``freshline`` processes they start. The least-privilege logins that
+    ``.stack/env`` names as the defaults stay at hand, as ``FRESHLINE_STACK_POSTGRES_API_URL``
+    and ``FRESHLINE_STACK_REDIS_API_{USER,PASSWORD}``, for the tests of those logins."""
+    admin_url = os.environ.pop("FRESHLINE_POSTGRES_ADMIN_URL", "")
+    if admin_url and os.environ.get("FRESHLINE_POSTGRES_URL", admin_url) != admin_url:
+        os.environ["FRESHLINE_STACK_POSTGRES_API_URL"] = os.environ["FRESHLINE_POSTGRES_URL"]
+        os.environ["FRESHLINE_POSTGRES_URL"] = admin_url
+    admin_user = os.environ.get("FRESHLINE_STACK_REDIS_ADMIN_USER", "")
+    if admin_user and os.environ.get("FRESHLINE_REDIS_USERNAME") != admin_user:
+        os.environ["FRESHLINE_STACK_REDIS_API_USER"] = os.environ.get(
+            "FRESHLINE_REDIS_USERNAME", "")
+        os.environ["FRESHLINE_STACK_REDIS_API_PASSWORD"] = os.environ.get(
+            "FRESHLINE_REDIS_PASSWORD", "")
+        os.environ["FRESHLINE_REDIS_USERNAME"] = admin_user
+        os.environ["FRESHLINE_REDIS_PASSWORD"] = os.environ.get(
+            "FRESHLINE_STACK_REDIS_ADMIN_PASSWORD", "")
+
+
 load_stack_env()
+act_as_operator()
 
 # One database per test session, so sessions running side by side never collide.
 TEST_DB = os.environ.get("FRESHLINE_TEST_DB", f"freshline_test_{os.getpid()}")
@@ -117,7 +139,7 @@ def engine(settings: Settings) -> Iterator[Engine]:
 def redis_client(settings: Settings) -> Iterator[redis.Redis]:
     # The test runs' own logical database, never the demo's. Tests keep apart by
     # tenant ids and schema versions of their own, never by flushing.
-    client = redis.Redis.from_url(settings.redis_url)
+    client = make_redis_client(settings)
     yield client
     client.close()
 
@@ -179,10 +201,16 @@ def private_redis() -> Iterator[tuple[str, Callable[[], None], Callable[[], None
         except redis.exceptions.ConnectionError:
             return False
 
+    # The settings' Redis login (the stack's admin) works here too; so does no login.
+    user, password = os.environ.get("FRESHLINE_REDIS_USERNAME"), os.environ.get(
+        "FRESHLINE_REDIS_PASSWORD", "")
+    login = ["--user", user, "on", f">{password}", "~*", "&*", "+@all"] if user and password else []
+
     def start() -> None:
         procs.append(subprocess.Popen(
             [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+             "--appendonly", "no", *login],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         probe = redis.Redis(port=port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10
         while not answers(probe):

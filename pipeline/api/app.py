@@ -30,6 +30,7 @@ from pipeline.cache.versions import VersionResolver
 from pipeline.core.cluster import is_cluster
 from pipeline.core.db import make_engine
 from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.services import redis_client as make_redis_client
 from pipeline.core.settings import Settings, load_settings
 from pipeline.inference.models import ModelRegistry
 from pipeline.inference.predictions import InferenceCache
@@ -77,8 +78,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
     owned_engine = engine is None
     owned_redis = redis_client is None
     engine = engine or make_engine(settings, pool_size=10)
-    client = redis_client or redis.Redis.from_url(
-        settings.redis_url, socket_connect_timeout=2, socket_timeout=5)
+    client = redis_client or make_redis_client(
+        settings, socket_connect_timeout=2, socket_timeout=5)
     owned_local = local is None and settings.local_cache_size > 0
     if owned_local:
         local = LocalTier(client, max_entries=settings.local_cache_size, registry=registry,
@@ -175,12 +176,16 @@ def async_twin(client: redis.Redis) -> redis.asyncio.Redis:
     if is_cluster(client):
         return cluster_twin(client)
     kwargs = client.connection_pool.connection_kwargs
-    common = {k: kwargs[k] for k in ("db", "username", "password", "socket_timeout",
-                                     "socket_connect_timeout", "client_name")
-              if k in kwargs}
+    common: dict[str, Any] = {
+        k: kwargs[k] for k in ("db", "username", "password", "socket_timeout",
+                               "socket_connect_timeout", "client_name") if k in kwargs}
     if "path" in kwargs:  # a Unix socket
         return redis.asyncio.Redis(unix_socket_path=kwargs["path"], **common)
     ssl = issubclass(client.connection_pool.connection_class, redis.SSLConnection)
+    if ssl:
+        common.update({k: kwargs[k] for k in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile",
+                                              "ssl_cert_reqs", "ssl_check_hostname")
+                       if k in kwargs})
     return redis.asyncio.Redis(host=kwargs.get("host", "localhost"),
                                port=kwargs.get("port", 6379), ssl=ssl, **common)
 

@@ -98,10 +98,13 @@ def connector_config(
 ) -> dict[str, str]:
     """The Debezium Postgres connector configuration; see ``docs/cdc.md`` for each choice.
 
-    The database comes from ``FRESHLINE_POSTGRES_URL``; ``database_host`` overrides its
-    host where Connect sees Postgres under another name (``postgres`` in compose).
+    The database comes from ``FRESHLINE_POSTGRES_ADMIN_URL`` (else ``_URL``): logical
+    replication needs the owner's rights. ``database_host`` overrides its host where
+    Connect sees Postgres under another name (``postgres`` in compose). With
+    ``connect_secrets_file`` the password is a ``${file:...}`` reference that the worker
+    resolves, so Connect's REST API never returns it.
     """
-    url = make_url(settings.postgres_url)
+    url = make_url(settings.migration_url)
     if not url.database:
         raise FreshlineError("FRESHLINE_POSTGRES_URL names no database")
     include = ",".join(f"{SCHEMA}.{t}" for t in (tables or captured_tables()))
@@ -111,7 +114,9 @@ def connector_config(
         "database.hostname": database_host or url.host or "127.0.0.1",
         "database.port": str(url.port or 5432),
         "database.user": url.username or "",
-        "database.password": url.password or "",
+        "database.password": (
+            f"${{file:{settings.connect_secrets_file}:database.password}}"
+            if settings.connect_secrets_file else url.password or ""),
         "database.dbname": url.database,
         "topic.prefix": owned.topic_prefix,
         "plugin.name": "pgoutput",

@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from pipeline.cli.app import console
+from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings, load_settings
 
 tenants_app = typer.Typer(help="Tenants and their API keys.", no_args_is_help=True)
@@ -107,13 +108,12 @@ def apikey_revoke(
     key_id: Annotated[str, typer.Argument(help="The key's id, as apikey list shows it")],
 ) -> None:
     """Revoke a key: every API worker refuses it within FRESHLINE_SUBSCRIPTION_SILENCE_MS."""
-    import redis
 
     from pipeline.api.auth import revoke_api_key
     from pipeline.core.db import make_engine
 
     settings = _settings()
-    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
+    client = redis_client(settings, socket_connect_timeout=2,
                                   socket_timeout=5)
     try:
         info = revoke_api_key(make_engine(settings), client, key_id)

@@ -21,6 +21,7 @@ import typer
 
 from pipeline.cli.app import console, out, progress_bar
 from pipeline.core.errors import ConfigError, InvalidId
+from pipeline.core.services import redis_client
 from pipeline.observe.audit import DEFAULT_RATE
 from pipeline.observe.consistency import AuditReport, GraceResult, Mismatch, describe_watermark
 
@@ -152,7 +153,6 @@ def audit(
     there after the last is printed with both values and watermarks, and the exit
     status is 1. Absent or tombstoned entries are consistent (correct or absent).
     """
-    import redis
 
     from pipeline.cache.versions import state
     from pipeline.core.db import make_engine
@@ -183,7 +183,7 @@ def audit(
             raise ConfigError(f"{keys_file} holds keys of schema versions "
                               f"{', '.join(map(str, sorted(versions)))}; audit one at a time")
         version = version or (versions.pop() if versions else None)
-    client = redis.Redis.from_url(settings.redis_url)
+    client = redis_client(settings)
     if version is None:
         version = state(client, settings).active
     lock = Lock.load()

@@ -26,13 +26,13 @@ def register(app: typer.Typer) -> None:
 
 @db_app.command("upgrade")
 def db_upgrade(revision: str = typer.Argument("head", help="Alembic revision")) -> None:
-    """Apply the migrations to the Postgres in FRESHLINE_POSTGRES_URL."""
+    """Apply the migrations as the owner: FRESHLINE_POSTGRES_ADMIN_URL, else _URL."""
     import migrations
 
     settings = load_settings()
     engine = make_engine(settings)
     ping(engine)
-    migrations.upgrade(settings.postgres_url, revision)
+    migrations.upgrade(settings.migration_url, revision)
     console.print(f"database at revision {revision}")
 
 

@@ -17,6 +17,7 @@ from rich.progress import TaskID
 
 from pipeline.cli.app import console, out, progress_bar
 from pipeline.core.lock import LOCK_PATH
+from pipeline.core.services import redis_client
 
 LockOption = Annotated[Path, typer.Option("--lock", help="The lock file")]
 
@@ -66,7 +67,6 @@ def warm(
     lock_path: LockOption = LOCK_PATH,
 ) -> None:
     """Materialize a schema version before flipping to it (marks it next first)."""
-    import redis
 
     from pipeline.cache.hot import HotReads
     from pipeline.cache.store import check_eviction_policy
@@ -82,7 +82,7 @@ def warm(
     if (top is None) == (not all_active):
         raise typer.BadParameter("choose one of --top N or --all")
     settings = load_settings()
-    client = redis.Redis.from_url(settings.redis_url)
+    client = redis_client(settings)
     check_eviction_policy(client)
     engine = make_engine(settings)
     lock = Lock.load(lock_path)
@@ -147,7 +147,6 @@ def deploy_status(lock_path: LockOption = LOCK_PATH) -> None:
 
 
 def _pointer_command(action: str, version: int | None, lock_path: Path) -> None:
-    import redis
 
     from pipeline.cache.versions import state
     from pipeline.core.lock import Lock
@@ -155,7 +154,7 @@ def _pointer_command(action: str, version: int | None, lock_path: Path) -> None:
     from pipeline.deploy.pointer import cancel, flip, start
 
     settings = load_settings()
-    client = redis.Redis.from_url(settings.redis_url)
+    client = redis_client(settings)
     lock = Lock.load(lock_path)
     if action == "start" and version is not None:
         start(client, settings, version, lock)
@@ -184,7 +183,6 @@ def purge(
     (never KEYS or FLUSHDB); it refuses the active and next versions and is safe to
     interrupt and run again.
     """
-    import redis
 
     from pipeline.core.settings import load_settings
     from pipeline.deploy.purge import purge as purge_version
@@ -192,7 +190,7 @@ def purge(
     from pipeline.inference.models import purge_model
 
     settings = load_settings()
-    client = redis.Redis.from_url(settings.redis_url)
+    client = redis_client(settings)
     if model is None:
         if not version.isdigit():
             raise typer.BadParameter(f"a schema version is a number, got {version!r}")

@@ -11,6 +11,7 @@ from rich.padding import Padding
 from rich.text import Text
 
 from pipeline.cli.app import console, out, progress_bar
+from pipeline.core.services import redis_client
 from pipeline.core.settings import load_settings
 
 if TYPE_CHECKING:
@@ -32,7 +33,6 @@ def models_train(
         ".freshline/models"),
 ) -> None:
     """Train the example fraud model on the seeded features and register it."""
-    import redis
 
     from pipeline.core.db import make_engine, ping
     from pipeline.inference.models import ModelRegistry
@@ -47,7 +47,7 @@ def models_train(
         _, path = train(engine, tenant, out,
                             progress=lambda done, total: bar.update(task, completed=done,
                                                                     total=total))
-    record = ModelRegistry(redis.Redis.from_url(settings.redis_url)).register(path)
+    record = ModelRegistry(redis_client(settings)).register(path)
     console.print(f"registered {record.name} version {record.version} ({len(record.feature_names)}"
                   f" inputs) from {path}")
 
@@ -55,11 +55,10 @@ def models_train(
 @models_app.command("list")
 def models_list() -> None:
     """The registered models and their versions."""
-    import redis
 
     from pipeline.inference.models import ModelRegistry
 
-    registry = ModelRegistry(redis.Redis.from_url(load_settings().redis_url))
+    registry = ModelRegistry(redis_client(load_settings()))
     records = [registry.record(name) for name in registry.names()]
     if not records:
         console.print("no model registered: train one with `freshline models train`")

@@ -10,6 +10,7 @@ import typer
 from rich.text import Text
 
 from pipeline.cli.app import console, out
+from pipeline.core.services import redis_client
 from pipeline.core.settings import load_settings
 
 semantic_app = typer.Typer(help="The semantic response cache for LLM pipelines.",
@@ -28,12 +29,11 @@ def stats(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
     """Live entries, hit rate, flagged hits and refusals per namespace."""
-    import redis
 
     from pipeline.semantic.cache import stats as namespace_stats
 
     settings = load_settings()
-    client = redis.Redis.from_url(settings.redis_url)
+    client = redis_client(settings)
     rows = namespace_stats(client, tenant, model)
     if json_out:
         typer.echo(json.dumps([{
@@ -67,7 +67,6 @@ def purge(
 ) -> None:
     """Remove the matching entries (SCAN + UNLINK in batches); every worker's index
     empties through the namespace's stream. Give a tenant, a version, or both."""
-    import redis
 
     from pipeline.semantic.cache import purge_keys
 
@@ -75,7 +74,7 @@ def purge(
         raise typer.BadParameter("give --tenant, --model-version or --template-version "
                                  "(with --model to narrow)", param_hint="--tenant")
     settings = load_settings()
-    client = redis.Redis.from_url(settings.redis_url)
+    client = redis_client(settings)
     removed = purge_keys(client, tenant=tenant, model=model, model_version=model_version,
                          template_version=template_version)
     if not removed:

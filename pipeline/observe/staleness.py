@@ -201,11 +201,14 @@ class GroupLag:
         if self._probe is None:
             from confluent_kafka import Consumer
 
+            from pipeline.core.services import kafka_security_config
+
             self._probe = Consumer({
                 "bootstrap.servers": self.settings.kafka_bootstrap,
                 "group.id": self.settings.consumer_group,
                 "enable.auto.commit": False,
                 "socket.timeout.ms": int(self.timeout_s * 1000),
+                **kafka_security_config(self.settings),
             })
         return self._probe
 

@@ -32,6 +32,7 @@ from sqlalchemy.engine import Engine, make_url
 
 from consumers.kafka import Producer, admin_client
 from pipeline.core.db import make_engine
+from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.topics import DLQ, qualified
 from pipeline.dev.chaos import CaseResult, Profile
@@ -86,7 +87,7 @@ class FaultEnv:
             "postgres": toxi.create("postgres", listen=pg_port,
                                     upstream=f"127.0.0.1:{stack.ports['pg']}"),
         }
-        return cls(stack, settings, engine, redis.Redis.from_url(settings.redis_url),
+        return cls(stack, settings, engine, redis_client(settings),
                    admin_client(settings), toxi, proxies, tenants)
 
     def close(self) -> None:

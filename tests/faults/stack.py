@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import SecretStr
+
 from pipeline.core.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,7 +86,19 @@ class PrivateStack:
             connect_url=f"http://127.0.0.1:{self.ports['connect']}",
             topic_prefix="",
             topic_partitions=self.partitions,
+            **self._redis_admin(),
         )})
+
+    def _redis_admin(self) -> dict[str, str]:
+        """The Redis admin's login from the instance's env file, once ``up`` wrote it."""
+        path = self.directory / "env"
+        if not path.is_file():
+            return {}
+        values = dict(line.split("=", 1) for line in path.read_text().splitlines()
+                      if "=" in line and not line.startswith("#"))
+        user = values.get("FRESHLINE_STACK_REDIS_ADMIN_USER", "").strip("'")
+        password = values.get("FRESHLINE_STACK_REDIS_ADMIN_PASSWORD", "").strip("'")
+        return {"redis_username": user, "redis_password": password} if user else {}
 
     @property
     def toxiproxy_url(self) -> str:
@@ -95,7 +109,8 @@ class PrivateStack:
         s = settings or self.settings
         env = clean_env()
         for name, value in s.model_dump().items():
-            env[f"FRESHLINE_{name.upper()}"] = str(value)
+            plain = value.get_secret_value() if isinstance(value, SecretStr) else value
+            env[f"FRESHLINE_{name.upper()}"] = str(plain)
         return env
 
     def script(self, *args: str, timeout: float = 300) -> str:
