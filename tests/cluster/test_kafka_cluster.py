@@ -1,0 +1,78 @@
+"""Three brokers: topics replicated 3 times (min.insync.replicas 2), and a broker
+killed while a producer writes loses nothing (``-m cluster``; see conftest)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from confluent_kafka import Consumer, Producer
+from confluent_kafka.admin import AdminClient, ConfigResource
+
+from consumers.topics import ensure
+from pipeline.core.settings import Settings
+from tests.cluster.conftest import stack
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.cluster
+
+N = 3000
+
+
+def test_a_killed_broker_loses_no_acknowledged_message(cluster_settings: Settings) -> None:
+    bootstrap = cluster_settings.kafka_bootstrap
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    topic = f"cluster-test-{uuid.uuid4().hex[:10]}"
+    assert ensure(admin, 3, topics=[topic]).created == [topic]
+    meta = admin.list_topics(topic, timeout=15).topics[topic]
+    assert all(len(p.replicas) == 3 for p in meta.partitions.values())
+    config = admin.describe_configs([ConfigResource("topic", topic)])
+    (future,) = config.values()
+    assert future.result()["min.insync.replicas"].value == "2"
+
+    leader = meta.partitions[0].leader
+    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all",
+                         "enable.idempotence": True, "message.timeout.ms": 120_000})
+    acked: list[int] = []
+    failed: list[Any] = []
+
+    def report(err: Any, msg: Any) -> None:
+        if err is None:
+            acked.append(int(msg.value()))
+        else:
+            failed.append(err)
+
+    def send(numbers: range) -> None:
+        for i in numbers:
+            producer.produce(topic, str(i).encode(), key=str(i % 97).encode(),
+                             on_delivery=report)
+            producer.poll(0)
+
+    send(range(N // 2))
+    producer.flush(60)
+    stack("kill", f"kafka-{leader}")
+    try:
+        send(range(N // 2, N))  # while partition 0's leader is gone
+        assert producer.flush(120) == 0
+    finally:
+        stack("start", f"kafka-{leader}")
+    assert failed == []
+    assert sorted(acked) == list(range(N))
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"g-{topic}",
+                         "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    consumer.subscribe([topic])
+    seen: set[int] = set()
+
+    def drained() -> bool:
+        for msg in consumer.consume(500, timeout=0.5):
+            if msg.error() is None:
+                seen.add(int(msg.value()))
+        return len(seen) == N
+
+    try:
+        assert wait_until(drained, 120)
+    finally:
+        consumer.close()
+    admin.delete_topics([topic])
