@@ -1,0 +1,395 @@
+"""Least privilege between the parts, on the stack ``scripts/stack up`` runs: the Redis ACL
+users, the Postgres roles, Kafka's SCRAM listener, Connect's secrets, and Redis over TLS.
+
+The logins come from ``.stack/env`` (tests/conftest.py keeps the least-privilege ones
+under ``FRESHLINE_STACK_*`` and runs everything else as the operator). A stack started
+before it had these logins has none of them: locally the tests that need one are skipped
+until ``scripts/stack down && scripts/stack up``; under CI that is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka
+import pytest
+import redis
+import sqlalchemy as sa
+from confluent_kafka import KafkaError
+from pydantic import SecretStr
+from sqlalchemy.engine import Engine, make_url
+
+from consumers.kafka import Consumer, Producer, admin_client, client_config
+from pipeline.api import create_app
+from pipeline.api.app import async_twin
+from pipeline.api.auth import create_api_key
+from pipeline.cache.recompute import compute
+from pipeline.cache.store import FeatureStore
+from pipeline.cdc.connect import ConnectClient, connector_config, drop_slot, names
+from pipeline.core.db import make_engine
+from pipeline.core.errors import ServiceUnavailable
+from pipeline.core.features import REGISTRY
+from pipeline.core.keys import ACTIVE_SCHEMA_KEY, INVALIDATION_CHANNEL, feature_key
+from pipeline.core.services import redis_client
+from pipeline.core.settings import Settings
+from pipeline.core.types import EntityRef
+from pipeline.dev.seed import SeedSummary
+from tests.conftest import fresh_version, wait_until
+from tests.pipeline.test_api import running
+
+
+def need(variable: str) -> str:
+    """The value of a ``.stack/env`` variable this test needs."""
+    value = os.environ.get(variable, "")
+    if not value:
+        message = (f"{variable} is not set: the stack runs without this login; restart it "
+                   "with scripts/stack down && scripts/stack up")
+        if os.environ.get("CI") == "true":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    return value
+
+
+def as_user(settings: Settings, user: str, password: str) -> Settings:
+    return settings.model_copy(update={"redis_username": user,
+                                       "redis_password": SecretStr(password)})
+
+
+@pytest.fixture
+def api_user(settings: Settings) -> Settings:
+    return as_user(settings, need("FRESHLINE_STACK_REDIS_API_USER"),
+                   need("FRESHLINE_STACK_REDIS_API_PASSWORD"))
+
+
+@pytest.fixture
+def writer_user(settings: Settings) -> Settings:
+    return as_user(settings, need("FRESHLINE_STACK_REDIS_WRITER_USER"),
+                   need("FRESHLINE_STACK_REDIS_WRITER_PASSWORD"))
+
+
+def role_engine(settings: Settings, variable: str) -> Engine:
+    """An engine on the test database, logged in with the role ``variable`` names."""
+    role = make_url(need(variable))
+    url = make_url(settings.postgres_url).set(username=role.username, password=role.password)
+    return make_engine(settings.model_copy(
+        update={"postgres_url": url.render_as_string(hide_password=False)}))
+
+
+@pytest.fixture(scope="module")
+def tenant(tenant_factory_module: Callable[..., SeedSummary]) -> str:
+    return tenant_factory_module(users=10, transactions=200).tenants[0]
+
+
+# ------------------------------------------------------------------------ Redis ACL
+
+
+def test_the_default_user_is_off(settings: Settings) -> None:
+    need("FRESHLINE_STACK_REDIS_ADMIN_USER")
+    anonymous = redis.Redis.from_url(settings.redis_url,
+                                     **({"ssl_ca_certs": settings.redis_tls_ca}
+                                        if settings.redis_tls_ca else {}))
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        anonymous.get("feat:1:txn_90d:{t:1}")
+    anonymous.close()
+
+
+@pytest.mark.parametrize("command", [
+    ("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "GET", "maxmemory"), ("KEYS", "*"),
+    ("MONITOR",), ("CLIENT", "KILL", "TYPE", "pubsub"), ("SHUTDOWN",),
+    ("SET", "elsewhere:x", "1"),                    # a write outside its key patterns
+    ("SET", ACTIVE_SCHEMA_KEY, "7"),                # the deploy pointer: read-only to it
+    ("DEL", "freshline:models"),
+    ("PUBLISH", INVALIDATION_CHANNEL, "forged"),    # forging invalidations
+    ("SUBSCRIBE", "elsewhere"),                      # a channel it has no business in
+], ids=lambda c: " ".join(c[:2]))
+def test_the_api_user_gets_noperm(api_user: Settings, command: tuple[str, ...]) -> None:
+    client = redis_client(api_user)
+    try:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            if command[0] == "SUBSCRIBE":
+                pubsub = client.pubsub()
+                pubsub.subscribe(command[1])
+                pubsub.get_message(timeout=1)
+            else:
+                client.execute_command(*command)
+    finally:
+        client.close()
+
+
+def test_the_api_user_serves_and_fills_features(api_user: Settings, engine: Engine,
+                                                 tenant: str) -> None:
+    """The whole read path as the API's logins: the key lookup (and its last-used write)
+    as ``freshline_api``, the read-through's lease and fill scripts as the Redis API
+    user, the invalidation and deploy subscriptions."""
+    api_engine = role_engine(api_user, "FRESHLINE_STACK_POSTGRES_API_URL")
+    version = fresh_version()
+    local = api_user.model_copy(update={"schema_version": version, "local_cache_size": 10})
+    app = create_app(local, engine=api_engine)   # Redis: built from the API user's settings
+    key = create_api_key(engine, tenant)
+    try:
+        with running(app, key) as api:
+            first = api.get("/v1/features/txn_90d/1")
+            again = api.get("/v1/features/txn_90d/1")
+    finally:
+        api_engine.dispose()
+    assert first.status_code == 200, first.text
+    assert again.status_code == 200
+    want = compute(engine, REGISTRY["txn_90d"], [(tenant, "1")]).values[(tenant, "1")]
+    assert first.json()["values"] == want
+    admin = redis_client(api_user.model_copy(update={
+        "redis_username": os.environ["FRESHLINE_REDIS_USERNAME"],
+        "redis_password": SecretStr(os.environ["FRESHLINE_REDIS_PASSWORD"])}))
+    stored = admin.exists(feature_key(version, EntityRef("txn_90d", tenant, "1")))
+    admin.close()
+    assert stored == 1  # the fill went through, as the API user
+
+
+def test_the_writer_user_writes_features_but_not_deploys(writer_user: Settings, engine: Engine,
+                                                         tenant: str) -> None:
+    client = redis_client(writer_user)
+    try:
+        store = FeatureStore(client, fresh_version())
+        batch = compute(engine, REGISTRY["device_risk"], [(tenant, "1")])
+        assert store.write(batch).written == 1
+        client.publish(INVALIDATION_CHANNEL, b"{}")  # consumers publish invalidations
+        for command in (("SET", ACTIVE_SCHEMA_KEY, "7"), ("FLUSHALL",), ("KEYS", "*"),
+                        ("CONFIG", "SET", "maxmemory", "0")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.execute_command(*command)
+    finally:
+        client.close()
+
+
+# ------------------------------------------------------------------------ Postgres roles
+
+
+@pytest.mark.parametrize("statement", [
+    "INSERT INTO tenants (id, name) VALUES ('intruder', 'x')",
+    "UPDATE transactions SET amount = 0",
+    "DELETE FROM users",
+    "TRUNCATE geoip",
+    "UPDATE api_keys SET revoked_at = NULL",
+    "INSERT INTO api_keys (key_hash, tenant_id, id) VALUES ('h', 'x', 'i')",
+    "CREATE TABLE intruder (x int)",
+])
+@pytest.mark.parametrize("role", ["FRESHLINE_STACK_POSTGRES_API_URL",
+                                  "FRESHLINE_STACK_POSTGRES_CONSUMER_URL"])
+def test_the_service_roles_cannot_write_source_tables(settings: Settings, role: str,
+                                                      statement: str) -> None:
+    eng = role_engine(settings, role)
+    try:
+        with eng.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM transactions")).scalar_one() >= 0
+            with pytest.raises(sa.exc.ProgrammingError, match="permission denied"):
+                conn.execute(sa.text(statement))
+    finally:
+        eng.dispose()
+
+
+def test_the_api_role_may_mark_a_key_used(settings: Settings, engine: Engine,
+                                          tenant: str) -> None:
+    create_api_key(engine, tenant)
+    eng = role_engine(settings, "FRESHLINE_STACK_POSTGRES_API_URL")
+    try:
+        with eng.begin() as conn:
+            updated = conn.execute(sa.text(
+                "UPDATE api_keys SET last_used_at = now() WHERE tenant_id = :t"), {"t": tenant})
+        assert updated.rowcount >= 1
+    finally:
+        eng.dispose()
+
+
+# ------------------------------------------------------------------------ Kafka SCRAM
+
+
+def scram(settings: Settings, password: str | None = None) -> Settings:
+    return settings.model_copy(update={
+        "kafka_bootstrap": need("FRESHLINE_STACK_KAFKA_SASL_BOOTSTRAP"),
+        "kafka_security_protocol": "sasl_plaintext",
+        "kafka_sasl_mechanism": "SCRAM-SHA-512",
+        "kafka_sasl_username": need("FRESHLINE_STACK_KAFKA_SASL_USER"),
+        "kafka_sasl_password": SecretStr(password or need("FRESHLINE_STACK_KAFKA_SASL_PASSWORD")),
+    })
+
+
+def test_produce_and_consume_with_scram(settings: Settings) -> None:
+    local = scram(settings).model_copy(update={"consumer_group": f"scram-{uuid.uuid4().hex}"})
+    topic = f"test-scram-{uuid.uuid4().hex[:12]}"
+    admin = admin_client(local)
+    from confluent_kafka.admin import NewTopic
+
+    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(timeout=30)
+    try:
+        with Producer(local) as producer:
+            delivery = producer.produce(topic, b"over scram", key=b"k")
+            producer.flush(30)
+        assert delivery.error is None
+        with Consumer(local) as consumer:
+            consumer.subscribe([topic])
+            got: list[bytes] = []
+            assert wait_until(lambda: bool(
+                (m := consumer.poll(0.5)) is not None and got.append(m.value() or b"") is None
+                and got), timeout=30)
+        assert got == [b"over scram"]
+    finally:
+        admin.delete_topics([topic])
+
+
+def test_a_wrong_scram_password_is_refused(settings: Settings) -> None:
+    wrong = scram(settings, password="not-the-password")
+    with pytest.raises(ServiceUnavailable):
+        admin_client(wrong)
+    errors: list[KafkaError] = []
+    producer = confluent_kafka.Producer(client_config(wrong, "producer",
+                                                      error_cb=errors.append))
+    assert wait_until(lambda: producer.poll(0.2) >= 0 and any(
+        e.code() == KafkaError._AUTHENTICATION for e in errors), timeout=30), errors
+    producer.flush(0)
+
+
+def test_the_plaintext_listener_is_not_the_scram_one(settings: Settings) -> None:
+    """SCRAM settings against the PLAINTEXT port fail: the options are really sent."""
+    need("FRESHLINE_STACK_KAFKA_SASL_BOOTSTRAP")
+    wrong = scram(settings).model_copy(update={"kafka_bootstrap": settings.kafka_bootstrap})
+    with pytest.raises(ServiceUnavailable):
+        admin_client(wrong)
+
+
+# ------------------------------------------------------------------------ Connect secrets
+
+
+def test_connect_never_shows_the_database_password(settings: Settings, engine: Engine) -> None:
+    secrets = need("FRESHLINE_CONNECT_SECRETS_FILE")
+    tag = uuid.uuid4().hex[:8]
+    local = settings.model_copy(update={"topic_prefix": f"sec{tag}.",
+                                        "connect_secrets_file": secrets})
+    owned = names(local)
+    client = ConnectClient(local.connect_url)
+    config = connector_config(local, owned, snapshot_mode="no_data")
+    reference = f"${{file:{secrets}:database.password}}"
+    assert config["database.password"] == reference
+    client.put_config(owned.connector, config)
+    try:
+        # RUNNING means the worker resolved the reference and logged in to Postgres.
+        assert wait_until(lambda: _task_state(client, owned.connector) == "RUNNING",
+                          timeout=90), client.status(owned.connector)
+        status, shown = client.request("GET", f"/connectors/{owned.connector}/config")
+        assert status == 200
+        status, tasks = client.request("GET", f"/connectors/{owned.connector}/tasks")
+        assert status == 200
+        for seen in (shown, *(task["config"] for task in tasks)):
+            assert seen["database.password"] == reference
+            assert [v for k, v in seen.items() if "password" in k] == [reference]
+    finally:
+        client.delete(owned.connector)
+        drop_slot(engine, owned.slot)
+
+
+def _task_state(client: ConnectClient, name: str) -> str | None:
+    status = client.status(name) or {}
+    tasks = status.get("tasks") or []
+    return str(tasks[0].get("state")) if tasks else None
+
+
+# ------------------------------------------------------------------------ Redis over TLS
+
+
+@pytest.fixture
+def tls_redis(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """A private redis-server that speaks only TLS and requires a client certificate;
+    the CA and certificates are made with openssl into ``tmp_path``."""
+    binary, openssl = shutil.which("redis-server"), shutil.which("openssl")
+    if binary is None or openssl is None:
+        message = "redis-server and openssl are needed (scripts/test installs them)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=tmp_path, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test CA",
+        "-keyout", "ca.key", "-out", "ca.crt")
+    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, ext in (("server", ["-extfile", "san.ext"]), ("client", [])):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+            "-keyout", f"{name}.key", "-out", f"{name}.csr")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "2", *ext, "-out", f"{name}.crt")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", str(tmp_path / "server.crt"),
+         "--tls-key-file", str(tmp_path / "server.key"),
+         "--tls-ca-cert-file", str(tmp_path / "ca.crt"), "--tls-auth-clients", "yes",
+         "--save", "", "--appendonly", "no",
+         "--user", "tester", "on", ">s3cret", "~*", "&*", "+@all", "--user", "default", "off"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while not _listening(port):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            pytest.fail("the TLS redis-server did not start")
+        time.sleep(0.02)  # polling interval while the server starts
+    yield port, tmp_path
+    proc.terminate()
+    proc.wait(5)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def tls_settings(port: int, certs: Path, **extra: Any) -> Settings:
+    return Settings(**{
+        "redis_url": f"rediss://127.0.0.1:{port}/0", "redis_username": "tester",
+        "redis_password": "s3cret", "redis_tls_ca": str(certs / "ca.crt"),
+        "redis_tls_cert": str(certs / "client.crt"), "redis_tls_key": str(certs / "client.key"),
+        **extra})
+
+
+def test_redis_over_tls_with_a_client_certificate(tls_redis: tuple[int, Path]) -> None:
+    port, certs = tls_redis
+    settings = tls_settings(port, certs)
+    client = redis_client(settings)
+    client.set("feat:1:txn_90d:{t:1}", b"x")
+    assert client.get("feat:1:txn_90d:{t:1}") == b"x"
+
+    async def twin_reads() -> bytes | None:
+        twin = async_twin(client)   # the API's asyncio client: the same TLS options
+        try:
+            return await twin.get("feat:1:txn_90d:{t:1}")  # type: ignore[no-any-return]
+        finally:
+            await twin.aclose()
+
+    import anyio
+
+    assert anyio.run(twin_reads) == b"x"
+    client.close()
+
+
+@pytest.mark.parametrize("missing", ["certificate", "ca", "tls"])
+def test_redis_tls_needs_each_option(tls_redis: tuple[int, Path], missing: str) -> None:
+    """Each TLS option is really used: without it the same server refuses the client."""
+    port, certs = tls_redis
+    update: dict[str, Any] = {
+        "certificate": {"redis_tls_cert": "", "redis_tls_key": ""},
+        "ca": {"redis_tls_ca": ""},
+        "tls": {"redis_url": f"redis://127.0.0.1:{port}/0"},
+    }[missing]
+    client = redis_client(tls_settings(port, certs, **update), socket_connect_timeout=2,
+                          socket_timeout=2)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        client.ping()
+    client.close()
