@@ -352,8 +352,11 @@ cl_cmd_up() {
 }
 
 cl_cmd_down() {
-  local i
-  for i in 3 2 1; do stop "kafka-$i" 60; done
+  local i pids=()
+  # All brokers at once: one left alone has no controller quorum to shut down with,
+  # and would wait out its deadline.
+  for i in 3 2 1; do stop "kafka-$i" 60 & pids+=($!); done
+  wait "${pids[@]}"
   for i in 6 5 4 3 2 1; do stop "redis-$i" 30; done
   cl_down_pg pg-replica "$CL/pg/replica"
   cl_down_pg pg-primary "$CL/pg/primary"

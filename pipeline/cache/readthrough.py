@@ -12,6 +12,19 @@ ask at once (Meta's leases against thundering herds).
 
 Hot keys are refreshed a little before they expire, by one reader chosen at random
 (XFetch, Vattani et al., VLDB 2015), so a popular entry does not expire under load.
+
+On a Postgres read replica (a hot standby: ``pg_is_in_recovery()``, asked once per
+engine) misses are computed and served, never stored, and nothing is leased or
+refreshed early. Why not store: a stored entry must carry a watermark that orders it
+against every other computation (:mod:`pipeline.cache.recompute`), and on a standby
+``pg_current_snapshot()`` does not list the primary's in-progress transactions as
+the primary's own snapshots do, so that argument does not hold. Nor does the replay
+position help alone: a standby that has replayed up to LSN L sees what the primary
+committed before L, but an entry's watermark must compare with snapshot watermarks
+taken on the primary, and an LSN does not map onto them (a commit is in the WAL before
+it is visible). So a replica's result is answered ``uncached``: it may lag (by the
+replication delay, as any replica read), but it is never written where it could
+outrank, or outlive, a fresher entry. Stored entries come from the primary only.
 """
 
 from __future__ import annotations
@@ -123,6 +136,7 @@ class ReadThrough:
         self.versions = versions
         self.hot = hot
         self._at_version: dict[int, ReadThrough] = {}
+        self._standby: bool | None = None  # asked on the first miss
 
     def get(self, ref: EntityRef) -> Result:
         return self.get_many([ref])[0]
@@ -149,9 +163,20 @@ class ReadThrough:
             if self.should_refresh(ref, entry, now):
                 refresh.append(ref)
         self.counters.hits += len(answers)
-        if misses or refresh:
+        if (misses or refresh) and self.standby:
+            answers.update(self._compute(misses, None))  # served, never stored
+        elif misses or refresh:
             answers.update(self._resolve(misses, refresh))
         return [answers[r] for r in refs]
+
+    @property
+    def standby(self) -> bool:
+        """True when the engine is a hot standby (a read replica): see the docstring."""
+        if self._standby is None:
+            with self.engine.connect() as conn:
+                self._standby = bool(conn.execute(sa.text("SELECT pg_is_in_recovery()"))
+                                     .scalar())
+        return self._standby
 
     def _for_version(self, version: int) -> ReadThrough:
         """The same read-through on another version's namespace, sharing counters."""
@@ -162,6 +187,7 @@ class ReadThrough:
                                 wait_ms=self.wait_ms, hooks=self.hooks,
                                 early_refresh=self.early_refresh, hot=self.hot)
             other.counters = self.counters
+            other._standby = self._standby
             self._at_version[version] = other
         return self._at_version[version]
 

@@ -1,0 +1,85 @@
+"""Read-through on the Postgres streaming replica, replay paused: the lagging result
+is served but never stored, so no stale set reaches Redis (``-m cluster``)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from migrations import upgrade
+from pipeline.cache.readthrough import ReadThrough
+from pipeline.cache.recompute import compute
+from pipeline.cache.store import FeatureStore
+from pipeline.core.features import REGISTRY
+from pipeline.core.settings import Settings
+from pipeline.core.types import EntityRef
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.cluster
+TXN = REGISTRY["txn_90d"]
+
+
+@pytest.fixture(scope="module")
+def engines(cluster_env: dict[str, str],
+            cluster_settings: Settings) -> Iterator[tuple[sa.Engine, sa.Engine]]:
+    # 0004: the schema the feature queries read (later revisions are not needed here).
+    upgrade(cluster_settings.postgres_url, "0004")
+    primary = sa.create_engine(cluster_settings.postgres_url)
+    replica = sa.create_engine(cluster_env["FRESHLINE_POSTGRES_REPLICA_URL"])
+    yield primary, replica
+    primary.dispose()
+    replica.dispose()
+
+
+def count(engine: sa.Engine, tenant: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.text(
+            "SELECT count(*) FROM transactions WHERE tenant_id = :t"), {"t": tenant}).scalar()
+            or 0)
+
+
+def add_transaction(engine: sa.Engine, tenant: str, amount: float) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO transactions (tenant_id, user_id, amount, "
+                             "merchant_id) VALUES (:t, 1, :a, 'm1')"), {"t": tenant, "a": amount})
+
+
+def test_a_lagging_replica_serves_but_never_stores(
+        engines: tuple[sa.Engine, sa.Engine], cluster_redis: redis.Redis) -> None:
+    primary, replica = engines
+    tenant = f"rep-{uuid.uuid4().hex[:10]}"
+    with primary.begin() as conn:
+        conn.execute(sa.text("INSERT INTO tenants (id, name) VALUES (:t, :t)"), {"t": tenant})
+        conn.execute(sa.text("INSERT INTO users (tenant_id, id) VALUES (:t, 1)"), {"t": tenant})
+    add_transaction(primary, tenant, 10)
+    assert wait_until(lambda: count(replica, tenant) == 1, 30)
+
+    version = 900_000 + uuid.uuid4().int % 90_000
+    store = FeatureStore(cluster_redis, version)
+    ref = EntityRef("txn_90d", tenant, "1")
+    on_replica = ReadThrough(store, replica, early_refresh=False)
+    assert on_replica.standby and not ReadThrough(store, primary).standby
+
+    with replica.connect() as conn:
+        conn.execute(sa.text("SELECT pg_wal_replay_pause()"))
+        conn.commit()
+    try:
+        add_transaction(primary, tenant, 90)  # the replica does not see this one
+        # The consumer's part: the change invalidates the entity (a tombstone).
+        store.invalidate([ref], compute(primary, TXN, [(tenant, "1")]).watermark)
+        result = on_replica.get(ref)
+        assert result.values["txn_count"] == 1  # lagging, as replica reads are
+        assert result.source == "uncached"
+        assert store.read([ref]) == [None]  # ... and not stored: no stale set
+        fresh = ReadThrough(store, primary, early_refresh=False).get(ref)
+        assert fresh.values["txn_count"] == 2 and fresh.source == "computed"
+        assert on_replica.get(ref).values["txn_count"] == 2  # now a hit
+    finally:
+        with replica.connect() as conn:
+            conn.execute(sa.text("SELECT pg_wal_replay_resume()"))
+            conn.commit()
+    assert wait_until(lambda: count(replica, tenant) == 2, 30)
