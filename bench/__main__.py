@@ -50,6 +50,7 @@ BENCHMARKS = (
     "deploy",
     "local_tier",
     "consistency",
+    "cluster_scaling",
 )
 
 LIBRARIES = ("redis", "hiredis", "confluent-kafka", "SQLAlchemy", "psycopg", "numpy", "orjson",
