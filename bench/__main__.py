@@ -51,6 +51,7 @@ BENCHMARKS = (
     "local_tier",
     "consistency",
     "cluster_scaling",
+    "rls",
 )
 
 LIBRARIES = ("redis", "hiredis", "confluent-kafka", "SQLAlchemy", "psycopg", "numpy", "orjson",
