@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 import redis
+import sqlalchemy as sa
 
+from migrations import upgrade
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 
@@ -83,6 +85,19 @@ def cluster_redis(cluster_settings: Settings) -> Iterator[redis.Redis]:
     client = redis_client(cluster_settings)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def engines(cluster_env: dict[str, str],
+            cluster_settings: Settings) -> Iterator[tuple[sa.Engine, sa.Engine]]:
+    """The cluster topology's Postgres primary and replica, migrated to 0004 (the
+    schema the feature queries read)."""
+    upgrade(cluster_settings.postgres_url, "0004")
+    primary = sa.create_engine(cluster_settings.postgres_url)
+    replica = sa.create_engine(cluster_env["FRESHLINE_POSTGRES_REPLICA_URL"])
+    yield primary, replica
+    primary.dispose()
+    replica.dispose()
 
 
 def stack(*args: str) -> None:

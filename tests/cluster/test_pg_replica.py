@@ -4,35 +4,20 @@ is served but never stored, so no stale set reaches Redis (``-m cluster``)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import redis
 import sqlalchemy as sa
 
-from migrations import upgrade
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.features import REGISTRY
-from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.cluster
 TXN = REGISTRY["txn_90d"]
-
-
-@pytest.fixture(scope="module")
-def engines(cluster_env: dict[str, str],
-            cluster_settings: Settings) -> Iterator[tuple[sa.Engine, sa.Engine]]:
-    # 0004: the schema the feature queries read (later revisions are not needed here).
-    upgrade(cluster_settings.postgres_url, "0004")
-    primary = sa.create_engine(cluster_settings.postgres_url)
-    replica = sa.create_engine(cluster_env["FRESHLINE_POSTGRES_REPLICA_URL"])
-    yield primary, replica
-    primary.dispose()
-    replica.dispose()
 
 
 def count(engine: sa.Engine, tenant: str) -> int:
