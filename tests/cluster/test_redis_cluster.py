@@ -257,3 +257,27 @@ def test_the_audit_reads_and_samples_every_master(
     store.write(batch(tenant, range(60), 50))
     keys, _, complete = scan_sample(cluster_redis, f"feat:{version}:*", want=1000)
     assert complete and len(keys) == 60
+
+
+def test_the_apis_asyncio_twin_reads_across_slots(
+        cluster_redis: redis.Redis, tenant: str, version: int) -> None:
+    import asyncio
+
+    from pipeline.api.app import async_twin
+    from pipeline.core.cluster import amget
+
+    store = FeatureStore(cluster_redis, version)
+    store.write(batch(tenant, range(40), 60))
+    keys = store.read_keys(refs(tenant, range(40)))
+
+    async def read() -> list[Any]:
+        twin = async_twin(cluster_redis)
+        try:
+            assert is_cluster(twin)
+            return await amget(twin, keys)
+        finally:
+            await twin.aclose()
+
+    raws = asyncio.run(read())
+    assert [e.watermark if e else None for e in store.entries(refs(tenant, range(40)), raws)
+            ] == [60] * 40
