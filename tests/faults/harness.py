@@ -176,7 +176,7 @@ class Run:
 
     def consumer_settings(self) -> Settings:
         """The settings consumers start with: through the scenario's proxies, if any."""
-        s = self.env.settings
+        s = self.env.stack.consumer_settings
         update: dict[str, str] = {}
         if "redis" in self.scenario.via:
             update["redis_url"] = f"redis://127.0.0.1:{self.proxies['redis'].port}/0"

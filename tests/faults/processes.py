@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from pipeline.core.settings import Settings
-from tests.faults.stack import FRESHLINE, ROOT, free_ports
+from tests.faults.stack import FRESHLINE, ROOT, free_ports, settings_env
 
 COUNTERS = {
     "freshline_events_consumed": "consumed",
@@ -186,8 +186,7 @@ class Fleet:
         (port,) = free_ports(1)
         env = {**self.env, "PROMETHEUS_MULTIPROC_DIR": str(self.multiproc_dir),
                "FRESHLINE_CONSUMER_METRICS_PORT": str(port)}
-        for key, value in s.model_dump().items():
-            env[f"FRESHLINE_{key.upper()}"] = str(value)
+        env.update(settings_env(s))
         env["FRESHLINE_CONSUMER_METRICS_PORT"] = str(port)
         code = os.environ.get("FRESHLINE_CHAOS_CODE")
         if code:  # run the consumers from another checkout (a branch under test)

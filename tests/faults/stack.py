@@ -15,6 +15,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import SecretStr
 
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STACK_SCRIPT = ROOT / "scripts" / "stack"
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 SERVICES = ("postgres", "redis", "kafka", "connect", "toxiproxy")
-PORT_NAMES = ("pg", "redis", "kafka", "controller", "connect", "toxiproxy")
+PORT_NAMES = ("pg", "redis", "kafka", "kafka_sasl", "controller", "connect", "toxiproxy")
 
 
 class StackError(Exception):
@@ -43,6 +44,25 @@ def free_ports(count: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """``settings`` as the FRESHLINE_* variables that rebuild it (secrets revealed)."""
+    env = {}
+    for name, value in settings:
+        plain = value.get_secret_value() if isinstance(value, SecretStr) else value
+        env[f"FRESHLINE_{name.upper()}"] = str(plain)
+    return env
+
+
+def build_settings(values: dict[str, Any]) -> Settings:
+    """``Settings(**values)`` and nothing from this process's environment (into which
+    tests/conftest.py loads the shared stack's settings)."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("FRESHLINE_")}
+    try:
+        return Settings(**values)
+    finally:
+        os.environ.update(saved)
 
 
 def clean_env() -> dict[str, str]:
@@ -73,44 +93,62 @@ class PrivateStack:
             env[f"FRESHLINE_STACK_{name.upper()}_PORT"] = str(port)
         return env
 
+    def env_file(self) -> dict[str, str]:
+        """The instance's ``env`` file (``scripts/stack up`` writes it), as a dict."""
+        out: dict[str, str] = {}
+        for line in (self.directory / "env").read_text().splitlines():
+            key, sep, value = line.strip().partition("=")
+            if not sep or key.startswith("#"):
+                continue
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            out[key] = value
+        return out
+
+    def _values(self) -> dict[str, Any]:
+        env = self.env_file()
+        fields = Settings.model_fields
+        values: dict[str, Any] = {
+            k.removeprefix("FRESHLINE_").lower(): v for k, v in env.items()
+            if k.startswith("FRESHLINE_") and k.removeprefix("FRESHLINE_").lower() in fields}
+        values.update(topic_prefix="", topic_partitions=self.partitions)
+        return values
+
     @functools.cached_property
     def settings(self) -> Settings:
-        # Every field given, so no FRESHLINE_* variable of this process (tests/conftest.py
-        # loads the shared stack's) can reach the private instance's settings.
-        defaults = {name: f.default for name, f in Settings.model_fields.items()}
-        return Settings(**{**defaults, **dict(
-            postgres_url="postgresql+psycopg://freshline:freshline@127.0.0.1:"
-            f"{self.ports['pg']}/freshline",
-            redis_url=f"redis://127.0.0.1:{self.ports['redis']}/0",
-            kafka_bootstrap=f"127.0.0.1:{self.ports['kafka']}",
-            connect_url=f"http://127.0.0.1:{self.ports['connect']}",
-            topic_prefix="",
-            topic_partitions=self.partitions,
-            **self._redis_admin(),
-        )})
+        """The operator's view, from the instance's env file: Postgres as its owner, Redis
+        as the admin user (migrations, seeding, the workload's writes, the oracle)."""
+        env = self.env_file()
+        values = self._values()
+        values["postgres_url"] = env.get("FRESHLINE_POSTGRES_ADMIN_URL") or values["postgres_url"]
+        if env.get("FRESHLINE_STACK_REDIS_ADMIN_USER"):
+            values["redis_username"] = env["FRESHLINE_STACK_REDIS_ADMIN_USER"]
+            values["redis_password"] = env["FRESHLINE_STACK_REDIS_ADMIN_PASSWORD"]
+        return build_settings(values)
 
-    def _redis_admin(self) -> dict[str, str]:
-        """The Redis admin's login from the instance's env file, once ``up`` wrote it."""
-        path = self.directory / "env"
-        if not path.is_file():
-            return {}
-        values = dict(line.split("=", 1) for line in path.read_text().splitlines()
-                      if "=" in line and not line.startswith("#"))
-        user = values.get("FRESHLINE_STACK_REDIS_ADMIN_USER", "").strip("'")
-        password = values.get("FRESHLINE_STACK_REDIS_ADMIN_PASSWORD", "").strip("'")
-        return {"redis_username": user, "redis_password": password} if user else {}
+    @functools.cached_property
+    def consumer_settings(self) -> Settings:
+        """What ``freshline consume`` runs with: the consumer's Postgres login and the
+        Redis writer, as scripts/demo hands them to its consumer."""
+        env = self.env_file()
+        values = self._values()
+        values["postgres_url"] = (env.get("FRESHLINE_STACK_POSTGRES_CONSUMER_URL")
+                                  or values["postgres_url"])
+        if env.get("FRESHLINE_STACK_REDIS_WRITER_USER"):
+            values["redis_username"] = env["FRESHLINE_STACK_REDIS_WRITER_USER"]
+            values["redis_password"] = env["FRESHLINE_STACK_REDIS_WRITER_PASSWORD"]
+        return build_settings(values)
 
     @property
     def toxiproxy_url(self) -> str:
         return f"http://127.0.0.1:{self.ports['toxiproxy']}"
 
     def freshline_env(self, settings: Settings | None = None) -> dict[str, str]:
-        """The environment a ``freshline`` child process gets: ``settings`` as FRESHLINE_*."""
-        s = settings or self.settings
-        env = clean_env()
-        for name, value in s.model_dump().items():
-            plain = value.get_secret_value() if isinstance(value, SecretStr) else value
-            env[f"FRESHLINE_{name.upper()}"] = str(plain)
+        """The environment of a ``freshline`` child: the instance's env file (as
+        scripts/test loads it), then ``settings``, if given, as FRESHLINE_* variables."""
+        env = {**clean_env(), **self.env_file()}
+        if settings is not None:
+            env.update(settings_env(settings))
         return env
 
     def script(self, *args: str, timeout: float = 300) -> str:
@@ -123,8 +161,9 @@ class PrivateStack:
         return done.stdout + done.stderr
 
     def freshline(self, *args: str, timeout: float = 300) -> str:
-        """Run ``freshline ARGS`` against this instance."""
-        done = subprocess.run([FRESHLINE, *args], env=self.freshline_env(), cwd=ROOT,
+        """Run ``freshline ARGS`` against this instance, as its operator."""
+        done = subprocess.run([FRESHLINE, *args], env=self.freshline_env(self.settings),
+                              cwd=ROOT,
                               capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
             raise StackError(f"freshline {' '.join(args)} exited {done.returncode}:\n"
