@@ -309,7 +309,9 @@ LEFT JOIN LATERAL (
     ),
     # As txn_90d's: the 30-day window is the whole days after dc from txn_buckets
     # (countries whose latest day is there) plus the countries whose latest day is dc
-    # and that occur after c that day. The latest row's country is looked up as above.
+    # and that occur after c that day. The latest row is the same one (latest time, then
+    # greatest id), found by the index's max() first: a planner without statistics
+    # would otherwise sort all of a head user's rows for it.
     incremental=f"""
 SELECT ki.tenant_id, ki.user_id,
        lg.country AS last_country,
@@ -321,8 +323,11 @@ CROSS JOIN LATERAL (SELECT (w0.c AT TIME ZONE 'UTC')::date AS dc,
                            (t.as_of AT TIME ZONE 'UTC')::date AS da) w1
 LEFT JOIN LATERAL (
     SELECT x.ip FROM transactions x
-    WHERE x.tenant_id = ki.tenant_id AND x.user_id = ki.user_id AND x.created_at <= t.as_of
-    ORDER BY x.created_at DESC, x.id DESC LIMIT 1
+    WHERE x.tenant_id = ki.tenant_id AND x.user_id = ki.user_id
+      AND x.created_at = (SELECT max(y.created_at) FROM transactions y
+                          WHERE y.tenant_id = ki.tenant_id AND y.user_id = ki.user_id
+                            AND y.created_at <= t.as_of)
+    ORDER BY x.id DESC LIMIT 1
 ) lt ON true
 LEFT JOIN LATERAL ({_GEO_OF.format(ip="lt.ip")}) lg ON true
 CROSS JOIN LATERAL (

@@ -338,11 +338,11 @@ def test_concurrent_writers_of_one_member_keep_its_latest_day_exact(db: Engine,
         with db.connect() as watcher:
             assert wait_until(lambda: watcher.execute(sa.text(
                 "SELECT count(*) FROM pg_stat_activity WHERE :pid = ANY("
-                "pg_blocking_pids(pid))"), {"pid": pid}).scalar_one() == 1, timeout=10)
+                "pg_blocking_pids(pid))"), {"pid": pid}).scalar_one() == 1, timeout=60)
     finally:
         tx.commit()
         holder.close()
-        thread.join(10)
+        thread.join(60)
     assert not errors
     full, inc = both(db, tenant, (1,))
     assert inc == full
