@@ -94,7 +94,8 @@ cl_redis_ok() { cl_redis_cli "$1" cluster info 2>/dev/null | grep -q '^cluster_s
 cl_redis_replicas_linked() {
   # Every master has one connected replica.
   local n
-  n="$(cl_redis_cli 7001 cluster nodes 2>/dev/null | grep -c ' slave ' || true)"
+  # (a node's own line reads "myself,slave" once a failover made it a replica)
+  n="$(cl_redis_cli 7001 cluster nodes 2>/dev/null | grep -cE '[ ,]slave ' || true)"
   [[ $n -ge 3 ]] || return 1
   ! cl_redis_cli 7001 cluster nodes 2>/dev/null | grep -q 'fail\|handshake'
 }
