@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -118,9 +119,20 @@ def base_settings() -> Settings:
 def settings(base_settings: Settings) -> Iterator[Settings]:
     url = recreate_database(base_settings, TEST_DB)
     migrations.upgrade(url)
-    redis_url = make_url_redis(base_settings.redis_url, TEST_REDIS_DB)
+    redis_url = with_login(make_url_redis(base_settings.redis_url, TEST_REDIS_DB),
+                           base_settings)
     yield base_settings.model_copy(update={"postgres_url": url, "redis_url": redis_url})
     drop_database(base_settings, TEST_DB)
+
+
+def with_login(url: str, base: Settings) -> str:
+    """``url`` with the settings' Redis login in it, so that the tests' own
+    ``redis.Redis.from_url(settings.redis_url)`` and child processes log in too."""
+    user, password = base.redis_username, base.redis_password.get_secret_value()
+    if not user or "@" in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{rest}"
 
 
 def make_url_redis(url: str, db: int) -> str:

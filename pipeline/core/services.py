@@ -46,11 +46,20 @@ def redis_client(settings: Settings, url: str | None = None, **kwargs: Any) -> r
     node; the client learns the others from it and follows slot moves and failovers.
     """
     options = {**redis_options(settings), **kwargs}
+    url = url or settings.redis_url
+    if "username" in options or "password" in options:
+        url = _without_login(url)  # redis-py would let the URL's login win
     if settings.redis_cluster:
         options.pop("db", None)
-        cluster = RedisCluster.from_url(url or settings.redis_url, **options)
+        cluster = RedisCluster.from_url(url, **options)
         return cast(redis.Redis, cluster)
-    return redis.Redis.from_url(url or settings.redis_url, **options)
+    return redis.Redis.from_url(url, **options)
+
+
+def _without_login(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    return f"{scheme}{sep}{netloc.rpartition('@')[2]}{slash}{path}"
 
 
 def kafka_security_config(settings: Settings) -> dict[str, Any]:

@@ -42,7 +42,8 @@ def test_the_subscription_takes_table_topics_but_not_heartbeats_or_messages(pref
 
 
 def test_connector_config() -> None:
-    settings = Settings(postgres_url="postgresql+psycopg://u:p%40ss@db.example:6543/shop")
+    settings = Settings(postgres_url="postgresql+psycopg://u:p%40ss@db.example:6543/shop",
+                        connect_secrets_file="")
     config = connector_config(settings, names(settings), database_host="postgres")
     assert config["database.hostname"] == "postgres"
     assert (config["database.port"], config["database.user"], config["database.password"],
@@ -55,6 +56,16 @@ def test_connector_config() -> None:
     assert int(config["heartbeat.interval.ms"]) > 0
     assert config["table.include.list"].split(",") == [f"public.{t}" for t in captured_tables()]
     assert all(isinstance(v, str) for v in config.values())
+
+
+def test_with_a_secrets_file_the_password_is_a_provider_reference() -> None:
+    settings = Settings(postgres_url="postgresql+psycopg://u:p%40ss@db.example:6543/shop",
+                        postgres_admin_url="postgresql+psycopg://o:s3cret@db.example/shop",
+                        connect_secrets_file="/etc/connect/pg.properties")
+    config = connector_config(settings, names(settings))
+    assert config["database.password"] == "${file:/etc/connect/pg.properties:database.password}"
+    assert config["database.user"] == "o"  # the owner: logical replication needs it
+    assert "s3cret" not in str(config) and "p@ss" not in str(config)
 
 
 def test_the_migration_publishes_exactly_the_captured_tables() -> None:

@@ -207,6 +207,12 @@ def invalidate(client: redis.Redis, channel: str, ref: EntityRef) -> None:
 
 # -- a half-open connection ----------------------------------------------------------------
 
+def login(client: redis.Redis) -> dict[str, str]:
+    """The username and password ``client`` logs in with (the stack's ACL user)."""
+    kwargs = client.connection_pool.connection_kwargs
+    return {k: kwargs[k] for k in ("username", "password") if kwargs.get(k)}
+
+
 @pytest.mark.parametrize("silence_s", [None, 0.3], ids=["default", "configured"])
 def test_a_half_open_subscription_goes_dark_within_the_silence_bound(
         redis_client: redis.Redis, channel: str, tenant: str, silence_s: float | None) -> None:
@@ -214,7 +220,7 @@ def test_a_half_open_subscription_goes_dark_within_the_silence_bound(
     host, port, db = address(redis_client)
     ref = EntityRef("txn_90d", tenant, "1")
     with Forwarder(host, port) as hole:
-        client = redis.Redis(host="127.0.0.1", port=hole.port, db=db)
+        client = redis.Redis(host="127.0.0.1", port=hole.port, db=db, **login(redis_client))
         tier = (LocalTier(client, max_entries=10, channel=channel) if silence_s is None else
                 LocalTier(client, max_entries=10, channel=channel, silence_s=silence_s)).start()
         try:
@@ -288,7 +294,7 @@ def test_a_resolver_with_a_silent_listener_rereads_the_pointer(
     flip(redis_client, settings, a, lock, pointer=pointer)
     host, port, db = address(redis_client)
     with Forwarder(host, port) as hole:
-        client = redis.Redis(host="127.0.0.1", port=hole.port, db=db)
+        client = redis.Redis(host="127.0.0.1", port=hole.port, db=db, **login(redis_client))
         # Cached for an hour: only the deploy messages keep it current.
         resolver = VersionResolver(client, settings, pointer=pointer, lock=lock,
                                    max_age_s=3600)
