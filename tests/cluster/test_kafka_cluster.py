@@ -7,7 +7,7 @@ import uuid
 from typing import Any
 
 import pytest
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from consumers.topics import ensure
@@ -27,9 +27,16 @@ def test_a_killed_broker_loses_no_acknowledged_message(cluster_settings: Setting
     assert ensure(admin, 3, topics=[topic]).created == [topic]
     meta = admin.list_topics(topic, timeout=15).topics[topic]
     assert all(len(p.replicas) == 3 for p in meta.partitions.values())
-    config = admin.describe_configs([ConfigResource("topic", topic)])
-    (future,) = config.values()
-    assert future.result()["min.insync.replicas"].value == "2"
+
+    def min_insync() -> str | None:
+        # A broker may answer before the new topic's metadata has reached it.
+        (future,) = admin.describe_configs([ConfigResource("topic", topic)]).values()
+        try:
+            return str(future.result()["min.insync.replicas"].value)
+        except KafkaException:
+            return None
+
+    assert wait_until(lambda: min_insync() == "2", 30)
 
     leader = meta.partitions[0].leader
     producer = Producer({"bootstrap.servers": bootstrap, "acks": "all",
