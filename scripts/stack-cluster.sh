@@ -430,6 +430,9 @@ cl_cmd_stop() {
 # cluster_main ARGS...: the command line of scripts/stack, --topology cluster among it.
 cluster_main() {
   local args=() prev="" arg
+  # The cluster's nodes have no ACL: .stack/env's REDISCLI_AUTH (the single topology's
+  # admin) would make every redis-cli here fail.
+  unset REDISCLI_AUTH
   for arg in "$@"; do
     if [[ $arg == --topology ]]; then prev=$arg; continue; fi
     if [[ $prev == --topology || $arg == --topology=* ]]; then prev=""; continue; fi
