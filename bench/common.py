@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 import redis
@@ -195,6 +196,10 @@ class Context:
         self.redis_db = int(os.environ.get("FRESHLINE_BENCH_REDIS_DB", "3"))
         head, _, _ = base.redis_url.rpartition("/")
         redis_url = f"{head}/{self.redis_db}"
+        user, password = base.redis_username, base.redis_password.get_secret_value()
+        if user and "@" not in redis_url:  # the login in the URL reaches child processes
+            scheme, _, rest = redis_url.partition("://")
+            redis_url = f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{rest}"
         # A database of its own, made and seeded as the owner.
         pg_url = make_url(base.migration_url).set(database=self.db_name)
         self.settings = base.model_copy(update={
