@@ -31,6 +31,7 @@ from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine, make_url
 
 from consumers.kafka import Producer, admin_client
+from pipeline.cdc.connect import names
 from pipeline.core.db import make_engine
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
@@ -283,7 +284,10 @@ def run_case(env: FaultEnv, scenario: Scenario, case_seed: int, profile: Profile
         run.note(f"workload done: {workload.report.changes} changes, "
                  f"{workload.report.events} events")
         try:
-            oracle.quiesce(settings, fleet, start, dict(workload.cdc_expected), QUIESCE_S)
+            with env.engine.connect() as conn:
+                end_lsn = str(conn.execute(sa.text("SELECT pg_current_wal_lsn()")).scalar())
+            oracle.quiesce(settings, fleet, start, dict(workload.cdc_expected), QUIESCE_S,
+                           env.engine, names(settings).slot, end_lsn)
             run.note("quiesced")
         except oracle.NotQuiesced as exc:
             verdict.failures.append(f"quiesce: {exc}")

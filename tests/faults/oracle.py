@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+import sqlalchemy as sa
 from confluent_kafka import Consumer as KafkaConsumer
 from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
@@ -183,11 +184,30 @@ def lag(settings: Settings, group: str, partitions: list[Partition]) -> dict[Par
             if ends[tp] - max(done.get(tp, -1), 0) > 0}
 
 
+def slot_caught_up(engine: Engine, slot: str, lsn: str) -> bool:
+    """Whether Debezium confirmed ``lsn`` on its slot: every change committed before it
+    is in Kafka (Debezium confirms a position only after its records were written)."""
+    with engine.connect() as conn:
+        return bool(conn.execute(sa.text(
+            "SELECT confirmed_flush_lsn >= CAST(:lsn AS pg_lsn) FROM pg_replication_slots "
+            "WHERE slot_name = :slot"), {"lsn": lsn, "slot": slot}).scalar())
+
+
 def quiesce(settings: Settings, fleet: Fleet, start: dict[Partition, int],
-            cdc_expected: dict[str, int], deadline_s: float) -> None:
-    """Wait for CDC delivery, then for zero lag with every live member between batches."""
+            cdc_expected: dict[str, int], deadline_s: float,
+            engine: Engine | None = None, slot: str = "", end_lsn: str = "") -> None:
+    """Wait for CDC delivery, then for zero lag with every live member between batches.
+
+    CDC delivery is the slot's confirmed position passing ``end_lsn`` (the WAL position
+    after the workload's last commit), and each CDC topic holding at least the records
+    the workload's SQL must yield. The count alone is not enough: a restarted connector
+    repeats records, so a topic can reach the count before the last change arrives.
+    """
     end = time.monotonic() + deadline_s
     state_cdc: list[str] = [""]
+    if engine is not None and slot and end_lsn:
+        wait(lambda: slot_caught_up(engine, slot, end_lsn),
+             f"Debezium to confirm WAL position {end_lsn} on slot {slot}", deadline_s)
 
     def delivered() -> bool:
         ok, state_cdc[0] = cdc_delivered(settings, start, cdc_expected)
