@@ -507,3 +507,22 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(5)
+
+
+def run_standalone(run: Callable[[bool], dict[str, Any]], quick: bool, *,
+                   users: int | None = None, transactions: int | None = None) -> dict[str, Any]:
+    """One benchmark run outside the harness (``python -m bench.NAME``), on its own
+    seeded data set of ``users`` and ``transactions`` when both are given."""
+    configure(out_dir(), quick, plots=False)
+    try:
+        if users and transactions:
+            from pipeline.dev.seed import seed
+
+            ctx = context(quick)
+            summary, took = timed(lambda: seed(
+                ctx.engine, users=users, transactions=transactions,
+                tenant_prefix=ctx.tenant_prefix(), anchor=ANCHOR))
+            ctx.adopt_dataset(Dataset(summary.tenants[0], users, transactions, took))
+        return run(quick)
+    finally:
+        close_context()

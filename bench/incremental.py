@@ -222,20 +222,8 @@ def main() -> int:
     parser.add_argument("--transactions", type=int)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
-    common.configure(common.out_dir(), args.quick, plots=False)
-    try:
-        if args.users and args.transactions:
-            from pipeline.dev.seed import seed
-
-            ctx = common.context(args.quick)
-            summary, took = common.timed(lambda: seed(
-                ctx.engine, users=args.users, transactions=args.transactions,
-                tenant_prefix=ctx.tenant_prefix(), anchor=common.ANCHOR))
-            ctx.adopt_dataset(common.Dataset(summary.tenants[0], args.users,
-                                             args.transactions, took))
-        res = run(args.quick)
-    finally:
-        common.close_context()
+    res = common.run_standalone(run, args.quick, users=args.users,
+                                transactions=args.transactions)
     print(orjson.dumps(res, option=orjson.OPT_INDENT_2).decode() if args.json
           else markdown(res))
     return 0
