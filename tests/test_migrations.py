@@ -34,3 +34,34 @@ def test_migrations_run_forward_and_back_on_an_empty_database(base_settings: Set
     finally:
         engine.dispose()
         drop_database(base_settings, name)
+
+
+def test_a_database_that_ran_the_first_0003_gets_its_buckets_rebuilt(
+        base_settings: Settings) -> None:
+    """Revision 0003 changed after databases had run it; 0006 rebuilds theirs."""
+    name = "freshline_migrations_0006_test"
+    url = recreate_database(base_settings, name)
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        migrations.upgrade(url, "0005")
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
+                "VALUES ('t1', 1, 10, 'm1', '10.0.0.1')"))
+            # what the first 0003 left: no per-country marks
+            conn.execute(sa.text("ALTER TABLE txn_buckets DROP COLUMN countries_latest"))
+        migrations.upgrade(url)
+        assert "countries_latest" in _columns(engine)["txn_buckets"]
+        with engine.begin() as conn:
+            # the rebuilt triggers run, and the existing rows wait for a bucket build
+            conn.execute(sa.text(
+                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
+                "VALUES ('t1', 1, 20, 'm2', '10.0.0.2')"))
+            assert conn.execute(sa.text("SELECT complete FROM txn_bucket_build")).scalar() \
+                is False
+        migrations.upgrade(url)  # at head already: nothing is rebuilt again
+        with engine.begin() as conn:
+            assert conn.execute(sa.text("SELECT sum(n) FROM txn_buckets")).scalar() == 1
+    finally:
+        engine.dispose()
+        drop_database(base_settings, name)

@@ -25,7 +25,22 @@ def test_a_killed_broker_loses_no_acknowledged_message(cluster_settings: Setting
     admin = AdminClient({"bootstrap.servers": bootstrap})
     topic = f"cluster-test-{uuid.uuid4().hex[:10]}"
     assert ensure(admin, 3, topics=[topic]).created == [topic]
-    meta = admin.list_topics(topic, timeout=15).topics[topic]
+
+    described: list[Any] = []
+
+    def led() -> bool:
+        # A freshly created topic's metadata reaches the brokers one by one: until
+        # then a broker answers with no partitions, or a partition with no leader.
+        meta = admin.list_topics(topic, timeout=15).topics.get(topic)
+        if meta is None or meta.error is not None or 0 not in meta.partitions:
+            return False
+        if any(p.leader < 0 for p in meta.partitions.values()):
+            return False
+        described[:] = [meta]
+        return True
+
+    assert wait_until(led, 30)
+    (meta,) = described
     assert all(len(p.replicas) == 3 for p in meta.partitions.values())
 
     def min_insync() -> str | None:
