@@ -201,9 +201,12 @@ class Context:
             scheme, _, rest = redis_url.partition("://")
             redis_url = f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{rest}"
         # A database of its own, made and seeded as the owner.
+        # Both URLs name it: owner-only work (migrations, the CDC connector's database)
+        # reads ``migration_url``, which would otherwise name the operator's database.
         pg_url = make_url(base.migration_url).set(database=self.db_name)
         self.settings = base.model_copy(update={
             "postgres_url": pg_url.render_as_string(hide_password=False),
+            "postgres_admin_url": pg_url.render_as_string(hide_password=False),
             "redis_url": redis_url,
             "schema_version": self.new_schema_version(),
             "topic_prefix": f"bench{self.tag}.",
