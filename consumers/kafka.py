@@ -10,6 +10,7 @@ auto offset store are off).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -293,11 +294,30 @@ class Consumer:
     def assignment(self) -> list[TopicPartition]:
         return list(self.inner.assignment())
 
-    def close(self) -> None:
-        """Leave the group and release the client; safe to call twice."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Leave the group and release the client; safe to call twice.
+
+        With ``timeout``, give up waiting after that many seconds and return False:
+        librdkafka's close can block for good after a broker restart on a consumer
+        that paused and resumed partitions (librdkafka issue 4674). The caller has
+        committed what it applied, so leaving without a clean close loses nothing;
+        the group evicts the member at its session timeout. True when closed.
+        """
         inner, self._inner = self._inner, None
-        if inner is not None:
+        if inner is None:
+            return True
+        if timeout is None:
             inner.close()
+            return True
+        closer = threading.Thread(target=inner.close, name="kafka-consumer-close", daemon=True)
+        closer.start()
+        closer.join(timeout)
+        if closer.is_alive():
+            logger.warning("the Kafka consumer did not close within %.0fs (a librdkafka hang "
+                           "after a broker restart); leaving without it: every applied "
+                           "offset is committed", timeout)
+            return False
+        return True
 
     def __enter__(self) -> Self:
         return self

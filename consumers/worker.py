@@ -69,6 +69,8 @@ TRANSIENT: tuple[type[BaseException], ...] = (
 DATA_ERRORS: tuple[type[BaseException], ...] = (FreshlineError, ValueError, sa.exc.DataError)
 """Failures of one event's data: dead-lettered, never retried."""
 MAX_BACKOFF_S = 5.0
+CLOSE_TIMEOUT_S = 10.0
+"""How long closing the producer (its flush) and the consumer may each take."""
 LAG_EVERY_S = 5.0
 
 
@@ -120,6 +122,7 @@ class Worker:
         self.totals = Totals()
         self.metrics = consumer_metrics()
         self._stop = threading.Event()
+        self.closed_cleanly = True
         self._revoked: set[tuple[str, int]] = set()
         self._lag_due = 0.0
 
@@ -153,10 +156,16 @@ class Worker:
         return self.totals
 
     def close(self) -> None:
+        """Flush the producer and leave the group, each within a bound.
+
+        ``closed_cleanly`` is False when the Kafka consumer had to be abandoned (see
+        :meth:`consumers.kafka.Consumer.close`); the process should then exit with
+        ``os._exit``, since the interpreter's own teardown would wait on it again.
+        """
         try:
-            self.producer.close(timeout=10)
+            self.producer.close(timeout=CLOSE_TIMEOUT_S)
         finally:
-            self.consumer.close()
+            self.closed_cleanly = self.consumer.close(timeout=CLOSE_TIMEOUT_S)
             self.redis.close()
             self.engine.dispose()
 

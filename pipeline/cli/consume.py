@@ -93,6 +93,11 @@ def consume(
     totals = worker.run(max_messages=max_messages)
     console.print(f"consumed {totals.consumed:,}: applied {totals.applied:,}, "
                   f"dead-lettered {totals.dead_lettered:,}, skipped {totals.skipped:,}")
+    if not worker.closed_cleanly:
+        # The interpreter's teardown would wait on the stuck Kafka client again.
+        console.file.flush()
+        logging.shutdown()
+        os._exit(0)
 
 
 def produce_demo(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -117,3 +118,33 @@ def test_failed_delivery_raises_on_flush(base_settings: Settings) -> None:
         producer.flush(timeout=10)
     assert delivery.done
     assert delivery.error is not None and delivery.error.code() == KafkaError._MSG_TIMED_OUT
+
+
+class _StuckClient:
+    """Stands in for librdkafka's close blocking for good after a broker restart
+    (librdkafka issue 4674): a hang that cannot be caused on demand."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def close(self) -> None:
+        self.release.wait(30)
+
+
+def test_a_close_that_hangs_is_abandoned_at_its_deadline(base_settings: Settings) -> None:
+    consumer = Consumer(base_settings)
+    stuck = _StuckClient()
+    consumer._inner = stuck  # type: ignore[assignment]
+    try:
+        assert consumer.close(timeout=0.2) is False
+        assert not stuck.release.is_set()  # returned while the client was still stuck
+        assert consumer.close(timeout=0.2) is True  # released: a second close is a no-op
+    finally:
+        stuck.release.set()
+
+
+def test_a_close_that_finishes_reports_a_clean_close(
+        consumer_factory: Callable[..., Consumer]) -> None:
+    consumer = consumer_factory()
+    consumer.inner.list_topics(timeout=10)
+    assert consumer.close(timeout=10) is True
