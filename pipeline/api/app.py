@@ -90,8 +90,12 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
     versions = VersionResolver(client, settings) if follow_deploys else None
     # Sampled reads gather in memory and are flushed in the background: no round trip.
     hot = HotReads(client, flush_s=HOT_FLUSH_S) if follow_deploys else None
-    readthrough = ReadThrough(store, engine, lease_ms=settings.lease_ms,
-                              wait_ms=settings.read_wait_ms, versions=versions, hot=hot)
+    # With a replica, the feature queries run there and the primary gates the writes.
+    replica = (make_engine(settings, pool_size=10, url=settings.postgres_replica_url)
+               if settings.postgres_replica_url else None)
+    readthrough = ReadThrough(store, replica or engine, lease_ms=settings.lease_ms,
+                              wait_ms=settings.read_wait_ms, versions=versions, hot=hot,
+                              primary=engine if replica is not None else None)
     services = routes.Services(
         settings=settings,
         redis=client,
@@ -153,6 +157,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
                 client.close()
             if owned_engine:
                 engine.dispose()
+            if replica is not None:
+                replica.dispose()
 
     audit_log.configure(settings.audit_log)
     app = Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan,

@@ -14,17 +14,22 @@ Hot keys are refreshed a little before they expire, by one reader chosen at rand
 (XFetch, Vattani et al., VLDB 2015), so a popular entry does not expire under load.
 
 On a Postgres read replica (a hot standby: ``pg_is_in_recovery()``, asked once per
-engine) misses are computed and served, never stored, and nothing is leased or
-refreshed early. Why not store: a stored entry must carry a watermark that orders it
-against every other computation (:mod:`pipeline.cache.recompute`), and on a standby
-``pg_current_snapshot()`` does not list the primary's in-progress transactions as
-the primary's own snapshots do, so that argument does not hold. Nor does the replay
-position help alone: a standby that has replayed up to LSN L sees what the primary
-committed before L, but an entry's watermark must compare with snapshot watermarks
-taken on the primary, and an LSN does not map onto them (a commit is in the WAL before
-it is visible). So a replica's result is answered ``uncached``: it may lag (by the
-replication delay, as any replica read), but it is never written where it could
-outrank, or outlive, a fresher entry. Stored entries come from the primary only.
+engine) the feature queries run on the replica, and a result is stored only when the
+replica is known to be at least as new as a snapshot of the primary. With ``primary``
+(the primary's engine) a miss first reads, in one statement on the primary, a snapshot
+watermark W and the WAL insert position P after it; then the replica's replay
+position R. If R >= P, every transaction visible in W's snapshot is visible on the
+replica (their commit records precede P, and a standby's snapshots follow the replay
+of commit records), so the replica's result is at least as new as W's snapshot: it
+is leased, computed on the replica and stored with watermark W, exactly as a result
+computed on the primary at W would be. It may be newer than W says, which is safe:
+anything computed after it outranks it. If R < P (the replica lags), the result is
+served ``uncached`` and nothing is leased or stored. Without ``primary`` every
+replica result is ``uncached``: the replica's own ``pg_current_snapshot()`` cannot
+order it against the primary's watermarks (a commit is in the WAL before it is
+visible there, and a standby does not list the primary's in-progress transactions).
+The gate costs the primary one small statement per batch of misses; the feature
+joins run on the replica.
 """
 
 from __future__ import annotations
@@ -35,13 +40,13 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.cache.recompute import Batch, compute
+from pipeline.cache.recompute import Batch, Position, compute, primary_position, replayed_lsn
 from pipeline.cache.store import LEASE_BUSY, LEASE_FOUND, LEASE_GRANTED, FeatureStore
 from pipeline.core.clock import now_ms
 from pipeline.core.types import EntityRef, Entry, FeatureValues
@@ -111,6 +116,8 @@ class Counters:
     stored: int = 0
     refused: int = 0
     early_refresh: int = 0
+    lagging: int = 0
+    """Batches of misses a lagging replica answered uncached."""
     compute_ms: dict[str, float] = field(default_factory=dict)
 
 
@@ -125,9 +132,10 @@ class ReadThrough:
     def __init__(self, store: FeatureStore, engine: Engine, *, lease_ms: int = 5000,
                  wait_ms: int = 2000, hooks: Hooks | None = None,
                  early_refresh: bool = True, versions: VersionResolver | None = None,
-                 hot: HotReads | None = None) -> None:
+                 hot: HotReads | None = None, primary: Engine | None = None) -> None:
         self.store = store
         self.engine = engine
+        self.primary = primary
         self.lease_ms = lease_ms
         self.wait_ms = wait_ms
         self.hooks = hooks or Hooks()
@@ -163,11 +171,23 @@ class ReadThrough:
             if self.should_refresh(ref, entry, now):
                 refresh.append(ref)
         self.counters.hits += len(answers)
-        if (misses or refresh) and self.standby:
-            answers.update(self._compute(misses, None))  # served, never stored
-        elif misses or refresh:
-            answers.update(self._resolve(misses, refresh))
+        if misses or refresh:
+            gate = self._gate() if self.standby else None
+            if self.standby and gate is None:
+                answers.update(self._compute(misses, None))  # served, never stored
+            else:
+                answers.update(self._resolve(misses, refresh, gate))
         return [answers[r] for r in refs]
+
+    def _gate(self) -> Position | None:
+        """On a replica: the primary's position if the replica has replayed past it."""
+        if self.primary is None:
+            return None
+        position = primary_position(self.primary)
+        if replayed_lsn(self.engine) < position.lsn:
+            self.counters.lagging += 1
+            return None
+        return position
 
     @property
     def standby(self) -> bool:
@@ -185,7 +205,8 @@ class ReadThrough:
                                  tombstone_ttl_s=self.store.tombstone_ttl_ms // 1000)
             other = ReadThrough(store, self.engine, lease_ms=self.lease_ms,
                                 wait_ms=self.wait_ms, hooks=self.hooks,
-                                early_refresh=self.early_refresh, hot=self.hot)
+                                early_refresh=self.early_refresh, hot=self.hot,
+                                primary=self.primary)
             other.counters = self.counters
             other._standby = self._standby
             self._at_version[version] = other
@@ -203,8 +224,8 @@ class ReadThrough:
         gap = -delta * math.log(random.random() or _MIN_DRAW)
         return now + gap >= expiry
 
-    def _resolve(self, misses: list[EntityRef],
-                 refresh: list[EntityRef]) -> dict[EntityRef, Result]:
+    def _resolve(self, misses: list[EntityRef], refresh: list[EntityRef],
+                 gate: Position | None = None) -> dict[EntityRef, Result]:
         token = uuid.uuid4().hex
         wanted = misses + refresh
         flags = [False] * len(misses) + [True] * len(refresh)
@@ -220,14 +241,16 @@ class ReadThrough:
         others = [r for r, (code, _) in zip(misses, leases, strict=False) if code == LEASE_BUSY]
         self.counters.early_refresh += sum(
             1 for code, _ in leases[len(misses):] if code == LEASE_GRANTED)
-        answers = self._compute(mine, token)
+        answers = self._compute(mine, token, gate)
         answers.update(found)
         if others:
             answers.update(self._wait_or_compute(others))
         return answers
 
-    def _compute(self, refs: list[EntityRef], token: str | None) -> dict[EntityRef, Result]:
-        """One query per feature set; store under ``token`` if given."""
+    def _compute(self, refs: list[EntityRef], token: str | None,
+                 gate: Position | None = None) -> dict[EntityRef, Result]:
+        """One query per feature set; store under ``token`` if given, with the
+        watermark of ``gate`` (a primary's position the replica has passed) if given."""
         answers: dict[EntityRef, Result] = {}
         by_set: dict[str, list[EntityRef]] = defaultdict(list)
         for ref in refs:
@@ -241,6 +264,8 @@ class ReadThrough:
             elapsed = (time.perf_counter() - started) * 1000
             prev = self.counters.compute_ms.get(name, elapsed)
             self.counters.compute_ms[name] = 0.8 * prev + 0.2 * elapsed
+            if gate is not None:
+                batch = replace(batch, watermark=gate.watermark)
             if self.hooks.after_compute:
                 self.hooks.after_compute(group)
             if token is None:

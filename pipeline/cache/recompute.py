@@ -147,6 +147,44 @@ def take_snapshot(conn: Connection, txids: Iterable[int] = ()) -> Snapshot:
     return _snapshot(row.snapshot, row.us, row.invisible)
 
 
+@dataclass(frozen=True, slots=True)
+class Position:
+    """A primary's snapshot watermark, with the WAL insert position read after it."""
+
+    watermark: Watermark
+    lsn: int
+
+
+_POSITION_SQL = sa.text(
+    f"SELECT w.snapshot, w.us, pg_current_wal_insert_lsn() - '0/0'::pg_lsn AS lsn "
+    f"FROM ({_SNAPSHOT_SELECT}) AS w")
+
+
+def primary_position(engine: Engine) -> Position:
+    """The watermark of a snapshot on the primary, and a WAL position past its commits.
+
+    Every transaction visible in the snapshot wrote its commit record before the
+    statement read the insert position, so a standby that has replayed up to ``lsn``
+    sees all of them (and maybe more: see :func:`replayed_lsn`).
+    """
+    with engine.connect() as conn:
+        row = conn.execute(_POSITION_SQL, {"txids": []}).one()
+    return Position(snapshot_watermark(row.snapshot, int(row.us)), int(row.lsn))
+
+
+def replayed_lsn(engine: Engine) -> int:
+    """How far a hot standby has replayed the WAL; 0 if it is not a standby.
+
+    Read in its own transaction, before a query on the standby: that query's snapshot,
+    taken later, sees every commit up to this position (a standby's visibility
+    follows the replay of commit records).
+    """
+    with engine.connect() as conn:
+        lsn = conn.execute(sa.text(
+            "SELECT coalesce(pg_last_wal_replay_lsn() - '0/0'::pg_lsn, 0)")).scalar()
+    return int(lsn or 0)
+
+
 def current_watermark(engine: Engine) -> Watermark:
     """A watermark read now: what an invalidation applied after a commit carries."""
     with engine.connect() as conn:

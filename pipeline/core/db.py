@@ -89,10 +89,13 @@ api_keys = sa.Table(
 )
 
 
-def make_engine(settings: Settings, *, pool_size: int = 5) -> Engine:
-    """An engine on psycopg 3 with a small pool; nothing connects until first use."""
+def make_engine(settings: Settings, *, pool_size: int = 5, url: str | None = None) -> Engine:
+    """An engine on psycopg 3 with a small pool; nothing connects until first use.
+
+    ``url`` replaces ``settings.postgres_url`` (e.g. the read replica's).
+    """
     return sa.create_engine(
-        settings.postgres_url,
+        url or settings.postgres_url,
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_pre_ping=True,

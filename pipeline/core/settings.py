@@ -31,6 +31,10 @@ class Settings(BaseSettings):
     postgres_url: str = "postgresql+psycopg://freshline:freshline@127.0.0.1:5432/freshline"
     postgres_admin_url: str = ""
     """The owner's URL, for migrations and CDC registration; empty: ``postgres_url``."""
+    postgres_replica_url: str = ""
+    """A hot standby for the read API's feature queries; empty: ``postgres_url``. Its
+    results are stored only once it has replayed past the primary's position (see
+    :mod:`pipeline.cache.readthrough`); while it lags they are served uncached."""
     redis_url: str = "redis://127.0.0.1:6379/0"
     """``redis://`` or ``rediss://`` (TLS); credentials may sit in it or below."""
     redis_username: str = ""

@@ -1,5 +1,7 @@
 """Read-through on the Postgres streaming replica, replay paused: the lagging result
-is served but never stored, so no stale set reaches Redis (``-m cluster``)."""
+is served but never stored, so no stale set reaches Redis; once the replica has
+replayed past the primary's position, its results are stored with the primary's
+watermark (``-m cluster``)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import redis
 import sqlalchemy as sa
 
 from pipeline.cache.readthrough import ReadThrough
-from pipeline.cache.recompute import compute
+from pipeline.cache.recompute import compute, current_watermark
 from pipeline.cache.store import FeatureStore
 from pipeline.core.features import REGISTRY
 from pipeline.core.types import EntityRef
@@ -68,3 +70,44 @@ def test_a_lagging_replica_serves_but_never_stores(
             conn.execute(sa.text("SELECT pg_wal_replay_resume()"))
             conn.commit()
     assert wait_until(lambda: count(replica, tenant) == 2, 30)
+
+
+def test_a_replica_that_has_caught_up_stores_under_the_primarys_watermark(
+        engines: tuple[sa.Engine, sa.Engine], cluster_redis: redis.Redis) -> None:
+    primary, replica = engines
+    tenant = f"rep-{uuid.uuid4().hex[:10]}"
+    with primary.begin() as conn:
+        conn.execute(sa.text("INSERT INTO tenants (id, name) VALUES (:t, :t)"), {"t": tenant})
+        conn.execute(sa.text("INSERT INTO users (tenant_id, id) VALUES (:t, 1)"), {"t": tenant})
+    add_transaction(primary, tenant, 10)
+    assert wait_until(lambda: count(replica, tenant) == 1, 30)
+
+    version = 900_000 + uuid.uuid4().int % 90_000
+    store = FeatureStore(cluster_redis, version)
+    ref = EntityRef("txn_90d", tenant, "1")
+    gated = ReadThrough(store, replica, early_refresh=False, primary=primary)
+
+    with replica.connect() as conn:
+        conn.execute(sa.text("SELECT pg_wal_replay_pause()"))
+        conn.commit()
+    try:
+        add_transaction(primary, tenant, 90)  # past the replica's replay position
+        lagging = gated.get(ref)
+        assert lagging.values["txn_count"] == 1 and lagging.source == "uncached"
+        assert gated.counters.lagging == 1
+        assert store.read([ref]) == [None]  # the gate kept the lagging result out
+    finally:
+        with replica.connect() as conn:
+            conn.execute(sa.text("SELECT pg_wal_replay_resume()"))
+            conn.commit()
+    assert wait_until(lambda: count(replica, tenant) == 2, 30)
+
+    before = current_watermark(primary)
+    # The replica may still be replaying WAL written after that count became visible
+    # (other tests' writes): ask until the gate opens.
+    assert wait_until(lambda: gated.get(ref).source == "computed", 30)
+    (entry,) = store.read([ref])
+    assert entry is not None and entry.values["txn_count"] == 2
+    # Stored under a primary watermark read at the miss: newer than one read before,
+    # older than one read after, so any later computation outranks it.
+    assert before < entry.watermark < current_watermark(primary)
