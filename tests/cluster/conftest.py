@@ -66,6 +66,8 @@ def cluster_env() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def cluster_settings(cluster_env: dict[str, str]) -> Settings:
+    # The replica's URL is left out: the tests that read through it build their own
+    # ReadThrough on it (test_pg_replica.py), the rest read the primary.
     fields = {k.removeprefix("FRESHLINE_").lower(): v for k, v in cluster_env.items()
               if k.startswith("FRESHLINE_") and k not in (
                   "FRESHLINE_STACK_TOPOLOGY", "FRESHLINE_POSTGRES_REPLICA_URL")}
