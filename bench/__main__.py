@@ -201,12 +201,24 @@ def rerender(out: Path) -> int:
     """RESULTS.md again from ``out/results.json`` (after a change to a ``markdown``)."""
     doc = orjson.loads((out / "results.json").read_bytes())
     sections = {}
+    stale: list[str] = []
     for name, result in doc["results"].items():
         if "error" in result:
             sections[name] = f"## {name}\n\n**failed**: `{result['error'][:300]}`\n"
         else:
-            sections[name] = importlib.import_module(f"bench.{name}").markdown(result)
+            try:
+                sections[name] = importlib.import_module(f"bench.{name}").markdown(result)
+            except (KeyError, TypeError, IndexError) as exc:
+                # Results written by an older version of the benchmark: say so, keep going.
+                stale.append(name)
+                sections[name] = (f"## {name}\n\n**not rendered**: its results predate the "
+                                  f"current format (`{type(exc).__name__}: {exc}`); re-run "
+                                  f"`python -m bench --only {name}`.\n")
     (out / "RESULTS.md").write_text(render(doc, sections))
+    if stale:
+        print(f"bench: results of {', '.join(stale)} predate their current format; re-run "
+              f"them with --only", file=sys.stderr)
+        return 1
     return 0
 
 
