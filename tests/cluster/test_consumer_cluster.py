@@ -1,0 +1,81 @@
+"""The consumer itself on the cluster topology: a real ``Worker`` reads domain events
+from the three brokers (topics replicated 3 times), recomputes on the Postgres primary
+and writes to the Redis Cluster; the auditor then finds every entry present and equal
+to Postgres (``-m cluster``; see conftest)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+import orjson
+import pytest
+import redis
+import sqlalchemy as sa
+from confluent_kafka.admin import AdminClient
+
+from consumers.kafka import Producer
+from consumers.topics import ensure, managed_topics
+from consumers.worker import Worker
+from pipeline.cache.store import FeatureStore
+from pipeline.core.settings import Settings
+from pipeline.core.topics import TRANSACTION_CREATED, qualified
+from pipeline.core.types import EntityRef
+from pipeline.observe.audit import Auditor
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.cluster
+USERS = 40
+
+
+def test_a_worker_on_the_cluster_writes_entries_the_auditor_finds_consistent(
+        engines: tuple[sa.Engine, sa.Engine], cluster_redis: redis.Redis,
+        cluster_settings: Settings) -> None:
+    primary, _ = engines
+    tag = uuid.uuid4().hex[:8]
+    tenant = f"wk-{tag}"
+    settings = cluster_settings.model_copy(update={
+        "topic_prefix": f"cl{tag}.", "consumer_group": f"cl-{tag}",
+        "schema_version": 960_000 + uuid.uuid4().int % 30_000, "batch_max_wait_ms": 20,
+        "auto_offset_reset": "earliest"})
+    admin = AdminClient({"bootstrap.servers": settings.kafka_bootstrap})
+    topics = managed_topics(settings)
+    report = ensure(admin, 3, topics=topics)
+    assert sorted(report.created) == sorted(topics)
+    with primary.begin() as conn:
+        conn.execute(sa.text("INSERT INTO tenants (id, name) VALUES (:t, :t)"), {"t": tenant})
+        conn.execute(sa.text("INSERT INTO users (tenant_id, id) SELECT :t, g "
+                             "FROM generate_series(1, :n) g"), {"t": tenant, "n": USERS})
+        ids = conn.execute(sa.text(
+            "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
+            "SELECT :t, g % :n + 1, g % 90 + 1, 'm' || g % 7, '11.0.0.1' "
+            "FROM generate_series(1, :k) g RETURNING id, user_id"),
+            {"t": tenant, "n": USERS, "k": USERS * 3}).all()
+
+    worker = Worker(settings, topics=[qualified(settings, TRANSACTION_CREATED)])
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        with Producer(settings) as producer:
+            for txn, user in ids:
+                producer.produce(qualified(settings, TRANSACTION_CREATED), orjson.dumps(
+                    {"tenant": tenant, "user_id": user, "transaction_id": txn,
+                     "occurred_at": "2026-12-03T10:00:00Z"}), f"{tenant}:{user}".encode())
+        refs = [EntityRef(name, tenant, str(u)) for name in ("txn_90d", "geo")
+                for u in range(1, USERS + 1)]
+        store = FeatureStore(cluster_redis, settings.schema_version)
+        assert wait_until(lambda: None not in store.read(refs), 90)
+    finally:
+        worker.stop()
+        thread.join(60)
+        assert not thread.is_alive()
+        for future in admin.delete_topics(topics, operation_timeout=10).values():
+            future.result()
+    assert worker.totals.applied == len(ids) and worker.totals.dead_lettered == 0
+    client: Any = cluster_redis
+    masters = {client.get_node_from_key(store.key(r)).name for r in refs}
+    assert len(masters) == 3  # the entities' slots are spread over every master
+    audit = Auditor(cluster_redis, primary, settings.schema_version, rate=None)
+    result = audit.audit_refs(refs)
+    assert result.checked == len(refs) and result.consistent, result
