@@ -2,7 +2,9 @@
 
 :class:`Auditor` takes entries (a random SCAN sample of one schema version's
 namespace, a list of keys, or a list of entity refs) and checks each against a
-recompute from Postgres. One check of a batch, in this order:
+recompute from Postgres. Given a duration, it keeps sampling until the duration has
+passed, as a continuous audit does, re-checking earlier suspects as they fall due
+while it goes on with first checks. One check of a batch, in this order:
 
 1. read every entry of the batch (pipelined MGETs, one round trip);
 2. recompute the entries that exist: one :func:`~pipeline.cache.recompute.compute` per
@@ -15,16 +17,32 @@ recompute from Postgres. One check of a batch, in this order:
 A change committed between steps 1 and 3 that a consumer has not yet applied makes a
 correct pipeline look wrong for a moment, so a mismatch is only a suspect. It is
 checked again, entry and recompute both, after each grace period (by default 1 s,
-10 s and 60 s after its first check); once it matches (or is gone) it is consistent
-at that grace and every longer one. A mismatch that persists past the last grace is
-reported with both values and both watermarks. Between the first check and each
-re-check the ``before_recheck`` hook runs, which lets tests decide deterministically
-what the re-check sees.
+10 s and 60 s after its first check). It is consistent at that grace, and every
+longer one, once
+
+* it matches the new recompute, or is gone; or
+* it has *caught up*: the entry was rewritten since the first check, under a
+  watermark at least that of the first check's recompute (so it was computed from a
+  snapshot that saw everything the first check's snapshot saw: see
+  :mod:`pipeline.cache.recompute`), and below the re-check's own recompute, which
+  was taken after the entry was read. It then differs only by changes newer than the
+  first check: the change that was in flight has landed, and newer ones are in
+  flight. Without this an entity that changes faster than the pipeline's latency
+  would never match at any instant, however fresh its entries are.
+
+An entry whose watermark is at or above a recompute taken after it was read, and
+which differs from it, claims to have seen what it cannot have: it never heals by
+catching up, nor does an entry left unchanged since the first check. What a re-check
+cannot verify is the values of a newer entry that differs again; they are checked
+when a later sample finds the entity quiet. A mismatch that persists past the last
+grace is reported with both values and both watermarks. Between the first check and
+each re-check the ``before_recheck`` hook runs, which lets tests decide
+deterministically what the re-check sees.
 
 Safe on a live system: reads only, never writes Redis; Postgres sees set-based
 queries of at most a tenth of a second's worth of entries at the configured rate
-(500 entries/s by default, re-checks included); SCAN walks from a random cursor,
-never KEYS.
+(500 entries/s by default, re-checks included, and no catching up above the rate
+after a stall); SCAN walks from a random cursor, never KEYS.
 """
 
 from __future__ import annotations
@@ -34,7 +52,7 @@ import math
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Literal
 
@@ -73,11 +91,16 @@ MGET_CHUNK: Final = 100
 PACE_SLICES: Final = 10
 """A batch holds at most 1/PACE_SLICES of a second's worth of the rate."""
 MAX_SCAN_CALLS: Final = 100_000
+KEPT_MISMATCHES: Final = 1000
+"""Persistent mismatches kept in full in a report; every one is counted."""
+EMPTY_ROUND_WAIT_S: Final = 1.0
+"""How long a timed audit waits after a sample that found no entry."""
 
 RecheckHook = Callable[[float, Sequence[Mismatch]], None]
 """Called with ``(grace_s, suspects)`` just before those suspects are re-checked."""
-ProgressHook = Callable[[int, int, str], None]
-"""Called with ``(first checks done, total, note)`` after each batch and while waiting."""
+ProgressHook = Callable[[int, int | None, str], None]
+"""Called with ``(first checks done, total, note)`` after each batch and while waiting;
+``total`` is None in a timed audit."""
 
 Outcome = Mismatch | Literal["absent", "match"]
 
@@ -100,21 +123,42 @@ def check_graces(graces: Iterable[float]) -> tuple[float, ...]:
 
 
 @dataclass(slots=True)
-class _Suspect:
+class Suspect:
+    """A mismatch found at a first check, waiting for its re-checks."""
+
     mismatch: Mismatch
+    """As last checked."""
     first_at: float
+    first_served: Watermark
+    """The entry's watermark at the first check (-1 if it had none)."""
+    target: Watermark
+    """The first check's recompute watermark: what the entry has to catch up with."""
     stage: int = 0
     """Index of the grace this suspect is re-checked at next."""
+
+    @classmethod
+    def of(cls, mismatch: Mismatch, first_at: float) -> Suspect:
+        served = mismatch.served_watermark
+        return cls(mismatch, first_at, -1 if served is None else served,
+                   mismatch.recomputed_watermark)
+
+    def caught_up(self, now: Mismatch) -> bool:
+        """Rewritten since the first check from a snapshot that saw what its recompute
+        saw, and not claiming more than the re-check's recompute (see the module
+        docstring)."""
+        served = now.served_watermark
+        return (now.problem is None and served is not None and served > self.first_served
+                and self.target <= served < now.recomputed_watermark)
 
 
 @dataclass(slots=True)
 class _Run:
     report: AuditReport
-    total: int
+    total: int | None
     started: float
-    pending: list[_Suspect] = field(default_factory=list)
-    paced: int = 0
-    """Entries read so far, first checks and re-checks: what the rate limit counts."""
+    pending: list[Suspect] = field(default_factory=list)
+    next_at: float = -math.inf
+    """When the rate allows the next batch (see :meth:`Auditor._spent`)."""
     first_checked: int = 0
 
 
@@ -158,7 +202,8 @@ class Auditor:
         for ref in wanted:
             self.registry[ref.feature_set]
             entity_ids([(ref.tenant, ref.entity)])
-        return self._run(wanted, check_graces(graces))
+        run = self._start(check_graces(graces), total=len(wanted))
+        return self._run(run, self._batches(wanted))
 
     def audit_keys(self, keys: Iterable[str | bytes],
                    graces: Sequence[float] = DEFAULT_GRACES) -> AuditReport:
@@ -174,48 +219,101 @@ class Auditor:
 
     def audit_sample(self, n: int, *, feature_set: str | None = None, tenant: str | None = None,
                      graces: Sequence[float] = DEFAULT_GRACES,
-                     rng: random.Random | None = None) -> AuditReport:
+                     rng: random.Random | None = None,
+                     duration_s: float | None = None) -> AuditReport:
         """Audit up to ``n`` keys walked by SCAN from a random cursor.
+
+        With ``duration_s``, keep auditing samples of ``n`` (each from a new random
+        cursor) until that long has passed, then wait out the last re-checks. Suspects
+        are re-checked as they fall due while first checks go on, so a long run checks
+        at its rate throughout. A key sampled twice is checked twice.
 
         Keys this code cannot recompute (a feature set it does not know, an entity id
         that is not a user id) are counted in ``skipped``, not audited.
         """
         if feature_set is not None:
             self.registry[feature_set]
+        if duration_s is not None and not (math.isfinite(duration_s) and duration_s >= 0):
+            raise ConfigError(f"an audit's duration is 0 s or more, not {duration_s}")
         checked_graces = check_graces(graces)
         pattern = sample_pattern(self.schema_version, feature_set, tenant)
-        keys, _, _ = scan_sample(self.redis, pattern, want=n, max_calls=MAX_SCAN_CALLS,
-                                 rng=rng)
+        rng = rng or random.Random()
+        if duration_s is None:
+            report = self._report(checked_graces)
+            refs = self._sample(n, pattern, rng, report)
+            run = self._start(checked_graces, total=len(refs), report=report)
+            return self._run(run, self._batches(refs))
+        run = self._start(checked_graces, total=None)
+        return self._run(run, self._samples(n, pattern, rng, run, run.started + duration_s))
+
+    def _batches(self, refs: list[EntityRef]) -> Iterator[list[EntityRef]]:
+        size = self.batch_size
+        return (refs[i:i + size] for i in range(0, len(refs), size))
+
+    def _samples(self, n: int, pattern: str, rng: random.Random, run: _Run,
+                 until: float) -> Iterator[list[EntityRef]]:
+        """Batches of samples taken one after another while the next batch would start
+        before ``until``. An empty batch stands for a sample that found nothing to
+        audit (see :meth:`_run`)."""
+        def before_until() -> bool:
+            return max(self.clock(), run.next_at) < until
+
+        while before_until():
+            refs = self._sample(n, pattern, rng, run.report)
+            if not refs:
+                yield []
+            for batch in self._batches(refs):
+                if not before_until():
+                    return
+                yield batch
+
+    def _sample(self, n: int, pattern: str, rng: random.Random,
+                report: AuditReport) -> list[EntityRef]:
+        """Up to ``n`` auditable refs by SCAN from a random cursor; the rest are skipped."""
+        keys, _, _ = scan_sample(self.redis, pattern, want=n, max_calls=MAX_SCAN_CALLS, rng=rng)
+        report.samples += 1
+        return self._auditable(keys, report)
+
+    def _auditable(self, keys: Iterable[bytes], report: AuditReport) -> list[EntityRef]:
         refs: list[EntityRef] = []
-        skipped = 0
         for key in keys:
             try:
                 _, ref = parse_feature_key(key)
                 entity_ids([(ref.tenant, ref.entity)])
             except InvalidId:
-                skipped += 1
+                report.skipped += 1
                 continue
             if ref.feature_set not in self.registry:
-                skipped += 1
+                report.skipped += 1
                 continue
             refs.append(ref)
-        report = self._run(refs, checked_graces)
-        report.skipped = skipped
-        return report
+        return refs
 
     # -- the run ------------------------------------------------------------------------
 
-    def _run(self, refs: list[EntityRef], graces: tuple[float, ...]) -> AuditReport:
-        report = AuditReport(self.schema_version, graces, rate=self.rate,
-                             inconsistent=dict.fromkeys(graces, 0))
-        run = _Run(report, total=len(refs), started=self.clock())
-        for i in range(0, len(refs), self.batch_size):
-            batch = refs[i:i + self.batch_size]
-            self._wait_until(self._paced_at(run), run)
+    def _report(self, graces: tuple[float, ...]) -> AuditReport:
+        return AuditReport(self.schema_version, graces, rate=self.rate,
+                           inconsistent=dict.fromkeys(graces, 0))
+
+    def _start(self, graces: tuple[float, ...], total: int | None,
+               report: AuditReport | None = None) -> _Run:
+        return _Run(report or self._report(graces), total=total, started=self.clock())
+
+    def _run(self, run: _Run, batches: Iterable[list[EntityRef]]) -> AuditReport:
+        """First-check each batch at the paced rate, re-checking suspects as they fall
+        due; then wait out the re-checks still pending. An empty batch (a sample that
+        found nothing) waits :data:`EMPTY_ROUND_WAIT_S` before the next sample."""
+        report = run.report
+        for batch in batches:
+            if not batch:
+                self._wait_until(self.clock() + EMPTY_ROUND_WAIT_S, run)
+                continue
+            self._wait_until(run.next_at, run)
             self._first_check(batch, run)
             self._recheck_due(run)
             self._progress(run, "")
         report.checking_s = self.clock() - run.started
+        graces = report.graces
         while run.pending:
             self._progress(run, f"{len(run.pending)} to re-check")
             self._wait_until(min(self._due(s, graces) for s in run.pending), run)
@@ -225,12 +323,18 @@ class Auditor:
             self.metrics.finished(report)
         return report
 
-    def _paced_at(self, run: _Run) -> float:
-        """When the rate allows the next batch: ``started + paced / rate``."""
-        return -math.inf if self.rate is None else run.started + run.paced / self.rate
+    def _spent(self, run: _Run, n: int, started: float) -> None:
+        """Count ``n`` entries read by a check begun at ``started`` against the rate.
+
+        The next batch may start ``n / rate`` after this one did, or after the last
+        allowance ran out if that is later: time spent stalled (a slow Postgres, a
+        re-check burst) builds no credit, so a run never catches up above its rate.
+        """
+        if self.rate is not None:
+            run.next_at = max(run.next_at, started) + n / self.rate
 
     @staticmethod
-    def _due(suspect: _Suspect, graces: tuple[float, ...]) -> float:
+    def _due(suspect: Suspect, graces: tuple[float, ...]) -> float:
         return suspect.first_at + graces[suspect.stage]
 
     def _wait_until(self, when: float, run: _Run) -> None:
@@ -252,7 +356,7 @@ class Auditor:
         report = run.report
         first_at = self.clock()
         outcomes = self._check(refs, report)
-        run.paced += len(refs)
+        self._spent(run, len(refs), first_at)
         run.first_checked += len(refs)
         report.checked += len(refs)
         per_set: dict[str, int] = defaultdict(int)
@@ -262,7 +366,7 @@ class Auditor:
                 report.absent += 1
             elif isinstance(outcome, Mismatch):
                 report.suspects += 1
-                run.pending.append(_Suspect(outcome, first_at))
+                run.pending.append(Suspect.of(outcome, first_at))
         for name, n in per_set.items():
             report.checked_by_set[name] = report.checked_by_set.get(name, 0) + n
             if self.metrics is not None:
@@ -281,14 +385,19 @@ class Auditor:
                 self.before_recheck(graces[stage], [s.mismatch for s in due if s.stage == stage])
         for i in range(0, len(due), self.batch_size):
             chunk = due[i:i + self.batch_size]
+            started = self.clock()
             outcomes = self._check([s.mismatch.ref for s in chunk], run.report)
-            run.paced += len(chunk)
+            self._spent(run, len(chunk), started)
             run.report.rechecks += len(chunk)
             for suspect, outcome in zip(chunk, outcomes, strict=True):
-                if isinstance(outcome, Mismatch):
+                if not isinstance(outcome, Mismatch):
+                    continue
+                if suspect.caught_up(outcome):
+                    run.report.caught_up += 1
+                else:
                     self._still_inconsistent(suspect, outcome, run)
 
-    def _still_inconsistent(self, suspect: _Suspect, mismatch: Mismatch, run: _Run) -> None:
+    def _still_inconsistent(self, suspect: Suspect, mismatch: Mismatch, run: _Run) -> None:
         report = run.report
         grace = report.graces[suspect.stage]
         report.inconsistent[grace] += 1
@@ -299,7 +408,8 @@ class Auditor:
         if suspect.stage < len(report.graces):
             run.pending.append(suspect)
             return
-        report.mismatches.append(mismatch)
+        if len(report.mismatches) < KEPT_MISMATCHES:
+            report.mismatches.append(mismatch)
         log.info("%s inconsistent after %s: served watermark %s, recomputed %s, differing %s",
                  mismatch.key, grace_label(grace), mismatch.served_watermark,
                  mismatch.recomputed_watermark, mismatch.problem or mismatch.differing)
