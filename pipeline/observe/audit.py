@@ -73,8 +73,8 @@ from pipeline.core.keys import (
     parse_feature_key,
     validate_id,
 )
-from pipeline.core.types import EntityRef, Watermark
-from pipeline.observe.consistency import AuditReport, Mismatch, grace_label, same
+from pipeline.core.types import EntityRef, FeatureValues, Watermark
+from pipeline.observe.consistency import AuditReport, Mismatch, grace_label
 from pipeline.observe.staleness import scan_sample
 
 if TYPE_CHECKING:
@@ -91,8 +91,13 @@ MGET_CHUNK: Final = 100
 PACE_SLICES: Final = 10
 """A batch holds at most 1/PACE_SLICES of a second's worth of the rate."""
 MAX_SCAN_CALLS: Final = 100_000
+PARSED_KEYS: Final = 100_000
+"""Sampled keys remembered as parsed (a continuous audit samples the same keys again);
+the memory is cleared when full."""
 KEPT_MISMATCHES: Final = 1000
 """Persistent mismatches kept in full in a report; every one is counted."""
+MAX_EARLY_S: Final = 1 / PACE_SLICES
+"""How early a re-check may ride along with a batch of first checks."""
 EMPTY_ROUND_WAIT_S: Final = 1.0
 """How long a timed audit waits after a sample that found no entry."""
 
@@ -159,6 +164,8 @@ class _Run:
     pending: list[Suspect] = field(default_factory=list)
     next_at: float = -math.inf
     """When the rate allows the next batch (see :meth:`Auditor._spent`)."""
+    last_check_s: float = 0.0
+    """How long the last first check took: when the next batch starts, at capacity."""
     first_checked: int = 0
 
 
@@ -192,6 +199,9 @@ class Auditor:
         self.progress = progress
         self.clock = clock
         self.sleep = sleep
+        self._parsed: dict[bytes, EntityRef | None] = {}
+        """Sampled key -> its ref, or None if this code cannot audit it."""
+        self._keys: dict[EntityRef, str] = {}
 
     # -- what to audit ----------------------------------------------------------------
 
@@ -276,18 +286,41 @@ class Auditor:
 
     def _auditable(self, keys: Iterable[bytes], report: AuditReport) -> list[EntityRef]:
         refs: list[EntityRef] = []
+        parsed = self._parsed
         for key in keys:
-            try:
-                _, ref = parse_feature_key(key)
-                entity_ids([(ref.tenant, ref.entity)])
-            except InvalidId:
+            if key in parsed:
+                ref = parsed[key]
+            else:
+                ref = self._parse(key)
+                if len(parsed) >= PARSED_KEYS:
+                    parsed.clear()
+                parsed[key] = ref
+            if ref is None:
                 report.skipped += 1
-                continue
-            if ref.feature_set not in self.registry:
-                report.skipped += 1
-                continue
-            refs.append(ref)
+            else:
+                refs.append(ref)
         return refs
+
+    def _parse(self, key: bytes) -> EntityRef | None:
+        """The ref of a sampled key, or None if this code cannot recompute it."""
+        try:
+            version, ref = parse_feature_key(key)
+            entity_ids([(ref.tenant, ref.entity)])
+        except InvalidId:
+            return None
+        if ref.feature_set not in self.registry:
+            return None
+        if version == self.schema_version and len(self._keys) < PARSED_KEYS:
+            self._keys[ref] = key.decode()  # canonical: parse_feature_key checked it
+        return ref
+
+    def _key(self, ref: EntityRef) -> str:
+        key = self._keys.get(ref)
+        if key is None:
+            if len(self._keys) >= PARSED_KEYS:
+                self._keys.clear()
+            key = self._keys[ref] = feature_key(self.schema_version, ref)
+        return key
 
     # -- the run ------------------------------------------------------------------------
 
@@ -353,14 +386,25 @@ class Auditor:
             self.progress(run.first_checked, run.total, note)
 
     def _first_check(self, refs: list[EntityRef], run: _Run) -> None:
+        """First-check ``refs`` and, in the same read and recompute, re-check the
+        suspects that fall due before the next batch is likely to start (a pace
+        slice, or the last check's duration when running at capacity): at most
+        ``batch_size`` of them, each at most :data:`MAX_EARLY_S` early (stricter),
+        never late. One round trip to Redis and one statement per feature set serve
+        both."""
         report = run.report
         first_at = self.clock()
-        outcomes = self._check(refs, report)
-        self._spent(run, len(refs), first_at)
+        slice_s = len(refs) / self.rate if self.rate is not None else 0.0
+        early_s = min(MAX_EARLY_S, max(slice_s, run.last_check_s))
+        due = self._take_due(run, first_at + early_s, limit=self.batch_size)
+        outcomes = self._check([*refs, *(s.mismatch.ref for s in due)], report)
+        run.last_check_s = self.clock() - first_at
+        self._spent(run, len(refs) + len(due), first_at)
+        self._rechecked(due, outcomes[len(refs):], run)
         run.first_checked += len(refs)
         report.checked += len(refs)
         per_set: dict[str, int] = defaultdict(int)
-        for ref, outcome in zip(refs, outcomes, strict=True):
+        for ref, outcome in zip(refs, outcomes[:len(refs)], strict=True):
             per_set[ref.feature_set] += 1
             if outcome == "absent":
                 report.absent += 1
@@ -372,30 +416,42 @@ class Auditor:
             if self.metrics is not None:
                 self.metrics.checked_batch(name, n)
 
-    def _recheck_due(self, run: _Run) -> None:
-        """Re-check every suspect whose next grace has passed; see the module docstring."""
+    def _take_due(self, run: _Run, by: float, limit: int | None = None) -> list[Suspect]:
+        """Remove from ``pending`` the suspects due by ``by`` (the earliest ``limit``),
+        and run the ``before_recheck`` hook for them."""
         graces = run.report.graces
-        now = self.clock()
-        due = [s for s in run.pending if self._due(s, graces) <= now]
+        due = [s for s in run.pending if self._due(s, graces) <= by]
         if not due:
-            return
-        run.pending = [s for s in run.pending if self._due(s, graces) > now]
+            return []
+        if limit is not None and len(due) > limit:
+            due = sorted(due, key=lambda s: self._due(s, graces))[:limit]
+        taken = {id(s) for s in due}
+        run.pending = [s for s in run.pending if id(s) not in taken]
         if self.before_recheck is not None:
             for stage in sorted({s.stage for s in due}):
                 self.before_recheck(graces[stage], [s.mismatch for s in due if s.stage == stage])
+        return due
+
+    def _recheck_due(self, run: _Run) -> None:
+        """Re-check every suspect whose next grace has passed; see the module docstring."""
+        due = self._take_due(run, self.clock())
         for i in range(0, len(due), self.batch_size):
             chunk = due[i:i + self.batch_size]
             started = self.clock()
             outcomes = self._check([s.mismatch.ref for s in chunk], run.report)
             self._spent(run, len(chunk), started)
-            run.report.rechecks += len(chunk)
-            for suspect, outcome in zip(chunk, outcomes, strict=True):
-                if not isinstance(outcome, Mismatch):
-                    continue
-                if suspect.caught_up(outcome):
-                    run.report.caught_up += 1
-                else:
-                    self._still_inconsistent(suspect, outcome, run)
+            self._rechecked(chunk, outcomes, run)
+
+    def _rechecked(self, suspects: Sequence[Suspect], outcomes: Sequence[Outcome],
+                   run: _Run) -> None:
+        run.report.rechecks += len(suspects)
+        for suspect, outcome in zip(suspects, outcomes, strict=True):
+            if not isinstance(outcome, Mismatch):
+                continue
+            if suspect.caught_up(outcome):
+                run.report.caught_up += 1
+            else:
+                self._still_inconsistent(suspect, outcome, run)
 
     def _still_inconsistent(self, suspect: Suspect, mismatch: Mismatch, run: _Run) -> None:
         report = run.report
@@ -419,15 +475,20 @@ class Auditor:
     def _check(self, refs: Sequence[EntityRef], report: AuditReport) -> list[Outcome]:
         """Read the entries, then recompute those present, then compare."""
         started = self.clock()
-        keys = [feature_key(self.schema_version, ref) for ref in refs]
+        keys = [self._key(ref) for ref in refs]
         raws = self._read(keys, [ref.feature_set for ref in refs])
-        present: dict[str, list[EntityRef]] = defaultdict(list)
+        present: dict[str, list[tuple[str, str]]] = defaultdict(list)
         for ref, raw in zip(refs, raws, strict=True):
             if _present(raw):
-                present[ref.feature_set].append(ref)
-        batches = {name: compute(self.engine, self.registry[name],
-                                 [(r.tenant, r.entity) for r in group])
-                   for name, group in present.items()}
+                present[ref.feature_set].append((ref.tenant, ref.entity))
+        batches: dict[str, Batch] = {}
+        if present:
+            # One connection for every feature set: each statement takes its own
+            # snapshot (after the read), as compute() on the engine would.
+            with self.engine.connect() as conn:
+                for name, pairs in present.items():
+                    batches[name] = compute(conn, self.registry[name], pairs)
+                conn.rollback()
         outcomes = [self._compare(ref, key, raw, batches.get(ref.feature_set))
                     for ref, key, raw in zip(refs, keys, raws, strict=True)]
         report.busy_s += self.clock() - started
@@ -461,19 +522,29 @@ class Auditor:
             return "absent"  # (``batch`` is there for every entry that is present)
         fields = self.registry[ref.feature_set].field_names
         values = batch.values.get((ref.tenant, ref.entity))
-        # The recompute as the codec would store it: the same JSON round trip.
-        recomputed = None if values is None else dict(zip(
-            fields, orjson.loads(orjson.dumps([values[f] for f in fields])), strict=True))
         try:
             entry = decode_entry(raw, fields, self.schema_version)
         except (CorruptEntry, SchemaVersionMismatch) as exc:
-            return Mismatch(key, ref, None, recomputed, _watermark_of(raw), batch.watermark,
-                            problem=str(exc))
+            return Mismatch(key, ref, None, _stored(values, fields), _watermark_of(raw),
+                            batch.watermark, problem=str(exc))
         if entry is None:
             return "absent"
-        if recomputed is not None and all(same(entry.values[f], recomputed[f]) for f in fields):
-            return "match"
-        return Mismatch(key, ref, entry.values, recomputed, entry.watermark, batch.watermark)
+        if values is not None:
+            # The codec's JSON of both value lists: equal exactly when every field is
+            # (:func:`~pipeline.observe.consistency.same`), scalars being one token each.
+            served = orjson.dumps([entry.values[f] for f in fields])
+            if served == orjson.dumps([values[f] for f in fields]):
+                return "match"
+        return Mismatch(key, ref, entry.values, _stored(values, fields), entry.watermark,
+                        batch.watermark)
+
+
+def _stored(values: FeatureValues | None, fields: Sequence[str]) -> FeatureValues | None:
+    """A recompute as the codec would store it: the same JSON round trip."""
+    if values is None:
+        return None
+    return dict(zip(fields, orjson.loads(orjson.dumps([values[f] for f in fields])),
+                    strict=True))
 
 
 def _bytes(raw: bytes | str | None) -> bytes | None:

@@ -356,6 +356,59 @@ def test_rechecks_run_at_each_grace_after_the_first_check(
     assert report.rechecks == 3 and report.elapsed_s == 60.0
 
 
+class CountingAuditor(Auditor):
+    """An auditor that records the size of every read-and-recompute it makes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checks: list[int] = []
+
+    def _check(self, refs: Sequence[EntityRef], report: Any) -> Any:
+        self.checks.append(len(refs))
+        return super()._check(refs, report)
+
+
+def test_rechecks_ride_with_the_first_checks_never_late(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    """At 100 entries/s, batches of 10 start every 0.1 s; a suspect of the first batch
+    due 0.25 s later is re-checked with the batch of 0.2 s (whose slice holds 0.25 s),
+    in the same read and recompute, rather than alone at 0.25 s."""
+    refs = materialize(engine, store, tenant)  # 60 entries: 6 batches
+    corrupt(engine, store, refs[0], "txn_count", 999_999)
+    clock = FakeClock()
+    rechecked_at: list[float] = []
+    audit = CountingAuditor(redis_client, engine, version, rate=100, clock=clock,
+                            sleep=clock.sleep,
+                            before_recheck=lambda grace, _s: rechecked_at.append(clock.now))
+    report = audit.audit_refs(refs, graces=(0.25,))
+    assert audit.checks == [10, 10, 11, 10, 10, 10]
+    assert rechecked_at == pytest.approx([0.2])
+    assert report.rechecks == 1 and report.inconsistent == {0.25: 1}
+    # Unthrottled there is no slice: the re-check comes alone, exactly when due.
+    clock = FakeClock()
+    rechecked_at.clear()
+    audit = CountingAuditor(redis_client, engine, version, rate=None, clock=clock,
+                            sleep=clock.sleep,
+                            before_recheck=lambda grace, _s: rechecked_at.append(clock.now))
+    audit.audit_refs(refs, graces=(0.25,))
+    assert audit.checks == [60, 1] and rechecked_at == [0.25]
+
+
+def test_a_value_of_another_json_type_is_a_mismatch(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    """1.0 is not 1: the comparison is of the codec's JSON, not of Python equality."""
+    refs = materialize(engine, store, tenant)
+    target = active(store, refs)
+    entry = store.read([target])[0]
+    assert entry is not None and isinstance(entry.values["txn_count"], int)
+    corrupt(engine, store, target, "txn_count", float(entry.values["txn_count"]))
+    report = auditor(redis_client, engine, version).audit_refs(refs, graces=GRACES)
+    [m] = report.mismatches
+    assert set(m.differing) == {"txn_count"} and m.ref == target
+
+
 def test_tombstones_and_absent_entries_are_consistent(
     redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
 ) -> None:
