@@ -55,9 +55,11 @@ TICK_S = 0.01
 USERS_PER_TICK = 20
 LOADERS = 4
 """Threads sharing the rate; loader ``i`` owns the users ``u`` with ``(u - 1) % LOADERS == i``."""
+SERIES_EVERY_S = 10
+"""Lag, events sent, machine load and consumer CPU are recorded this often."""
 TARGET_CHECKS = 1_000_000
 """Six nines can only be shown from a million checks with none inconsistent."""
-FULL: dict[str, Any] = {"graces": "1s,10s,60s", "rate": 3000, "duration_s": 420,
+FULL: dict[str, Any] = {"graces": "1s,10s,60s", "rate": 3000, "duration_s": 480,
                         "sample": 2000, "warm_s": 3.0}
 QUICK: dict[str, Any] = {"graces": "1s,10s", "rate": 2000, "duration_s": 4, "sample": 1000,
                          "warm_s": 2.0}
@@ -167,6 +169,15 @@ def _child_env(ctx: common.Context, version: int) -> dict[str, str]:
             "FRESHLINE_TOPIC_PREFIX": s.topic_prefix, "FRESHLINE_AUTO_OFFSET_RESET": "earliest"}
 
 
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) a process has used so far, from /proc (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _tail(log: Any) -> str:
     log.seek(0)
     return repr(log.read()[-2000:])
@@ -190,6 +201,7 @@ def run(quick: bool) -> dict[str, Any]:
     audit: subprocess.Popen[bytes] | None = None
     load: Load | None = None
     lags: list[int] = []
+    series: list[dict[str, Any]] = []
     load_avg = [round(os.getloadavg()[0], 2)]
     try:
         common.note(f"consistency: warming the consumer, then {plan['duration_s']}s of audit "
@@ -209,6 +221,8 @@ def run(quick: bool) -> dict[str, Any]:
              "--rate", str(plan["rate"]), "--grace", str(plan["graces"]), "--json"],
             env=env, stdout=subprocess.PIPE, stderr=audit_err, start_new_session=True)
         lag_at: list[tuple[float, int, int]] = []  # (time, produced, lag)
+        started = time.monotonic()
+        consumer_cpu = _cpu_s(consumer.pid)
 
         def watch_lag() -> None:
             while audit is not None and audit.poll() is None:
@@ -216,9 +230,17 @@ def run(quick: bool) -> dict[str, Any]:
                     behind = sum(lag.measure([topic]).values())
                 except Exception:  # lag is advisory here; a failed read is a gap
                     behind = -1
+                now = time.monotonic()
                 if behind >= 0:
                     lags.append(behind)
-                    lag_at.append((time.monotonic(), load.events if load else 0, behind))
+                    lag_at.append((now, load.events if load else 0, behind))
+                if not series or now - started >= series[-1]["t_s"] + SERIES_EVERY_S:
+                    cpu = _cpu_s(consumer.pid)
+                    series.append({"t_s": round(now - started), "lag": behind,
+                                   "sent": load.events if load else 0,
+                                   "load_1m": round(os.getloadavg()[0], 2),
+                                   "consumer_cpu_s": None if cpu is None or consumer_cpu is None
+                                   else round(cpu - consumer_cpu, 1)})
                 time.sleep(1.0)  # one lag reading a second
 
         watcher = threading.Thread(target=watch_lag, daemon=True)
@@ -265,7 +287,9 @@ def run(quick: bool) -> dict[str, Any]:
             "command": (f"freshline audit --tenant T --sample {plan['sample']} --duration "
                         f"{plan['duration_s']}s --rate {plan['rate']} --grace "
                         f"{plan['graces']} --json"),
-            "machine_load_1m": {"start": load_avg[0], "end": load_avg[-1]},
+            "machine_load_1m": {"start": load_avg[0], "end": load_avg[-1],
+                                "max": max([*load_avg, *(p["load_1m"] for p in series)])},
+            "series": series,
             "warm_load": warm,
             "load": {**load_figures, "consumer_applied_per_s": applied,
                      "lag_records": {"max": max(lags, default=None),
@@ -282,6 +306,14 @@ def run(quick: bool) -> dict[str, Any]:
                       "by_grace": by_grace, "persistent": report["persistent"],
                       "persisting_mismatches": report["mismatches"][:10]},
             "targets": targets}
+
+
+def _consumer_share(res: dict[str, Any]) -> str:
+    points = [p for p in res.get("series", []) if p.get("consumer_cpu_s") is not None]
+    if len(points) < 2 or points[-1]["t_s"] <= points[0]["t_s"]:
+        return "-"
+    cpu = points[-1]["consumer_cpu_s"] - points[0]["consumer_cpu_s"]
+    return f"{cpu / (points[-1]['t_s'] - points[0]['t_s']):.0%}"
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -305,7 +337,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"({audit['capacity_per_s']:,}/s of busy time), re-checking every mismatch after "
         "each grace while the load went on. Machine load average (1 min, 2 shared "
         f"cores): {res['machine_load_1m']['start']} at the start, "
-        f"{res['machine_load_1m']['end']} at the end.",
+        f"{res['machine_load_1m']['end']} at the end, {res['machine_load_1m']['max']} at "
+        f"most; the consumer used {_consumer_share(res)} of a core.",
         "",
         common.table(["grace", "inconsistent", "nines"],
                      [(g, v["inconsistent"], ("≥ " if v["lower_bound"] else "")
