@@ -59,7 +59,7 @@ SERIES_EVERY_S = 10
 """Lag, events sent, machine load and consumer CPU are recorded this often."""
 TARGET_CHECKS = 1_000_000
 """Six nines can only be shown from a million checks with none inconsistent."""
-FULL: dict[str, Any] = {"graces": "1s,10s,60s", "rate": 3000, "duration_s": 480,
+FULL: dict[str, Any] = {"graces": "1s,10s,60s", "rate": 3000, "duration_s": 600,
                         "sample": 2000, "warm_s": 3.0}
 QUICK: dict[str, Any] = {"graces": "1s,10s", "rate": 2000, "duration_s": 4, "sample": 1000,
                          "warm_s": 2.0}
