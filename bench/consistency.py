@@ -1,18 +1,29 @@
 """Consistency under steady load: what ``freshline audit`` finds while changes stream in.
 
-The load: real changes at a fixed rate. Every 10 ms one Postgres transaction moves the
-amount of one transaction of each of 20 users (skewed: 80% of picks among 20 hot
-users), then a ``transaction.updated`` event per user is produced: 2,000 events/s for
-the window. ``freshline consume`` runs as a subprocess and applies them.
+The load: real changes at a fixed offered rate. Every 10 ms one Postgres transaction
+changes the newest transaction of each of 20 distinct users (its amount, and its IP
+to another city), then a
+``transaction.updated`` event per user is produced: 2,000 events/s. Two loader threads
+take turns, each owning half of the users (so their transactions never wait on each
+other's row locks) and drawing its 20 with 80% of draws among its 10 of the 20 hot
+users: about half the events go to the hot users, each changed 50 times a second,
+the rest spread over every user. ``freshline consume`` runs as
+a subprocess and applies the events; the consumer group's lag is read from the broker
+every second, which gives the rate it actually applied.
 
-The audit: a :class:`pipeline.observe.audit.Auditor`, unthrottled, audits the served
-entries of the run's tenant round after round while the load runs (each round: SCAN
-from a random cursor, recompute from Postgres, re-check each mismatch after 1 s and
-10 s of grace, as in production). Reported: consistency as nines at each grace over
-all rounds, the entries checked, and the mismatches that outlasted a grace (with keys
-and watermarks). The figure the README quotes is the nines at 10 s. With no
-inconsistent entry the nines are only a lower bound, log10 of the entries checked:
-six nines needs a million checks.
+The audit: ``freshline audit`` itself, as a subprocess (``--tenant --sample --duration
+--rate --grace --json``), auditing the run's tenant while the load runs: sample after
+sample by SCAN from a random cursor, recompute from Postgres, re-check each mismatch
+after 1 s, 10 s and 60 s of grace. The load goes on until the audit's last re-check,
+so every check and re-check sees the system under load. The audit's rate limit is
+set high enough to reach a million checks in the full run: with no inconsistent
+entry the nines are only a lower bound, log10 of the checks, so six nines need a
+million. Entries are sampled with replacement, so a key is checked many times, each
+check at a different moment of the load.
+
+Reported: consistency as nines at each grace, the checks, the audit's achieved and
+spare (busy-time) rate, the mismatches that outlasted a grace (with keys and
+watermarks), the events offered and applied per second and the consumer's lag.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,75 +46,115 @@ import sqlalchemy as sa
 from bench import common
 from consumers.kafka import Producer
 from pipeline.core.topics import TRANSACTION_UPDATED, qualified
-from pipeline.observe.audit import Auditor
-from pipeline.observe.consistency import AuditReport
+from pipeline.observe.staleness import GroupLag
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 HOT_USERS = 20
 HOT_SHARE = 0.8
 TICK_S = 0.01
 USERS_PER_TICK = 20
-GRACES = (1.0, 10.0)
+LOADERS = 4
+"""Threads sharing the rate; loader ``i`` owns the users ``u`` with ``(u - 1) % LOADERS == i``."""
+SERIES_EVERY_S = 10
+"""Lag, events sent, machine load and consumer CPU are recorded this often."""
+TARGET_CHECKS = 1_000_000
+"""Six nines can only be shown from a million checks with none inconsistent."""
+FULL: dict[str, Any] = {"graces": "1s,10s,60s", "rate": 3000, "duration_s": 600,
+                        "sample": 2000, "warm_s": 3.0}
+QUICK: dict[str, Any] = {"graces": "1s,10s", "rate": 2000, "duration_s": 4, "sample": 1000,
+                         "warm_s": 2.0}
 
 _MOVE = sa.text("""
-UPDATE transactions AS t SET amount = t.amount + 0.01
-FROM (SELECT DISTINCT ON (user_id) id FROM transactions
-      WHERE tenant_id = :tenant AND user_id = ANY(CAST(:users AS bigint[]))
-      ORDER BY user_id, id) AS pick
-WHERE t.id = pick.id
+UPDATE transactions AS t
+SET amount = t.amount + 0.01,
+    ip = CASE WHEN (t.amount * 100)::bigint % 2 = 0 THEN t.ip + 65536 ELSE t.ip - 65536 END
+WHERE t.tenant_id = :tenant AND t.id = ANY(ARRAY(
+    SELECT DISTINCT ON (user_id) id FROM transactions
+    WHERE tenant_id = :tenant AND user_id = ANY(CAST(:users AS bigint[]))
+    ORDER BY user_id, created_at DESC, id DESC))
 """)
+"""Each user's newest transaction: its amount moves by a cent (``txn_90d``) and its IP
+between two geoip ranges 16 apart (``geo``'s latest city), so both sets change."""
 
 
-def _users(rng: random.Random, users: int) -> list[int]:
-    return sorted({rng.randint(1, HOT_USERS) if rng.random() < HOT_SHARE
-                   else rng.randint(1, users) for _ in range(USERS_PER_TICK)})
+def _users(rng: random.Random, users: int, loader: int) -> list[int]:
+    """``USERS_PER_TICK`` distinct users of this loader's share, drawn with the skew."""
+    def own(u: int) -> int:
+        return u - (u - 1) % LOADERS + loader  # the loader's user nearest u
+
+    want = USERS_PER_TICK
+    picked: set[int] = set()
+    while len(picked) < want:
+        u = rng.randint(1, HOT_USERS) if rng.random() < HOT_SHARE else rng.randint(1, users)
+        if (u := own(u)) <= users:
+            picked.add(u)
+    return sorted(picked)
 
 
-LOADERS = 2
-"""Threads sharing the rate: one Postgres transaction at a time each."""
+class Load:
+    """The loader threads: row changes and their events at the offered rate until
+    :meth:`stop`; counts what was actually sent."""
 
+    def __init__(self, ctx: common.Context, tenant: str, users: int) -> None:
+        self.ctx, self.tenant, self.users = ctx, tenant, users
+        self.topic = qualified(ctx.settings, TRANSACTION_UPDATED)
+        self.events = self.rows_changed = self.failed = 0
+        self.touched: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.started = self.stopped = 0.0
 
-def _load(ctx: common.Context, tenant: str, users: int, window: float,
-          stop: threading.Event) -> dict[str, Any]:
-    """Change rows and send their events at the fixed rate for ``window`` seconds."""
-    topic = qualified(ctx.settings, TRANSACTION_UPDATED)
-    counts = {"events": 0, "rows_changed": 0}
-    touched: set[int] = set()
-    lock = threading.Lock()
+    def start(self, window_s: float = math.inf) -> Load:
+        self.started = time.monotonic()
+        self._threads = [threading.Thread(target=self._loader, args=(n, window_s), daemon=True)
+                         for n in range(LOADERS)]
+        for thread in self._threads:
+            thread.start()
+        return self
 
-    def loader(seed: int) -> None:
-        rng = random.Random(seed)
-        with Producer(ctx.settings, **{"linger.ms": 2}) as producer:
-            for i in common.paced(1 / TICK_S / LOADERS, window):
-                if stop.is_set():
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(60)
+        self.stopped = time.monotonic()
+        seconds = self.stopped - self.started
+        return {"events": self.events, "rows_changed": self.rows_changed,
+                "failed_transactions": self.failed, "users_touched": len(self.touched),
+                "seconds": round(seconds, 1),
+                "offered_per_s": round(USERS_PER_TICK / TICK_S),
+                "events_per_s": round(self.events / seconds)}
+
+    def wait(self) -> dict[str, Any]:
+        for thread in self._threads:
+            thread.join()
+        return self.stop()
+
+    def _loader(self, index: int, window_s: float) -> None:
+        rng = random.Random(13 + index)
+        with Producer(self.ctx.settings, **{"linger.ms": 2}) as producer:
+            for i in common.paced(1 / TICK_S / LOADERS, window_s):
+                if self._stop.is_set():
                     break
-                picked = _users(rng, users)
+                picked = _users(rng, self.users, index)
                 try:
-                    with ctx.engine.begin() as conn:
-                        changed = conn.execute(_MOVE, {"tenant": tenant,
+                    with self.ctx.engine.begin() as conn:
+                        changed = conn.execute(_MOVE, {"tenant": self.tenant,
                                                        "users": picked}).rowcount
-                except sa.exc.OperationalError:  # a deadlock with the other loader
+                except sa.exc.OperationalError:
+                    with self._lock:
+                        self.failed += 1
                     continue
                 for user in picked:
-                    producer.produce(topic, f'{{"tenant":"{tenant}","user_id":{user},'
-                                            f'"transaction_id":{i}}}'.encode(),
-                                     f"{tenant}:{user}".encode())
+                    producer.produce(self.topic, f'{{"tenant":"{self.tenant}","user_id":{user},'
+                                                 f'"transaction_id":{i}}}'.encode(),
+                                     f"{self.tenant}:{user}".encode())
                 producer.inner.poll(0)
-                with lock:
-                    counts["events"] += len(picked)
-                    counts["rows_changed"] += changed
-                    touched.update(picked)
+                with self._lock:
+                    self.events += len(picked)
+                    self.rows_changed += changed
+                    self.touched.update(picked)
             producer.flush()
-
-    started = time.monotonic()
-    threads = [threading.Thread(target=loader, args=(13 + n,)) for n in range(LOADERS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    seconds = time.monotonic() - started
-    return {**counts, "users_touched": len(touched), "seconds": round(seconds, 1),
-            "events_per_s": round(counts["events"] / seconds)}
 
 
 def _entries(ctx: common.Context, version: int, tenant: str) -> int:
@@ -110,93 +162,183 @@ def _entries(ctx: common.Context, version: int, tenant: str) -> int:
     return sum(1 for _ in ctx.redis.scan_iter(match=pattern, count=1000))
 
 
+def _child_env(ctx: common.Context, version: int) -> dict[str, str]:
+    s = ctx.settings
+    return {**os.environ, "FRESHLINE_POSTGRES_URL": s.postgres_url,
+            "FRESHLINE_REDIS_URL": s.redis_url, "FRESHLINE_SCHEMA_VERSION": str(version),
+            "FRESHLINE_TOPIC_PREFIX": s.topic_prefix, "FRESHLINE_AUTO_OFFSET_RESET": "earliest"}
+
+
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) a process has used so far, from /proc (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _tail(log: Any) -> str:
+    log.seek(0)
+    return repr(log.read()[-2000:])
+
+
 def run(quick: bool) -> dict[str, Any]:
     ctx = common.context(quick)
     data = ctx.dataset()
     version = ctx.schema_version()
     ctx.kafka_topics()
-    window = 8.0 if quick else 240.0
-    graces = GRACES
-    settings = ctx.settings
-    env = {**os.environ, "FRESHLINE_POSTGRES_URL": settings.postgres_url,
-           "FRESHLINE_REDIS_URL": settings.redis_url,
-           "FRESHLINE_SCHEMA_VERSION": str(version),
-           "FRESHLINE_TOPIC_PREFIX": settings.topic_prefix,
-           "FRESHLINE_AUTO_OFFSET_RESET": "earliest"}
-    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
-    group = f"{settings.consumer_group}-consistency-{version}"
-    proc = subprocess.Popen([FRESHLINE, "consume", "--topics",
-                             qualified(settings, TRANSACTION_UPDATED), "--group", group,
-                             "--metrics-port", "0"], env=env, stdout=log, stderr=log,
-                            start_new_session=True)
-    stop = threading.Event()
-    report: list[AuditReport] = []
+    plan = QUICK if quick else FULL
+    env = _child_env(ctx, version)
+    group = f"{ctx.settings.consumer_group}-consistency-{version}"
+    topic = qualified(ctx.settings, TRANSACTION_UPDATED)
+    lag = GroupLag(ctx.settings_for(consumer_group=group))
+    consumer_log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
+    audit_err = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
+    consumer = subprocess.Popen([FRESHLINE, "consume", "--topics", topic, "--group", group,
+                                 "--metrics-port", "0"], env=env, stdout=consumer_log,
+                                stderr=consumer_log, start_new_session=True)
+    audit: subprocess.Popen[bytes] | None = None
+    load: Load | None = None
+    lags: list[int] = []
+    series: list[dict[str, Any]] = []
+    load_avg = [round(os.getloadavg()[0], 2)]
     try:
-        common.note(f"consistency: warming the consumer, then {window:.0f}s of load")
-        warm = _load(ctx, data.tenant, data.users, 3.0, stop)  # entries to audit
+        common.note(f"consistency: warming the consumer, then {plan['duration_s']}s of audit "
+                    f"under load, and its last re-checks")
+        warm = Load(ctx, data.tenant, data.users).start(plan["warm_s"]).wait()
         wanted = 2 * warm["users_touched"]  # txn_90d and geo per user
         deadline = time.monotonic() + 120
         while _entries(ctx, version, data.tenant) < wanted:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
+            if consumer.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the consumer did not apply the warm-up: "
-                                   f"{log.read()[-2000:]!r}")
+                                   f"{_tail(consumer_log)}")
             time.sleep(0.5)  # polling while the consumer joins and applies
-        auditor = Auditor(ctx.new_redis(), ctx.engine, version, rate=None, batch_size=1000)
-        loading = threading.Event()
-        loading.set()
+        load = Load(ctx, data.tenant, data.users).start()
+        audit = subprocess.Popen(
+            [FRESHLINE, "audit", "--version", str(version), "--tenant", data.tenant,
+             "--sample", str(plan["sample"]), "--duration", f"{plan['duration_s']}s",
+             "--rate", str(plan["rate"]), "--grace", str(plan["graces"]), "--json"],
+            env=env, stdout=subprocess.PIPE, stderr=audit_err, start_new_session=True)
+        lag_at: list[tuple[float, int, int]] = []  # (time, produced, lag)
+        started = time.monotonic()
+        consumer_cpu = _cpu_s(consumer.pid)
 
-        def audit() -> None:
-            while loading.is_set():
-                report.append(auditor.audit_sample(10 * data.users, tenant=data.tenant,
-                                                   graces=graces))
+        def watch_lag() -> None:
+            while audit is not None and audit.poll() is None:
+                try:
+                    behind = sum(lag.measure([topic]).values())
+                except Exception:  # lag is advisory here; a failed read is a gap
+                    behind = -1
+                now = time.monotonic()
+                if behind >= 0:
+                    lags.append(behind)
+                    lag_at.append((now, load.events if load else 0, behind))
+                if not series or now - started >= series[-1]["t_s"] + SERIES_EVERY_S:
+                    cpu = _cpu_s(consumer.pid)
+                    series.append({"t_s": round(now - started), "lag": behind,
+                                   "sent": load.events if load else 0,
+                                   "load_1m": round(os.getloadavg()[0], 2),
+                                   "consumer_cpu_s": None if cpu is None or consumer_cpu is None
+                                   else round(cpu - consumer_cpu, 1)})
+                time.sleep(1.0)  # one lag reading a second
 
-        checker = threading.Thread(target=audit, daemon=True)
-        checker.start()
-        load = _load(ctx, data.tenant, data.users, window, stop)
-        loading.clear()
-        common.note(f"consistency: load done ({load['events_per_s']:,} events/s); "
-                    f"waiting for the last round's {graces[-1]:.0f}s re-checks")
-        checker.join(timeout=600)
-        if not report:
-            raise RuntimeError("the audit did not finish")
+        watcher = threading.Thread(target=watch_lag, daemon=True)
+        watcher.start()
+        out, _ = audit.communicate(timeout=plan["duration_s"] + 600)
+        load_figures = load.stop()
+        watcher.join(10)
+        if audit.returncode not in (0, 1):
+            raise RuntimeError(f"freshline audit failed ({audit.returncode}): {_tail(audit_err)}")
+        report = orjson.loads(out)
+        entries = _entries(ctx, version, data.tenant)
+        load_avg.append(round(os.getloadavg()[0], 2))
     finally:
-        stop.set()
-        common.stop_process(proc)
-        log.close()
-    checked = sum(r.checked for r in report)
+        if load is not None:
+            load.stop()
+        if audit is not None and audit.poll() is None:
+            common.stop_process(audit)
+        common.stop_process(consumer)
+        lag.close()
+        consumer_log.close()
+        audit_err.close()
+
+    checked = report["checked"]
     by_grace: dict[str, Any] = {}
-    for grace in graces:
-        bad = sum(r.result(grace).inconsistent for r in report)
+    for g in report["graces"]:
+        bad = g["inconsistent"]
         nines = -math.log10(bad / checked) if bad else math.log10(max(checked, 1))
-        by_grace[f"{grace:g}s"] = {"inconsistent": bad, "nines": round(nines, 2),
-                                   "lower_bound": not bad}
-    mismatches = [m for r in report for m in r.as_json()["mismatches"]][:10]
-    targets = [common.target("audit consistency at 10 s grace under load",
-                             by_grace["10s"]["nines"], ">=", 6, "nines")]
+        by_grace[g["grace"]] = {"inconsistent": bad, "nines": round(nines, 2),
+                                "lower_bound": not bad}
+    applied = None
+    if len(lag_at) >= 2:  # events applied between the first and last lag reading
+        (t0, p0, l0), (t1, p1, l1) = lag_at[0], lag_at[-1]
+        applied = round(((p1 - l1) - (p0 - l0)) / (t1 - t0))
+    ten = by_grace.get("10s", {}).get("nines")
+    targets = [common.target("audit consistency at 10 s grace under load", ten, ">=", 6,
+                             "nines"),
+               common.target("audit checks (six nines need 1,000,000)", checked, ">=",
+                             TARGET_CHECKS)]
     return {"parameters": {"tick_s": TICK_S, "users_per_tick": USERS_PER_TICK,
                            "hot_users": HOT_USERS, "hot_share": HOT_SHARE,
-                           "window_s": window, "graces_s": list(graces)},
-            "warm_load": warm, "load": load,
-            "audit": {"rounds": len(report), "checked": checked,
-                      "absent": sum(r.absent for r in report),
-                      "entries_per_s": round(checked / max(load["seconds"], 1e-9)),
-                      "by_grace": by_grace, "persisting_mismatches": mismatches},
+                           "loaders": LOADERS, "users": data.users,
+                           "audit_rate": plan["rate"], "audit_sample": plan["sample"],
+                           "audit_duration_s": plan["duration_s"], "graces": plan["graces"]},
+            "command": (f"freshline audit --tenant T --sample {plan['sample']} --duration "
+                        f"{plan['duration_s']}s --rate {plan['rate']} --grace "
+                        f"{plan['graces']} --json"),
+            "machine_load_1m": {"start": load_avg[0], "end": load_avg[-1],
+                                "max": max([*load_avg, *(p["load_1m"] for p in series)])},
+            "series": series,
+            "warm_load": warm,
+            "load": {**load_figures, "consumer_applied_per_s": applied,
+                     "lag_records": {"max": max(lags, default=None),
+                                     "median": (statistics.median(lags) if lags else None)}},
+            "audit": {"checked": checked, "samples": report["samples"],
+                      "absent": report["absent"], "suspects": report["suspects"],
+                      "rechecks": report["rechecks"], "caught_up": report["caught_up"],
+                      "entries_in_namespace": entries,
+                      "checks_per_entry": round(checked / max(entries, 1), 1),
+                      "checking_s": round(report["checking_s"], 1),
+                      "elapsed_s": round(report["elapsed_s"], 1),
+                      "entries_per_s": round(report["entries_per_s"]),
+                      "capacity_per_s": round(report["capacity_per_s"]),
+                      "by_grace": by_grace, "persistent": report["persistent"],
+                      "persisting_mismatches": report["mismatches"][:10]},
             "targets": targets}
 
 
+def _consumer_share(res: dict[str, Any]) -> str:
+    points = [p for p in res.get("series", []) if p.get("consumer_cpu_s") is not None]
+    if len(points) < 2 or points[-1]["t_s"] <= points[0]["t_s"]:
+        return "-"
+    cpu = points[-1]["consumer_cpu_s"] - points[0]["consumer_cpu_s"]
+    return f"{cpu / (points[-1]['t_s'] - points[0]['t_s']):.0%}"
+
+
 def markdown(res: dict[str, Any]) -> str:
-    audit = res["audit"]
-    p, load = res["parameters"], res["load"]
+    audit, p, load = res["audit"], res["parameters"], res["load"]
+    applied = load.get("consumer_applied_per_s")
+    lag = load.get("lag_records", {})
     lines = [
         "## consistency: `freshline audit` under steady load",
         "",
-        f"{load['events_per_s']:,} events/s for {p['window_s']:.0f} s, each event a real "
-        f"row change ({p['users_per_tick']} users per Postgres transaction every "
-        f"{p['tick_s'] * 1000:.0f} ms, {p['hot_share']:.0%} among {p['hot_users']} hot "
-        f"users), applied by `freshline consume`. Meanwhile the auditor checked "
-        f"{audit['checked']:,} served entries in {audit['rounds']} rounds, recomputing "
-        "each and re-checking every mismatch after each grace.",
+        f"{load['offered_per_s']:,} events/s offered, {load['events_per_s']:,} sent for "
+        f"{load['seconds']:.0f} s, each a change to a user's newest transaction "
+        f"({p['users_per_tick']} distinct users per Postgres transaction every "
+        f"{p['tick_s'] * 1000:.0f} ms, drawn {p['hot_share']:.0%} from {p['hot_users']} hot "
+        f"users of {p['users']:,}; {load['rows_changed']:,} rows changed, the rest were "
+        "users without transactions), applied by `freshline consume` at "
+        f"{'-' if applied is None else f'{applied:,}'} events/s (lag: median "
+        f"{common.fmt(lag.get('median'))}, max {common.fmt(lag.get('max'))} records). "
+        f"Meanwhile `{res['command']}` checked {audit['checked']:,} served entries "
+        f"({audit['entries_in_namespace']:,} in the namespace, so about "
+        f"{audit['checks_per_entry']:g} checks each) at {audit['entries_per_s']:,}/s "
+        f"({audit['capacity_per_s']:,}/s of busy time), re-checking every mismatch after "
+        "each grace while the load went on. Machine load average (1 min, 2 shared "
+        f"cores): {res['machine_load_1m']['start']} at the start, "
+        f"{res['machine_load_1m']['end']} at the end, {res['machine_load_1m']['max']} at "
+        f"most; the consumer used {_consumer_share(res)} of a core.",
         "",
         common.table(["grace", "inconsistent", "nines"],
                      [(g, v["inconsistent"], ("≥ " if v["lower_bound"] else "")
@@ -209,3 +351,4 @@ def markdown(res: dict[str, Any]) -> str:
         common.targets_table(res["targets"]),
     ]
     return "\n".join(lines) + "\n"
+

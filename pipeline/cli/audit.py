@@ -32,15 +32,18 @@ NAME_WIDTH = 20
 VALUE_WIDTH = 27
 
 
+def parse_duration(text: str, option: str, example: str) -> float:
+    """``500ms``, ``10s``, ``2m`` or plain seconds, as seconds."""
+    m = _DURATION.match(text.strip())
+    if not m:
+        raise typer.BadParameter(f"durations such as {example}", param_hint=option)
+    return float(m["n"]) * _UNITS[m["unit"]]
+
+
 def parse_graces(text: str) -> tuple[float, ...]:
     """``1s,10s,60s`` (also ``500ms``, ``2m``, plain seconds) as seconds."""
-    graces: list[float] = []
-    for part in text.split(","):
-        m = _DURATION.match(part.strip())
-        if not m:
-            raise typer.BadParameter("durations such as 1s,10s,60s", param_hint="--grace")
-        graces.append(float(m["n"]) * _UNITS[m["unit"]])
-    return tuple(sorted(set(graces)))
+    return tuple(sorted({parse_duration(part, "--grace", "1s,10s,60s")
+                         for part in text.split(",")}))
 
 
 def read_keys(path: Path) -> list[str]:
@@ -92,6 +95,12 @@ def summary_lines(report: AuditReport, source: str) -> list[str]:
         f"            {report.absent:,} absent or tombstoned, {report.suspects:,} mismatched "
         "at first check",
     ]
+    if report.caught_up:
+        lines.append(f"            {report.caught_up:,} healed by catching up while they changed "
+                     "again")
+    if report.samples > 1:
+        lines.append(f"            in {report.samples:,} samples (a key sampled twice is "
+                     "checked twice)")
     if report.skipped:
         lines.append(f"            {report.skipped:,} sampled keys skipped (not this code's)")
     lines += [
@@ -112,12 +121,14 @@ def summary_lines(report: AuditReport, source: str) -> list[str]:
     if report.consistent:
         lines.append(f"no mismatch persisted past {last}")
         return lines
-    lines.append(f"{len(report.mismatches):,} mismatched after {last} (persistent):")
+    lines.append(f"{report.persistent:,} mismatched after {last} (persistent):")
     for m in report.mismatches[:SHOWN_MISMATCHES]:
         lines += ["", *mismatch_lines(m)]
-    hidden = len(report.mismatches) - SHOWN_MISMATCHES
+    hidden = report.persistent - SHOWN_MISMATCHES
     if hidden > 0:
-        lines += ["", f"... and {hidden:,} more (--json lists them all)"]
+        listed = len(report.mismatches)
+        lines += ["", f"... and {hidden:,} more (--json lists "
+                  + ("them all)" if listed == report.persistent else f"the first {listed:,})")]
     return lines
 
 
@@ -125,6 +136,9 @@ def audit(
     sample: Annotated[int | None, typer.Option(
         "--sample", min=1, help="Entries to sample by SCAN from a random cursor "
                                 "[default: 1000]")] = None,
+    duration: Annotated[str | None, typer.Option(
+        "--duration", help="Keep taking samples until this long has passed (10m, 600s), "
+                           "then wait out the re-checks")] = None,
     feature_set: Annotated[str | None, typer.Option(
         "--feature-set", help="Sample only this feature set")] = None,
     tenant: Annotated[str | None, typer.Option("--tenant", help="Sample only this tenant")] = None,
@@ -164,9 +178,10 @@ def audit(
     from pipeline.observe.audit_metrics import audit_metrics
 
     graces = parse_graces(grace)
-    if keys_file is not None and (sample or feature_set or tenant):
+    duration_s = None if duration is None else parse_duration(duration, "--duration", "10m")
+    if keys_file is not None and (sample or feature_set or tenant or duration):
         raise typer.BadParameter("--keys-file audits exactly its keys; --sample, "
-                                 "--feature-set and --tenant choose keys by SCAN")
+                                 "--feature-set, --tenant and --duration choose keys by SCAN")
     if feature_set is not None:
         REGISTRY[feature_set]
     settings = load_settings()
@@ -199,7 +214,7 @@ def audit(
     with progress_bar() as bar:
         task = bar.add_task(f"audit v{version}", total=None)
 
-        def progress(done: int, total: int, note: str) -> None:
+        def progress(done: int, total: int | None, note: str) -> None:
             bar.update(task, completed=done, total=total,
                        description=note or f"audit v{version}")
 
@@ -212,11 +227,14 @@ def audit(
         else:
             want = sample or 1000
             report = auditor.audit_sample(want, feature_set=feature_set, tenant=tenant,
-                                          graces=graces)
+                                          graces=graces, duration_s=duration_s)
             scope = " and ".join(f"{k} {v}" for k, v in (("feature set", feature_set),
                                                            ("tenant", tenant)) if v)
             source = f"up to {want:,} keys by SCAN ({scope or 'all feature sets'})"
-            chosen = {"sample": want, "feature_set": feature_set, "tenant": tenant}
+            if duration_s is not None:
+                source = f"samples of {source.removeprefix('up to ')} for {duration}"
+            chosen = {"sample": want, "feature_set": feature_set, "tenant": tenant,
+                      "duration_s": duration_s}
     engine.dispose()
     if json_out:
         typer.echo(json.dumps({"source": chosen, **report.as_json()}, indent=2))
@@ -225,7 +243,7 @@ def audit(
             out.print(line, markup=False)
     if not report.consistent:
         if not json_out:
-            n = len(report.mismatches)
+            n = report.persistent
             console.print(f"{n:,} persistent mismatch{'' if n == 1 else 'es'}")
         raise typer.Exit(1)
 

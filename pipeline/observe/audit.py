@@ -2,7 +2,9 @@
 
 :class:`Auditor` takes entries (a random SCAN sample of one schema version's
 namespace, a list of keys, or a list of entity refs) and checks each against a
-recompute from Postgres. One check of a batch, in this order:
+recompute from Postgres. Given a duration, it keeps sampling until the duration has
+passed, as a continuous audit does, re-checking earlier suspects as they fall due
+while it goes on with first checks. One check of a batch, in this order:
 
 1. read every entry of the batch (pipelined MGETs, one round trip);
 2. recompute the entries that exist: one :func:`~pipeline.cache.recompute.compute` per
@@ -15,16 +17,32 @@ recompute from Postgres. One check of a batch, in this order:
 A change committed between steps 1 and 3 that a consumer has not yet applied makes a
 correct pipeline look wrong for a moment, so a mismatch is only a suspect. It is
 checked again, entry and recompute both, after each grace period (by default 1 s,
-10 s and 60 s after its first check); once it matches (or is gone) it is consistent
-at that grace and every longer one. A mismatch that persists past the last grace is
-reported with both values and both watermarks. Between the first check and each
-re-check the ``before_recheck`` hook runs, which lets tests decide deterministically
-what the re-check sees.
+10 s and 60 s after its first check). It is consistent at that grace, and every
+longer one, once
+
+* it matches the new recompute, or is gone; or
+* it has *caught up*: the entry was rewritten since the first check, under a
+  watermark at least that of the first check's recompute (so it was computed from a
+  snapshot that saw everything the first check's snapshot saw: see
+  :mod:`pipeline.cache.recompute`), and below the re-check's own recompute, which
+  was taken after the entry was read. It then differs only by changes newer than the
+  first check: the change that was in flight has landed, and newer ones are in
+  flight. Without this an entity that changes faster than the pipeline's latency
+  would never match at any instant, however fresh its entries are.
+
+An entry whose watermark is at or above a recompute taken after it was read, and
+which differs from it, claims to have seen what it cannot have: it never heals by
+catching up, nor does an entry left unchanged since the first check. What a re-check
+cannot verify is the values of a newer entry that differs again; they are checked
+when a later sample finds the entity quiet. A mismatch that persists past the last
+grace is reported with both values and both watermarks. Between the first check and
+each re-check the ``before_recheck`` hook runs, which lets tests decide
+deterministically what the re-check sees.
 
 Safe on a live system: reads only, never writes Redis; Postgres sees set-based
 queries of at most a tenth of a second's worth of entries at the configured rate
-(500 entries/s by default, re-checks included); SCAN walks from a random cursor,
-never KEYS.
+(500 entries/s by default, re-checks included, and no catching up above the rate
+after a stall); SCAN walks from a random cursor, never KEYS.
 """
 
 from __future__ import annotations
@@ -34,7 +52,7 @@ import math
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Literal
 
@@ -55,8 +73,8 @@ from pipeline.core.keys import (
     parse_feature_key,
     validate_id,
 )
-from pipeline.core.types import EntityRef, Watermark
-from pipeline.observe.consistency import AuditReport, Mismatch, grace_label, same
+from pipeline.core.types import EntityRef, FeatureValues, Watermark
+from pipeline.observe.consistency import AuditReport, Mismatch, grace_label
 from pipeline.observe.staleness import scan_sample
 
 if TYPE_CHECKING:
@@ -73,11 +91,21 @@ MGET_CHUNK: Final = 100
 PACE_SLICES: Final = 10
 """A batch holds at most 1/PACE_SLICES of a second's worth of the rate."""
 MAX_SCAN_CALLS: Final = 100_000
+PARSED_KEYS: Final = 100_000
+"""Sampled keys remembered as parsed (a continuous audit samples the same keys again);
+the memory is cleared when full."""
+KEPT_MISMATCHES: Final = 1000
+"""Persistent mismatches kept in full in a report; every one is counted."""
+MAX_EARLY_S: Final = 1 / PACE_SLICES
+"""How early a re-check may ride along with a batch of first checks."""
+EMPTY_ROUND_WAIT_S: Final = 1.0
+"""How long a timed audit waits after a sample that found no entry."""
 
 RecheckHook = Callable[[float, Sequence[Mismatch]], None]
 """Called with ``(grace_s, suspects)`` just before those suspects are re-checked."""
-ProgressHook = Callable[[int, int, str], None]
-"""Called with ``(first checks done, total, note)`` after each batch and while waiting."""
+ProgressHook = Callable[[int, int | None, str], None]
+"""Called with ``(first checks done, total, note)`` after each batch and while waiting;
+``total`` is None in a timed audit."""
 
 Outcome = Mismatch | Literal["absent", "match"]
 
@@ -100,21 +128,44 @@ def check_graces(graces: Iterable[float]) -> tuple[float, ...]:
 
 
 @dataclass(slots=True)
-class _Suspect:
+class Suspect:
+    """A mismatch found at a first check, waiting for its re-checks."""
+
     mismatch: Mismatch
+    """As last checked."""
     first_at: float
+    first_served: Watermark
+    """The entry's watermark at the first check (-1 if it had none)."""
+    target: Watermark
+    """The first check's recompute watermark: what the entry has to catch up with."""
     stage: int = 0
     """Index of the grace this suspect is re-checked at next."""
+
+    @classmethod
+    def of(cls, mismatch: Mismatch, first_at: float) -> Suspect:
+        served = mismatch.served_watermark
+        return cls(mismatch, first_at, -1 if served is None else served,
+                   mismatch.recomputed_watermark)
+
+    def caught_up(self, now: Mismatch) -> bool:
+        """Rewritten since the first check from a snapshot that saw what its recompute
+        saw, and not claiming more than the re-check's recompute (see the module
+        docstring)."""
+        served = now.served_watermark
+        return (now.problem is None and served is not None and served > self.first_served
+                and self.target <= served < now.recomputed_watermark)
 
 
 @dataclass(slots=True)
 class _Run:
     report: AuditReport
-    total: int
+    total: int | None
     started: float
-    pending: list[_Suspect] = field(default_factory=list)
-    paced: int = 0
-    """Entries read so far, first checks and re-checks: what the rate limit counts."""
+    pending: list[Suspect] = field(default_factory=list)
+    next_at: float = -math.inf
+    """When the rate allows the next batch (see :meth:`Auditor._spent`)."""
+    last_check_s: float = 0.0
+    """How long the last first check took: when the next batch starts, at capacity."""
     first_checked: int = 0
 
 
@@ -148,6 +199,9 @@ class Auditor:
         self.progress = progress
         self.clock = clock
         self.sleep = sleep
+        self._parsed: dict[bytes, EntityRef | None] = {}
+        """Sampled key -> its ref, or None if this code cannot audit it."""
+        self._keys: dict[EntityRef, str] = {}
 
     # -- what to audit ----------------------------------------------------------------
 
@@ -158,7 +212,8 @@ class Auditor:
         for ref in wanted:
             self.registry[ref.feature_set]
             entity_ids([(ref.tenant, ref.entity)])
-        return self._run(wanted, check_graces(graces))
+        run = self._start(check_graces(graces), total=len(wanted))
+        return self._run(run, self._batches(wanted))
 
     def audit_keys(self, keys: Iterable[str | bytes],
                    graces: Sequence[float] = DEFAULT_GRACES) -> AuditReport:
@@ -174,48 +229,124 @@ class Auditor:
 
     def audit_sample(self, n: int, *, feature_set: str | None = None, tenant: str | None = None,
                      graces: Sequence[float] = DEFAULT_GRACES,
-                     rng: random.Random | None = None) -> AuditReport:
+                     rng: random.Random | None = None,
+                     duration_s: float | None = None) -> AuditReport:
         """Audit up to ``n`` keys walked by SCAN from a random cursor.
+
+        With ``duration_s``, keep auditing samples of ``n`` (each from a new random
+        cursor) until that long has passed, then wait out the last re-checks. Suspects
+        are re-checked as they fall due while first checks go on, so a long run checks
+        at its rate throughout. A key sampled twice is checked twice.
 
         Keys this code cannot recompute (a feature set it does not know, an entity id
         that is not a user id) are counted in ``skipped``, not audited.
         """
         if feature_set is not None:
             self.registry[feature_set]
+        if duration_s is not None and not (math.isfinite(duration_s) and duration_s >= 0):
+            raise ConfigError(f"an audit's duration is 0 s or more, not {duration_s}")
         checked_graces = check_graces(graces)
         pattern = sample_pattern(self.schema_version, feature_set, tenant)
-        keys, _, _ = scan_sample(self.redis, pattern, want=n, max_calls=MAX_SCAN_CALLS,
-                                 rng=rng)
+        rng = rng or random.Random()
+        if duration_s is None:
+            report = self._report(checked_graces)
+            refs = self._sample(n, pattern, rng, report)
+            run = self._start(checked_graces, total=len(refs), report=report)
+            return self._run(run, self._batches(refs))
+        run = self._start(checked_graces, total=None)
+        return self._run(run, self._samples(n, pattern, rng, run, run.started + duration_s))
+
+    def _batches(self, refs: list[EntityRef]) -> Iterator[list[EntityRef]]:
+        size = self.batch_size
+        return (refs[i:i + size] for i in range(0, len(refs), size))
+
+    def _samples(self, n: int, pattern: str, rng: random.Random, run: _Run,
+                 until: float) -> Iterator[list[EntityRef]]:
+        """Batches of samples taken one after another while the next batch would start
+        before ``until``. An empty batch stands for a sample that found nothing to
+        audit (see :meth:`_run`)."""
+        def before_until() -> bool:
+            return max(self.clock(), run.next_at) < until
+
+        while before_until():
+            refs = self._sample(n, pattern, rng, run.report)
+            if not refs:
+                yield []
+            for batch in self._batches(refs):
+                if not before_until():
+                    return
+                yield batch
+
+    def _sample(self, n: int, pattern: str, rng: random.Random,
+                report: AuditReport) -> list[EntityRef]:
+        """Up to ``n`` auditable refs by SCAN from a random cursor; the rest are skipped."""
+        keys, _, _ = scan_sample(self.redis, pattern, want=n, max_calls=MAX_SCAN_CALLS, rng=rng)
+        report.samples += 1
+        return self._auditable(keys, report)
+
+    def _auditable(self, keys: Iterable[bytes], report: AuditReport) -> list[EntityRef]:
         refs: list[EntityRef] = []
-        skipped = 0
+        parsed = self._parsed
         for key in keys:
-            try:
-                _, ref = parse_feature_key(key)
-                entity_ids([(ref.tenant, ref.entity)])
-            except InvalidId:
-                skipped += 1
-                continue
-            if ref.feature_set not in self.registry:
-                skipped += 1
-                continue
-            refs.append(ref)
-        report = self._run(refs, checked_graces)
-        report.skipped = skipped
-        return report
+            if key in parsed:
+                ref = parsed[key]
+            else:
+                ref = self._parse(key)
+                if len(parsed) >= PARSED_KEYS:
+                    parsed.clear()
+                parsed[key] = ref
+            if ref is None:
+                report.skipped += 1
+            else:
+                refs.append(ref)
+        return refs
+
+    def _parse(self, key: bytes) -> EntityRef | None:
+        """The ref of a sampled key, or None if this code cannot recompute it."""
+        try:
+            version, ref = parse_feature_key(key)
+            entity_ids([(ref.tenant, ref.entity)])
+        except InvalidId:
+            return None
+        if ref.feature_set not in self.registry:
+            return None
+        if version == self.schema_version and len(self._keys) < PARSED_KEYS:
+            self._keys[ref] = key.decode()  # canonical: parse_feature_key checked it
+        return ref
+
+    def _key(self, ref: EntityRef) -> str:
+        key = self._keys.get(ref)
+        if key is None:
+            if len(self._keys) >= PARSED_KEYS:
+                self._keys.clear()
+            key = self._keys[ref] = feature_key(self.schema_version, ref)
+        return key
 
     # -- the run ------------------------------------------------------------------------
 
-    def _run(self, refs: list[EntityRef], graces: tuple[float, ...]) -> AuditReport:
-        report = AuditReport(self.schema_version, graces, rate=self.rate,
-                             inconsistent=dict.fromkeys(graces, 0))
-        run = _Run(report, total=len(refs), started=self.clock())
-        for i in range(0, len(refs), self.batch_size):
-            batch = refs[i:i + self.batch_size]
-            self._wait_until(self._paced_at(run), run)
+    def _report(self, graces: tuple[float, ...]) -> AuditReport:
+        return AuditReport(self.schema_version, graces, rate=self.rate,
+                           inconsistent=dict.fromkeys(graces, 0))
+
+    def _start(self, graces: tuple[float, ...], total: int | None,
+               report: AuditReport | None = None) -> _Run:
+        return _Run(report or self._report(graces), total=total, started=self.clock())
+
+    def _run(self, run: _Run, batches: Iterable[list[EntityRef]]) -> AuditReport:
+        """First-check each batch at the paced rate, re-checking suspects as they fall
+        due; then wait out the re-checks still pending. An empty batch (a sample that
+        found nothing) waits :data:`EMPTY_ROUND_WAIT_S` before the next sample."""
+        report = run.report
+        for batch in batches:
+            if not batch:
+                self._wait_until(self.clock() + EMPTY_ROUND_WAIT_S, run)
+                continue
+            self._wait_until(run.next_at, run)
             self._first_check(batch, run)
             self._recheck_due(run)
             self._progress(run, "")
         report.checking_s = self.clock() - run.started
+        graces = report.graces
         while run.pending:
             self._progress(run, f"{len(run.pending)} to re-check")
             self._wait_until(min(self._due(s, graces) for s in run.pending), run)
@@ -225,12 +356,18 @@ class Auditor:
             self.metrics.finished(report)
         return report
 
-    def _paced_at(self, run: _Run) -> float:
-        """When the rate allows the next batch: ``started + paced / rate``."""
-        return -math.inf if self.rate is None else run.started + run.paced / self.rate
+    def _spent(self, run: _Run, n: int, started: float) -> None:
+        """Count ``n`` entries read by a check begun at ``started`` against the rate.
+
+        The next batch may start ``n / rate`` after this one did, or after the last
+        allowance ran out if that is later: time spent stalled (a slow Postgres, a
+        re-check burst) builds no credit, so a run never catches up above its rate.
+        """
+        if self.rate is not None:
+            run.next_at = max(run.next_at, started) + n / self.rate
 
     @staticmethod
-    def _due(suspect: _Suspect, graces: tuple[float, ...]) -> float:
+    def _due(suspect: Suspect, graces: tuple[float, ...]) -> float:
         return suspect.first_at + graces[suspect.stage]
 
     def _wait_until(self, when: float, run: _Run) -> None:
@@ -249,46 +386,74 @@ class Auditor:
             self.progress(run.first_checked, run.total, note)
 
     def _first_check(self, refs: list[EntityRef], run: _Run) -> None:
+        """First-check ``refs`` and, in the same read and recompute, re-check the
+        suspects that fall due before the next batch is likely to start (a pace
+        slice, or the last check's duration when running at capacity): at most
+        ``batch_size`` of them, each at most :data:`MAX_EARLY_S` early (stricter),
+        never late. One round trip to Redis and one statement per feature set serve
+        both."""
         report = run.report
         first_at = self.clock()
-        outcomes = self._check(refs, report)
-        run.paced += len(refs)
+        slice_s = len(refs) / self.rate if self.rate is not None else 0.0
+        early_s = min(MAX_EARLY_S, max(slice_s, run.last_check_s))
+        due = self._take_due(run, first_at + early_s, limit=self.batch_size)
+        outcomes = self._check([*refs, *(s.mismatch.ref for s in due)], report)
+        run.last_check_s = self.clock() - first_at
+        self._spent(run, len(refs) + len(due), first_at)
+        self._rechecked(due, outcomes[len(refs):], run)
         run.first_checked += len(refs)
         report.checked += len(refs)
         per_set: dict[str, int] = defaultdict(int)
-        for ref, outcome in zip(refs, outcomes, strict=True):
+        for ref, outcome in zip(refs, outcomes[:len(refs)], strict=True):
             per_set[ref.feature_set] += 1
             if outcome == "absent":
                 report.absent += 1
             elif isinstance(outcome, Mismatch):
                 report.suspects += 1
-                run.pending.append(_Suspect(outcome, first_at))
+                run.pending.append(Suspect.of(outcome, first_at))
         for name, n in per_set.items():
             report.checked_by_set[name] = report.checked_by_set.get(name, 0) + n
             if self.metrics is not None:
                 self.metrics.checked_batch(name, n)
 
-    def _recheck_due(self, run: _Run) -> None:
-        """Re-check every suspect whose next grace has passed; see the module docstring."""
+    def _take_due(self, run: _Run, by: float, limit: int | None = None) -> list[Suspect]:
+        """Remove from ``pending`` the suspects due by ``by`` (the earliest ``limit``),
+        and run the ``before_recheck`` hook for them."""
         graces = run.report.graces
-        now = self.clock()
-        due = [s for s in run.pending if self._due(s, graces) <= now]
+        due = [s for s in run.pending if self._due(s, graces) <= by]
         if not due:
-            return
-        run.pending = [s for s in run.pending if self._due(s, graces) > now]
+            return []
+        if limit is not None and len(due) > limit:
+            due = sorted(due, key=lambda s: self._due(s, graces))[:limit]
+        taken = {id(s) for s in due}
+        run.pending = [s for s in run.pending if id(s) not in taken]
         if self.before_recheck is not None:
             for stage in sorted({s.stage for s in due}):
                 self.before_recheck(graces[stage], [s.mismatch for s in due if s.stage == stage])
+        return due
+
+    def _recheck_due(self, run: _Run) -> None:
+        """Re-check every suspect whose next grace has passed; see the module docstring."""
+        due = self._take_due(run, self.clock())
         for i in range(0, len(due), self.batch_size):
             chunk = due[i:i + self.batch_size]
+            started = self.clock()
             outcomes = self._check([s.mismatch.ref for s in chunk], run.report)
-            run.paced += len(chunk)
-            run.report.rechecks += len(chunk)
-            for suspect, outcome in zip(chunk, outcomes, strict=True):
-                if isinstance(outcome, Mismatch):
-                    self._still_inconsistent(suspect, outcome, run)
+            self._spent(run, len(chunk), started)
+            self._rechecked(chunk, outcomes, run)
 
-    def _still_inconsistent(self, suspect: _Suspect, mismatch: Mismatch, run: _Run) -> None:
+    def _rechecked(self, suspects: Sequence[Suspect], outcomes: Sequence[Outcome],
+                   run: _Run) -> None:
+        run.report.rechecks += len(suspects)
+        for suspect, outcome in zip(suspects, outcomes, strict=True):
+            if not isinstance(outcome, Mismatch):
+                continue
+            if suspect.caught_up(outcome):
+                run.report.caught_up += 1
+            else:
+                self._still_inconsistent(suspect, outcome, run)
+
+    def _still_inconsistent(self, suspect: Suspect, mismatch: Mismatch, run: _Run) -> None:
         report = run.report
         grace = report.graces[suspect.stage]
         report.inconsistent[grace] += 1
@@ -299,7 +464,8 @@ class Auditor:
         if suspect.stage < len(report.graces):
             run.pending.append(suspect)
             return
-        report.mismatches.append(mismatch)
+        if len(report.mismatches) < KEPT_MISMATCHES:
+            report.mismatches.append(mismatch)
         log.info("%s inconsistent after %s: served watermark %s, recomputed %s, differing %s",
                  mismatch.key, grace_label(grace), mismatch.served_watermark,
                  mismatch.recomputed_watermark, mismatch.problem or mismatch.differing)
@@ -309,15 +475,20 @@ class Auditor:
     def _check(self, refs: Sequence[EntityRef], report: AuditReport) -> list[Outcome]:
         """Read the entries, then recompute those present, then compare."""
         started = self.clock()
-        keys = [feature_key(self.schema_version, ref) for ref in refs]
+        keys = [self._key(ref) for ref in refs]
         raws = self._read(keys, [ref.feature_set for ref in refs])
-        present: dict[str, list[EntityRef]] = defaultdict(list)
+        present: dict[str, list[tuple[str, str]]] = defaultdict(list)
         for ref, raw in zip(refs, raws, strict=True):
             if _present(raw):
-                present[ref.feature_set].append(ref)
-        batches = {name: compute(self.engine, self.registry[name],
-                                 [(r.tenant, r.entity) for r in group])
-                   for name, group in present.items()}
+                present[ref.feature_set].append((ref.tenant, ref.entity))
+        batches: dict[str, Batch] = {}
+        if present:
+            # One connection for every feature set: each statement takes its own
+            # snapshot (after the read), as compute() on the engine would.
+            with self.engine.connect() as conn:
+                for name, pairs in present.items():
+                    batches[name] = compute(conn, self.registry[name], pairs)
+                conn.rollback()
         outcomes = [self._compare(ref, key, raw, batches.get(ref.feature_set))
                     for ref, key, raw in zip(refs, keys, raws, strict=True)]
         report.busy_s += self.clock() - started
@@ -351,19 +522,29 @@ class Auditor:
             return "absent"  # (``batch`` is there for every entry that is present)
         fields = self.registry[ref.feature_set].field_names
         values = batch.values.get((ref.tenant, ref.entity))
-        # The recompute as the codec would store it: the same JSON round trip.
-        recomputed = None if values is None else dict(zip(
-            fields, orjson.loads(orjson.dumps([values[f] for f in fields])), strict=True))
         try:
             entry = decode_entry(raw, fields, self.schema_version)
         except (CorruptEntry, SchemaVersionMismatch) as exc:
-            return Mismatch(key, ref, None, recomputed, _watermark_of(raw), batch.watermark,
-                            problem=str(exc))
+            return Mismatch(key, ref, None, _stored(values, fields), _watermark_of(raw),
+                            batch.watermark, problem=str(exc))
         if entry is None:
             return "absent"
-        if recomputed is not None and all(same(entry.values[f], recomputed[f]) for f in fields):
-            return "match"
-        return Mismatch(key, ref, entry.values, recomputed, entry.watermark, batch.watermark)
+        if values is not None:
+            # The codec's JSON of both value lists: equal exactly when every field is
+            # (:func:`~pipeline.observe.consistency.same`), scalars being one token each.
+            served = orjson.dumps([entry.values[f] for f in fields])
+            if served == orjson.dumps([values[f] for f in fields]):
+                return "match"
+        return Mismatch(key, ref, entry.values, _stored(values, fields), entry.watermark,
+                        batch.watermark)
+
+
+def _stored(values: FeatureValues | None, fields: Sequence[str]) -> FeatureValues | None:
+    """A recompute as the codec would store it: the same JSON round trip."""
+    if values is None:
+        return None
+    return dict(zip(fields, orjson.loads(orjson.dumps([values[f] for f in fields])),
+                    strict=True))
 
 
 def _bytes(raw: bytes | str | None) -> bytes | None:

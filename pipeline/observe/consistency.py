@@ -137,8 +137,9 @@ class AuditReport:
 
     ``inconsistent[g]`` counts the entries still inconsistent when re-checked after
     grace ``g``; ``mismatches`` holds those inconsistent after the last grace, as last
-    seen. ``busy_s`` is the time spent reading Redis and recomputing (not pacing or
-    waiting out graces): ``checks / busy_s`` is what the auditor could do unthrottled.
+    seen (the first thousand in full; :attr:`persistent` counts them all). ``busy_s``
+    is the time spent reading Redis and recomputing (not pacing or waiting out
+    graces): ``checks / busy_s`` is what the auditor could do unthrottled.
     """
 
     schema_version: int
@@ -150,7 +151,13 @@ class AuditReport:
     """Entries that mismatched at their first check."""
     skipped: int = 0
     """Sampled keys that are not this code's feature entries (unknown set, odd id)."""
+    samples: int = 0
+    """SCAN samples taken (0 for an audit of given keys)."""
     rechecks: int = 0
+    caught_up: int = 0
+    """Suspects consistent at a re-check by having caught up, though they differed
+    again (rewritten from a snapshot that saw the first check's; newer changes in
+    flight): see :mod:`pipeline.observe.audit`."""
     checked_by_set: dict[str, int] = field(default_factory=dict)
     inconsistent: dict[float, int] = field(default_factory=dict)
     mismatches: list[Mismatch] = field(default_factory=list)
@@ -162,9 +169,15 @@ class AuditReport:
     rate: float | None = None
 
     @property
+    def persistent(self) -> int:
+        """Entries still inconsistent when re-checked after the last grace."""
+        counted = self.inconsistent.get(self.graces[-1], 0) if self.graces else 0
+        return max(counted, len(self.mismatches))
+
+    @property
     def consistent(self) -> bool:
         """No mismatch persisted past the last grace."""
-        return not self.mismatches
+        return self.persistent == 0
 
     def results(self) -> list[GraceResult]:
         return [GraceResult(g, self.checked, self.inconsistent.get(g, 0)) for g in self.graces]
@@ -186,7 +199,8 @@ class AuditReport:
         return {
             "schema_version": self.schema_version, "checked": self.checked,
             "absent": self.absent, "suspects": self.suspects, "skipped": self.skipped,
-            "rechecks": self.rechecks, "checked_by_feature_set": self.checked_by_set,
+            "samples": self.samples, "rechecks": self.rechecks, "caught_up": self.caught_up,
+            "persistent": self.persistent, "checked_by_feature_set": self.checked_by_set,
             "consistent": self.consistent,
             "graces": [{"grace": r.label, "grace_s": r.grace_s, "inconsistent": r.inconsistent,
                         "consistent_fraction": r.consistent_fraction, "nines": r.nines,

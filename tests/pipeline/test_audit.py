@@ -31,7 +31,7 @@ from pipeline.core.keys import feature_key, parse_feature_key
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.dev.seed import SeedSummary
-from pipeline.observe.audit import Auditor, sample_pattern
+from pipeline.observe.audit import Auditor, Suspect, sample_pattern
 from pipeline.observe.audit_metrics import AuditMetrics
 from pipeline.observe.consistency import GraceResult, Mismatch, same
 
@@ -64,12 +64,16 @@ def materialize(engine: Engine, store: FeatureStore, tenant: str,
     return [EntityRef(fs.name, tenant, str(u)) for fs in REGISTRY for u in users]
 
 
+FAR_AHEAD = 1 << 100
+"""Added to a watermark: one that claims a snapshot 2**32 transactions in the future."""
+
+
 def corrupt(engine: Engine, store: FeatureStore, ref: EntityRef, field: str,
-            value: object) -> Batch:
+            value: object, ahead: int = 1) -> Batch:
     """Overwrite ``ref``'s entry with a wrong ``field``, under a higher watermark."""
     truth = compute(engine, REGISTRY[ref.feature_set], [(ref.tenant, ref.entity)])
     wrong = {**truth.values[(ref.tenant, ref.entity)], field: value}
-    bad = Batch(truth.feature_set, {(ref.tenant, ref.entity): wrong}, truth.watermark + 1,
+    bad = Batch(truth.feature_set, {(ref.tenant, ref.entity): wrong}, truth.watermark + ahead,
                 truth.computed_at_ms)
     assert store.write(bad).written == 1
     return bad
@@ -79,6 +83,22 @@ def rewrite_truth(engine: Engine, store: FeatureStore, ref: EntityRef) -> None:
     """What a consumer catching up does: recompute now and write (a newer watermark)."""
     batch = compute(engine, REGISTRY[ref.feature_set], [(ref.tenant, ref.entity)])
     assert store.write(batch).written == 1
+
+
+def change(engine: Engine, ref: EntityRef) -> None:
+    """Commit a change to ``ref``'s user's transactions of the last 90 days."""
+    with engine.begin() as conn:
+        conn.execute(sa.text(
+            "UPDATE transactions SET amount = amount + 100 WHERE tenant_id = :t "
+            "AND user_id = :u AND created_at > now() - interval '90 days'"),
+            {"t": ref.tenant, "u": int(ref.entity)})
+
+
+def active(store: FeatureStore, refs: Sequence[EntityRef]) -> EntityRef:
+    """A txn_90d entity with transactions in its window, so a change shows."""
+    txn = [r for r in refs if r.feature_set == "txn_90d"]
+    return next(r for r, e in zip(txn, store.read(txn), strict=True)
+                if e is not None and e.values["txn_count"] > 0)
 
 
 @pytest.fixture
@@ -197,15 +217,8 @@ def test_a_mismatch_healed_within_a_grace_counts_only_before_it(
 ) -> None:
     """A change in flight: Postgres moved, the consumer writes the new entry late."""
     refs = materialize(engine, store, tenant)
-    txn = [r for r in refs if r.feature_set == "txn_90d"]
-    entries = store.read(txn)
-    target = next(r for r, e in zip(txn, entries, strict=True)
-                  if e is not None and e.values["txn_count"] > 0)
-    with engine.begin() as conn:
-        conn.execute(sa.text(
-            "UPDATE transactions SET amount = amount + 100 WHERE tenant_id = :t "
-            "AND user_id = :u AND created_at > now() - interval '90 days'"),
-            {"t": target.tenant, "u": int(target.entity)})
+    target = active(store, refs)
+    change(engine, target)
     graces = (1.0, 10.0)
     seen: list[tuple[float, list[Mismatch]]] = []
 
@@ -218,7 +231,7 @@ def test_a_mismatch_healed_within_a_grace_counts_only_before_it(
     report = auditor(redis_client, engine, version, before_recheck=before_recheck,
                      clock=clock, sleep=clock.sleep).audit_refs(refs, graces=graces)
 
-    assert report.suspects == 1 and report.consistent
+    assert report.suspects == 1 and report.consistent and report.caught_up == 0
     assert report.inconsistent == {1.0: fixed_at, 10.0: 0}
     assert [g for g, _ in seen] == list(graces[:fixed_at + 1])
     first = seen[0][1][0]
@@ -226,6 +239,104 @@ def test_a_mismatch_healed_within_a_grace_counts_only_before_it(
     entry = store.read([target])[0]
     assert entry is not None and first.recomputed is not None
     assert entry.values["txn_sum"] == first.recomputed["txn_sum"]
+
+
+def test_an_entry_that_caught_up_and_changed_again_is_consistent_at_that_grace(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    """A busy entity: by the re-check the consumer applied the change the first check
+    saw, and a newer one is in flight. The entry differs again, yet it is fresh."""
+    refs = materialize(engine, store, tenant)
+    target = active(store, refs)
+    change(engine, target)  # in flight at the first check
+    graces = (1.0, 10.0)
+
+    def before_recheck(grace: float, suspects: Sequence[Mismatch]) -> None:
+        assert grace == 1.0 and [s.ref for s in suspects] == [target]
+        rewrite_truth(engine, store, target)  # the consumer applies it...
+        change(engine, target)  # ...and the next change is in flight
+
+    clock = FakeClock()
+    report = auditor(redis_client, engine, version, before_recheck=before_recheck,
+                     clock=clock, sleep=clock.sleep).audit_refs(refs, graces=graces)
+    assert report.suspects == 1 and report.caught_up == 1 and report.rechecks == 1
+    assert report.inconsistent == {1.0: 0, 10.0: 0} and report.consistent
+
+
+def test_an_entry_rewritten_from_a_snapshot_older_than_the_first_check_has_not_caught_up(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    refs = materialize(engine, store, tenant)
+    target = active(store, refs)
+    before = compute(engine, REGISTRY["txn_90d"], [(target.tenant, target.entity)])
+    change(engine, target)  # committed after ``before`` was computed
+
+    def before_recheck(grace: float, _suspects: Sequence[Mismatch]) -> None:
+        if grace == 1.0:  # a slow worker lands its computation from before the change
+            assert store.write(before).written == 1
+
+    clock = FakeClock()
+    report = auditor(redis_client, engine, version, before_recheck=before_recheck,
+                     clock=clock, sleep=clock.sleep).audit_refs(refs, graces=(1.0, 10.0))
+    assert report.caught_up == 0 and report.inconsistent == {1.0: 1, 10.0: 1}
+    [m] = report.mismatches
+    assert m.served_watermark == before.watermark and m.ref == target
+
+
+def test_an_entry_claiming_a_snapshot_it_cannot_have_seen_never_catches_up(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    """Wrong values under a watermark beyond the re-check's own recompute (a writer
+    with a bad clock or a bug): rewritten since the first check, but not caught up."""
+    refs = materialize(engine, store, tenant)
+    target = active(store, refs)
+    change(engine, target)
+
+    def before_recheck(grace: float, _suspects: Sequence[Mismatch]) -> None:
+        if grace == 1.0:
+            corrupt(engine, store, target, "txn_count", 0, ahead=FAR_AHEAD)
+
+    clock = FakeClock()
+    report = auditor(redis_client, engine, version, before_recheck=before_recheck,
+                     clock=clock, sleep=clock.sleep).audit_refs(refs, graces=(1.0, 10.0))
+    assert report.caught_up == 0 and report.inconsistent == {1.0: 1, 10.0: 1}
+    [m] = report.mismatches
+    assert m.served is not None and m.served["txn_count"] == 0
+    assert m.served_watermark is not None and m.served_watermark > m.recomputed_watermark
+
+
+def test_an_entry_wrong_from_the_start_under_a_future_watermark_stays_inconsistent(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    refs = materialize(engine, store, tenant)
+    target = active(store, refs)
+    corrupt(engine, store, target, "txn_sum", -1.0, ahead=FAR_AHEAD)
+    report = auditor(redis_client, engine, version).audit_refs(refs, graces=GRACES)
+    assert report.suspects == 1 and report.caught_up == 0
+    assert report.inconsistent == dict.fromkeys(GRACES, 1) and report.persistent == 1
+
+
+def _mismatch(served: int | None, recomputed: int, problem: str | None = None) -> Mismatch:
+    ref = EntityRef("geo", "acme", "1")
+    return Mismatch(feature_key(1, ref), ref, {"last_city": "x"}, {"last_city": "y"},
+                    served, recomputed, problem)
+
+
+def test_the_rules_of_catching_up() -> None:
+    """First check: entry at 10, recompute at 20; the re-check's recompute is at 30."""
+    suspect = Suspect.of(_mismatch(10, 20), first_at=0.0)
+    assert suspect.caught_up(_mismatch(20, 30))  # rewritten from the first check's state
+    assert suspect.caught_up(_mismatch(29, 30))
+    assert not suspect.caught_up(_mismatch(10, 30))  # unchanged
+    assert not suspect.caught_up(_mismatch(19, 30))  # rewritten, from an older snapshot
+    assert not suspect.caught_up(_mismatch(30, 30))  # claims the re-check's own snapshot
+    assert not suspect.caught_up(_mismatch(40, 30))
+    assert not suspect.caught_up(_mismatch(None, 30, problem="corrupt"))
+    assert not suspect.caught_up(_mismatch(25, 30, problem="other schema version"))
+    ahead = Suspect.of(_mismatch(25, 20), first_at=0.0)  # wrong under a future watermark
+    assert not ahead.caught_up(_mismatch(25, 30))  # and unchanged since
+    corrupt_at_first = Suspect.of(_mismatch(None, 20, problem="corrupt"), first_at=0.0)
+    assert corrupt_at_first.caught_up(_mismatch(21, 30))
 
 
 def test_rechecks_run_at_each_grace_after_the_first_check(
@@ -243,6 +354,59 @@ def test_rechecks_run_at_each_grace_after_the_first_check(
     assert report.inconsistent == {1.0: 1, 10.0: 1, 60.0: 1}
     assert [m.ref for m in report.mismatches] == [refs[0]]
     assert report.rechecks == 3 and report.elapsed_s == 60.0
+
+
+class CountingAuditor(Auditor):
+    """An auditor that records the size of every read-and-recompute it makes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checks: list[int] = []
+
+    def _check(self, refs: Sequence[EntityRef], report: Any) -> Any:
+        self.checks.append(len(refs))
+        return super()._check(refs, report)
+
+
+def test_rechecks_ride_with_the_first_checks_never_late(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    """At 100 entries/s, batches of 10 start every 0.1 s; a suspect of the first batch
+    due 0.25 s later is re-checked with the batch of 0.2 s (whose slice holds 0.25 s),
+    in the same read and recompute, rather than alone at 0.25 s."""
+    refs = materialize(engine, store, tenant)  # 60 entries: 6 batches
+    corrupt(engine, store, refs[0], "txn_count", 999_999)
+    clock = FakeClock()
+    rechecked_at: list[float] = []
+    audit = CountingAuditor(redis_client, engine, version, rate=100, clock=clock,
+                            sleep=clock.sleep,
+                            before_recheck=lambda grace, _s: rechecked_at.append(clock.now))
+    report = audit.audit_refs(refs, graces=(0.25,))
+    assert audit.checks == [10, 10, 11, 10, 10, 10]
+    assert rechecked_at == pytest.approx([0.2])
+    assert report.rechecks == 1 and report.inconsistent == {0.25: 1}
+    # Unthrottled there is no slice: the re-check comes alone, exactly when due.
+    clock = FakeClock()
+    rechecked_at.clear()
+    audit = CountingAuditor(redis_client, engine, version, rate=None, clock=clock,
+                            sleep=clock.sleep,
+                            before_recheck=lambda grace, _s: rechecked_at.append(clock.now))
+    audit.audit_refs(refs, graces=(0.25,))
+    assert audit.checks == [60, 1] and rechecked_at == [0.25]
+
+
+def test_a_value_of_another_json_type_is_a_mismatch(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    """1.0 is not 1: the comparison is of the codec's JSON, not of Python equality."""
+    refs = materialize(engine, store, tenant)
+    target = active(store, refs)
+    entry = store.read([target])[0]
+    assert entry is not None and isinstance(entry.values["txn_count"], int)
+    corrupt(engine, store, target, "txn_count", float(entry.values["txn_count"]))
+    report = auditor(redis_client, engine, version).audit_refs(refs, graces=GRACES)
+    [m] = report.mismatches
+    assert set(m.differing) == {"txn_count"} and m.ref == target
 
 
 def test_tombstones_and_absent_entries_are_consistent(
@@ -306,6 +470,83 @@ def test_the_rate_limit_paces_checks_and_rechecks(
     assert report.checked == 60 and report.consistent
     assert report.elapsed_s == pytest.approx(0.5)
     assert clock.sleeps == pytest.approx([0.1] * 5)
+
+
+def test_a_stall_builds_no_credit_above_the_rate(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    """After a second lost to a stall, batches stay 0.1 s apart: no burst to catch up."""
+    refs = materialize(engine, store, tenant)  # 60 entries: 6 batches of 10 at 100/s
+    clock = FakeClock()
+    starts: list[float] = []
+
+    def progress(done: int, _total: int | None, _note: str) -> None:
+        starts.append(clock.now)
+        if done == 20:
+            clock.now += 1.0  # Postgres stalls for a second after the second batch
+
+    report = Auditor(redis_client, engine, version, rate=100, clock=clock, sleep=clock.sleep,
+                     progress=progress).audit_refs(refs)
+    assert report.checked == 60
+    batch_times = starts[:6]
+    assert batch_times == pytest.approx([0.0, 0.1, 1.1, 1.2, 1.3, 1.4])
+    assert clock.sleeps == pytest.approx([0.1] * 4)
+
+
+def test_a_timed_audit_samples_until_its_duration_and_rechecks_meanwhile(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    refs = materialize(engine, store, tenant)  # 60 entries, all in every sample below
+    target = next(r for r in refs if r.feature_set == "geo")
+    corrupt(engine, store, target, "last_city", "Atlantis")
+    clock = FakeClock()
+    rechecked_at: list[float] = []
+    report = Auditor(
+        redis_client, engine, version, rate=640, clock=clock, sleep=clock.sleep,
+        before_recheck=lambda grace, _s: rechecked_at.append(clock.now),
+    ).audit_sample(60, tenant=tenant, graces=(1.0, 10.0), duration_s=3.0)
+    # One batch of 60 per sample, 60/640 s apart: samples start at 0, 3/32, ..., 93/32 s.
+    assert report.samples >= 31 and report.checked == 60 * report.samples
+    assert report.checked_by_set == dict.fromkeys(REGISTRY.names(), 20 * report.samples)
+    assert 3.0 - 2 * 60 / 640 <= report.checking_s < 3.0
+    # The entry is wrong in every sample, and re-checked while sampling goes on.
+    assert report.suspects == report.samples
+    assert report.inconsistent == {1.0: report.samples, 10.0: report.samples}
+    assert report.persistent == report.samples and not report.consistent
+    assert min(rechecked_at) < 3.0
+    assert report.elapsed_s >= report.checking_s + 10.0 - 60 / 640 - 0.01
+
+
+def test_a_timed_audit_of_nothing_waits_between_samples(
+    redis_client: redis.Redis, engine: Engine, version: int, tenant: str,
+) -> None:
+    clock = FakeClock()
+    report = auditor(redis_client, engine, version, clock=clock, sleep=clock.sleep
+                     ).audit_sample(100, tenant=tenant, duration_s=5.0)
+    assert report.checked == 0 and report.samples == 5 and report.consistent
+    assert clock.sleeps == [1.0] * 5
+    with pytest.raises(ConfigError):
+        auditor(redis_client, engine, version).audit_sample(1, duration_s=-1.0)
+
+
+def test_a_report_keeps_the_first_mismatches_and_counts_them_all(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pipeline.observe.audit as audit_module
+    from pipeline.cli.audit import summary_lines
+
+    monkeypatch.setattr(audit_module, "KEPT_MISMATCHES", 2)
+    refs = materialize(engine, store, tenant)
+    for ref in [r for r in refs if r.feature_set == "geo"][:3]:
+        corrupt(engine, store, ref, "last_city", "Atlantis")
+    report = auditor(redis_client, engine, version).audit_refs(refs, graces=GRACES)
+    assert report.persistent == 3 and len(report.mismatches) == 2 and not report.consistent
+    assert report.as_json()["persistent"] == 3
+    monkeypatch.setattr("pipeline.cli.audit.SHOWN_MISMATCHES", 1)
+    text = "\n".join(summary_lines(report, "test"))
+    assert "3 mismatched after 2ms (persistent)" in text
+    assert "... and 2 more (--json lists the first 2)" in text
 
 
 def test_bad_requests_raise(redis_client: redis.Redis, engine: Engine, version: int) -> None:
@@ -389,6 +630,28 @@ def test_the_command_exits_1_on_a_persistent_mismatch_and_prints_json(
 
     bad_grace = run_audit(settings, version, "--keys-file", str(keys), "--grace", "soon")
     assert bad_grace.returncode == 2 and "Traceback" not in bad_grace.stderr
+
+
+def test_the_command_audits_sample_after_sample_for_a_duration(
+    settings: Settings, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    tmp_path: Path,
+) -> None:
+    materialize(engine, store, tenant)  # 60 entries: all of them in every sample
+    done = run_audit(settings, version, "--tenant", tenant, "--sample", "60",
+                     "--duration", "300ms", "--rate", "600", "--grace", "1ms", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["source"]["duration_s"] == 0.3
+    assert doc["samples"] >= 1 and doc["checked"] == 60 * doc["samples"]
+    assert doc["consistent"] is True and doc["persistent"] == 0
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text(feature_key(version, EntityRef("geo", tenant, "1")) + "\n")
+    both = run_audit(settings, version, "--keys-file", str(keys), "--duration", "1s")
+    assert both.returncode == 2 and "--duration" in both.stderr
+    assert "Traceback" not in both.stderr
+    bad = run_audit(settings, version, "--duration", "forever")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
 
 
 def test_the_command_leaves_prometheus_client_unimported_until_it_runs() -> None:
