@@ -249,27 +249,40 @@ class Worker:
         soon as it is seen, and a record that a poll returns anyway (from a partition
         not yet paused) is not dropped: its partition is rewound to it and paused, so
         the record is consumed again after the wait.
+
+        Every partition paused here is resumed at the end, also one revoked meanwhile:
+        librdkafka keeps a partition's pause across a revoke and a later assignment,
+        so one left paused would never be read again when it came back.
         """
         inner = self.consumer.inner
-        paused = self.consumer.assignment()
-        if paused:
-            inner.pause(paused)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not self._stop.is_set():
-            msg = check_message(inner.poll(min(0.1, max(0.0, deadline - time.monotonic()))))
-            if msg is not None:
-                rewind = TopicPartition(cast(str, msg.topic()), cast(int, msg.partition()),
-                                        cast(int, msg.offset()))
-                inner.seek(rewind)
-                inner.pause([rewind])
-            fresh = [tp for tp in self.consumer.assignment()
-                     if (tp.topic, tp.partition) not in {(p.topic, p.partition) for p in paused}]
-            if fresh:
-                inner.pause(fresh)
-                paused += fresh
-        live = self.consumer.assignment()
-        if live:
-            inner.resume(live)
+        paused: dict[tuple[str, int], TopicPartition] = {}
+
+        def pause(partitions: list[TopicPartition]) -> None:
+            inner.pause(partitions)
+            paused.update(((tp.topic, tp.partition), TopicPartition(tp.topic, tp.partition))
+                          for tp in partitions)
+
+        try:
+            if assigned := self.consumer.assignment():
+                pause(assigned)
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and not self._stop.is_set():
+                msg = check_message(inner.poll(min(0.1, max(0.0,
+                                                            deadline - time.monotonic()))))
+                if msg is not None:
+                    rewind = TopicPartition(cast(str, msg.topic()), cast(int, msg.partition()),
+                                            cast(int, msg.offset()))
+                    inner.seek(rewind)
+                    pause([rewind])
+                fresh = [tp for tp in self.consumer.assignment()
+                         if (tp.topic, tp.partition) not in paused]
+                if fresh:
+                    pause(fresh)
+        finally:
+            resume = {(tp.topic, tp.partition): tp for tp in self.consumer.assignment()}
+            resume.update(paused)
+            if resume:
+                inner.resume(list(resume.values()))
 
     def _check_policy(self, *, at_start: bool) -> None:
         """Refuse an evicting Redis: at start-up, or before the first write if Redis was

@@ -218,3 +218,68 @@ def test_a_partition_assigned_during_a_retry_loses_no_record(
         assert_redis_equals_postgres(engine, client, env, users)
     finally:
         client.close()
+
+
+def end_offsets(bootstrap: str, topic: str) -> list[int]:
+    raw = RawConsumer({"bootstrap.servers": bootstrap, "group.id": "test-watermarks"})
+    try:
+        return [raw.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                for p in range(PARTITIONS)]
+    finally:
+        raw.close()
+
+
+def test_a_partition_paused_for_a_retry_then_revoked_is_read_when_it_comes_back(
+    env: Env, producer: Producer, consumer_factory: Callable[..., Consumer],
+    worker_on_private_redis: tuple[Worker, Callable[[], None], Callable[[], None]],
+) -> None:
+    # librdkafka keeps a partition's pause across a revoke and a later assignment: a
+    # partition the worker paused for a retry and lost meanwhile must come back unpaused.
+    worker, stop_redis, start_redis = worker_on_private_redis
+    topic = env.topic(TRANSACTION_UPDATED)
+    group = env.settings.consumer_group
+    for user in range(1, 41):
+        emit(producer, env, TRANSACTION_UPDATED,
+             {"tenant": env.tenant, "user_id": user, "transaction_id": user},
+             str(user).encode())
+    producer.flush()
+    stop_redis()
+    running = Running(worker, timeout=240)
+    other = consumer_factory(group)
+    leaving = threading.Event()
+
+    def keep_polling() -> None:
+        other.subscribe([topic])
+        while not leaving.is_set():
+            other.poll(0.1)  # stays in the group; its records are never committed
+
+    poller = threading.Thread(target=keep_polling, daemon=True)
+    try:
+        wait_for(lambda: worker.totals.retries >= 1 or running.error is not None,
+                 "the worker to pause every partition for a retry (Redis down)")
+        assert len(worker.consumer.assignment()) == PARTITIONS
+        # A second member joins mid-retry: the worker gives up paused partitions.
+        poller.start()
+        wait_for(lambda: 0 < len(worker.consumer.assignment()) < PARTITIONS,
+                 "the worker to hand partitions to the new member", deadline_s=60)
+        retries = worker.totals.retries
+        wait_for(lambda: worker.totals.retries >= retries + 1,
+                 "the worker to end one more wait after the rebalance")
+        start_redis()
+        wait_for(lambda: worker.totals.batches >= 1 or running.error is not None,
+                 "the worker to finish the retried batch once Redis is back")
+        # The new member leaves, without committing: its partitions come back while the
+        # worker is between retries.
+        leaving.set()
+        poller.join(10)
+        other.close()
+        wait_for(lambda: len(worker.consumer.assignment()) == PARTITIONS,
+                 "the worker to own every partition again", deadline_s=60)
+        ends = end_offsets(env.settings.kafka_bootstrap, topic)
+        wait_for(lambda: committed(group, env.settings.kafka_bootstrap, topic) == ends
+                 or running.error is not None,
+                 f"the worker to read and commit every partition to its end {ends}",
+                 deadline_s=60)
+    finally:
+        leaving.set()
+        running.stop()

@@ -75,6 +75,19 @@ def _file_counts(files: list[str]) -> Counts:
     return Counts.from_samples(s for m in metrics if m.type == "counter" for s in m.samples)
 
 
+def _file_counter(files: list[str], name: str, labels: dict[str, str]) -> int:
+    """The sum of counter ``name`` (without ``_total``) over samples matching ``labels``."""
+    if not files:
+        return 0
+    total = 0.0
+    for metric in MultiProcessCollector.merge(files, accumulate=True):
+        for sample in metric.samples:
+            if (sample.name == f"{name}_total"
+                    and all(sample.labels.get(k) == v for k, v in labels.items())):
+                total += sample.value
+    return int(total)
+
+
 @dataclass
 class Member:
     """One ``freshline consume`` process."""
@@ -152,6 +165,11 @@ class Member:
         """Its counters read from the shared memory-mapped files (works while stopped)."""
         return _file_counts([str(p) for p in self.multiproc_dir.glob(f"counter_{self.pid}.db")])
 
+    def counter(self, name: str, **labels: str) -> int:
+        """One of its counters (e.g. ``freshline_transient_retries``), from the shared files."""
+        return _file_counter([str(p) for p in self.multiproc_dir.glob(f"counter_{self.pid}.db")],
+                             name, labels)
+
     def mid_batch(self) -> bool:
         """It holds records it has consumed but not yet applied, dead-lettered or skipped."""
         return not self.file_counts().settled
@@ -208,6 +226,11 @@ class Fleet:
     def totals(self) -> Counts:
         """Every member's counters summed, the dead ones' included."""
         return _file_counts([str(p) for p in self.multiproc_dir.glob("counter_*.db")])
+
+    def counter(self, name: str, **labels: str) -> int:
+        """A counter summed over every member, the dead ones' included."""
+        return _file_counter([str(p) for p in self.multiproc_dir.glob("counter_*.db")],
+                             name, labels)
 
     def settled(self) -> bool:
         """No live member holds a batch it has not finished counting."""

@@ -9,11 +9,12 @@ workload finish, waits for the consumers to quiesce and runs the oracle.
 
 Adding one::
 
-    @scenario("dlq-unavailable", consumers=2, short=False)
-    def dlq_unavailable(run: Run) -> None:
+    @scenario("connect-stop", consumers=2, short=False)
+    def connect_stop(run: Run) -> None:
         run.workload.wait_for(run.at(0.2, 0.4))
-        ...                          # break something, note it, heal it
-        run.note("dead-letter topic deleted")
+        run.stack.stop("connect")    # break something, note it, heal it
+        run.note("connect stopped")
+        ...
 
 ``expect_dead_letter`` (a predicate over a produced record) tells the oracle which
 records a scenario made bad on purpose, so their dead letters are expected; ``via``
@@ -27,12 +28,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tests.faults.oracle import Record
+from consumers.events import decode
+from pipeline.core.topics import DLQ, TRANSACTION_UPDATED, logical, qualified
+from tests.faults import injectors, oracle
+from tests.faults.injectors import HeldCommit
+from tests.faults.oracle import Partition, Record
 
 if TYPE_CHECKING:
     from tests.faults.harness import Run
 
 Inject = Callable[["Run"], None]
+RETRIES = "freshline_transient_retries"
+DELIVERY_FAILURES = "freshline_delivery_failures"
 
 
 @dataclass(frozen=True)
@@ -200,3 +207,194 @@ def redis_blackhole(run: Run) -> None:
 def postgres_blackhole(run: Run) -> None:
     """A silent partition to Postgres: queries vanish and no connection is closed."""
     _blackhole(run, "postgres")
+
+
+# -- the group under a dependency outage --------------------------------------------------
+
+
+@scenario("member-joins-dies-during-redis-outage", consumers=1)
+def member_joins_dies_during_redis_outage(run: Run) -> None:
+    """While Redis is down, a second member joins (a rebalance mid-retry), then is SIGKILLed.
+
+    The first member is retrying a batch when the second joins and takes some of its
+    (paused) partitions; the second one then retries too, and dies. Odd seeds bring
+    Redis back once the dead member's partitions are back with the first one (assigned
+    during its retry); even seeds bring it back at once, so they come back after the
+    retry, when the first one is reading again.
+    """
+    run.workload.wait_for(run.at(0.1, 0.25))
+    first = run.fleet.members[0]
+    retries = first.counter(RETRIES, service="redis")
+    run.stack.kill("redis")
+    run.note("redis killed")
+    wait_until(lambda: first.counter(RETRIES, service="redis") > retries,
+               f"{first.name} to retry a batch while Redis is down", 120)
+    run.note(f"{first.name} retrying its batch")
+    second = run.fleet.spawn(run.consumer_settings())
+    run.note(f"started {second.name}")
+    wait_until(lambda: run.spread(2), f"{second.name} to join and take partitions", 120)
+    run.note(f"rebalanced: {first.name} and {second.name} share the partitions")
+    wait_until(lambda: second.counter(RETRIES, service="redis") > 0,
+               f"{second.name} to retry a batch of its own", 120)
+    second.kill()
+    run.note(f"SIGKILL {second.name} (mid-retry)")
+    if run.seed % 2:
+        wait_until(lambda: run.spread(1), f"{first.name} to own every partition again "
+                   "(the group evicts the dead member at its session timeout)", 120)
+        retries = first.counter(RETRIES, service="redis")
+        wait_until(lambda: first.counter(RETRIES, service="redis") >= retries + 2,
+                   f"{first.name} to poll through two more retries", 120)
+        run.note(f"{first.name} owns every partition, still retrying")
+    run.stack.start("redis")
+    run.note("redis started (empty)")
+
+
+# -- Postgres: a change visible after its event -------------------------------------------
+
+
+def _find_event(run: Run, held: HeldCommit, start: dict[Partition, int],
+                deadline_s: float) -> tuple[Partition, int]:
+    """The CDC record of ``held``'s transaction: its partition and offset."""
+    settings = run.env.settings
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        ends = oracle.end_offsets(settings, start)
+        for r in oracle.read_range(settings, {tp: (start[tp], ends[tp]) for tp in start}):
+            if r.value is None:
+                continue
+            event = decode(logical(settings, r.topic), None, r.value)
+            if event is not None and held.matches(event.txid):
+                return (r.topic, r.partition), r.offset
+        start = ends
+        time.sleep(0.1)  # polling interval, not synchronisation
+    raise TimeoutError(f"no CDC record of transaction {held.txid} in {deadline_s:.0f}s")
+
+
+@scenario("commit-visibility-window", consumers=2)
+def commit_visibility_window(run: Run) -> None:
+    """A change's CDC event reaches the consumers while its commit still waits for a
+    synchronous standby (flushed, not visible); the commit then completes, no event follows.
+
+    ``synchronous_standby_names`` names a standby that never connects; one UPDATE
+    commits with ``synchronous_commit = on`` and waits. Once the consumers have its
+    event (they retry the batch, or, without the visibility check, apply and commit
+    it), the waiting backend is cancelled: the commit completes locally.
+    """
+    start = run.at(0.3, 0.6)
+    run.workload.wait_for(start)
+    env, settings, tenant = run.env, run.env.settings, run.workload.tenant
+    spared = run.workload.spared_transactions(start)
+    if not spared:
+        raise RuntimeError("no transaction of a user the rest of the workload spares")
+    txn, user = run.rng.choice(spared)
+    cdc = {tp: o for tp, o in oracle.end_offsets(
+        settings, [(t, p) for t, p in oracle.subscribed_partitions(env.admin, settings)
+                   if t.endswith(".public.transactions")]).items()}
+    base = run.fleet.counter(RETRIES, service="visibility")
+    injectors.hold_synchronous_commits(env.engine)
+    run.note(f"synchronous_standby_names: {injectors.ABSENT_STANDBY} (never connects)")
+    held: HeldCommit | None = None
+    try:
+        end = time.monotonic() + 60
+        while True:
+            held = HeldCommit(env.engine, "UPDATE transactions SET amount = amount + :d, "
+                              "updated_at = now() WHERE tenant_id = :t AND id = :id",
+                              {"d": round(1000 + run.rng.random() * 1000, 2), "t": tenant,
+                               "id": txn})
+            held.begin()
+            wait_until(lambda h=held: h.finished or h.waiting(),
+                       "the commit to wait for the standby or end", 30)
+            if not held.finished:
+                break
+            # The checkpointer had not taken the new standby name yet: a plain commit.
+            run.note(f"UPDATE of transaction {txn} committed before the standby was "
+                     "required; again")
+            if time.monotonic() > end:
+                raise TimeoutError("commits never waited for the absent standby")
+        run.workload.touched.add((tenant, str(user)))
+        run.note(f"UPDATE of transaction {txn} (user {user}): commit flushed, waiting "
+                 f"(xid {held.txid}, pid {held.pid})")
+        tp, offset = _find_event(run, held, cdc, 60)
+        run.note(f"its CDC record: {tp[0]}[{tp[1]}]@{offset}")
+
+        def consumed() -> bool:
+            done = oracle.committed_offsets(settings, run.fleet.group, [tp])[tp]
+            return (done > offset
+                    or run.fleet.counter(RETRIES, service="visibility") >= base + 2)
+
+        wait_until(consumed, "the consumers to take the record (retry it, or commit it)", 120)
+        retried = run.fleet.counter(RETRIES, service="visibility") - base
+        run.note(f"consumers have the record ({retried} visibility retries)")
+        held.cancel()
+        if held.error is not None:
+            raise RuntimeError(f"the held commit failed: {held.error!r}")
+        run.workload.last_change[("txn_90d", tenant, str(user))] = (
+            run.workload.progress, "held-commit", time.time_ns() // 1_000_000)
+        run.note("wait cancelled: the commit completed locally and is visible")
+    finally:
+        injectors.heal_postgres(env.engine)
+        if held is not None:
+            held.close()
+    run.note("synchronous_standby_names reset")
+    wait_until(lambda: oracle.committed_offsets(settings, run.fleet.group, [tp])[tp] > offset,
+               "the consumers to apply and commit the record", 120)
+    run.note("the record is applied and committed")
+
+
+# -- records the consumers must dead-letter -----------------------------------------------
+
+OVERSIZED_BYTES = 1_048_400
+"""A value the broker takes (its limit is 1,048,588 bytes a record batch) whose dead-letter
+copy, with the headers freshline adds, it would refuse."""
+
+
+def _oversized(record: Record) -> bool:
+    return record.value is not None and len(record.value) >= OVERSIZED_BYTES
+
+
+@scenario("oversized-record", consumers=2, short=True, expect_dead_letter=_oversized)
+def oversized_record(run: Run) -> None:
+    """A record of about 1 MB, too big to dead-letter whole, among the good events."""
+    run.workload.wait_for(run.at(0.2, 0.5))
+    tenant = run.workload.tenant
+    user = run.rng.choice(sorted(run.workload.users))
+    head = f'{{"tenant": "{tenant}", "user_id": {user}, "pad": "'.encode()
+    value = head + b"x" * (OVERSIZED_BYTES - len(head) - 2) + b'"}'
+    where = run.produce(TRANSACTION_UPDATED, value, f"{tenant}:{user}".encode(),
+                        **{"message.max.bytes": 2_000_000})
+    run.note(f"produced a {len(value):,}-byte record at {where.topic}[{where.partition}]"
+             f"@{where.offset}")
+
+
+MALFORMED = b"{not json: faults "
+
+
+def _malformed(record: Record) -> bool:
+    return record.value is not None and record.value.startswith(MALFORMED)
+
+
+@scenario("dlq-unavailable", consumers=2, expect_dead_letter=_malformed)
+def dlq_unavailable(run: Run) -> None:
+    """The dead-letter topic refuses every write (max.message.bytes 64) while malformed
+    records arrive; then it takes them again."""
+    run.workload.wait_for(run.at(0.15, 0.35))
+    env, tenant = run.env, run.workload.tenant
+    dlq = qualified(env.settings, DLQ)
+    refused = run.fleet.counter(DELIVERY_FAILURES, topic=dlq)
+    injectors.set_topic_config(env.admin, dlq, "max.message.bytes", "64")
+    run.note(f"{dlq}: max.message.bytes 64 (every dead letter refused)")
+    try:
+        for i in range(run.span(3, 6)):
+            user = run.rng.choice(sorted(run.workload.users))
+            where = run.produce(TRANSACTION_UPDATED, MALFORMED + str(i).encode(),
+                                f"{tenant}:{user}".encode())
+            run.note(f"malformed record at {where.topic}[{where.partition}]@{where.offset}")
+            run.workload.wait_for(run.workload.progress + run.span(5, 30))
+        wait_until(lambda: run.fleet.counter(DELIVERY_FAILURES, topic=dlq) >= refused + 2,
+                   "the consumers to count refused dead letters and send them again", 120)
+        run.note(f"freshline_delivery_failures_total{{topic={dlq}}}: "
+                 f"{run.fleet.counter(DELIVERY_FAILURES, topic=dlq) - refused}")
+        run.workload.wait_for(run.workload.progress + run.span(40, 120))
+    finally:
+        injectors.heal_topic(env.admin, dlq, "max.message.bytes")
+    run.note(f"{dlq}: max.message.bytes back to the broker's default")

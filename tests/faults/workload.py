@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import NamedTuple
 
 import orjson
 import sqlalchemy as sa
@@ -83,6 +84,15 @@ class Produced:
     offset: int
 
 
+class Draw(NamedTuple):
+    kind: str
+    user: int
+    other: int
+    emit: bool
+    pick: float
+    value: float
+
+
 @dataclass
 class WorkloadReport:
     changes: int = 0
@@ -126,6 +136,8 @@ class Workload:
         self.rng.shuffle(order)
         self._hot = order
         self._cum = list(itertools.accumulate(1.0 / (r + 1) ** 1.1 for r in range(len(order))))
+        self._start_state = self.rng.getstate()
+        self._total = 0
 
     # -- progress -----------------------------------------------------------------
 
@@ -173,6 +185,7 @@ class Workload:
                 self._cond.notify_all()
 
     def start(self, total: int, rate: float) -> threading.Thread:
+        self._total = total
         thread = threading.Thread(target=self._run_quietly, args=(total, rate),
                                   name="workload", daemon=True)
         thread.start()
@@ -191,25 +204,51 @@ class Workload:
                 if d.done and d.error is None and d.partition is not None
                 and d.offset is not None]
 
+    def adopt(self, delivery: Delivery) -> None:
+        """Count a record a scenario produced on a domain topic as produced (the oracle
+        then expects it there, and accounts for it)."""
+        self._deliveries.append(delivery)
+
+    def users_drawn(self, start: int, kinds: tuple[str, ...] = tuple(AFFECTS)) -> set[int]:
+        """The users that changes ``start`` onwards (of ``kinds``) draw, as user or other.
+
+        The draws depend on nothing but the seed, so they are replayed from the seed's
+        random stream without the database.
+        """
+        rng = random.Random()
+        rng.setstate(self._start_state)
+        drawn: set[int] = set()
+        for index in range(self._total):
+            draw = self._draw(rng)
+            if index >= start and draw.kind in kinds:
+                drawn |= {draw.user, draw.other}
+        return drawn
+
+    def spared_transactions(self, start: int) -> list[tuple[int, int]]:
+        """Transactions (id, user) inside the feature windows of the users that no change
+        from ``start`` on draws: no later event of the workload recomputes their txn_90d."""
+        spared = sorted(set(self.users) - self.users_drawn(start))
+        with self.engine.connect() as conn:
+            return [(int(t), int(u)) for t, u in conn.execute(sa.text(
+                "SELECT id, user_id FROM transactions WHERE tenant_id = :t "
+                "AND user_id = ANY(:users) AND created_at > now() - interval '80 days' "
+                "ORDER BY id"), {"t": self.tenant, "users": spared})]
+
     @property
     def unacknowledged(self) -> int:
         return sum(1 for d in self._deliveries if not d.done or d.error is not None)
 
     # -- one change ---------------------------------------------------------------
 
-    def _user(self) -> int:
-        return self.rng.choices(self._hot, cum_weights=self._cum)[0]
-
-    def _kind(self) -> str:
-        return self.rng.choices([k for k, _ in MIX], weights=[w for _, w in MIX])[0]
+    def _draw(self, rng: random.Random) -> Draw:
+        """Every random choice of one change, in order."""
+        kind = rng.choices([k for k, _ in MIX], weights=[w for _, w in MIX])[0]
+        user = rng.choices(self._hot, cum_weights=self._cum)[0]
+        other = rng.choices(self._hot, cum_weights=self._cum)[0]
+        return Draw(kind, user, other, rng.random() < DOMAIN_SHARE, rng.random(), rng.random())
 
     def _one(self, index: int) -> None:
-        kind = self._kind()
-        user = self._user()
-        other = self._user()
-        emit = self.rng.random() < DOMAIN_SHARE
-        pick = self.rng.random()
-        value = self.rng.random()
+        kind, user, other, emit, pick, value = self._draw(self.rng)
         # Every draw is made before the database is asked, so a retried change (after
         # a Postgres outage) makes the same draws, and the stream of draws never
         # depends on what the database answered.
