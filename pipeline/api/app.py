@@ -137,6 +137,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
             versions.listen()
         stop_timing = metrics.time_feature_queries(engine, registry)
         board.start()
+        semantic.start()
         try:
             yield
         finally:

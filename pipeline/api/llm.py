@@ -1,13 +1,15 @@
 """``/v1/llm/cache/*``: the semantic response cache over HTTP.
 
 The tenant comes from the API key, never from the body. The cache
-(:class:`pipeline.semantic.cache.SemanticCache`) is made on the first request, so
-the embedding model loads once per worker process and only in workers that use it;
+(:class:`pipeline.semantic.cache.SemanticCache`) is made on the first request, or at
+start-up when Redis holds namespaces to warm (``FRESHLINE_SEMANTIC_WARM``), so the
+embedding model loads once per worker process and only in workers that use it;
 concurrent requests are embedded together (:class:`BatchingEmbedder`).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, cast
@@ -25,6 +27,7 @@ from pipeline.core.keys import validate_id
 from pipeline.core.settings import Settings
 from pipeline.semantic.cache import (
     InvalidPrompt,
+    Limits,
     Lookup,
     NonDeterministicParams,
     Scope,
@@ -32,6 +35,9 @@ from pipeline.semantic.cache import (
     Stored,
 )
 from pipeline.semantic.embed import BatchingEmbedder, EmbeddingError, embedder_from_settings
+from pipeline.semantic.namespaces import live_namespaces
+
+log = logging.getLogger(__name__)
 
 LOOKUPS = Counter(
     "freshline_semantic_lookups_total",
@@ -59,7 +65,7 @@ EMBED_SECONDS = Histogram(
 
 
 class SemanticService:
-    """The process's semantic cache, made on first use."""
+    """The process's semantic cache, made on first use or by the start-up warm-up."""
 
     def __init__(self, settings: Settings, client: redis.Redis) -> None:
         self.settings = settings
@@ -67,26 +73,60 @@ class SemanticService:
         self._cache: SemanticCache | None = None
         self._embedder: BatchingEmbedder | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def cache(self) -> SemanticCache:
         with self._lock:
-            if self._cache is None:
-                s = self.settings
-                self._embedder = BatchingEmbedder(embedder_from_settings(
-                    s.semantic_embeddings_url, s.semantic_embeddings_model,
-                    s.semantic_embeddings_api_key.get_secret_value()))
-                self._cache = SemanticCache(
-                    self.redis, self._embedder, threshold=s.semantic_threshold,
-                    thresholds=s.semantic_thresholds, ttl_s=s.semantic_ttl_s,
-                    max_prompt_chars=s.semantic_max_prompt_chars)
-            return self._cache
+            return self._made()
+
+    def start(self) -> None:
+        """Warm the indexes of the namespaces in Redis in the background, so that no
+        lookup waits for (or misses during) a build (``FRESHLINE_SEMANTIC_WARM``)."""
+        if self.settings.semantic_warm:
+            threading.Thread(target=self._warm, name="semantic-warm", daemon=True).start()
+
+    def pool_ready(self, namespace: str) -> bool:
+        """Whether this process holds a ready index of ``namespace`` (builds nothing)."""
+        with self._lock:
+            idx = self._cache.pool.peek(namespace) if self._cache is not None else None
+        return idx is not None and idx.ready
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._cache is not None:
                 self._cache.close()
             if self._embedder is not None:
                 self._embedder.close()
+
+    def _made(self) -> SemanticCache:
+        if self._cache is None:
+            s = self.settings
+            self._embedder = BatchingEmbedder(embedder_from_settings(
+                s.semantic_embeddings_url, s.semantic_embeddings_model,
+                s.semantic_embeddings_api_key.get_secret_value()))
+            self._cache = SemanticCache(
+                self.redis, self._embedder, threshold=s.semantic_threshold,
+                thresholds=s.semantic_thresholds, ttl_s=s.semantic_ttl_s,
+                max_prompt_chars=s.semantic_max_prompt_chars,
+                limits=Limits(s.semantic_max_entries, s.semantic_max_entries_per_model,
+                              s.semantic_max_namespaces),
+                max_index_vectors=s.semantic_index_max_vectors)
+        return self._cache
+
+    def _warm(self) -> None:
+        try:
+            found = live_namespaces(self.redis)
+            if not found:
+                return  # nothing to warm: the model loads on the first request
+            with self._lock:
+                if self._closed:
+                    return
+                cache = self._made()
+            queued = cache.warm(found)
+            log.info("semantic cache: warming %d of %d namespaces", queued, len(found))
+        except Exception:  # a background thread has no caller to raise to
+            log.exception("semantic cache: warming failed; namespaces build on first use")
 
 
 def as_api_error(exc: Exception) -> Exception:

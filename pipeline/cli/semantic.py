@@ -28,9 +28,9 @@ def stats(
     model: Annotated[str | None, typer.Option(help="Only this model")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
-    """Live entries, hit rate, flagged hits and refusals per namespace."""
+    """Live entries, hit rate, stores, evictions, flagged hits and refusals per namespace."""
 
-    from pipeline.semantic.cache import stats as namespace_stats
+    from pipeline.semantic.namespaces import stats as namespace_stats
 
     settings = load_settings()
     client = redis_client(settings)
@@ -53,8 +53,9 @@ def stats(
             f"  version {r.model_version}, template {r.template_version}"))
         out.print(f"  {r.entries:,} entries; hit rate {rate} ({c['hits']:,} hits, "
                   f"{c['misses']:,} misses)")
-        out.print(f"  {c['stored']:,} stored, {c['flagged']:,} flagged, "
-                  f"{c['refused']:,} refused (not deterministic)")
+        out.print(f"  {c['stored']:,} stored, {c['evicted']:,} evicted (the oldest, over "
+                  "the limit)")
+        out.print(f"  {c['flagged']:,} flagged, {c['refused']:,} refused (not deterministic)")
 
 
 @semantic_app.command("purge")
@@ -68,7 +69,7 @@ def purge(
     """Remove the matching entries (SCAN + UNLINK in batches); every worker's index
     empties through the namespace's stream. Give a tenant, a version, or both."""
 
-    from pipeline.semantic.cache import purge_keys
+    from pipeline.semantic.namespaces import purge_keys
 
     if not (tenant or model_version or template_version):
         raise typer.BadParameter("give --tenant, --model-version or --template-version "

@@ -207,6 +207,11 @@ def semantic_stats_key(namespace: str) -> str:
     return f"{SEMANTIC_PREFIX}:stats:{namespace}"
 
 
+def semantic_registry_key(tenant: str) -> str:
+    """``sem:ns:<tenant>``: a tenant's namespaces, scored by their last store (ms)."""
+    return f"{SEMANTIC_PREFIX}:ns:{validate_id('tenant', tenant)}"
+
+
 def semantic_pattern(tenant: str | None = None, model: str | None = None,
                      model_version: str | None = None,
                      template_version: str | None = None, kind: str = "*") -> str:

@@ -110,6 +110,16 @@ class Settings(BaseSettings):
     semantic_embeddings_model: str = "all-MiniLM-L6-v2"
     semantic_embeddings_api_key: SecretStr = SecretStr("")
     semantic_max_prompt_chars: int = Field(default=32_000, ge=1)
+    semantic_max_entries: int = Field(default=200_000, ge=1)
+    """Entries per namespace (tenant, model, versions); past it the oldest are evicted."""
+    semantic_max_entries_per_model: dict[str, int] = Field(default_factory=dict)
+    """Per model, JSON: ``{"support-bot": 1000000}``; others use the default."""
+    semantic_max_namespaces: int = Field(default=16, ge=1)
+    """Namespaces per tenant; past it, the one stored into least recently is purged."""
+    semantic_index_max_vectors: int = Field(default=2_000_000, ge=1)
+    """Vectors one API process's semantic indexes hold; least recently used dropped."""
+    semantic_warm: bool = True
+    """Build the semantic indexes of the namespaces in Redis when the API starts."""
 
     @field_validator("semantic_thresholds")
     @classmethod
@@ -117,6 +127,14 @@ class Settings(BaseSettings):
         for model, threshold in value.items():
             if not 0.0 < threshold <= 1.0:
                 raise ValueError(f"threshold {threshold} for {model!r} is not in (0, 1]")
+        return value
+
+    @field_validator("semantic_max_entries_per_model")
+    @classmethod
+    def _entries_positive(cls, value: dict[str, int]) -> dict[str, int]:
+        for model, n in value.items():
+            if n < 1:
+                raise ValueError(f"max entries {n} for {model!r} is not at least 1")
         return value
 
     @property

@@ -6,7 +6,8 @@ Every entry lives in a namespace ``{<tenant>:<model>:<model_version>:<template_v
 (:func:`pipeline.core.keys.semantic_namespace`), and every namespace has an index of
 its own (:mod:`pipeline.semantic.index`). A lookup searches only its own namespace:
 another tenant's, model's, model version's or template version's entries are never
-even candidates.
+even candidates. How much a namespace and a tenant keep is bounded
+(:mod:`pipeline.semantic.namespaces`).
 
 What may be cached
 ------------------
@@ -18,11 +19,13 @@ sampled response served again is not what the caller asked for.
 A lookup, in order
 ------------------
 1. Refuse non-deterministic parameters; embed the prompt (once, in the caller's batch).
-2. Search the namespace's index for the :data:`CANDIDATES` nearest ids.
-3. One round trip: ``MGET`` their entries, ``XREAD`` the namespace's stream since the
+2. Take this process's index of the namespace (:mod:`pipeline.semantic.pool`). If it
+   is not ready (a large namespace still building), answer a miss, ``warming``.
+3. Search it for the :data:`CANDIDATES` nearest ids.
+4. One round trip: ``MGET`` their entries, ``XREAD`` the namespace's stream since the
    index's position, and this process's pending counters. Changes read are applied;
-   when they added entries, steps 2-3 run once more so a new entry can win.
-4. Check each candidate present in Redis *exactly*: cosine similarity of the stored
+   when they added entries, steps 3-4 run once more so a new entry can win.
+5. Check each candidate present in Redis *exactly*: cosine similarity of the stored
    vector and the query's (float64) at or above the model's threshold, the same
    generation parameters, and the same numbers in both prompts
    (:func:`pipeline.semantic.entry.literals_match`). The best that passes is served.
@@ -35,7 +38,8 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,41 +48,47 @@ import redis
 
 from pipeline.core.errors import FreshlineError
 from pipeline.core.keys import (
-    parse_semantic_namespace,
     semantic_entry_key,
     semantic_ids_key,
     semantic_log_key,
     semantic_namespace,
-    semantic_pattern,
+    semantic_registry_key,
     semantic_stats_key,
 )
-from pipeline.core.types import text
 from pipeline.semantic.embed import Embedder, Vectors
 from pipeline.semantic.entry import (
     CorruptSemanticEntry,
     Entry,
-    cosine,
+    InvalidPrompt,
     decode,
     encode,
     entry_id,
     literals_match,
     params_digest,
+    vector_bytes,
 )
-from pipeline.semantic.index import STREAM_RETENTION_MS, NamespaceIndex, SemanticIndexes
+from pipeline.semantic.index import NamespaceIndex
+from pipeline.semantic.namespaces import (
+    Limits,
+    evict_namespaces,
+    evict_oldest,
+    live_namespaces,
+    purge_keys,
+    trim_minid,
+)
+from pipeline.semantic.pool import MAX_VECTORS, STREAM_BATCH, IndexPool
 
 log = logging.getLogger(__name__)
 
 CANDIDATES = 8
 DEFAULT_THRESHOLD = 0.93
-STAT_FIELDS = ("hits", "misses", "stored", "flagged", "refused")
+
+__all__ = ["CANDIDATES", "DEFAULT_THRESHOLD", "InvalidPrompt", "Limits", "Lookup",
+           "NonDeterministicParams", "Scope", "SemanticCache", "Stored", "check_deterministic"]
 
 
 class NonDeterministicParams(FreshlineError):
     """A generation that may differ for the same prompt: never stored nor served."""
-
-
-class InvalidPrompt(FreshlineError, ValueError):
-    """A prompt or response the cache cannot take (empty, not text, too long)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +111,8 @@ class Lookup:
     """A lookup's answer. ``response`` is None on a miss.
 
     ``similarity`` is the served entry's exact cosine similarity (on a miss, the best
-    candidate's, or None without one); ``lookup_s`` excludes ``embed_s``.
+    candidate's, or None without one); ``lookup_s`` excludes ``embed_s``. ``warming``:
+    a miss because this process's index of the namespace is still being built.
     """
 
     hit: bool
@@ -112,6 +123,7 @@ class Lookup:
     threshold: float
     embed_s: float
     lookup_s: float
+    warming: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,14 +159,18 @@ class SemanticCache:
     """Tenant-scoped, version-scoped semantic cache of deterministic LLM responses.
 
     ``thresholds`` maps a model to its similarity threshold (default ``threshold``);
-    ``ttl_s`` bounds every key's life. Thread-safe; share one per process, since it
-    holds this process's indexes.
+    ``ttl_s`` bounds every key's life; ``limits`` bounds entries per namespace and
+    namespaces per tenant; ``max_index_vectors`` bounds the vectors this process's
+    indexes hold. Thread-safe; share one per process, since it holds this process's
+    indexes and their background builder. :meth:`close` stops it.
     """
 
     def __init__(self, client: redis.Redis, embedder: Embedder, *,
                  threshold: float = DEFAULT_THRESHOLD,
                  thresholds: Mapping[str, float] | None = None, ttl_s: int = 86_400,
-                 max_prompt_chars: int = 32_000, guard_literals: bool = True) -> None:
+                 max_prompt_chars: int = 32_000, guard_literals: bool = True,
+                 limits: Limits | None = None,
+                 max_index_vectors: int = MAX_VECTORS) -> None:
         self.redis = client
         self.embedder = embedder
         self.threshold = threshold
@@ -162,9 +178,13 @@ class SemanticCache:
         self.ttl_ms = ttl_s * 1000
         self.max_prompt_chars = max_prompt_chars
         self.guard_literals = guard_literals
-        self.indexes = SemanticIndexes(client, embedder.dim)
+        self.limits = limits or Limits()
+        self.background = ThreadPoolExecutor(1, thread_name_prefix="semantic")
+        self.pool = IndexPool(client, embedder.dim, self.background,
+                              max_vectors=max_index_vectors)
         self._pending: dict[str, Counter[str]] = {}
         self._pending_lock = threading.Lock()
+        self._evicting: set[str] = set()
 
     # -- the public API ----------------------------------------------------------------
 
@@ -178,6 +198,13 @@ class SemanticCache:
         started = time.perf_counter()
         vectors = self.embedder.embed(prompts)
         return vectors, time.perf_counter() - started
+
+    def warm(self, namespaces: Sequence[tuple[str, int]] | None = None) -> int:
+        """Build, in the background, the indexes of the namespaces in Redis (or of
+        ``(namespace, entries)`` given), most recently stored first, as many as the
+        index budget holds; returns how many were queued. The API calls it at start-up."""
+        found = live_namespaces(self.redis) if namespaces is None else namespaces
+        return self.pool.warm(found)
 
     def lookup(self, scope: Scope, prompt: str, params: Mapping[str, Any]) -> Lookup:
         """The cached response for ``prompt``, or a miss (module docstring)."""
@@ -197,37 +224,26 @@ class SemanticCache:
         started = time.perf_counter()
         ns = scope.namespace
         threshold = self.threshold_for(scope.model)
-        digest = params_digest(dict(params))
-        idx = self.indexes.get(ns)
+        idx = self.pool.get(ns)
+        if not idx.ready:
+            self._count(ns, "misses")
+            return Lookup(False, None, None, None, None, threshold, embed_s,
+                          time.perf_counter() - started, warming=True)
         query = vector[None, :]
         with idx.lock:
             candidates = idx.search(query, CANDIDATES)[0]
-        raws, events = self._fetch(idx, [e for e, _ in candidates])
-        with idx.lock:
-            added = self._apply(idx, events)
+            position = idx.stream_id
+        raws, events = self._fetch(ns, [e for e, _ in candidates], position)
+        if events:
+            with idx.lock:
+                added = self._apply(idx, events)
+                if added:
+                    candidates = idx.search(query, CANDIDATES)[0]
             if added:
-                candidates = idx.search(query, CANDIDATES)[0]
-        if added:
-            raws, _ = self._fetch(idx, [e for e, _ in candidates], read_stream=False)
-        best: tuple[float, int, Entry] | None = None
-        best_seen: float | None = None
-        for (e, _), raw in zip(candidates, raws, strict=True):
-            if raw is None:
-                with idx.lock:
-                    idx.remove(e)  # expired or removed: Redis is the truth
-                continue
-            try:
-                entry = decode(raw)
-            except CorruptSemanticEntry:
-                log.warning("corrupt semantic entry %s in %s", f"{e:016x}", ns)
-                continue
-            similarity = cosine(vector, entry.vector)
-            best_seen = similarity if best_seen is None else max(best_seen, similarity)
-            if (similarity >= threshold and entry.params == digest
-                    and (not self.guard_literals or literals_match(prompt, entry.prompt))
-                    and (best is None or similarity > best[0])):
-                best = (similarity, e, entry)
+                raws, _ = self._fetch(ns, [e for e, _ in candidates], None)
+        found = self._best(idx, candidates, raws, vector, prompt, params, threshold)
         elapsed = time.perf_counter() - started
+        best_seen, best = found
         if best is None:
             self._count(ns, "misses")
             return Lookup(False, None, best_seen, None, None, threshold, embed_s, elapsed)
@@ -239,12 +255,8 @@ class SemanticCache:
 
     def store(self, scope: Scope, prompt: str, params: Mapping[str, Any],
               response: str) -> Stored:
-        """Cache ``response`` for ``prompt``; refused unless deterministic.
-
-        One pipeline: the entry with its TTL, its id in the expiry-scored set, an
-        ``add`` on the namespace's stream (with the vector, so other processes need
-        not read the entry), the counters; every key's TTL set or extended.
-        """
+        """Cache ``response`` for ``prompt``; refused unless deterministic (see
+        :meth:`store_many`)."""
         try:
             check_deterministic(params)
         except NonDeterministicParams:
@@ -265,7 +277,13 @@ class SemanticCache:
         """Store ``(prompt, response)`` pairs in one pipeline; returns their entry ids.
 
         The prompts are embedded in one batch unless ``vectors`` are given (one row
-        each). Refused as a whole unless the params are deterministic.
+        each). Refused as a whole unless the params are deterministic. In order: the
+        entries with their TTL, their ids in the expiry-scored set, an ``add`` per
+        entry on the namespace's stream (with the vector, so other processes need not
+        read the entry), the namespace in its tenant's registry, the counters; every
+        key's TTL set or extended. Then the bounds (:class:`Limits`): past the
+        namespace's entries, its oldest are evicted now; past the tenant's
+        namespaces, the least recently stored into is purged in the background.
         """
         ns = scope.namespace
         try:
@@ -285,26 +303,34 @@ class SemanticCache:
         ttl = self.ttl_ms
         digest = params_digest(dict(params))
         ids_key, log_key = semantic_ids_key(ns), semantic_log_key(ns)
-        minid = str(now_ms - STREAM_RETENTION_MS)
+        registry = semantic_registry_key(scope.tenant)
+        minid = trim_minid(now_ms)
         pipe = self.redis.pipeline(transaction=False)
-        out: list[str] = []
-        members: dict[str, int] = {}
-        for (prompt, response), vector in zip(items, vectors, strict=True):
-            e = entry_id(prompt)
-            vec = np.asarray(vector, dtype=np.float32)
-            entry = Entry(prompt, response, now_ms, digest, vec)
-            pipe.set(semantic_entry_key(ns, e), encode(entry), px=ttl)
-            members[f"{e:016x}"] = now_ms + ttl
-            pipe.xadd(log_key, {"op": "add", "id": f"{e:016x}", "v": vec.astype("<f4").tobytes()},
-                      minid=minid, approximate=True)
-            out.append(f"{e:016x}")
-        pipe.zadd(ids_key, members)
+        out = [f"{entry_id(prompt):016x}" for prompt, _ in items]
+        for (prompt, response), member, vector in zip(items, out, vectors, strict=True):
+            entry = Entry(prompt, response, now_ms, digest, np.asarray(vector, dtype=np.float32))
+            pipe.set(semantic_entry_key(ns, int(member, 16)), encode(entry), px=ttl)
+        # The ids before the stream events: an index build between the two still
+        # finds the entry (pipeline.semantic.pool).
+        pipe.zadd(ids_key, dict.fromkeys(out, now_ms + ttl))
         pipe.zremrangebyscore(ids_key, "-inf", now_ms)
+        size_at = len(pipe)
+        pipe.zcard(ids_key)
+        for member, vector in zip(out, vectors, strict=True):
+            pipe.xadd(log_key, {"op": "add", "id": member,
+                                "v": np.asarray(vector, dtype="<f4").tobytes()},
+                      minid=minid, approximate=True)
         pipe.pexpire(ids_key, ttl)
         pipe.pexpire(log_key, ttl)
+        pipe.zadd(registry, {ns: now_ms})
+        pipe.zremrangebyscore(registry, "-inf", now_ms - ttl)
+        spaces_at = len(pipe)
+        pipe.zcard(registry)
+        pipe.pexpire(registry, ttl)
         self._count(ns, "stored", len(items))
         self._flush_into(pipe, ns)
-        pipe.execute()
+        replies = pipe.execute()
+        self._enforce_limits(scope, int(replies[size_at]), int(replies[spaces_at]))
         return out
 
     def get_or_generate(self, scope: Scope, prompt: str, params: Mapping[str, Any],
@@ -314,13 +340,18 @@ class SemanticCache:
         The prompt is embedded once for both steps. Non-deterministic parameters are
         refused before anything is generated: call the model directly for those.
         """
-        found = self.lookup(scope, prompt, params)
+        try:
+            check_deterministic(params)
+        except NonDeterministicParams:
+            self._count(scope.namespace, "refused")
+            raise
+        vectors, embed_s = self.embed([prompt])
+        found = self.lookup_vector(scope, prompt, params, vectors[0], embed_s=embed_s)
         if found.hit and found.response is not None:
             return found.response, found
         response = generate(prompt)
         self._check_text("response", response)
-        vector = self.embedder.embed([prompt])[0]
-        self.store_vector(scope, prompt, params, response, vector)
+        self.store_vector(scope, prompt, params, response, vectors[0])
         return response, found
 
     def flag(self, scope: Scope, entry: str) -> bool:
@@ -341,29 +372,33 @@ class SemanticCache:
         pipe.delete(semantic_entry_key(ns, e))
         pipe.zrem(semantic_ids_key(ns), entry)
         pipe.xadd(semantic_log_key(ns), {"op": "remove", "id": entry},
-                  minid=str(now_ms - STREAM_RETENTION_MS), approximate=True)
+                  minid=trim_minid(now_ms), approximate=True)
         pipe.pexpire(semantic_log_key(ns), self.ttl_ms)
         self._count(ns, "flagged")
         self._flush_into(pipe, ns)
         removed = bool(pipe.execute()[0])
-        idx = self.indexes.get(ns)
-        with idx.lock:
-            idx.remove(e)
+        idx = self.pool.peek(ns)
+        if idx is not None:
+            with idx.lock:
+                idx.remove([e])
         return removed
 
     def purge(self, *, tenant: str | None = None, model: str | None = None,
               model_version: str | None = None, template_version: str | None = None,
               batch: int = 500) -> dict[str, int]:
-        """:func:`purge_keys`, and this process's indexes of those namespaces dropped."""
+        """:func:`~pipeline.semantic.namespaces.purge_keys`, and this process's indexes
+        of those namespaces dropped."""
         removed = purge_keys(self.redis, tenant=tenant, model=model,
                              model_version=model_version, template_version=template_version,
                              batch=batch)
         for ns in removed:
-            self.indexes.drop(ns)
+            self.pool.drop(ns)
         return removed
 
     def close(self) -> None:
-        """Write this process's pending counters."""
+        """Stop the background builds and write this process's pending counters."""
+        self.pool.close()
+        self.background.shutdown(wait=True, cancel_futures=True)
         with self._pending_lock:
             namespaces = list(self._pending)
         if namespaces:
@@ -381,31 +416,105 @@ class SemanticCache:
             raise InvalidPrompt(f"the {what} is {len(value):,} characters, over the limit "
                                 f"of {self.max_prompt_chars:,}")
 
-    def _fetch(self, idx: NamespaceIndex, ids: list[int], *,
-               read_stream: bool = True) -> tuple[list[bytes | None], list[Any]]:
-        ns = idx.namespace
+    def _best(self, idx: NamespaceIndex, candidates: list[tuple[int, float]],
+              raws: list[bytes | None], vector: Vectors, prompt: str,
+              params: Mapping[str, Any], threshold: float,
+              ) -> tuple[float | None, tuple[float, int, Entry] | None]:
+        """The best candidate's similarity, and the best that passes every check."""
+        ids: list[int] = []
+        tails: list[bytes] = []
+        kept: list[bytes] = []
+        gone: list[int] = []
+        for (e, _), raw in zip(candidates, raws, strict=True):
+            tail = vector_bytes(raw, idx.dim)
+            if raw is None:
+                gone.append(e)  # expired or removed: Redis is the truth
+            elif tail is None:
+                log.warning("corrupt semantic entry %s in %s", f"{e:016x}", idx.namespace)
+            else:
+                ids.append(e)
+                tails.append(tail)
+                kept.append(raw)
+        if gone:
+            with idx.lock:
+                idx.remove(gone)
+        if not ids:
+            return None, None
+        stored = np.frombuffer(b"".join(tails), dtype="<f4").reshape(len(ids), idx.dim)
+        stored = stored.astype(np.float64)
+        query = np.asarray(vector, dtype=np.float64)
+        norms = np.linalg.norm(stored, axis=1) * float(np.linalg.norm(query))
+        sims = np.divide(stored @ query, norms, out=np.zeros(len(ids)), where=norms > 0)
+        digest = params_digest(dict(params))
+        for i in np.argsort(-sims, kind="stable"):
+            similarity = float(sims[i])
+            if similarity < threshold:
+                break
+            try:
+                entry = decode(kept[i])
+            except CorruptSemanticEntry:
+                log.warning("corrupt semantic entry %s in %s", f"{ids[i]:016x}", idx.namespace)
+                continue
+            if entry.params == digest and (not self.guard_literals
+                                           or literals_match(prompt, entry.prompt)):
+                return float(sims.max()), (similarity, ids[i], entry)
+        return float(sims.max()), None
+
+    def _fetch(self, ns: str, ids: list[int],
+               position: str | None) -> tuple[list[bytes | None], list[Any]]:
+        """One round trip: the entries, the stream since ``position`` (unless None),
+        this process's pending counters."""
         pipe = self.redis.pipeline(transaction=False)
         if ids:
             pipe.mget([semantic_entry_key(ns, e) for e in ids])
-        if read_stream:
-            pipe.xread({semantic_log_key(ns): idx.stream_id}, count=10_000)
+        if position is not None:
+            pipe.xread({semantic_log_key(ns): position}, count=STREAM_BATCH)
         self._flush_into(pipe, ns)
         replies = pipe.execute()
         raws: list[bytes | None] = list(replies[0]) if ids else []
         events: list[Any] = []
-        if read_stream:
+        if position is not None:
             reply = replies[1 if ids else 0]
             events = reply[0][1] if reply else []
         return raws, events
 
     def _apply(self, idx: NamespaceIndex, events: list[Any]) -> int:
-        from pipeline.semantic.index import apply_events
-
-        added = apply_events(idx, events)
-        idx.synced_at = time.monotonic()
-        if len(events) >= 10_000:
-            added += self.indexes.catch_up(idx)
+        """Apply events read by a lookup (the index's lock held); past a full batch,
+        the rest of the stream too."""
+        added = idx.apply(events)
+        if len(events) >= STREAM_BATCH:
+            added += self.pool.catch_up(idx)
         return added
+
+    def _enforce_limits(self, scope: Scope, entries: int, namespaces: int) -> None:
+        ns = scope.namespace
+        cap = self.limits.entries_for(scope.model)
+        if entries > cap:
+            evicted = evict_oldest(self.redis, ns, entries - cap, self.ttl_ms)
+            self._count(ns, "evicted", evicted)
+        if namespaces > self.limits.max_namespaces:
+            with self._pending_lock:
+                if scope.tenant in self._evicting:
+                    return
+                self._evicting.add(scope.tenant)
+            try:
+                self.background.submit(self._evict_namespaces, scope.tenant)
+            except RuntimeError:  # closed meanwhile: the next store over the limit evicts
+                with self._pending_lock:
+                    self._evicting.discard(scope.tenant)
+
+    def _evict_namespaces(self, tenant: str) -> None:
+        try:
+            for ns in evict_namespaces(self.redis, tenant, self.limits.max_namespaces):
+                self.pool.drop(ns)
+                log.info("semantic namespace %s evicted: tenant %s is at its limit of %d",
+                         ns, tenant, self.limits.max_namespaces)
+        except Exception:  # a background thread has no caller to raise to
+            log.exception("semantic namespaces of %s: eviction failed; the next store "
+                          "retries", tenant)
+        finally:
+            with self._pending_lock:
+                self._evicting.discard(tenant)
 
     def _count(self, ns: str, field: str, n: int = 1) -> None:
         with self._pending_lock:
@@ -421,75 +530,3 @@ class SemanticCache:
         for field, n in pending.items():
             pipe.hincrby(key, field, n)
         pipe.pexpire(key, self.ttl_ms)
-
-
-def purge_keys(client: redis.Redis, *, tenant: str | None = None, model: str | None = None,
-               model_version: str | None = None, template_version: str | None = None,
-               batch: int = 500) -> dict[str, int]:
-    """Remove every key of the matching namespaces (SCAN + UNLINK in batches).
-
-    A tenant, a model version or a template version must be given (a model alone
-    narrows). Each namespace's stream then carries a ``purge``, so every process
-    empties its index. Returns the keys removed per namespace. Safe to interrupt and
-    run again.
-    """
-    if not (tenant or model_version or template_version):
-        raise InvalidPrompt("purge needs a tenant, a model version or a template version")
-    pattern = semantic_pattern(tenant, model, model_version, template_version)
-    removed: Counter[str] = Counter()
-    keys: list[bytes] = []
-    for key in client.scan_iter(match=pattern, count=batch):
-        removed[_namespace_of(text(key))] += 1
-        keys.append(key)
-        if len(keys) >= batch:
-            client.unlink(*keys)
-            keys.clear()
-    if keys:
-        client.unlink(*keys)
-    now_ms = int(time.time() * 1000)
-    pipe = client.pipeline(transaction=False)
-    for ns in removed:
-        pipe.xadd(semantic_log_key(ns), {"op": "purge"},
-                  minid=str(now_ms - STREAM_RETENTION_MS), approximate=True)
-        pipe.pexpire(semantic_log_key(ns), STREAM_RETENTION_MS)
-    pipe.execute()
-    return dict(removed)
-
-
-def _namespace_of(key: str) -> str:
-    start = key.index("{")
-    return key[start:key.index("}", start) + 1]
-
-
-@dataclass(frozen=True, slots=True)
-class NamespaceStats:
-    tenant: str
-    model: str
-    model_version: str
-    template_version: str
-    entries: int
-    counts: dict[str, int]
-
-    @property
-    def hit_rate(self) -> float | None:
-        total = self.counts.get("hits", 0) + self.counts.get("misses", 0)
-        return self.counts.get("hits", 0) / total if total else None
-
-
-def stats(client: redis.Redis, tenant: str | None = None,
-          model: str | None = None) -> list[NamespaceStats]:
-    """Live entries and counters per namespace (SCAN of the id sets, never KEYS)."""
-    now_ms = int(time.time() * 1000)
-    out: list[NamespaceStats] = []
-    namespaces: set[str] = set()
-    for kind in ("ids", "stats"):
-        for key in client.scan_iter(match=semantic_pattern(tenant, model, kind=kind),
-                                    count=500):
-            namespaces.add(_namespace_of(text(key)))
-    for ns in sorted(namespaces):
-        entries = int(client.zcount(semantic_ids_key(ns), now_ms, "+inf"))
-        raw = client.hgetall(semantic_stats_key(ns))
-        counts = {f: int(raw.get(f.encode(), 0)) for f in STAT_FIELDS}
-        out.append(NamespaceStats(*parse_semantic_namespace(ns), entries=entries,
-                                  counts=counts))
-    return out

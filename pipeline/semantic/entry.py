@@ -34,6 +34,10 @@ class CorruptSemanticEntry(FreshlineError):
     """Bytes under a semantic key that do not decode as an entry."""
 
 
+class InvalidPrompt(FreshlineError, ValueError):
+    """A prompt, response or request the cache cannot take (empty, not text, too long)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     prompt: str
@@ -84,6 +88,17 @@ def decode(raw: bytes) -> Entry:
     except (IndexError, ValueError, KeyError, TypeError, struct.error,
             orjson.JSONDecodeError) as exc:
         raise CorruptSemanticEntry(f"not a semantic cache entry: {exc}") from exc
+
+
+def vector_bytes(raw: bytes | None, dim: int) -> bytes | None:
+    """The vector's bytes at the end of an encoded entry, or None when ``raw`` is not
+    an entry with a ``dim``-wide vector. Parses no JSON: index builds read millions."""
+    if not raw or raw[0] != FORMAT_VERSION or len(raw) < 5:
+        return None
+    (size,) = struct.unpack_from("<I", raw, 1)
+    if len(raw) - 5 - size != 4 * dim:
+        return None
+    return raw[5 + size:]
 
 
 _LITERAL = re.compile(r"\d+(?:[.,]\d+)*")

@@ -12,8 +12,12 @@ from sqlalchemy.engine import Engine
 
 from pipeline.api import create_app
 from pipeline.api.auth import create_api_key
+from pipeline.api.llm import SemanticService
 from pipeline.core.settings import Settings
 from pipeline.dev.seed import SeedSummary
+from pipeline.semantic.cache import Limits, Scope, SemanticCache
+from pipeline.semantic.embed import local_model
+from tests.conftest import wait_until
 from tests.pipeline.test_api import Api, running
 
 PROMPT = "How do I reset the password of my account?"
@@ -118,3 +122,39 @@ def test_a_key_is_required(api: Api, model: str) -> None:
     assert answer.status_code == 401
     flag = api.post("/v1/llm/cache/flag", json={**body(model), "entry_id": "zz"})
     assert flag.status_code == 422 and flag.json()["error"]["code"] == "invalid_request"
+
+
+def test_the_api_warms_the_indexes_at_start(settings: Settings, engine: Engine,
+                                            redis_client: redis.Redis, tenants: list[str],
+                                            model: str) -> None:
+    scope = Scope(tenants[0], model, "v1", "t1")
+    writer = SemanticCache(redis_client, local_model())
+    writer.store(scope, PROMPT, {"temperature": 0}, "warmed")
+    writer.close()
+    app = create_app(settings, engine=engine, redis_client=redis_client, follow_deploys=False)
+    with running(app, create_api_key(engine, tenants[0])) as client:
+        service = app.state.semantic
+        # Built at start-up, before any request asked for it.
+        assert wait_until(lambda: service.pool_ready(scope.namespace), timeout=60)
+        hit = client.post("/v1/llm/cache/lookup", json=body(model, NEAR)).json()
+        assert hit["hit"] is True and hit["response"] == "warmed"
+
+    cold = create_app(settings.model_copy(update={"semantic_warm": False}), engine=engine,
+                      redis_client=redis_client, follow_deploys=False)
+    with running(cold):
+        assert not cold.state.semantic.pool_ready(scope.namespace)
+
+
+def test_the_limits_come_from_the_settings(settings: Settings, redis_client: redis.Redis) -> None:
+    tuned = settings.model_copy(update={
+        "semantic_max_entries": 7, "semantic_max_entries_per_model": {"tiny": 3},
+        "semantic_max_namespaces": 4, "semantic_index_max_vectors": 12_345})
+    service = SemanticService(tuned, redis_client)
+    made = service.cache()
+    try:
+        assert made.limits == Limits(7, {"tiny": 3}, 4)
+        assert made.pool.max_vectors == 12_345
+    finally:
+        service.close()
+    with pytest.raises(ValueError, match="max entries 0"):
+        Settings(semantic_max_entries_per_model={"tiny": 0})

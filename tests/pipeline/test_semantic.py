@@ -14,14 +14,13 @@ import pytest
 import redis
 
 from pipeline.core.errors import InvalidId
-from pipeline.core.keys import SEMANTIC_PREFIX, semantic_pattern
+from pipeline.core.keys import SEMANTIC_PREFIX, semantic_pattern, semantic_registry_key
 from pipeline.semantic.cache import (
     InvalidPrompt,
     NonDeterministicParams,
     Scope,
     SemanticCache,
     check_deterministic,
-    stats,
 )
 from pipeline.semantic.embed import (
     BatchingEmbedder,
@@ -31,6 +30,7 @@ from pipeline.semantic.embed import (
     local_model,
 )
 from pipeline.semantic.entry import literals_match
+from pipeline.semantic.namespaces import stats
 from pipeline.semantic.tune import PAIRS, load_pairs, sweep
 from tests.conftest import wait_until
 
@@ -150,7 +150,8 @@ def test_purge_by_version_and_by_tenant(cache: SemanticCache, redis_client: redi
     removed = cache.purge(tenant=tenant, model_version="v1")
     assert list(removed) == [scope(tenant, "v1").namespace]
     assert not worker.lookup(scope(tenant, "v1"), PROMPT, ZERO).hit
-    assert len(worker.indexes.get(scope(tenant, "v1").namespace)) == 0  # emptied by the stream
+    idx = worker.pool.peek(scope(tenant, "v1").namespace)
+    assert idx is not None and len(idx) == 0  # emptied by the stream
     assert worker.lookup(scope(tenant, "v2"), PROMPT, ZERO).response == "new"
     assert worker.lookup(scope(other_tenant, "v1"), PROMPT, ZERO).response == "theirs"
 
@@ -187,11 +188,12 @@ def test_two_workers_keep_their_indexes_in_step(redis_client: redis.Redis, model
     stored = a.store(s, PROMPT, ZERO, "from a")
     # b learns of the add from the stream, not by rebuilding.
     assert b.lookup(s, NEAR, ZERO).response == "from a"
-    assert b.indexes.builds == 1
-    assert stored.entry_id in {f"{e:016x}" for e in b.indexes.get(s.namespace).live}
+    assert b.pool.builds == 1
+    held = b.pool.peek(s.namespace)
+    assert held is not None and stored.entry_id in {f"{e:016x}" for e in held.live}
     assert b.flag(s, stored.entry_id)
     assert not a.lookup(s, NEAR, ZERO).hit
-    assert wait_until(lambda: len(a.indexes.get(s.namespace)) == 0)
+    assert wait_until(lambda: len(a.pool.get(s.namespace)) == 0)
     a.close()
     b.close()
 
@@ -208,9 +210,10 @@ def test_every_key_has_a_ttl(cache: SemanticCache, redis_client: redis.Redis,
     keys = list(redis_client.scan_iter(match=semantic_pattern(tenant)))
     kinds = {k.decode().split(":")[1] for k in keys}
     assert kinds == {"e", "ids", "log", "stats"}
-    for key in keys:
+    for key in [*keys, semantic_registry_key(tenant)]:
         assert redis_client.pttl(key) > 0, key
     cache.purge(tenant=tenant)
+    assert not redis_client.exists(semantic_registry_key(tenant))
     for key in redis_client.scan_iter(match=f"{SEMANTIC_PREFIX}:*{tenant}*"):
         assert redis_client.pttl(key) > 0, key  # the purge marker too
 

@@ -1,0 +1,263 @@
+"""This process's indexes: one per namespace, built from Redis off the request path,
+within a budget of vectors.
+
+Redis holds the truth: the entries (``sem:e``), their ids scored by expiry
+(``sem:ids``) and a stream of changes (``sem:log``: ``add`` with the vector,
+``remove``, ``purge``). A build, in order:
+
+1. note the stream's last id;
+2. read the live ids (``ZRANGEBYSCORE now +inf``); above ``flat_max`` of them, read a
+   random sample (:data:`~pipeline.semantic.index.TRAIN_PER_LIST` per list) and train
+   the inverted lists on it;
+3. read the entries in chunks (``MGET``) and add their vectors (each entry's tail: no
+   JSON is parsed);
+4. apply the stream from the noted id, so adds and removals made meanwhile are kept;
+   then, holding the served index's lock, apply what came since and swap it in.
+
+Stores write their id before their stream event, and removals the other way round,
+so whichever side of step 1 a change lands, step 2 or step 4 sees it.
+
+When builds run
+---------------
+* :meth:`IndexPool.warm` (the API calls it at start-up): every namespace in Redis,
+  most recently stored first, as many as the budget holds.
+* A lookup on a namespace this process holds no index of: with at most
+  ``inline_max`` entries it is built there and then (one ``MGET``); a larger one is
+  built in the background, and until it is ready lookups answer a miss. A miss is
+  never a wrong answer: the caller asks its model.
+* A ready index that wants a rebuild (:meth:`NamespaceIndex.wants_rebuild`: stale or
+  grown) is rebuilt in the background while it keeps serving.
+
+Builds run one at a time on the cache's background thread, with one OpenMP thread: on
+two shared cores a build never takes both from the lookups.
+
+The budget: the indexes held hold at most ``max_vectors`` vectors (each index counted
+as at least :data:`MIN_CHARGE`); when a build passes it, the least recently used other
+indexes are dropped (a dropped index is built again on its next lookup).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+import faiss
+import numpy as np
+import redis
+
+from pipeline.core.keys import semantic_entry_key, semantic_ids_key, semantic_log_key
+from pipeline.core.types import text
+from pipeline.semantic.embed import Vectors
+from pipeline.semantic.entry import vector_bytes
+from pipeline.semantic.index import FLAT_MAX, TRAIN_PER_LIST, NamespaceIndex, lists_for
+
+log = logging.getLogger(__name__)
+
+BUILD_CHUNK = 1000
+STREAM_BATCH = 10_000
+INLINE_MAX = 1000
+MIN_CHARGE = 1000
+MAX_VECTORS = 2_000_000
+
+
+class IndexPool:
+    """This process's :class:`NamespaceIndex` per namespace (module docstring).
+
+    ``background`` runs the builds (one worker thread); ``flat_max`` and
+    ``inline_max`` are the sizes above which an index is IVF, and built off the
+    request path; ``max_vectors`` is the budget.
+    """
+
+    def __init__(self, client: redis.Redis, dim: int, background: Executor, *,
+                 max_vectors: int = MAX_VECTORS, flat_max: int = FLAT_MAX,
+                 inline_max: int = INLINE_MAX) -> None:
+        self.redis = client
+        self.dim = dim
+        self.background = background
+        self.max_vectors = max_vectors
+        self.flat_max = flat_max
+        self.inline_max = inline_max
+        self.builds = 0
+        self.dropped = 0
+        self._indexes: dict[str, NamespaceIndex] = {}
+        self._pending: set[str] = set()
+        self._lock = threading.Lock()
+        self._inline = threading.Lock()
+        self._closed = False
+        self._rng = np.random.default_rng()
+
+    # -- what the cache calls ------------------------------------------------------------
+
+    def get(self, namespace: str) -> NamespaceIndex:
+        """The namespace's index, ready or not (it never waits for a large build)."""
+        now = time.monotonic()
+        idx, pending = self._entry(namespace, now)
+        if idx.ready:
+            if not pending and idx.wants_rebuild(now):
+                self.schedule(namespace)
+            return idx
+        if pending:
+            return idx
+        if int(self.redis.zcard(semantic_ids_key(namespace))) <= self.inline_max:
+            with self._inline:
+                if not idx.ready:
+                    fresh = self.build(namespace)
+                    if fresh is not None:
+                        self._publish(idx, fresh)
+        else:
+            self.schedule(namespace)
+        return idx
+
+    def peek(self, namespace: str) -> NamespaceIndex | None:
+        """The namespace's index if this process holds one; builds nothing."""
+        with self._lock:
+            return self._indexes.get(namespace)
+
+    def schedule(self, namespace: str) -> bool:
+        """Queue a background (re)build of ``namespace``; False if one is queued already."""
+        with self._lock:
+            if self._closed or namespace in self._pending:
+                return False
+            self._pending.add(namespace)
+        try:
+            self.background.submit(self._build_in_background, namespace)
+        except RuntimeError:  # the executor shut down since the check: closing
+            with self._lock:
+                self._pending.discard(namespace)
+            return False
+        return True
+
+    def warm(self, namespaces: Sequence[tuple[str, int]]) -> int:
+        """Queue builds for ``(namespace, entries)``, in order, while the budget holds
+        them; returns how many were queued."""
+        used = 0
+        queued = 0
+        for namespace, entries in namespaces:
+            charge = max(entries, MIN_CHARGE)
+            if used and used + charge > self.max_vectors:
+                break
+            used += charge
+            self._entry(namespace, time.monotonic())
+            queued += self.schedule(namespace)
+        return queued
+
+    def drop(self, namespace: str) -> None:
+        with self._lock:
+            self._indexes.pop(namespace, None)
+
+    def namespaces(self) -> list[str]:
+        with self._lock:
+            return sorted(self._indexes)
+
+    def pending(self) -> list[str]:
+        with self._lock:
+            return sorted(self._pending)
+
+    def close(self) -> None:
+        """Stop building: a build under way stops at its next chunk."""
+        with self._lock:
+            self._closed = True
+
+    # -- building ------------------------------------------------------------------------
+
+    def build(self, namespace: str) -> NamespaceIndex | None:
+        """A new index of ``namespace`` from Redis, caught up with its stream (module
+        docstring, steps 1-4 but the swap); None if the pool closed meanwhile."""
+        last: Any = self.redis.xrevrange(semantic_log_key(namespace), count=1)
+        position = text(last[0][0]) if last else "0-0"
+        now_ms = int(time.time() * 1000)
+        members: Any = self.redis.zrangebyscore(semantic_ids_key(namespace), now_ms, "+inf")
+        ids = np.fromiter((int(text(m), 16) for m in members), dtype=np.int64,
+                          count=len(members))
+        fresh = NamespaceIndex(namespace, self.dim, flat_max=self.flat_max)
+        if len(ids) > self.flat_max:
+            wanted = min(len(ids), TRAIN_PER_LIST * lists_for(len(ids)))
+            sample = self._rng.choice(ids, wanted, replace=False)
+            _, vectors = self.load(namespace, sample)
+            fresh.train(vectors, len(ids))
+        for start in range(0, len(ids), BUILD_CHUNK):
+            if self._closed:
+                return None
+            found, vectors = self.load(namespace, ids[start:start + BUILD_CHUNK])
+            if found:
+                fresh.add(found, vectors)
+        fresh.stream_id = position
+        self.catch_up(fresh)
+        return fresh
+
+    def load(self, namespace: str, ids: Sequence[int] | np.ndarray) -> tuple[list[int], Vectors]:
+        """The vectors of those ``ids`` still in Redis (MGET in chunks), with their ids."""
+        found: list[int] = []
+        tails: list[bytes] = []
+        for start in range(0, len(ids), BUILD_CHUNK):
+            chunk = [int(e) for e in ids[start:start + BUILD_CHUNK]]
+            raws: Any = self.redis.mget([semantic_entry_key(namespace, e) for e in chunk])
+            for e, raw in zip(chunk, raws, strict=True):
+                tail = vector_bytes(raw, self.dim)
+                if tail is not None:
+                    found.append(e)
+                    tails.append(tail)
+        vectors = np.frombuffer(b"".join(tails), dtype="<f4").astype(np.float32)
+        return found, vectors.reshape(len(found), self.dim)
+
+    def catch_up(self, idx: NamespaceIndex) -> int:
+        """Apply the stream since the index's position; returns the adds applied."""
+        adds = 0
+        while True:
+            reply: Any = self.redis.xread({semantic_log_key(idx.namespace): idx.stream_id},
+                                          count=STREAM_BATCH)
+            events = reply[0][1] if reply else []
+            adds += idx.apply(events)
+            if len(events) < STREAM_BATCH:
+                return adds
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _entry(self, namespace: str, now: float) -> tuple[NamespaceIndex, bool]:
+        with self._lock:
+            idx = self._indexes.get(namespace)
+            if idx is None:
+                idx = self._indexes[namespace] = NamespaceIndex(namespace, self.dim,
+                                                                flat_max=self.flat_max)
+            idx.used_at = now
+            return idx, namespace in self._pending
+
+    def _build_in_background(self, namespace: str) -> None:
+        faiss.omp_set_num_threads(1)  # this thread's setting: leave a core to lookups
+        started = time.perf_counter()
+        try:
+            fresh = self.build(namespace)
+            if fresh is not None:
+                idx, _ = self._entry(namespace, time.monotonic())
+                self._publish(idx, fresh)
+                log.info("semantic index %s: %d vectors (%s) built in %.1f s", namespace,
+                         len(fresh), fresh.kind, time.perf_counter() - started)
+        except Exception:  # a background thread has no caller to raise to
+            log.exception("semantic index %s: build failed; the next lookup retries",
+                          namespace)
+        finally:
+            with self._lock:
+                self._pending.discard(namespace)
+
+    def _publish(self, idx: NamespaceIndex, fresh: NamespaceIndex) -> None:
+        with idx.lock:
+            self.catch_up(fresh)
+            idx.take(fresh)
+        self.builds += 1
+        self._enforce_budget(keep=idx.namespace)
+
+    def _enforce_budget(self, keep: str) -> None:
+        with self._lock:
+            charges = {ns: max(len(i), MIN_CHARGE) for ns, i in self._indexes.items()}
+            total = sum(charges.values())
+            for ns in sorted(charges, key=lambda n: self._indexes[n].used_at):
+                if total <= self.max_vectors:
+                    break
+                if ns != keep:
+                    del self._indexes[ns]
+                    total -= charges[ns]
+                    self.dropped += 1
