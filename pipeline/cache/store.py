@@ -59,8 +59,15 @@ from pipeline.core.codec import (
 )
 from pipeline.core.errors import ConfigError
 from pipeline.core.features import REGISTRY, FeatureSet, Registry
-from pipeline.core.keys import feature_key, feature_keys, floor_key, grid_keys, lease_key
-from pipeline.core.types import EntityRef, Entry, Watermark, text
+from pipeline.core.keys import (
+    feature_key,
+    feature_keys,
+    floor_key,
+    grid_keys,
+    item_keys,
+    lease_key,
+)
+from pipeline.core.types import EntityRef, Entry, Item, Watermark, text
 
 # KEYS[1] entry, KEYS[2] lease, KEYS[3] floor; ARGV[1] encoded entry or tombstone,
 # ARGV[2] TTL in ms, ARGV[3] lease token ("" for a source-driven write, which revokes
@@ -217,10 +224,8 @@ class FeatureStore:
         For a caller with a client of its own (the API's asyncio one): MGET these, then
         :meth:`entries` turns the replies into what :meth:`read` would answer.
         """
-        version = self.schema_version
-        keys = feature_keys(version, refs)
-        for name in dict.fromkeys(r.feature_set for r in refs):
-            keys.append(floor_key(version, self.registry[name].name))
+        keys = feature_keys(self.schema_version, refs)
+        keys += [self._floor_key(name) for name in dict.fromkeys(r.feature_set for r in refs)]
         return keys
 
     def entries(self, refs: Sequence[EntityRef],
@@ -229,21 +234,38 @@ class FeatureStore:
 
         ``None`` where missing, a tombstone, or below its feature set's floor.
         """
-        n = len(refs)
-        names = list(dict.fromkeys(r.feature_set for r in refs))
-        floors = dict(zip(names, raws[n:], strict=True))
-        if len(names) == 1:  # the common case: no regrouping
-            rows = self.rows(names[0], raws[:n], floors[names[0]])
-        else:
-            rows = [None] * n
-            for name in names:
-                at = [i for i, r in enumerate(refs) if r.feature_set == name]
-                for i, row in zip(at, self.rows(name, [raws[i] for i in at], floors[name]),
-                                  strict=True):
-                    rows[i] = row
         version = self.schema_version
         return [None if row is None else Entry(row[0], version, row[1], parse_watermark(row[2]))
-                for row in rows]
+                for row in self._rows_of([r.feature_set for r in refs], raws)]
+
+    def read_rows(self, items: Sequence[Item]) -> list[Row | None]:
+        """:meth:`read` of ``(feature_set, tenant, entity)`` items, as decoded rows.
+
+        The same MGET (keys, then floors) and checks, without an object per item: for
+        callers that build their own answer from each row (the Python client).
+        """
+        if not items:
+            return []
+        keys = item_keys(self.schema_version, items)
+        names = [fs for fs, _, _ in items]
+        keys += [self._floor_key(name) for name in dict.fromkeys(names)]
+        return self._rows_of(names, mget(self.redis, keys))
+
+    def _rows_of(self, names: Sequence[str],
+                 raws: Sequence[bytes | str | None]) -> list[Row | None]:
+        """Rows of the MGET replies of keys of the feature sets ``names``, then floors."""
+        n = len(names)
+        sets = list(dict.fromkeys(names))
+        floors = dict(zip(sets, raws[n:], strict=True))
+        if len(sets) == 1:  # the common case: no regrouping
+            return self.rows(sets[0], raws[:n], floors[sets[0]])
+        rows: list[Row | None] = [None] * n
+        for name in sets:
+            at = [i for i, fs in enumerate(names) if fs == name]
+            for i, row in zip(at, self.rows(name, [raws[i] for i in at], floors[name]),
+                              strict=True):
+                rows[i] = row
+        return rows
 
     def grid_keys(self, tenant: str, feature_sets: Sequence[str],
                   entities: Sequence[str]) -> list[str]:

@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 from pipeline.core.errors import InvalidId
-from pipeline.core.types import EntityRef
+from pipeline.core.types import EntityRef, Item
 from schemas.ids import MAX_ID_LENGTH, id_problem
 
 FEATURE_PREFIX = "feat"
@@ -76,15 +76,22 @@ def feature_key(schema_version: int, ref: EntityRef) -> str:
 
 def feature_keys(schema_version: int, refs: Iterable[EntityRef]) -> list[str]:
     """:func:`feature_key` of each ref, validating each tenant once per call."""
+    return item_keys(schema_version, [(r.feature_set, r.tenant, r.entity) for r in refs])
+
+
+def item_keys(schema_version: int, items: Iterable[Item]) -> list[str]:
+    """:func:`feature_key` of each ``(feature_set, tenant, entity)``, each tenant
+    validated once per call."""
     heads: dict[tuple[str, str], str] = {}
     out: list[str] = []
-    for ref in refs:
-        head = heads.get((ref.feature_set, ref.tenant))
+    append = out.append
+    for feature_set, tenant, entity in items:
+        head = heads.get((feature_set, tenant))
         if head is None:
-            tenant = validate_id("tenant", ref.tenant)
-            head = heads[(ref.feature_set, ref.tenant)] = (
-                f"{FEATURE_PREFIX}:{schema_version}:{ref.feature_set}:{{{tenant}:")
-        out.append(f"{head}{validate_id('entity', ref.entity)}}}")
+            head = heads[(feature_set, tenant)] = (
+                f"{FEATURE_PREFIX}:{schema_version}:{feature_set}:"
+                f"{{{validate_id('tenant', tenant)}:")
+        append(f"{head}{validate_id('entity', entity)}}}")
     return out
 
 
