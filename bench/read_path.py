@@ -181,7 +181,7 @@ def run(quick: bool) -> dict[str, Any]:
     for conc in ("c1", "c16"):
         common.note(f"{conc}: " + ", ".join(f"{k} {v}x" for k, v in ratios[conc].items()))
     if wrk:
-        reference_app.print_ratios(wrk["ratios"])
+        reference_app.print_ratios(wrk)
     plots = _plot(results)
     return {
         "parameters": {"feature_set": FEATURE_SET, "entities": len(users), "batch": BATCH,

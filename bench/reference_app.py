@@ -8,6 +8,14 @@ decoding: it returns the stored JSON as is. Served by the same granian launch as
 what a Python ASGI server does on this machine against this Redis, so every HTTP
 figure of freshline is reported as a ratio to it, measured in the same run.
 
+A second reference, ``minimal+decode``, is the same app answering what freshline
+answers: it also reads each feature set's truncate floor in the MGET, decodes every
+entry with freshline's decoder (:func:`pipeline.core.codec.decode_rows`: schema version,
+field count, tombstone, floor) and sends the same JSON object per entity (named
+values, age, source, schema version). Still no auth, id validation, version pointer,
+metrics or hot-read sampling: it is the floor of freshline's answer format, so
+``freshline / minimal+decode`` is what the rest of freshline costs.
+
 freshline runs twice: with the in-process tier off (every read a Redis round trip)
 and on, warm (no round trip). ``wrk`` (``apt-get install wrk``) loads every server
 for a few seconds per figure, in interleaved rounds; figures are medians over rounds
@@ -41,7 +49,8 @@ BATCH = 100
 SERVER_WORKERS = 2
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 HEADER = 31  # tag + watermark ahead of an entry's JSON (pipeline.core.codec.HEADER)
-SERVERS = ("minimal", "freshline", "freshline+tier")
+SERVERS = ("minimal", "minimal+decode", "freshline", "freshline+tier")
+FLOOR = "minimal+decode"
 ENDPOINTS = ("GET", "batch 100")
 
 
@@ -50,7 +59,8 @@ ENDPOINTS = ("GET", "batch 100")
 def app_from_env() -> Any:
     """The reference app; ``BENCH_REFERENCE_REDIS_URL`` and ``_PREFIX`` from the launcher.
 
-    ``_PREFIX`` is the feature key up to the entity: ``feat:<v>:<set>:{<tenant>:``.
+    ``_PREFIX`` is the feature key up to the entity: ``feat:<v>:<set>:{<tenant>:``. With
+    ``BENCH_REFERENCE_DECODE`` (the schema version) it is ``minimal+decode``.
     """
     import redis.asyncio as aioredis
     from starlette.applications import Starlette
@@ -81,9 +91,53 @@ def app_from_env() -> Any:
         yield
         await client.aclose()
 
+    decode = os.environ.get("BENCH_REFERENCE_DECODE")
+    if decode:
+        get, mget = _decoding_routes(client, prefix, int(decode))
     return Starlette(routes=[Route("/v1/features/batch", mget, methods=["POST"]),
                              Route("/v1/features/{feature_set}/{entity_id}", get)],
                      lifespan=lifespan)
+
+
+def _decoding_routes(client: Any, prefix: str, version: int) -> tuple[Any, Any]:
+    """``minimal+decode``: the same reads with the floor, decoded and answered as
+    freshline answers (see the module docstring)."""
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    from pipeline.core.clock import now_ms
+    from pipeline.core.codec import decode_rows
+    from pipeline.core.features import REGISTRY
+
+    fields = REGISTRY[FEATURE_SET].field_names
+    floor = f"floor:{version}:{FEATURE_SET}"
+
+    def answers(entities: list[str], raws: list[Any]) -> list[dict[str, Any]]:
+        now = now_ms()
+        return [{"feature_set": FEATURE_SET, "entity": e, "values": None, "hit": False,
+                 "source": "miss", "age_ms": 0, "schema_version": version} if row is None
+                else {"feature_set": FEATURE_SET, "entity": e, "values": row[0], "hit": True,
+                      "source": "hit", "age_ms": max(0, now - row[1]),
+                      "schema_version": version}
+                for e, row in zip(entities, decode_rows(raws[:-1], fields, version, raws[-1]),
+                                  strict=True)]
+
+    async def get(request: Request) -> Response:
+        entity = request.path_params["entity_id"]
+        [answer] = answers([entity], await client.mget([f"{prefix}{entity}}}", floor]))
+        if answer["values"] is None:
+            return Response(b'{"error":"miss"}', status_code=404,
+                            media_type="application/json")
+        return Response(orjson.dumps(answer), media_type="application/json")
+
+    async def mget(request: Request) -> Response:
+        entities = orjson.loads(await request.body())["entities"]
+        raws = await client.mget([f"{prefix}{e}}}" for e in entities] + [floor])
+        items = answers(entities, raws)
+        return Response(orjson.dumps({"schema_version": version, "items": items}),
+                        media_type="application/json")
+
+    return get, mget
 
 
 # -- servers ---------------------------------------------------------------------------
@@ -134,12 +188,14 @@ def serve_freshline(ctx: common.Context, version: int, *,
                   env, port, "/readyz")
 
 
-def serve_reference(ctx: common.Context, version: int,
-                    tenant: str) -> contextlib.AbstractContextManager[str]:
-    """The minimal app on a free port, launched as ``freshline serve`` launches the API."""
+def serve_reference(ctx: common.Context, version: int, tenant: str, *,
+                    decode: bool = False) -> contextlib.AbstractContextManager[str]:
+    """The minimal app (``decode``: minimal+decode) on a free port, launched as
+    ``freshline serve`` launches the API."""
     port = free_port()
     env = {"BENCH_REFERENCE_REDIS_URL": ctx.settings.redis_url,
-           "BENCH_REFERENCE_PREFIX": f"feat:{version}:{FEATURE_SET}:{{{tenant}:"}
+           "BENCH_REFERENCE_PREFIX": f"feat:{version}:{FEATURE_SET}:{{{tenant}:",
+           "BENCH_REFERENCE_DECODE": str(version) if decode else ""}
     code = ("from pipeline.cli.serve import run_granian; "
             f"run_granian('bench.reference_app:app_from_env', '127.0.0.1', {port}, "
             f"{SERVER_WORKERS})")
@@ -198,8 +254,9 @@ def compare(urls: dict[str, str], key: str, users: list[int], *, rounds: int,
     """wrk every server on both endpoints at c=1 and c=16, interleaved round by round.
 
     ``urls`` maps a server name of :data:`SERVERS` to its URL; the first is the
-    reference. Returns the median figures per ``c<n>:<endpoint>:<server>`` and the
-    median ratio of each to the reference's figure of the same round.
+    reference. Returns the median figures per ``c<n>:<endpoint>:<server>``, the
+    median ratio of each to the reference's figure of the same round (``ratios``) and,
+    for freshline's servers, to :data:`FLOOR`'s (``to_floor``), when it runs.
     """
     scripts = {e: wrk_script(key, users, batch=e != "GET") for e in ENDPOINTS}
     ref = next(iter(urls))
@@ -216,17 +273,21 @@ def compare(urls: dict[str, str], key: str, users: list[int], *, rounds: int,
         common.note(f"wrk round {r + 1}/{rounds} done")
     figures = {name: {m: statistics.median(run[m] for run in rs) for m in rs[0]}
                for name, rs in runs.items()}
+    def ratio(rs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, float]:
+        return {m: round(statistics.median(a[m] / b[m] for a, b in zip(rs, base, strict=True)
+                                           if b.get(m)), 2)
+                for m in ("p50_us", "p99_us", "ops_per_s") if m in rs[0]}
+
     ratios: dict[str, dict[str, float]] = {}
+    to_floor: dict[str, dict[str, float]] = {}
     for name, rs in runs.items():
         level, endpoint, server = name.split(":")
         if server == ref:
             continue
-        base = runs[f"{level}:{endpoint}:{ref}"]
-        ratios[name] = {
-            m: round(statistics.median(a[m] / b[m] for a, b in zip(rs, base, strict=True)
-                                       if b.get(m)), 2)
-            for m in ("p50_us", "p99_us", "ops_per_s") if m in rs[0]}
-    return {"figures": figures, "ratios": ratios}
+        ratios[name] = ratio(rs, runs[f"{level}:{endpoint}:{ref}"])
+        if FLOOR in urls and server not in (ref, FLOOR):
+            to_floor[name] = ratio(rs, runs[f"{level}:{endpoint}:{FLOOR}"])
+    return {"figures": figures, "ratios": ratios, "to_floor": to_floor}
 
 
 def targets(ratios: dict[str, dict[str, float]],
@@ -249,12 +310,16 @@ def targets(ratios: dict[str, dict[str, float]],
     return out
 
 
-def print_ratios(ratios: dict[str, dict[str, float]]) -> None:
+def print_ratios(res: dict[str, Any]) -> None:
     """The ratios on stderr, one line per figure, readable at 80 columns."""
-    common.note("ratio to the minimal app      p50     p99   req/s")
-    for name, r in ratios.items():
-        common.note(f"{name:<28}{r.get('p50_us', 0):>5.2f}x {r.get('p99_us', 0):>6.2f}x "
-                    f"{r.get('ops_per_s', 0):>6.2f}x")
+    for title, ratios in (("the minimal app", res["ratios"]),
+                          (FLOOR, res.get("to_floor", {}))):
+        if not ratios:
+            continue
+        common.note(f"{'ratio to ' + title:<30}p50     p99   req/s")
+        for name, r in ratios.items():
+            common.note(f"{name:<28}{r.get('p50_us', 0):>5.2f}x {r.get('p99_us', 0):>6.2f}x "
+                        f"{r.get('ops_per_s', 0):>6.2f}x")
 
 
 def warm(url: str, key: str, users: list[int], passes: int = 3) -> None:
@@ -268,12 +333,14 @@ def warm(url: str, key: str, users: list[int], passes: int = 3) -> None:
 @contextlib.contextmanager
 def servers(ctx: common.Context, version: int, tenant: str, key: str,
             users: list[int]) -> Iterator[dict[str, str]]:
-    """The minimal app, freshline with the tier off and with it on (warm): name -> URL."""
+    """The minimal app, minimal+decode, freshline with the tier off and with it on
+    (warm): name -> URL, in :data:`SERVERS` order."""
     with serve_reference(ctx, version, tenant) as ref, \
+            serve_reference(ctx, version, tenant, decode=True) as floor, \
             serve_freshline(ctx, version) as plain, \
             serve_freshline(ctx, version, local_cache_size=10 * len(users)) as tier:
         warm(tier, key, users)
-        yield {"minimal": ref, "freshline": plain, "freshline+tier": tier}
+        yield {"minimal": ref, FLOOR: floor, "freshline": plain, "freshline+tier": tier}
 
 
 def prepared(ctx: common.Context) -> tuple[int, str, str, list[int]]:
@@ -302,7 +369,7 @@ def run(quick: bool) -> dict[str, Any]:
     rounds, seconds = (1, 2) if quick else (3, 5)
     with servers(ctx, version, tenant, key, users) as urls:
         res = compare(urls, key, users, rounds=rounds, seconds=seconds)
-    print_ratios(res["ratios"])
+    print_ratios(res)
     return {"parameters": {"feature_set": FEATURE_SET, "entities": len(users),
                            "batch": BATCH, "server_workers": SERVER_WORKERS,
                            "rounds": rounds, "seconds": seconds},
@@ -313,8 +380,10 @@ def table_rows(res: dict[str, Any]) -> list[tuple[Any, ...]]:
     rows: list[tuple[Any, ...]] = []
     for name, f in res["figures"].items():
         r = res["ratios"].get(name, {})
+        fl = res.get("to_floor", {}).get(name, {})
         rows.append((name, f.get("p50_us"), f.get("p99_us"), f.get("ops_per_s"),
-                     r.get("p50_us", "1"), r.get("p99_us", "1"), r.get("ops_per_s", "1")))
+                     r.get("p50_us", "1"), r.get("p99_us", "1"), r.get("ops_per_s", "1"),
+                     fl.get("p50_us", ""), fl.get("ops_per_s", "")))
     return rows
 
 
@@ -325,10 +394,13 @@ def section(res: dict[str, Any]) -> list[str]:
         f"wrk, {p['rounds']} interleaved round(s) of {p['seconds']} s per figure (medians; "
         f"each ratio the median of the rounds' ratios to the minimal app), granian with "
         f"{p['server_workers']} workers for every server, `mode=cache-only`. "
-        "`freshline+tier`: the in-process tier on and warm.",
+        "`freshline+tier`: the in-process tier on and warm. `minimal+decode`: the minimal "
+        "app answering freshline's JSON (floors read, entries decoded, named values); "
+        "the last two columns are freshline's ratios to it.",
         "",
         common.table(["conc:endpoint:server", "p50 µs", "p99 µs", "req/s",
-                      "p50 x", "p99 x", "req/s x"], table_rows(res)),
+                      "p50 x", "p99 x", "req/s x", "p50 x floor", "req/s x floor"],
+                     table_rows(res)),
         "",
     ]
 
@@ -336,7 +408,9 @@ def section(res: dict[str, Any]) -> list[str]:
 def markdown(res: dict[str, Any]) -> str:
     lines = ["## reference_app: freshline's HTTP API against a minimal app", "",
              "The minimal app: Starlette + redis.asyncio, one GET route and one MGET route, "
-             "no auth, validation or decoding.", ""]
+             "no auth, validation or decoding. minimal+decode: the same app decoding each "
+             "entry (with its feature set's truncate floor) and answering freshline's JSON.",
+             ""]
     lines += section(res)
     lines.append(common.targets_table(res["targets"]))
     return "\n".join(lines)

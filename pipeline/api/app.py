@@ -101,7 +101,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
         redis=client,
         engine=engine,
         registry=registry,
-        reader=FeatureReader(readthrough, local),
+        reader=FeatureReader(readthrough, local, timeout_s=socket_timeout(client)),
         auth=Authenticator(engine, redis_client=client, ttl_s=settings.api_key_cache_s,
                            silence_s=settings.subscription_silence_ms / 1000,
                            last_used_interval_s=settings.api_key_last_used_s),
@@ -174,18 +174,35 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
     return app
 
 
+def socket_timeout(client: redis.Redis) -> float | None:
+    """The socket timeout ``client`` reads with, if any."""
+    kwargs = _connection_kwargs(client)
+    timeout = kwargs.get("socket_timeout")
+    return float(timeout) if timeout else None
+
+
+def _connection_kwargs(client: Any) -> dict[str, Any]:
+    if is_cluster(client):
+        client = client.get_nodes()[0].redis_connection
+    return cast(dict[str, Any], client.connection_pool.connection_kwargs)
+
+
 def async_twin(client: redis.Redis) -> redis.asyncio.Redis:
-    """An asyncio client to the server ``client`` talks to, with its timeouts.
+    """An asyncio client to the server ``client`` talks to, with its connect timeout.
 
     hiredis, a dependency, parses its replies. For a cluster client, an asyncio
-    cluster client seeded with every node the first one knows.
+    cluster client seeded with every node the first one knows. The twin has no
+    socket timeout: redis.asyncio runs every command with one as a task of its own,
+    which costs more than the command; its caller bounds each call instead (see
+    :class:`pipeline.api.reader.FeatureReader`).
     """
     if is_cluster(client):
         return cluster_twin(client)
     kwargs = client.connection_pool.connection_kwargs
     common: dict[str, Any] = {
-        k: kwargs[k] for k in ("db", "username", "password", "socket_timeout",
-                               "socket_connect_timeout", "client_name") if k in kwargs}
+        k: kwargs[k] for k in ("db", "username", "password", "socket_connect_timeout",
+                               "client_name") if k in kwargs}
+    common["socket_timeout"] = None  # not redis-py's default of 5 s
     if "path" in kwargs:  # a Unix socket
         return redis.asyncio.Redis(unix_socket_path=kwargs["path"], **common)
     ssl = issubclass(client.connection_pool.connection_class, redis.SSLConnection)
@@ -200,8 +217,9 @@ def async_twin(client: redis.Redis) -> redis.asyncio.Redis:
 def cluster_twin(client: Any) -> redis.asyncio.Redis:
     nodes = client.get_nodes()
     kwargs = nodes[0].redis_connection.connection_pool.connection_kwargs
-    common = {k: kwargs[k] for k in ("username", "password", "socket_timeout",
-                                     "socket_connect_timeout") if k in kwargs}
+    common = {k: kwargs[k] for k in ("username", "password", "socket_connect_timeout")
+              if k in kwargs}
+    common["socket_timeout"] = None  # bounded by the caller, as for async_twin
     twin = AsyncRedisCluster(startup_nodes=[AsyncClusterNode(n.host, n.port) for n in nodes],
                              **common)
     return cast(redis.asyncio.Redis, twin)

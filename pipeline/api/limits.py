@@ -21,12 +21,12 @@ loop, so no lock): with ``N`` workers a key can reach ``N`` times its rate.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-import anyio
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -177,7 +177,9 @@ class AccessGuard:
             if done:
                 return await receive()
             try:
-                with anyio.fail_after(max(0.0, deadline - time.monotonic())):
+                # asyncio's timer, not anyio's cancel scope: about half the cost, and
+                # the API runs on asyncio (its Redis client is redis.asyncio).
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                     message = await receive()
             except TimeoutError:
                 raise ApiError(408, "body_timeout",

@@ -12,6 +12,7 @@ import os
 import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
+from operator import itemgetter
 from typing import Any
 
 from prometheus_client import (
@@ -99,27 +100,40 @@ MODEL_DETERMINISTIC = Gauge(
 )
 
 
+def _children(metric: Any) -> Callable[..., Any]:
+    """``metric.labels(*values)``, each label set looked up once (its child is kept
+    by prometheus_client anyway): a request then skips the lookup."""
+    found: dict[tuple[str, ...], Any] = {}
+
+    def child(*values: str) -> Any:
+        got = found.get(values)
+        if got is None:
+            got = found[values] = metric.labels(*values)
+        return got
+
+    return child
+
+
+_set_and_source = itemgetter("feature_set", "source")
+_request_seconds = _children(REQUEST_SECONDS)
+_hits = _children(HITS)
+_misses = _children(MISSES)
+_read_throughs = _children(READ_THROUGHS)
+_cache_read_seconds = _children(CACHE_READ_SECONDS)
+_cache_miss_seconds = _children(CACHE_MISS_SECONDS)
+
+
 def record_answers(answers: Iterable[Answer]) -> None:
     """Count hits, misses and read-throughs, one counter update per label set."""
-    hits: Tally[tuple[str, str]] = Tally()
-    misses: Tally[str] = Tally()
-    computed: Tally[str] = Tally()
-    for a in answers:
-        fs = a.ref.feature_set
-        if a.source == "local":
-            hits[(fs, "local")] += 1
-        elif a.source in ("hit", "waited"):
-            hits[(fs, "redis")] += 1
+    for (fs, source), n in Tally(map(_set_and_source, answers)).items():
+        if source == "local":
+            _hits(fs, "local").inc(n)
+        elif source in ("hit", "waited"):
+            _hits(fs, "redis").inc(n)
         else:
-            misses[fs] += 1
-            if a.source in ("computed", "uncached"):
-                computed[fs] += 1
-    for (fs, tier), n in hits.items():
-        HITS.labels(fs, tier).inc(n)
-    for fs, n in misses.items():
-        MISSES.labels(fs).inc(n)
-    for fs, n in computed.items():
-        READ_THROUGHS.labels(fs).inc(n)
+            _misses(fs).inc(n)
+            if source in ("computed", "uncached"):
+                _read_throughs(fs).inc(n)
 
 
 def record_predictions(model: str, hits: int, computed: int) -> None:
@@ -129,14 +143,14 @@ def record_predictions(model: str, hits: int, computed: int) -> None:
         PREDICTIONS.labels(model, "computed").inc(computed)
 
 
-def observe(endpoint: str, feature_set: str, status: int, started: float) -> None:
-    REQUEST_SECONDS.labels(endpoint, feature_set, str(status)).observe(
-        time.perf_counter() - started)
+def observe(endpoint: str, feature_set: str, status: int, seconds: float) -> None:
+    """One request's latency, by endpoint, feature set and status."""
+    _request_seconds(endpoint, feature_set, str(status)).observe(seconds)
 
 
 def observe_read(cache: str, name: str, hit: bool, seconds: float) -> None:
     """One read's latency, as a cache read (every answer a hit) or a miss path."""
-    (CACHE_READ_SECONDS if hit else CACHE_MISS_SECONDS).labels(cache, name).observe(seconds)
+    (_cache_read_seconds if hit else _cache_miss_seconds)(cache, name).observe(seconds)
 
 
 def process_registry() -> CollectorRegistry:

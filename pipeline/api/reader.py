@@ -1,20 +1,25 @@
 """What the API reads with: the in-process tier (optional), then Redis, then Postgres.
 
-One call answers many (feature set, entity) pairs of one tenant: the local tier
-first; one MGET for the rest; for the misses, one query per feature set through the
-lease-guarded read-through (:class:`pipeline.cache.readthrough.ReadThrough`), unless the
-mode is ``cache-only``, which reports them as misses instead.
+One call answers a :class:`Lookup`, every (feature set, entity) pair of one tenant's
+request: the local tier first; one MGET for the rest; for the misses, one query per
+feature set through the lease-guarded read-through
+(:class:`pipeline.cache.readthrough.ReadThrough`), unless the mode is ``cache-only``,
+which reports them as misses instead.
 
 On the event loop, :meth:`FeatureReader.cached` answers from the local tier and one
 MGET with the asyncio client (the same keys, floors and decoding as
 :meth:`pipeline.cache.store.FeatureStore.read`); only what needs the database goes to
-the thread pool, through :meth:`FeatureReader.read`.
+the thread pool, through :meth:`FeatureReader.read`. Each answer is the JSON object
+the API sends for it (:class:`Answer`): one object per entity, built once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, NamedTuple
+import asyncio
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Literal, TypedDict, overload
+
+import redis
 
 from pipeline.cache.local import LocalTier
 from pipeline.cache.readthrough import ReadThrough
@@ -30,6 +35,7 @@ if TYPE_CHECKING:
 Mode = Literal["read-through", "cache-only"]
 AnswerSource = Literal["local", "hit", "waited", "computed", "uncached", "miss"]
 MODES: tuple[Mode, ...] = ("read-through", "cache-only")
+HIT_SOURCES: frozenset[str] = frozenset({"local", "hit", "waited"})
 MAX_USER_ID = 10**18
 MAX_USER_DIGITS = len(str(MAX_USER_ID - 1))
 
@@ -49,32 +55,93 @@ def parse_entity(value: object) -> str:
     return text
 
 
-class Answer(NamedTuple):
-    """One ref's answer (a tuple: one cheap object per entity of a response)."""
+def parse_entities(values: Sequence[object]) -> list[str]:
+    """:func:`parse_entity` of each value; a JSON number such as ``7.0`` is the integer 7."""
+    out: list[str] = []
+    append = out.append
+    for value in values:
+        if (type(value) is str and value.isdigit() and value.isascii()
+                and len(value) <= MAX_USER_DIGITS and (len(value) == 1 or value[0] != "0")):
+            append(value)  # parse_entity's common case, without the call
+        elif isinstance(value, float) and value.is_integer():
+            append(parse_entity(int(value)))
+        else:
+            append(parse_entity(value))
+    return out
 
-    ref: EntityRef
+
+class Answer(TypedDict):
+    """One entity's answer for one feature set: the JSON object the API sends."""
+
+    feature_set: str
+    entity: str
     values: FeatureValues | None
+    hit: bool
     source: AnswerSource
     age_ms: int
     schema_version: int
 
-    @property
-    def hit(self) -> bool:
-        return self.source in ("local", "hit", "waited")
+
+def answer(feature_set: str, entity: str, values: FeatureValues | None,
+           source: AnswerSource, age_ms: int, schema_version: int) -> Answer:
+    return {"feature_set": feature_set, "entity": entity, "values": values,
+            "hit": source in HIT_SOURCES, "source": source, "age_ms": age_ms,
+            "schema_version": schema_version}
+
+
+class Lookup(Sequence[EntityRef]):
+    """Every (feature set, entity) pair of one tenant's request, entity-major.
+
+    ``lookup[i]`` is ``EntityRef(feature_sets[i % k], tenant, entities[i // k])`` for
+    ``k`` feature sets, built only when asked for: the read from Redis needs none.
+    """
+
+    __slots__ = ("entities", "feature_sets", "tenant")
+
+    def __init__(self, tenant: str, feature_sets: Sequence[str],
+                 entities: Sequence[str]) -> None:
+        self.tenant = tenant
+        self.feature_sets = tuple(feature_sets)
+        self.entities = entities
+
+    def __len__(self) -> int:
+        return len(self.feature_sets) * len(self.entities)
+
+    @overload
+    def __getitem__(self, i: int) -> EntityRef: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[EntityRef]: ...
+    def __getitem__(self, i: int | slice) -> EntityRef | list[EntityRef]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        k = len(self.feature_sets)
+        e, f = divmod(i if i >= 0 else i + len(self), k)
+        return EntityRef(self.feature_sets[f], self.tenant, self.entities[e])
+
+    def __iter__(self) -> Iterator[EntityRef]:
+        tenant, sets = self.tenant, self.feature_sets
+        return (EntityRef(fs, tenant, e) for e in self.entities for fs in sets)
+
+    def __repr__(self) -> str:
+        return f"Lookup({self.tenant!r}, {self.feature_sets!r}, {list(self.entities)!r})"
 
 
 class FeatureReader:
-    """Reads for the API: ``read(refs, mode)`` and ``await cached(refs, mode)``.
+    """Reads for the API: ``read(lookup, mode)`` and ``await cached(lookup, mode)``.
 
     ``aredis`` is the asyncio client :meth:`cached` reads with; the app sets it at
     start-up, on the loop that serves (see :func:`pipeline.api.app.create_app`).
+    Its reads are bounded by ``timeout_s`` (one timer per call: a client-side socket
+    timeout would cost the loop a task per command).
     """
 
     def __init__(self, readthrough: ReadThrough, local: LocalTier | None = None,
-                 aredis: redis.asyncio.Redis | None = None) -> None:
+                 aredis: redis.asyncio.Redis | None = None,
+                 timeout_s: float | None = None) -> None:
         self.readthrough = readthrough
         self.local = local
         self.aredis = aredis
+        self.timeout_s = timeout_s
 
     @property
     def schema_version(self) -> int:
@@ -90,21 +157,21 @@ class FeatureReader:
         # use the same namespace as read-through ones within a call.
         return rt if version == rt.store.schema_version else rt._for_version(version)
 
-    def read(self, refs: Sequence[EntityRef], mode: Mode = "read-through") -> list[Answer]:
-        """Answer every ref, in order, all from one schema version (blocking)."""
+    def read(self, lookup: Lookup, mode: Mode = "read-through") -> list[Answer]:
+        """Answer every pair, in order, all from one schema version (blocking)."""
         target = self._target()
+        refs = list(lookup)
         answers, pending = self._from_local(target, refs)
         if pending:
             todo = [refs[i] for i in pending]
             token = self.local.token() if self.local is not None else 0
             fetched = (self._cache_only(target, todo) if mode == "cache-only"
                        else self._through(target, todo))
-            self._fill(answers, pending, fetched, token)
-        return [a for a in answers if a is not None]
+            self._fill(answers, pending, todo, fetched, token)
+        return answers  # type: ignore[return-value]  # every slot is filled
 
-    async def cached(self, refs: Sequence[EntityRef],
-                     mode: Mode = "read-through") -> list[Answer] | None:
-        """Every ref from the local tier or one MGET, without blocking the event loop.
+    async def cached(self, lookup: Lookup, mode: Mode = "read-through") -> list[Answer] | None:
+        """Every pair from the local tier or one MGET, without blocking the event loop.
 
         ``None`` when :meth:`read` must finish the job off the loop: a miss, or a hot
         entry that XFetch picks for early refresh, in ``read-through`` mode (in
@@ -113,21 +180,83 @@ class FeatureReader:
         if self.aredis is None:
             return None
         target = self._target()
+        if self.local is None:
+            answers = await self._from_redis(target, lookup, mode)
+        else:
+            answers = await self._through_tier(self.local, target, lookup, mode)
+        if answers is not None and target.hot is not None:
+            # read() samples its reads in ReadThrough.get_many
+            target.hot.record(target.store.schema_version, lookup)
+        return answers
+
+    async def _mget(self, keys: list[str]) -> list[bytes | None]:
+        aredis = self.aredis
+        if self.timeout_s is None:
+            return await amget(aredis, keys)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await amget(aredis, keys)
+        except TimeoutError:
+            # The cancelled command dropped its connection (redis-py disconnects on
+            # any interruption), so no reply is left behind for the next one.
+            raise redis.exceptions.TimeoutError(
+                f"Redis did not answer within {self.timeout_s:g} s") from None
+
+    async def _from_redis(self, target: ReadThrough, lookup: Lookup,
+                          mode: Mode) -> list[Answer] | None:
+        """One MGET for the whole lookup; no entry object, one answer per pair."""
         store = target.store
+        version = store.schema_version
+        sets, entities = lookup.feature_sets, lookup.entities
+        k = len(sets)
+        raws = await self._mget(store.grid_keys(lookup.tenant, sets, entities))
+        n = len(raws) - k
+        now = now_ms()
+        through = mode == "read-through"
+        columns: list[list[Answer]] = []
+        for j, fs in enumerate(sets):
+            rows = store.rows(fs, raws[j:n:k], raws[n + j])
+            horizon = target.refresh_horizon(fs, now) if through else 0.0
+            column: list[Answer] = []
+            append = column.append
+            for entity, row in zip(entities, rows, strict=True):
+                if row is None:
+                    if through:
+                        return None
+                    append({"feature_set": fs, "entity": entity, "values": None,
+                            "hit": False, "source": "miss", "age_ms": 0,
+                            "schema_version": version})
+                    continue
+                values, computed_at_ms, _ = row
+                if (through and computed_at_ms <= horizon
+                        and target.draw_refresh(fs, computed_at_ms, now)):
+                    return None
+                age_ms = now - computed_at_ms
+                append({"feature_set": fs, "entity": entity, "values": values,
+                        "hit": True, "source": "hit", "age_ms": age_ms if age_ms > 0 else 0,
+                        "schema_version": version})
+            columns.append(column)
+        if k == 1:
+            return columns[0]
+        return [column[i] for i in range(len(entities)) for column in columns]
+
+    async def _through_tier(self, local: LocalTier, target: ReadThrough, lookup: Lookup,
+                            mode: Mode) -> list[Answer] | None:
+        """The local tier first, one MGET for the rest, whose entries then fill the tier."""
+        store = target.store
+        refs = list(lookup)
         answers, pending = self._from_local(target, refs)
         if pending:
             todo = refs if len(pending) == len(refs) else [refs[i] for i in pending]
-            token = self.local.token() if self.local is not None else 0
-            entries = store.entries(todo, await amget(self.aredis, store.read_keys(todo)))
+            token = local.token()
+            entries = store.entries(todo, await self._mget(store.read_keys(todo)))
             now = now_ms()
             if mode == "read-through" and any(
                     entry is None or target.should_refresh(ref, entry, now)
                     for ref, entry in zip(todo, entries, strict=True)):
                 return None
-            self._fill(answers, pending,
+            self._fill(answers, pending, todo,
                        self._answers(todo, entries, now, store.schema_version), token)
-        if target.hot is not None:  # read() samples its reads in ReadThrough.get_many
-            target.hot.record(store.schema_version, refs)
         return answers  # type: ignore[return-value]  # every slot is filled
 
     def _from_local(self, target: ReadThrough, refs: Sequence[EntityRef],
@@ -144,26 +273,27 @@ class FeatureReader:
             if entry is None:
                 pending.append(i)
             else:
-                answers[i] = Answer(ref, entry.values, "local",
+                answers[i] = answer(ref.feature_set, ref.entity, entry.values, "local",
                                     max(0, now - entry.computed_at_ms), version)
         return answers, pending
 
-    def _fill(self, answers: list[Answer | None], pending: list[int],
+    def _fill(self, answers: list[Answer | None], pending: list[int], refs: list[EntityRef],
               fetched: list[tuple[Answer, Entry | None]], token: int) -> None:
         """Put fetched answers in place, and their entries in the in-process tier."""
         local = self.local
-        for i, (answer, entry) in zip(pending, fetched, strict=True):
-            answers[i] = answer
+        for i, ref, (found, entry) in zip(pending, refs, fetched, strict=True):
+            answers[i] = found
             if local is not None and entry is not None:
-                local.put(answer.ref, entry, token)
+                local.put(ref, entry, token)
 
     @staticmethod
     def _answers(refs: Sequence[EntityRef], entries: Sequence[Entry | None], now: int,
                  version: int) -> list[tuple[Answer, Entry | None]]:
         """Hits and misses, as read from Redis."""
-        return [(Answer(ref, None, "miss", 0, version), None) if entry is None
-                else (Answer(ref, entry.values, "hit", max(0, now - entry.computed_at_ms),
-                             entry.schema_version), entry)
+        return [(answer(ref.feature_set, ref.entity, None, "miss", 0, version), None)
+                if entry is None
+                else (answer(ref.feature_set, ref.entity, entry.values, "hit",
+                             max(0, now - entry.computed_at_ms), entry.schema_version), entry)
                 for ref, entry in zip(refs, entries, strict=True)]
 
     @classmethod
@@ -178,7 +308,8 @@ class FeatureReader:
         started_ms = now_ms()
         out: list[tuple[Answer, Entry | None]] = []
         for r in target.get_many(refs):
-            answer = Answer(r.ref, r.values, r.source, r.age_ms, r.schema_version)
+            found = answer(r.ref.feature_set, r.ref.entity, r.values, r.source, r.age_ms,
+                           r.schema_version)
             entry = None
             if r.source != "uncached":
                 # ``started_ms - age`` is no later than the true computed_at, so the
@@ -186,5 +317,5 @@ class FeatureReader:
                 # refused is safe to hold too: the invalidation that revoked its lease
                 # is published after it, and voids this put or drops the copy.
                 entry = Entry(r.values, r.schema_version, started_ms - r.age_ms, r.watermark)
-            out.append((answer, entry))
+            out.append((found, entry))
         return out

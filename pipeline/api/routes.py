@@ -15,6 +15,7 @@ from typing import Any, cast
 import orjson
 import redis
 from sqlalchemy.engine import Engine
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
@@ -22,14 +23,13 @@ from starlette.responses import Response
 from pipeline.api import metrics
 from pipeline.api.auth import Authenticator, bearer_token
 from pipeline.api.errors import ApiError, JSONResponse, error_response, status_of
-from pipeline.api.reader import MODES, Answer, FeatureReader, Mode, parse_entity
+from pipeline.api.reader import MODES, FeatureReader, Lookup, Mode, parse_entities, parse_entity
 from pipeline.api.status_page import page as render_status_page
 from pipeline.core.db import ping
 from pipeline.core.errors import FreshlineError, InvalidId
 from pipeline.core.features import Registry
 from pipeline.core.keys import validate_id, validate_name
 from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef
 from pipeline.inference.models import ModelRegistry
 from pipeline.inference.predictions import InferenceCache, non_finite_rows
 
@@ -92,30 +92,69 @@ async def read_json(request: Request) -> Any:
         raise ApiError(400, "invalid_json", f"the request body is not JSON: {exc}") from exc
 
 
+# The query strings nearly every feature request sends, answered without parsing.
+_MODES_BY_QUERY: dict[bytes, Mode] = {b"": "read-through", b"mode=read-through": "read-through",
+                                       b"mode=cache-only": "cache-only"}
+
+
 def mode_of(request: Request) -> Mode:
+    known = _MODES_BY_QUERY.get(request.scope.get("query_string", b""))
+    if known is not None:
+        return known
     mode = request.query_params.get("mode", "read-through")
     if mode not in MODES:
         raise ApiError(400, "invalid_mode", f"mode must be one of {', '.join(MODES)}")
     return mode
 
 
+AFTER_RESPONSE = "freshline.after_response"
+
+
+def after_response(request: Request, fn: Callable[..., None], *args: Any) -> None:
+    """Call ``fn(*args)`` once the response is sent (in a :func:`timed` handler), or as
+    soon as the handler fails: metrics wait, the caller does not."""
+    request.scope.setdefault(AFTER_RESPONSE, []).append((fn, args))
+
+
+Calls = list[tuple[Callable[..., None], tuple[Any, ...]]]
+
+
+class AfterResponse(BackgroundTask):
+    """The calls :func:`after_response` gathered, then the response's own background."""
+
+    def __init__(self, calls: Calls, then: BackgroundTask | None) -> None:
+        self.calls = calls
+        self.then = then
+
+    async def __call__(self) -> None:
+        for fn, args in self.calls:
+            fn(*args)
+        if self.then is not None:
+            await self.then()
+
+
 def timed(endpoint: str) -> Callable[[Handler], Handler]:
-    """Observe the handler's latency, labelled with ``request.state.feature_set``."""
+    """Observe the handler's latency, labelled with ``request.state.feature_set``.
+
+    The observation, and those the handler deferred with :func:`after_response`, are
+    made once the response is sent (its background task): the caller does not wait
+    for metrics. A handler that raises has them made at once.
+    """
 
     def wrap(handler: Handler) -> Handler:
         async def run(request: Request) -> Response:
             started = time.perf_counter()
-            status = 500
             try:
                 response = await handler(request)
-                status = response.status_code
-                return response
-            except FreshlineError as exc:
-                status = status_of(exc)[0]
+            except BaseException as exc:
+                status = status_of(exc)[0] if isinstance(exc, FreshlineError) else 500
+                for fn, args in _observations(request, endpoint, status, started):
+                    fn(*args)
                 raise
-            finally:
-                fs = getattr(request.state, "feature_set", "")
-                metrics.observe(endpoint, fs, status, started)
+            response.background = AfterResponse(
+                _observations(request, endpoint, response.status_code, started),
+                response.background)
+            return response
 
         run.__name__ = handler.__name__
         run.__doc__ = handler.__doc__
@@ -124,16 +163,11 @@ def timed(endpoint: str) -> Callable[[Handler], Handler]:
     return wrap
 
 
-def _item(answer: Answer) -> dict[str, Any]:
-    return {
-        "feature_set": answer.ref.feature_set,
-        "entity": answer.ref.entity,
-        "values": answer.values,
-        "hit": answer.hit,
-        "source": answer.source,
-        "age_ms": answer.age_ms,
-        "schema_version": answer.schema_version,
-    }
+def _observations(request: Request, endpoint: str, status: int, started: float) -> Calls:
+    calls: Calls = request.scope.pop(AFTER_RESPONSE, [])
+    fs = request.scope.get("state", {}).get("feature_set", "")
+    calls.append((metrics.observe, (endpoint, fs, status, time.perf_counter() - started)))
+    return calls
 
 
 @timed("features")
@@ -146,20 +180,20 @@ async def get_features(request: Request) -> Response:
     request.state.feature_set = feature_set
     entity = parse_entity(request.path_params["entity_id"])
     mode = mode_of(request)
-    ref = EntityRef(feature_set, tenant, entity)
+    lookup = Lookup(tenant, (feature_set,), (entity,))
     started = time.perf_counter()
-    answers = await svc.reader.cached([ref], mode)
+    answers = await svc.reader.cached(lookup, mode)
     if answers is None:
-        answers = await run_in_threadpool(svc.reader.read, [ref], mode)
+        answers = await run_in_threadpool(svc.reader.read, lookup, mode)
     [answer] = answers
-    if answer.source in ("local", "hit", "computed"):
-        metrics.observe_read("feature", feature_set, answer.hit,
-                             time.perf_counter() - started)
-    metrics.record_answers([answer])
-    if answer.values is None:
+    if answer["source"] in ("local", "hit", "computed"):
+        after_response(request, metrics.observe_read, "feature", feature_set, answer["hit"],
+                       time.perf_counter() - started)
+    after_response(request, metrics.record_answers, answers)
+    if answer["values"] is None:
         return error_response(404, "miss",
                               f"{feature_set}/{entity} is not cached (mode=cache-only)")
-    return JSONResponse(_item(answer))
+    return JSONResponse(answer)
 
 
 def _string_list(body: dict[str, Any], field: str) -> list[Any]:
@@ -193,15 +227,12 @@ async def batch(request: Request) -> Response:
         raise ApiError(422, "invalid_request", "'feature_sets' names a feature set twice")
     request.state.feature_set = "*"
     # JSON has one number type: 7.0 is the integer 7, as the OpenAPI document says.
-    ids = [parse_entity(int(e) if isinstance(e, float) and e.is_integer() else e)
-           for e in entities]
-    refs = [EntityRef(fs, tenant, e) for e in ids for fs in feature_sets]
-    answers = await svc.reader.cached(refs, mode)
+    lookup = Lookup(tenant, feature_sets, parse_entities(entities))
+    answers = await svc.reader.cached(lookup, mode)
     if answers is None:
-        answers = await run_in_threadpool(svc.reader.read, refs, mode)
-    metrics.record_answers(answers)
-    return JSONResponse({"schema_version": answers[0].schema_version,
-                         "items": [_item(a) for a in answers]})
+        answers = await run_in_threadpool(svc.reader.read, lookup, mode)
+    after_response(request, metrics.record_answers, answers)
+    return JSONResponse({"schema_version": answers[0]["schema_version"], "items": answers})
 
 
 @timed("predict")

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, overload
 
 import redis
 
 from pipeline.cache.store import FeatureStore
+from pipeline.core.codec import parse_watermark
 from pipeline.core.features import REGISTRY, Registry
-from pipeline.core.types import EntityRef, Entry, FeatureValues
+from pipeline.core.types import EntityRef, Entry, FeatureValues, Item
 
 if TYPE_CHECKING:
     from pipeline.cache.hot import HotReads
@@ -39,6 +40,27 @@ class Features(NamedTuple):
     age_ms: int
     schema_version: int
     watermark: int
+
+
+class _Refs(Sequence[EntityRef]):
+    """Items seen as refs, each built only when asked for (hot-read sampling reads a few)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[Item]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @overload
+    def __getitem__(self, i: int) -> EntityRef: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[EntityRef]: ...
+    def __getitem__(self, i: int | slice) -> EntityRef | list[EntityRef]:
+        if isinstance(i, slice):
+            return [EntityRef(*item) for item in self.items[i]]
+        return EntityRef(*self.items[i])
 
 
 class FeatureClient:
@@ -86,25 +108,39 @@ class FeatureClient:
 
     def get_many(self, items: Sequence[tuple[str, str, str | int]]) -> list[Features | None]:
         """All ``items`` in one MGET, in order; ``None`` marks a miss."""
-        refs = [EntityRef(fs, tenant, entity if type(entity) is str else str(entity))
-                for fs, tenant, entity in items]
         store = self._store_for_call()
-        entries = self._read(refs, store)
+        version = store.schema_version
+        named: list[Item] = [(fs, tenant, entity if type(entity) is str else str(entity))
+                             for fs, tenant, entity in items]
+        out: list[Features | None] = []
+        append = out.append
+        if self.local is not None:
+            entries = self._through_tier(self.local, named, store)
+            now = time.time_ns() // 1_000_000
+            for (fs, tenant, entity), e in zip(named, entries, strict=True):
+                append(None if e is None else Features(
+                    fs, tenant, entity, e.values, max(0, now - e.computed_at_ms),
+                    e.schema_version, e.watermark))
+        else:
+            rows = store.read_rows(named)
+            now = time.time_ns() // 1_000_000
+            for (fs, tenant, entity), row in zip(named, rows, strict=True):
+                if row is None:
+                    append(None)
+                    continue
+                values, computed_at_ms, watermark = row  # no entry object in between
+                age_ms = now - computed_at_ms
+                append(Features(fs, tenant, entity, values, age_ms if age_ms > 0 else 0,
+                                version, parse_watermark(watermark)))
         if self.hot is not None:
-            self.hot.record(store.schema_version, refs)
-        now = time.time_ns() // 1_000_000
-        return [
-            None if e is None else Features(r.feature_set, r.tenant, r.entity, e.values,
-                                            max(0, now - e.computed_at_ms),
-                                            e.schema_version, e.watermark)
-            for r, e in zip(refs, entries, strict=True)
-        ]
+            self.hot.record(version, _Refs(named))
+        return out
 
-    def _read(self, refs: list[EntityRef], store: FeatureStore) -> list[Entry | None]:
+    @staticmethod
+    def _through_tier(local: LocalTier, items: list[Item],
+                      store: FeatureStore) -> list[Entry | None]:
         """The local tier first; one MGET for the rest, which then fills the tier."""
-        local = self.local
-        if local is None:
-            return store.read(refs)
+        refs = [EntityRef(*item) for item in items]
         version = store.schema_version
         entries = [local.get(r, version) for r in refs]
         missing = [i for i, e in enumerate(entries) if e is None]

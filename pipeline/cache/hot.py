@@ -1,6 +1,8 @@
 """Hot-read sampling: which entities readers ask for most, so a deploy warms them first.
 
-Reads are sampled into memory and flushed to Redis in one pipelined round trip, by a
+Reads are sampled (one in ``sample``, each independently: the gaps between sampled
+reads are drawn from the geometric distribution, one random number per sampled read
+rather than per read) into memory and flushed to Redis in one pipelined round trip, by a
 background thread every ``flush_s`` (the API and the following client), so sampling
 adds no round trip to a read; without ``flush_s`` each :meth:`HotReads.record` flushes
 at once. Each flush trims every sorted set it touched to its ``max_entities``
@@ -10,6 +12,7 @@ highest scores, so ids that readers make up cannot grow a set without bound.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 from collections import Counter, defaultdict
@@ -57,24 +60,40 @@ class HotReads:
         self.max_entities = max_entities
         self.flush_s = flush_s
         self.rng = rng
+        self._log_skip = math.log1p(-1 / sample) if sample > 1 else 0.0
+        self._skip = self._gap()  # reads to pass over before the next sampled one
         self._pending: defaultdict[_Set, Counter[str]] = defaultdict(Counter)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def record(self, version: int, refs: Sequence[EntityRef]) -> None:
-        """Count a sample of ``refs``; no Redis call when flushing in the background."""
-        sample, rng = self.sample, self.rng
-        picked = refs if sample == 1 else [r for r in refs if rng() * sample < 1]
-        if not picked:
-            return
+        """Count a sample of ``refs``; no Redis call when flushing in the background.
+
+        Only the sampled positions of ``refs`` are read (it may build them lazily).
+        """
+        n = len(refs)
+        sample = self.sample
         with self._lock:
-            for ref in picked:
+            at = self._skip
+            if at >= n:
+                self._skip = at - n
+                return
+            while at < n:
+                ref = refs[at]
                 self._pending[(version, ref.feature_set, ref.tenant)][ref.entity] += sample
+                at += 1 + self._gap()
+            self._skip = at - n
         if self.flush_s is None:
             self.flush()
         elif self._thread is None:
             self._start()
+
+    def _gap(self) -> int:
+        """Reads to pass over before the next sampled one: geometric with p = 1/sample."""
+        if self.sample == 1:
+            return 0
+        return int(math.log(1.0 - self.rng()) / self._log_skip)
 
     def flush(self) -> None:
         """Write the counts gathered so far, in one pipelined round trip."""

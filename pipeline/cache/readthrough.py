@@ -214,13 +214,30 @@ class ReadThrough:
 
     def should_refresh(self, ref: EntityRef, entry: Entry, now: int) -> bool:
         """XFetch: refresh early with a probability that rises toward expiry."""
+        return (entry.computed_at_ms <= self.refresh_horizon(ref.feature_set, now)
+                and self.draw_refresh(ref.feature_set, entry.computed_at_ms, now))
+
+    def refresh_horizon(self, feature_set: str, now: int) -> float:
+        """Entries of ``feature_set`` computed after this are never refreshed at ``now``.
+
+        No XFetch draw can reach their expiry, so a reader checking many entries
+        draws a random number only for those computed at or before it.
+        """
+        if not self.early_refresh:
+            return -math.inf
+        ttl_ms = self.store.registry[feature_set].ttl_s * 1000
+        delta = self.counters.compute_ms.get(feature_set, 5.0) * XFETCH_BETA
+        # expiry = computed_at + the shortest jittered TTL; no draw reaches it while
+        # now + delta * _MAX_LOG < expiry.
+        return now + delta * _MAX_LOG - ttl_ms * 0.9
+
+    def draw_refresh(self, feature_set: str, computed_at_ms: int, now: int) -> bool:
+        """The XFetch draw for one entry: ``now + gap`` past its expiry."""
         if not self.early_refresh:
             return False
-        ttl_ms = self.store.registry[ref.feature_set].ttl_s * 1000
-        delta = self.counters.compute_ms.get(ref.feature_set, 5.0) * XFETCH_BETA
-        expiry = entry.computed_at_ms + ttl_ms * 0.9  # the shortest jittered TTL
-        if now + delta * _MAX_LOG < expiry:
-            return False  # no draw could reach expiry: spare the random number
+        ttl_ms = self.store.registry[feature_set].ttl_s * 1000
+        delta = self.counters.compute_ms.get(feature_set, 5.0) * XFETCH_BETA
+        expiry = computed_at_ms + ttl_ms * 0.9  # the shortest jittered TTL
         gap = -delta * math.log(random.random() or _MIN_DRAW)
         return now + gap >= expiry
 

@@ -48,11 +48,26 @@ from redis.exceptions import NoScriptError
 
 from pipeline.cache.recompute import Batch
 from pipeline.core.cluster import is_cluster, mget
-from pipeline.core.codec import decode_entry, encode_entry, encode_tombstone, watermark_hex
+from pipeline.core.codec import (
+    Row,
+    decode_entry,
+    decode_rows,
+    encode_entry,
+    encode_tombstone,
+    parse_watermark,
+    watermark_hex,
+)
 from pipeline.core.errors import ConfigError
 from pipeline.core.features import REGISTRY, FeatureSet, Registry
-from pipeline.core.keys import feature_key, feature_keys, floor_key, lease_key
-from pipeline.core.types import EntityRef, Entry, Watermark, text
+from pipeline.core.keys import (
+    feature_key,
+    feature_keys,
+    floor_key,
+    grid_keys,
+    item_keys,
+    lease_key,
+)
+from pipeline.core.types import EntityRef, Entry, Item, Watermark, text
 
 # KEYS[1] entry, KEYS[2] lease, KEYS[3] floor; ARGV[1] encoded entry or tombstone,
 # ARGV[2] TTL in ms, ARGV[3] lease token ("" for a source-driven write, which revokes
@@ -190,6 +205,7 @@ class FeatureStore:
         self._lease = client.register_script(_LEASE_LUA)
         self._floor = client.register_script(_FLOOR_LUA)
         self._fields: dict[str, tuple[str, ...]] = {}  # per feature set, built once
+        self._floor_keys: dict[str, str] = {}
         self.cluster = is_cluster(client)
 
     def key(self, ref: EntityRef, schema_version: int | None = None) -> str:
@@ -208,10 +224,8 @@ class FeatureStore:
         For a caller with a client of its own (the API's asyncio one): MGET these, then
         :meth:`entries` turns the replies into what :meth:`read` would answer.
         """
-        version = self.schema_version
-        keys = feature_keys(version, refs)
-        for name in dict.fromkeys(r.feature_set for r in refs):
-            keys.append(floor_key(version, self.registry[name].name))
+        keys = feature_keys(self.schema_version, refs)
+        keys += [self._floor_key(name) for name in dict.fromkeys(r.feature_set for r in refs)]
         return keys
 
     def entries(self, refs: Sequence[EntityRef],
@@ -220,32 +234,75 @@ class FeatureStore:
 
         ``None`` where missing, a tombstone, or below its feature set's floor.
         """
-        n = len(refs)
-        floors = dict(zip(dict.fromkeys(r.feature_set for r in refs), raws[n:], strict=True))
-        decode = self._decode
-        out: list[Entry | None] = []
-        for r, raw in zip(refs, raws[:n], strict=True):
-            entry = None if raw is None else decode(r.feature_set, raw)
-            floor = floors[r.feature_set]
-            out.append(entry if floor is None else self._live(entry, floor))
-        return out
+        version = self.schema_version
+        return [None if row is None else Entry(row[0], version, row[1], parse_watermark(row[2]))
+                for row in self._rows_of([r.feature_set for r in refs], raws)]
 
-    @staticmethod
-    def _live(entry: Entry | None, floor: bytes | str | None) -> Entry | None:
-        """``entry``, unless a truncate since it was computed voided it."""
-        if entry is None or floor is None:
-            return entry
-        return entry if watermark_hex(entry.watermark).decode() >= text(floor) else None
+    def read_rows(self, items: Sequence[Item]) -> list[Row | None]:
+        """:meth:`read` of ``(feature_set, tenant, entity)`` items, as decoded rows.
+
+        The same MGET (keys, then floors) and checks, without an object per item: for
+        callers that build their own answer from each row (the Python client).
+        """
+        if not items:
+            return []
+        keys = item_keys(self.schema_version, items)
+        names = [fs for fs, _, _ in items]
+        keys += [self._floor_key(name) for name in dict.fromkeys(names)]
+        return self._rows_of(names, mget(self.redis, keys))
+
+    def _rows_of(self, names: Sequence[str],
+                 raws: Sequence[bytes | str | None]) -> list[Row | None]:
+        """Rows of the MGET replies of keys of the feature sets ``names``, then floors."""
+        n = len(names)
+        sets = list(dict.fromkeys(names))
+        floors = dict(zip(sets, raws[n:], strict=True))
+        if len(sets) == 1:  # the common case: no regrouping
+            return self.rows(sets[0], raws[:n], floors[sets[0]])
+        rows: list[Row | None] = [None] * n
+        for name in sets:
+            at = [i for i, fs in enumerate(names) if fs == name]
+            for i, row in zip(at, self.rows(name, [raws[i] for i in at], floors[name]),
+                              strict=True):
+                rows[i] = row
+        return rows
+
+    def grid_keys(self, tenant: str, feature_sets: Sequence[str],
+                  entities: Sequence[str]) -> list[str]:
+        """:meth:`read_keys` of every (entity, feature set) pair of one tenant, entity-major.
+
+        The MGET of these answers ``len(entities) * len(feature_sets)`` entries, then
+        one floor per feature set; :meth:`rows` decodes each set's column.
+        """
+        floors = [self._floor_key(name) for name in feature_sets]
+        return grid_keys(self.schema_version, tenant, feature_sets, entities) + floors
+
+    def _floor_key(self, feature_set: str) -> str:
+        """:func:`floor_key` of a registered feature set (made once per set)."""
+        key = self._floor_keys.get(feature_set)
+        if key is None:
+            key = self._floor_keys[feature_set] = floor_key(
+                self.schema_version, self.registry[feature_set].name)
+        return key
+
+    def rows(self, feature_set: str, raws: Sequence[bytes | str | None],
+             floor: bytes | str | None) -> list[Row | None]:
+        """Decoded entries of one feature set (:func:`pipeline.core.codec.decode_rows`)."""
+        return decode_rows(raws, self.fields(feature_set), self.schema_version, floor)
+
+    def fields(self, feature_set: str) -> tuple[str, ...]:
+        """The feature set's field names, in entry order (looked up once)."""
+        fields = self._fields.get(feature_set)
+        if fields is None:
+            fields = self._fields[feature_set] = self.registry[feature_set].field_names
+        return fields
 
     def _decode(self, feature_set: str, raw: bytes | str | None) -> Entry | None:
         if raw is None:
             return None
         if isinstance(raw, str):
             raw = raw.encode()
-        fields = self._fields.get(feature_set)
-        if fields is None:
-            fields = self._fields[feature_set] = self.registry[feature_set].field_names
-        return decode_entry(raw, fields, self.schema_version)
+        return decode_entry(raw, self.fields(feature_set), self.schema_version)
 
     def lease(self, refs: Sequence[EntityRef], token: str, lease_ms: int,
               refresh: Sequence[bool]) -> list[tuple[int, Entry | None]]:

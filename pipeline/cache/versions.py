@@ -137,16 +137,21 @@ class WriteVersions:
 
 
 class VersionResolver:
-    """Which schema version readers use now: resolved once per call, cached briefly.
+    """Which schema version readers use now: resolved once per call, cached.
 
-    ``current()`` does a GET at most every ``max_age_s``; ``listen()`` also drops the
-    cache as soon as a deploy command publishes, so readers follow a flip at once.
-    A listening resolver keeps a version only while its subscription is confirmed
-    (:mod:`pipeline.cache.subscription`: within ``FRESHLINE_SUBSCRIPTION_SILENCE_MS``
-    of the last contact, on the same connection it was read under); otherwise every
-    call reads the pointer. A reader's whole call uses the one version it resolved, so
-    no response mixes versions. A pointer naming a version missing from the lock
-    raises :class:`DeployError` rather than serve entries nobody can decode.
+    Without :meth:`listen`, ``current()`` reads the pointer (one MGET) at most every
+    ``max_age_s``. A listening resolver follows deploy messages instead: it keeps the
+    version it read for as long as its subscription stays confirmed
+    (:mod:`pipeline.cache.subscription`: within ``FRESHLINE_SUBSCRIPTION_SILENCE_MS`` of
+    the last contact, on the same connection it was read under), however old, and
+    drops it when a deploy command publishes, so readers follow a flip at once and a
+    request costs no Redis call. While the subscription is not confirmed, every call
+    reads the pointer. The deploy commands move the pointer and publish in one script
+    (:mod:`pipeline.deploy.pointer`); a pointer edited by hand is followed once the
+    subscription reconnects, or by resolvers that do not listen. A reader's whole call
+    uses the one version it resolved, so no response mixes versions. A pointer naming a
+    version missing from the lock raises :class:`DeployError` rather than serve entries
+    nobody can decode.
     """
 
     def __init__(self, client: redis.Redis, settings: Settings, *,
@@ -161,6 +166,7 @@ class VersionResolver:
         self._cached: tuple[float, int, int | None] | None = None
         self._refreshes = 0
         self._decoders: dict[int, Registry] = {}
+        self._compatible: dict[int, tuple[Registry, bool]] = {}
         self._warned: set[int] = set()
         self._subscription: Subscription | None = None
 
@@ -173,7 +179,7 @@ class VersionResolver:
         version = self._kept()
         if version is None:
             version = self._read()
-        if registry is not None and not self.lock.compatible(version, registry):
+        if registry is not None and not self._computes(version, registry):
             if version not in self._warned:
                 self._warned.add(version)
                 log.warning("active schema version %d differs from this code's definitions; "
@@ -181,15 +187,23 @@ class VersionResolver:
             return self.settings.schema_version
         return version
 
+    def _computes(self, version: int, registry: Registry) -> bool:
+        """``lock.compatible(version, registry)``, asked once per version and registry
+        (neither the lock nor a registry changes while the process runs)."""
+        known = self._compatible.get(version)
+        if known is None or known[0] is not registry:
+            known = self._compatible[version] = (registry, self.lock.compatible(version, registry))
+        return known[1]
+
     def _kept(self) -> int | None:
         """The cached version, if it may still be relied on."""
         cached = self._cached
-        if cached is None or time.monotonic() - cached[0] >= self.max_age_s:
+        if cached is None:
             return None
         sub = self._subscription
-        if sub is not None and not (sub.live and sub.epoch == cached[2]):
-            return None
-        return cached[1]
+        if sub is None:
+            return cached[1] if time.monotonic() - cached[0] < self.max_age_s else None
+        return cached[1] if sub.live and sub.epoch == cached[2] else None
 
     def _read(self) -> int:
         """Read the pointer; cache it unless a deploy message came in meanwhile.

@@ -13,10 +13,10 @@ reach a key: see :func:`validate_id`.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from pipeline.core.errors import InvalidId
-from pipeline.core.types import EntityRef
+from pipeline.core.types import EntityRef, Item
 from schemas.ids import MAX_ID_LENGTH, id_problem
 
 FEATURE_PREFIX = "feat"
@@ -48,6 +48,8 @@ def validate_id(kind: str, value: object) -> str:
     The rule is the contracts' (:mod:`schemas.ids`): letters, digits, ``_``, ``.`` and
     ``-``, starting alphanumeric, at most 64 characters.
     """
+    if type(value) is str and value.isascii() and value.isalnum() and len(value) <= MAX_ID_LENGTH:
+        return value  # ASCII letters and digits only: the rule's common case
     problem = id_problem(value)
     if problem is not None:
         raise InvalidId(kind, value, problem)
@@ -74,16 +76,36 @@ def feature_key(schema_version: int, ref: EntityRef) -> str:
 
 def feature_keys(schema_version: int, refs: Iterable[EntityRef]) -> list[str]:
     """:func:`feature_key` of each ref, validating each tenant once per call."""
+    return item_keys(schema_version, [(r.feature_set, r.tenant, r.entity) for r in refs])
+
+
+def item_keys(schema_version: int, items: Iterable[Item]) -> list[str]:
+    """:func:`feature_key` of each ``(feature_set, tenant, entity)``, each tenant
+    validated once per call."""
     heads: dict[tuple[str, str], str] = {}
     out: list[str] = []
-    for ref in refs:
-        head = heads.get((ref.feature_set, ref.tenant))
+    append = out.append
+    for feature_set, tenant, entity in items:
+        head = heads.get((feature_set, tenant))
         if head is None:
-            tenant = validate_id("tenant", ref.tenant)
-            head = heads[(ref.feature_set, ref.tenant)] = (
-                f"{FEATURE_PREFIX}:{schema_version}:{ref.feature_set}:{{{tenant}:")
-        out.append(f"{head}{validate_id('entity', ref.entity)}}}")
+            head = heads[(feature_set, tenant)] = (
+                f"{FEATURE_PREFIX}:{schema_version}:{feature_set}:"
+                f"{{{validate_id('tenant', tenant)}:")
+        append(f"{head}{validate_id('entity', entity)}}}")
     return out
+
+
+def grid_keys(schema_version: int, tenant: str, feature_sets: Sequence[str],
+              entities: Sequence[str]) -> list[str]:
+    """:func:`feature_key` of every (entity, feature set) pair of one tenant, entity-major
+    (``entities[0]`` with each feature set, then ``entities[1]``...), each id validated once."""
+    tenant = validate_id("tenant", tenant)
+    heads = [f"{FEATURE_PREFIX}:{schema_version}:{fs}:{{{tenant}:" for fs in feature_sets]
+    ids = [validate_id("entity", e) for e in entities]
+    if len(heads) == 1:
+        [head] = heads
+        return [f"{head}{e}}}" for e in ids]
+    return [f"{head}{e}}}" for e in ids for head in heads]
 
 
 def parse_feature_key(key: str | bytes) -> tuple[int, EntityRef]:

@@ -29,6 +29,10 @@ class EntityRef:
     entity: EntityId
 
 
+Item = tuple[FeatureSetName, TenantId, EntityId]
+"""An :class:`EntityRef`'s parts as a plain tuple, for reads that need no object per entity."""
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     """A decoded feature entry as stored in Redis."""

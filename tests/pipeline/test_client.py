@@ -11,6 +11,7 @@ from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.features import REGISTRY
 from pipeline.core.settings import Settings
+from pipeline.core.types import EntityRef
 from pipeline.dev.seed import SeedSummary
 from tests.conftest import fresh_version
 
@@ -54,3 +55,32 @@ def test_many_entities_in_one_round_trip_with_misses_reported(
         assert set(features.values) == set(REGISTRY[fs_name].field_names)
     one = client.get("txn_90d", tenant, 3)
     assert one is not None and one.values == got[2].values  # type: ignore[union-attr]
+
+
+def test_the_client_answers_as_the_store_reads(
+    redis_client: redis.Redis, engine: Engine, tenant_factory: Callable[..., SeedSummary],
+) -> None:
+    """Tombstones, truncate floors and other tenants: the client's rows and the store's
+    entries agree, field for field, across feature sets."""
+    version = fresh_version()
+    first, second = tenant_factory(users=6, transactions=120, tenants=2).tenants
+    store = FeatureStore(redis_client, version)
+    for tenant in (first, second):
+        for fs in REGISTRY:
+            store.write(compute(engine, fs, [(tenant, str(u)) for u in range(1, 6)]))
+    [entry] = store.read([EntityRef("txn_90d", first, "2")])
+    assert entry is not None
+    store.invalidate([EntityRef("txn_90d", first, "2")], entry.watermark + 1)  # a tombstone
+    [geo] = store.read([EntityRef("geo", second, "1")])
+    assert geo is not None
+    store.truncate("geo", geo.watermark + 1)  # every geo entry computed before is void
+    items = [(fs.name, tenant, u) for u in range(1, 7) for fs in REGISTRY
+             for tenant in (first, second)]
+    got = FeatureClient(redis_client, version).get_many(items)
+    expected = store.read([EntityRef(fs, t, str(u)) for fs, t, u in items])
+    assert [g and (g.values, g.schema_version, g.watermark) for g in got] == [
+        e and (e.values, e.schema_version, e.watermark) for e in expected]
+    answered = {(fs, t, u) for (fs, t, u), g in zip(items, got, strict=True) if g is not None}
+    assert ("txn_90d", first, 2) not in answered and ("txn_90d", first, 3) in answered
+    assert not any(fs == "geo" for fs, _, _ in answered)
+    assert ("device_risk", second, 5) in answered and ("device_risk", second, 6) not in answered

@@ -7,6 +7,7 @@ Threads synchronize on conditions and counts, never on sleeps or timings.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,6 +18,8 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from pipeline.api.app import async_twin
+from pipeline.api.reader import FeatureReader, Lookup
 from pipeline.cache.client import FeatureClient
 from pipeline.cache.hot import HotReads
 from pipeline.cache.readthrough import ReadThrough, Result
@@ -316,6 +319,62 @@ def test_a_listening_resolver_follows_the_flip_at_once(world: Deploy) -> None:
         flip(world.redis, world.settings, world.b, world.lock, pointer=world.pointer)
         assert got.wait(10)
         assert resolver.current() == world.b  # ...but the deploy message dropped it
+    finally:
+        resolver.close()
+
+
+def test_a_listening_resolver_keeps_the_pointer_until_a_deploy_message(
+        world: Deploy) -> None:
+    # max_age_s=0: a resolver that does not listen would read the pointer on every call.
+    resolver = VersionResolver(world.redis, world.settings, pointer=world.pointer,
+                               lock=world.lock, max_age_s=0)
+    resolver.listen()
+    try:
+        assert wait_until(lambda: resolver.listening)
+        assert resolver.current() == world.a
+        # An edit that no deploy command published is not seen: no read per call...
+        world.redis.set(world.pointer.active_key, str(world.b))
+        assert [resolver.current() for _ in range(3)] == [world.a] * 3
+        world.redis.set(world.pointer.active_key, str(world.a))
+        # ...while the deploy command's message drops the cached pointer.
+        flip(world.redis, world.settings, world.b, world.lock, pointer=world.pointer)
+        assert wait_until(lambda: resolver.current() == world.b, timeout=10)
+    finally:
+        resolver.close()
+
+
+def test_the_api_reader_serves_a_flip_with_the_pointer_cached(world: Deploy) -> None:
+    """The read API's path (:class:`FeatureReader` on the event loop): the version it
+    cached is dropped by the flip's message, however long it was kept."""
+    resolver = VersionResolver(world.redis, world.settings, pointer=world.pointer,
+                               lock=world.lock)
+    reader = FeatureReader(ReadThrough(FeatureStore(world.redis, world.a), world.engine,
+                                       versions=resolver), timeout_s=5)
+    lookup = Lookup(world.tenant, ["txn_90d"], ["1"])
+
+    def served() -> int:
+        async def read() -> int:
+            reader.aredis = async_twin(world.redis)
+            try:
+                answers = await reader.cached(lookup, "cache-only")
+            finally:
+                await reader.aredis.aclose()
+            assert answers is not None
+            return answers[0]["schema_version"]
+
+        return asyncio.run(read())
+
+    resolver.listen()
+    try:
+        assert wait_until(lambda: resolver.listening)
+        assert served() == world.a
+        kept = resolver._cached
+        assert kept is not None and kept[1] == world.a  # the pointer is cached...
+        flip(world.redis, world.settings, world.b, world.lock, pointer=world.pointer)
+        # ...and a reader that kept it would serve version A forever: no age limit.
+        assert wait_until(lambda: served() == world.b, timeout=10)
+        flip(world.redis, world.settings, world.a, world.lock, pointer=world.pointer)
+        assert wait_until(lambda: served() == world.a, timeout=10)  # a rollback too
     finally:
         resolver.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable, Iterator
 from typing import cast
 
@@ -14,14 +15,21 @@ from sqlalchemy.engine import Engine
 from pipeline.api import create_app
 from pipeline.api.app import async_twin
 from pipeline.api.auth import create_api_key
-from pipeline.api.reader import Answer, FeatureReader, parse_entity
+from pipeline.api.reader import Answer, FeatureReader, Lookup, parse_entity
 from pipeline.cache.hot import HotReads
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
-from pipeline.core.errors import InvalidId
+from pipeline.core.codec import (
+    decode_entry,
+    decode_rows,
+    encode_entry,
+    encode_tombstone,
+    watermark_hex,
+)
+from pipeline.core.errors import CorruptEntry, InvalidId, SchemaVersionMismatch
 from pipeline.core.features import REGISTRY
-from pipeline.core.keys import feature_key, feature_keys, hot_key
+from pipeline.core.keys import feature_key, feature_keys, grid_keys, hot_key
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.dev.seed import SeedSummary
@@ -62,7 +70,81 @@ def test_parse_entity_refuses_the_rest(bad: str) -> None:
         parse_entity(bad)
 
 
+def test_grid_keys_are_the_lookups_feature_keys_in_order() -> None:
+    lookup = Lookup("acme", ["txn_90d", "geo"], ["1", "x.y", "Z_9"])
+    assert grid_keys(7, "acme", lookup.feature_sets, lookup.entities) == [
+        feature_key(7, ref) for ref in lookup]
+    assert [lookup[i] for i in range(len(lookup))] == list(lookup)
+    assert lookup[-1] == EntityRef("geo", "acme", "Z_9") and lookup[1:3] == list(lookup)[1:3]
+
+
+@pytest.mark.parametrize("bad", ["ac:me", "", "a" * 65, "*"])
+def test_grid_keys_refuse_what_feature_key_refuses(bad: str) -> None:
+    with pytest.raises(InvalidId):
+        grid_keys(7, bad, ["txn_90d"], ["1"])
+    with pytest.raises(InvalidId):
+        grid_keys(7, "acme", ["txn_90d"], ["1", bad])
+
+
+# -- entries, decoded many at a time ----------------------------------------------------
+
+FIELDS = REGISTRY["txn_90d"].field_names
+
+
+def test_decode_rows_reads_entries_tombstones_and_floors() -> None:
+    values = list(range(len(FIELDS)))
+    raws = [encode_entry(values, 3, 1000, 0x20), None, encode_tombstone(0x30),
+            encode_entry(values, 3, 2000, 0x10).decode()]
+    rows = decode_rows(raws, FIELDS, 3)
+    assert rows[1:3] == [None, None]
+    assert rows[0] == (dict(zip(FIELDS, values, strict=True)), 1000, watermark_hex(0x20))
+    assert rows[3] is not None and rows[3][1] == 2000  # a str reply decodes as bytes do
+    # Below the floor is absent, at it is served.
+    floored = decode_rows(raws, FIELDS, 3, watermark_hex(0x20).decode())
+    assert [r is not None for r in floored] == [True, False, False, False]
+    entry = decode_entry(raws[0], FIELDS, 3)  # type: ignore[arg-type]
+    assert entry is not None and entry.watermark == 0x20 and entry.computed_at_ms == 1000
+
+
+@pytest.mark.parametrize("raw", [
+    b"1" + b"0" * 30,  # a header and nothing else
+    b"1" + b"0" * 30 + b"[3,1000,[1,2]]",  # too few values
+    b"1" + b"0" * 30 + b'[3,"soon",[0,0,0,0,0,0,0,0]]',  # computed_at not an integer
+    b"1" + b"0" * 30 + b'[3,1000,{"a":1,"b":2,"c":3,"d":4,"e":5,"f":6,"g":7,"h":8}]',
+    b"1" + b"0" * 30 + b"[3,1000,[0,0,0",  # cut short
+    b"X" + b"0" * 30 + b"[3,1000,[0,0,0,0,0,0,0,0]]",  # not an entry
+    b"",
+])
+def test_decode_rows_refuses_corrupt_entries(raw: bytes) -> None:
+    with pytest.raises(CorruptEntry):
+        decode_rows([encode_entry([0] * len(FIELDS), 3, 1, 1), raw], FIELDS, 3)
+
+
+def test_a_watermark_that_is_not_hex_is_corrupt_where_it_is_read() -> None:
+    raw = b"1" + b"z" * 30 + b"[3,1000,[0,0,0,0,0,0,0,0]]"
+    with pytest.raises(CorruptEntry):
+        decode_entry(raw, FIELDS, 3)
+
+
+def test_decode_rows_refuses_another_schema_version() -> None:
+    with pytest.raises(SchemaVersionMismatch):
+        decode_rows([encode_entry([0] * len(FIELDS), 4, 1, 1)], FIELDS, 3)
+
+
 # -- hot-read sampling ----------------------------------------------------------------
+
+def test_sampling_counts_one_read_in_sample_weighted_by_sample(
+        redis_client: redis.Redis, version: int) -> None:
+    draws = random.Random(15)
+    hot = HotReads(redis_client, sample=16, flush_s=3600, rng=draws.random)
+    for batch in range(160):  # 16,000 reads in batches of 100, one entity each
+        hot.record(version, Lookup("acme", ["geo"], [str(batch * 100 + i) for i in range(100)]))
+    hot.close()
+    counted = cast(list[tuple[bytes, float]], redis_client.zrange(
+        hot_key(version, "geo", "acme"), 0, -1, withscores=True))
+    assert {score for _, score in counted} == {16.0}  # each sampled read counts for 16
+    # About one read in 16 (binomial: 1,000 expected, standard deviation 31).
+    assert 800 <= len(counted) <= 1200
 
 def test_background_sampling_makes_no_redis_call_until_it_flushes(
         redis_client: redis.Redis, version: int) -> None:
@@ -108,12 +190,12 @@ def filled(engine: Engine, redis_client: redis.Redis, tenant: str) -> Iterator[F
     yield store
 
 
-def _cached(reader: FeatureReader, client: redis.Redis, refs: list[EntityRef],
+def _cached(reader: FeatureReader, client: redis.Redis, lookup: Lookup,
             mode: str) -> list[Answer] | None:
     async def go() -> list[Answer] | None:
         reader.aredis = async_twin(client)
         try:
-            return await reader.cached(refs, mode)  # type: ignore[arg-type]
+            return await reader.cached(lookup, mode)  # type: ignore[arg-type]
         finally:
             await reader.aredis.aclose()
             reader.aredis = None
@@ -125,25 +207,31 @@ def test_the_async_read_answers_as_the_store_does(filled: FeatureStore, engine: 
                                                  redis_client: redis.Redis,
                                                  tenant: str) -> None:
     reader = FeatureReader(ReadThrough(filled, engine, early_refresh=False))
-    refs = [EntityRef("txn_90d", tenant, str(u)) for u in (1, 2, 99)]
-    assert _cached(reader, redis_client, refs, "read-through") is None  # 99 is a miss
-    answers = _cached(reader, redis_client, refs, "cache-only")
+    lookup = Lookup(tenant, ["txn_90d"], ["1", "2", "99"])
+    assert _cached(reader, redis_client, lookup, "read-through") is None  # 99 is a miss
+    answers = _cached(reader, redis_client, lookup, "cache-only")
     assert answers is not None
-    assert [a.source for a in answers] == ["hit", "hit", "miss"]
-    assert [a.values for a in answers[:2]] == [e and e.values for e in filled.read(refs[:2])]
-    assert {a.schema_version for a in answers} == {filled.schema_version}
+    assert [a["source"] for a in answers] == ["hit", "hit", "miss"]
+    assert [a["values"] for a in answers[:2]] == [e and e.values
+                                                  for e in filled.read(lookup[:2])]
+    assert {a["schema_version"] for a in answers} == {filled.schema_version}
+    def ageless(answers: list[Answer]) -> list[dict[str, object]]:
+        return [{k: v for k, v in a.items() if k != "age_ms"} for a in answers]
+
+    # The thread pool's path agrees.
+    assert ageless(answers) == ageless(reader.read(lookup, "cache-only"))
 
 
 def test_the_async_read_treats_entries_below_the_floor_as_absent(
         filled: FeatureStore, engine: Engine, redis_client: redis.Redis, tenant: str) -> None:
     reader = FeatureReader(ReadThrough(filled, engine, early_refresh=False))
-    refs = [EntityRef("txn_90d", tenant, str(u)) for u in (1, 2)]
-    [entry, _] = filled.read(refs)
+    lookup = Lookup(tenant, ["txn_90d"], ["1", "2"])
+    [entry, _] = filled.read(lookup)
     assert entry is not None
     filled.truncate("txn_90d", entry.watermark + 1)
-    answers = _cached(reader, redis_client, refs, "cache-only")
-    assert answers is not None and [a.source for a in answers] == ["miss", "miss"]
-    assert _cached(reader, redis_client, refs, "read-through") is None
+    answers = _cached(reader, redis_client, lookup, "cache-only")
+    assert answers is not None and [a["source"] for a in answers] == ["miss", "miss"]
+    assert _cached(reader, redis_client, lookup, "read-through") is None
 
 
 def test_the_api_serves_a_truncated_entry_as_absent(settings: Settings, engine: Engine,
@@ -173,9 +261,9 @@ def test_the_api_serves_a_truncated_entry_as_absent(settings: Settings, engine: 
 def test_the_reader_without_an_async_client_defers_to_the_thread_pool(
         filled: FeatureStore, engine: Engine, tenant: str) -> None:
     reader = FeatureReader(ReadThrough(filled, engine, early_refresh=False))
-    refs = [EntityRef("txn_90d", tenant, "1")]
-    assert asyncio.run(reader.cached(refs, "cache-only")) is None
-    assert reader.read(refs, "cache-only")[0].source == "hit"
+    lookup = Lookup(tenant, ["txn_90d"], ["1"])
+    assert asyncio.run(reader.cached(lookup, "cache-only")) is None
+    assert reader.read(lookup, "cache-only")[0]["source"] == "hit"
 
 
 def test_a_redis_outage_on_the_async_path_is_a_503_and_it_recovers(
