@@ -92,6 +92,9 @@ _ANSWERABLE = """
         WHERE b.tenant_id = k0.tenant_id AND b.user_id = k0.user_id
           AND b.day >= (t.as_of AT TIME ZONE 'UTC')::date
           AND (b.day > (t.as_of AT TIME ZONE 'UTC')::date OR b.last_at > t.as_of))
+    AND NOT EXISTS (
+        SELECT 1 FROM txn_bucket_deltas p
+        WHERE p.tenant_id = k0.tenant_id AND p.user_id = k0.user_id AND p.created_at > t.as_of)
 """
 _K0 = """
 WITH k0(tenant_id, user_id) AS (
@@ -139,6 +142,7 @@ def query_text(fs: FeatureSet, path: Path) -> str:
 _KEYS_OF = "SELECT * FROM unnest(CAST(:tenants AS text[]), CAST(:ids AS bigint[]))"
 _DAY = "(x.created_at AT TIME ZONE 'UTC')::date"
 _REBUILD = [
+    f"DELETE FROM txn_bucket_deltas WHERE (tenant_id, user_id) IN ({_KEYS_OF})",
     f"DELETE FROM txn_buckets WHERE (tenant_id, user_id) IN ({_KEYS_OF})",
     f"DELETE FROM txn_bucket_members WHERE (tenant_id, user_id) IN ({_KEYS_OF})",
     f"DELETE FROM txn_bucket_latest WHERE (tenant_id, user_id) IN ({_KEYS_OF})",
@@ -173,18 +177,22 @@ _REBUILD = [
     WHERE b.tenant_id = c.tenant_id AND b.user_id = c.user_id AND b.day = c.day""",
 ]
 _LOCK = sa.text("LOCK TABLE transactions IN SHARE MODE")
+_BUCKET_LOCK = sa.text("SELECT freshline_bucket_lock()")
 
 
 def rebuild(conn: Connection, keys: Sequence[tuple[str, int]]) -> None:
-    """Rebuild the buckets of ``keys`` (tenant, user id) from ``transactions``.
+    """Rebuild the buckets of ``keys`` (tenant, user id) from ``transactions``, and drop
+    their pending deltas (the rows they describe are read as they are now).
 
-    Takes ``LOCK TABLE transactions IN SHARE MODE`` for the rest of the caller's
-    transaction: writers wait, so no trigger changes these buckets meanwhile.
+    Takes ``LOCK TABLE transactions IN SHARE MODE`` (writers wait, so no delta of
+    these users appears meanwhile) and the buckets' advisory lock (no fold runs) for
+    the rest of the caller's transaction.
     """
     if not keys:
         return
     params = {"tenants": [t for t, _ in keys], "ids": [int(u) for _, u in keys]}
     conn.execute(_LOCK)
+    conn.execute(_BUCKET_LOCK)
     for sql in _REBUILD:
         conn.execute(sa.text(sql), params)
 
@@ -242,6 +250,7 @@ def build_batch(engine: Engine, batch: int) -> tuple[int, BuildState]:
     """
     with engine.begin() as conn:
         conn.execute(_LOCK)
+        conn.execute(_BUCKET_LOCK)
         row = conn.execute(sa.text(
             "SELECT complete, tenant_id, user_id FROM txn_bucket_build FOR UPDATE")).one()
         if row.complete:
@@ -272,3 +281,54 @@ def build(engine: Engine, *, batch: int = 2000,
         done += n
         if progress is not None:
             progress(n)
+
+
+# -- folding the pending deltas ---------------------------------------------------------
+
+_FOLD = sa.text("SELECT freshline_fold_bucket_deltas(:n, :wait)")
+
+
+def fold(db: Engine | Connection, *, max_users: int = 1000, wait: bool = True) -> int | None:
+    """Fold every pending delta of up to ``max_users`` users into the buckets, in one
+    transaction; returns how many users it folded (0: nothing was pending).
+
+    With ``wait=False`` it returns None at once when another fold, a build batch or a
+    TRUNCATE holds the buckets, instead of queueing behind it. With a Connection, the
+    fold is part of the caller's transaction.
+    """
+    params = {"n": max_users, "wait": wait}
+    if isinstance(db, Connection):
+        n = db.execute(_FOLD, params).scalar_one()
+    else:
+        try:
+            with db.begin() as conn:
+                n = conn.execute(_FOLD, params).scalar_one()
+        except sa.exc.OperationalError as exc:
+            if wait or getattr(exc.orig, "sqlstate", None) != "55P03":
+                raise
+            return None  # TRUNCATE or DDL holds transactions (LOCK ... NOWAIT)
+    return None if n is None else int(n)
+
+
+def fold_all(engine: Engine, *, max_users: int = 1000,
+             progress: Callable[[int], None] | None = None) -> int:
+    """Fold every pending delta, ``max_users`` users per transaction; returns the users
+    folded. ``progress(users)`` is called after each committed transaction."""
+    done = 0
+    while n := fold(engine, max_users=max_users):
+        done += n
+        if progress is not None:
+            progress(n)
+    return done
+
+
+def pending(db: Engine | Connection) -> tuple[int, int]:
+    """(pending deltas, users they belong to): a full scan of the delta log."""
+    sql = sa.text("SELECT count(*), count(DISTINCT (tenant_id, user_id)) "
+                  "FROM txn_bucket_deltas")
+    if isinstance(db, Connection):
+        row = db.execute(sql).one()
+    else:
+        with db.connect() as conn:
+            row = conn.execute(sql).one()
+    return int(row[0]), int(row[1])
