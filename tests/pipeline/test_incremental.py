@@ -11,10 +11,14 @@ folded.
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +36,7 @@ from pipeline.core.settings import Settings
 from pipeline.observe.reconcile import compare, reconcile
 from tests.conftest import drop_database, recreate_database
 
+FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 AS_OF = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 EDGE = AS_OF - timedelta(days=90)  # txn_90d's window starts after it
 EDGE30 = AS_OF - timedelta(days=30)  # geo's
@@ -474,3 +479,20 @@ def test_a_geoip_change_refolds_a_removed_rows_pending_delta(db: Engine) -> None
         assert inc == full and inc[("geo", tenant, "1")]["distinct_countries_30d"] == 1
     finally:
         reset_geoip(db)
+
+
+def test_freshline_buckets_fold_and_status(db: Engine) -> None:
+    tenant = new_tenant()
+    insert(db, tenant, [(u, AS_OF - timedelta(days=1), "1.00", "m1", None) for u in USERS])
+    env = {**os.environ, "FRESHLINE_POSTGRES_URL": db.url.render_as_string(hide_password=False)}
+
+    def run(*args: str) -> str:
+        r = subprocess.run([FRESHLINE, "buckets", *args], capture_output=True, text=True,
+                           timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        return r.stdout + r.stderr  # results on stdout, progress on stderr
+
+    assert "pending   " in run("status") and pending_users(db, tenant) == len(USERS)
+    assert "folded the deltas of" in run("fold", "--users", "2")
+    assert pending_users(db, tenant) == 0
+    assert "pending   0 deltas of 0 users" in run("status")
