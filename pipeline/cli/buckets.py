@@ -119,7 +119,8 @@ def status_cmd() -> None:
             "SELECT (SELECT count(*) FROM txn_buckets), (SELECT count(*) FROM "
             "txn_bucket_members), pg_size_pretty(pg_total_relation_size('txn_buckets') "
             "+ pg_total_relation_size('txn_bucket_members') "
-            "+ pg_total_relation_size('txn_bucket_latest'))")).one()
+            "+ pg_total_relation_size('txn_bucket_latest') "
+            "+ pg_total_relation_size('txn_bucket_deltas'))")).one()
     if st.complete:
         out.print("build     complete")
     else:
