@@ -8,7 +8,11 @@ Each iteration (:meth:`Worker._iteration`):
 3. apply the events as one batch (:class:`consumers.processor.Processor`): Redis
    writes, then invalidations on the Redis channel and handed to the producer;
 4. flush the producer (dead letters and invalidations acknowledged by the broker);
-5. commit the offsets after the batch, for partitions still assigned.
+5. commit the offsets after the batch, for partitions still assigned;
+6. every ``bucket_fold_interval_ms``, fold pending bucket deltas of up to
+   ``FOLD_USERS`` users into the buckets (upkeep of the incremental path, after the
+   commit so it never holds a batch back; a fold already running elsewhere is not
+   waited for).
 
 A crash anywhere before step 5 replays the batch; conditional writes make that
 harmless. A transient failure (Postgres or Redis down, a change not yet visible) pauses
@@ -44,6 +48,7 @@ from consumers.metrics import consumer_metrics
 from consumers.processor import Processor
 from consumers.routing import Router
 from consumers.topics import subscription
+from pipeline.cache import incremental
 from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.recompute import NotYetVisible
 from pipeline.cache.store import check_eviction_policy
@@ -72,6 +77,8 @@ MAX_BACKOFF_S = 5.0
 CLOSE_TIMEOUT_S = 10.0
 """How long closing the producer (its flush) and the consumer may each take."""
 LAG_EVERY_S = 5.0
+FOLD_USERS = 500
+"""Users whose pending bucket deltas one fold takes (a few milliseconds each)."""
 
 
 def _service(exc: BaseException) -> str:
@@ -125,6 +132,7 @@ class Worker:
         self.closed_cleanly = True
         self._revoked: set[tuple[str, int]] = set()
         self._lag_due = 0.0
+        self._fold_due = 0.0
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -176,6 +184,7 @@ class Worker:
                                          timeout=self.settings.batch_max_wait_ms / 1000)
         if not messages:
             self._report_lag()
+            self._fold_deltas()
             return 0
         self._revoked.clear()
         events: list[tuple[Message, ChangeEvent]] = []
@@ -201,6 +210,7 @@ class Worker:
         self.totals.batches += 1
         self.metrics.batch_size.observe(len(messages))
         self._report_lag()
+        self._fold_deltas()
         return len(messages)
 
     def _apply_with_retry(self, events: list[tuple[Message, ChangeEvent]]) -> None:
@@ -389,3 +399,32 @@ class Worker:
                 self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(max(0, behind))
         except Exception as exc:  # lag is advisory; never let it stop the loop
             logger.debug("consumer lag not available: %s", exc)
+
+    # -- bucket upkeep ---------------------------------------------------------
+
+    def _fold_deltas(self) -> None:
+        """Fold pending bucket deltas when due; again at once while a backlog remains.
+
+        Upkeep, like the lag: the values the incremental path returns are exact either
+        way (it reads pending deltas too), so a failure is logged and tried again at
+        the next interval. A role without EXECUTE on the fold stops trying.
+        """
+        interval = self.settings.bucket_fold_interval_ms / 1000
+        now = time.monotonic()
+        if not interval or now < self._fold_due:
+            return
+        self._fold_due = now + interval
+        try:
+            folded = incremental.fold(self.engine, max_users=FOLD_USERS, wait=False)
+        except sa.exc.ProgrammingError as exc:
+            self._fold_due = float("inf")
+            logger.error("cannot fold bucket deltas (%s); grant this role EXECUTE on "
+                         "freshline_fold_bucket_deltas, or run freshline buckets fold "
+                         "--follow", exc.orig)
+            return
+        except sa.exc.SQLAlchemyError as exc:
+            logger.warning("bucket deltas not folded: %s; trying again in %.1fs",
+                           exc, interval)
+            return
+        if folded == FOLD_USERS:
+            self._fold_due = now  # more pending: the next iteration folds again

@@ -60,8 +60,52 @@ def test_a_database_that_ran_the_first_0003_gets_its_buckets_rebuilt(
             assert conn.execute(sa.text("SELECT complete FROM txn_bucket_build")).scalar() \
                 is False
         migrations.upgrade(url)  # at head already: nothing is rebuilt again
+        with engine.begin() as conn:  # the row is a pending delta (revision 0007)
+            assert conn.execute(sa.text(
+                "SELECT (SELECT coalesce(sum(n), 0) FROM txn_buckets) "
+                "+ (SELECT coalesce(sum(w), 0) FROM txn_bucket_deltas)")).scalar() == 1
+    finally:
+        engine.dispose()
+        drop_database(base_settings, name)
+
+
+def test_0007_keeps_the_buckets_of_a_database_at_0006_and_folds_them_on_the_way_back(
+        base_settings: Settings) -> None:
+    """0006's triggers built buckets; under 0007 writes become deltas, and a downgrade
+    folds them and puts the direct triggers back, with the same values throughout."""
+    from pipeline.cache import incremental
+
+    name = "freshline_migrations_0007_test"
+    url = recreate_database(base_settings, name)
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    insert = sa.text("INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, "
+                     "created_at) VALUES ('t1', 1, :a, :m, now() - interval '1 day')")
+    totals = sa.text("SELECT (SELECT coalesce(sum(n), 0) FROM txn_buckets), "
+                     "(SELECT count(*) FROM txn_bucket_members WHERE kind = 'm')")
+    try:
+        migrations.upgrade(url, "0006")
         with engine.begin() as conn:
-            assert conn.execute(sa.text("SELECT sum(n) FROM txn_buckets")).scalar() == 1
+            conn.execute(insert, {"a": 10, "m": "m1"})
+            assert tuple(conn.execute(totals).one()) == (1, 1)  # direct triggers
+        migrations.upgrade(url, "0007")
+        with engine.begin() as conn:
+            conn.execute(insert, {"a": 20, "m": "m2"})
+            assert tuple(conn.execute(totals).one()) == (1, 1)  # the new row is a delta
+            assert incremental.pending(conn) == (1, 1)
+        migrations.downgrade(url, "0006")
+        with engine.begin() as conn:
+            assert tuple(conn.execute(totals).one()) == (2, 2)  # folded on the way back
+            assert "txn_bucket_deltas" not in sa.inspect(conn).get_table_names()
+            conn.execute(insert, {"a": 30, "m": "m3"})
+            assert tuple(conn.execute(totals).one()) == (3, 3)  # direct triggers again
+        migrations.upgrade(url)
+        with engine.begin() as conn:
+            conn.execute(insert, {"a": 40, "m": "m4"})
+            assert incremental.pending(conn) == (1, 1)
+        assert incremental.fold_all(engine) == 1
+        with engine.begin() as conn:
+            assert tuple(conn.execute(totals).one()) == (4, 4)
+            assert incremental.pending(conn) == (0, 0)
     finally:
         engine.dispose()
         drop_database(base_settings, name)

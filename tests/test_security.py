@@ -224,6 +224,28 @@ def test_the_service_roles_cannot_write_source_tables(settings: Settings, role: 
         eng.dispose()
 
 
+def test_only_the_consumer_role_may_fold_bucket_deltas_and_neither_writes_buckets(
+        settings: Settings) -> None:
+    """The consumers fold pending bucket deltas through a SECURITY DEFINER function;
+    the bucket tables themselves stay read-only to both service roles."""
+    consumer = role_engine(settings, "FRESHLINE_STACK_POSTGRES_CONSUMER_URL")
+    api = role_engine(settings, "FRESHLINE_STACK_POSTGRES_API_URL")
+    try:
+        with consumer.begin() as conn:
+            assert conn.execute(sa.text(
+                "SELECT freshline_fold_bucket_deltas(10, false)")).scalar_one() is not None
+        for eng in (consumer, api):
+            with eng.connect() as conn, pytest.raises(sa.exc.ProgrammingError,
+                                                      match="permission denied"):
+                conn.execute(sa.text("DELETE FROM txn_buckets"))
+        with api.connect() as conn, pytest.raises(sa.exc.ProgrammingError,
+                                                  match="permission denied"):
+            conn.execute(sa.text("SELECT freshline_fold_bucket_deltas(10, false)"))
+    finally:
+        consumer.dispose()
+        api.dispose()
+
+
 def test_the_api_role_may_mark_a_key_used(settings: Settings, engine: Engine,
                                           tenant: str) -> None:
     create_api_key(engine, tenant)

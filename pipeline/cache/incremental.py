@@ -3,8 +3,9 @@
 A full recompute of ``txn_90d`` reads every row of the user's last 90 days, so its
 cost grows with the user's history: the busiest user of the 1M-row Zipf data set
 owns 135k rows. The incremental path reads at most 91 rows of ``txn_buckets`` per
-user (one per UTC day wholly inside the window) plus the source rows of the one day
-the window's old edge cuts through, whatever the user's history.
+user (one per UTC day wholly inside the window), the source rows of the one day the
+window's old edge cuts through, and the user's deltas not yet folded into the buckets,
+whatever the user's history.
 
 What the buckets hold
 ---------------------
@@ -22,50 +23,78 @@ whose latest day is ``dc``.
 Max over a sliding window: the window's max is the max of its whole days' maxima and
 of the edge rows, so a row leaving the window simply stops being read (its day falls
 out of the range, or it is before ``c`` on the edge day). A deleted or changed row
-can lower its own day's max or latest time: the trigger then reads that one day of
-that user again from the source (an index range of one day), which is the only
-place a change costs more than itself.
+can lower its own day's max or latest time: the fold then reads that one day of that
+user again from the source (an index range of one day).
+
+How the buckets stay in step: a delta log, folded later
+-------------------------------------------------------
+Statement-level triggers on ``transactions`` (AFTER INSERT / UPDATE / DELETE, with
+transition tables; migration 0007) append each statement's changed rows, once, to
+``txn_bucket_deltas``, *in the source transaction*: +1 for a row added, -1 for a row
+removed (an UPDATE is both, and one that leaves user, time, amount, merchant, device
+and ip alone cancels out). COPY fires them too. That is all a writer pays: one
+appended row per changed row, where maintaining the buckets themselves cost about five
+upserts per row (migration 0003's triggers, five times the cost of the write). A
+statement-level AFTER TRUNCATE trigger empties the bucket tables and the log.
+
+A *fold* (:func:`fold`, ``freshline_fold_bucket_deltas``) takes every pending delta
+of some users out of the log and applies them to the buckets with 0003's statements,
+in one transaction. The consumers fold every ``FRESHLINE_BUCKET_FOLD_INTERVAL_MS``
+(after a batch's commit), and ``freshline buckets fold`` does it by hand. Folds run
+one at a time (an advisory lock, which builds and geoip changes take too), and a fold
+takes *all* of a user's visible deltas: a row's removal is committed after its
+addition, so it is never folded first, and folded counts are never negative.
+
+Why values stay exact in every snapshot. Each source row and its delta commit
+together, and each fold removes deltas from the log and adds them to the buckets
+together; so every snapshot sees, for every user, the folded buckets of some set of
+rows plus exactly the deltas not in that set. The incremental queries read both in
+the one snapshot of the feature statement:
+
+* count, sum and sum of squares: the buckets' plus the pending deltas' (signed);
+* max and latest time of a whole day: the bucket's and those of the rows the pending
+  deltas add, unless the day has a pending removal, whose row may be the bucket's
+  max: then that day's rows are read from the source. (A fold may re-read a day's max
+  from the source with a later snapshot than the deltas it took, so a bucket's max
+  can include a row whose delta is still pending, or miss one whose removal is; both
+  cases are covered: the first by the row itself, the second by the read from the
+  source.)
+* distinct members: for a member with no pending delta on day ``dc`` or later, its
+  folded latest day is its true one from ``dc`` on, so the buckets' counts hold.
+  Each member with pending deltas there is worked out on its own: ``was`` (its folded
+  latest day is after ``dc``: what the buckets counted) and ``now`` (some day after
+  ``dc`` where its folded count plus its pending deltas is positive); the count is
+  corrected by ``now - was``, and on the edge day such a member counts unless ``now``.
+  The countries of pending deltas are looked up in ``geoip`` as it is in that snapshot;
+  a geoip change folds the deltas of every user with a row or a pending delta in the
+  changed ranges and rebuilds their countries, in the geoip writer's transaction.
+
+So the recompute's watermark argument (:mod:`pipeline.cache.recompute`) is unchanged:
+it is about what one snapshot sees, and what a snapshot sees of the buckets and the
+log is exactly the aggregates of the source rows it sees. The cost moves: a read
+also reads the user's pending deltas (an index on the log's user), which a consumer
+recomputing a user it was just told about usually finds (the write it heard of is
+still pending); a fold costs what the triggers used to, off the writer's path.
 
 Keys the buckets cannot answer are computed in full *by the same statement*: a user
 not yet covered by ``freshline buckets build`` (``txn_bucket_build``), or with a row
-after ``as_of`` (a future-dated row, or an ``as_of`` in the past), where "latest day"
-would look past the window. One statement, so one snapshot and one watermark
-(:mod:`pipeline.cache.recompute`).
+or a pending delta after ``as_of`` (a future-dated row, or an ``as_of`` in the past),
+where "latest day" would look past the window.
 
-How the buckets stay in step, and why the watermark argument still holds
-------------------------------------------------------------------------
-Statement-level triggers on ``transactions`` (AFTER INSERT / UPDATE / DELETE, with
-transition tables; migration 0003) apply each statement's changed rows to the
-buckets, set-based, *in the source transaction*. COPY fires them too; an UPDATE that
-leaves user, time, amount, merchant and device alone cancels out. A statement-level
-AFTER TRUNCATE trigger truncates the bucket tables (no row trigger fires on TRUNCATE).
-
-So a source row and its bucket changes commit atomically: every snapshot sees both or
-neither. The recompute's watermark argument is about what its snapshot sees; the
-feature statement reads ``transactions`` and the bucket tables on one snapshot, and
-whatever source state that snapshot sees, the buckets it sees are exactly that
-state's aggregates. Nothing about visibility, ``xmax`` or the in-progress list
-changes, and a CDC event's transaction that is visible to the snapshot has its bucket
-changes visible too. (Consumer-maintained buckets would have needed their own
-watermark; a trigger needs none.)
-
-Concurrent writers: additive updates of a bucket row commute, and the row lock makes
-them serial. The latest-day bookkeeping is not additive, so every change of a
-member's rows first updates that member's ``txn_bucket_latest`` row: under READ
-COMMITTED the next statement then sees every earlier committed change of the member
-(each statement of the trigger function takes a fresh snapshot); under REPEATABLE
-READ or SERIALIZABLE a concurrent change makes the writer fail with a serialisation
-error, as any counter would, rather than go wrong. A writer that touches many users
-in different orders from another can now deadlock on bucket rows; Postgres detects
-it and aborts one, which the writer retries.
+Concurrency. Writers no longer touch the bucket tables, so they never wait on each
+other for them (0003's writers serialised on each member's latest-day row, and could
+deadlock). Every writer of the bucket tables takes a lock on ``transactions`` first
+(a fold ACCESS SHARE, a build or geoip change SHARE, TRUNCATE ACCESS EXCLUSIVE) and
+the advisory lock second, so they cannot deadlock on each other either. The fold's
+statements run under READ COMMITTED, each with a fresh snapshot, as 0003's did.
 
 Building the buckets for existing rows
 --------------------------------------
 :func:`build` rebuilds users in key order, a batch per transaction, each under
-``LOCK TABLE transactions IN SHARE MODE`` (writers wait for the batch, so a batch
-and the triggers never interleave), and saves its cursor with the batch: interrupted,
-it resumes after the last committed batch. Until it completes, users past the cursor
-are computed in full.
+``LOCK TABLE transactions IN SHARE MODE`` and the advisory lock (writers and folds
+wait for the batch), dropping the users' pending deltas (the rows are read as they
+are), and saves its cursor with the batch: interrupted, it resumes after the last
+committed batch. Until it completes, users past the cursor are computed in full.
 """
 
 from __future__ import annotations
@@ -92,6 +121,9 @@ _ANSWERABLE = """
         WHERE b.tenant_id = k0.tenant_id AND b.user_id = k0.user_id
           AND b.day >= (t.as_of AT TIME ZONE 'UTC')::date
           AND (b.day > (t.as_of AT TIME ZONE 'UTC')::date OR b.last_at > t.as_of))
+    AND NOT EXISTS (
+        SELECT 1 FROM txn_bucket_deltas p
+        WHERE p.tenant_id = k0.tenant_id AND p.user_id = k0.user_id AND p.created_at > t.as_of)
 """
 _K0 = """
 WITH k0(tenant_id, user_id) AS (
@@ -139,6 +171,7 @@ def query_text(fs: FeatureSet, path: Path) -> str:
 _KEYS_OF = "SELECT * FROM unnest(CAST(:tenants AS text[]), CAST(:ids AS bigint[]))"
 _DAY = "(x.created_at AT TIME ZONE 'UTC')::date"
 _REBUILD = [
+    f"DELETE FROM txn_bucket_deltas WHERE (tenant_id, user_id) IN ({_KEYS_OF})",
     f"DELETE FROM txn_buckets WHERE (tenant_id, user_id) IN ({_KEYS_OF})",
     f"DELETE FROM txn_bucket_members WHERE (tenant_id, user_id) IN ({_KEYS_OF})",
     f"DELETE FROM txn_bucket_latest WHERE (tenant_id, user_id) IN ({_KEYS_OF})",
@@ -173,18 +206,22 @@ _REBUILD = [
     WHERE b.tenant_id = c.tenant_id AND b.user_id = c.user_id AND b.day = c.day""",
 ]
 _LOCK = sa.text("LOCK TABLE transactions IN SHARE MODE")
+_BUCKET_LOCK = sa.text("SELECT freshline_bucket_lock()")
 
 
 def rebuild(conn: Connection, keys: Sequence[tuple[str, int]]) -> None:
-    """Rebuild the buckets of ``keys`` (tenant, user id) from ``transactions``.
+    """Rebuild the buckets of ``keys`` (tenant, user id) from ``transactions``, and drop
+    their pending deltas (the rows they describe are read as they are now).
 
-    Takes ``LOCK TABLE transactions IN SHARE MODE`` for the rest of the caller's
-    transaction: writers wait, so no trigger changes these buckets meanwhile.
+    Takes ``LOCK TABLE transactions IN SHARE MODE`` (writers wait, so no delta of
+    these users appears meanwhile) and the buckets' advisory lock (no fold runs) for
+    the rest of the caller's transaction.
     """
     if not keys:
         return
     params = {"tenants": [t for t, _ in keys], "ids": [int(u) for _, u in keys]}
     conn.execute(_LOCK)
+    conn.execute(_BUCKET_LOCK)
     for sql in _REBUILD:
         conn.execute(sa.text(sql), params)
 
@@ -242,6 +279,7 @@ def build_batch(engine: Engine, batch: int) -> tuple[int, BuildState]:
     """
     with engine.begin() as conn:
         conn.execute(_LOCK)
+        conn.execute(_BUCKET_LOCK)
         row = conn.execute(sa.text(
             "SELECT complete, tenant_id, user_id FROM txn_bucket_build FOR UPDATE")).one()
         if row.complete:
@@ -272,3 +310,54 @@ def build(engine: Engine, *, batch: int = 2000,
         done += n
         if progress is not None:
             progress(n)
+
+
+# -- folding the pending deltas ---------------------------------------------------------
+
+_FOLD = sa.text("SELECT freshline_fold_bucket_deltas(:n, :wait)")
+
+
+def fold(db: Engine | Connection, *, max_users: int = 1000, wait: bool = True) -> int | None:
+    """Fold every pending delta of up to ``max_users`` users into the buckets, in one
+    transaction; returns how many users it folded (0: nothing was pending).
+
+    With ``wait=False`` it returns None at once when another fold, a build batch or a
+    TRUNCATE holds the buckets, instead of queueing behind it. With a Connection, the
+    fold is part of the caller's transaction.
+    """
+    params = {"n": max_users, "wait": wait}
+    if isinstance(db, Connection):
+        n = db.execute(_FOLD, params).scalar_one()
+    else:
+        try:
+            with db.begin() as conn:
+                n = conn.execute(_FOLD, params).scalar_one()
+        except sa.exc.OperationalError as exc:
+            if wait or getattr(exc.orig, "sqlstate", None) != "55P03":
+                raise
+            return None  # TRUNCATE or DDL holds transactions (LOCK ... NOWAIT)
+    return None if n is None else int(n)
+
+
+def fold_all(engine: Engine, *, max_users: int = 1000,
+             progress: Callable[[int], None] | None = None) -> int:
+    """Fold every pending delta, ``max_users`` users per transaction; returns the users
+    folded. ``progress(users)`` is called after each committed transaction."""
+    done = 0
+    while n := fold(engine, max_users=max_users):
+        done += n
+        if progress is not None:
+            progress(n)
+    return done
+
+
+def pending(db: Engine | Connection) -> tuple[int, int]:
+    """(pending deltas, users they belong to): a full scan of the delta log."""
+    sql = sa.text("SELECT count(*), count(DISTINCT (tenant_id, user_id)) "
+                  "FROM txn_bucket_deltas")
+    if isinstance(db, Connection):
+        row = db.execute(sql).one()
+    else:
+        with db.connect() as conn:
+            row = conn.execute(sql).one()
+    return int(row[0]), int(row[1])

@@ -1,9 +1,12 @@
-"""``freshline buckets build | status`` and ``freshline reconcile``: the incremental path.
+"""``freshline buckets build | fold | status`` and ``freshline reconcile``: the incremental
+path.
 
 ``buckets build`` fills the per-day partial aggregates for rows that existed before
 migration 0003, a batch of users per transaction, with a progress bar; interrupted
-(Ctrl-C, a crash), it resumes after the last committed batch. ``reconcile`` compares
-the incremental path with the full one on sampled users and repairs drifted buckets.
+(Ctrl-C, a crash), it resumes after the last committed batch. ``buckets fold`` moves
+the pending deltas the triggers appended into the buckets (the consumers do it too,
+every ``FRESHLINE_BUCKET_FOLD_INTERVAL_MS``). ``reconcile`` compares the incremental
+path with the full one on sampled users and repairs drifted buckets.
 """
 
 from __future__ import annotations
@@ -66,6 +69,42 @@ def build_cmd(
     console.print(f"buckets: built {built:,} users; complete")
 
 
+@buckets_app.command("fold")
+def fold_cmd(
+    users: Annotated[int, typer.Option("--users", min=1, max=1_000_000,
+                                       help="Users per transaction")] = 1000,
+    follow: Annotated[bool, typer.Option(
+        "--follow", help="Keep folding every --interval seconds until interrupted")] = False,
+    interval: Annotated[float, typer.Option("--interval", min=0.05, max=3600,
+                                            help="Seconds between folds with --follow")
+                        ] = 1.0,
+) -> None:
+    """Fold the pending bucket deltas into the buckets, a batch of users per transaction.
+
+    Values are the same before and after (the incremental path reads pending deltas
+    too); folding keeps that read short. Safe beside the consumers' own folds: one
+    fold runs at a time.
+    """
+    import time
+
+    from pipeline.cache import incremental
+
+    engine = _engine()
+    deltas, owners = incremental.pending(engine)
+    console.print(f"buckets: {deltas:,} pending deltas of {owners:,} users")
+    with progress_bar() as bar:
+        task = bar.add_task("fold", total=owners)
+        folded = incremental.fold_all(engine, max_users=users,
+                                      progress=lambda n: bar.advance(task, n))
+    console.print(f"buckets: folded the deltas of {folded:,} users")
+    try:
+        while follow:
+            time.sleep(interval)  # the cadence of the follow loop, not synchronisation
+            incremental.fold_all(engine, max_users=users)
+    except KeyboardInterrupt:
+        console.print("buckets: stopped")
+
+
 @buckets_app.command("status")
 def status_cmd() -> None:
     """Whether the buckets cover every user, and their size."""
@@ -80,7 +119,8 @@ def status_cmd() -> None:
             "SELECT (SELECT count(*) FROM txn_buckets), (SELECT count(*) FROM "
             "txn_bucket_members), pg_size_pretty(pg_total_relation_size('txn_buckets') "
             "+ pg_total_relation_size('txn_bucket_members') "
-            "+ pg_total_relation_size('txn_bucket_latest'))")).one()
+            "+ pg_total_relation_size('txn_bucket_latest') "
+            "+ pg_total_relation_size('txn_bucket_deltas'))")).one()
     if st.complete:
         out.print("build     complete")
     else:
@@ -88,6 +128,9 @@ def status_cmd() -> None:
         out.print(f"build     {st.remaining_users:,} users left{where} "
                   "(run: freshline buckets build)")
     out.print(f"buckets   {rows[0]:,} day rows, {rows[1]:,} member rows, {rows[2]}")
+    deltas, owners = incremental.pending(engine)
+    out.print(f"pending   {deltas:,} deltas of {owners:,} users"
+              + (" (folded by the consumers, or: freshline buckets fold)" if deltas else ""))
 
 
 def reconcile_cmd(

@@ -97,6 +97,9 @@ class Settings(BaseSettings):
 
     recompute_paths: dict[str, Literal["full", "incremental"]] = Field(default_factory=dict)
     """Per feature set, JSON: ``{"txn_90d": "full"}``; others keep their declared path."""
+    bucket_fold_interval_ms: int = Field(default=1000, ge=0)
+    """How often each consumer folds pending bucket deltas into the buckets (0: never;
+    then run ``freshline buckets fold --follow``)."""
 
     inference_decimals: int = Field(default=4, ge=0, le=12)
     inference_ttl_s: int = Field(default=3600, ge=1)

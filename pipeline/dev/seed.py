@@ -20,6 +20,7 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from pipeline.cache import incremental
 from pipeline.core.errors import FreshlineError
 from pipeline.core.keys import validate_id
 
@@ -170,7 +171,22 @@ def seed(
             total_devices += _seed_tenant(
                 conn, rng, tenant, len(u_idx), len(t_idx), now, progress
             )
+        _build_buckets(conn, ids, progress)
     return SeedSummary(ids, users, total_devices, transactions, geo)
+
+
+def _build_buckets(conn: sa.Connection, tenants: list[str], progress: Progress | None) -> None:
+    """The new tenants' rows arrived as pending bucket deltas: build their buckets from
+    the rows instead (every row of theirs is new, and a build from the rows is about
+    twice as fast as folding a bulk load delta by delta)."""
+    keys = [(t, int(u)) for t, u in conn.execute(sa.text(
+        "SELECT DISTINCT tenant_id, user_id FROM txn_bucket_deltas WHERE tenant_id = ANY(:t)"),
+        {"t": tenants})]
+    if progress is not None:
+        progress("buckets", 0, len(keys))
+    incremental.rebuild(conn, keys)
+    if progress is not None:
+        progress("buckets", len(keys), len(keys))
 
 
 def _seed_tenant(conn: sa.Connection, rng: np.random.Generator, tenant: str, n_users: int,

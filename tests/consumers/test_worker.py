@@ -90,6 +90,27 @@ def test_a_change_and_its_event_yield_the_recomputed_entry(
     assert seen == {("txn_90d", "4"), ("geo", "4"), ("txn_90d", "5"), ("geo", "5")}
 
 
+def test_the_worker_folds_pending_bucket_deltas_between_batches(env: Env,
+                                                                engine: Engine) -> None:
+    """The triggers append bucket deltas; a consumer folds them into the buckets on its
+    interval, here on its first idle iteration, with nothing consumed."""
+    with engine.begin() as conn:
+        conn.execute(sa.text(
+            "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, created_at) "
+            "VALUES (:t, 6, 12.5, 'm-fold', now() - interval '1 day')"), {"t": env.tenant})
+    pending = sa.text("SELECT count(*) FROM txn_bucket_deltas WHERE tenant_id = :t "
+                      "AND user_id = 6")
+    with engine.connect() as conn:
+        assert conn.execute(pending, {"t": env.tenant}).scalar_one() >= 1
+    settings = env.settings.model_copy(update={"bucket_fold_interval_ms": 60_000})
+    Worker(settings).run(idle_timeout=0.2, timeout=60)
+    with engine.connect() as conn:
+        assert conn.execute(pending, {"t": env.tenant}).scalar_one() == 0
+        assert conn.execute(sa.text(
+            "SELECT count(*) FROM txn_bucket_members WHERE tenant_id = :t AND user_id = 6 "
+            "AND member = 'm-fold'"), {"t": env.tenant}).scalar_one() == 1
+
+
 def test_bad_input_is_dead_lettered_with_its_reason_and_nothing_is_lost(
     env: Env, engine: Engine, redis_client: redis.Redis, producer: Producer,
     consumer_factory: Callable[..., Consumer], admin: AdminClient,

@@ -2,18 +2,23 @@
 
 All on a private database of this module's own (the build state and TRUNCATE are
 database-wide). The property test drives random sequences of inserts, updates,
-deletes and moves between users through the real triggers, then compares both paths
-value by value, at a fixed ``as_of`` whose window edges the generated times straddle.
+deletes, moves between users and folds of some users' pending deltas through the real
+triggers, then compares both paths value by value, at a fixed ``as_of`` whose window
+edges the generated times straddle: with deltas pending, and again once all are
+folded.
 """
 
 from __future__ import annotations
 
 import itertools
-import threading
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,8 +34,9 @@ from pipeline.core.errors import ConfigError
 from pipeline.core.features import REGISTRY, FeatureSet
 from pipeline.core.settings import Settings
 from pipeline.observe.reconcile import compare, reconcile
-from tests.conftest import drop_database, recreate_database, wait_until
+from tests.conftest import drop_database, recreate_database
 
+FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 AS_OF = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 EDGE = AS_OF - timedelta(days=90)  # txn_90d's window starts after it
 EDGE30 = AS_OF - timedelta(days=30)  # geo's
@@ -106,6 +112,25 @@ def insert(engine: Engine, tenant: str, rows: list[tuple[Any, ...]]) -> list[int
              "ip": [r[5] if len(r) > 5 else None for r in rows]}).scalars())
 
 
+def fold_some(engine: Engine, tenant: str, users: int) -> None:
+    """Fold the pending deltas of the first ``users`` users of ``tenant`` that have any,
+    the way freshline_fold_bucket_deltas folds (all of a user's deltas at once)."""
+    with engine.begin() as conn:
+        keys = conn.execute(sa.text(
+            "SELECT DISTINCT tenant_id, user_id FROM txn_bucket_deltas WHERE tenant_id = :t "
+            "ORDER BY 2 LIMIT :n"), {"t": tenant, "n": users}).all()
+        if keys:
+            conn.execute(sa.text("SELECT freshline_fold_bucket_users(:t, :u)"),
+                         {"t": [k[0] for k in keys], "u": [k[1] for k in keys]})
+
+
+def pending_users(engine: Engine, tenant: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.text(
+            "SELECT count(DISTINCT user_id) FROM txn_bucket_deltas WHERE tenant_id = :t"),
+            {"t": tenant}).scalar_one())
+
+
 # -- the property ---------------------------------------------------------------------
 
 # Times around both ends of both windows and the day boundaries next to them (the edge
@@ -138,6 +163,8 @@ _op = st.one_of(
     st.tuples(st.just("delete_user"), st.sampled_from(USERS)),
     st.tuples(st.just("noop_update"), st.sampled_from(USERS)),
 )
+# After some changes, fold the pending deltas of the first user that has any.
+_step = st.tuples(_op, st.sampled_from([0, 0, 0, 1]))
 _UPDATES = {"amount": "amount = CAST(:v AS numeric)", "time": "created_at = :v",
             "move": "user_id = :v", "merchant": "merchant_id = :v", "device": "device_id = :v",
             "ip": "ip = CAST(:v AS inet)"}
@@ -145,48 +172,66 @@ _UPDATES = {"amount": "amount = CAST(:v AS numeric)", "time": "created_at = :v",
 
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(ops=st.lists(_op, min_size=1, max_size=25))
-def test_incremental_equals_full_after_any_sequence_of_changes(db: Engine, ops: list) -> None:
+@given(steps=st.lists(_step, min_size=1, max_size=25))
+def test_incremental_equals_full_after_any_sequence_of_changes(db: Engine,
+                                                               steps: list) -> None:
     tenant = new_tenant()
     ids: list[int] = []
-    for op in ops:
-        kind = op[0]
-        if kind == "insert":
-            ids += insert(db, tenant, op[1])
-            continue
-        with db.begin() as conn:
-            if kind == "geoip":  # a range changes country, appears or disappears
-                conn.execute(sa.text("DELETE FROM geoip WHERE ip_from = CAST(:f AS inet)"),
-                             {"f": op[1]})
-                if op[2] is not None:
-                    conn.execute(sa.text(
-                        "INSERT INTO geoip (ip_from, ip_to, country, city, asn) VALUES "
-                        "(CAST(:f AS inet), CAST(:f AS inet) + 255, :c, 'X', 9)"),
-                        {"f": op[1], "c": op[2]})
-            elif kind == "delete_user":
-                conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t "
-                                     "AND user_id = :u"), {"t": tenant, "u": op[1]})
-            elif kind == "noop_update":
-                conn.execute(sa.text("UPDATE transactions SET status = 'reversed' "
-                                     "WHERE tenant_id = :t AND user_id = :u"),
-                             {"t": tenant, "u": op[1]})
-            elif ids:
-                row = ids[op[1] % len(ids)]
-                if kind == "delete":
-                    conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t "
-                                         "AND id = :id"), {"t": tenant, "id": row})
-                else:
-                    conn.execute(sa.text(f"UPDATE transactions SET {_UPDATES[kind]} "
-                                         "WHERE tenant_id = :t AND id = :id"),
-                                 {"t": tenant, "id": row, "v": op[2]})
+    for i, (op, folds) in enumerate(steps):
+        change(db, tenant, ids, op)
+        fold_some(db, tenant, folds)
+        if i == len(steps) // 2:  # and halfway
+            full, inc = both(db, tenant, sets=SETS)
+            assert inc == full
     with db.connect() as conn:
         answered = incremental.answered(conn, [(tenant, u) for u in USERS], AS_OF)
     event(f"keys answered by buckets: {len(answered)}/3")
+    event(f"users with pending deltas: {pending_users(db, tenant)}/3")
     full, inc = both(db, tenant, sets=SETS)
     assert inc == full
     # And with as_of = now.
     full_now, inc_now = both(db, tenant, as_of=None, sets=SETS)
     assert inc_now == full_now
+    # And once every delta is folded into the buckets.
+    fold_some(db, tenant, len(USERS))
+    assert pending_users(db, tenant) == 0
+    full, inc = both(db, tenant, sets=SETS)
+    assert inc == full
+
+
+def change(db: Engine, tenant: str, ids: list[int], op: tuple[Any, ...]) -> None:
+    """Apply one generated change; ``ids`` are the rows inserted so far."""
+    kind = op[0]
+    if kind == "insert":
+        ids += insert(db, tenant, op[1])
+        return
+    with db.begin() as conn:
+        if kind == "geoip":  # a range changes country, appears or disappears
+            conn.execute(sa.text("DELETE FROM geoip WHERE ip_from = CAST(:f AS inet)"),
+                         {"f": op[1]})
+            if op[2] is not None:
+                conn.execute(sa.text(
+                    "INSERT INTO geoip (ip_from, ip_to, country, city, asn) VALUES "
+                    "(CAST(:f AS inet), CAST(:f AS inet) + 255, :c, 'X', 9)"),
+                    {"f": op[1], "c": op[2]})
+        elif kind == "delete_user":
+            conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t "
+                                 "AND user_id = :u"), {"t": tenant, "u": op[1]})
+        elif kind == "noop_update":
+            conn.execute(sa.text("UPDATE transactions SET status = 'reversed' "
+                                 "WHERE tenant_id = :t AND user_id = :u"),
+                         {"t": tenant, "u": op[1]})
+        elif ids:
+            row = ids[op[1] % len(ids)]
+            if kind == "delete":
+                conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t "
+                                     "AND id = :id"), {"t": tenant, "id": row})
+            else:
+                conn.execute(sa.text(f"UPDATE transactions SET {_UPDATES[kind]} "
+                                     "WHERE tenant_id = :t AND id = :id"),
+                             {"t": tenant, "id": row, "v": op[2]})
+
+
 
 
 # -- the cases the property relies on, pinned ---------------------------------------
@@ -215,23 +260,39 @@ def test_the_window_max_drops_when_the_max_row_leaves_or_is_deleted(db: Engine) 
     later = AS_OF + timedelta(hours=2)
     full, inc = both(db, tenant, (1,), as_of=later)
     assert inc == full and inc[(tenant, "1")]["txn_max"] == 500.0
+    fold_some(db, tenant, 1)
     with db.begin() as conn:
         conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
                      {"t": tenant, "id": big})
-        bucket_max = conn.execute(sa.text(
-            "SELECT amount_max FROM txn_buckets WHERE tenant_id = :t AND day = :d"),
-            {"t": tenant, "d": day.date()}).scalar_one()
-    assert bucket_max == Decimal("20.00")
+    # Pending, the removal sends that day's max to the source rows; the bucket still
+    # holds 500.
+    assert bucket_max(db, tenant, day) == Decimal("500.00")
     full, inc = both(db, tenant, (1,), as_of=later)
     assert inc == full and inc[(tenant, "1")]["txn_max"] == 20.0
+    fold_some(db, tenant, 1)
+    assert bucket_max(db, tenant, day) == Decimal("20.00")
+    full, inc = both(db, tenant, (1,), as_of=later)
+    assert inc == full and inc[(tenant, "1")]["txn_max"] == 20.0
+
+
+def bucket_max(engine: Engine, tenant: str, day: datetime) -> Decimal:
+    with engine.connect() as conn:
+        return Decimal(conn.execute(sa.text(
+            "SELECT amount_max FROM txn_buckets WHERE tenant_id = :t AND day = :d"),
+            {"t": tenant, "d": day.date()}).scalar_one())
 
 
 def test_a_moved_row_leaves_one_users_buckets_for_the_others(db: Engine) -> None:
     tenant = new_tenant()
     (row,) = insert(db, tenant, [(1, AS_OF - timedelta(days=1), "42.00", "m9", "d9")])
+    fold_some(db, tenant, 1)
     with db.begin() as conn:
         conn.execute(sa.text("UPDATE transactions SET user_id = 2 WHERE tenant_id = :t "
                              "AND id = :id"), {"t": tenant, "id": row})
+    full, inc = both(db, tenant, (1, 2))  # the move pending: -1 for user 1, +1 for 2
+    assert inc == full
+    fold_some(db, tenant, 2)
+    with db.begin() as conn:
         left = conn.execute(sa.text(
             "SELECT count(*) FROM txn_buckets WHERE tenant_id = :t AND user_id = 1"),
             {"t": tenant}).scalar_one()
@@ -269,7 +330,8 @@ def test_build_resumes_after_an_interrupted_batch_and_truncate_empties(
             conn.execute(sa.text("TRUNCATE transactions"))
             left = conn.execute(sa.text(
                 "SELECT (SELECT count(*) FROM txn_buckets) + (SELECT count(*) FROM "
-                "txn_bucket_members) + (SELECT count(*) FROM txn_bucket_latest)")).scalar_one()
+                "txn_bucket_members) + (SELECT count(*) FROM txn_bucket_latest) "
+                "+ (SELECT count(*) FROM txn_bucket_deltas)")).scalar_one()
         assert left == 0
         insert(engine, tenant, [(1, AS_OF - timedelta(days=1), "5.00", "m1", None)])
         full, inc = both(engine, tenant, (1,))
@@ -282,7 +344,8 @@ def test_build_resumes_after_an_interrupted_batch_and_truncate_empties(
 def test_reconcile_finds_and_repairs_drift(db: Engine) -> None:
     tenant = new_tenant()
     insert(db, tenant, [(u, AS_OF - timedelta(days=u), "10.00", "m1", "d1") for u in USERS])
-    with db.begin() as conn:  # drift no trigger would make
+    fold_some(db, tenant, len(USERS))
+    with db.begin() as conn:  # drift no fold would make
         conn.execute(sa.text("UPDATE txn_buckets SET amount_max = 999 WHERE tenant_id = :t "
                              "AND user_id = 2"), {"t": tenant})
     report = reconcile(db, [(tenant, str(u)) for u in USERS], as_of=AS_OF)
@@ -303,14 +366,16 @@ def test_a_feature_set_without_an_incremental_query_refuses_that_path() -> None:
 
 
 @pytest.mark.parametrize("first", ["delete", "insert"])
-def test_concurrent_writers_of_one_member_keep_its_latest_day_exact(db: Engine,
+def test_concurrent_writers_of_one_member_do_not_wait_and_stay_exact(db: Engine,
                                                                     first: str) -> None:
-    """A delete of a member's latest row races an insert of the same member on another
-    day, under READ COMMITTED: the second writer waits on the member's latest-day row
-    and then sees the first's commit, so the buckets' latest-day marks stay exact."""
+    """A delete of a member's latest row and an insert of the same member on another
+    day, both open at once under READ COMMITTED: the triggers only append deltas, so
+    the second writer does not wait for the first (a 10 s statement_timeout is its
+    deadline), and both paths agree before and after the fold."""
     tenant = new_tenant()
     days = [AS_OF - timedelta(days=d) for d in (9, 6, 3)]
     _, _, newest = insert(db, tenant, [(1, day, "10.00", "m1", "d1") for day in days])
+    fold_some(db, tenant, 1)
     statements = {
         "delete": ("DELETE FROM transactions WHERE tenant_id = :t AND id = :id",
                    {"t": tenant, "id": newest}),
@@ -319,35 +384,62 @@ def test_concurrent_writers_of_one_member_keep_its_latest_day_exact(db: Engine,
                    {"t": tenant, "at": AS_OF - timedelta(days=1)}),
     }
     second = "insert" if first == "delete" else "delete"
-    holder = db.connect()
-    tx = holder.begin()
-    holder.execute(sa.text(statements[first][0]), statements[first][1])
-    pid = holder.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
-    errors: list[BaseException] = []
-
-    def run_second() -> None:
-        try:
-            with db.begin() as conn:
-                conn.execute(sa.text(statements[second][0]), statements[second][1])
-        except BaseException as exc:  # reported by the assertion below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run_second)
-    thread.start()
-    try:
-        with db.connect() as watcher:
-            assert wait_until(lambda: watcher.execute(sa.text(
-                "SELECT count(*) FROM pg_stat_activity WHERE :pid = ANY("
-                "pg_blocking_pids(pid))"), {"pid": pid}).scalar_one() == 1, timeout=60)
-    finally:
+    with db.connect() as holder, db.connect() as other:
+        tx = holder.begin()
+        holder.execute(sa.text(statements[first][0]), statements[first][1])
+        with other.begin():
+            other.execute(sa.text("SET LOCAL statement_timeout = '10s'"))
+            other.execute(sa.text(statements[second][0]), statements[second][1])
+        full, inc = both(db, tenant, (1,))  # the second's change alone
+        assert inc == full
         tx.commit()
-        holder.close()
-        thread.join(60)
-    assert not errors
+    full, inc = both(db, tenant, (1,))
+    assert inc == full
+    fold_some(db, tenant, 1)
     full, inc = both(db, tenant, (1,))
     assert inc == full
     assert inc[(tenant, "1")]["distinct_merchants"] == 1
     assert compare(db, [(tenant, "1")], as_of=AS_OF) == []
+
+
+def test_a_fold_takes_only_committed_deltas(db: Engine) -> None:
+    """A fold runs beside an open writer: it folds what is committed, the writer's
+    deltas stay in the log, and every snapshot on the way gives the full path's values."""
+    tenant = new_tenant()
+    insert(db, tenant, [(1, AS_OF - timedelta(days=d), "10.00", f"m{d}", "d1")
+                        for d in (2, 4)])
+    with db.connect() as holder:
+        tx = holder.begin()
+        holder.execute(sa.text(
+            "DELETE FROM transactions WHERE tenant_id = :t AND merchant_id = 'm2'"),
+            {"t": tenant})
+        holder.execute(sa.text(
+            "INSERT INTO transactions (tenant_id, user_id, created_at, amount, merchant_id) "
+            "VALUES (:t, 1, :at, 70, 'm7')"), {"t": tenant, "at": AS_OF - timedelta(days=1)})
+        assert incremental.fold(db, max_users=1_000_000) >= 1
+        assert pending_users(db, tenant) == 0  # the open writer's deltas are not visible
+        full, inc = both(db, tenant, (1,))
+        assert inc == full and inc[(tenant, "1")]["txn_count"] == 2
+        tx.commit()
+    assert pending_users(db, tenant) == 1
+    full, inc = both(db, tenant, (1,))
+    assert inc == full and inc[(tenant, "1")]["distinct_merchants"] == 2
+    fold_some(db, tenant, 1)
+    full, inc = both(db, tenant, (1,))
+    assert inc == full and inc[(tenant, "1")]["txn_max"] == 70.0
+
+
+def test_a_fold_that_cannot_take_the_lock_returns_at_once(db: Engine) -> None:
+    tenant = new_tenant()
+    insert(db, tenant, [(1, AS_OF - timedelta(days=1), "1.00", "m1", None)])
+    with db.connect() as holder:
+        tx = holder.begin()
+        holder.execute(sa.text("SELECT freshline_bucket_lock()"))  # as a fold holds it
+        assert incremental.fold(db, wait=False) is None
+        assert pending_users(db, tenant) == 1
+        tx.rollback()
+    assert incremental.fold(db, max_users=1_000_000, wait=False) >= 1
+    assert pending_users(db, tenant) == 0
 
 
 def test_geo_counts_a_country_once_across_the_edge_day_and_later_days(db: Engine) -> None:
@@ -363,3 +455,44 @@ def test_geo_counts_a_country_once_across_the_edge_day_and_later_days(db: Engine
     assert inc == full
     assert inc[("geo", tenant, "1")]["distinct_countries_30d"] == 2
     assert answered_by_buckets(db, tenant, 1)
+
+
+def test_a_geoip_change_refolds_a_removed_rows_pending_delta(db: Engine) -> None:
+    """A folded row from a range is deleted (its -1 delta pending), then the range
+    changes country: the delta must not be folded later under the new country."""
+    reset_geoip(db)
+    tenant = new_tenant()
+    (row,) = insert(db, tenant, [(1, AS_OF - timedelta(days=2), "1.00", "m1", None,
+                                  "11.0.0.5")])  # US
+    insert(db, tenant, [(1, AS_OF - timedelta(days=1), "1.00", "m1", None, "11.0.1.7")])  # GB
+    fold_some(db, tenant, 1)
+    with db.begin() as conn:
+        conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
+                     {"t": tenant, "id": row})
+    try:
+        with db.begin() as conn:
+            conn.execute(sa.text("UPDATE geoip SET country = 'FR' WHERE ip_from = '11.0.0.0'"))
+        full, inc = both(db, tenant, (1,), sets=SETS)
+        assert inc == full and inc[("geo", tenant, "1")]["distinct_countries_30d"] == 1
+        fold_some(db, tenant, 1)
+        full, inc = both(db, tenant, (1,), sets=SETS)
+        assert inc == full and inc[("geo", tenant, "1")]["distinct_countries_30d"] == 1
+    finally:
+        reset_geoip(db)
+
+
+def test_freshline_buckets_fold_and_status(db: Engine) -> None:
+    tenant = new_tenant()
+    insert(db, tenant, [(u, AS_OF - timedelta(days=1), "1.00", "m1", None) for u in USERS])
+    env = {**os.environ, "FRESHLINE_POSTGRES_URL": db.url.render_as_string(hide_password=False)}
+
+    def run(*args: str) -> str:
+        r = subprocess.run([FRESHLINE, "buckets", *args], capture_output=True, text=True,
+                           timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        return r.stdout + r.stderr  # results on stdout, progress on stderr
+
+    assert "pending   " in run("status") and pending_users(db, tenant) == len(USERS)
+    assert "folded the deltas of" in run("fold", "--users", "2")
+    assert pending_users(db, tenant) == 0
+    assert "pending   0 deltas of 0 users" in run("status")
