@@ -92,9 +92,9 @@ def cluster_redis(cluster_settings: Settings) -> Iterator[redis.Redis]:
 @pytest.fixture(scope="session")
 def engines(cluster_env: dict[str, str],
             cluster_settings: Settings) -> Iterator[tuple[sa.Engine, sa.Engine]]:
-    """The cluster topology's Postgres primary and replica, migrated to 0004 (the
-    schema the feature queries read)."""
-    upgrade(cluster_settings.postgres_url, "0004")
+    """The cluster topology's Postgres primary and replica, migrated to the head (the
+    schema the feature queries read, the bucket delta log included)."""
+    upgrade(cluster_settings.postgres_url)
     primary = sa.create_engine(cluster_settings.postgres_url)
     replica = sa.create_engine(cluster_env["FRESHLINE_POSTGRES_REPLICA_URL"])
     yield primary, replica
