@@ -7,7 +7,9 @@ not added yet) costs a miss at worst, never a wrong answer.
 Two kinds, chosen by size when the index is built:
 
 * ``flat``: up to :data:`FLAT_MAX` vectors, an exact inner-product search
-  (``IndexFlatIP``; 10,000 vectors take about 0.4 ms).
+  (``IndexFlatIP``). It reads every vector on every search: at 10,000 (15 MB) that
+  was slower under load than an IVF search of 100,000 (measured, bench/semantic.py),
+  hence a small bound.
 * ``ivf``: above it, an inverted-file index with 8-bit scalar-quantized vectors
   (``IndexIVFScalarQuantizer``, a quarter of float32's memory): about ``2 sqrt(n)``
   lists (:func:`lists_for`), trained on :data:`TRAIN_PER_LIST` sampled vectors per
@@ -41,7 +43,7 @@ from pipeline.semantic.embed import Vectors
 
 STREAM_RETENTION_MS = 600_000
 """How long a namespace's change stream keeps an event (trimmed by MINID on writes)."""
-FLAT_MAX = 10_000
+FLAT_MAX = 2_000
 NPROBE = 32
 TRAIN_PER_LIST = 40
 MIN_LISTS, MAX_LISTS = 64, 4096
@@ -114,9 +116,11 @@ class NamespaceIndex:
             self.reset()
             return
         quantizer = faiss.IndexFlatIP(self.dim)
+        # Vectors are quantized as they are, not as residuals from their list's
+        # centroid: as accurate here (the exact check re-ranks) and half the build.
         ivf = faiss.IndexIVFScalarQuantizer(quantizer, self.dim, lists,
                                             faiss.ScalarQuantizer.QT_8bit,
-                                            faiss.METRIC_INNER_PRODUCT)
+                                            faiss.METRIC_INNER_PRODUCT, False)
         ivf.cp.niter = TRAIN_ITERATIONS
         ivf.cp.min_points_per_centroid = 1  # the sample is sized on purpose; no warning
         ivf.train(np.ascontiguousarray(sample, dtype=np.float32))
@@ -169,7 +173,8 @@ class NamespaceIndex:
         """Why this index should be rebuilt from Redis, or None.
 
         ``stale``: not synced for half the stream's retention, so events it never read
-        may be trimmed (entries added meanwhile would be missed). ``grown``: past its
+        may be trimmed (entries added meanwhile would be missed); the pool rebuilds it
+        only if they were. ``grown``: past its
         kind's size (``flat_max``, or :data:`GROWTH` times the trained size).
         """
         if not self.ready:

@@ -26,7 +26,9 @@ When builds run
   built in the background, and until it is ready lookups answer a miss. A miss is
   never a wrong answer: the caller asks its model.
 * A ready index that wants a rebuild (:meth:`NamespaceIndex.wants_rebuild`: stale or
-  grown) is rebuilt in the background while it keeps serving.
+  grown) is rebuilt in the background while it keeps serving. A stale one (idle for
+  half the stream's retention) is only rebuilt if the stream has lost events after
+  its position; otherwise the next lookup's read of the stream catches it up.
 
 Builds run one at a time on the cache's background thread, with one OpenMP thread: on
 two shared cores a build never takes both from the lookups.
@@ -53,7 +55,13 @@ from pipeline.core.keys import semantic_entry_key, semantic_ids_key, semantic_lo
 from pipeline.core.types import text
 from pipeline.semantic.embed import Vectors
 from pipeline.semantic.entry import vector_bytes
-from pipeline.semantic.index import FLAT_MAX, TRAIN_PER_LIST, NamespaceIndex, lists_for
+from pipeline.semantic.index import (
+    FLAT_MAX,
+    TRAIN_PER_LIST,
+    NamespaceIndex,
+    lists_for,
+    stream_position,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +105,10 @@ class IndexPool:
         now = time.monotonic()
         idx, pending = self._entry(namespace, now)
         if idx.ready:
-            if not pending and idx.wants_rebuild(now):
+            reason = None if pending else idx.wants_rebuild(now)
+            if reason == "stale" and self._stream_intact(idx):
+                idx.synced_at = now  # idle, but every event since is still in the stream
+            elif reason:
                 self.schedule(namespace)
             return idx
         if pending:
@@ -225,6 +236,14 @@ class IndexPool:
                                                                 flat_max=self.flat_max)
             idx.used_at = now
             return idx, namespace in self._pending
+
+    def _stream_intact(self, idx: NamespaceIndex) -> bool:
+        """Whether the stream still holds every event after the index's position (its
+        oldest event is at or before it, or it has none left at all)."""
+        first: Any = self.redis.xrange(semantic_log_key(idx.namespace), count=1)
+        if not first:
+            return True
+        return stream_position(text(first[0][0])) <= stream_position(idx.stream_id)
 
     def _build_in_background(self, namespace: str) -> None:
         faiss.omp_set_num_threads(1)  # this thread's setting: leave a core to lookups

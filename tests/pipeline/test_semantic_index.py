@@ -21,7 +21,7 @@ import redis
 from pipeline.core.keys import semantic_log_key
 from pipeline.semantic.cache import Scope, SemanticCache
 from pipeline.semantic.entry import entry_id
-from pipeline.semantic.index import NamespaceIndex
+from pipeline.semantic.index import STREAM_RETENTION_MS, NamespaceIndex
 from pipeline.semantic.namespaces import live_namespaces
 from pipeline.semantic.pool import IndexPool
 from tests.conftest import wait_until
@@ -231,3 +231,30 @@ def test_a_namespace_stream_is_read_from_the_index_position(
     idx = worker.pool.get(scope.namespace)
     last: Any = redis_client.xrevrange(semantic_log_key(scope.namespace), count=1)
     assert idx.stream_id == last[0][0].decode()
+
+
+def test_an_idle_index_is_rebuilt_only_if_its_stream_lost_events(
+        redis_client: redis.Redis, caches: list[SemanticCache], scope: Scope) -> None:
+    writer = cache(redis_client, caches)
+    worker = cache(redis_client, caches)
+    vectors = fill(writer, scope, 3)
+    assert answer(worker, scope, "prompt 0-0", vectors[0]) == "response 0"
+    idx = worker.pool.get(scope.namespace)
+    retention_s = STREAM_RETENTION_MS / 1000
+
+    # Idle past half the retention, but the stream still holds all that came since.
+    late = unit(np.random.default_rng(5).normal(size=(2, DIM)))
+    writer.store_many(scope, [("late one", "one")], ZERO, late[:1])
+    idx.synced_at -= retention_s
+    assert answer(worker, scope, "late one", late[0]) == "one"
+    assert worker.pool.builds == 1 and not worker.pool.pending()
+
+    # Idle again, and the stream trimmed past its position: the add is gone from it.
+    writer.store_many(scope, [("late two", "two")], ZERO, late[1:])
+    last: Any = redis_client.xrevrange(semantic_log_key(scope.namespace), count=1)
+    redis_client.xtrim(semantic_log_key(scope.namespace), minid=last[0][0], approximate=False)
+    idx.synced_at -= retention_s
+    worker.pool.get(scope.namespace)
+    assert wait_until(lambda: worker.pool.builds == 2, timeout=30)
+    assert entry_id("late two") in idx.live
+    assert answer(worker, scope, "late two", late[1]) == "two"
