@@ -51,27 +51,9 @@ def redis_client(settings: Settings, url: str | None = None, **kwargs: Any) -> r
         url = _without_login(url)  # redis-py would let the URL's login win
     if settings.redis_cluster:
         options.pop("db", None)
-        cluster = _ClosingCluster.from_url(url, **options)
+        cluster = RedisCluster.from_url(url, **options)
         return cast(redis.Redis, cluster)
     return redis.Redis.from_url(url, **options)
-
-
-class _ClosingCluster(RedisCluster):
-    """redis-py's ``RedisCluster`` whose ``close`` also closes each node's sockets.
-
-    Its own ``close`` closes the node clients, which leave their connection pools
-    open: sockets then linger until garbage collection (one per node that served a
-    ``COMMAND GETKEYS`` or a pipeline), and a long-lived process that rebuilds its
-    client leaks them.
-    """
-
-    def close(self) -> None:
-        manager = getattr(self, "nodes_manager", None)
-        nodes = list(manager.nodes_cache.values()) if manager is not None else []
-        super().close()
-        for node in nodes:
-            if node.redis_connection is not None:
-                node.redis_connection.connection_pool.disconnect()
 
 
 def _without_login(url: str) -> str:
