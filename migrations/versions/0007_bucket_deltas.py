@@ -91,13 +91,31 @@ END
 $fn$;
 """
 
-# -- the fold: revision 0003's statements, applied to the deltas taken from the log ------
+# -- the fold: the deltas taken from the log, applied to the buckets ---------------------
 
 # One fold's changes applied in order; each statement of a VOLATILE function gets a
-# fresh snapshot under READ COMMITTED, so the later ones see the earlier ones. The
-# deltas are collected into arrays and read with unnest(): a generic plan estimates
-# 100 rows (index probes), and a fold of more than BIG_DELTA rows runs each statement
-# through EXECUTE, planned for its real size.
+# fresh snapshot under READ COMMITTED, so the later ones see the earlier ones. Folds
+# run one at a time (the advisory lock), so unlike 0003's triggers they need no row
+# lock per member to order concurrent writers of its latest day. The deltas are
+# collected into arrays (d_*), and their (member, day) counts once more (m_*, with
+# each IP's country looked up once); the statements read them with unnest(): a
+# generic plan estimates 100 rows (index probes), and a fold of more than BIG_DELTA
+# rows runs each statement through EXECUTE, planned for its real size.
+_MEMBER_COUNTS = """
+    SELECT array_agg(tenant_id), array_agg(user_id), array_agg(kind), array_agg(member),
+           array_agg(day), array_agg(w)
+    INTO m_t, m_u, m_k, m_m, m_day, m_w
+    FROM (SELECT tenant_id, user_id, kind, member, day, sum(w)::int AS w FROM (
+              SELECT tenant_id, user_id, 'm' AS kind, merchant_id AS member, {day} AS day, w
+              FROM ({delta}) AS d
+              UNION ALL
+              SELECT tenant_id, user_id, 'd', device_id, {day}, w
+              FROM ({delta}) AS d WHERE device_id IS NOT NULL
+              UNION ALL
+              SELECT tenant_id, user_id, 'c', g.country, {day}, w
+              FROM ({delta}) AS d CROSS JOIN LATERAL ({geo}) AS g) AS e
+          GROUP BY 1, 2, 3, 4, 5 HAVING sum(w) <> 0) AS s;
+"""
 _STEPS = """
     -- 1. bucket sums; max and latest time only grow here (shrinking is step 2)
     INSERT INTO txn_buckets AS b (tenant_id, user_id, day, n, amount_sum, amount_sq,
@@ -126,61 +144,51 @@ _STEPS = """
           FROM ({delta}) AS d WHERE w < 0 GROUP BY 1, 2, 3) AS r
     WHERE b.tenant_id = r.tenant_id AND b.user_id = r.user_id AND b.day = r.day
       AND (r.amount >= b.amount_max OR r.at >= b.last_at);
-    -- 3. member counts per day
+    -- 3. member counts per day; a count that reaches zero goes
     INSERT INTO txn_bucket_members AS m (tenant_id, user_id, kind, member, day, n)
-    SELECT tenant_id, user_id, kind, member, day, sum(w) FROM (
-        SELECT tenant_id, user_id, 'm' AS kind, merchant_id AS member, {day} AS day, w
-        FROM ({delta}) AS d
-        UNION ALL
-        SELECT tenant_id, user_id, 'd', device_id, {day}, w
-        FROM ({delta}) AS d WHERE device_id IS NOT NULL
-        UNION ALL
-        SELECT tenant_id, user_id, 'c', g.country, {day}, w
-        FROM ({delta}) AS d CROSS JOIN LATERAL ({geo}) AS g) AS e
-    GROUP BY 1, 2, 3, 4, 5 HAVING sum(w) <> 0
+    SELECT * FROM unnest(m_t, m_u, m_k, m_m, m_day, m_w)
     ON CONFLICT (tenant_id, user_id, kind, member, day) DO UPDATE SET n = m.n + excluded.n;
-    -- 4. each changed member's latest-day row (created if new), in key order
-    INSERT INTO txn_bucket_latest AS l (tenant_id, user_id, kind, member)
-    SELECT DISTINCT tenant_id, user_id, kind, member FROM ({members}) AS c
-    ORDER BY 1, 2, 3, 4
-    ON CONFLICT (tenant_id, user_id, kind, member) DO UPDATE SET prev = l.latest;
-    DELETE FROM txn_bucket_members AS m USING ({members}) AS c
-    WHERE m.tenant_id = c.tenant_id AND m.user_id = c.user_id AND m.kind = c.kind
-      AND m.member = c.member AND m.day = c.day AND m.n <= 0;
-    -- 5. re-derive each changed member's latest day from its day counts
-    UPDATE txn_bucket_latest AS l SET prev = l.latest,
-        latest = (SELECT max(m.day) FROM txn_bucket_members m
-                  WHERE m.tenant_id = l.tenant_id AND m.user_id = l.user_id
-                    AND m.kind = l.kind AND m.member = l.member AND m.n > 0)
-    FROM (SELECT DISTINCT tenant_id, user_id, kind, member FROM ({members}) AS c) AS c
-    WHERE l.tenant_id = c.tenant_id AND l.user_id = c.user_id AND l.kind = c.kind
-      AND l.member = c.member;
-    -- 6. move each member's "latest here" mark from its old latest day to its new one
+    DELETE FROM txn_bucket_members AS m
+    USING unnest(m_t, m_u, m_k, m_m, m_day) AS c(t, u, k, mb, day)
+    WHERE m.tenant_id = c.t AND m.user_id = c.u AND m.kind = c.k AND m.member = c.mb
+      AND m.day = c.day AND m.n <= 0;
+    -- 4. each changed member's latest day from its day counts, and its "latest here"
+    -- mark moved from the old day's bucket to the new one's
+    WITH c AS (
+        SELECT DISTINCT t, u, k, mb FROM unnest(m_t, m_u, m_k, m_m) AS c(t, u, k, mb)
+    ), x AS (
+        SELECT c.t, c.u, c.k, c.mb, l.latest AS old,
+               (SELECT m.day FROM txn_bucket_members m
+                WHERE m.tenant_id = c.t AND m.user_id = c.u AND m.kind = c.k
+                  AND m.member = c.mb AND m.n > 0
+                ORDER BY m.day DESC LIMIT 1) AS new
+        FROM c LEFT JOIN txn_bucket_latest l
+          ON l.tenant_id = c.t AND l.user_id = c.u AND l.kind = c.k AND l.member = c.mb
+    ), set_latest AS (
+        INSERT INTO txn_bucket_latest AS l (tenant_id, user_id, kind, member, latest)
+        SELECT t, u, k, mb, new FROM x WHERE new IS NOT NULL AND new IS DISTINCT FROM old
+        ON CONFLICT (tenant_id, user_id, kind, member) DO UPDATE SET latest = excluded.latest
+    ), drop_latest AS (
+        DELETE FROM txn_bucket_latest AS l USING x
+        WHERE x.new IS NULL AND l.tenant_id = x.t AND l.user_id = x.u AND l.kind = x.k
+          AND l.member = x.mb
+    )
     UPDATE txn_buckets AS b SET
-        merchants_latest = b.merchants_latest + t.merchants,
-        devices_latest = b.devices_latest + t.devices,
-        countries_latest = b.countries_latest + t.countries
-    FROM (SELECT tenant_id, user_id, day,
-                 coalesce(sum(d) FILTER (WHERE kind = 'm'), 0) AS merchants,
-                 coalesce(sum(d) FILTER (WHERE kind = 'd'), 0) AS devices,
-                 coalesce(sum(d) FILTER (WHERE kind = 'c'), 0) AS countries
-          FROM (SELECT l.tenant_id, l.user_id, l.kind, l.prev AS day, -1 AS d
-                FROM txn_bucket_latest l
-                JOIN (SELECT DISTINCT tenant_id, user_id, kind, member FROM ({members}) AS c) c
-                  USING (tenant_id, user_id, kind, member)
-                WHERE l.prev IS DISTINCT FROM l.latest AND l.prev IS NOT NULL
+        merchants_latest = b.merchants_latest + mv.merchants,
+        devices_latest = b.devices_latest + mv.devices,
+        countries_latest = b.countries_latest + mv.countries
+    FROM (SELECT t, u, day,
+                 coalesce(sum(d) FILTER (WHERE k = 'm'), 0) AS merchants,
+                 coalesce(sum(d) FILTER (WHERE k = 'd'), 0) AS devices,
+                 coalesce(sum(d) FILTER (WHERE k = 'c'), 0) AS countries
+          FROM (SELECT t, u, k, old AS day, -1 AS d FROM x
+                WHERE old IS NOT NULL AND old IS DISTINCT FROM new
                 UNION ALL
-                SELECT l.tenant_id, l.user_id, l.kind, l.latest, 1
-                FROM txn_bucket_latest l
-                JOIN (SELECT DISTINCT tenant_id, user_id, kind, member FROM ({members}) AS c) c
-                  USING (tenant_id, user_id, kind, member)
-                WHERE l.prev IS DISTINCT FROM l.latest AND l.latest IS NOT NULL) AS moves
-          GROUP BY 1, 2, 3) AS t
-    WHERE b.tenant_id = t.tenant_id AND b.user_id = t.user_id AND b.day = t.day;
-    -- 7. rows whose count fell to zero
-    DELETE FROM txn_bucket_latest AS l USING ({members}) AS c
-    WHERE l.tenant_id = c.tenant_id AND l.user_id = c.user_id AND l.kind = c.kind
-      AND l.member = c.member AND l.latest IS NULL;
+                SELECT t, u, k, new, 1 FROM x
+                WHERE new IS NOT NULL AND new IS DISTINCT FROM old) AS moves
+          GROUP BY 1, 2, 3) AS mv
+    WHERE b.tenant_id = mv.t AND b.user_id = mv.u AND b.day = mv.day;
+    -- 5. days whose count fell to zero
     DELETE FROM txn_buckets AS b USING (SELECT DISTINCT tenant_id, user_id, {day} AS day
                                         FROM ({delta}) AS d) AS c
     WHERE b.tenant_id = c.tenant_id AND b.user_id = c.user_id AND b.day = c.day
@@ -189,19 +197,15 @@ _STEPS = """
 
 _UNNEST = ("SELECT * FROM unnest(d_t, d_u, d_at, d_a, d_m, d_d, d_ip, d_w) AS "
            "u(tenant_id, user_id, created_at, amount, merchant_id, device_id, ip, w)")
-_MEMBERS = ("SELECT tenant_id, user_id, 'm' AS kind, merchant_id AS member, {day} AS day "
-            "FROM ({delta}) AS d UNION ALL "
-            "SELECT tenant_id, user_id, 'd', device_id, {day} FROM ({delta}) AS d "
-            "WHERE device_id IS NOT NULL UNION ALL "
-            "SELECT tenant_id, user_id, 'c', g.country, {day} FROM ({delta}) AS d "
-            "CROSS JOIN LATERAL ({geo}) AS g")
-_VARS = ("d_t", "d_u", "d_at", "d_a", "d_m", "d_d", "d_ip", "d_w")
+_VARS = ("d_t", "d_u", "d_at", "d_a", "d_m", "d_d", "d_ip", "d_w",
+         "m_t", "m_u", "m_k", "m_m", "m_day", "m_w")
 
 
 def _both_plans(steps: str) -> str:
-    """Each step twice: as is (a cached generic plan, index probes: right for a few
-    rows) and through EXECUTE with the arrays as parameters (planned for their real
-    sizes: hash joins for the fold of a bulk load)."""
+    """Each statement twice: as is (a cached generic plan, index probes: right for a
+    few rows) and through EXECUTE with the arrays as parameters (planned for their
+    real sizes: hash joins for the fold of a bulk load). A SELECT ... INTO is run as
+    EXECUTE ... INTO."""
     out = []
     for stmt in re.split(r";\s*\n", steps):
         lines = [ln for ln in stmt.splitlines() if ln.strip() and
@@ -209,19 +213,20 @@ def _both_plans(steps: str) -> str:
         if not lines:
             continue
         sql = "\n".join(lines)
-        dynamic = sql
+        into = re.search(r"\n\s*INTO ([^\n]+)\n", sql)
+        dynamic = sql if into is None else sql.replace(into.group(0), "\n")
         for i, var in enumerate(_VARS, 1):
             dynamic = re.sub(rf"\b{var}\b", f"${i}", dynamic)
+        target = "" if into is None else f" INTO {into.group(1)}"
         out.append(f"    IF cardinality(d_t) > {BIG_DELTA} THEN\n"
-                   f"        EXECUTE $q${dynamic}$q$ USING {', '.join(_VARS)};\n"
+                   f"        EXECUTE $q${dynamic}$q${target} USING {', '.join(_VARS)};\n"
                    f"    ELSE\n{sql};\n    END IF;\n")
     return "".join(out)
 
 
 def _fold_functions(schema: str) -> str:
     day = _DAY.format(col="created_at")
-    members = _MEMBERS.format(day=day, delta=_UNNEST, geo=_GEO_OF)
-    steps = _both_plans(_STEPS.replace("{members}", members).replace("{delta}", _UNNEST)
+    steps = _both_plans((_MEMBER_COUNTS + _STEPS).replace("{delta}", _UNNEST)
                         .replace("{day}", day).replace("{geo}", _GEO_OF))
     # Both are SECURITY DEFINER with a fixed search_path, so that the consumer role
     # may fold; the callers hold the lock on transactions and the advisory lock.
@@ -235,6 +240,7 @@ SET plan_cache_mode = force_generic_plan AS $fn$
 DECLARE
     d_t text[]; d_u bigint[]; d_at timestamptz[]; d_a numeric[]; d_m text[]; d_d text[];
     d_ip inet[]; d_w int[];
+    m_t text[]; m_u bigint[]; m_k text[]; m_m text[]; m_day date[]; m_w int[];
 BEGIN
     LOCK TABLE transactions IN ACCESS SHARE MODE;
     PERFORM freshline_bucket_lock();

@@ -126,14 +126,27 @@ _cache_miss_seconds = _children(CACHE_MISS_SECONDS)
 def record_answers(answers: Iterable[Answer]) -> None:
     """Count hits, misses and read-throughs, one counter update per label set."""
     for (fs, source), n in Tally(map(_set_and_source, answers)).items():
-        if source == "local":
-            _hits(fs, "local").inc(n)
-        elif source in ("hit", "waited"):
-            _hits(fs, "redis").inc(n)
-        else:
-            _misses(fs).inc(n)
-            if source in ("computed", "uncached"):
-                _read_throughs(fs).inc(n)
+        _count(fs, source, n)
+
+
+def record_answer(answer: Answer, read_seconds: float) -> None:
+    """One entity's read (a GET): its count, and its latency if it was answered from a
+    cache or computed (not a cache-only miss)."""
+    fs, source = answer["feature_set"], answer["source"]
+    _count(fs, source, 1)
+    if source in ("local", "hit", "computed"):
+        observe_read("feature", fs, answer["hit"], read_seconds)
+
+
+def _count(feature_set: str, source: str, n: int) -> None:
+    if source == "local":
+        _hits(feature_set, "local").inc(n)
+    elif source in ("hit", "waited"):
+        _hits(feature_set, "redis").inc(n)
+    else:
+        _misses(feature_set).inc(n)
+        if source in ("computed", "uncached"):
+            _read_throughs(feature_set).inc(n)
 
 
 def record_predictions(model: str, hits: int, computed: int) -> None:

@@ -186,10 +186,7 @@ async def get_features(request: Request) -> Response:
     if answers is None:
         answers = await run_in_threadpool(svc.reader.read, lookup, mode)
     [answer] = answers
-    if answer["source"] in ("local", "hit", "computed"):
-        after_response(request, metrics.observe_read, "feature", feature_set, answer["hit"],
-                       time.perf_counter() - started)
-    after_response(request, metrics.record_answers, answers)
+    after_response(request, metrics.record_answer, answer, time.perf_counter() - started)
     if answer["values"] is None:
         return error_response(404, "miss",
                               f"{feature_set}/{entity} is not cached (mode=cache-only)")

@@ -191,19 +191,23 @@ _REBUILD = [
     f"""INSERT INTO txn_bucket_latest (tenant_id, user_id, kind, member, latest)
     SELECT tenant_id, user_id, kind, member, max(day) FROM txn_bucket_members
     WHERE (tenant_id, user_id) IN ({_KEYS_OF}) GROUP BY 1, 2, 3, 4""",
+    # Each day with its latest-day marks, in one insert (an update after it would leave
+    # a dead version of every bucket row behind).
     f"""INSERT INTO txn_buckets (tenant_id, user_id, day, n, amount_sum, amount_sq, amount_max,
-                             last_at, merchants_latest, devices_latest)
-    SELECT x.tenant_id, x.user_id, {_DAY}, count(*), sum(x.amount), sum(x.amount * x.amount),
-           max(x.amount), max(x.created_at), 0, 0
-    FROM transactions x WHERE (x.tenant_id, x.user_id) IN ({_KEYS_OF}) GROUP BY 1, 2, 3""",
-    f"""UPDATE txn_buckets b SET merchants_latest = c.m, devices_latest = c.d,
-                             countries_latest = c.c
-    FROM (SELECT tenant_id, user_id, latest AS day,
-                 count(*) FILTER (WHERE kind = 'm') AS m, count(*) FILTER (WHERE kind = 'd') AS d,
-                 count(*) FILTER (WHERE kind = 'c') AS c
-          FROM txn_bucket_latest WHERE (tenant_id, user_id) IN ({_KEYS_OF})
-          GROUP BY 1, 2, 3) c
-    WHERE b.tenant_id = c.tenant_id AND b.user_id = c.user_id AND b.day = c.day""",
+                             last_at, merchants_latest, devices_latest, countries_latest)
+    SELECT g.tenant_id, g.user_id, g.day, g.n, g.s, g.q, g.mx, g.la,
+           coalesce(c.m, 0), coalesce(c.d, 0), coalesce(c.c, 0)
+    FROM (SELECT x.tenant_id, x.user_id, {_DAY} AS day, count(*) AS n, sum(x.amount) AS s,
+                 sum(x.amount * x.amount) AS q, max(x.amount) AS mx, max(x.created_at) AS la
+          FROM transactions x WHERE (x.tenant_id, x.user_id) IN ({_KEYS_OF})
+          GROUP BY 1, 2, 3) g
+    LEFT JOIN (SELECT tenant_id, user_id, latest AS day,
+                      count(*) FILTER (WHERE kind = 'm') AS m,
+                      count(*) FILTER (WHERE kind = 'd') AS d,
+                      count(*) FILTER (WHERE kind = 'c') AS c
+               FROM txn_bucket_latest WHERE (tenant_id, user_id) IN ({_KEYS_OF})
+               GROUP BY 1, 2, 3) c
+      ON c.tenant_id = g.tenant_id AND c.user_id = g.user_id AND c.day = g.day""",
 ]
 _LOCK = sa.text("LOCK TABLE transactions IN SHARE MODE")
 _BUCKET_LOCK = sa.text("SELECT freshline_bucket_lock()")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 from pipeline.core.errors import InvalidId
 from pipeline.core.types import EntityRef, Item
@@ -54,6 +55,23 @@ def validate_id(kind: str, value: object) -> str:
     if problem is not None:
         raise InvalidId(kind, value, problem)
     return str(value)
+
+
+def validate_ids(kind: str, values: Sequence[object]) -> list[str]:
+    """:func:`validate_id` of each value, checked together where it can be.
+
+    Ids that are all non-empty ASCII alphanumeric strings of at most 64 characters
+    pass in a few C-level calls over the lot (their concatenation is alphanumeric
+    exactly when each is); any other list is checked id by id, for the exact error.
+    """
+    if values and set(map(type, values)) == {str}:
+        texts = cast(Sequence[str], values)
+        joined = "".join(texts)
+        lengths = list(map(len, texts))
+        if (joined.isascii() and joined.isalnum() and min(lengths) >= 1
+                and max(lengths) <= MAX_ID_LENGTH):
+            return list(texts)
+    return [validate_id(kind, v) for v in values]
 
 
 def validate_name(kind: str, value: str) -> str:
@@ -101,7 +119,7 @@ def grid_keys(schema_version: int, tenant: str, feature_sets: Sequence[str],
     (``entities[0]`` with each feature set, then ``entities[1]``...), each id validated once."""
     tenant = validate_id("tenant", tenant)
     heads = [f"{FEATURE_PREFIX}:{schema_version}:{fs}:{{{tenant}:" for fs in feature_sets]
-    ids = [validate_id("entity", e) for e in entities]
+    ids = validate_ids("entity", entities)
     if len(heads) == 1:
         [head] = heads
         return [f"{head}{e}}}" for e in ids]

@@ -13,8 +13,8 @@ What it records, for the oracle:
 * ``touched``: every ``(tenant, user)`` whose features a change can alter (for a device
   or a geoip range, every user of it, found in the change's own transaction);
 * ``produced``: the (topic, partition, offset) of every domain event it produced;
-* ``cdc_expected``: per table, how many CDC records its SQL must yield (an insert or an
-  update one per row, a delete two: the delete and its tombstone).
+* ``cdc_expected``: per table, how many CDC records its committed SQL must yield (an
+  insert or an update one per row, a delete two: the delete and its tombstone).
 
 ``random.Random(seed)`` draws every choice in order, so a seed replays the same
 sequence of changes over the same seeded data. Progress is a count of committed
@@ -116,6 +116,9 @@ class Workload:
         """Per (feature set, tenant, entity): the last change that could alter it (index,
         kind, commit time in ms)."""
         self._pending: set[Ref] = set()
+        self._cdc_pending: Counter[str] = Counter()
+        """What the change being attempted must yield; counted once it commits, since
+        an attempt that Postgres aborts (a restart) yields nothing."""
         self.cdc_expected: Counter[str] = Counter()
         self.report = WorkloadReport()
         self.error: BaseException | None = None
@@ -255,6 +258,7 @@ class Workload:
         deadline = time.monotonic() + DB_RETRY_S
         while True:
             self._pending = set()
+            self._cdc_pending = Counter()
             try:
                 with self.engine.begin() as conn:
                     events = getattr(self, f"_{kind}")(conn, user, other, pick, value)
@@ -264,6 +268,7 @@ class Workload:
                 if time.monotonic() > deadline:
                     raise
                 self._stop.wait(0.2)  # polling Postgres while it restarts
+        self.cdc_expected.update(self._cdc_pending)
         committed_ms = time.time_ns() // 1_000_000
         for tenant, entity in self._pending:
             for fs in AFFECTS[kind]:
@@ -309,7 +314,7 @@ class Workload:
                RETURNING id"""),
             {"t": self.tenant, "u": user, "amount": round(10 + value * 490, 2),
              "m": f"m{int(pick * 20000)}"}).scalar_one()
-        self.cdc_expected["transactions"] += 1
+        self._cdc_pending["transactions"] += 1
         self._touch(user)
         return [(TRANSACTION_CREATED, {"user_id": user, "transaction_id": int(txn)})]
 
@@ -322,7 +327,7 @@ class Workload:
             "UPDATE transactions SET amount = :a, updated_at = now() "
             "WHERE tenant_id = :t AND id = :id"),
             {"a": round(1 + value * 999, 2), "t": self.tenant, "id": txn})
-        self.cdc_expected["transactions"] += 1
+        self._cdc_pending["transactions"] += 1
         self._touch(user)
         return [(TRANSACTION_UPDATED, {"user_id": user, "transaction_id": txn})]
 
@@ -333,7 +338,7 @@ class Workload:
             return []
         conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
                      {"t": self.tenant, "id": txn})
-        self.cdc_expected["transactions"] += 2  # the delete and its tombstone
+        self._cdc_pending["transactions"] += 2  # the delete and its tombstone
         self._touch(user)
         return [(TRANSACTION_UPDATED, {"user_id": user, "transaction_id": txn})]
 
@@ -345,7 +350,7 @@ class Workload:
         conn.execute(sa.text(
             "UPDATE transactions SET user_id = :o, updated_at = now() "
             "WHERE tenant_id = :t AND id = :id"), {"o": other, "t": self.tenant, "id": txn})
-        self.cdc_expected["transactions"] += 1
+        self._cdc_pending["transactions"] += 1
         self._touch(user, other)
         # As the README asks: once with the old user, once with the new.
         return [(TRANSACTION_UPDATED, {"user_id": user, "transaction_id": txn}),
@@ -362,7 +367,7 @@ class Workload:
         conn.execute(sa.text(
             "UPDATE devices SET risk_score = :r WHERE tenant_id = :t AND id = :d"),
             {"r": round(value, 4), "t": self.tenant, "d": device})
-        self.cdc_expected["devices"] += 1
+        self._cdc_pending["devices"] += 1
         self._touch(*self._device_users(conn, device))
         return [(DEVICE_UPDATED, {"device_id": device})]
 
@@ -373,7 +378,7 @@ class Workload:
             "INSERT INTO user_devices (tenant_id, user_id, device_id) VALUES (:t, :u, :d) "
             "ON CONFLICT DO NOTHING"), {"t": self.tenant, "u": user, "d": device}).rowcount
         if added:
-            self.cdc_expected["user_devices"] += added
+            self._cdc_pending["user_devices"] += added
             self._touch(user, *self._device_users(conn, device))
         return []
 
@@ -389,7 +394,7 @@ class Workload:
         conn.execute(sa.text(
             "DELETE FROM user_devices WHERE tenant_id = :t AND user_id = :u AND device_id = :d"),
             {"t": self.tenant, "u": user, "d": device})
-        self.cdc_expected["user_devices"] += 2
+        self._cdc_pending["user_devices"] += 2
         self._touch(*sharing)
         return []
 
@@ -407,7 +412,7 @@ class Workload:
         conn.execute(sa.text(
             "UPDATE geoip SET country = :c, city = :city WHERE ip_from = CAST(:f AS inet)"),
             {"c": country, "city": cities[int(value * len(cities))], "f": row[0]})
-        self.cdc_expected["geoip"] += 1
+        self._cdc_pending["geoip"] += 1
         self._touch(*(int(u) for (u,) in conn.execute(sa.text(
             "SELECT DISTINCT user_id FROM transactions WHERE tenant_id = :t "
             "AND ip BETWEEN CAST(:f AS inet) AND CAST(:to AS inet)"),

@@ -496,3 +496,41 @@ def test_freshline_buckets_fold_and_status(db: Engine) -> None:
     assert "folded the deltas of" in run("fold", "--users", "2")
     assert pending_users(db, tenant) == 0
     assert "pending   0 deltas of 0 users" in run("status")
+
+
+def test_a_fold_of_more_than_big_delta_rows_is_exact(db: Engine) -> None:
+    """Above 1,000 deltas a fold's statements are planned for their size (EXECUTE):
+    the same values either way, for additions and for removals."""
+    reset_geoip(db)
+    tenant = new_tenant()
+    rows = [(1 + i % 3, AS_OF - timedelta(hours=i % 2000), f"{1 + i % 997}.{i % 100:02d}",
+             f"m{i % 37}", f"d{i % 5}" if i % 4 else None, IPS[i % len(IPS)])
+            for i in range(1500)]
+    ids = insert(db, tenant, rows)
+    fold_some(db, tenant, len(USERS))
+    full, inc = both(db, tenant, sets=SETS)
+    assert inc == full and inc[(("txn_90d", tenant, "1"))]["txn_count"] > 0
+    with db.begin() as conn:
+        conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = ANY(:ids)"),
+                     {"t": tenant, "ids": ids[:1200]})
+    fold_some(db, tenant, len(USERS))
+    full, inc = both(db, tenant, sets=SETS)
+    assert inc == full
+
+
+def test_a_member_that_leaves_and_comes_back_is_counted_once(db: Engine) -> None:
+    """m1's only row is deleted and folded (its latest day must go with it), then m1
+    appears on a later day: the day it left keeps m2's mark, and both count."""
+    tenant = new_tenant()
+    day, later = AS_OF - timedelta(days=5), AS_OF - timedelta(days=2)
+    first, _ = insert(db, tenant, [(1, day, "1.00", "m1", "d1"), (1, day, "2.00", "m2", "d1")])
+    fold_some(db, tenant, 1)
+    with db.begin() as conn:
+        conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
+                     {"t": tenant, "id": first})
+    fold_some(db, tenant, 1)
+    insert(db, tenant, [(1, later, "3.00", "m1", "d2")])
+    for _ in range(2):  # pending, then folded
+        full, inc = both(db, tenant, (1,))
+        assert inc == full and inc[(tenant, "1")]["distinct_merchants"] == 2
+        fold_some(db, tenant, 1)

@@ -15,7 +15,7 @@ from sqlalchemy.engine import Engine
 from pipeline.api import create_app
 from pipeline.api.app import async_twin
 from pipeline.api.auth import create_api_key
-from pipeline.api.reader import Answer, FeatureReader, Lookup, parse_entity
+from pipeline.api.reader import Answer, FeatureReader, Lookup, parse_entities, parse_entity
 from pipeline.cache.hot import HotReads
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.cache.recompute import compute
@@ -29,7 +29,7 @@ from pipeline.core.codec import (
 )
 from pipeline.core.errors import CorruptEntry, InvalidId, SchemaVersionMismatch
 from pipeline.core.features import REGISTRY
-from pipeline.core.keys import feature_key, feature_keys, grid_keys, hot_key
+from pipeline.core.keys import feature_key, feature_keys, grid_keys, hot_key, validate_ids
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.dev.seed import SeedSummary
@@ -286,3 +286,31 @@ def test_a_redis_outage_on_the_async_path_is_a_503_and_it_recovers(
         assert wait_until(lambda: api.get("/v1/features/geo/4?mode=cache-only")
                           .status_code == 404, timeout=10)
     client.close()
+
+
+@pytest.mark.parametrize("ids", [["1", "2", "10", "0", "9" * 18], ["7"]])
+def test_parse_entities_takes_canonical_ids_together(ids: list[str]) -> None:
+    assert parse_entities(ids) == ids == [parse_entity(i) for i in ids]
+    assert validate_ids("entity", ids) == ids
+
+
+@pytest.mark.parametrize("bad", ["007", "1,2", "", "1" + "0" * 18, "\u00b2", "-1", "1.0", "a",
+                                 "00", "10 ", "\uff11"])
+def test_parse_entities_refuses_what_parse_entity_refuses(bad: str) -> None:
+    for ids in ([bad], ["1", bad], [bad, "12"], ["3", bad, "40"]):
+        with pytest.raises(InvalidId):
+            parse_entities(ids)
+
+
+def test_parse_entities_takes_json_numbers_as_integers() -> None:
+    assert parse_entities([7, 7.0, "8"]) == ["7", "7", "8"]
+    with pytest.raises(InvalidId):
+        parse_entities([7.5])
+
+
+@pytest.mark.parametrize("bad", ["a:b", "", "x" * 65, "a b", "a}", "\u00e9", 5.0, None])
+def test_validate_ids_refuses_what_validate_id_refuses(bad: object) -> None:
+    for ids in ([bad], ["a1", bad], [bad, "b2"]):
+        with pytest.raises(InvalidId):
+            validate_ids("entity", ids)
+    assert validate_ids("entity", ["a.b", "c-d", "E_9", 12]) == ["a.b", "c-d", "E_9", "12"]
