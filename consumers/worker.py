@@ -8,11 +8,12 @@ Each iteration (:meth:`Worker._iteration`):
 3. apply the events as one batch (:class:`consumers.processor.Processor`): Redis
    writes, then invalidations on the Redis channel and handed to the producer;
 4. flush the producer (dead letters and invalidations acknowledged by the broker);
-5. commit the offsets after the batch, for partitions still assigned;
-6. every ``bucket_fold_interval_ms``, fold pending bucket deltas of up to
-   ``FOLD_USERS`` users into the buckets (upkeep of the incremental path, after the
-   commit so it never holds a batch back; a fold already running elsewhere is not
-   waited for).
+5. commit the offsets after the batch, for partitions still assigned.
+
+Beside the loop, a thread folds pending bucket deltas into the buckets every
+``bucket_fold_interval_ms`` (upkeep of the incremental path; see
+:mod:`pipeline.cache.incremental`), on a connection of its own, so a fold never holds
+a batch back; a fold already running in another consumer is not waited for.
 
 A crash anywhere before step 5 replays the batch; conditional writes make that
 harmless. A transient failure (Postgres or Redis down, a change not yet visible) pauses
@@ -132,7 +133,9 @@ class Worker:
         self.closed_cleanly = True
         self._revoked: set[tuple[str, int]] = set()
         self._lag_due = 0.0
-        self._fold_due = 0.0
+        self._folding = threading.Event()
+        self._folder = threading.Thread(target=self._fold_deltas, name="bucket-fold",
+                                        daemon=True)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -150,6 +153,8 @@ class Worker:
             self._check_policy(at_start=True)
             self.consumer.subscribe(self.topics, on_assign=self._on_assign,
                                     on_revoke=self._on_revoke, on_lost=self._on_revoke)
+            if self.settings.bucket_fold_interval_ms:
+                self._folder.start()
             while not self._stop.is_set():
                 if self._iteration():
                     idle_since = time.monotonic()
@@ -170,6 +175,9 @@ class Worker:
         :meth:`consumers.kafka.Consumer.close`); the process should then exit with
         ``os._exit``, since the interpreter's own teardown would wait on it again.
         """
+        self._folding.set()
+        if self._folder.is_alive():
+            self._folder.join(CLOSE_TIMEOUT_S)
         try:
             self.producer.close(timeout=CLOSE_TIMEOUT_S)
         finally:
@@ -184,7 +192,6 @@ class Worker:
                                          timeout=self.settings.batch_max_wait_ms / 1000)
         if not messages:
             self._report_lag()
-            self._fold_deltas()
             return 0
         self._revoked.clear()
         events: list[tuple[Message, ChangeEvent]] = []
@@ -210,7 +217,6 @@ class Worker:
         self.totals.batches += 1
         self.metrics.batch_size.observe(len(messages))
         self._report_lag()
-        self._fold_deltas()
         return len(messages)
 
     def _apply_with_retry(self, events: list[tuple[Message, ChangeEvent]]) -> None:
@@ -403,28 +409,27 @@ class Worker:
     # -- bucket upkeep ---------------------------------------------------------
 
     def _fold_deltas(self) -> None:
-        """Fold pending bucket deltas when due; again at once while a backlog remains.
+        """The fold thread: fold at once, then every interval until the worker closes;
+        while a fold takes a full ``FOLD_USERS``, the next follows without a pause.
 
         Upkeep, like the lag: the values the incremental path returns are exact either
         way (it reads pending deltas too), so a failure is logged and tried again at
         the next interval. A role without EXECUTE on the fold stops trying.
         """
         interval = self.settings.bucket_fold_interval_ms / 1000
-        now = time.monotonic()
-        if not interval or now < self._fold_due:
-            return
-        self._fold_due = now + interval
-        try:
-            folded = incremental.fold(self.engine, max_users=FOLD_USERS, wait=False)
-        except sa.exc.ProgrammingError as exc:
-            self._fold_due = float("inf")
-            logger.error("cannot fold bucket deltas (%s); grant this role EXECUTE on "
-                         "freshline_fold_bucket_deltas, or run freshline buckets fold "
-                         "--follow", exc.orig)
-            return
-        except sa.exc.SQLAlchemyError as exc:
-            logger.warning("bucket deltas not folded: %s; trying again in %.1fs",
-                           exc, interval)
-            return
-        if folded == FOLD_USERS:
-            self._fold_due = now  # more pending: the next iteration folds again
+        while True:
+            try:
+                while incremental.fold(self.engine, max_users=FOLD_USERS,
+                                       wait=False) == FOLD_USERS:
+                    if self._folding.is_set():
+                        return
+            except sa.exc.ProgrammingError as exc:
+                logger.error("cannot fold bucket deltas (%s); grant this role EXECUTE on "
+                             "freshline_fold_bucket_deltas, or run freshline buckets fold "
+                             "--follow", exc.orig)
+                return
+            except sa.exc.SQLAlchemyError as exc:
+                logger.warning("bucket deltas not folded: %s; trying again in %.1fs",
+                               exc, interval)
+            if self._folding.wait(interval):
+                return

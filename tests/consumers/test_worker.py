@@ -92,8 +92,8 @@ def test_a_change_and_its_event_yield_the_recomputed_entry(
 
 def test_the_worker_folds_pending_bucket_deltas_between_batches(env: Env,
                                                                 engine: Engine) -> None:
-    """The triggers append bucket deltas; a consumer folds them into the buckets on its
-    interval, here on its first idle iteration, with nothing consumed."""
+    """The triggers append bucket deltas; a consumer's fold thread folds them into the
+    buckets when it starts and then every interval, with nothing consumed."""
     with engine.begin() as conn:
         conn.execute(sa.text(
             "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, created_at) "

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
+import httpx
 import pytest
 import redis
 import redis.asyncio
@@ -35,6 +37,7 @@ from pipeline.core.types import EntityRef
 from pipeline.dev.seed import SeedSummary
 from tests.conftest import fresh_version, wait_until
 from tests.pipeline.test_api import running
+from tests.pipeline.test_subscriptions import Forwarder, address, login
 
 
 @pytest.fixture(scope="module")
@@ -314,3 +317,37 @@ def test_validate_ids_refuses_what_validate_id_refuses(bad: object) -> None:
         with pytest.raises(InvalidId):
             validate_ids("entity", ids)
     assert validate_ids("entity", ["a.b", "c-d", "E_9", 12]) == ["a.b", "c-d", "E_9", "12"]
+
+
+def test_a_redis_that_stops_answering_is_a_503_and_the_next_read_is_clean(
+        settings: Settings, engine: Engine, redis_client: redis.Redis, tenant: str) -> None:
+    """The asyncio reads carry no socket timeout of their own: the reader's timer
+    (the sync client's ``socket_timeout``) bounds them, and the connection it cancels
+    is dropped, so no late reply answers the next request."""
+    host, port, db = address(redis_client)
+    FeatureStore(redis_client, settings.schema_version).write(
+        compute(engine, REGISTRY["geo"], [(tenant, "4"), (tenant, "5")]))
+    with Forwarder(host, port) as hole:
+        client = redis.Redis(host="127.0.0.1", port=hole.port, db=db, socket_connect_timeout=2,
+                             socket_timeout=0.5, **login(redis_client))
+        app = create_app(settings.model_copy(update={"local_cache_size": 0}), engine=engine,
+                         redis_client=client, follow_deploys=False)
+        assert app.state.services.reader.timeout_s == 0.5
+        with running(app, create_api_key(engine, tenant)) as api, \
+                ThreadPoolExecutor(1) as pool:
+            def get(entity: str) -> httpx.Response:
+                # A deadline on the test, not a timing claim: a hung read fails it.
+                return pool.submit(api.get, f"/v1/features/geo/{entity}?mode=cache-only"
+                                   ).result(timeout=60)
+
+            assert get("4").json()["entity"] == "4"
+            hole.cut()  # every connection goes silent; nothing is closed
+            try:
+                down = get("4")
+            finally:
+                hole.heal()  # a read still waiting (a broken timer) is then answered
+            assert down.status_code == 503, down.text
+            assert wait_until(lambda: get("5").status_code == 200, timeout=10)
+            assert get("5").json()["entity"] == "5"  # its own answer, not a late one
+            assert get("4").json()["entity"] == "4"
+        client.close()
