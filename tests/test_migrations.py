@@ -109,3 +109,43 @@ def test_0007_keeps_the_buckets_of_a_database_at_0006_and_folds_them_on_the_way_
     finally:
         engine.dispose()
         drop_database(base_settings, name)
+
+
+def test_0008_indexes_the_delta_log_by_user_id_and_folds_in_that_order(
+        base_settings: Settings) -> None:
+    """A database that ran 0007 (index on tenant and user) gets the user-id index, and
+    its fold function takes users by id; downgrading puts 0007's back. The fold runs."""
+    from pipeline.cache import incremental
+
+    name = "freshline_migrations_0008_test"
+    url = recreate_database(base_settings, name)
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+
+    def index_columns() -> list[str]:
+        (index,) = [ix for ix in sa.inspect(engine).get_indexes("txn_bucket_deltas")
+                    if ix["name"] == "txn_bucket_deltas_user"]
+        return list(index["column_names"])
+
+    def fold_source() -> str:
+        with engine.connect() as conn:
+            return str(conn.execute(sa.text(
+                "SELECT prosrc FROM pg_proc WHERE proname = 'freshline_fold_bucket_deltas'"
+            )).scalar_one())
+
+    try:
+        migrations.upgrade(url, "0007")
+        assert index_columns() == ["tenant_id", "user_id"]
+        migrations.upgrade(url, "0008")
+        assert index_columns() == ["user_id"]
+        assert "ORDER BY user_id, tenant_id" in fold_source()
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id) "
+                "VALUES ('t1', 2, 10, 'm1'), ('t0', 3, 10, 'm1'), ('t1', 1, 10, 'm1')"))
+        assert incremental.fold_all(engine) == 3
+        migrations.downgrade(url, "0007")
+        assert index_columns() == ["tenant_id", "user_id"]
+        assert "ORDER BY 1, 2" in fold_source()
+    finally:
+        engine.dispose()
+        drop_database(base_settings, name)

@@ -15,26 +15,15 @@ Revision ID: 0006
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import sqlalchemy as sa
 from alembic import op
+
+from migrations import revision_module
 
 revision = "0006"
 down_revision = "0005"
 branch_labels = None
 depends_on = None
-
-
-def _revision_0003() -> ModuleType:
-    path = Path(__file__).with_name("0003_txn_buckets.py")
-    spec = importlib.util.spec_from_file_location("freshline_migration_0003", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _outdated() -> bool:
@@ -46,7 +35,7 @@ def _outdated() -> bool:
 
 def upgrade() -> None:
     if _outdated():
-        first = _revision_0003()
+        first = revision_module("0003_txn_buckets.py")
         first.downgrade()
         first.upgrade()
 

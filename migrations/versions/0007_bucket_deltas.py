@@ -11,9 +11,9 @@ of the log and applies them to the buckets with 0003's statements, in one transa
 the feature queries read the buckets plus the deltas not yet folded
 (:mod:`pipeline.cache.incremental` argues why that is exact in every snapshot).
 
-* ``txn_bucket_deltas``: the changed rows not yet folded, indexed by user id.
+* ``txn_bucket_deltas``: the changed rows not yet folded, indexed by user.
 * ``freshline_fold_bucket_deltas(max_users, wait)``: folds every pending delta of up to
-  ``max_users`` users (by user id) and returns how many users it folded; NULL when
+  ``max_users`` users (in key order) and returns how many users it folded; NULL when
   ``wait`` is false and another fold holds the lock. SECURITY DEFINER, executable by
   ``freshline_consumer``: the consumers fold between batches. It can only move deltas
   into the buckets, which changes no value any query returns.
@@ -31,12 +31,11 @@ Revision ID: 0007
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
-from types import ModuleType
 
 from alembic import op
+
+from migrations import revision_module
 
 revision = "0007"
 down_revision = "0006"
@@ -261,7 +260,23 @@ BEGIN
     END IF;
 {steps}END
 $fn$;
-CREATE FUNCTION freshline_fold_bucket_deltas(max_users integer, wait boolean DEFAULT true)
+{_fold_deltas(schema)}
+REVOKE EXECUTE ON FUNCTION freshline_fold_bucket_users(text[], bigint[]) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION freshline_fold_bucket_deltas(integer, boolean) FROM PUBLIC;
+DO $$ BEGIN
+    IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'freshline_consumer') THEN
+        GRANT EXECUTE ON FUNCTION freshline_fold_bucket_deltas(integer, boolean)
+            TO freshline_consumer;
+    END IF;
+END $$;
+"""
+
+
+def _fold_deltas(schema: str, order: str = "1, 2", create: str = "CREATE") -> str:
+    """``freshline_fold_bucket_deltas``: folds the pending deltas of up to ``max_users``
+    users, taken in ``order`` (revision 0008 takes them by user id, its index's order)."""
+    return f"""{create} FUNCTION freshline_fold_bucket_deltas(
+    max_users integer, wait boolean DEFAULT true)
 RETURNS integer LANGUAGE plpgsql SECURITY DEFINER SET search_path = {schema}, pg_temp AS $fn$
 DECLARE
     k_t text[]; k_u bigint[];
@@ -277,7 +292,7 @@ BEGIN
     END IF;
     SELECT array_agg(tenant_id), array_agg(user_id) INTO k_t, k_u FROM (
         SELECT tenant_id, user_id FROM txn_bucket_deltas
-        GROUP BY user_id, tenant_id ORDER BY user_id, tenant_id LIMIT max_users) AS s;
+        GROUP BY {order} ORDER BY {order} LIMIT max_users) AS s;
     IF k_t IS NULL THEN
         RETURN 0;
     END IF;
@@ -285,14 +300,6 @@ BEGIN
     RETURN cardinality(k_t);
 END
 $fn$;
-REVOKE EXECUTE ON FUNCTION freshline_fold_bucket_users(text[], bigint[]) FROM PUBLIC;
-REVOKE EXECUTE ON FUNCTION freshline_fold_bucket_deltas(integer, boolean) FROM PUBLIC;
-DO $$ BEGIN
-    IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'freshline_consumer') THEN
-        GRANT EXECUTE ON FUNCTION freshline_fold_bucket_deltas(integer, boolean)
-            TO freshline_consumer;
-    END IF;
-END $$;
 """
 
 
@@ -356,24 +363,13 @@ def upgrade() -> None:
             ip          inet,
             w           smallint NOT NULL
         );
-        -- user_id alone: an index that also held tenant_id (text) cost a COPY about
-        -- 20% more; a user's few pending rows are filtered by tenant after it.
-        CREATE INDEX txn_bucket_deltas_user ON txn_bucket_deltas (user_id);
+        CREATE INDEX txn_bucket_deltas_user ON txn_bucket_deltas (tenant_id, user_id);
     """)
     op.execute(_fold_functions(_schema()))
     op.execute(_append_functions())
     op.execute(_TRUNCATE)
     op.execute("".join(_GEOIP.format(op=name, ranges=q) for name, q in _GEOIP_RANGES.items()))
     op.execute(_GEOIP_TRUNCATE)
-
-
-def _revision_0003() -> ModuleType:
-    path = Path(__file__).with_name("0003_txn_buckets.py")
-    spec = importlib.util.spec_from_file_location("freshline_migration_0003", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def downgrade() -> None:
@@ -384,7 +380,7 @@ def downgrade() -> None:
             END LOOP;
         END $$;
     """)
-    first = _revision_0003()
+    first = revision_module("0003_txn_buckets.py")
     for name in _GEOIP_RANGES:
         op.execute(f"DROP TRIGGER geoip_buckets_{name} ON geoip")
         op.execute(f"DROP FUNCTION freshline_geoip_buckets_{name}()")
