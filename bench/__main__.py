@@ -177,6 +177,10 @@ def render(doc: dict[str, Any], sections: dict[str, str]) -> str:
         f"{m['cpu_model']}, Linux {m['kernel']}; load average at start "
         f"{m['loadavg_at_start']}",
         "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+        *(["- a run with `--only` replaces only its own sections and keeps the others: each "
+           "section names the run that measured it"]
+          if any(r.get("measured", {}).get("command") != doc["command"]
+                 for r in doc["results"].values()) else []),
         "",
         "The machine is shared with other work, so absolute times are noisy: each figure "
         "is read against a reference measured in the same run, interleaved round by "
@@ -192,28 +196,67 @@ def render(doc: dict[str, Any], sections: dict[str, str]) -> str:
         lines += ["## Targets at a glance", "",
                   common.table(["benchmark", "target", "this run", "goal", "unit", ""], summary),
                   ""]
-    for _name, text in sections.items():
-        lines += [text.rstrip(), ""]
+    for name, text in sections.items():
+        lines += [_with_provenance(text, doc["results"].get(name, {})).rstrip(), ""]
     return "\n".join(lines)
+
+
+def _with_provenance(section: str, result: dict[str, Any]) -> str:
+    """``section`` with a line under its heading naming the run that measured it."""
+    measured = result.get("measured")
+    if not measured or "\n" not in section:
+        return section
+    head, rest = section.split("\n", 1)
+    load = f"; load {measured['load']}" if measured.get("load") is not None else ""
+    return (f"{head}\n\n*Measured {measured['date']} at `{measured['commit']}` by "
+            f"`{measured['command']}`{load}.*\n{rest}")
+
+
+_STALE = "**not rendered**: its results predate the current format"
+
+
+def _section(name: str, result: dict[str, Any]) -> str:
+    """The RESULTS.md section of a stored result; a result an older version of the
+    benchmark wrote is named, with the command that measures it again."""
+    if "error" in result:
+        return f"## {name}\n\n**failed**: `{result['error'][:300]}`\n"
+    try:
+        return str(importlib.import_module(f"bench.{name}").markdown(result))
+    except (KeyError, TypeError, IndexError) as exc:
+        return (f"## {name}\n\n{_STALE} (`{type(exc).__name__}: {exc}`); re-run "
+                f"`python -m bench --only {name}`.\n")
+
+
+def _measured(argv: list[str]) -> dict[str, Any]:
+    """When, at which commit, by which command and under what load a result was taken:
+    a run with --only keeps the other benchmarks' results, each with its own."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": _git_commit(), "command": _command(argv),
+            "load": round(load[0], 2) if load else None}
+
+
+def _kept_results(path: Path, replaced: set[str]) -> dict[str, Any]:
+    """The full-mode results already in ``path`` that this run does not replace, each
+    stamped with the run that measured it (quick results are never kept)."""
+    try:
+        previous = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return {}
+    if previous.get("quick", True):
+        return {}
+    stamp = {"date": previous.get("date"), "commit": previous.get("commit"),
+             "command": previous.get("command"), "load": None}
+    return {name: {"measured": stamp, **result}
+            for name, result in previous.get("results", {}).items()
+            if name in BENCHMARKS and name not in replaced and isinstance(result, dict)}
 
 
 def rerender(out: Path) -> int:
     """RESULTS.md again from ``out/results.json`` (after a change to a ``markdown``)."""
     doc = orjson.loads((out / "results.json").read_bytes())
-    sections = {}
-    stale: list[str] = []
-    for name, result in doc["results"].items():
-        if "error" in result:
-            sections[name] = f"## {name}\n\n**failed**: `{result['error'][:300]}`\n"
-        else:
-            try:
-                sections[name] = importlib.import_module(f"bench.{name}").markdown(result)
-            except (KeyError, TypeError, IndexError) as exc:
-                # Results written by an older version of the benchmark: say so, keep going.
-                stale.append(name)
-                sections[name] = (f"## {name}\n\n**not rendered**: its results predate the "
-                                  f"current format (`{type(exc).__name__}: {exc}`); re-run "
-                                  f"`python -m bench --only {name}`.\n")
+    sections = {name: _section(name, result) for name, result in doc["results"].items()}
+    stale = [name for name, text in sections.items() if _STALE in text]
     (out / "RESULTS.md").write_text(render(doc, sections))
     if stale:
         print(f"bench: results of {', '.join(stale)} predate their current format; re-run "
@@ -258,9 +301,11 @@ def main(argv: list[str] | None = None) -> int:
             module = importlib.import_module(f"bench.{name}")
             print(f"bench: {name} ...", file=sys.stderr, flush=True)
             t0 = time.monotonic()
+            measured = _measured(args_list)
             try:
                 result = module.run(args.quick)
                 result["elapsed_s"] = round(time.monotonic() - t0, 1)
+                result["measured"] = measured
                 results[name] = result
                 sections[name] = module.markdown(result)
             except Exception as exc:
@@ -285,6 +330,12 @@ def main(argv: list[str] | None = None) -> int:
         "environment": env,
         "results": results,
     }
+    if args.only and not args.quick:
+        kept = _kept_results(out / "results.json", set(selected))
+        doc["results"] = {name: {**kept, **results}[name] for name in BENCHMARKS
+                          if name in kept or name in results}
+        sections = {name: sections.get(name) or _section(name, result)
+                    for name, result in doc["results"].items()}
     (out / "results.json").write_bytes(
         orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY) + b"\n")
     (out / "RESULTS.md").write_text(render(doc, sections))

@@ -25,3 +25,30 @@ def test_render_only_names_results_older_than_their_benchmark(tmp_path: Path) ->
     assert "## read_path" in text and "re-run `python -m bench --only read_path`" in text
     memory = text.split("## memory")[1].split("\n## ")[0]
     assert memory.strip() and "not rendered" not in memory
+
+
+def test_a_run_with_only_keeps_the_other_results_each_naming_its_run(tmp_path: Path) -> None:
+    from bench.__main__ import _kept_results, _section, render
+
+    doc = orjson.loads((Path(__file__).parents[1] / "bench" / "results.json").read_bytes())
+    doc["results"] = {"memory": doc["results"]["memory"],
+                      "redis_writes": doc["results"]["redis_writes"]}
+    path = tmp_path / "results.json"
+    path.write_bytes(orjson.dumps(doc))
+    kept = _kept_results(path, {"memory"})
+    assert set(kept) == {"redis_writes"}
+    assert kept["redis_writes"]["measured"]["commit"] == doc["commit"]
+
+    now = {**doc, "command": ".venv/bin/python -m bench --only memory",
+           "results": {"memory": {**doc["results"]["memory"], "measured": {
+               "date": "D", "commit": "C", "command": "X --only memory", "load": 1.5}},
+               **kept}}
+    text = render(now, {name: _section(name, r) for name, r in now["results"].items()})
+    memory = text.split("## memory")[1].split("\n## ")[0]
+    writes = text.split("## redis_writes")[1].split("\n## ")[0]
+    assert "*Measured D at `C` by `X --only memory`; load 1.5.*" in memory
+    assert f"at `{doc['commit']}`" in writes and "replaces only its own sections" in text
+
+    quick = {**doc, "quick": True}
+    path.write_bytes(orjson.dumps(quick))
+    assert _kept_results(path, {"memory"}) == {}  # smoke results are never kept
