@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Literal, TypedDict, cast, overload
+from typing import TYPE_CHECKING, Literal, TypedDict, cast
 
 import redis
 
@@ -28,7 +28,7 @@ from pipeline.core.clock import now_ms
 from pipeline.core.cluster import amget
 from pipeline.core.errors import InvalidId
 from pipeline.core.keys import validate_id
-from pipeline.core.types import EntityRef, Entry, FeatureValues
+from pipeline.core.types import EntityRef, Entry, FeatureValues, LazyRefs
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -96,7 +96,7 @@ def answer(feature_set: str, entity: str, values: FeatureValues | None,
             "schema_version": schema_version}
 
 
-class Lookup(Sequence[EntityRef]):
+class Lookup(LazyRefs):
     """Every (feature set, entity) pair of one tenant's request, entity-major.
 
     ``lookup[i]`` is ``EntityRef(feature_sets[i % k], tenant, entities[i // k])`` for
@@ -114,15 +114,8 @@ class Lookup(Sequence[EntityRef]):
     def __len__(self) -> int:
         return len(self.feature_sets) * len(self.entities)
 
-    @overload
-    def __getitem__(self, i: int) -> EntityRef: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[EntityRef]: ...
-    def __getitem__(self, i: int | slice) -> EntityRef | list[EntityRef]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        k = len(self.feature_sets)
-        e, f = divmod(i if i >= 0 else i + len(self), k)
+    def _ref(self, i: int) -> EntityRef:
+        e, f = divmod(i, len(self.feature_sets))
         return EntityRef(self.feature_sets[f], self.tenant, self.entities[e])
 
     def __iter__(self) -> Iterator[EntityRef]:

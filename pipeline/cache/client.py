@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, overload
+from typing import TYPE_CHECKING, NamedTuple
 
 import redis
 
 from pipeline.cache.store import FeatureStore
 from pipeline.core.codec import parse_watermark
 from pipeline.core.features import REGISTRY, Registry
-from pipeline.core.types import EntityRef, Entry, FeatureValues, Item
+from pipeline.core.types import EntityRef, Entry, FeatureValues, Item, LazyRefs
 
 if TYPE_CHECKING:
     from pipeline.cache.hot import HotReads
@@ -42,7 +42,7 @@ class Features(NamedTuple):
     watermark: int
 
 
-class _Refs(Sequence[EntityRef]):
+class _Refs(LazyRefs):
     """Items seen as refs, each built only when asked for (hot-read sampling reads a few)."""
 
     __slots__ = ("items",)
@@ -53,13 +53,7 @@ class _Refs(Sequence[EntityRef]):
     def __len__(self) -> int:
         return len(self.items)
 
-    @overload
-    def __getitem__(self, i: int) -> EntityRef: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[EntityRef]: ...
-    def __getitem__(self, i: int | slice) -> EntityRef | list[EntityRef]:
-        if isinstance(i, slice):
-            return [EntityRef(*item) for item in self.items[i]]
+    def _ref(self, i: int) -> EntityRef:
         return EntityRef(*self.items[i])
 
 

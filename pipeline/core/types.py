@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 Watermark = int
 """A monotonic measure of source state: a Postgres WAL LSN as an integer.
@@ -31,6 +31,29 @@ class EntityRef:
 
 Item = tuple[FeatureSetName, TenantId, EntityId]
 """An :class:`EntityRef`'s parts as a plain tuple, for reads that need no object per entity."""
+
+
+class LazyRefs(Sequence[EntityRef]):
+    """A sequence of refs, each built only when asked for: the read from Redis needs
+    none, and hot-read sampling reads a few. Subclasses give ``len`` and ``_ref(i)``
+    for ``0 <= i < len``; indexing, negative indices and slices are done here."""
+
+    __slots__ = ()
+
+    def _ref(self, i: int) -> EntityRef:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> EntityRef: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[EntityRef]: ...
+    def __getitem__(self, i: int | slice) -> EntityRef | list[EntityRef]:
+        n = len(self)
+        if isinstance(i, slice):
+            return [self._ref(j) for j in range(*i.indices(n))]
+        if not -n <= i < n:
+            raise IndexError(i)
+        return self._ref(i if i >= 0 else i + n)
 
 
 @dataclass(frozen=True, slots=True)

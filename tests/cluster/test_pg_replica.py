@@ -5,7 +5,9 @@ watermark (``-m cluster``)."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -35,26 +37,42 @@ def add_transaction(engine: sa.Engine, tenant: str, amount: float) -> None:
                              "merchant_id) VALUES (:t, 1, :a, 'm1')"), {"t": tenant, "a": amount})
 
 
-def test_a_lagging_replica_serves_but_never_stores(
-        engines: tuple[sa.Engine, sa.Engine], cluster_redis: redis.Redis) -> None:
-    primary, replica = engines
+def one_transaction_replicated(primary: sa.Engine, replica: sa.Engine, client: redis.Redis,
+                               ) -> tuple[str, FeatureStore, EntityRef]:
+    """A new tenant whose user 1 has one transaction, replayed on the replica; a store
+    under a version no other test uses, and the user's ``txn_90d`` ref."""
     tenant = f"rep-{uuid.uuid4().hex[:10]}"
     with primary.begin() as conn:
         conn.execute(sa.text("INSERT INTO tenants (id, name) VALUES (:t, :t)"), {"t": tenant})
         conn.execute(sa.text("INSERT INTO users (tenant_id, id) VALUES (:t, 1)"), {"t": tenant})
     add_transaction(primary, tenant, 10)
     assert wait_until(lambda: count(replica, tenant) == 1, 30)
+    store = FeatureStore(client, 900_000 + uuid.uuid4().int % 90_000)
+    return tenant, store, EntityRef("txn_90d", tenant, "1")
 
-    version = 900_000 + uuid.uuid4().int % 90_000
-    store = FeatureStore(cluster_redis, version)
-    ref = EntityRef("txn_90d", tenant, "1")
-    on_replica = ReadThrough(store, replica, early_refresh=False)
-    assert on_replica.standby and not ReadThrough(store, primary).standby
 
+@contextlib.contextmanager
+def replay_paused(replica: sa.Engine) -> Iterator[None]:
+    """WAL replay paused on the replica for the block, resumed after it however it ends."""
     with replica.connect() as conn:
         conn.execute(sa.text("SELECT pg_wal_replay_pause()"))
         conn.commit()
     try:
+        yield
+    finally:
+        with replica.connect() as conn:
+            conn.execute(sa.text("SELECT pg_wal_replay_resume()"))
+            conn.commit()
+
+
+def test_a_lagging_replica_serves_but_never_stores(
+        engines: tuple[sa.Engine, sa.Engine], cluster_redis: redis.Redis) -> None:
+    primary, replica = engines
+    tenant, store, ref = one_transaction_replicated(primary, replica, cluster_redis)
+    on_replica = ReadThrough(store, replica, early_refresh=False)
+    assert on_replica.standby and not ReadThrough(store, primary).standby
+
+    with replay_paused(replica):
         add_transaction(primary, tenant, 90)  # the replica does not see this one
         # The consumer's part: the change invalidates the entity (a tombstone).
         store.invalidate([ref], compute(primary, TXN, [(tenant, "1")]).watermark)
@@ -65,41 +83,21 @@ def test_a_lagging_replica_serves_but_never_stores(
         fresh = ReadThrough(store, primary, early_refresh=False).get(ref)
         assert fresh.values["txn_count"] == 2 and fresh.source == "computed"
         assert on_replica.get(ref).values["txn_count"] == 2  # now a hit
-    finally:
-        with replica.connect() as conn:
-            conn.execute(sa.text("SELECT pg_wal_replay_resume()"))
-            conn.commit()
     assert wait_until(lambda: count(replica, tenant) == 2, 30)
 
 
 def test_a_replica_that_has_caught_up_stores_under_the_primarys_watermark(
         engines: tuple[sa.Engine, sa.Engine], cluster_redis: redis.Redis) -> None:
     primary, replica = engines
-    tenant = f"rep-{uuid.uuid4().hex[:10]}"
-    with primary.begin() as conn:
-        conn.execute(sa.text("INSERT INTO tenants (id, name) VALUES (:t, :t)"), {"t": tenant})
-        conn.execute(sa.text("INSERT INTO users (tenant_id, id) VALUES (:t, 1)"), {"t": tenant})
-    add_transaction(primary, tenant, 10)
-    assert wait_until(lambda: count(replica, tenant) == 1, 30)
-
-    version = 900_000 + uuid.uuid4().int % 90_000
-    store = FeatureStore(cluster_redis, version)
-    ref = EntityRef("txn_90d", tenant, "1")
+    tenant, store, ref = one_transaction_replicated(primary, replica, cluster_redis)
     gated = ReadThrough(store, replica, early_refresh=False, primary=primary)
 
-    with replica.connect() as conn:
-        conn.execute(sa.text("SELECT pg_wal_replay_pause()"))
-        conn.commit()
-    try:
+    with replay_paused(replica):
         add_transaction(primary, tenant, 90)  # past the replica's replay position
         lagging = gated.get(ref)
         assert lagging.values["txn_count"] == 1 and lagging.source == "uncached"
         assert gated.counters.lagging == 1
         assert store.read([ref]) == [None]  # the gate kept the lagging result out
-    finally:
-        with replica.connect() as conn:
-            conn.execute(sa.text("SELECT pg_wal_replay_resume()"))
-            conn.commit()
     assert wait_until(lambda: count(replica, tenant) == 2, 30)
 
     before = current_watermark(primary)

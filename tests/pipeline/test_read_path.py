@@ -79,6 +79,11 @@ def test_grid_keys_are_the_lookups_feature_keys_in_order() -> None:
         feature_key(7, ref) for ref in lookup]
     assert [lookup[i] for i in range(len(lookup))] == list(lookup)
     assert lookup[-1] == EntityRef("geo", "acme", "Z_9") and lookup[1:3] == list(lookup)[1:3]
+    with pytest.raises(IndexError):
+        lookup[len(lookup)]
+    with pytest.raises(IndexError):
+        lookup[-len(lookup) - 1]
+    assert lookup[-len(lookup)] == lookup[0] and lookup[::-2] == list(lookup)[::-2]
 
 
 @pytest.mark.parametrize("bad", ["ac:me", "", "a" * 65, "*"])
