@@ -328,13 +328,20 @@ def fold(db: Engine | Connection, *, max_users: int = 1000, wait: bool = True) -
     With ``wait=False`` it returns None at once when another fold, a build batch or a
     TRUNCATE holds the buckets, instead of queueing behind it. With a Connection, the
     fold is part of the caller's transaction.
+
+    With an Engine the fold is one statement in autocommit: Postgres commits it, and
+    lets go of the fold lock, before the reply leaves. In an explicit transaction the
+    lock would be held across a round trip to the client, and a consumer whose link to
+    Postgres went silent there (a partition that closes nothing) would hold it until
+    the session died, with every ``geoip`` write and every other fold waiting on it.
     """
     params = {"n": max_users, "wait": wait}
     if isinstance(db, Connection):
         n = db.execute(_FOLD, params).scalar_one()
     else:
         try:
-            with db.begin() as conn:
+            with db.connect() as conn:
+                conn.execution_options(isolation_level="AUTOCOMMIT")
                 n = conn.execute(_FOLD, params).scalar_one()
         except sa.exc.OperationalError as exc:
             if wait or getattr(exc.orig, "sqlstate", None) != "55P03":

@@ -89,6 +89,24 @@ api_keys = sa.Table(
 )
 
 
+IDLE_IN_TRANSACTION_S = 60
+"""Postgres ends a freshline session left idle inside a transaction this long: none of
+ours idles there for more than a round trip to Redis, and a process stopped or cut off
+mid-transaction must not hold its snapshot and locks for good."""
+
+
+def _connect_args() -> dict[str, object]:
+    return {
+        "connect_timeout": 3,
+        "application_name": "freshline",
+        "options": f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S * 1000}",
+        # A peer that vanished without closing (a partition) is found within about
+        # 30 s, where the kernel's defaults take over two hours.
+        "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
+        "keepalives_count": 3, "tcp_user_timeout": 30_000,
+    }
+
+
 def make_engine(settings: Settings, *, pool_size: int = 5, url: str | None = None) -> Engine:
     """An engine on psycopg 3 with a small pool; nothing connects until first use.
 
@@ -99,7 +117,7 @@ def make_engine(settings: Settings, *, pool_size: int = 5, url: str | None = Non
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_pre_ping=True,
-        connect_args={"connect_timeout": 3, "application_name": "freshline"},
+        connect_args=_connect_args(),
     )
 
 

@@ -166,12 +166,16 @@ def _latency_then_partition(run: Run, service: str) -> None:
     ms = run.rng.choice((50, 100, 200, 400))
     toxic = proxy.latency(ms, ms // 4)
     run.note(f"{service}: latency {ms} ms (jitter {ms // 4})")
-    run.workload.wait_for(run.workload.progress + run.span(40, 120))
-    proxy.remove(toxic)
+    try:  # a workload that stalls must not leave the fault in place for the next case
+        run.workload.wait_for(run.workload.progress + run.span(40, 120))
+    finally:
+        proxy.remove(toxic)
     proxy.disable()
     run.note(f"{service}: partitioned (proxy disabled: connections closed, new ones refused)")
-    run.workload.wait_for(run.workload.progress + run.span(40, 120))
-    proxy.enable()
+    try:
+        run.workload.wait_for(run.workload.progress + run.span(40, 120))
+    finally:
+        proxy.enable()
     run.note(f"{service}: partition healed")
 
 
@@ -192,8 +196,10 @@ def _blackhole(run: Run, service: str) -> None:
     run.workload.wait_for(run.at(0.2, 0.4))
     toxic = proxy.timeout(0)
     run.note(f"{service}: black hole (data dropped, connections left open)")
-    run.workload.wait_for(run.workload.progress + run.span(40, 120))
-    proxy.remove(toxic)
+    try:
+        run.workload.wait_for(run.workload.progress + run.span(40, 120))
+    finally:
+        proxy.remove(toxic)
     run.note(f"{service}: black hole removed")
 
 

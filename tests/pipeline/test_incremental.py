@@ -442,6 +442,31 @@ def test_a_fold_that_cannot_take_the_lock_returns_at_once(db: Engine) -> None:
     assert pending_users(db, tenant) == 0
 
 
+def test_a_fold_holds_no_lock_once_postgres_has_answered(db: Engine) -> None:
+    """A consumer cut off from Postgres just after its fold ran (a black hole: no reply
+    arrives, nothing is closed) must not leave the fold lock held, or every geoip write
+    waits on it (found by the postgres-blackhole fault scenario). Checked from another
+    session at the moment the fold's statement has returned: no advisory lock is held."""
+    tenant = new_tenant()
+    insert(db, tenant, [(1, AS_OF - timedelta(days=1), "1.00", "m1", None)])
+    held: list[int] = []
+
+    def after(conn: sa.Connection, cursor: Any, statement: str, *_: Any) -> None:
+        if "freshline_fold_bucket_deltas" in statement:
+            with db.connect() as other:
+                held.append(int(other.execute(sa.text(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                    "AND pid <> pg_backend_pid()")).scalar_one()))
+
+    sa.event.listen(db, "after_cursor_execute", after)
+    try:
+        assert (incremental.fold(db, max_users=1_000_000) or 0) >= 1
+    finally:
+        sa.event.remove(db, "after_cursor_execute", after)
+    assert held == [0]
+    assert pending_users(db, tenant) == 0
+
+
 def test_geo_counts_a_country_once_across_the_edge_day_and_later_days(db: Engine) -> None:
     reset_geoip(db)
     tenant = new_tenant()
