@@ -13,6 +13,7 @@ import math
 import re
 import sys
 import textwrap
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -132,6 +133,11 @@ def summary_lines(report: AuditReport, source: str) -> list[str]:
     return lines
 
 
+class Reference(StrEnum):
+    full = "full"
+    own = "own"
+
+
 def audit(
     sample: Annotated[int | None, typer.Option(
         "--sample", min=1, help="Entries to sample by SCAN from a random cursor "
@@ -155,6 +161,10 @@ def audit(
         "--version", min=1, help="Schema version to audit [default: the keys', or the "
                                  "active one]")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=10000)] = 500,
+    reference: Annotated[Reference, typer.Option(
+        "--reference", help="Recompute with the full, defining query (finds drift in the "
+                            "incremental path's buckets too), or each feature set's own "
+                            "path (cheaper for head entities)")] = Reference.full,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON, not a summary")] = False,
     metrics_port: Annotated[int | None, typer.Option(
         "--metrics-port", min=1, max=65535,
@@ -219,7 +229,8 @@ def audit(
                        description=note or f"audit v{version}")
 
         auditor = Auditor(client, engine, version, rate=rate, batch_size=batch_size,
-                          metrics=audit_metrics(), progress=progress)
+                          metrics=audit_metrics(), progress=progress,
+                          reference=reference.value)
         if keys is not None:
             report = auditor.audit_keys(keys, graces)
             source = f"{len(keys):,} keys from {keys_file}"
@@ -236,8 +247,11 @@ def audit(
             chosen = {"sample": want, "feature_set": feature_set, "tenant": tenant,
                       "duration_s": duration_s}
     engine.dispose()
+    if reference is Reference.own:
+        source += ", each recomputed on its feature set's own path"
     if json_out:
-        typer.echo(json.dumps({"source": chosen, **report.as_json()}, indent=2))
+        typer.echo(json.dumps({"source": chosen, "reference": reference.value,
+                               **report.as_json()}, indent=2))
     else:
         for line in summary_lines(report, source):
             out.print(line, markup=False)

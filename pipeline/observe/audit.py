@@ -182,6 +182,7 @@ class Auditor:
                  batch_size: int = DEFAULT_BATCH, metrics: AuditMetrics | None = None,
                  before_recheck: RecheckHook | None = None,
                  progress: ProgressHook | None = None,
+                 reference: Literal["full", "own"] = "full",
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         if batch_size < 1:
@@ -195,6 +196,10 @@ class Auditor:
         if self.rate is not None:
             self.batch_size = min(batch_size, max(1, math.ceil(self.rate / PACE_SLICES)))
         self.metrics = metrics
+        self.path: Literal["full"] | None = "full" if reference == "full" else None
+        """The recompute path of the reference: the full, defining query by default, so
+        drift in the incremental path's buckets shows as a mismatch; ``own`` uses each
+        feature set's own path (cheaper on heads, blind to bucket drift)."""
         self.before_recheck = before_recheck
         self.progress = progress
         self.clock = clock
@@ -487,7 +492,7 @@ class Auditor:
             # snapshot (after the read), as compute() on the engine would.
             with self.engine.connect() as conn:
                 for name, pairs in present.items():
-                    batches[name] = compute(conn, self.registry[name], pairs)
+                    batches[name] = compute(conn, self.registry[name], pairs, path=self.path)
                 conn.rollback()
         outcomes = [self._compare(ref, key, raw, batches.get(ref.feature_set))
                     for ref, key, raw in zip(refs, keys, raws, strict=True)]

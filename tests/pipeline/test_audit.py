@@ -173,6 +173,30 @@ def test_entries_written_by_the_pipeline_are_consistent(
     assert sampled.checked == 3 * USERS and sampled.consistent and sampled.skipped == 0
 
 
+def test_bucket_drift_is_a_mismatch_against_the_full_reference_only(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    """A consumer on the incremental path writes what drifted buckets say; the audit's
+    default reference, the full query, finds it, and ``own`` (the same buckets) cannot."""
+    refs = materialize(engine, store, tenant)
+    ref = active(store, refs)
+    with engine.begin() as conn:  # drift no fold would make
+        drifted = conn.execute(sa.text(
+            "UPDATE txn_buckets SET amount_max = 99999 WHERE tenant_id = :t AND user_id = :u "
+            "AND day > current_date - 80"), {"t": ref.tenant, "u": int(ref.entity)}).rowcount
+    assert drifted >= 1
+    rewrite_truth(engine, store, ref)  # on txn_90d's own path: the incremental one
+    (entry,) = store.read([ref])
+    assert entry is not None and entry.values["txn_max"] == 99999.0
+    full = auditor(redis_client, engine, version).audit_refs([ref], graces=GRACES)
+    assert not full.consistent
+    (found,) = full.mismatches
+    assert set(found.differing) == {"txn_max"} and found.differing["txn_max"][0] == 99999.0
+    own = auditor(redis_client, engine, version, reference="own").audit_refs([ref],
+                                                                           graces=GRACES)
+    assert own.consistent and own.mismatches == []
+
+
 def test_a_corrupted_entry_is_reported_with_both_values_and_watermarks(
     redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
 ) -> None:
