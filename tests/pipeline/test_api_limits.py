@@ -159,22 +159,46 @@ def test_a_worker_cut_off_from_the_channel_trusts_no_cached_key(
         client.close()
 
 
-def test_keys_are_compared_in_constant_time(engine: Engine,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_keys_are_compared_in_constant_time_and_cached_keys_hash_nothing(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     key = create_tenant(engine, fresh_tenant())
     compared: list[tuple[str, str]] = []
-    real = auth_module.hmac.compare_digest
+    hashed: list[str] = []
+    real_compare, real_hash = auth_module.hmac.compare_digest, auth_module.hash_key
 
-    def spy(a: str, b: str) -> bool:
+    def compare(a: str, b: str) -> bool:
         compared.append((a, b))
-        return real(a, b)
+        return real_compare(a, b)
 
-    monkeypatch.setattr(auth_module.hmac, "compare_digest", spy)
+    def hash_key(k: str) -> str:
+        hashed.append(k)
+        return real_hash(k)
+
+    monkeypatch.setattr(auth_module.hmac, "compare_digest", compare)
+    monkeypatch.setattr(auth_module, "hash_key", hash_key)
     auth = Authenticator(engine)
-    auth.principal(key)  # from Postgres
-    auth.principal(key)  # from the cache
-    digest = auth_module.hash_key(key)
-    assert compared == [(digest, digest), (digest, digest)]
+    principal = auth.principal(key)  # from Postgres: the stored hash, compared
+    assert auth.principal(key) == principal  # from the cache, keyed by the key
+    assert auth.cached(key) == (True, principal)
+    digest = real_hash(key)
+    assert compared == [(digest, digest)]
+    assert hashed == [key] and auth.lookups == 1
+    with pytest.raises(Unauthorized):  # a key one character off is not the cached one
+        auth.principal(key[:-1] + ("A" if key[-1] != "A" else "B"))
+
+
+def test_a_key_that_expires_while_cached_is_refused_as_expired(engine: Engine) -> None:
+    tenant = fresh_tenant()
+    create_tenant(engine, tenant)
+    soon = issue_api_key(engine, tenant, expires_at=datetime.now(UTC) + timedelta(seconds=1))
+    auth = Authenticator(engine, ttl_s=600)
+    principal = auth.principal(soon.key)
+    assert auth.cached(soon.key) == (True, principal)
+    # The cache keeps it for ten minutes, but not past the key's own expiry.
+    assert wait_until(lambda: auth.cached(soon.key) == (False, None), timeout=10)
+    with pytest.raises(Unauthorized) as refused:
+        auth.principal(soon.key)
+    assert refused.value.reason == "expired_key" and refused.value.key_id == soon.key_id
 
 
 def test_expired_keys_are_refused(engine: Engine) -> None:
