@@ -150,6 +150,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
                 hot.close()
             semantic.close()
             stop_timing()
+            metrics.flush()  # what this worker gathered since the last tick
             if versions is not None:
                 versions.close()
             if owned_local and local is not None:
