@@ -15,13 +15,13 @@ the API sends for it (:class:`Answer`): one object per entity, built once.
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Literal, TypedDict, cast
 
 import redis
 
+from pipeline.api.deadlines import Deadlines
 from pipeline.cache.local import LocalTier
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.core.clock import now_ms
@@ -131,8 +131,10 @@ class FeatureReader:
 
     ``aredis`` is the asyncio client :meth:`cached` reads with; the app sets it at
     start-up, on the loop that serves (see :func:`pipeline.api.app.create_app`).
-    Its reads are bounded by ``timeout_s`` (one timer per call: a client-side socket
-    timeout would cost the loop a task per command).
+    Its reads are bounded by ``timeout_s`` (a client-side socket timeout would cost
+    the loop a task per command, ``asyncio.timeout`` a timer per call): one check per
+    loop every tenth of it (:class:`pipeline.api.deadlines.Deadlines`), so a read is
+    cut off within 1.1 times ``timeout_s``.
     """
 
     def __init__(self, readthrough: ReadThrough, local: LocalTier | None = None,
@@ -142,6 +144,7 @@ class FeatureReader:
         self.local = local
         self.aredis = aredis
         self.timeout_s = timeout_s
+        self._deadlines = None if timeout_s is None else Deadlines(tick_s=timeout_s / 10)
 
     @property
     def schema_version(self) -> int:
@@ -191,11 +194,10 @@ class FeatureReader:
 
     async def _mget(self, keys: list[str]) -> list[bytes | None]:
         aredis = self.aredis
-        if self.timeout_s is None:
+        if self.timeout_s is None or self._deadlines is None:
             return await amget(aredis, keys)
         try:
-            async with asyncio.timeout(self.timeout_s):
-                return await amget(aredis, keys)
+            return await self._deadlines.bound(amget(aredis, keys), self.timeout_s)
         except TimeoutError:
             # The cancelled command dropped its connection (redis-py disconnects on
             # any interruption), so no reply is left behind for the next one.
