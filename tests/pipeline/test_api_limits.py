@@ -463,6 +463,43 @@ def test_a_disconnect_mid_body_is_no_error_log_and_no_500(
         thread.join(15)
 
 
+def test_a_body_that_does_not_arrive_in_time_is_a_408(
+        settings: Settings, engine: Engine, redis_client: redis.Redis,
+        tenant_module: str) -> None:
+    import uvicorn
+
+    app = limited_app(settings, engine, redis_client, api_body_timeout_s=0.3)
+    key = create_api_key(engine, tenant_module)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: server.started, timeout=15)
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.settimeout(30)  # a deadline on the test: a missing bound would hang it
+            sock.sendall(b"POST /v1/features/batch HTTP/1.1\r\nHost: x\r\n"
+                         b"Authorization: Bearer " + key.encode() + b"\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                         b'{"feature_sets": ["txn_90d"], "enti')
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), reply[:300]
+        assert json.loads(body)["error"]["code"] == "body_timeout"
+        # The worker still serves: the cut-off request left nothing behind.
+        with running(app, key) as api:
+            assert api.get("/v1/features/txn_90d/1").status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
 # -- the OpenAPI document states the limits (finding 7) ---------------------------------
 
 def _entity_schemas(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
