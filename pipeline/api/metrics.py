@@ -229,6 +229,11 @@ def record_answers(answers: Iterable[Answer]) -> None:
         _count(fs, source, n)
 
 
+def record_hits(feature_set: str, n: int) -> None:
+    """``n`` hits from Redis (a spliced batch: :mod:`pipeline.api.splice`)."""
+    _count(feature_set, "hit", n)
+
+
 def record_answer(answer: Answer, read_seconds: float) -> None:
     """One entity's read (a GET): its count, and its latency if it was answered from a
     cache or computed (not a cache-only miss)."""
