@@ -15,7 +15,7 @@ import redis.asyncio
 from sqlalchemy.engine import Engine
 
 from pipeline.api import create_app
-from pipeline.api.app import async_twin
+from pipeline.api.app import HiredisPacking, async_twin
 from pipeline.api.auth import create_api_key
 from pipeline.api.reader import Answer, FeatureReader, Lookup, parse_entities, parse_entity
 from pipeline.cache.hot import HotReads
@@ -209,6 +209,29 @@ def _cached(reader: FeatureReader, client: redis.Redis, lookup: Lookup,
             reader.aredis = None
 
     return asyncio.run(go())
+
+
+@pytest.mark.parametrize("args", [
+    ("MGET", "feat:1:txn_90d:{t:1}", "feat:1:txn_90d:{t:2}", "floor:1:txn_90d"),
+    ("MGET", *[f"feat:7:geo:{{tenant-a:{i}}}" for i in range(300)]),
+    ("CONFIG GET", "maxmemory"), (b"CLIENT SETNAME", "x"),
+    ("SET", "k", 7), ("SET", "k", 0.1 + 0.2), ("SET", "k", b"\xff\x00"), ("SET", "k", "\u00e9"),
+    ("SET", "k", memoryview(b"v")), ("SET", "k", bytearray(b"v")), ("SET", "k", "v" * 10000),
+])
+def test_the_async_twin_packs_commands_in_c_as_redis_py_would(
+        redis_client: redis.Redis, args: tuple[object, ...]) -> None:
+    twin = async_twin(redis_client)
+    packing = twin.connection_pool.make_connection()
+    assert isinstance(packing, HiredisPacking)
+    plain = redis.asyncio.Connection()
+    assert b"".join(packing.pack_command(*args)) == b"".join(plain.pack_command(*args))
+
+
+def test_the_async_twin_refuses_what_redis_py_refuses(redis_client: redis.Redis) -> None:
+    packing = async_twin(redis_client).connection_pool.make_connection()
+    for bad in (None, True):
+        with pytest.raises(redis.exceptions.DataError):
+            packing.pack_command("SET", "k", bad)
 
 
 def test_the_async_read_answers_as_the_store_does(filled: FeatureStore, engine: Engine,
