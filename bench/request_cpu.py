@@ -93,7 +93,7 @@ async def _measure(apps: dict[str, Asgi], key: str, users: list[int], *, rounds:
         names = list(apps)
         for name in names[r % len(names):] + names[:r % len(names)]:
             app = apps[name]
-            for endpoint in out:
+            for endpoint, by_app in out.items():
                 started = time.process_time()
                 for i in range(calls):
                     if endpoint == "GET":
@@ -108,7 +108,7 @@ async def _measure(apps: dict[str, Asgi], key: str, users: list[int], *, rounds:
                     if status != 200:
                         raise RuntimeError(f"{name} {endpoint} answered {status}")
                 spent = (time.process_time() - started) / calls * 1e6
-                out[endpoint].setdefault(name, []).append(spent)
+                by_app.setdefault(name, []).append(spent)
     return out
 
 
