@@ -22,6 +22,7 @@ from pipeline.cache.hot import HotReads
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
+from pipeline.core.cluster import is_cluster
 from pipeline.core.codec import (
     decode_entry,
     decode_rows,
@@ -225,6 +226,21 @@ def test_the_async_twin_packs_commands_in_c_as_redis_py_would(
     assert isinstance(packing, HiredisPacking)
     plain = redis.asyncio.Connection()
     assert b"".join(packing.pack_command(*args)) == b"".join(plain.pack_command(*args))
+
+
+def test_is_cluster_answers_per_client_class(redis_client: redis.Redis) -> None:
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+    from redis.cluster import RedisCluster
+
+    class OurCluster(RedisCluster):
+        pass
+
+    # Instances made without connecting: is_cluster looks at the class only.
+    clusters = [object.__new__(cls) for cls in (RedisCluster, AsyncRedisCluster, OurCluster)]
+    plain = [redis_client, async_twin(redis_client), redis.Redis(), object()]
+    for _ in range(2):  # the second time from what the first one learnt
+        assert [is_cluster(c) for c in clusters] == [True, True, True]
+        assert [is_cluster(c) for c in plain] == [False, False, False, False]
 
 
 def test_the_async_twin_refuses_what_redis_py_refuses(redis_client: redis.Redis) -> None:
