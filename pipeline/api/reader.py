@@ -10,7 +10,9 @@ On the event loop, :meth:`FeatureReader.cached` answers from the local tier and 
 MGET with the asyncio client (the same keys, floors and decoding as
 :meth:`pipeline.cache.store.FeatureStore.read`); only what needs the database goes to
 the thread pool, through :meth:`FeatureReader.read`. Each answer is the JSON object
-the API sends for it (:class:`Answer`): one object per entity, built once.
+the API sends for it (:class:`Answer`): one object per entity, built once, except in
+:meth:`FeatureReader.cached_batch` for a batch of hits, which answers the whole
+response's bytes, spliced from the stored entries (:mod:`pipeline.api.splice`).
 """
 
 from __future__ import annotations
