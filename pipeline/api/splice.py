@@ -65,13 +65,11 @@ def hits_body(template: bytes, width: int, schema_version: int, entities: Sequen
         return None  # a miss (None), or a client that decodes replies (str)
     entries = cast(Sequence[bytes], raws)
     blob = b",".join(entries)
-    if any(c in blob for c in _NOT_SPLICED):
-        return None
-    # Each entry is 1<watermark>[<version>,<computed_at>,[<v1>,...,<vn>]]: two brackets
-    # each way, so no value is a list.
-    if blob.count(b"[") != 2 * n or blob.count(b"]") != 2 * n:
+    # No string, object or whitespace, and two "[" per entry: no value is a list.
+    if any(c in blob for c in _NOT_SPLICED) or blob.count(b"[") != 2 * n:
         return None
     try:
+        # The checks of decode_rows, on one parse of them all.
         parsed = orjson.loads(b"[" + b",".join([r[HEADER:] for r in entries]) + b"]")
         if (set(map(len, parsed)) != {3} or set(map(_first, parsed)) != {schema_version}
                 or set(map(len, map(_third, parsed))) != {width}):
@@ -81,16 +79,19 @@ def hits_body(template: bytes, width: int, schema_version: int, entities: Sequen
     computed = list(map(_second, parsed))
     if set(map(type, computed)) != {int}:
         return None
-    tokens = blob.replace(b",[", b",").replace(b"]]", b"").split(b",")
+    # Scalars only and no whitespace: each entry's text is exactly
+    # 1<watermark>[<version>,<computed_at>,[<v1>,...,<vn>]], so its n + 2 pieces
+    # between commas are the head, computed_at, "[" v1, v2... and vn "]]".
+    tokens = blob.split(b",")
     step = width + 2
     if len(tokens) != step * n:
         return None
-    heads = tokens[0::step]  # 1<watermark>[<version>
+    heads = tokens[0::step]
     joined = b"".join(heads)
     size = HEADER + 1 + len(str(schema_version))
     if (len(joined) != size * n or joined[0::size] != b"1" * n
             or joined[HEADER::size] != b"[" * n):
-        return None  # a tag other than an entry's (a tombstone, say)
+        return None  # a tag other than an entry's, or a version written otherwise
     if floor is not None:
         if isinstance(floor, str):
             floor = floor.encode()
@@ -105,6 +106,8 @@ def hits_body(template: bytes, width: int, schema_version: int, entities: Sequen
         return None
     ages = [now_ms - c if now_ms > c else 0 for c in computed]
     columns = [tokens[j::step] for j in range(2, step)]
+    columns[0] = [t[1:] for t in columns[0]]  # "[v1"
+    columns[-1] = [t[:-2] for t in columns[-1]]  # "vn]]"
     items = b",".join([template] * n) % tuple(chain.from_iterable(
         zip(id_list, *columns, ages, strict=True)))
     return Spliced(b'{"schema_version":' + orjson.dumps(schema_version) + b',"items":['
