@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import secrets
 import threading
 import time
@@ -252,10 +253,10 @@ def bearer_token(header: str | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _Cached:
-    digest: str
     principal: Principal | None
     refusal: Unauthorized | None
     until: float  # time.monotonic()
+    expires: float  # the key's expiry as time.time(), inf if none
 
 
 class Authenticator:
@@ -263,7 +264,11 @@ class Authenticator:
 
     Known keys are cached for ``ttl_s`` and refused ones for ``negative_ttl_s``, so a
     request costs no database round trip once its key has been seen. The cache holds
-    at most ``max_entries`` hashes (least recently used are dropped).
+    at most ``max_entries`` keys (least recently used are dropped). It is keyed by
+    the presented key itself, so a cached request computes no hash: only Postgres,
+    which holds hashes, needs one (compared there in constant time). The dict's own
+    lookup leaks no timing worth having: a candidate must first match the key's
+    string hash, which is keyed by the process's random seed.
 
     With ``redis_client`` and :meth:`start`, revocations published on
     :data:`APIKEY_CHANNEL` drop the key at once, and the cache is trusted only while
@@ -285,7 +290,7 @@ class Authenticator:
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._lock = threading.Lock()
         self._generation = 0  # bumped by every revocation and outage: see _lookup
-        self._used: dict[str, datetime] = {}
+        self._used: dict[str, float] = {}  # key id -> time.time() of its last use
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
         self._subscription = None if redis_client is None else Subscription(
@@ -336,16 +341,12 @@ class Authenticator:
     def _cached(self, key: str) -> _Cached | None:
         if len(key) > MAX_KEY_LENGTH or not self._trusted():
             return None
-        digest = hash_key(key)
         with self._lock:
-            hit = self._cache.get(digest)
+            hit = self._cache.get(key)
             if hit is None or hit.until < time.monotonic():
                 return None
-            self._cache.move_to_end(digest)
-        if not hmac.compare_digest(hit.digest, digest):
-            return None
-        expires = hit.principal.expires_at if hit.principal else None
-        if expires is not None and expires <= datetime.now(UTC):
+            self._cache.move_to_end(key)
+        if hit.expires <= time.time():
             return None  # expired since cached: look it up, to refuse it with its reason
         return hit
 
@@ -367,11 +368,11 @@ class Authenticator:
         """Drop every cached answer for the key ``key_id``."""
         with self._lock:
             self._generation += 1
-            stale = [d for d, c in self._cache.items()
+            stale = [k for k, c in self._cache.items()
                      if (c.principal and c.principal.key_id == key_id)
                      or (c.refusal and c.refusal.key_id == key_id)]
-            for digest in stale:
-                del self._cache[digest]
+            for key in stale:
+                del self._cache[key]
 
     def clear(self) -> None:
         with self._lock:
@@ -404,13 +405,16 @@ class Authenticator:
         else:
             principal = Principal(row.id, row.tenant_id, row.expires_at)
         ttl = self.ttl_s if principal is not None else self.negative_ttl_s
-        found = _Cached(digest, principal, refusal, time.monotonic() + ttl)
+        expires = (principal.expires_at.timestamp()
+                   if principal is not None and principal.expires_at is not None
+                   else math.inf)
+        found = _Cached(principal, refusal, time.monotonic() + ttl, expires)
         with self._lock:
             # A revocation (or an outage) during the query may predate what it read:
             # answer with it, but cache nothing.
             if generation == self._generation and self._trusted():
-                self._cache[digest] = found
-                self._cache.move_to_end(digest)
+                self._cache[key] = found
+                self._cache.move_to_end(key)
                 while len(self._cache) > self.max_entries:
                     self._cache.popitem(last=False)
         return found
@@ -418,18 +422,19 @@ class Authenticator:
     # -- last use ----------------------------------------------------------------------
 
     def _note_use(self, key_id: str) -> None:
-        self._used[key_id] = datetime.now(UTC)  # one dict store: atomic under the GIL
+        self._used[key_id] = time.time()  # one dict store: atomic under the GIL
 
     def pending_usage(self) -> dict[str, datetime]:
         """Last-use times gathered since the last flush, by key id."""
-        return dict(self._used)
+        return {k: datetime.fromtimestamp(t, UTC) for k, t in list(self._used.items())}
 
     def flush_usage(self) -> int:
         """Write the gathered last-use times in one statement; the number of keys."""
         with self._lock:
-            used, self._used = self._used, {}
-        if not used:
+            taken, self._used = self._used, {}
+        if not taken:
             return 0
+        used = {k: datetime.fromtimestamp(t, UTC) for k, t in taken.items()}
         statement = sa.text(
             "UPDATE api_keys SET last_used_at = u.at "
             "FROM unnest(CAST(:ids AS text[]), CAST(:ats AS timestamptz[])) AS u(id, at) "

@@ -4,11 +4,21 @@ With several worker processes set ``PROMETHEUS_MULTIPROC_DIR`` to an empty direc
 before the workers start (``freshline serve --workers N`` does it for you):
 prometheus_client then keeps each process's values in files there, and ``/metrics``
 sums them across processes.
+
+A feature request's metrics are gathered in the process (:class:`Pending`: a dict
+update each, where a multiprocess counter or bucket update takes a lock and writes a
+file-backed page) and written to prometheus_client every :data:`FLUSH_S` by a
+background thread, and by :func:`process_registry` (every ``/metrics`` scrape and
+status snapshot) for its own process: a scrape sees its own worker's requests at once
+and the other workers' within :data:`FLUSH_S`.
 """
 
 from __future__ import annotations
 
+import bisect
+import logging
 import os
+import threading
 import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
@@ -34,6 +44,8 @@ from pipeline.api.reader import Answer
 from pipeline.cache.recompute import feature_statement
 from pipeline.core.features import Registry
 from pipeline.inference.predictions import Array, Model
+
+log = logging.getLogger(__name__)
 
 BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -114,6 +126,94 @@ def _children(metric: Any) -> Callable[..., Any]:
     return child
 
 
+FLUSH_S = 1.0
+
+
+class Pending:
+    """Counter increments and histogram observations gathered in process, then written
+    to their prometheus_client children in one go by :meth:`flush`.
+
+    One lock guards the tallies (the thread pool records too); a flush swaps them out
+    under it and writes outside it. Flushing adds each counter's total once and each
+    histogram's sum once and its bucket counts once, whatever the number of requests.
+    """
+
+    def __init__(self, interval_s: float = FLUSH_S) -> None:
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._flushing = threading.Lock()  # a flush returns once all it took is written
+        self._counts: dict[Any, float] = {}
+        self._observed: dict[Any, list[float]] = {}  # child -> [sum, count per bucket...]
+        self._thread: threading.Thread | None = None
+
+    def inc(self, child: Any, amount: float = 1) -> None:
+        """``child.inc(amount)``, at the next flush."""
+        with self._lock:
+            counts = self._counts
+            counts[child] = counts.get(child, 0) + amount
+        if self._thread is None:
+            self._start()
+
+    def observe(self, child: Any, value: float) -> None:
+        """``child.observe(value)`` (a histogram's), at the next flush."""
+        bounds = child._upper_bounds
+        with self._lock:
+            tally = self._observed.get(child)
+            if tally is None:
+                tally = self._observed[child] = [0.0] * (len(bounds) + 1)
+            tally[0] += value
+            # prometheus_client counts a value in the first bucket it is <= to.
+            tally[1 + bisect.bisect_left(bounds, value)] += 1
+        if self._thread is None:
+            self._start()
+
+    def flush(self) -> None:
+        """Write what was gathered to prometheus_client (its files, in multiprocess mode).
+
+        Returns once everything gathered before the call is written, also when another
+        thread's flush had taken it.
+        """
+        with self._flushing:
+            with self._lock:
+                counts, self._counts = self._counts, {}
+                observed, self._observed = self._observed, {}
+            for child, amount in counts.items():
+                child.inc(amount)
+            for child, tally in observed.items():
+                # Histogram.observe's own steps (sum, then the bucket), in bulk.
+                child._sum.inc(tally[0])
+                for bucket, n in zip(child._buckets, tally[1:], strict=True):
+                    if n:
+                        bucket.inc(n)
+
+    def _start(self) -> None:
+        """The flushing thread, started by the first figure (in the process it is for)."""
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name="freshline-metrics-flush")
+            self._thread.start()
+
+    def forked(self) -> None:
+        """In a forked child: no thread yet, and the parent's tallies are the parent's."""
+        self._lock, self._flushing = threading.Lock(), threading.Lock()
+        self._counts, self._observed = {}, {}
+        self._thread = None
+
+    def _run(self) -> None:
+        tick = threading.Event()  # never set: a daemon thread (the app flushes at exit)
+        while not tick.wait(self.interval_s):
+            try:
+                self.flush()
+            except Exception:  # a full disk, say: keep the tallies' thread alive
+                log.exception("could not write the API's metrics")
+
+
+PENDING = Pending()
+os.register_at_fork(after_in_child=PENDING.forked)
+flush = PENDING.flush
+
 _set_and_source = itemgetter("feature_set", "source")
 _request_seconds = _children(REQUEST_SECONDS)
 _hits = _children(HITS)
@@ -129,6 +229,11 @@ def record_answers(answers: Iterable[Answer]) -> None:
         _count(fs, source, n)
 
 
+def record_hits(feature_set: str, n: int) -> None:
+    """``n`` hits from Redis (a spliced batch: :mod:`pipeline.api.splice`)."""
+    _count(feature_set, "hit", n)
+
+
 def record_answer(answer: Answer, read_seconds: float) -> None:
     """One entity's read (a GET): its count, and its latency if it was answered from a
     cache or computed (not a cache-only miss)."""
@@ -139,14 +244,15 @@ def record_answer(answer: Answer, read_seconds: float) -> None:
 
 
 def _count(feature_set: str, source: str, n: int) -> None:
+    inc = PENDING.inc
     if source == "local":
-        _hits(feature_set, "local").inc(n)
+        inc(_hits(feature_set, "local"), n)
     elif source in ("hit", "waited"):
-        _hits(feature_set, "redis").inc(n)
+        inc(_hits(feature_set, "redis"), n)
     else:
-        _misses(feature_set).inc(n)
+        inc(_misses(feature_set), n)
         if source in ("computed", "uncached"):
-            _read_throughs(feature_set).inc(n)
+            inc(_read_throughs(feature_set), n)
 
 
 def record_predictions(model: str, hits: int, computed: int) -> None:
@@ -158,16 +264,22 @@ def record_predictions(model: str, hits: int, computed: int) -> None:
 
 def observe(endpoint: str, feature_set: str, status: int, seconds: float) -> None:
     """One request's latency, by endpoint, feature set and status."""
-    _request_seconds(endpoint, feature_set, str(status)).observe(seconds)
+    PENDING.observe(_request_seconds(endpoint, feature_set, str(status)), seconds)
 
 
 def observe_read(cache: str, name: str, hit: bool, seconds: float) -> None:
     """One read's latency, as a cache read (every answer a hit) or a miss path."""
-    (_cache_read_seconds if hit else _cache_miss_seconds)(cache, name).observe(seconds)
+    PENDING.observe((_cache_read_seconds if hit else _cache_miss_seconds)(cache, name),
+                    seconds)
 
 
 def process_registry() -> CollectorRegistry:
-    """The counters of every API process: summed over processes in multiprocess mode."""
+    """The counters of every API process: summed over processes in multiprocess mode.
+
+    This process's pending figures are flushed first; other workers' arrive within
+    :data:`FLUSH_S`.
+    """
+    PENDING.flush()
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         MultiProcessCollector(registry)  # type: ignore[no-untyped-call]

@@ -10,18 +10,21 @@ On the event loop, :meth:`FeatureReader.cached` answers from the local tier and 
 MGET with the asyncio client (the same keys, floors and decoding as
 :meth:`pipeline.cache.store.FeatureStore.read`); only what needs the database goes to
 the thread pool, through :meth:`FeatureReader.read`. Each answer is the JSON object
-the API sends for it (:class:`Answer`): one object per entity, built once.
+the API sends for it (:class:`Answer`): one object per entity, built once, except in
+:meth:`FeatureReader.cached_batch` for a batch of hits, which answers the whole
+response's bytes, spliced from the stored entries (:mod:`pipeline.api.splice`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Literal, TypedDict, cast
 
 import redis
 
+from pipeline.api.deadlines import Deadlines
+from pipeline.api.splice import Spliced, hits_body, item_template
 from pipeline.cache.local import LocalTier
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.core.clock import now_ms
@@ -131,8 +134,10 @@ class FeatureReader:
 
     ``aredis`` is the asyncio client :meth:`cached` reads with; the app sets it at
     start-up, on the loop that serves (see :func:`pipeline.api.app.create_app`).
-    Its reads are bounded by ``timeout_s`` (one timer per call: a client-side socket
-    timeout would cost the loop a task per command).
+    Its reads are bounded by ``timeout_s`` (a client-side socket timeout would cost
+    the loop a task per command, ``asyncio.timeout`` a timer per call): one check per
+    loop every tenth of it (:class:`pipeline.api.deadlines.Deadlines`), so a read is
+    cut off within 1.1 times ``timeout_s``.
     """
 
     def __init__(self, readthrough: ReadThrough, local: LocalTier | None = None,
@@ -142,6 +147,8 @@ class FeatureReader:
         self.local = local
         self.aredis = aredis
         self.timeout_s = timeout_s
+        self._deadlines = None if timeout_s is None else Deadlines(tick_s=timeout_s / 10)
+        self._templates: dict[tuple[str, int], bytes] = {}  # (feature set, version)
 
     @property
     def schema_version(self) -> int:
@@ -191,27 +198,65 @@ class FeatureReader:
 
     async def _mget(self, keys: list[str]) -> list[bytes | None]:
         aredis = self.aredis
-        if self.timeout_s is None:
+        if self.timeout_s is None or self._deadlines is None:
             return await amget(aredis, keys)
         try:
-            async with asyncio.timeout(self.timeout_s):
-                return await amget(aredis, keys)
+            return await self._deadlines.bound(amget(aredis, keys), self.timeout_s)
         except TimeoutError:
             # The cancelled command dropped its connection (redis-py disconnects on
             # any interruption), so no reply is left behind for the next one.
             raise redis.exceptions.TimeoutError(
                 f"Redis did not answer within {self.timeout_s:g} s") from None
 
+    async def cached_batch(self, lookup: Lookup,
+                           mode: Mode = "read-through") -> Spliced | list[Answer] | None:
+        """:meth:`cached` for a batch, which answers one feature set's hits (without the
+        local tier) with the answer's bytes spliced from the stored entries
+        (:mod:`pipeline.api.splice`): the same bytes as encoding :meth:`cached`'s answers."""
+        if self.aredis is None or self.local is not None or len(lookup.feature_sets) != 1:
+            return await self.cached(lookup, mode)
+        target = self._target()
+        store = target.store
+        version = store.schema_version
+        [fs] = lookup.feature_sets
+        raws = await self._mget(store.grid_keys(lookup.tenant, lookup.feature_sets,
+                                                lookup.entities))
+        now = now_ms()
+        template = self._templates.get((fs, version))
+        if template is None:
+            template = self._templates[fs, version] = item_template(
+                fs, store.fields(fs), version)
+        spliced = hits_body(template, len(store.fields(fs)), version, lookup.entities,
+                            raws[:-1], raws[-1], now)
+        result: Spliced | list[Answer] | None = spliced
+        if spliced is None:
+            result = self._answers_from(target, lookup, mode, raws, now)
+        elif mode == "read-through":  # an entry XFetch picks is the thread pool's job
+            horizon = target.refresh_horizon(fs, now)
+            computed = spliced.computed_at_ms
+            if min(computed) <= horizon and any(
+                    c <= horizon and target.draw_refresh(fs, c, now) for c in computed):
+                return None
+        if result is not None and target.hot is not None:
+            target.hot.record(version, lookup)
+        return result
+
     async def _from_redis(self, target: ReadThrough, lookup: Lookup,
                           mode: Mode) -> list[Answer] | None:
         """One MGET for the whole lookup; no entry object, one answer per pair."""
+        raws = await self._mget(target.store.grid_keys(lookup.tenant, lookup.feature_sets,
+                                                       lookup.entities))
+        return self._answers_from(target, lookup, mode, raws, now_ms())
+
+    @staticmethod
+    def _answers_from(target: ReadThrough, lookup: Lookup, mode: Mode,
+                      raws: list[bytes | None], now: int) -> list[Answer] | None:
+        """The answers of the MGET of the lookup's :meth:`FeatureStore.grid_keys`."""
         store = target.store
         version = store.schema_version
         sets, entities = lookup.feature_sets, lookup.entities
         k = len(sets)
-        raws = await self._mget(store.grid_keys(lookup.tenant, sets, entities))
         n = len(raws) - k
-        now = now_ms()
         through = mode == "read-through"
         columns: list[list[Answer]] = []
         for j, fs in enumerate(sets):

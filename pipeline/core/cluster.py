@@ -24,10 +24,21 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 
+_CLUSTER_TYPES: dict[type, bool] = {}
+
 
 def is_cluster(client: object) -> bool:
-    """True for a Redis Cluster client (sync or asyncio)."""
-    return isinstance(client, RedisCluster | AsyncRedisCluster)
+    """True for a Redis Cluster client (sync or asyncio).
+
+    Answered once per client class: redis-py's client classes are typing Protocols'
+    subclasses, whose ``isinstance`` walks the protocol machinery (microseconds on
+    every read that asks).
+    """
+    kind = type(client)
+    known = _CLUSTER_TYPES.get(kind)
+    if known is None:
+        known = _CLUSTER_TYPES[kind] = isinstance(client, RedisCluster | AsyncRedisCluster)
+    return known
 
 
 def mget(client: Any, keys: Sequence[str]) -> list[Any]:

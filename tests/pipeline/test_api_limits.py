@@ -159,22 +159,46 @@ def test_a_worker_cut_off_from_the_channel_trusts_no_cached_key(
         client.close()
 
 
-def test_keys_are_compared_in_constant_time(engine: Engine,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_keys_are_compared_in_constant_time_and_cached_keys_hash_nothing(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     key = create_tenant(engine, fresh_tenant())
     compared: list[tuple[str, str]] = []
-    real = auth_module.hmac.compare_digest
+    hashed: list[str] = []
+    real_compare, real_hash = auth_module.hmac.compare_digest, auth_module.hash_key
 
-    def spy(a: str, b: str) -> bool:
+    def compare(a: str, b: str) -> bool:
         compared.append((a, b))
-        return real(a, b)
+        return real_compare(a, b)
 
-    monkeypatch.setattr(auth_module.hmac, "compare_digest", spy)
+    def hash_key(k: str) -> str:
+        hashed.append(k)
+        return real_hash(k)
+
+    monkeypatch.setattr(auth_module.hmac, "compare_digest", compare)
+    monkeypatch.setattr(auth_module, "hash_key", hash_key)
     auth = Authenticator(engine)
-    auth.principal(key)  # from Postgres
-    auth.principal(key)  # from the cache
-    digest = auth_module.hash_key(key)
-    assert compared == [(digest, digest), (digest, digest)]
+    principal = auth.principal(key)  # from Postgres: the stored hash, compared
+    assert auth.principal(key) == principal  # from the cache, keyed by the key
+    assert auth.cached(key) == (True, principal)
+    digest = real_hash(key)
+    assert compared == [(digest, digest)]
+    assert hashed == [key] and auth.lookups == 1
+    with pytest.raises(Unauthorized):  # a key one character off is not the cached one
+        auth.principal(key[:-1] + ("A" if key[-1] != "A" else "B"))
+
+
+def test_a_key_that_expires_while_cached_is_refused_as_expired(engine: Engine) -> None:
+    tenant = fresh_tenant()
+    create_tenant(engine, tenant)
+    soon = issue_api_key(engine, tenant, expires_at=datetime.now(UTC) + timedelta(seconds=1))
+    auth = Authenticator(engine, ttl_s=600)
+    principal = auth.principal(soon.key)
+    assert auth.cached(soon.key) == (True, principal)
+    # The cache keeps it for ten minutes, but not past the key's own expiry.
+    assert wait_until(lambda: auth.cached(soon.key) == (False, None), timeout=10)
+    with pytest.raises(Unauthorized) as refused:
+        auth.principal(soon.key)
+    assert refused.value.reason == "expired_key" and refused.value.key_id == soon.key_id
 
 
 def test_expired_keys_are_refused(engine: Engine) -> None:
@@ -434,6 +458,43 @@ def test_a_disconnect_mid_body_is_no_error_log_and_no_500(
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert errors == [], [r.getMessage() for r in errors]
         assert not any(r.exc_info for r in caplog.records)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408(
+        settings: Settings, engine: Engine, redis_client: redis.Redis,
+        tenant_module: str) -> None:
+    import uvicorn
+
+    app = limited_app(settings, engine, redis_client, api_body_timeout_s=0.3)
+    key = create_api_key(engine, tenant_module)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: server.started, timeout=15)
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.settimeout(30)  # a deadline on the test: a missing bound would hang it
+            sock.sendall(b"POST /v1/features/batch HTTP/1.1\r\nHost: x\r\n"
+                         b"Authorization: Bearer " + key.encode() + b"\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                         b'{"feature_sets": ["txn_90d"], "enti')
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), reply[:300]
+        assert json.loads(body)["error"]["code"] == "body_timeout"
+        # The worker still serves: the cut-off request left nothing behind.
+        with running(app, key) as api:
+            assert api.get("/v1/features/txn_90d/1").status_code == 200
     finally:
         server.should_exit = True
         thread.join(15)

@@ -20,6 +20,7 @@ from sqlalchemy.engine import Engine
 from pipeline.api.auth import create_api_key
 from pipeline.core.settings import Settings
 from pipeline.dev.seed import SeedSummary
+from tests.conftest import wait_until
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 
@@ -68,18 +69,21 @@ def test_serve_answers_and_sums_metrics_across_workers(
     tenant = tenant_factory(users=5, transactions=50).tenants[0]
     headers = {"Authorization": f"Bearer {create_api_key(engine, tenant)}"}
     n = 20
+    for _ in range(n):
+        # A connection each, so that both workers serve some of them.
+        response = httpx.get(f"{server}/v1/features/device_risk/2", headers=headers,
+                             timeout=10)
+        assert response.status_code == 200, response.text
     with httpx.Client(base_url=server, headers=headers, timeout=10) as client:
-        for _ in range(n):
-            response = client.get("/v1/features/device_risk/2")
-            assert response.status_code == 200, response.text
         assert client.get("/v1/features/nope/1").json()["error"]["code"] == "unknown_feature_set"
         assert client.get("/readyz").status_code == 200
-        text = client.get("/metrics").text
 
-    def total(name: str) -> float:
-        pattern = rf'^{name}\{{feature_set="device_risk"[^}}]*\}} ([0-9.e+]+)$'
-        return sum(float(v) for v in re.findall(pattern, text, re.MULTILINE))
+        def served() -> float:
+            text = client.get("/metrics").text
+            return sum(float(v) for name in ("hits", "misses") for v in re.findall(
+                rf'^freshline_api_feature_{name}_total\{{feature_set="device_risk"[^}}]*\}}'
+                r" ([0-9.e+]+)$", text, re.MULTILINE))
 
-    served = total("freshline_api_feature_hits_total") + total(
-        "freshline_api_feature_misses_total")
-    assert served == n, text[-3000:]
+        # The scraped worker's own requests at once, the other's within its flush
+        # interval (pipeline.api.metrics.FLUSH_S): all n of them, from both workers.
+        assert wait_until(lambda: served() == n, timeout=10), served()

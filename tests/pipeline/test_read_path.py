@@ -15,13 +15,14 @@ import redis.asyncio
 from sqlalchemy.engine import Engine
 
 from pipeline.api import create_app
-from pipeline.api.app import async_twin
+from pipeline.api.app import HiredisPacking, async_twin
 from pipeline.api.auth import create_api_key
 from pipeline.api.reader import Answer, FeatureReader, Lookup, parse_entities, parse_entity
 from pipeline.cache.hot import HotReads
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
+from pipeline.core.cluster import is_cluster
 from pipeline.core.codec import (
     decode_entry,
     decode_rows,
@@ -209,6 +210,44 @@ def _cached(reader: FeatureReader, client: redis.Redis, lookup: Lookup,
             reader.aredis = None
 
     return asyncio.run(go())
+
+
+@pytest.mark.parametrize("args", [
+    ("MGET", "feat:1:txn_90d:{t:1}", "feat:1:txn_90d:{t:2}", "floor:1:txn_90d"),
+    ("MGET", *[f"feat:7:geo:{{tenant-a:{i}}}" for i in range(300)]),
+    ("CONFIG GET", "maxmemory"), (b"CLIENT SETNAME", "x"),
+    ("SET", "k", 7), ("SET", "k", 0.1 + 0.2), ("SET", "k", b"\xff\x00"), ("SET", "k", "\u00e9"),
+    ("SET", "k", memoryview(b"v")), ("SET", "k", bytearray(b"v")), ("SET", "k", "v" * 10000),
+])
+def test_the_async_twin_packs_commands_in_c_as_redis_py_would(
+        redis_client: redis.Redis, args: tuple[object, ...]) -> None:
+    twin = async_twin(redis_client)
+    packing = twin.connection_pool.make_connection()
+    assert isinstance(packing, HiredisPacking)
+    plain = redis.asyncio.Connection()
+    assert b"".join(packing.pack_command(*args)) == b"".join(plain.pack_command(*args))
+
+
+def test_is_cluster_answers_per_client_class(redis_client: redis.Redis) -> None:
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+    from redis.cluster import RedisCluster
+
+    class OurCluster(RedisCluster):
+        pass
+
+    # Instances made without connecting: is_cluster looks at the class only.
+    clusters = [object.__new__(cls) for cls in (RedisCluster, AsyncRedisCluster, OurCluster)]
+    plain = [redis_client, async_twin(redis_client), redis.Redis(), object()]
+    for _ in range(2):  # the second time from what the first one learnt
+        assert [is_cluster(c) for c in clusters] == [True, True, True]
+        assert [is_cluster(c) for c in plain] == [False, False, False, False]
+
+
+def test_the_async_twin_refuses_what_redis_py_refuses(redis_client: redis.Redis) -> None:
+    packing = async_twin(redis_client).connection_pool.make_connection()
+    for bad in (None, True):
+        with pytest.raises(redis.exceptions.DataError):
+            packing.pack_command("SET", "k", bad)
 
 
 def test_the_async_read_answers_as_the_store_does(filled: FeatureStore, engine: Engine,
