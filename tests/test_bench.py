@@ -31,13 +31,17 @@ def test_a_run_with_only_keeps_the_other_results_each_naming_its_run(tmp_path: P
     from bench.__main__ import _kept_results, _section, render
 
     doc = orjson.loads((Path(__file__).parents[1] / "bench" / "results.json").read_bytes())
-    doc["results"] = {"memory": doc["results"]["memory"],
-                      "redis_writes": doc["results"]["redis_writes"]}
+    unstamped = {name: {k: v for k, v in doc["results"][name].items() if k != "measured"}
+                 for name in ("memory", "redis_writes", "seed")}
+    stamp = {"date": "E", "commit": "F", "command": "G", "load": None}
+    doc["results"] = {**unstamped, "seed": {**unstamped["seed"], "measured": stamp}}
     path = tmp_path / "results.json"
     path.write_bytes(orjson.dumps(doc))
     kept = _kept_results(path, {"memory"})
-    assert set(kept) == {"redis_writes"}
+    assert set(kept) == {"redis_writes", "seed"}
+    # a result without a stamp gets its run's; one with a stamp keeps it
     assert kept["redis_writes"]["measured"]["commit"] == doc["commit"]
+    assert kept["seed"]["measured"] == stamp
 
     now = {**doc, "command": ".venv/bin/python -m bench --only memory",
            "results": {"memory": {**doc["results"]["memory"], "measured": {
