@@ -221,10 +221,16 @@ def _section(name: str, result: dict[str, Any]) -> str:
     if "error" in result:
         return f"## {name}\n\n**failed**: `{result['error'][:300]}`\n"
     try:
-        return str(importlib.import_module(f"bench.{name}").markdown(result))
+        return _markdown(importlib.import_module(f"bench.{name}"), result)
     except (KeyError, TypeError, IndexError) as exc:
         return (f"## {name}\n\n{_STALE} (`{type(exc).__name__}: {exc}`); re-run "
                 f"`python -m bench --only {name}`.\n")
+
+
+def _markdown(module: Any, result: dict[str, Any]) -> str:
+    """A benchmark's section, from its result as it returned it: the runner's
+    provenance stamp is not the benchmark's to render (some iterate their results)."""
+    return str(module.markdown({k: v for k, v in result.items() if k != "measured"}))
 
 
 def _measured(argv: list[str]) -> dict[str, Any]:
@@ -307,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["elapsed_s"] = round(time.monotonic() - t0, 1)
                 result["measured"] = measured
                 results[name] = result
-                sections[name] = module.markdown(result)
+                sections[name] = _markdown(module, result)
             except Exception as exc:
                 failed = True
                 trace = traceback.format_exc()
