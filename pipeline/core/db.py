@@ -95,11 +95,19 @@ ours idles there for more than a round trip to Redis, and a process stopped or c
 mid-transaction must not hold its snapshot and locks for good."""
 
 
+# No JIT in freshline's sessions: its statements are index lookups for a batch of keys,
+# tens of milliseconds of work, and JIT compiling one (inlining and optimising about 250
+# functions) takes 1.5-2.5 s. The planner compiles once a statement's estimated cost
+# passes jit_above_cost, which a batch's feature query does whenever a table's
+# statistics are missing or stale: a new delta log, a bulk load, until autovacuum's
+# first ANALYZE. A consumer then ran at a fiftieth of its rate; measured, it fell
+# 67,000 events behind in the first minute of a 2,000 events/s load (issue 13).
 def _connect_args() -> dict[str, object]:
     return {
         "connect_timeout": 3,
         "application_name": "freshline",
-        "options": f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S * 1000}",
+        "options": f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S * 1000} "
+                   "-c jit=off",
         # A peer that vanished without closing (a partition) is found within about
         # 30 s, where the kernel's defaults take over two hours.
         "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
