@@ -8,6 +8,7 @@ itself by tenant: the ``tenant_factory`` fixture seeds fresh tenants with unique
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
@@ -19,6 +20,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -91,6 +93,36 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.005)  # polling interval, not synchronisation
     return predicate()
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serving(app: Any, timeout: float = 30.0) -> Iterator[int]:
+    """``app`` on a real loopback socket (uvicorn in a thread, lifespan on): its port,
+    until the block ends and the server shuts down."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        if not wait_until(lambda: server.started or not thread.is_alive(), timeout) \
+                or not server.started:
+            pytest.fail("the API did not start on a real socket")
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
 
 
 def recreate_database(base: Settings, name: str) -> str:

@@ -13,13 +13,10 @@ import io
 import os
 import pty
 import re
-import socket
 import struct
 import subprocess
 import sys
 import termios
-import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-import uvicorn
 from rich.console import Console, RenderableType
 from sqlalchemy.engine import Engine
 
@@ -44,7 +40,7 @@ from pipeline.core.settings import Settings
 from pipeline.dev.seed import SeedSummary
 from pipeline.inference.models import LogisticModel, ModelRecord, ModelRegistry
 from pipeline.observe.advisor import Figures, advise
-from tests.conftest import fresh_version
+from tests.conftest import fresh_version, serving
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 WIDTH = 80
@@ -194,12 +190,6 @@ def test_deploy_status(settings: Settings) -> None:
     check_command(["deploy", "status"], service_env(settings), styled=False)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def api_url(settings: Settings, engine: Engine, redis_client: redis.Redis,
             tenant_factory: Callable[..., SeedSummary]) -> Iterator[str]:
@@ -208,28 +198,15 @@ def api_url(settings: Settings, engine: Engine, redis_client: redis.Redis,
     local = settings.model_copy(update={"schema_version": fresh_version(),
                                         "consumer_metrics_port": 0})
     app = create_app(local, engine=engine, redis_client=redis_client, follow_deploys=False)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            pytest.fail("the API did not start")
-        threading.Event().wait(0.02)  # polling interval, not synchronisation
-    base = f"http://127.0.0.1:{port}"
     key = create_api_key(engine, tenant)
-    try:
+    with serving(app) as port:
+        base = f"http://127.0.0.1:{port}"
         for user in (1, 2, 1, 1, 3):
             for feature_set in ("txn_90d", "geo"):
                 answer = fetch(f"{base}/v1/features/{feature_set}/{user}",
                                headers={"Authorization": f"Bearer {key}"})
                 assert answer.status == 200, answer.body
         yield base
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
 
 
 def test_advise(api_url: str) -> None:

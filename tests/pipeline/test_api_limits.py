@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -47,7 +46,7 @@ from pipeline.core.keys import feature_pattern
 from pipeline.core.settings import Settings
 from pipeline.dev.seed import SeedSummary
 from pipeline.inference.models import LogisticModel, ModelRegistry
-from tests.conftest import fresh_version, wait_until
+from tests.conftest import fresh_version, serving, wait_until
 from tests.pipeline.test_api import running
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
@@ -410,12 +409,6 @@ def test_non_finite_predictions_are_refused_and_not_cached(
 
 # -- a client that goes away mid-body (finding 5) -----------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _count(name: str, **labels: str) -> float:
     text = metrics.render()[0].decode()
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
@@ -425,18 +418,10 @@ def _count(name: str, **labels: str) -> float:
 def test_a_disconnect_mid_body_is_no_error_log_and_no_500(
         settings: Settings, engine: Engine, redis_client: redis.Redis, tenant_module: str,
         caplog: pytest.LogCaptureFixture) -> None:
-    import uvicorn
-
     app = limited_app(settings, engine, redis_client)
     issued = issue_api_key(engine, tenant_module)
     key = issued.key
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        assert wait_until(lambda: server.started, timeout=15)
+    with serving(app) as port:
         before_500 = _count("freshline_api_request_seconds_count", endpoint="batch",
                             status="500")
         before_499 = _count("freshline_api_request_seconds_count", endpoint="batch",
@@ -458,25 +443,14 @@ def test_a_disconnect_mid_body_is_no_error_log_and_no_500(
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert errors == [], [r.getMessage() for r in errors]
         assert not any(r.exc_info for r in caplog.records)
-    finally:
-        server.should_exit = True
-        thread.join(15)
 
 
 def test_a_body_that_does_not_arrive_in_time_is_a_408(
         settings: Settings, engine: Engine, redis_client: redis.Redis,
         tenant_module: str) -> None:
-    import uvicorn
-
     app = limited_app(settings, engine, redis_client, api_body_timeout_s=0.3)
     key = create_api_key(engine, tenant_module)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        assert wait_until(lambda: server.started, timeout=15)
+    with serving(app) as port:
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.settimeout(30)  # a deadline on the test: a missing bound would hang it
             sock.sendall(b"POST /v1/features/batch HTTP/1.1\r\nHost: x\r\n"
@@ -495,9 +469,6 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408(
         # The worker still serves: the cut-off request left nothing behind.
         with running(app, key) as api:
             assert api.get("/v1/features/txn_90d/1").status_code == 200
-    finally:
-        server.should_exit = True
-        thread.join(15)
 
 
 # -- the OpenAPI document states the limits (finding 7) ---------------------------------

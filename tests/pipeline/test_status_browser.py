@@ -12,9 +12,7 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -23,7 +21,6 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-import uvicorn
 from sqlalchemy.engine import Engine
 
 from pipeline.api import create_app
@@ -32,7 +29,7 @@ from pipeline.core.settings import Settings
 from pipeline.dev.seed import SeedSummary
 from pipeline.observe.staleness import Staleness
 from pipeline.observe.status import Snapshot, StatusBoard
-from tests.conftest import fresh_version
+from tests.conftest import fresh_version, serving
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -70,12 +67,6 @@ def console_errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def served(settings: Settings, engine: Engine, redis_client: redis.Redis,
            tenant_factory: Callable[..., SeedSummary]) -> Iterator[tuple[str, str, StatusBoard]]:
@@ -84,21 +75,8 @@ def served(settings: Settings, engine: Engine, redis_client: redis.Redis,
     local = settings.model_copy(update={"schema_version": fresh_version(),
                                         "consumer_metrics_port": 0})
     app = create_app(local, engine=engine, redis_client=redis_client, follow_deploys=False)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            pytest.fail("the API did not start")
-        threading.Event().wait(0.02)  # polling interval, not synchronisation
-    try:
+    with serving(app) as port:
         yield f"http://127.0.0.1:{port}", create_api_key(engine, tenant), app.state.status
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
 
 
 def backfill(board: StatusBoard, minutes: int = 55) -> None:
