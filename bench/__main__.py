@@ -216,21 +216,29 @@ _STALE = "**not rendered**: its results predate the current format"
 
 
 def _section(name: str, result: dict[str, Any]) -> str:
-    """The RESULTS.md section of a stored result; a result an older version of the
-    benchmark wrote is named, with the command that measures it again."""
+    """The RESULTS.md section of a stored result. One that an older version of the
+    benchmark wrote is shown as its own run rendered it (``rendered``, kept with every
+    result), or, without that, named with the command that measures it again."""
     if "error" in result:
         return f"## {name}\n\n**failed**: `{result['error'][:300]}`\n"
     try:
         return _markdown(importlib.import_module(f"bench.{name}"), result)
     except (KeyError, TypeError, IndexError) as exc:
+        if isinstance(result.get("rendered"), str):
+            return str(result["rendered"])  # as its run rendered it; the stamp names the run
         return (f"## {name}\n\n{_STALE} (`{type(exc).__name__}: {exc}`); re-run "
                 f"`python -m bench --only {name}`.\n")
+
+
+_RUNNER_KEYS = ("measured", "rendered")
+"""What the runner adds to a benchmark's result: the run that measured it, and the
+section as that run rendered it (shown again when a later format cannot render it)."""
 
 
 def _markdown(module: Any, result: dict[str, Any]) -> str:
     """A benchmark's section, from its result as it returned it: the runner's
     provenance stamp is not the benchmark's to render (some iterate their results)."""
-    return str(module.markdown({k: v for k, v in result.items() if k != "measured"}))
+    return str(module.markdown({k: v for k, v in result.items() if k not in _RUNNER_KEYS}))
 
 
 def _measured(argv: list[str]) -> dict[str, Any]:
@@ -313,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["elapsed_s"] = round(time.monotonic() - t0, 1)
                 result["measured"] = measured
                 results[name] = result
-                sections[name] = _markdown(module, result)
+                sections[name] = result["rendered"] = _markdown(module, result)
             except Exception as exc:
                 failed = True
                 trace = traceback.format_exc()

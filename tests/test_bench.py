@@ -56,3 +56,21 @@ def test_a_run_with_only_keeps_the_other_results_each_naming_its_run(tmp_path: P
     quick = {**doc, "quick": True}
     path.write_bytes(orjson.dumps(quick))
     assert _kept_results(path, {"memory"}) == {}  # smoke results are never kept
+
+
+def test_a_result_the_current_format_cannot_render_is_shown_as_its_run_rendered_it() -> None:
+    from bench.__main__ import _section, render
+
+    doc = orjson.loads((Path(__file__).parents[1] / "bench" / "results.json").read_bytes())
+    stamp = {"date": "D", "commit": "C", "command": "X --only read_path", "load": None}
+    old = {"rounds": 1, "measured": stamp,
+           "rendered": "## read_path: from raw redis-py to HTTP\n\nthe old table\n"}
+    memory = {**doc["results"]["memory"], "rendered": "## memory\n\nstale text\n"}
+    doc["results"] = {"read_path": old, "memory": memory}
+    text = render(doc, {name: _section(name, r) for name, r in doc["results"].items()})
+    section = text.split("## read_path")[1].split("\n## ")[0]
+    assert "the old table" in section and "*Measured D at `C`" in section
+    assert "not rendered" not in text
+    # A result the current format renders is rendered again, not taken from the store;
+    # the stored text is the runner's, never passed to the benchmark's markdown.
+    assert "stale text" not in text and "## memory: " in text and "**failed**" not in text
