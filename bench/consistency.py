@@ -263,6 +263,12 @@ def run(quick: bool) -> dict[str, Any]:
         consumer_log.close()
         audit_err.close()
 
+    found = report.get("inconsistent_at_second", {})
+    for point in series:  # what the audit found inconsistent, by when it first checked it
+        t = point["t_s"]
+        point["inconsistent_found"] = {
+            g: sum(n for second, n in by_s.items() if t <= int(second) < t + SERIES_EVERY_S)
+            for g, by_s in found.items()}
     checked = report["checked"]
     by_grace: dict[str, Any] = {}
     for g in report["graces"]:
@@ -316,6 +322,23 @@ def _consumer_share(res: dict[str, Any]) -> str:
     return f"{cpu / (points[-1]['t_s'] - points[0]['t_s']):.0%}"
 
 
+def _found_table(res: dict[str, Any]) -> list[str]:
+    """The stretches of the run in which entries later found inconsistent were first
+    checked, beside the consumer's lag and the machine's load then."""
+    graces = list(res["audit"]["by_grace"])
+    rows = [(p["t_s"], common.fmt(p["lag"]), p["load_1m"],
+             *(p["inconsistent_found"].get(g, 0) for g in graces))
+            for p in res.get("series", [])
+            if any(p.get("inconsistent_found", {}).get(g) for g in graces)]
+    if not rows:
+        return []
+    return [f"When the inconsistent entries were first checked ({SERIES_EVERY_S} s "
+            "stretches with any; seconds since the audit started), with the consumer "
+            "group's lag (records) and the machine's load average at the stretch's start:",
+            "", common.table(["s", "lag", "load", *(f"inconsistent at {g}" for g in graces)],
+                             rows), ""]
+
+
 def markdown(res: dict[str, Any]) -> str:
     audit, p, load = res["audit"], res["parameters"], res["load"]
     applied = load.get("consumer_applied_per_s")
@@ -344,6 +367,7 @@ def markdown(res: dict[str, Any]) -> str:
                      [(g, v["inconsistent"], ("≥ " if v["lower_bound"] else "")
                        + f"{v['nines']:.2f}") for g, v in audit["by_grace"].items()]),
         "",
+        *_found_table(res),
         "```json",
         orjson.dumps(audit, option=orjson.OPT_INDENT_2).decode(),
         "```",

@@ -462,6 +462,9 @@ class Auditor:
         report = run.report
         grace = report.graces[suspect.stage]
         report.inconsistent[grace] += 1
+        at = report.inconsistent_at.setdefault(grace, {})
+        second = int(suspect.first_at - run.started)
+        at[second] = at.get(second, 0) + 1
         if self.metrics is not None:
             self.metrics.still_inconsistent(mismatch.ref.feature_set, grace)
         suspect.mismatch = mismatch

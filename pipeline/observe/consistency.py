@@ -160,6 +160,10 @@ class AuditReport:
     flight): see :mod:`pipeline.observe.audit`."""
     checked_by_set: dict[str, int] = field(default_factory=dict)
     inconsistent: dict[float, int] = field(default_factory=dict)
+    inconsistent_at: dict[float, dict[int, int]] = field(default_factory=dict)
+    """Per grace, the entries inconsistent after it by the second of the audit (since
+    its start) of their first check: when the inconsistency was found, which lines it up
+    with what the system was doing then (a backlog, a restart)."""
     mismatches: list[Mismatch] = field(default_factory=list)
     checking_s: float = 0.0
     """Time until the last first check: the pass over the entries, paced."""
@@ -205,6 +209,8 @@ class AuditReport:
             "graces": [{"grace": r.label, "grace_s": r.grace_s, "inconsistent": r.inconsistent,
                         "consistent_fraction": r.consistent_fraction, "nines": r.nines,
                         "nines_lower_bound": r.lower_bound} for r in self.results()],
+            "inconsistent_at_second": {grace_label(g): dict(sorted(by_s.items()))
+                                       for g, by_s in self.inconsistent_at.items()},
             "mismatches": [m.as_json() for m in self.mismatches],
             "checking_s": self.checking_s, "elapsed_s": self.elapsed_s,
             "busy_s": self.busy_s, "rate": self.rate,

@@ -257,6 +257,9 @@ def test_a_mismatch_healed_within_a_grace_counts_only_before_it(
 
     assert report.suspects == 1 and report.consistent and report.caught_up == 0
     assert report.inconsistent == {1.0: fixed_at, 10.0: 0}
+    # when it was found: the second of the audit of its first check
+    assert report.inconsistent_at == ({1.0: {0: 1}} if fixed_at else {})
+    assert report.as_json()["inconsistent_at_second"] == ({"1s": {0: 1}} if fixed_at else {})
     assert [g for g, _ in seen] == list(graces[:fixed_at + 1])
     first = seen[0][1][0]
     assert first.ref == target and set(first.differing) >= {"txn_sum"}
