@@ -28,7 +28,12 @@ longer one, once
   was taken after the entry was read. It then differs only by changes newer than the
   first check: the change that was in flight has landed, and newer ones are in
   flight. Without this an entity that changes faster than the pipeline's latency
-  would never match at any instant, however fresh its entries are.
+  would never match at any instant, however fresh its entries are; or
+* it shows the first check's recompute, value for value, under a watermark below the
+  re-check's recompute: it is what Postgres held when the mismatch was found, so a
+  reader at the re-check is at most the grace behind. The watermark rule above misses
+  this one when the consumer's snapshot saw the change but was taken a moment before
+  the first check's, and a newer change is in flight by the re-check.
 
 An entry whose watermark is at or above a recompute taken after it was read, and
 which differs from it, claims to have seen what it cannot have: it never heals by
@@ -74,7 +79,7 @@ from pipeline.core.keys import (
     validate_id,
 )
 from pipeline.core.types import EntityRef, FeatureValues, Watermark
-from pipeline.observe.consistency import AuditReport, Mismatch, grace_label
+from pipeline.observe.consistency import AuditReport, Mismatch, grace_label, same
 from pipeline.observe.staleness import scan_sample
 
 if TYPE_CHECKING:
@@ -138,6 +143,8 @@ class Suspect:
     """The entry's watermark at the first check (-1 if it had none)."""
     target: Watermark
     """The first check's recompute watermark: what the entry has to catch up with."""
+    truth: FeatureValues | None
+    """The first check's recompute: what Postgres held when the mismatch was found."""
     stage: int = 0
     """Index of the grace this suspect is re-checked at next."""
 
@@ -145,15 +152,19 @@ class Suspect:
     def of(cls, mismatch: Mismatch, first_at: float) -> Suspect:
         served = mismatch.served_watermark
         return cls(mismatch, first_at, -1 if served is None else served,
-                   mismatch.recomputed_watermark)
+                   mismatch.recomputed_watermark, mismatch.recomputed)
 
     def caught_up(self, now: Mismatch) -> bool:
-        """Rewritten since the first check from a snapshot that saw what its recompute
-        saw, and not claiming more than the re-check's recompute (see the module
-        docstring)."""
+        """Not claiming more than the re-check's recompute, and either rewritten since
+        the first check from a snapshot that saw what its recompute saw, or showing
+        that recompute's values (see the module docstring)."""
         served = now.served_watermark
-        return (now.problem is None and served is not None and served > self.first_served
-                and self.target <= served < now.recomputed_watermark)
+        if now.problem is not None or served is None or served >= now.recomputed_watermark:
+            return False
+        return (self.first_served < served and self.target <= served) or (
+            self.truth is not None and now.served is not None
+            and now.served.keys() == self.truth.keys()
+            and all(same(now.served[k], v) for k, v in self.truth.items()))
 
 
 @dataclass(slots=True)

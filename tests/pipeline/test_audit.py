@@ -310,6 +310,30 @@ def test_an_entry_rewritten_from_a_snapshot_older_than_the_first_check_has_not_c
     assert m.served_watermark == before.watermark and m.ref == target
 
 
+def test_an_entry_showing_the_first_checks_truth_from_a_moment_before_it_is_consistent(
+    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+) -> None:
+    """The consumer computed after the change but a moment before the first check's
+    recompute, and wrote late; by the re-check a newer change is in flight. The entry
+    shows what Postgres held when the mismatch was found: at most the grace behind."""
+    refs = materialize(engine, store, tenant)
+    target = active(store, refs)
+    change(engine, target)  # committed, its event in flight
+    seen = compute(engine, REGISTRY["txn_90d"], [(target.tenant, target.entity)])
+
+    def before_recheck(grace: float, suspects: Sequence[Mismatch]) -> None:
+        assert grace == 1.0 and [s.ref for s in suspects] == [target]
+        assert seen.watermark < suspects[0].recomputed_watermark  # an older snapshot
+        assert store.write(seen).written == 1  # the consumer's write lands...
+        change(engine, target)  # ...and the next change is in flight
+
+    clock = FakeClock()
+    report = auditor(redis_client, engine, version, before_recheck=before_recheck,
+                     clock=clock, sleep=clock.sleep).audit_refs(refs, graces=(1.0, 10.0))
+    assert report.suspects == 1 and report.caught_up == 1
+    assert report.inconsistent == {1.0: 0, 10.0: 0} and report.consistent
+
+
 def test_an_entry_claiming_a_snapshot_it_cannot_have_seen_never_catches_up(
     redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
 ) -> None:
@@ -343,9 +367,10 @@ def test_an_entry_wrong_from_the_start_under_a_future_watermark_stays_inconsiste
     assert report.inconsistent == dict.fromkeys(GRACES, 1) and report.persistent == 1
 
 
-def _mismatch(served: int | None, recomputed: int, problem: str | None = None) -> Mismatch:
+def _mismatch(served: int | None, recomputed: int, problem: str | None = None, *,
+              shows: str = "x", truth: str = "y") -> Mismatch:
     ref = EntityRef("geo", "acme", "1")
-    return Mismatch(feature_key(1, ref), ref, {"last_city": "x"}, {"last_city": "y"},
+    return Mismatch(feature_key(1, ref), ref, {"last_city": shows}, {"last_city": truth},
                     served, recomputed, problem)
 
 
@@ -364,6 +389,12 @@ def test_the_rules_of_catching_up() -> None:
     assert not ahead.caught_up(_mismatch(25, 30))  # and unchanged since
     corrupt_at_first = Suspect.of(_mismatch(None, 20, problem="corrupt"), first_at=0.0)
     assert corrupt_at_first.caught_up(_mismatch(21, 30))
+    # Showing the first check's truth ("y") under an older snapshot, with a newer change
+    # ("z") in flight: what Postgres held when the mismatch was found.
+    assert suspect.caught_up(_mismatch(15, 30, shows="y", truth="z"))
+    assert not suspect.caught_up(_mismatch(15, 30, shows="x", truth="z"))
+    assert not suspect.caught_up(_mismatch(30, 30, shows="y", truth="z"))  # impossible claim
+    assert not suspect.caught_up(_mismatch(15, 30, "corrupt", shows="y", truth="z"))
 
 
 def test_rechecks_run_at_each_grace_after_the_first_check(
