@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, Literal, TypedDict, cast
 
 import redis
 
+from pipeline.api.connections import HeldConnections
 from pipeline.api.deadlines import Deadlines
 from pipeline.api.splice import Spliced, hits_body, item_template
 from pipeline.cache.local import LocalTier
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.core.clock import now_ms
-from pipeline.core.cluster import amget
+from pipeline.core.cluster import amget, is_cluster
 from pipeline.core.errors import InvalidId
 from pipeline.core.keys import validate_id
 from pipeline.core.types import EntityRef, Entry, FeatureValues, LazyRefs
@@ -137,7 +138,9 @@ class FeatureReader:
     Its reads are bounded by ``timeout_s`` (a client-side socket timeout would cost
     the loop a task per command, ``asyncio.timeout`` a timer per call): one check per
     loop every tenth of it (:class:`pipeline.api.deadlines.Deadlines`), so a read is
-    cut off within 1.1 times ``timeout_s``.
+    cut off within 1.1 times ``timeout_s``. Unless it is a cluster client, its
+    MGETs run on connections held between calls
+    (:class:`pipeline.api.connections.HeldConnections`).
     """
 
     def __init__(self, readthrough: ReadThrough, local: LocalTier | None = None,
@@ -149,6 +152,9 @@ class FeatureReader:
         self.timeout_s = timeout_s
         self._deadlines = None if timeout_s is None else Deadlines(tick_s=timeout_s / 10)
         self._templates: dict[tuple[str, int], bytes] = {}  # (feature set, version)
+        # The MGETs' connections (pipeline.api.connections), for aredis unless a cluster.
+        self._held: HeldConnections | None = None
+        self._held_for: object = None
 
     @property
     def schema_version(self) -> int:
@@ -198,10 +204,15 @@ class FeatureReader:
 
     async def _mget(self, keys: list[str]) -> list[bytes | None]:
         aredis = self.aredis
+        if self._held_for is not aredis:  # a client set since the last call
+            self._held_for = aredis
+            self._held = (None if aredis is None or is_cluster(aredis)
+                          else HeldConnections(aredis))
+        call = amget(aredis, keys) if self._held is None else self._held.mget(keys)
         if self.timeout_s is None or self._deadlines is None:
-            return await amget(aredis, keys)
+            return await call
         try:
-            return await self._deadlines.bound(amget(aredis, keys), self.timeout_s)
+            return await self._deadlines.bound(call, self.timeout_s)
         except TimeoutError:
             # The cancelled command dropped its connection (redis-py disconnects on
             # any interruption), so no reply is left behind for the next one.

@@ -274,8 +274,12 @@ class FeatureStore:
         The MGET of these answers ``len(entities) * len(feature_sets)`` entries, then
         one floor per feature set; :meth:`rows` decodes each set's column.
         """
-        floors = [self._floor_key(name) for name in feature_sets]
-        return grid_keys(self.schema_version, tenant, feature_sets, entities) + floors
+        keys = grid_keys(self.schema_version, tenant, feature_sets, entities)
+        if len(feature_sets) == 1:
+            keys.append(self._floor_key(feature_sets[0]))
+        else:
+            keys += [self._floor_key(name) for name in feature_sets]
+        return keys
 
     def _floor_key(self, feature_set: str) -> str:
         """:func:`floor_key` of a registered feature set (made once per set)."""

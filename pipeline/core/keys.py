@@ -18,7 +18,7 @@ from typing import cast
 
 from pipeline.core.errors import InvalidId
 from pipeline.core.types import EntityRef, Item
-from schemas.ids import MAX_ID_LENGTH, id_problem
+from schemas.ids import ID_PATTERN, MAX_ID_LENGTH, id_problem
 
 FEATURE_PREFIX = "feat"
 LEASE_PREFIX = "lease"
@@ -49,8 +49,9 @@ def validate_id(kind: str, value: object) -> str:
     The rule is the contracts' (:mod:`schemas.ids`): letters, digits, ``_``, ``.`` and
     ``-``, starting alphanumeric, at most 64 characters.
     """
-    if type(value) is str and value.isascii() and value.isalnum() and len(value) <= MAX_ID_LENGTH:
-        return value  # ASCII letters and digits only: the rule's common case
+    if type(value) is str and len(value) <= MAX_ID_LENGTH and (
+            (value.isascii() and value.isalnum()) or ID_PATTERN.fullmatch(value)):
+        return value  # the rule's common cases: alphanumeric (one C call), or the pattern
     problem = id_problem(value)
     if problem is not None:
         raise InvalidId(kind, value, problem)
@@ -118,6 +119,9 @@ def grid_keys(schema_version: int, tenant: str, feature_sets: Sequence[str],
     """:func:`feature_key` of every (entity, feature set) pair of one tenant, entity-major
     (``entities[0]`` with each feature set, then ``entities[1]``...), each id validated once."""
     tenant = validate_id("tenant", tenant)
+    if len(feature_sets) == 1 and len(entities) == 1:  # a GET's one key, without the lists
+        return [f"{FEATURE_PREFIX}:{schema_version}:{feature_sets[0]}:"
+                f"{{{tenant}:{validate_id('entity', entities[0])}}}"]
     heads = [f"{FEATURE_PREFIX}:{schema_version}:{fs}:{{{tenant}:" for fs in feature_sets]
     ids = validate_ids("entity", entities)
     if len(heads) == 1:

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pipeline.core.errors import InvalidId
 from pipeline.core.keys import feature_key, inference_key, lease_key, validate_id
 from pipeline.core.types import EntityRef
+from schemas.ids import id_problem
 
 
 def test_feature_key_format_is_the_documented_one() -> None:
@@ -36,6 +39,21 @@ def test_unsafe_ids_never_reach_a_key(bad: object) -> None:
 def test_integer_and_plain_ids_are_accepted() -> None:
     assert validate_id("entity", 42) == "42"
     assert validate_id("tenant", "acme-eu_1.x") == "acme-eu_1.x"
+
+
+def test_validate_id_accepts_exactly_the_contracts_ids() -> None:
+    """Its fast paths (alphanumeric, then the pattern) agree with :func:`id_problem`."""
+    rng = random.Random(15)
+    alphabet = "aZ09_.-:{}* \n\x00\u00e9\uff11"
+    values = ["x" * 64, "x" * 65, "a-" * 32, "a-" * 32 + "b", "a\n", "\n", "1.", "_a", ".a"]
+    values += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 8)))
+               for _ in range(3000)]
+    for value in values:
+        if id_problem(value) is None:
+            assert validate_id("tenant", value) == value
+        else:
+            with pytest.raises(InvalidId):
+                validate_id("tenant", value)
 
 
 def test_inference_key_keeps_tenant_and_arm_apart() -> None:

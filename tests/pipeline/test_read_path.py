@@ -78,6 +78,11 @@ def test_grid_keys_are_the_lookups_feature_keys_in_order() -> None:
     lookup = Lookup("acme", ["txn_90d", "geo"], ["1", "x.y", "Z_9"])
     assert grid_keys(7, "acme", lookup.feature_sets, lookup.entities) == [
         feature_key(7, ref) for ref in lookup]
+    # One feature set and one entity (a GET), tenants with and without punctuation.
+    for tenant in ("acme", "t3cc84b7-acme", "a.b_c"):
+        for one in (Lookup(tenant, ["geo"], ["x.y"]), Lookup(tenant, ("txn_90d",), ("7",))):
+            assert grid_keys(7, tenant, one.feature_sets, one.entities) == [
+                feature_key(7, one[0])]
     assert [lookup[i] for i in range(len(lookup))] == list(lookup)
     assert lookup[-1] == EntityRef("geo", "acme", "Z_9") and lookup[1:3] == list(lookup)[1:3]
     with pytest.raises(IndexError):
@@ -87,12 +92,16 @@ def test_grid_keys_are_the_lookups_feature_keys_in_order() -> None:
     assert lookup[-len(lookup)] == lookup[0] and lookup[::-2] == list(lookup)[::-2]
 
 
-@pytest.mark.parametrize("bad", ["ac:me", "", "a" * 65, "*"])
+@pytest.mark.parametrize("bad", ["ac:me", "", "a" * 65, "*", "-a", "a\n", "\u00e9", "a}"])
 def test_grid_keys_refuse_what_feature_key_refuses(bad: str) -> None:
-    with pytest.raises(InvalidId):
+    with pytest.raises(InvalidId, match="tenant"):
         grid_keys(7, bad, ["txn_90d"], ["1"])
-    with pytest.raises(InvalidId):
-        grid_keys(7, "acme", ["txn_90d"], ["1", bad])
+    for entities in (["1", bad], [bad]):
+        with pytest.raises(InvalidId, match="entity") as refused:
+            grid_keys(7, "acme", ["txn_90d"], entities)
+        with pytest.raises(InvalidId) as by_feature_key:
+            feature_key(7, EntityRef("txn_90d", "acme", bad))
+        assert str(refused.value) == str(by_feature_key.value)
 
 
 # -- entries, decoded many at a time ----------------------------------------------------
