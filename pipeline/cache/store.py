@@ -47,7 +47,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from pipeline.cache.recompute import Batch
-from pipeline.core.cluster import is_cluster, mget
+from pipeline.core.cluster import UNREACHED, is_cluster, mget, refresh_slots, rerouted_on_failure
 from pipeline.core.codec import (
     Row,
     decode_entry,
@@ -424,4 +424,10 @@ class FeatureStore:
             # though it routes EVALSHA by its keys (one slot per call: the hash tag).
             pipe.execute_command(  # type: ignore[no-untyped-call]
                 "EVALSHA", script.sha, len(keys), *keys, *args)
-        return list(pipe.execute(raise_on_error=False))
+        with rerouted_on_failure(self.redis):
+            replies = list(pipe.execute(raise_on_error=False))
+        # A node not reached is a reply here (raise_on_error=False): refresh the slot
+        # table before the caller sees it, as for a raised failure.
+        if self.cluster and any(isinstance(r, UNREACHED) for r in replies):
+            refresh_slots(self.redis)
+        return replies
