@@ -116,8 +116,8 @@ def serving(app: Any, timeout: float = 30.0) -> Iterator[int]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        if not wait_until(lambda: server.started or not thread.is_alive(), timeout) \
-                or not server.started:
+        wait_until(lambda: server.started or not thread.is_alive(), timeout)
+        if not server.started:
             pytest.fail("the API did not start on a real socket")
         yield port
     finally:

@@ -35,7 +35,6 @@ class HeldConnections:
     """
 
     def __init__(self, client: redis.asyncio.Redis) -> None:
-        self.client = client
         self._pool: Any = client.connection_pool  # get_connection is untyped
         self._idle: list[Any] = []  # redis.asyncio connections, connected or not
 

@@ -47,7 +47,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from pipeline.cache.recompute import Batch
-from pipeline.core.cluster import UNREACHED, is_cluster, mget, refresh_slots, rerouted_on_failure
+from pipeline.core.cluster import is_cluster, mget, rerouted_on_failure
 from pipeline.core.codec import (
     Row,
     decode_entry,
@@ -403,16 +403,19 @@ class FeatureStore:
         with NOSCRIPT (a restart or SCRIPT FLUSH dropped the script) did nothing; they
         are sent again, alone, after loading the script.
         """
-        replies = self._pipeline(script, calls)
-        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-        if missing:
-            script.sha = self.redis.script_load(script.script)
-            for i, reply in zip(missing, self._pipeline(script, [calls[i] for i in missing]),
-                                strict=True):
-                replies[i] = reply
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
+        with rerouted_on_failure(self.redis):
+            replies = self._pipeline(script, calls)
+            missing = [i for i, reply in enumerate(replies)
+                       if isinstance(reply, NoScriptError)]
+            if missing:
+                script.sha = self.redis.script_load(script.script)
+                for i, reply in zip(missing,
+                                    self._pipeline(script, [calls[i] for i in missing]),
+                                    strict=True):
+                    replies[i] = reply
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
         return replies
 
     def _pipeline(self, script: Script, calls: list[Call]) -> list[Any]:
@@ -424,10 +427,4 @@ class FeatureStore:
             # though it routes EVALSHA by its keys (one slot per call: the hash tag).
             pipe.execute_command(  # type: ignore[no-untyped-call]
                 "EVALSHA", script.sha, len(keys), *keys, *args)
-        with rerouted_on_failure(self.redis):
-            replies = list(pipe.execute(raise_on_error=False))
-        # A node not reached is a reply here (raise_on_error=False): refresh the slot
-        # table before the caller sees it, as for a raised failure.
-        if self.cluster and any(isinstance(r, UNREACHED) for r in replies):
-            refresh_slots(self.redis)
-        return replies
+        return list(pipe.execute(raise_on_error=False))

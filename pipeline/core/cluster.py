@@ -48,27 +48,17 @@ def is_cluster(client: object) -> bool:
     return known
 
 
-UNREACHED = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
-"""Failures to reach a node: after one, a cluster client's slot table may be stale."""
-
-
-def refresh_slots(client: Any) -> None:
-    """Reload a sync cluster client's slot table (nothing for other clients); when no
-    node answers, it is left to the next failure to try again."""
-    if is_cluster(client) and isinstance(client, RedisCluster):
-        with contextlib.suppress(redis.exceptions.RedisError, OSError):
-            client.nodes_manager.initialize()
-
-
 @contextlib.contextmanager
 def rerouted_on_failure(client: Any) -> Iterator[None]:
-    """Refresh the slot table (:func:`refresh_slots`) when the block fails to reach a
+    """On a sync cluster client, refresh the slot table when the block fails to reach a
     node, then let the failure go on: the caller's retry goes to whichever master owns
-    the slot now."""
+    the slot now. When no node answers the refresh, the next failure tries again."""
     try:
         yield
-    except UNREACHED:
-        refresh_slots(client)
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+        if isinstance(client, RedisCluster):
+            with contextlib.suppress(redis.exceptions.RedisError, OSError):
+                client.nodes_manager.initialize()
         raise
 
 

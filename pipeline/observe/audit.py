@@ -162,9 +162,7 @@ class Suspect:
         if now.problem is not None or served is None or served >= now.recomputed_watermark:
             return False
         return (self.first_served < served and self.target <= served) or (
-            self.truth is not None and now.served is not None
-            and now.served.keys() == self.truth.keys()
-            and all(same(now.served[k], v) for k, v in self.truth.items()))
+            self.truth is not None and same(now.served, self.truth))
 
 
 @dataclass(slots=True)
