@@ -245,6 +245,7 @@ def test_a_geoip_range_change_reaches_the_users_with_transactions_in_it(
     # A /24 of the benchmarking range (198.18.0.0/15): no seeded IP is in it.
     net = f"198.{18 + uuid.uuid4().int % 2}.{uuid.uuid4().int % 256}"
     ips = {"5": f"{net}.10", "6": f"{net}.20", "7": f"{net}.200"}
+    start = cdc.consumed()
     for user, ip in ips.items():
         sql(engine, "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
             "VALUES (:t, :u, 10, 'm-geo', CAST(:ip AS inet))", t=tenant, u=int(user), ip=ip)
@@ -256,9 +257,12 @@ def test_a_geoip_range_change_reaches_the_users_with_transactions_in_it(
 
     lo, hi = f"{net}.0", f"{net}.255"
     assert {k[1:] for k in in_range(lo, hi)} >= {(tenant, u) for u in ips}
-    # Let the three INSERTs land first, so the geoip changes below are measured alone.
-    wait_for(lambda: all(("geo", tenant, u) in snapshot(redis_client, version) for u in ips),
-             "the transaction INSERTs")
+    # Let the three INSERTs land first, so the geoip changes below are measured alone. The
+    # count, not the entries: the worker counts a batch only after writing it, so entries
+    # can be in Redis while the counter is a batch behind, and a baseline taken then would
+    # let the geoip wait below return on the INSERTs' own batch (a CI failure, stop 21).
+    cdc.wait_consumed(start + len(ips), "the transaction INSERTs")
+    assert all(("geo", tenant, u) in snapshot(redis_client, version) for u in ips)
 
     base, start = snapshot(redis_client, version), cdc.consumed()
     sql(engine, "INSERT INTO geoip VALUES (CAST(:lo AS inet), CAST(:hi AS inet), 'ZZ', "
