@@ -310,7 +310,8 @@ def run(quick: bool) -> dict[str, Any]:
                       "entries_per_s": round(report["entries_per_s"]),
                       "capacity_per_s": round(report["capacity_per_s"]),
                       "by_grace": by_grace, "persistent": report["persistent"],
-                      "persisting_mismatches": report["mismatches"][:10]},
+                      "persisting_mismatches": report["mismatches"][:10],
+                      "late_after_10s": report.get("late", {}).get("10s", [])[:20]},
             "targets": targets}
 
 

@@ -79,7 +79,7 @@ from pipeline.core.keys import (
     validate_id,
 )
 from pipeline.core.types import EntityRef, FeatureValues, Watermark
-from pipeline.observe.consistency import AuditReport, Mismatch, grace_label, same
+from pipeline.observe.consistency import AuditReport, LateEntry, Mismatch, grace_label, same
 from pipeline.observe.staleness import scan_sample
 
 if TYPE_CHECKING:
@@ -100,6 +100,8 @@ PARSED_KEYS: Final = 100_000
 """Sampled keys remembered as parsed (a continuous audit samples the same keys again);
 the memory is cleared when full."""
 KEPT_MISMATCHES: Final = 1000
+KEPT_LATE: Final = 50
+"""Entries kept per grace as examples of the late ones (``AuditReport.late``)."""
 """Persistent mismatches kept in full in a report; every one is counted."""
 MAX_EARLY_S: Final = 1 / PACE_SLICES
 """How early a re-check may ride along with a batch of first checks."""
@@ -145,14 +147,16 @@ class Suspect:
     """The first check's recompute watermark: what the entry has to catch up with."""
     truth: FeatureValues | None
     """The first check's recompute: what Postgres held when the mismatch was found."""
+    first_unix: float = 0.0
+    """Wall-clock time of the first check, to line it up with other processes' logs."""
     stage: int = 0
     """Index of the grace this suspect is re-checked at next."""
 
     @classmethod
-    def of(cls, mismatch: Mismatch, first_at: float) -> Suspect:
+    def of(cls, mismatch: Mismatch, first_at: float, first_unix: float = 0.0) -> Suspect:
         served = mismatch.served_watermark
         return cls(mismatch, first_at, -1 if served is None else served,
-                   mismatch.recomputed_watermark, mismatch.recomputed)
+                   mismatch.recomputed_watermark, mismatch.recomputed, first_unix)
 
     def caught_up(self, now: Mismatch) -> bool:
         """Not claiming more than the re-check's recompute, and either rewritten since
@@ -407,7 +411,7 @@ class Auditor:
         never late. One round trip to Redis and one statement per feature set serve
         both."""
         report = run.report
-        first_at = self.clock()
+        first_at, first_unix = self.clock(), time.time()
         slice_s = len(refs) / self.rate if self.rate is not None else 0.0
         early_s = min(MAX_EARLY_S, max(slice_s, run.last_check_s))
         due = self._take_due(run, first_at + early_s, limit=self.batch_size)
@@ -424,7 +428,7 @@ class Auditor:
                 report.absent += 1
             elif isinstance(outcome, Mismatch):
                 report.suspects += 1
-                run.pending.append(Suspect.of(outcome, first_at))
+                run.pending.append(Suspect.of(outcome, first_at, first_unix))
         for name, n in per_set.items():
             report.checked_by_set[name] = report.checked_by_set.get(name, 0) + n
             if self.metrics is not None:
@@ -474,6 +478,10 @@ class Auditor:
         at = report.inconsistent_at.setdefault(grace, {})
         second = int(suspect.first_at - run.started)
         at[second] = at.get(second, 0) + 1
+        late = report.late.setdefault(grace, [])
+        if len(late) < KEPT_LATE:
+            late.append(LateEntry(mismatch, round(suspect.first_unix, 3),
+                                  None if suspect.first_served < 0 else suspect.first_served))
         if self.metrics is not None:
             self.metrics.still_inconsistent(mismatch.ref.feature_set, grace)
         suspect.mismatch = mismatch

@@ -88,6 +88,20 @@ class Mismatch:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class LateEntry:
+    """An entry still inconsistent after a grace, as re-checked then, with when it was
+    first found (Unix time) and its watermark at that first check."""
+
+    mismatch: Mismatch
+    first_checked_unix: float
+    first_served_watermark: Watermark | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {**self.mismatch.as_json(), "first_checked_unix": self.first_checked_unix,
+                "first_served_watermark": _hex(self.first_served_watermark)}
+
+
 def _hex(watermark: Watermark | None) -> str | None:
     # As the codec writes it: 30 hex digits, which JSON readers cannot round off.
     if watermark is None:
@@ -164,6 +178,10 @@ class AuditReport:
     """Per grace, the entries inconsistent after it by the second of the audit (since
     its start) of their first check: when the inconsistency was found, which lines it up
     with what the system was doing then (a backlog, a restart)."""
+    late: dict[float, list[LateEntry]] = field(default_factory=dict)
+    """Per grace, the first entries inconsistent after it (up to a few dozen): which keys
+    were late, when each was first checked, and the watermarks that tell what the
+    consumer had written by then."""
     mismatches: list[Mismatch] = field(default_factory=list)
     checking_s: float = 0.0
     """Time until the last first check: the pass over the entries, paced."""
@@ -211,6 +229,8 @@ class AuditReport:
                         "nines_lower_bound": r.lower_bound} for r in self.results()],
             "inconsistent_at_second": {grace_label(g): dict(sorted(by_s.items()))
                                        for g, by_s in self.inconsistent_at.items()},
+            "late": {grace_label(g): [e.as_json() for e in entries]
+                     for g, entries in self.late.items()},
             "mismatches": [m.as_json() for m in self.mismatches],
             "checking_s": self.checking_s, "elapsed_s": self.elapsed_s,
             "busy_s": self.busy_s, "rate": self.rate,

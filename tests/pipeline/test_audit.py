@@ -260,6 +260,14 @@ def test_a_mismatch_healed_within_a_grace_counts_only_before_it(
     # when it was found: the second of the audit of its first check
     assert report.inconsistent_at == ({1.0: {0: 1}} if fixed_at else {})
     assert report.as_json()["inconsistent_at_second"] == ({"1s": {0: 1}} if fixed_at else {})
+    # which entry was late, and its watermark when found, for lining up with other logs
+    late = report.as_json()["late"]
+    assert {g: len(entries) for g, entries in late.items()} == ({"1s": 1} if fixed_at else {})
+    if fixed_at:
+        [entry] = report.late[1.0]
+        assert entry.mismatch.ref == target and entry.first_checked_unix > 0
+        assert entry.first_served_watermark == entry.mismatch.served_watermark
+        assert late["1s"][0]["key"] == feature_key(version, target)
     assert [g for g, _ in seen] == list(graces[:fixed_at + 1])
     first = seen[0][1][0]
     assert first.ref == target and set(first.differing) >= {"txn_sum"}
