@@ -9,6 +9,7 @@ itself by tenant: the ``tenant_factory`` fixture seeds fresh tenants with unique
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import random
@@ -30,6 +31,7 @@ from sqlalchemy.engine import Engine, make_url
 
 import migrations
 from pipeline.core.db import make_engine
+from pipeline.core.features import REGISTRY, Registry
 from pipeline.core.services import redis_client as make_redis_client
 from pipeline.core.settings import Settings
 from pipeline.dev.seed import SeedSummary, seed
@@ -203,6 +205,12 @@ def fresh_version() -> int:
 @pytest.fixture
 def version() -> int:
     return fresh_version()
+
+
+UNWINDOWED = Registry(dataclasses.replace(fs, horizon=None) for fs in REGISTRY)
+"""The feature sets without their horizons: an in-process tier serves their entries
+at once, without reading their Redis TTL first (tests of the tier's other rules, with
+entries that are not in Redis)."""
 
 
 def _tenant_maker(engine: Engine) -> Callable[..., SeedSummary]:

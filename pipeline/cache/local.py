@@ -7,6 +7,12 @@ serving what Redis would not:
   set's shortest jittered TTL (``ttl * (1 - TTL_JITTER)``) counted from the entry's
   ``computed_at_ms`` (the Redis copy was written after it was computed, with at least
   that TTL), and never longer than ``max_ttl_ms`` when set.
+* **Windows.** An entry of a feature set whose values change with time alone (a
+  window over the last days; :attr:`pipeline.core.features.FeatureSet.horizon`) has a
+  Redis TTL cut to end when they may change, which its bytes do not carry. The tier
+  holds such an entry back until a background thread has read its key's TTL
+  (pipelined ``PTTL``, every :data:`HORIZON_POLL_S`), and then serves it no longer
+  than that: until then its reads go to Redis, as without the tier.
 * **Invalidations.** A background thread subscribes to the Redis channel
   :data:`pipeline.core.keys.INVALIDATION_CHANNEL` and drops the entity's entry, in every
   schema version, on each message (:class:`pipeline.cache.invalidation.Invalidation`). A
@@ -43,12 +49,14 @@ from pipeline.cache.subscription import DEFAULT_SILENCE_S, Subscription
 from pipeline.core.clock import now_ms
 from pipeline.core.errors import FreshlineError
 from pipeline.core.features import REGISTRY, Registry
-from pipeline.core.keys import INVALIDATION_CHANNEL
+from pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
 from pipeline.core.types import EntityRef, Entry
 
 log = logging.getLogger(__name__)
 
 RECENT_LIMIT = 65_536
+HORIZON_POLL_S = 0.02
+"""How often entries held back for their Redis TTL are looked up (see the docstring)."""
 
 
 @dataclass(slots=True)
@@ -59,6 +67,8 @@ class LocalStats:
     refused: int = 0
     evicted: int = 0
     expired: int = 0
+    held_back: int = 0
+    """Entries of windowed feature sets stored after their Redis TTL was read."""
     invalidations: int = 0
     flushes: int = 0
     subscriptions: int = 0
@@ -91,6 +101,12 @@ class LocalTier:
         # One entry per entity and feature set, whatever its schema version: an
         # invalidation finds it in O(1), and a reader of another version sees a miss.
         self._entries: OrderedDict[EntityRef, tuple[Entry, float]] = OrderedDict()
+        # Entries of windowed sets waiting for their key's TTL (see the docstring).
+        self._held: dict[EntityRef, tuple[Entry, float]] = {}
+        self._held_wake = threading.Event()
+        self._closing = threading.Event()
+        self._client = client
+        self._horizons: threading.Thread | None = None
         self._recent: OrderedDict[EntityRef, int] = OrderedDict()
         self._seq = 0
         self._floor = 0
@@ -119,11 +135,19 @@ class LocalTier:
     def start(self) -> LocalTier:
         """Start the subscription thread; the tier serves once it is confirmed."""
         self._subscription.start()
+        if self._horizons is None and any(fs.horizon for fs in self.registry):
+            self._horizons = threading.Thread(target=self._read_horizons, daemon=True,
+                                              name=f"{self.name}-horizons")
+            self._horizons.start()
         return self
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the subscription thread and flush."""
+        self._closing.set()
+        self._held_wake.set()
         self._subscription.close(timeout)
+        if self._horizons is not None:
+            self._horizons.join(timeout)
 
     def __enter__(self) -> LocalTier:
         return self.start()
@@ -179,13 +203,56 @@ class LocalTier:
                     or lifetime_ms <= 0):
                 self.stats.refused += 1
                 return False
-            self._entries[ref] = (entry, time.monotonic() + lifetime_ms / 1000)
-            self._entries.move_to_end(ref)
-            self.stats.stored += 1
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-                self.stats.evicted += 1
+            deadline = time.monotonic() + lifetime_ms / 1000
+            if self.registry[ref.feature_set].horizon is not None:
+                self._entries.pop(ref, None)
+                self._held[ref] = (entry, deadline)
+                if len(self._held) > self.max_entries:
+                    self._held.pop(next(iter(self._held)))
+                    self.stats.evicted += 1
+                self._held_wake.set()
+                return True
+            self._store_locked(ref, entry, deadline)
             return True
+
+    def _store_locked(self, ref: EntityRef, entry: Entry, deadline: float) -> None:
+        self._entries[ref] = (entry, deadline)
+        self._entries.move_to_end(ref)
+        self.stats.stored += 1
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+            self.stats.evicted += 1
+
+    def _read_horizons(self) -> None:
+        """Store the held-back entries, each until its key's Redis TTL runs out."""
+        while not self._closing.is_set():
+            self._held_wake.wait()
+            self._held_wake.clear()
+            with self._lock:
+                held = list(self._held.items())
+            if held:
+                try:
+                    self._store_held(held)
+                except redis.RedisError as exc:  # the subscription turns the tier dark
+                    log.debug("reading held entries' TTLs: %s", exc)
+            self._closing.wait(HORIZON_POLL_S)
+
+    def _store_held(self, held: list[tuple[EntityRef, tuple[Entry, float]]]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for ref, (entry, _) in held:
+            pipe.pttl(feature_key(entry.schema_version, ref))
+        started = time.monotonic()  # before the TTLs are read: errs short
+        ttls = pipe.execute()
+        with self._lock:
+            for (ref, item), ttl_ms in zip(held, ttls, strict=True):
+                if self._held.get(ref) is not item:
+                    continue  # invalidated, flushed or replaced meanwhile
+                del self._held[ref]
+                if ttl_ms is None or int(ttl_ms) <= 0:
+                    self.stats.refused += 1  # gone from Redis (or, wrongly, no TTL)
+                    continue
+                self.stats.held_back += 1
+                self._store_locked(ref, item[0], min(item[1], started + int(ttl_ms) / 1000))
 
     def _lifetime_ms(self, ref: EntityRef, entry: Entry) -> float:
         ttl_ms = self.registry[ref.feature_set].ttl_s * 1000 * (1 - TTL_JITTER)
@@ -204,6 +271,7 @@ class LocalTier:
                 _, seq = self._recent.popitem(last=False)
                 self._floor = max(self._floor, seq)
             self._entries.pop(ref, None)
+            self._held.pop(ref, None)
             self.stats.invalidations += 1
 
     def flush(self) -> None:
@@ -215,6 +283,7 @@ class LocalTier:
         self._seq += 1
         self._floor = self._seq
         self._entries.clear()
+        self._held.clear()
         self._recent.clear()
         self.stats.flushes += 1
 

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
@@ -199,6 +199,9 @@ class Batch:
     values: dict[tuple[str, str], FeatureValues]
     watermark: Watermark
     computed_at_ms: int
+    valid_until_ms: dict[tuple[str, str], int] = field(default_factory=dict)
+    """For a feature set with a horizon, per entity that has one: when its values may
+    next change with time alone (epoch ms, Postgres's clock, as ``computed_at_ms``)."""
 
 
 def entity_ids(refs: Iterable[tuple[str, str]]) -> tuple[list[str], list[int]]:
@@ -254,6 +257,8 @@ def compute(
 def feature_statement(fs: FeatureSet, path: Path | None = None) -> sa.TextClause:
     """The feature query joined to the snapshot select: one statement, one snapshot."""
     body = query_text(fs, path or fs.path)
+    if fs.horizon is not None:  # its moment as the last column: see FeatureSet.horizon
+        body = f"SELECT f.*, {fs.horizon} AS valid_until FROM ({body}) AS f"
     return sa.text(f"SELECT w.snapshot, w.us, w.invisible, f.* FROM ({_SNAPSHOT_SELECT}) AS w "
                    f"LEFT JOIN ({body}) AS f ON true")
 
@@ -266,11 +271,14 @@ def _compute(conn: Connection, fs: FeatureSet, tenants: list[str], ids: list[int
     first = rows[0]
     snap = _snapshot(first[0], first[1], first[2]).require_visible()
     values: dict[tuple[str, str], FeatureValues] = {}
+    valid_until: dict[tuple[str, str], int] = {}
     names = fs.field_names
+    end = 5 + len(names)
     for row in rows:
         if row[3] is None:  # the LEFT JOIN's row when no entity has features
             continue
-        values[(row[3], str(row[4]))] = {
-            name: _jsonable(v) for name, v in zip(names, row[5:], strict=True)
-        }
-    return Batch(fs, values, snap.watermark, snap.now_ms)
+        key = (row[3], str(row[4]))
+        values[key] = {name: _jsonable(v) for name, v in zip(names, row[5:end], strict=True)}
+        if fs.horizon is not None and row[end] is not None:
+            valid_until[key] = _jsonable(row[end])
+    return Batch(fs, values, snap.watermark, snap.now_ms, valid_until)

@@ -4,7 +4,9 @@ Every write goes through one Lua script, so the compare-and-set happens atomical
 inside Redis: an entry (or tombstone) replaces the current one only when its
 watermark is strictly greater. An equal watermark is an idempotent no-op, so
 redelivered and reordered events are harmless. Every write sets a TTL; there is no
-code path that writes a feature key without one.
+code path that writes a feature key without one. An entry whose values change with
+time alone (a window over the last days moving past a row) expires at that moment if
+it comes before the TTL (:func:`entry_ttl_ms`), so it is absent, never stale.
 
 Writes also carry the entity's read-through lease (same hash tag, so the script
 touches one slot): a source-driven write or an invalidation revokes any lease, and a
@@ -192,6 +194,18 @@ def jittered_ttl_ms(ttl_s: int) -> int:
     return max(1000, int(ttl_s * 1000 * (1 - TTL_JITTER * random.random())))
 
 
+def entry_ttl_ms(ttl_s: int, computed_at_ms: int, valid_until_ms: int | None) -> int:
+    """An entry's TTL: the jittered TTL, cut to end at ``valid_until_ms`` when its
+    values may change with time alone before then (a window moving past a row; see
+    :attr:`pipeline.core.features.FeatureSet.horizon`). Both moments are Postgres's
+    clock, so the entry expires within its write's latency of that moment, never
+    with the skew of this host's clock. At least 1 ms (Redis's least)."""
+    ttl = jittered_ttl_ms(ttl_s)
+    if valid_until_ms is None:
+        return ttl
+    return max(1, min(ttl, valid_until_ms - computed_at_ms))
+
+
 class FeatureStore:
     """Reads and conditional writes of feature entries for one schema version."""
 
@@ -332,8 +346,10 @@ class FeatureStore:
         """Write a computed batch, source-driven: revokes leases, keeps newer entries."""
         version = schema_version or self.schema_version
         fs = batch.feature_set
+        until = batch.valid_until_ms
         calls = [self._call(fs, EntityRef(fs.name, tenant, entity), values, version,
-                            batch.computed_at_ms, batch.watermark, "")
+                            batch.computed_at_ms, batch.watermark, "",
+                            until.get((tenant, entity)))
                  for (tenant, entity), values in batch.values.items()]
         return self._written(calls)
 
@@ -345,7 +361,8 @@ class FeatureStore:
             values = batch.values.get((ref.tenant, ref.entity))
             if values is not None:
                 calls.append(self._call(fs, ref, values, self.schema_version,
-                                        batch.computed_at_ms, batch.watermark, token))
+                                        batch.computed_at_ms, batch.watermark, token,
+                                        batch.valid_until_ms.get((ref.tenant, ref.entity))))
         return self._written(calls)
 
     def invalidate(self, refs: Sequence[EntityRef], watermark: Watermark, *,
@@ -373,11 +390,13 @@ class FeatureStore:
 
     @staticmethod
     def _call(fs: FeatureSet, ref: EntityRef, values: dict[str, object], version: int,
-              computed_at_ms: int, watermark: Watermark, token: str) -> Call:
+              computed_at_ms: int, watermark: Watermark, token: str,
+              valid_until_ms: int | None) -> Call:
         raw = encode_entry([values[f] for f in fs.field_names], version, computed_at_ms,
                            watermark)
+        ttl_ms = entry_ttl_ms(fs.ttl_s, computed_at_ms, valid_until_ms)
         return ((feature_key(version, ref), lease_key(version, ref),
-                 floor_key(version, fs.name)), (raw, jittered_ttl_ms(fs.ttl_s), token))
+                 floor_key(version, fs.name)), (raw, ttl_ms, token))
 
     def _floors_as_args(self, calls: list[Call]) -> list[Call]:
         """On a cluster: each call's floor key becomes its value, read once per batch

@@ -32,13 +32,29 @@ Path = Literal["full", "incremental"]
 (``full``), or its ``incremental`` query over per-day partial aggregates, which gives
 the same values (see :mod:`pipeline.cache.incremental`)."""
 
-_KEYS_CTE = """
+AS_OF = "coalesce(CAST(:as_of AS timestamptz), now())"
+"""The moment a feature query computes for: ``:as_of``, or the transaction's ``now()``."""
+
+_KEYS_CTE = f"""
 WITH k(tenant_id, user_id) AS (
     SELECT * FROM unnest(CAST(:tenants AS text[]), CAST(:ids AS bigint[]))
 ), t(as_of) AS (
-    SELECT coalesce(CAST(:as_of AS timestamptz), now())
+    SELECT {AS_OF}
 )
 """
+
+
+def rows_horizon(table: str, days: int) -> str:
+    """The horizon of features over a user's ``table`` rows created in the last ``days``
+    (and none created after the moment computed for): the first moment a row leaves
+    that window, or a row created later enters it. ``f.tenant_id``/``f.user_id`` is
+    the key; the ``(tenant_id, user_id, created_at)`` index answers both probes."""
+    mine = "x.tenant_id = f.tenant_id AND x.user_id = f.user_id"
+    return f"""least(
+    (SELECT min(x.created_at) FROM {table} x WHERE {mine}
+       AND x.created_at > {AS_OF} - interval '{days} days' AND x.created_at <= {AS_OF})
+    + interval '{days} days',
+    (SELECT min(x.created_at) FROM {table} x WHERE {mine} AND x.created_at > {AS_OF}))"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +93,16 @@ class FeatureSet:
     answer (``ki``), see :mod:`pipeline.cache.incremental`. Not part of the fingerprint."""
     path: Path = field(default="full", compare=False)
     """Which evaluation recomputes use by default. Not part of the fingerprint."""
+    horizon: str | None = field(default=None, repr=False, compare=False)
+    """For features that change with time alone (a window over the last days), a SQL
+    expression for one key (``f.tenant_id``, ``f.user_id``; the moment computed for is
+    :data:`AS_OF`) giving the first moment after it at which they may change with no
+    source row changing: a row leaving or entering the window. ``NULL``: never. An
+    entry expires then, if before its TTL, so a window that moves past a row leaves
+    the entry absent rather than stale (:mod:`pipeline.cache.store`). Early is safe
+    (a miss), late is not, so a horizon may be conservative. Not part of the
+    fingerprint: it decides when an entry expires, never its value, and an entry
+    written without one is still a valid entry of the same schema version."""
     statement: sa.TextClause = field(init=False, repr=False, compare=False)
     _fingerprint: str = field(init=False, repr=False, compare=False)
 
@@ -308,6 +334,7 @@ CROSS JOIN LATERAL (
 ) a
 """,
     path="incremental",
+    horizon=rows_horizon("transactions", 90),
 )
 
 DEVICE_RISK = FeatureSet(
@@ -350,6 +377,12 @@ GROUP BY k.tenant_id, k.user_id
         ),
         Source("users", ("id",)),
     ),
+    # new_device_24h stays true until the newest device first seen in the last day is
+    # a day old, and a device first seen later makes it true now already.
+    horizon=f"""(SELECT max(d.first_seen) + interval '24 hours'
+    FROM user_devices ud JOIN devices d ON d.tenant_id = ud.tenant_id AND d.id = ud.device_id
+    WHERE ud.tenant_id = f.tenant_id AND ud.user_id = f.user_id
+      AND d.first_seen > {AS_OF} - interval '24 hours')""",
 )
 
 # The geoip lookup: the range whose start is the greatest at or below the IP, if the
@@ -456,6 +489,8 @@ CROSS JOIN LATERAL (
 ) ed
 """,
     path="incremental",
+    # the 30-day window; and a later row, once created, is the latest
+    horizon=rows_horizon("transactions", 30),
 )
 
 

@@ -152,7 +152,8 @@ def test_invalidations_arrive_on_a_sharded_channel(
         token = tier.token()
         entry = store.read([ref])[0]
         assert entry is not None and tier.put(ref, entry, token)
-        assert tier.get(ref, version) is not None
+        # served once the tier has read the key's TTL (txn_90d has a horizon), on its node
+        assert wait_until(lambda: tier.get(ref, version) is not None, 10)
         message = Invalidation(tenant, "txn_90d", "0", 31, version)
         publish(cluster_redis, INVALIDATION_CHANNEL, message.encode(), cluster=True)
         assert wait_until(lambda: tier.get(ref, version) is None, 10)

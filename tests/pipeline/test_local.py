@@ -15,9 +15,9 @@ from pipeline.cache.local import LocalTier
 from pipeline.cache.recompute import Batch
 from pipeline.cache.store import TTL_JITTER, FeatureStore
 from pipeline.core.features import REGISTRY
-from pipeline.core.keys import INVALIDATION_CHANNEL
+from pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
 from pipeline.core.types import EntityRef, Entry
-from tests.conftest import fresh_version, wait_until
+from tests.conftest import UNWINDOWED, fresh_version, wait_until
 
 VALUES = {"txn_count": 1, "txn_sum": 2.0, "txn_mean": 2.0, "txn_max": 2.0, "txn_std": 0.0,
           "distinct_merchants": 1, "distinct_devices": 1, "last_txn_at": None}
@@ -38,7 +38,8 @@ def tenant() -> str:
 
 @pytest.fixture
 def tier(redis_client: redis.Redis) -> Iterator[LocalTier]:
-    local = LocalTier(redis_client, max_entries=100, heartbeat_s=0.2).start()
+    local = LocalTier(redis_client, max_entries=100, heartbeat_s=0.2,
+                      registry=UNWINDOWED).start()
     assert local.wait_live(5)
     yield local
     local.close()
@@ -52,7 +53,7 @@ def publish(client: redis.Redis, tenant: str, entity: str, feature_set: str = "t
 
 def test_nothing_is_served_before_the_subscription_is_confirmed(
         redis_client: redis.Redis, tenant: str) -> None:
-    local = LocalTier(redis_client, max_entries=10)
+    local = LocalTier(redis_client, max_entries=10, registry=UNWINDOWED)
     ref = EntityRef("txn_90d", tenant, "1")
     assert not local.live
     assert local.put(ref, entry(), local.token()) is False
@@ -162,7 +163,7 @@ def tier_on_private_redis(
     """The tier on a throwaway redis-server we can stop and start: the outage is ours."""
     url, stop, start = private_redis
     client = redis.Redis.from_url(url)
-    local = LocalTier(client, max_entries=10, heartbeat_s=0.2).start()
+    local = LocalTier(client, max_entries=10, heartbeat_s=0.2, registry=UNWINDOWED).start()
     assert local.wait_live(5)
     yield local, stop, start
     local.close()
@@ -180,7 +181,7 @@ def test_a_message_that_does_not_decode_flushes(tier: LocalTier, redis_client: r
 
 def test_size_is_bounded_least_recently_used_first(redis_client: redis.Redis,
                                                    tenant: str) -> None:
-    with LocalTier(redis_client, max_entries=3) as local:
+    with LocalTier(redis_client, max_entries=3, registry=UNWINDOWED) as local:
         assert local.wait_live(5)
         refs = [EntityRef("txn_90d", tenant, str(i)) for i in range(5)]
         for ref in refs[:3]:
@@ -211,7 +212,7 @@ def test_an_entry_never_outlives_its_redis_copy(tier: LocalTier, tenant: str) ->
 
 
 def test_max_ttl_caps_the_life_of_an_entry(redis_client: redis.Redis, tenant: str) -> None:
-    with LocalTier(redis_client, max_entries=3, max_ttl_ms=50) as local:
+    with LocalTier(redis_client, max_entries=3, max_ttl_ms=50, registry=UNWINDOWED) as local:
         assert local.wait_live(5)
         ref = EntityRef("txn_90d", tenant, "1")
         assert local.put(ref, entry(), local.token())
@@ -223,3 +224,50 @@ def test_another_schema_version_is_a_miss(tier: LocalTier, tenant: str) -> None:
     assert tier.put(ref, entry(version=3), tier.token())
     assert tier.get(ref, 4) is None
     assert tier.get(ref, 3) is not None
+
+
+def test_a_windowed_entry_is_served_no_longer_than_its_redis_copy_lives(
+        redis_client: redis.Redis, tenant: str) -> None:
+    """txn_90d's Redis TTL is cut to end when a row leaves its window (FeatureSet.horizon),
+    which the entry's bytes do not carry: the tier reads the key's TTL before serving it."""
+    version = fresh_version()
+    ref = EntityRef("txn_90d", tenant, "1")
+    key = feature_key(version, ref)
+    redis_client.set(key, b"the Redis copy", px=1500)
+    with LocalTier(redis_client, max_entries=10) as local:
+        assert local.wait_live(5)
+        assert local.put(ref, entry(version), local.token())
+        assert wait_until(lambda: local.get(ref, version) is not None)
+        assert local.stats.held_back == 1
+        while True:  # never served once Redis has forgotten it (checked in that order)
+            gone = not redis_client.exists(key)
+            served = local.get(ref, version) is not None
+            assert not (gone and served)
+            if gone:
+                break
+            time.sleep(0.005)  # polling the expiry; the assertion is per poll
+        # A copy that is not in Redis any more is never served.
+        other = EntityRef("txn_90d", tenant, "2")
+        assert local.put(other, entry(version), local.token())
+        assert wait_until(lambda: local.stats.refused == 1)
+        assert local.get(other, version) is None
+
+
+def test_a_windowed_entry_invalidated_while_held_back_is_dropped(
+        redis_client: redis.Redis, tenant: str) -> None:
+    version = fresh_version()
+    ref = EntityRef("geo", tenant, "1")
+    redis_client.set(feature_key(version, ref), b"the Redis copy", px=60_000)
+    with LocalTier(redis_client, max_entries=10) as local:
+        assert local.wait_live(5)
+        local._held_wake.clear()  # noqa: SLF001 - hold the thread off for this put
+        with local._lock:  # noqa: SLF001 - and this invalidation, before it reads the TTL
+            local._held[ref] = (Entry({}, version, now_ms(), 1), time.monotonic() + 60)
+            local._entries.pop(ref, None)
+        local.invalidate("geo", tenant, "1")
+        local._held_wake.set()  # noqa: SLF001
+        other = EntityRef("geo", tenant, "2")
+        redis_client.set(feature_key(version, other), b"the Redis copy", px=60_000)
+        assert local.put(other, entry(version), local.token())
+        assert wait_until(lambda: local.get(other, version) is not None)
+        assert local.get(ref, version) is None

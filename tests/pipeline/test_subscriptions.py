@@ -37,7 +37,7 @@ from pipeline.core.lock import Lock, LockedSet
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef, Entry
 from pipeline.deploy.pointer import flip
-from tests.conftest import wait_until
+from tests.conftest import UNWINDOWED, wait_until
 from tests.pipeline.test_api import running
 
 PrivateRedis = tuple[str, Callable[[], None], Callable[[], None]]
@@ -221,8 +221,10 @@ def test_a_half_open_subscription_goes_dark_within_the_silence_bound(
     ref = EntityRef("txn_90d", tenant, "1")
     with Forwarder(host, port) as hole:
         client = redis.Redis(host="127.0.0.1", port=hole.port, db=db, **login(redis_client))
-        tier = (LocalTier(client, max_entries=10, channel=channel) if silence_s is None else
-                LocalTier(client, max_entries=10, channel=channel, silence_s=silence_s)).start()
+        tier = (LocalTier(client, max_entries=10, channel=channel, registry=UNWINDOWED)
+                if silence_s is None else
+                LocalTier(client, max_entries=10, channel=channel, silence_s=silence_s,
+                          registry=UNWINDOWED)).start()
         try:
             assert tier.wait_live(5)
             assert tier.put(ref, entry(), tier.token())
@@ -253,7 +255,8 @@ def test_a_half_open_subscription_goes_dark_within_the_silence_bound(
 def test_a_quiet_healthy_subscription_stays_live(redis_client: redis.Redis,
                                                  channel: str) -> None:
     # No messages at all for many bounds: the heartbeats alone keep it confirmed.
-    with LocalTier(redis_client, max_entries=10, channel=channel, silence_s=0.2) as tier:
+    with LocalTier(redis_client, max_entries=10, channel=channel, silence_s=0.2,
+                   registry=UNWINDOWED) as tier:
         assert tier.wait_live(5)
         assert wait_until(lambda: tier.heartbeats >= 20, timeout=10)
         assert tier.live
@@ -387,7 +390,7 @@ def test_the_local_tier_survives_a_redis_restart(
     admin = redis.Redis.from_url(url)
     client = no_retries(url)
     ref = EntityRef("txn_90d", tenant, "1")
-    tier = LocalTier(client, max_entries=10, channel=channel).start()
+    tier = LocalTier(client, max_entries=10, channel=channel, registry=UNWINDOWED).start()
     try:
         assert tier.wait_live(5)
         assert tier.put(ref, entry(), tier.token())
