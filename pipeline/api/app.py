@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -269,5 +270,17 @@ def cluster_twin(client: Any) -> redis.asyncio.Redis:
 
 
 def app_from_env() -> Starlette:
-    """The app factory servers call (``granian --factory``, ``uvicorn --factory``)."""
-    return create_app(load_settings())
+    """The app factory servers call (``granian --factory``, ``uvicorn --factory``), once
+    per worker process.
+
+    Everything made until now (modules, the registry, the clients, SQLAlchemy's and
+    Starlette's machinery: about 100,000 objects) lives as long as the worker, so it
+    leaves the garbage collector's generations (``gc.freeze``): a full collection
+    no longer walks it. One took 20 to 40 ms here, a stall for every request in
+    flight; the batch route's p99 at c=16 went from 25.9 to 10.4 ms with the freeze
+    (medians of 5 wrk rounds, same run; README, read path).
+    """
+    app = create_app(load_settings())
+    gc.collect()
+    gc.freeze()
+    return app
