@@ -21,7 +21,6 @@ misses and raises :class:`pipeline.core.errors.CorruptEntry` where it always did
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain
 from operator import itemgetter
 from typing import NamedTuple, cast
 
@@ -104,11 +103,21 @@ def hits_body(template: bytes, width: int, schema_version: int, entities: Sequen
     id_list = ids.split(b",")
     if len(id_list) != n:
         return None
-    ages = [now_ms - c if now_ms > c else 0 for c in computed]
-    columns = [tokens[j::step] for j in range(2, step)]
-    columns[0] = [t[1:] for t in columns[0]]  # "[v1"
-    columns[-1] = [t[:-2] for t in columns[-1]]  # "vn]]"
-    items = b",".join([template] * n) % tuple(chain.from_iterable(
-        zip(id_list, *columns, ages, strict=True)))
+    # The template's arguments, item after item: the id, the values, the age; filled
+    # a column at a time (C-level slice assignments). The first and last values are
+    # cut from their "[" and "]]" on one join of their column each ("[v1,[v1,..." and
+    # "vn]],vn]],...": no value holds "[" or "]").
+    per = width + 2
+    args: list[bytes | int] = [b""] * (per * n)
+    args[0::per] = id_list
+    if width == 1:  # "[v1]]"
+        args[1::per] = [t[1:-2] for t in tokens[2::step]]
+    else:
+        args[1::per] = b",".join(tokens[2::step])[1:].split(b",[")
+        for j in range(1, width - 1):
+            args[1 + j::per] = tokens[2 + j::step]
+        args[width::per] = b",".join(tokens[step - 1::step])[:-2].split(b"]],")
+    args[per - 1::per] = [now_ms - c if now_ms > c else 0 for c in computed]
+    items = b",".join([template] * n) % tuple(args)
     return Spliced(b'{"schema_version":' + orjson.dumps(schema_version) + b',"items":['
                    + items + b"]}", computed)

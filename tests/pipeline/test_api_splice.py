@@ -95,6 +95,26 @@ def test_spliced_hits_are_the_decoded_answer_byte_for_byte(feature_set: str,
     assert spliced(feature_set, ids, raws, low) == decoded_body(feature_set, ids, raws, low)
 
 
+@pytest.mark.parametrize("width", [1, 2, 3])
+def test_a_set_of_one_two_or_three_fields_splices_as_it_decodes(width: int) -> None:
+    """The first and last values are cut from their brackets column by column; with one
+    field they are the same value."""
+    rng = random.Random(width)
+    fields = [f"f{i}" for i in range(width)]
+    ids = [str(i) for i in range(1, 12)]
+    raws: list[bytes | None] = [
+        encode_entry([value(rng.choice(["int", "float", "bool"]), rng) for _ in fields],
+                     VERSION, NOW - rng.randint(0, 10**6), rng.randint(0, 2**100))
+        for _ in ids]
+    found = hits_body(item_template("w", fields, VERSION), width, VERSION, ids, raws, None, NOW)
+    assert found is not None
+    rows = decode_rows(raws, fields, VERSION)
+    assert orjson.loads(found.body)["items"] == [
+        {"feature_set": "w", "entity": e, "values": row[0], "hit": True, "source": "hit",
+         "age_ms": NOW - row[1], "schema_version": VERSION}
+        for e, row in zip(ids, rows, strict=True) if row is not None]
+
+
 def _mutations() -> dict[str, Callable[[list[bytes | None]], list[Any]]]:
     def at(i: int, raw: bytes | None) -> Callable[[list[bytes | None]], list[Any]]:
         return lambda rs: [*rs[:i], raw, *rs[i + 1:]]
