@@ -260,12 +260,12 @@ def test_a_windowed_entry_invalidated_while_held_back_is_dropped(
     redis_client.set(feature_key(version, ref), b"the Redis copy", px=60_000)
     with LocalTier(redis_client, max_entries=10) as local:
         assert local.wait_live(5)
-        local._held_wake.clear()  # noqa: SLF001 - hold the thread off for this put
-        with local._lock:  # noqa: SLF001 - and this invalidation, before it reads the TTL
+        local._held_wake.clear()  # hold the thread off for this put
+        with local._lock:  # and this invalidation, before it reads the TTL
             local._held[ref] = (Entry({}, version, now_ms(), 1), time.monotonic() + 60)
             local._entries.pop(ref, None)
         local.invalidate("geo", tenant, "1")
-        local._held_wake.set()  # noqa: SLF001
+        local._held_wake.set()
         other = EntityRef("geo", tenant, "2")
         redis_client.set(feature_key(version, other), b"the Redis copy", px=60_000)
         assert local.put(other, entry(version), local.token())
