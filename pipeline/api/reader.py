@@ -25,7 +25,7 @@ import redis
 
 from pipeline.api.connections import HeldConnections
 from pipeline.api.deadlines import Deadlines
-from pipeline.api.splice import Spliced, hits_body, item_template
+from pipeline.api.splice import Spliced, Splicer
 from pipeline.cache.local import LocalTier
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.core.clock import now_ms
@@ -151,7 +151,7 @@ class FeatureReader:
         self.aredis = aredis
         self.timeout_s = timeout_s
         self._deadlines = None if timeout_s is None else Deadlines(tick_s=timeout_s / 10)
-        self._templates: dict[tuple[str, int], bytes] = {}  # (feature set, version)
+        self._splicers: dict[tuple[str, int], Splicer] = {}  # (feature set, version)
         # The MGETs' connections (pipeline.api.connections), for aredis unless a cluster.
         self._held: HeldConnections | None = None
         self._held_for: object = None
@@ -233,12 +233,10 @@ class FeatureReader:
         raws = await self._mget(store.grid_keys(lookup.tenant, lookup.feature_sets,
                                                 lookup.entities))
         now = now_ms()
-        template = self._templates.get((fs, version))
-        if template is None:
-            template = self._templates[fs, version] = item_template(
-                fs, store.fields(fs), version)
-        spliced = hits_body(template, len(store.fields(fs)), version, lookup.entities,
-                            raws[:-1], raws[-1], now)
+        splicer = self._splicers.get((fs, version))
+        if splicer is None:
+            splicer = self._splicers[fs, version] = Splicer(fs, store.fields(fs), version)
+        spliced = splicer.body(lookup.entities, raws[:-1], raws[-1], now)
         result: Spliced | list[Answer] | None = spliced
         if spliced is None:
             result = self._answers_from(target, lookup, mode, raws, now)

@@ -16,7 +16,7 @@ from sqlalchemy.engine import Engine
 from pipeline.api import create_app
 from pipeline.api.auth import create_api_key
 from pipeline.api.reader import Lookup
-from pipeline.api.splice import Spliced, hits_body, item_template
+from pipeline.api.splice import Spliced, Splicer
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.codec import decode_rows, encode_entry, encode_tombstone, watermark_hex
@@ -65,9 +65,12 @@ def decoded_body(feature_set: str, entities: list[str], raws: list[bytes | None]
 
 def spliced(feature_set: str, entities: list[str], raws: list[bytes | None],
             floor: bytes | None = None) -> bytes | None:
-    fields = REGISTRY[feature_set].field_names
-    found = hits_body(item_template(feature_set, fields, VERSION), len(fields), VERSION,
-                      entities, raws, floor, NOW)
+    """The body a fresh :class:`Splicer` makes, checked against the one it makes again
+    from what it kept of the same entries."""
+    splicer = Splicer(feature_set, REGISTRY[feature_set].field_names, VERSION)
+    found = splicer.body(entities, raws, floor, NOW)
+    again = splicer.body(entities, raws, floor, NOW)
+    assert again == found
     return None if found is None else found.body
 
 
@@ -106,13 +109,29 @@ def test_a_set_of_one_two_or_three_fields_splices_as_it_decodes(width: int) -> N
         encode_entry([value(rng.choice(["int", "float", "bool"]), rng) for _ in fields],
                      VERSION, NOW - rng.randint(0, 10**6), rng.randint(0, 2**100))
         for _ in ids]
-    found = hits_body(item_template("w", fields, VERSION), width, VERSION, ids, raws, None, NOW)
+    found = Splicer("w", fields, VERSION).body(ids, raws, None, NOW)
     assert found is not None
     rows = decode_rows(raws, fields, VERSION)
     assert orjson.loads(found.body)["items"] == [
         {"feature_set": "w", "entity": e, "values": row[0], "hit": True, "source": "hit",
          "age_ms": NOW - row[1], "schema_version": VERSION}
         for e, row in zip(ids, rows, strict=True) if row is not None]
+
+
+def test_what_a_splicer_keeps_is_bounded_and_answers_as_a_fresh_one_would() -> None:
+    ids, raws = entries("txn_90d", 30, 99)
+    splicer = Splicer("txn_90d", REGISTRY["txn_90d"].field_names, VERSION, max_entries=10)
+    for start in (0, 10, 5, 20, 0):  # overlapping windows: some entries kept, some not
+        window = slice(start, start + 10)
+        found = splicer.body(ids[window], raws[window], None, NOW + start)
+        fresh = Splicer("txn_90d", REGISTRY["txn_90d"].field_names, VERSION).body(
+            ids[window], raws[window], None, NOW + start)
+        assert found is not None and found == fresh
+        assert len(splicer) <= 10
+    # A bad entry among kept ones: no answer, and nothing of it kept.
+    bad = [*raws[:5], raws[5][:-3]]
+    assert splicer.body(ids[:6], bad, None, NOW) is None
+    assert raws[5][:-3] not in splicer._seen
 
 
 def _mutations() -> dict[str, Callable[[list[bytes | None]], list[Any]]]:
