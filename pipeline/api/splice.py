@@ -9,7 +9,7 @@ Decoding every entry and encoding the answer again (:func:`pipeline.core.codec.d
 then orjson) costs more than the rest of a batch request. When every entry of the
 batch is a hit whose values are JSON scalars (numbers, booleans, null: every feature
 set's fields today), the values' JSON text is already in the stored entry, in field
-order: :func:`hits_body` checks the entries as :func:`decode_rows` does and copies
+order: :class:`Splicer` checks the entries as :func:`decode_rows` does and copies
 each value's text into a template of the answer, which makes the same bytes as
 decoding and encoding would (orjson wrote the entries, and writes a number the same
 way again). Anything else (a miss, a tombstone, an entry below its floor, a string or
