@@ -60,7 +60,7 @@ from pipeline.core.codec import (
     watermark_hex,
 )
 from pipeline.core.errors import ConfigError
-from pipeline.core.features import REGISTRY, FeatureSet, Registry
+from pipeline.core.features import REGISTRY, Registry
 from pipeline.core.keys import (
     feature_key,
     feature_keys,
@@ -345,24 +345,18 @@ class FeatureStore:
     def write(self, batch: Batch, *, schema_version: int | None = None) -> WriteResult:
         """Write a computed batch, source-driven: revokes leases, keeps newer entries."""
         version = schema_version or self.schema_version
-        fs = batch.feature_set
-        until = batch.valid_until_ms
-        calls = [self._call(fs, EntityRef(fs.name, tenant, entity), values, version,
-                            batch.computed_at_ms, batch.watermark, "",
-                            until.get((tenant, entity)))
+        name = batch.feature_set.name
+        calls = [self._call(batch, EntityRef(name, tenant, entity), values, version, "")
                  for (tenant, entity), values in batch.values.items()]
         return self._written(calls)
 
     def fill(self, batch: Batch, token: str, refs: Sequence[EntityRef]) -> WriteResult:
         """Store read-through results for ``refs``, only where ``token`` still holds the lease."""
-        fs = batch.feature_set
         calls: list[Call] = []
         for ref in refs:
             values = batch.values.get((ref.tenant, ref.entity))
             if values is not None:
-                calls.append(self._call(fs, ref, values, self.schema_version,
-                                        batch.computed_at_ms, batch.watermark, token,
-                                        batch.valid_until_ms.get((ref.tenant, ref.entity))))
+                calls.append(self._call(batch, ref, values, self.schema_version, token))
         return self._written(calls)
 
     def invalidate(self, refs: Sequence[EntityRef], watermark: Watermark, *,
@@ -389,12 +383,14 @@ class FeatureStore:
                                  (watermark_hex(watermark), ttl_ms))])
 
     @staticmethod
-    def _call(fs: FeatureSet, ref: EntityRef, values: dict[str, object], version: int,
-              computed_at_ms: int, watermark: Watermark, token: str,
-              valid_until_ms: int | None) -> Call:
+    def _call(batch: Batch, ref: EntityRef, values: dict[str, object], version: int,
+              token: str) -> Call:
+        """The write script's keys and arguments for ``ref``'s ``values`` of ``batch``."""
+        fs, computed_at_ms = batch.feature_set, batch.computed_at_ms
         raw = encode_entry([values[f] for f in fs.field_names], version, computed_at_ms,
-                           watermark)
-        ttl_ms = entry_ttl_ms(fs.ttl_s, computed_at_ms, valid_until_ms)
+                           batch.watermark)
+        ttl_ms = entry_ttl_ms(fs.ttl_s, computed_at_ms,
+                              batch.valid_until_ms.get((ref.tenant, ref.entity)))
         return ((feature_key(version, ref), lease_key(version, ref),
                  floor_key(version, fs.name)), (raw, ttl_ms, token))
 
