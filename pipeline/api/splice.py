@@ -96,12 +96,12 @@ class Splicer:
             made = self._cut(fresh)
             if made is None:
                 return None
-            for raw, piece in zip(fresh, made, strict=True):
-                seen[raw] = piece
-            if len(seen) > self.max_entries:
+            seen.update(zip(fresh, made, strict=True))
+            if len(seen) > self.max_entries:  # (may drop some of these too)
                 for old in list(itertools.islice(seen, len(seen) - self.max_entries)):
                     del seen[old]
-            known = [seen[r] if k is None else k for r, k in zip(entries, known, strict=True)]
+            cut = iter(made)
+            known = [next(cut) if k is None else k for k in known]
         pieces = cast(list[tuple[bytes, int]], known)
         if floor is not None:
             if isinstance(floor, str):

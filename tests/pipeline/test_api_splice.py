@@ -128,6 +128,11 @@ def test_what_a_splicer_keeps_is_bounded_and_answers_as_a_fresh_one_would() -> N
             ids[window], raws[window], None, NOW + start)
         assert found is not None and found == fresh
         assert len(splicer) <= 10
+    # A batch larger than what it keeps: answered all the same.
+    found = splicer.body(ids, raws, None, NOW)
+    assert found is not None and len(splicer) == 10
+    assert found == Splicer("txn_90d", REGISTRY["txn_90d"].field_names, VERSION).body(
+        ids, raws, None, NOW)
     # A bad entry among kept ones: no answer, and nothing of it kept.
     bad = [*raws[:5], raws[5][:-3]]
     assert splicer.body(ids[:6], bad, None, NOW) is None
