@@ -143,20 +143,15 @@ def _command(argv: list[str]) -> str:
     return " ".join([".venv/bin/python", "-m", "bench", *(shlex.quote(a) for a in argv)])
 
 
-def _ensure_matplotlib(quick: bool) -> bool:
-    """Plots need the optional ``bench`` extra; a full run installs it when missing."""
+def _has_matplotlib(quick: bool) -> bool:
+    """Plots need matplotlib, which the lock (``requirements/dev.txt``) installs."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        if quick:
-            return False
-        print("bench: installing the optional plotting dependency (pip install -e '.[bench]')",
-              file=sys.stderr)
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e",
-                               f"{common.REPO}[bench]"], check=False)
-        if done.returncode != 0:
-            return False
-        importlib.invalidate_caches()
+        if not quick:
+            print("bench: matplotlib is missing, so no plots (run ./scripts/bootstrap)",
+                  file=sys.stderr)
+        return False
     return True
 
 
@@ -297,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    plots = not args.no_plots and _ensure_matplotlib(args.quick)
+    plots = not args.no_plots and _has_matplotlib(args.quick)
     common.configure(out, args.quick, plots=plots)
     selected = [b for b in BENCHMARKS if not args.only or b in args.only]
 

@@ -226,7 +226,7 @@ class Subscription:
         if sharded:
             self._client.close()
             self._client = self._node_client()
-        pubsub = self._client.pubsub()  # type: ignore[no-untyped-call]
+        pubsub = self._client.pubsub()
         try:
             sent = time.monotonic()
             if sharded:
