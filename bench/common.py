@@ -244,7 +244,8 @@ class Context:
         return self
 
     def _admin(self) -> Engine:
-        url = make_url(self.base.postgres_url).set(database="postgres")
+        # Creating a database takes the owner's login (FRESHLINE_POSTGRES_ADMIN_URL).
+        url = make_url(self.base.migration_url).set(database="postgres")
         return sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
 
     @property

@@ -51,9 +51,9 @@ def tenants_create(
 ) -> None:
     """Create a tenant and print its first API key (shown only this once)."""
     from pipeline.api.auth import register_tenant
-    from pipeline.core.db import make_engine
+    from pipeline.core.db import make_owner_engine
 
-    issued = register_tenant(make_engine(_settings()), tenant, name)
+    issued = register_tenant(make_owner_engine(_settings()), tenant, name)
     console.print(f"created tenant {tenant}; its API key {issued.key_id} "
                   "(stored hashed, shown only now):")
     typer.echo(issued.key)
@@ -68,11 +68,11 @@ def apikey_create(
 ) -> None:
     """Add an API key for a tenant and print it (shown only this once)."""
     from pipeline.api.auth import issue_api_key
-    from pipeline.core.db import make_engine
+    from pipeline.core.db import make_owner_engine
 
     expires_at = datetime.now(UTC) + parse_duration(expires_in) if expires_in else None
     try:
-        issued = issue_api_key(make_engine(_settings()), tenant, label=label,
+        issued = issue_api_key(make_owner_engine(_settings()), tenant, label=label,
                                expires_at=expires_at)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--label") from None
@@ -110,13 +110,13 @@ def apikey_revoke(
     """Revoke a key: every API worker refuses it within FRESHLINE_SUBSCRIPTION_SILENCE_MS."""
 
     from pipeline.api.auth import revoke_api_key
-    from pipeline.core.db import make_engine
+    from pipeline.core.db import make_owner_engine
 
     settings = _settings()
     client = redis_client(settings, socket_connect_timeout=2,
                                   socket_timeout=5)
     try:
-        info = revoke_api_key(make_engine(settings), client, key_id)
+        info = revoke_api_key(make_owner_engine(settings), client, key_id)
     finally:
         client.close()
     console.print(f"revoked API key {info.key_id} of tenant {info.tenant} "

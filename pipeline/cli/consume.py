@@ -107,14 +107,15 @@ def produce_demo(
 ) -> None:
     """Write realistic changes to Postgres and emit the matching domain events."""
     from consumers.kafka import Producer
-    from pipeline.core.db import make_engine
+    from pipeline.core.db import make_owner_engine
     from pipeline.core.settings import load_settings
     from pipeline.core.topics import qualified
     from pipeline.dev.simulator import Simulator
 
     settings = load_settings()
     with Producer(settings) as producer:
-        sim = Simulator(make_engine(settings), producer, topic=lambda t: qualified(settings, t))
+        sim = Simulator(make_owner_engine(settings), producer,
+                        topic=lambda t: qualified(settings, t))
         totals = sim.run(rate, count=count, duration=duration)
     console.print(f"emitted {totals.created} created, {totals.updated} updated transactions "
                   f"and {totals.devices} device changes")

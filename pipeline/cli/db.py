@@ -12,7 +12,7 @@ from rich.progress import TaskID
 from rich.table import Table
 
 from pipeline.cli.app import console, out, progress_bar
-from pipeline.core.db import make_engine, ping
+from pipeline.core.db import make_engine, make_owner_engine, ping
 from pipeline.core.settings import load_settings
 
 db_app = typer.Typer(help="The source Postgres schema.", no_args_is_help=True)
@@ -30,7 +30,7 @@ def db_upgrade(revision: str = typer.Argument("head", help="Alembic revision")) 
     import migrations
 
     settings = load_settings()
-    engine = make_engine(settings)
+    engine = make_owner_engine(settings)
     ping(engine)
     migrations.upgrade(settings.migration_url, revision)
     console.print(f"database at revision {revision}")
@@ -88,7 +88,7 @@ def seed_cmd(
 
     from pipeline.dev.seed import seed as run_seed
 
-    engine = make_engine(load_settings())
+    engine = make_owner_engine(load_settings())
     try:
         ping(engine)
         started = time.perf_counter()

@@ -129,6 +129,13 @@ def make_engine(settings: Settings, *, pool_size: int = 5, url: str | None = Non
     )
 
 
+def make_owner_engine(settings: Settings, *, pool_size: int = 5) -> Engine:
+    """An engine logged in as the owner, for commands that write: seeding, tenants, API
+    keys, the demo's changes. FRESHLINE_POSTGRES_ADMIN_URL where set, else the service URL
+    (and a refusal then becomes :class:`~pipeline.core.errors.PermissionDenied`)."""
+    return make_engine(settings, pool_size=pool_size, url=settings.migration_url)
+
+
 def ping(engine: Engine) -> None:
     """Raise :class:`ServiceUnavailable` unless Postgres answers."""
     try:

@@ -29,6 +29,27 @@ class ServiceUnavailable(FreshlineError):
         super().__init__(f"{service} is not reachable at {url} ({detail or 'no answer'}); {hint}")
 
 
+class PermissionDenied(FreshlineError):
+    """Postgres refused a statement to the role freshline logged in as.
+
+    Commands that write (seed, tenants, API keys, the demo's changes, schema changes) log in
+    as the owner, FRESHLINE_POSTGRES_ADMIN_URL; without it they fall back to
+    FRESHLINE_POSTGRES_URL, which is usually a read-only service role.
+    """
+
+    def __init__(self, role: str, setting: str, detail: str) -> None:
+        self.role = role
+        self.setting = setting
+        self.detail = detail
+        if setting == "FRESHLINE_POSTGRES_URL":
+            remedy = ("set FRESHLINE_POSTGRES_ADMIN_URL to the owner's login (scripts/stack "
+                      "writes it to .stack/env: set -a; . .stack/env; set +a) and run it again")
+        else:
+            remedy = (f"{setting} must name the role that owns freshline's tables "
+                      "(the one freshline db upgrade ran as)")
+        super().__init__(f"Postgres {detail} for role {role!r} ({setting}); {remedy}")
+
+
 class InvalidId(FreshlineError, ValueError):
     """A tenant, entity, model or arm id that must never reach a key."""
 

@@ -7,11 +7,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
+import psycopg
 import redis
 import sqlalchemy as sa
 from redis.cluster import RedisCluster
+from sqlalchemy.engine import make_url
 
-from pipeline.core.errors import ServiceUnavailable
+from pipeline.core.errors import PermissionDenied, ServiceUnavailable
 from pipeline.core.settings import Settings, load_settings, redact
 
 
@@ -83,11 +85,29 @@ def kafka_security_config(settings: Settings) -> dict[str, Any]:
 
 @contextmanager
 def translate_errors() -> Iterator[None]:
-    """Re-raise client connection errors as :class:`ServiceUnavailable`."""
+    """Re-raise client connection errors as :class:`ServiceUnavailable`, and a refusal
+    by Postgres's privileges as :class:`PermissionDenied` (role, setting, remedy)."""
     try:
         yield
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise permission_denied(exc) from exc
+    except sa.exc.ProgrammingError as exc:
+        if isinstance(exc.orig, psycopg.errors.InsufficientPrivilege):
+            raise permission_denied(exc.orig) from exc
+        raise
     except redis.exceptions.ConnectionError as exc:
         raise ServiceUnavailable("Redis", redact(load_settings().redis_url), str(exc)) from exc
     except sa.exc.OperationalError as exc:
         detail = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
         raise ServiceUnavailable("Postgres", redact(load_settings().postgres_url), detail) from exc
+
+
+def permission_denied(exc: psycopg.Error, settings: Settings | None = None) -> PermissionDenied:
+    """The one line for a refused statement: commands that write log in with
+    ``settings.migration_url``, so its role and setting are the ones to name."""
+    settings = settings or load_settings()
+    setting = ("FRESHLINE_POSTGRES_ADMIN_URL" if settings.postgres_admin_url
+               else "FRESHLINE_POSTGRES_URL")
+    role = make_url(settings.migration_url).username or "(default)"
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else "permission denied"
+    return PermissionDenied(role, setting, detail)

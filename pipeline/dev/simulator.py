@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from consumers.kafka import Producer
+from pipeline.core.errors import FreshlineError
 from pipeline.core.topics import DEVICE_UPDATED, TRANSACTION_CREATED, TRANSACTION_UPDATED
 from pipeline.dev.seed import GEO_BASE, GEO_RANGE_SIZE, GEO_RANGES
 
@@ -45,7 +46,7 @@ class Simulator:
                 "SELECT tenant_id, max(id) FROM users GROUP BY tenant_id")).all()
         self.users = {t: int(n) for t, n in rows if tenants is None or t in tenants}
         if not self.users:
-            raise ValueError("no users to change: seed first (freshline seed)")
+            raise FreshlineError("no users to change: seed first (freshline seed)")
         self.totals = SimTotals()
 
     def _user(self) -> tuple[str, int]:
