@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import sqlalchemy as sa
 
-from pipeline.core.db import make_engine
+from pipeline.core.db import make_engine, make_owner_engine
 from pipeline.core.errors import FreshlineError
 from pipeline.core.http import fetch
 from pipeline.core.settings import Settings, load_settings
@@ -148,8 +148,13 @@ def _brief(values: dict[str, Any]) -> str:
             f"txn_max={values['txn_max']:.2f}")
 
 
-def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> None:
-    """Read, change, watch the change arrive, batch-read, predict."""
+def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> list[str]:
+    """Read, change, watch the change arrive, batch-read, predict.
+
+    Returns what went wrong, one line per failed check (empty when every step did what it
+    printed): the change is served, the batch answers, the second prediction comes from
+    the inference cache and equals the computed one.
+    """
     from consumers.kafka import Producer
     from pipeline.core.topics import TRANSACTION_CREATED, qualified
     from pipeline.inference.training import MODEL_NAME, vector
@@ -159,12 +164,17 @@ def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> None:
     path = f"/v1/features/txn_90d/{user}"
 
     status, first = api.call("GET", path)
+    if status != 200:
+        return [f"GET {path}: {status} {first}"]
     _say(f"GET {path}: {status} {first['source']}, {_brief(first['values'])}")
     status, again = api.call("GET", path)
+    if status != 200:
+        return [f"GET {path} again: {status} {again}"]
     _say(f"GET {path} again: {again['source']}, {again['age_ms']} ms old")
 
+    failed: list[str] = []
     catch_up(settings)
-    engine = make_engine(settings)
+    engine = make_owner_engine(settings)  # the change is the application's write
     producer = Producer(settings)
     producer.inner.list_topics(timeout=10)  # connected before the change, as a service is
     committed = datetime.now(UTC)
@@ -188,12 +198,15 @@ def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> None:
             break
         time.sleep(0.02)  # polling the API, as a dashboard would
     else:
-        _say(f"the change did not arrive within {DEADLINE_S:.0f} s: "
-             "is `freshline consume` running?")
+        failed.append(f"the change did not arrive within {DEADLINE_S:.0f} s: "
+                      "is `freshline consume` running?")
+        _say(failed[-1])
 
     entities = [str(u) for u in range(user, user + 5)]
     status, batch = api.call("POST", "/v1/features/batch", {
         "feature_sets": ["txn_90d", "device_risk", "geo"], "entities": entities})
+    if status != 200:
+        return [*failed, f"POST /v1/features/batch: {status} {batch}"]
     items = batch["items"]
     hits = sum(1 for i in items if i["hit"])
     _say(f"POST /v1/features/batch: {len(items)} entries, {hits} from the cache, "
@@ -203,15 +216,26 @@ def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> None:
     for item in items:
         per_user.setdefault(item["entity"], {})[item["feature_set"]] = item["values"]
     inputs = [vector(per_user[e]) for e in entities]
+    answers: list[list[dict[str, Any]]] = []
     for attempt in ("first", "second"):
         status, pred = api.call("POST", f"/v1/models/{MODEL_NAME}/predict", {"inputs": inputs})
         if status != 200:
-            _say(f"predict: {status} {pred}")
-            break
+            failed.append(f"predict ({attempt} call): {status} {pred}")
+            _say(failed[-1])
+            return failed
+        answers.append(pred["predictions"])
         cached = sum(1 for p in pred["predictions"] if p["hit"])
         scores = ", ".join(f"{p['value']:.3f}" for p in pred["predictions"])
         _say(f"predict ({attempt} call, model {pred['model_version']}): [{scores}], "
              f"{cached} of {len(inputs)} from the inference cache")
+    computed, again = answers
+    if not all(p["hit"] for p in again):
+        failed.append("the second predict call was not served from the inference cache")
+    elif [p["value"] for p in again] != [p["value"] for p in computed]:
+        failed.append("a cached prediction differs from the computed one")
+    else:
+        _say("the cached predictions equal the computed ones")
+    return failed
 
 
 # -- the CDC step -------------------------------------------------------------------
@@ -267,7 +291,10 @@ def cdc_change(base: str, key: str, tenant: str, user: int, psql_url: str,
 def main(argv: list[str]) -> int:
     match argv:
         case ["tour", base, key]:
-            tour(base, key)
+            failed = tour(base, key)
+            for line in failed:
+                sys.stderr.write(f"demo: failed: {line}\n")
+            return 1 if failed else 0
         case ["catch-up"]:
             catch_up(load_settings())
         case ["cdc", base, key, tenant, user, psql_url]:
@@ -279,5 +306,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def run(argv: list[str]) -> int:
+    """:func:`main`, with an expected failure (a service down, a refused write) as one line."""
+    from pipeline.core.services import translate_errors
+
+    try:
+        with translate_errors():
+            return main(argv)
+    except FreshlineError as exc:
+        sys.stderr.write(f"demo: error: {exc}\n")
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run(sys.argv[1:]))
