@@ -33,6 +33,8 @@ import confluent_kafka
 import orjson
 
 from bench import common
+from pipeline.core.errors import FreshlineError
+from pipeline.core.services import translate_errors
 
 BENCHMARKS = (
     "seed",
@@ -304,7 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     sections: dict[str, str] = {}
     failed = False
-    ctx = common.context(args.quick)
+    try:
+        with translate_errors():
+            ctx = common.context(args.quick)
+    except FreshlineError as exc:
+        print(f"bench: error: {exc}", file=sys.stderr)
+        return 1
     try:
         for name in selected:
             module = importlib.import_module(f"bench.{name}")
@@ -312,11 +319,17 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             measured = _measured(args_list)
             try:
-                result = module.run(args.quick)
+                with translate_errors():
+                    result = module.run(args.quick)
                 result["elapsed_s"] = round(time.monotonic() - t0, 1)
                 result["measured"] = measured
                 results[name] = result
                 sections[name] = result["rendered"] = _markdown(module, result)
+            except FreshlineError as exc:  # a tool or a login missing: one line says which
+                failed = True
+                print(f"bench: {name}: error: {exc}", file=sys.stderr)
+                results[name] = {"error": str(exc), "elapsed_s": round(time.monotonic() - t0, 1)}
+                sections[name] = f"## {name}\n\n**failed**: {str(exc)[:300]}\n"
             except Exception as exc:
                 failed = True
                 trace = traceback.format_exc()

@@ -23,7 +23,6 @@ Candidates of one group run interleaved, round by round.
 
 from __future__ import annotations
 
-import shutil
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +37,7 @@ from pipeline.cache.store import FeatureStore
 from pipeline.core.codec import decode_entry
 from pipeline.core.features import REGISTRY
 from pipeline.core.types import EntityRef
+from pipeline.dev.tools import require
 
 FEATURE_SET = "txn_90d"
 ENTITIES = 1000
@@ -86,6 +86,7 @@ def _http_candidates(url: str, key: str, users: list[int],
 
 
 def run(quick: bool) -> dict[str, Any]:
+    require("wrk")  # before minutes of measuring, not after
     ctx = common.context(quick)
     version, tenant, api_key, users = reference_app.prepared(ctx)
     store = FeatureStore(ctx.redis, version)
@@ -154,14 +155,13 @@ def run(quick: bool) -> dict[str, Any]:
                                          concurrency=concurrency,
                                          items=dict.fromkeys(many, BATCH))
                 results[f"c{concurrency}"] = {**one, **hundred}
-        if shutil.which("wrk"):
-            common.note("wrk against the minimal app and freshline (tier off, tier warm)")
-            w_rounds, w_seconds = (1, 2) if quick else (3, 5)
-            with reference_app.servers(ctx, version, tenant, api_key, users) as urls:
-                wrk = reference_app.compare(urls, api_key, users, rounds=w_rounds,
-                                            seconds=w_seconds)
-            wrk["parameters"] = {"rounds": w_rounds, "seconds": w_seconds,
-                                 "server_workers": reference_app.SERVER_WORKERS}
+        common.note("wrk against the minimal app and freshline (tier off, tier warm)")
+        w_rounds, w_seconds = (1, 2) if quick else (3, 5)
+        with reference_app.servers(ctx, version, tenant, api_key, users) as urls:
+            wrk = reference_app.compare(urls, api_key, users, rounds=w_rounds,
+                                        seconds=w_seconds)
+        wrk["parameters"] = {"rounds": w_rounds, "seconds": w_seconds,
+                             "server_workers": reference_app.SERVER_WORKERS}
     finally:
         tier.close()
     tier_stats = {"hits": tier.stats.hits, "misses": tier.stats.misses,
@@ -187,8 +187,7 @@ def run(quick: bool) -> dict[str, Any]:
         "parameters": {"feature_set": FEATURE_SET, "entities": len(users), "batch": BATCH,
                        "rounds": rounds, "calls_per_round_c1": calls,
                        "server_workers": reference_app.SERVER_WORKERS,
-                       "payload_bytes_mean": payload_bytes, "http_mode": "cache-only",
-                       "wrk": shutil.which("wrk") is not None},
+                       "payload_bytes_mean": payload_bytes, "http_mode": "cache-only"},
         "results": results,
         "ratios": ratios,
         "wrk": wrk,

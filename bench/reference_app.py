@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import socket
 import statistics
 import subprocess
@@ -42,6 +41,7 @@ import httpx
 import orjson
 
 from bench import common
+from pipeline.dev.tools import require
 
 FEATURE_SET = "txn_90d"
 ENTITIES = 1000
@@ -229,9 +229,7 @@ def wrk_script(key: str, users: list[int], *, batch: bool) -> str:
 
 def wrk(url: str, script: str, *, concurrency: int, seconds: float) -> dict[str, Any]:
     """One wrk run: p50/p75/p90/p99 in µs, requests/s and non-2xx responses."""
-    exe = shutil.which("wrk")
-    if exe is None:
-        raise RuntimeError("wrk is not installed (apt-get install wrk)")
+    exe = require("wrk")
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(script)
     try:

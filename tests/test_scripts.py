@@ -81,11 +81,22 @@ def test_refuses_python_3_10_in_one_line(tmp_path: Path) -> None:
     assert "3.10" in lines[0] and "3.11 or later" in lines[0] and str(python) in lines[0]
 
 
-def test_without_PYTHON_the_newest_interpreter_that_runs_is_chosen(tmp_path: Path) -> None:
+def test_without_PYTHON_the_locks_python_3_11_is_chosen_first(tmp_path: Path) -> None:
+    """requirements/dev.txt is compiled on 3.11: a machine that has it uses it."""
     bin_dir = tmp_path / "bin"
-    write_executable(bin_dir / "python3.13", BROKEN_SHIM)
+    fake_python(bin_dir / "python3.13", "3.13.1")
     fake_python(bin_dir / "python3.12", "3.12.4")
     fake_python(bin_dir / "python3.11", "3.11.9")
+    r = check_python(tmp_path, PATH=f"{bin_dir}:/usr/bin:/bin")
+    assert r.returncode == 0, r.stderr
+    assert "Python 3.11" in r.stdout and r.stdout.strip().endswith("python3.11")
+
+
+def test_without_PYTHON_the_next_interpreter_that_runs_is_chosen(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    write_executable(bin_dir / "python3.11", BROKEN_SHIM)
+    fake_python(bin_dir / "python3.12", "3.12.4")
+    fake_python(bin_dir / "python3.13", "3.13.1")
     r = check_python(tmp_path, PATH=f"{bin_dir}:/usr/bin:/bin")
     assert r.returncode == 0, r.stderr
     assert "Python 3.12" in r.stdout and r.stdout.strip().endswith("python3.12")
@@ -101,3 +112,19 @@ def test_without_PYTHON_an_old_python3_alone_is_refused(tmp_path: Path) -> None:
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert "3.11 or later" in lines[0] and "PYTHON=" in lines[0]
+
+
+def test_stack_help_names_the_cluster_topology() -> None:
+    done = subprocess.run([str(ROOT / "scripts" / "stack"), "--help"], capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "--topology cluster" in done.stdout and "scripts/stack up" in done.stdout
+    refused = subprocess.run([str(ROOT / "scripts" / "stack"), "bogus"], capture_output=True,
+                             text=True, timeout=30)
+    assert refused.returncode == 2 and "--topology single|cluster" in refused.stderr
+
+
+def test_demo_refuses_an_unknown_argument_with_its_usage() -> None:
+    done = subprocess.run([str(ROOT / "scripts" / "demo"), "--bogus"], capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 2 and done.stderr.strip() == "usage: scripts/demo [--ci]"
