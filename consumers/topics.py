@@ -9,6 +9,7 @@ count before anything produces to them. Debezium's CDC topics
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,10 +68,11 @@ def ensure(
         config = {**auto, **(config or {})}
     report = EnsureReport()
     missing: list[NewTopic] = []
+    listed = [n for n in wanted if (t := metadata.topics.get(n)) is not None and t.error is None]
+    partitions_of = _await_partitions(admin, listed)
     for name in wanted:
-        found = metadata.topics.get(name)
-        if found is not None and found.error is None:
-            report.existing[name] = len(found.partitions)
+        if name in partitions_of:
+            report.existing[name] = partitions_of[name]
         else:
             missing.append(NewTopic(name, num_partitions=partitions,
                                     replication_factor=replication_factor,
@@ -88,7 +90,32 @@ def ensure(
                 continue
             raise TopicError(f"could not create topic {name!r}: {err}") from exc
         report.created.append(name)
+    _await_partitions(admin, report.created)
     return report
+
+
+def _await_partitions(admin: AdminClient, topics: list[str],
+                      deadline_s: float = ADMIN_TIMEOUT_S) -> dict[str, int]:
+    """``{topic: partitions}`` once the metadata shows partitions for each of ``topics``.
+
+    A topic created a moment ago (here or by another ``ensure``) can be listed before its
+    partitions have reached the broker's metadata cache, with none: waiting until they
+    have means a topic ``ensure`` reports is one a producer or consumer can use.
+    """
+    deadline = time.monotonic() + deadline_s
+    counts: dict[str, int] = {}
+    pending = list(topics)
+    while pending:
+        for name in list(pending):
+            if (count := partition_count(admin, name)) > 0:
+                counts[name] = count
+                pending.remove(name)
+        if pending and time.monotonic() > deadline:
+            raise TopicError(f"topic(s) {', '.join(pending)} show no partitions after "
+                             f"{deadline_s:.0f} s")
+        if pending:
+            time.sleep(0.05)  # polling the broker's metadata, which has no notification
+    return counts
 
 
 def partition_count(admin: AdminClient, topic: str) -> int:

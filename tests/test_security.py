@@ -276,9 +276,9 @@ def test_produce_and_consume_with_scram(settings: Settings) -> None:
     local = scram(settings).model_copy(update={"consumer_group": f"scram-{uuid.uuid4().hex}"})
     topic = f"test-scram-{uuid.uuid4().hex[:12]}"
     admin = admin_client(local)
-    from confluent_kafka.admin import NewTopic
+    from consumers.topics import ensure
 
-    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(timeout=30)
+    ensure(admin, 1, topics=[topic])  # returns once the partition is in the metadata
     try:
         with Producer(local) as producer:
             delivery = producer.produce(topic, b"over scram", key=b"k")
