@@ -56,14 +56,27 @@ BENCHMARKS = (
     "rls",
 )
 
-LIBRARIES = ("redis", "hiredis", "confluent-kafka", "SQLAlchemy", "psycopg", "numpy", "orjson",
-             "starlette", "granian", "httpx", "matplotlib", "faiss-cpu")
+LIBRARIES = (
+    "redis",
+    "hiredis",
+    "confluent-kafka",
+    "SQLAlchemy",
+    "psycopg",
+    "numpy",
+    "orjson",
+    "starlette",
+    "granian",
+    "httpx",
+    "matplotlib",
+    "faiss-cpu",
+)
 
 
 def _sh(*cmd: str) -> str:
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=10,
-                              check=False).stdout.strip()
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=10, check=False
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return ""
 
@@ -125,7 +138,8 @@ def environment(ctx: common.Context | None) -> dict[str, Any]:
         "versions": versions,
         "machine": {
             "nproc": os.cpu_count(),
-            "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            "usable_cpus": len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
             else os.cpu_count(),
             "memory_gib": _memory_gib(),
             "cpu_model": _cpu_model(),
@@ -151,8 +165,10 @@ def _has_matplotlib(quick: bool) -> bool:
         import matplotlib  # noqa: F401
     except ImportError:
         if not quick:
-            print("bench: matplotlib is missing, so no plots (run ./scripts/bootstrap)",
-                  file=sys.stderr)
+            print(
+                "bench: matplotlib is missing, so no plots (run ./scripts/bootstrap)",
+                file=sys.stderr,
+            )
         return False
     return True
 
@@ -174,10 +190,17 @@ def render(doc: dict[str, Any], sections: dict[str, str]) -> str:
         f"{m['cpu_model']}, Linux {m['kernel']}; load average at start "
         f"{m['loadavg_at_start']}",
         "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
-        *(["- a run with `--only` replaces only its own sections and keeps the others: each "
-           "section names the run that measured it"]
-          if any(r.get("measured", {}).get("command") != doc["command"]
-                 for r in doc["results"].values()) else []),
+        *(
+            [
+                "- a run with `--only` replaces only its own sections and keeps the others: each "
+                "section names the run that measured it"
+            ]
+            if any(
+                r.get("measured", {}).get("command") != doc["command"]
+                for r in doc["results"].values()
+            )
+            else []
+        ),
         "",
         "The machine is shared with other work, so absolute times are noisy: each figure "
         "is read against a reference measured in the same run, interleaved round by "
@@ -185,14 +208,26 @@ def render(doc: dict[str, Any], sections: dict[str, str]) -> str:
         "target is reported as missed.",
         "",
     ]
-    summary = [(name, t["name"], common.fmt(t["value"], 2), f"{t['op']} {common.fmt(t['limit'])}",
-                t["unit"], "met" if t["met"] else ("**missed**" if t["met"] is False else "-"))
-               for name, res in doc["results"].items() if isinstance(res, dict)
-               for t in res.get("targets", [])]
+    summary = [
+        (
+            name,
+            t["name"],
+            common.fmt(t["value"], 2),
+            f"{t['op']} {common.fmt(t['limit'])}",
+            t["unit"],
+            "met" if t["met"] else ("**missed**" if t["met"] is False else "-"),
+        )
+        for name, res in doc["results"].items()
+        if isinstance(res, dict)
+        for t in res.get("targets", [])
+    ]
     if summary:
-        lines += ["## Targets at a glance", "",
-                  common.table(["benchmark", "target", "this run", "goal", "unit", ""], summary),
-                  ""]
+        lines += [
+            "## Targets at a glance",
+            "",
+            common.table(["benchmark", "target", "this run", "goal", "unit", ""], summary),
+            "",
+        ]
     for name, text in sections.items():
         lines += [_with_provenance(text, doc["results"].get(name, {})).rstrip(), ""]
     return "\n".join(lines)
@@ -205,8 +240,10 @@ def _with_provenance(section: str, result: dict[str, Any]) -> str:
         return section
     head, rest = section.split("\n", 1)
     load = f"; load {measured['load']}" if measured.get("load") is not None else ""
-    return (f"{head}\n\n*Measured {measured['date']} at `{measured['commit']}` by "
-            f"`{measured['command']}`{load}.*\n{rest}")
+    return (
+        f"{head}\n\n*Measured {measured['date']} at `{measured['commit']}` by "
+        f"`{measured['command']}`{load}.*\n{rest}"
+    )
 
 
 _STALE = "**not rendered**: its results predate the current format"
@@ -223,8 +260,10 @@ def _section(name: str, result: dict[str, Any]) -> str:
     except (KeyError, TypeError, IndexError) as exc:
         if isinstance(result.get("rendered"), str):
             return str(result["rendered"])  # as its run rendered it; the stamp names the run
-        return (f"## {name}\n\n{_STALE} (`{type(exc).__name__}: {exc}`); re-run "
-                f"`python -m bench --only {name}`.\n")
+        return (
+            f"## {name}\n\n{_STALE} (`{type(exc).__name__}: {exc}`); re-run "
+            f"`python -m bench --only {name}`.\n"
+        )
 
 
 _RUNNER_KEYS = ("measured", "rendered")
@@ -242,9 +281,12 @@ def _measured(argv: list[str]) -> dict[str, Any]:
     """When, at which commit, by which command and under what load a result was taken:
     a run with --only keeps the other benchmarks' results, each with its own."""
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    return {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": _git_commit(), "command": _command(argv),
-            "load": round(load[0], 2) if load else None}
+    return {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": _git_commit(),
+        "command": _command(argv),
+        "load": round(load[0], 2) if load else None,
+    }
 
 
 def _kept_results(path: Path, replaced: set[str]) -> dict[str, Any]:
@@ -256,11 +298,17 @@ def _kept_results(path: Path, replaced: set[str]) -> dict[str, Any]:
         return {}
     if previous.get("quick", True):
         return {}
-    stamp = {"date": previous.get("date"), "commit": previous.get("commit"),
-             "command": previous.get("command"), "load": None}
-    return {name: {"measured": stamp, **result}
-            for name, result in previous.get("results", {}).items()
-            if name in BENCHMARKS and name not in replaced and isinstance(result, dict)}
+    stamp = {
+        "date": previous.get("date"),
+        "commit": previous.get("commit"),
+        "command": previous.get("command"),
+        "load": None,
+    }
+    return {
+        name: {"measured": stamp, **result}
+        for name, result in previous.get("results", {}).items()
+        if name in BENCHMARKS and name not in replaced and isinstance(result, dict)
+    }
 
 
 def rerender(out: Path) -> int:
@@ -270,8 +318,11 @@ def rerender(out: Path) -> int:
     stale = [name for name, text in sections.items() if _STALE in text]
     (out / "RESULTS.md").write_text(render(doc, sections))
     if stale:
-        print(f"bench: results of {', '.join(stale)} predate their current format; re-run "
-              f"them with --only", file=sys.stderr)
+        print(
+            f"bench: results of {', '.join(stale)} predate their current format; re-run "
+            f"them with --only",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -280,13 +331,25 @@ def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke sizes: under two minutes")
-    parser.add_argument("--only", nargs="+", metavar="NAME", choices=BENCHMARKS,
-                        help="run only these benchmarks (in the standard order)")
-    parser.add_argument("--out", type=Path, default=common.BENCH_DIR,
-                        help="where results.json, RESULTS.md and plots go (default: bench/)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        choices=BENCHMARKS,
+        help="run only these benchmarks (in the standard order)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=common.BENCH_DIR,
+        help="where results.json, RESULTS.md and plots go (default: bench/)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    parser.add_argument("--render-only", action="store_true",
-                        help="rewrite RESULTS.md from the results.json in --out; run nothing")
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="rewrite RESULTS.md from the results.json in --out; run nothing",
+    )
     args = parser.parse_args(args_list)
     if args.render_only:
         return rerender(args.out)
@@ -334,12 +397,16 @@ def main(argv: list[str] | None = None) -> int:
                 failed = True
                 trace = traceback.format_exc()
                 print(trace, file=sys.stderr)
-                results[name] = {"error": f"{type(exc).__name__}: {exc}",
-                                 "elapsed_s": round(time.monotonic() - t0, 1)}
-                sections[name] = (f"## {name}\n\n**failed**: `{type(exc).__name__}: "
-                                  f"{str(exc)[:300]}`\n")
-            print(f"bench: {name} done in {time.monotonic() - t0:.1f}s", file=sys.stderr,
-                  flush=True)
+                results[name] = {
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "elapsed_s": round(time.monotonic() - t0, 1),
+                }
+                sections[name] = (
+                    f"## {name}\n\n**failed**: `{type(exc).__name__}: {str(exc)[:300]}`\n"
+                )
+            print(
+                f"bench: {name} done in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True
+            )
         env = environment(ctx)
     finally:
         common.close_context()
@@ -354,15 +421,23 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.only and not args.quick:
         kept = _kept_results(out / "results.json", set(selected))
-        doc["results"] = {name: {**kept, **results}[name] for name in BENCHMARKS
-                          if name in kept or name in results}
-        sections = {name: sections.get(name) or _section(name, result)
-                    for name, result in doc["results"].items()}
+        doc["results"] = {
+            name: {**kept, **results}[name]
+            for name in BENCHMARKS
+            if name in kept or name in results
+        }
+        sections = {
+            name: sections.get(name) or _section(name, result)
+            for name, result in doc["results"].items()
+        }
     (out / "results.json").write_bytes(
-        orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+        orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+    )
     (out / "RESULTS.md").write_text(render(doc, sections))
-    print(f"bench: wrote {out / 'RESULTS.md'} and results.json in {doc['elapsed_s']:.0f}s",
-          file=sys.stderr)
+    print(
+        f"bench: wrote {out / 'RESULTS.md'} and results.json in {doc['elapsed_s']:.0f}s",
+        file=sys.stderr,
+    )
     return 1 if failed else 0
 
 

@@ -83,8 +83,10 @@ class Commits:
     def __init__(self, settings: Any, topic: str, tenant: str) -> None:
         self.changes: list[tuple[str, int]] = []
         self.tenant = tenant
-        self.consumer = Consumer(settings, **{"group.id": f"{settings.consumer_group}-commits",
-                                              "auto.offset.reset": "earliest"})
+        self.consumer = Consumer(
+            settings,
+            **{"group.id": f"{settings.consumer_group}-commits", "auto.offset.reset": "earliest"},
+        )
         self.consumer.subscribe([topic])
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="cdc-commits", daemon=True)
@@ -110,25 +112,37 @@ class Commits:
 
 def _connstr(url: str) -> str:
     u = make_url(url)
-    return (f"host={u.host} port={u.port or 5432} dbname={u.database} user={u.username} "
-            f"password={u.password}")
+    return (
+        f"host={u.host} port={u.port or 5432} dbname={u.database} user={u.username} "
+        f"password={u.password}"
+    )
 
 
 def _writers(conninfo: str, tenant: str, rows: int = SAMPLE_ROWS) -> list[int]:
     """The users of about ``rows`` rows of ``tenant`` sampled at random, in id order (so
     a seeded choice among them repeats): users in proportion to their rows."""
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        total = conn.execute("SELECT count(*) FROM transactions WHERE tenant_id = %s",
-                             (tenant,)).fetchone()
+        total = conn.execute(
+            "SELECT count(*) FROM transactions WHERE tenant_id = %s", (tenant,)
+        ).fetchone()
         share = min(100.0, 100.0 * rows / max(1, int(total[0]) if total else 1))
         found = conn.execute(
             f"SELECT user_id FROM transactions TABLESAMPLE BERNOULLI ({share:.6f}) "
-            "REPEATABLE (7) WHERE tenant_id = %s ORDER BY id", (tenant,)).fetchall()
+            "REPEATABLE (7) WHERE tenant_id = %s ORDER BY id",
+            (tenant,),
+        ).fetchall()
     return [int(r[0]) for r in found] or [1]
 
 
-def _write(conninfo: str, tenant: str, users: list[int], rate: int, window: float,
-           seed: int, synchronous_commit: str = "on") -> tuple[int, float]:
+def _write(
+    conninfo: str,
+    tenant: str,
+    users: list[int],
+    rate: int,
+    window: float,
+    seed: int,
+    synchronous_commit: str = "on",
+) -> tuple[int, float]:
     """Offer ``rate`` writes/s for ``window`` seconds, open loop; (writes, achieved rate).
     Each INSERT goes to a user drawn from ``users``."""
     rng = random.Random(seed)
@@ -137,8 +151,10 @@ def _write(conninfo: str, tenant: str, users: list[int], rate: int, window: floa
         # Logical decoding only sends flushed WAL: with synchronous_commit off, a commit
         # waits for the WAL writer (wal_writer_delay, 200 ms) before Debezium sees it.
         conn.execute(f"SET synchronous_commit = {synchronous_commit}")
-        insert = ("INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
-                  "VALUES (%s, %s, %s, %s, %s) RETURNING id")
+        insert = (
+            "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
+            "VALUES (%s, %s, %s, %s, %s) RETURNING id"
+        )
         update = "UPDATE transactions SET amount = amount + 1 WHERE tenant_id = %s AND id = %s"
         started = time.monotonic()
         writes = 0
@@ -148,9 +164,11 @@ def _write(conninfo: str, tenant: str, users: list[int], rate: int, window: floa
             else:
                 user = rng.choice(users)
                 ip = f"11.{rng.randint(0, 127)}.{rng.randint(0, 255)}.{rng.randint(1, 254)}"
-                row = conn.execute(insert, (tenant, user, round(rng.uniform(1, 500), 2),
-                                            f"m{rng.randint(1, 300)}", ip),
-                                   prepare=True).fetchone()
+                row = conn.execute(
+                    insert,
+                    (tenant, user, round(rng.uniform(1, 500), 2), f"m{rng.randint(1, 300)}", ip),
+                    prepare=True,
+                ).fetchone()
                 if row is not None:
                     mine.append(int(row[0]))
             writes += 1
@@ -158,8 +176,13 @@ def _write(conninfo: str, tenant: str, users: list[int], rate: int, window: floa
     return writes, writes / elapsed
 
 
-def _wait(condition: Any, what: str, deadline_s: float, proc: subprocess.Popen[bytes] | None = None,
-          log: Any = None) -> None:
+def _wait(
+    condition: Any,
+    what: str,
+    deadline_s: float,
+    proc: subprocess.Popen[bytes] | None = None,
+    log: Any = None,
+) -> None:
     end = time.monotonic() + deadline_s
     while not condition():
         if proc is not None and proc.poll() is not None:
@@ -181,12 +204,15 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
     client = ConnectClient(settings.connect_url)
     client.ping()
     config = connector_config(settings, owned)
-    env = {**os.environ, "FRESHLINE_POSTGRES_URL": settings.postgres_url,
-           "FRESHLINE_REDIS_URL": settings.redis_url,
-           "FRESHLINE_SCHEMA_VERSION": str(version),
-           "FRESHLINE_TOPIC_PREFIX": settings.topic_prefix,
-           "FRESHLINE_CONSUMER_GROUP": f"{settings.consumer_group}-cdc-{version}",
-           "FRESHLINE_AUTO_OFFSET_RESET": "earliest"}
+    env = {
+        **os.environ,
+        "FRESHLINE_POSTGRES_URL": settings.postgres_url,
+        "FRESHLINE_REDIS_URL": settings.redis_url,
+        "FRESHLINE_SCHEMA_VERSION": str(version),
+        "FRESHLINE_TOPIC_PREFIX": settings.topic_prefix,
+        "FRESHLINE_CONSUMER_GROUP": f"{settings.consumer_group}-cdc-{version}",
+        "FRESHLINE_AUTO_OFFSET_RESET": "earliest",
+    }
     watcher = common.InvalidationWatcher(ctx.new_redis(), version, data.tenant)
     commits: Commits | None = None
     log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
@@ -199,9 +225,13 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
 
         def running() -> bool:
             connector, tasks = connector_state(client, owned.connector)
-            return (connector is not None and connector.state == "RUNNING" and bool(tasks)
-                    and all(t.state == "RUNNING" for t in tasks)
-                    and slot_state(ctx.engine, owned.slot) is not None)
+            return (
+                connector is not None
+                and connector.state == "RUNNING"
+                and bool(tasks)
+                and all(t.state == "RUNNING" for t in tasks)
+                and slot_state(ctx.engine, owned.slot) is not None
+            )
 
         _wait(running, "the connector to run", 60)
         commits = Commits(settings, owned.topic("transactions"), data.tenant)
@@ -210,13 +240,19 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
         for path in PATHS:
             proc = _start(env, path, log)
             _probe(conninfo, data.tenant, watcher, proc, log)
-            common.note(f"cdc_freshness: {RATE} SQL writes/s for {window:.0f} s, "
-                        f"recompute path {path}")
+            common.note(
+                f"cdc_freshness: {RATE} SQL writes/s for {window:.0f} s, recompute path {path}"
+            )
             seen_before = len(commits.changes)
             writes, achieved = _write(conninfo, data.tenant, writers, RATE, window, seed=7)
-            _wait(lambda n=seen_before + writes: len(commits.changes) >= n,
-                  "every write on the CDC topic", 60, proc, log)
-            changes = commits.changes[seen_before:seen_before + writes]
+            _wait(
+                lambda n=seen_before + writes: len(commits.changes) >= n,
+                "every write on the CDC topic",
+                60,
+                proc,
+                log,
+            )
+            changes = commits.changes[seen_before : seen_before + writes]
             end = time.monotonic() + 60
             while time.monotonic() < end:
                 watcher.sort()
@@ -238,25 +274,36 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
         with contextlib.suppress(Exception):
             client.delete(owned.connector)
         drop_slot(ctx.engine, owned.slot)
-        _delete_topics(ctx, [*(owned.topic(t) for t in tables),
-                             f"__debezium-heartbeat.{owned.topic_prefix}"])
-    return {"offered_per_s": RATE, "window_s": window, "windows": windows,
-            "dataset": {"users": data.users, "transactions": data.transactions},
-            "heaviest_user": _heaviest_user_cost(ctx, data.tenant),
-            "writers": {"sampled_rows": len(writers), "head_share": round(head_share, 3)},
-            "subscription_reconnects": watcher.reconnects,
-            "config": {k: config[k] for k in ("snapshot.mode", "poll.interval.ms",
-                                              "heartbeat.interval.ms", "plugin.name")},
-            "batch_max_wait_ms": settings.batch_max_wait_ms,
-            "partitions": settings.topic_partitions}
+        _delete_topics(
+            ctx, [*(owned.topic(t) for t in tables), f"__debezium-heartbeat.{owned.topic_prefix}"]
+        )
+    return {
+        "offered_per_s": RATE,
+        "window_s": window,
+        "windows": windows,
+        "dataset": {"users": data.users, "transactions": data.transactions},
+        "heaviest_user": _heaviest_user_cost(ctx, data.tenant),
+        "writers": {"sampled_rows": len(writers), "head_share": round(head_share, 3)},
+        "subscription_reconnects": watcher.reconnects,
+        "config": {
+            k: config[k]
+            for k in ("snapshot.mode", "poll.interval.ms", "heartbeat.interval.ms", "plugin.name")
+        },
+        "batch_max_wait_ms": settings.batch_max_wait_ms,
+        "partitions": settings.topic_partitions,
+    }
 
 
 def _start(env: dict[str, str], path: str, log: Any) -> subprocess.Popen[bytes]:
     """``freshline consume`` recomputing both feature sets on ``path``."""
     paths = orjson.dumps({name: path for name in FEATURE_SETS}).decode()
-    return subprocess.Popen([FRESHLINE, "consume", "--metrics-port", "0"],
-                            env={**env, "FRESHLINE_RECOMPUTE_PATHS": paths},
-                            stdout=log, stderr=log, start_new_session=True)
+    return subprocess.Popen(
+        [FRESHLINE, "consume", "--metrics-port", "0"],
+        env={**env, "FRESHLINE_RECOMPUTE_PATHS": paths},
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -270,8 +317,13 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(5)
 
 
-def _probe(conninfo: str, tenant: str, watcher: common.InvalidationWatcher,
-           proc: subprocess.Popen[bytes], log: Any) -> None:
+def _probe(
+    conninfo: str,
+    tenant: str,
+    watcher: common.InvalidationWatcher,
+    proc: subprocess.Popen[bytes],
+    log: Any,
+) -> None:
     """Write until a write comes out the far end: the consumer has joined the group."""
     common.note("cdc_freshness: waiting for the consumer to apply a probe write")
     before = sum(len(v) for v in watcher.seen.values())
@@ -302,9 +354,13 @@ def _heaviest_user_cost(ctx: common.Context, tenant: str) -> dict[str, Any]:
     from pipeline.core.features import REGISTRY
 
     with ctx.engine.connect() as conn:
-        user, count = conn.execute(sa.text(
-            "SELECT user_id, count(*) FROM transactions WHERE tenant_id = :t "
-            "GROUP BY user_id ORDER BY 2 DESC LIMIT 1"), {"t": tenant}).one()
+        user, count = conn.execute(
+            sa.text(
+                "SELECT user_id, count(*) FROM transactions WHERE tenant_id = :t "
+                "GROUP BY user_id ORDER BY 2 DESC LIMIT 1"
+            ),
+            {"t": tenant},
+        ).one()
     cost: dict[str, float] = {}
     for name in FEATURE_SETS:
         for path in PATHS:
@@ -329,18 +385,29 @@ def _fresh(watcher: common.InvalidationWatcher, user: str, ts_ms: int) -> float 
     return worst
 
 
-def _summary(watcher: common.InvalidationWatcher, changes: list[tuple[str, int]], writes: int,
-             achieved: float) -> dict[str, Any]:
+def _summary(
+    watcher: common.InvalidationWatcher,
+    changes: list[tuple[str, int]],
+    writes: int,
+    achieved: float,
+) -> dict[str, Any]:
     lags = [_fresh(watcher, user, ts) for user, ts in changes]
     got = np.array([x for x in lags if x is not None]) * 1000
     p50, p90, p99 = np.percentile(got, [50, 90, 99]) if got.size else (None, None, None)
-    return {"achieved_per_s": round(achieved, 1), "writes": writes,
-            "changes_on_topic": len(changes), "fresh": int(got.size),
-            "never_fresh": sum(1 for x in lags if x is None),
-            "lag_ms": {"p50": _r(p50), "p90": _r(p90), "p99": _r(p99),
-                       "max": _r(got.max()) if got.size else None},
-            "lags_ms_sample": [round(float(x), 1)
-                               for x in np.sort(got)[:: max(1, got.size // 2000)]]}
+    return {
+        "achieved_per_s": round(achieved, 1),
+        "writes": writes,
+        "changes_on_topic": len(changes),
+        "fresh": int(got.size),
+        "never_fresh": sum(1 for x in lags if x is None),
+        "lag_ms": {
+            "p50": _r(p50),
+            "p90": _r(p90),
+            "p99": _r(p99),
+            "max": _r(got.max()) if got.size else None,
+        },
+        "lags_ms_sample": [round(float(x), 1) for x in np.sort(got)[:: max(1, got.size // 2000)]],
+    }
 
 
 def _delete_topics(ctx: common.Context, topics: list[str]) -> None:
@@ -365,13 +432,26 @@ def run(quick: bool) -> dict[str, Any]:
     lag = {path: w["lag_ms"] for path, w in res["windows"].items()}
     res["incremental_vs_full"] = {
         q: common.ratio(lag["incremental"][q], lag["full"][q]) if lag["full"][q] else None
-        for q in ("p50", "p99")}
-    res["targets"] = [common.target(f"commit-to-Redis p99 at {RATE} SQL writes/s, incremental",
-                                    lag["incremental"]["p99"], "<", TARGET_P99_MS, "ms")]
-    res["parameters"] = {"rate": RATE, "window_s": res["window_s"],
-                         "update_share": UPDATE_SHARE, "feature_sets": list(FEATURE_SETS),
-                         "paths": list(PATHS), "synchronous_commit": "on",
-                         "heartbeat_ms": HEARTBEAT_MS}
+        for q in ("p50", "p99")
+    }
+    res["targets"] = [
+        common.target(
+            f"commit-to-Redis p99 at {RATE} SQL writes/s, incremental",
+            lag["incremental"]["p99"],
+            "<",
+            TARGET_P99_MS,
+            "ms",
+        )
+    ]
+    res["parameters"] = {
+        "rate": RATE,
+        "window_s": res["window_s"],
+        "update_share": UPDATE_SHARE,
+        "feature_sets": list(FEATURE_SETS),
+        "paths": list(PATHS),
+        "synchronous_commit": "on",
+        "heartbeat_ms": HEARTBEAT_MS,
+    }
     return res
 
 
@@ -399,26 +479,41 @@ def _heaviest_note(res: dict[str, Any]) -> str:
         return ""
     data = res.get("dataset", {})
     costs = ", ".join(f"{k} {v:,.0f} ms" for k, v in heavy["recompute_ms"].items())
-    return (f"The dataset: {data.get('users', 0):,} users, {data.get('transactions', 0):,} "
-            f"transactions. Its busiest user has {heavy['transactions']:,} of them; one "
-            f"recompute of that user took {costs} (median of 3, measured after the "
-            "windows).")
+    return (
+        f"The dataset: {data.get('users', 0):,} users, {data.get('transactions', 0):,} "
+        f"transactions. Its busiest user has {heavy['transactions']:,} of them; one "
+        f"recompute of that user took {costs} (median of 3, measured after the "
+        "windows)."
+    )
 
 
 def _writers_note(res: dict[str, Any]) -> str:
     writers = res.get("writers")
     if writers is None:  # results from before writers followed the users' activity
         return "Each INSERT went to a user drawn uniformly from the data set."
-    return ("Each INSERT goes to the user of a row sampled from the data set "
-            f"({writers['sampled_rows']:,} rows): users write in proportion to their "
-            f"history, and the busiest user gets {writers['head_share']:.1%} of the inserts, "
-            "so nearly every consumer batch recomputes it.")
+    return (
+        "Each INSERT goes to the user of a row sampled from the data set "
+        f"({writers['sampled_rows']:,} rows): users write in proportion to their "
+        f"history, and the busiest user gets {writers['head_share']:.1%} of the inserts, "
+        "so nearly every consumer batch recomputes it."
+    )
 
 
 def markdown(res: dict[str, Any]) -> str:
-    rows = [(mode, w["achieved_per_s"], w["writes"], w["fresh"], w["never_fresh"],
-             w["lag_ms"]["p50"], w["lag_ms"]["p90"], w["lag_ms"]["p99"], w["lag_ms"]["max"])
-            for mode, w in res["windows"].items()]
+    rows = [
+        (
+            mode,
+            w["achieved_per_s"],
+            w["writes"],
+            w["fresh"],
+            w["never_fresh"],
+            w["lag_ms"]["p50"],
+            w["lag_ms"]["p90"],
+            w["lag_ms"]["p99"],
+            w["lag_ms"]["max"],
+        )
+        for mode, w in res["windows"].items()
+    ]
     lines = [
         "## cdc_freshness: Postgres commit to fresh Redis entry, through Debezium",
         "",
@@ -440,8 +535,20 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         _heaviest_note(res),
         "",
-        common.table(["recompute path", "achieved/s", "writes", "fresh", "never fresh",
-                      "p50 ms", "p90 ms", "p99 ms", "max ms"], rows),
+        common.table(
+            [
+                "recompute path",
+                "achieved/s",
+                "writes",
+                "fresh",
+                "never fresh",
+                "p50 ms",
+                "p90 ms",
+                "p99 ms",
+                "max ms",
+            ],
+            rows,
+        ),
         "",
         common.targets_table(res["targets"]),
     ]
@@ -451,16 +558,20 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cdc_freshness",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.cdc_freshness", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="a 5 s window instead of 30 s")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--users", type=int, help="seed this many users (with --transactions; "
-                        "the full benchmark's data set is 100000 and 1000000)")
+    parser.add_argument(
+        "--users",
+        type=int,
+        help="seed this many users (with --transactions; "
+        "the full benchmark's data set is 100000 and 1000000)",
+    )
     parser.add_argument("--transactions", type=int)
     args = parser.parse_args()
-    res = common.run_standalone(run, args.quick, users=args.users,
-                                transactions=args.transactions)
+    res = common.run_standalone(run, args.quick, users=args.users, transactions=args.transactions)
     print(orjson.dumps(res, option=orjson.OPT_INDENT_2).decode() if args.json else markdown(res))
     return 0
 

@@ -53,8 +53,16 @@ def _cluster_url() -> str | None:
     return None
 
 
-def _worker(url: str, cluster: bool, kind: str, version: int, offset: int, seconds: float,
-            start_at: float, out: Any) -> None:
+def _worker(
+    url: str,
+    cluster: bool,
+    kind: str,
+    version: int,
+    offset: int,
+    seconds: float,
+    start_at: float,
+    out: Any,
+) -> None:
     from pipeline.cache.recompute import Batch
     from pipeline.cache.store import FeatureStore
     from pipeline.core.features import REGISTRY
@@ -65,9 +73,16 @@ def _worker(url: str, cluster: bool, kind: str, version: int, offset: int, secon
     fs = REGISTRY["txn_90d"]
     client = redis_client(Settings(redis_url=url, redis_cluster=cluster))
     store = FeatureStore(client, version)
-    values = {"txn_count": 3, "txn_sum": 30.0, "txn_mean": 10.0, "txn_max": 12.0,
-              "txn_std": 1.5, "distinct_merchants": 2, "distinct_devices": 1,
-              "last_txn_at": 1_700_000_000_000}
+    values = {
+        "txn_count": 3,
+        "txn_sum": 30.0,
+        "txn_mean": 10.0,
+        "txn_max": 12.0,
+        "txn_std": 1.5,
+        "distinct_merchants": 2,
+        "distinct_devices": 1,
+        "last_txn_at": 1_700_000_000_000,
+    }
     ids = [str(offset + i) for i in range(BATCH)]
     rows = {("bench", e): values for e in ids}
     refs = [EntityRef(fs.name, "bench", e) for e in ids]
@@ -92,9 +107,12 @@ def _throughput(url: str, cluster: bool, kind: str, procs: int, seconds: float) 
     out = ctx.Queue()
     version = 700_000 + os.getpid() % 1000
     start_at = time.time() + 3.0  # after every process has imported and connected
-    workers = [ctx.Process(target=_worker, args=(url, cluster, kind, version, i * BATCH,
-                                                 seconds, start_at, out))
-               for i in range(procs)]
+    workers = [
+        ctx.Process(
+            target=_worker, args=(url, cluster, kind, version, i * BATCH, seconds, start_at, out)
+        )
+        for i in range(procs)
+    ]
     for w in workers:
         w.start()
     total = sum(out.get(timeout=120) for _ in workers)
@@ -108,10 +126,25 @@ def _private_redis() -> tuple[subprocess.Popen[bytes], str, str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     tmp = tempfile.mkdtemp(prefix="freshline-bench-redis-")
-    proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port),
-                             "--save", "", "--appendonly", "no", "--dir", tmp,
-                             "--maxmemory-policy", "noeviction"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            tmp,
+            "--maxmemory-policy",
+            "noeviction",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         with socket.socket() as sock:
@@ -136,19 +169,28 @@ def run(quick: bool) -> dict[str, Any]:
                     for masters, target, cluster in ((1, single, False), (3, url, True)):
                         name = f"{kind}/{masters}m/{procs}p"
                         common.note(f"cluster_scaling round {r + 1}/{rounds}: {name}")
-                        figures.setdefault(kind, {}).setdefault(
-                            f"{masters}m/{procs}p", []).append(
-                            _throughput(target, cluster, kind, procs, seconds))
+                        figures.setdefault(kind, {}).setdefault(f"{masters}m/{procs}p", []).append(
+                            _throughput(target, cluster, kind, procs, seconds)
+                        )
     finally:
         proc.terminate()
         proc.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
-    medians = {kind: {k: statistics.median(v) for k, v in cells.items()}
-               for kind, cells in figures.items()}
-    ratios = {kind: {k: common.ratio(v, cells["1m/1p"]) for k, v in cells.items()}
-              for kind, cells in medians.items()}
-    return {"cpus": os.cpu_count(), "rounds": rounds, "seconds": seconds, "batch": BATCH,
-            "entries_per_s": medians, "ratio_to_1_master_1_process": ratios}
+    medians = {
+        kind: {k: statistics.median(v) for k, v in cells.items()} for kind, cells in figures.items()
+    }
+    ratios = {
+        kind: {k: common.ratio(v, cells["1m/1p"]) for k, v in cells.items()}
+        for kind, cells in medians.items()
+    }
+    return {
+        "cpus": os.cpu_count(),
+        "rounds": rounds,
+        "seconds": seconds,
+        "batch": BATCH,
+        "entries_per_s": medians,
+        "ratio_to_1_master_1_process": ratios,
+    }
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -160,10 +202,16 @@ def markdown(results: dict[str, Any]) -> str:
         for procs in PROCESSES:
             one = f"1m/{procs}p"
             three = f"3m/{procs}p"
-            rows.append([kind, procs, results["entries_per_s"][kind][one],
-                         results["entries_per_s"][kind][three],
-                         results["ratio_to_1_master_1_process"][kind][one],
-                         results["ratio_to_1_master_1_process"][kind][three]])
+            rows.append(
+                [
+                    kind,
+                    procs,
+                    results["entries_per_s"][kind][one],
+                    results["entries_per_s"][kind][three],
+                    results["ratio_to_1_master_1_process"][kind][one],
+                    results["ratio_to_1_master_1_process"][kind][three],
+                ]
+            )
     return head + (
         f"Entries per second, median of {results['rounds']} rounds of "
         f"{results['seconds']} s, batches of {results['batch']}; ratios against one "
@@ -171,5 +219,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"{results['cpus']} cores**, shared by every Redis node, every client process "
         "and the rest of the stack: the ratios show what 2 cores allow, not what "
         "three masters on three machines would.\n\n"
-        + common.table(["op", "processes", "1 master /s", "3 masters /s",
-                        "1 master x", "3 masters x"], rows) + "\n")
+        + common.table(
+            ["op", "processes", "1 master /s", "3 masters /s", "1 master x", "3 masters x"], rows
+        )
+        + "\n"
+    )

@@ -58,9 +58,14 @@ def stats_ns(samples: Sequence[int] | np.ndarray) -> dict[str, float]:
     if arr.size == 0:
         return {"n": 0}
     p50, p90, p99 = np.percentile(arr, [50, 90, 99])
-    return {"n": int(arr.size), "p50_us": round(float(p50), 2), "p90_us": round(float(p90), 2),
-            "p99_us": round(float(p99), 2), "mean_us": round(float(arr.mean()), 2),
-            "max_us": round(float(arr.max()), 2)}
+    return {
+        "n": int(arr.size),
+        "p50_us": round(float(p50), 2),
+        "p90_us": round(float(p90), 2),
+        "p99_us": round(float(p99), 2),
+        "mean_us": round(float(arr.mean()), 2),
+        "max_us": round(float(arr.max()), 2),
+    }
 
 
 def ratio(a: float, b: float) -> float | None:
@@ -69,9 +74,19 @@ def ratio(a: float, b: float) -> float | None:
 
 def target(name: str, value: float | None, op: str, limit: float, unit: str = "") -> dict[str, Any]:
     """A target and whether this run met it: ``target("x", 1.2, "<=", 1.5, "x")``."""
-    met = None if value is None else (value <= limit if op == "<=" else
-                                      value < limit if op == "<" else
-                                      value >= limit if op == ">=" else value > limit)
+    met = (
+        None
+        if value is None
+        else (
+            value <= limit
+            if op == "<="
+            else value < limit
+            if op == "<"
+            else value >= limit
+            if op == ">="
+            else value > limit
+        )
+    )
     return {"name": name, "value": value, "op": op, "limit": limit, "unit": unit, "met": met}
 
 
@@ -90,8 +105,7 @@ class Series:
         out: dict[str, Any] = stats_ns(self.latencies)
         rates = self.round_rates
         out["ops_per_s"] = round(float(np.median(rates)), 1) if rates else None
-        out["items_per_s"] = (round(out["ops_per_s"] * self.items_per_call, 1)
-                              if rates else None)
+        out["items_per_s"] = round(out["ops_per_s"] * self.items_per_call, 1) if rates else None
         out["items_per_call"] = self.items_per_call
         return out
 
@@ -106,8 +120,9 @@ def _run_serial(fn: Callable[[], Any], calls: int, series: Series) -> None:
     series.round_rates.append(calls / ((now_ns() - started) / 1e9))
 
 
-def _run_concurrent(fn: Callable[[], Any], calls: int, series: Series,
-                    pool: ThreadPoolExecutor, concurrency: int) -> None:
+def _run_concurrent(
+    fn: Callable[[], Any], calls: int, series: Series, pool: ThreadPoolExecutor, concurrency: int
+) -> None:
     per_thread = max(1, calls // concurrency)
     barrier = threading.Barrier(concurrency)
 
@@ -127,9 +142,15 @@ def _run_concurrent(fn: Callable[[], Any], calls: int, series: Series,
     series.round_rates.append(per_thread * concurrency / ((now_ns() - started) / 1e9))
 
 
-def measure(candidates: dict[str, Callable[[], Any]], *, rounds: int, calls: int,
-            concurrency: int = 1, warmup: int = 20,
-            items: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
+def measure(
+    candidates: dict[str, Callable[[], Any]],
+    *,
+    rounds: int,
+    calls: int,
+    concurrency: int = 1,
+    warmup: int = 20,
+    items: dict[str, int] | None = None,
+) -> dict[str, dict[str, Any]]:
     """Time each candidate in interleaved rounds; returns a summary per candidate.
 
     Each round runs every candidate for ``calls`` calls (split over ``concurrency``
@@ -146,7 +167,7 @@ def measure(candidates: dict[str, Callable[[], Any]], *, rounds: int, calls: int
     pool = ThreadPoolExecutor(concurrency) if concurrency > 1 else None
     try:
         for r in range(rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 if pool is None:
                     _run_serial(candidates[name], calls, series[name])
@@ -204,15 +225,17 @@ class Context:
         # Both URLs name it: owner-only work (migrations, the CDC connector's database)
         # reads ``migration_url``, which would otherwise name the operator's database.
         pg_url = make_url(base.migration_url).set(database=self.db_name)
-        self.settings = base.model_copy(update={
-            "postgres_url": pg_url.render_as_string(hide_password=False),
-            "postgres_admin_url": pg_url.render_as_string(hide_password=False),
-            "redis_url": redis_url,
-            "schema_version": self.new_schema_version(),
-            "topic_prefix": f"bench{self.tag}.",
-            "consumer_group": f"bench-{self.tag}",
-            "consumer_metrics_port": 0,
-        })
+        self.settings = base.model_copy(
+            update={
+                "postgres_url": pg_url.render_as_string(hide_password=False),
+                "postgres_admin_url": pg_url.render_as_string(hide_password=False),
+                "redis_url": redis_url,
+                "schema_version": self.new_schema_version(),
+                "topic_prefix": f"bench{self.tag}.",
+                "consumer_group": f"bench-{self.tag}",
+                "consumer_metrics_port": 0,
+            }
+        )
         self._engine: Engine | None = None
         self._redis: redis.Redis | None = None
         self._dataset: Dataset | None = None
@@ -275,8 +298,13 @@ class Context:
 
             users, txns = (2_000, 40_000) if self.quick else (20_000, 400_000)
             t0 = now_ns()
-            summary = seed(self.engine, users=users, transactions=txns,
-                           tenant_prefix=self.tenant_prefix(), anchor=ANCHOR)
+            summary = seed(
+                self.engine,
+                users=users,
+                transactions=txns,
+                tenant_prefix=self.tenant_prefix(),
+                anchor=ANCHOR,
+            )
             self._dataset = Dataset(summary.tenants[0], users, txns, (now_ns() - t0) / 1e9)
         return self._dataset
 
@@ -351,16 +379,21 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def targets_table(targets: Sequence[dict[str, Any]]) -> str:
-    rows = [(t["name"], f"{fmt(t['value'], 2)} {t['unit']}".strip(),
-             f"{t['op']} {fmt(t['limit'])} {t['unit']}".strip(),
-             "met" if t["met"] else ("**missed**" if t["met"] is False else "-"))
-            for t in targets]
+    rows = [
+        (
+            t["name"],
+            f"{fmt(t['value'], 2)} {t['unit']}".strip(),
+            f"{t['op']} {fmt(t['limit'])} {t['unit']}".strip(),
+            "met" if t["met"] else ("**missed**" if t["met"] is False else "-"),
+        )
+        for t in targets
+    ]
     return table(["target", "this run", "goal", ""], rows)
 
 
 def chunks(seq: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
     for i in range(0, len(seq), size):
-        yield seq[i:i + size]
+        yield seq[i : i + size]
 
 
 # -- the run's shared state -------------------------------------------------------------
@@ -513,8 +546,13 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
         proc.wait(5)
 
 
-def run_standalone(run: Callable[[bool], dict[str, Any]], quick: bool, *,
-                   users: int | None = None, transactions: int | None = None) -> dict[str, Any]:
+def run_standalone(
+    run: Callable[[bool], dict[str, Any]],
+    quick: bool,
+    *,
+    users: int | None = None,
+    transactions: int | None = None,
+) -> dict[str, Any]:
     """One benchmark run outside the harness (``python -m bench.NAME``), on its own
     seeded data set of ``users`` and ``transactions`` when both are given."""
     configure(out_dir(), quick, plots=False)
@@ -523,9 +561,15 @@ def run_standalone(run: Callable[[bool], dict[str, Any]], quick: bool, *,
             from pipeline.dev.seed import seed
 
             ctx = context(quick)
-            summary, took = timed(lambda: seed(
-                ctx.engine, users=users, transactions=transactions,
-                tenant_prefix=ctx.tenant_prefix(), anchor=ANCHOR))
+            summary, took = timed(
+                lambda: seed(
+                    ctx.engine,
+                    users=users,
+                    transactions=transactions,
+                    tenant_prefix=ctx.tenant_prefix(),
+                    anchor=ANCHOR,
+                )
+            )
             ctx.adopt_dataset(Dataset(summary.tenants[0], users, transactions, took))
         return run(quick)
     finally:

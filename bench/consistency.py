@@ -59,10 +59,20 @@ SERIES_EVERY_S = 10
 """Lag, events sent, machine load and consumer CPU are recorded this often."""
 TARGET_CHECKS = 1_000_000
 """Six nines can only be shown from a million checks with none inconsistent."""
-FULL: dict[str, Any] = {"graces": "1s,10s,60s", "rate": 3000, "duration_s": 600,
-                        "sample": 2000, "warm_s": 3.0}
-QUICK: dict[str, Any] = {"graces": "1s,10s", "rate": 2000, "duration_s": 4, "sample": 1000,
-                         "warm_s": 2.0}
+FULL: dict[str, Any] = {
+    "graces": "1s,10s,60s",
+    "rate": 3000,
+    "duration_s": 600,
+    "sample": 2000,
+    "warm_s": 3.0,
+}
+QUICK: dict[str, Any] = {
+    "graces": "1s,10s",
+    "rate": 2000,
+    "duration_s": 4,
+    "sample": 1000,
+    "warm_s": 2.0,
+}
 
 _MOVE = sa.text("""
 UPDATE transactions AS t
@@ -79,6 +89,7 @@ between two geoip ranges 16 apart (``geo``'s latest city), so both sets change."
 
 def _users(rng: random.Random, users: int, loader: int) -> list[int]:
     """``USERS_PER_TICK`` distinct users of this loader's share, drawn with the skew."""
+
     def own(u: int) -> int:
         return u - (u - 1) % LOADERS + loader  # the loader's user nearest u
 
@@ -107,8 +118,10 @@ class Load:
 
     def start(self, window_s: float = math.inf) -> Load:
         self.started = time.monotonic()
-        self._threads = [threading.Thread(target=self._loader, args=(n, window_s), daemon=True)
-                         for n in range(LOADERS)]
+        self._threads = [
+            threading.Thread(target=self._loader, args=(n, window_s), daemon=True)
+            for n in range(LOADERS)
+        ]
         for thread in self._threads:
             thread.start()
         return self
@@ -119,11 +132,15 @@ class Load:
             thread.join(60)
         self.stopped = time.monotonic()
         seconds = self.stopped - self.started
-        return {"events": self.events, "rows_changed": self.rows_changed,
-                "failed_transactions": self.failed, "users_touched": len(self.touched),
-                "seconds": round(seconds, 1),
-                "offered_per_s": round(USERS_PER_TICK / TICK_S),
-                "events_per_s": round(self.events / seconds)}
+        return {
+            "events": self.events,
+            "rows_changed": self.rows_changed,
+            "failed_transactions": self.failed,
+            "users_touched": len(self.touched),
+            "seconds": round(seconds, 1),
+            "offered_per_s": round(USERS_PER_TICK / TICK_S),
+            "events_per_s": round(self.events / seconds),
+        }
 
     def wait(self) -> dict[str, Any]:
         for thread in self._threads:
@@ -139,16 +156,20 @@ class Load:
                 picked = _users(rng, self.users, index)
                 try:
                     with self.ctx.engine.begin() as conn:
-                        changed = conn.execute(_MOVE, {"tenant": self.tenant,
-                                                       "users": picked}).rowcount
+                        changed = conn.execute(
+                            _MOVE, {"tenant": self.tenant, "users": picked}
+                        ).rowcount
                 except sa.exc.OperationalError:
                     with self._lock:
                         self.failed += 1
                     continue
                 for user in picked:
-                    producer.produce(self.topic, f'{{"tenant":"{self.tenant}","user_id":{user},'
-                                                 f'"transaction_id":{i}}}'.encode(),
-                                     f"{self.tenant}:{user}".encode())
+                    producer.produce(
+                        self.topic,
+                        f'{{"tenant":"{self.tenant}","user_id":{user},'
+                        f'"transaction_id":{i}}}'.encode(),
+                        f"{self.tenant}:{user}".encode(),
+                    )
                 producer.inner.poll(0)
                 with self._lock:
                     self.events += len(picked)
@@ -164,9 +185,14 @@ def _entries(ctx: common.Context, version: int, tenant: str) -> int:
 
 def _child_env(ctx: common.Context, version: int) -> dict[str, str]:
     s = ctx.settings
-    return {**os.environ, "FRESHLINE_POSTGRES_URL": s.postgres_url,
-            "FRESHLINE_REDIS_URL": s.redis_url, "FRESHLINE_SCHEMA_VERSION": str(version),
-            "FRESHLINE_TOPIC_PREFIX": s.topic_prefix, "FRESHLINE_AUTO_OFFSET_RESET": "earliest"}
+    return {
+        **os.environ,
+        "FRESHLINE_POSTGRES_URL": s.postgres_url,
+        "FRESHLINE_REDIS_URL": s.redis_url,
+        "FRESHLINE_SCHEMA_VERSION": str(version),
+        "FRESHLINE_TOPIC_PREFIX": s.topic_prefix,
+        "FRESHLINE_AUTO_OFFSET_RESET": "earliest",
+    }
 
 
 def _cpu_s(pid: int) -> float | None:
@@ -195,31 +221,54 @@ def run(quick: bool) -> dict[str, Any]:
     lag = GroupLag(ctx.settings_for(consumer_group=group))
     consumer_log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
     audit_err = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
-    consumer = subprocess.Popen([FRESHLINE, "consume", "--topics", topic, "--group", group,
-                                 "--metrics-port", "0"], env=env, stdout=consumer_log,
-                                stderr=consumer_log, start_new_session=True)
+    consumer = subprocess.Popen(
+        [FRESHLINE, "consume", "--topics", topic, "--group", group, "--metrics-port", "0"],
+        env=env,
+        stdout=consumer_log,
+        stderr=consumer_log,
+        start_new_session=True,
+    )
     audit: subprocess.Popen[bytes] | None = None
     load: Load | None = None
     lags: list[int] = []
     series: list[dict[str, Any]] = []
     load_avg = [round(os.getloadavg()[0], 2)]
     try:
-        common.note(f"consistency: warming the consumer, then {plan['duration_s']}s of audit "
-                    f"under load, and its last re-checks")
+        common.note(
+            f"consistency: warming the consumer, then {plan['duration_s']}s of audit "
+            f"under load, and its last re-checks"
+        )
         warm = Load(ctx, data.tenant, data.users).start(plan["warm_s"]).wait()
         wanted = 2 * warm["users_touched"]  # txn_90d and geo per user
         deadline = time.monotonic() + 120
         while _entries(ctx, version, data.tenant) < wanted:
             if consumer.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the consumer did not apply the warm-up: "
-                                   f"{_tail(consumer_log)}")
+                raise RuntimeError(f"the consumer did not apply the warm-up: {_tail(consumer_log)}")
             time.sleep(0.5)  # polling while the consumer joins and applies
         load = Load(ctx, data.tenant, data.users).start()
         audit = subprocess.Popen(
-            [FRESHLINE, "audit", "--version", str(version), "--tenant", data.tenant,
-             "--sample", str(plan["sample"]), "--duration", f"{plan['duration_s']}s",
-             "--rate", str(plan["rate"]), "--grace", str(plan["graces"]), "--json"],
-            env=env, stdout=subprocess.PIPE, stderr=audit_err, start_new_session=True)
+            [
+                FRESHLINE,
+                "audit",
+                "--version",
+                str(version),
+                "--tenant",
+                data.tenant,
+                "--sample",
+                str(plan["sample"]),
+                "--duration",
+                f"{plan['duration_s']}s",
+                "--rate",
+                str(plan["rate"]),
+                "--grace",
+                str(plan["graces"]),
+                "--json",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=audit_err,
+            start_new_session=True,
+        )
         lag_at: list[tuple[float, int, int]] = []  # (time, produced, lag)
         started = time.monotonic()
         consumer_cpu = _cpu_s(consumer.pid)
@@ -236,11 +285,17 @@ def run(quick: bool) -> dict[str, Any]:
                     lag_at.append((now, load.events if load else 0, behind))
                 if not series or now - started >= series[-1]["t_s"] + SERIES_EVERY_S:
                     cpu = _cpu_s(consumer.pid)
-                    series.append({"t_s": round(now - started), "lag": behind,
-                                   "sent": load.events if load else 0,
-                                   "load_1m": round(os.getloadavg()[0], 2),
-                                   "consumer_cpu_s": None if cpu is None or consumer_cpu is None
-                                   else round(cpu - consumer_cpu, 1)})
+                    series.append(
+                        {
+                            "t_s": round(now - started),
+                            "lag": behind,
+                            "sent": load.events if load else 0,
+                            "load_1m": round(os.getloadavg()[0], 2),
+                            "consumer_cpu_s": None
+                            if cpu is None or consumer_cpu is None
+                            else round(cpu - consumer_cpu, 1),
+                        }
+                    )
                 time.sleep(1.0)  # one lag reading a second
 
         watcher = threading.Thread(target=watch_lag, daemon=True)
@@ -268,51 +323,80 @@ def run(quick: bool) -> dict[str, Any]:
         t = point["t_s"]
         point["inconsistent_found"] = {
             g: sum(n for second, n in by_s.items() if t <= int(second) < t + SERIES_EVERY_S)
-            for g, by_s in found.items()}
+            for g, by_s in found.items()
+        }
     checked = report["checked"]
     by_grace: dict[str, Any] = {}
     for g in report["graces"]:
         bad = g["inconsistent"]
         nines = -math.log10(bad / checked) if bad else math.log10(max(checked, 1))
-        by_grace[g["grace"]] = {"inconsistent": bad, "nines": round(nines, 2),
-                                "lower_bound": not bad}
+        by_grace[g["grace"]] = {
+            "inconsistent": bad,
+            "nines": round(nines, 2),
+            "lower_bound": not bad,
+        }
     applied = None
     if len(lag_at) >= 2:  # events applied between the first and last lag reading
         (t0, p0, l0), (t1, p1, l1) = lag_at[0], lag_at[-1]
         applied = round(((p1 - l1) - (p0 - l0)) / (t1 - t0))
     ten = by_grace.get("10s", {}).get("nines")
-    targets = [common.target("audit consistency at 10 s grace under load", ten, ">=", 6,
-                             "nines"),
-               common.target("audit checks (six nines need 1,000,000)", checked, ">=",
-                             TARGET_CHECKS)]
-    return {"parameters": {"tick_s": TICK_S, "users_per_tick": USERS_PER_TICK,
-                           "hot_users": HOT_USERS, "hot_share": HOT_SHARE,
-                           "loaders": LOADERS, "users": data.users,
-                           "audit_rate": plan["rate"], "audit_sample": plan["sample"],
-                           "audit_duration_s": plan["duration_s"], "graces": plan["graces"]},
-            "command": (f"freshline audit --tenant T --sample {plan['sample']} --duration "
-                        f"{plan['duration_s']}s --rate {plan['rate']} --grace "
-                        f"{plan['graces']} --json"),
-            "machine_load_1m": {"start": load_avg[0], "end": load_avg[-1],
-                                "max": max([*load_avg, *(p["load_1m"] for p in series)])},
-            "series": series,
-            "warm_load": warm,
-            "load": {**load_figures, "consumer_applied_per_s": applied,
-                     "lag_records": {"max": max(lags, default=None),
-                                     "median": (statistics.median(lags) if lags else None)}},
-            "audit": {"checked": checked, "samples": report["samples"],
-                      "absent": report["absent"], "suspects": report["suspects"],
-                      "rechecks": report["rechecks"], "caught_up": report["caught_up"],
-                      "entries_in_namespace": entries,
-                      "checks_per_entry": round(checked / max(entries, 1), 1),
-                      "checking_s": round(report["checking_s"], 1),
-                      "elapsed_s": round(report["elapsed_s"], 1),
-                      "entries_per_s": round(report["entries_per_s"]),
-                      "capacity_per_s": round(report["capacity_per_s"]),
-                      "by_grace": by_grace, "persistent": report["persistent"],
-                      "persisting_mismatches": report["mismatches"][:10],
-                      "late_after_10s": report.get("late", {}).get("10s", [])[:20]},
-            "targets": targets}
+    targets = [
+        common.target("audit consistency at 10 s grace under load", ten, ">=", 6, "nines"),
+        common.target("audit checks (six nines need 1,000,000)", checked, ">=", TARGET_CHECKS),
+    ]
+    return {
+        "parameters": {
+            "tick_s": TICK_S,
+            "users_per_tick": USERS_PER_TICK,
+            "hot_users": HOT_USERS,
+            "hot_share": HOT_SHARE,
+            "loaders": LOADERS,
+            "users": data.users,
+            "audit_rate": plan["rate"],
+            "audit_sample": plan["sample"],
+            "audit_duration_s": plan["duration_s"],
+            "graces": plan["graces"],
+        },
+        "command": (
+            f"freshline audit --tenant T --sample {plan['sample']} --duration "
+            f"{plan['duration_s']}s --rate {plan['rate']} --grace "
+            f"{plan['graces']} --json"
+        ),
+        "machine_load_1m": {
+            "start": load_avg[0],
+            "end": load_avg[-1],
+            "max": max([*load_avg, *(p["load_1m"] for p in series)]),
+        },
+        "series": series,
+        "warm_load": warm,
+        "load": {
+            **load_figures,
+            "consumer_applied_per_s": applied,
+            "lag_records": {
+                "max": max(lags, default=None),
+                "median": (statistics.median(lags) if lags else None),
+            },
+        },
+        "audit": {
+            "checked": checked,
+            "samples": report["samples"],
+            "absent": report["absent"],
+            "suspects": report["suspects"],
+            "rechecks": report["rechecks"],
+            "caught_up": report["caught_up"],
+            "entries_in_namespace": entries,
+            "checks_per_entry": round(checked / max(entries, 1), 1),
+            "checking_s": round(report["checking_s"], 1),
+            "elapsed_s": round(report["elapsed_s"], 1),
+            "entries_per_s": round(report["entries_per_s"]),
+            "capacity_per_s": round(report["capacity_per_s"]),
+            "by_grace": by_grace,
+            "persistent": report["persistent"],
+            "persisting_mismatches": report["mismatches"][:10],
+            "late_after_10s": report.get("late", {}).get("10s", [])[:20],
+        },
+        "targets": targets,
+    }
 
 
 def _consumer_share(res: dict[str, Any]) -> str:
@@ -327,17 +411,26 @@ def _found_table(res: dict[str, Any]) -> list[str]:
     """The stretches of the run in which entries later found inconsistent were first
     checked, beside the consumer's lag and the machine's load then."""
     graces = list(res["audit"]["by_grace"])
-    rows = [(p["t_s"], common.fmt(p["lag"]), p["load_1m"],
-             *(p["inconsistent_found"].get(g, 0) for g in graces))
-            for p in res.get("series", [])
-            if any(p.get("inconsistent_found", {}).get(g) for g in graces)]
+    rows = [
+        (
+            p["t_s"],
+            common.fmt(p["lag"]),
+            p["load_1m"],
+            *(p["inconsistent_found"].get(g, 0) for g in graces),
+        )
+        for p in res.get("series", [])
+        if any(p.get("inconsistent_found", {}).get(g) for g in graces)
+    ]
     if not rows:
         return []
-    return [f"When the inconsistent entries were first checked ({SERIES_EVERY_S} s "
-            "stretches with any; seconds since the audit started), with the consumer "
-            "group's lag (records) and the machine's load average at the stretch's start:",
-            "", common.table(["s", "lag", "load", *(f"inconsistent at {g}" for g in graces)],
-                             rows), ""]
+    return [
+        f"When the inconsistent entries were first checked ({SERIES_EVERY_S} s "
+        "stretches with any; seconds since the audit started), with the consumer "
+        "group's lag (records) and the machine's load average at the stretch's start:",
+        "",
+        common.table(["s", "lag", "load", *(f"inconsistent at {g}" for g in graces)], rows),
+        "",
+    ]
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -364,9 +457,13 @@ def markdown(res: dict[str, Any]) -> str:
         f"{res['machine_load_1m']['end']} at the end, {res['machine_load_1m']['max']} at "
         f"most; the consumer used {_consumer_share(res)} of a core.",
         "",
-        common.table(["grace", "inconsistent", "nines"],
-                     [(g, v["inconsistent"], ("≥ " if v["lower_bound"] else "")
-                       + f"{v['nines']:.2f}") for g, v in audit["by_grace"].items()]),
+        common.table(
+            ["grace", "inconsistent", "nines"],
+            [
+                (g, v["inconsistent"], ("≥ " if v["lower_bound"] else "") + f"{v['nines']:.2f}")
+                for g, v in audit["by_grace"].items()
+            ],
+        ),
         "",
         *_found_table(res),
         "```json",
@@ -376,4 +473,3 @@ def markdown(res: dict[str, Any]) -> str:
         common.targets_table(res["targets"]),
     ]
     return "\n".join(lines) + "\n"
-

@@ -51,8 +51,9 @@ def _lock(*versions: int) -> Lock:
     return Lock(dict.fromkeys(versions, entry))
 
 
-def _bump(ctx: common.Context, *, warmed: bool, hot: int, before_s: float,
-          after_s: float) -> dict[str, Any]:
+def _bump(
+    ctx: common.Context, *, warmed: bool, hot: int, before_s: float, after_s: float
+) -> dict[str, Any]:
     data = ctx.dataset()
     a, b = ctx.schema_version(), ctx.schema_version()
     lock = _lock(a, b)
@@ -64,8 +65,13 @@ def _bump(ctx: common.Context, *, warmed: bool, hot: int, before_s: float,
     for chunk in common.chunks(users, 500):
         warm(r, ctx.engine, a, FEATURE_SET, [chunk], lock)
     resolver = VersionResolver(r, settings, pointer=pointer, lock=lock, max_age_s=0.05)
-    rt = ReadThrough(FeatureStore(r, a), ctx.engine, early_refresh=False, versions=resolver,
-                     hot=HotReads(r, sample=1))
+    rt = ReadThrough(
+        FeatureStore(r, a),
+        ctx.engine,
+        early_refresh=False,
+        versions=resolver,
+        hot=HotReads(r, sample=1),
+    )
     refs = [EntityRef(FEATURE_SET, t, e) for t, e in users]
     rng = random.Random(4)
     samples: list[tuple[float, int, int, int]] = []
@@ -90,8 +96,12 @@ def _bump(ctx: common.Context, *, warmed: bool, hot: int, before_s: float,
     if warmed:
         start(r, settings, b, lock, pointer=pointer)
         top = HotReads(r).top(a, FEATURE_SET, [data.tenant], len(users))
-        _, warm_s = common.timed(lambda: [warm(r, ctx.engine, b, FEATURE_SET, [chunk], lock)
-                                          for chunk in common.chunks(top, 500)])
+        _, warm_s = common.timed(
+            lambda: [
+                warm(r, ctx.engine, b, FEATURE_SET, [chunk], lock)
+                for chunk in common.chunks(top, 500)
+            ]
+        )
     flip(r, settings, b, lock, pointer=pointer)
     flipped = time.monotonic()
     time.sleep(after_s)  # steady reads after the deploy
@@ -116,8 +126,11 @@ def _bump(ctx: common.Context, *, warmed: bool, hot: int, before_s: float,
     before = times < deploy_started - t0
     first_s = after & (times < flip_at + 1.0)
     return {
-        "hot_users": len(users), "reads_per_call": READ_BATCH, "calls": len(samples),
-        "warm_s": round(warm_s, 3), "flip_at_s": round(flip_at, 3),
+        "hot_users": len(users),
+        "reads_per_call": READ_BATCH,
+        "calls": len(samples),
+        "warm_s": round(warm_s, 3),
+        "flip_at_s": round(flip_at, 3),
         "deploy_s": round(flipped - deploy_started, 3),
         "hit_rate_before": _rate(hits[before], total[before]),
         "hit_rate_first_second_after": _rate(hits[first_s], total[first_s]),
@@ -163,8 +176,9 @@ def _purge(ctx: common.Context, keys: int, quiet_s: float) -> dict[str, Any]:
     payload = encode_entry([0] * len(fs.field_names), old, int(time.time() * 1000), 1)
     pipe = r.pipeline(transaction=False)
     for i in range(keys):
-        pipe.set(feature_key(old, EntityRef(FEATURE_SET, data.tenant, str(i + 1))), payload,
-                 px=3_600_000)
+        pipe.set(
+            feature_key(old, EntityRef(FEATURE_SET, data.tenant, str(i + 1))), payload, px=3_600_000
+        )
         if i % 5000 == 4999:
             pipe.execute()
     pipe.execute()
@@ -186,9 +200,22 @@ def _purge(ctx: common.Context, keys: int, quiet_s: float) -> dict[str, Any]:
     time.sleep(quiet_s)  # the reader alone, before the purge
     pointer_scope = f"bench{ctx.tag}purge{old}"
     env = {**os.environ, "PYTHONPATH": str(common.REPO)}
-    done = subprocess.run([sys.executable, "-c", _PURGE, ctx.settings.redis_url, str(active),
-                           str(old), pointer_scope], capture_output=True, text=True,
-                          env=env, check=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _PURGE,
+            ctx.settings.redis_url,
+            str(active),
+            str(old),
+            pointer_scope,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=600,
+    )
     info = json.loads(done.stdout.strip().splitlines()[-1])
     time.sleep(quiet_s)  # the reader alone, after the purge
     stop.set()
@@ -197,12 +224,18 @@ def _purge(ctx: common.Context, keys: int, quiet_s: float) -> dict[str, Any]:
     quiet = [ns for at, ns in lat if at < info["start"] or at > info["end"]]
     seconds = info["end"] - info["start"]
     d, q = common.stats_ns(during), common.stats_ns(quiet)
-    return {"keys": keys, "removed": info["removed"], "scans": info["scans"],
-            "unlinks": info["unlinks"], "seconds": round(seconds, 3),
-            "keys_per_s": round(info["removed"] / seconds) if seconds else None,
-            "reader_during": d, "reader_without": q,
-            "p99_during_vs_without": common.ratio(d.get("p99_us", 0), q.get("p99_us", 0)),
-            "p50_during_vs_without": common.ratio(d.get("p50_us", 0), q.get("p50_us", 0))}
+    return {
+        "keys": keys,
+        "removed": info["removed"],
+        "scans": info["scans"],
+        "unlinks": info["unlinks"],
+        "seconds": round(seconds, 3),
+        "keys_per_s": round(info["removed"] / seconds) if seconds else None,
+        "reader_during": d,
+        "reader_without": q,
+        "p99_during_vs_without": common.ratio(d.get("p99_us", 0), q.get("p99_us", 0)),
+        "p50_during_vs_without": common.ratio(d.get("p50_us", 0), q.get("p50_us", 0)),
+    }
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -213,13 +246,27 @@ def run(quick: bool) -> dict[str, Any]:
     purge = _purge(ctx, 20_000 if quick else 300_000, 1.0 if quick else 2.0)
     plots = _plot(cold, warmed)
     targets = [
-        common.target("warmed bump: hit rate in the first second after the flip",
-                      warmed["hit_rate_first_second_after"], ">=", 0.99, ""),
+        common.target(
+            "warmed bump: hit rate in the first second after the flip",
+            warmed["hit_rate_first_second_after"],
+            ">=",
+            0.99,
+            "",
+        ),
     ]
-    return {"parameters": {"feature_set": FEATURE_SET, "hot_users": hot,
-                           "reads_per_call": READ_BATCH, "bin_s": BIN_S},
-            "cold": cold, "warmed": warmed, "purge": purge, "plots": plots,
-            "targets": targets}
+    return {
+        "parameters": {
+            "feature_set": FEATURE_SET,
+            "hot_users": hot,
+            "reads_per_call": READ_BATCH,
+            "bin_s": BIN_S,
+        },
+        "cold": cold,
+        "warmed": warmed,
+        "purge": purge,
+        "plots": plots,
+        "targets": targets,
+    }
 
 
 def _plot(cold: dict[str, Any], warmed: dict[str, Any]) -> list[str]:
@@ -227,8 +274,10 @@ def _plot(cold: dict[str, Any], warmed: dict[str, Any]) -> list[str]:
     if plt is None:
         return []
     fig, ax = plt.subplots(figsize=(8, 3.8))
-    for label, res, color in (("flip without warming", cold, "tab:red"),
-                              ("warm, then flip", warmed, "tab:green")):
+    for label, res, color in (
+        ("flip without warming", cold, "tab:red"),
+        ("warm, then flip", warmed, "tab:green"),
+    ):
         xs = [t - res["flip_at_s"] for t, _ in res["series"]]
         ys = [h for _, h in res["series"]]
         ax.plot(xs, ys, label=label, color=color)
@@ -243,9 +292,18 @@ def _plot(cold: dict[str, Any], warmed: dict[str, Any]) -> list[str]:
 
 def markdown(res: dict[str, Any]) -> str:
     c, w, p = res["cold"], res["warmed"], res["purge"]
-    rows = [(label, x["hit_rate_before"], x["hit_rate_first_second_after"],
-             x["lowest_bin_after"], x["hit_rate_after"], x["db_computations"], x["deploy_s"])
-            for label, x in (("flip without warming", c), ("warm, then flip", w))]
+    rows = [
+        (
+            label,
+            x["hit_rate_before"],
+            x["hit_rate_first_second_after"],
+            x["lowest_bin_after"],
+            x["hit_rate_after"],
+            x["db_computations"],
+            x["deploy_s"],
+        )
+        for label, x in (("flip without warming", c), ("warm, then flip", w))
+    ]
     lines = [
         "## deploy: a SCHEMA_VERSION bump, and purging the old namespace",
         "",
@@ -255,8 +313,18 @@ def markdown(res: dict[str, Any]) -> str:
         "mid-way. Hit rate per call, binned every "
         f"{res['parameters']['bin_s'] * 1000:.0f} ms.",
         "",
-        common.table(["deploy", "hit rate before", "first second after", "lowest 100 ms bin",
-                      "after (all)", "DB computations by readers", "deploy took s"], rows),
+        common.table(
+            [
+                "deploy",
+                "hit rate before",
+                "first second after",
+                "lowest 100 ms bin",
+                "after (all)",
+                "DB computations by readers",
+                "deploy took s",
+            ],
+            rows,
+        ),
         "",
     ]
     for plot in res.get("plots", []):
@@ -267,14 +335,27 @@ def markdown(res: dict[str, Any]) -> str:
         "UNLINKs of at most 500 keys), in its own process, while a reader in another read "
         "active entries with `FeatureClient.get` (µs):",
         "",
-        common.table(["reader", "calls", "p50", "p90", "p99", "max"], [
-            ("without purge (before and after)", p["reader_without"].get("n"),
-             p["reader_without"].get("p50_us"), p["reader_without"].get("p90_us"),
-             p["reader_without"].get("p99_us"), p["reader_without"].get("max_us")),
-            ("during purge", p["reader_during"].get("n"), p["reader_during"].get("p50_us"),
-             p["reader_during"].get("p90_us"), p["reader_during"].get("p99_us"),
-             p["reader_during"].get("max_us")),
-        ]),
+        common.table(
+            ["reader", "calls", "p50", "p90", "p99", "max"],
+            [
+                (
+                    "without purge (before and after)",
+                    p["reader_without"].get("n"),
+                    p["reader_without"].get("p50_us"),
+                    p["reader_without"].get("p90_us"),
+                    p["reader_without"].get("p99_us"),
+                    p["reader_without"].get("max_us"),
+                ),
+                (
+                    "during purge",
+                    p["reader_during"].get("n"),
+                    p["reader_during"].get("p50_us"),
+                    p["reader_during"].get("p90_us"),
+                    p["reader_during"].get("p99_us"),
+                    p["reader_during"].get("max_us"),
+                ),
+            ],
+        ),
         "",
         f"Reader p99 during / without: **{p['p99_during_vs_without']}x** "
         f"(p50 {p['p50_during_vs_without']}x).",

@@ -46,18 +46,26 @@ def _raise_fd_limit(needed: int) -> None:
     if soft < needed <= hard or (hard == resource.RLIM_INFINITY and soft < needed):
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
     elif soft < needed:
-        raise RuntimeError(f"{IDLE} idle connections need {needed} file descriptors; "
-                           f"the hard limit is {hard}")
+        raise RuntimeError(
+            f"{IDLE} idle connections need {needed} file descriptors; the hard limit is {hard}"
+        )
 
 
 @contextlib.contextmanager
 def _serve(settings: Any) -> Iterator[int]:
     port = _free_port()
-    env = {**os.environ, "FRESHLINE_POSTGRES_URL": settings.postgres_url,
-           "FRESHLINE_REDIS_URL": settings.redis_url}
+    env = {
+        **os.environ,
+        "FRESHLINE_POSTGRES_URL": settings.postgres_url,
+        "FRESHLINE_REDIS_URL": settings.redis_url,
+    }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    proc = subprocess.Popen([FRESHLINE, "serve", "--port", str(port), "--workers", "1"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [FRESHLINE, "serve", "--port", str(port), "--workers", "1"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(300):
             try:
@@ -111,8 +119,10 @@ def run(quick: bool) -> dict[str, Any]:
                 idle: list[socket.socket] = []
                 try:
                     if name != "no idle connections":
-                        idle = [socket.create_connection(("127.0.0.1", port), timeout=5)
-                                for _ in range(IDLE)]
+                        idle = [
+                            socket.create_connection(("127.0.0.1", port), timeout=5)
+                            for _ in range(IDLE)
+                        ]
                     samples, missed = _sample(port, calls)
                 finally:
                     for s in idle:
@@ -123,36 +133,61 @@ def run(quick: bool) -> dict[str, Any]:
             ref = p99["no idle connections"]
             if ref:
                 round_ratios.append(p99[f"{IDLE} idle"] / ref)
-    results = {name: {**common.stats_ns(samples), "timeouts": timeouts[name]}
-               for name, samples in series.items()}
+    results = {
+        name: {**common.stats_ns(samples), "timeouts": timeouts[name]}
+        for name, samples in series.items()
+    }
     busy = results[f"{IDLE} idle"]
     return {
-        "parameters": {"idle": IDLE, "rounds": rounds, "calls_per_round": calls,
-                       "workers": 1, "server": "granian (freshline serve defaults)"},
+        "parameters": {
+            "idle": IDLE,
+            "rounds": rounds,
+            "calls_per_round": calls,
+            "workers": 1,
+            "server": "granian (freshline serve defaults)",
+        },
         "results": results,
         "p99_ratio_median": round(statistics.median(round_ratios), 3) if round_ratios else None,
-        "targets": [common.target(f"/healthz p99 with {IDLE} idle connections open",
-                                  (busy.get("p99_us", 0) / 1000) if busy.get("n") else None,
-                                  "<", 50, "ms")],
+        "targets": [
+            common.target(
+                f"/healthz p99 with {IDLE} idle connections open",
+                (busy.get("p99_us", 0) / 1000) if busy.get("n") else None,
+                "<",
+                50,
+                "ms",
+            )
+        ],
     }
 
 
 def markdown(res: dict[str, Any]) -> str:
     p = res["parameters"]
-    rows = [(name, r.get("n", 0), r.get("timeouts", 0), r.get("p50_us"), r.get("p90_us"),
-             r.get("p99_us"), r.get("max_us")) for name, r in res["results"].items()]
-    return "\n".join([
-        f"## idle_connections: /healthz with {p['idle']} idle connections open",
-        "",
-        f"`freshline serve` ({p['server']}, {p['workers']} worker) on loopback; each of "
-        f"{p['rounds']} rounds makes {p['calls_per_round']} sequential /healthz requests "
-        "with no other connection open and with the idle ones open (order alternating). "
-        "Times in µs; a request has a 5 s timeout.",
-        "",
-        common.table(["case", "requests", "timeouts", "p50", "p90", "p99", "max"], rows),
-        "",
-        f"p99 with idle connections / without (median of rounds): "
-        f"{common.fmt(res['p99_ratio_median'], 3)}x.",
-        "",
-        common.targets_table(res["targets"]),
-    ])
+    rows = [
+        (
+            name,
+            r.get("n", 0),
+            r.get("timeouts", 0),
+            r.get("p50_us"),
+            r.get("p90_us"),
+            r.get("p99_us"),
+            r.get("max_us"),
+        )
+        for name, r in res["results"].items()
+    ]
+    return "\n".join(
+        [
+            f"## idle_connections: /healthz with {p['idle']} idle connections open",
+            "",
+            f"`freshline serve` ({p['server']}, {p['workers']} worker) on loopback; each of "
+            f"{p['rounds']} rounds makes {p['calls_per_round']} sequential /healthz requests "
+            "with no other connection open and with the idle ones open (order alternating). "
+            "Times in µs; a request has a 5 s timeout.",
+            "",
+            common.table(["case", "requests", "timeouts", "p50", "p90", "p99", "max"], rows),
+            "",
+            f"p99 with idle connections / without (median of rounds): "
+            f"{common.fmt(res['p99_ratio_median'], 3)}x.",
+            "",
+            common.targets_table(res["targets"]),
+        ]
+    )

@@ -51,18 +51,25 @@ FOLD_USERS = 1000
 
 def _head_and_median(ctx: common.Context, tenant: str) -> dict[str, Any]:
     with ctx.engine.connect() as conn:
-        counts = conn.execute(sa.text(
-            "SELECT user_id, count(*) FROM transactions WHERE tenant_id = :t "
-            "GROUP BY user_id ORDER BY 2 DESC, 1"), {"t": tenant}).all()
+        counts = conn.execute(
+            sa.text(
+                "SELECT user_id, count(*) FROM transactions WHERE tenant_id = :t "
+                "GROUP BY user_id ORDER BY 2 DESC, 1"
+            ),
+            {"t": tenant},
+        ).all()
     head = counts[0]
     median = counts[len(counts) // 2]
-    return {"head": {"user": str(head[0]), "rows": int(head[1])},
-            "median": {"user": str(median[0]), "rows": int(median[1])},
-            "users_with_rows": len(counts)}
+    return {
+        "head": {"user": str(head[0]), "rows": int(head[1])},
+        "median": {"user": str(median[0]), "rows": int(median[1])},
+        "users_with_rows": len(counts),
+    }
 
 
-def _recompute(ctx: common.Context, tenant: str, who: dict[str, Any],
-               rounds: int, calls: int) -> dict[str, Any]:
+def _recompute(
+    ctx: common.Context, tenant: str, who: dict[str, Any], rounds: int, calls: int
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for fs in REGISTRY:
         if fs.incremental is None:
@@ -71,18 +78,19 @@ def _recompute(ctx: common.Context, tenant: str, who: dict[str, Any],
         for path in ("full", "incremental"):
             for role in ("head", "median"):
                 ref = [(tenant, who[role]["user"])]
-                candidates[f"{path}_{role}"] = (
-                    lambda ref=ref, path=path, fs=fs: compute(ctx.engine, fs, ref, path=path))
+                candidates[f"{path}_{role}"] = lambda ref=ref, path=path, fs=fs: compute(
+                    ctx.engine, fs, ref, path=path
+                )
         res = common.measure(candidates, rounds=rounds, calls=calls, warmup=3)
         p50 = {name: r["p50_us"] / 1000 for name, r in res.items()}
         out[fs.name] = {
             "p50_ms": {k: round(v, 2) for k, v in p50.items()},
             "p99_ms": {k: round(r["p99_us"] / 1000, 2) for k, r in res.items()},
-            "head_vs_median": {"full": common.ratio(p50["full_head"], p50["full_median"]),
-                               "incremental": common.ratio(p50["incremental_head"],
-                                                           p50["incremental_median"])},
-            "incremental_vs_full_head": common.ratio(p50["incremental_head"],
-                                                     p50["full_head"]),
+            "head_vs_median": {
+                "full": common.ratio(p50["full_head"], p50["full_median"]),
+                "incremental": common.ratio(p50["incremental_head"], p50["incremental_median"]),
+            },
+            "incremental_vs_full_head": common.ratio(p50["incremental_head"], p50["full_head"]),
         }
     return out
 
@@ -94,21 +102,30 @@ def _pending(ctx: common.Context, tenant: str, who: dict[str, Any]) -> Iterator[
     users = [int(who["head"]["user"]), int(who["median"]["user"])]
     counts = [PENDING_HEAD, 1]
     with ctx.engine.begin() as conn:
-        ids = list(conn.execute(sa.text(
-            "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, device_id, "
-            "ip, created_at) SELECT :t, u, 10 + (i % 90), 'm' || (i % 17), NULL, "
-            "'11.0.0.1', now() - i * interval '1 minute' "
-            "FROM unnest(CAST(:u AS bigint[]), CAST(:n AS int[])) AS x(u, n), "
-            "generate_series(1, x.n) AS i RETURNING id"),
-            {"t": tenant, "u": users, "n": counts}).scalars())
+        ids = list(
+            conn.execute(
+                sa.text(
+                    "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, device_id, "
+                    "ip, created_at) SELECT :t, u, 10 + (i % 90), 'm' || (i % 17), NULL, "
+                    "'11.0.0.1', now() - i * interval '1 minute' "
+                    "FROM unnest(CAST(:u AS bigint[]), CAST(:n AS int[])) AS x(u, n), "
+                    "generate_series(1, x.n) AS i RETURNING id"
+                ),
+                {"t": tenant, "u": users, "n": counts},
+            ).scalars()
+        )
     try:
         yield
     finally:
         with ctx.engine.begin() as conn:
-            conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t "
-                                 "AND id = ANY(:ids)"), {"t": tenant, "ids": ids})
-            conn.execute(sa.text("SELECT freshline_fold_bucket_users(:t, :u)"),
-                         {"t": [tenant] * len(users), "u": users})
+            conn.execute(
+                sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = ANY(:ids)"),
+                {"t": tenant, "ids": ids},
+            )
+            conn.execute(
+                sa.text("SELECT freshline_fold_bucket_users(:t, :u)"),
+                {"t": [tenant] * len(users), "u": users},
+            )
 
 
 def _triggers(ctx: common.Context, enabled: bool) -> None:
@@ -124,23 +141,34 @@ def _copy(ctx: common.Context, tenant: str, rows: list[tuple[Any, ...]]) -> None
         buf.write("\t".join([tenant, *("\\N" if v is None else str(v) for v in r)]) + "\n")
     with ctx.engine.begin() as conn:
         raw = conn.connection.driver_connection
-        with raw.cursor() as cur, cur.copy(  # type: ignore[union-attr]
-                f"COPY transactions (tenant_id, {_COLUMNS}) FROM STDIN") as copy:
+        with (
+            raw.cursor() as cur,
+            cur.copy(  # type: ignore[union-attr]
+                f"COPY transactions (tenant_id, {_COLUMNS}) FROM STDIN"
+            ) as copy,
+        ):
             copy.write(buf.getvalue())
 
 
-def _writes(ctx: common.Context, tenant: str, sample: int, rounds: int,
-            insert_rounds: int, block: int) -> dict[str, Any]:
+def _writes(
+    ctx: common.Context, tenant: str, sample: int, rounds: int, insert_rounds: int, block: int
+) -> dict[str, Any]:
     with ctx.engine.connect() as conn:
-        rows = [tuple(r) for r in conn.execute(sa.text(
-            f"SELECT {_COLUMNS} FROM transactions WHERE tenant_id = :t ORDER BY id LIMIT :n"),
-            {"t": tenant, "n": sample})]
+        rows = [
+            tuple(r)
+            for r in conn.execute(
+                sa.text(
+                    f"SELECT {_COLUMNS} FROM transactions WHERE tenant_id = :t ORDER BY id LIMIT :n"
+                ),
+                {"t": tenant, "n": sample},
+            )
+        ]
     scratch: list[str] = []
     copy_rates: dict[str, list[float]] = {"with": [], "without": []}
     insert_ns: dict[str, list[int]] = {"with": [], "without": []}
     try:
         for r in range(rounds):
-            for mode in (("with", "without") if r % 2 == 0 else ("without", "with")):
+            for mode in ("with", "without") if r % 2 == 0 else ("without", "with"):
                 _triggers(ctx, mode == "with")
                 t = f"{ctx.tenant_prefix()}w"
                 scratch.append(t)
@@ -156,23 +184,25 @@ def _writes(ctx: common.Context, tenant: str, sample: int, rounds: int,
             with raw_conn.driver_connection.cursor() as cur:  # type: ignore[union-attr]
                 i = 0
                 for r in range(insert_rounds):
-                    for mode in (("with", "without") if r % 2 == 0 else ("without", "with")):
+                    for mode in ("with", "without") if r % 2 == 0 else ("without", "with"):
                         _triggers(ctx, mode == "with")
                         for _ in range(block):
                             row = rows[i % len(rows)]
                             i += 1
                             t0 = common.now_ns()
-                            cur.execute(f"INSERT INTO transactions (tenant_id, {_COLUMNS}) "
-                                        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                                        (targets[mode], *row), prepare=True)
+                            cur.execute(
+                                f"INSERT INTO transactions (tenant_id, {_COLUMNS}) "
+                                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                                (targets[mode], *row),
+                                prepare=True,
+                            )
                             insert_ns[mode].append(common.now_ns() - t0)
         finally:
             raw_conn.close()
         _triggers(ctx, True)
         # The deferred work: fold every delta the rounds with triggers wrote.
         deltas, _ = incremental.pending(ctx.engine)
-        _, fold_s = common.timed(lambda: incremental.fold_all(ctx.engine,
-                                                              max_users=FOLD_USERS))
+        _, fold_s = common.timed(lambda: incremental.fold_all(ctx.engine, max_users=FOLD_USERS))
     finally:
         _cleanup(ctx, scratch)
     copy = {m: round(float(np.median(v))) for m, v in copy_rates.items()}
@@ -184,13 +214,17 @@ def _writes(ctx: common.Context, tenant: str, sample: int, rounds: int,
         "copy_cost": common.ratio(copy["without"], copy["with"]),
         "insert_us": ins,
         "insert_p50_cost": common.ratio(ins["with"]["p50_us"], ins["without"]["p50_us"]),
-        "fold": {"deltas": deltas, "seconds": round(fold_s, 3),
-                 "deltas_per_s": round(fold_rate),
-                 # a row's COPY with triggers plus its fold, against its COPY without
-                 "copy_and_fold_cost": common.ratio(
-                     1 / copy["with"] + (1 / fold_rate if fold_rate else 0),
-                     1 / copy["without"])},
-        "sample_rows": len(rows), "inserts_per_mode": insert_rounds * block,
+        "fold": {
+            "deltas": deltas,
+            "seconds": round(fold_s, 3),
+            "deltas_per_s": round(fold_rate),
+            # a row's COPY with triggers plus its fold, against its COPY without
+            "copy_and_fold_cost": common.ratio(
+                1 / copy["with"] + (1 / fold_rate if fold_rate else 0), 1 / copy["without"]
+            ),
+        },
+        "sample_rows": len(rows),
+        "inserts_per_mode": insert_rounds * block,
         "insert_block": block,
     }
 
@@ -202,10 +236,16 @@ def _cleanup(ctx: common.Context, tenants: list[str]) -> None:
     _triggers(ctx, False)
     try:
         with ctx.engine.begin() as conn:
-            for table in ("transactions", "txn_buckets", "txn_bucket_members",
-                          "txn_bucket_latest", "txn_bucket_deltas"):
-                conn.execute(sa.text(f"DELETE FROM {table} WHERE tenant_id = ANY(:t)"),
-                             {"t": tenants})
+            for table in (
+                "transactions",
+                "txn_buckets",
+                "txn_bucket_members",
+                "txn_bucket_latest",
+                "txn_bucket_deltas",
+            ):
+                conn.execute(
+                    sa.text(f"DELETE FROM {table} WHERE tenant_id = ANY(:t)"), {"t": tenants}
+                )
     finally:
         _triggers(ctx, True)
 
@@ -224,19 +264,47 @@ def run(quick: bool) -> dict[str, Any]:
     targets = []
     for state, res in (("folded", recompute), ("deltas pending", pending)):
         for name, r in res.items():
-            targets.append(common.target(
-                f"{name}: busiest user vs median, incremental, {state}",
-                r["head_vs_median"]["incremental"], "<=", TARGET_HEAD_RATIO, "x"))
-    targets.append(common.target("COPY time with bucket triggers vs without",
-                                 writes["copy_cost"], "<=", TARGET_WRITE_COST, "x"))
-    targets.append(common.target("single-row INSERT p50 with bucket triggers vs without",
-                                 writes["insert_p50_cost"], "<=", TARGET_WRITE_COST, "x"))
+            targets.append(
+                common.target(
+                    f"{name}: busiest user vs median, incremental, {state}",
+                    r["head_vs_median"]["incremental"],
+                    "<=",
+                    TARGET_HEAD_RATIO,
+                    "x",
+                )
+            )
+    targets.append(
+        common.target(
+            "COPY time with bucket triggers vs without",
+            writes["copy_cost"],
+            "<=",
+            TARGET_WRITE_COST,
+            "x",
+        )
+    )
+    targets.append(
+        common.target(
+            "single-row INSERT p50 with bucket triggers vs without",
+            writes["insert_p50_cost"],
+            "<=",
+            TARGET_WRITE_COST,
+            "x",
+        )
+    )
     return {
-        "parameters": {"rounds": rounds, "calls": calls, "write_rounds": w_rounds,
-                       "insert_rounds": i_rounds,
-                       "dataset": {"users": data.users, "transactions": data.transactions}},
-        "entities": who, "recompute": recompute, "recompute_pending": pending,
-        "pending_head": PENDING_HEAD, "writes": writes, "targets": targets,
+        "parameters": {
+            "rounds": rounds,
+            "calls": calls,
+            "write_rounds": w_rounds,
+            "insert_rounds": i_rounds,
+            "dataset": {"users": data.users, "transactions": data.transactions},
+        },
+        "entities": who,
+        "recompute": recompute,
+        "recompute_pending": pending,
+        "pending_head": PENDING_HEAD,
+        "writes": writes,
+        "targets": targets,
     }
 
 
@@ -246,59 +314,89 @@ def markdown(res: dict[str, Any]) -> str:
     for state, key in (("folded", "recompute"), ("pending", "recompute_pending")):
         for name, r in res[key].items():
             ms = r["p50_ms"]
-            rows.append((f"{name}, {state}", ms["full_head"], ms["full_median"],
-                         f"{r['head_vs_median']['full']}x", ms["incremental_head"],
-                         ms["incremental_median"], f"{r['head_vs_median']['incremental']}x",
-                         f"{r['incremental_vs_full_head']}x"))
+            rows.append(
+                (
+                    f"{name}, {state}",
+                    ms["full_head"],
+                    ms["full_median"],
+                    f"{r['head_vs_median']['full']}x",
+                    ms["incremental_head"],
+                    ms["incremental_median"],
+                    f"{r['head_vs_median']['incremental']}x",
+                    f"{r['incremental_vs_full_head']}x",
+                )
+            )
     ins, fold = w["insert_us"], w["fold"]
-    return "\n".join([
-        "## incremental: head entity against median, and the write cost of the buckets",
-        "",
-        f"Data set: {p['dataset']['users']:,} users, {p['dataset']['transactions']:,} "
-        f"transactions (Zipf). Busiest user: {who['head']['rows']:,} rows; median user "
-        f"(of {who['users_with_rows']:,} with rows): {who['median']['rows']:,}. One entity "
-        f"per `compute`, {p['rounds']} interleaved rounds of {p['calls']} calls (p50, ms). "
-        f"Pending: {res['pending_head']} unfolded new rows of the busiest user and 1 of the "
-        "median user.",
-        "",
-        common.table(["feature set", "full head", "full median", "full head/median",
-                      "incr. head", "incr. median", "incr. head/median",
-                      "incr./full head"], rows),
-        "",
-        f"Writes: {w['sample_rows']:,} rows by COPY into a fresh tenant per round, "
-        f"{p['write_rounds']} rounds per mode, and {w['inserts_per_mode']:,} single-row "
-        f"INSERTs (autocommit) per mode in blocks of {w['insert_block']}, bucket triggers "
-        "enabled and disabled alternately.",
-        "",
-        common.table(["", "with triggers", "without", "cost"], [
-            ("COPY rows/s", w["copy_rows_per_s"]["with"], w["copy_rows_per_s"]["without"],
-             f"{w['copy_cost']}x"),
-            ("INSERT p50 µs", ins["with"]["p50_us"], ins["without"]["p50_us"],
-             f"{w['insert_p50_cost']}x"),
-            ("INSERT p99 µs", ins["with"]["p99_us"], ins["without"]["p99_us"], ""),
-        ]),
-        "",
-        f"The deferred work: folding the {fold['deltas']:,} deltas those rounds wrote took "
-        f"{fold['seconds']} s ({fold['deltas_per_s']:,} deltas/s, {FOLD_USERS:,} users per "
-        f"transaction); COPY plus its fold costs {fold['copy_and_fold_cost']}x a COPY "
-        "without triggers, off the writer's transaction.",
-        "",
-        common.targets_table(res["targets"]),
-    ])
+    return "\n".join(
+        [
+            "## incremental: head entity against median, and the write cost of the buckets",
+            "",
+            f"Data set: {p['dataset']['users']:,} users, {p['dataset']['transactions']:,} "
+            f"transactions (Zipf). Busiest user: {who['head']['rows']:,} rows; median user "
+            f"(of {who['users_with_rows']:,} with rows): {who['median']['rows']:,}. One entity "
+            f"per `compute`, {p['rounds']} interleaved rounds of {p['calls']} calls (p50, ms). "
+            f"Pending: {res['pending_head']} unfolded new rows of the busiest user and 1 of the "
+            "median user.",
+            "",
+            common.table(
+                [
+                    "feature set",
+                    "full head",
+                    "full median",
+                    "full head/median",
+                    "incr. head",
+                    "incr. median",
+                    "incr. head/median",
+                    "incr./full head",
+                ],
+                rows,
+            ),
+            "",
+            f"Writes: {w['sample_rows']:,} rows by COPY into a fresh tenant per round, "
+            f"{p['write_rounds']} rounds per mode, and {w['inserts_per_mode']:,} single-row "
+            f"INSERTs (autocommit) per mode in blocks of {w['insert_block']}, bucket triggers "
+            "enabled and disabled alternately.",
+            "",
+            common.table(
+                ["", "with triggers", "without", "cost"],
+                [
+                    (
+                        "COPY rows/s",
+                        w["copy_rows_per_s"]["with"],
+                        w["copy_rows_per_s"]["without"],
+                        f"{w['copy_cost']}x",
+                    ),
+                    (
+                        "INSERT p50 µs",
+                        ins["with"]["p50_us"],
+                        ins["without"]["p50_us"],
+                        f"{w['insert_p50_cost']}x",
+                    ),
+                    ("INSERT p99 µs", ins["with"]["p99_us"], ins["without"]["p99_us"], ""),
+                ],
+            ),
+            "",
+            f"The deferred work: folding the {fold['deltas']:,} deltas those rounds wrote took "
+            f"{fold['seconds']} s ({fold['deltas_per_s']:,} deltas/s, {FOLD_USERS:,} users per "
+            f"transaction); COPY plus its fold costs {fold['copy_and_fold_cost']}x a COPY "
+            "without triggers, off the writer's transaction.",
+            "",
+            common.targets_table(res["targets"]),
+        ]
+    )
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.incremental",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.incremental", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--users", type=int, help="seed this many users (with --transactions)")
     parser.add_argument("--transactions", type=int)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
-    res = common.run_standalone(run, args.quick, users=args.users,
-                                transactions=args.transactions)
-    print(orjson.dumps(res, option=orjson.OPT_INDENT_2).decode() if args.json
-          else markdown(res))
+    res = common.run_standalone(run, args.quick, users=args.users, transactions=args.transactions)
+    print(orjson.dumps(res, option=orjson.OPT_INDENT_2).decode() if args.json else markdown(res))
     return 0
 
 

@@ -33,14 +33,20 @@ POOL = 2000
 
 def _model(tag: str) -> LogisticModel:
     rng = np.random.default_rng(3)
-    return LogisticModel(name=f"bench{tag}", version="v1",
-                         feature_names=tuple(f"x{i}" for i in range(D)),
-                         weights=rng.normal(size=D), bias=0.1, mean=np.zeros(D),
-                         scale=np.ones(D))
+    return LogisticModel(
+        name=f"bench{tag}",
+        version="v1",
+        feature_names=tuple(f"x{i}" for i in range(D)),
+        weights=rng.normal(size=D),
+        bias=0.1,
+        mean=np.zeros(D),
+        scale=np.ones(D),
+    )
 
 
-def _batches(rng: np.random.Generator, pool: np.ndarray, size: int, hit_rate: float,
-             count: int) -> list[np.ndarray]:
+def _batches(
+    rng: np.random.Generator, pool: np.ndarray, size: int, hit_rate: float, count: int
+) -> list[np.ndarray]:
     """``count`` batches of ``size`` rows, a ``hit_rate`` share of them from ``pool``.
 
     With batches of one row, the share holds over the sequence (row i is a hit when
@@ -57,8 +63,16 @@ def _batches(rng: np.random.Generator, pool: np.ndarray, size: int, hit_rate: fl
     return out
 
 
-def _scenario(ctx: common.Context, name: str, *, size: int, cost_s: float, per_row_s: float,
-              rounds: int, calls: int) -> dict[str, Any]:
+def _scenario(
+    ctx: common.Context,
+    name: str,
+    *,
+    size: int,
+    cost_s: float,
+    per_row_s: float,
+    rounds: int,
+    calls: int,
+) -> dict[str, Any]:
     version = f"{name}-{ctx.schema_version()}"
     model = SlowModel(_model(ctx.tag), cost_s=cost_s, per_row_s=per_row_s, version=version)
     free = SlowModel(model.inner, version=version)  # the same key space, at no cost
@@ -68,8 +82,7 @@ def _scenario(ctx: common.Context, name: str, *, size: int, cost_s: float, per_r
     for chunk in common.chunks(pool, 500):
         cache.predict(free, chunk)  # warm the pool without paying the model's cost
     total = rounds * calls + 50
-    queues: dict[str, list[np.ndarray]] = {
-        "direct": _batches(rng, pool, size, 0.0, total)}
+    queues: dict[str, list[np.ndarray]] = {"direct": _batches(rng, pool, size, 0.0, total)}
     for h in HIT_RATES:
         queues[f"cache {h:.0%} hits"] = _batches(rng, pool, size, h, total)
     hits_seen: dict[str, list[int]] = {k: [] for k in queues}
@@ -82,48 +95,106 @@ def _scenario(ctx: common.Context, name: str, *, size: int, cost_s: float, per_r
         def call() -> None:
             out = cache.predict(model, next(it))
             hits_seen[label].append(int(out.hit.sum()))
+
         return call
 
-    res = common.measure({label: make(label) for label in queues}, rounds=rounds, calls=calls,
-                         warmup=5, items=dict.fromkeys(queues, size))
+    res = common.measure(
+        {label: make(label) for label in queues},
+        rounds=rounds,
+        calls=calls,
+        warmup=5,
+        items=dict.fromkeys(queues, size),
+    )
     direct = res["direct"]["items_per_s"]
     for label in queues:
         if label != "direct":
             seen = hits_seen[label]
             res[label]["observed_hit_rate"] = round(sum(seen) / (len(seen) * size), 3)
             res[label]["vs_direct"] = common.ratio(res[label]["items_per_s"], direct)
-    return {"batch": size, "cost_per_call_ms": cost_s * 1000,
-            "cost_per_row_ms": per_row_s * 1000, "results": res,
-            "model_calls": model.calls}
+    return {
+        "batch": size,
+        "cost_per_call_ms": cost_s * 1000,
+        "cost_per_row_ms": per_row_s * 1000,
+        "results": res,
+        "model_calls": model.calls,
+    }
 
 
 def run(quick: bool) -> dict[str, Any]:
     ctx = common.context(quick)
     rounds = 2 if quick else 3
     scenarios = {
-        "per_request": _scenario(ctx, "per_request", size=1, cost_s=0.010, per_row_s=0.0,
-                                 rounds=rounds, calls=30 if quick else 200),
-        "batched": _scenario(ctx, "batched", size=20, cost_s=0.0, per_row_s=0.010,
-                             rounds=rounds, calls=3 if quick else 15),
+        "per_request": _scenario(
+            ctx,
+            "per_request",
+            size=1,
+            cost_s=0.010,
+            per_row_s=0.0,
+            rounds=rounds,
+            calls=30 if quick else 200,
+        ),
+        "batched": _scenario(
+            ctx,
+            "batched",
+            size=20,
+            cost_s=0.0,
+            per_row_s=0.010,
+            rounds=rounds,
+            calls=3 if quick else 15,
+        ),
     }
-    targets = [common.target(f"{name}: throughput at 90% hits vs the model alone",
-                             s["results"]["cache 90% hits"]["vs_direct"], ">=", 5, "x")
-               for name, s in scenarios.items()]
-    return {"parameters": {"inputs": D, "rounds": rounds, "pool": POOL},
-            "scenarios": scenarios, "targets": targets}
+    targets = [
+        common.target(
+            f"{name}: throughput at 90% hits vs the model alone",
+            s["results"]["cache 90% hits"]["vs_direct"],
+            ">=",
+            5,
+            "x",
+        )
+        for name, s in scenarios.items()
+    ]
+    return {
+        "parameters": {"inputs": D, "rounds": rounds, "pool": POOL},
+        "scenarios": scenarios,
+        "targets": targets,
+    }
 
 
 def markdown(res: dict[str, Any]) -> str:
     lines = ["## inference: the model-side cache against calling the model", ""]
     for name, s in res["scenarios"].items():
-        cost = (f"{s['cost_per_call_ms']:.0f} ms per call" if s["cost_per_call_ms"]
-                else f"{s['cost_per_row_ms']:.0f} ms per row")
-        rows = [(label, r.get("observed_hit_rate", "-"), r["items_per_s"], r["p50_us"] / 1000,
-                 r["p99_us"] / 1000, f"{r['vs_direct']}x" if "vs_direct" in r else "1x")
-                for label, r in s["results"].items()]
-        lines += [f"`{name}`: batches of {s['batch']}, model cost {cost}, "
-                  f"{res['parameters']['rounds']} interleaved rounds.", "",
-                  common.table(["candidate", "hit rate", "predictions/s", "p50 ms per call",
-                                "p99 ms per call", "vs direct"], rows), ""]
+        cost = (
+            f"{s['cost_per_call_ms']:.0f} ms per call"
+            if s["cost_per_call_ms"]
+            else f"{s['cost_per_row_ms']:.0f} ms per row"
+        )
+        rows = [
+            (
+                label,
+                r.get("observed_hit_rate", "-"),
+                r["items_per_s"],
+                r["p50_us"] / 1000,
+                r["p99_us"] / 1000,
+                f"{r['vs_direct']}x" if "vs_direct" in r else "1x",
+            )
+            for label, r in s["results"].items()
+        ]
+        lines += [
+            f"`{name}`: batches of {s['batch']}, model cost {cost}, "
+            f"{res['parameters']['rounds']} interleaved rounds.",
+            "",
+            common.table(
+                [
+                    "candidate",
+                    "hit rate",
+                    "predictions/s",
+                    "p50 ms per call",
+                    "p99 ms per call",
+                    "vs direct",
+                ],
+                rows,
+            ),
+            "",
+        ]
     lines.append(common.targets_table(res["targets"]))
     return "\n".join(lines)

@@ -35,9 +35,14 @@ def _summary(lifetimes_ms: list[float]) -> dict[str, float]:
     arr = np.asarray(lifetimes_ms, dtype=np.float64)
     past = arr - LIFE_MS
     p50, p90, p99 = np.percentile(past, [50, 90, 99])
-    return {"n": int(arr.size), "lifetime_p50_ms": round(float(np.median(arr)), 3),
-            "past_p50_ms": round(float(p50), 3), "past_p90_ms": round(float(p90), 3),
-            "past_p99_ms": round(float(p99), 3), "past_max_ms": round(float(past.max()), 3)}
+    return {
+        "n": int(arr.size),
+        "lifetime_p50_ms": round(float(np.median(arr)), 3),
+        "past_p50_ms": round(float(p50), 3),
+        "past_p90_ms": round(float(p90), 3),
+        "past_p99_ms": round(float(p99), 3),
+        "past_max_ms": round(float(past.max()), 3),
+    }
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -69,8 +74,10 @@ def run(quick: bool) -> dict[str, Any]:
             pass
         return (common.now_ns() - started) / 1e6
 
-    candidates: dict[str, Callable[[int], float]] = {"tier": with_tier,
-                                                     "monotonic deadline": reference}
+    candidates: dict[str, Callable[[int], float]] = {
+        "tier": with_tier,
+        "monotonic deadline": reference,
+    }
     lifetimes: dict[str, list[float]] = {name: [] for name in candidates}
     try:
         for r in range(rounds):
@@ -84,32 +91,64 @@ def run(quick: bool) -> dict[str, Any]:
     tier_s, ref_s = out["tier"], out["monotonic deadline"]
     ratio = common.ratio(tier_s["lifetime_p50_ms"], ref_s["lifetime_p50_ms"])
     return {
-        "parameters": {"life_ms": LIFE_MS, "rounds": rounds, "feature_set": FEATURE_SET,
-                       "expired_counted": expired},
+        "parameters": {
+            "life_ms": LIFE_MS,
+            "rounds": rounds,
+            "feature_set": FEATURE_SET,
+            "expired_counted": expired,
+        },
         "results": out,
         "lifetime_ratio_p50": ratio,
-        "targets": [common.target("tier: p99 served past the entry's last moment",
-                                  tier_s["past_p99_ms"], "<=", 50, "ms")],
+        "targets": [
+            common.target(
+                "tier: p99 served past the entry's last moment",
+                tier_s["past_p99_ms"],
+                "<=",
+                50,
+                "ms",
+            )
+        ],
     }
 
 
 def markdown(res: dict[str, Any]) -> str:
     p = res["parameters"]
-    rows = [(name, r["n"], r["lifetime_p50_ms"], r["past_p50_ms"], r["past_p90_ms"],
-             r["past_p99_ms"], r["past_max_ms"])
-            for name, r in res["results"].items()]
-    return "\n".join([
-        "## local_tier: how long past its last moment the in-process tier serves an entry",
-        "",
-        f"An entry put with {p['life_ms']} ms of life left (by the shortest TTL Redis may "
-        "have given it) is read in a tight loop until the tier misses; the reference is "
-        "the same loop on a bare monotonic deadline as far ahead, interleaved round by "
-        f"round ({p['rounds']} rounds each). Times in ms.",
-        "",
-        common.table(["candidate", "rounds", "median lifetime", "past: median", "past: p90",
-                      "past: p99", "past: max"], rows),
-        "",
-        f"Median lifetime, tier / reference: {common.fmt(res['lifetime_ratio_p50'], 3)}x.",
-        "",
-        common.targets_table(res["targets"]),
-    ])
+    rows = [
+        (
+            name,
+            r["n"],
+            r["lifetime_p50_ms"],
+            r["past_p50_ms"],
+            r["past_p90_ms"],
+            r["past_p99_ms"],
+            r["past_max_ms"],
+        )
+        for name, r in res["results"].items()
+    ]
+    return "\n".join(
+        [
+            "## local_tier: how long past its last moment the in-process tier serves an entry",
+            "",
+            f"An entry put with {p['life_ms']} ms of life left (by the shortest TTL Redis may "
+            "have given it) is read in a tight loop until the tier misses; the reference is "
+            "the same loop on a bare monotonic deadline as far ahead, interleaved round by "
+            f"round ({p['rounds']} rounds each). Times in ms.",
+            "",
+            common.table(
+                [
+                    "candidate",
+                    "rounds",
+                    "median lifetime",
+                    "past: median",
+                    "past: p90",
+                    "past: p99",
+                    "past: max",
+                ],
+                rows,
+            ),
+            "",
+            f"Median lifetime, tier / reference: {common.fmt(res['lifetime_ratio_p50'], 3)}x.",
+            "",
+            common.targets_table(res["targets"]),
+        ]
+    )

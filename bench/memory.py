@@ -52,7 +52,8 @@ def run(quick: bool) -> dict[str, Any]:
         for (tenant, entity), vals in values.items():
             key = f"{feast_prefix}:{tenant}:{entity}:{fs.name}"
             mapping: dict[bytes | str, bytes] = {
-                _field(fs.name, name): orjson.dumps(vals[name]) for name in fs.field_names}
+                _field(fs.name, name): orjson.dumps(vals[name]) for name in fs.field_names
+            }
             mapping[f"_ts:{fs.name}"] = orjson.dumps(batches[0].computed_at_ms)
             pipe.hset(key, mapping=mapping)
             pipe.expire(key, fs.ttl_s)
@@ -66,10 +67,13 @@ def run(quick: bool) -> dict[str, Any]:
         ours = np.array(usage[0::2], dtype=float)
         feast = np.array(usage[1::2], dtype=float)
         raw = np.array([len(orjson.dumps(values[k])) for k in picked], dtype=float)
-        positional = np.array([len(orjson.dumps([values[k][f] for f in fs.field_names]))
-                               for k in picked], dtype=float)
-        stored = np.array([len(ctx.redis.get(store.key(EntityRef(fs.name, *k))) or b"")
-                           for k in picked[:100]], dtype=float)
+        positional = np.array(
+            [len(orjson.dumps([values[k][f] for f in fs.field_names])) for k in picked], dtype=float
+        )
+        stored = np.array(
+            [len(ctx.redis.get(store.key(EntityRef(fs.name, *k))) or b"") for k in picked[:100]],
+            dtype=float,
+        )
         out[fs.name] = {
             "fields": len(fs.field_names),
             "entries": len(values),
@@ -84,32 +88,67 @@ def run(quick: bool) -> dict[str, Any]:
             "vs_feast_like": common.ratio(float(ours.mean()), float(feast.mean())),
         }
     common._unlink_matching(ctx.redis, f"{feast_prefix}:*")
-    targets = [common.target(f"{name}: bytes per entry (limit 2x raw + 100 = "
-                             f"{r['limit_bytes']:.0f})", r["freshline_bytes"], "<=",
-                             r["limit_bytes"], "bytes")
-               for name, r in out.items()]
-    return {"parameters": {"entries_per_set": n, "sampled": sample,
-                           "redis_version": ctx.redis.info("server")["redis_version"]},
-            "feature_sets": out, "targets": targets}
+    targets = [
+        common.target(
+            f"{name}: bytes per entry (limit 2x raw + 100 = {r['limit_bytes']:.0f})",
+            r["freshline_bytes"],
+            "<=",
+            r["limit_bytes"],
+            "bytes",
+        )
+        for name, r in out.items()
+    ]
+    return {
+        "parameters": {
+            "entries_per_set": n,
+            "sampled": sample,
+            "redis_version": ctx.redis.info("server")["redis_version"],
+        },
+        "feature_sets": out,
+        "targets": targets,
+    }
 
 
 def markdown(res: dict[str, Any]) -> str:
-    rows = [(name, r["fields"], r["raw_dict_bytes"], r["raw_positional_bytes"],
-             r["stored_value_bytes"], r["freshline_bytes"], f"{r['vs_raw']}x",
-             r["feast_like_bytes"], f"{r['vs_feast_like']}x")
-            for name, r in res["feature_sets"].items()]
-    return "\n".join([
-        "## memory: Redis bytes per cached entry",
-        "",
-        f"`MEMORY USAGE key SAMPLES 0`, mean over {res['parameters']['sampled']:,} sampled "
-        f"entries of {res['parameters']['entries_per_set']:,} per feature set (Redis "
-        f"{res['parameters']['redis_version']}). Raw: the orjson of the values dict; "
-        "positional: the orjson of the list of values. Feast-like: a HASH per entity and "
-        "feature view, one field per feature, with a TTL, measured in the same run.",
-        "",
-        common.table(["feature set", "fields", "raw dict", "raw positional", "entry value",
-                      "freshline in Redis", "vs raw dict", "Feast-like in Redis",
-                      "freshline / Feast-like"], rows),
-        "",
-        common.targets_table(res["targets"]),
-    ])
+    rows = [
+        (
+            name,
+            r["fields"],
+            r["raw_dict_bytes"],
+            r["raw_positional_bytes"],
+            r["stored_value_bytes"],
+            r["freshline_bytes"],
+            f"{r['vs_raw']}x",
+            r["feast_like_bytes"],
+            f"{r['vs_feast_like']}x",
+        )
+        for name, r in res["feature_sets"].items()
+    ]
+    return "\n".join(
+        [
+            "## memory: Redis bytes per cached entry",
+            "",
+            f"`MEMORY USAGE key SAMPLES 0`, mean over {res['parameters']['sampled']:,} sampled "
+            f"entries of {res['parameters']['entries_per_set']:,} per feature set (Redis "
+            f"{res['parameters']['redis_version']}). Raw: the orjson of the values dict; "
+            "positional: the orjson of the list of values. Feast-like: a HASH per entity and "
+            "feature view, one field per feature, with a TTL, measured in the same run.",
+            "",
+            common.table(
+                [
+                    "feature set",
+                    "fields",
+                    "raw dict",
+                    "raw positional",
+                    "entry value",
+                    "freshline in Redis",
+                    "vs raw dict",
+                    "Feast-like in Redis",
+                    "freshline / Feast-like",
+                ],
+                rows,
+            ),
+            "",
+            common.targets_table(res["targets"]),
+        ]
+    )

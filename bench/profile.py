@@ -71,10 +71,12 @@ def summarise(collapsed: str, top: int = 10) -> str:
     if not busy:
         return "no busy samples"
     pct = 100 / busy
-    lines = [f"event loop idle {loop_idle / max(loop, 1):.0%} of its samples; of the "
-             f"{busy} busy samples: thread pool {pool * pct:.0f}%, blocked in a "
-             f"synchronous Redis read {blocked * pct:.0f}%",
-             "top own samples (% of busy):"]
+    lines = [
+        f"event loop idle {loop_idle / max(loop, 1):.0%} of its samples; of the "
+        f"{busy} busy samples: thread pool {pool * pct:.0f}%, blocked in a "
+        f"synchronous Redis read {blocked * pct:.0f}%",
+        "top own samples (% of busy):",
+    ]
     lines += [f"  {n * pct:5.1f}%  {name[:68]}" for name, n in own.most_common(top)]
     lines.append("freshline frames, inclusive (% of busy):")
     lines += [f"  {n * pct:5.1f}%  {name[:68]}" for name, n in inclusive.most_common(top)]
@@ -82,8 +84,9 @@ def summarise(collapsed: str, top: int = 10) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.profile",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.profile", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--single", action="store_true", help="single GETs, not batches")
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--concurrency", type=int, default=16)
@@ -99,14 +102,33 @@ def main() -> int:
         with reference_app.serve_freshline(ctx, version) as url:
             pid = _server_pid(url)
             script = reference_app.wrk_script(key, users, batch=not args.single)
-            load = threading.Thread(target=reference_app.wrk, args=(url, script),
-                                    kwargs={"concurrency": args.concurrency,
-                                            "seconds": args.seconds + 2})
+            load = threading.Thread(
+                target=reference_app.wrk,
+                args=(url, script),
+                kwargs={"concurrency": args.concurrency, "seconds": args.seconds + 2},
+            )
             load.start()
             with tempfile.NamedTemporaryFile(suffix=".txt") as out:
-                subprocess.run([spy, "record", "--subprocesses", "--idle", "-r", "250",
-                                "-d", str(args.seconds), "-f", "raw", "-o", out.name,
-                                "-p", str(pid)], capture_output=True, check=True)
+                subprocess.run(
+                    [
+                        spy,
+                        "record",
+                        "--subprocesses",
+                        "--idle",
+                        "-r",
+                        "250",
+                        "-d",
+                        str(args.seconds),
+                        "-f",
+                        "raw",
+                        "-o",
+                        out.name,
+                        "-p",
+                        str(pid),
+                    ],
+                    capture_output=True,
+                    check=True,
+                )
                 collapsed = Path(out.name).read_text()
             load.join()
         if args.out:
@@ -120,8 +142,9 @@ def main() -> int:
 def _server_pid(url: str) -> int:
     """The granian main process listening on ``url``'s port."""
     port = url.rsplit(":", 1)[1]
-    out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True,
-                         text=True, check=False).stdout
+    out = subprocess.run(
+        ["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, check=False
+    ).stdout
     pids = [int(p) for p in re.findall(r"pid=(\d+)", out)]
     if not pids:
         raise RuntimeError(f"no process listens on port {port}")

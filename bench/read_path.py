@@ -54,8 +54,9 @@ def _cycler(items: list[Any]) -> Callable[[], Any]:
     return lambda: items[next(counter) % n]
 
 
-def _http_candidates(url: str, key: str, users: list[int],
-                     suffix: str = "") -> dict[str, Callable[[], Any]]:
+def _http_candidates(
+    url: str, key: str, users: list[int], suffix: str = ""
+) -> dict[str, Callable[[], Any]]:
     local = threading.local()
     headers = {"Authorization": f"Bearer {key}"}
 
@@ -67,9 +68,13 @@ def _http_candidates(url: str, key: str, users: list[int],
         return c
 
     next_user = _cycler(users)
-    batches = [users[i:i + BATCH] for i in range(0, len(users), BATCH)]
-    next_batch = _cycler([orjson.dumps({"feature_sets": [FEATURE_SET],
-                                        "entities": [str(u) for u in b]}) for b in batches])
+    batches = [users[i : i + BATCH] for i in range(0, len(users), BATCH)]
+    next_batch = _cycler(
+        [
+            orjson.dumps({"feature_sets": [FEATURE_SET], "entities": [str(u) for u in b]})
+            for b in batches
+        ]
+    )
 
     def get() -> None:
         r = client().get(f"/v1/features/{FEATURE_SET}/{next_user()}", params={"mode": "cache-only"})
@@ -77,8 +82,12 @@ def _http_candidates(url: str, key: str, users: list[int],
             raise RuntimeError(f"HTTP GET answered {r.status_code}: {r.text[:200]}")
 
     def batch() -> None:
-        r = client().post("/v1/features/batch", params={"mode": "cache-only"},
-                          content=next_batch(), headers={"Content-Type": "application/json"})
+        r = client().post(
+            "/v1/features/batch",
+            params={"mode": "cache-only"},
+            content=next_batch(),
+            headers={"Content-Type": "application/json"},
+        )
         if r.status_code != 200:
             raise RuntimeError(f"HTTP batch answered {r.status_code}: {r.text[:200]}")
 
@@ -101,8 +110,8 @@ def run(quick: bool) -> dict[str, Any]:
         raise RuntimeError("the local tier's invalidation subscription did not come up")
     local_client = FeatureClient(r, version, local=tier)
     items = [(FEATURE_SET, tenant, str(u)) for u in users]
-    batches = [items[i:i + BATCH] for i in range(0, len(items), BATCH)]
-    key_batches = [keys[i:i + BATCH] for i in range(0, len(keys), BATCH)]
+    batches = [items[i : i + BATCH] for i in range(0, len(items), BATCH)]
+    key_batches = [keys[i : i + BATCH] for i in range(0, len(keys), BATCH)]
     next_key, next_item = _cycler(keys), _cycler(items)
     next_keys, next_items = _cycler(key_batches), _cycler(batches)
     next_key_d, next_keys_d = _cycler(keys), _cycler(key_batches)
@@ -139,41 +148,62 @@ def run(quick: bool) -> dict[str, Any]:
     results: dict[str, Any] = {}
     wrk: dict[str, Any] = {}
     try:
-        with reference_app.serve_freshline(ctx, version) as url, \
-                reference_app.serve_reference(ctx, version, tenant) as ref_url:
-            for http in (_http_candidates(url, api_key, users),
-                         _http_candidates(ref_url, api_key, users, MINIMAL)):
+        with (
+            reference_app.serve_freshline(ctx, version) as url,
+            reference_app.serve_reference(ctx, version, tenant) as ref_url,
+        ):
+            for http in (
+                _http_candidates(url, api_key, users),
+                _http_candidates(ref_url, api_key, users, MINIMAL),
+            ):
                 get_name, batch_name = list(http)
                 single[get_name] = http[get_name]
                 many[batch_name] = http[batch_name]
             for concurrency in (1, 16):
                 common.note(f"Python candidates at concurrency {concurrency}")
                 c_calls = calls if concurrency == 1 else calls * 2
-                one = common.measure(single, rounds=rounds, calls=c_calls,
-                                     concurrency=concurrency)
-                hundred = common.measure(many, rounds=rounds, calls=max(50, c_calls // 5),
-                                         concurrency=concurrency,
-                                         items=dict.fromkeys(many, BATCH))
+                one = common.measure(single, rounds=rounds, calls=c_calls, concurrency=concurrency)
+                hundred = common.measure(
+                    many,
+                    rounds=rounds,
+                    calls=max(50, c_calls // 5),
+                    concurrency=concurrency,
+                    items=dict.fromkeys(many, BATCH),
+                )
                 results[f"c{concurrency}"] = {**one, **hundred}
         common.note("wrk against the minimal app and freshline (tier off, tier warm)")
         w_rounds, w_seconds = (1, 2) if quick else (3, 5)
         with reference_app.servers(ctx, version, tenant, api_key, users) as urls:
-            wrk = reference_app.compare(urls, api_key, users, rounds=w_rounds,
-                                        seconds=w_seconds)
-        wrk["parameters"] = {"rounds": w_rounds, "seconds": w_seconds,
-                             "server_workers": reference_app.SERVER_WORKERS}
+            wrk = reference_app.compare(urls, api_key, users, rounds=w_rounds, seconds=w_seconds)
+        wrk["parameters"] = {
+            "rounds": w_rounds,
+            "seconds": w_seconds,
+            "server_workers": reference_app.SERVER_WORKERS,
+        }
     finally:
         tier.close()
-    tier_stats = {"hits": tier.stats.hits, "misses": tier.stats.misses,
-                  "invalidations_seen": tier.stats.invalidations}
+    tier_stats = {
+        "hits": tier.stats.hits,
+        "misses": tier.stats.misses,
+        "invalidations_seen": tier.stats.invalidations,
+    }
     ratios = {f"c{c}": _ratios(results[f"c{c}"]) for c in (1, 16)}
     c1 = results["c1"]
     targets = [
-        common.target("client get p50 - raw GET + decode p50 (c=1)",
-                      round(c1["client get"]["p50_us"] - c1["raw GET + decode"]["p50_us"], 1),
-                      "<=", 25, "µs"),
-        common.target("client get_many(100) / raw MGET 100 + decode, p50 (c=1)",
-                      ratios["c1"]["client_get_many_vs_raw_mget_decode_p50"], "<=", 1.2, "x"),
+        common.target(
+            "client get p50 - raw GET + decode p50 (c=1)",
+            round(c1["client get"]["p50_us"] - c1["raw GET + decode"]["p50_us"], 1),
+            "<=",
+            25,
+            "µs",
+        ),
+        common.target(
+            "client get_many(100) / raw MGET 100 + decode, p50 (c=1)",
+            ratios["c1"]["client_get_many_vs_raw_mget_decode_p50"],
+            "<=",
+            1.2,
+            "x",
+        ),
         common.target("in-process hit p50 (c=1)", c1["in-process hit"]["p50_us"], "<", 20, "µs"),
     ]
     if wrk:
@@ -184,10 +214,16 @@ def run(quick: bool) -> dict[str, Any]:
         reference_app.print_ratios(wrk)
     plots = _plot(results)
     return {
-        "parameters": {"feature_set": FEATURE_SET, "entities": len(users), "batch": BATCH,
-                       "rounds": rounds, "calls_per_round_c1": calls,
-                       "server_workers": reference_app.SERVER_WORKERS,
-                       "payload_bytes_mean": payload_bytes, "http_mode": "cache-only"},
+        "parameters": {
+            "feature_set": FEATURE_SET,
+            "entities": len(users),
+            "batch": BATCH,
+            "rounds": rounds,
+            "calls_per_round_c1": calls,
+            "server_workers": reference_app.SERVER_WORKERS,
+            "payload_bytes_mean": payload_bytes,
+            "http_mode": "cache-only",
+        },
         "results": results,
         "ratios": ratios,
         "wrk": wrk,
@@ -199,13 +235,15 @@ def run(quick: bool) -> dict[str, Any]:
 
 def _ratios(res: dict[str, Any]) -> dict[str, float | None]:
     """p50 ratios: the client to raw redis-py, HTTP to the minimal app."""
+
     def p50(a: str, b: str) -> float | None:
         return common.ratio(res[a]["p50_us"], res[b]["p50_us"])
 
     return {
         "client_get_vs_raw_get_decode_p50": p50("client get", "raw GET + decode"),
-        "client_get_many_vs_raw_mget_decode_p50": p50("client get_many 100",
-                                                      "raw MGET 100 + decode"),
+        "client_get_many_vs_raw_mget_decode_p50": p50(
+            "client get_many 100", "raw MGET 100 + decode"
+        ),
         "http_get_vs_minimal_p50": p50("HTTP GET", f"HTTP GET{MINIMAL}"),
         "http_batch_vs_minimal_p50": p50("HTTP batch 100", f"HTTP batch 100{MINIMAL}"),
     }
@@ -247,20 +285,32 @@ def markdown(res: dict[str, Any]) -> str:
         "",
     ]
     for conc in ("c1", "c16"):
-        rows = [(name, r["p50_us"], r["p90_us"], r["p99_us"], r["ops_per_s"], r["items_per_s"])
-                for name, r in res["results"][conc].items()]
-        lines += [f"Concurrency {conc[1:]}:", "",
-                  common.table(["candidate", "p50 µs", "p90 µs", "p99 µs", "calls/s",
-                                "entities/s"], rows), ""]
+        rows = [
+            (name, r["p50_us"], r["p90_us"], r["p99_us"], r["ops_per_s"], r["items_per_s"])
+            for name, r in res["results"][conc].items()
+        ]
+        lines += [
+            f"Concurrency {conc[1:]}:",
+            "",
+            common.table(
+                ["candidate", "p50 µs", "p90 µs", "p99 µs", "calls/s", "entities/s"], rows
+            ),
+            "",
+        ]
         rr = res["ratios"][conc]
-        lines += [f"Ratios at c={conc[1:]} (p50): client get / raw GET + decode "
-                  f"**{rr['client_get_vs_raw_get_decode_p50']}x**; client get_many(100) / "
-                  f"raw MGET(100) + decode **{rr['client_get_many_vs_raw_mget_decode_p50']}x**;"
-                  f" HTTP GET / minimal app {rr['http_get_vs_minimal_p50']}x; HTTP batch / "
-                  f"minimal app {rr['http_batch_vs_minimal_p50']}x.", ""]
+        lines += [
+            f"Ratios at c={conc[1:]} (p50): client get / raw GET + decode "
+            f"**{rr['client_get_vs_raw_get_decode_p50']}x**; client get_many(100) / "
+            f"raw MGET(100) + decode **{rr['client_get_many_vs_raw_mget_decode_p50']}x**;"
+            f" HTTP GET / minimal app {rr['http_get_vs_minimal_p50']}x; HTTP batch / "
+            f"minimal app {rr['http_batch_vs_minimal_p50']}x.",
+            "",
+        ]
     if res["wrk"]:
-        lines += ["The servers measured with `wrk` (a C load generator; no Python client "
-                  "cost):", ""]
+        lines += [
+            "The servers measured with `wrk` (a C load generator; no Python client cost):",
+            "",
+        ]
         lines += reference_app.section(res["wrk"])
     for plot in res.get("plots", []):
         lines += [f"![read path latency]({plot})", ""]

@@ -33,8 +33,9 @@ def _per_entity(engine: Engine, fs: FeatureSet, refs: list[tuple[str, str]]) -> 
     found = 0
     with engine.connect() as conn:
         for tenant, entity in refs:
-            rows = conn.execute(fs.statement,
-                                {"tenants": [tenant], "ids": [int(entity)], "as_of": None}).all()
+            rows = conn.execute(
+                fs.statement, {"tenants": [tenant], "ids": [int(entity)], "as_of": None}
+            ).all()
             found += len(rows)
         conn.rollback()
     return found
@@ -54,15 +55,18 @@ def _batched(ctx: common.Context, rounds: int, rng: random.Random) -> dict[str, 
                     _, took = common.timed(lambda refs=refs, fs=fs: compute(ctx.engine, fs, refs))
                 else:
                     _, took = common.timed(
-                        lambda refs=refs, fs=fs: _per_entity(ctx.engine, fs, refs))
+                        lambda refs=refs, fs=fs: _per_entity(ctx.engine, fs, refs)
+                    )
                 rates[how].append(BATCH / took)
         batched = float(np.median(rates["batched"]))
         single = float(np.median(rates["per_entity"]))
-        out[fs.name] = {"batched_entities_per_s": round(batched),
-                        "per_entity_entities_per_s": round(single),
-                        "batch_ms": round(BATCH / batched * 1000, 1),
-                        "per_entity_total_ms": round(BATCH / single * 1000, 1),
-                        "ratio": common.ratio(batched, single)}
+        out[fs.name] = {
+            "batched_entities_per_s": round(batched),
+            "per_entity_entities_per_s": round(single),
+            "batch_ms": round(BATCH / batched * 1000, 1),
+            "per_entity_total_ms": round(BATCH / single * 1000, 1),
+            "ratio": common.ratio(batched, single),
+        }
     return out
 
 
@@ -106,7 +110,10 @@ def _read_through(ctx: common.Context, n: int, rng: random.Random) -> dict[str, 
         miss = common.stats_ns(miss_ns)
         bare = common.stats_ns(bare_ns)
         out[fs.name] = {
-            "hit": hits["hit"], "raw_get": hits["raw_get"], "miss": miss, "bare_compute": bare,
+            "hit": hits["hit"],
+            "raw_get": hits["raw_get"],
+            "miss": miss,
+            "bare_compute": bare,
             "hit_vs_raw_get_p50": common.ratio(hits["hit"]["p50_us"], hits["raw_get"]["p50_us"]),
             "miss_vs_bare_compute_p50": common.ratio(miss["p50_us"], bare["p50_us"]),
         }
@@ -119,12 +126,20 @@ def run(quick: bool) -> dict[str, Any]:
     rounds, n = (2, 30) if quick else (5, 200)
     batched = _batched(ctx, rounds, rng)
     rt = _read_through(ctx, n, rng)
-    targets = [common.target(f"{name}: batch of {BATCH} vs one query per entity", r["ratio"],
-                             ">=", 10, "x") for name, r in batched.items()]
+    targets = [
+        common.target(
+            f"{name}: batch of {BATCH} vs one query per entity", r["ratio"], ">=", 10, "x"
+        )
+        for name, r in batched.items()
+    ]
     data = ctx.dataset()
     return {
-        "parameters": {"batch": BATCH, "rounds": rounds, "read_through_samples": n,
-                       "dataset": {"users": data.users, "transactions": data.transactions}},
+        "parameters": {
+            "batch": BATCH,
+            "rounds": rounds,
+            "read_through_samples": n,
+            "dataset": {"users": data.users, "transactions": data.transactions},
+        },
         "batched": batched,
         "read_through": rt,
         "targets": targets,
@@ -133,29 +148,70 @@ def run(quick: bool) -> dict[str, Any]:
 
 def markdown(res: dict[str, Any]) -> str:
     p = res["parameters"]
-    rows = [(name, r["batched_entities_per_s"], r["per_entity_entities_per_s"],
-             f"{r['ratio']}x", r["batch_ms"], r["per_entity_total_ms"])
-            for name, r in res["batched"].items()]
-    rt_rows = [(name, r["hit"]["p50_us"], r["hit"]["p99_us"], r["raw_get"]["p50_us"],
-                f"{r['hit_vs_raw_get_p50']}x", r["miss"]["p50_us"], r["miss"]["p99_us"],
-                r["bare_compute"]["p50_us"], f"{r['miss_vs_bare_compute_p50']}x")
-               for name, r in res["read_through"].items()]
-    return "\n".join([
-        "## recompute: set-based batches against one query per entity",
-        "",
-        f"Data set: {p['dataset']['users']:,} users, {p['dataset']['transactions']:,} "
-        f"transactions. A batch of {p['batch']} random users per round, {p['rounds']} "
-        "interleaved rounds (median).",
-        "",
-        common.table(["feature set", "batched entities/s", "per-entity entities/s", "ratio",
-                      "batch ms", "per-entity ms (500)"], rows),
-        "",
-        f"Read-through `ReadThrough.get` for one entity ({p['read_through_samples']} samples "
-        "each; µs): a hit against a raw GET of the same key, and a miss (MGET, lease, query, "
-        "guarded write) against the bare `compute` of one entity.",
-        "",
-        common.table(["feature set", "hit p50", "hit p99", "raw GET p50", "hit/GET",
-                      "miss p50", "miss p99", "compute p50", "miss/compute"], rt_rows),
-        "",
-        common.targets_table(res["targets"]),
-    ])
+    rows = [
+        (
+            name,
+            r["batched_entities_per_s"],
+            r["per_entity_entities_per_s"],
+            f"{r['ratio']}x",
+            r["batch_ms"],
+            r["per_entity_total_ms"],
+        )
+        for name, r in res["batched"].items()
+    ]
+    rt_rows = [
+        (
+            name,
+            r["hit"]["p50_us"],
+            r["hit"]["p99_us"],
+            r["raw_get"]["p50_us"],
+            f"{r['hit_vs_raw_get_p50']}x",
+            r["miss"]["p50_us"],
+            r["miss"]["p99_us"],
+            r["bare_compute"]["p50_us"],
+            f"{r['miss_vs_bare_compute_p50']}x",
+        )
+        for name, r in res["read_through"].items()
+    ]
+    return "\n".join(
+        [
+            "## recompute: set-based batches against one query per entity",
+            "",
+            f"Data set: {p['dataset']['users']:,} users, {p['dataset']['transactions']:,} "
+            f"transactions. A batch of {p['batch']} random users per round, {p['rounds']} "
+            "interleaved rounds (median).",
+            "",
+            common.table(
+                [
+                    "feature set",
+                    "batched entities/s",
+                    "per-entity entities/s",
+                    "ratio",
+                    "batch ms",
+                    "per-entity ms (500)",
+                ],
+                rows,
+            ),
+            "",
+            f"Read-through `ReadThrough.get` for one entity ({p['read_through_samples']} samples "
+            "each; µs): a hit against a raw GET of the same key, and a miss (MGET, lease, query, "
+            "guarded write) against the bare `compute` of one entity.",
+            "",
+            common.table(
+                [
+                    "feature set",
+                    "hit p50",
+                    "hit p99",
+                    "raw GET p50",
+                    "hit/GET",
+                    "miss p50",
+                    "miss p99",
+                    "compute p50",
+                    "miss/compute",
+                ],
+                rt_rows,
+            ),
+            "",
+            common.targets_table(res["targets"]),
+        ]
+    )

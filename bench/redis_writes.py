@@ -56,10 +56,21 @@ def run(quick: bool) -> dict[str, Any]:
         b = batch()
         pipe = ctx.redis.pipeline(transaction=False)
         for ref in refs:
-            raw = encode_entry([b.values[(ref.tenant, ref.entity)][f] for f in fields],
-                               sha_version, b.computed_at_ms, b.watermark)
-            pipe.evalsha(sha, 2, feature_key(sha_version, ref), lease_key(sha_version, ref),
-                         raw, jittered_ttl_ms(fs.ttl_s), "")
+            raw = encode_entry(
+                [b.values[(ref.tenant, ref.entity)][f] for f in fields],
+                sha_version,
+                b.computed_at_ms,
+                b.watermark,
+            )
+            pipe.evalsha(
+                sha,
+                2,
+                feature_key(sha_version, ref),
+                lease_key(sha_version, ref),
+                raw,
+                jittered_ttl_ms(fs.ttl_s),
+                "",
+            )
         pipe.execute()
 
     set_keys = [feature_key(set_version, r) for r in refs]
@@ -68,13 +79,24 @@ def run(quick: bool) -> dict[str, Any]:
         b = batch()
         pipe = ctx.redis.pipeline(transaction=False)
         for ref, key in zip(refs, set_keys, strict=True):
-            raw = encode_entry([b.values[(ref.tenant, ref.entity)][f] for f in fields],
-                               set_version, b.computed_at_ms, b.watermark)
+            raw = encode_entry(
+                [b.values[(ref.tenant, ref.entity)][f] for f in fields],
+                set_version,
+                b.computed_at_ms,
+                b.watermark,
+            )
             pipe.set(key, raw, px=jittered_ttl_ms(fs.ttl_s))
         pipe.execute()
 
-    encoded = [encode_entry([base.values[(r.tenant, r.entity)][f] for f in fields],
-                            set_version, base.computed_at_ms, base.watermark) for r in refs]
+    encoded = [
+        encode_entry(
+            [base.values[(r.tenant, r.entity)][f] for f in fields],
+            set_version,
+            base.computed_at_ms,
+            base.watermark,
+        )
+        for r in refs
+    ]
 
     def setex_raw() -> None:
         pipe = ctx.redis.pipeline(transaction=False)
@@ -83,41 +105,87 @@ def run(quick: bool) -> dict[str, Any]:
         pipe.execute()
 
     rounds, calls = (2, 5) if quick else (7, 30)
-    res = common.measure({"conditional (FeatureStore.write)": conditional,
-                          "conditional, plain EVALSHA": evalsha,
-                          "SETEX": setex,
-                          "SETEX, pre-encoded": setex_raw},
-                         rounds=rounds, calls=calls, warmup=3,
-                         items=dict.fromkeys(["conditional (FeatureStore.write)",
-                                              "conditional, plain EVALSHA", "SETEX",
-                                              "SETEX, pre-encoded"], len(refs)))
+    res = common.measure(
+        {
+            "conditional (FeatureStore.write)": conditional,
+            "conditional, plain EVALSHA": evalsha,
+            "SETEX": setex,
+            "SETEX, pre-encoded": setex_raw,
+        },
+        rounds=rounds,
+        calls=calls,
+        warmup=3,
+        items=dict.fromkeys(
+            [
+                "conditional (FeatureStore.write)",
+                "conditional, plain EVALSHA",
+                "SETEX",
+                "SETEX, pre-encoded",
+            ],
+            len(refs),
+        ),
+    )
     setex_rate = res["SETEX"]["items_per_s"]
     for r in res.values():
         r["vs_setex"] = common.ratio(r["items_per_s"], setex_rate)
-        r["vs_setex_pre_encoded"] = common.ratio(r["items_per_s"],
-                                                 res["SETEX, pre-encoded"]["items_per_s"])
+        r["vs_setex_pre_encoded"] = common.ratio(
+            r["items_per_s"], res["SETEX, pre-encoded"]["items_per_s"]
+        )
     cas = res["conditional (FeatureStore.write)"]
-    targets = [common.target("conditional writes/s vs pipelined SETEX of the same payloads",
-                             cas["vs_setex"], ">=", 0.5, "x")]
-    return {"parameters": {"batch": len(refs), "rounds": rounds, "calls_per_round": calls,
-                           "payload_bytes": round(sum(map(len, encoded)) / len(encoded), 1)},
-            "results": res, "targets": targets}
+    targets = [
+        common.target(
+            "conditional writes/s vs pipelined SETEX of the same payloads",
+            cas["vs_setex"],
+            ">=",
+            0.5,
+            "x",
+        )
+    ]
+    return {
+        "parameters": {
+            "batch": len(refs),
+            "rounds": rounds,
+            "calls_per_round": calls,
+            "payload_bytes": round(sum(map(len, encoded)) / len(encoded), 1),
+        },
+        "results": res,
+        "targets": targets,
+    }
 
 
 def markdown(res: dict[str, Any]) -> str:
     p = res["parameters"]
-    rows = [(name, r["items_per_s"], r["p50_us"] / 1000, r["p99_us"] / 1000,
-             f"{r['vs_setex']}x", f"{r['vs_setex_pre_encoded']}x")
-            for name, r in res["results"].items()]
-    return "\n".join([
-        "## redis_writes: conditional batched writes against pipelined SETEX",
-        "",
-        f"Batches of {p['batch']} `txn_90d` entries (~{p['payload_bytes']:.0f} bytes each), "
-        f"{p['rounds']} interleaved rounds of {p['calls_per_round']} batches; every "
-        "conditional write replaces its entry (a newer watermark each call).",
-        "",
-        common.table(["candidate", "entries/s", "p50 ms per batch", "p99 ms per batch",
-                      "vs SETEX", "vs pre-encoded SETEX"], rows),
-        "",
-        common.targets_table(res["targets"]),
-    ])
+    rows = [
+        (
+            name,
+            r["items_per_s"],
+            r["p50_us"] / 1000,
+            r["p99_us"] / 1000,
+            f"{r['vs_setex']}x",
+            f"{r['vs_setex_pre_encoded']}x",
+        )
+        for name, r in res["results"].items()
+    ]
+    return "\n".join(
+        [
+            "## redis_writes: conditional batched writes against pipelined SETEX",
+            "",
+            f"Batches of {p['batch']} `txn_90d` entries (~{p['payload_bytes']:.0f} bytes each), "
+            f"{p['rounds']} interleaved rounds of {p['calls_per_round']} batches; every "
+            "conditional write replaces its entry (a newer watermark each call).",
+            "",
+            common.table(
+                [
+                    "candidate",
+                    "entries/s",
+                    "p50 ms per batch",
+                    "p99 ms per batch",
+                    "vs SETEX",
+                    "vs pre-encoded SETEX",
+                ],
+                rows,
+            ),
+            "",
+            common.targets_table(res["targets"]),
+        ]
+    )

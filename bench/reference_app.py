@@ -56,6 +56,7 @@ ENDPOINTS = ("GET", "batch 100")
 
 # -- the minimal app -------------------------------------------------------------------
 
+
 def app_from_env() -> Any:
     """The reference app; ``BENCH_REFERENCE_REDIS_URL`` and ``_PREFIX`` from the launcher.
 
@@ -75,14 +76,12 @@ def app_from_env() -> Any:
     async def get(request: Request) -> Response:
         raw = await client.get(f"{prefix}{request.path_params['entity_id']}}}")
         if raw is None:
-            return Response(b'{"error":"miss"}', status_code=404,
-                            media_type="application/json")
+            return Response(b'{"error":"miss"}', status_code=404, media_type="application/json")
         return Response(raw[HEADER:], media_type="application/json")
 
     async def mget(request: Request) -> Response:
         body = orjson.loads(await request.body())
-        raws: list[Any] = await client.mget([f"{prefix}{e}}}"
-                                                      for e in body["entities"]])
+        raws: list[Any] = await client.mget([f"{prefix}{e}}}" for e in body["entities"]])
         out = b",".join(b"null" if r is None else r[HEADER:] for r in raws)
         return Response(b"[" + out + b"]", media_type="application/json")
 
@@ -94,9 +93,13 @@ def app_from_env() -> Any:
     decode = os.environ.get("BENCH_REFERENCE_DECODE")
     if decode:
         get, mget = _decoding_routes(client, prefix, int(decode))
-    return Starlette(routes=[Route("/v1/features/batch", mget, methods=["POST"]),
-                             Route("/v1/features/{feature_set}/{entity_id}", get)],
-                     lifespan=lifespan)
+    return Starlette(
+        routes=[
+            Route("/v1/features/batch", mget, methods=["POST"]),
+            Route("/v1/features/{feature_set}/{entity_id}", get),
+        ],
+        lifespan=lifespan,
+    )
 
 
 def _decoding_routes(client: Any, prefix: str, version: int) -> tuple[Any, Any]:
@@ -114,33 +117,51 @@ def _decoding_routes(client: Any, prefix: str, version: int) -> tuple[Any, Any]:
 
     def answers(entities: list[str], raws: list[Any]) -> list[dict[str, Any]]:
         now = now_ms()
-        return [{"feature_set": FEATURE_SET, "entity": e, "values": None, "hit": False,
-                 "source": "miss", "age_ms": 0, "schema_version": version} if row is None
-                else {"feature_set": FEATURE_SET, "entity": e, "values": row[0], "hit": True,
-                      "source": "hit", "age_ms": max(0, now - row[1]),
-                      "schema_version": version}
-                for e, row in zip(entities, decode_rows(raws[:-1], fields, version, raws[-1]),
-                                  strict=True)]
+        return [
+            {
+                "feature_set": FEATURE_SET,
+                "entity": e,
+                "values": None,
+                "hit": False,
+                "source": "miss",
+                "age_ms": 0,
+                "schema_version": version,
+            }
+            if row is None
+            else {
+                "feature_set": FEATURE_SET,
+                "entity": e,
+                "values": row[0],
+                "hit": True,
+                "source": "hit",
+                "age_ms": max(0, now - row[1]),
+                "schema_version": version,
+            }
+            for e, row in zip(
+                entities, decode_rows(raws[:-1], fields, version, raws[-1]), strict=True
+            )
+        ]
 
     async def get(request: Request) -> Response:
         entity = request.path_params["entity_id"]
         [answer] = answers([entity], await client.mget([f"{prefix}{entity}}}", floor]))
         if answer["values"] is None:
-            return Response(b'{"error":"miss"}', status_code=404,
-                            media_type="application/json")
+            return Response(b'{"error":"miss"}', status_code=404, media_type="application/json")
         return Response(orjson.dumps(answer), media_type="application/json")
 
     async def mget(request: Request) -> Response:
         entities = orjson.loads(await request.body())["entities"]
         raws = await client.mget([f"{prefix}{e}}}" for e in entities] + [floor])
         items = answers(entities, raws)
-        return Response(orjson.dumps({"schema_version": version, "items": items}),
-                        media_type="application/json")
+        return Response(
+            orjson.dumps({"schema_version": version, "items": items}), media_type="application/json"
+        )
 
     return get, mget
 
 
 # -- servers ---------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -152,8 +173,9 @@ def free_port() -> int:
 def launch(argv: list[str], env: dict[str, str], port: int, ready: str) -> Iterator[str]:
     """Run ``argv`` in a process group of its own until ``ready`` answers; yields the URL."""
     log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=log,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv, env={**os.environ, **env}, stdout=log, stderr=log, start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -173,32 +195,44 @@ def launch(argv: list[str], env: dict[str, str], port: int, ready: str) -> Itera
         log.close()
 
 
-def serve_freshline(ctx: common.Context, version: int, *,
-                    local_cache_size: int = 0) -> contextlib.AbstractContextManager[str]:
+def serve_freshline(
+    ctx: common.Context, version: int, *, local_cache_size: int = 0
+) -> contextlib.AbstractContextManager[str]:
     """``freshline serve`` on a free port; yields its URL."""
     port = free_port()
-    env = {"FRESHLINE_POSTGRES_URL": ctx.settings.postgres_url,
-           "FRESHLINE_REDIS_URL": ctx.settings.redis_url,
-           "FRESHLINE_SCHEMA_VERSION": str(version),
-           "FRESHLINE_LOCAL_CACHE_SIZE": str(local_cache_size),
-           # One key drives the whole load: its rate limit would answer 429s, cheap
-           # responses that would flatter the figures. Every other check stays on.
-           "FRESHLINE_API_RATE_PER_S": "0"}
-    return launch([FRESHLINE, "serve", "--port", str(port), "--workers", str(SERVER_WORKERS)],
-                  env, port, "/readyz")
+    env = {
+        "FRESHLINE_POSTGRES_URL": ctx.settings.postgres_url,
+        "FRESHLINE_REDIS_URL": ctx.settings.redis_url,
+        "FRESHLINE_SCHEMA_VERSION": str(version),
+        "FRESHLINE_LOCAL_CACHE_SIZE": str(local_cache_size),
+        # One key drives the whole load: its rate limit would answer 429s, cheap
+        # responses that would flatter the figures. Every other check stays on.
+        "FRESHLINE_API_RATE_PER_S": "0",
+    }
+    return launch(
+        [FRESHLINE, "serve", "--port", str(port), "--workers", str(SERVER_WORKERS)],
+        env,
+        port,
+        "/readyz",
+    )
 
 
-def serve_reference(ctx: common.Context, version: int, tenant: str, *,
-                    decode: bool = False) -> contextlib.AbstractContextManager[str]:
+def serve_reference(
+    ctx: common.Context, version: int, tenant: str, *, decode: bool = False
+) -> contextlib.AbstractContextManager[str]:
     """The minimal app (``decode``: minimal+decode) on a free port, launched as
     ``freshline serve`` launches the API."""
     port = free_port()
-    env = {"BENCH_REFERENCE_REDIS_URL": ctx.settings.redis_url,
-           "BENCH_REFERENCE_PREFIX": f"feat:{version}:{FEATURE_SET}:{{{tenant}:",
-           "BENCH_REFERENCE_DECODE": str(version) if decode else ""}
-    code = ("from pipeline.cli.serve import run_granian; "
-            f"run_granian('bench.reference_app:app_from_env', '127.0.0.1', {port}, "
-            f"{SERVER_WORKERS})")
+    env = {
+        "BENCH_REFERENCE_REDIS_URL": ctx.settings.redis_url,
+        "BENCH_REFERENCE_PREFIX": f"feat:{version}:{FEATURE_SET}:{{{tenant}:",
+        "BENCH_REFERENCE_DECODE": str(version) if decode else "",
+    }
+    code = (
+        "from pipeline.cli.serve import run_granian; "
+        f"run_granian('bench.reference_app:app_from_env', '127.0.0.1', {port}, "
+        f"{SERVER_WORKERS})"
+    )
     return launch([sys.executable, "-c", code], env, port, "/v1/features/x/0")
 
 
@@ -211,20 +245,27 @@ _WRK_RATE = re.compile(r"Requests/sec:\s+([\d.]+)")
 def wrk_script(key: str, users: list[int], *, batch: bool) -> str:
     """A Lua script cycling through ``users`` (or batches of them) in cache-only mode."""
     if batch:
-        bodies = [orjson.dumps({"feature_sets": [FEATURE_SET],
-                                "entities": [str(u) for u in users[i:i + BATCH]]}).decode()
-                  for i in range(0, len(users), BATCH)]
+        bodies = [
+            orjson.dumps(
+                {"feature_sets": [FEATURE_SET], "entities": [str(u) for u in users[i : i + BATCH]]}
+            ).decode()
+            for i in range(0, len(users), BATCH)
+        ]
         items = ", ".join(f"'{b}'" for b in bodies)
-        return (f"local bodies = {{{items}}}\nlocal i = 0\n"
-                "request = function()\n  i = i % #bodies + 1\n"
-                "  return wrk.format('POST', '/v1/features/batch?mode=cache-only', "
-                f"{{['Authorization'] = 'Bearer {key}', "
-                "['Content-Type'] = 'application/json'}, bodies[i])\nend\n")
+        return (
+            f"local bodies = {{{items}}}\nlocal i = 0\n"
+            "request = function()\n  i = i % #bodies + 1\n"
+            "  return wrk.format('POST', '/v1/features/batch?mode=cache-only', "
+            f"{{['Authorization'] = 'Bearer {key}', "
+            "['Content-Type'] = 'application/json'}, bodies[i])\nend\n"
+        )
     ids = ", ".join(str(u) for u in users)
-    return (f"local ids = {{{ids}}}\nlocal i = 0\n"
-            "request = function()\n  i = i % #ids + 1\n"
-            f"  return wrk.format('GET', '/v1/features/{FEATURE_SET}/' .. ids[i] .. "
-            f"'?mode=cache-only', {{['Authorization'] = 'Bearer {key}'}})\nend\n")
+    return (
+        f"local ids = {{{ids}}}\nlocal i = 0\n"
+        "request = function()\n  i = i % #ids + 1\n"
+        f"  return wrk.format('GET', '/v1/features/{FEATURE_SET}/' .. ids[i] .. "
+        f"'?mode=cache-only', {{['Authorization'] = 'Bearer {key}'}})\nend\n"
+    )
 
 
 def wrk(url: str, script: str, *, concurrency: int, seconds: float) -> dict[str, Any]:
@@ -234,21 +275,38 @@ def wrk(url: str, script: str, *, concurrency: int, seconds: float) -> dict[str,
         f.write(script)
     try:
         threads = 1 if concurrency == 1 else 2
-        out = subprocess.run([exe, f"-t{threads}", f"-c{concurrency}", f"-d{seconds}s",
-                              "--latency", "-s", f.name, url], capture_output=True, text=True,
-                             timeout=seconds + 30, check=False).stdout
+        out = subprocess.run(
+            [
+                exe,
+                f"-t{threads}",
+                f"-c{concurrency}",
+                f"-d{seconds}s",
+                "--latency",
+                "-s",
+                f.name,
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=seconds + 30,
+            check=False,
+        ).stdout
     finally:
         os.unlink(f.name)
     scale = {"us": 1.0, "ms": 1000.0, "s": 1e6}
     lat = {f"p{p}_us": round(float(v) * scale[u], 1) for p, v, u in _WRK_LATENCY.findall(out)}
     rate = _WRK_RATE.search(out)
     non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
-    return {**lat, "ops_per_s": float(rate.group(1)) if rate else 0.0,
-            "errors": int(non2xx.group(1)) if non2xx else 0}
+    return {
+        **lat,
+        "ops_per_s": float(rate.group(1)) if rate else 0.0,
+        "errors": int(non2xx.group(1)) if non2xx else 0,
+    }
 
 
-def compare(urls: dict[str, str], key: str, users: list[int], *, rounds: int,
-            seconds: float) -> dict[str, Any]:
+def compare(
+    urls: dict[str, str], key: str, users: list[int], *, rounds: int, seconds: float
+) -> dict[str, Any]:
     """wrk every server on both endpoints at c=1 and c=16, interleaved round by round.
 
     ``urls`` maps a server name of :data:`SERVERS` to its URL; the first is the
@@ -263,18 +321,24 @@ def compare(urls: dict[str, str], key: str, users: list[int], *, rounds: int,
         for conc in (1, 16):
             for endpoint in ENDPOINTS:
                 names = list(urls)
-                order = names[r % len(names):] + names[:r % len(names)]
+                order = names[r % len(names) :] + names[: r % len(names)]
                 for server in order:
-                    res = wrk(urls[server], scripts[endpoint], concurrency=conc,
-                              seconds=seconds)
+                    res = wrk(urls[server], scripts[endpoint], concurrency=conc, seconds=seconds)
                     runs.setdefault(f"c{conc}:{endpoint}:{server}", []).append(res)
         common.note(f"wrk round {r + 1}/{rounds} done")
-    figures = {name: {m: statistics.median(run[m] for run in rs) for m in rs[0]}
-               for name, rs in runs.items()}
+    figures = {
+        name: {m: statistics.median(run[m] for run in rs) for m in rs[0]}
+        for name, rs in runs.items()
+    }
+
     def ratio(rs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, float]:
-        return {m: round(statistics.median(a[m] / b[m] for a, b in zip(rs, base, strict=True)
-                                           if b.get(m)), 2)
-                for m in ("p50_us", "p99_us", "ops_per_s") if m in rs[0]}
+        return {
+            m: round(
+                statistics.median(a[m] / b[m] for a, b in zip(rs, base, strict=True) if b.get(m)), 2
+            )
+            for m in ("p50_us", "p99_us", "ops_per_s")
+            if m in rs[0]
+        }
 
     ratios: dict[str, dict[str, float]] = {}
     to_floor: dict[str, dict[str, float]] = {}
@@ -288,8 +352,9 @@ def compare(urls: dict[str, str], key: str, users: list[int], *, rounds: int,
     return {"figures": figures, "ratios": ratios, "to_floor": to_floor}
 
 
-def targets(ratios: dict[str, dict[str, float]],
-            figures: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def targets(
+    ratios: dict[str, dict[str, float]], figures: dict[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
     """The issue's targets, from ratios to the minimal app in the same run."""
     out: list[dict[str, Any]] = []
     for conc in ("c1", "c16"):
@@ -298,26 +363,36 @@ def targets(ratios: dict[str, dict[str, float]],
             if r is None:
                 continue
             what = f"{endpoint} vs minimal ({conc[1:]} conn.)"
-            out += [common.target(f"{what}: p50", r.get("p50_us"), "<=", lat_max, "x"),
-                    common.target(f"{what}: p99", r.get("p99_us"), "<=", lat_max, "x"),
-                    common.target(f"{what}: req/s", r.get("ops_per_s"), ">=", rate_min, "x")]
+            out += [
+                common.target(f"{what}: p50", r.get("p50_us"), "<=", lat_max, "x"),
+                common.target(f"{what}: p99", r.get("p99_us"), "<=", lat_max, "x"),
+                common.target(f"{what}: req/s", r.get("ops_per_s"), ">=", rate_min, "x"),
+            ]
         warm = ratios.get(f"{conc}:GET:freshline+tier")
         if warm is not None:
-            out.append(common.target(f"GET, tier warm, vs minimal ({conc[1:]} conn.): p50",
-                                     warm.get("p50_us"), "<", 1.0, "x"))
+            out.append(
+                common.target(
+                    f"GET, tier warm, vs minimal ({conc[1:]} conn.): p50",
+                    warm.get("p50_us"),
+                    "<",
+                    1.0,
+                    "x",
+                )
+            )
     return out
 
 
 def print_ratios(res: dict[str, Any]) -> None:
     """The ratios on stderr, one line per figure, readable at 80 columns."""
-    for title, ratios in (("the minimal app", res["ratios"]),
-                          (FLOOR, res.get("to_floor", {}))):
+    for title, ratios in (("the minimal app", res["ratios"]), (FLOOR, res.get("to_floor", {}))):
         if not ratios:
             continue
         common.note(f"{'ratio to ' + title:<30}p50     p99   req/s")
         for name, r in ratios.items():
-            common.note(f"{name:<28}{r.get('p50_us', 0):>5.2f}x {r.get('p99_us', 0):>6.2f}x "
-                        f"{r.get('ops_per_s', 0):>6.2f}x")
+            common.note(
+                f"{name:<28}{r.get('p50_us', 0):>5.2f}x {r.get('p99_us', 0):>6.2f}x "
+                f"{r.get('ops_per_s', 0):>6.2f}x"
+            )
 
 
 def warm(url: str, key: str, users: list[int], passes: int = 3) -> None:
@@ -329,14 +404,17 @@ def warm(url: str, key: str, users: list[int], passes: int = 3) -> None:
 
 
 @contextlib.contextmanager
-def servers(ctx: common.Context, version: int, tenant: str, key: str,
-            users: list[int]) -> Iterator[dict[str, str]]:
+def servers(
+    ctx: common.Context, version: int, tenant: str, key: str, users: list[int]
+) -> Iterator[dict[str, str]]:
     """The minimal app, minimal+decode, freshline with the tier off and with it on
     (warm): name -> URL, in :data:`SERVERS` order."""
-    with serve_reference(ctx, version, tenant) as ref, \
-            serve_reference(ctx, version, tenant, decode=True) as floor, \
-            serve_freshline(ctx, version) as plain, \
-            serve_freshline(ctx, version, local_cache_size=10 * len(users)) as tier:
+    with (
+        serve_reference(ctx, version, tenant) as ref,
+        serve_reference(ctx, version, tenant, decode=True) as floor,
+        serve_freshline(ctx, version) as plain,
+        serve_freshline(ctx, version, local_cache_size=10 * len(users)) as tier,
+    ):
         warm(tier, key, users)
         yield {"minimal": ref, FLOOR: floor, "freshline": plain, "freshline+tier": tier}
 
@@ -356,8 +434,9 @@ def prepared(ctx: common.Context) -> tuple[int, str, str, list[int]]:
     users = list(range(1, min(ENTITIES, data.users) + 1))
     store = FeatureStore(ctx.redis, version)
     for chunk in common.chunks(users, 500):
-        store.write(compute(ctx.engine, REGISTRY[FEATURE_SET],
-                            [(data.tenant, str(u)) for u in chunk]))
+        store.write(
+            compute(ctx.engine, REGISTRY[FEATURE_SET], [(data.tenant, str(u)) for u in chunk])
+        )
     return version, data.tenant, create_api_key(ctx.engine, data.tenant), users
 
 
@@ -368,10 +447,18 @@ def run(quick: bool) -> dict[str, Any]:
     with servers(ctx, version, tenant, key, users) as urls:
         res = compare(urls, key, users, rounds=rounds, seconds=seconds)
     print_ratios(res)
-    return {"parameters": {"feature_set": FEATURE_SET, "entities": len(users),
-                           "batch": BATCH, "server_workers": SERVER_WORKERS,
-                           "rounds": rounds, "seconds": seconds},
-            **res, "targets": targets(res["ratios"], res["figures"])}
+    return {
+        "parameters": {
+            "feature_set": FEATURE_SET,
+            "entities": len(users),
+            "batch": BATCH,
+            "server_workers": SERVER_WORKERS,
+            "rounds": rounds,
+            "seconds": seconds,
+        },
+        **res,
+        "targets": targets(res["ratios"], res["figures"]),
+    }
 
 
 def table_rows(res: dict[str, Any]) -> list[tuple[Any, ...]]:
@@ -379,9 +466,19 @@ def table_rows(res: dict[str, Any]) -> list[tuple[Any, ...]]:
     for name, f in res["figures"].items():
         r = res["ratios"].get(name, {})
         fl = res.get("to_floor", {}).get(name, {})
-        rows.append((name, f.get("p50_us"), f.get("p99_us"), f.get("ops_per_s"),
-                     r.get("p50_us", "1"), r.get("p99_us", "1"), r.get("ops_per_s", "1"),
-                     fl.get("p50_us", ""), fl.get("ops_per_s", "")))
+        rows.append(
+            (
+                name,
+                f.get("p50_us"),
+                f.get("p99_us"),
+                f.get("ops_per_s"),
+                r.get("p50_us", "1"),
+                r.get("p99_us", "1"),
+                r.get("ops_per_s", "1"),
+                fl.get("p50_us", ""),
+                fl.get("ops_per_s", ""),
+            )
+        )
     return rows
 
 
@@ -396,19 +493,33 @@ def section(res: dict[str, Any]) -> list[str]:
         "app answering freshline's JSON (floors read, entries decoded, named values); "
         "the last two columns are freshline's ratios to it.",
         "",
-        common.table(["conc:endpoint:server", "p50 µs", "p99 µs", "req/s",
-                      "p50 x", "p99 x", "req/s x", "p50 x floor", "req/s x floor"],
-                     table_rows(res)),
+        common.table(
+            [
+                "conc:endpoint:server",
+                "p50 µs",
+                "p99 µs",
+                "req/s",
+                "p50 x",
+                "p99 x",
+                "req/s x",
+                "p50 x floor",
+                "req/s x floor",
+            ],
+            table_rows(res),
+        ),
         "",
     ]
 
 
 def markdown(res: dict[str, Any]) -> str:
-    lines = ["## reference_app: freshline's HTTP API against a minimal app", "",
-             "The minimal app: Starlette + redis.asyncio, one GET route and one MGET route, "
-             "no auth, validation or decoding. minimal+decode: the same app decoding each "
-             "entry (with its feature set's truncate floor) and answering freshline's JSON.",
-             ""]
+    lines = [
+        "## reference_app: freshline's HTTP API against a minimal app",
+        "",
+        "The minimal app: Starlette + redis.asyncio, one GET route and one MGET route, "
+        "no auth, validation or decoding. minimal+decode: the same app decoding each "
+        "entry (with its feature set's truncate floor) and answering freshline's JSON.",
+        "",
+    ]
     lines += section(res)
     lines.append(common.targets_table(res["targets"]))
     return "\n".join(lines)

@@ -42,8 +42,9 @@ async def _lifespan(app: Any) -> Callable[[], Awaitable[None]]:
         elif message["type"].endswith(".failed"):
             raise RuntimeError(message)
 
-    task = asyncio.create_task(app({"type": "lifespan", "asgi": {"version": "3.0"},
-                                    "state": {}}, queue.get, send))
+    task = asyncio.create_task(
+        app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, queue.get, send)
+    )
     await asyncio.wait_for(started.wait(), 30)
 
     async def stop() -> None:
@@ -54,8 +55,7 @@ async def _lifespan(app: Any) -> Callable[[], Awaitable[None]]:
     return stop
 
 
-async def _call(app: Asgi, method: str, path: str, query: bytes, body: bytes,
-                key: str) -> int:
+async def _call(app: Asgi, method: str, path: str, query: bytes, body: bytes, key: str) -> int:
     sent = False
     status = 0
 
@@ -73,38 +73,71 @@ async def _call(app: Asgi, method: str, path: str, query: bytes, body: bytes,
 
     headers = [(b"authorization", f"Bearer {key}".encode()), (b"host", b"bench")]
     if body:
-        headers += [(b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode())]
-    await app({"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-               "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
-               "query_string": query, "root_path": "", "headers": headers,
-               "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 80), "state": {}},
-              receive, send)
+        headers += [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+    await app(
+        {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": method,
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": query,
+            "root_path": "",
+            "headers": headers,
+            "client": ("127.0.0.1", 40000),
+            "server": ("127.0.0.1", 80),
+            "state": {},
+        },
+        receive,
+        send,
+    )
     return status
 
 
-async def _measure(apps: dict[str, Asgi], key: str, users: list[int], *, rounds: int,
-                   calls: int) -> dict[str, dict[str, list[float]]]:
-    batches = [orjson.dumps({"feature_sets": [reference_app.FEATURE_SET],
-                             "entities": [str(u) for u in users[i:i + reference_app.BATCH]]})
-               for i in range(0, len(users), reference_app.BATCH)]
+async def _measure(
+    apps: dict[str, Asgi], key: str, users: list[int], *, rounds: int, calls: int
+) -> dict[str, dict[str, list[float]]]:
+    batches = [
+        orjson.dumps(
+            {
+                "feature_sets": [reference_app.FEATURE_SET],
+                "entities": [str(u) for u in users[i : i + reference_app.BATCH]],
+            }
+        )
+        for i in range(0, len(users), reference_app.BATCH)
+    ]
     out: dict[str, dict[str, list[float]]] = {"GET": {}, "batch 100": {}}
     for r in range(rounds):
         names = list(apps)
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             app = apps[name]
             for endpoint, by_app in out.items():
                 started = time.process_time()
                 for i in range(calls):
                     if endpoint == "GET":
                         u = users[i % len(users)]
-                        status = await _call(app, "GET",
-                                             f"/v1/features/{reference_app.FEATURE_SET}/{u}",
-                                             b"mode=cache-only", b"", key)
+                        status = await _call(
+                            app,
+                            "GET",
+                            f"/v1/features/{reference_app.FEATURE_SET}/{u}",
+                            b"mode=cache-only",
+                            b"",
+                            key,
+                        )
                     else:
-                        status = await _call(app, "POST", "/v1/features/batch",
-                                             b"mode=cache-only", batches[i % len(batches)],
-                                             key)
+                        status = await _call(
+                            app,
+                            "POST",
+                            "/v1/features/batch",
+                            b"mode=cache-only",
+                            batches[i % len(batches)],
+                            key,
+                        )
                     if status != 200:
                         raise RuntimeError(f"{name} {endpoint} answered {status}")
                 spent = (time.process_time() - started) / calls * 1e6
@@ -113,8 +146,9 @@ async def _measure(apps: dict[str, Asgi], key: str, users: list[int], *, rounds:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.request_cpu",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.request_cpu", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=1000)
     args = parser.parse_args()
@@ -123,23 +157,26 @@ def main() -> int:
         version, tenant, key, users = reference_app.prepared(ctx)
         from pipeline.api import create_app
 
-        os.environ.update({"BENCH_REFERENCE_REDIS_URL": ctx.settings.redis_url,
-                           "BENCH_REFERENCE_PREFIX":
-                               f"feat:{version}:{reference_app.FEATURE_SET}:{{{tenant}:"})
+        os.environ.update(
+            {
+                "BENCH_REFERENCE_REDIS_URL": ctx.settings.redis_url,
+                "BENCH_REFERENCE_PREFIX": f"feat:{version}:{reference_app.FEATURE_SET}:{{{tenant}:",
+            }
+        )
         os.environ["BENCH_REFERENCE_DECODE"] = ""
         minimal = reference_app.app_from_env()
         os.environ["BENCH_REFERENCE_DECODE"] = str(version)
         floor = reference_app.app_from_env()
-        freshline = create_app(ctx.settings_for(schema_version=version, local_cache_size=0,
-                                                api_rate_per_s=0))
+        freshline = create_app(
+            ctx.settings_for(schema_version=version, local_cache_size=0, api_rate_per_s=0)
+        )
         apps = {"minimal": minimal, reference_app.FLOOR: floor, "freshline": freshline}
 
         async def run() -> dict[str, dict[str, list[float]]]:
             stops = [await _lifespan(app) for app in apps.values()]
             try:
                 await _measure(apps, key, users, rounds=1, calls=200)  # warm up
-                return await _measure(apps, key, users, rounds=args.rounds,
-                                      calls=args.calls)
+                return await _measure(apps, key, users, rounds=args.rounds, calls=args.calls)
             finally:
                 for stop in stops:
                     await stop()
@@ -147,14 +184,18 @@ def main() -> int:
         res = asyncio.run(run())
     finally:
         common.close_context()
-    print(f"CPU µs per request, in process, c=1; median of {args.rounds} interleaved "
-          f"rounds of {args.calls} (ratio to minimal: median of the rounds' ratios)")
+    print(
+        f"CPU µs per request, in process, c=1; median of {args.rounds} interleaved "
+        f"rounds of {args.calls} (ratio to minimal: median of the rounds' ratios)"
+    )
     for endpoint, by_app in res.items():
         base = by_app["minimal"]
         for name, values in by_app.items():
             ratio = statistics.median(v / b for v, b in zip(values, base, strict=True))
-            print(f"  {endpoint:<10} {name:<15} {statistics.median(values):8.1f} µs  "
-                  f"{ratio:5.2f}x  ({' '.join(f'{v:.0f}' for v in values)})")
+            print(
+                f"  {endpoint:<10} {name:<15} {statistics.median(values):8.1f} µs  "
+                f"{ratio:5.2f}x  ({' '.join(f'{v:.0f}' for v in values)})"
+            )
     return 0
 
 

@@ -28,9 +28,16 @@ from pipeline.cache.recompute import compute
 from pipeline.core.features import REGISTRY
 
 BATCH = 500
-TABLES = ("users", "transactions", "devices", "user_devices", "txn_buckets",
-          "txn_bucket_members", "txn_bucket_latest")
-POLICY = ("tenant_id = ANY (string_to_array(current_setting('freshline.tenants', true), ','))")
+TABLES = (
+    "users",
+    "transactions",
+    "devices",
+    "user_devices",
+    "txn_buckets",
+    "txn_bucket_members",
+    "txn_bucket_latest",
+)
+POLICY = "tenant_id = ANY (string_to_array(current_setting('freshline.tenants', true), ','))"
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -46,36 +53,46 @@ def run(quick: bool) -> dict[str, Any]:
             conn.execute(sa.text(f"ALTER TABLE {table} ENABLE ROW LEVEL SECURITY"))
             conn.execute(sa.text(f"CREATE POLICY tenant_guard ON {table} USING ({POLICY})"))
     url = make_url(ctx.settings.postgres_url).set(username=role, password=password)
-    rls = sa.create_engine(url, pool_size=2, connect_args={
-        "options": f"-c freshline.tenants={data.tenant}"})
+    rls = sa.create_engine(
+        url, pool_size=2, connect_args={"options": f"-c freshline.tenants={data.tenant}"}
+    )
     out: dict[str, Any] = {}
     try:
         with rls.connect() as conn:  # the guard holds: another tenant's rows are invisible
             seen = conn.execute(sa.text("SELECT count(DISTINCT tenant_id) FROM transactions"))
             out["tenants_visible_with_rls"] = seen.scalar_one()
         for fs in REGISTRY:
-            times: dict[str, list[float]] = {k: [] for k in
-                                             ("batch", "batch_rls", "one", "one_rls")}
+            times: dict[str, list[float]] = {
+                k: [] for k in ("batch", "batch_rls", "one", "one_rls")
+            }
             for r in range(rounds):
-                users = [(data.tenant, str(u))
-                         for u in rng.sample(range(1, data.users + 1), BATCH + 1)]
-                runs = [("batch", ctx.engine, users[:BATCH]), ("batch_rls", rls, users[:BATCH]),
-                        ("one", ctx.engine, users[BATCH:]), ("one_rls", rls, users[BATCH:])]
+                users = [
+                    (data.tenant, str(u)) for u in rng.sample(range(1, data.users + 1), BATCH + 1)
+                ]
+                runs = [
+                    ("batch", ctx.engine, users[:BATCH]),
+                    ("batch_rls", rls, users[:BATCH]),
+                    ("one", ctx.engine, users[BATCH:]),
+                    ("one_rls", rls, users[BATCH:]),
+                ]
                 if r % 2:
                     runs = [runs[1], runs[0], runs[3], runs[2]]
                 found: dict[str, int] = {}
                 for name, engine, refs in runs:
                     result, took = common.timed(
-                        lambda engine=engine, refs=refs, fs=fs: compute(engine, fs, refs))
+                        lambda engine=engine, refs=refs, fs=fs: compute(engine, fs, refs)
+                    )
                     found[name] = len(result.values)
                     times[name].append(took * 1000)
                 if found["batch"] != found["batch_rls"] or found["one"] != found["one_rls"]:
                     raise RuntimeError(f"{fs.name}: the policy hid rows of the own tenant")
             med = {k: float(np.median(v)) for k, v in times.items()}
             out[fs.name] = {
-                "batch_ms": round(med["batch"], 2), "batch_rls_ms": round(med["batch_rls"], 2),
+                "batch_ms": round(med["batch"], 2),
+                "batch_rls_ms": round(med["batch_rls"], 2),
                 "batch_ratio": common.ratio(med["batch_rls"], med["batch"]),
-                "one_ms": round(med["one"], 2), "one_rls_ms": round(med["one_rls"], 2),
+                "one_ms": round(med["one"], 2),
+                "one_rls_ms": round(med["one_rls"], 2),
                 "one_ratio": common.ratio(med["one_rls"], med["one"]),
             }
     finally:
@@ -90,15 +107,28 @@ def run(quick: bool) -> dict[str, Any]:
 
 
 def markdown(res: dict[str, Any]) -> str:
-    rows = [(name, r["batch_ms"], r["batch_rls_ms"], common.fmt(r["batch_ratio"], 3),
-             r["one_ms"], r["one_rls_ms"], common.fmt(r["one_ratio"], 3))
-            for name, r in res.items() if isinstance(r, dict)]
-    return "\n".join([
-        "## rls: row-level security by tenant on the feature queries",
-        "",
-        f"`compute()` as the owner (no policy) and as a role under a tenant policy, "
-        f"interleaved; medians in ms, batch of {BATCH} users and one user.",
-        "",
-        common.table(["feature set", "batch", "batch, RLS", "ratio", "one", "one, RLS",
-                      "ratio"], rows),
-    ])
+    rows = [
+        (
+            name,
+            r["batch_ms"],
+            r["batch_rls_ms"],
+            common.fmt(r["batch_ratio"], 3),
+            r["one_ms"],
+            r["one_rls_ms"],
+            common.fmt(r["one_ratio"], 3),
+        )
+        for name, r in res.items()
+        if isinstance(r, dict)
+    ]
+    return "\n".join(
+        [
+            "## rls: row-level security by tenant on the feature queries",
+            "",
+            f"`compute()` as the owner (no policy) and as a role under a tenant policy, "
+            f"interleaved; medians in ms, batch of {BATCH} users and one user.",
+            "",
+            common.table(
+                ["feature set", "batch", "batch, RLS", "ratio", "one", "one, RLS", "ratio"], rows
+            ),
+        ]
+    )

@@ -21,10 +21,11 @@ import sqlalchemy as sa
 
 from bench import common
 
-_COLUMNS = "tenant_id, user_id, amount, currency, merchant_id, device_id, ip, status, " \
-           "created_at, updated_at"
-_INSERT = (f"INSERT INTO transactions ({_COLUMNS}) "
-           "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)")
+_COLUMNS = (
+    "tenant_id, user_id, amount, currency, merchant_id, device_id, ip, status, "
+    "created_at, updated_at"
+)
+_INSERT = f"INSERT INTO transactions ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 
 
 def _copy_rows(raw: Any, tenant: str, rows: list[tuple[Any, ...]]) -> None:
@@ -47,23 +48,39 @@ def run(quick: bool) -> dict[str, Any]:
 
     from pipeline.dev.seed import seed
 
-    summary, seconds = common.timed(lambda: seed(
-        ctx.engine, users=users, transactions=txns, tenant_prefix=ctx.tenant_prefix(),
-        anchor=common.ANCHOR))
+    summary, seconds = common.timed(
+        lambda: seed(
+            ctx.engine,
+            users=users,
+            transactions=txns,
+            tenant_prefix=ctx.tenant_prefix(),
+            anchor=common.ANCHOR,
+        )
+    )
     tenant = summary.tenants[0]
     with ctx.engine.connect() as conn:
-        loaded = conn.execute(sa.text(
-            "SELECT (SELECT count(*) FROM users WHERE tenant_id = :t) "
-            "+ (SELECT count(*) FROM devices WHERE tenant_id = :t) "
-            "+ (SELECT count(*) FROM user_devices WHERE tenant_id = :t) "
-            "+ (SELECT count(*) FROM transactions WHERE tenant_id = :t)"), {"t": tenant}
+        loaded = conn.execute(
+            sa.text(
+                "SELECT (SELECT count(*) FROM users WHERE tenant_id = :t) "
+                "+ (SELECT count(*) FROM devices WHERE tenant_id = :t) "
+                "+ (SELECT count(*) FROM user_devices WHERE tenant_id = :t) "
+                "+ (SELECT count(*) FROM transactions WHERE tenant_id = :t)"
+            ),
+            {"t": tenant},
         ).scalar_one()
     ctx.adopt_dataset(common.Dataset(tenant, users, txns, seconds))
 
     with ctx.engine.connect() as conn:
-        rows = [tuple(r) for r in conn.execute(sa.text(
-            f"SELECT {_COLUMNS.split(', ', 1)[1]} FROM transactions WHERE tenant_id = :t "
-            "ORDER BY id LIMIT :n"), {"t": tenant, "n": sample})]
+        rows = [
+            tuple(r)
+            for r in conn.execute(
+                sa.text(
+                    f"SELECT {_COLUMNS.split(', ', 1)[1]} FROM transactions WHERE tenant_id = :t "
+                    "ORDER BY id LIMIT :n"
+                ),
+                {"t": tenant, "n": sample},
+            )
+        ]
 
     rates: dict[str, list[float]] = {"copy": [], "executemany": []}
     scratch: list[str] = []
@@ -78,47 +95,67 @@ def run(quick: bool) -> dict[str, Any]:
                 _, took = common.timed(lambda raw=raw, load=load, name=name: load(raw, name, rows))
             rates[how].append(len(rows) / took)
     with ctx.engine.begin() as conn:
-        conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = ANY(:t)"),
-                     {"t": scratch})
+        conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = ANY(:t)"), {"t": scratch})
 
     copy_rate = float(np.median(rates["copy"]))
     naive_rate = float(np.median(rates["executemany"]))
     txn_rate = txns / seconds
     targets = [
-        common.target("1M transactions seeded in well under a minute (full run)",
-                      round(seconds, 1) if not quick else None, "<", 60, "s"),
+        common.target(
+            "1M transactions seeded in well under a minute (full run)",
+            round(seconds, 1) if not quick else None,
+            "<",
+            60,
+            "s",
+        ),
     ]
     return {
-        "parameters": {"users": users, "transactions": txns, "sample_rows": len(rows),
-                       "rounds": rounds},
-        "seed": {"seconds": round(seconds, 2), "rows_loaded": int(loaded),
-                 "rows_per_s": round(loaded / seconds), "transactions_per_s": round(txn_rate)},
-        "same_rows": {"copy_rows_per_s": round(copy_rate),
-                      "executemany_rows_per_s": round(naive_rate),
-                      "copy_rounds": [round(x) for x in rates["copy"]],
-                      "executemany_rounds": [round(x) for x in rates["executemany"]],
-                      "ratio": common.ratio(copy_rate, naive_rate)},
+        "parameters": {
+            "users": users,
+            "transactions": txns,
+            "sample_rows": len(rows),
+            "rounds": rounds,
+        },
+        "seed": {
+            "seconds": round(seconds, 2),
+            "rows_loaded": int(loaded),
+            "rows_per_s": round(loaded / seconds),
+            "transactions_per_s": round(txn_rate),
+        },
+        "same_rows": {
+            "copy_rows_per_s": round(copy_rate),
+            "executemany_rows_per_s": round(naive_rate),
+            "copy_rounds": [round(x) for x in rates["copy"]],
+            "executemany_rounds": [round(x) for x in rates["executemany"]],
+            "ratio": common.ratio(copy_rate, naive_rate),
+        },
         "targets": targets,
     }
 
 
 def markdown(res: dict[str, Any]) -> str:
     p, s, same = res["parameters"], res["seed"], res["same_rows"]
-    return "\n".join([
-        "## seed: bulk loading with COPY",
-        "",
-        f"`freshline seed` loaded {p['users']:,} users and {p['transactions']:,} transactions "
-        f"({s['rows_loaded']:,} rows with devices and links) in **{s['seconds']} s**: "
-        f"{s['transactions_per_s']:,} transactions/s, {s['rows_per_s']:,} rows/s of all tables, "
-        "data generation included.",
-        "",
-        f"The same {p['sample_rows']:,} transaction rows, {p['rounds']} interleaved rounds "
-        "each (median rows/s):",
-        "",
-        common.table(["method", "rows/s", "vs executemany"], [
-            ("COPY (what seed uses)", same["copy_rows_per_s"], f"{same['ratio']}x"),
-            ("psycopg executemany INSERT (naive)", same["executemany_rows_per_s"], "1x"),
-        ]),
-        "",
-        common.targets_table(res["targets"]),
-    ])
+    return "\n".join(
+        [
+            "## seed: bulk loading with COPY",
+            "",
+            f"`freshline seed` loaded {p['users']:,} users and {p['transactions']:,} transactions "
+            f"({s['rows_loaded']:,} rows with devices and links) in **{s['seconds']} s**: "
+            f"{s['transactions_per_s']:,} transactions/s, "
+            f"{s['rows_per_s']:,} rows/s of all tables, "
+            "data generation included.",
+            "",
+            f"The same {p['sample_rows']:,} transaction rows, {p['rounds']} interleaved rounds "
+            "each (median rows/s):",
+            "",
+            common.table(
+                ["method", "rows/s", "vs executemany"],
+                [
+                    ("COPY (what seed uses)", same["copy_rows_per_s"], f"{same['ratio']}x"),
+                    ("psycopg executemany INSERT (naive)", same["executemany_rows_per_s"], "1x"),
+                ],
+            ),
+            "",
+            common.targets_table(res["targets"]),
+        ]
+    )

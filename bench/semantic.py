@@ -92,8 +92,9 @@ def _sizes(quick: bool) -> list[int]:
     return [2_000] if quick else [10_000, 100_000]
 
 
-def _interleaved(candidates: dict[str, Callable[[], Any]], *, rounds: int, calls: int,
-                 warmup: int) -> dict[str, dict[str, Any]]:
+def _interleaved(
+    candidates: dict[str, Callable[[], Any]], *, rounds: int, calls: int, warmup: int
+) -> dict[str, dict[str, Any]]:
     """Each candidate ``calls`` times per round, in an order rotating round by round;
     per candidate the median over rounds of each round's p50 and p99 (µs)."""
     names = list(candidates)
@@ -102,7 +103,7 @@ def _interleaved(candidates: dict[str, Callable[[], Any]], *, rounds: int, calls
         for _ in range(warmup):
             fn()
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             fn = candidates[name]
             samples = np.empty(calls, dtype=np.int64)
             for i in range(calls):
@@ -110,11 +111,16 @@ def _interleaved(candidates: dict[str, Callable[[], Any]], *, rounds: int, calls
                 fn()
                 samples[i] = time.perf_counter_ns() - t0
             per_round[name].append(common.stats_ns(samples))
-    return {name: {"p50_us": round(float(np.median([x["p50_us"] for x in rs])), 2),
-                   "p99_us": round(float(np.median([x["p99_us"] for x in rs])), 2),
-                   "rounds": len(rs), "calls_per_round": calls,
-                   "round_p50s_us": [x["p50_us"] for x in rs]}
-            for name, rs in per_round.items()}
+    return {
+        name: {
+            "p50_us": round(float(np.median([x["p50_us"] for x in rs])), 2),
+            "p99_us": round(float(np.median([x["p99_us"] for x in rs])), 2),
+            "rounds": len(rs),
+            "calls_per_round": calls,
+            "round_p50s_us": [x["p50_us"] for x in rs],
+        }
+        for name, rs in per_round.items()
+    }
 
 
 @dataclasses.dataclass
@@ -138,14 +144,19 @@ def _size(ctx: common.Context, n: int, quick: bool) -> Prepared:
     t0 = time.perf_counter()
     for start in range(0, n, LOAD_CHUNK):
         chunk = range(start, min(n, start + LOAD_CHUNK))
-        writer.store_many(scope, [(prompts[i], f"response {i}") for i in chunk], ZERO,
-                          vectors[start:start + len(chunk)])
+        writer.store_many(
+            scope,
+            [(prompts[i], f"response {i}") for i in chunk],
+            ZERO,
+            vectors[start : start + len(chunk)],
+        )
     load_s = time.perf_counter() - t0
 
     # A worker that has never seen the namespace: its first lookup must not wait for
     # the build (a miss, "warming"), and the build runs in the background.
-    worker = SemanticCache(ctx.new_redis(), _Fixed(), threshold=THRESHOLD,
-                           max_index_vectors=max(n, MAX_VECTORS))
+    worker = SemanticCache(
+        ctx.new_redis(), _Fixed(), threshold=THRESHOLD, max_index_vectors=max(n, MAX_VECTORS)
+    )
     t0 = time.perf_counter()
     first = worker.lookup_vector(scope, prompts[0], ZERO, vectors[0])
     first_ms = (time.perf_counter() - t0) * 1000
@@ -166,7 +177,7 @@ def _size(ctx: common.Context, n: int, quick: bool) -> Prepared:
     best = np.zeros(queries, dtype=np.int64)
     top = np.full(queries, -2.0, dtype=np.float32)
     for start in range(0, n, 100_000):  # in slices: 1,000 x 1M floats would be 4 GB
-        sims = near @ vectors[start:start + 100_000].T
+        sims = near @ vectors[start : start + 100_000].T
         arg = sims.argmax(axis=1)
         val = sims[np.arange(queries), arg]
         better = val > top
@@ -184,8 +195,10 @@ def _size(ctx: common.Context, n: int, quick: bool) -> Prepared:
     for q in range(queries):
         served += worker.lookup_vector(scope, prompts[picks[q]], ZERO, near[q]).hit
     other = Scope(f"{tenant}x", scope.model, scope.model_version, scope.template_version)
-    cross = sum(worker.lookup_vector(other, prompts[picks[q]], ZERO, near[q]).hit
-                for q in range(min(queries, 200)))
+    cross = sum(
+        worker.lookup_vector(other, prompts[picks[q]], ZERO, near[q]).hit
+        for q in range(min(queries, 200))
+    )
 
     asked = [prompts[i] for i in picks]
     del vectors, prompts  # 1.5 GB at 1M; the measurement needs only the queries
@@ -206,34 +219,56 @@ def _size(ctx: common.Context, n: int, quick: bool) -> Prepared:
             _unlink_matching(ctx.redis, semantic_pattern(t))
             ctx.redis.unlink(semantic_registry_key(t))
 
-    index = {"kind": idx.kind, "vectors": len(idx), "trained_for": idx.trained_for,
-             "lists": int(idx.index.nlist) if idx.kind == "ivf" else None,
-             "nprobe": int(idx.index.nprobe) if idx.kind == "ivf" else None}
-    return Prepared({
-        "size": n, "load_s": round(load_s, 2), "index_build_s": round(build_s, 2),
-        "first_lookup_ms": round(first_ms, 2), "first_lookup_warming": first.warming,
-        "index": index, "recall_at_threshold": round(recall, 4),
-        "true_hit_queries": int(true_hits.sum()), "queries": queries,
-        "served_near": served, "cross_tenant_hits": int(cross),
-    }, lookup, semantic_entry_key(scope.namespace, int(ids[0])), close)
+    index = {
+        "kind": idx.kind,
+        "vectors": len(idx),
+        "trained_for": idx.trained_for,
+        "lists": int(idx.index.nlist) if idx.kind == "ivf" else None,
+        "nprobe": int(idx.index.nprobe) if idx.kind == "ivf" else None,
+    }
+    return Prepared(
+        {
+            "size": n,
+            "load_s": round(load_s, 2),
+            "index_build_s": round(build_s, 2),
+            "first_lookup_ms": round(first_ms, 2),
+            "first_lookup_warming": first.warming,
+            "index": index,
+            "recall_at_threshold": round(recall, 4),
+            "true_hit_queries": int(true_hits.sum()),
+            "queries": queries,
+            "served_near": served,
+            "cross_tenant_hits": int(cross),
+        },
+        lookup,
+        semantic_entry_key(scope.namespace, int(ids[0])),
+        close,
+    )
 
 
-def _measure(ctx: common.Context, prepared: dict[int, Prepared],
-             quick: bool) -> dict[str, dict[str, Any]]:
+def _measure(
+    ctx: common.Context, prepared: dict[int, Prepared], quick: bool
+) -> dict[str, dict[str, Any]]:
     """Every size's lookups and the reference GET, interleaved in the same rounds, so
     a burst of load from elsewhere lands on all of them alike."""
     ref_name = "redis GET of one entry (reference)"
     key = next(iter(prepared.values())).key
     candidates: dict[str, Callable[[], Any]] = {
-        f"lookup ({n:,} cached)": p.lookup for n, p in prepared.items()}
+        f"lookup ({n:,} cached)": p.lookup for n, p in prepared.items()
+    }
     candidates[ref_name] = lambda: ctx.redis.get(key)
-    res = _interleaved(candidates, rounds=3 if quick else 5, calls=300 if quick else 2000,
-                       warmup=50)
+    res = _interleaved(
+        candidates, rounds=3 if quick else 5, calls=300 if quick else 2000, warmup=50
+    )
     out = {}
     for n, p in prepared.items():
         look, ref = res[f"lookup ({n:,} cached)"], res[ref_name]
-        out[str(n)] = {**p.result, "lookup": look, "reference": ref,
-                       "p50_vs_get": common.ratio(look["p50_us"], ref["p50_us"])}
+        out[str(n)] = {
+            **p.result,
+            "lookup": look,
+            "reference": ref,
+            "p50_vs_get": common.ratio(look["p50_us"], ref["p50_us"]),
+        }
     return out
 
 
@@ -261,18 +296,25 @@ def _embedding(model: MiniLM, quick: bool) -> dict[str, Any]:
 
     def batched() -> None:
         i = state["b"] = (state["b"] + batch) % (len(texts) - batch)
-        model.embed(texts[i:i + batch])
+        model.embed(texts[i : i + batch])
 
     def single() -> None:
         i = state["s"] = (state["s"] + 1) % len(texts)
         model.embed([texts[i]])
 
-    res = common.measure({f"batches of {batch}": batched, "one at a time": single},
-                         rounds=3, calls=2 if quick else 6, warmup=1,
-                         items={f"batches of {batch}": batch})
-    return {"results": res,
-            "ratio": common.ratio(res[f"batches of {batch}"]["items_per_s"],
-                                  res["one at a time"]["items_per_s"])}
+    res = common.measure(
+        {f"batches of {batch}": batched, "one at a time": single},
+        rounds=3,
+        calls=2 if quick else 6,
+        warmup=1,
+        items={f"batches of {batch}": batch},
+    )
+    return {
+        "results": res,
+        "ratio": common.ratio(
+            res[f"batches of {batch}"]["items_per_s"], res["one at a time"]["items_per_s"]
+        ),
+    }
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -280,11 +322,15 @@ def run(quick: bool) -> dict[str, Any]:
     prepared: dict[int, Prepared] = {}
     try:
         for n in _sizes(quick):
-            print(f"bench: semantic: {n:,} cached prompts: load, build, recall ...",
-                  file=sys.stderr, flush=True)
+            print(
+                f"bench: semantic: {n:,} cached prompts: load, build, recall ...",
+                file=sys.stderr,
+                flush=True,
+            )
             prepared[n] = _size(ctx, n, quick)
-        print("bench: semantic: lookups at every size, interleaved ...", file=sys.stderr,
-              flush=True)
+        print(
+            "bench: semantic: lookups at every size, interleaved ...", file=sys.stderr, flush=True
+        )
         sizes = _measure(ctx, prepared, quick)
     finally:
         for p in prepared.values():
@@ -293,10 +339,14 @@ def run(quick: bool) -> dict[str, Any]:
     pairs = load_pairs(PAIRS)
     sims = similarities(model, pairs)
     [row] = [r for r in sweep(pairs, sims) if abs(r.threshold - THRESHOLD) < 1e-9]
-    labelled = {"pairs": len(pairs), "threshold": THRESHOLD, "hit_rate": row.hit_rate,
-                "false_hit_rate": row.false_hit_rate,
-                "unguarded_false_hit_rate": row.unguarded_false_hit_rate,
-                "sweep": [dataclasses.asdict(r) for r in sweep(pairs, sims)]}
+    labelled = {
+        "pairs": len(pairs),
+        "threshold": THRESHOLD,
+        "hit_rate": row.hit_rate,
+        "false_hit_rate": row.false_hit_rate,
+        "unguarded_false_hit_rate": row.unguarded_false_hit_rate,
+        "sweep": [dataclasses.asdict(r) for r in sweep(pairs, sims)],
+    }
     embedding = _embedding(model, quick)
     nondet = _non_deterministic(ctx)
 
@@ -305,23 +355,40 @@ def run(quick: bool) -> dict[str, Any]:
         return round(s["lookup"]["p50_us"] / 1000, 3) if s else None
 
     targets = [
-        common.target("lookup p50 at 100k prompts (embedding excluded)", p50_ms(100_000),
-                      "<=", 2, "ms"),
-        common.target("lookup p50 at 1M prompts (embedding excluded)", p50_ms(1_000_000),
-                      "<=", 5, "ms"),
-        common.target("ANN recall at the threshold (lowest size)",
-                      min((s["recall_at_threshold"] for s in sizes.values()), default=None),
-                      ">=", 0.99),
-        common.target("cross-tenant hits", sum(s["cross_tenant_hits"] for s in sizes.values()),
-                      "<=", 0),
+        common.target(
+            "lookup p50 at 100k prompts (embedding excluded)", p50_ms(100_000), "<=", 2, "ms"
+        ),
+        common.target(
+            "lookup p50 at 1M prompts (embedding excluded)", p50_ms(1_000_000), "<=", 5, "ms"
+        ),
+        common.target(
+            "ANN recall at the threshold (lowest size)",
+            min((s["recall_at_threshold"] for s in sizes.values()), default=None),
+            ">=",
+            0.99,
+        ),
+        common.target(
+            "cross-tenant hits", sum(s["cross_tenant_hits"] for s in sizes.values()), "<=", 0
+        ),
         common.target("non-deterministic responses stored", nondet["stored"], "<=", 0),
     ]
-    return {"measured_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "parameters": {"dim": DIM, "threshold": THRESHOLD, "cluster": CLUSTER,
-                           "candidates": CANDIDATES, "flat_max": FLAT_MAX, "nprobe": NPROBE,
-                           "train_per_list": TRAIN_PER_LIST},
-            "sizes": sizes, "embedding": embedding, "labelled": labelled,
-            "non_deterministic": nondet, "targets": targets}
+    return {
+        "measured_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "parameters": {
+            "dim": DIM,
+            "threshold": THRESHOLD,
+            "cluster": CLUSTER,
+            "candidates": CANDIDATES,
+            "flat_max": FLAT_MAX,
+            "nprobe": NPROBE,
+            "train_per_list": TRAIN_PER_LIST,
+        },
+        "sizes": sizes,
+        "embedding": embedding,
+        "labelled": labelled,
+        "non_deterministic": nondet,
+        "targets": targets,
+    }
 
 
 def _index_name(index: dict[str, Any]) -> str:
@@ -334,42 +401,98 @@ def markdown(res: dict[str, Any]) -> str:
     lines = ["## semantic: the semantic response cache", ""]
     if "measured_at" in res:
         lines += [f"Measured {res['measured_at']} (`python -m bench --only semantic`).", ""]
-    rows = [(f"{s['size']:,}", s["lookup"]["p50_us"] / 1000, s["lookup"]["p99_us"] / 1000,
-             s["reference"]["p50_us"] / 1000, f"{s['p50_vs_get']}x",
-             s["recall_at_threshold"], s["cross_tenant_hits"], _index_name(s["index"]),
-             s["first_lookup_ms"], s["index_build_s"], s["load_s"])
-            for s in res["sizes"].values()]
+    rows = [
+        (
+            f"{s['size']:,}",
+            s["lookup"]["p50_us"] / 1000,
+            s["lookup"]["p99_us"] / 1000,
+            s["reference"]["p50_us"] / 1000,
+            f"{s['p50_vs_get']}x",
+            s["recall_at_threshold"],
+            s["cross_tenant_hits"],
+            _index_name(s["index"]),
+            s["first_lookup_ms"],
+            s["index_build_s"],
+            s["load_s"],
+        )
+        for s in res["sizes"].values()
+    ]
     p = res["parameters"]
-    lines += ["Lookups with the embedding excluded (half hits, half misses); reference: one "
-              "Redis GET; every size and the reference interleaved in the same rounds; p50 and "
-              "p99 are medians over rounds of each round's. "
-              f"Synthetic {p['dim']}-d vectors in clusters of {p['cluster']}. The index is "
-              f"exact up to {p['flat_max']:,} vectors, above it IVF with 8-bit scalar "
-              f"quantization, {p['nprobe']} lists probed. A worker that has never seen the "
-              "namespace looks up once (first lookup: a miss, without waiting), then its "
-              "index builds in the background (build s: until it is ready).", "",
-              common.table(["cached per tenant", "lookup p50 ms", "lookup p99 ms",
-                            "GET p50 ms", "p50 vs GET", "recall at 0.93", "cross-tenant hits",
-                            "index", "first lookup ms", "build s", "load s"], rows), ""]
+    lines += [
+        "Lookups with the embedding excluded (half hits, half misses); reference: one "
+        "Redis GET; every size and the reference interleaved in the same rounds; p50 and "
+        "p99 are medians over rounds of each round's. "
+        f"Synthetic {p['dim']}-d vectors in clusters of {p['cluster']}. The index is "
+        f"exact up to {p['flat_max']:,} vectors, above it IVF with 8-bit scalar "
+        f"quantization, {p['nprobe']} lists probed. A worker that has never seen the "
+        "namespace looks up once (first lookup: a miss, without waiting), then its "
+        "index builds in the background (build s: until it is ready).",
+        "",
+        common.table(
+            [
+                "cached per tenant",
+                "lookup p50 ms",
+                "lookup p99 ms",
+                "GET p50 ms",
+                "p50 vs GET",
+                "recall at 0.93",
+                "cross-tenant hits",
+                "index",
+                "first lookup ms",
+                "build s",
+                "load s",
+            ],
+            rows,
+        ),
+        "",
+    ]
     if not any(s["size"] >= 1_000_000 for s in res["sizes"].values()):
-        lines += ["1M prompts per tenant was not run here (about 3.5 GB in Redis with the "
-                  "stream): `FRESHLINE_BENCH_SEMANTIC_SIZES=1000000 .venv/bin/python -m bench "
-                  "--only semantic`.", ""]
+        lines += [
+            "1M prompts per tenant was not run here (about 3.5 GB in Redis with the "
+            "stream): `FRESHLINE_BENCH_SEMANTIC_SIZES=1000000 .venv/bin/python -m bench "
+            "--only semantic`.",
+            "",
+        ]
     e = res["embedding"]["results"]
-    lines += ["Embedding (all-MiniLM-L6-v2 in numpy, local):", "",
-              common.table(["mode", "prompts/s", "p50 ms per call"],
-                           [(k, v["items_per_s"], v["p50_us"] / 1000) for k, v in e.items()]),
-              "", f"Batched vs one at a time: {res['embedding']['ratio']}x.", ""]
+    lines += [
+        "Embedding (all-MiniLM-L6-v2 in numpy, local):",
+        "",
+        common.table(
+            ["mode", "prompts/s", "p50 ms per call"],
+            [(k, v["items_per_s"], v["p50_us"] / 1000) for k, v in e.items()],
+        ),
+        "",
+        f"Batched vs one at a time: {res['embedding']['ratio']}x.",
+        "",
+    ]
     lab = res["labelled"]
-    lines += [f"Labelled set ({lab['pairs']} pairs) at {lab['threshold']}: hit rate "
-              f"{lab['hit_rate']:.1%}, false-hit rate {lab['false_hit_rate']:.1%} "
-              f"({lab['unguarded_false_hit_rate']:.1%} on similarity alone, without the "
-              "numbers check).", ""]
-    sweep_rows = [(f"{r['threshold']:.2f}", f"{r['hit_rate']:.1%}", f"{r['false_hit_rate']:.1%}",
-                   f"{r['unguarded_false_hit_rate']:.1%}") for r in lab["sweep"]]
-    lines += [common.table(["threshold", "hit rate", "false hits", "false hits, similarity "
-                            "alone"], sweep_rows), ""]
+    lines += [
+        f"Labelled set ({lab['pairs']} pairs) at {lab['threshold']}: hit rate "
+        f"{lab['hit_rate']:.1%}, false-hit rate {lab['false_hit_rate']:.1%} "
+        f"({lab['unguarded_false_hit_rate']:.1%} on similarity alone, without the "
+        "numbers check).",
+        "",
+    ]
+    sweep_rows = [
+        (
+            f"{r['threshold']:.2f}",
+            f"{r['hit_rate']:.1%}",
+            f"{r['false_hit_rate']:.1%}",
+            f"{r['unguarded_false_hit_rate']:.1%}",
+        )
+        for r in lab["sweep"]
+    ]
+    lines += [
+        common.table(
+            ["threshold", "hit rate", "false hits", "false hits, similarity alone"], sweep_rows
+        ),
+        "",
+    ]
     nd = res["non_deterministic"]
-    lines += [f"Stores at temperature 0.7: {nd['refused']} of {nd['attempts']} refused, "
-              f"{nd['stored']} stored.", "", common.targets_table(res["targets"])]
+    lines += [
+        f"Stores at temperature 0.7: {nd['refused']} of {nd['attempts']} refused, "
+        f"{nd['stored']} stored.",
+        "",
+        common.targets_table(res["targets"]),
+    ]
     return "\n".join(lines)

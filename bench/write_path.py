@@ -70,8 +70,9 @@ def _user(rng: random.Random, users: int) -> int:
 
 def _event(tenant: str, user: int, seq: int, at: float) -> bytes:
     occurred = datetime.fromtimestamp(at, UTC).isoformat().replace("+00:00", "Z")
-    return orjson.dumps({"tenant": tenant, "user_id": user, "transaction_id": seq,
-                         "occurred_at": occurred})
+    return orjson.dumps(
+        {"tenant": tenant, "user_id": user, "transaction_id": seq, "occurred_at": occurred}
+    )
 
 
 def _produce(settings: Settings, tenant: str, users: int, n: int, seed: int) -> None:
@@ -80,8 +81,9 @@ def _produce(settings: Settings, tenant: str, users: int, n: int, seed: int) -> 
     with Producer(settings, **{"linger.ms": 20}) as producer:
         for i in range(n):
             user = _user(rng, users)
-            producer.produce(topic, _event(tenant, user, i, time.time()),
-                             f"{tenant}:{user}".encode())
+            producer.produce(
+                topic, _event(tenant, user, i, time.time()), f"{tenant}:{user}".encode()
+            )
             if i % 10_000 == 0:
                 producer.inner.poll(0)
         producer.flush()
@@ -104,24 +106,34 @@ class TimedWorker(Worker):
 
 
 def _real(settings: Settings, version: int, n: int) -> dict[str, Any]:
-    worker = TimedWorker(settings, topics=[qualified(settings, TRANSACTION_UPDATED)],
-                         group=f"{settings.consumer_group}-real-{common.Context.new_schema_version()}",
-                         versions=lambda: [version])
+    worker = TimedWorker(
+        settings,
+        topics=[qualified(settings, TRANSACTION_UPDATED)],
+        group=f"{settings.consumer_group}-real-{common.Context.new_schema_version()}",
+        versions=lambda: [version],
+    )
     totals = worker.run(max_messages=n, timeout=300)
     if totals.consumed < n or worker.first_ns is None:
         raise RuntimeError(f"the worker consumed {totals.consumed} of {n} events")
     seconds = (worker.last_ns - worker.first_ns) / 1e9
-    return {"events": totals.consumed, "seconds": round(seconds, 3),
-            "events_per_s": round(totals.consumed / seconds), "batches": totals.batches,
-            "applied": totals.applied, "dead_lettered": totals.dead_lettered}
+    return {
+        "events": totals.consumed,
+        "seconds": round(seconds, 3),
+        "events_per_s": round(totals.consumed / seconds),
+        "batches": totals.batches,
+        "applied": totals.applied,
+        "dead_lettered": totals.dead_lettered,
+    }
 
 
 def _naive(ctx: common.Context, settings: Settings, version: int, n: int) -> dict[str, Any]:
     """One event at a time: decode, route, recompute, write, publish, commit."""
     store = FeatureStore(ctx.redis, version)
     router = Router()
-    consumer = Consumer(settings, **{"group.id": f"{settings.consumer_group}-naive-"
-                                                 f"{common.Context.new_schema_version()}"})
+    consumer = Consumer(
+        settings,
+        **{"group.id": f"{settings.consumer_group}-naive-{common.Context.new_schema_version()}"},
+    )
     consumer.subscribe([qualified(settings, TRANSACTION_UPDATED)])
     done = 0
     first_ns: int | None = None
@@ -143,8 +155,12 @@ def _naive(ctx: common.Context, settings: Settings, version: int, n: int) -> dic
                         batch = compute(conn, REGISTRY[name], sorted(pairs))
                         store.write(batch)
                         for tenant, entity in pairs:
-                            ctx.redis.publish(INVALIDATION_CHANNEL, Invalidation(
-                                tenant, name, entity, batch.watermark, version).encode())
+                            ctx.redis.publish(
+                                INVALIDATION_CHANNEL,
+                                Invalidation(
+                                    tenant, name, entity, batch.watermark, version
+                                ).encode(),
+                            )
                     conn.rollback()
             consumer.commit([msg])
             done += 1
@@ -176,10 +192,17 @@ def _throughput(ctx: common.Context, quick: bool) -> dict[str, Any]:
                 naive_runs.append(_naive(ctx, settings, version, naive_n))
     real_rate = float(np.median([x["events_per_s"] for x in real_runs]))
     naive_rate = float(np.median([x["events_per_s"] for x in naive_runs]))
-    return {"events": n, "naive_events": naive_n, "rounds": rounds,
-            "produce_s": round(produce_s, 2), "real": real_runs, "naive": naive_runs,
-            "real_events_per_s": round(real_rate), "naive_events_per_s": round(naive_rate),
-            "ratio": common.ratio(real_rate, naive_rate)}
+    return {
+        "events": n,
+        "naive_events": naive_n,
+        "rounds": rounds,
+        "produce_s": round(produce_s, 2),
+        "real": real_runs,
+        "naive": naive_runs,
+        "real_events_per_s": round(real_rate),
+        "naive_events_per_s": round(naive_rate),
+        "ratio": common.ratio(real_rate, naive_rate),
+    }
 
 
 def _freshness(ctx: common.Context, quick: bool) -> dict[str, Any]:
@@ -189,18 +212,25 @@ def _freshness(ctx: common.Context, quick: bool) -> dict[str, Any]:
     settings = ctx.settings
     ctx.kafka_topics()
     group = f"{settings.consumer_group}-fresh-{version}"
-    env = {**os.environ, "FRESHLINE_POSTGRES_URL": settings.postgres_url,
-           "FRESHLINE_REDIS_URL": settings.redis_url,
-           "FRESHLINE_SCHEMA_VERSION": str(version),
-           "FRESHLINE_TOPIC_PREFIX": settings.topic_prefix,
-           "FRESHLINE_AUTO_OFFSET_RESET": "latest"}
+    env = {
+        **os.environ,
+        "FRESHLINE_POSTGRES_URL": settings.postgres_url,
+        "FRESHLINE_REDIS_URL": settings.redis_url,
+        "FRESHLINE_SCHEMA_VERSION": str(version),
+        "FRESHLINE_TOPIC_PREFIX": settings.topic_prefix,
+        "FRESHLINE_AUTO_OFFSET_RESET": "latest",
+    }
     common.note(f"write_path: freshness at {rate}/s for {window:.0f}s")
     watcher = common.InvalidationWatcher(ctx.new_redis(), version, data.tenant)
     topic = qualified(settings, TRANSACTION_UPDATED)
     log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen([FRESHLINE, "consume", "--topics", topic, "--group", group,
-                             "--metrics-port", "0"], env=env, stdout=log, stderr=log,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [FRESHLINE, "consume", "--topics", topic, "--group", group, "--metrics-port", "0"],
+        env=env,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
     rng = random.Random(9)
     sent: list[tuple[float, int]] = []
     try:
@@ -212,8 +242,9 @@ def _freshness(ctx: common.Context, quick: bool) -> dict[str, Any]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     log.seek(0)
                     raise RuntimeError(f"freshline consume did not start: {log.read()[-2000:]!r}")
-                producer.produce(topic, _event(data.tenant, 1, probe, time.time()),
-                                 f"{data.tenant}:1".encode())
+                producer.produce(
+                    topic, _event(data.tenant, 1, probe, time.time()), f"{data.tenant}:1".encode()
+                )
                 producer.flush()
                 probe += 1
                 time.sleep(0.5)  # pacing the probes while the group forms
@@ -222,8 +253,9 @@ def _freshness(ctx: common.Context, quick: bool) -> dict[str, Any]:
             for i in common.paced(rate, window):
                 user = _user(rng, data.users)
                 at = time.time()
-                producer.produce(topic, _event(data.tenant, user, i, at),
-                                 f"{data.tenant}:{user}".encode())
+                producer.produce(
+                    topic, _event(data.tenant, user, i, at), f"{data.tenant}:{user}".encode()
+                )
                 sent.append((at, user))
                 if i % 200 == 199:
                     producer.inner.poll(0)
@@ -259,13 +291,22 @@ def _freshness(ctx: common.Context, quick: bool) -> dict[str, Any]:
         else:
             lags.append(worst)
     arr = np.array(lags) * 1000
-    p50, p90, p99 = (np.percentile(arr, [50, 90, 99]) if arr.size else (None, None, None))
-    return {"offered_per_s": round(offered), "window_s": window, "events": len(sent),
-            "fresh_events": len(lags), "never_fresh": unseen,
-            "subscription_reconnects": watcher.reconnects,
-            "lag_ms": {"p50": _r(p50), "p90": _r(p90), "p99": _r(p99),
-                       "max": _r(arr.max()) if arr.size else None},
-            "lags_ms_sample": [round(float(x), 1) for x in arr[:: max(1, arr.size // 2000)]]}
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99]) if arr.size else (None, None, None)
+    return {
+        "offered_per_s": round(offered),
+        "window_s": window,
+        "events": len(sent),
+        "fresh_events": len(lags),
+        "never_fresh": unseen,
+        "subscription_reconnects": watcher.reconnects,
+        "lag_ms": {
+            "p50": _r(p50),
+            "p90": _r(p90),
+            "p99": _r(p99),
+            "max": _r(arr.max()) if arr.size else None,
+        },
+        "lags_ms_sample": [round(float(x), 1) for x in arr[:: max(1, arr.size // 2000)]],
+    }
 
 
 def _r(x: Any) -> float | None:
@@ -280,17 +321,31 @@ def run(quick: bool) -> dict[str, Any]:
     fresh.pop("lags_ms_sample")
     targets = [
         common.target("real consumer events/s vs naive", throughput["ratio"], ">=", 10, "x"),
-        common.target("real consumer events/s", throughput["real_events_per_s"], ">=", 10_000,
-                      "events/s"),
-        common.target(f"freshness lag p99 at {fresh['offered_per_s']:,} events/s offered",
-                      fresh["lag_ms"]["p99"], "<", 150, "ms"),
+        common.target(
+            "real consumer events/s", throughput["real_events_per_s"], ">=", 10_000, "events/s"
+        ),
+        common.target(
+            f"freshness lag p99 at {fresh['offered_per_s']:,} events/s offered",
+            fresh["lag_ms"]["p99"],
+            "<",
+            150,
+            "ms",
+        ),
     ]
-    return {"parameters": {"hot_users": HOT_USERS, "hot_share": HOT_SHARE,
-                           "feature_sets": list(FEATURE_SETS),
-                           "batch_max_events": ctx.settings.batch_max_events,
-                           "batch_max_wait_ms": ctx.settings.batch_max_wait_ms,
-                           "partitions": ctx.settings.topic_partitions},
-            "throughput": throughput, "freshness": fresh, "plots": plots, "targets": targets}
+    return {
+        "parameters": {
+            "hot_users": HOT_USERS,
+            "hot_share": HOT_SHARE,
+            "feature_sets": list(FEATURE_SETS),
+            "batch_max_events": ctx.settings.batch_max_events,
+            "batch_max_wait_ms": ctx.settings.batch_max_wait_ms,
+            "partitions": ctx.settings.topic_partitions,
+        },
+        "throughput": throughput,
+        "freshness": fresh,
+        "plots": plots,
+        "targets": targets,
+    }
 
 
 def _plot(fresh: dict[str, Any]) -> list[str]:
@@ -324,12 +379,21 @@ def markdown(res: dict[str, Any]) -> str:
         f"{t['naive_events']:,} of the same stream; {t['rounds']} alternating round(s), "
         "timed from first to last record.",
         "",
-        common.table(["consumer", "events/s (median)", "runs"], [
-            ("real (batched, coalesced)", t["real_events_per_s"],
-             ", ".join(f"{x['events_per_s']:,}" for x in t["real"])),
-            ("naive (one event at a time)", t["naive_events_per_s"],
-             ", ".join(f"{x['events_per_s']:,}" for x in t["naive"])),
-        ]),
+        common.table(
+            ["consumer", "events/s (median)", "runs"],
+            [
+                (
+                    "real (batched, coalesced)",
+                    t["real_events_per_s"],
+                    ", ".join(f"{x['events_per_s']:,}" for x in t["real"]),
+                ),
+                (
+                    "naive (one event at a time)",
+                    t["naive_events_per_s"],
+                    ", ".join(f"{x['events_per_s']:,}" for x in t["naive"]),
+                ),
+            ],
+        ),
         "",
         f"Ratio: **{t['ratio']}x**.",
         "",

@@ -67,8 +67,7 @@ class Record(Protocol):
 class DeadLetters:
     """Sends records that cannot be applied to the dead-letter topic."""
 
-    def __init__(self, producer: Producer, topic: str = DLQ, *,
-                 max_bytes: int = 1_000_000) -> None:
+    def __init__(self, producer: Producer, topic: str = DLQ, *, max_bytes: int = 1_000_000) -> None:
         self.producer = producer
         self.topic = topic
         self.max_bytes = max_bytes
@@ -115,7 +114,8 @@ def _size(value: bytes | None, key: bytes | None, headers: Headers) -> int:
 def _cut(value: bytes | None, headers: Headers) -> tuple[bytes, Headers]:
     """The first bytes of ``value``, with headers giving its size and digest."""
     whole = value or b""
-    return whole[:KEPT_VALUE_BYTES], [*headers,
+    return whole[:KEPT_VALUE_BYTES], [
+        *headers,
         (TRUNCATED, b"1"),
         (ORIGINAL_SIZE, str(len(whole)).encode()),
         (VALUE_SHA256, hashlib.sha256(whole).hexdigest().encode()),

@@ -90,8 +90,9 @@ def decode(
     if value is None:
         return None
     if len(value) > max_bytes:
-        raise EventRejected(f"{len(value)} bytes, over the {max_bytes}-byte limit",
-                            kind="oversized")
+        raise EventRejected(
+            f"{len(value)} bytes, over the {max_bytes}-byte limit", kind="oversized"
+        )
     model = DOMAIN_MODELS.get(topic)
     if model is not None:
         return _domain_event(topic, model, _load_object(value))
@@ -107,8 +108,9 @@ def _load_object(value: bytes) -> dict[str, Any]:
     except orjson.JSONDecodeError as exc:
         raise EventRejected(f"not valid JSON: {exc}", kind="malformed_json") from exc
     if not isinstance(obj, dict):
-        raise EventRejected(f"expected a JSON object, got {type(obj).__name__}",
-                            kind="missing_field")
+        raise EventRejected(
+            f"expected a JSON object, got {type(obj).__name__}", kind="missing_field"
+        )
     return obj
 
 
@@ -151,14 +153,23 @@ def _debezium_event(topic_table: str, obj: dict[str, Any]) -> ChangeEvent | None
     # source.table is the truth when present: a topic-routing SMT may rename topics.
     table = source.get("table") or topic_table
     if not isinstance(table, str) or table not in ID_COLUMNS:
-        raise EventRejected(f"table {table!r} is not a freshline source table",
-                            kind="unknown_table")
+        raise EventRejected(
+            f"table {table!r} is not a freshline source table", kind="unknown_table"
+        )
     watermark = _non_negative_int(source, "lsn", "source.lsn") or 0
     committed_at_ms = _non_negative_int(source, "ts_ms", "source.ts_ms")
     txid = _non_negative_int(source, "txId", "source.txId")
     if op == "t":
-        return ChangeEvent(table=table, op="t", tenant=None, row={}, before=None,
-                           watermark=watermark, committed_at_ms=committed_at_ms, txid=txid)
+        return ChangeEvent(
+            table=table,
+            op="t",
+            tenant=None,
+            row={},
+            before=None,
+            watermark=watermark,
+            committed_at_ms=committed_at_ms,
+            txid=txid,
+        )
     before = _row(payload, "before", table)
     after = _row(payload, "after", table)
     if op == "d":

@@ -59,22 +59,23 @@ class DeliveryFailed(FreshlineError):
     can send them again (:meth:`Producer.resend`) instead of losing them.
     """
 
-    def __init__(self, topic: str, error: KafkaError,
-                 failed: Sequence[Delivery] = ()) -> None:
+    def __init__(self, topic: str, error: KafkaError, failed: Sequence[Delivery] = ()) -> None:
         self.topic = topic
         self.error = error
         self.failed = list(failed)
         super().__init__(f"delivery to {topic!r} failed: {error.name()}: {error.str()}")
 
 
-REBALANCE_COMMIT_ERRORS = frozenset({
-    KafkaError.ILLEGAL_GENERATION,
-    KafkaError.REBALANCE_IN_PROGRESS,
-    KafkaError.UNKNOWN_MEMBER_ID,
-    KafkaError._ASSIGNMENT_LOST,
-    KafkaError._NO_OFFSET,
-    KafkaError._STATE,
-})
+REBALANCE_COMMIT_ERRORS = frozenset(
+    {
+        KafkaError.ILLEGAL_GENERATION,
+        KafkaError.REBALANCE_IN_PROGRESS,
+        KafkaError.UNKNOWN_MEMBER_ID,
+        KafkaError._ASSIGNMENT_LOST,
+        KafkaError._NO_OFFSET,
+        KafkaError._STATE,
+    }
+)
 """Commit failures that a rebalance causes: the partitions' new owner replays from the
 last committed offset, so they lose nothing and are logged, not raised."""
 
@@ -97,27 +98,31 @@ def client_config(
         **kafka_security_config(settings),
     }
     if role == "consumer":
-        config.update({
-            "group.id": settings.consumer_group,
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            # A dead member's partitions move on after 10 s, not the 45 s default.
-            "session.timeout.ms": 10000,
-            # Regex subscriptions (the CDC topics) notice a new topic at the next
-            # metadata refresh: every 10 s rather than librdkafka's 5 minutes.
-            "topic.metadata.refresh.interval.ms": 10000,
-            "heartbeat.interval.ms": 2000,
-            "auto.offset.reset": settings.auto_offset_reset,
-            "partition.assignment.strategy": "cooperative-sticky",
-            "fetch.max.bytes": max(settings.max_message_bytes * 2, 52_428_800),
-        })
+        config.update(
+            {
+                "group.id": settings.consumer_group,
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                # A dead member's partitions move on after 10 s, not the 45 s default.
+                "session.timeout.ms": 10000,
+                # Regex subscriptions (the CDC topics) notice a new topic at the next
+                # metadata refresh: every 10 s rather than librdkafka's 5 minutes.
+                "topic.metadata.refresh.interval.ms": 10000,
+                "heartbeat.interval.ms": 2000,
+                "auto.offset.reset": settings.auto_offset_reset,
+                "partition.assignment.strategy": "cooperative-sticky",
+                "fetch.max.bytes": max(settings.max_message_bytes * 2, 52_428_800),
+            }
+        )
     elif role == "producer":
-        config.update({
-            "enable.idempotence": True,
-            "acks": "all",
-            "linger.ms": 5,
-            "message.max.bytes": max(settings.max_message_bytes + 65_536, 1_000_000),
-        })
+        config.update(
+            {
+                "enable.idempotence": True,
+                "acks": "all",
+                "linger.ms": 5,
+                "message.max.bytes": max(settings.max_message_bytes + 65_536, 1_000_000),
+            }
+        )
     config.update(overrides)
     return config
 
@@ -163,8 +168,12 @@ def check_message(msg: Message | None) -> Message | None:
         raise MissingTopic(err, msg.topic())
     if err.fatal():
         raise BrokerError(err, f"{msg.topic()}[{msg.partition()}]")
-    logger.warning("Kafka error on %s[%s], librdkafka recovers by itself: %s",
-                   msg.topic(), msg.partition(), err)
+    logger.warning(
+        "Kafka error on %s[%s], librdkafka recovers by itself: %s",
+        msg.topic(),
+        msg.partition(),
+        err,
+    )
     return None
 
 
@@ -270,8 +279,12 @@ class Consumer:
         except KafkaException as exc:
             err = exc.args[0]
             if isinstance(err, KafkaError) and err.code() in REBALANCE_COMMIT_ERRORS:
-                logger.warning("commit of %s skipped during a rebalance (%s); the new owner "
-                               "replays from the last commit", _names(offsets), err.name())
+                logger.warning(
+                    "commit of %s skipped during a rebalance (%s); the new owner "
+                    "replays from the last commit",
+                    _names(offsets),
+                    err.name(),
+                )
                 return []
             if isinstance(err, KafkaError) and err.code() in RETRIABLE_COMMIT_ERRORS:
                 raise CommitNotYet(err, "commit") from exc
@@ -283,8 +296,9 @@ class Consumer:
             if tp.error is None:
                 done.append(tp)
             elif tp.error.code() in REBALANCE_COMMIT_ERRORS:
-                logger.warning("commit of %s skipped during a rebalance (%s)",
-                               _names([tp]), tp.error.name())
+                logger.warning(
+                    "commit of %s skipped during a rebalance (%s)", _names([tp]), tp.error.name()
+                )
             elif tp.error.code() in RETRIABLE_COMMIT_ERRORS:
                 raise CommitNotYet(tp.error, f"commit {tp.topic}[{tp.partition}]")
             else:
@@ -313,9 +327,12 @@ class Consumer:
         closer.start()
         closer.join(timeout)
         if closer.is_alive():
-            logger.warning("the Kafka consumer did not close within %.0fs (a librdkafka hang "
-                           "after a broker restart); leaving without it: every applied "
-                           "offset is committed", timeout)
+            logger.warning(
+                "the Kafka consumer did not close within %.0fs (a librdkafka hang "
+                "after a broker restart); leaving without it: every applied "
+                "offset is committed",
+                timeout,
+            )
             return False
         return True
 
@@ -331,16 +348,18 @@ class Consumer:
         self.close()
 
 
-RETRIABLE_COMMIT_ERRORS = frozenset({
-    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-    KafkaError.COORDINATOR_NOT_AVAILABLE,
-    KafkaError.NOT_COORDINATOR,
-    KafkaError.REQUEST_TIMED_OUT,
-    KafkaError._TRANSPORT,
-    KafkaError._TIMED_OUT,
-    KafkaError._ALL_BROKERS_DOWN,
-    KafkaError._WAIT_COORD,
-})
+RETRIABLE_COMMIT_ERRORS = frozenset(
+    {
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError._TRANSPORT,
+        KafkaError._TIMED_OUT,
+        KafkaError._ALL_BROKERS_DOWN,
+        KafkaError._WAIT_COORD,
+    }
+)
 """Commit failures of a broker or coordinator that is moving or restarting: the same
 commit succeeds once it is back (:class:`CommitNotYet`)."""
 
@@ -359,11 +378,26 @@ class Delivery:
     It keeps what was sent, so a refused message can be sent again.
     """
 
-    __slots__ = ("done", "error", "headers", "key", "offset", "partition", "topic", "value",
-                 "wanted_partition")
+    __slots__ = (
+        "done",
+        "error",
+        "headers",
+        "key",
+        "offset",
+        "partition",
+        "topic",
+        "value",
+        "wanted_partition",
+    )
 
-    def __init__(self, topic: str, value: bytes | None = None, key: bytes | None = None,
-                 headers: Headers | None = None, partition: int | None = None) -> None:
+    def __init__(
+        self,
+        topic: str,
+        value: bytes | None = None,
+        key: bytes | None = None,
+        headers: Headers | None = None,
+        partition: int | None = None,
+    ) -> None:
         self.topic = topic
         self.value = value
         self.key = key
@@ -386,8 +420,9 @@ class Delivery:
         if self.error is not None:
             raise DeliveryFailed(self.topic, self.error)
         if not self.done:
-            raise DeliveryFailed(self.topic, KafkaError(KafkaError._MSG_TIMED_OUT,
-                                                        "not acknowledged yet"))
+            raise DeliveryFailed(
+                self.topic, KafkaError(KafkaError._MSG_TIMED_OUT, "not acknowledged yet")
+            )
 
 
 class Producer:
@@ -449,20 +484,26 @@ class Producer:
                 self._pending = [d for d in pending if not d.done]
                 raise DeliveryFailed(
                     pending[0].topic if pending else "?",
-                    KafkaError(KafkaError._MSG_TIMED_OUT,
-                               f"{remaining} message(s) not delivered in {timeout}s"),
+                    KafkaError(
+                        KafkaError._MSG_TIMED_OUT,
+                        f"{remaining} message(s) not delivered in {timeout}s",
+                    ),
                     [d for d in pending if d.done and d.error is not None],
                 )
         failed = [d for d in pending if d.error is not None or not d.done]
         if failed:
             first = failed[0]
-            raise DeliveryFailed(first.topic, first.error or KafkaError(
-                KafkaError._MSG_TIMED_OUT, "not acknowledged yet"), failed)
+            raise DeliveryFailed(
+                first.topic,
+                first.error or KafkaError(KafkaError._MSG_TIMED_OUT, "not acknowledged yet"),
+                failed,
+            )
 
     def resend(self, deliveries: Iterable[Delivery]) -> list[Delivery]:
         """Queue the messages of failed deliveries again; settle them with :meth:`flush`."""
-        return [self.produce(d.topic, d.value, d.key, d.headers, d.wanted_partition)
-                for d in deliveries]
+        return [
+            self.produce(d.topic, d.value, d.key, d.headers, d.wanted_partition) for d in deliveries
+        ]
 
     def close(self, timeout: float = 30.0) -> None:
         """Flush, then release the client; safe to call twice."""

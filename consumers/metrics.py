@@ -15,32 +15,53 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 class ConsumerMetrics:
     def __init__(self) -> None:
-        self.consumed = Counter("freshline_events_consumed_total", "Records consumed",
-                                ["topic"])
+        self.consumed = Counter("freshline_events_consumed_total", "Records consumed", ["topic"])
         self.applied = Counter("freshline_events_applied_total", "Events applied", ["topic"])
-        self.dead_lettered = Counter("freshline_events_dead_lettered_total",
-                                     "Records sent to the dead-letter topic", ["topic", "kind"])
-        self.skipped = Counter("freshline_events_skipped_total",
-                               "Records with nothing to do (tombstones, unfeatured tables)",
-                               ["topic"])
-        self.batch_size = Histogram("freshline_batch_events", "Events per batch",
-                                    buckets=(1, 10, 50, 100, 250, 500, 1000, 2000, 5000))
-        self.recompute_seconds = Histogram("freshline_recompute_seconds",
-                                           "Set-based recompute per feature set and batch",
-                                           ["feature_set"], buckets=LATENCY_BUCKETS)
-        self.redis_write_seconds = Histogram("freshline_redis_write_seconds",
-                                             "Redis writes per batch", buckets=LATENCY_BUCKETS)
+        self.dead_lettered = Counter(
+            "freshline_events_dead_lettered_total",
+            "Records sent to the dead-letter topic",
+            ["topic", "kind"],
+        )
+        self.skipped = Counter(
+            "freshline_events_skipped_total",
+            "Records with nothing to do (tombstones, unfeatured tables)",
+            ["topic"],
+        )
+        self.batch_size = Histogram(
+            "freshline_batch_events",
+            "Events per batch",
+            buckets=(1, 10, 50, 100, 250, 500, 1000, 2000, 5000),
+        )
+        self.recompute_seconds = Histogram(
+            "freshline_recompute_seconds",
+            "Set-based recompute per feature set and batch",
+            ["feature_set"],
+            buckets=LATENCY_BUCKETS,
+        )
+        self.redis_write_seconds = Histogram(
+            "freshline_redis_write_seconds", "Redis writes per batch", buckets=LATENCY_BUCKETS
+        )
         self.freshness_seconds = Histogram(
             "freshline_freshness_lag_seconds",
-            "Redis write time minus the source commit time", buckets=LATENCY_BUCKETS)
-        self.consumer_lag = Gauge("freshline_consumer_lag", "Records behind the partition end",
-                                  ["topic", "partition"], multiprocess_mode="max")
-        self.retries = Counter("freshline_transient_retries_total",
-                               "Batches retried after a transient failure", ["service"])
+            "Redis write time minus the source commit time",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.consumer_lag = Gauge(
+            "freshline_consumer_lag",
+            "Records behind the partition end",
+            ["topic", "partition"],
+            multiprocess_mode="max",
+        )
+        self.retries = Counter(
+            "freshline_transient_retries_total",
+            "Batches retried after a transient failure",
+            ["service"],
+        )
         self.delivery_failures = Counter(
             "freshline_delivery_failures_total",
             "Flushes whose dead letters or invalidations the broker refused (sent again)",
-            ["topic"])
+            ["topic"],
+        )
 
 
 @functools.cache

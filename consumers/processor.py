@@ -55,10 +55,16 @@ class BatchReport:
 class Processor:
     """Turns change events into fresh entries and invalidation messages."""
 
-    def __init__(self, engine: Engine, client: redis.Redis, *,
-                 versions: Callable[[], Sequence[int]], registry: Registry = REGISTRY,
-                 tombstone_ttl_s: int = 300,
-                 publish: Callable[[Invalidation], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        client: redis.Redis,
+        *,
+        versions: Callable[[], Sequence[int]],
+        registry: Registry = REGISTRY,
+        tombstone_ttl_s: int = 300,
+        publish: Callable[[Invalidation], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.redis = client
         self.versions = versions
@@ -77,8 +83,9 @@ class Processor:
                 for fs, _ in self.registry.affected_by(table):
                     for version in versions:
                         self.store.truncate(fs.name, snapshot.watermark, schema_version=version)
-                        report.invalidations.append(Invalidation(
-                            ALL, fs.name, ALL, snapshot.watermark, version))
+                        report.invalidations.append(
+                            Invalidation(ALL, fs.name, ALL, snapshot.watermark, version)
+                        )
             targets = self.router.route(conn, [e for e in events if e.op != "t"])
             for name, pairs in targets.items():
                 fs = self.registry[name]
@@ -96,8 +103,9 @@ class Processor:
                     watermark = snapshot.watermark
                     entity_refs = [EntityRef(name, t, e) for t, e in refs]
                     for version in versions:
-                        report.writes.merge(self.store.invalidate(
-                            entity_refs, watermark, schema_version=version))
+                        report.writes.merge(
+                            self.store.invalidate(entity_refs, watermark, schema_version=version)
+                        )
                 report.write_ms += (time.perf_counter() - started) * 1000
                 report.invalidations.extend(
                     Invalidation(t, name, e, watermark, v) for v in versions for t, e in refs

@@ -74,9 +74,14 @@ def ensure(
         if name in partitions_of:
             report.existing[name] = partitions_of[name]
         else:
-            missing.append(NewTopic(name, num_partitions=partitions,
-                                    replication_factor=replication_factor,
-                                    config=dict(config or {})))
+            missing.append(
+                NewTopic(
+                    name,
+                    num_partitions=partitions,
+                    replication_factor=replication_factor,
+                    config=dict(config or {}),
+                )
+            )
     if not missing:
         return report
     futures: dict[str, Any] = admin.create_topics(missing, request_timeout=ADMIN_TIMEOUT_S)
@@ -94,8 +99,9 @@ def ensure(
     return report
 
 
-def _await_partitions(admin: AdminClient, topics: list[str],
-                      deadline_s: float = ADMIN_TIMEOUT_S) -> dict[str, int]:
+def _await_partitions(
+    admin: AdminClient, topics: list[str], deadline_s: float = ADMIN_TIMEOUT_S
+) -> dict[str, int]:
     """``{topic: partitions}`` once the metadata shows partitions for each of ``topics``.
 
     A topic created a moment ago (here or by another ``ensure``) can be listed before its
@@ -111,8 +117,9 @@ def _await_partitions(admin: AdminClient, topics: list[str],
                 counts[name] = count
                 pending.remove(name)
         if pending and time.monotonic() > deadline:
-            raise TopicError(f"topic(s) {', '.join(pending)} show no partitions after "
-                             f"{deadline_s:.0f} s")
+            raise TopicError(
+                f"topic(s) {', '.join(pending)} show no partitions after {deadline_s:.0f} s"
+            )
         if pending:
             time.sleep(0.05)  # polling the broker's metadata, which has no notification
     return counts
@@ -136,13 +143,18 @@ def subscription(settings: Settings) -> list[str]:
     return [*(qualified(settings, t) for t in DOMAIN_TOPICS), cdc]
 
 
-def ensure_from_settings(settings: Settings, *,
-                         replication_factor: int | None = None) -> EnsureReport:
+def ensure_from_settings(
+    settings: Settings, *, replication_factor: int | None = None
+) -> EnsureReport:
     """:func:`ensure` with the partition count, broker and prefix from ``settings``."""
     from consumers.kafka import admin_client
 
-    return ensure(admin_client(settings), settings.topic_partitions,
-                  replication_factor=replication_factor, topics=managed_topics(settings))
+    return ensure(
+        admin_client(settings),
+        settings.topic_partitions,
+        replication_factor=replication_factor,
+        topics=managed_topics(settings),
+    )
 
 
 def ensure_cdc_topics(settings: Settings, topics: Iterable[str]) -> list[str]:

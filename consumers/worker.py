@@ -105,9 +105,15 @@ class Totals:
 class Worker:
     """One member of the consumer group."""
 
-    def __init__(self, settings: Settings, *, topics: Sequence[str] | None = None,
-                 group: str | None = None, versions: Callable[[], Sequence[int]] | None = None,
-                 client_overrides: dict[str, object] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        topics: Sequence[str] | None = None,
+        group: str | None = None,
+        versions: Callable[[], Sequence[int]] | None = None,
+        client_overrides: dict[str, object] | None = None,
+    ) -> None:
         self.settings = settings
         self.topics = list(topics or subscription(settings))
         overrides = dict(client_overrides or {})
@@ -115,17 +121,21 @@ class Worker:
             overrides["group.id"] = group
         self.consumer = Consumer(settings, **overrides)
         self.producer = Producer(settings)
-        self.dead_letters = DeadLetters(self.producer, qualified(settings, DLQ),
-                                        max_bytes=settings.max_message_bytes)
+        self.dead_letters = DeadLetters(
+            self.producer, qualified(settings, DLQ), max_bytes=settings.max_message_bytes
+        )
         self.invalidations_topic = qualified(settings, INVALIDATIONS)
         self.engine = make_engine(settings)
         self.redis = redis_client(settings)
         self._policy_checked = False
         self.processor = Processor(
-            self.engine, self.redis,
+            self.engine,
+            self.redis,
             versions=versions or WriteVersions(self.redis, settings),
             registry=REGISTRY.with_paths(settings.recompute_paths),
-            tombstone_ttl_s=settings.tombstone_ttl_s, publish=self._publish)
+            tombstone_ttl_s=settings.tombstone_ttl_s,
+            publish=self._publish,
+        )
         self.router = Router()
         self.totals = Totals()
         self.metrics = consumer_metrics()
@@ -134,8 +144,7 @@ class Worker:
         self._revoked: set[tuple[str, int]] = set()
         self._lag_due = 0.0
         self._folding = threading.Event()
-        self._folder = threading.Thread(target=self._fold_deltas, name="bucket-fold",
-                                        daemon=True)
+        self._folder = threading.Thread(target=self._fold_deltas, name="bucket-fold", daemon=True)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -143,16 +152,25 @@ class Worker:
         """Ask the loop to stop after the batch in hand (signal-safe)."""
         self._stop.set()
 
-    def run(self, *, max_messages: int | None = None, timeout: float | None = None,
-            idle_timeout: float | None = None) -> Totals:
+    def run(
+        self,
+        *,
+        max_messages: int | None = None,
+        timeout: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> Totals:
         """Consume until stopped, ``max_messages`` consumed, ``timeout`` seconds passed,
         or nothing arrived for ``idle_timeout`` seconds. Then close cleanly."""
         deadline = None if timeout is None else time.monotonic() + timeout
         idle_since = time.monotonic()
         try:
             self._check_policy(at_start=True)
-            self.consumer.subscribe(self.topics, on_assign=self._on_assign,
-                                    on_revoke=self._on_revoke, on_lost=self._on_revoke)
+            self.consumer.subscribe(
+                self.topics,
+                on_assign=self._on_assign,
+                on_revoke=self._on_revoke,
+                on_lost=self._on_revoke,
+            )
             if self.settings.bucket_fold_interval_ms:
                 self._folder.start()
             while not self._stop.is_set():
@@ -188,8 +206,9 @@ class Worker:
     # -- one batch -------------------------------------------------------------
 
     def _iteration(self) -> int:
-        messages = self.consumer.consume(self.settings.batch_max_events,
-                                         timeout=self.settings.batch_max_wait_ms / 1000)
+        messages = self.consumer.consume(
+            self.settings.batch_max_events, timeout=self.settings.batch_max_wait_ms / 1000
+        )
         if not messages:
             self._report_lag()
             return 0
@@ -199,8 +218,12 @@ class Worker:
             topic = msg.topic() or ""
             self.metrics.consumed.labels(topic).inc()
             try:
-                event = decode(logical(self.settings, topic), msg.key(), msg.value(),
-                               max_bytes=self.settings.max_message_bytes)
+                event = decode(
+                    logical(self.settings, topic),
+                    msg.key(),
+                    msg.value(),
+                    max_bytes=self.settings.max_message_bytes,
+                )
             except EventRejected as exc:
                 self._dead_letter(msg, exc)
                 continue
@@ -251,9 +274,13 @@ class Worker:
                     raise
                 self.totals.retries += 1
                 self.metrics.delivery_failures.labels(exc.topic).inc()
-                logger.error("the broker refused %d message(s) to %s (%s); sending them "
-                             "again in %.2fs", len(exc.failed), exc.topic, exc.error.name(),
-                             backoff)
+                logger.error(
+                    "the broker refused %d message(s) to %s (%s); sending them again in %.2fs",
+                    len(exc.failed),
+                    exc.topic,
+                    exc.error.name(),
+                    backoff,
+                )
                 self._pause_for(backoff)
                 self.producer.resend(exc.failed)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
@@ -275,23 +302,28 @@ class Worker:
 
         def pause(partitions: list[TopicPartition]) -> None:
             inner.pause(partitions)
-            paused.update(((tp.topic, tp.partition), TopicPartition(tp.topic, tp.partition))
-                          for tp in partitions)
+            paused.update(
+                ((tp.topic, tp.partition), TopicPartition(tp.topic, tp.partition))
+                for tp in partitions
+            )
 
         try:
             if assigned := self.consumer.assignment():
                 pause(assigned)
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline and not self._stop.is_set():
-                msg = check_message(inner.poll(min(0.1, max(0.0,
-                                                            deadline - time.monotonic()))))
+                msg = check_message(inner.poll(min(0.1, max(0.0, deadline - time.monotonic()))))
                 if msg is not None:
-                    rewind = TopicPartition(cast(str, msg.topic()), cast(int, msg.partition()),
-                                            cast(int, msg.offset()))
+                    rewind = TopicPartition(
+                        cast(str, msg.topic()), cast(int, msg.partition()), cast(int, msg.offset())
+                    )
                     inner.seek(rewind)
                     pause([rewind])
-                fresh = [tp for tp in self.consumer.assignment()
-                         if (tp.topic, tp.partition) not in paused]
+                fresh = [
+                    tp
+                    for tp in self.consumer.assignment()
+                    if (tp.topic, tp.partition) not in paused
+                ]
                 if fresh:
                     pause(fresh)
         finally:
@@ -310,8 +342,10 @@ class Worker:
         except TRANSIENT:
             if not at_start:
                 raise
-            logger.warning("Redis not reachable at start-up; its eviction policy is "
-                           "checked before the first write")
+            logger.warning(
+                "Redis not reachable at start-up; its eviction policy is "
+                "checked before the first write"
+            )
             return
         self._policy_checked = True
 
@@ -419,17 +453,18 @@ class Worker:
         interval = self.settings.bucket_fold_interval_ms / 1000
         while True:
             try:
-                while incremental.fold(self.engine, max_users=FOLD_USERS,
-                                       wait=False) == FOLD_USERS:
+                while incremental.fold(self.engine, max_users=FOLD_USERS, wait=False) == FOLD_USERS:
                     if self._folding.is_set():
                         return
             except sa.exc.ProgrammingError as exc:
-                logger.error("cannot fold bucket deltas (%s); grant this role EXECUTE on "
-                             "freshline_fold_bucket_deltas, or run freshline buckets fold "
-                             "--follow", exc.orig)
+                logger.error(
+                    "cannot fold bucket deltas (%s); grant this role EXECUTE on "
+                    "freshline_fold_bucket_deltas, or run freshline buckets fold "
+                    "--follow",
+                    exc.orig,
+                )
                 return
             except sa.exc.SQLAlchemyError as exc:
-                logger.warning("bucket deltas not folded: %s; trying again in %.1fs",
-                               exc, interval)
+                logger.warning("bucket deltas not folded: %s; trying again in %.1fs", exc, interval)
             if self._folding.wait(interval):
                 return

@@ -130,9 +130,13 @@ class TransactionEvent(DomainEvent):
 
     @classmethod
     def parse(cls, obj: dict[str, Any]) -> Self:
-        return cls(tenant=_text_id(obj, "tenant"), user_id=_numeric_id(obj, "user_id"),
-                   transaction_id=_numeric_id(obj, "transaction_id"),
-                   occurred_at=_occurred_at(obj), version=_version(obj))
+        return cls(
+            tenant=_text_id(obj, "tenant"),
+            user_id=_numeric_id(obj, "user_id"),
+            transaction_id=_numeric_id(obj, "transaction_id"),
+            occurred_at=_occurred_at(obj),
+            version=_version(obj),
+        )
 
     def row(self) -> dict[str, Any]:
         return {"tenant_id": self.tenant, "user_id": self.user_id, "id": self.transaction_id}
@@ -148,8 +152,12 @@ class DeviceEvent(DomainEvent):
 
     @classmethod
     def parse(cls, obj: dict[str, Any]) -> Self:
-        return cls(tenant=_text_id(obj, "tenant"), device_id=_text_id(obj, "device_id"),
-                   occurred_at=_occurred_at(obj), version=_version(obj))
+        return cls(
+            tenant=_text_id(obj, "tenant"),
+            device_id=_text_id(obj, "device_id"),
+            occurred_at=_occurred_at(obj),
+            version=_version(obj),
+        )
 
     def row(self) -> dict[str, Any]:
         return {"tenant_id": self.tenant, "id": self.device_id}
@@ -165,8 +173,12 @@ class UserEvent(DomainEvent):
 
     @classmethod
     def parse(cls, obj: dict[str, Any]) -> Self:
-        return cls(tenant=_text_id(obj, "tenant"), user_id=_numeric_id(obj, "user_id"),
-                   occurred_at=_occurred_at(obj), version=_version(obj))
+        return cls(
+            tenant=_text_id(obj, "tenant"),
+            user_id=_numeric_id(obj, "user_id"),
+            occurred_at=_occurred_at(obj),
+            version=_version(obj),
+        )
 
     def row(self) -> dict[str, Any]:
         return {"tenant_id": self.tenant, "id": self.user_id}

@@ -65,12 +65,15 @@ def act_as_operator() -> None:
     admin_user = os.environ.get("FRESHLINE_STACK_REDIS_ADMIN_USER", "")
     if admin_user and os.environ.get("FRESHLINE_REDIS_USERNAME") != admin_user:
         os.environ["FRESHLINE_STACK_REDIS_API_USER"] = os.environ.get(
-            "FRESHLINE_REDIS_USERNAME", "")
+            "FRESHLINE_REDIS_USERNAME", ""
+        )
         os.environ["FRESHLINE_STACK_REDIS_API_PASSWORD"] = os.environ.get(
-            "FRESHLINE_REDIS_PASSWORD", "")
+            "FRESHLINE_REDIS_PASSWORD", ""
+        )
         os.environ["FRESHLINE_REDIS_USERNAME"] = admin_user
         os.environ["FRESHLINE_REDIS_PASSWORD"] = os.environ.get(
-            "FRESHLINE_STACK_REDIS_ADMIN_PASSWORD", "")
+            "FRESHLINE_STACK_REDIS_ADMIN_PASSWORD", ""
+        )
 
 
 load_stack_env()
@@ -113,8 +116,9 @@ def serving(app: Any, timeout: float = 30.0) -> Iterator[int]:
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -153,8 +157,7 @@ def base_settings() -> Settings:
 def settings(base_settings: Settings) -> Iterator[Settings]:
     url = recreate_database(base_settings, TEST_DB)
     migrations.upgrade(url)
-    redis_url = with_login(make_url_redis(base_settings.redis_url, TEST_REDIS_DB),
-                           base_settings)
+    redis_url = with_login(make_url_redis(base_settings.redis_url, TEST_REDIS_DB), base_settings)
     yield base_settings.model_copy(update={"postgres_url": url, "redis_url": redis_url})
     drop_database(base_settings, TEST_DB)
 
@@ -214,11 +217,19 @@ entries that are not in Redis)."""
 
 
 def _tenant_maker(engine: Engine) -> Callable[..., SeedSummary]:
-    def make(users: int = 50, transactions: int = 2000, tenants: int = 1,
-             seed_value: int = 42) -> SeedSummary:
+    def make(
+        users: int = 50, transactions: int = 2000, tenants: int = 1, seed_value: int = 42
+    ) -> SeedSummary:
         prefix = f"t{next(_tenant_counter)}{uuid.uuid4().hex[:6]}-"
-        return seed(engine, users=users, transactions=transactions, tenants=tenants,
-                    seed=seed_value, tenant_prefix=prefix, anchor=ANCHOR)
+        return seed(
+            engine,
+            users=users,
+            transactions=transactions,
+            tenants=tenants,
+            seed=seed_value,
+            tenant_prefix=prefix,
+            anchor=ANCHOR,
+        )
 
     return make
 
@@ -254,15 +265,31 @@ def private_redis() -> Iterator[tuple[str, Callable[[], None], Callable[[], None
             return False
 
     # The settings' Redis login (the stack's admin) works here too; so does no login.
-    user, password = os.environ.get("FRESHLINE_REDIS_USERNAME"), os.environ.get(
-        "FRESHLINE_REDIS_PASSWORD", "")
+    user, password = (
+        os.environ.get("FRESHLINE_REDIS_USERNAME"),
+        os.environ.get("FRESHLINE_REDIS_PASSWORD", ""),
+    )
     login = ["--user", user, "on", f">{password}", "~*", "&*", "+@all"] if user and password else []
 
     def start() -> None:
-        procs.append(subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", *login],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [
+                    binary,
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    *login,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         probe = redis.Redis(port=port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10
         while not answers(probe):

@@ -31,8 +31,10 @@ def test_a_run_with_only_keeps_the_other_results_each_naming_its_run(tmp_path: P
     from bench.__main__ import _kept_results, _section, render
 
     doc = orjson.loads((Path(__file__).parents[1] / "bench" / "results.json").read_bytes())
-    unstamped = {name: {k: v for k, v in doc["results"][name].items() if k != "measured"}
-                 for name in ("memory", "redis_writes", "seed")}
+    unstamped = {
+        name: {k: v for k, v in doc["results"][name].items() if k != "measured"}
+        for name in ("memory", "redis_writes", "seed")
+    }
     stamp = {"date": "E", "commit": "F", "command": "G", "load": None}
     doc["results"] = {**unstamped, "seed": {**unstamped["seed"], "measured": stamp}}
     path = tmp_path / "results.json"
@@ -43,10 +45,17 @@ def test_a_run_with_only_keeps_the_other_results_each_naming_its_run(tmp_path: P
     assert kept["redis_writes"]["measured"]["commit"] == doc["commit"]
     assert kept["seed"]["measured"] == stamp
 
-    now = {**doc, "command": ".venv/bin/python -m bench --only memory",
-           "results": {"memory": {**doc["results"]["memory"], "measured": {
-               "date": "D", "commit": "C", "command": "X --only memory", "load": 1.5}},
-               **kept}}
+    now = {
+        **doc,
+        "command": ".venv/bin/python -m bench --only memory",
+        "results": {
+            "memory": {
+                **doc["results"]["memory"],
+                "measured": {"date": "D", "commit": "C", "command": "X --only memory", "load": 1.5},
+            },
+            **kept,
+        },
+    }
     text = render(now, {name: _section(name, r) for name, r in now["results"].items()})
     memory = text.split("## memory")[1].split("\n## ")[0]
     writes = text.split("## redis_writes")[1].split("\n## ")[0]
@@ -63,8 +72,11 @@ def test_a_result_the_current_format_cannot_render_is_shown_as_its_run_rendered_
 
     doc = orjson.loads((Path(__file__).parents[1] / "bench" / "results.json").read_bytes())
     stamp = {"date": "D", "commit": "C", "command": "X --only read_path", "load": None}
-    old = {"rounds": 1, "measured": stamp,
-           "rendered": "## read_path: from raw redis-py to HTTP\n\nthe old table\n"}
+    old = {
+        "rounds": 1,
+        "measured": stamp,
+        "rendered": "## read_path: from raw redis-py to HTTP\n\nthe old table\n",
+    }
     memory = {**doc["results"]["memory"], "rendered": "## memory\n\nstale text\n"}
     doc["results"] = {"read_path": old, "memory": memory}
     text = render(doc, {name: _section(name, r) for name, r in doc["results"].items()})

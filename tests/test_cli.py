@@ -11,7 +11,10 @@ FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 
 def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [FRESHLINE, *args], capture_output=True, text=True, timeout=60,
+        [FRESHLINE, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, **env},
     )
 
@@ -50,14 +53,16 @@ def free_port() -> int:
 
 def test_advise_with_no_api_running_says_to_start_the_api_not_the_stack() -> None:
     port = free_port()
-    r = run("advise", "--window", "1s", FRESHLINE_API_HOST="127.0.0.1",
-            FRESHLINE_API_PORT=str(port))
+    r = run(
+        "advise", "--window", "1s", FRESHLINE_API_HOST="127.0.0.1", FRESHLINE_API_PORT=str(port)
+    )
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert f"http://127.0.0.1:{port}/metrics" in lines[0]
-    assert ("the API is not running: start it with `freshline serve`, "
-            "or pass `--from-metrics URL`") in lines[0]
+    assert (
+        "the API is not running: start it with `freshline serve`, or pass `--from-metrics URL`"
+    ) in lines[0]
     assert "scripts/stack up" not in lines[0]
     assert "Traceback" not in r.stderr
 

@@ -56,17 +56,25 @@ def check_width(text: str) -> None:
 
 
 def run_piped(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([FRESHLINE, *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **env, "COLUMNS": str(WIDTH)})
+    return subprocess.run(
+        [FRESHLINE, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env, "COLUMNS": str(WIDTH)},
+    )
 
 
 def run_tty(args: list[str], env: dict[str, str]) -> tuple[int, str]:
     """``freshline args`` with stdout on an 80-column pseudo-terminal: (exit code, output)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, WIDTH, 0, 0))
-    proc = subprocess.Popen([FRESHLINE, *args], stdout=slave, stderr=subprocess.DEVNULL,
-                            env={**os.environ, **env, "COLUMNS": str(WIDTH),
-                                 "TERM": "xterm-256color"})
+    proc = subprocess.Popen(
+        [FRESHLINE, *args],
+        stdout=slave,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **env, "COLUMNS": str(WIDTH), "TERM": "xterm-256color"},
+    )
     os.close(slave)
     chunks: list[bytes] = []
     while True:
@@ -81,8 +89,9 @@ def run_tty(args: list[str], env: dict[str, str]) -> tuple[int, str]:
     return proc.wait(timeout=120), b"".join(chunks).decode()
 
 
-def check_command(args: list[str], env: dict[str, str], *, expect: int = 0,
-                  styled: bool = True) -> str:
+def check_command(
+    args: list[str], env: dict[str, str], *, expect: int = 0, styled: bool = True
+) -> str:
     """Run ``args`` piped and on a terminal; check both; return the piped output.
 
     ``styled``: the output has colour or bold somewhere, so the terminal run shows
@@ -107,44 +116,83 @@ def render(renderable: RenderableType, *, terminal: bool) -> str:
 
 # -- the renderers, given worst cases -------------------------------------------------
 
-TRACE = ("org.apache.kafka.connect.errors.ConnectException: An exception occurred in the "
-         "change event producer. This connector will be stopped. [Worker clientId=connect-1, "
-         "groupId=connect-cluster] io.debezium.jdbc.JdbcConnectionException: "
-         + "x" * 120 + "\n\tat io.debezium.Foo.bar(Foo.java:42)")
+TRACE = (
+    "org.apache.kafka.connect.errors.ConnectException: An exception occurred in the "
+    "change event producer. This connector will be stopped. [Worker clientId=connect-1, "
+    "groupId=connect-cluster] io.debezium.jdbc.JdbcConnectionException: "
+    + "x" * 120
+    + "\n\tat io.debezium.Foo.bar(Foo.java:42)"
+)
 
 
 @pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "pipe"])
 def test_the_renderers_fit_80_columns_with_worst_case_content(terminal: bool) -> None:
     figures = [
-        Figures("txn_90d", "feature_set", 123_456.7, 0.8123, 0.0005, 1.2345, 0.003,
-                ttl_s=86_400, oldest_age_s=100_000, mean_age_s=300),
-        Figures("a_feature_set_with_a_rather_long_name_indeed", "feature_set", 2.0, 0.1,
-                0.0002, 0.002, notes=("no miss measured: miss overhead taken as 0",)),
+        Figures(
+            "txn_90d",
+            "feature_set",
+            123_456.7,
+            0.8123,
+            0.0005,
+            1.2345,
+            0.003,
+            ttl_s=86_400,
+            oldest_age_s=100_000,
+            mean_age_s=300,
+        ),
+        Figures(
+            "a_feature_set_with_a_rather_long_name_indeed",
+            "feature_set",
+            2.0,
+            0.1,
+            0.0002,
+            0.002,
+            notes=("no miss measured: miss overhead taken as 0",),
+        ),
         Figures("fraud_logistic_regression_model_v2", "model", 400.0, 0.75, 0.0004, 0.05),
         Figures("dice", "model", 50.0, 0.9, 0.0001, 0.01, deterministic=False),
     ]
     check_width(render(report([advise(f) for f in figures]), terminal=terminal))
 
-    names = Names("cdc0123456789abcdef.freshline-postgres", "cdc0123456789abcdef_freshline_cdc",
-                  "cdc0123456789abcdef.freshline_cdc")
+    names = Names(
+        "cdc0123456789abcdef.freshline-postgres",
+        "cdc0123456789abcdef_freshline_cdc",
+        "cdc0123456789abcdef.freshline_cdc",
+    )
     task = TaskState(0, "FAILED", "connect-worker-with-a-long-host-name.example:8083", TRACE)
-    state = CdcStatus(names, TaskState(-1, "RUNNING", task.worker, TRACE), [task],
-                      SlotState(names.slot, True, "0/1A2B3C4D", "0/1A2B3C4E", 5 << 30),
-                      ["devices", "geoip", "transactions", "user_devices", "users"])
+    state = CdcStatus(
+        names,
+        TaskState(-1, "RUNNING", task.worker, TRACE),
+        [task],
+        SlotState(names.slot, True, "0/1A2B3C4D", "0/1A2B3C4E", 5 << 30),
+        ["devices", "geoip", "transactions", "user_devices", "users"],
+    )
     shown, code = status_report(state, 1 << 30)
     assert code == 1
     check_width(render(shown, terminal=terminal))
     missing = CdcStatus(names, None)
     check_width(render(status_report(missing, 1 << 30)[0], terminal=terminal))
 
-    rows = [("acme", 1_000, 1_523, 25_000, 24_012, "2026-11-30 12:00"),
-            ("t123abcdef-" + "a-very-long-tenant-id" * 3, 10_000_000, 15_230_000,
-             250_000_000, 240_120_000, "2026-11-30 12:00")]
+    rows = [
+        ("acme", 1_000, 1_523, 25_000, 24_012, "2026-11-30 12:00"),
+        (
+            "t123abcdef-" + "a-very-long-tenant-id" * 3,
+            10_000_000,
+            15_230_000,
+            250_000_000,
+            240_120_000,
+            "2026-11-30 12:00",
+        ),
+    ]
     check_width(render(summary_table(rows), terminal=terminal))
 
-    record = ModelRecord("fraud_example_with_a_long_name", "lr-" + "f" * 40,
-                         "/home/someone/" + "deeply/nested/" * 8 + "model.json",
-                         ("a", "b", "c", "d"), True)
+    record = ModelRecord(
+        "fraud_example_with_a_long_name",
+        "lr-" + "f" * 40,
+        "/home/someone/" + "deeply/nested/" * 8 + "model.json",
+        ("a", "b", "c", "d"),
+        True,
+    )
     check_width(render(model_block(record), terminal=terminal))
 
 
@@ -152,8 +200,10 @@ def test_the_renderers_fit_80_columns_with_worst_case_content(terminal: bool) ->
 
 
 def service_env(settings: Settings) -> dict[str, str]:
-    return {"FRESHLINE_POSTGRES_URL": settings.postgres_url,
-            "FRESHLINE_REDIS_URL": settings.redis_url}
+    return {
+        "FRESHLINE_POSTGRES_URL": settings.postgres_url,
+        "FRESHLINE_REDIS_URL": settings.redis_url,
+    }
 
 
 def test_db_summary(settings: Settings, tenant_factory: Callable[..., SeedSummary]) -> None:
@@ -167,8 +217,9 @@ def test_models_list(settings: Settings, redis_client: redis.Redis, tmp_path: Pa
     rng = np.random.default_rng(0)
     x = rng.normal(size=(200, 4))
     y = (x[:, 0] > 0).astype(np.float64)
-    model = LogisticModel.fit(x, y, version="v1", feature_names=("a", "b", "c", "d"),
-                              epochs=5, name=name)
+    model = LogisticModel.fit(
+        x, y, version="v1", feature_names=("a", "b", "c", "d"), epochs=5, name=name
+    )
     path = tmp_path.joinpath(*["nested"] * 8) / "model.json"
     path.parent.mkdir(parents=True)
     ModelRegistry(redis_client).register(model.save(path))
@@ -181,8 +232,9 @@ def test_models_list(settings: Settings, redis_client: redis.Redis, tmp_path: Pa
 
 @pytest.mark.connect
 def test_cdc_status_of_a_connector_not_registered(settings: Settings) -> None:
-    shown = check_command(["cdc", "status", "--name", f"no-such-{uuid.uuid4().hex}"],
-                          service_env(settings), expect=1)
+    shown = check_command(
+        ["cdc", "status", "--name", f"no-such-{uuid.uuid4().hex}"], service_env(settings), expect=1
+    )
     assert "not registered" in shown
 
 
@@ -191,25 +243,31 @@ def test_deploy_status(settings: Settings) -> None:
 
 
 @pytest.fixture
-def api_url(settings: Settings, engine: Engine, redis_client: redis.Redis,
-            tenant_factory: Callable[..., SeedSummary]) -> Iterator[str]:
+def api_url(
+    settings: Settings,
+    engine: Engine,
+    redis_client: redis.Redis,
+    tenant_factory: Callable[..., SeedSummary],
+) -> Iterator[str]:
     """The read API on a real socket (uvicorn in a thread), after a few reads."""
     tenant = tenant_factory(users=10, transactions=200).tenants[0]
-    local = settings.model_copy(update={"schema_version": fresh_version(),
-                                        "consumer_metrics_port": 0})
+    local = settings.model_copy(
+        update={"schema_version": fresh_version(), "consumer_metrics_port": 0}
+    )
     app = create_app(local, engine=engine, redis_client=redis_client, follow_deploys=False)
     key = create_api_key(engine, tenant)
     with serving(app) as port:
         base = f"http://127.0.0.1:{port}"
         for user in (1, 2, 1, 1, 3):
             for feature_set in ("txn_90d", "geo"):
-                answer = fetch(f"{base}/v1/features/{feature_set}/{user}",
-                               headers={"Authorization": f"Bearer {key}"})
+                answer = fetch(
+                    f"{base}/v1/features/{feature_set}/{user}",
+                    headers={"Authorization": f"Bearer {key}"},
+                )
                 assert answer.status == 200, answer.body
         yield base
 
 
 def test_advise(api_url: str) -> None:
-    shown = check_command(["advise", "--window", "1s", "--from-metrics", f"{api_url}/metrics"],
-                          {})
+    shown = check_command(["advise", "--window", "1s", "--from-metrics", f"{api_url}/metrics"], {})
     assert "txn_90d (feature set): " in shown

@@ -19,8 +19,9 @@ def test_stats_then_purge(settings: Settings, redis_client: redis.Redis) -> None
     env = {"FRESHLINE_REDIS_URL": settings.redis_url}
     cache = SemanticCache(redis_client, local_model())
     for version in ("v1", "v2"):
-        cache.store(Scope(tenant, "bot", version, "t1"), "Where is order 12?", {"temperature": 0},
-                    "shipped")
+        cache.store(
+            Scope(tenant, "bot", version, "t1"), "Where is order 12?", {"temperature": 0}, "shipped"
+        )
     cache.lookup(Scope(tenant, "bot", "v1", "t1"), "where is order 12", {"temperature": 0})
     cache.close()
 
@@ -41,18 +42,19 @@ def test_stats_then_purge(settings: Settings, redis_client: redis.Redis) -> None
     r = run("semantic", "purge", **env)
     assert r.returncode == 2 and "--tenant" in r.stderr and "Traceback" not in r.stderr
     assert run("semantic", "purge", "--tenant", tenant, **env).returncode == 0
-    assert "no semantic cache entries" in run("semantic", "stats", "--tenant", tenant,
-                                              **env).stderr
+    assert "no semantic cache entries" in run("semantic", "stats", "--tenant", tenant, **env).stderr
 
 
 def test_tune_prints_both_rates_at_each_threshold(tmp_path: Path) -> None:
     pairs = [
         {"a": "Where is order 12?", "b": "Where is order 12 ?", "label": "paraphrase"},
         {"a": "Cancel order 12.", "b": "Cancel order 13.", "label": "different"},
-        {"a": "Block the card ending 1234.", "b": "Block the card ending in 1234.",
-         "label": "paraphrase"},
-        {"a": "Is Maria Lopez high risk?", "b": "Is Mario Lopez high risk?",
-         "label": "different"},
+        {
+            "a": "Block the card ending 1234.",
+            "b": "Block the card ending in 1234.",
+            "label": "paraphrase",
+        },
+        {"a": "Is Maria Lopez high risk?", "b": "Is Mario Lopez high risk?", "label": "different"},
     ]
     path = tmp_path / "pairs.json"
     path.write_text(json.dumps({"pairs": pairs}))

@@ -37,7 +37,8 @@ def test_migrations_run_forward_and_back_on_an_empty_database(base_settings: Set
 
 
 def test_a_database_that_ran_the_first_0003_gets_its_buckets_rebuilt(
-        base_settings: Settings) -> None:
+    base_settings: Settings,
+) -> None:
     """Revision 0003 changed after databases had run it; 0006 rebuilds theirs."""
     name = "freshline_migrations_0006_test"
     url = recreate_database(base_settings, name)
@@ -45,32 +46,44 @@ def test_a_database_that_ran_the_first_0003_gets_its_buckets_rebuilt(
     try:
         migrations.upgrade(url, "0005")
         with engine.begin() as conn:
-            conn.execute(sa.text(
-                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
-                "VALUES ('t1', 1, 10, 'm1', '10.0.0.1')"))
+            conn.execute(
+                sa.text(
+                    "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
+                    "VALUES ('t1', 1, 10, 'm1', '10.0.0.1')"
+                )
+            )
             # what the first 0003 left: no per-country marks
             conn.execute(sa.text("ALTER TABLE txn_buckets DROP COLUMN countries_latest"))
         migrations.upgrade(url)
         assert "countries_latest" in _columns(engine)["txn_buckets"]
         with engine.begin() as conn:
             # the rebuilt triggers run, and the existing rows wait for a bucket build
-            conn.execute(sa.text(
-                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
-                "VALUES ('t1', 1, 20, 'm2', '10.0.0.2')"))
-            assert conn.execute(sa.text("SELECT complete FROM txn_bucket_build")).scalar() \
-                is False
+            conn.execute(
+                sa.text(
+                    "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
+                    "VALUES ('t1', 1, 20, 'm2', '10.0.0.2')"
+                )
+            )
+            assert conn.execute(sa.text("SELECT complete FROM txn_bucket_build")).scalar() is False
         migrations.upgrade(url)  # at head already: nothing is rebuilt again
         with engine.begin() as conn:  # the row is a pending delta (revision 0007)
-            assert conn.execute(sa.text(
-                "SELECT (SELECT coalesce(sum(n), 0) FROM txn_buckets) "
-                "+ (SELECT coalesce(sum(w), 0) FROM txn_bucket_deltas)")).scalar() == 1
+            assert (
+                conn.execute(
+                    sa.text(
+                        "SELECT (SELECT coalesce(sum(n), 0) FROM txn_buckets) "
+                        "+ (SELECT coalesce(sum(w), 0) FROM txn_bucket_deltas)"
+                    )
+                ).scalar()
+                == 1
+            )
     finally:
         engine.dispose()
         drop_database(base_settings, name)
 
 
 def test_0007_keeps_the_buckets_of_a_database_at_0006_and_folds_them_on_the_way_back(
-        base_settings: Settings) -> None:
+    base_settings: Settings,
+) -> None:
     """0006's triggers built buckets; under 0007 writes become deltas, and a downgrade
     folds them and puts the direct triggers back, with the same values throughout."""
     from pipeline.cache import incremental
@@ -78,10 +91,14 @@ def test_0007_keeps_the_buckets_of_a_database_at_0006_and_folds_them_on_the_way_
     name = "freshline_migrations_0007_test"
     url = recreate_database(base_settings, name)
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    insert = sa.text("INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, "
-                     "created_at) VALUES ('t1', 1, :a, :m, now() - interval '1 day')")
-    totals = sa.text("SELECT (SELECT coalesce(sum(n), 0) FROM txn_buckets), "
-                     "(SELECT count(*) FROM txn_bucket_members WHERE kind = 'm')")
+    insert = sa.text(
+        "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, "
+        "created_at) VALUES ('t1', 1, :a, :m, now() - interval '1 day')"
+    )
+    totals = sa.text(
+        "SELECT (SELECT coalesce(sum(n), 0) FROM txn_buckets), "
+        "(SELECT count(*) FROM txn_bucket_members WHERE kind = 'm')"
+    )
     try:
         migrations.upgrade(url, "0006")
         with engine.begin() as conn:
@@ -112,7 +129,8 @@ def test_0007_keeps_the_buckets_of_a_database_at_0006_and_folds_them_on_the_way_
 
 
 def test_0008_indexes_the_delta_log_by_user_id_and_folds_in_that_order(
-        base_settings: Settings) -> None:
+    base_settings: Settings,
+) -> None:
     """A database that ran 0007 (index on tenant and user) gets the user-id index, and
     its fold function takes users by id; downgrading puts 0007's back. The fold runs."""
     from pipeline.cache import incremental
@@ -122,15 +140,22 @@ def test_0008_indexes_the_delta_log_by_user_id_and_folds_in_that_order(
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
 
     def index_columns() -> list[str]:
-        (index,) = [ix for ix in sa.inspect(engine).get_indexes("txn_bucket_deltas")
-                    if ix["name"] == "txn_bucket_deltas_user"]
+        (index,) = [
+            ix
+            for ix in sa.inspect(engine).get_indexes("txn_bucket_deltas")
+            if ix["name"] == "txn_bucket_deltas_user"
+        ]
         return list(index["column_names"])
 
     def fold_source() -> str:
         with engine.connect() as conn:
-            return str(conn.execute(sa.text(
-                "SELECT prosrc FROM pg_proc WHERE proname = 'freshline_fold_bucket_deltas'"
-            )).scalar_one())
+            return str(
+                conn.execute(
+                    sa.text(
+                        "SELECT prosrc FROM pg_proc WHERE proname = 'freshline_fold_bucket_deltas'"
+                    )
+                ).scalar_one()
+            )
 
     try:
         migrations.upgrade(url, "0007")
@@ -139,9 +164,12 @@ def test_0008_indexes_the_delta_log_by_user_id_and_folds_in_that_order(
         assert index_columns() == ["user_id"]
         assert "ORDER BY user_id, tenant_id" in fold_source()
         with engine.begin() as conn:
-            conn.execute(sa.text(
-                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id) "
-                "VALUES ('t1', 2, 10, 'm1'), ('t0', 3, 10, 'm1'), ('t1', 1, 10, 'm1')"))
+            conn.execute(
+                sa.text(
+                    "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id) "
+                    "VALUES ('t1', 2, 10, 'm1'), ('t0', 3, 10, 'm1'), ('t1', 1, 10, 'm1')"
+                )
+            )
         assert incremental.fold_all(engine) == 3
         migrations.downgrade(url, "0007")
         assert index_columns() == ["tenant_id", "user_id"]

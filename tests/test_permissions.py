@@ -32,13 +32,20 @@ def api_url(settings: Settings) -> str:
             pytest.fail(message, pytrace=False)
         pytest.skip(message)
     login = make_url(role)
-    return make_url(settings.postgres_url).set(
-        username=login.username, password=login.password).render_as_string(hide_password=False)
+    return (
+        make_url(settings.postgres_url)
+        .set(username=login.username, password=login.password)
+        .render_as_string(hide_password=False)
+    )
 
 
 def run(argv: list[str], settings: Settings, admin: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "FRESHLINE_POSTGRES_URL": api_url(settings),
-           "FRESHLINE_POSTGRES_ADMIN_URL": admin, "FRESHLINE_REDIS_URL": settings.redis_url}
+    env = {
+        **os.environ,
+        "FRESHLINE_POSTGRES_URL": api_url(settings),
+        "FRESHLINE_POSTGRES_ADMIN_URL": admin,
+        "FRESHLINE_REDIS_URL": settings.redis_url,
+    }
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
 
 
@@ -53,28 +60,36 @@ def assert_one_line_naming_the_fix(done: subprocess.CompletedProcess[str], role:
     assert "FRESHLINE_POSTGRES_ADMIN_URL" in line and ".stack/env" in line
 
 
-@pytest.mark.parametrize("argv", [
-    ["tenants", "create", "perm-test"],
-    ["seed", "--users", "2", "--transactions", "5", "--tenant-prefix", "perm-"],
-    ["produce-demo", "--count", "1"],
-], ids=["tenants-create", "seed", "produce-demo"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["tenants", "create", "perm-test"],
+        ["seed", "--users", "2", "--transactions", "5", "--tenant-prefix", "perm-"],
+        ["produce-demo", "--count", "1"],
+    ],
+    ids=["tenants-create", "seed", "produce-demo"],
+)
 def test_a_write_with_the_read_only_role_is_one_line(
-        settings: Settings, tenant_factory: Callable[..., object], argv: list[str]) -> None:
+    settings: Settings, tenant_factory: Callable[..., object], argv: list[str]
+) -> None:
     tenant_factory(users=2, transactions=5)  # produce-demo changes existing users
     role = make_url(api_url(settings)).username
     assert_one_line_naming_the_fix(run([FRESHLINE, *argv], settings, admin=""), str(role))
 
 
 def test_the_benchmarks_with_the_read_only_role_are_one_line(settings: Settings) -> None:
-    done = run([sys.executable, "-m", "bench", "--quick", "--only", "read_path"], settings,
-               admin="")
+    done = run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "read_path"], settings, admin=""
+    )
     assert_one_line_naming_the_fix(done, str(make_url(api_url(settings)).username))
 
 
 def test_writing_commands_log_in_as_the_owner_when_the_admin_url_is_set(
-        settings: Settings, engine: sa.Engine) -> None:
-    done = run([FRESHLINE, "tenants", "create", "perm-owner"], settings,
-               admin=settings.postgres_url)
+    settings: Settings, engine: sa.Engine
+) -> None:
+    done = run(
+        [FRESHLINE, "tenants", "create", "perm-owner"], settings, admin=settings.postgres_url
+    )
     assert done.returncode == 0, done.stderr
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT 1 FROM tenants WHERE id = 'perm-owner'")).first()

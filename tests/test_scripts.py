@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FAKE_PYTHON = '''\
+FAKE_PYTHON = """\
 #!{executable}
 import collections
 import sys
@@ -34,16 +34,20 @@ elif len(args) >= 2 and args[0] == "-c":
     exec(compile(args[1], "<string>", "exec"), {{"__name__": "__main__"}})
 else:
     sys.exit("fake Python {version}: unexpected arguments %r" % (args,))
-'''
+"""
 
 # What a pyenv shim for a version that is not selected does.
-BROKEN_SHIM = "#!/bin/sh\necho \"pyenv: $(basename \"$0\"): command not found\" >&2\nexit 127\n"
+BROKEN_SHIM = '#!/bin/sh\necho "pyenv: $(basename "$0"): command not found" >&2\nexit 127\n'
 
 
 def fake_python(path: Path, version: str) -> Path:
     major, minor, micro = (int(part) for part in version.split("."))
-    write_executable(path, FAKE_PYTHON.format(executable=sys.executable, version=version,
-                                              major=major, minor=minor, micro=micro))
+    write_executable(
+        path,
+        FAKE_PYTHON.format(
+            executable=sys.executable, version=version, major=major, minor=minor, micro=micro
+        ),
+    )
     return path
 
 
@@ -59,8 +63,13 @@ def check_python(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]
     copy.parent.mkdir(parents=True)
     shutil.copy2(ROOT / "scripts" / "bootstrap", copy)
     base = {k: v for k, v in os.environ.items() if k != "PYTHON"}
-    return subprocess.run([str(copy), "--check-python"], capture_output=True, text=True,
-                          env={**base, **env}, timeout=60)
+    return subprocess.run(
+        [str(copy), "--check-python"],
+        capture_output=True,
+        text=True,
+        env={**base, **env},
+        timeout=60,
+    )
 
 
 @pytest.mark.parametrize("version", ["3.11.9", "3.12.4", "3.13.1"])
@@ -115,16 +124,19 @@ def test_without_PYTHON_an_old_python3_alone_is_refused(tmp_path: Path) -> None:
 
 
 def test_stack_help_names_the_cluster_topology() -> None:
-    done = subprocess.run([str(ROOT / "scripts" / "stack"), "--help"], capture_output=True,
-                          text=True, timeout=30)
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "stack"), "--help"], capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 0, done.stderr
     assert "--topology cluster" in done.stdout and "scripts/stack up" in done.stdout
-    refused = subprocess.run([str(ROOT / "scripts" / "stack"), "bogus"], capture_output=True,
-                             text=True, timeout=30)
+    refused = subprocess.run(
+        [str(ROOT / "scripts" / "stack"), "bogus"], capture_output=True, text=True, timeout=30
+    )
     assert refused.returncode == 2 and "--topology single|cluster" in refused.stderr
 
 
 def test_demo_refuses_an_unknown_argument_with_its_usage() -> None:
-    done = subprocess.run([str(ROOT / "scripts" / "demo"), "--bogus"], capture_output=True,
-                          text=True, timeout=30)
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "demo"), "--bogus"], capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 2 and done.stderr.strip() == "usage: scripts/demo [--ci]"

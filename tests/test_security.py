@@ -51,8 +51,10 @@ def need(variable: str) -> str:
     """The value of a ``.stack/env`` variable this test needs."""
     value = os.environ.get(variable, "")
     if not value:
-        message = (f"{variable} is not set: the stack runs without this login; restart it "
-                   "with scripts/stack down && scripts/stack up")
+        message = (
+            f"{variable} is not set: the stack runs without this login; restart it "
+            "with scripts/stack down && scripts/stack up"
+        )
         if os.environ.get("CI") == "true":
             pytest.fail(message, pytrace=False)
         pytest.skip(message)
@@ -60,28 +62,34 @@ def need(variable: str) -> str:
 
 
 def as_user(settings: Settings, user: str, password: str) -> Settings:
-    return settings.model_copy(update={"redis_username": user,
-                                       "redis_password": SecretStr(password)})
+    return settings.model_copy(
+        update={"redis_username": user, "redis_password": SecretStr(password)}
+    )
 
 
 @pytest.fixture
 def api_user(settings: Settings) -> Settings:
-    return as_user(settings, need("FRESHLINE_STACK_REDIS_API_USER"),
-                   need("FRESHLINE_STACK_REDIS_API_PASSWORD"))
+    return as_user(
+        settings, need("FRESHLINE_STACK_REDIS_API_USER"), need("FRESHLINE_STACK_REDIS_API_PASSWORD")
+    )
 
 
 @pytest.fixture
 def writer_user(settings: Settings) -> Settings:
-    return as_user(settings, need("FRESHLINE_STACK_REDIS_WRITER_USER"),
-                   need("FRESHLINE_STACK_REDIS_WRITER_PASSWORD"))
+    return as_user(
+        settings,
+        need("FRESHLINE_STACK_REDIS_WRITER_USER"),
+        need("FRESHLINE_STACK_REDIS_WRITER_PASSWORD"),
+    )
 
 
 def role_engine(settings: Settings, variable: str) -> Engine:
     """An engine on the test database, logged in with the role ``variable`` names."""
     role = make_url(need(variable))
     url = make_url(settings.postgres_url).set(username=role.username, password=role.password)
-    return make_engine(settings.model_copy(
-        update={"postgres_url": url.render_as_string(hide_password=False)}))
+    return make_engine(
+        settings.model_copy(update={"postgres_url": url.render_as_string(hide_password=False)})
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,21 +103,29 @@ def tenant(tenant_factory_module: Callable[..., SeedSummary]) -> str:
 def test_the_default_user_is_off(settings: Settings) -> None:
     need("FRESHLINE_STACK_REDIS_ADMIN_USER")
     address = urlsplit(settings.redis_url)
-    anonymous = redis.Redis(host=address.hostname or "127.0.0.1", port=address.port or 6379,
-                            ssl=address.scheme == "rediss",
-                            **({"ssl_ca_certs": settings.redis_tls_ca}
-                               if settings.redis_tls_ca else {}))
+    anonymous = redis.Redis(
+        host=address.hostname or "127.0.0.1",
+        port=address.port or 6379,
+        ssl=address.scheme == "rediss",
+        **({"ssl_ca_certs": settings.redis_tls_ca} if settings.redis_tls_ca else {}),
+    )
     with pytest.raises(redis.exceptions.AuthenticationError):
         anonymous.get("feat:1:txn_90d:{t:1}")
     anonymous.close()
 
 
-@pytest.mark.parametrize("command", [
-    ("CONFIG", "GET", "maxmemory"), ("KEYS", "*"), ("MONITOR",),
-    ("SET", "elsewhere:x", "1"),                    # a write outside its key patterns
-    ("PUBLISH", INVALIDATION_CHANNEL, "forged"),    # forging invalidations
-    ("SUBSCRIBE", "elsewhere"),                      # a channel it has no business in
-], ids=lambda c: " ".join(c[:2]))
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("CONFIG", "GET", "maxmemory"),
+        ("KEYS", "*"),
+        ("MONITOR",),
+        ("SET", "elsewhere:x", "1"),  # a write outside its key patterns
+        ("PUBLISH", INVALIDATION_CHANNEL, "forged"),  # forging invalidations
+        ("SUBSCRIBE", "elsewhere"),  # a channel it has no business in
+    ],
+    ids=lambda c: " ".join(c[:2]),
+)
 def test_the_api_user_gets_noperm(api_user: Settings, command: tuple[str, ...]) -> None:
     client = redis_client(api_user)
     try:
@@ -127,34 +143,45 @@ def test_the_api_user_gets_noperm(api_user: Settings, command: tuple[str, ...]) 
 
 # Commands that would do harm if the ACL let them through are asked of the ACL itself
 # (ACL DRYRUN, as the admin): the same check, and the shared Redis survives a bug.
-@pytest.mark.parametrize("command", [
-    ("FLUSHALL",), ("FLUSHDB",), ("SHUTDOWN",), ("CLIENT", "KILL", "TYPE", "pubsub"),
-    ("CONFIG", "SET", "maxmemory", "1"), ("DEL", "freshline:models"),
-    ("SET", ACTIVE_SCHEMA_KEY, "7"),                # the deploy pointer: read-only to it
-    ("DEL", "elsewhere:x"),
-], ids=lambda c: " ".join(c[:2]))
-def test_the_api_user_may_not_run_destructive_commands(settings: Settings, api_user: Settings,
-                                                        command: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("FLUSHALL",),
+        ("FLUSHDB",),
+        ("SHUTDOWN",),
+        ("CLIENT", "KILL", "TYPE", "pubsub"),
+        ("CONFIG", "SET", "maxmemory", "1"),
+        ("DEL", "freshline:models"),
+        ("SET", ACTIVE_SCHEMA_KEY, "7"),  # the deploy pointer: read-only to it
+        ("DEL", "elsewhere:x"),
+    ],
+    ids=lambda c: " ".join(c[:2]),
+)
+def test_the_api_user_may_not_run_destructive_commands(
+    settings: Settings, api_user: Settings, command: tuple[str, ...]
+) -> None:
     admin = redis_client(settings)
     try:
         verdict = admin.execute_command("ACL", "DRYRUN", api_user.redis_username, *command)
-        allowed = admin.execute_command("ACL", "DRYRUN", api_user.redis_username,
-                                        "GET", "feat:1:txn_90d:{t:1}")
+        allowed = admin.execute_command(
+            "ACL", "DRYRUN", api_user.redis_username, "GET", "feat:1:txn_90d:{t:1}"
+        )
     finally:
         admin.close()
     assert allowed == b"OK"
     assert verdict != b"OK" and b"no permissions" in verdict, verdict
 
 
-def test_the_api_user_serves_and_fills_features(api_user: Settings, engine: Engine,
-                                                 tenant: str) -> None:
+def test_the_api_user_serves_and_fills_features(
+    api_user: Settings, engine: Engine, tenant: str
+) -> None:
     """The whole read path as the API's logins: the key lookup (and its last-used write)
     as ``freshline_api``, the read-through's lease and fill scripts as the Redis API
     user, the invalidation and deploy subscriptions."""
     api_engine = role_engine(api_user, "FRESHLINE_STACK_POSTGRES_API_URL")
     version = fresh_version()
     local = api_user.model_copy(update={"schema_version": version, "local_cache_size": 10})
-    app = create_app(local, engine=api_engine)   # Redis: built from the API user's settings
+    app = create_app(local, engine=api_engine)  # Redis: built from the API user's settings
     key = create_api_key(engine, tenant)
     try:
         with running(app, key) as api:
@@ -166,16 +193,22 @@ def test_the_api_user_serves_and_fills_features(api_user: Settings, engine: Engi
     assert again.status_code == 200
     want = compute(engine, REGISTRY["txn_90d"], [(tenant, "1")]).values[(tenant, "1")]
     assert first.json()["values"] == want
-    admin = redis_client(api_user.model_copy(update={
-        "redis_username": os.environ["FRESHLINE_REDIS_USERNAME"],
-        "redis_password": SecretStr(os.environ["FRESHLINE_REDIS_PASSWORD"])}))
+    admin = redis_client(
+        api_user.model_copy(
+            update={
+                "redis_username": os.environ["FRESHLINE_REDIS_USERNAME"],
+                "redis_password": SecretStr(os.environ["FRESHLINE_REDIS_PASSWORD"]),
+            }
+        )
+    )
     stored = admin.exists(feature_key(version, EntityRef("txn_90d", tenant, "1")))
     admin.close()
     assert stored == 1  # the fill went through, as the API user
 
 
 def test_the_writer_user_writes_features_but_not_deploys(
-        settings: Settings, writer_user: Settings, engine: Engine, tenant: str) -> None:
+    settings: Settings, writer_user: Settings, engine: Engine, tenant: str
+) -> None:
     client = redis_client(writer_user)
     try:
         assert client.acl_whoami() == writer_user.redis_username
@@ -189,10 +222,12 @@ def test_the_writer_user_writes_features_but_not_deploys(
         client.close()
     admin = redis_client(settings)
     try:
-        for command in (("SET", ACTIVE_SCHEMA_KEY, "7"), ("FLUSHALL",),
-                        ("CONFIG", "SET", "maxmemory", "0")):
-            verdict = admin.execute_command("ACL", "DRYRUN", writer_user.redis_username,
-                                            *command)
+        for command in (
+            ("SET", ACTIVE_SCHEMA_KEY, "7"),
+            ("FLUSHALL",),
+            ("CONFIG", "SET", "maxmemory", "0"),
+        ):
+            verdict = admin.execute_command("ACL", "DRYRUN", writer_user.redis_username, *command)
             assert b"no permissions" in verdict, (command, verdict)
     finally:
         admin.close()
@@ -201,19 +236,24 @@ def test_the_writer_user_writes_features_but_not_deploys(
 # ------------------------------------------------------------------------ Postgres roles
 
 
-@pytest.mark.parametrize("statement", [
-    "INSERT INTO tenants (id, name) VALUES ('intruder', 'x')",
-    "UPDATE transactions SET amount = 0",
-    "DELETE FROM users",
-    "TRUNCATE geoip",
-    "UPDATE api_keys SET revoked_at = NULL",
-    "INSERT INTO api_keys (key_hash, tenant_id, id) VALUES ('h', 'x', 'i')",
-    "CREATE TABLE intruder (x int)",
-])
-@pytest.mark.parametrize("role", ["FRESHLINE_STACK_POSTGRES_API_URL",
-                                  "FRESHLINE_STACK_POSTGRES_CONSUMER_URL"])
-def test_the_service_roles_cannot_write_source_tables(settings: Settings, role: str,
-                                                      statement: str) -> None:
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "INSERT INTO tenants (id, name) VALUES ('intruder', 'x')",
+        "UPDATE transactions SET amount = 0",
+        "DELETE FROM users",
+        "TRUNCATE geoip",
+        "UPDATE api_keys SET revoked_at = NULL",
+        "INSERT INTO api_keys (key_hash, tenant_id, id) VALUES ('h', 'x', 'i')",
+        "CREATE TABLE intruder (x int)",
+    ],
+)
+@pytest.mark.parametrize(
+    "role", ["FRESHLINE_STACK_POSTGRES_API_URL", "FRESHLINE_STACK_POSTGRES_CONSUMER_URL"]
+)
+def test_the_service_roles_cannot_write_source_tables(
+    settings: Settings, role: str, statement: str
+) -> None:
     eng = role_engine(settings, role)
     try:
         with eng.connect() as conn:
@@ -225,35 +265,43 @@ def test_the_service_roles_cannot_write_source_tables(settings: Settings, role: 
 
 
 def test_only_the_consumer_role_may_fold_bucket_deltas_and_neither_writes_buckets(
-        settings: Settings) -> None:
+    settings: Settings,
+) -> None:
     """The consumers fold pending bucket deltas through a SECURITY DEFINER function;
     the bucket tables themselves stay read-only to both service roles."""
     consumer = role_engine(settings, "FRESHLINE_STACK_POSTGRES_CONSUMER_URL")
     api = role_engine(settings, "FRESHLINE_STACK_POSTGRES_API_URL")
     try:
         with consumer.begin() as conn:
-            assert conn.execute(sa.text(
-                "SELECT freshline_fold_bucket_deltas(10, false)")).scalar_one() is not None
+            assert (
+                conn.execute(sa.text("SELECT freshline_fold_bucket_deltas(10, false)")).scalar_one()
+                is not None
+            )
         for eng in (consumer, api):
-            with eng.connect() as conn, pytest.raises(sa.exc.ProgrammingError,
-                                                      match="permission denied"):
+            with (
+                eng.connect() as conn,
+                pytest.raises(sa.exc.ProgrammingError, match="permission denied"),
+            ):
                 conn.execute(sa.text("DELETE FROM txn_buckets"))
-        with api.connect() as conn, pytest.raises(sa.exc.ProgrammingError,
-                                                  match="permission denied"):
+        with (
+            api.connect() as conn,
+            pytest.raises(sa.exc.ProgrammingError, match="permission denied"),
+        ):
             conn.execute(sa.text("SELECT freshline_fold_bucket_deltas(10, false)"))
     finally:
         consumer.dispose()
         api.dispose()
 
 
-def test_the_api_role_may_mark_a_key_used(settings: Settings, engine: Engine,
-                                          tenant: str) -> None:
+def test_the_api_role_may_mark_a_key_used(settings: Settings, engine: Engine, tenant: str) -> None:
     create_api_key(engine, tenant)
     eng = role_engine(settings, "FRESHLINE_STACK_POSTGRES_API_URL")
     try:
         with eng.begin() as conn:
-            updated = conn.execute(sa.text(
-                "UPDATE api_keys SET last_used_at = now() WHERE tenant_id = :t"), {"t": tenant})
+            updated = conn.execute(
+                sa.text("UPDATE api_keys SET last_used_at = now() WHERE tenant_id = :t"),
+                {"t": tenant},
+            )
         assert updated.rowcount >= 1
     finally:
         eng.dispose()
@@ -263,13 +311,17 @@ def test_the_api_role_may_mark_a_key_used(settings: Settings, engine: Engine,
 
 
 def scram(settings: Settings, password: str | None = None) -> Settings:
-    return settings.model_copy(update={
-        "kafka_bootstrap": need("FRESHLINE_STACK_KAFKA_SASL_BOOTSTRAP"),
-        "kafka_security_protocol": "sasl_plaintext",
-        "kafka_sasl_mechanism": "SCRAM-SHA-512",
-        "kafka_sasl_username": need("FRESHLINE_STACK_KAFKA_SASL_USER"),
-        "kafka_sasl_password": SecretStr(password or need("FRESHLINE_STACK_KAFKA_SASL_PASSWORD")),
-    })
+    return settings.model_copy(
+        update={
+            "kafka_bootstrap": need("FRESHLINE_STACK_KAFKA_SASL_BOOTSTRAP"),
+            "kafka_security_protocol": "sasl_plaintext",
+            "kafka_sasl_mechanism": "SCRAM-SHA-512",
+            "kafka_sasl_username": need("FRESHLINE_STACK_KAFKA_SASL_USER"),
+            "kafka_sasl_password": SecretStr(
+                password or need("FRESHLINE_STACK_KAFKA_SASL_PASSWORD")
+            ),
+        }
+    )
 
 
 def test_produce_and_consume_with_scram(settings: Settings) -> None:
@@ -287,9 +339,14 @@ def test_produce_and_consume_with_scram(settings: Settings) -> None:
         with Consumer(local) as consumer:
             consumer.subscribe([topic])
             got: list[bytes] = []
-            assert wait_until(lambda: bool(
-                (m := consumer.poll(0.5)) is not None and got.append(m.value() or b"") is None
-                and got), timeout=30)
+            assert wait_until(
+                lambda: bool(
+                    (m := consumer.poll(0.5)) is not None
+                    and got.append(m.value() or b"") is None
+                    and got
+                ),
+                timeout=30,
+            )
         assert got == [b"over scram"]
     finally:
         admin.delete_topics([topic])
@@ -300,10 +357,13 @@ def test_a_wrong_scram_password_is_refused(settings: Settings) -> None:
     with pytest.raises(ServiceUnavailable):
         admin_client(wrong)
     errors: list[KafkaError] = []
-    producer = confluent_kafka.Producer(client_config(wrong, "producer",
-                                                      error_cb=errors.append))
-    assert wait_until(lambda: producer.poll(0.2) >= 0 and any(
-        e.code() == KafkaError._AUTHENTICATION for e in errors), timeout=30), errors
+    producer = confluent_kafka.Producer(client_config(wrong, "producer", error_cb=errors.append))
+    assert wait_until(
+        lambda: (
+            producer.poll(0.2) >= 0 and any(e.code() == KafkaError._AUTHENTICATION for e in errors)
+        ),
+        timeout=30,
+    ), errors
     producer.flush(0)
 
 
@@ -321,8 +381,9 @@ def test_the_plaintext_listener_is_not_the_scram_one(settings: Settings) -> None
 def test_connect_never_shows_the_database_password(settings: Settings, engine: Engine) -> None:
     secrets = need("FRESHLINE_CONNECT_SECRETS_FILE")
     tag = uuid.uuid4().hex[:8]
-    local = settings.model_copy(update={"topic_prefix": f"sec{tag}.",
-                                        "connect_secrets_file": secrets})
+    local = settings.model_copy(
+        update={"topic_prefix": f"sec{tag}.", "connect_secrets_file": secrets}
+    )
     owned = names(local)
     client = ConnectClient(local.connect_url)
     config = connector_config(local, owned, snapshot_mode="no_data")
@@ -331,8 +392,9 @@ def test_connect_never_shows_the_database_password(settings: Settings, engine: E
     client.put_config(owned.connector, config)
     try:
         # RUNNING means the worker resolved the reference and logged in to Postgres.
-        assert wait_until(lambda: _task_state(client, owned.connector) == "RUNNING",
-                          timeout=90), client.status(owned.connector)
+        assert wait_until(lambda: _task_state(client, owned.connector) == "RUNNING", timeout=90), (
+            client.status(owned.connector)
+        )
         status, shown = client.request("GET", f"/connectors/{owned.connector}/config")
         assert status == 200
         status, tasks = client.request("GET", f"/connectors/{owned.connector}/tasks")
@@ -368,25 +430,89 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[int, Path]]:
     def run(*args: str) -> None:
         subprocess.run([openssl, *args], cwd=tmp_path, check=True, capture_output=True)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test CA",
-        "-keyout", "ca.key", "-out", "ca.crt")
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=test CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+    )
     (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     for name, ext in (("server", ["-extfile", "san.ext"]), ("client", [])):
-        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-            "-keyout", f"{name}.key", "-out", f"{name}.csr")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "2", *ext, "-out", f"{name}.crt")
+        run(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+        )
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            *ext,
+            "-out",
+            f"{name}.crt",
+        )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-         "--tls-cert-file", str(tmp_path / "server.crt"),
-         "--tls-key-file", str(tmp_path / "server.key"),
-         "--tls-ca-cert-file", str(tmp_path / "ca.crt"), "--tls-auth-clients", "yes",
-         "--save", "", "--appendonly", "no",
-         "--user", "tester", "on", ">s3cret", "~*", "&*", "+@all", "--user", "default", "off"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            binary,
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--tls-cert-file",
+            str(tmp_path / "server.crt"),
+            "--tls-key-file",
+            str(tmp_path / "server.key"),
+            "--tls-ca-cert-file",
+            str(tmp_path / "ca.crt"),
+            "--tls-auth-clients",
+            "yes",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--user",
+            "tester",
+            "on",
+            ">s3cret",
+            "~*",
+            "&*",
+            "+@all",
+            "--user",
+            "default",
+            "off",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 10
     while not _listening(port):
         if time.monotonic() > deadline or proc.poll() is not None:
@@ -404,11 +530,17 @@ def _listening(port: int) -> bool:
 
 
 def tls_settings(port: int, certs: Path, **extra: Any) -> Settings:
-    return Settings(**{
-        "redis_url": f"rediss://127.0.0.1:{port}/0", "redis_username": "tester",
-        "redis_password": "s3cret", "redis_tls_ca": str(certs / "ca.crt"),
-        "redis_tls_cert": str(certs / "client.crt"), "redis_tls_key": str(certs / "client.key"),
-        **extra})
+    return Settings(
+        **{
+            "redis_url": f"rediss://127.0.0.1:{port}/0",
+            "redis_username": "tester",
+            "redis_password": "s3cret",
+            "redis_tls_ca": str(certs / "ca.crt"),
+            "redis_tls_cert": str(certs / "client.crt"),
+            "redis_tls_key": str(certs / "client.key"),
+            **extra,
+        }
+    )
 
 
 def test_redis_over_tls_with_a_client_certificate(tls_redis: tuple[int, Path]) -> None:
@@ -419,7 +551,7 @@ def test_redis_over_tls_with_a_client_certificate(tls_redis: tuple[int, Path]) -
     assert client.get("feat:1:txn_90d:{t:1}") == b"x"
 
     async def twin_reads() -> bytes | None:
-        twin = async_twin(client)   # the API's asyncio client: the same TLS options
+        twin = async_twin(client)  # the API's asyncio client: the same TLS options
         try:
             return await twin.get("feat:1:txn_90d:{t:1}")  # type: ignore[no-any-return]
         finally:
@@ -440,8 +572,9 @@ def test_redis_tls_needs_each_option(tls_redis: tuple[int, Path], missing: str) 
         "ca": {"redis_tls_ca": ""},
         "tls": {"redis_url": f"redis://127.0.0.1:{port}/0"},
     }[missing]
-    client = redis_client(tls_settings(port, certs, **update), socket_connect_timeout=2,
-                          socket_timeout=2)
+    client = redis_client(
+        tls_settings(port, certs, **update), socket_connect_timeout=2, socket_timeout=2
+    )
     with pytest.raises(redis.exceptions.ConnectionError):
         client.ping()
     client.close()

@@ -30,23 +30,84 @@ VENV_BIN = Path(sys.executable).parent
 # grep, sed, mawk, tar, gzip, debianutils, dpkg, apt) and the machine's own Python, Java,
 # Maven and git. A program here needs no install step.
 BARE = {
-    "apt-get", "awk", "base64", "basename", "bash", "cat", "chmod", "chown", "cp", "cut",
-    "date", "dirname", "env", "find", "git", "grep", "gzip", "head", "hostname", "id",
-    "java", "kill", "ln", "ls", "mkdir", "mktemp", "mv", "mvn", "nproc", "pkill", "printf",
-    "ps", "pwd", "python3", "readlink", "realpath", "rm", "runuser", "sed", "seq", "setsid",
-    "sh", "sha256sum", "sleep", "sort", "stat", "tail", "tar", "tee", "timeout", "touch",
-    "tr", "true", "false", "uname", "uniq", "wc", "xargs", "test", "which", "sha1sum", "dir",
+    "apt-get",
+    "awk",
+    "base64",
+    "basename",
+    "bash",
+    "cat",
+    "chmod",
+    "chown",
+    "cp",
+    "cut",
+    "date",
+    "dirname",
+    "env",
+    "find",
+    "git",
+    "grep",
+    "gzip",
+    "head",
+    "hostname",
+    "id",
+    "java",
+    "kill",
+    "ln",
+    "ls",
+    "mkdir",
+    "mktemp",
+    "mv",
+    "mvn",
+    "nproc",
+    "pkill",
+    "printf",
+    "ps",
+    "pwd",
+    "python3",
+    "readlink",
+    "realpath",
+    "rm",
+    "runuser",
+    "sed",
+    "seq",
+    "setsid",
+    "sh",
+    "sha256sum",
+    "sleep",
+    "sort",
+    "stat",
+    "tail",
+    "tar",
+    "tee",
+    "timeout",
+    "touch",
+    "tr",
+    "true",
+    "false",
+    "uname",
+    "uniq",
+    "wc",
+    "xargs",
+    "test",
+    "which",
+    "sha1sum",
+    "dir",
 }
 PYTHON_DIRS = ("pipeline", "consumers", "bench", "tests", "migrations", "schemas", "examples")
-SCRIPTS = [p for p in (ROOT / "scripts").iterdir()
-           if p.is_file() and p.suffix != ".txt"] + [ROOT / ".ci" / "run"]
+SCRIPTS = [p for p in (ROOT / "scripts").iterdir() if p.is_file() and p.suffix != ".txt"] + [
+    ROOT / ".ci" / "run"
+]
 RUNNERS = {"run", "Popen", "call", "check_call", "check_output", "create_subprocess_exec"}
 
 
 def installed(command: str) -> bool:
     """Listed in the manifest, on the bare image, or an entry point of the lock's."""
-    return (command in manifest() or command in BARE
-            or (VENV_BIN / command).exists() or command.startswith((".venv/", "scripts/")))
+    return (
+        command in manifest()
+        or command in BARE
+        or (VENV_BIN / command).exists()
+        or command.startswith((".venv/", "scripts/"))
+    )
 
 
 def python_programs() -> dict[str, set[str]]:
@@ -57,8 +118,13 @@ def python_programs() -> dict[str, set[str]]:
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if not isinstance(node, ast.Call) or not node.args:
                     continue
-                name = (node.func.attr if isinstance(node.func, ast.Attribute)
-                        else node.func.id if isinstance(node.func, ast.Name) else "")
+                name = (
+                    node.func.attr
+                    if isinstance(node.func, ast.Attribute)
+                    else node.func.id
+                    if isinstance(node.func, ast.Name)
+                    else ""
+                )
                 first = node.args[0]
                 if name in RUNNERS and isinstance(first, ast.List | ast.Tuple) and first.elts:
                     first = first.elts[0]
@@ -71,14 +137,56 @@ def python_programs() -> dict[str, set[str]]:
 
 COMMAND_WORD = re.compile(  # a word at command position that is not a case label
     r"(?:^|[|;&({]|\$\(|\b(?:then|do|else|exec|timeout \d+)\s)\s*"
-    r"([A-Za-z_][\w.+-]*)(?![\w.+-]|\))")
+    r"([A-Za-z_][\w.+-]*)(?![\w.+-]|\))"
+)
 COMMAND_V = re.compile(r"\bcommand -v ([A-Za-z_][\w.+-]*)")
 BUILTINS = {
-    "alias", "bg", "break", "builtin", "case", "cd", "command", "compgen", "continue",
-    "declare", "do", "done", "echo", "elif", "else", "esac", "eval", "exec", "exit", "export",
-    "fi", "for", "function", "getopts", "hash", "if", "in", "local", "mapfile", "read",
-    "readonly", "return", "select", "set", "shift", "source", "then", "time", "trap", "type",
-    "ulimit", "umask", "unset", "until", "wait", "while",
+    "alias",
+    "bg",
+    "break",
+    "builtin",
+    "case",
+    "cd",
+    "command",
+    "compgen",
+    "continue",
+    "declare",
+    "do",
+    "done",
+    "echo",
+    "elif",
+    "else",
+    "esac",
+    "eval",
+    "exec",
+    "exit",
+    "export",
+    "fi",
+    "for",
+    "function",
+    "getopts",
+    "hash",
+    "if",
+    "in",
+    "local",
+    "mapfile",
+    "read",
+    "readonly",
+    "return",
+    "select",
+    "set",
+    "shift",
+    "source",
+    "then",
+    "time",
+    "trap",
+    "type",
+    "ulimit",
+    "umask",
+    "unset",
+    "until",
+    "wait",
+    "while",
 }
 
 
@@ -119,10 +227,11 @@ def test_every_program_the_scripts_run_is_installed_by_the_scripts() -> None:
 def test_every_command_the_scripts_ask_apt_install_for_is_in_the_manifest() -> None:
     asked = set()
     for path in SCRIPTS:
-        code = "\n".join(line for line in path.read_text().splitlines()
-                         if not line.strip().startswith("#"))
+        code = "\n".join(
+            line for line in path.read_text().splitlines() if not line.strip().startswith("#")
+        )
         for args in re.findall(r"apt-install\"? --for ([^|;&\n]+)", code):
-            asked |= {a for a in args.split() if not a.startswith(("$", "\"$", "||"))}
+            asked |= {a for a in args.split() if not a.startswith(("$", '"$', "||"))}
     assert {"promtool", "wrk", "openssl", "go"} <= asked
     assert not asked - set(manifest()), asked - set(manifest())
 
@@ -133,24 +242,37 @@ def test_the_scan_would_catch_a_tool_installed_by_hand(tmp_path: Path) -> None:
 
 
 def test_a_missing_tool_is_one_line_naming_the_install_command(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(MissingTool, match=r"^wrk is not installed; install it with: "
-                       r"scripts/apt-install --for wrk \(Debian package wrk\)$"):
+    with pytest.raises(
+        MissingTool,
+        match=r"^wrk is not installed; install it with: "
+        r"scripts/apt-install --for wrk \(Debian package wrk\)$",
+    ):
         require("wrk")
 
 
 def test_apt_install_refuses_a_command_missing_from_the_manifest() -> None:
-    done = subprocess.run([str(ROOT / "scripts" / "apt-install"), "--for", "no-such-tool"],
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "apt-install"), "--for", "no-such-tool"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 1
-    assert done.stderr.strip() == ("apt-install: error: no-such-tool is not in "
-                                   "scripts/packages.txt; add it with its Debian package")
+    assert done.stderr.strip() == (
+        "apt-install: error: no-such-tool is not in "
+        "scripts/packages.txt; add it with its Debian package"
+    )
 
 
 def test_apt_install_does_nothing_when_every_command_is_there() -> None:
-    present = [c for c in manifest()
-               if (os.access(c, os.X_OK) if "/" in c else shutil.which(c))]
-    done = subprocess.run([str(ROOT / "scripts" / "apt-install"), "--for", *present],
-                          capture_output=True, text=True, timeout=30)
+    present = [c for c in manifest() if (os.access(c, os.X_OK) if "/" in c else shutil.which(c))]
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "apt-install"), "--for", *present],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 0 and done.stdout == "" and done.stderr == "", done

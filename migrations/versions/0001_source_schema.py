@@ -83,6 +83,4 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.execute(
-        "DROP TABLE api_keys, geoip, user_devices, devices, transactions, users, tenants"
-    )
+    op.execute("DROP TABLE api_keys, geoip, user_devices, devices, transactions, users, tenants")

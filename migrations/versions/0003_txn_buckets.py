@@ -38,15 +38,15 @@ _DAY = "(({col}) AT TIME ZONE 'UTC')::date"
 # An UPDATE's unchanged rows (same user, time, amount, merchant, device) cancel out.
 _DELTAS = {
     "insert": "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, "
-              "ip, 1 AS w FROM new_rows",
+    "ip, 1 AS w FROM new_rows",
     "delete": "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, "
-              "ip, -1 AS w FROM old_rows",
+    "ip, -1 AS w FROM old_rows",
     "update": "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, ip, "
-              "sum(w)::int AS w FROM ("
-              "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, ip, 1 AS w "
-              "FROM new_rows UNION ALL "
-              "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, ip, -1 "
-              "FROM old_rows) AS u GROUP BY 1, 2, 3, 4, 5, 6, 7 HAVING sum(w) <> 0",
+    "sum(w)::int AS w FROM ("
+    "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, ip, 1 AS w "
+    "FROM new_rows UNION ALL "
+    "SELECT tenant_id, user_id, created_at, amount, merchant_id, device_id, ip, -1 "
+    "FROM old_rows) AS u GROUP BY 1, 2, 3, 4, 5, 6, 7 HAVING sum(w) <> 0",
 }
 
 # One statement's changes applied in order; each statement of a VOLATILE function gets
@@ -184,24 +184,32 @@ _INSERT_LATEST = """
         SET prev = l.latest, latest = greatest(l.latest, excluded.latest);
 """
 
-_MEMBERS = ("SELECT tenant_id, user_id, 'm' AS kind, merchant_id AS member, {day} AS day "
-            "FROM ({delta}) AS d UNION ALL "
-            "SELECT tenant_id, user_id, 'd', device_id, {day} FROM ({delta}) AS d "
-            "WHERE device_id IS NOT NULL UNION ALL "
-            "SELECT tenant_id, user_id, 'c', g.country, {day} FROM ({delta}) AS d "
-            "CROSS JOIN LATERAL ({geo}) AS g")
+_MEMBERS = (
+    "SELECT tenant_id, user_id, 'm' AS kind, merchant_id AS member, {day} AS day "
+    "FROM ({delta}) AS d UNION ALL "
+    "SELECT tenant_id, user_id, 'd', device_id, {day} FROM ({delta}) AS d "
+    "WHERE device_id IS NOT NULL UNION ALL "
+    "SELECT tenant_id, user_id, 'c', g.country, {day} FROM ({delta}) AS d "
+    "CROSS JOIN LATERAL ({geo}) AS g"
+)
 
 # The country of an IP, as the geo feature set looks it up (features._GEO_OF).
-GEO_OF = ("SELECT g.country FROM (SELECT country, ip_to FROM geoip WHERE ip_from <= d.ip "
-          "ORDER BY ip_from DESC LIMIT 1) g WHERE d.ip <= g.ip_to")
+GEO_OF = (
+    "SELECT g.country FROM (SELECT country, ip_to FROM geoip WHERE ip_from <= d.ip "
+    "ORDER BY ip_from DESC LIMIT 1) g WHERE d.ip <= g.ip_to"
+)
 
-_REFS = {"insert": ("INSERT", "NEW TABLE AS new_rows"),
-         "delete": ("DELETE", "OLD TABLE AS old_rows"),
-         "update": ("UPDATE", "OLD TABLE AS old_rows NEW TABLE AS new_rows")}
+_REFS = {
+    "insert": ("INSERT", "NEW TABLE AS new_rows"),
+    "delete": ("DELETE", "OLD TABLE AS old_rows"),
+    "update": ("UPDATE", "OLD TABLE AS old_rows NEW TABLE AS new_rows"),
+}
 
 
-_UNNEST = ("SELECT * FROM unnest(d_t, d_u, d_at, d_a, d_m, d_d, d_ip, d_w) AS "
-           "u(tenant_id, user_id, created_at, amount, merchant_id, device_id, ip, w)")
+_UNNEST = (
+    "SELECT * FROM unnest(d_t, d_u, d_at, d_a, d_m, d_d, d_ip, d_w) AS "
+    "u(tenant_id, user_id, created_at, amount, merchant_id, device_id, ip, w)"
+)
 
 
 def apply_functions() -> str:
@@ -215,11 +223,23 @@ def apply_functions() -> str:
             steps = {"step2": "", "step45": _INSERT_LATEST, "cleanup": ""}
         else:
             steps = dict(_REMOVALS)
-        body = _APPLY.format(op=name, event=event, refs=refs, source=source,
-                             day="{day}", delta="{delta}", members="{members}",
-                             geo="{geo}", **steps)
-        body = (body.replace("{delta}", _UNNEST).replace("{members}", members)
-                .replace("{day}", day).replace("{geo}", GEO_OF))
+        body = _APPLY.format(
+            op=name,
+            event=event,
+            refs=refs,
+            source=source,
+            day="{day}",
+            delta="{delta}",
+            members="{members}",
+            geo="{geo}",
+            **steps,
+        )
+        body = (
+            body.replace("{delta}", _UNNEST)
+            .replace("{members}", members)
+            .replace("{day}", day)
+            .replace("{geo}", GEO_OF)
+        )
         parts.append(_both_plans(body))
     return "\n".join(parts)
 
@@ -238,17 +258,18 @@ def _both_plans(body: str) -> str:
     stmts, tail = rest.split("    RETURN NULL;\nEND", 1)
     out = [head, "    END IF;\n"]
     for stmt in re.split(r";\s*\n", stmts):
-        lines = [ln for ln in stmt.splitlines() if ln.strip() and
-                 not ln.strip().startswith("--")]
+        lines = [ln for ln in stmt.splitlines() if ln.strip() and not ln.strip().startswith("--")]
         if not lines:
             continue
         sql = "\n".join(lines)
         dynamic = sql
         for i, var in enumerate(_VARS, 1):
             dynamic = re.sub(rf"\b{var}\b", f"${i}", dynamic)
-        out.append(f"    IF cardinality(d_t) > {BIG_DELTA} THEN\n"
-                   f"        EXECUTE $q${dynamic}$q$ USING {', '.join(_VARS)};\n"
-                   f"    ELSE\n{sql};\n    END IF;\n")
+        out.append(
+            f"    IF cardinality(d_t) > {BIG_DELTA} THEN\n"
+            f"        EXECUTE $q${dynamic}$q$ USING {', '.join(_VARS)};\n"
+            f"    ELSE\n{sql};\n    END IF;\n"
+        )
     return "".join(out) + "    RETURN NULL;\nEND" + tail
 
 
@@ -297,8 +318,11 @@ CREATE TRIGGER geoip_buckets_truncate AFTER TRUNCATE ON geoip
 _GEOIP_RANGES = {
     "insert": ("INSERT", "NEW TABLE AS new_rows", "SELECT ip_from, ip_to FROM new_rows"),
     "delete": ("DELETE", "OLD TABLE AS old_rows", "SELECT ip_from, ip_to FROM old_rows"),
-    "update": ("UPDATE", "OLD TABLE AS old_rows NEW TABLE AS new_rows",
-               "SELECT ip_from, ip_to FROM new_rows UNION SELECT ip_from, ip_to FROM old_rows"),
+    "update": (
+        "UPDATE",
+        "OLD TABLE AS old_rows NEW TABLE AS new_rows",
+        "SELECT ip_from, ip_to FROM new_rows UNION SELECT ip_from, ip_to FROM old_rows",
+    ),
 }
 _GEOIP = """
 CREATE FUNCTION freshline_geoip_buckets_{op}() RETURNS trigger LANGUAGE plpgsql AS $fn$
@@ -321,8 +345,9 @@ CREATE TRIGGER geoip_buckets_{op} AFTER {event} ON geoip
 
 def geoip_functions() -> str:
     """What keeps the country members exact when geoip changes, as SQL."""
-    return _COUNTRIES + "".join(_GEOIP.format(op=op, event=e, refs=r, ranges=q)
-                                for op, (e, r, q) in _GEOIP_RANGES.items())
+    return _COUNTRIES + "".join(
+        _GEOIP.format(op=op, event=e, refs=r, ranges=q) for op, (e, r, q) in _GEOIP_RANGES.items()
+    )
 
 
 def upgrade() -> None:

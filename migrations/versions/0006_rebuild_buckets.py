@@ -27,9 +27,12 @@ depends_on = None
 
 
 def _outdated() -> bool:
-    found = op.get_bind().execute(sa.text(
-        "SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema() "
-        "AND table_name = 'txn_buckets' AND column_name = 'countries_latest'"))
+    found = op.get_bind().execute(
+        sa.text(
+            "SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema() "
+            "AND table_name = 'txn_buckets' AND column_name = 'countries_latest'"
+        )
+    )
     return found.first() is None
 
 

@@ -51,8 +51,10 @@ _COLS = "tenant_id, user_id, created_at, amount, merchant_id, device_id, ip"
 _DAY = "(({col}) AT TIME ZONE 'UTC')::date"
 
 # The country of an IP, as the geo feature set looks it up (features._GEO_OF).
-_GEO_OF = ("SELECT g.country FROM (SELECT country, ip_to FROM geoip WHERE ip_from <= d.ip "
-           "ORDER BY ip_from DESC LIMIT 1) g WHERE d.ip <= g.ip_to")
+_GEO_OF = (
+    "SELECT g.country FROM (SELECT country, ip_to FROM geoip WHERE ip_from <= d.ip "
+    "ORDER BY ip_from DESC LIMIT 1) g WHERE d.ip <= g.ip_to"
+)
 
 # -- the triggers: append the changed rows ----------------------------------------------
 
@@ -61,22 +63,25 @@ _APPEND = {
     "delete": f"INSERT INTO txn_bucket_deltas ({_COLS}, w) SELECT {_COLS}, -1 FROM old_rows",
     # An UPDATE that leaves user, time, amount, merchant, device and ip alone cancels out.
     "update": f"INSERT INTO txn_bucket_deltas ({_COLS}, w) "
-              f"SELECT {_COLS}, sum(w) FROM ("
-              f"SELECT {_COLS}, 1 AS w FROM new_rows UNION ALL "
-              f"SELECT {_COLS}, -1 FROM old_rows) AS u "
-              "GROUP BY 1, 2, 3, 4, 5, 6, 7 HAVING sum(w) <> 0",
+    f"SELECT {_COLS}, sum(w) FROM ("
+    f"SELECT {_COLS}, 1 AS w FROM new_rows UNION ALL "
+    f"SELECT {_COLS}, -1 FROM old_rows) AS u "
+    "GROUP BY 1, 2, 3, 4, 5, 6, 7 HAVING sum(w) <> 0",
 }
 
 
 def _append_functions() -> str:
-    return "".join(f"""
+    return "".join(
+        f"""
 CREATE OR REPLACE FUNCTION freshline_txn_buckets_{name}() RETURNS trigger LANGUAGE plpgsql AS $fn$
 BEGIN
     {sql};
     RETURN NULL;
 END
 $fn$;
-""" for name, sql in _APPEND.items())
+"""
+        for name, sql in _APPEND.items()
+    )
 
 
 _TRUNCATE = """
@@ -194,10 +199,26 @@ _STEPS = """
       AND b.n = 0;
 """
 
-_UNNEST = ("SELECT * FROM unnest(d_t, d_u, d_at, d_a, d_m, d_d, d_ip, d_w) AS "
-           "u(tenant_id, user_id, created_at, amount, merchant_id, device_id, ip, w)")
-_VARS = ("d_t", "d_u", "d_at", "d_a", "d_m", "d_d", "d_ip", "d_w",
-         "m_t", "m_u", "m_k", "m_m", "m_day", "m_w")
+_UNNEST = (
+    "SELECT * FROM unnest(d_t, d_u, d_at, d_a, d_m, d_d, d_ip, d_w) AS "
+    "u(tenant_id, user_id, created_at, amount, merchant_id, device_id, ip, w)"
+)
+_VARS = (
+    "d_t",
+    "d_u",
+    "d_at",
+    "d_a",
+    "d_m",
+    "d_d",
+    "d_ip",
+    "d_w",
+    "m_t",
+    "m_u",
+    "m_k",
+    "m_m",
+    "m_day",
+    "m_w",
+)
 
 
 def _both_plans(steps: str) -> str:
@@ -207,8 +228,7 @@ def _both_plans(steps: str) -> str:
     EXECUTE ... INTO."""
     out = []
     for stmt in re.split(r";\s*\n", steps):
-        lines = [ln for ln in stmt.splitlines() if ln.strip() and
-                 not ln.strip().startswith("--")]
+        lines = [ln for ln in stmt.splitlines() if ln.strip() and not ln.strip().startswith("--")]
         if not lines:
             continue
         sql = "\n".join(lines)
@@ -217,16 +237,22 @@ def _both_plans(steps: str) -> str:
         for i, var in enumerate(_VARS, 1):
             dynamic = re.sub(rf"\b{var}\b", f"${i}", dynamic)
         target = "" if into is None else f" INTO {into.group(1)}"
-        out.append(f"    IF cardinality(d_t) > {BIG_DELTA} THEN\n"
-                   f"        EXECUTE $q${dynamic}$q${target} USING {', '.join(_VARS)};\n"
-                   f"    ELSE\n{sql};\n    END IF;\n")
+        out.append(
+            f"    IF cardinality(d_t) > {BIG_DELTA} THEN\n"
+            f"        EXECUTE $q${dynamic}$q${target} USING {', '.join(_VARS)};\n"
+            f"    ELSE\n{sql};\n    END IF;\n"
+        )
     return "".join(out)
 
 
 def _fold_functions(schema: str) -> str:
     day = _DAY.format(col="created_at")
-    steps = _both_plans((_MEMBER_COUNTS + _STEPS).replace("{delta}", _UNNEST)
-                        .replace("{day}", day).replace("{geo}", _GEO_OF))
+    steps = _both_plans(
+        (_MEMBER_COUNTS + _STEPS)
+        .replace("{delta}", _UNNEST)
+        .replace("{day}", day)
+        .replace("{geo}", _GEO_OF)
+    )
     # Both are SECURITY DEFINER with a fixed search_path, so that the consumer role
     # may fold; the callers hold the lock on transactions and the advisory lock.
     return f"""

@@ -59,11 +59,17 @@ ROUTES = [
 ]
 
 
-def create_app(settings: Settings, *, engine: Engine | None = None,
-               redis_client: redis.Redis | None = None, local: LocalTier | None = None,
-               registry: Registry = REGISTRY, follow_deploys: bool = True,
-               consumer_metrics: list[str] | None = None,
-               status_interval_s: float = 60.0) -> Starlette:
+def create_app(
+    settings: Settings,
+    *,
+    engine: Engine | None = None,
+    redis_client: redis.Redis | None = None,
+    local: LocalTier | None = None,
+    registry: Registry = REGISTRY,
+    follow_deploys: bool = True,
+    consumer_metrics: list[str] | None = None,
+    status_interval_s: float = 60.0,
+) -> Starlette:
     """The read API. Clients not passed in are made from ``settings`` and closed on exit.
 
     The in-process tier is used when ``local`` is given, or made (and started at
@@ -80,45 +86,68 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
     owned_engine = engine is None
     owned_redis = redis_client is None
     engine = engine or make_engine(settings, pool_size=10)
-    client = redis_client or make_redis_client(
-        settings, socket_connect_timeout=2, socket_timeout=5)
+    client = redis_client or make_redis_client(settings, socket_connect_timeout=2, socket_timeout=5)
     owned_local = local is None and settings.local_cache_size > 0
     if owned_local:
-        local = LocalTier(client, max_entries=settings.local_cache_size, registry=registry,
-                          silence_s=settings.subscription_silence_ms / 1000)
+        local = LocalTier(
+            client,
+            max_entries=settings.local_cache_size,
+            registry=registry,
+            silence_s=settings.subscription_silence_ms / 1000,
+        )
 
-    store = FeatureStore(client, settings.schema_version, registry=registry,
-                         tombstone_ttl_s=settings.tombstone_ttl_s)
+    store = FeatureStore(
+        client, settings.schema_version, registry=registry, tombstone_ttl_s=settings.tombstone_ttl_s
+    )
     versions = VersionResolver(client, settings) if follow_deploys else None
     # Sampled reads gather in memory and are flushed in the background: no round trip.
     hot = HotReads(client, flush_s=HOT_FLUSH_S) if follow_deploys else None
     # With a replica, the feature queries run there and the primary gates the writes.
-    replica = (make_engine(settings, pool_size=10, url=settings.postgres_replica_url)
-               if settings.postgres_replica_url else None)
-    readthrough = ReadThrough(store, replica or engine, lease_ms=settings.lease_ms,
-                              wait_ms=settings.read_wait_ms, versions=versions, hot=hot,
-                              primary=engine if replica is not None else None)
+    replica = (
+        make_engine(settings, pool_size=10, url=settings.postgres_replica_url)
+        if settings.postgres_replica_url
+        else None
+    )
+    readthrough = ReadThrough(
+        store,
+        replica or engine,
+        lease_ms=settings.lease_ms,
+        wait_ms=settings.read_wait_ms,
+        versions=versions,
+        hot=hot,
+        primary=engine if replica is not None else None,
+    )
     services = routes.Services(
         settings=settings,
         redis=client,
         engine=engine,
         registry=registry,
         reader=FeatureReader(readthrough, local, timeout_s=socket_timeout(client)),
-        auth=Authenticator(engine, redis_client=client, ttl_s=settings.api_key_cache_s,
-                           silence_s=settings.subscription_silence_ms / 1000,
-                           last_used_interval_s=settings.api_key_last_used_s),
+        auth=Authenticator(
+            engine,
+            redis_client=client,
+            ttl_s=settings.api_key_cache_s,
+            silence_s=settings.subscription_silence_ms / 1000,
+            last_used_interval_s=settings.api_key_last_used_s,
+        ),
         models=ModelRegistry(client),
-        inference=InferenceCache(client, decimals=settings.inference_decimals,
-                                 ttl_s=settings.inference_ttl_s),
+        inference=InferenceCache(
+            client, decimals=settings.inference_decimals, ttl_s=settings.inference_ttl_s
+        ),
     )
 
     if consumer_metrics is None:
         port = settings.consumer_metrics_port
         consumer_metrics = [f"http://127.0.0.1:{port}/metrics"] if port else []
-    observer = Observer(client, registry, settings,
-                        version=lambda: services.reader.schema_version,
-                        counters=metrics.process_registry, consumer_metrics=consumer_metrics,
-                        lag=GroupLag(settings))
+    observer = Observer(
+        client,
+        registry,
+        settings,
+        version=lambda: services.reader.schema_version,
+        counters=metrics.process_registry,
+        consumer_metrics=consumer_metrics,
+        lag=GroupLag(settings),
+    )
     board = StatusBoard(observer, interval_s=status_interval_s)
     semantic = llm.SemanticService(settings, client)
 
@@ -128,8 +157,9 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
             check_eviction_policy(client)  # read-through fills are writes too
         except redis.exceptions.ConnectionError as exc:
             # Not ready yet (/readyz says so); the API still starts and serves health.
-            log.warning("Redis not reachable at start-up (%s); its eviction policy "
-                        "was not checked", exc)
+            log.warning(
+                "Redis not reachable at start-up (%s); its eviction policy was not checked", exc
+            )
         if owned_local and local is not None:
             local.start()
         services.auth.start()
@@ -165,12 +195,19 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
                 replica.dispose()
 
     audit_log.configure(settings.audit_log)
-    app = Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan,
-                    middleware=[Middleware(AccessGuard, auth=services.auth, settings=settings)])
+    app = Starlette(
+        routes=ROUTES,
+        exception_handlers=HANDLERS,
+        lifespan=lifespan,
+        middleware=[Middleware(AccessGuard, auth=services.auth, settings=settings)],
+    )
     app.state.services = services
-    app.state.openapi = document(registry.names(), batch_limit=settings.api_batch_limit,
-                                 body_limit=settings.api_body_limit_bytes,
-                                 prompt_limit=settings.semantic_max_prompt_chars)
+    app.state.openapi = document(
+        registry.names(),
+        batch_limit=settings.api_batch_limit,
+        body_limit=settings.api_body_limit_bytes,
+        prompt_limit=settings.semantic_max_prompt_chars,
+    )
     app.state.status = board
     app.state.semantic = semantic
     app.state.sampled_metrics = SampledMetrics(observer)
@@ -203,18 +240,33 @@ def async_twin(client: redis.Redis) -> redis.asyncio.Redis:
         return cluster_twin(client)
     kwargs = client.connection_pool.connection_kwargs
     common: dict[str, Any] = {
-        k: kwargs[k] for k in ("db", "username", "password", "socket_connect_timeout",
-                               "client_name") if k in kwargs}
+        k: kwargs[k]
+        for k in ("db", "username", "password", "socket_connect_timeout", "client_name")
+        if k in kwargs
+    }
     common["socket_timeout"] = None  # not redis-py's default of 5 s
     if "path" in kwargs:  # a Unix socket
         return packing_in_c(redis.asyncio.Redis(unix_socket_path=kwargs["path"], **common))
     ssl = issubclass(client.connection_pool.connection_class, redis.SSLConnection)
     if ssl:
-        common.update({k: kwargs[k] for k in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile",
-                                              "ssl_cert_reqs", "ssl_check_hostname")
-                       if k in kwargs})
-    return packing_in_c(redis.asyncio.Redis(host=kwargs.get("host", "localhost"),
-                                            port=kwargs.get("port", 6379), ssl=ssl, **common))
+        common.update(
+            {
+                k: kwargs[k]
+                for k in (
+                    "ssl_ca_certs",
+                    "ssl_certfile",
+                    "ssl_keyfile",
+                    "ssl_cert_reqs",
+                    "ssl_check_hostname",
+                )
+                if k in kwargs
+            }
+        )
+    return packing_in_c(
+        redis.asyncio.Redis(
+            host=kwargs.get("host", "localhost"), port=kwargs.get("port", 6379), ssl=ssl, **common
+        )
+    )
 
 
 class HiredisPacking:
@@ -252,8 +304,7 @@ def packing_in_c(twin: redis.asyncio.Redis) -> redis.asyncio.Redis:
     cls = pool.connection_class
     packing = _PACKING.get(cls)
     if packing is None:
-        packing = _PACKING[cls] = type(f"HiredisPacking{cls.__name__}",
-                                       (HiredisPacking, cls), {})
+        packing = _PACKING[cls] = type(f"HiredisPacking{cls.__name__}", (HiredisPacking, cls), {})
     pool.connection_class = packing
     return twin
 
@@ -261,11 +312,13 @@ def packing_in_c(twin: redis.asyncio.Redis) -> redis.asyncio.Redis:
 def cluster_twin(client: Any) -> redis.asyncio.Redis:
     nodes = client.get_nodes()
     kwargs = nodes[0].redis_connection.connection_pool.connection_kwargs
-    common = {k: kwargs[k] for k in ("username", "password", "socket_connect_timeout")
-              if k in kwargs}
+    common = {
+        k: kwargs[k] for k in ("username", "password", "socket_connect_timeout") if k in kwargs
+    }
     common["socket_timeout"] = None  # bounded by the caller, as for async_twin
-    twin = AsyncRedisCluster(startup_nodes=[AsyncClusterNode(n.host, n.port) for n in nodes],
-                             **common)
+    twin = AsyncRedisCluster(
+        startup_nodes=[AsyncClusterNode(n.host, n.port) for n in nodes], **common
+    )
     return cast(redis.asyncio.Redis, twin)
 
 

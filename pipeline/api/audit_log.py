@@ -26,8 +26,7 @@ def record(event: str, **fields: Any) -> None:
     """Write one audit line (``fields`` must not hold a key)."""
     if not LOGGER.isEnabledFor(logging.INFO):
         return
-    line = {"ts": datetime.now(UTC).isoformat(timespec="milliseconds"), "event": event,
-            **fields}
+    line = {"ts": datetime.now(UTC).isoformat(timespec="milliseconds"), "event": event, **fields}
     LOGGER.info("%s", orjson.dumps(line, default=str).decode())
 
 
@@ -39,8 +38,9 @@ def configure(path: str = "") -> None:
     for old in [h for h in LOGGER.handlers if h.get_name() == _HANDLER_NAME]:
         LOGGER.removeHandler(old)
         old.close()
-    handler: logging.Handler = (logging.FileHandler(path, encoding="utf-8") if path
-                                else logging.StreamHandler(sys.stderr))
+    handler: logging.Handler = (
+        logging.FileHandler(path, encoding="utf-8") if path else logging.StreamHandler(sys.stderr)
+    )
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(logging.Formatter("%(message)s"))
     LOGGER.addHandler(handler)

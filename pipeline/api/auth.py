@@ -58,8 +58,9 @@ class Unauthorized(FreshlineError):
     ``key_id`` names the key when it is known (revoked or expired), for the audit log.
     """
 
-    def __init__(self, message: str, *, key_id: str | None = None,
-                 reason: str = "unknown_key") -> None:
+    def __init__(
+        self, message: str, *, key_id: str | None = None, reason: str = "unknown_key"
+    ) -> None:
         self.key_id = key_id
         self.reason = reason
         super().__init__(message)
@@ -143,8 +144,14 @@ def create_tenant(engine: Engine, tenant: str, name: str | None = None) -> str:
     return register_tenant(engine, tenant, name).key
 
 
-def register_tenant(engine: Engine, tenant: str, name: str | None = None, *,
-                    label: str = "", expires_at: datetime | None = None) -> IssuedKey:
+def register_tenant(
+    engine: Engine,
+    tenant: str,
+    name: str | None = None,
+    *,
+    label: str = "",
+    expires_at: datetime | None = None,
+) -> IssuedKey:
     """Create the tenant row and its first API key (audited)."""
     tenant = validate_id("tenant", tenant)
     with engine.begin() as conn:
@@ -158,19 +165,22 @@ def register_tenant(engine: Engine, tenant: str, name: str | None = None, *,
             raise TenantExists(tenant)
         issued = _insert_key(conn, tenant, label, expires_at)
     audit_log.record("tenant.create", tenant=tenant, key_id=issued.key_id)
-    audit_log.record("apikey.create", tenant=tenant, key_id=issued.key_id, label=label,
-                     expires_at=expires_at)
+    audit_log.record(
+        "apikey.create", tenant=tenant, key_id=issued.key_id, label=label, expires_at=expires_at
+    )
     return issued
 
 
-def create_api_key(engine: Engine, tenant: str, *, label: str = "",
-                   expires_at: datetime | None = None) -> str:
+def create_api_key(
+    engine: Engine, tenant: str, *, label: str = "", expires_at: datetime | None = None
+) -> str:
     """Add an API key for an existing tenant; return it (shown once)."""
     return issue_api_key(engine, tenant, label=label, expires_at=expires_at).key
 
 
-def issue_api_key(engine: Engine, tenant: str, *, label: str = "",
-                  expires_at: datetime | None = None) -> IssuedKey:
+def issue_api_key(
+    engine: Engine, tenant: str, *, label: str = "", expires_at: datetime | None = None
+) -> IssuedKey:
     """Add an API key for an existing tenant (audited)."""
     tenant = validate_id("tenant", tenant)
     with engine.begin() as conn:
@@ -178,30 +188,40 @@ def issue_api_key(engine: Engine, tenant: str, *, label: str = "",
         if exists is None:
             raise UnknownTenant(tenant)
         issued = _insert_key(conn, tenant, label, expires_at)
-    audit_log.record("apikey.create", tenant=tenant, key_id=issued.key_id, label=label,
-                     expires_at=expires_at)
+    audit_log.record(
+        "apikey.create", tenant=tenant, key_id=issued.key_id, label=label, expires_at=expires_at
+    )
     return issued
 
 
-def _insert_key(conn: sa.Connection, tenant: str, label: str,
-                expires_at: datetime | None) -> IssuedKey:
+def _insert_key(
+    conn: sa.Connection, tenant: str, label: str, expires_at: datetime | None
+) -> IssuedKey:
     if len(label) > MAX_LABEL_LENGTH or not label.isprintable():
         raise ValueError(f"a label is printable text of at most {MAX_LABEL_LENGTH} characters")
     if expires_at is not None and expires_at.tzinfo is None:
         raise ValueError("expires_at must carry a time zone")
     key = generate_key()
     key_id = secrets.token_hex(KEY_ID_HEX // 2)
-    conn.execute(sa.insert(api_keys).values(
-        key_hash=hash_key(key), tenant_id=tenant, id=key_id, label=label,
-        created_at=datetime.now(UTC), expires_at=expires_at))
+    conn.execute(
+        sa.insert(api_keys).values(
+            key_hash=hash_key(key),
+            tenant_id=tenant,
+            id=key_id,
+            label=label,
+            created_at=datetime.now(UTC),
+            expires_at=expires_at,
+        )
+    )
     return IssuedKey(key_id, key, tenant)
 
 
 def list_api_keys(engine: Engine, tenant: str | None = None) -> list[KeyInfo]:
     """Every key (of ``tenant`` if given), oldest first; never the key or its hash."""
     c = api_keys.c
-    query = sa.select(c.id, c.tenant_id, c.label, c.created_at, c.expires_at,
-                      c.last_used_at, c.revoked_at).order_by(c.created_at, c.id)
+    query = sa.select(
+        c.id, c.tenant_id, c.label, c.created_at, c.expires_at, c.last_used_at, c.revoked_at
+    ).order_by(c.created_at, c.id)
     if tenant is not None:
         query = query.where(c.tenant_id == validate_id("tenant", tenant))
     with engine.connect() as conn:
@@ -218,12 +238,16 @@ def revoke_api_key(engine: Engine, redis_client: redis.Redis | None, key_id: str
     """
     c = api_keys.c
     with engine.begin() as conn:
-        conn.execute(sa.update(api_keys)
-                     .where(c.id == key_id, c.revoked_at.is_(None))
-                     .values(revoked_at=datetime.now(UTC)))
-        row = conn.execute(sa.select(c.id, c.tenant_id, c.label, c.created_at, c.expires_at,
-                                     c.last_used_at, c.revoked_at)
-                           .where(c.id == key_id)).first()
+        conn.execute(
+            sa.update(api_keys)
+            .where(c.id == key_id, c.revoked_at.is_(None))
+            .values(revoked_at=datetime.now(UTC))
+        )
+        row = conn.execute(
+            sa.select(
+                c.id, c.tenant_id, c.label, c.created_at, c.expires_at, c.last_used_at, c.revoked_at
+            ).where(c.id == key_id)
+        ).first()
     if row is None:
         raise UnknownKey(key_id)
     info = KeyInfo(*row)
@@ -232,22 +256,27 @@ def revoke_api_key(engine: Engine, redis_client: redis.Redis | None, key_id: str
         try:
             publish(redis_client, APIKEY_CHANNEL, key_id, cluster=is_cluster(redis_client))
         except (redis.exceptions.RedisError, OSError) as exc:
-            log.warning("key %s revoked in Postgres, but not announced on Redis (%s); "
-                        "workers without a live subscription do not trust their cache",
-                        key_id, exc)
+            log.warning(
+                "key %s revoked in Postgres, but not announced on Redis (%s); "
+                "workers without a live subscription do not trust their cache",
+                key_id,
+                exc,
+            )
     return info
 
 
 def bearer_token(header: str | None) -> str:
     """The key in an ``Authorization: Bearer <key>`` header, or :class:`Unauthorized`."""
     if not header:
-        raise Unauthorized("missing API key: send 'Authorization: Bearer <api key>'",
-                           reason="missing_key")
+        raise Unauthorized(
+            "missing API key: send 'Authorization: Bearer <api key>'", reason="missing_key"
+        )
     scheme, _, token = header.partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
-        raise Unauthorized("malformed Authorization header: expected 'Bearer <api key>'",
-                           reason="malformed_header")
+        raise Unauthorized(
+            "malformed Authorization header: expected 'Bearer <api key>'", reason="malformed_header"
+        )
     return token
 
 
@@ -278,10 +307,17 @@ class Authenticator:
     write per request.
     """
 
-    def __init__(self, engine: Engine, *, redis_client: redis.Redis | None = None,
-                 ttl_s: float = 60.0, negative_ttl_s: float = 5.0,
-                 max_entries: int = 10_000, silence_s: float = 1.0,
-                 last_used_interval_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        redis_client: redis.Redis | None = None,
+        ttl_s: float = 60.0,
+        negative_ttl_s: float = 5.0,
+        max_entries: int = 10_000,
+        silence_s: float = 1.0,
+        last_used_interval_s: float = 60.0,
+    ) -> None:
         self.engine = engine
         self.ttl_s = ttl_s
         self.negative_ttl_s = negative_ttl_s
@@ -293,9 +329,18 @@ class Authenticator:
         self._used: dict[str, float] = {}  # key id -> time.time() of its last use
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
-        self._subscription = None if redis_client is None else Subscription(
-            redis_client, [APIKEY_CHANNEL], on_message=self._on_revoked,
-            on_dark=self.clear, silence_s=silence_s, name="freshline-apikeys")
+        self._subscription = (
+            None
+            if redis_client is None
+            else Subscription(
+                redis_client,
+                [APIKEY_CHANNEL],
+                on_message=self._on_revoked,
+                on_dark=self.clear,
+                silence_s=silence_s,
+                name="freshline-apikeys",
+            )
+        )
         self.lookups = 0
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -305,8 +350,9 @@ class Authenticator:
         if self._subscription is not None:
             self._subscription.start()
         if self._flusher is None:
-            self._flusher = threading.Thread(target=self._flush_loop, daemon=True,
-                                             name="freshline-apikey-usage")
+            self._flusher = threading.Thread(
+                target=self._flush_loop, daemon=True, name="freshline-apikey-usage"
+            )
             self._flusher.start()
         return self
 
@@ -368,9 +414,12 @@ class Authenticator:
         """Drop every cached answer for the key ``key_id``."""
         with self._lock:
             self._generation += 1
-            stale = [k for k, c in self._cache.items()
-                     if (c.principal and c.principal.key_id == key_id)
-                     or (c.refusal and c.refusal.key_id == key_id)]
+            stale = [
+                k
+                for k, c in self._cache.items()
+                if (c.principal and c.principal.key_id == key_id)
+                or (c.refusal and c.refusal.key_id == key_id)
+            ]
             for key in stale:
                 del self._cache[key]
 
@@ -389,8 +438,9 @@ class Authenticator:
         c = api_keys.c
         with self.engine.connect() as conn:
             row = conn.execute(
-                sa.select(c.key_hash, c.id, c.tenant_id, c.expires_at, c.revoked_at)
-                .where(c.key_hash == digest)
+                sa.select(c.key_hash, c.id, c.tenant_id, c.expires_at, c.revoked_at).where(
+                    c.key_hash == digest
+                )
             ).first()
         self.lookups += 1
         principal: Principal | None = None
@@ -405,9 +455,11 @@ class Authenticator:
         else:
             principal = Principal(row.id, row.tenant_id, row.expires_at)
         ttl = self.ttl_s if principal is not None else self.negative_ttl_s
-        expires = (principal.expires_at.timestamp()
-                   if principal is not None and principal.expires_at is not None
-                   else math.inf)
+        expires = (
+            principal.expires_at.timestamp()
+            if principal is not None and principal.expires_at is not None
+            else math.inf
+        )
         found = _Cached(principal, refusal, time.monotonic() + ttl, expires)
         with self._lock:
             # A revocation (or an outage) during the query may predate what it read:
@@ -439,7 +491,8 @@ class Authenticator:
             "UPDATE api_keys SET last_used_at = u.at "
             "FROM unnest(CAST(:ids AS text[]), CAST(:ats AS timestamptz[])) AS u(id, at) "
             "WHERE api_keys.id = u.id "
-            "AND (api_keys.last_used_at IS NULL OR api_keys.last_used_at < u.at)")
+            "AND (api_keys.last_used_at IS NULL OR api_keys.last_used_at < u.at)"
+        )
         with self.engine.begin() as conn:
             conn.execute(statement, {"ids": list(used), "ats": list(used.values())})
         return len(used)

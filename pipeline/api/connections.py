@@ -48,8 +48,7 @@ class HeldConnections:
 
     async def _call(self, conn: Any, keys: Sequence[str]) -> list[bytes | None]:
         try:
-            await conn.send_packed_command(conn.pack_command("MGET", *keys),
-                                           check_health=False)
+            await conn.send_packed_command(conn.pack_command("MGET", *keys), check_health=False)
             reply: list[bytes | None] = await conn.read_response()
         except BaseException:
             # Disconnected by redis-py unless the reply was an error (read in full):

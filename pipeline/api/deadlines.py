@@ -67,8 +67,7 @@ class Deadlines:
             if due <= now and task not in self._cut:
                 self._cut.add(task)
                 task.cancel()
-        self._check = (loop.call_later(self.tick_s, self._run_check, loop) if self._due
-                       else None)
+        self._check = loop.call_later(self.tick_s, self._run_check, loop) if self._due else None
 
     @property
     def in_flight(self) -> int:

@@ -65,10 +65,12 @@ STATUS: dict[type[FreshlineError], tuple[int, str]] = {
 _HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}
 
 
-def error_response(status: int, code: str, message: str,
-                   headers: Mapping[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status,
-                        headers=headers)
+def error_response(
+    status: int, code: str, message: str, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"code": code, "message": message}}, status_code=status, headers=headers
+    )
 
 
 def status_of(exc: FreshlineError) -> tuple[int, str]:
@@ -104,8 +106,9 @@ async def http_error(request: Request, exc: Exception) -> Response:
 
 async def unavailable(request: Request, exc: Exception) -> Response:
     log.warning("%s %s: backing service unavailable: %s", request.method, request.url.path, exc)
-    return error_response(503, "service_unavailable",
-                          "a backing service (Redis or Postgres) did not answer")
+    return error_response(
+        503, "service_unavailable", "a backing service (Redis or Postgres) did not answer"
+    )
 
 
 async def unexpected_error(request: Request, exc: Exception) -> Response:

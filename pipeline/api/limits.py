@@ -54,8 +54,14 @@ class TokenBuckets:
     only ever forgives). ``rate_per_s`` 0 means no limit.
     """
 
-    def __init__(self, rate_per_s: float, burst: int, *, max_entries: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        rate_per_s: float,
+        burst: int,
+        *,
+        max_entries: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.rate = rate_per_s
         self.burst = float(burst)
         self.max_entries = max_entries
@@ -100,8 +106,9 @@ class AccessGuard:
         self.app = app
         self.auth = auth
         self.per_key = TokenBuckets(settings.api_rate_per_s, settings.api_rate_burst)
-        self.failures = TokenBuckets(settings.api_auth_failures_per_min / 60,
-                                     settings.api_auth_failures_burst)
+        self.failures = TokenBuckets(
+            settings.api_auth_failures_per_min / 60, settings.api_auth_failures_burst
+        )
         self.body_timeout_s = settings.api_body_timeout_s
         self._deadlines = Deadlines(tick_s=self.body_timeout_s / 10)
         self._throttle_logged: OrderedDict[str, float] = OrderedDict()
@@ -116,20 +123,26 @@ class AccessGuard:
             principal = await self._authenticate(scope, address)
         except Unauthorized as exc:
             self._refused(exc.reason, address, exc.key_id)
-            response = error_response(401, "unauthorized", str(exc),
-                                      {"WWW-Authenticate": "Bearer"})
+            response = error_response(401, "unauthorized", str(exc), {"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return
         wait = self.per_key.take(principal.key_id)
         if wait > 0:
             metrics.REFUSED.labels("rate_limited").inc()
-            audit_log.record("rate.limited", key_id=principal.key_id, tenant=principal.tenant,
-                             client=address, path=scope["path"])
+            audit_log.record(
+                "rate.limited",
+                key_id=principal.key_id,
+                tenant=principal.tenant,
+                client=address,
+                path=scope["path"],
+            )
             retry = max(1, math.ceil(wait))
             response = error_response(
-                429, "rate_limited",
+                429,
+                "rate_limited",
                 f"over {self.per_key.rate:g} requests/s for this API key; retry in {retry} s",
-                {"Retry-After": str(retry)})
+                {"Retry-After": str(retry)},
+            )
             await response(scope, receive, send)
             return
         scope.setdefault("state", {})["principal"] = principal
@@ -146,8 +159,9 @@ class AccessGuard:
         if known and principal is not None:
             return principal
         if not known and self.failures.wait(address) > 0:
-            raise Unauthorized("too many failed authentications from this address; "
-                               "retry later", reason="throttled")
+            raise Unauthorized(
+                "too many failed authentications from this address; retry later", reason="throttled"
+            )
         try:
             # A cached refusal raises again from the cache; the thread keeps a lookup,
             # should the entry expire meanwhile, off the event loop.
@@ -184,11 +198,14 @@ class AccessGuard:
                 # asyncio.timeout): the API runs on asyncio (its Redis client is
                 # redis.asyncio).
                 message = await self._deadlines.bound(
-                    receive(), max(0.0, deadline - time.monotonic()))
+                    receive(), max(0.0, deadline - time.monotonic())
+                )
             except TimeoutError:
-                raise ApiError(408, "body_timeout",
-                               f"the request body did not arrive within "
-                               f"{self.body_timeout_s:g} s") from None
+                raise ApiError(
+                    408,
+                    "body_timeout",
+                    f"the request body did not arrive within {self.body_timeout_s:g} s",
+                ) from None
             if message["type"] == "http.disconnect":
                 raise ClientClosed()
             if not message.get("more_body", False):

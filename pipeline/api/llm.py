@@ -102,16 +102,27 @@ class SemanticService:
     def _made(self) -> SemanticCache:
         if self._cache is None:
             s = self.settings
-            self._embedder = BatchingEmbedder(embedder_from_settings(
-                s.semantic_embeddings_url, s.semantic_embeddings_model,
-                s.semantic_embeddings_api_key.get_secret_value()))
+            self._embedder = BatchingEmbedder(
+                embedder_from_settings(
+                    s.semantic_embeddings_url,
+                    s.semantic_embeddings_model,
+                    s.semantic_embeddings_api_key.get_secret_value(),
+                )
+            )
             self._cache = SemanticCache(
-                self.redis, self._embedder, threshold=s.semantic_threshold,
-                thresholds=s.semantic_thresholds, ttl_s=s.semantic_ttl_s,
+                self.redis,
+                self._embedder,
+                threshold=s.semantic_threshold,
+                thresholds=s.semantic_thresholds,
+                ttl_s=s.semantic_ttl_s,
                 max_prompt_chars=s.semantic_max_prompt_chars,
-                limits=Limits(s.semantic_max_entries, s.semantic_max_entries_per_model,
-                              s.semantic_max_namespaces),
-                max_index_vectors=s.semantic_index_max_vectors)
+                limits=Limits(
+                    s.semantic_max_entries,
+                    s.semantic_max_entries_per_model,
+                    s.semantic_max_namespaces,
+                ),
+                max_index_vectors=s.semantic_index_max_vectors,
+            )
         return self._cache
 
     def _warm(self) -> None:
@@ -166,13 +177,17 @@ async def _request(request: Request) -> tuple[Scope, dict[str, Any]]:
     for field in ("model", "model_version", "template_version"):
         if not isinstance(body.get(field), str):
             raise ApiError(422, "invalid_request", f"{field!r} must be a string")
-    scope = Scope(tenant, validate_id("model", body["model"]),
-                  validate_id("model version", body["model_version"]),
-                  validate_id("template version", body["template_version"]))
+    scope = Scope(
+        tenant,
+        validate_id("model", body["model"]),
+        validate_id("model version", body["model_version"]),
+        validate_id("template version", body["template_version"]),
+    )
     params = body.get("params")
     if "params" in body and not isinstance(params, dict):
-        raise ApiError(422, "invalid_request", "'params' must be an object, e.g. "
-                                               "{\"temperature\": 0}")
+        raise ApiError(
+            422, "invalid_request", "'params' must be an object, e.g. {\"temperature\": 0}"
+        )
     return scope, body
 
 
@@ -193,8 +208,11 @@ async def lookup(request: Request) -> Response:
     LOOKUP_SECONDS.labels(scope.model).observe(found.lookup_s)
     EMBED_SECONDS.labels(scope.model).observe(found.embed_s)
     metrics.observe_read("semantic", scope.model, found.hit, found.lookup_s + found.embed_s)
-    answer: dict[str, Any] = {"hit": found.hit, "similarity": found.similarity,
-                              "threshold": found.threshold}
+    answer: dict[str, Any] = {
+        "hit": found.hit,
+        "similarity": found.similarity,
+        "threshold": found.threshold,
+    }
     if found.hit:
         answer.update(response=found.response, age_ms=found.age_ms, entry_id=found.entry_id)
     return JSONResponse(answer)
@@ -208,9 +226,11 @@ async def store(request: Request) -> Response:
     response = _text(body, "response")
     params = body.get("params") or {}
     generation_ms = body.get("generation_ms")
-    if generation_ms is not None and (isinstance(generation_ms, bool)
-                                      or not isinstance(generation_ms, int | float)
-                                      or generation_ms < 0):
+    if generation_ms is not None and (
+        isinstance(generation_ms, bool)
+        or not isinstance(generation_ms, int | float)
+        or generation_ms < 0
+    ):
         raise ApiError(422, "invalid_request", "'generation_ms' must be a number >= 0")
     cache = await run_in_threadpool(_service(request).cache)
     started = time.perf_counter()
@@ -221,7 +241,8 @@ async def store(request: Request) -> Response:
         # The model call the cache saves on a hit: what `freshline advise` weighs.
         metrics.COMPUTE_SECONDS.labels("semantic", scope.model).observe(generation_ms / 1000)
         metrics.CACHE_MISS_SECONDS.labels("semantic", scope.model).observe(
-            generation_ms / 1000 + time.perf_counter() - started)
+            generation_ms / 1000 + time.perf_counter() - started
+        )
     return JSONResponse({"stored": True, "entry_id": stored.entry_id}, status_code=201)
 
 

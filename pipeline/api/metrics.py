@@ -191,8 +191,9 @@ class Pending:
         with self._lock:
             if self._thread is not None:
                 return
-            self._thread = threading.Thread(target=self._run, daemon=True,
-                                            name="freshline-metrics-flush")
+            self._thread = threading.Thread(
+                target=self._run, daemon=True, name="freshline-metrics-flush"
+            )
             self._thread.start()
 
     def forked(self) -> None:
@@ -269,8 +270,7 @@ def observe(endpoint: str, feature_set: str, status: int, seconds: float) -> Non
 
 def observe_read(cache: str, name: str, hit: bool, seconds: float) -> None:
     """One read's latency, as a cache read (every answer a hit) or a miss path."""
-    PENDING.observe((_cache_read_seconds if hit else _cache_miss_seconds)(cache, name),
-                    seconds)
+    PENDING.observe((_cache_read_seconds if hit else _cache_miss_seconds)(cache, name), seconds)
 
 
 def process_registry() -> CollectorRegistry:
@@ -310,14 +310,26 @@ def time_feature_queries(engine: Engine, registry: Registry) -> Callable[[], Non
     names = {feature_statement(registry[n]).text: n for n in registry.names()}
     key = "freshline_compute_started"
 
-    def before(conn: Connection, cursor: Any, statement: str, parameters: Any,
-               context: ExecutionContext | None, executemany: bool) -> None:
+    def before(
+        conn: Connection,
+        cursor: Any,
+        statement: str,
+        parameters: Any,
+        context: ExecutionContext | None,
+        executemany: bool,
+    ) -> None:
         stmt = getattr(getattr(context, "compiled", None), "statement", None)
         if isinstance(stmt, TextClause) and stmt.text in names:
             conn.info.setdefault(key, []).append((names[stmt.text], time.perf_counter()))
 
-    def after(conn: Connection, cursor: Any, statement: str, parameters: Any,
-              context: ExecutionContext | None, executemany: bool) -> None:
+    def after(
+        conn: Connection,
+        cursor: Any,
+        statement: str,
+        parameters: Any,
+        context: ExecutionContext | None,
+        executemany: bool,
+    ) -> None:
         stmt = getattr(getattr(context, "compiled", None), "statement", None)
         started = conn.info.get(key)
         if isinstance(stmt, TextClause) and stmt.text in names and started:
@@ -362,5 +374,4 @@ class TimedModel:
         try:
             return self.inner.predict(x)
         finally:
-            COMPUTE_SECONDS.labels("model", self.inner.name).observe(
-                time.perf_counter() - started)
+            COMPUTE_SECONDS.labels("model", self.inner.name).observe(time.perf_counter() - started)

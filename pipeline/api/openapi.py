@@ -18,7 +18,7 @@ def _errors(*statuses: int, override: dict[int, str] | None = None) -> dict[str,
     reasons = {
         400: "Invalid id, mode or JSON body",
         401: "Missing, unknown, revoked or expired API key, or too many failed "
-             "authentications from this address",
+        "authentications from this address",
         404: "Unknown feature set or model, or a miss in cache-only mode",
         409: "The model is marked non-deterministic and cannot be cached",
         413: "Body over the size limit",
@@ -27,8 +27,10 @@ def _errors(*statuses: int, override: dict[int, str] | None = None) -> dict[str,
         503: "Redis or Postgres did not answer",
     }
     return {
-        str(s): {"description": (override or {}).get(s, reasons[s]),
-                 "content": {"application/json": {"schema": _ERROR}}}
+        str(s): {
+            "description": (override or {}).get(s, reasons[s]),
+            "content": {"application/json": {"schema": _ERROR}},
+        }
         for s in statuses
     }
 
@@ -44,10 +46,13 @@ def _ref(name: str) -> dict[str, str]:
 # A user id as the server takes it (pipeline.api.reader.parse_entity): a decimal
 # below MAX_USER_ID, no leading zeros; as JSON, a string or an integer.
 _USER_DIGITS = len(str(MAX_USER_ID - 1))
-USER_ID = {"type": "string", "pattern": f"^(0|[1-9][0-9]{{0,{_USER_DIGITS - 1}}})$",
-           "maxLength": _USER_DIGITS, "description": f"A user id below {MAX_USER_ID}."}
-_USER_ID_JSON = {"oneOf": [USER_ID, {"type": "integer", "minimum": 0,
-                                     "maximum": MAX_USER_ID - 1}]}
+USER_ID = {
+    "type": "string",
+    "pattern": f"^(0|[1-9][0-9]{{0,{_USER_DIGITS - 1}}})$",
+    "maxLength": _USER_DIGITS,
+    "description": f"A user id below {MAX_USER_ID}.",
+}
+_USER_ID_JSON = {"oneOf": [USER_ID, {"type": "integer", "minimum": 0, "maximum": MAX_USER_ID - 1}]}
 # Ids that reach keys (schemas/ids.py): the rule every tenant, entity and arm follows.
 ID = {"type": "string", "pattern": f"^{ID_PATTERN.pattern}$", "maxLength": MAX_ID_LENGTH}
 _NAME = {"type": "string", "pattern": "^[a-z][a-z0-9_]*$", "maxLength": MAX_ID_LENGTH}
@@ -57,7 +62,7 @@ _MODE = {
     "in": "query",
     "required": False,
     "description": "read-through (default): compute misses from Postgres and cache them; "
-                   "cache-only: never compute, report misses (404 for a single read).",
+    "cache-only: never compute, report misses (404 for a single read).",
     "schema": {"type": "string", "enum": ["read-through", "cache-only"]},
 }
 
@@ -65,32 +70,44 @@ _SCHEMAS: dict[str, Any] = {
     "Error": {
         "type": "object",
         "required": ["error"],
-        "properties": {"error": {
-            "type": "object",
-            "required": ["code", "message"],
-            "properties": {
-                "code": {"type": "string", "examples": ["invalid_id", "unknown_feature_set"]},
-                "message": {"type": "string"},
-            },
-        }},
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["code", "message"],
+                "properties": {
+                    "code": {"type": "string", "examples": ["invalid_id", "unknown_feature_set"]},
+                    "message": {"type": "string"},
+                },
+            }
+        },
     },
     "Features": {
         "type": "object",
-        "required": ["feature_set", "entity", "values", "hit", "source", "age_ms",
-                     "schema_version"],
+        "required": [
+            "feature_set",
+            "entity",
+            "values",
+            "hit",
+            "source",
+            "age_ms",
+            "schema_version",
+        ],
         "properties": {
             "feature_set": {"type": "string"},
             "entity": {"type": "string"},
-            "values": {"type": ["object", "null"],
-                       "description": "The named features; null for a cache-only miss "
-                                      "in a batch."},
+            "values": {
+                "type": ["object", "null"],
+                "description": "The named features; null for a cache-only miss in a batch.",
+            },
             "hit": {"type": "boolean", "description": "True if served from a cache."},
-            "source": {"type": "string",
-                       "enum": ["local", "hit", "waited", "computed", "uncached", "miss"],
-                       "description": "local: the in-process tier; hit: Redis; waited: "
-                                      "Redis, after another reader's computation; computed: "
-                                      "read through and cached; uncached: computed but not "
-                                      "cached; miss: cache-only and not cached."},
+            "source": {
+                "type": "string",
+                "enum": ["local", "hit", "waited", "computed", "uncached", "miss"],
+                "description": "local: the in-process tier; hit: Redis; waited: "
+                "Redis, after another reader's computation; computed: "
+                "read through and cached; uncached: computed but not "
+                "cached; miss: cache-only and not cached.",
+            },
             "age_ms": {"type": "integer", "description": "Milliseconds since computed."},
             "schema_version": {"type": "integer"},
         },
@@ -103,28 +120,37 @@ _SCHEMAS: dict[str, Any] = {
             "entities": {"type": "array", "minItems": 1, "items": _USER_ID_JSON},
         },
         "description": "len(feature_sets) x len(entities) must not exceed the batch "
-                       "limit (FRESHLINE_API_BATCH_LIMIT). Other fields are ignored: the "
-                       "tenant always comes from the API key.",
+        "limit (FRESHLINE_API_BATCH_LIMIT). Other fields are ignored: the "
+        "tenant always comes from the API key.",
     },
     "BatchResponse": {
         "type": "object",
         "required": ["schema_version", "items"],
         "properties": {
             "schema_version": {"type": "integer"},
-            "items": {"type": "array", "items": _ref("Features"),
-                      "description": "One per combination: for each entity in order, "
-                                     "each feature set in order."},
+            "items": {
+                "type": "array",
+                "items": _ref("Features"),
+                "description": "One per combination: for each entity in order, "
+                "each feature set in order.",
+            },
         },
     },
     "PredictRequest": {
         "type": "object",
         "required": ["inputs"],
         "properties": {
-            "inputs": {"type": "array", "minItems": 1,
-                       "items": {"type": "array", "items": {"type": "number"}}},
-            "arm": {**ID, "type": ["string", "null"],
-                    "description": "Experiment arm; kept apart in the cache. A string "
-                                   "id (an integer is refused)."},
+            "inputs": {
+                "type": "array",
+                "minItems": 1,
+                "items": {"type": "array", "items": {"type": "number"}},
+            },
+            "arm": {
+                **ID,
+                "type": ["string", "null"],
+                "description": "Experiment arm; kept apart in the cache. A string "
+                "id (an integer is refused).",
+            },
         },
     },
     "PredictResponse": {
@@ -134,11 +160,14 @@ _SCHEMAS: dict[str, Any] = {
             "model": {"type": "string"},
             "model_version": {"type": "string"},
             "arm": {"type": ["string", "null"]},
-            "predictions": {"type": "array", "items": {
-                "type": "object",
-                "required": ["value", "hit"],
-                "properties": {"value": {}, "hit": {"type": "boolean"}},
-            }},
+            "predictions": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["value", "hit"],
+                    "properties": {"value": {}, "hit": {"type": "boolean"}},
+                },
+            },
         },
     },
 }
@@ -155,95 +184,146 @@ _ENTRY_ID = {"type": "string", "pattern": "^[0-9a-fA-F]{16}$", "description": "1
 _PARAMS = {
     "type": "object",
     "description": "Generation parameters. Only temperature 0, or deterministic: true, "
-                   "may be cached (422 not_deterministic otherwise); other keys "
-                   "(max_tokens, stop, ...) must match exactly.",
+    "may be cached (422 not_deterministic otherwise); other keys "
+    "(max_tokens, stop, ...) must match exactly.",
     "properties": {"deterministic": {"type": "boolean"}},
     "anyOf": [
         {"required": ["temperature"], "properties": {"temperature": {"const": 0}}},
         {"required": ["deterministic"], "properties": {"deterministic": {"const": True}}},
     ],
 }
-_SCHEMAS.update({
-    "LlmLookupRequest": {
-        "type": "object", "required": ["model", "model_version", "template_version", "prompt",
-                                       "params"],
-        "properties": {**_SCOPE, "prompt": _TEXT, "params": _PARAMS},
-    },
-    "LlmLookupResponse": {
-        "type": "object", "required": ["hit", "similarity", "threshold"],
-        "properties": {
-            "hit": {"type": "boolean"},
-            "response": {"type": "string", "description": "Only on a hit."},
-            "similarity": {"type": ["number", "null"],
-                           "description": "Exact cosine similarity of the served entry "
-                                          "(on a miss, of the best candidate, if any)."},
-            "threshold": {"type": "number"},
-            "age_ms": {"type": "integer", "description": "Only on a hit."},
-            "entry_id": {"type": "string", "description": "Only on a hit; flag it if wrong."},
+_SCHEMAS.update(
+    {
+        "LlmLookupRequest": {
+            "type": "object",
+            "required": ["model", "model_version", "template_version", "prompt", "params"],
+            "properties": {**_SCOPE, "prompt": _TEXT, "params": _PARAMS},
         },
-    },
-    "LlmStoreRequest": {
-        "type": "object", "required": ["model", "model_version", "template_version", "prompt",
-                                       "params", "response"],
-        "properties": {**_SCOPE, "prompt": _TEXT, "params": _PARAMS,
-                       "response": _TEXT,
-                       "generation_ms": {"type": ["number", "null"], "minimum": 0,
-                                         "description": "What the model call took; "
-                                                        "feeds freshline advise."}},
-    },
-    "LlmStoreResponse": {
-        "type": "object", "required": ["stored", "entry_id"],
-        "properties": {"stored": {"type": "boolean"}, "entry_id": {"type": "string"}},
-    },
-    "LlmFlagRequest": {
-        "type": "object", "required": ["model", "model_version", "template_version", "entry_id"],
-        "properties": {**_SCOPE, "entry_id": _ENTRY_ID},
-    },
-    "LlmFlagResponse": {
-        "type": "object", "required": ["removed", "entry_id"],
-        "properties": {"removed": {"type": "boolean"}, "entry_id": {"type": "string"}},
-    },
-})
+        "LlmLookupResponse": {
+            "type": "object",
+            "required": ["hit", "similarity", "threshold"],
+            "properties": {
+                "hit": {"type": "boolean"},
+                "response": {"type": "string", "description": "Only on a hit."},
+                "similarity": {
+                    "type": ["number", "null"],
+                    "description": "Exact cosine similarity of the served entry "
+                    "(on a miss, of the best candidate, if any).",
+                },
+                "threshold": {"type": "number"},
+                "age_ms": {"type": "integer", "description": "Only on a hit."},
+                "entry_id": {"type": "string", "description": "Only on a hit; flag it if wrong."},
+            },
+        },
+        "LlmStoreRequest": {
+            "type": "object",
+            "required": [
+                "model",
+                "model_version",
+                "template_version",
+                "prompt",
+                "params",
+                "response",
+            ],
+            "properties": {
+                **_SCOPE,
+                "prompt": _TEXT,
+                "params": _PARAMS,
+                "response": _TEXT,
+                "generation_ms": {
+                    "type": ["number", "null"],
+                    "minimum": 0,
+                    "description": "What the model call took; feeds freshline advise.",
+                },
+            },
+        },
+        "LlmStoreResponse": {
+            "type": "object",
+            "required": ["stored", "entry_id"],
+            "properties": {"stored": {"type": "boolean"}, "entry_id": {"type": "string"}},
+        },
+        "LlmFlagRequest": {
+            "type": "object",
+            "required": ["model", "model_version", "template_version", "entry_id"],
+            "properties": {**_SCOPE, "entry_id": _ENTRY_ID},
+        },
+        "LlmFlagResponse": {
+            "type": "object",
+            "required": ["removed", "entry_id"],
+            "properties": {"removed": {"type": "boolean"}, "entry_id": {"type": "string"}},
+        },
+    }
+)
 
 
 def _llm(summary: str, request: str, response: str, status: str = "200") -> dict[str, Any]:
-    return {"post": {
-        "summary": summary,
-        "security": _SECURED,
-        "requestBody": {"required": True, "content": {
-            "application/json": {"schema": _ref(request)}}},
-        "responses": {status: _json(_ref(response), summary),
-                      **_errors(400, 401, 413, 422, 502, 503, override={
-                          422: "Body of the wrong shape, or params that are not "
-                               "deterministic (temperature above 0, not declared "
-                               "deterministic): code not_deterministic"})},
-    }}
+    return {
+        "post": {
+            "summary": summary,
+            "security": _SECURED,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(request)}},
+            },
+            "responses": {
+                status: _json(_ref(response), summary),
+                **_errors(
+                    400,
+                    401,
+                    413,
+                    422,
+                    502,
+                    503,
+                    override={
+                        422: "Body of the wrong shape, or params that are not "
+                        "deterministic (temperature above 0, not declared "
+                        "deterministic): code not_deterministic"
+                    },
+                ),
+            },
+        }
+    }
 
 
 _SECURED: list[dict[str, list[str]]] = [{"bearer": []}]
 
 
-def document(feature_sets: list[str], *, batch_limit: int = 500,
-             body_limit: int = 1_000_000, prompt_limit: int = 32_000) -> dict[str, Any]:
+def document(
+    feature_sets: list[str],
+    *,
+    batch_limit: int = 500,
+    body_limit: int = 1_000_000,
+    prompt_limit: int = 32_000,
+) -> dict[str, Any]:
     """The OpenAPI document, naming the feature sets this server knows and the limits
     it enforces (``FRESHLINE_API_BATCH_LIMIT``, ``FRESHLINE_API_BODY_LIMIT_BYTES``)."""
     schemas = copy.deepcopy(_SCHEMAS)
     batch = schemas["BatchRequest"]
     most = min(len(feature_sets), batch_limit)
     batch["properties"]["feature_sets"].update(
-        items={"type": "string", "enum": feature_sets}, maxItems=most, uniqueItems=True)
+        items={"type": "string", "enum": feature_sets}, maxItems=most, uniqueItems=True
+    )
     batch["properties"]["entities"]["maxItems"] = batch_limit
     # The limit is on the product; one branch per number of feature sets says it.
-    batch["anyOf"] = [{"properties": {"feature_sets": {"minItems": k, "maxItems": k},
-                                      "entities": {"maxItems": batch_limit // k}}}
-                      for k in range(1, most + 1)]
+    batch["anyOf"] = [
+        {
+            "properties": {
+                "feature_sets": {"minItems": k, "maxItems": k},
+                "entities": {"maxItems": batch_limit // k},
+            }
+        }
+        for k in range(1, most + 1)
+    ]
     batch["description"] = (
         f"len(feature_sets) x len(entities) must not exceed {batch_limit} "
         "(FRESHLINE_API_BATCH_LIMIT; 422 batch_too_large otherwise); a feature set may "
-        "appear once. Other fields are ignored: the tenant always comes from the API key.")
+        "appear once. Other fields are ignored: the tenant always comes from the API key."
+    )
     schemas["PredictRequest"]["properties"]["inputs"]["maxItems"] = batch_limit
-    for name, fields in (("LlmLookupRequest", ("prompt",)),
-                         ("LlmStoreRequest", ("prompt", "response"))):
+    for name, fields in (
+        ("LlmLookupRequest", ("prompt",)),
+        ("LlmStoreRequest", ("prompt", "response")),
+    ):
         for field in fields:
             schemas[name]["properties"][field] = {**_TEXT, "maxLength": prompt_limit}
     doc = _document(feature_sets, schemas)
@@ -254,11 +334,16 @@ def document(feature_sets: list[str], *, batch_limit: int = 500,
 
 
 _LIMIT_RESPONSES = {
-    "408": _json(_ERROR, "The request body did not arrive within "
-                         "FRESHLINE_API_BODY_TIMEOUT_S"),
-    "429": {**_json(_ERROR, "Over this API key's request rate (FRESHLINE_API_RATE_PER_S)"),
-            "headers": {"Retry-After": {"description": "Seconds to wait",
-                                        "schema": {"type": "integer", "minimum": 1}}}},
+    "408": _json(_ERROR, "The request body did not arrive within FRESHLINE_API_BODY_TIMEOUT_S"),
+    "429": {
+        **_json(_ERROR, "Over this API key's request rate (FRESHLINE_API_RATE_PER_S)"),
+        "headers": {
+            "Retry-After": {
+                "description": "Seconds to wait",
+                "schema": {"type": "integer", "minimum": 1},
+            }
+        },
+    },
 }
 
 
@@ -270,8 +355,9 @@ def _limits(operation: dict[str, Any], body_limit: int) -> None:
     responses["429"] = _LIMIT_RESPONSES["429"]
     if "requestBody" in operation:
         responses["408"] = _LIMIT_RESPONSES["408"]
-        responses["413"] = _json(_ERROR, f"Body over {body_limit} bytes "
-                                         "(FRESHLINE_API_BODY_LIMIT_BYTES)")
+        responses["413"] = _json(
+            _ERROR, f"Body over {body_limit} bytes (FRESHLINE_API_BODY_LIMIT_BYTES)"
+        )
         operation["requestBody"]["description"] = f"At most {body_limit} bytes."
 
 
@@ -282,80 +368,129 @@ def _document(feature_sets: list[str], schemas: dict[str, Any]) -> dict[str, Any
             "title": "freshline read API",
             "version": "1",
             "description": "Fresh, versioned ML features and cached model predictions. "
-                           "Every /v1 endpoint needs 'Authorization: Bearer <api key>'; "
-                           "the key alone decides the tenant.",
+            "Every /v1 endpoint needs 'Authorization: Bearer <api key>'; "
+            "the key alone decides the tenant.",
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": schemas,
         },
         "paths": {
-            "/v1/features/{feature_set}/{entity_id}": {"get": {
-                "summary": "One entity's features",
-                "security": _SECURED,
-                "parameters": [
-                    {"name": "feature_set", "in": "path", "required": True,
-                     "schema": {"type": "string", "enum": feature_sets}},
-                    {"name": "entity_id", "in": "path", "required": True,
-                     "schema": USER_ID},
-                    _MODE,
-                ],
-                "responses": {"200": _json(_ref("Features"), "The features"),
-                              **_errors(400, 401, 404, 503)},
-            }},
-            "/v1/features/batch": {"post": {
-                "summary": "Many entities and feature sets in one request",
-                "security": _SECURED,
-                "parameters": [_MODE],
-                "requestBody": {"required": True, "content": {
-                    "application/json": {"schema": _ref("BatchRequest")}}},
-                "responses": {"200": _json(_ref("BatchResponse"), "Every combination"),
-                              **_errors(400, 401, 404, 413, 422, 503)},
-            }},
-            "/v1/models/{name}/predict": {"post": {
-                "summary": "Predictions through the inference cache",
-                "security": _SECURED,
-                "parameters": [{"name": "name", "in": "path", "required": True,
-                                "schema": _NAME}],
-                "requestBody": {"required": True, "content": {
-                    "application/json": {"schema": _ref("PredictRequest")}}},
-                "responses": {"200": _json(_ref("PredictResponse"), "One per input row"),
-                              **_errors(400, 401, 404, 409, 413, 422, 503)},
-            }},
-            "/v1/llm/cache/lookup": _llm("A cached LLM response for a close enough prompt",
-                                         "LlmLookupRequest", "LlmLookupResponse"),
-            "/v1/llm/cache/store": _llm("Cache a deterministic LLM response", "LlmStoreRequest",
-                                        "LlmStoreResponse", "201"),
-            "/v1/llm/cache/flag": _llm("Flag a bad hit: its entry is removed and counted",
-                                       "LlmFlagRequest", "LlmFlagResponse"),
-            "/healthz": {"get": {
-                "summary": "The process is up",
-                "responses": {"200": _json({"type": "object"}, "Up")},
-            }},
-            "/readyz": {"get": {
-                "summary": "Redis and Postgres answer",
-                "responses": {
-                    "200": _json({"type": "object"}, "Ready"),
-                    "503": _json({"type": "object"}, "Not ready; 'checks' says which"),
-                },
-            }},
-            "/metrics": {"get": {
-                "summary": "Prometheus metrics",
-                "responses": {"200": {"description": "Prometheus text exposition",
-                                      "content": {"text/plain": {}}}},
-            }},
-            "/openapi.json": {"get": {
-                "summary": "This document",
-                "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")},
-            }},
-            "/status": {"get": {
-                "summary": "Status page: hit rate, staleness and lag per feature set, last hour",
-                "responses": {"200": {"description": "A self-contained HTML page",
-                                      "content": {"text/html": {}}}},
-            }},
-            "/status.json": {"get": {
-                "summary": "The status page's data: current figures and per-minute series",
-                "responses": {"200": _json({"type": "object"}, "The status report")},
-            }},
+            "/v1/features/{feature_set}/{entity_id}": {
+                "get": {
+                    "summary": "One entity's features",
+                    "security": _SECURED,
+                    "parameters": [
+                        {
+                            "name": "feature_set",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string", "enum": feature_sets},
+                        },
+                        {"name": "entity_id", "in": "path", "required": True, "schema": USER_ID},
+                        _MODE,
+                    ],
+                    "responses": {
+                        "200": _json(_ref("Features"), "The features"),
+                        **_errors(400, 401, 404, 503),
+                    },
+                }
+            },
+            "/v1/features/batch": {
+                "post": {
+                    "summary": "Many entities and feature sets in one request",
+                    "security": _SECURED,
+                    "parameters": [_MODE],
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": _ref("BatchRequest")}},
+                    },
+                    "responses": {
+                        "200": _json(_ref("BatchResponse"), "Every combination"),
+                        **_errors(400, 401, 404, 413, 422, 503),
+                    },
+                }
+            },
+            "/v1/models/{name}/predict": {
+                "post": {
+                    "summary": "Predictions through the inference cache",
+                    "security": _SECURED,
+                    "parameters": [
+                        {"name": "name", "in": "path", "required": True, "schema": _NAME}
+                    ],
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": _ref("PredictRequest")}},
+                    },
+                    "responses": {
+                        "200": _json(_ref("PredictResponse"), "One per input row"),
+                        **_errors(400, 401, 404, 409, 413, 422, 503),
+                    },
+                }
+            },
+            "/v1/llm/cache/lookup": _llm(
+                "A cached LLM response for a close enough prompt",
+                "LlmLookupRequest",
+                "LlmLookupResponse",
+            ),
+            "/v1/llm/cache/store": _llm(
+                "Cache a deterministic LLM response", "LlmStoreRequest", "LlmStoreResponse", "201"
+            ),
+            "/v1/llm/cache/flag": _llm(
+                "Flag a bad hit: its entry is removed and counted",
+                "LlmFlagRequest",
+                "LlmFlagResponse",
+            ),
+            "/healthz": {
+                "get": {
+                    "summary": "The process is up",
+                    "responses": {"200": _json({"type": "object"}, "Up")},
+                }
+            },
+            "/readyz": {
+                "get": {
+                    "summary": "Redis and Postgres answer",
+                    "responses": {
+                        "200": _json({"type": "object"}, "Ready"),
+                        "503": _json({"type": "object"}, "Not ready; 'checks' says which"),
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "responses": {
+                        "200": {
+                            "description": "Prometheus text exposition",
+                            "content": {"text/plain": {}},
+                        }
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "This document",
+                    "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")},
+                }
+            },
+            "/status": {
+                "get": {
+                    "summary": (
+                        "Status page: hit rate, staleness and lag per feature set, last hour"
+                    ),
+                    "responses": {
+                        "200": {
+                            "description": "A self-contained HTML page",
+                            "content": {"text/html": {}},
+                        }
+                    },
+                }
+            },
+            "/status.json": {
+                "get": {
+                    "summary": "The status page's data: current figures and per-minute series",
+                    "responses": {"200": _json({"type": "object"}, "The status report")},
+                }
+            },
         },
     }

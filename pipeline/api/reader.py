@@ -51,8 +51,13 @@ def parse_entity(value: object) -> str:
     ``"007"`` would reach Redis as a key of its own while Postgres answers for ``7``,
     so only the canonical spelling is accepted.
     """
-    if (isinstance(value, str) and value.isdigit() and value.isascii()
-            and len(value) <= MAX_USER_DIGITS and (len(value) == 1 or value[0] != "0")):
+    if (
+        isinstance(value, str)
+        and value.isdigit()
+        and value.isascii()
+        and len(value) <= MAX_USER_DIGITS
+        and (len(value) == 1 or value[0] != "0")
+    ):
         return value  # the common case; it passes validate_id by construction
     text = validate_id("entity", value)
     if not text.isdigit() or (len(text) > 1 and text[0] == "0") or int(text) >= MAX_USER_ID:
@@ -73,12 +78,15 @@ def parse_entities(values: Sequence[object]) -> list[str]:
         texts = cast(Sequence[str], values)
         digits = "".join(texts)  # all digits exactly when each id is
         lengths = list(map(len, texts))
-        if (digits.isdigit() and digits.isascii() and min(lengths) >= 1
-                and max(lengths) <= MAX_USER_DIGITS
-                and not _LEADING_ZERO.search(",".join(texts))):
+        if (
+            digits.isdigit()
+            and digits.isascii()
+            and min(lengths) >= 1
+            and max(lengths) <= MAX_USER_DIGITS
+            and not _LEADING_ZERO.search(",".join(texts))
+        ):
             return list(texts)
-    return [parse_entity(int(v) if isinstance(v, float) and v.is_integer() else v)
-            for v in values]
+    return [parse_entity(int(v) if isinstance(v, float) and v.is_integer() else v) for v in values]
 
 
 class Answer(TypedDict):
@@ -93,11 +101,23 @@ class Answer(TypedDict):
     schema_version: int
 
 
-def answer(feature_set: str, entity: str, values: FeatureValues | None,
-           source: AnswerSource, age_ms: int, schema_version: int) -> Answer:
-    return {"feature_set": feature_set, "entity": entity, "values": values,
-            "hit": source in HIT_SOURCES, "source": source, "age_ms": age_ms,
-            "schema_version": schema_version}
+def answer(
+    feature_set: str,
+    entity: str,
+    values: FeatureValues | None,
+    source: AnswerSource,
+    age_ms: int,
+    schema_version: int,
+) -> Answer:
+    return {
+        "feature_set": feature_set,
+        "entity": entity,
+        "values": values,
+        "hit": source in HIT_SOURCES,
+        "source": source,
+        "age_ms": age_ms,
+        "schema_version": schema_version,
+    }
 
 
 class Lookup(LazyRefs):
@@ -109,8 +129,7 @@ class Lookup(LazyRefs):
 
     __slots__ = ("entities", "feature_sets", "tenant")
 
-    def __init__(self, tenant: str, feature_sets: Sequence[str],
-                 entities: Sequence[str]) -> None:
+    def __init__(self, tenant: str, feature_sets: Sequence[str], entities: Sequence[str]) -> None:
         self.tenant = tenant
         self.feature_sets = tuple(feature_sets)
         self.entities = entities
@@ -143,9 +162,13 @@ class FeatureReader:
     (:class:`pipeline.api.connections.HeldConnections`).
     """
 
-    def __init__(self, readthrough: ReadThrough, local: LocalTier | None = None,
-                 aredis: redis.asyncio.Redis | None = None,
-                 timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        readthrough: ReadThrough,
+        local: LocalTier | None = None,
+        aredis: redis.asyncio.Redis | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         self.readthrough = readthrough
         self.local = local
         self.aredis = aredis
@@ -178,8 +201,11 @@ class FeatureReader:
         if pending:
             todo = [refs[i] for i in pending]
             token = self.local.token() if self.local is not None else 0
-            fetched = (self._cache_only(target, todo) if mode == "cache-only"
-                       else self._through(target, todo))
+            fetched = (
+                self._cache_only(target, todo)
+                if mode == "cache-only"
+                else self._through(target, todo)
+            )
             self._fill(answers, pending, todo, fetched, token)
         return answers  # type: ignore[return-value]  # every slot is filled
 
@@ -206,8 +232,7 @@ class FeatureReader:
         aredis = self.aredis
         if self._held_for is not aredis:  # a client set since the last call
             self._held_for = aredis
-            self._held = (None if aredis is None or is_cluster(aredis)
-                          else HeldConnections(aredis))
+            self._held = None if aredis is None or is_cluster(aredis) else HeldConnections(aredis)
         call = amget(aredis, keys) if self._held is None else self._held.mget(keys)
         if self.timeout_s is None or self._deadlines is None:
             return await call
@@ -217,10 +242,12 @@ class FeatureReader:
             # The cancelled command dropped its connection (redis-py disconnects on
             # any interruption), so no reply is left behind for the next one.
             raise redis.exceptions.TimeoutError(
-                f"Redis did not answer within {self.timeout_s:g} s") from None
+                f"Redis did not answer within {self.timeout_s:g} s"
+            ) from None
 
-    async def cached_batch(self, lookup: Lookup,
-                           mode: Mode = "read-through") -> Spliced | list[Answer] | None:
+    async def cached_batch(
+        self, lookup: Lookup, mode: Mode = "read-through"
+    ) -> Spliced | list[Answer] | None:
         """:meth:`cached` for a batch, which answers one feature set's hits (without the
         local tier) with the answer's bytes spliced from the stored entries
         (:mod:`pipeline.api.splice`): the same bytes as encoding :meth:`cached`'s answers."""
@@ -230,8 +257,9 @@ class FeatureReader:
         store = target.store
         version = store.schema_version
         [fs] = lookup.feature_sets
-        raws = await self._mget(store.grid_keys(lookup.tenant, lookup.feature_sets,
-                                                lookup.entities))
+        raws = await self._mget(
+            store.grid_keys(lookup.tenant, lookup.feature_sets, lookup.entities)
+        )
         now = now_ms()
         splicer = self._splicers.get((fs, version))
         if splicer is None:
@@ -244,22 +272,26 @@ class FeatureReader:
             horizon = target.refresh_horizon(fs, now)
             computed = spliced.computed_at_ms
             if min(computed) <= horizon and any(
-                    c <= horizon and target.draw_refresh(fs, c, now) for c in computed):
+                c <= horizon and target.draw_refresh(fs, c, now) for c in computed
+            ):
                 return None
         if result is not None and target.hot is not None:
             target.hot.record(version, lookup)
         return result
 
-    async def _from_redis(self, target: ReadThrough, lookup: Lookup,
-                          mode: Mode) -> list[Answer] | None:
+    async def _from_redis(
+        self, target: ReadThrough, lookup: Lookup, mode: Mode
+    ) -> list[Answer] | None:
         """One MGET for the whole lookup; no entry object, one answer per pair."""
-        raws = await self._mget(target.store.grid_keys(lookup.tenant, lookup.feature_sets,
-                                                       lookup.entities))
+        raws = await self._mget(
+            target.store.grid_keys(lookup.tenant, lookup.feature_sets, lookup.entities)
+        )
         return self._answers_from(target, lookup, mode, raws, now_ms())
 
     @staticmethod
-    def _answers_from(target: ReadThrough, lookup: Lookup, mode: Mode,
-                      raws: list[bytes | None], now: int) -> list[Answer] | None:
+    def _answers_from(
+        target: ReadThrough, lookup: Lookup, mode: Mode, raws: list[bytes | None], now: int
+    ) -> list[Answer] | None:
         """The answers of the MGET of the lookup's :meth:`FeatureStore.grid_keys`."""
         store = target.store
         version = store.schema_version
@@ -273,22 +305,39 @@ class FeatureReader:
             if through:  # a miss, or an entry XFetch picks, is the thread pool's job
                 horizon = target.refresh_horizon(fs, now)
                 for row in rows:
-                    if row is None or (row[1] <= horizon
-                                       and target.draw_refresh(fs, row[1], now)):
+                    if row is None or (row[1] <= horizon and target.draw_refresh(fs, row[1], now)):
                         return None
-            columns.append([
-                {"feature_set": fs, "entity": entity, "values": None, "hit": False,
-                 "source": "miss", "age_ms": 0, "schema_version": version} if row is None
-                else {"feature_set": fs, "entity": entity, "values": row[0], "hit": True,
-                      "source": "hit", "age_ms": now - row[1] if now > row[1] else 0,
-                      "schema_version": version}
-                for entity, row in zip(entities, rows, strict=True)])
+            columns.append(
+                [
+                    {
+                        "feature_set": fs,
+                        "entity": entity,
+                        "values": None,
+                        "hit": False,
+                        "source": "miss",
+                        "age_ms": 0,
+                        "schema_version": version,
+                    }
+                    if row is None
+                    else {
+                        "feature_set": fs,
+                        "entity": entity,
+                        "values": row[0],
+                        "hit": True,
+                        "source": "hit",
+                        "age_ms": now - row[1] if now > row[1] else 0,
+                        "schema_version": version,
+                    }
+                    for entity, row in zip(entities, rows, strict=True)
+                ]
+            )
         if k == 1:
             return columns[0]
         return [column[i] for i in range(len(entities)) for column in columns]
 
-    async def _through_tier(self, local: LocalTier, target: ReadThrough, lookup: Lookup,
-                            mode: Mode) -> list[Answer] | None:
+    async def _through_tier(
+        self, local: LocalTier, target: ReadThrough, lookup: Lookup, mode: Mode
+    ) -> list[Answer] | None:
         """The local tier first, one MGET for the rest, whose entries then fill the tier."""
         store = target.store
         refs = list(lookup)
@@ -299,15 +348,24 @@ class FeatureReader:
             entries = store.entries(todo, await self._mget(store.read_keys(todo)))
             now = now_ms()
             if mode == "read-through" and any(
-                    entry is None or target.should_refresh(ref, entry, now)
-                    for ref, entry in zip(todo, entries, strict=True)):
+                entry is None or target.should_refresh(ref, entry, now)
+                for ref, entry in zip(todo, entries, strict=True)
+            ):
                 return None
-            self._fill(answers, pending, todo,
-                       self._answers(todo, entries, now, store.schema_version), token)
+            self._fill(
+                answers,
+                pending,
+                todo,
+                self._answers(todo, entries, now, store.schema_version),
+                token,
+            )
         return answers  # type: ignore[return-value]  # every slot is filled
 
-    def _from_local(self, target: ReadThrough, refs: Sequence[EntityRef],
-                    ) -> tuple[list[Answer | None], list[int]]:
+    def _from_local(
+        self,
+        target: ReadThrough,
+        refs: Sequence[EntityRef],
+    ) -> tuple[list[Answer | None], list[int]]:
         """Answers from the in-process tier, and the positions it did not have."""
         answers: list[Answer | None] = [None] * len(refs)
         if self.local is None:
@@ -320,12 +378,24 @@ class FeatureReader:
             if entry is None:
                 pending.append(i)
             else:
-                answers[i] = answer(ref.feature_set, ref.entity, entry.values, "local",
-                                    max(0, now - entry.computed_at_ms), version)
+                answers[i] = answer(
+                    ref.feature_set,
+                    ref.entity,
+                    entry.values,
+                    "local",
+                    max(0, now - entry.computed_at_ms),
+                    version,
+                )
         return answers, pending
 
-    def _fill(self, answers: list[Answer | None], pending: list[int], refs: list[EntityRef],
-              fetched: list[tuple[Answer, Entry | None]], token: int) -> None:
+    def _fill(
+        self,
+        answers: list[Answer | None],
+        pending: list[int],
+        refs: list[EntityRef],
+        fetched: list[tuple[Answer, Entry | None]],
+        token: int,
+    ) -> None:
         """Put fetched answers in place, and their entries in the in-process tier."""
         local = self.local
         for i, ref, (found, entry) in zip(pending, refs, fetched, strict=True):
@@ -334,29 +404,42 @@ class FeatureReader:
                 local.put(ref, entry, token)
 
     @staticmethod
-    def _answers(refs: Sequence[EntityRef], entries: Sequence[Entry | None], now: int,
-                 version: int) -> list[tuple[Answer, Entry | None]]:
+    def _answers(
+        refs: Sequence[EntityRef], entries: Sequence[Entry | None], now: int, version: int
+    ) -> list[tuple[Answer, Entry | None]]:
         """Hits and misses, as read from Redis."""
-        return [(answer(ref.feature_set, ref.entity, None, "miss", 0, version), None)
-                if entry is None
-                else (answer(ref.feature_set, ref.entity, entry.values, "hit",
-                             max(0, now - entry.computed_at_ms), entry.schema_version), entry)
-                for ref, entry in zip(refs, entries, strict=True)]
+        return [
+            (answer(ref.feature_set, ref.entity, None, "miss", 0, version), None)
+            if entry is None
+            else (
+                answer(
+                    ref.feature_set,
+                    ref.entity,
+                    entry.values,
+                    "hit",
+                    max(0, now - entry.computed_at_ms),
+                    entry.schema_version,
+                ),
+                entry,
+            )
+            for ref, entry in zip(refs, entries, strict=True)
+        ]
 
     @classmethod
-    def _cache_only(cls, target: ReadThrough,
-                    refs: list[EntityRef]) -> list[tuple[Answer, Entry | None]]:
+    def _cache_only(
+        cls, target: ReadThrough, refs: list[EntityRef]
+    ) -> list[tuple[Answer, Entry | None]]:
         entries = target.store.read(refs)
         return cls._answers(refs, entries, now_ms(), target.store.schema_version)
 
     @staticmethod
-    def _through(target: ReadThrough,
-                 refs: list[EntityRef]) -> list[tuple[Answer, Entry | None]]:
+    def _through(target: ReadThrough, refs: list[EntityRef]) -> list[tuple[Answer, Entry | None]]:
         started_ms = now_ms()
         out: list[tuple[Answer, Entry | None]] = []
         for r in target.get_many(refs):
-            found = answer(r.ref.feature_set, r.ref.entity, r.values, r.source, r.age_ms,
-                           r.schema_version)
+            found = answer(
+                r.ref.feature_set, r.ref.entity, r.values, r.source, r.age_ms, r.schema_version
+            )
             entry = None
             if r.source != "uncached":
                 # ``started_ms - age`` is no later than the true computed_at, so the

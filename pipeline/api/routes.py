@@ -94,8 +94,11 @@ async def read_json(request: Request) -> Any:
 
 
 # The query strings nearly every feature request sends, answered without parsing.
-_MODES_BY_QUERY: dict[bytes, Mode] = {b"": "read-through", b"mode=read-through": "read-through",
-                                       b"mode=cache-only": "cache-only"}
+_MODES_BY_QUERY: dict[bytes, Mode] = {
+    b"": "read-through",
+    b"mode=read-through": "read-through",
+    b"mode=cache-only": "cache-only",
+}
 
 
 def mode_of(request: Request) -> Mode:
@@ -153,8 +156,8 @@ def timed(endpoint: str) -> Callable[[Handler], Handler]:
                     fn(*args)
                 raise
             response.background = AfterResponse(
-                _observations(request, endpoint, response.status_code, started),
-                response.background)
+                _observations(request, endpoint, response.status_code, started), response.background
+            )
             return response
 
         run.__name__ = handler.__name__
@@ -189,8 +192,9 @@ async def get_features(request: Request) -> Response:
     [answer] = answers
     after_response(request, metrics.record_answer, answer, time.perf_counter() - started)
     if answer["values"] is None:
-        return error_response(404, "miss",
-                              f"{feature_set}/{entity} is not cached (mode=cache-only)")
+        return error_response(
+            404, "miss", f"{feature_set}/{entity} is not cached (mode=cache-only)"
+        )
     return JSONResponse(answer)
 
 
@@ -214,9 +218,12 @@ async def batch(request: Request) -> Response:
     entities = _string_list(body, "entities")
     limit = svc.settings.api_batch_limit
     if len(feature_sets) * len(entities) > limit:
-        raise ApiError(422, "batch_too_large",
-                       f"{len(entities)} entities x {len(feature_sets)} feature sets is over "
-                       f"the limit of {limit} per request")
+        raise ApiError(
+            422,
+            "batch_too_large",
+            f"{len(entities)} entities x {len(feature_sets)} feature sets is over "
+            f"the limit of {limit} per request",
+        )
     for name in feature_sets:
         if not isinstance(name, str):
             raise InvalidId("feature set", name, "must be a string")
@@ -230,8 +237,7 @@ async def batch(request: Request) -> Response:
     if isinstance(found, Spliced):  # every entry a hit, spliced: the same bytes
         after_response(request, metrics.record_hits, feature_sets[0], len(lookup))
         return Response(found.body, media_type="application/json")
-    answers = found if found is not None else await run_in_threadpool(
-        svc.reader.read, lookup, mode)
+    answers = found if found is not None else await run_in_threadpool(svc.reader.read, lookup, mode)
     after_response(request, metrics.record_answers, answers)
     return JSONResponse({"schema_version": answers[0]["schema_version"], "items": answers})
 
@@ -250,8 +256,9 @@ async def predict(request: Request) -> Response:
         raise ApiError(422, "invalid_request", "'inputs' must be a non-empty array of rows")
     limit = svc.settings.api_batch_limit
     if len(inputs) > limit:
-        raise ApiError(422, "batch_too_large",
-                       f"{len(inputs)} inputs is over the limit of {limit} per request")
+        raise ApiError(
+            422, "batch_too_large", f"{len(inputs)} inputs is over the limit of {limit} per request"
+        )
     arm = body.get("arm")
     if arm is not None and not isinstance(arm, str):
         raise ApiError(422, "invalid_request", "'arm' must be a string id or null")
@@ -265,9 +272,12 @@ async def predict(request: Request) -> Response:
         out = svc.inference.predict(metrics.TimedModel(model), inputs, tenant=tenant, arm=arm)
         bad = non_finite_rows(out.values)
         if bad:
-            raise ApiError(422, "non_finite_prediction",
-                           f"the model gave NaN or infinity for input row(s) "
-                           f"{', '.join(map(str, bad[:10]))}; such predictions are not cached")
+            raise ApiError(
+                422,
+                "non_finite_prediction",
+                f"the model gave NaN or infinity for input row(s) "
+                f"{', '.join(map(str, bad[:10]))}; such predictions are not cached",
+            )
         hits = int(out.hit.sum())
         metrics.observe_read("model", name, hits == len(out), time.perf_counter() - started)
         metrics.record_predictions(name, hits, len(out) - hits)
@@ -309,14 +319,15 @@ async def readyz(request: Request) -> Response:
 
     checks = await run_in_threadpool(check)
     ready = all(v == "ok" for v in checks.values())
-    return JSONResponse({"status": "ready" if ready else "unavailable", "checks": checks},
-                        status_code=200 if ready else 503)
+    return JSONResponse(
+        {"status": "ready" if ready else "unavailable", "checks": checks},
+        status_code=200 if ready else 503,
+    )
 
 
 async def metrics_text(request: Request) -> Response:
     """Prometheus metrics."""
-    body, content_type = await run_in_threadpool(metrics.render,
-                                                 request.app.state.sampled_metrics)
+    body, content_type = await run_in_threadpool(metrics.render, request.app.state.sampled_metrics)
     return Response(body, headers={"Content-Type": content_type})
 
 
@@ -328,12 +339,14 @@ async def openapi(request: Request) -> Response:
 async def status_page(request: Request) -> Response:
     """The status page: hit rate, staleness and lag per feature set over the last hour."""
     report = await run_in_threadpool(request.app.state.status.report)
-    return Response(render_status_page(report), media_type="text/html; charset=utf-8",
-                    headers={"Cache-Control": "no-store"})
+    return Response(
+        render_status_page(report),
+        media_type="text/html; charset=utf-8",
+        headers={"Cache-Control": "no-store"},
+    )
 
 
 async def status_json(request: Request) -> Response:
     """The status page's data, as JSON."""
     report = await run_in_threadpool(request.app.state.status.report)
     return JSONResponse(report, headers={"Cache-Control": "no-store"})
-

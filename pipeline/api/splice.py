@@ -55,9 +55,10 @@ def _literal(value: object) -> bytes:
 def item_template(feature_set: str, schema_version: int) -> bytes:
     """One hit's answer, with ``%b`` for the entity and its values object, ``%d`` for
     its age."""
-    return (b'{"feature_set":' + _literal(feature_set) + b',"entity":"%b","values":%b,'
-            b'"hit":true,"source":"hit","age_ms":%d,"schema_version":'
-            + _literal(schema_version) + b"}")
+    return (
+        b'{"feature_set":' + _literal(feature_set) + b',"entity":"%b","values":%b,'
+        b'"hit":true,"source":"hit","age_ms":%d,"schema_version":' + _literal(schema_version) + b"}"
+    )
 
 
 def values_template(fields: Sequence[str]) -> bytes:
@@ -68,8 +69,14 @@ def values_template(fields: Sequence[str]) -> bytes:
 class Splicer:
     """Batch answers of one feature set in one schema version; see the module docstring."""
 
-    def __init__(self, feature_set: str, fields: Sequence[str], schema_version: int, *,
-                 max_entries: int = 20_000) -> None:
+    def __init__(
+        self,
+        feature_set: str,
+        fields: Sequence[str],
+        schema_version: int,
+        *,
+        max_entries: int = 20_000,
+    ) -> None:
         self.width = len(fields)
         self.schema_version = schema_version
         self.max_entries = max_entries
@@ -81,8 +88,13 @@ class Splicer:
     def __len__(self) -> int:
         return len(self._seen)
 
-    def body(self, entities: Sequence[str], raws: Sequence[bytes | str | None],
-             floor: bytes | str | None, now_ms: int) -> Spliced | None:
+    def body(
+        self,
+        entities: Sequence[str],
+        raws: Sequence[bytes | str | None],
+        floor: bytes | str | None,
+        now_ms: int,
+    ) -> Spliced | None:
         """``{"schema_version": v, "items": [...]}`` for ``entities``, whose entries are
         ``raws``, or ``None`` unless every one is a plain hit (module docstring)."""
         n = len(raws)
@@ -135,8 +147,11 @@ class Splicer:
         try:
             # The checks of decode_rows, on one parse of them all.
             parsed = orjson.loads(b"[" + b",".join([r[HEADER:] for r in entries]) + b"]")
-            if (set(map(len, parsed)) != {3} or set(map(_first, parsed)) != {schema_version}
-                    or set(map(len, map(_third, parsed))) != {width}):
+            if (
+                set(map(len, parsed)) != {3}
+                or set(map(_first, parsed)) != {schema_version}
+                or set(map(len, map(_third, parsed))) != {width}
+            ):
                 return None
         except (orjson.JSONDecodeError, TypeError):
             return None  # not JSON, or an entry that is not [version, computed_at, values]
@@ -153,8 +168,11 @@ class Splicer:
         heads = tokens[0::step]
         joined = b"".join(heads)
         size = HEADER + 1 + len(str(schema_version))
-        if (len(joined) != size * n or joined[0::size] != b"1" * n
-                or joined[HEADER::size] != b"[" * n):
+        if (
+            len(joined) != size * n
+            or joined[0::size] != b"1" * n
+            or joined[HEADER::size] != b"[" * n
+        ):
             return None  # a tag other than an entry's, or a version written otherwise
         # The values, entry after entry, filled a column at a time (C-level slice
         # assignments). The first and last are cut from their "[" and "]]" on one join
@@ -165,7 +183,7 @@ class Splicer:
         else:
             values[0::width] = b",".join(tokens[2::step])[1:].split(b",[")
             for j in range(1, width - 1):
-                values[j::width] = tokens[2 + j::step]
-            values[width - 1::width] = b",".join(tokens[step - 1::step])[:-2].split(b"]],")
+                values[j::width] = tokens[2 + j :: step]
+            values[width - 1 :: width] = b",".join(tokens[step - 1 :: step])[:-2].split(b"]],")
         objects = (b"\x00".join([self._values] * n) % tuple(values)).split(b"\x00")
         return list(zip(objects, computed, strict=True))

@@ -70,9 +70,16 @@ class FeatureClient:
     (:meth:`following` flushes them in the background, so sampling costs no round trip).
     """
 
-    def __init__(self, client: redis.Redis, schema_version: int, *,
-                 registry: Registry = REGISTRY, local: LocalTier | None = None,
-                 versions: VersionResolver | None = None, hot: HotReads | None = None) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        schema_version: int,
+        *,
+        registry: Registry = REGISTRY,
+        local: LocalTier | None = None,
+        versions: VersionResolver | None = None,
+        hot: HotReads | None = None,
+    ) -> None:
         self.store = FeatureStore(client, schema_version, registry=registry)
         self.local = local
         self.versions = versions
@@ -80,13 +87,20 @@ class FeatureClient:
         self._stores = {schema_version: self.store}
 
     @classmethod
-    def from_url(cls, url: str, schema_version: int, *, registry: Registry = REGISTRY,
-                 local: LocalTier | None = None) -> FeatureClient:
+    def from_url(
+        cls,
+        url: str,
+        schema_version: int,
+        *,
+        registry: Registry = REGISTRY,
+        local: LocalTier | None = None,
+    ) -> FeatureClient:
         return cls(redis.Redis.from_url(url), schema_version, registry=registry, local=local)
 
     @classmethod
-    def following(cls, client: redis.Redis, settings: Settings, *,
-                  listen: bool = True) -> FeatureClient:
+    def following(
+        cls, client: redis.Redis, settings: Settings, *, listen: bool = True
+    ) -> FeatureClient:
         """A client on the active-version pointer that samples reads for warming."""
         from pipeline.cache.hot import HotReads
         from pipeline.cache.versions import VersionResolver
@@ -94,8 +108,9 @@ class FeatureClient:
         versions = VersionResolver(client, settings)
         if listen:
             versions.listen()
-        return cls(client, settings.schema_version, versions=versions,
-                   hot=HotReads(client, flush_s=1.0))
+        return cls(
+            client, settings.schema_version, versions=versions, hot=HotReads(client, flush_s=1.0)
+        )
 
     def get(self, feature_set: str, tenant: str, entity: str | int) -> Features | None:
         return self.get_many([(feature_set, tenant, entity)])[0]
@@ -104,17 +119,29 @@ class FeatureClient:
         """All ``items`` in one MGET, in order; ``None`` marks a miss."""
         store = self._store_for_call()
         version = store.schema_version
-        named: list[Item] = [(fs, tenant, entity if type(entity) is str else str(entity))
-                             for fs, tenant, entity in items]
+        named: list[Item] = [
+            (fs, tenant, entity if type(entity) is str else str(entity))
+            for fs, tenant, entity in items
+        ]
         out: list[Features | None] = []
         append = out.append
         if self.local is not None:
             entries = self._through_tier(self.local, named, store)
             now = time.time_ns() // 1_000_000
             for (fs, tenant, entity), e in zip(named, entries, strict=True):
-                append(None if e is None else Features(
-                    fs, tenant, entity, e.values, max(0, now - e.computed_at_ms),
-                    e.schema_version, e.watermark))
+                append(
+                    None
+                    if e is None
+                    else Features(
+                        fs,
+                        tenant,
+                        entity,
+                        e.values,
+                        max(0, now - e.computed_at_ms),
+                        e.schema_version,
+                        e.watermark,
+                    )
+                )
         else:
             rows = store.read_rows(named)
             now = time.time_ns() // 1_000_000
@@ -124,15 +151,25 @@ class FeatureClient:
                     continue
                 values, computed_at_ms, watermark = row  # no entry object in between
                 age_ms = now - computed_at_ms
-                append(Features(fs, tenant, entity, values, age_ms if age_ms > 0 else 0,
-                                version, parse_watermark(watermark)))
+                append(
+                    Features(
+                        fs,
+                        tenant,
+                        entity,
+                        values,
+                        age_ms if age_ms > 0 else 0,
+                        version,
+                        parse_watermark(watermark),
+                    )
+                )
         if self.hot is not None:
             self.hot.record(version, _Refs(named))
         return out
 
     @staticmethod
-    def _through_tier(local: LocalTier, items: list[Item],
-                      store: FeatureStore) -> list[Entry | None]:
+    def _through_tier(
+        local: LocalTier, items: list[Item], store: FeatureStore
+    ) -> list[Entry | None]:
         """The local tier first; one MGET for the rest, which then fills the tier."""
         refs = [EntityRef(*item) for item in items]
         version = store.schema_version
@@ -151,6 +188,7 @@ class FeatureClient:
             return self.store
         version = self.versions.current()
         if version not in self._stores:
-            self._stores[version] = FeatureStore(self.store.redis, version,
-                                                 registry=self.versions.decoders(version))
+            self._stores[version] = FeatureStore(
+                self.store.redis, version, registry=self.versions.decoders(version)
+            )
         return self._stores[version]

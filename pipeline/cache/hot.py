@@ -44,10 +44,16 @@ class HotReads:
     flush.
     """
 
-    def __init__(self, client: redis.Redis, *, sample: int = HOT_SAMPLE,
-                 ttl_s: int = HOT_TTL_S, max_entities: int = HOT_MAX_ENTITIES,
-                 flush_s: float | None = None,
-                 rng: Callable[[], float] = random.random) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        sample: int = HOT_SAMPLE,
+        ttl_s: int = HOT_TTL_S,
+        max_entities: int = HOT_MAX_ENTITIES,
+        flush_s: float | None = None,
+        rng: Callable[[], float] = random.random,
+    ) -> None:
         if sample < 1:
             raise ValueError(f"sample must be at least 1, got {sample}")
         if max_entities < 1:
@@ -117,8 +123,9 @@ class HotReads:
         with self._lock:
             if self._thread is not None or self._stop.is_set():
                 return
-            self._thread = threading.Thread(target=self._run, name="freshline-hot-reads",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="freshline-hot-reads", daemon=True
+            )
         self._thread.start()
 
     def _run(self) -> None:
@@ -141,15 +148,18 @@ class HotReads:
             thread.join(timeout)
         self._flush_logged()
 
-    def top(self, version: int, feature_set: str, tenants: Iterable[str],
-            n: int) -> list[tuple[str, str]]:
+    def top(
+        self, version: int, feature_set: str, tenants: Iterable[str], n: int
+    ) -> list[tuple[str, str]]:
         """The ``n`` most-read (tenant, entity) pairs of ``feature_set`` across ``tenants``."""
         tenant_list = list(tenants)
         pipe = self.redis.pipeline(transaction=False)
         for tenant in tenant_list:
             pipe.zrevrange(hot_key(version, feature_set, tenant), 0, n - 1, withscores=True)
-        scored = [(score, tenant, text(entity))
-                  for tenant, rows in zip(tenant_list, pipe.execute(), strict=True)
-                  for entity, score in rows]
+        scored = [
+            (score, tenant, text(entity))
+            for tenant, rows in zip(tenant_list, pipe.execute(), strict=True)
+            for entity, score in rows
+        ]
         scored.sort(key=lambda row: (-row[0], row[1], row[2]))
         return [(tenant, entity) for _, tenant, entity in scored[:n]]

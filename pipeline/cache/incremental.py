@@ -145,11 +145,14 @@ SELECT k0.tenant_id, k0.user_id FROM k0 CROSS JOIN t
 WHERE {_ANSWERABLE}""")
 
 
-def answered(conn: Connection, keys: Sequence[tuple[str, int]],
-             as_of: dt.datetime | None = None) -> set[tuple[str, int]]:
+def answered(
+    conn: Connection, keys: Sequence[tuple[str, int]], as_of: dt.datetime | None = None
+) -> set[tuple[str, int]]:
     """Which of ``keys`` (tenant, user id) the buckets answer; the rest are full."""
-    rows = conn.execute(_ANSWERED, {"tenants": [t for t, _ in keys],
-                                    "ids": [int(u) for _, u in keys], "as_of": as_of})
+    rows = conn.execute(
+        _ANSWERED,
+        {"tenants": [t for t, _ in keys], "ids": [int(u) for _, u in keys], "as_of": as_of},
+    )
     return {(t, int(u)) for t, u in rows}
 
 
@@ -241,18 +244,25 @@ class BuildState:
 
 def state(db: Engine | Connection, *, count: bool = False) -> BuildState:
     """The build state; with ``count``, also how many users remain (a full scan)."""
+
     def read(conn: Connection) -> BuildState:
-        row = conn.execute(sa.text(
-            "SELECT complete, tenant_id, user_id FROM txn_bucket_build")).one()
+        row = conn.execute(
+            sa.text("SELECT complete, tenant_id, user_id FROM txn_bucket_build")
+        ).one()
         cursor = None if row.tenant_id is None else (row.tenant_id, int(row.user_id))
         remaining = None
         if count and not row.complete:
-            remaining = int(conn.execute(sa.text(
-                "SELECT count(*) FROM (SELECT DISTINCT tenant_id, user_id FROM transactions "
-                "WHERE CAST(:t AS text) IS NULL "
-                "OR (tenant_id, user_id) > (CAST(:t AS text), CAST(:u AS bigint))) s"),
-                {"t": cursor[0] if cursor else None,
-                 "u": cursor[1] if cursor else None}).scalar_one())
+            remaining = int(
+                conn.execute(
+                    sa.text(
+                        "SELECT count(*) FROM "
+                        "(SELECT DISTINCT tenant_id, user_id FROM transactions "
+                        "WHERE CAST(:t AS text) IS NULL "
+                        "OR (tenant_id, user_id) > (CAST(:t AS text), CAST(:u AS bigint))) s"
+                    ),
+                    {"t": cursor[0] if cursor else None, "u": cursor[1] if cursor else None},
+                ).scalar_one()
+            )
         return BuildState(bool(row.complete), cursor, remaining)
 
     if isinstance(db, Connection):
@@ -264,8 +274,11 @@ def state(db: Engine | Connection, *, count: bool = False) -> BuildState:
 def restart(engine: Engine) -> None:
     """Mark every user unbuilt: the next :func:`build` rebuilds all buckets."""
     with engine.begin() as conn:
-        conn.execute(sa.text(
-            "UPDATE txn_bucket_build SET complete = false, tenant_id = NULL, user_id = NULL"))
+        conn.execute(
+            sa.text(
+                "UPDATE txn_bucket_build SET complete = false, tenant_id = NULL, user_id = NULL"
+            )
+        )
 
 
 _NEXT = sa.text("""
@@ -284,24 +297,35 @@ def build_batch(engine: Engine, batch: int) -> tuple[int, BuildState]:
     with engine.begin() as conn:
         conn.execute(_LOCK)
         conn.execute(_BUCKET_LOCK)
-        row = conn.execute(sa.text(
-            "SELECT complete, tenant_id, user_id FROM txn_bucket_build FOR UPDATE")).one()
+        row = conn.execute(
+            sa.text("SELECT complete, tenant_id, user_id FROM txn_bucket_build FOR UPDATE")
+        ).one()
         if row.complete:
             return 0, BuildState(True, None)
-        keys = [(t, int(u)) for t, u in conn.execute(
-            _NEXT, {"t": row.tenant_id, "u": row.user_id, "n": batch}).all()]
+        keys = [
+            (t, int(u))
+            for t, u in conn.execute(
+                _NEXT, {"t": row.tenant_id, "u": row.user_id, "n": batch}
+            ).all()
+        ]
         if not keys:
-            conn.execute(sa.text("UPDATE txn_bucket_build SET complete = true, "
-                                 "tenant_id = NULL, user_id = NULL"))
+            conn.execute(
+                sa.text(
+                    "UPDATE txn_bucket_build SET complete = true, tenant_id = NULL, user_id = NULL"
+                )
+            )
             return 0, BuildState(True, None)
         rebuild(conn, keys)
-        conn.execute(sa.text("UPDATE txn_bucket_build SET tenant_id = :t, user_id = :u"),
-                     {"t": keys[-1][0], "u": keys[-1][1]})
+        conn.execute(
+            sa.text("UPDATE txn_bucket_build SET tenant_id = :t, user_id = :u"),
+            {"t": keys[-1][0], "u": keys[-1][1]},
+        )
         return len(keys), BuildState(False, keys[-1])
 
 
-def build(engine: Engine, *, batch: int = 2000,
-          progress: Callable[[int], None] | None = None) -> int:
+def build(
+    engine: Engine, *, batch: int = 2000, progress: Callable[[int], None] | None = None
+) -> int:
     """Build the buckets of every user not yet covered, batch by batch; resumable.
 
     ``progress(users)`` is called after each committed batch. Returns the users built.
@@ -350,8 +374,9 @@ def fold(db: Engine | Connection, *, max_users: int = 1000, wait: bool = True) -
     return None if n is None else int(n)
 
 
-def fold_all(engine: Engine, *, max_users: int = 1000,
-             progress: Callable[[int], None] | None = None) -> int:
+def fold_all(
+    engine: Engine, *, max_users: int = 1000, progress: Callable[[int], None] | None = None
+) -> int:
     """Fold every pending delta, ``max_users`` users per transaction; returns the users
     folded. ``progress(users)`` is called after each committed transaction."""
     done = 0
@@ -364,8 +389,7 @@ def fold_all(engine: Engine, *, max_users: int = 1000,
 
 def pending(db: Engine | Connection) -> tuple[int, int]:
     """(pending deltas, users they belong to): a full scan of the delta log."""
-    sql = sa.text("SELECT count(*), count(DISTINCT (tenant_id, user_id)) "
-                  "FROM txn_bucket_deltas")
+    sql = sa.text("SELECT count(*), count(DISTINCT (tenant_id, user_id)) FROM txn_bucket_deltas")
     if isinstance(db, Connection):
         row = db.execute(sql).one()
     else:

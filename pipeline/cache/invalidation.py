@@ -39,13 +39,15 @@ class Invalidation:
     schema_version: int
 
     def encode(self) -> bytes:
-        return orjson.dumps({
-            "tenant": self.tenant,
-            "feature_set": self.feature_set,
-            "entity": self.entity,
-            "watermark": watermark_hex(self.watermark).decode(),
-            "schema_version": self.schema_version,
-        })
+        return orjson.dumps(
+            {
+                "tenant": self.tenant,
+                "feature_set": self.feature_set,
+                "entity": self.entity,
+                "watermark": watermark_hex(self.watermark).decode(),
+                "schema_version": self.schema_version,
+            }
+        )
 
     @property
     def kafka_key(self) -> bytes:
@@ -55,7 +57,12 @@ class Invalidation:
     def decode(cls, raw: bytes | str) -> Invalidation:
         try:
             obj: Any = orjson.loads(raw)
-            return cls(str(obj["tenant"]), str(obj["feature_set"]), str(obj["entity"]),
-                       int(obj["watermark"], 16), int(obj["schema_version"]))
+            return cls(
+                str(obj["tenant"]),
+                str(obj["feature_set"]),
+                str(obj["entity"]),
+                int(obj["watermark"], 16),
+                int(obj["schema_version"]),
+            )
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise FreshlineError(f"not an invalidation message: {raw[:80]!r}") from exc

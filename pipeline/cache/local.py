@@ -87,9 +87,17 @@ class LocalTier:
     defaults to a quarter of it.
     """
 
-    def __init__(self, client: redis.Redis, *, max_entries: int, max_ttl_ms: int | None = None,
-                 registry: Registry = REGISTRY, channel: str = INVALIDATION_CHANNEL,
-                 silence_s: float = DEFAULT_SILENCE_S, heartbeat_s: float | None = None) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        max_entries: int,
+        max_ttl_ms: int | None = None,
+        registry: Registry = REGISTRY,
+        channel: str = INVALIDATION_CHANNEL,
+        silence_s: float = DEFAULT_SILENCE_S,
+        heartbeat_s: float | None = None,
+    ) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be at least 1, got {max_entries}")
         self.max_entries = max_entries
@@ -114,8 +122,15 @@ class LocalTier:
         self._lock = threading.Lock()
         self._live_changed = threading.Condition(self._lock)
         self._subscription = Subscription(
-            client, [channel], on_message=self._handle, on_live=self._go_live,
-            on_dark=self._go_dark, silence_s=silence_s, heartbeat_s=heartbeat_s, name=self.name)
+            client,
+            [channel],
+            on_message=self._handle,
+            on_live=self._go_live,
+            on_dark=self._go_dark,
+            silence_s=silence_s,
+            heartbeat_s=heartbeat_s,
+            name=self.name,
+        )
 
     @property
     def silence_s(self) -> float:
@@ -136,8 +151,9 @@ class LocalTier:
         """Start the subscription thread; the tier serves once it is confirmed."""
         self._subscription.start()
         if self._horizons is None and any(fs.horizon for fs in self.registry):
-            self._horizons = threading.Thread(target=self._read_horizons, daemon=True,
-                                              name=f"{self.name}-horizons")
+            self._horizons = threading.Thread(
+                target=self._read_horizons, daemon=True, name=f"{self.name}-horizons"
+            )
             self._horizons.start()
         return self
 
@@ -152,8 +168,12 @@ class LocalTier:
     def __enter__(self) -> LocalTier:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     @property
@@ -199,8 +219,12 @@ class LocalTier:
         """Hold ``entry`` unless it may be stale: see the module docstring."""
         lifetime_ms = self._lifetime_ms(ref, entry)
         with self._lock:
-            if (not self.live or token < self._floor or self._recent.get(ref, -1) > token
-                    or lifetime_ms <= 0):
+            if (
+                not self.live
+                or token < self._floor
+                or self._recent.get(ref, -1) > token
+                or lifetime_ms <= 0
+            ):
                 self.stats.refused += 1
                 return False
             deadline = time.monotonic() + lifetime_ms / 1000

@@ -92,7 +92,8 @@ def existing_entities(engine: Engine, refs: Sequence[EntityRef]) -> set[tuple[st
     statement = sa.text(
         "SELECT u.tenant_id, u.id::text FROM users u "
         "JOIN unnest(CAST(:tenants AS text[]), CAST(:ids AS bigint[])) AS k(tenant_id, id) "
-        "ON u.tenant_id = k.tenant_id AND u.id = k.id")
+        "ON u.tenant_id = k.tenant_id AND u.id = k.id"
+    )
     tenants = [t for t, _ in pairs]
     ids = [int(e) for _, e in pairs]
     with engine.connect() as conn:
@@ -129,10 +130,19 @@ class ReadThrough:
     for warming.
     """
 
-    def __init__(self, store: FeatureStore, engine: Engine, *, lease_ms: int = 5000,
-                 wait_ms: int = 2000, hooks: Hooks | None = None,
-                 early_refresh: bool = True, versions: VersionResolver | None = None,
-                 hot: HotReads | None = None, primary: Engine | None = None) -> None:
+    def __init__(
+        self,
+        store: FeatureStore,
+        engine: Engine,
+        *,
+        lease_ms: int = 5000,
+        wait_ms: int = 2000,
+        hooks: Hooks | None = None,
+        early_refresh: bool = True,
+        versions: VersionResolver | None = None,
+        hot: HotReads | None = None,
+        primary: Engine | None = None,
+    ) -> None:
         self.store = store
         self.engine = engine
         self.primary = primary
@@ -194,19 +204,28 @@ class ReadThrough:
         """True when the engine is a hot standby (a read replica): see the docstring."""
         if self._standby is None:
             with self.engine.connect() as conn:
-                self._standby = bool(conn.execute(sa.text("SELECT pg_is_in_recovery()"))
-                                     .scalar())
+                self._standby = bool(conn.execute(sa.text("SELECT pg_is_in_recovery()")).scalar())
         return self._standby
 
     def _for_version(self, version: int) -> ReadThrough:
         """The same read-through on another version's namespace, sharing counters."""
         if version not in self._at_version:
-            store = FeatureStore(self.store.redis, version, registry=self.store.registry,
-                                 tombstone_ttl_s=self.store.tombstone_ttl_ms // 1000)
-            other = ReadThrough(store, self.engine, lease_ms=self.lease_ms,
-                                wait_ms=self.wait_ms, hooks=self.hooks,
-                                early_refresh=self.early_refresh, hot=self.hot,
-                                primary=self.primary)
+            store = FeatureStore(
+                self.store.redis,
+                version,
+                registry=self.store.registry,
+                tombstone_ttl_s=self.store.tombstone_ttl_ms // 1000,
+            )
+            other = ReadThrough(
+                store,
+                self.engine,
+                lease_ms=self.lease_ms,
+                wait_ms=self.wait_ms,
+                hooks=self.hooks,
+                early_refresh=self.early_refresh,
+                hot=self.hot,
+                primary=self.primary,
+            )
             other.counters = self.counters
             other._standby = self._standby
             self._at_version[version] = other
@@ -214,8 +233,9 @@ class ReadThrough:
 
     def should_refresh(self, ref: EntityRef, entry: Entry, now: int) -> bool:
         """XFetch: refresh early with a probability that rises toward expiry."""
-        return (entry.computed_at_ms <= self.refresh_horizon(ref.feature_set, now)
-                and self.draw_refresh(ref.feature_set, entry.computed_at_ms, now))
+        return entry.computed_at_ms <= self.refresh_horizon(
+            ref.feature_set, now
+        ) and self.draw_refresh(ref.feature_set, entry.computed_at_ms, now)
 
     def refresh_horizon(self, feature_set: str, now: int) -> float:
         """Entries of ``feature_set`` computed after this are never refreshed at ``now``.
@@ -241,31 +261,36 @@ class ReadThrough:
         gap = -delta * math.log(random.random() or _MIN_DRAW)
         return now + gap >= expiry
 
-    def _resolve(self, misses: list[EntityRef], refresh: list[EntityRef],
-                 gate: Position | None = None) -> dict[EntityRef, Result]:
+    def _resolve(
+        self, misses: list[EntityRef], refresh: list[EntityRef], gate: Position | None = None
+    ) -> dict[EntityRef, Result]:
         token = uuid.uuid4().hex
         wanted = misses + refresh
         flags = [False] * len(misses) + [True] * len(refresh)
         leases = self.store.lease(wanted, token, self.lease_ms, flags)
         now = now_ms()
-        found = {r: self._result(r, e, "hit", now)
-                 for r, (code, e) in zip(wanted, leases, strict=True)
-                 if code == LEASE_FOUND and e is not None}
+        found = {
+            r: self._result(r, e, "hit", now)
+            for r, (code, e) in zip(wanted, leases, strict=True)
+            if code == LEASE_FOUND and e is not None
+        }
         self.counters.hits += len(found)
         mine = [r for r, (code, _) in zip(wanted, leases, strict=True) if code == LEASE_GRANTED]
         # Misses whose lease another reader holds wait for that reader's result; an
         # early refresh that lost the race just keeps serving its hit.
         others = [r for r, (code, _) in zip(misses, leases, strict=False) if code == LEASE_BUSY]
         self.counters.early_refresh += sum(
-            1 for code, _ in leases[len(misses):] if code == LEASE_GRANTED)
+            1 for code, _ in leases[len(misses) :] if code == LEASE_GRANTED
+        )
         answers = self._compute(mine, token, gate)
         answers.update(found)
         if others:
             answers.update(self._wait_or_compute(others))
         return answers
 
-    def _compute(self, refs: list[EntityRef], token: str | None,
-                 gate: Position | None = None) -> dict[EntityRef, Result]:
+    def _compute(
+        self, refs: list[EntityRef], token: str | None, gate: Position | None = None
+    ) -> dict[EntityRef, Result]:
         """One query per feature set; store under ``token`` if given, with the
         watermark of ``gate`` (a primary's position the replica has passed) if given."""
         answers: dict[EntityRef, Result] = {}
@@ -276,8 +301,9 @@ class ReadThrough:
             if self.hooks.before_compute:
                 self.hooks.before_compute(group)
             started = time.perf_counter()
-            batch = compute(self.engine, self.store.registry[name],
-                            [(r.tenant, r.entity) for r in group])
+            batch = compute(
+                self.engine, self.store.registry[name], [(r.tenant, r.entity) for r in group]
+            )
             elapsed = (time.perf_counter() - started) * 1000
             prev = self.counters.compute_ms.get(name, elapsed)
             self.counters.compute_ms[name] = 0.8 * prev + 0.2 * elapsed
@@ -301,13 +327,19 @@ class ReadThrough:
             answers.update(self._from_batch(batch, unknown, "uncached"))
         return answers
 
-    def _from_batch(self, batch: Batch, refs: list[EntityRef],
-                    source: Source) -> dict[EntityRef, Result]:
+    def _from_batch(
+        self, batch: Batch, refs: list[EntityRef], source: Source
+    ) -> dict[EntityRef, Result]:
         now = now_ms()
         return {
-            r: Result(r, batch.values[(r.tenant, r.entity)], source,
-                      max(0, now - batch.computed_at_ms), self.store.schema_version,
-                      batch.watermark)
+            r: Result(
+                r,
+                batch.values[(r.tenant, r.entity)],
+                source,
+                max(0, now - batch.computed_at_ms),
+                self.store.schema_version,
+                batch.watermark,
+            )
             for r in refs
         }
 
@@ -334,5 +366,11 @@ class ReadThrough:
         return answers
 
     def _result(self, ref: EntityRef, entry: Entry, source: Source, now: int) -> Result:
-        return Result(ref, entry.values, source, max(0, now - entry.computed_at_ms),
-                      entry.schema_version, entry.watermark)
+        return Result(
+            ref,
+            entry.values,
+            source,
+            max(0, now - entry.computed_at_ms),
+            entry.schema_version,
+            entry.watermark,
+        )

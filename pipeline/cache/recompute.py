@@ -122,9 +122,12 @@ def snapshot_watermark(snapshot: str, clock_us: int) -> Watermark:
     """The watermark of a ``pg_current_snapshot()`` text and a clock reading (µs)."""
     _, xmax, xip = snapshot.split(":")
     in_progress = len(xip.split(",")) if xip else 0
-    return (FORMAT | (int(xmax) & ((1 << XMAX_BITS) - 1)) << (XIP_BITS + CLOCK_BITS)
-            | (_XIP_ROOM - min(in_progress, _XIP_ROOM)) << CLOCK_BITS
-            | (clock_us & ((1 << CLOCK_BITS) - 1)))
+    return (
+        FORMAT
+        | (int(xmax) & ((1 << XMAX_BITS) - 1)) << (XIP_BITS + CLOCK_BITS)
+        | (_XIP_ROOM - min(in_progress, _XIP_ROOM)) << CLOCK_BITS
+        | (clock_us & ((1 << CLOCK_BITS) - 1))
+    )
 
 
 def unpack_watermark(wm: Watermark) -> tuple[int, int]:
@@ -133,8 +136,7 @@ def unpack_watermark(wm: Watermark) -> tuple[int, int]:
 
 
 def _snapshot(snapshot: str, us: int, invisible: Sequence[int] | None) -> Snapshot:
-    return Snapshot(snapshot_watermark(snapshot, int(us)), int(us) // 1000,
-                    tuple(invisible or ()))
+    return Snapshot(snapshot_watermark(snapshot, int(us)), int(us) // 1000, tuple(invisible or ()))
 
 
 def take_snapshot(conn: Connection, txids: Iterable[int] = ()) -> Snapshot:
@@ -157,7 +159,8 @@ class Position:
 
 _POSITION_SQL = sa.text(
     f"SELECT w.snapshot, w.us, pg_current_wal_insert_lsn() - '0/0'::pg_lsn AS lsn "
-    f"FROM ({_SNAPSHOT_SELECT}) AS w")
+    f"FROM ({_SNAPSHOT_SELECT}) AS w"
+)
 
 
 def primary_position(engine: Engine) -> Position:
@@ -180,8 +183,9 @@ def replayed_lsn(engine: Engine) -> int:
     follows the replay of commit records).
     """
     with engine.connect() as conn:
-        lsn = conn.execute(sa.text(
-            "SELECT coalesce(pg_last_wal_replay_lsn() - '0/0'::pg_lsn, 0)")).scalar()
+        lsn = conn.execute(
+            sa.text("SELECT coalesce(pg_last_wal_replay_lsn() - '0/0'::pg_lsn, 0)")
+        ).scalar()
     return int(lsn or 0)
 
 
@@ -212,8 +216,9 @@ def entity_ids(refs: Iterable[tuple[str, str]]) -> tuple[list[str], list[int]]:
         validate_id("tenant", tenant)
         text = validate_id("entity", entity)
         if not text.isdigit() or len(text) > 18 or (len(text) > 1 and text[0] == "0"):
-            raise InvalidId("entity", entity,
-                            "a user id is a non-negative integer without leading zeros")
+            raise InvalidId(
+                "entity", entity, "a user id is a non-negative integer without leading zeros"
+            )
         tenants.append(tenant)
         ids.append(int(text))
     return tenants, ids
@@ -259,15 +264,25 @@ def feature_statement(fs: FeatureSet, path: Path | None = None) -> sa.TextClause
     body = query_text(fs, path or fs.path)
     if fs.horizon is not None:  # its moment as the last column: see FeatureSet.horizon
         body = f"SELECT f.*, {fs.horizon} AS valid_until FROM ({body}) AS f"
-    return sa.text(f"SELECT w.snapshot, w.us, w.invisible, f.* FROM ({_SNAPSHOT_SELECT}) AS w "
-                   f"LEFT JOIN ({body}) AS f ON true")
+    return sa.text(
+        f"SELECT w.snapshot, w.us, w.invisible, f.* FROM ({_SNAPSHOT_SELECT}) AS w "
+        f"LEFT JOIN ({body}) AS f ON true"
+    )
 
 
-def _compute(conn: Connection, fs: FeatureSet, tenants: list[str], ids: list[int],
-             as_of: dt.datetime | None, txids: Iterable[int], path: Path | None) -> Batch:
-    rows = conn.execute(feature_statement(fs, path),
-                        {"tenants": tenants, "ids": ids, "as_of": as_of,
-                         "txids": sorted(set(txids))}).all()
+def _compute(
+    conn: Connection,
+    fs: FeatureSet,
+    tenants: list[str],
+    ids: list[int],
+    as_of: dt.datetime | None,
+    txids: Iterable[int],
+    path: Path | None,
+) -> Batch:
+    rows = conn.execute(
+        feature_statement(fs, path),
+        {"tenants": tenants, "ids": ids, "as_of": as_of, "txids": sorted(set(txids))},
+    ).all()
     first = rows[0]
     snap = _snapshot(first[0], first[1], first[2]).require_visible()
     values: dict[tuple[str, str], FeatureValues] = {}

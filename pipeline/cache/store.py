@@ -177,8 +177,11 @@ def check_eviction_policy(client: redis.Redis) -> None:
     try:
         config = client.config_get("maxmemory*")
     except redis.exceptions.ResponseError as exc:
-        log.warning("could not read Redis's maxmemory-policy (%s); make sure it is "
-                    "noeviction, or entries may go stale", exc)
+        log.warning(
+            "could not read Redis's maxmemory-policy (%s); make sure it is "
+            "noeviction, or entries may go stale",
+            exc,
+        )
         return
     policy = text(config.get("maxmemory-policy"))
     maxmemory = int(text(config.get("maxmemory")) or 0)
@@ -186,7 +189,8 @@ def check_eviction_policy(client: redis.Redis) -> None:
         raise ConfigError(
             f"Redis may evict keys (maxmemory {maxmemory}, maxmemory-policy {policy}): an "
             "evicted newer entry would let an older one land. Set maxmemory-policy "
-            "noeviction (redis.conf, or CONFIG SET maxmemory-policy noeviction)")
+            "noeviction (redis.conf, or CONFIG SET maxmemory-policy noeviction)"
+        )
 
 
 def jittered_ttl_ms(ttl_s: int) -> int:
@@ -209,8 +213,14 @@ def entry_ttl_ms(ttl_s: int, computed_at_ms: int, valid_until_ms: int | None) ->
 class FeatureStore:
     """Reads and conditional writes of feature entries for one schema version."""
 
-    def __init__(self, client: redis.Redis, schema_version: int, *,
-                 registry: Registry = REGISTRY, tombstone_ttl_s: int = 300) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        schema_version: int,
+        *,
+        registry: Registry = REGISTRY,
+        tombstone_ttl_s: int = 300,
+    ) -> None:
         self.redis = client
         self.schema_version = schema_version
         self.registry = registry
@@ -242,15 +252,18 @@ class FeatureStore:
         keys += [self._floor_key(name) for name in dict.fromkeys(r.feature_set for r in refs)]
         return keys
 
-    def entries(self, refs: Sequence[EntityRef],
-                raws: Sequence[bytes | str | None]) -> list[Entry | None]:
+    def entries(
+        self, refs: Sequence[EntityRef], raws: Sequence[bytes | str | None]
+    ) -> list[Entry | None]:
         """The entries of ``refs`` from the MGET of :meth:`read_keys`.
 
         ``None`` where missing, a tombstone, or below its feature set's floor.
         """
         version = self.schema_version
-        return [None if row is None else Entry(row[0], version, row[1], parse_watermark(row[2]))
-                for row in self._rows_of([r.feature_set for r in refs], raws)]
+        return [
+            None if row is None else Entry(row[0], version, row[1], parse_watermark(row[2]))
+            for row in self._rows_of([r.feature_set for r in refs], raws)
+        ]
 
     def read_rows(self, items: Sequence[Item]) -> list[Row | None]:
         """:meth:`read` of ``(feature_set, tenant, entity)`` items, as decoded rows.
@@ -265,8 +278,9 @@ class FeatureStore:
         keys += [self._floor_key(name) for name in dict.fromkeys(names)]
         return self._rows_of(names, mget(self.redis, keys))
 
-    def _rows_of(self, names: Sequence[str],
-                 raws: Sequence[bytes | str | None]) -> list[Row | None]:
+    def _rows_of(
+        self, names: Sequence[str], raws: Sequence[bytes | str | None]
+    ) -> list[Row | None]:
         """Rows of the MGET replies of keys of the feature sets ``names``, then floors."""
         n = len(names)
         sets = list(dict.fromkeys(names))
@@ -276,13 +290,15 @@ class FeatureStore:
         rows: list[Row | None] = [None] * n
         for name in sets:
             at = [i for i, fs in enumerate(names) if fs == name]
-            for i, row in zip(at, self.rows(name, [raws[i] for i in at], floors[name]),
-                              strict=True):
+            for i, row in zip(
+                at, self.rows(name, [raws[i] for i in at], floors[name]), strict=True
+            ):
                 rows[i] = row
         return rows
 
-    def grid_keys(self, tenant: str, feature_sets: Sequence[str],
-                  entities: Sequence[str]) -> list[str]:
+    def grid_keys(
+        self, tenant: str, feature_sets: Sequence[str], entities: Sequence[str]
+    ) -> list[str]:
         """:meth:`read_keys` of every (entity, feature set) pair of one tenant, entity-major.
 
         The MGET of these answers ``len(entities) * len(feature_sets)`` entries, then
@@ -300,11 +316,13 @@ class FeatureStore:
         key = self._floor_keys.get(feature_set)
         if key is None:
             key = self._floor_keys[feature_set] = floor_key(
-                self.schema_version, self.registry[feature_set].name)
+                self.schema_version, self.registry[feature_set].name
+            )
         return key
 
-    def rows(self, feature_set: str, raws: Sequence[bytes | str | None],
-             floor: bytes | str | None) -> list[Row | None]:
+    def rows(
+        self, feature_set: str, raws: Sequence[bytes | str | None], floor: bytes | str | None
+    ) -> list[Row | None]:
         """Decoded entries of one feature set (:func:`pipeline.core.codec.decode_rows`)."""
         return decode_rows(raws, self.fields(feature_set), self.schema_version, floor)
 
@@ -322,8 +340,9 @@ class FeatureStore:
             raw = raw.encode()
         return decode_entry(raw, self.fields(feature_set), self.schema_version)
 
-    def lease(self, refs: Sequence[EntityRef], token: str, lease_ms: int,
-              refresh: Sequence[bool]) -> list[tuple[int, Entry | None]]:
+    def lease(
+        self, refs: Sequence[EntityRef], token: str, lease_ms: int, refresh: Sequence[bool]
+    ) -> list[tuple[int, Entry | None]]:
         """Try to lease each ref for a read-through fill, in one round trip.
 
         Each answer is ``(LEASE_GRANTED, None)``, ``(LEASE_BUSY, None)`` or
@@ -331,23 +350,29 @@ class FeatureStore:
         """
         calls: list[Call] = []
         for ref, again in zip(refs, refresh, strict=True):
-            keys = (self.key(ref), lease_key(self.schema_version, ref),
-                    floor_key(self.schema_version, ref.feature_set))
+            keys = (
+                self.key(ref),
+                lease_key(self.schema_version, ref),
+                floor_key(self.schema_version, ref.feature_set),
+            )
             calls.append((keys, (token, lease_ms, "1" if again else "")))
         calls = self._floors_as_args(calls)
         out: list[tuple[int, Entry | None]] = []
         for ref, reply in zip(refs, self._run(self._lease, calls), strict=True):
             code = int(reply[0])
-            out.append((code, self._decode(ref.feature_set, reply[1]) if code == LEASE_FOUND
-                        else None))
+            out.append(
+                (code, self._decode(ref.feature_set, reply[1]) if code == LEASE_FOUND else None)
+            )
         return out
 
     def write(self, batch: Batch, *, schema_version: int | None = None) -> WriteResult:
         """Write a computed batch, source-driven: revokes leases, keeps newer entries."""
         version = schema_version or self.schema_version
         name = batch.feature_set.name
-        calls = [self._call(batch, EntityRef(name, tenant, entity), values, version, "")
-                 for (tenant, entity), values in batch.values.items()]
+        calls = [
+            self._call(batch, EntityRef(name, tenant, entity), values, version, "")
+            for (tenant, entity), values in batch.values.items()
+        ]
         return self._written(calls)
 
     def fill(self, batch: Batch, token: str, refs: Sequence[EntityRef]) -> WriteResult:
@@ -359,19 +384,28 @@ class FeatureStore:
                 calls.append(self._call(batch, ref, values, self.schema_version, token))
         return self._written(calls)
 
-    def invalidate(self, refs: Sequence[EntityRef], watermark: Watermark, *,
-                   schema_version: int | None = None) -> WriteResult:
+    def invalidate(
+        self, refs: Sequence[EntityRef], watermark: Watermark, *, schema_version: int | None = None
+    ) -> WriteResult:
         """Replace entries older than ``watermark`` with a short-lived tombstone."""
         version = schema_version or self.schema_version
         tomb = encode_tombstone(watermark)
         calls: list[Call] = [
-            ((self.key(ref, version), lease_key(version, ref),
-              floor_key(version, ref.feature_set)), (tomb, self.tombstone_ttl_ms, ""))
-            for ref in refs]
+            (
+                (
+                    self.key(ref, version),
+                    lease_key(version, ref),
+                    floor_key(version, ref.feature_set),
+                ),
+                (tomb, self.tombstone_ttl_ms, ""),
+            )
+            for ref in refs
+        ]
         return self._written(calls)
 
-    def truncate(self, feature_set: str, watermark: Watermark, *,
-                 schema_version: int | None = None) -> None:
+    def truncate(
+        self, feature_set: str, watermark: Watermark, *, schema_version: int | None = None
+    ) -> None:
         """Void every entry of ``feature_set`` computed before ``watermark``.
 
         ``watermark`` is that of a snapshot that sees the truncate of a source table.
@@ -379,20 +413,26 @@ class FeatureStore:
         """
         version = schema_version or self.schema_version
         ttl_ms = 2 * self.registry[feature_set].ttl_s * 1000
-        self._run(self._floor, [((floor_key(version, feature_set),),
-                                 (watermark_hex(watermark), ttl_ms))])
+        self._run(
+            self._floor, [((floor_key(version, feature_set),), (watermark_hex(watermark), ttl_ms))]
+        )
 
     @staticmethod
-    def _call(batch: Batch, ref: EntityRef, values: dict[str, object], version: int,
-              token: str) -> Call:
+    def _call(
+        batch: Batch, ref: EntityRef, values: dict[str, object], version: int, token: str
+    ) -> Call:
         """The write script's keys and arguments for ``ref``'s ``values`` of ``batch``."""
         fs, computed_at_ms = batch.feature_set, batch.computed_at_ms
-        raw = encode_entry([values[f] for f in fs.field_names], version, computed_at_ms,
-                           batch.watermark)
-        ttl_ms = entry_ttl_ms(fs.ttl_s, computed_at_ms,
-                              batch.valid_until_ms.get((ref.tenant, ref.entity)))
-        return ((feature_key(version, ref), lease_key(version, ref),
-                 floor_key(version, fs.name)), (raw, ttl_ms, token))
+        raw = encode_entry(
+            [values[f] for f in fs.field_names], version, computed_at_ms, batch.watermark
+        )
+        ttl_ms = entry_ttl_ms(
+            fs.ttl_s, computed_at_ms, batch.valid_until_ms.get((ref.tenant, ref.entity))
+        )
+        return (
+            (feature_key(version, ref), lease_key(version, ref), floor_key(version, fs.name)),
+            (raw, ttl_ms, token),
+        )
 
     def _floors_as_args(self, calls: list[Call]) -> list[Call]:
         """On a cluster: each call's floor key becomes its value, read once per batch
@@ -400,8 +440,10 @@ class FeatureStore:
         if not self.cluster or not calls:
             return calls
         names = list(dict.fromkeys(keys[2] for keys, _ in calls))
-        floors = {name: text(raw) if raw is not None else ""
-                  for name, raw in zip(names, mget(self.redis, names), strict=True)}
+        floors = {
+            name: text(raw) if raw is not None else ""
+            for name, raw in zip(names, mget(self.redis, names), strict=True)
+        }
         return [(keys[:2], (*args, floors[keys[2]])) for keys, args in calls]
 
     def _written(self, calls: list[Call]) -> WriteResult:
@@ -420,13 +462,12 @@ class FeatureStore:
         """
         with rerouted_on_failure(self.redis):
             replies = self._pipeline(script, calls)
-            missing = [i for i, reply in enumerate(replies)
-                       if isinstance(reply, NoScriptError)]
+            missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
             if missing:
                 script.sha = self.redis.script_load(script.script)
-                for i, reply in zip(missing,
-                                    self._pipeline(script, [calls[i] for i in missing]),
-                                    strict=True):
+                for i, reply in zip(
+                    missing, self._pipeline(script, [calls[i] for i in missing]), strict=True
+                ):
                     replies[i] = reply
             for reply in replies:
                 if isinstance(reply, Exception):
@@ -441,5 +482,6 @@ class FeatureStore:
             # execute_command: redis-py's cluster pipeline refuses its evalsha() method,
             # though it routes EVALSHA by its keys (one slot per call: the hash tag).
             pipe.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", script.sha, len(keys), *keys, *args)
+                "EVALSHA", script.sha, len(keys), *keys, *args
+            )
         return list(pipe.execute(raise_on_error=False))

@@ -46,8 +46,11 @@ log = logging.getLogger(__name__)
 DEFAULT_SILENCE_S: Final = 1.0
 BACKOFF_FIRST_S: Final = 0.05
 BACKOFF_MAX_S: Final = 2.0
-CONNECTION_ERRORS: Final = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                            OSError)
+CONNECTION_ERRORS: Final = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    OSError,
+)
 
 MessageHandler = Callable[[str, bytes | str], None]
 
@@ -74,19 +77,27 @@ class Subscription:
     subscription's thread. ``heartbeat_s`` defaults to a quarter of ``silence_s``.
     """
 
-    def __init__(self, client: redis.Redis, channels: Sequence[str], *,
-                 on_message: MessageHandler, on_live: Callable[[], None] = _nothing,
-                 on_dark: Callable[[], None] = _nothing,
-                 silence_s: float = DEFAULT_SILENCE_S, heartbeat_s: float | None = None,
-                 name: str | None = None) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        channels: Sequence[str],
+        *,
+        on_message: MessageHandler,
+        on_live: Callable[[], None] = _nothing,
+        on_dark: Callable[[], None] = _nothing,
+        silence_s: float = DEFAULT_SILENCE_S,
+        heartbeat_s: float | None = None,
+        name: str | None = None,
+    ) -> None:
         if not channels:
             raise ValueError("a subscription needs at least one channel")
         if silence_s <= 0:
             raise ValueError(f"silence_s must be positive, got {silence_s}")
         heartbeat_s = silence_s / 4 if heartbeat_s is None else heartbeat_s
         if not 0 < heartbeat_s < silence_s:
-            raise ValueError(f"heartbeat_s must be positive and under silence_s ({silence_s}), "
-                             f"got {heartbeat_s}")
+            raise ValueError(
+                f"heartbeat_s must be positive and under silence_s ({silence_s}), got {heartbeat_s}"
+            )
         self.channels = tuple(channels)
         self.silence_s = silence_s
         self.heartbeat_s = heartbeat_s
@@ -110,8 +121,10 @@ class Subscription:
         if self._cluster is not None:
             slots = {self._cluster.keyslot(c) for c in self.channels}
             if len(slots) > 1:
-                raise ValueError("on Redis Cluster a subscription's channels must share "
-                                 f"a slot (sharded pub/sub): {', '.join(self.channels)}")
+                raise ValueError(
+                    "on Redis Cluster a subscription's channels must share "
+                    f"a slot (sharded pub/sub): {', '.join(self.channels)}"
+                )
             self._client = redis.Redis()  # replaced by _node_client on every connect
         else:
             self._client = self._subscriber_client(client)
@@ -136,11 +149,17 @@ class Subscription:
         """
         pool = client.connection_pool
         kwargs = dict(pool.connection_kwargs)
-        kwargs.update(retry=Retry(NoBackoff(), 0), client_name=self.name, socket_keepalive=True,
-                      socket_timeout=self.silence_s, socket_connect_timeout=self.silence_s,
-                      health_check_interval=0)
-        return redis.Redis(connection_pool=redis.ConnectionPool(
-            connection_class=pool.connection_class, **kwargs))
+        kwargs.update(
+            retry=Retry(NoBackoff(), 0),
+            client_name=self.name,
+            socket_keepalive=True,
+            socket_timeout=self.silence_s,
+            socket_connect_timeout=self.silence_s,
+            health_check_interval=0,
+        )
+        return redis.Redis(
+            connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
+        )
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -180,8 +199,12 @@ class Subscription:
             self._changed.notify_all()
         self._on_live()
         if self._down_since is not None:
-            log.info("%s: subscribed to %s again after %.1fs", self.name,
-                     ", ".join(self.channels), time.monotonic() - self._down_since)
+            log.info(
+                "%s: subscribed to %s again after %.1fs",
+                self.name,
+                ", ".join(self.channels),
+                time.monotonic() - self._down_since,
+            )
             self._down_since = None
 
     def _go_dark(self) -> bool:
@@ -212,11 +235,15 @@ class Subscription:
                 failures = 0
             if self._down_since is None:
                 self._down_since = time.monotonic()
-                log.warning("%s: subscription to %s lost (%s); not relied on until it is "
-                            "confirmed again", self.name, ", ".join(self.channels), error)
+                log.warning(
+                    "%s: subscription to %s lost (%s); not relied on until it is confirmed again",
+                    self.name,
+                    ", ".join(self.channels),
+                    error,
+                )
             else:
                 log.debug("%s: still no subscription (%s)", self.name, error)
-            delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** failures) * random.uniform(0.5, 1)
+            delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**failures) * random.uniform(0.5, 1)
             failures += 1
             self._stop.wait(delay)
 

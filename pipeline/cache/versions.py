@@ -52,9 +52,13 @@ class Pointer:
 
     @classmethod
     def scoped(cls, scope: str) -> Pointer:
-        return cls(f"{ACTIVE_SCHEMA_KEY}:{scope}", f"{NEXT_SCHEMA_KEY}:{scope}",
-                   f"{DEPLOY_CHANNEL}:{scope}", f"{PREVIOUS_SCHEMA_KEY}:{scope}",
-                   f"{RETIRED_SCHEMA_KEY}:{scope}")
+        return cls(
+            f"{ACTIVE_SCHEMA_KEY}:{scope}",
+            f"{NEXT_SCHEMA_KEY}:{scope}",
+            f"{DEPLOY_CHANNEL}:{scope}",
+            f"{PREVIOUS_SCHEMA_KEY}:{scope}",
+            f"{RETIRED_SCHEMA_KEY}:{scope}",
+        )
 
     def retired_key(self, version: int) -> str:
         return f"{self.retired_prefix}:{version}"
@@ -74,30 +78,43 @@ class DeployState:
     previous: int | None = None
 
 
-
 def _version(raw: str, key: str, lock: Lock | None) -> int | None:
     if not raw:
         return None
     if not raw.isdigit() or int(raw) < 1:
-        raise DeployError(f"{key} holds {raw!r}, not a schema version; "
-                          "set it with `freshline deploy flip <version>`")
+        raise DeployError(
+            f"{key} holds {raw!r}, not a schema version; "
+            "set it with `freshline deploy flip <version>`"
+        )
     version = int(raw)
     if lock is not None and version not in lock:
-        raise DeployError(f"{key} names schema version {version}, which is not in the lock "
-                          f"(locked: {', '.join(map(str, sorted(lock.versions)))}); "
-                          "point it at a locked version with `freshline deploy flip`")
+        raise DeployError(
+            f"{key} names schema version {version}, which is not in the lock "
+            f"(locked: {', '.join(map(str, sorted(lock.versions)))}); "
+            "point it at a locked version with `freshline deploy flip`"
+        )
     return version
 
 
-def state(client: redis.Redis, settings: Settings, *, pointer: Pointer = DEFAULT_POINTER,
-          lock: Lock | None = None) -> DeployState:
+def state(
+    client: redis.Redis,
+    settings: Settings,
+    *,
+    pointer: Pointer = DEFAULT_POINTER,
+    lock: Lock | None = None,
+) -> DeployState:
     """Read the pointer in one MGET; with ``lock``, refuse versions it does not know."""
-    active_raw, next_raw, previous_raw = (text(r) for r in client.mget(
-        [pointer.active_key, pointer.next_key, pointer.previous_key]))
+    active_raw, next_raw, previous_raw = (
+        text(r) for r in client.mget([pointer.active_key, pointer.next_key, pointer.previous_key])
+    )
     active = _version(active_raw, pointer.active_key, lock) or settings.schema_version
-    return DeployState(active, _version(next_raw, pointer.next_key, lock), active_raw, next_raw,
-                       _version(previous_raw, pointer.previous_key, lock))
-
+    return DeployState(
+        active,
+        _version(next_raw, pointer.next_key, lock),
+        active_raw,
+        next_raw,
+        _version(previous_raw, pointer.previous_key, lock),
+    )
 
 
 class WriteVersions:
@@ -111,10 +128,16 @@ class WriteVersions:
     kept ``max_age_s`` per feature set, so it costs one GET a second at most.
     """
 
-    def __init__(self, client: redis.Redis, settings: Settings, *,
-                 pointer: Pointer = DEFAULT_POINTER, lock: Lock | None = None,
-                 registry: Registry = REGISTRY,
-                 max_age_s: float = WRITE_VERSIONS_MAX_AGE_S) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        settings: Settings,
+        *,
+        pointer: Pointer = DEFAULT_POINTER,
+        lock: Lock | None = None,
+        registry: Registry = REGISTRY,
+        max_age_s: float = WRITE_VERSIONS_MAX_AGE_S,
+    ) -> None:
         self.redis = client
         self.settings = settings
         self.pointer = pointer
@@ -129,8 +152,11 @@ class WriteVersions:
         if cached is not None and now - cached[0] < self.max_age_s:
             return list(cached[1])
         seen = state(self.redis, self.settings, pointer=self.pointer)
-        versions = [v for v in dict.fromkeys((seen.active, seen.next, seen.previous))
-                    if v is not None and self.lock.compatible(v, self.registry, feature_set)]
+        versions = [
+            v
+            for v in dict.fromkeys((seen.active, seen.next, seen.previous))
+            if v is not None and self.lock.compatible(v, self.registry, feature_set)
+        ]
         versions = versions or [self.settings.schema_version]
         self._answers[feature_set] = (now, versions)
         return list(versions)
@@ -154,9 +180,15 @@ class VersionResolver:
     nobody can decode.
     """
 
-    def __init__(self, client: redis.Redis, settings: Settings, *,
-                 pointer: Pointer = DEFAULT_POINTER, lock: Lock | None = None,
-                 max_age_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        settings: Settings,
+        *,
+        pointer: Pointer = DEFAULT_POINTER,
+        lock: Lock | None = None,
+        max_age_s: float = 1.0,
+    ) -> None:
         self.redis = client
         self.settings = settings
         self.pointer = pointer
@@ -182,8 +214,11 @@ class VersionResolver:
         if registry is not None and not self._computes(version, registry):
             if version not in self._warned:
                 self._warned.add(version)
-                log.warning("active schema version %d differs from this code's definitions; "
-                            "staying on %d", version, self.settings.schema_version)
+                log.warning(
+                    "active schema version %d differs from this code's definitions; staying on %d",
+                    version,
+                    self.settings.schema_version,
+                )
             return self.settings.schema_version
         return version
 
@@ -249,13 +284,14 @@ class VersionResolver:
         """
         if self._subscription is None:
             self._subscription = Subscription(
-                self.redis, [self.pointer.channel],
+                self.redis,
+                [self.pointer.channel],
                 on_message=lambda _channel, _data: self.refresh(),
-                silence_s=self.silence_s, name=f"freshline-deploy-{uuid.uuid4().hex[:12]}",
+                silence_s=self.silence_s,
+                name=f"freshline-deploy-{uuid.uuid4().hex[:12]}",
             ).start()
 
     def close(self) -> None:
         if self._subscription is not None:
             self._subscription.close()
             self._subscription = None
-

@@ -116,7 +116,9 @@ def connector_config(
         "database.user": url.username or "",
         "database.password": (
             f"${{file:{settings.connect_secrets_file}:database.password}}"
-            if settings.connect_secrets_file else url.password or ""),
+            if settings.connect_secrets_file
+            else url.password or ""
+        ),
         "database.dbname": url.database,
         "topic.prefix": owned.topic_prefix,
         "plugin.name": "pgoutput",
@@ -140,8 +142,9 @@ def connector_config(
         # action writes a logical message into *this* database's WAL, so the slot
         # advances even when only other databases on the server are busy.
         "heartbeat.interval.ms": str(HEARTBEAT_MS),
-        "heartbeat.action.query":
-            f"SELECT pg_logical_emit_message(false, '{HEARTBEAT_PREFIX}', now()::text)",
+        "heartbeat.action.query": (
+            f"SELECT pg_logical_emit_message(false, '{HEARTBEAT_PREFIX}', now()::text)"
+        ),
         "message.prefix.exclude.list": HEARTBEAT_PREFIX,
         # Freshness: hand events to Connect every 50 ms rather than the 500 ms default.
         "poll.interval.ms": "50",
@@ -167,11 +170,14 @@ class ConnectClient:
         A 404 is returned, not raised; another error status raises :class:`ConnectError`
         with Connect's message; no answer raises :class:`ServiceUnavailable`.
         """
-        response = fetch(self.url + path, method=method,
-                         body=None if body is None else orjson.dumps(body),
-                         headers={"Content-Type": "application/json",
-                                  "Accept": "application/json"},
-                         timeout=self.timeout_s, service="Kafka Connect")
+        response = fetch(
+            self.url + path,
+            method=method,
+            body=None if body is None else orjson.dumps(body),
+            headers={"Content-Type": "application/json", "Accept": "application/json"},
+            timeout=self.timeout_s,
+            service="Kafka Connect",
+        )
         if response.status == 404:
             return 404, None
         if not response.ok:
@@ -274,8 +280,12 @@ class CdcStatus:
 
     @property
     def running(self) -> bool:
-        return (self.connector is not None and self.connector.state == "RUNNING"
-                and bool(self.tasks) and all(t.state == "RUNNING" for t in self.tasks))
+        return (
+            self.connector is not None
+            and self.connector.state == "RUNNING"
+            and bool(self.tasks)
+            and all(t.state == "RUNNING" for t in self.tasks)
+        )
 
 
 def connector_state(client: ConnectClient, name: str) -> tuple[TaskState | None, list[TaskState]]:
@@ -283,10 +293,15 @@ def connector_state(client: ConnectClient, name: str) -> tuple[TaskState | None,
     if body is None:
         return None, []
     conn = body.get("connector", {})
-    connector = TaskState(-1, str(conn.get("state")), str(conn.get("worker_id", "")),
-                          conn.get("trace"))
-    tasks = [TaskState(int(t.get("id", 0)), str(t.get("state")), str(t.get("worker_id", "")),
-                       t.get("trace")) for t in body.get("tasks", [])]
+    connector = TaskState(
+        -1, str(conn.get("state")), str(conn.get("worker_id", "")), conn.get("trace")
+    )
+    tasks = [
+        TaskState(
+            int(t.get("id", 0)), str(t.get("state")), str(t.get("worker_id", "")), t.get("trace")
+        )
+        for t in body.get("tasks", [])
+    ]
     return connector, sorted(tasks, key=lambda t: t.id)
 
 
@@ -308,13 +323,23 @@ def slot_state(engine: Engine, slot: str) -> SlotState | None:
 def publication_tables(engine: Engine, publication: str = PUBLICATION) -> list[str] | None:
     """The tables in ``publication`` (None if there is no such publication)."""
     with engine.connect() as conn:
-        exists = conn.execute(sa.text("SELECT 1 FROM pg_publication WHERE pubname = :p"),
-                              {"p": publication}).one_or_none()
+        exists = conn.execute(
+            sa.text("SELECT 1 FROM pg_publication WHERE pubname = :p"), {"p": publication}
+        ).one_or_none()
         if exists is None:
             return None
-        rows = conn.execute(sa.text(
-            "SELECT tablename FROM pg_publication_tables WHERE pubname = :p AND schemaname = :s "
-            "ORDER BY tablename"), {"p": publication, "s": SCHEMA}).scalars().all()
+        rows = (
+            conn.execute(
+                sa.text(
+                    "SELECT tablename FROM pg_publication_tables "
+                    "WHERE pubname = :p AND schemaname = :s "
+                    "ORDER BY tablename"
+                ),
+                {"p": publication, "s": SCHEMA},
+            )
+            .scalars()
+            .all()
+        )
     return list(rows)
 
 
@@ -322,19 +347,27 @@ def check_publication(engine: Engine, tables: list[str], publication: str = PUBL
     """Raise unless ``publication`` exists and covers ``tables`` (migration 0002 made it)."""
     found = publication_tables(engine, publication)
     if found is None:
-        raise FreshlineError(f"publication {publication!r} does not exist in "
-                             f"{engine.url.database}; run: freshline db upgrade")
+        raise FreshlineError(
+            f"publication {publication!r} does not exist in "
+            f"{engine.url.database}; run: freshline db upgrade"
+        )
     missing = sorted(set(tables) - set(found))
     if missing:
-        raise FreshlineError(f"publication {publication!r} lacks {', '.join(missing)}; "
-                             "run: freshline db upgrade")
+        raise FreshlineError(
+            f"publication {publication!r} lacks {', '.join(missing)}; run: freshline db upgrade"
+        )
 
 
 def status(settings: Settings, engine: Engine, connector: str | None = None) -> CdcStatus:
     owned = names(settings, connector)
     conn, tasks = connector_state(ConnectClient(settings.connect_url), owned.connector)
-    return CdcStatus(owned, conn, tasks, slot_state(engine, owned.slot),
-                     publication_tables(engine, owned.publication) or [])
+    return CdcStatus(
+        owned,
+        conn,
+        tasks,
+        slot_state(engine, owned.slot),
+        publication_tables(engine, owned.publication) or [],
+    )
 
 
 def drop_slot(engine: Engine, slot: str, deadline_s: float = 30.0) -> bool:

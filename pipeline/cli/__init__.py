@@ -27,8 +27,21 @@ from pipeline.cli.app import app, console
 from pipeline.core.errors import FreshlineError
 from pipeline.core.services import translate_errors
 
-for _group in (db, consume, deploy, serve, apikey, advise, audit, cdc, models, bench, chaos,
-               semantic, buckets):
+for _group in (
+    db,
+    consume,
+    deploy,
+    serve,
+    apikey,
+    advise,
+    audit,
+    cdc,
+    models,
+    bench,
+    chaos,
+    semantic,
+    buckets,
+):
     _group.register(app)
 
 

@@ -27,8 +27,9 @@ def parse_duration(text: str) -> timedelta:
     """``90d``, ``12h``, ``30m``, ``45s``: a positive duration, or a usage error."""
     match = _DURATION.fullmatch(text.strip())
     if match is None or int(match.group(1)) == 0:
-        raise typer.BadParameter(f"{text!r} is not a duration like 90d, 12h, 30m or 45s",
-                                 param_hint="--expires-in")
+        raise typer.BadParameter(
+            f"{text!r} is not a duration like 90d, 12h, 30m or 45s", param_hint="--expires-in"
+        )
     return timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
 
 
@@ -54,8 +55,9 @@ def tenants_create(
     from pipeline.core.db import make_owner_engine
 
     issued = register_tenant(make_owner_engine(_settings()), tenant, name)
-    console.print(f"created tenant {tenant}; its API key {issued.key_id} "
-                  "(stored hashed, shown only now):")
+    console.print(
+        f"created tenant {tenant}; its API key {issued.key_id} (stored hashed, shown only now):"
+    )
     typer.echo(issued.key)
 
 
@@ -63,8 +65,10 @@ def tenants_create(
 def apikey_create(
     tenant: Annotated[str, typer.Option("--tenant", help="An existing tenant id")],
     label: Annotated[str, typer.Option(help="What the key is for (shown by list)")] = "",
-    expires_in: Annotated[str | None, typer.Option(
-        "--expires-in", help="Lifetime, e.g. 90d, 12h (default: no expiry)")] = None,
+    expires_in: Annotated[
+        str | None,
+        typer.Option("--expires-in", help="Lifetime, e.g. 90d, 12h (default: no expiry)"),
+    ] = None,
 ) -> None:
     """Add an API key for a tenant and print it (shown only this once)."""
     from pipeline.api.auth import issue_api_key
@@ -72,13 +76,15 @@ def apikey_create(
 
     expires_at = datetime.now(UTC) + parse_duration(expires_in) if expires_in else None
     try:
-        issued = issue_api_key(make_owner_engine(_settings()), tenant, label=label,
-                               expires_at=expires_at)
+        issued = issue_api_key(
+            make_owner_engine(_settings()), tenant, label=label, expires_at=expires_at
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--label") from None
     until = f", expires {_when(expires_at)} UTC" if expires_at else ""
-    console.print(f"new API key {issued.key_id} for tenant {tenant}{until} "
-                  "(stored hashed, shown only now):")
+    console.print(
+        f"new API key {issued.key_id} for tenant {tenant}{until} (stored hashed, shown only now):"
+    )
     typer.echo(issued.key)
 
 
@@ -95,12 +101,16 @@ def apikey_list(
         console.print("no API keys" + (f" for tenant {tenant}" if tenant else ""))
         return
     now = datetime.now(UTC)
-    typer.echo(f"{'id':<12}  {'tenant':<16}  {'state':<7}  {'created':<16}  "
-               f"{'expires':<16}  {'last used':<16}  label")
+    typer.echo(
+        f"{'id':<12}  {'tenant':<16}  {'state':<7}  {'created':<16}  "
+        f"{'expires':<16}  {'last used':<16}  label"
+    )
     for k in keys:
-        typer.echo(f"{k.key_id:<12}  {k.tenant[:16]:<16}  {k.state(now):<7}  "
-                   f"{_when(k.created_at):<16}  {_when(k.expires_at):<16}  "
-                   f"{_when(k.last_used_at):<16}  {k.label}")
+        typer.echo(
+            f"{k.key_id:<12}  {k.tenant[:16]:<16}  {k.state(now):<7}  "
+            f"{_when(k.created_at):<16}  {_when(k.expires_at):<16}  "
+            f"{_when(k.last_used_at):<16}  {k.label}"
+        )
 
 
 @apikey_app.command("revoke")
@@ -113,14 +123,14 @@ def apikey_revoke(
     from pipeline.core.db import make_owner_engine
 
     settings = _settings()
-    client = redis_client(settings, socket_connect_timeout=2,
-                                  socket_timeout=5)
+    client = redis_client(settings, socket_connect_timeout=2, socket_timeout=5)
     try:
         info = revoke_api_key(make_owner_engine(settings), client, key_id)
     finally:
         client.close()
-    console.print(f"revoked API key {info.key_id} of tenant {info.tenant} "
-                  f"(at {_when(info.revoked_at)} UTC)")
+    console.print(
+        f"revoked API key {info.key_id} of tenant {info.tenant} (at {_when(info.revoked_at)} UTC)"
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -43,8 +43,9 @@ def parse_duration(text: str, option: str, example: str) -> float:
 
 def parse_graces(text: str) -> tuple[float, ...]:
     """``1s,10s,60s`` (also ``500ms``, ``2m``, plain seconds) as seconds."""
-    return tuple(sorted({parse_duration(part, "--grace", "1s,10s,60s")
-                         for part in text.split(",")}))
+    return tuple(
+        sorted({parse_duration(part, "--grace", "1s,10s,60s") for part in text.split(",")})
+    )
 
 
 def read_keys(path: Path) -> list[str]:
@@ -66,7 +67,7 @@ def _nines(result: GraceResult) -> str:
 
 def _value(value: object) -> str:
     text = orjson.dumps(value).decode()
-    return text if len(text) <= VALUE_WIDTH else text[:VALUE_WIDTH - 3] + "..."
+    return text if len(text) <= VALUE_WIDTH else text[: VALUE_WIDTH - 3] + "..."
 
 
 def _row(name: str, served: str, recomputed: str) -> str:
@@ -75,14 +76,18 @@ def _row(name: str, served: str, recomputed: str) -> str:
 
 def mismatch_lines(m: Mismatch) -> list[str]:
     """One mismatch: its key, the two watermarks, then each differing field."""
-    lines = [m.key,
-             _row("served watermark", describe_watermark(m.served_watermark), ""),
-             _row("recomputed watermark", describe_watermark(m.recomputed_watermark), "")]
+    lines = [
+        m.key,
+        _row("served watermark", describe_watermark(m.served_watermark), ""),
+        _row("recomputed watermark", describe_watermark(m.recomputed_watermark), ""),
+    ]
     if m.problem:
         lines += textwrap.wrap(m.problem, 78, initial_indent="  ", subsequent_indent="  ")
     lines.append(_row("field", "served", "recomputed"))
-    lines += [_row(name, "-" if m.served is None else _value(s), _value(r))
-              for name, (s, r) in m.differing.items()]
+    lines += [
+        _row(name, "-" if m.served is None else _value(s), _value(r))
+        for name, (s, r) in m.differing.items()
+    ]
     return lines
 
 
@@ -97,11 +102,13 @@ def summary_lines(report: AuditReport, source: str) -> list[str]:
         "at first check",
     ]
     if report.caught_up:
-        lines.append(f"            {report.caught_up:,} healed by catching up while they changed "
-                     "again")
+        lines.append(
+            f"            {report.caught_up:,} healed by catching up while they changed again"
+        )
     if report.samples > 1:
-        lines.append(f"            in {report.samples:,} samples (a key sampled twice is "
-                     "checked twice)")
+        lines.append(
+            f"            in {report.samples:,} samples (a key sampled twice is checked twice)"
+        )
     if report.skipped:
         lines.append(f"            {report.skipped:,} sampled keys skipped (not this code's)")
     lines += [
@@ -114,9 +121,11 @@ def summary_lines(report: AuditReport, source: str) -> list[str]:
     ]
     for r in report.results():
         fraction = r.consistent_fraction
-        lines.append(f"{r.label:<8}{r.inconsistent:>14,}"
-                     f"{'-' if fraction is None else _floor_percent(fraction):>14}"
-                     f"{_nines(r):>10}")
+        lines.append(
+            f"{r.label:<8}{r.inconsistent:>14,}"
+            f"{'-' if fraction is None else _floor_percent(fraction):>14}"
+            f"{_nines(r):>10}"
+        )
     last = report.results()[-1].label
     lines.append("")
     if report.consistent:
@@ -128,8 +137,11 @@ def summary_lines(report: AuditReport, source: str) -> list[str]:
     hidden = report.persistent - SHOWN_MISMATCHES
     if hidden > 0:
         listed = len(report.mismatches)
-        lines += ["", f"... and {hidden:,} more (--json lists "
-                  + ("them all)" if listed == report.persistent else f"the first {listed:,})")]
+        lines += [
+            "",
+            f"... and {hidden:,} more (--json lists "
+            + ("them all)" if listed == report.persistent else f"the first {listed:,})"),
+        ]
     return lines
 
 
@@ -139,36 +151,72 @@ class Reference(StrEnum):
 
 
 def audit(
-    sample: Annotated[int | None, typer.Option(
-        "--sample", min=1, help="Entries to sample by SCAN from a random cursor "
-                                "[default: 1000]")] = None,
-    duration: Annotated[str | None, typer.Option(
-        "--duration", help="Keep taking samples until this long has passed (10m, 600s), "
-                           "then wait out the re-checks")] = None,
-    feature_set: Annotated[str | None, typer.Option(
-        "--feature-set", help="Sample only this feature set")] = None,
-    tenant: Annotated[str | None, typer.Option("--tenant", help="Sample only this tenant")] = None,
-    keys_file: Annotated[Path | None, typer.Option(
-        "--keys-file", help="Audit the feature keys in this file, one a line ('-': stdin)")
+    sample: Annotated[
+        int | None,
+        typer.Option(
+            "--sample", min=1, help="Entries to sample by SCAN from a random cursor [default: 1000]"
+        ),
     ] = None,
-    rate: Annotated[float, typer.Option(
-        "--rate", min=0, help="Entries per second at most, re-checks included (0: no limit)")
+    duration: Annotated[
+        str | None,
+        typer.Option(
+            "--duration",
+            help="Keep taking samples until this long has passed (10m, 600s), "
+            "then wait out the re-checks",
+        ),
+    ] = None,
+    feature_set: Annotated[
+        str | None, typer.Option("--feature-set", help="Sample only this feature set")
+    ] = None,
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Sample only this tenant")] = None,
+    keys_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--keys-file", help="Audit the feature keys in this file, one a line ('-': stdin)"
+        ),
+    ] = None,
+    rate: Annotated[
+        float,
+        typer.Option(
+            "--rate", min=0, help="Entries per second at most, re-checks included (0: no limit)"
+        ),
     ] = DEFAULT_RATE,
-    grace: Annotated[str, typer.Option(
-        "--grace", help="Re-check a mismatch after each of these; only one that persists "
-                        "past the last counts")] = "1s,10s,60s",
-    version: Annotated[int | None, typer.Option(
-        "--version", min=1, help="Schema version to audit [default: the keys', or the "
-                                 "active one]")] = None,
+    grace: Annotated[
+        str,
+        typer.Option(
+            "--grace",
+            help="Re-check a mismatch after each of these; only one that persists "
+            "past the last counts",
+        ),
+    ] = "1s,10s,60s",
+    version: Annotated[
+        int | None,
+        typer.Option(
+            "--version",
+            min=1,
+            help="Schema version to audit [default: the keys', or the active one]",
+        ),
+    ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=10000)] = 500,
-    reference: Annotated[Reference, typer.Option(
-        "--reference", help="Recompute with the full, defining query (finds drift in the "
-                            "incremental path's buckets too), or each feature set's own "
-                            "path (cheaper for head entities)")] = Reference.full,
+    reference: Annotated[
+        Reference,
+        typer.Option(
+            "--reference",
+            help="Recompute with the full, defining query (finds drift in the "
+            "incremental path's buckets too), or each feature set's own "
+            "path (cheaper for head entities)",
+        ),
+    ] = Reference.full,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON, not a summary")] = False,
-    metrics_port: Annotated[int | None, typer.Option(
-        "--metrics-port", min=1, max=65535,
-        help="Serve the freshline_audit_* metrics on this port while the audit runs")] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            "--metrics-port",
+            min=1,
+            max=65535,
+            help="Serve the freshline_audit_* metrics on this port while the audit runs",
+        ),
+    ] = None,
     metrics_host: Annotated[str, typer.Option("--metrics-host")] = "127.0.0.1",
 ) -> None:
     """Recompute served entries from Postgres; report consistency in nines per grace.
@@ -190,8 +238,10 @@ def audit(
     graces = parse_graces(grace)
     duration_s = None if duration is None else parse_duration(duration, "--duration", "10m")
     if keys_file is not None and (sample or feature_set or tenant or duration):
-        raise typer.BadParameter("--keys-file audits exactly its keys; --sample, "
-                                 "--feature-set, --tenant and --duration choose keys by SCAN")
+        raise typer.BadParameter(
+            "--keys-file audits exactly its keys; --sample, "
+            "--feature-set, --tenant and --duration choose keys by SCAN"
+        )
     if feature_set is not None:
         REGISTRY[feature_set]
     settings = load_settings()
@@ -205,17 +255,21 @@ def audit(
             except InvalidId as exc:
                 raise ConfigError(f"{keys_file}, line {i}: {exc}") from exc
         if version is None and len(versions) > 1:
-            raise ConfigError(f"{keys_file} holds keys of schema versions "
-                              f"{', '.join(map(str, sorted(versions)))}; audit one at a time")
+            raise ConfigError(
+                f"{keys_file} holds keys of schema versions "
+                f"{', '.join(map(str, sorted(versions)))}; audit one at a time"
+            )
         version = version or (versions.pop() if versions else None)
     client = redis_client(settings)
     if version is None:
         version = state(client, settings).active
     lock = Lock.load()
     if version != settings.schema_version and not lock.compatible(version, REGISTRY, feature_set):
-        raise ConfigError(f"this code's feature definitions differ from schema version "
-                          f"{version}'s in the lock; audit it with the code that writes it "
-                          f"(this code writes version {settings.schema_version})")
+        raise ConfigError(
+            f"this code's feature definitions differ from schema version "
+            f"{version}'s in the lock; audit it with the code that writes it "
+            f"(this code writes version {settings.schema_version})"
+        )
     if metrics_port is not None:
         from prometheus_client import start_http_server
 
@@ -225,33 +279,48 @@ def audit(
         task = bar.add_task(f"audit v{version}", total=None)
 
         def progress(done: int, total: int | None, note: str) -> None:
-            bar.update(task, completed=done, total=total,
-                       description=note or f"audit v{version}")
+            bar.update(task, completed=done, total=total, description=note or f"audit v{version}")
 
-        auditor = Auditor(client, engine, version, rate=rate, batch_size=batch_size,
-                          metrics=audit_metrics(), progress=progress,
-                          reference=reference.value)
+        auditor = Auditor(
+            client,
+            engine,
+            version,
+            rate=rate,
+            batch_size=batch_size,
+            metrics=audit_metrics(),
+            progress=progress,
+            reference=reference.value,
+        )
         if keys is not None:
             report = auditor.audit_keys(keys, graces)
             source = f"{len(keys):,} keys from {keys_file}"
             chosen: dict[str, object] = {"keys_file": str(keys_file), "keys": len(keys)}
         else:
             want = sample or 1000
-            report = auditor.audit_sample(want, feature_set=feature_set, tenant=tenant,
-                                          graces=graces, duration_s=duration_s)
-            scope = " and ".join(f"{k} {v}" for k, v in (("feature set", feature_set),
-                                                           ("tenant", tenant)) if v)
+            report = auditor.audit_sample(
+                want, feature_set=feature_set, tenant=tenant, graces=graces, duration_s=duration_s
+            )
+            scope = " and ".join(
+                f"{k} {v}" for k, v in (("feature set", feature_set), ("tenant", tenant)) if v
+            )
             source = f"up to {want:,} keys by SCAN ({scope or 'all feature sets'})"
             if duration_s is not None:
                 source = f"samples of {source.removeprefix('up to ')} for {duration}"
-            chosen = {"sample": want, "feature_set": feature_set, "tenant": tenant,
-                      "duration_s": duration_s}
+            chosen = {
+                "sample": want,
+                "feature_set": feature_set,
+                "tenant": tenant,
+                "duration_s": duration_s,
+            }
     engine.dispose()
     if reference is Reference.own:
         source += ", each recomputed on its feature set's own path"
     if json_out:
-        typer.echo(json.dumps({"source": chosen, "reference": reference.value,
-                               **report.as_json()}, indent=2))
+        typer.echo(
+            json.dumps(
+                {"source": chosen, "reference": reference.value, **report.as_json()}, indent=2
+            )
+        )
     else:
         for line in summary_lines(report, source):
             out.print(line, markup=False)

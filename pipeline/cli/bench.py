@@ -13,9 +13,11 @@ from pipeline.core.errors import FreshlineError
 
 def register(app: typer.Typer) -> None:
     """Add ``freshline bench`` to the main CLI."""
-    app.command("bench", add_help_option=False,
-                context_settings={"allow_extra_args": True,
-                                  "ignore_unknown_options": True})(bench_cmd)
+    app.command(
+        "bench",
+        add_help_option=False,
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    )(bench_cmd)
 
 
 def bench_cmd(ctx: typer.Context) -> None:
@@ -24,5 +26,3 @@ def bench_cmd(ctx: typer.Context) -> None:
     if not (root / "bench" / "__main__.py").exists():
         raise FreshlineError("the benchmarks live in the source checkout (bench/); run from it")
     raise typer.Exit(subprocess.call([sys.executable, "-m", "bench", *ctx.args], cwd=root))
-
-

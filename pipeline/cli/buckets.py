@@ -19,8 +19,7 @@ from sqlalchemy.engine import Engine
 from pipeline.cli.app import console, out, progress_bar
 from pipeline.core.errors import ConfigError
 
-buckets_app = typer.Typer(help="Partial aggregates for the incremental path.",
-                          no_args_is_help=True)
+buckets_app = typer.Typer(help="Partial aggregates for the incremental path.", no_args_is_help=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -40,10 +39,14 @@ def _engine() -> Engine:
 
 @buckets_app.command("build")
 def build_cmd(
-    batch: Annotated[int, typer.Option("--batch", min=1, max=100_000,
-                                       help="Users per transaction")] = 2000,
-    restart: Annotated[bool, typer.Option(
-        "--restart", help="Rebuild every user's buckets, not only those not yet built")
+    batch: Annotated[
+        int, typer.Option("--batch", min=1, max=100_000, help="Users per transaction")
+    ] = 2000,
+    restart: Annotated[
+        bool,
+        typer.Option(
+            "--restart", help="Rebuild every user's buckets, not only those not yet built"
+        ),
     ] = False,
 ) -> None:
     """Build the buckets of existing rows, in batches; safe to interrupt and resume.
@@ -64,20 +67,23 @@ def build_cmd(
     console.print(f"buckets: {st.remaining_users:,} users to build{where}")
     with progress_bar() as bar:
         task = bar.add_task("buckets", total=st.remaining_users)
-        built = incremental.build(engine, batch=batch,
-                                  progress=lambda n: bar.advance(task, n))
+        built = incremental.build(engine, batch=batch, progress=lambda n: bar.advance(task, n))
     console.print(f"buckets: built {built:,} users; complete")
 
 
 @buckets_app.command("fold")
 def fold_cmd(
-    users: Annotated[int, typer.Option("--users", min=1, max=1_000_000,
-                                       help="Users per transaction")] = 1000,
-    follow: Annotated[bool, typer.Option(
-        "--follow", help="Keep folding every --interval seconds until interrupted")] = False,
-    interval: Annotated[float, typer.Option("--interval", min=0.05, max=3600,
-                                            help="Seconds between folds with --follow")
-                        ] = 1.0,
+    users: Annotated[
+        int, typer.Option("--users", min=1, max=1_000_000, help="Users per transaction")
+    ] = 1000,
+    follow: Annotated[
+        bool,
+        typer.Option("--follow", help="Keep folding every --interval seconds until interrupted"),
+    ] = False,
+    interval: Annotated[
+        float,
+        typer.Option("--interval", min=0.05, max=3600, help="Seconds between folds with --follow"),
+    ] = 1.0,
 ) -> None:
     """Fold the pending bucket deltas into the buckets, a batch of users per transaction.
 
@@ -94,8 +100,9 @@ def fold_cmd(
     console.print(f"buckets: {deltas:,} pending deltas of {owners:,} users")
     with progress_bar() as bar:
         task = bar.add_task("fold", total=owners)
-        folded = incremental.fold_all(engine, max_users=users,
-                                      progress=lambda n: bar.advance(task, n))
+        folded = incremental.fold_all(
+            engine, max_users=users, progress=lambda n: bar.advance(task, n)
+        )
     console.print(f"buckets: folded the deltas of {folded:,} users")
     try:
         while follow:
@@ -115,31 +122,38 @@ def status_cmd() -> None:
     engine = _engine()
     st = incremental.state(engine, count=True)
     with engine.connect() as conn:
-        rows = conn.execute(sa.text(
-            "SELECT (SELECT count(*) FROM txn_buckets), (SELECT count(*) FROM "
-            "txn_bucket_members), pg_size_pretty(pg_total_relation_size('txn_buckets') "
-            "+ pg_total_relation_size('txn_bucket_members') "
-            "+ pg_total_relation_size('txn_bucket_latest') "
-            "+ pg_total_relation_size('txn_bucket_deltas'))")).one()
+        rows = conn.execute(
+            sa.text(
+                "SELECT (SELECT count(*) FROM txn_buckets), (SELECT count(*) FROM "
+                "txn_bucket_members), pg_size_pretty(pg_total_relation_size('txn_buckets') "
+                "+ pg_total_relation_size('txn_bucket_members') "
+                "+ pg_total_relation_size('txn_bucket_latest') "
+                "+ pg_total_relation_size('txn_bucket_deltas'))"
+            )
+        ).one()
     if st.complete:
         out.print("build     complete")
     else:
         where = f" after {st.cursor[0]}/{st.cursor[1]}" if st.cursor else ""
-        out.print(f"build     {st.remaining_users:,} users left{where} "
-                  "(run: freshline buckets build)")
+        out.print(
+            f"build     {st.remaining_users:,} users left{where} (run: freshline buckets build)"
+        )
     out.print(f"buckets   {rows[0]:,} day rows, {rows[1]:,} member rows, {rows[2]}")
     deltas, owners = incremental.pending(engine)
-    out.print(f"pending   {deltas:,} deltas of {owners:,} users"
-              + (" (folded by the consumers, or: freshline buckets fold)" if deltas else ""))
+    out.print(
+        f"pending   {deltas:,} deltas of {owners:,} users"
+        + (" (folded by the consumers, or: freshline buckets fold)" if deltas else "")
+    )
 
 
 def reconcile_cmd(
-    sample: Annotated[int, typer.Option("--sample", min=1, max=1_000_000,
-                                        help="Random users to compare")] = 1000,
-    tenant: Annotated[str | None, typer.Option("--tenant", help="Sample only this tenant")
-                      ] = None,
-    repair: Annotated[bool, typer.Option("--repair/--no-repair",
-                                         help="Rebuild the buckets of drifted users")] = True,
+    sample: Annotated[
+        int, typer.Option("--sample", min=1, max=1_000_000, help="Random users to compare")
+    ] = 1000,
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Sample only this tenant")] = None,
+    repair: Annotated[
+        bool, typer.Option("--repair/--no-repair", help="Rebuild the buckets of drifted users")
+    ] = True,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=10_000)] = 500,
 ) -> None:
     """Compare the incremental path with the full one on sampled users; repair drift.
@@ -164,7 +178,7 @@ def reconcile_cmd(
     with progress_bar() as bar:
         task = bar.add_task("reconcile", total=len(refs))
         for i in range(0, len(refs), batch_size):
-            chunk = refs[i:i + batch_size]
+            chunk = refs[i : i + batch_size]
             report = reconcile(engine, chunk, repair=repair)
             total.checked += report.checked
             total.drifted += report.drifted

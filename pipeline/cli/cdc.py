@@ -15,11 +15,14 @@ from rich.table import Table
 from pipeline.cdc.connect import WAL_WARN_BYTES, CdcStatus, SnapshotMode
 from pipeline.cli.app import console, out
 
-cdc_app = typer.Typer(help="Postgres change data capture through Debezium.",
-                      no_args_is_help=True)
+cdc_app = typer.Typer(help="Postgres change data capture through Debezium.", no_args_is_help=True)
 
-NameOption = Annotated[str | None, typer.Option(
-    "--name", help="Connector name [default: <FRESHLINE_TOPIC_PREFIX>freshline-postgres]")]
+NameOption = Annotated[
+    str | None,
+    typer.Option(
+        "--name", help="Connector name [default: <FRESHLINE_TOPIC_PREFIX>freshline-postgres]"
+    ),
+]
 
 
 def register(app: typer.Typer) -> None:
@@ -30,14 +33,24 @@ def register(app: typer.Typer) -> None:
 @cdc_app.command("register")
 def cdc_register(
     name: NameOption = None,
-    snapshot_mode: Annotated[str, typer.Option(
-        "--snapshot-mode", help=f"Debezium snapshot.mode: {', '.join(get_args(SnapshotMode))}",
-    )] = "no_data",
-    database_host: Annotated[str | None, typer.Option(
-        "--database-host", help="Postgres host as Connect sees it [default: from the URL]",
-    )] = None,
-    wait: Annotated[float, typer.Option(
-        "--wait", min=0, help="Seconds to wait for the task to run (0: do not wait)")] = 60.0,
+    snapshot_mode: Annotated[
+        str,
+        typer.Option(
+            "--snapshot-mode",
+            help=f"Debezium snapshot.mode: {', '.join(get_args(SnapshotMode))}",
+        ),
+    ] = "no_data",
+    database_host: Annotated[
+        str | None,
+        typer.Option(
+            "--database-host",
+            help="Postgres host as Connect sees it [default: from the URL]",
+        ),
+    ] = None,
+    wait: Annotated[
+        float,
+        typer.Option("--wait", min=0, help="Seconds to wait for the task to run (0: do not wait)"),
+    ] = 60.0,
 ) -> None:
     """Create or update the Debezium connector (idempotent), and its topics."""
     from consumers.topics import ensure_cdc_topics
@@ -53,8 +66,9 @@ def cdc_register(
     from pipeline.core.settings import load_settings
 
     if snapshot_mode not in get_args(SnapshotMode):
-        raise typer.BadParameter(f"choose one of {', '.join(get_args(SnapshotMode))}",
-                                 param_hint="--snapshot-mode")
+        raise typer.BadParameter(
+            f"choose one of {', '.join(get_args(SnapshotMode))}", param_hint="--snapshot-mode"
+        )
     settings = load_settings()
     owned = names(settings, name)
     tables = captured_tables()
@@ -63,23 +77,31 @@ def cdc_register(
     check_publication(engine, tables, owned.publication)
     engine.dispose()
     client = ConnectClient(settings.connect_url)
-    config = connector_config(settings, owned, snapshot_mode=cast(SnapshotMode, snapshot_mode),
-                              database_host=database_host, tables=tables)
+    config = connector_config(
+        settings,
+        owned,
+        snapshot_mode=cast(SnapshotMode, snapshot_mode),
+        database_host=database_host,
+        tables=tables,
+    )
     client.ping()
     created_topics = ensure_cdc_topics(settings, [owned.topic(t) for t in tables])
     created = client.put_config(owned.connector, config)
-    console.print(f"{'created' if created else 'updated'} connector {owned.connector}: "
-                  f"slot {owned.slot}, publication {owned.publication}, "
-                  f"snapshot {snapshot_mode}, topics {owned.topic('<table>')} "
-                  f"({len(created_topics)} created) for {', '.join(tables)}")
+    console.print(
+        f"{'created' if created else 'updated'} connector {owned.connector}: "
+        f"slot {owned.slot}, publication {owned.publication}, "
+        f"snapshot {snapshot_mode}, topics {owned.topic('<table>')} "
+        f"({len(created_topics)} created) for {', '.join(tables)}"
+    )
     if not wait:
         return
     deadline = time.monotonic() + wait
     while True:
         connector, tasks = connector_state(client, owned.connector)
         states = [t.state for t in ([connector] if connector else []) + tasks]
-        failed = next((t for t in ([connector] if connector else []) + tasks
-                       if t.state == "FAILED"), None)
+        failed = next(
+            (t for t in ([connector] if connector else []) + tasks if t.state == "FAILED"), None
+        )
         if failed is not None:
             console.print(f"[red]error:[/red] connector {owned.connector} FAILED: {failed.error}")
             raise typer.Exit(1)
@@ -87,9 +109,11 @@ def cdc_register(
             console.print(f"connector {owned.connector} RUNNING")
             return
         if time.monotonic() > deadline:
-            console.print(f"[yellow]warning:[/yellow] connector {owned.connector} not running "
-                          f"after {wait:.0f}s ({', '.join(states) or 'no tasks yet'}); "
-                          "see: freshline cdc status")
+            console.print(
+                f"[yellow]warning:[/yellow] connector {owned.connector} not running "
+                f"after {wait:.0f}s ({', '.join(states) or 'no tasks yet'}); "
+                "see: freshline cdc status"
+            )
             return
         time.sleep(0.25)
 
@@ -97,9 +121,10 @@ def cdc_register(
 @cdc_app.command("status")
 def cdc_status(
     name: NameOption = None,
-    wal_warn_mib: Annotated[int, typer.Option(
-        "--wal-warn-mib", min=1, help="Warn when the slot retains more WAL than this")]
-        = WAL_WARN_BYTES >> 20,
+    wal_warn_mib: Annotated[
+        int,
+        typer.Option("--wal-warn-mib", min=1, help="Warn when the slot retains more WAL than this"),
+    ] = WAL_WARN_BYTES >> 20,
 ) -> None:
     """The connector's and its tasks' state, and the replication slot's WAL retention.
 
@@ -139,8 +164,10 @@ def status_report(state: CdcStatus, wal_warn_bytes: int) -> tuple[Table, int]:
     owned = state.names
     code = 0
     if state.connector is None:
-        say("connector", f"{escape(owned.connector)}: [red]not registered[/red] "
-                         "(run: freshline cdc register)")
+        say(
+            "connector",
+            f"{escape(owned.connector)}: [red]not registered[/red] (run: freshline cdc register)",
+        )
         code = 1
     else:
         say("connector", f"{escape(owned.connector)}: {_state(state.connector.state)}")
@@ -156,23 +183,31 @@ def status_report(state: CdcStatus, wal_warn_bytes: int) -> tuple[Table, int]:
         if state.failed:
             code = 1
     say("topics", escape(owned.topic("<table>")))
-    say("", f"publication {escape(owned.publication)}: "
-            f"{escape(', '.join(state.publication_tables)) or '[red]missing[/red]'}")
+    say(
+        "",
+        f"publication {escape(owned.publication)}: "
+        f"{escape(', '.join(state.publication_tables)) or '[red]missing[/red]'}",
+    )
     slot = state.slot
     if slot is None:
         say("slot", f"{escape(owned.slot)}: [yellow]none[/yellow]")
     else:
         retained = format_bytes(slot.retained_bytes)
-        say("slot", f"{escape(slot.name)}: {'active' if slot.active else 'inactive'}, "
-                    f"retains {retained} of WAL")
+        say(
+            "slot",
+            f"{escape(slot.name)}: {'active' if slot.active else 'inactive'}, "
+            f"retains {retained} of WAL",
+        )
         say("", f"confirmed_flush_lsn {slot.confirmed_flush_lsn}")
         say("", f"restart_lsn {slot.restart_lsn}")
         if slot.retained_bytes > wal_warn_bytes:
-            say("[yellow]warning[/yellow]",
+            say(
+                "[yellow]warning[/yellow]",
                 f"slot {escape(slot.name)} retains {retained} of WAL (over "
                 f"{wal_warn_bytes >> 20} MiB): the server cannot recycle it until the "
                 "connector catches up. Fix the connector, or drop the slot with "
-                "`freshline cdc remove` before the disk fills.")
+                "`freshline cdc remove` before the disk fills.",
+            )
             code = code or 2
     return report, code
 

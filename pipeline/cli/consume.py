@@ -20,11 +20,18 @@ def register(app: typer.Typer) -> None:
 
 @topics_app.command("ensure")
 def topics_ensure(
-    partitions: Annotated[int | None, typer.Option(
-        min=1, help="Partitions per topic [default: FRESHLINE_TOPIC_PARTITIONS]")] = None,
-    replication_factor: Annotated[int | None, typer.Option(
-        min=1, help="Replicas per partition [default: 3 (min.insync.replicas 2) from "
-        "3 brokers on, else one per broker]")] = None,
+    partitions: Annotated[
+        int | None,
+        typer.Option(min=1, help="Partitions per topic [default: FRESHLINE_TOPIC_PARTITIONS]"),
+    ] = None,
+    replication_factor: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Replicas per partition [default: 3 (min.insync.replicas 2) from "
+            "3 brokers on, else one per broker]",
+        ),
+    ] = None,
 ) -> None:
     """Create the domain-event, invalidation and dead-letter topics if they are missing."""
     from consumers.kafka import admin_client
@@ -33,8 +40,12 @@ def topics_ensure(
 
     settings = load_settings()
     wanted = partitions or settings.topic_partitions
-    report = ensure(admin_client(settings), wanted, replication_factor=replication_factor,
-                    topics=managed_topics(settings))
+    report = ensure(
+        admin_client(settings),
+        wanted,
+        replication_factor=replication_factor,
+        topics=managed_topics(settings),
+    )
     for name in report.created:
         console.print(f"created  {name} ({wanted} partitions)")
     for name, count in report.existing.items():
@@ -43,13 +54,22 @@ def topics_ensure(
 
 
 def consume(
-    topics: Annotated[list[str] | None, typer.Option(
-        "--topics", help="Topics or ^regex patterns [default: domain events, CDC topics]",
-    )] = None,
-    group: Annotated[str | None, typer.Option(
-        help="Consumer group [default: FRESHLINE_CONSUMER_GROUP]")] = None,
-    metrics_port: Annotated[int | None, typer.Option(
-        help="Prometheus port [default: FRESHLINE_CONSUMER_METRICS_PORT; 0 turns it off]")] = None,
+    topics: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--topics",
+            help="Topics or ^regex patterns [default: domain events, CDC topics]",
+        ),
+    ] = None,
+    group: Annotated[
+        str | None, typer.Option(help="Consumer group [default: FRESHLINE_CONSUMER_GROUP]")
+    ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            help="Prometheus port [default: FRESHLINE_CONSUMER_METRICS_PORT; 0 turns it off]"
+        ),
+    ] = None,
     max_messages: Annotated[int | None, typer.Option(min=1, help="Stop after this many")] = None,
 ) -> None:
     """Run one consumer-group member: change events in, fresh features out.
@@ -65,8 +85,9 @@ def consume(
     from consumers.worker import Worker
     from pipeline.core.settings import load_settings
 
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     settings = load_settings()
     worker = Worker(settings, topics=topics, group=group)
     port = settings.consumer_metrics_port if metrics_port is None else metrics_port
@@ -91,8 +112,10 @@ def consume(
     signal.signal(signal.SIGINT, on_signal)
     console.print(f"consuming {', '.join(worker.topics)} as group {worker.consumer.group_id}")
     totals = worker.run(max_messages=max_messages)
-    console.print(f"consumed {totals.consumed:,}: applied {totals.applied:,}, "
-                  f"dead-lettered {totals.dead_lettered:,}, skipped {totals.skipped:,}")
+    console.print(
+        f"consumed {totals.consumed:,}: applied {totals.applied:,}, "
+        f"dead-lettered {totals.dead_lettered:,}, skipped {totals.skipped:,}"
+    )
     if not worker.closed_cleanly:
         # The interpreter's teardown would wait on the stuck Kafka client again.
         console.file.flush()
@@ -114,8 +137,11 @@ def produce_demo(
 
     settings = load_settings()
     with Producer(settings) as producer:
-        sim = Simulator(make_owner_engine(settings), producer,
-                        topic=lambda t: qualified(settings, t))
+        sim = Simulator(
+            make_owner_engine(settings), producer, topic=lambda t: qualified(settings, t)
+        )
         totals = sim.run(rate, count=count, duration=duration)
-    console.print(f"emitted {totals.created} created, {totals.updated} updated transactions "
-                  f"and {totals.devices} device changes")
+    console.print(
+        f"emitted {totals.created} created, {totals.updated} updated transactions "
+        f"and {totals.devices} device changes"
+    )

@@ -42,8 +42,9 @@ def db_summary() -> None:
     engine = make_engine(load_settings())
     ping(engine)
     with engine.connect() as conn:
-        rows = conn.execute(sa.text(
-            """
+        rows = conn.execute(
+            sa.text(
+                """
             SELECT t.id,
                    (SELECT count(*) FROM users u WHERE u.tenant_id = t.id),
                    (SELECT count(*) FROM devices d WHERE d.tenant_id = t.id),
@@ -53,12 +54,24 @@ def db_summary() -> None:
                    (SELECT max(created_at) FROM transactions x WHERE x.tenant_id = t.id)
             FROM tenants t ORDER BY t.id
             """
-        )).all()
+            )
+        ).all()
         geo = conn.execute(sa.text("SELECT count(*) FROM geoip")).scalar_one()
-    out.print(summary_table([
-        (tenant, n_users, n_dev, n_tx, n_recent,
-         newest.strftime("%Y-%m-%d %H:%M") if newest else "-")
-        for tenant, n_users, n_dev, n_tx, n_recent, newest in rows]))
+    out.print(
+        summary_table(
+            [
+                (
+                    tenant,
+                    n_users,
+                    n_dev,
+                    n_tx,
+                    n_recent,
+                    newest.strftime("%Y-%m-%d %H:%M") if newest else "-",
+                )
+                for tenant, n_users, n_dev, n_tx, n_recent, newest in rows
+            ]
+        )
+    )
     out.print(f"geoip ranges: {geo:,}")
 
 
@@ -101,9 +114,16 @@ def seed_cmd(
                 bar.update(tasks[stage], completed=done)
 
             # Refuses tenants that exist (TenantsExist, one line from main()), unwritten.
-            summary = run_seed(engine, users=users, transactions=transactions,
-                               tenants=tenants, seed=seed, tenant_prefix=tenant_prefix,
-                               anchor=anchor, progress=report)
+            summary = run_seed(
+                engine,
+                users=users,
+                transactions=transactions,
+                tenants=tenants,
+                seed=seed,
+                tenant_prefix=tenant_prefix,
+                anchor=anchor,
+                progress=report,
+            )
     finally:
         engine.dispose()
     elapsed = time.perf_counter() - started
@@ -113,5 +133,3 @@ def seed_cmd(
         f"{summary.users:,} users, {summary.devices:,} devices, "
         f"{summary.transactions:,} transactions in {elapsed:.1f}s ({rate:,.0f} rows/s)"
     )
-
-

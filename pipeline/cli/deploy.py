@@ -21,13 +21,14 @@ from pipeline.core.services import redis_client
 
 LockOption = Annotated[Path, typer.Option("--lock", help="The lock file")]
 
-deploy_app = typer.Typer(help="Move readers to another schema version.",
-                         no_args_is_help=True)
+deploy_app = typer.Typer(help="Move readers to another schema version.", no_args_is_help=True)
 
 
 def check(
-    update_lock: Annotated[bool, typer.Option(
-        "--update-lock", help="Add FRESHLINE_SCHEMA_VERSION to the lock if it is new")] = False,
+    update_lock: Annotated[
+        bool,
+        typer.Option("--update-lock", help="Add FRESHLINE_SCHEMA_VERSION to the lock if it is new"),
+    ] = False,
     lock_path: LockOption = LOCK_PATH,
 ) -> None:
     """Refuse feature definitions that changed without a FRESHLINE_SCHEMA_VERSION bump."""
@@ -45,24 +46,33 @@ def check(
             console.print(f"schema version {version} is already locked and matches")
         return
     if check_lock(lock, version) == "new":
-        console.print(f"[red]error:[/red] schema version {version} is not in {lock_path}; "
-                      "run `freshline check --update-lock` and commit the lock")
+        console.print(
+            f"[red]error:[/red] schema version {version} is not in {lock_path}; "
+            "run `freshline check --update-lock` and commit the lock"
+        )
         raise typer.Exit(1)
     console.print(f"feature definitions match the lock for schema version {version}")
 
 
 def warm(
     version: Annotated[int, typer.Option("--version", min=1, help="Schema version to warm")],
-    feature_set: Annotated[list[str] | None, typer.Option(
-        "--feature-set", help="Only these feature sets (repeatable); default all")] = None,
-    top: Annotated[int | None, typer.Option(
-        "--top", min=1, help="The N most-read entities per feature set")] = None,
-    all_active: Annotated[bool, typer.Option(
-        "--all", help="Every user with a transaction in the last 90 days")] = False,
-    tenant: Annotated[list[str] | None, typer.Option(
-        "--tenant", help="Only these tenants (repeatable); default all")] = None,
-    rate: Annotated[float | None, typer.Option(
-        "--rate", min=1, help="At most this many entities per second")] = 2000.0,
+    feature_set: Annotated[
+        list[str] | None,
+        typer.Option("--feature-set", help="Only these feature sets (repeatable); default all"),
+    ] = None,
+    top: Annotated[
+        int | None, typer.Option("--top", min=1, help="The N most-read entities per feature set")
+    ] = None,
+    all_active: Annotated[
+        bool, typer.Option("--all", help="Every user with a transaction in the last 90 days")
+    ] = False,
+    tenant: Annotated[
+        list[str] | None,
+        typer.Option("--tenant", help="Only these tenants (repeatable); default all"),
+    ] = None,
+    rate: Annotated[
+        float | None, typer.Option("--rate", min=1, help="At most this many entities per second")
+    ] = 2000.0,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=10000)] = 500,
     lock_path: LockOption = LOCK_PATH,
 ) -> None:
@@ -103,7 +113,7 @@ def warm(
             batches: Iterable[Sequence[tuple[str, str]]]
             if top is not None:
                 refs = HotReads(client).top(seen.active, name, tenants, top)
-                batches = [refs[i:i + batch_size] for i in range(0, len(refs), batch_size)]
+                batches = [refs[i : i + batch_size] for i in range(0, len(refs), batch_size)]
                 size = len(refs)
             else:
                 batches = active_users(engine, tenants, batch_size=batch_size)
@@ -113,23 +123,28 @@ def warm(
             def report(done: int, task: TaskID = task) -> None:
                 bar.update(task, completed=done)
 
-            result = warm_version(client, engine, version, name, batches, lock, rate=rate,
-                                  progress=report)
+            result = warm_version(
+                client, engine, version, name, batches, lock, rate=rate, progress=report
+            )
             total += result.entities
-    console.print(f"warmed {total:,} entities into schema version {version}; "
-                  f"flip with: freshline deploy flip {version}")
+    console.print(
+        f"warmed {total:,} entities into schema version {version}; "
+        f"flip with: freshline deploy flip {version}"
+    )
 
 
 @deploy_app.command("start")
-def deploy_start(version: Annotated[int, typer.Argument(min=1)],
-                 lock_path: LockOption = LOCK_PATH) -> None:
+def deploy_start(
+    version: Annotated[int, typer.Argument(min=1)], lock_path: LockOption = LOCK_PATH
+) -> None:
     """Mark a version next: consumers write it alongside the active one."""
     _pointer_command("start", version, lock_path)
 
 
 @deploy_app.command("flip")
-def deploy_flip(version: Annotated[int, typer.Argument(min=1)],
-                lock_path: LockOption = LOCK_PATH) -> None:
+def deploy_flip(
+    version: Annotated[int, typer.Argument(min=1)], lock_path: LockOption = LOCK_PATH
+) -> None:
     """Make a version active, atomically; readers follow without a restart."""
     _pointer_command("flip", version, lock_path)
 
@@ -163,18 +178,22 @@ def _pointer_command(action: str, version: int | None, lock_path: Path) -> None:
     elif action == "cancel":
         cancel(client, settings, lock)
     seen = state(client, settings, lock=lock)
-    out.print(f"active schema version: {seen.active}"
-              f"{'' if seen.active_raw else ' (pointer unset: FRESHLINE_SCHEMA_VERSION)'}")
+    out.print(
+        f"active schema version: {seen.active}"
+        f"{'' if seen.active_raw else ' (pointer unset: FRESHLINE_SCHEMA_VERSION)'}"
+    )
     out.print(f"next schema version:   {seen.next if seen.next is not None else '-'}")
     out.print(f"locked versions:       {', '.join(map(str, sorted(lock.versions)))}")
 
 
 def purge(
     version: Annotated[str, typer.Option("--version", help="Schema or model version")],
-    model: Annotated[str | None, typer.Option(
-        "--model", help="Purge this model's cached predictions instead")] = None,
-    batch: Annotated[int, typer.Option("--batch", min=1, max=10000,
-                                       help="Keys per SCAN step and UNLINK")] = 500,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Purge this model's cached predictions instead")
+    ] = None,
+    batch: Annotated[
+        int, typer.Option("--batch", min=1, max=10000, help="Keys per SCAN step and UNLINK")
+    ] = 500,
 ) -> None:
     """Remove an old schema version's keys (or a model version's predictions) in batches.
 
@@ -205,8 +224,9 @@ def purge(
         if model is not None:
             removed = purge_model(client, model, version, count=batch, progress=report)
         else:
-            removed = purge_version(client, settings, int(version), count=batch,
-                                    progress=report).removed
+            removed = purge_version(
+                client, settings, int(version), count=batch, progress=report
+            ).removed
     console.print(f"removed {removed:,} keys")
 
 

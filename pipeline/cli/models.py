@@ -17,8 +17,7 @@ from pipeline.core.settings import load_settings
 if TYPE_CHECKING:
     from pipeline.inference.models import ModelRecord
 
-models_app = typer.Typer(help="Models served through the inference cache.",
-                         no_args_is_help=True)
+models_app = typer.Typer(help="Models served through the inference cache.", no_args_is_help=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -30,7 +29,8 @@ def register(app: typer.Typer) -> None:
 def models_train(
     tenant: Annotated[str, typer.Option(help="Tenant whose users to train on")] = "acme",
     out: Annotated[Path, typer.Option(help="Where to save the model file")] = Path(
-        ".freshline/models"),
+        ".freshline/models"
+    ),
 ) -> None:
     """Train the example fraud model on the seeded features and register it."""
 
@@ -44,12 +44,17 @@ def models_train(
     out.mkdir(parents=True, exist_ok=True)
     with progress_bar() as bar:
         task = bar.add_task("features", total=None)
-        _, path = train(engine, tenant, out,
-                            progress=lambda done, total: bar.update(task, completed=done,
-                                                                    total=total))
+        _, path = train(
+            engine,
+            tenant,
+            out,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+        )
     record = ModelRegistry(redis_client(settings)).register(path)
-    console.print(f"registered {record.name} version {record.version} ({len(record.feature_names)}"
-                  f" inputs) from {path}")
+    console.print(
+        f"registered {record.name} version {record.version} ({len(record.feature_names)}"
+        f" inputs) from {path}"
+    )
 
 
 @models_app.command("list")
@@ -71,6 +76,9 @@ def model_block(record: ModelRecord) -> Group:
     path folds at the console width instead of widening a table)."""
     kind = "deterministic" if record.deterministic else "non-deterministic"
     return Group(
-        Text.assemble((record.name, "bold"),
-                      f"  version {record.version}, {len(record.feature_names)} inputs, {kind}"),
-        Padding(Text(f"file: {record.path}", overflow="fold"), (0, 0, 0, 2), expand=False))
+        Text.assemble(
+            (record.name, "bold"),
+            f"  version {record.version}, {len(record.feature_names)} inputs, {kind}",
+        ),
+        Padding(Text(f"file: {record.path}", overflow="fold"), (0, 0, 0, 2), expand=False),
+    )

@@ -13,8 +13,9 @@ from pipeline.cli.app import console, out
 from pipeline.core.services import redis_client
 from pipeline.core.settings import load_settings
 
-semantic_app = typer.Typer(help="The semantic response cache for LLM pipelines.",
-                           no_args_is_help=True)
+semantic_app = typer.Typer(
+    help="The semantic response cache for LLM pipelines.", no_args_is_help=True
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -36,25 +37,45 @@ def stats(
     client = redis_client(settings)
     rows = namespace_stats(client, tenant, model)
     if json_out:
-        typer.echo(json.dumps([{
-            "tenant": r.tenant, "model": r.model, "model_version": r.model_version,
-            "template_version": r.template_version, "entries": r.entries,
-            "hit_rate": r.hit_rate, **r.counts} for r in rows], indent=2))
+        typer.echo(
+            json.dumps(
+                [
+                    {
+                        "tenant": r.tenant,
+                        "model": r.model,
+                        "model_version": r.model_version,
+                        "template_version": r.template_version,
+                        "entries": r.entries,
+                        "hit_rate": r.hit_rate,
+                        **r.counts,
+                    }
+                    for r in rows
+                ],
+                indent=2,
+            )
+        )
         return
     if not rows:
-        console.print("no semantic cache entries or counters"
-                      + (" for that selection" if tenant or model else ""))
+        console.print(
+            "no semantic cache entries or counters"
+            + (" for that selection" if tenant or model else "")
+        )
         return
     for r in rows:
         rate = "-" if r.hit_rate is None else f"{r.hit_rate:.1%}"
         c = r.counts
-        out.print(Text.assemble(
-            (f"{r.tenant} {r.model}", "bold"),
-            f"  version {r.model_version}, template {r.template_version}"))
-        out.print(f"  {r.entries:,} entries; hit rate {rate} ({c['hits']:,} hits, "
-                  f"{c['misses']:,} misses)")
-        out.print(f"  {c['stored']:,} stored, {c['evicted']:,} evicted (the oldest, over "
-                  "the limit)")
+        out.print(
+            Text.assemble(
+                (f"{r.tenant} {r.model}", "bold"),
+                f"  version {r.model_version}, template {r.template_version}",
+            )
+        )
+        out.print(
+            f"  {r.entries:,} entries; hit rate {rate} ({c['hits']:,} hits, {c['misses']:,} misses)"
+        )
+        out.print(
+            f"  {c['stored']:,} stored, {c['evicted']:,} evicted (the oldest, over the limit)"
+        )
         out.print(f"  {c['flagged']:,} flagged, {c['refused']:,} refused (not deterministic)")
 
 
@@ -63,8 +84,9 @@ def purge(
     tenant: Annotated[str | None, typer.Option(help="Every entry of this tenant")] = None,
     model: Annotated[str | None, typer.Option(help="Only this model")] = None,
     model_version: Annotated[str | None, typer.Option(help="Only this model version")] = None,
-    template_version: Annotated[str | None, typer.Option(
-        help="Only this prompt-template version")] = None,
+    template_version: Annotated[
+        str | None, typer.Option(help="Only this prompt-template version")
+    ] = None,
 ) -> None:
     """Remove the matching entries (SCAN + UNLINK in batches); every worker's index
     empties through the namespace's stream. Give a tenant, a version, or both."""
@@ -72,12 +94,19 @@ def purge(
     from pipeline.semantic.namespaces import purge_keys
 
     if not (tenant or model_version or template_version):
-        raise typer.BadParameter("give --tenant, --model-version or --template-version "
-                                 "(with --model to narrow)", param_hint="--tenant")
+        raise typer.BadParameter(
+            "give --tenant, --model-version or --template-version (with --model to narrow)",
+            param_hint="--tenant",
+        )
     settings = load_settings()
     client = redis_client(settings)
-    removed = purge_keys(client, tenant=tenant, model=model, model_version=model_version,
-                         template_version=template_version)
+    removed = purge_keys(
+        client,
+        tenant=tenant,
+        model=model,
+        model_version=model_version,
+        template_version=template_version,
+    )
     if not removed:
         console.print("nothing to purge")
         return
@@ -88,12 +117,18 @@ def purge(
 
 @semantic_app.command("tune")
 def tune(
-    pairs: Annotated[Path | None, typer.Option(
-        help="Labelled pairs (JSON) [default: the shipped set]")] = None,
-    model: Annotated[str | None, typer.Option(
-        help="Mark this model's configured threshold [default: the default threshold]")] = None,
-    show_false_hits: Annotated[bool, typer.Option(
-        help="List the different pairs that would hit at the marked threshold")] = False,
+    pairs: Annotated[
+        Path | None, typer.Option(help="Labelled pairs (JSON) [default: the shipped set]")
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="Mark this model's configured threshold [default: the default threshold]"
+        ),
+    ] = None,
+    show_false_hits: Annotated[
+        bool, typer.Option(help="List the different pairs that would hit at the marked threshold")
+    ] = False,
 ) -> None:
     """Hit rate and false-hit rate at each threshold from 0.85 to 0.97."""
     from pipeline.semantic.embed import embedder_from_settings
@@ -103,23 +138,31 @@ def tune(
     path = pairs or PAIRS
     labelled = load_pairs(path)
     paraphrases = sum(p.label == "paraphrase" for p in labelled)
-    embedder = embedder_from_settings(settings.semantic_embeddings_url,
-                                      settings.semantic_embeddings_model,
-                                      settings.semantic_embeddings_api_key.get_secret_value())
-    console.print(f"embedding {len(labelled)} pairs ({paraphrases} paraphrases, "
-                  f"{len(labelled) - paraphrases} different) with {embedder.name} ...")
+    embedder = embedder_from_settings(
+        settings.semantic_embeddings_url,
+        settings.semantic_embeddings_model,
+        settings.semantic_embeddings_api_key.get_secret_value(),
+    )
+    console.print(
+        f"embedding {len(labelled)} pairs ({paraphrases} paraphrases, "
+        f"{len(labelled) - paraphrases} different) with {embedder.name} ..."
+    )
     sims = similarities(embedder, labelled)
     current = settings.semantic_threshold_for(model) if model else settings.semantic_threshold
     out.print(f"pairs: {path}")
     out.print("threshold   hit rate   false hits   (similarity alone)")
     for row in sweep(labelled, sims):
         mark = "  <- configured" if abs(row.threshold - current) < 1e-9 else ""
-        out.print(f"     {row.threshold:.2f}     {row.hit_rate:6.1%}     "
-                  f"{row.false_hit_rate:6.1%}           {row.unguarded_false_hit_rate:6.1%}"
-                  f"{mark}")
-    out.print("hit rate: paraphrases served; false hits: different questions served "
-              "(numbers must match, as the cache checks); similarity alone: without "
-              "that check")
+        out.print(
+            f"     {row.threshold:.2f}     {row.hit_rate:6.1%}     "
+            f"{row.false_hit_rate:6.1%}           {row.unguarded_false_hit_rate:6.1%}"
+            f"{mark}"
+        )
+    out.print(
+        "hit rate: paraphrases served; false hits: different questions served "
+        "(numbers must match, as the cache checks); similarity alone: without "
+        "that check"
+    )
     if show_false_hits:
         for pair, sim in false_hits(labelled, sims, current):
             out.print(f"{sim:.3f}  {pair.a!r} / {pair.b!r}")

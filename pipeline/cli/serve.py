@@ -38,9 +38,14 @@ class ServerLimits:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServerLimits:
-        return cls(settings.api_max_connections, settings.api_backlog,
-                   settings.api_header_timeout_s, True, settings.api_tls_cert,
-                   settings.api_tls_key)
+        return cls(
+            settings.api_max_connections,
+            settings.api_backlog,
+            settings.api_header_timeout_s,
+            True,
+            settings.api_tls_cert,
+            settings.api_tls_key,
+        )
 
     @property
     def scheme(self) -> str:
@@ -52,17 +57,28 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port [FRESHLINE_API_PORT]")] = None,
     workers: Annotated[int, typer.Option(min=1, help="Worker processes")] = 1,
     server: Annotated[str, typer.Option(help="granian or uvicorn")] = "granian",
-    max_connections: Annotated[int | None, typer.Option(
-        min=1, help="Connections served at once per worker [FRESHLINE_API_MAX_CONNECTIONS]")
+    max_connections: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Connections served at once per worker [FRESHLINE_API_MAX_CONNECTIONS]"
+        ),
     ] = None,
-    header_timeout: Annotated[float | None, typer.Option(
-        min=0.001, help="Seconds for a request head, and for an idle keep-alive "
-                        "connection [FRESHLINE_API_HEADER_TIMEOUT_S]")] = None,
+    header_timeout: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            help="Seconds for a request head, and for an idle keep-alive "
+            "connection [FRESHLINE_API_HEADER_TIMEOUT_S]",
+        ),
+    ] = None,
     keep_alive: Annotated[bool, typer.Option(help="HTTP/1.1 keep-alive")] = True,
-    ssl_certificate: Annotated[Path | None, typer.Option(
-        help="PEM certificate (chain): serve HTTPS [FRESHLINE_API_TLS_CERT]")] = None,
-    ssl_keyfile: Annotated[Path | None, typer.Option(
-        help="PEM private key of the certificate [FRESHLINE_API_TLS_KEY]")] = None,
+    ssl_certificate: Annotated[
+        Path | None,
+        typer.Option(help="PEM certificate (chain): serve HTTPS [FRESHLINE_API_TLS_CERT]"),
+    ] = None,
+    ssl_keyfile: Annotated[
+        Path | None, typer.Option(help="PEM private key of the certificate [FRESHLINE_API_TLS_KEY]")
+    ] = None,
 ) -> None:
     """Serve the HTTP read API (Starlette) with granian or uvicorn."""
     from pipeline.core.db import make_engine, ping
@@ -75,24 +91,31 @@ def serve(
         raise typer.BadParameter("choose granian or uvicorn", param_hint="--server")
     base = ServerLimits.from_settings(settings)
     limits = ServerLimits(
-        max_connections or base.max_connections, max(base.backlog, max_connections or 0),
-        header_timeout or base.header_timeout_s, keep_alive,
+        max_connections or base.max_connections,
+        max(base.backlog, max_connections or 0),
+        header_timeout or base.header_timeout_s,
+        keep_alive,
         str(ssl_certificate) if ssl_certificate else base.tls_cert,
-        str(ssl_keyfile) if ssl_keyfile else base.tls_key)
+        str(ssl_keyfile) if ssl_keyfile else base.tls_key,
+    )
     if bool(limits.tls_cert) != bool(limits.tls_key):
-        raise typer.BadParameter("give both a certificate and its key",
-                                 param_hint="--ssl-certificate/--ssl-keyfile")
+        raise typer.BadParameter(
+            "give both a certificate and its key", param_hint="--ssl-certificate/--ssl-keyfile"
+        )
     for path in (limits.tls_cert, limits.tls_key):
         if path and not Path(path).is_file():
-            raise typer.BadParameter(f"no such file: {path}",
-                                     param_hint="--ssl-certificate/--ssl-keyfile")
+            raise typer.BadParameter(
+                f"no such file: {path}", param_hint="--ssl-certificate/--ssl-keyfile"
+            )
     metrics_dir: str | None = None
     if workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Set before any worker imports prometheus_client, which reads it on import.
         metrics_dir = tempfile.mkdtemp(prefix="freshline-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    console.print(f"serving the read API on {limits.scheme}://{host}:{port} with {server}, "
-                  f"{workers} worker(s), up to {limits.max_connections} connections each")
+    console.print(
+        f"serving the read API on {limits.scheme}://{host}:{port} with {server}, "
+        f"{workers} worker(s), up to {limits.max_connections} connections each"
+    )
     try:
         if server == "granian":
             run_granian("pipeline.api:app_from_env", host, port, workers, limits)
@@ -100,21 +123,31 @@ def serve(
             try:
                 import uvicorn
             except ImportError:
-                raise typer.BadParameter("uvicorn is not installed: pip install "
-                                         "'freshline[uvicorn]'", param_hint="--server") from None
-            uvicorn.run("pipeline.api:app_from_env", host=host, port=port, workers=workers,
-                        factory=True, access_log=False,
-                        limit_concurrency=limits.max_connections, backlog=limits.backlog,
-                        timeout_keep_alive=int(max(1, limits.header_timeout_s)),
-                        ssl_certfile=limits.tls_cert or None,
-                        ssl_keyfile=limits.tls_key or None)
+                raise typer.BadParameter(
+                    "uvicorn is not installed: pip install 'freshline[uvicorn]'",
+                    param_hint="--server",
+                ) from None
+            uvicorn.run(
+                "pipeline.api:app_from_env",
+                host=host,
+                port=port,
+                workers=workers,
+                factory=True,
+                access_log=False,
+                limit_concurrency=limits.max_connections,
+                backlog=limits.backlog,
+                timeout_keep_alive=int(max(1, limits.header_timeout_s)),
+                ssl_certfile=limits.tls_cert or None,
+                ssl_keyfile=limits.tls_key or None,
+            )
     finally:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def run_granian(target: str, host: str, port: int, workers: int,
-                limits: ServerLimits | None = None) -> None:
+def run_granian(
+    target: str, host: str, port: int, workers: int, limits: ServerLimits | None = None
+) -> None:
     """Serve the ASGI app factory ``target`` with granian, as ``freshline serve`` does.
 
     The benchmarks launch their minimal reference app through this too, so both
@@ -125,14 +158,23 @@ def run_granian(target: str, host: str, port: int, workers: int,
     from granian.server import Server as Granian
 
     limits = limits or ServerLimits()
-    Granian(target, address=host, port=port, workers=workers, interface=Interfaces.ASGI,
-            factory=True, log_access=False, http=HTTPModes.http1,
-            backlog=limits.backlog, backpressure=limits.max_connections,
-            http1_settings=HTTP1Settings(
-                header_read_timeout=int(limits.header_timeout_s * 1000),
-                keep_alive=limits.keep_alive),
-            ssl_cert=Path(limits.tls_cert) if limits.tls_cert else None,
-            ssl_key=Path(limits.tls_key) if limits.tls_key else None).serve()
+    Granian(
+        target,
+        address=host,
+        port=port,
+        workers=workers,
+        interface=Interfaces.ASGI,
+        factory=True,
+        log_access=False,
+        http=HTTPModes.http1,
+        backlog=limits.backlog,
+        backpressure=limits.max_connections,
+        http1_settings=HTTP1Settings(
+            header_read_timeout=int(limits.header_timeout_s * 1000), keep_alive=limits.keep_alive
+        ),
+        ssl_cert=Path(limits.tls_cert) if limits.tls_cert else None,
+        ssl_key=Path(limits.tls_key) if limits.tls_key else None,
+    ).serve()
 
 
 def register(app: typer.Typer) -> None:

@@ -36,8 +36,9 @@ def watermark_hex(watermark: Watermark) -> bytes:
     return b"%030x" % watermark
 
 
-def encode_entry(values: Sequence[Any], schema_version: int, computed_at_ms: int,
-                 watermark: Watermark) -> bytes:
+def encode_entry(
+    values: Sequence[Any], schema_version: int, computed_at_ms: int, watermark: Watermark
+) -> bytes:
     body = orjson.dumps([schema_version, computed_at_ms, list(values)])
     return ENTRY_TAG + watermark_hex(watermark) + body
 
@@ -53,8 +54,12 @@ digits, as stored: :func:`parse_watermark` reads it)."""
 _ENTRY, _TOMBSTONE = ENTRY_TAG[0], TOMBSTONE_TAG[0]
 
 
-def decode_rows(raws: Sequence[bytes | str | None], fields: Sequence[str], schema_version: int,
-                floor: bytes | str | None = None) -> list[Row | None]:
+def decode_rows(
+    raws: Sequence[bytes | str | None],
+    fields: Sequence[str],
+    schema_version: int,
+    floor: bytes | str | None = None,
+) -> list[Row | None]:
     """Decode the entries of one feature set, as :func:`decode_entry` does each, in one loop.
 
     ``None`` where a value is missing, a tombstone, or below ``floor`` (the feature

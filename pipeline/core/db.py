@@ -107,11 +107,14 @@ def _connect_args() -> dict[str, object]:
         "connect_timeout": 3,
         "application_name": "freshline",
         "options": f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S * 1000} "
-                   "-c jit=off",
+        "-c jit=off",
         # A peer that vanished without closing (a partition) is found within about
         # 30 s, where the kernel's defaults take over two hours.
-        "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
-        "keepalives_count": 3, "tcp_user_timeout": 30_000,
+        "keepalives": 1,
+        "keepalives_idle": 10,
+        "keepalives_interval": 5,
+        "keepalives_count": 3,
+        "tcp_user_timeout": 30_000,
     }
 
 

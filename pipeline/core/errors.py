@@ -42,11 +42,15 @@ class PermissionDenied(FreshlineError):
         self.setting = setting
         self.detail = detail
         if setting == "FRESHLINE_POSTGRES_URL":
-            remedy = ("set FRESHLINE_POSTGRES_ADMIN_URL to the owner's login (scripts/stack "
-                      "writes it to .stack/env: set -a; . .stack/env; set +a) and run it again")
+            remedy = (
+                "set FRESHLINE_POSTGRES_ADMIN_URL to the owner's login (scripts/stack "
+                "writes it to .stack/env: set -a; . .stack/env; set +a) and run it again"
+            )
         else:
-            remedy = (f"{setting} must name the role that owns freshline's tables "
-                      "(the one freshline db upgrade ran as)")
+            remedy = (
+                f"{setting} must name the role that owns freshline's tables "
+                "(the one freshline db upgrade ran as)"
+            )
         super().__init__(f"Postgres {detail} for role {role!r} ({setting}); {remedy}")
 
 

@@ -150,8 +150,10 @@ class FeatureSet:
     def on_path(self, path: Path) -> FeatureSet:
         """This feature set recomputed by ``path`` by default."""
         if path == "incremental" and self.incremental is None:
-            raise ConfigError(f"feature set {self.name!r} has no incremental path; "
-                              "it can only be recomputed in full")
+            raise ConfigError(
+                f"feature set {self.name!r} has no incremental path; "
+                "it can only be recomputed in full"
+            )
         return self if path == self.path else replace(self, path=path)
 
 

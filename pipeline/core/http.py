@@ -45,9 +45,16 @@ class Response:
         return self.body.decode()
 
 
-def fetch(url: str, *, method: str = "GET", body: bytes | None = None,
-          headers: Mapping[str, str] | None = None, timeout: float = TIMEOUT_S,
-          service: str = "the HTTP server", hint: str = STACK_HINT) -> Response:
+def fetch(
+    url: str,
+    *,
+    method: str = "GET",
+    body: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = TIMEOUT_S,
+    service: str = "the HTTP server",
+    hint: str = STACK_HINT,
+) -> Response:
     """One request to an ``http(s)`` URL; the response whatever its status.
 
     Raises :class:`ServiceUnavailable` (``service``, the URL with any password masked,
@@ -56,8 +63,9 @@ def fetch(url: str, *, method: str = "GET", body: bytes | None = None,
     """
     if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
         raise ConfigError(f"not an http(s) URL: {redact(url)}")
-    request = urllib.request.Request(url, data=body, method=method,  # noqa: S310 (checked)
-                                     headers=dict(headers or {}))
+    request = urllib.request.Request(  # noqa: S310 (the scheme is checked above)
+        url, data=body, method=method, headers=dict(headers or {})
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310
             return Response(response.status, response.read())
@@ -67,5 +75,6 @@ def fetch(url: str, *, method: str = "GET", body: bytes | None = None,
     except (OSError, http.client.HTTPException) as exc:
         # URLError (refused, unknown host), timeouts and resets are all OSErrors.
         reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-        raise ServiceUnavailable(service, redact(url), str(reason) or type(reason).__name__,
-                                 hint) from exc
+        raise ServiceUnavailable(
+            service, redact(url), str(reason) or type(reason).__name__, hint
+        ) from exc

@@ -49,8 +49,11 @@ def validate_id(kind: str, value: object) -> str:
     The rule is the contracts' (:mod:`schemas.ids`): letters, digits, ``_``, ``.`` and
     ``-``, starting alphanumeric, at most 64 characters.
     """
-    if type(value) is str and len(value) <= MAX_ID_LENGTH and (
-            (value.isascii() and value.isalnum()) or ID_PATTERN.fullmatch(value)):
+    if (
+        type(value) is str
+        and len(value) <= MAX_ID_LENGTH
+        and ((value.isascii() and value.isalnum()) or ID_PATTERN.fullmatch(value))
+    ):
         return value  # the rule's common cases: alphanumeric (one C call), or the pattern
     problem = id_problem(value)
     if problem is not None:
@@ -69,8 +72,12 @@ def validate_ids(kind: str, values: Sequence[object]) -> list[str]:
         texts = cast(Sequence[str], values)
         joined = "".join(texts)
         lengths = list(map(len, texts))
-        if (joined.isascii() and joined.isalnum() and min(lengths) >= 1
-                and max(lengths) <= MAX_ID_LENGTH):
+        if (
+            joined.isascii()
+            and joined.isalnum()
+            and min(lengths) >= 1
+            and max(lengths) <= MAX_ID_LENGTH
+        ):
             return list(texts)
     return [validate_id(kind, v) for v in values]
 
@@ -109,19 +116,23 @@ def item_keys(schema_version: int, items: Iterable[Item]) -> list[str]:
         if head is None:
             head = heads[(feature_set, tenant)] = (
                 f"{FEATURE_PREFIX}:{schema_version}:{feature_set}:"
-                f"{{{validate_id('tenant', tenant)}:")
+                f"{{{validate_id('tenant', tenant)}:"
+            )
         append(f"{head}{validate_id('entity', entity)}}}")
     return out
 
 
-def grid_keys(schema_version: int, tenant: str, feature_sets: Sequence[str],
-              entities: Sequence[str]) -> list[str]:
+def grid_keys(
+    schema_version: int, tenant: str, feature_sets: Sequence[str], entities: Sequence[str]
+) -> list[str]:
     """:func:`feature_key` of every (entity, feature set) pair of one tenant, entity-major
     (``entities[0]`` with each feature set, then ``entities[1]``...), each id validated once."""
     tenant = validate_id("tenant", tenant)
     if len(feature_sets) == 1 and len(entities) == 1:  # a GET's one key, without the lists
-        return [f"{FEATURE_PREFIX}:{schema_version}:{feature_sets[0]}:"
-                f"{{{tenant}:{validate_id('entity', entities[0])}}}"]
+        return [
+            f"{FEATURE_PREFIX}:{schema_version}:{feature_sets[0]}:"
+            f"{{{tenant}:{validate_id('entity', entities[0])}}}"
+        ]
     heads = [f"{FEATURE_PREFIX}:{schema_version}:{fs}:{{{tenant}:" for fs in feature_sets]
     ids = validate_ids("entity", entities)
     if len(heads) == 1:
@@ -139,10 +150,12 @@ def parse_feature_key(key: str | bytes) -> tuple[int, EntityRef]:
     text = key.decode(errors="replace") if isinstance(key, bytes) else key
     parts = text.split(":", 3)
     tenant, sep, entity = parts[3][1:-1].partition(":") if len(parts) == 4 else ("", "", "")
-    if (not sep or parts[0] != FEATURE_PREFIX or not parts[1].isascii()
-            or not parts[1].isdigit()):
-        raise InvalidId("feature key", text, f"not {FEATURE_PREFIX}:<schema_version>:"
-                        "<feature_set>:{<tenant>:<entity>}")
+    if not sep or parts[0] != FEATURE_PREFIX or not parts[1].isascii() or not parts[1].isdigit():
+        raise InvalidId(
+            "feature key",
+            text,
+            f"not {FEATURE_PREFIX}:<schema_version>:<feature_set>:{{<tenant>:<entity>}}",
+        )
     version = int(parts[1])
     ref = EntityRef(validate_name("feature set", parts[2]), tenant, entity)
     if feature_key(version, ref) != text:
@@ -182,8 +195,9 @@ def inference_key(
     return f"{inference_prefix(model, version, tenant, arm)}{{{digest}}}"
 
 
-def inference_prefix(model: str, version: str, tenant: str | None = None,
-                     arm: str | None = None) -> str:
+def inference_prefix(
+    model: str, version: str, tenant: str | None = None, arm: str | None = None
+) -> str:
     """:func:`inference_key` up to the digest's tag, each part validated once."""
     name = validate_name("model", model)
     ver = validate_id("model version", version)
@@ -205,17 +219,19 @@ def hot_key(schema_version: int, feature_set: str, tenant: str) -> str:
 SEMANTIC_PREFIX = "sem"
 
 
-def semantic_namespace(tenant: str, model: str, model_version: str,
-                       template_version: str) -> str:
+def semantic_namespace(tenant: str, model: str, model_version: str, template_version: str) -> str:
     """``{<tenant>:<model>:<model_version>:<template_version>}``: one semantic-cache space.
 
     A Redis Cluster hash tag, so a namespace's entries, id set, change stream and
     counters share a slot. Every part is validated as an id, so none can hold the
     separator, a brace or a wildcard.
     """
-    parts = (validate_id("tenant", tenant), validate_id("model", model),
-             validate_id("model version", model_version),
-             validate_id("template version", template_version))
+    parts = (
+        validate_id("tenant", tenant),
+        validate_id("model", model),
+        validate_id("model version", model_version),
+        validate_id("template version", template_version),
+    )
     return "{" + ":".join(parts) + "}"
 
 
@@ -223,8 +239,11 @@ def parse_semantic_namespace(namespace: str) -> tuple[str, str, str, str]:
     """``(tenant, model, model_version, template_version)`` of a namespace tag."""
     parts = namespace[1:-1].split(":") if namespace[:1] == "{" and namespace[-1:] == "}" else []
     if len(parts) != 4:
-        raise InvalidId("semantic namespace", namespace,
-                        "not {<tenant>:<model>:<model_version>:<template_version>}")
+        raise InvalidId(
+            "semantic namespace",
+            namespace,
+            "not {<tenant>:<model>:<model_version>:<template_version>}",
+        )
     tenant, model, model_version, template_version = parts
     if semantic_namespace(tenant, model, model_version, template_version) != namespace:
         raise InvalidId("semantic namespace", namespace, "not in canonical form")
@@ -256,14 +275,20 @@ def semantic_registry_key(tenant: str) -> str:
     return f"{SEMANTIC_PREFIX}:ns:{validate_id('tenant', tenant)}"
 
 
-def semantic_pattern(tenant: str | None = None, model: str | None = None,
-                     model_version: str | None = None,
-                     template_version: str | None = None, kind: str = "*") -> str:
+def semantic_pattern(
+    tenant: str | None = None,
+    model: str | None = None,
+    model_version: str | None = None,
+    template_version: str | None = None,
+    kind: str = "*",
+) -> str:
     """A SCAN MATCH pattern for semantic keys of ``kind`` (``e``, ``ids``, ``log``,
     ``stats`` or ``*``), narrowed to whichever parts are given."""
-    parts = [validate_id("tenant", tenant) if tenant else "*",
-             validate_id("model", model) if model else "*",
-             validate_id("model version", model_version) if model_version else "*",
-             validate_id("template version", template_version) if template_version else "*"]
+    parts = [
+        validate_id("tenant", tenant) if tenant else "*",
+        validate_id("model", model) if model else "*",
+        validate_id("model version", model_version) if model_version else "*",
+        validate_id("template version", template_version) if template_version else "*",
+    ]
     tag = "\\{" + ":".join(parts) + "\\}"
     return f"{SEMANTIC_PREFIX}:{kind}:{tag}*"

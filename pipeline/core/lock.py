@@ -63,8 +63,14 @@ class LockedSet:
 
     def decoder(self) -> FeatureSet:
         """A feature set that can decode this version's entries (its query is empty)."""
-        return FeatureSet(name=self.name, fields=self.fields, ttl_s=self.ttl_s, query="",
-                          sources=(), entity=self.entity)
+        return FeatureSet(
+            name=self.name,
+            fields=self.fields,
+            ttl_s=self.ttl_s,
+            query="",
+            sources=(),
+            entity=self.entity,
+        )
 
 
 Status = Literal["ok", "new"]
@@ -86,10 +92,12 @@ class Lock:
         doc = orjson.loads(path.read_bytes())
         if doc.get("format") != LOCK_FORMAT:
             raise LockMismatch(f"{path}: unknown lock format {doc.get('format')!r}")
-        return cls({
-            int(version): {name: LockedSet.from_json(name, body) for name, body in sets.items()}
-            for version, sets in doc["versions"].items()
-        })
+        return cls(
+            {
+                int(version): {name: LockedSet.from_json(name, body) for name, body in sets.items()}
+                for version, sets in doc["versions"].items()
+            }
+        )
 
     def save(self, path: Path = LOCK_PATH) -> None:
         """Write the lock with versions in numeric order, so diffs stay small."""
@@ -121,15 +129,18 @@ class Lock:
         """A registry that decodes ``version``'s entries, whatever the code defines now."""
         return Registry(s.decoder() for s in self.entry(version).values())
 
-    def compatible(self, version: int, registry: Registry = REGISTRY,
-                   feature_set: str | None = None) -> bool:
+    def compatible(
+        self, version: int, registry: Registry = REGISTRY, feature_set: str | None = None
+    ) -> bool:
         """Whether the code's definitions produce ``version``'s entries (all sets, or one)."""
         locked = self.versions.get(version)
         if locked is None:
             return False
         names = [feature_set] if feature_set else sorted(set(locked) | set(registry.names()))
-        return all(n in locked and n in registry
-                   and locked[n].fingerprint == registry[n].fingerprint() for n in names)
+        return all(
+            n in locked and n in registry and locked[n].fingerprint == registry[n].fingerprint()
+            for n in names
+        )
 
 
 def check(lock: Lock, version: int, registry: Registry = REGISTRY) -> Status:

@@ -73,11 +73,13 @@ def kafka_security_config(settings: Settings) -> dict[str, Any]:
     if settings.kafka_security_protocol != "plaintext":
         config["security.protocol"] = settings.kafka_security_protocol
     if settings.kafka_sasl_mechanism:
-        config.update({
-            "sasl.mechanism": settings.kafka_sasl_mechanism,
-            "sasl.username": settings.kafka_sasl_username,
-            "sasl.password": settings.kafka_sasl_password.get_secret_value(),
-        })
+        config.update(
+            {
+                "sasl.mechanism": settings.kafka_sasl_mechanism,
+                "sasl.username": settings.kafka_sasl_username,
+                "sasl.password": settings.kafka_sasl_password.get_secret_value(),
+            }
+        )
     if settings.kafka_ssl_ca:
         config["ssl.ca.location"] = settings.kafka_ssl_ca
     return config
@@ -106,8 +108,9 @@ def permission_denied(exc: psycopg.Error, settings: Settings | None = None) -> P
     """The one line for a refused statement: commands that write log in with
     ``settings.migration_url``, so its role and setting are the ones to name."""
     settings = settings or load_settings()
-    setting = ("FRESHLINE_POSTGRES_ADMIN_URL" if settings.postgres_admin_url
-               else "FRESHLINE_POSTGRES_URL")
+    setting = (
+        "FRESHLINE_POSTGRES_ADMIN_URL" if settings.postgres_admin_url else "FRESHLINE_POSTGRES_URL"
+    )
     role = make_url(settings.migration_url).username or "(default)"
     detail = str(exc).strip().splitlines()[0] if str(exc).strip() else "permission denied"
     return PermissionDenied(role, setting, detail)

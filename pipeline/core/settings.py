@@ -47,8 +47,7 @@ class Settings(BaseSettings):
     redis_cluster: bool = False
     """Redis Cluster: ``redis_url`` names one node of it, the client finds the rest."""
     kafka_bootstrap: str = "127.0.0.1:9092"
-    kafka_security_protocol: Literal["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"] = (
-        "plaintext")
+    kafka_security_protocol: Literal["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"] = "plaintext"
     kafka_sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = ""
     kafka_sasl_username: str = ""
     kafka_sasl_password: SecretStr = SecretStr("")

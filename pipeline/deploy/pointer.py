@@ -60,43 +60,77 @@ def keep_ms(registry: Registry) -> int:
     return max(fs.ttl_s for fs in registry) * 1000
 
 
-
 def locked(lock: Lock, version: int, action: str) -> None:
     if version not in lock:
-        raise DeployError(f"cannot {action} schema version {version}: it has no lock entry; "
-                          "add it with `freshline check --update-lock` under that version")
+        raise DeployError(
+            f"cannot {action} schema version {version}: it has no lock entry; "
+            "add it with `freshline check --update-lock` under that version"
+        )
 
 
-def _move(client: redis.Redis, pointer: Pointer, seen: DeployState, *,
-          active: int | None, nxt: int | None, keep: int = 0) -> None:
+def _move(
+    client: redis.Redis,
+    pointer: Pointer,
+    seen: DeployState,
+    *,
+    active: int | None,
+    nxt: int | None,
+    keep: int = 0,
+) -> None:
     script = client.register_script(_MOVE_LUA)
     left = str(seen.active) if active is not None and active != seen.active else ""
-    done = script(keys=[pointer.active_key, pointer.next_key, pointer.previous_key,
-                        pointer.retired_key(seen.active), pointer.retired_key(active or 0)],
-                  args=[seen.active_raw, seen.next_raw, active or "", nxt or "", pointer.channel,
-                        left, keep, "SPUBLISH" if is_cluster(client) else "PUBLISH"])
+    done = script(
+        keys=[
+            pointer.active_key,
+            pointer.next_key,
+            pointer.previous_key,
+            pointer.retired_key(seen.active),
+            pointer.retired_key(active or 0),
+        ],
+        args=[
+            seen.active_raw,
+            seen.next_raw,
+            active or "",
+            nxt or "",
+            pointer.channel,
+            left,
+            keep,
+            "SPUBLISH" if is_cluster(client) else "PUBLISH",
+        ],
+    )
     if not done:
-        raise DeployError("the version pointer changed while this command ran "
-                          "(another deploy?); nothing was changed, check and retry")
+        raise DeployError(
+            "the version pointer changed while this command ran "
+            "(another deploy?); nothing was changed, check and retry"
+        )
 
 
-def start(client: redis.Redis, settings: Settings, version: int, lock: Lock, *,
-          pointer: Pointer = DEFAULT_POINTER) -> DeployState:
+def start(
+    client: redis.Redis,
+    settings: Settings,
+    version: int,
+    lock: Lock,
+    *,
+    pointer: Pointer = DEFAULT_POINTER,
+) -> DeployState:
     """Mark ``version`` as next: consumers start writing it alongside the active one."""
     locked(lock, version, "warm")
     seen = state(client, settings, pointer=pointer, lock=lock)
     if version == seen.active:
         raise DeployError(f"schema version {version} is already active")
     if seen.next not in (None, version):
-        raise DeployError(f"a deploy of schema version {seen.next} is in progress; "
-                          "flip to it or cancel it first (`freshline deploy cancel`)")
+        raise DeployError(
+            f"a deploy of schema version {seen.next} is in progress; "
+            "flip to it or cancel it first (`freshline deploy cancel`)"
+        )
     if seen.next != version:
         _move(client, pointer, seen, active=None, nxt=version)
     return state(client, settings, pointer=pointer, lock=lock)
 
 
-def cancel(client: redis.Redis, settings: Settings, lock: Lock, *,
-           pointer: Pointer = DEFAULT_POINTER) -> DeployState:
+def cancel(
+    client: redis.Redis, settings: Settings, lock: Lock, *, pointer: Pointer = DEFAULT_POINTER
+) -> DeployState:
     """Forget the next version; consumers stop writing it. Its keys expire by TTL."""
     seen = state(client, settings, pointer=pointer, lock=lock)
     if seen.next is not None:
@@ -104,8 +138,15 @@ def cancel(client: redis.Redis, settings: Settings, lock: Lock, *,
     return state(client, settings, pointer=pointer, lock=lock)
 
 
-def flip(client: redis.Redis, settings: Settings, version: int, lock: Lock, *,
-         pointer: Pointer = DEFAULT_POINTER, registry: Registry = REGISTRY) -> DeployState:
+def flip(
+    client: redis.Redis,
+    settings: Settings,
+    version: int,
+    lock: Lock,
+    *,
+    pointer: Pointer = DEFAULT_POINTER,
+    registry: Registry = REGISTRY,
+) -> DeployState:
     """Make ``version`` active and clear next, atomically; readers follow.
 
     The version left stays *previous* for one TTL (the longest of ``registry``'s sets):
@@ -116,15 +157,18 @@ def flip(client: redis.Redis, settings: Settings, version: int, lock: Lock, *,
     locked(lock, version, "flip to")
     seen = state(client, settings, pointer=pointer, lock=lock)
     if seen.next not in (None, version):
-        raise DeployError(f"schema version {seen.next} is being warmed; flip to it, or "
-                          "cancel it first (`freshline deploy cancel`)")
+        raise DeployError(
+            f"schema version {seen.next} is being warmed; flip to it, or "
+            "cancel it first (`freshline deploy cancel`)"
+        )
     if version not in (seen.active, seen.previous):
         left_ms = int(client.pttl(pointer.retired_key(version)))
         if left_ms > 0:
             raise DeployError(
                 f"schema version {version} has not been written for over a TTL and its "
                 f"entries may be stale for up to {left_ms // 1000:,} s more; purge it first "
-                f"(`freshline purge --version {version}`), then warm it and flip")
+                f"(`freshline purge --version {version}`), then warm it and flip"
+            )
     if seen.active_raw != str(version) or seen.next is not None:
         _move(client, pointer, seen, active=version, nxt=None, keep=keep_ms(registry))
     return state(client, settings, pointer=pointer, lock=lock)

@@ -14,8 +14,9 @@ from pipeline.core.keys import LEASE_PREFIX, feature_pattern
 from pipeline.core.settings import Settings
 
 
-def purgeable(client: redis.Redis, settings: Settings, version: int, *,
-              pointer: Pointer = DEFAULT_POINTER) -> None:
+def purgeable(
+    client: redis.Redis, settings: Settings, version: int, *, pointer: Pointer = DEFAULT_POINTER
+) -> None:
     """Raise :class:`DeployError` if ``version`` is active or next."""
     seen = state(client, settings, pointer=pointer)
     if version in (seen.active, seen.next):
@@ -33,9 +34,16 @@ class PurgeResult:
     patterns: list[str] = field(default_factory=list)
 
 
-def purge(client: redis.Redis, settings: Settings, version: int, *,
-          pointer: Pointer = DEFAULT_POINTER, count: int = 500, max_batches: int | None = None,
-          progress: Callable[[int], None] | None = None) -> PurgeResult:
+def purge(
+    client: redis.Redis,
+    settings: Settings,
+    version: int,
+    *,
+    pointer: Pointer = DEFAULT_POINTER,
+    count: int = 500,
+    max_batches: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> PurgeResult:
     """Remove schema version ``version``'s feature and lease keys in small batches.
 
     Each batch is one ``SCAN MATCH feat:<version>:* COUNT count`` step and an
@@ -69,7 +77,7 @@ def purge(client: redis.Redis, settings: Settings, version: int, *,
             cursor, keys = client.scan(cursor=cursor, match=pattern, count=count)
             result.scans += 1
             for start_at in range(0, len(keys), count):
-                chunk = keys[start_at:start_at + count]
+                chunk = keys[start_at : start_at + count]
                 result.removed += int(client.unlink(*chunk))
                 result.unlinks += 1
                 result.largest_unlink = max(result.largest_unlink, len(chunk))

@@ -41,15 +41,23 @@ ORDER BY u.tenant_id, u.id LIMIT :limit
 """)
 
 
-def active_users(engine: Engine, tenants: Sequence[str], *, days: int = 90,
-                 batch_size: int = 500) -> Iterator[list[tuple[str, str]]]:
+def active_users(
+    engine: Engine, tenants: Sequence[str], *, days: int = 90, batch_size: int = 500
+) -> Iterator[list[tuple[str, str]]]:
     """Every user with a transaction in the last ``days``, in keyset-paged batches."""
     after: tuple[str, int] = ("", -1)
     while True:
         with engine.connect() as conn:
-            rows = conn.execute(_ACTIVE_USERS, {
-                "after_tenant": after[0], "after_id": after[1], "tenants": list(tenants),
-                "days": days, "limit": batch_size}).all()
+            rows = conn.execute(
+                _ACTIVE_USERS,
+                {
+                    "after_tenant": after[0],
+                    "after_id": after[1],
+                    "tenants": list(tenants),
+                    "days": days,
+                    "limit": batch_size,
+                },
+            ).all()
         if not rows:
             return
         yield [(t, str(u)) for t, u in rows]
@@ -66,8 +74,13 @@ class WarmResult:
 class Throttle:
     """Keeps a loop under ``rate`` items per second by sleeping between batches."""
 
-    def __init__(self, rate: float | None, *, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        rate: float | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.rate, self.clock, self.sleep = rate, clock, sleep
         self.started = clock()
         self.done = 0
@@ -80,10 +93,18 @@ class Throttle:
                 self.sleep(ahead)
 
 
-def warm(client: redis.Redis, engine: Engine, version: int, feature_set: str,
-         batches: Iterable[Sequence[tuple[str, str]]], lock: Lock, *,
-         registry: Registry = REGISTRY, rate: float | None = None,
-         progress: Callable[[int], None] | None = None) -> WarmResult:
+def warm(
+    client: redis.Redis,
+    engine: Engine,
+    version: int,
+    feature_set: str,
+    batches: Iterable[Sequence[tuple[str, str]]],
+    lock: Lock,
+    *,
+    registry: Registry = REGISTRY,
+    rate: float | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> WarmResult:
     """Compute ``feature_set`` for each batch of (tenant, entity) and write it to ``version``.
 
     One set-based query per batch, then conditional writes (an entry a consumer wrote
@@ -91,8 +112,10 @@ def warm(client: redis.Redis, engine: Engine, version: int, feature_set: str,
     """
     locked(lock, version, "warm")
     if not lock.compatible(version, registry, feature_set):
-        raise DeployError(f"this code's {feature_set!r} differs from schema version "
-                          f"{version}'s lock entry; warm it with the code of that version")
+        raise DeployError(
+            f"this code's {feature_set!r} differs from schema version "
+            f"{version}'s lock entry; warm it with the code of that version"
+        )
     store = FeatureStore(client, version, registry=registry)
     throttle = Throttle(rate)
     result = WarmResult()
@@ -110,8 +133,17 @@ def warm(client: redis.Redis, engine: Engine, version: int, feature_set: str,
 def count_active_users(engine: Engine, tenants: Sequence[str], *, days: int = 90) -> int:
     """How many users :func:`active_users` yields, for a progress bar's total."""
     query = _ACTIVE_USERS.text.split("ORDER BY")[0].replace(
-        "SELECT u.tenant_id, u.id", "SELECT count(*)")
+        "SELECT u.tenant_id, u.id", "SELECT count(*)"
+    )
     with engine.connect() as conn:
-        return int(conn.execute(sa.text(query), {
-            "after_tenant": "", "after_id": -1, "tenants": list(tenants), "days": days,
-        }).scalar_one())
+        return int(
+            conn.execute(
+                sa.text(query),
+                {
+                    "after_tenant": "",
+                    "after_id": -1,
+                    "tenants": list(tenants),
+                    "days": days,
+                },
+            ).scalar_one()
+        )

@@ -63,8 +63,7 @@ def profile(name: str) -> Profile:
     try:
         return PROFILES[name]
     except KeyError:
-        raise ValueError(f"unknown chaos profile {name!r}: choose "
-                         f"{', '.join(PROFILES)}") from None
+        raise ValueError(f"unknown chaos profile {name!r}: choose {', '.join(PROFILES)}") from None
 
 
 def seeds(chosen: Profile, base: int = DEFAULT_SEED) -> list[int]:
@@ -116,12 +115,18 @@ def append_result(path: Path, result: CaseResult) -> None:
 def read_results(path: Path) -> list[CaseResult]:
     if not path.exists():
         return []
-    return [CaseResult.from_json(line) for line in path.read_bytes().splitlines()
-            if line.strip()]
+    return [CaseResult.from_json(line) for line in path.read_bytes().splitlines() if line.strip()]
 
 
-def render_markdown(results: Sequence[CaseResult], *, profile_name: str, seed: int,
-                    command: str, total_s: float, exit_code: int) -> str:
+def render_markdown(
+    results: Sequence[CaseResult],
+    *,
+    profile_name: str,
+    seed: int,
+    command: str,
+    total_s: float,
+    exit_code: int,
+) -> str:
     """``bench/CHAOS.md``: one row per case, then the failures in detail."""
     passed = sum(r.passed for r in results)
     lines = [
@@ -135,7 +140,7 @@ def render_markdown(results: Sequence[CaseResult], *, profile_name: str, seed: i
         "waits for the consumers to quiesce, and checks: served values equal a recompute "
         "from Postgres (correct or absent), every record applied, dead-lettered or "
         "skipped, every feature key with a TTL, every consumer alive unless the "
-        "scenario killed it. See the README, \"Fault injection\".",
+        'scenario killed it. See the README, "Fault injection".',
         "",
         "| scenario | seed | result | checked (present) | mismatches | records "
         "(produced / counted) | dead-lettered | TTL-less keys | duration |",
@@ -147,7 +152,8 @@ def render_markdown(results: Sequence[CaseResult], *, profile_name: str, seed: i
             f"| {r.scenario} | {r.seed} | {'pass' if r.passed else '**FAIL**'} "
             f"| {r.checked} ({r.present}) | {r.mismatches} "
             f"| {acc.get('produced', '?')} / {acc.get('counted', '?')} "
-            f"| {acc.get('dead_lettered', '?')} | {r.ttl_violations} | {r.duration_s:.0f} s |")
+            f"| {acc.get('dead_lettered', '?')} | {r.ttl_violations} | {r.duration_s:.0f} s |"
+        )
     failed = [r for r in results if not r.passed]
     if failed:
         lines += ["", "## Failures", ""]
@@ -163,30 +169,70 @@ def render_markdown(results: Sequence[CaseResult], *, profile_name: str, seed: i
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_report(results: Sequence[CaseResult], out_dir: Path, *, profile_name: str,
-                 seed: int, command: str, total_s: float, exit_code: int) -> tuple[Path, Path]:
+def write_report(
+    results: Sequence[CaseResult],
+    out_dir: Path,
+    *,
+    profile_name: str,
+    seed: int,
+    command: str,
+    total_s: float,
+    exit_code: int,
+) -> tuple[Path, Path]:
     """Write ``CHAOS.md`` and ``chaos.json`` into ``out_dir``; their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / "CHAOS.md"
     js = out_dir / "chaos.json"
-    md.write_text(render_markdown(results, profile_name=profile_name, seed=seed,
-                                  command=command, total_s=total_s, exit_code=exit_code))
-    js.write_bytes(orjson.dumps({
-        "profile": profile_name, "seed": seed, "command": command,
-        "duration_s": round(total_s, 1), "pytest_exit_code": exit_code,
-        "cases": [dataclasses.asdict(r) for r in results],
-    }, option=orjson.OPT_INDENT_2) + b"\n")
+    md.write_text(
+        render_markdown(
+            results,
+            profile_name=profile_name,
+            seed=seed,
+            command=command,
+            total_s=total_s,
+            exit_code=exit_code,
+        )
+    )
+    js.write_bytes(
+        orjson.dumps(
+            {
+                "profile": profile_name,
+                "seed": seed,
+                "command": command,
+                "duration_s": round(total_s, 1),
+                "pytest_exit_code": exit_code,
+                "cases": [dataclasses.asdict(r) for r in results],
+            },
+            option=orjson.OPT_INDENT_2,
+        )
+        + b"\n"
+    )
     return md, js
 
 
 def pytest_command(root: Path, extra: Iterable[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "pytest", str(root / "tests" / "faults"), "-m", "faults",
-            "-p", "no:cacheprovider", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(root / "tests" / "faults"),
+        "-m",
+        "faults",
+        "-p",
+        "no:cacheprovider",
+        *extra,
+    ]
 
 
-def run(root: Path, *, profile_name: str, seed: int, out_dir: Path,
-        scenarios: Sequence[str] = (),
-        pytest_args: Sequence[str] = ()) -> tuple[int, list[CaseResult]]:
+def run(
+    root: Path,
+    *,
+    profile_name: str,
+    seed: int,
+    out_dir: Path,
+    scenarios: Sequence[str] = (),
+    pytest_args: Sequence[str] = (),
+) -> tuple[int, list[CaseResult]]:
     """Run the suite with ``profile_name`` and ``seed``; write the report into ``out_dir``.
 
     Returns pytest's exit code and the results.
@@ -194,8 +240,12 @@ def run(root: Path, *, profile_name: str, seed: int, out_dir: Path,
     profile(profile_name)
     with tempfile.TemporaryDirectory(prefix="freshline-chaos-") as tmp:
         results_path = Path(tmp) / "results.jsonl"
-        env = {**os.environ, PROFILE_ENV: profile_name, SEED_ENV: str(seed),
-               RESULTS_ENV: str(results_path)}
+        env = {
+            **os.environ,
+            PROFILE_ENV: profile_name,
+            SEED_ENV: str(seed),
+            RESULTS_ENV: str(results_path),
+        }
         if scenarios:
             env[ONLY_ENV] = ",".join(scenarios)
         started = time.monotonic()
@@ -205,6 +255,13 @@ def run(root: Path, *, profile_name: str, seed: int, out_dir: Path,
     command = f"freshline chaos --profile {profile_name} --seed {seed}"
     if scenarios:
         command += "".join(f" --scenario {s}" for s in scenarios)
-    write_report(results, out_dir, profile_name=profile_name, seed=seed, command=command,
-                 total_s=total, exit_code=code)
+    write_report(
+        results,
+        out_dir,
+        profile_name=profile_name,
+        seed=seed,
+        command=command,
+        total_s=total,
+        exit_code=code,
+    )
     return code, results

@@ -62,11 +62,14 @@ class Api:
 
     def call(self, method: str, path: str, body: object | None = None) -> tuple[int, Any]:
         """``(status, decoded JSON body)``, whatever the status."""
-        response = fetch(self.base + path, method=method,
-                         body=None if body is None else orjson.dumps(body),
-                         headers={"Authorization": f"Bearer {self.key}",
-                                  "Content-Type": "application/json"},
-                         service="the read API", hint=API_HINT)
+        response = fetch(
+            self.base + path,
+            method=method,
+            body=None if body is None else orjson.dumps(body),
+            headers={"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"},
+            service="the read API",
+            hint=API_HINT,
+        )
         return response.status, response.json()
 
 
@@ -93,8 +96,7 @@ def queued(admin: AdminClient, lag: GroupLag, timeout_s: float = 10.0) -> int | 
     described = found[group].result()
     if described.state != ConsumerGroupState.STABLE:
         return None
-    topics = {tp.topic for member in described.members
-              for tp in member.assignment.topic_partitions}
+    topics = {tp.topic for member in described.members for tp in member.assignment.topic_partitions}
     if not topics:
         return None
     return sum(lag.measure(sorted(topics)).values())
@@ -128,14 +130,21 @@ def _wait_for(admin: AdminClient, lag: GroupLag, deadline_s: float) -> bool:
             return True
         if waited > deadline_s:
             left = "an unknown number of" if count is None else f"{count:,}"
-            _say(f"the consumer still has {left} events queued after {deadline_s:.0f} s: "
-                 "the times below include waiting behind them")
+            _say(
+                f"the consumer still has {left} events queued after {deadline_s:.0f} s: "
+                "the times below include waiting behind them"
+            )
             return False
         if waited >= next_report:
-            _say("waiting for the consumer to catch up before a timed change: "
-                 + (f"group {lag.settings.consumer_group!r} has no assignment yet (is "
-                    "`freshline consume` running, or still joining?)" if count is None
-                    else f"{count:,} events still queued"))
+            _say(
+                "waiting for the consumer to catch up before a timed change: "
+                + (
+                    f"group {lag.settings.consumer_group!r} has no assignment yet (is "
+                    "`freshline consume` running, or still joining?)"
+                    if count is None
+                    else f"{count:,} events still queued"
+                )
+            )
             said_waiting, next_report = True, waited + PROGRESS_S
         time.sleep(0.2)  # polling the broker while the consumer works
 
@@ -144,8 +153,10 @@ def _wait_for(admin: AdminClient, lag: GroupLag, deadline_s: float) -> bool:
 
 
 def _brief(values: dict[str, Any]) -> str:
-    return (f"txn_count={values['txn_count']} txn_sum={values['txn_sum']:.2f} "
-            f"txn_max={values['txn_max']:.2f}")
+    return (
+        f"txn_count={values['txn_count']} txn_sum={values['txn_sum']:.2f} "
+        f"txn_max={values['txn_max']:.2f}"
+    )
 
 
 def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> list[str]:
@@ -179,17 +190,28 @@ def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> list[str]:
     producer.inner.list_topics(timeout=10)  # connected before the change, as a service is
     committed = datetime.now(UTC)
     with engine.begin() as conn:
-        txn = conn.execute(sa.text(
-            "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
-            "VALUES (:t, :u, 4999.00, 'm-demo', '11.0.0.42') RETURNING id"),
-            {"t": tenant, "u": user}).scalar_one()
+        txn = conn.execute(
+            sa.text(
+                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
+                "VALUES (:t, :u, 4999.00, 'm-demo', '11.0.0.42') RETURNING id"
+            ),
+            {"t": tenant, "u": user},
+        ).scalar_one()
     started = time.monotonic()  # the change has committed
-    producer.produce(qualified(settings, TRANSACTION_CREATED), orjson.dumps(
-        {"tenant": tenant, "user_id": user, "transaction_id": txn,
-         "occurred_at": committed.isoformat()}), f"{tenant}:{user}".encode())
+    producer.produce(
+        qualified(settings, TRANSACTION_CREATED),
+        orjson.dumps(
+            {
+                "tenant": tenant,
+                "user_id": user,
+                "transaction_id": txn,
+                "occurred_at": committed.isoformat(),
+            }
+        ),
+        f"{tenant}:{user}".encode(),
+    )
     producer.close()
-    _say(f"INSERT transaction {txn} of 4999.00 for user {user}, "
-         "and its transaction.created event")
+    _say(f"INSERT transaction {txn} of 4999.00 for user {user}, and its transaction.created event")
     while time.monotonic() - started < DEADLINE_S:
         status, now = api.call("GET", path + "?mode=cache-only")
         if status == 200 and now["values"]["txn_count"] != again["values"]["txn_count"]:
@@ -198,19 +220,25 @@ def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> list[str]:
             break
         time.sleep(0.02)  # polling the API, as a dashboard would
     else:
-        failed.append(f"the change did not arrive within {DEADLINE_S:.0f} s: "
-                      "is `freshline consume` running?")
+        failed.append(
+            f"the change did not arrive within {DEADLINE_S:.0f} s: is `freshline consume` running?"
+        )
         _say(failed[-1])
 
     entities = [str(u) for u in range(user, user + 5)]
-    status, batch = api.call("POST", "/v1/features/batch", {
-        "feature_sets": ["txn_90d", "device_risk", "geo"], "entities": entities})
+    status, batch = api.call(
+        "POST",
+        "/v1/features/batch",
+        {"feature_sets": ["txn_90d", "device_risk", "geo"], "entities": entities},
+    )
     if status != 200:
         return [*failed, f"POST /v1/features/batch: {status} {batch}"]
     items = batch["items"]
     hits = sum(1 for i in items if i["hit"])
-    _say(f"POST /v1/features/batch: {len(items)} entries, {hits} from the cache, "
-         f"{len(items) - hits} computed")
+    _say(
+        f"POST /v1/features/batch: {len(items)} entries, {hits} from the cache, "
+        f"{len(items) - hits} computed"
+    )
 
     per_user: dict[str, dict[str, Any]] = {}
     for item in items:
@@ -226,8 +254,10 @@ def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> list[str]:
         answers.append(pred["predictions"])
         cached = sum(1 for p in pred["predictions"] if p["hit"])
         scores = ", ".join(f"{p['value']:.3f}" for p in pred["predictions"])
-        _say(f"predict ({attempt} call, model {pred['model_version']}): [{scores}], "
-             f"{cached} of {len(inputs)} from the inference cache")
+        _say(
+            f"predict ({attempt} call, model {pred['model_version']}): [{scores}], "
+            f"{cached} of {len(inputs)} from the inference cache"
+        )
     computed, again = answers
     if not all(p["hit"] for p in again):
         failed.append("the second predict call was not served from the inference cache")
@@ -241,8 +271,9 @@ def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> list[str]:
 # -- the CDC step -------------------------------------------------------------------
 
 
-def cdc_change(base: str, key: str, tenant: str, user: int, psql_url: str,
-               deadline_s: float = 10.0) -> bool:
+def cdc_change(
+    base: str, key: str, tenant: str, user: int, psql_url: str, deadline_s: float = 10.0
+) -> bool:
     """An UPDATE made with plain ``psql`` (no freshline code in the write), then the
     served ``txn_90d`` polled until it changes; False if it did not within the deadline.
     """
@@ -258,33 +289,40 @@ def cdc_change(base: str, key: str, tenant: str, user: int, psql_url: str,
         return dict(body["values"])
 
     def brief(values: dict[str, Any]) -> str:
-        return (f"txn_sum={values['txn_sum']} txn_max={values['txn_max']} "
-                f"txn_count={values['txn_count']}")
+        return (
+            f"txn_sum={values['txn_sum']} txn_max={values['txn_max']} "
+            f"txn_count={values['txn_count']}"
+        )
 
     before = served("read-through")  # fills the cache if the entry was cold
     if before is None:
         raise FreshlineError(f"tenant {tenant} has no user {user}")
     _say(f"-- before: tenant {tenant} user {user}: {brief(before)}")
-    sql = (f"UPDATE transactions SET amount = amount + 100 WHERE tenant_id = '{tenant}' "
-           f"AND id = (SELECT max(id) FROM transactions WHERE tenant_id = '{tenant}' "
-           f"AND user_id = {int(user)} AND created_at > now() - interval '90 days')")
+    sql = (
+        f"UPDATE transactions SET amount = amount + 100 WHERE tenant_id = '{tenant}' "
+        f"AND id = (SELECT max(id) FROM transactions WHERE tenant_id = '{tenant}' "
+        f"AND user_id = {int(user)} AND created_at > now() - interval '90 days')"
+    )
     _say(f"-- psql: {sql}")
-    subprocess.run(["psql", psql_url, "-X", "-q", "-v", "ON_ERROR_STOP=1", "-c", sql],
-                   check=True)
+    subprocess.run(["psql", psql_url, "-X", "-q", "-v", "ON_ERROR_STOP=1", "-c", sql], check=True)
     committed = time.monotonic()
     after: dict[str, Any] | None = before
     while after is None or after == before:
         if time.monotonic() - committed > deadline_s:
-            _say(f"-- no change served within {deadline_s:.0f} s: is `freshline consume` "
-                 "running, and did it start after the CDC topics existed? "
-                 "(see `freshline cdc status`)")
+            _say(
+                f"-- no change served within {deadline_s:.0f} s: is `freshline consume` "
+                "running, and did it start after the CDC topics existed? "
+                "(see `freshline cdc status`)"
+            )
             return False
         time.sleep(0.01)  # polling the API, as a dashboard would
         after = served("cache-only")
     elapsed = time.monotonic() - committed
     _say(f"-- after:  tenant {tenant} user {user}: {brief(after)}")
-    _say(f"-- served the new value {elapsed * 1000:.0f} ms after psql returned "
-         f"({'within' if elapsed < 1 else 'NOT within'} a second)")
+    _say(
+        f"-- served the new value {elapsed * 1000:.0f} ms after psql returned "
+        f"({'within' if elapsed < 1 else 'NOT within'} a second)"
+    )
     return True
 
 

@@ -55,9 +55,11 @@ class TenantsExist(FreshlineError):
 
     def __init__(self, tenants: list[str]) -> None:
         self.tenants = tenants
-        super().__init__(f"already seeded: tenant(s) {', '.join(tenants)}; nothing was "
-                         "written. To seed more, give the new tenants a prefix: "
-                         "--tenant-prefix PREFIX")
+        super().__init__(
+            f"already seeded: tenant(s) {', '.join(tenants)}; nothing was "
+            "written. To seed more, give the new tenants a prefix: "
+            "--tenant-prefix PREFIX"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +85,14 @@ def _ip_text(values: np.ndarray) -> list[str]:
     return list(joined)
 
 
-def _copy(conn: sa.Connection, sql: str, lines: Iterator[str], total: int,
-          stage: str, progress: Progress | None) -> None:
+def _copy(
+    conn: sa.Connection,
+    sql: str,
+    lines: Iterator[str],
+    total: int,
+    stage: str,
+    progress: Progress | None,
+) -> None:
     """Stream tab-separated lines through COPY in chunks, reporting progress."""
     raw = conn.connection.driver_connection
     done = 0
@@ -126,8 +134,14 @@ def ensure_geoip(conn: sa.Connection, progress: Progress | None = None) -> int:
             country, city_names = COUNTRIES[countries[i]]
             yield f"{froms[i]}\t{tos[i]}\t{country}\t{city_names[cities[i]]}\t{asns[i]}\n"
 
-    _copy(conn, "COPY geoip (ip_from, ip_to, country, city, asn) FROM STDIN", lines(),
-          GEO_RANGES, "geoip", progress)
+    _copy(
+        conn,
+        "COPY geoip (ip_from, ip_to, country, city, asn) FROM STDIN",
+        lines(),
+        GEO_RANGES,
+        "geoip",
+        progress,
+    )
     return GEO_RANGES
 
 
@@ -157,9 +171,12 @@ def seed(
     per_tenant_txns = np.array_split(np.arange(transactions), tenants)
     total_devices = 0
     with engine.begin() as conn:
-        existing = list(conn.execute(
-            sa.text("SELECT id FROM tenants WHERE id = ANY(:ids) ORDER BY id"), {"ids": ids},
-        ).scalars())
+        existing = list(
+            conn.execute(
+                sa.text("SELECT id FROM tenants WHERE id = ANY(:ids) ORDER BY id"),
+                {"ids": ids},
+            ).scalars()
+        )
         if existing:
             raise TenantsExist(existing)
         geo = ensure_geoip(conn, progress)
@@ -173,9 +190,7 @@ def seed(
         # transactions wait for the seed.
         conn.execute(sa.text("ALTER TABLE transactions DISABLE TRIGGER txn_buckets_insert"))
         for tenant, u_idx, t_idx in zip(ids, per_tenant_users, per_tenant_txns, strict=True):
-            total_devices += _seed_tenant(
-                conn, rng, tenant, len(u_idx), len(t_idx), now, progress
-            )
+            total_devices += _seed_tenant(conn, rng, tenant, len(u_idx), len(t_idx), now, progress)
         conn.execute(sa.text("ALTER TABLE transactions ENABLE TRIGGER txn_buckets_insert"))
         _build_buckets(conn, ids, progress)
     return SeedSummary(ids, users, total_devices, transactions, geo)
@@ -184,9 +199,15 @@ def seed(
 def _build_buckets(conn: sa.Connection, tenants: list[str], progress: Progress | None) -> None:
     """Build the new tenants' buckets from their rows (a build from the rows is about
     twice as fast as folding a bulk load delta by delta)."""
-    keys = [(t, int(u)) for t, u in conn.execute(sa.text(
-        "SELECT DISTINCT tenant_id, user_id FROM transactions WHERE tenant_id = ANY(:t)"),
-        {"t": tenants})]
+    keys = [
+        (t, int(u))
+        for t, u in conn.execute(
+            sa.text(
+                "SELECT DISTINCT tenant_id, user_id FROM transactions WHERE tenant_id = ANY(:t)"
+            ),
+            {"t": tenants},
+        )
+    ]
     if progress is not None:
         progress("buckets", 0, len(keys))
     incremental.rebuild(conn, keys)
@@ -194,14 +215,28 @@ def _build_buckets(conn: sa.Connection, tenants: list[str], progress: Progress |
         progress("buckets", len(keys), len(keys))
 
 
-def _seed_tenant(conn: sa.Connection, rng: np.random.Generator, tenant: str, n_users: int,
-                 n_txns: int, now: datetime, progress: Progress | None) -> int:
+def _seed_tenant(
+    conn: sa.Connection,
+    rng: np.random.Generator,
+    tenant: str,
+    n_users: int,
+    n_txns: int,
+    now: datetime,
+    progress: Progress | None,
+) -> int:
     user_ids = np.arange(1, n_users + 1)
     signup = rng.uniform(HISTORY_DAYS, 720, n_users)
-    _copy(conn, "COPY users (tenant_id, id, created_at) FROM STDIN",
-          (f"{tenant}\t{uid}\t{(now - timedelta(days=float(d))).isoformat()}\n"
-           for uid, d in zip(user_ids, signup, strict=True)),
-          n_users, f"{tenant} users", progress)
+    _copy(
+        conn,
+        "COPY users (tenant_id, id, created_at) FROM STDIN",
+        (
+            f"{tenant}\t{uid}\t{(now - timedelta(days=float(d))).isoformat()}\n"
+            for uid, d in zip(user_ids, signup, strict=True)
+        ),
+        n_users,
+        f"{tenant} users",
+        progress,
+    )
 
     # Devices: each user one to three of their own; about 5% of users also use a
     # shared device (a farm of a few phones behind many accounts).
@@ -214,27 +249,46 @@ def _seed_tenant(conn: sa.Connection, rng: np.random.Generator, tenant: str, n_u
     risk = np.clip(rng.beta(1.2, 8.0, n_devices), 0, 1)
     risk[n_own:] = np.clip(risk[n_own:] + 0.5, 0, 1)
     fingerprints = rng.integers(0, 2**62, n_devices)
-    _copy(conn, "COPY devices (tenant_id, id, fingerprint, risk_score, first_seen) FROM STDIN",
-          (f"{tenant}\td{i}\t{fingerprints[i]:016x}\t{risk[i]:.4f}\t"
-           f"{(now - timedelta(days=float(first_seen[i]))).isoformat()}\n"
-           for i in range(n_devices)),
-          n_devices, f"{tenant} devices", progress)
+    _copy(
+        conn,
+        "COPY devices (tenant_id, id, fingerprint, risk_score, first_seen) FROM STDIN",
+        (
+            f"{tenant}\td{i}\t{fingerprints[i]:016x}\t{risk[i]:.4f}\t"
+            f"{(now - timedelta(days=float(first_seen[i]))).isoformat()}\n"
+            for i in range(n_devices)
+        ),
+        n_devices,
+        f"{tenant} devices",
+        progress,
+    )
     shared_users = rng.choice(user_ids, size=max(1, n_users // 20), replace=n_users < 20)
     shared_device = n_own + rng.integers(0, n_shared, len(shared_users))
     links = {(int(u), f"d{i}") for i, u in enumerate(device_owner)}
     links |= {(int(u), f"d{d}") for u, d in zip(shared_users, shared_device, strict=True)}
-    _copy(conn, "COPY user_devices (tenant_id, user_id, device_id) FROM STDIN",
-          (f"{tenant}\t{u}\t{d}\n" for u, d in sorted(links)),
-          len(links), f"{tenant} user devices", progress)
+    _copy(
+        conn,
+        "COPY user_devices (tenant_id, user_id, device_id) FROM STDIN",
+        (f"{tenant}\t{u}\t{d}\n" for u, d in sorted(links)),
+        len(links),
+        f"{tenant} user devices",
+        progress,
+    )
 
     if n_txns:
         _seed_transactions(conn, rng, tenant, user_ids, links, n_txns, now, progress)
     return n_devices
 
 
-def _seed_transactions(conn: sa.Connection, rng: np.random.Generator, tenant: str,
-                       user_ids: np.ndarray, links: set[tuple[int, str]],
-                       n_txns: int, now: datetime, progress: Progress | None) -> None:
+def _seed_transactions(
+    conn: sa.Connection,
+    rng: np.random.Generator,
+    tenant: str,
+    user_ids: np.ndarray,
+    links: set[tuple[int, str]],
+    n_txns: int,
+    now: datetime,
+    progress: Progress | None,
+) -> None:
     n_users = len(user_ids)
     # Zipf-like activity: user at rank r is picked with weight 1 / r^1.1.
     weights = 1.0 / np.arange(1, n_users + 1) ** 1.1
@@ -253,8 +307,11 @@ def _seed_transactions(conn: sa.Connection, rng: np.random.Generator, tenant: st
     home = rng.integers(0, GEO_RANGES, n_users)
     travel = rng.random(n_txns) < 0.1
     ranges = np.where(travel, rng.integers(0, GEO_RANGES, n_txns), home[who])
-    ips = _ip_text(GEO_BASE + ranges.astype(np.int64) * GEO_RANGE_SIZE
-                   + rng.integers(1, GEO_RANGE_SIZE - 1, n_txns))
+    ips = _ip_text(
+        GEO_BASE
+        + ranges.astype(np.int64) * GEO_RANGE_SIZE
+        + rng.integers(1, GEO_RANGE_SIZE - 1, n_txns)
+    )
     age_s = rng.uniform(0, HISTORY_DAYS * 86400.0, n_txns)
     status_draw = rng.random(n_txns)
     currencies = np.array(["USD", "EUR", "GBP", "BRL", "INR"])[rng.integers(0, 5, n_txns)]
@@ -268,9 +325,17 @@ def _seed_transactions(conn: sa.Connection, rng: np.random.Generator, tenant: st
             created = datetime.fromtimestamp(base - age_s[i], UTC).isoformat()
             s = status_draw[i]
             status = "approved" if s < 0.96 else ("declined" if s < 0.99 else "reversed")
-            yield (f"{tenant}\t{uid}\t{amounts[i]:.2f}\t{currencies[i]}\tm{merchants[i]}\t"
-                   f"{device}\t{ips[i]}\t{status}\t{created}\t{created}\n")
+            yield (
+                f"{tenant}\t{uid}\t{amounts[i]:.2f}\t{currencies[i]}\tm{merchants[i]}\t"
+                f"{device}\t{ips[i]}\t{status}\t{created}\t{created}\n"
+            )
 
-    _copy(conn, "COPY transactions (tenant_id, user_id, amount, currency, merchant_id, "
-          "device_id, ip, status, created_at, updated_at) FROM STDIN",
-          lines(), n_txns, f"{tenant} transactions", progress)
+    _copy(
+        conn,
+        "COPY transactions (tenant_id, user_id, amount, currency, merchant_id, "
+        "device_id, ip, status, created_at, updated_at) FROM STDIN",
+        lines(),
+        n_txns,
+        f"{tenant} transactions",
+        progress,
+    )

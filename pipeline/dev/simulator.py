@@ -34,16 +34,23 @@ class SimTotals:
 class Simulator:
     """Commits one change at a time and emits its event (topics via ``topic``)."""
 
-    def __init__(self, engine: Engine, producer: Producer, *,
-                 topic: Callable[[str], str] = lambda t: t, seed: int = 7,
-                 tenants: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        producer: Producer,
+        *,
+        topic: Callable[[str], str] = lambda t: t,
+        seed: int = 7,
+        tenants: list[str] | None = None,
+    ) -> None:
         self.engine = engine
         self.producer = producer
         self.topic = topic
         self.rng = random.Random(seed)
         with engine.connect() as conn:
-            rows = conn.execute(sa.text(
-                "SELECT tenant_id, max(id) FROM users GROUP BY tenant_id")).all()
+            rows = conn.execute(
+                sa.text("SELECT tenant_id, max(id) FROM users GROUP BY tenant_id")
+            ).all()
         self.users = {t: int(n) for t, n in rows if tenants is None or t in tenants}
         if not self.users:
             raise FreshlineError("no users to change: seed first (freshline seed)")
@@ -64,38 +71,53 @@ class Simulator:
         with self.engine.begin() as conn:
             if draw < 0.6:
                 ip = GEO_BASE + self.rng.randrange(GEO_RANGES) * GEO_RANGE_SIZE + 7
-                txn = conn.execute(sa.text(
-                    """INSERT INTO transactions (tenant_id, user_id, amount, merchant_id,
+                txn = conn.execute(
+                    sa.text(
+                        """INSERT INTO transactions (tenant_id, user_id, amount, merchant_id,
                            device_id, ip, created_at, updated_at)
                        SELECT :t, :u, :amount, :m,
                               (SELECT device_id FROM user_devices
                                WHERE tenant_id = :t AND user_id = :u LIMIT 1),
                               CAST(:ip AS inet), :now, :now
-                       RETURNING id"""),
-                    {"t": tenant, "u": user, "amount": round(self.rng.lognormvariate(3.6, 1.1), 2),
-                     "m": f"m{self.rng.randrange(20000)}", "ip": _ip(ip), "now": now},
+                       RETURNING id"""
+                    ),
+                    {
+                        "t": tenant,
+                        "u": user,
+                        "amount": round(self.rng.lognormvariate(3.6, 1.1), 2),
+                        "m": f"m{self.rng.randrange(20000)}",
+                        "ip": _ip(ip),
+                        "now": now,
+                    },
                 ).scalar_one()
                 topic, body = TRANSACTION_CREATED, {"user_id": user, "transaction_id": txn}
                 self.totals.created += 1
             elif draw < 0.9:
-                found = conn.execute(sa.text(
-                    """UPDATE transactions SET status = 'reversed', amount = amount * 1.5,
+                found = conn.execute(
+                    sa.text(
+                        """UPDATE transactions SET status = 'reversed', amount = amount * 1.5,
                               updated_at = :now
                        WHERE (tenant_id, id) = (SELECT tenant_id, id FROM transactions
                               WHERE tenant_id = :t AND user_id = :u
                               ORDER BY created_at DESC LIMIT 1)
-                       RETURNING id"""), {"t": tenant, "u": user, "now": now}).first()
+                       RETURNING id"""
+                    ),
+                    {"t": tenant, "u": user, "now": now},
+                ).first()
                 if found is None:
                     return
                 topic, body = TRANSACTION_UPDATED, {"user_id": user, "transaction_id": found[0]}
                 self.totals.updated += 1
             else:
-                device = conn.execute(sa.text(
-                    """UPDATE devices SET risk_score = :r
+                device = conn.execute(
+                    sa.text(
+                        """UPDATE devices SET risk_score = :r
                        WHERE (tenant_id, id) = (SELECT tenant_id, device_id FROM user_devices
                               WHERE tenant_id = :t AND user_id = :u LIMIT 1)
-                       RETURNING id"""), {"t": tenant, "u": user,
-                                          "r": round(self.rng.random(), 4)}).first()
+                       RETURNING id"""
+                    ),
+                    {"t": tenant, "u": user, "r": round(self.rng.random(), 4)},
+                ).first()
                 if device is None:
                     return
                 topic, body = DEVICE_UPDATED, {"device_id": device[0]}
@@ -104,8 +126,14 @@ class Simulator:
         key = f"{tenant}:{body.get('user_id', body.get('device_id'))}".encode()
         self.producer.produce(self.topic(topic), orjson.dumps(event), key)
 
-    def run(self, rate: float, *, count: int | None = None, duration: float | None = None,
-            should_stop: Callable[[], bool] = lambda: False) -> SimTotals:
+    def run(
+        self,
+        rate: float,
+        *,
+        count: int | None = None,
+        duration: float | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> SimTotals:
         """Emit ``rate`` changes per second until ``count`` or ``duration`` is reached."""
         started = time.monotonic()
         done = 0

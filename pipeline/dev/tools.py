@@ -33,8 +33,11 @@ class MissingTool(FreshlineError):
     def __init__(self, command: str) -> None:
         self.command = command
         package = manifest().get(command)
-        how = (f"scripts/apt-install --for {command} (Debian package {package})" if package
-               else f"add {command} to scripts/packages.txt with its Debian package")
+        how = (
+            f"scripts/apt-install --for {command} (Debian package {package})"
+            if package
+            else f"add {command} to scripts/packages.txt with its Debian package"
+        )
         super().__init__(f"{command} is not installed; install it with: {how}")
 
 

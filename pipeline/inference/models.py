@@ -166,10 +166,24 @@ class LogisticModel:
             error = _sigmoid(Z @ w + b) - y
             w -= learning_rate * (Z.T @ error / n + l2 * w)
             b -= learning_rate * float(error.mean())
-        info = {"rows": n, "positives": int(y.sum()), "epochs": epochs,
-                "learning_rate": learning_rate, "l2": l2, "seed": seed}
-        return cls(name=name, version=version, feature_names=tuple(feature_names),
-                   weights=w, bias=b, mean=mean, scale=scale, info=info)
+        info = {
+            "rows": n,
+            "positives": int(y.sum()),
+            "epochs": epochs,
+            "learning_rate": learning_rate,
+            "l2": l2,
+            "seed": seed,
+        }
+        return cls(
+            name=name,
+            version=version,
+            feature_names=tuple(feature_names),
+            weights=w,
+            bias=b,
+            mean=mean,
+            scale=scale,
+            info=info,
+        )
 
     def fingerprint(self) -> str:
         """A short digest of the parameters: equal for models that predict alike."""
@@ -210,9 +224,13 @@ class LogisticModel:
             raise ModelError(f"{path}: kind {doc.get('kind')!r} is not a logistic model")
         try:
             return cls(
-                name=doc["name"], version=doc["version"],
-                feature_names=tuple(doc["feature_names"]), weights=doc["weights"],
-                bias=doc["bias"], mean=doc["mean"], scale=doc["scale"],
+                name=doc["name"],
+                version=doc["version"],
+                feature_names=tuple(doc["feature_names"]),
+                weights=doc["weights"],
+                bias=doc["bias"],
+                mean=doc["mean"],
+                scale=doc["scale"],
                 info=doc.get("info", {}),
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -252,8 +270,15 @@ def train_example(
     retrain on the same data keeps the version (and its cached predictions), any change
     in the parameters gets a new one.
     """
-    model = LogisticModel.fit(X, y, version=version or "pending", feature_names=feature_names,
-                              name=name, epochs=epochs, seed=seed)
+    model = LogisticModel.fit(
+        X,
+        y,
+        version=version or "pending",
+        feature_names=feature_names,
+        name=name,
+        epochs=epochs,
+        seed=seed,
+    )
     if version is None:
         model = dataclasses.replace(model, version=f"lr-{model.fingerprint()}")
     return model
@@ -270,16 +295,25 @@ class ModelRecord:
     deterministic: bool
 
     def to_json(self) -> bytes:
-        return orjson.dumps({"version": self.version, "path": self.path,
-                             "feature_names": list(self.feature_names),
-                             "deterministic": self.deterministic})
+        return orjson.dumps(
+            {
+                "version": self.version,
+                "path": self.path,
+                "feature_names": list(self.feature_names),
+                "deterministic": self.deterministic,
+            }
+        )
 
     @classmethod
     def from_json(cls, name: str, raw: bytes | str) -> ModelRecord:
         doc = orjson.loads(raw)
-        return cls(name=name, version=doc["version"], path=doc["path"],
-                   feature_names=tuple(doc["feature_names"]),
-                   deterministic=bool(doc["deterministic"]))
+        return cls(
+            name=name,
+            version=doc["version"],
+            path=doc["path"],
+            feature_names=tuple(doc["feature_names"]),
+            deterministic=bool(doc["deterministic"]),
+        )
 
 
 class ModelRegistry:
@@ -298,8 +332,9 @@ class ModelRegistry:
         """Record the model file at ``model_path`` as its name's current version."""
         path = Path(model_path).resolve()
         model = load_model(path)
-        record = ModelRecord(model.name, model.version, str(path), model.feature_names,
-                             model.deterministic)
+        record = ModelRecord(
+            model.name, model.version, str(path), model.feature_names, model.deterministic
+        )
         self.redis.hset(MODELS_KEY, model.name, record.to_json())
         return record
 
@@ -334,14 +369,22 @@ class ModelRegistry:
         )
 
 
-def purge_model(client: redis.Redis, name: str, version: str, *, count: int = 500,
-                progress: Callable[[int], None] | None = None) -> int:
+def purge_model(
+    client: redis.Redis,
+    name: str,
+    version: str,
+    *,
+    count: int = 500,
+    progress: Callable[[int], None] | None = None,
+) -> int:
     """Remove a model version's cached predictions; refuses the registered version."""
     try:
         current = ModelRegistry(client).record(name).version
     except UnknownModel:
         current = None
     if current == version:
-        raise DeployError(f"model {name!r} version {version!r} is the registered one; "
-                          "register the new version first, then purge the old")
+        raise DeployError(
+            f"model {name!r} version {version!r} is the registered one; "
+            "register the new version first, then purge the old"
+        )
     return purge_predictions(client, name, version, batch=count, progress=progress)

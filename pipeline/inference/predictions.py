@@ -198,9 +198,7 @@ def digests(canonical: Array, decimals: int) -> list[str]:
     n, d = canonical.shape
     width = 8 + 8 * d
     buf = np.empty((n, width), dtype=np.uint8)
-    buf[:, :8] = np.frombuffer(
-        np.array([d, decimals], dtype="<u4").tobytes(), dtype=np.uint8
-    )
+    buf[:, :8] = np.frombuffer(np.array([d, decimals], dtype="<u4").tobytes(), dtype=np.uint8)
     buf[:, 8:] = np.ascontiguousarray(canonical, dtype="<f8").view(np.uint8).reshape(n, 8 * d)
     view = buf.reshape(-1).data
     blake = hashlib.blake2b

@@ -47,31 +47,44 @@ def vector(features: dict[str, dict[str, object]]) -> list[float]:
     return row
 
 
-def dataset(engine: Engine, tenant: str,
-            progress: Callable[[int, int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def dataset(
+    engine: Engine, tenant: str, progress: Callable[[int, int], None] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Features (computed in batches) and labels for every user of ``tenant``."""
     with engine.connect() as conn:
-        users = [str(u) for (u,) in conn.execute(sa.text(
-            "SELECT id FROM users WHERE tenant_id = :t ORDER BY id"), {"t": tenant})]
-        reversed_users = {str(u) for (u,) in conn.execute(sa.text(
-            "SELECT DISTINCT user_id FROM transactions WHERE tenant_id = :t "
-            "AND status = 'reversed' AND created_at > now() - interval '90 days'"),
-            {"t": tenant})}
+        users = [
+            str(u)
+            for (u,) in conn.execute(
+                sa.text("SELECT id FROM users WHERE tenant_id = :t ORDER BY id"), {"t": tenant}
+            )
+        ]
+        reversed_users = {
+            str(u)
+            for (u,) in conn.execute(
+                sa.text(
+                    "SELECT DISTINCT user_id FROM transactions WHERE tenant_id = :t "
+                    "AND status = 'reversed' AND created_at > now() - interval '90 days'"
+                ),
+                {"t": tenant},
+            )
+        }
     rows: list[list[float]] = []
     for start in range(0, len(users), BATCH):
-        chunk = users[start:start + BATCH]
+        chunk = users[start : start + BATCH]
         refs = [(tenant, u) for u in chunk]
         batches = {fs.name: compute(engine, fs, refs).values for fs in REGISTRY}
-        rows.extend(vector({name: values[(tenant, u)] for name, values in batches.items()})
-                    for u in chunk)
+        rows.extend(
+            vector({name: values[(tenant, u)] for name, values in batches.items()}) for u in chunk
+        )
         if progress:
             progress(min(start + BATCH, len(users)), len(users))
     labels = np.array([u in reversed_users for u in users], dtype=np.float64)
     return np.array(rows, dtype=np.float64).reshape(-1, len(MODEL_INPUTS)), labels
 
 
-def train(engine: Engine, tenant: str, out_dir: Path,
-          progress: Callable[[int, int], None] | None = None) -> tuple[LogisticModel, Path]:
+def train(
+    engine: Engine, tenant: str, out_dir: Path, progress: Callable[[int, int], None] | None = None
+) -> tuple[LogisticModel, Path]:
     """Train the example on ``tenant``'s users and save it under ``out_dir``."""
     x, y = dataset(engine, tenant, progress)
     if len(x) < 10 or y.min() == y.max():

@@ -119,44 +119,77 @@ def advise(f: Figures) -> Advice:
     slots = (f.qps * (1 - f.hit_rate) * f.compute_s, f.qps * f.compute_s)
     warnings: list[str] = []
     if f.ttl_s is not None and f.oldest_age_s is not None and f.oldest_age_s > f.ttl_s:
-        warnings.append(f"an entry is {f.oldest_age_s:.0f}s old, over its {f.ttl_s:.0f}s TTL: "
-                        "the TTL is not enforced (a bug)")
+        warnings.append(
+            f"an entry is {f.oldest_age_s:.0f}s old, over its {f.ttl_s:.0f}s TTL: "
+            "the TTL is not enforced (a bug)"
+        )
     warnings.extend(f.notes)
 
     def verdict(v: Verdict, reason: str, ttl: float | None = None) -> Advice:
         model = f.kind == "model"
-        return Advice(f, v, reason, cached, uncached, ttl,
-                      slots[0] if model else None, slots[1] if model else None,
-                      tuple(warnings))
+        return Advice(
+            f,
+            v,
+            reason,
+            cached,
+            uncached,
+            ttl,
+            slots[0] if model else None,
+            slots[1] if model else None,
+            tuple(warnings),
+        )
 
     if not f.deterministic:
-        return verdict("refuse", "non-deterministic: a hit could serve a different answer "
-                                 "than a computation would")
+        return verdict(
+            "refuse",
+            "non-deterministic: a hit could serve a different answer than a computation would",
+        )
     if f.qps < MIN_QPS:
-        return verdict("kill", f"{f.qps:.2g} requests/s is under {MIN_QPS:g}/s: too little "
-                               "traffic for a cache to pay")
+        return verdict(
+            "kill",
+            f"{f.qps:.2g} requests/s is under {MIN_QPS:g}/s: too little traffic for a cache to pay",
+        )
     if f.hit_rate < MIN_HIT_RATE:
-        return verdict("kill", f"hit rate {f.hit_rate:.0%} is under {MIN_HIT_RATE:.0%}: "
-                               "the lookup and miss overhead are a tax on most requests")
+        return verdict(
+            "kill",
+            f"hit rate {f.hit_rate:.0%} is under {MIN_HIT_RATE:.0%}: "
+            "the lookup and miss overhead are a tax on most requests",
+        )
     if cached >= uncached:
-        return verdict("kill", f"E(cached) {format_ms(cached)} >= "
-                       f"E(uncached) {format_ms(uncached)}: "
-                       "the computation is cheaper than the cache")
+        return verdict(
+            "kill",
+            f"E(cached) {format_ms(cached)} >= "
+            f"E(uncached) {format_ms(uncached)}: "
+            "the computation is cheaper than the cache",
+        )
     reason = f"E(cached) {format_ms(cached)} < E(uncached) {format_ms(uncached)}"
     if f.hit_rate < GOOD_HIT_RATE:
         reason += f" (hit rate {f.hit_rate:.0%} is marginal, under {GOOD_HIT_RATE:.0%})"
     ttl, oldest, mean = f.ttl_s, f.oldest_age_s, f.mean_age_s
-    if ttl and mean is not None and mean < LENGTHEN_MEAN_AGE * ttl \
-            and f.hit_rate < LENGTHEN_BELOW_HIT_RATE:
-        return verdict("lengthen-ttl",
-                       f"{reason}; entries are rewritten by events (mean age {mean:.0f}s, "
-                       f"TTL {ttl:.0f}s): the TTL only expires unchanged entries",
-                       2 * ttl)
-    if ttl and oldest is not None and oldest >= SHORTEN_OLDEST_AGE * ttl \
-            and f.hit_rate < GOOD_HIT_RATE:
-        return verdict("shorten-ttl",
-                       f"{reason}; entries live out their TTL (oldest {oldest:.0f}s of "
-                       f"{ttl:.0f}s) yet most reads miss", ttl / 2)
+    if (
+        ttl
+        and mean is not None
+        and mean < LENGTHEN_MEAN_AGE * ttl
+        and f.hit_rate < LENGTHEN_BELOW_HIT_RATE
+    ):
+        return verdict(
+            "lengthen-ttl",
+            f"{reason}; entries are rewritten by events (mean age {mean:.0f}s, "
+            f"TTL {ttl:.0f}s): the TTL only expires unchanged entries",
+            2 * ttl,
+        )
+    if (
+        ttl
+        and oldest is not None
+        and oldest >= SHORTEN_OLDEST_AGE * ttl
+        and f.hit_rate < GOOD_HIT_RATE
+    ):
+        return verdict(
+            "shorten-ttl",
+            f"{reason}; entries live out their TTL (oldest {oldest:.0f}s of "
+            f"{ttl:.0f}s) yet most reads miss",
+            ttl / 2,
+        )
     return verdict("keep", reason)
 
 
@@ -171,24 +204,27 @@ Samples = dict[tuple[str, Labels], float]
 """Sample name and labels -> value, summed over the scraped processes."""
 
 
-def _sum(samples: Mapping[tuple[str, Labels], float], metric: str, /,
-         **match: str) -> float | None:
-    found = [v for (n, labels), v in samples.items()
-             if n == metric and all((k, val) in labels for k, val in match.items())]
+def _sum(samples: Mapping[tuple[str, Labels], float], metric: str, /, **match: str) -> float | None:
+    found = [
+        v
+        for (n, labels), v in samples.items()
+        if n == metric and all((k, val) in labels for k, val in match.items())
+    ]
     return sum(found) if found else None
 
 
-def _max(samples: Mapping[tuple[str, Labels], float], metric: str, /,
-         **match: str) -> float | None:
+def _max(samples: Mapping[tuple[str, Labels], float], metric: str, /, **match: str) -> float | None:
     """A gauge's largest value across the series matching (instances report alike)."""
-    found = [v for (n, labels), v in samples.items()
-             if n == metric and all((k, val) in labels for k, val in match.items())]
+    found = [
+        v
+        for (n, labels), v in samples.items()
+        if n == metric and all((k, val) in labels for k, val in match.items())
+    ]
     return max(found) if found else None
 
 
 def _values(samples: Mapping[tuple[str, Labels], float], name: str, label: str) -> set[str]:
-    return {dict(labels)[label] for (n, labels) in samples
-            if n == name and label in dict(labels)}
+    return {dict(labels)[label] for (n, labels) in samples if n == name and label in dict(labels)}
 
 
 def _mean(delta: Samples, total: Samples, histogram: str, /, **match: str) -> float | None:
@@ -205,43 +241,87 @@ def figures_from_samples(delta: Samples, latest: Samples, window_s: float) -> li
     """Figures for every feature set and model seen, from counter increases over the
     window (``delta``) and the latest values (``latest``: gauges, lifetime histograms)."""
     out: list[Figures] = []
-    sets = (_values(latest, "freshline_api_feature_hits_total", "feature_set")
-            | _values(latest, "freshline_api_feature_misses_total", "feature_set"))
+    sets = _values(latest, "freshline_api_feature_hits_total", "feature_set") | _values(
+        latest, "freshline_api_feature_misses_total", "feature_set"
+    )
     for name in sorted(sets):
         hits = _sum(delta, "freshline_api_feature_hits_total", feature_set=name) or 0.0
         misses = _sum(delta, "freshline_api_feature_misses_total", feature_set=name) or 0.0
-        out.append(_figures(name, "feature_set", "feature", hits, misses, delta, latest,
-                            window_s, deterministic=True,
-                            ttl=_max(latest, "freshline_feature_ttl_seconds", feature_set=name),
-                            oldest=_max(latest, "freshline_staleness_oldest_age_seconds",
-                                        feature_set=name),
-                            mean=_max(latest, "freshline_staleness_mean_age_seconds",
-                                      feature_set=name)))
-    models = (_values(latest, "freshline_api_predictions_total", "model")
-              | _values(latest, "freshline_model_deterministic", "model"))
+        out.append(
+            _figures(
+                name,
+                "feature_set",
+                "feature",
+                hits,
+                misses,
+                delta,
+                latest,
+                window_s,
+                deterministic=True,
+                ttl=_max(latest, "freshline_feature_ttl_seconds", feature_set=name),
+                oldest=_max(latest, "freshline_staleness_oldest_age_seconds", feature_set=name),
+                mean=_max(latest, "freshline_staleness_mean_age_seconds", feature_set=name),
+            )
+        )
+    models = _values(latest, "freshline_api_predictions_total", "model") | _values(
+        latest, "freshline_model_deterministic", "model"
+    )
     for name in sorted(models):
         hits = _sum(delta, "freshline_api_predictions_total", model=name, outcome="hit") or 0.0
-        misses = _sum(delta, "freshline_api_predictions_total", model=name,
-                      outcome="computed") or 0.0
+        misses = (
+            _sum(delta, "freshline_api_predictions_total", model=name, outcome="computed") or 0.0
+        )
         flag = _max(latest, "freshline_model_deterministic", model=name)
-        out.append(_figures(name, "model", "model", hits, misses, delta, latest, window_s,
-                            deterministic=flag is None or flag > 0))
+        out.append(
+            _figures(
+                name,
+                "model",
+                "model",
+                hits,
+                misses,
+                delta,
+                latest,
+                window_s,
+                deterministic=flag is None or flag > 0,
+            )
+        )
     # The semantic cache of LLM responses: lookup = embedding + search (a hit's whole
     # cost); compute = the generation callers report with each store (generation_ms).
     # Refused (non-deterministic) requests are never cached, so they are not counted.
     for name in sorted(_values(latest, "freshline_semantic_lookups_total", "model")):
         hits = _sum(delta, "freshline_semantic_lookups_total", model=name, outcome="hit") or 0.0
-        misses = _sum(delta, "freshline_semantic_lookups_total", model=name,
-                      outcome="miss") or 0.0
-        out.append(_figures(name, "semantic", "semantic", hits, misses, delta, latest,
-                            window_s, deterministic=True))
+        misses = _sum(delta, "freshline_semantic_lookups_total", model=name, outcome="miss") or 0.0
+        out.append(
+            _figures(
+                name,
+                "semantic",
+                "semantic",
+                hits,
+                misses,
+                delta,
+                latest,
+                window_s,
+                deterministic=True,
+            )
+        )
     return out
 
 
-def _figures(name: str, kind: Kind, cache: str, hits: float, misses: float, delta: Samples,
-             latest: Samples, window_s: float, *, deterministic: bool,
-             ttl: float | None = None, oldest: float | None = None,
-             mean: float | None = None) -> Figures:
+def _figures(
+    name: str,
+    kind: Kind,
+    cache: str,
+    hits: float,
+    misses: float,
+    delta: Samples,
+    latest: Samples,
+    window_s: float,
+    *,
+    deterministic: bool,
+    ttl: float | None = None,
+    oldest: float | None = None,
+    mean: float | None = None,
+) -> Figures:
     notes: list[str] = []
     lookup = _mean(delta, latest, "freshline_cache_read_seconds", cache=cache, name=name)
     compute = _mean(delta, latest, "freshline_compute_seconds", cache=cache, name=name)
@@ -258,11 +338,21 @@ def _figures(name: str, kind: Kind, cache: str, hits: float, misses: float, delt
     else:
         notes.append("no miss measured: miss overhead taken as 0")
     total = hits + misses
-    return Figures(name=name, kind=kind, qps=total / window_s if window_s > 0 else 0.0,
-                   hit_rate=hits / total if total else 0.0, lookup_s=lookup,
-                   compute_s=compute, miss_overhead_s=overhead, deterministic=deterministic,
-                   ttl_s=ttl, oldest_age_s=oldest, mean_age_s=mean, window_s=window_s,
-                   notes=tuple(notes))
+    return Figures(
+        name=name,
+        kind=kind,
+        qps=total / window_s if window_s > 0 else 0.0,
+        hit_rate=hits / total if total else 0.0,
+        lookup_s=lookup,
+        compute_s=compute,
+        miss_overhead_s=overhead,
+        deterministic=deterministic,
+        ttl_s=ttl,
+        oldest_age_s=oldest,
+        mean_age_s=mean,
+        window_s=window_s,
+        notes=tuple(notes),
+    )
 
 
 def parse_exposition(texts: Iterable[str]) -> Samples:

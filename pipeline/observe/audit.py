@@ -117,8 +117,9 @@ ProgressHook = Callable[[int, int | None, str], None]
 Outcome = Mismatch | Literal["absent", "match"]
 
 
-def sample_pattern(schema_version: int, feature_set: str | None = None,
-                   tenant: str | None = None) -> str:
+def sample_pattern(
+    schema_version: int, feature_set: str | None = None, tenant: str | None = None
+) -> str:
     """The SCAN MATCH pattern for a version's entries, of one set and/or one tenant."""
     pattern = feature_pattern(schema_version, feature_set)
     if tenant is None:
@@ -155,8 +156,14 @@ class Suspect:
     @classmethod
     def of(cls, mismatch: Mismatch, first_at: float, first_unix: float = 0.0) -> Suspect:
         served = mismatch.served_watermark
-        return cls(mismatch, first_at, -1 if served is None else served,
-                   mismatch.recomputed_watermark, mismatch.recomputed, first_unix)
+        return cls(
+            mismatch,
+            first_at,
+            -1 if served is None else served,
+            mismatch.recomputed_watermark,
+            mismatch.recomputed,
+            first_unix,
+        )
 
     def caught_up(self, now: Mismatch) -> bool:
         """Not claiming more than the re-check's recompute, and either rewritten since
@@ -166,7 +173,8 @@ class Suspect:
         if now.problem is not None or served is None or served >= now.recomputed_watermark:
             return False
         return (self.first_served < served and self.target <= served) or (
-            self.truth is not None and same(now.served, self.truth))
+            self.truth is not None and same(now.served, self.truth)
+        )
 
 
 @dataclass(slots=True)
@@ -190,14 +198,22 @@ class Auditor:
     on a clock of their own.
     """
 
-    def __init__(self, client: redis.Redis, engine: Engine, schema_version: int, *,
-                 registry: Registry = REGISTRY, rate: float | None = DEFAULT_RATE,
-                 batch_size: int = DEFAULT_BATCH, metrics: AuditMetrics | None = None,
-                 before_recheck: RecheckHook | None = None,
-                 progress: ProgressHook | None = None,
-                 reference: Literal["full", "own"] = "full",
-                 clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        engine: Engine,
+        schema_version: int,
+        *,
+        registry: Registry = REGISTRY,
+        rate: float | None = DEFAULT_RATE,
+        batch_size: int = DEFAULT_BATCH,
+        metrics: AuditMetrics | None = None,
+        before_recheck: RecheckHook | None = None,
+        progress: ProgressHook | None = None,
+        reference: Literal["full", "own"] = "full",
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch size must be at least 1, not {batch_size}")
         self.redis = client
@@ -223,8 +239,9 @@ class Auditor:
 
     # -- what to audit ----------------------------------------------------------------
 
-    def audit_refs(self, refs: Iterable[EntityRef],
-                   graces: Sequence[float] = DEFAULT_GRACES) -> AuditReport:
+    def audit_refs(
+        self, refs: Iterable[EntityRef], graces: Sequence[float] = DEFAULT_GRACES
+    ) -> AuditReport:
         """Audit these entities (duplicates once). Unknown sets or bad ids raise."""
         wanted = list(dict.fromkeys(refs))
         for ref in wanted:
@@ -233,22 +250,31 @@ class Auditor:
         run = self._start(check_graces(graces), total=len(wanted))
         return self._run(run, self._batches(wanted))
 
-    def audit_keys(self, keys: Iterable[str | bytes],
-                   graces: Sequence[float] = DEFAULT_GRACES) -> AuditReport:
+    def audit_keys(
+        self, keys: Iterable[str | bytes], graces: Sequence[float] = DEFAULT_GRACES
+    ) -> AuditReport:
         """Audit these feature keys, which must all be of this auditor's schema version."""
         refs: list[EntityRef] = []
         for key in keys:
             version, ref = parse_feature_key(key)
             if version != self.schema_version:
-                raise ConfigError(f"key {feature_key(version, ref)} is of schema version "
-                                  f"{version}; this audit checks version {self.schema_version}")
+                raise ConfigError(
+                    f"key {feature_key(version, ref)} is of schema version "
+                    f"{version}; this audit checks version {self.schema_version}"
+                )
             refs.append(ref)
         return self.audit_refs(refs, graces)
 
-    def audit_sample(self, n: int, *, feature_set: str | None = None, tenant: str | None = None,
-                     graces: Sequence[float] = DEFAULT_GRACES,
-                     rng: random.Random | None = None,
-                     duration_s: float | None = None) -> AuditReport:
+    def audit_sample(
+        self,
+        n: int,
+        *,
+        feature_set: str | None = None,
+        tenant: str | None = None,
+        graces: Sequence[float] = DEFAULT_GRACES,
+        rng: random.Random | None = None,
+        duration_s: float | None = None,
+    ) -> AuditReport:
         """Audit up to ``n`` keys walked by SCAN from a random cursor.
 
         With ``duration_s``, keep auditing samples of ``n`` (each from a new random
@@ -276,13 +302,15 @@ class Auditor:
 
     def _batches(self, refs: list[EntityRef]) -> Iterator[list[EntityRef]]:
         size = self.batch_size
-        return (refs[i:i + size] for i in range(0, len(refs), size))
+        return (refs[i : i + size] for i in range(0, len(refs), size))
 
-    def _samples(self, n: int, pattern: str, rng: random.Random, run: _Run,
-                 until: float) -> Iterator[list[EntityRef]]:
+    def _samples(
+        self, n: int, pattern: str, rng: random.Random, run: _Run, until: float
+    ) -> Iterator[list[EntityRef]]:
         """Batches of samples taken one after another while the next batch would start
         before ``until``. An empty batch stands for a sample that found nothing to
         audit (see :meth:`_run`)."""
+
         def before_until() -> bool:
             return max(self.clock(), run.next_at) < until
 
@@ -295,8 +323,9 @@ class Auditor:
                     return
                 yield batch
 
-    def _sample(self, n: int, pattern: str, rng: random.Random,
-                report: AuditReport) -> list[EntityRef]:
+    def _sample(
+        self, n: int, pattern: str, rng: random.Random, report: AuditReport
+    ) -> list[EntityRef]:
         """Up to ``n`` auditable refs by SCAN from a random cursor; the rest are skipped."""
         keys, _, _ = scan_sample(self.redis, pattern, want=n, max_calls=MAX_SCAN_CALLS, rng=rng)
         report.samples += 1
@@ -343,11 +372,13 @@ class Auditor:
     # -- the run ------------------------------------------------------------------------
 
     def _report(self, graces: tuple[float, ...]) -> AuditReport:
-        return AuditReport(self.schema_version, graces, rate=self.rate,
-                           inconsistent=dict.fromkeys(graces, 0))
+        return AuditReport(
+            self.schema_version, graces, rate=self.rate, inconsistent=dict.fromkeys(graces, 0)
+        )
 
-    def _start(self, graces: tuple[float, ...], total: int | None,
-               report: AuditReport | None = None) -> _Run:
+    def _start(
+        self, graces: tuple[float, ...], total: int | None, report: AuditReport | None = None
+    ) -> _Run:
         return _Run(report or self._report(graces), total=total, started=self.clock())
 
     def _run(self, run: _Run, batches: Iterable[list[EntityRef]]) -> AuditReport:
@@ -395,8 +426,7 @@ class Auditor:
             now = self.clock()
             if now >= when:
                 return
-            next_due = min((self._due(s, run.report.graces) for s in run.pending),
-                           default=math.inf)
+            next_due = min((self._due(s, run.report.graces) for s in run.pending), default=math.inf)
             self.sleep(max(0.0, min(when, next_due) - now))
 
     def _progress(self, run: _Run, note: str) -> None:
@@ -418,11 +448,11 @@ class Auditor:
         outcomes = self._check([*refs, *(s.mismatch.ref for s in due)], report)
         run.last_check_s = self.clock() - first_at
         self._spent(run, len(refs) + len(due), first_at)
-        self._rechecked(due, outcomes[len(refs):], run)
+        self._rechecked(due, outcomes[len(refs) :], run)
         run.first_checked += len(refs)
         report.checked += len(refs)
         per_set: dict[str, int] = defaultdict(int)
-        for ref, outcome in zip(refs, outcomes[:len(refs)], strict=True):
+        for ref, outcome in zip(refs, outcomes[: len(refs)], strict=True):
             per_set[ref.feature_set] += 1
             if outcome == "absent":
                 report.absent += 1
@@ -454,14 +484,15 @@ class Auditor:
         """Re-check every suspect whose next grace has passed; see the module docstring."""
         due = self._take_due(run, self.clock())
         for i in range(0, len(due), self.batch_size):
-            chunk = due[i:i + self.batch_size]
+            chunk = due[i : i + self.batch_size]
             started = self.clock()
             outcomes = self._check([s.mismatch.ref for s in chunk], run.report)
             self._spent(run, len(chunk), started)
             self._rechecked(chunk, outcomes, run)
 
-    def _rechecked(self, suspects: Sequence[Suspect], outcomes: Sequence[Outcome],
-                   run: _Run) -> None:
+    def _rechecked(
+        self, suspects: Sequence[Suspect], outcomes: Sequence[Outcome], run: _Run
+    ) -> None:
         run.report.rechecks += len(suspects)
         for suspect, outcome in zip(suspects, outcomes, strict=True):
             if not isinstance(outcome, Mismatch):
@@ -480,8 +511,13 @@ class Auditor:
         at[second] = at.get(second, 0) + 1
         late = report.late.setdefault(grace, [])
         if len(late) < KEPT_LATE:
-            late.append(LateEntry(mismatch, round(suspect.first_unix, 3),
-                                  None if suspect.first_served < 0 else suspect.first_served))
+            late.append(
+                LateEntry(
+                    mismatch,
+                    round(suspect.first_unix, 3),
+                    None if suspect.first_served < 0 else suspect.first_served,
+                )
+            )
         if self.metrics is not None:
             self.metrics.still_inconsistent(mismatch.ref.feature_set, grace)
         suspect.mismatch = mismatch
@@ -491,9 +527,14 @@ class Auditor:
             return
         if len(report.mismatches) < KEPT_MISMATCHES:
             report.mismatches.append(mismatch)
-        log.info("%s inconsistent after %s: served watermark %s, recomputed %s, differing %s",
-                 mismatch.key, grace_label(grace), mismatch.served_watermark,
-                 mismatch.recomputed_watermark, mismatch.problem or mismatch.differing)
+        log.info(
+            "%s inconsistent after %s: served watermark %s, recomputed %s, differing %s",
+            mismatch.key,
+            grace_label(grace),
+            mismatch.served_watermark,
+            mismatch.recomputed_watermark,
+            mismatch.problem or mismatch.differing,
+        )
 
     # -- one check ----------------------------------------------------------------------
 
@@ -514,8 +555,10 @@ class Auditor:
                 for name, pairs in present.items():
                     batches[name] = compute(conn, self.registry[name], pairs, path=self.path)
                 conn.rollback()
-        outcomes = [self._compare(ref, key, raw, batches.get(ref.feature_set))
-                    for ref, key, raw in zip(refs, keys, raws, strict=True)]
+        outcomes = [
+            self._compare(ref, key, raw, batches.get(ref.feature_set))
+            for ref, key, raw in zip(refs, keys, raws, strict=True)
+        ]
         report.busy_s += self.clock() - started
         return outcomes
 
@@ -529,20 +572,21 @@ class Auditor:
         floor_keys = [floor_key(self.schema_version, name) for name in sets]
         if is_cluster(self.redis):  # one MGET per slot, pipelined per node
             both = mget(self.redis, [*keys, *floor_keys])
-            replies, floor_reply = [both[:len(keys)]], both[len(keys):]
+            replies, floor_reply = [both[: len(keys)]], both[len(keys) :]
         else:
             pipe = self.redis.pipeline(transaction=False)
             for i in range(0, len(keys), MGET_CHUNK):
-                pipe.mget(keys[i:i + MGET_CHUNK])
+                pipe.mget(keys[i : i + MGET_CHUNK])
             pipe.mget(floor_keys)
             *replies, floor_reply = pipe.execute()
         floors = {name: _bytes(f) for name, f in zip(sets, floor_reply, strict=True)}
         raws = [_bytes(r) for reply in replies for r in reply]
-        return [None if _voided(raw, floors[name]) else raw
-                for raw, name in zip(raws, feature_sets, strict=True)]
+        return [
+            None if _voided(raw, floors[name]) else raw
+            for raw, name in zip(raws, feature_sets, strict=True)
+        ]
 
-    def _compare(self, ref: EntityRef, key: str, raw: bytes | None,
-                 batch: Batch | None) -> Outcome:
+    def _compare(self, ref: EntityRef, key: str, raw: bytes | None, batch: Batch | None) -> Outcome:
         if raw is None or raw[:1] == TOMBSTONE_TAG or batch is None:
             return "absent"  # (``batch`` is there for every entry that is present)
         fields = self.registry[ref.feature_set].field_names
@@ -550,8 +594,15 @@ class Auditor:
         try:
             entry = decode_entry(raw, fields, self.schema_version)
         except (CorruptEntry, SchemaVersionMismatch) as exc:
-            return Mismatch(key, ref, None, _stored(values, fields), _watermark_of(raw),
-                            batch.watermark, problem=str(exc))
+            return Mismatch(
+                key,
+                ref,
+                None,
+                _stored(values, fields),
+                _watermark_of(raw),
+                batch.watermark,
+                problem=str(exc),
+            )
         if entry is None:
             return "absent"
         if values is not None:
@@ -560,16 +611,16 @@ class Auditor:
             served = orjson.dumps([entry.values[f] for f in fields])
             if served == orjson.dumps([values[f] for f in fields]):
                 return "match"
-        return Mismatch(key, ref, entry.values, _stored(values, fields), entry.watermark,
-                        batch.watermark)
+        return Mismatch(
+            key, ref, entry.values, _stored(values, fields), entry.watermark, batch.watermark
+        )
 
 
 def _stored(values: FeatureValues | None, fields: Sequence[str]) -> FeatureValues | None:
     """A recompute as the codec would store it: the same JSON round trip."""
     if values is None:
         return None
-    return dict(zip(fields, orjson.loads(orjson.dumps([values[f] for f in fields])),
-                    strict=True))
+    return dict(zip(fields, orjson.loads(orjson.dumps([values[f] for f in fields])), strict=True))
 
 
 def _bytes(raw: bytes | str | None) -> bytes | None:
@@ -578,8 +629,7 @@ def _bytes(raw: bytes | str | None) -> bytes | None:
 
 def _voided(raw: bytes | None, floor: bytes | None) -> bool:
     """An entry computed before its feature set's floor (compared as the store does)."""
-    return (raw is not None and floor is not None and raw[:1] == ENTRY_TAG
-            and raw[1:HEADER] < floor)
+    return raw is not None and floor is not None and raw[:1] == ENTRY_TAG and raw[1:HEADER] < floor
 
 
 def _present(raw: bytes | None) -> bool:

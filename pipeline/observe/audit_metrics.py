@@ -20,28 +20,40 @@ class AuditMetrics:
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.checked = Counter(
-            "freshline_audit_checked_total", "Entries the auditor checked against Postgres",
-            ["feature_set"], registry=registry)
+            "freshline_audit_checked_total",
+            "Entries the auditor checked against Postgres",
+            ["feature_set"],
+            registry=registry,
+        )
         self.inconsistent = Counter(
             "freshline_audit_inconsistent_total",
             "Entries still inconsistent with Postgres when re-checked after the grace",
-            ["feature_set", "grace"], registry=registry)
+            ["feature_set", "grace"],
+            registry=registry,
+        )
         self.nines = Gauge(
             "freshline_audit_consistency_nines",
             "Consistency of the last audit in nines, -log10(1 - consistent fraction), "
             "when mismatches may heal for the grace; log10(checked) if none persisted",
-            ["grace"], registry=registry)
+            ["grace"],
+            registry=registry,
+        )
         self.consistent_ratio = Gauge(
             "freshline_audit_consistent_ratio",
             "Fraction of the last audit's entries consistent within the grace",
-            ["grace"], registry=registry)
+            ["grace"],
+            registry=registry,
+        )
         self.entries_per_second = Gauge(
             "freshline_audit_entries_per_second",
             "Entries the last audit checked per second of Redis and Postgres work",
-            registry=registry)
+            registry=registry,
+        )
         self.last_run = Gauge(
             "freshline_audit_last_run_timestamp_seconds",
-            "When the last audit finished (Unix time)", registry=registry)
+            "When the last audit finished (Unix time)",
+            registry=registry,
+        )
 
     def checked_batch(self, feature_set: str, n: int) -> None:
         self.checked.labels(feature_set=feature_set).inc(n)

@@ -73,18 +73,26 @@ class Mismatch:
         """``field -> (served, recomputed)`` for the fields that differ."""
         served, recomputed = self.served or {}, self.recomputed or {}
         names = list(dict.fromkeys([*recomputed, *served]))
-        return {n: (served.get(n), recomputed.get(n)) for n in names
-                if n not in served or n not in recomputed or not same(served[n], recomputed[n])}
+        return {
+            n: (served.get(n), recomputed.get(n))
+            for n in names
+            if n not in served or n not in recomputed or not same(served[n], recomputed[n])
+        }
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "key": self.key, "feature_set": self.ref.feature_set, "tenant": self.ref.tenant,
-            "entity": self.ref.entity, "problem": self.problem,
+            "key": self.key,
+            "feature_set": self.ref.feature_set,
+            "tenant": self.ref.tenant,
+            "entity": self.ref.entity,
+            "problem": self.problem,
             "served_watermark": _hex(self.served_watermark),
             "recomputed_watermark": _hex(self.recomputed_watermark),
-            "differing": {n: {"served": s, "recomputed": r}
-                          for n, (s, r) in self.differing.items()},
-            "served": self.served, "recomputed": self.recomputed,
+            "differing": {
+                n: {"served": s, "recomputed": r} for n, (s, r) in self.differing.items()
+            },
+            "served": self.served,
+            "recomputed": self.recomputed,
         }
 
 
@@ -98,8 +106,11 @@ class LateEntry:
     first_served_watermark: Watermark | None
 
     def as_json(self) -> dict[str, Any]:
-        return {**self.mismatch.as_json(), "first_checked_unix": self.first_checked_unix,
-                "first_served_watermark": _hex(self.first_served_watermark)}
+        return {
+            **self.mismatch.as_json(),
+            "first_checked_unix": self.first_checked_unix,
+            "first_served_watermark": _hex(self.first_served_watermark),
+        }
 
 
 def _hex(watermark: Watermark | None) -> str | None:
@@ -219,20 +230,40 @@ class AuditReport:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "schema_version": self.schema_version, "checked": self.checked,
-            "absent": self.absent, "suspects": self.suspects, "skipped": self.skipped,
-            "samples": self.samples, "rechecks": self.rechecks, "caught_up": self.caught_up,
-            "persistent": self.persistent, "checked_by_feature_set": self.checked_by_set,
+            "schema_version": self.schema_version,
+            "checked": self.checked,
+            "absent": self.absent,
+            "suspects": self.suspects,
+            "skipped": self.skipped,
+            "samples": self.samples,
+            "rechecks": self.rechecks,
+            "caught_up": self.caught_up,
+            "persistent": self.persistent,
+            "checked_by_feature_set": self.checked_by_set,
             "consistent": self.consistent,
-            "graces": [{"grace": r.label, "grace_s": r.grace_s, "inconsistent": r.inconsistent,
-                        "consistent_fraction": r.consistent_fraction, "nines": r.nines,
-                        "nines_lower_bound": r.lower_bound} for r in self.results()],
-            "inconsistent_at_second": {grace_label(g): dict(sorted(by_s.items()))
-                                       for g, by_s in self.inconsistent_at.items()},
-            "late": {grace_label(g): [e.as_json() for e in entries]
-                     for g, entries in self.late.items()},
+            "graces": [
+                {
+                    "grace": r.label,
+                    "grace_s": r.grace_s,
+                    "inconsistent": r.inconsistent,
+                    "consistent_fraction": r.consistent_fraction,
+                    "nines": r.nines,
+                    "nines_lower_bound": r.lower_bound,
+                }
+                for r in self.results()
+            ],
+            "inconsistent_at_second": {
+                grace_label(g): dict(sorted(by_s.items()))
+                for g, by_s in self.inconsistent_at.items()
+            },
+            "late": {
+                grace_label(g): [e.as_json() for e in entries] for g, entries in self.late.items()
+            },
             "mismatches": [m.as_json() for m in self.mismatches],
-            "checking_s": self.checking_s, "elapsed_s": self.elapsed_s,
-            "busy_s": self.busy_s, "rate": self.rate,
-            "entries_per_s": self.entries_per_s, "capacity_per_s": self.capacity_per_s,
+            "checking_s": self.checking_s,
+            "elapsed_s": self.elapsed_s,
+            "busy_s": self.busy_s,
+            "rate": self.rate,
+            "entries_per_s": self.entries_per_s,
+            "capacity_per_s": self.capacity_per_s,
         }

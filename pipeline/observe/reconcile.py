@@ -44,21 +44,34 @@ class ReconcileReport:
 def sample(engine: Engine, n: int, *, tenant: str | None = None) -> list[tuple[str, str]]:
     """``n`` random users (of ``tenant``, or of every tenant), as (tenant, entity)."""
     with engine.connect() as conn:
-        rows = conn.execute(sa.text(
-            "SELECT tenant_id, id FROM users WHERE CAST(:t AS text) IS NULL OR tenant_id = :t "
-            "ORDER BY random() LIMIT :n"), {"t": tenant, "n": n}).all()
+        rows = conn.execute(
+            sa.text(
+                "SELECT tenant_id, id FROM users WHERE CAST(:t AS text) IS NULL OR tenant_id = :t "
+                "ORDER BY random() LIMIT :n"
+            ),
+            {"t": tenant, "n": n},
+        ).all()
     return [(t, str(u)) for t, u in rows]
 
 
-def _diff(inc: FeatureValues | None,
-          full: FeatureValues | None) -> dict[str, tuple[object, object]]:
+def _diff(
+    inc: FeatureValues | None, full: FeatureValues | None
+) -> dict[str, tuple[object, object]]:
     inc, full = inc or {}, full or {}
-    return {name: (inc.get(name), full.get(name)) for name in dict.fromkeys([*full, *inc])
-            if inc.get(name) != full.get(name)}
+    return {
+        name: (inc.get(name), full.get(name))
+        for name in dict.fromkeys([*full, *inc])
+        if inc.get(name) != full.get(name)
+    }
 
 
-def compare(engine: Engine, refs: Sequence[tuple[str, str]], *,
-            as_of: dt.datetime | None = None, registry: Registry = REGISTRY) -> list[Drift]:
+def compare(
+    engine: Engine,
+    refs: Sequence[tuple[str, str]],
+    *,
+    as_of: dt.datetime | None = None,
+    registry: Registry = REGISTRY,
+) -> list[Drift]:
     """Every (feature set, entity) of ``refs`` whose two paths disagree."""
     drifts: list[Drift] = []
     with engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
@@ -75,8 +88,14 @@ def compare(engine: Engine, refs: Sequence[tuple[str, str]], *,
     return drifts
 
 
-def reconcile(engine: Engine, refs: Sequence[tuple[str, str]], *, repair: bool = True,
-              as_of: dt.datetime | None = None, registry: Registry = REGISTRY) -> ReconcileReport:
+def reconcile(
+    engine: Engine,
+    refs: Sequence[tuple[str, str]],
+    *,
+    repair: bool = True,
+    as_of: dt.datetime | None = None,
+    registry: Registry = REGISTRY,
+) -> ReconcileReport:
     """Compare ``refs`` on both paths; with ``repair``, rebuild drifted users and recheck."""
     report = ReconcileReport(checked=len(dict.fromkeys(refs)))
     report.drifted = compare(engine, refs, as_of=as_of, registry=registry)

@@ -78,9 +78,15 @@ def _table_size(client: redis.Redis) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def scan_sample(client: redis.Redis, pattern: str, *, want: int = SAMPLE_WANT,
-                count: int = SCAN_COUNT, max_calls: int = MAX_SCAN_CALLS,
-                rng: random.Random | None = None) -> tuple[list[bytes], int, bool]:
+def scan_sample(
+    client: redis.Redis,
+    pattern: str,
+    *,
+    want: int = SAMPLE_WANT,
+    count: int = SCAN_COUNT,
+    max_calls: int = MAX_SCAN_CALLS,
+    rng: random.Random | None = None,
+) -> tuple[list[bytes], int, bool]:
     """Up to ``want`` distinct keys matching ``pattern``, walked from a random cursor.
 
     Returns ``(keys, scan_calls, complete)``. The cursor starts at a random slot of the
@@ -94,8 +100,14 @@ def scan_sample(client: redis.Redis, pattern: str, *, want: int = SAMPLE_WANT,
         found: list[bytes] = []
         calls, complete = 0, True
         for node in masters:
-            part, n, done = scan_sample(node.redis_connection, pattern, want=share,
-                                        count=count, max_calls=max_calls, rng=rng)
+            part, n, done = scan_sample(
+                node.redis_connection,
+                pattern,
+                want=share,
+                count=count,
+                max_calls=max_calls,
+                rng=rng,
+            )
             found += part
             calls += n
             complete = complete and done
@@ -125,16 +137,30 @@ def _feature_set_of(key: bytes) -> str | None:
     return parts[2].decode()
 
 
-def sample(client: redis.Redis, registry: Registry, schema_version: int, *,
-           want: int = SAMPLE_WANT, count: int = SCAN_COUNT, max_calls: int = MAX_SCAN_CALLS,
-           now_ms: int | None = None, rng: random.Random | None = None) -> Sample:
+def sample(
+    client: redis.Redis,
+    registry: Registry,
+    schema_version: int,
+    *,
+    want: int = SAMPLE_WANT,
+    count: int = SCAN_COUNT,
+    max_calls: int = MAX_SCAN_CALLS,
+    now_ms: int | None = None,
+    rng: random.Random | None = None,
+) -> Sample:
     """Sample ``schema_version``'s entries; see the module docstring.
 
     Every feature set of ``registry`` appears in the result, with ``sampled == 0`` when
     none of its entries were found.
     """
-    keys, calls, complete = scan_sample(client, feature_pattern(schema_version), want=want,
-                                        count=count, max_calls=max_calls, rng=rng)
+    keys, calls, complete = scan_sample(
+        client,
+        feature_pattern(schema_version),
+        want=want,
+        count=count,
+        max_calls=max_calls,
+        rng=rng,
+    )
     pipe = client.pipeline(transaction=False)
     for key in keys:
         pipe.get(key)
@@ -162,10 +188,14 @@ def sample(client: redis.Redis, registry: Registry, schema_version: int, *,
     for name, found in ages.items():
         ttl = registry[name].ttl_s
         by_set[name] = Staleness(
-            feature_set=name, ttl_s=ttl, sampled=len(found),
+            feature_set=name,
+            ttl_s=ttl,
+            sampled=len(found),
             oldest_age_s=max(found) if found else None,
             mean_age_s=sum(found) / len(found) if found else None,
-            over_ttl=sum(1 for a in found if a > ttl), immortal=immortal[name])
+            over_ttl=sum(1 for a in found if a > ttl),
+            immortal=immortal[name],
+        )
     return Sample(by_set, calls, complete)
 
 
@@ -203,13 +233,15 @@ class GroupLag:
 
             from pipeline.core.services import kafka_security_config
 
-            self._probe = Consumer({
-                "bootstrap.servers": self.settings.kafka_bootstrap,
-                "group.id": self.settings.consumer_group,
-                "enable.auto.commit": False,
-                "socket.timeout.ms": int(self.timeout_s * 1000),
-                **kafka_security_config(self.settings),
-            })
+            self._probe = Consumer(
+                {
+                    "bootstrap.servers": self.settings.kafka_bootstrap,
+                    "group.id": self.settings.consumer_group,
+                    "enable.auto.commit": False,
+                    "socket.timeout.ms": int(self.timeout_s * 1000),
+                    **kafka_security_config(self.settings),
+                }
+            )
         return self._probe
 
     def measure(self, topics: Iterable[str]) -> dict[str, int]:
@@ -224,9 +256,12 @@ class GroupLag:
         probe = self._client()
         wanted = list(dict.fromkeys(topics))
         metadata = probe.list_topics(timeout=self.timeout_s)
-        parts = [TopicPartition(t, p) for t in wanted
-                 if (meta := metadata.topics.get(t)) is not None and meta.error is None
-                 for p in meta.partitions]
+        parts = [
+            TopicPartition(t, p)
+            for t in wanted
+            if (meta := metadata.topics.get(t)) is not None and meta.error is None
+            for p in meta.partitions
+        ]
         if not parts:
             return {}
         lag: dict[str, int] = {}

@@ -61,8 +61,9 @@ class Snapshot:
     """The semantic cache's counters per model: hit, miss, refused, flagged."""
 
 
-def counter_totals(registry: CollectorRegistry, family: str,
-                   label: str = "feature_set") -> dict[str, float]:
+def counter_totals(
+    registry: CollectorRegistry, family: str, label: str = "feature_set"
+) -> dict[str, float]:
     """The samples of counter ``family`` summed by ``label`` (other labels added up)."""
     out: dict[str, float] = {}
     for metric in registry.collect():
@@ -91,8 +92,9 @@ def semantic_totals(registry: CollectorRegistry) -> dict[str, dict[str, float]]:
     return out
 
 
-def scrape_freshness(urls: Sequence[str],
-                     timeout_s: float = 1.0) -> tuple[tuple[float, float] | None, float | None]:
+def scrape_freshness(
+    urls: Sequence[str], timeout_s: float = 1.0
+) -> tuple[tuple[float, float] | None, float | None]:
     """``((sum, count) of freshness lag, dead letters)`` summed over consumer scrapes."""
     texts: list[str] = []
     for url in urls:
@@ -112,18 +114,30 @@ def scrape_freshness(urls: Sequence[str],
     def total(name: str) -> float:
         return sum(v for (n, _), v in samples.items() if n == name)
 
-    return ((total("freshline_freshness_lag_seconds_sum"),
-             total("freshline_freshness_lag_seconds_count")),
-            total("freshline_events_dead_lettered_total"))
+    return (
+        (
+            total("freshline_freshness_lag_seconds_sum"),
+            total("freshline_freshness_lag_seconds_count"),
+        ),
+        total("freshline_events_dead_lettered_total"),
+    )
 
 
 class Observer:
     """Takes snapshots; caches the slow parts (Redis sample, broker) for ``max_age_s``."""
 
-    def __init__(self, client: redis.Redis, registry: Registry, settings: Settings, *,
-                 version: Callable[[], int], counters: Callable[[], CollectorRegistry],
-                 consumer_metrics: Sequence[str] = (), lag: GroupLag | None = None,
-                 max_age_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        registry: Registry,
+        settings: Settings,
+        *,
+        version: Callable[[], int],
+        counters: Callable[[], CollectorRegistry],
+        consumer_metrics: Sequence[str] = (),
+        lag: GroupLag | None = None,
+        max_age_s: float = 5.0,
+    ) -> None:
         self.redis = client
         self.registry = registry
         self.settings = settings
@@ -151,8 +165,7 @@ class Observer:
             log.debug("consumer-group lag unavailable: %s", exc)
             return None
 
-    def _sampled(self, max_age_s: float) -> tuple[dict[str, Staleness],
-                                                  dict[str, int] | None]:
+    def _sampled(self, max_age_s: float) -> tuple[dict[str, Staleness], dict[str, int] | None]:
         with self._lock:
             now = time.monotonic()
             if self._slow is None or now - self._slow[0] > max_age_s:
@@ -171,8 +184,12 @@ class Observer:
             at=time.time(),
             hits=counter_totals(counters, "freshline_api_feature_hits"),
             misses=counter_totals(counters, "freshline_api_feature_misses"),
-            staleness=ages, lag=lag, freshness=fresh, dead_letters=dlq,
-            semantic=semantic_totals(counters))
+            staleness=ages,
+            lag=lag,
+            freshness=fresh,
+            dead_letters=dlq,
+            semantic=semantic_totals(counters),
+        )
 
     def close(self) -> None:
         if self.group_lag is not None:
@@ -204,25 +221,31 @@ class SampledMetrics:
             "oldest": GaugeMetricFamily(
                 "freshline_staleness_oldest_age_seconds",
                 "Age of the oldest entry in a random sample of the served namespace.",
-                labels=["feature_set"]),
+                labels=["feature_set"],
+            ),
             "mean": GaugeMetricFamily(
                 "freshline_staleness_mean_age_seconds",
                 "Mean entry age in the sample (about TTL/2 when entries live out their TTL).",
-                labels=["feature_set"]),
+                labels=["feature_set"],
+            ),
             "over": GaugeMetricFamily(
                 "freshline_staleness_over_ttl_entries",
                 "Sampled entries older than their feature set's TTL (a bug: TTL not enforced).",
-                labels=["feature_set"]),
+                labels=["feature_set"],
+            ),
             "immortal": GaugeMetricFamily(
                 "freshline_staleness_immortal_entries",
                 "Sampled keys without an expiry (a bug: every entry has a TTL).",
-                labels=["feature_set"]),
+                labels=["feature_set"],
+            ),
             "sampled": GaugeMetricFamily(
-                "freshline_staleness_sampled_entries", "Entries in the sample.",
-                labels=["feature_set"]),
+                "freshline_staleness_sampled_entries",
+                "Entries in the sample.",
+                labels=["feature_set"],
+            ),
             "ttl": GaugeMetricFamily(
-                "freshline_feature_ttl_seconds", "The feature set's TTL.",
-                labels=["feature_set"]),
+                "freshline_feature_ttl_seconds", "The feature set's TTL.", labels=["feature_set"]
+            ),
         }
         for name, s in ages.items():
             if s.oldest_age_s is not None and s.mean_age_s is not None:
@@ -238,7 +261,8 @@ class SampledMetrics:
                 "freshline_feature_set_consumer_lag",
                 "Records the consumer group has yet to read on the topics feeding the set, "
                 "read from the broker (grows while no consumer runs).",
-                labels=["feature_set"])
+                labels=["feature_set"],
+            )
             for name, n in lag.items():
                 by_set.add_metric([name], n)
             yield by_set
@@ -265,8 +289,9 @@ def _ratio(num: float, den: float) -> float | None:
 class StatusBoard:
     """The ring buffer of per-minute snapshots and the report the page draws."""
 
-    def __init__(self, observer: Observer, *, interval_s: float = INTERVAL_S,
-                 window_s: int = WINDOW_S) -> None:
+    def __init__(
+        self, observer: Observer, *, interval_s: float = INTERVAL_S, window_s: int = WINDOW_S
+    ) -> None:
         self.observer = observer
         self.interval_s = interval_s
         self.window_s = window_s
@@ -286,8 +311,7 @@ class StatusBoard:
         and the rates shown from the first request on count only this app's lifetime.
         """
         self.history.append(self.observer.snapshot(light=True))
-        self._thread = threading.Thread(target=self._run, name="freshline-status",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="freshline-status", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -320,10 +344,13 @@ class StatusBoard:
                 hits = cur.hits.get(name, 0.0) - prev.hits.get(name, 0.0)
                 misses = cur.misses.get(name, 0.0) - prev.misses.get(name, 0.0)
                 age = cur.staleness.get(name)
-                series.add(cur.at, hit_rate=_ratio(hits, hits + misses),
-                           requests=hits + misses,
-                           staleness_s=age.oldest_age_s if age else None,
-                           consumer_lag=None if cur.lag is None else cur.lag.get(name))
+                series.add(
+                    cur.at,
+                    hit_rate=_ratio(hits, hits + misses),
+                    requests=hits + misses,
+                    staleness_s=age.oldest_age_s if age else None,
+                    consumer_lag=None if cur.lag is None else cur.lag.get(name),
+                )
             hits = now.hits.get(name, 0.0) - base.hits.get(name, 0.0)
             misses = now.misses.get(name, 0.0) - base.misses.get(name, 0.0)
             age = now.staleness.get(name)
@@ -341,15 +368,18 @@ class StatusBoard:
                 "consumer_lag": None if now.lag is None else now.lag.get(name),
             }
             if current["over_ttl"]:
-                problems.append(f"{name}: {current['over_ttl']} sampled entries are older "
-                                f"than the {ttl}s TTL (TTL not enforced)")
+                problems.append(
+                    f"{name}: {current['over_ttl']} sampled entries are older "
+                    f"than the {ttl}s TTL (TTL not enforced)"
+                )
             if current["immortal"]:
                 problems.append(f"{name}: {current['immortal']} sampled keys have no expiry")
             rate = current["hit_rate"]
             if rate is not None and rate < 0.25 and hits + misses >= 20:
                 problems.append(f"{name}: hit rate {rate:.0%} is below 25%")
-            sets.append({"name": name, "ttl_s": ttl, "current": current,
-                         "series": series.as_dict()})
+            sets.append(
+                {"name": name, "ttl_s": ttl, "current": current, "series": series.as_dict()}
+            )
         semantic = self._semantic(now, base, problems)
         fresh = _Series()
         for prev, cur in itertools.pairwise(points):
@@ -376,14 +406,25 @@ class StatusBoard:
         rows: list[dict[str, Any]] = []
         for model in sorted(now.semantic):
             cur, old = now.semantic[model], base.semantic.get(model, {})
-            d = {k: cur.get(k, 0.0) - old.get(k, 0.0)
-                 for k in ("hit", "miss", "refused", "flagged")}
+            d = {
+                k: cur.get(k, 0.0) - old.get(k, 0.0) for k in ("hit", "miss", "refused", "flagged")
+            }
             rate = _ratio(d["hit"], d["hit"] + d["miss"])
-            rows.append({"model": model, "hit_rate": rate, "hits": d["hit"],
-                         "misses": d["miss"], "refused": d["refused"], "flagged": d["flagged"]})
+            rows.append(
+                {
+                    "model": model,
+                    "hit_rate": rate,
+                    "hits": d["hit"],
+                    "misses": d["miss"],
+                    "refused": d["refused"],
+                    "flagged": d["flagged"],
+                }
+            )
             if d["flagged"]:
-                problems.append(f"semantic cache {model}: {d['flagged']:.0f} hits flagged as "
-                                "wrong (each entry removed)")
+                problems.append(
+                    f"semantic cache {model}: {d['flagged']:.0f} hits flagged as "
+                    "wrong (each entry removed)"
+                )
             if rate is not None and rate < 0.25 and d["hit"] + d["miss"] >= 20:
                 problems.append(f"semantic cache {model}: hit rate {rate:.0%} is below 25%")
         return rows

@@ -83,8 +83,18 @@ log = logging.getLogger(__name__)
 CANDIDATES = 8
 DEFAULT_THRESHOLD = 0.93
 
-__all__ = ["CANDIDATES", "DEFAULT_THRESHOLD", "InvalidPrompt", "Limits", "Lookup",
-           "NonDeterministicParams", "Scope", "SemanticCache", "Stored", "check_deterministic"]
+__all__ = [
+    "CANDIDATES",
+    "DEFAULT_THRESHOLD",
+    "InvalidPrompt",
+    "Limits",
+    "Lookup",
+    "NonDeterministicParams",
+    "Scope",
+    "SemanticCache",
+    "Stored",
+    "check_deterministic",
+]
 
 
 class NonDeterministicParams(FreshlineError):
@@ -102,8 +112,9 @@ class Scope:
 
     @property
     def namespace(self) -> str:
-        return semantic_namespace(self.tenant, self.model, self.model_version,
-                                  self.template_version)
+        return semantic_namespace(
+            self.tenant, self.model, self.model_version, self.template_version
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +146,7 @@ class Stored:
 def check_deterministic(params: Mapping[str, Any]) -> None:
     """Raise :class:`NonDeterministicParams` unless the generation is deterministic."""
     if not isinstance(params, Mapping):
-        raise NonDeterministicParams("params must be an object such as {\"temperature\": 0}")
+        raise NonDeterministicParams('params must be an object such as {"temperature": 0}')
     declared = params.get("deterministic")
     if declared is not None and not isinstance(declared, bool):
         raise NonDeterministicParams("params.deterministic must be true or false")
@@ -145,14 +156,20 @@ def check_deterministic(params: Mapping[str, Any]) -> None:
     if temperature is None:
         raise NonDeterministicParams(
             "params.temperature is required: only temperature 0 (or params.deterministic "
-            "= true) responses are cached")
-    if (isinstance(temperature, bool) or not isinstance(temperature, int | float)
-            or not math.isfinite(temperature) or temperature < 0):
+            "= true) responses are cached"
+        )
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, int | float)
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
         raise NonDeterministicParams(f"params.temperature {temperature!r} is not a number >= 0")
     if temperature != 0:
         raise NonDeterministicParams(
             f"temperature {temperature:g} is not deterministic: only temperature 0 (or "
-            "params.deterministic = true) responses are cached; call the model directly")
+            "params.deterministic = true) responses are cached; call the model directly"
+        )
 
 
 class SemanticCache:
@@ -165,12 +182,19 @@ class SemanticCache:
     indexes and their background builder. :meth:`close` stops it.
     """
 
-    def __init__(self, client: redis.Redis, embedder: Embedder, *,
-                 threshold: float = DEFAULT_THRESHOLD,
-                 thresholds: Mapping[str, float] | None = None, ttl_s: int = 86_400,
-                 max_prompt_chars: int = 32_000, guard_literals: bool = True,
-                 limits: Limits | None = None,
-                 max_index_vectors: int = MAX_VECTORS) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        embedder: Embedder,
+        *,
+        threshold: float = DEFAULT_THRESHOLD,
+        thresholds: Mapping[str, float] | None = None,
+        ttl_s: int = 86_400,
+        max_prompt_chars: int = 32_000,
+        guard_literals: bool = True,
+        limits: Limits | None = None,
+        max_index_vectors: int = MAX_VECTORS,
+    ) -> None:
         self.redis = client
         self.embedder = embedder
         self.threshold = threshold
@@ -180,8 +204,7 @@ class SemanticCache:
         self.guard_literals = guard_literals
         self.limits = limits or Limits()
         self.background = ThreadPoolExecutor(1, thread_name_prefix="semantic")
-        self.pool = IndexPool(client, embedder.dim, self.background,
-                              max_vectors=max_index_vectors)
+        self.pool = IndexPool(client, embedder.dim, self.background, max_vectors=max_index_vectors)
         self._pending: dict[str, Counter[str]] = {}
         self._pending_lock = threading.Lock()
         self._evicting: set[str] = set()
@@ -217,8 +240,15 @@ class SemanticCache:
         vectors, embed_s = self.embed([prompt])
         return self.lookup_vector(scope, prompt, params, vectors[0], embed_s=embed_s)
 
-    def lookup_vector(self, scope: Scope, prompt: str, params: Mapping[str, Any],
-                      vector: Vectors, *, embed_s: float = 0.0) -> Lookup:
+    def lookup_vector(
+        self,
+        scope: Scope,
+        prompt: str,
+        params: Mapping[str, Any],
+        vector: Vectors,
+        *,
+        embed_s: float = 0.0,
+    ) -> Lookup:
         """:meth:`lookup` with the prompt already embedded (batches, benchmarks)."""
         check_deterministic(params)
         started = time.perf_counter()
@@ -227,8 +257,17 @@ class SemanticCache:
         idx = self.pool.get(ns)
         if not idx.ready:
             self._count(ns, "misses")
-            return Lookup(False, None, None, None, None, threshold, embed_s,
-                          time.perf_counter() - started, warming=True)
+            return Lookup(
+                False,
+                None,
+                None,
+                None,
+                None,
+                threshold,
+                embed_s,
+                time.perf_counter() - started,
+                warming=True,
+            )
         query = vector[None, :]
         with idx.lock:
             candidates = idx.search(query, CANDIDATES)[0]
@@ -250,11 +289,11 @@ class SemanticCache:
         similarity, e, entry = best
         self._count(ns, "hits")
         age = max(0, int(time.time() * 1000) - entry.created_at_ms)
-        return Lookup(True, entry.response, similarity, age, f"{e:016x}", threshold,
-                      embed_s, elapsed)
+        return Lookup(
+            True, entry.response, similarity, age, f"{e:016x}", threshold, embed_s, elapsed
+        )
 
-    def store(self, scope: Scope, prompt: str, params: Mapping[str, Any],
-              response: str) -> Stored:
+    def store(self, scope: Scope, prompt: str, params: Mapping[str, Any], response: str) -> Stored:
         """Cache ``response`` for ``prompt``; refused unless deterministic (see
         :meth:`store_many`)."""
         try:
@@ -267,13 +306,19 @@ class SemanticCache:
         [e] = self.store_many(scope, [(prompt, response)], params, vectors)
         return Stored(e, embed_s)
 
-    def store_vector(self, scope: Scope, prompt: str, params: Mapping[str, Any],
-                     response: str, vector: Vectors) -> str:
+    def store_vector(
+        self, scope: Scope, prompt: str, params: Mapping[str, Any], response: str, vector: Vectors
+    ) -> str:
         """:meth:`store` with the prompt already embedded; returns the entry id."""
         return self.store_many(scope, [(prompt, response)], params, vector[None, :])[0]
 
-    def store_many(self, scope: Scope, items: list[tuple[str, str]],
-                   params: Mapping[str, Any], vectors: Vectors | None = None) -> list[str]:
+    def store_many(
+        self,
+        scope: Scope,
+        items: list[tuple[str, str]],
+        params: Mapping[str, Any],
+        vectors: Vectors | None = None,
+    ) -> list[str]:
         """Store ``(prompt, response)`` pairs in one pipeline; returns their entry ids.
 
         The prompts are embedded in one batch unless ``vectors`` are given (one row
@@ -297,8 +342,10 @@ class SemanticCache:
         if vectors is None:
             vectors, _ = self.embed([p for p, _ in items])
         if len(vectors) != len(items) or vectors.shape[1] != self.embedder.dim:
-            raise InvalidPrompt(f"{len(vectors)} vectors of width {vectors.shape[1]} for "
-                                f"{len(items)} prompts; the embedder gives {self.embedder.dim}")
+            raise InvalidPrompt(
+                f"{len(vectors)} vectors of width {vectors.shape[1]} for "
+                f"{len(items)} prompts; the embedder gives {self.embedder.dim}"
+            )
         now_ms = int(time.time() * 1000)
         ttl = self.ttl_ms
         digest = params_digest(dict(params))
@@ -317,9 +364,12 @@ class SemanticCache:
         size_at = len(pipe)
         pipe.zcard(ids_key)
         for member, vector in zip(out, vectors, strict=True):
-            pipe.xadd(log_key, {"op": "add", "id": member,
-                                "v": np.asarray(vector, dtype="<f4").tobytes()},
-                      minid=minid, approximate=True)
+            pipe.xadd(
+                log_key,
+                {"op": "add", "id": member, "v": np.asarray(vector, dtype="<f4").tobytes()},
+                minid=minid,
+                approximate=True,
+            )
         pipe.pexpire(ids_key, ttl)
         pipe.pexpire(log_key, ttl)
         pipe.zadd(registry, {ns: now_ms})
@@ -333,8 +383,9 @@ class SemanticCache:
         self._enforce_limits(scope, int(replies[size_at]), int(replies[spaces_at]))
         return out
 
-    def get_or_generate(self, scope: Scope, prompt: str, params: Mapping[str, Any],
-                        generate: Callable[[str], str]) -> tuple[str, Lookup]:
+    def get_or_generate(
+        self, scope: Scope, prompt: str, params: Mapping[str, Any], generate: Callable[[str], str]
+    ) -> tuple[str, Lookup]:
         """The cached response, or ``generate(prompt)`` stored and returned.
 
         The prompt is embedded once for both steps. Non-deterministic parameters are
@@ -371,8 +422,12 @@ class SemanticCache:
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(semantic_entry_key(ns, e))
         pipe.zrem(semantic_ids_key(ns), entry)
-        pipe.xadd(semantic_log_key(ns), {"op": "remove", "id": entry},
-                  minid=trim_minid(now_ms), approximate=True)
+        pipe.xadd(
+            semantic_log_key(ns),
+            {"op": "remove", "id": entry},
+            minid=trim_minid(now_ms),
+            approximate=True,
+        )
         pipe.pexpire(semantic_log_key(ns), self.ttl_ms)
         self._count(ns, "flagged")
         self._flush_into(pipe, ns)
@@ -383,14 +438,25 @@ class SemanticCache:
                 idx.remove([e])
         return removed
 
-    def purge(self, *, tenant: str | None = None, model: str | None = None,
-              model_version: str | None = None, template_version: str | None = None,
-              batch: int = 500) -> dict[str, int]:
+    def purge(
+        self,
+        *,
+        tenant: str | None = None,
+        model: str | None = None,
+        model_version: str | None = None,
+        template_version: str | None = None,
+        batch: int = 500,
+    ) -> dict[str, int]:
         """:func:`~pipeline.semantic.namespaces.purge_keys`, and this process's indexes
         of those namespaces dropped."""
-        removed = purge_keys(self.redis, tenant=tenant, model=model,
-                             model_version=model_version, template_version=template_version,
-                             batch=batch)
+        removed = purge_keys(
+            self.redis,
+            tenant=tenant,
+            model=model,
+            model_version=model_version,
+            template_version=template_version,
+            batch=batch,
+        )
         for ns in removed:
             self.pool.drop(ns)
         return removed
@@ -413,13 +479,21 @@ class SemanticCache:
         if not isinstance(value, str) or not value.strip():
             raise InvalidPrompt(f"the {what} must be a non-empty string")
         if len(value) > self.max_prompt_chars:
-            raise InvalidPrompt(f"the {what} is {len(value):,} characters, over the limit "
-                                f"of {self.max_prompt_chars:,}")
+            raise InvalidPrompt(
+                f"the {what} is {len(value):,} characters, over the limit "
+                f"of {self.max_prompt_chars:,}"
+            )
 
-    def _best(self, idx: NamespaceIndex, candidates: list[tuple[int, float]],
-              raws: list[bytes | None], vector: Vectors, prompt: str,
-              params: Mapping[str, Any], threshold: float,
-              ) -> tuple[float | None, tuple[float, int, Entry] | None]:
+    def _best(
+        self,
+        idx: NamespaceIndex,
+        candidates: list[tuple[int, float]],
+        raws: list[bytes | None],
+        vector: Vectors,
+        prompt: str,
+        params: Mapping[str, Any],
+        threshold: float,
+    ) -> tuple[float | None, tuple[float, int, Entry] | None]:
         """The best candidate's similarity, and the best that passes every check."""
         ids: list[int] = []
         tails: list[bytes] = []
@@ -455,13 +529,15 @@ class SemanticCache:
             except CorruptSemanticEntry:
                 log.warning("corrupt semantic entry %s in %s", f"{ids[i]:016x}", idx.namespace)
                 continue
-            if entry.params == digest and (not self.guard_literals
-                                           or literals_match(prompt, entry.prompt)):
+            if entry.params == digest and (
+                not self.guard_literals or literals_match(prompt, entry.prompt)
+            ):
                 return float(sims.max()), (similarity, ids[i], entry)
         return float(sims.max()), None
 
-    def _fetch(self, ns: str, ids: list[int],
-               position: str | None) -> tuple[list[bytes | None], list[Any]]:
+    def _fetch(
+        self, ns: str, ids: list[int], position: str | None
+    ) -> tuple[list[bytes | None], list[Any]]:
         """One round trip: the entries, the stream since ``position`` (unless None),
         this process's pending counters."""
         pipe = self.redis.pipeline(transaction=False)
@@ -507,11 +583,16 @@ class SemanticCache:
         try:
             for ns in evict_namespaces(self.redis, tenant, self.limits.max_namespaces):
                 self.pool.drop(ns)
-                log.info("semantic namespace %s evicted: tenant %s is at its limit of %d",
-                         ns, tenant, self.limits.max_namespaces)
+                log.info(
+                    "semantic namespace %s evicted: tenant %s is at its limit of %d",
+                    ns,
+                    tenant,
+                    self.limits.max_namespaces,
+                )
         except Exception:  # a background thread has no caller to raise to
-            log.exception("semantic namespaces of %s: eviction failed; the next store "
-                          "retries", tenant)
+            log.exception(
+                "semantic namespaces of %s: eviction failed; the next store retries", tenant
+            )
         finally:
             with self._pending_lock:
                 self._evicting.discard(tenant)

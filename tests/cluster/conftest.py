@@ -49,8 +49,7 @@ def _cluster_env() -> dict[str, str] | None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _cluster_env() is not None or os.environ.get("FRESHLINE_CLUSTER_REQUIRED") == "1":
         return
-    skip = pytest.mark.skip(reason="cluster topology not up (scripts/stack up --topology "
-                                   "cluster)")
+    skip = pytest.mark.skip(reason="cluster topology not up (scripts/stack up --topology cluster)")
     for item in items:
         if item.get_closest_marker("cluster") is not None:
             item.add_marker(skip)
@@ -68,13 +67,23 @@ def cluster_env() -> dict[str, str]:
 def cluster_settings(cluster_env: dict[str, str]) -> Settings:
     # The replica's URL is left out: the tests that read through it build their own
     # ReadThrough on it (test_pg_replica.py), the rest read the primary.
-    fields = {k.removeprefix("FRESHLINE_").lower(): v for k, v in cluster_env.items()
-              if k.startswith("FRESHLINE_") and k not in (
-                  "FRESHLINE_STACK_TOPOLOGY", "FRESHLINE_POSTGRES_REPLICA_URL")}
+    fields = {
+        k.removeprefix("FRESHLINE_").lower(): v
+        for k, v in cluster_env.items()
+        if k.startswith("FRESHLINE_")
+        and k not in ("FRESHLINE_STACK_TOPOLOGY", "FRESHLINE_POSTGRES_REPLICA_URL")
+    }
     # Credentials the single topology's .stack/env may set must not reach this one.
-    for name in ("redis_username", "redis_password", "redis_tls_ca", "kafka_sasl_mechanism",
-                 "kafka_sasl_username", "kafka_sasl_password", "kafka_ssl_ca",
-                 "postgres_admin_url"):
+    for name in (
+        "redis_username",
+        "redis_password",
+        "redis_tls_ca",
+        "kafka_sasl_mechanism",
+        "kafka_sasl_username",
+        "kafka_sasl_password",
+        "kafka_ssl_ca",
+        "postgres_admin_url",
+    ):
         if name in Settings.model_fields:
             fields.setdefault(name, "")
     if "kafka_security_protocol" in Settings.model_fields:
@@ -96,8 +105,9 @@ def cluster_redis(cluster_settings: Settings) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture(scope="session")
-def engines(cluster_env: dict[str, str],
-            cluster_settings: Settings) -> Iterator[tuple[sa.Engine, sa.Engine]]:
+def engines(
+    cluster_env: dict[str, str], cluster_settings: Settings
+) -> Iterator[tuple[sa.Engine, sa.Engine]]:
     """The cluster topology's Postgres primary and replica, migrated to the head (the
     schema the feature queries read, the bucket delta log included)."""
     upgrade(cluster_settings.postgres_url)
@@ -110,6 +120,11 @@ def engines(cluster_env: dict[str, str],
 
 def stack(*args: str) -> None:
     """``scripts/stack ARGS --topology cluster``; fails the test with its output."""
-    done = subprocess.run([str(ROOT / "scripts" / "stack"), *args, "--topology", "cluster"],
-                          capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "stack"), *args, "--topology", "cluster"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -30,28 +30,38 @@ USERS = 40
 
 
 def test_a_worker_on_the_cluster_writes_entries_the_auditor_finds_consistent(
-        engines: tuple[sa.Engine, sa.Engine], cluster_redis: redis.Redis,
-        cluster_settings: Settings) -> None:
+    engines: tuple[sa.Engine, sa.Engine], cluster_redis: redis.Redis, cluster_settings: Settings
+) -> None:
     primary, _ = engines
     tag = uuid.uuid4().hex[:8]
     tenant = f"wk-{tag}"
-    settings = cluster_settings.model_copy(update={
-        "topic_prefix": f"cl{tag}.", "consumer_group": f"cl-{tag}",
-        "schema_version": 960_000 + uuid.uuid4().int % 30_000, "batch_max_wait_ms": 20,
-        "auto_offset_reset": "earliest"})
+    settings = cluster_settings.model_copy(
+        update={
+            "topic_prefix": f"cl{tag}.",
+            "consumer_group": f"cl-{tag}",
+            "schema_version": 960_000 + uuid.uuid4().int % 30_000,
+            "batch_max_wait_ms": 20,
+            "auto_offset_reset": "earliest",
+        }
+    )
     admin = AdminClient({"bootstrap.servers": settings.kafka_bootstrap})
     topics = managed_topics(settings)
     report = ensure(admin, 3, topics=topics)
     assert sorted(report.created) == sorted(topics)
     with primary.begin() as conn:
         conn.execute(sa.text("INSERT INTO tenants (id, name) VALUES (:t, :t)"), {"t": tenant})
-        conn.execute(sa.text("INSERT INTO users (tenant_id, id) SELECT :t, g "
-                             "FROM generate_series(1, :n) g"), {"t": tenant, "n": USERS})
-        ids = conn.execute(sa.text(
-            "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
-            "SELECT :t, g % :n + 1, g % 90 + 1, 'm' || g % 7, '11.0.0.1' "
-            "FROM generate_series(1, :k) g RETURNING id, user_id"),
-            {"t": tenant, "n": USERS, "k": USERS * 3}).all()
+        conn.execute(
+            sa.text("INSERT INTO users (tenant_id, id) SELECT :t, g FROM generate_series(1, :n) g"),
+            {"t": tenant, "n": USERS},
+        )
+        ids = conn.execute(
+            sa.text(
+                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
+                "SELECT :t, g % :n + 1, g % 90 + 1, 'm' || g % 7, '11.0.0.1' "
+                "FROM generate_series(1, :k) g RETURNING id, user_id"
+            ),
+            {"t": tenant, "n": USERS, "k": USERS * 3},
+        ).all()
 
     worker = Worker(settings, topics=[qualified(settings, TRANSACTION_CREATED)])
     thread = threading.Thread(target=worker.run, daemon=True)
@@ -59,11 +69,23 @@ def test_a_worker_on_the_cluster_writes_entries_the_auditor_finds_consistent(
     try:
         with Producer(settings) as producer:
             for txn, user in ids:
-                producer.produce(qualified(settings, TRANSACTION_CREATED), orjson.dumps(
-                    {"tenant": tenant, "user_id": user, "transaction_id": txn,
-                     "occurred_at": "2026-12-03T10:00:00Z"}), f"{tenant}:{user}".encode())
-        refs = [EntityRef(name, tenant, str(u)) for name in ("txn_90d", "geo")
-                for u in range(1, USERS + 1)]
+                producer.produce(
+                    qualified(settings, TRANSACTION_CREATED),
+                    orjson.dumps(
+                        {
+                            "tenant": tenant,
+                            "user_id": user,
+                            "transaction_id": txn,
+                            "occurred_at": "2026-12-03T10:00:00Z",
+                        }
+                    ),
+                    f"{tenant}:{user}".encode(),
+                )
+        refs = [
+            EntityRef(name, tenant, str(u))
+            for name in ("txn_90d", "geo")
+            for u in range(1, USERS + 1)
+        ]
         store = FeatureStore(cluster_redis, settings.schema_version)
         assert wait_until(lambda: None not in store.read(refs), 90)
     finally:

@@ -63,14 +63,16 @@ class Loop:
 
 
 def test_a_killed_master_then_quiescence_leaves_no_inconsistency(
-        engines: tuple[sa.Engine, sa.Engine], cluster_redis: redis.Redis,
-        cluster_settings: Settings) -> None:
+    engines: tuple[sa.Engine, sa.Engine], cluster_redis: redis.Redis, cluster_settings: Settings
+) -> None:
     primary, _ = engines
     tenant = f"fo-{uuid.uuid4().hex[:10]}"
     with primary.begin() as conn:
         conn.execute(sa.text("INSERT INTO tenants (id, name) VALUES (:t, :t)"), {"t": tenant})
-        conn.execute(sa.text("INSERT INTO users (tenant_id, id) SELECT :t, g "
-                             "FROM generate_series(1, :n) g"), {"t": tenant, "n": USERS})
+        conn.execute(
+            sa.text("INSERT INTO users (tenant_id, id) SELECT :t, g FROM generate_series(1, :n) g"),
+            {"t": tenant, "n": USERS},
+        )
     version = 950_000 + uuid.uuid4().int % 40_000
     refs = [EntityRef("txn_90d", tenant, str(u)) for u in range(1, USERS + 1)]
     client = redis_client(cluster_settings, socket_timeout=1, socket_connect_timeout=1)
@@ -81,9 +83,13 @@ def test_a_killed_master_then_quiescence_leaves_no_inconsistency(
         """The consumer's part: a source change, then its recompute written."""
         user = i % USERS + 1
         with primary.begin() as conn:
-            conn.execute(sa.text("INSERT INTO transactions (tenant_id, user_id, amount, "
-                                 "merchant_id) VALUES (:t, :u, :a, 'm')"),
-                         {"t": tenant, "u": user, "a": i % 50 + 1})
+            conn.execute(
+                sa.text(
+                    "INSERT INTO transactions (tenant_id, user_id, amount, "
+                    "merchant_id) VALUES (:t, :u, :a, 'm')"
+                ),
+                {"t": tenant, "u": user, "a": i % 50 + 1},
+            )
         store.write(compute(primary, TXN, [(tenant, str(user))]))
 
     writer = Loop(change)
@@ -95,6 +101,7 @@ def test_a_killed_master_then_quiescence_leaves_no_inconsistency(
         assert wait_until(lambda: writer.ok >= 5 and readers.ok >= 2, 60)
         stack("kill", name)
         try:
+
             def promoted() -> bool:
                 try:
                     client_any.nodes_manager.initialize()
@@ -102,6 +109,7 @@ def test_a_killed_master_then_quiescence_leaves_no_inconsistency(
                     return bool(node.port != victim.port)
                 except redis.exceptions.RedisError:
                     return False
+
             assert wait_until(promoted, 60)
             w, r = writer.ok, readers.ok
             assert wait_until(lambda: writer.ok >= w + 5 and readers.ok >= r + 2, 60)

@@ -54,8 +54,14 @@ def test_a_killed_broker_loses_no_acknowledged_message(cluster_settings: Setting
     assert wait_until(lambda: min_insync() == "2", 30)
 
     leader = meta.partitions[0].leader
-    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all",
-                         "enable.idempotence": True, "message.timeout.ms": 120_000})
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "acks": "all",
+            "enable.idempotence": True,
+            "message.timeout.ms": 120_000,
+        }
+    )
     acked: list[int] = []
     failed: list[Any] = []
 
@@ -67,8 +73,7 @@ def test_a_killed_broker_loses_no_acknowledged_message(cluster_settings: Setting
 
     def send(numbers: range) -> None:
         for i in numbers:
-            producer.produce(topic, str(i).encode(), key=str(i % 97).encode(),
-                             on_delivery=report)
+            producer.produce(topic, str(i).encode(), key=str(i % 97).encode(), on_delivery=report)
             producer.poll(0)
 
     send(range(N // 2))
@@ -82,8 +87,14 @@ def test_a_killed_broker_loses_no_acknowledged_message(cluster_settings: Setting
     assert failed == []
     assert sorted(acked) == list(range(N))
 
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"g-{topic}",
-                         "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"g-{topic}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+        }
+    )
     consumer.subscribe([topic])
     seen: set[int] = set()
 

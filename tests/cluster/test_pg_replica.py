@@ -26,19 +26,30 @@ TXN = REGISTRY["txn_90d"]
 
 def count(engine: sa.Engine, tenant: str) -> int:
     with engine.connect() as conn:
-        return int(conn.execute(sa.text(
-            "SELECT count(*) FROM transactions WHERE tenant_id = :t"), {"t": tenant}).scalar()
-            or 0)
+        return int(
+            conn.execute(
+                sa.text("SELECT count(*) FROM transactions WHERE tenant_id = :t"), {"t": tenant}
+            ).scalar()
+            or 0
+        )
 
 
 def add_transaction(engine: sa.Engine, tenant: str, amount: float) -> None:
     with engine.begin() as conn:
-        conn.execute(sa.text("INSERT INTO transactions (tenant_id, user_id, amount, "
-                             "merchant_id) VALUES (:t, 1, :a, 'm1')"), {"t": tenant, "a": amount})
+        conn.execute(
+            sa.text(
+                "INSERT INTO transactions (tenant_id, user_id, amount, "
+                "merchant_id) VALUES (:t, 1, :a, 'm1')"
+            ),
+            {"t": tenant, "a": amount},
+        )
 
 
-def one_transaction_replicated(primary: sa.Engine, replica: sa.Engine, client: redis.Redis,
-                               ) -> tuple[str, FeatureStore, EntityRef]:
+def one_transaction_replicated(
+    primary: sa.Engine,
+    replica: sa.Engine,
+    client: redis.Redis,
+) -> tuple[str, FeatureStore, EntityRef]:
     """A new tenant whose user 1 has one transaction, replayed on the replica; a store
     under a version no other test uses, and the user's ``txn_90d`` ref."""
     tenant = f"rep-{uuid.uuid4().hex[:10]}"
@@ -66,7 +77,8 @@ def replay_paused(replica: sa.Engine) -> Iterator[None]:
 
 
 def test_a_lagging_replica_serves_but_never_stores(
-        engines: tuple[sa.Engine, sa.Engine], cluster_redis: redis.Redis) -> None:
+    engines: tuple[sa.Engine, sa.Engine], cluster_redis: redis.Redis
+) -> None:
     primary, replica = engines
     tenant, store, ref = one_transaction_replicated(primary, replica, cluster_redis)
     on_replica = ReadThrough(store, replica, early_refresh=False)
@@ -87,7 +99,8 @@ def test_a_lagging_replica_serves_but_never_stores(
 
 
 def test_a_replica_that_has_caught_up_stores_under_the_primarys_watermark(
-        engines: tuple[sa.Engine, sa.Engine], cluster_redis: redis.Redis) -> None:
+    engines: tuple[sa.Engine, sa.Engine], cluster_redis: redis.Redis
+) -> None:
     primary, replica = engines
     tenant, store, ref = one_transaction_replicated(primary, replica, cluster_redis)
     gated = ReadThrough(store, replica, early_refresh=False, primary=primary)

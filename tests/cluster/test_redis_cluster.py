@@ -31,15 +31,23 @@ from tests.conftest import wait_until
 pytestmark = pytest.mark.cluster
 
 TXN = REGISTRY["txn_90d"]
-VALUES = {"txn_count": 3, "txn_sum": 30.0, "txn_mean": 10.0, "txn_max": 12.0,
-          "txn_std": 1.5, "distinct_merchants": 2, "distinct_devices": 1,
-          "last_txn_at": 1_700_000_000_000}
+VALUES = {
+    "txn_count": 3,
+    "txn_sum": 30.0,
+    "txn_mean": 10.0,
+    "txn_max": 12.0,
+    "txn_std": 1.5,
+    "distinct_merchants": 2,
+    "distinct_devices": 1,
+    "last_txn_at": 1_700_000_000_000,
+}
 
 
 def batch(tenant: str, entities: range, watermark: int, **changes: Any) -> Batch:
     values = {**VALUES, **changes}
-    return Batch(TXN, {(tenant, str(e)): values for e in entities}, watermark,
-                 time.time_ns() // 1_000_000)
+    return Batch(
+        TXN, {(tenant, str(e)): values for e in entities}, watermark, time.time_ns() // 1_000_000
+    )
 
 
 def refs(tenant: str, entities: range) -> list[EntityRef]:
@@ -62,17 +70,20 @@ def version() -> int:
 
 
 def test_the_client_is_a_cluster_client_spread_over_three_masters(
-        cluster_redis: redis.Redis, tenant: str, version: int) -> None:
+    cluster_redis: redis.Redis, tenant: str, version: int
+) -> None:
     assert is_cluster(cluster_redis)
     client: Any = cluster_redis
-    owners = {client.get_node_from_key(feature_key(version, r)).name
-              for r in refs(tenant, range(60))}
+    owners = {
+        client.get_node_from_key(feature_key(version, r)).name for r in refs(tenant, range(60))
+    }
     assert len(masters(client)) == 3
     assert len(owners) == 3  # 60 entities' keys land on every master
 
 
 def test_conditional_writes_leases_and_get_many_across_slots(
-        cluster_redis: redis.Redis, tenant: str, version: int) -> None:
+    cluster_redis: redis.Redis, tenant: str, version: int
+) -> None:
     store = FeatureStore(cluster_redis, version)
     many = refs(tenant, range(60))
     assert store.write(batch(tenant, range(60), 10)).written == 60
@@ -85,18 +96,22 @@ def test_conditional_writes_leases_and_get_many_across_slots(
     # A lease sees the live entry; after an invalidation it is granted, and a fill
     # stores only while it holds it.
     assert [code for code, _ in store.lease(many[:2], "a", 5000, [False, False])] == [
-        LEASE_FOUND, LEASE_FOUND]
+        LEASE_FOUND,
+        LEASE_FOUND,
+    ]
     store.invalidate(many[:2], 11)
     assert store.read(many[:2]) == [None, None]
     assert [c for c, _ in store.lease(many[:2], "a", 5000, [False, False])] == [
-        LEASE_GRANTED, LEASE_GRANTED]
+        LEASE_GRANTED,
+        LEASE_GRANTED,
+    ]
     assert store.fill(batch(tenant, range(2), 12), "b", many[:2]).lease_lost == 2
     assert store.fill(batch(tenant, range(2), 12), "a", many[:2]).written == 2
 
 
 def test_get_many_is_one_round_trip_per_node_never_one_per_key(
-        cluster_redis: redis.Redis, tenant: str, version: int,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster_redis: redis.Redis, tenant: str, version: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     client: Any = cluster_redis
     store = FeatureStore(cluster_redis, version)
     store.write(batch(tenant, range(200), 5))
@@ -128,7 +143,8 @@ def test_get_many_is_one_round_trip_per_node_never_one_per_key(
 
 
 def test_a_truncate_floor_voids_entries_on_every_slot(
-        cluster_redis: redis.Redis, tenant: str, version: int) -> None:
+    cluster_redis: redis.Redis, tenant: str, version: int
+) -> None:
     store = FeatureStore(cluster_redis, version)
     many = refs(tenant, range(30))
     store.write(batch(tenant, range(30), 20))
@@ -142,7 +158,8 @@ def test_a_truncate_floor_voids_entries_on_every_slot(
 
 
 def test_invalidations_arrive_on_a_sharded_channel(
-        cluster_redis: redis.Redis, tenant: str, version: int) -> None:
+    cluster_redis: redis.Redis, tenant: str, version: int
+) -> None:
     tier = LocalTier(cluster_redis, max_entries=100, silence_s=1.0).start()
     try:
         assert tier.wait_live(10)
@@ -162,30 +179,35 @@ def test_invalidations_arrive_on_a_sharded_channel(
 
 
 def test_the_deploy_pointer_moves_and_publishes_in_its_slot(
-        cluster_redis: redis.Redis, cluster_settings: Settings, tenant: str) -> None:
+    cluster_redis: redis.Redis, cluster_settings: Settings, tenant: str
+) -> None:
     pointer = Pointer.scoped(tenant)
-    deploy._move(cluster_redis, pointer, state(cluster_redis, cluster_settings,
-                                               pointer=pointer), active=7, nxt=8, keep=60_000)
+    deploy._move(
+        cluster_redis,
+        pointer,
+        state(cluster_redis, cluster_settings, pointer=pointer),
+        active=7,
+        nxt=8,
+        keep=60_000,
+    )
     seen = state(cluster_redis, cluster_settings, pointer=pointer)
     assert (seen.active, seen.next) == (7, 8)
 
 
 def test_purge_removes_a_version_from_every_master(
-        cluster_redis: redis.Redis, cluster_settings: Settings, tenant: str,
-        version: int) -> None:
+    cluster_redis: redis.Redis, cluster_settings: Settings, tenant: str, version: int
+) -> None:
     client: Any = cluster_redis
     store = FeatureStore(cluster_redis, version)
     store.write(batch(tenant, range(90), 40))
     result = purge(cluster_redis, cluster_settings, version, count=25)
     assert result.done and result.removed == 90
-    left = sum(len(node.redis_connection.keys(f"feat:{version}:*"))
-               for node in masters(client))
+    left = sum(len(node.redis_connection.keys(f"feat:{version}:*")) for node in masters(client))
     assert left == 0
 
 
 @pytest.fixture
-def load(cluster_settings: Settings, tenant: str,
-         version: int) -> Iterator[dict[str, Any]]:
+def load(cluster_settings: Settings, tenant: str, version: int) -> Iterator[dict[str, Any]]:
     """Writes in a loop, each batch a higher watermark, counting errors and successes."""
     state_: dict[str, Any] = {"watermark": 100, "ok": 0, "errors": 0, "stop": False}
     client = redis_client(cluster_settings, socket_timeout=1, socket_connect_timeout=1)
@@ -221,8 +243,12 @@ def load(cluster_settings: Settings, tenant: str,
 
 
 def test_a_killed_master_fails_over_and_writes_and_reads_recover(
-        cluster_redis: redis.Redis, cluster_settings: Settings, tenant: str, version: int,
-        load: dict[str, Any]) -> None:
+    cluster_redis: redis.Redis,
+    cluster_settings: Settings,
+    tenant: str,
+    version: int,
+    load: dict[str, Any],
+) -> None:
     client: Any = cluster_redis
     key = feature_key(version, refs(tenant, range(1))[0])
     victim = client.get_node_from_key(key)
@@ -230,12 +256,14 @@ def test_a_killed_master_fails_over_and_writes_and_reads_recover(
     assert wait_until(lambda: load["ok"] >= 3, 30)
     stack("kill", name)
     try:
+
         def promoted() -> bool:
             try:
                 client.nodes_manager.initialize()
                 return client.get_node_from_key(key).port != victim.port
             except redis.exceptions.RedisError:
                 return False
+
         # Generous deadlines: on a loaded 2-core machine the election, and the
         # writer's retries against the dead node, have been seen to take a minute.
         assert wait_until(promoted, 120)
@@ -256,7 +284,8 @@ def test_a_killed_master_fails_over_and_writes_and_reads_recover(
 
 
 def test_the_audit_reads_and_samples_every_master(
-        cluster_redis: redis.Redis, tenant: str, version: int) -> None:
+    cluster_redis: redis.Redis, tenant: str, version: int
+) -> None:
     from pipeline.observe.staleness import scan_sample
 
     store = FeatureStore(cluster_redis, version)
@@ -266,7 +295,8 @@ def test_the_audit_reads_and_samples_every_master(
 
 
 def test_the_apis_asyncio_twin_reads_across_slots(
-        cluster_redis: redis.Redis, tenant: str, version: int) -> None:
+    cluster_redis: redis.Redis, tenant: str, version: int
+) -> None:
     import asyncio
 
     from pipeline.api.app import async_twin
@@ -285,5 +315,6 @@ def test_the_apis_asyncio_twin_reads_across_slots(
             await twin.aclose()
 
     raws = asyncio.run(read())
-    assert [e.watermark if e else None for e in store.entries(refs(tenant, range(40)), raws)
-            ] == [60] * 40
+    assert [e.watermark if e else None for e in store.entries(refs(tenant, range(40)), raws)] == [
+        60
+    ] * 40

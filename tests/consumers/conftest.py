@@ -116,16 +116,19 @@ class Env:
 
 
 @pytest.fixture
-def env(settings: Settings, admin: AdminClient,
-        tenant_factory: Callable[..., SeedSummary]) -> Iterator[Env]:
+def env(
+    settings: Settings, admin: AdminClient, tenant_factory: Callable[..., SeedSummary]
+) -> Iterator[Env]:
     tag = uuid.uuid4().hex[:8]
-    local = settings.model_copy(update={
-        "topic_prefix": f"test{tag}.",
-        "consumer_group": f"test-{tag}",
-        "schema_version": fresh_version(),
-        "topic_partitions": PARTITIONS,
-        "batch_max_wait_ms": 20,
-    })
+    local = settings.model_copy(
+        update={
+            "topic_prefix": f"test{tag}.",
+            "consumer_group": f"test-{tag}",
+            "schema_version": fresh_version(),
+            "topic_partitions": PARTITIONS,
+            "batch_max_wait_ms": 20,
+        }
+    )
     topics = managed_topics(local)
     ensure(admin, PARTITIONS, topics=topics)
     seeded = tenant_factory(users=60, transactions=1500)
@@ -134,14 +137,20 @@ def env(settings: Settings, admin: AdminClient,
         future.result()
 
 
-def emit(producer: Producer, env: Env, topic: str, body: dict[str, object] | bytes,
-         key: bytes | None = None) -> None:
+def emit(
+    producer: Producer,
+    env: Env,
+    topic: str,
+    body: dict[str, object] | bytes,
+    key: bytes | None = None,
+) -> None:
     value = body if isinstance(body, bytes) else orjson.dumps(body)
     producer.produce(env.topic(topic), value, key)
 
 
-def assert_redis_equals_postgres(engine: Engine, client: redis.Redis, env: Env,
-                                 users: set[int]) -> None:
+def assert_redis_equals_postgres(
+    engine: Engine, client: redis.Redis, env: Env, users: set[int]
+) -> None:
     store = FeatureStore(client, env.settings.schema_version)
     for name in ("txn_90d", "geo"):
         truth = compute(engine, REGISTRY[name], [(env.tenant, str(u)) for u in users])

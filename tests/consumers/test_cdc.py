@@ -72,8 +72,12 @@ class Cdc:
 
     def running(self) -> bool:
         connector, tasks = connector_state(self.client, self.names.connector)
-        return (connector is not None and connector.state == "RUNNING" and bool(tasks)
-                and all(t.state == "RUNNING" for t in tasks))
+        return (
+            connector is not None
+            and connector.state == "RUNNING"
+            and bool(tasks)
+            and all(t.state == "RUNNING" for t in tasks)
+        )
 
 
 @pytest.fixture(scope="module")
@@ -84,16 +88,19 @@ def tenants(tenant_factory_module: Callable[..., SeedSummary]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cdc(settings: Settings, engine: Engine, admin: AdminClient,
-        tenants: list[str]) -> Iterator[Cdc]:
+def cdc(
+    settings: Settings, engine: Engine, admin: AdminClient, tenants: list[str]
+) -> Iterator[Cdc]:
     tag = uuid.uuid4().hex[:8]
-    local = settings.model_copy(update={
-        "topic_prefix": f"cdc{tag}.",
-        "consumer_group": f"test-cdc-{tag}",
-        "schema_version": 1000 + uuid.uuid4().int % 8000,
-        "topic_partitions": PARTITIONS,
-        "batch_max_wait_ms": 20,
-    })
+    local = settings.model_copy(
+        update={
+            "topic_prefix": f"cdc{tag}.",
+            "consumer_group": f"test-cdc-{tag}",
+            "schema_version": 1000 + uuid.uuid4().int % 8000,
+            "topic_partitions": PARTITIONS,
+            "batch_max_wait_ms": 20,
+        }
+    )
     owned = names(local)
     client = ConnectClient(local.connect_url)
     ensure(admin, PARTITIONS, topics=managed_topics(local))
@@ -113,8 +120,11 @@ def cdc(settings: Settings, engine: Engine, admin: AdminClient,
     env = Cdc(local, owned, worker, client)
     try:
         # The slot exists from the moment the connector streams: commits after it are captured.
-        wait_for(lambda: env.running() and slot_state(engine, owned.slot) is not None,
-                 "the connector to run and create its slot", DEADLINE_S)
+        wait_for(
+            lambda: env.running() and slot_state(engine, owned.slot) is not None,
+            "the connector to run and create its slot",
+            DEADLINE_S,
+        )
         # A new group reads from the earliest offset: nothing captured before it joins is lost.
         thread.start()
         yield env
@@ -123,8 +133,11 @@ def cdc(settings: Settings, engine: Engine, admin: AdminClient,
         thread.join(timeout=30)
         client.delete(owned.connector)
         drop_slot(engine, owned.slot)
-        topics = [*(owned.topic(t) for t in tables), *managed_topics(local),
-                  f"__debezium-heartbeat.{owned.topic_prefix}"]
+        topics = [
+            *(owned.topic(t) for t in tables),
+            *managed_topics(local),
+            f"__debezium-heartbeat.{owned.topic_prefix}",
+        ]
         for future in admin.delete_topics(topics, operation_timeout=10).values():
             with contextlib.suppress(Exception):  # a topic never created (no heartbeat yet)
                 future.result()
@@ -164,7 +177,9 @@ def sql(engine: Engine, statement: str, **params: object) -> list[sa.Row[tuple[o
 
 
 def test_insert_update_delete_reach_exactly_the_affected_users(
-    cdc: Cdc, engine: Engine, redis_client: redis.Redis,
+    cdc: Cdc,
+    engine: Engine,
+    redis_client: redis.Redis,
     tenants: list[str],
 ) -> None:
     tenant = tenants[0]
@@ -172,8 +187,12 @@ def test_insert_update_delete_reach_exactly_the_affected_users(
     user_sets = ("txn_90d", "geo")
 
     base, start = snapshot(redis_client, version), cdc.consumed()
-    (txn,) = sql(engine, "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
-                 "VALUES (:t, 3, 512.25, 'm-cdc', '11.0.0.7') RETURNING id", t=tenant)[0]
+    (txn,) = sql(
+        engine,
+        "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
+        "VALUES (:t, 3, 512.25, 'm-cdc', '11.0.0.7') RETURNING id",
+        t=tenant,
+    )[0]
     cdc.wait_consumed(start + 1, "the INSERT")
     now = snapshot(redis_client, version)
     assert changed(base, now) == {(fs, tenant, "3") for fs in user_sets}
@@ -181,8 +200,12 @@ def test_insert_update_delete_reach_exactly_the_affected_users(
 
     # An UPDATE that moves the row to another user affects the old user and the new.
     base, start = now, cdc.consumed()
-    sql(engine, "UPDATE transactions SET user_id = 4, amount = 77.10 "
-        "WHERE tenant_id = :t AND id = :id", t=tenant, id=txn)
+    sql(
+        engine,
+        "UPDATE transactions SET user_id = 4, amount = 77.10 WHERE tenant_id = :t AND id = :id",
+        t=tenant,
+        id=txn,
+    )
     cdc.wait_consumed(start + 1, "the UPDATE")
     now = snapshot(redis_client, version)
     assert changed(base, now) == {(fs, tenant, u) for fs in user_sets for u in ("3", "4")}
@@ -194,32 +217,56 @@ def test_insert_update_delete_reach_exactly_the_affected_users(
     cdc.wait_consumed(start + 2, "the DELETE and its tombstone")
     now = snapshot(redis_client, version)
     assert changed(base, now) == {(fs, tenant, "4") for fs in user_sets}
-    assert_fresh(engine, redis_client, version, {(fs, tenant, u)
-                                                 for fs in user_sets for u in ("3", "4")})
+    assert_fresh(
+        engine, redis_client, version, {(fs, tenant, u) for fs in user_sets for u in ("3", "4")}
+    )
     assert cdc.worker.totals.dead_lettered == 0
 
 
 def test_a_device_change_reaches_every_user_of_the_device(
-    cdc: Cdc, engine: Engine, redis_client: redis.Redis,
+    cdc: Cdc,
+    engine: Engine,
+    redis_client: redis.Redis,
     tenants: list[str],
 ) -> None:
     tenant = tenants[1]
     version = cdc.settings.schema_version
-    (device,) = sql(engine, "SELECT device_id FROM user_devices "
-                        "WHERE tenant_id = :t ORDER BY device_id LIMIT 1", t=tenant)[0]
+    (device,) = sql(
+        engine,
+        "SELECT device_id FROM user_devices WHERE tenant_id = :t ORDER BY device_id LIMIT 1",
+        t=tenant,
+    )[0]
     # Share the device with two more users (each link is one event, applied first).
     start, links = cdc.consumed(), 0
     for user in (2, 3):
-        links += len(sql(engine, "INSERT INTO user_devices VALUES (:t, :u, :d) "
-                         "ON CONFLICT DO NOTHING RETURNING 1", t=tenant, u=user, d=device))
+        links += len(
+            sql(
+                engine,
+                "INSERT INTO user_devices VALUES (:t, :u, :d) ON CONFLICT DO NOTHING RETURNING 1",
+                t=tenant,
+                u=user,
+                d=device,
+            )
+        )
     cdc.wait_consumed(start + links, "the new user_devices links")
-    users = {str(u) for (u,) in sql(engine, "SELECT user_id FROM user_devices "
-                                     "WHERE tenant_id = :t AND device_id = :d", t=tenant, d=device)}
+    users = {
+        str(u)
+        for (u,) in sql(
+            engine,
+            "SELECT user_id FROM user_devices WHERE tenant_id = :t AND device_id = :d",
+            t=tenant,
+            d=device,
+        )
+    }
     assert len(users) >= 3
 
     base, start = snapshot(redis_client, version), cdc.consumed()
-    sql(engine, "UPDATE devices SET risk_score = 0.987 WHERE tenant_id = :t AND id = :d",
-        t=tenant, d=device)
+    sql(
+        engine,
+        "UPDATE devices SET risk_score = 0.987 WHERE tenant_id = :t AND id = :d",
+        t=tenant,
+        d=device,
+    )
     cdc.wait_consumed(start + 1, "the device UPDATE")
     now = snapshot(redis_client, version)
     assert changed(base, now) == {("device_risk", tenant, u) for u in users}
@@ -228,8 +275,13 @@ def test_a_device_change_reaches_every_user_of_the_device(
     # Unlinking a user from the device (every column is the key: DEFAULT identity suffices).
     gone = min(users)
     base, start = now, cdc.consumed()
-    sql(engine, "DELETE FROM user_devices WHERE tenant_id = :t AND user_id = :u AND "
-        "device_id = :d", t=tenant, u=int(gone), d=device)
+    sql(
+        engine,
+        "DELETE FROM user_devices WHERE tenant_id = :t AND user_id = :u AND device_id = :d",
+        t=tenant,
+        u=int(gone),
+        d=device,
+    )
     cdc.wait_consumed(start + 2, "the user_devices DELETE and its tombstone")
     now = snapshot(redis_client, version)
     assert ("device_risk", tenant, gone) in changed(base, now)
@@ -237,7 +289,9 @@ def test_a_device_change_reaches_every_user_of_the_device(
 
 
 def test_a_geoip_range_change_reaches_the_users_with_transactions_in_it(
-    cdc: Cdc, engine: Engine, redis_client: redis.Redis,
+    cdc: Cdc,
+    engine: Engine,
+    redis_client: redis.Redis,
     tenants: list[str],
 ) -> None:
     tenant = tenants[2]
@@ -247,12 +301,23 @@ def test_a_geoip_range_change_reaches_the_users_with_transactions_in_it(
     ips = {"5": f"{net}.10", "6": f"{net}.20", "7": f"{net}.200"}
     start = cdc.consumed()
     for user, ip in ips.items():
-        sql(engine, "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
-            "VALUES (:t, :u, 10, 'm-geo', CAST(:ip AS inet))", t=tenant, u=int(user), ip=ip)
+        sql(
+            engine,
+            "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
+            "VALUES (:t, :u, 10, 'm-geo', CAST(:ip AS inet))",
+            t=tenant,
+            u=int(user),
+            ip=ip,
+        )
 
     def in_range(lo: str, hi: str) -> set[Key]:
-        rows = sql(engine, "SELECT DISTINCT tenant_id, user_id FROM transactions WHERE ip "
-                   "BETWEEN CAST(:lo AS inet) AND CAST(:hi AS inet)", lo=lo, hi=hi)
+        rows = sql(
+            engine,
+            "SELECT DISTINCT tenant_id, user_id FROM transactions WHERE ip "
+            "BETWEEN CAST(:lo AS inet) AND CAST(:hi AS inet)",
+            lo=lo,
+            hi=hi,
+        )
         return {("geo", str(t), str(u)) for t, u in rows}
 
     lo, hi = f"{net}.0", f"{net}.255"
@@ -265,8 +330,12 @@ def test_a_geoip_range_change_reaches_the_users_with_transactions_in_it(
     assert all(("geo", tenant, u) in snapshot(redis_client, version) for u in ips)
 
     base, start = snapshot(redis_client, version), cdc.consumed()
-    sql(engine, "INSERT INTO geoip VALUES (CAST(:lo AS inet), CAST(:hi AS inet), 'ZZ', "
-        "'Testville', 64512)", lo=lo, hi=hi)
+    sql(
+        engine,
+        "INSERT INTO geoip VALUES (CAST(:lo AS inet), CAST(:hi AS inet), 'ZZ', 'Testville', 64512)",
+        lo=lo,
+        hi=hi,
+    )
     cdc.wait_consumed(start + 1, "the geoip INSERT")
     now = snapshot(redis_client, version)
     assert changed(base, now) == in_range(lo, hi)
@@ -276,8 +345,13 @@ def test_a_geoip_range_change_reaches_the_users_with_transactions_in_it(
     # FULL gives the old ip_to), including user 7, whose IP fell out of it.
     affected = in_range(lo, hi)
     base, start = now, cdc.consumed()
-    sql(engine, "UPDATE geoip SET ip_to = CAST(:hi AS inet), country = 'ZY' "
-        "WHERE ip_from = CAST(:lo AS inet)", lo=lo, hi=f"{net}.127")
+    sql(
+        engine,
+        "UPDATE geoip SET ip_to = CAST(:hi AS inet), country = 'ZY' "
+        "WHERE ip_from = CAST(:lo AS inet)",
+        lo=lo,
+        hi=f"{net}.127",
+    )
     cdc.wait_consumed(start + 1, "the geoip UPDATE")
     now = snapshot(redis_client, version)
     assert changed(base, now) == affected
@@ -293,7 +367,9 @@ def test_a_geoip_range_change_reaches_the_users_with_transactions_in_it(
 
 
 def test_restarting_the_connect_worker_mid_burst_loses_nothing(
-    cdc: Cdc, engine: Engine, redis_client: redis.Redis,
+    cdc: Cdc,
+    engine: Engine,
+    redis_client: redis.Redis,
     tenants: list[str],
 ) -> None:
     tenant = tenants[3]
@@ -310,20 +386,37 @@ def test_restarting_the_connect_worker_mid_burst_loses_nothing(
             while not stop.is_set():
                 user = 1 + (i * 7) % 30
                 if i % 3 == 0:
-                    rows = sql(engine, "INSERT INTO transactions (tenant_id, user_id, amount, "
-                               "merchant_id, ip) VALUES (:t, :u, :a, 'm-burst', '11.0.0.9') "
-                               "RETURNING user_id", t=tenant, u=user, a=1 + i % 97)
+                    rows = sql(
+                        engine,
+                        "INSERT INTO transactions (tenant_id, user_id, amount, "
+                        "merchant_id, ip) VALUES (:t, :u, :a, 'm-burst', '11.0.0.9') "
+                        "RETURNING user_id",
+                        t=tenant,
+                        u=user,
+                        a=1 + i % 97,
+                    )
                 elif i % 3 == 1:
-                    rows = sql(engine, "UPDATE transactions x SET user_id = :u, "
-                               "amount = x.amount + 1 FROM transactions o "
-                               "WHERE x.tenant_id = :t AND x.id = (SELECT min(id) FROM "
-                               "transactions WHERE tenant_id = :t AND user_id = :v) "
-                               "AND o.tenant_id = x.tenant_id AND o.id = x.id "
-                               "RETURNING x.user_id, o.user_id", t=tenant, u=user, v=1 + user % 30)
+                    rows = sql(
+                        engine,
+                        "UPDATE transactions x SET user_id = :u, "
+                        "amount = x.amount + 1 FROM transactions o "
+                        "WHERE x.tenant_id = :t AND x.id = (SELECT min(id) FROM "
+                        "transactions WHERE tenant_id = :t AND user_id = :v) "
+                        "AND o.tenant_id = x.tenant_id AND o.id = x.id "
+                        "RETURNING x.user_id, o.user_id",
+                        t=tenant,
+                        u=user,
+                        v=1 + user % 30,
+                    )
                 else:
-                    rows = sql(engine, "DELETE FROM transactions WHERE tenant_id = :t AND id = "
-                               "(SELECT max(id) FROM transactions WHERE tenant_id = :t "
-                               "AND user_id = :u) RETURNING user_id", t=tenant, u=user)
+                    rows = sql(
+                        engine,
+                        "DELETE FROM transactions WHERE tenant_id = :t AND id = "
+                        "(SELECT max(id) FROM transactions WHERE tenant_id = :t "
+                        "AND user_id = :u) RETURNING user_id",
+                        t=tenant,
+                        u=user,
+                    )
                 # Only users a committed change actually touched (a DELETE may match nothing).
                 touched.update(str(u) for row in rows for u in row)
                 written.append(i)
@@ -338,14 +431,19 @@ def test_restarting_the_connect_worker_mid_burst_loses_nothing(
     try:
         wait_for(lambda: cdc.consumed() > start + 20, "the first burst events to be applied")
         before_restart = len(written)
-        restart = subprocess.run([str(ROOT / "scripts" / "stack"), "restart-connect"],
-                                 capture_output=True, text=True, timeout=180)
+        restart = subprocess.run(
+            [str(ROOT / "scripts" / "stack"), "restart-connect"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert restart.returncode == 0, restart.stdout + restart.stderr
         wait_for(cdc.running, "the connector to run again after the restart", DEADLINE_S)
         after_restart = len(written)
         consumed_at_restart = cdc.consumed()
-        wait_for(lambda: cdc.consumed() > consumed_at_restart + 20,
-                 "events from the restarted connector")
+        wait_for(
+            lambda: cdc.consumed() > consumed_at_restart + 20, "events from the restarted connector"
+        )
     finally:
         stop.set()
         writer.join(timeout=30)
@@ -372,15 +470,25 @@ def test_restarting_the_connect_worker_mid_burst_loses_nothing(
 
 def test_status_shows_the_connector_and_the_slot(cdc: Cdc) -> None:
     s = cdc.settings
-    env = {**os.environ, "FRESHLINE_POSTGRES_URL": s.postgres_url,
-           "FRESHLINE_TOPIC_PREFIX": s.topic_prefix, "COLUMNS": "200"}
-    done = subprocess.run([FRESHLINE, "cdc", "status"], env=env, capture_output=True,
-                          text=True, timeout=60)
+    env = {
+        **os.environ,
+        "FRESHLINE_POSTGRES_URL": s.postgres_url,
+        "FRESHLINE_TOPIC_PREFIX": s.topic_prefix,
+        "COLUMNS": "200",
+    }
+    done = subprocess.run(
+        [FRESHLINE, "cdc", "status"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"connector  {cdc.names.connector}: RUNNING" in done.stdout
     assert f"slot       {cdc.names.slot}: active" in done.stdout
     assert "retains" in done.stdout
-    missing = subprocess.run([FRESHLINE, "cdc", "status", "--name", "no-such-connector"],
-                             env=env, capture_output=True, text=True, timeout=60)
+    missing = subprocess.run(
+        [FRESHLINE, "cdc", "status", "--name", "no-such-connector"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode == 1
     assert "not registered" in missing.stdout

@@ -22,7 +22,10 @@ FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 def test_names_follow_the_topic_prefix() -> None:
     plain = names(Settings())
     assert (plain.connector, plain.slot, plain.topic_prefix) == (
-        "freshline-postgres", "freshline", "freshline")
+        "freshline-postgres",
+        "freshline",
+        "freshline",
+    )
     assert plain.topic("transactions") == "freshline.public.transactions"
     mine = names(Settings(topic_prefix="Test-1a.b."))
     assert mine.connector == "Test-1a.b.freshline-postgres"
@@ -42,12 +45,17 @@ def test_the_subscription_takes_table_topics_but_not_heartbeats_or_messages(pref
 
 
 def test_connector_config() -> None:
-    settings = Settings(postgres_url="postgresql+psycopg://u:p%40ss@db.example:6543/shop",
-                        connect_secrets_file="")
+    settings = Settings(
+        postgres_url="postgresql+psycopg://u:p%40ss@db.example:6543/shop", connect_secrets_file=""
+    )
     config = connector_config(settings, names(settings), database_host="postgres")
     assert config["database.hostname"] == "postgres"
-    assert (config["database.port"], config["database.user"], config["database.password"],
-            config["database.dbname"]) == ("6543", "u", "p@ss", "shop")
+    assert (
+        config["database.port"],
+        config["database.user"],
+        config["database.password"],
+        config["database.dbname"],
+    ) == ("6543", "u", "p@ss", "shop")
     assert config["plugin.name"] == "pgoutput"
     assert config["snapshot.mode"] == "no_data"
     assert config["value.converter.schemas.enable"] == "false"
@@ -59,9 +67,11 @@ def test_connector_config() -> None:
 
 
 def test_with_a_secrets_file_the_password_is_a_provider_reference() -> None:
-    settings = Settings(postgres_url="postgresql+psycopg://u:p%40ss@db.example:6543/shop",
-                        postgres_admin_url="postgresql+psycopg://o:s3cret@db.example/shop",
-                        connect_secrets_file="/etc/connect/pg.properties")
+    settings = Settings(
+        postgres_url="postgresql+psycopg://u:p%40ss@db.example:6543/shop",
+        postgres_admin_url="postgresql+psycopg://o:s3cret@db.example/shop",
+        connect_secrets_file="/etc/connect/pg.properties",
+    )
     config = connector_config(settings, names(settings))
     assert config["database.password"] == "${file:/etc/connect/pg.properties:database.password}"
     assert config["database.user"] == "o"  # the owner: logical replication needs it
@@ -70,7 +80,8 @@ def test_with_a_secrets_file_the_password_is_a_provider_reference() -> None:
 
 def test_the_migration_publishes_exactly_the_captured_tables() -> None:
     spec = importlib.util.spec_from_file_location(
-        "m0002", ROOT / "migrations" / "versions" / "0002_cdc.py")
+        "m0002", ROOT / "migrations" / "versions" / "0002_cdc.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -78,10 +89,14 @@ def test_the_migration_publishes_exactly_the_captured_tables() -> None:
 
 
 def test_register_says_in_one_line_when_connect_is_down(settings: Settings) -> None:
-    env = {**os.environ, "FRESHLINE_POSTGRES_URL": settings.postgres_url,
-           "FRESHLINE_CONNECT_URL": "http://127.0.0.1:9"}
-    done = subprocess.run([FRESHLINE, "cdc", "register"], env=env, capture_output=True,
-                          text=True, timeout=60)
+    env = {
+        **os.environ,
+        "FRESHLINE_POSTGRES_URL": settings.postgres_url,
+        "FRESHLINE_CONNECT_URL": "http://127.0.0.1:9",
+    }
+    done = subprocess.run(
+        [FRESHLINE, "cdc", "register"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr

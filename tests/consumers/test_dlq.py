@@ -23,8 +23,9 @@ def test_round_trip_keeps_key_value_and_headers(
     dlq = topic_factory("dlq")
     value = b'{"tenant": "ac:me", "user_id": 1}\xff'
     producer.produce(source, b'{"tenant": "acme", "user_id": 1}', b"acme:1")  # good
-    producer.produce(source, value, b"acme:1", headers=[("trace-id", b"abc"),
-                                                        ("x-freshline-error", b"old")])
+    producer.produce(
+        source, value, b"acme:1", headers=[("trace-id", b"abc"), ("x-freshline-error", b"old")]
+    )
     producer.flush()
 
     records = read_topic(consumer_factory(), source, 2, partitions=3)

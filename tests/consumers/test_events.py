@@ -178,13 +178,13 @@ def test_truncate(wrapped: bool) -> None:
         ("users_snapshot_r", "users", "acme", {"id": 42}),
         ("devices_insert_c", "devices", "acme", {"id": "dev-9f3a"}),
         ("devices_update_default_u", "devices", "acme", {"risk_score": 0.87}),
-        ("user_devices_insert_c", "user_devices", "acme", {"user_id": 42,
-                                                           "device_id": "dev-9f3a"}),
+        ("user_devices_insert_c", "user_devices", "acme", {"user_id": 42, "device_id": "dev-9f3a"}),
         ("geoip_insert_c", "geoip", None, {"ip_from": "203.0.113.0", "asn": 64500}),
     ],
 )
-def test_every_source_table(wrapped: bool, name: str, table: str, tenant: str | None,
-                            columns: dict[str, Any]) -> None:
+def test_every_source_table(
+    wrapped: bool, name: str, table: str, tenant: str | None, columns: dict[str, Any]
+) -> None:
     event = decoded(name, wrapped=wrapped)
     assert event.table == table
     assert event.tenant == tenant
@@ -211,25 +211,48 @@ def test_table_comes_from_source_when_the_topic_was_renamed() -> None:
 @pytest.mark.parametrize(
     ("topic", "body", "table", "op", "row"),
     [
-        ("transaction.created",
-         {"tenant": "acme", "user_id": 42, "transaction_id": 1001},
-         "transactions", "c", {"tenant_id": "acme", "user_id": 42, "id": 1001}),
-        ("transaction.updated",
-         {"tenant": "acme", "user_id": "42", "transaction_id": "1001", "version": 7},
-         "transactions", "u", {"tenant_id": "acme", "user_id": 42, "id": 1001, "_version": 7}),
-        ("device.updated",
-         {"tenant": "acme", "device_id": "dev-9f3a", "risk_score": 0.9},
-         "devices", "u", {"tenant_id": "acme", "id": "dev-9f3a"}),
-        ("user.updated",
-         {"tenant": "acme", "user_id": 42, "source": "kyc-service"},
-         "users", "u", {"tenant_id": "acme", "id": 42}),
+        (
+            "transaction.created",
+            {"tenant": "acme", "user_id": 42, "transaction_id": 1001},
+            "transactions",
+            "c",
+            {"tenant_id": "acme", "user_id": 42, "id": 1001},
+        ),
+        (
+            "transaction.updated",
+            {"tenant": "acme", "user_id": "42", "transaction_id": "1001", "version": 7},
+            "transactions",
+            "u",
+            {"tenant_id": "acme", "user_id": 42, "id": 1001, "_version": 7},
+        ),
+        (
+            "device.updated",
+            {"tenant": "acme", "device_id": "dev-9f3a", "risk_score": 0.9},
+            "devices",
+            "u",
+            {"tenant_id": "acme", "id": "dev-9f3a"},
+        ),
+        (
+            "user.updated",
+            {"tenant": "acme", "user_id": 42, "source": "kyc-service"},
+            "users",
+            "u",
+            {"tenant_id": "acme", "id": 42},
+        ),
     ],
 )
-def test_domain_events(topic: str, body: dict[str, Any], table: str, op: str,
-                       row: dict[str, Any]) -> None:
+def test_domain_events(
+    topic: str, body: dict[str, Any], table: str, op: str, row: dict[str, Any]
+) -> None:
     event = decode(topic, b"acme:42", encode(body))
-    assert event == ChangeEvent(table=table, op=op, tenant="acme",  # type: ignore[arg-type]
-                                row=row, watermark=0, committed_at_ms=None)
+    assert event == ChangeEvent(
+        table=table,
+        op=op,
+        tenant="acme",  # type: ignore[arg-type]
+        row=row,
+        watermark=0,
+        committed_at_ms=None,
+    )
 
 
 def test_domain_event_occurred_at_is_the_commit_time() -> None:
@@ -301,8 +324,14 @@ def test_missing_field(topic: str, body: Any) -> None:
         (TOPIC, {"op": "c", "after": {"tenant_id": "a:b", "id": 1, "user_id": 2}}),
         (TOPIC, {"op": "c", "after": {"tenant_id": "acme", "id": 1, "user_id": "*"}}),
         (TOPIC, {"op": "c", "after": {"tenant_id": 5, "id": 1, "user_id": 2}}),
-        (TOPIC, {"op": "u", "before": {"tenant_id": "acme", "id": 1, "user_id": "a b"},
-                 "after": {"tenant_id": "acme", "id": 1, "user_id": 2}}),
+        (
+            TOPIC,
+            {
+                "op": "u",
+                "before": {"tenant_id": "acme", "id": 1, "user_id": "a b"},
+                "after": {"tenant_id": "acme", "id": 1, "user_id": 2},
+            },
+        ),
     ],
 )
 def test_invalid_id(topic: str, body: Any) -> None:
@@ -328,8 +357,10 @@ def test_invalid_field(topic: str, body: Any) -> None:
     assert rejected(topic, encode(body)).kind == "invalid_field"
 
 
-@pytest.mark.parametrize("topic", ["freshline.public.api_keys", "freshline.public.orders",
-                                   "freshline.audit.users_archive"])
+@pytest.mark.parametrize(
+    "topic",
+    ["freshline.public.api_keys", "freshline.public.orders", "freshline.audit.users_archive"],
+)
 def test_unknown_table(topic: str) -> None:
     body = {"op": "c", "after": {"tenant_id": "acme", "id": 1}, "source": {}}
     assert rejected(topic, encode(body)).kind == "unknown_table"
@@ -337,8 +368,10 @@ def test_unknown_table(topic: str) -> None:
     assert rejected(TOPIC, encode(body)).kind == "unknown_table"
 
 
-@pytest.mark.parametrize("topic", ["transaction.deleted", "freshline.dlq", "orders",
-                                   "freshline.invalidations", "a.b.c.d", ""])
+@pytest.mark.parametrize(
+    "topic",
+    ["transaction.deleted", "freshline.dlq", "orders", "freshline.invalidations", "a.b.c.d", ""],
+)
 def test_unknown_event_type(topic: str) -> None:
     body = encode({"tenant": "acme", "user_id": 1, "transaction_id": 1})
     assert rejected(topic, body).kind == "unknown_event_type"
@@ -361,16 +394,42 @@ def _samples() -> list[tuple[str, bytes]]:
             out.append((data["topic"], encode(data["value"])))
             out.append((data["topic"], encode(data["value"]["payload"])))
     out += [
-        ("transaction.updated", encode({"tenant": "acme", "user_id": 42, "transaction_id": 9,
-                                        "occurred_at": "2026-11-30T12:00:00Z", "version": 3})),
+        (
+            "transaction.updated",
+            encode(
+                {
+                    "tenant": "acme",
+                    "user_id": 42,
+                    "transaction_id": 9,
+                    "occurred_at": "2026-11-30T12:00:00Z",
+                    "version": 3,
+                }
+            ),
+        ),
         ("device.updated", encode({"tenant": "acme", "device_id": "dev-9f3a"})),
         ("user.updated", encode({"tenant": "acme", "user_id": "42"})),
     ]
     return out
 
 
-JUNK: list[Any] = [None, True, 0, -1, 2**63 - 1, 1.5, "", "a:b", "*", "x" * 70, [], {}, [1],
-                   {"a": None}, "\x00", "2026-13-45T99:99:99Z"]
+JUNK: list[Any] = [
+    None,
+    True,
+    0,
+    -1,
+    2**63 - 1,
+    1.5,
+    "",
+    "a:b",
+    "*",
+    "x" * 70,
+    [],
+    {},
+    [1],
+    {"a": None},
+    "\x00",
+    "2026-13-45T99:99:99Z",
+]
 
 
 def _mutate(obj: Any, rng: random.Random) -> Any:
@@ -388,7 +447,7 @@ def _mutate(obj: Any, rng: random.Random) -> Any:
         return copy
     if isinstance(obj, list) and obj:
         i = rng.randrange(len(obj))
-        return [*obj[:i], _mutate(obj[i], rng), *obj[i + 1:]]
+        return [*obj[:i], _mutate(obj[i], rng), *obj[i + 1 :]]
     return rng.choice(JUNK)
 
 
@@ -417,7 +476,7 @@ def test_fuzz_only_events_none_or_rejections() -> None:
             value = rng.randbytes(rng.randrange(64))
         elif roll < 0.5:
             pos = rng.randrange(len(value))
-            value = value[:pos] + bytes([rng.randrange(256)]) + value[pos + 1:]
+            value = value[:pos] + bytes([rng.randrange(256)]) + value[pos + 1 :]
         else:
             value = encode(_mutate(orjson.loads(value), rng))
         if rng.random() < 0.1:

@@ -21,8 +21,9 @@ Server = tuple[str, Callable[[], None], Callable[[], None]]
 
 
 @pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-ttl", "allkeys-random"])
-def test_a_worker_refuses_a_redis_that_evicts(settings: Settings, private_redis: Server,
-                                              policy: str) -> None:
+def test_a_worker_refuses_a_redis_that_evicts(
+    settings: Settings, private_redis: Server, policy: str
+) -> None:
     url, _, _ = private_redis
     client = redis.Redis.from_url(url)
     client.config_set("maxmemory", "100mb")
@@ -34,10 +35,10 @@ def test_a_worker_refuses_a_redis_that_evicts(settings: Settings, private_redis:
     client.close()
 
 
-@pytest.mark.parametrize(("maxmemory", "policy"), [("100mb", "noeviction"),
-                                                   ("0", "allkeys-lru")])
-def test_a_redis_that_never_evicts_is_accepted(private_redis: Server, maxmemory: str,
-                                               policy: str) -> None:
+@pytest.mark.parametrize(("maxmemory", "policy"), [("100mb", "noeviction"), ("0", "allkeys-lru")])
+def test_a_redis_that_never_evicts_is_accepted(
+    private_redis: Server, maxmemory: str, policy: str
+) -> None:
     url, _, _ = private_redis
     client = redis.Redis.from_url(url)
     client.config_set("maxmemory", maxmemory)
@@ -46,8 +47,9 @@ def test_a_redis_that_never_evicts_is_accepted(private_redis: Server, maxmemory:
     client.close()
 
 
-def test_the_api_refuses_to_start_on_a_redis_that_evicts(settings: Settings,
-                                                         private_redis: Server) -> None:
+def test_the_api_refuses_to_start_on_a_redis_that_evicts(
+    settings: Settings, private_redis: Server
+) -> None:
     import asyncio
 
     from pipeline.api import create_app

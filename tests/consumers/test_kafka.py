@@ -111,8 +111,9 @@ def test_missing_topic_names_the_fix(consumer_factory: Callable[..., Consumer]) 
 
 
 def test_failed_delivery_raises_on_flush(base_settings: Settings) -> None:
-    producer = Producer(base_settings, **{"message.timeout.ms": 1000,
-                                          "bootstrap.servers": "127.0.0.1:1"})
+    producer = Producer(
+        base_settings, **{"message.timeout.ms": 1000, "bootstrap.servers": "127.0.0.1:1"}
+    )
     delivery = producer.produce("nowhere", b"x")
     with pytest.raises(DeliveryFailed):
         producer.flush(timeout=10)
@@ -144,7 +145,8 @@ def test_a_close_that_hangs_is_abandoned_at_its_deadline(base_settings: Settings
 
 
 def test_a_close_that_finishes_reports_a_clean_close(
-        consumer_factory: Callable[..., Consumer]) -> None:
+    consumer_factory: Callable[..., Consumer],
+) -> None:
     consumer = consumer_factory()
     consumer.inner.list_topics(timeout=10)
     assert consumer.close(timeout=10) is True

@@ -53,12 +53,16 @@ def test_a_new_transaction_refreshes_exactly_its_user(
     engine: Engine, redis_client: redis.Redis, tenant: str, version: int
 ) -> None:
     with engine.begin() as conn:
-        txn_id = conn.execute(sa.text(
-            "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, device_id, ip) "
-            "VALUES (:t, 7, 4321.00, 'm-new', 'd1', '11.0.16.5') RETURNING id"),
-            {"t": tenant}).scalar_one()
-    event = ChangeEvent("transactions", "c", tenant,
-                        {"tenant_id": tenant, "user_id": 7, "id": txn_id})
+        txn_id = conn.execute(
+            sa.text(
+                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, device_id, ip) "
+                "VALUES (:t, 7, 4321.00, 'm-new', 'd1', '11.0.16.5') RETURNING id"
+            ),
+            {"t": tenant},
+        ).scalar_one()
+    event = ChangeEvent(
+        "transactions", "c", tenant, {"tenant_id": tenant, "user_id": 7, "id": txn_id}
+    )
     report = make(engine, redis_client, version).apply([event])
     got = stored(redis_client, version, tenant)
     assert set(got) == {("txn_90d", "7"), ("geo", "7")}
@@ -70,8 +74,10 @@ def test_a_new_transaction_refreshes_exactly_its_user(
 def test_many_events_for_one_user_make_one_recompute(
     engine: Engine, redis_client: redis.Redis, tenant: str, version: int
 ) -> None:
-    events = [ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": 3})
-              for _ in range(100)]
+    events = [
+        ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": 3})
+        for _ in range(100)
+    ]
     report = make(engine, redis_client, version).apply(events)
     assert report.events == 100
     assert report.entries == 2  # txn_90d and geo of user 3, once each
@@ -81,12 +87,17 @@ def test_a_device_change_reaches_every_user_of_it_and_no_other(
     engine: Engine, redis_client: redis.Redis, tenant: str, version: int
 ) -> None:
     with engine.begin() as conn:
-        device, users = conn.execute(sa.text(
-            """SELECT device_id, array_agg(user_id::text ORDER BY user_id) FROM user_devices
-               WHERE tenant_id = :t GROUP BY device_id HAVING count(*) > 1 LIMIT 1"""),
-            {"t": tenant}).one()
-        conn.execute(sa.text("UPDATE devices SET risk_score = 0.99 WHERE tenant_id = :t "
-                             "AND id = :d"), {"t": tenant, "d": device})
+        device, users = conn.execute(
+            sa.text(
+                """SELECT device_id, array_agg(user_id::text ORDER BY user_id) FROM user_devices
+               WHERE tenant_id = :t GROUP BY device_id HAVING count(*) > 1 LIMIT 1"""
+            ),
+            {"t": tenant},
+        ).one()
+        conn.execute(
+            sa.text("UPDATE devices SET risk_score = 0.99 WHERE tenant_id = :t AND id = :d"),
+            {"t": tenant, "d": device},
+        )
     event = ChangeEvent("devices", "u", tenant, {"tenant_id": tenant, "id": device})
     make(engine, redis_client, version).apply([event])
     got = stored(redis_client, version, tenant)
@@ -100,8 +111,13 @@ def test_a_device_change_reaches_every_user_of_it_and_no_other(
 def test_a_transaction_that_moves_users_refreshes_both(
     engine: Engine, redis_client: redis.Redis, tenant: str, version: int
 ) -> None:
-    event = ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": 5, "id": 1},
-                        before={"tenant_id": tenant, "user_id": 6, "id": 1})
+    event = ChangeEvent(
+        "transactions",
+        "u",
+        tenant,
+        {"tenant_id": tenant, "user_id": 5, "id": 1},
+        before={"tenant_id": tenant, "user_id": 6, "id": 1},
+    )
     make(engine, redis_client, version).apply([event])
     assert {e for (_, e) in stored(redis_client, version, tenant)} == {"5", "6"}
 
@@ -110,15 +126,24 @@ def test_a_geoip_change_reaches_the_users_with_transactions_in_the_range(
     engine: Engine, redis_client: redis.Redis, tenant: str, version: int
 ) -> None:
     with engine.connect() as conn:
-        ip_from, ip_to = conn.execute(sa.text(
-            """SELECT host(g.ip_from), host(g.ip_to) FROM geoip g
+        ip_from, ip_to = conn.execute(
+            sa.text(
+                """SELECT host(g.ip_from), host(g.ip_to) FROM geoip g
                WHERE EXISTS (SELECT 1 FROM transactions x WHERE x.tenant_id = :t
-                             AND x.ip BETWEEN g.ip_from AND g.ip_to) LIMIT 1"""),
-            {"t": tenant}).one()
-        users = {str(u) for (u,) in conn.execute(sa.text(
-            "SELECT DISTINCT user_id FROM transactions WHERE tenant_id = :t "
-            "AND ip BETWEEN CAST(:a AS inet) AND CAST(:b AS inet)"),
-            {"t": tenant, "a": ip_from, "b": ip_to})}
+                             AND x.ip BETWEEN g.ip_from AND g.ip_to) LIMIT 1"""
+            ),
+            {"t": tenant},
+        ).one()
+        users = {
+            str(u)
+            for (u,) in conn.execute(
+                sa.text(
+                    "SELECT DISTINCT user_id FROM transactions WHERE tenant_id = :t "
+                    "AND ip BETWEEN CAST(:a AS inet) AND CAST(:b AS inet)"
+                ),
+                {"t": tenant, "a": ip_from, "b": ip_to},
+            )
+        }
     event = ChangeEvent("geoip", "u", None, {"ip_from": ip_from, "ip_to": ip_to})
     make(engine, redis_client, version).apply([event])
     got = stored(redis_client, version, tenant)
@@ -132,8 +157,12 @@ def test_redelivery_and_reordering_are_harmless(
     processor = make(engine, redis_client, version)
     stale = compute(engine, REGISTRY["txn_90d"], [(tenant, "9")])  # computed before the change
     with engine.begin() as conn:
-        conn.execute(sa.text("UPDATE transactions SET amount = amount * 3 WHERE tenant_id = :t "
-                             "AND user_id = 9"), {"t": tenant})
+        conn.execute(
+            sa.text(
+                "UPDATE transactions SET amount = amount * 3 WHERE tenant_id = :t AND user_id = 9"
+            ),
+            {"t": tenant},
+        )
     event = ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": 9})
     processor.apply([event])
     processor.apply([event])  # redelivered
@@ -173,8 +202,12 @@ def test_invalidations_are_published_after_the_write(
     store = FeatureStore(redis_client, version)
     store.write(compute(engine, REGISTRY["txn_90d"], [(tenant, "11")]))  # before the change
     with engine.begin() as conn:
-        conn.execute(sa.text("UPDATE transactions SET amount = amount * 3 WHERE tenant_id = :t "
-                             "AND user_id = 11"), {"t": tenant})
+        conn.execute(
+            sa.text(
+                "UPDATE transactions SET amount = amount * 3 WHERE tenant_id = :t AND user_id = 11"
+            ),
+            {"t": tenant},
+        )
     new = truth(engine, "txn_90d", tenant, ["11"])["11"]
     sub = redis_client.pubsub(ignore_subscribe_messages=True)
     sub.subscribe(INVALIDATION_CHANNEL)
@@ -182,11 +215,21 @@ def test_invalidations_are_published_after_the_write(
     # The hand-off to Kafka runs in the processor's thread as it publishes: what it
     # reads is what Redis held at that moment.
     handed_off: list[tuple[Invalidation, Entry | None]] = []
-    processor = Processor(engine, redis_client, versions=lambda: [version],
-                          publish=lambda m: handed_off.append((m, in_redis(redis_client, m))))
+    processor = Processor(
+        engine,
+        redis_client,
+        versions=lambda: [version],
+        publish=lambda m: handed_off.append((m, in_redis(redis_client, m))),
+    )
     keys = [store.key(EntityRef(name, tenant, "11")) for name in ("txn_90d", "geo")]
-    commands = executed(settings.redis_url, lambda: processor.apply([ChangeEvent(
-        "transactions", "u", tenant, {"tenant_id": tenant, "user_id": 11})]), *keys, tenant)
+    commands = executed(
+        settings.redis_url,
+        lambda: processor.apply(
+            [ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": 11})]
+        ),
+        *keys,
+        tenant,
+    )
     seen = []
     while (msg := sub.get_message(timeout=5)) is not None:
         inv = Invalidation.decode(msg["data"])
@@ -196,7 +239,9 @@ def test_invalidations_are_published_after_the_write(
             break
     sub.close()
     assert {(i.feature_set, i.entity, i.schema_version) for i in seen} == {
-        ("txn_90d", "11", version), ("geo", "11", version)}
+        ("txn_90d", "11", version),
+        ("geo", "11", version),
+    }
     assert sorted((m for m, _ in handed_off), key=str) == sorted(seen, key=str)
     for message, entry in handed_off:
         assert entry is not None, f"{message} was handed off before its entry was written"
@@ -205,8 +250,9 @@ def test_invalidations_are_published_after_the_write(
             assert entry.values == new
     # On the Redis channel: Redis ran every write of the entries before any PUBLISH.
     publishes = [i for i, c in enumerate(commands) if c.startswith("PUBLISH ")]
-    writes = [i for i, c in enumerate(commands)
-              if c.split(" ", 1)[0] not in ("PUBLISH", "GET", "MGET")]
+    writes = [
+        i for i, c in enumerate(commands) if c.split(" ", 1)[0] not in ("PUBLISH", "GET", "MGET")
+    ]
     assert publishes and writes, commands
     assert max(writes) < min(publishes), commands
 
@@ -215,8 +261,9 @@ def test_two_versions_are_written_during_a_deploy(
     engine: Engine, redis_client: redis.Redis, tenant: str, version: int
 ) -> None:
     processor = Processor(engine, redis_client, versions=lambda: [version, version + 1])
-    processor.apply([ChangeEvent("transactions", "u", tenant,
-                                 {"tenant_id": tenant, "user_id": 12})])
+    processor.apply(
+        [ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": 12})]
+    )
     assert stored(redis_client, version, tenant) == stored(redis_client, version + 1, tenant)
     assert len(stored(redis_client, version, tenant)) == 2
 
@@ -232,17 +279,23 @@ def test_a_new_device_link_refreshes_every_user_of_that_device(
     engine: Engine, redis_client: redis.Redis, tenant: str, version: int
 ) -> None:
     with engine.begin() as conn:
-        device, users = conn.execute(sa.text(
-            """SELECT device_id, array_agg(user_id::text ORDER BY user_id) FROM user_devices
-               WHERE tenant_id = :t GROUP BY device_id HAVING count(*) > 1 LIMIT 1"""),
-            {"t": tenant}).one()
-        newcomer = conn.execute(sa.text(
-            "SELECT max(id) FROM users WHERE tenant_id = :t"), {"t": tenant}).scalar_one()
-        conn.execute(sa.text("INSERT INTO user_devices VALUES (:t, :u, :d) "
-                             "ON CONFLICT DO NOTHING"),
-                     {"t": tenant, "u": newcomer, "d": device})
-    event = ChangeEvent("user_devices", "c", tenant,
-                        {"tenant_id": tenant, "user_id": newcomer, "device_id": device})
+        device, users = conn.execute(
+            sa.text(
+                """SELECT device_id, array_agg(user_id::text ORDER BY user_id) FROM user_devices
+               WHERE tenant_id = :t GROUP BY device_id HAVING count(*) > 1 LIMIT 1"""
+            ),
+            {"t": tenant},
+        ).one()
+        newcomer = conn.execute(
+            sa.text("SELECT max(id) FROM users WHERE tenant_id = :t"), {"t": tenant}
+        ).scalar_one()
+        conn.execute(
+            sa.text("INSERT INTO user_devices VALUES (:t, :u, :d) ON CONFLICT DO NOTHING"),
+            {"t": tenant, "u": newcomer, "d": device},
+        )
+    event = ChangeEvent(
+        "user_devices", "c", tenant, {"tenant_id": tenant, "user_id": newcomer, "device_id": device}
+    )
     make(engine, redis_client, version).apply([event])
     got = stored(redis_client, version, tenant)
     everyone = {*users, str(newcomer)}

@@ -28,8 +28,12 @@ FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 
 
 def test_topic_names_are_the_documented_ones() -> None:
-    assert set(DOMAIN_TOPICS) == {"transaction.created", "transaction.updated",
-                                  "device.updated", "user.updated"}
+    assert set(DOMAIN_TOPICS) == {
+        "transaction.created",
+        "transaction.updated",
+        "device.updated",
+        "user.updated",
+    }
     assert (INVALIDATIONS, DLQ) == ("freshline.invalidations", "freshline.dlq")
     assert set(MANAGED_TOPICS) == {*DOMAIN_TOPICS, INVALIDATIONS, DLQ}
     match = CDC_TOPIC_PATTERN.fullmatch("freshline.public.transactions")
@@ -70,8 +74,9 @@ def test_ensure_creates_only_the_missing(admin: AdminClient, names: list[str]) -
 
 
 def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([FRESHLINE, *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **env})
+    return subprocess.run(
+        [FRESHLINE, *args], capture_output=True, text=True, timeout=60, env={**os.environ, **env}
+    )
 
 
 def test_cli_is_idempotent(admin: AdminClient) -> None:

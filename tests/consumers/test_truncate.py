@@ -52,7 +52,9 @@ def truncate_event() -> object:
 
 
 def test_a_truncate_voids_every_entry_it_makes_stale_and_nothing_else(
-    own_engine: Engine, redis_client: redis.Redis, version: int,
+    own_engine: Engine,
+    redis_client: redis.Redis,
+    version: int,
 ) -> None:
     with own_engine.connect() as conn:
         tenant = conn.execute(sa.text("SELECT id FROM tenants")).scalar_one()

@@ -45,8 +45,12 @@ def open_change(engine: Engine, tenant: str, user: int) -> tuple[sa.Connection, 
     """An UPDATE of ``user``'s transactions, not committed; and its transaction id."""
     conn = engine.connect()
     conn.begin()
-    conn.execute(sa.text("UPDATE transactions SET amount = amount + 1000 "
-                         "WHERE tenant_id = :t AND user_id = :u"), {"t": tenant, "u": user})
+    conn.execute(
+        sa.text(
+            "UPDATE transactions SET amount = amount + 1000 WHERE tenant_id = :t AND user_id = :u"
+        ),
+        {"t": tenant, "u": user},
+    )
     txid = int(conn.execute(sa.text("SELECT pg_current_xact_id()::text::bigint")).scalar_one())
     return conn, txid
 
@@ -60,14 +64,22 @@ def test_debezium_events_keep_their_transaction_id() -> None:
 
 
 def test_a_change_not_yet_visible_is_retried_and_never_written_stale(
-    engine: Engine, redis_client: redis.Redis, tenant: str, version: int,
+    engine: Engine,
+    redis_client: redis.Redis,
+    tenant: str,
+    version: int,
 ) -> None:
     store = FeatureStore(redis_client, version)
     ref = EntityRef("txn_90d", tenant, "3")
     conn, txid = open_change(engine, tenant, 3)
     # The low 32 bits, as Debezium reports a transaction id.
-    event = ChangeEvent("transactions", "u", tenant,
-                        {"tenant_id": tenant, "user_id": 3, "id": 1}, txid=txid & 0xFFFFFFFF)
+    event = ChangeEvent(
+        "transactions",
+        "u",
+        tenant,
+        {"tenant_id": tenant, "user_id": 3, "id": 1},
+        txid=txid & 0xFFFFFFFF,
+    )
     processor = Processor(engine, redis_client, versions=lambda: [version])
     try:
         with pytest.raises(NotYetVisible) as refused:
@@ -84,7 +96,8 @@ def test_a_change_not_yet_visible_is_retried_and_never_written_stale(
 
 
 def test_compute_refuses_a_snapshot_that_cannot_see_a_named_change(
-    engine: Engine, tenant: str,
+    engine: Engine,
+    tenant: str,
 ) -> None:
     conn, txid = open_change(engine, tenant, 4)
     try:
@@ -97,7 +110,8 @@ def test_compute_refuses_a_snapshot_that_cannot_see_a_named_change(
 
 
 def test_a_snapshot_that_sees_more_has_the_greater_watermark(
-    engine: Engine, tenant: str,
+    engine: Engine,
+    tenant: str,
 ) -> None:
     # A and B both write; B ends first, so xmax moves past both. A then ends below
     # xmax: xmax stands still, and only the in-progress list shrinks.

@@ -60,26 +60,48 @@ pytestmark = pytest.mark.kafka
 
 def change_user(engine: Engine, tenant: str, user: int, factor: float = 2.0) -> None:
     with engine.begin() as conn:
-        conn.execute(sa.text("UPDATE transactions SET amount = round(amount * CAST(:f AS "
-                             "numeric), 2) WHERE tenant_id = :t AND user_id = :u"),
-                     {"f": factor, "t": tenant, "u": user})
+        conn.execute(
+            sa.text(
+                "UPDATE transactions SET amount = round(amount * CAST(:f AS "
+                "numeric), 2) WHERE tenant_id = :t AND user_id = :u"
+            ),
+            {"f": factor, "t": tenant, "u": user},
+        )
 
 
 def test_a_change_and_its_event_yield_the_recomputed_entry(
-    env: Env, engine: Engine, redis_client: redis.Redis, producer: Producer,
+    env: Env,
+    engine: Engine,
+    redis_client: redis.Redis,
+    producer: Producer,
     consumer_factory: Callable[..., Consumer],
 ) -> None:
     with engine.begin() as conn:
-        txn = conn.execute(sa.text(
-            "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
-            "VALUES (:t, 4, 999.99, 'm-x', '11.0.0.9') RETURNING id"), {"t": env.tenant}
+        txn = conn.execute(
+            sa.text(
+                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
+                "VALUES (:t, 4, 999.99, 'm-x', '11.0.0.9') RETURNING id"
+            ),
+            {"t": env.tenant},
         ).scalar_one()
     change_user(engine, env.tenant, 5)
-    emit(producer, env, TRANSACTION_CREATED,
-         {"tenant": env.tenant, "user_id": 4, "transaction_id": txn,
-          "occurred_at": "2026-12-01T10:00:00Z"})
-    emit(producer, env, TRANSACTION_UPDATED,
-         {"tenant": env.tenant, "user_id": "5", "transaction_id": 1})
+    emit(
+        producer,
+        env,
+        TRANSACTION_CREATED,
+        {
+            "tenant": env.tenant,
+            "user_id": 4,
+            "transaction_id": txn,
+            "occurred_at": "2026-12-01T10:00:00Z",
+        },
+    )
+    emit(
+        producer,
+        env,
+        TRANSACTION_UPDATED,
+        {"tenant": env.tenant, "user_id": "5", "transaction_id": 1},
+    )
     producer.flush()
     totals = Worker(env.settings).run(max_messages=2, timeout=60)
     assert (totals.consumed, totals.applied, totals.dead_lettered) == (2, 2, 0)
@@ -90,30 +112,43 @@ def test_a_change_and_its_event_yield_the_recomputed_entry(
     assert seen == {("txn_90d", "4"), ("geo", "4"), ("txn_90d", "5"), ("geo", "5")}
 
 
-def test_the_worker_folds_pending_bucket_deltas_between_batches(env: Env,
-                                                                engine: Engine) -> None:
+def test_the_worker_folds_pending_bucket_deltas_between_batches(env: Env, engine: Engine) -> None:
     """The triggers append bucket deltas; a consumer's fold thread folds them into the
     buckets when it starts and then every interval, with nothing consumed."""
     with engine.begin() as conn:
-        conn.execute(sa.text(
-            "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, created_at) "
-            "VALUES (:t, 6, 12.5, 'm-fold', now() - interval '1 day')"), {"t": env.tenant})
-    pending = sa.text("SELECT count(*) FROM txn_bucket_deltas WHERE tenant_id = :t "
-                      "AND user_id = 6")
+        conn.execute(
+            sa.text(
+                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, created_at) "
+                "VALUES (:t, 6, 12.5, 'm-fold', now() - interval '1 day')"
+            ),
+            {"t": env.tenant},
+        )
+    pending = sa.text("SELECT count(*) FROM txn_bucket_deltas WHERE tenant_id = :t AND user_id = 6")
     with engine.connect() as conn:
         assert conn.execute(pending, {"t": env.tenant}).scalar_one() >= 1
     settings = env.settings.model_copy(update={"bucket_fold_interval_ms": 60_000})
     Worker(settings).run(idle_timeout=0.2, timeout=60)
     with engine.connect() as conn:
         assert conn.execute(pending, {"t": env.tenant}).scalar_one() == 0
-        assert conn.execute(sa.text(
-            "SELECT count(*) FROM txn_bucket_members WHERE tenant_id = :t AND user_id = 6 "
-            "AND member = 'm-fold'"), {"t": env.tenant}).scalar_one() == 1
+        assert (
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM txn_bucket_members WHERE tenant_id = :t AND user_id = 6 "
+                    "AND member = 'm-fold'"
+                ),
+                {"t": env.tenant},
+            ).scalar_one()
+            == 1
+        )
 
 
 def test_bad_input_is_dead_lettered_with_its_reason_and_nothing_is_lost(
-    env: Env, engine: Engine, redis_client: redis.Redis, producer: Producer,
-    consumer_factory: Callable[..., Consumer], admin: AdminClient,
+    env: Env,
+    engine: Engine,
+    redis_client: redis.Redis,
+    producer: Producer,
+    consumer_factory: Callable[..., Consumer],
+    admin: AdminClient,
 ) -> None:
     unknown = env.topic("freshline.public.payments")  # a CDC topic of an unknown table
     ensure(admin, 1, topics=[unknown])
@@ -159,8 +194,13 @@ def test_bad_input_is_dead_lettered_with_its_reason_and_nothing_is_lost(
 
 
 def _group_caught_up(settings: Settings, topics: list[str]) -> bool:
-    probe = RawConsumer({"bootstrap.servers": settings.kafka_bootstrap,
-                         "group.id": settings.consumer_group, "enable.auto.commit": False})
+    probe = RawConsumer(
+        {
+            "bootstrap.servers": settings.kafka_bootstrap,
+            "group.id": settings.consumer_group,
+            "enable.auto.commit": False,
+        }
+    )
     try:
         parts = [TopicPartition(t, p) for t in topics for p in range(PARTITIONS)]
         committed = probe.committed(parts, timeout=10)
@@ -175,14 +215,20 @@ def _group_caught_up(settings: Settings, topics: list[str]) -> bool:
 
 def _spawn(env: Env, log: Path) -> subprocess.Popen[bytes]:
     s = env.settings
-    child_env = {**os.environ,
-                 "FRESHLINE_POSTGRES_URL": s.postgres_url, "FRESHLINE_REDIS_URL": s.redis_url,
-                 "FRESHLINE_TOPIC_PREFIX": s.topic_prefix, "FRESHLINE_SCHEMA_VERSION":
-                 str(s.schema_version), "FRESHLINE_CONSUMER_GROUP": s.consumer_group,
-                 "FRESHLINE_BATCH_MAX_EVENTS": "50", "FRESHLINE_BATCH_MAX_WAIT_MS": "20"}
+    child_env = {
+        **os.environ,
+        "FRESHLINE_POSTGRES_URL": s.postgres_url,
+        "FRESHLINE_REDIS_URL": s.redis_url,
+        "FRESHLINE_TOPIC_PREFIX": s.topic_prefix,
+        "FRESHLINE_SCHEMA_VERSION": str(s.schema_version),
+        "FRESHLINE_CONSUMER_GROUP": s.consumer_group,
+        "FRESHLINE_BATCH_MAX_EVENTS": "50",
+        "FRESHLINE_BATCH_MAX_WAIT_MS": "20",
+    }
     with log.open("ab") as sink:  # a file, not a pipe: a full pipe would block the child
-        return subprocess.Popen([FRESHLINE, "consume", "--metrics-port", "0"], env=child_env,
-                                stdout=sink, stderr=sink)
+        return subprocess.Popen(
+            [FRESHLINE, "consume", "--metrics-port", "0"], env=child_env, stdout=sink, stderr=sink
+        )
 
 
 def _burst(engine: Engine, producer: Producer, env: Env, events: int) -> set[int]:
@@ -193,9 +239,13 @@ def _burst(engine: Engine, producer: Producer, env: Env, events: int) -> set[int
         if i % 10 == 0:
             change_user(engine, env.tenant, user, 1.01)
         touched.add(user)
-        emit(producer, env, TRANSACTION_UPDATED,
-             {"tenant": env.tenant, "user_id": user, "transaction_id": i},
-             f"{env.tenant}:{user}".encode())
+        emit(
+            producer,
+            env,
+            TRANSACTION_UPDATED,
+            {"tenant": env.tenant, "user_id": user, "transaction_id": i},
+            f"{env.tenant}:{user}".encode(),
+        )
     producer.flush()
     return touched
 
@@ -205,7 +255,11 @@ def _stored_count(client: redis.Redis, env: Env) -> int:
 
 
 def test_sigkill_mid_stream_then_restart_converges(
-    env: Env, engine: Engine, redis_client: redis.Redis, producer: Producer, tmp_path: Path,
+    env: Env,
+    engine: Engine,
+    redis_client: redis.Redis,
+    producer: Producer,
+    tmp_path: Path,
 ) -> None:
     log = tmp_path / "consumer.log"
     touched = _burst(engine, producer, env, 3000)
@@ -217,17 +271,25 @@ def test_sigkill_mid_stream_then_restart_converges(
     finally:
         if first.poll() is None:
             first.kill()
-    assert not _group_caught_up(env.settings, [env.topic(TRANSACTION_UPDATED)]), \
+    assert not _group_caught_up(env.settings, [env.topic(TRANSACTION_UPDATED)]), (
         "the consumer finished before it was killed; the test proves nothing"
+    )
     # More changes land while it is down.
     change_user(engine, env.tenant, 3, 3.0)
-    emit(producer, env, TRANSACTION_UPDATED, {"tenant": env.tenant, "user_id": 3,
-                                              "transaction_id": 1})
+    emit(
+        producer,
+        env,
+        TRANSACTION_UPDATED,
+        {"tenant": env.tenant, "user_id": 3, "transaction_id": 1},
+    )
     producer.flush()
     second = _spawn(env, log)
     try:
-        wait_for(lambda: _group_caught_up(env.settings, [env.topic(TRANSACTION_UPDATED)]),
-                 "the restarted consumer to catch up", deadline_s=120)
+        wait_for(
+            lambda: _group_caught_up(env.settings, [env.topic(TRANSACTION_UPDATED)]),
+            "the restarted consumer to catch up",
+            deadline_s=120,
+        )
     finally:
         second.send_signal(signal.SIGTERM)
         second.wait(timeout=60)
@@ -236,12 +298,17 @@ def test_sigkill_mid_stream_then_restart_converges(
 
 
 def test_two_processes_in_one_group_split_the_partitions(
-    env: Env, engine: Engine, redis_client: redis.Redis, producer: Producer,
-    admin: AdminClient, tmp_path: Path,
+    env: Env,
+    engine: Engine,
+    redis_client: redis.Redis,
+    producer: Producer,
+    admin: AdminClient,
+    tmp_path: Path,
 ) -> None:
     log = tmp_path / "consumers.log"
     procs = [_spawn(env, log), _spawn(env, log)]
     try:
+
         def both_assigned() -> bool:
             group = admin.describe_consumer_groups([env.settings.consumer_group])
             desc = group[env.settings.consumer_group].result()
@@ -250,8 +317,11 @@ def test_two_processes_in_one_group_split_the_partitions(
 
         wait_for(both_assigned, "both consumers to own partitions", deadline_s=90)
         touched = _burst(engine, producer, env, 600)
-        wait_for(lambda: _group_caught_up(env.settings, [env.topic(TRANSACTION_UPDATED)]),
-                 "the group to catch up", deadline_s=120)
+        wait_for(
+            lambda: _group_caught_up(env.settings, [env.topic(TRANSACTION_UPDATED)]),
+            "the group to catch up",
+            deadline_s=120,
+        )
         assert_redis_equals_postgres(engine, redis_client, env, touched)
     finally:
         for p in procs:
@@ -262,21 +332,26 @@ def test_two_processes_in_one_group_split_the_partitions(
 
 
 def test_redis_down_pauses_and_retries_and_dead_letters_nothing(
-    env: Env, engine: Engine, producer: Producer,
+    env: Env,
+    engine: Engine,
+    producer: Producer,
     private_redis: tuple[str, Callable[[], None], Callable[[], None]],
 ) -> None:
     """A real outage: the consumer's own redis-server is stopped, then started again."""
     url, stop, start = private_redis
     settings = env.settings.model_copy(update={"redis_url": url})
     for user in (1, 2, 3):
-        emit(producer, env, TRANSACTION_UPDATED,
-             {"tenant": env.tenant, "user_id": user, "transaction_id": user})
+        emit(
+            producer,
+            env,
+            TRANSACTION_UPDATED,
+            {"tenant": env.tenant, "user_id": user, "transaction_id": user},
+        )
     producer.flush()
     stop()
     worker = Worker(settings)
     done: list[object] = []
-    runner = threading.Thread(target=lambda: done.append(worker.run(max_messages=3,
-                                                                    timeout=120)))
+    runner = threading.Thread(target=lambda: done.append(worker.run(max_messages=3, timeout=120)))
     runner.start()
     wait_for(lambda: worker.totals.retries >= 2, "the consumer to retry while Redis is down")
     assert (worker.totals.applied, worker.totals.dead_lettered) == (0, 0)

@@ -63,8 +63,9 @@ class Running:
 
 def committed(group: str, bootstrap: str, topic: str) -> list[int]:
     """The group's committed offset per partition of ``topic`` (negative: none)."""
-    raw = RawConsumer({"bootstrap.servers": bootstrap, "group.id": group,
-                       "enable.auto.commit": False})
+    raw = RawConsumer(
+        {"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False}
+    )
     try:
         parts = raw.committed([TopicPartition(topic, p) for p in range(PARTITIONS)], timeout=10)
         return [tp.offset for tp in parts]
@@ -73,26 +74,44 @@ def committed(group: str, bootstrap: str, topic: str) -> list[int]:
 
 
 def set_topic_max_bytes(admin: AdminClient, topic: str, value: int) -> None:
-    resource = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[
-        ConfigEntry("max.message.bytes", str(value),
-                    incremental_operation=AlterConfigOpType.SET)])
+    resource = ConfigResource(
+        ConfigResource.Type.TOPIC,
+        topic,
+        incremental_configs=[
+            ConfigEntry(
+                "max.message.bytes", str(value), incremental_operation=AlterConfigOpType.SET
+            )
+        ],
+    )
     for future in admin.incremental_alter_configs([resource]).values():
         future.result()
 
 
 def test_a_record_too_big_to_dead_letter_whole_is_cut_and_the_stream_goes_on(
-    env: Env, engine: Engine, redis_client: redis.Redis,
+    env: Env,
+    engine: Engine,
+    redis_client: redis.Redis,
     consumer_factory: Callable[..., Consumer],
 ) -> None:
     # Big enough that the broker takes it, too big to take it again with the
     # dead-letter headers added (the broker's limit is 1,048,588 bytes a record).
     huge = b'{"tenant": "' + b"x" * 1_048_400 + b'"}'
     with Producer(env.settings, **{"message.max.bytes": 2_000_000}) as big:
-        emit(big, env, TRANSACTION_UPDATED,
-             {"tenant": env.tenant, "user_id": 3, "transaction_id": 1}, b"k")
+        emit(
+            big,
+            env,
+            TRANSACTION_UPDATED,
+            {"tenant": env.tenant, "user_id": 3, "transaction_id": 1},
+            b"k",
+        )
         big.produce(env.topic(TRANSACTION_UPDATED), huge, b"k")
-        emit(big, env, TRANSACTION_UPDATED,
-             {"tenant": env.tenant, "user_id": 4, "transaction_id": 2}, b"k")
+        emit(
+            big,
+            env,
+            TRANSACTION_UPDATED,
+            {"tenant": env.tenant, "user_id": 4, "transaction_id": 2},
+            b"k",
+        )
         big.flush()
     worker = Worker(env.settings, topics=[env.topic(TRANSACTION_UPDATED)])
     totals = worker.run(max_messages=3, timeout=60)
@@ -108,7 +127,9 @@ def test_a_record_too_big_to_dead_letter_whole_is_cut_and_the_stream_goes_on(
 
 
 def test_a_dead_letter_topic_that_refuses_writes_is_retried_and_nothing_is_skipped(
-    env: Env, admin: AdminClient, producer: Producer,
+    env: Env,
+    admin: AdminClient,
+    producer: Producer,
     consumer_factory: Callable[..., Consumer],
 ) -> None:
     dlq = env.topic(DLQ)
@@ -118,16 +139,25 @@ def test_a_dead_letter_topic_that_refuses_writes_is_retried_and_nothing_is_skipp
     worker = Worker(env.settings, topics=[env.topic(TRANSACTION_UPDATED)])
     running = Running(worker, timeout=120)
     try:
-        wait_for(lambda: worker.totals.retries >= 2 or running.error is not None,
-                 "the worker to retry the refused dead letter")
+        wait_for(
+            lambda: worker.totals.retries >= 2 or running.error is not None,
+            "the worker to retry the refused dead letter",
+        )
         assert running.error is None, f"the worker died: {running.error!r}"
         assert worker.totals.consumed == 0  # the batch is still in hand, uncommitted
-        assert all(o < 0 for o in committed(env.settings.consumer_group,
-                                            env.settings.kafka_bootstrap,
-                                            env.topic(TRANSACTION_UPDATED)))
+        assert all(
+            o < 0
+            for o in committed(
+                env.settings.consumer_group,
+                env.settings.kafka_bootstrap,
+                env.topic(TRANSACTION_UPDATED),
+            )
+        )
         set_topic_max_bytes(admin, dlq, BROKER_DEFAULT_MAX_MESSAGE_BYTES)
-        wait_for(lambda: worker.totals.consumed == 1 or running.error is not None,
-                 "the batch to complete once the topic takes writes again")
+        wait_for(
+            lambda: worker.totals.consumed == 1 or running.error is not None,
+            "the batch to complete once the topic takes writes again",
+        )
     finally:
         running.stop()
     assert worker.totals.dead_lettered == 1
@@ -136,7 +166,9 @@ def test_a_dead_letter_topic_that_refuses_writes_is_retried_and_nothing_is_skipp
 
 
 def test_a_commit_refused_by_a_rebalance_is_not_fatal(
-    env: Env, producer: Producer, consumer_factory: Callable[..., Consumer],
+    env: Env,
+    producer: Producer,
+    consumer_factory: Callable[..., Consumer],
     topic_factory: Callable[..., str],
 ) -> None:
     topic = topic_factory("rebalance", partitions=2)
@@ -145,47 +177,61 @@ def test_a_commit_refused_by_a_rebalance_is_not_fatal(
     producer.flush()
     group = f"test-{uuid.uuid4().hex[:10]}"
     # The shortest poll interval librdkafka allows with the broker's minimum session.
-    first = consumer_factory(group, **{"session.timeout.ms": 6000,
-                                       "max.poll.interval.ms": 6000})
+    first = consumer_factory(group, **{"session.timeout.ms": 6000, "max.poll.interval.ms": 6000})
     first.subscribe([topic])
     batch: list[object] = []
-    wait_for(lambda: bool(batch.extend(first.consume(10, timeout=0.2)) or len(batch) == 2),
-             "the first member's batch")
+    wait_for(
+        lambda: bool(batch.extend(first.consume(10, timeout=0.2)) or len(batch) == 2),
+        "the first member's batch",
+    )
     # The first member stops polling (a long batch): it leaves the group, and a second
     # member takes its partitions. Its pending commit is then refused.
     second = consumer_factory(group)
     second.subscribe([topic])
-    wait_for(lambda: second.poll(0.2) is not None or len(second.assignment()) == 2,
-             "the second member to own both partitions")
+    wait_for(
+        lambda: second.poll(0.2) is not None or len(second.assignment()) == 2,
+        "the second member to own both partitions",
+    )
     assert first.commit(batch) == []  # type: ignore[arg-type]
 
 
 @pytest.fixture
 def worker_on_private_redis(
-    env: Env, private_redis: tuple[str, Callable[[], None], Callable[[], None]],
+    env: Env,
+    private_redis: tuple[str, Callable[[], None], Callable[[], None]],
 ) -> Iterator[tuple[Worker, Callable[[], None], Callable[[], None]]]:
     url, stop, start = private_redis
-    worker = Worker(env.settings.model_copy(update={"redis_url": url}),
-                    topics=[env.topic(TRANSACTION_UPDATED)])
+    worker = Worker(
+        env.settings.model_copy(update={"redis_url": url}), topics=[env.topic(TRANSACTION_UPDATED)]
+    )
     yield worker, stop, start
 
 
 def test_a_partition_assigned_during_a_retry_loses_no_record(
-    env: Env, engine: Engine, producer: Producer, consumer_factory: Callable[..., Consumer],
+    env: Env,
+    engine: Engine,
+    producer: Producer,
+    consumer_factory: Callable[..., Consumer],
     worker_on_private_redis: tuple[Worker, Callable[[], None], Callable[[], None]],
 ) -> None:
     worker, stop_redis, start_redis = worker_on_private_redis
     users = set(range(1, 41))
     for user in sorted(users):
-        emit(producer, env, TRANSACTION_UPDATED,
-             {"tenant": env.tenant, "user_id": user, "transaction_id": user},
-             str(user).encode())
+        emit(
+            producer,
+            env,
+            TRANSACTION_UPDATED,
+            {"tenant": env.tenant, "user_id": user, "transaction_id": user},
+            str(user).encode(),
+        )
     producer.flush()
     # Another member of the group holds some partitions; it reads without committing.
     other = consumer_factory(env.settings.consumer_group)
     other.subscribe([env.topic(TRANSACTION_UPDATED)])
-    wait_for(lambda: other.poll(0.1) is not None or len(other.assignment()) == PARTITIONS,
-             "the other member's assignment")
+    wait_for(
+        lambda: other.poll(0.1) is not None or len(other.assignment()) == PARTITIONS,
+        "the other member's assignment",
+    )
     stop_redis()
     running = Running(worker, timeout=180)
     leaving = threading.Event()
@@ -197,20 +243,30 @@ def test_a_partition_assigned_during_a_retry_loses_no_record(
     poller = threading.Thread(target=keep_polling, daemon=True)
     poller.start()
     try:
-        wait_for(lambda: worker.totals.retries >= 1 or running.error is not None,
-                 "the worker to retry its batch while Redis is down")
+        wait_for(
+            lambda: worker.totals.retries >= 1 or running.error is not None,
+            "the worker to retry its batch while Redis is down",
+        )
         # The other member leaves: its partitions move to the worker mid-retry.
         leaving.set()
         poller.join(10)
         other.close()
-        wait_for(lambda: len(worker.consumer.assignment()) == PARTITIONS,
-                 "the worker to own every partition", deadline_s=60)
+        wait_for(
+            lambda: len(worker.consumer.assignment()) == PARTITIONS,
+            "the worker to own every partition",
+            deadline_s=60,
+        )
         retries = worker.totals.retries
-        wait_for(lambda: worker.totals.retries >= retries + 2,
-                 "the worker to poll through two more retries")
+        wait_for(
+            lambda: worker.totals.retries >= retries + 2,
+            "the worker to poll through two more retries",
+        )
         start_redis()
-        wait_for(lambda: worker.totals.applied >= len(users) or running.error is not None,
-                 f"all {len(users)} events applied", deadline_s=60)
+        wait_for(
+            lambda: worker.totals.applied >= len(users) or running.error is not None,
+            f"all {len(users)} events applied",
+            deadline_s=60,
+        )
     finally:
         running.stop()
     client = redis.Redis.from_url(worker.settings.redis_url)
@@ -223,14 +279,18 @@ def test_a_partition_assigned_during_a_retry_loses_no_record(
 def end_offsets(bootstrap: str, topic: str) -> list[int]:
     raw = RawConsumer({"bootstrap.servers": bootstrap, "group.id": "test-watermarks"})
     try:
-        return [raw.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
-                for p in range(PARTITIONS)]
+        return [
+            raw.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+            for p in range(PARTITIONS)
+        ]
     finally:
         raw.close()
 
 
 def test_a_partition_paused_for_a_retry_then_revoked_is_read_when_it_comes_back(
-    env: Env, producer: Producer, consumer_factory: Callable[..., Consumer],
+    env: Env,
+    producer: Producer,
+    consumer_factory: Callable[..., Consumer],
     worker_on_private_redis: tuple[Worker, Callable[[], None], Callable[[], None]],
 ) -> None:
     # librdkafka keeps a partition's pause across a revoke and a later assignment: a
@@ -239,9 +299,13 @@ def test_a_partition_paused_for_a_retry_then_revoked_is_read_when_it_comes_back(
     topic = env.topic(TRANSACTION_UPDATED)
     group = env.settings.consumer_group
     for user in range(1, 41):
-        emit(producer, env, TRANSACTION_UPDATED,
-             {"tenant": env.tenant, "user_id": user, "transaction_id": user},
-             str(user).encode())
+        emit(
+            producer,
+            env,
+            TRANSACTION_UPDATED,
+            {"tenant": env.tenant, "user_id": user, "transaction_id": user},
+            str(user).encode(),
+        )
     producer.flush()
     stop_redis()
     running = Running(worker, timeout=240)
@@ -255,31 +319,47 @@ def test_a_partition_paused_for_a_retry_then_revoked_is_read_when_it_comes_back(
 
     poller = threading.Thread(target=keep_polling, daemon=True)
     try:
-        wait_for(lambda: worker.totals.retries >= 1 or running.error is not None,
-                 "the worker to pause every partition for a retry (Redis down)")
+        wait_for(
+            lambda: worker.totals.retries >= 1 or running.error is not None,
+            "the worker to pause every partition for a retry (Redis down)",
+        )
         assert len(worker.consumer.assignment()) == PARTITIONS
         # A second member joins mid-retry: the worker gives up paused partitions.
         poller.start()
-        wait_for(lambda: 0 < len(worker.consumer.assignment()) < PARTITIONS,
-                 "the worker to hand partitions to the new member", deadline_s=60)
+        wait_for(
+            lambda: 0 < len(worker.consumer.assignment()) < PARTITIONS,
+            "the worker to hand partitions to the new member",
+            deadline_s=60,
+        )
         retries = worker.totals.retries
-        wait_for(lambda: worker.totals.retries >= retries + 1,
-                 "the worker to end one more wait after the rebalance")
+        wait_for(
+            lambda: worker.totals.retries >= retries + 1,
+            "the worker to end one more wait after the rebalance",
+        )
         start_redis()
-        wait_for(lambda: worker.totals.batches >= 1 or running.error is not None,
-                 "the worker to finish the retried batch once Redis is back")
+        wait_for(
+            lambda: worker.totals.batches >= 1 or running.error is not None,
+            "the worker to finish the retried batch once Redis is back",
+        )
         # The new member leaves, without committing: its partitions come back while the
         # worker is between retries.
         leaving.set()
         poller.join(10)
         other.close()
-        wait_for(lambda: len(worker.consumer.assignment()) == PARTITIONS,
-                 "the worker to own every partition again", deadline_s=60)
+        wait_for(
+            lambda: len(worker.consumer.assignment()) == PARTITIONS,
+            "the worker to own every partition again",
+            deadline_s=60,
+        )
         ends = end_offsets(env.settings.kafka_bootstrap, topic)
-        wait_for(lambda: committed(group, env.settings.kafka_bootstrap, topic) == ends
-                 or running.error is not None,
-                 f"the worker to read and commit every partition to its end {ends}",
-                 deadline_s=60)
+        wait_for(
+            lambda: (
+                committed(group, env.settings.kafka_bootstrap, topic) == ends
+                or running.error is not None
+            ),
+            f"the worker to read and commit every partition to its end {ends}",
+            deadline_s=60,
+        )
     finally:
         leaving.set()
         running.stop()

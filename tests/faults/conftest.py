@@ -43,7 +43,8 @@ HERE = Path(__file__).resolve().parent
 def _asked(config: pytest.Config) -> bool:
     markexpr = str(config.getoption("markexpr", "") or "")
     return bool(os.environ.get(PROFILE_ENV)) or (
-        "faults" in markexpr and "not faults" not in markexpr)
+        "faults" in markexpr and "not faults" not in markexpr
+    )
 
 
 def chosen_profile() -> Profile:
@@ -56,8 +57,9 @@ def chosen_cases() -> list[Case]:
     only = [s.strip() for s in os.environ.get(ONLY_ENV, "").split(",") if s.strip()]
     unknown = [s for s in only if s not in SCENARIOS]
     if unknown:
-        raise pytest.UsageError(f"{ONLY_ENV}: unknown scenario(s) {', '.join(unknown)}; "
-                                f"known: {', '.join(SCENARIOS)}")
+        raise pytest.UsageError(
+            f"{ONLY_ENV}: unknown scenario(s) {', '.join(unknown)}; known: {', '.join(SCENARIOS)}"
+        )
     names = only or [n for n, s in SCENARIOS.items() if prof.every_scenario or s.short]
     base = int(os.environ.get(SEED_ENV) or DEFAULT_SEED)
     return [(n, s) for n in names for s in seeds(prof, base)]
@@ -72,8 +74,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _asked(config):
         return
-    skip = pytest.mark.skip(reason="fault-injection suite: run with -m faults or "
-                                   f"{PROFILE_ENV}=short|long")
+    skip = pytest.mark.skip(
+        reason=f"fault-injection suite: run with -m faults or {PROFILE_ENV}=short|long"
+    )
     for item in items:
         if item.get_closest_marker("faults") is not None:
             item.add_marker(skip)
@@ -95,8 +98,11 @@ def faults_profile() -> Profile:
 @pytest.fixture(scope="session")
 def fault_env(request: pytest.FixtureRequest, faults_profile: Profile) -> Iterator[FaultEnv]:
     """The private stack, ready for every case this session runs (one tenant per case)."""
-    cases = [item.callspec.params["case"] for item in request.session.items
-             if hasattr(item, "callspec") and "case" in item.callspec.params]
+    cases = [
+        item.callspec.params["case"]
+        for item in request.session.items
+        if hasattr(item, "callspec") and "case" in item.callspec.params
+    ]
     directory = ROOT / ".stack" / "faults" / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     stack = PrivateStack.allocate(directory)
     env: FaultEnv | None = None

@@ -77,21 +77,36 @@ class FaultEnv:
         engine = make_engine(settings, pool_size=4)
         tenants: dict[Case, str] = {}
         for i, (name, case_seed) in enumerate(cases, 1):
-            summary = seed(engine, users=profile.users, transactions=profile.transactions,
-                           seed=case_seed, tenant_prefix=f"c{i}s{case_seed}-")
+            summary = seed(
+                engine,
+                users=profile.users,
+                transactions=profile.transactions,
+                seed=case_seed,
+                tenant_prefix=f"c{i}s{case_seed}-",
+            )
             tenants[(name, case_seed)] = summary.tenants[0]
         _clear_edges(engine)
         stack.freshline("cdc", "register", "--wait", "120")
         toxi = Toxiproxy(stack.toxiproxy_url)
         redis_port, pg_port = free_ports(2)
         proxies = {
-            "redis": toxi.create("redis", listen=redis_port,
-                                 upstream=f"127.0.0.1:{stack.ports['redis']}"),
-            "postgres": toxi.create("postgres", listen=pg_port,
-                                    upstream=f"127.0.0.1:{stack.ports['pg']}"),
+            "redis": toxi.create(
+                "redis", listen=redis_port, upstream=f"127.0.0.1:{stack.ports['redis']}"
+            ),
+            "postgres": toxi.create(
+                "postgres", listen=pg_port, upstream=f"127.0.0.1:{stack.ports['pg']}"
+            ),
         }
-        return cls(stack, settings, engine, redis_client(settings),
-                   admin_client(settings), toxi, proxies, tenants)
+        return cls(
+            stack,
+            settings,
+            engine,
+            redis_client(settings),
+            admin_client(settings),
+            toxi,
+            proxies,
+            tenants,
+        )
 
     def close(self) -> None:
         self.redis.close()
@@ -123,18 +138,22 @@ def _clear_edges(engine: Engine) -> None:
     they were about to leave anyway), before the connector exists, so no event is made.
     """
     with engine.begin() as conn:
-        conn.execute(sa.text(f"""
+        conn.execute(
+            sa.text(f"""
             UPDATE transactions
                SET created_at = created_at - interval '{HORIZON}',
                    updated_at = updated_at - interval '{HORIZON}'
              WHERE (created_at > now() - interval '90 days'
                     AND created_at <= now() - interval '90 days' + interval '{HORIZON}')
                 OR (created_at > now() - interval '30 days'
-                    AND created_at <= now() - interval '30 days' + interval '{HORIZON}')"""))
-        conn.execute(sa.text(f"""
+                    AND created_at <= now() - interval '30 days' + interval '{HORIZON}')""")
+        )
+        conn.execute(
+            sa.text(f"""
             UPDATE devices SET first_seen = first_seen - interval '{HORIZON}'
              WHERE first_seen > now() - interval '24 hours'
-               AND first_seen <= now() - interval '24 hours' + interval '{HORIZON}'"""))
+               AND first_seen <= now() - interval '24 hours' + interval '{HORIZON}'""")
+        )
 
 
 @dataclass
@@ -202,8 +221,9 @@ class Run:
         """The group has ``members`` members, each owning some of all its partitions."""
         return _spread(self.env, self.fleet.group, members, self.partitions)
 
-    def produce(self, topic: str, value: bytes, key: bytes | None = None,
-                **overrides: object) -> Produced:
+    def produce(
+        self, topic: str, value: bytes, key: bytes | None = None, **overrides: object
+    ) -> Produced:
         """Produce one record of the scenario's own onto a domain topic (``overrides``:
         producer settings) and count it as produced, so the oracle accounts for it."""
         settings = self.env.settings
@@ -214,8 +234,9 @@ class Run:
             raise RuntimeError(f"the broker did not acknowledge the record on {topic}")
         return Produced(delivery.topic, delivery.partition, delivery.offset)
 
-    def catch_mid_batch(self, member: Member, *, leave_stopped: bool = False,
-                        deadline_s: float = 30.0) -> bool:
+    def catch_mid_batch(
+        self, member: Member, *, leave_stopped: bool = False, deadline_s: float = 30.0
+    ) -> bool:
         """Freeze ``member`` (SIGSTOP) at a moment it holds an uncounted batch.
 
         Samples: stop it, read its counters from the shared files, and if it is between
@@ -253,8 +274,10 @@ def _spread(env: FaultEnv, group: str, members: int, partitions: int) -> bool:
     return len(owned) == members and sum(owned) == partitions and all(owned)
 
 
-NOISE = re.compile(r"Connect to ipv4|_TRANSPORT|brokers are down|Disconnected|"
-                   r"Coordinator load in progress: retrying|_ALL_BROKERS_DOWN")
+NOISE = re.compile(
+    r"Connect to ipv4|_TRANSPORT|brokers are down|Disconnected|"
+    r"Coordinator load in progress: retrying|_ALL_BROKERS_DOWN"
+)
 
 
 def _interesting(text: str) -> str:
@@ -262,13 +285,18 @@ def _interesting(text: str) -> str:
     (librdkafka's reconnection chatter left out)."""
     lines = text.splitlines()
     fatal = [line for line in lines if line.startswith("error:") or "Traceback" in line]
-    keep = [line for line in lines if not NOISE.search(line)
-            and re.search(r"error|critical|exception|warning", line, re.IGNORECASE)]
+    keep = [
+        line
+        for line in lines
+        if not NOISE.search(line)
+        and re.search(r"error|critical|exception|warning", line, re.IGNORECASE)
+    ]
     return "\n".join(dict.fromkeys(fatal + keep[-LOG_LINES:]))
 
 
-def run_case(env: FaultEnv, scenario: Scenario, case_seed: int, profile: Profile,
-             directory: Path) -> CaseResult:
+def run_case(
+    env: FaultEnv, scenario: Scenario, case_seed: int, profile: Profile, directory: Path
+) -> CaseResult:
     """Run ``scenario`` with ``case_seed``; the oracle's verdict as a :class:`CaseResult`."""
     started = time.monotonic()
     settings = env.settings
@@ -288,12 +316,16 @@ def run_case(env: FaultEnv, scenario: Scenario, case_seed: int, profile: Profile
     try:
         producer = Producer(settings)
         workload = Workload(env.engine, producer, tenant, case_seed)
-        run = Run(env, scenario, case_seed, fleet, workload, profile.changes, history,
-                  len(partitions))
+        run = Run(
+            env, scenario, case_seed, fleet, workload, profile.changes, history, len(partitions)
+        )
         for _ in range(scenario.consumers):
             fleet.spawn(run.consumer_settings())
-        oracle.wait(lambda: _spread(env, group, scenario.consumers, len(partitions)),
-                    "the consumers to join and share every partition", 120)
+        oracle.wait(
+            lambda: _spread(env, group, scenario.consumers, len(partitions)),
+            "the consumers to join and share every partition",
+            120,
+        )
         run.note(f"{scenario.consumers} consumers own {len(partitions)} partitions")
         thread = workload.start(profile.changes, profile.rate)
         try:
@@ -306,22 +338,51 @@ def run_case(env: FaultEnv, scenario: Scenario, case_seed: int, profile: Profile
             workload.stop()
             verdict.failures.append(f"workload did not finish: {workload.error!r}")
         producer.close(timeout=60)
-        run.note(f"workload done: {workload.report.changes} changes, "
-                 f"{workload.report.events} events")
+        run.note(
+            f"workload done: {workload.report.changes} changes, {workload.report.events} events"
+        )
         try:
             with env.engine.connect() as conn:
                 end_lsn = str(conn.execute(sa.text("SELECT pg_current_wal_lsn()")).scalar())
-            oracle.quiesce(settings, fleet, start, dict(workload.cdc_expected), QUIESCE_S,
-                           env.engine, names(settings).slot, end_lsn)
+            oracle.quiesce(
+                settings,
+                fleet,
+                start,
+                dict(workload.cdc_expected),
+                QUIESCE_S,
+                env.engine,
+                names(settings).slot,
+                end_lsn,
+            )
             run.note("quiesced")
         except oracle.NotQuiesced as exc:
             verdict.failures.append(f"quiesce: {exc}")
         for check, args in (
-            (oracle.check_values, (env.engine, env.redis, settings, workload.touched, tenant,
-                                   verdict, workload.last_change)),
-            (oracle.check_accounting, (settings, fleet, start, workload.produced,
-                                       dict(workload.cdc_expected), dlq_start, verdict,
-                                       scenario.expect_dead_letter)),
+            (
+                oracle.check_values,
+                (
+                    env.engine,
+                    env.redis,
+                    settings,
+                    workload.touched,
+                    tenant,
+                    verdict,
+                    workload.last_change,
+                ),
+            ),
+            (
+                oracle.check_accounting,
+                (
+                    settings,
+                    fleet,
+                    start,
+                    workload.produced,
+                    dict(workload.cdc_expected),
+                    dlq_start,
+                    verdict,
+                    scenario.expect_dead_letter,
+                ),
+            ),
             (oracle.check_ttls, (env.redis, verdict)),
             (oracle.check_processes, (fleet, verdict)),
         ):
@@ -339,27 +400,44 @@ def run_case(env: FaultEnv, scenario: Scenario, case_seed: int, profile: Profile
             # A bounded close that gave up (librdkafka 4674) still exits 0: every applied
             # offset was committed. Said in the history, so a run shows how often.
             if m.name in codes and ABANDONED_CLOSE in m.log_tail(60):
-                history.append(f"{m.name}: Kafka consumer close abandoned after its bound "
-                               f"(librdkafka 4674); exited {codes[m.name]}")
+                history.append(
+                    f"{m.name}: Kafka consumer close abandoned after its bound "
+                    f"(librdkafka 4674); exited {codes[m.name]}"
+                )
         restarted = env.heal()
         if restarted:
             history.append(f"after the case: restarted {', '.join(restarted)}")
     logs = ""
     if not verdict.passed:
-        parts = [f"--- {m.name} ({m.log.name}) ---\n{_interesting(m.log_tail(400))}"
-                 for m in fleet.members]
+        parts = [
+            f"--- {m.name} ({m.log.name}) ---\n{_interesting(m.log_tail(400))}"
+            for m in fleet.members
+        ]
         logs = "\n".join(p for p in parts if p.strip())
     return CaseResult(
-        scenario=scenario.name, seed=case_seed, passed=verdict.passed,
-        duration_s=round(time.monotonic() - started, 1), failures=verdict.failures,
-        checked=verdict.checked, present=verdict.present,
-        mismatches=len(verdict.mismatches), mismatch_examples=verdict.mismatches[:5],
-        accounting=verdict.accounting, ttl_violations=len(verdict.ttl_violations),
-        dead_processes=verdict.dead, faults=history,
-        workload={} if workload is None else {
-            "tenant": tenant, "changes": workload.report.changes,
-            "by_kind": dict(workload.report.by_kind), "events": workload.report.events,
-            "touched": len(workload.touched), "db_retries": workload.report.db_retries,
-            "at": datetime.now(UTC).isoformat(timespec="seconds")},
+        scenario=scenario.name,
+        seed=case_seed,
+        passed=verdict.passed,
+        duration_s=round(time.monotonic() - started, 1),
+        failures=verdict.failures,
+        checked=verdict.checked,
+        present=verdict.present,
+        mismatches=len(verdict.mismatches),
+        mismatch_examples=verdict.mismatches[:5],
+        accounting=verdict.accounting,
+        ttl_violations=len(verdict.ttl_violations),
+        dead_processes=verdict.dead,
+        faults=history,
+        workload={}
+        if workload is None
+        else {
+            "tenant": tenant,
+            "changes": workload.report.changes,
+            "by_kind": dict(workload.report.by_kind),
+            "events": workload.report.events,
+            "touched": len(workload.touched),
+            "db_retries": workload.report.db_retries,
+            "at": datetime.now(UTC).isoformat(timespec="seconds"),
+        },
         logs=logs,
     )

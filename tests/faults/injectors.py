@@ -63,24 +63,38 @@ def hold_synchronous_commits(engine: Engine, deadline_s: float = 30.0) -> None:
     In two reloads: ``synchronous_commit = local`` first, so that no session still
     running with ``on`` meets the absent standby.
     """
-    _admin_sql(engine, "ALTER SYSTEM SET synchronous_commit = 'local'",
-               "SELECT pg_reload_conf()")
-    _wait(lambda: _setting(engine, "synchronous_commit") == "local",
-          "a new session to see synchronous_commit = local", deadline_s)
-    _admin_sql(engine, f"ALTER SYSTEM SET synchronous_standby_names = '{ABSENT_STANDBY}'",
-               "SELECT pg_reload_conf()")
-    _wait(lambda: _setting(engine, "synchronous_standby_names") == ABSENT_STANDBY,
-          "a new session to see the absent standby", deadline_s)
+    _admin_sql(engine, "ALTER SYSTEM SET synchronous_commit = 'local'", "SELECT pg_reload_conf()")
+    _wait(
+        lambda: _setting(engine, "synchronous_commit") == "local",
+        "a new session to see synchronous_commit = local",
+        deadline_s,
+    )
+    _admin_sql(
+        engine,
+        f"ALTER SYSTEM SET synchronous_standby_names = '{ABSENT_STANDBY}'",
+        "SELECT pg_reload_conf()",
+    )
+    _wait(
+        lambda: _setting(engine, "synchronous_standby_names") == ABSENT_STANDBY,
+        "a new session to see the absent standby",
+        deadline_s,
+    )
 
 
 def heal_postgres(engine: Engine) -> bool:
     """Back to the configuration file's settings (a waiting commit is released); whether
     anything had to be undone."""
-    if (_setting(engine, "synchronous_standby_names") == ""
-            and _setting(engine, "synchronous_commit") == "on"):
+    if (
+        _setting(engine, "synchronous_standby_names") == ""
+        and _setting(engine, "synchronous_commit") == "on"
+    ):
         return False
-    _admin_sql(engine, "ALTER SYSTEM RESET synchronous_standby_names",
-               "ALTER SYSTEM RESET synchronous_commit", "SELECT pg_reload_conf()")
+    _admin_sql(
+        engine,
+        "ALTER SYSTEM RESET synchronous_standby_names",
+        "ALTER SYSTEM RESET synchronous_commit",
+        "SELECT pg_reload_conf()",
+    )
     return True
 
 
@@ -109,10 +123,12 @@ class HeldCommit:
         conn.execute(sa.text("SET LOCAL synchronous_commit = on"))
         conn.execute(sa.text(self.statement), self.params)
         self.pid = int(conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
-        self.txid = int(conn.execute(sa.text(
-            "SELECT pg_current_xact_id()::text::bigint")).scalar_one())
-        self._thread = threading.Thread(target=self._commit, args=(conn,), name="held-commit",
-                                        daemon=True)
+        self.txid = int(
+            conn.execute(sa.text("SELECT pg_current_xact_id()::text::bigint")).scalar_one()
+        )
+        self._thread = threading.Thread(
+            target=self._commit, args=(conn,), name="held-commit", daemon=True
+        )
         self._thread.start()
 
     def _commit(self, conn: Connection) -> None:
@@ -130,9 +146,13 @@ class HeldCommit:
     def waiting(self) -> bool:
         """Its COMMIT is waiting for the standby (its WAL flushed, not yet visible)."""
         with self.engine.connect() as conn:
-            return conn.execute(sa.text(
-                "SELECT wait_event = 'SyncRep' FROM pg_stat_activity WHERE pid = :p"),
-                {"p": self.pid}).scalar() is True
+            return (
+                conn.execute(
+                    sa.text("SELECT wait_event = 'SyncRep' FROM pg_stat_activity WHERE pid = :p"),
+                    {"p": self.pid},
+                ).scalar()
+                is True
+            )
 
     def cancel(self, deadline_s: float = 30.0) -> None:
         """Cancel the wait: the commit completes locally and becomes visible."""
@@ -159,9 +179,11 @@ class HeldCommit:
 def set_topic_config(admin: AdminClient, topic: str, name: str, value: str | None) -> None:
     """Set a topic's ``name`` to ``value``, or (None) delete the override: the broker's
     default again."""
-    entry = (ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET)
-             if value is not None
-             else ConfigEntry(name, "", incremental_operation=AlterConfigOpType.DELETE))
+    entry = (
+        ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET)
+        if value is not None
+        else ConfigEntry(name, "", incremental_operation=AlterConfigOpType.DELETE)
+    )
     resource = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[entry])
     for future in admin.incremental_alter_configs([resource]).values():
         future.result()

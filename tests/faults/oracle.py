@@ -49,8 +49,11 @@ from tests.faults.processes import Counts, Fleet
 from tests.faults.workload import Produced, Ref
 
 Partition = tuple[str, int]
-DLQ_SOURCE = ("x-freshline-source-topic", "x-freshline-source-partition",
-              "x-freshline-source-offset")
+DLQ_SOURCE = (
+    "x-freshline-source-topic",
+    "x-freshline-source-partition",
+    "x-freshline-source-offset",
+)
 POLL_S = 0.1
 EXAMPLES = 5
 
@@ -77,22 +80,31 @@ def subscribed_partitions(admin: AdminClient, settings: Settings) -> list[Partit
 
 
 def _probe(settings: Settings, group: str = "freshline-faults-probe") -> KafkaConsumer:
-    return KafkaConsumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": group,
-                          "enable.auto.commit": False, "auto.offset.reset": "earliest",
-                          "enable.partition.eof": True})
+    return KafkaConsumer(
+        {
+            "bootstrap.servers": settings.kafka_bootstrap,
+            "group.id": group,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "enable.partition.eof": True,
+        }
+    )
 
 
 def end_offsets(settings: Settings, partitions: Iterable[Partition]) -> dict[Partition, int]:
     probe = _probe(settings)
     try:
-        return {(t, p): probe.get_watermark_offsets(TopicPartition(t, p), timeout=10)[1]
-                for t, p in partitions}
+        return {
+            (t, p): probe.get_watermark_offsets(TopicPartition(t, p), timeout=10)[1]
+            for t, p in partitions
+        }
     finally:
         probe.close()
 
 
-def committed_offsets(settings: Settings, group: str,
-                      partitions: Iterable[Partition]) -> dict[Partition, int]:
+def committed_offsets(
+    settings: Settings, group: str, partitions: Iterable[Partition]
+) -> dict[Partition, int]:
     """The group's committed offsets (-1 where it committed none)."""
     probe = _probe(settings, group)
     try:
@@ -106,8 +118,9 @@ def position_group(settings: Settings, group: str, offsets: dict[Partition, int]
     """Commit ``offsets`` for a group with no members yet: where its members will start."""
     probe = _probe(settings, group)
     try:
-        probe.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
-                     asynchronous=False)
+        probe.commit(
+            offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=False
+        )
     finally:
         probe.close()
 
@@ -121,8 +134,9 @@ class Record:
     headers: dict[str, bytes]
 
 
-def read_range(settings: Settings, ranges: dict[Partition, tuple[int, int]],
-               deadline_s: float = 60.0) -> list[Record]:
+def read_range(
+    settings: Settings, ranges: dict[Partition, tuple[int, int]], deadline_s: float = 60.0
+) -> list[Record]:
     """Every record in ``[start, end)`` of each partition."""
     wanted = {tp: rng for tp, rng in ranges.items() if rng[1] > rng[0]}
     if not wanted:
@@ -142,8 +156,15 @@ def read_range(settings: Settings, ranges: dict[Partition, tuple[int, int]],
                 key = (msg.topic(), msg.partition())
                 if key not in left or msg.offset() >= left[key][1]:
                     continue
-                out.append(Record(msg.topic(), msg.partition(), msg.offset(), msg.value(),
-                                  {k: v for k, v in (msg.headers() or [])}))
+                out.append(
+                    Record(
+                        msg.topic(),
+                        msg.partition(),
+                        msg.offset(),
+                        msg.value(),
+                        {k: v for k, v in (msg.headers() or [])},
+                    )
+                )
                 if msg.offset() + 1 >= left[key][1]:
                     del left[key]
     finally:
@@ -154,20 +175,26 @@ def read_range(settings: Settings, ranges: dict[Partition, tuple[int, int]],
 # -- quiescence ------------------------------------------------------------------------
 
 
-def wait(condition: Callable[[], bool], what: str, deadline_s: float,
-         detail: Callable[[], str] = lambda: "") -> None:
+def wait(
+    condition: Callable[[], bool],
+    what: str,
+    deadline_s: float,
+    detail: Callable[[], str] = lambda: "",
+) -> None:
     """Poll ``condition`` until it holds; :class:`NotQuiesced` naming ``what`` at the deadline."""
     end = time.monotonic() + deadline_s
     while not condition():
         if time.monotonic() > end:
             extra = detail()
-            raise NotQuiesced(f"{what}: not within {deadline_s:.0f}s"
-                              + (f" ({extra})" if extra else ""))
+            raise NotQuiesced(
+                f"{what}: not within {deadline_s:.0f}s" + (f" ({extra})" if extra else "")
+            )
         time.sleep(POLL_S)  # polling interval, not synchronisation
 
 
-def cdc_delivered(settings: Settings, start: dict[Partition, int],
-                  expected: dict[str, int]) -> tuple[bool, str]:
+def cdc_delivered(
+    settings: Settings, start: dict[Partition, int], expected: dict[str, int]
+) -> tuple[bool, str]:
     """Whether each CDC topic grew by at least what the workload's SQL must yield."""
     ends = end_offsets(settings, [tp for tp in start if ".public." in tp[0]])
     grown: dict[str, int] = defaultdict(int)
@@ -180,22 +207,38 @@ def cdc_delivered(settings: Settings, start: dict[Partition, int],
 def lag(settings: Settings, group: str, partitions: list[Partition]) -> dict[Partition, int]:
     ends = end_offsets(settings, partitions)
     done = committed_offsets(settings, group, partitions)
-    return {tp: ends[tp] - max(done.get(tp, -1), 0) for tp in partitions
-            if ends[tp] - max(done.get(tp, -1), 0) > 0}
+    return {
+        tp: ends[tp] - max(done.get(tp, -1), 0)
+        for tp in partitions
+        if ends[tp] - max(done.get(tp, -1), 0) > 0
+    }
 
 
 def slot_caught_up(engine: Engine, slot: str, lsn: str) -> bool:
     """Whether Debezium confirmed ``lsn`` on its slot: every change committed before it
     is in Kafka (Debezium confirms a position only after its records were written)."""
     with engine.connect() as conn:
-        return bool(conn.execute(sa.text(
-            "SELECT confirmed_flush_lsn >= CAST(:lsn AS pg_lsn) FROM pg_replication_slots "
-            "WHERE slot_name = :slot"), {"lsn": lsn, "slot": slot}).scalar())
+        return bool(
+            conn.execute(
+                sa.text(
+                    "SELECT confirmed_flush_lsn >= CAST(:lsn AS pg_lsn) FROM pg_replication_slots "
+                    "WHERE slot_name = :slot"
+                ),
+                {"lsn": lsn, "slot": slot},
+            ).scalar()
+        )
 
 
-def quiesce(settings: Settings, fleet: Fleet, start: dict[Partition, int],
-            cdc_expected: dict[str, int], deadline_s: float,
-            engine: Engine | None = None, slot: str = "", end_lsn: str = "") -> None:
+def quiesce(
+    settings: Settings,
+    fleet: Fleet,
+    start: dict[Partition, int],
+    cdc_expected: dict[str, int],
+    deadline_s: float,
+    engine: Engine | None = None,
+    slot: str = "",
+    end_lsn: str = "",
+) -> None:
     """Wait for CDC delivery, then for zero lag with every live member between batches.
 
     CDC delivery is the slot's confirmed position passing ``end_lsn`` (the WAL position
@@ -206,15 +249,22 @@ def quiesce(settings: Settings, fleet: Fleet, start: dict[Partition, int],
     end = time.monotonic() + deadline_s
     state_cdc: list[str] = [""]
     if engine is not None and slot and end_lsn:
-        wait(lambda: slot_caught_up(engine, slot, end_lsn),
-             f"Debezium to confirm WAL position {end_lsn} on slot {slot}", deadline_s)
+        wait(
+            lambda: slot_caught_up(engine, slot, end_lsn),
+            f"Debezium to confirm WAL position {end_lsn} on slot {slot}",
+            deadline_s,
+        )
 
     def delivered() -> bool:
         ok, state_cdc[0] = cdc_delivered(settings, start, cdc_expected)
         return ok
 
-    wait(delivered, "Debezium to deliver every change the workload committed",
-         deadline_s, lambda: f"records/expected: {state_cdc[0]}")
+    wait(
+        delivered,
+        "Debezium to deliver every change the workload committed",
+        deadline_s,
+        lambda: f"records/expected: {state_cdc[0]}",
+    )
     partitions = list(start)
     last: list[dict[Partition, int]] = [{}]
 
@@ -227,11 +277,17 @@ def quiesce(settings: Settings, fleet: Fleet, start: dict[Partition, int],
     def where() -> str:
         behind = ", ".join(f"{t}[{p}]: {n}" for (t, p), n in sorted(last[0].items()))
         mid = [m.name for m in fleet.alive() if m.mid_batch()]
-        return (f"lag {behind or 'none'}; mid-batch: {', '.join(mid) or 'none'}; "
-                f"alive: {', '.join(m.name for m in fleet.alive()) or 'none'}")
+        return (
+            f"lag {behind or 'none'}; mid-batch: {', '.join(mid) or 'none'}; "
+            f"alive: {', '.join(m.name for m in fleet.alive()) or 'none'}"
+        )
 
-    wait(settled, "the consumer group to commit every record with no batch in hand",
-         max(1.0, end - time.monotonic()), where)
+    wait(
+        settled,
+        "the consumer group to commit every record with no batch in hand",
+        max(1.0, end - time.monotonic()),
+        where,
+    )
 
 
 # -- the checks ------------------------------------------------------------------------
@@ -263,10 +319,15 @@ def tenant_keys(client: redis.Redis, version: int, tenant: str) -> set[Ref]:
     return found
 
 
-def check_values(engine: Engine, client: redis.Redis, settings: Settings,
-                 touched: set[Ref], tenant: str, verdict: Verdict,
-                 last_change: dict[tuple[str, str, str], tuple[int, str, int]] | None = None,
-                 ) -> None:
+def check_values(
+    engine: Engine,
+    client: redis.Redis,
+    settings: Settings,
+    touched: set[Ref],
+    tenant: str,
+    verdict: Verdict,
+    last_change: dict[tuple[str, str, str], tuple[int, str, int]] | None = None,
+) -> None:
     """(a): served equals recomputed, or is absent.
 
     A mismatch names the last change that could alter that feature set of the entity: an
@@ -288,28 +349,49 @@ def check_values(engine: Engine, client: redis.Redis, settings: Settings,
             want = truth.get((t, e))
             if entry.values != want:
                 change = (last_change or {}).get((fs.name, t, e))
-                verdict.mismatches.append({
-                    "feature_set": fs.name, "tenant": t, "entity": e,
-                    "served": entry.values, "postgres": want,
-                    "computed_at_ms": entry.computed_at_ms, "watermark": hex(entry.watermark),
-                    "last_change": None if change is None else {
-                        "index": change[0], "kind": change[1], "committed_at_ms": change[2],
-                        "entry_computed": "after" if entry.computed_at_ms >= change[2]
-                        else "before"}})
+                verdict.mismatches.append(
+                    {
+                        "feature_set": fs.name,
+                        "tenant": t,
+                        "entity": e,
+                        "served": entry.values,
+                        "postgres": want,
+                        "computed_at_ms": entry.computed_at_ms,
+                        "watermark": hex(entry.watermark),
+                        "last_change": None
+                        if change is None
+                        else {
+                            "index": change[0],
+                            "kind": change[1],
+                            "committed_at_ms": change[2],
+                            "entry_computed": "after"
+                            if entry.computed_at_ms >= change[2]
+                            else "before",
+                        },
+                    }
+                )
     if verdict.mismatches:
         sets = sorted({m["feature_set"] for m in verdict.mismatches})
         verdict.failures.append(
             f"(a) {len(verdict.mismatches)} of {verdict.present} present entries differ from "
-            f"Postgres ({', '.join(sets)}); e.g. {verdict.mismatches[0]}")
+            f"Postgres ({', '.join(sets)}); e.g. {verdict.mismatches[0]}"
+        )
     if verdict.present == 0:
-        verdict.failures.append(f"(a) no entry present for {len(refs)} entities: the check "
-                                "would pass vacuously")
+        verdict.failures.append(
+            f"(a) no entry present for {len(refs)} entities: the check would pass vacuously"
+        )
 
 
-def check_accounting(settings: Settings, fleet: Fleet, start: dict[Partition, int],
-                     produced: list[Produced], cdc_expected: dict[str, int],
-                     dlq_start: dict[Partition, int], verdict: Verdict,
-                     expect_dead_letter: Callable[[Record], bool] = lambda _r: False) -> None:
+def check_accounting(
+    settings: Settings,
+    fleet: Fleet,
+    start: dict[Partition, int],
+    produced: list[Produced],
+    cdc_expected: dict[str, int],
+    dlq_start: dict[Partition, int],
+    verdict: Verdict,
+    expect_dead_letter: Callable[[Record], bool] = lambda _r: False,
+) -> None:
     """(b): every record committed and counted; the dead-letter topic as expected."""
     partitions = list(start)
     ends = end_offsets(settings, partitions)
@@ -335,17 +417,22 @@ def check_accounting(settings: Settings, fleet: Fleet, start: dict[Partition, in
         per_partition[name] = {"produced": n, "committed_to": done, "end": ends[tp]}
         below[tp[0]] += max(0, min(done, ends[tp]) - start[tp])
         if n and done < ends[tp]:
-            failures.append(f"(b) {name}: committed to {done} of {ends[tp]}: "
-                            f"{ends[tp] - max(done, start[tp])} records never committed")
+            failures.append(
+                f"(b) {name}: committed to {done} of {ends[tp]}: "
+                f"{ends[tp] - max(done, start[tp])} records never committed"
+            )
         if tp[0] in domain:
             mine = sent.pop(tp, set())
             have = {r.offset for r in records if (r.topic, r.partition) == tp}
             if mine != have:
-                failures.append(f"(b) {name}: holds {len(have)} records, the workload "
-                                f"produced {len(mine)} there")
+                failures.append(
+                    f"(b) {name}: holds {len(have)} records, the workload "
+                    f"produced {len(mine)} there"
+                )
     for tp, offsets in sent.items():
-        failures.append(f"(b) {tp[0]}[{tp[1]}]: {len(offsets)} produced records outside the "
-                        "group's partitions")
+        failures.append(
+            f"(b) {tp[0]}[{tp[1]}]: {len(offsets)} produced records outside the group's partitions"
+        )
 
     # The dead-letter topic: only what the scenario expects, each with its reason.
     by_coord = {(r.topic, r.partition, r.offset): r for r in records}
@@ -353,8 +440,11 @@ def check_accounting(settings: Settings, fleet: Fleet, start: dict[Partition, in
     unexpected: list[str] = []
     for d in dead:
         try:
-            coord = (d.headers[DLQ_SOURCE[0]].decode(), int(d.headers[DLQ_SOURCE[1]]),
-                     int(d.headers[DLQ_SOURCE[2]]))
+            coord = (
+                d.headers[DLQ_SOURCE[0]].decode(),
+                int(d.headers[DLQ_SOURCE[1]]),
+                int(d.headers[DLQ_SOURCE[2]]),
+            )
         except (KeyError, ValueError):
             unexpected.append(f"dead letter {d.partition}:{d.offset} without its source headers")
             continue
@@ -364,14 +454,20 @@ def check_accounting(settings: Settings, fleet: Fleet, start: dict[Partition, in
             kind = d.headers.get("x-freshline-error-kind", b"?").decode(errors="replace")
             why = d.headers.get("x-freshline-error", b"").decode(errors="replace")
             unexpected.append(f"{coord[0]}[{coord[1]}]@{coord[2]}: {kind}: {why}")
-    missing = [f"{r.topic}[{r.partition}]@{r.offset}" for r in records
-               if expect_dead_letter(r) and (r.topic, r.partition, r.offset) not in lettered]
+    missing = [
+        f"{r.topic}[{r.partition}]@{r.offset}"
+        for r in records
+        if expect_dead_letter(r) and (r.topic, r.partition, r.offset) not in lettered
+    ]
     if unexpected:
-        failures.append(f"(b) {len(unexpected)} unexpected dead letters, e.g. "
-                        f"{'; '.join(unexpected[:EXAMPLES])}")
+        failures.append(
+            f"(b) {len(unexpected)} unexpected dead letters, e.g. "
+            f"{'; '.join(unexpected[:EXAMPLES])}"
+        )
     if missing:
-        failures.append(f"(b) {len(missing)} bad records not dead-lettered: "
-                        f"{', '.join(missing[:EXAMPLES])}")
+        failures.append(
+            f"(b) {len(missing)} bad records not dead-lettered: {', '.join(missing[:EXAMPLES])}"
+        )
 
     # CDC: every change the workload committed reached its topic.
     cdc_records: dict[str, int] = defaultdict(int)
@@ -380,8 +476,10 @@ def check_accounting(settings: Settings, fleet: Fleet, start: dict[Partition, in
             cdc_records[r.topic.rsplit(".", 1)[1]] += 1
     for table, n in sorted(cdc_expected.items()):
         if cdc_records.get(table, 0) < n:
-            failures.append(f"(b) CDC {table}: {cdc_records.get(table, 0)} records, the "
-                            f"workload's SQL must yield {n}")
+            failures.append(
+                f"(b) CDC {table}: {cdc_records.get(table, 0)} records, the "
+                f"workload's SQL must yield {n}"
+            )
 
     # Per topic: the counters count every record at least once.
     per_topic: dict[str, dict[str, int]] = {}
@@ -393,7 +491,9 @@ def check_accounting(settings: Settings, fleet: Fleet, start: dict[Partition, in
         nulls = sum(1 for r in rs if r.value is None)
         dl = sum(1 for r in rs if (r.topic, r.partition, r.offset) in lettered)
         row = {
-            "produced": len(rs), "committed": below[topic], "tombstones": nulls,
+            "produced": len(rs),
+            "committed": below[topic],
+            "tombstones": nulls,
             "dead_lettered_distinct": dl,
             "consumed": totals.total("consumed", topic),
             "applied": totals.total("applied", topic),
@@ -406,13 +506,16 @@ def check_accounting(settings: Settings, fleet: Fleet, start: dict[Partition, in
         # Uncommitted records are reported per partition above; a committed record that
         # no process counted was skipped silently.
         if row["counted"] < row["committed"]:
-            failures.append(f"(b) {topic}: {row['committed']} records committed, counted "
-                            f"{row['counted']} (applied {row['applied']} + dead-lettered "
-                            f"{row['dead_lettered']} + skipped {row['skipped']}): "
-                            f"{row['committed'] - row['counted']} skipped silently")
+            failures.append(
+                f"(b) {topic}: {row['committed']} records committed, counted "
+                f"{row['counted']} (applied {row['applied']} + dead-lettered "
+                f"{row['dead_lettered']} + skipped {row['skipped']}): "
+                f"{row['committed'] - row['counted']} skipped silently"
+            )
         elif row["committed"] == row["produced"] and row["applied"] < len(rs) - nulls - dl:
-            failures.append(f"(b) {topic}: {len(rs) - nulls - dl} records to apply, applied "
-                            f"{row['applied']}")
+            failures.append(
+                f"(b) {topic}: {len(rs) - nulls - dl} records to apply, applied {row['applied']}"
+            )
     verdict.accounting = {
         "produced": sum(r["produced"] for r in per_topic.values()),
         "counted": sum(r["counted"] for r in per_topic.values()),
@@ -436,8 +539,10 @@ def check_ttls(client: redis.Redis, verdict: Verdict) -> None:
                 batch = []
         _ttl_batch(client, batch, verdict)
     if verdict.ttl_violations:
-        verdict.failures.append(f"(c) {len(verdict.ttl_violations)} keys without a TTL, e.g. "
-                                f"{', '.join(verdict.ttl_violations[:EXAMPLES])}")
+        verdict.failures.append(
+            f"(c) {len(verdict.ttl_violations)} keys without a TTL, e.g. "
+            f"{', '.join(verdict.ttl_violations[:EXAMPLES])}"
+        )
 
 
 def _ttl_batch(client: redis.Redis, keys: list[bytes], verdict: Verdict) -> None:

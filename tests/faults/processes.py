@@ -39,7 +39,8 @@ class Counts:
     """The accounting counters, per topic and in total."""
 
     by_topic: dict[str, dict[str, float]] = field(
-        default_factory=lambda: defaultdict(lambda: dict.fromkeys(COUNTERS.values(), 0.0)))
+        default_factory=lambda: defaultdict(lambda: dict.fromkeys(COUNTERS.values(), 0.0))
+    )
 
     def add(self, metric: str, topic: str, value: float) -> None:
         name = COUNTERS.get(metric.removesuffix("_total"))
@@ -53,8 +54,10 @@ class Counts:
     @property
     def settled(self) -> bool:
         """``applied + dead_lettered + skipped == consumed``: no batch in hand."""
-        return all(c["applied"] + c["dead_lettered"] + c["skipped"] == c["consumed"]
-                   for c in self.by_topic.values())
+        return all(
+            c["applied"] + c["dead_lettered"] + c["skipped"] == c["consumed"]
+            for c in self.by_topic.values()
+        )
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {t: {k: int(v) for k, v in c.items()} for t, c in sorted(self.by_topic.items())}
@@ -82,8 +85,9 @@ def _file_counter(files: list[str], name: str, labels: dict[str, str]) -> int:
     total = 0.0
     for metric in MultiProcessCollector.merge(files, accumulate=True):
         for sample in metric.samples:
-            if (sample.name == f"{name}_total"
-                    and all(sample.labels.get(k) == v for k, v in labels.items())):
+            if sample.name == f"{name}_total" and all(
+                sample.labels.get(k) == v for k, v in labels.items()
+            ):
                 total += sample.value
     return int(total)
 
@@ -153,13 +157,18 @@ class Member:
     def scrape(self, timeout: float = 2.0) -> Counts | None:
         """The counters from its ``/metrics`` endpoint; None if it does not answer."""
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
-                                        timeout=timeout) as resp:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=timeout
+            ) as resp:
                 text = resp.read().decode()
         except (urllib.error.URLError, OSError):
             return None
-        return Counts.from_samples(s for fam in text_string_to_metric_families(text)
-                                   if fam.type == "counter" for s in fam.samples)
+        return Counts.from_samples(
+            s
+            for fam in text_string_to_metric_families(text)
+            if fam.type == "counter"
+            for s in fam.samples
+        )
 
     def file_counts(self) -> Counts:
         """Its counters read from the shared memory-mapped files (works while stopped)."""
@@ -167,8 +176,9 @@ class Member:
 
     def counter(self, name: str, **labels: str) -> int:
         """One of its counters (e.g. ``freshline_transient_retries``), from the shared files."""
-        return _file_counter([str(p) for p in self.multiproc_dir.glob(f"counter_{self.pid}.db")],
-                             name, labels)
+        return _file_counter(
+            [str(p) for p in self.multiproc_dir.glob(f"counter_{self.pid}.db")], name, labels
+        )
 
     def mid_batch(self) -> bool:
         """It holds records it has consumed but not yet applied, dead-lettered or skipped."""
@@ -185,8 +195,15 @@ class Member:
 class Fleet:
     """The members of one consumer group, started and watched by a scenario."""
 
-    def __init__(self, settings: Settings, env: dict[str, str], directory: Path, *,
-                 group: str, batch_max_events: int = 200) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        env: dict[str, str],
+        directory: Path,
+        *,
+        group: str,
+        batch_max_events: int = 200,
+    ) -> None:
         self.settings = settings
         self.env = env
         self.directory = directory
@@ -198,12 +215,16 @@ class Fleet:
 
     def spawn(self, settings: Settings | None = None) -> Member:
         """Start one more member (``settings`` may route it through proxies)."""
-        s = (settings or self.settings).model_copy(update={
-            "consumer_group": self.group, "batch_max_events": self.batch_max_events})
+        s = (settings or self.settings).model_copy(
+            update={"consumer_group": self.group, "batch_max_events": self.batch_max_events}
+        )
         name = f"consumer-{len(self.members) + 1}"
         (port,) = free_ports(1)
-        env = {**self.env, "PROMETHEUS_MULTIPROC_DIR": str(self.multiproc_dir),
-               "FRESHLINE_CONSUMER_METRICS_PORT": str(port)}
+        env = {
+            **self.env,
+            "PROMETHEUS_MULTIPROC_DIR": str(self.multiproc_dir),
+            "FRESHLINE_CONSUMER_METRICS_PORT": str(port),
+        }
         env.update(settings_env(s))
         env["FRESHLINE_CONSUMER_METRICS_PORT"] = str(port)
         code = os.environ.get("FRESHLINE_CHAOS_CODE")
@@ -211,8 +232,14 @@ class Fleet:
             env["PYTHONPATH"] = code
         log = self.directory / f"{name}.log"
         with log.open("ab") as sink:  # a file, not a pipe: a full pipe would block it
-            proc = subprocess.Popen([FRESHLINE, "consume"], env=env, cwd=code or ROOT,
-                                    stdout=sink, stderr=sink, start_new_session=True)
+            proc = subprocess.Popen(
+                [FRESHLINE, "consume"],
+                env=env,
+                cwd=code or ROOT,
+                stdout=sink,
+                stderr=sink,
+                start_new_session=True,
+            )
         member = Member(name, proc, log, port, self.multiproc_dir)
         self.members.append(member)
         return member
@@ -229,8 +256,9 @@ class Fleet:
 
     def counter(self, name: str, **labels: str) -> int:
         """A counter summed over every member, the dead ones' included."""
-        return _file_counter([str(p) for p in self.multiproc_dir.glob("counter_*.db")],
-                             name, labels)
+        return _file_counter(
+            [str(p) for p in self.multiproc_dir.glob("counter_*.db")], name, labels
+        )
 
     def settled(self) -> bool:
         """No live member holds a batch it has not finished counting."""

@@ -58,16 +58,30 @@ class Scenario:
 SCENARIOS: dict[str, Scenario] = {}
 
 
-def scenario(name: str, *, consumers: int = 1, short: bool = False, via: tuple[str, ...] = (),
-             expect_dead_letter: Callable[[Record], bool] = lambda _r: False,
-             ) -> Callable[[Inject], Inject]:
+def scenario(
+    name: str,
+    *,
+    consumers: int = 1,
+    short: bool = False,
+    via: tuple[str, ...] = (),
+    expect_dead_letter: Callable[[Record], bool] = lambda _r: False,
+) -> Callable[[Inject], Inject]:
     """Register a scenario under ``name`` (its docstring is its description)."""
+
     def register(fn: Inject) -> Inject:
         if name in SCENARIOS:
             raise ValueError(f"scenario {name!r} registered twice")
-        SCENARIOS[name] = Scenario(name, fn, consumers, short, via, expect_dead_letter,
-                                   (fn.__doc__ or "").strip().splitlines()[0])
+        SCENARIOS[name] = Scenario(
+            name,
+            fn,
+            consumers,
+            short,
+            via,
+            expect_dead_letter,
+            (fn.__doc__ or "").strip().splitlines()[0],
+        )
         return fn
+
     return register
 
 
@@ -103,8 +117,11 @@ def consumer_zombie(run: Run) -> None:
     run.catch_mid_batch(victim, leave_stopped=True)
     run.note(f"SIGSTOP {victim.name}")
     others = len(run.fleet.alive()) - 1
-    wait_until(lambda: run.group_members() == others,
-               "the group to evict the stopped member (session timeout)", 90)
+    wait_until(
+        lambda: run.group_members() == others,
+        "the group to evict the stopped member (session timeout)",
+        90,
+    )
     run.note(f"group evicted {victim.name}")
     run.workload.wait_for(run.workload.progress + run.span(20, 80))
     victim.sigcont()
@@ -233,23 +250,36 @@ def member_joins_dies_during_redis_outage(run: Run) -> None:
     retries = first.counter(RETRIES, service="redis")
     run.stack.kill("redis")
     run.note("redis killed")
-    wait_until(lambda: first.counter(RETRIES, service="redis") > retries,
-               f"{first.name} to retry a batch while Redis is down", 120)
+    wait_until(
+        lambda: first.counter(RETRIES, service="redis") > retries,
+        f"{first.name} to retry a batch while Redis is down",
+        120,
+    )
     run.note(f"{first.name} retrying its batch")
     second = run.fleet.spawn(run.consumer_settings())
     run.note(f"started {second.name}")
     wait_until(lambda: run.spread(2), f"{second.name} to join and take partitions", 120)
     run.note(f"rebalanced: {first.name} and {second.name} share the partitions")
-    wait_until(lambda: second.counter(RETRIES, service="redis") > 0,
-               f"{second.name} to retry a batch of its own", 120)
+    wait_until(
+        lambda: second.counter(RETRIES, service="redis") > 0,
+        f"{second.name} to retry a batch of its own",
+        120,
+    )
     second.kill()
     run.note(f"SIGKILL {second.name} (mid-retry)")
     if run.seed % 2:
-        wait_until(lambda: run.spread(1), f"{first.name} to own every partition again "
-                   "(the group evicts the dead member at its session timeout)", 120)
+        wait_until(
+            lambda: run.spread(1),
+            f"{first.name} to own every partition again "
+            "(the group evicts the dead member at its session timeout)",
+            120,
+        )
         retries = first.counter(RETRIES, service="redis")
-        wait_until(lambda: first.counter(RETRIES, service="redis") >= retries + 2,
-                   f"{first.name} to poll through two more retries", 120)
+        wait_until(
+            lambda: first.counter(RETRIES, service="redis") >= retries + 2,
+            f"{first.name} to poll through two more retries",
+            120,
+        )
         run.note(f"{first.name} owns every partition, still retrying")
     run.stack.start("redis")
     run.note("redis started (empty)")
@@ -258,8 +288,9 @@ def member_joins_dies_during_redis_outage(run: Run) -> None:
 # -- Postgres: a change visible after its event -------------------------------------------
 
 
-def _find_event(run: Run, held: HeldCommit, start: dict[Partition, int],
-                deadline_s: float) -> tuple[Partition, int]:
+def _find_event(
+    run: Run, held: HeldCommit, start: dict[Partition, int], deadline_s: float
+) -> tuple[Partition, int]:
     """The CDC record of ``held``'s transaction: its partition and offset."""
     settings = run.env.settings
     end = time.monotonic() + deadline_s
@@ -293,9 +324,17 @@ def commit_visibility_window(run: Run) -> None:
     if not spared:
         raise RuntimeError("no transaction of a user the rest of the workload spares")
     txn, user = run.rng.choice(spared)
-    cdc = {tp: o for tp, o in oracle.end_offsets(
-        settings, [(t, p) for t, p in oracle.subscribed_partitions(env.admin, settings)
-                   if t.endswith(".public.transactions")]).items()}
+    cdc = {
+        tp: o
+        for tp, o in oracle.end_offsets(
+            settings,
+            [
+                (t, p)
+                for t, p in oracle.subscribed_partitions(env.admin, settings)
+                if t.endswith(".public.transactions")
+            ],
+        ).items()
+    }
     base = run.fleet.counter(RETRIES, service="visibility")
     injectors.hold_synchronous_commits(env.engine)
     run.note(f"synchronous_standby_names: {injectors.ABSENT_STANDBY} (never connects)")
@@ -303,30 +342,37 @@ def commit_visibility_window(run: Run) -> None:
     try:
         end = time.monotonic() + 60
         while True:
-            held = HeldCommit(env.engine, "UPDATE transactions SET amount = amount + :d, "
-                              "updated_at = now() WHERE tenant_id = :t AND id = :id",
-                              {"d": round(1000 + run.rng.random() * 1000, 2), "t": tenant,
-                               "id": txn})
+            held = HeldCommit(
+                env.engine,
+                "UPDATE transactions SET amount = amount + :d, "
+                "updated_at = now() WHERE tenant_id = :t AND id = :id",
+                {"d": round(1000 + run.rng.random() * 1000, 2), "t": tenant, "id": txn},
+            )
             held.begin()
-            wait_until(lambda h=held: h.finished or h.waiting(),
-                       "the commit to wait for the standby or end", 30)
+            wait_until(
+                lambda h=held: h.finished or h.waiting(),
+                "the commit to wait for the standby or end",
+                30,
+            )
             if not held.finished:
                 break
             # The checkpointer had not taken the new standby name yet: a plain commit.
-            run.note(f"UPDATE of transaction {txn} committed before the standby was "
-                     "required; again")
+            run.note(
+                f"UPDATE of transaction {txn} committed before the standby was required; again"
+            )
             if time.monotonic() > end:
                 raise TimeoutError("commits never waited for the absent standby")
         run.workload.touched.add((tenant, str(user)))
-        run.note(f"UPDATE of transaction {txn} (user {user}): commit flushed, waiting "
-                 f"(xid {held.txid}, pid {held.pid})")
+        run.note(
+            f"UPDATE of transaction {txn} (user {user}): commit flushed, waiting "
+            f"(xid {held.txid}, pid {held.pid})"
+        )
         tp, offset = _find_event(run, held, cdc, 60)
         run.note(f"its CDC record: {tp[0]}[{tp[1]}]@{offset}")
 
         def consumed() -> bool:
             done = oracle.committed_offsets(settings, run.fleet.group, [tp])[tp]
-            return (done > offset
-                    or run.fleet.counter(RETRIES, service="visibility") >= base + 2)
+            return done > offset or run.fleet.counter(RETRIES, service="visibility") >= base + 2
 
         wait_until(consumed, "the consumers to take the record (retry it, or commit it)", 120)
         retried = run.fleet.counter(RETRIES, service="visibility") - base
@@ -335,15 +381,21 @@ def commit_visibility_window(run: Run) -> None:
         if held.error is not None:
             raise RuntimeError(f"the held commit failed: {held.error!r}")
         run.workload.last_change[("txn_90d", tenant, str(user))] = (
-            run.workload.progress, "held-commit", time.time_ns() // 1_000_000)
+            run.workload.progress,
+            "held-commit",
+            time.time_ns() // 1_000_000,
+        )
         run.note("wait cancelled: the commit completed locally and is visible")
     finally:
         injectors.heal_postgres(env.engine)
         if held is not None:
             held.close()
     run.note("synchronous_standby_names reset")
-    wait_until(lambda: oracle.committed_offsets(settings, run.fleet.group, [tp])[tp] > offset,
-               "the consumers to apply and commit the record", 120)
+    wait_until(
+        lambda: oracle.committed_offsets(settings, run.fleet.group, [tp])[tp] > offset,
+        "the consumers to apply and commit the record",
+        120,
+    )
     run.note("the record is applied and committed")
 
 
@@ -366,10 +418,12 @@ def oversized_record(run: Run) -> None:
     user = run.rng.choice(sorted(run.workload.users))
     head = f'{{"tenant": "{tenant}", "user_id": {user}, "pad": "'.encode()
     value = head + b"x" * (OVERSIZED_BYTES - len(head) - 2) + b'"}'
-    where = run.produce(TRANSACTION_UPDATED, value, f"{tenant}:{user}".encode(),
-                        **{"message.max.bytes": 2_000_000})
-    run.note(f"produced a {len(value):,}-byte record at {where.topic}[{where.partition}]"
-             f"@{where.offset}")
+    where = run.produce(
+        TRANSACTION_UPDATED, value, f"{tenant}:{user}".encode(), **{"message.max.bytes": 2_000_000}
+    )
+    run.note(
+        f"produced a {len(value):,}-byte record at {where.topic}[{where.partition}]@{where.offset}"
+    )
 
 
 MALFORMED = b"{not json: faults "
@@ -392,14 +446,20 @@ def dlq_unavailable(run: Run) -> None:
     try:
         for i in range(run.span(3, 6)):
             user = run.rng.choice(sorted(run.workload.users))
-            where = run.produce(TRANSACTION_UPDATED, MALFORMED + str(i).encode(),
-                                f"{tenant}:{user}".encode())
+            where = run.produce(
+                TRANSACTION_UPDATED, MALFORMED + str(i).encode(), f"{tenant}:{user}".encode()
+            )
             run.note(f"malformed record at {where.topic}[{where.partition}]@{where.offset}")
             run.workload.wait_for(run.workload.progress + run.span(5, 30))
-        wait_until(lambda: run.fleet.counter(DELIVERY_FAILURES, topic=dlq) >= refused + 2,
-                   "the consumers to count refused dead letters and send them again", 120)
-        run.note(f"freshline_delivery_failures_total{{topic={dlq}}}: "
-                 f"{run.fleet.counter(DELIVERY_FAILURES, topic=dlq) - refused}")
+        wait_until(
+            lambda: run.fleet.counter(DELIVERY_FAILURES, topic=dlq) >= refused + 2,
+            "the consumers to count refused dead letters and send them again",
+            120,
+        )
+        run.note(
+            f"freshline_delivery_failures_total{{topic={dlq}}}: "
+            f"{run.fleet.counter(DELIVERY_FAILURES, topic=dlq) - refused}"
+        )
         run.workload.wait_for(run.workload.progress + run.span(40, 120))
     finally:
         injectors.heal_topic(env.admin, dlq, "max.message.bytes")

@@ -68,8 +68,11 @@ def build_settings(values: dict[str, Any]) -> Settings:
 def clean_env() -> dict[str, str]:
     """This process's environment without any freshline or stack setting (tests/conftest.py
     loads the shared stack's into it): children get only what the private stack says."""
-    return {k: v for k, v in os.environ.items()
-            if not k.startswith(("FRESHLINE_", "PG", "PROMETHEUS_MULTIPROC_DIR"))}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FRESHLINE_", "PG", "PROMETHEUS_MULTIPROC_DIR"))
+    }
 
 
 @dataclass
@@ -82,8 +85,9 @@ class PrivateStack:
 
     @classmethod
     def allocate(cls, directory: Path, partitions: int = 3) -> PrivateStack:
-        return cls(directory, dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True)),
-                   partitions)
+        return cls(
+            directory, dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True)), partitions
+        )
 
     @property
     def stack_env(self) -> dict[str, str]:
@@ -109,8 +113,10 @@ class PrivateStack:
         env = self.env_file()
         fields = Settings.model_fields
         values: dict[str, Any] = {
-            k.removeprefix("FRESHLINE_").lower(): v for k, v in env.items()
-            if k.startswith("FRESHLINE_") and k.removeprefix("FRESHLINE_").lower() in fields}
+            k.removeprefix("FRESHLINE_").lower(): v
+            for k, v in env.items()
+            if k.startswith("FRESHLINE_") and k.removeprefix("FRESHLINE_").lower() in fields
+        }
         values.update(topic_prefix="", topic_partitions=self.partitions)
         return values
 
@@ -132,8 +138,9 @@ class PrivateStack:
         Redis writer, as scripts/demo hands them to its consumer."""
         env = self.env_file()
         values = self._values()
-        values["postgres_url"] = (env.get("FRESHLINE_STACK_POSTGRES_CONSUMER_URL")
-                                  or values["postgres_url"])
+        values["postgres_url"] = (
+            env.get("FRESHLINE_STACK_POSTGRES_CONSUMER_URL") or values["postgres_url"]
+        )
         if env.get("FRESHLINE_STACK_REDIS_WRITER_USER"):
             values["redis_username"] = env["FRESHLINE_STACK_REDIS_WRITER_USER"]
             values["redis_password"] = env["FRESHLINE_STACK_REDIS_WRITER_PASSWORD"]
@@ -153,21 +160,35 @@ class PrivateStack:
 
     def script(self, *args: str, timeout: float = 300) -> str:
         """Run ``scripts/stack ARGS`` on this instance; its output, or StackError."""
-        done = subprocess.run([str(STACK_SCRIPT), *args], env=self.stack_env, cwd=ROOT,
-                              capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [str(STACK_SCRIPT), *args],
+            env=self.stack_env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if done.returncode != 0:
-            raise StackError(f"scripts/stack {' '.join(args)} exited {done.returncode}:\n"
-                             f"{done.stdout}{done.stderr}")
+            raise StackError(
+                f"scripts/stack {' '.join(args)} exited {done.returncode}:\n"
+                f"{done.stdout}{done.stderr}"
+            )
         return done.stdout + done.stderr
 
     def freshline(self, *args: str, timeout: float = 300) -> str:
         """Run ``freshline ARGS`` against this instance, as its operator."""
-        done = subprocess.run([FRESHLINE, *args], env=self.freshline_env(self.settings),
-                              cwd=ROOT,
-                              capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [FRESHLINE, *args],
+            env=self.freshline_env(self.settings),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if done.returncode != 0:
-            raise StackError(f"freshline {' '.join(args)} exited {done.returncode}:\n"
-                             f"{done.stdout}{done.stderr}")
+            raise StackError(
+                f"freshline {' '.join(args)} exited {done.returncode}:\n{done.stdout}{done.stderr}"
+            )
         return done.stdout + done.stderr
 
     def up(self) -> None:

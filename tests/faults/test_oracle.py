@@ -39,31 +39,44 @@ def sabotage(run: Run) -> None:
     fs = REGISTRY["txn_90d"]
     # (a) A wrong entry under the highest watermark: no write can ever replace it.
     wrong = encode_entry([-1] * len(fs.fields), settings.schema_version, 0, (1 << 120) - 1)
-    env.redis.set(feature_key(settings.schema_version, EntityRef(fs.name, tenant, entity)),
-                  wrong, px=3_600_000)
+    env.redis.set(
+        feature_key(settings.schema_version, EntityRef(fs.name, tenant, entity)),
+        wrong,
+        px=3_600_000,
+    )
     # (c) A feature key without a TTL.
-    env.redis.set(feature_key(settings.schema_version, EntityRef("geo", tenant, "999999")),
-                  encode_entry(["XX", "Nowhere", 5], settings.schema_version, 0, 1))
+    env.redis.set(
+        feature_key(settings.schema_version, EntityRef("geo", tenant, "999999")),
+        encode_entry(["XX", "Nowhere", 5], settings.schema_version, 0, 1),
+    )
     # (b) A record the workload did not produce, and one that cannot be decoded.
     with Producer(settings) as producer:
         topic = qualified(settings, TRANSACTION_UPDATED)
-        producer.produce(topic, orjson.dumps({"tenant": tenant, "user_id": int(entity),
-                                              "transaction_id": 1}))
+        producer.produce(
+            topic, orjson.dumps({"tenant": tenant, "user_id": int(entity), "transaction_id": 1})
+        )
         producer.produce(topic, b"{not json")
     # (d) A consumer dies, and the scenario does not say so.
     victim = run.pick_member()
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait(timeout=30)
-    run.note(f"sabotage: stale entry for {entity}, TTL-less key, 2 foreign records, "
-             f"{victim.name} killed")
+    run.note(
+        f"sabotage: stale entry for {entity}, TTL-less key, 2 foreign records, {victim.name} killed"
+    )
 
 
 @pytest.mark.parametrize("case", [(CONTROL, SEED)], ids=[f"{CONTROL}-seed{SEED}"])
-def test_every_check_fires_on_a_sabotaged_case(case: Case, fault_env: FaultEnv,
-                                               faults_profile: Profile) -> None:
+def test_every_check_fires_on_a_sabotaged_case(
+    case: Case, fault_env: FaultEnv, faults_profile: Profile
+) -> None:
     control = Scenario(CONTROL, sabotage, consumers=2, description="sabotage")
-    result = run_case(fault_env, control, case[1], faults_profile,
-                      fault_env.stack.directory / f"{CONTROL}-seed{case[1]}")
+    result = run_case(
+        fault_env,
+        control,
+        case[1],
+        faults_profile,
+        fault_env.stack.directory / f"{CONTROL}-seed{case[1]}",
+    )
     # The TTL-less key would fail check (c) of every later case on this stack.
     for key in fault_env.redis.scan_iter(match="feat:*:geo:*:999999}"):
         fault_env.redis.delete(key)

@@ -22,14 +22,19 @@ pytestmark = [pytest.mark.faults, pytest.mark.kafka, pytest.mark.connect, pytest
 def test_scenario(case: Case, fault_env: FaultEnv, faults_profile: Profile) -> None:
     name, seed = case
     scenario = SCENARIOS[name]
-    result = run_case(fault_env, scenario, seed, faults_profile,
-                      fault_env.stack.directory / f"{name}-seed{seed}")
+    result = run_case(
+        fault_env, scenario, seed, faults_profile, fault_env.stack.directory / f"{name}-seed{seed}"
+    )
     results = os.environ.get(RESULTS_ENV)
     if results:
         append_result(Path(results), result)
     if not result.passed:
-        lines = [f"{name} (seed {seed}): {scenario.description}", *result.failures,
-                 "faults:", *(f"  {f}" for f in result.faults)]
+        lines = [
+            f"{name} (seed {seed}): {scenario.description}",
+            *result.failures,
+            "faults:",
+            *(f"  {f}" for f in result.faults),
+        ]
         if result.logs:
             lines += ["consumer logs (errors and warnings):", result.logs]
         pytest.fail("\n".join(lines), pytrace=False)

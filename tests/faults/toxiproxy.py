@@ -38,14 +38,16 @@ class Toxiproxy:
 
     def request(self, method: str, path: str, body: object = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
-            raise ToxiproxyError(f"{method} {path} -> {exc.code}: "
-                                 f"{exc.read().decode(errors='replace')}") from exc
+            raise ToxiproxyError(
+                f"{method} {path} -> {exc.code}: {exc.read().decode(errors='replace')}"
+            ) from exc
         return json.loads(raw) if raw.strip() else None
 
     def version(self) -> str:
@@ -57,8 +59,11 @@ class Toxiproxy:
         address = f"127.0.0.1:{listen}" if isinstance(listen, int) else listen
         if name in self.request("GET", "/proxies"):
             self.request("DELETE", f"/proxies/{name}")
-        self.request("POST", "/proxies", {"name": name, "listen": address,
-                                          "upstream": upstream, "enabled": True})
+        self.request(
+            "POST",
+            "/proxies",
+            {"name": name, "listen": address, "upstream": upstream, "enabled": True},
+        )
         return Proxy(self, name, address, upstream)
 
     def reset(self) -> None:
@@ -77,13 +82,28 @@ class Proxy:
     def port(self) -> int:
         return int(self.listen.rpartition(":")[2])
 
-    def add(self, kind: str, attributes: dict[str, Any], *, stream: Stream = "downstream",
-            toxicity: float = 1.0, name: str | None = None) -> str:
+    def add(
+        self,
+        kind: str,
+        attributes: dict[str, Any],
+        *,
+        stream: Stream = "downstream",
+        toxicity: float = 1.0,
+        name: str | None = None,
+    ) -> str:
         """Add a toxic; returns its name (for :meth:`remove`)."""
         toxic = name or f"{kind}_{stream}"
-        self.api.request("POST", f"/proxies/{self.name}/toxics",
-                         {"name": toxic, "type": kind, "stream": stream,
-                          "toxicity": toxicity, "attributes": attributes})
+        self.api.request(
+            "POST",
+            f"/proxies/{self.name}/toxics",
+            {
+                "name": toxic,
+                "type": kind,
+                "stream": stream,
+                "toxicity": toxicity,
+                "attributes": attributes,
+            },
+        )
         return toxic
 
     def latency(self, ms: int, jitter_ms: int = 0, *, stream: Stream = "downstream") -> str:

@@ -104,8 +104,15 @@ class WorkloadReport:
 class Workload:
     """``run(total, rate)`` commits ``total`` changes at ``rate`` per second."""
 
-    def __init__(self, engine: Engine, producer: Producer, tenant: str, seed: int, *,
-                 topic: Callable[[str], str] = lambda t: t) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        producer: Producer,
+        tenant: str,
+        seed: int,
+        *,
+        topic: Callable[[str], str] = lambda t: t,
+    ) -> None:
         self.engine = engine
         self.producer = producer
         self.tenant = tenant
@@ -128,10 +135,19 @@ class Workload:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         with engine.connect() as conn:
-            users = [int(u) for (u,) in conn.execute(sa.text(
-                "SELECT id FROM users WHERE tenant_id = :t ORDER BY id"), {"t": tenant})]
-            self.devices = [d for (d,) in conn.execute(sa.text(
-                "SELECT id FROM devices WHERE tenant_id = :t ORDER BY id"), {"t": tenant})]
+            users = [
+                int(u)
+                for (u,) in conn.execute(
+                    sa.text("SELECT id FROM users WHERE tenant_id = :t ORDER BY id"), {"t": tenant}
+                )
+            ]
+            self.devices = [
+                d
+                for (d,) in conn.execute(
+                    sa.text("SELECT id FROM devices WHERE tenant_id = :t ORDER BY id"),
+                    {"t": tenant},
+                )
+            ]
         if not users:
             raise ValueError(f"tenant {tenant!r} has no users: seed it first")
         self.users = users
@@ -155,8 +171,9 @@ class Workload:
             while self._progress < changes and not self._done:
                 left = end - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"workload at {self._progress} changes, waited for "
-                                       f"{changes}")
+                    raise TimeoutError(
+                        f"workload at {self._progress} changes, waited for {changes}"
+                    )
                 self._cond.wait(left)
 
     def stop(self) -> None:
@@ -189,8 +206,9 @@ class Workload:
 
     def start(self, total: int, rate: float) -> threading.Thread:
         self._total = total
-        thread = threading.Thread(target=self._run_quietly, args=(total, rate),
-                                  name="workload", daemon=True)
+        thread = threading.Thread(
+            target=self._run_quietly, args=(total, rate), name="workload", daemon=True
+        )
         thread.start()
         return thread
 
@@ -203,9 +221,11 @@ class Workload:
     @property
     def produced(self) -> list[Produced]:
         """Every domain event the broker acknowledged, where it landed."""
-        return [Produced(d.topic, d.partition, d.offset) for d in self._deliveries
-                if d.done and d.error is None and d.partition is not None
-                and d.offset is not None]
+        return [
+            Produced(d.topic, d.partition, d.offset)
+            for d in self._deliveries
+            if d.done and d.error is None and d.partition is not None and d.offset is not None
+        ]
 
     def adopt(self, delivery: Delivery) -> None:
         """Count a record a scenario produced on a domain topic as produced (the oracle
@@ -232,10 +252,17 @@ class Workload:
         from ``start`` on draws: no later event of the workload recomputes their txn_90d."""
         spared = sorted(set(self.users) - self.users_drawn(start))
         with self.engine.connect() as conn:
-            return [(int(t), int(u)) for t, u in conn.execute(sa.text(
-                "SELECT id, user_id FROM transactions WHERE tenant_id = :t "
-                "AND user_id = ANY(:users) AND created_at > now() - interval '80 days' "
-                "ORDER BY id"), {"t": self.tenant, "users": spared})]
+            return [
+                (int(t), int(u))
+                for t, u in conn.execute(
+                    sa.text(
+                        "SELECT id, user_id FROM transactions WHERE tenant_id = :t "
+                        "AND user_id = ANY(:users) AND created_at > now() - interval '80 days' "
+                        "ORDER BY id"
+                    ),
+                    {"t": self.tenant, "users": spared},
+                )
+            ]
 
     @property
     def unacknowledged(self) -> int:
@@ -280,8 +307,11 @@ class Workload:
             for topic, body in events:
                 event = {"tenant": self.tenant, **body, "occurred_at": now}
                 entity = body.get("user_id", body.get("device_id"))
-                self._deliveries.append(self.producer.produce(
-                    self.topic(topic), orjson.dumps(event), f"{self.tenant}:{entity}".encode()))
+                self._deliveries.append(
+                    self.producer.produce(
+                        self.topic(topic), orjson.dumps(event), f"{self.tenant}:{entity}".encode()
+                    )
+                )
                 self.report.events += 1
 
     def _touch(self, *users: int) -> None:
@@ -290,20 +320,30 @@ class Workload:
         self._pending |= refs
 
     def _device_users(self, conn: Connection, device: str) -> list[int]:
-        return [int(u) for (u,) in conn.execute(sa.text(
-            "SELECT user_id FROM user_devices WHERE tenant_id = :t AND device_id = :d"),
-            {"t": self.tenant, "d": device})]
+        return [
+            int(u)
+            for (u,) in conn.execute(
+                sa.text("SELECT user_id FROM user_devices WHERE tenant_id = :t AND device_id = :d"),
+                {"t": self.tenant, "d": device},
+            )
+        ]
 
     def _some_txn(self, conn: Connection, user: int, pick: float) -> int | None:
-        rows = conn.execute(sa.text(
-            "SELECT id FROM transactions WHERE tenant_id = :t AND user_id = :u "
-            "ORDER BY created_at DESC, id DESC LIMIT 8"), {"t": self.tenant, "u": user}).all()
+        rows = conn.execute(
+            sa.text(
+                "SELECT id FROM transactions WHERE tenant_id = :t AND user_id = :u "
+                "ORDER BY created_at DESC, id DESC LIMIT 8"
+            ),
+            {"t": self.tenant, "u": user},
+        ).all()
         return int(rows[int(pick * len(rows))][0]) if rows else None
 
-    def _txn_insert(self, conn: Connection, user: int, _other: int, pick: float,
-                    value: float) -> Events:
-        txn = conn.execute(sa.text(
-            """INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, device_id,
+    def _txn_insert(
+        self, conn: Connection, user: int, _other: int, pick: float, value: float
+    ) -> Events:
+        txn = conn.execute(
+            sa.text(
+                """INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, device_id,
                    ip, created_at, updated_at)
                SELECT :t, :u, :amount, :m,
                       (SELECT device_id FROM user_devices
@@ -311,110 +351,169 @@ class Workload:
                       (SELECT ip FROM transactions WHERE tenant_id = :t AND user_id = :u
                        ORDER BY created_at DESC, id DESC LIMIT 1),
                       now(), now()
-               RETURNING id"""),
-            {"t": self.tenant, "u": user, "amount": round(10 + value * 490, 2),
-             "m": f"m{int(pick * 20000)}"}).scalar_one()
+               RETURNING id"""
+            ),
+            {
+                "t": self.tenant,
+                "u": user,
+                "amount": round(10 + value * 490, 2),
+                "m": f"m{int(pick * 20000)}",
+            },
+        ).scalar_one()
         self._cdc_pending["transactions"] += 1
         self._touch(user)
         return [(TRANSACTION_CREATED, {"user_id": user, "transaction_id": int(txn)})]
 
-    def _txn_amount(self, conn: Connection, user: int, _other: int, pick: float,
-                    value: float) -> Events:
+    def _txn_amount(
+        self, conn: Connection, user: int, _other: int, pick: float, value: float
+    ) -> Events:
         txn = self._some_txn(conn, user, pick)
         if txn is None:
             return []
-        conn.execute(sa.text(
-            "UPDATE transactions SET amount = :a, updated_at = now() "
-            "WHERE tenant_id = :t AND id = :id"),
-            {"a": round(1 + value * 999, 2), "t": self.tenant, "id": txn})
+        conn.execute(
+            sa.text(
+                "UPDATE transactions SET amount = :a, updated_at = now() "
+                "WHERE tenant_id = :t AND id = :id"
+            ),
+            {"a": round(1 + value * 999, 2), "t": self.tenant, "id": txn},
+        )
         self._cdc_pending["transactions"] += 1
         self._touch(user)
         return [(TRANSACTION_UPDATED, {"user_id": user, "transaction_id": txn})]
 
-    def _txn_delete(self, conn: Connection, user: int, _other: int, pick: float,
-                    _value: float) -> Events:
+    def _txn_delete(
+        self, conn: Connection, user: int, _other: int, pick: float, _value: float
+    ) -> Events:
         txn = self._some_txn(conn, user, pick)
         if txn is None:
             return []
-        conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
-                     {"t": self.tenant, "id": txn})
+        conn.execute(
+            sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
+            {"t": self.tenant, "id": txn},
+        )
         self._cdc_pending["transactions"] += 2  # the delete and its tombstone
         self._touch(user)
         return [(TRANSACTION_UPDATED, {"user_id": user, "transaction_id": txn})]
 
-    def _txn_move(self, conn: Connection, user: int, other: int, pick: float,
-                  _value: float) -> Events:
+    def _txn_move(
+        self, conn: Connection, user: int, other: int, pick: float, _value: float
+    ) -> Events:
         txn = self._some_txn(conn, user, pick)
         if txn is None or other == user:
             return []
-        conn.execute(sa.text(
-            "UPDATE transactions SET user_id = :o, updated_at = now() "
-            "WHERE tenant_id = :t AND id = :id"), {"o": other, "t": self.tenant, "id": txn})
+        conn.execute(
+            sa.text(
+                "UPDATE transactions SET user_id = :o, updated_at = now() "
+                "WHERE tenant_id = :t AND id = :id"
+            ),
+            {"o": other, "t": self.tenant, "id": txn},
+        )
         self._cdc_pending["transactions"] += 1
         self._touch(user, other)
         # As the README asks: once with the old user, once with the new.
-        return [(TRANSACTION_UPDATED, {"user_id": user, "transaction_id": txn}),
-                (TRANSACTION_UPDATED, {"user_id": other, "transaction_id": txn})]
+        return [
+            (TRANSACTION_UPDATED, {"user_id": user, "transaction_id": txn}),
+            (TRANSACTION_UPDATED, {"user_id": other, "transaction_id": txn}),
+        ]
 
-    def _device_risk(self, conn: Connection, user: int, _other: int, pick: float,
-                     value: float) -> Events:
-        devices = [d for (d,) in conn.execute(sa.text(
-            "SELECT device_id FROM user_devices WHERE tenant_id = :t AND user_id = :u "
-            "ORDER BY device_id"), {"t": self.tenant, "u": user})]
+    def _device_risk(
+        self, conn: Connection, user: int, _other: int, pick: float, value: float
+    ) -> Events:
+        devices = [
+            d
+            for (d,) in conn.execute(
+                sa.text(
+                    "SELECT device_id FROM user_devices WHERE tenant_id = :t AND user_id = :u "
+                    "ORDER BY device_id"
+                ),
+                {"t": self.tenant, "u": user},
+            )
+        ]
         if not devices:
             return []
         device = devices[int(pick * len(devices))]
-        conn.execute(sa.text(
-            "UPDATE devices SET risk_score = :r WHERE tenant_id = :t AND id = :d"),
-            {"r": round(value, 4), "t": self.tenant, "d": device})
+        conn.execute(
+            sa.text("UPDATE devices SET risk_score = :r WHERE tenant_id = :t AND id = :d"),
+            {"r": round(value, 4), "t": self.tenant, "d": device},
+        )
         self._cdc_pending["devices"] += 1
         self._touch(*self._device_users(conn, device))
         return [(DEVICE_UPDATED, {"device_id": device})]
 
-    def _link_add(self, conn: Connection, user: int, _other: int, pick: float,
-                  _value: float) -> Events:
+    def _link_add(
+        self, conn: Connection, user: int, _other: int, pick: float, _value: float
+    ) -> Events:
         device = self.devices[int(pick * len(self.devices))]
-        added = conn.execute(sa.text(
-            "INSERT INTO user_devices (tenant_id, user_id, device_id) VALUES (:t, :u, :d) "
-            "ON CONFLICT DO NOTHING"), {"t": self.tenant, "u": user, "d": device}).rowcount
+        added = conn.execute(
+            sa.text(
+                "INSERT INTO user_devices (tenant_id, user_id, device_id) VALUES (:t, :u, :d) "
+                "ON CONFLICT DO NOTHING"
+            ),
+            {"t": self.tenant, "u": user, "d": device},
+        ).rowcount
         if added:
             self._cdc_pending["user_devices"] += added
             self._touch(user, *self._device_users(conn, device))
         return []
 
-    def _link_remove(self, conn: Connection, user: int, _other: int, pick: float,
-                     _value: float) -> Events:
-        devices = [d for (d,) in conn.execute(sa.text(
-            "SELECT device_id FROM user_devices WHERE tenant_id = :t AND user_id = :u "
-            "ORDER BY device_id"), {"t": self.tenant, "u": user})]
+    def _link_remove(
+        self, conn: Connection, user: int, _other: int, pick: float, _value: float
+    ) -> Events:
+        devices = [
+            d
+            for (d,) in conn.execute(
+                sa.text(
+                    "SELECT device_id FROM user_devices WHERE tenant_id = :t AND user_id = :u "
+                    "ORDER BY device_id"
+                ),
+                {"t": self.tenant, "u": user},
+            )
+        ]
         if not devices:
             return []
         device = devices[int(pick * len(devices))]
         sharing = self._device_users(conn, device)
-        conn.execute(sa.text(
-            "DELETE FROM user_devices WHERE tenant_id = :t AND user_id = :u AND device_id = :d"),
-            {"t": self.tenant, "u": user, "d": device})
+        conn.execute(
+            sa.text(
+                "DELETE FROM user_devices WHERE tenant_id = :t AND user_id = :u AND device_id = :d"
+            ),
+            {"t": self.tenant, "u": user, "d": device},
+        )
         self._cdc_pending["user_devices"] += 2
         self._touch(*sharing)
         return []
 
-    def _geoip_edit(self, conn: Connection, user: int, _other: int, pick: float,
-                    value: float) -> Events:
-        row = conn.execute(sa.text(
-            """SELECT g.ip_from::text, g.ip_to::text FROM geoip g
+    def _geoip_edit(
+        self, conn: Connection, user: int, _other: int, pick: float, value: float
+    ) -> Events:
+        row = conn.execute(
+            sa.text(
+                """SELECT g.ip_from::text, g.ip_to::text FROM geoip g
                WHERE g.ip_from <= (SELECT ip FROM transactions
                                    WHERE tenant_id = :t AND user_id = :u AND ip IS NOT NULL
                                    ORDER BY created_at DESC, id DESC LIMIT 1)
-               ORDER BY g.ip_from DESC LIMIT 1"""), {"t": self.tenant, "u": user}).first()
+               ORDER BY g.ip_from DESC LIMIT 1"""
+            ),
+            {"t": self.tenant, "u": user},
+        ).first()
         if row is None:
             return []
         country, cities = COUNTRIES[int(pick * len(COUNTRIES))]
-        conn.execute(sa.text(
-            "UPDATE geoip SET country = :c, city = :city WHERE ip_from = CAST(:f AS inet)"),
-            {"c": country, "city": cities[int(value * len(cities))], "f": row[0]})
+        conn.execute(
+            sa.text("UPDATE geoip SET country = :c, city = :city WHERE ip_from = CAST(:f AS inet)"),
+            {"c": country, "city": cities[int(value * len(cities))], "f": row[0]},
+        )
         self._cdc_pending["geoip"] += 1
-        self._touch(*(int(u) for (u,) in conn.execute(sa.text(
-            "SELECT DISTINCT user_id FROM transactions WHERE tenant_id = :t "
-            "AND ip BETWEEN CAST(:f AS inet) AND CAST(:to AS inet)"),
-            {"t": self.tenant, "f": row[0], "to": row[1]})))
+        self._touch(
+            *(
+                int(u)
+                for (u,) in conn.execute(
+                    sa.text(
+                        "SELECT DISTINCT user_id FROM transactions WHERE tenant_id = :t "
+                        "AND ip BETWEEN CAST(:f AS inet) AND CAST(:to AS inet)"
+                    ),
+                    {"t": self.tenant, "f": row[0], "to": row[1]},
+                )
+            )
+        )
         return []

@@ -15,8 +15,15 @@ from pipeline.observe.advisor import (
 
 
 def workload(**overrides: object) -> Figures:
-    base: dict[str, object] = dict(name="txn_90d", kind="feature_set", qps=100.0, hit_rate=0.8,
-                                   lookup_s=0.0005, compute_s=0.05, miss_overhead_s=0.001)
+    base: dict[str, object] = dict(
+        name="txn_90d",
+        kind="feature_set",
+        qps=100.0,
+        hit_rate=0.8,
+        lookup_s=0.0005,
+        compute_s=0.05,
+        miss_overhead_s=0.001,
+    )
     base.update(overrides)
     return Figures(**base)  # type: ignore[arg-type]
 
@@ -38,11 +45,14 @@ def test_a_45_percent_hit_rate_on_a_220ms_computation_is_kept() -> None:
     assert advice.saving_s > 0.09
 
 
-@pytest.mark.parametrize("others", [
-    dict(hit_rate=0.99, compute_s=2.0),
-    dict(hit_rate=0.45, compute_s=0.220),
-    dict(hit_rate=0.0, compute_s=0.001),
-])
+@pytest.mark.parametrize(
+    "others",
+    [
+        dict(hit_rate=0.99, compute_s=2.0),
+        dict(hit_rate=0.45, compute_s=0.220),
+        dict(hit_rate=0.0, compute_s=0.001),
+    ],
+)
 def test_two_requests_per_second_is_killed_whatever_the_rest(others: dict[str, float]) -> None:
     advice = advise(workload(qps=2.0, **others))
     assert advice.verdict == "kill"
@@ -66,8 +76,9 @@ def test_ttl_advice_follows_the_sampled_ages() -> None:
     young = advise(workload(hit_rate=0.6, ttl_s=3600, mean_age_s=300, oldest_age_s=900))
     assert young.verdict == "lengthen-ttl" and young.suggested_ttl_s == 7200
     # Entries live out the TTL and most reads still miss.
-    old = advise(workload(hit_rate=0.35, compute_s=0.2, ttl_s=3600, mean_age_s=1800,
-                          oldest_age_s=3500))
+    old = advise(
+        workload(hit_rate=0.35, compute_s=0.2, ttl_s=3600, mean_age_s=1800, oldest_age_s=3500)
+    )
     assert old.verdict == "shorten-ttl" and old.suggested_ttl_s == 1800
     settled = advise(workload(hit_rate=0.7, ttl_s=3600, mean_age_s=1800, oldest_age_s=3500))
     assert settled.verdict == "keep" and settled.suggested_ttl_s is None
@@ -79,8 +90,7 @@ def test_an_entry_older_than_its_ttl_is_reported_as_a_bug() -> None:
 
 
 def test_model_slots_follow_littles_law() -> None:
-    advice = advise(workload(kind="model", name="fraud", qps=400.0, hit_rate=0.75,
-                             compute_s=0.05))
+    advice = advise(workload(kind="model", name="fraud", qps=400.0, hit_rate=0.75, compute_s=0.05))
     assert advice.slots_uncached == pytest.approx(400 * 0.05)
     assert advice.slots_cached == pytest.approx(400 * 0.25 * 0.05)
     assert advise(workload()).slots_cached is None  # feature sets have no serving slots
@@ -145,8 +155,9 @@ def test_figures_from_two_scrapes_a_window_apart() -> None:
 
 def test_scrapes_of_several_processes_add_counters_and_not_gauges() -> None:
     merged = parse_exposition([AFTER, AFTER])
-    hits = merged[("freshline_api_feature_hits_total",
-                   frozenset({("feature_set", "geo"), ("tier", "local")}))]
+    hits = merged[
+        ("freshline_api_feature_hits_total", frozenset({("feature_set", "geo"), ("tier", "local")}))
+    ]
     ttl = merged[("freshline_feature_ttl_seconds", frozenset({("feature_set", "geo")}))]
     assert (hits, ttl) == (400, 86400)
 
@@ -167,8 +178,9 @@ freshline_compute_seconds_sum{{cache="semantic",name="support-bot"}} {compute}
 
 def test_the_semantic_cache_gets_a_verdict_from_its_own_figures() -> None:
     before = parse_exposition([SEMANTIC.format(hits=0, misses=0, refused=0, read=0, compute=0)])
-    after = parse_exposition([SEMANTIC.format(hits=400, misses=600, refused=500, read=8.0,
-                                              compute=480.0)])
+    after = parse_exposition(
+        [SEMANTIC.format(hits=400, misses=600, refused=500, read=8.0, compute=480.0)]
+    )
     [bot] = figures_from_samples(difference(after, before), after, 100)
     assert (bot.name, bot.kind) == ("support-bot", "semantic")
     assert bot.qps == pytest.approx(10.0)  # refused requests are not cache traffic

@@ -34,15 +34,21 @@ from tests.conftest import fresh_version, wait_until
 class Api:
     """A synchronous face on an httpx client talking ASGI to the app, in a portal thread."""
 
-    def __init__(self, app: Starlette, portal: anyio.from_thread.BlockingPortal,
-                 client: httpx.AsyncClient, key: str | None) -> None:
+    def __init__(
+        self,
+        app: Starlette,
+        portal: anyio.from_thread.BlockingPortal,
+        client: httpx.AsyncClient,
+        key: str | None,
+    ) -> None:
         self.app = app
         self.portal = portal
         self.client = client
         self.key = key
 
-    def request(self, method: str, url: str, *, key: str | None = "default",
-                **kwargs: Any) -> httpx.Response:
+    def request(
+        self, method: str, url: str, *, key: str | None = "default", **kwargs: Any
+    ) -> httpx.Response:
         headers = dict(kwargs.pop("headers", {}))
         key = self.key if key == "default" else key
         if key is not None:
@@ -60,10 +66,13 @@ class Api:
 @contextmanager
 def running(app: Starlette, key: str | None = None) -> Iterator[Api]:
     """Run the app's lifespan and yield a client for it."""
-    with anyio.from_thread.start_blocking_portal() as portal, \
-            portal.wrap_async_context_manager(app.router.lifespan_context(app)):
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                   base_url="http://freshline.test")
+    with (
+        anyio.from_thread.start_blocking_portal() as portal,
+        portal.wrap_async_context_manager(app.router.lifespan_context(app)),
+    ):
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://freshline.test"
+        )
         try:
             yield Api(app, portal, client, key)
         finally:
@@ -73,12 +82,14 @@ def running(app: Starlette, key: str | None = None) -> Iterator[Api]:
 @pytest.fixture
 def api_settings(settings: Settings) -> Settings:
     # A schema version of the test's own keeps its Redis keys apart from other tests.
-    return settings.model_copy(update={
-        "schema_version": fresh_version(),
-        "api_batch_limit": 12,
-        "api_body_limit_bytes": 2048,
-        "local_cache_size": 0,  # the Redis path; the tier's tests turn it on
-    })
+    return settings.model_copy(
+        update={
+            "schema_version": fresh_version(),
+            "api_batch_limit": 12,
+            "api_body_limit_bytes": 2048,
+            "local_cache_size": 0,  # the Redis path; the tier's tests turn it on
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +98,10 @@ def two_tenants(tenant_factory_module: Callable[..., SeedSummary]) -> list[str]:
 
 
 @pytest.fixture
-def api(api_settings: Settings, engine: Engine, redis_client: redis.Redis,
-        two_tenants: list[str]) -> Iterator[Api]:
-    app = create_app(api_settings, engine=engine, redis_client=redis_client,
-                     follow_deploys=False)
+def api(
+    api_settings: Settings, engine: Engine, redis_client: redis.Redis, two_tenants: list[str]
+) -> Iterator[Api]:
+    app = create_app(api_settings, engine=engine, redis_client=redis_client, follow_deploys=False)
     with running(app, create_api_key(engine, two_tenants[0])) as client:
         yield client
 
@@ -115,8 +126,9 @@ def test_read_through_then_hit(api: Api, engine: Engine, two_tenants: list[str])
     assert second["values"] == body["values"]
 
 
-def test_cache_only_reports_a_miss_and_stores_nothing(api: Api, redis_client: redis.Redis,
-                                                      two_tenants: list[str]) -> None:
+def test_cache_only_reports_a_miss_and_stores_nothing(
+    api: Api, redis_client: redis.Redis, two_tenants: list[str]
+) -> None:
     version = api.app.state.services.reader.schema_version
     key = feature_key(version, EntityRef("geo", two_tenants[0], "4"))
     miss = api.get("/v1/features/geo/4?mode=cache-only")
@@ -137,7 +149,8 @@ def test_batch_answers_equal_single_ones(api: Api) -> None:
     assert first.status_code == 200, first.text
     items = first.json()["items"]
     assert [(i["entity"], i["feature_set"]) for i in items] == [
-        (str(e), fs) for e in (5, 6, 7, 8) for fs in sets]
+        (str(e), fs) for e in (5, 6, 7, 8) for fs in sets
+    ]
     assert {i["source"] for i in items} == {"computed"}
     assert sorted(len(g) for g in computed) == [4, 4, 4]  # one query per feature set
 
@@ -152,8 +165,10 @@ def test_batch_answers_equal_single_ones(api: Api) -> None:
 
 def test_batch_in_cache_only_mode_marks_misses(api: Api) -> None:
     api.get("/v1/features/txn_90d/9")
-    out = api.post("/v1/features/batch?mode=cache-only",
-                   json={"feature_sets": ["txn_90d"], "entities": [9, 10]})
+    out = api.post(
+        "/v1/features/batch?mode=cache-only",
+        json={"feature_sets": ["txn_90d"], "entities": [9, 10]},
+    )
     assert out.status_code == 200
     first, second = out.json()["items"]
     assert first["source"] == "hit" and first["values"] is not None
@@ -166,14 +181,14 @@ SENTINEL = 987_654_321
 
 
 @pytest.fixture
-def planted(api: Api, engine: Engine, redis_client: redis.Redis,
-            two_tenants: list[str]) -> str:
+def planted(api: Api, engine: Engine, redis_client: redis.Redis, two_tenants: list[str]) -> str:
     """Tenant B's entry for user 1, holding a value no real computation gives."""
     other = two_tenants[1]
     store = FeatureStore(redis_client, api.app.state.services.reader.schema_version)
     values = dict(truth(engine, "txn_90d", other, "1"), txn_count=SENTINEL)
-    store.write(Batch(REGISTRY["txn_90d"], {(other, "1"): values}, 1 << 100,
-                      time.time_ns() // 1_000_000))
+    store.write(
+        Batch(REGISTRY["txn_90d"], {(other, "1"): values}, 1 << 100, time.time_ns() // 1_000_000)
+    )
     return other
 
 
@@ -181,18 +196,21 @@ def _leaks(response: httpx.Response) -> bool:
     return str(SENTINEL) in response.text
 
 
-@pytest.mark.parametrize("path", [
-    "/v1/features/txn_90d/1..:{OTHER}",
-    "/v1/features/txn_90d/1:{OTHER}:1}",
-    "/v1/features/txn_90d/%7BOTHER%3A1%7D",
-    "/v1/features/txn_90d/1%3A%7BOTHER%3A1%7D",
-    "/v1/features/txn_90d/OTHER%3A1",
-    "/v1/features/txn_90d/OTHER/1",
-    "/v1/features/txn_90d/..%2FOTHER%2F1",
-    "/v1/features/txn_90d/*",
-    "/v1/features/txn_90d/1?tenant=OTHER&tenant_id=OTHER",
-    "/v1/features/txn_90d:{OTHER:1}/1",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/features/txn_90d/1..:{OTHER}",
+        "/v1/features/txn_90d/1:{OTHER}:1}",
+        "/v1/features/txn_90d/%7BOTHER%3A1%7D",
+        "/v1/features/txn_90d/1%3A%7BOTHER%3A1%7D",
+        "/v1/features/txn_90d/OTHER%3A1",
+        "/v1/features/txn_90d/OTHER/1",
+        "/v1/features/txn_90d/..%2FOTHER%2F1",
+        "/v1/features/txn_90d/*",
+        "/v1/features/txn_90d/1?tenant=OTHER&tenant_id=OTHER",
+        "/v1/features/txn_90d:{OTHER:1}/1",
+    ],
+)
 def test_crafted_paths_never_reach_another_tenant(api: Api, planted: str, path: str) -> None:
     response = api.get(path.replace("OTHER", planted))
     assert not _leaks(response)
@@ -203,24 +221,27 @@ def test_crafted_paths_never_reach_another_tenant(api: Api, planted: str, path: 
         assert response.json()["error"]["code"]
 
 
-def test_the_tenant_comes_from_the_key_not_the_body(api: Api, planted: str,
-                                                    engine: Engine) -> None:
-    body = {"feature_sets": ["txn_90d"], "entities": [1], "tenant": planted,
-            "tenant_id": planted, "tenants": [planted]}
-    response = api.post("/v1/features/batch", json=body,
-                        headers={"X-Tenant": planted})
+def test_the_tenant_comes_from_the_key_not_the_body(api: Api, planted: str, engine: Engine) -> None:
+    body = {
+        "feature_sets": ["txn_90d"],
+        "entities": [1],
+        "tenant": planted,
+        "tenant_id": planted,
+        "tenants": [planted],
+    }
+    response = api.post("/v1/features/batch", json=body, headers={"X-Tenant": planted})
     assert response.status_code == 200
     assert not _leaks(response)
     [item] = response.json()["items"]
     assert item["values"] == truth(engine, "txn_90d", api_tenant(api), "1")
     for crafted in [f"{{{planted}:1}}", f"{planted}:1", f"1}}:{{{planted}"]:
-        bad = api.post("/v1/features/batch", json={"feature_sets": ["txn_90d"],
-                                                   "entities": [crafted]})
+        bad = api.post(
+            "/v1/features/batch", json={"feature_sets": ["txn_90d"], "entities": [crafted]}
+        )
         assert bad.status_code == 400 and not _leaks(bad)
 
 
-def test_the_other_tenants_key_reads_its_own_entry(api: Api, planted: str,
-                                                   engine: Engine) -> None:
+def test_the_other_tenants_key_reads_its_own_entry(api: Api, planted: str, engine: Engine) -> None:
     other = api.get("/v1/features/txn_90d/1", key=create_api_key(engine, planted))
     assert other.json()["values"]["txn_count"] == SENTINEL  # the plant is really there
     mine = api.get("/v1/features/txn_90d/1")
@@ -261,43 +282,100 @@ BAD: list[tuple[str, str, dict[str, Any], int, str]] = [
     ("POST", "/v1/features/batch", {"content": b""}, 400, "invalid_json"),
     ("POST", "/v1/features/batch", {"json": [1, 2]}, 422, "invalid_request"),
     ("POST", "/v1/features/batch", {"json": {"entities": [1]}}, 422, "invalid_request"),
-    ("POST", "/v1/features/batch", {"json": {"feature_sets": "txn_90d", "entities": [1]}},
-     422, "invalid_request"),
-    ("POST", "/v1/features/batch", {"json": {"feature_sets": ["txn_90d"], "entities": []}},
-     422, "invalid_request"),
-    ("POST", "/v1/features/batch", {"json": {"feature_sets": ["nope"], "entities": [1]}},
-     404, "unknown_feature_set"),
-    ("POST", "/v1/features/batch", {"json": {"feature_sets": [7], "entities": [1]}},
-     400, "invalid_id"),
-    ("POST", "/v1/features/batch", {"json": {"feature_sets": ["geo"], "entities": [1.5]}},
-     400, "invalid_id"),
-    ("POST", "/v1/features/batch", {"json": {"feature_sets": ["geo"], "entities": [True]}},
-     400, "invalid_id"),
-    ("POST", "/v1/features/batch", {"json": {"feature_sets": ["geo"], "entities": [None]}},
-     400, "invalid_id"),
-    ("POST", "/v1/features/batch",
-     {"json": {"feature_sets": ["txn_90d", "geo", "device_risk"], "entities": [1, 2, 3, 4, 5]}},
-     422, "batch_too_large"),
+    (
+        "POST",
+        "/v1/features/batch",
+        {"json": {"feature_sets": "txn_90d", "entities": [1]}},
+        422,
+        "invalid_request",
+    ),
+    (
+        "POST",
+        "/v1/features/batch",
+        {"json": {"feature_sets": ["txn_90d"], "entities": []}},
+        422,
+        "invalid_request",
+    ),
+    (
+        "POST",
+        "/v1/features/batch",
+        {"json": {"feature_sets": ["nope"], "entities": [1]}},
+        404,
+        "unknown_feature_set",
+    ),
+    (
+        "POST",
+        "/v1/features/batch",
+        {"json": {"feature_sets": [7], "entities": [1]}},
+        400,
+        "invalid_id",
+    ),
+    (
+        "POST",
+        "/v1/features/batch",
+        {"json": {"feature_sets": ["geo"], "entities": [1.5]}},
+        400,
+        "invalid_id",
+    ),
+    (
+        "POST",
+        "/v1/features/batch",
+        {"json": {"feature_sets": ["geo"], "entities": [True]}},
+        400,
+        "invalid_id",
+    ),
+    (
+        "POST",
+        "/v1/features/batch",
+        {"json": {"feature_sets": ["geo"], "entities": [None]}},
+        400,
+        "invalid_id",
+    ),
+    (
+        "POST",
+        "/v1/features/batch",
+        {"json": {"feature_sets": ["txn_90d", "geo", "device_risk"], "entities": [1, 2, 3, 4, 5]}},
+        422,
+        "batch_too_large",
+    ),
     ("POST", "/v1/features/batch", {"content": BIG}, 413, "body_too_large"),
     ("POST", "/v1/features/batch", {"content": _chunks}, 413, "body_too_large"),
-    ("POST", "/v1/features/batch", {"content": b"{}", "headers": {"Content-Length": "x"}},
-     400, "bad_request"),
-    ("POST", "/v1/models/no_such_model/predict", {"json": {"inputs": [[1.0]]}},
-     404, "unknown_model"),
+    (
+        "POST",
+        "/v1/features/batch",
+        {"content": b"{}", "headers": {"Content-Length": "x"}},
+        400,
+        "bad_request",
+    ),
+    (
+        "POST",
+        "/v1/models/no_such_model/predict",
+        {"json": {"inputs": [[1.0]]}},
+        404,
+        "unknown_model",
+    ),
     ("POST", "/v1/models/Bad-Name/predict", {"json": {"inputs": [[1.0]]}}, 400, "invalid_id"),
     ("POST", "/v1/models/x/predict", {"json": {"inputs": "1"}}, 422, "invalid_request"),
-    ("POST", "/v1/models/x/predict", {"json": {"inputs": [[1.0]] * 13}}, 422,
-     "batch_too_large"),
-    ("POST", "/v1/models/x/predict", {"json": {"inputs": [[1.0]], "arm": "a:b"}},
-     400, "invalid_id"),
+    ("POST", "/v1/models/x/predict", {"json": {"inputs": [[1.0]] * 13}}, 422, "batch_too_large"),
+    (
+        "POST",
+        "/v1/models/x/predict",
+        {"json": {"inputs": [[1.0]], "arm": "a:b"}},
+        400,
+        "invalid_id",
+    ),
     ("GET", "/v1/models/x/predict", {}, 405, "method_not_allowed"),
 ]
 
 
-@pytest.mark.parametrize(("method", "path", "kwargs", "status", "code"), BAD,
-                         ids=[f"{m} {p[:40]} {c}" for m, p, _, _, c in BAD])
-def test_bad_requests_get_a_json_4xx(api: Api, method: str, path: str, kwargs: dict[str, Any],
-                                     status: int, code: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "path", "kwargs", "status", "code"),
+    BAD,
+    ids=[f"{m} {p[:40]} {c}" for m, p, _, _, c in BAD],
+)
+def test_bad_requests_get_a_json_4xx(
+    api: Api, method: str, path: str, kwargs: dict[str, Any], status: int, code: str
+) -> None:
     kwargs = dict(kwargs)
     if callable(kwargs.get("content")):
         kwargs["content"] = kwargs["content"]()
@@ -309,8 +387,10 @@ def test_bad_requests_get_a_json_4xx(api: Api, method: str, path: str, kwargs: d
     assert error["message"] and "Traceback" not in response.text
 
 
-@pytest.mark.parametrize("header", [None, "", "Bearer", "Bearer ", "Basic abc",
-                                    "Bearer fl_not-a-key", "Bearer " + "x" * 500])
+@pytest.mark.parametrize(
+    "header",
+    [None, "", "Bearer", "Bearer ", "Basic abc", "Bearer fl_not-a-key", "Bearer " + "x" * 500],
+)
 def test_missing_or_unknown_keys_are_401(api: Api, header: str | None) -> None:
     headers = {} if header is None else {"Authorization": header}
     for path in ("/v1/features/txn_90d/1", "/v1/features/nope/1"):
@@ -364,14 +444,16 @@ def test_health_and_readiness(api: Api) -> None:
     assert ready.json() == {"status": "ready", "checks": {"redis": "ok", "postgres": "ok"}}
 
 
-def test_readiness_is_503_when_a_service_does_not_answer(api_settings: Settings,
-                                                        engine: Engine) -> None:
+def test_readiness_is_503_when_a_service_does_not_answer(
+    api_settings: Settings, engine: Engine
+) -> None:
     # Port 1 on loopback: nothing listens there, so both connections are refused.
     dead_redis = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=1)
     dead_pg = sa.create_engine(engine.url.set(port=1), connect_args={"connect_timeout": 1})
-    for kwargs in ({"redis_client": dead_redis, "engine": engine},
-                   {"redis_client": redis.Redis.from_url(api_settings.redis_url),
-                    "engine": dead_pg}):
+    for kwargs in (
+        {"redis_client": dead_redis, "engine": engine},
+        {"redis_client": redis.Redis.from_url(api_settings.redis_url), "engine": dead_pg},
+    ):
         app = create_app(api_settings, follow_deploys=False, **kwargs)  # type: ignore[arg-type]
         with running(app) as client:
             ready = client.get("/readyz", key=None)
@@ -388,17 +470,24 @@ COUNTED = {
     "hits": ("freshline_api_feature_hits_total", {"feature_set": "device_risk", "tier": "redis"}),
     "misses": ("freshline_api_feature_misses_total", {"feature_set": "device_risk"}),
     "read_throughs": ("freshline_api_feature_read_throughs_total", {"feature_set": "device_risk"}),
-    "requests": ("freshline_api_request_seconds_count",
-                 {"endpoint": "features", "feature_set": "device_risk", "status": "200"}),
+    "requests": (
+        "freshline_api_request_seconds_count",
+        {"endpoint": "features", "feature_set": "device_risk", "status": "200"},
+    ),
 }
 
 
 def scrape(api: Api) -> dict[str, float]:
     """The values of :data:`COUNTED` in ``/metrics`` now (0 for a series not there yet)."""
-    samples = [s for family in text_string_to_metric_families(api.get("/metrics", key=None).text)
-               for s in family.samples]
-    return {what: sum(s.value for s in samples if s.name == name and s.labels == labels)
-            for what, (name, labels) in COUNTED.items()}
+    samples = [
+        s
+        for family in text_string_to_metric_families(api.get("/metrics", key=None).text)
+        for s in family.samples
+    ]
+    return {
+        what: sum(s.value for s in samples if s.name == name and s.labels == labels)
+        for what, (name, labels) in COUNTED.items()
+    }
 
 
 def test_metrics_count_hits_misses_and_read_throughs(api: Api) -> None:
@@ -408,25 +497,34 @@ def test_metrics_count_hits_misses_and_read_throughs(api: Api) -> None:
     assert api.get("/v1/features/device_risk/10").status_code == 200  # a hit in Redis
     after = scrape(api)
     assert {what: after[what] - before[what] for what in COUNTED} == {
-        "hits": 1, "misses": 1, "read_throughs": 1, "requests": 2}
+        "hits": 1,
+        "misses": 1,
+        "read_throughs": 1,
+        "requests": 2,
+    }
 
 
 # -- with the in-process tier --------------------------------------------------------------
 
+
 def test_the_api_serves_from_the_local_tier_until_invalidated(
-        api_settings: Settings, engine: Engine, redis_client: redis.Redis,
-        two_tenants: list[str]) -> None:
+    api_settings: Settings, engine: Engine, redis_client: redis.Redis, two_tenants: list[str]
+) -> None:
     tenant = two_tenants[0]
-    app = create_app(api_settings.model_copy(update={"local_cache_size": 100}), engine=engine,
-                     redis_client=redis_client,
-                     follow_deploys=False)
+    app = create_app(
+        api_settings.model_copy(update={"local_cache_size": 100}),
+        engine=engine,
+        redis_client=redis_client,
+        follow_deploys=False,
+    )
     with running(app, create_api_key(engine, tenant)) as client:
         local: LocalTier = app.state.services.reader.local
         assert local.wait_live(5)
         assert client.get("/v1/features/txn_90d/10").json()["source"] == "computed"
         assert client.get("/v1/features/txn_90d/10").json()["source"] == "local"
-        batch = client.post("/v1/features/batch",
-                            json={"feature_sets": ["txn_90d", "geo"], "entities": [10]})
+        batch = client.post(
+            "/v1/features/batch", json={"feature_sets": ["txn_90d", "geo"], "entities": [10]}
+        )
         assert [i["source"] for i in batch.json()["items"]] == ["local", "computed"]
 
         message = Invalidation(tenant, "txn_90d", "10", 1, api_settings.schema_version)

@@ -24,8 +24,9 @@ def keys(redis_client: redis.Redis) -> Iterator[list[str]]:
     redis_client.delete(*names)
 
 
-def test_held_mgets_answer_as_redis_py_does_on_one_connection(redis_client: redis.Redis,
-                                                              keys: list[str]) -> None:
+def test_held_mgets_answer_as_redis_py_does_on_one_connection(
+    redis_client: redis.Redis, keys: list[str]
+) -> None:
     async def go() -> int:
         twin = async_twin(redis_client)
         held = HeldConnections(twin)
@@ -40,8 +41,9 @@ def test_held_mgets_answer_as_redis_py_does_on_one_connection(redis_client: redi
     assert asyncio.run(go()) == 1  # one connection, taken once and reused
 
 
-def test_concurrent_mgets_each_take_a_connection_and_keep_it(redis_client: redis.Redis,
-                                                             keys: list[str]) -> None:
+def test_concurrent_mgets_each_take_a_connection_and_keep_it(
+    redis_client: redis.Redis, keys: list[str]
+) -> None:
     async def go() -> tuple[list[list[bytes | None]], int, int]:
         twin = async_twin(redis_client)
         held = HeldConnections(twin)
@@ -59,8 +61,9 @@ def test_concurrent_mgets_each_take_a_connection_and_keep_it(redis_client: redis
     assert after_burst == after_one == 5
 
 
-def test_closing_the_client_closes_the_held_connections(redis_client: redis.Redis,
-                                                        keys: list[str]) -> None:
+def test_closing_the_client_closes_the_held_connections(
+    redis_client: redis.Redis, keys: list[str]
+) -> None:
     async def go() -> tuple[bool, bool]:
         twin = async_twin(redis_client)
         held = HeldConnections(twin)
@@ -73,8 +76,9 @@ def test_closing_the_client_closes_the_held_connections(redis_client: redis.Redi
     assert asyncio.run(go()) == (True, False)
 
 
-def test_an_error_reply_is_raised_and_the_next_mget_answers(redis_client: redis.Redis,
-                                                            keys: list[str]) -> None:
+def test_an_error_reply_is_raised_and_the_next_mget_answers(
+    redis_client: redis.Redis, keys: list[str]
+) -> None:
     async def go() -> tuple[list[bytes | None], bool]:
         twin = async_twin(redis_client)
         held = HeldConnections(twin)
@@ -94,7 +98,8 @@ def test_an_error_reply_is_raised_and_the_next_mget_answers(redis_client: redis.
 
 
 def test_a_connection_closed_while_held_is_replaced_and_the_mget_answers(
-        private_redis: tuple[str, Callable[[], None], Callable[[], None]]) -> None:
+    private_redis: tuple[str, Callable[[], None], Callable[[], None]],
+) -> None:
     url, stop, start = private_redis
     client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
 
@@ -119,7 +124,8 @@ def test_a_connection_closed_while_held_is_replaced_and_the_mget_answers(
 
 
 def test_an_outage_is_a_connection_error_and_the_connections_recover(
-        private_redis: tuple[str, Callable[[], None], Callable[[], None]]) -> None:
+    private_redis: tuple[str, Callable[[], None], Callable[[], None]],
+) -> None:
     url, stop, start = private_redis
     client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
 

@@ -73,8 +73,9 @@ def test_only_the_late_await_is_cut_among_concurrent_ones() -> None:
     async def main() -> None:
         never, later = asyncio.Event(), asyncio.Event()
         slow = asyncio.create_task(deadlines.bound(answer_after(never, 1), 0.05))
-        fast = [asyncio.create_task(deadlines.bound(answer_after(later, i), 30.0))
-                for i in range(5)]
+        fast = [
+            asyncio.create_task(deadlines.bound(answer_after(later, i), 30.0)) for i in range(5)
+        ]
         with pytest.raises(TimeoutError):
             await slow
         assert not any(t.done() for t in fast)

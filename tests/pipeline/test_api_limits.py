@@ -95,6 +95,7 @@ def audit(caplog: pytest.LogCaptureFixture) -> Iterator[Callable[[], list[dict[s
 
 # -- the key lifecycle (finding 4) ------------------------------------------------------
 
+
 def test_keys_have_an_id_label_and_times_and_list_never_shows_them(engine: Engine) -> None:
     tenant = fresh_tenant()
     first = create_tenant(engine, tenant)
@@ -110,7 +111,8 @@ def test_keys_have_an_id_label_and_times_and_list_never_shows_them(engine: Engin
 
 
 def test_revocation_reaches_every_worker_through_the_channel(
-        engine: Engine, redis_client: redis.Redis) -> None:
+    engine: Engine, redis_client: redis.Redis
+) -> None:
     key = create_tenant(engine, fresh_tenant())
     # Two workers, each with its own cache and subscription. A minute-long cache
     # lifetime: only the channel can make the second one forget within the bound.
@@ -136,7 +138,7 @@ def test_revocation_reaches_every_worker_through_the_channel(
 
 
 def test_a_worker_cut_off_from_the_channel_trusts_no_cached_key(
-        engine: Engine, private_redis: tuple[str, Callable[[], None], Callable[[], None]]
+    engine: Engine, private_redis: tuple[str, Callable[[], None], Callable[[], None]]
 ) -> None:
     url, stop, _start = private_redis
     client = redis.Redis.from_url(url)
@@ -149,8 +151,10 @@ def test_a_worker_cut_off_from_the_channel_trusts_no_cached_key(
         stop()  # the revocation could not be delivered now
         assert wait_until(lambda: not worker.cached(key)[0], timeout=5)
         with engine.begin() as conn:
-            conn.execute(sa.text("UPDATE api_keys SET revoked_at = now() "
-                                 "WHERE key_hash = :h"), {"h": auth_module.hash_key(key)})
+            conn.execute(
+                sa.text("UPDATE api_keys SET revoked_at = now() WHERE key_hash = :h"),
+                {"h": auth_module.hash_key(key)},
+            )
         with pytest.raises(Unauthorized):
             worker.principal(key)
     finally:
@@ -159,7 +163,8 @@ def test_a_worker_cut_off_from_the_channel_trusts_no_cached_key(
 
 
 def test_keys_are_compared_in_constant_time_and_cached_keys_hash_nothing(
-        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     key = create_tenant(engine, fresh_tenant())
     compared: list[tuple[str, str]] = []
     hashed: list[str] = []
@@ -233,22 +238,28 @@ def test_revoking_an_unknown_id_is_an_error(engine: Engine) -> None:
         revoke_api_key(engine, None, "000000000000")
 
 
-def test_cli_creates_lists_and_revokes_keys_and_audits_them(settings: Settings,
-                                                           engine: Engine,
-                                                           tmp_path: Path) -> None:
+def test_cli_creates_lists_and_revokes_keys_and_audits_them(
+    settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
     tenant = fresh_tenant()
     audit_file = tmp_path / "audit.jsonl"
-    env = {**os.environ, "FRESHLINE_POSTGRES_URL": settings.postgres_url,
-           "FRESHLINE_REDIS_URL": settings.redis_url, "FRESHLINE_AUDIT_LOG": str(audit_file)}
+    env = {
+        **os.environ,
+        "FRESHLINE_POSTGRES_URL": settings.postgres_url,
+        "FRESHLINE_REDIS_URL": settings.redis_url,
+        "FRESHLINE_AUDIT_LOG": str(audit_file),
+    }
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([FRESHLINE, *args], capture_output=True, text=True, env=env,
-                              timeout=60)
+        return subprocess.run(
+            [FRESHLINE, *args], capture_output=True, text=True, env=env, timeout=60
+        )
 
     created = run("tenants", "create", tenant)
     assert created.returncode == 0, created.stderr
-    added = run("apikey", "create", "--tenant", tenant, "--label", "batch scorer",
-                "--expires-in", "90d")
+    added = run(
+        "apikey", "create", "--tenant", tenant, "--label", "batch scorer", "--expires-in", "90d"
+    )
     assert added.returncode == 0, added.stderr
     key = added.stdout.strip()
     listed = run("apikey", "list", "--tenant", tenant)
@@ -281,29 +292,41 @@ def test_cli_creates_lists_and_revokes_keys_and_audits_them(settings: Settings,
 
 # -- abuse limits (findings 4, 6) -------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tenant_module(tenant_factory_module: Callable[..., SeedSummary]) -> str:
     return tenant_factory_module(users=10, transactions=200).tenants[0]
 
 
-def limited_app(settings: Settings, engine: Engine, redis_client: redis.Redis,
-                **limits: Any) -> Any:
+def limited_app(
+    settings: Settings, engine: Engine, redis_client: redis.Redis, **limits: Any
+) -> Any:
     update = {"schema_version": fresh_version(), "local_cache_size": 0, **limits}
-    return create_app(settings.model_copy(update=update), engine=engine,
-                      redis_client=redis_client, follow_deploys=False)
+    return create_app(
+        settings.model_copy(update=update),
+        engine=engine,
+        redis_client=redis_client,
+        follow_deploys=False,
+    )
 
 
 def test_failed_authentications_past_the_limit_cost_no_query(
-        settings: Settings, engine: Engine, redis_client: redis.Redis, tenant_module: str,
-        audit: Callable[[], list[dict[str, Any]]]) -> None:
-    app = limited_app(settings, engine, redis_client, api_auth_failures_burst=3,
-                      api_auth_failures_per_min=0.001)
+    settings: Settings,
+    engine: Engine,
+    redis_client: redis.Redis,
+    tenant_module: str,
+    audit: Callable[[], list[dict[str, Any]]],
+) -> None:
+    app = limited_app(
+        settings, engine, redis_client, api_auth_failures_burst=3, api_auth_failures_per_min=0.001
+    )
     good = create_api_key(engine, tenant_module)
     with running(app, good) as api, Queries(engine) as queries:
         assert api.get("/v1/features/txn_90d/1").status_code == 200  # looks the key up
         before = queries.count("api_keys")
-        statuses = [api.get("/v1/features/txn_90d/1", key=f"fl_guess{i}").status_code
-                    for i in range(10)]
+        statuses = [
+            api.get("/v1/features/txn_90d/1", key=f"fl_guess{i}").status_code for i in range(10)
+        ]
         assert statuses == [401] * 10
         assert queries.count("api_keys") - before == 3  # the budget, then no query
         # A key the worker already knows still works from the throttled address.
@@ -314,8 +337,12 @@ def test_failed_authentications_past_the_limit_cost_no_query(
 
 
 def test_a_key_over_its_rate_gets_429_with_retry_after(
-        settings: Settings, engine: Engine, redis_client: redis.Redis, tenant_module: str,
-        audit: Callable[[], list[dict[str, Any]]]) -> None:
+    settings: Settings,
+    engine: Engine,
+    redis_client: redis.Redis,
+    tenant_module: str,
+    audit: Callable[[], list[dict[str, Any]]],
+) -> None:
     app = limited_app(settings, engine, redis_client, api_rate_per_s=0.01, api_rate_burst=3)
     tenant = tenant_module
     greedy = issue_api_key(engine, tenant)
@@ -343,38 +370,43 @@ def test_token_buckets_refill_at_their_rate() -> None:
     assert TokenBuckets(0, 1).take("k") == 0.0  # rate 0: no limit
 
 
-def test_a_revoked_key_is_refused_by_the_api(settings: Settings, engine: Engine,
-                                             redis_client: redis.Redis, tenant_module: str,
-                                             audit: Callable[[], list[dict[str, Any]]]
-                                             ) -> None:
+def test_a_revoked_key_is_refused_by_the_api(
+    settings: Settings,
+    engine: Engine,
+    redis_client: redis.Redis,
+    tenant_module: str,
+    audit: Callable[[], list[dict[str, Any]]],
+) -> None:
     app = limited_app(settings, engine, redis_client)
     issued = issue_api_key(engine, tenant_module)
     with running(app, issued.key) as api:
         assert app.state.services.auth.wait_live(5)
         assert api.get("/v1/features/txn_90d/1").status_code == 200
         revoke_api_key(engine, redis_client, issued.key_id)
-        assert wait_until(lambda: api.get("/v1/features/txn_90d/1").status_code == 401,
-                          timeout=1.0)
+        assert wait_until(lambda: api.get("/v1/features/txn_90d/1").status_code == 401, timeout=1.0)
     refused = [line for line in audit() if line["event"] == "auth.refused"]
     assert refused[-1]["reason"] == "revoked_key" and refused[-1]["key_id"] == issued.key_id
 
 
 # -- resource bounds (findings 2, 8) ----------------------------------------------------
 
+
 def test_reads_of_entities_without_source_rows_store_nothing(
-        settings: Settings, engine: Engine, redis_client: redis.Redis,
-        tenant_module: str) -> None:
+    settings: Settings, engine: Engine, redis_client: redis.Redis, tenant_module: str
+) -> None:
     version = fresh_version()
-    app = create_app(settings.model_copy(update={"schema_version": version,
-                                                 "local_cache_size": 0}),
-                     engine=engine, redis_client=redis_client, follow_deploys=False)
+    app = create_app(
+        settings.model_copy(update={"schema_version": version, "local_cache_size": 0}),
+        engine=engine,
+        redis_client=redis_client,
+        follow_deploys=False,
+    )
     with running(app, create_api_key(engine, tenant_module)) as api:
         known = api.get("/v1/features/txn_90d/3").json()
         assert known["source"] == "computed"
         ghost = api.get("/v1/features/txn_90d/424242").json()
         assert ghost["source"] == "uncached" and ghost["values"]["txn_count"] == 0
-        body = {"feature_sets": list(REGISTRY.names()),
-                "entities": list(range(900_000, 900_100))}
+        body = {"feature_sets": list(REGISTRY.names()), "entities": list(range(900_000, 900_100))}
         batch = api.post("/v1/features/batch", json=body)
         assert batch.status_code == 200, batch.text
         assert {i["source"] for i in batch.json()["items"]} == {"uncached"}
@@ -382,16 +414,26 @@ def test_reads_of_entities_without_source_rows_store_nothing(
     assert len(stored) == 1 and b"txn_90d" in stored[0] and stored[0].endswith(b":3}")
 
 
-@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning",
-                            "ignore:invalid value:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
 def test_non_finite_predictions_are_refused_and_not_cached(
-        settings: Settings, engine: Engine, redis_client: redis.Redis, tenant_module: str,
-        tmp_path: Path) -> None:
+    settings: Settings,
+    engine: Engine,
+    redis_client: redis.Redis,
+    tenant_module: str,
+    tmp_path: Path,
+) -> None:
     name = f"m_{uuid.uuid4().hex[:10]}"
     rng = np.random.default_rng(0)
     x = rng.normal(size=(200, 2))
-    model = LogisticModel.fit(x, (x[:, 0] + x[:, 1] > 0).astype(float), version="v1",
-                              feature_names=("a", "b"), name=name, epochs=50, seed=0)
+    model = LogisticModel.fit(
+        x,
+        (x[:, 0] + x[:, 1] > 0).astype(float),
+        version="v1",
+        feature_names=("a", "b"),
+        name=name,
+        epochs=50,
+        seed=0,
+    )
     ModelRegistry(redis_client).register(model.save(tmp_path / "v1.json"))
     app = limited_app(settings, engine, redis_client)
     with running(app, create_api_key(engine, tenant_module)) as api:
@@ -409,54 +451,71 @@ def test_non_finite_predictions_are_refused_and_not_cached(
 
 # -- a client that goes away mid-body (finding 5) -----------------------------------------
 
+
 def _count(name: str, **labels: str) -> float:
     text = metrics.render()[0].decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def test_a_disconnect_mid_body_is_no_error_log_and_no_500(
-        settings: Settings, engine: Engine, redis_client: redis.Redis, tenant_module: str,
-        caplog: pytest.LogCaptureFixture) -> None:
+    settings: Settings,
+    engine: Engine,
+    redis_client: redis.Redis,
+    tenant_module: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     app = limited_app(settings, engine, redis_client)
     issued = issue_api_key(engine, tenant_module)
     key = issued.key
     with serving(app) as port:
-        before_500 = _count("freshline_api_request_seconds_count", endpoint="batch",
-                            status="500")
-        before_499 = _count("freshline_api_request_seconds_count", endpoint="batch",
-                            status="499")
+        before_500 = _count("freshline_api_request_seconds_count", endpoint="batch", status="500")
+        before_499 = _count("freshline_api_request_seconds_count", endpoint="batch", status="499")
         caplog.set_level(logging.INFO)
         with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(b"POST /v1/features/batch HTTP/1.1\r\nHost: x\r\n"
-                         b"Authorization: Bearer " + key.encode() + b"\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
-                         b'{"feature_sets": ["txn_90d"], "enti')
+            sock.sendall(
+                b"POST /v1/features/batch HTTP/1.1\r\nHost: x\r\n"
+                b"Authorization: Bearer " + key.encode() + b"\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                b'{"feature_sets": ["txn_90d"], "enti'
+            )
             # Hang up once the guard has let the request through to the endpoint.
             auth = app.state.services.auth
             assert wait_until(lambda: issued.key_id in auth.pending_usage(), timeout=10)
-        assert wait_until(lambda: _count("freshline_api_request_seconds_count",
-                                         endpoint="batch", status="499") > before_499,
-                          timeout=10)
-        assert _count("freshline_api_request_seconds_count", endpoint="batch",
-                      status="500") == before_500
+        assert wait_until(
+            lambda: (
+                _count("freshline_api_request_seconds_count", endpoint="batch", status="499")
+                > before_499
+            ),
+            timeout=10,
+        )
+        assert (
+            _count("freshline_api_request_seconds_count", endpoint="batch", status="500")
+            == before_500
+        )
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert errors == [], [r.getMessage() for r in errors]
         assert not any(r.exc_info for r in caplog.records)
 
 
 def test_a_body_that_does_not_arrive_in_time_is_a_408(
-        settings: Settings, engine: Engine, redis_client: redis.Redis,
-        tenant_module: str) -> None:
+    settings: Settings, engine: Engine, redis_client: redis.Redis, tenant_module: str
+) -> None:
     app = limited_app(settings, engine, redis_client, api_body_timeout_s=0.3)
     key = create_api_key(engine, tenant_module)
     with serving(app) as port:
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.settimeout(30)  # a deadline on the test: a missing bound would hang it
-            sock.sendall(b"POST /v1/features/batch HTTP/1.1\r\nHost: x\r\n"
-                         b"Authorization: Bearer " + key.encode() + b"\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
-                         b'{"feature_sets": ["txn_90d"], "enti')
+            sock.sendall(
+                b"POST /v1/features/batch HTTP/1.1\r\nHost: x\r\n"
+                b"Authorization: Bearer " + key.encode() + b"\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                b'{"feature_sets": ["txn_90d"], "enti'
+            )
             reply = b""
             while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
                 chunk = sock.recv(65536)
@@ -473,21 +532,29 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408(
 
 # -- the OpenAPI document states the limits (finding 7) ---------------------------------
 
+
 def _entity_schemas(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    [param] = [p for p in doc["paths"]["/v1/features/{feature_set}/{entity_id}"]["get"]
-               ["parameters"] if p["name"] == "entity_id"]
+    [param] = [
+        p
+        for p in doc["paths"]["/v1/features/{feature_set}/{entity_id}"]["get"]["parameters"]
+        if p["name"] == "entity_id"
+    ]
     items = doc["components"]["schemas"]["BatchRequest"]["properties"]["entities"]["items"]
     return param["schema"], items
 
 
-@pytest.mark.parametrize("entity", ["0", "7", "999999999999999999", "1000000000000000000",
-                                    "0123", "1" * 65, "-1", "1.5", "abc"])
+@pytest.mark.parametrize(
+    "entity",
+    ["0", "7", "999999999999999999", "1000000000000000000", "0123", "1" * 65, "-1", "1.5", "abc"],
+)
 def test_the_documented_id_rule_is_the_servers(entity: str) -> None:
     import re
 
     path_schema, _ = _entity_schemas(document(REGISTRY.names()))
-    documented = (len(entity) <= path_schema["maxLength"]
-                  and re.fullmatch(path_schema["pattern"].strip("^$"), entity) is not None)
+    documented = (
+        len(entity) <= path_schema["maxLength"]
+        and re.fullmatch(path_schema["pattern"].strip("^$"), entity) is not None
+    )
     try:
         parse_entity(entity)
         served = True
@@ -497,8 +564,11 @@ def test_the_documented_id_rule_is_the_servers(entity: str) -> None:
 
 
 def test_the_document_states_the_batch_body_and_arm_limits(settings: Settings) -> None:
-    doc = document(REGISTRY.names(), batch_limit=settings.api_batch_limit,
-                   body_limit=settings.api_body_limit_bytes)
+    doc = document(
+        REGISTRY.names(),
+        batch_limit=settings.api_batch_limit,
+        body_limit=settings.api_body_limit_bytes,
+    )
     _, items = _entity_schemas(doc)
     [as_int] = [s for s in items["oneOf"] if s["type"] == "integer"]
     assert as_int["maximum"] == 10**18 - 1 and as_int["minimum"] == 0
@@ -511,8 +581,12 @@ def test_the_document_states_the_batch_body_and_arm_limits(settings: Settings) -
 
 
 def test_an_integer_arm_is_refused_as_documented(
-        settings: Settings, engine: Engine, redis_client: redis.Redis, tenant_module: str,
-        tmp_path: Path) -> None:
+    settings: Settings,
+    engine: Engine,
+    redis_client: redis.Redis,
+    tenant_module: str,
+    tmp_path: Path,
+) -> None:
     app = limited_app(settings, engine, redis_client)
     with running(app, create_api_key(engine, tenant_module)) as api:
         out = api.post("/v1/models/anything/predict", json={"inputs": [[1.0]], "arm": 7})
@@ -520,17 +594,18 @@ def test_an_integer_arm_is_refused_as_documented(
 
 
 def test_a_batch_names_each_feature_set_once_and_takes_integral_numbers(
-        settings: Settings, engine: Engine, redis_client: redis.Redis,
-        tenant_module: str) -> None:
+    settings: Settings, engine: Engine, redis_client: redis.Redis, tenant_module: str
+) -> None:
     app = limited_app(settings, engine, redis_client)
     with running(app, create_api_key(engine, tenant_module)) as api:
-        twice = api.post("/v1/features/batch",
-                         json={"feature_sets": ["geo", "geo"], "entities": [1]})
+        twice = api.post(
+            "/v1/features/batch", json={"feature_sets": ["geo", "geo"], "entities": [1]}
+        )
         assert twice.status_code == 422 and "twice" in twice.json()["error"]["message"]
-        integral = api.post("/v1/features/batch",
-                            json={"feature_sets": ["geo"], "entities": [2.0, "2"]})
+        integral = api.post(
+            "/v1/features/batch", json={"feature_sets": ["geo"], "entities": [2.0, "2"]}
+        )
         assert integral.status_code == 200, integral.text
         assert [i["entity"] for i in integral.json()["items"]] == ["2", "2"]
-        fraction = api.post("/v1/features/batch",
-                            json={"feature_sets": ["geo"], "entities": [2.5]})
+        fraction = api.post("/v1/features/batch", json={"feature_sets": ["geo"], "entities": [2.5]})
         assert fraction.status_code == 400

@@ -30,8 +30,9 @@ def tenants(tenant_factory_module: Callable[..., SeedSummary]) -> list[str]:
 
 
 @pytest.fixture
-def api(settings: Settings, engine: Engine, redis_client: redis.Redis,
-        tenants: list[str]) -> Iterator[Api]:
+def api(
+    settings: Settings, engine: Engine, redis_client: redis.Redis, tenants: list[str]
+) -> Iterator[Api]:
     app = create_app(settings, engine=engine, redis_client=redis_client, follow_deploys=False)
     with running(app, create_api_key(engine, tenants[0])) as client:
         yield client
@@ -43,8 +44,14 @@ def model() -> str:
 
 
 def body(model: str, prompt: str = PROMPT, **extra: Any) -> dict[str, Any]:
-    return {"model": model, "model_version": "v1", "template_version": "t1",
-            "prompt": prompt, "params": {"temperature": 0}, **extra}
+    return {
+        "model": model,
+        "model_version": "v1",
+        "template_version": "t1",
+        "prompt": prompt,
+        "params": {"temperature": 0},
+        **extra,
+    }
 
 
 def test_store_then_lookup_then_flag(api: Api, model: str) -> None:
@@ -74,13 +81,15 @@ def test_store_then_lookup_then_flag(api: Api, model: str) -> None:
     assert "Semantic cache" in api.get("/status", key=None).text
 
 
-def test_the_tenant_comes_from_the_key(api: Api, engine: Engine, tenants: list[str],
-                                       model: str) -> None:
+def test_the_tenant_comes_from_the_key(
+    api: Api, engine: Engine, tenants: list[str], model: str
+) -> None:
     other = create_api_key(engine, tenants[1])
     api.post("/v1/llm/cache/store", json=body(model, response="tenant A's answer"))
     # A tenant named in the body changes nothing: the key decides.
-    theirs = api.post("/v1/llm/cache/lookup", key=other,
-                      json={**body(model, NEAR), "tenant": tenants[0]}).json()
+    theirs = api.post(
+        "/v1/llm/cache/lookup", key=other, json={**body(model, NEAR), "tenant": tenants[0]}
+    ).json()
     assert theirs["hit"] is False
     assert api.post("/v1/llm/cache/lookup", json=body(model, NEAR)).json()["hit"] is True
 
@@ -99,18 +108,45 @@ def test_non_deterministic_params_are_refused(api: Api, model: str) -> None:
     assert api.post("/v1/llm/cache/lookup", json=declared).json()["response"] == "sampled"
 
 
-@pytest.mark.parametrize(("payload", "status", "code"), [
-    ({"model_version": "v1", "template_version": "t1", "prompt": "x"}, 422, "invalid_request"),
-    ({"model": "bot", "model_version": "v1", "template_version": "t1", "prompt": ""}, 422,
-     "invalid_request"),
-    ({"model": "b:*", "model_version": "v1", "template_version": "t1", "prompt": "x",
-      "params": {"temperature": 0}}, 400, "invalid_id"),
-    ({"model": "bot", "model_version": "v1", "template_version": "t1", "prompt": "x",
-      "params": [0]}, 422, "invalid_request"),
-    ({"model": "bot", "model_version": "v1", "template_version": "t1", "prompt": "x"}, 422,
-     "not_deterministic"),
-    (["not", "an", "object"], 422, "invalid_request"),
-])
+@pytest.mark.parametrize(
+    ("payload", "status", "code"),
+    [
+        ({"model_version": "v1", "template_version": "t1", "prompt": "x"}, 422, "invalid_request"),
+        (
+            {"model": "bot", "model_version": "v1", "template_version": "t1", "prompt": ""},
+            422,
+            "invalid_request",
+        ),
+        (
+            {
+                "model": "b:*",
+                "model_version": "v1",
+                "template_version": "t1",
+                "prompt": "x",
+                "params": {"temperature": 0},
+            },
+            400,
+            "invalid_id",
+        ),
+        (
+            {
+                "model": "bot",
+                "model_version": "v1",
+                "template_version": "t1",
+                "prompt": "x",
+                "params": [0],
+            },
+            422,
+            "invalid_request",
+        ),
+        (
+            {"model": "bot", "model_version": "v1", "template_version": "t1", "prompt": "x"},
+            422,
+            "not_deterministic",
+        ),
+        (["not", "an", "object"], 422, "invalid_request"),
+    ],
+)
 def test_bad_requests_get_clear_errors(api: Api, payload: Any, status: int, code: str) -> None:
     answer = api.post("/v1/llm/cache/lookup", json=payload)
     assert answer.status_code == status, answer.text
@@ -124,9 +160,9 @@ def test_a_key_is_required(api: Api, model: str) -> None:
     assert flag.status_code == 422 and flag.json()["error"]["code"] == "invalid_request"
 
 
-def test_the_api_warms_the_indexes_at_start(settings: Settings, engine: Engine,
-                                            redis_client: redis.Redis, tenants: list[str],
-                                            model: str) -> None:
+def test_the_api_warms_the_indexes_at_start(
+    settings: Settings, engine: Engine, redis_client: redis.Redis, tenants: list[str], model: str
+) -> None:
     scope = Scope(tenants[0], model, "v1", "t1")
     writer = SemanticCache(redis_client, local_model())
     writer.store(scope, PROMPT, {"temperature": 0}, "warmed")
@@ -139,16 +175,25 @@ def test_the_api_warms_the_indexes_at_start(settings: Settings, engine: Engine,
         hit = client.post("/v1/llm/cache/lookup", json=body(model, NEAR)).json()
         assert hit["hit"] is True and hit["response"] == "warmed"
 
-    cold = create_app(settings.model_copy(update={"semantic_warm": False}), engine=engine,
-                      redis_client=redis_client, follow_deploys=False)
+    cold = create_app(
+        settings.model_copy(update={"semantic_warm": False}),
+        engine=engine,
+        redis_client=redis_client,
+        follow_deploys=False,
+    )
     with running(cold):
         assert not cold.state.semantic.pool_ready(scope.namespace)
 
 
 def test_the_limits_come_from_the_settings(settings: Settings, redis_client: redis.Redis) -> None:
-    tuned = settings.model_copy(update={
-        "semantic_max_entries": 7, "semantic_max_entries_per_model": {"tiny": 3},
-        "semantic_max_namespaces": 4, "semantic_index_max_vectors": 12_345})
+    tuned = settings.model_copy(
+        update={
+            "semantic_max_entries": 7,
+            "semantic_max_entries_per_model": {"tiny": 3},
+            "semantic_max_namespaces": 4,
+            "semantic_index_max_vectors": 12_345,
+        }
+    )
     service = SemanticService(tuned, redis_client)
     made = service.cache()
     try:

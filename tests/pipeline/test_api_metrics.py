@@ -12,18 +12,22 @@ from tests.conftest import wait_until
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in registry.collect() for s in family.samples
-            if not s.name.endswith("_created")}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in registry.collect()
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
 
 
 def test_a_flush_writes_what_direct_updates_would_have() -> None:
     direct, deferred = CollectorRegistry(), CollectorRegistry()
     made = {}
     for name, registry in (("direct", direct), ("deferred", deferred)):
-        made[name] = (Histogram("req_seconds", "h", ["route"], buckets=BUCKETS,
-                                registry=registry),
-                      Counter("hits", "c", ["set"], registry=registry))
+        made[name] = (
+            Histogram("req_seconds", "h", ["route"], buckets=BUCKETS, registry=registry),
+            Counter("hits", "c", ["set"], registry=registry),
+        )
     pending = Pending(interval_s=3600)  # flushed by hand here
     # Values on bucket bounds, between them, zero and past the last bound.
     values = [0.0, 0.0002, 0.0003, 0.001, 0.0011, 2.5, 7.0, 0.0002, 1e-9]

@@ -26,8 +26,9 @@ def train(name: str, version: str, seed: int = 0) -> LogisticModel:
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(200, len(FEATURES)))
     y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype(float)
-    return LogisticModel.fit(x, y, version=version, feature_names=FEATURES, name=name,
-                             epochs=50, seed=seed)
+    return LogisticModel.fit(
+        x, y, version=version, feature_names=FEATURES, name=name, epochs=50, seed=seed
+    )
 
 
 @pytest.fixture
@@ -48,10 +49,15 @@ def tenants(tenant_factory: Callable[..., SeedSummary]) -> list[str]:
 
 
 @pytest.fixture
-def api(settings: Settings, engine: Engine, redis_client: redis.Redis,
-        tenants: list[str]) -> Iterator[Api]:
-    app = create_app(settings.model_copy(update={"api_batch_limit": 50}), engine=engine,
-                     redis_client=redis_client, follow_deploys=False)
+def api(
+    settings: Settings, engine: Engine, redis_client: redis.Redis, tenants: list[str]
+) -> Iterator[Api]:
+    app = create_app(
+        settings.model_copy(update={"api_batch_limit": 50}),
+        engine=engine,
+        redis_client=redis_client,
+        follow_deploys=False,
+    )
     with running(app, create_api_key(engine, tenants[0])) as client:
         yield client
 
@@ -59,8 +65,9 @@ def api(settings: Settings, engine: Engine, redis_client: redis.Redis,
 INPUTS = [[0.1, 0.2, 0.3], [1.0, -1.0, 0.5], [0.1, 0.2, 0.3], [-2.0, 0.0, 1.5]]
 
 
-def test_predictions_are_the_models_own_then_hits(api: Api, registered: LogisticModel,
-                                                  model_name: str) -> None:
+def test_predictions_are_the_models_own_then_hits(
+    api: Api, registered: LogisticModel, model_name: str
+) -> None:
     first = api.post(f"/v1/models/{model_name}/predict", json={"inputs": INPUTS})
     assert first.status_code == 200, first.text
     body = first.json()
@@ -74,15 +81,21 @@ def test_predictions_are_the_models_own_then_hits(api: Api, registered: Logistic
     assert all(p["hit"] for p in again["predictions"])
 
 
-def test_versions_arms_and_tenants_are_kept_apart(api: Api, registered: LogisticModel,
-                                                  model_name: str, tmp_path: Path,
-                                                  redis_client: redis.Redis, engine: Engine,
-                                                  tenants: list[str]) -> None:
+def test_versions_arms_and_tenants_are_kept_apart(
+    api: Api,
+    registered: LogisticModel,
+    model_name: str,
+    tmp_path: Path,
+    redis_client: redis.Redis,
+    engine: Engine,
+    tenants: list[str],
+) -> None:
     url = f"/v1/models/{model_name}/predict"
     api.post(url, json={"inputs": INPUTS[:1]})
     assert api.post(url, json={"inputs": INPUTS[:1]}).json()["predictions"][0]["hit"]
-    assert not api.post(url, json={"inputs": INPUTS[:1], "arm": "b"}).json()[
-        "predictions"][0]["hit"]
+    assert not api.post(url, json={"inputs": INPUTS[:1], "arm": "b"}).json()["predictions"][0][
+        "hit"
+    ]
     other = api.post(url, json={"inputs": INPUTS[:1]}, key=create_api_key(engine, tenants[1]))
     assert not other.json()["predictions"][0]["hit"]
 
@@ -90,21 +103,27 @@ def test_versions_arms_and_tenants_are_kept_apart(api: Api, registered: Logistic
     ModelRegistry(redis_client).register(v2.save(tmp_path / "v2.json"))
     out = api.post(url, json={"inputs": INPUTS[:1]}).json()
     assert out["model_version"] == "v2"
-    assert out["predictions"][0] == {"value": v2.predict(np.array(INPUTS[:1])).tolist()[0],
-                                     "hit": False}
+    assert out["predictions"][0] == {
+        "value": v2.predict(np.array(INPUTS[:1])).tolist()[0],
+        "hit": False,
+    }
 
 
-@pytest.mark.parametrize(("inputs", "code"), [
-    ([[1.0, 2.0]], "invalid_input"),            # wrong width
-    ([[1.0, 2.0, 3.0], [1.0]], "invalid_input"),  # ragged
-    ([["a", "b", "c"]], "invalid_input"),
-    ([[True, False, True]], "invalid_input"),
-    ([1.0, 2.0, 3.0], "invalid_input"),           # 1-D
-    ([[{"x": 1}, 2.0, 3.0]], "invalid_input"),
-    ([[None, 2.0, 3.0]], "invalid_input"),
-])
-def test_bad_inputs_are_422(api: Api, registered: LogisticModel, model_name: str,
-                            inputs: object, code: str) -> None:
+@pytest.mark.parametrize(
+    ("inputs", "code"),
+    [
+        ([[1.0, 2.0]], "invalid_input"),  # wrong width
+        ([[1.0, 2.0, 3.0], [1.0]], "invalid_input"),  # ragged
+        ([["a", "b", "c"]], "invalid_input"),
+        ([[True, False, True]], "invalid_input"),
+        ([1.0, 2.0, 3.0], "invalid_input"),  # 1-D
+        ([[{"x": 1}, 2.0, 3.0]], "invalid_input"),
+        ([[None, 2.0, 3.0]], "invalid_input"),
+    ],
+)
+def test_bad_inputs_are_422(
+    api: Api, registered: LogisticModel, model_name: str, inputs: object, code: str
+) -> None:
     response = api.post(f"/v1/models/{model_name}/predict", json={"inputs": inputs})
     assert response.status_code == 422, response.text
     assert response.json()["error"]["code"] == code

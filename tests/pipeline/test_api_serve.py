@@ -34,13 +34,20 @@ def free_port() -> int:
 @pytest.fixture
 def server(settings: Settings, tmp_path: Path) -> Iterator[str]:
     port = free_port()
-    env = {**os.environ, "FRESHLINE_POSTGRES_URL": settings.postgres_url,
-           "FRESHLINE_REDIS_URL": settings.redis_url}
+    env = {
+        **os.environ,
+        "FRESHLINE_POSTGRES_URL": settings.postgres_url,
+        "FRESHLINE_REDIS_URL": settings.redis_url,
+    }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     log = tmp_path / "serve.log"
     with log.open("wb") as sink:
-        proc = subprocess.Popen([FRESHLINE, "serve", "--port", str(port), "--workers", "2"],
-                                env=env, stdout=sink, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [FRESHLINE, "serve", "--port", str(port), "--workers", "2"],
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     tick = threading.Event()
@@ -65,14 +72,14 @@ def server(settings: Settings, tmp_path: Path) -> Iterator[str]:
 
 @pytest.mark.slow
 def test_serve_answers_and_sums_metrics_across_workers(
-        server: str, engine: Engine, tenant_factory: Callable[..., SeedSummary]) -> None:
+    server: str, engine: Engine, tenant_factory: Callable[..., SeedSummary]
+) -> None:
     tenant = tenant_factory(users=5, transactions=50).tenants[0]
     headers = {"Authorization": f"Bearer {create_api_key(engine, tenant)}"}
     n = 20
     for _ in range(n):
         # A connection each, so that both workers serve some of them.
-        response = httpx.get(f"{server}/v1/features/device_risk/2", headers=headers,
-                             timeout=10)
+        response = httpx.get(f"{server}/v1/features/device_risk/2", headers=headers, timeout=10)
         assert response.status_code == 200, response.text
     with httpx.Client(base_url=server, headers=headers, timeout=10) as client:
         assert client.get("/v1/features/nope/1").json()["error"]["code"] == "unknown_feature_set"
@@ -80,9 +87,16 @@ def test_serve_answers_and_sums_metrics_across_workers(
 
         def served() -> float:
             text = client.get("/metrics").text
-            return sum(float(v) for name in ("hits", "misses") for v in re.findall(
-                rf'^freshline_api_feature_{name}_total\{{feature_set="device_risk"[^}}]*\}}'
-                r" ([0-9.e+]+)$", text, re.MULTILINE))
+            return sum(
+                float(v)
+                for name in ("hits", "misses")
+                for v in re.findall(
+                    rf'^freshline_api_feature_{name}_total\{{feature_set="device_risk"[^}}]*\}}'
+                    r" ([0-9.e+]+)$",
+                    text,
+                    re.MULTILINE,
+                )
+            )
 
         # The scraped worker's own requests at once, the other's within its flush
         # interval (pipeline.api.metrics.FLUSH_S): all n of them, from both workers.

@@ -35,17 +35,25 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(settings: Settings, log: Path, *args: str,
-            verify: ssl.SSLContext | bool = False) -> Iterator[tuple[str, int]]:
+def serving(
+    settings: Settings, log: Path, *args: str, verify: ssl.SSLContext | bool = False
+) -> Iterator[tuple[str, int]]:
     """``freshline serve`` on a free port until the block ends; yields (url, port)."""
     port = free_port()
-    env = {**os.environ, "FRESHLINE_POSTGRES_URL": settings.postgres_url,
-           "FRESHLINE_REDIS_URL": settings.redis_url}
+    env = {
+        **os.environ,
+        "FRESHLINE_POSTGRES_URL": settings.postgres_url,
+        "FRESHLINE_REDIS_URL": settings.redis_url,
+    }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     scheme = "https" if "--ssl-certificate" in args else "http"
     with log.open("wb") as sink:
-        proc = subprocess.Popen([FRESHLINE, "serve", "--port", str(port), *args],
-                                env=env, stdout=sink, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [FRESHLINE, "serve", "--port", str(port), *args],
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     url = f"{scheme}://127.0.0.1:{port}"
 
     def up() -> bool:
@@ -94,8 +102,9 @@ def _closed_by_server(sock: socket.socket) -> bool:
 
 
 @pytest.mark.slow
-def test_silent_and_idle_keep_alive_connections_are_closed(settings: Settings,
-                                                            tmp_path: Path) -> None:
+def test_silent_and_idle_keep_alive_connections_are_closed(
+    settings: Settings, tmp_path: Path
+) -> None:
     with serving(settings, tmp_path / "serve.log", "--header-timeout", "0.5") as (_url, port):
         silent = socket.create_connection(("127.0.0.1", port))
         kept = socket.create_connection(("127.0.0.1", port))
@@ -117,13 +126,39 @@ def test_serve_speaks_tls(settings: Settings, tmp_path: Path) -> None:
         pytest.skip("openssl is not installed")
     assert openssl is not None, "openssl is needed to make the test certificate"
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     trust = ssl.create_default_context(cafile=str(cert))
-    with serving(settings, tmp_path / "serve.log", "--ssl-certificate", str(cert),
-                 "--ssl-keyfile", str(key), verify=trust) as (url, port):
+    with serving(
+        settings,
+        tmp_path / "serve.log",
+        "--ssl-certificate",
+        str(cert),
+        "--ssl-keyfile",
+        str(key),
+        verify=trust,
+    ) as (url, port):
         assert url.startswith("https://")
         assert httpx.get(f"{url}/healthz", verify=trust, timeout=10).status_code == 200
         with pytest.raises(httpx.TransportError):
@@ -132,9 +167,12 @@ def test_serve_speaks_tls(settings: Settings, tmp_path: Path) -> None:
 
 def test_serve_refuses_half_a_tls_configuration(settings: Settings, tmp_path: Path) -> None:
     env = {**os.environ, "FRESHLINE_POSTGRES_URL": settings.postgres_url}
-    out = subprocess.run([FRESHLINE, "serve", "--ssl-certificate", str(tmp_path / "c.pem")],
-                         capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run(
+        [FRESHLINE, "serve", "--ssl-certificate", str(tmp_path / "c.pem")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "certificate" in out.stderr
-
-

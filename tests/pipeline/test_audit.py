@@ -55,8 +55,9 @@ class FakeClock:
         self.now += seconds
 
 
-def materialize(engine: Engine, store: FeatureStore, tenant: str,
-                users: Sequence[int] = range(1, USERS + 1)) -> list[EntityRef]:
+def materialize(
+    engine: Engine, store: FeatureStore, tenant: str, users: Sequence[int] = range(1, USERS + 1)
+) -> list[EntityRef]:
     """Compute and write every feature set for ``users``: what a consumer does."""
     pairs = [(tenant, str(u)) for u in users]
     for fs in REGISTRY:
@@ -68,13 +69,18 @@ FAR_AHEAD = 1 << 100
 """Added to a watermark: one that claims a snapshot 2**32 transactions in the future."""
 
 
-def corrupt(engine: Engine, store: FeatureStore, ref: EntityRef, field: str,
-            value: object, ahead: int = 1) -> Batch:
+def corrupt(
+    engine: Engine, store: FeatureStore, ref: EntityRef, field: str, value: object, ahead: int = 1
+) -> Batch:
     """Overwrite ``ref``'s entry with a wrong ``field``, under a higher watermark."""
     truth = compute(engine, REGISTRY[ref.feature_set], [(ref.tenant, ref.entity)])
     wrong = {**truth.values[(ref.tenant, ref.entity)], field: value}
-    bad = Batch(truth.feature_set, {(ref.tenant, ref.entity): wrong}, truth.watermark + ahead,
-                truth.computed_at_ms)
+    bad = Batch(
+        truth.feature_set,
+        {(ref.tenant, ref.entity): wrong},
+        truth.watermark + ahead,
+        truth.computed_at_ms,
+    )
     assert store.write(bad).written == 1
     return bad
 
@@ -88,17 +94,23 @@ def rewrite_truth(engine: Engine, store: FeatureStore, ref: EntityRef) -> None:
 def change(engine: Engine, ref: EntityRef) -> None:
     """Commit a change to ``ref``'s user's transactions of the last 90 days."""
     with engine.begin() as conn:
-        conn.execute(sa.text(
-            "UPDATE transactions SET amount = amount + 100 WHERE tenant_id = :t "
-            "AND user_id = :u AND created_at > now() - interval '90 days'"),
-            {"t": ref.tenant, "u": int(ref.entity)})
+        conn.execute(
+            sa.text(
+                "UPDATE transactions SET amount = amount + 100 WHERE tenant_id = :t "
+                "AND user_id = :u AND created_at > now() - interval '90 days'"
+            ),
+            {"t": ref.tenant, "u": int(ref.entity)},
+        )
 
 
 def active(store: FeatureStore, refs: Sequence[EntityRef]) -> EntityRef:
     """A txn_90d entity with transactions in its window, so a change shows."""
     txn = [r for r in refs if r.feature_set == "txn_90d"]
-    return next(r for r, e in zip(txn, store.read(txn), strict=True)
-                if e is not None and e.values["txn_count"] > 0)
+    return next(
+        r
+        for r, e in zip(txn, store.read(txn), strict=True)
+        if e is not None and e.values["txn_count"] > 0
+    )
 
 
 @pytest.fixture
@@ -123,10 +135,18 @@ def test_feature_keys_parse_back_into_refs() -> None:
     ref = EntityRef("txn_90d", "acme-eu.1", "42")
     assert parse_feature_key(feature_key(7, ref)) == (7, ref)
     assert parse_feature_key(feature_key(7, ref).encode()) == (7, ref)
-    for bad in ("lease:7:txn_90d:{acme:42}", "feat:07:txn_90d:{acme:42}",
-                "feat:x:txn_90d:{acme:42}", "feat:7:txn_90d:acme:42", "feat:7:txn_90d",
-                "feat:7:txn_90d:{acme:4*2}", "feat:7:Txn:{acme:42}", "feat:7:geo:{acme:1}x",
-                "feat:7:geo:{acme}", "feat:7:geo:{:1}"):
+    for bad in (
+        "lease:7:txn_90d:{acme:42}",
+        "feat:07:txn_90d:{acme:42}",
+        "feat:x:txn_90d:{acme:42}",
+        "feat:7:txn_90d:acme:42",
+        "feat:7:txn_90d",
+        "feat:7:txn_90d:{acme:4*2}",
+        "feat:7:Txn:{acme:42}",
+        "feat:7:geo:{acme:1}x",
+        "feat:7:geo:{acme}",
+        "feat:7:geo:{:1}",
+    ):
         with pytest.raises(InvalidId):
             parse_feature_key(bad)
 
@@ -151,21 +171,26 @@ def test_nines_per_grace() -> None:
 
 
 def test_entries_written_by_the_pipeline_are_consistent(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
 ) -> None:
     refs = materialize(engine, store, tenant)
     registry = CollectorRegistry()
-    report = auditor(redis_client, engine, version, metrics=AuditMetrics(registry)
-                     ).audit_refs(refs)
+    report = auditor(redis_client, engine, version, metrics=AuditMetrics(registry)).audit_refs(refs)
     assert report.checked == 3 * USERS and report.absent == 0
     assert report.suspects == 0 and report.consistent and report.mismatches == []
     assert report.checked_by_set == dict.fromkeys(REGISTRY.names(), USERS)
     assert [r.inconsistent for r in report.results()] == [0, 0, 0]
-    assert all(r.lower_bound and r.nines == pytest.approx(math.log10(3 * USERS))
-               for r in report.results())
+    assert all(
+        r.lower_bound and r.nines == pytest.approx(math.log10(3 * USERS)) for r in report.results()
+    )
     assert report.capacity_per_s > 0
-    assert registry.get_sample_value("freshline_audit_consistency_nines", {"grace": "10s"}
-                                     ) == pytest.approx(math.log10(3 * USERS))
+    assert registry.get_sample_value(
+        "freshline_audit_consistency_nines", {"grace": "10s"}
+    ) == pytest.approx(math.log10(3 * USERS))
 
     keys = [feature_key(version, r) for r in refs]
     assert auditor(redis_client, engine, version).audit_keys(keys).checked == 3 * USERS
@@ -174,16 +199,24 @@ def test_entries_written_by_the_pipeline_are_consistent(
 
 
 def test_bucket_drift_is_a_mismatch_against_the_full_reference_only(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
 ) -> None:
     """A consumer on the incremental path writes what drifted buckets say; the audit's
     default reference, the full query, finds it, and ``own`` (the same buckets) cannot."""
     refs = materialize(engine, store, tenant)
     ref = active(store, refs)
     with engine.begin() as conn:  # drift no fold would make
-        drifted = conn.execute(sa.text(
-            "UPDATE txn_buckets SET amount_max = 99999 WHERE tenant_id = :t AND user_id = :u "
-            "AND day > current_date - 80"), {"t": ref.tenant, "u": int(ref.entity)}).rowcount
+        drifted = conn.execute(
+            sa.text(
+                "UPDATE txn_buckets SET amount_max = 99999 WHERE tenant_id = :t AND user_id = :u "
+                "AND day > current_date - 80"
+            ),
+            {"t": ref.tenant, "u": int(ref.entity)},
+        ).rowcount
     assert drifted >= 1
     rewrite_truth(engine, store, ref)  # on txn_90d's own path: the incremental one
     (entry,) = store.read([ref])
@@ -192,21 +225,25 @@ def test_bucket_drift_is_a_mismatch_against_the_full_reference_only(
     assert not full.consistent
     (found,) = full.mismatches
     assert set(found.differing) == {"txn_max"} and found.differing["txn_max"][0] == 99999.0
-    own = auditor(redis_client, engine, version, reference="own").audit_refs([ref],
-                                                                           graces=GRACES)
+    own = auditor(redis_client, engine, version, reference="own").audit_refs([ref], graces=GRACES)
     assert own.consistent and own.mismatches == []
 
 
 def test_a_corrupted_entry_is_reported_with_both_values_and_watermarks(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
 ) -> None:
     refs = materialize(engine, store, tenant)
     target = next(r for r in refs if r.feature_set == "txn_90d")
     bad = corrupt(engine, store, target, "txn_sum", 123456.78)
     truth = bad.values[(target.tenant, target.entity)]
     registry = CollectorRegistry()
-    report = auditor(redis_client, engine, version, metrics=AuditMetrics(registry)
-                     ).audit_refs(refs, graces=GRACES)
+    report = auditor(redis_client, engine, version, metrics=AuditMetrics(registry)).audit_refs(
+        refs, graces=GRACES
+    )
 
     assert report.checked == 3 * USERS and report.suspects == 1
     assert report.inconsistent == {GRACES[0]: 1, GRACES[1]: 1} and not report.consistent
@@ -218,7 +255,8 @@ def test_a_corrupted_entry_is_reported_with_both_values_and_watermarks(
     assert set(m.differing) == {"txn_sum"}
     assert m.differing["txn_sum"] == (123456.78, m.recomputed["txn_sum"])
     assert {k: v for k, v in m.served.items() if k != "txn_sum"} == {
-        k: v for k, v in truth.items() if k != "txn_sum"}
+        k: v for k, v in truth.items() if k != "txn_sum"
+    }
     assert m.served_watermark == bad.watermark
     assert m.recomputed_watermark > bad.watermark
 
@@ -226,8 +264,10 @@ def test_a_corrupted_entry_is_reported_with_both_values_and_watermarks(
     assert report.result(GRACES[1]).nines == pytest.approx(nines)
     sample = registry.get_sample_value
     assert sample("freshline_audit_consistency_nines", {"grace": "2ms"}) == pytest.approx(nines)
-    assert sample("freshline_audit_inconsistent_total",
-                  {"feature_set": "txn_90d", "grace": "1ms"}) == 1
+    assert (
+        sample("freshline_audit_inconsistent_total", {"feature_set": "txn_90d", "grace": "1ms"})
+        == 1
+    )
     assert sample("freshline_audit_checked_total", {"feature_set": "geo"}) == USERS
     as_json = json.loads(json.dumps(report.as_json()))
     assert as_json["mismatches"][0]["differing"]["txn_sum"]["served"] == 123456.78
@@ -236,7 +276,11 @@ def test_a_corrupted_entry_is_reported_with_both_values_and_watermarks(
 
 @pytest.mark.parametrize("fixed_at", [0, 1])
 def test_a_mismatch_healed_within_a_grace_counts_only_before_it(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
     fixed_at: int,
 ) -> None:
     """A change in flight: Postgres moved, the consumer writes the new entry late."""
@@ -252,8 +296,9 @@ def test_a_mismatch_healed_within_a_grace_counts_only_before_it(
             rewrite_truth(engine, store, target)
 
     clock = FakeClock()
-    report = auditor(redis_client, engine, version, before_recheck=before_recheck,
-                     clock=clock, sleep=clock.sleep).audit_refs(refs, graces=graces)
+    report = auditor(
+        redis_client, engine, version, before_recheck=before_recheck, clock=clock, sleep=clock.sleep
+    ).audit_refs(refs, graces=graces)
 
     assert report.suspects == 1 and report.consistent and report.caught_up == 0
     assert report.inconsistent == {1.0: fixed_at, 10.0: 0}
@@ -268,7 +313,7 @@ def test_a_mismatch_healed_within_a_grace_counts_only_before_it(
         assert entry.mismatch.ref == target and entry.first_checked_unix > 0
         assert entry.first_served_watermark == entry.mismatch.served_watermark
         assert late["1s"][0]["key"] == feature_key(version, target)
-    assert [g for g, _ in seen] == list(graces[:fixed_at + 1])
+    assert [g for g, _ in seen] == list(graces[: fixed_at + 1])
     first = seen[0][1][0]
     assert first.ref == target and set(first.differing) >= {"txn_sum"}
     entry = store.read([target])[0]
@@ -277,7 +322,11 @@ def test_a_mismatch_healed_within_a_grace_counts_only_before_it(
 
 
 def test_an_entry_that_caught_up_and_changed_again_is_consistent_at_that_grace(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
 ) -> None:
     """A busy entity: by the re-check the consumer applied the change the first check
     saw, and a newer one is in flight. The entry differs again, yet it is fresh."""
@@ -292,14 +341,19 @@ def test_an_entry_that_caught_up_and_changed_again_is_consistent_at_that_grace(
         change(engine, target)  # ...and the next change is in flight
 
     clock = FakeClock()
-    report = auditor(redis_client, engine, version, before_recheck=before_recheck,
-                     clock=clock, sleep=clock.sleep).audit_refs(refs, graces=graces)
+    report = auditor(
+        redis_client, engine, version, before_recheck=before_recheck, clock=clock, sleep=clock.sleep
+    ).audit_refs(refs, graces=graces)
     assert report.suspects == 1 and report.caught_up == 1 and report.rechecks == 1
     assert report.inconsistent == {1.0: 0, 10.0: 0} and report.consistent
 
 
 def test_an_entry_rewritten_from_a_snapshot_older_than_the_first_check_has_not_caught_up(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
 ) -> None:
     refs = materialize(engine, store, tenant)
     target = active(store, refs)
@@ -311,15 +365,20 @@ def test_an_entry_rewritten_from_a_snapshot_older_than_the_first_check_has_not_c
             assert store.write(before).written == 1
 
     clock = FakeClock()
-    report = auditor(redis_client, engine, version, before_recheck=before_recheck,
-                     clock=clock, sleep=clock.sleep).audit_refs(refs, graces=(1.0, 10.0))
+    report = auditor(
+        redis_client, engine, version, before_recheck=before_recheck, clock=clock, sleep=clock.sleep
+    ).audit_refs(refs, graces=(1.0, 10.0))
     assert report.caught_up == 0 and report.inconsistent == {1.0: 1, 10.0: 1}
     [m] = report.mismatches
     assert m.served_watermark == before.watermark and m.ref == target
 
 
 def test_an_entry_showing_the_first_checks_truth_from_a_moment_before_it_is_consistent(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
 ) -> None:
     """The consumer computed after the change but a moment before the first check's
     recompute, and wrote late; by the re-check a newer change is in flight. The entry
@@ -336,14 +395,19 @@ def test_an_entry_showing_the_first_checks_truth_from_a_moment_before_it_is_cons
         change(engine, target)  # ...and the next change is in flight
 
     clock = FakeClock()
-    report = auditor(redis_client, engine, version, before_recheck=before_recheck,
-                     clock=clock, sleep=clock.sleep).audit_refs(refs, graces=(1.0, 10.0))
+    report = auditor(
+        redis_client, engine, version, before_recheck=before_recheck, clock=clock, sleep=clock.sleep
+    ).audit_refs(refs, graces=(1.0, 10.0))
     assert report.suspects == 1 and report.caught_up == 1
     assert report.inconsistent == {1.0: 0, 10.0: 0} and report.consistent
 
 
 def test_an_entry_claiming_a_snapshot_it_cannot_have_seen_never_catches_up(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
 ) -> None:
     """Wrong values under a watermark beyond the re-check's own recompute (a writer
     with a bad clock or a bug): rewritten since the first check, but not caught up."""
@@ -356,8 +420,9 @@ def test_an_entry_claiming_a_snapshot_it_cannot_have_seen_never_catches_up(
             corrupt(engine, store, target, "txn_count", 0, ahead=FAR_AHEAD)
 
     clock = FakeClock()
-    report = auditor(redis_client, engine, version, before_recheck=before_recheck,
-                     clock=clock, sleep=clock.sleep).audit_refs(refs, graces=(1.0, 10.0))
+    report = auditor(
+        redis_client, engine, version, before_recheck=before_recheck, clock=clock, sleep=clock.sleep
+    ).audit_refs(refs, graces=(1.0, 10.0))
     assert report.caught_up == 0 and report.inconsistent == {1.0: 1, 10.0: 1}
     [m] = report.mismatches
     assert m.served is not None and m.served["txn_count"] == 0
@@ -365,7 +430,11 @@ def test_an_entry_claiming_a_snapshot_it_cannot_have_seen_never_catches_up(
 
 
 def test_an_entry_wrong_from_the_start_under_a_future_watermark_stays_inconsistent(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
 ) -> None:
     refs = materialize(engine, store, tenant)
     target = active(store, refs)
@@ -375,11 +444,24 @@ def test_an_entry_wrong_from_the_start_under_a_future_watermark_stays_inconsiste
     assert report.inconsistent == dict.fromkeys(GRACES, 1) and report.persistent == 1
 
 
-def _mismatch(served: int | None, recomputed: int, problem: str | None = None, *,
-              shows: str = "x", truth: str = "y") -> Mismatch:
+def _mismatch(
+    served: int | None,
+    recomputed: int,
+    problem: str | None = None,
+    *,
+    shows: str = "x",
+    truth: str = "y",
+) -> Mismatch:
     ref = EntityRef("geo", "acme", "1")
-    return Mismatch(feature_key(1, ref), ref, {"last_city": shows}, {"last_city": truth},
-                    served, recomputed, problem)
+    return Mismatch(
+        feature_key(1, ref),
+        ref,
+        {"last_city": shows},
+        {"last_city": truth},
+        served,
+        recomputed,
+        problem,
+    )
 
 
 def test_the_rules_of_catching_up() -> None:
@@ -406,15 +488,24 @@ def test_the_rules_of_catching_up() -> None:
 
 
 def test_rechecks_run_at_each_grace_after_the_first_check(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
 ) -> None:
     refs = materialize(engine, store, tenant)
     corrupt(engine, store, refs[0], "txn_count", 999_999)
     clock = FakeClock()
     at: list[float] = []
-    report = auditor(redis_client, engine, version, clock=clock, sleep=clock.sleep,
-                     before_recheck=lambda grace, _s: at.append(clock.now)
-                     ).audit_refs(refs, graces=(60, 1, 10))
+    report = auditor(
+        redis_client,
+        engine,
+        version,
+        clock=clock,
+        sleep=clock.sleep,
+        before_recheck=lambda grace, _s: at.append(clock.now),
+    ).audit_refs(refs, graces=(60, 1, 10))
     assert report.graces == (1.0, 10.0, 60.0)
     assert at == [1.0, 10.0, 60.0]
     assert report.inconsistent == {1.0: 1, 10.0: 1, 60.0: 1}
@@ -435,7 +526,11 @@ class CountingAuditor(Auditor):
 
 
 def test_rechecks_ride_with_the_first_checks_never_late(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
 ) -> None:
     """At 100 entries/s, batches of 10 start every 0.1 s; a suspect of the first batch
     due 0.25 s later is re-checked with the batch of 0.2 s (whose slice holds 0.25 s),
@@ -444,9 +539,15 @@ def test_rechecks_ride_with_the_first_checks_never_late(
     corrupt(engine, store, refs[0], "txn_count", 999_999)
     clock = FakeClock()
     rechecked_at: list[float] = []
-    audit = CountingAuditor(redis_client, engine, version, rate=100, clock=clock,
-                            sleep=clock.sleep,
-                            before_recheck=lambda grace, _s: rechecked_at.append(clock.now))
+    audit = CountingAuditor(
+        redis_client,
+        engine,
+        version,
+        rate=100,
+        clock=clock,
+        sleep=clock.sleep,
+        before_recheck=lambda grace, _s: rechecked_at.append(clock.now),
+    )
     report = audit.audit_refs(refs, graces=(0.25,))
     assert audit.checks == [10, 10, 11, 10, 10, 10]
     assert rechecked_at == pytest.approx([0.2])
@@ -454,15 +555,25 @@ def test_rechecks_ride_with_the_first_checks_never_late(
     # Unthrottled there is no slice: the re-check comes alone, exactly when due.
     clock = FakeClock()
     rechecked_at.clear()
-    audit = CountingAuditor(redis_client, engine, version, rate=None, clock=clock,
-                            sleep=clock.sleep,
-                            before_recheck=lambda grace, _s: rechecked_at.append(clock.now))
+    audit = CountingAuditor(
+        redis_client,
+        engine,
+        version,
+        rate=None,
+        clock=clock,
+        sleep=clock.sleep,
+        before_recheck=lambda grace, _s: rechecked_at.append(clock.now),
+    )
     audit.audit_refs(refs, graces=(0.25,))
     assert audit.checks == [60, 1] and rechecked_at == [0.25]
 
 
 def test_a_value_of_another_json_type_is_a_mismatch(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
 ) -> None:
     """1.0 is not 1: the comparison is of the codec's JSON, not of Python equality."""
     refs = materialize(engine, store, tenant)
@@ -476,7 +587,11 @@ def test_a_value_of_another_json_type_is_a_mismatch(
 
 
 def test_tombstones_and_absent_entries_are_consistent(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
 ) -> None:
     from pipeline.cache.recompute import current_watermark
 
@@ -489,7 +604,11 @@ def test_tombstones_and_absent_entries_are_consistent(
 
 
 def test_entries_below_a_truncate_floor_read_as_absent(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
 ) -> None:
     """A truncate voids a feature set's older entries for readers, and so for the audit."""
     from pipeline.cache.recompute import current_watermark
@@ -504,7 +623,10 @@ def test_entries_below_a_truncate_floor_read_as_absent(
 
 
 def test_samples_one_feature_set_or_tenant_and_skips_foreign_keys(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
     tenant_factory: Callable[..., SeedSummary],
 ) -> None:
     one, two = (tenant_factory(users=USERS, transactions=400).tenants[0] for _ in range(2))
@@ -526,12 +648,17 @@ def test_samples_one_feature_set_or_tenant_and_skips_foreign_keys(
 
 
 def test_the_rate_limit_paces_checks_and_rechecks(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
 ) -> None:
     refs = materialize(engine, store, tenant)  # 60 entries
     clock = FakeClock()
-    report = Auditor(redis_client, engine, version, rate=100, clock=clock,
-                     sleep=clock.sleep).audit_refs(refs)
+    report = Auditor(
+        redis_client, engine, version, rate=100, clock=clock, sleep=clock.sleep
+    ).audit_refs(refs)
     # Batches of a tenth of a second's worth (10 entries), one every 0.1 s.
     assert report.checked == 60 and report.consistent
     assert report.elapsed_s == pytest.approx(0.5)
@@ -539,7 +666,11 @@ def test_the_rate_limit_paces_checks_and_rechecks(
 
 
 def test_a_stall_builds_no_credit_above_the_rate(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
 ) -> None:
     """After a second lost to a stall, batches stay 0.1 s apart: no burst to catch up."""
     refs = materialize(engine, store, tenant)  # 60 entries: 6 batches of 10 at 100/s
@@ -551,8 +682,9 @@ def test_a_stall_builds_no_credit_above_the_rate(
         if done == 20:
             clock.now += 1.0  # Postgres stalls for a second after the second batch
 
-    report = Auditor(redis_client, engine, version, rate=100, clock=clock, sleep=clock.sleep,
-                     progress=progress).audit_refs(refs)
+    report = Auditor(
+        redis_client, engine, version, rate=100, clock=clock, sleep=clock.sleep, progress=progress
+    ).audit_refs(refs)
     assert report.checked == 60
     batch_times = starts[:6]
     assert batch_times == pytest.approx([0.0, 0.1, 1.1, 1.2, 1.3, 1.4])
@@ -560,7 +692,11 @@ def test_a_stall_builds_no_credit_above_the_rate(
 
 
 def test_a_timed_audit_samples_until_its_duration_and_rechecks_meanwhile(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
 ) -> None:
     refs = materialize(engine, store, tenant)  # 60 entries, all in every sample below
     target = next(r for r in refs if r.feature_set == "geo")
@@ -568,7 +704,12 @@ def test_a_timed_audit_samples_until_its_duration_and_rechecks_meanwhile(
     clock = FakeClock()
     rechecked_at: list[float] = []
     report = Auditor(
-        redis_client, engine, version, rate=640, clock=clock, sleep=clock.sleep,
+        redis_client,
+        engine,
+        version,
+        rate=640,
+        clock=clock,
+        sleep=clock.sleep,
         before_recheck=lambda grace, _s: rechecked_at.append(clock.now),
     ).audit_sample(60, tenant=tenant, graces=(1.0, 10.0), duration_s=3.0)
     # One batch of 60 per sample, 60/640 s apart: samples start at 0, 3/32, ..., 93/32 s.
@@ -584,11 +725,15 @@ def test_a_timed_audit_samples_until_its_duration_and_rechecks_meanwhile(
 
 
 def test_a_timed_audit_of_nothing_waits_between_samples(
-    redis_client: redis.Redis, engine: Engine, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    version: int,
+    tenant: str,
 ) -> None:
     clock = FakeClock()
-    report = auditor(redis_client, engine, version, clock=clock, sleep=clock.sleep
-                     ).audit_sample(100, tenant=tenant, duration_s=5.0)
+    report = auditor(redis_client, engine, version, clock=clock, sleep=clock.sleep).audit_sample(
+        100, tenant=tenant, duration_s=5.0
+    )
     assert report.checked == 0 and report.samples == 5 and report.consistent
     assert clock.sleeps == [1.0] * 5
     with pytest.raises(ConfigError):
@@ -596,7 +741,11 @@ def test_a_timed_audit_of_nothing_waits_between_samples(
 
 
 def test_a_report_keeps_the_first_mismatches_and_counts_them_all(
-    redis_client: redis.Redis, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    redis_client: redis.Redis,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import pipeline.observe.audit as audit_module
@@ -633,21 +782,29 @@ def test_bad_requests_raise(redis_client: redis.Redis, engine: Engine, version: 
 
 
 def run_audit(settings: Settings, version: int, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "FRESHLINE_POSTGRES_URL": settings.postgres_url,
-           "FRESHLINE_REDIS_URL": settings.redis_url,
-           "FRESHLINE_SCHEMA_VERSION": str(version), "COLUMNS": "80"}
-    return subprocess.run([FRESHLINE, "audit", *args], env=env, capture_output=True,
-                          text=True, timeout=120)
+    env = {
+        **os.environ,
+        "FRESHLINE_POSTGRES_URL": settings.postgres_url,
+        "FRESHLINE_REDIS_URL": settings.redis_url,
+        "FRESHLINE_SCHEMA_VERSION": str(version),
+        "COLUMNS": "80",
+    }
+    return subprocess.run(
+        [FRESHLINE, "audit", *args], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_the_command_prints_a_summary_at_80_columns(
-    settings: Settings, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    settings: Settings,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
     tmp_path: Path,
 ) -> None:
     refs = materialize(engine, store, tenant)
     keys = tmp_path / "keys.txt"
-    keys.write_text("# entries to audit\n" + "".join(f"{feature_key(version, r)}\n"
-                                                    for r in refs))
+    keys.write_text("# entries to audit\n" + "".join(f"{feature_key(version, r)}\n" for r in refs))
     done = run_audit(settings, version, "--keys-file", str(keys), "--grace", "0s,1ms")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
@@ -658,14 +815,28 @@ def test_the_command_prints_a_summary_at_80_columns(
     assert "no mismatch persisted past 1ms" in done.stdout
     assert "entries/s" in done.stdout
 
-    sampled = run_audit(settings, version, "--version", str(version), "--sample", "5",
-                        "--feature-set", "geo", "--rate", "0")
+    sampled = run_audit(
+        settings,
+        version,
+        "--version",
+        str(version),
+        "--sample",
+        "5",
+        "--feature-set",
+        "geo",
+        "--rate",
+        "0",
+    )
     assert sampled.returncode == 0, sampled.stdout + sampled.stderr
     assert "checked     5 entries (geo 5)" in sampled.stdout
 
 
 def test_the_command_exits_1_on_a_persistent_mismatch_and_prints_json(
-    settings: Settings, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    settings: Settings,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
     tmp_path: Path,
 ) -> None:
     refs = materialize(engine, store, tenant)
@@ -699,12 +870,29 @@ def test_the_command_exits_1_on_a_persistent_mismatch_and_prints_json(
 
 
 def test_the_command_audits_sample_after_sample_for_a_duration(
-    settings: Settings, engine: Engine, store: FeatureStore, version: int, tenant: str,
+    settings: Settings,
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    tenant: str,
     tmp_path: Path,
 ) -> None:
     materialize(engine, store, tenant)  # 60 entries: all of them in every sample
-    done = run_audit(settings, version, "--tenant", tenant, "--sample", "60",
-                     "--duration", "300ms", "--rate", "600", "--grace", "1ms", "--json")
+    done = run_audit(
+        settings,
+        version,
+        "--tenant",
+        tenant,
+        "--sample",
+        "60",
+        "--duration",
+        "300ms",
+        "--rate",
+        "600",
+        "--grace",
+        "1ms",
+        "--json",
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     doc = json.loads(done.stdout)
     assert doc["source"]["duration_s"] == 0.3
@@ -724,7 +912,6 @@ def test_the_command_leaves_prometheus_client_unimported_until_it_runs() -> None
     """``freshline serve`` sets PROMETHEUS_MULTIPROC_DIR after the CLI's modules load;
     prometheus_client fixes its mode when first imported, so none of them may import it."""
     code = "import sys, pipeline.cli; print('prometheus_client' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"

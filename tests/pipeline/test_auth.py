@@ -38,14 +38,17 @@ def test_keys_are_stored_hashed_never_in_plaintext(engine: Engine) -> None:
     second = create_api_key(engine, tenant)
     assert first != second and first.startswith("fl_") and len(first) > 40
     with engine.connect() as conn:
-        rows = conn.execute(sa.text(
-            "SELECT key_hash, tenant_id, created_at::text FROM api_keys WHERE tenant_id = :t"),
-            {"t": tenant}).all()
-        name = conn.execute(sa.text("SELECT name FROM tenants WHERE id = :t"),
-                            {"t": tenant}).scalar_one()
+        rows = conn.execute(
+            sa.text(
+                "SELECT key_hash, tenant_id, created_at::text FROM api_keys WHERE tenant_id = :t"
+            ),
+            {"t": tenant},
+        ).all()
+        name = conn.execute(
+            sa.text("SELECT name FROM tenants WHERE id = :t"), {"t": tenant}
+        ).scalar_one()
     assert name == "Auth Test"
-    assert {r[0] for r in rows} == {hashlib.sha256(k.encode()).hexdigest()
-                                    for k in (first, second)}
+    assert {r[0] for r in rows} == {hashlib.sha256(k.encode()).hexdigest() for k in (first, second)}
     dump = repr(rows)
     assert first not in dump and second not in dump
     assert first[3:] not in dump
@@ -110,21 +113,37 @@ def test_bearer_token_is_case_insensitive_on_the_scheme() -> None:
 
 def test_cli_prints_the_key_once_and_it_works(settings: Settings, engine: Engine) -> None:
     tenant = fresh_tenant()
-    env = {**os.environ, "FRESHLINE_POSTGRES_URL": settings.postgres_url,
-           "FRESHLINE_REDIS_URL": settings.redis_url}
-    created = subprocess.run([FRESHLINE, "tenants", "create", tenant,
-                              "--name", "From CLI"], capture_output=True, text=True, env=env,
-                             timeout=60)
+    env = {
+        **os.environ,
+        "FRESHLINE_POSTGRES_URL": settings.postgres_url,
+        "FRESHLINE_REDIS_URL": settings.redis_url,
+    }
+    created = subprocess.run(
+        [FRESHLINE, "tenants", "create", tenant, "--name", "From CLI"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert created.returncode == 0, created.stderr
     key = created.stdout.strip()
-    added = subprocess.run([FRESHLINE, "apikey", "create", "--tenant",
-                            tenant], capture_output=True, text=True, env=env, timeout=60)
+    added = subprocess.run(
+        [FRESHLINE, "apikey", "create", "--tenant", tenant],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert added.returncode == 0, added.stderr
     auth = Authenticator(engine)
     assert auth.tenant(key) == tenant
     assert auth.tenant(added.stdout.strip()) == tenant
-    missing = subprocess.run([FRESHLINE, "apikey", "create", "--tenant",
-                              fresh_tenant()], capture_output=True, text=True, env=env,
-                             timeout=60)
+    missing = subprocess.run(
+        [FRESHLINE, "apikey", "create", "--tenant", fresh_tenant()],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert missing.returncode == 1
     assert "unknown tenant" in missing.stderr and "Traceback" not in missing.stderr

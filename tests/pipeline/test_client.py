@@ -29,7 +29,9 @@ class CountingRedis(redis.Redis):
 
 
 def test_many_entities_in_one_round_trip_with_misses_reported(
-    settings: Settings, redis_client: redis.Redis, engine: Engine,
+    settings: Settings,
+    redis_client: redis.Redis,
+    engine: Engine,
     tenant_factory: Callable[..., SeedSummary],
 ) -> None:
     version = fresh_version()
@@ -58,7 +60,9 @@ def test_many_entities_in_one_round_trip_with_misses_reported(
 
 
 def test_the_client_answers_as_the_store_reads(
-    redis_client: redis.Redis, engine: Engine, tenant_factory: Callable[..., SeedSummary],
+    redis_client: redis.Redis,
+    engine: Engine,
+    tenant_factory: Callable[..., SeedSummary],
 ) -> None:
     """Tombstones, truncate floors and other tenants: the client's rows and the store's
     entries agree, field for field, across feature sets."""
@@ -74,12 +78,14 @@ def test_the_client_answers_as_the_store_reads(
     [geo] = store.read([EntityRef("geo", second, "1")])
     assert geo is not None
     store.truncate("geo", geo.watermark + 1)  # every geo entry computed before is void
-    items = [(fs.name, tenant, u) for u in range(1, 7) for fs in REGISTRY
-             for tenant in (first, second)]
+    items = [
+        (fs.name, tenant, u) for u in range(1, 7) for fs in REGISTRY for tenant in (first, second)
+    ]
     got = FeatureClient(redis_client, version).get_many(items)
     expected = store.read([EntityRef(fs, t, str(u)) for fs, t, u in items])
     assert [g and (g.values, g.schema_version, g.watermark) for g in got] == [
-        e and (e.values, e.schema_version, e.watermark) for e in expected]
+        e and (e.values, e.schema_version, e.watermark) for e in expected
+    ]
     answered = {(fs, t, u) for (fs, t, u), g in zip(items, got, strict=True) if g is not None}
     assert ("txn_90d", first, 2) not in answered and ("txn_90d", first, 3) in answered
     assert not any(fs == "geo" for fs, _, _ in answered)

@@ -16,11 +16,14 @@ from tests.conftest import wait_until
 
 
 def test_a_session_idle_in_a_transaction_is_ended_and_its_locks_go(
-        settings: Settings, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings: Settings, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     default = db.make_engine(settings)
     with default.connect() as conn:
-        assert conn.execute(sa.text("SHOW idle_in_transaction_session_timeout")).scalar() \
+        assert (
+            conn.execute(sa.text("SHOW idle_in_transaction_session_timeout")).scalar()
             == f"{db.IDLE_IN_TRANSACTION_S // 60}min"
+        )
     default.dispose()
     monkeypatch.setattr(db, "IDLE_IN_TRANSACTION_S", 1)
     short = db.make_engine(settings)
@@ -31,16 +34,23 @@ def test_a_session_idle_in_a_transaction_is_ended_and_its_locks_go(
 
         def lock_free() -> bool:  # then this process stops talking, as a stopped one would
             with engine.connect() as other:
-                return bool(other.execute(sa.text(
-                    "SELECT pg_try_advisory_lock(424242) AND pg_advisory_unlock(424242)")
-                ).scalar_one())
+                return bool(
+                    other.execute(
+                        sa.text(
+                            "SELECT pg_try_advisory_lock(424242) AND pg_advisory_unlock(424242)"
+                        )
+                    ).scalar_one()
+                )
 
         assert not lock_free()
         assert wait_until(lock_free, 15)
         with engine.connect() as other:
-            assert other.execute(sa.text(
-                "SELECT count(*) FROM pg_stat_activity WHERE pid = :p"), {"p": pid}
-            ).scalar_one() == 0
+            assert (
+                other.execute(
+                    sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :p"), {"p": pid}
+                ).scalar_one()
+                == 0
+            )
         with pytest.raises(sa.exc.DBAPIError, match="idle-in-transaction timeout"):
             stuck.execute(sa.text("SELECT 1"))
         stuck.invalidate()
@@ -59,20 +69,21 @@ def test_feature_queries_are_never_jit_compiled(settings: Settings, path: str) -
         with engine.connect() as conn:
             assert conn.execute(sa.text("SHOW jit")).scalar_one() == "off"
             # Every statement now costs more than the JIT thresholds.
-            for knob in ("jit_above_cost", "jit_inline_above_cost",
-                         "jit_optimize_above_cost"):
+            for knob in ("jit_above_cost", "jit_inline_above_cost", "jit_optimize_above_cost"):
                 conn.execute(sa.text(f"SET {knob} = 0"))
             stmt = feature_statement(REGISTRY["txn_90d"], path)
-            plan = conn.execute(sa.text(f"EXPLAIN (ANALYZE, FORMAT JSON) {stmt.text}"),
-                                {"tenants": ["t"] * 3, "ids": [1, 2, 3], "as_of": None,
-                                 "txids": []}).scalar_one()
+            plan = conn.execute(
+                sa.text(f"EXPLAIN (ANALYZE, FORMAT JSON) {stmt.text}"),
+                {"tenants": ["t"] * 3, "ids": [1, 2, 3], "as_of": None, "txids": []},
+            ).scalar_one()
             assert "JIT" not in plan[0], plan[0]["JIT"]
             # The same session with JIT allowed compiles it, where the server can.
             if conn.execute(sa.text("SELECT pg_jit_available()")).scalar_one():
                 conn.execute(sa.text("SET jit = on"))
-                plan = conn.execute(sa.text(f"EXPLAIN (ANALYZE, FORMAT JSON) {stmt.text}"),
-                                    {"tenants": ["t"] * 3, "ids": [1, 2, 3], "as_of": None,
-                                     "txids": []}).scalar_one()
+                plan = conn.execute(
+                    sa.text(f"EXPLAIN (ANALYZE, FORMAT JSON) {stmt.text}"),
+                    {"tenants": ["t"] * 3, "ids": [1, 2, 3], "as_of": None, "txids": []},
+                ).scalar_one()
                 assert "JIT" in plan[0]
             conn.rollback()
     finally:

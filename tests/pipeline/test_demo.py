@@ -31,8 +31,9 @@ def admin(base_settings: Settings) -> AdminClient:
 def group_settings(base_settings: Settings, admin: AdminClient) -> Iterator[Settings]:
     """Settings with a fresh prefixed topic (``RECORDS`` records in it) and a fresh group."""
     tag = uuid.uuid4().hex[:10]
-    local = base_settings.model_copy(update={"topic_prefix": f"test.demo{tag}.",
-                                             "consumer_group": f"test-demo-{tag}"})
+    local = base_settings.model_copy(
+        update={"topic_prefix": f"test.demo{tag}.", "consumer_group": f"test-demo-{tag}"}
+    )
     topic = f"{local.topic_prefix}lag"
     ensure(admin, PARTITIONS, topics=[topic])
     assert wait_until(lambda: topic in admin.list_topics(topic, timeout=5).topics, 30)
@@ -44,9 +45,9 @@ def group_settings(base_settings: Settings, admin: AdminClient) -> Iterator[Sett
         future.result()
 
 
-def polling(consumer: Consumer, got: list[Message],
-            done: Callable[[], bool]) -> Callable[[], bool]:
+def polling(consumer: Consumer, got: list[Message], done: Callable[[], bool]) -> Callable[[], bool]:
     """A condition for ``wait_until`` that consumes (into ``got``) while it waits."""
+
     def poll() -> bool:
         got.extend(consumer.consume(100, timeout=0.1))
         return done()
@@ -54,8 +55,9 @@ def polling(consumer: Consumer, got: list[Message],
     return poll
 
 
-def test_queued_counts_what_the_group_has_yet_to_commit(group_settings: Settings,
-                                                       admin: AdminClient) -> None:
+def test_queued_counts_what_the_group_has_yet_to_commit(
+    group_settings: Settings, admin: AdminClient
+) -> None:
     topic = f"{group_settings.topic_prefix}lag"
     lag = GroupLag(group_settings)
     try:
@@ -64,8 +66,9 @@ def test_queued_counts_what_the_group_has_yet_to_commit(group_settings: Settings
             consumer.subscribe([topic])
             got: list[Message] = []
             # Consumed but not committed: all of it is still queued for the group.
-            assert wait_until(polling(consumer, got,
-                                      lambda: len(consumer.assignment()) == PARTITIONS), 30)
+            assert wait_until(
+                polling(consumer, got, lambda: len(consumer.assignment()) == PARTITIONS), 30
+            )
             assert wait_until(lambda: queued(admin, lag) == RECORDS, 30)
             assert wait_until(polling(consumer, got, lambda: len(got) == RECORDS), 30)
             consumer.commit(got[:10])

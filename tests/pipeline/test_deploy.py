@@ -56,13 +56,20 @@ class Deploy:
     tenant: str
 
     def resolver(self) -> VersionResolver:
-        return VersionResolver(self.redis, self.settings, pointer=self.pointer, lock=self.lock,
-                               max_age_s=0)
+        return VersionResolver(
+            self.redis, self.settings, pointer=self.pointer, lock=self.lock, max_age_s=0
+        )
 
     def warm_all(self, version: int, names: tuple[str, ...] = ("txn_90d",)) -> None:
         for name in names:
-            warm(self.redis, self.engine, version, name,
-                 active_users(self.engine, [self.tenant], batch_size=16), self.lock)
+            warm(
+                self.redis,
+                self.engine,
+                version,
+                name,
+                active_users(self.engine, [self.tenant], batch_size=16),
+                self.lock,
+            )
 
     def raw_pointer(self) -> list[bytes | str | None]:
         return list(self.redis.mget([self.pointer.active_key, self.pointer.next_key]))
@@ -81,18 +88,32 @@ def module_tenant(tenant_factory_module: Callable[..., SeedSummary]) -> str:
 
 
 @pytest.fixture
-def world(settings: Settings, redis_client: redis.Redis, engine: Engine,
-          module_tenant: str) -> Iterator[Deploy]:
+def world(
+    settings: Settings, redis_client: redis.Redis, engine: Engine, module_tenant: str
+) -> Iterator[Deploy]:
     a = 1000 + uuid.uuid4().int % 4000
     b = a + 1 + uuid.uuid4().int % 3000
     lock = Lock({a: locked_entry(), b: locked_entry()})
     pointer = Pointer.scoped(uuid.uuid4().hex)
-    world = Deploy(redis_client, engine, settings.model_copy(update={"schema_version": a}),
-                   a, b, lock, pointer, module_tenant)
+    world = Deploy(
+        redis_client,
+        engine,
+        settings.model_copy(update={"schema_version": a}),
+        a,
+        b,
+        lock,
+        pointer,
+        module_tenant,
+    )
     flip(redis_client, world.settings, a, lock, pointer=pointer)
     yield world
-    redis_client.delete(pointer.active_key, pointer.next_key, pointer.previous_key,
-                        pointer.retired_key(a), pointer.retired_key(b))
+    redis_client.delete(
+        pointer.active_key,
+        pointer.next_key,
+        pointer.previous_key,
+        pointer.retired_key(a),
+        pointer.retired_key(b),
+    )
 
 
 def test_the_pointer_moves_through_a_deploy(world: Deploy) -> None:
@@ -113,9 +134,15 @@ def test_write_versions_is_cached_and_skips_versions_the_code_cannot_compute(
     world: Deploy,
 ) -> None:
     r, s, p = world.redis, world.settings, world.pointer
-    lock = Lock({world.a: locked_entry(),
-                 world.b: {**locked_entry(), "txn_90d": LockedSet("txn_90d", "0" * 16,
-                                                                 TXN_90D.fields, 1, "user")}})
+    lock = Lock(
+        {
+            world.a: locked_entry(),
+            world.b: {
+                **locked_entry(),
+                "txn_90d": LockedSet("txn_90d", "0" * 16, TXN_90D.fields, 1, "user"),
+            },
+        }
+    )
     start(r, s, world.b, lock, pointer=p)
     fresh = WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0)
     assert fresh() == [world.a]
@@ -167,8 +194,14 @@ def test_refusals_change_nothing(world: Deploy) -> None:
 
 
 def test_warm_refuses_a_definition_the_code_does_not_compute(world: Deploy) -> None:
-    lock = Lock({world.b: {**locked_entry(),
-                           "txn_90d": LockedSet("txn_90d", "0" * 16, TXN_90D.fields, 1, "user")}})
+    lock = Lock(
+        {
+            world.b: {
+                **locked_entry(),
+                "txn_90d": LockedSet("txn_90d", "0" * 16, TXN_90D.fields, 1, "user"),
+            }
+        }
+    )
     with pytest.raises(DeployError, match="differs"):
         warm(world.redis, world.engine, world.b, "txn_90d", [[(world.tenant, "1")]], lock)
     assert world.count(feature_pattern(world.b)) == 0
@@ -200,15 +233,17 @@ class Load:
         """Block until ``n`` more rounds completed (a round may straddle the call)."""
         with self.cond:
             target = len(self.rounds) + n
-            self.cond.wait_for(lambda: len(self.rounds) >= target or self.error is not None,
-                               timeout=60)
+            self.cond.wait_for(
+                lambda: len(self.rounds) >= target or self.error is not None, timeout=60
+            )
             if self.error is not None:
                 raise self.error
             return len(self.rounds)
 
 
-def under_load(read: Callable[[], list[tuple[int, bool]]],
-               deploy: Callable[[], None]) -> tuple[list[list[tuple[int, bool]]], int]:
+def under_load(
+    read: Callable[[], list[tuple[int, bool]]], deploy: Callable[[], None]
+) -> tuple[list[list[tuple[int, bool]]], int]:
     """Run ``deploy`` while a thread reads; return the rounds and how many came before."""
     load = Load(read)
     thread = threading.Thread(target=load.run, daemon=True)
@@ -226,13 +261,19 @@ def under_load(read: Callable[[], list[tuple[int, bool]]],
 
 
 @pytest.mark.parametrize("warmed", [True, False])
-def test_warm_then_flip_keeps_the_hit_rate_and_a_cold_flip_storms(world: Deploy,
-                                                                  warmed: bool) -> None:
+def test_warm_then_flip_keeps_the_hit_rate_and_a_cold_flip_storms(
+    world: Deploy, warmed: bool
+) -> None:
     r, s, p, lock = world.redis, world.settings, world.pointer, world.lock
     world.warm_all(world.a)
     hot = [EntityRef("txn_90d", world.tenant, str(u)) for u in range(1, USERS // 2 + 1)]
-    rt = ReadThrough(FeatureStore(r, world.a), world.engine, early_refresh=False,
-                     versions=world.resolver(), hot=HotReads(r, sample=1))
+    rt = ReadThrough(
+        FeatureStore(r, world.a),
+        world.engine,
+        early_refresh=False,
+        versions=world.resolver(),
+        hot=HotReads(r, sample=1),
+    )
 
     def read() -> list[tuple[int, bool]]:
         results: list[Result] = rt.get_many(hot)
@@ -253,7 +294,7 @@ def test_warm_then_flip_keeps_the_hit_rate_and_a_cold_flip_storms(world: Deploy,
     new = [a for a in rounds if a[0][0] == world.b]
     assert len(old) >= 3 and len(new) >= 3
     assert all(hit for a in old for _, hit in a)
-    assert all(a[0][0] == world.b for a in rounds[before + 1:])  # followed without restart
+    assert all(a[0][0] == world.b for a in rounds[before + 1 :])  # followed without restart
     first_new_hits = sum(hit for _, hit in new[0])
     if warmed:
         assert all(hit for a in new for _, hit in a)  # 100% hits through the flip
@@ -268,8 +309,9 @@ def test_no_response_mixes_versions(world: Deploy) -> None:
         world.warm_all(version, ("txn_90d", "geo"))
     items = [(fs, world.tenant, u) for fs in ("txn_90d", "geo") for u in range(1, 21)]
     client = FeatureClient(r, world.a, versions=world.resolver())
-    rt = ReadThrough(FeatureStore(r, world.a), world.engine, early_refresh=False,
-                     versions=world.resolver())
+    rt = ReadThrough(
+        FeatureStore(r, world.a), world.engine, early_refresh=False, versions=world.resolver()
+    )
     refs = [EntityRef(fs, t, str(u)) for fs, t, u in items]
     turn = iter(range(1_000_000))
 
@@ -299,8 +341,9 @@ def test_no_response_mixes_versions(world: Deploy) -> None:
 
 
 def test_a_listening_resolver_follows_the_flip_at_once(world: Deploy) -> None:
-    resolver = VersionResolver(world.redis, world.settings, pointer=world.pointer,
-                               lock=world.lock, max_age_s=3600)
+    resolver = VersionResolver(
+        world.redis, world.settings, pointer=world.pointer, lock=world.lock, max_age_s=3600
+    )
     assert resolver.current() == world.a
     got = threading.Event()
     original = resolver.refresh
@@ -323,11 +366,11 @@ def test_a_listening_resolver_follows_the_flip_at_once(world: Deploy) -> None:
         resolver.close()
 
 
-def test_a_listening_resolver_keeps_the_pointer_until_a_deploy_message(
-        world: Deploy) -> None:
+def test_a_listening_resolver_keeps_the_pointer_until_a_deploy_message(world: Deploy) -> None:
     # max_age_s=0: a resolver that does not listen would read the pointer on every call.
-    resolver = VersionResolver(world.redis, world.settings, pointer=world.pointer,
-                               lock=world.lock, max_age_s=0)
+    resolver = VersionResolver(
+        world.redis, world.settings, pointer=world.pointer, lock=world.lock, max_age_s=0
+    )
     resolver.listen()
     try:
         assert wait_until(lambda: resolver.listening)
@@ -346,10 +389,11 @@ def test_a_listening_resolver_keeps_the_pointer_until_a_deploy_message(
 def test_the_api_reader_serves_a_flip_with_the_pointer_cached(world: Deploy) -> None:
     """The read API's path (:class:`FeatureReader` on the event loop): the version it
     cached is dropped by the flip's message, however long it was kept."""
-    resolver = VersionResolver(world.redis, world.settings, pointer=world.pointer,
-                               lock=world.lock)
-    reader = FeatureReader(ReadThrough(FeatureStore(world.redis, world.a), world.engine,
-                                       versions=resolver), timeout_s=5)
+    resolver = VersionResolver(world.redis, world.settings, pointer=world.pointer, lock=world.lock)
+    reader = FeatureReader(
+        ReadThrough(FeatureStore(world.redis, world.a), world.engine, versions=resolver),
+        timeout_s=5,
+    )
     lookup = Lookup(world.tenant, ["txn_90d"], ["1"])
 
     def served() -> int:
@@ -383,8 +427,12 @@ def fill(store: FeatureStore, engine: Engine, tenant: str, n: int) -> None:
     """``n`` entries in ``store``'s version, copies of one real user's features."""
     real = compute(engine, TXN_90D, [(tenant, "1")])
     values = real.values[(tenant, "1")]
-    batch = Batch(TXN_90D, {(tenant, str(10_000 + i)): values for i in range(n)},
-                  real.watermark, real.computed_at_ms)
+    batch = Batch(
+        TXN_90D,
+        {(tenant, str(10_000 + i)): values for i in range(n)},
+        real.watermark,
+        real.computed_at_ms,
+    )
     store.write(batch)
 
 
@@ -463,10 +511,15 @@ def test_a_rollback_serves_what_changed_after_the_flip(world: Deploy) -> None:
     writes = WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0)
     assert writes() == [world.b, world.a]  # the version left is still written
     with world.engine.begin() as conn:
-        conn.execute(sa.text("UPDATE transactions SET amount = amount + 500 "
-                             "WHERE tenant_id = :t AND user_id = 3"), {"t": world.tenant})
-    Processor(world.engine, r, versions=writes).apply([ChangeEvent(
-        "transactions", "u", world.tenant, {"tenant_id": world.tenant, "user_id": 3})])
+        conn.execute(
+            sa.text(
+                "UPDATE transactions SET amount = amount + 500 WHERE tenant_id = :t AND user_id = 3"
+            ),
+            {"t": world.tenant},
+        )
+    Processor(world.engine, r, versions=writes).apply(
+        [ChangeEvent("transactions", "u", world.tenant, {"tenant_id": world.tenant, "user_id": 3})]
+    )
     flip(r, s, world.a, lock, pointer=p)  # the rollback
     [entry] = FeatureStore(r, world.a).read([EntityRef("txn_90d", world.tenant, "3")])
     truth = compute(world.engine, TXN_90D, [(world.tenant, "3")]).values[(world.tenant, "3")]

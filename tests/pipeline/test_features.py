@@ -30,14 +30,21 @@ def _ms(t: datetime | None) -> int | None:
 
 
 def _txns(conn: sa.Connection, tenant: str, user: int) -> list[Any]:
-    return list(conn.execute(sa.text(
-        "SELECT id, amount, merchant_id, device_id, host(ip) AS ip, created_at "
-        "FROM transactions WHERE tenant_id = :t AND user_id = :u"), {"t": tenant, "u": user}))
+    return list(
+        conn.execute(
+            sa.text(
+                "SELECT id, amount, merchant_id, device_id, host(ip) AS ip, created_at "
+                "FROM transactions WHERE tenant_id = :t AND user_id = :u"
+            ),
+            {"t": tenant, "u": user},
+        )
+    )
 
 
 def ref_txn_90d(conn: sa.Connection, tenant: str, user: int) -> dict[str, Any]:
-    rows = [r for r in _txns(conn, tenant, user)
-            if ANCHOR - timedelta(days=90) < r.created_at <= ANCHOR]
+    rows = [
+        r for r in _txns(conn, tenant, user) if ANCHOR - timedelta(days=90) < r.created_at <= ANCHOR
+    ]
     amounts = [r.amount for r in rows]  # Decimal, rounded as Postgres rounds numeric
 
     def r4(d: Decimal) -> float:
@@ -56,13 +63,19 @@ def ref_txn_90d(conn: sa.Connection, tenant: str, user: int) -> dict[str, Any]:
 
 
 def ref_device_risk(conn: sa.Connection, tenant: str, user: int) -> dict[str, Any]:
-    devices = list(conn.execute(sa.text(
-        """SELECT d.id, d.risk_score, d.first_seen,
+    devices = list(
+        conn.execute(
+            sa.text(
+                """SELECT d.id, d.risk_score, d.first_seen,
                   (SELECT count(*) FROM user_devices o
                    WHERE o.tenant_id = d.tenant_id AND o.device_id = d.id) AS users
            FROM user_devices ud JOIN devices d
              ON d.tenant_id = ud.tenant_id AND d.id = ud.device_id
-           WHERE ud.tenant_id = :t AND ud.user_id = :u"""), {"t": tenant, "u": user}))
+           WHERE ud.tenant_id = :t AND ud.user_id = :u"""
+            ),
+            {"t": tenant, "u": user},
+        )
+    )
     return {
         "device_count": len(devices),
         "max_device_risk": round(max((float(d.risk_score) for d in devices), default=0.0), 4),
@@ -71,8 +84,9 @@ def ref_device_risk(conn: sa.Connection, tenant: str, user: int) -> dict[str, An
     }
 
 
-def ref_geo(conn: sa.Connection, tenant: str, user: int,
-            ranges: list[tuple[int, int, str, str]]) -> dict[str, Any]:
+def ref_geo(
+    conn: sa.Connection, tenant: str, user: int, ranges: list[tuple[int, int, str, str]]
+) -> dict[str, Any]:
     def locate(ip: str) -> tuple[str, str] | None:
         n = int(ipaddress.ip_address(ip))
         for lo, hi, country, city in ranges:
@@ -103,9 +117,12 @@ def test_each_feature_set_in_a_batch_equals_the_per_entity_reference(
     users = [*range(1, seeded.users + 1), seeded.users + 5]  # the last has no rows
     refs = [(tenant, str(u)) for u in users]
     with engine.connect() as conn:
-        ranges = [(int(ipaddress.ip_address(a)), int(ipaddress.ip_address(b)), c, city)
-                  for a, b, c, city in conn.execute(sa.text(
-                      "SELECT host(ip_from), host(ip_to), country, city FROM geoip"))]
+        ranges = [
+            (int(ipaddress.ip_address(a)), int(ipaddress.ip_address(b)), c, city)
+            for a, b, c, city in conn.execute(
+                sa.text("SELECT host(ip_from), host(ip_to), country, city FROM geoip")
+            )
+        ]
         references = {
             TXN_90D.name: lambda u: ref_txn_90d(conn, tenant, u),
             DEVICE_RISK.name: lambda u: ref_device_risk(conn, tenant, u),
@@ -127,8 +144,10 @@ def test_each_feature_set_in_a_batch_equals_the_per_entity_reference(
         # The data exercises the features: not everything is zero or empty.
         batch = compute(engine, TXN_90D, refs, as_of=ANCHOR)
         assert sum(v["txn_count"] for v in batch.values.values()) > 1000
-        assert any(v["shared_device_users"] > 1 for v in
-                   compute(engine, DEVICE_RISK, refs, as_of=ANCHOR).values.values())
+        assert any(
+            v["shared_device_users"] > 1
+            for v in compute(engine, DEVICE_RISK, refs, as_of=ANCHOR).values.values()
+        )
 
 
 def test_batch_is_one_query_and_one_watermark(engine: Engine, seeded: SeedSummary) -> None:

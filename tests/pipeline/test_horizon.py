@@ -39,10 +39,14 @@ def tenant(tenant_factory: Callable[..., SeedSummary]) -> str:
 def add_transaction(engine: Engine, tenant: str, created: str) -> dt.datetime:
     """A transaction of :data:`USER` created at the SQL expression ``created``."""
     with engine.begin() as conn:
-        return conn.execute(sa.text(
-            "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip, created_at) "
-            f"VALUES (:t, :u, 10, 'm-h', '10.0.0.1', {created}) RETURNING created_at"),
-            {"t": tenant, "u": USER}).scalar_one()
+        return conn.execute(
+            sa.text(
+                "INSERT INTO transactions "
+                "(tenant_id, user_id, amount, merchant_id, ip, created_at) "
+                f"VALUES (:t, :u, 10, 'm-h', '10.0.0.1', {created}) RETURNING created_at"
+            ),
+            {"t": tenant, "u": USER},
+        ).scalar_one()
 
 
 def ms(at: dt.datetime) -> int:
@@ -51,7 +55,11 @@ def ms(at: dt.datetime) -> int:
 
 @pytest.mark.parametrize("path", ["full", "incremental"])
 def test_a_transaction_leaving_the_window_expires_the_entry_that_counted_it(
-    engine: Engine, redis_client: redis.Redis, tenant: str, version: int, path: str,
+    engine: Engine,
+    redis_client: redis.Redis,
+    tenant: str,
+    version: int,
+    path: str,
 ) -> None:
     leaving = add_transaction(engine, tenant, "now() - interval '90 days' + interval '3 s'")
     add_transaction(engine, tenant, "now() - interval '1 day'")
@@ -65,14 +73,17 @@ def test_a_transaction_leaving_the_window_expires_the_entry_that_counted_it(
     assert 0 < redis_client.pttl(key) <= 3000
     # Gone when the row leaves the window: what it counted is then no longer true.
     assert wait_until(lambda: not redis_client.exists(key), timeout=30)
-    assert compute(engine, fs, [(tenant, str(USER))]).values[
-        (tenant, str(USER))]["txn_count"] == 1
+    assert compute(engine, fs, [(tenant, str(USER))]).values[(tenant, str(USER))]["txn_count"] == 1
 
 
 @pytest.mark.parametrize("name,days", [("txn_90d", 90), ("geo", 30)])
 @pytest.mark.parametrize("path", ["full", "incremental"])
 def test_the_horizon_is_the_first_row_to_leave_or_enter_the_window(
-    engine: Engine, tenant: str, name: str, days: int, path: str,
+    engine: Engine,
+    tenant: str,
+    name: str,
+    days: int,
+    path: str,
 ) -> None:
     fs = REGISTRY[name].on_path(path)
     ref = (tenant, str(USER))
@@ -93,19 +104,25 @@ def test_the_horizon_is_the_first_row_to_leave_or_enter_the_window(
 
 
 def test_a_new_device_flag_expires_when_the_newest_device_is_a_day_old(
-    engine: Engine, tenant: str,
+    engine: Engine,
+    tenant: str,
 ) -> None:
     fs = REGISTRY["device_risk"]
     ref = (tenant, str(USER))
     with engine.begin() as conn:
         seen = {}
         for device, age in (("d-h-old", "30 hours"), ("d-h-a", "23 hours"), ("d-h-b", "20 hours")):
-            seen[device] = conn.execute(sa.text(
-                "INSERT INTO devices (tenant_id, id, fingerprint, risk_score, first_seen) "
-                f"VALUES (:t, :d, 'fp', 0.5, now() - interval '{age}') RETURNING first_seen"),
-                {"t": tenant, "d": device}).scalar_one()
-            conn.execute(sa.text("INSERT INTO user_devices VALUES (:t, :u, :d)"),
-                         {"t": tenant, "u": USER, "d": device})
+            seen[device] = conn.execute(
+                sa.text(
+                    "INSERT INTO devices (tenant_id, id, fingerprint, risk_score, first_seen) "
+                    f"VALUES (:t, :d, 'fp', 0.5, now() - interval '{age}') RETURNING first_seen"
+                ),
+                {"t": tenant, "d": device},
+            ).scalar_one()
+            conn.execute(
+                sa.text("INSERT INTO user_devices VALUES (:t, :u, :d)"),
+                {"t": tenant, "u": USER, "d": device},
+            )
     batch = compute(engine, fs, [ref])
     assert batch.values[ref]["new_device_24h"] is True
     # true until the newest of the devices first seen within a day is a day old

@@ -42,8 +42,16 @@ class Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         sent = self.rfile.read(length) if length else b""
         if self.path == "/echo":
-            status, body = 200, (self.command.encode() + b" " + sent + b" "
-                                 + (self.headers.get("X-Test") or "").encode())
+            status, body = (
+                200,
+                (
+                    self.command.encode()
+                    + b" "
+                    + sent
+                    + b" "
+                    + (self.headers.get("X-Test") or "").encode()
+                ),
+            )
         else:
             status, body = PAGES.get(self.path, (404, b""))
         self.send_response(status)

@@ -64,20 +64,27 @@ def reset_geoip(engine: Engine) -> None:
     """Three ranges, US, GB and DE (the property test changes them)."""
     with engine.begin() as conn:
         conn.execute(sa.text("DELETE FROM geoip"))
-        conn.execute(sa.text(
-            "INSERT INTO geoip (ip_from, ip_to, country, city, asn) VALUES "
-            "('11.0.0.0', '11.0.0.255', 'US', 'Austin', 1), "
-            "('11.0.1.0', '11.0.1.255', 'GB', 'Leeds', 2), "
-            "('11.0.2.0', '11.0.2.255', 'DE', 'Berlin', 3)"))
+        conn.execute(
+            sa.text(
+                "INSERT INTO geoip (ip_from, ip_to, country, city, asn) VALUES "
+                "('11.0.0.0', '11.0.0.255', 'US', 'Austin', 1), "
+                "('11.0.1.0', '11.0.1.255', 'GB', 'Leeds', 2), "
+                "('11.0.2.0', '11.0.2.255', 'DE', 'Berlin', 3)"
+            )
+        )
 
 
 def new_tenant() -> str:
     return f"inc{next(_tenants)}{uuid.uuid4().hex[:6]}"
 
 
-def both(engine: Engine, tenant: str, users: tuple[int, ...] = USERS,
-         as_of: datetime | None = AS_OF, sets: list[FeatureSet] | None = None
-         ) -> tuple[dict[object, object], dict[object, object]]:
+def both(
+    engine: Engine,
+    tenant: str,
+    users: tuple[int, ...] = USERS,
+    as_of: datetime | None = AS_OF,
+    sets: list[FeatureSet] | None = None,
+) -> tuple[dict[object, object], dict[object, object]]:
     """Both paths on one snapshot, keyed (tenant, entity) for txn_90d alone, or
     (feature set, tenant, entity) when ``sets`` is given."""
     refs = [(tenant, str(u)) for u in users]
@@ -101,34 +108,56 @@ def answered_by_buckets(engine: Engine, tenant: str, user: int) -> bool:
 def insert(engine: Engine, tenant: str, rows: list[tuple[Any, ...]]) -> list[int]:
     """Rows of (user, created_at, amount, merchant, device[, ip]) in one statement."""
     with engine.begin() as conn:
-        return list(conn.execute(sa.text(
-            "INSERT INTO transactions (tenant_id, user_id, created_at, amount, merchant_id, "
-            "device_id, ip) SELECT :t, * FROM unnest(CAST(:u AS bigint[]), "
-            "CAST(:at AS timestamptz[]), CAST(:a AS numeric[]), CAST(:m AS text[]), "
-            "CAST(:d AS text[]), CAST(:ip AS inet[])) RETURNING id"),
-            {"t": tenant, "u": [r[0] for r in rows], "at": [r[1] for r in rows],
-             "a": [r[2] for r in rows], "m": [r[3] for r in rows],
-             "d": [r[4] for r in rows],
-             "ip": [r[5] if len(r) > 5 else None for r in rows]}).scalars())
+        return list(
+            conn.execute(
+                sa.text(
+                    "INSERT INTO transactions "
+                    "(tenant_id, user_id, created_at, amount, merchant_id, "
+                    "device_id, ip) SELECT :t, * FROM unnest(CAST(:u AS bigint[]), "
+                    "CAST(:at AS timestamptz[]), CAST(:a AS numeric[]), CAST(:m AS text[]), "
+                    "CAST(:d AS text[]), CAST(:ip AS inet[])) RETURNING id"
+                ),
+                {
+                    "t": tenant,
+                    "u": [r[0] for r in rows],
+                    "at": [r[1] for r in rows],
+                    "a": [r[2] for r in rows],
+                    "m": [r[3] for r in rows],
+                    "d": [r[4] for r in rows],
+                    "ip": [r[5] if len(r) > 5 else None for r in rows],
+                },
+            ).scalars()
+        )
 
 
 def fold_some(engine: Engine, tenant: str, users: int) -> None:
     """Fold the pending deltas of the first ``users`` users of ``tenant`` that have any,
     the way freshline_fold_bucket_deltas folds (all of a user's deltas at once)."""
     with engine.begin() as conn:
-        keys = conn.execute(sa.text(
-            "SELECT DISTINCT tenant_id, user_id FROM txn_bucket_deltas WHERE tenant_id = :t "
-            "ORDER BY 2 LIMIT :n"), {"t": tenant, "n": users}).all()
+        keys = conn.execute(
+            sa.text(
+                "SELECT DISTINCT tenant_id, user_id FROM txn_bucket_deltas WHERE tenant_id = :t "
+                "ORDER BY 2 LIMIT :n"
+            ),
+            {"t": tenant, "n": users},
+        ).all()
         if keys:
-            conn.execute(sa.text("SELECT freshline_fold_bucket_users(:t, :u)"),
-                         {"t": [k[0] for k in keys], "u": [k[1] for k in keys]})
+            conn.execute(
+                sa.text("SELECT freshline_fold_bucket_users(:t, :u)"),
+                {"t": [k[0] for k in keys], "u": [k[1] for k in keys]},
+            )
 
 
 def pending_users(engine: Engine, tenant: str) -> int:
     with engine.connect() as conn:
-        return int(conn.execute(sa.text(
-            "SELECT count(DISTINCT user_id) FROM txn_bucket_deltas WHERE tenant_id = :t"),
-            {"t": tenant}).scalar_one())
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT count(DISTINCT user_id) FROM txn_bucket_deltas WHERE tenant_id = :t"
+                ),
+                {"t": tenant},
+            ).scalar_one()
+        )
 
 
 # -- the property ---------------------------------------------------------------------
@@ -139,16 +168,30 @@ _times = st.one_of(
     st.integers(-3 * 86400, 100 * 86400).map(lambda s: AS_OF - timedelta(seconds=s)),
     st.integers(-14 * 3600, 14 * 3600).map(lambda s: EDGE + timedelta(seconds=s)),
     st.integers(-14 * 3600, 14 * 3600).map(lambda s: EDGE30 + timedelta(seconds=s)),
-    st.sampled_from([EDGE, EDGE + timedelta(microseconds=1), EDGE - timedelta(microseconds=1),
-                     EDGE30, EDGE30 + timedelta(microseconds=1),
-                     AS_OF, AS_OF + timedelta(microseconds=1),
-                     datetime(2026, 9, 1, tzinfo=UTC), datetime(2026, 9, 2, tzinfo=UTC),
-                     datetime(2026, 11, 30, tzinfo=UTC)]),
+    st.sampled_from(
+        [
+            EDGE,
+            EDGE + timedelta(microseconds=1),
+            EDGE - timedelta(microseconds=1),
+            EDGE30,
+            EDGE30 + timedelta(microseconds=1),
+            AS_OF,
+            AS_OF + timedelta(microseconds=1),
+            datetime(2026, 9, 1, tzinfo=UTC),
+            datetime(2026, 9, 2, tzinfo=UTC),
+            datetime(2026, 11, 30, tzinfo=UTC),
+        ]
+    ),
 )
 _amounts = st.decimals(min_value=Decimal("0.01"), max_value=Decimal("999.99"), places=2)
-_row = st.tuples(st.sampled_from(USERS), _times, _amounts.map(str),
-                 st.sampled_from(["m1", "m2", "m3", "m4"]),
-                 st.sampled_from(["d1", "d2", "d3", None]), st.sampled_from(IPS))
+_row = st.tuples(
+    st.sampled_from(USERS),
+    _times,
+    _amounts.map(str),
+    st.sampled_from(["m1", "m2", "m3", "m4"]),
+    st.sampled_from(["d1", "d2", "d3", None]),
+    st.sampled_from(IPS),
+)
 _op = st.one_of(
     st.tuples(st.just("insert"), st.lists(_row, min_size=1, max_size=4)),
     st.tuples(st.just("amount"), st.integers(0, 50), _amounts.map(str)),
@@ -157,24 +200,34 @@ _op = st.one_of(
     st.tuples(st.just("merchant"), st.integers(0, 50), st.sampled_from(["m1", "m5"])),
     st.tuples(st.just("device"), st.integers(0, 50), st.sampled_from(["d1", "d4", None])),
     st.tuples(st.just("ip"), st.integers(0, 50), st.sampled_from(IPS)),
-    st.tuples(st.just("geoip"), st.sampled_from(["11.0.0.0", "11.0.1.0", "11.0.3.0"]),
-              st.sampled_from(["US", "GB", "FR", None])),
+    st.tuples(
+        st.just("geoip"),
+        st.sampled_from(["11.0.0.0", "11.0.1.0", "11.0.3.0"]),
+        st.sampled_from(["US", "GB", "FR", None]),
+    ),
     st.tuples(st.just("delete"), st.integers(0, 50)),
     st.tuples(st.just("delete_user"), st.sampled_from(USERS)),
     st.tuples(st.just("noop_update"), st.sampled_from(USERS)),
 )
 # After some changes, fold the pending deltas of the first user that has any.
 _step = st.tuples(_op, st.sampled_from([0, 0, 0, 1]))
-_UPDATES = {"amount": "amount = CAST(:v AS numeric)", "time": "created_at = :v",
-            "move": "user_id = :v", "merchant": "merchant_id = :v", "device": "device_id = :v",
-            "ip": "ip = CAST(:v AS inet)"}
+_UPDATES = {
+    "amount": "amount = CAST(:v AS numeric)",
+    "time": "created_at = :v",
+    "move": "user_id = :v",
+    "merchant": "merchant_id = :v",
+    "device": "device_id = :v",
+    "ip": "ip = CAST(:v AS inet)",
+}
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(steps=st.lists(_step, min_size=1, max_size=25))
-def test_incremental_equals_full_after_any_sequence_of_changes(db: Engine,
-                                                               steps: list) -> None:
+def test_incremental_equals_full_after_any_sequence_of_changes(db: Engine, steps: list) -> None:
     tenant = new_tenant()
     ids: list[int] = []
     for i, (op, folds) in enumerate(steps):
@@ -207,31 +260,45 @@ def change(db: Engine, tenant: str, ids: list[int], op: tuple[Any, ...]) -> None
         return
     with db.begin() as conn:
         if kind == "geoip":  # a range changes country, appears or disappears
-            conn.execute(sa.text("DELETE FROM geoip WHERE ip_from = CAST(:f AS inet)"),
-                         {"f": op[1]})
+            conn.execute(
+                sa.text("DELETE FROM geoip WHERE ip_from = CAST(:f AS inet)"), {"f": op[1]}
+            )
             if op[2] is not None:
-                conn.execute(sa.text(
-                    "INSERT INTO geoip (ip_from, ip_to, country, city, asn) VALUES "
-                    "(CAST(:f AS inet), CAST(:f AS inet) + 255, :c, 'X', 9)"),
-                    {"f": op[1], "c": op[2]})
+                conn.execute(
+                    sa.text(
+                        "INSERT INTO geoip (ip_from, ip_to, country, city, asn) VALUES "
+                        "(CAST(:f AS inet), CAST(:f AS inet) + 255, :c, 'X', 9)"
+                    ),
+                    {"f": op[1], "c": op[2]},
+                )
         elif kind == "delete_user":
-            conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t "
-                                 "AND user_id = :u"), {"t": tenant, "u": op[1]})
+            conn.execute(
+                sa.text("DELETE FROM transactions WHERE tenant_id = :t AND user_id = :u"),
+                {"t": tenant, "u": op[1]},
+            )
         elif kind == "noop_update":
-            conn.execute(sa.text("UPDATE transactions SET status = 'reversed' "
-                                 "WHERE tenant_id = :t AND user_id = :u"),
-                         {"t": tenant, "u": op[1]})
+            conn.execute(
+                sa.text(
+                    "UPDATE transactions SET status = 'reversed' "
+                    "WHERE tenant_id = :t AND user_id = :u"
+                ),
+                {"t": tenant, "u": op[1]},
+            )
         elif ids:
             row = ids[op[1] % len(ids)]
             if kind == "delete":
-                conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t "
-                                     "AND id = :id"), {"t": tenant, "id": row})
+                conn.execute(
+                    sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
+                    {"t": tenant, "id": row},
+                )
             else:
-                conn.execute(sa.text(f"UPDATE transactions SET {_UPDATES[kind]} "
-                                     "WHERE tenant_id = :t AND id = :id"),
-                             {"t": tenant, "id": row, "v": op[2]})
-
-
+                conn.execute(
+                    sa.text(
+                        f"UPDATE transactions SET {_UPDATES[kind]} "
+                        "WHERE tenant_id = :t AND id = :id"
+                    ),
+                    {"t": tenant, "id": row, "v": op[2]},
+                )
 
 
 # -- the cases the property relies on, pinned ---------------------------------------
@@ -239,9 +306,15 @@ def change(db: Engine, tenant: str, ids: list[int], op: tuple[Any, ...]) -> None
 
 def test_most_users_are_answered_by_buckets_and_a_future_row_falls_back(db: Engine) -> None:
     tenant = new_tenant()
-    insert(db, tenant, [(1, AS_OF - timedelta(days=3), "10.00", "m1", "d1"),
-                        (2, AS_OF - timedelta(days=3), "10.00", "m1", "d1"),
-                        (2, AS_OF + timedelta(hours=1), "99.00", "m2", None)])
+    insert(
+        db,
+        tenant,
+        [
+            (1, AS_OF - timedelta(days=3), "10.00", "m1", "d1"),
+            (2, AS_OF - timedelta(days=3), "10.00", "m1", "d1"),
+            (2, AS_OF + timedelta(hours=1), "99.00", "m2", None),
+        ],
+    )
     assert answered_by_buckets(db, tenant, 1)
     assert not answered_by_buckets(db, tenant, 2)  # a row after as_of
     full, inc = both(db, tenant, (1, 2))
@@ -251,9 +324,15 @@ def test_most_users_are_answered_by_buckets_and_a_future_row_falls_back(db: Engi
 def test_the_window_max_drops_when_the_max_row_leaves_or_is_deleted(db: Engine) -> None:
     tenant = new_tenant()
     day = AS_OF - timedelta(days=10)
-    big, *_ = insert(db, tenant, [(1, day, "500.00", "m1", None),
-                                  (1, day + timedelta(hours=1), "20.00", "m1", None),
-                                  (1, EDGE + timedelta(hours=1), "900.00", "m2", None)])
+    big, *_ = insert(
+        db,
+        tenant,
+        [
+            (1, day, "500.00", "m1", None),
+            (1, day + timedelta(hours=1), "20.00", "m1", None),
+            (1, EDGE + timedelta(hours=1), "900.00", "m2", None),
+        ],
+    )
     full, inc = both(db, tenant, (1,))
     assert inc == full and inc[(tenant, "1")]["txn_max"] == 900.0
     # The 900 row leaves the window as time moves on by two hours.
@@ -262,8 +341,10 @@ def test_the_window_max_drops_when_the_max_row_leaves_or_is_deleted(db: Engine) 
     assert inc == full and inc[(tenant, "1")]["txn_max"] == 500.0
     fold_some(db, tenant, 1)
     with db.begin() as conn:
-        conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
-                     {"t": tenant, "id": big})
+        conn.execute(
+            sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
+            {"t": tenant, "id": big},
+        )
     # Pending, the removal sends that day's max to the source rows; the bucket still
     # holds 500.
     assert bucket_max(db, tenant, day) == Decimal("500.00")
@@ -277,9 +358,12 @@ def test_the_window_max_drops_when_the_max_row_leaves_or_is_deleted(db: Engine) 
 
 def bucket_max(engine: Engine, tenant: str, day: datetime) -> Decimal:
     with engine.connect() as conn:
-        return Decimal(conn.execute(sa.text(
-            "SELECT amount_max FROM txn_buckets WHERE tenant_id = :t AND day = :d"),
-            {"t": tenant, "d": day.date()}).scalar_one())
+        return Decimal(
+            conn.execute(
+                sa.text("SELECT amount_max FROM txn_buckets WHERE tenant_id = :t AND day = :d"),
+                {"t": tenant, "d": day.date()},
+            ).scalar_one()
+        )
 
 
 def test_a_moved_row_leaves_one_users_buckets_for_the_others(db: Engine) -> None:
@@ -287,15 +371,18 @@ def test_a_moved_row_leaves_one_users_buckets_for_the_others(db: Engine) -> None
     (row,) = insert(db, tenant, [(1, AS_OF - timedelta(days=1), "42.00", "m9", "d9")])
     fold_some(db, tenant, 1)
     with db.begin() as conn:
-        conn.execute(sa.text("UPDATE transactions SET user_id = 2 WHERE tenant_id = :t "
-                             "AND id = :id"), {"t": tenant, "id": row})
+        conn.execute(
+            sa.text("UPDATE transactions SET user_id = 2 WHERE tenant_id = :t AND id = :id"),
+            {"t": tenant, "id": row},
+        )
     full, inc = both(db, tenant, (1, 2))  # the move pending: -1 for user 1, +1 for 2
     assert inc == full
     fold_some(db, tenant, 2)
     with db.begin() as conn:
-        left = conn.execute(sa.text(
-            "SELECT count(*) FROM txn_buckets WHERE tenant_id = :t AND user_id = 1"),
-            {"t": tenant}).scalar_one()
+        left = conn.execute(
+            sa.text("SELECT count(*) FROM txn_buckets WHERE tenant_id = :t AND user_id = 1"),
+            {"t": tenant},
+        ).scalar_one()
     assert left == 0
     full, inc = both(db, tenant, (1, 2))
     assert inc == full
@@ -304,15 +391,23 @@ def test_a_moved_row_leaves_one_users_buckets_for_the_others(db: Engine) -> None
 
 
 def test_build_resumes_after_an_interrupted_batch_and_truncate_empties(
-        base_settings: Settings) -> None:
+    base_settings: Settings,
+) -> None:
     name = f"freshline_incremental_{uuid.uuid4().hex[:8]}"
     url = recreate_database(base_settings, name)
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     try:
         migrations.upgrade(url, "0002")
         tenant = new_tenant()
-        insert(engine, tenant, [(u, AS_OF - timedelta(days=d), f"{u * d}.25", f"m{d % 3}",
-                                 f"d{u}") for u in range(1, 8) for d in range(1, 95, 7)])
+        insert(
+            engine,
+            tenant,
+            [
+                (u, AS_OF - timedelta(days=d), f"{u * d}.25", f"m{d % 3}", f"d{u}")
+                for u in range(1, 8)
+                for d in range(1, 95, 7)
+            ],
+        )
         migrations.upgrade(url, REVISION)  # rows exist: the build starts incomplete
         assert incremental.state(engine) == incremental.BuildState(False, None)
         assert not answered_by_buckets(engine, tenant, 1)
@@ -328,10 +423,13 @@ def test_build_resumes_after_an_interrupted_batch_and_truncate_empties(
         assert inc == full
         with engine.begin() as conn:
             conn.execute(sa.text("TRUNCATE transactions"))
-            left = conn.execute(sa.text(
-                "SELECT (SELECT count(*) FROM txn_buckets) + (SELECT count(*) FROM "
-                "txn_bucket_members) + (SELECT count(*) FROM txn_bucket_latest) "
-                "+ (SELECT count(*) FROM txn_bucket_deltas)")).scalar_one()
+            left = conn.execute(
+                sa.text(
+                    "SELECT (SELECT count(*) FROM txn_buckets) + (SELECT count(*) FROM "
+                    "txn_bucket_members) + (SELECT count(*) FROM txn_bucket_latest) "
+                    "+ (SELECT count(*) FROM txn_bucket_deltas)"
+                )
+            ).scalar_one()
         assert left == 0
         insert(engine, tenant, [(1, AS_OF - timedelta(days=1), "5.00", "m1", None)])
         full, inc = both(engine, tenant, (1,))
@@ -346,8 +444,10 @@ def test_reconcile_finds_and_repairs_drift(db: Engine) -> None:
     insert(db, tenant, [(u, AS_OF - timedelta(days=u), "10.00", "m1", "d1") for u in USERS])
     fold_some(db, tenant, len(USERS))
     with db.begin() as conn:  # drift no fold would make
-        conn.execute(sa.text("UPDATE txn_buckets SET amount_max = 999 WHERE tenant_id = :t "
-                             "AND user_id = 2"), {"t": tenant})
+        conn.execute(
+            sa.text("UPDATE txn_buckets SET amount_max = 999 WHERE tenant_id = :t AND user_id = 2"),
+            {"t": tenant},
+        )
     report = reconcile(db, [(tenant, str(u)) for u in USERS], as_of=AS_OF)
     assert report.checked == 3
     assert [(m.tenant, m.entity) for m in report.drifted] == [(tenant, "2")]
@@ -361,13 +461,16 @@ def test_a_feature_set_without_an_incremental_query_refuses_that_path() -> None:
     with pytest.raises(ConfigError, match="no incremental path"):
         REGISTRY.with_paths({"device_risk": "incremental"})
     assert REGISTRY.with_paths({"txn_90d": "full"})["txn_90d"].path == "full"
-    assert REGISTRY["txn_90d"].fingerprint() == \
-        REGISTRY.with_paths({"txn_90d": "full"})["txn_90d"].fingerprint()
+    assert (
+        REGISTRY["txn_90d"].fingerprint()
+        == REGISTRY.with_paths({"txn_90d": "full"})["txn_90d"].fingerprint()
+    )
 
 
 @pytest.mark.parametrize("first", ["delete", "insert"])
-def test_concurrent_writers_of_one_member_do_not_wait_and_stay_exact(db: Engine,
-                                                                    first: str) -> None:
+def test_concurrent_writers_of_one_member_do_not_wait_and_stay_exact(
+    db: Engine, first: str
+) -> None:
     """A delete of a member's latest row and an insert of the same member on another
     day, both open at once under READ COMMITTED: the triggers only append deltas, so
     the second writer does not wait for the first (a 10 s statement_timeout is its
@@ -377,11 +480,15 @@ def test_concurrent_writers_of_one_member_do_not_wait_and_stay_exact(db: Engine,
     _, _, newest = insert(db, tenant, [(1, day, "10.00", "m1", "d1") for day in days])
     fold_some(db, tenant, 1)
     statements = {
-        "delete": ("DELETE FROM transactions WHERE tenant_id = :t AND id = :id",
-                   {"t": tenant, "id": newest}),
-        "insert": ("INSERT INTO transactions (tenant_id, user_id, created_at, amount, "
-                   "merchant_id, device_id) VALUES (:t, 1, :at, 5, 'm1', 'd1')",
-                   {"t": tenant, "at": AS_OF - timedelta(days=1)}),
+        "delete": (
+            "DELETE FROM transactions WHERE tenant_id = :t AND id = :id",
+            {"t": tenant, "id": newest},
+        ),
+        "insert": (
+            "INSERT INTO transactions (tenant_id, user_id, created_at, amount, "
+            "merchant_id, device_id) VALUES (:t, 1, :at, 5, 'm1', 'd1')",
+            {"t": tenant, "at": AS_OF - timedelta(days=1)},
+        ),
     }
     second = "insert" if first == "delete" else "delete"
     with db.connect() as holder, db.connect() as other:
@@ -406,16 +513,20 @@ def test_a_fold_takes_only_committed_deltas(db: Engine) -> None:
     """A fold runs beside an open writer: it folds what is committed, the writer's
     deltas stay in the log, and every snapshot on the way gives the full path's values."""
     tenant = new_tenant()
-    insert(db, tenant, [(1, AS_OF - timedelta(days=d), "10.00", f"m{d}", "d1")
-                        for d in (2, 4)])
+    insert(db, tenant, [(1, AS_OF - timedelta(days=d), "10.00", f"m{d}", "d1") for d in (2, 4)])
     with db.connect() as holder:
         tx = holder.begin()
-        holder.execute(sa.text(
-            "DELETE FROM transactions WHERE tenant_id = :t AND merchant_id = 'm2'"),
-            {"t": tenant})
-        holder.execute(sa.text(
-            "INSERT INTO transactions (tenant_id, user_id, created_at, amount, merchant_id) "
-            "VALUES (:t, 1, :at, 70, 'm7')"), {"t": tenant, "at": AS_OF - timedelta(days=1)})
+        holder.execute(
+            sa.text("DELETE FROM transactions WHERE tenant_id = :t AND merchant_id = 'm2'"),
+            {"t": tenant},
+        )
+        holder.execute(
+            sa.text(
+                "INSERT INTO transactions (tenant_id, user_id, created_at, amount, merchant_id) "
+                "VALUES (:t, 1, :at, 70, 'm7')"
+            ),
+            {"t": tenant, "at": AS_OF - timedelta(days=1)},
+        )
         assert incremental.fold(db, max_users=1_000_000) >= 1
         assert pending_users(db, tenant) == 0  # the open writer's deltas are not visible
         full, inc = both(db, tenant, (1,))
@@ -454,9 +565,17 @@ def test_a_fold_holds_no_lock_once_postgres_has_answered(db: Engine) -> None:
     def after(conn: sa.Connection, cursor: Any, statement: str, *_: Any) -> None:
         if "freshline_fold_bucket_deltas" in statement:
             with db.connect() as other:
-                held.append(int(other.execute(sa.text(
-                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
-                    "AND pid <> pg_backend_pid()")).scalar_one()))
+                held.append(
+                    int(
+                        other.execute(
+                            sa.text(
+                                "SELECT count(*) FROM pg_locks "
+                                "WHERE locktype = 'advisory' AND granted "
+                                "AND pid <> pg_backend_pid()"
+                            )
+                        ).scalar_one()
+                    )
+                )
 
     sa.event.listen(db, "after_cursor_execute", after)
     try:
@@ -470,12 +589,16 @@ def test_a_fold_holds_no_lock_once_postgres_has_answered(db: Engine) -> None:
 def test_geo_counts_a_country_once_across_the_edge_day_and_later_days(db: Engine) -> None:
     reset_geoip(db)
     tenant = new_tenant()
-    insert(db, tenant, [
-        (1, EDGE30 + timedelta(hours=1), "1.00", "m1", None, "11.0.0.5"),  # US, edge day
-        (1, AS_OF - timedelta(days=1), "1.00", "m1", None, "11.0.0.6"),  # US, later
-        (1, EDGE30 + timedelta(hours=2), "1.00", "m1", None, "11.0.1.7"),  # GB, edge only
-        (1, EDGE30 - timedelta(hours=1), "1.00", "m1", None, "11.0.2.9"),  # DE, before c
-    ])
+    insert(
+        db,
+        tenant,
+        [
+            (1, EDGE30 + timedelta(hours=1), "1.00", "m1", None, "11.0.0.5"),  # US, edge day
+            (1, AS_OF - timedelta(days=1), "1.00", "m1", None, "11.0.0.6"),  # US, later
+            (1, EDGE30 + timedelta(hours=2), "1.00", "m1", None, "11.0.1.7"),  # GB, edge only
+            (1, EDGE30 - timedelta(hours=1), "1.00", "m1", None, "11.0.2.9"),  # DE, before c
+        ],
+    )
     full, inc = both(db, tenant, (1,), sets=SETS)
     assert inc == full
     assert inc[("geo", tenant, "1")]["distinct_countries_30d"] == 2
@@ -487,13 +610,16 @@ def test_a_geoip_change_refolds_a_removed_rows_pending_delta(db: Engine) -> None
     changes country: the delta must not be folded later under the new country."""
     reset_geoip(db)
     tenant = new_tenant()
-    (row,) = insert(db, tenant, [(1, AS_OF - timedelta(days=2), "1.00", "m1", None,
-                                  "11.0.0.5")])  # US
+    (row,) = insert(
+        db, tenant, [(1, AS_OF - timedelta(days=2), "1.00", "m1", None, "11.0.0.5")]
+    )  # US
     insert(db, tenant, [(1, AS_OF - timedelta(days=1), "1.00", "m1", None, "11.0.1.7")])  # GB
     fold_some(db, tenant, 1)
     with db.begin() as conn:
-        conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
-                     {"t": tenant, "id": row})
+        conn.execute(
+            sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
+            {"t": tenant, "id": row},
+        )
     try:
         with db.begin() as conn:
             conn.execute(sa.text("UPDATE geoip SET country = 'FR' WHERE ip_from = '11.0.0.0'"))
@@ -512,8 +638,9 @@ def test_freshline_buckets_fold_and_status(db: Engine) -> None:
     env = {**os.environ, "FRESHLINE_POSTGRES_URL": db.url.render_as_string(hide_password=False)}
 
     def run(*args: str) -> str:
-        r = subprocess.run([FRESHLINE, "buckets", *args], capture_output=True, text=True,
-                           timeout=120, env=env)
+        r = subprocess.run(
+            [FRESHLINE, "buckets", *args], capture_output=True, text=True, timeout=120, env=env
+        )
         assert r.returncode == 0, r.stderr
         return r.stdout + r.stderr  # results on stdout, progress on stderr
 
@@ -528,16 +655,26 @@ def test_a_fold_of_more_than_big_delta_rows_is_exact(db: Engine) -> None:
     the same values either way, for additions and for removals."""
     reset_geoip(db)
     tenant = new_tenant()
-    rows = [(1 + i % 3, AS_OF - timedelta(hours=i % 2000), f"{1 + i % 997}.{i % 100:02d}",
-             f"m{i % 37}", f"d{i % 5}" if i % 4 else None, IPS[i % len(IPS)])
-            for i in range(1500)]
+    rows = [
+        (
+            1 + i % 3,
+            AS_OF - timedelta(hours=i % 2000),
+            f"{1 + i % 997}.{i % 100:02d}",
+            f"m{i % 37}",
+            f"d{i % 5}" if i % 4 else None,
+            IPS[i % len(IPS)],
+        )
+        for i in range(1500)
+    ]
     ids = insert(db, tenant, rows)
     fold_some(db, tenant, len(USERS))
     full, inc = both(db, tenant, sets=SETS)
-    assert inc == full and inc[(("txn_90d", tenant, "1"))]["txn_count"] > 0
+    assert inc == full and inc[("txn_90d", tenant, "1")]["txn_count"] > 0
     with db.begin() as conn:
-        conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = ANY(:ids)"),
-                     {"t": tenant, "ids": ids[:1200]})
+        conn.execute(
+            sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = ANY(:ids)"),
+            {"t": tenant, "ids": ids[:1200]},
+        )
     fold_some(db, tenant, len(USERS))
     full, inc = both(db, tenant, sets=SETS)
     assert inc == full
@@ -551,8 +688,10 @@ def test_a_member_that_leaves_and_comes_back_is_counted_once(db: Engine) -> None
     first, _ = insert(db, tenant, [(1, day, "1.00", "m1", "d1"), (1, day, "2.00", "m2", "d1")])
     fold_some(db, tenant, 1)
     with db.begin() as conn:
-        conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
-                     {"t": tenant, "id": first})
+        conn.execute(
+            sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
+            {"t": tenant, "id": first},
+        )
     fold_some(db, tenant, 1)
     insert(db, tenant, [(1, later, "3.00", "m1", "d2")])
     for _ in range(2):  # pending, then folded

@@ -38,9 +38,13 @@ def unique_name() -> str:
 def logistic(name: str, version: str = "v1", d: int = 4, seed: int = 0) -> LogisticModel:
     rng = np.random.default_rng(seed)
     return LogisticModel(
-        name=name, version=version, feature_names=tuple(f"f{i}" for i in range(d)),
-        weights=rng.normal(size=d), bias=float(rng.normal()),
-        mean=rng.normal(size=d), scale=rng.uniform(0.5, 2.0, size=d),
+        name=name,
+        version=version,
+        feature_names=tuple(f"f{i}" for i in range(d)),
+        weights=rng.normal(size=d),
+        bias=float(rng.normal()),
+        mean=rng.normal(size=d),
+        scale=rng.uniform(0.5, 2.0, size=d),
     )
 
 
@@ -208,8 +212,9 @@ def test_equal_rounded_inputs_are_served_as_one(cache: InferenceCache) -> None:
     assert len(set(cache.keys(model, nans))) == 1
 
 
-def test_non_finite_predictions_are_never_cached(cache: InferenceCache,
-                                                redis_client: redis.Redis) -> None:
+def test_non_finite_predictions_are_never_cached(
+    cache: InferenceCache, redis_client: redis.Redis
+) -> None:
     model, _ = counted(d=2)
     batch = np.array([[0.0, np.nan], [1.0, 2.0]])  # the first row's prediction is NaN
     first = cache.predict(model, batch)
@@ -227,8 +232,7 @@ def test_the_digest_follows_the_documented_recipe(cache: InferenceCache) -> None
     row = [0.123456, -0.00001, float("nan")]
     canonical = [0.1235, 0.0, float("nan")]
     message = struct.pack("<II", 3, 4) + b"".join(
-        struct.pack("<Q", 0x7FF8000000000000) if v != v else struct.pack("<d", v)
-        for v in canonical
+        struct.pack("<Q", 0x7FF8000000000000) if v != v else struct.pack("<d", v) for v in canonical
     )
     digest = hashlib.blake2b(message, digest_size=16).hexdigest()
     assert cache.keys(model, [row], tenant="acme", arm="b") == [
@@ -253,8 +257,14 @@ def test_a_new_version_never_serves_the_old_ones_predictions(cache: InferenceCac
 def test_tenants_and_arms_are_kept_apart(cache: InferenceCache) -> None:
     model, _ = counted()
     X = np.random.default_rng(6).normal(size=(10, 4))
-    spaces: list[dict[str, str]] = [{}, {"tenant": "acme"}, {"tenant": "globex"},
-                                    {"arm": "a"}, {"arm": "b"}, {"tenant": "acme", "arm": "a"}]
+    spaces: list[dict[str, str]] = [
+        {},
+        {"tenant": "acme"},
+        {"tenant": "globex"},
+        {"arm": "a"},
+        {"arm": "b"},
+        {"tenant": "acme", "arm": "a"},
+    ]
     for space in spaces:
         assert not cache.predict(model, X, **space).hit.any()
     assert model.calls == len(spaces)
@@ -381,8 +391,15 @@ def test_entries_of_different_shapes_are_a_model_error(
 
 @pytest.mark.parametrize(
     "row",
-    [np.float64(0.25), np.float32(-1.5), np.int64(7), np.bool_(True),
-     np.array([0.1, 0.2, 0.3]), np.array([1, 2], dtype=np.int32), np.zeros(0, dtype=np.float64)],
+    [
+        np.float64(0.25),
+        np.float32(-1.5),
+        np.int64(7),
+        np.bool_(True),
+        np.array([0.1, 0.2, 0.3]),
+        np.array([1, 2], dtype=np.int32),
+        np.zeros(0, dtype=np.float64),
+    ],
 )
 def test_encoding_round_trips_byte_for_byte(row: Any) -> None:
     arr = np.asarray(row)
@@ -395,8 +412,17 @@ def test_encoding_round_trips_byte_for_byte(row: Any) -> None:
         assert len(blob) == 11
 
 
-@pytest.mark.parametrize("blob", [b"", b"\x01", b"\x02\x01\x00" + bytes(8), b"\x01\x63\x00",
-                                  b"\x01\x01\x00" + bytes(7), b"\x01\x01\x01\x02\x00\x00\x00"])
+@pytest.mark.parametrize(
+    "blob",
+    [
+        b"",
+        b"\x01",
+        b"\x02\x01\x00" + bytes(8),
+        b"\x01\x63\x00",
+        b"\x01\x01\x00" + bytes(7),
+        b"\x01\x01\x01\x02\x00\x00\x00",
+    ],
+)
 def test_decoding_refuses_foreign_bytes(blob: bytes) -> None:
     assert decode(blob) is None
 

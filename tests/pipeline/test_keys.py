@@ -19,13 +19,28 @@ def test_feature_key_format_is_the_documented_one() -> None:
 def test_keys_of_one_entity_share_a_hash_tag() -> None:
     a = feature_key(1, EntityRef("txn_90d", "acme", "42"))
     b = feature_key(1, EntityRef("geo", "acme", "42"))
-    assert a[a.index("{"):] == b[b.index("{"):]
+    assert a[a.index("{") :] == b[b.index("{") :]
 
 
 @pytest.mark.parametrize(
     "bad",
-    ["", "a:b", "a*", "a?", "a[1]", "{x}", "a b", "a\nb", "a\x00", "é", "-lead", "x" * 65,
-     None, 1.5, True],
+    [
+        "",
+        "a:b",
+        "a*",
+        "a?",
+        "a[1]",
+        "{x}",
+        "a b",
+        "a\nb",
+        "a\x00",
+        "é",
+        "-lead",
+        "x" * 65,
+        None,
+        1.5,
+        True,
+    ],
 )
 def test_unsafe_ids_never_reach_a_key(bad: object) -> None:
     with pytest.raises(InvalidId):
@@ -46,8 +61,7 @@ def test_validate_id_accepts_exactly_the_contracts_ids() -> None:
     rng = random.Random(15)
     alphabet = "aZ09_.-:{}* \n\x00\u00e9\uff11"
     values = ["x" * 64, "x" * 65, "a-" * 32, "a-" * 32 + "b", "a\n", "\n", "1.", "_a", ".a"]
-    values += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 8)))
-               for _ in range(3000)]
+    values += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 8))) for _ in range(3000)]
     for value in values:
         if id_problem(value) is None:
             assert validate_id("tenant", value) == value

@@ -19,8 +19,16 @@ from pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
 from pipeline.core.types import EntityRef, Entry
 from tests.conftest import UNWINDOWED, fresh_version, wait_until
 
-VALUES = {"txn_count": 1, "txn_sum": 2.0, "txn_mean": 2.0, "txn_max": 2.0, "txn_std": 0.0,
-          "distinct_merchants": 1, "distinct_devices": 1, "last_txn_at": None}
+VALUES = {
+    "txn_count": 1,
+    "txn_sum": 2.0,
+    "txn_mean": 2.0,
+    "txn_max": 2.0,
+    "txn_std": 0.0,
+    "distinct_merchants": 1,
+    "distinct_devices": 1,
+    "last_txn_at": None,
+}
 
 
 def now_ms() -> int:
@@ -38,21 +46,27 @@ def tenant() -> str:
 
 @pytest.fixture
 def tier(redis_client: redis.Redis) -> Iterator[LocalTier]:
-    local = LocalTier(redis_client, max_entries=100, heartbeat_s=0.2,
-                      registry=UNWINDOWED).start()
+    local = LocalTier(redis_client, max_entries=100, heartbeat_s=0.2, registry=UNWINDOWED).start()
     assert local.wait_live(5)
     yield local
     local.close()
 
 
-def publish(client: redis.Redis, tenant: str, entity: str, feature_set: str = "txn_90d",
-            watermark: int = 2, version: int = 1) -> None:
+def publish(
+    client: redis.Redis,
+    tenant: str,
+    entity: str,
+    feature_set: str = "txn_90d",
+    watermark: int = 2,
+    version: int = 1,
+) -> None:
     message = Invalidation(tenant, feature_set, entity, watermark, version)
     client.publish(INVALIDATION_CHANNEL, message.encode())
 
 
 def test_nothing_is_served_before_the_subscription_is_confirmed(
-        redis_client: redis.Redis, tenant: str) -> None:
+    redis_client: redis.Redis, tenant: str
+) -> None:
     local = LocalTier(redis_client, max_entries=10, registry=UNWINDOWED)
     ref = EntityRef("txn_90d", tenant, "1")
     assert not local.live
@@ -61,8 +75,9 @@ def test_nothing_is_served_before_the_subscription_is_confirmed(
     local.close()
 
 
-def test_an_invalidation_stops_serving_the_entry(tier: LocalTier, redis_client: redis.Redis,
-                                                 tenant: str) -> None:
+def test_an_invalidation_stops_serving_the_entry(
+    tier: LocalTier, redis_client: redis.Redis, tenant: str
+) -> None:
     ref = EntityRef("txn_90d", tenant, "1")
     assert tier.put(ref, entry(), tier.token())
     assert tier.get(ref, 1) is not None
@@ -72,8 +87,9 @@ def test_an_invalidation_stops_serving_the_entry(tier: LocalTier, redis_client: 
     assert tier.get(EntityRef("txn_90d", tenant, "1"), 1) is None
 
 
-def test_a_truncate_invalidation_drops_every_entity(tier: LocalTier, redis_client: redis.Redis,
-                                                   tenant: str) -> None:
+def test_a_truncate_invalidation_drops_every_entity(
+    tier: LocalTier, redis_client: redis.Redis, tenant: str
+) -> None:
     refs = [EntityRef("device_risk", tenant, str(u)) for u in range(1, 4)]
     for ref in refs:
         assert tier.put(ref, entry(), tier.token())
@@ -92,14 +108,21 @@ def test_a_put_that_raced_an_invalidation_is_refused(tier: LocalTier, tenant: st
 
 
 def test_the_client_follows_redis_after_an_invalidation(
-        tier: LocalTier, redis_client: redis.Redis, tenant: str) -> None:
+    tier: LocalTier, redis_client: redis.Redis, tenant: str
+) -> None:
     version = fresh_version()
     store = FeatureStore(redis_client, version)
     client = FeatureClient(redis_client, version, local=tier)
 
     def write(count: int, watermark: int) -> None:
-        store.write(Batch(REGISTRY["txn_90d"], {(tenant, "5"): dict(VALUES, txn_count=count)},
-                          watermark, now_ms()))
+        store.write(
+            Batch(
+                REGISTRY["txn_90d"],
+                {(tenant, "5"): dict(VALUES, txn_count=count)},
+                watermark,
+                now_ms(),
+            )
+        )
 
     write(1, 10)
     first = client.get("txn_90d", tenant, 5)
@@ -111,8 +134,9 @@ def test_the_client_follows_redis_after_an_invalidation(
     # The consumer's order: write Redis, then publish.
     write(2, 20)
     publish(redis_client, tenant, "5", watermark=20, version=version)
-    assert wait_until(lambda: (f := client.get("txn_90d", tenant, 5)) is not None
-                      and f.values["txn_count"] == 2)
+    assert wait_until(
+        lambda: (f := client.get("txn_90d", tenant, 5)) is not None and f.values["txn_count"] == 2
+    )
 
 
 def _kill_subscription(redis_client: redis.Redis, tier: LocalTier) -> int:
@@ -122,8 +146,9 @@ def _kill_subscription(redis_client: redis.Redis, tier: LocalTier) -> int:
     return int(redis_client.client_kill_filter(_id=ids[0]))
 
 
-def test_losing_the_subscription_flushes_the_tier(tier: LocalTier, redis_client: redis.Redis,
-                                                  tenant: str) -> None:
+def test_losing_the_subscription_flushes_the_tier(
+    tier: LocalTier, redis_client: redis.Redis, tenant: str
+) -> None:
     refs = [EntityRef("txn_90d", tenant, str(i)) for i in range(10)]
     for ref in refs:
         assert tier.put(ref, entry(), tier.token())
@@ -142,8 +167,8 @@ def test_losing_the_subscription_flushes_the_tier(tier: LocalTier, redis_client:
 
 
 def test_the_tier_stays_dark_while_redis_is_unreachable(
-        tier_on_private_redis: tuple[LocalTier, Callable[[], None], Callable[[], None]],
-        tenant: str) -> None:
+    tier_on_private_redis: tuple[LocalTier, Callable[[], None], Callable[[], None]], tenant: str
+) -> None:
     local, stop_redis, start_redis = tier_on_private_redis
     ref = EntityRef("txn_90d", tenant, "1")
     assert local.put(ref, entry(), local.token())
@@ -170,8 +195,9 @@ def tier_on_private_redis(
     client.close()
 
 
-def test_a_message_that_does_not_decode_flushes(tier: LocalTier, redis_client: redis.Redis,
-                                                tenant: str) -> None:
+def test_a_message_that_does_not_decode_flushes(
+    tier: LocalTier, redis_client: redis.Redis, tenant: str
+) -> None:
     ref = EntityRef("txn_90d", tenant, "1")
     assert tier.put(ref, entry(), tier.token())
     redis_client.publish(INVALIDATION_CHANNEL, b'{"tenant": "x"}')
@@ -179,8 +205,7 @@ def test_a_message_that_does_not_decode_flushes(tier: LocalTier, redis_client: r
     assert tier.get(ref, 1) is None
 
 
-def test_size_is_bounded_least_recently_used_first(redis_client: redis.Redis,
-                                                   tenant: str) -> None:
+def test_size_is_bounded_least_recently_used_first(redis_client: redis.Redis, tenant: str) -> None:
     with LocalTier(redis_client, max_entries=3, registry=UNWINDOWED) as local:
         assert local.wait_live(5)
         refs = [EntityRef("txn_90d", tenant, str(i)) for i in range(5)]
@@ -227,7 +252,8 @@ def test_another_schema_version_is_a_miss(tier: LocalTier, tenant: str) -> None:
 
 
 def test_a_windowed_entry_is_served_no_longer_than_its_redis_copy_lives(
-        redis_client: redis.Redis, tenant: str) -> None:
+    redis_client: redis.Redis, tenant: str
+) -> None:
     """txn_90d's Redis TTL is cut to end when a row leaves its window (FeatureSet.horizon),
     which the entry's bytes do not carry: the tier reads the key's TTL before serving it."""
     version = fresh_version()
@@ -254,7 +280,8 @@ def test_a_windowed_entry_is_served_no_longer_than_its_redis_copy_lives(
 
 
 def test_a_windowed_entry_invalidated_while_held_back_is_dropped(
-        redis_client: redis.Redis, tenant: str) -> None:
+    redis_client: redis.Redis, tenant: str
+) -> None:
     version = fresh_version()
     ref = EntityRef("geo", tenant, "1")
     redis_client.set(feature_key(version, ref), b"the Redis copy", px=60_000)

@@ -33,12 +33,15 @@ def drifted(change: dict[str, object]) -> Registry:
     return Registry([dataclasses.replace(TXN_90D, **change), *others])  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("change", [
-    {"fields": (*TXN_90D.fields, Field("txn_min", "float"))},
-    {"fields": (Field("txn_count", "float"), *TXN_90D.fields[1:])},
-    {"ttl_s": TXN_90D.ttl_s + 1},
-    {"query": TXN_90D.query.replace("90 days", "60 days")},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"fields": (*TXN_90D.fields, Field("txn_min", "float"))},
+        {"fields": (Field("txn_count", "float"), *TXN_90D.fields[1:])},
+        {"ttl_s": TXN_90D.ttl_s + 1},
+        {"query": TXN_90D.query.replace("90 days", "60 days")},
+    ],
+)
 def test_a_changed_definition_without_a_bump_is_caught(change: dict[str, object]) -> None:
     lock = Lock.load(LOCK_PATH)
     version = Settings().schema_version

@@ -50,9 +50,13 @@ def metric(text: str, name: str, /, **labels: str) -> float:
 
 @pytest.fixture
 def obs_settings(settings: Settings) -> Settings:
-    return settings.model_copy(update={"schema_version": fresh_version(),
-                                       "consumer_metrics_port": 0,
-                                       "local_cache_size": 0})  # counts Redis hits
+    return settings.model_copy(
+        update={
+            "schema_version": fresh_version(),
+            "consumer_metrics_port": 0,
+            "local_cache_size": 0,
+        }
+    )  # counts Redis hits
 
 
 @pytest.fixture
@@ -61,10 +65,10 @@ def tenant(tenant_factory: Callable[..., SeedSummary]) -> str:
 
 
 @pytest.fixture
-def api(obs_settings: Settings, engine: Engine, redis_client: redis.Redis,
-        tenant: str) -> Iterator[Api]:
-    app = create_app(obs_settings, engine=engine, redis_client=redis_client,
-                     follow_deploys=False)
+def api(
+    obs_settings: Settings, engine: Engine, redis_client: redis.Redis, tenant: str
+) -> Iterator[Api]:
+    app = create_app(obs_settings, engine=engine, redis_client=redis_client, follow_deploys=False)
     with running(app, create_api_key(engine, tenant)) as client:
         yield client
 
@@ -112,8 +116,7 @@ def stale_api(obs_settings: Settings, engine: Engine, tenant: str) -> Iterator[A
         client.close()
 
 
-def test_an_entry_older_than_its_ttl_fires_the_staleness_check(stale_api: Api,
-                                                               tenant: str) -> None:
+def test_an_entry_older_than_its_ttl_fires_the_staleness_check(stale_api: Api, tenant: str) -> None:
     svc = stale_api.app.state.services
     for user in (1, 2, 3):
         assert stale_api.get(f"/v1/features/txn_90d/{user}").status_code == 200
@@ -141,8 +144,12 @@ def test_an_entry_older_than_its_ttl_fires_the_staleness_check(stale_api: Api,
     assert any("txn_90d" in p and "older than" in p for p in status["problems"])
 
     immortal = feature_key(svc.reader.schema_version, EntityRef("geo", tenant, "5"))
-    svc.redis.set(immortal, encode_entry([None] * len(REGISTRY["geo"].fields),
-                                         svc.reader.schema_version, old + ttl_ms, 1))
+    svc.redis.set(
+        immortal,
+        encode_entry(
+            [None] * len(REGISTRY["geo"].fields), svc.reader.schema_version, old + ttl_ms, 1
+        ),
+    )
     text = stale_api.get("/metrics").text
     assert metric(text, "freshline_staleness_immortal_entries", feature_set="geo") == 1
 
@@ -155,8 +162,9 @@ def admin(settings: Settings) -> AdminClient:
 @pytest.mark.kafka
 def test_lag_grows_while_no_consumer_runs(settings: Settings, admin: AdminClient) -> None:
     tag = uuid.uuid4().hex[:8]
-    local = settings.model_copy(update={"topic_prefix": f"test{tag}.",
-                                        "consumer_group": f"test-{tag}"})
+    local = settings.model_copy(
+        update={"topic_prefix": f"test{tag}.", "consumer_group": f"test-{tag}"}
+    )
     topics = managed_topics(local)
     ensure(admin, 2, topics=topics)
     topic = qualified(local, TRANSACTION_UPDATED)

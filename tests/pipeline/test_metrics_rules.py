@@ -26,9 +26,31 @@ from tests.pipeline.test_api import running
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 PROMQL_WORDS = {
-    "sum", "by", "rate", "increase", "delta", "deriv", "max", "min", "avg", "and", "or",
-    "unless", "on", "ignoring", "without", "histogram_quantile", "le", "bool", "offset",
-    "count", "topk", "abs", "clamp_min", "humanize", "humanizePercentage",
+    "sum",
+    "by",
+    "rate",
+    "increase",
+    "delta",
+    "deriv",
+    "max",
+    "min",
+    "avg",
+    "and",
+    "or",
+    "unless",
+    "on",
+    "ignoring",
+    "without",
+    "histogram_quantile",
+    "le",
+    "bool",
+    "offset",
+    "count",
+    "topk",
+    "abs",
+    "clamp_min",
+    "humanize",
+    "humanizePercentage",
 }
 SUFFIXES = ("_total", "_sum", "_count", "_bucket", "_created")
 
@@ -40,9 +62,9 @@ def load_rules() -> dict[str, Any]:
 
 def names_in(expr: str) -> set[str]:
     """The metric and recorded-series names an expression reads."""
-    expr = re.sub(r'"[^"]*"', '""', expr)          # label values
-    expr = re.sub(r"\{[^}]*\}", "", expr)           # label matchers
-    expr = re.sub(r"\[[^\]]*\]", "", expr)          # ranges
+    expr = re.sub(r'"[^"]*"', '""', expr)  # label values
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges
     expr = re.sub(r"\b(by|without|on|ignoring)\s*\([^)]*\)", "", expr)
     return {t for t in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr) if t not in PROMQL_WORDS}
 
@@ -68,9 +90,12 @@ def test_every_alert_has_the_fields_prometheus_and_people_need() -> None:
     rules = [r for g in load_rules()["groups"] for r in g["rules"]]
     alerts = [r for r in rules if "alert" in r]
     assert {a["alert"] for a in alerts} >= {
-        "FreshlineFeatureHitRateLow", "FreshlineCacheSlowerThanCompute",
-        "FreshlineEntryOlderThanTTL", "FreshlineConsumerLagGrowing",
-        "FreshlineDeadLettersGrowing"}
+        "FreshlineFeatureHitRateLow",
+        "FreshlineCacheSlowerThanCompute",
+        "FreshlineEntryOlderThanTTL",
+        "FreshlineConsumerLagGrowing",
+        "FreshlineDeadLettersGrowing",
+    }
     for alert in alerts:
         assert set(alert) == {"alert", "expr", "for", "labels", "annotations"}, alert["alert"]
         assert re.fullmatch(r"\d+[smh]", alert["for"]), alert["alert"]
@@ -83,8 +108,9 @@ def test_every_alert_has_the_fields_prometheus_and_people_need() -> None:
 
 
 def test_the_hit_rate_alert_is_below_25_percent_over_5_minutes() -> None:
-    rules = {r.get("alert") or r.get("record"): r
-             for g in load_rules()["groups"] for r in g["rules"]}
+    rules = {
+        r.get("alert") or r.get("record"): r for g in load_rules()["groups"] for r in g["rules"]
+    }
     alert = rules["FreshlineFeatureHitRateLow"]
     assert alert["expr"].endswith("< 0.25") and alert["for"] == "5m"
     assert "[5m]" in rules["freshline:feature_hits:rate5m"]["expr"]
@@ -100,8 +126,7 @@ def test_rules_read_only_exported_metrics(exported: set[str]) -> None:
 
 
 def test_dashboard_reads_only_exported_metrics(exported: set[str]) -> None:
-    recorded = {r["record"] for g in load_rules()["groups"] for r in g["rules"]
-                if "record" in r}
+    recorded = {r["record"] for g in load_rules()["groups"] for r in g["rules"] if "record" in r}
     dashboard = json.loads((DOCKER / "grafana" / "dashboards" / "freshline.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     assert len(exprs) >= 10

@@ -29,9 +29,14 @@ def unique_name() -> str:
 def dataset(n: int = 2000, seed: int = 0) -> tuple[Array, Array]:
     """Labels from a known logistic model on features of very different scales."""
     rng = np.random.default_rng(seed)
-    X = np.column_stack([
-        rng.poisson(20, n), rng.lognormal(5, 1, n), rng.integers(1, 6, n), rng.exponential(300, n),
-    ]).astype(np.float64)
+    X = np.column_stack(
+        [
+            rng.poisson(20, n),
+            rng.lognormal(5, 1, n),
+            rng.integers(1, 6, n),
+            rng.exponential(300, n),
+        ]
+    ).astype(np.float64)
     z = (X - X.mean(axis=0)) / X.std(axis=0)
     logits = z @ np.array([1.5, 2.0, -1.0, 2.5]) - 1.0
     y = (rng.uniform(size=n) < 1 / (1 + np.exp(-logits))).astype(np.float64)
@@ -66,7 +71,10 @@ def test_save_and_load_give_identical_predictions(tmp_path: Path) -> None:
     path = model.save(tmp_path / "fraud.json")
     loaded = LogisticModel.load(path)
     assert (loaded.name, loaded.version, loaded.feature_names) == (
-        "fraud", "2024-06-01.1", FEATURES)
+        "fraud",
+        "2024-06-01.1",
+        FEATURES,
+    )
     assert np.array_equal(loaded.predict(X), model.predict(X))
     assert loaded.fingerprint() == model.fingerprint()
     assert orjson.loads(path.read_bytes())["deterministic"] is True
@@ -74,11 +82,15 @@ def test_save_and_load_give_identical_predictions(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "content",
-    [b"not json", b"[]", b'{"format": "other/1"}',
-     b'{"format": "freshline.model/1", "kind": "tree"}',
-     b'{"format": "freshline.model/1", "kind": "logistic", "name": "x"}',
-     b'{"format": "freshline.model/1", "kind": "logistic", "name": "x", "version": "1",'
-     b' "feature_names": ["a"], "weights": [1, 2], "bias": 0, "mean": [0], "scale": [1]}'],
+    [
+        b"not json",
+        b"[]",
+        b'{"format": "other/1"}',
+        b'{"format": "freshline.model/1", "kind": "tree"}',
+        b'{"format": "freshline.model/1", "kind": "logistic", "name": "x"}',
+        b'{"format": "freshline.model/1", "kind": "logistic", "name": "x", "version": "1",'
+        b' "feature_names": ["a"], "weights": [1, 2], "bias": 0, "mean": [0], "scale": [1]}',
+    ],
 )
 def test_a_bad_model_file_is_a_model_error(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "bad.json"
@@ -149,9 +161,7 @@ def test_the_registry_loads_and_follows_a_version_change(
     assert other_process.get(name).version == "v1"
 
 
-def test_registered_models_go_through_the_cache(
-    redis_client: redis.Redis, tmp_path: Path
-) -> None:
+def test_registered_models_go_through_the_cache(redis_client: redis.Redis, tmp_path: Path) -> None:
     name = unique_name()
     X, y = dataset(n=300)
     registry = ModelRegistry(redis_client)

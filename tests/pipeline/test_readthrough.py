@@ -37,16 +37,25 @@ def truth(engine: Engine, ref: EntityRef) -> dict[str, object]:
 def bump_amounts(engine: Engine, ref: EntityRef) -> None:
     """A change that commits: every recent transaction of the user costs 1000 more."""
     with engine.begin() as conn:
-        conn.execute(sa.text(
-            "UPDATE transactions SET amount = amount + 1000, updated_at = now() "
-            "WHERE tenant_id = :t AND user_id = :u"), {"t": ref.tenant, "u": int(ref.entity)})
+        conn.execute(
+            sa.text(
+                "UPDATE transactions SET amount = amount + 1000, updated_at = now() "
+                "WHERE tenant_id = :t AND user_id = :u"
+            ),
+            {"t": ref.tenant, "u": int(ref.entity)},
+        )
 
 
-def test_hit_miss_and_batch(redis_client: redis.Redis, engine: Engine, tenant: str,
-                            version: int) -> None:
+def test_hit_miss_and_batch(
+    redis_client: redis.Redis, engine: Engine, tenant: str, version: int
+) -> None:
     computed: list[list[EntityRef]] = []
-    rt = ReadThrough(FeatureStore(redis_client, version), engine,
-                     hooks=Hooks(before_compute=computed.append), early_refresh=False)
+    rt = ReadThrough(
+        FeatureStore(redis_client, version),
+        engine,
+        hooks=Hooks(before_compute=computed.append),
+        early_refresh=False,
+    )
     refs = [EntityRef(fs, tenant, str(u)) for fs in ("txn_90d", "geo") for u in (1, 2, 3)]
     first = rt.get_many([*refs, refs[0]])
     assert [r.source for r in first] == ["computed"] * 7
@@ -176,8 +185,12 @@ def test_sixteen_threads_on_one_missing_key_compute_once(
         with lock:
             calls.append(len(group))
 
-    rt = ReadThrough(FeatureStore(redis_client, version), engine,
-                     hooks=Hooks(before_compute=count), early_refresh=False)
+    rt = ReadThrough(
+        FeatureStore(redis_client, version),
+        engine,
+        hooks=Hooks(before_compute=count),
+        early_refresh=False,
+    )
     ref = EntityRef("txn_90d", tenant, "4")
     start = threading.Barrier(16)
     results: list[object] = []
@@ -196,12 +209,17 @@ def test_sixteen_threads_on_one_missing_key_compute_once(
     assert len({str(r.values) for r in results}) == 1  # type: ignore[attr-defined]
 
 
-def _process_reader(settings: Settings, version: int, ref: EntityRef, counter: str,
-                    start: mp.synchronize.Barrier) -> None:  # type: ignore[name-defined]
+def _process_reader(
+    settings: Settings, version: int, ref: EntityRef, counter: str, start: mp.synchronize.Barrier
+) -> None:  # type: ignore[name-defined]
     client = redis.Redis.from_url(settings.redis_url)
     engine = make_engine(settings, pool_size=1)
-    rt = ReadThrough(FeatureStore(client, version), engine, early_refresh=False,
-                     hooks=Hooks(before_compute=lambda group: client.incr(counter)))
+    rt = ReadThrough(
+        FeatureStore(client, version),
+        engine,
+        early_refresh=False,
+        hooks=Hooks(before_compute=lambda group: client.incr(counter)),
+    )
     start.wait(timeout=60)
     rt.get(ref)
     engine.dispose()
@@ -214,8 +232,10 @@ def test_sixteen_processes_on_one_missing_key_compute_once(
     start = ctx.Barrier(16)
     counter = f"test:computations:{uuid.uuid4().hex}"
     ref = EntityRef("txn_90d", tenant, "5")
-    procs = [ctx.Process(target=_process_reader, args=(settings, version, ref, counter, start))
-             for _ in range(16)]
+    procs = [
+        ctx.Process(target=_process_reader, args=(settings, version, ref, counter, start))
+        for _ in range(16)
+    ]
     for p in procs:
         p.start()
     for p in procs:

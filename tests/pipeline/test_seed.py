@@ -21,11 +21,17 @@ FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 
 def _profile(engine: Engine, tenant: str) -> list[tuple[object, ...]]:
     with engine.connect() as conn:
-        return [tuple(r) for r in conn.execute(sa.text(
-            """SELECT user_id, count(*), sum(amount), count(DISTINCT merchant_id),
+        return [
+            tuple(r)
+            for r in conn.execute(
+                sa.text(
+                    """SELECT user_id, count(*), sum(amount), count(DISTINCT merchant_id),
                       min(created_at), max(host(ip))
                FROM transactions WHERE tenant_id = :t GROUP BY user_id ORDER BY user_id"""
-        ), {"t": tenant})]
+                ),
+                {"t": tenant},
+            )
+        ]
 
 
 def test_same_seed_gives_the_same_rows(
@@ -45,9 +51,13 @@ def test_seeded_data_has_the_shape_of_production(
     tenant = summary.tenants[0]
     with engine.connect() as conn:
         q = lambda sql: conn.execute(sa.text(sql), {"t": tenant})  # noqa: E731
-        per_user = [r[0] for r in q(
-            "SELECT count(*) FROM transactions WHERE tenant_id = :t "
-            "GROUP BY user_id ORDER BY 1 DESC")]
+        per_user = [
+            r[0]
+            for r in q(
+                "SELECT count(*) FROM transactions WHERE tenant_id = :t "
+                "GROUP BY user_id ORDER BY 1 DESC"
+            )
+        ]
         assert sum(per_user) == 20000
         # Skewed: the busiest 5% of users own far more than 5% of transactions.
         top = per_user[: max(1, len(per_user) // 20)]
@@ -65,26 +75,38 @@ def test_seeded_data_has_the_shape_of_production(
         ).scalar_one()
         assert shared > 0
         # Timestamps spread over the last 120 days before the anchor.
-        lo, hi = q("SELECT min(created_at), max(created_at) FROM transactions "
-                   "WHERE tenant_id = :t").one()
+        lo, hi = q(
+            "SELECT min(created_at), max(created_at) FROM transactions WHERE tenant_id = :t"
+        ).one()
         assert (ANCHOR - hi).days < 2
         assert 100 <= (ANCHOR - lo).days <= 120
         # Log-normal amounts: mean well above the median.
         mean, median = q(
             "SELECT avg(amount), percentile_cont(0.5) WITHIN GROUP (ORDER BY amount) "
-            "FROM transactions WHERE tenant_id = :t").one()
+            "FROM transactions WHERE tenant_id = :t"
+        ).one()
         assert float(mean) > 1.3 * float(median)
         # Many merchants.
-        assert q("SELECT count(DISTINCT merchant_id) FROM transactions "
-                 "WHERE tenant_id = :t").scalar_one() > 2000
+        assert (
+            q(
+                "SELECT count(DISTINCT merchant_id) FROM transactions WHERE tenant_id = :t"
+            ).scalar_one()
+            > 2000
+        )
 
 
 def _counts(engine: Engine, tenants: list[str]) -> dict[str, int]:
     with engine.connect() as conn:
-        return {table: conn.execute(sa.text(
-            f"SELECT count(*) FROM {table} WHERE "
-            f"{'id' if table == 'tenants' else 'tenant_id'} = ANY(:t)"), {"t": tenants},
-        ).scalar_one() for table in ("tenants", "users", "devices", "transactions")}
+        return {
+            table: conn.execute(
+                sa.text(
+                    f"SELECT count(*) FROM {table} WHERE "
+                    f"{'id' if table == 'tenants' else 'tenant_id'} = ANY(:t)"
+                ),
+                {"t": tenants},
+            ).scalar_one()
+            for table in ("tenants", "users", "devices", "transactions")
+        }
 
 
 @pytest.fixture
@@ -121,8 +143,14 @@ def test_the_cli_refuses_in_one_line_without_a_traceback(
     assert "--tenant-prefix" in str(result.exception)
     assert "Traceback" not in result.output
     # The installed command, through main(): one line on stderr, exit status 1.
-    done = subprocess.run([FRESHLINE, *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **env}, check=False)
+    done = subprocess.run(
+        [FRESHLINE, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+        check=False,
+    )
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr

@@ -61,8 +61,9 @@ def cache(redis_client: redis.Redis, model: MiniLM) -> Iterator[SemanticCache]:
     c.close()
 
 
-def scope(tenant: str, model_version: str = "v1", template_version: str = "t1",
-          model: str = "support-bot") -> Scope:
+def scope(
+    tenant: str, model_version: str = "v1", template_version: str = "t1", model: str = "support-bot"
+) -> Scope:
     return Scope(tenant, model, model_version, template_version)
 
 
@@ -74,12 +75,12 @@ def test_the_local_model_is_all_minilm_l6_v2(model: MiniLM) -> None:
     assert abs(float(np.linalg.norm(v)) - 1.0) < 1e-5
     # A batch gives what one at a time gives, whatever the padding.
     texts = ["short", "a much longer prompt about order 12345 and its refund, please"]
-    np.testing.assert_allclose(model.embed(texts), np.vstack([model.embed([t]) for t in texts]),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        model.embed(texts), np.vstack([model.embed([t]) for t in texts]), atol=1e-5
+    )
 
 
-def test_a_paraphrase_hits_and_another_number_does_not(cache: SemanticCache,
-                                                       tenant: str) -> None:
+def test_a_paraphrase_hits_and_another_number_does_not(cache: SemanticCache, tenant: str) -> None:
     s = scope(tenant)
     stored = cache.store(s, "How do I get a refund for order 123?", ZERO, "Open Orders.")
     hit = cache.lookup(s, "how can I get a refund for order 123", ZERO)
@@ -92,8 +93,9 @@ def test_a_paraphrase_hits_and_another_number_does_not(cache: SemanticCache,
     assert other.similarity is not None and other.similarity >= cache.threshold
 
 
-def test_tenants_never_see_each_others_responses(cache: SemanticCache, model: MiniLM,
-                                                 tenant: str, other_tenant: str) -> None:
+def test_tenants_never_see_each_others_responses(
+    cache: SemanticCache, model: MiniLM, tenant: str, other_tenant: str
+) -> None:
     a, b = model.embed([PROMPT, NEAR])
     assert float(a @ b) >= 0.99
     cache.store(scope(tenant), PROMPT, ZERO, "answer for A")
@@ -104,13 +106,21 @@ def test_tenants_never_see_each_others_responses(cache: SemanticCache, model: Mi
     assert cache.lookup(scope(other_tenant), PROMPT, ZERO).response == "answer for B"
 
 
-@pytest.mark.parametrize("params", [{"temperature": 0.7}, {}, {"temperature": "0"},
-                                    {"temperature": -1}, {"temperature": True},
-                                    {"temperature": 0.2, "deterministic": False},
-                                    {"deterministic": "yes"}])
-def test_non_deterministic_generations_are_refused(cache: SemanticCache, tenant: str,
-                                                   redis_client: redis.Redis,
-                                                   params: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.7},
+        {},
+        {"temperature": "0"},
+        {"temperature": -1},
+        {"temperature": True},
+        {"temperature": 0.2, "deterministic": False},
+        {"deterministic": "yes"},
+    ],
+)
+def test_non_deterministic_generations_are_refused(
+    cache: SemanticCache, tenant: str, redis_client: redis.Redis, params: dict[str, Any]
+) -> None:
     with pytest.raises(NonDeterministicParams):
         cache.store(scope(tenant), PROMPT, params, "sampled")
     with pytest.raises(NonDeterministicParams):
@@ -139,8 +149,9 @@ def test_versions_never_cross(cache: SemanticCache, tenant: str) -> None:
     assert cache.lookup(scope(tenant, "v2", "t1"), PROMPT, ZERO).response == "v2 t1"
 
 
-def test_purge_by_version_and_by_tenant(cache: SemanticCache, redis_client: redis.Redis,
-                                        model: MiniLM, tenant: str, other_tenant: str) -> None:
+def test_purge_by_version_and_by_tenant(
+    cache: SemanticCache, redis_client: redis.Redis, model: MiniLM, tenant: str, other_tenant: str
+) -> None:
     cache.store(scope(tenant, "v1"), PROMPT, ZERO, "old")
     cache.store(scope(tenant, "v2"), PROMPT, ZERO, "new")
     cache.store(scope(other_tenant, "v1"), PROMPT, ZERO, "theirs")
@@ -163,8 +174,9 @@ def test_purge_by_version_and_by_tenant(cache: SemanticCache, redis_client: redi
     worker.close()
 
 
-def test_a_flag_removes_the_entry_and_is_counted(cache: SemanticCache, redis_client: redis.Redis,
-                                                 tenant: str) -> None:
+def test_a_flag_removes_the_entry_and_is_counted(
+    cache: SemanticCache, redis_client: redis.Redis, tenant: str
+) -> None:
     s = scope(tenant)
     cache.store(s, PROMPT, ZERO, "wrong answer")
     hit = cache.lookup(s, NEAR, ZERO)
@@ -179,8 +191,9 @@ def test_a_flag_removes_the_entry_and_is_counted(cache: SemanticCache, redis_cli
         cache.flag(s, "not-hex")
 
 
-def test_two_workers_keep_their_indexes_in_step(redis_client: redis.Redis, model: MiniLM,
-                                                tenant: str) -> None:
+def test_two_workers_keep_their_indexes_in_step(
+    redis_client: redis.Redis, model: MiniLM, tenant: str
+) -> None:
     a = SemanticCache(redis_client, model)
     b = SemanticCache(redis_client, model)
     s = scope(tenant)
@@ -198,8 +211,7 @@ def test_two_workers_keep_their_indexes_in_step(redis_client: redis.Redis, model
     b.close()
 
 
-def test_every_key_has_a_ttl(cache: SemanticCache, redis_client: redis.Redis,
-                             tenant: str) -> None:
+def test_every_key_has_a_ttl(cache: SemanticCache, redis_client: redis.Redis, tenant: str) -> None:
     s = scope(tenant)
     e = cache.store(s, PROMPT, ZERO, "x").entry_id
     cache.lookup(s, NEAR, ZERO)
@@ -253,7 +265,7 @@ def test_concurrent_callers_share_batches(model: MiniLM) -> None:
 
     def call(i: int) -> None:
         barrier.wait()
-        results[i] = batching.embed(texts[i * 3:i * 3 + 3])
+        results[i] = batching.embed(texts[i * 3 : i * 3 + 3])
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
     for t in threads:
@@ -261,8 +273,9 @@ def test_concurrent_callers_share_batches(model: MiniLM) -> None:
     for t in threads:
         t.join()
     batching.close()
-    np.testing.assert_allclose(np.vstack([results[i] for i in range(8)]), model.embed(texts),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.vstack([results[i] for i in range(8)]), model.embed(texts), atol=1e-5
+    )
     assert batching.batches < 8
 
 
@@ -304,8 +317,9 @@ def endpoint() -> Iterator[str]:
     thread.join()
 
 
-def test_an_embeddings_endpoint_replaces_the_local_model(endpoint: str, tenant: str,
-                                                         redis_client: redis.Redis) -> None:
+def test_an_embeddings_endpoint_replaces_the_local_model(
+    endpoint: str, tenant: str, redis_client: redis.Redis
+) -> None:
     embedder = HttpEmbedder(endpoint, "test-embed")
     assert embedder.dim == 16
     cache = SemanticCache(redis_client, embedder)
@@ -330,18 +344,22 @@ def test_the_labelled_set_and_the_sweep() -> None:
     rows = sweep(pairs, sims)
     assert rows[0].threshold == 0.85 and rows[-1].threshold == 0.97
     assert rows[0].hit_rate == pytest.approx(
-        np.mean([literals_match(p.a, p.b) for p in pairs if p.label == "paraphrase"]))
+        np.mean([literals_match(p.a, p.b) for p in pairs if p.label == "paraphrase"])
+    )
     assert all(r.false_hit_rate == 0 for r in rows)
 
 
-def test_store_many_embeds_once_and_stores_all(cache: SemanticCache, tenant: str,
-                                               redis_client: redis.Redis) -> None:
+def test_store_many_embeds_once_and_stores_all(
+    cache: SemanticCache, tenant: str, redis_client: redis.Redis
+) -> None:
     items = [(f"Where is order {n}?", f"order {n} ships today") for n in (11, 12, 13)]
     ids = cache.store_many(scope(tenant), items, ZERO)
     assert len(set(ids)) == 3
     for n in (11, 12, 13):
-        assert cache.lookup(scope(tenant), f"where is order {n}", ZERO).response == \
-            f"order {n} ships today"
+        assert (
+            cache.lookup(scope(tenant), f"where is order {n}", ZERO).response
+            == f"order {n} ships today"
+        )
     with pytest.raises(NonDeterministicParams):
         cache.store_many(scope(tenant), [("Where is order 14?", "x")], {"temperature": 1})
     with pytest.raises(InvalidPrompt):
@@ -350,7 +368,8 @@ def test_store_many_embeds_once_and_stores_all(cache: SemanticCache, tenant: str
 
 
 def test_a_flag_in_upper_case_hex_removes_the_entry_everywhere(
-        cache: SemanticCache, redis_client: redis.Redis, tenant: str) -> None:
+    cache: SemanticCache, redis_client: redis.Redis, tenant: str
+) -> None:
     s = scope(tenant)
     e = cache.store(s, PROMPT, ZERO, "x").entry_id
     assert cache.flag(s, e.upper()) is True

@@ -66,8 +66,9 @@ def cache(redis_client: redis.Redis, made: list[SemanticCache], **kwargs: Any) -
 
 def fill(writer: SemanticCache, scope: Scope, n: int, seed: int = 0) -> np.ndarray:
     vectors = unit(np.random.default_rng(seed).normal(size=(n, DIM)))
-    writer.store_many(scope, [(f"prompt {seed}-{i}", f"response {i}") for i in range(n)],
-                      ZERO, vectors)
+    writer.store_many(
+        scope, [(f"prompt {seed}-{i}", f"response {i}") for i in range(n)], ZERO, vectors
+    )
     return vectors
 
 
@@ -93,7 +94,8 @@ class PausedPool(IndexPool):
 
 
 def test_a_large_namespace_builds_in_the_background_and_changes_made_meanwhile_hold(
-        redis_client: redis.Redis, caches: list[SemanticCache], scope: Scope) -> None:
+    redis_client: redis.Redis, caches: list[SemanticCache], scope: Scope
+) -> None:
     writer = cache(redis_client, caches)
     vectors = fill(writer, scope, 300)
     worker = cache(redis_client, caches)
@@ -125,7 +127,8 @@ def test_a_large_namespace_builds_in_the_background_and_changes_made_meanwhile_h
 
 
 def test_a_rebuild_runs_while_the_old_index_serves(
-        redis_client: redis.Redis, caches: list[SemanticCache], scope: Scope) -> None:
+    redis_client: redis.Redis, caches: list[SemanticCache], scope: Scope
+) -> None:
     writer = cache(redis_client, caches)
     vectors = fill(writer, scope, 40)
     worker = cache(redis_client, caches)
@@ -152,7 +155,8 @@ def test_a_rebuild_runs_while_the_old_index_serves(
 
 
 def test_a_grown_flat_index_becomes_ivf_and_still_finds_every_entry(
-        redis_client: redis.Redis, caches: list[SemanticCache], scope: Scope) -> None:
+    redis_client: redis.Redis, caches: list[SemanticCache], scope: Scope
+) -> None:
     writer = cache(redis_client, caches)
     worker = cache(redis_client, caches)
     worker.pool.flat_max = 50
@@ -172,7 +176,8 @@ def test_a_grown_flat_index_becomes_ivf_and_still_finds_every_entry(
 
 
 def test_the_budget_drops_the_least_recently_used_index(
-        redis_client: redis.Redis, caches: list[SemanticCache]) -> None:
+    redis_client: redis.Redis, caches: list[SemanticCache]
+) -> None:
     worker = cache(redis_client, caches, max_index_vectors=2500)  # two small indexes
     writer = cache(redis_client, caches)
     tenant = f"t{uuid.uuid4().hex[:12]}"
@@ -187,7 +192,8 @@ def test_the_budget_drops_the_least_recently_used_index(
 
 
 def test_warm_builds_namespaces_before_any_lookup_most_recent_first_within_the_budget(
-        redis_client: redis.Redis, caches: list[SemanticCache]) -> None:
+    redis_client: redis.Redis, caches: list[SemanticCache]
+) -> None:
     writer = cache(redis_client, caches)
     tenant = f"t{uuid.uuid4().hex[:12]}"
     old, new = Scope(tenant, "bot", "v1", "t1"), Scope(tenant, "bot", "v2", "t1")
@@ -215,15 +221,20 @@ def test_events_apply_once_and_in_order() -> None:
     assert idx.live == {10} and idx.stream_id == "5-0"
     idx.apply([(b"4-9", {b"op": b"purge"}), (b"5-0", {b"op": b"purge"})])  # replayed
     assert idx.live == {10}
-    idx.apply([(b"5-1", {b"op": b"remove", b"id": b"000000000000000a"}),
-               (b"5-2", {b"op": b"add", b"id": b"000000000000000a", b"v": v})])
+    idx.apply(
+        [
+            (b"5-1", {b"op": b"remove", b"id": b"000000000000000a"}),
+            (b"5-2", {b"op": b"add", b"id": b"000000000000000a", b"v": v}),
+        ]
+    )
     assert idx.live == {10}  # removed, then added again: the stream's order
     idx.apply([(b"6-0", {b"op": b"purge"})])
     assert idx.live == set() and idx.stream_id == "6-0"
 
 
 def test_a_namespace_stream_is_read_from_the_index_position(
-        redis_client: redis.Redis, caches: list[SemanticCache], scope: Scope) -> None:
+    redis_client: redis.Redis, caches: list[SemanticCache], scope: Scope
+) -> None:
     writer = cache(redis_client, caches)
     worker = cache(redis_client, caches)
     vectors = fill(writer, scope, 3)
@@ -234,7 +245,8 @@ def test_a_namespace_stream_is_read_from_the_index_position(
 
 
 def test_an_idle_index_is_rebuilt_only_if_its_stream_lost_events(
-        redis_client: redis.Redis, caches: list[SemanticCache], scope: Scope) -> None:
+    redis_client: redis.Redis, caches: list[SemanticCache], scope: Scope
+) -> None:
     writer = cache(redis_client, caches)
     worker = cache(redis_client, caches)
     vectors = fill(writer, scope, 3)

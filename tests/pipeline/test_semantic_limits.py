@@ -58,7 +58,8 @@ def later() -> None:
 
 
 def test_a_namespace_keeps_its_newest_entries_up_to_the_limit(
-        redis_client: redis.Redis, made: list[SemanticCache], tenant: str) -> None:
+    redis_client: redis.Redis, made: list[SemanticCache], tenant: str
+) -> None:
     c = cache(redis_client, made, Limits(max_entries=5))
     reader = cache(redis_client, made, Limits())
     s = Scope(tenant, "bot", "v1", "t1")
@@ -84,7 +85,8 @@ def test_a_namespace_keeps_its_newest_entries_up_to_the_limit(
 
 
 def test_storing_a_prompt_again_makes_it_young(
-        redis_client: redis.Redis, made: list[SemanticCache], tenant: str) -> None:
+    redis_client: redis.Redis, made: list[SemanticCache], tenant: str
+) -> None:
     c = cache(redis_client, made, Limits(max_entries=2))
     s = Scope(tenant, "bot", "v1", "t1")
     store(c, s, ["first", "second"])
@@ -96,8 +98,9 @@ def test_storing_a_prompt_again_makes_it_young(
     assert kept == {f"{entry_id('first'):016x}", f"{entry_id('third'):016x}"}
 
 
-def test_a_model_can_have_its_own_limit(redis_client: redis.Redis, made: list[SemanticCache],
-                                        tenant: str) -> None:
+def test_a_model_can_have_its_own_limit(
+    redis_client: redis.Redis, made: list[SemanticCache], tenant: str
+) -> None:
     c = cache(redis_client, made, Limits(max_entries=100, max_entries_per_model={"tiny": 2}))
     tiny, big = Scope(tenant, "tiny", "v1", "t1"), Scope(tenant, "big", "v1", "t1")
     prompts = [f"question {i}" for i in range(6)]
@@ -108,7 +111,8 @@ def test_a_model_can_have_its_own_limit(redis_client: redis.Redis, made: list[Se
 
 
 def test_a_tenant_keeps_its_most_recently_stored_namespaces(
-        redis_client: redis.Redis, made: list[SemanticCache], tenant: str) -> None:
+    redis_client: redis.Redis, made: list[SemanticCache], tenant: str
+) -> None:
     c = cache(redis_client, made, Limits(max_namespaces=2))
     reader = cache(redis_client, made, Limits())
     other = f"{tenant}x"
@@ -122,8 +126,14 @@ def test_a_tenant_keeps_its_most_recently_stored_namespaces(
     vectors.append(store(c, versions[2], ["where is my order", "reset my password"]))
 
     # v1 was stored into least recently: purged in the background, every key of it.
-    assert wait_until(lambda: not list(redis_client.scan_iter(
-        match=semantic_pattern(tenant, model_version="v1", kind="e"))), timeout=10)
+    assert wait_until(
+        lambda: (
+            not list(
+                redis_client.scan_iter(match=semantic_pattern(tenant, model_version="v1", kind="e"))
+            )
+        ),
+        timeout=10,
+    )
     assert not redis_client.exists(semantic_ids_key(versions[0].namespace))
     assert semantic_registry_key(tenant) == f"sem:ns:{tenant}"  # the README's key table
     registry = {m.decode() for m in redis_client.zrange(semantic_registry_key(tenant), 0, -1)}
@@ -136,6 +146,4 @@ def test_a_tenant_keeps_its_most_recently_stored_namespaces(
     for s, v in zip(versions[1:], vectors[1:], strict=True):
         assert answer(reader, s, "where is my order", v[0]) == "answer to where is my order"
     # Another tenant's namespaces are not counted against this one.
-    assert answer(reader, Scope(other, "bot", "v1", "t1"), "theirs", mine[0]) == \
-        "answer to theirs"
-
+    assert answer(reader, Scope(other, "bot", "v1", "t1"), "theirs", mine[0]) == "answer to theirs"

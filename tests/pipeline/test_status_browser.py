@@ -31,9 +31,19 @@ from pipeline.observe.staleness import Staleness
 from pipeline.observe.status import Snapshot, StatusBoard
 from tests.conftest import fresh_version, serving
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--enable-logging=stderr",
+    "--v=0",
+    "--virtual-time-budget=5000",
+]
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +54,19 @@ def chromium() -> str:
     that the test skips, or fails under CI (CI=true), where scripts/test installs it."""
     found = shutil.which("chromium")
     if found is None and shutil.which("apt-get") and os.geteuid() == 0:
-        subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], check=False,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "chromium"],
+            check=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=900,
+        )
         found = shutil.which("chromium")
     if found is None:
-        message = ("chromium is not installed and could not be (needs root and apt-get): "
-                   "apt-get install chromium")
+        message = (
+            "chromium is not installed and could not be (needs root and apt-get): "
+            "apt-get install chromium"
+        )
         if os.environ.get("CI") == "true":
             pytest.fail(message, pytrace=False)
         pytest.skip(message)
@@ -58,8 +75,12 @@ def chromium() -> str:
 
 def run_chromium(binary: str, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     profile = tmp / f"profile-{time.monotonic_ns()}"
-    return subprocess.run([binary, *FLAGS, f"--user-data-dir={profile}", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [binary, *FLAGS, f"--user-data-dir={profile}", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def console_errors(stderr: str) -> list[str]:
@@ -68,12 +89,17 @@ def console_errors(stderr: str) -> list[str]:
 
 
 @pytest.fixture
-def served(settings: Settings, engine: Engine, redis_client: redis.Redis,
-           tenant_factory: Callable[..., SeedSummary]) -> Iterator[tuple[str, str, StatusBoard]]:
+def served(
+    settings: Settings,
+    engine: Engine,
+    redis_client: redis.Redis,
+    tenant_factory: Callable[..., SeedSummary],
+) -> Iterator[tuple[str, str, StatusBoard]]:
     """The app on a real socket (uvicorn in a thread): (base URL, API key, status board)."""
     tenant = tenant_factory(users=10, transactions=200).tenants[0]
-    local = settings.model_copy(update={"schema_version": fresh_version(),
-                                        "consumer_metrics_port": 0})
+    local = settings.model_copy(
+        update={"schema_version": fresh_version(), "consumer_metrics_port": 0}
+    )
     app = create_app(local, engine=engine, redis_client=redis_client, follow_deploys=False)
     with serving(app) as port:
         yield f"http://127.0.0.1:{port}", create_api_key(engine, tenant), app.state.status
@@ -89,14 +115,13 @@ def backfill(board: StatusBoard, minutes: int = 55) -> None:
     # Per-minute reads with a hit rate that drifts between 15% and 85%, accumulated
     # backwards from the baseline's counters.
     rates = [0.5 + 0.35 * math.sin(k / 6) for k in ks]
-    hits_after = [sum(60 * r for r in rates[i + 1:]) for i in range(len(ks))]
-    misses_after = [sum(60 * (1 - r) for r in rates[i + 1:]) for i in range(len(ks))]
+    hits_after = [sum(60 * r for r in rates[i + 1 :]) for i in range(len(ks))]
+    misses_after = [sum(60 * (1 - r) for r in rates[i + 1 :]) for i in range(len(ks))]
     points: list[Snapshot] = []
     for i, k in enumerate(ks):
         hits = {n: base.hits.get(n, 0.0) - hits_after[i] for n in names}
         misses = {n: base.misses.get(n, 0.0) - misses_after[i] for n in names}
-        ages = {n: Staleness(n, 3600, 50, 1200 + 25 * (minutes - k), 600, 0, 0)
-                for n in names}
+        ages = {n: Staleness(n, 3600, 50, 1200 + 25 * (minutes - k), 600, 0, 0) for n in names}
         lag = {n: int(400 + 300 * math.cos(k / 5)) for n in names}
         fresh = (0.12 * (minutes - k) * 100, 100.0 * (minutes - k) + 1)
         points.append(Snapshot(base.at - 60 * k, hits, misses, ages, lag, fresh))
@@ -104,8 +129,9 @@ def backfill(board: StatusBoard, minutes: int = 55) -> None:
     board.history = deque([*points, *board.history], maxlen=board.history.maxlen)
 
 
-def test_status_page_in_headless_chromium(served: tuple[str, str, StatusBoard], chromium: str,
-                                          tmp_path: Path) -> None:
+def test_status_page_in_headless_chromium(
+    served: tuple[str, str, StatusBoard], chromium: str, tmp_path: Path
+) -> None:
     url, key, board = served
     backfill(board)
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as client:
@@ -132,8 +158,14 @@ def test_status_page_in_headless_chromium(served: tuple[str, str, StatusBoard], 
     artifacts = Path(os.environ.get("FRESHLINE_TEST_ARTIFACTS", tmp_path))
     artifacts.mkdir(parents=True, exist_ok=True)
     shot = artifacts / "status.png"
-    taken = run_chromium(chromium, tmp_path, f"--screenshot={shot}",
-                         "--window-size=1280,1900", "--hide-scrollbars", f"{url}/status")
+    taken = run_chromium(
+        chromium,
+        tmp_path,
+        f"--screenshot={shot}",
+        "--window-size=1280,1900",
+        "--hide-scrollbars",
+        f"{url}/status",
+    )
     assert taken.returncode == 0 and shot.stat().st_size > 10_000, taken.stderr[-2000:]
     assert not console_errors(taken.stderr), console_errors(taken.stderr)
     print(f"status page screenshot: {shot}")

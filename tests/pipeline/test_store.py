@@ -16,8 +16,9 @@ from pipeline.core.types import EntityRef
 from pipeline.dev.seed import SeedSummary
 
 
-def _batch(values: dict[str, object], watermark: int, tenant: str = "acme",
-           entity: str = "1") -> Batch:
+def _batch(
+    values: dict[str, object], watermark: int, tenant: str = "acme", entity: str = "1"
+) -> Batch:
     full = {name: values.get(name, 0) for name in TXN_90D.field_names}
     return Batch(TXN_90D, {(tenant, entity): full}, watermark, 1_700_000_000_000)
 
@@ -61,7 +62,9 @@ def test_invalidation_leaves_a_tombstone_that_refuses_older_writes(
 
 
 def test_every_key_written_has_a_ttl(
-    redis_client: redis.Redis, engine: Engine, tenant_factory: Callable[..., SeedSummary],
+    redis_client: redis.Redis,
+    engine: Engine,
+    tenant_factory: Callable[..., SeedSummary],
     version: int,
 ) -> None:
     seeded = tenant_factory(users=60, transactions=600)
@@ -106,9 +109,16 @@ def test_entries_of_another_schema_version_are_refused(
 
 def test_entry_encoding_is_compact(redis_client: redis.Redis, version: int) -> None:
     store = FeatureStore(redis_client, version)
-    values = {"txn_count": 12, "txn_sum": 1234.56, "txn_mean": 102.88, "txn_max": 640.0,
-              "txn_std": 171.2345, "distinct_merchants": 11, "distinct_devices": 2,
-              "last_txn_at": 1_796_000_000_000}
+    values = {
+        "txn_count": 12,
+        "txn_sum": 1234.56,
+        "txn_mean": 102.88,
+        "txn_max": 640.0,
+        "txn_std": 171.2345,
+        "distinct_merchants": 11,
+        "distinct_devices": 2,
+        "last_txn_at": 1_796_000_000_000,
+    }
     store.write(_batch(values, 10**20, entity="77"))
     raw = redis_client.get(store.key(EntityRef("txn_90d", "acme", "77")))
     assert raw is not None

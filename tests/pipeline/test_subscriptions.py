@@ -48,8 +48,16 @@ DEFAULT_SILENCE_S = 1.0
 # connection: the bound is what is under test, the slack absorbs scheduling only.
 SLACK = 1.5
 
-VALUES = {"txn_count": 1, "txn_sum": 2.0, "txn_mean": 2.0, "txn_max": 2.0, "txn_std": 0.0,
-          "distinct_merchants": 1, "distinct_devices": 1, "last_txn_at": None}
+VALUES = {
+    "txn_count": 1,
+    "txn_sum": 2.0,
+    "txn_mean": 2.0,
+    "txn_max": 2.0,
+    "txn_std": 0.0,
+    "distinct_merchants": 1,
+    "distinct_devices": 1,
+    "last_txn_at": None,
+}
 
 
 def entry() -> Entry:
@@ -162,8 +170,11 @@ def address(client: redis.Redis) -> tuple[str, int, int]:
 def readers(admin: redis.Redis, hole: Forwarder) -> set[int]:
     """The forwarder's connections that Redis sees subscribed to nothing: the reads'."""
     ports = hole.ports()
-    found = {int(c["addr"].rpartition(":")[2]) for c in admin.client_list()
-             if int(c.get("sub", 0)) == 0 and int(c.get("psub", 0)) == 0}
+    found = {
+        int(c["addr"].rpartition(":")[2])
+        for c in admin.client_list()
+        if int(c.get("sub", 0)) == 0 and int(c.get("psub", 0)) == 0
+    }
     return found & ports
 
 
@@ -207,6 +218,7 @@ def invalidate(client: redis.Redis, channel: str, ref: EntityRef) -> None:
 
 # -- a half-open connection ----------------------------------------------------------------
 
+
 def login(client: redis.Redis) -> dict[str, str]:
     """The username and password ``client`` logs in with (the stack's ACL user)."""
     kwargs = client.connection_pool.connection_kwargs
@@ -215,16 +227,20 @@ def login(client: redis.Redis) -> dict[str, str]:
 
 @pytest.mark.parametrize("silence_s", [None, 0.3], ids=["default", "configured"])
 def test_a_half_open_subscription_goes_dark_within_the_silence_bound(
-        redis_client: redis.Redis, channel: str, tenant: str, silence_s: float | None) -> None:
+    redis_client: redis.Redis, channel: str, tenant: str, silence_s: float | None
+) -> None:
     bound = DEFAULT_SILENCE_S if silence_s is None else silence_s
     host, port, db = address(redis_client)
     ref = EntityRef("txn_90d", tenant, "1")
     with Forwarder(host, port) as hole:
         client = redis.Redis(host="127.0.0.1", port=hole.port, db=db, **login(redis_client))
-        tier = (LocalTier(client, max_entries=10, channel=channel, registry=UNWINDOWED)
-                if silence_s is None else
-                LocalTier(client, max_entries=10, channel=channel, silence_s=silence_s,
-                          registry=UNWINDOWED)).start()
+        tier = (
+            LocalTier(client, max_entries=10, channel=channel, registry=UNWINDOWED)
+            if silence_s is None
+            else LocalTier(
+                client, max_entries=10, channel=channel, silence_s=silence_s, registry=UNWINDOWED
+            )
+        ).start()
         try:
             assert tier.wait_live(5)
             assert tier.put(ref, entry(), tier.token())
@@ -252,11 +268,11 @@ def test_a_half_open_subscription_goes_dark_within_the_silence_bound(
             client.close()
 
 
-def test_a_quiet_healthy_subscription_stays_live(redis_client: redis.Redis,
-                                                 channel: str) -> None:
+def test_a_quiet_healthy_subscription_stays_live(redis_client: redis.Redis, channel: str) -> None:
     # No messages at all for many bounds: the heartbeats alone keep it confirmed.
-    with LocalTier(redis_client, max_entries=10, channel=channel, silence_s=0.2,
-                   registry=UNWINDOWED) as tier:
+    with LocalTier(
+        redis_client, max_entries=10, channel=channel, silence_s=0.2, registry=UNWINDOWED
+    ) as tier:
         assert tier.wait_live(5)
         assert wait_until(lambda: tier.heartbeats >= 20, timeout=10)
         assert tier.live
@@ -264,8 +280,9 @@ def test_a_quiet_healthy_subscription_stays_live(redis_client: redis.Redis,
 
 
 @pytest.fixture
-def deploy(settings: Settings, redis_client: redis.Redis) -> Iterator[tuple[Settings, Lock,
-                                                                            Pointer, int, int]]:
+def deploy(
+    settings: Settings, redis_client: redis.Redis
+) -> Iterator[tuple[Settings, Lock, Pointer, int, int]]:
     """A private pointer at version ``a`` of an in-memory lock that also knows ``b``."""
     a = 1000 + uuid.uuid4().int % 4000
     b = a + 1
@@ -290,8 +307,8 @@ def observe_refreshes(resolver: VersionResolver) -> threading.Event:
 
 
 def test_a_resolver_with_a_silent_listener_rereads_the_pointer(
-        redis_client: redis.Redis,
-        deploy: tuple[Settings, Lock, Pointer, int, int]) -> None:
+    redis_client: redis.Redis, deploy: tuple[Settings, Lock, Pointer, int, int]
+) -> None:
     settings, lock, pointer, a, b = deploy
     settings = settings.model_copy(update={"subscription_silence_ms": 300})
     flip(redis_client, settings, a, lock, pointer=pointer)
@@ -299,8 +316,7 @@ def test_a_resolver_with_a_silent_listener_rereads_the_pointer(
     with Forwarder(host, port) as hole:
         client = redis.Redis(host="127.0.0.1", port=hole.port, db=db, **login(redis_client))
         # Cached for an hour: only the deploy messages keep it current.
-        resolver = VersionResolver(client, settings, pointer=pointer, lock=lock,
-                                   max_age_s=3600)
+        resolver = VersionResolver(client, settings, pointer=pointer, lock=lock, max_age_s=3600)
         assert resolver.current() == a
         got = observe_refreshes(resolver)
         resolver.listen()
@@ -323,6 +339,7 @@ def test_a_resolver_with_a_silent_listener_rereads_the_pointer(
 
 # -- a Redis restart -----------------------------------------------------------------------
 
+
 def no_retries(url: str) -> redis.Redis:
     """A client that reports a dropped connection at once instead of retrying it.
 
@@ -335,19 +352,24 @@ def no_retries(url: str) -> redis.Redis:
 
 
 def deploy_threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate()
-            if t.name.startswith("freshline-deploy-") and t.is_alive()}
+    return {
+        t for t in threading.enumerate() if t.name.startswith("freshline-deploy-") and t.is_alive()
+    }
 
 
 def warnings_and_tracebacks(caplog: pytest.LogCaptureFixture) -> tuple[list[str], int]:
     records = [r for r in caplog.records if r.name.startswith("pipeline.")]
-    return ([r.getMessage() for r in records if r.levelno >= logging.WARNING],
-            sum(1 for r in records if r.exc_info))
+    return (
+        [r.getMessage() for r in records if r.levelno >= logging.WARNING],
+        sum(1 for r in records if r.exc_info),
+    )
 
 
 def test_the_deploy_listener_survives_a_redis_restart(
-        private_redis: PrivateRedis, deploy: tuple[Settings, Lock, Pointer, int, int],
-        thread_errors: list[threading.ExceptHookArgs], caplog: pytest.LogCaptureFixture,
+    private_redis: PrivateRedis,
+    deploy: tuple[Settings, Lock, Pointer, int, int],
+    thread_errors: list[threading.ExceptHookArgs],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     url, stop, start = private_redis
     settings, lock, pointer, a, b = deploy
@@ -383,8 +405,11 @@ def test_the_deploy_listener_survives_a_redis_restart(
 
 
 def test_the_local_tier_survives_a_redis_restart(
-        private_redis: PrivateRedis, channel: str, tenant: str,
-        thread_errors: list[threading.ExceptHookArgs], caplog: pytest.LogCaptureFixture,
+    private_redis: PrivateRedis,
+    channel: str,
+    tenant: str,
+    thread_errors: list[threading.ExceptHookArgs],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     url, stop, start = private_redis
     admin = redis.Redis.from_url(url)
@@ -416,13 +441,24 @@ def test_the_local_tier_survives_a_redis_restart(
 
 
 def test_the_api_keeps_both_subscriptions_through_a_redis_restart(
-        private_redis: PrivateRedis, settings: Settings, engine: Engine,
-        thread_errors: list[threading.ExceptHookArgs]) -> None:
+    private_redis: PrivateRedis,
+    settings: Settings,
+    engine: Engine,
+    thread_errors: list[threading.ExceptHookArgs],
+) -> None:
     url, stop, start = private_redis
     client = no_retries(url)
-    app = create_app(settings.model_copy(update={
-        "redis_url": url, "local_cache_size": 10, "subscription_silence_ms": 400,
-    }), engine=engine, redis_client=client)
+    app = create_app(
+        settings.model_copy(
+            update={
+                "redis_url": url,
+                "local_cache_size": 10,
+                "subscription_silence_ms": 400,
+            }
+        ),
+        engine=engine,
+        redis_client=client,
+    )
     try:
         with running(app):
             local: LocalTier = app.state.services.reader.local
@@ -441,7 +477,8 @@ def test_the_api_keeps_both_subscriptions_through_a_redis_restart(
 
 
 def test_the_setting_defaults_to_one_second_and_is_read_from_the_environment(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert Settings().subscription_silence_ms == DEFAULT_SILENCE_S * 1000
     monkeypatch.setenv("FRESHLINE_SUBSCRIPTION_SILENCE_MS", "250")
     assert Settings().subscription_silence_ms == 250

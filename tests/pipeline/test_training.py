@@ -20,7 +20,9 @@ from pipeline.inference.training import (
 
 
 def test_the_example_model_trains_on_seeded_features_and_serves_through_the_cache(
-    engine: Engine, redis_client: redis.Redis, tenant_factory: Callable[..., SeedSummary],
+    engine: Engine,
+    redis_client: redis.Redis,
+    tenant_factory: Callable[..., SeedSummary],
     tmp_path: Path,
 ) -> None:
     tenant = tenant_factory(users=300, transactions=12000).tenants[0]

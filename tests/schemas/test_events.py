@@ -24,8 +24,11 @@ def load(topic: str) -> dict[str, Any]:
 
 
 def required_fields(model: type[DomainEvent]) -> set[str]:
-    return {f.name for f in dataclasses.fields(model)
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    return {
+        f.name
+        for f in dataclasses.fields(model)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
 
 
 def test_one_schema_file_per_domain_topic() -> None:
@@ -51,8 +54,7 @@ def test_schema_shape(topic: str) -> None:
     assert schema["title"] == topic
     assert set(schema["required"]) <= set(schema["properties"])
     props = schema["properties"]
-    assert props["occurred_at"] == {**props["occurred_at"], "type": "string",
-                                    "format": "date-time"}
+    assert props["occurred_at"] == {**props["occurred_at"], "type": "string", "format": "date-time"}
     assert props["version"]["type"] == "integer"
 
 
