@@ -351,7 +351,7 @@ def _heaviest_user_cost(ctx: common.Context, tenant: str) -> dict[str, Any]:
     import sqlalchemy as sa
 
     from pipeline.cache.recompute import compute
-    from pipeline.core.features import REGISTRY
+    from pipeline.core.repository import REGISTRY
 
     with ctx.engine.connect() as conn:
         user, count = conn.execute(

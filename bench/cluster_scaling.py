@@ -65,7 +65,7 @@ def _worker(
 ) -> None:
     from pipeline.cache.recompute import Batch
     from pipeline.cache.store import FeatureStore
-    from pipeline.core.features import REGISTRY
+    from pipeline.core.repository import REGISTRY
     from pipeline.core.services import redis_client
     from pipeline.core.settings import Settings
     from pipeline.core.types import EntityRef

@@ -34,9 +34,9 @@ from pipeline.cache.readthrough import ReadThrough
 from pipeline.cache.store import FeatureStore
 from pipeline.cache.versions import Pointer, VersionResolver
 from pipeline.core.codec import encode_entry
-from pipeline.core.features import REGISTRY
 from pipeline.core.keys import feature_key
 from pipeline.core.lock import Lock, LockedSet
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef
 from pipeline.deploy.pointer import flip, start
 from pipeline.deploy.warm import warm

@@ -38,7 +38,7 @@ import sqlalchemy as sa
 from bench import common
 from pipeline.cache import incremental
 from pipeline.cache.recompute import compute
-from pipeline.core.features import REGISTRY
+from pipeline.core.repository import REGISTRY
 
 TRIGGERS = ("txn_buckets_insert", "txn_buckets_update", "txn_buckets_delete")
 _COLUMNS = "user_id, amount, currency, merchant_id, device_id, ip, status, created_at, updated_at"

@@ -23,7 +23,8 @@ import numpy as np
 from bench import common
 from pipeline.cache.local import LocalTier
 from pipeline.cache.store import TTL_JITTER
-from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.features import Registry
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef, Entry
 
 FEATURE_SET = "txn_90d"

@@ -24,7 +24,7 @@ import orjson
 from bench import common
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
-from pipeline.core.features import REGISTRY
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef
 
 

@@ -35,7 +35,7 @@ from pipeline.cache.client import FeatureClient
 from pipeline.cache.local import LocalTier
 from pipeline.cache.store import FeatureStore
 from pipeline.core.codec import decode_entry
-from pipeline.core.features import REGISTRY
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef
 from pipeline.dev.tools import require
 

@@ -23,7 +23,8 @@ from bench import common
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
-from pipeline.core.features import REGISTRY, FeatureSet
+from pipeline.core.features import FeatureSet
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef
 
 BATCH = 500

@@ -24,8 +24,8 @@ from bench import common
 from pipeline.cache.recompute import Batch, compute
 from pipeline.cache.store import _WRITE_LUA, FeatureStore, jittered_ttl_ms
 from pipeline.core.codec import encode_entry
-from pipeline.core.features import REGISTRY
 from pipeline.core.keys import feature_key, lease_key
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef
 
 BATCH = 500

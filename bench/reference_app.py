@@ -110,7 +110,7 @@ def _decoding_routes(client: Any, prefix: str, version: int) -> tuple[Any, Any]:
 
     from pipeline.core.clock import now_ms
     from pipeline.core.codec import decode_rows
-    from pipeline.core.features import REGISTRY
+    from pipeline.core.repository import REGISTRY
 
     fields = REGISTRY[FEATURE_SET].field_names
     floor = f"floor:{version}:{FEATURE_SET}"
@@ -427,7 +427,7 @@ def prepared(ctx: common.Context) -> tuple[int, str, str, list[int]]:
     from pipeline.api.auth import create_api_key
     from pipeline.cache.recompute import compute
     from pipeline.cache.store import FeatureStore
-    from pipeline.core.features import REGISTRY
+    from pipeline.core.repository import REGISTRY
 
     data = ctx.dataset()
     version = ctx.schema_version()

@@ -25,7 +25,7 @@ from sqlalchemy.engine import make_url
 
 from bench import common
 from pipeline.cache.recompute import compute
-from pipeline.core.features import REGISTRY
+from pipeline.core.repository import REGISTRY
 
 BATCH = 500
 TABLES = (

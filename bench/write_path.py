@@ -51,8 +51,8 @@ from consumers.worker import Worker
 from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
-from pipeline.core.features import REGISTRY
 from pipeline.core.keys import INVALIDATION_CHANNEL
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.topics import TRANSACTION_UPDATED, logical, qualified
 

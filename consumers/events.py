@@ -18,12 +18,15 @@ Every tenant and entity id in a returned event's ``row`` and ``before`` has pass
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
 
 import orjson
 
 from pipeline.core.errors import FreshlineError, InvalidId
+from pipeline.core.features import Entity, Registry
 from pipeline.core.keys import validate_id
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.topics import CDC_TOPIC_PATTERN, DOMAIN_TOPICS, TRANSACTION_CREATED
 from pipeline.core.types import ChangeEvent, Op
@@ -47,15 +50,35 @@ DOMAIN_MODELS: dict[str, type[DomainEvent]] = {
 }
 """The model each domain-event topic's JSON is parsed with."""
 
-ID_COLUMNS: dict[str, tuple[str, ...]] = {
-    "tenants": ("id",),
-    "users": ("tenant_id", "id"),
-    "transactions": ("tenant_id", "id", "user_id", "device_id"),
-    "devices": ("tenant_id", "id"),
-    "user_devices": ("tenant_id", "user_id", "device_id"),
-    "geoip": (),
-}
-"""The known source tables and the id columns of each that may reach a key."""
+
+@dataclass(frozen=True, slots=True)
+class TableIds:
+    """What of one source table's rows may reach a key: its tenant column, and the
+    columns holding entity keys, each with the entity whose type checks it."""
+
+    tenant: str | None
+    keys: tuple[tuple[str, Entity], ...]
+
+
+_tables: dict[int, dict[str, TableIds]] = {}
+
+
+def table_ids(registry: Registry = REGISTRY) -> dict[str, TableIds]:
+    """The source tables of ``registry`` (the active repository's) and their id columns."""
+    cached = _tables.get(id(registry._sets))
+    if cached is not None:
+        return cached
+    found: dict[str, TableIds] = {}
+    for table in sorted({s.table for fs in registry for s in fs.sources}):
+        pairs = registry.affected_by(table)
+        tenants = {s.tenant for _, s in pairs if s.tenant}
+        keys = {c: fs.entity for fs, s in pairs for c in s.entity_columns}
+        found[table] = TableIds(
+            tenants.pop() if len(tenants) == 1 else None, tuple(sorted(keys.items()))
+        )
+    _tables[id(registry._sets)] = found
+    return found
+
 
 _OPS: frozenset[str] = frozenset(get_args(Op))
 
@@ -152,7 +175,8 @@ def _debezium_event(topic_table: str, obj: dict[str, Any]) -> ChangeEvent | None
         raise EventRejected("'source' is not a JSON object", kind="invalid_field")
     # source.table is the truth when present: a topic-routing SMT may rename topics.
     table = source.get("table") or topic_table
-    if not isinstance(table, str) or table not in ID_COLUMNS:
+    ids = table_ids().get(table) if isinstance(table, str) else None
+    if ids is None:
         raise EventRejected(
             f"table {table!r} is not a freshline source table", kind="unknown_table"
         )
@@ -170,8 +194,8 @@ def _debezium_event(topic_table: str, obj: dict[str, Any]) -> ChangeEvent | None
             committed_at_ms=committed_at_ms,
             txid=txid,
         )
-    before = _row(payload, "before", table)
-    after = _row(payload, "after", table)
+    before = _row(payload, "before", table, ids)
+    after = _row(payload, "after", table, ids)
     if op == "d":
         if before is None:
             raise EventRejected("delete envelope has no 'before'", kind="missing_field")
@@ -183,7 +207,7 @@ def _debezium_event(topic_table: str, obj: dict[str, Any]) -> ChangeEvent | None
     return ChangeEvent(
         table=table,
         op=cast(Op, op),
-        tenant=_tenant(table, row),
+        tenant=_tenant(table, row, ids),
         row=row,
         before=before,
         watermark=watermark,
@@ -192,26 +216,28 @@ def _debezium_event(topic_table: str, obj: dict[str, Any]) -> ChangeEvent | None
     )
 
 
-def _row(payload: dict[str, Any], name: str, table: str) -> dict[str, Any] | None:
+def _row(payload: dict[str, Any], name: str, table: str, ids: TableIds) -> dict[str, Any] | None:
     row = payload.get(name)
     if row is None:
         return None
     if not isinstance(row, dict):
         raise EventRejected(f"'{name}' is not a JSON object", kind="invalid_field")
-    for column in ID_COLUMNS[table]:
-        value = row.get(column)
-        if value is not None:
-            try:
-                validate_id(f"{table}.{column}", value)
-            except InvalidId as exc:
-                raise EventRejected(f"{name}.{column}: {exc.reason}", kind="invalid_id") from exc
+    column = ids.tenant
+    try:
+        if column is not None and row.get(column) is not None:
+            validate_id(f"{table}.{column}", row[column])
+        for column, entity in ids.keys:
+            if row.get(column) is not None:
+                entity.validate(row[column])
+    except InvalidId as exc:
+        raise EventRejected(f"{name}.{column}: {exc.reason}", kind="invalid_id") from exc
     return row
 
 
-def _tenant(table: str, row: Mapping[str, Any]) -> str | None:
-    if table == "geoip":
+def _tenant(table: str, row: Mapping[str, Any], ids: TableIds) -> str | None:
+    column = ids.tenant
+    if column is None:
         return None
-    column = "id" if table == "tenants" else "tenant_id"
     tenant = row.get(column)
     if tenant is None:
         raise EventRejected(f"{table} row has no {column!r}", kind="missing_field")

@@ -34,8 +34,9 @@ from pipeline.cache.invalidation import ALL, Invalidation
 from pipeline.cache.recompute import compute, take_snapshot
 from pipeline.cache.store import FeatureStore, WriteResult
 from pipeline.core.cluster import is_cluster, publish
-from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.features import Registry
 from pipeline.core.keys import INVALIDATION_CHANNEL
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import ChangeEvent, EntityRef
 
 

@@ -1,11 +1,12 @@
 """Routing: which (feature set, tenant, entity) entries a change affects.
 
 A change reaches a feature set through the set's :class:`~pipeline.core.features.Source`
-for the changed table: directly, through columns that hold a user id (the old and
-the new value both, so a row that moves between users affects both), or through a
-reverse-lookup query (a changed device affects every user of it; a changed geoip
-range every user with a transaction from an IP in it). Identical lookups within one
-batch run once.
+for the changed table: directly, through columns that hold an entity's key (the old
+and the new value both, so a row that moves between entities affects both), or through
+a reverse-lookup query that returns the affected entities' key columns, tenant first
+(in the fraud example, a changed device affects every user of it). Identical lookups
+within one batch run once. In a single-tenant repository every entity is of
+:data:`~pipeline.core.features.IMPLICIT_TENANT`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from pipeline.core.errors import FreshlineError, InvalidId
-from pipeline.core.features import REGISTRY, Registry, Source
+from pipeline.core.features import IMPLICIT_TENANT, Entity, Registry, Source
 from pipeline.core.keys import validate_id
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import ChangeEvent
 
 Targets = dict[str, set[tuple[str, str]]]
@@ -30,14 +32,14 @@ class Unroutable(FreshlineError):
     """A change that cannot be mapped to entities (a TRUNCATE, say)."""
 
 
-def _user_ids(row: Mapping[str, Any] | None, columns: Iterable[str]) -> list[str]:
+def _entity_ids(row: Mapping[str, Any] | None, columns: Iterable[str], entity: Entity) -> list[str]:
     if not row:
         return []
     found = []
     for column in columns:
         value = row.get(column)
         if value is not None:
-            found.append(validate_id("entity", value))
+            found.append(entity.validate(value))
     return found
 
 
@@ -65,12 +67,15 @@ class Router:
             if event.op == "t":
                 raise Unroutable(f"TRUNCATE of {event.table} cannot be routed to entities")
             for fs, source in self.registry.affected_by(event.table):
-                if source.user_columns:
-                    if event.tenant is None:
-                        raise InvalidId("tenant", None, f"a {event.table} change needs tenant_id")
+                if source.entity_columns:
+                    tenant = event.tenant if fs.entity.tenant else IMPLICIT_TENANT
+                    if tenant is None:
+                        raise InvalidId(
+                            "tenant", None, f"a {event.table} change needs {source.tenant}"
+                        )
                     for row in (event.row, event.before):
-                        for user in _user_ids(row, source.user_columns):
-                            targets[fs.name].add((event.tenant, user))
+                        for key in _entity_ids(row, source.entity_columns, fs.entity):
+                            targets[fs.name].add((tenant, key))
                 if source.reverse:
                     _, names = self._compile(source)
                     for row in (event.row, event.before):
@@ -79,8 +84,14 @@ class Router:
                             lookups[(fs.name, source.reverse, params)] = None
         for fs_name, sql, params in lookups:
             statement, names = self._statements[sql]
-            for tenant, user in conn.execute(statement, dict(zip(names, params, strict=True))):
-                targets[fs_name].add((tenant, str(user)))
+            entity = self.registry[fs_name].entity
+            for found in conn.execute(statement, dict(zip(names, params, strict=True))):
+                if entity.tenant:
+                    targets[fs_name].add(
+                        (validate_id("tenant", found[0]), entity.validate(found[1]))
+                    )
+                else:
+                    targets[fs_name].add((IMPLICIT_TENANT, entity.validate(found[0])))
         return dict(targets)
 
     def _compile(self, source: Source) -> tuple[sa.TextClause, tuple[str, ...]]:

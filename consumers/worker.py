@@ -56,7 +56,7 @@ from pipeline.cache.store import check_eviction_policy
 from pipeline.cache.versions import WriteVersions
 from pipeline.core.db import make_engine
 from pipeline.core.errors import FreshlineError
-from pipeline.core.features import REGISTRY
+from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.topics import DLQ, INVALIDATIONS, logical, qualified

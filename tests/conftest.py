@@ -31,7 +31,8 @@ from sqlalchemy.engine import Engine, make_url
 
 import migrations
 from pipeline.core.db import make_engine
-from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.features import Registry
+from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client as make_redis_client
 from pipeline.core.settings import Settings
 from pipeline.dev.seed import SeedSummary, seed
@@ -78,6 +79,9 @@ def act_as_operator() -> None:
 
 load_stack_env()
 act_as_operator()
+# The tests run on the fraud example's repository unless told otherwise; the freshline
+# processes they start inherit it.
+os.environ.setdefault("FRESHLINE_REPO", str(ROOT / "examples" / "fraud"))
 
 # One database per test session, so sessions running side by side never collide.
 TEST_DB = os.environ.get("FRESHLINE_TEST_DB", f"freshline_test_{os.getpid()}")

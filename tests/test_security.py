@@ -37,8 +37,8 @@ from pipeline.cache.store import FeatureStore
 from pipeline.cdc.connect import ConnectClient, connector_config, drop_slot, names
 from pipeline.core.db import make_engine
 from pipeline.core.errors import ServiceUnavailable
-from pipeline.core.features import REGISTRY
 from pipeline.core.keys import ACTIVE_SCHEMA_KEY, INVALIDATION_CHANNEL, feature_key
+from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef

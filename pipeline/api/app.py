@@ -31,7 +31,8 @@ from pipeline.cache.store import FeatureStore, check_eviction_policy
 from pipeline.cache.versions import VersionResolver
 from pipeline.core.cluster import is_cluster
 from pipeline.core.db import make_engine
-from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.features import Registry
+from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client as make_redis_client
 from pipeline.core.settings import Settings, load_settings
 from pipeline.inference.models import ModelRegistry

@@ -17,7 +17,8 @@ import redis
 
 from pipeline.cache.store import FeatureStore
 from pipeline.core.codec import parse_watermark
-from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.features import Registry
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef, Entry, FeatureValues, Item, LazyRefs
 
 if TYPE_CHECKING:

@@ -48,8 +48,9 @@ from pipeline.cache.store import TTL_JITTER
 from pipeline.cache.subscription import DEFAULT_SILENCE_S, Subscription
 from pipeline.core.clock import now_ms
 from pipeline.core.errors import FreshlineError
-from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.features import Registry
 from pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef, Entry
 
 log = logging.getLogger(__name__)

@@ -46,9 +46,17 @@ from typing import TYPE_CHECKING, Literal
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.cache.recompute import Batch, Position, compute, primary_position, replayed_lsn
+from pipeline.cache.recompute import (
+    Batch,
+    Position,
+    compute,
+    entity_ids,
+    primary_position,
+    replayed_lsn,
+)
 from pipeline.cache.store import LEASE_BUSY, LEASE_FOUND, LEASE_GRANTED, FeatureStore
 from pipeline.core.clock import now_ms
+from pipeline.core.features import IMPLICIT_TENANT, Entity
 from pipeline.core.types import EntityRef, Entry, FeatureValues
 
 if TYPE_CHECKING:
@@ -78,24 +86,33 @@ class Result:
         return self.source in ("hit", "waited")
 
 
-def existing_entities(engine: Engine, refs: Sequence[EntityRef]) -> set[tuple[str, str]]:
-    """The ``(tenant, entity)`` pairs of ``refs`` that are rows of ``users``.
+def existing_entities(
+    engine: Engine, entity: Entity, refs: Sequence[EntityRef]
+) -> set[tuple[str, str]]:
+    """The ``(tenant, entity)`` pairs of ``refs`` that are rows of the entity's table
+    (:attr:`Entity.table`; in the fraud example, ``users``), all of them if it has none.
 
     A read-through stores only these: an id with no source row would otherwise cost
     a full-TTL entry of empty features, and anyone with a key could fill Redis with
     them. One indexed query per computed group; the lease still guards the race with
-    a user created or deleted meanwhile (its change event revokes the lease).
+    an entity created or deleted meanwhile (its change event revokes the lease).
     """
     pairs = {(r.tenant, r.entity) for r in refs}
-    if not pairs:
-        return set()
-    statement = sa.text(
-        "SELECT u.tenant_id, u.id::text FROM users u "
-        "JOIN unnest(CAST(:tenants AS text[]), CAST(:ids AS bigint[])) AS k(tenant_id, id) "
-        "ON u.tenant_id = k.tenant_id AND u.id = k.id"
-    )
-    tenants = [t for t, _ in pairs]
-    ids = [int(e) for _, e in pairs]
+    if not pairs or entity.table is None:
+        return pairs
+    tenants, ids = entity_ids(pairs, entity)
+    column = entity.table_key or entity.key
+    if entity.tenant:
+        statement = sa.text(
+            f"SELECT e.{entity.tenant}, e.{column}::text FROM {entity.table} e "
+            f"JOIN unnest(CAST(:tenants AS text[]), CAST(:ids AS {entity.type}[])) AS k(t, id) "
+            f"ON e.{entity.tenant} = k.t AND e.{column} = k.id"
+        )
+    else:
+        statement = sa.text(
+            f"SELECT '{IMPLICIT_TENANT}', e.{column}::text FROM {entity.table} e "
+            f"WHERE e.{column} = ANY(CAST(:ids AS {entity.type}[]))"
+        )
     with engine.connect() as conn:
         return {(t, e) for t, e in conn.execute(statement, {"tenants": tenants, "ids": ids})}
 
@@ -315,7 +332,7 @@ class ReadThrough:
                 self.counters.uncached += len(group)
                 answers.update(self._from_batch(batch, group, "uncached"))
                 continue
-            known = existing_entities(self.engine, group)
+            known = existing_entities(self.engine, self.store.registry[name].entity, group)
             filled = [r for r in group if (r.tenant, r.entity) in known]
             unknown = [r for r in group if (r.tenant, r.entity) not in known]
             written = self.store.fill(batch, token, filled)

@@ -62,7 +62,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from pipeline.cache.incremental import query_text
 from pipeline.core.errors import FreshlineError, InvalidId
-from pipeline.core.features import FeatureSet, Path
+from pipeline.core.features import IMPLICIT_TENANT, Entity, FeatureSet, Path
 from pipeline.core.keys import validate_id
 from pipeline.core.types import FeatureValues, Watermark
 
@@ -208,19 +208,23 @@ class Batch:
     next change with time alone (epoch ms, Postgres's clock, as ``computed_at_ms``)."""
 
 
-def entity_ids(refs: Iterable[tuple[str, str]]) -> tuple[list[str], list[int]]:
-    """Validate and split (tenant, entity) pairs into the query's parallel arrays."""
+def entity_ids(
+    refs: Iterable[tuple[str, str]], entity: Entity
+) -> tuple[list[str], list[int | str]]:
+    """Validate and split (tenant, entity) pairs into the query's parallel arrays: each
+    id checked as a key of ``entity``'s type (:meth:`Entity.validate`)."""
     tenants: list[str] = []
-    ids: list[int] = []
-    for tenant, entity in dict.fromkeys(refs):
+    ids: list[int | str] = []
+    for tenant, key in dict.fromkeys(refs):
         validate_id("tenant", tenant)
-        text = validate_id("entity", entity)
-        if not text.isdigit() or len(text) > 18 or (len(text) > 1 and text[0] == "0"):
+        if entity.tenant is None and tenant != IMPLICIT_TENANT:
             raise InvalidId(
-                "entity", entity, "a user id is a non-negative integer without leading zeros"
+                "tenant",
+                tenant,
+                f"the repository is single-tenant (its tenant is {IMPLICIT_TENANT!r})",
             )
         tenants.append(tenant)
-        ids.append(int(text))
+        ids.append(entity.param(entity.validate(key)))
     return tenants, ids
 
 
@@ -250,7 +254,7 @@ def compute(
     of :mod:`pipeline.cache.incremental`, same values), or None for the feature set's
     own ``path``.
     """
-    tenants, ids = entity_ids(refs)
+    tenants, ids = entity_ids(refs, feature_set.entity)
     if isinstance(db, Connection):
         return _compute(db, feature_set, tenants, ids, as_of, txids, path)
     with db.connect() as conn:
@@ -274,7 +278,7 @@ def _compute(
     conn: Connection,
     fs: FeatureSet,
     tenants: list[str],
-    ids: list[int],
+    ids: list[int | str],
     as_of: dt.datetime | None,
     txids: Iterable[int],
     path: Path | None,
@@ -288,12 +292,14 @@ def _compute(
     values: dict[tuple[str, str], FeatureValues] = {}
     valid_until: dict[tuple[str, str], int] = {}
     names = fs.field_names
-    end = 5 + len(names)
+    tenanted = fs.entity.tenant is not None  # else: the key alone, of the one tenant
+    start = 5 if tenanted else 4
+    end = start + len(names)
     for row in rows:
         if row[3] is None:  # the LEFT JOIN's row when no entity has features
             continue
-        key = (row[3], str(row[4]))
-        values[key] = {name: _jsonable(v) for name, v in zip(names, row[5:end], strict=True)}
+        key = (row[3], str(row[4])) if tenanted else (IMPLICIT_TENANT, str(row[3]))
+        values[key] = {name: _jsonable(v) for name, v in zip(names, row[start:end], strict=True)}
         if fs.horizon is not None and row[end] is not None:
             valid_until[key] = _jsonable(row[end])
     return Batch(fs, values, snap.watermark, snap.now_ms, valid_until)

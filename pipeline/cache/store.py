@@ -60,7 +60,7 @@ from pipeline.core.codec import (
     watermark_hex,
 )
 from pipeline.core.errors import ConfigError
-from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.features import Registry
 from pipeline.core.keys import (
     feature_key,
     feature_keys,
@@ -69,6 +69,7 @@ from pipeline.core.keys import (
     item_keys,
     lease_key,
 )
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef, Entry, Item, Watermark, text
 
 # KEYS[1] entry, KEYS[2] lease, KEYS[3] floor; ARGV[1] encoded entry or tombstone,

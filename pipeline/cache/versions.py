@@ -18,7 +18,7 @@ import redis
 
 from pipeline.cache.subscription import Subscription
 from pipeline.core.errors import DeployError
-from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.features import Registry
 from pipeline.core.keys import (
     ACTIVE_SCHEMA_KEY,
     DEPLOY_CHANNEL,
@@ -27,6 +27,7 @@ from pipeline.core.keys import (
     RETIRED_SCHEMA_KEY,
 )
 from pipeline.core.lock import Lock
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import text
 

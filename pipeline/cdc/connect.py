@@ -24,8 +24,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
 from pipeline.core.errors import FreshlineError
-from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.features import Registry
 from pipeline.core.http import fetch
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings, redact
 from pipeline.core.topics import CDC_PREFIX, qualified
 

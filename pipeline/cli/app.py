@@ -6,6 +6,7 @@ other; :mod:`pipeline.cli.app` registers them all the same way, through ``regist
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,6 +27,21 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+
+@app.callback()
+def _options(
+    repo: str | None = typer.Option(
+        None,
+        "--repo",
+        metavar="DIRECTORY",
+        help="The feature repository (default: FRESHLINE_REPO, else the current directory)",
+    ),
+) -> None:
+    """Fresh, versioned ML features in Redis, driven by change events."""
+    if repo:
+        os.environ["FRESHLINE_REPO"] = repo  # the processes a command starts inherit it
+
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False)

@@ -228,9 +228,9 @@ def audit(
 
     from pipeline.cache.versions import state
     from pipeline.core.db import make_engine
-    from pipeline.core.features import REGISTRY
     from pipeline.core.keys import parse_feature_key
     from pipeline.core.lock import Lock
+    from pipeline.core.repository import REGISTRY
     from pipeline.core.settings import load_settings
     from pipeline.observe.audit import Auditor
     from pipeline.observe.audit_metrics import audit_metrics

@@ -16,10 +16,12 @@ import typer
 from rich.progress import TaskID
 
 from pipeline.cli.app import console, out, progress_bar
-from pipeline.core.lock import LOCK_PATH
+from pipeline.core.lock import lock_path as repository_lock
 from pipeline.core.services import redis_client
 
-LockOption = Annotated[Path, typer.Option("--lock", help="The lock file")]
+LockOption = Annotated[
+    Path | None, typer.Option("--lock", help="The lock file (default: the repository's)")
+]
 
 deploy_app = typer.Typer(help="Move readers to another schema version.", no_args_is_help=True)
 
@@ -29,7 +31,7 @@ def check(
         bool,
         typer.Option("--update-lock", help="Add FRESHLINE_SCHEMA_VERSION to the lock if it is new"),
     ] = False,
-    lock_path: LockOption = LOCK_PATH,
+    lock_path: LockOption = None,
 ) -> None:
     """Refuse feature definitions that changed without a FRESHLINE_SCHEMA_VERSION bump."""
     from pipeline.core.lock import Lock, update
@@ -37,6 +39,7 @@ def check(
     from pipeline.core.settings import load_settings
 
     version = load_settings().schema_version
+    lock_path = lock_path or repository_lock()
     lock = Lock.load(lock_path)
     if update_lock:
         if update(lock, version):
@@ -74,7 +77,7 @@ def warm(
         float | None, typer.Option("--rate", min=1, help="At most this many entities per second")
     ] = 2000.0,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=10000)] = 500,
-    lock_path: LockOption = LOCK_PATH,
+    lock_path: LockOption = None,
 ) -> None:
     """Materialize a schema version before flipping to it (marks it next first)."""
 
@@ -82,8 +85,8 @@ def warm(
     from pipeline.cache.store import check_eviction_policy
     from pipeline.cache.versions import WRITE_VERSIONS_MAX_AGE_S, state
     from pipeline.core.db import make_engine
-    from pipeline.core.features import REGISTRY
     from pipeline.core.lock import Lock
+    from pipeline.core.repository import REGISTRY
     from pipeline.core.settings import load_settings
     from pipeline.deploy.pointer import start
     from pipeline.deploy.warm import active_users, count_active_users, tenant_ids
@@ -95,6 +98,7 @@ def warm(
     client = redis_client(settings)
     check_eviction_policy(client)
     engine = make_engine(settings)
+    lock_path = lock_path or repository_lock()
     lock = Lock.load(lock_path)
     names = feature_set or REGISTRY.names()
     for name in names:
@@ -135,7 +139,7 @@ def warm(
 
 @deploy_app.command("start")
 def deploy_start(
-    version: Annotated[int, typer.Argument(min=1)], lock_path: LockOption = LOCK_PATH
+    version: Annotated[int, typer.Argument(min=1)], lock_path: LockOption = None
 ) -> None:
     """Mark a version next: consumers write it alongside the active one."""
     _pointer_command("start", version, lock_path)
@@ -143,25 +147,25 @@ def deploy_start(
 
 @deploy_app.command("flip")
 def deploy_flip(
-    version: Annotated[int, typer.Argument(min=1)], lock_path: LockOption = LOCK_PATH
+    version: Annotated[int, typer.Argument(min=1)], lock_path: LockOption = None
 ) -> None:
     """Make a version active, atomically; readers follow without a restart."""
     _pointer_command("flip", version, lock_path)
 
 
 @deploy_app.command("cancel")
-def deploy_cancel(lock_path: LockOption = LOCK_PATH) -> None:
+def deploy_cancel(lock_path: LockOption = None) -> None:
     """Forget the next version; its keys expire by TTL."""
     _pointer_command("cancel", None, lock_path)
 
 
 @deploy_app.command("status")
-def deploy_status(lock_path: LockOption = LOCK_PATH) -> None:
+def deploy_status(lock_path: LockOption = None) -> None:
     """The active and next schema versions and the locked ones."""
     _pointer_command("status", None, lock_path)
 
 
-def _pointer_command(action: str, version: int | None, lock_path: Path) -> None:
+def _pointer_command(action: str, version: int | None, lock_path: Path | None) -> None:
 
     from pipeline.cache.versions import state
     from pipeline.core.lock import Lock
@@ -170,6 +174,7 @@ def _pointer_command(action: str, version: int | None, lock_path: Path) -> None:
 
     settings = load_settings()
     client = redis_client(settings)
+    lock_path = lock_path or repository_lock()
     lock = Lock.load(lock_path)
     if action == "start" and version is not None:
         start(client, settings, version, lock)

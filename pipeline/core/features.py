@@ -1,60 +1,193 @@
-"""The feature-set registry: what each set computes, from what, and who it affects.
+"""Feature definitions: entities, the tables that change them, and feature sets.
 
-A :class:`FeatureSet` is declarative. It names its entity (always a user here), its
-fields and their types, its TTL, one set-based SQL query that computes the features
-for a whole batch of entities in one round trip, and its sources: the tables (and
-so the Debezium topics and domain events) whose changes affect it, each with the way
-a changed row maps to the affected entities, either directly through a column or
-through a reverse-lookup query.
+These are the classes a feature repository declares with (``freshline``, the top-level
+package, exports them; :mod:`pipeline.core.repository` loads a repository):
 
-The batch queries take two parallel arrays, ``:tenants`` and ``:ids``, unnested into
-the key set ``k(tenant_id, user_id)``, and ``:as_of`` (NULL means ``now()``); they
-return one row per key, in no particular order, starting with ``tenant_id, user_id``
-and then the fields in declared order.
+* an :class:`Entity` names its key column and the key's type (``bigint``, ``text`` or
+  ``uuid``, each validated before an id reaches a key), and optionally a tenant column
+  (without one the repository is single-tenant: one implicit tenant) and the table whose
+  rows are the entities;
+* a :class:`Table` says how a changed row reaches entities: through a column holding the
+  entity's key (the old and the new value both), or through a reverse-lookup query;
+* a :class:`FeatureSet` is one set-based SQL query that computes its fields for a whole
+  batch of keys in one round trip, with a TTL, the tables it reads, and optionally a
+  horizon and an incremental path.
+
+A feature query reads the batch from the relation ``keys`` (also named ``k``), whose
+columns are the entity's tenant column (if it has one) and key column, and the moment it
+computes for from ``t(as_of)`` (``:as_of``, or the transaction's ``now()``). It returns
+one row per key, in no particular order: the tenant column (if any), the key, then the
+fields in declared order.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
+import sys
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from dataclasses import InitVar, dataclass, field, replace
+from typing import Any, Literal
 
 import orjson
 import sqlalchemy as sa
 
-from pipeline.core.errors import ConfigError, UnknownFeatureSet
+from pipeline.core.errors import ConfigError, InvalidId, UnknownFeatureSet
 
 FieldType = Literal["int", "float", "bool", "str", "timestamp"]
+FIELD_TYPES: tuple[FieldType, ...] = ("int", "float", "bool", "str", "timestamp")
+KeyType = Literal["bigint", "text", "uuid"]
+KEY_TYPES: tuple[KeyType, ...] = ("bigint", "text", "uuid")
 WriteMode = Literal["recompute", "invalidate"]
 Path = Literal["full", "incremental"]
 """How a recompute evaluates a feature set: its defining ``query`` over the source rows
-(``full``), or its ``incremental`` query over per-day partial aggregates, which gives
-the same values (see :mod:`pipeline.cache.incremental`)."""
+(``full``), or its ``incremental`` query over partial aggregates, which gives the same
+values (an extension a repository registers: the fraud example's is
+:mod:`pipeline.cache.incremental`)."""
+
+IMPLICIT_TENANT = "default"
+"""The one tenant of a single-tenant repository (an entity without a tenant column)."""
 
 AS_OF = "coalesce(CAST(:as_of AS timestamptz), now())"
 """The moment a feature query computes for: ``:as_of``, or the transaction's ``now()``."""
 
-_KEYS_CTE = f"""
-WITH k(tenant_id, user_id) AS (
-    SELECT * FROM unnest(CAST(:tenants AS text[]), CAST(:ids AS bigint[]))
-), t(as_of) AS (
-    SELECT {AS_OF}
-)
-"""
+_IDENT = re.compile(r"[a-z_][a-z0-9_]*")
+_DURATION = re.compile(r"(\d+)(s|m|h|d)")
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-def rows_horizon(table: str, days: int) -> str:
-    """The horizon of features over a user's ``table`` rows created in the last ``days``
-    (and none created after the moment computed for): the first moment a row leaves
-    that window, or a row created later enters it. ``f.tenant_id``/``f.user_id`` is
-    the key; the ``(tenant_id, user_id, created_at)`` index answers both probes."""
-    mine = "x.tenant_id = f.tenant_id AND x.user_id = f.user_id"
-    return f"""least(
-    (SELECT min(x.created_at) FROM {table} x WHERE {mine}
-       AND x.created_at > {AS_OF} - interval '{days} days' AND x.created_at <= {AS_OF})
-    + interval '{days} days',
-    (SELECT min(x.created_at) FROM {table} x WHERE {mine} AND x.created_at > {AS_OF}))"""
+def seconds(value: int | str, what: str) -> int:
+    """A duration as whole seconds: an int, or text such as ``"90s"``, ``"1h"``, ``"30d"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected seconds or a duration such as '1h', got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ConfigError(f"{what}: must be positive, got {value}")
+        return value
+    match = _DURATION.fullmatch(str(value).strip())
+    if match is None:
+        raise ConfigError(f"{what}: expected a duration such as '90s', '1h', '30d', got {value!r}")
+    return int(match[1]) * _SECONDS[match[2]]
+
+
+def identifier(value: object, what: str) -> str:
+    """A lower-case SQL identifier, the only kind definitions may name (never quoted)."""
+    if not isinstance(value, str) or not _IDENT.fullmatch(value) or len(value) > 63:
+        raise ConfigError(f"{what}: {value!r} is not a lower-case identifier ([a-z_][a-z0-9_]*)")
+    return value
+
+
+_BIGINT_MAX = (1 << 63) - 1
+
+
+def _bigint_id(value: object) -> str:
+    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    if (
+        isinstance(text, str)
+        and text.isascii()
+        and text.isdigit()
+        and (text == "0" or text[0] != "0")
+        and len(text) <= 19
+        and int(text) <= _BIGINT_MAX
+    ):
+        return text
+    raise InvalidId("entity", value, "a bigint key is a non-negative integer without leading zeros")
+
+
+def _uuid_id(value: object) -> str:
+    if isinstance(value, uuid.UUID):  # as Postgres's rows give it
+        return str(value)
+    if isinstance(value, str) and len(value) == 36:
+        try:
+            parsed = uuid.UUID(value)
+        except ValueError:
+            pass
+        else:
+            if str(parsed) == value:
+                return value
+    raise InvalidId("entity", value, "a uuid key is 36 characters, lower-case hex and dashes")
+
+
+def _text_id(value: object) -> str:
+    from pipeline.core.keys import validate_id
+
+    return validate_id("entity", value)
+
+
+_ID_CHECKS = {"bigint": _bigint_id, "text": _text_id, "uuid": _uuid_id}
+
+
+def _caller() -> str:
+    """``file:line`` of the code that declared a definition (outside this module)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in (__file__, "<string>"):
+        frame = frame.f_back  # type: ignore[assignment]
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+
+
+@dataclass(frozen=True, slots=True)
+class Entity:
+    """What features are about: a member, a user, a device.
+
+    ``key``: the key column (in ``keys`` and in the query's result); ``type``: the key's
+    Postgres type, ``bigint``, ``text`` or ``uuid``. ``tenant``: the column holding the
+    tenant (text), or None for a single-tenant repository. ``table``/``table_key``: the
+    table whose rows are the entities and its key column (default ``key``); the read API
+    stores a read-through only for ids with a row there, so a caller cannot fill Redis
+    with entries of ids that do not exist. Without it, every computed entry is stored.
+    """
+
+    name: str
+    key: str = "id"
+    type: KeyType = "bigint"
+    tenant: str | None = None
+    table: str | None = None
+    table_key: str | None = None
+
+    def __post_init__(self) -> None:
+        from pipeline.core.keys import validate_name
+
+        try:
+            validate_name("entity", self.name)
+        except InvalidId as exc:
+            raise ConfigError(f"entity {self.name!r}: {exc.reason}") from None
+        identifier(self.key, f"entity {self.name!r} key")
+        if self.type not in KEY_TYPES:
+            raise ConfigError(
+                f"entity {self.name!r}: key type {self.type!r} is not one of "
+                f"{', '.join(KEY_TYPES)} (the types whose ids freshline can validate)"
+            )
+        if self.tenant is not None:
+            identifier(self.tenant, f"entity {self.name!r} tenant column")
+        if self.table is not None:
+            identifier(self.table, f"entity {self.name!r} table")
+        if self.table_key is not None:
+            identifier(self.table_key, f"entity {self.name!r} table_key")
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The key columns of ``keys`` and of a feature query's result, in order."""
+        return (self.tenant, self.key) if self.tenant else (self.key,)
+
+    def validate(self, value: object) -> str:
+        """``value`` as the canonical text of a key of this entity, or :class:`InvalidId`."""
+        return _ID_CHECKS[self.type](value)
+
+    def param(self, text: str) -> int | str:
+        """A validated id as the query parameter of its type."""
+        return int(text) if self.type == "bigint" else text
+
+    def keys_cte(self) -> str:
+        """``keys`` (and ``k``) over ``:tenants``/``:ids``, and ``t(as_of)``."""
+        if self.tenant:
+            unnest = f"unnest(CAST(:tenants AS text[]), CAST(:ids AS {self.type}[]))"
+        else:
+            unnest = f"unnest(CAST(:ids AS {self.type}[]))"
+        return (
+            f"\nWITH keys({', '.join(self.columns)}) AS (\n    SELECT * FROM {unnest}\n"
+            f"), k AS (SELECT * FROM keys), t(as_of) AS (\n    SELECT {AS_OF}\n)\n"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,40 +195,94 @@ class Field:
     name: str
     type: FieldType
 
+    def __post_init__(self) -> None:
+        identifier(self.name, "field name")
+        if self.type not in FIELD_TYPES:
+            raise ConfigError(
+                f"field {self.name!r}: type {self.type!r} is not one of {', '.join(FIELD_TYPES)}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    """A source table and how a changed row of it reaches entities.
+
+    ``entities``: per entity, the column of this table that holds its key; both the old
+    and the new value are routed, so a row that moves between entities affects both.
+    ``reverse``: per entity, a query taking the changed row's columns as ``:name``
+    parameters and returning the affected entities' key columns (tenant first). ``tenant``:
+    the column holding the tenant; by default the entities' tenant column when the
+    table routes through a column of its own, else none.
+    """
+
+    name: str
+    entities: Mapping[Entity, str] = field(default_factory=dict)
+    reverse: Mapping[Entity, str] = field(default_factory=dict)
+    tenant: str | None = None
+
+    def __post_init__(self) -> None:
+        identifier(self.name, "table name")
+        for entity, column in self.entities.items():
+            identifier(column, f"table {self.name!r} column for entity {entity.name!r}")
+        if self.tenant is None:
+            tenants = {e.tenant for e in self.entities if e.tenant}
+            if len(tenants) == 1:
+                object.__setattr__(self, "tenant", tenants.pop())
+        else:
+            identifier(self.tenant, f"table {self.name!r} tenant column")
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def source_for(self, entity: Entity) -> Source | None:
+        """How this table reaches ``entity``, or None if it does not."""
+        column = next((c for e, c in self.entities.items() if e.name == entity.name), None)
+        reverse = next((q for e, q in self.reverse.items() if e.name == entity.name), None)
+        if column is None and reverse is None:
+            return None
+        return Source(self.name, (column,) if column else (), reverse, self.tenant)
+
 
 @dataclass(frozen=True, slots=True)
 class Source:
-    """How changes to one source table reach a feature set's entities.
+    """How changes to one source table reach one feature set's entities.
 
-    ``user_columns``: row columns holding an affected user id directly (both the
-    old and the new value are looked at, so a row that moves users affects both).
-    ``reverse``: a query taking the changed row's columns as parameters and
-    returning ``(tenant_id, user_id)`` rows for every affected user.
+    ``entity_columns``: row columns holding an affected entity's key directly (both the
+    old and the new value are looked at, so a row that moves entities affects both).
+    ``reverse``: a query taking the changed row's columns as parameters and returning
+    the entity's key columns (tenant first) for every affected entity. ``tenant``: the
+    row's tenant column, if it has one.
     """
 
     table: str
-    user_columns: tuple[str, ...] = ()
+    entity_columns: tuple[str, ...] = ()
     reverse: str | None = None
+    tenant: str | None = "tenant_id"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class FeatureSet:
+    """A feature set: ``FeatureSet(name, entity=..., ttl="1h", sources=[...], fields=[...],
+    query=...)``. ``sources`` are :class:`Table` declarations (or :class:`Source`s);
+    ``ttl`` is seconds or a duration (``"1h"``)."""
+
     name: str
-    fields: tuple[Field, ...]
-    ttl_s: int
-    query: str
-    sources: tuple[Source, ...]
+    entity: Entity = field(default_factory=lambda: Entity("user"))
+    fields: tuple[Field, ...] = ()
+    ttl_s: int = 0
+    query: str = ""
+    sources: tuple[Any, ...] = ()
     mode: WriteMode = "recompute"
-    entity: str = "user"
     description: str = ""
     incremental: str | None = field(default=None, repr=False, compare=False)
-    """The same features from the bucket tables: the query body for the keys it can
-    answer (``ki``), see :mod:`pipeline.cache.incremental`. Not part of the fingerprint."""
+    """The same features from partial aggregates: the query body for the keys they can
+    answer (``ki``), an extension a repository registers (the fraud example's is
+    :mod:`pipeline.cache.incremental`). Not part of the fingerprint."""
     path: Path = field(default="full", compare=False)
     """Which evaluation recomputes use by default. Not part of the fingerprint."""
     horizon: str | None = field(default=None, repr=False, compare=False)
     """For features that change with time alone (a window over the last days), a SQL
-    expression for one key (``f.tenant_id``, ``f.user_id``; the moment computed for is
+    expression for one key (``f.<tenant>``, ``f.<key>``; the moment computed for is
     :data:`AS_OF`) giving the first moment after it at which they may change with no
     source row changing: a row leaving or entering the window. ``NULL``: never. An
     entry expires then, if before its TTL, so a window that moves past a row leaves
@@ -103,11 +290,42 @@ class FeatureSet:
     (a miss), late is not, so a horizon may be conservative. Not part of the
     fingerprint: it decides when an entry expires, never its value, and an entry
     written without one is still a valid entry of the same schema version."""
+    ttl: InitVar[int | str | None] = None
+    origin: str = field(default="", repr=False, compare=False)
+    """Where it was declared (``file:line``), for error messages; set by the loader."""
     statement: sa.TextClause = field(init=False, repr=False, compare=False)
     _fingerprint: str = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "statement", sa.text(_KEYS_CTE + self.query))
+    def __post_init__(self, ttl: int | str | None) -> None:
+        from pipeline.core.keys import validate_name
+
+        try:
+            validate_name("feature set", self.name)
+        except InvalidId as exc:
+            raise ConfigError(f"feature set {self.name!r}: {exc.reason}") from None
+        if not self.origin:
+            object.__setattr__(self, "origin", _caller())
+        if ttl is not None:
+            object.__setattr__(self, "ttl_s", seconds(ttl, f"feature set {self.name!r} ttl"))
+        object.__setattr__(self, "fields", tuple(self.fields))
+        sources: list[Source] = []
+        for declared in self.sources:
+            if isinstance(declared, Table):
+                source = declared.source_for(self.entity)
+                if source is None:
+                    raise ConfigError(
+                        f"feature set {self.name!r}: table {declared.name!r} routes no change "
+                        f"to entity {self.entity.name!r} (give it a column or a reverse query)"
+                    )
+                sources.append(source)
+            else:
+                sources.append(declared)
+        object.__setattr__(self, "sources", tuple(sources))
+        if self.mode not in ("recompute", "invalidate"):
+            raise ConfigError(
+                f"feature set {self.name!r}: mode {self.mode!r} is not recompute or invalidate"
+            )
+        object.__setattr__(self, "statement", sa.text(self.entity.keys_cte() + self.query))
         object.__setattr__(self, "_fingerprint", self._digest())
 
     @property
@@ -117,7 +335,7 @@ class FeatureSet:
     def fingerprint(self) -> str:
         """A digest of everything that shapes an entry: fields, types, query, TTL, mode.
 
-        The lock file in ``schemas/`` records it per schema version; a change
+        The repository's lock file records it per schema version; a change
         without a SCHEMA_VERSION bump is refused (``freshline check``).
 
         The ``incremental`` query and the ``path`` choice are left out on purpose. The
@@ -135,7 +353,7 @@ class FeatureSet:
         body = orjson.dumps(
             {
                 "name": self.name,
-                "entity": self.entity,
+                "entity": self.entity.name,
                 "fields": [[f.name, f.type] for f in self.fields],
                 "ttl_s": self.ttl_s,
                 "mode": self.mode,
@@ -155,345 +373,6 @@ class FeatureSet:
                 "it can only be recomputed in full"
             )
         return self if path == self.path else replace(self, path=path)
-
-
-# The incremental queries' reading of the deltas not yet folded into the buckets
-# (txn_bucket_deltas: +1 per row added, -1 per row removed), for one key ``ki`` and a
-# window whose whole days are dc+1 .. da (lateral ``w1``); pipeline.cache.incremental
-# argues why buckets plus pending deltas are exact.
-#
-# Per whole day: the deltas' count, sum and sum of squares, and the max and latest
-# time of the rows they add. A day with a pending removal ("neg") may keep the removed
-# row's max or latest time in its bucket, so that day's max and latest time are read
-# from its source rows instead (nd): one day of one user, an index range.
-_PENDING_DAYS = """
-CROSS JOIN LATERAL (
-    SELECT coalesce(sum(p.n), 0) AS n, coalesce(sum(p.s), 0) AS s, coalesce(sum(p.q), 0) AS q,
-           max(p.mx) FILTER (WHERE NOT p.neg) AS mx, max(p.la) FILTER (WHERE NOT p.neg) AS la,
-           coalesce(array_agg(p.day) FILTER (WHERE p.neg), '{}') AS neg
-    FROM (SELECT (p.created_at AT TIME ZONE 'UTC')::date AS day, sum(p.w) AS n,
-                 sum(p.w * p.amount) AS s, sum(p.w * p.amount * p.amount) AS q,
-                 bool_or(p.w < 0) AS neg, max(p.amount) FILTER (WHERE p.w > 0) AS mx,
-                 max(p.created_at) FILTER (WHERE p.w > 0) AS la
-          FROM txn_bucket_deltas p
-          WHERE p.tenant_id = ki.tenant_id AND p.user_id = ki.user_id
-            AND p.created_at >= (w1.dc + 1)::timestamp AT TIME ZONE 'UTC'
-          GROUP BY 1) AS p
-) pd
-CROSS JOIN LATERAL (
-    SELECT max(x.amount) AS mx, max(x.created_at) AS la
-    FROM unnest(pd.neg) AS nd(day)
-    JOIN transactions x ON x.tenant_id = ki.tenant_id AND x.user_id = ki.user_id
-     AND x.created_at >= nd.day::timestamp AT TIME ZONE 'UTC'
-     AND x.created_at < (nd.day + 1)::timestamp AT TIME ZONE 'UTC'
-) nd
-"""
-
-# The members (kind 'm' merchant, 'd' device, 'c' country) with pending deltas on day
-# dc or later: their folded latest day may be wrong, so each one's presence in the
-# whole days is worked out. ``was``: its folded latest day is after dc (what the
-# buckets' *_latest counted); ``now``: on some day after dc its folded count plus its
-# pending deltas is positive (at once where the deltas add rows, as folded counts are
-# never negative). A query corrects the buckets' count by now - was, and takes
-# ``now`` for such a member on the edge day. ``{kinds}``: the (kind, member) pairs of
-# a delta ``p``.
-_PENDING_MEMBERS = """
-CROSS JOIN LATERAL (
-    SELECT coalesce(sum((g.kind = 'm' AND g.was)::int), 0) AS m_was,
-           coalesce(sum((g.kind = 'm' AND g.now)::int), 0) AS m_now,
-           coalesce(sum((g.kind = 'd' AND g.was)::int), 0) AS d_was,
-           coalesce(sum((g.kind = 'd' AND g.now)::int), 0) AS d_now,
-           coalesce(sum((g.kind = 'c' AND g.was)::int), 0) AS c_was,
-           coalesce(sum((g.kind = 'c' AND g.now)::int), 0) AS c_now,
-           array_agg(g.member) FILTER (WHERE g.kind = 'm') AS mm,
-           array_agg(g.now) FILTER (WHERE g.kind = 'm') AS mn,
-           array_agg(g.member) FILTER (WHERE g.kind = 'd') AS dm,
-           array_agg(g.now) FILTER (WHERE g.kind = 'd') AS dn,
-           array_agg(g.member) FILTER (WHERE g.kind = 'c') AS cm,
-           array_agg(g.now) FILTER (WHERE g.kind = 'c') AS cn
-    FROM (
-        SELECT e.kind, e.member,
-               coalesce((SELECT l.latest > w1.dc FROM txn_bucket_latest l
-                         WHERE l.tenant_id = ki.tenant_id AND l.user_id = ki.user_id
-                           AND l.kind = e.kind AND l.member = e.member), false) AS was,
-               e.pos OR EXISTS (
-                   SELECT 1 FROM txn_bucket_members mb
-                   WHERE mb.tenant_id = ki.tenant_id AND mb.user_id = ki.user_id
-                     AND mb.kind = e.kind AND mb.member = e.member
-                     AND mb.day > w1.dc AND mb.day <= w1.da
-                     AND mb.n + coalesce(e.negsums[array_position(e.negdays, mb.day)], 0) > 0
-               ) AS now
-        FROM (SELECT v.kind, v.member, bool_or(v.sw > 0 AND v.day > w1.dc) AS pos,
-                     array_agg(v.day) FILTER (WHERE v.sw < 0 AND v.day > w1.dc) AS negdays,
-                     array_agg(v.sw) FILTER (WHERE v.sw < 0 AND v.day > w1.dc) AS negsums
-              FROM (SELECT v.kind, v.member, (p.created_at AT TIME ZONE 'UTC')::date AS day,
-                           sum(p.w) AS sw
-                    FROM txn_bucket_deltas p
-                    CROSS JOIN LATERAL (VALUES {kinds}) AS v(kind, member)
-                    WHERE p.tenant_id = ki.tenant_id AND p.user_id = ki.user_id
-                      AND p.created_at >= w1.dc::timestamp AT TIME ZONE 'UTC'
-                      AND v.member IS NOT NULL
-                    GROUP BY 1, 2, 3) AS v
-              GROUP BY 1, 2) AS e
-    ) AS g
-) pm
-"""
-
-TXN_90D = FeatureSet(
-    name="txn_90d",
-    description="Spending over the user's transactions created in the last 90 days.",
-    fields=(
-        Field("txn_count", "int"),
-        Field("txn_sum", "float"),
-        Field("txn_mean", "float"),
-        Field("txn_max", "float"),
-        Field("txn_std", "float"),
-        Field("distinct_merchants", "int"),
-        Field("distinct_devices", "int"),
-        Field("last_txn_at", "timestamp"),
-    ),
-    ttl_s=3600,
-    query="""
-SELECT k.tenant_id, k.user_id,
-       count(x.amount) AS txn_count,
-       coalesce(sum(x.amount), 0)::float8 AS txn_sum,
-       round(coalesce(avg(x.amount), 0), 4)::float8 AS txn_mean,
-       coalesce(max(x.amount), 0)::float8 AS txn_max,
-       round(coalesce(stddev_pop(x.amount), 0), 4)::float8 AS txn_std,
-       count(DISTINCT x.merchant_id) AS distinct_merchants,
-       count(DISTINCT x.device_id) AS distinct_devices,
-       max(x.created_at) AS last_txn_at
-FROM k CROSS JOIN t
-LEFT JOIN transactions x
-       ON x.tenant_id = k.tenant_id AND x.user_id = k.user_id
-      AND x.created_at > t.as_of - interval '90 days' AND x.created_at <= t.as_of
-GROUP BY k.tenant_id, k.user_id
-""",
-    sources=(Source("transactions", user_columns=("user_id",)), Source("users", ("id",))),
-    # The window (c, as_of] is the whole UTC days dc+1 .. da, plus the rows of day dc
-    # after c read from the source (the edge). The whole days are the folded buckets
-    # plus the user's pending deltas (txn_bucket_deltas, not yet folded): sums add; the
-    # max and latest time of a day with a pending removal are read from the source
-    # rows of that day (_PENDING_DAYS). A merchant (device) is in the whole days when
-    # its folded latest day is after dc, except the members with pending deltas from
-    # dc on, whose presence is worked out from their day counts plus the deltas
-    # (_PENDING_MEMBERS); an edge member counts when it is not in the whole days. Sums
-    # of numerics are exact, and mean and variance are the same numeric divisions
-    # Postgres's avg and stddev_pop do on (n, sum, sum of squares); stddev_pop takes
-    # the root at the division's scale, sqrt() at its own (never fewer digits), so
-    # after round(, 4) they could differ only if the root's digits past the 4th were
-    # 5000...0 to 16 places. Keys with rows or deltas after as_of never reach this
-    # query (see incremental.py).
-    incremental=f"""
-SELECT ki.tenant_id, ki.user_id,
-       a.n::bigint AS txn_count,
-       a.s::float8 AS txn_sum,
-       round(CASE WHEN a.n > 0 THEN a.s / a.n ELSE 0 END, 4)::float8 AS txn_mean,
-       coalesce(greatest(bk.mx, pd.mx, nd.mx, ed.mx), 0)::float8 AS txn_max,
-       round(CASE WHEN a.n = 0 OR a.n * a.q - a.s * a.s <= 0 THEN 0
-                  ELSE sqrt((a.n * a.q - a.s * a.s) / (a.n * a.n)) END, 4)::float8 AS txn_std,
-       (coalesce(bk.ml, 0) - pm.m_was + pm.m_now + ed.m)::bigint AS distinct_merchants,
-       (coalesce(bk.dl, 0) - pm.d_was + pm.d_now + ed.d)::bigint AS distinct_devices,
-       greatest(bk.la, pd.la, nd.la, ed.la) AS last_txn_at
-FROM ki CROSS JOIN t
-CROSS JOIN LATERAL (SELECT t.as_of - interval '90 days' AS c) w0
-CROSS JOIN LATERAL (SELECT (w0.c AT TIME ZONE 'UTC')::date AS dc,
-                           (t.as_of AT TIME ZONE 'UTC')::date AS da) w1
-{_PENDING_DAYS}
-CROSS JOIN LATERAL (
-    SELECT sum(b.n) AS n, sum(b.amount_sum) AS s, sum(b.amount_sq) AS q,
-           max(b.amount_max) FILTER (WHERE b.day <> ALL(pd.neg)) AS mx,
-           max(b.last_at) FILTER (WHERE b.day <> ALL(pd.neg)) AS la,
-           sum(b.merchants_latest) AS ml, sum(b.devices_latest) AS dl
-    FROM txn_buckets b
-    WHERE b.tenant_id = ki.tenant_id AND b.user_id = ki.user_id
-      AND b.day > w1.dc AND b.day <= w1.da
-) bk
-{_PENDING_MEMBERS.replace("{kinds}", "('m', p.merchant_id), ('d', p.device_id)")}
-CROSS JOIN LATERAL (
-    SELECT count(*) AS n, sum(x.amount) AS s, sum(x.amount * x.amount) AS q,
-           max(x.amount) AS mx, max(x.created_at) AS la,
-           count(DISTINCT x.merchant_id) FILTER (WHERE NOT coalesce(
-               (SELECT g.now FROM unnest(pm.mm, pm.mn) AS g(member, now)
-                WHERE g.member = x.merchant_id),
-               (SELECT l.latest > w1.dc FROM txn_bucket_latest l
-                WHERE l.tenant_id = x.tenant_id AND l.user_id = x.user_id AND l.kind = 'm'
-                  AND l.member = x.merchant_id), false)) AS m,
-           count(DISTINCT x.device_id) FILTER (WHERE NOT coalesce(
-               (SELECT g.now FROM unnest(pm.dm, pm.dn) AS g(member, now)
-                WHERE g.member = x.device_id),
-               (SELECT l.latest > w1.dc FROM txn_bucket_latest l
-                WHERE l.tenant_id = x.tenant_id AND l.user_id = x.user_id AND l.kind = 'd'
-                  AND l.member = x.device_id), false)) AS d
-    FROM transactions x
-    WHERE x.tenant_id = ki.tenant_id AND x.user_id = ki.user_id
-      AND x.created_at > w0.c AND x.created_at < (w1.dc + 1)::timestamp AT TIME ZONE 'UTC'
-) ed
-CROSS JOIN LATERAL (
-    SELECT coalesce(bk.n, 0) + pd.n + ed.n AS n,
-           coalesce(bk.s, 0) + pd.s + coalesce(ed.s, 0) AS s,
-           coalesce(bk.q, 0) + pd.q + coalesce(ed.q, 0) AS q
-) a
-""",
-    path="incremental",
-    horizon=rows_horizon("transactions", 90),
-)
-
-DEVICE_RISK = FeatureSet(
-    name="device_risk",
-    description="Risk of the devices the user has used.",
-    fields=(
-        Field("device_count", "int"),
-        Field("max_device_risk", "float"),
-        Field("new_device_24h", "bool"),
-        Field("shared_device_users", "int"),
-    ),
-    ttl_s=3600,
-    query="""
-SELECT k.tenant_id, k.user_id,
-       count(d.id) AS device_count,
-       round(coalesce(max(d.risk_score), 0)::numeric, 4)::float8 AS max_device_risk,
-       coalesce(bool_or(d.first_seen > t.as_of - interval '24 hours'), false) AS new_device_24h,
-       coalesce(max(s.users), 0) AS shared_device_users
-FROM k CROSS JOIN t
-LEFT JOIN user_devices ud ON ud.tenant_id = k.tenant_id AND ud.user_id = k.user_id
-LEFT JOIN devices d ON d.tenant_id = ud.tenant_id AND d.id = ud.device_id
-LEFT JOIN LATERAL (
-    SELECT count(*) AS users FROM user_devices o
-    WHERE o.tenant_id = ud.tenant_id AND o.device_id = ud.device_id
-) s ON ud.device_id IS NOT NULL
-GROUP BY k.tenant_id, k.user_id
-""",
-    sources=(
-        # A link added or removed changes shared_device_users for every user of the device.
-        Source(
-            "user_devices",
-            user_columns=("user_id",),
-            reverse="SELECT tenant_id, user_id FROM user_devices "
-            "WHERE tenant_id = :tenant_id AND device_id = :device_id",
-        ),
-        Source(
-            "devices",
-            reverse="SELECT tenant_id, user_id FROM user_devices "
-            "WHERE tenant_id = :tenant_id AND device_id = :id",
-        ),
-        Source("users", ("id",)),
-    ),
-    # new_device_24h stays true until the newest device first seen in the last day is
-    # a day old, and a device first seen later makes it true now already.
-    horizon=f"""(SELECT max(d.first_seen) + interval '24 hours'
-    FROM user_devices ud JOIN devices d ON d.tenant_id = ud.tenant_id AND d.id = ud.device_id
-    WHERE ud.tenant_id = f.tenant_id AND ud.user_id = f.user_id
-      AND d.first_seen > {AS_OF} - interval '24 hours')""",
-)
-
-# The geoip lookup: the range whose start is the greatest at or below the IP, if the
-# IP is also at or below its end. The primary key on ip_from serves it.
-_GEO_OF = """
-SELECT g.country, g.city FROM (
-    SELECT country, city, ip_to FROM geoip WHERE ip_from <= {ip}
-    ORDER BY ip_from DESC LIMIT 1
-) g WHERE {ip} <= g.ip_to
-"""
-
-# The country alone, as a scalar subquery.
-_COUNTRY_OF = """
-SELECT gr.country FROM (SELECT country, ip_to FROM geoip WHERE ip_from <= {ip}
-                        ORDER BY ip_from DESC LIMIT 1) gr WHERE {ip} <= gr.ip_to
-"""
-# A source row of key ``ki`` on the edge day dc, after c, from country ``{member}``.
-_EDGE_COUNTRY = f"""
-SELECT 1 FROM transactions x
-CROSS JOIN LATERAL ({_COUNTRY_OF.format(ip="x.ip")}) xg
-WHERE x.tenant_id = ki.tenant_id AND x.user_id = ki.user_id
-  AND x.created_at > w0.c AND x.created_at < (w1.dc + 1)::timestamp AT TIME ZONE 'UTC'
-  AND xg.country = {{member}}
-"""
-
-GEO = FeatureSet(
-    name="geo",
-    description="Where the user transacts: the latest country and city, and how many.",
-    fields=(
-        Field("last_country", "str"),
-        Field("last_city", "str"),
-        Field("distinct_countries_30d", "int"),
-    ),
-    ttl_s=3600,
-    query=f"""
-SELECT k.tenant_id, k.user_id,
-       lg.country AS last_country,
-       lg.city AS last_city,
-       coalesce(c.n, 0) AS distinct_countries_30d
-FROM k CROSS JOIN t
-LEFT JOIN LATERAL (
-    SELECT x.ip FROM transactions x
-    WHERE x.tenant_id = k.tenant_id AND x.user_id = k.user_id AND x.created_at <= t.as_of
-    ORDER BY x.created_at DESC, x.id DESC LIMIT 1
-) lt ON true
-LEFT JOIN LATERAL ({_GEO_OF.format(ip="lt.ip")}) lg ON true
-LEFT JOIN LATERAL (
-    SELECT count(DISTINCT xg.country) AS n
-    FROM transactions x
-    CROSS JOIN LATERAL ({_GEO_OF.format(ip="x.ip")}) xg
-    WHERE x.tenant_id = k.tenant_id AND x.user_id = k.user_id
-      AND x.created_at > t.as_of - interval '30 days' AND x.created_at <= t.as_of
-) c ON true
-""",
-    sources=(
-        Source("transactions", user_columns=("user_id",)),
-        Source(
-            "geoip",
-            # Every user with a transaction from an IP in the changed range: a superset
-            # of those whose latest or last-30-day countries can change.
-            reverse="SELECT DISTINCT tenant_id, user_id FROM transactions "
-            "WHERE ip BETWEEN CAST(:ip_from AS inet) AND CAST(:ip_to AS inet)",
-        ),
-        Source("users", ("id",)),
-    ),
-    # As txn_90d's: the 30-day window is the whole days after dc (the countries whose
-    # folded latest day is there, corrected for the countries with pending deltas,
-    # whose own country is looked up now) plus the countries of the edge rows (after c
-    # on day dc) that are not in the whole days: for a country without pending deltas,
-    # those whose latest day is dc. The latest row is the same one (latest time, then
-    # greatest id), found by the index's max() first: a planner without statistics
-    # would otherwise sort all of a head user's rows for it.
-    incremental=f"""
-SELECT ki.tenant_id, ki.user_id,
-       lg.country AS last_country,
-       lg.city AS last_city,
-       (coalesce(bk.n, 0) - pm.c_was + pm.c_now + ed.n)::bigint AS distinct_countries_30d
-FROM ki CROSS JOIN t
-CROSS JOIN LATERAL (SELECT t.as_of - interval '30 days' AS c) w0
-CROSS JOIN LATERAL (SELECT (w0.c AT TIME ZONE 'UTC')::date AS dc,
-                           (t.as_of AT TIME ZONE 'UTC')::date AS da) w1
-LEFT JOIN LATERAL (
-    SELECT x.ip FROM transactions x
-    WHERE x.tenant_id = ki.tenant_id AND x.user_id = ki.user_id
-      AND x.created_at = (SELECT max(y.created_at) FROM transactions y
-                          WHERE y.tenant_id = ki.tenant_id AND y.user_id = ki.user_id
-                            AND y.created_at <= t.as_of)
-    ORDER BY x.id DESC LIMIT 1
-) lt ON true
-LEFT JOIN LATERAL ({_GEO_OF.format(ip="lt.ip")}) lg ON true
-CROSS JOIN LATERAL (
-    SELECT sum(b.countries_latest) AS n FROM txn_buckets b
-    WHERE b.tenant_id = ki.tenant_id AND b.user_id = ki.user_id
-      AND b.day > w1.dc AND b.day <= w1.da
-) bk
-{_PENDING_MEMBERS.replace("{kinds}", "('c', (" + _COUNTRY_OF.format(ip="p.ip") + "))")}
-CROSS JOIN LATERAL (
-    SELECT (SELECT count(*) FROM txn_bucket_latest l
-            WHERE l.tenant_id = ki.tenant_id AND l.user_id = ki.user_id AND l.kind = 'c'
-              AND l.latest = w1.dc AND l.member <> ALL(coalesce(pm.cm, '{{}}'))
-              AND EXISTS ({_EDGE_COUNTRY.format(member="l.member")}))
-         + (SELECT count(*) FROM unnest(pm.cm, pm.cn) AS g(member, now)
-            WHERE NOT g.now AND EXISTS ({_EDGE_COUNTRY.format(member="g.member")})) AS n
-) ed
-""",
-    path="incremental",
-    # the 30-day window; and a later row, once created, is the latest
-    horizon=rows_horizon("transactions", 30),
-)
 
 
 class Registry:
@@ -529,6 +408,3 @@ class Registry:
         for name in paths:
             self[name]  # raises UnknownFeatureSet
         return Registry(fs.on_path(paths[fs.name]) if fs.name in paths else fs for fs in self)
-
-
-REGISTRY = Registry([TXN_90D, DEVICE_RISK, GEO])

@@ -1,6 +1,7 @@
 """The feature-definition lock: what each schema version's feature sets look like.
 
-``schemas/features.lock.json`` records, for every schema version ever deployed, each
+The repository's lock (``features.lock.json`` beside its ``freshline.toml``) records,
+for every schema version ever deployed, each
 feature set's fingerprint (:meth:`pipeline.core.features.FeatureSet.fingerprint`: fields,
 types, query, TTL, mode) and its fields in order. The field list is also the
 reference for readers in other languages: an entry's values are positional, in this
@@ -23,9 +24,17 @@ from typing import Any, Literal, cast
 import orjson
 
 from pipeline.core.errors import LockMismatch
-from pipeline.core.features import REGISTRY, FeatureSet, Field, FieldType, Registry
+from pipeline.core.features import Entity, FeatureSet, Field, FieldType, Registry
+from pipeline.core.repository import REGISTRY
 
-LOCK_PATH = Path(__file__).resolve().parents[2] / "schemas" / "features.lock.json"
+
+def lock_path() -> Path:
+    """The active repository's lock file."""
+    from pipeline.core.repository import active
+
+    return active().lock_path
+
+
 LOCK_FORMAT = 1
 _DOC = (
     "freshline feature-definition lock. One entry per schema version, never rewritten. "
@@ -46,7 +55,7 @@ class LockedSet:
 
     @classmethod
     def of(cls, fs: FeatureSet) -> LockedSet:
-        return cls(fs.name, fs.fingerprint(), fs.fields, fs.ttl_s, fs.entity)
+        return cls(fs.name, fs.fingerprint(), fs.fields, fs.ttl_s, fs.entity.name)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,7 +78,7 @@ class LockedSet:
             ttl_s=self.ttl_s,
             query="",
             sources=(),
-            entity=self.entity,
+            entity=Entity(self.entity),
         )
 
 
@@ -85,8 +94,9 @@ class Lock:
         }
 
     @classmethod
-    def load(cls, path: Path = LOCK_PATH) -> Lock:
-        """Read a lock file; a missing file is an empty lock."""
+    def load(cls, path: Path | None = None) -> Lock:
+        """Read a lock file (the active repository's by default); missing, it is empty."""
+        path = path or lock_path()
         if not path.exists():
             return cls()
         doc = orjson.loads(path.read_bytes())
@@ -99,8 +109,9 @@ class Lock:
             }
         )
 
-    def save(self, path: Path = LOCK_PATH) -> None:
+    def save(self, path: Path | None = None) -> None:
         """Write the lock with versions in numeric order, so diffs stay small."""
+        path = path or lock_path()
         doc = {
             "_doc": _DOC,
             "format": LOCK_FORMAT,

@@ -28,8 +28,9 @@ import redis
 from pipeline.cache.versions import DEFAULT_POINTER, DeployState, Pointer, state
 from pipeline.core.cluster import is_cluster
 from pipeline.core.errors import DeployError
-from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.features import Registry
 from pipeline.core.lock import Lock
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 
 # KEYS[1] active, KEYS[2] next, KEYS[3] previous, KEYS[4] retired marker of the version

@@ -20,8 +20,9 @@ from sqlalchemy.engine import Engine
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.errors import DeployError
-from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.features import Registry
 from pipeline.core.lock import Lock
+from pipeline.core.repository import REGISTRY
 from pipeline.deploy.pointer import locked
 
 

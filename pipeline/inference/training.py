@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from pipeline.cache.recompute import compute
-from pipeline.core.features import REGISTRY
+from pipeline.core.repository import REGISTRY
 from pipeline.inference.models import LogisticModel, train_example
 
 MODEL_NAME = "fraud_example"

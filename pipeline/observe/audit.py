@@ -69,7 +69,7 @@ from pipeline.cache.recompute import Batch, compute, entity_ids
 from pipeline.core.cluster import is_cluster, mget
 from pipeline.core.codec import ENTRY_TAG, HEADER, TOMBSTONE_TAG, decode_entry
 from pipeline.core.errors import ConfigError, CorruptEntry, InvalidId, SchemaVersionMismatch
-from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.features import Registry
 from pipeline.core.keys import (
     entity_tag,
     feature_key,
@@ -78,6 +78,7 @@ from pipeline.core.keys import (
     parse_feature_key,
     validate_id,
 )
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef, FeatureValues, Watermark
 from pipeline.observe.consistency import AuditReport, LateEntry, Mismatch, grace_label, same
 from pipeline.observe.staleness import scan_sample
@@ -245,8 +246,7 @@ class Auditor:
         """Audit these entities (duplicates once). Unknown sets or bad ids raise."""
         wanted = list(dict.fromkeys(refs))
         for ref in wanted:
-            self.registry[ref.feature_set]
-            entity_ids([(ref.tenant, ref.entity)])
+            entity_ids([(ref.tenant, ref.entity)], self.registry[ref.feature_set].entity)
         run = self._start(check_graces(graces), total=len(wanted))
         return self._run(run, self._batches(wanted))
 
@@ -352,10 +352,10 @@ class Auditor:
         """The ref of a sampled key, or None if this code cannot recompute it."""
         try:
             version, ref = parse_feature_key(key)
-            entity_ids([(ref.tenant, ref.entity)])
+            if ref.feature_set not in self.registry:
+                return None
+            entity_ids([(ref.tenant, ref.entity)], self.registry[ref.feature_set].entity)
         except InvalidId:
-            return None
-        if ref.feature_set not in self.registry:
             return None
         if version == self.schema_version and len(self._keys) < PARSED_KEYS:
             self._keys[ref] = key.decode()  # canonical: parse_feature_key checked it

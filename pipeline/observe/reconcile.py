@@ -19,7 +19,8 @@ from sqlalchemy.engine import Engine
 
 from pipeline.cache import incremental
 from pipeline.cache.recompute import compute
-from pipeline.core.features import REGISTRY, Registry
+from pipeline.core.features import Registry
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import FeatureValues
 
 

@@ -17,8 +17,8 @@ import sqlalchemy as sa
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
-from pipeline.core.features import REGISTRY
 from pipeline.core.keys import feature_key
+from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.cache.recompute import compute, current_watermark
 from pipeline.cache.store import FeatureStore
-from pipeline.core.features import REGISTRY
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef
 from tests.conftest import wait_until
 

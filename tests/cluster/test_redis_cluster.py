@@ -18,8 +18,8 @@ from pipeline.cache.recompute import Batch
 from pipeline.cache.store import LEASE_FOUND, LEASE_GRANTED, FeatureStore
 from pipeline.cache.versions import Pointer, state
 from pipeline.core.cluster import is_cluster, publish
-from pipeline.core.features import REGISTRY
 from pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
+from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef

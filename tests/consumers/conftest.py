@@ -22,7 +22,7 @@ from consumers.kafka import Consumer, Producer, admin_client
 from consumers.topics import ensure, managed_topics
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
-from pipeline.core.features import REGISTRY
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.topics import qualified
 from pipeline.core.types import EntityRef

@@ -39,8 +39,8 @@ from pipeline.cdc.connect import (
     names,
     slot_state,
 )
-from pipeline.core.features import REGISTRY
 from pipeline.core.keys import feature_pattern
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.dev.seed import SeedSummary

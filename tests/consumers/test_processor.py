@@ -15,8 +15,8 @@ from consumers.routing import Router, Unroutable
 from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
-from pipeline.core.features import REGISTRY
 from pipeline.core.keys import INVALIDATION_CHANNEL, feature_pattern
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import ChangeEvent, EntityRef, Entry
 from pipeline.dev.seed import SeedSummary

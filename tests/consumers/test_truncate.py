@@ -22,11 +22,14 @@ from consumers.processor import Processor
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.db import make_engine
-from pipeline.core.features import DEVICE_RISK, TXN_90D
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.dev.seed import seed
 from tests.conftest import ANCHOR, drop_database, recreate_database
+
+DEVICE_RISK = REGISTRY["device_risk"]
+TXN_90D = REGISTRY["txn_90d"]
 
 FIXTURES = Path(__file__).parent / "fixtures"
 USERS = [str(u) for u in range(1, 21)]

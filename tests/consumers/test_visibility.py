@@ -29,9 +29,11 @@ from pipeline.cache.recompute import (
     unpack_watermark,
 )
 from pipeline.cache.store import FeatureStore
-from pipeline.core.features import TXN_90D
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import ChangeEvent, EntityRef
 from pipeline.dev.seed import SeedSummary
+
+TXN_90D = REGISTRY["txn_90d"]
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

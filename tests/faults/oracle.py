@@ -41,7 +41,7 @@ from consumers.topics import subscription
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.cache.versions import state
-from pipeline.core.features import REGISTRY
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.topics import DOMAIN_TOPICS, qualified
 from pipeline.core.types import EntityRef

@@ -17,8 +17,8 @@ import pytest
 
 from consumers.kafka import Producer
 from pipeline.core.codec import encode_entry
-from pipeline.core.features import REGISTRY
 from pipeline.core.keys import feature_key
+from pipeline.core.repository import REGISTRY
 from pipeline.core.topics import TRANSACTION_UPDATED, qualified
 from pipeline.core.types import EntityRef
 from pipeline.dev.chaos import DEFAULT_SEED, SEED_ENV, Profile

@@ -23,8 +23,8 @@ from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.local import LocalTier
 from pipeline.cache.recompute import Batch, compute
 from pipeline.cache.store import FeatureStore
-from pipeline.core.features import REGISTRY
 from pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.dev.seed import SeedSummary

@@ -41,8 +41,8 @@ from pipeline.api.limits import TokenBuckets
 from pipeline.api.openapi import document
 from pipeline.api.reader import parse_entity
 from pipeline.core.errors import InvalidId
-from pipeline.core.features import REGISTRY
 from pipeline.core.keys import feature_pattern
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.dev.seed import SeedSummary
 from pipeline.inference.models import LogisticModel, ModelRegistry

@@ -20,7 +20,7 @@ from pipeline.api.splice import Spliced, Splicer
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.codec import decode_rows, encode_entry, encode_tombstone, watermark_hex
-from pipeline.core.features import REGISTRY
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.dev.seed import SeedSummary

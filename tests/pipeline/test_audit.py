@@ -26,8 +26,8 @@ from sqlalchemy.engine import Engine
 from pipeline.cache.recompute import Batch, compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.errors import ConfigError, InvalidId, UnknownFeatureSet
-from pipeline.core.features import REGISTRY
 from pipeline.core.keys import feature_key, parse_feature_key
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.dev.seed import SeedSummary

@@ -9,7 +9,7 @@ from sqlalchemy.engine import Engine
 from pipeline.cache.client import FeatureClient
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
-from pipeline.core.features import REGISTRY
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.dev.seed import SeedSummary

@@ -10,7 +10,7 @@ from sqlalchemy.engine import Engine
 
 from pipeline.cache.recompute import feature_statement
 from pipeline.core import db
-from pipeline.core.features import REGISTRY
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from tests.conftest import wait_until
 

@@ -27,9 +27,9 @@ from pipeline.cache.recompute import Batch, compute
 from pipeline.cache.store import FeatureStore
 from pipeline.cache.versions import Pointer, VersionResolver, WriteVersions, state
 from pipeline.core.errors import DeployError
-from pipeline.core.features import REGISTRY, TXN_90D
 from pipeline.core.keys import LEASE_PREFIX, feature_pattern, inference_key
 from pipeline.core.lock import Lock, LockedSet
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.deploy.pointer import cancel, flip, start
@@ -38,6 +38,8 @@ from pipeline.deploy.warm import Throttle, active_users, count_active_users, war
 from pipeline.dev.seed import SeedSummary
 from pipeline.inference.models import purge_model
 from tests.conftest import wait_until
+
+TXN_90D = REGISTRY["txn_90d"]
 
 USERS = 40
 

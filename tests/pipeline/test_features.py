@@ -20,9 +20,13 @@ from sqlalchemy.engine import Engine
 
 from pipeline.cache.recompute import compute
 from pipeline.core.errors import InvalidId, UnknownFeatureSet
-from pipeline.core.features import DEVICE_RISK, GEO, REGISTRY, TXN_90D
+from pipeline.core.repository import REGISTRY
 from pipeline.dev.seed import SeedSummary
 from tests.conftest import ANCHOR
+
+DEVICE_RISK = REGISTRY["device_risk"]
+GEO = REGISTRY["geo"]
+TXN_90D = REGISTRY["txn_90d"]
 
 
 def _ms(t: datetime | None) -> int | None:

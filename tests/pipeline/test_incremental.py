@@ -31,7 +31,8 @@ import migrations
 from pipeline.cache import incremental
 from pipeline.cache.recompute import compute
 from pipeline.core.errors import ConfigError
-from pipeline.core.features import REGISTRY, FeatureSet
+from pipeline.core.features import FeatureSet
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.observe.reconcile import compare, reconcile
 from tests.conftest import drop_database, recreate_database

@@ -14,8 +14,8 @@ from pipeline.cache.invalidation import ALL, Invalidation
 from pipeline.cache.local import LocalTier
 from pipeline.cache.recompute import Batch
 from pipeline.cache.store import TTL_JITTER, FeatureStore
-from pipeline.core.features import REGISTRY
 from pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef, Entry
 from tests.conftest import UNWINDOWED, fresh_version, wait_until
 

@@ -9,21 +9,24 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.core.errors import LockMismatch
-from pipeline.core.features import REGISTRY, TXN_90D, Field, Registry
-from pipeline.core.lock import LOCK_PATH, Lock, check, update
+from pipeline.core.features import Field, Registry
+from pipeline.core.lock import Lock, check, lock_path, update
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
+
+TXN_90D = REGISTRY["txn_90d"]
 
 
 def test_shipped_lock_matches_the_registry() -> None:
     """CI's guard: a definition changed without a SCHEMA_VERSION bump fails here."""
     version = Settings().schema_version
-    assert check(Lock.load(LOCK_PATH), version, REGISTRY) == "ok", (
+    assert check(Lock.load(lock_path()), version, REGISTRY) == "ok", (
         f"schema version {version} is not locked: run `freshline check --update-lock`"
     )
 
 
 def test_the_lock_documents_every_field_in_order() -> None:
-    locked = Lock.load(LOCK_PATH).entry(Settings().schema_version)
+    locked = Lock.load(lock_path()).entry(Settings().schema_version)
     for fs in REGISTRY:
         assert locked[fs.name].fields == fs.fields
 
@@ -43,7 +46,7 @@ def drifted(change: dict[str, object]) -> Registry:
     ],
 )
 def test_a_changed_definition_without_a_bump_is_caught(change: dict[str, object]) -> None:
-    lock = Lock.load(LOCK_PATH)
+    lock = Lock.load(lock_path())
     version = Settings().schema_version
     with pytest.raises(LockMismatch) as caught:
         check(lock, version, drifted(change))
@@ -54,13 +57,13 @@ def test_a_changed_definition_without_a_bump_is_caught(change: dict[str, object]
 
 
 def test_whitespace_in_a_query_is_not_a_change() -> None:
-    lock = Lock.load(LOCK_PATH)
+    lock = Lock.load(lock_path())
     same = drifted({"query": "\n  " + TXN_90D.query.replace(" ", "  ")})
     assert check(lock, Settings().schema_version, same) == "ok"
 
 
 def test_added_and_removed_sets_are_changes() -> None:
-    lock = Lock.load(LOCK_PATH)
+    lock = Lock.load(lock_path())
     version = Settings().schema_version
     extra = dataclasses.replace(TXN_90D, name="txn_30d")
     with pytest.raises(LockMismatch, match="'txn_30d' is new"):
@@ -93,7 +96,7 @@ def test_check_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pipeline.cli import app
 
     path = tmp_path / "features.lock.json"
-    Lock({1: {fs.name: Lock.load(LOCK_PATH).entry(1)[fs.name] for fs in REGISTRY}}).save(path)
+    Lock({1: {fs.name: Lock.load(lock_path()).entry(1)[fs.name] for fs in REGISTRY}}).save(path)
     runner = CliRunner()
     monkeypatch.setenv("FRESHLINE_SCHEMA_VERSION", "2")
     result = runner.invoke(app, ["check", "--lock", str(path)])

@@ -19,8 +19,8 @@ from consumers.topics import ensure, managed_topics
 from pipeline.api import create_app
 from pipeline.api.auth import create_api_key
 from pipeline.core.codec import encode_entry
-from pipeline.core.features import REGISTRY
 from pipeline.core.keys import feature_key
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.topics import TRANSACTION_UPDATED, qualified
 from pipeline.core.types import EntityRef

@@ -31,8 +31,8 @@ from pipeline.core.codec import (
     watermark_hex,
 )
 from pipeline.core.errors import CorruptEntry, InvalidId, SchemaVersionMismatch
-from pipeline.core.features import REGISTRY
 from pipeline.core.keys import feature_key, feature_keys, grid_keys, hot_key, validate_ids
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.dev.seed import SeedSummary

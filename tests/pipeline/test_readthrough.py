@@ -17,11 +17,13 @@ from pipeline.cache.readthrough import Hooks, ReadThrough, Result
 from pipeline.cache.recompute import Batch, compute, current_watermark
 from pipeline.cache.store import FeatureStore
 from pipeline.core.db import make_engine
-from pipeline.core.features import TXN_90D
 from pipeline.core.keys import lease_key
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.dev.seed import SeedSummary
+
+TXN_90D = REGISTRY["txn_90d"]
 
 
 @pytest.fixture

@@ -10,10 +10,12 @@ from pipeline.cache.recompute import Batch, compute, current_watermark
 from pipeline.cache.store import FeatureStore
 from pipeline.core.codec import decode_entry, encode_entry
 from pipeline.core.errors import CorruptEntry, InvalidId, SchemaVersionMismatch, UnknownFeatureSet
-from pipeline.core.features import REGISTRY, TXN_90D
 from pipeline.core.keys import feature_pattern
+from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef
 from pipeline.dev.seed import SeedSummary
+
+TXN_90D = REGISTRY["txn_90d"]
 
 
 def _batch(

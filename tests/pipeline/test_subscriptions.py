@@ -32,8 +32,8 @@ from pipeline.api.app import create_app
 from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.local import LocalTier
 from pipeline.cache.versions import Pointer, VersionResolver
-from pipeline.core.features import REGISTRY
 from pipeline.core.lock import Lock, LockedSet
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef, Entry
 from pipeline.deploy.pointer import flip

@@ -1,0 +1,33 @@
+"""freshline's public API for feature repositories.
+
+A repository's definitions module declares its entities, tables and feature sets with
+these; ``freshline plan`` shows what they would change and ``freshline apply`` does it::
+
+    from freshline import Entity, FeatureSet, Field, Table
+
+    member = Entity("member", key="member_id", type="bigint", tenant="library_id")
+    loans = Table("loans", entities={member: "member_id"})
+    loans_30d = FeatureSet("loans_30d", entity=member, ttl="1h", sources=[loans],
+                           fields=[Field("open_loans", "int")], query="SELECT ...")
+"""
+
+from pipeline.core.features import (
+    AS_OF,
+    IMPLICIT_TENANT,
+    Entity,
+    FeatureSet,
+    Field,
+    Table,
+)
+from pipeline.core.repository import Repository, load
+
+__all__ = [
+    "AS_OF",
+    "IMPLICIT_TENANT",
+    "Entity",
+    "FeatureSet",
+    "Field",
+    "Repository",
+    "Table",
+    "load",
+]

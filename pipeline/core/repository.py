@@ -1,0 +1,202 @@
+"""Feature repositories: a directory with ``freshline.toml`` and the definitions.
+
+A repository is the user's own: their entities, tables and feature sets, written in
+Python against the ``freshline`` package, kept in their git. ``freshline.toml``::
+
+    [project]
+    name = "library"                 # a lower-case identifier
+    schema_version = 1               # FRESHLINE_SCHEMA_VERSION overrides it
+    definitions = "features.py"      # relative to the repository
+    lock = "features.lock.json"      # the feature lock, written by `freshline apply`
+
+Every command works on the *active* repository: ``--repo`` (which sets
+``FRESHLINE_REPO``), else ``FRESHLINE_REPO``, else the current directory. A definition
+error names the file and line it was made at.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tomllib
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from pipeline.core.errors import ConfigError
+from pipeline.core.features import Entity, FeatureSet, Registry, Source, Table
+
+CONFIG = "freshline.toml"
+REPO_VARIABLE = "FRESHLINE_REPO"
+
+
+class DefinitionError(ConfigError):
+    """A definition that cannot be used, with the ``file:line`` it was made at."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        self.where = where
+        self.problem = problem
+        super().__init__(f"{where}: {problem}" if where else problem)
+
+
+@dataclass(frozen=True)
+class Repository:
+    """A loaded feature repository."""
+
+    path: Path
+    name: str
+    schema_version: int
+    definitions: Path
+    lock_path: Path
+    registry: Registry
+    entities: tuple[Entity, ...]
+    tables: tuple[Table, ...]
+
+    def table(self, name: str) -> Table | None:
+        return next((t for t in self.tables if t.name == name), None)
+
+    def table_names(self) -> list[str]:
+        """Every table a feature set reads changes from, sorted (what CDC captures)."""
+        return sorted({s.table for fs in self.registry for s in fs.sources})
+
+    def sources_of(self, table: str) -> list[tuple[FeatureSet, Source]]:
+        return self.registry.affected_by(table)
+
+    def tenant_column(self, table: str) -> str | None:
+        """The column of ``table`` that holds the tenant, if its rows carry one."""
+        tenants = {s.tenant for _, s in self.sources_of(table) if s.tenant}
+        return tenants.pop() if len(tenants) == 1 else None
+
+    def id_columns(self, table: str) -> dict[str, Entity]:
+        """The columns of ``table`` whose values become entity keys, with their entity."""
+        found: dict[str, Entity] = {}
+        for fs, source in self.sources_of(table):
+            for column in source.entity_columns:
+                found[column] = fs.entity
+        return found
+
+
+def _where(path: Path, exc: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``exc`` in ``path`` (the definitions)."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if Path(frame.filename).resolve() == path.resolve():
+            return f"{path}:{frame.lineno}"
+    return str(path)
+
+
+def _import(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"freshline_repo_{name}", path)
+    if spec is None or spec.loader is None:
+        raise DefinitionError(str(path), "cannot be imported as Python")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
+    directory = str(path.parent)
+    sys.path.insert(0, directory)  # the definitions may import their own modules
+    try:
+        spec.loader.exec_module(module)
+    except ConfigError as exc:
+        raise DefinitionError(_where(path, exc), str(exc)) from None
+    except SyntaxError as exc:
+        raise DefinitionError(f"{path}:{exc.lineno}", f"syntax error: {exc.msg}") from None
+    except Exception as exc:  # the user's code: any error is a definition error
+        raise DefinitionError(_where(path, exc), f"{type(exc).__name__}: {exc}") from None
+    finally:
+        sys.path.remove(directory)
+    return module
+
+
+def load(path: Path | str) -> Repository:
+    """Load the repository at ``path``: its ``freshline.toml`` and its definitions."""
+    root = Path(path).resolve()
+    config_path = root / CONFIG
+    if not config_path.is_file():
+        raise ConfigError(
+            f"no feature repository at {root} (no {CONFIG}): point --repo or "
+            f"{REPO_VARIABLE} at one, or make one with: freshline init DIRECTORY"
+        )
+    try:
+        config = tomllib.loads(config_path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise DefinitionError(str(config_path), f"not valid TOML: {exc}") from None
+    project = config.get("project")
+    if not isinstance(project, dict):
+        raise DefinitionError(str(config_path), "needs a [project] table")
+    name = project.get("name")
+    if not isinstance(name, str) or not name.isidentifier() or not name.islower():
+        raise DefinitionError(
+            str(config_path), f"project.name {name!r} is not a lower-case identifier"
+        )
+    version = project.get("schema_version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= 999_999:
+        raise DefinitionError(
+            str(config_path), f"project.schema_version {version!r} is not 1..999999"
+        )
+    definitions = root / str(project.get("definitions", "features.py"))
+    if not definitions.is_file():
+        raise DefinitionError(str(config_path), f"project.definitions: no file {definitions}")
+    lock_path = root / str(project.get("lock", "features.lock.json"))
+    module = _import(definitions, name)
+    feature_sets: dict[str, FeatureSet] = {}
+    entities: dict[str, Entity] = {}
+    tables: dict[str, Table] = {}
+    for value in vars(module).values():
+        if isinstance(value, FeatureSet):
+            other = feature_sets.get(value.name)
+            if other is not None and other is not value:
+                raise DefinitionError(
+                    value.origin or str(definitions),
+                    f"two feature sets are named {value.name!r} (the other at {other.origin})",
+                )
+            feature_sets[value.name] = value
+        elif isinstance(value, Entity):
+            entities.setdefault(value.name, value)
+        elif isinstance(value, Table):
+            tables.setdefault(value.name, value)
+    if not feature_sets:
+        raise DefinitionError(str(definitions), "defines no feature set")
+    for fs in feature_sets.values():
+        entities.setdefault(fs.entity.name, fs.entity)
+    return Repository(
+        path=root,
+        name=name,
+        schema_version=version,
+        definitions=definitions,
+        lock_path=lock_path,
+        registry=Registry(feature_sets.values()),
+        entities=tuple(entities.values()),
+        tables=tuple(tables.values()),
+    )
+
+
+_loaded: dict[Path, Repository] = {}
+
+
+def active_path() -> Path:
+    """The active repository's directory: ``FRESHLINE_REPO``, else the current directory."""
+    return Path(os.environ.get(REPO_VARIABLE) or ".").resolve()
+
+
+def active() -> Repository:
+    """The active repository, loaded once per process (per directory)."""
+    path = active_path()
+    repo = _loaded.get(path)
+    if repo is None:
+        repo = _loaded[path] = load(path)
+    return repo
+
+
+class ActiveRegistry(Registry):
+    """The feature sets of the active repository (:func:`active`), loaded on first use."""
+
+    def __init__(self) -> None:  # no sets of its own
+        pass
+
+    @property
+    def _sets(self) -> dict[str, FeatureSet]:  # type: ignore[override]
+        return active().registry._sets
+
+
+REGISTRY: Registry = ActiveRegistry()
+"""The active repository's feature sets, as the consumers, the API and the CLI use them."""
