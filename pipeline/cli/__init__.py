@@ -20,6 +20,7 @@ from pipeline.cli import (
     db,
     deploy,
     models,
+    repo,
     semantic,
     serve,
 )
@@ -28,6 +29,7 @@ from pipeline.core.errors import FreshlineError
 from pipeline.core.services import translate_errors
 
 for _group in (
+    repo,
     db,
     consume,
     deploy,

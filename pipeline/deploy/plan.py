@@ -1,0 +1,200 @@
+"""``freshline plan``: what the active repository would change, checked against Postgres.
+
+:func:`plan` changes nothing. It loads the definitions, then checks each against the
+database: every table and column a definition names exists, each feature query returns
+the entity's key columns and then the declared fields, in order, with types that fit
+(the query is planned and run over no keys, in a read-only transaction), and each table
+has the replica identity its routing needs (a delete's before-image carries only the
+primary key unless the identity is FULL, so a routing column outside the key needs
+FULL). It compares the definitions with the repository's lock (a changed feature set
+needs a ``SCHEMA_VERSION`` bump) and lists the tables change data capture must cover.
+
+A problem names the file and line of the definition it is about.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from pipeline.core.errors import LockMismatch
+from pipeline.core.features import FeatureSet, FieldType
+from pipeline.core.lock import Lock, check
+from pipeline.core.repository import Repository
+
+# Postgres types (pg_type.typname) a declared field type accepts.
+FITS: dict[FieldType, frozenset[str]] = {
+    "int": frozenset({"int2", "int4", "int8", "numeric"}),
+    "float": frozenset({"float4", "float8", "numeric", "int2", "int4", "int8"}),
+    "bool": frozenset({"bool"}),
+    "str": frozenset({"text", "varchar", "bpchar", "name", "inet", "uuid", "citext"}),
+    "timestamp": frozenset({"timestamptz", "timestamp", "date"}),
+}
+KEY_FITS = {"bigint": {"int8", "int4", "int2"}, "text": {"text", "varchar"}, "uuid": {"uuid"}}
+_PARAM = re.compile(r"(?<![:\w]):([a-z_][a-z0-9_]*)")
+
+
+@dataclass
+class Plan:
+    """What :func:`plan` found."""
+
+    repository: Repository
+    schema_version: int
+    problems: list[str] = field(default_factory=list)
+    lock: str = ""
+    """``ok`` (the lock has this version, unchanged), ``new`` (apply records it), or the
+    mismatch (a SCHEMA_VERSION bump is needed)."""
+    tables: list[str] = field(default_factory=list)
+    replica_identity: dict[str, str] = field(default_factory=dict)
+    """Table -> the DDL its routing needs (``ALTER TABLE ... REPLICA IDENTITY FULL``)."""
+    publication_missing: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and self.lock in ("ok", "new")
+
+
+def plan(repo: Repository, engine: Engine, schema_version: int, publication: str) -> Plan:
+    """Check ``repo`` against the database ``engine`` reaches (read-only)."""
+    result = Plan(repo, schema_version, tables=repo.table_names())
+    with engine.connect() as conn:
+        conn.execute(sa.text("SET TRANSACTION READ ONLY"))
+        columns = _columns(conn, result.tables)
+        for fs in repo.registry:
+            # A query is run only once its tables are known to be there.
+            result.problems += _check_sources(fs, columns) or _check_query(conn, fs)
+        for table in result.tables:
+            if table in columns:
+                ddl = _replica_identity(conn, repo, table)
+                if ddl:
+                    result.replica_identity[table] = ddl
+        found = conn.execute(
+            sa.text("SELECT tablename FROM pg_publication_tables WHERE pubname = :p"),
+            {"p": publication},
+        ).scalars()
+        result.publication_missing = sorted(set(result.tables) - set(found))
+        conn.rollback()
+    try:
+        result.lock = check(Lock.load(repo.lock_path), schema_version, repo.registry)
+    except LockMismatch as exc:
+        result.lock = str(exc)
+    return result
+
+
+def _columns(conn: Connection, tables: list[str]) -> dict[str, set[str]]:
+    rows = conn.execute(
+        sa.text(
+            "SELECT c.relname, a.attname FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace AND n.nspname = current_schema() "
+            "JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped "
+            "WHERE c.relname = ANY(:t) AND c.relkind IN ('r', 'p')"
+        ),
+        {"t": tables},
+    )
+    found: dict[str, set[str]] = {}
+    for table, column in rows:
+        found.setdefault(table, set()).add(column)
+    return found
+
+
+def _check_sources(fs: FeatureSet, columns: dict[str, set[str]]) -> list[str]:
+    where = fs.origin or fs.name
+    problems = []
+    for source in fs.sources:
+        have = columns.get(source.table)
+        if have is None:
+            problems.append(f"{where}: feature set {fs.name!r}: unknown table {source.table!r}")
+            continue
+        wanted = [*source.entity_columns, *([source.tenant] if source.tenant else [])]
+        wanted += _PARAM.findall(source.reverse or "")
+        for column in dict.fromkeys(wanted):
+            if column not in have:
+                problems.append(
+                    f"{where}: feature set {fs.name!r}: table {source.table!r} has no "
+                    f"column {column!r}"
+                )
+    entity = fs.entity
+    if entity.table is not None:
+        have = columns.get(entity.table)
+        needed = [entity.table_key or entity.key, *([entity.tenant] if entity.tenant else [])]
+        if have is None:
+            problems.append(f"{where}: entity {entity.name!r}: unknown table {entity.table!r}")
+        else:
+            problems += [
+                f"{where}: entity {entity.name!r}: table {entity.table!r} has no column {c!r}"
+                for c in needed
+                if c not in have
+            ]
+    return problems
+
+
+def _check_query(conn: Connection, fs: FeatureSet) -> list[str]:
+    """Run the query over no keys and compare its result's columns with the declaration."""
+    where = fs.origin or fs.name
+    statement = sa.text(f"SELECT * FROM ({fs.statement.text}) AS q LIMIT 0")
+    try:
+        with conn.begin_nested():
+            result = conn.execute(statement, {"tenants": [], "ids": [], "as_of": None})
+            described = result.cursor.description if result.cursor else None
+    except sa.exc.DBAPIError as exc:
+        message = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+        return [f"{where}: feature set {fs.name!r}: the query fails: {message}"]
+    if not described:
+        return [f"{where}: feature set {fs.name!r}: the query returns no columns"]
+    types: dict[object, str] = dict(
+        conn.execute(
+            sa.text("SELECT oid, typname FROM pg_type WHERE oid = ANY(:o)"),
+            {"o": [d[1] for d in described]},
+        ).all()
+    )
+    got = [(str(d[0]), types.get(d[1], "?")) for d in described]
+    keys = fs.entity.columns
+    want = [*keys, *fs.field_names]
+    if [n for n, _ in got] != want:
+        return [
+            f"{where}: feature set {fs.name!r}: the query returns columns "
+            f"({', '.join(n for n, _ in got)}); declared ({', '.join(want)}): the entity's "
+            "key columns, then the fields, in order"
+        ]
+    problems = []
+    key_type = got[len(keys) - 1][1]
+    if key_type not in KEY_FITS[fs.entity.type]:
+        problems.append(
+            f"{where}: feature set {fs.name!r}: key column {fs.entity.key!r} is {key_type}, "
+            f"the entity's key type is {fs.entity.type}"
+        )
+    for f, (_, typname) in zip(fs.fields, got[len(keys) :], strict=True):
+        if typname not in FITS[f.type]:
+            problems.append(
+                f"{where}: feature set {fs.name!r}: field {f.name!r} is declared {f.type} "
+                f"but the query returns {typname}"
+            )
+    return problems
+
+
+def _replica_identity(conn: Connection, repo: Repository, table: str) -> str:
+    """The DDL ``table`` needs so that a delete's (or update's) before-image carries every
+    column its routing reads; empty when it has that already."""
+    row = conn.execute(
+        sa.text(
+            "SELECT c.relreplident, coalesce(array_agg(a.attname) FILTER "
+            "(WHERE a.attname IS NOT NULL), '{}') FROM pg_class c "
+            "LEFT JOIN pg_index i ON i.indrelid = c.oid AND i.indisprimary "
+            "LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = ANY(i.indkey) "
+            "WHERE c.oid = to_regclass(:t) GROUP BY c.relreplident"
+        ),
+        {"t": table},
+    ).first()
+    if row is None or row[0] == "f":
+        return ""
+    routed: set[str] = set()
+    for _, source in repo.sources_of(table):
+        routed |= set(source.entity_columns) | set(_PARAM.findall(source.reverse or ""))
+        if source.tenant:
+            routed.add(source.tenant)
+    if routed <= set(row[1]) and row[0] == "d":
+        return ""
+    return f"ALTER TABLE {table} REPLICA IDENTITY FULL"
