@@ -280,7 +280,10 @@ def test_a_killed_master_fails_over_and_writes_and_reads_recover(
     # the last batch, whatever the failover lost of the batches before it.
     entries = store.read(refs(tenant, range(60)))
     assert [e.watermark if e else None for e in entries] == [final] * 60
-    assert load["errors"] > 0  # the writer did see the master go
+    # Not asserted: that the writer saw an error. redis-py's cluster client retries a
+    # command through a failover on its own, and when the kill lands between batches it
+    # can see none (one CI run in several: errors == 0); the promotion above is the proof
+    # that the master went.
 
 
 def test_the_audit_reads_and_samples_every_master(
