@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -30,6 +31,8 @@ Headers = list[tuple[str, str | bytes | None]]
 RebalanceCallback = Callable[[Any, list[TopicPartition]], None]
 
 PING_TIMEOUT_S = 3.0
+OWED_RETRY_S = 0.5
+"""How often a member tries again to commit offsets a rebalance refused."""
 
 
 class BrokerError(FreshlineError):
@@ -207,6 +210,11 @@ class Consumer:
         self.bootstrap = settings.kafka_bootstrap
         self._inner: confluent_kafka.Consumer | None = None
         self._fatal: KafkaError | None = None
+        # Offsets a rebalance refused to commit, for partitions this member may keep:
+        # with the cooperative assignor it often does, and its position is already past
+        # those records, so nothing would commit them unless they are sent again.
+        self._owed: dict[tuple[str, int], int] = {}
+        self._owed_due = 0.0
 
     @property
     def inner(self) -> confluent_kafka.Consumer:
@@ -238,13 +246,22 @@ class Consumer:
         on_lost: RebalanceCallback | None = None,
     ) -> None:
         """Subscribe to ``topics`` (names, or ``^regex`` patterns) with rebalance hooks."""
-        kwargs: dict[str, RebalanceCallback] = {}
+
+        def forget(then: RebalanceCallback | None) -> RebalanceCallback:
+            def hook(consumer: Any, partitions: list[TopicPartition]) -> None:
+                for tp in partitions:  # the new owner replays from the last commit
+                    self._owed.pop((tp.topic, tp.partition), None)
+                if then is not None:
+                    then(consumer, partitions)
+
+            return hook
+
+        kwargs: dict[str, RebalanceCallback] = {
+            "on_revoke": forget(on_revoke),
+            "on_lost": forget(on_lost),
+        }
         if on_assign is not None:
             kwargs["on_assign"] = on_assign
-        if on_revoke is not None:
-            kwargs["on_revoke"] = on_revoke
-        if on_lost is not None:
-            kwargs["on_lost"] = on_lost
         self.inner.subscribe(list(topics), **kwargs)
 
     def poll(self, timeout: float) -> Message | None:
@@ -254,10 +271,34 @@ class Consumer:
         return msg
 
     def consume(self, max_messages: int, timeout: float) -> list[Message]:
-        """Up to ``max_messages`` records, waiting at most ``timeout`` seconds for the first."""
+        """Up to ``max_messages`` records, waiting at most ``timeout`` seconds for the first.
+
+        When a rebalance refused a commit and this member kept the partition, the
+        offsets are committed again here once the group has settled
+        (:meth:`commit_owed`), so a quiet partition does not stay uncommitted.
+        """
         raw = self.inner.consume(num_messages=max_messages, timeout=timeout)
         self._raise_fatal()
+        if self._owed:
+            self.commit_owed()
         return [m for m in (check_message(msg) for msg in raw) if m is not None]
+
+    def commit_owed(self) -> list[TopicPartition]:
+        """Commit again the offsets a rebalance refused, for partitions still assigned
+        here; at most once per :data:`OWED_RETRY_S`. Return what was committed."""
+        now = time.monotonic()
+        if not self._owed or now < self._owed_due:
+            return []
+        self._owed_due = now + OWED_RETRY_S
+        mine = {(tp.topic, tp.partition) for tp in self.inner.assignment()}
+        offsets = [TopicPartition(t, p, o) for (t, p), o in sorted(self._owed.items())]
+        offsets = [tp for tp in offsets if (tp.topic, tp.partition) in mine]
+        if not offsets:
+            return []
+        try:
+            return self.commit_offsets(offsets)
+        except CommitNotYet:
+            return []  # the coordinator is away: the offsets stay owed
 
     def commit(self, messages: Iterable[Message]) -> list[TopicPartition]:
         """Synchronously commit the offsets after ``messages``; return what was committed."""
@@ -274,17 +315,22 @@ class Consumer:
         last committed offset, so the records are applied again, never lost. Any other
         failure raises :class:`BrokerError`.
         """
+        for tp in offsets:  # a newer offset for a partition settles what it owed
+            owed = self._owed.get((tp.topic, tp.partition))
+            if owed is not None and owed <= tp.offset:
+                del self._owed[tp.topic, tp.partition]
         try:
             committed = self.inner.commit(offsets=offsets, asynchronous=False)
         except KafkaException as exc:
             err = exc.args[0]
             if isinstance(err, KafkaError) and err.code() in REBALANCE_COMMIT_ERRORS:
                 logger.warning(
-                    "commit of %s skipped during a rebalance (%s); the new owner "
-                    "replays from the last commit",
+                    "commit of %s skipped during a rebalance (%s); committed again if "
+                    "this member keeps the partition, else its new owner replays them",
                     _names(offsets),
                     err.name(),
                 )
+                self._owe(offsets)
                 return []
             if isinstance(err, KafkaError) and err.code() in RETRIABLE_COMMIT_ERRORS:
                 raise CommitNotYet(err, "commit") from exc
@@ -299,11 +345,17 @@ class Consumer:
                 logger.warning(
                     "commit of %s skipped during a rebalance (%s)", _names([tp]), tp.error.name()
                 )
+                self._owe([tp])
             elif tp.error.code() in RETRIABLE_COMMIT_ERRORS:
                 raise CommitNotYet(tp.error, f"commit {tp.topic}[{tp.partition}]")
             else:
                 raise BrokerError(tp.error, f"commit {tp.topic}[{tp.partition}]")
         return done
+
+    def _owe(self, offsets: Iterable[TopicPartition]) -> None:
+        for tp in offsets:
+            key = (tp.topic, tp.partition)
+            self._owed[key] = max(tp.offset, self._owed.get(key, tp.offset))
 
     def assignment(self) -> list[TopicPartition]:
         return list(self.inner.assignment())

@@ -12,11 +12,13 @@ import hashlib
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
+import confluent_kafka
 import pytest
 import redis
 from confluent_kafka import Consumer as RawConsumer
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 from sqlalchemy.engine import Engine
 
@@ -193,6 +195,54 @@ def test_a_commit_refused_by_a_rebalance_is_not_fatal(
         "the second member to own both partitions",
     )
     assert first.commit(batch) == []  # type: ignore[arg-type]
+
+
+class RefusingOnce(confluent_kafka.Consumer):
+    """A real consumer whose first commit fails as a rebalance makes it fail.
+
+    A fake fault, said so: the broker refuses a commit (ILLEGAL_GENERATION) only when
+    the commit races a generation change by milliseconds, which no test can time; the
+    commit is refused here instead, and everything after it is the real broker's."""
+
+    refused = False
+
+    def commit(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.refused:
+            self.refused = True
+            raise KafkaException(KafkaError(KafkaError.ILLEGAL_GENERATION))
+        return super().commit(*args, **kwargs)
+
+
+def test_a_refused_commit_is_sent_again_for_the_partitions_the_member_keeps(
+    producer: Producer,
+    consumer_factory: Callable[..., Consumer],
+    topic_factory: Callable[..., str],
+) -> None:
+    topic = topic_factory("owed", partitions=2)
+    for p in range(2):
+        producer.produce(topic, b"x", partition=p)
+    producer.flush()
+    group = f"test-{uuid.uuid4().hex[:10]}"
+    first = consumer_factory(group)
+    first._inner = RefusingOnce(first._config)
+    first.subscribe([topic])
+    batch: list[object] = []
+    wait_for(
+        lambda: bool(batch.extend(first.consume(10, timeout=0.2)) or len(batch) == 2),
+        "the first member's batch",
+    )
+    assert first.commit(batch) == []  # type: ignore[arg-type]
+    # The member keeps both partitions (as the cooperative assignor often lets it), its
+    # position past their records. Nothing more arrives, so only the refused offsets
+    # sent again commit them; before they were, the group's lag stayed at 2 for good.
+    kept = first.assignment()
+    assert len(kept) == 2
+
+    def committed() -> list[int]:
+        first.consume(10, timeout=0.1)
+        return [int(tp.offset) for tp in first.inner.committed(kept, timeout=5)]
+
+    wait_for(lambda: committed() == [1, 1], "the kept partitions' offsets to commit")
 
 
 @pytest.fixture
