@@ -118,7 +118,9 @@ def test_a_killed_master_then_quiescence_leaves_no_inconsistency(
     finally:
         writer.stop()
         readers.stop()
-    assert writer.errors + readers.errors > 0  # they did see the master go
+    # Not asserted: that the loops saw an error. redis-py's cluster client retries a
+    # command through a failover itself, and can see none when the kill lands between
+    # commands (a CI run had 0 + 0); the promotion waited on above proves the master went.
     # Quiescent. A write acknowledged by the old master just before it died can be
     # lost (Redis replicates asynchronously); every entity the writer touched after
     # the failover was rewritten, the others are recomputed by the final pass below

@@ -67,11 +67,13 @@ def build_settings(values: dict[str, Any]) -> Settings:
 
 def clean_env() -> dict[str, str]:
     """This process's environment without any freshline or stack setting (tests/conftest.py
-    loads the shared stack's into it): children get only what the private stack says."""
+    loads the shared stack's into it): children get only what the private stack says,
+    and the feature repository they all run on."""
     return {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("FRESHLINE_", "PG", "PROMETHEUS_MULTIPROC_DIR"))
+        if k == "FRESHLINE_REPO"
+        or not k.startswith(("FRESHLINE_", "PG", "PROMETHEUS_MULTIPROC_DIR"))
     }
 
 
