@@ -170,6 +170,7 @@ def load(path: Path | str) -> Repository:
     )
 
 
+_by_setting: dict[str, Repository] = {}
 _loaded: dict[Path, Repository] = {}
 
 
@@ -179,11 +180,21 @@ def active_path() -> Path:
 
 
 def active() -> Repository:
-    """The active repository, loaded once per process (per directory)."""
-    path = active_path()
-    repo = _loaded.get(path)
+    """The active repository, loaded once per process (per directory).
+
+    Looked up by the setting's text, not its resolved path: every read of a feature
+    set comes through here, and resolving a path is a few system calls (it tripled the
+    client's overhead over a raw GET). Without ``FRESHLINE_REPO``, the current
+    directory is the one at first use.
+    """
+    setting = os.environ.get(REPO_VARIABLE) or ""
+    repo = _by_setting.get(setting)
     if repo is None:
-        repo = _loaded[path] = load(path)
+        path = active_path()
+        repo = _loaded.get(path)
+        if repo is None:
+            repo = _loaded[path] = load(path)
+        _by_setting[setting] = repo
     return repo
 
 
