@@ -28,6 +28,7 @@ from pipeline.core.repository import Repository, load
 from pipeline.core.settings import Settings
 from pipeline.core.types import ChangeEvent, EntityRef
 from pipeline.deploy.plan import plan
+from pipeline.deploy.warm import active_entities, count_active
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "tests" / "repos" / "library"
@@ -276,6 +277,25 @@ def test_plan_names_each_bad_definition_with_its_line(library: Repository, engin
     assert any(
         p.startswith(f"{where}:34: ") and "has no column 'owner_id'" in p for p in problems
     ), problems
+
+
+def test_warming_lists_the_active_entities_of_a_single_tenant_uuid_entity(
+    library: Repository, engine: Engine
+) -> None:
+    entity = library.registry["loans_now"].entity
+    active = {member(engine, f"active-{i}", []) for i in range(3)}
+    suspended = member(engine, "suspended", [])
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE lib_members SET suspended = true WHERE member_id = :m"),
+            {"m": suspended},
+        )
+    batches = list(active_entities(engine, entity, [IMPLICIT_TENANT], batch_size=2))
+    flat = [ref for batch in batches for ref in batch]
+    assert all(len(batch) <= 2 for batch in batches)
+    assert len(flat) == len(set(flat)) == count_active(engine, entity, [IMPLICIT_TENANT])
+    assert {(IMPLICIT_TENANT, m) for m in active} <= set(flat)
+    assert (IMPLICIT_TENANT, suspended) not in flat
 
 
 @pytest.fixture

@@ -11,7 +11,15 @@ from __future__ import annotations
 from freshline import AS_OF, Entity, FeatureSet, Field, Table
 
 user = Entity(
-    "user", key="user_id", type="bigint", tenant="tenant_id", table="users", table_key="id"
+    "user",
+    key="user_id",
+    type="bigint",
+    tenant="tenant_id",
+    table="users",
+    table_key="id",
+    # Warmed before a deploy flips: the users with a transaction in txn_90d's window.
+    active="EXISTS (SELECT 1 FROM transactions x WHERE x.tenant_id = e.tenant_id "
+    "AND x.user_id = e.id AND x.created_at > now() - interval '90 days')",
 )
 
 transactions = Table("transactions", entities={user: "user_id"})

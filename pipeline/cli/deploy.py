@@ -89,7 +89,7 @@ def warm(
     from pipeline.core.repository import REGISTRY
     from pipeline.core.settings import load_settings
     from pipeline.deploy.pointer import start
-    from pipeline.deploy.warm import active_users, count_active_users, tenant_ids
+    from pipeline.deploy.warm import active_entities, count_active, tenant_ids
     from pipeline.deploy.warm import warm as warm_version
 
     if (top is None) == (not all_active):
@@ -120,8 +120,9 @@ def warm(
                 batches = [refs[i : i + batch_size] for i in range(0, len(refs), batch_size)]
                 size = len(refs)
             else:
-                batches = active_users(engine, tenants, batch_size=batch_size)
-                size = count_active_users(engine, tenants)
+                entity = REGISTRY[name].entity
+                batches = active_entities(engine, entity, tenants, batch_size=batch_size)
+                size = count_active(engine, entity, tenants)
             task = bar.add_task(f"warm {name} v{version}", total=size)
 
             def report(done: int, task: TaskID = task) -> None:

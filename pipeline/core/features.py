@@ -136,6 +136,8 @@ class Entity:
     table whose rows are the entities and its key column (default ``key``); the read API
     stores a read-through only for ids with a row there, so a caller cannot fill Redis
     with entries of ids that do not exist. Without it, every computed entry is stored.
+    ``active``: a SQL condition on a row ``e`` of that table that makes the entity worth
+    warming before a deploy flips (``freshline deploy warm --all``); default every row.
     """
 
     name: str
@@ -144,6 +146,7 @@ class Entity:
     tenant: str | None = None
     table: str | None = None
     table_key: str | None = None
+    active: str | None = None
 
     def __post_init__(self) -> None:
         from pipeline.core.keys import validate_name
@@ -164,6 +167,8 @@ class Entity:
             identifier(self.table, f"entity {self.name!r} table")
         if self.table_key is not None:
             identifier(self.table_key, f"entity {self.name!r} table_key")
+        if self.active is not None and self.table is None:
+            raise ConfigError(f"entity {self.name!r}: 'active' needs the entity's table")
 
     @property
     def columns(self) -> tuple[str, ...]:

@@ -1,10 +1,10 @@
 """Warming a schema version before the flip: which entities, at what rate, how.
 
 Which entities: the hottest by recent reads (:class:`~pipeline.cache.hot.HotReads`,
-a sampled counter that the client and the read-through feed) or every active user
-(:func:`active_users`). How: batches through the set-based feature queries and the
-conditional store writes, under a rate limit (:class:`Throttle`) so the database
-stays healthy.
+a sampled counter that the client and the read-through feed) or every active entity
+(:func:`active_entities`, by the entity's ``active`` condition). How: batches through
+the set-based feature queries and the conditional store writes, under a rate limit
+(:class:`Throttle`) so the database stays healthy.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sqlalchemy.engine import Engine
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.errors import DeployError
-from pipeline.core.features import Registry
+from pipeline.core.features import IMPLICIT_TENANT, Entity, Registry
 from pipeline.core.lock import Lock
 from pipeline.core.repository import REGISTRY
 from pipeline.deploy.pointer import locked
@@ -31,38 +31,66 @@ def tenant_ids(engine: Engine) -> list[str]:
         return list(conn.execute(sa.text("SELECT id FROM tenants ORDER BY id")).scalars())
 
 
-_ACTIVE_USERS = sa.text("""
-SELECT u.tenant_id, u.id FROM users u
-WHERE (u.tenant_id, u.id) > (:after_tenant, :after_id)
-  AND u.tenant_id = ANY(CAST(:tenants AS text[]))
-  AND EXISTS (SELECT 1 FROM transactions x
-              WHERE x.tenant_id = u.tenant_id AND x.user_id = u.id
-                AND x.created_at > now() - make_interval(days => :days))
-ORDER BY u.tenant_id, u.id LIMIT :limit
-""")
+def _active(entity: Entity, tenants: Sequence[str], *, count: bool = False) -> sa.TextClause:
+    if entity.table is None:
+        raise DeployError(
+            f"entity {entity.name!r} declares no table to list its entities from; "
+            "warm with --top N instead"
+        )
+    key = entity.table_key or entity.key
+    cols = [f"e.{entity.tenant}", f"e.{key}"] if entity.tenant else [f"e.{key}"]
+    after = (
+        f"(:after_tenant, CAST(:after_id AS {entity.type}))"
+        if entity.tenant
+        else f"CAST(:after_id AS {entity.type})"
+    )
+    where = [f"(CAST(:after_id AS text) IS NULL OR ({', '.join(cols)}) > {after})"]
+    if entity.tenant:
+        where.append(f"e.{entity.tenant} = ANY(CAST(:tenants AS text[]))")
+    if entity.active:
+        where.append(f"({entity.active})")
+    select = "count(*)" if count else ", ".join(cols)
+    order = "" if count else f" ORDER BY {', '.join(cols)} LIMIT :limit"
+    return sa.text(f"SELECT {select} FROM {entity.table} e WHERE {' AND '.join(where)}{order}")
 
 
-def active_users(
-    engine: Engine, tenants: Sequence[str], *, days: int = 90, batch_size: int = 500
+def active_entities(
+    engine: Engine, entity: Entity, tenants: Sequence[str], *, batch_size: int = 500
 ) -> Iterator[list[tuple[str, str]]]:
-    """Every user with a transaction in the last ``days``, in keyset-paged batches."""
-    after: tuple[str, int] = ("", -1)
+    """Every entity its ``active`` condition selects (every row of its table when it
+    declares none), of ``tenants``, in keyset-paged batches."""
+    query = _active(entity, tenants)
+    after: tuple[str, object] = ("", None)
     while True:
         with engine.connect() as conn:
             rows = conn.execute(
-                _ACTIVE_USERS,
+                query,
                 {
                     "after_tenant": after[0],
                     "after_id": after[1],
                     "tenants": list(tenants),
-                    "days": days,
                     "limit": batch_size,
                 },
             ).all()
         if not rows:
             return
-        yield [(t, str(u)) for t, u in rows]
-        after = (rows[-1][0], int(rows[-1][1]))
+        if entity.tenant:
+            yield [(t, str(k)) for t, k in rows]
+            after = (rows[-1][0], rows[-1][1])
+        else:
+            yield [(IMPLICIT_TENANT, str(k)) for (k,) in rows]
+            after = ("", rows[-1][0])
+
+
+def count_active(engine: Engine, entity: Entity, tenants: Sequence[str]) -> int:
+    """How many entities :func:`active_entities` yields, for a progress bar's total."""
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                _active(entity, tenants, count=True),
+                {"after_tenant": "", "after_id": None, "tenants": list(tenants)},
+            ).scalar_one()
+        )
 
 
 @dataclass(slots=True)
@@ -129,22 +157,3 @@ def warm(
             progress(result.entities)
         throttle.add(len(refs))
     return result
-
-
-def count_active_users(engine: Engine, tenants: Sequence[str], *, days: int = 90) -> int:
-    """How many users :func:`active_users` yields, for a progress bar's total."""
-    query = _ACTIVE_USERS.text.split("ORDER BY")[0].replace(
-        "SELECT u.tenant_id, u.id", "SELECT count(*)"
-    )
-    with engine.connect() as conn:
-        return int(
-            conn.execute(
-                sa.text(query),
-                {
-                    "after_tenant": "",
-                    "after_id": -1,
-                    "tenants": list(tenants),
-                    "days": days,
-                },
-            ).scalar_one()
-        )

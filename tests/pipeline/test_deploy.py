@@ -34,7 +34,7 @@ from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.deploy.pointer import cancel, flip, start
 from pipeline.deploy.purge import purge
-from pipeline.deploy.warm import Throttle, active_users, count_active_users, warm
+from pipeline.deploy.warm import Throttle, active_entities, count_active, warm
 from pipeline.dev.seed import SeedSummary
 from pipeline.inference.models import purge_model
 from tests.conftest import wait_until
@@ -69,7 +69,7 @@ class Deploy:
                 self.engine,
                 version,
                 name,
-                active_users(self.engine, [self.tenant], batch_size=16),
+                active_entities(self.engine, REGISTRY[name].entity, [self.tenant], batch_size=16),
                 self.lock,
             )
 
@@ -476,12 +476,25 @@ def test_purge_of_a_model_version(world: Deploy) -> None:
     assert world.count(f"infer:{name}:v2:*") == 30
 
 
-def test_active_users_pages_through_every_recent_user(world: Deploy) -> None:
-    batches = list(active_users(world.engine, [world.tenant], batch_size=7))
+def test_active_entities_pages_through_every_recent_user(world: Deploy) -> None:
+    user = REGISTRY["txn_90d"].entity
+    batches = list(active_entities(world.engine, user, [world.tenant], batch_size=7))
     flat = [ref for batch in batches for ref in batch]
     assert all(len(batch) <= 7 for batch in batches)
-    assert len(flat) == len(set(flat)) == count_active_users(world.engine, [world.tenant])
-    assert 0 < len(flat) <= USERS
+    assert len(flat) == len(set(flat)) == count_active(world.engine, user, [world.tenant])
+    # Exactly the users the fraud example's condition selects: those with a recent row.
+    with world.engine.connect() as conn:
+        recent = {
+            (world.tenant, str(u))
+            for u in conn.execute(
+                sa.text(
+                    "SELECT DISTINCT user_id FROM transactions WHERE tenant_id = :t "
+                    "AND created_at > now() - interval '90 days'"
+                ),
+                {"t": world.tenant},
+            ).scalars()
+        }
+    assert set(flat) == recent and 0 < len(flat) <= USERS
 
 
 def test_throttle_caps_the_rate() -> None:

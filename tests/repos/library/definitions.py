@@ -2,7 +2,13 @@
 
 from freshline import Entity, FeatureSet, Field, Table
 
-member = Entity("member", key="member_id", type="uuid", table="lib_members")
+member = Entity(
+    "member",
+    key="member_id",
+    type="uuid",
+    table="lib_members",
+    active="NOT coalesce(e.suspended, false)",  # warmed before a deploy flips
+)
 
 members = Table("lib_members", entities={member: "member_id"})
 loans = Table("lib_loans", entities={member: "member_id"})
