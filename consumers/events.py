@@ -60,14 +60,16 @@ class TableIds:
     keys: tuple[tuple[str, Entity], ...]
 
 
-_tables: dict[int, dict[str, TableIds]] = {}
+# Keyed by the registry's set mapping's id, and holding that mapping too: an id alone
+# could be reused by a later registry once the first is gone.
+_tables: dict[int, tuple[object, dict[str, TableIds]]] = {}
 
 
 def table_ids(registry: Registry = REGISTRY) -> dict[str, TableIds]:
     """The source tables of ``registry`` (the active repository's) and their id columns."""
     cached = _tables.get(id(registry._sets))
-    if cached is not None:
-        return cached
+    if cached is not None and cached[0] is registry._sets:
+        return cached[1]
     found: dict[str, TableIds] = {}
     for table in sorted({s.table for fs in registry for s in fs.sources}):
         pairs = registry.affected_by(table)
@@ -76,7 +78,7 @@ def table_ids(registry: Registry = REGISTRY) -> dict[str, TableIds]:
         found[table] = TableIds(
             tenants.pop() if len(tenants) == 1 else None, tuple(sorted(keys.items()))
         )
-    _tables[id(registry._sets)] = found
+    _tables[id(registry._sets)] = (registry._sets, found)
     return found
 
 
