@@ -265,7 +265,10 @@ class Context:
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)'))
             conn.execute(sa.text(f'CREATE DATABASE "{self.db_name}"'))
         admin.dispose()
-        migrations.upgrade(self.settings.postgres_url)
+        from pipeline.core.repository import active
+
+        repo = active()  # the fraud example, whose tables the benchmarks seed
+        migrations.upgrade(self.settings.postgres_url, repo=migrations.Chain.of_repository(repo))
         return self
 
     def _admin(self) -> Engine:

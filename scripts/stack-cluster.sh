@@ -267,6 +267,7 @@ cl_up_pg_primary() {
 SELECT format('CREATE ROLE %I', :'user')
  WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = :'user') \gexec
 SELECT format('ALTER ROLE %I LOGIN SUPERUSER REPLICATION PASSWORD %L', :'user', :'password') \gexec
+SELECT format('ALTER ROLE %I SET search_path = public', :'user') \gexec
 SELECT format('CREATE DATABASE %I OWNER %I', :'db', :'user')
  WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = :'db') \gexec
 SELECT 'SELECT pg_create_physical_replication_slot(''freshline_replica'')'

@@ -38,6 +38,12 @@ from pipeline.core.settings import Settings
 from pipeline.dev.seed import SeedSummary, seed
 
 ROOT = Path(__file__).resolve().parents[1]
+FRAUD_MIGRATIONS = migrations.Chain.of(ROOT / "examples" / "fraud" / "migrations", "fraud")
+
+
+def migrate(url: str, fraud_revision: str = "head") -> None:
+    """freshline's schema at head, and the fraud example's tables at ``fraud_revision``."""
+    migrations.upgrade(url, repo=FRAUD_MIGRATIONS, repo_revision=fraud_revision)
 
 
 def load_stack_env(path: Path = ROOT / ".stack" / "env") -> None:
@@ -160,7 +166,7 @@ def base_settings() -> Settings:
 @pytest.fixture(scope="session")
 def settings(base_settings: Settings) -> Iterator[Settings]:
     url = recreate_database(base_settings, TEST_DB)
-    migrations.upgrade(url)
+    migrate(url)
     redis_url = with_login(make_url_redis(base_settings.redis_url, TEST_REDIS_DB), base_settings)
     yield base_settings.model_copy(update={"postgres_url": url, "redis_url": redis_url})
     drop_database(base_settings, TEST_DB)

@@ -1,16 +1,25 @@
 from __future__ import annotations
 
+import pytest
 import sqlalchemy as sa
 
 import migrations
 from pipeline.core.db import metadata
+from pipeline.core.errors import ConfigError
 from pipeline.core.settings import Settings
-from tests.conftest import drop_database, recreate_database
+from tests.conftest import FRAUD_MIGRATIONS, drop_database, migrate, recreate_database
 
 
-def _columns(engine: sa.Engine) -> dict[str, set[str]]:
+def _columns(engine: sa.Engine, schema: str | None = None) -> dict[str, set[str]]:
     inspector = sa.inspect(engine)
-    return {t: {c["name"] for c in inspector.get_columns(t)} for t in inspector.get_table_names()}
+    return {
+        t: {c["name"] for c in inspector.get_columns(t, schema=schema)}
+        for t in inspector.get_table_names(schema=schema)
+    }
+
+
+def _fraud_downgrade(url: str, revision: str) -> None:
+    migrations.downgrade(url, None, repo=FRAUD_MIGRATIONS, repo_revision=revision)
 
 
 def test_migrations_run_forward_and_back_on_an_empty_database(base_settings: Settings) -> None:
@@ -20,17 +29,53 @@ def test_migrations_run_forward_and_back_on_an_empty_database(base_settings: Set
     try:
         assert _columns(engine) == {}
         migrations.upgrade(url)
-        columns = _columns(engine)
+        # freshline's own chain creates its schema and nothing outside it
+        assert _columns(engine) == {}
+        own = _columns(engine, "freshline")
         for table in metadata.sorted_tables:
-            assert table.name in columns, table.name
-            assert {c.name for c in table.columns} <= columns[table.name], table.name
+            assert table.schema == "freshline", table.name
+            assert table.name in own, table.name
+            assert {c.name for c in table.columns} <= own[table.name], table.name
+        migrate(url)  # then the fraud example's, in public
+        columns = _columns(engine)
         assert {"amount", "merchant_id", "device_id", "ip", "status", "updated_at"} <= columns[
             "transactions"
         ]
         indexes = {ix["name"] for ix in sa.inspect(engine).get_indexes("transactions")}
         assert "transactions_user_recent" in indexes
-        migrations.downgrade(url, "base")
-        assert set(_columns(engine)) == {"alembic_version"}
+        assert set(_columns(engine, "freshline")) == {
+            "alembic_version",
+            "alembic_version_fraud",
+            "api_keys",
+            "tenants",
+        }
+        migrations.downgrade(url, "base", repo=FRAUD_MIGRATIONS)
+        assert _columns(engine) == {}
+        assert set(_columns(engine, "freshline")) == {"alembic_version", "alembic_version_fraud"}
+    finally:
+        engine.dispose()
+        drop_database(base_settings, name)
+
+
+def test_a_login_that_would_see_freshlines_schema_first_is_refused(
+    base_settings: Settings,
+) -> None:
+    """Postgres's default search_path begins with "$user": a role named like the schema
+    would resolve the user's unqualified tables in freshline's. Refused before any DDL."""
+    name = "freshline_migrations_path_test"
+    url = recreate_database(base_settings, name)
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    f'ALTER ROLE CURRENT_USER IN DATABASE "{name}" '
+                    'SET search_path = "$user", freshline, public'
+                )
+            )
+        with pytest.raises(ConfigError, match="finds freshline's schema first"):
+            migrations.upgrade(url)
+        assert sa.inspect(engine).get_schema_names().count("freshline") == 0
     finally:
         engine.dispose()
         drop_database(base_settings, name)
@@ -44,7 +89,7 @@ def test_a_database_that_ran_the_first_0003_gets_its_buckets_rebuilt(
     url = recreate_database(base_settings, name)
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     try:
-        migrations.upgrade(url, "0005")
+        migrate(url, "0005")
         with engine.begin() as conn:
             conn.execute(
                 sa.text(
@@ -54,7 +99,7 @@ def test_a_database_that_ran_the_first_0003_gets_its_buckets_rebuilt(
             )
             # what the first 0003 left: no per-country marks
             conn.execute(sa.text("ALTER TABLE txn_buckets DROP COLUMN countries_latest"))
-        migrations.upgrade(url)
+        migrate(url)
         assert "countries_latest" in _columns(engine)["txn_buckets"]
         with engine.begin() as conn:
             # the rebuilt triggers run, and the existing rows wait for a bucket build
@@ -65,7 +110,7 @@ def test_a_database_that_ran_the_first_0003_gets_its_buckets_rebuilt(
                 )
             )
             assert conn.execute(sa.text("SELECT complete FROM txn_bucket_build")).scalar() is False
-        migrations.upgrade(url)  # at head already: nothing is rebuilt again
+        migrate(url)  # at head already: nothing is rebuilt again
         with engine.begin() as conn:  # the row is a pending delta (revision 0007)
             assert (
                 conn.execute(
@@ -100,22 +145,22 @@ def test_0007_keeps_the_buckets_of_a_database_at_0006_and_folds_them_on_the_way_
         "(SELECT count(*) FROM txn_bucket_members WHERE kind = 'm')"
     )
     try:
-        migrations.upgrade(url, "0006")
+        migrate(url, "0006")
         with engine.begin() as conn:
             conn.execute(insert, {"a": 10, "m": "m1"})
             assert tuple(conn.execute(totals).one()) == (1, 1)  # direct triggers
-        migrations.upgrade(url, "0007")
+        migrate(url, "0007")
         with engine.begin() as conn:
             conn.execute(insert, {"a": 20, "m": "m2"})
             assert tuple(conn.execute(totals).one()) == (1, 1)  # the new row is a delta
             assert incremental.pending(conn) == (1, 1)
-        migrations.downgrade(url, "0006")
+        _fraud_downgrade(url, "0006")
         with engine.begin() as conn:
             assert tuple(conn.execute(totals).one()) == (2, 2)  # folded on the way back
             assert "txn_bucket_deltas" not in sa.inspect(conn).get_table_names()
             conn.execute(insert, {"a": 30, "m": "m3"})
             assert tuple(conn.execute(totals).one()) == (3, 3)  # direct triggers again
-        migrations.upgrade(url)
+        migrate(url)
         with engine.begin() as conn:
             conn.execute(insert, {"a": 40, "m": "m4"})
             assert incremental.pending(conn) == (1, 1)
@@ -158,9 +203,9 @@ def test_0008_indexes_the_delta_log_by_user_id_and_folds_in_that_order(
             )
 
     try:
-        migrations.upgrade(url, "0007")
+        migrate(url, "0007")
         assert index_columns() == ["tenant_id", "user_id"]
-        migrations.upgrade(url, "0008")
+        migrate(url, "0008")
         assert index_columns() == ["user_id"]
         assert "ORDER BY user_id, tenant_id" in fold_source()
         with engine.begin() as conn:
@@ -171,7 +216,7 @@ def test_0008_indexes_the_delta_log_by_user_id_and_folds_in_that_order(
                 )
             )
         assert incremental.fold_all(engine) == 3
-        migrations.downgrade(url, "0007")
+        _fraud_downgrade(url, "0007")
         assert index_columns() == ["tenant_id", "user_id"]
         assert "ORDER BY 1, 2" in fold_source()
     finally:

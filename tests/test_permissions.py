@@ -92,4 +92,6 @@ def test_writing_commands_log_in_as_the_owner_when_the_admin_url_is_set(
     )
     assert done.returncode == 0, done.stderr
     with engine.connect() as conn:
-        assert conn.execute(sa.text("SELECT 1 FROM tenants WHERE id = 'perm-owner'")).first()
+        assert conn.execute(
+            sa.text("SELECT 1 FROM freshline.tenants WHERE id = 'perm-owner'")
+        ).first()

@@ -239,12 +239,12 @@ def test_the_writer_user_writes_features_but_not_deploys(
 @pytest.mark.parametrize(
     "statement",
     [
-        "INSERT INTO tenants (id, name) VALUES ('intruder', 'x')",
+        "INSERT INTO freshline.tenants (id, name) VALUES ('intruder', 'x')",
         "UPDATE transactions SET amount = 0",
         "DELETE FROM users",
         "TRUNCATE geoip",
-        "UPDATE api_keys SET revoked_at = NULL",
-        "INSERT INTO api_keys (key_hash, tenant_id, id) VALUES ('h', 'x', 'i')",
+        "UPDATE freshline.api_keys SET revoked_at = NULL",
+        "INSERT INTO freshline.api_keys (key_hash, tenant_id, id) VALUES ('h', 'x', 'i')",
         "CREATE TABLE intruder (x int)",
     ],
 )
@@ -299,7 +299,7 @@ def test_the_api_role_may_mark_a_key_used(settings: Settings, engine: Engine, te
     try:
         with eng.begin() as conn:
             updated = conn.execute(
-                sa.text("UPDATE api_keys SET last_used_at = now() WHERE tenant_id = :t"),
+                sa.text("UPDATE freshline.api_keys SET last_used_at = now() WHERE tenant_id = :t"),
                 {"t": tenant},
             )
         assert updated.rowcount >= 1

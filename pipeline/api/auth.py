@@ -488,7 +488,7 @@ class Authenticator:
             return 0
         used = {k: datetime.fromtimestamp(t, UTC) for k, t in taken.items()}
         statement = sa.text(
-            "UPDATE api_keys SET last_used_at = u.at "
+            "UPDATE freshline.api_keys SET last_used_at = u.at "
             "FROM unnest(CAST(:ids AS text[]), CAST(:ats AS timestamptz[])) AS u(id, at) "
             "WHERE api_keys.id = u.id "
             "AND (api_keys.last_used_at IS NULL OR api_keys.last_used_at < u.at)"

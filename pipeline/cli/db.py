@@ -25,15 +25,24 @@ def register(app: typer.Typer) -> None:
 
 
 @db_app.command("upgrade")
-def db_upgrade(revision: str = typer.Argument("head", help="Alembic revision")) -> None:
-    """Apply the migrations as the owner: FRESHLINE_POSTGRES_ADMIN_URL, else _URL."""
+def db_upgrade(
+    revision: str = typer.Argument("head", help="freshline's Alembic revision"),
+) -> None:
+    """Apply the migrations as the owner (FRESHLINE_POSTGRES_ADMIN_URL, else _URL):
+    freshline's own schema, then the repository's migrations if it has any."""
     import migrations
+    from pipeline.core.repository import active
 
     settings = load_settings()
     engine = make_owner_engine(settings)
     ping(engine)
-    migrations.upgrade(settings.migration_url, revision)
-    console.print(f"database at revision {revision}")
+    repo = active()
+    chain = migrations.Chain.of_repository(repo)
+    migrations.upgrade(settings.migration_url, revision, repo=chain)
+    console.print(
+        f"freshline schema at revision {revision}"
+        + (f"; {repo.name}'s migrations at head" if chain else "")
+    )
 
 
 @db_app.command("summary")
@@ -52,7 +61,7 @@ def db_summary() -> None:
                    (SELECT count(*) FROM transactions x WHERE x.tenant_id = t.id
                       AND x.created_at > now() - interval '90 days'),
                    (SELECT max(created_at) FROM transactions x WHERE x.tenant_id = t.id)
-            FROM tenants t ORDER BY t.id
+            FROM freshline.tenants t ORDER BY t.id
             """
             )
         ).all()

@@ -1,13 +1,13 @@
-"""Postgres access: the engine, the table definitions (SQLAlchemy Core), a ping.
+"""Postgres access: the engine, freshline's own tables (SQLAlchemy Core), a ping.
 
-The tables mirror the Alembic migrations under ``migrations/``; a test checks that
-the two agree.
+The tables, in the ``freshline`` schema, mirror the Alembic migrations under
+``migrations/``; a test checks that the two agree. The user's tables are never
+defined here: feature sets reach them through their own SQL.
 """
 
 from __future__ import annotations
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.engine import Engine
 
 from pipeline.core.errors import ServiceUnavailable
@@ -15,77 +15,30 @@ from pipeline.core.settings import Settings
 
 metadata = sa.MetaData()
 
+SCHEMA = "freshline"
+"""freshline's own Postgres schema: its tables, and nothing of the user's."""
+
 tenants = sa.Table(
     "tenants",
     metadata,
     sa.Column("id", sa.Text, primary_key=True),
     sa.Column("name", sa.Text, nullable=False),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-)
-
-users = sa.Table(
-    "users",
-    metadata,
-    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), primary_key=True),
-    sa.Column("id", sa.BigInteger, primary_key=True),
-    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-)
-
-transactions = sa.Table(
-    "transactions",
-    metadata,
-    sa.Column("tenant_id", sa.Text, primary_key=True),
-    sa.Column("id", sa.BigInteger, primary_key=True),
-    sa.Column("user_id", sa.BigInteger, nullable=False),
-    sa.Column("amount", sa.Numeric(12, 2), nullable=False),
-    sa.Column("currency", sa.Text, nullable=False),
-    sa.Column("merchant_id", sa.Text, nullable=False),
-    sa.Column("device_id", sa.Text),
-    sa.Column("ip", pg.INET),
-    sa.Column("status", sa.Text, nullable=False),
-    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
-)
-
-devices = sa.Table(
-    "devices",
-    metadata,
-    sa.Column("tenant_id", sa.Text, primary_key=True),
-    sa.Column("id", sa.Text, primary_key=True),
-    sa.Column("fingerprint", sa.Text, nullable=False),
-    sa.Column("risk_score", sa.REAL, nullable=False),
-    sa.Column("first_seen", sa.DateTime(timezone=True), nullable=False),
-)
-
-user_devices = sa.Table(
-    "user_devices",
-    metadata,
-    sa.Column("tenant_id", sa.Text, primary_key=True),
-    sa.Column("user_id", sa.BigInteger, primary_key=True),
-    sa.Column("device_id", sa.Text, primary_key=True),
-)
-
-geoip = sa.Table(
-    "geoip",
-    metadata,
-    sa.Column("ip_from", pg.INET, primary_key=True),
-    sa.Column("ip_to", pg.INET, nullable=False),
-    sa.Column("country", sa.Text, nullable=False),
-    sa.Column("city", sa.Text, nullable=False),
-    sa.Column("asn", sa.Integer, nullable=False),
+    schema=SCHEMA,
 )
 
 api_keys = sa.Table(
     "api_keys",
     metadata,
     sa.Column("key_hash", sa.Text, primary_key=True),
-    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("freshline.tenants.id"), nullable=False),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
     sa.Column("id", sa.Text, nullable=False, unique=True),
     sa.Column("label", sa.Text, nullable=False, server_default=""),
     sa.Column("expires_at", sa.DateTime(timezone=True)),
     sa.Column("last_used_at", sa.DateTime(timezone=True)),
     sa.Column("revoked_at", sa.DateTime(timezone=True)),
+    schema=SCHEMA,
 )
 
 

@@ -8,6 +8,9 @@ Python against the ``freshline`` package, kept in their git. ``freshline.toml``:
     schema_version = 1               # FRESHLINE_SCHEMA_VERSION overrides it
     definitions = "features.py"      # relative to the repository
     lock = "features.lock.json"      # the feature lock, written by `freshline apply`
+    migrations = "migrations"        # optional: Alembic revisions for the user's own
+                                     # tables, run by `freshline db upgrade` after
+                                     # freshline's (the fraud example keeps its here)
 
 Every command works on the *active* repository: ``--repo`` (which sets
 ``FRESHLINE_REPO``), else ``FRESHLINE_REPO``, else the current directory. A definition
@@ -51,6 +54,7 @@ class Repository:
     definitions: Path
     lock_path: Path
     registry: Registry
+    migrations: Path | None
     entities: tuple[Entity, ...]
     tables: tuple[Table, ...]
 
@@ -137,6 +141,13 @@ def load(path: Path | str) -> Repository:
     if not definitions.is_file():
         raise DefinitionError(str(config_path), f"project.definitions: no file {definitions}")
     lock_path = root / str(project.get("lock", "features.lock.json"))
+    migrations = None
+    if "migrations" in project:
+        migrations = root / str(project["migrations"])
+        if not (migrations / "versions").is_dir():
+            raise DefinitionError(
+                str(config_path), f"project.migrations: no folder {migrations / 'versions'}"
+            )
     module = _import(definitions, name)
     feature_sets: dict[str, FeatureSet] = {}
     entities: dict[str, Entity] = {}
@@ -165,6 +176,7 @@ def load(path: Path | str) -> Repository:
         definitions=definitions,
         lock_path=lock_path,
         registry=Registry(feature_sets.values()),
+        migrations=migrations,
         entities=tuple(entities.values()),
         tables=tuple(tables.values()),
     )

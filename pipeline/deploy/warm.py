@@ -28,7 +28,7 @@ from pipeline.deploy.pointer import locked
 
 def tenant_ids(engine: Engine) -> list[str]:
     with engine.connect() as conn:
-        return list(conn.execute(sa.text("SELECT id FROM tenants ORDER BY id")).scalars())
+        return list(conn.execute(sa.text("SELECT id FROM freshline.tenants ORDER BY id")).scalars())
 
 
 def _active(entity: Entity, tenants: Sequence[str], *, count: bool = False) -> sa.TextClause:

@@ -49,7 +49,9 @@ USAGE = """usage: python -m pipeline.dev.demo tour API_URL API_KEY
 def has_tenant(tenant: str) -> bool:
     engine = make_engine(load_settings())
     with engine.connect() as conn:
-        found = conn.execute(sa.text("SELECT 1 FROM tenants WHERE id = :t"), {"t": tenant})
+        found = conn.execute(
+            sa.text("SELECT 1 FROM freshline.tenants WHERE id = :t"), {"t": tenant}
+        )
         return found.first() is not None
 
 

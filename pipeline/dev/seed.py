@@ -173,7 +173,7 @@ def seed(
     with engine.begin() as conn:
         existing = list(
             conn.execute(
-                sa.text("SELECT id FROM tenants WHERE id = ANY(:ids) ORDER BY id"),
+                sa.text("SELECT id FROM freshline.tenants WHERE id = ANY(:ids) ORDER BY id"),
                 {"ids": ids},
             ).scalars()
         )
@@ -181,7 +181,7 @@ def seed(
             raise TenantsExist(existing)
         geo = ensure_geoip(conn, progress)
         conn.execute(
-            sa.text("INSERT INTO tenants (id, name) VALUES (:id, :name)"),
+            sa.text("INSERT INTO freshline.tenants (id, name) VALUES (:id, :name)"),
             [{"id": t, "name": t.title()} for t in ids],
         )
         # The new tenants' buckets are built from their rows at the end, so the load

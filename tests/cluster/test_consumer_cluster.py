@@ -49,7 +49,9 @@ def test_a_worker_on_the_cluster_writes_entries_the_auditor_finds_consistent(
     report = ensure(admin, 3, topics=topics)
     assert sorted(report.created) == sorted(topics)
     with primary.begin() as conn:
-        conn.execute(sa.text("INSERT INTO tenants (id, name) VALUES (:t, :t)"), {"t": tenant})
+        conn.execute(
+            sa.text("INSERT INTO freshline.tenants (id, name) VALUES (:t, :t)"), {"t": tenant}
+        )
         conn.execute(
             sa.text("INSERT INTO users (tenant_id, id) SELECT :t, g FROM generate_series(1, :n) g"),
             {"t": tenant, "n": USERS},

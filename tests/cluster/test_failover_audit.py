@@ -68,7 +68,9 @@ def test_a_killed_master_then_quiescence_leaves_no_inconsistency(
     primary, _ = engines
     tenant = f"fo-{uuid.uuid4().hex[:10]}"
     with primary.begin() as conn:
-        conn.execute(sa.text("INSERT INTO tenants (id, name) VALUES (:t, :t)"), {"t": tenant})
+        conn.execute(
+            sa.text("INSERT INTO freshline.tenants (id, name) VALUES (:t, :t)"), {"t": tenant}
+        )
         conn.execute(
             sa.text("INSERT INTO users (tenant_id, id) SELECT :t, g FROM generate_series(1, :n) g"),
             {"t": tenant, "n": USERS},

@@ -54,7 +54,9 @@ def one_transaction_replicated(
     under a version no other test uses, and the user's ``txn_90d`` ref."""
     tenant = f"rep-{uuid.uuid4().hex[:10]}"
     with primary.begin() as conn:
-        conn.execute(sa.text("INSERT INTO tenants (id, name) VALUES (:t, :t)"), {"t": tenant})
+        conn.execute(
+            sa.text("INSERT INTO freshline.tenants (id, name) VALUES (:t, :t)"), {"t": tenant}
+        )
         conn.execute(sa.text("INSERT INTO users (tenant_id, id) VALUES (:t, 1)"), {"t": tenant})
     add_transaction(primary, tenant, 10)
     assert wait_until(lambda: count(replica, tenant) == 1, 30)

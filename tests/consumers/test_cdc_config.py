@@ -80,7 +80,7 @@ def test_with_a_secrets_file_the_password_is_a_provider_reference() -> None:
 
 def test_the_migration_publishes_exactly_the_captured_tables() -> None:
     spec = importlib.util.spec_from_file_location(
-        "m0002", ROOT / "migrations" / "versions" / "0002_cdc.py"
+        "m0002", ROOT / "examples" / "fraud" / "migrations" / "versions" / "0002_cdc.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

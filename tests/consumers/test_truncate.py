@@ -16,7 +16,6 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-import migrations
 from consumers.events import decode
 from consumers.processor import Processor
 from pipeline.cache.recompute import compute
@@ -26,7 +25,7 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.dev.seed import seed
-from tests.conftest import ANCHOR, drop_database, recreate_database
+from tests.conftest import ANCHOR, drop_database, migrate, recreate_database
 
 DEVICE_RISK = REGISTRY["device_risk"]
 TXN_90D = REGISTRY["txn_90d"]
@@ -39,7 +38,7 @@ USERS = [str(u) for u in range(1, 21)]
 def own_engine(base_settings: Settings) -> Iterator[Engine]:
     name = f"freshline_truncate_{uuid.uuid4().hex[:8]}"
     url = recreate_database(base_settings, name)
-    migrations.upgrade(url)
+    migrate(url)
     engine = make_engine(base_settings.model_copy(update={"postgres_url": url}))
     seed(engine, users=len(USERS), transactions=600, tenant_prefix="trunc-", anchor=ANCHOR)
     yield engine
@@ -60,7 +59,7 @@ def test_a_truncate_voids_every_entry_it_makes_stale_and_nothing_else(
     version: int,
 ) -> None:
     with own_engine.connect() as conn:
-        tenant = conn.execute(sa.text("SELECT id FROM tenants")).scalar_one()
+        tenant = conn.execute(sa.text("SELECT id FROM freshline.tenants")).scalar_one()
     store = FeatureStore(redis_client, version)
     refs = [(tenant, u) for u in USERS]
     before = compute(own_engine, DEVICE_RISK, refs)

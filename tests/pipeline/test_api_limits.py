@@ -152,7 +152,7 @@ def test_a_worker_cut_off_from_the_channel_trusts_no_cached_key(
         assert wait_until(lambda: not worker.cached(key)[0], timeout=5)
         with engine.begin() as conn:
             conn.execute(
-                sa.text("UPDATE api_keys SET revoked_at = now() WHERE key_hash = :h"),
+                sa.text("UPDATE freshline.api_keys SET revoked_at = now() WHERE key_hash = :h"),
                 {"h": auth_module.hash_key(key)},
             )
         with pytest.raises(Unauthorized):
@@ -225,9 +225,9 @@ def test_last_use_is_written_in_batches_not_per_request(engine: Engine) -> None:
     with Queries(engine) as queries:
         for _ in range(50):
             auth.principal(issued.key)
-        assert queries.count("UPDATE api_keys") == 0
+        assert queries.count("UPDATE freshline.api_keys") == 0
         assert auth.flush_usage() == 1
-        assert queries.count("UPDATE api_keys") == 1
+        assert queries.count("UPDATE freshline.api_keys") == 1
     [info] = [k for k in list_api_keys(engine, tenant) if k.key_id == issued.key_id]
     assert info.last_used_at is not None
     assert datetime.now(UTC) - info.last_used_at < timedelta(minutes=5)

@@ -40,12 +40,13 @@ def test_keys_are_stored_hashed_never_in_plaintext(engine: Engine) -> None:
     with engine.connect() as conn:
         rows = conn.execute(
             sa.text(
-                "SELECT key_hash, tenant_id, created_at::text FROM api_keys WHERE tenant_id = :t"
+                "SELECT key_hash, tenant_id, created_at::text FROM freshline.api_keys "
+                "WHERE tenant_id = :t"
             ),
             {"t": tenant},
         ).all()
         name = conn.execute(
-            sa.text("SELECT name FROM tenants WHERE id = :t"), {"t": tenant}
+            sa.text("SELECT name FROM freshline.tenants WHERE id = :t"), {"t": tenant}
         ).scalar_one()
     assert name == "Auth Test"
     assert {r[0] for r in rows} == {hashlib.sha256(k.encode()).hexdigest() for k in (first, second)}

@@ -27,7 +27,6 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 
-import migrations
 from pipeline.cache import incremental
 from pipeline.cache.recompute import compute
 from pipeline.core.errors import ConfigError
@@ -35,7 +34,7 @@ from pipeline.core.features import FeatureSet
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.observe.reconcile import compare, reconcile
-from tests.conftest import drop_database, recreate_database
+from tests.conftest import drop_database, migrate, recreate_database
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 AS_OF = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -53,7 +52,7 @@ _tenants = itertools.count(1)
 def db(base_settings: Settings) -> Iterator[Engine]:
     name = f"freshline_incremental_{uuid.uuid4().hex[:8]}"
     url = recreate_database(base_settings, name)
-    migrations.upgrade(url, REVISION)
+    migrate(url, REVISION)
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     reset_geoip(engine)
     yield engine
@@ -398,7 +397,7 @@ def test_build_resumes_after_an_interrupted_batch_and_truncate_empties(
     url = recreate_database(base_settings, name)
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     try:
-        migrations.upgrade(url, "0002")
+        migrate(url, "0002")
         tenant = new_tenant()
         insert(
             engine,
@@ -409,7 +408,7 @@ def test_build_resumes_after_an_interrupted_batch_and_truncate_empties(
                 for d in range(1, 95, 7)
             ],
         )
-        migrations.upgrade(url, REVISION)  # rows exist: the build starts incomplete
+        migrate(url, REVISION)  # rows exist: the build starts incomplete
         assert incremental.state(engine) == incremental.BuildState(False, None)
         assert not answered_by_buckets(engine, tenant, 1)
         built, _ = incremental.build_batch(engine, 3)  # then "interrupted"

@@ -101,11 +101,11 @@ def _counts(engine: Engine, tenants: list[str]) -> dict[str, int]:
             table: conn.execute(
                 sa.text(
                     f"SELECT count(*) FROM {table} WHERE "
-                    f"{'id' if table == 'tenants' else 'tenant_id'} = ANY(:t)"
+                    f"{'id' if table == 'freshline.tenants' else 'tenant_id'} = ANY(:t)"
                 ),
                 {"t": tenants},
             ).scalar_one()
-            for table in ("tenants", "users", "devices", "transactions")
+            for table in ("freshline.tenants", "users", "devices", "transactions")
         }
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from migrations import revision_module
+from migrations import sibling_revision
 
 revision = "0006"
 down_revision = "0005"
@@ -38,7 +38,7 @@ def _outdated() -> bool:
 
 def upgrade() -> None:
     if _outdated():
-        first = revision_module("0003_txn_buckets.py")
+        first = sibling_revision(__file__, "0003_txn_buckets.py")
         first.downgrade()
         first.upgrade()
 

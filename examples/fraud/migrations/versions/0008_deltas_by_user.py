@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from alembic import op
 
-from migrations import revision_module
+from migrations import sibling_revision
 
 revision = "0008"
 down_revision = "0007"
@@ -31,7 +31,7 @@ def _schema() -> str:
 def _swap(columns: str, order: str) -> None:
     op.execute("DROP INDEX txn_bucket_deltas_user")
     op.execute(f"CREATE INDEX txn_bucket_deltas_user ON txn_bucket_deltas ({columns})")
-    deltas = revision_module(_DELTAS)
+    deltas = sibling_revision(__file__, _DELTAS)
     op.execute(deltas._fold_deltas(_schema(), order=order, create="CREATE OR REPLACE"))
 
 

@@ -35,7 +35,7 @@ import re
 
 from alembic import op
 
-from migrations import revision_module
+from migrations import sibling_revision
 
 revision = "0007"
 down_revision = "0006"
@@ -406,7 +406,7 @@ def downgrade() -> None:
             END LOOP;
         END $$;
     """)
-    first = revision_module("0003_txn_buckets.py")
+    first = sibling_revision(__file__, "0003_txn_buckets.py")
     for name in _GEOIP_RANGES:
         op.execute(f"DROP TRIGGER geoip_buckets_{name} ON geoip")
         op.execute(f"DROP FUNCTION freshline_geoip_buckets_{name}()")

@@ -1,4 +1,6 @@
-"""The source schema of a multi-tenant fraud and credit scoring pipeline.
+"""The source schema of the fraud example: a multi-tenant fraud and credit scoring
+pipeline. The tenants are freshline's own (``freshline.tenants``, made by freshline's
+migrations, which run before a repository's).
 
 Revision ID: 0001
 """
@@ -16,13 +18,8 @@ depends_on = None
 def upgrade() -> None:
     op.execute(
         """
-        CREATE TABLE tenants (
-            id          text PRIMARY KEY,
-            name        text NOT NULL,
-            created_at  timestamptz NOT NULL DEFAULT now()
-        );
         CREATE TABLE users (
-            tenant_id   text NOT NULL REFERENCES tenants(id),
+            tenant_id   text NOT NULL REFERENCES freshline.tenants(id),
             id          bigint NOT NULL,
             created_at  timestamptz NOT NULL DEFAULT now(),
             PRIMARY KEY (tenant_id, id)
@@ -72,15 +69,9 @@ def upgrade() -> None:
             asn         integer NOT NULL,
             CHECK (ip_from <= ip_to)
         );
-        CREATE TABLE api_keys (
-            key_hash    text PRIMARY KEY,
-            tenant_id   text NOT NULL REFERENCES tenants(id),
-            created_at  timestamptz NOT NULL DEFAULT now()
-        );
-        CREATE INDEX api_keys_tenant ON api_keys (tenant_id);
         """
     )
 
 
 def downgrade() -> None:
-    op.execute("DROP TABLE api_keys, geoip, user_devices, devices, transactions, users, tenants")
+    op.execute("DROP TABLE geoip, user_devices, devices, transactions, users")
