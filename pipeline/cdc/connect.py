@@ -350,12 +350,12 @@ def check_publication(engine: Engine, tables: list[str], publication: str = PUBL
     if found is None:
         raise FreshlineError(
             f"publication {publication!r} does not exist in "
-            f"{engine.url.database}; run: freshline db upgrade"
+            f"{engine.url.database}; run: freshline apply"
         )
     missing = sorted(set(tables) - set(found))
     if missing:
         raise FreshlineError(
-            f"publication {publication!r} lacks {', '.join(missing)}; run: freshline db upgrade"
+            f"publication {publication!r} lacks {', '.join(missing)}; run: freshline apply"
         )
 
 

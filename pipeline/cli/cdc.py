@@ -5,7 +5,6 @@ Thin shells over :mod:`pipeline.cdc.connect`; see ``docs/cdc.md``.
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, cast, get_args
 
 import typer
@@ -53,69 +52,18 @@ def cdc_register(
     ] = 60.0,
 ) -> None:
     """Create or update the Debezium connector (idempotent), and its topics."""
-    from consumers.topics import ensure_cdc_topics
-    from pipeline.cdc.connect import (
-        ConnectClient,
-        captured_tables,
-        check_publication,
-        connector_config,
-        connector_state,
-        names,
-    )
-    from pipeline.core.db import make_engine, ping
-    from pipeline.core.settings import load_settings
+    from pipeline.cli.connector import register_connector
 
     if snapshot_mode not in get_args(SnapshotMode):
         raise typer.BadParameter(
             f"choose one of {', '.join(get_args(SnapshotMode))}", param_hint="--snapshot-mode"
         )
-    settings = load_settings()
-    owned = names(settings, name)
-    tables = captured_tables()
-    engine = make_engine(settings)
-    ping(engine)
-    check_publication(engine, tables, owned.publication)
-    engine.dispose()
-    client = ConnectClient(settings.connect_url)
-    config = connector_config(
-        settings,
-        owned,
+    register_connector(
+        name=name,
         snapshot_mode=cast(SnapshotMode, snapshot_mode),
         database_host=database_host,
-        tables=tables,
+        wait=wait,
     )
-    client.ping()
-    created_topics = ensure_cdc_topics(settings, [owned.topic(t) for t in tables])
-    created = client.put_config(owned.connector, config)
-    console.print(
-        f"{'created' if created else 'updated'} connector {owned.connector}: "
-        f"slot {owned.slot}, publication {owned.publication}, "
-        f"snapshot {snapshot_mode}, topics {owned.topic('<table>')} "
-        f"({len(created_topics)} created) for {', '.join(tables)}"
-    )
-    if not wait:
-        return
-    deadline = time.monotonic() + wait
-    while True:
-        connector, tasks = connector_state(client, owned.connector)
-        states = [t.state for t in ([connector] if connector else []) + tasks]
-        failed = next(
-            (t for t in ([connector] if connector else []) + tasks if t.state == "FAILED"), None
-        )
-        if failed is not None:
-            console.print(f"[red]error:[/red] connector {owned.connector} FAILED: {failed.error}")
-            raise typer.Exit(1)
-        if tasks and all(s == "RUNNING" for s in states):
-            console.print(f"connector {owned.connector} RUNNING")
-            return
-        if time.monotonic() > deadline:
-            console.print(
-                f"[yellow]warning:[/yellow] connector {owned.connector} not running "
-                f"after {wait:.0f}s ({', '.join(states) or 'no tasks yet'}); "
-                "see: freshline cdc status"
-            )
-            return
-        time.sleep(0.25)
 
 
 @cdc_app.command("status")

@@ -111,19 +111,31 @@ def apply(
         bool,
         typer.Option(
             "--alter-tables",
-            help="Also run the DDL on your tables that the plan lists (replica identity)",
+            help="Also run the DDL on your tables that the plan lists (replica identity, "
+            "grants to the freshline roles)",
         ),
     ] = False,
+    cdc: Annotated[
+        bool,
+        typer.Option("--cdc/--no-cdc", help="Register the Debezium connector (Kafka Connect)"),
+    ] = True,
+    database_host: Annotated[
+        str | None,
+        typer.Option("--database-host", help="Postgres host as Connect sees it"),
+    ] = None,
     publication: Annotated[str, typer.Option(help="The CDC publication")] = "freshline",
 ) -> None:
-    """Deploy the repository: record the lock, create the topics and the publication's
-    tables. Your tables are changed only with --alter-tables."""
+    """Deploy the repository: freshline's own schema, the publication, the lock, the
+    topics and the CDC connector. Your tables are changed only with --alter-tables."""
     import sqlalchemy as sa
 
+    import migrations
     from consumers.topics import ensure_from_settings
+    from pipeline.cli.connector import register_connector
     from pipeline.core.db import make_owner_engine
     from pipeline.core.lock import Lock, update
     from pipeline.core.settings import load_settings
+    from pipeline.deploy.plan import missing_grants
 
     result = _plan(publication)
     _print(result)
@@ -137,9 +149,21 @@ def apply(
         )
         raise typer.Exit(1)
     repo, settings = result.repository, load_settings()
+    if result.own_schema != "ok":
+        migrations.upgrade(settings.migration_url)
+        console.print(f"freshline schema at revision {migrations.head()}")
     engine = make_owner_engine(settings)
     with engine.begin() as conn:
-        for ddl in result.replica_identity.values():
+        ddls = list(result.replica_identity.values())
+        grants = missing_grants(conn, result.tables)  # the roles exist now
+        if alter_tables:
+            ddls += grants
+        elif grants:
+            console.print(
+                "[yellow]warning:[/yellow] freshline's roles cannot read your tables; "
+                f"run (or pass --alter-tables): {'; '.join(grants)}"
+            )
+        for ddl in ddls:
             conn.execute(sa.text(ddl))
             console.print(f"ran: {ddl}")
         if result.publication_missing:
@@ -159,10 +183,11 @@ def apply(
         lock.save(repo.lock_path)
         console.print(f"recorded schema version {result.schema_version} in {repo.lock_path}")
     report = ensure_from_settings(settings)
-    console.print(
-        f"topics: {len(report.created)} created, {len(report.existing)} existing; "
-        "register change data capture with: freshline cdc register"
-    )
+    console.print(f"topics: {len(report.created)} created, {len(report.existing)} existing")
+    if cdc:
+        register_connector(database_host=database_host)
+    else:
+        console.print("change data capture not registered (--no-cdc): freshline cdc register")
 
 
 def _plan(publication: str) -> Plan:
@@ -196,6 +221,7 @@ def _print(result: Plan) -> None:
         out.print(f"lock: apply records schema version {result.schema_version} (new)")
     else:
         out.print(f"lock: {result.lock}")
+    out.print(f"freshline schema: {result.own_schema}")
     out.print(f"change data capture must cover: {', '.join(result.tables)}")
     if result.publication_missing:
         out.print(
@@ -203,6 +229,8 @@ def _print(result: Plan) -> None:
         )
     for ddl in result.replica_identity.values():
         out.print(f"  your table needs: {ddl} (apply runs it only with --alter-tables)")
+    for grant in result.grants:
+        out.print(f"  freshline's roles need: {grant} (apply runs it only with --alter-tables)")
     for problem in result.problems:
         console.print(f"[red]problem:[/red] {problem}")
     if result.ok:

@@ -51,6 +51,10 @@ class Plan:
     replica_identity: dict[str, str] = field(default_factory=dict)
     """Table -> the DDL its routing needs (``ALTER TABLE ... REPLICA IDENTITY FULL``)."""
     publication_missing: list[str] = field(default_factory=list)
+    own_schema: str = ""
+    """freshline's own schema: ``ok`` (at head), or what apply does to it."""
+    grants: list[str] = field(default_factory=list)
+    """``GRANT SELECT`` statements the two freshline roles need on the tables."""
 
     @property
     def ok(self) -> bool:
@@ -76,12 +80,47 @@ def plan(repo: Repository, engine: Engine, schema_version: int, publication: str
             {"p": publication},
         ).scalars()
         result.publication_missing = sorted(set(result.tables) - set(found))
+        result.own_schema = _own_schema(conn)
+        result.grants = missing_grants(conn, [t for t in result.tables if t in columns])
         conn.rollback()
     try:
         result.lock = check(Lock.load(repo.lock_path), schema_version, repo.registry)
     except LockMismatch as exc:
         result.lock = str(exc)
     return result
+
+
+ROLES = ("freshline_api", "freshline_consumer")
+
+
+def _own_schema(conn: Connection) -> str:
+    import migrations
+
+    head = migrations.head()
+    found = conn.execute(sa.text("SELECT to_regclass('freshline.alembic_version')")).scalar()
+    if found is None:
+        return f"missing (apply creates it, at revision {head})"
+    at = conn.execute(sa.text("SELECT version_num FROM freshline.alembic_version")).scalar()
+    return "ok" if at == head else f"at revision {at} (apply upgrades it to {head})"
+
+
+def missing_grants(conn: Connection, tables: list[str]) -> list[str]:
+    """The ``GRANT SELECT`` the freshline roles lack on ``tables`` (none while the roles
+    do not exist yet: apply creates them, then asks again)."""
+    grants = []
+    for role in ROLES:
+        if conn.execute(sa.text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}).first():
+            lacking = [
+                t
+                for t in tables
+                if not conn.execute(
+                    sa.text("SELECT has_table_privilege(:r, quote_ident(:t), 'SELECT')"),
+                    {"r": role, "t": t},
+                ).scalar()
+            ]
+            if lacking:
+                grants.append(f"GRANT SELECT ON {', '.join(lacking)} TO {role}")
+    return grants
 
 
 def _columns(conn: Connection, tables: list[str]) -> dict[str, set[str]]:
