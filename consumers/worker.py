@@ -10,10 +10,10 @@ Each iteration (:meth:`Worker._iteration`):
 4. flush the producer (dead letters and invalidations acknowledged by the broker);
 5. commit the offsets after the batch, for partitions still assigned.
 
-Beside the loop, a thread folds pending bucket deltas into the buckets every
-``bucket_fold_interval_ms`` (upkeep of the incremental path; see
-:mod:`pipeline.cache.incremental`), on a connection of its own, so a fold never holds
-a batch back; a fold already running in another consumer is not waited for.
+Beside the loop, a thread folds the pending changes of the repository's incremental
+path (:mod:`pipeline.core.incremental`; the fraud example's bucket deltas) every
+``bucket_fold_interval_ms``, on a connection of its own, so a fold never holds a batch
+back; a fold already running in another consumer is not waited for.
 
 A crash anywhere before step 5 replays the batch; conditional writes make that
 harmless. A transient failure (Postgres or Redis down, a change not yet visible) pauses
@@ -49,7 +49,6 @@ from consumers.metrics import consumer_metrics
 from consumers.processor import Processor
 from consumers.routing import Router
 from consumers.topics import subscription
-from pipeline.cache import incremental
 from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.recompute import NotYetVisible
 from pipeline.cache.store import check_eviction_policy
@@ -453,18 +452,22 @@ class Worker:
         interval = self.settings.bucket_fold_interval_ms / 1000
         while True:
             try:
-                while incremental.fold(self.engine, max_users=FOLD_USERS, wait=False) == FOLD_USERS:
-                    if self._folding.is_set():
-                        return
+                for path in REGISTRY.maintenances():
+                    while path.fold(self.engine, max_keys=FOLD_USERS, wait=False) == FOLD_USERS:
+                        if self._folding.is_set():
+                            return
             except sa.exc.ProgrammingError as exc:
                 logger.error(
-                    "cannot fold bucket deltas (%s); grant this role EXECUTE on "
-                    "freshline_fold_bucket_deltas, or run freshline buckets fold "
-                    "--follow",
+                    "cannot fold the incremental path's pending changes (%s); grant "
+                    "this role what the repository's path needs (the fraud example: "
+                    "EXECUTE on freshline_fold_bucket_deltas), or run freshline "
+                    "buckets fold --follow",
                     exc.orig,
                 )
                 return
             except sa.exc.SQLAlchemyError as exc:
-                logger.warning("bucket deltas not folded: %s; trying again in %.1fs", exc, interval)
+                logger.warning(
+                    "pending changes not folded: %s; trying again in %.1fs", exc, interval
+                )
             if self._folding.wait(interval):
                 return

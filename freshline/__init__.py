@@ -19,14 +19,17 @@ from pipeline.core.features import (
     Field,
     Table,
 )
+from pipeline.core.incremental import BuildState, IncrementalPath
 from pipeline.core.repository import Repository, load
 
 __all__ = [
     "AS_OF",
     "IMPLICIT_TENANT",
+    "BuildState",
     "Entity",
     "FeatureSet",
     "Field",
+    "IncrementalPath",
     "Repository",
     "Table",
     "load",

@@ -41,6 +41,15 @@ ROOT = Path(__file__).resolve().parents[1]
 FRAUD_MIGRATIONS = migrations.Chain.of(ROOT / "examples" / "fraud" / "migrations", "fraud")
 
 
+def fraud_incremental() -> Any:
+    """The fraud example's incremental path, its own module (``fraud_incremental``,
+    imported by its definitions when the active repository loads)."""
+    import importlib
+
+    REGISTRY.names()  # loads the active repository: the fraud example in the tests
+    return importlib.import_module("fraud_incremental")
+
+
 def migrate(url: str, fraud_revision: str = "head") -> None:
     """freshline's schema at head, and the fraud example's tables at ``fraud_revision``."""
     migrations.upgrade(url, repo=FRAUD_MIGRATIONS, repo_revision=fraud_revision)

@@ -7,7 +7,13 @@ import migrations
 from pipeline.core.db import metadata
 from pipeline.core.errors import ConfigError
 from pipeline.core.settings import Settings
-from tests.conftest import FRAUD_MIGRATIONS, drop_database, migrate, recreate_database
+from tests.conftest import (
+    FRAUD_MIGRATIONS,
+    drop_database,
+    fraud_incremental,
+    migrate,
+    recreate_database,
+)
 
 
 def _columns(engine: sa.Engine, schema: str | None = None) -> dict[str, set[str]]:
@@ -131,7 +137,7 @@ def test_0007_keeps_the_buckets_of_a_database_at_0006_and_folds_them_on_the_way_
 ) -> None:
     """0006's triggers built buckets; under 0007 writes become deltas, and a downgrade
     folds them and puts the direct triggers back, with the same values throughout."""
-    from pipeline.cache import incremental
+    incremental = fraud_incremental()
 
     name = "freshline_migrations_0007_test"
     url = recreate_database(base_settings, name)
@@ -178,7 +184,7 @@ def test_0008_indexes_the_delta_log_by_user_id_and_folds_in_that_order(
 ) -> None:
     """A database that ran 0007 (index on tenant and user) gets the user-id index, and
     its fold function takes users by id; downgrading puts 0007's back. The fold runs."""
-    from pipeline.cache import incremental
+    incremental = fraud_incremental()
 
     name = "freshline_migrations_0008_test"
     url = recreate_database(base_settings, name)

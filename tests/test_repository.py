@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -331,3 +332,50 @@ def test_init_makes_a_repository_that_plan_checks(
     good = freshline("--repo", str(LIBRARY), "plan")
     assert good.returncode == 0, good.stdout + good.stderr
     assert "plan: ok" in good.stdout and "REPLICA IDENTITY FULL" in good.stdout
+
+
+# -- the incremental extension point ---------------------------------------------------
+
+
+def test_an_incremental_query_needs_its_maintenance_and_recomputes_go_through_it() -> None:
+    from freshline import IncrementalPath
+    from pipeline.core.features import Entity, FeatureSet, Field, Registry, Source
+
+    class Recorded(IncrementalPath):
+        """Records the statements asked of it; the SQL it returns is the full query."""
+
+        def __init__(self) -> None:
+            self.asked: list[str] = []
+
+        def statement(self, fs: Any) -> str:
+            self.asked.append(fs.name)
+            return f"-- via the path\n{fs.query}"
+
+        def rebuild(self, conn: Any, keys: Any) -> None:
+            raise AssertionError("not called here")
+
+        def fold(self, db: Any, *, max_keys: int, wait: bool) -> int | None:
+            return 0
+
+        def pending(self, db: Any) -> tuple[int, int]:
+            return 0, 0
+
+    thing = Entity("thing", key="thing_id", type="text")
+    shape = dict(
+        entity=thing,
+        ttl="1h",
+        sources=[Source("things", ("thing_id",))],
+        fields=[Field("n", "int")],
+        query="SELECT k.thing_id, 1 AS n FROM keys k",
+    )
+    with pytest.raises(ConfigError, match="go together"):
+        FeatureSet("a", incremental="SELECT 1", **shape)  # type: ignore[arg-type]
+    path = Recorded()
+    a = FeatureSet("a", incremental="SELECT 1", maintenance=path, **shape)  # type: ignore[arg-type]
+    b = FeatureSet("b", incremental="SELECT 2", maintenance=path, **shape)  # type: ignore[arg-type]
+    plain = FeatureSet("c", **shape)  # type: ignore[arg-type]
+    assert Registry([a, b, plain]).maintenances() == [path]  # each path once
+    assert a.sql("full") == a.statement.text and path.asked == []
+    assert a.sql("incremental").startswith("-- via the path") and path.asked == ["a"]
+    with pytest.raises(ConfigError, match="no incremental path"):
+        plain.sql("incremental")

@@ -2,11 +2,14 @@
 three feature sets.
 
 ``txn_90d`` and ``geo`` also carry an incremental path over per-day partial aggregates,
-the hand-written extension of this example (``migrations`` 0003 and 0007 make its bucket
-tables and triggers; :mod:`pipeline.cache.incremental` argues why it is exact).
+the hand-written extension of this example, registered through freshline's extension
+point (``migrations`` 0003 and 0007 make its bucket tables and triggers;
+``fraud_incremental.py`` maintains them and argues why it is exact).
 """
 
 from __future__ import annotations
+
+from fraud_incremental import BUCKETS
 
 from freshline import AS_OF, Entity, FeatureSet, Field, Table
 
@@ -67,7 +70,7 @@ def rows_horizon(table: str, days: int) -> str:
 
 # The incremental queries' reading of the deltas not yet folded into the buckets
 # (txn_bucket_deltas: +1 per row added, -1 per row removed), for one key ``ki`` and a
-# window whose whole days are dc+1 .. da (lateral ``w1``); pipeline.cache.incremental
+# window whose whole days are dc+1 .. da (lateral ``w1``); fraud_incremental.py
 # argues why buckets plus pending deltas are exact.
 #
 # Per whole day: the deltas' count, sum and sum of squares, and the max and latest
@@ -193,6 +196,7 @@ GROUP BY k.tenant_id, k.user_id
     # after round(, 4) they could differ only if the root's digits past the 4th were
     # 5000...0 to 16 places. Keys with rows or deltas after as_of never reach this
     # query (see incremental.py).
+    maintenance=BUCKETS,
     incremental=f"""
 SELECT ki.tenant_id, ki.user_id,
        a.n::bigint AS txn_count,
@@ -344,6 +348,7 @@ LEFT JOIN LATERAL (
     # those whose latest day is dc. The latest row is the same one (latest time, then
     # greatest id), found by the index's max() first: a planner without statistics
     # would otherwise sort all of a head user's rows for it.
+    maintenance=BUCKETS,
     incremental=f"""
 SELECT ki.tenant_id, ki.user_id,
        lg.country AS last_country,

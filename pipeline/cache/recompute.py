@@ -60,7 +60,6 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.cache.incremental import query_text
 from pipeline.core.errors import FreshlineError, InvalidId
 from pipeline.core.features import IMPLICIT_TENANT, Entity, FeatureSet, Path
 from pipeline.core.keys import validate_id
@@ -251,8 +250,8 @@ def compute(
 
     ``path`` picks the evaluation: ``"full"`` (the defining query over the source
     rows: the reference, e.g. for an audit), ``"incremental"`` (the partial aggregates
-    of :mod:`pipeline.cache.incremental`, same values), or None for the feature set's
-    own ``path``.
+    the repository's :mod:`~pipeline.core.incremental` path keeps, same values), or
+    None for the feature set's own ``path``.
     """
     tenants, ids = entity_ids(refs, feature_set.entity)
     if isinstance(db, Connection):
@@ -265,7 +264,7 @@ def compute(
 
 def feature_statement(fs: FeatureSet, path: Path | None = None) -> sa.TextClause:
     """The feature query joined to the snapshot select: one statement, one snapshot."""
-    body = query_text(fs, path or fs.path)
+    body = fs.sql(path)
     if fs.horizon is not None:  # its moment as the last column: see FeatureSet.horizon
         body = f"SELECT f.*, {fs.horizon} AS valid_until FROM ({body}) AS f"
     return sa.text(

@@ -1,12 +1,13 @@
-"""``freshline buckets build | fold | status`` and ``freshline reconcile``: the incremental
-path.
+"""``freshline buckets build | fold | status`` and ``freshline reconcile``: the active
+repository's incremental path (:mod:`pipeline.core.incremental`).
 
-``buckets build`` fills the per-day partial aggregates for rows that existed before
-migration 0003, a batch of users per transaction, with a progress bar; interrupted
-(Ctrl-C, a crash), it resumes after the last committed batch. ``buckets fold`` moves
-the pending deltas the triggers appended into the buckets (the consumers do it too,
-every ``FRESHLINE_BUCKET_FOLD_INTERVAL_MS``). ``reconcile`` compares the incremental
-path with the full one on sampled users and repairs drifted buckets.
+``buckets build`` fills the partial aggregates for rows that existed before the path
+did, a batch of keys per transaction, with a progress bar; interrupted (Ctrl-C, a
+crash), it resumes after the last committed batch. ``buckets fold`` applies the pending
+changes to the aggregates (the consumers do it too, every
+``FRESHLINE_BUCKET_FOLD_INTERVAL_MS``). ``reconcile`` compares the incremental path
+with the full one on sampled entities and repairs drifted aggregates. The fraud
+example's path is per-day buckets of ``transactions`` with a delta log.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sqlalchemy.engine import Engine
 
 from pipeline.cli.app import console, out, progress_bar
 from pipeline.core.errors import ConfigError
+from pipeline.core.incremental import IncrementalPath
 
 buckets_app = typer.Typer(help="Partial aggregates for the incremental path.", no_args_is_help=True)
 
@@ -37,6 +39,17 @@ def _engine() -> Engine:
     return engine
 
 
+def _path() -> IncrementalPath:
+    from pipeline.core.repository import REGISTRY
+
+    paths = REGISTRY.maintenances()
+    if not paths:
+        raise ConfigError("this repository has no incremental path: nothing to build or fold")
+    if len(paths) > 1:
+        raise ConfigError("this repository has several incremental paths; one is supported")
+    return paths[0]
+
+
 @buckets_app.command("build")
 def build_cmd(
     batch: Annotated[
@@ -54,20 +67,18 @@ def build_cmd(
     Each batch holds LOCK TABLE transactions IN SHARE MODE while it runs: writers
     wait for it (a batch of 2000 users takes well under a second).
     """
-    from pipeline.cache import incremental
-
-    engine = _engine()
+    engine, path = _engine(), _path()
     if restart:
-        incremental.restart(engine)
-    st = incremental.state(engine, count=True)
+        path.restart(engine)
+    st = path.state(engine, count=True)
     if st.complete:
         console.print("buckets: complete, nothing to build")
         return
     where = f", resuming after {st.cursor[0]}/{st.cursor[1]}" if st.cursor else ""
-    console.print(f"buckets: {st.remaining_users:,} users to build{where}")
+    console.print(f"buckets: {st.remaining:,} users to build{where}")
     with progress_bar() as bar:
-        task = bar.add_task("buckets", total=st.remaining_users)
-        built = incremental.build(engine, batch=batch, progress=lambda n: bar.advance(task, n))
+        task = bar.add_task("buckets", total=st.remaining)
+        built = path.build(engine, batch=batch, progress=lambda n: bar.advance(task, n))
     console.print(f"buckets: built {built:,} users; complete")
 
 
@@ -93,21 +104,17 @@ def fold_cmd(
     """
     import time
 
-    from pipeline.cache import incremental
-
-    engine = _engine()
-    deltas, owners = incremental.pending(engine)
+    engine, path = _engine(), _path()
+    deltas, owners = path.pending(engine)
     console.print(f"buckets: {deltas:,} pending deltas of {owners:,} users")
     with progress_bar() as bar:
         task = bar.add_task("fold", total=owners)
-        folded = incremental.fold_all(
-            engine, max_users=users, progress=lambda n: bar.advance(task, n)
-        )
+        folded = path.fold_all(engine, max_keys=users, progress=lambda n: bar.advance(task, n))
     console.print(f"buckets: folded the deltas of {folded:,} users")
     try:
         while follow:
             time.sleep(interval)  # the cadence of the follow loop, not synchronisation
-            incremental.fold_all(engine, max_users=users)
+            path.fold_all(engine, max_keys=users)
     except KeyboardInterrupt:
         console.print("buckets: stopped")
 
@@ -115,31 +122,18 @@ def fold_cmd(
 @buckets_app.command("status")
 def status_cmd() -> None:
     """Whether the buckets cover every user, and their size."""
-    import sqlalchemy as sa
 
-    from pipeline.cache import incremental
-
-    engine = _engine()
-    st = incremental.state(engine, count=True)
-    with engine.connect() as conn:
-        rows = conn.execute(
-            sa.text(
-                "SELECT (SELECT count(*) FROM txn_buckets), (SELECT count(*) FROM "
-                "txn_bucket_members), pg_size_pretty(pg_total_relation_size('txn_buckets') "
-                "+ pg_total_relation_size('txn_bucket_members') "
-                "+ pg_total_relation_size('txn_bucket_latest') "
-                "+ pg_total_relation_size('txn_bucket_deltas'))"
-            )
-        ).one()
+    engine, path = _engine(), _path()
+    st = path.state(engine, count=True)
     if st.complete:
         out.print("build     complete")
     else:
         where = f" after {st.cursor[0]}/{st.cursor[1]}" if st.cursor else ""
-        out.print(
-            f"build     {st.remaining_users:,} users left{where} (run: freshline buckets build)"
-        )
-    out.print(f"buckets   {rows[0]:,} day rows, {rows[1]:,} member rows, {rows[2]}")
-    deltas, owners = incremental.pending(engine)
+        out.print(f"build     {st.remaining:,} users left{where} (run: freshline buckets build)")
+    summary = path.summary(engine)
+    if summary:
+        out.print(f"{path.name:<9} {summary}")
+    deltas, owners = path.pending(engine)
     out.print(
         f"pending   {deltas:,} deltas of {owners:,} users"
         + (" (folded by the consumers, or: freshline buckets fold)" if deltas else "")

@@ -28,12 +28,15 @@ import sys
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import InitVar, dataclass, field, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 import sqlalchemy as sa
 
 from pipeline.core.errors import ConfigError, InvalidId, UnknownFeatureSet
+
+if TYPE_CHECKING:
+    from pipeline.core.incremental import IncrementalPath
 
 FieldType = Literal["int", "float", "bool", "str", "timestamp"]
 FIELD_TYPES: tuple[FieldType, ...] = ("int", "float", "bool", "str", "timestamp")
@@ -43,8 +46,7 @@ WriteMode = Literal["recompute", "invalidate"]
 Path = Literal["full", "incremental"]
 """How a recompute evaluates a feature set: its defining ``query`` over the source rows
 (``full``), or its ``incremental`` query over partial aggregates, which gives the same
-values (an extension a repository registers: the fraud example's is
-:mod:`pipeline.cache.incremental`)."""
+values (an extension a repository registers: :mod:`pipeline.core.incremental`)."""
 
 IMPLICIT_TENANT = "default"
 """The one tenant of a single-tenant repository (an entity without a tenant column)."""
@@ -280,9 +282,12 @@ class FeatureSet:
     mode: WriteMode = "recompute"
     description: str = ""
     incremental: str | None = field(default=None, repr=False, compare=False)
-    """The same features from partial aggregates: the query body for the keys they can
-    answer (``ki``), an extension a repository registers (the fraud example's is
-    :mod:`pipeline.cache.incremental`). Not part of the fingerprint."""
+    """The same features from partial aggregates: the query the ``maintenance`` path
+    evaluates. Not part of the fingerprint."""
+    maintenance: IncrementalPath | None = field(default=None, repr=False, compare=False)
+    """The repository's :class:`~pipeline.core.incremental.IncrementalPath` that keeps
+    those aggregates (the fraud example's is ``examples/fraud/fraud_incremental.py``);
+    required with ``incremental``."""
     path: Path = field(default="full", compare=False)
     """Which evaluation recomputes use by default. Not part of the fingerprint."""
     horizon: str | None = field(default=None, repr=False, compare=False)
@@ -330,6 +335,11 @@ class FeatureSet:
             raise ConfigError(
                 f"feature set {self.name!r}: mode {self.mode!r} is not recompute or invalidate"
             )
+        if (self.incremental is None) != (self.maintenance is None):
+            raise ConfigError(
+                f"feature set {self.name!r}: an incremental query and its maintenance "
+                "(an IncrementalPath) go together"
+            )
         object.__setattr__(self, "statement", sa.text(self.entity.keys_cte() + self.query))
         object.__setattr__(self, "_fingerprint", self._digest())
 
@@ -370,6 +380,16 @@ class FeatureSet:
     def sources_for(self, table: str) -> list[Source]:
         return [s for s in self.sources if s.table == table]
 
+    def sql(self, path: Path | None = None) -> str:
+        """The statement's text on ``path`` (default: this set's own): keys in
+        ``:tenants``/``:ids``, ``:as_of``."""
+        path = path or self.path
+        if path == "full":
+            return self.statement.text
+        self.on_path(path)  # raises without an incremental path
+        assert self.maintenance is not None
+        return self.maintenance.statement(self)
+
     def on_path(self, path: Path) -> FeatureSet:
         """This feature set recomputed by ``path`` by default."""
         if path == "incremental" and self.incremental is None:
@@ -403,6 +423,14 @@ class Registry:
 
     def affected_by(self, table: str) -> list[tuple[FeatureSet, Source]]:
         return [(fs, src) for fs in self._sets.values() for src in fs.sources_for(table)]
+
+    def maintenances(self) -> list[IncrementalPath]:
+        """The incremental paths of these feature sets, each once."""
+        found: dict[int, IncrementalPath] = {}
+        for fs in self._sets.values():
+            if fs.maintenance is not None:
+                found.setdefault(id(fs.maintenance), fs.maintenance)
+        return list(found.values())
 
     def fingerprints(self) -> Mapping[str, str]:
         return {name: fs.fingerprint() for name, fs in self._sets.items()}

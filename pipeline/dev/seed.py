@@ -20,9 +20,9 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.cache import incremental
 from pipeline.core.errors import FreshlineError
 from pipeline.core.keys import validate_id
+from pipeline.core.repository import REGISTRY
 
 Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``, called as rows are loaded."""
@@ -210,7 +210,8 @@ def _build_buckets(conn: sa.Connection, tenants: list[str], progress: Progress |
     ]
     if progress is not None:
         progress("buckets", 0, len(keys))
-    incremental.rebuild(conn, keys)
+    for path in REGISTRY.maintenances():
+        path.rebuild(conn, keys)
     if progress is not None:
         progress("buckets", len(keys), len(keys))
 

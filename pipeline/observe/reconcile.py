@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.cache import incremental
 from pipeline.cache.recompute import compute
 from pipeline.core.features import Registry
 from pipeline.core.repository import REGISTRY
@@ -103,9 +102,17 @@ def reconcile(
     if not report.drifted or not repair:
         report.still_drifted = list(report.drifted)
         return report
-    users = sorted({(d.tenant, int(d.entity)) for d in report.drifted})
     with engine.begin() as conn:
-        incremental.rebuild(conn, users)
+        for path in registry.maintenances():
+            keys = sorted(
+                {
+                    (d.tenant, d.entity)
+                    for d in report.drifted
+                    if registry[d.feature_set].maintenance is path
+                }
+            )
+            if keys:
+                path.rebuild(conn, keys)
     again = {(d.tenant, d.entity) for d in report.drifted}
     report.still_drifted = compare(engine, sorted(again), as_of=as_of, registry=registry)
     left = {(d.tenant, d.entity) for d in report.still_drifted}

@@ -1,4 +1,8 @@
-"""The incremental path: features from per-day partial aggregates, not the whole history.
+"""The fraud example's incremental path: features from per-day partial aggregates, not
+the whole history. It is this repository's own code, registered through freshline's
+extension point (:class:`freshline.IncrementalPath`): ``txn_90d`` and ``geo`` name
+:data:`BUCKETS` as their ``maintenance``; the tables and triggers are this repository's
+migrations 0003-0008.
 
 A full recompute of ``txn_90d`` reads every row of the user's last 90 days, so its
 cost grows with the user's history: the busiest user of the 1M-row Zipf data set
@@ -101,12 +105,12 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.core.features import FeatureSet, Path
+from freshline import BuildState, FeatureSet, IncrementalPath
 
 # A key goes to the bucket query when the build covers its user and it has no row
 # after as_of; the others (k) go to the full query, in the same statement. The build
@@ -156,16 +160,10 @@ def answered(
     return {(t, int(u)) for t, u in rows}
 
 
-def query_text(fs: FeatureSet, path: Path) -> str:
-    """The SQL of ``fs`` on ``path``: keys in ``:tenants``/``:ids``, ``:as_of``.
-
-    On the incremental path, the keys the buckets can answer go to the incremental
-    query and the rest to the full one, in one statement (``UNION ALL``).
-    """
-    if path == "full" or fs.incremental is None:
-        if path == "incremental":
-            fs.on_path(path)  # raises: no incremental query
-        return fs.statement.text
+def query_text(fs: FeatureSet) -> str:
+    """The SQL of ``fs`` on the incremental path: keys in ``:tenants``/``:ids``,
+    ``:as_of``. The keys the buckets can answer go to the incremental query and the rest
+    to the full one, in one statement (``UNION ALL``)."""
     return f"{_KEYS}({fs.incremental})\nUNION ALL\n({fs.query})"
 
 
@@ -231,15 +229,6 @@ def rebuild(conn: Connection, keys: Sequence[tuple[str, int]]) -> None:
     conn.execute(_BUCKET_LOCK)
     for sql in _REBUILD:
         conn.execute(sa.text(sql), params)
-
-
-@dataclass(frozen=True, slots=True)
-class BuildState:
-    """How far the build of existing rows has come."""
-
-    complete: bool
-    cursor: tuple[str, int] | None
-    remaining_users: int | None = None
 
 
 def state(db: Engine | Connection, *, count: bool = False) -> BuildState:
@@ -396,3 +385,55 @@ def pending(db: Engine | Connection) -> tuple[int, int]:
         with db.connect() as conn:
             row = conn.execute(sql).one()
     return int(row[0]), int(row[1])
+
+
+# -- the extension point ------------------------------------------------------------------
+
+
+class Buckets(IncrementalPath):
+    """This module's functions, as the hooks freshline calls (see
+    :mod:`pipeline.core.incremental`)."""
+
+    name = "buckets"
+
+    def statement(self, fs: Any) -> str:
+        return query_text(fs)
+
+    def rebuild(self, conn: Connection, keys: Sequence[tuple[str, Any]]) -> None:
+        rebuild(conn, [(t, int(u)) for t, u in keys])
+
+    def fold(self, db: Engine | Connection, *, max_keys: int, wait: bool) -> int | None:
+        return fold(db, max_users=max_keys, wait=wait)
+
+    def pending(self, db: Engine | Connection) -> tuple[int, int]:
+        return pending(db)
+
+    def state(self, db: Engine | Connection, *, count: bool = False) -> BuildState:
+        return state(db, count=count)
+
+    def build(
+        self, engine: Engine, *, batch: int = 2000, progress: Callable[[int], None] | None = None
+    ) -> int:
+        return build(engine, batch=batch, progress=progress)
+
+    def restart(self, engine: Engine) -> None:
+        restart(engine)
+
+    def summary(self, db: Engine | Connection) -> str:
+        sql = sa.text(
+            "SELECT (SELECT count(*) FROM txn_buckets), (SELECT count(*) FROM "
+            "txn_bucket_members), pg_size_pretty(pg_total_relation_size('txn_buckets') "
+            "+ pg_total_relation_size('txn_bucket_members') "
+            "+ pg_total_relation_size('txn_bucket_latest') "
+            "+ pg_total_relation_size('txn_bucket_deltas'))"
+        )
+        if isinstance(db, Connection):
+            row = db.execute(sql).one()
+        else:
+            with db.connect() as conn:
+                row = conn.execute(sql).one()
+        return f"{row[0]:,} day rows, {row[1]:,} member rows, {row[2]}"
+
+
+BUCKETS = Buckets()
+"""The one instance ``txn_90d`` and ``geo`` name as their maintenance."""
