@@ -1,4 +1,4 @@
-"""``freshline db upgrade | summary`` and ``freshline seed``: the source schema and data."""
+"""``freshline db upgrade | summary`` and ``freshline seed``: the schemas and the data."""
 
 from __future__ import annotations
 
@@ -47,53 +47,54 @@ def db_upgrade(
 
 @db_app.command("summary")
 def db_summary() -> None:
-    """Row counts per tenant and table."""
+    """Row counts of the repository's tables, per tenant where a table has a tenant column."""
+    from pipeline.core.repository import active
+
+    repo = active()
     engine = make_engine(load_settings())
     ping(engine)
+    by_tenant = {t: c for t in repo.table_names() if (c := repo.tenant_column(t))}
     with engine.connect() as conn:
-        rows = conn.execute(
-            sa.text(
-                """
-            SELECT t.id,
-                   (SELECT count(*) FROM users u WHERE u.tenant_id = t.id),
-                   (SELECT count(*) FROM devices d WHERE d.tenant_id = t.id),
-                   (SELECT count(*) FROM transactions x WHERE x.tenant_id = t.id),
-                   (SELECT count(*) FROM transactions x WHERE x.tenant_id = t.id
-                      AND x.created_at > now() - interval '90 days'),
-                   (SELECT max(created_at) FROM transactions x WHERE x.tenant_id = t.id)
-            FROM freshline.tenants t ORDER BY t.id
-            """
-            )
-        ).all()
-        geo = conn.execute(sa.text("SELECT count(*) FROM geoip")).scalar_one()
-    out.print(
-        summary_table(
-            [
-                (
-                    tenant,
-                    n_users,
-                    n_dev,
-                    n_tx,
-                    n_recent,
-                    newest.strftime("%Y-%m-%d %H:%M") if newest else "-",
-                )
-                for tenant, n_users, n_dev, n_tx, n_recent, newest in rows
-            ]
+        tenants = list(
+            conn.execute(sa.text("SELECT id FROM freshline.tenants ORDER BY id")).scalars()
         )
-    )
-    out.print(f"geoip ranges: {geo:,}")
+        counts: dict[str, dict[str, int]] = {t: {} for t in tenants}
+        for table, column in by_tenant.items():
+            grouped = sa.text(
+                f"SELECT {_ident(column)}, count(*) FROM {_ident(table)} "
+                f"WHERE {_ident(column)} = ANY(:t) GROUP BY 1"
+            )
+            for tenant, n in conn.execute(grouped, {"t": tenants}):
+                counts[tenant][table] = int(n)
+        totals = {
+            t: int(conn.execute(sa.text(f"SELECT count(*) FROM {_ident(t)}")).scalar_one())
+            for t in repo.table_names()
+            if t not in by_tenant
+        }
+    if by_tenant:
+        tables = list(by_tenant)
+        out.print(
+            summary_table(
+                tables, [(t, [counts[t].get(name, 0) for name in tables]) for t in tenants]
+            )
+        )
+    for table, n in totals.items():
+        out.print(f"{table}: {n:,} rows (no tenant column)")
 
 
-def summary_table(rows: list[tuple[str, int, int, int, int, str]]) -> Table:
-    """Counts per tenant, borderless so that it reads at 80 columns: figures never wrap,
-    a long tenant id folds within its column."""
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def summary_table(tables: list[str], rows: list[tuple[str, list[int]]]) -> Table:
+    """Counts per tenant and table, borderless so that it reads at 80 columns: figures
+    never wrap, a long tenant id folds within its column."""
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
     table.add_column("tenant", overflow="fold")
-    for name in ("users", "devices", "transactions", "last 90 days"):
+    for name in tables:
         table.add_column(name, justify="right", no_wrap=True)
-    table.add_column("newest", no_wrap=True)
-    for tenant, *counts, newest in rows:
-        table.add_row(tenant, *(f"{n:,}" for n in counts), newest)
+    for tenant, counts in rows:
+        table.add_row(tenant, *(f"{n:,}" for n in counts))
     return table
 
 
