@@ -144,6 +144,9 @@ class Event:
     origin: str = field(default="", compare=False)
     """Where it was declared (``file:line``), for error messages."""
     columns: tuple[Column, ...] = field(init=False, compare=False)
+    _parse: tuple[tuple[str, str, Callable[[str, object], int | str]], ...] = field(
+        init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.topic, str) or not _TOPIC.fullmatch(self.topic):
@@ -156,6 +159,9 @@ class Event:
             object.__setattr__(self, "origin", _caller())
         object.__setattr__(self, "fields", dict(self.fields))
         object.__setattr__(self, "columns", self._resolve())
+        # Looked up once here: change() runs for every record of the topic.
+        parse = tuple((c.name, c.column, _PARSERS[c.type]) for c in self.columns)
+        object.__setattr__(self, "_parse", parse)
 
     def _resolve(self) -> tuple[Column, ...]:
         table = self.table.name
@@ -203,11 +209,11 @@ class Event:
     def change(self, obj: Mapping[str, Any]) -> ChangeEvent:
         """The change a decoded record describes; :class:`EventFieldError` if invalid."""
         row: dict[str, Any] = {}
-        for column in self.columns:
-            value = obj.get(column.name)
+        for name, column, parse in self._parse:
+            value = obj.get(name)
             if value is None:
-                raise EventFieldError("missing_field", column.name, "required")
-            row[column.column] = _PARSERS[column.type](column.name, value)
+                raise EventFieldError("missing_field", name, "required")
+            row[column] = parse(name, value)
         committed_at_ms = _occurred_at_ms(obj)
         version = _version(obj)
         if version is not None:
