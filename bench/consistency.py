@@ -45,7 +45,7 @@ import sqlalchemy as sa
 
 from bench import common
 from consumers.kafka import Producer
-from pipeline.core.topics import TRANSACTION_UPDATED, qualified
+from pipeline.core.topics import qualified
 from pipeline.observe.staleness import GroupLag
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
@@ -108,7 +108,7 @@ class Load:
 
     def __init__(self, ctx: common.Context, tenant: str, users: int) -> None:
         self.ctx, self.tenant, self.users = ctx, tenant, users
-        self.topic = qualified(ctx.settings, TRANSACTION_UPDATED)
+        self.topic = qualified(ctx.settings, "transaction.updated")
         self.events = self.rows_changed = self.failed = 0
         self.touched: set[int] = set()
         self._lock = threading.Lock()
@@ -217,7 +217,7 @@ def run(quick: bool) -> dict[str, Any]:
     plan = QUICK if quick else FULL
     env = _child_env(ctx, version)
     group = f"{ctx.settings.consumer_group}-consistency-{version}"
-    topic = qualified(ctx.settings, TRANSACTION_UPDATED)
+    topic = qualified(ctx.settings, "transaction.updated")
     lag = GroupLag(ctx.settings_for(consumer_group=group))
     consumer_log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
     audit_err = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below

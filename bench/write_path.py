@@ -54,7 +54,7 @@ from pipeline.cache.store import FeatureStore
 from pipeline.core.keys import INVALIDATION_CHANNEL
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
-from pipeline.core.topics import TRANSACTION_UPDATED, logical, qualified
+from pipeline.core.topics import logical, qualified
 
 HOT_USERS = 20
 HOT_SHARE = 0.8
@@ -77,7 +77,7 @@ def _event(tenant: str, user: int, seq: int, at: float) -> bytes:
 
 def _produce(settings: Settings, tenant: str, users: int, n: int, seed: int) -> None:
     rng = random.Random(seed)
-    topic = qualified(settings, TRANSACTION_UPDATED)
+    topic = qualified(settings, "transaction.updated")
     with Producer(settings, **{"linger.ms": 20}) as producer:
         for i in range(n):
             user = _user(rng, users)
@@ -108,7 +108,7 @@ class TimedWorker(Worker):
 def _real(settings: Settings, version: int, n: int) -> dict[str, Any]:
     worker = TimedWorker(
         settings,
-        topics=[qualified(settings, TRANSACTION_UPDATED)],
+        topics=[qualified(settings, "transaction.updated")],
         group=f"{settings.consumer_group}-real-{common.Context.new_schema_version()}",
         versions=lambda: [version],
     )
@@ -134,7 +134,7 @@ def _naive(ctx: common.Context, settings: Settings, version: int, n: int) -> dic
         settings,
         **{"group.id": f"{settings.consumer_group}-naive-{common.Context.new_schema_version()}"},
     )
-    consumer.subscribe([qualified(settings, TRANSACTION_UPDATED)])
+    consumer.subscribe([qualified(settings, "transaction.updated")])
     done = 0
     first_ns: int | None = None
     last_ns = 0
@@ -222,7 +222,7 @@ def _freshness(ctx: common.Context, quick: bool) -> dict[str, Any]:
     }
     common.note(f"write_path: freshness at {rate}/s for {window:.0f}s")
     watcher = common.InvalidationWatcher(ctx.new_redis(), version, data.tenant)
-    topic = qualified(settings, TRANSACTION_UPDATED)
+    topic = qualified(settings, "transaction.updated")
     log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen(
         [FRESHLINE, "consume", "--topics", topic, "--group", group, "--metrics-port", "0"],

@@ -4,8 +4,10 @@ Two input forms become one event:
 
 * Debezium Postgres connector envelopes (JSON converter, with or without the
   ``{"schema": ..., "payload": ...}`` wrapper) on topics ``<prefix>.<schema>.<table>``;
-* domain events (``transaction.created``, ``transaction.updated``, ``device.updated``,
-  ``user.updated``), whose contracts are the JSON Schemas in ``schemas/``.
+* domain events on the topics the active repository declares
+  (:class:`pipeline.core.events.Event`; the fraud example's are ``transaction.created``,
+  ``transaction.updated``, ``device.updated`` and ``user.updated``), whose contracts
+  are the JSON Schemas ``freshline events schemas`` writes.
 
 :func:`decode` returns ``None`` for a tombstone (nothing to do) and raises
 :class:`EventRejected` for anything it cannot turn into an event, never another
@@ -24,13 +26,13 @@ from typing import Any, Literal, cast, get_args
 import orjson
 
 from pipeline.core.errors import FreshlineError, InvalidId
+from pipeline.core.events import Event, EventFieldError
 from pipeline.core.features import Entity, Registry
 from pipeline.core.keys import validate_id
-from pipeline.core.repository import REGISTRY
+from pipeline.core.repository import REGISTRY, Repository, active
 from pipeline.core.settings import Settings
-from pipeline.core.topics import CDC_TOPIC_PATTERN, DOMAIN_TOPICS, TRANSACTION_CREATED
+from pipeline.core.topics import CDC_TOPIC_PATTERN
 from pipeline.core.types import ChangeEvent, Op
-from schemas.events import DeviceEvent, DomainEvent, EventFieldError, TransactionEvent, UserEvent
 
 RejectKind = Literal[
     "oversized",
@@ -44,11 +46,20 @@ RejectKind = Literal[
 
 DEFAULT_MAX_BYTES = Settings.model_fields["max_message_bytes"].default
 
-DOMAIN_MODELS: dict[str, type[DomainEvent]] = {
-    topic: {"transactions": TransactionEvent, "devices": DeviceEvent, "users": UserEvent}[table]
-    for topic, table in DOMAIN_TOPICS.items()
-}
-"""The model each domain-event topic's JSON is parsed with."""
+
+# Keyed by the repository's events tuple's id, and holding that tuple too, as _tables.
+_events: dict[int, tuple[object, dict[str, Event]]] = {}
+
+
+def domain_events(repo: Repository | None = None) -> dict[str, Event]:
+    """The domain events ``repo`` (the active repository) declares, by topic."""
+    events = (repo or active()).events
+    cached = _events.get(id(events))
+    if cached is not None and cached[0] is events:
+        return cached[1]
+    found = {e.topic: e for e in events}
+    _events[id(events)] = (events, found)
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +129,9 @@ def decode(
         raise EventRejected(
             f"{len(value)} bytes, over the {max_bytes}-byte limit", kind="oversized"
         )
-    model = DOMAIN_MODELS.get(topic)
-    if model is not None:
-        return _domain_event(topic, model, _load_object(value))
+    event = domain_events().get(topic)
+    if event is not None:
+        return _domain_event(event, _load_object(value))
     match = CDC_TOPIC_PATTERN.fullmatch(topic)
     if match is None:
         raise EventRejected(f"no decoder for topic {topic!r}", kind="unknown_event_type")
@@ -139,22 +150,11 @@ def _load_object(value: bytes) -> dict[str, Any]:
     return obj
 
 
-def _domain_event(topic: str, model: type[DomainEvent], obj: dict[str, Any]) -> ChangeEvent:
+def _domain_event(event: Event, obj: dict[str, Any]) -> ChangeEvent:
     try:
-        event = model.parse(obj)
+        return event.change(obj)
     except EventFieldError as exc:
         raise EventRejected(str(exc), kind=exc.kind) from exc
-    row = event.row()
-    if event.version is not None:
-        row["_version"] = event.version
-    return ChangeEvent(
-        table=model.table,
-        op="c" if topic == TRANSACTION_CREATED else "u",
-        tenant=event.tenant,
-        row=row,
-        watermark=0,
-        committed_at_ms=event.occurred_at_ms,
-    )
 
 
 def _debezium_event(topic_table: str, obj: dict[str, Any]) -> ChangeEvent | None:

@@ -1,8 +1,8 @@
 """Creating freshline's Kafka topics: ``ensure`` and the topic sets it is given.
 
 Consumers never rely on broker-side auto-creation: ``freshline topics ensure`` creates
-the domain-event, invalidation and dead-letter topics with the configured partition
-count before anything produces to them. Debezium's CDC topics
+the active repository's domain-event topics and the invalidation and dead-letter topics
+with the configured partition count before anything produces to them. Debezium's CDC topics
 (``freshline.public.<table>``) are created by Kafka Connect, not here.
 """
 
@@ -19,8 +19,9 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
 from pipeline.core.errors import FreshlineError
+from pipeline.core.repository import Repository, active
 from pipeline.core.settings import Settings
-from pipeline.core.topics import CDC_PREFIX, DOMAIN_TOPICS, MANAGED_TOPICS, qualified
+from pipeline.core.topics import CDC_PREFIX, DLQ, INVALIDATIONS, qualified
 
 ADMIN_TIMEOUT_S = 15.0
 
@@ -52,7 +53,7 @@ def ensure(
     partitions: int,
     *,
     replication_factor: int | None = None,
-    topics: Iterable[str] = MANAGED_TOPICS,
+    topics: Iterable[str],
     config: dict[str, str] | None = None,
 ) -> EnsureReport:
     """Create each of ``topics`` that does not exist yet; leave existing ones alone.
@@ -133,14 +134,25 @@ def partition_count(admin: AdminClient, topic: str) -> int:
     return len(found.partitions)
 
 
+def event_topics(repo: Repository | None = None) -> list[str]:
+    """The domain-event topics ``repo`` (the active repository) declares."""
+    return [e.topic for e in (repo or active()).events]
+
+
+def managed(repo: Repository | None = None) -> list[str]:
+    """The topics ``freshline topics ensure`` creates: the repository's domain events,
+    the invalidations and the dead letters (contract names, unprefixed)."""
+    return [*event_topics(repo), INVALIDATIONS, DLQ]
+
+
 def managed_topics(settings: Settings) -> list[str]:
-    return [qualified(settings, t) for t in MANAGED_TOPICS]
+    return [qualified(settings, t) for t in managed()]
 
 
 def subscription(settings: Settings) -> list[str]:
     """What ``freshline consume`` reads by default: the domain events and every CDC topic."""
     cdc = rf"^{re.escape(settings.topic_prefix + CDC_PREFIX)}\.public\..*"
-    return [*(qualified(settings, t) for t in DOMAIN_TOPICS), cdc]
+    return [*(qualified(settings, t) for t in event_topics()), cdc]
 
 
 def ensure_from_settings(

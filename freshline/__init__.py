@@ -1,6 +1,7 @@
 """freshline's public API for feature repositories.
 
-A repository's definitions module declares its entities, tables and feature sets with
+A repository's definitions module declares its entities, tables, feature sets and
+domain events with
 these; ``freshline plan`` shows what they would change and ``freshline apply`` does it::
 
     from freshline import Entity, FeatureSet, Field, Table
@@ -11,6 +12,7 @@ these; ``freshline plan`` shows what they would change and ``freshline apply`` d
                            fields=[Field("open_loans", "int")], query="SELECT ...")
 """
 
+from pipeline.core.events import Event, EventField
 from pipeline.core.features import (
     AS_OF,
     IMPLICIT_TENANT,
@@ -27,6 +29,8 @@ __all__ = [
     "IMPLICIT_TENANT",
     "BuildState",
     "Entity",
+    "Event",
+    "EventField",
     "FeatureSet",
     "Field",
     "IncrementalPath",

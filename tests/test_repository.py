@@ -109,7 +109,7 @@ def test_a_repository_loads_its_entities_tables_and_feature_sets(library: Reposi
 def write_repo(tmp_path: Path, body: str) -> Path:
     (tmp_path / "freshline.toml").write_text('[project]\nname = "scratch"\n')
     (tmp_path / "features.py").write_text(
-        "from freshline import Entity, FeatureSet, Field, Table\n" + body
+        "from freshline import Entity, Event, EventField, FeatureSet, Field, Table\n" + body
     )
     return tmp_path
 
@@ -158,6 +158,56 @@ def test_two_feature_sets_with_one_name_are_refused(tmp_path: Path) -> None:
         r"\(the other at .*features.py:3\)",
     ):
         load(repo)
+
+
+EVENTS = (
+    'm = Entity("m", tenant="org")\nt = Table("t", entities={m: "m_id"})\n'
+    'u = Table("u", reverse={m: "SELECT org, m_id FROM t WHERE org = :org AND u = :u_id"},\n'
+    '    tenant="org")\n'
+    'f = FeatureSet("f", entity=m, ttl=1, sources=[t, u], query="")\n'
+)
+
+
+def test_a_repository_collects_its_events(tmp_path: Path) -> None:
+    repo = load(
+        write_repo(
+            tmp_path,
+            EVENTS + 'e = Event("t.made", table=t, op="c")\n'
+            'g = Event("u.changed", table=u, fields={"u_key": EventField("u_id", "uuid")})\n',
+        )
+    )
+    assert [(e.topic, e.op, e.required) for e in repo.events] == [
+        ("t.made", "c", ("tenant", "m_id")),
+        ("u.changed", "u", ("tenant", "u_key")),
+    ]
+    assert repo.events[0].origin == f"{tmp_path / 'features.py'}:7"
+
+
+@pytest.mark.parametrize(
+    ("body", "line", "message"),
+    [
+        (
+            'e = Event("t.made", table=t)\ng = Event("t.made", table=t, op="c")\n',
+            8,
+            "two events have the topic 't.made' (the other at ",
+        ),
+        (
+            'v = Table("v", entities={m: "m_id"})\ne = Event("v.made", table=v)\n',
+            8,
+            "event 'v.made': no feature set reads table 'v'",
+        ),
+        ('e = Event("u.changed", table=u)\n', 7, "reverse queries take :u_id; declare each"),
+        ('e = Event("t.made", table=t, op="d")\n', 7, "op 'd' is not 'c' or 'u'"),
+    ],
+)
+def test_a_bad_event_names_its_file_and_line(
+    tmp_path: Path, body: str, line: int, message: str
+) -> None:
+    repo = write_repo(tmp_path, EVENTS + body)
+    with pytest.raises(ConfigError) as raised:
+        load(repo)
+    assert str(raised.value).startswith(f"{repo / 'features.py'}:{line}: "), raised.value
+    assert message in str(raised.value)
 
 
 def test_no_repository_is_one_line_naming_the_fix(tmp_path: Path) -> None:

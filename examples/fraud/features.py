@@ -1,5 +1,5 @@
 """The fraud example's definitions: one entity (a user of a tenant), five source tables,
-three feature sets.
+three feature sets, four domain-event topics.
 
 ``txn_90d`` and ``geo`` also carry an incremental path over per-day partial aggregates,
 the hand-written extension of this example, registered through freshline's extension
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fraud_incremental import BUCKETS
 
-from freshline import AS_OF, Entity, FeatureSet, Field, Table
+from freshline import AS_OF, Entity, Event, EventField, FeatureSet, Field, Table
 
 user = Entity(
     "user",
@@ -44,6 +44,39 @@ devices = Table(
     },
     tenant="tenant_id",
 )
+transaction_ids = {
+    "user_id": EventField("user_id", description="The user the transaction belongs to"),
+    "transaction_id": EventField("id", "bigint", "The transaction's id"),
+}
+transaction_created = Event(
+    "transaction.created",
+    table=transactions,
+    op="c",
+    description="A transaction was inserted. Publish after the insert commits.",
+    fields=transaction_ids,
+)
+transaction_updated = Event(
+    "transaction.updated",
+    table=transactions,
+    description="A transaction row changed (status, amount, user, ...). Publish after the "
+    "update commits. If the transaction moved to another user, also publish a "
+    "transaction.updated naming the old user_id.",
+    fields=transaction_ids,
+)
+device_updated = Event(
+    "device.updated",
+    table=devices,
+    description="A device row changed (risk score, fingerprint). Every user of the device "
+    "is refreshed.",
+    fields={"device_id": EventField("id", "text", "The device's id")},
+)
+user_updated = Event(
+    "user.updated",
+    table=users,
+    description="A user row changed. The user's features are refreshed.",
+    fields={"user_id": EventField("id", description="The user's id")},
+)
+
 # Every user with a transaction from an IP in the changed range: a superset of those
 # whose latest or last-30-day countries can change.
 geoip = Table(

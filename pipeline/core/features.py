@@ -23,6 +23,7 @@ fields in declared order.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import sys
 import uuid
@@ -120,10 +121,21 @@ def _text_id(value: object) -> str:
 _ID_CHECKS = {"bigint": _bigint_id, "text": _text_id, "uuid": _uuid_id}
 
 
+def validate_key(kind: KeyType, value: object) -> str:
+    """``value`` as the canonical text of a key of type ``kind``, or :class:`InvalidId`."""
+    return _ID_CHECKS[kind](value)
+
+
+_CORE = os.path.dirname(__file__) + os.sep
+
+
 def _caller() -> str:
-    """``file:line`` of the code that declared a definition (outside this module)."""
+    """``file:line`` of the code that declared a definition (outside the definition
+    modules of this package, and the ``__init__`` dataclasses generate)."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename in (__file__, "<string>"):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_CORE) or frame.f_code.co_filename == "<string>"
+    ):
         frame = frame.f_back  # type: ignore[assignment]
     return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
 
@@ -179,7 +191,7 @@ class Entity:
 
     def validate(self, value: object) -> str:
         """``value`` as the canonical text of a key of this entity, or :class:`InvalidId`."""
-        return _ID_CHECKS[self.type](value)
+        return validate_key(self.type, value)
 
     def param(self, text: str) -> int | str:
         """A validated id as the query parameter of its type."""

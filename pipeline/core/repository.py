@@ -29,6 +29,7 @@ from pathlib import Path
 from types import ModuleType
 
 from pipeline.core.errors import ConfigError
+from pipeline.core.events import Event
 from pipeline.core.features import Entity, FeatureSet, Registry, Source, Table
 
 CONFIG = "freshline.toml"
@@ -57,6 +58,8 @@ class Repository:
     migrations: Path | None
     entities: tuple[Entity, ...]
     tables: tuple[Table, ...]
+    events: tuple[Event, ...] = ()
+    """The domain-event topics it declares (:class:`pipeline.core.events.Event`)."""
 
     def table(self, name: str) -> Table | None:
         return next((t for t in self.tables if t.name == name), None)
@@ -152,6 +155,7 @@ def load(path: Path | str) -> Repository:
     feature_sets: dict[str, FeatureSet] = {}
     entities: dict[str, Entity] = {}
     tables: dict[str, Table] = {}
+    events: dict[str, Event] = {}
     for value in vars(module).values():
         if isinstance(value, FeatureSet):
             other = feature_sets.get(value.name)
@@ -165,8 +169,23 @@ def load(path: Path | str) -> Repository:
             entities.setdefault(value.name, value)
         elif isinstance(value, Table):
             tables.setdefault(value.name, value)
+        elif isinstance(value, Event):
+            other_event = events.setdefault(value.topic, value)
+            if other_event is not value:
+                raise DefinitionError(
+                    value.origin,
+                    f"two events have the topic {value.topic!r} "
+                    f"(the other at {other_event.origin})",
+                )
     if not feature_sets:
         raise DefinitionError(str(definitions), "defines no feature set")
+    read = {s.table for fs in feature_sets.values() for s in fs.sources}
+    for event in events.values():
+        if event.table.name not in read:
+            raise DefinitionError(
+                event.origin,
+                f"event {event.topic!r}: no feature set reads table {event.table.name!r}",
+            )
     for fs in feature_sets.values():
         entities.setdefault(fs.entity.name, fs.entity)
     return Repository(
@@ -179,6 +198,7 @@ def load(path: Path | str) -> Repository:
         migrations=migrations,
         entities=tuple(entities.values()),
         tables=tuple(tables.values()),
+        events=tuple(events.values()),
     )
 
 

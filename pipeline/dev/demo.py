@@ -169,7 +169,7 @@ def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> list[str]:
     the inference cache and equals the computed one.
     """
     from consumers.kafka import Producer
-    from pipeline.core.topics import TRANSACTION_CREATED, qualified
+    from pipeline.core.topics import qualified
     from pipeline.inference.training import MODEL_NAME, vector
 
     settings = load_settings()
@@ -201,7 +201,7 @@ def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> list[str]:
         ).scalar_one()
     started = time.monotonic()  # the change has committed
     producer.produce(
-        qualified(settings, TRANSACTION_CREATED),
+        qualified(settings, "transaction.created"),
         orjson.dumps(
             {
                 "tenant": tenant,

@@ -20,7 +20,6 @@ from sqlalchemy.engine import Engine
 
 from consumers.kafka import Producer
 from pipeline.core.errors import FreshlineError
-from pipeline.core.topics import DEVICE_UPDATED, TRANSACTION_CREATED, TRANSACTION_UPDATED
 from pipeline.dev.seed import GEO_BASE, GEO_RANGE_SIZE, GEO_RANGES
 
 
@@ -90,7 +89,7 @@ class Simulator:
                         "now": now,
                     },
                 ).scalar_one()
-                topic, body = TRANSACTION_CREATED, {"user_id": user, "transaction_id": txn}
+                topic, body = "transaction.created", {"user_id": user, "transaction_id": txn}
                 self.totals.created += 1
             elif draw < 0.9:
                 found = conn.execute(
@@ -106,7 +105,7 @@ class Simulator:
                 ).first()
                 if found is None:
                     return
-                topic, body = TRANSACTION_UPDATED, {"user_id": user, "transaction_id": found[0]}
+                topic, body = "transaction.updated", {"user_id": user, "transaction_id": found[0]}
                 self.totals.updated += 1
             else:
                 device = conn.execute(
@@ -120,7 +119,7 @@ class Simulator:
                 ).first()
                 if device is None:
                     return
-                topic, body = DEVICE_UPDATED, {"device_id": device[0]}
+                topic, body = "device.updated", {"device_id": device[0]}
                 self.totals.devices += 1
         event = {"tenant": tenant, **body, "occurred_at": now.isoformat()}
         key = f"{tenant}:{body.get('user_id', body.get('device_id'))}".encode()

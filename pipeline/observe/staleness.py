@@ -204,12 +204,14 @@ def sample(
 
 def source_topics(settings: Settings, registry: Registry) -> dict[str, list[str]]:
     """Feature set -> the broker topics whose events can change it (domain and CDC)."""
-    from pipeline.core.topics import CDC_PREFIX, DOMAIN_TOPICS, qualified
+    from pipeline.core.repository import active
+    from pipeline.core.topics import CDC_PREFIX, qualified
 
+    events = active().events
     out: dict[str, list[str]] = {}
     for name in registry.names():
         tables = {s.table for s in registry[name].sources}
-        topics = [qualified(settings, t) for t, table in DOMAIN_TOPICS.items() if table in tables]
+        topics = [qualified(settings, e.topic) for e in events if e.table.name in tables]
         topics += [f"{settings.topic_prefix}{CDC_PREFIX}.public.{t}" for t in sorted(tables)]
         out[name] = topics
     return out

@@ -20,7 +20,7 @@ from consumers.topics import ensure, managed_topics
 from consumers.worker import Worker
 from pipeline.cache.store import FeatureStore
 from pipeline.core.settings import Settings
-from pipeline.core.topics import TRANSACTION_CREATED, qualified
+from pipeline.core.topics import qualified
 from pipeline.core.types import EntityRef
 from pipeline.observe.audit import Auditor
 from tests.conftest import wait_until
@@ -65,14 +65,14 @@ def test_a_worker_on_the_cluster_writes_entries_the_auditor_finds_consistent(
             {"t": tenant, "n": USERS, "k": USERS * 3},
         ).all()
 
-    worker = Worker(settings, topics=[qualified(settings, TRANSACTION_CREATED)])
+    worker = Worker(settings, topics=[qualified(settings, "transaction.created")])
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
         with Producer(settings) as producer:
             for txn, user in ids:
                 producer.produce(
-                    qualified(settings, TRANSACTION_CREATED),
+                    qualified(settings, "transaction.created"),
                     orjson.dumps(
                         {
                             "tenant": tenant,

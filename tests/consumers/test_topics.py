@@ -12,14 +12,12 @@ from pathlib import Path
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from consumers.topics import ensure, partition_count
+from consumers.topics import ensure, event_topics, managed, partition_count
 from pipeline.core.topics import (
     CDC_SUBSCRIPTION,
     CDC_TOPIC_PATTERN,
     DLQ,
-    DOMAIN_TOPICS,
     INVALIDATIONS,
-    MANAGED_TOPICS,
 )
 
 pytestmark = pytest.mark.kafka
@@ -28,14 +26,14 @@ FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 
 
 def test_topic_names_are_the_documented_ones() -> None:
-    assert set(DOMAIN_TOPICS) == {
+    assert set(event_topics()) == {
         "transaction.created",
         "transaction.updated",
         "device.updated",
         "user.updated",
     }
     assert (INVALIDATIONS, DLQ) == ("freshline.invalidations", "freshline.dlq")
-    assert set(MANAGED_TOPICS) == {*DOMAIN_TOPICS, INVALIDATIONS, DLQ}
+    assert managed() == [*event_topics(), INVALIDATIONS, DLQ]
     match = CDC_TOPIC_PATTERN.fullmatch("freshline.public.transactions")
     assert match is not None and match["table"] == "transactions"
     assert CDC_TOPIC_PATTERN.fullmatch("transaction.updated") is None
@@ -85,9 +83,9 @@ def test_cli_is_idempotent(admin: AdminClient) -> None:
     r = run("topics", "ensure")
     assert r.returncode == 0, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == len(MANAGED_TOPICS)
+    assert len(lines) == len(managed())
     assert all(line.startswith("existing ") for line in lines), r.stderr
-    for name in MANAGED_TOPICS:
+    for name in managed():
         assert partition_count(admin, name) >= 1
         assert any(f" {name} (" in line for line in lines)
 

@@ -38,12 +38,7 @@ from consumers.topics import ensure
 from consumers.worker import Worker
 from pipeline.core.keys import feature_pattern
 from pipeline.core.settings import Settings
-from pipeline.core.topics import (
-    DLQ,
-    INVALIDATIONS,
-    TRANSACTION_CREATED,
-    TRANSACTION_UPDATED,
-)
+from pipeline.core.topics import DLQ, INVALIDATIONS
 from tests.consumers.conftest import (
     PARTITIONS,
     Env,
@@ -88,7 +83,7 @@ def test_a_change_and_its_event_yield_the_recomputed_entry(
     emit(
         producer,
         env,
-        TRANSACTION_CREATED,
+        "transaction.created",
         {
             "tenant": env.tenant,
             "user_id": 4,
@@ -99,7 +94,7 @@ def test_a_change_and_its_event_yield_the_recomputed_entry(
     emit(
         producer,
         env,
-        TRANSACTION_UPDATED,
+        "transaction.updated",
         {"tenant": env.tenant, "user_id": "5", "transaction_id": 1},
     )
     producer.flush()
@@ -154,20 +149,20 @@ def test_bad_input_is_dead_lettered_with_its_reason_and_nothing_is_lost(
     ensure(admin, 1, topics=[unknown])
     good = {"tenant": env.tenant, "user_id": 7, "transaction_id": 1}
     bad: list[tuple[str, bytes, str]] = [
-        (TRANSACTION_UPDATED, b"{not json", "malformed_json"),
-        (TRANSACTION_UPDATED, orjson.dumps({"tenant": env.tenant}), "missing_field"),
-        (TRANSACTION_UPDATED, orjson.dumps({**good, "user_id": "7:*"}), "invalid_id"),
-        (TRANSACTION_UPDATED, orjson.dumps({**good, "tenant": "a{b}"}), "invalid_id"),
-        (TRANSACTION_UPDATED, b'{"tenant": "x", "pad": "' + b"x" * 5000 + b'"}', "oversized"),
+        ("transaction.updated", b"{not json", "malformed_json"),
+        ("transaction.updated", orjson.dumps({"tenant": env.tenant}), "missing_field"),
+        ("transaction.updated", orjson.dumps({**good, "user_id": "7:*"}), "invalid_id"),
+        ("transaction.updated", orjson.dumps({**good, "tenant": "a{b}"}), "invalid_id"),
+        ("transaction.updated", b'{"tenant": "x", "pad": "' + b"x" * 5000 + b'"}', "oversized"),
     ]
-    emit(producer, env, TRANSACTION_UPDATED, good, b"k1")
+    emit(producer, env, "transaction.updated", good, b"k1")
     for topic, value, _ in bad:
         emit(producer, env, topic, value, b"bad")
     producer.produce(unknown, orjson.dumps({"payload": {"op": "c", "after": {"id": 1}}}), b"u")
-    emit(producer, env, TRANSACTION_UPDATED, {**good, "user_id": 8}, b"k2")
+    emit(producer, env, "transaction.updated", {**good, "user_id": 8}, b"k2")
     producer.flush()
     settings = env.settings.model_copy(update={"max_message_bytes": 4096})
-    worker = Worker(settings, topics=[env.topic(TRANSACTION_UPDATED), unknown])
+    worker = Worker(settings, topics=[env.topic("transaction.updated"), unknown])
     totals = worker.run(max_messages=8, timeout=60)
     assert totals.consumed == 8
     assert totals.applied == 2 and totals.dead_lettered == 6 and totals.skipped == 0
@@ -179,7 +174,7 @@ def test_bad_input_is_dead_lettered_with_its_reason_and_nothing_is_lost(
     originals = {v for _, v, _ in bad}
     for m in dead:
         headers = dict(m.headers())
-        assert headers[SOURCE_TOPIC].decode() in (env.topic(TRANSACTION_UPDATED), unknown)
+        assert headers[SOURCE_TOPIC].decode() in (env.topic("transaction.updated"), unknown)
         assert int(headers[SOURCE_OFFSET]) >= 0
         if headers[ERROR_KIND] == b"oversized":
             # Larger than the dead-letter limit: cut, with its size and digest.
@@ -242,7 +237,7 @@ def _burst(engine: Engine, producer: Producer, env: Env, events: int) -> set[int
         emit(
             producer,
             env,
-            TRANSACTION_UPDATED,
+            "transaction.updated",
             {"tenant": env.tenant, "user_id": user, "transaction_id": i},
             f"{env.tenant}:{user}".encode(),
         )
@@ -271,7 +266,7 @@ def test_sigkill_mid_stream_then_restart_converges(
     finally:
         if first.poll() is None:
             first.kill()
-    assert not _group_caught_up(env.settings, [env.topic(TRANSACTION_UPDATED)]), (
+    assert not _group_caught_up(env.settings, [env.topic("transaction.updated")]), (
         "the consumer finished before it was killed; the test proves nothing"
     )
     # More changes land while it is down.
@@ -279,14 +274,14 @@ def test_sigkill_mid_stream_then_restart_converges(
     emit(
         producer,
         env,
-        TRANSACTION_UPDATED,
+        "transaction.updated",
         {"tenant": env.tenant, "user_id": 3, "transaction_id": 1},
     )
     producer.flush()
     second = _spawn(env, log)
     try:
         wait_for(
-            lambda: _group_caught_up(env.settings, [env.topic(TRANSACTION_UPDATED)]),
+            lambda: _group_caught_up(env.settings, [env.topic("transaction.updated")]),
             "the restarted consumer to catch up",
             deadline_s=120,
         )
@@ -318,7 +313,7 @@ def test_two_processes_in_one_group_split_the_partitions(
         wait_for(both_assigned, "both consumers to own partitions", deadline_s=90)
         touched = _burst(engine, producer, env, 600)
         wait_for(
-            lambda: _group_caught_up(env.settings, [env.topic(TRANSACTION_UPDATED)]),
+            lambda: _group_caught_up(env.settings, [env.topic("transaction.updated")]),
             "the group to catch up",
             deadline_s=120,
         )
@@ -344,7 +339,7 @@ def test_redis_down_pauses_and_retries_and_dead_letters_nothing(
         emit(
             producer,
             env,
-            TRANSACTION_UPDATED,
+            "transaction.updated",
             {"tenant": env.tenant, "user_id": user, "transaction_id": user},
         )
     producer.flush()

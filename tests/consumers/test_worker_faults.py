@@ -25,7 +25,7 @@ from sqlalchemy.engine import Engine
 from consumers.dlq import ERROR_KIND, ORIGINAL_SIZE, TRUNCATED, VALUE_SHA256
 from consumers.kafka import Consumer, Producer
 from consumers.worker import Totals, Worker
-from pipeline.core.topics import DLQ, TRANSACTION_UPDATED
+from pipeline.core.topics import DLQ
 from tests.consumers.conftest import (
     PARTITIONS,
     Env,
@@ -102,20 +102,20 @@ def test_a_record_too_big_to_dead_letter_whole_is_cut_and_the_stream_goes_on(
         emit(
             big,
             env,
-            TRANSACTION_UPDATED,
+            "transaction.updated",
             {"tenant": env.tenant, "user_id": 3, "transaction_id": 1},
             b"k",
         )
-        big.produce(env.topic(TRANSACTION_UPDATED), huge, b"k")
+        big.produce(env.topic("transaction.updated"), huge, b"k")
         emit(
             big,
             env,
-            TRANSACTION_UPDATED,
+            "transaction.updated",
             {"tenant": env.tenant, "user_id": 4, "transaction_id": 2},
             b"k",
         )
         big.flush()
-    worker = Worker(env.settings, topics=[env.topic(TRANSACTION_UPDATED)])
+    worker = Worker(env.settings, topics=[env.topic("transaction.updated")])
     totals = worker.run(max_messages=3, timeout=60)
     assert (totals.consumed, totals.applied, totals.dead_lettered) == (3, 2, 1)
     assert_redis_equals_postgres(engine, redis_client, env, {3, 4})
@@ -136,9 +136,9 @@ def test_a_dead_letter_topic_that_refuses_writes_is_retried_and_nothing_is_skipp
 ) -> None:
     dlq = env.topic(DLQ)
     set_topic_max_bytes(admin, dlq, 64)  # every dead letter is now refused by the broker
-    emit(producer, env, TRANSACTION_UPDATED, b"{not json", b"bad")
+    emit(producer, env, "transaction.updated", b"{not json", b"bad")
     producer.flush()
-    worker = Worker(env.settings, topics=[env.topic(TRANSACTION_UPDATED)])
+    worker = Worker(env.settings, topics=[env.topic("transaction.updated")])
     running = Running(worker, timeout=120)
     try:
         wait_for(
@@ -152,7 +152,7 @@ def test_a_dead_letter_topic_that_refuses_writes_is_retried_and_nothing_is_skipp
             for o in committed(
                 env.settings.consumer_group,
                 env.settings.kafka_bootstrap,
-                env.topic(TRANSACTION_UPDATED),
+                env.topic("transaction.updated"),
             )
         )
         set_topic_max_bytes(admin, dlq, BROKER_DEFAULT_MAX_MESSAGE_BYTES)
@@ -252,7 +252,8 @@ def worker_on_private_redis(
 ) -> Iterator[tuple[Worker, Callable[[], None], Callable[[], None]]]:
     url, stop, start = private_redis
     worker = Worker(
-        env.settings.model_copy(update={"redis_url": url}), topics=[env.topic(TRANSACTION_UPDATED)]
+        env.settings.model_copy(update={"redis_url": url}),
+        topics=[env.topic("transaction.updated")],
     )
     yield worker, stop, start
 
@@ -270,14 +271,14 @@ def test_a_partition_assigned_during_a_retry_loses_no_record(
         emit(
             producer,
             env,
-            TRANSACTION_UPDATED,
+            "transaction.updated",
             {"tenant": env.tenant, "user_id": user, "transaction_id": user},
             str(user).encode(),
         )
     producer.flush()
     # Another member of the group holds some partitions; it reads without committing.
     other = consumer_factory(env.settings.consumer_group)
-    other.subscribe([env.topic(TRANSACTION_UPDATED)])
+    other.subscribe([env.topic("transaction.updated")])
     wait_for(
         lambda: other.poll(0.1) is not None or len(other.assignment()) == PARTITIONS,
         "the other member's assignment",
@@ -346,13 +347,13 @@ def test_a_partition_paused_for_a_retry_then_revoked_is_read_when_it_comes_back(
     # librdkafka keeps a partition's pause across a revoke and a later assignment: a
     # partition the worker paused for a retry and lost meanwhile must come back unpaused.
     worker, stop_redis, start_redis = worker_on_private_redis
-    topic = env.topic(TRANSACTION_UPDATED)
+    topic = env.topic("transaction.updated")
     group = env.settings.consumer_group
     for user in range(1, 41):
         emit(
             producer,
             env,
-            TRANSACTION_UPDATED,
+            "transaction.updated",
             {"tenant": env.tenant, "user_id": user, "transaction_id": user},
             str(user).encode(),
         )

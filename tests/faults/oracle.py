@@ -37,13 +37,13 @@ from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine
 
-from consumers.topics import subscription
+from consumers.topics import event_topics, subscription
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.cache.versions import state
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
-from pipeline.core.topics import DOMAIN_TOPICS, qualified
+from pipeline.core.topics import qualified
 from pipeline.core.types import EntityRef
 from tests.faults.processes import Counts, Fleet
 from tests.faults.workload import Produced, Ref
@@ -400,7 +400,7 @@ def check_accounting(
     dlq_ends = end_offsets(settings, dlq_start)
     dead = read_range(settings, {tp: (dlq_start[tp], dlq_ends[tp]) for tp in dlq_start})
     totals: Counts = fleet.totals()
-    domain = {qualified(settings, t) for t in DOMAIN_TOPICS}
+    domain = {qualified(settings, t) for t in event_topics()}
     failures = verdict.failures
 
     # Per partition: produced, committed, and the workload's own records.

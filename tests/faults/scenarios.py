@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from consumers.events import decode
-from pipeline.core.topics import DLQ, TRANSACTION_UPDATED, logical, qualified
+from pipeline.core.topics import DLQ, logical, qualified
 from tests.faults import injectors, oracle
 from tests.faults.injectors import HeldCommit
 from tests.faults.oracle import Partition, Record
@@ -419,7 +419,10 @@ def oversized_record(run: Run) -> None:
     head = f'{{"tenant": "{tenant}", "user_id": {user}, "pad": "'.encode()
     value = head + b"x" * (OVERSIZED_BYTES - len(head) - 2) + b'"}'
     where = run.produce(
-        TRANSACTION_UPDATED, value, f"{tenant}:{user}".encode(), **{"message.max.bytes": 2_000_000}
+        "transaction.updated",
+        value,
+        f"{tenant}:{user}".encode(),
+        **{"message.max.bytes": 2_000_000},
     )
     run.note(
         f"produced a {len(value):,}-byte record at {where.topic}[{where.partition}]@{where.offset}"
@@ -447,7 +450,7 @@ def dlq_unavailable(run: Run) -> None:
         for i in range(run.span(3, 6)):
             user = run.rng.choice(sorted(run.workload.users))
             where = run.produce(
-                TRANSACTION_UPDATED, MALFORMED + str(i).encode(), f"{tenant}:{user}".encode()
+                "transaction.updated", MALFORMED + str(i).encode(), f"{tenant}:{user}".encode()
             )
             run.note(f"malformed record at {where.topic}[{where.partition}]@{where.offset}")
             run.workload.wait_for(run.workload.progress + run.span(5, 30))

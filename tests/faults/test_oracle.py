@@ -19,7 +19,7 @@ from consumers.kafka import Producer
 from pipeline.core.codec import encode_entry
 from pipeline.core.keys import feature_key
 from pipeline.core.repository import REGISTRY
-from pipeline.core.topics import TRANSACTION_UPDATED, qualified
+from pipeline.core.topics import qualified
 from pipeline.core.types import EntityRef
 from pipeline.dev.chaos import DEFAULT_SEED, SEED_ENV, Profile
 from tests.faults.harness import Case, FaultEnv, Run, run_case
@@ -51,7 +51,7 @@ def sabotage(run: Run) -> None:
     )
     # (b) A record the workload did not produce, and one that cannot be decoded.
     with Producer(settings) as producer:
-        topic = qualified(settings, TRANSACTION_UPDATED)
+        topic = qualified(settings, "transaction.updated")
         producer.produce(
             topic, orjson.dumps({"tenant": tenant, "user_id": int(entity), "transaction_id": 1})
         )

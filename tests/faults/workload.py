@@ -39,7 +39,6 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from consumers.kafka import Delivery, Producer
-from pipeline.core.topics import DEVICE_UPDATED, TRANSACTION_CREATED, TRANSACTION_UPDATED
 from pipeline.dev.seed import COUNTRIES
 
 log = logging.getLogger("freshline.faults.workload")
@@ -362,7 +361,7 @@ class Workload:
         ).scalar_one()
         self._cdc_pending["transactions"] += 1
         self._touch(user)
-        return [(TRANSACTION_CREATED, {"user_id": user, "transaction_id": int(txn)})]
+        return [("transaction.created", {"user_id": user, "transaction_id": int(txn)})]
 
     def _txn_amount(
         self, conn: Connection, user: int, _other: int, pick: float, value: float
@@ -379,7 +378,7 @@ class Workload:
         )
         self._cdc_pending["transactions"] += 1
         self._touch(user)
-        return [(TRANSACTION_UPDATED, {"user_id": user, "transaction_id": txn})]
+        return [("transaction.updated", {"user_id": user, "transaction_id": txn})]
 
     def _txn_delete(
         self, conn: Connection, user: int, _other: int, pick: float, _value: float
@@ -393,7 +392,7 @@ class Workload:
         )
         self._cdc_pending["transactions"] += 2  # the delete and its tombstone
         self._touch(user)
-        return [(TRANSACTION_UPDATED, {"user_id": user, "transaction_id": txn})]
+        return [("transaction.updated", {"user_id": user, "transaction_id": txn})]
 
     def _txn_move(
         self, conn: Connection, user: int, other: int, pick: float, _value: float
@@ -412,8 +411,8 @@ class Workload:
         self._touch(user, other)
         # As the README asks: once with the old user, once with the new.
         return [
-            (TRANSACTION_UPDATED, {"user_id": user, "transaction_id": txn}),
-            (TRANSACTION_UPDATED, {"user_id": other, "transaction_id": txn}),
+            ("transaction.updated", {"user_id": user, "transaction_id": txn}),
+            ("transaction.updated", {"user_id": other, "transaction_id": txn}),
         ]
 
     def _device_risk(
@@ -438,7 +437,7 @@ class Workload:
         )
         self._cdc_pending["devices"] += 1
         self._touch(*self._device_users(conn, device))
-        return [(DEVICE_UPDATED, {"device_id": device})]
+        return [("device.updated", {"device_id": device})]
 
     def _link_add(
         self, conn: Connection, user: int, _other: int, pick: float, _value: float

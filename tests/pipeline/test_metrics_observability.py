@@ -22,7 +22,7 @@ from pipeline.core.codec import encode_entry
 from pipeline.core.keys import feature_key
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
-from pipeline.core.topics import TRANSACTION_UPDATED, qualified
+from pipeline.core.topics import qualified
 from pipeline.core.types import EntityRef
 from pipeline.dev.seed import SeedSummary
 from pipeline.observe.staleness import GroupLag, sample, source_topics
@@ -167,7 +167,7 @@ def test_lag_grows_while_no_consumer_runs(settings: Settings, admin: AdminClient
     )
     topics = managed_topics(local)
     ensure(admin, 2, topics=topics)
-    topic = qualified(local, TRANSACTION_UPDATED)
+    topic = qualified(local, "transaction.updated")
     feeds = source_topics(local, REGISTRY)
     assert topic in feeds["txn_90d"]
     lag = GroupLag(local)

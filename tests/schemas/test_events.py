@@ -1,66 +1,102 @@
-"""The JSON Schema files and the typed models say the same thing."""
+"""The committed JSON Schema files and the event declarations say the same thing."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
+from typer.testing import CliRunner
 
-from consumers.events import DOMAIN_MODELS
-from pipeline.core.topics import DOMAIN_TOPICS
-from schemas.events import SCHEMA_DIR, DomainEvent, schema_path
+from consumers.events import EventRejected, decode, domain_events
+from pipeline.cli import app
+from pipeline.core.events import Event, EventFieldError, event_schema, schema_file
+from pipeline.core.features import Entity, Table
+from pipeline.core.repository import active
 from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
 
 ID_PROPERTIES = {"tenant", "device_id"}
 NUMERIC_ID_PROPERTIES = {"user_id", "transaction_id"}
+TOPICS = sorted(domain_events())
+
+
+def schema_dir() -> Path:
+    return active().path / "schemas"
 
 
 def load(topic: str) -> dict[str, Any]:
-    schema: dict[str, Any] = json.loads(schema_path(topic).read_text())
+    schema: dict[str, Any] = json.loads((schema_dir() / f"{topic}.schema.json").read_text())
     return schema
 
 
-def required_fields(model: type[DomainEvent]) -> set[str]:
-    return {
-        f.name
-        for f in dataclasses.fields(model)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    }
+def event(topic: str) -> Event:
+    return domain_events()[topic]
+
+
+def test_the_fraud_example_declares_the_four_topics() -> None:
+    assert TOPICS == [
+        "device.updated",
+        "transaction.created",
+        "transaction.updated",
+        "user.updated",
+    ]
 
 
 def test_one_schema_file_per_domain_topic() -> None:
-    files = {p.name.removesuffix(".schema.json") for p in SCHEMA_DIR.glob("*.schema.json")}
-    assert files == set(DOMAIN_TOPICS)
+    files = {p.name.removesuffix(".schema.json") for p in schema_dir().glob("*.schema.json")}
+    assert files == set(TOPICS)
 
 
-@pytest.mark.parametrize("topic", sorted(DOMAIN_TOPICS))
-def test_required_fields_agree(topic: str) -> None:
+@pytest.mark.parametrize("topic", TOPICS)
+def test_committed_files_are_the_generated_ones(topic: str) -> None:
+    name, text = schema_file(event(topic))
+    assert (schema_dir() / name).read_text() == text, "run: freshline events schemas"
+
+
+def test_cli_writes_the_generated_files(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["events", "schemas", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    written = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert written == dict(schema_file(event(t)) for t in TOPICS)
+
+
+@pytest.mark.parametrize("topic", TOPICS)
+def test_required_fields_are_what_the_parser_requires(topic: str) -> None:
     schema = load(topic)
-    model = DOMAIN_MODELS[topic]
-    assert set(schema["required"]) == required_fields(model)
-    model_fields = {f.name for f in dataclasses.fields(model)}
-    assert set(schema["properties"]) == model_fields
+    complete = {
+        name: ("1" if name in NUMERIC_ID_PROPERTIES else "a1") for name in schema["required"]
+    }
+    assert decode(topic, None, orjson.dumps(complete)) is not None
+    for name in schema["required"]:
+        with pytest.raises(EventRejected) as info:
+            decode(topic, None, orjson.dumps({k: v for k, v in complete.items() if k != name}))
+        assert (info.value.kind, info.value.reason) == ("missing_field", f"{name}: required")
+    assert set(schema["properties"]) == {*schema["required"], "occurred_at", "version"}
 
 
-@pytest.mark.parametrize("topic", sorted(DOMAIN_TOPICS))
+@pytest.mark.parametrize("topic", TOPICS)
 def test_schema_shape(topic: str) -> None:
     schema = load(topic)
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     assert schema["type"] == "object"
     assert schema["additionalProperties"] is True  # producers may send more
     assert schema["title"] == topic
+    assert schema["description"] == event(topic).description
     assert set(schema["required"]) <= set(schema["properties"])
     props = schema["properties"]
     assert props["occurred_at"] == {**props["occurred_at"], "type": "string", "format": "date-time"}
     assert props["version"]["type"] == "integer"
+    assert all(p["description"] for p in props.values())
 
 
-@pytest.mark.parametrize("topic", sorted(DOMAIN_TOPICS))
+@pytest.mark.parametrize("topic", TOPICS)
 def test_id_rules_match_the_key_scheme(topic: str) -> None:
-    for name, prop in load(topic)["properties"].items():
+    props = load(topic)["properties"]
+    assert set(props) - {"occurred_at", "version"} <= ID_PROPERTIES | NUMERIC_ID_PROPERTIES
+    for name, prop in props.items():
         if name in ID_PROPERTIES:
             assert prop["pattern"] == f"^{ID_PATTERN.pattern}$"
             assert prop["maxLength"] == MAX_ID_LENGTH
@@ -69,3 +105,23 @@ def test_id_rules_match_the_key_scheme(topic: str) -> None:
             assert integer["type"] == "integer" and integer["minimum"] == 0
             assert integer["maximum"] == 2**63 - 1
             assert re.fullmatch(digits["pattern"].strip("^$"), "9" * 19)
+
+
+def test_a_uuid_key_is_checked_as_cdc_rows_are() -> None:
+    order = Entity("order", key="order_id", type="uuid")
+    orders = Event("order.updated", table=Table("orders", entities={order: "order_id"}))
+    key = "0b9d1c3e-6f0a-4c1e-9a43-3f1f5c2b7d10"
+    change = orders.change({"order_id": key})
+    assert (change.table, change.op, change.tenant, change.row) == (
+        "orders",
+        "u",
+        None,
+        {"order_id": key},
+    )
+    for bad in (key.upper(), key[:-1], 7):
+        with pytest.raises(EventFieldError) as info:
+            orders.change({"order_id": bad})
+        assert info.value.kind == "invalid_id"
+    pattern = event_schema(orders)["properties"]["order_id"]["pattern"]
+    assert re.fullmatch(pattern.strip("^$"), key)
+    assert not re.fullmatch(pattern.strip("^$"), key.upper())

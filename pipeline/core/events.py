@@ -1,0 +1,291 @@
+"""Domain events: a topic a repository declares, whose records name a changed row.
+
+An :class:`Event` says which table's rows its records name and which columns they give:
+the routing columns of the table (its tenant column as ``tenant``, each entity column,
+each reverse-lookup parameter), renamed or extended by ``fields``. The consumers decode
+a record with :meth:`Event.change`; :func:`event_schema` is the same contract as a JSON
+Schema (draft 2020-12), which ``freshline events schemas`` writes for producers.
+
+Parsing is hand-written rather than generic: the consumer decodes thousands of events a
+second, and each failure names the field and says whether it was missing, an id that
+cannot reach a key, or a badly typed value.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from pipeline.core.errors import ConfigError, InvalidId
+from pipeline.core.features import KEY_TYPES, KeyType, Table, _caller, identifier, validate_key
+from pipeline.core.types import ChangeEvent
+from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
+
+EventOp = Literal["c", "u"]
+FieldProblem = Literal["missing_field", "invalid_id", "invalid_field"]
+
+TENANT_FIELD = "tenant"
+"""The wire name of the tenant column in every domain event."""
+MAX_BIGINT = (1 << 63) - 1
+_PARAMETER = re.compile(r"(?<![:\w]):([a-z_][a-z0-9_]*)")
+_TOPIC = re.compile(r"[a-z0-9][a-z0-9_-]*(\.[a-z0-9][a-z0-9_-]*)*")
+
+
+class EventFieldError(ValueError):
+    """A domain event whose fields break its contract."""
+
+    def __init__(self, kind: FieldProblem, field: str, reason: str) -> None:
+        self.kind = kind
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{field}: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class EventField:
+    """A field of a domain event: the row column it gives, that column's key type
+    (default: its entity's), and what it is, for the schema's description."""
+
+    column: str
+    type: KeyType | None = None
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One resolved field: wire name, row column, type, description."""
+
+    name: str
+    column: str
+    type: KeyType
+    description: str
+
+
+def _bigint(name: str, value: object) -> int:
+    # A string of digits too: JSON producers in some languages cannot send 64-bit
+    # integers exactly.
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 19:
+        number = int(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    else:
+        raise EventFieldError("invalid_id", name, "must be an integer or a string of digits")
+    if not 0 <= number <= MAX_BIGINT:
+        raise EventFieldError("invalid_id", name, "out of range for a bigint id")
+    return number
+
+
+def _string_parser(kind: KeyType) -> Callable[[str, object], str]:
+    def parse(name: str, value: object) -> str:
+        if not isinstance(value, str):
+            raise EventFieldError("invalid_id", name, "must be a string")
+        try:
+            return validate_key(kind, value)
+        except InvalidId as exc:
+            raise EventFieldError("invalid_id", name, exc.reason) from None
+
+    return parse
+
+
+_PARSERS: dict[KeyType, Callable[[str, object], int | str]] = {
+    "bigint": _bigint,
+    "text": _string_parser("text"),
+    "uuid": _string_parser("uuid"),
+}
+
+
+def _occurred_at_ms(obj: Mapping[str, Any]) -> int | None:
+    value = obj.get("occurred_at")
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise EventFieldError("invalid_field", "occurred_at", "must be an RFC 3339 string")
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise EventFieldError("invalid_field", "occurred_at", "not an RFC 3339 date-time") from exc
+    if moment.tzinfo is None:
+        raise EventFieldError("invalid_field", "occurred_at", "needs a UTC offset (e.g. 'Z')")
+    return int(moment.timestamp() * 1000)
+
+
+def _version(obj: Mapping[str, Any]) -> int | None:
+    value = obj.get("version")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise EventFieldError("invalid_field", "version", "must be an integer")
+    return value
+
+
+@dataclass(frozen=True)
+class Event:
+    """A domain-event topic: ``Event(topic, table=..., op="u", description=...,
+    fields={...})``.
+
+    A record on ``topic`` says one row of ``table`` was inserted (``op="c"``) or changed
+    (``"u"``), naming it by the table's routing columns: its tenant column (as
+    ``tenant``), each entity column (typed by its entity) and each parameter of its
+    reverse queries. ``fields`` maps a wire name to an :class:`EventField`: naming a
+    routing column renames it on the wire; naming another column adds it (a reverse
+    parameter or an added column needs its ``type``). Every field is required; an
+    ``occurred_at`` (RFC 3339) and a ``version`` (integer) are optional.
+    """
+
+    topic: str
+    table: Table
+    op: EventOp = "u"
+    description: str = ""
+    fields: Mapping[str, EventField] = field(default_factory=dict)
+    origin: str = field(default="", compare=False)
+    """Where it was declared (``file:line``), for error messages."""
+    columns: tuple[Column, ...] = field(init=False, compare=False)
+    _parse: tuple[tuple[str, str, Callable[[str, object], int | str]], ...] = field(
+        init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.topic, str) or not _TOPIC.fullmatch(self.topic):
+            raise ConfigError(f"event {self.topic!r}: not a topic name (dotted lower-case words)")
+        if not isinstance(self.table, Table):
+            raise ConfigError(f"event {self.topic!r}: table must be a Table declaration")
+        if self.op not in ("c", "u"):
+            raise ConfigError(f"event {self.topic!r}: op {self.op!r} is not 'c' or 'u'")
+        if not self.origin:
+            object.__setattr__(self, "origin", _caller())
+        object.__setattr__(self, "fields", dict(self.fields))
+        object.__setattr__(self, "columns", self._resolve())
+        # Looked up once here: change() runs for every record of the topic.
+        parse = tuple((c.name, c.column, _PARSERS[c.type]) for c in self.columns)
+        object.__setattr__(self, "_parse", parse)
+
+    def _resolve(self) -> tuple[Column, ...]:
+        table = self.table.name
+        found: dict[str, Column] = {}  # by row column
+        if self.table.tenant:
+            found[self.table.tenant] = Column(
+                TENANT_FIELD, self.table.tenant, "text", "The tenant id"
+            )
+        for entity, column in self.table.entities.items():
+            found.setdefault(
+                column, Column(column, column, entity.type, f"The {entity.name}'s key")
+            )
+        parameters = [p for q in self.table.reverse.values() for p in _PARAMETER.findall(q)]
+        for name, declared in self.fields.items():
+            identifier(name, f"event {self.topic!r} field")
+            if not isinstance(declared, EventField):
+                raise ConfigError(f"event {self.topic!r} field {name!r}: must be an EventField")
+            identifier(declared.column, f"event {self.topic!r} field {name!r} column")
+            known = found.get(declared.column)
+            kind = declared.type or (known.type if known else None)
+            if kind is None or kind not in KEY_TYPES:
+                raise ConfigError(
+                    f"event {self.topic!r} field {name!r}: give its type "
+                    f"({', '.join(KEY_TYPES)}); column {table}.{declared.column} has no entity"
+                )
+            what = declared.description or (known.description if known else "")
+            found[declared.column] = Column(name, declared.column, kind, what)
+        missing = [p for p in dict.fromkeys(parameters) if p not in found]
+        if missing:
+            raise ConfigError(
+                f"event {self.topic!r}: table {table!r}'s reverse queries take "
+                f"{', '.join(':' + p for p in missing)}; declare each in fields with its type"
+            )
+        names = [c.name for c in found.values()]
+        clash = {n for n in names if names.count(n) > 1} | ({"occurred_at", "version"} & {*names})
+        if clash:
+            raise ConfigError(f"event {self.topic!r}: field names {sorted(clash)} clash")
+        return tuple(found.values())
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        """The wire names every record must give."""
+        return tuple(c.name for c in self.columns)
+
+    def change(self, obj: Mapping[str, Any]) -> ChangeEvent:
+        """The change a decoded record describes; :class:`EventFieldError` if invalid."""
+        row: dict[str, Any] = {}
+        for name, column, parse in self._parse:
+            value = obj.get(name)
+            if value is None:
+                raise EventFieldError("missing_field", name, "required")
+            row[column] = parse(name, value)
+        committed_at_ms = _occurred_at_ms(obj)
+        version = _version(obj)
+        if version is not None:
+            row["_version"] = version
+        tenant = self.table.tenant
+        return ChangeEvent(
+            table=self.table.name,
+            op=self.op,
+            tenant=row[tenant] if tenant else None,
+            row=row,
+            watermark=0,
+            committed_at_ms=committed_at_ms,
+        )
+
+
+_TEXT_RULE = "letters, digits, '_', '.' and '-', starting alphanumeric, at most 64 characters"
+
+
+def _property(event: Event, column: Column) -> dict[str, Any]:
+    where = f"{event.table.name}.{column.column}"
+    if column.type == "bigint":
+        return {
+            "description": f"{column.description} ({where}): a non-negative integer, "
+            "or a string of digits.",
+            "oneOf": [
+                {"type": "integer", "minimum": 0, "maximum": MAX_BIGINT},
+                {"type": "string", "pattern": "^[0-9]{1,19}$"},
+            ],
+        }
+    if column.type == "uuid":
+        return {
+            "type": "string",
+            "pattern": "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$",
+            "description": f"{column.description} ({where}): a lower-case UUID.",
+        }
+    return {
+        "type": "string",
+        "pattern": f"^{ID_PATTERN.pattern}$",
+        "minLength": 1,
+        "maxLength": MAX_ID_LENGTH,
+        "description": f"{column.description} ({where}): {_TEXT_RULE}.",
+    }
+
+
+def event_schema(event: Event) -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of ``event``'s records: what :meth:`Event.change`
+    accepts."""
+    properties = {c.name: _property(event, c) for c in event.columns}
+    properties["occurred_at"] = {
+        "type": "string",
+        "format": "date-time",
+        "description": "When the change was committed at the source (RFC 3339, with a UTC "
+        "offset). Used to measure freshness lag.",
+    }
+    properties["version"] = {
+        "type": "integer",
+        "description": "The row's version at the source, if the producer keeps one. "
+        "Informational: correctness never depends on it.",
+    }
+    verb = "inserted" if event.op == "c" else "changed"
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": f"urn:freshline:event:{event.topic}",
+        "title": event.topic,
+        "description": event.description or f"A {event.table.name} row was {verb}.",
+        "type": "object",
+        "properties": properties,
+        "required": list(event.required),
+        "additionalProperties": True,
+    }
+
+
+def schema_file(event: Event) -> tuple[str, str]:
+    """``(file name, text)`` of ``event``'s schema file: ``<topic>.schema.json``."""
+    return f"{event.topic}.schema.json", json.dumps(event_schema(event), indent=2) + "\n"
