@@ -9,6 +9,7 @@ import copy
 from typing import Any
 
 from pipeline.api.reader import MAX_USER_ID
+from pipeline.api.routes import MAX_JSON_DEPTH
 from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
@@ -16,7 +17,8 @@ _ERROR = {"$ref": "#/components/schemas/Error"}
 
 def _errors(*statuses: int, override: dict[int, str] | None = None) -> dict[str, Any]:
     reasons = {
-        400: "Invalid id, mode or JSON body",
+        400: "Invalid id or mode, a body that is not JSON, or one nested more than "
+        f"{MAX_JSON_DEPTH} levels deep (json_too_deep)",
         401: "Missing, unknown, revoked or expired API key, or too many failed "
         "authentications from this address",
         404: "Unknown feature set or model, or a miss in cache-only mode",
@@ -358,7 +360,9 @@ def _limits(operation: dict[str, Any], body_limit: int) -> None:
         responses["413"] = _json(
             _ERROR, f"Body over {body_limit} bytes (FRESHLINE_API_BODY_LIMIT_BYTES)"
         )
-        operation["requestBody"]["description"] = f"At most {body_limit} bytes."
+        operation["requestBody"]["description"] = (
+            f"At most {body_limit} bytes, nested at most {MAX_JSON_DEPTH} levels deep."
+        )
 
 
 def _document(feature_sets: list[str], schemas: dict[str, Any]) -> dict[str, Any]:

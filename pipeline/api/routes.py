@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from itertools import chain, compress
+from typing import Any, Final, cast
 
 import orjson
 import redis
@@ -35,6 +36,14 @@ from pipeline.inference.models import ModelRegistry
 from pipeline.inference.predictions import InferenceCache, non_finite_rows
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+MAX_JSON_DEPTH: Final = 64
+"""How deeply a request body's arrays and objects may nest (the body itself is level 1).
+
+orjson parses up to 1024 levels but serialises at most 254 (``TypeError: Recursion limit
+reached``), and the semantic cache serialises ``params`` to digest them: anything
+between was a 500. No request needs more than a few levels."""
+_CONTAINERS: Final = frozenset({dict, list})
 
 
 @dataclass(slots=True)
@@ -104,9 +113,42 @@ async def read_json(request: Request) -> Any:
     if not body:
         raise ApiError(400, "invalid_json", "the request body is empty; send a JSON object")
     try:
-        return orjson.loads(body)
+        value = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
+        # orjson's own limit (1024 levels) is told apart only by its message; the
+        # 2000-level bodies of tests/pipeline/test_abuse.py fail if that changes.
+        if exc.msg == "depth limit exceeded":
+            raise _too_deep() from None
         raise ApiError(400, "invalid_json", f"the request body is not JSON: {exc}") from exc
+    # A body with no more brackets than the limit cannot nest deeper: nearly every one.
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and nests_deeper(value, MAX_JSON_DEPTH):
+        raise _too_deep()
+    return value
+
+
+def nests_deeper(value: object, limit: int) -> bool:
+    """Whether ``value``'s lists and dicts nest more than ``limit`` levels deep.
+
+    Level by level, without recursion; each level's children are sorted out by C-level
+    calls, with no Python step per scalar.
+    """
+    level: list[Any] = [value] if type(value) in _CONTAINERS else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        kids: list[Any] = list(
+            chain.from_iterable(x.values() if type(x) is dict else x for x in level)
+        )
+        level = list(compress(kids, map(_CONTAINERS.__contains__, map(type, kids))))
+    return False
+
+
+def _too_deep() -> ApiError:
+    return ApiError(
+        400, "json_too_deep", f"the request body nests more than {MAX_JSON_DEPTH} levels deep"
+    )
 
 
 # The query strings nearly every feature request sends, answered without parsing.
