@@ -57,6 +57,17 @@ class ConsumerMetrics:
             "Batches retried after a transient failure",
             ["service"],
         )
+        self.config_retries = Counter(
+            "freshline_config_retries_total",
+            "Batches held and retried after a configuration error (never dead-lettered)",
+            ["cause"],
+        )
+        self.paused = Gauge(
+            "freshline_consumer_paused",
+            "1 while a configuration error holds the consumer's batch",
+            ["cause"],
+            multiprocess_mode="livemax",
+        )
         self.delivery_failures = Counter(
             "freshline_delivery_failures_total",
             "Flushes whose dead letters or invalidations the broker refused (sent again)",

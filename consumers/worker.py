@@ -4,7 +4,7 @@ Each iteration (:meth:`Worker._iteration`):
 
 1. consume up to ``batch_max_events`` records, waiting at most ``batch_max_wait_ms``;
 2. decode them; a record that cannot become an event goes to the dead-letter topic
-   with its reason, and so does an event that fails to apply on its own;
+   with its reason, and so does an event whose own data fails to apply;
 3. apply the events as one batch (:class:`consumers.processor.Processor`): Redis
    writes, then invalidations on the Redis channel and handed to the producer;
 4. flush the producer (dead letters and invalidations acknowledged by the broker);
@@ -16,11 +16,14 @@ path (:mod:`pipeline.core.incremental`; the fraud example's bucket deltas) every
 back; a fold already running in another consumer is not waited for.
 
 A crash anywhere before step 5 replays the batch; conditional writes make that
-harmless. A transient failure (Postgres or Redis down, a change not yet visible) pauses
-the assigned partitions and retries the same batch with backoff until it succeeds or
-a stop is requested; it never dead-letters a healthy stream. While paused the loop
-keeps polling, to stay in the group: a partition assigned meanwhile is paused too, and
-a record that a poll returns anyway is never dropped: the partition is rewound to it.
+harmless. A failure that is not about one event's data (:mod:`consumers.failures`)
+never dead-letters a healthy stream: a transient one (Postgres or Redis down, a change
+not yet visible) or a configuration one (the deploy pointer, the lock, the eviction
+policy, a permission; logged once with its fix) pauses the assigned partitions and
+retries the same batch with backoff until it succeeds or a stop is requested. While
+paused the loop keeps polling, to stay in the group: a partition assigned meanwhile is
+paused too, and a record that a poll returns anyway is never dropped: the partition is
+rewound to it.
 Rebalance callbacks only run inside ``consume``/``poll``, so a revoke never finds half
 a batch: a revoked partition's records of a retried batch are left uncommitted and
 their new owner reads them again; a commit the rebalance refuses is logged, not fatal.
@@ -38,23 +41,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-import redis
 import sqlalchemy as sa
 from confluent_kafka import Message, TopicPartition
 
 from consumers.dlq import DeadLetters, Record
 from consumers.events import EventRejected, decode
+from consumers.failures import (
+    CONFIGURATION,
+    DATA_ERRORS,
+    RETRIED,
+    TRANSIENT,
+    cause,
+    remedy,
+    service,
+)
 from consumers.kafka import CommitNotYet, Consumer, DeliveryFailed, Producer, check_message
 from consumers.metrics import consumer_metrics
-from consumers.processor import Processor
+from consumers.processor import BatchReport, Processor
 from consumers.routing import Router
 from consumers.topics import subscription
 from pipeline.cache.invalidation import Invalidation
-from pipeline.cache.recompute import NotYetVisible
 from pipeline.cache.store import check_eviction_policy
 from pipeline.cache.versions import WriteVersions
 from pipeline.core.db import make_engine
-from pipeline.core.errors import FreshlineError
 from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
@@ -63,30 +72,12 @@ from pipeline.core.types import ChangeEvent
 
 logger = logging.getLogger("freshline.consumer")
 
-TRANSIENT: tuple[type[BaseException], ...] = (
-    NotYetVisible,
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    redis.exceptions.OutOfMemoryError,  # a full Redis under noeviction: wait for room
-    sa.exc.OperationalError,
-    sa.exc.InterfaceError,
-)
-DATA_ERRORS: tuple[type[BaseException], ...] = (FreshlineError, ValueError, sa.exc.DataError)
-"""Failures of one event's data: dead-lettered, never retried."""
 MAX_BACKOFF_S = 5.0
 CLOSE_TIMEOUT_S = 10.0
 """How long closing the producer (its flush) and the consumer may each take."""
 LAG_EVERY_S = 5.0
 FOLD_USERS = 500
 """Users whose pending bucket deltas one fold takes (a few milliseconds each)."""
-
-
-def _service(exc: BaseException) -> str:
-    if isinstance(exc, NotYetVisible):
-        return "visibility"
-    if isinstance(exc, redis.exceptions.RedisError):
-        return "redis"
-    return "postgres"
 
 
 @dataclass(slots=True)
@@ -242,20 +233,58 @@ class Worker:
         return len(messages)
 
     def _apply_with_retry(self, events: list[tuple[Message, ChangeEvent]]) -> None:
+        """Apply the batch, holding it (uncommitted) while a failure that is not about
+        its data lasts; both kinds are retried with the same backoff.
+
+        A transient failure is logged at each retry. A configuration failure is logged
+        once, naming the fix (again only if it changes), and shown by
+        ``freshline_consumer_paused{cause}`` until the batch goes through.
+        """
         backoff = 0.05
-        while True:
-            try:
-                self._apply(events)
-                return
-            except TRANSIENT as exc:
-                if self._stop.is_set():
-                    raise
-                service = _service(exc)
-                self.totals.retries += 1
-                self.metrics.retries.labels(service).inc()
-                logger.warning("%s: %s; retrying the batch in %.2fs", service, exc, backoff)
+        held: tuple[str, str] | None = None  # the configuration failure's cause and remedy
+        since = time.monotonic()
+        try:
+            while True:
+                try:
+                    self._apply(events)
+                    break
+                except CONFIGURATION as exc:  # first: Redis's AuthenticationError is both
+                    if self._stop.is_set():
+                        raise
+                    failure = (cause(exc), remedy(exc, role=self.engine.url.username))
+                    if failure != held:
+                        if held is not None:
+                            self.metrics.paused.labels(held[0]).set(0)
+                        self.metrics.paused.labels(failure[0]).set(1)
+                        logger.error(
+                            "consumer paused by a configuration error (%s): %s. Not the "
+                            "events' fault, so none is dead-lettered: the batch is held "
+                            "uncommitted and retried, at most %.0fs apart, until it is fixed",
+                            *failure,
+                            MAX_BACKOFF_S,
+                        )
+                        held = failure
+                    self.totals.retries += 1
+                    self.metrics.config_retries.labels(failure[0]).inc()
+                except TRANSIENT as exc:
+                    if self._stop.is_set():
+                        raise
+                    label = service(exc)
+                    self.totals.retries += 1
+                    self.metrics.retries.labels(label).inc()
+                    logger.warning("%s: %s; retrying the batch in %.2fs", label, exc, backoff)
                 self._pause_for(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
+        finally:
+            if held is not None:
+                self.metrics.paused.labels(held[0]).set(0)
+        if held is not None:
+            logger.info(
+                "consumer resumed: the configuration error (%s) is fixed; the batch held "
+                "for %.1fs is applied",
+                held[0],
+                time.monotonic() - since,
+            )
 
     def _flush_with_retry(self) -> None:
         """Flush dead letters and invalidations; send refused ones again until they land.
@@ -349,23 +378,32 @@ class Worker:
         self._policy_checked = True
 
     def _apply(self, events: list[tuple[Message, ChangeEvent]]) -> None:
-        """Apply the batch; if it fails on bad data, find the culprits one by one."""
+        """Apply the batch; if it fails on bad data, find the culprits one by one.
+
+        A transient or configuration failure, of the batch or of any one event, is
+        raised before any event is counted or dead-lettered: the caller retries the
+        whole batch, and the conditional writes make applying an event twice harmless.
+        """
         self._check_policy(at_start=False)
         try:
             report = self.processor.apply([e for _, e in events])
-        except TRANSIENT:
+        except RETRIED:
             raise
         except DATA_ERRORS as exc:
             logger.info("batch failed (%s); applying its events one by one", exc)
-            for msg, event in events:
+            outcomes: list[BatchReport | BaseException] = []
+            for _, event in events:
                 try:
-                    single = self.processor.apply([event])
-                except TRANSIENT:
+                    outcomes.append(self.processor.apply([event]))
+                except RETRIED:
                     raise
                 except DATA_ERRORS as one:
-                    self._dead_letter(msg, one)
+                    outcomes.append(one)
+            for (msg, event), outcome in zip(events, outcomes, strict=True):
+                if isinstance(outcome, BatchReport):
+                    self._applied(msg, event, outcome.written_at_ms)
                 else:
-                    self._applied(msg, event, single.written_at_ms)
+                    self._dead_letter(msg, outcome)
             return
         for msg, event in events:
             self._applied(msg, event, report.written_at_ms)

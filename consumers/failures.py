@@ -1,0 +1,113 @@
+"""What a failure to apply a batch is about, which decides what the worker does with it.
+
+Failures are classified by cause, never by where they surfaced:
+
+- **transient** (:data:`TRANSIENT`): a service is away or behind: Postgres or Redis
+  down, Redis full under ``noeviction``, a change not yet visible. The worker holds
+  the batch and retries it with backoff.
+- **configuration** (:data:`CONFIGURATION`): the deployment is wrong, not the event:
+  the deploy pointer, the lock, the eviction policy or another setting, a permission
+  (Postgres's grants, Redis's ACL), a schema the migrations have not made. Every
+  event would fail alike, so none is dead-lettered: the worker holds the batch, says
+  once what to fix, and retries with the same backoff until it is fixed.
+- **data** (:data:`DATA_ERRORS`): one event's own data cannot be applied (an id no
+  key may hold, a value Postgres refuses). The worker finds the culprits by applying
+  the batch's events one by one and dead-letters them with the reason.
+
+Anything else is a bug: it ends the loop with the batch uncommitted.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import psycopg
+import redis
+import sqlalchemy as sa
+
+from pipeline.cache.recompute import NotYetVisible
+from pipeline.core.errors import (
+    ConfigError,
+    DeployError,
+    FreshlineError,
+    LockMismatch,
+    PermissionDenied,
+)
+
+TRANSIENT: tuple[type[BaseException], ...] = (
+    NotYetVisible,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.OutOfMemoryError,  # a full Redis under noeviction: wait for room
+    sa.exc.OperationalError,
+    sa.exc.InterfaceError,
+)
+CONFIGURATION: tuple[type[BaseException], ...] = (
+    DeployError,
+    LockMismatch,
+    ConfigError,
+    PermissionDenied,
+    sa.exc.ProgrammingError,  # the consumer's own SQL: a missing grant, table or function
+    redis.exceptions.NoPermissionError,
+    redis.exceptions.AuthenticationError,
+)
+"""Failures of the deployment, not of an event: held and retried, never dead-lettered.
+Caught before :data:`TRANSIENT` (Redis's ``AuthenticationError`` is a connection error)
+and before :data:`DATA_ERRORS` (most are :class:`FreshlineError`)."""
+RETRIED: tuple[type[BaseException], ...] = CONFIGURATION + TRANSIENT
+"""Every failure that holds the batch rather than dead-letter an event."""
+DATA_ERRORS: tuple[type[BaseException], ...] = (FreshlineError, ValueError, sa.exc.DataError)
+"""Failures of one event's data: dead-lettered, never retried."""
+
+Cause = Literal["deploy", "lock", "settings", "permission", "schema"]
+
+
+def service(exc: BaseException) -> str:
+    """The label of a transient failure: ``visibility``, ``redis`` or ``postgres``."""
+    if isinstance(exc, NotYetVisible):
+        return "visibility"
+    if isinstance(exc, redis.exceptions.RedisError):
+        return "redis"
+    return "postgres"
+
+
+def cause(exc: BaseException) -> Cause:
+    """The label of a configuration failure (an instance of :data:`CONFIGURATION`)."""
+    if isinstance(exc, DeployError):
+        return "deploy"
+    if isinstance(exc, LockMismatch):
+        return "lock"
+    if isinstance(exc, ConfigError):
+        return "settings"
+    if isinstance(exc, sa.exc.ProgrammingError) and not isinstance(
+        exc.orig, psycopg.errors.InsufficientPrivilege
+    ):
+        return "schema"
+    return "permission"
+
+
+def remedy(exc: BaseException, *, role: str | None = None) -> str:
+    """One line naming what is wrong and how to fix it; ``role`` is the Postgres login."""
+    if isinstance(exc, sa.exc.ProgrammingError):
+        detail = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+        if cause(exc) == "permission":
+            return (
+                f"Postgres refused the consumer's query ({detail}); grant the role "
+                f"{role or '(default)'} (FRESHLINE_POSTGRES_URL) what the repository's "
+                "feature queries read"
+            )
+        return (
+            f"Postgres refused the consumer's query ({detail}); run `freshline db upgrade` "
+            "if the database is behind this code"
+        )
+    if isinstance(exc, redis.exceptions.AuthenticationError):
+        return (
+            f"Redis refused the consumer's login ({exc}); check FRESHLINE_REDIS_USERNAME "
+            "and FRESHLINE_REDIS_PASSWORD"
+        )
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return (
+            f"Redis refused a command to the consumer's user ({exc}); allow it in that "
+            "user's ACL (FRESHLINE_REDIS_USERNAME)"
+        )
+    return str(exc) or repr(exc)
