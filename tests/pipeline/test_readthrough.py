@@ -13,6 +13,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from fraud.seed import SeedSummary
 from pipeline.cache.readthrough import Hooks, ReadThrough, Result
 from pipeline.cache.recompute import Batch, compute, current_watermark
 from pipeline.cache.store import FeatureStore
@@ -21,7 +22,6 @@ from pipeline.core.keys import lease_key
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from pipeline.dev.seed import SeedSummary
 
 TXN_90D = REGISTRY["txn_90d"]
 
