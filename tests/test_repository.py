@@ -5,11 +5,14 @@ a reverse lookup, a feature set in invalidate mode), against the real Postgres a
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -19,17 +22,40 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from consumers.kafka import admin_client
+from consumers.processor import Processor
 from consumers.routing import Router
+from consumers.topics import ensure, ensure_cdc_topics, managed
+from pipeline.api import create_app
+from pipeline.api.auth import TenantExists, create_api_key, create_tenant
+from pipeline.cache.readthrough import Hooks, ReadThrough, Result
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
-from pipeline.cdc.connect import PUBLICATION
+from pipeline.cache.versions import Pointer, VersionResolver, WriteVersions
+from pipeline.cdc.connect import (
+    PUBLICATION,
+    ConnectClient,
+    connector_config,
+    connector_state,
+    drop_slot,
+    names,
+    slot_state,
+)
+from pipeline.core.db import make_engine
 from pipeline.core.errors import ConfigError, InvalidId
 from pipeline.core.features import IMPLICIT_TENANT
+from pipeline.core.keys import feature_key
+from pipeline.core.lock import Lock, LockedSet
 from pipeline.core.repository import Repository, load
 from pipeline.core.settings import Settings
+from pipeline.core.topics import qualified
 from pipeline.core.types import ChangeEvent, EntityRef
 from pipeline.deploy.plan import plan
-from pipeline.deploy.warm import active_entities, count_active
+from pipeline.deploy.pointer import flip, start
+from pipeline.deploy.warm import active_entities, count_active, warm
+from tests.conftest import drop_database, fresh_version, recreate_database, wait_until
+from tests.pipeline.test_api import running
+from tests.pipeline.test_deploy import under_load
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "tests" / "repos" / "library"
@@ -48,12 +74,16 @@ CREATE TABLE IF NOT EXISTS lib_loans (id bigserial PRIMARY KEY, member_id uuid N
 """
 
 
-@pytest.fixture(scope="module")
-def library(engine: Engine) -> Repository:
+def create_tables(engine: Engine) -> None:
     with engine.begin() as conn:
         for statement in TABLES.split(";"):
             if statement.strip():
                 conn.execute(sa.text(statement))
+
+
+@pytest.fixture(scope="module")
+def library(engine: Engine) -> Repository:
+    create_tables(engine)
     return load(LIBRARY)
 
 
@@ -429,3 +459,489 @@ def test_an_incremental_query_needs_its_maintenance_and_recomputes_go_through_it
     assert a.sql("incremental").startswith("-- via the path") and path.asked == ["a"]
     with pytest.raises(ConfigError, match="no incremental path"):
         plain.sql("incremental")
+
+
+# -- the core guarantees on the library ---------------------------------------------------
+#
+# The same public pieces the fraud example's tests drive (read-through, processor, store,
+# deploy, API, consumer), each given the library's registry: nothing here depends on the
+# active repository, except the consumer process, which is pointed at the library.
+
+
+def loan_change(key: str) -> ChangeEvent:
+    """A change to one of ``key``'s loans, as the decoder hands it to the processor."""
+    return ChangeEvent(table="lib_loans", op="u", tenant=None, row={"member_id": key})
+
+
+def member_change(key: str) -> ChangeEvent:
+    return ChangeEvent(table="lib_members", op="u", tenant=None, row={"member_id": key})
+
+
+@pytest.mark.parametrize(
+    ("feature_set", "change", "event", "field", "old", "new"),
+    [
+        (
+            "loans_now",
+            "UPDATE lib_loans SET returned_at = now() WHERE member_id = :m",
+            loan_change,
+            "open_loans",
+            1,
+            0,
+        ),
+        (
+            "standing",
+            "UPDATE lib_members SET suspended = true WHERE member_id = :m",
+            member_change,
+            "suspended",
+            False,
+            True,
+        ),
+    ],
+)
+def test_no_stale_set_when_a_change_lands_mid_read_through(
+    library: Repository,
+    engine: Engine,
+    redis_client: redis.Redis,
+    feature_set: str,
+    change: str,
+    event: Callable[[str], ChangeEvent],
+    field: str,
+    old: object,
+    new: object,
+) -> None:
+    """A reader holds its lease and has queried Postgres; a change commits and the
+    consumer applies it (a recompute, or a tombstone in invalidate mode); the reader's
+    older result goes to its caller, never into Redis."""
+    key = member(engine, f"race-{feature_set}", [(f"race-{uuid.uuid4().hex[:8]}", False)])
+    version = fresh_version()
+    store = FeatureStore(redis_client, version, registry=library.registry)
+    rt = ReadThrough(store, engine, early_refresh=False)
+    ref = EntityRef(feature_set, IMPLICIT_TENANT, key)
+    queried, resume = threading.Event(), threading.Event()
+    answers: list[Result] = []
+    errors: list[BaseException] = []
+
+    def pause(_: list[EntityRef]) -> None:
+        queried.set()
+        if not resume.wait(timeout=30):
+            raise TimeoutError("the test never resumed the reader")
+
+    def read() -> None:
+        try:
+            answers.append(rt.get(ref))
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    rt.hooks.after_compute = pause
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert queried.wait(timeout=30)
+    with engine.begin() as conn:
+        conn.execute(sa.text(change), {"m": key})
+    processor = Processor(
+        engine, redis_client, versions=lambda: [version], registry=library.registry
+    )
+    processor.apply([event(key)])
+    resume.set()
+    reader.join(timeout=30)
+    assert not reader.is_alive() and not errors, errors
+    [answer] = answers
+    assert answer.source == "computed" and answer.values[field] == old
+    assert (rt.counters.stored, rt.counters.refused) == (0, 1)
+    [served] = store.read([ref])
+    rt.hooks.after_compute = None
+    if library.registry[feature_set].mode == "recompute":
+        assert served is not None and served.values[field] == new  # the consumer's stands
+        assert rt.get(ref).source == "hit"
+    else:
+        assert served is None and redis_client.exists(store.key(ref))  # a tombstone
+        fresh = rt.get(ref)  # the next read computes after the change, and stores it
+        assert fresh.source == "computed" and fresh.values[field] == new
+        assert rt.counters.stored == 1
+
+
+def test_sixteen_threads_on_one_missing_uuid_key_compute_once(
+    library: Repository, engine: Engine, redis_client: redis.Redis
+) -> None:
+    key = member(engine, "stampede", [(f"stampede-{uuid.uuid4().hex[:8]}", False)])
+    calls: list[int] = []
+    lock = threading.Lock()
+
+    def count(group: list[EntityRef]) -> None:
+        with lock:
+            calls.append(len(group))
+
+    store = FeatureStore(redis_client, fresh_version(), registry=library.registry)
+    rt = ReadThrough(store, engine, hooks=Hooks(before_compute=count), early_refresh=False)
+    ref = EntityRef("loans_now", IMPLICIT_TENANT, key)
+    begin = threading.Barrier(16)
+    results: list[Result] = []
+
+    def read() -> None:
+        begin.wait(timeout=30)
+        results.append(rt.get(ref))
+
+    threads = [threading.Thread(target=read) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert calls == [1]
+    assert len(results) == 16 and {r.values["open_loans"] for r in results} == {1}
+
+
+@pytest.fixture(scope="module")
+def implicit_tenant_key(engine: Engine) -> str:
+    """An API key of the library's one tenant (``default``): a user of a single-tenant
+    repository creates that tenant and its keys as any other."""
+    try:
+        return create_tenant(engine, IMPLICIT_TENANT)
+    except TenantExists:  # another module of the session made it
+        return create_api_key(engine, IMPLICIT_TENANT)
+
+
+def test_the_api_serves_the_one_tenant_and_a_key_of_another_gets_nothing(
+    library: Repository,
+    engine: Engine,
+    redis_client: redis.Redis,
+    settings: Settings,
+    implicit_tenant_key: str,
+) -> None:
+    """Over HTTP: uuid ids are served to a key of the implicit tenant; a key of any other
+    tenant gets nothing of it (docs/repositories.md: "a key of another tenant gets
+    nothing")."""
+    version = fresh_version()
+    local = settings.model_copy(update={"schema_version": version, "local_cache_size": 0})
+    ada = member(engine, "api", [(f"api-{uuid.uuid4().hex[:8]}", False)] * 2)
+    truth = compute(engine, library.registry["loans_now"], [(IMPLICIT_TENANT, ada)])
+    stranger = f"lib-other-{uuid.uuid4().hex[:8]}"
+    other = create_tenant(engine, stranger)
+    app = create_app(
+        local,
+        engine=engine,
+        redis_client=redis_client,
+        registry=library.registry,
+        follow_deploys=False,
+    )
+    with running(app, implicit_tenant_key) as api:
+        first = api.get(f"/v1/features/loans_now/{ada}")
+        assert first.status_code == 200, first.text
+        assert first.json()["values"] == truth.values[(IMPLICIT_TENANT, ada)]
+        assert first.json()["values"]["open_loans"] == 2
+        again = api.get(f"/v1/features/loans_now/{ada}?mode=cache-only")
+        assert again.status_code == 200 and again.json()["source"] == "hit"
+        batch = api.post(
+            "/v1/features/batch",
+            json={"feature_sets": ["loans_now", "standing"], "entities": [ada]},
+        )
+        assert batch.status_code == 200, batch.text
+        assert [i["values"] is not None for i in batch.json()["items"]] == [True, True]
+        # The entries are the implicit tenant's: that is the key space served.
+        stored = EntityRef("loans_now", IMPLICIT_TENANT, ada)
+        assert redis_client.exists(feature_key(version, stored))
+
+        # A key of any other tenant reads nothing: refused where it would compute,
+        # a miss where it may only read the cache, and nothing stored for it.
+        refused = api.get(f"/v1/features/loans_now/{ada}", key=other)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "invalid_id"
+        assert "single-tenant" in refused.json()["error"]["message"]
+        missed = api.get(f"/v1/features/loans_now/{ada}?mode=cache-only", key=other)
+        assert missed.status_code == 404 and missed.json()["error"]["code"] == "miss"
+        foreign_batch = api.post(
+            "/v1/features/batch?mode=cache-only",
+            json={"feature_sets": ["loans_now", "standing"], "entities": [ada]},
+            key=other,
+        )
+        assert "open_loans" not in foreign_batch.text
+        assert foreign_batch.status_code == 200, foreign_batch.text
+        assert [i["values"] for i in foreign_batch.json()["items"]] == [None, None]
+        assert not redis_client.exists(
+            *(
+                feature_key(version, EntityRef(fs, stranger, ada))
+                for fs in ("loans_now", "standing")
+            )
+        )
+        # Ids are checked as the entity's type: a uuid in canonical lower case only.
+        upper = api.get(f"/v1/features/loans_now/{ada.upper()}")
+        assert upper.status_code == 400 and upper.json()["error"]["code"] == "invalid_id"
+
+
+def test_a_deploy_warms_the_new_version_and_readers_move_to_it_whole(
+    library: Repository, engine: Engine, redis_client: redis.Redis, settings: Settings
+) -> None:
+    sets = library.registry.names()
+    a, b = fresh_version(), fresh_version()
+    entry = {fs.name: LockedSet.of(fs) for fs in library.registry}
+    lock = Lock({a: entry, b: entry})
+    pointer = Pointer.scoped(uuid.uuid4().hex)
+    local = settings.model_copy(update={"schema_version": a})
+    r, reg = redis_client, library.registry
+    keys = [
+        member(engine, f"deploy-{i}", [(f"dep-{uuid.uuid4().hex[:8]}", False)]) for i in range(4)
+    ]
+    refs = [EntityRef(fs, IMPLICIT_TENANT, k) for k in keys for fs in sets]
+    resolver = VersionResolver(r, local, pointer=pointer, lock=lock, max_age_s=0)
+    rt = ReadThrough(
+        FeatureStore(r, a, registry=reg), engine, early_refresh=False, versions=resolver
+    )
+    writes = WriteVersions(r, local, pointer=pointer, lock=lock, registry=reg, max_age_s=0)
+    processor = Processor(engine, r, versions=writes, registry=reg)
+    try:
+        flip(r, local, a, lock, pointer=pointer, registry=reg)
+        assert {x.schema_version for x in rt.get_many(refs)} == {a}
+        assert all(x.hit for x in rt.get_many(refs))
+
+        start(r, local, b, lock, pointer=pointer)
+        assert writes() == [a, b]
+        entity = reg["loans_now"].entity
+        for name in sets:
+            batches = active_entities(engine, entity, [IMPLICIT_TENANT], batch_size=50)
+            warmed = warm(r, engine, b, name, batches, lock, registry=reg)
+            assert (
+                warmed.written == warmed.entities == count_active(engine, entity, [IMPLICIT_TENANT])
+            )
+        # A change during the deploy: the consumer writes both namespaces.
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text("UPDATE lib_loans SET returned_at = now() WHERE member_id = :m"),
+                {"m": keys[0]},
+            )
+        assert processor.apply([loan_change(keys[0])]).writes.written == 2
+        changed = EntityRef("loans_now", IMPLICIT_TENANT, keys[0])
+        for version in (a, b):
+            [found] = FeatureStore(r, version, registry=reg).read([changed])
+            assert found is not None and found.values["open_loans"] == 0
+
+        def read() -> list[tuple[int, bool]]:
+            return [(x.schema_version, x.hit) for x in rt.get_many(refs)]
+
+        def deploy() -> None:
+            flip(r, local, b, lock, pointer=pointer, registry=reg)
+
+        rounds, before = under_load(read, deploy)
+        assert all(len({v for v, _ in answer}) == 1 for answer in rounds)  # never mixed
+        assert rounds[0][0][0] == a and {v for v, _ in rounds[-1]} == {b}
+        assert all(v == b for answer in rounds[before + 1 :] for v, _ in answer)
+        assert all(hit for answer in rounds for _, hit in answer)  # warmed: no miss storm
+        assert writes() == [b, a]  # the old one stays written for a TTL: a rollback is safe
+        served = {x.ref: x.values for x in rt.get_many(refs)}
+        assert served[changed]["open_loans"] == 0
+        truth = {
+            name: compute(engine, reg[name], [(IMPLICIT_TENANT, k) for k in keys]).values
+            for name in sets
+        }
+        assert served == {ref: truth[ref.feature_set][(ref.tenant, ref.entity)] for ref in refs}
+    finally:
+        r.delete(
+            pointer.active_key,
+            pointer.next_key,
+            pointer.previous_key,
+            pointer.retired_key(a),
+            pointer.retired_key(b),
+        )
+
+
+@pytest.fixture(scope="module")
+def own_engine(base_settings: Settings) -> Iterator[Engine]:
+    """A database of the module's own with the library's tables: a TRUNCATE, and the
+    CDC test's publication and replication slot, stay out of the session's database."""
+    name = f"freshline_library_{uuid.uuid4().hex[:8]}"
+    url = recreate_database(base_settings, name)
+    own = make_engine(base_settings.model_copy(update={"postgres_url": url}))
+    create_tables(own)
+    yield own
+    own.dispose()
+    drop_database(base_settings, name)
+
+
+def test_a_truncate_of_loans_voids_the_sets_it_feeds_and_later_entries_serve(
+    library: Repository, own_engine: Engine, redis_client: redis.Redis
+) -> None:
+    version = fresh_version()
+    store = FeatureStore(redis_client, version, registry=library.registry)
+    loans_now, standing = library.registry["loans_now"], library.registry["standing"]
+    keys = [member(own_engine, f"trunc-{i}", [(f"trunc-{i}", False)]) for i in range(3)]
+    pairs = [(IMPLICIT_TENANT, k) for k in keys]
+    before = compute(own_engine, loans_now, pairs)
+    assert store.write(before).written == 3
+    assert store.write(compute(own_engine, standing, pairs)).written == 3
+    with own_engine.begin() as conn:
+        conn.execute(sa.text("TRUNCATE lib_loans"))
+    processor = Processor(
+        own_engine, redis_client, versions=lambda: [version], registry=library.registry
+    )
+    # What the decoder makes of Debezium's truncate envelope: no row, op "t".
+    report = processor.apply([ChangeEvent(table="lib_loans", op="t", tenant=None, row={})])
+    assert {(i.feature_set, i.entity) for i in report.invalidations} == {("loans_now", "*")}
+    loans = [EntityRef("loans_now", t, k) for t, k in pairs]
+    assert store.read(loans) == [None] * 3  # every entry computed before it
+    assert None not in store.read([EntityRef("standing", t, k) for t, k in pairs])
+    assert store.write(before).written == 0  # a result from before it is refused
+    after = compute(own_engine, loans_now, pairs)
+    assert store.write(after).written == 3
+    assert [e.values["open_loans"] if e else None for e in store.read(loans)] == [0, 0, 0]
+
+
+CDC_DEADLINE_S = 90.0
+
+
+@pytest.mark.kafka
+@pytest.mark.connect
+def test_plain_sql_reaches_the_served_entries_through_debezium(
+    library: Repository,
+    own_engine: Engine,
+    settings: Settings,
+    redis_client: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    """Changes made with plain SQL, captured by a Debezium connector of the test's own,
+    applied by ``freshline consume`` on the library repository: a recompute reaches the
+    served value, a reverse lookup reaches every borrower of a book, the invalidate-mode
+    set is tombstoned, and a TRUNCATE voids what the table feeds."""
+    tag = uuid.uuid4().hex[:8]
+    version = fresh_version()
+    local = settings.model_copy(
+        update={
+            "postgres_url": own_engine.url.render_as_string(hide_password=False),
+            "topic_prefix": f"lib{tag}.",
+            "consumer_group": f"test-lib-{tag}",
+            "schema_version": version,
+            "topic_partitions": 2,
+        }
+    )
+    owned = dataclasses.replace(names(local), publication=f"lib_{tag}")
+    tables = library.table_names()
+    topics = [owned.topic(t) for t in tables]
+    managed_topics = [qualified(local, t) for t in managed(library)]
+    admin = admin_client(local)
+    connect = ConnectClient(local.connect_url)
+    with own_engine.begin() as conn:
+        conn.execute(
+            sa.text(f"CREATE PUBLICATION {owned.publication} FOR TABLE {', '.join(tables)}")
+        )
+        conn.execute(sa.text("ALTER TABLE lib_loans REPLICA IDENTITY FULL"))  # as plan says
+    ensure(admin, 2, topics=managed_topics)
+    ensure_cdc_topics(local, topics)
+    store = FeatureStore(redis_client, version, registry=library.registry)
+    log = tmp_path / "consume.log"
+    consumer: subprocess.Popen[bytes] | None = None
+
+    def streaming() -> bool:
+        state, tasks = connector_state(connect, owned.connector)
+        return (
+            state is not None
+            and state.state == "RUNNING"
+            and bool(tasks)
+            and all(t.state == "RUNNING" for t in tasks)
+        )
+
+    def served(feature_set: str, key: str) -> dict[str, Any] | None:
+        [entry] = store.read([EntityRef(feature_set, IMPLICIT_TENANT, key)])
+        return None if entry is None else dict(entry.values)
+
+    def until(condition: Callable[[], bool], what: str) -> None:
+        if not wait_until(condition, CDC_DEADLINE_S):
+            pytest.fail(f"timed out waiting for {what}; consumer log:\n{log.read_text()[-3000:]}")
+
+    try:
+        connect.put_config(
+            owned.connector,
+            connector_config(local, owned, snapshot_mode="no_data", tables=tables),
+        )
+        # Commits after the slot exists are captured; the consumer reads from the start.
+        until(
+            lambda: streaming() and slot_state(own_engine, owned.slot) is not None,
+            "the connector to run and create its slot",
+        )
+        with log.open("wb") as out:
+            consumer = subprocess.Popen(
+                [FRESHLINE, "consume", "--metrics-port", "0"],
+                env={
+                    **os.environ,
+                    "FRESHLINE_REPO": str(LIBRARY),
+                    "FRESHLINE_POSTGRES_URL": local.postgres_url,
+                    "FRESHLINE_REDIS_URL": local.redis_url,
+                    "FRESHLINE_TOPIC_PREFIX": local.topic_prefix,
+                    "FRESHLINE_CONSUMER_GROUP": local.consumer_group,
+                    "FRESHLINE_SCHEMA_VERSION": str(version),
+                    "FRESHLINE_BATCH_MAX_WAIT_MS": "20",
+                },
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        book, shared = f"cdc-{tag}-1", f"cdc-{tag}-2"
+        ada = member(own_engine, "ada", [(book, False), (shared, False)])
+        bob = member(own_engine, "bob", [(shared, True)])
+
+        # Inserts: the recomputed entry is served.
+        until(lambda: (served("loans_now", ada) or {}).get("open_loans") == 2, "ada's loans")
+        bobs = compute(own_engine, library.registry["loans_now"], [(IMPLICIT_TENANT, bob)])
+        until(lambda: served("loans_now", bob) == bobs.values[(IMPLICIT_TENANT, bob)], "bob's")
+
+        # An update of a loan: recomputed.
+        with own_engine.begin() as conn:
+            conn.execute(
+                sa.text("UPDATE lib_loans SET returned_at = now() WHERE book_id = :b"), {"b": book}
+            )
+        until(lambda: (served("loans_now", ada) or {}).get("open_loans") == 1, "the return")
+
+        # A book marked lost: the reverse lookup reaches every member who borrowed it.
+        with own_engine.begin() as conn:
+            conn.execute(
+                sa.text("UPDATE lib_books SET lost = true WHERE book_id = :b"), {"b": shared}
+            )
+        until(
+            lambda: all((served("loans_now", m) or {}).get("lost_books") == 1 for m in (ada, bob)),
+            "the lost book to reach both borrowers",
+        )
+
+        # Invalidate mode: the insert of ada's row tombstoned her `standing` key; an entry
+        # written after it is served until her row changes, then tombstoned, not recomputed.
+        standing = EntityRef("standing", IMPLICIT_TENANT, ada)
+        until(lambda: redis_client.exists(store.key(standing)) == 1, "ada's standing tombstone")
+        computed = compute(own_engine, library.registry["standing"], [(IMPLICIT_TENANT, ada)])
+        assert store.write(computed).written == 1
+        assert served("standing", ada) == {"name": "ada", "suspended": False}
+        with own_engine.begin() as conn:
+            conn.execute(
+                sa.text("UPDATE lib_members SET suspended = true WHERE member_id = :m"), {"m": ada}
+            )
+        until(lambda: served("standing", ada) is None, "ada's standing to be invalidated")
+        assert (
+            redis_client.exists(store.key(standing)) and redis_client.pttl(store.key(standing)) > 0
+        )
+        fresh = ReadThrough(store, own_engine, early_refresh=False).get(standing)
+        assert fresh.source == "computed" and fresh.values["suspended"] is True
+
+        # TRUNCATE: every loans_now entry from before it reads as absent.
+        stale = compute(own_engine, library.registry["loans_now"], [(IMPLICIT_TENANT, ada)])
+        with own_engine.begin() as conn:
+            conn.execute(sa.text("TRUNCATE lib_loans"))
+        until(
+            lambda: served("loans_now", ada) is None and served("loans_now", bob) is None,
+            "the truncate to void the loans_now entries",
+        )
+        assert served("standing", ada) is not None  # lib_loans does not feed standing
+        assert store.write(stale).written == 0
+        after = compute(own_engine, library.registry["loans_now"], [(IMPLICIT_TENANT, ada)])
+        assert store.write(after).written == 1
+        assert (served("loans_now", ada) or {}).get("open_loans") == 0
+    finally:
+        if consumer is not None:
+            consumer.terminate()  # SIGTERM: finish the batch, commit, print the totals
+            try:
+                consumer.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                consumer.kill()
+                consumer.wait(timeout=30)
+        connect.delete(owned.connector)
+        drop_slot(own_engine, owned.slot)
+        with own_engine.begin() as conn:
+            conn.execute(sa.text(f"DROP PUBLICATION IF EXISTS {owned.publication}"))
+        leftovers = [*topics, *managed_topics, f"__debezium-heartbeat.{owned.topic_prefix}"]
+        for future in admin.delete_topics(leftovers, operation_timeout=10).values():
+            with contextlib.suppress(Exception):  # a topic never created (no heartbeat yet)
+                future.result()
+    assert consumer is not None and consumer.returncode == 0, log.read_text()[-3000:]
+    assert ", dead-lettered 0," in log.read_text(), log.read_text()[-3000:]

@@ -8,7 +8,7 @@ pool.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -66,6 +66,22 @@ async def authenticate(request: Request) -> str:
         key = bearer_token(request.headers.get("authorization"))
         principal = await run_in_threadpool(services(request).auth.principal, key)
     return str(principal.tenant)
+
+
+def entity_ids(
+    registry: Registry, feature_sets: Sequence[str], values: Sequence[object]
+) -> list[str]:
+    """``values`` as keys of the entities of ``feature_sets``: each id is checked for each.
+
+    Integer keys take the fast path of :func:`parse_entities`; ``text`` and ``uuid`` keys
+    are checked by their entity (:meth:`pipeline.core.features.Entity.validate`), which
+    takes only their canonical spelling, so every check gives the same text.
+    """
+    entities = {registry[name].entity.type: registry[name].entity for name in feature_sets}
+    if set(entities) == {"bigint"}:
+        return parse_entities(values)
+    ids = [entities[kind].validate(v) for v in values for kind in entities]
+    return ids[:: len(entities)]
 
 
 async def read_json(request: Request) -> Any:
@@ -180,9 +196,10 @@ async def get_features(request: Request) -> Response:
     tenant = await authenticate(request)
     svc = services(request)
     feature_set = request.path_params["feature_set"]
-    svc.registry[feature_set]
+    of = svc.registry[feature_set].entity
     request.state.feature_set = feature_set
-    entity = parse_entity(request.path_params["entity_id"])
+    raw = request.path_params["entity_id"]
+    entity = parse_entity(raw) if of.type == "bigint" else of.validate(raw)
     mode = mode_of(request)
     lookup = Lookup(tenant, (feature_set,), (entity,))
     started = time.perf_counter()
@@ -232,7 +249,7 @@ async def batch(request: Request) -> Response:
         raise ApiError(422, "invalid_request", "'feature_sets' names a feature set twice")
     request.state.feature_set = "*"
     # JSON has one number type: 7.0 is the integer 7, as the OpenAPI document says.
-    lookup = Lookup(tenant, feature_sets, parse_entities(entities))
+    lookup = Lookup(tenant, feature_sets, entity_ids(svc.registry, feature_sets, entities))
     found = await svc.reader.cached_batch(lookup, mode)
     if isinstance(found, Spliced):  # every entry a hit, spliced: the same bytes
         after_response(request, metrics.record_hits, feature_sets[0], len(lookup))

@@ -36,8 +36,9 @@ Events and visibility
 An event can therefore reach the consumer before its change is visible. The consumer
 passes each CDC event's transaction id (Debezium's ``source.txId``) and the snapshot
 statement checks, on the same snapshot, that every one of them is visible
-(``pg_visible_in_snapshot``, the 32-bit id widened to ``xid8`` against the snapshot's
-``xmax``). If one is not, :class:`NotYetVisible` is raised: nothing is written and the
+(``pg_visible_in_snapshot``, the 32-bit id widened to the ``xid8`` with those low bits
+from ``2**30`` ahead of the snapshot's ``xmax`` back: a transaction not yet visible may
+be newer than ``xmax``). If one is not, :class:`NotYetVisible` is raised: nothing is written and the
 batch is retried with backoff. A batch that passes computes from a snapshot that sees
 every change it was sent for, and its watermark outranks every computation that missed
 one of them (those snapshots were taken before the change became visible). An
@@ -69,20 +70,26 @@ FORMAT = 1 << 116
 """The top hex digit of a snapshot watermark: above every LSN-based one written before."""
 XMAX_BITS, XIP_BITS, CLOCK_BITS = 48, 16, 52
 _XIP_ROOM = (1 << XIP_BITS) - 1
-_XID_SPAN = 1 << 32
 
-# One statement, so pg_current_snapshot() is the snapshot of everything it reads. The
-# 32-bit transaction ids of the events are widened to xid8 against the snapshot's xmax
-# (the xid8 with those low 32 bits at or below it); ids of 2**32 and up are full xid8s.
+# One statement, so pg_current_snapshot() is the snapshot of everything it reads. An
+# event's 32-bit transaction id is widened to the xid8 with those low bits in the span
+# [xmax - 3 * 2**30, xmax + 2**30): a transaction is at or above xmax while it is not
+# yet visible, but by less than the ids then running (a transaction committed before
+# its event was read, so its id was issued before this snapshot: at most the running
+# transactions' count past xmax, far below 2**30); every older id, even one of an event
+# replayed after billions of transactions, widens into the past and reads as visible.
+# In epoch 0 an id may widen below 0, to no id ever issued: it reads as visible too.
+# Ids from 2**32 up are full xid8s already.
 _SNAPSHOT_SELECT = """
 SELECT snap.s::text AS snapshot,
        floor(extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS us,
-       ARRAY(SELECT t FROM unnest(CAST(:txids AS bigint[])) AS t
-             WHERE NOT pg_visible_in_snapshot(CAST(CAST(
-                 CASE WHEN t >= 4294967296 THEN t
-                      WHEN ((snap.xmax >> 32) << 32 | t) >= snap.xmax
-                          THEN ((snap.xmax >> 32) << 32 | t) - 4294967296
-                      ELSE (snap.xmax >> 32) << 32 | t END AS text) AS xid8), snap.s)
+       ARRAY(SELECT t FROM unnest(CAST(:txids AS bigint[])) AS t,
+                  LATERAL (SELECT CASE WHEN t >= 4294967296 THEN t
+                                       ELSE snap.xmax - 3221225472
+                                            + ((t - snap.xmax + 3221225472) & 4294967295)
+                                  END AS xid) AS wide
+             WHERE wide.xid >= 0
+               AND NOT pg_visible_in_snapshot(CAST(CAST(wide.xid AS text) AS xid8), snap.s)
        ) AS invisible
 FROM (SELECT s, pg_snapshot_xmax(s)::text::bigint AS xmax
       FROM (SELECT pg_current_snapshot() AS s) AS cur) AS snap
