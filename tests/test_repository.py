@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -639,6 +640,17 @@ def test_the_api_serves_the_one_tenant_and_a_key_of_another_gets_nothing(
         # The entries are the implicit tenant's: that is the key space served.
         stored = EntityRef("loans_now", IMPLICIT_TENANT, ada)
         assert redis_client.exists(feature_key(version, stored))
+        # The API's own document describes these ids: uuids, not the fraud example's.
+        doc = api.get("/openapi.json").json()
+        (param,) = [
+            p
+            for p in doc["paths"]["/v1/features/{feature_set}/{entity_id}"]["get"]["parameters"]
+            if p["name"] == "entity_id"
+        ]
+        assert re.fullmatch(param["schema"]["pattern"], ada)
+        assert not re.fullmatch(param["schema"]["pattern"], "7")
+        items = doc["components"]["schemas"]["BatchRequest"]["properties"]["entities"]["items"]
+        assert items == param["schema"]  # no integers: this repository has no bigint keys
 
         # A key of any other tenant reads nothing: refused where it would compute,
         # a miss where it may only read the cache, and nothing stored for it.
