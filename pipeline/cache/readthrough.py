@@ -10,6 +10,11 @@ wait a bounded time for the holder's result, then compute without storing. This
 gives one database computation per missing key however many threads and processes
 ask at once (Meta's leases against thundering herds).
 
+Every lease ends as soon as its holder is done: a fill ends it, and so does a holder
+that stores nothing (an id with no source row, a failed computation), which releases
+it. A waiter stops waiting once the lease is gone with no entry and computes for
+itself, so a repeat of an id that is never stored does not sleep in a worker thread.
+
 Hot keys are refreshed a little before they expire, by one reader chosen at random
 (XFetch, Vattani et al., VLDB 2015), so a popular entry does not expire under load.
 
@@ -133,6 +138,8 @@ class Counters:
     uncached: int = 0
     stored: int = 0
     refused: int = 0
+    lease_waits: int = 0
+    """Misses whose lease another reader held, so this one waited for its result."""
     early_refresh: int = 0
     lagging: int = 0
     """Batches of misses a lagging replica answered uncached."""
@@ -299,7 +306,11 @@ class ReadThrough:
         self.counters.early_refresh += sum(
             1 for code, _ in leases[len(misses) :] if code == LEASE_GRANTED
         )
-        answers = self._compute(mine, token, gate)
+        try:
+            answers = self._compute(mine, token, gate)
+        except BaseException:
+            self.store.release(mine, token)  # its waiters need not wait out the lease
+            raise
         answers.update(found)
         if others:
             answers.update(self._wait_or_compute(others))
@@ -336,6 +347,8 @@ class ReadThrough:
             filled = [r for r in group if (r.tenant, r.entity) in known]
             unknown = [r for r in group if (r.tenant, r.entity) not in known]
             written = self.store.fill(batch, token, filled)
+            if unknown:
+                self.store.release(unknown, token)
             self.counters.computed += len(filled)
             self.counters.uncached += len(unknown)
             self.counters.stored += written.written
@@ -361,9 +374,13 @@ class ReadThrough:
         }
 
     def _wait_or_compute(self, refs: list[EntityRef]) -> dict[EntityRef, Result]:
-        """Wait for the lease holders' results with backoff, then compute the rest."""
+        """Wait for the lease holders' results with backoff, then compute the rest:
+        those still missing at the deadline, and at once those whose lease ended
+        without an entry (the holder stored nothing)."""
         answers: dict[EntityRef, Result] = {}
         pending = list(refs)
+        abandoned: list[EntityRef] = []
+        self.counters.lease_waits += len(refs)
         deadline = time.monotonic() + self.wait_ms / 1000
         pause = 0.001
         while pending and time.monotonic() < deadline:
@@ -371,15 +388,18 @@ class ReadThrough:
             pause = min(pause * 2, 0.02)
             now = now_ms()
             still: list[EntityRef] = []
-            for ref, entry in zip(pending, self.store.read(pending), strict=True):
-                if entry is None:
+            entries, leased = self.store.read_leased(pending)
+            for ref, entry, held in zip(pending, entries, leased, strict=True):
+                if entry is not None:
+                    answers[ref] = self._result(ref, entry, "waited", now)
+                elif held:
                     still.append(ref)
                 else:
-                    answers[ref] = self._result(ref, entry, "waited", now)
+                    abandoned.append(ref)
             pending = still
         self.counters.waited += len(answers)
-        if pending:
-            answers.update(self._compute(pending, None))
+        if pending or abandoned:
+            answers.update(self._compute(abandoned + pending, None))
         return answers
 
     def _result(self, ref: EntityRef, entry: Entry, source: Source, now: int) -> Result:

@@ -120,6 +120,12 @@ if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2} end
 return {0}
 """
 
+# KEYS[1] lease; ARGV[1] token. Ends the lease only if this token still holds it.
+_RELEASE_LUA: Final = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 # KEYS[1] floor; ARGV[1] watermark hex, ARGV[2] TTL in ms. Only ever raises the floor.
 _FLOOR_LUA: Final = """
 local cur = redis.call('GET', KEYS[1])
@@ -229,6 +235,7 @@ class FeatureStore:
         self._write = client.register_script(_WRITE_LUA)
         self._lease = client.register_script(_LEASE_LUA)
         self._floor = client.register_script(_FLOOR_LUA)
+        self._release = client.register_script(_RELEASE_LUA)
         self._fields: dict[str, tuple[str, ...]] = {}  # per feature set, built once
         self._floor_keys: dict[str, str] = {}
         self.cluster = is_cluster(client)
@@ -365,6 +372,28 @@ class FeatureStore:
                 (code, self._decode(ref.feature_set, reply[1]) if code == LEASE_FOUND else None)
             )
         return out
+
+    def release(self, refs: Sequence[EntityRef], token: str) -> int:
+        """End the leases ``token`` still holds on ``refs``, in one round trip; how many.
+
+        For a read-through that will store nothing for them (an id with no source row,
+        a failed computation): readers waiting on them stop waiting at once.
+        """
+        calls: list[Call] = [((lease_key(self.schema_version, ref),), (token,)) for ref in refs]
+        return sum(int(n) for n in self._run(self._release, calls))
+
+    def read_leased(self, refs: Sequence[EntityRef]) -> tuple[list[Entry | None], list[bool]]:
+        """:meth:`read` of ``refs`` and whether each is leased now, in the same MGET.
+
+        An entry's key and its lease share a hash tag, so on a cluster too each pair is
+        read in one command: a fill, which sets the entry and ends the lease in one
+        script, is seen whole or not at all.
+        """
+        if not refs:
+            return [], []
+        keys = self.read_keys(refs)
+        raws = mget(self.redis, keys + [lease_key(self.schema_version, r) for r in refs])
+        return self.entries(refs, raws[: len(keys)]), [raw is not None for raw in raws[len(keys) :]]
 
     def write(self, batch: Batch, *, schema_version: int | None = None) -> WriteResult:
         """Write a computed batch, source-driven: revokes leases, keeps newer entries."""

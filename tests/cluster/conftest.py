@@ -19,9 +19,9 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from migrations import upgrade
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
+from tests.conftest import migrate
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK = Path(os.environ.get("FRESHLINE_STACK_DIR", ROOT / ".stack"))
@@ -109,8 +109,8 @@ def engines(
     cluster_env: dict[str, str], cluster_settings: Settings
 ) -> Iterator[tuple[sa.Engine, sa.Engine]]:
     """The cluster topology's Postgres primary and replica, migrated to the head (the
-    schema the feature queries read, the bucket delta log included)."""
-    upgrade(cluster_settings.postgres_url)
+    fraud example's tables the feature queries read, the bucket delta log included)."""
+    migrate(cluster_settings.postgres_url)
     primary = sa.create_engine(cluster_settings.postgres_url)
     replica = sa.create_engine(cluster_env["FRESHLINE_POSTGRES_REPLICA_URL"])
     yield primary, replica
