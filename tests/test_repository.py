@@ -57,6 +57,7 @@ from pipeline.deploy.warm import active_entities, count_active, warm
 from tests.conftest import drop_database, fresh_version, recreate_database, wait_until
 from tests.pipeline.test_api import running
 from tests.pipeline.test_deploy import under_load
+from tests.pipeline.test_readthrough import read_at_once
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "tests" / "repos" / "library"
@@ -574,19 +575,7 @@ def test_sixteen_threads_on_one_missing_uuid_key_compute_once(
 
     store = FeatureStore(redis_client, fresh_version(), registry=library.registry)
     rt = ReadThrough(store, engine, hooks=Hooks(before_compute=count), early_refresh=False)
-    ref = EntityRef("loans_now", IMPLICIT_TENANT, key)
-    begin = threading.Barrier(16)
-    results: list[Result] = []
-
-    def read() -> None:
-        begin.wait(timeout=30)
-        results.append(rt.get(ref))
-
-    threads = [threading.Thread(target=read) for _ in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    results = read_at_once(rt, EntityRef("loans_now", IMPLICIT_TENANT, key))
     assert calls == [1]
     assert len(results) == 16 and {r.values["open_loans"] for r in results} == {1}
 
