@@ -19,6 +19,7 @@ import itertools
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -46,6 +47,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 # The benchmarks run on the fraud example unless FRESHLINE_REPO names another repository.
 os.environ.setdefault("FRESHLINE_REPO", str(REPO / "examples" / "fraud"))
+# Its own package (fraud.seed, fraud.simulator), as the tests have it (pytest's pythonpath).
+sys.path.insert(0, str(REPO / "examples" / "fraud"))
 ANCHOR = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
 now_ns = time.perf_counter_ns
@@ -299,7 +302,7 @@ class Context:
     def dataset(self) -> Dataset:
         """The run's seeded tenant, created on first use (or adopted from ``seed``)."""
         if self._dataset is None:
-            from pipeline.dev.seed import seed
+            from fraud.seed import seed
 
             users, txns = (2_000, 40_000) if self.quick else (20_000, 400_000)
             t0 = now_ns()
@@ -563,7 +566,7 @@ def run_standalone(
     configure(out_dir(), quick, plots=False)
     try:
         if users and transactions:
-            from pipeline.dev.seed import seed
+            from fraud.seed import seed
 
             ctx = context(quick)
             summary, took = timed(

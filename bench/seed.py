@@ -1,6 +1,6 @@
-"""Seeding: rows/s of ``freshline seed`` (COPY) against a naive ``executemany`` INSERT.
+"""Seeding: rows/s of ``freshline fraud seed`` (COPY) against a naive ``executemany`` INSERT.
 
-Two figures. First, the whole ``freshline seed`` load (:func:`pipeline.dev.seed.seed`, the
+Two figures. First, the whole ``freshline fraud seed`` load (:func:`fraud.seed.seed`, the
 function the command calls): generating and COPYing users, devices, links and
 1,000,000 transactions (50,000 with ``--quick``) into a fresh tenant, timed once. The
 tenant it creates becomes the run's data set for the other benchmarks.
@@ -46,7 +46,7 @@ def run(quick: bool) -> dict[str, Any]:
     users, txns = (2_500, 50_000) if quick else (100_000, 1_000_000)
     sample, rounds = (2_000, 2) if quick else (20_000, 3)
 
-    from pipeline.dev.seed import seed
+    from fraud.seed import seed
 
     summary, seconds = common.timed(
         lambda: seed(
@@ -139,7 +139,7 @@ def markdown(res: dict[str, Any]) -> str:
         [
             "## seed: bulk loading with COPY",
             "",
-            f"`freshline seed` loaded {p['users']:,} users and {p['transactions']:,} transactions "
+            f"`freshline fraud seed` loaded {p['users']:,} users and {p['transactions']:,} transactions "
             f"({s['rows_loaded']:,} rows with devices and links) in **{s['seconds']} s**: "
             f"{s['transactions_per_s']:,} transactions/s, "
             f"{s['rows_per_s']:,} rows/s of all tables, "

@@ -30,24 +30,15 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
 import migrations
+from fraud.seed import SeedSummary, seed
 from pipeline.core.db import make_engine
 from pipeline.core.features import Registry
 from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client as make_redis_client
 from pipeline.core.settings import Settings
-from pipeline.dev.seed import SeedSummary, seed
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAUD_MIGRATIONS = migrations.Chain.of(ROOT / "examples" / "fraud" / "migrations", "fraud")
-
-
-def fraud_incremental() -> Any:
-    """The fraud example's incremental path, its own module (``fraud_incremental``,
-    imported by its definitions when the active repository loads)."""
-    import importlib
-
-    REGISTRY.names()  # loads the active repository: the fraud example in the tests
-    return importlib.import_module("fraud_incremental")
 
 
 def migrate(url: str, fraud_revision: str = "head") -> None:

@@ -31,7 +31,7 @@ def test_unreachable_postgres_is_one_line_naming_it_and_the_fix() -> None:
 
 
 def test_bad_arguments_give_a_usage_error() -> None:
-    r = run("seed", "--users", "zero")
+    r = run("fraud", "seed", "--users", "zero")
     assert r.returncode == 2
     assert "Usage" in r.stderr or "usage" in r.stderr
     assert "Traceback" not in r.stderr
@@ -74,3 +74,34 @@ def test_advise_from_a_dead_metrics_url_names_it_and_the_option() -> None:
     assert url in r.stderr and "--from-metrics" in r.stderr
     assert "scripts/stack up" not in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_repository_s_own_commands_run_under_its_name(tmp_path: Path) -> None:
+    repo = tmp_path / "shop"
+    assert run("init", str(repo)).returncode == 0
+    config = repo / "freshline.toml"
+    name = next(
+        line.split("=", 1)[1].strip().strip('"')
+        for line in config.read_text().splitlines()
+        if line.startswith("name")
+    )
+    config.write_text(
+        config.read_text().replace("[project]\n", '[project]\ncommands = "shop_cli:app"\n', 1)
+    )
+    (repo / "shop_cli.py").write_text(
+        "import typer\n\napp = typer.Typer()\n\n\n"
+        "@app.command()\ndef hello(who: str) -> None:\n    print(f'hello {who}')\n\n\n"
+        "@app.command()\ndef bye() -> None:\n    print('bye')\n"
+    )
+    said = run("--repo", str(repo), name, "hello", "ada")
+    assert said.returncode == 0, said.stderr
+    assert said.stdout.strip() == "hello ada"
+    assert name in run("--repo", str(repo), "--help").stdout
+    # A group that cannot be imported fails the command line that asks for it, in one
+    # line naming the file; every other command still runs.
+    (repo / "shop_cli.py").write_text("raise ImportError('no such thing')\n")
+    broken = run("--repo", str(repo), name, "hello", "ada")
+    assert broken.returncode == 1
+    assert "freshline.toml" in broken.stderr and "no such thing" in broken.stderr
+    assert "Traceback" not in broken.stderr
+    assert run("--repo", str(repo), "--help").returncode == 0

@@ -27,6 +27,7 @@ import redis
 from rich.console import Console, RenderableType
 from sqlalchemy.engine import Engine
 
+from fraud.seed import SeedSummary
 from pipeline.api import create_app
 from pipeline.api.auth import create_api_key
 from pipeline.cdc.connect import CdcStatus, Names, SlotState, TaskState
@@ -37,7 +38,6 @@ from pipeline.cli.models import model_block
 from pipeline.core.http import fetch
 from pipeline.core.keys import MODELS_KEY
 from pipeline.core.settings import Settings
-from pipeline.dev.seed import SeedSummary
 from pipeline.inference.models import LogisticModel, ModelRecord, ModelRegistry
 from pipeline.observe.advisor import Figures, advise
 from tests.conftest import fresh_version, serving

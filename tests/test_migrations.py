@@ -4,13 +4,13 @@ import pytest
 import sqlalchemy as sa
 
 import migrations
+from fraud import incremental
 from pipeline.core.db import metadata
 from pipeline.core.errors import ConfigError
 from pipeline.core.settings import Settings
 from tests.conftest import (
     FRAUD_MIGRATIONS,
     drop_database,
-    fraud_incremental,
     migrate,
     recreate_database,
 )
@@ -137,7 +137,6 @@ def test_0007_keeps_the_buckets_of_a_database_at_0006_and_folds_them_on_the_way_
 ) -> None:
     """0006's triggers built buckets; under 0007 writes become deltas, and a downgrade
     folds them and puts the direct triggers back, with the same values throughout."""
-    incremental = fraud_incremental()
 
     name = "freshline_migrations_0007_test"
     url = recreate_database(base_settings, name)
@@ -184,7 +183,6 @@ def test_0008_indexes_the_delta_log_by_user_id_and_folds_in_that_order(
 ) -> None:
     """A database that ran 0007 (index on tenant and user) gets the user-id index, and
     its fold function takes users by id; downgrading puts 0007's back. The fold runs."""
-    incremental = fraud_incremental()
 
     name = "freshline_migrations_0008_test"
     url = recreate_database(base_settings, name)

@@ -64,15 +64,15 @@ def assert_one_line_naming_the_fix(done: subprocess.CompletedProcess[str], role:
     "argv",
     [
         ["tenants", "create", "perm-test"],
-        ["seed", "--users", "2", "--transactions", "5", "--tenant-prefix", "perm-"],
-        ["produce-demo", "--count", "1"],
+        ["fraud", "seed", "--users", "2", "--transactions", "5", "--tenant-prefix", "perm-"],
+        ["fraud", "simulate", "--count", "1"],
     ],
-    ids=["tenants-create", "seed", "produce-demo"],
+    ids=["tenants-create", "seed", "simulate"],
 )
 def test_a_write_with_the_read_only_role_is_one_line(
     settings: Settings, tenant_factory: Callable[..., object], argv: list[str]
 ) -> None:
-    tenant_factory(users=2, transactions=5)  # produce-demo changes existing users
+    tenant_factory(users=2, transactions=5)  # simulate changes existing users
     role = make_url(api_url(settings)).username
     assert_one_line_naming_the_fix(run([FRESHLINE, *argv], settings, admin=""), str(role))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -56,6 +57,7 @@ from pipeline.deploy.warm import active_entities, count_active, warm
 from tests.conftest import drop_database, fresh_version, recreate_database, wait_until
 from tests.pipeline.test_api import running
 from tests.pipeline.test_deploy import under_load
+from tests.pipeline.test_readthrough import read_at_once
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "tests" / "repos" / "library"
@@ -573,19 +575,7 @@ def test_sixteen_threads_on_one_missing_uuid_key_compute_once(
 
     store = FeatureStore(redis_client, fresh_version(), registry=library.registry)
     rt = ReadThrough(store, engine, hooks=Hooks(before_compute=count), early_refresh=False)
-    ref = EntityRef("loans_now", IMPLICIT_TENANT, key)
-    begin = threading.Barrier(16)
-    results: list[Result] = []
-
-    def read() -> None:
-        begin.wait(timeout=30)
-        results.append(rt.get(ref))
-
-    threads = [threading.Thread(target=read) for _ in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    results = read_at_once(rt, EntityRef("loans_now", IMPLICIT_TENANT, key))
     assert calls == [1]
     assert len(results) == 16 and {r.values["open_loans"] for r in results} == {1}
 
@@ -639,6 +629,17 @@ def test_the_api_serves_the_one_tenant_and_a_key_of_another_gets_nothing(
         # The entries are the implicit tenant's: that is the key space served.
         stored = EntityRef("loans_now", IMPLICIT_TENANT, ada)
         assert redis_client.exists(feature_key(version, stored))
+        # The API's own document describes these ids: uuids, not the fraud example's.
+        doc = api.get("/openapi.json").json()
+        (param,) = [
+            p
+            for p in doc["paths"]["/v1/features/{feature_set}/{entity_id}"]["get"]["parameters"]
+            if p["name"] == "entity_id"
+        ]
+        assert re.fullmatch(param["schema"]["pattern"], ada)
+        assert not re.fullmatch(param["schema"]["pattern"], "7")
+        items = doc["components"]["schemas"]["BatchRequest"]["properties"]["entities"]["items"]
+        assert items == param["schema"]  # no integers: this repository has no bigint keys
 
         # A key of any other tenant reads nothing: refused where it would compute,
         # a miss where it may only read the cache, and nothing stored for it.

@@ -29,6 +29,7 @@ from pydantic import SecretStr
 from sqlalchemy.engine import Engine, make_url
 
 from consumers.kafka import Consumer, Producer, admin_client, client_config
+from fraud.seed import SeedSummary
 from pipeline.api import create_app
 from pipeline.api.app import async_twin
 from pipeline.api.auth import create_api_key
@@ -42,7 +43,6 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from pipeline.dev.seed import SeedSummary
 from tests.conftest import fresh_version, wait_until
 from tests.pipeline.test_api import running
 

@@ -4,13 +4,12 @@ three feature sets, four domain-event topics.
 ``txn_90d`` and ``geo`` also carry an incremental path over per-day partial aggregates,
 the hand-written extension of this example, registered through freshline's extension
 point (``migrations`` 0003 and 0007 make its bucket tables and triggers;
-``fraud_incremental.py`` maintains them and argues why it is exact).
+``fraud/incremental.py`` maintains them and argues why it is exact).
 """
 
 from __future__ import annotations
 
-from fraud_incremental import BUCKETS
-
+from fraud.incremental import BUCKETS
 from freshline import AS_OF, Entity, Event, EventField, FeatureSet, Field, Table
 
 user = Entity(
@@ -103,7 +102,7 @@ def rows_horizon(table: str, days: int) -> str:
 
 # The incremental queries' reading of the deltas not yet folded into the buckets
 # (txn_bucket_deltas: +1 per row added, -1 per row removed), for one key ``ki`` and a
-# window whose whole days are dc+1 .. da (lateral ``w1``); fraud_incremental.py
+# window whose whole days are dc+1 .. da (lateral ``w1``); fraud/incremental.py
 # argues why buckets plus pending deltas are exact.
 #
 # Per whole day: the deltas' count, sum and sum of squares, and the max and latest

@@ -208,6 +208,7 @@ def create_app(
         batch_limit=settings.api_batch_limit,
         body_limit=settings.api_body_limit_bytes,
         prompt_limit=settings.semantic_max_prompt_chars,
+        key_types={fs.entity.type for fs in registry},
     )
     app.state.status = board
     app.state.semantic = semantic

@@ -6,6 +6,7 @@ A test checks that every route of the app appears here with its methods.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from typing import Any
 
 from pipeline.api.reader import MAX_USER_ID
@@ -45,18 +46,41 @@ def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-# A user id as the server takes it (pipeline.api.reader.parse_entity): a decimal
-# below MAX_USER_ID, no leading zeros; as JSON, a string or an integer.
-_USER_DIGITS = len(str(MAX_USER_ID - 1))
-USER_ID = {
-    "type": "string",
-    "pattern": f"^(0|[1-9][0-9]{{0,{_USER_DIGITS - 1}}})$",
-    "maxLength": _USER_DIGITS,
-    "description": f"A user id below {MAX_USER_ID}.",
-}
-_USER_ID_JSON = {"oneOf": [USER_ID, {"type": "integer", "minimum": 0, "maximum": MAX_USER_ID - 1}]}
 # Ids that reach keys (schemas/ids.py): the rule every tenant, entity and arm follows.
 ID = {"type": "string", "pattern": f"^{ID_PATTERN.pattern}$", "maxLength": MAX_ID_LENGTH}
+# An entity id as the server takes it, per key type (pipeline.core.features.validate_key;
+# the read API's fast path for bigint keys, pipeline.api.reader.parse_entity, takes ids
+# below MAX_USER_ID): the canonical spelling only; as JSON, bigint ids may be integers.
+_BIGINT_DIGITS = len(str(MAX_USER_ID - 1))
+_KEY_TEXT: dict[str, dict[str, Any]] = {
+    "bigint": {
+        "type": "string",
+        "pattern": f"^(0|[1-9][0-9]{{0,{_BIGINT_DIGITS - 1}}})$",
+        "maxLength": _BIGINT_DIGITS,
+        "description": f"A bigint key below {MAX_USER_ID}, no leading zeros.",
+    },
+    "uuid": {
+        "type": "string",
+        "pattern": "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$",
+        "maxLength": 36,
+        "description": "A uuid key, lower-case.",
+    },
+}
+_BIGINT_JSON = {"type": "integer", "minimum": 0, "maximum": MAX_USER_ID - 1}
+
+
+def entity_id_schemas(key_types: Iterable[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The schemas of an entity id for the repository's key types: in a path, and in a
+    JSON body (where a bigint id may also be a number)."""
+    kinds = sorted(set(key_types)) or ["bigint"]
+    texts = [_KEY_TEXT.get(kind, ID) for kind in kinds]
+    path = texts[0] if len(texts) == 1 else {"anyOf": texts}
+    if "bigint" not in kinds:
+        return path, path
+    # One string schema and the integer are disjoint; strings of several types may overlap.
+    return path, {"oneOf" if len(texts) == 1 else "anyOf": [*texts, _BIGINT_JSON]}
+
+
 _NAME = {"type": "string", "pattern": "^[a-z][a-z0-9_]*$", "maxLength": MAX_ID_LENGTH}
 
 _MODE = {
@@ -119,7 +143,7 @@ _SCHEMAS: dict[str, Any] = {
         "required": ["feature_sets", "entities"],
         "properties": {
             "feature_sets": {"type": "array", "items": {"type": "string"}, "minItems": 1},
-            "entities": {"type": "array", "minItems": 1, "items": _USER_ID_JSON},
+            "entities": {"type": "array", "minItems": 1},
         },
         "description": "len(feature_sets) x len(entities) must not exceed the batch "
         "limit (FRESHLINE_API_BATCH_LIMIT). Other fields are ignored: the "
@@ -296,11 +320,15 @@ def document(
     batch_limit: int = 500,
     body_limit: int = 1_000_000,
     prompt_limit: int = 32_000,
+    key_types: Iterable[str] = ("bigint",),
 ) -> dict[str, Any]:
-    """The OpenAPI document, naming the feature sets this server knows and the limits
-    it enforces (``FRESHLINE_API_BATCH_LIMIT``, ``FRESHLINE_API_BODY_LIMIT_BYTES``)."""
+    """The OpenAPI document, naming the feature sets this server knows, the ids of their
+    entities (``key_types``) and the limits it enforces (``FRESHLINE_API_BATCH_LIMIT``,
+    ``FRESHLINE_API_BODY_LIMIT_BYTES``)."""
     schemas = copy.deepcopy(_SCHEMAS)
+    entity_path, entity_body = entity_id_schemas(key_types)
     batch = schemas["BatchRequest"]
+    batch["properties"]["entities"]["items"] = entity_body
     most = min(len(feature_sets), batch_limit)
     batch["properties"]["feature_sets"].update(
         items={"type": "string", "enum": feature_sets}, maxItems=most, uniqueItems=True
@@ -328,7 +356,7 @@ def document(
     ):
         for field in fields:
             schemas[name]["properties"][field] = {**_TEXT, "maxLength": prompt_limit}
-    doc = _document(feature_sets, schemas)
+    doc = _document(feature_sets, schemas, entity_path)
     for item in doc["paths"].values():
         for operation in item.values():
             _limits(operation, body_limit)
@@ -365,7 +393,9 @@ def _limits(operation: dict[str, Any], body_limit: int) -> None:
         )
 
 
-def _document(feature_sets: list[str], schemas: dict[str, Any]) -> dict[str, Any]:
+def _document(
+    feature_sets: list[str], schemas: dict[str, Any], entity_path: dict[str, Any]
+) -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {
@@ -391,7 +421,12 @@ def _document(feature_sets: list[str], schemas: dict[str, Any]) -> dict[str, Any
                             "required": True,
                             "schema": {"type": "string", "enum": feature_sets},
                         },
-                        {"name": "entity_id", "in": "path", "required": True, "schema": USER_ID},
+                        {
+                            "name": "entity_id",
+                            "in": "path",
+                            "required": True,
+                            "schema": entity_path,
+                        },
                         _MODE,
                     ],
                     "responses": {

@@ -7,6 +7,9 @@ Typer app of :mod:`pipeline.cli.app`. Nothing in the library imports this packag
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+import typer
 
 from pipeline.cli import (
     advise,
@@ -26,7 +29,8 @@ from pipeline.cli import (
     serve,
 )
 from pipeline.cli.app import app, console
-from pipeline.core.errors import FreshlineError
+from pipeline.core.errors import ConfigError, FreshlineError
+from pipeline.core.repository import active_path, import_commands, own_commands
 from pipeline.core.services import translate_errors
 
 for _group in (
@@ -49,10 +53,44 @@ for _group in (
     _group.register(app)
 
 
+def _repo_argument(argv: list[str]) -> str | None:
+    """``--repo DIRECTORY`` (or ``--repo=DIRECTORY``) from the command line, if given."""
+    for i, arg in enumerate(argv):
+        if arg == "--repo" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--repo="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def mount_own_commands(argv: list[str]) -> None:
+    """Add the active repository's own commands under its name (``freshline fraud
+    seed``), if its ``freshline.toml`` names them. One that cannot be imported is an
+    error only for a command line that asks for it."""
+    given = _repo_argument(argv)
+    root = Path(given).resolve() if given else active_path()
+    found = own_commands(root)
+    if found is None:
+        return
+    name, target = found
+    try:
+        group = import_commands(root, target)
+    except FreshlineError:
+        if name in argv:
+            raise
+        return
+    if not isinstance(group, typer.Typer):
+        if name in argv:
+            raise ConfigError(f"{root / 'freshline.toml'}: commands {target!r} is not a Typer app")
+        return
+    app.add_typer(group, name=name)
+
+
 def main() -> None:
     """Entry point: one clear line for expected failures, never a traceback."""
     try:
         with translate_errors():
+            mount_own_commands(sys.argv[1:])
             app()
     except FreshlineError as exc:
         console.print(f"[red]error:[/red] {exc}")

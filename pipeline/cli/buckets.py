@@ -6,8 +6,8 @@ did, a batch of keys per transaction, with a progress bar; interrupted (Ctrl-C, 
 crash), it resumes after the last committed batch. ``buckets fold`` applies the pending
 changes to the aggregates (the consumers do it too, every
 ``FRESHLINE_BUCKET_FOLD_INTERVAL_MS``). ``reconcile`` compares the incremental path
-with the full one on sampled entities and repairs drifted aggregates. The fraud
-example's path is per-day buckets of ``transactions`` with a delta log.
+with the full one on sampled entities and repairs drifted aggregates. (The fraud
+example's path is per-day buckets of its source table with a delta log.)
 """
 
 from __future__ import annotations
@@ -58,14 +58,14 @@ def build_cmd(
     restart: Annotated[
         bool,
         typer.Option(
-            "--restart", help="Rebuild every user's buckets, not only those not yet built"
+            "--restart", help="Rebuild every entity's buckets, not only those not yet built"
         ),
     ] = False,
 ) -> None:
     """Build the buckets of existing rows, in batches; safe to interrupt and resume.
 
-    Each batch holds LOCK TABLE transactions IN SHARE MODE while it runs: writers
-    wait for it (a batch of 2000 users takes well under a second).
+    Each batch holds the path's lock on its source table while it runs (the fraud
+    example: SHARE mode, so writers wait for it; a batch takes well under a second).
     """
     engine, path = _engine(), _path()
     if restart:
@@ -75,17 +75,17 @@ def build_cmd(
         console.print("buckets: complete, nothing to build")
         return
     where = f", resuming after {st.cursor[0]}/{st.cursor[1]}" if st.cursor else ""
-    console.print(f"buckets: {st.remaining:,} users to build{where}")
+    console.print(f"buckets: {st.remaining:,} entities to build{where}")
     with progress_bar() as bar:
         task = bar.add_task("buckets", total=st.remaining)
         built = path.build(engine, batch=batch, progress=lambda n: bar.advance(task, n))
-    console.print(f"buckets: built {built:,} users; complete")
+    console.print(f"buckets: built {built:,} entities; complete")
 
 
 @buckets_app.command("fold")
 def fold_cmd(
-    users: Annotated[
-        int, typer.Option("--users", min=1, max=1_000_000, help="Users per transaction")
+    entities: Annotated[
+        int, typer.Option("--entities", min=1, max=1_000_000, help="Entities per transaction")
     ] = 1000,
     follow: Annotated[
         bool,
@@ -96,7 +96,7 @@ def fold_cmd(
         typer.Option("--interval", min=0.05, max=3600, help="Seconds between folds with --follow"),
     ] = 1.0,
 ) -> None:
-    """Fold the pending bucket deltas into the buckets, a batch of users per transaction.
+    """Fold the pending bucket deltas into the buckets, a batch of entities per transaction.
 
     Values are the same before and after (the incremental path reads pending deltas
     too); folding keeps that read short. Safe beside the consumers' own folds: one
@@ -106,15 +106,15 @@ def fold_cmd(
 
     engine, path = _engine(), _path()
     deltas, owners = path.pending(engine)
-    console.print(f"buckets: {deltas:,} pending deltas of {owners:,} users")
+    console.print(f"buckets: {deltas:,} pending deltas of {owners:,} entities")
     with progress_bar() as bar:
         task = bar.add_task("fold", total=owners)
-        folded = path.fold_all(engine, max_keys=users, progress=lambda n: bar.advance(task, n))
-    console.print(f"buckets: folded the deltas of {folded:,} users")
+        folded = path.fold_all(engine, max_keys=entities, progress=lambda n: bar.advance(task, n))
+    console.print(f"buckets: folded the deltas of {folded:,} entities")
     try:
         while follow:
             time.sleep(interval)  # the cadence of the follow loop, not synchronisation
-            path.fold_all(engine, max_keys=users)
+            path.fold_all(engine, max_keys=entities)
     except KeyboardInterrupt:
         console.print("buckets: stopped")
 
@@ -129,28 +129,28 @@ def status_cmd() -> None:
         out.print("build     complete")
     else:
         where = f" after {st.cursor[0]}/{st.cursor[1]}" if st.cursor else ""
-        out.print(f"build     {st.remaining:,} users left{where} (run: freshline buckets build)")
+        out.print(f"build     {st.remaining:,} entities left{where} (run: freshline buckets build)")
     summary = path.summary(engine)
     if summary:
         out.print(f"{path.name:<9} {summary}")
     deltas, owners = path.pending(engine)
     out.print(
-        f"pending   {deltas:,} deltas of {owners:,} users"
+        f"pending   {deltas:,} deltas of {owners:,} entities"
         + (" (folded by the consumers, or: freshline buckets fold)" if deltas else "")
     )
 
 
 def reconcile_cmd(
     sample: Annotated[
-        int, typer.Option("--sample", min=1, max=1_000_000, help="Random users to compare")
+        int, typer.Option("--sample", min=1, max=1_000_000, help="Random entities to compare")
     ] = 1000,
     tenant: Annotated[str | None, typer.Option("--tenant", help="Sample only this tenant")] = None,
     repair: Annotated[
-        bool, typer.Option("--repair/--no-repair", help="Rebuild the buckets of drifted users")
+        bool, typer.Option("--repair/--no-repair", help="Rebuild the buckets of drifted entities")
     ] = True,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=10_000)] = 500,
 ) -> None:
-    """Compare the incremental path with the full one on sampled users; repair drift.
+    """Compare the incremental path with the full one on sampled entities; repair drift.
 
     Both paths run on one snapshot per batch, so a difference is drift, never a race.
     Exit status 1 when drift remains after repair (or was found, with --no-repair).
@@ -164,22 +164,26 @@ def reconcile_cmd(
             validate_id("tenant", tenant)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--tenant") from exc
+    from pipeline.core.repository import REGISTRY
+
     engine = _engine()
-    refs = draw(engine, sample, tenant=tenant)
-    if not refs:
-        raise ConfigError("no users to sample" + (f" in tenant {tenant}" if tenant else ""))
+    entities = list(dict.fromkeys(fs.entity for fs in REGISTRY if fs.incremental is not None))
+    drawn = [(entity, draw(engine, entity, sample, tenant=tenant)) for entity in entities]
+    if not any(refs for _, refs in drawn):
+        raise ConfigError("no entities to sample" + (f" in tenant {tenant}" if tenant else ""))
     total = ReconcileReport()
     with progress_bar() as bar:
-        task = bar.add_task("reconcile", total=len(refs))
-        for i in range(0, len(refs), batch_size):
-            chunk = refs[i : i + batch_size]
-            report = reconcile(engine, chunk, repair=repair)
-            total.checked += report.checked
-            total.drifted += report.drifted
-            total.repaired += report.repaired
-            total.still_drifted += report.still_drifted
-            bar.advance(task, len(chunk))
-    out.print(f"checked   {total.checked:,} users")
+        task = bar.add_task("reconcile", total=sum(len(refs) for _, refs in drawn))
+        for entity, refs in drawn:
+            for i in range(0, len(refs), batch_size):
+                chunk = refs[i : i + batch_size]
+                report = reconcile(engine, chunk, repair=repair, entity=entity)
+                total.checked += report.checked
+                total.drifted += report.drifted
+                total.repaired += report.repaired
+                total.still_drifted += report.still_drifted
+                bar.advance(task, len(chunk))
+    out.print(f"checked   {total.checked:,} entities")
     out.print(f"drifted   {len(total.drifted):,}")
     for d in total.drifted[:20]:
         fields = ", ".join(f"{k} {v[0]!r} != {v[1]!r}" for k, v in d.fields.items())

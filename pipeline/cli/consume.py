@@ -1,4 +1,4 @@
-"""``freshline topics ensure``, ``consume`` and ``produce-demo``: the Kafka side."""
+"""``freshline topics ensure`` and ``consume``: the Kafka side."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ topics_app = typer.Typer(help="The Kafka topics freshline owns.", no_args_is_hel
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``freshline topics ...``, ``consume`` and ``produce-demo`` to the main CLI."""
+    """Add ``freshline topics ...`` and ``consume`` to the main CLI."""
     app.add_typer(topics_app, name="topics")
     app.command("consume")(consume)
-    app.command("produce-demo")(produce_demo)
 
 
 @topics_app.command("ensure")
@@ -121,27 +120,3 @@ def consume(
         console.file.flush()
         logging.shutdown()
         os._exit(0)
-
-
-def produce_demo(
-    rate: Annotated[float, typer.Option(min=0.1, help="Changes per second")] = 20.0,
-    count: Annotated[int | None, typer.Option(min=1, help="Stop after this many")] = None,
-    duration: Annotated[float | None, typer.Option(min=0.1, help="Stop after seconds")] = None,
-) -> None:
-    """Write realistic changes to Postgres and emit the matching domain events."""
-    from consumers.kafka import Producer
-    from pipeline.core.db import make_owner_engine
-    from pipeline.core.settings import load_settings
-    from pipeline.core.topics import qualified
-    from pipeline.dev.simulator import Simulator
-
-    settings = load_settings()
-    with Producer(settings) as producer:
-        sim = Simulator(
-            make_owner_engine(settings), producer, topic=lambda t: qualified(settings, t)
-        )
-        totals = sim.run(rate, count=count, duration=duration)
-    console.print(
-        f"emitted {totals.created} created, {totals.updated} updated transactions "
-        f"and {totals.devices} device changes"
-    )

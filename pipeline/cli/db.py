@@ -1,27 +1,24 @@
-"""``freshline db upgrade | summary`` and ``freshline seed``: the schemas and the data."""
+"""``freshline db upgrade | summary``: freshline's schema and the repository's tables."""
 
 from __future__ import annotations
-
-from datetime import datetime
-from typing import Annotated
 
 import sqlalchemy as sa
 import typer
 from rich import box
-from rich.progress import TaskID
 from rich.table import Table
 
-from pipeline.cli.app import console, out, progress_bar
+from pipeline.cli.app import console, out
 from pipeline.core.db import make_engine, make_owner_engine, ping
 from pipeline.core.settings import load_settings
 
-db_app = typer.Typer(help="The source Postgres schema.", no_args_is_help=True)
+db_app = typer.Typer(
+    help="freshline's schema and the repository's own migrations.", no_args_is_help=True
+)
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``freshline db ...`` and ``freshline seed`` to the main CLI."""
+    """Add ``freshline db ...`` to the main CLI."""
     app.add_typer(db_app, name="db")
-    app.command("seed")(seed_cmd)
 
 
 @db_app.command("upgrade")
@@ -96,50 +93,3 @@ def summary_table(tables: list[str], rows: list[tuple[str, list[int]]]) -> Table
     for tenant, counts in rows:
         table.add_row(tenant, *(f"{n:,}" for n in counts))
     return table
-
-
-def seed_cmd(
-    users: Annotated[int, typer.Option(min=1, help="Users, split across tenants")] = 1000,
-    transactions: Annotated[int, typer.Option(min=0, help="Transactions in all")] = 20000,
-    tenants: Annotated[int, typer.Option(min=1, max=64, help="How many tenants")] = 1,
-    seed: Annotated[int, typer.Option(help="Random seed: the same seed, the same rows")] = 42,
-    tenant_prefix: Annotated[str, typer.Option(help="Prefix for tenant ids")] = "",
-    anchor: Annotated[datetime | None, typer.Option(help="Time the history ends at")] = None,
-) -> None:
-    """Load deterministic synthetic tenants, users, devices and transactions."""
-    import time
-
-    from pipeline.dev.seed import seed as run_seed
-
-    engine = make_owner_engine(load_settings())
-    try:
-        ping(engine)
-        started = time.perf_counter()
-        with progress_bar() as bar:
-            tasks: dict[str, TaskID] = {}
-
-            def report(stage: str, done: int, total: int) -> None:
-                if stage not in tasks:
-                    tasks[stage] = bar.add_task(stage, total=total)
-                bar.update(tasks[stage], completed=done)
-
-            # Refuses tenants that exist (TenantsExist, one line from main()), unwritten.
-            summary = run_seed(
-                engine,
-                users=users,
-                transactions=transactions,
-                tenants=tenants,
-                seed=seed,
-                tenant_prefix=tenant_prefix,
-                anchor=anchor,
-                progress=report,
-            )
-    finally:
-        engine.dispose()
-    elapsed = time.perf_counter() - started
-    rate = summary.transactions / elapsed if elapsed else 0.0
-    console.print(
-        f"seeded {len(summary.tenants)} tenant(s) ({', '.join(summary.tenants)}): "
-        f"{summary.users:,} users, {summary.devices:,} devices, "
-        f"{summary.transactions:,} transactions in {elapsed:.1f}s ({rate:,.0f} rows/s)"
-    )

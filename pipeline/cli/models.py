@@ -1,4 +1,4 @@
-"""``freshline models train | list``: the example model and the registry."""
+"""``freshline models register | list``: the models the inference cache serves."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from rich.console import Group
 from rich.padding import Padding
 from rich.text import Text
 
-from pipeline.cli.app import console, out, progress_bar
+from pipeline.cli.app import console, out
 from pipeline.core.services import redis_client
 from pipeline.core.settings import load_settings
 
@@ -25,32 +25,14 @@ def register(app: typer.Typer) -> None:
     app.add_typer(models_app, name="models")
 
 
-@models_app.command("train")
-def models_train(
-    tenant: Annotated[str, typer.Option(help="Tenant whose users to train on")] = "acme",
-    out: Annotated[Path, typer.Option(help="Where to save the model file")] = Path(
-        ".freshline/models"
-    ),
+@models_app.command("register")
+def models_register(
+    path: Annotated[Path, typer.Argument(help="A saved model file", exists=True)],
 ) -> None:
-    """Train the example fraud model on the seeded features and register it."""
-
-    from pipeline.core.db import make_engine, ping
+    """Register a saved model file (its name and version are in the file) as current."""
     from pipeline.inference.models import ModelRegistry
-    from pipeline.inference.training import train
 
-    settings = load_settings()
-    engine = make_engine(settings)
-    ping(engine)
-    out.mkdir(parents=True, exist_ok=True)
-    with progress_bar() as bar:
-        task = bar.add_task("features", total=None)
-        _, path = train(
-            engine,
-            tenant,
-            out,
-            progress=lambda done, total: bar.update(task, completed=done, total=total),
-        )
-    record = ModelRegistry(redis_client(settings)).register(path)
+    record = ModelRegistry(redis_client(load_settings())).register(path)
     console.print(
         f"registered {record.name} version {record.version} ({len(record.feature_names)}"
         f" inputs) from {path}"
@@ -66,7 +48,7 @@ def models_list() -> None:
     registry = ModelRegistry(redis_client(load_settings()))
     records = [registry.record(name) for name in registry.names()]
     if not records:
-        console.print("no model registered: train one with `freshline models train`")
+        console.print("no model registered: register one with `freshline models register FILE`")
     for record in records:
         out.print(model_block(record))
 

@@ -16,7 +16,7 @@ moments:
 - :meth:`~IncrementalPath.rebuild`, after a bulk load or when ``reconcile`` finds drift;
 - ``freshline buckets status | build | fold`` for the operator.
 
-The fraud example's is ``examples/fraud/fraud_incremental.py`` (per-day buckets, a
+The fraud example's is ``examples/fraud/fraud/incremental.py`` (per-day buckets, a
 delta log written by triggers, a fold). Deriving such paths from declared aggregations
 is the next step; until then a path is code the repository owns.
 """

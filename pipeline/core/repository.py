@@ -11,6 +11,8 @@ Python against the ``freshline`` package, kept in their git. ``freshline.toml``:
     migrations = "migrations"        # optional: Alembic revisions for the user's own
                                      # tables, run by `freshline db upgrade` after
                                      # freshline's (the fraud example keeps its here)
+    commands = "library.cli:app"     # optional: a Typer app of the repository's own
+                                     # chores, run as `freshline <name> ...`
 
 Every command works on the *active* repository: ``--repo`` (which sets
 ``FRESHLINE_REPO``), else ``FRESHLINE_REPO``, else the current directory. A definition
@@ -83,6 +85,38 @@ class Repository:
             for column in source.entity_columns:
                 found[column] = fs.entity
         return found
+
+
+def own_commands(root: Path) -> tuple[str, str] | None:
+    """The repository's own command group as ``(name, "module:attribute")``, if the
+    ``freshline.toml`` at ``root`` names one. Read without loading the definitions, so a
+    definition error never hides the command line; ``None`` for anything unreadable."""
+    try:
+        project = tomllib.loads((root / CONFIG).read_text()).get("project")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return None
+    if not isinstance(project, dict):
+        return None
+    name, target = project.get("name"), project.get("commands")
+    if isinstance(name, str) and name.isidentifier() and isinstance(target, str) and target:
+        return name, target
+    return None
+
+
+def import_commands(root: Path, target: str) -> object:
+    """Import ``module:attribute`` (``commands`` in ``freshline.toml``) from ``root``.
+
+    The repository's directory stays on ``sys.path``, so the commands can import the
+    repository's own modules when they run.
+    """
+    module_name, _, attribute = target.partition(":")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        module = importlib.import_module(module_name)
+        return getattr(module, attribute or "app")
+    except Exception as exc:  # the user's code: any error is a definition error
+        raise DefinitionError(str(root / CONFIG), f"commands {target!r}: {exc}") from None
 
 
 def _where(path: Path, exc: BaseException) -> str:

@@ -47,8 +47,10 @@ class Profile:
     every_scenario: bool
     changes: int
     rate: float
-    users: int = 300
-    transactions: int = 6000
+    entities: int = 300
+    """How many entities each scenario's tenant is seeded with."""
+    rows: int = 6000
+    """How many source rows (the fraud example: its rows of history) in all."""
 
 
 PROFILES: dict[str, Profile] = {

@@ -2,9 +2,9 @@
 
 For each sampled entity and each feature set with an incremental query, both paths
 are computed on one REPEATABLE READ snapshot, so they see the same rows and any
-difference is drift of the bucket tables, not a race. A drifted user's buckets are
-rebuilt from ``transactions`` (under the same lock the build takes) and checked
-again. Served entries are not rewritten here: the next change of the entity, or the
+difference is drift of the path's own state, not a race. A drifted entity's state is
+rebuilt by its path (:meth:`IncrementalPath.rebuild`, under the lock a build takes)
+and checked again. Served entries are not rewritten here: the next change of the entity, or the
 entry's TTL, replaces them; ``freshline audit`` reports them meanwhile.
 """
 
@@ -18,7 +18,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from pipeline.cache.recompute import compute
-from pipeline.core.features import Registry
+from pipeline.core.errors import ConfigError
+from pipeline.core.features import IMPLICIT_TENANT, Entity, Registry
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import FeatureValues
 
@@ -41,17 +42,28 @@ class ReconcileReport:
     still_drifted: list[Drift] = field(default_factory=list)
 
 
-def sample(engine: Engine, n: int, *, tenant: str | None = None) -> list[tuple[str, str]]:
-    """``n`` random users (of ``tenant``, or of every tenant), as (tenant, entity)."""
+def sample(
+    engine: Engine, entity: Entity, n: int, *, tenant: str | None = None
+) -> list[tuple[str, str]]:
+    """``n`` random rows of ``entity``'s table (of ``tenant``, or of every tenant), as
+    (tenant, entity id)."""
+    if entity.table is None:
+        raise ConfigError(f"entity {entity.name!r} declares no table to sample from")
+    key = entity.table_key or entity.key
+    if entity.tenant is None:
+        if tenant not in (None, IMPLICIT_TENANT):
+            return []
+        query = f"SELECT {key} FROM {entity.table} ORDER BY random() LIMIT :n"
+    else:
+        query = (
+            f"SELECT {entity.tenant}, {key} FROM {entity.table} "
+            f"WHERE CAST(:t AS text) IS NULL OR {entity.tenant} = :t ORDER BY random() LIMIT :n"
+        )
     with engine.connect() as conn:
-        rows = conn.execute(
-            sa.text(
-                "SELECT tenant_id, id FROM users WHERE CAST(:t AS text) IS NULL OR tenant_id = :t "
-                "ORDER BY random() LIMIT :n"
-            ),
-            {"t": tenant, "n": n},
-        ).all()
-    return [(t, str(u)) for t, u in rows]
+        rows = conn.execute(sa.text(query), {"t": tenant, "n": n}).all()
+    if entity.tenant is None:
+        return [(IMPLICIT_TENANT, str(k)) for (k,) in rows]
+    return [(t, str(k)) for t, k in rows]
 
 
 def _diff(
@@ -71,12 +83,14 @@ def compare(
     *,
     as_of: dt.datetime | None = None,
     registry: Registry = REGISTRY,
+    entity: Entity | None = None,
 ) -> list[Drift]:
-    """Every (feature set, entity) of ``refs`` whose two paths disagree."""
+    """Every (feature set, entity) of ``refs`` whose two paths disagree; with ``entity``,
+    of the feature sets over that entity only (``refs`` are its ids)."""
     drifts: list[Drift] = []
     with engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
         for fs in registry:
-            if fs.incremental is None:
+            if fs.incremental is None or (entity is not None and fs.entity != entity):
                 continue
             full = compute(conn, fs, refs, as_of=as_of, path="full").values
             inc = compute(conn, fs, refs, as_of=as_of, path="incremental").values
@@ -95,10 +109,12 @@ def reconcile(
     repair: bool = True,
     as_of: dt.datetime | None = None,
     registry: Registry = REGISTRY,
+    entity: Entity | None = None,
 ) -> ReconcileReport:
-    """Compare ``refs`` on both paths; with ``repair``, rebuild drifted users and recheck."""
+    """Compare ``refs`` on both paths; with ``repair``, rebuild drifted entities and
+    recheck."""
     report = ReconcileReport(checked=len(dict.fromkeys(refs)))
-    report.drifted = compare(engine, refs, as_of=as_of, registry=registry)
+    report.drifted = compare(engine, refs, as_of=as_of, registry=registry, entity=entity)
     if not report.drifted or not repair:
         report.still_drifted = list(report.drifted)
         return report
@@ -114,7 +130,9 @@ def reconcile(
             if keys:
                 path.rebuild(conn, keys)
     again = {(d.tenant, d.entity) for d in report.drifted}
-    report.still_drifted = compare(engine, sorted(again), as_of=as_of, registry=registry)
+    report.still_drifted = compare(
+        engine, sorted(again), as_of=as_of, registry=registry, entity=entity
+    )
     left = {(d.tenant, d.entity) for d in report.still_drifted}
     report.repaired = len(again - left)
     return report

@@ -20,13 +20,13 @@ from sqlalchemy.engine import Engine
 
 from consumers.kafka import Consumer, Producer, admin_client
 from consumers.topics import ensure, managed_topics
+from fraud.seed import SeedSummary
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.topics import qualified
 from pipeline.core.types import EntityRef
-from pipeline.dev.seed import SeedSummary
 from tests.conftest import fresh_version
 
 DEADLINE_S = 30.0

@@ -27,6 +27,7 @@ from sqlalchemy.engine import Engine
 
 from consumers.topics import ensure, ensure_cdc_topics, managed_topics
 from consumers.worker import Worker
+from fraud.seed import SeedSummary
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.cdc.connect import (
@@ -43,7 +44,6 @@ from pipeline.core.keys import feature_pattern
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from pipeline.dev.seed import SeedSummary
 from tests.consumers.conftest import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.connect]

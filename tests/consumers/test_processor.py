@@ -12,6 +12,7 @@ from sqlalchemy.engine import Engine
 
 from consumers.processor import Processor
 from consumers.routing import Router, Unroutable
+from fraud.seed import SeedSummary
 from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
@@ -19,7 +20,6 @@ from pipeline.core.keys import INVALIDATION_CHANNEL, feature_pattern
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import ChangeEvent, EntityRef, Entry
-from pipeline.dev.seed import SeedSummary
 
 
 @pytest.fixture

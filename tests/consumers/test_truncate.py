@@ -18,13 +18,13 @@ from sqlalchemy.engine import Engine
 
 from consumers.events import decode
 from consumers.processor import Processor
+from fraud.seed import seed
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.db import make_engine
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from pipeline.dev.seed import seed
 from tests.conftest import ANCHOR, drop_database, migrate, recreate_database
 
 DEVICE_RISK = REGISTRY["device_risk"]

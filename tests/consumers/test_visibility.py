@@ -21,6 +21,7 @@ from sqlalchemy.engine import Engine
 
 from consumers.events import decode
 from consumers.processor import Processor
+from fraud.seed import SeedSummary
 from pipeline.cache.recompute import (
     NotYetVisible,
     compute,
@@ -31,7 +32,6 @@ from pipeline.cache.recompute import (
 from pipeline.cache.store import FeatureStore
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import ChangeEvent, EntityRef
-from pipeline.dev.seed import SeedSummary
 
 TXN_90D = REGISTRY["txn_90d"]
 

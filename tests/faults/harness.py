@@ -31,13 +31,13 @@ from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine, make_url
 
 from consumers.kafka import Producer, admin_client
+from fraud.seed import seed
 from pipeline.cdc.connect import names
 from pipeline.core.db import make_engine
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.topics import DLQ, qualified
 from pipeline.dev.chaos import CaseResult, Profile
-from pipeline.dev.seed import seed
 from tests.faults import injectors, oracle
 from tests.faults.processes import Fleet, Member
 from tests.faults.scenarios import Scenario
@@ -79,8 +79,8 @@ class FaultEnv:
         for i, (name, case_seed) in enumerate(cases, 1):
             summary = seed(
                 engine,
-                users=profile.users,
-                transactions=profile.transactions,
+                users=profile.entities,
+                transactions=profile.rows,
                 seed=case_seed,
                 tenant_prefix=f"c{i}s{case_seed}-",
             )

@@ -39,7 +39,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from consumers.kafka import Delivery, Producer
-from pipeline.dev.seed import COUNTRIES
+from fraud.seed import COUNTRIES
 
 log = logging.getLogger("freshline.faults.workload")
 

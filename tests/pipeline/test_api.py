@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
 
+from fraud.seed import SeedSummary
 from pipeline.api import create_app
 from pipeline.api.auth import create_api_key
 from pipeline.cache.invalidation import Invalidation
@@ -27,7 +28,6 @@ from pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from pipeline.dev.seed import SeedSummary
 from tests.conftest import fresh_version, wait_until
 
 

@@ -26,6 +26,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
 import pipeline.api.auth as auth_module
+from fraud.seed import SeedSummary
 from pipeline.api import create_app, metrics
 from pipeline.api.auth import (
     Authenticator,
@@ -44,7 +45,6 @@ from pipeline.core.errors import InvalidId
 from pipeline.core.keys import feature_pattern
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
-from pipeline.dev.seed import SeedSummary
 from pipeline.inference.models import LogisticModel, ModelRegistry
 from tests.conftest import fresh_version, serving, wait_until
 from tests.pipeline.test_api import running

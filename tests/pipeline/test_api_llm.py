@@ -10,11 +10,11 @@ import pytest
 import redis
 from sqlalchemy.engine import Engine
 
+from fraud.seed import SeedSummary
 from pipeline.api import create_app
 from pipeline.api.auth import create_api_key
 from pipeline.api.llm import SemanticService
 from pipeline.core.settings import Settings
-from pipeline.dev.seed import SeedSummary
 from pipeline.semantic.cache import Limits, Scope, SemanticCache
 from pipeline.semantic.embed import local_model
 from tests.conftest import wait_until

@@ -12,10 +12,10 @@ import pytest
 import redis
 from sqlalchemy.engine import Engine
 
+from fraud.seed import SeedSummary
 from pipeline.api import create_app
 from pipeline.api.auth import create_api_key
 from pipeline.core.settings import Settings
-from pipeline.dev.seed import SeedSummary
 from pipeline.inference.models import LogisticModel, ModelRegistry
 from tests.pipeline.test_api import Api, running
 

@@ -17,9 +17,9 @@ import httpx
 import pytest
 from sqlalchemy.engine import Engine
 
+from fraud.seed import SeedSummary
 from pipeline.api.auth import create_api_key
 from pipeline.core.settings import Settings
-from pipeline.dev.seed import SeedSummary
 from tests.conftest import wait_until
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))

@@ -13,6 +13,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
+from fraud.seed import SeedSummary
 from pipeline.api import create_app
 from pipeline.api.auth import create_api_key
 from pipeline.api.reader import Lookup
@@ -23,7 +24,6 @@ from pipeline.core.codec import decode_rows, encode_entry, encode_tombstone, wat
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from pipeline.dev.seed import SeedSummary
 from tests.conftest import fresh_version
 from tests.pipeline.test_api import running
 

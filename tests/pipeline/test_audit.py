@@ -23,6 +23,7 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
+from fraud.seed import SeedSummary
 from pipeline.cache.recompute import Batch, compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.errors import ConfigError, InvalidId, UnknownFeatureSet
@@ -30,7 +31,6 @@ from pipeline.core.keys import feature_key, parse_feature_key
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from pipeline.dev.seed import SeedSummary
 from pipeline.observe.audit import Auditor, Suspect, sample_pattern
 from pipeline.observe.audit_metrics import AuditMetrics
 from pipeline.observe.consistency import GraceResult, Mismatch, same

@@ -6,13 +6,13 @@ from typing import Any
 import redis
 from sqlalchemy.engine import Engine
 
+from fraud.seed import SeedSummary
 from pipeline.cache.client import FeatureClient
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from pipeline.dev.seed import SeedSummary
 from tests.conftest import fresh_version
 
 

@@ -11,8 +11,8 @@ from confluent_kafka.admin import AdminClient
 
 from consumers.kafka import Consumer, Producer, admin_client
 from consumers.topics import ensure
+from fraud.demo import catch_up, queued
 from pipeline.core.settings import Settings
-from pipeline.dev.demo import catch_up, queued
 from pipeline.observe.staleness import GroupLag
 from tests.conftest import wait_until
 

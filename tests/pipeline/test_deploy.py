@@ -18,6 +18,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from fraud.seed import SeedSummary
 from pipeline.api.app import async_twin
 from pipeline.api.reader import FeatureReader, Lookup
 from pipeline.cache.client import FeatureClient
@@ -35,7 +36,6 @@ from pipeline.core.types import EntityRef
 from pipeline.deploy.pointer import cancel, flip, start
 from pipeline.deploy.purge import purge
 from pipeline.deploy.warm import Throttle, active_entities, count_active, warm
-from pipeline.dev.seed import SeedSummary
 from pipeline.inference.models import purge_model
 from tests.conftest import wait_until
 

@@ -18,10 +18,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from fraud.seed import SeedSummary
 from pipeline.cache.recompute import compute
 from pipeline.core.errors import InvalidId, UnknownFeatureSet
 from pipeline.core.repository import REGISTRY
-from pipeline.dev.seed import SeedSummary
 from tests.conftest import ANCHOR
 
 DEVICE_RISK = REGISTRY["device_risk"]

@@ -19,12 +19,12 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from fraud.seed import SeedSummary
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import TTL_JITTER, FeatureStore, entry_ttl_ms
 from pipeline.core.keys import feature_key
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef
-from pipeline.dev.seed import SeedSummary
 from tests.conftest import wait_until
 
 USER = 9001

@@ -27,15 +27,14 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 
+from fraud import incremental
 from pipeline.cache.recompute import compute
 from pipeline.core.errors import ConfigError
 from pipeline.core.features import FeatureSet
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.observe.reconcile import compare, reconcile
-from tests.conftest import drop_database, fraud_incremental, migrate, recreate_database
-
-incremental = fraud_incremental()
+from tests.conftest import drop_database, migrate, recreate_database
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 AS_OF = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)

@@ -16,6 +16,7 @@ from sqlalchemy.engine import Engine
 
 from consumers.kafka import Producer, admin_client
 from consumers.topics import ensure, managed_topics
+from fraud.seed import SeedSummary
 from pipeline.api import create_app
 from pipeline.api.auth import create_api_key
 from pipeline.core.codec import encode_entry
@@ -24,7 +25,6 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.topics import qualified
 from pipeline.core.types import EntityRef
-from pipeline.dev.seed import SeedSummary
 from pipeline.observe.staleness import GroupLag, sample, source_topics
 from tests.conftest import fresh_version, make_url_redis
 from tests.consumers.conftest import wait_for

@@ -14,6 +14,7 @@ import redis
 import redis.asyncio
 from sqlalchemy.engine import Engine
 
+from fraud.seed import SeedSummary
 from pipeline.api import create_app
 from pipeline.api.app import HiredisPacking, async_twin
 from pipeline.api.auth import create_api_key
@@ -35,7 +36,6 @@ from pipeline.core.keys import feature_key, feature_keys, grid_keys, hot_key, va
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from pipeline.dev.seed import SeedSummary
 from tests.conftest import fresh_version, wait_until
 from tests.pipeline.test_api import running
 from tests.pipeline.test_subscriptions import Forwarder, address, login

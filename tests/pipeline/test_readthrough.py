@@ -13,6 +13,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from fraud.seed import SeedSummary
 from pipeline.cache.readthrough import Hooks, ReadThrough, Result
 from pipeline.cache.recompute import Batch, compute, current_watermark
 from pipeline.cache.store import FeatureStore
@@ -21,7 +22,6 @@ from pipeline.core.keys import lease_key
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from pipeline.dev.seed import SeedSummary
 
 TXN_90D = REGISTRY["txn_90d"]
 
@@ -177,6 +177,23 @@ def test_the_watermark_alone_refuses_a_stale_fill(
     assert store.read([ref]) == [None]
 
 
+def read_at_once(rt: ReadThrough, ref: EntityRef, readers: int = 16) -> list[Result]:
+    """``readers`` threads read ``ref`` through ``rt`` at once; their results."""
+    start = threading.Barrier(readers)
+    results: list[Result] = []
+
+    def read() -> None:
+        start.wait(timeout=30)
+        results.append(rt.get(ref))
+
+    threads = [threading.Thread(target=read) for _ in range(readers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return results
+
+
 def test_sixteen_threads_on_one_missing_key_compute_once(
     redis_client: redis.Redis, engine: Engine, tenant: str, version: int
 ) -> None:
@@ -193,19 +210,7 @@ def test_sixteen_threads_on_one_missing_key_compute_once(
         hooks=Hooks(before_compute=count),
         early_refresh=False,
     )
-    ref = EntityRef("txn_90d", tenant, "4")
-    start = threading.Barrier(16)
-    results: list[object] = []
-
-    def read() -> None:
-        start.wait(timeout=30)
-        results.append(rt.get(ref))
-
-    threads = [threading.Thread(target=read) for _ in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    results = read_at_once(rt, EntityRef("txn_90d", tenant, "4"))
     assert calls == [1]
     assert len(results) == 16
     assert len({str(r.values) for r in results}) == 1  # type: ignore[attr-defined]

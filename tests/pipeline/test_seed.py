@@ -11,9 +11,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from typer.testing import CliRunner
 
-from pipeline.cli import app
+from fraud.cli import app
+from fraud.seed import SeedSummary, TenantsExist, seed
 from pipeline.core.settings import Settings
-from pipeline.dev.seed import SeedSummary, TenantsExist, seed
 from tests.conftest import ANCHOR
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
@@ -144,7 +144,7 @@ def test_the_cli_refuses_in_one_line_without_a_traceback(
     assert "Traceback" not in result.output
     # The installed command, through main(): one line on stderr, exit status 1.
     done = subprocess.run(
-        [FRESHLINE, *args],
+        [FRESHLINE, "fraud", *args],
         capture_output=True,
         text=True,
         timeout=60,

@@ -23,10 +23,10 @@ import pytest
 import redis
 from sqlalchemy.engine import Engine
 
+from fraud.seed import SeedSummary
 from pipeline.api import create_app
 from pipeline.api.auth import create_api_key
 from pipeline.core.settings import Settings
-from pipeline.dev.seed import SeedSummary
 from pipeline.observe.staleness import Staleness
 from pipeline.observe.status import Snapshot, StatusBoard
 from tests.conftest import fresh_version, serving

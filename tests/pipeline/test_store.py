@@ -6,6 +6,7 @@ import pytest
 import redis
 from sqlalchemy.engine import Engine
 
+from fraud.seed import SeedSummary
 from pipeline.cache.recompute import Batch, compute, current_watermark
 from pipeline.cache.store import FeatureStore
 from pipeline.core.codec import decode_entry, encode_entry
@@ -13,7 +14,6 @@ from pipeline.core.errors import CorruptEntry, InvalidId, SchemaVersionMismatch,
 from pipeline.core.keys import feature_pattern
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef
-from pipeline.dev.seed import SeedSummary
 
 TXN_90D = REGISTRY["txn_90d"]
 

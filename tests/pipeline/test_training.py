@@ -7,16 +7,16 @@ import numpy as np
 import redis
 from sqlalchemy.engine import Engine
 
-from pipeline.dev.seed import SeedSummary
-from pipeline.inference.models import ModelRegistry, load_model
-from pipeline.inference.predictions import InferenceCache
-from pipeline.inference.training import (
+from fraud.seed import SeedSummary
+from fraud.training import (
     FEATURE_NAMES,
     MODEL_NAME,
     dataset,
     train,
     vector,
 )
+from pipeline.inference.models import ModelRegistry, load_model
+from pipeline.inference.predictions import InferenceCache
 
 
 def test_the_example_model_trains_on_seeded_features_and_serves_through_the_cache(

@@ -1,6 +1,6 @@
 """Per-user, per-day partial aggregates of ``transactions``, kept by triggers.
 
-What they hold, and why they stay exact, is argued in ``examples/fraud/fraud_incremental.py``.
+What they hold, and why they stay exact, is argued in ``examples/fraud/fraud/incremental.py``.
 In short: statement-level triggers with transition tables apply every change of
 ``transactions`` (INSERT, UPDATE, DELETE, COPY) to the buckets in the same
 transaction, so every snapshot sees a source row and its bucket together or neither;

@@ -9,7 +9,7 @@ removed; an UPDATE's unchanged rows cancel out), in the writer's transaction as
 before. :func:`freshline_fold_bucket_deltas` later takes the deltas of some users out
 of the log and applies them to the buckets with 0003's statements, in one transaction;
 the feature queries read the buckets plus the deltas not yet folded
-(``examples/fraud/fraud_incremental.py`` argues why that is exact in every snapshot).
+(``examples/fraud/fraud/incremental.py`` argues why that is exact in every snapshot).
 
 * ``txn_bucket_deltas``: the changed rows not yet folded, indexed by user.
 * ``freshline_fold_bucket_deltas(max_users, wait)``: folds every pending delta of up to

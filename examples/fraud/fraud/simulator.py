@@ -1,6 +1,6 @@
 """A source of realistic change: writes to Postgres and emits the matching domain events.
 
-``freshline produce-demo --rate R`` drives it, so the demo (and the benchmarks) can
+``freshline fraud simulate --rate R`` drives it, so the demo (and the benchmarks) can
 show features changing. Each change commits first, then its event is produced with
 ``occurred_at`` set to the commit time, keyed ``<tenant>:<user_id>`` (or
 ``<tenant>:<device_id>``) as the README asks producers to key.
@@ -19,8 +19,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from consumers.kafka import Producer
+from fraud.seed import GEO_BASE, GEO_RANGE_SIZE, GEO_RANGES
 from pipeline.core.errors import FreshlineError
-from pipeline.dev.seed import GEO_BASE, GEO_RANGE_SIZE, GEO_RANGES
 
 
 @dataclass(slots=True)
@@ -52,7 +52,7 @@ class Simulator:
             ).all()
         self.users = {t: int(n) for t, n in rows if tenants is None or t in tenants}
         if not self.users:
-            raise FreshlineError("no users to change: seed first (freshline seed)")
+            raise FreshlineError("no users to change: seed first (freshline fraud seed)")
         self.totals = SimTotals()
 
     def _user(self) -> tuple[str, int]:

@@ -4,9 +4,9 @@ Runs against the stack, consumer and API that ``scripts/demo`` started, and call
 API through :func:`pipeline.core.http.fetch` (the standard library's client), as any
 scoring service would::
 
-    python -m pipeline.dev.demo tour API_URL API_KEY
-    python -m pipeline.dev.demo catch-up
-    python -m pipeline.dev.demo cdc API_URL API_KEY TENANT USER PSQL_URL
+    python -m fraud.demo tour API_URL API_KEY
+    python -m fraud.demo catch-up
+    python -m fraud.demo cdc API_URL API_KEY TENANT USER PSQL_URL
 
 Every timed change first waits for the consumer group to catch up (:func:`catch_up`):
 on a fresh clone the seed's tens of thousands of CDC events are still queued, and a
@@ -40,9 +40,9 @@ CATCH_UP_S = 300.0
 PROGRESS_S = 5.0
 """How often the wait says how many events are still queued."""
 API_HINT = "is `freshline serve` running? scripts/demo starts it"
-USAGE = """usage: python -m pipeline.dev.demo tour API_URL API_KEY
-       python -m pipeline.dev.demo catch-up
-       python -m pipeline.dev.demo cdc API_URL API_KEY TENANT USER PSQL_URL
+USAGE = """usage: python -m fraud.demo tour API_URL API_KEY
+       python -m fraud.demo catch-up
+       python -m fraud.demo cdc API_URL API_KEY TENANT USER PSQL_URL
 """
 
 
@@ -169,8 +169,8 @@ def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> list[str]:
     the inference cache and equals the computed one.
     """
     from consumers.kafka import Producer
+    from fraud.training import MODEL_NAME, vector
     from pipeline.core.topics import qualified
-    from pipeline.inference.training import MODEL_NAME, vector
 
     settings = load_settings()
     api = Api(base, key)
