@@ -139,7 +139,8 @@ def markdown(res: dict[str, Any]) -> str:
         [
             "## seed: bulk loading with COPY",
             "",
-            f"`freshline fraud seed` loaded {p['users']:,} users and {p['transactions']:,} transactions "
+            f"`freshline fraud seed` loaded {p['users']:,} users and "
+            f"{p['transactions']:,} transactions "
             f"({s['rows_loaded']:,} rows with devices and links) in **{s['seconds']} s**: "
             f"{s['transactions_per_s']:,} transactions/s, "
             f"{s['rows_per_s']:,} rows/s of all tables, "
