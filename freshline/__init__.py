@@ -10,8 +10,12 @@ these; ``freshline plan`` shows what they would change and ``freshline apply`` d
     loans = Table("loans", entities={member: "member_id"})
     loans_30d = FeatureSet("loans_30d", entity=member, ttl="1h", sources=[loans],
                            fields=[Field("open_loans", "int")], query="SELECT ...")
+    loans_90d = Aggregations("loans_90d", entity=member, table=loans, time="loaned_at",
+                             window="90d", aggs=[agg.count(), agg.count_distinct("book_id")])
 """
 
+from freshline import agg
+from pipeline.core.aggregations import Aggregations
 from pipeline.core.events import Event, EventField
 from pipeline.core.features import (
     AS_OF,
@@ -27,6 +31,7 @@ from pipeline.core.repository import Repository, load
 __all__ = [
     "AS_OF",
     "IMPLICIT_TENANT",
+    "Aggregations",
     "BuildState",
     "Entity",
     "Event",
@@ -36,5 +41,6 @@ __all__ = [
     "IncrementalPath",
     "Repository",
     "Table",
+    "agg",
     "load",
 ]

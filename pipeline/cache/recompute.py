@@ -56,13 +56,14 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from pipeline.core.errors import FreshlineError, InvalidId
-from pipeline.core.features import IMPLICIT_TENANT, Entity, FeatureSet, Path
+from pipeline.core.features import IMPLICIT_TENANT, Entity, FeatureSet, FieldType, Path
 from pipeline.core.keys import validate_id
 from pipeline.core.types import FeatureValues, Watermark
 
@@ -234,9 +235,13 @@ def entity_ids(
     return tenants, ids
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: Any, kind: FieldType = "float") -> Any:
+    """A column's value as the entry holds it: a timestamp as epoch ms, a ``numeric`` as
+    the declared field's ``int`` or ``float``."""
     if isinstance(value, dt.datetime):
         return int(value.timestamp() * 1000)
+    if isinstance(value, Decimal):
+        return int(value) if kind == "int" else float(value)
     return value
 
 
@@ -298,6 +303,7 @@ def _compute(
     values: dict[tuple[str, str], FeatureValues] = {}
     valid_until: dict[tuple[str, str], int] = {}
     names = fs.field_names
+    kinds = [f.type for f in fs.fields]
     tenanted = fs.entity.tenant is not None  # else: the key alone, of the one tenant
     start = 5 if tenanted else 4
     end = start + len(names)
@@ -305,7 +311,10 @@ def _compute(
         if row[3] is None:  # the LEFT JOIN's row when no entity has features
             continue
         key = (row[3], str(row[4])) if tenanted else (IMPLICIT_TENANT, str(row[3]))
-        values[key] = {name: _jsonable(v) for name, v in zip(names, row[start:end], strict=True)}
+        values[key] = {
+            name: _jsonable(v, kind)
+            for name, kind, v in zip(names, kinds, row[start:end], strict=True)
+        }
         if fs.horizon is not None and row[end] is not None:
             valid_until[key] = _jsonable(row[end])
     return Batch(fs, values, snap.watermark, snap.now_ms, valid_until)

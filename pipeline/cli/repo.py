@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from pipeline.cli.app import console, out
+from pipeline.core.aggregations import Declaration
+from pipeline.core.features import duration
 
 if TYPE_CHECKING:
     from pipeline.deploy.plan import Plan
@@ -215,6 +217,13 @@ def _print(result: Plan) -> None:
             f"{len(fs.fields)} fields, ttl {fs.ttl_s} s, {fs.mode}, from "
             f"{', '.join(s.table for s in fs.sources)}"
         )
+        if isinstance(fs.declared, Declaration):
+            windows = ", ".join(duration(w) for w in sorted(set(fs.declared.windows_s)))
+            out.print(
+                f"    declared: {len(fs.declared.aggs)} aggregations over "
+                f"{fs.declared.table}.{fs.declared.time}, windows {windows}; query and "
+                "horizon generated"
+            )
     if result.lock == "ok":
         out.print(f"lock: schema version {result.schema_version} is locked and unchanged")
     elif result.lock == "new":

@@ -74,6 +74,14 @@ def seconds(value: int | str, what: str) -> int:
     return int(match[1]) * _SECONDS[match[2]]
 
 
+def duration(value_s: int) -> str:
+    """Seconds as the shortest duration text :func:`seconds` reads back (``"30d"``)."""
+    for unit, size in sorted(_SECONDS.items(), key=lambda item: -item[1]):
+        if value_s % size == 0:
+            return f"{value_s // size}{unit}"
+    return f"{value_s}s"  # pragma: no cover - every whole number of seconds divides by 1
+
+
 def identifier(value: object, what: str) -> str:
     """A lower-case SQL identifier, the only kind definitions may name (never quoted)."""
     if not isinstance(value, str) or not _IDENT.fullmatch(value) or len(value) > 63:
@@ -313,6 +321,9 @@ class FeatureSet:
     fingerprint: it decides when an entry expires, never its value, and an entry
     written without one is still a valid entry of the same schema version."""
     ttl: InitVar[int | str | None] = None
+    declared: object | None = field(default=None, repr=False, compare=False)
+    """The declaration that generated ``query`` and ``horizon``, if one did (a
+    :class:`pipeline.core.aggregations.Declaration`); ``plan`` shows it."""
     origin: str = field(default="", repr=False, compare=False)
     """Where it was declared (``file:line``), for error messages; set by the loader."""
     statement: sa.TextClause = field(init=False, repr=False, compare=False)

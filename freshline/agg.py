@@ -1,0 +1,21 @@
+"""The aggregations of :func:`freshline.Aggregations`, as a namespace so that ``sum``,
+``min`` and ``max`` never shadow Python's own in a definitions module::
+
+    from freshline import Aggregations, agg
+
+    orders_30d = Aggregations(..., aggs=[agg.count(), agg.sum("amount"), agg.max("amount")])
+"""
+
+from pipeline.core.aggregations import (
+    Agg,
+    count,
+    count_distinct,
+    last,
+    max,
+    mean,
+    min,
+    stddev,
+    sum,
+)
+
+__all__ = ["Agg", "count", "count_distinct", "last", "max", "mean", "min", "stddev", "sum"]

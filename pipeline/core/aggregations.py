@@ -1,0 +1,346 @@
+"""Declared windowed aggregations: one declaration, and freshline derives the SQL.
+
+A repository declares what it wants over a source table (an entity column, a time
+column, a window, aggregations with optional filters)::
+
+    orders_30d = Aggregations(
+        "orders_30d", entity=customer, table=orders, time="placed_at", window="30d",
+        aggs=[count(), sum("amount"), mean("amount"), max("amount"), stddev("amount"),
+              count_distinct("sku"), last("status"), count(window="1d", name="orders_1d")],
+    )
+
+and gets a :class:`~pipeline.core.features.FeatureSet` whose defining query and horizon
+are generated from it:
+
+* **The query** joins the batch's keys to the table's rows in the window
+  ``(as_of - window, as_of]`` (the widest window of any aggregation; a narrower one, or an
+  aggregation's ``where``, is a ``FILTER``). Every value is a plain aggregate or a
+  formula over ``numeric`` sums written out once, here, so that an incremental
+  evaluation of the same declaration can reproduce it digit for digit: ``mean`` is
+  ``sum / count`` and ``stddev`` (population) is ``sqrt(greatest(n*q - s*s, 0) / n^2)``
+  over the count ``n``, the sum ``s`` and the sum of squares ``q``, all ``numeric``.
+  Over no rows, ``count``, ``count_distinct`` and ``sum`` are 0; the others ``NULL``.
+  ``last`` is the value of the latest row (ties: the greatest value). Nothing is cast:
+  counts are ``bigint``, sums and the formulas ``numeric`` (read as the declared ``int``
+  or ``float``), ``min``/``max``/``last`` the column's own type, which ``plan`` checks
+  against the declared field type. A ``float8`` column enters the sums as ``numeric``,
+  which Postgres takes to 15 significant digits.
+* **The horizon**, per window: the first moment a row in it leaves it (its time plus the
+  window), or a row after ``as_of`` enters it. Filters are ignored there, which can only
+  make it earlier: safe (an entry expires early, a miss; never late, stale).
+
+Windows are durations (``"90d"``, ``"24h"``, ``"30m"``, seconds): exact intervals of
+seconds, so a day is 86,400 s whatever the session's time zone. The time column is a
+``timestamptz``.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeline.core.errors import ConfigError
+from pipeline.core.features import (
+    AS_OF,
+    Entity,
+    FeatureSet,
+    Field,
+    FieldType,
+    Table,
+    WriteMode,
+    identifier,
+    seconds,
+)
+
+AggKind = Literal["count", "sum", "mean", "min", "max", "stddev", "count_distinct", "last"]
+
+
+@dataclass(frozen=True, slots=True)
+class Agg:
+    """One aggregation of a declaration: made by :func:`count`, :func:`sum`, ... ."""
+
+    kind: AggKind
+    column: str | None = None
+    name: str | None = None
+    where: str | None = None
+    window: str | int | None = None
+    type: FieldType | None = None
+
+    def field_name(self) -> str:
+        if self.name is not None:
+            return self.name
+        if self.kind == "count":
+            return "count"
+        if self.kind == "count_distinct":
+            return f"distinct_{self.column}"
+        return f"{self.kind}_{self.column}"
+
+    def field_type(self, time: str) -> FieldType:
+        if self.type is not None:
+            return self.type
+        if self.kind in ("count", "count_distinct"):
+            return "int"
+        if self.kind in ("min", "max", "last") and self.column == time:
+            return "timestamp"
+        return "float"
+
+
+def count(
+    *, where: str | None = None, window: str | int | None = None, name: str | None = None
+) -> Agg:
+    """How many rows (in the window, passing ``where``)."""
+    return Agg("count", None, name, where, window, "int")
+
+
+def sum(
+    column: str,
+    *,
+    where: str | None = None,
+    window: str | int | None = None,
+    name: str | None = None,
+    type: FieldType | None = None,
+) -> Agg:
+    """The sum of a column (0 over no rows)."""
+    return Agg("sum", column, name, where, window, type)
+
+
+def mean(
+    column: str,
+    *,
+    where: str | None = None,
+    window: str | int | None = None,
+    name: str | None = None,
+    type: FieldType | None = None,
+) -> Agg:
+    """The mean of a column's non-null values: their sum over their count."""
+    return Agg("mean", column, name, where, window, type)
+
+
+def min(
+    column: str,
+    *,
+    where: str | None = None,
+    window: str | int | None = None,
+    name: str | None = None,
+    type: FieldType | None = None,
+) -> Agg:
+    """The least value of a column."""
+    return Agg("min", column, name, where, window, type)
+
+
+def max(
+    column: str,
+    *,
+    where: str | None = None,
+    window: str | int | None = None,
+    name: str | None = None,
+    type: FieldType | None = None,
+) -> Agg:
+    """The greatest value of a column."""
+    return Agg("max", column, name, where, window, type)
+
+
+def stddev(
+    column: str,
+    *,
+    where: str | None = None,
+    window: str | int | None = None,
+    name: str | None = None,
+    type: FieldType | None = None,
+) -> Agg:
+    """The population standard deviation of a column's non-null values."""
+    return Agg("stddev", column, name, where, window, type)
+
+
+def count_distinct(
+    column: str,
+    *,
+    where: str | None = None,
+    window: str | int | None = None,
+    name: str | None = None,
+) -> Agg:
+    """How many distinct non-null values a column takes."""
+    return Agg("count_distinct", column, name, where, window, "int")
+
+
+def last(
+    column: str,
+    *,
+    where: str | None = None,
+    window: str | int | None = None,
+    name: str | None = None,
+    type: FieldType | None = None,
+) -> Agg:
+    """The column's value in the latest row (by the time column; ties: the greatest
+    value)."""
+    return Agg("last", column, name, where, window, type)
+
+
+@dataclass(frozen=True, slots=True)
+class Declaration:
+    """What :func:`Aggregations` was given, resolved: kept on the feature set
+    (:attr:`FeatureSet.declared`) for ``plan`` and for incremental maintenance."""
+
+    table: str
+    entity_column: str
+    tenant_column: str | None
+    time: str
+    where: str | None
+    aggs: tuple[Agg, ...]
+    windows_s: tuple[int, ...]
+    """Each aggregation's window in seconds, in the order of ``aggs``."""
+
+    @property
+    def widest_s(self) -> int:
+        return builtins.max(self.windows_s)
+
+
+def Aggregations(
+    name: str,
+    *,
+    entity: Entity,
+    table: Table,
+    time: str,
+    aggs: Sequence[Agg],
+    window: str | int | None = None,
+    where: str | None = None,
+    ttl: int | str = "1h",
+    mode: WriteMode = "recompute",
+    description: str = "",
+    sources: Sequence[Table] = (),
+) -> FeatureSet:
+    """A feature set of windowed aggregations over ``table``'s rows of each entity.
+
+    ``time``: the table's ``timestamptz`` column that places a row in a window;
+    ``window``: the default window (each aggregation may name its own); ``where``: a
+    condition on every row, as SQL over the row ``x`` (``"x.status <> 'void'"``);
+    ``sources``: other tables whose changes should refresh it (the table itself always
+    does). The query and horizon are generated (see the module's docstring).
+    """
+    what = f"aggregations {name!r}"
+    source = table.source_for(entity)
+    column = next((c for e, c in table.entities.items() if e.name == entity.name), None)
+    if source is None or column is None:
+        raise ConfigError(
+            f"{what}: table {table.name!r} names no column for entity {entity.name!r} "
+            f"(Table({table.name!r}, entities={{{entity.name}: 'its_column'}}))"
+        )
+    if entity.tenant and not table.tenant:
+        raise ConfigError(f"{what}: table {table.name!r} has no tenant column")
+    identifier(time, f"{what} time column")
+    if not aggs:
+        raise ConfigError(f"{what}: declares no aggregation")
+    windows: list[int] = []
+    names: set[str] = set()
+    for agg in aggs:
+        if not isinstance(agg, Agg):
+            raise ConfigError(f"{what}: {agg!r} is not an aggregation (count(), sum('col'), ...)")
+        if agg.column is not None:
+            identifier(agg.column, f"{what} column")
+        field_name = agg.field_name()
+        identifier(field_name, f"{what} field name")
+        if field_name in names:
+            raise ConfigError(f"{what}: two aggregations are named {field_name!r} (pass name=)")
+        names.add(field_name)
+        chosen = agg.window if agg.window is not None else window
+        if chosen is None:
+            raise ConfigError(f"{what}: {field_name} has no window (give window= to it or all)")
+        windows.append(seconds(chosen, f"{what} window of {field_name}"))
+    declared = Declaration(
+        table=table.name,
+        entity_column=column,
+        tenant_column=table.tenant if entity.tenant else None,
+        time=time,
+        where=where,
+        aggs=tuple(aggs),
+        windows_s=tuple(windows),
+    )
+    fields = tuple(Field(a.field_name(), a.field_type(time)) for a in aggs)
+    return FeatureSet(
+        name,
+        entity=entity,
+        fields=fields,
+        ttl=ttl,
+        query=full_query(entity, declared),
+        sources=(table, *[s for s in sources if s is not table]),
+        mode=mode,
+        description=description,
+        horizon=horizon(entity, declared),
+        declared=declared,
+    )
+
+
+def _interval(window_s: int) -> str:
+    return f"interval '{window_s} seconds'"
+
+
+def _aggregate(agg: Agg, window_s: int, decl: Declaration) -> str:
+    """One aggregation's SQL over the joined rows ``x`` (``NULL`` where none joined)."""
+    conditions = [f"({agg.where})"] if agg.where else []
+    if window_s < decl.widest_s:
+        conditions.append(f"x.{decl.time} > t.as_of - {_interval(window_s)}")
+    if agg.kind == "count":  # a joined row has its entity column; an unjoined one not
+        conditions.append(f"x.{decl.entity_column} IS NOT NULL")
+    only = f" FILTER (WHERE {' AND '.join(conditions)})" if conditions else ""
+    col = f"x.{agg.column}"
+    n = f"count({col}){only}"
+    s = f"sum({col}::numeric){only}"
+    match agg.kind:
+        case "count":
+            return f"count(*){only}"
+        case "sum":
+            return f"coalesce({s}, 0)"
+        case "mean":
+            return f"{s} / nullif({n}, 0)"
+        case "stddev":
+            q = f"sum({col}::numeric * {col}::numeric){only}"
+            return f"sqrt(greatest({n} * {q} - {s} * {s}, 0) / nullif({n} * {n}, 0))"
+        case "min" | "max":
+            return f"{agg.kind}({col}){only}"
+        case "count_distinct":
+            return f"count(DISTINCT {col}){only}"
+        case "last":
+            order = f"x.{decl.time} DESC, {col} DESC NULLS LAST"
+            return f"(array_agg({col} ORDER BY {order}){only})[1]"
+    raise ConfigError(f"unknown aggregation {agg.kind!r}")  # pragma: no cover
+
+
+def full_query(entity: Entity, decl: Declaration) -> str:
+    """The defining query of a declaration: the batch's keys ``k``, ``t.as_of``."""
+    keys = [f"k.{c} AS {c}" for c in entity.columns]
+    values = [
+        f"{_aggregate(a, w, decl)} AS {a.field_name()}"
+        for a, w in zip(decl.aggs, decl.windows_s, strict=True)
+    ]
+    on = [f"x.{decl.entity_column} = k.{entity.key}"]
+    if decl.tenant_column and entity.tenant:
+        on.insert(0, f"x.{decl.tenant_column} = k.{entity.tenant}")
+    on.append(f"x.{decl.time} > t.as_of - {_interval(decl.widest_s)}")
+    on.append(f"x.{decl.time} <= t.as_of")
+    if decl.where:
+        on.append(f"({decl.where})")
+    group = ", ".join(f"k.{c}" for c in entity.columns)
+    body = ",\n       ".join([*keys, *values])
+    joined = "\n      AND ".join(on)
+    return (
+        f"\nSELECT {body}\nFROM k CROSS JOIN t\nLEFT JOIN {decl.table} x\n"
+        f"       ON {joined}\nGROUP BY {group}\n"
+    )
+
+
+def horizon(entity: Entity, decl: Declaration) -> str:
+    """When a declaration's values may next change with time alone, for one key ``f``."""
+    mine = [f"x.{decl.entity_column} = f.{entity.key}"]
+    if decl.tenant_column and entity.tenant:
+        mine.insert(0, f"x.{decl.tenant_column} = f.{entity.tenant}")
+    own = " AND ".join(mine)
+    time = f"x.{decl.time}"
+    leaving = [
+        f"(SELECT min({time}) FROM {decl.table} x WHERE {own} AND {time} > {AS_OF} - "
+        f"{_interval(w)} AND {time} <= {AS_OF}) + {_interval(w)}"
+        for w in sorted(set(decl.windows_s))
+    ]
+    entering = f"(SELECT min({time}) FROM {decl.table} x WHERE {own} AND {time} > {AS_OF})"
+    return "least(\n    " + ",\n    ".join([*leaving, entering]) + ")"
