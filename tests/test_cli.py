@@ -105,3 +105,27 @@ def test_a_repository_s_own_commands_run_under_its_name(tmp_path: Path) -> None:
     assert "freshline.toml" in broken.stderr and "no such thing" in broken.stderr
     assert "Traceback" not in broken.stderr
     assert run("--repo", str(repo), "--help").returncode == 0
+
+
+def test_a_repository_folder_never_shadows_a_freshline_package(tmp_path: Path) -> None:
+    """The fraud example keeps a migrations/ folder: mounting its commands must leave
+    ``import migrations`` to freshline's package (it shadowed it once: plan and apply
+    broke with AttributeError)."""
+    repo = tmp_path / "shop"
+    assert run("init", str(repo)).returncode == 0
+    config = repo / "freshline.toml"
+    config.write_text(
+        config.read_text().replace("[project]\n", '[project]\ncommands = "shop_cli:app"\n', 1)
+    )
+    (repo / "shop_cli.py").write_text("import typer\n\napp = typer.Typer()\n")
+    (repo / "migrations" / "versions").mkdir(parents=True)
+    probe = (
+        "from pipeline.cli import mount_own_commands\n"
+        f"mount_own_commands(['--repo', {str(repo)!r}])\n"
+        "import migrations\n"
+        "print(hasattr(migrations, 'upgrade'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
+    assert done.stdout.strip() == "True", done.stdout + done.stderr

@@ -106,17 +106,21 @@ def own_commands(root: Path) -> tuple[str, str] | None:
 def import_commands(root: Path, target: str) -> object:
     """Import ``module:attribute`` (``commands`` in ``freshline.toml``) from ``root``.
 
-    The repository's directory stays on ``sys.path``, so the commands can import the
-    repository's own modules when they run.
+    The repository's directory is on ``sys.path`` only while it imports, as for the
+    definitions: a folder of the repository named like one of freshline's packages
+    (``migrations``) must never shadow it later. Modules of the commands' own package
+    import later through the package (``fraud.seed`` once ``fraud.cli`` has).
     """
     module_name, _, attribute = target.partition(":")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    directory = str(root)
+    sys.path.insert(0, directory)
     try:
         module = importlib.import_module(module_name)
         return getattr(module, attribute or "app")
     except Exception as exc:  # the user's code: any error is a definition error
         raise DefinitionError(str(root / CONFIG), f"commands {target!r}: {exc}") from None
+    finally:
+        sys.path.remove(directory)
 
 
 def _where(path: Path, exc: BaseException) -> str:
