@@ -6,8 +6,10 @@ request, in order:
 1. the bearer key is resolved to a :class:`pipeline.api.auth.Principal`, from the
    worker's cache when it can be. A key the cache does not know costs one Postgres
    query, unless its client address has spent its budget of failed authentications
-   (a token bucket per address): then the answer is 401 at once, with no query, so
-   random keys cannot drive the database;
+   (a token bucket per address, per /64 for IPv6): then only a key whose hash is in
+   the worker's :class:`KeyIndex` is looked up, and any other gets 401 with no
+   query, so random keys cannot drive the database while a valid key is never
+   refused for someone else's failures;
 2. the key takes a token from its own bucket (``FRESHLINE_API_RATE_PER_S``,
    ``FRESHLINE_API_RATE_BURST``), or the answer is 429 with ``Retry-After``;
 3. the request body must arrive within ``FRESHLINE_API_BODY_TIMEOUT_S`` (408
@@ -19,23 +21,45 @@ request, in order:
 Refusals are written to the audit log (:mod:`pipeline.api.audit_log`) and counted in
 ``freshline_api_refused_total{reason}``. Buckets live in the worker process (one event
 loop, so no lock): with ``N`` workers a key can reach ``N`` times its rate.
+
+The client address is the TCP peer's, or, when the peer is one of
+``FRESHLINE_API_TRUSTED_PROXIES``, the right-most address in ``X-Forwarded-For`` that
+is not (granian's ``wrap_asgi_with_proxy_headers`` does the rewriting).
 """
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
+import logging
 import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import cast
 
+import sqlalchemy as sa
+from granian.utils.proxies import wrap_asgi_with_proxy_headers
+from sqlalchemy.engine import Engine
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.api import audit_log, metrics
-from pipeline.api.auth import Authenticator, Principal, Unauthorized, bearer_token
+from pipeline.api.auth import (
+    MAX_KEY_LENGTH,
+    Authenticator,
+    Principal,
+    Unauthorized,
+    bearer_token,
+    hash_key,
+)
 from pipeline.api.deadlines import Deadlines
 from pipeline.api.errors import ApiError, error_response
+from pipeline.core.db import api_keys
 from pipeline.core.settings import Settings
+
+log = logging.getLogger(__name__)
 
 GUARDED_PREFIX = "/v1/"
 
@@ -98,6 +122,89 @@ class TokenBuckets:
             self._buckets.popitem(last=False)
 
 
+def address_group(address: str) -> str:
+    """The name an address's failed authentications are counted under: the address,
+    or its /64 for IPv6 (one host's usual allocation, so rotating within it gains
+    nothing); an IPv4-mapped IPv6 address counts as its IPv4 address."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address  # not an IP (a Unix socket's peer, say): counted as itself
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return address
+
+
+class KeyIndex:
+    """The hashes of the keys that may be valid, in the worker: what lets a valid key
+    through from an address locked out by others' failures, without a query per guess.
+
+    A key whose hash it does not hold waits for the next top-up that starts after it
+    arrived, then is checked again: a key made before the request is never refused.
+    Top-ups run at most once per ``refresh_s``, however many requests wait for them
+    (one small query a second under a flood of guesses, each guess held until then).
+    The first loads the keys neither revoked nor expired, later ones those created
+    since. It only admits a key to the usual lookup, so a key revoked since it was
+    loaded costs that lookup and is refused there. About 150 bytes per key.
+    """
+
+    CLOCK_SKEW_S = 600.0
+    """Keys' ``created_at`` comes from the clock of whoever made them: each top-up
+    reads back this far before the newest one seen."""
+
+    def __init__(self, engine: Engine, *, refresh_s: float = 1.0) -> None:
+        self.engine = engine
+        self.refresh_s = refresh_s
+        self._hashes: set[str] = set()
+        self._newest: datetime | None = None
+        self._started = -math.inf  # time.monotonic() the last top-up began
+        self._next: asyncio.Future[None] | None = None
+        self._running: asyncio.Future[None] | None = None
+        self.top_ups = 0
+
+    async def admits(self, key: str) -> bool:
+        """Whether ``key`` may be valid: its hash is held, now or after the next top-up."""
+        if len(key) > MAX_KEY_LENGTH:
+            return False
+        digest = hash_key(key)
+        if digest in self._hashes:
+            return True
+        if self._next is None:
+            self._next = asyncio.ensure_future(self._top_up())
+        await asyncio.shield(self._next)  # one waiter's disconnect stops no one's top-up
+        return digest in self._hashes
+
+    async def _top_up(self) -> None:
+        await asyncio.sleep(max(0.0, self._started + self.refresh_s - time.monotonic()))
+        # From here on, arrivals wait for the next one (kept referenced while it runs).
+        self._running, self._next = self._next, None
+        self._started = time.monotonic()
+        try:
+            rows = await run_in_threadpool(self._query)
+        except Exception as exc:  # Postgres away: guesses are refused as before, not 500
+            log.warning("could not read API key hashes (%s); unknown keys are refused", exc)
+            return
+        self.top_ups += 1
+        self._hashes.update(digest for digest, _ in rows)
+        newest = max((created for _, created in rows), default=None)
+        if newest is not None and (self._newest is None or newest > self._newest):
+            self._newest = newest
+
+    def _query(self) -> list[tuple[str, datetime]]:
+        c = api_keys.c
+        query = sa.select(c.key_hash, c.created_at)
+        if self._newest is None:
+            query = query.where(
+                c.revoked_at.is_(None), sa.or_(c.expires_at.is_(None), c.expires_at > sa.func.now())
+            )
+        else:
+            query = query.where(c.created_at > self._newest - timedelta(seconds=self.CLOCK_SKEW_S))
+        with self.engine.connect() as conn:
+            return [(row.key_hash, row.created_at) for row in conn.execute(query)]
+
+
 class AccessGuard:
     """ASGI middleware: authentication, per-key rate and per-address failure limits,
     and body timeouts for ``/v1``; see the module docstring."""
@@ -105,6 +212,7 @@ class AccessGuard:
     def __init__(self, app: ASGIApp, *, auth: Authenticator, settings: Settings) -> None:
         self.app = app
         self.auth = auth
+        self.keys = KeyIndex(auth.engine, refresh_s=settings.api_key_index_refresh_s)
         self.per_key = TokenBuckets(settings.api_rate_per_s, settings.api_rate_burst)
         self.failures = TokenBuckets(
             settings.api_auth_failures_per_min / 60, settings.api_auth_failures_burst
@@ -112,8 +220,16 @@ class AccessGuard:
         self.body_timeout_s = settings.api_body_timeout_s
         self._deadlines = Deadlines(tick_s=self.body_timeout_s / 10)
         self._throttle_logged: OrderedDict[str, float] = OrderedDict()
+        self._entry: ASGIApp = self._guard
+        if settings.api_trusted_proxies:
+            self._entry = cast(
+                ASGIApp, wrap_asgi_with_proxy_headers(self._guard, settings.api_trusted_proxies)
+            )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._entry(scope, receive, send)
+
+    async def _guard(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(GUARDED_PREFIX):
             await self.app(scope, receive, send)
             return
@@ -158,16 +274,20 @@ class AccessGuard:
         known, principal = self.auth.cached(key)
         if known and principal is not None:
             return principal
-        if not known and self.failures.wait(address) > 0:
+        group = address_group(address)
+        # Locked out: the key is looked up only if it may be valid. That check comes
+        # first, so others' failures from this address never refuse a valid key.
+        if not known and self.failures.wait(group) > 0 and not await self.keys.admits(key):
             raise Unauthorized(
-                "too many failed authentications from this address; retry later", reason="throttled"
+                "too many failed authentications from this address; retry later",
+                reason="throttled",
             )
         try:
             # A cached refusal raises again from the cache; the thread keeps a lookup,
             # should the entry expire meanwhile, off the event loop.
             return await run_in_threadpool(self.auth.principal, key)
         except Unauthorized:
-            self.failures.take(address)
+            self.failures.take(group)
             raise
 
     def _refused(self, reason: str, address: str, key_id: str | None) -> None:
@@ -175,10 +295,11 @@ class AccessGuard:
         if reason == "throttled":
             # Once a minute per address: a flood of refusals must not flood the log.
             now = time.monotonic()
-            if self._throttle_logged.get(address, -math.inf) > now - 60:
+            group = address_group(address)
+            if self._throttle_logged.get(group, -math.inf) > now - 60:
                 return
-            self._throttle_logged[address] = now
-            self._throttle_logged.move_to_end(address)
+            self._throttle_logged[group] = now
+            self._throttle_logged.move_to_end(group)
             while len(self._throttle_logged) > 10_000:
                 self._throttle_logged.popitem(last=False)
         audit_log.record("auth.refused", reason=reason, key_id=key_id, client=address)

@@ -7,11 +7,12 @@ point at the local stack started by ``scripts/stack up``.
 
 from __future__ import annotations
 
+import ipaddress
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from pipeline.core.errors import ConfigError
 
@@ -84,6 +85,12 @@ class Settings(BaseSettings):
     api_auth_failures_per_min: float = Field(default=30.0, ge=0)
     """Failed authentications per client address and worker (0: no limit)."""
     api_auth_failures_burst: int = Field(default=20, ge=1)
+    api_trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Proxies (addresses or CIDRs, comma-separated) whose ``X-Forwarded-For`` names the
+    client: its right-most address that is not one of them; empty: the TCP peer."""
+    api_key_index_refresh_s: float = Field(default=1.0, gt=0)
+    """How often a worker may re-read key hashes while an address is locked out; a
+    key not yet read waits for the next read (see :class:`pipeline.api.limits.KeyIndex`)."""
     api_key_cache_s: float = Field(default=60.0, ge=0)
     api_key_last_used_s: float = Field(default=60.0, gt=0)
     api_max_connections: int = Field(default=4096, ge=1)
@@ -122,6 +129,24 @@ class Settings(BaseSettings):
     """Vectors one API process's semantic indexes hold; least recently used dropped."""
     semantic_warm: bool = True
     """Build the semantic indexes of the namespaces in Redis when the API starts."""
+
+    @field_validator("api_trusted_proxies", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("api_trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        networks = []
+        for proxy in value:
+            try:
+                networks.append(str(ipaddress.ip_network(proxy, strict=False)))
+            except ValueError:
+                raise ValueError(f"{proxy!r} is not an IP address or CIDR network") from None
+        return networks
 
     @field_validator("semantic_thresholds")
     @classmethod
