@@ -1,0 +1,40 @@
+"""The local embedding model: whole vectors against stored ones, and its tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.semantic.embed import MiniLM, local_model
+
+# Texts without a special-token literal ([CLS], [SEP], [UNK], [PAD], [MASK]): accents,
+# punctuation, CJK and Hangul, an emoji, control whitespace, long words split into
+# pieces, and one past 256 tokens (truncated).
+SENTENCES = [
+    "This is an example sentence",
+    "Where is my refund for order 68517?",
+    "Héllo, Wörld! Ça va? naïve café résumé",
+    "The card ending 4242 was declined at 03:14 UTC; retry limit: 3/5.",
+    "東京の天気はどうですか 北京 and mixed 한국어 text",
+    "emoji 🙂 and tabs\tand\nnewlines   with   spaces",
+    "unbelievably antidisestablishmentarianism hyperparameterisation",
+    " ".join(f"word{i} refund order" for i in range(120)),
+]
+# MiniLM.embed(SENTENCES), one batch, as computed by the hand-written WordPiece
+# tokenizer and safetensors reader that the libraries replaced.
+REFERENCE = Path(__file__).parent / "data" / "minilm_reference.npy"
+
+
+@pytest.fixture(scope="module")
+def model() -> MiniLM:
+    return local_model()
+
+
+def test_vectors_equal_the_stored_reference(model: MiniLM) -> None:
+    expected = np.load(REFERENCE)
+    assert expected.shape == (len(SENTENCES), 384) and expected.dtype == np.float32
+    vectors = model.embed(SENTENCES)
+    assert vectors.shape == expected.shape and vectors.dtype == np.float32
+    np.testing.assert_allclose(vectors, expected, rtol=0, atol=1e-6)
