@@ -5,6 +5,11 @@ The tenant comes from the API key, never from the body. The cache
 start-up when Redis holds namespaces to warm (``FRESHLINE_SEMANTIC_WARM``), so the
 embedding model loads once per worker process and only in workers that use it;
 concurrent requests are embedded together (:class:`BatchingEmbedder`).
+
+Metrics name a model only if the settings do (:meth:`SemanticService.label`): the
+``model`` in a body is the caller's to choose, and a label value from it would let
+any caller grow every scrape without bound, and show one tenant's model names to
+whoever reads ``/metrics``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ from pipeline.semantic.embed import BatchingEmbedder, EmbeddingError, embedder_f
 from pipeline.semantic.namespaces import live_namespaces
 
 log = logging.getLogger(__name__)
+
+OTHER = "other"
+"""The label value of every model the settings do not name."""
 
 LOOKUPS = Counter(
     "freshline_semantic_lookups_total",
@@ -74,6 +82,18 @@ class SemanticService:
         self._embedder: BatchingEmbedder | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._named = frozenset(
+            [
+                *settings.semantic_models,
+                *settings.semantic_thresholds,
+                *settings.semantic_max_entries_per_model,
+            ]
+        )
+
+    def label(self, model: str) -> str:
+        """``model`` as a metric label value: itself if the settings name it, else
+        :data:`OTHER`."""
+        return model if model in self._named else OTHER
 
     def cache(self) -> SemanticCache:
         with self._lock:
@@ -197,17 +217,19 @@ async def lookup(request: Request) -> Response:
     scope, body = await _request(request)
     prompt = _text(body, "prompt")
     params = body.get("params") or {}
-    cache = await run_in_threadpool(_service(request).cache)
+    service = _service(request)
+    model = service.label(scope.model)
+    cache = await run_in_threadpool(service.cache)
     try:
         found: Lookup = await _call(cache.lookup, scope, prompt, params)
     except ApiError as exc:
         if exc.code == "not_deterministic":
-            LOOKUPS.labels(scope.model, "refused").inc()
+            LOOKUPS.labels(model, "refused").inc()
         raise
-    LOOKUPS.labels(scope.model, "hit" if found.hit else "miss").inc()
-    LOOKUP_SECONDS.labels(scope.model).observe(found.lookup_s)
-    EMBED_SECONDS.labels(scope.model).observe(found.embed_s)
-    metrics.observe_read("semantic", scope.model, found.hit, found.lookup_s + found.embed_s)
+    LOOKUPS.labels(model, "hit" if found.hit else "miss").inc()
+    LOOKUP_SECONDS.labels(model).observe(found.lookup_s)
+    EMBED_SECONDS.labels(model).observe(found.embed_s)
+    metrics.observe_read("semantic", model, found.hit, found.lookup_s + found.embed_s)
     answer: dict[str, Any] = {
         "hit": found.hit,
         "similarity": found.similarity,
@@ -232,15 +254,17 @@ async def store(request: Request) -> Response:
         or generation_ms < 0
     ):
         raise ApiError(422, "invalid_request", "'generation_ms' must be a number >= 0")
-    cache = await run_in_threadpool(_service(request).cache)
+    service = _service(request)
+    model = service.label(scope.model)
+    cache = await run_in_threadpool(service.cache)
     started = time.perf_counter()
     stored: Stored = await _call(cache.store, scope, prompt, params, response)
-    STORED.labels(scope.model).inc()
-    EMBED_SECONDS.labels(scope.model).observe(stored.embed_s)
+    STORED.labels(model).inc()
+    EMBED_SECONDS.labels(model).observe(stored.embed_s)
     if generation_ms is not None:
         # The model call the cache saves on a hit: what `freshline advise` weighs.
-        metrics.COMPUTE_SECONDS.labels("semantic", scope.model).observe(generation_ms / 1000)
-        metrics.CACHE_MISS_SECONDS.labels("semantic", scope.model).observe(
+        metrics.COMPUTE_SECONDS.labels("semantic", model).observe(generation_ms / 1000)
+        metrics.CACHE_MISS_SECONDS.labels("semantic", model).observe(
             generation_ms / 1000 + time.perf_counter() - started
         )
     return JSONResponse({"stored": True, "entry_id": stored.entry_id}, status_code=201)
@@ -251,7 +275,8 @@ async def flag(request: Request) -> Response:
     """A caller reports a bad hit: its entry is removed and the flag counted."""
     scope, body = await _request(request)
     entry = _text(body, "entry_id")
-    cache = await run_in_threadpool(_service(request).cache)
+    service = _service(request)
+    cache = await run_in_threadpool(service.cache)
     removed = await _call(cache.flag, scope, entry)
-    FLAGGED.labels(scope.model).inc()
+    FLAGGED.labels(service.label(scope.model)).inc()
     return JSONResponse({"removed": removed, "entry_id": entry})

@@ -129,8 +129,12 @@ class Settings(BaseSettings):
     """Vectors one API process's semantic indexes hold; least recently used dropped."""
     semantic_warm: bool = True
     """Build the semantic indexes of the namespaces in Redis when the API starts."""
+    semantic_models: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """LLM model names (comma-separated) the metrics name; with the models of
+    ``semantic_thresholds`` and ``semantic_max_entries_per_model``. Any other model
+    a request names is counted as ``other``: callers choose no label values."""
 
-    @field_validator("api_trusted_proxies", mode="before")
+    @field_validator("api_trusted_proxies", "semantic_models", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
         if isinstance(value, str):

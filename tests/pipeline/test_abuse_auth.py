@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -16,6 +17,7 @@ import anyio.from_thread
 import httpx
 import pytest
 import redis
+from prometheus_client import REGISTRY
 from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
 
@@ -26,6 +28,7 @@ from pipeline.api.limits import AccessGuard, address_group
 from pipeline.core.errors import ConfigError
 from pipeline.core.settings import Settings, load_settings
 from tests.conftest import fresh_version
+from tests.pipeline.test_api import running
 
 URL = "/v1/features/txn_90d/1"
 REFRESH_S = 0.05  # how long a throttled guess waits at most (the key index's refresh)
@@ -211,3 +214,63 @@ def test_trusted_proxies_are_comma_separated_networks(monkeypatch: pytest.Monkey
     monkeypatch.setenv("FRESHLINE_API_TRUSTED_PROXIES", "*")
     with pytest.raises(ConfigError, match="FRESHLINE_API_TRUSTED_PROXIES"):
         load_settings()
+
+
+# -- 7: callers cannot grow the metrics' label sets -------------------------------------
+
+
+def label_values(name: str, label: str) -> set[str]:
+    """Every value of ``label`` in the samples of the metric family ``name``."""
+    return {
+        sample.labels[label]
+        for family in REGISTRY.collect()
+        if family.name == name
+        for sample in family.samples
+        if label in sample.labels
+    }
+
+
+def test_llm_model_labels_are_bounded_to_configured_models(
+    settings: Settings, engine: Engine, redis_client: redis.Redis, tenants: list[str]
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    named = f"bot-{run}-named"
+    app = create_app(
+        settings.model_copy(update={"semantic_enabled": True, "semantic_models": [named]}),
+        engine=engine,
+        redis_client=redis_client,
+        follow_deploys=False,
+    )
+    scope: dict[str, Any] = {"model_version": "v1", "template_version": "t1", "prompt": "hi"}
+    scope["params"] = {"temperature": 0}
+    with running(app, create_api_key(engine, tenants[0])) as api:
+        models = [f"bot-{run}-{i}" for i in range(200)] + [named]
+        for model in models:
+            answer = api.post("/v1/llm/cache/lookup", json={**scope, "model": model})
+            assert answer.status_code == 200, answer.text
+        stored = api.post(
+            "/v1/llm/cache/store",
+            json={**scope, "model": models[0], "response": "yo", "generation_ms": 5},
+        )
+        assert stored.status_code == 201, stored.text
+        flagged = api.post(
+            "/v1/llm/cache/flag", json={**scope, "model": models[1], "entry_id": "00000000000000aa"}
+        )
+        assert flagged.status_code == 200, flagged.text
+        exposed = api.get("/metrics", key=None).text
+    families = [
+        ("freshline_semantic_lookups", "model"),
+        ("freshline_semantic_stored", "model"),
+        ("freshline_semantic_flagged", "model"),
+        ("freshline_semantic_lookup_seconds", "model"),
+        ("freshline_semantic_embedding_seconds", "model"),
+        ("freshline_cache_read_seconds", "name"),
+        ("freshline_cache_miss_seconds", "name"),
+        ("freshline_compute_seconds", "name"),
+    ]
+    for family, label in families:
+        seen = {v for v in label_values(family, label) if run in v}
+        assert seen <= {named}, f"{family}: {len(seen)} label values from request bodies"
+    assert named in label_values("freshline_semantic_lookups", "model")
+    assert "other" in label_values("freshline_semantic_lookups", "model")
+    assert f"bot-{run}-0" not in exposed

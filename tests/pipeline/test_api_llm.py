@@ -30,17 +30,18 @@ def tenants(tenant_factory_module: Callable[..., SeedSummary]) -> list[str]:
 
 
 @pytest.fixture
-def api(
-    settings: Settings, engine: Engine, redis_client: redis.Redis, tenants: list[str]
-) -> Iterator[Api]:
-    app = create_app(settings, engine=engine, redis_client=redis_client, follow_deploys=False)
-    with running(app, create_api_key(engine, tenants[0])) as client:
-        yield client
+def model() -> str:
+    return f"bot-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture
-def model() -> str:
-    return f"bot-{uuid.uuid4().hex[:8]}"
+def api(
+    settings: Settings, engine: Engine, redis_client: redis.Redis, tenants: list[str], model: str
+) -> Iterator[Api]:
+    named = settings.model_copy(update={"semantic_models": [model]})  # named in the metrics
+    app = create_app(named, engine=engine, redis_client=redis_client, follow_deploys=False)
+    with running(app, create_api_key(engine, tenants[0])) as client:
+        yield client
 
 
 def body(model: str, prompt: str = PROMPT, **extra: Any) -> dict[str, Any]:
