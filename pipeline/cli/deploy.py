@@ -2,7 +2,7 @@
 
 Thin shells over :mod:`pipeline.core.lock`, :mod:`pipeline.deploy.pointer`,
 :mod:`pipeline.deploy.warm` and :mod:`pipeline.deploy.purge`;
-see ``docs/deploy.md`` for the runbook.
+see ``docs/deploys.md`` for the runbook.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def warm(
     from pipeline.core.lock import Lock
     from pipeline.core.repository import REGISTRY
     from pipeline.core.settings import load_settings
-    from pipeline.deploy.pointer import start
+    from pipeline.deploy.pointer import start, writing
     from pipeline.deploy.warm import active_entities, count_active, tenant_ids
     from pipeline.deploy.warm import warm as warm_version
 
@@ -128,8 +128,19 @@ def warm(
             def report(done: int, task: TaskID = task) -> None:
                 bar.update(task, completed=done)
 
+            def guard() -> None:
+                writing(client, settings, version)
+
             result = warm_version(
-                client, engine, version, name, batches, lock, rate=rate, progress=report
+                client,
+                engine,
+                version,
+                name,
+                batches,
+                lock,
+                rate=rate,
+                progress=report,
+                guard=guard,
             )
             total += result.entities
     console.print(
@@ -156,13 +167,13 @@ def deploy_flip(
 
 @deploy_app.command("cancel")
 def deploy_cancel(lock_path: LockOption = None) -> None:
-    """Forget the next version; its keys expire by TTL."""
+    """Stop writing the next version; it stays retired until its keys expire (or purge)."""
     _pointer_command("cancel", None, lock_path)
 
 
 @deploy_app.command("status")
 def deploy_status(lock_path: LockOption = None) -> None:
-    """The active and next schema versions and the locked ones."""
+    """The active, next and previous schema versions and the locked ones."""
     _pointer_command("status", None, lock_path)
 
 
@@ -184,12 +195,16 @@ def _pointer_command(action: str, version: int | None, lock_path: Path | None) -
     elif action == "cancel":
         cancel(client, settings, lock)
     seen = state(client, settings, lock=lock)
+    previous = "-"
+    if seen.previous is not None:
+        previous = f"{seen.previous} (still written: a flip to it is a rollback)"
     out.print(
-        f"active schema version: {seen.active}"
+        f"active schema version:   {seen.active}"
         f"{'' if seen.active_raw else ' (pointer unset: FRESHLINE_SCHEMA_VERSION)'}"
     )
-    out.print(f"next schema version:   {seen.next if seen.next is not None else '-'}")
-    out.print(f"locked versions:       {', '.join(map(str, sorted(lock.versions)))}")
+    out.print(f"next schema version:     {seen.next if seen.next is not None else '-'}")
+    out.print(f"previous schema version: {previous}")
+    out.print(f"locked versions:         {', '.join(map(str, sorted(lock.versions)))}")
 
 
 def purge(
@@ -200,25 +215,38 @@ def purge(
     batch: Annotated[
         int, typer.Option("--batch", min=1, max=10000, help="Keys per SCAN step and UNLINK")
     ] = 500,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Purge the previous version too, giving up the rollback"),
+    ] = False,
+    lock_path: LockOption = None,
 ) -> None:
     """Remove an old schema version's keys (or a model version's predictions) in batches.
 
     Not needed for correctness: old keys expire by their TTL, and that remains the
     default. Purge frees the memory sooner, with SCAN + UNLINK in small batches
-    (never KEYS or FLUSHDB); it refuses the active and next versions and is safe to
-    interrupt and run again.
+    (never KEYS or FLUSHDB); it refuses the active and next versions, and the previous
+    one unless forced, and is safe to interrupt and run again.
     """
 
+    from pipeline.cache.versions import state
+    from pipeline.core.lock import Lock
     from pipeline.core.settings import load_settings
+    from pipeline.deploy.pointer import retire
     from pipeline.deploy.purge import purge as purge_version
     from pipeline.deploy.purge import purgeable
     from pipeline.inference.models import purge_model
 
     settings = load_settings()
     client = redis_client(settings)
+    result = None
     if model is None:
         if not version.isdigit():
             raise typer.BadParameter(f"a schema version is a number, got {version!r}")
+        if force and state(client, settings).previous == int(version):
+            lock = Lock.load(lock_path or repository_lock())
+            retire(client, settings, int(version), lock)
+            console.print(f"schema version {version} is no longer written: no rollback to it")
         purgeable(client, settings, int(version))
     with progress_bar() as bar:
         label = f"purge {model} {version}" if model else f"purge v{version}"
@@ -230,10 +258,17 @@ def purge(
         if model is not None:
             removed = purge_model(client, model, version, count=batch, progress=report)
         else:
-            removed = purge_version(
-                client, settings, int(version), count=batch, progress=report
-            ).removed
+            result = purge_version(client, settings, int(version), count=batch, progress=report)
+            removed = result.removed
     console.print(f"removed {removed:,} keys")
+    if result is not None and result.retired_ms:
+        # A write may have landed after the scan: the version stays retired.
+        rerun = f"; purge again in {result.rerun_in_ms / 1000:,.0f} s to clear that sooner"
+        console.print(
+            f"schema version {version} stays retired for {result.retired_ms // 1000:,} s "
+            f"(writes to it may have landed during this purge)"
+            f"{rerun if result.rerun_in_ms else ''}"
+        )
 
 
 def register(app: typer.Typer) -> None:

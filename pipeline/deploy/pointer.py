@@ -1,4 +1,4 @@
-"""Schema-version deployments: moving the version pointer (start, flip, cancel).
+"""Schema-version deployments: moving the version pointer (start, flip, cancel, retire).
 
 A deploy moves readers from one key namespace (``feat:<version>:...``) to another
 without a miss storm:
@@ -12,15 +12,27 @@ without a miss storm:
 3. ``flip(V)`` sets active=V and clears next in one Lua script, which also
    publishes on the pointer's channel. Readers
    (:class:`~pipeline.cache.versions.VersionResolver`) follow within their cache
-   age, at once if listening; consumers stop writing the old one.
+   age, at once if listening. The version left becomes *previous*: still written for
+   one TTL, so a flip back to it (a rollback) serves fresh entries.
 4. The old namespace expires by TTL, or :func:`pipeline.deploy.purge.purge` removes
    it in small SCAN + UNLINK batches.
 
-Every step checks the lock and the pointer first and changes nothing when refusing.
+Every move that stops writing a version (a flip, for the version left once it is no
+longer previous; ``cancel``; ``retire``, which gives up the rollback) leaves a
+*retired* marker on it in the same script. The marker holds the moment writes stop
+and lives until every entry written before then has expired (:data:`IN_FLIGHT_MS`
+after that moment, plus the version's longest TTL). A version is started or flipped
+to only while nothing of it can be stale: it is active, next or previous (written
+all along), or it has no marker. So a flip's target was written continuously since
+its warm began, or holds only entries written since then.
+
+Every step checks the lock and the pointer first and changes nothing when refusing;
+the script checks the pointer and the marker again, atomically.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Final
 
 import redis
@@ -33,27 +45,53 @@ from pipeline.core.lock import Lock
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 
-# KEYS[1] active, KEYS[2] next, KEYS[3] previous, KEYS[4] retired marker of the version
-# left, KEYS[5] retired marker of the version flipped to; ARGV[1] expected active,
-# ARGV[2] expected next ('' for absent), ARGV[3] new active ('' keeps it), ARGV[4] new
-# next ('' clears it), ARGV[5] channel, ARGV[6] the version left ('' when not a flip),
-# ARGV[7] one TTL in ms, ARGV[8] PUBLISH or SPUBLISH (a cluster: the channel shares
-# the keys' slot). Compare-and-set on active and next, so a concurrent deploy
-# command cannot be lost.
+IN_FLIGHT_MS: Final = 60_000
+"""How long after a version stops being written a write computed before may still land:
+a consumer's cached answer (``WRITE_VERSIONS_MAX_AGE_S``) and a batch in flight, or a
+warm's batch, with room to spare."""
+
+# KEYS[1] active, KEYS[2] next, KEYS[3] previous, KEYS[4] the marker of the version
+# this move stops writing, KEYS[5] the marker of the version it starts writing or
+# reading. ARGV[1..3] expected active, next, previous ('' for absent); ARGV[4] new
+# active ('' keeps it); ARGV[5] new next ('' clears it); ARGV[6] new previous ('' keeps
+# it, '-' clears it), ARGV[7] its TTL in ms; ARGV[8] ms from now until writes stop
+# ('' sets no marker), ARGV[9] the marker's TTL in ms (an existing marker's is never
+# shortened); ARGV[10] 'absent' (refuse, returning -1, if KEYS[5] exists) or 'clear'
+# (delete it: the version was written all along) or ''; ARGV[11] channel, ARGV[12]
+# PUBLISH or SPUBLISH (a cluster: the channel shares the keys' slot). Compare-and-set
+# on active, next and previous, so a concurrent deploy command cannot be lost.
 _MOVE_LUA: Final = """
 local active = redis.call('GET', KEYS[1]) or ''
 local nxt = redis.call('GET', KEYS[2]) or ''
-if active ~= ARGV[1] or nxt ~= ARGV[2] then return 0 end
-if ARGV[3] ~= '' then redis.call('SET', KEYS[1], ARGV[3]) end
-if ARGV[4] ~= '' then redis.call('SET', KEYS[2], ARGV[4]) else redis.call('DEL', KEYS[2]) end
-if ARGV[6] ~= '' then
-  redis.call('SET', KEYS[3], ARGV[6], 'PX', ARGV[7])
-  redis.call('SET', KEYS[4], '1', 'PX', 2 * tonumber(ARGV[7]))
-  redis.call('DEL', KEYS[5])
+local previous = redis.call('GET', KEYS[3]) or ''
+if active ~= ARGV[1] or nxt ~= ARGV[2] or previous ~= ARGV[3] then return 0 end
+if ARGV[10] == 'absent' and redis.call('EXISTS', KEYS[5]) == 1 then return -1 end
+if ARGV[10] == 'clear' then redis.call('DEL', KEYS[5]) end
+if ARGV[8] ~= '' then
+  local now = redis.call('TIME')
+  local stop = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + tonumber(ARGV[8])
+  local ttl = math.max(tonumber(ARGV[9]), redis.call('PTTL', KEYS[4]))
+  redis.call('SET', KEYS[4], string.format('%d', stop), 'PX', ttl)
 end
-redis.call(ARGV[8], ARGV[5], (ARGV[3] ~= '' and ARGV[3] or active) .. ' ' .. ARGV[4])
+if ARGV[4] ~= '' then redis.call('SET', KEYS[1], ARGV[4]) end
+if ARGV[5] ~= '' then redis.call('SET', KEYS[2], ARGV[5]) else redis.call('DEL', KEYS[2]) end
+if ARGV[6] == '-' then
+  redis.call('DEL', KEYS[3])
+elseif ARGV[6] ~= '' then
+  redis.call('SET', KEYS[3], ARGV[6], 'PX', ARGV[7])
+end
+redis.call(ARGV[12], ARGV[11], (ARGV[4] ~= '' and ARGV[4] or active) .. ' ' .. ARGV[5])
 return 1
 """
+
+
+@dataclass(frozen=True, slots=True)
+class Retirement:
+    """A version a move stops writing: in ``in_ms`` from now, marked for ``ttl_ms``."""
+
+    version: int
+    in_ms: int
+    ttl_ms: int
 
 
 def keep_ms(registry: Registry) -> int:
@@ -61,11 +99,34 @@ def keep_ms(registry: Registry) -> int:
     return max(fs.ttl_s for fs in registry) * 1000
 
 
+def longest_ttl_ms(lock: Lock, version: int, registry: Registry = REGISTRY) -> int:
+    """The longest TTL of ``version``'s entries: its lock entry's (the code that wrote
+    them), or ``registry``'s for a version the lock does not know."""
+    if version in lock:
+        return max(s.ttl_s for s in lock.entry(version).values()) * 1000
+    return keep_ms(registry)
+
+
 def locked(lock: Lock, version: int, action: str) -> None:
     if version not in lock:
         raise DeployError(
             f"cannot {action} schema version {version}: it has no lock entry; "
             "add it with `freshline check --update-lock` under that version"
+        )
+
+
+def retired(
+    client: redis.Redis, version: int, action: str, *, pointer: Pointer = DEFAULT_POINTER
+) -> None:
+    """Raise :class:`DeployError` if ``version`` has a retired marker: entries of it
+    may be frozen since it stopped being written."""
+    left_ms = int(client.pttl(pointer.retired_key(version)))
+    if left_ms != -2:
+        stale = f"for up to {left_ms // 1000:,} s more" if left_ms > 0 else "until it is purged"
+        raise DeployError(
+            f"cannot {action} schema version {version}: it is no longer written and its "
+            f"entries may be stale {stale}; purge it first "
+            f"(`freshline purge --version {version}`), then warm it and flip"
         )
 
 
@@ -77,29 +138,45 @@ def _move(
     active: int | None,
     nxt: int | None,
     keep: int = 0,
+    retire: Retirement | None = None,
+    enter: int | None = None,
+    drop_previous: bool = False,
 ) -> None:
+    """Move the pointer in one script: ``active`` (None keeps it; a new one makes the
+    version left *previous* for ``keep`` ms), ``nxt`` (None clears it); mark ``retire``;
+    ``enter``, the version this move starts writing or reading, must have no marker
+    unless it is the previous version (whose marker goes)."""
     script = client.register_script(_MOVE_LUA)
-    left = str(seen.active) if active is not None and active != seen.active else ""
+    previous = "-" if drop_previous else ""
+    if active is not None and active != seen.active:
+        previous = str(seen.active)
+    rule = "" if enter is None else "clear" if enter == seen.previous else "absent"
     done = script(
         keys=[
             pointer.active_key,
             pointer.next_key,
             pointer.previous_key,
-            pointer.retired_key(seen.active),
-            pointer.retired_key(active or 0),
+            pointer.retired_key(retire.version if retire else 0),
+            pointer.retired_key(enter or 0),
         ],
         args=[
             seen.active_raw,
             seen.next_raw,
+            "" if seen.previous is None else str(seen.previous),
             active or "",
             nxt or "",
-            pointer.channel,
-            left,
+            previous,
             keep,
+            "" if retire is None else retire.in_ms,
+            0 if retire is None else retire.ttl_ms,
+            rule,
+            pointer.channel,
             "SPUBLISH" if is_cluster(client) else "PUBLISH",
         ],
     )
-    if not done:
+    if done == -1 and enter is not None:
+        retired(client, enter, "deploy", pointer=pointer)
+    if done != 1:
         raise DeployError(
             "the version pointer changed while this command ran "
             "(another deploy?); nothing was changed, check and retry"
@@ -114,29 +191,80 @@ def start(
     *,
     pointer: Pointer = DEFAULT_POINTER,
 ) -> DeployState:
-    """Mark ``version`` as next: consumers start writing it alongside the active one."""
+    """Mark ``version`` as next: consumers start writing it alongside the active one.
+
+    Refused for a version with a retired marker (purge it first) and for the previous
+    version (flip back to it instead).
+    """
     locked(lock, version, "warm")
     seen = state(client, settings, pointer=pointer, lock=lock)
     if version == seen.active:
         raise DeployError(f"schema version {version} is already active")
+    if version == seen.previous:
+        raise DeployError(
+            f"schema version {version} is the previous version, still written; roll back "
+            f"to it with `freshline deploy flip {version}`"
+        )
     if seen.next not in (None, version):
         raise DeployError(
             f"a deploy of schema version {seen.next} is in progress; "
             "flip to it or cancel it first (`freshline deploy cancel`)"
         )
     if seen.next != version:
-        _move(client, pointer, seen, active=None, nxt=version)
+        retired(client, version, "start", pointer=pointer)
+        _move(client, pointer, seen, active=None, nxt=version, enter=version)
     return state(client, settings, pointer=pointer, lock=lock)
 
 
 def cancel(
     client: redis.Redis, settings: Settings, lock: Lock, *, pointer: Pointer = DEFAULT_POINTER
 ) -> DeployState:
-    """Forget the next version; consumers stop writing it. Its keys expire by TTL."""
+    """Forget the next version; consumers stop writing it and it is retired until its
+    entries have expired (or it is purged)."""
     seen = state(client, settings, pointer=pointer, lock=lock)
     if seen.next is not None:
-        _move(client, pointer, seen, active=None, nxt=None)
+        ttl = longest_ttl_ms(lock, seen.next) + IN_FLIGHT_MS
+        _move(client, pointer, seen, active=None, nxt=None, retire=Retirement(seen.next, 0, ttl))
     return state(client, settings, pointer=pointer, lock=lock)
+
+
+def retire(
+    client: redis.Redis,
+    settings: Settings,
+    version: int,
+    lock: Lock,
+    *,
+    pointer: Pointer = DEFAULT_POINTER,
+) -> DeployState:
+    """Stop writing the previous version now, giving up the rollback to it: what a
+    forced purge of it does first. It is retired until its entries have expired."""
+    seen = state(client, settings, pointer=pointer, lock=lock)
+    if version != seen.previous:
+        raise DeployError(f"schema version {version} is not the previous version")
+    ttl = longest_ttl_ms(lock, version) + IN_FLIGHT_MS
+    _move(
+        client,
+        pointer,
+        seen,
+        active=None,
+        nxt=seen.next,
+        retire=Retirement(version, 0, ttl),
+        drop_previous=True,
+    )
+    return state(client, settings, pointer=pointer, lock=lock)
+
+
+def writing(
+    client: redis.Redis, settings: Settings, version: int, *, pointer: Pointer = DEFAULT_POINTER
+) -> None:
+    """Raise :class:`DeployError` unless ``version`` is active or next: a warm checks
+    this before each batch, so it writes nothing the consumers do not keep fresh."""
+    seen = state(client, settings, pointer=pointer)
+    if version not in (seen.active, seen.next):
+        raise DeployError(
+            f"schema version {version} is not being deployed (neither active nor next: "
+            "cancelled?); stopped warming it"
+        )
 
 
 def flip(
@@ -152,8 +280,9 @@ def flip(
 
     The version left stays *previous* for one TTL (the longest of ``registry``'s sets):
     consumers keep writing it, so flipping back to it (a rollback) serves fresh
-    entries. After that its entries may be frozen until they expire, and a flip to it
-    is refused until they have (its *retired* marker is gone) or it was purged.
+    entries. It is marked retired until its last entries, written up to that TTL from
+    now, have expired. A flip to a version with a marker is refused (purge it first);
+    the previous version's marker goes, since it was written all along.
     """
     locked(lock, version, "flip to")
     seen = state(client, settings, pointer=pointer, lock=lock)
@@ -162,14 +291,15 @@ def flip(
             f"schema version {seen.next} is being warmed; flip to it, or "
             "cancel it first (`freshline deploy cancel`)"
         )
+    if seen.active_raw == str(version) and seen.next is None:
+        return seen
     if version not in (seen.active, seen.previous):
-        left_ms = int(client.pttl(pointer.retired_key(version)))
-        if left_ms > 0:
-            raise DeployError(
-                f"schema version {version} has not been written for over a TTL and its "
-                f"entries may be stale for up to {left_ms // 1000:,} s more; purge it first "
-                f"(`freshline purge --version {version}`), then warm it and flip"
-            )
-    if seen.active_raw != str(version) or seen.next is not None:
-        _move(client, pointer, seen, active=version, nxt=None, keep=keep_ms(registry))
+        retired(client, version, "flip to", pointer=pointer)
+    keep = keep_ms(registry)
+    left = None
+    if version != seen.active:
+        ttl = keep + longest_ttl_ms(lock, seen.active, registry) + IN_FLIGHT_MS
+        left = Retirement(seen.active, keep, ttl)
+    enter = None if version == seen.active else version
+    _move(client, pointer, seen, active=version, nxt=None, keep=keep, retire=left, enter=enter)
     return state(client, settings, pointer=pointer, lock=lock)

@@ -1,4 +1,10 @@
-"""Removing an old schema version's keys: small SCAN + UNLINK batches, never blocking."""
+"""Removing an old schema version's keys: small SCAN + UNLINK batches, never blocking.
+
+A purge refuses the versions consumers write: the active, the next and the previous
+one (the rollback target; :func:`pipeline.deploy.pointer.retire` gives that up first,
+as ``freshline purge --force`` does). Once the keys are gone it clears the version's
+retired marker, but only if every write to it landed before the purge began.
+"""
 
 from __future__ import annotations
 
@@ -12,16 +18,24 @@ from pipeline.core.cluster import is_cluster, scan_chunks
 from pipeline.core.errors import DeployError
 from pipeline.core.keys import LEASE_PREFIX, feature_pattern
 from pipeline.core.settings import Settings
+from pipeline.core.types import text
+from pipeline.deploy.pointer import IN_FLIGHT_MS
 
 
 def purgeable(
     client: redis.Redis, settings: Settings, version: int, *, pointer: Pointer = DEFAULT_POINTER
 ) -> None:
-    """Raise :class:`DeployError` if ``version`` is active or next."""
+    """Raise :class:`DeployError` if ``version`` is active, next or previous."""
     seen = state(client, settings, pointer=pointer)
     if version in (seen.active, seen.next):
         role = "active" if version == seen.active else "being warmed (next)"
         raise DeployError(f"schema version {version} is {role}; refusing to purge it")
+    if version == seen.previous:
+        raise DeployError(
+            f"schema version {version} is the previous version, still written so that a "
+            f"flip back to it is a rollback; refusing to purge it (`freshline purge "
+            f"--version {version} --force` gives up the rollback)"
+        )
 
 
 @dataclass(slots=True)
@@ -32,6 +46,11 @@ class PurgeResult:
     largest_unlink: int = 0
     done: bool = False
     patterns: list[str] = field(default_factory=list)
+    retired_ms: int = 0
+    """How long the version stays retired (neither started nor flipped to) after this
+    purge: a write may have landed after its scan. 0 once the marker is cleared."""
+    rerun_in_ms: int = 0
+    """From when on a rerun clears the marker: every write has landed by then."""
 
 
 def purge(
@@ -49,11 +68,17 @@ def purge(
     Each batch is one ``SCAN MATCH feat:<version>:* COUNT count`` step and an
     ``UNLINK`` of at most ``count`` keys (freed in the background), so Redis never
     blocks; the pointer is re-read before every batch, and the purge stops if the
-    version became active or next. Stopping early (``max_batches``, Ctrl-C) is safe:
-    a rerun scans from the start and finds only what is left.
+    version became active, next or previous. Stopping early (``max_batches``, Ctrl-C)
+    is safe: a rerun scans from the start and finds only what is left.
+
+    Done, it clears the version's retired marker if the version stopped being written
+    :data:`~pipeline.deploy.pointer.IN_FLIGHT_MS` before the purge began (so the scan
+    saw every key); otherwise the marker stays and the result says for how long.
     """
     if count < 1:
         raise ValueError(f"count must be positive, got {count}")
+    marker = pointer.retired_key(version)
+    began_ms = _now_ms(client, marker)
     result = PurgeResult(patterns=[feature_pattern(version), f"{LEASE_PREFIX}:{version}:*"])
     cluster = is_cluster(client)
     for pattern in result.patterns:
@@ -85,6 +110,28 @@ def purge(
                 progress(result.removed)
             if cursor == 0:
                 break
-    client.delete(pointer.retired_key(version))  # nothing of it is left to go stale
     result.done = True
+    _clear_marker(client, marker, began_ms, result)
     return result
+
+
+_NOW_LUA = "return redis.call('TIME')"
+
+
+def _now_ms(client: redis.Redis, key: str) -> int:
+    """The clock of the node that holds ``key``: the one the pointer's script stamps
+    markers with (a script on the key's slot, since TIME alone goes to any node)."""
+    seconds, micros = client.register_script(_NOW_LUA)(keys=[key])
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def _clear_marker(client: redis.Redis, key: str, began_ms: int, result: PurgeResult) -> None:
+    stopped = text(client.get(key))
+    if not stopped:
+        return
+    if stopped.isdigit() and int(stopped) + IN_FLIGHT_MS <= began_ms:
+        client.delete(key)  # every write landed before the scan began: nothing is left
+        return
+    result.retired_ms = max(0, int(client.pttl(key)))
+    if stopped.isdigit():
+        result.rerun_in_ms = max(0, int(stopped) + IN_FLIGHT_MS - _now_ms(client, key))

@@ -133,11 +133,15 @@ def warm(
     registry: Registry = REGISTRY,
     rate: float | None = None,
     progress: Callable[[int], None] | None = None,
+    guard: Callable[[], None] | None = None,
 ) -> WarmResult:
     """Compute ``feature_set`` for each batch of (tenant, entity) and write it to ``version``.
 
     One set-based query per batch, then conditional writes (an entry a consumer wrote
-    from a newer snapshot is kept). ``rate`` caps entities per second.
+    from a newer snapshot is kept). ``rate`` caps entities per second. ``guard`` runs
+    before each batch and raises to stop: the command passes
+    :func:`pipeline.deploy.pointer.writing`, so a warm stops once its deploy is
+    cancelled and writes nothing the consumers do not keep fresh.
     """
     locked(lock, version, "warm")
     if not lock.compatible(version, registry, feature_set):
@@ -149,6 +153,8 @@ def warm(
     throttle = Throttle(rate)
     result = WarmResult()
     for refs in batches:
+        if guard is not None:
+            guard()
         written = store.write(compute(engine, registry[feature_set], refs))
         result.entities += len(refs)
         result.written += written.written

@@ -33,7 +33,7 @@ from pipeline.core.lock import Lock, LockedSet
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from pipeline.deploy.pointer import cancel, flip, start
+from pipeline.deploy.pointer import IN_FLIGHT_MS, cancel, flip, keep_ms, start
 from pipeline.deploy.purge import purge
 from pipeline.deploy.warm import Throttle, active_entities, count_active, warm
 from pipeline.inference.models import purge_model
@@ -544,7 +544,11 @@ def test_a_rollback_serves_what_changed_after_the_flip(world: Deploy) -> None:
 def test_a_version_not_written_for_a_ttl_is_purged_before_a_flip_back(world: Deploy) -> None:
     r, s, p, lock = world.redis, world.settings, world.pointer, world.lock
     flip(r, s, world.b, lock, pointer=p)
-    r.delete(p.previous_key)  # one TTL later: consumers stopped writing version A
+    # One TTL and a minute later: consumers stopped writing version A and every write
+    # to it has landed (its marker holds when that happened).
+    r.delete(p.previous_key)
+    stopped = int(r.get(p.retired_key(world.a)) or 0)
+    r.set(p.retired_key(world.a), stopped - keep_ms(REGISTRY) - IN_FLIGHT_MS, keepttl=True)
     assert WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0)() == [world.b]
     with pytest.raises(DeployError, match="purge it first"):
         flip(r, s, world.a, lock, pointer=p)
