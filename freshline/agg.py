@@ -7,7 +7,6 @@
 """
 
 from pipeline.core.aggregations import (
-    Agg,
     count,
     count_distinct,
     last,
@@ -17,5 +16,6 @@ from pipeline.core.aggregations import (
     stddev,
     sum,
 )
+from pipeline.core.declarations import Agg
 
 __all__ = ["Agg", "count", "count_distinct", "last", "max", "mean", "min", "stddev", "sum"]

@@ -28,7 +28,7 @@ from freshline import Aggregations, Entity, Table, agg
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.cdc.connect import PUBLICATION
-from pipeline.core.aggregations import Declaration
+from pipeline.core.declarations import Declaration
 from pipeline.core.errors import ConfigError
 from pipeline.core.repository import DefinitionError, Repository, load
 from pipeline.core.types import ChangeEvent, EntityRef

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from pipeline.cli.app import console, out
-from pipeline.core.aggregations import Declaration
+from pipeline.core.declarations import Declaration
 from pipeline.core.features import duration
+from pipeline.core.maintenance import DerivedPath
 
 if TYPE_CHECKING:
     from pipeline.deploy.plan import Plan
@@ -144,7 +145,7 @@ def apply(
     if not result.ok:
         console.print("[red]error:[/red] the plan has problems; nothing applied")
         raise typer.Exit(1)
-    if result.replica_identity and not alter_tables:
+    if (result.replica_identity or result.derived) and not alter_tables:
         console.print(
             "[red]error:[/red] your tables need the DDL above; run it yourself or pass "
             "--alter-tables; nothing applied"
@@ -168,6 +169,11 @@ def apply(
         for ddl in ddls:
             conn.execute(sa.text(ddl))
             console.print(f"ran: {ddl}")
+        for name in result.derived:
+            path = repo.registry[name].maintenance
+            assert isinstance(path, DerivedPath)
+            path.install(conn)
+            console.print(f"installed the derived incremental path of {name} ({path.days})")
         if result.publication_missing:
             exists = conn.execute(
                 sa.text("SELECT 1 FROM pg_publication WHERE pubname = :p"), {"p": publication}
@@ -240,6 +246,8 @@ def _print(result: Plan) -> None:
         out.print(f"  your table needs: {ddl} (apply runs it only with --alter-tables)")
     for grant in result.grants:
         out.print(f"  freshline's roles need: {grant} (apply runs it only with --alter-tables)")
+    for name, what in result.derived.items():
+        out.print(f"  {name}'s incremental path: {what} (apply does it only with --alter-tables)")
     for problem in result.problems:
         console.print(f"[red]problem:[/red] {problem}")
     if result.ok:

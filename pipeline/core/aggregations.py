@@ -36,11 +36,11 @@ seconds, so a day is 86,400 s whatever the session's time zone. The time column 
 
 from __future__ import annotations
 
-import builtins
+import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from typing import Any
 
+from pipeline.core.declarations import Agg, Declaration
 from pipeline.core.errors import ConfigError
 from pipeline.core.features import (
     AS_OF,
@@ -53,38 +53,6 @@ from pipeline.core.features import (
     identifier,
     seconds,
 )
-
-AggKind = Literal["count", "sum", "mean", "min", "max", "stddev", "count_distinct", "last"]
-
-
-@dataclass(frozen=True, slots=True)
-class Agg:
-    """One aggregation of a declaration: made by :func:`count`, :func:`sum`, ... ."""
-
-    kind: AggKind
-    column: str | None = None
-    name: str | None = None
-    where: str | None = None
-    window: str | int | None = None
-    type: FieldType | None = None
-
-    def field_name(self) -> str:
-        if self.name is not None:
-            return self.name
-        if self.kind == "count":
-            return "count"
-        if self.kind == "count_distinct":
-            return f"distinct_{self.column}"
-        return f"{self.kind}_{self.column}"
-
-    def field_type(self, time: str) -> FieldType:
-        if self.type is not None:
-            return self.type
-        if self.kind in ("count", "count_distinct"):
-            return "int"
-        if self.kind in ("min", "max", "last") and self.column == time:
-            return "timestamp"
-        return "float"
 
 
 def count(
@@ -178,25 +146,6 @@ def last(
     return Agg("last", column, name, where, window, type)
 
 
-@dataclass(frozen=True, slots=True)
-class Declaration:
-    """What :func:`Aggregations` was given, resolved: kept on the feature set
-    (:attr:`FeatureSet.declared`) for ``plan`` and for incremental maintenance."""
-
-    table: str
-    entity_column: str
-    tenant_column: str | None
-    time: str
-    where: str | None
-    aggs: tuple[Agg, ...]
-    windows_s: tuple[int, ...]
-    """Each aggregation's window in seconds, in the order of ``aggs``."""
-
-    @property
-    def widest_s(self) -> int:
-        return builtins.max(self.windows_s)
-
-
 def Aggregations(
     name: str,
     *,
@@ -210,6 +159,7 @@ def Aggregations(
     mode: WriteMode = "recompute",
     description: str = "",
     sources: Sequence[Table] = (),
+    incremental: bool = False,
 ) -> FeatureSet:
     """A feature set of windowed aggregations over ``table``'s rows of each entity.
 
@@ -218,6 +168,9 @@ def Aggregations(
     condition on every row, as SQL over the row ``x`` (``"x.status <> 'void'"``);
     ``sources``: other tables whose changes should refresh it (the table itself always
     does). The query and horizon are generated (see the module's docstring).
+    ``incremental``: also derive per-day partial aggregates kept by triggers on the
+    table, and recompute from them (:mod:`pipeline.core.maintenance`; ``freshline
+    apply --alter-tables`` installs them).
     """
     what = f"aggregations {name!r}"
     source = table.source_for(entity)
@@ -258,6 +211,13 @@ def Aggregations(
         windows_s=tuple(windows),
     )
     fields = tuple(Field(a.field_name(), a.field_type(time)) for a in aggs)
+    derived: dict[str, Any] = {}
+    if incremental:
+        from pipeline.core.maintenance import DerivedPath
+
+        query = full_query(entity, declared)
+        path = DerivedPath(name, entity, declared, hashlib.sha256(query.encode()).hexdigest()[:8])
+        derived = {"incremental": path.query(), "maintenance": path, "path": "incremental"}
     return FeatureSet(
         name,
         entity=entity,
@@ -269,6 +229,7 @@ def Aggregations(
         description=description,
         horizon=horizon(entity, declared),
         declared=declared,
+        **derived,
     )
 
 

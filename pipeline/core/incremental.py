@@ -17,8 +17,8 @@ moments:
 - ``freshline buckets status | build | fold`` for the operator.
 
 The fraud example's is ``examples/fraud/fraud/incremental.py`` (per-day buckets, a
-delta log written by triggers, a fold). Deriving such paths from declared aggregations
-is the next step; until then a path is code the repository owns.
+delta log written by triggers, a fold). A declared aggregation gets one derived from its
+declaration (:class:`pipeline.core.maintenance.DerivedPath`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from sqlalchemy.engine import Connection, Engine
 from pipeline.core.errors import LockMismatch
 from pipeline.core.features import FeatureSet, FieldType
 from pipeline.core.lock import Lock, check
+from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import Repository
 
 # Postgres types (pg_type.typname) a declared field type accepts.
@@ -55,6 +56,9 @@ class Plan:
     """freshline's own schema: ``ok`` (at head), or what apply does to it."""
     grants: list[str] = field(default_factory=list)
     """``GRANT SELECT`` statements the two freshline roles need on the tables."""
+    derived: dict[str, str] = field(default_factory=dict)
+    """Feature set -> what installing its derived incremental path does (triggers on
+    the user's table: ``apply --alter-tables``), for those not installed yet."""
 
     @property
     def ok(self) -> bool:
@@ -82,6 +86,14 @@ def plan(repo: Repository, engine: Engine, schema_version: int, publication: str
         result.publication_missing = sorted(set(result.tables) - set(found))
         result.own_schema = _own_schema(conn)
         result.grants = missing_grants(conn, [t for t in result.tables if t in columns])
+        for fs in repo.registry:
+            path = fs.maintenance
+            if (
+                isinstance(path, DerivedPath)
+                and path.decl.table in columns
+                and not path.installed(conn)
+            ):
+                result.derived[fs.name] = path.describe(conn)
         conn.rollback()
     try:
         result.lock = check(Lock.load(repo.lock_path), schema_version, repo.registry)

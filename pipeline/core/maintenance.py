@@ -1,0 +1,563 @@
+"""Incremental maintenance derived from a declaration of windowed aggregations.
+
+:func:`pipeline.core.aggregations.Aggregations` with ``incremental=True`` gets a
+:class:`DerivedPath`: per-day partial aggregates in freshline's schema, kept by
+statement-level triggers on the source table, and an incremental query that reads at
+most one partial per whole day of the window plus the source rows of the (at most two)
+days the window's edges cut through, whatever the entity's history.
+
+What the partials hold
+----------------------
+Per (tenant, key, UTC day of the time column), for each aggregation over the rows that
+pass the declaration's and its own ``where``: the row count; the count, ``numeric`` sum
+and sum of squares of the column; its least and greatest value; the latest row's time
+and value (ties: the greatest value, as the defining query orders them). Per
+``count_distinct``, a table of (tenant, key, day, value, rows). The incremental query
+adds the whole days strictly between the window's edge days to the edge days' source
+rows (``(c, end of c's day)`` and ``[start of as_of's day, as_of]``), so a row after
+``as_of`` is never counted, and a row leaving the window is simply no longer read.
+
+Why the values are exact in every snapshot
+------------------------------------------
+The triggers run in the writer's transaction, as the writer's statement's last step:
+an INSERT (or COPY) adds its rows' partials to their days (counts and sums add, the
+least and greatest and latest compare); an UPDATE or DELETE recomputes every day it
+touched, before and after, from the source rows as the statement left them (a removed
+row may have been a day's least, greatest or latest); a TRUNCATE empties the partials.
+So the partials and the source rows they summarise commit together, and every snapshot
+sees partials that are exactly the aggregates of the source rows it sees. The feature
+statement reads both in its one snapshot: the recompute's watermark argument
+(:mod:`pipeline.cache.recompute`) holds as it is. Two writers of one entity's day wait
+on its partial's row lock (as two writers of one row do); under ``REPEATABLE READ`` the
+later one gets a serialization failure to retry, never a lost change. The sums are
+``numeric`` and the mean and deviation the same ``numeric`` formulas the defining query
+uses, so both paths give the same digits.
+
+Installing it changes the user's table (triggers), so ``freshline apply`` does it only
+with ``--alter-tables``, and fills the partials from the existing rows in the same
+transaction, under ``LOCK TABLE ... IN SHARE MODE`` (writers wait for the build).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from pipeline.core.declarations import Agg, Declaration
+from pipeline.core.features import Entity
+from pipeline.core.incremental import IncrementalPath, Queries
+
+SCHEMA = "freshline"
+_UTC_DAY = "(({t}) AT TIME ZONE 'UTC')::date"
+_DAY_START = "({d})::timestamp AT TIME ZONE 'UTC'"
+
+
+def _day(expr: str) -> str:
+    return _UTC_DAY.format(t=expr)
+
+
+def _start(day: str) -> str:
+    return _DAY_START.format(d=day)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One aggregation's columns in the day partials."""
+
+    index: int
+    agg: Agg
+    window_s: int
+
+    @property
+    def where(self) -> str:
+        return f"({self.agg.where})" if self.agg.where else "true"
+
+    def columns(self) -> list[tuple[str, str]]:
+        """(name, type) of its partial columns; ``{col}`` is the source column's type."""
+        i, kind = self.index, self.agg.kind
+        if kind == "count":
+            return [(f"c{i}", "bigint")]
+        if kind in ("sum", "mean", "stddev"):
+            return [(f"n{i}", "bigint"), (f"s{i}", "numeric"), (f"q{i}", "numeric")]
+        if kind == "min":
+            return [(f"mn{i}", "{col}")]
+        if kind == "max":
+            return [(f"mx{i}", "{col}")]
+        if kind == "last":
+            return [(f"lt{i}", "timestamptz"), (f"lv{i}", "{col}")]
+        return []  # count_distinct: a table of its own
+
+
+class DerivedPath(IncrementalPath):
+    """The incremental path of one declaration (see the module's docstring)."""
+
+    name = "derived"
+
+    def __init__(self, fs_name: str, entity: Entity, decl: Declaration, digest: str) -> None:
+        """``digest``: of the defining query, so that a changed declaration (a new
+        schema version) gets tables of its own beside the old one's."""
+        self.entity = entity
+        self.decl = decl
+        self.prefix = f"agg_{fs_name[:40]}_{digest}"
+        self.slots = [
+            _Slot(i, a, w) for i, (a, w) in enumerate(zip(decl.aggs, decl.windows_s, strict=True))
+        ]
+        self.windows = sorted(set(decl.windows_s))
+
+    # -- names ------------------------------------------------------------------------
+
+    @property
+    def days(self) -> str:
+        return f"{SCHEMA}.{self.prefix}_days"
+
+    def members(self, slot: _Slot) -> str:
+        return f"{SCHEMA}.{self.prefix}_d{slot.index}"
+
+    @property
+    def distinct(self) -> list[_Slot]:
+        return [s for s in self.slots if s.agg.kind == "count_distinct"]
+
+    @property
+    def keys(self) -> list[str]:
+        """The partials' key columns: the entity's (tenant first), then ``day``."""
+        return [*self.entity.columns, "day"]
+
+    def _src_keys(self, alias: str) -> list[str]:
+        """The source's columns that hold the partials' key columns, on ``alias``."""
+        own = [f"{alias}.{self.decl.entity_column}"]
+        if self.entity.tenant:
+            own.insert(0, f"{alias}.{self.decl.tenant_column}")
+        return [*own, _day(f"{alias}.{self.decl.time}")]
+
+    def _row_filter(self, alias: str) -> str:
+        where = self.decl.where
+        return "true" if not where else "(" + where.replace("x.", f"{alias}.") + ")"
+
+    # -- DDL ----------------------------------------------------------------------------
+
+    def ddl(self, conn: Connection) -> list[str]:
+        """The statements that install this path: its tables, trigger functions and the
+        triggers on the source table (the last change the user's table), then the
+        build of the partials from the rows there are."""
+        table = self._qualified(conn)
+        types = self._column_types(conn, table)
+        key_types = [
+            *(["text"] if self.entity.tenant else []),
+            self.entity.type,
+            "date",
+        ]
+        keys = ", ".join(f"{k} {t} NOT NULL" for k, t in zip(self.keys, key_types, strict=True))
+        cols = [
+            f"{name} {kind.format(col=types[s.agg.column]) if s.agg.column else kind}"
+            for s in self.slots
+            for name, kind in s.columns()
+        ]
+        out = [
+            f"CREATE TABLE IF NOT EXISTS {self.days} ({keys}, {', '.join(cols)}, "
+            f"PRIMARY KEY ({', '.join(self.keys)}))"
+        ]
+        for s in self.distinct:
+            assert s.agg.column is not None
+            out.append(
+                f"CREATE TABLE IF NOT EXISTS {self.members(s)} ({keys}, "
+                f"value {types[s.agg.column]} NOT NULL, n bigint NOT NULL, "
+                f"PRIMARY KEY ({', '.join(self.keys)}, value))"
+            )
+        roles = conn.execute(
+            sa.text(
+                "SELECT rolname FROM pg_roles "
+                "WHERE rolname IN ('freshline_api', 'freshline_consumer') ORDER BY 1"
+            )
+        ).scalars()
+        tables = ", ".join([self.days, *(self.members(s) for s in self.distinct)])
+        out += [f"GRANT SELECT ON {tables} TO {role}" for role in roles]
+        out += self._functions(table)
+        fn = f"{SCHEMA}.{self.prefix}"
+        trigger = self.trigger
+        out += [
+            f"DROP TRIGGER IF EXISTS {trigger}_i ON {table}",
+            f"DROP TRIGGER IF EXISTS {trigger}_u ON {table}",
+            f"DROP TRIGGER IF EXISTS {trigger}_d ON {table}",
+            f"DROP TRIGGER IF EXISTS {trigger}_t ON {table}",
+            f"CREATE TRIGGER {trigger}_i AFTER INSERT ON {table} REFERENCING NEW TABLE AS "
+            f"new_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_i()",
+            f"CREATE TRIGGER {trigger}_u AFTER UPDATE ON {table} REFERENCING OLD TABLE AS "
+            f"old_rows NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_u()",
+            f"CREATE TRIGGER {trigger}_d AFTER DELETE ON {table} REFERENCING OLD TABLE AS "
+            f"old_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_d()",
+            f"CREATE TRIGGER {trigger}_t AFTER TRUNCATE ON {table} "
+            f"FOR EACH STATEMENT EXECUTE FUNCTION {fn}_t()",
+            f"LOCK TABLE {table} IN SHARE MODE",
+            *self._rebuild_sql(table, keys_from=None),
+        ]
+        return out
+
+    def _qualified(self, conn: Connection) -> str:
+        found = conn.execute(
+            sa.text("SELECT to_regclass(:t)::text"), {"t": self.decl.table}
+        ).scalar()
+        if found is None:
+            from pipeline.core.errors import ConfigError
+
+            raise ConfigError(f"table {self.decl.table!r} does not exist")
+        return str(found) if "." in str(found) else f"public.{found}"
+
+    def _column_types(self, conn: Connection, table: str) -> dict[str, str]:
+        rows = conn.execute(
+            sa.text(
+                "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
+                "WHERE attrelid = CAST(:t AS regclass) AND attnum > 0 AND NOT attisdropped"
+            ),
+            {"t": table},
+        ).all()
+        return {str(name): str(kind) for name, kind in rows}
+
+    def _aggregate_rows(self, source: str, alias: str, where: str) -> str:
+        """``SELECT`` of the partials of ``source`` rows ``alias`` passing ``where``."""
+        parts = self._src_keys(alias)
+        values = []
+        for s in self.slots:
+            cond = f"({where} AND {s.where.replace('x.', f'{alias}.')})"
+            col = f"{alias}.{s.agg.column}"
+            match s.agg.kind:
+                case "count":
+                    values.append(f"count(*) FILTER (WHERE {cond})")
+                case "sum" | "mean" | "stddev":
+                    values += [
+                        f"count({col}) FILTER (WHERE {cond})",
+                        f"coalesce(sum({col}::numeric) FILTER (WHERE {cond}), 0)",
+                        f"coalesce(sum({col}::numeric * {col}::numeric) FILTER (WHERE {cond}), 0)",
+                    ]
+                case "min" | "max":
+                    values.append(f"{s.agg.kind}({col}) FILTER (WHERE {cond})")
+                case "last":
+                    order = f"{alias}.{self.decl.time} DESC, {col} DESC NULLS LAST"
+                    values += [
+                        f"max({alias}.{self.decl.time}) FILTER (WHERE {cond})",
+                        f"(array_agg({col} ORDER BY {order}) FILTER (WHERE {cond}))[1]",
+                    ]
+        group = ", ".join(str(i + 1) for i in range(len(parts)))
+        return (
+            f"SELECT {', '.join(parts + values)} FROM {source} {alias} WHERE {where} "
+            f"GROUP BY {group} ORDER BY {group}"
+        )
+
+    def _members_rows(self, slot: _Slot, source: str, alias: str, where: str) -> str:
+        col = f"{alias}.{slot.agg.column}"
+        cond = f"{where} AND {slot.where.replace('x.', f'{alias}.')} AND {col} IS NOT NULL"
+        parts = [*self._src_keys(alias), col]
+        group = ", ".join(str(i + 1) for i in range(len(parts)))
+        return (
+            f"SELECT {', '.join(parts)}, count(*) FROM {source} {alias} WHERE {cond} "
+            f"GROUP BY {group} ORDER BY {group}"
+        )
+
+    def _column_list(self) -> list[str]:
+        return [name for s in self.slots for name, _ in s.columns()]
+
+    def _merge(self) -> str:
+        """``ON CONFLICT`` of the insert trigger: the new rows' partials added to a day's."""
+        sets = []
+        for s in self.slots:
+            i = s.index
+            match s.agg.kind:
+                case "count":
+                    sets.append(f"c{i} = d.c{i} + excluded.c{i}")
+                case "sum" | "mean" | "stddev":
+                    sets += [f"{c}{i} = d.{c}{i} + excluded.{c}{i}" for c in ("n", "s", "q")]
+                case "min":
+                    sets.append(f"mn{i} = least(d.mn{i}, excluded.mn{i})")
+                case "max":
+                    sets.append(f"mx{i} = greatest(d.mx{i}, excluded.mx{i})")
+                case "last":
+                    new, old = f"excluded.lt{i}", f"d.lt{i}"
+                    nv, ov = f"excluded.lv{i}", f"d.lv{i}"
+                    sets += [
+                        f"lv{i} = CASE WHEN {new} IS NULL THEN {ov} WHEN {old} IS NULL "
+                        f"OR {new} > {old} THEN {nv} WHEN {new} < {old} THEN {ov} "
+                        f"WHEN {nv} IS NULL THEN {ov} WHEN {ov} IS NULL THEN {nv} "
+                        f"ELSE greatest({nv}, {ov}) END",
+                        f"lt{i} = greatest({old}, {new})",
+                    ]
+        return ", ".join(sets) if sets else f"{self.keys[-1]} = d.{self.keys[-1]}"
+
+    def _insert_days(self, select: str, merge: bool) -> str:
+        target = ", ".join([*self.keys, *self._column_list()])
+        conflict = f" ON CONFLICT ({', '.join(self.keys)}) DO UPDATE SET {self._merge()}"
+        return f"INSERT INTO {self.days} AS d ({target}) {select}" + (conflict if merge else "")
+
+    def _insert_members(self, slot: _Slot, select: str, merge: bool) -> str:
+        target = ", ".join([*self.keys, "value", "n"])
+        conflict = (
+            f" ON CONFLICT ({', '.join(self.keys)}, value) DO UPDATE SET n = m.n + excluded.n"
+        )
+        return f"INSERT INTO {self.members(slot)} AS m ({target}) {select}" + (
+            conflict if merge else ""
+        )
+
+    def _recompute_days(self, table: str, touched: str) -> list[str]:
+        """Statements that recompute the days in ``touched`` (a query of the partials'
+        key columns) from ``table``'s rows."""
+        keys = ", ".join(self.keys)
+        cond = " AND ".join(
+            [f"x.{c} = t.{k}" for c, k in zip(self._src_cols(), self.entity.columns, strict=True)]
+            + [
+                f"x.{self.decl.time} >= {_start('t.day')}",
+                f"x.{self.decl.time} < {_start('t.day + 1')}",
+            ]
+        )
+        source = f"(SELECT x.* FROM ({touched}) AS t({keys}) JOIN {table} x ON {cond})"
+        out = [f"DELETE FROM {self.days} WHERE ({keys}) IN ({touched})"]
+        out.append(
+            self._insert_days(self._aggregate_rows(source, "x", self._row_filter("x")), False)
+        )
+        for s in self.distinct:
+            out.append(f"DELETE FROM {self.members(s)} WHERE ({keys}) IN ({touched})")
+            select = self._members_rows(s, source, "x", self._row_filter("x"))
+            out.append(self._insert_members(s, select, False))
+        return out
+
+    def _src_cols(self) -> list[str]:
+        cols = [self.decl.entity_column]
+        if self.entity.tenant:
+            cols.insert(0, str(self.decl.tenant_column))
+        return cols
+
+    def _functions(self, table: str) -> list[str]:
+        fn = f"{SCHEMA}.{self.prefix}"
+        inserted = [
+            self._insert_days(self._aggregate_rows("new_rows", "x", self._row_filter("x")), True)
+        ]
+        inserted += [
+            self._insert_members(
+                s, self._members_rows(s, "new_rows", "x", self._row_filter("x")), True
+            )
+            for s in self.distinct
+        ]
+        src = ", ".join(self._src_keys("o"))
+        new = ", ".join(self._src_keys("o"))
+        touched_u = f"SELECT {src} FROM old_rows o UNION SELECT {new} FROM new_rows o"
+        touched_d = f"SELECT DISTINCT {src} FROM old_rows o"
+        truncate = [
+            f"TRUNCATE {self.days}",
+            *(f"TRUNCATE {self.members(s)}" for s in self.distinct),
+        ]
+
+        def function(suffix: str, body: list[str]) -> str:
+            statements = "".join(f"    {b};\n" for b in body)
+            return (
+                f"CREATE OR REPLACE FUNCTION {fn}_{suffix}() RETURNS trigger LANGUAGE plpgsql "
+                f"SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$\nBEGIN\n"
+                f"{statements}    RETURN NULL;\nEND\n$fn$"
+            )
+
+        return [
+            function("i", inserted),
+            function("u", self._recompute_days(table, touched_u)),
+            function("d", self._recompute_days(table, touched_d)),
+            function("t", truncate),
+        ]
+
+    def _rebuild_sql(self, table: str, keys_from: str | None) -> list[str]:
+        """Fill the partials from ``table``: of every key, or of the keys in
+        ``keys_from`` (a query of the entity's columns)."""
+        own = self._src_cols()
+        entity_cols = ", ".join(self.entity.columns)
+        if keys_from is None:
+            out = [
+                f"DELETE FROM {self.days}",
+                *(f"DELETE FROM {self.members(s)}" for s in self.distinct),
+            ]
+            where = self._row_filter("x")
+        else:
+            match = f"({', '.join(f'x.{c}' for c in own)}) IN ({keys_from})"
+            out = [
+                f"DELETE FROM {self.days} WHERE ({entity_cols}) IN ({keys_from})",
+                *(
+                    f"DELETE FROM {self.members(s)} WHERE ({entity_cols}) IN ({keys_from})"
+                    for s in self.distinct
+                ),
+            ]
+            where = f"{self._row_filter('x')} AND {match}"
+        out.append(self._insert_days(self._aggregate_rows(table, "x", where), False))
+        out += [
+            self._insert_members(s, self._members_rows(s, table, "x", where), False)
+            for s in self.distinct
+        ]
+        return out
+
+    # -- the incremental query ------------------------------------------------------------
+
+    def query(self) -> str:
+        """The incremental query: the keys ``k``, ``t.as_of``, like the defining one."""
+        e, d = self.entity, self.decl
+        time = f"x.{d.time}"
+        bounds = ["(t.as_of AT TIME ZONE 'UTC')::date AS da"]
+        for j, w in enumerate(self.windows):
+            c = f"t.as_of - interval '{w} seconds'"
+            bounds += [f"{c} AS c{j}", f"{_day(c)} AS dc{j}"]
+        slot_w = {s.index: self.windows.index(s.window_s) for s in self.slots}
+        mine_b = " AND ".join(f"b.{c} = k.{c}" for c in e.columns)
+        mine_x = " AND ".join(
+            f"x.{c} = k.{k}" for c, k in zip(self._src_cols(), e.columns, strict=True)
+        )
+        widest = len(self.windows) - 1
+        # The source rows of the edge days: of every window's old edge, and as_of's day.
+        edge_days = " OR ".join(
+            [
+                f"({time} > w.c{j} AND {time} < {_start(f'w.dc{j} + 1')})"
+                for j in range(len(self.windows))
+            ]
+            + [f"({time} >= {_start('w.da')} AND {time} <= t.as_of)"]
+        )
+
+        def on_edge(j: int) -> str:
+            return (
+                f"{time} > w.c{j} AND {time} <= t.as_of AND "
+                f"({_day(time)} = w.dc{j} OR {_day(time)} = w.da)"
+            )
+
+        bucket_vals, edge_vals, out = [], [], []
+        for s in self.slots:
+            i, j, col = s.index, slot_w[s.index], f"x.{s.agg.column}"
+            inside = f"b.day > w.dc{j} AND b.day < w.da"
+            edge = f"{on_edge(j)} AND {s.where}"
+            match s.agg.kind:
+                case "count":
+                    bucket_vals.append(f"coalesce(sum(b.c{i}) FILTER (WHERE {inside}), 0) AS c{i}")
+                    edge_vals.append(f"count(*) FILTER (WHERE {edge}) AS c{i}")
+                    out.append(f"bk.c{i} + ed.c{i}")
+                case "sum" | "mean" | "stddev":
+                    for c in ("n", "s", "q"):
+                        bucket_vals.append(
+                            f"coalesce(sum(b.{c}{i}) FILTER (WHERE {inside}), 0) AS {c}{i}"
+                        )
+                    edge_vals += [
+                        f"count({col}) FILTER (WHERE {edge}) AS n{i}",
+                        f"coalesce(sum({col}::numeric) FILTER (WHERE {edge}), 0) AS s{i}",
+                        f"coalesce(sum({col}::numeric * {col}::numeric) "
+                        f"FILTER (WHERE {edge}), 0) AS q{i}",
+                    ]
+                    n, sm, q = (f"(bk.{c}{i} + ed.{c}{i})" for c in ("n", "s", "q"))
+                    if s.agg.kind == "sum":
+                        out.append(sm)
+                    elif s.agg.kind == "mean":
+                        out.append(f"CASE WHEN {n} > 0 THEN {sm} / {n} END")
+                    else:
+                        out.append(
+                            f"CASE WHEN {n} > 0 THEN sqrt(greatest({n} * {q} - {sm} * {sm}, 0) "
+                            f"/ ({n} * {n})) END"
+                        )
+                case "min" | "max":
+                    m = "mn" if s.agg.kind == "min" else "mx"
+                    bucket_vals.append(f"{s.agg.kind}(b.{m}{i}) FILTER (WHERE {inside}) AS {m}{i}")
+                    edge_vals.append(f"{s.agg.kind}({col}) FILTER (WHERE {edge}) AS {m}{i}")
+                    pick = "least" if s.agg.kind == "min" else "greatest"
+                    out.append(f"{pick}(bk.{m}{i}, ed.{m}{i})")
+                case "last":
+                    order = f"{time} DESC, {col} DESC NULLS LAST"
+                    border = f"b.lt{i} DESC, b.lv{i} DESC NULLS LAST"
+                    bucket_vals += [
+                        f"max(b.lt{i}) FILTER (WHERE {inside}) AS lt{i}",
+                        f"(array_agg(b.lv{i} ORDER BY {border}) "
+                        f"FILTER (WHERE {inside} AND b.lt{i} IS NOT NULL))[1] AS lv{i}",
+                    ]
+                    edge_vals += [
+                        f"max({time}) FILTER (WHERE {edge}) AS lt{i}",
+                        f"(array_agg({col} ORDER BY {order}) FILTER (WHERE {edge}))[1] AS lv{i}",
+                    ]
+                    new, old, nv, ov = f"ed.lt{i}", f"bk.lt{i}", f"ed.lv{i}", f"bk.lv{i}"
+                    out.append(
+                        f"CASE WHEN {new} IS NULL THEN {ov} WHEN {old} IS NULL OR {new} > {old} "
+                        f"THEN {nv} WHEN {new} < {old} THEN {ov} WHEN {nv} IS NULL THEN {ov} "
+                        f"WHEN {ov} IS NULL THEN {nv} ELSE greatest({nv}, {ov}) END"
+                    )
+                case "count_distinct":
+                    members = self.members(s)
+                    mine_m = " AND ".join(f"m.{c} = k.{c}" for c in e.columns)
+                    out.append(
+                        f"(SELECT count(*) FROM (SELECT m.value FROM {members} m WHERE {mine_m} "
+                        f"AND m.day > w.dc{j} AND m.day < w.da UNION SELECT {col} FROM "
+                        f"{d.table} x WHERE {mine_x} AND ({edge_days}) AND {self._row_filter('x')} "
+                        f"AND {edge} AND {col} IS NOT NULL) AS u)"
+                    )
+        names = [a.field_name() for a in d.aggs]
+        body = ",\n       ".join(
+            [f"k.{c} AS {c}" for c in e.columns]
+            + [f"{expr} AS {name}" for expr, name in zip(out, names, strict=True)]
+        )
+        bucket_sel = ", ".join(bucket_vals) or "1 AS none"
+        edge_sel = ", ".join(edge_vals) or "1 AS none"
+        return (
+            f"\nSELECT {body}\nFROM k CROSS JOIN t\n"
+            f"CROSS JOIN LATERAL (SELECT {', '.join(bounds)}) AS w\n"
+            f"CROSS JOIN LATERAL (SELECT {bucket_sel} FROM {self.days} b WHERE {mine_b} "
+            f"AND b.day > w.dc{widest} AND b.day < w.da) AS bk\n"
+            f"CROSS JOIN LATERAL (SELECT {edge_sel} FROM {d.table} x WHERE {mine_x} "
+            f"AND ({edge_days}) AND {self._row_filter('x')}) AS ed\n"
+        )
+
+    # -- the extension point's hooks --------------------------------------------------------
+
+    def statement(self, fs: Queries) -> str:
+        return self.entity.keys_cte() + str(fs.incremental)
+
+    def rebuild(self, conn: Connection, keys: Sequence[tuple[str, Any]]) -> None:
+        table = self._qualified(conn)
+        if self.entity.tenant:
+            keys_from = (
+                "SELECT * FROM unnest(CAST(:tenants AS text[]), "
+                f"CAST(:ids AS {self.entity.type}[]))"
+            )
+        else:
+            keys_from = f"SELECT * FROM unnest(CAST(:ids AS {self.entity.type}[]))"
+        params = {
+            "tenants": [t for t, _ in keys],
+            "ids": [self.entity.param(str(k)) for _, k in keys],
+        }
+        conn.execute(sa.text(f"LOCK TABLE {table} IN SHARE MODE"))
+        for statement in self._rebuild_sql(table, keys_from):
+            conn.execute(sa.text(statement), params)
+
+    def fold(self, db: Engine | Connection, *, max_keys: int, wait: bool) -> int | None:
+        return 0  # nothing pending: the triggers keep the partials as they go
+
+    def pending(self, db: Engine | Connection) -> tuple[int, int]:
+        return 0, 0
+
+    def install(self, conn: Connection) -> None:
+        """Run :meth:`ddl` in ``conn``'s transaction."""
+        for statement in self.ddl(conn):
+            conn.execute(sa.text(statement))
+
+    @property
+    def trigger(self) -> str:
+        return f"freshline_{self.prefix}"
+
+    def installed(self, conn: Connection) -> bool:
+        """Whether this path's table and triggers are in the database."""
+        return bool(
+            conn.execute(
+                sa.text(
+                    "SELECT to_regclass(:days) IS NOT NULL AND EXISTS "
+                    "(SELECT 1 FROM pg_trigger WHERE tgname = :trigger)"
+                ),
+                {"days": self.days, "trigger": f"{self.trigger}_t"},
+            ).scalar()
+        )
+
+    def describe(self, conn: Connection) -> str:
+        """What installing it does, in one line (for ``plan``)."""
+        tables = ", ".join([self.days, *(self.members(s) for s in self.distinct)])
+        table = self._qualified(conn)
+        return (
+            f"create {tables}; statement triggers {self.trigger}_{{i,u,d,t}} on {table}; "
+            f"fill them from its rows under LOCK TABLE {table} IN SHARE MODE"
+        )
+
+
+__all__ = ["DerivedPath"]
