@@ -40,6 +40,7 @@ BENCHMARKS = (
     "seed",
     "recompute",
     "incremental",
+    "derived",
     "read_path",
     "reference_app",
     "idle_connections",

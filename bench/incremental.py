@@ -28,7 +28,7 @@ import argparse
 import contextlib
 import io
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -152,9 +152,19 @@ def _copy(ctx: common.Context, tenant: str, rows: list[tuple[Any, ...]]) -> None
             copy.write(buf.getvalue())
 
 
-def _writes(
-    ctx: common.Context, tenant: str, sample: int, rounds: int, insert_rounds: int, block: int
-) -> dict[str, Any]:
+def write_rounds(
+    ctx: common.Context,
+    tenant: str,
+    sample: int,
+    rounds: int,
+    insert_rounds: int,
+    block: int,
+    toggle: Callable[[bool], None],
+    scratch: list[str],
+) -> tuple[list[tuple[Any, ...]], dict[str, list[float]], dict[str, list[int]]]:
+    """COPY rounds and single-row INSERT blocks with triggers on and off by ``toggle``,
+    interleaved; (the rows, COPY rows/s and INSERT ns per mode). The tenants written go
+    to ``scratch`` as they are made: the caller removes their rows, even after an error."""
     with ctx.engine.connect() as conn:
         rows = [
             tuple(r)
@@ -165,13 +175,12 @@ def _writes(
                 {"t": tenant, "n": sample},
             )
         ]
-    scratch: list[str] = []
     copy_rates: dict[str, list[float]] = {"with": [], "without": []}
     insert_ns: dict[str, list[int]] = {"with": [], "without": []}
     try:
         for r in range(rounds):
             for mode in ("with", "without") if r % 2 == 0 else ("without", "with"):
-                _triggers(ctx, mode == "with")
+                toggle(mode == "with")
                 t = f"{ctx.tenant_prefix()}w"
                 scratch.append(t)
                 _, took = common.timed(lambda t=t: _copy(ctx, t, rows))
@@ -187,7 +196,7 @@ def _writes(
                 i = 0
                 for r in range(insert_rounds):
                     for mode in ("with", "without") if r % 2 == 0 else ("without", "with"):
-                        _triggers(ctx, mode == "with")
+                        toggle(mode == "with")
                         for _ in range(block):
                             row = rows[i % len(rows)]
                             i += 1
@@ -201,7 +210,26 @@ def _writes(
                             insert_ns[mode].append(common.now_ns() - t0)
         finally:
             raw_conn.close()
-        _triggers(ctx, True)
+    finally:
+        toggle(True)
+    return rows, copy_rates, insert_ns
+
+
+def _writes(
+    ctx: common.Context, tenant: str, sample: int, rounds: int, insert_rounds: int, block: int
+) -> dict[str, Any]:
+    scratch: list[str] = []
+    try:
+        rows, copy_rates, insert_ns = write_rounds(
+            ctx,
+            tenant,
+            sample,
+            rounds,
+            insert_rounds,
+            block,
+            lambda on: _triggers(ctx, on),
+            scratch,
+        )
         # The deferred work: fold every delta the rounds with triggers wrote.
         deltas, _ = BUCKETS.pending(ctx.engine)
         _, fold_s = common.timed(lambda: BUCKETS.fold_all(ctx.engine, max_keys=FOLD_USERS))
