@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
+import pytest
 import redis
 
 from pipeline.core.settings import Settings
 from pipeline.semantic.cache import Scope, SemanticCache
 from pipeline.semantic.embed import local_model
+from pipeline.semantic.extra import MODULES
 from tests.test_cli import run
 
 
@@ -69,3 +73,25 @@ def test_tune_prints_both_rates_at_each_threshold(tmp_path: Path) -> None:
     path.write_text(json.dumps([{"a": "x", "label": "same"}]))
     r = run("semantic", "tune", "--pairs", str(path))
     assert r.returncode == 1 and "pair 0" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("command", ["stats", "purge", "tune"])
+def test_without_the_extra_each_command_says_what_to_install(command: str) -> None:
+    # As if it were not installed: importing its modules fails.
+    absent = "".join(f"sys.modules[{name!r}] = None; " for name in MODULES)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import sys; {absent}sys.argv = ['freshline', 'semantic', {command!r}]; "
+            "from pipeline.cli import main; main()",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.splitlines() == [
+        "error: freshline semantic needs the semantic extra, which is not installed "
+        "(no faiss, tokenizers, safetensors): pip install 'freshline[semantic]'"
+    ]

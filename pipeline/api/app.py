@@ -6,7 +6,7 @@ import contextlib
 import gc
 import logging
 from collections.abc import AsyncIterator
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import hiredis
 import redis
@@ -16,9 +16,9 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
-from pipeline.api import audit_log, llm, metrics, routes
+from pipeline.api import audit_log, metrics, routes
 from pipeline.api.auth import Authenticator
 from pipeline.api.errors import HANDLERS
 from pipeline.api.limits import AccessGuard
@@ -39,6 +39,10 @@ from pipeline.inference.models import ModelRegistry
 from pipeline.inference.predictions import InferenceCache
 from pipeline.observe.staleness import GroupLag
 from pipeline.observe.status import Observer, SampledMetrics, StatusBoard
+from pipeline.semantic.extra import require
+
+if TYPE_CHECKING:
+    from pipeline.api.llm import SemanticService
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +52,6 @@ ROUTES = [
     Route("/v1/features/batch", routes.batch, methods=["POST"]),
     Route("/v1/features/{feature_set}/{entity_id}", routes.get_features, methods=["GET"]),
     Route("/v1/models/{name}/predict", routes.predict, methods=["POST"]),
-    Route("/v1/llm/cache/lookup", llm.lookup, methods=["POST"]),
-    Route("/v1/llm/cache/store", llm.store, methods=["POST"]),
-    Route("/v1/llm/cache/flag", llm.flag, methods=["POST"]),
     Route("/healthz", routes.healthz, methods=["GET"]),
     Route("/readyz", routes.readyz, methods=["GET"]),
     Route("/metrics", routes.metrics_text, methods=["GET"]),
@@ -83,7 +84,14 @@ def create_app(
     ``/status`` keeps a snapshot every ``status_interval_s`` (:mod:`pipeline.observe.status`);
     ``consumer_metrics`` are the consumers' ``/metrics`` URLs it reads freshness lag
     from (default: the local consumer's port, ``FRESHLINE_CONSUMER_METRICS_PORT``).
+
+    The semantic cache's routes (``/v1/llm/cache/*``) mount only with
+    ``settings.semantic_enabled``, which needs the ``freshline[semantic]`` extra
+    (:class:`pipeline.semantic.extra.SemanticNotInstalled` otherwise); without it
+    nothing of FAISS, ``tokenizers`` or ``safetensors`` is imported.
     """
+    if settings.semantic_enabled:
+        require("FRESHLINE_SEMANTIC_ENABLED")  # before any client is made
     owned_engine = engine is None
     owned_redis = redis_client is None
     engine = engine or make_engine(settings, pool_size=10)
@@ -150,7 +158,7 @@ def create_app(
         lag=GroupLag(settings),
     )
     board = StatusBoard(observer, interval_s=status_interval_s)
-    semantic = llm.SemanticService(settings, client)
+    semantic, semantic_routes = semantic_service(settings, client)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -170,7 +178,8 @@ def create_app(
             versions.listen()
         stop_timing = metrics.time_feature_queries(engine, registry)
         board.start()
-        semantic.start()
+        if semantic is not None:
+            semantic.start()
         try:
             yield
         finally:
@@ -181,7 +190,8 @@ def create_app(
                 await aredis.aclose()
             if hot is not None:
                 hot.close()
-            semantic.close()
+            if semantic is not None:
+                semantic.close()
             stop_timing()
             metrics.flush()  # what this worker gathered since the last tick
             if versions is not None:
@@ -197,7 +207,7 @@ def create_app(
 
     audit_log.configure(settings.audit_log)
     app = Starlette(
-        routes=ROUTES,
+        routes=[*ROUTES, *semantic_routes],
         exception_handlers=HANDLERS,
         lifespan=lifespan,
         middleware=[Middleware(AccessGuard, auth=services.auth, settings=settings)],
@@ -208,12 +218,32 @@ def create_app(
         batch_limit=settings.api_batch_limit,
         body_limit=settings.api_body_limit_bytes,
         prompt_limit=settings.semantic_max_prompt_chars,
+        semantic=semantic is not None,
         key_types={fs.entity.type for fs in registry},
     )
     app.state.status = board
     app.state.semantic = semantic
     app.state.sampled_metrics = SampledMetrics(observer)
     return app
+
+
+def semantic_service(
+    settings: Settings, client: redis.Redis
+) -> tuple[SemanticService | None, list[BaseRoute]]:
+    """The semantic cache's service and routes, or none with ``semantic_enabled`` off.
+
+    :mod:`pipeline.api.llm` is imported here rather than at the top: it imports FAISS
+    and the embedding model's libraries, which a server without the cache never needs.
+    """
+    if not settings.semantic_enabled:
+        return None, []
+    from pipeline.api import llm
+
+    return llm.SemanticService(settings, client), [
+        Route("/v1/llm/cache/lookup", llm.lookup, methods=["POST"]),
+        Route("/v1/llm/cache/store", llm.store, methods=["POST"]),
+        Route("/v1/llm/cache/flag", llm.flag, methods=["POST"]),
+    ]
 
 
 def socket_timeout(client: redis.Redis) -> float | None:

@@ -321,10 +321,12 @@ def document(
     body_limit: int = 1_000_000,
     prompt_limit: int = 32_000,
     key_types: Iterable[str] = ("bigint",),
+    semantic: bool = True,
 ) -> dict[str, Any]:
     """The OpenAPI document, naming the feature sets this server knows, the ids of their
     entities (``key_types``) and the limits it enforces (``FRESHLINE_API_BATCH_LIMIT``,
-    ``FRESHLINE_API_BODY_LIMIT_BYTES``)."""
+    ``FRESHLINE_API_BODY_LIMIT_BYTES``); the semantic cache's routes (``/v1/llm/``)
+    and their schemas only if ``semantic`` (``FRESHLINE_SEMANTIC_ENABLED``)."""
     schemas = copy.deepcopy(_SCHEMAS)
     entity_path, entity_body = entity_id_schemas(key_types)
     batch = schemas["BatchRequest"]
@@ -357,6 +359,10 @@ def document(
         for field in fields:
             schemas[name]["properties"][field] = {**_TEXT, "maxLength": prompt_limit}
     doc = _document(feature_sets, schemas, entity_path)
+    if not semantic:
+        doc["paths"] = {p: v for p, v in doc["paths"].items() if not p.startswith("/v1/llm/")}
+        for name in [n for n in schemas if n.startswith("Llm")]:
+            del schemas[name]
     for item in doc["paths"].values():
         for operation in item.values():
             _limits(operation, body_limit)

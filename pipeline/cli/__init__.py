@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from pipeline.cli import (
     advise,
@@ -93,7 +94,7 @@ def main() -> None:
             mount_own_commands(sys.argv[1:])
             app()
     except FreshlineError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")  # brackets are text here
         sys.exit(1)
     except KeyboardInterrupt:
         console.print("interrupted")

@@ -1,4 +1,7 @@
-"""``freshline semantic stats | purge | tune``: the semantic response cache."""
+"""``freshline semantic stats | purge | tune``: the semantic response cache.
+
+Each needs the ``freshline[semantic]`` extra; without it, one line says how to install it.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +15,16 @@ from rich.text import Text
 from pipeline.cli.app import console, out
 from pipeline.core.services import redis_client
 from pipeline.core.settings import load_settings
+from pipeline.semantic.extra import require
 
 semantic_app = typer.Typer(
     help="The semantic response cache for LLM pipelines.", no_args_is_help=True
 )
+
+
+@semantic_app.callback()
+def _installed() -> None:
+    require("freshline semantic")
 
 
 def register(app: typer.Typer) -> None:

@@ -110,6 +110,9 @@ class Settings(BaseSettings):
     inference_decimals: int = Field(default=4, ge=0, le=12)
     inference_ttl_s: int = Field(default=3600, ge=1)
 
+    semantic_enabled: bool = False
+    """Serve the semantic cache of LLM responses (``/v1/llm/cache/*``); needs the
+    ``freshline[semantic]`` extra. Off, the API imports none of it."""
     semantic_threshold: float = Field(default=0.93, gt=0.0, le=1.0)
     semantic_thresholds: dict[str, float] = Field(default_factory=dict)
     """Per-model thresholds, JSON: ``{"support-bot": 0.95}``; others use the default."""

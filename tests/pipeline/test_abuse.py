@@ -145,7 +145,9 @@ def deep_api(
     settings: Settings, engine: Engine, redis_client: redis.Redis, tenant: str
 ) -> Iterator[Api]:
     app = create_app(
-        settings.model_copy(update={"schema_version": fresh_version()}),
+        settings.model_copy(
+            update={"schema_version": fresh_version(), "semantic_enabled": True}  # /v1/llm too
+        ),
         engine=engine,
         redis_client=redis_client,
         follow_deploys=False,

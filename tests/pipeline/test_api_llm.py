@@ -30,15 +30,21 @@ def tenants(tenant_factory_module: Callable[..., SeedSummary]) -> list[str]:
 
 
 @pytest.fixture
+def enabled(settings: Settings) -> Settings:
+    """The settings with the semantic cache on (FRESHLINE_SEMANTIC_ENABLED)."""
+    return settings.model_copy(update={"semantic_enabled": True})
+
+
+@pytest.fixture
 def model() -> str:
     return f"bot-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture
 def api(
-    settings: Settings, engine: Engine, redis_client: redis.Redis, tenants: list[str], model: str
+    enabled: Settings, engine: Engine, redis_client: redis.Redis, tenants: list[str], model: str
 ) -> Iterator[Api]:
-    named = settings.model_copy(update={"semantic_models": [model]})  # named in the metrics
+    named = enabled.model_copy(update={"semantic_models": [model]})  # named in the metrics
     app = create_app(named, engine=engine, redis_client=redis_client, follow_deploys=False)
     with running(app, create_api_key(engine, tenants[0])) as client:
         yield client
@@ -162,13 +168,13 @@ def test_a_key_is_required(api: Api, model: str) -> None:
 
 
 def test_the_api_warms_the_indexes_at_start(
-    settings: Settings, engine: Engine, redis_client: redis.Redis, tenants: list[str], model: str
+    enabled: Settings, engine: Engine, redis_client: redis.Redis, tenants: list[str], model: str
 ) -> None:
     scope = Scope(tenants[0], model, "v1", "t1")
     writer = SemanticCache(redis_client, local_model())
     writer.store(scope, PROMPT, {"temperature": 0}, "warmed")
     writer.close()
-    app = create_app(settings, engine=engine, redis_client=redis_client, follow_deploys=False)
+    app = create_app(enabled, engine=engine, redis_client=redis_client, follow_deploys=False)
     with running(app, create_api_key(engine, tenants[0])) as client:
         service = app.state.semantic
         # Built at start-up, before any request asked for it.
@@ -177,7 +183,7 @@ def test_the_api_warms_the_indexes_at_start(
         assert hit["hit"] is True and hit["response"] == "warmed"
 
     cold = create_app(
-        settings.model_copy(update={"semantic_warm": False}),
+        enabled.model_copy(update={"semantic_warm": False}),
         engine=engine,
         redis_client=redis_client,
         follow_deploys=False,
