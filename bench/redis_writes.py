@@ -24,7 +24,7 @@ from bench import common
 from pipeline.cache.recompute import Batch, compute
 from pipeline.cache.store import _WRITE_LUA, FeatureStore, jittered_ttl_ms
 from pipeline.core.codec import encode_entry
-from pipeline.core.keys import feature_key, lease_key
+from pipeline.core.keys import entity_floor_key, feature_key, floor_key, lease_key
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef
 
@@ -64,12 +64,17 @@ def run(quick: bool) -> dict[str, Any]:
             )
             pipe.evalsha(
                 sha,
-                2,
+                4,
                 feature_key(sha_version, ref),
                 lease_key(sha_version, ref),
+                entity_floor_key(sha_version, ref),
+                floor_key(sha_version, fs.name),
                 raw,
                 jittered_ttl_ms(fs.ttl_s),
                 "",
+                "",
+                store.fence_ms,
+                store.max_age_ms,
             )
         pipe.execute()
 

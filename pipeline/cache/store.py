@@ -6,7 +6,27 @@ watermark is strictly greater. An equal watermark is an idempotent no-op, so
 redelivered and reordered events are harmless. Every write sets a TTL; there is no
 code path that writes a feature key without one. An entry whose values change with
 time alone (a window over the last days moving past a row) expires at that moment if
-it comes before the TTL (:func:`entry_ttl_ms`), so it is absent, never stale.
+it comes before the TTL (:func:`entry_ttl_ms`), so it is absent, never stale: the
+script also ends it at that moment by Redis's clock, so a write held past it stores a
+tombstone of its watermark instead of values no longer true.
+
+An absent key is not a blank slate: a newer entry may have been there and gone. So
+every write's compare-and-set state outlives the write by at least the *fence*
+(``tombstone_ttl_s``, 5 minutes by default): tombstones live that long; an entry that
+would go sooner (its horizon, a short TTL) leaves its watermark in the entity's own
+floor (:func:`pipeline.core.keys.entity_floor_key`, same hash tag) for the fence; and a
+write that finds neither entry nor floor is refused if its watermark's clock is more
+than half the fence old by Redis's clock (a snapshot watermark carries Postgres's
+clock of its query, :func:`pipeline.cache.recompute.unpack_watermark`). Why that
+refuses every write W older than a state S that was stored: W arrives either while S
+(or a newer state) is in Redis, and the compare-and-set refuses it, or at least the
+fence after S was written, hence after S was computed; W computed before S did (a
+greater watermark never saw less, and W's clock is read within its query), so W is
+then at least the fence old, less the skew between the Postgres and Redis clocks and
+W's query time, which the half fence left over covers. What the fence does not cover:
+a state removed before its time (a purge, a Redis that loses acknowledged writes in a
+restart or failover) stops only writers over half a fence old; a version is purged
+when nothing has computed for it since longer than that (the deploy markers' part).
 
 Writes also carry the entity's read-through lease (same hash tag, so the script
 touches one slot): a source-driven write or an invalidation revokes any lease, and a
@@ -62,6 +82,7 @@ from pipeline.core.codec import (
 from pipeline.core.errors import ConfigError
 from pipeline.core.features import Registry
 from pipeline.core.keys import (
+    entity_floor_key,
     feature_key,
     feature_keys,
     floor_key,
@@ -72,29 +93,52 @@ from pipeline.core.keys import (
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef, Entry, Item, Watermark, text
 
-# KEYS[1] entry, KEYS[2] lease, KEYS[3] floor; ARGV[1] encoded entry or tombstone,
-# ARGV[2] TTL in ms, ARGV[3] lease token ("" for a source-driven write, which revokes
-# any lease). On a cluster there is no KEYS[3]: ARGV[4] is the floor's value ("" none).
-# Returns 1 written, 0 refused (older, or below the floor), 2 no-op (equal), -1 lease
-# lost.
+# KEYS[1] entry, KEYS[2] lease, KEYS[3] the entity's floor, KEYS[4] the set's floor;
+# ARGV[1] encoded entry or tombstone, ARGV[2] TTL in ms, ARGV[3] lease token ("" for a
+# source-driven write, which revokes any lease), ARGV[4] when the entry is due (its
+# horizon, epoch ms; "" none), ARGV[5] the fence in ms, ARGV[6] the oldest a write to
+# an absent key may be, in ms. On a cluster there is no KEYS[4]: ARGV[7] is the set
+# floor's value ("" none). The entity's floor stands in for an entry gone early; a
+# snapshot watermark ("1" first) keeps its clock, in µs, in its last 13 hex digits.
+# Returns 1 written, 0 refused (older, below the floor, or too old for an absent key),
+# 2 no-op (equal), 3 due (stored as a tombstone of its watermark), -1 lease lost.
 _WRITE_LUA: Final = """
 local token = ARGV[3]
 if token ~= '' and redis.call('GET', KEYS[2]) ~= token then
   return -1
 end
 redis.call('DEL', KEYS[2])
+local new_wm = string.sub(ARGV[1], 2, 31)
 local floor
-if #KEYS >= 3 then floor = redis.call('GET', KEYS[3])
-elseif ARGV[4] ~= '' then floor = ARGV[4] end
-if floor and string.sub(ARGV[1], 2, 31) < floor then return 0 end
+if #KEYS >= 4 then floor = redis.call('GET', KEYS[4])
+elseif ARGV[7] ~= '' then floor = ARGV[7] end
+if floor and new_wm < floor then return 0 end
 local cur = redis.call('GET', KEYS[1])
-if cur then
-  local cur_wm = string.sub(cur, 2, 31)
-  local new_wm = string.sub(ARGV[1], 2, 31)
+local cur_wm = cur and string.sub(cur, 2, 31) or redis.call('GET', KEYS[3])
+local now_us
+if cur_wm then
   if cur_wm > new_wm then return 0 end
   if cur_wm == new_wm then return 2 end
+elseif string.sub(new_wm, 1, 1) == '1' then
+  local t = redis.call('TIME')
+  now_us = t[1] * 1000000 + t[2]
+  if now_us - tonumber(string.sub(new_wm, 18), 16) > ARGV[6] * 1000 then return 0 end
 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local ttl, fence = tonumber(ARGV[2]), tonumber(ARGV[5])
+if ARGV[4] ~= '' then
+  if not now_us then
+    local t = redis.call('TIME')
+    now_us = t[1] * 1000000 + t[2]
+  end
+  local left = tonumber(ARGV[4]) - math.floor(now_us / 1000)
+  if left < ttl then ttl = left end
+  if ttl < 1 then
+    redis.call('SET', KEYS[1], 'T' .. new_wm, 'PX', fence)
+    return 3
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
+if ttl < fence then redis.call('SET', KEYS[3], new_wm, 'PX', fence) end
 return 1
 """
 
@@ -135,9 +179,10 @@ return 1
 """
 
 Call = tuple[tuple[str, ...], tuple[str | bytes | int, ...]]
-"""One script call: its keys (entry, lease, floor) and its arguments."""
+"""One script call: its keys (the set's floor last, see :meth:`FeatureStore._floors_as_args`)
+and its arguments."""
 
-WRITTEN, REFUSED, UNCHANGED, LEASE_LOST = 1, 0, 2, -1
+WRITTEN, REFUSED, UNCHANGED, DUE, LEASE_LOST = 1, 0, 2, 3, -1
 LEASE_BUSY, LEASE_GRANTED, LEASE_FOUND = 0, 2, 1
 TTL_JITTER = 0.1
 
@@ -150,6 +195,9 @@ class WriteResult:
     refused: int = 0
     unchanged: int = 0
     lease_lost: int = 0
+    due: int = 0
+    """Newer than what was there, but past their horizon on arrival: stored as a
+    tombstone of their watermark."""
 
     def add(self, code: int) -> None:
         if code == WRITTEN:
@@ -158,6 +206,8 @@ class WriteResult:
             self.refused += 1
         elif code == UNCHANGED:
             self.unchanged += 1
+        elif code == DUE:
+            self.due += 1
         else:
             self.lease_lost += 1
 
@@ -166,6 +216,7 @@ class WriteResult:
         self.refused += other.refused
         self.unchanged += other.unchanged
         self.lease_lost += other.lease_lost
+        self.due += other.due
 
 
 SAFE_EVICTION_POLICIES: Final = frozenset({"noeviction"})
@@ -210,7 +261,8 @@ def entry_ttl_ms(ttl_s: int, computed_at_ms: int, valid_until_ms: int | None) ->
     values may change with time alone before then (a window moving past a row; see
     :attr:`pipeline.core.features.FeatureSet.horizon`). Both moments are Postgres's
     clock, so the entry expires within its write's latency of that moment, never
-    with the skew of this host's clock. At least 1 ms (Redis's least)."""
+    with the skew of this host's clock. At least 1 ms (Redis's least). The write script
+    also ends it at ``valid_until_ms`` by Redis's clock, for a write that arrives late."""
     ttl = jittered_ttl_ms(ttl_s)
     if valid_until_ms is None:
         return ttl
@@ -232,6 +284,10 @@ class FeatureStore:
         self.schema_version = schema_version
         self.registry = registry
         self.tombstone_ttl_ms = tombstone_ttl_s * 1000
+        self.fence_ms = self.tombstone_ttl_ms
+        """How long every write's compare-and-set state outlives it (module docstring)."""
+        self.max_age_ms = self.fence_ms // 2
+        """The oldest computation a write to a key with no state may store."""
         self._write = client.register_script(_WRITE_LUA)
         self._lease = client.register_script(_LEASE_LUA)
         self._floor = client.register_script(_FLOOR_LUA)
@@ -417,7 +473,7 @@ class FeatureStore:
     def invalidate(
         self, refs: Sequence[EntityRef], watermark: Watermark, *, schema_version: int | None = None
     ) -> WriteResult:
-        """Replace entries older than ``watermark`` with a short-lived tombstone."""
+        """Replace entries older than ``watermark`` with a tombstone that lives the fence."""
         version = schema_version or self.schema_version
         tomb = encode_tombstone(watermark)
         calls: list[Call] = [
@@ -425,9 +481,10 @@ class FeatureStore:
                 (
                     self.key(ref, version),
                     lease_key(version, ref),
+                    entity_floor_key(version, ref),
                     floor_key(version, ref.feature_set),
                 ),
-                (tomb, self.tombstone_ttl_ms, ""),
+                (tomb, self.fence_ms, "", "", self.fence_ms, self.max_age_ms),
             )
             for ref in refs
         ]
@@ -447,34 +504,40 @@ class FeatureStore:
             self._floor, [((floor_key(version, feature_set),), (watermark_hex(watermark), ttl_ms))]
         )
 
-    @staticmethod
     def _call(
-        batch: Batch, ref: EntityRef, values: dict[str, object], version: int, token: str
+        self, batch: Batch, ref: EntityRef, values: dict[str, object], version: int, token: str
     ) -> Call:
         """The write script's keys and arguments for ``ref``'s ``values`` of ``batch``."""
         fs, computed_at_ms = batch.feature_set, batch.computed_at_ms
         raw = encode_entry(
             [values[f] for f in fs.field_names], version, computed_at_ms, batch.watermark
         )
-        ttl_ms = entry_ttl_ms(
-            fs.ttl_s, computed_at_ms, batch.valid_until_ms.get((ref.tenant, ref.entity))
-        )
+        due = batch.valid_until_ms.get((ref.tenant, ref.entity))
+        ttl_ms = entry_ttl_ms(fs.ttl_s, computed_at_ms, due)
+        if due is not None and due - computed_at_ms >= fs.ttl_s * 1000:
+            due = None  # the TTL ends first: no need for the script to read its clock
         return (
-            (feature_key(version, ref), lease_key(version, ref), floor_key(version, fs.name)),
-            (raw, ttl_ms, token),
+            (
+                feature_key(version, ref),
+                lease_key(version, ref),
+                entity_floor_key(version, ref),
+                floor_key(version, fs.name),
+            ),
+            (raw, ttl_ms, token, "" if due is None else due, self.fence_ms, self.max_age_ms),
         )
 
     def _floors_as_args(self, calls: list[Call]) -> list[Call]:
-        """On a cluster: each call's floor key becomes its value, read once per batch
-        (see the module's docstring for the race this admits); unchanged on one node."""
+        """On a cluster: each call's set floor (its last key) becomes its last argument,
+        read once per batch (see the module's docstring for the race this admits);
+        unchanged on one node."""
         if not self.cluster or not calls:
             return calls
-        names = list(dict.fromkeys(keys[2] for keys, _ in calls))
+        names = list(dict.fromkeys(keys[-1] for keys, _ in calls))
         floors = {
             name: text(raw) if raw is not None else ""
             for name, raw in zip(names, mget(self.redis, names), strict=True)
         }
-        return [(keys[:2], (*args, floors[keys[2]])) for keys, args in calls]
+        return [(keys[:-1], (*args, floors[keys[-1]])) for keys, args in calls]
 
     def _written(self, calls: list[Call]) -> WriteResult:
         result = WriteResult()

@@ -179,6 +179,19 @@ def floor_key(schema_version: int, feature_set: str) -> str:
     return f"{FLOOR_PREFIX}:{schema_version}:{validate_name('feature set', feature_set)}"
 
 
+def entity_floor_key(schema_version: int, ref: EntityRef) -> str:
+    """``floor:<version>:<feature_set>:{<tenant>:<entity>}``: one entity's own floor.
+
+    The watermark of a write whose entry goes sooner than the store's fence (it
+    expires at its horizon): kept that long, so that a write no newer than it is
+    still refused once the entry is gone (see :mod:`pipeline.cache.store`). It shares
+    the entity's hash tag, and the prefix of :func:`floor_key`, whose keys have no tag.
+    """
+    tenant = validate_id("tenant", ref.tenant)
+    entity = validate_id("entity", ref.entity)
+    return f"{FLOOR_PREFIX}:{schema_version}:{ref.feature_set}:{entity_tag(tenant, entity)}"
+
+
 def feature_pattern(schema_version: int, feature_set: str | None = None) -> str:
     """A SCAN MATCH pattern for one schema version's namespace."""
     return f"{FEATURE_PREFIX}:{schema_version}:{feature_set or '*'}:*"
