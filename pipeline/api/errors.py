@@ -3,6 +3,10 @@
 Every :class:`pipeline.core.errors.FreshlineError` a handler raises maps to a status and a
 code by its class (the most specific class in :data:`STATUS` wins); Starlette's own
 404 and 405 become the same JSON; anything unexpected is logged and answered 500.
+
+A server-side failure's own message names what the caller has no business knowing
+(internal URLs and hosts, file paths, an upstream's answer): it is logged, with any
+password masked, and the caller gets what failed, in words of the API's own.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pipeline.core.errors import (
     ServiceUnavailable,
     UnknownFeatureSet,
 )
+from pipeline.core.settings import redact_text
 from pipeline.inference.models import UnknownModel
 from pipeline.inference.predictions import InvalidInput, NonDeterministicModel
 
@@ -82,14 +87,26 @@ def status_of(exc: FreshlineError) -> tuple[int, str]:
     return 500, "internal"
 
 
+def public_message(exc: FreshlineError, status: int) -> str:
+    """What the caller is told of ``exc``: its message, unless the server failed."""
+    if status < 500 or isinstance(exc, ApiError):  # an ApiError's message is for callers
+        return str(exc)
+    if isinstance(exc, ServiceUnavailable):
+        return f"{exc.service} did not answer; retry later"
+    if isinstance(exc, ModelError):
+        return "the model could not make predictions; the server's log has the cause"
+    return "internal error"
+
+
 async def freshline_error(request: Request, exc: Exception) -> Response:
     if not isinstance(exc, FreshlineError):
         return await unexpected_error(request, exc)
     status, code = status_of(exc)
     if status >= 500:
-        log.error("%s %s: %s", request.method, request.url.path, exc)
+        cause = f" ({exc.__cause__})" if isinstance(exc.__cause__, FreshlineError) else ""
+        log.error("%s %s: %s", request.method, request.url.path, redact_text(f"{exc}{cause}"))
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return error_response(status, code, str(exc), headers)
+    return error_response(status, code, public_message(exc, status), headers)
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
@@ -105,7 +122,12 @@ async def http_error(request: Request, exc: Exception) -> Response:
 
 
 async def unavailable(request: Request, exc: Exception) -> Response:
-    log.warning("%s %s: backing service unavailable: %s", request.method, request.url.path, exc)
+    log.warning(
+        "%s %s: backing service unavailable: %s",
+        request.method,
+        request.url.path,
+        redact_text(str(exc)),
+    )
     return error_response(
         503, "service_unavailable", "a backing service (Redis or Postgres) did not answer"
     )

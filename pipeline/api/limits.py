@@ -57,7 +57,7 @@ from pipeline.api.auth import (
 from pipeline.api.deadlines import Deadlines
 from pipeline.api.errors import ApiError, error_response
 from pipeline.core.db import api_keys
-from pipeline.core.settings import Settings
+from pipeline.core.settings import Settings, redact_text
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,10 @@ class KeyIndex:
         try:
             rows = await run_in_threadpool(self._query)
         except Exception as exc:  # Postgres away: guesses are refused as before, not 500
-            log.warning("could not read API key hashes (%s); unknown keys are refused", exc)
+            log.warning(
+                "could not read API key hashes (%s); unknown keys are refused",
+                redact_text(str(exc)),
+            )
             return
         self.top_ups += 1
         self._hashes.update(digest for digest, _ in rows)
@@ -240,6 +243,14 @@ class AccessGuard:
         except Unauthorized as exc:
             self._refused(exc.reason, address, exc.key_id)
             response = error_response(401, "unauthorized", str(exc), {"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        except sa.exc.OperationalError as exc:
+            # Outside the app's exception handlers: answered here, as they would.
+            log.warning("%s: keys cannot be checked: %s", scope["path"], redact_text(str(exc.orig)))
+            response = error_response(
+                503, "service_unavailable", "Postgres did not answer; retry later"
+            )
             await response(scope, receive, send)
             return
         wait = self.per_key.take(principal.key_id)

@@ -167,7 +167,9 @@ def as_api_error(exc: Exception) -> Exception:
     if isinstance(exc, InvalidPrompt):
         return ApiError(422, "invalid_request", str(exc))
     if isinstance(exc, EmbeddingError):
-        return ApiError(502, "embedding_failed", str(exc))
+        # Its message names the endpoint and quotes its answer: for the log only
+        # (:func:`pipeline.api.errors.freshline_error` logs the cause).
+        return ApiError(502, "embedding_failed", "the embeddings endpoint failed; retry later")
     return exc
 
 
@@ -176,6 +178,12 @@ async def _call(fn: Any, *args: Any) -> Any:
         return await run_in_threadpool(fn, *args)
     except (NonDeterministicParams, InvalidPrompt, EmbeddingError) as exc:
         raise as_api_error(exc) from exc
+
+
+async def _cache(service: SemanticService) -> SemanticCache:
+    """The process's cache. The first call makes it, and with an embeddings endpoint
+    that embeds a probe (its dimension), which may fail like any embedding."""
+    return cast(SemanticCache, await _call(service.cache))
 
 
 def _service(request: Request) -> SemanticService:
@@ -219,7 +227,7 @@ async def lookup(request: Request) -> Response:
     params = body.get("params") or {}
     service = _service(request)
     model = service.label(scope.model)
-    cache = await run_in_threadpool(service.cache)
+    cache = await _cache(service)
     try:
         found: Lookup = await _call(cache.lookup, scope, prompt, params)
     except ApiError as exc:
@@ -256,7 +264,7 @@ async def store(request: Request) -> Response:
         raise ApiError(422, "invalid_request", "'generation_ms' must be a number >= 0")
     service = _service(request)
     model = service.label(scope.model)
-    cache = await run_in_threadpool(service.cache)
+    cache = await _cache(service)
     started = time.perf_counter()
     stored: Stored = await _call(cache.store, scope, prompt, params, response)
     STORED.labels(model).inc()
@@ -276,7 +284,7 @@ async def flag(request: Request) -> Response:
     scope, body = await _request(request)
     entry = _text(body, "entry_id")
     service = _service(request)
-    cache = await run_in_threadpool(service.cache)
+    cache = await _cache(service)
     removed = await _call(cache.flag, scope, entry)
     FLAGGED.labels(service.label(scope.model)).inc()
     return JSONResponse({"removed": removed, "entry_id": entry})

@@ -9,19 +9,41 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated, Literal
+from collections.abc import Iterable
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from pipeline.core.errors import ConfigError
 
-_PASSWORD_IN_URL = re.compile(r"(?P<head>://[^:/@]*:)[^@]+@")
+_SECRET_PARAM = re.compile(
+    r"(?P<name>[?&](?:password|passwd|pwd|secret|token|api_key|apikey|access_token)=)[^&#]*",
+    re.IGNORECASE,
+)
+_URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
 
 
 def redact(url: str) -> str:
-    """Mask the password in a URL for logs and error messages."""
-    return _PASSWORD_IN_URL.sub(r"\g<head>***@", url)
+    """``url`` with its password masked, for logs and error messages.
+
+    The password runs from the first ``:`` after the user name to the *last* ``@``:
+    a password may hold an unescaped ``@`` (redis-py and urllib read up to the last
+    one). Should an ``@`` come later still, in a query, more is masked, never less.
+    Password-like query parameters (``?password=...``) are masked too.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    rest = _SECRET_PARAM.sub(r"\g<name>***", rest)
+    userinfo, at, host = rest.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user}:***@{host}" if at and colon else f"{scheme}://{rest}"
+
+
+def redact_text(text: str) -> str:
+    """``text`` with every URL in it passed through :func:`redact`."""
+    return _URL_IN_TEXT.sub(lambda m: redact(m.group()), text)
 
 
 class Settings(BaseSettings):
@@ -180,9 +202,11 @@ class Settings(BaseSettings):
         """The similarity a cached response must reach to be served for ``model``."""
         return self.semantic_thresholds.get(model, self.semantic_threshold)
 
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in self.redacted().items())
-        return f"Settings({fields})"
+    def __repr_args__(self) -> Iterable[tuple[str | None, Any]]:
+        """What ``repr()`` and ``str()`` show: URLs with their passwords masked (and
+        ``SecretStr`` fields, as pydantic masks them)."""
+        for name, value in super().__repr_args__():
+            yield name, redact(value) if isinstance(value, str) and "://" in value else value
 
     def redacted(self) -> dict[str, object]:
         """The settings as a dict with passwords masked, safe to print."""

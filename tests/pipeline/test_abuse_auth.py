@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import http.server
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio.from_thread
 import httpx
+import numpy as np
 import pytest
 import redis
+import sqlalchemy as sa
 from prometheus_client import REGISTRY
 from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
@@ -26,7 +31,8 @@ from pipeline.api import create_app
 from pipeline.api.auth import create_api_key
 from pipeline.api.limits import AccessGuard, address_group
 from pipeline.core.errors import ConfigError
-from pipeline.core.settings import Settings, load_settings
+from pipeline.core.settings import Settings, load_settings, redact
+from pipeline.inference.models import LogisticModel, ModelRegistry
 from tests.conftest import fresh_version
 from tests.pipeline.test_api import running
 
@@ -274,3 +280,132 @@ def test_llm_model_labels_are_bounded_to_configured_models(
     assert named in label_values("freshline_semantic_lookups", "model")
     assert "other" in label_values("freshline_semantic_lookups", "model")
     assert f"bot-{run}-0" not in exposed
+
+
+# -- 12: no secret or internal address in text -----------------------------------------
+
+SECRETS = ("pg-pa@ss:w0rd", "r3d:is@pw", "adm/in@pw", "emb@pw:x", "sk-embed-key", "kafka-pw")
+
+
+def test_settings_and_redact_never_show_a_password() -> None:
+    s = Settings(
+        postgres_url="postgresql+psycopg://svc:pg-pa@ss:w0rd@db.internal:5432/app",
+        postgres_admin_url="postgresql+psycopg://owner:adm%2Fin%40pw@db.internal/app?password=adm/in@pw",
+        redis_url="redis://api:r3d:is@pw@cache.internal:6379/0",
+        redis_password="r3d:is@pw",
+        kafka_sasl_password="kafka-pw",
+        semantic_embeddings_url="https://user:emb@pw:x@embed.internal/v1",
+        semantic_embeddings_api_key="sk-embed-key",
+    )
+    texts = [str(s), repr(s), str(s.redacted()), f"{s}", f"{s!r}"]
+    texts += [redact(url) for url in (s.postgres_url, s.redis_url, s.semantic_embeddings_url)]
+    texts.append(redact(s.postgres_admin_url))
+    for text in texts:
+        for secret in SECRETS:
+            for part in (secret, *secret.split("@")[1:]):  # nor what follows an '@' in it
+                assert part not in text, f"{part!r} in {text!r}"
+    assert redact(s.postgres_url) == "postgresql+psycopg://svc:***@db.internal:5432/app"
+    assert redact(s.redis_url) == "redis://api:***@cache.internal:6379/0"
+    assert redact("redis://:pw@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
+    assert redact("redis://cache.internal:6379/0") == "redis://cache.internal:6379/0"
+
+
+class Upstream:
+    """An embeddings endpoint that answers every request with ``status`` and ``body``."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.send_response(outer.status)
+                self.send_header("Content-Length", str(len(outer.body)))
+                self.end_headers()
+                self.wfile.write(outer.body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.status, self.body = status, body
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def upstream() -> Iterator[Upstream]:
+    server = Upstream(500, b'{"error": "quota of org-internal-42 exceeded, key sk-upstream"}')
+    yield server
+    server.close()
+
+
+def test_server_errors_name_no_internal_url_path_or_upstream_text(
+    settings: Settings,
+    engine: Engine,
+    redis_client: redis.Redis,
+    tenants: list[str],
+    upstream: Upstream,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING)
+
+    def app_embedding_at(url: str) -> Starlette:
+        update = {"semantic_enabled": True, "semantic_embeddings_url": url, "semantic_warm": False}
+        return create_app(
+            settings.model_copy(update=update),
+            engine=engine,
+            redis_client=redis_client,
+            follow_deploys=False,
+        )
+
+    lookup: dict[str, Any] = {"model": "bot", "model_version": "v1", "template_version": "t1"}
+    lookup.update(prompt="hi", params={"temperature": 0})
+    key = create_api_key(engine, tenants[0])
+    answers: list[httpx.Response] = []
+    # An embeddings endpoint that does not answer (503), one that fails (502).
+    dead = "http://127.0.0.1:1/v1"
+    failing = f"http://127.0.0.1:{upstream.port}/v1"
+    for url in (dead, failing):
+        with running(app_embedding_at(url), key) as api:
+            answers.append(api.post("/v1/llm/cache/lookup", json=lookup))
+    # A registered model whose file has gone (500).
+    name = f"m_{uuid.uuid4().hex[:10]}"
+    x = np.random.default_rng(0).normal(size=(50, 2))
+    y = (x[:, 0] > 0).astype(float)
+    model = LogisticModel.fit(x, y, version="v1", feature_names=("a", "b"), name=name, epochs=5)
+    (tmp_path / "internal-models").mkdir()
+    path = model.save(tmp_path / "internal-models" / "v1.json")
+    ModelRegistry(redis_client).register(path)
+    path.unlink()
+    app = create_app(settings, engine=engine, redis_client=redis_client, follow_deploys=False)
+    with running(app, key) as api:
+        answers.append(api.post(f"/v1/models/{name}/predict", json={"inputs": [[0.1, 0.2]]}))
+
+    # Redis, then Postgres, not answering (503 both).
+    dead_redis = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=1)
+    dead_pg = sa.create_engine(engine.url.set(port=1), connect_args={"connect_timeout": 1})
+    for services in ({"redis_client": dead_redis, "engine": engine}, {"engine": dead_pg}):
+        services.setdefault("redis_client", redis_client)
+        app = create_app(settings, follow_deploys=False, **services)  # type: ignore[arg-type]
+        with running(app, key) as api:
+            answers.append(api.get(URL))
+    dead_pg.dispose()
+    dead_redis.close()
+
+    assert [a.status_code for a in answers] == [503, 502, 500, 503, 503]
+    for answer in answers:
+        text = answer.text
+        leaks = ("127.0.0.1", "/v1/embeddings", "org-internal", "sk-upstream", ":1/", "port 1")
+        for leak in (*leaks, settings.redis_url, settings.postgres_url):
+            assert leak not in text, f"{leak!r} in {text}"
+        assert str(tmp_path) not in text and "internal-models" not in text
+    # The operator's log has what failed.
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "127.0.0.1:1/v1/embeddings" in logged and "org-internal" in logged
+    assert str(path) in logged
