@@ -45,10 +45,12 @@ from pipeline.core.lock import Lock
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 
-IN_FLIGHT_MS: Final = 60_000
+IN_FLIGHT_MS: Final = 210_000
 """How long after a version stops being written a write computed before may still land:
-a consumer's cached answer (``WRITE_VERSIONS_MAX_AGE_S``) and a batch in flight, or a
-warm's batch, with room to spare."""
+a consumer's cached answer (``WRITE_VERSIONS_MAX_AGE_S``), a batch in flight or a warm's
+batch, and at most the store's age limit for a key with no state (half the tombstone
+fence, 150 s at the default ``FRESHLINE_TOMBSTONE_TTL_S``; :mod:`pipeline.cache.store`),
+with a minute to spare."""
 
 # KEYS[1] active, KEYS[2] next, KEYS[3] previous, KEYS[4] the marker of the version
 # this move stops writing, KEYS[5] the marker of the version it starts writing or

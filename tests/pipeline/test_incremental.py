@@ -645,9 +645,9 @@ def test_freshline_buckets_fold_and_status(db: Engine) -> None:
         return r.stdout + r.stderr  # results on stdout, progress on stderr
 
     assert "pending   " in run("status") and pending_users(db, tenant) == len(USERS)
-    assert "folded the deltas of" in run("fold", "--users", "2")
+    assert "folded the deltas of" in run("fold", "--entities", "2")
     assert pending_users(db, tenant) == 0
-    assert "pending   0 deltas of 0 users" in run("status")
+    assert "pending   0 deltas of 0 entities" in run("status")
 
 
 def test_a_fold_of_more_than_big_delta_rows_is_exact(db: Engine) -> None:
