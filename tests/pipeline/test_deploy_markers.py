@@ -37,6 +37,7 @@ from pipeline.deploy import pointer as deploy
 from pipeline.deploy.pointer import cancel, flip, keep_ms, start
 from pipeline.deploy.purge import purge
 from pipeline.deploy.warm import active_entities, warm
+from tests.conftest import fresh_version
 from tests.pipeline.test_deploy import Deploy, fill, locked_entry
 
 TXN_90D = REGISTRY["txn_90d"]
@@ -52,8 +53,7 @@ def module_tenant(tenant_factory_module: Callable[..., SeedSummary]) -> str:
 def world(
     settings: Settings, redis_client: redis.Redis, engine: Engine, module_tenant: str
 ) -> Iterator[Deploy]:
-    a = 1000 + uuid.uuid4().int % 4000
-    b = a + 1 + uuid.uuid4().int % 3000
+    a, b = fresh_version(), fresh_version()  # no other test of the session writes them
     lock = Lock({a: locked_entry(), b: locked_entry()})
     pointer = Pointer.scoped(uuid.uuid4().hex)
     world = Deploy(
