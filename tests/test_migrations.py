@@ -226,3 +226,54 @@ def test_0008_indexes_the_delta_log_by_user_id_and_folds_in_that_order(
     finally:
         engine.dispose()
         drop_database(base_settings, name)
+
+
+def test_0009_refuses_a_geoip_range_that_overlaps_another(base_settings: Settings) -> None:
+    """The country of an IP is the range with the greatest ``ip_from`` at or below it,
+    if the IP is within that range's ``ip_to``. A range inside another would change the
+    country of IPs outside it (after its end, within the outer range) that no geoip
+    trigger reaches; ranges must be disjoint. A database with overlapping ranges is
+    refused an upgrade that names them."""
+    name = "freshline_migrations_0009_test"
+    url = recreate_database(base_settings, name)
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    insert = sa.text(
+        "INSERT INTO geoip (ip_from, ip_to, country, city, asn) "
+        "VALUES (CAST(:f AS inet), CAST(:t AS inet), 'FR', 'Paris', 1)"
+    )
+    try:
+        migrate(url, "0008")
+        with engine.begin() as conn:
+            conn.execute(insert, {"f": "11.0.0.0", "t": "11.0.0.255"})
+            conn.execute(insert, {"f": "11.0.0.16", "t": "11.0.0.31"})
+        with pytest.raises(ConfigError, match=r"11\.0\.0\.0-11\.0\.0\.255 and 11\.0\.0\.16"):
+            migrate(url)
+        with engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM geoip WHERE ip_from = '11.0.0.16'"))
+        migrate(url)
+        for f, t in [
+            ("11.0.0.16", "11.0.0.31"),  # nested
+            ("10.255.255.0", "11.0.0.0"),  # shares the outer range's first address
+            ("11.0.0.255", "11.0.1.255"),  # shares its last
+            ("10.0.0.0", "12.0.0.0"),  # encloses it
+        ]:
+            with (
+                pytest.raises(sa.exc.IntegrityError, match="geoip_ranges_disjoint"),
+                engine.begin() as conn,
+            ):
+                conn.execute(insert, {"f": f, "t": t})
+        with engine.begin() as conn:  # adjacent ranges, and IPv6, are disjoint
+            conn.execute(insert, {"f": "10.255.255.0", "t": "10.255.255.255"})
+            conn.execute(insert, {"f": "11.0.1.0", "t": "11.0.1.255"})
+            conn.execute(insert, {"f": "2001:db8::", "t": "2001:db8::ffff"})
+        with (
+            pytest.raises(sa.exc.IntegrityError, match="geoip_ranges_disjoint"),
+            engine.begin() as conn,  # nor can an update make an overlap
+        ):
+            conn.execute(sa.text("UPDATE geoip SET ip_to = '11.0.1.0' WHERE ip_from = '11.0.0.0'"))
+        _fraud_downgrade(url, "0008")
+        with engine.begin() as conn:
+            conn.execute(insert, {"f": "11.0.0.16", "t": "11.0.0.31"})
+    finally:
+        engine.dispose()
+        drop_database(base_settings, name)

@@ -77,7 +77,8 @@ user_updated = Event(
 )
 
 # Every user with a transaction from an IP in the changed range: a superset of those
-# whose latest or last-30-day countries can change.
+# whose latest or last-30-day countries can change, since ranges are disjoint (an
+# exclusion constraint, revision 0009) and a range decides only its own IPs' country.
 geoip = Table(
     "geoip",
     reverse={
@@ -320,7 +321,8 @@ GROUP BY k.tenant_id, k.user_id
 )
 
 # The geoip lookup: the range whose start is the greatest at or below the IP, if the
-# IP is also at or below its end. The primary key on ip_from serves it.
+# IP is also at or below its end (ranges are disjoint, so that is the one range that
+# holds the IP). The primary key on ip_from serves it.
 _GEO_OF = """
 SELECT g.country, g.city FROM (
     SELECT country, city, ip_to FROM geoip WHERE ip_from <= {ip}
