@@ -117,6 +117,17 @@ class DerivedPath(IncrementalPath):
     def members(self, slot: _Slot) -> str:
         return f"{SCHEMA}.{self.prefix}_d{slot.index}"
 
+    def latest(self, slot: _Slot) -> str:
+        return f"{SCHEMA}.{self.prefix}_l{slot.index}"
+
+    @property
+    def tables(self) -> list[str]:
+        """Every table of the path."""
+        return [
+            self.days,
+            *(t for s in self.distinct for t in (self.members(s), self.latest(s))),
+        ]
+
     @property
     def distinct(self) -> list[_Slot]:
         return [s for s in self.slots if s.agg.kind == "count_distinct"]
@@ -160,20 +171,28 @@ class DerivedPath(IncrementalPath):
             f"CREATE TABLE IF NOT EXISTS {self.days} ({keys}, {', '.join(cols)}, "
             f"PRIMARY KEY ({', '.join(self.keys)}))"
         ]
+        entity_keys = ", ".join(
+            f"{k} {t} NOT NULL" for k, t in zip(self.keys[:-1], key_types[:-1], strict=True)
+        )
+        ents = ", ".join(self.entity.columns)
         for s in self.distinct:
             assert s.agg.column is not None
-            out.append(
-                f"CREATE TABLE IF NOT EXISTS {self.members(s)} ({keys}, "
-                f"value {types[s.agg.column]} NOT NULL, n bigint NOT NULL, "
-                f"PRIMARY KEY ({', '.join(self.keys)}, value))"
-            )
+            value = f"value {types[s.agg.column]} NOT NULL"
+            out += [
+                f"CREATE TABLE IF NOT EXISTS {self.members(s)} ({keys}, {value}, "
+                f"n bigint NOT NULL, PRIMARY KEY ({ents}, value, day))",
+                f"CREATE TABLE IF NOT EXISTS {self.latest(s)} ({entity_keys}, {value}, "
+                f"latest date NOT NULL, PRIMARY KEY ({ents}, value))",
+                f"CREATE INDEX IF NOT EXISTS {self.prefix}_l{s.index}_by_day "
+                f"ON {self.latest(s)} ({ents}, latest)",
+            ]
         roles = conn.execute(
             sa.text(
                 "SELECT rolname FROM pg_roles "
                 "WHERE rolname IN ('freshline_api', 'freshline_consumer') ORDER BY 1"
             )
         ).scalars()
-        tables = ", ".join([self.days, *(self.members(s) for s in self.distinct)])
+        tables = ", ".join(self.tables)
         out += [f"GRANT SELECT ON {tables} TO {role}" for role in roles]
         out += self._functions(table)
         fn = f"{SCHEMA}.{self.prefix}"
@@ -292,14 +311,49 @@ class DerivedPath(IncrementalPath):
 
     def _insert_members(self, slot: _Slot, select: str, merge: bool) -> str:
         target = ", ".join([*self.keys, "value", "n"])
-        conflict = (
-            f" ON CONFLICT ({', '.join(self.keys)}, value) DO UPDATE SET n = m.n + excluded.n"
-        )
+        ents = ", ".join(self.entity.columns)
+        conflict = f" ON CONFLICT ({ents}, value, day) DO UPDATE SET n = m.n + excluded.n"
         return f"INSERT INTO {self.members(slot)} AS m ({target}) {select}" + (
             conflict if merge else ""
         )
 
-    def _recompute_days(self, table: str, touched: str) -> list[str]:
+    def _latest_from_rows(self, slot: _Slot, source: str) -> str:
+        """Upsert each value's latest day from the new rows ``source`` (greatest wins)."""
+        ents = ", ".join(self.entity.columns)
+        col = f"x.{slot.agg.column}"
+        cond = f"{self._row_filter('x')} AND {slot.where} AND {col} IS NOT NULL"
+        parts = [*self._src_keys("x")[:-1], col]
+        group = ", ".join(str(i + 1) for i in range(len(parts)))
+        return (
+            f"INSERT INTO {self.latest(slot)} AS l ({ents}, value, latest) "
+            f"SELECT {', '.join(parts)}, max({_day(f'x.{self.decl.time}')}) FROM {source} x "
+            f"WHERE {cond} GROUP BY {group} ORDER BY {group} "
+            f"ON CONFLICT ({ents}, value) "
+            "DO UPDATE SET latest = greatest(l.latest, excluded.latest)"
+        )
+
+    def _latest_from_members(self, slot: _Slot, values: str) -> list[str]:
+        """Recompute the latest day of the (entity, value)s in ``values`` from the
+        members table (after it was recomputed)."""
+        ents = ", ".join(self.entity.columns)
+        members, latest = self.members(slot), self.latest(slot)
+        return [
+            f"DELETE FROM {latest} WHERE ({ents}, value) IN ({values})",
+            f"INSERT INTO {latest} ({ents}, value, latest) SELECT {ents}, value, max(day) "
+            f"FROM {members} WHERE ({ents}, value) IN ({values}) GROUP BY {ents}, value",
+        ]
+
+    def _touched_values(self, slot: _Slot, transition: tuple[str, ...]) -> str:
+        """The (entity, value)s of ``slot``'s column in the transition tables."""
+        col = f"o.{slot.agg.column}"
+        ents = ", ".join(self._src_keys("o")[:-1])
+        return " UNION ".join(
+            f"SELECT {ents}, {col} FROM {t} o WHERE {col} IS NOT NULL" for t in transition
+        )
+
+    def _recompute_days(
+        self, table: str, touched: str, transition: tuple[str, ...] = ("old_rows",)
+    ) -> list[str]:
         """Statements that recompute the days in ``touched`` (a query of the partials'
         key columns) from ``table``'s rows."""
         keys = ", ".join(self.keys)
@@ -319,6 +373,7 @@ class DerivedPath(IncrementalPath):
             out.append(f"DELETE FROM {self.members(s)} WHERE ({keys}) IN ({touched})")
             select = self._members_rows(s, source, "x", self._row_filter("x"))
             out.append(self._insert_members(s, select, False))
+            out += self._latest_from_members(s, self._touched_values(s, transition))
         return out
 
     def _src_cols(self) -> list[str]:
@@ -332,20 +387,18 @@ class DerivedPath(IncrementalPath):
         inserted = [
             self._insert_days(self._aggregate_rows("new_rows", "x", self._row_filter("x")), True)
         ]
-        inserted += [
-            self._insert_members(
-                s, self._members_rows(s, "new_rows", "x", self._row_filter("x")), True
-            )
-            for s in self.distinct
-        ]
+        for s in self.distinct:
+            inserted += [
+                self._insert_members(
+                    s, self._members_rows(s, "new_rows", "x", self._row_filter("x")), True
+                ),
+                self._latest_from_rows(s, "new_rows"),
+            ]
         src = ", ".join(self._src_keys("o"))
         new = ", ".join(self._src_keys("o"))
         touched_u = f"SELECT {src} FROM old_rows o UNION SELECT {new} FROM new_rows o"
         touched_d = f"SELECT DISTINCT {src} FROM old_rows o"
-        truncate = [
-            f"TRUNCATE {self.days}",
-            *(f"TRUNCATE {self.members(s)}" for s in self.distinct),
-        ]
+        truncate = [f"TRUNCATE {table}" for table in self.tables]
 
         def function(suffix: str, body: list[str]) -> str:
             statements = "".join(f"    {b};\n" for b in body)
@@ -357,7 +410,7 @@ class DerivedPath(IncrementalPath):
 
         return [
             function("i", inserted),
-            function("u", self._recompute_days(table, touched_u)),
+            function("u", self._recompute_days(table, touched_u, ("old_rows", "new_rows"))),
             function("d", self._recompute_days(table, touched_d)),
             function("t", truncate),
         ]
@@ -366,28 +419,23 @@ class DerivedPath(IncrementalPath):
         """Fill the partials from ``table``: of every key, or of the keys in
         ``keys_from`` (a query of the entity's columns)."""
         own = self._src_cols()
-        entity_cols = ", ".join(self.entity.columns)
+        ents = ", ".join(self.entity.columns)
         if keys_from is None:
-            out = [
-                f"DELETE FROM {self.days}",
-                *(f"DELETE FROM {self.members(s)}" for s in self.distinct),
-            ]
+            out = [f"DELETE FROM {t}" for t in self.tables]
             where = self._row_filter("x")
         else:
             match = f"({', '.join(f'x.{c}' for c in own)}) IN ({keys_from})"
-            out = [
-                f"DELETE FROM {self.days} WHERE ({entity_cols}) IN ({keys_from})",
-                *(
-                    f"DELETE FROM {self.members(s)} WHERE ({entity_cols}) IN ({keys_from})"
-                    for s in self.distinct
-                ),
-            ]
+            out = [f"DELETE FROM {t} WHERE ({ents}) IN ({keys_from})" for t in self.tables]
             where = f"{self._row_filter('x')} AND {match}"
         out.append(self._insert_days(self._aggregate_rows(table, "x", where), False))
-        out += [
-            self._insert_members(s, self._members_rows(s, table, "x", where), False)
-            for s in self.distinct
-        ]
+        for s in self.distinct:
+            out.append(self._insert_members(s, self._members_rows(s, table, "x", where), False))
+            scope = "" if keys_from is None else f" WHERE ({ents}) IN ({keys_from})"
+            out.append(
+                f"INSERT INTO {self.latest(s)} ({ents}, value, latest) "
+                f"SELECT {ents}, value, max(day) FROM {self.members(s)}{scope} "
+                f"GROUP BY {ents}, value"
+            )
         return out
 
     # -- the incremental query ------------------------------------------------------------
@@ -477,13 +525,23 @@ class DerivedPath(IncrementalPath):
                         f"WHEN {ov} IS NULL THEN {nv} ELSE greatest({nv}, {ov}) END"
                     )
                 case "count_distinct":
-                    members = self.members(s)
-                    mine_m = " AND ".join(f"m.{c} = k.{c}" for c in e.columns)
+                    # Values in the whole days (dc, da): those whose latest day is in
+                    # them, and those whose latest day is da or later that also occur in
+                    # them; then the edge rows' values that do not.
+                    members, latest = self.members(s), self.latest(s)
+                    mine_l = " AND ".join(f"l.{c} = k.{c}" for c in e.columns)
+                    same = " AND ".join(f"m.{c} = k.{c}" for c in e.columns)
+                    inside_m = f"m.day > w.dc{j} AND m.day < w.da"
                     out.append(
-                        f"(SELECT count(*) FROM (SELECT m.value FROM {members} m WHERE {mine_m} "
-                        f"AND m.day > w.dc{j} AND m.day < w.da UNION SELECT {col} FROM "
-                        f"{d.table} x WHERE {mine_x} AND ({edge_days}) AND {self._row_filter('x')} "
-                        f"AND {edge} AND {col} IS NOT NULL) AS u)"
+                        f"((SELECT count(*) FROM {latest} l WHERE {mine_l} "
+                        f"AND l.latest > w.dc{j} AND l.latest < w.da)"
+                        f" + (SELECT count(*) FROM {latest} l WHERE {mine_l} AND l.latest >= w.da "
+                        f"AND EXISTS (SELECT 1 FROM {members} m WHERE {same} AND m.value = l.value "
+                        f"AND {inside_m}))"
+                        f" + (SELECT count(DISTINCT {col}) FROM {d.table} x WHERE {mine_x} "
+                        f"AND ({edge_days}) AND {self._row_filter('x')} AND {edge} "
+                        f"AND {col} IS NOT NULL AND NOT EXISTS (SELECT 1 FROM {members} m "
+                        f"WHERE {same} AND m.value = {col} AND {inside_m})))"
                     )
         names = [a.field_name() for a in d.aggs]
         body = ",\n       ".join(
