@@ -15,7 +15,10 @@ worker's :class:`Authenticator` drops the key from its cache when the message
 arrives, and trusts its cache only while that subscription is confirmed live
 (:class:`pipeline.cache.subscription.Subscription`, bounded by
 ``FRESHLINE_SUBSCRIPTION_SILENCE_MS``). A lost message therefore keeps a revoked key
-working for that bound at most.
+working for that bound at most: a message published while the subscription is down
+is lost, so the cache is dropped when it goes down and again when it is back, and
+only a lookup begun after the subscription was confirmed may be cached. A revoke
+whose message could not be published raises :class:`RevocationUnannounced`.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from pipeline.core.cluster import is_cluster, publish
 from pipeline.core.db import api_keys, tenants
 from pipeline.core.errors import FreshlineError
 from pipeline.core.keys import APIKEY_CHANNEL, validate_id
+from pipeline.core.settings import redact_text
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,25 @@ class UnknownKey(FreshlineError):
     def __init__(self, key_id: str) -> None:
         self.key_id = key_id
         super().__init__(f"no API key with id {key_id!r}; see: freshline apikey list")
+
+
+class RevocationUnannounced(FreshlineError):
+    """A key revoked in Postgres whose revocation could not be published on Redis.
+
+    API workers with a live subscription keep serving it from their caches (for up to
+    ``FRESHLINE_API_KEY_CACHE_S``) until they look it up again: revoke it again once
+    Redis answers.
+    """
+
+    def __init__(self, key_id: str, tenant: str, detail: str) -> None:
+        self.key_id = key_id
+        self.tenant = tenant
+        super().__init__(
+            f"API key {key_id} of tenant {tenant} is revoked in Postgres, but the "
+            f"revocation was not published on Redis ({detail}): API workers may accept "
+            f"it from their caches for up to FRESHLINE_API_KEY_CACHE_S; run `freshline "
+            f"apikey revoke {key_id}` again once Redis answers"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,8 +256,10 @@ def revoke_api_key(engine: Engine, redis_client: redis.Redis | None, key_id: str
 
     The order matters: a worker that drops the key on the message and looks it up
     again must find it revoked. Revoking twice keeps the first time and publishes
-    again. If Redis cannot be reached the row is revoked all the same: workers cut
-    off from Redis trust no cached key (their subscription is dark), so they see it.
+    again. If the message cannot be published the row is revoked all the same, and
+    :class:`RevocationUnannounced` is raised: a worker whose own subscription is live
+    would not hear of it before its cached answer expires. ``redis_client`` None
+    publishes nothing.
     """
     c = api_keys.c
     with engine.begin() as conn:
@@ -256,12 +281,7 @@ def revoke_api_key(engine: Engine, redis_client: redis.Redis | None, key_id: str
         try:
             publish(redis_client, APIKEY_CHANNEL, key_id, cluster=is_cluster(redis_client))
         except (redis.exceptions.RedisError, OSError) as exc:
-            log.warning(
-                "key %s revoked in Postgres, but not announced on Redis (%s); "
-                "workers without a live subscription do not trust their cache",
-                key_id,
-                exc,
-            )
+            raise RevocationUnannounced(key_id, info.tenant, redact_text(str(exc))) from exc
     return info
 
 
@@ -302,9 +322,11 @@ class Authenticator:
     With ``redis_client`` and :meth:`start`, revocations published on
     :data:`APIKEY_CHANNEL` drop the key at once, and the cache is trusted only while
     that subscription is confirmed live (``silence_s``); without it a revoked key
-    keeps working for ``ttl_s``. Last-use times are gathered in memory and written in
-    one statement every ``last_used_interval_s`` (and on :meth:`close`), never one
-    write per request.
+    keeps working for ``ttl_s``. Every loss and every confirmation of the
+    subscription drops the whole cache, so an answer read from Postgres before a
+    revocation that the subscription missed is never cached after it comes back.
+    Last-use times are gathered in memory and written in one statement every
+    ``last_used_interval_s`` (and on :meth:`close`), never one write per request.
     """
 
     def __init__(
@@ -325,7 +347,7 @@ class Authenticator:
         self.last_used_interval_s = last_used_interval_s
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._lock = threading.Lock()
-        self._generation = 0  # bumped by every revocation and outage: see _lookup
+        self._generation = 0  # bumped by every revocation, outage and resubscription
         self._used: dict[str, float] = {}  # key id -> time.time() of its last use
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
@@ -336,6 +358,9 @@ class Authenticator:
                 redis_client,
                 [APIKEY_CHANNEL],
                 on_message=self._on_revoked,
+                # A revocation published while the subscription was down is lost: an
+                # answer read before it must not be cached once it is back (_lookup).
+                on_live=self.clear,
                 on_dark=self.clear,
                 silence_s=silence_s,
                 name="freshline-apikeys",
@@ -462,8 +487,8 @@ class Authenticator:
         )
         found = _Cached(principal, refusal, time.monotonic() + ttl, expires)
         with self._lock:
-            # A revocation (or an outage) during the query may predate what it read:
-            # answer with it, but cache nothing.
+            # A revocation, an outage or a resubscription (after which a revocation
+            # may have been missed) during the query: answer with it, cache nothing.
             if generation == self._generation and self._trusted():
                 self._cache[key] = found
                 self._cache.move_to_end(key)

@@ -117,7 +117,11 @@ def apikey_list(
 def apikey_revoke(
     key_id: Annotated[str, typer.Argument(help="The key's id, as apikey list shows it")],
 ) -> None:
-    """Revoke a key: every API worker refuses it within FRESHLINE_SUBSCRIPTION_SILENCE_MS."""
+    """Revoke a key: every API worker refuses it within FRESHLINE_SUBSCRIPTION_SILENCE_MS.
+
+    If the revocation cannot be published on Redis, the key is revoked in Postgres all
+    the same and the command fails (exit 1) saying so: run it again once Redis answers.
+    """
 
     from pipeline.api.auth import revoke_api_key
     from pipeline.core.db import make_owner_engine
