@@ -39,7 +39,7 @@ from pipeline.inference.models import ModelRegistry
 from pipeline.inference.predictions import InferenceCache
 from pipeline.observe.staleness import GroupLag
 from pipeline.observe.status import Observer, SampledMetrics, StatusBoard
-from pipeline.semantic.extra import require
+from pipeline.semantic.extra import require_extra
 
 if TYPE_CHECKING:
     from pipeline.api.llm import SemanticService
@@ -91,7 +91,7 @@ def create_app(
     nothing of FAISS, ``tokenizers`` or ``safetensors`` is imported.
     """
     if settings.semantic_enabled:
-        require("FRESHLINE_SEMANTIC_ENABLED")  # before any client is made
+        require_extra("FRESHLINE_SEMANTIC_ENABLED")  # before any client is made
     owned_engine = engine is None
     owned_redis = redis_client is None
     engine = engine or make_engine(settings, pool_size=10)

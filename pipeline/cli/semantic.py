@@ -15,7 +15,7 @@ from rich.text import Text
 from pipeline.cli.app import console, out
 from pipeline.core.services import redis_client
 from pipeline.core.settings import load_settings
-from pipeline.semantic.extra import require
+from pipeline.semantic.extra import require_extra
 
 semantic_app = typer.Typer(
     help="The semantic response cache for LLM pipelines.", no_args_is_help=True
@@ -24,7 +24,7 @@ semantic_app = typer.Typer(
 
 @semantic_app.callback()
 def _installed() -> None:
-    require("freshline semantic")
+    require_extra("freshline semantic")
 
 
 def register(app: typer.Typer) -> None:

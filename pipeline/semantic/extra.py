@@ -34,7 +34,7 @@ def missing() -> list[str]:
     return [name for name in MODULES if importlib.util.find_spec(name) is None]
 
 
-def require(what: str) -> None:
+def require_extra(what: str) -> None:
     """Raise :class:`SemanticNotInstalled`, naming ``what`` needs it, unless installed."""
     gone = missing()
     if gone:
