@@ -20,6 +20,11 @@ and the first :data:`KEPT_VALUE_BYTES` of the value, and says so::
 
 (and if the original headers alone are too big, only freshline's are kept).
 
+``freshline dlq replay`` (:mod:`consumers.replay`) sends a record back to its source
+topic with its original headers and one of ours, ``x-freshline-replay-of``
+(``<dead-letter topic>:<partition>:<offset>``); a record dead-lettered again loses it
+with the rest of ours.
+
 Order matters: the caller sends, flushes the producer (which raises if the broker
 did not acknowledge), and only then commits the source offset. A crash in between
 re-reads the record and dead-letters it again: at least once, never lost.
@@ -44,6 +49,7 @@ SOURCE_OFFSET = "x-freshline-source-offset"
 TRUNCATED = "x-freshline-truncated"
 ORIGINAL_SIZE = "x-freshline-original-size"
 VALUE_SHA256 = "x-freshline-value-sha256"
+REPLAY_OF = "x-freshline-replay-of"
 
 MAX_ERROR_BYTES = 1024
 KEPT_VALUE_BYTES = 1024

@@ -39,6 +39,7 @@ PREVIOUS_SCHEMA_KEY = "freshline:{deploy}:previous_schema_version"
 RETIRED_SCHEMA_KEY = "freshline:{deploy}:retired_schema_version"
 DEPLOY_CHANNEL = "freshline:{deploy}"
 MODELS_KEY = "freshline:models"
+DLQ_REPLAYED_PREFIX = "freshline:dlq:replayed"
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
@@ -190,6 +191,12 @@ def entity_floor_key(schema_version: int, ref: EntityRef) -> str:
     tenant = validate_id("tenant", ref.tenant)
     entity = validate_id("entity", ref.entity)
     return f"{FLOOR_PREFIX}:{schema_version}:{ref.feature_set}:{entity_tag(tenant, entity)}"
+
+
+def dlq_replayed_key(topic: str) -> str:
+    """``freshline:dlq:replayed:<topic>``: the records of the dead-letter topic ``topic``
+    (its name on the broker) that ``freshline dlq replay`` sent back, a hash."""
+    return f"{DLQ_REPLAYED_PREFIX}:{topic}"
 
 
 def feature_pattern(schema_version: int, feature_set: str | None = None) -> str:
