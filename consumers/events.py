@@ -42,6 +42,7 @@ RejectKind = Literal[
     "invalid_id",
     "unknown_table",
     "unknown_event_type",
+    "impossible_txid",
 ]
 
 DEFAULT_MAX_BYTES = Settings.model_fields["max_message_bytes"].default

@@ -18,15 +18,19 @@ The order of side effects, per batch, all reads on one REPEATABLE READ snapshot:
 The caller (:class:`consumers.worker.Worker`) then flushes the producer and only then
 commits the offsets, so a crash anywhere before the commit replays the batch, which
 the conditional writes make harmless.
+
+A transaction id that stays invisible may name no transaction at all: the caller asks
+:func:`impossible_txids` which ones the database cannot have had.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import redis
+import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from consumers.routing import Router
@@ -38,6 +42,44 @@ from pipeline.core.features import Registry
 from pipeline.core.keys import INVALIDATION_CHANNEL
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import ChangeEvent, EntityRef
+
+XID_SPAN = 1 << 32
+"""Ids below it are 32-bit (as Debezium reports them); from it up, full ``xid8``s."""
+
+# The next transaction id to be assigned, without assigning one: age(xid) is that id
+# minus xid (modulo 2**32), so xmax plus the age of xmax's low 32 bits (xmax is at most
+# the next id, by far less than 2**31). None on a standby, whose next id trails the
+# primary's until it replays: there every id may yet come.
+_NEXT_XID = sa.text(
+    "SELECT CASE WHEN pg_is_in_recovery() THEN NULL "
+    "ELSE x.xmax + age(CAST(CAST(x.xmax % 4294967296 AS text) AS xid)) END "
+    "FROM (SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS xmax) AS x"
+)
+
+
+def impossible_txids(engine: Engine, txids: Iterable[int]) -> tuple[int, frozenset[int]]:
+    """The database's next transaction id, and which of ``txids`` it cannot have had.
+
+    ``txids`` are ids a snapshot could not see
+    (:class:`~pipeline.cache.recompute.NotYetVisible`). A change's
+    transaction committed before its event was read, so its id was assigned before:
+    an id at or past the next id to be assigned names no transaction, and waiting for
+    it to become visible would wait for ever. A 32-bit id not visible lies less than
+    ``2**31`` either side of the next id, so it is past it exactly when it is ahead of
+    it modulo ``2**32``. An id in progress, or committed but not yet visible, is below
+    the next id: never judged impossible. On a standby nothing is.
+    """
+    with engine.connect() as conn:
+        found = conn.execute(_NEXT_XID).scalar()
+        conn.rollback()
+    if found is None:
+        return 0, frozenset()
+    next_xid = int(found)
+    return next_xid, frozenset(
+        t
+        for t in txids
+        if (t >= next_xid if t >= XID_SPAN else (t - next_xid) % XID_SPAN < XID_SPAN // 2)
+    )
 
 
 @dataclass(slots=True)

@@ -24,6 +24,11 @@ retries the same batch with backoff until it succeeds or a stop is requested. Wh
 paused the loop keeps polling, to stay in the group: a partition assigned meanwhile is
 paused too, and a record that a poll returns anyway is never dropped: the partition is
 rewound to it.
+A change still not visible after :data:`CHECK_TXIDS_AFTER` retries may name a
+transaction the database cannot have had (at or past its next transaction id: a forged
+or foreign record); from then on each retry checks, such events are dead-lettered
+(``impossible_txid``) and the rest of the batch goes on. A transaction still running
+or committing is waited for, however long.
 Rebalance callbacks only run inside ``consume``/``poll``, so a revoke never finds half
 a batch: a revoked partition's records of a retried batch are left uncommitted and
 their new owner reads them again; a commit the rebalance refuses is logged, not fatal.
@@ -57,15 +62,16 @@ from consumers.failures import (
 )
 from consumers.kafka import CommitNotYet, Consumer, DeliveryFailed, Producer, check_message
 from consumers.metrics import consumer_metrics
-from consumers.processor import BatchReport, Processor
+from consumers.processor import BatchReport, Processor, impossible_txids
 from consumers.routing import Router
 from consumers.topics import subscription
 from pipeline.cache.invalidation import Invalidation
+from pipeline.cache.recompute import NotYetVisible
 from pipeline.cache.store import check_eviction_policy
 from pipeline.cache.versions import WriteVersions
 from pipeline.core.db import make_engine
 from pipeline.core.repository import REGISTRY
-from pipeline.core.services import redis_client
+from pipeline.core.services import consumer_redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.topics import DLQ, INVALIDATIONS, logical, qualified
 from pipeline.core.types import ChangeEvent
@@ -78,6 +84,10 @@ CLOSE_TIMEOUT_S = 10.0
 LAG_EVERY_S = 5.0
 FOLD_USERS = 500
 """Users whose pending bucket deltas one fold takes (a few milliseconds each)."""
+CHECK_TXIDS_AFTER = 5
+"""Failures of a batch for changes not yet visible (0.75 s of backoff) from which on
+its invisible transaction ids are checked against the database's next one. The usual
+wait, for a commit to become visible, lasts milliseconds."""
 
 
 @dataclass(slots=True)
@@ -116,7 +126,7 @@ class Worker:
         )
         self.invalidations_topic = qualified(settings, INVALIDATIONS)
         self.engine = make_engine(settings)
-        self.redis = redis_client(settings)
+        self.redis = consumer_redis_client(settings)
         self._policy_checked = False
         self.processor = Processor(
             self.engine,
@@ -242,9 +252,10 @@ class Worker:
         """
         backoff = 0.05
         held: tuple[str, str] | None = None  # the configuration failure's cause and remedy
+        unseen = 0  # retries for changes not yet visible
         since = time.monotonic()
         try:
-            while True:
+            while events:
                 try:
                     self._apply(events)
                     break
@@ -269,6 +280,10 @@ class Worker:
                 except TRANSIENT as exc:
                     if self._stop.is_set():
                         raise
+                    if isinstance(exc, NotYetVisible):
+                        unseen += 1
+                        if unseen >= CHECK_TXIDS_AFTER and self._drop_impossible(events, exc):
+                            continue  # the rest of the batch, at once
                     label = service(exc)
                     self.totals.retries += 1
                     self.metrics.retries.labels(label).inc()
@@ -285,6 +300,42 @@ class Worker:
                 held[0],
                 time.monotonic() - since,
             )
+
+    def _drop_impossible(
+        self, events: list[tuple[Message, ChangeEvent]], exc: NotYetVisible
+    ) -> bool:
+        """Dead-letter (and remove from ``events``) the events whose transaction the
+        database cannot have had; True if there were any.
+
+        A failure to check is not the events' fault: nothing is dropped, and the next
+        retry checks again.
+        """
+        try:
+            next_xid, impossible = impossible_txids(self.engine, exc.txids)
+        except RETRIED as failed:
+            logger.warning("could not check transaction ids %s: %s", exc.txids, failed)
+            return False
+        if not impossible:
+            return False
+        kept: list[tuple[Message, ChangeEvent]] = []
+        for msg, event in events:
+            if event.txid not in impossible:
+                kept.append((msg, event))
+                continue
+            reason = (
+                f"source.txId {event.txid} is at or past the database's next transaction "
+                f"id ({next_xid}): no transaction of this database has committed it"
+            )
+            self._dead_letter(msg, EventRejected(reason, kind="impossible_txid"))
+        logger.error(
+            "dead-lettered %d event(s) naming transaction ids this database cannot have "
+            "had (%s; its next id is %d); the rest of the batch goes on",
+            len(events) - len(kept),
+            ", ".join(map(str, sorted(impossible))),
+            next_xid,
+        )
+        events[:] = kept
+        return True
 
     def _flush_with_retry(self) -> None:
         """Flush dead letters and invalidations; send refused ones again until they land.
