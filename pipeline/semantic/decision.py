@@ -58,10 +58,15 @@ EMPTY = Outcomes(np.zeros(0), np.zeros(0, dtype=bool))
 
 def encode(outcomes: Outcomes) -> bytes:
     """``[1][uint16 ...]``: each outcome as its similarity in ten-thousandths (15
-    bits) and whether it was right (the top bit), little-endian, oldest first."""
+    bits) and whether it was right (the top bit), little-endian, oldest first. A
+    right answer's similarity is rounded down and a wrong one's up: never in the
+    direction that would serve more."""
     keep = slice(max(0, len(outcomes) - MAX_OUTCOMES), None)
-    sims = np.clip(np.rint(outcomes.sims[keep] * _SCALE), 0, _SCALE).astype(np.uint16)
-    packed = sims | (outcomes.right[keep].astype(np.uint16) << 15)
+    right = outcomes.right[keep]
+    scaled = outcomes.sims[keep] * _SCALE
+    rounded = np.where(right, np.floor(scaled + 1e-9), np.ceil(scaled - 1e-9))
+    sims = np.clip(rounded, 0, _SCALE).astype(np.uint16)
+    packed = sims | (right.astype(np.uint16) << 15)
     return bytes([_FORMAT]) + bytes(packed.astype("<u2").tobytes())
 
 

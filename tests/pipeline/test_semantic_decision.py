@@ -99,6 +99,9 @@ def test_outcomes_pack_small_and_keep_the_newest() -> None:
     kept = decision.decode(raw)
     assert len(kept) == MAX_OUTCOMES and kept.sims[-1] == pytest.approx(0.199)
     assert len(decision.decode(None)) == 0 and len(decision.decode(b"\x09junk")) == 0
+    # Rounded never toward serving more: a right answer down, a wrong one up.
+    edges = decision.decode(decision.encode(outcomes((0.80999, True), (0.80001, False))))
+    assert edges.sims.tolist() == [0.8099, 0.8001]
 
 
 def test_the_shipped_prior_is_the_fit_on_the_shipped_pairs() -> None:
