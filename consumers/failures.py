@@ -39,6 +39,12 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
     redis.exceptions.OutOfMemoryError,  # a full Redis under noeviction: wait for room
+    # A cluster failing over or resharding: the consumer's client does not retry them
+    # itself (pipeline.core.services.consumer_redis_client), the batch is retried.
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,
+    redis.exceptions.RedisClusterUnreachableError,
     sa.exc.OperationalError,
     sa.exc.InterfaceError,
 )
@@ -66,7 +72,7 @@ def service(exc: BaseException) -> str:
     """The label of a transient failure: ``visibility``, ``redis`` or ``postgres``."""
     if isinstance(exc, NotYetVisible):
         return "visibility"
-    if isinstance(exc, redis.exceptions.RedisError):
+    if isinstance(exc, redis.exceptions.RedisError | redis.exceptions.RedisClusterException):
         return "redis"
     return "postgres"
 

@@ -10,7 +10,9 @@ from typing import Any, cast
 import psycopg
 import redis
 import sqlalchemy as sa
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.retry import Retry
 from sqlalchemy.engine import make_url
 
 from pipeline.core.errors import PermissionDenied, ServiceUnavailable
@@ -56,6 +58,24 @@ def redis_client(settings: Settings, url: str | None = None, **kwargs: Any) -> r
         cluster = RedisCluster.from_url(url, **options)
         return cast(redis.Redis, cluster)
     return redis.Redis.from_url(url, **options)
+
+
+def consumer_redis_client(settings: Settings) -> redis.Redis:
+    """The consumers' client: every command fails within the settings' timeouts, and
+    redis-py never sends a command or pipeline again by itself.
+
+    A pipeline of conditional writes that redis-py sent again after a lost reply (its
+    cluster client retries ten times by default; its standalone defaults changed
+    between releases) would land late, computed from an older snapshot than writes
+    made meanwhile. The consumer retries the batch instead, recomputed from a new one
+    (:mod:`consumers.failures` counts a cluster's own failover errors as transient).
+    """
+    return redis_client(
+        settings,
+        socket_timeout=settings.consumer_redis_timeout_s,
+        socket_connect_timeout=settings.consumer_redis_connect_timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )
 
 
 def _without_login(url: str) -> str:

@@ -69,6 +69,11 @@ class Settings(BaseSettings):
     """A client certificate and key, for servers that require one (``tls-auth-clients``)."""
     redis_cluster: bool = False
     """Redis Cluster: ``redis_url`` names one node of it, the client finds the rest."""
+    consumer_redis_timeout_s: float = Field(default=5.0, gt=0)
+    """How long a consumer waits for a Redis reply; then the command fails, and the
+    batch is retried (recomputed) like any transient failure."""
+    consumer_redis_connect_timeout_s: float = Field(default=2.0, gt=0)
+    """How long a consumer waits for a connection to Redis."""
     kafka_bootstrap: str = "127.0.0.1:9092"
     kafka_security_protocol: Literal["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"] = "plaintext"
     kafka_sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = ""
