@@ -9,6 +9,11 @@ Two input forms become one event:
   ``transaction.updated``, ``device.updated`` and ``user.updated``), whose contracts
   are the JSON Schemas ``freshline events schemas`` writes.
 
+A TRUNCATE (op ``t``) voids a feature set for every tenant, so it is honoured only on
+Debezium's topic of the table it names (``freshline.<schema>.<table>``): never on a
+domain-event topic (an :class:`~pipeline.core.events.Event` is an insert or an update),
+on another three-part topic taken for a CDC one, or on another table's CDC topic.
+
 :func:`decode` returns ``None`` for a tombstone (nothing to do) and raises
 :class:`EventRejected` for anything it cannot turn into an event, never another
 exception, so the run loop can dead-letter the record and move on.
@@ -31,7 +36,7 @@ from pipeline.core.features import Entity, Registry
 from pipeline.core.keys import validate_id
 from pipeline.core.repository import REGISTRY, Repository, active
 from pipeline.core.settings import Settings
-from pipeline.core.topics import CDC_TOPIC_PATTERN
+from pipeline.core.topics import CDC_PREFIX, CDC_TOPIC_PATTERN
 from pipeline.core.types import ChangeEvent, Op
 
 RejectKind = Literal[
@@ -43,6 +48,7 @@ RejectKind = Literal[
     "unknown_table",
     "unknown_event_type",
     "impossible_txid",
+    "truncate_outside_cdc",
 ]
 
 DEFAULT_MAX_BYTES = Settings.model_fields["max_message_bytes"].default
@@ -136,7 +142,18 @@ def decode(
     match = CDC_TOPIC_PATTERN.fullmatch(topic)
     if match is None:
         raise EventRejected(f"no decoder for topic {topic!r}", kind="unknown_event_type")
-    return _debezium_event(match["table"], _load_object(value))
+    change = _debezium_event(match["table"], _load_object(value))
+    if (
+        change is not None
+        and change.op == "t"
+        and (match["prefix"] != CDC_PREFIX or match["table"] != change.table)
+    ):
+        raise EventRejected(
+            f"a truncate of {change.table!r} is taken only from its CDC topic "
+            f"{CDC_PREFIX}.<schema>.{change.table}, not from {topic!r}",
+            kind="truncate_outside_cdc",
+        )
+    return change
 
 
 def _load_object(value: bytes) -> dict[str, Any]:
