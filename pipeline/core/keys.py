@@ -297,13 +297,25 @@ def semantic_registry_key(tenant: str) -> str:
 
 def semantic_pattern(
     tenant: str | None = None,
+def semantic_outcomes_key(namespace: str, entry_id: int) -> str:
+    """``sem:o:<namespace>:<id as 16 hex digits>``: an entry's labelled outcomes (the
+    similarities it was, or would have been, served at and whether that was right)."""
+    return f"{SEMANTIC_PREFIX}:o:{namespace}:{entry_id:016x}"
+
+
+def semantic_probes_key(namespace: str) -> str:
+    """``sem:x:<namespace>``: explorations awaiting their store, by the explored prompt's
+    id: the candidate entry, the similarity and the parameters digest."""
+    return f"{SEMANTIC_PREFIX}:x:{namespace}"
+
+
     model: str | None = None,
     model_version: str | None = None,
     template_version: str | None = None,
     kind: str = "*",
 ) -> str:
     """A SCAN MATCH pattern for semantic keys of ``kind`` (``e``, ``ids``, ``log``,
-    ``stats`` or ``*``), narrowed to whichever parts are given."""
+    ``stats``, ``o``, ``x`` or ``*``), narrowed to whichever parts are given."""
     parts = [
         validate_id("tenant", tenant) if tenant else "*",
         validate_id("model", model) if model else "*",

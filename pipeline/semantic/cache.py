@@ -25,23 +25,32 @@ A lookup, in order
 4. One round trip: ``MGET`` their entries, ``XREAD`` the namespace's stream since the
    index's position, and this process's pending counters. Changes read are applied;
    when they added entries, steps 3-4 run once more so a new entry can win.
-5. Check each candidate present in Redis *exactly*: cosine similarity of the stored
-   vector and the query's (float64) at or above the model's threshold, the same
-   generation parameters, and the same numbers in both prompts
-   (:func:`pipeline.semantic.entry.literals_match`). The best that passes is served.
+5. Check each candidate present in Redis *exactly*: the same generation parameters,
+   the same numbers in both prompts (:func:`pipeline.semantic.entry.literals_match`),
+   and its cosine similarity with the query (float64) good enough to serve:
+   with a :class:`~pipeline.semantic.decision.Learned` decision, the entry's own
+   estimated error at that similarity (from its outcomes, read in step 4's round
+   trip, and the embedding model's prior) at most ``max_error``; without one, at or
+   above the model's fixed threshold. The candidate with the lowest estimated error
+   is served, unless it is audited.
+6. With no candidate served, the nearest that passes the checks may be explored: a
+   miss that names it (``Lookup.candidate_id``), remembered so that the caller's
+   store of the model's response labels it (:mod:`pipeline.semantic.feedback`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import random
+import re
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import redis
@@ -52,14 +61,18 @@ from pipeline.core.keys import (
     semantic_ids_key,
     semantic_log_key,
     semantic_namespace,
+    semantic_outcomes_key,
     semantic_registry_key,
     semantic_stats_key,
 )
+from pipeline.semantic import decision
+from pipeline.semantic.decision import Learned
 from pipeline.semantic.embed import Embedder, Vectors
 from pipeline.semantic.entry import (
     CorruptSemanticEntry,
     Entry,
     InvalidPrompt,
+    cosine,
     decode,
     encode,
     entry_id,
@@ -67,6 +80,7 @@ from pipeline.semantic.entry import (
     params_digest,
     vector_bytes,
 )
+from pipeline.semantic.feedback import PROBE_TTL_MS, Probe, Probes, same_response
 from pipeline.semantic.index import NamespaceIndex
 from pipeline.semantic.namespaces import (
     Limits,
@@ -82,11 +96,18 @@ log = logging.getLogger(__name__)
 
 CANDIDATES = 8
 DEFAULT_THRESHOLD = 0.93
+_HEX16 = re.compile(r"[0-9a-fA-F]{16}")
+_MIN_EXPLORE = 0.001  # below this chance, a candidate is not even checked for exploring
+SAME_PROMPT = 0.999
+"""A flag at or above this similarity is about the entry's own prompt: the response
+itself is wrong, and the entry is removed."""
 
 __all__ = [
     "CANDIDATES",
     "DEFAULT_THRESHOLD",
+    "Flagged",
     "InvalidPrompt",
+    "Learned",
     "Limits",
     "Lookup",
     "NonDeterministicParams",
@@ -124,6 +145,11 @@ class Lookup:
     ``similarity`` is the served entry's exact cosine similarity (on a miss, the best
     candidate's, or None without one); ``lookup_s`` excludes ``embed_s``. ``warming``:
     a miss because this process's index of the namespace is still being built.
+    ``threshold`` is the similarity the deciding entry is served at (with a learned
+    decision, that entry's own; without a candidate, a fresh entry's).
+    ``candidate_id``: on an exploration, the entry the caller's store will label
+    (``audit``: one that would have been served). ``estimated_error``: the served (or
+    explored) entry's estimated error.
     """
 
     hit: bool
@@ -135,12 +161,44 @@ class Lookup:
     embed_s: float
     lookup_s: float
     warming: bool = False
+    candidate_id: str | None = None
+    estimated_error: float | None = None
+    audit: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Stored:
+    """``agreed``: when the store answered an exploration, whether the model's
+    response was the candidate's (None otherwise)."""
+
     entry_id: str
     embed_s: float
+    agreed: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Flagged:
+    """A flag's effect: the entry removed, or a wrong outcome recorded for it at
+    ``similarity`` (then ``threshold`` is the similarity it is served at now)."""
+
+    removed: bool
+    similarity: float | None = None
+    threshold: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    similarity: float
+    id: int
+    raw: bytes
+    outcomes: decision.Outcomes
+
+
+def _entry_id(entry: object) -> int:
+    """An entry id as the caller sent it (16 hex digits, any case) as a number."""
+    if not isinstance(entry, str) or _HEX16.fullmatch(entry) is None:
+        raise InvalidPrompt(f"entry id {entry!r} is not 16 hex digits")
+    return int(entry, 16)
 
 
 def check_deterministic(params: Mapping[str, Any]) -> None:
@@ -175,11 +233,14 @@ def check_deterministic(params: Mapping[str, Any]) -> None:
 class SemanticCache:
     """Tenant-scoped, version-scoped semantic cache of deterministic LLM responses.
 
-    ``thresholds`` maps a model to its similarity threshold (default ``threshold``);
-    ``ttl_s`` bounds every key's life; ``limits`` bounds entries per namespace and
-    namespaces per tenant; ``max_index_vectors`` bounds the vectors this process's
-    indexes hold. Thread-safe; share one per process, since it holds this process's
-    indexes and their background builder. :meth:`close` stops it.
+    ``decision`` serves each entry under an error bound it learns
+    (:class:`~pipeline.semantic.decision.Learned`); without one, ``thresholds`` maps
+    a model to its fixed similarity threshold (default ``threshold``). ``rng`` draws
+    the explorations (seed it for repeatable runs). ``ttl_s`` bounds every key's
+    life; ``limits`` bounds entries per namespace and namespaces per tenant;
+    ``max_index_vectors`` bounds the vectors this process's indexes hold. Thread-safe;
+    share one per process, since it holds this process's indexes and their background
+    builder. :meth:`close` stops it.
     """
 
     def __init__(
@@ -194,11 +255,16 @@ class SemanticCache:
         guard_literals: bool = True,
         limits: Limits | None = None,
         max_index_vectors: int = MAX_VECTORS,
+        decision: Learned | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.redis = client
         self.embedder = embedder
         self.threshold = threshold
         self.thresholds = dict(thresholds or {})
+        self.decision = decision
+        self.rng = rng or random.Random()
+        self.probes = Probes(client)
         self.ttl_ms = ttl_s * 1000
         self.max_prompt_chars = max_prompt_chars
         self.guard_literals = guard_literals
@@ -212,6 +278,9 @@ class SemanticCache:
     # -- the public API ----------------------------------------------------------------
 
     def threshold_for(self, model: str) -> float:
+        """A fresh entry's threshold: the learned decision's start, or ``model``'s."""
+        if self.decision is not None:
+            return self.decision.start
         return self.thresholds.get(model, self.threshold)
 
     def embed(self, prompts: list[str]) -> tuple[Vectors, float]:
@@ -272,26 +341,122 @@ class SemanticCache:
         with idx.lock:
             candidates = idx.search(query, CANDIDATES)[0]
             position = idx.stream_id
-        raws, events = self._fetch(ns, [e for e, _ in candidates], position)
+        learned = self.decision is not None
+        raws, outcomes, events = self._fetch(ns, [e for e, _ in candidates], position, learned)
         if events:
             with idx.lock:
                 added = self._apply(idx, events)
                 if added:
                     candidates = idx.search(query, CANDIDATES)[0]
             if added:
-                raws, _ = self._fetch(ns, [e for e, _ in candidates], None)
-        found = self._best(idx, candidates, raws, vector, prompt, params, threshold)
+                raws, outcomes, _ = self._fetch(ns, [e for e, _ in candidates], None, learned)
+        found = self._candidates(idx, candidates, raws, outcomes, vector)
+        best_seen = found[0].similarity if found else None
+        if self.decision is not None:
+            return self._decide(
+                ns, self.decision, found, prompt, params, embed_s, started, best_seen
+            )
+        served = self._first_passing(
+            [c for c in found if c.similarity >= threshold], prompt, params, idx.namespace
+        )
         elapsed = time.perf_counter() - started
-        best_seen, best = found
-        if best is None:
+        if served is None:
             self._count(ns, "misses")
             return Lookup(False, None, best_seen, None, None, threshold, embed_s, elapsed)
-        similarity, e, entry = best
+        c, entry = served
         self._count(ns, "hits")
         age = max(0, int(time.time() * 1000) - entry.created_at_ms)
         return Lookup(
-            True, entry.response, similarity, age, f"{e:016x}", threshold, embed_s, elapsed
+            True, entry.response, c.similarity, age, f"{c.id:016x}", threshold, embed_s, elapsed
         )
+
+    def _decide(
+        self,
+        ns: str,
+        learned: Learned,
+        found: list[_Candidate],
+        prompt: str,
+        params: Mapping[str, Any],
+        embed_s: float,
+        started: float,
+        best_seen: float | None,
+    ) -> Lookup:
+        """Serve, audit, explore or miss (module docstring, steps 5 and 6)."""
+        estimates = {c.id: learned.estimate(c.outcomes, c.similarity) for c in found}
+        servable = sorted(
+            (c for c in found if estimates[c.id].serve),
+            key=lambda c: (estimates[c.id].error, -c.similarity),
+        )
+        chosen = self._first_passing(servable, prompt, params, ns)
+        if chosen is not None:
+            c, entry = chosen
+            est = estimates[c.id]
+            # An audit the namespace has no room to remember is served instead.
+            audited = self.rng.random() < est.explore and (
+                self._explore(ns, prompt, params, c, audit=True) is not None
+            )
+            if not audited:
+                self._count(ns, "hits")
+                self._count(ns, "risk_ppm", round(est.error * 1e6))
+                age = max(0, int(time.time() * 1000) - entry.created_at_ms)
+                return Lookup(
+                    True,
+                    entry.response,
+                    c.similarity,
+                    age,
+                    f"{c.id:016x}",
+                    est.threshold,
+                    embed_s,
+                    time.perf_counter() - started,
+                    estimated_error=est.error,
+                )
+            explored: _Candidate | None = c
+        else:
+            worth = [c for c in found if estimates[c.id].explore >= _MIN_EXPLORE]
+            nearest = self._first_passing(worth, prompt, params, ns)
+            explored = None
+            if nearest is not None:
+                c = nearest[0]
+                if self.rng.random() < estimates[c.id].explore:
+                    explored = self._explore(ns, prompt, params, c, audit=False)
+        self._count(ns, "misses")
+        elapsed = time.perf_counter() - started
+        if explored is None:
+            deciding = estimates[found[0].id].threshold if found else learned.start
+            return Lookup(False, None, best_seen, None, None, deciding, embed_s, elapsed)
+        est = estimates[explored.id]
+        return Lookup(
+            False,
+            None,
+            best_seen,
+            None,
+            None,
+            est.threshold,
+            embed_s,
+            elapsed,
+            candidate_id=f"{explored.id:016x}",
+            estimated_error=est.error,
+            audit=est.serve,
+        )
+
+    def _explore(
+        self, ns: str, prompt: str, params: Mapping[str, Any], c: _Candidate, *, audit: bool
+    ) -> _Candidate | None:
+        """Remember an exploration of ``c`` for the prompt's store; None if the
+        namespace's probes are full."""
+        probe = Probe(
+            c.id,
+            c.similarity,
+            audit,
+            int(time.time() * 1000) + PROBE_TTL_MS,
+            params_digest(dict(params)),
+        )
+        if not self.probes.put(ns, entry_id(prompt), probe):
+            return None
+        self._count(ns, "explored")
+        if audit:
+            self._count(ns, "audited")
+        return c
 
     def store(self, scope: Scope, prompt: str, params: Mapping[str, Any], response: str) -> Stored:
         """Cache ``response`` for ``prompt``; refused unless deterministic (see
@@ -303,14 +468,14 @@ class SemanticCache:
             raise
         self._check_text("response", response)
         vectors, embed_s = self.embed([prompt])
-        [e] = self.store_many(scope, [(prompt, response)], params, vectors)
-        return Stored(e, embed_s)
+        [e], [agreed] = self._store(scope, [(prompt, response)], params, vectors)
+        return Stored(e, embed_s, agreed)
 
     def store_vector(
         self, scope: Scope, prompt: str, params: Mapping[str, Any], response: str, vector: Vectors
     ) -> str:
         """:meth:`store` with the prompt already embedded; returns the entry id."""
-        return self.store_many(scope, [(prompt, response)], params, vector[None, :])[0]
+        return self._store(scope, [(prompt, response)], params, vector[None, :])[0][0]
 
     def store_many(
         self,
@@ -326,10 +491,23 @@ class SemanticCache:
         entries with their TTL, their ids in the expiry-scored set, an ``add`` per
         entry on the namespace's stream (with the vector, so other processes need not
         read the entry), the namespace in its tenant's registry, the counters; every
-        key's TTL set or extended. Then the bounds (:class:`Limits`): past the
+        key's TTL set or extended; with a learned decision, the probes of explorations
+        of these prompts taken. Then the bounds (:class:`Limits`): past the
         namespace's entries, its oldest are evicted now; past the tenant's
-        namespaces, the least recently stored into is purged in the background.
+        namespaces, the least recently stored into is purged in the background. Last,
+        each probe taken labels its candidate (:meth:`_label`).
         """
+        return self._store(scope, items, params, vectors)[0]
+
+    def _store(
+        self,
+        scope: Scope,
+        items: list[tuple[str, str]],
+        params: Mapping[str, Any],
+        vectors: Vectors | None,
+    ) -> tuple[list[str], list[bool | None]]:
+        """:meth:`store_many`, and per item whether it agreed with an explored
+        candidate (None: it answered no exploration)."""
         ns = scope.namespace
         try:
             check_deterministic(params)
@@ -377,11 +555,61 @@ class SemanticCache:
         spaces_at = len(pipe)
         pipe.zcard(registry)
         pipe.pexpire(registry, ttl)
+        probes_at = len(pipe)
+        if self.decision is not None:
+            self.probes.take_into(pipe, ns, [int(m, 16) for m in out])
         self._count(ns, "stored", len(items))
         self._flush_into(pipe, ns)
         replies = pipe.execute()
         self._enforce_limits(scope, int(replies[size_at]), int(replies[spaces_at]))
-        return out
+        agreed: list[bool | None] = [None] * len(items)
+        if self.decision is not None:
+            taken = self.probes.taken(replies[probes_at], now_ms)
+            agreed = self._label(ns, items, out, taken, digest)
+        return out, agreed
+
+    def _label(
+        self,
+        ns: str,
+        items: list[tuple[str, str]],
+        ids: list[str],
+        probes: list[Probe | None],
+        digest: str,
+    ) -> list[bool | None]:
+        """Compare each stored response with its probe's candidate's, and append the
+        outcome to the candidate's: two round trips, only when a store answers an
+        exploration. A candidate gone meanwhile has nothing to learn."""
+        wanted = [
+            (i, p)
+            for i, p in enumerate(probes)
+            if p is not None and p.params == digest and f"{p.candidate:016x}" != ids[i]
+        ]
+        agreed: list[bool | None] = [None] * len(items)
+        if not wanted:
+            return agreed
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.mget([semantic_entry_key(ns, p.candidate) for _, p in wanted])
+        pipe.mget([semantic_outcomes_key(ns, p.candidate) for _, p in wanted])
+        entries, outcomes = pipe.execute()
+        pipe = self.redis.pipeline(transaction=False)
+        for (i, p), raw, past in zip(wanted, entries, outcomes, strict=True):
+            try:
+                cached = decode(raw) if raw else None
+            except CorruptSemanticEntry:
+                cached = None
+            if cached is None:
+                continue
+            agreed[i] = right = same_response(items[i][1], cached.response)
+            labelled = decision.append(decision.decode(past), p.similarity, right)
+            pipe.set(
+                semantic_outcomes_key(ns, p.candidate), decision.encode(labelled), px=self.ttl_ms
+            )
+            self._count(ns, "right" if right else "wrong")
+            if p.audit:
+                self._count(ns, "audit_right" if right else "audit_wrong")
+        self._flush_into(pipe, ns)
+        pipe.execute()
+        return agreed
 
     def get_or_generate(
         self, scope: Scope, prompt: str, params: Mapping[str, Any], generate: Callable[[str], str]
@@ -406,21 +634,16 @@ class SemanticCache:
         return response, found
 
     def flag(self, scope: Scope, entry: str) -> bool:
-        """A caller says a hit was wrong: remove the entry everywhere, and count it.
-
-        Returns whether the entry was there.
+        """A caller says a hit was wrong: remove the entry (and its outcomes)
+        everywhere, and count it. Returns whether the entry was there.
         """
         ns = scope.namespace
-        try:
-            e = int(entry, 16)
-        except (TypeError, ValueError) as exc:
-            raise InvalidPrompt(f"entry id {entry!r} is not 16 hex digits") from exc
-        if not isinstance(entry, str) or len(entry) != 16 or e < 0:
-            raise InvalidPrompt(f"entry id {entry!r} is not 16 hex digits")
+        e = _entry_id(entry)
         entry = f"{e:016x}"  # the stored form, whatever case the caller sent
         now_ms = int(time.time() * 1000)
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(semantic_entry_key(ns, e))
+        pipe.delete(semantic_outcomes_key(ns, e))
         pipe.zrem(semantic_ids_key(ns), entry)
         pipe.xadd(
             semantic_log_key(ns),
@@ -437,6 +660,44 @@ class SemanticCache:
             with idx.lock:
                 idx.remove([e])
         return removed
+
+    def flag_for(self, scope: Scope, entry: str, prompt: str) -> Flagged:
+        """A caller says the hit of ``entry`` for ``prompt`` was wrong.
+
+        With a learned decision, that is a wrong outcome at the prompt's similarity
+        to the entry: the entry stays for prompts closer to it, and is served above a
+        higher similarity from now on (:attr:`Flagged.threshold`). When ``prompt`` is
+        the entry's own (similarity :data:`SAME_PROMPT` or more), the response itself
+        is wrong and the entry is removed, as it is without a learned decision
+        (:meth:`flag`). Counted as a flag either way.
+        """
+        e = _entry_id(entry)
+        self._check_text("prompt", prompt)
+        if self.decision is None:
+            return Flagged(self.flag(scope, entry))
+        ns = scope.namespace
+        vectors, _ = self.embed([prompt])
+        raw, past = cast(
+            list[bytes | None],
+            self.redis.mget([semantic_entry_key(ns, e), semantic_outcomes_key(ns, e)]),
+        )
+        try:
+            cached = decode(raw) if raw else None
+        except CorruptSemanticEntry:
+            cached = None
+        if cached is None:
+            self._count(ns, "flagged")
+            return Flagged(False)
+        similarity = cosine(vectors[0], cached.vector)
+        if similarity >= SAME_PROMPT:
+            return Flagged(self.flag(scope, entry), similarity)
+        labelled = decision.append(decision.decode(past), similarity, False)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(semantic_outcomes_key(ns, e), decision.encode(labelled), px=self.ttl_ms)
+        self._count(ns, "flagged")
+        self._flush_into(pipe, ns)
+        pipe.execute()
+        return Flagged(False, similarity, self.decision.threshold(labelled))
 
     def purge(
         self,
@@ -484,75 +745,88 @@ class SemanticCache:
                 f"of {self.max_prompt_chars:,}"
             )
 
-    def _best(
+    def _candidates(
         self,
         idx: NamespaceIndex,
         candidates: list[tuple[int, float]],
         raws: list[bytes | None],
+        outcomes: list[bytes | None],
         vector: Vectors,
-        prompt: str,
-        params: Mapping[str, Any],
-        threshold: float,
-    ) -> tuple[float | None, tuple[float, int, Entry] | None]:
-        """The best candidate's similarity, and the best that passes every check."""
+    ) -> list[_Candidate]:
+        """The candidates present in Redis with their exact similarity, most similar
+        first; those gone (expired or removed: Redis is the truth) leave the index."""
         ids: list[int] = []
         tails: list[bytes] = []
-        kept: list[bytes] = []
+        kept: list[tuple[bytes, bytes | None]] = []
         gone: list[int] = []
-        for (e, _), raw in zip(candidates, raws, strict=True):
+        for (e, _), raw, out in zip(candidates, raws, outcomes or [None] * len(raws), strict=True):
             tail = vector_bytes(raw, idx.dim)
             if raw is None:
-                gone.append(e)  # expired or removed: Redis is the truth
+                gone.append(e)
             elif tail is None:
                 log.warning("corrupt semantic entry %s in %s", f"{e:016x}", idx.namespace)
             else:
                 ids.append(e)
                 tails.append(tail)
-                kept.append(raw)
+                kept.append((raw, out))
         if gone:
             with idx.lock:
                 idx.remove(gone)
         if not ids:
-            return None, None
+            return []
         stored = np.frombuffer(b"".join(tails), dtype="<f4").reshape(len(ids), idx.dim)
         stored = stored.astype(np.float64)
         query = np.asarray(vector, dtype=np.float64)
         norms = np.linalg.norm(stored, axis=1) * float(np.linalg.norm(query))
         sims = np.divide(stored @ query, norms, out=np.zeros(len(ids)), where=norms > 0)
+        return [
+            _Candidate(
+                float(sims[i]),
+                ids[i],
+                kept[i][0],
+                decision.decode(kept[i][1]) if kept[i][1] else decision.EMPTY,
+            )
+            for i in np.argsort(-sims, kind="stable")
+        ]
+
+    def _first_passing(
+        self, candidates: list[_Candidate], prompt: str, params: Mapping[str, Any], ns: str
+    ) -> tuple[_Candidate, Entry] | None:
+        """The first candidate with the same parameters and the same numbers."""
         digest = params_digest(dict(params))
-        for i in np.argsort(-sims, kind="stable"):
-            similarity = float(sims[i])
-            if similarity < threshold:
-                break
+        for c in candidates:
             try:
-                entry = decode(kept[i])
+                entry = decode(c.raw)
             except CorruptSemanticEntry:
-                log.warning("corrupt semantic entry %s in %s", f"{ids[i]:016x}", idx.namespace)
+                log.warning("corrupt semantic entry %s in %s", f"{c.id:016x}", ns)
                 continue
             if entry.params == digest and (
                 not self.guard_literals or literals_match(prompt, entry.prompt)
             ):
-                return float(sims.max()), (similarity, ids[i], entry)
-        return float(sims.max()), None
+                return c, entry
+        return None
 
     def _fetch(
-        self, ns: str, ids: list[int], position: str | None
-    ) -> tuple[list[bytes | None], list[Any]]:
-        """One round trip: the entries, the stream since ``position`` (unless None),
-        this process's pending counters."""
+        self, ns: str, ids: list[int], position: str | None, outcomes: bool = False
+    ) -> tuple[list[bytes | None], list[bytes | None], list[Any]]:
+        """One round trip: the entries (and, if ``outcomes``, their outcomes), the
+        stream since ``position`` (unless None), this process's pending counters."""
         pipe = self.redis.pipeline(transaction=False)
+        keys = [semantic_entry_key(ns, e) for e in ids]
+        if outcomes:
+            keys += [semantic_outcomes_key(ns, e) for e in ids]
         if ids:
-            pipe.mget([semantic_entry_key(ns, e) for e in ids])
+            pipe.mget(keys)
         if position is not None:
             pipe.xread({semantic_log_key(ns): position}, count=STREAM_BATCH)
         self._flush_into(pipe, ns)
         replies = pipe.execute()
-        raws: list[bytes | None] = list(replies[0]) if ids else []
+        values: list[bytes | None] = list(replies[0]) if ids else []
         events: list[Any] = []
         if position is not None:
             reply = replies[1 if ids else 0]
             events = reply[0][1] if reply else []
-        return raws, events
+        return values[: len(ids)], values[len(ids) :], events
 
     def _apply(self, idx: NamespaceIndex, events: list[Any]) -> int:
         """Apply events read by a lookup (the index's lock held); past a full batch,

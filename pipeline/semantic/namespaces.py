@@ -2,14 +2,17 @@
 
 A namespace is ``{<tenant>:<model>:<model_version>:<template_version>}``; its keys are
 the entries ``sem:e:<ns>:<id>``, the ids scored by expiry ``sem:ids:<ns>``, the change
-stream ``sem:log:<ns>`` and the counters ``sem:stats:<ns>``. Each tenant's namespaces
-are listed in ``sem:ns:<tenant>``, scored by their last store.
+stream ``sem:log:<ns>``, the counters ``sem:stats:<ns>``, each entry's labelled
+outcomes ``sem:o:<ns>:<id>`` and the explorations awaiting their store ``sem:x:<ns>``
+(:mod:`pipeline.semantic.feedback`). Each tenant's namespaces are listed in
+``sem:ns:<tenant>``, scored by their last store.
 
 Bounds (:class:`Limits`), all enforced when a response is stored:
 
 * **Entries per namespace** (``max_entries``, or the model's own): past it, the
   namespace's oldest stored entries are evicted (``ZPOPMIN`` on the expiry-scored
-  ids: storing a prompt again makes it young), their keys unlinked and a ``remove``
+  ids: storing a prompt again makes it young), their keys (and outcomes) unlinked and
+  a ``remove``
   written to the stream for every worker.
 * **Namespaces per tenant** (``max_namespaces``): storing into one more purges the
   namespace the tenant stored into least recently, typically an old model or
@@ -33,7 +36,9 @@ from pipeline.core.keys import (
     semantic_entry_key,
     semantic_ids_key,
     semantic_log_key,
+    semantic_outcomes_key,
     semantic_pattern,
+    semantic_probes_key,
     semantic_registry_key,
     semantic_stats_key,
 )
@@ -41,7 +46,25 @@ from pipeline.core.types import text
 from pipeline.semantic.entry import InvalidPrompt
 from pipeline.semantic.index import STREAM_RETENTION_MS
 
-STAT_FIELDS = ("hits", "misses", "stored", "flagged", "refused", "evicted")
+STAT_FIELDS = (
+    "hits",
+    "misses",
+    "stored",
+    "flagged",
+    "refused",
+    "evicted",
+    "explored",
+    "audited",
+    "right",
+    "wrong",
+    "audit_right",
+    "audit_wrong",
+    "risk_ppm",
+)
+"""The counters of ``sem:stats``. ``explored``: misses that named a candidate to label
+(``audited`` of them would have been hits); ``right`` and ``wrong``: the labels their
+stores gave (``audit_right``, ``audit_wrong``: those of audits); ``risk_ppm``: the
+estimated errors of the hits served, summed, in millionths."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +92,9 @@ def evict_oldest(client: redis.Redis, namespace: str, count: int, ttl_ms: int) -
         return 0
     minid = trim_minid(int(time.time() * 1000))
     pipe = client.pipeline(transaction=False)
-    pipe.unlink(*[semantic_entry_key(namespace, int(text(m), 16)) for m, _ in popped])
+    ids = [int(text(m), 16) for m, _ in popped]
+    pipe.unlink(*[semantic_entry_key(namespace, e) for e in ids])
+    pipe.unlink(*[semantic_outcomes_key(namespace, e) for e in ids])
     for member, _ in popped:
         pipe.xadd(log_key, {"op": "remove", "id": text(member)}, minid=minid, approximate=True)
     pipe.pexpire(log_key, ttl_ms)
@@ -101,11 +126,16 @@ def purge_namespace(client: redis.Redis, namespace: str, batch: int = 500) -> in
         members: Any = client.zrange(ids_key, 0, batch - 1)
         if not members:
             break
+        ids = [int(text(m), 16) for m in members]
         pipe = client.pipeline(transaction=False)
-        pipe.unlink(*[semantic_entry_key(namespace, int(text(m), 16)) for m in members])
+        pipe.unlink(*[semantic_entry_key(namespace, e) for e in ids])
+        pipe.unlink(*[semantic_outcomes_key(namespace, e) for e in ids])
         pipe.zrem(ids_key, *members)
-        removed += int(pipe.execute()[0])
-    removed += int(client.unlink(ids_key, semantic_stats_key(namespace)))
+        replies = pipe.execute()
+        removed += int(replies[0]) + int(replies[1])
+    removed += int(
+        client.unlink(ids_key, semantic_stats_key(namespace), semantic_probes_key(namespace))
+    )
     _announce_purges(client, [namespace])
     return removed
 
@@ -193,9 +223,36 @@ class NamespaceStats:
     counts: dict[str, int]
 
     @property
+    def lookups(self) -> int:
+        return self.counts.get("hits", 0) + self.counts.get("misses", 0)
+
+    @property
     def hit_rate(self) -> float | None:
-        total = self.counts.get("hits", 0) + self.counts.get("misses", 0)
-        return self.counts.get("hits", 0) / total if total else None
+        return self.counts.get("hits", 0) / self.lookups if self.lookups else None
+
+    @property
+    def exploration_rate(self) -> float | None:
+        """Lookups answered as a miss that named a candidate to label."""
+        return self.counts.get("explored", 0) / self.lookups if self.lookups else None
+
+    @property
+    def estimated_error(self) -> float | None:
+        """The mean estimated error of the hits served: what the decision expected."""
+        hits = self.counts.get("hits", 0)
+        return self.counts.get("risk_ppm", 0) / 1e6 / hits if hits else None
+
+    @property
+    def observed_error(self) -> float | None:
+        """Flags over hits: the wrong answers callers reported."""
+        hits = self.counts.get("hits", 0)
+        return self.counts.get("flagged", 0) / hits if hits else None
+
+    @property
+    def audited_error(self) -> float | None:
+        """Wrong labels over labelled audits: the error of would-be hits, measured.
+        Audits are drawn most often near the bound, so this leans high."""
+        done = self.counts.get("audit_right", 0) + self.counts.get("audit_wrong", 0)
+        return self.counts.get("audit_wrong", 0) / done if done else None
 
 
 def stats(
