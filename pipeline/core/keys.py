@@ -290,13 +290,6 @@ def semantic_stats_key(namespace: str) -> str:
     return f"{SEMANTIC_PREFIX}:stats:{namespace}"
 
 
-def semantic_registry_key(tenant: str) -> str:
-    """``sem:ns:<tenant>``: a tenant's namespaces, scored by their last store (ms)."""
-    return f"{SEMANTIC_PREFIX}:ns:{validate_id('tenant', tenant)}"
-
-
-def semantic_pattern(
-    tenant: str | None = None,
 def semantic_outcomes_key(namespace: str, entry_id: int) -> str:
     """``sem:o:<namespace>:<id as 16 hex digits>``: an entry's labelled outcomes (the
     similarities it was, or would have been, served at and whether that was right)."""
@@ -309,6 +302,13 @@ def semantic_probes_key(namespace: str) -> str:
     return f"{SEMANTIC_PREFIX}:x:{namespace}"
 
 
+def semantic_registry_key(tenant: str) -> str:
+    """``sem:ns:<tenant>``: a tenant's namespaces, scored by their last store (ms)."""
+    return f"{SEMANTIC_PREFIX}:ns:{validate_id('tenant', tenant)}"
+
+
+def semantic_pattern(
+    tenant: str | None = None,
     model: str | None = None,
     model_version: str | None = None,
     template_version: str | None = None,
