@@ -6,6 +6,12 @@ start-up when Redis holds namespaces to warm (``FRESHLINE_SEMANTIC_WARM``), so t
 embedding model loads once per worker process and only in workers that use it;
 concurrent requests are embedded together (:class:`BatchingEmbedder`).
 
+A lookup may answer a miss that names a ``candidate_id``: an exploration
+(:mod:`pipeline.semantic.decision`). The caller does nothing different: it calls its
+model and stores the response, and that store labels the candidate (``agreed`` in
+its answer). A flag with the ``prompt`` the hit was served for is a wrong outcome for
+the entry at that prompt's similarity; without one, the entry is removed.
+
 Metrics name a model only if the settings do (:meth:`SemanticService.label`): the
 ``model`` in a body is the caller's to choose, and a label value from it would let
 any caller grow every scrape without bound, and show one tenant's model names to
@@ -31,6 +37,7 @@ from pipeline.api.routes import authenticate, read_json, timed
 from pipeline.core.keys import validate_id
 from pipeline.core.settings import Settings
 from pipeline.semantic.cache import (
+    Flagged,
     InvalidPrompt,
     Limits,
     Lookup,
@@ -39,8 +46,15 @@ from pipeline.semantic.cache import (
     SemanticCache,
     Stored,
 )
-from pipeline.semantic.embed import BatchingEmbedder, EmbeddingError, embedder_from_settings
+from pipeline.semantic.decision import Learned
+from pipeline.semantic.embed import (
+    BatchingEmbedder,
+    EmbeddingError,
+    MiniLM,
+    embedder_from_settings,
+)
 from pipeline.semantic.namespaces import live_namespaces
+from pipeline.semantic.prior import for_model
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +70,27 @@ STORED = Counter("freshline_semantic_stored_total", "Responses stored, by model.
 FLAGGED = Counter(
     "freshline_semantic_flagged_total",
     "Hits a caller flagged as wrong (each removes its entry), by model.",
+    ["model"],
+)
+EXPLORED = Counter(
+    "freshline_semantic_explored_total",
+    "Misses that named a candidate for the caller's store to label (audits included), by model.",
+    ["model"],
+)
+AUDITED = Counter(
+    "freshline_semantic_audited_total",
+    "Explorations of a candidate that would have been served, by model.",
+    ["model"],
+)
+LABELS = Counter(
+    "freshline_semantic_labels_total",
+    "Stores that labelled an explored candidate, by model and outcome (agreed: the "
+    "model's response was the candidate's).",
+    ["model", "outcome"],
+)
+ESTIMATED_ERROR = Counter(
+    "freshline_semantic_estimated_error_total",
+    "The estimated error of each hit served, summed (divide by hits: the mean), by model.",
     ["model"],
 )
 LOOKUP_SECONDS = Histogram(
@@ -82,6 +117,16 @@ class SemanticService:
         self._embedder: BatchingEmbedder | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self.decision: Learned | None = None
+        if settings.semantic_decision == "learned":
+            # At start-up: a missing or mismatched prior stops the API, naming the setting.
+            embedding_model = (
+                settings.semantic_embeddings_model
+                if settings.semantic_embeddings_url
+                else MiniLM.name
+            )
+            prior = for_model(embedding_model, settings.semantic_prior)
+            self.decision = Learned(prior, settings.semantic_max_error)
         self._named = frozenset(
             [
                 *settings.semantic_models,
@@ -142,6 +187,7 @@ class SemanticService:
                     s.semantic_max_namespaces,
                 ),
                 max_index_vectors=s.semantic_index_max_vectors,
+                decision=self.decision,
             )
         return self._cache
 
@@ -243,8 +289,17 @@ async def lookup(request: Request) -> Response:
         "similarity": found.similarity,
         "threshold": found.threshold,
     }
+    if found.estimated_error is not None:
+        answer["estimated_error"] = found.estimated_error
     if found.hit:
         answer.update(response=found.response, age_ms=found.age_ms, entry_id=found.entry_id)
+        if found.estimated_error is not None:
+            ESTIMATED_ERROR.labels(model).inc(found.estimated_error)
+    elif found.candidate_id is not None:
+        answer["candidate_id"] = found.candidate_id
+        EXPLORED.labels(model).inc()
+        if found.audit:
+            AUDITED.labels(model).inc()
     return JSONResponse(answer)
 
 
@@ -268,6 +323,8 @@ async def store(request: Request) -> Response:
     started = time.perf_counter()
     stored: Stored = await _call(cache.store, scope, prompt, params, response)
     STORED.labels(model).inc()
+    if stored.agreed is not None:
+        LABELS.labels(model, "agreed" if stored.agreed else "disagreed").inc()
     EMBED_SECONDS.labels(model).observe(stored.embed_s)
     if generation_ms is not None:
         # The model call the cache saves on a hit: what `freshline advise` weighs.
@@ -275,16 +332,30 @@ async def store(request: Request) -> Response:
         metrics.CACHE_MISS_SECONDS.labels("semantic", model).observe(
             generation_ms / 1000 + time.perf_counter() - started
         )
-    return JSONResponse({"stored": True, "entry_id": stored.entry_id}, status_code=201)
+    answer: dict[str, Any] = {"stored": True, "entry_id": stored.entry_id}
+    if stored.agreed is not None:
+        answer["agreed"] = stored.agreed
+    return JSONResponse(answer, status_code=201)
 
 
 @timed("llm_flag")
 async def flag(request: Request) -> Response:
-    """A caller reports a bad hit: its entry is removed and the flag counted."""
+    """A caller reports a bad hit: with the ``prompt`` it was served for, a wrong
+    outcome for the entry at that similarity; without, the entry is removed. Counted."""
     scope, body = await _request(request)
     entry = _text(body, "entry_id")
+    prompt = _text(body, "prompt") if body.get("prompt") is not None else None
     service = _service(request)
     cache = await _cache(service)
-    removed = await _call(cache.flag, scope, entry)
+    answer: dict[str, Any] = {"entry_id": entry}
+    if prompt is None:
+        answer["removed"] = await _call(cache.flag, scope, entry)
+    else:
+        flagged: Flagged = await _call(cache.flag_for, scope, entry, prompt)
+        answer["removed"] = flagged.removed
+        if flagged.similarity is not None:
+            answer["similarity"] = flagged.similarity
+        if flagged.threshold is not None:
+            answer["threshold"] = flagged.threshold
     FLAGGED.labels(service.label(scope.model)).inc()
-    return JSONResponse({"removed": removed, "entry_id": entry})
+    return JSONResponse(answer)

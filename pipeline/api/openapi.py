@@ -236,7 +236,21 @@ _SCHEMAS.update(
                     "description": "Exact cosine similarity of the served entry "
                     "(on a miss, of the best candidate, if any).",
                 },
-                "threshold": {"type": "number"},
+                "threshold": {
+                    "type": "number",
+                    "description": "The similarity the deciding entry is served at now "
+                    "(learned per entry; without a candidate, a fresh entry's).",
+                },
+                "estimated_error": {
+                    "type": "number",
+                    "description": "The served (or explored) entry's estimated error at "
+                    "this similarity; a hit's is at most FRESHLINE_SEMANTIC_MAX_ERROR.",
+                },
+                "candidate_id": {
+                    "type": "string",
+                    "description": "Only on a miss that explores: the entry that the store "
+                    "of this prompt's response will label. Nothing to do but store as usual.",
+                },
                 "age_ms": {"type": "integer", "description": "Only on a hit."},
                 "entry_id": {"type": "string", "description": "Only on a hit; flag it if wrong."},
             },
@@ -266,17 +280,42 @@ _SCHEMAS.update(
         "LlmStoreResponse": {
             "type": "object",
             "required": ["stored", "entry_id"],
-            "properties": {"stored": {"type": "boolean"}, "entry_id": {"type": "string"}},
+            "properties": {
+                "stored": {"type": "boolean"},
+                "entry_id": {"type": "string"},
+                "agreed": {
+                    "type": "boolean",
+                    "description": "Only when the store answered an exploration: whether "
+                    "the response was the explored candidate's (its label).",
+                },
+            },
         },
         "LlmFlagRequest": {
             "type": "object",
             "required": ["model", "model_version", "template_version", "entry_id"],
-            "properties": {**_SCOPE, "entry_id": _ENTRY_ID},
+            "properties": {
+                **_SCOPE,
+                "entry_id": _ENTRY_ID,
+                "prompt": {
+                    **_TEXT,
+                    "description": "The prompt the hit was served for: a wrong outcome at "
+                    "its similarity, and the entry stays for closer prompts. Without it "
+                    "(or for the entry's own prompt) the entry is removed.",
+                },
+            },
         },
         "LlmFlagResponse": {
             "type": "object",
             "required": ["removed", "entry_id"],
-            "properties": {"removed": {"type": "boolean"}, "entry_id": {"type": "string"}},
+            "properties": {
+                "removed": {"type": "boolean"},
+                "entry_id": {"type": "string"},
+                "similarity": {"type": "number", "description": "With a prompt."},
+                "threshold": {
+                    "type": "number",
+                    "description": "With a prompt: the similarity the entry is served at now.",
+                },
+            },
         },
     }
 )
@@ -355,9 +394,11 @@ def document(
     for name, fields in (
         ("LlmLookupRequest", ("prompt",)),
         ("LlmStoreRequest", ("prompt", "response")),
+        ("LlmFlagRequest", ("prompt",)),
     ):
         for field in fields:
-            schemas[name]["properties"][field] = {**_TEXT, "maxLength": prompt_limit}
+            text = schemas[name]["properties"][field]
+            schemas[name]["properties"][field] = {**text, "maxLength": prompt_limit}
     doc = _document(feature_sets, schemas, entity_path)
     if not semantic:
         doc["paths"] = {p: v for p, v in doc["paths"].items() if not p.startswith("/v1/llm/")}

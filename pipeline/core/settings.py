@@ -145,6 +145,15 @@ class Settings(BaseSettings):
     """Per-model thresholds, JSON: ``{"support-bot": 0.95}``; others use the default."""
     semantic_ttl_s: int = Field(default=86_400, ge=1)
     semantic_embeddings_url: str = ""
+    semantic_decision: Literal["learned", "static"] = "learned"
+    """``learned``: serve each entry only while its estimated error, learned from its
+    outcomes and the embedding model's prior, is within ``semantic_max_error``.
+    ``static``: serve at or above ``semantic_threshold``, learning nothing."""
+    semantic_max_error: float = Field(default=0.02, gt=0.0, lt=1.0)
+    """The learned decision's bound on a served hit's estimated error (delta)."""
+    semantic_prior: str = ""
+    """A prior file from ``freshline semantic tune --write-prior`` for the embedding
+    model; empty: the one shipped for the local model."""
     """An OpenAI-compatible ``/v1/embeddings`` base URL; empty: the local model."""
     semantic_embeddings_model: str = "all-MiniLM-L6-v2"
     semantic_embeddings_api_key: SecretStr = SecretStr("")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,8 +18,10 @@ from pipeline.api.llm import SemanticService
 from pipeline.core.settings import Settings
 from pipeline.semantic.cache import Limits, Scope, SemanticCache
 from pipeline.semantic.embed import local_model
+from pipeline.semantic.prior import InvalidPrior
 from tests.conftest import wait_until
 from tests.pipeline.test_api import Api, running
+from tests.pipeline.test_semantic_learning import EXPLORE, NEVER
 
 PROMPT = "How do I reset the password of my account?"
 NEAR = "How do I reset the password of my account ?"
@@ -70,7 +73,9 @@ def test_store_then_lookup_then_flag(api: Api, model: str) -> None:
     assert stored.status_code == 201, stored.text
     hit = api.post("/v1/llm/cache/lookup", json=body(model, NEAR)).json()
     assert hit["hit"] is True and hit["response"] == "Use the reset link."
-    assert hit["similarity"] >= hit["threshold"] == 0.93
+    # The learned decision, from the local model's prior: no fixed 0.93.
+    assert hit["similarity"] >= hit["threshold"] == api.app.state.semantic.decision.start
+    assert 0 <= hit["estimated_error"] <= 0.02
     assert hit["entry_id"] == stored.json()["entry_id"] and hit["age_ms"] >= 0
 
     flagged = api.post("/v1/llm/cache/flag", json={**body(model), "entry_id": hit["entry_id"]})
@@ -210,3 +215,81 @@ def test_the_limits_come_from_the_settings(settings: Settings, redis_client: red
         service.close()
     with pytest.raises(ValueError, match="max entries 0"):
         Settings(semantic_max_entries_per_model={"tiny": 0})
+
+
+def test_an_exploration_is_labelled_by_the_callers_store(api: Api, model: str) -> None:
+    """The caller's code does not change: lookup, on a miss call the model and store.
+    A miss that names a candidate is an exploration, and the store labels it."""
+    cache = api.app.state.semantic.cache()
+    api.post("/v1/llm/cache/store", json=body(model, response="Use the reset link."))
+    cache.rng = EXPLORE
+    near_miss = "How do I reset the password of my email?"  # 0.85: below a fresh entry's line
+    miss = api.post("/v1/llm/cache/lookup", json=body(model, near_miss)).json()
+    assert miss["hit"] is False and "response" not in miss
+    assert miss["candidate_id"] and miss["estimated_error"] > 0.02
+    stored = api.post(
+        "/v1/llm/cache/store", json=body(model, near_miss, response="Ask your email provider.")
+    )
+    assert stored.status_code == 201 and stored.json()["agreed"] is False
+    paraphrase = "I forgot my password, what should I do?"  # 0.80
+    assert api.post("/v1/llm/cache/lookup", json=body(model, paraphrase)).json()["candidate_id"]
+    agreed = api.post(
+        "/v1/llm/cache/store", json=body(model, paraphrase, response="use the reset link")
+    )
+    assert agreed.json()["agreed"] is True
+    # A store that answers no exploration says nothing about agreement.
+    assert (
+        "agreed"
+        not in api.post("/v1/llm/cache/store", json=body(model, "Hi", response="Hello")).json()
+    )
+    cache.rng = NEVER
+    metrics = api.get("/metrics", key=None).text
+    assert f'freshline_semantic_explored_total{{model="{model}"}} 2.0' in metrics
+    assert f'freshline_semantic_labels_total{{model="{model}",outcome="agreed"}} 1.0' in metrics
+    assert f'freshline_semantic_labels_total{{model="{model}",outcome="disagreed"}} 1.0' in metrics
+
+
+def test_a_flag_with_its_prompt_keeps_the_entry_for_closer_prompts(api: Api, model: str) -> None:
+    api.post("/v1/llm/cache/store", json=body(model, response="Use the reset link."))
+    served = "How do I reset my password for this account?"  # 0.95
+    hit = api.post("/v1/llm/cache/lookup", json=body(model, served)).json()
+    assert hit["hit"] is True
+    flagged = api.post(
+        "/v1/llm/cache/flag", json={**body(model, served), "entry_id": hit["entry_id"]}
+    ).json()
+    assert flagged["removed"] is False and flagged["similarity"] == pytest.approx(hit["similarity"])
+    assert flagged["threshold"] > hit["similarity"]
+    assert api.post("/v1/llm/cache/lookup", json=body(model, served)).json()["hit"] is False
+    assert api.post("/v1/llm/cache/lookup", json=body(model, NEAR)).json()["hit"] is True
+    metrics = api.get("/metrics", key=None).text
+    assert f'freshline_semantic_flagged_total{{model="{model}"}} 1.0' in metrics
+    assert f'freshline_semantic_estimated_error_total{{model="{model}"}}' in metrics
+
+
+def test_the_decision_comes_from_the_settings(
+    settings: Settings, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    learned = SemanticService(
+        settings.model_copy(update={"semantic_max_error": 0.05}), redis_client
+    )
+    assert learned.decision is not None and learned.decision.max_error == 0.05
+    assert learned.decision.prior.embedding_model == "all-MiniLM-L6-v2"
+    static = SemanticService(
+        settings.model_copy(update={"semantic_decision": "static"}), redis_client
+    )
+    assert static.decision is None
+    # An endpoint's embedding model has no shipped prior: the API does not start.
+    endpoint = settings.model_copy(
+        update={
+            "semantic_embeddings_url": "http://127.0.0.1:9/v1",
+            "semantic_embeddings_model": "text-embedding-3-small",
+        }
+    )
+    with pytest.raises(InvalidPrior, match="FRESHLINE_SEMANTIC_PRIOR"):
+        SemanticService(endpoint, redis_client)
+    path = tmp_path / "prior.json"
+    path.write_text('{"embedding_model": "text-embedding-3-small", "mean": 0.6, "sd": 0.1}')
+    tuned = SemanticService(endpoint.model_copy(update={"semantic_prior": str(path)}), redis_client)
+    assert tuned.decision is not None and tuned.decision.prior.mean == 0.6
+    with pytest.raises(ValueError, match="semantic_max_error"):
+        Settings(semantic_max_error=0)
