@@ -24,6 +24,16 @@ def _columns(engine: sa.Engine, schema: str | None = None) -> dict[str, set[str]
     }
 
 
+def _token_function(engine: sa.Engine) -> bool:
+    """Whether ``freshline.token()`` exists (migration 0002)."""
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(
+                sa.text("SELECT to_regprocedure('freshline.token()') IS NOT NULL")
+            ).scalar()
+        )
+
+
 def _fraud_downgrade(url: str, revision: str) -> None:
     migrations.downgrade(url, None, repo=FRAUD_MIGRATIONS, repo_revision=revision)
 
@@ -54,10 +64,13 @@ def test_migrations_run_forward_and_back_on_an_empty_database(base_settings: Set
             "alembic_version_fraud",
             "api_keys",
             "tenants",
+            "token_key",
         }
+        assert _token_function(engine)
         migrations.downgrade(url, "base", repo=FRAUD_MIGRATIONS)
         assert _columns(engine) == {}
         assert set(_columns(engine, "freshline")) == {"alembic_version", "alembic_version_fraud"}
+        assert not _token_function(engine)
     finally:
         engine.dispose()
         drop_database(base_settings, name)

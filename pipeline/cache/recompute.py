@@ -125,16 +125,22 @@ class Snapshot:
         return self
 
 
+def snapshot_rank(xmax: int, in_progress: int) -> int:
+    """A snapshot's part of its watermarks (all but the clock): of two, the greater saw
+    at least as much (see the module docstring)."""
+    return (
+        FORMAT >> CLOCK_BITS
+        | (xmax & ((1 << XMAX_BITS) - 1)) << XIP_BITS
+        | (_XIP_ROOM - min(in_progress, _XIP_ROOM))
+    )
+
+
 def snapshot_watermark(snapshot: str, clock_us: int) -> Watermark:
     """The watermark of a ``pg_current_snapshot()`` text and a clock reading (µs)."""
     _, xmax, xip = snapshot.split(":")
     in_progress = len(xip.split(",")) if xip else 0
-    return (
-        FORMAT
-        | (int(xmax) & ((1 << XMAX_BITS) - 1)) << (XIP_BITS + CLOCK_BITS)
-        | (_XIP_ROOM - min(in_progress, _XIP_ROOM)) << CLOCK_BITS
-        | (clock_us & ((1 << CLOCK_BITS) - 1))
-    )
+    clock = clock_us & ((1 << CLOCK_BITS) - 1)
+    return snapshot_rank(int(xmax), in_progress) << CLOCK_BITS | clock
 
 
 def unpack_watermark(wm: Watermark) -> tuple[int, int]:

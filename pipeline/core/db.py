@@ -41,6 +41,18 @@ api_keys = sa.Table(
     schema=SCHEMA,
 )
 
+token_key = sa.Table(
+    "token_key",
+    metadata,
+    sa.Column("id", sa.SmallInteger, primary_key=True),
+    sa.Column("key", sa.LargeBinary, nullable=False),
+    sa.Column("inner_pad", sa.LargeBinary, nullable=False),
+    sa.Column("outer_pad", sa.LargeBinary, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    schema=SCHEMA,
+)
+"""The key freshness tokens are signed with (one row; :mod:`pipeline.cache.tokens`)."""
+
 
 IDLE_IN_TRANSACTION_S = 60
 """Postgres ends a freshline session left idle inside a transaction this long: none of

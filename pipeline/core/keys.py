@@ -25,6 +25,7 @@ LEASE_PREFIX = "lease"
 INFERENCE_PREFIX = "infer"
 HOT_PREFIX = "hot"
 FLOOR_PREFIX = "floor"
+RANK_PREFIX = "rank"
 META_PREFIX = "freshline"
 
 INVALIDATION_CHANNEL = "freshline:invalidations"
@@ -191,6 +192,12 @@ def entity_floor_key(schema_version: int, ref: EntityRef) -> str:
     tenant = validate_id("tenant", ref.tenant)
     entity = validate_id("entity", ref.entity)
     return f"{FLOOR_PREFIX}:{schema_version}:{ref.feature_set}:{entity_tag(tenant, entity)}"
+
+
+def token_rank_key(xid: int) -> str:
+    """Where readers share the rank they first found for a transaction's freshness token
+    (:meth:`pipeline.cache.tokens.Tokens.resolve`)."""
+    return f"{RANK_PREFIX}:{int(xid)}"
 
 
 def dlq_replayed_key(topic: str) -> str:
