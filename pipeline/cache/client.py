@@ -5,6 +5,11 @@ trip and returns each with its age and schema version, or ``None`` for a miss: t
 caller decides whether to read through (:class:`pipeline.cache.readthrough.ReadThrough`).
 With ``local=`` a started :class:`pipeline.cache.local.LocalTier` answers first, and the
 entries read from Redis fill it.
+
+With ``readthrough=``, a read may ask for freshness: ``after=`` a token from
+``freshline.token()`` (:func:`pipeline.cache.tokens.freshline_token`), or
+``max_staleness_ms=``; it then never answers ``None``, and never an entry older than
+asked (:mod:`pipeline.cache.freshness`).
 """
 
 from __future__ import annotations
@@ -15,8 +20,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import redis
 
+from pipeline.cache import freshness
+from pipeline.cache.arrivals import Arrivals
 from pipeline.cache.store import FeatureStore
+from pipeline.cache.tokens import Tokens, freshline_token
 from pipeline.core.codec import parse_watermark
+from pipeline.core.errors import ConfigError
 from pipeline.core.features import Registry
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef, Entry, FeatureValues, Item, LazyRefs
@@ -24,8 +33,11 @@ from pipeline.core.types import EntityRef, Entry, FeatureValues, Item, LazyRefs
 if TYPE_CHECKING:
     from pipeline.cache.hot import HotReads
     from pipeline.cache.local import LocalTier
+    from pipeline.cache.readthrough import ReadThrough
     from pipeline.cache.versions import VersionResolver
     from pipeline.core.settings import Settings
+
+__all__ = ["FeatureClient", "Features", "freshline_token"]
 
 
 class Features(NamedTuple):
@@ -69,6 +81,8 @@ class FeatureClient:
     the client follows a deploy flip without a restart and no answer mixes versions.
     With ``hot``, reads are sampled into the per-entity counters that warming uses
     (:meth:`following` flushes them in the background, so sampling costs no round trip).
+    With ``readthrough`` (on the same Redis), reads may ask for freshness (the module
+    docstring); :meth:`close` then ends the subscription they wait with.
     """
 
     def __init__(
@@ -80,12 +94,16 @@ class FeatureClient:
         local: LocalTier | None = None,
         versions: VersionResolver | None = None,
         hot: HotReads | None = None,
+        readthrough: ReadThrough | None = None,
     ) -> None:
         self.store = FeatureStore(client, schema_version, registry=registry)
         self.local = local
         self.versions = versions
         self.hot = hot
+        self.readthrough = readthrough
         self._stores = {schema_version: self.store}
+        self._tokens: Tokens | None = None
+        self._arrivals: Arrivals | None = None
 
     @classmethod
     def from_url(
@@ -113,11 +131,42 @@ class FeatureClient:
             client, settings.schema_version, versions=versions, hot=HotReads(client, flush_s=1.0)
         )
 
-    def get(self, feature_set: str, tenant: str, entity: str | int) -> Features | None:
-        return self.get_many([(feature_set, tenant, entity)])[0]
+    def get(
+        self,
+        feature_set: str,
+        tenant: str,
+        entity: str | int,
+        *,
+        after: str | None = None,
+        max_staleness_ms: int | None = None,
+        wait_ms: int = freshness.DEFAULT_WAIT_MS,
+    ) -> Features | None:
+        """:meth:`get_many` of one item."""
+        return self.get_many(
+            [(feature_set, tenant, entity)],
+            after=after,
+            max_staleness_ms=max_staleness_ms,
+            wait_ms=wait_ms,
+        )[0]
 
-    def get_many(self, items: Sequence[tuple[str, str, str | int]]) -> list[Features | None]:
-        """All ``items`` in one MGET, in order; ``None`` marks a miss."""
+    def get_many(
+        self,
+        items: Sequence[tuple[str, str, str | int]],
+        *,
+        after: str | None = None,
+        max_staleness_ms: int | None = None,
+        wait_ms: int = freshness.DEFAULT_WAIT_MS,
+    ) -> list[Features | None]:
+        """All ``items`` in one MGET, in order; ``None`` marks a miss.
+
+        With ``after`` (a freshness token) or ``max_staleness_ms``, only entries at or
+        after the token, computed less than ``max_staleness_ms`` ago, are served; others
+        are waited for (``after``: up to ``wait_ms``, for the consumer's write) and then
+        computed, so nothing is ``None`` (see :mod:`pipeline.cache.freshness`; which of
+        those happened is the read-through's to count, :attr:`ReadThrough.counters`).
+        """
+        if after is not None or max_staleness_ms is not None:
+            return self._fresh(items, after, max_staleness_ms, wait_ms)
         store = self._store_for_call()
         version = store.schema_version
         named: list[Item] = [
@@ -166,6 +215,61 @@ class FeatureClient:
         if self.hot is not None:
             self.hot.record(version, _Refs(named))
         return out
+
+    def _fresh(
+        self,
+        items: Sequence[tuple[str, str, str | int]],
+        after: str | None,
+        max_staleness_ms: int | None,
+        wait_ms: int,
+    ) -> list[Features | None]:
+        started = time.monotonic()
+        rt = self.readthrough
+        if rt is None:
+            raise ConfigError(
+                "reads with after= or max_staleness_ms= need FeatureClient(readthrough=...)"
+            )
+        if max_staleness_ms is not None and max_staleness_ms < 0:
+            raise ValueError(f"max_staleness_ms must be 0 or more, got {max_staleness_ms}")
+        if self._tokens is None:
+            self._tokens = Tokens(rt.primary or rt.engine, self.store.redis)
+        if self._arrivals is None:
+            self._arrivals = Arrivals(self.store.redis)
+        rank = None
+        if after is not None:
+            rank = freshness.rank_of(self._tokens, after, started + max(0, wait_ms) / 1000)
+        version = self._store_for_call().schema_version
+        target = rt if version == rt.store.schema_version else rt._for_version(version)
+        refs = [EntityRef(fs, tenant, str(entity)) for fs, tenant, entity in items]
+        results = freshness.read(
+            target,
+            refs,
+            freshness.Freshness(rank, max_staleness_ms, max(0, wait_ms)),
+            arrivals=self._arrivals,
+            local=self.local,
+            started=started,
+        )
+        if self.hot is not None:
+            self.hot.record(version, refs)
+        return [
+            None
+            if r is None
+            else Features(
+                r.ref.feature_set,
+                r.ref.tenant,
+                r.ref.entity,
+                r.values,
+                r.age_ms,
+                r.schema_version,
+                r.watermark,
+            )
+            for r in results
+        ]
+
+    def close(self) -> None:
+        """End the subscription that reads asking for freshness wait with, if any."""
+        if self._arrivals is not None:
+            self._arrivals.close()
 
     @staticmethod
     def _through_tier(

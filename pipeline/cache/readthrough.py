@@ -61,6 +61,7 @@ from pipeline.cache.recompute import (
 )
 from pipeline.cache.store import LEASE_BUSY, LEASE_FOUND, LEASE_GRANTED, FeatureStore
 from pipeline.core.clock import now_ms
+from pipeline.core.errors import ServiceUnavailable
 from pipeline.core.features import IMPLICIT_TENANT, Entity
 from pipeline.core.types import EntityRef, Entry, FeatureValues
 
@@ -68,11 +69,26 @@ if TYPE_CHECKING:
     from pipeline.cache.hot import HotReads
     from pipeline.cache.versions import VersionResolver
 
-Source = Literal["hit", "computed", "waited", "uncached"]
+Source = Literal["local", "hit", "computed", "waited", "uncached"]
+"""Where an answer came from; ``local`` (the in-process tier) only for reads asking for
+freshness (:mod:`pipeline.cache.freshness`)."""
 Hook = Callable[[list[EntityRef]], None]
 XFETCH_BETA = 1.0
 _MIN_DRAW = 1e-12
 _MAX_LOG = -math.log(_MIN_DRAW)  # the largest gap is delta * beta * this
+
+
+class ReplicaBehind(ServiceUnavailable):
+    """A read that must see a recent commit, on a replica behind the primary (or with
+    no primary to tell): it can neither compute from the replica nor store."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(
+            "Postgres replica",
+            engine.url.render_as_string(hide_password=True),
+            "not known to have replayed the primary's latest commits",
+            hint="retry shortly",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +104,7 @@ class Result:
 
     @property
     def hit(self) -> bool:
-        return self.source in ("hit", "waited")
+        return self.source in ("local", "hit", "waited")
 
 
 def existing_entities(
@@ -316,6 +332,35 @@ class ReadThrough:
             answers.update(self._wait_or_compute(others))
         return answers
 
+    def recompute(self, refs: Sequence[EntityRef], accept: Callable[[Entry], bool]) -> list[Result]:
+        """Compute ``refs`` anew, whatever Redis holds: a read that refused the cached
+        entries (:mod:`pipeline.cache.freshness`). Each ref is leased as an early
+        refresh is (granted even over an entry), computed and stored under the lease;
+        one another reader holds is waited for (``wait_ms``) until an entry ``accept``
+        takes lands, else computed here without storing.
+
+        Every result comes from a snapshot taken after this call began (on a replica,
+        stored under the primary's watermark read now), so its watermark reaches any
+        bar known before it. On a replica that has not replayed the primary's
+        position, nothing could: :class:`ReplicaBehind`.
+        """
+        unique = list(dict.fromkeys(refs))
+        gate = self._gate() if self.standby else None
+        if self.standby and gate is None:
+            raise ReplicaBehind(self.engine)
+        token = uuid.uuid4().hex
+        leases = self.store.lease(unique, token, self.lease_ms, [True] * len(unique))
+        mine = [r for r, (code, _) in zip(unique, leases, strict=True) if code == LEASE_GRANTED]
+        others = [r for r, (code, _) in zip(unique, leases, strict=True) if code != LEASE_GRANTED]
+        try:
+            answers = self._compute(mine, token, gate)
+        except BaseException:
+            self.store.release(mine, token)
+            raise
+        if others:
+            answers.update(self._wait_or_compute(others, accept, gate))
+        return [answers[r] for r in refs]
+
     def _compute(
         self, refs: list[EntityRef], token: str | None, gate: Position | None = None
     ) -> dict[EntityRef, Result]:
@@ -373,10 +418,16 @@ class ReadThrough:
             for r in refs
         }
 
-    def _wait_or_compute(self, refs: list[EntityRef]) -> dict[EntityRef, Result]:
+    def _wait_or_compute(
+        self,
+        refs: list[EntityRef],
+        accept: Callable[[Entry], bool] | None = None,
+        gate: Position | None = None,
+    ) -> dict[EntityRef, Result]:
         """Wait for the lease holders' results with backoff, then compute the rest:
         those still missing at the deadline, and at once those whose lease ended
-        without an entry (the holder stored nothing)."""
+        without an entry (the holder stored nothing). With ``accept``, an entry it
+        refuses counts as missing."""
         answers: dict[EntityRef, Result] = {}
         pending = list(refs)
         abandoned: list[EntityRef] = []
@@ -390,7 +441,7 @@ class ReadThrough:
             still: list[EntityRef] = []
             entries, leased = self.store.read_leased(pending)
             for ref, entry, held in zip(pending, entries, leased, strict=True):
-                if entry is not None:
+                if entry is not None and (accept is None or accept(entry)):
                     answers[ref] = self._result(ref, entry, "waited", now)
                 elif held:
                     still.append(ref)
@@ -399,7 +450,7 @@ class ReadThrough:
             pending = still
         self.counters.waited += len(answers)
         if pending or abandoned:
-            answers.update(self._compute(abandoned + pending, None))
+            answers.update(self._compute(abandoned + pending, None, gate))
         return answers
 
     def _result(self, ref: EntityRef, entry: Entry, source: Source, now: int) -> Result:

@@ -98,6 +98,11 @@ class Settings(BaseSettings):
 
     lease_ms: int = Field(default=5000, ge=10)
     read_wait_ms: int = Field(default=2000, ge=0)
+    token_wait_ms: int = Field(default=100, ge=0)
+    """How long a read ``after`` a freshness token waits for the consumer's write before
+    it computes, unless the request says (``wait_ms``)."""
+    token_wait_max_ms: int = Field(default=2000, ge=0)
+    """The most a request's ``wait_ms`` may ask; more is cut to this."""
     tombstone_ttl_s: int = Field(default=300, ge=1)
 
     api_host: str = "127.0.0.1"
@@ -140,11 +145,6 @@ class Settings(BaseSettings):
     semantic_enabled: bool = False
     """Serve the semantic cache of LLM responses (``/v1/llm/cache/*``); needs the
     ``freshline[semantic]`` extra. Off, the API imports none of it."""
-    semantic_threshold: float = Field(default=0.93, gt=0.0, le=1.0)
-    semantic_thresholds: dict[str, float] = Field(default_factory=dict)
-    """Per-model thresholds, JSON: ``{"support-bot": 0.95}``; others use the default."""
-    semantic_ttl_s: int = Field(default=86_400, ge=1)
-    semantic_embeddings_url: str = ""
     semantic_decision: Literal["learned", "static"] = "learned"
     """``learned``: serve each entry only while its estimated error, learned from its
     outcomes and the embedding model's prior, is within ``semantic_max_error``.
@@ -154,6 +154,11 @@ class Settings(BaseSettings):
     semantic_prior: str = ""
     """A prior file from ``freshline semantic tune --write-prior`` for the embedding
     model; empty: the one shipped for the local model."""
+    semantic_threshold: float = Field(default=0.93, gt=0.0, le=1.0)
+    semantic_thresholds: dict[str, float] = Field(default_factory=dict)
+    """Per-model thresholds, JSON: ``{"support-bot": 0.95}``; others use the default."""
+    semantic_ttl_s: int = Field(default=86_400, ge=1)
+    semantic_embeddings_url: str = ""
     """An OpenAI-compatible ``/v1/embeddings`` base URL; empty: the local model."""
     semantic_embeddings_model: str = "all-MiniLM-L6-v2"
     semantic_embeddings_api_key: SecretStr = SecretStr("")
