@@ -24,10 +24,12 @@ from pipeline.api.errors import HANDLERS
 from pipeline.api.limits import AccessGuard
 from pipeline.api.openapi import document
 from pipeline.api.reader import FeatureReader
+from pipeline.cache.arrivals import Arrivals
 from pipeline.cache.hot import HotReads
 from pipeline.cache.local import LocalTier
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.cache.store import FeatureStore, check_eviction_policy
+from pipeline.cache.tokens import Tokens
 from pipeline.cache.versions import VersionResolver
 from pipeline.core.cluster import is_cluster
 from pipeline.core.db import make_engine
@@ -131,7 +133,13 @@ def create_app(
         redis=client,
         engine=engine,
         registry=registry,
-        reader=FeatureReader(readthrough, local, timeout_s=socket_timeout(client)),
+        reader=FeatureReader(
+            readthrough,
+            local,
+            timeout_s=socket_timeout(client),
+            tokens=Tokens(engine, client),
+            arrivals=Arrivals(client, silence_s=settings.subscription_silence_ms / 1000),
+        ),
         auth=Authenticator(
             engine,
             redis_client=client,
@@ -185,6 +193,7 @@ def create_app(
         finally:
             board.close()
             services.auth.close()
+            services.reader.close()
             aredis, services.reader.aredis = services.reader.aredis, None
             if aredis is not None:
                 await aredis.aclose()
@@ -220,6 +229,8 @@ def create_app(
         prompt_limit=settings.semantic_max_prompt_chars,
         semantic=semantic is not None,
         key_types={fs.entity.type for fs in registry},
+        token_wait_ms=settings.token_wait_ms,
+        token_wait_max_ms=settings.token_wait_max_ms,
     )
     app.state.status = board
     app.state.semantic = semantic

@@ -24,6 +24,8 @@ from starlette.responses import Response
 from starlette.types import ExceptionHandler
 
 from pipeline.api.auth import Unauthorized
+from pipeline.cache.readthrough import ReplicaBehind
+from pipeline.cache.tokens import InvalidToken, TokenAhead, TokenPending
 from pipeline.core.errors import (
     FreshlineError,
     InvalidId,
@@ -59,12 +61,16 @@ class ApiError(FreshlineError):
 STATUS: dict[type[FreshlineError], tuple[int, str]] = {
     Unauthorized: (401, "unauthorized"),
     InvalidId: (400, "invalid_id"),
+    InvalidToken: (400, "invalid_token"),
+    TokenAhead: (400, "token_ahead"),
+    TokenPending: (409, "token_pending"),
     UnknownFeatureSet: (404, "unknown_feature_set"),
     UnknownModel: (404, "unknown_model"),
     InvalidInput: (422, "invalid_input"),
     NonDeterministicModel: (409, "model_not_cacheable"),
     ModelError: (500, "model_error"),
     ServiceUnavailable: (503, "service_unavailable"),
+    ReplicaBehind: (503, "replica_behind"),
 }
 
 _HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}

@@ -83,6 +83,30 @@ def entity_id_schemas(key_types: Iterable[str]) -> tuple[dict[str, Any], dict[st
 
 _NAME = {"type": "string", "pattern": "^[a-z][a-z0-9_]*$", "maxLength": MAX_ID_LENGTH}
 
+# Reads that ask for freshness (pipeline.api.freshness): the GET's query parameters,
+# the batch body's fields. document() states the server's wait default and maximum.
+_MS = {"type": "integer", "minimum": 0, "maximum": 10**12}
+_AFTER_TEXT = (
+    "A freshness token from freshline.token() (SELECT freshline.token() in the writer's "
+    "transaction after its writes, or right after commit): answer only with values "
+    "computed from a database state at or after that commit. An entry that is not is "
+    "waited for (the consumer's write, up to wait_ms), then recomputed. Opaque; a token "
+    "that is malformed, altered or from another database is a 400 invalid_token."
+)
+_STALENESS_TEXT = (
+    "Answer only with values computed less than this many milliseconds ago; older "
+    "entries are recomputed at once (0: always recompute)."
+)
+_FRESHNESS_400 = (
+    "Invalid id or mode; a freshness token that is malformed, altered or from another "
+    "database (invalid_token) or names a state the database has not reached "
+    "(token_ahead); max_staleness_ms or wait_ms not an integer from 0 to 10^12 "
+    "(invalid_parameter)"
+)
+_FRESHNESS_409 = (
+    "The token names a transaction that has not committed within wait_ms (token_pending)"
+)
+
 _MODE = {
     "name": "mode",
     "in": "query",
@@ -130,12 +154,21 @@ _SCHEMAS: dict[str, Any] = {
                 "type": "string",
                 "enum": ["local", "hit", "waited", "computed", "uncached", "miss"],
                 "description": "local: the in-process tier; hit: Redis; waited: "
-                "Redis, after another reader's computation; computed: "
+                "Redis, after waiting for another reader's computation or, for a read "
+                "with after, for the consumer's write; computed: "
                 "read through and cached; uncached: computed but not "
-                "cached; miss: cache-only and not cached.",
+                "cached; miss: cache-only and not cached. local and hit are "
+                "the cache; a read with after or max_staleness_ms only gets "
+                "them for entries that meet both.",
             },
             "age_ms": {"type": "integer", "description": "Milliseconds since computed."},
             "schema_version": {"type": "integer"},
+            "took_ms": {
+                "type": "integer",
+                "description": "Only on reads with after or max_staleness_ms: "
+                "milliseconds from the request's start until this answer was had "
+                "(its wait and recompute).",
+            },
         },
     },
     "BatchRequest": {
@@ -144,6 +177,13 @@ _SCHEMAS: dict[str, Any] = {
         "properties": {
             "feature_sets": {"type": "array", "items": {"type": "string"}, "minItems": 1},
             "entities": {"type": "array", "minItems": 1},
+            "after": {"type": ["string", "null"], "description": _AFTER_TEXT},
+            "max_staleness_ms": {
+                **_MS,
+                "type": ["integer", "null"],
+                "description": _STALENESS_TEXT,
+            },
+            "wait_ms": {"type": ["integer", "null"]},
         },
         "description": "len(feature_sets) x len(entities) must not exceed the batch "
         "limit (FRESHLINE_API_BATCH_LIMIT). Other fields are ignored: the "
@@ -361,12 +401,25 @@ def document(
     prompt_limit: int = 32_000,
     key_types: Iterable[str] = ("bigint",),
     semantic: bool = True,
+    token_wait_ms: int = 100,
+    token_wait_max_ms: int = 2000,
 ) -> dict[str, Any]:
     """The OpenAPI document, naming the feature sets this server knows, the ids of their
     entities (``key_types``) and the limits it enforces (``FRESHLINE_API_BATCH_LIMIT``,
-    ``FRESHLINE_API_BODY_LIMIT_BYTES``); the semantic cache's routes (``/v1/llm/``)
-    and their schemas only if ``semantic`` (``FRESHLINE_SEMANTIC_ENABLED``)."""
+    ``FRESHLINE_API_BODY_LIMIT_BYTES``, ``FRESHLINE_TOKEN_WAIT_MS`` and ``_MAX_MS``); the
+    semantic cache's routes (``/v1/llm/``) and their schemas only if ``semantic``
+    (``FRESHLINE_SEMANTIC_ENABLED``)."""
     schemas = copy.deepcopy(_SCHEMAS)
+    wait = (
+        f"With after: how long to wait for the consumer's write before recomputing, in ms "
+        f"(default {token_wait_ms}; more than {token_wait_max_ms} is cut to it: "
+        "FRESHLINE_TOKEN_WAIT_MS, FRESHLINE_TOKEN_WAIT_MAX_MS)."
+    )
+    schemas["BatchRequest"]["properties"]["wait_ms"] = {
+        **_MS,
+        "type": ["integer", "null"],
+        "description": wait,
+    }
     entity_path, entity_body = entity_id_schemas(key_types)
     batch = schemas["BatchRequest"]
     batch["properties"]["entities"]["items"] = entity_body
@@ -399,7 +452,7 @@ def document(
         for field in fields:
             text = schemas[name]["properties"][field]
             schemas[name]["properties"][field] = {**text, "maxLength": prompt_limit}
-    doc = _document(feature_sets, schemas, entity_path)
+    doc = _document(feature_sets, schemas, entity_path, wait)
     if not semantic:
         doc["paths"] = {p: v for p, v in doc["paths"].items() if not p.startswith("/v1/llm/")}
         for name in [n for n in schemas if n.startswith("Llm")]:
@@ -441,8 +494,12 @@ def _limits(operation: dict[str, Any], body_limit: int) -> None:
 
 
 def _document(
-    feature_sets: list[str], schemas: dict[str, Any], entity_path: dict[str, Any]
+    feature_sets: list[str],
+    schemas: dict[str, Any],
+    entity_path: dict[str, Any],
+    wait: str,
 ) -> dict[str, Any]:
+    freshness_errors = {400: _FRESHNESS_400, 409: _FRESHNESS_409}
     return {
         "openapi": "3.1.0",
         "info": {
@@ -475,10 +532,31 @@ def _document(
                             "schema": entity_path,
                         },
                         _MODE,
+                        {
+                            "name": "after",
+                            "in": "query",
+                            "required": False,
+                            "description": _AFTER_TEXT,
+                            "schema": {"type": "string"},
+                        },
+                        {
+                            "name": "max_staleness_ms",
+                            "in": "query",
+                            "required": False,
+                            "description": _STALENESS_TEXT,
+                            "schema": _MS,
+                        },
+                        {
+                            "name": "wait_ms",
+                            "in": "query",
+                            "required": False,
+                            "description": wait,
+                            "schema": _MS,
+                        },
                     ],
                     "responses": {
                         "200": _json(_ref("Features"), "The features"),
-                        **_errors(400, 401, 404, 503),
+                        **_errors(400, 401, 404, 409, 503, override=freshness_errors),
                     },
                 }
             },
@@ -493,7 +571,7 @@ def _document(
                     },
                     "responses": {
                         "200": _json(_ref("BatchResponse"), "Every combination"),
-                        **_errors(400, 401, 404, 413, 422, 503),
+                        **_errors(400, 401, 404, 409, 413, 422, 503, override=freshness_errors),
                     },
                 }
             },

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Literal, TypedDict, cast
+from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict, cast
 
 import redis
 
 from pipeline.api.connections import HeldConnections
 from pipeline.api.deadlines import Deadlines
 from pipeline.api.splice import Spliced, Splicer
+from pipeline.cache.arrivals import Arrivals
 from pipeline.cache.local import LocalTier
 from pipeline.cache.readthrough import ReadThrough
+from pipeline.cache.tokens import Tokens
 from pipeline.core.clock import now_ms
 from pipeline.core.cluster import amget, is_cluster
 from pipeline.core.errors import InvalidId
@@ -99,6 +101,9 @@ class Answer(TypedDict):
     source: AnswerSource
     age_ms: int
     schema_version: int
+    took_ms: NotRequired[int]
+    """Only for a read asking for freshness: ms from the request's start until this
+    answer was had (:mod:`pipeline.api.freshness`)."""
 
 
 def answer(
@@ -160,6 +165,10 @@ class FeatureReader:
     cut off within 1.1 times ``timeout_s``. Unless it is a cluster client, its
     MGETs run on connections held between calls
     (:class:`pipeline.api.connections.HeldConnections`).
+
+    Reads asking for freshness (:mod:`pipeline.api.freshness`) check tokens with
+    ``tokens`` and wait for writes with ``arrivals`` (made from the read-through's
+    engines and Redis when not given; :meth:`close` ends the latter's subscription).
     """
 
     def __init__(
@@ -168,16 +177,27 @@ class FeatureReader:
         local: LocalTier | None = None,
         aredis: redis.asyncio.Redis | None = None,
         timeout_s: float | None = None,
+        *,
+        tokens: Tokens | None = None,
+        arrivals: Arrivals | None = None,
     ) -> None:
         self.readthrough = readthrough
         self.local = local
         self.aredis = aredis
+        self.tokens = tokens or Tokens(
+            readthrough.primary or readthrough.engine, readthrough.store.redis
+        )
+        self.arrivals = arrivals or Arrivals(readthrough.store.redis)
         self.timeout_s = timeout_s
         self._deadlines = None if timeout_s is None else Deadlines(tick_s=timeout_s / 10)
         self._splicers: dict[tuple[str, int], Splicer] = {}  # (feature set, version)
         # The MGETs' connections (pipeline.api.connections), for aredis unless a cluster.
         self._held: HeldConnections | None = None
         self._held_for: object = None
+
+    def close(self) -> None:
+        """End the subscription reads asking for freshness wait with (if it started)."""
+        self.arrivals.close()
 
     @property
     def schema_version(self) -> int:

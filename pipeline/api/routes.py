@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pipeline.api import metrics
+from pipeline.api import freshness, metrics
 from pipeline.api.auth import Authenticator, bearer_token
 from pipeline.api.errors import ApiError, JSONResponse, error_response, status_of
 from pipeline.api.reader import MODES, FeatureReader, Lookup, Mode, parse_entities, parse_entity
@@ -169,6 +169,14 @@ def mode_of(request: Request) -> Mode:
     return mode
 
 
+def read_options(request: Request, settings: Settings) -> tuple[Mode, freshness.Demand | None]:
+    """The mode, and the freshness the query asks for (``None``: a plain read)."""
+    known = _MODES_BY_QUERY.get(request.scope.get("query_string", b""))
+    if known is not None:
+        return known, None
+    return mode_of(request), freshness.from_query(request.query_params, settings)
+
+
 AFTER_RESPONSE = "freshline.after_response"
 
 
@@ -242,12 +250,16 @@ async def get_features(request: Request) -> Response:
     request.state.feature_set = feature_set
     raw = request.path_params["entity_id"]
     entity = parse_entity(raw) if of.type == "bigint" else of.validate(raw)
-    mode = mode_of(request)
+    mode, demand = read_options(request, svc.settings)
     lookup = Lookup(tenant, (feature_set,), (entity,))
     started = time.perf_counter()
-    answers = await svc.reader.cached(lookup, mode)
-    if answers is None:
-        answers = await run_in_threadpool(svc.reader.read, lookup, mode)
+    if demand is not None:
+        answers = await freshness.read(svc.reader, lookup, mode, demand)
+    else:
+        cached = await svc.reader.cached(lookup, mode)
+        answers = (
+            cached if cached is not None else await run_in_threadpool(svc.reader.read, lookup, mode)
+        )
     [answer] = answers
     after_response(request, metrics.record_answer, answer, time.perf_counter() - started)
     if answer["values"] is None:
@@ -290,8 +302,19 @@ async def batch(request: Request) -> Response:
     if len(set(feature_sets)) != len(feature_sets):
         raise ApiError(422, "invalid_request", "'feature_sets' names a feature set twice")
     request.state.feature_set = "*"
+    if request.scope.get("query_string", b"") not in _MODES_BY_QUERY and any(
+        name in request.query_params for name in freshness.FIELDS
+    ):
+        raise ApiError(
+            400, "invalid_parameter", "a batch takes after, max_staleness_ms, wait_ms in its body"
+        )
+    demand = freshness.from_body(body, svc.settings)
     # JSON has one number type: 7.0 is the integer 7, as the OpenAPI document says.
     lookup = Lookup(tenant, feature_sets, entity_ids(svc.registry, feature_sets, entities))
+    if demand is not None:
+        answers = await freshness.read(svc.reader, lookup, mode, demand)
+        after_response(request, metrics.record_answers, answers)
+        return JSONResponse({"schema_version": answers[0]["schema_version"], "items": answers})
     found = await svc.reader.cached_batch(lookup, mode)
     if isinstance(found, Spliced):  # every entry a hit, spliced: the same bytes
         after_response(request, metrics.record_hits, feature_sets[0], len(lookup))

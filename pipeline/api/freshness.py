@@ -1,0 +1,229 @@
+"""The read API's reads that ask for freshness: ``after``, ``max_staleness_ms``, ``wait_ms``.
+
+``GET /v1/features/{set}/{id}`` takes them in its query, ``POST /v1/features/batch`` in
+its body. A request with neither ``after`` nor ``max_staleness_ms`` is a plain read and
+never comes here (no parsing beyond the usual, no round trip of its own).
+
+:func:`read` is the coroutine twin of :func:`pipeline.cache.freshness.read`, which says
+what is served and why it is never older than asked. Here the tier and Redis are read
+on the event loop (one MGET, with the asyncio client), the wait for the consumer's
+write is a coroutine woken by the entity's invalidation, and only the database work
+goes to the thread pool: reading the token key once, ranking a transaction token once,
+the recompute. Each answer has ``took_ms``, the time from the request's start until it
+was had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from starlette.concurrency import run_in_threadpool
+
+from pipeline.api.errors import ApiError
+from pipeline.api.reader import Answer, AnswerSource, FeatureReader, Lookup, Mode, answer
+from pipeline.cache import freshness
+from pipeline.cache.freshness import Freshness
+from pipeline.cache.readthrough import Result
+from pipeline.cache.tokens import InvalidToken, TokenPending, Tokens
+from pipeline.core.clock import now_ms
+from pipeline.core.settings import Settings
+from pipeline.core.types import Entry
+
+FIELDS: Final = ("after", "max_staleness_ms", "wait_ms")
+MAX_MS: Final = 10**12
+"""The largest ``max_staleness_ms`` or ``wait_ms`` taken (about 31 years)."""
+_FIRST_PAUSE_S, _LONGEST_PAUSE_S = 0.001, 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """A request's freshness parameters, checked (``wait_ms`` within the server's max)."""
+
+    after: str | None
+    max_staleness_ms: int | None
+    wait_ms: int
+
+
+def from_query(query: Mapping[str, str], settings: Settings) -> Demand | None:
+    """The query's demand; ``None`` without ``after`` or ``max_staleness_ms``."""
+    values: dict[str, int | None] = {}
+    for name in ("max_staleness_ms", "wait_ms"):
+        text = query.get(name)
+        if text is None:
+            values[name] = None
+        elif text.isascii() and text.isdigit() and len(text) <= len(str(MAX_MS)):
+            values[name] = _in_range(name, int(text), 400, "invalid_parameter")
+        else:
+            raise ApiError(
+                400, "invalid_parameter", f"{name} must be an integer from 0 to {MAX_MS}"
+            )
+    return _demand(query.get("after"), values, settings)
+
+
+def from_body(body: Mapping[str, Any], settings: Settings) -> Demand | None:
+    """A batch body's demand; ``None`` without ``after`` or ``max_staleness_ms``."""
+    values: dict[str, int | None] = {}
+    for name in ("max_staleness_ms", "wait_ms"):
+        value = body.get(name)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # JSON has one number type, as for entity ids
+        if value is not None and (type(value) is not int):
+            raise ApiError(422, "invalid_request", f"{name!r} must be an integer or null")
+        values[name] = None if value is None else _in_range(name, value, 422, "invalid_request")
+    after = body.get("after")
+    if after is not None and not isinstance(after, str):
+        raise InvalidToken("'after' must be a freshness token (a string) or null")
+    return _demand(after, values, settings)
+
+
+def _in_range(name: str, value: int, status: int, code: str) -> int:
+    if not 0 <= value <= MAX_MS:
+        raise ApiError(status, code, f"{name} must be an integer from 0 to {MAX_MS}")
+    return value
+
+
+def _demand(after: str | None, values: dict[str, int | None], settings: Settings) -> Demand | None:
+    staleness = values["max_staleness_ms"]
+    if after is None and staleness is None:
+        return None
+    wait = values["wait_ms"]
+    wait = settings.token_wait_ms if wait is None else wait
+    return Demand(after, staleness, min(wait, settings.token_wait_max_ms))
+
+
+async def rank_of(tokens: Tokens, text: str, deadline: float) -> int:
+    """:func:`pipeline.cache.freshness.rank_of`, its queries off the event loop."""
+    if not tokens.loaded:
+        await run_in_threadpool(tokens.load)
+    token = tokens.parse(text)
+    rank = tokens.rank(token)
+    pause = _FIRST_PAUSE_S
+    while rank is None:
+        rank = await run_in_threadpool(tokens.resolve, token)
+        left = deadline - time.monotonic()
+        if rank is None and left <= 0:
+            raise TokenPending(token.a)
+        if rank is None:
+            await asyncio.sleep(min(pause, left))  # backoff while the writer commits
+            pause = min(pause * 2, _LONGEST_PAUSE_S)
+    return rank
+
+
+async def read(reader: FeatureReader, lookup: Lookup, mode: Mode, demand: Demand) -> list[Answer]:
+    """Answer every pair of ``lookup`` as ``demand`` asks, in order (module docstring)."""
+    started = time.monotonic()
+    deadline = started + demand.wait_ms / 1000
+    rank = None if demand.after is None else await rank_of(reader.tokens, demand.after, deadline)
+    fresh = Freshness(rank, demand.max_staleness_ms, demand.wait_ms)
+    target = reader._target()
+    version = target.store.schema_version
+    refs = list(lookup)
+    if reader.aredis is None:  # no asyncio client: all of it in the thread pool
+        found = await run_in_threadpool(
+            freshness.read,
+            target,
+            refs,
+            fresh,
+            arrivals=reader.arrivals,
+            local=reader.local,
+            started=started,
+            compute=mode == "read-through",
+        )
+        took = _took(started)
+        return [
+            _answer(r, took)
+            if r is not None
+            else _timed(answer(ref.feature_set, ref.entity, None, "miss", 0, version), started)
+            for ref, r in zip(refs, found, strict=True)
+        ]
+
+    store = target.store
+    local = reader.local
+    answers: list[Answer | None] = [None] * len(refs)
+    pending: list[int] = []
+    now = now_ms()
+    for i, ref in enumerate(refs):
+        entry = local.get(ref, version) if local is not None else None
+        if entry is not None and fresh.takes(entry, now):
+            answers[i] = _served(ref.feature_set, ref.entity, entry, "local", now, started)
+        else:
+            pending.append(i)
+
+    async def take(todo: list[int], source: AnswerSource) -> tuple[list[int], list[int]]:
+        """Serve what ``fresh`` takes of ``todo`` from Redis; the rest, split into those
+        worth waiting for and those to compute."""
+        seal = local.token() if local is not None else 0
+        wanted = [refs[i] for i in todo]
+        entries = store.entries(wanted, await reader._mget(store.read_keys(wanted)))
+        now = now_ms()
+        wait: list[int] = []
+        compute: list[int] = []
+        for i, ref, entry in zip(todo, wanted, entries, strict=True):
+            if entry is not None and fresh.takes(entry, now):
+                answers[i] = _served(ref.feature_set, ref.entity, entry, source, now, started)
+                if local is not None:
+                    local.put(ref, entry, seal)
+            else:
+                (wait if fresh.awaits(entry) else compute).append(i)
+        return wait, compute
+
+    waiting, computing = await take(pending, "hit") if pending else ([], [])
+    if waiting and deadline > time.monotonic():
+        loop = asyncio.get_running_loop()
+        with reader.arrivals.watch([refs[i] for i in waiting], loop) as watch:
+            while waiting:
+                watch.clear()
+                waiting, more = await take(waiting, "waited")  # first: any write since
+                computing += more
+                left = deadline - time.monotonic()
+                if not waiting or left <= 0:
+                    break
+                await watch.until(left)
+    computing += waiting
+    if computing and mode == "cache-only":
+        for i in computing:
+            ref = refs[i]
+            missed = answer(ref.feature_set, ref.entity, None, "miss", 0, version)
+            answers[i] = _timed(missed, started)
+    elif computing:
+        seal = local.token() if local is not None else 0
+        began = now_ms()
+        results = await run_in_threadpool(
+            target.recompute, [refs[i] for i in computing], lambda e: fresh.takes(e, now_ms())
+        )
+        took = _took(started)
+        for i, r in zip(computing, results, strict=True):
+            answers[i] = _answer(fresh.check(r), took)
+            if local is not None and r.source != "uncached":
+                local.put(r.ref, Entry(r.values, version, began - r.age_ms, r.watermark), seal)
+    if target.hot is not None:
+        target.hot.record(version, lookup)
+    return answers  # type: ignore[return-value]  # every slot is filled
+
+
+def _took(started: float) -> int:
+    return int((time.monotonic() - started) * 1000)
+
+
+def _timed(found: Answer, started: float) -> Answer:
+    found["took_ms"] = _took(started)
+    return found
+
+
+def _served(
+    feature_set: str, entity: str, entry: Entry, source: AnswerSource, now: int, started: float
+) -> Answer:
+    age = now - entry.computed_at_ms if now > entry.computed_at_ms else 0
+    return _timed(
+        answer(feature_set, entity, entry.values, source, age, entry.schema_version), started
+    )
+
+
+def _answer(r: Result, took: int) -> Answer:
+    found = answer(r.ref.feature_set, r.ref.entity, r.values, r.source, r.age_ms, r.schema_version)
+    found["took_ms"] = took
+    return found
