@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from pipeline.core.settings import Settings
+from pipeline.semantic import prior
 from pipeline.semantic.cache import Scope, SemanticCache
 from pipeline.semantic.embed import local_model
 from pipeline.semantic.extra import MODULES
@@ -33,9 +34,16 @@ def test_stats_then_purge(settings: Settings, redis_client: redis.Redis) -> None
     assert r.returncode == 0, r.stderr
     assert f"{tenant} bot  version v1, template t1" in r.stdout
     assert "1 entries; hit rate 100.0% (1 hits, 0 misses)" in r.stdout
+    assert "explored 0.0% of lookups (0, 0 audits); labels 0 right, 0 wrong" in r.stdout
+    assert "error of hits: estimated -, flagged 0.0%, audited - (0 labelled)" in r.stdout
     assert max(len(line) for line in r.stdout.splitlines()) <= 80
     rows = json.loads(run("semantic", "stats", "--tenant", tenant, "--json", **env).stdout)
     assert [(row["model_version"], row["entries"]) for row in rows] == [("v1", 1), ("v2", 1)]
+    assert (rows[0]["exploration_rate"], rows[0]["observed_error"], rows[0]["explored"]) == (
+        0.0,
+        0.0,
+        0,
+    )
 
     r = run("semantic", "purge", "--tenant", tenant, "--model-version", "v1", **env)
     assert r.returncode == 0, r.stderr
@@ -66,9 +74,19 @@ def test_tune_prints_both_rates_at_each_threshold(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     rows = [line.split() for line in r.stdout.splitlines() if line.strip()[:2] == "0."]
     assert [row[0] for row in rows] == [f"{0.85 + i / 100:.2f}" for i in range(13)]
-    assert any("<- configured" in line for line in r.stdout.splitlines() if "0.93" in line)
+    assert "<- configured" not in r.stdout
+    assert "max error 2.0%): a fresh entry is served from 0.885" in r.stdout  # the prior's
     assert rows[0][1] == "100.0%"  # both paraphrases at 0.85
     assert max(len(line) for line in r.stdout.splitlines()) <= 80
+    static = run("semantic", "tune", "--pairs", str(path), FRESHLINE_SEMANTIC_DECISION="static")
+    assert any("<- configured" in line for line in static.stdout.splitlines() if "0.93" in line)
+
+    written = tmp_path / "prior.json"
+    r = run("semantic", "tune", "--pairs", str(path), "--write-prior", str(written))
+    assert r.returncode == 0, r.stderr
+    fitted = prior.load(written)
+    assert fitted.embedding_model == "all-MiniLM-L6-v2" and fitted.groups == 3
+    assert f"-> {written}" in r.stdout
 
     path.write_text(json.dumps([{"a": "x", "label": "same"}]))
     r = run("semantic", "tune", "--pairs", str(path))

@@ -38,7 +38,8 @@ def stats(
     model: Annotated[str | None, typer.Option(help="Only this model")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
-    """Live entries, hit rate, stores, evictions, flagged hits and refusals per namespace."""
+    """Live entries, hit rate, explorations, estimated and observed error, stores,
+    evictions, flagged hits and refusals per namespace."""
 
     from pipeline.semantic.namespaces import stats as namespace_stats
 
@@ -56,6 +57,10 @@ def stats(
                         "template_version": r.template_version,
                         "entries": r.entries,
                         "hit_rate": r.hit_rate,
+                        "exploration_rate": r.exploration_rate,
+                        "estimated_error": r.estimated_error,
+                        "observed_error": r.observed_error,
+                        "audited_error": r.audited_error,
                         **r.counts,
                     }
                     for r in rows
@@ -70,8 +75,12 @@ def stats(
             + (" for that selection" if tenant or model else "")
         )
         return
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
     for r in rows:
-        rate = "-" if r.hit_rate is None else f"{r.hit_rate:.1%}"
+        rate = pct(r.hit_rate)
         c = r.counts
         out.print(
             Text.assemble(
@@ -81,6 +90,15 @@ def stats(
         )
         out.print(
             f"  {r.entries:,} entries; hit rate {rate} ({c['hits']:,} hits, {c['misses']:,} misses)"
+        )
+        out.print(
+            f"  explored {pct(r.exploration_rate)} of lookups ({c['explored']:,}, "
+            f"{c['audited']:,} audits); labels {c['right']:,} right, {c['wrong']:,} wrong"
+        )
+        audits = c["audit_right"] + c["audit_wrong"]
+        out.print(
+            f"  error of hits: estimated {pct(r.estimated_error)}, flagged "
+            f"{pct(r.observed_error)}, audited {pct(r.audited_error)} ({audits:,} labelled)"
         )
         out.print(
             f"  {c['stored']:,} stored, {c['evicted']:,} evicted (the oldest, over the limit)"
@@ -138,8 +156,18 @@ def tune(
     show_false_hits: Annotated[
         bool, typer.Option(help="List the different pairs that would hit at the marked threshold")
     ] = False,
+    write_prior: Annotated[
+        Path | None,
+        typer.Option(
+            help="Fit the learned decision's prior for the embedding model on these pairs "
+            "and write it here (then set FRESHLINE_SEMANTIC_PRIOR to it)"
+        ),
+    ] = None,
 ) -> None:
-    """Hit rate and false-hit rate at each threshold from 0.85 to 0.97."""
+    """Hit rate and false-hit rate at each threshold from 0.85 to 0.97, and where the
+    learned decision starts a fresh entry."""
+    from pipeline.semantic import prior as priors
+    from pipeline.semantic.decision import Learned
     from pipeline.semantic.embed import embedder_from_settings
     from pipeline.semantic.tune import PAIRS, false_hits, load_pairs, similarities, sweep
 
@@ -157,11 +185,12 @@ def tune(
         f"{len(labelled) - paraphrases} different) with {embedder.name} ..."
     )
     sims = similarities(embedder, labelled)
+    static = settings.semantic_decision == "static"
     current = settings.semantic_threshold_for(model) if model else settings.semantic_threshold
     out.print(f"pairs: {path}")
     out.print("threshold   hit rate   false hits   (similarity alone)")
     for row in sweep(labelled, sims):
-        mark = "  <- configured" if abs(row.threshold - current) < 1e-9 else ""
+        mark = "  <- configured" if static and abs(row.threshold - current) < 1e-9 else ""
         out.print(
             f"     {row.threshold:.2f}     {row.hit_rate:6.1%}     "
             f"{row.false_hit_rate:6.1%}           {row.unguarded_false_hit_rate:6.1%}"
@@ -172,6 +201,26 @@ def tune(
         "(numbers must match, as the cache checks); similarity alone: without "
         "that check"
     )
+    fitted = None
+    if write_prior is not None:
+        fitted = priors.fit(embedder.name, labelled, sims)
+        write_prior.write_bytes(fitted.to_json() + b"\n")
+        out.print(
+            f"prior for {fitted.embedding_model}: ceiling mean {fitted.mean:.3f}, sd "
+            f"{fitted.sd:.3f} ({fitted.pairs} pairs in {fitted.groups} groups) -> {write_prior}"
+        )
+    if not static:
+        try:
+            prior = fitted or priors.for_model(embedder.name, settings.semantic_prior)
+        except priors.InvalidPrior as exc:
+            console.print(f"learned decision: {exc}")
+            return
+        learned = Learned(prior, settings.semantic_max_error)
+        current = learned.start
+        out.print(
+            f"learned decision (max error {settings.semantic_max_error:.1%}): a fresh entry "
+            f"is served from {learned.start:.3f}, then each from its own outcomes"
+        )
     if show_false_hits:
         for pair, sim in false_hits(labelled, sims, current):
             out.print(f"{sim:.3f}  {pair.a!r} / {pair.b!r}")

@@ -397,6 +397,7 @@ class SemanticCache:
             )
             if not audited:
                 self._count(ns, "hits")
+                self._count(ns, "scored")
                 self._count(ns, "risk_ppm", round(est.error * 1e6))
                 age = max(0, int(time.time() * 1000) - entry.created_at_ms)
                 return Lookup(

@@ -59,12 +59,14 @@ STAT_FIELDS = (
     "wrong",
     "audit_right",
     "audit_wrong",
+    "scored",
     "risk_ppm",
 )
 """The counters of ``sem:stats``. ``explored``: misses that named a candidate to label
 (``audited`` of them would have been hits); ``right`` and ``wrong``: the labels their
-stores gave (``audit_right``, ``audit_wrong``: those of audits); ``risk_ppm``: the
-estimated errors of the hits served, summed, in millionths."""
+stores gave (``audit_right``, ``audit_wrong``: those of audits); ``scored``: hits
+served with an estimated error (by the learned decision), ``risk_ppm``: those
+estimates summed, in millionths."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,8 +240,8 @@ class NamespaceStats:
     @property
     def estimated_error(self) -> float | None:
         """The mean estimated error of the hits served: what the decision expected."""
-        hits = self.counts.get("hits", 0)
-        return self.counts.get("risk_ppm", 0) / 1e6 / hits if hits else None
+        scored = self.counts.get("scored", 0)
+        return self.counts.get("risk_ppm", 0) / 1e6 / scored if scored else None
 
     @property
     def observed_error(self) -> float | None:
