@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -205,14 +205,31 @@ def redis_client(settings: Settings) -> Iterator[redis.Redis]:
 
 _tenant_counter = itertools.count(1)
 # Schema versions for tests' own Redis namespaces: consecutive within a session, from
-# a random base so sessions side by side (rarely) overlap. Never random per test: a
-# session's tests would collide on the birthday bound.
-_versions = itertools.count(random.SystemRandom().randrange(100, 1000) * 1000)
+# a block of a thousand that the session reserves in the tests' Redis, so sessions side
+# by side (a developer's and CI's, or several at once) never share one. Never random per
+# test: a session's tests would collide on the birthday bound.
+VERSION_BLOCKS = "freshline:test:version_blocks"
+
+
+def _version_block() -> int:
+    base = Settings()
+    client = redis.Redis.from_url(with_login(make_url_redis(base.redis_url, TEST_REDIS_DB), base))
+    try:
+        block = int(client.incr(VERSION_BLOCKS))
+        client.expire(VERSION_BLOCKS, 86_400)  # every key has a TTL, this one too
+    finally:
+        client.close()
+    return 100_000 + (block % 899) * 1000
+
+
+@functools.cache
+def _session_versions() -> Iterator[int]:
+    return itertools.count(_version_block())
 
 
 def fresh_version() -> int:
-    """A schema version no other test of this session uses."""
-    return next(_versions)
+    """A schema version no other test of this session, or of a session beside it, uses."""
+    return next(_session_versions())
 
 
 @pytest.fixture
