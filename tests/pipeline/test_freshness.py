@@ -40,6 +40,7 @@ from pipeline.core.settings import Settings
 from pipeline.core.types import ChangeEvent, EntityRef
 from tests.conftest import fresh_version, wait_until
 from tests.pipeline.test_api import Api, running
+from tests.test_security import as_user, need, role_engine
 
 TOKEN_SQL = sa.text("SELECT freshline.token()")
 
@@ -443,6 +444,38 @@ def test_the_openapi_document_describes_the_parameters(api: Api) -> None:
     batch = spec["components"]["schemas"]["BatchRequest"]["properties"]
     assert {"after", "wait_ms", "max_staleness_ms"} <= set(batch)
     assert "took_ms" in spec["components"]["schemas"]["Features"]["properties"]
+
+
+# -- least-privilege logins -------------------------------------------------------------
+
+
+def test_the_service_logins_take_tokens_and_serve_reads_after_them(
+    settings: Settings, engine: Engine, tenant: str
+) -> None:
+    """The API's Postgres role and Redis user serve reads after both token forms; a role
+    that is neither the owner nor the API's (the consumer's) may take tokens. Under an
+    ACL without ``rank:*`` the transaction token's rank stays in the worker: still served."""
+    api_user = as_user(
+        settings, need("FRESHLINE_STACK_REDIS_API_USER"), need("FRESHLINE_STACK_REDIS_API_PASSWORD")
+    )
+    api_role = role_engine(settings, "FRESHLINE_STACK_POSTGRES_API_URL")
+    writer_role = role_engine(settings, "FRESHLINE_STACK_POSTGRES_CONSUMER_URL")
+    key = key_of(engine)
+    local = api_user.model_copy(update={"schema_version": fresh_version(), "local_cache_size": 0})
+    app = create_app(local, engine=api_role, follow_deploys=False)
+    try:
+        with writer_role.begin() as conn:
+            conn.execute(sa.text("SELECT pg_current_xact_id()"))  # a transaction id, as a write
+            inside = freshline_token(conn)
+        after = freshline_token(writer_role)
+        assert [decode(key, t).form for t in (inside, after)] == [TRANSACTION, SNAPSHOT]
+        with running(app, create_api_key(engine, tenant)) as api:
+            for token in (inside, after):
+                body = api.get(f"/v1/features/txn_90d/1?after={token}&wait_ms=0").json()
+                assert body["values"] == truth(engine, tenant, 1), body
+    finally:
+        api_role.dispose()
+        writer_role.dispose()
 
 
 # -- the Python client -----------------------------------------------------------------
