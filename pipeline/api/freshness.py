@@ -66,6 +66,8 @@ def from_query(query: Mapping[str, str], settings: Settings) -> Demand | None:
 
 def from_body(body: Mapping[str, Any], settings: Settings) -> Demand | None:
     """A batch body's demand; ``None`` without ``after`` or ``max_staleness_ms``."""
+    if body.keys().isdisjoint(FIELDS):  # a plain batch: one C-level check
+        return None
     values: dict[str, int | None] = {}
     for name in ("max_staleness_ms", "wait_ms"):
         value = body.get(name)
