@@ -29,12 +29,15 @@ what is served without waiting for flags, at the cost of a few hits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.semantic.prior import GRID, Prior
+from pipeline.semantic.prior import GRID, STEP, Prior
 
+_PER_STEP = round(1 / STEP)
+_LAST = len(GRID) - 1
 MAX_OUTCOMES = 64
 """Outcomes kept per entry, the newest: enough to place a ceiling, bounded in Redis."""
 AUDIT = 0.05
@@ -111,6 +114,7 @@ class Learned:
         self._right = (np.log(1 - eps), np.log((1 - rho) * (1 - eps)))
         self._wrong = (np.log(eps), np.log(rho + (1 - rho) * eps))
         self._prior_tail = self._tail(prior.weights())
+        self._prior_list: list[float] = self._prior_tail.tolist()
         self.start = self._threshold(self._prior_tail)
         """The similarity a fresh entry is served at: the prior's threshold."""
 
@@ -120,14 +124,18 @@ class Learned:
 
     def estimate(self, outcomes: Outcomes, similarity: float) -> Estimate:
         """Serve, explore or miss an entry with ``outcomes`` at ``similarity``."""
-        tail = self._prior_tail if not len(outcomes) else self._tail(self.posterior(outcomes))
+        if len(outcomes):
+            tail = self._tail(self.posterior(outcomes)).tolist()
+            threshold = self._threshold(np.asarray(tail))
+        else:  # most candidates: the prior's, computed once
+            tail, threshold = self._prior_list, self.start
         # P(u >= the grid point at or below s): conservative by up to one grid step,
         # and exactly what the threshold says (served at and above it).
-        above = tail[max(0, int(np.searchsorted(GRID, similarity, side="right")) - 1)]
-        error = self._rho * float(above)
+        above = tail[min(_LAST, max(0, math.floor(similarity * _PER_STEP + 1e-9)))]
+        error = self._rho * above
         serve = error <= self.max_error
-        explore = self.audit * error / self.max_error if serve else 1.0 - float(above)
-        return Estimate(error, serve, min(1.0, explore), self._threshold(tail))
+        explore = self.audit * error / self.max_error if serve else 1.0 - above
+        return Estimate(error, serve, min(1.0, explore), threshold)
 
     def threshold(self, outcomes: Outcomes) -> float:
         """The lowest similarity at which an entry with ``outcomes`` is served."""
