@@ -20,6 +20,12 @@
   be 0), and stores at temperature 0.7 (entries stored must be 0).
 * **Embedding throughput**: the local model, batches of 32 against one prompt a call.
 * **The labelled set**: hit rate and false-hit rate at the default threshold.
+* **Static against learned** (:mod:`bench.paraphrases`): a stream made from the
+  labelled set, in which each cached question recurs with fresh paraphrases among
+  near misses (a warm-up, then a measured stream), played as a caller plays it (a
+  miss stores the right answer) against the fixed threshold and against the learned
+  decision (``max_error`` 0.02, three exploration seeds summed): paraphrase hit rate
+  and the error rate of hits, side by side.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from bench import common
+from bench import common, paraphrases
 from bench.common import _unlink_matching
 from pipeline.core.keys import semantic_entry_key, semantic_pattern, semantic_registry_key
+from pipeline.semantic import prior
 from pipeline.semantic.cache import (
     CANDIDATES,
     Limits,
@@ -44,6 +51,7 @@ from pipeline.semantic.cache import (
     Scope,
     SemanticCache,
 )
+from pipeline.semantic.decision import Learned
 from pipeline.semantic.embed import MiniLM, local_model
 from pipeline.semantic.entry import entry_id
 from pipeline.semantic.index import FLAT_MAX, NPROBE, TRAIN_PER_LIST
@@ -52,6 +60,7 @@ from pipeline.semantic.tune import PAIRS, load_pairs, similarities, sweep
 
 DIM = 384
 THRESHOLD = 0.93
+MAX_ERROR = 0.02
 ZERO = {"temperature": 0}
 CLUSTER = 20
 LOAD_CHUNK = 2000
@@ -132,6 +141,8 @@ class Prepared:
     lookup: Callable[[], None]
     key: str
     close: Callable[[], None]
+    learned: Callable[[], None]
+    """The same lookups with the learned decision (its outcomes read, its estimates)."""
 
 
 def _size(ctx: common.Context, n: int, quick: bool) -> Prepared:
@@ -203,8 +214,20 @@ def _size(ctx: common.Context, n: int, quick: bool) -> Prepared:
     asked = [prompts[i] for i in picks]
     del vectors, prompts  # 1.5 GB at 1M; the measurement needs only the queries
     state = {"i": 0}
+    learned = Learned(prior.for_model(MiniLM.name), MAX_ERROR)
 
     def lookup() -> None:
+        worker.decision = None
+        i = state["i"] = state["i"] + 1
+        q = (i // 2) % queries
+        if i % 2:
+            worker.lookup_vector(scope, asked[q], ZERO, near[q])
+        else:
+            worker.lookup_vector(scope, "no such prompt", ZERO, far[q])
+
+    def lookup_learned() -> None:
+        # The same worker and index: only the decision differs.
+        worker.decision = learned
         i = state["i"] = state["i"] + 1
         q = (i // 2) % queries
         if i % 2:
@@ -243,6 +266,7 @@ def _size(ctx: common.Context, n: int, quick: bool) -> Prepared:
         lookup,
         semantic_entry_key(scope.namespace, int(ids[0])),
         close,
+        lookup_learned,
     )
 
 
@@ -253,9 +277,10 @@ def _measure(
     a burst of load from elsewhere lands on all of them alike."""
     ref_name = "redis GET of one entry (reference)"
     key = next(iter(prepared.values())).key
-    candidates: dict[str, Callable[[], Any]] = {
-        f"lookup ({n:,} cached)": p.lookup for n, p in prepared.items()
-    }
+    candidates: dict[str, Callable[[], Any]] = {}
+    for n, p in prepared.items():
+        candidates[f"lookup ({n:,} cached)"] = p.lookup
+        candidates[f"learned lookup ({n:,} cached)"] = p.learned
     candidates[ref_name] = lambda: ctx.redis.get(key)
     res = _interleaved(
         candidates, rounds=3 if quick else 5, calls=300 if quick else 2000, warmup=50
@@ -263,11 +288,14 @@ def _measure(
     out = {}
     for n, p in prepared.items():
         look, ref = res[f"lookup ({n:,} cached)"], res[ref_name]
+        learned = res[f"learned lookup ({n:,} cached)"]
         out[str(n)] = {
             **p.result,
             "lookup": look,
+            "lookup_learned": learned,
             "reference": ref,
             "p50_vs_get": common.ratio(look["p50_us"], ref["p50_us"]),
+            "learned_vs_static": common.ratio(learned["p50_us"], look["p50_us"]),
         }
     return out
 
@@ -349,6 +377,11 @@ def run(quick: bool) -> dict[str, Any]:
     }
     embedding = _embedding(model, quick)
     nondet = _non_deterministic(ctx)
+    print("bench: semantic: static against learned, on a paraphrase stream ...", file=sys.stderr)
+    stream = paraphrases.compare(
+        ctx.redis, model, pairs, f"{ctx.tenant_prefix()}stream", ctx.tag, threshold=THRESHOLD
+    )
+    learned, static = (stream["runs"][k]["measured"] for k in ("learned", "static"))
 
     def p50_ms(n: int) -> float | None:
         s = sizes.get(str(n))
@@ -362,6 +395,13 @@ def run(quick: bool) -> dict[str, Any]:
             "lookup p50 at 1M prompts (embedding excluded)", p50_ms(1_000_000), "<=", 5, "ms"
         ),
         common.target(
+            "learned lookup p50 over static's at 100k prompts",
+            sizes.get("100000", {}).get("learned_vs_static"),
+            "<=",
+            1.2,
+            "x",
+        ),
+        common.target(
             "ANN recall at the threshold (lowest size)",
             min((s["recall_at_threshold"] for s in sizes.values()), default=None),
             ">=",
@@ -371,6 +411,27 @@ def run(quick: bool) -> dict[str, Any]:
             "cross-tenant hits", sum(s["cross_tenant_hits"] for s in sizes.values()), "<=", 0
         ),
         common.target("non-deterministic responses stored", nondet["stored"], "<=", 0),
+        common.target(
+            "paraphrase hit rate, learned over static (measured stream)",
+            stream["hit_ratio"],
+            ">=",
+            3,
+            "x",
+        ),
+        common.target(
+            "error rate of learned hits (measured stream)",
+            learned["error_rate"],
+            "<=",
+            stream["max_error"],
+        ),
+        common.target(
+            "error rate of learned hits against static's",
+            None
+            if learned["error_rate"] is None or static["error_rate"] is None
+            else round(learned["error_rate"] - static["error_rate"], 4),
+            "<=",
+            0,
+        ),
     ]
     return {
         "measured_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -386,6 +447,7 @@ def run(quick: bool) -> dict[str, Any]:
         "sizes": sizes,
         "embedding": embedding,
         "labelled": labelled,
+        "stream": stream,
         "non_deterministic": nondet,
         "targets": targets,
     }
@@ -446,6 +508,35 @@ def markdown(res: dict[str, Any]) -> str:
         ),
         "",
     ]
+    learned_rows = [
+        (
+            f"{s['size']:,}",
+            s["lookup"]["p50_us"] / 1000,
+            s["lookup_learned"]["p50_us"] / 1000,
+            s["lookup_learned"]["p99_us"] / 1000,
+            f"{s['learned_vs_static']}x",
+        )
+        for s in res["sizes"].values()
+        if "lookup_learned" in s
+    ]
+    if learned_rows:
+        lines += [
+            "The same lookups with the learned decision (the same worker and index; the "
+            "entries' outcomes read in the same round trip, each candidate's error "
+            "estimated), in the same rounds:",
+            "",
+            common.table(
+                [
+                    "cached per tenant",
+                    "static p50 ms",
+                    "learned p50 ms",
+                    "learned p99 ms",
+                    "learned vs static",
+                ],
+                learned_rows,
+            ),
+            "",
+        ]
     if not any(s["size"] >= 1_000_000 for s in res["sizes"].values()):
         lines += [
             "1M prompts per tenant was not run here (about 3.5 GB in Redis with the "
@@ -488,6 +579,8 @@ def markdown(res: dict[str, Any]) -> str:
         ),
         "",
     ]
+    if "stream" in res:
+        lines += _stream_markdown(res["stream"])
     nd = res["non_deterministic"]
     lines += [
         f"Stores at temperature 0.7: {nd['refused']} of {nd['attempts']} refused, "
@@ -496,3 +589,37 @@ def markdown(res: dict[str, Any]) -> str:
         common.targets_table(res["targets"]),
     ]
     return "\n".join(lines)
+
+
+def _stream_markdown(st: dict[str, Any]) -> list[str]:
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
+    rows = [
+        (
+            f"fixed threshold {st['threshold']}"
+            if name == "static"
+            else f"learned, max error {st['max_error']:.0%} (start {st['start']})",
+            phase,
+            r["lookups"],
+            f"{pct(r['paraphrase_hit_rate'])} of {r['paraphrases']:,}",
+            f"{pct(r['error_rate'])} ({r['wrong_hits']} of {r['hits']})",
+            pct(r["exploration_rate"]),
+        )
+        for name, run in st["runs"].items()
+        for phase, r in run.items()
+    ]
+    return [
+        f"Static against learned, on a stream made from the labelled set "
+        f"(`bench/paraphrases.py`): {st['questions']} cached questions, each recurring "
+        f"with fresh paraphrases among near misses; {st['lookups']['warmup']} warm-up "
+        f"lookups, then {st['lookups']['measured']} measured. A miss stores the right "
+        f"answer, as a caller would. Learned: exploration seeds {st['seeds']}, summed. "
+        f"Paraphrase hit rate, learned over static: {st['hit_ratio']}x.",
+        "",
+        common.table(
+            ["decision", "phase", "lookups", "paraphrase hit rate", "error of hits", "explored"],
+            rows,
+        ),
+        "",
+    ]
