@@ -212,6 +212,10 @@ class DerivedPath(IncrementalPath):
             f"FOR EACH STATEMENT EXECUTE FUNCTION {fn}_t()",
             f"LOCK TABLE {table} IN SHARE MODE",
             *self._rebuild_sql(table, keys_from=None),
+            # Statistics now, not at autovacuum's leisure: without them the first
+            # recomputes plan the partials as empty tables (a head entity's took a
+            # second, against milliseconds once analysed).
+            *(f"ANALYZE {t}" for t in self.tables),
         ]
         return out
 
@@ -454,13 +458,17 @@ class DerivedPath(IncrementalPath):
             f"x.{c} = k.{k}" for c, k in zip(self._src_cols(), e.columns, strict=True)
         )
         widest = len(self.windows) - 1
-        # The source rows of the edge days: of every window's old edge, and as_of's day.
-        edge_days = " OR ".join(
-            [
-                f"({time} > w.c{j} AND {time} < {_start(f'w.dc{j} + 1')})"
-                for j in range(len(self.windows))
-            ]
-            + [f"({time} >= {_start('w.da')} AND {time} <= t.as_of)"]
+        # The source rows of the edge days (every window's old edge day, and as_of's day,
+        # each once), read day by day as index ranges.
+        days = ", ".join([*(f"w.dc{j}" for j in range(len(self.windows))), "w.da"])
+        # LATERAL behind OFFSET 0 (which keeps the planner from flattening it), so each day
+        # is an index range whatever the table's statistics say: flattened, a planner
+        # without them read the entity's whole window and filtered it by day.
+        edge_rows = (
+            f"(SELECT x.* FROM (SELECT DISTINCT ed_day FROM unnest(ARRAY[{days}]) AS ed_day) "
+            f"AS ed_days CROSS JOIN LATERAL (SELECT * FROM {d.table} x WHERE {mine_x} "
+            f"AND {time} >= {_start('ed_days.ed_day')} "
+            f"AND {time} < {_start('ed_days.ed_day + 1')} AND {time} <= t.as_of OFFSET 0) AS x)"
         )
 
         def on_edge(j: int) -> str:
@@ -538,8 +546,8 @@ class DerivedPath(IncrementalPath):
                         f" + (SELECT count(*) FROM {latest} l WHERE {mine_l} AND l.latest >= w.da "
                         f"AND EXISTS (SELECT 1 FROM {members} m WHERE {same} AND m.value = l.value "
                         f"AND {inside_m}))"
-                        f" + (SELECT count(DISTINCT {col}) FROM {d.table} x WHERE {mine_x} "
-                        f"AND ({edge_days}) AND {self._row_filter('x')} AND {edge} "
+                        f" + (SELECT count(DISTINCT {col}) FROM {edge_rows} x "
+                        f"WHERE {self._row_filter('x')} AND {edge} "
                         f"AND {col} IS NOT NULL AND NOT EXISTS (SELECT 1 FROM {members} m "
                         f"WHERE {same} AND m.value = {col} AND {inside_m})))"
                     )
@@ -555,8 +563,8 @@ class DerivedPath(IncrementalPath):
             f"CROSS JOIN LATERAL (SELECT {', '.join(bounds)}) AS w\n"
             f"CROSS JOIN LATERAL (SELECT {bucket_sel} FROM {self.days} b WHERE {mine_b} "
             f"AND b.day > w.dc{widest} AND b.day < w.da) AS bk\n"
-            f"CROSS JOIN LATERAL (SELECT {edge_sel} FROM {d.table} x WHERE {mine_x} "
-            f"AND ({edge_days}) AND {self._row_filter('x')}) AS ed\n"
+            f"CROSS JOIN LATERAL (SELECT {edge_sel} FROM {edge_rows} x "
+            f"WHERE {self._row_filter('x')}) AS ed\n"
         )
 
     # -- the extension point's hooks --------------------------------------------------------
