@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from pipeline.core.declarations import Agg, Declaration
+from pipeline.core.declarations import Agg, AggKind, Declaration
 from pipeline.core.errors import ConfigError
 from pipeline.core.features import (
     AS_OF,
@@ -62,88 +62,47 @@ def count(
     return Agg("count", None, name, where, window, "int")
 
 
-def sum(
-    column: str,
-    *,
-    where: str | None = None,
-    window: str | int | None = None,
-    name: str | None = None,
-    type: FieldType | None = None,
-) -> Agg:
-    """The sum of a column (0 over no rows)."""
-    return Agg("sum", column, name, where, window, type)
+class ColumnAgg(Protocol):
+    """An aggregation of one column: ``agg.sum("amount", where=..., window=..., name=...,
+    type=...)``."""
+
+    def __call__(
+        self,
+        column: str,
+        *,
+        where: str | None = None,
+        window: str | int | None = None,
+        name: str | None = None,
+        type: FieldType | None = None,
+    ) -> Agg: ...
 
 
-def mean(
-    column: str,
-    *,
-    where: str | None = None,
-    window: str | int | None = None,
-    name: str | None = None,
-    type: FieldType | None = None,
-) -> Agg:
-    """The mean of a column's non-null values: their sum over their count."""
-    return Agg("mean", column, name, where, window, type)
+def _of_column(kind: AggKind, doc: str) -> ColumnAgg:
+    def make(
+        column: str,
+        *,
+        where: str | None = None,
+        window: str | int | None = None,
+        name: str | None = None,
+        type: FieldType | None = None,
+    ) -> Agg:
+        return Agg(kind, column, name, where, window, "int" if kind == "count_distinct" else type)
+
+    make.__name__ = make.__qualname__ = kind
+    make.__doc__ = doc
+    return make
 
 
-def min(
-    column: str,
-    *,
-    where: str | None = None,
-    window: str | int | None = None,
-    name: str | None = None,
-    type: FieldType | None = None,
-) -> Agg:
-    """The least value of a column."""
-    return Agg("min", column, name, where, window, type)
-
-
-def max(
-    column: str,
-    *,
-    where: str | None = None,
-    window: str | int | None = None,
-    name: str | None = None,
-    type: FieldType | None = None,
-) -> Agg:
-    """The greatest value of a column."""
-    return Agg("max", column, name, where, window, type)
-
-
-def stddev(
-    column: str,
-    *,
-    where: str | None = None,
-    window: str | int | None = None,
-    name: str | None = None,
-    type: FieldType | None = None,
-) -> Agg:
-    """The population standard deviation of a column's non-null values."""
-    return Agg("stddev", column, name, where, window, type)
-
-
-def count_distinct(
-    column: str,
-    *,
-    where: str | None = None,
-    window: str | int | None = None,
-    name: str | None = None,
-) -> Agg:
-    """How many distinct non-null values a column takes."""
-    return Agg("count_distinct", column, name, where, window, "int")
-
-
-def last(
-    column: str,
-    *,
-    where: str | None = None,
-    window: str | int | None = None,
-    name: str | None = None,
-    type: FieldType | None = None,
-) -> Agg:
-    """The column's value in the latest row (by the time column; ties: the greatest
-    value)."""
-    return Agg("last", column, name, where, window, type)
+sum = _of_column("sum", "The sum of a column (0 over no rows).")
+mean = _of_column("mean", "The mean of a column's non-null values: their sum over their count.")
+min = _of_column("min", "The least value of a column.")
+max = _of_column("max", "The greatest value of a column.")
+stddev = _of_column("stddev", "The population standard deviation of a column's non-null values.")
+count_distinct = _of_column("count_distinct", "How many distinct non-null values a column takes.")
+last = _of_column(
+    "last",
+    "The column's value in the latest row (by the time column; ties: the greatest value).",
+)
 
 
 def Aggregations(
