@@ -91,17 +91,6 @@ def rank_of(tokens: Tokens, text: str, deadline: float) -> int:
         pause = min(pause * 2, _LONGEST_PAUSE_S)
 
 
-def served(ref: EntityRef, entry: Entry, source: Source, now: int) -> Result:
-    return Result(
-        ref,
-        entry.values,
-        source,
-        max(0, now - entry.computed_at_ms),
-        entry.schema_version,
-        entry.watermark,
-    )
-
-
 def read(
     rt: ReadThrough,
     refs: Sequence[EntityRef],
@@ -124,7 +113,7 @@ def read(
     for ref in dict.fromkeys(refs):
         entry = local.get(ref, version) if local is not None else None
         if entry is not None and freshness.takes(entry, now):
-            answers[ref] = served(ref, entry, "local", now)
+            answers[ref] = Result.served(ref, entry, "local", now)
         else:
             pending.append(ref)
 
@@ -137,7 +126,7 @@ def read(
         compute: list[EntityRef] = []
         for ref, entry in zip(todo, store.read(todo), strict=True):
             if entry is not None and freshness.takes(entry, now):
-                answers[ref] = served(ref, entry, source, now)
+                answers[ref] = Result.served(ref, entry, source, now)
                 if local is not None:
                     local.put(ref, entry, seal)
             else:

@@ -106,6 +106,18 @@ class Result:
     def hit(self) -> bool:
         return self.source in ("local", "hit", "waited")
 
+    @classmethod
+    def served(cls, ref: EntityRef, entry: Entry, source: Source, now: int) -> Result:
+        """``entry`` served as it is, ``now`` (epoch ms) giving its age."""
+        return cls(
+            ref,
+            entry.values,
+            source,
+            max(0, now - entry.computed_at_ms),
+            entry.schema_version,
+            entry.watermark,
+        )
+
 
 def existing_entities(
     engine: Engine, entity: Entity, refs: Sequence[EntityRef]
@@ -217,7 +229,7 @@ class ReadThrough:
             if entry is None:
                 misses.append(ref)
                 continue
-            answers[ref] = self._result(ref, entry, "hit", now)
+            answers[ref] = Result.served(ref, entry, "hit", now)
             if self.should_refresh(ref, entry, now):
                 refresh.append(ref)
         self.counters.hits += len(answers)
@@ -310,7 +322,7 @@ class ReadThrough:
         leases = self.store.lease(wanted, token, self.lease_ms, flags)
         now = now_ms()
         found = {
-            r: self._result(r, e, "hit", now)
+            r: Result.served(r, e, "hit", now)
             for r, (code, e) in zip(wanted, leases, strict=True)
             if code == LEASE_FOUND and e is not None
         }
@@ -442,7 +454,7 @@ class ReadThrough:
             entries, leased = self.store.read_leased(pending)
             for ref, entry, held in zip(pending, entries, leased, strict=True):
                 if entry is not None and (accept is None or accept(entry)):
-                    answers[ref] = self._result(ref, entry, "waited", now)
+                    answers[ref] = Result.served(ref, entry, "waited", now)
                 elif held:
                     still.append(ref)
                 else:
@@ -452,13 +464,3 @@ class ReadThrough:
         if pending or abandoned:
             answers.update(self._compute(abandoned + pending, None, gate))
         return answers
-
-    def _result(self, ref: EntityRef, entry: Entry, source: Source, now: int) -> Result:
-        return Result(
-            ref,
-            entry.values,
-            source,
-            max(0, now - entry.computed_at_ms),
-            entry.schema_version,
-            entry.watermark,
-        )
