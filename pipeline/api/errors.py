@@ -25,7 +25,7 @@ from starlette.types import ExceptionHandler
 
 from pipeline.api.auth import Unauthorized
 from pipeline.cache.readthrough import ReplicaBehind
-from pipeline.cache.tokens import InvalidToken, TokenAhead, TokenPending
+from pipeline.cache.tokens import ForeignToken, InvalidToken, TokenAhead, TokenPending
 from pipeline.core.errors import (
     FreshlineError,
     InvalidId,
@@ -62,6 +62,7 @@ STATUS: dict[type[FreshlineError], tuple[int, str]] = {
     Unauthorized: (401, "unauthorized"),
     InvalidId: (400, "invalid_id"),
     InvalidToken: (400, "invalid_token"),
+    ForeignToken: (403, "foreign_token"),
     TokenAhead: (400, "token_ahead"),
     TokenPending: (409, "token_pending"),
     UnknownFeatureSet: (404, "unknown_feature_set"),

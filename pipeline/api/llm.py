@@ -344,7 +344,7 @@ async def flag(request: Request) -> Response:
     outcome for the entry at that similarity; without, the entry is removed. Counted."""
     scope, body = await _request(request)
     entry = _text(body, "entry_id")
-    prompt = _text(body, "prompt") if body.get("prompt") is not None else None
+    prompt = _text(body, "prompt") if "prompt" in body else None  # null is no string
     service = _service(request)
     cache = await _cache(service)
     answer: dict[str, Any] = {"entry_id": entry}

@@ -22,6 +22,7 @@ def _errors(*statuses: int, override: dict[int, str] | None = None) -> dict[str,
         f"{MAX_JSON_DEPTH} levels deep (json_too_deep)",
         401: "Missing, unknown, revoked or expired API key, or too many failed "
         "authentications from this address",
+        403: "Refused",
         404: "Unknown feature set or model, or a miss in cache-only mode",
         409: "The model is marked non-deterministic and cannot be cached",
         413: "Body over the size limit",
@@ -98,11 +99,16 @@ _STALENESS_TEXT = (
     "entries are recomputed at once (0: always recompute)."
 )
 _FRESHNESS_400 = (
-    "Invalid id or mode; a freshness token that is malformed, altered or from another "
-    "database (invalid_token) or names a state the database has not reached "
-    "(token_ahead); max_staleness_ms or wait_ms not an integer from 0 to 10^12 "
-    "(invalid_parameter)"
+    "Invalid id or mode; a freshness token that is malformed (invalid_token) or names a "
+    "state the database has not reached (token_ahead); max_staleness_ms or wait_ms not "
+    "an integer from 0 to 10^12 (invalid_parameter)"
 )
+_FRESHNESS_403 = (
+    "A freshness token of the right shape that this database did not sign: forged, "
+    "altered or another database's (foreign_token)"
+)
+# A freshness token's shape (pipeline.cache.tokens): what a schema can check of it.
+_TOKEN = {"type": "string", "pattern": "^[A-Za-z0-9_-]{28}$"}
 _FRESHNESS_409 = (
     "The token names a transaction that has not committed within wait_ms (token_pending)"
 )
@@ -177,7 +183,7 @@ _SCHEMAS: dict[str, Any] = {
         "properties": {
             "feature_sets": {"type": "array", "items": {"type": "string"}, "minItems": 1},
             "entities": {"type": "array", "minItems": 1},
-            "after": {"type": ["string", "null"], "description": _AFTER_TEXT},
+            "after": {**_TOKEN, "type": ["string", "null"], "description": _AFTER_TEXT},
             "max_staleness_ms": {
                 **_MS,
                 "type": ["integer", "null"],
@@ -499,7 +505,7 @@ def _document(
     entity_path: dict[str, Any],
     wait: str,
 ) -> dict[str, Any]:
-    freshness_errors = {400: _FRESHNESS_400, 409: _FRESHNESS_409}
+    freshness_errors = {400: _FRESHNESS_400, 403: _FRESHNESS_403, 409: _FRESHNESS_409}
     return {
         "openapi": "3.1.0",
         "info": {
@@ -537,7 +543,7 @@ def _document(
                             "in": "query",
                             "required": False,
                             "description": _AFTER_TEXT,
-                            "schema": {"type": "string"},
+                            "schema": _TOKEN,
                         },
                         {
                             "name": "max_staleness_ms",
@@ -556,7 +562,7 @@ def _document(
                     ],
                     "responses": {
                         "200": _json(_ref("Features"), "The features"),
-                        **_errors(400, 401, 404, 409, 503, override=freshness_errors),
+                        **_errors(400, 401, 403, 404, 409, 503, override=freshness_errors),
                     },
                 }
             },
@@ -571,7 +577,9 @@ def _document(
                     },
                     "responses": {
                         "200": _json(_ref("BatchResponse"), "Every combination"),
-                        **_errors(400, 401, 404, 409, 413, 422, 503, override=freshness_errors),
+                        **_errors(
+                            400, 401, 403, 404, 409, 413, 422, 503, override=freshness_errors
+                        ),
                     },
                 }
             },

@@ -82,6 +82,12 @@ class InvalidToken(FreshlineError, ValueError):
     """Not a freshness token of this database: malformed, altered, forged or foreign."""
 
 
+class ForeignToken(InvalidToken):
+    """A token of the right shape that this database did not sign (forged, altered,
+    another database's) or of a form it does not know: refused as not being its caller's
+    to use, where a malformed one is a bad request."""
+
+
 class TokenAhead(InvalidToken):
     """A token of a state this database has not reached (a copy of it ran ahead)."""
 
@@ -124,12 +130,12 @@ def decode(key: bytes, text: object) -> Token:
     raw = base64.urlsafe_b64decode(text)
     body, mac = raw[:BODY_BYTES], raw[BODY_BYTES:]
     if not hmac.compare_digest(mac, hmac.new(key, body, hashlib.sha256).digest()[:MAC_BYTES]):
-        raise InvalidToken("not a freshness token of this database")
+        raise ForeignToken("not a freshness token of this database")
     form = body[0]
     a = int.from_bytes(body[1:9], "big", signed=True)
     b = int.from_bytes(body[9:13], "big", signed=True)
     if a < 0 or b < 0 or form not in (SNAPSHOT, TRANSACTION) or (form == TRANSACTION and b):
-        raise InvalidToken("a freshness token of an unknown form")  # a newer freshline's?
+        raise ForeignToken("a freshness token of an unknown form")  # a newer freshline's?
     return Token(form, a, b)
 
 

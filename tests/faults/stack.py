@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 from pydantic import SecretStr
 
 from pipeline.core.settings import Settings
@@ -51,7 +52,13 @@ def settings_env(settings: Settings) -> dict[str, str]:
     env = {}
     for name, value in settings:
         plain = value.get_secret_value() if isinstance(value, SecretStr) else value
-        env[f"FRESHLINE_{name.upper()}"] = str(plain)
+        if isinstance(plain, list):  # comma-separated, as the settings read lists
+            text = ",".join(map(str, plain))
+        elif isinstance(plain, dict):
+            text = orjson.dumps(plain).decode()
+        else:
+            text = str(plain)
+        env[f"FRESHLINE_{name.upper()}"] = text
     return env
 
 
