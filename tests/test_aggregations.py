@@ -326,6 +326,9 @@ orders_table = Table("shop_orders", entities={customer: "customer_id"})
         ({"window": "30 days", "aggs": [agg.count()]}, "expected a duration"),
         ({"window": "30d", "aggs": [agg.sum("Amount")]}, "not a lower-case identifier"),
         ({"window": "30d", "aggs": ["count"]}, "is not an aggregation"),
+        ({"window": "30d", "aggs": [agg.sum("amount", default=0)]}, "takes no default"),
+        ({"window": "30d", "aggs": [agg.mean("amount", default="0")]}, "takes no default"),
+        ({"window": "30d", "aggs": [agg.mean("amount", digits=-1)]}, "digits= is 0..15"),
         (
             {"window": "30d", "aggs": [agg.count()], "table": Table("shop_customers")},
             "names no column for entity",

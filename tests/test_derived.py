@@ -67,6 +67,8 @@ DECLARED = Aggregations(
         agg.count_distinct("sku", window="1d", name="skus_1d"),
         agg.sum("amount", where="x.amount >= 100", name="big_spend"),
         agg.min("placed_at", window="7d", name="first_7d"),
+        agg.stddev("amount", name="std_4", default=0, digits=4),
+        agg.max("amount", window="1d", name="max_1d_or_0", default=0),
     ],
 )
 
@@ -122,6 +124,7 @@ ops = st.lists(
         st.tuples(st.just("sku"), st.integers(0, 50), skus),
         st.tuples(st.just("delete"), st.integers(0, 50)),
         st.tuples(st.just("bump"), customers),
+        st.tuples(st.just("fold"), st.integers(1, 20)),
     ),
     min_size=1,
     max_size=12,
@@ -143,6 +146,9 @@ def apply(conn: sa.Connection, shop: str, op: tuple[Any, ...], ids: list[int]) -
             ),
             params,
         ).scalars()
+        return
+    if kind == "fold":  # some logged days recomputed, in the writers' midst
+        path_of(DECLARED).fold(conn, max_keys=op[1], wait=True)
         return
     if kind == "bump":  # one statement changing many rows of a customer
         conn.execute(
@@ -186,7 +192,11 @@ def test_the_derived_path_equals_the_defining_query_through_any_changes(
     for op in stream:
         with own.begin() as conn:  # each change its own transaction, as writers do
             apply(conn, shop, op, ids)
-    assert_paths_agree(own, keys, sorted({0, moment, moment + DAY, -DAY + 1}))
+    moments = sorted({0, moment, moment + DAY, -DAY + 1})
+    assert_paths_agree(own, keys, moments)  # with writes logged and not yet folded
+    path_of(DECLARED).fold_all(own)
+    assert path_of(DECLARED).pending(own) == (0, 0)
+    assert_paths_agree(own, keys, moments)
 
 
 def test_a_statement_changing_many_days_at_once_is_exact(own: Engine) -> None:
@@ -233,9 +243,13 @@ def test_copy_truncate_and_rebuild_keep_the_partials_exact(own: Engine) -> None:
     assert_paths_agree(own, keys, [0, -5 * DAY])
     assert compute(own, DECLARED, keys, as_of=AS_OF, path="incremental").values[keys[0]]["count"]
 
+    path = path_of(DECLARED)
+    assert path.pending(own)[0] > 0  # the COPY's days are logged, read from the rows
+    path.fold_all(own)
+    assert_paths_agree(own, keys, [0, -5 * DAY])
+
     # Partials that drifted (as a bug or a hand edit would) disagree, and a rebuild of
     # the key repairs them.
-    path = path_of(DECLARED)
     with own.begin() as conn:
         conn.execute(sa.text(f"UPDATE {path.days} SET c0 = c0 + 5 WHERE shop_id = :s"), {"s": shop})
     with pytest.raises(AssertionError):
@@ -248,6 +262,7 @@ def test_copy_truncate_and_rebuild_keep_the_partials_exact(own: Engine) -> None:
         conn.execute(sa.text("TRUNCATE orders"))
     with own.connect() as conn:
         assert conn.execute(sa.text(f"SELECT count(*) FROM {path.days}")).scalar() == 0
+        assert conn.execute(sa.text(f"SELECT count(*) FROM {path.log}")).scalar() == 0
     assert_paths_agree(own, keys, [0])
 
 
@@ -267,6 +282,7 @@ def test_the_incremental_query_reads_partials_not_the_history(own: Engine) -> No
             {"s": shop, "t": AS_OF},
         )
         conn.execute(sa.text("ANALYZE orders"))
+    path_of(DECLARED).fold_all(own)  # as the consumers' upkeep does
     sql = DECLARED.sql("incremental")
     with own.connect() as conn:
         plan = conn.execute(

@@ -20,7 +20,9 @@ are generated from it:
   ``sum / count`` and ``stddev`` (population) is ``sqrt(greatest(n*q - s*s, 0) / n^2)``
   over the count ``n``, the sum ``s`` and the sum of squares ``q``, all ``numeric``.
   Over no rows, ``count``, ``count_distinct`` and ``sum`` are 0; the others ``NULL``.
-  ``last`` is the value of the latest row (ties: the greatest value). Nothing is cast:
+  ``last`` is the value of the latest row (ties: the greatest value). An aggregation's
+  ``default=`` replaces that ``NULL`` and ``digits=`` rounds it (``numeric`` ``round``),
+  in both queries alike. Nothing else is cast:
   counts are ``bigint``, sums and the formulas ``numeric`` (read as the declared ``int``
   or ``float``), ``min``/``max``/``last`` the column's own type, which ``plan`` checks
   against the declared field type. A ``float8`` column enters the sums as ``numeric``,
@@ -63,8 +65,8 @@ def count(
 
 
 class ColumnAgg(Protocol):
-    """An aggregation of one column: ``agg.sum("amount", where=..., window=..., name=...,
-    type=...)``."""
+    """An aggregation of one column: ``agg.mean("amount", where=..., window=..., name=...,
+    type=..., default=0, digits=4)``."""
 
     def __call__(
         self,
@@ -74,6 +76,8 @@ class ColumnAgg(Protocol):
         window: str | int | None = None,
         name: str | None = None,
         type: FieldType | None = None,
+        default: int | float | None = None,
+        digits: int | None = None,
     ) -> Agg: ...
 
 
@@ -85,8 +89,11 @@ def _of_column(kind: AggKind, doc: str) -> ColumnAgg:
         window: str | int | None = None,
         name: str | None = None,
         type: FieldType | None = None,
+        default: int | float | None = None,
+        digits: int | None = None,
     ) -> Agg:
-        return Agg(kind, column, name, where, window, "int" if kind == "count_distinct" else type)
+        kept = "int" if kind == "count_distinct" else type
+        return Agg(kind, column, name, where, window, kept, default, digits)
 
     make.__name__ = make.__qualname__ = kind
     make.__doc__ = doc
@@ -156,6 +163,19 @@ def Aggregations(
         if field_name in names:
             raise ConfigError(f"{what}: two aggregations are named {field_name!r} (pass name=)")
         names.add(field_name)
+        if agg.default is not None and (
+            agg.kind in ("count", "count_distinct", "sum")
+            or isinstance(agg.default, bool)
+            or not isinstance(agg.default, int | float)
+        ):
+            raise ConfigError(
+                f"{what}: {field_name} takes no default= (a number, for an aggregation "
+                "that is NULL over no rows: mean, stddev, min, max, last)"
+            )
+        if agg.digits is not None and (
+            agg.kind in ("count", "count_distinct") or not 0 <= agg.digits <= 15
+        ):
+            raise ConfigError(f"{what}: {field_name}: digits= is 0..15, for a non-count")
         chosen = agg.window if agg.window is not None else window
         if chosen is None:
             raise ConfigError(f"{what}: {field_name} has no window (give window= to it or all)")
@@ -231,7 +251,7 @@ def full_query(entity: Entity, decl: Declaration) -> str:
     """The defining query of a declaration: the batch's keys ``k``, ``t.as_of``."""
     keys = [f"k.{c} AS {c}" for c in entity.columns]
     values = [
-        f"{_aggregate(a, w, decl)} AS {a.field_name()}"
+        f"{a.finish(_aggregate(a, w, decl))} AS {a.field_name()}"
         for a, w in zip(decl.aggs, decl.windows_s, strict=True)
     ]
     on = [f"x.{decl.entity_column} = k.{entity.key}"]

@@ -23,6 +23,19 @@ class Agg:
     where: str | None = None
     window: str | int | None = None
     type: FieldType | None = None
+    default: int | float | None = None
+    """The value over no rows (for the aggregations that are ``NULL`` there)."""
+    digits: int | None = None
+    """Decimal places to round the value to (``round(value, digits)``)."""
+
+    def finish(self, expr: str) -> str:
+        """``expr`` (the aggregate's SQL) with the default and rounding applied: the one
+        place both the defining query and the incremental one take them from."""
+        if self.default is not None:
+            expr = f"coalesce({expr}, {self.default!r})"
+        if self.digits is not None:
+            expr = f"round(({expr})::numeric, {self.digits})"
+        return expr
 
     def field_name(self) -> str:
         if self.name is not None:

@@ -1,10 +1,11 @@
 """Incremental maintenance derived from a declaration of windowed aggregations.
 
 :func:`pipeline.core.aggregations.Aggregations` with ``incremental=True`` gets a
-:class:`DerivedPath`: per-day partial aggregates in freshline's schema, kept by
-statement-level triggers on the source table, and an incremental query that reads at
-most one partial per whole day of the window plus the source rows of the (at most two)
-days the window's edges cut through, whatever the entity's history.
+:class:`DerivedPath`: per-day partial aggregates in freshline's schema, a log of the days
+writes have changed, kept by statement-level triggers on the source table, a fold, and an
+incremental query that reads at most one partial per whole day of the window plus the
+source rows of the days the window's edges cut through and of the days logged since the
+last fold, whatever the entity's history.
 
 What the partials hold
 ----------------------
@@ -12,30 +13,42 @@ Per (tenant, key, UTC day of the time column), for each aggregation over the row
 pass the declaration's and its own ``where``: the row count; the count, ``numeric`` sum
 and sum of squares of the column; its least and greatest value; the latest row's time
 and value (ties: the greatest value, as the defining query orders them). Per
-``count_distinct``, a table of (tenant, key, day, value, rows). The incremental query
-adds the whole days strictly between the window's edge days to the edge days' source
-rows (``(c, end of c's day)`` and ``[start of as_of's day, as_of]``), so a row after
+``count_distinct``, a table of (tenant, key, day, value, rows) and each value's latest
+day. The incremental query adds the *clean* whole days strictly between the window's edge
+days to the source rows of the edge days (``(c, end of c's day)`` and ``[start of
+as_of's day, as_of]``) and of the *dirty* days (those in the log), so a row after
 ``as_of`` is never counted, and a row leaving the window is simply no longer read.
 
 Why the values are exact in every snapshot
 ------------------------------------------
-The triggers run in the writer's transaction, as the writer's statement's last step:
-an INSERT (or COPY) adds its rows' partials to their days (counts and sums add, the
-least and greatest and latest compare); an UPDATE or DELETE recomputes every day it
-touched, before and after, from the source rows as the statement left them (a removed
-row may have been a day's least, greatest or latest); a TRUNCATE empties the partials.
-So the partials and the source rows they summarise commit together, and every snapshot
-sees partials that are exactly the aggregates of the source rows it sees. The feature
-statement reads both in its one snapshot: the recompute's watermark argument
-(:mod:`pipeline.cache.recompute`) holds as it is. Two writers of one entity's day wait
-on its partial's row lock (as two writers of one row do); under ``REPEATABLE READ`` the
-later one gets a serialization failure to retry, never a lost change. The sums are
-``numeric`` and the mean and deviation the same ``numeric`` formulas the defining query
-uses, so both paths give the same digits.
+A write costs its statement one insert: the trigger appends the (key, day)s of the rows
+it added, removed or changed (before and after) to the log, in the writer's transaction.
+So in any snapshot, every committed write to a day the snapshot sees has its log row
+there too, until a fold removes it. The fold (one function, under an advisory lock that
+rebuilds take too) deletes some logged (key, day)s, then recomputes those days' partials
+from the source rows, in later statements (their snapshot is the same or later). A
+reader's snapshot R reads a day's partial only if R sees no log row of it:
+
+* if R does not see the fold's commit, it sees the log rows the fold deleted: the day
+  is dirty and read from its source rows;
+* if R sees it, the partial is the day as of the fold's recompute, which saw every write
+  whose log row the fold deleted; a write the fold did not see committed after the
+  fold's delete began, so its log row was not deleted, and R, seeing the write, sees
+  that row: the day is dirty again.
+
+So a clean day's partial always equals the aggregate of the source rows R sees. For a
+``count_distinct``, a value counts once if it has a member row on a clean whole day (its
+latest day is such a day, or, when its latest day is dirty or not before ``as_of``'s, a
+member row on one exists), plus the distinct values of the edge and dirty days' rows that
+have none: the members of clean days are exact, and a value's latest day is the latest of
+its member rows as folded. The sums are ``numeric`` and the mean and deviation the same
+``numeric`` formulas the defining query uses, so both paths give the same digits.
 
 Installing it changes the user's table (triggers), so ``freshline apply`` does it only
 with ``--alter-tables``, and fills the partials from the existing rows in the same
-transaction, under ``LOCK TABLE ... IN SHARE MODE`` (writers wait for the build).
+transaction, under ``LOCK TABLE ... IN SHARE MODE`` (writers wait for the build). The
+consumers' upkeep thread folds (:meth:`DerivedPath.fold`, EXECUTE on the generated
+function is all it needs); ``freshline buckets fold`` does it by hand.
 """
 
 from __future__ import annotations
@@ -121,11 +134,17 @@ class DerivedPath(IncrementalPath):
         return f"{SCHEMA}.{self.prefix}_l{slot.index}"
 
     @property
+    def log(self) -> str:
+        """The (key, day)s whose partials writes have changed since the last fold."""
+        return f"{SCHEMA}.{self.prefix}_log"
+
+    @property
     def tables(self) -> list[str]:
         """Every table of the path."""
         return [
             self.days,
             *(t for s in self.distinct for t in (self.members(s), self.latest(s))),
+            self.log,
         ]
 
     @property
@@ -145,8 +164,11 @@ class DerivedPath(IncrementalPath):
         return [*own, _day(f"{alias}.{self.decl.time}")]
 
     def _row_filter(self, alias: str) -> str:
-        where = self.decl.where
-        return "true" if not where else "(" + where.replace("x.", f"{alias}.") + ")"
+        """The rows the partials summarise: with a key and a time, passing ``where``."""
+        own = [f"{alias}.{c} IS NOT NULL" for c in [*self._src_cols(), self.decl.time]]
+        if self.decl.where:
+            own.append("(" + self.decl.where.replace("x.", f"{alias}.") + ")")
+        return " AND ".join(own)
 
     # -- DDL ----------------------------------------------------------------------------
 
@@ -186,16 +208,29 @@ class DerivedPath(IncrementalPath):
                 f"CREATE INDEX IF NOT EXISTS {self.prefix}_l{s.index}_by_day "
                 f"ON {self.latest(s)} ({ents}, latest)",
             ]
-        roles = conn.execute(
-            sa.text(
-                "SELECT rolname FROM pg_roles "
-                "WHERE rolname IN ('freshline_api', 'freshline_consumer') ORDER BY 1"
-            )
-        ).scalars()
+        day_keys = ", ".join(self.keys)
+        out += [
+            f"CREATE TABLE IF NOT EXISTS {self.log} ({keys})",
+            f"CREATE INDEX IF NOT EXISTS {self.prefix}_log_by_key ON {self.log} ({day_keys})",
+        ]
+        roles = list(
+            conn.execute(
+                sa.text(
+                    "SELECT rolname FROM pg_roles "
+                    "WHERE rolname IN ('freshline_api', 'freshline_consumer') ORDER BY 1"
+                )
+            ).scalars()
+        )
         tables = ", ".join(self.tables)
         out += [f"GRANT SELECT ON {tables} TO {role}" for role in roles]
-        out += self._functions(table)
+        out += self._functions(table, types)
         fn = f"{SCHEMA}.{self.prefix}"
+        out += [f"REVOKE ALL ON FUNCTION {fn}_fold(integer, boolean) FROM PUBLIC"]
+        out += [
+            f"GRANT EXECUTE ON FUNCTION {fn}_fold(integer, boolean) TO {role}"
+            for role in roles
+            if role == "freshline_consumer"
+        ]
         trigger = self.trigger
         out += [
             f"DROP TRIGGER IF EXISTS {trigger}_i ON {table}",
@@ -210,6 +245,7 @@ class DerivedPath(IncrementalPath):
             f"old_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_d()",
             f"CREATE TRIGGER {trigger}_t AFTER TRUNCATE ON {table} "
             f"FOR EACH STATEMENT EXECUTE FUNCTION {fn}_t()",
+            f"SELECT pg_advisory_xact_lock({self._lock})",
             f"LOCK TABLE {table} IN SHARE MODE",
             *self._rebuild_sql(table, keys_from=None),
             # Statistics now, not at autovacuum's leisure: without them the first
@@ -347,19 +383,8 @@ class DerivedPath(IncrementalPath):
             f"FROM {members} WHERE ({ents}, value) IN ({values}) GROUP BY {ents}, value",
         ]
 
-    def _touched_values(self, slot: _Slot, transition: tuple[str, ...]) -> str:
-        """The (entity, value)s of ``slot``'s column in the transition tables."""
-        col = f"o.{slot.agg.column}"
-        ents = ", ".join(self._src_keys("o")[:-1])
-        return " UNION ".join(
-            f"SELECT {ents}, {col} FROM {t} o WHERE {col} IS NOT NULL" for t in transition
-        )
-
-    def _recompute_days(
-        self, table: str, touched: str, transition: tuple[str, ...] = ("old_rows",)
-    ) -> list[str]:
-        """Statements that recompute the days in ``touched`` (a query of the partials'
-        key columns) from ``table``'s rows."""
+    def _touched_rows(self, table: str, touched: str) -> str:
+        """The source rows of the (key, day)s in ``touched``, as a subquery."""
         keys = ", ".join(self.keys)
         cond = " AND ".join(
             [f"x.{c} = t.{k}" for c, k in zip(self._src_cols(), self.entity.columns, strict=True)]
@@ -368,7 +393,14 @@ class DerivedPath(IncrementalPath):
                 f"x.{self.decl.time} < {_start('t.day + 1')}",
             ]
         )
-        source = f"(SELECT x.* FROM ({touched}) AS t({keys}) JOIN {table} x ON {cond})"
+        return f"(SELECT x.* FROM ({touched}) AS t({keys}) JOIN {table} x ON {cond})"
+
+    def _recompute_days(self, table: str, touched: str, values: dict[int, str]) -> list[str]:
+        """Statements that recompute the days in ``touched`` (a query of the partials'
+        key columns) from ``table``'s rows; ``values[i]``: a query of the (key, value)s
+        of ``count_distinct`` slot ``i`` whose latest day may change."""
+        keys = ", ".join(self.keys)
+        source = self._touched_rows(table, touched)
         out = [f"DELETE FROM {self.days} WHERE ({keys}) IN ({touched})"]
         out.append(
             self._insert_days(self._aggregate_rows(source, "x", self._row_filter("x")), False)
@@ -377,7 +409,7 @@ class DerivedPath(IncrementalPath):
             out.append(f"DELETE FROM {self.members(s)} WHERE ({keys}) IN ({touched})")
             select = self._members_rows(s, source, "x", self._row_filter("x"))
             out.append(self._insert_members(s, select, False))
-            out += self._latest_from_members(s, self._touched_values(s, transition))
+            out += self._latest_from_members(s, values[s.index])
         return out
 
     def _src_cols(self) -> list[str]:
@@ -386,37 +418,88 @@ class DerivedPath(IncrementalPath):
             cols.insert(0, str(self.decl.tenant_column))
         return cols
 
-    def _functions(self, table: str) -> list[str]:
-        fn = f"{SCHEMA}.{self.prefix}"
-        inserted = [
-            self._insert_days(self._aggregate_rows("new_rows", "x", self._row_filter("x")), True)
-        ]
-        for s in self.distinct:
-            inserted += [
-                self._insert_members(
-                    s, self._members_rows(s, "new_rows", "x", self._row_filter("x")), True
-                ),
-                self._latest_from_rows(s, "new_rows"),
-            ]
-        src = ", ".join(self._src_keys("o"))
-        new = ", ".join(self._src_keys("o"))
-        touched_u = f"SELECT {src} FROM old_rows o UNION SELECT {new} FROM new_rows o"
-        touched_d = f"SELECT DISTINCT {src} FROM old_rows o"
-        truncate = [f"TRUNCATE {table}" for table in self.tables]
+    @property
+    def _lock(self) -> str:
+        """The advisory lock that folds and rebuilds of this path take."""
+        return f"hashtext('{SCHEMA}.{self.prefix}')"
 
-        def function(suffix: str, body: list[str]) -> str:
+    def _functions(self, table: str, types: dict[str, str]) -> list[str]:
+        """The trigger functions (each records the (key, day)s its statement touched in
+        the log) and the fold (which recomputes logged days from the source rows)."""
+        fn = f"{SCHEMA}.{self.prefix}"
+        keys = ", ".join(self.keys)
+
+        def logged(*transition: str) -> list[str]:
+            select = "SELECT DISTINCT" if len(transition) == 1 else "SELECT"  # UNION dedups
+            rows = " UNION ".join(
+                f"{select} {', '.join(self._src_keys('x'))} FROM {t} x "
+                f"WHERE {self._row_filter('x')}"
+                for t in transition
+            )
+            return [f"INSERT INTO {self.log} ({keys}) {rows}"]
+
+        def function(name: str, body: list[str], head: str = "", returns: str = "trigger") -> str:
             statements = "".join(f"    {b};\n" for b in body)
+            end = "    RETURN NULL;\n" if returns == "trigger" else ""
             return (
-                f"CREATE OR REPLACE FUNCTION {fn}_{suffix}() RETURNS trigger LANGUAGE plpgsql "
-                f"SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$\nBEGIN\n"
-                f"{statements}    RETURN NULL;\nEND\n$fn$"
+                f"CREATE OR REPLACE FUNCTION {fn}_{name} RETURNS {returns} LANGUAGE plpgsql "
+                f"SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$\n{head}"
+                f"BEGIN\n{statements}{end}END\n$fn$"
             )
 
+        # The fold: the logged (key, day)s, up to $1 of them, leave the log; their days
+        # are recomputed from the source rows (see the module's docstring on why that
+        # is exact under any interleaving with writers).
+        key_types = [*(["text"] if self.entity.tenant else []), self.entity.type, "date"]
+        picked = [f"fl_k{i}" for i in range(len(self.keys))]
+        declare = [f"{v} {t}[];" for v, t in zip(picked, key_types, strict=True)]
+        touched = f"SELECT * FROM unnest({', '.join(picked)})"
+        ents = ", ".join(self.entity.columns)
+        source = self._touched_rows(table, touched)
+        body = [
+            f"IF $2 THEN PERFORM pg_advisory_xact_lock({self._lock}); "
+            f"ELSIF NOT pg_try_advisory_xact_lock({self._lock}) THEN RETURN NULL; END IF",
+            f"SELECT {', '.join(f'array_agg(g.{k})' for k in self.keys)} "
+            f"INTO {', '.join(picked)} FROM (SELECT DISTINCT {keys} FROM {self.log} "
+            f"LIMIT $1) AS g",
+            f"IF {picked[0]} IS NULL THEN RETURN 0; END IF",
+            f"DELETE FROM {self.log} WHERE ({keys}) IN ({touched})",
+        ]
+        values: dict[int, str] = {}
+        for s in self.distinct:
+            assert s.agg.column is not None
+            names = [f"fl_v{s.index}_{i}" for i in range(len(self.entity.columns) + 1)]
+            vtypes = [*key_types[:-1], types[s.agg.column]]
+            declare += [f"{v} {t}[];" for v, t in zip(names, vtypes, strict=True)]
+            col = f"x.{s.agg.column}"
+            from_rows = (
+                f"SELECT {', '.join(self._src_keys('x')[:-1])}, {col} FROM {source} x "
+                f"WHERE {self._row_filter('x')} AND {s.where} AND {col} IS NOT NULL"
+            )
+            from_members = (
+                f"SELECT {ents}, value FROM {self.members(s)} WHERE ({keys}) IN ({touched})"
+            )
+            columns = [*self.entity.columns, "value"]
+            body.append(
+                f"SELECT {', '.join(f'array_agg(g.{c})' for c in columns)} "
+                f"INTO {', '.join(names)} FROM ({from_members} UNION {from_rows}) "
+                f"AS g({', '.join(columns)})"
+            )
+            values[s.index] = f"SELECT * FROM unnest({', '.join(names)})"
+        body += self._recompute_days(table, touched, values)
+        body.append(f"RETURN cardinality({picked[0]})")
+        truncate = [f"TRUNCATE {', '.join(self.tables)}"]
         return [
-            function("i", inserted),
-            function("u", self._recompute_days(table, touched_u, ("old_rows", "new_rows"))),
-            function("d", self._recompute_days(table, touched_d)),
-            function("t", truncate),
+            function("i()", logged("new_rows")),
+            function("u()", logged("old_rows", "new_rows")),
+            function("d()", logged("old_rows")),
+            function("t()", truncate),
+            function(
+                "fold(integer, boolean)",
+                body,
+                head="DECLARE\n" + "".join(f"    {d}\n" for d in declare),
+                returns="integer",
+            ),
         ]
 
     def _rebuild_sql(self, table: str, keys_from: str | None) -> list[str]:
@@ -454,6 +537,7 @@ class DerivedPath(IncrementalPath):
             bounds += [f"{c} AS c{j}", f"{_day(c)} AS dc{j}"]
         slot_w = {s.index: self.windows.index(s.window_s) for s in self.slots}
         mine_b = " AND ".join(f"b.{c} = k.{c}" for c in e.columns)
+        mine_g = " AND ".join(f"g.{c} = k.{c}" for c in e.columns)
         mine_x = " AND ".join(
             f"x.{c} = k.{k}" for c, k in zip(self._src_cols(), e.columns, strict=True)
         )
@@ -461,11 +545,12 @@ class DerivedPath(IncrementalPath):
         # The source rows of the edge days (every window's old edge day, and as_of's day,
         # each once), read day by day as index ranges.
         days = ", ".join([*(f"w.dc{j}" for j in range(len(self.windows))), "w.da"])
+        days = f"ARRAY[{days}] || dl.dd"  # and the whole days with writes not yet folded
         # LATERAL behind OFFSET 0 (which keeps the planner from flattening it), so each day
         # is an index range whatever the table's statistics say: flattened, a planner
         # without them read the entity's whole window and filtered it by day.
         edge_rows = (
-            f"(SELECT x.* FROM (SELECT DISTINCT ed_day FROM unnest(ARRAY[{days}]) AS ed_day) "
+            f"(SELECT x.* FROM (SELECT DISTINCT ed_day FROM unnest({days}) AS ed_day) "
             f"AS ed_days CROSS JOIN LATERAL (SELECT * FROM {d.table} x WHERE {mine_x} "
             f"AND {time} >= {_start('ed_days.ed_day')} "
             f"AND {time} < {_start('ed_days.ed_day + 1')} AND {time} <= t.as_of OFFSET 0) AS x)"
@@ -474,13 +559,14 @@ class DerivedPath(IncrementalPath):
         def on_edge(j: int) -> str:
             return (
                 f"{time} > w.c{j} AND {time} <= t.as_of AND "
-                f"({_day(time)} = w.dc{j} OR {_day(time)} = w.da)"
+                f"({_day(time)} = w.dc{j} OR {_day(time)} = w.da "
+                f"OR {_day(time)} = ANY(dl.dd))"
             )
 
         bucket_vals, edge_vals, out = [], [], []
         for s in self.slots:
             i, j, col = s.index, slot_w[s.index], f"x.{s.agg.column}"
-            inside = f"b.day > w.dc{j} AND b.day < w.da"
+            inside = f"b.day > w.dc{j} AND b.day < w.da AND b.day <> ALL(dl.dd)"
             edge = f"{on_edge(j)} AND {s.where}"
             match s.agg.kind:
                 case "count":
@@ -539,11 +625,13 @@ class DerivedPath(IncrementalPath):
                     members, latest = self.members(s), self.latest(s)
                     mine_l = " AND ".join(f"l.{c} = k.{c}" for c in e.columns)
                     same = " AND ".join(f"m.{c} = k.{c}" for c in e.columns)
-                    inside_m = f"m.day > w.dc{j} AND m.day < w.da"
+                    inside_m = f"m.day > w.dc{j} AND m.day < w.da AND m.day <> ALL(dl.dd)"
                     out.append(
                         f"((SELECT count(*) FROM {latest} l WHERE {mine_l} "
-                        f"AND l.latest > w.dc{j} AND l.latest < w.da)"
-                        f" + (SELECT count(*) FROM {latest} l WHERE {mine_l} AND l.latest >= w.da "
+                        f"AND l.latest > w.dc{j} AND l.latest < w.da "
+                        f"AND l.latest <> ALL(dl.dd))"
+                        f" + (SELECT count(*) FROM {latest} l WHERE {mine_l} "
+                        f"AND (l.latest >= w.da OR l.latest = ANY(dl.dd)) "
                         f"AND EXISTS (SELECT 1 FROM {members} m WHERE {same} AND m.value = l.value "
                         f"AND {inside_m}))"
                         f" + (SELECT count(DISTINCT {col}) FROM {edge_rows} x "
@@ -554,13 +642,19 @@ class DerivedPath(IncrementalPath):
         names = [a.field_name() for a in d.aggs]
         body = ",\n       ".join(
             [f"k.{c} AS {c}" for c in e.columns]
-            + [f"{expr} AS {name}" for expr, name in zip(out, names, strict=True)]
+            + [
+                f"{a.finish(expr)} AS {name}"
+                for a, expr, name in zip(d.aggs, out, names, strict=True)
+            ]
         )
         bucket_sel = ", ".join(bucket_vals) or "1 AS none"
         edge_sel = ", ".join(edge_vals) or "1 AS none"
         return (
             f"\nSELECT {body}\nFROM k CROSS JOIN t\n"
             f"CROSS JOIN LATERAL (SELECT {', '.join(bounds)}) AS w\n"
+            f"CROSS JOIN LATERAL (SELECT coalesce(array_agg(DISTINCT g.day), '{{}}') AS dd "
+            f"FROM {self.log} g WHERE {mine_g} AND g.day > w.dc{widest} AND g.day < w.da) "
+            "AS dl\n"
             f"CROSS JOIN LATERAL (SELECT {bucket_sel} FROM {self.days} b WHERE {mine_b} "
             f"AND b.day > w.dc{widest} AND b.day < w.da) AS bk\n"
             f"CROSS JOIN LATERAL (SELECT {edge_sel} FROM {edge_rows} x "
@@ -585,15 +679,45 @@ class DerivedPath(IncrementalPath):
             "tenants": [t for t, _ in keys],
             "ids": [self.entity.param(str(k)) for _, k in keys],
         }
+        conn.execute(sa.text(f"SELECT pg_advisory_xact_lock({self._lock})"))
         conn.execute(sa.text(f"LOCK TABLE {table} IN SHARE MODE"))
         for statement in self._rebuild_sql(table, keys_from):
             conn.execute(sa.text(statement), params)
 
     def fold(self, db: Engine | Connection, *, max_keys: int, wait: bool) -> int | None:
-        return 0  # nothing pending: the triggers keep the partials as they go
+        """Recompute up to ``max_keys`` logged (key, day)s (the generated function does,
+        as the partials' owner: a consumer needs only EXECUTE on it). With an Engine,
+        one statement in autocommit, so the lock is let go as the statement ends."""
+        fold = sa.text(f"SELECT {SCHEMA}.{self.prefix}_fold(:n, :wait)")
+        params = {"n": max_keys, "wait": wait}
+        if isinstance(db, Connection):
+            n = db.execute(fold, params).scalar_one()
+        else:
+            with db.connect() as conn:
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+                n = conn.execute(fold, params).scalar_one()
+        return None if n is None else int(n)
 
     def pending(self, db: Engine | Connection) -> tuple[int, int]:
-        return 0, 0
+        """(logged (key, day)s, keys they belong to): a scan of the log."""
+        ents = ", ".join(self.entity.columns)
+        sql = sa.text(f"SELECT count(*), count(DISTINCT ({ents})) FROM {self.log}")
+        if isinstance(db, Connection):
+            row = db.execute(sql).one()
+        else:
+            with db.connect() as conn:
+                row = conn.execute(sql).one()
+        return int(row[0]), int(row[1])
+
+    def summary(self, db: Engine | Connection) -> str:
+        sizes = " + ".join(f"pg_total_relation_size('{t}')" for t in self.tables)
+        sql = sa.text(f"SELECT (SELECT count(*) FROM {self.days}), pg_size_pretty({sizes})")
+        if isinstance(db, Connection):
+            row = db.execute(sql).one()
+        else:
+            with db.connect() as conn:
+                row = conn.execute(sql).one()
+        return f"{row[0]:,} day rows, {row[1]}"
 
     def install(self, conn: Connection) -> None:
         """Run :meth:`ddl` in ``conn``'s transaction."""
@@ -609,10 +733,10 @@ class DerivedPath(IncrementalPath):
         return bool(
             conn.execute(
                 sa.text(
-                    "SELECT to_regclass(:days) IS NOT NULL AND EXISTS "
-                    "(SELECT 1 FROM pg_trigger WHERE tgname = :trigger)"
+                    "SELECT to_regclass(:days) IS NOT NULL AND to_regclass(:log) IS NOT NULL "
+                    "AND EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = :trigger)"
                 ),
-                {"days": self.days, "trigger": f"{self.trigger}_t"},
+                {"days": self.days, "log": self.log, "trigger": f"{self.trigger}_t"},
             ).scalar()
         )
 
