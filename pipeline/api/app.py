@@ -31,6 +31,7 @@ from pipeline.cache.readthrough import ReadThrough
 from pipeline.cache.store import FeatureStore, check_eviction_policy
 from pipeline.cache.tokens import Tokens
 from pipeline.cache.versions import VersionResolver
+from pipeline.core.budget import TenantBudget
 from pipeline.core.cluster import is_cluster
 from pipeline.core.db import make_engine
 from pipeline.core.features import Registry
@@ -149,7 +150,14 @@ def create_app(
         ),
         models=ModelRegistry(client),
         inference=InferenceCache(
-            client, decimals=settings.inference_decimals, ttl_s=settings.inference_ttl_s
+            client,
+            decimals=settings.inference_decimals,
+            ttl_s=settings.inference_ttl_s,
+            budget=TenantBudget(
+                client,
+                max_keys=settings.inference_tenant_max_keys,
+                max_bytes=settings.inference_tenant_max_bytes,
+            ),
         ),
     )
 

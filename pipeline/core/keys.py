@@ -238,6 +238,19 @@ def inference_pattern(model: str, version: str) -> str:
     return f"{INFERENCE_PREFIX}:{name}:{ver}:*"
 
 
+def inference_budget_keys(tenant: str) -> tuple[str, str]:
+    """``infer:_own:{<tenant>}`` and ``infer:_bytes:{<tenant>}``: the tenant's cached
+    predictions, a sorted set scored by expiry (ms), and the bytes they take.
+
+    Under ``infer:`` (the prefix the API's Redis user may write), and never a prediction
+    key nor matched by :func:`inference_pattern`: a model name cannot start with ``_``.
+    The tenant is the hash tag, so :class:`pipeline.core.budget.TenantBudget` updates
+    both in one script.
+    """
+    tag = "{" + validate_id("tenant", tenant) + "}"
+    return f"{INFERENCE_PREFIX}:_own:{tag}", f"{INFERENCE_PREFIX}:_bytes:{tag}"
+
+
 def hot_key(schema_version: int, feature_set: str, tenant: str) -> str:
     """A sorted set of sampled read counts per entity, for warming the hottest."""
     return f"{HOT_PREFIX}:{schema_version}:{feature_set}:{validate_id('tenant', tenant)}"

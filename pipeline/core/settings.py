@@ -132,6 +132,23 @@ class Settings(BaseSettings):
     api_tls_cert: str = ""
     api_tls_key: str = ""
     audit_log: str = ""
+    api_probe_rate_per_s: float = Field(default=10.0, ge=0)
+    """``/healthz`` and ``/readyz`` requests per second per client address and worker on
+    the API port (token bucket; 0: no limit). The ops port's probes are not limited."""
+    api_probe_burst: int = Field(default=20, ge=1)
+    api_ready_cache_s: float = Field(default=1.0, ge=0)
+    """How long ``/readyz`` reuses its Redis and Postgres check (one check at a time)."""
+
+    ops_host: str = "127.0.0.1"
+    ops_port: int = Field(default=9465, ge=0, le=65535)
+    """Where ``freshline serve`` serves ``/metrics``, ``/status`` and ``/status.json`` (and
+    the probes), apart from the API port; 0: not served apart."""
+    ops_key: SecretStr = SecretStr("")
+    """An operator key: with it, the API port serves ``/metrics``, ``/status`` and
+    ``/status.json`` too, to ``Authorization: Bearer <key>`` only; empty: not there."""
+    ops_cache_s: float = Field(default=5.0, ge=0)
+    """How long ``/metrics`` and ``/status`` reuse their Redis sample and broker lag: requests
+    drive at most one sample (a SCAN of Redis) per period. 0: sample every request."""
 
     recompute_paths: dict[str, Literal["full", "incremental"]] = Field(default_factory=dict)
     """Per feature set, JSON: ``{"txn_90d": "full"}``; others keep their declared path."""
@@ -141,6 +158,11 @@ class Settings(BaseSettings):
 
     inference_decimals: int = Field(default=4, ge=0, le=12)
     inference_ttl_s: int = Field(default=3600, ge=1)
+    inference_tenant_max_keys: int = Field(default=100_000, ge=1)
+    """Cached predictions one tenant may hold; past it, that tenant's oldest go."""
+    inference_tenant_max_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    """Bytes one tenant's cached predictions may take (keys, values, bookkeeping);
+    past it, that tenant's oldest go."""
 
     semantic_enabled: bool = False
     """Serve the semantic cache of LLM responses (``/v1/llm/cache/*``); needs the

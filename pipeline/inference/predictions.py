@@ -51,7 +51,11 @@ Order of a batch
 3. One ``MGET`` for the distinct keys.
 4. One ``model.predict`` call with the first occurrence of every missing row, as given
    (not rounded), so a miss returns exactly what the model returns.
-5. One pipeline of ``SET key value PX ttl`` for the computed rows.
+5. With a tenant and a :class:`pipeline.core.budget.TenantBudget`: count the computed
+   rows against the tenant's budget (keys and bytes), which names the tenant's oldest
+   predictions that must go to make room (maybe some of these rows).
+6. One pipeline of ``SET key value PX ttl`` for the computed rows not named, and
+   ``UNLINK`` of the tenant's older ones that were.
 """
 
 from __future__ import annotations
@@ -66,9 +70,10 @@ import numpy as np
 import numpy.typing as npt
 import redis
 
+from pipeline.core.budget import TenantBudget
 from pipeline.core.cluster import is_cluster, mget, scan_chunks
 from pipeline.core.errors import ModelError
-from pipeline.core.keys import inference_pattern, inference_prefix
+from pipeline.core.keys import inference_budget_keys, inference_pattern, inference_prefix
 
 log = logging.getLogger(__name__)
 
@@ -252,11 +257,20 @@ class InferenceCache:
     """Caches a deterministic model's predictions in Redis, one key per input row.
 
     ``decimals`` sets how finely inputs are compared (rows that round equal share a
-    prediction); ``ttl_s`` bounds how long a prediction lives. Safe to share between
-    threads: it holds no state besides the Redis client.
+    prediction); ``ttl_s`` bounds how long a prediction lives. With a ``budget``, each
+    tenant's predictions stay within its keys and bytes, its oldest going first (rows
+    predicted without a tenant are not counted: they are the service's own). Safe to
+    share between threads: it holds no state besides the Redis client.
     """
 
-    def __init__(self, redis_client: redis.Redis, *, decimals: int = 4, ttl_s: int = 3600) -> None:
+    def __init__(
+        self,
+        redis_client: redis.Redis,
+        *,
+        decimals: int = 4,
+        ttl_s: int = 3600,
+        budget: TenantBudget | None = None,
+    ) -> None:
         if isinstance(decimals, bool) or not isinstance(decimals, int) or not 0 <= decimals <= 12:
             raise ValueError(f"decimals must be an integer from 0 to 12, got {decimals!r}")
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s < 1:
@@ -266,6 +280,7 @@ class InferenceCache:
         self.redis = redis_client
         self.decimals = decimals
         self.ttl_ms = ttl_s * 1000
+        self.budget = budget
 
     def keys(
         self, model: Model, inputs: object, *, tenant: str | None = None, arm: str | None = None
@@ -312,17 +327,14 @@ class InferenceCache:
         if missing.size:
             batch = x[first[missing]]
             computed = _checked_output(model, model.predict(batch), missing.size)
-            pipe = self.redis.pipeline(transaction=False)
             # NaN and infinities are never cached: JSON cannot carry them, and a
             # cached one would be served as if it were an answer.
             finite = ~np.isin(np.arange(missing.size), non_finite_rows(computed))
-            for j, blob in zip(missing[finite], encode_rows(computed[finite]), strict=True):
-                # execute_command skips set()'s argument handling: a quarter of a
-                # cold batch's time goes to building these commands.
-                pipe.execute_command(  # type: ignore[no-untyped-call]
-                    "SET", keys[j], blob, "PX", self.ttl_ms
-                )
-            pipe.execute()
+            entries = [
+                (keys[j], blob)
+                for j, blob in zip(missing[finite], encode_rows(computed[finite]), strict=True)
+            ]
+            self._store(entries, tenant)
 
         distinct = _assemble(model, len(keys), (found, stored), (missing, computed))
         hit = np.zeros(len(keys), dtype=bool)
@@ -343,6 +355,28 @@ class InferenceCache:
             raise InvalidInput(f"predict_one takes one vector of shape (d,), got {vector.shape}")
         out = self.predict(model, vector.reshape(1, -1), tenant=tenant, arm=arm)
         return Prediction(out.values[0], bool(out.hit[0]), out.model, out.model_version)
+
+    def _store(self, entries: list[tuple[str, bytes]], tenant: str | None) -> None:
+        """Write ``entries``, within ``tenant``'s budget (module docstring, steps 5-6)."""
+        if not entries:
+            return
+        evicted: set[str] = set()
+        if self.budget is not None and tenant is not None:
+            evicted = self.budget.admit(
+                inference_budget_keys(tenant), [(k, len(b)) for k, b in entries], self.ttl_ms
+            )
+        pipe = self.redis.pipeline(transaction=False)
+        for key, blob in entries:
+            if key not in evicted:
+                # execute_command skips set()'s argument handling: a quarter of a
+                # cold batch's time goes to building these commands.
+                pipe.execute_command(  # type: ignore[no-untyped-call]
+                    "SET", key, blob, "PX", self.ttl_ms
+                )
+        ours = {key for key, _ in entries}
+        for key in evicted - ours:
+            pipe.unlink(key)  # one key per command: on a cluster, each to its own slot
+        pipe.execute()
 
     def _keys(self, model: Model, canon: Array, tenant: str | None, arm: str | None) -> list[str]:
         # inference_prefix validates every part once; each digest is the key's hash tag.
