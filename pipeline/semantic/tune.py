@@ -3,7 +3,8 @@
 A pair is two prompts and a label: ``paraphrase`` (one cached answer serves both) or
 ``different`` (it must not). At a threshold, a pair "hits" when the cache would serve
 one prompt's entry for the other: exact cosine similarity at or above it and, as the
-cache checks, the same numbers in both (:func:`pipeline.semantic.entry.literals_match`).
+cache checks, the same numbers and names in both
+(:func:`pipeline.semantic.entry.literals_match`).
 The hit rate is over the paraphrases, the false-hit rate over the different pairs.
 
 The shipped set (``pipeline/semantic/data/pairs.json``, 360 pairs written for
@@ -25,6 +26,10 @@ from pipeline.semantic.embed import Embedder
 from pipeline.semantic.entry import literals_match
 
 PAIRS = Path(__file__).resolve().parent / "data" / "pairs.json"
+HOLDOUT = PAIRS.parent / "pairs-holdout.json"
+"""A second set (336 pairs), written apart from :data:`PAIRS` and never used to fit a
+prior: other domains and intents, hard negatives that differ in a name or share most
+words (upgrade / downgrade). ``bench/semantic.py`` measures on both."""
 THRESHOLDS = tuple(round(0.85 + i / 100, 2) for i in range(13))
 LABELS = ("paraphrase", "different")
 

@@ -29,9 +29,10 @@ from pipeline.semantic.embed import (
     MiniLM,
     local_model,
 )
-from pipeline.semantic.entry import literals_match
+from pipeline.semantic.entry import literals, literals_match, names_match
 from pipeline.semantic.namespaces import stats
-from pipeline.semantic.tune import PAIRS, load_pairs, sweep
+from pipeline.semantic.prior import group_of
+from pipeline.semantic.tune import HOLDOUT, PAIRS, load_pairs, sweep
 from tests.conftest import wait_until
 
 ZERO = {"temperature": 0}
@@ -338,8 +339,10 @@ def test_the_labelled_set_and_the_sweep() -> None:
     assert labels == {"paraphrase", "different"}
     hard = [p for p in pairs if p.label == "different" and "differs" in p.kind]
     assert len(hard) >= 100
-    assert any(not literals_match(p.a, p.b) for p in hard)  # numbers
-    assert any(literals_match(p.a, p.b) for p in hard)  # names, places
+    assert any(literals(p.a) != literals(p.b) for p in hard)  # numbers
+    assert any(literals(p.a) == literals(p.b) for p in hard)  # names, places
+    assert not any(literals_match(p.a, p.b) for p in hard)  # the names check stops them
+    assert any(literals_match(p.a, p.b) for p in pairs if " vs " in p.kind)  # intents
     sims = np.array([0.99 if p.label == "paraphrase" else 0.5 for p in pairs])
     rows = sweep(pairs, sims)
     assert rows[0].threshold == 0.85 and rows[-1].threshold == 0.97
@@ -375,3 +378,22 @@ def test_a_flag_in_upper_case_hex_removes_the_entry_everywhere(
     assert cache.flag(s, e.upper()) is True
     assert redis_client.zcard(f"sem:ids:{s.namespace}") == 0
     assert not cache.lookup(s, NEAR, ZERO).hit
+
+
+def test_names_must_match_as_numbers_do() -> None:
+    assert names_match("Where is Li Wei's card?", "Li Wei's card: where is it?")
+    assert not names_match("Where is Li Wei's card?", "Where is Lu Wei's card?")
+    assert not names_match("Is shipping to Lisbon free?", "Is shipping to Porto free?")
+    assert names_match("Can I return order 5?", "Please refund order 5.")  # openers
+    assert names_match("Show the risk score", "What is the risk score?")
+    assert not names_match("Add Anna Berg to the team.", "Add Hanna Berg to the team.")
+    assert not literals_match("Refund order 5 for Anna Berg", "Refund order 5 for Hanna Berg")
+
+
+def test_the_holdout_set_is_apart_from_the_shipped_one() -> None:
+    shipped, holdout = load_pairs(PAIRS), load_pairs(HOLDOUT)
+    assert len(holdout) >= 300
+    assert {p.label for p in holdout} == {"paraphrase", "different"}
+    assert not {group_of(p) for p in shipped} & {group_of(p) for p in holdout}
+    texts = [{p.a for p in ps} | {p.b for p in ps} for ps in (shipped, holdout)]
+    assert not texts[0] & texts[1]
