@@ -53,7 +53,7 @@ function is all it needs); ``freshline buckets fold`` does it by hand.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,6 +189,10 @@ class DerivedPath(IncrementalPath):
             for s in self.slots
             for name, kind in s.columns()
         ]
+        # Per count_distinct: how many values have this day as their latest (so that the
+        # values whose latest day is a clean whole day are a sum over days, not a count
+        # over values).
+        cols += [f"lc{s.index} bigint NOT NULL DEFAULT 0" for s in self.distinct]
         out = [
             f"CREATE TABLE IF NOT EXISTS {self.days} ({keys}, {', '.join(cols)}, "
             f"PRIMARY KEY ({', '.join(self.keys)}))"
@@ -412,6 +416,15 @@ class DerivedPath(IncrementalPath):
             out += self._latest_from_members(s, values[s.index])
         return out
 
+    def _latest_counts(self, slot: _Slot, days: str) -> str:
+        """Recount ``slot``'s values whose latest day is each (key, day) in ``days``."""
+        mine = " AND ".join(f"l.{c} = d.{c}" for c in self.entity.columns)
+        return (
+            f"UPDATE {self.days} d SET lc{slot.index} = (SELECT count(*) FROM "
+            f"{self.latest(slot)} l WHERE {mine} AND l.latest = d.day) "
+            f"WHERE ({', '.join(f'd.{k}' for k in self.keys)}) IN ({days})"
+        )
+
     def _src_cols(self) -> list[str]:
         cols = [self.decl.entity_column]
         if self.entity.tenant:
@@ -466,6 +479,7 @@ class DerivedPath(IncrementalPath):
             f"DELETE FROM {self.log} WHERE ({keys}) IN ({touched})",
         ]
         values: dict[int, str] = {}
+        after: list[str] = []
         for s in self.distinct:
             assert s.agg.column is not None
             names = [f"fl_v{s.index}_{i}" for i in range(len(self.entity.columns) + 1)]
@@ -486,7 +500,24 @@ class DerivedPath(IncrementalPath):
                 f"AS g({', '.join(columns)})"
             )
             values[s.index] = f"SELECT * FROM unnest({', '.join(names)})"
+            olds = [f"fl_o{s.index}_{i}" for i in range(len(self.keys))]
+            declare += [f"{v} {t}[];" for v, t in zip(olds, key_types, strict=True)]
+            latest_of = (
+                f"SELECT {ents}, latest FROM {self.latest(s)} "
+                f"WHERE ({ents}, value) IN ({values[s.index]})"
+            )
+            body.append(  # the latest days of those values before the fold
+                f"SELECT {', '.join(f'array_agg(g.{k})' for k in self.keys)} "
+                f"INTO {', '.join(olds)} FROM ({latest_of}) AS g({keys})"
+            )
+            after.append(
+                self._latest_counts(
+                    s,
+                    f"{touched} UNION SELECT * FROM unnest({', '.join(olds)}) UNION {latest_of}",
+                )
+            )
         body += self._recompute_days(table, touched, values)
+        body += after
         body.append(f"RETURN cardinality({picked[0]})")
         truncate = [f"TRUNCATE {', '.join(self.tables)}"]
         return [
@@ -522,6 +553,12 @@ class DerivedPath(IncrementalPath):
                 f"INSERT INTO {self.latest(s)} ({ents}, value, latest) "
                 f"SELECT {ents}, value, max(day) FROM {self.members(s)}{scope} "
                 f"GROUP BY {ents}, value"
+            )
+            counts = " AND ".join(f"d.{c} = c.{c}" for c in self.entity.columns)
+            out.append(
+                f"UPDATE {self.days} d SET lc{s.index} = c.n FROM (SELECT {ents}, latest, "
+                f"count(*) AS n FROM {self.latest(s)}{scope} GROUP BY {ents}, latest) AS c "
+                f"WHERE {counts} AND d.day = c.latest"
             )
         return out
 
@@ -626,18 +663,25 @@ class DerivedPath(IncrementalPath):
                     mine_l = " AND ".join(f"l.{c} = k.{c}" for c in e.columns)
                     same = " AND ".join(f"m.{c} = k.{c}" for c in e.columns)
                     inside_m = f"m.day > w.dc{j} AND m.day < w.da AND m.day <> ALL(dl.dd)"
+                    # Probes one value at a time (a scalar subquery with LIMIT is never
+                    # made a join): the values of the edge rows and of as_of's day are few,
+                    # the member rows of a head entity's window many.
+                    probe = (
+                        f"(SELECT 1 FROM {members} m WHERE {same} AND m.value = {{value}} "
+                        f"AND {inside_m} LIMIT 1)"
+                    )
+
+                    bucket_vals.append(
+                        f"coalesce(sum(b.lc{i}) FILTER (WHERE {inside}), 0) AS lc{i}"
+                    )
                     out.append(
-                        f"((SELECT count(*) FROM {latest} l WHERE {mine_l} "
-                        f"AND l.latest > w.dc{j} AND l.latest < w.da "
-                        f"AND l.latest <> ALL(dl.dd))"
+                        f"(bk.lc{i}"
                         f" + (SELECT count(*) FROM {latest} l WHERE {mine_l} "
                         f"AND (l.latest >= w.da OR l.latest = ANY(dl.dd)) "
-                        f"AND EXISTS (SELECT 1 FROM {members} m WHERE {same} AND m.value = l.value "
-                        f"AND {inside_m}))"
+                        f"AND {probe.format(value='l.value')} IS NOT NULL)"
                         f" + (SELECT count(DISTINCT {col}) FROM {edge_rows} x "
-                        f"WHERE {self._row_filter('x')} AND {edge} "
-                        f"AND {col} IS NOT NULL AND NOT EXISTS (SELECT 1 FROM {members} m "
-                        f"WHERE {same} AND m.value = {col} AND {inside_m})))"
+                        f"WHERE {self._row_filter('x')} AND {edge} AND {col} IS NOT NULL "
+                        f"AND {probe.format(value=col)} IS NULL))"
                     )
         names = [a.field_name() for a in d.aggs]
         body = ",\n       ".join(
@@ -750,4 +794,15 @@ class DerivedPath(IncrementalPath):
         )
 
 
-__all__ = ["DerivedPath"]
+def install_missing(conn: Connection, paths: Iterable[IncrementalPath]) -> list[DerivedPath]:
+    """Install the derived paths among ``paths`` that are not installed yet, in ``conn``'s
+    transaction (what ``freshline apply --alter-tables`` does); those it installed."""
+    done = []
+    for path in paths:
+        if isinstance(path, DerivedPath) and not path.installed(conn):
+            path.install(conn)
+            done.append(path)
+    return done
+
+
+__all__ = ["DerivedPath", "install_missing"]
