@@ -416,12 +416,17 @@ class FeatureReader:
         fetched: list[tuple[Answer, Entry | None]],
         token: int,
     ) -> None:
-        """Put fetched answers in place, and their entries in the in-process tier."""
+        """Put fetched answers in place, and their entries in the in-process tier.
+
+        A computed entry was written, not read: the tier stores it once it sees Redis
+        hold it (its own write's change report voids ``token``; see
+        :mod:`pipeline.cache.local`).
+        """
         local = self.local
         for i, ref, (found, entry) in zip(pending, refs, fetched, strict=True):
             answers[i] = found
             if local is not None and entry is not None:
-                local.put(ref, entry, token)
+                local.put(ref, entry, token, verify=found["source"] == "computed")
 
     @staticmethod
     def _answers(
@@ -463,9 +468,9 @@ class FeatureReader:
             entry = None
             if r.source != "uncached":
                 # ``started_ms - age`` is no later than the true computed_at, so the
-                # local copy's lifetime errs short. A computed value whose store was
-                # refused is safe to hold too: the invalidation that revoked its lease
-                # is published after it, and voids this put or drops the copy.
+                # local copy's lifetime errs short. A computed value is held only once
+                # Redis is seen holding it (LocalTier.put's verify): one whose store
+                # was refused never is.
                 entry = Entry(r.values, r.schema_version, started_ms - r.age_ms, r.watermark)
             out.append((found, entry))
         return out

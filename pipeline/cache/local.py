@@ -13,7 +13,17 @@ serving what Redis would not:
   holds such an entry back until a background thread has read its key's TTL
   (pipelined ``PTTL``, every :data:`HORIZON_POLL_S`), and then serves it no longer
   than that: until then its reads go to Redis, as without the tier.
-* **Invalidations.** A background thread subscribes to the Redis channel
+* **Invalidations from Redis itself.** The entries are invalidated by the change of
+  their key, not by a message its writer sends after it: the tier's connection has
+  Redis track every key under ``feat:`` and ``floor:`` (server-assisted client-side
+  caching, broadcast mode; :mod:`pipeline.cache.subscription`), and drops the entity's
+  entry, in every schema version, on each change Redis reports: a consumer's write, a
+  read-through fill, a tombstone, an expiry, a purge. A writer that dies after its
+  write and before its publish cannot leave the tier serving the old entry. A set's
+  floor raised (a truncate), a key that does not parse, or a flush of the database
+  flushes the whole tier. On Redis Cluster, where each master would need a tracking
+  connection of its own, the tier relies on the published messages alone.
+* **Published invalidations.** The same thread subscribes to the Redis channel
   :data:`pipeline.core.keys.INVALIDATION_CHANNEL` and drops the entity's entry, in every
   schema version, on each message (:class:`pipeline.cache.invalidation.Invalidation`). A
   message that does not decode flushes the whole tier: it may have been an
@@ -29,6 +39,14 @@ Storing is two-step, so an invalidation that arrives while a value is in flight 
 Redis is never overtaken: take :meth:`LocalTier.token` *before* the Redis read, then
 :meth:`LocalTier.put` with it; the put is refused if that entity was invalidated, or
 the tier flushed, since the token was taken.
+
+An entry this process computed and wrote itself (a read-through fill) was not read
+from Redis, and its own write's change report voids any token taken before it. It is
+put with ``verify=True`` instead: the background thread takes a token, reads the key
+(``GET`` and ``PTTL``, pipelined) and stores the entry only if Redis holds exactly it
+(same watermark, not a tombstone) and nothing changed the key since that token, which
+is what a read from Redis would have stored; a report still on its way makes it try
+again, a few times.
 """
 
 from __future__ import annotations
@@ -38,6 +56,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -47,17 +66,29 @@ from pipeline.cache.invalidation import ALL, Invalidation
 from pipeline.cache.store import TTL_JITTER
 from pipeline.cache.subscription import DEFAULT_SILENCE_S, Subscription
 from pipeline.core.clock import now_ms
-from pipeline.core.errors import FreshlineError
+from pipeline.core.cluster import is_cluster
+from pipeline.core.codec import ENTRY_TAG, watermark_hex
+from pipeline.core.errors import FreshlineError, InvalidId
 from pipeline.core.features import Registry
-from pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
+from pipeline.core.keys import (
+    FEATURE_PREFIX,
+    FLOOR_PREFIX,
+    INVALIDATION_CHANNEL,
+    feature_key,
+    parse_feature_key,
+)
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef, Entry
 
 log = logging.getLogger(__name__)
 
 RECENT_LIMIT = 65_536
+TRACKED_PREFIXES = (f"{FEATURE_PREFIX}:", f"{FLOOR_PREFIX}:")
+"""The key prefixes whose changes Redis reports to the tier (see the docstring)."""
 HORIZON_POLL_S = 0.02
 """How often entries held back for their Redis TTL are looked up (see the docstring)."""
+VERIFY_TRIES = 8
+"""Rounds a computed entry waits for the report of its own write (see the docstring)."""
 
 
 @dataclass(slots=True)
@@ -70,11 +101,15 @@ class LocalStats:
     expired: int = 0
     held_back: int = 0
     """Entries of windowed feature sets stored after their Redis TTL was read."""
+    verified: int = 0
+    """Computed entries stored once Redis was seen holding them."""
     invalidations: int = 0
     flushes: int = 0
     subscriptions: int = 0
     drops: int = 0
     bad_messages: int = 0
+    tracked: int = 0
+    """Key changes reported by Redis's key tracking."""
 
 
 class LocalTier:
@@ -112,6 +147,8 @@ class LocalTier:
         self._entries: OrderedDict[EntityRef, tuple[Entry, float]] = OrderedDict()
         # Entries of windowed sets waiting for their key's TTL (see the docstring).
         self._held: dict[EntityRef, tuple[Entry, float]] = {}
+        # Computed entries waiting to be seen in Redis, with the rounds tried so far.
+        self._unverified: dict[EntityRef, tuple[Entry, float, int]] = {}
         self._held_wake = threading.Event()
         self._closing = threading.Event()
         self._client = client
@@ -122,6 +159,7 @@ class LocalTier:
         self._live = False
         self._lock = threading.Lock()
         self._live_changed = threading.Condition(self._lock)
+        self.tracking = not is_cluster(client)
         self._subscription = Subscription(
             client,
             [channel],
@@ -131,6 +169,8 @@ class LocalTier:
             silence_s=silence_s,
             heartbeat_s=heartbeat_s,
             name=self.name,
+            tracking=TRACKED_PREFIXES if self.tracking else (),
+            on_invalidate=self._changed if self.tracking else None,
         )
 
     @property
@@ -151,7 +191,7 @@ class LocalTier:
     def start(self) -> LocalTier:
         """Start the subscription thread; the tier serves once it is confirmed."""
         self._subscription.start()
-        if self._horizons is None and any(fs.horizon for fs in self.registry):
+        if self._horizons is None:
             self._horizons = threading.Thread(
                 target=self._read_horizons, daemon=True, name=f"{self.name}-horizons"
             )
@@ -216,19 +256,31 @@ class LocalTier:
             self.stats.hits += 1
             return entry
 
-    def put(self, ref: EntityRef, entry: Entry, token: int) -> bool:
-        """Hold ``entry`` unless it may be stale: see the module docstring."""
+    def put(self, ref: EntityRef, entry: Entry, token: int, *, verify: bool = False) -> bool:
+        """Hold ``entry`` unless it may be stale: see the module docstring.
+
+        ``verify`` for an entry this process computed and wrote rather than read: it is
+        stored once Redis is seen holding it, whatever ``token``.
+        """
         lifetime_ms = self._lifetime_ms(ref, entry)
         with self._lock:
             if (
                 not self.live
-                or token < self._floor
-                or self._recent.get(ref, -1) > token
+                or (not verify and (token < self._floor or self._recent.get(ref, -1) > token))
                 or lifetime_ms <= 0
             ):
                 self.stats.refused += 1
                 return False
             deadline = time.monotonic() + lifetime_ms / 1000
+            if verify:
+                self._entries.pop(ref, None)
+                self._held.pop(ref, None)
+                self._unverified[ref] = (entry, deadline, 0)
+                if len(self._unverified) > self.max_entries:
+                    self._unverified.pop(next(iter(self._unverified)))
+                    self.stats.evicted += 1
+                self._held_wake.set()
+                return True
             if self.registry[ref.feature_set].horizon is not None:
                 self._entries.pop(ref, None)
                 self._held[ref] = (entry, deadline)
@@ -249,25 +301,37 @@ class LocalTier:
             self.stats.evicted += 1
 
     def _read_horizons(self) -> None:
-        """Store the held-back entries, each until its key's Redis TTL runs out."""
+        """Store the held-back entries, each until its key's Redis TTL runs out, and
+        the computed ones Redis is seen holding (see the module docstring)."""
         while not self._closing.is_set():
             self._held_wake.wait()
             self._held_wake.clear()
             with self._lock:
                 held = list(self._held.items())
-            if held:
+                unverified = list(self._unverified.items())
+            if held or unverified:
                 try:
-                    self._store_held(held)
+                    self._store_held(held, unverified)
                 except redis.RedisError as exc:  # the subscription turns the tier dark
                     log.debug("reading held entries' TTLs: %s", exc)
             self._closing.wait(HORIZON_POLL_S)
 
-    def _store_held(self, held: list[tuple[EntityRef, tuple[Entry, float]]]) -> None:
+    def _store_held(
+        self,
+        held: list[tuple[EntityRef, tuple[Entry, float]]],
+        unverified: list[tuple[EntityRef, tuple[Entry, float, int]]],
+    ) -> None:
         pipe = self._client.pipeline(transaction=False)
         for ref, (entry, _) in held:
             pipe.pttl(feature_key(entry.schema_version, ref))
+        for ref, (entry, _, _) in unverified:
+            key = feature_key(entry.schema_version, ref)
+            pipe.get(key)
+            pipe.pttl(key)
+        token = self._seq  # before the keys are read, as for a put
         started = time.monotonic()  # before the TTLs are read: errs short
-        ttls = pipe.execute()
+        replies = pipe.execute()
+        ttls, seen = replies[: len(held)], replies[len(held) :]
         with self._lock:
             for (ref, item), ttl_ms in zip(held, ttls, strict=True):
                 if self._held.get(ref) is not item:
@@ -278,6 +342,24 @@ class LocalTier:
                     continue
                 self.stats.held_back += 1
                 self._store_locked(ref, item[0], min(item[1], started + int(ttl_ms) / 1000))
+            for i, (ref, pending) in enumerate(unverified):
+                if self._unverified.get(ref) is not pending:
+                    continue  # flushed or replaced meanwhile
+                entry, deadline, tries = pending
+                raw, ttl_ms = seen[2 * i], seen[2 * i + 1]
+                changed = token < self._floor or self._recent.get(ref, -1) > token
+                if changed and tries + 1 < VERIFY_TRIES:
+                    # Changed since the read: maybe only by its own write, whose report
+                    # came late. Look again next round, a few times.
+                    self._unverified[ref] = (entry, deadline, tries + 1)
+                    self._held_wake.set()
+                    continue
+                del self._unverified[ref]
+                if changed or not _holds(raw, entry) or ttl_ms is None or int(ttl_ms) <= 0:
+                    self.stats.refused += 1
+                    continue
+                self.stats.verified += 1
+                self._store_locked(ref, entry, min(deadline, started + int(ttl_ms) / 1000))
 
     def _lifetime_ms(self, ref: EntityRef, entry: Entry) -> float:
         ttl_ms = self.registry[ref.feature_set].ttl_s * 1000 * (1 - TTL_JITTER)
@@ -288,16 +370,19 @@ class LocalTier:
         """Drop the entity's entry in every schema version, and refuse older puts of it."""
         ref = EntityRef(feature_set, tenant, entity)
         with self._lock:
-            self._seq += 1
-            self._recent[ref] = self._seq
-            self._recent.move_to_end(ref)
-            if len(self._recent) > RECENT_LIMIT:
-                # Forgetting an invalidation: every token older than it becomes void.
-                _, seq = self._recent.popitem(last=False)
-                self._floor = max(self._floor, seq)
-            self._entries.pop(ref, None)
-            self._held.pop(ref, None)
-            self.stats.invalidations += 1
+            self._invalidate_locked(ref)
+
+    def _invalidate_locked(self, ref: EntityRef) -> None:
+        self._seq += 1
+        self._recent[ref] = self._seq
+        self._recent.move_to_end(ref)
+        if len(self._recent) > RECENT_LIMIT:
+            # Forgetting an invalidation: every token older than it becomes void.
+            _, seq = self._recent.popitem(last=False)
+            self._floor = max(self._floor, seq)
+        self._entries.pop(ref, None)
+        self._held.pop(ref, None)
+        self.stats.invalidations += 1
 
     def flush(self) -> None:
         """Drop everything, and void every token taken so far."""
@@ -309,6 +394,7 @@ class LocalTier:
         self._floor = self._seq
         self._entries.clear()
         self._held.clear()
+        self._unverified.clear()
         self._recent.clear()
         self.stats.flushes += 1
 
@@ -341,3 +427,42 @@ class LocalTier:
             self.flush()
             return
         self.invalidate(msg.feature_set, msg.tenant, msg.entity)
+
+    def _changed(self, keys: Sequence[bytes | str] | None) -> None:
+        """Keys Redis reports changed (its key tracking): drop their entities' entries.
+
+        ``None`` is a flush of the database. An entity's own floor changes only with
+        its entry, whose key is reported too; a feature set's floor (no hash tag) is a
+        truncate, and a key that does not parse may be anything: both flush the tier.
+        """
+        if keys is None:
+            self.flush()
+            return
+        refs: list[EntityRef] = []
+        for raw in keys:
+            key = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+            if key.startswith(TRACKED_PREFIXES[1]):
+                if "{" in key:
+                    continue
+                log.info("%s: a set floor changed (%s); flushing", self.name, key)
+                self.flush()
+                return
+            try:
+                refs.append(parse_feature_key(key)[1])
+            except InvalidId:
+                log.warning("%s: a changed key does not parse (%r); flushing", self.name, key)
+                self.flush()
+                return
+        with self._lock:
+            self.stats.tracked += len(refs)
+            for ref in refs:
+                self._invalidate_locked(ref)
+
+
+def _holds(raw: bytes | str | None, entry: Entry) -> bool:
+    """Whether ``raw``, a feature key's value, is ``entry``'s (same watermark, not a
+    tombstone)."""
+    if raw is None:
+        return False
+    data = raw.encode() if isinstance(raw, str) else raw
+    return data.startswith(ENTRY_TAG + watermark_hex(entry.watermark))

@@ -21,6 +21,19 @@ subscription in a thread of its own:
 * **It comes back.** It reconnects for as long as it runs, with jittered exponential
   backoff (50 ms to 2 s). An outage is one warning line and its end one info line;
   an error is never a thread-killing traceback.
+* **Key tracking, optionally.** With ``tracking`` (key prefixes), the same connection
+  also asks Redis for server-assisted client-side caching in broadcast mode
+  (``CLIENT TRACKING ON REDIRECT <itself> BCAST PREFIX ...``, then ``SUBSCRIBE
+  __redis__:invalidate`` beside the channels): Redis itself reports every key under
+  those prefixes that changes (a write, an expiry, an eviction, a flush), whoever
+  changed it, so a reader need not trust a writer to publish. It rides the heartbeated
+  connection, so its messages are covered by the same contact bound, and a
+  reconnect tracks again before it counts as live. The connection speaks RESP2
+  there, where tracking messages arrive as pub/sub messages (redis-py reads RESP3's
+  invalidation pushes only for its own client-side cache). The login needs
+  ``CLIENT TRACKING`` and the channel ``__redis__:invalidate``; a refusal keeps the
+  subscription dark, with one warning line that says so. Not on Redis Cluster, where
+  every master would need its own tracking connection.
 """
 
 from __future__ import annotations
@@ -52,7 +65,13 @@ CONNECTION_ERRORS: Final = (
     OSError,
 )
 
+TRACKING_CHANNEL: Final = "__redis__:invalidate"
+"""Redis's own channel for key-tracking messages (RESP2 redirect mode)."""
+TRACKING_GRANTS: Final = "CLIENT TRACKING and the channel __redis__:invalidate"
+
 MessageHandler = Callable[[str, bytes | str], None]
+InvalidateHandler = Callable[[Sequence[bytes | str] | None], None]
+"""Called with the keys Redis reports changed, or ``None`` for a whole-database flush."""
 
 
 class SubscriptionLost(FreshlineError):
@@ -75,6 +94,8 @@ class Subscription:
 
     ``on_message(channel, data)``, ``on_live()`` and ``on_dark()`` run in the
     subscription's thread. ``heartbeat_s`` defaults to a quarter of ``silence_s``.
+    With ``tracking`` (key prefixes), ``on_invalidate(keys)`` runs there too, for
+    every change Redis reports under them (see the module docstring).
     """
 
     def __init__(
@@ -88,7 +109,11 @@ class Subscription:
         silence_s: float = DEFAULT_SILENCE_S,
         heartbeat_s: float | None = None,
         name: str | None = None,
+        tracking: Sequence[str] = (),
+        on_invalidate: InvalidateHandler | None = None,
     ) -> None:
+        if (on_invalidate is None) != (not tracking):
+            raise ValueError("tracking needs both key prefixes and on_invalidate")
         if not channels:
             raise ValueError("a subscription needs at least one channel")
         if silence_s <= 0:
@@ -99,6 +124,7 @@ class Subscription:
                 f"heartbeat_s must be positive and under silence_s ({silence_s}), got {heartbeat_s}"
             )
         self.channels = tuple(channels)
+        self.tracking = tuple(tracking)
         self.silence_s = silence_s
         self.heartbeat_s = heartbeat_s
         self.name = name or f"freshline-sub-{uuid.uuid4().hex[:12]}"
@@ -107,6 +133,7 @@ class Subscription:
         self._on_message = on_message
         self._on_live = on_live
         self._on_dark = on_dark
+        self._on_invalidate = on_invalidate
         # Written by the thread (and by close() after it), read by any thread without
         # a lock: ``_until`` before ``_subscribed`` going live, ``_subscribed`` first
         # going dark, so a reader never sees a live flag with a stale deadline.
@@ -119,6 +146,8 @@ class Subscription:
         self._thread: threading.Thread | None = None
         self._cluster: Any = cast(Any, client) if is_cluster(client) else None
         if self._cluster is not None:
+            if self.tracking:
+                raise ValueError("key tracking is not supported on Redis Cluster")
             slots = {self._cluster.keyslot(c) for c in self.channels}
             if len(slots) > 1:
                 raise ValueError(
@@ -157,6 +186,9 @@ class Subscription:
             socket_connect_timeout=self.silence_s,
             health_check_interval=0,
         )
+        if self.tracking:  # tracking messages as pub/sub messages: see the module docstring
+            kwargs["protocol"] = 2
+            kwargs.pop("maint_notifications_config", None)  # RESP3 only, in redis-py
         return redis.Redis(
             connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
         )
@@ -256,12 +288,16 @@ class Subscription:
         pubsub = self._client.pubsub()
         try:
             sent = time.monotonic()
+            channels = self.channels
             if sharded:
-                pubsub.ssubscribe(*self.channels)
+                pubsub.ssubscribe(*channels)
             else:
-                pubsub.subscribe(*self.channels)
+                if self.tracking:
+                    self._track(pubsub)
+                    channels = (*channels, TRACKING_CHANNEL)
+                pubsub.subscribe(*channels)
             contact = sent  # the send time of the latest command Redis has answered
-            waiting = set(self.channels)
+            waiting = set(channels)
             pending: OrderedDict[str, float] = OrderedDict()
             next_ping = sent + self.heartbeat_s
             while not self._stop.is_set():
@@ -280,7 +316,11 @@ class Subscription:
                     continue
                 kind = _text(message["type"])
                 if kind in ("message", "smessage"):
-                    self._on_message(_text(message["channel"]), message["data"])
+                    channel = _text(message["channel"])
+                    if channel == TRACKING_CHANNEL and self._on_invalidate is not None:
+                        self._on_invalidate(message["data"])
+                    else:
+                        self._on_message(channel, message["data"])
                 elif kind == "pong":
                     token = _text(message["data"])
                     if token in pending:
@@ -298,8 +338,40 @@ class Subscription:
                         self._go_live(contact + self.silence_s)
                 elif kind in ("unsubscribe", "sunsubscribe"):
                     raise SubscriptionLost("unsubscribed by the server")
+        except redis.exceptions.ResponseError as exc:  # e.g. NOPERM for a channel
+            hint = f"; the login needs {TRACKING_GRANTS}" if self.tracking else ""
+            raise SubscriptionLost(f"Redis refused the subscription ({exc}){hint}") from exc
         finally:
             try:
                 pubsub.close()
             except (*CONNECTION_ERRORS, redis.exceptions.RedisError):
                 log.debug("%s: closing a broken subscription", self.name, exc_info=True)
+
+    def _track(self, pubsub: redis.client.PubSub) -> None:
+        """Turn on broadcast key tracking, redirected to this very connection.
+
+        Sent before ``SUBSCRIBE`` (a RESP2 connection in pub/sub mode takes no other
+        command). Changes reported before the subscription is confirmed are lost, as
+        published messages are: the owner relies on nothing until it is live.
+        """
+        pubsub.execute_command("CLIENT", "ID")  # type: ignore[no-untyped-call]
+        own_id = self._reply(pubsub, "CLIENT ID")
+        prefixes = [arg for prefix in self.tracking for arg in ("PREFIX", prefix)]
+        pubsub.execute_command(  # type: ignore[no-untyped-call]
+            "CLIENT", "TRACKING", "ON", "REDIRECT", own_id, "BCAST", *prefixes
+        )
+        self._reply(pubsub, "CLIENT TRACKING")
+
+    def _reply(self, pubsub: redis.client.PubSub, command: str) -> Any:
+        """The reply to a command sent on the (not yet subscribed) pub/sub connection."""
+        try:
+            reply = pubsub.parse_response(  # type: ignore[no-untyped-call]
+                block=False, timeout=self.silence_s
+            )
+        except redis.exceptions.ResponseError as exc:
+            raise SubscriptionLost(
+                f"Redis refused {command} ({exc}); the login needs {TRACKING_GRANTS}"
+            ) from exc
+        if reply is None:
+            raise SubscriptionLost(f"no answer to {command} within {self.silence_s:g}s")
+        return reply
