@@ -46,6 +46,7 @@ BENCHMARKS = (
     "idle_connections",
     "write_path",
     "cdc_freshness",
+    "freshness",
     "inference",
     "semantic",
     "memory",
