@@ -294,9 +294,20 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
     }
 
 
+def _paths(path: str) -> dict[str, str]:
+    """``path`` for each feature set that has it (``geo`` is a plain query: full only)."""
+    from pipeline.core.repository import REGISTRY
+
+    return {
+        name: path
+        for name in FEATURE_SETS
+        if path == "full" or REGISTRY[name].incremental is not None
+    }
+
+
 def _start(env: dict[str, str], path: str, log: Any) -> subprocess.Popen[bytes]:
-    """``freshline consume`` recomputing both feature sets on ``path``."""
-    paths = orjson.dumps({name: path for name in FEATURE_SETS}).decode()
+    """``freshline consume`` recomputing the feature sets on ``path`` where they can."""
+    paths = orjson.dumps(_paths(path)).decode()
     return subprocess.Popen(
         [FRESHLINE, "consume", "--metrics-port", "0"],
         env={**env, "FRESHLINE_RECOMPUTE_PATHS": paths},
@@ -364,6 +375,8 @@ def _heaviest_user_cost(ctx: common.Context, tenant: str) -> dict[str, Any]:
     cost: dict[str, float] = {}
     for name in FEATURE_SETS:
         for path in PATHS:
+            if name not in _paths(path):
+                continue
             runs = []
             for _ in range(3):
                 t0 = time.perf_counter()
