@@ -247,14 +247,15 @@ def api_url(
     redis_client: redis.Redis,
     tenant_factory: Callable[..., SeedSummary],
 ) -> Iterator[str]:
-    """The read API on a real socket (uvicorn in a thread), after a few reads."""
+    """The read API's ops port (its ``/metrics``), on real sockets (uvicorn in threads),
+    after a few reads on the API port."""
     tenant = tenant_factory(users=10, transactions=200).tenants[0]
     local = settings.model_copy(
         update={"schema_version": fresh_version(), "consumer_metrics_port": 0}
     )
     app = create_app(local, engine=engine, redis_client=redis_client, follow_deploys=False)
     key = create_api_key(engine, tenant)
-    with serving(app) as port:
+    with serving(app) as port, serving(app.state.ops_app) as ops_port:
         base = f"http://127.0.0.1:{port}"
         for user in (1, 2, 1, 1, 3):
             for feature_set in ("txn_90d", "geo"):
@@ -263,7 +264,7 @@ def api_url(
                     headers={"Authorization": f"Bearer {key}"},
                 )
                 assert answer.status == 200, answer.body
-        yield base
+        yield f"http://127.0.0.1:{ops_port}"
 
 
 def test_advise(api_url: str) -> None:

@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import BaseRoute, Route
 
-from pipeline.api import audit_log, metrics, routes
+from pipeline.api import audit_log, metrics, ops, routes
 from pipeline.api.auth import Authenticator
 from pipeline.api.errors import HANDLERS
 from pipeline.api.limits import AccessGuard
@@ -41,7 +41,7 @@ from pipeline.core.settings import Settings, load_settings
 from pipeline.inference.models import ModelRegistry
 from pipeline.inference.predictions import InferenceCache
 from pipeline.observe.staleness import GroupLag
-from pipeline.observe.status import Observer, SampledMetrics, StatusBoard
+from pipeline.observe.status import SampledMetrics, StatusBoard
 from pipeline.semantic.extra import require_extra
 
 if TYPE_CHECKING:
@@ -55,13 +55,9 @@ ROUTES = [
     Route("/v1/features/batch", routes.batch, methods=["POST"]),
     Route("/v1/features/{feature_set}/{entity_id}", routes.get_features, methods=["GET"]),
     Route("/v1/models/{name}/predict", routes.predict, methods=["POST"]),
-    Route("/healthz", routes.healthz, methods=["GET"]),
-    Route("/readyz", routes.readyz, methods=["GET"]),
-    Route("/metrics", routes.metrics_text, methods=["GET"]),
     Route("/openapi.json", routes.openapi, methods=["GET"]),
-    Route("/status", routes.status_page, methods=["GET"]),
-    Route("/status.json", routes.status_json, methods=["GET"]),
 ]
+"""The API's own routes; the probes and the operator's pages are :mod:`pipeline.api.ops`'s."""
 
 
 def create_app(
@@ -87,6 +83,9 @@ def create_app(
     ``/status`` keeps a snapshot every ``status_interval_s`` (:mod:`pipeline.observe.status`);
     ``consumer_metrics`` are the consumers' ``/metrics`` URLs it reads freshness lag
     from (default: the local consumer's port, ``FRESHLINE_CONSUMER_METRICS_PORT``).
+    ``/metrics``, ``/status`` and ``/status.json`` are served by ``app.state.ops_app``
+    (the ops port's app, :mod:`pipeline.api.ops`), and on this app only to the operator
+    key (``settings.ops_key``), if one is set.
 
     The semantic cache's routes (``/v1/llm/cache/*``) mount only with
     ``settings.semantic_enabled``, which needs the ``freshline[semantic]`` extra
@@ -164,7 +163,7 @@ def create_app(
     if consumer_metrics is None:
         port = settings.consumer_metrics_port
         consumer_metrics = [f"http://127.0.0.1:{port}/metrics"] if port else []
-    observer = Observer(
+    observer = ops.SharedObserver(
         client,
         registry,
         settings,
@@ -172,8 +171,17 @@ def create_app(
         counters=metrics.process_registry,
         consumer_metrics=consumer_metrics,
         lag=GroupLag(settings),
+        sample_max_age_s=settings.ops_cache_s,
     )
     board = StatusBoard(observer, interval_s=status_interval_s)
+    operator = ops.Ops(
+        board=board,
+        sampled=SampledMetrics(observer),
+        readiness=ops.Recent(
+            ops.readiness_check(client, engine), max_age_s=settings.api_ready_cache_s
+        ),
+        key=settings.ops_key.get_secret_value(),
+    )
     semantic, semantic_routes = semantic_service(settings, client)
 
     @contextlib.asynccontextmanager
@@ -224,7 +232,7 @@ def create_app(
 
     audit_log.configure(settings.audit_log)
     app = Starlette(
-        routes=[*ROUTES, *semantic_routes],
+        routes=[*ROUTES, *ops.api_routes(operator), *semantic_routes],
         exception_handlers=HANDLERS,
         lifespan=lifespan,
         middleware=[Middleware(AccessGuard, auth=services.auth, settings=settings)],
@@ -239,10 +247,13 @@ def create_app(
         key_types={fs.entity.type for fs in registry},
         token_wait_ms=settings.token_wait_ms,
         token_wait_max_ms=settings.token_wait_max_ms,
+        operator_pages=bool(operator.key),
     )
+    app.state.ops = operator
+    app.state.ops_app = ops.ops_app(operator)
     app.state.status = board
+    app.state.sampled_metrics = operator.sampled
     app.state.semantic = semantic
-    app.state.sampled_metrics = SampledMetrics(observer)
     return app
 
 
@@ -388,3 +399,16 @@ def app_from_env() -> Starlette:
     gc.collect()
     gc.freeze()
     return app
+
+
+def ops_app_from_env() -> Starlette:
+    """The ops port's app factory (``freshline serve`` runs it in a process of its own):
+    ``/metrics``, ``/status``, ``/status.json`` and the probes, with no key.
+
+    It starts what the API app starts (its clients, the status board; not the semantic
+    cache nor an in-process tier) and reads the workers' counters from
+    ``PROMETHEUS_MULTIPROC_DIR``, which ``freshline serve`` sets for both.
+    """
+    settings = load_settings().model_copy(update={"semantic_enabled": False, "local_cache_size": 0})
+    api = create_app(settings)
+    return ops.ops_app(api.state.ops, lifespan=api.router.lifespan_context)

@@ -18,6 +18,13 @@ request, in order:
    mid-body ends the request as 499 ("client closed request"): neither is a server
    error.
 
+The probes on the API port (``/healthz``, ``/readyz``: no key) take a token from their
+client address's bucket (``FRESHLINE_API_PROBE_RATE_PER_S``, ``_BURST``), or get 429:
+an anonymous flood costs an answer from memory each, never a check (``/readyz``
+reuses one, :mod:`pipeline.api.ops`). Load balancers and orchestrators should probe the
+ops port (``FRESHLINE_OPS_PORT``), whose probes are not limited: there, no client can
+spend them.
+
 Refusals are written to the audit log (:mod:`pipeline.api.audit_log`) and counted in
 ``freshline_api_refused_total{reason}``. Buckets live in the worker process (one event
 loop, so no lock): with ``N`` workers a key can reach ``N`` times its rate.
@@ -62,6 +69,7 @@ from pipeline.core.settings import Settings, redact_text
 log = logging.getLogger(__name__)
 
 GUARDED_PREFIX = "/v1/"
+PROBES = frozenset({"/healthz", "/readyz"})
 
 
 class ClientClosed(ApiError):
@@ -220,6 +228,7 @@ class AccessGuard:
         self.failures = TokenBuckets(
             settings.api_auth_failures_per_min / 60, settings.api_auth_failures_burst
         )
+        self.probes = TokenBuckets(settings.api_probe_rate_per_s, settings.api_probe_burst)
         self.body_timeout_s = settings.api_body_timeout_s
         self._deadlines = Deadlines(tick_s=self.body_timeout_s / 10)
         self._throttle_logged: OrderedDict[str, float] = OrderedDict()
@@ -233,11 +242,18 @@ class AccessGuard:
         await self._entry(scope, receive, send)
 
     async def _guard(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(GUARDED_PREFIX):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path = scope["path"]
         client = scope.get("client")
         address = str(client[0]) if client else "-"
+        if path in PROBES:
+            await self._probe(scope, receive, send, address)
+            return
+        if not path.startswith(GUARDED_PREFIX):
+            await self.app(scope, receive, send)
+            return
         try:
             principal = await self._authenticate(scope, address)
         except Unauthorized as exc:
@@ -274,6 +290,23 @@ class AccessGuard:
             return
         scope.setdefault("state", {})["principal"] = principal
         await self.app(scope, self._bounded(receive), send)
+
+    async def _probe(self, scope: Scope, receive: Receive, send: Send, address: str) -> None:
+        """A probe, within its address's rate; 429 past it."""
+        wait = self.probes.take(address_group(address))
+        if wait <= 0:
+            await self.app(scope, receive, send)
+            return
+        metrics.REFUSED.labels("probe_rate_limited").inc()
+        retry = max(1, math.ceil(wait))
+        response = error_response(
+            429,
+            "rate_limited",
+            f"over {self.probes.rate:g} probes/s from this address; retry in {retry} s "
+            "(probe the ops port, FRESHLINE_OPS_PORT, for no limit)",
+            {"Retry-After": str(retry)},
+        )
+        await response(scope, receive, send)
 
     async def _authenticate(self, scope: Scope, address: str) -> Principal:
         header = None

@@ -73,7 +73,8 @@ READ_THROUGHS = Counter(
 REFUSED = Counter(
     "freshline_api_refused_total",
     "Requests refused before their endpoint ran: 401 (missing_key, malformed_header, "
-    "unknown_key, revoked_key, expired_key, throttled) or 429 (rate_limited).",
+    "unknown_key, revoked_key, expired_key, throttled) or 429 (rate_limited, "
+    "probe_rate_limited: /healthz or /readyz over FRESHLINE_API_PROBE_RATE_PER_S).",
     ["reason"],
 )
 PREDICTIONS = Counter(

@@ -409,12 +409,14 @@ def document(
     semantic: bool = True,
     token_wait_ms: int = 100,
     token_wait_max_ms: int = 2000,
+    operator_pages: bool = False,
 ) -> dict[str, Any]:
     """The OpenAPI document, naming the feature sets this server knows, the ids of their
     entities (``key_types``) and the limits it enforces (``FRESHLINE_API_BATCH_LIMIT``,
     ``FRESHLINE_API_BODY_LIMIT_BYTES``, ``FRESHLINE_TOKEN_WAIT_MS`` and ``_MAX_MS``); the
     semantic cache's routes (``/v1/llm/``) and their schemas only if ``semantic``
-    (``FRESHLINE_SEMANTIC_ENABLED``)."""
+    (``FRESHLINE_SEMANTIC_ENABLED``); ``/metrics``, ``/status`` and ``/status.json`` only
+    if ``operator_pages`` (an operator key is set: ``FRESHLINE_OPS_KEY``), for that key."""
     schemas = copy.deepcopy(_SCHEMAS)
     wait = (
         f"With after: how long to wait for the consumer's write before recomputing, in ms "
@@ -463,10 +465,27 @@ def document(
         doc["paths"] = {p: v for p, v in doc["paths"].items() if not p.startswith("/v1/llm/")}
         for name in [n for n in schemas if n.startswith("Llm")]:
             del schemas[name]
+    if not operator_pages:
+        doc["paths"] = {p: v for p, v in doc["paths"].items() if p not in OPERATOR_PAGES}
+        del doc["components"]["securitySchemes"]["operator"]
     for item in doc["paths"].values():
         for operation in item.values():
             _limits(operation, body_limit)
     return doc
+
+
+OPERATOR_PAGES = frozenset({"/metrics", "/status", "/status.json"})
+_OPERATOR: list[dict[str, list[str]]] = [{"operator": []}]
+_OPERATOR_401 = _json(_ERROR, "Not the operator key (FRESHLINE_OPS_KEY)")
+_PROBE_429 = {
+    **_json(_ERROR, "Over FRESHLINE_API_PROBE_RATE_PER_S probes from this address"),
+    "headers": {
+        "Retry-After": {
+            "description": "Seconds to wait",
+            "schema": {"type": "integer", "minimum": 1},
+        }
+    },
+}
 
 
 _LIMIT_RESPONSES = {
@@ -484,8 +503,8 @@ _LIMIT_RESPONSES = {
 
 
 def _limits(operation: dict[str, Any], body_limit: int) -> None:
-    """Add what the guard and the body limit answer to a secured operation."""
-    if "security" not in operation:
+    """Add what the guard and the body limit answer to an operation for API keys."""
+    if operation.get("security") != _SECURED:
         return
     responses = operation["responses"]
     responses["429"] = _LIMIT_RESPONSES["429"]
@@ -516,7 +535,14 @@ def _document(
             "the key alone decides the tenant.",
         },
         "components": {
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "operator": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "The operator key, FRESHLINE_OPS_KEY (not an API key)",
+                },
+            },
             "schemas": schemas,
         },
         "paths": {
@@ -616,26 +642,32 @@ def _document(
             "/healthz": {
                 "get": {
                     "summary": "The process is up",
-                    "responses": {"200": _json({"type": "object"}, "Up")},
+                    "responses": {
+                        "200": _json({"type": "object"}, "Up"),
+                        "429": _PROBE_429,
+                    },
                 }
             },
             "/readyz": {
                 "get": {
-                    "summary": "Redis and Postgres answer",
+                    "summary": "Redis and Postgres answer (checked at most once a second)",
                     "responses": {
                         "200": _json({"type": "object"}, "Ready"),
+                        "429": _PROBE_429,
                         "503": _json({"type": "object"}, "Not ready; 'checks' says which"),
                     },
                 }
             },
             "/metrics": {
                 "get": {
-                    "summary": "Prometheus metrics",
+                    "summary": "Prometheus metrics (the ops port serves them with no key)",
+                    "security": _OPERATOR,
                     "responses": {
                         "200": {
                             "description": "Prometheus text exposition",
                             "content": {"text/plain": {}},
-                        }
+                        },
+                        "401": _OPERATOR_401,
                     },
                 }
             },
@@ -650,18 +682,24 @@ def _document(
                     "summary": (
                         "Status page: hit rate, staleness and lag per feature set, last hour"
                     ),
+                    "security": _OPERATOR,
                     "responses": {
                         "200": {
                             "description": "A self-contained HTML page",
                             "content": {"text/html": {}},
-                        }
+                        },
+                        "401": _OPERATOR_401,
                     },
                 }
             },
             "/status.json": {
                 "get": {
                     "summary": "The status page's data: current figures and per-minute series",
-                    "responses": {"200": _json({"type": "object"}, "The status report")},
+                    "security": _OPERATOR,
+                    "responses": {
+                        "200": _json({"type": "object"}, "The status report"),
+                        "401": _OPERATOR_401,
+                    },
                 }
             },
         },

@@ -26,8 +26,6 @@ from pipeline.api.auth import Authenticator, bearer_token
 from pipeline.api.errors import ApiError, JSONResponse, error_response, status_of
 from pipeline.api.reader import MODES, FeatureReader, Lookup, Mode, parse_entities, parse_entity
 from pipeline.api.splice import Spliced
-from pipeline.api.status_page import page as render_status_page
-from pipeline.core.db import ping
 from pipeline.core.errors import FreshlineError, InvalidId
 from pipeline.core.features import Registry
 from pipeline.core.keys import validate_id, validate_name
@@ -376,59 +374,6 @@ async def predict(request: Request) -> Response:
     return JSONResponse(await run_in_threadpool(run))
 
 
-async def healthz(request: Request) -> Response:
-    """The process is up."""
-    return JSONResponse({"status": "ok"})
-
-
-async def readyz(request: Request) -> Response:
-    """Redis and Postgres answer."""
-    svc = services(request)
-
-    def check() -> dict[str, str]:
-        checks: dict[str, str] = {}
-        try:
-            svc.redis.ping()
-            checks["redis"] = "ok"
-        except (redis.exceptions.RedisError, OSError) as exc:
-            checks["redis"] = f"unavailable: {type(exc).__name__}"
-        try:
-            ping(svc.engine)
-            checks["postgres"] = "ok"
-        except FreshlineError as exc:
-            checks["postgres"] = f"unavailable: {exc.__class__.__name__}"
-        return checks
-
-    checks = await run_in_threadpool(check)
-    ready = all(v == "ok" for v in checks.values())
-    return JSONResponse(
-        {"status": "ready" if ready else "unavailable", "checks": checks},
-        status_code=200 if ready else 503,
-    )
-
-
-async def metrics_text(request: Request) -> Response:
-    """Prometheus metrics."""
-    body, content_type = await run_in_threadpool(metrics.render, request.app.state.sampled_metrics)
-    return Response(body, headers={"Content-Type": content_type})
-
-
 async def openapi(request: Request) -> Response:
     """This API's OpenAPI document."""
     return JSONResponse(request.app.state.openapi)
-
-
-async def status_page(request: Request) -> Response:
-    """The status page: hit rate, staleness and lag per feature set over the last hour."""
-    report = await run_in_threadpool(request.app.state.status.report)
-    return Response(
-        render_status_page(report),
-        media_type="text/html; charset=utf-8",
-        headers={"Cache-Control": "no-store"},
-    )
-
-
-async def status_json(request: Request) -> Response:
-    """The status page's data, as JSON."""
-    report = await run_in_threadpool(request.app.state.status.report)
-    return JSONResponse(report, headers={"Cache-Control": "no-store"})

@@ -232,7 +232,7 @@ def advise(
         typer.Option(
             "--from-metrics",
             help="A /metrics URL to scrape twice, a window apart (repeatable) "
-            "[default: the local API's]",
+            "[default: the local API's ops port, FRESHLINE_OPS_PORT]",
         ),
     ] = None,
     from_prometheus: Annotated[
@@ -256,7 +256,7 @@ def advise(
         delta, latest = measure_prometheus(from_prometheus, window_s)
     else:
         settings = load_settings()
-        urls = from_metrics or [f"http://{settings.api_host}:{settings.api_port}/metrics"]
+        urls = from_metrics or [f"http://{settings.ops_host}:{settings.ops_port}/metrics"]
         delta, latest = measure_scrapes(urls, window_s, api=not from_metrics)
     advice = advise_all(figures_from_samples(delta, latest, window_s))
     if json_out:

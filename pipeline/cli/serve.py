@@ -1,12 +1,20 @@
 """CLI command of the read path: ``serve``, with its connection limits, timeouts and TLS.
 
+``serve`` runs the API's workers and, apart from them, one process for the operator's
+endpoints (``/metrics``, ``/status``, ``/status.json`` and the probes) on the ops port
+(``FRESHLINE_OPS_HOST``, ``_PORT``; :mod:`pipeline.api.ops`). Both read the workers'
+counters from ``PROMETHEUS_MULTIPROC_DIR``, which ``serve`` sets for them.
+
 Registered on the main app by :func:`register`, called from :mod:`pipeline.cli.app`.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.process
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,14 +87,25 @@ def serve(
     ssl_keyfile: Annotated[
         Path | None, typer.Option(help="PEM private key of the certificate [FRESHLINE_API_TLS_KEY]")
     ] = None,
+    ops_port: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=65535,
+            help="Port of /metrics, /status and the probes, on FRESHLINE_OPS_HOST; "
+            "0: not served [FRESHLINE_OPS_PORT]",
+        ),
+    ] = None,
 ) -> None:
-    """Serve the HTTP read API (Starlette) with granian or uvicorn."""
+    """Serve the HTTP read API (Starlette) with granian or uvicorn, and the operator's
+    endpoints on the ops port."""
     from pipeline.core.db import make_engine, ping
 
     settings = load_settings()
     ping(make_engine(settings))
     host = host or settings.api_host
     port = port or settings.api_port
+    ops_port = settings.ops_port if ops_port is None else ops_port
     if server not in ("granian", "uvicorn"):
         raise typer.BadParameter("choose granian or uvicorn", param_hint="--server")
     base = ServerLimits.from_settings(settings)
@@ -108,7 +127,7 @@ def serve(
                 f"no such file: {path}", param_hint="--ssl-certificate/--ssl-keyfile"
             )
     metrics_dir: str | None = None
-    if workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if (workers > 1 or ops_port) and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Set before any worker imports prometheus_client, which reads it on import.
         metrics_dir = tempfile.mkdtemp(prefix="freshline-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
@@ -116,6 +135,7 @@ def serve(
         f"serving the read API on {limits.scheme}://{host}:{port} with {server}, "
         f"{workers} worker(s), up to {limits.max_connections} connections each"
     )
+    ops = start_ops(settings.ops_host, ops_port) if ops_port else None
     try:
         if server == "granian":
             run_granian("pipeline.api:app_from_env", host, port, workers, limits)
@@ -141,8 +161,45 @@ def serve(
                 ssl_keyfile=limits.tls_key or None,
             )
     finally:
+        if ops is not None:
+            ops.terminate()  # SIGTERM: granian stops its worker and exits
+            ops.join(timeout=10)
+            if ops.is_alive():
+                ops.kill()
+                ops.join(timeout=5)
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+OPS_LIMITS = ServerLimits(max_connections=64, backlog=64, header_timeout_s=10.0)
+"""The ops port serves operators and scrapers: a few connections at a time."""
+
+
+def start_ops(host: str, port: int) -> multiprocessing.process.BaseProcess | None:
+    """The ops port's server (:func:`pipeline.api.app.ops_app_from_env`, one granian
+    worker) in a process of its own; None, with a warning, if the port is taken.
+
+    The API is served all the same when the ops port cannot be: a port clash must not
+    take the API down. The process is spawned, not forked, so it shares no thread or
+    connection with this one.
+    """
+    try:
+        with socket.create_server((host, port)):
+            pass  # free now; granian binds it in the child
+    except OSError as exc:
+        console.print(
+            f"[yellow]warning:[/yellow] the ops port {host}:{port} cannot be bound ({exc}): "
+            "/metrics and /status are not served; set FRESHLINE_OPS_PORT (0: off)"
+        )
+        return None
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_granian,
+        args=("pipeline.api.app:ops_app_from_env", host, port, 1, OPS_LIMITS),
+        name="freshline-ops",
+    )
+    process.start()
+    console.print(f"serving /metrics, /status and the probes on http://{host}:{port}")
+    return process
 
 
 def run_granian(

@@ -263,7 +263,7 @@ def test_llm_model_labels_are_bounded_to_configured_models(
             "/v1/llm/cache/flag", json={**scope, "model": models[1], "entry_id": "00000000000000aa"}
         )
         assert flagged.status_code == 200, flagged.text
-        exposed = api.get("/metrics", key=None).text
+        exposed = api.ops("/metrics").text
     families = [
         ("freshline_semantic_lookups", "model"),
         ("freshline_semantic_stored", "model"),

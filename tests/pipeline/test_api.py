@@ -62,6 +62,16 @@ class Api:
     def post(self, url: str, **kwargs: Any) -> httpx.Response:
         return self.request("POST", url, **kwargs)
 
+    def ops(self, url: str, **kwargs: Any) -> httpx.Response:
+        """GET ``url`` from the app's ops-port app (:mod:`pipeline.api.ops`), with no key."""
+
+        async def get() -> httpx.Response:
+            transport = httpx.ASGITransport(app=self.app.state.ops_app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://ops.test") as c:
+                return await c.get(url, **kwargs)
+
+        return self.portal.call(get)
+
 
 @contextmanager
 def running(app: Starlette, key: str | None = None) -> Iterator[Api]:
@@ -481,7 +491,7 @@ def scrape(api: Api) -> dict[str, float]:
     """The values of :data:`COUNTED` in ``/metrics`` now (0 for a series not there yet)."""
     samples = [
         s
-        for family in text_string_to_metric_families(api.get("/metrics", key=None).text)
+        for family in text_string_to_metric_families(api.ops("/metrics").text)
         for s in family.samples
     ]
     return {

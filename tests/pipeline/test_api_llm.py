@@ -84,16 +84,16 @@ def test_store_then_lookup_then_flag(api: Api, model: str) -> None:
     flagged = api.post("/v1/llm/cache/flag", json={**body(model), "entry_id": hit["entry_id"]})
     assert flagged.status_code == 200 and flagged.json()["removed"] is True
     assert api.post("/v1/llm/cache/lookup", json=body(model, NEAR)).json()["hit"] is False
-    metrics = api.get("/metrics", key=None).text
+    metrics = api.ops("/metrics").text
     assert f'freshline_semantic_flagged_total{{model="{model}"}} 1.0' in metrics
     assert f'freshline_semantic_lookups_total{{model="{model}",outcome="hit"}} 1.0' in metrics
     assert f'freshline_semantic_lookup_seconds_count{{model="{model}"}}' in metrics
-    status = api.get("/status.json", key=None).json()
+    status = api.ops("/status.json").json()
     [row] = [r for r in status["semantic"] if r["model"] == model]
     assert (row["hits"], row["misses"], row["flagged"]) == (1, 2, 1)
     assert row["hit_rate"] == pytest.approx(1 / 3)
     assert any(model in p and "flagged" in p for p in status["problems"])
-    assert "Semantic cache" in api.get("/status", key=None).text
+    assert "Semantic cache" in api.ops("/status").text
 
 
 def test_the_tenant_comes_from_the_key(
@@ -246,7 +246,7 @@ def test_an_exploration_is_labelled_by_the_callers_store(api: Api, model: str) -
         not in api.post("/v1/llm/cache/store", json=body(model, "Hi", response="Hello")).json()
     )
     cache.rng = NEVER
-    metrics = api.get("/metrics", key=None).text
+    metrics = api.ops("/metrics").text
     assert f'freshline_semantic_explored_total{{model="{model}"}} 2.0' in metrics
     assert f'freshline_semantic_labels_total{{model="{model}",outcome="agreed"}} 1.0' in metrics
     assert f'freshline_semantic_labels_total{{model="{model}",outcome="disagreed"}} 1.0' in metrics
@@ -264,7 +264,7 @@ def test_a_flag_with_its_prompt_keeps_the_entry_for_closer_prompts(api: Api, mod
     assert flagged["threshold"] > hit["similarity"]
     assert api.post("/v1/llm/cache/lookup", json=body(model, served)).json()["hit"] is False
     assert api.post("/v1/llm/cache/lookup", json=body(model, NEAR)).json()["hit"] is True
-    metrics = api.get("/metrics", key=None).text
+    metrics = api.ops("/metrics").text
     assert f'freshline_semantic_flagged_total{{model="{model}"}} 1.0' in metrics
     assert f'freshline_semantic_estimated_error_total{{model="{model}"}}' in metrics
 

@@ -1,4 +1,5 @@
-"""``freshline serve`` for real: granian, two worker processes, metrics summed across them."""
+"""``freshline serve`` for real: granian, two worker processes, metrics summed across them
+on the ops port (and not on the API's)."""
 
 from __future__ import annotations
 
@@ -32,12 +33,18 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def server(settings: Settings, tmp_path: Path) -> Iterator[str]:
+def ops_port() -> int:
+    return free_port()
+
+
+@pytest.fixture
+def server(settings: Settings, tmp_path: Path, ops_port: int) -> Iterator[str]:
     port = free_port()
     env = {
         **os.environ,
         "FRESHLINE_POSTGRES_URL": settings.postgres_url,
         "FRESHLINE_REDIS_URL": settings.redis_url,
+        "FRESHLINE_OPS_PORT": str(ops_port),
     }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     log = tmp_path / "serve.log"
@@ -72,7 +79,7 @@ def server(settings: Settings, tmp_path: Path) -> Iterator[str]:
 
 @pytest.mark.slow
 def test_serve_answers_and_sums_metrics_across_workers(
-    server: str, engine: Engine, tenant_factory: Callable[..., SeedSummary]
+    server: str, ops_port: int, engine: Engine, tenant_factory: Callable[..., SeedSummary]
 ) -> None:
     tenant = tenant_factory(users=5, transactions=50).tenants[0]
     headers = {"Authorization": f"Bearer {create_api_key(engine, tenant)}"}
@@ -84,6 +91,12 @@ def test_serve_answers_and_sums_metrics_across_workers(
     with httpx.Client(base_url=server, headers=headers, timeout=10) as client:
         assert client.get("/v1/features/nope/1").json()["error"]["code"] == "unknown_feature_set"
         assert client.get("/readyz").status_code == 200
+        for page in ("/metrics", "/status", "/status.json"):  # the ops port's only
+            assert client.get(page).status_code == 404, page
+    ops = f"http://127.0.0.1:{ops_port}"
+    assert wait_until(lambda: _answers(f"{ops}/readyz"), timeout=30), "no ops port"
+    assert httpx.get(f"{ops}/status.json", timeout=10).status_code == 200
+    with httpx.Client(base_url=ops, timeout=10) as client:
 
         def served() -> float:
             text = client.get("/metrics").text
@@ -98,6 +111,13 @@ def test_serve_answers_and_sums_metrics_across_workers(
                 )
             )
 
-        # The scraped worker's own requests at once, the other's within its flush
-        # interval (pipeline.api.metrics.FLUSH_S): all n of them, from both workers.
+        # Each worker's requests within its flush interval (pipeline.api.metrics.FLUSH_S):
+        # all n of them, from both workers.
         assert wait_until(lambda: served() == n, timeout=10), served()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False

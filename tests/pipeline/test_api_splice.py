@@ -263,7 +263,7 @@ def test_the_api_answers_a_batch_of_hits_as_the_decoding_path_does(
         # The batch is spliced (on the app's own loop, with its asyncio client)...
         found = api.portal.call(reader.cached_batch, Lookup(tenant, ["txn_90d"], ids), "cache-only")
         assert isinstance(found, Spliced)
-        before = _hits(api.get("/metrics", key=None).text, "txn_90d")
+        before = _hits(api.ops("/metrics").text, "txn_90d")
         for mode in ("cache-only", "read-through"):
             got = api.post(
                 f"/v1/features/batch?mode={mode}",
@@ -276,7 +276,7 @@ def test_the_api_answers_a_batch_of_hits_as_the_decoding_path_does(
             for answer, item in zip(answers, got.json()["items"], strict=True):
                 answer["age_ms"] = item["age_ms"]
             assert got.content == orjson.dumps({"schema_version": version, "items": answers})
-        assert _hits(api.get("/metrics", key=None).text, "txn_90d") - before == 2 * len(ids)
+        assert _hits(api.ops("/metrics").text, "txn_90d") - before == 2 * len(ids)
 
         # A miss among them: decoded, and answered as before.
         mixed = api.post(

@@ -55,6 +55,7 @@ def obs_settings(settings: Settings) -> Settings:
             "schema_version": fresh_version(),
             "consumer_metrics_port": 0,
             "local_cache_size": 0,
+            "ops_cache_s": 0.0,  # a fresh Redis sample on every scrape
         }
     )  # counts Redis hits
 
@@ -74,11 +75,11 @@ def api(
 
 
 def test_hits_raise_the_hit_rate_and_each_latency_is_measured(api: Api) -> None:
-    before = api.get("/metrics").text
+    before = api.ops("/metrics").text
     assert api.get("/v1/features/txn_90d/3").json()["source"] == "computed"
     for _ in range(4):
         assert api.get("/v1/features/txn_90d/3").json()["source"] == "hit"
-    after = api.get("/metrics").text
+    after = api.ops("/metrics").text
 
     def moved(name: str, /, **labels: str) -> float:
         return metric(after, name, **labels) - metric(before, name, **labels)
@@ -90,13 +91,13 @@ def test_hits_raise_the_hit_rate_and_each_latency_is_measured(api: Api) -> None:
     assert moved("freshline_compute_seconds_count", cache="feature", name="txn_90d") == 1
     assert moved("freshline_compute_seconds_sum", cache="feature", name="txn_90d") > 0
 
-    status = api.get("/status.json").json()
+    status = api.ops("/status.json").json()
     txn = next(s for s in status["feature_sets"] if s["name"] == "txn_90d")
     assert txn["current"]["hit_rate"] == pytest.approx(0.8)
     assert (txn["current"]["hits"], txn["current"]["misses"]) == (4, 1)
     for _ in range(5):
         api.get("/v1/features/txn_90d/3")
-    status = api.get("/status.json").json()
+    status = api.ops("/status.json").json()
     txn = next(s for s in status["feature_sets"] if s["name"] == "txn_90d")
     assert txn["current"]["hit_rate"] == pytest.approx(0.9)  # 9 hits of 10 reads
 
@@ -120,7 +121,7 @@ def test_an_entry_older_than_its_ttl_fires_the_staleness_check(stale_api: Api, t
     svc = stale_api.app.state.services
     for user in (1, 2, 3):
         assert stale_api.get(f"/v1/features/txn_90d/{user}").status_code == 200
-    fresh = stale_api.get("/metrics").text
+    fresh = stale_api.ops("/metrics").text
     assert metric(fresh, "freshline_staleness_sampled_entries", feature_set="txn_90d") == 3
     assert metric(fresh, "freshline_staleness_over_ttl_entries", feature_set="txn_90d") == 0
 
@@ -135,12 +136,12 @@ def test_an_entry_older_than_its_ttl_fires_the_staleness_check(stale_api: Api, t
     assert found.complete, "the sample must cover this test's whole Redis database"
     assert found.by_set["txn_90d"].over_ttl == 1
 
-    stale = stale_api.get("/metrics").text
+    stale = stale_api.ops("/metrics").text
     assert metric(stale, "freshline_staleness_over_ttl_entries", feature_set="txn_90d") == 1
     oldest = metric(stale, "freshline_staleness_oldest_age_seconds", feature_set="txn_90d")
     assert oldest >= 2 * fs.ttl_s
     assert metric(stale, "freshline_feature_ttl_seconds", feature_set="txn_90d") == fs.ttl_s
-    status = stale_api.get("/status.json").json()
+    status = stale_api.ops("/status.json").json()
     assert any("txn_90d" in p and "older than" in p for p in status["problems"])
 
     immortal = feature_key(svc.reader.schema_version, EntityRef("geo", tenant, "5"))
@@ -150,7 +151,7 @@ def test_an_entry_older_than_its_ttl_fires_the_staleness_check(stale_api: Api, t
             [None] * len(REGISTRY["geo"].fields), svc.reader.schema_version, old + ttl_ms, 1
         ),
     )
-    text = stale_api.get("/metrics").text
+    text = stale_api.ops("/metrics").text
     assert metric(text, "freshline_staleness_immortal_entries", feature_set="geo") == 1
 
 

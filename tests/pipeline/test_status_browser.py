@@ -94,15 +94,17 @@ def served(
     engine: Engine,
     redis_client: redis.Redis,
     tenant_factory: Callable[..., SeedSummary],
-) -> Iterator[tuple[str, str, StatusBoard]]:
-    """The app on a real socket (uvicorn in a thread): (base URL, API key, status board)."""
+) -> Iterator[tuple[str, str, str, StatusBoard]]:
+    """The app and its ops-port app on real sockets (uvicorn in threads): (API URL,
+    ops URL, API key, status board)."""
     tenant = tenant_factory(users=10, transactions=200).tenants[0]
     local = settings.model_copy(
         update={"schema_version": fresh_version(), "consumer_metrics_port": 0}
     )
     app = create_app(local, engine=engine, redis_client=redis_client, follow_deploys=False)
-    with serving(app) as port:
-        yield f"http://127.0.0.1:{port}", create_api_key(engine, tenant), app.state.status
+    with serving(app) as port, serving(app.state.ops_app) as ops_port:
+        key = create_api_key(engine, tenant)
+        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{ops_port}", key, app.state.status
 
 
 def backfill(board: StatusBoard, minutes: int = 55) -> None:
@@ -130,21 +132,21 @@ def backfill(board: StatusBoard, minutes: int = 55) -> None:
 
 
 def test_status_page_in_headless_chromium(
-    served: tuple[str, str, StatusBoard], chromium: str, tmp_path: Path
+    served: tuple[str, str, str, StatusBoard], chromium: str, tmp_path: Path
 ) -> None:
-    url, key, board = served
+    url, ops_url, key, board = served
     backfill(board)
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as client:
         for _ in range(5):  # one miss, four hits: 80%
             assert client.get("/v1/features/txn_90d/2").status_code == 200
         for _ in range(4):  # one miss, three hits: 75%
             assert client.get("/v1/features/geo/2").status_code == 200
-        report = client.get("/status.json").json()
+        report = httpx.get(f"{ops_url}/status.json").json()
     current = {s["name"]: s["current"] for s in report["feature_sets"]}
     assert current["txn_90d"]["hit_rate"] == pytest.approx(0.8)
     assert current["geo"]["hit_rate"] == pytest.approx(0.75)
 
-    dom = run_chromium(chromium, tmp_path, "--dump-dom", f"{url}/status")
+    dom = run_chromium(chromium, tmp_path, "--dump-dom", f"{ops_url}/status")
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
     assert "data-rendered=" in html, "the page's script did not finish rendering"
@@ -164,7 +166,7 @@ def test_status_page_in_headless_chromium(
         f"--screenshot={shot}",
         "--window-size=1280,1900",
         "--hide-scrollbars",
-        f"{url}/status",
+        f"{ops_url}/status",
     )
     assert taken.returncode == 0 and shot.stat().st_size > 10_000, taken.stderr[-2000:]
     assert not console_errors(taken.stderr), console_errors(taken.stderr)
