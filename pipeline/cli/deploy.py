@@ -55,6 +55,29 @@ def check(
         )
         raise typer.Exit(1)
     console.print(f"feature definitions match the lock for schema version {version}")
+    warn_about_redis_memory()
+
+
+def warn_about_redis_memory() -> None:
+    """A warning, never a failure, when Redis has no ``maxmemory`` (or may evict)."""
+    import redis as redis_errors
+
+    from pipeline.core.budget import memory_problem
+    from pipeline.core.settings import load_settings, redact_text
+
+    try:
+        client = redis_client(load_settings(), socket_connect_timeout=2, socket_timeout=5)
+        try:
+            problem = memory_problem(client)
+        finally:
+            client.close()
+    except (redis_errors.RedisError, OSError) as exc:
+        console.print(
+            f"[yellow]warning:[/yellow] could not read Redis's maxmemory: {redact_text(str(exc))}"
+        )
+        return
+    if problem:
+        console.print(f"[yellow]warning:[/yellow] {problem}")
 
 
 def warm(

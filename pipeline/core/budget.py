@@ -33,7 +33,7 @@ errs towards less room, never more.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 import redis
 
@@ -106,6 +106,34 @@ class TenantBudget:
             keys=list(keys), args=[ttl_ms, self.max_keys, self.max_bytes, *members]
         )
         return {_key_of(member) for member in popped}
+
+
+def memory_problem(client: redis.Redis) -> str | None:
+    """What keeps the budgets from protecting every tenant on ``client``'s server, if
+    anything (read with ``INFO memory``, which the API's Redis user may run).
+
+    Budgets bound each tenant; only ``maxmemory`` bounds them all. Under
+    ``noeviction`` a full Redis refuses writes and nothing is lost; any other policy
+    may evict (every freshline key has a TTL, so ``volatile-*`` may evict them all,
+    watermark floors and tombstones included) and an older write could then land
+    (:func:`pipeline.cache.store.check_eviction_policy` refuses such a server).
+    """
+    info: dict[str, Any] = client.info("memory")
+    servers = [v for v in info.values() if isinstance(v, dict)] or [info]  # a cluster: per node
+    for server in servers:
+        if not int(server.get("maxmemory") or 0):
+            return (
+                "Redis has no maxmemory: the per-tenant budgets bound each tenant, but "
+                "nothing bounds them all; set maxmemory (with maxmemory-policy "
+                "noeviction) below the memory the host can give it"
+            )
+        policy = str(server.get("maxmemory_policy", ""))
+        if policy != "noeviction":
+            return (
+                f"Redis's maxmemory-policy is {policy}: it may evict entries, floors or "
+                "tombstones, and an older write could then land; set it to noeviction"
+            )
+    return None
 
 
 def usage(client: redis.Redis, keys: tuple[str, str]) -> tuple[int, int]:

@@ -7,18 +7,20 @@ and evicts only its own oldest predictions: another tenant's are untouched.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
 from sqlalchemy.engine import Engine
+from typer.testing import CliRunner
 
 from pipeline.api import create_app
 from pipeline.api.auth import create_api_key, create_tenant
-from pipeline.core.budget import entry_cost, usage
+from pipeline.core.budget import entry_cost, memory_problem, usage
 from pipeline.core.keys import inference_budget_keys, inference_prefix
+from pipeline.core.lock import Lock
 from pipeline.core.settings import Settings
 from pipeline.inference.models import LogisticModel, ModelRegistry
 from tests.pipeline.test_api import Api, running
@@ -142,3 +144,47 @@ def test_every_budget_key_has_a_ttl(
         assert answer.status_code == 200, answer.text
     for key in inference_budget_keys(tenant):
         assert 0 < redis_client.pttl(key) <= 601_000, key
+
+
+def test_the_stacks_redis_bounds_every_tenant_together(redis_client: redis.Redis) -> None:
+    """scripts/stack sets maxmemory, under noeviction: nothing freshline relies on
+    (floors, tombstones, the newest entry) is ever evicted, and the sum of every
+    tenant's budget is bounded."""
+    assert memory_problem(redis_client) is None
+
+
+def test_check_warns_when_redis_has_no_maxmemory_or_may_evict(
+    private_redis: tuple[str, Callable[[], None], Callable[[], None]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    from pipeline.cli import app
+
+    url, _stop, _start = private_redis
+    monkeypatch.setenv("FRESHLINE_REDIS_URL", url)
+    lock = tmp_path / "features.lock.json"
+    Lock({}).save(lock)
+    runner = CliRunner()
+    made = runner.invoke(app, ["check", "--lock", str(lock), "--update-lock"])
+    assert made.exit_code == 0, made.output
+
+    def warnings() -> str:
+        result = runner.invoke(app, ["check", "--lock", str(lock)])
+        assert result.exit_code == 0, result.output
+        return " ".join(line for line in result.output.splitlines() if "warning" in line)
+
+    assert "no maxmemory" in warnings()
+    client = redis.Redis.from_url(url, username=_login()[0], password=_login()[1])
+    try:
+        client.config_set("maxmemory", "100mb")
+        assert warnings() == ""
+        client.config_set("maxmemory-policy", "volatile-lru")
+        assert "volatile-lru" in warnings()
+    finally:
+        client.close()
+
+
+def _login() -> tuple[str | None, str | None]:
+    """The settings' Redis login, which the private server takes too."""
+    login = Settings()
+    return login.redis_username or None, login.redis_password.get_secret_value() or None
