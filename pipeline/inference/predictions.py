@@ -357,9 +357,19 @@ class InferenceCache:
         return Prediction(out.values[0], bool(out.hit[0]), out.model, out.model_version)
 
     def _store(self, entries: list[tuple[str, bytes]], tenant: str | None) -> None:
-        """Write ``entries``, within ``tenant``'s budget (module docstring, steps 5-6)."""
+        """Write ``entries``, within ``tenant``'s budget (module docstring, steps 5-6).
+
+        A Redis at its ``maxmemory`` refuses the writes: the predictions are answered
+        all the same, uncached (a cache that cannot store must not fail its reads).
+        """
         if not entries:
             return
+        try:
+            self._write(entries, tenant)
+        except redis.exceptions.OutOfMemoryError as exc:
+            log.warning("Redis is full (%s); %d predictions not cached", exc, len(entries))
+
+    def _write(self, entries: list[tuple[str, bytes]], tenant: str | None) -> None:
         evicted: set[str] = set()
         if self.budget is not None and tenant is not None:
             evicted = self.budget.admit(

@@ -18,11 +18,12 @@ from typer.testing import CliRunner
 
 from pipeline.api import create_app
 from pipeline.api.auth import create_api_key, create_tenant
-from pipeline.core.budget import entry_cost, memory_problem, usage
+from pipeline.core.budget import TenantBudget, entry_cost, memory_problem, usage
 from pipeline.core.keys import inference_budget_keys, inference_prefix
 from pipeline.core.lock import Lock
 from pipeline.core.settings import Settings
 from pipeline.inference.models import LogisticModel, ModelRegistry
+from pipeline.inference.predictions import InferenceCache
 from tests.pipeline.test_api import Api, running
 
 FEATURES = ("a", "b", "c")
@@ -188,3 +189,25 @@ def _login() -> tuple[str | None, str | None]:
     """The settings' Redis login, which the private server takes too."""
     login = Settings()
     return login.redis_username or None, login.redis_password.get_secret_value() or None
+
+
+def test_a_full_redis_still_answers_predictions_uncached(
+    private_redis: tuple[str, Callable[[], None], Callable[[], None]], model: LogisticModel
+) -> None:
+    """At its maxmemory (noeviction) Redis refuses writes: predictions are answered
+    all the same, and nothing is stored."""
+    url, _stop, _start = private_redis
+    user, password = _login()
+    client = redis.Redis.from_url(url, username=user, password=password)
+    try:
+        client.config_set("maxmemory", "1")  # below what it holds: every write is refused
+        cache = InferenceCache(
+            client, ttl_s=60, budget=TenantBudget(client, max_keys=10, max_bytes=1 << 20)
+        )
+        out = cache.predict(model, rows(0, 3), tenant="acme")
+        assert out.values.tolist() == model.predict(np.array(rows(0, 3))).tolist()
+        assert not out.hit.any()
+        client.config_set("maxmemory", "0")
+        assert client.dbsize() == 0
+    finally:
+        client.close()
