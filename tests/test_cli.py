@@ -52,9 +52,9 @@ def free_port() -> int:
 
 
 def test_advise_with_no_api_running_says_to_start_the_api_not_the_stack() -> None:
-    port = free_port()
+    port = free_port()  # of the API's ops port, where its /metrics are
     r = run(
-        "advise", "--window", "1s", FRESHLINE_API_HOST="127.0.0.1", FRESHLINE_API_PORT=str(port)
+        "advise", "--window", "1s", FRESHLINE_OPS_HOST="127.0.0.1", FRESHLINE_OPS_PORT=str(port)
     )
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()

@@ -44,6 +44,7 @@ def serving(
         **os.environ,
         "FRESHLINE_POSTGRES_URL": settings.postgres_url,
         "FRESHLINE_REDIS_URL": settings.redis_url,
+        "FRESHLINE_OPS_PORT": "0",  # the API port's limits only; no ops server
     }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     scheme = "https" if "--ssl-certificate" in args else "http"
