@@ -40,7 +40,6 @@ BENCHMARKS = (
     "seed",
     "recompute",
     "incremental",
-    "derived",
     "read_path",
     "reference_app",
     "idle_connections",

@@ -272,6 +272,10 @@ class Context:
 
         repo = active()  # the fraud example, whose tables the benchmarks seed
         migrations.upgrade(self.settings.postgres_url, repo=migrations.Chain.of_repository(repo))
+        from pipeline.core.maintenance import install_missing
+
+        with self.engine.begin() as conn:  # what apply --alter-tables installs
+            install_missing(conn, repo.registry.maintenances())
         return self
 
     def _admin(self) -> Engine:

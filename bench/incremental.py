@@ -5,18 +5,20 @@
    each recomputed alone by :func:`pipeline.cache.recompute.compute` on the full path
    and on the incremental one, the four candidates interleaved round by round
    (:func:`bench.common.measure`). The figures to read: head / median per path. Twice:
-   with every delta folded, and with deltas pending (``PENDING_HEAD`` new rows of the
+   with every change folded, and with changes logged (``PENDING_HEAD`` new rows of the
    busiest user and one of the median user, what a consumer recomputing just-written
    users meets between folds); then those rows are deleted and folded away again.
 2. **Write amplification.** The same transaction rows loaded with COPY into fresh
-   tenants with the bucket triggers enabled and disabled (``ALTER TABLE ... DISABLE
-   TRIGGER``), interleaved; and single-row INSERTs (autocommit, one transaction each,
-   ``synchronous_commit`` as configured) with and without, interleaved in blocks. The
-   triggers only append deltas; the work they defer is measured next: the fold of
-   every delta the "with" rounds wrote, in transactions of ``FOLD_USERS`` users
-   (deltas folded per second, and COPY plus its fold against COPY without). The rows
-   written without triggers are removed with the triggers off, with their tenants'
-   buckets and deltas, so the buckets stay exact.
+   tenants with the derived path's triggers enabled and disabled (``ALTER TABLE ...
+   DISABLE TRIGGER``), interleaved; and single-row INSERTs (autocommit, one transaction
+   each, ``synchronous_commit`` as configured) with and without, interleaved in blocks.
+   The triggers only log the (user, day)s a statement changed; the work they defer is
+   measured next: the fold of every day the "with" rounds logged, ``FOLD_USERS`` per
+   transaction (days folded per second, and COPY plus its fold against COPY without).
+   The rows written without triggers are removed with the triggers off, with their
+   tenants' partials and log, so the partials stay exact.
+
+txn_90d's path is derived from its declaration (:mod:`pipeline.core.maintenance`).
 
 Run alone: ``.venv/bin/python -m bench.incremental [--quick] [--users N
 --transactions N]``; or as part of ``python -m bench``.
@@ -37,12 +39,14 @@ import sqlalchemy as sa
 
 from bench import common
 from pipeline.cache.recompute import compute
+from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import REGISTRY
 
-# The fraud example's incremental path (its own code, through the extension point).
-(BUCKETS,) = REGISTRY.maintenances()
+# txn_90d's incremental path, derived from its declaration.
+(PATH,) = REGISTRY.maintenances()
+assert isinstance(PATH, DerivedPath)
 
-TRIGGERS = ("txn_buckets_insert", "txn_buckets_update", "txn_buckets_delete")
+TRIGGERS = tuple(f"{PATH.trigger}_{op}" for op in "iud")
 _COLUMNS = "user_id, amount, currency, merchant_id, device_id, ip, status, created_at, updated_at"
 TARGET_HEAD_RATIO = 3.0
 TARGET_WRITE_COST = 1.30
@@ -124,10 +128,7 @@ def _pending(ctx: common.Context, tenant: str, who: dict[str, Any]) -> Iterator[
                 sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = ANY(:ids)"),
                 {"t": tenant, "ids": ids},
             )
-            conn.execute(
-                sa.text("SELECT freshline_fold_bucket_users(:t, :u)"),
-                {"t": [tenant] * len(users), "u": users},
-            )
+        PATH.fold_all(ctx.engine, max_keys=FOLD_USERS)
 
 
 def _triggers(ctx: common.Context, enabled: bool) -> None:
@@ -230,9 +231,9 @@ def _writes(
             lambda on: _triggers(ctx, on),
             scratch,
         )
-        # The deferred work: fold every delta the rounds with triggers wrote.
-        deltas, _ = BUCKETS.pending(ctx.engine)
-        _, fold_s = common.timed(lambda: BUCKETS.fold_all(ctx.engine, max_keys=FOLD_USERS))
+        # The deferred work: fold every day the rounds with triggers logged.
+        deltas, _ = PATH.pending(ctx.engine)
+        _, fold_s = common.timed(lambda: PATH.fold_all(ctx.engine, max_keys=FOLD_USERS))
     finally:
         _cleanup(ctx, scratch)
     copy = {m: round(float(np.median(v))) for m, v in copy_rates.items()}
@@ -260,19 +261,13 @@ def _writes(
 
 
 def _cleanup(ctx: common.Context, tenants: list[str]) -> None:
-    """Remove the scratch rows with the triggers off, and their tenants' buckets."""
+    """Remove the scratch rows with the triggers off, and their tenants' partials."""
     if not tenants:
         return
     _triggers(ctx, False)
     try:
         with ctx.engine.begin() as conn:
-            for table in (
-                "transactions",
-                "txn_buckets",
-                "txn_bucket_members",
-                "txn_bucket_latest",
-                "txn_bucket_deltas",
-            ):
+            for table in ("transactions", *PATH.tables):
                 conn.execute(
                     sa.text(f"DELETE FROM {table} WHERE tenant_id = ANY(:t)"), {"t": tenants}
                 )
@@ -285,14 +280,14 @@ def run(quick: bool) -> dict[str, Any]:
     data = ctx.dataset()
     who = _head_and_median(ctx, data.tenant)
     rounds, calls = (2, 5) if quick else (5, 20)
-    BUCKETS.fold_all(ctx.engine, max_keys=FOLD_USERS)
+    PATH.fold_all(ctx.engine, max_keys=FOLD_USERS)
     recompute = _recompute(ctx, data.tenant, who, rounds, calls)
     with _pending(ctx, data.tenant, who):
         pending = _recompute(ctx, data.tenant, who, rounds, calls)
     sample, w_rounds, i_rounds, block = (2_000, 2, 8, 25) if quick else (20_000, 4, 30, 50)
     writes = _writes(ctx, data.tenant, sample, w_rounds, i_rounds, block)
     targets = []
-    for state, res in (("folded", recompute), ("deltas pending", pending)):
+    for state, res in (("folded", recompute), ("changes logged", pending)):
         for name, r in res.items():
             targets.append(
                 common.target(
@@ -305,7 +300,7 @@ def run(quick: bool) -> dict[str, Any]:
             )
     targets.append(
         common.target(
-            "COPY time with bucket triggers vs without",
+            "COPY time with derived triggers vs without",
             writes["copy_cost"],
             "<=",
             TARGET_WRITE_COST,
@@ -314,7 +309,7 @@ def run(quick: bool) -> dict[str, Any]:
     )
     targets.append(
         common.target(
-            "single-row INSERT p50 with bucket triggers vs without",
+            "single-row INSERT p50 with derived triggers vs without",
             writes["insert_p50_cost"],
             "<=",
             TARGET_WRITE_COST,
@@ -359,14 +354,14 @@ def markdown(res: dict[str, Any]) -> str:
     ins, fold = w["insert_us"], w["fold"]
     return "\n".join(
         [
-            "## incremental: head entity against median, and the write cost of the buckets",
+            "## incremental: head entity against median, and the write cost of the derived path",
             "",
             f"Data set: {p['dataset']['users']:,} users, {p['dataset']['transactions']:,} "
             f"transactions (Zipf). Busiest user: {who['head']['rows']:,} rows; median user "
             f"(of {who['users_with_rows']:,} with rows): {who['median']['rows']:,}. One entity "
             f"per `compute`, {p['rounds']} interleaved rounds of {p['calls']} calls (p50, ms). "
-            f"Pending: {res['pending_head']} unfolded new rows of the busiest user and 1 of the "
-            "median user.",
+            f"Logged: {res['pending_head']} new rows of the busiest user and 1 of the median "
+            "user, not yet folded.",
             "",
             common.table(
                 [
@@ -384,7 +379,7 @@ def markdown(res: dict[str, Any]) -> str:
             "",
             f"Writes: {w['sample_rows']:,} rows by COPY into a fresh tenant per round, "
             f"{p['write_rounds']} rounds per mode, and {w['inserts_per_mode']:,} single-row "
-            f"INSERTs (autocommit) per mode in blocks of {w['insert_block']}, bucket triggers "
+            f"INSERTs (autocommit) per mode in blocks of {w['insert_block']}, derived triggers "
             "enabled and disabled alternately.",
             "",
             common.table(
@@ -406,8 +401,8 @@ def markdown(res: dict[str, Any]) -> str:
                 ],
             ),
             "",
-            f"The deferred work: folding the {fold['deltas']:,} deltas those rounds wrote took "
-            f"{fold['seconds']} s ({fold['deltas_per_s']:,} deltas/s, {FOLD_USERS:,} users per "
+            f"The deferred work: folding the {fold['deltas']:,} (user, day)s those rounds logged "
+            f"took {fold['seconds']} s ({fold['deltas_per_s']:,}/s, {FOLD_USERS:,} per "
             f"transaction); COPY plus its fold costs {fold['copy_and_fold_cost']}x a COPY "
             "without triggers, off the writer's transaction.",
             "",

@@ -33,9 +33,8 @@ TABLES = (
     "transactions",
     "devices",
     "user_devices",
-    "txn_buckets",
-    "txn_bucket_members",
-    "txn_bucket_latest",
+    # and txn_90d's derived partials, in freshline's schema
+    *(t for path in REGISTRY.maintenances() for t in getattr(path, "tables", [])),
 )
 POLICY = "tenant_id = ANY (string_to_array(current_setting('freshline.tenants', true), ','))"
 
@@ -49,7 +48,9 @@ def run(quick: bool) -> dict[str, Any]:
     with ctx.engine.begin() as conn:
         conn.execute(sa.text(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'"))
         conn.execute(sa.text(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}"))
+        conn.execute(sa.text(f"GRANT USAGE ON SCHEMA freshline TO {role}"))
         for table in TABLES:
+            conn.execute(sa.text(f"GRANT SELECT ON {table} TO {role}"))
             conn.execute(sa.text(f"ALTER TABLE {table} ENABLE ROW LEVEL SECURITY"))
             conn.execute(sa.text(f"CREATE POLICY tenant_guard ON {table} USING ({POLICY})"))
     url = make_url(ctx.settings.postgres_url).set(username=role, password=password)
@@ -102,6 +103,9 @@ def run(quick: bool) -> dict[str, Any]:
                 conn.execute(sa.text(f"DROP POLICY IF EXISTS tenant_guard ON {table}"))
                 conn.execute(sa.text(f"ALTER TABLE {table} DISABLE ROW LEVEL SECURITY"))
             conn.execute(sa.text(f"REVOKE ALL ON ALL TABLES IN SCHEMA public FROM {role}"))
+            for table in TABLES:
+                conn.execute(sa.text(f"REVOKE ALL ON {table} FROM {role}"))
+            conn.execute(sa.text(f"REVOKE USAGE ON SCHEMA freshline FROM {role}"))
             conn.execute(sa.text(f"DROP ROLE {role}"))
     return out
 

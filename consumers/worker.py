@@ -535,8 +535,9 @@ class Worker:
         while a fold takes a full ``FOLD_USERS``, the next follows without a pause.
 
         Upkeep, like the lag: the values the incremental path returns are exact either
-        way (it reads pending deltas too), so a failure is logged and tried again at
-        the next interval. A role without EXECUTE on the fold stops trying.
+        way (it reads what is not folded yet from the source rows), so a failure is
+        logged and tried again at the next interval. A role without EXECUTE on the fold
+        stops trying.
         """
         interval = self.settings.bucket_fold_interval_ms / 1000
         while True:
@@ -548,9 +549,9 @@ class Worker:
             except sa.exc.ProgrammingError as exc:
                 logger.error(
                     "cannot fold the incremental path's pending changes (%s); grant "
-                    "this role what the repository's path needs (the fraud example: "
-                    "EXECUTE on freshline_fold_bucket_deltas), or run freshline "
-                    "buckets fold --follow",
+                    "this role what the repository's path needs (a derived path: "
+                    "EXECUTE on its freshline.agg_..._fold function, which apply "
+                    "grants), or run freshline buckets fold --follow",
                     exc.orig,
                 )
                 return

@@ -33,6 +33,7 @@ import migrations
 from fraud.seed import SeedSummary, seed
 from pipeline.core.db import make_engine
 from pipeline.core.features import Registry
+from pipeline.core.maintenance import install_missing
 from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client as make_redis_client
 from pipeline.core.settings import Settings
@@ -42,8 +43,16 @@ FRAUD_MIGRATIONS = migrations.Chain.of(ROOT / "examples" / "fraud" / "migrations
 
 
 def migrate(url: str, fraud_revision: str = "head") -> None:
-    """freshline's schema at head, and the fraud example's tables at ``fraud_revision``."""
+    """freshline's schema at head, and the fraud example's tables at ``fraud_revision``;
+    at head, also the derived incremental paths ``apply --alter-tables`` installs."""
     migrations.upgrade(url, repo=FRAUD_MIGRATIONS, repo_revision=fraud_revision)
+    if fraud_revision == "head":
+        engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+        try:
+            with engine.begin() as conn:
+                install_missing(conn, REGISTRY.maintenances())
+        finally:
+            engine.dispose()
 
 
 def load_stack_env(path: Path = ROOT / ".stack" / "env") -> None:

@@ -4,7 +4,6 @@ import pytest
 import sqlalchemy as sa
 
 import migrations
-from fraud import incremental
 from pipeline.core.db import metadata
 from pipeline.core.errors import ConfigError
 from pipeline.core.settings import Settings
@@ -52,7 +51,8 @@ def test_migrations_run_forward_and_back_on_an_empty_database(base_settings: Set
             assert table.schema == "freshline", table.name
             assert table.name in own, table.name
             assert {c.name for c in table.columns} <= own[table.name], table.name
-        migrate(url)  # then the fraud example's, in public
+        # then the fraud example's, in public (not the derived path apply installs)
+        migrations.upgrade(url, repo=FRAUD_MIGRATIONS)
         columns = _columns(engine)
         assert {"amount", "merchant_id", "device_id", "ip", "status", "updated_at"} <= columns[
             "transactions"
@@ -100,142 +100,49 @@ def test_a_login_that_would_see_freshlines_schema_first_is_refused(
         drop_database(base_settings, name)
 
 
-def test_a_database_that_ran_the_first_0003_gets_its_buckets_rebuilt(
+def test_0010_drops_the_hand_written_buckets_of_a_database_that_had_them(
     base_settings: Settings,
 ) -> None:
-    """Revision 0003 changed after databases had run it; 0006 rebuilds theirs."""
-    name = "freshline_migrations_0006_test"
+    """A database that ran the removed revisions 0003 and 0006-0008 has their tables,
+    triggers and functions (made here as they named them); 0010 drops them and nothing
+    else, and a new database, which never had them, upgrades the same."""
+    name = "freshline_migrations_0010_test"
     url = recreate_database(base_settings, name)
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     try:
-        migrate(url, "0005")
+        migrate(url, "0009")
         with engine.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE txn_buckets (day date)"))
+            conn.execute(sa.text("CREATE TABLE txn_bucket_deltas (w int)"))
             conn.execute(
                 sa.text(
-                    "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
-                    "VALUES ('t1', 1, 10, 'm1', '10.0.0.1')"
+                    "CREATE FUNCTION freshline_txn_buckets_insert() RETURNS trigger "
+                    "LANGUAGE plpgsql AS $$ BEGIN RETURN NULL; END $$"
                 )
             )
-            # what the first 0003 left: no per-country marks
-            conn.execute(sa.text("ALTER TABLE txn_buckets DROP COLUMN countries_latest"))
-        migrate(url)
-        assert "countries_latest" in _columns(engine)["txn_buckets"]
-        with engine.begin() as conn:
-            # the rebuilt triggers run, and the existing rows wait for a bucket build
             conn.execute(
                 sa.text(
-                    "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
-                    "VALUES ('t1', 1, 20, 'm2', '10.0.0.2')"
+                    "CREATE FUNCTION freshline_fold_bucket_deltas(integer, boolean) "
+                    "RETURNS integer LANGUAGE sql AS 'SELECT 0'"
                 )
             )
-            assert conn.execute(sa.text("SELECT complete FROM txn_bucket_build")).scalar() is False
-        migrate(url)  # at head already: nothing is rebuilt again
-        with engine.begin() as conn:  # the row is a pending delta (revision 0007)
-            assert (
-                conn.execute(
-                    sa.text(
-                        "SELECT (SELECT coalesce(sum(n), 0) FROM txn_buckets) "
-                        "+ (SELECT coalesce(sum(w), 0) FROM txn_bucket_deltas)"
-                    )
-                ).scalar()
-                == 1
+            conn.execute(
+                sa.text(
+                    "CREATE TRIGGER txn_buckets_insert AFTER INSERT ON transactions "
+                    "FOR EACH STATEMENT EXECUTE FUNCTION freshline_txn_buckets_insert()"
+                )
             )
-    finally:
-        engine.dispose()
-        drop_database(base_settings, name)
-
-
-def test_0007_keeps_the_buckets_of_a_database_at_0006_and_folds_them_on_the_way_back(
-    base_settings: Settings,
-) -> None:
-    """0006's triggers built buckets; under 0007 writes become deltas, and a downgrade
-    folds them and puts the direct triggers back, with the same values throughout."""
-
-    name = "freshline_migrations_0007_test"
-    url = recreate_database(base_settings, name)
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    insert = sa.text(
-        "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, "
-        "created_at) VALUES ('t1', 1, :a, :m, now() - interval '1 day')"
-    )
-    totals = sa.text(
-        "SELECT (SELECT coalesce(sum(n), 0) FROM txn_buckets), "
-        "(SELECT count(*) FROM txn_bucket_members WHERE kind = 'm')"
-    )
-    try:
-        migrate(url, "0006")
-        with engine.begin() as conn:
-            conn.execute(insert, {"a": 10, "m": "m1"})
-            assert tuple(conn.execute(totals).one()) == (1, 1)  # direct triggers
-        migrate(url, "0007")
-        with engine.begin() as conn:
-            conn.execute(insert, {"a": 20, "m": "m2"})
-            assert tuple(conn.execute(totals).one()) == (1, 1)  # the new row is a delta
-            assert incremental.pending(conn) == (1, 1)
-        _fraud_downgrade(url, "0006")
-        with engine.begin() as conn:
-            assert tuple(conn.execute(totals).one()) == (2, 2)  # folded on the way back
-            assert "txn_bucket_deltas" not in sa.inspect(conn).get_table_names()
-            conn.execute(insert, {"a": 30, "m": "m3"})
-            assert tuple(conn.execute(totals).one()) == (3, 3)  # direct triggers again
         migrate(url)
-        with engine.begin() as conn:
-            conn.execute(insert, {"a": 40, "m": "m4"})
-            assert incremental.pending(conn) == (1, 1)
-        assert incremental.fold_all(engine) == 1
-        with engine.begin() as conn:
-            assert tuple(conn.execute(totals).one()) == (4, 4)
-            assert incremental.pending(conn) == (0, 0)
-    finally:
-        engine.dispose()
-        drop_database(base_settings, name)
-
-
-def test_0008_indexes_the_delta_log_by_user_id_and_folds_in_that_order(
-    base_settings: Settings,
-) -> None:
-    """A database that ran 0007 (index on tenant and user) gets the user-id index, and
-    its fold function takes users by id; downgrading puts 0007's back. The fold runs."""
-
-    name = "freshline_migrations_0008_test"
-    url = recreate_database(base_settings, name)
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-
-    def index_columns() -> list[str]:
-        (index,) = [
-            ix
-            for ix in sa.inspect(engine).get_indexes("txn_bucket_deltas")
-            if ix["name"] == "txn_bucket_deltas_user"
-        ]
-        return list(index["column_names"])
-
-    def fold_source() -> str:
         with engine.connect() as conn:
-            return str(
-                conn.execute(
-                    sa.text(
-                        "SELECT prosrc FROM pg_proc WHERE proname = 'freshline_fold_bucket_deltas'"
-                    )
-                ).scalar_one()
-            )
-
-    try:
-        migrate(url, "0007")
-        assert index_columns() == ["tenant_id", "user_id"]
-        migrate(url, "0008")
-        assert index_columns() == ["user_id"]
-        assert "ORDER BY user_id, tenant_id" in fold_source()
-        with engine.begin() as conn:
-            conn.execute(
+            left = conn.execute(
                 sa.text(
-                    "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id) "
-                    "VALUES ('t1', 2, 10, 'm1'), ('t0', 3, 10, 'm1'), ('t1', 1, 10, 'm1')"
+                    "SELECT (SELECT count(*) FROM pg_class WHERE relname LIKE 'txn\\_bucket%') "
+                    "+ (SELECT count(*) FROM pg_proc WHERE proname LIKE 'freshline\\_%bucket%') "
+                    "+ (SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'txn\\_buckets%')"
                 )
-            )
-        assert incremental.fold_all(engine) == 3
-        _fraud_downgrade(url, "0007")
-        assert index_columns() == ["tenant_id", "user_id"]
-        assert "ORDER BY 1, 2" in fold_source()
+            ).scalar_one()
+        assert left == 0
+        assert "transactions" in _columns(engine)
     finally:
         engine.dispose()
         drop_database(base_settings, name)
@@ -244,8 +151,8 @@ def test_0008_indexes_the_delta_log_by_user_id_and_folds_in_that_order(
 def test_0009_refuses_a_geoip_range_that_overlaps_another(base_settings: Settings) -> None:
     """The country of an IP is the range with the greatest ``ip_from`` at or below it,
     if the IP is within that range's ``ip_to``. A range inside another would change the
-    country of IPs outside it (after its end, within the outer range) that no geoip
-    trigger reaches; ranges must be disjoint. A database with overlapping ranges is
+    country of IPs outside it (after its end, within the outer range) that no reverse
+    lookup reaches; ranges must be disjoint. A database with overlapping ranges is
     refused an upgrade that names them."""
     name = "freshline_migrations_0009_test"
     url = recreate_database(base_settings, name)
@@ -255,7 +162,7 @@ def test_0009_refuses_a_geoip_range_that_overlaps_another(base_settings: Setting
         "VALUES (CAST(:f AS inet), CAST(:t AS inet), 'FR', 'Paris', 1)"
     )
     try:
-        migrate(url, "0008")
+        migrate(url, "0005")
         with engine.begin() as conn:
             conn.execute(insert, {"f": "11.0.0.0", "t": "11.0.0.255"})
             conn.execute(insert, {"f": "11.0.0.16", "t": "11.0.0.31"})
@@ -284,7 +191,7 @@ def test_0009_refuses_a_geoip_range_that_overlaps_another(base_settings: Setting
             engine.begin() as conn,  # nor can an update make an overlap
         ):
             conn.execute(sa.text("UPDATE geoip SET ip_to = '11.0.1.0' WHERE ip_from = '11.0.0.0'"))
-        _fraud_downgrade(url, "0008")
+        _fraud_downgrade(url, "0005")
         with engine.begin() as conn:
             conn.execute(insert, {"f": "11.0.0.16", "t": "11.0.0.31"})
     finally:

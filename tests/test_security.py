@@ -39,6 +39,7 @@ from pipeline.cdc.connect import ConnectClient, connector_config, drop_slot, nam
 from pipeline.core.db import make_engine
 from pipeline.core.errors import ServiceUnavailable
 from pipeline.core.keys import ACTIVE_SCHEMA_KEY, INVALIDATION_CHANNEL, feature_key
+from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
@@ -264,30 +265,31 @@ def test_the_service_roles_cannot_write_source_tables(
         eng.dispose()
 
 
-def test_only_the_consumer_role_may_fold_bucket_deltas_and_neither_writes_buckets(
+def test_only_the_consumer_role_may_fold_a_derived_path_and_neither_writes_it(
     settings: Settings,
 ) -> None:
-    """The consumers fold pending bucket deltas through a SECURITY DEFINER function;
-    the bucket tables themselves stay read-only to both service roles."""
+    """The consumers fold txn_90d's logged days through the derived path's SECURITY
+    DEFINER function; its partials and log stay read-only to both service roles."""
+    path = REGISTRY["txn_90d"].maintenance
+    assert isinstance(path, DerivedPath)
+    fold = sa.text(f"SELECT freshline.{path.prefix}_fold(10, false)")
     consumer = role_engine(settings, "FRESHLINE_STACK_POSTGRES_CONSUMER_URL")
     api = role_engine(settings, "FRESHLINE_STACK_POSTGRES_API_URL")
     try:
         with consumer.begin() as conn:
-            assert (
-                conn.execute(sa.text("SELECT freshline_fold_bucket_deltas(10, false)")).scalar_one()
-                is not None
-            )
+            assert conn.execute(fold).scalar_one() is not None
         for eng in (consumer, api):
-            with (
-                eng.connect() as conn,
-                pytest.raises(sa.exc.ProgrammingError, match="permission denied"),
-            ):
-                conn.execute(sa.text("DELETE FROM txn_buckets"))
+            for table in (path.days, path.log):
+                with (
+                    eng.connect() as conn,
+                    pytest.raises(sa.exc.ProgrammingError, match="permission denied"),
+                ):
+                    conn.execute(sa.text(f"DELETE FROM {table}"))
         with (
             api.connect() as conn,
             pytest.raises(sa.exc.ProgrammingError, match="permission denied"),
         ):
-            conn.execute(sa.text("SELECT freshline_fold_bucket_deltas(10, false)"))
+            conn.execute(fold)
     finally:
         consumer.dispose()
         api.dispose()

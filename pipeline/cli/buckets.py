@@ -6,8 +6,9 @@ did, a batch of keys per transaction, with a progress bar; interrupted (Ctrl-C, 
 crash), it resumes after the last committed batch. ``buckets fold`` applies the pending
 changes to the aggregates (the consumers do it too, every
 ``FRESHLINE_BUCKET_FOLD_INTERVAL_MS``). ``reconcile`` compares the incremental path
-with the full one on sampled entities and repairs drifted aggregates. (The fraud
-example's path is per-day buckets of its source table with a delta log.)
+with the full one on sampled entities and repairs drifted aggregates. (A declared
+aggregation's derived path, such as the fraud example's ``txn_90d``, keeps per-day
+partials and a log of changed days: :mod:`pipeline.core.maintenance`.)
 """
 
 from __future__ import annotations

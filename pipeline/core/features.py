@@ -306,7 +306,7 @@ class FeatureSet:
     evaluates. Not part of the fingerprint."""
     maintenance: IncrementalPath | None = field(default=None, repr=False, compare=False)
     """The repository's :class:`~pipeline.core.incremental.IncrementalPath` that keeps
-    those aggregates (the fraud example's is ``examples/fraud/fraud/incremental.py``);
+    those aggregates (a declared aggregation's is :class:`~pipeline.core.maintenance.DerivedPath`);
     required with ``incremental``."""
     path: Path = field(default="full", compare=False)
     """Which evaluation recomputes use by default. Not part of the fingerprint."""

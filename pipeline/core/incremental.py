@@ -16,9 +16,10 @@ moments:
 - :meth:`~IncrementalPath.rebuild`, after a bulk load or when ``reconcile`` finds drift;
 - ``freshline buckets status | build | fold`` for the operator.
 
-The fraud example's is ``examples/fraud/fraud/incremental.py`` (per-day buckets, a
-delta log written by triggers, a fold). A declared aggregation gets one derived from its
-declaration (:class:`pipeline.core.maintenance.DerivedPath`).
+A declared aggregation gets one derived from its declaration
+(:class:`pipeline.core.maintenance.DerivedPath`: per-day partials, a log of changed days
+written by triggers, a fold), as the fraud example's ``txn_90d`` does; a repository may
+write its own for what a declaration cannot say.
 """
 
 from __future__ import annotations

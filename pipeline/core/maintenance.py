@@ -249,7 +249,7 @@ class DerivedPath(IncrementalPath):
             f"old_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_d()",
             f"CREATE TRIGGER {trigger}_t AFTER TRUNCATE ON {table} "
             f"FOR EACH STATEMENT EXECUTE FUNCTION {fn}_t()",
-            f"SELECT pg_advisory_xact_lock({self._lock})",
+            f"SELECT pg_advisory_xact_lock({self.lock})",
             f"LOCK TABLE {table} IN SHARE MODE",
             *self._rebuild_sql(table, keys_from=None),
             # Statistics now, not at autovacuum's leisure: without them the first
@@ -432,7 +432,7 @@ class DerivedPath(IncrementalPath):
         return cols
 
     @property
-    def _lock(self) -> str:
+    def lock(self) -> str:
         """The advisory lock that folds and rebuilds of this path take."""
         return f"hashtext('{SCHEMA}.{self.prefix}')"
 
@@ -470,8 +470,8 @@ class DerivedPath(IncrementalPath):
         ents = ", ".join(self.entity.columns)
         source = self._touched_rows(table, touched)
         body = [
-            f"IF $2 THEN PERFORM pg_advisory_xact_lock({self._lock}); "
-            f"ELSIF NOT pg_try_advisory_xact_lock({self._lock}) THEN RETURN NULL; END IF",
+            f"IF $2 THEN PERFORM pg_advisory_xact_lock({self.lock}); "
+            f"ELSIF NOT pg_try_advisory_xact_lock({self.lock}) THEN RETURN NULL; END IF",
             f"SELECT {', '.join(f'array_agg(g.{k})' for k in self.keys)} "
             f"INTO {', '.join(picked)} FROM (SELECT DISTINCT {keys} FROM {self.log} "
             f"LIMIT $1) AS g",
@@ -674,14 +674,19 @@ class DerivedPath(IncrementalPath):
                     bucket_vals.append(
                         f"coalesce(sum(b.lc{i}) FILTER (WHERE {inside}), 0) AS lc{i}"
                     )
+                    # the edge and logged days' values, gathered in the one scan of
+                    # their rows
+                    edge_vals.append(
+                        f"array_agg(DISTINCT {col}) FILTER (WHERE {edge} AND {col} IS NOT NULL) "
+                        f"AS ev{i}"
+                    )
                     out.append(
                         f"(bk.lc{i}"
                         f" + (SELECT count(*) FROM {latest} l WHERE {mine_l} "
                         f"AND (l.latest >= w.da OR l.latest = ANY(dl.dd)) "
                         f"AND {probe.format(value='l.value')} IS NOT NULL)"
-                        f" + (SELECT count(DISTINCT {col}) FROM {edge_rows} x "
-                        f"WHERE {self._row_filter('x')} AND {edge} AND {col} IS NOT NULL "
-                        f"AND {probe.format(value=col)} IS NULL))"
+                        f" + (SELECT count(*) FROM unnest(ed.ev{i}) AS ev(value) "
+                        f"WHERE {probe.format(value='ev.value')} IS NULL))"
                     )
         names = [a.field_name() for a in d.aggs]
         body = ",\n       ".join(
@@ -723,7 +728,7 @@ class DerivedPath(IncrementalPath):
             "tenants": [t for t, _ in keys],
             "ids": [self.entity.param(str(k)) for _, k in keys],
         }
-        conn.execute(sa.text(f"SELECT pg_advisory_xact_lock({self._lock})"))
+        conn.execute(sa.text(f"SELECT pg_advisory_xact_lock({self.lock})"))
         conn.execute(sa.text(f"LOCK TABLE {table} IN SHARE MODE"))
         for statement in self._rebuild_sql(table, keys_from):
             conn.execute(sa.text(statement), params)

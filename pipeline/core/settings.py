@@ -8,8 +8,11 @@ point at the local stack started by ``scripts/stack up``.
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
+import tomllib
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
@@ -44,6 +47,20 @@ def redact(url: str) -> str:
 def redact_text(text: str) -> str:
     """``text`` with every URL in it passed through :func:`redact`."""
     return _URL_IN_TEXT.sub(lambda m: redact(m.group()), text)
+
+
+def repository_schema_version() -> int:
+    """``project.schema_version`` of the active repository's ``freshline.toml``
+    (``FRESHLINE_REPO``, else the current directory, as
+    :func:`pipeline.core.repository.active_path`), or 1 where it names none; a bad
+    value is left for the repository's own load to report."""
+    path = Path(os.environ.get("FRESHLINE_REPO") or ".") / "freshline.toml"
+    try:
+        version = tomllib.loads(path.read_text()).get("project", {}).get("schema_version", 1)
+    except (OSError, tomllib.TOMLDecodeError, AttributeError):
+        return 1
+    ok = isinstance(version, int) and not isinstance(version, bool) and 1 <= version <= 999_999
+    return version if ok else 1
 
 
 class Settings(BaseSettings):
@@ -85,7 +102,9 @@ class Settings(BaseSettings):
     """A properties file on the Connect worker with ``database.password``, read by its
     FileConfigProvider; empty: the password goes into the connector config in clear."""
 
-    schema_version: int = Field(default=1, ge=1, le=999_999)
+    schema_version: int = Field(default_factory=repository_schema_version, ge=1, le=999_999)
+    """The version this code writes and reads: ``FRESHLINE_SCHEMA_VERSION``, else the
+    active repository's ``project.schema_version`` (``freshline.toml``), else 1."""
     topic_prefix: str = Field(default="", pattern=r"^[A-Za-z0-9_.\-]*$")
     topic_partitions: int = Field(default=6, ge=1, le=1000)
     consumer_group: str = "freshline"

@@ -109,7 +109,7 @@ def engines(
     cluster_env: dict[str, str], cluster_settings: Settings
 ) -> Iterator[tuple[sa.Engine, sa.Engine]]:
     """The cluster topology's Postgres primary and replica, migrated to the head (the
-    fraud example's tables the feature queries read, the bucket delta log included)."""
+    fraud example's tables the feature queries read, and txn_90d's derived path)."""
     migrate(cluster_settings.postgres_url)
     primary = sa.create_engine(cluster_settings.postgres_url)
     replica = sa.create_engine(cluster_env["FRESHLINE_POSTGRES_REPLICA_URL"])

@@ -37,6 +37,8 @@ from consumers.kafka import Consumer, Producer
 from consumers.topics import ensure
 from consumers.worker import Worker
 from pipeline.core.keys import feature_pattern
+from pipeline.core.maintenance import DerivedPath
+from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.topics import DLQ, INVALIDATIONS
 from tests.consumers.conftest import (
@@ -107,9 +109,12 @@ def test_a_change_and_its_event_yield_the_recomputed_entry(
     assert seen == {("txn_90d", "4"), ("geo", "4"), ("txn_90d", "5"), ("geo", "5")}
 
 
-def test_the_worker_folds_pending_bucket_deltas_between_batches(env: Env, engine: Engine) -> None:
-    """The triggers append bucket deltas; a consumer's fold thread folds them into the
-    buckets when it starts and then every interval, with nothing consumed."""
+def test_the_worker_folds_logged_days_between_batches(env: Env, engine: Engine) -> None:
+    """The derived path's triggers log the days a write changed; a consumer's fold thread
+    folds them into the partials when it starts and then every interval, with nothing
+    consumed."""
+    path = REGISTRY["txn_90d"].maintenance
+    assert isinstance(path, DerivedPath)
     with engine.begin() as conn:
         conn.execute(
             sa.text(
@@ -118,18 +123,19 @@ def test_the_worker_folds_pending_bucket_deltas_between_batches(env: Env, engine
             ),
             {"t": env.tenant},
         )
-    pending = sa.text("SELECT count(*) FROM txn_bucket_deltas WHERE tenant_id = :t AND user_id = 6")
+    logged = sa.text(f"SELECT count(*) FROM {path.log} WHERE tenant_id = :t AND user_id = 6")
     with engine.connect() as conn:
-        assert conn.execute(pending, {"t": env.tenant}).scalar_one() >= 1
+        assert conn.execute(logged, {"t": env.tenant}).scalar_one() >= 1
     settings = env.settings.model_copy(update={"bucket_fold_interval_ms": 60_000})
     Worker(settings).run(idle_timeout=0.2, timeout=60)
+    (member,) = path.distinct[:1]
     with engine.connect() as conn:
-        assert conn.execute(pending, {"t": env.tenant}).scalar_one() == 0
+        assert conn.execute(logged, {"t": env.tenant}).scalar_one() == 0
         assert (
             conn.execute(
                 sa.text(
-                    "SELECT count(*) FROM txn_bucket_members WHERE tenant_id = :t AND user_id = 6 "
-                    "AND member = 'm-fold'"
+                    f"SELECT count(*) FROM {path.members(member)} WHERE tenant_id = :t "
+                    "AND user_id = 6 AND value = 'm-fold'"
                 ),
                 {"t": env.tenant},
             ).scalar_one()

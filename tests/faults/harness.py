@@ -34,6 +34,8 @@ from consumers.kafka import Producer, admin_client
 from fraud.seed import seed
 from pipeline.cdc.connect import names
 from pipeline.core.db import make_engine
+from pipeline.core.maintenance import install_missing
+from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.topics import DLQ, qualified
@@ -75,6 +77,8 @@ class FaultEnv:
         stack.freshline("topics", "ensure")
         settings = stack.settings
         engine = make_engine(settings, pool_size=4)
+        with engine.begin() as conn:  # what apply --alter-tables installs
+            install_missing(conn, REGISTRY.maintenances())
         tenants: dict[Case, str] = {}
         for i, (name, case_seed) in enumerate(cases, 1):
             summary = seed(

@@ -28,6 +28,7 @@ from pipeline.cache.recompute import Batch, compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.errors import ConfigError, InvalidId, UnknownFeatureSet
 from pipeline.core.keys import feature_key, parse_feature_key
+from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
@@ -205,15 +206,18 @@ def test_bucket_drift_is_a_mismatch_against_the_full_reference_only(
     version: int,
     tenant: str,
 ) -> None:
-    """A consumer on the incremental path writes what drifted buckets say; the audit's
-    default reference, the full query, finds it, and ``own`` (the same buckets) cannot."""
+    """A consumer on the incremental path writes what drifted partials say; the audit's
+    default reference, the full query, finds it, and ``own`` (the same partials) cannot."""
     refs = materialize(engine, store, tenant)
     ref = active(store, refs)
-    with engine.begin() as conn:  # drift no fold would make
+    path = REGISTRY["txn_90d"].maintenance
+    assert isinstance(path, DerivedPath)
+    path.fold_all(engine)  # so that the whole days are read from the partials
+    with engine.begin() as conn:  # drift no fold would make (mx3: txn_max's partial)
         drifted = conn.execute(
             sa.text(
-                "UPDATE txn_buckets SET amount_max = 99999 WHERE tenant_id = :t AND user_id = :u "
-                "AND day > current_date - 80"
+                f"UPDATE {path.days} SET mx3 = 99999 WHERE tenant_id = :t AND user_id = :u "
+                "AND day > current_date - 80 AND day < current_date"
             ),
             {"t": ref.tenant, "u": int(ref.entity)},
         ).rowcount

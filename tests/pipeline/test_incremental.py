@@ -1,11 +1,13 @@
-"""The incremental path gives the full path's values, whatever happened to the rows.
+"""The fraud example's declared ``txn_90d``: its derived incremental path gives the full
+path's values, whatever happened to the rows.
 
-All on a private database of this module's own (the build state and TRUNCATE are
+All on a private database of this module's own (TRUNCATE and the fold are
 database-wide). The property test drives random sequences of inserts, updates,
-deletes, moves between users and folds of some users' pending deltas through the real
-triggers, then compares both paths value by value, at a fixed ``as_of`` whose window
-edges the generated times straddle: with deltas pending, and again once all are
-folded.
+deletes, moves between users and partial folds through the real triggers, then compares
+both paths value by value, at a fixed ``as_of`` whose window edges the generated times
+straddle: with changed days logged, and again once all are folded.
+(:mod:`tests.test_derived` holds the generator to the same bar over random
+declarations.)
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 
-from fraud import incremental
 from pipeline.cache.recompute import compute
 from pipeline.core.errors import ConfigError
 from pipeline.core.features import FeatureSet
+from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.observe.reconcile import compare, reconcile
@@ -41,7 +43,9 @@ AS_OF = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 EDGE = AS_OF - timedelta(days=90)  # txn_90d's window starts after it
 EDGE30 = AS_OF - timedelta(days=30)  # geo's
 FS = REGISTRY["txn_90d"]
-SETS = [REGISTRY["txn_90d"], REGISTRY["geo"]]
+assert isinstance(FS.maintenance, DerivedPath)
+PATH: DerivedPath = FS.maintenance
+SETS = [FS]
 IPS = ["11.0.0.5", "11.0.1.7", "11.0.2.9", "11.0.3.3", None]  # US, GB, DE, no range, none
 USERS = (1, 2, 3)
 REVISION = "head"
@@ -100,11 +104,6 @@ def both(
     return full, inc
 
 
-def answered_by_buckets(engine: Engine, tenant: str, user: int) -> bool:
-    with engine.connect() as conn:
-        return (tenant, user) in incremental.answered(conn, [(tenant, user)], AS_OF)
-
-
 def insert(engine: Engine, tenant: str, rows: list[tuple[Any, ...]]) -> list[int]:
     """Rows of (user, created_at, amount, merchant, device[, ip]) in one statement."""
     with engine.begin() as conn:
@@ -130,31 +129,22 @@ def insert(engine: Engine, tenant: str, rows: list[tuple[Any, ...]]) -> list[int
         )
 
 
-def fold_some(engine: Engine, tenant: str, users: int) -> None:
-    """Fold the pending deltas of the first ``users`` users of ``tenant`` that have any,
-    the way freshline_fold_bucket_deltas folds (all of a user's deltas at once)."""
-    with engine.begin() as conn:
-        keys = conn.execute(
-            sa.text(
-                "SELECT DISTINCT tenant_id, user_id FROM txn_bucket_deltas WHERE tenant_id = :t "
-                "ORDER BY 2 LIMIT :n"
-            ),
-            {"t": tenant, "n": users},
-        ).all()
-        if keys:
-            conn.execute(
-                sa.text("SELECT freshline_fold_bucket_users(:t, :u)"),
-                {"t": [k[0] for k in keys], "u": [k[1] for k in keys]},
-            )
+def fold_some(engine: Engine, tenant: str, days: int) -> None:
+    """Fold ``days`` logged (key, day)s (any tenant's), as the consumers' upkeep does;
+    0: none."""
+    if days:
+        PATH.fold(engine, max_keys=days, wait=True)
+
+
+def fold_all(engine: Engine) -> None:
+    PATH.fold_all(engine)
 
 
 def pending_users(engine: Engine, tenant: str) -> int:
     with engine.connect() as conn:
         return int(
             conn.execute(
-                sa.text(
-                    "SELECT count(DISTINCT user_id) FROM txn_bucket_deltas WHERE tenant_id = :t"
-                ),
+                sa.text(f"SELECT count(DISTINCT user_id) FROM {PATH.log} WHERE tenant_id = :t"),
                 {"t": tenant},
             ).scalar_one()
         )
@@ -209,8 +199,8 @@ _op = st.one_of(
     st.tuples(st.just("delete_user"), st.sampled_from(USERS)),
     st.tuples(st.just("noop_update"), st.sampled_from(USERS)),
 )
-# After some changes, fold the pending deltas of the first user that has any.
-_step = st.tuples(_op, st.sampled_from([0, 0, 0, 1]))
+# After some changes, fold a few logged days.
+_step = st.tuples(_op, st.sampled_from([0, 0, 0, 1, 3]))
 _UPDATES = {
     "amount": "amount = CAST(:v AS numeric)",
     "time": "created_at = :v",
@@ -236,17 +226,14 @@ def test_incremental_equals_full_after_any_sequence_of_changes(db: Engine, steps
         if i == len(steps) // 2:  # and halfway
             full, inc = both(db, tenant, sets=SETS)
             assert inc == full
-    with db.connect() as conn:
-        answered = incremental.answered(conn, [(tenant, u) for u in USERS], AS_OF)
-    event(f"keys answered by buckets: {len(answered)}/3")
-    event(f"users with pending deltas: {pending_users(db, tenant)}/3")
+    event(f"users with logged days: {pending_users(db, tenant)}/3")
     full, inc = both(db, tenant, sets=SETS)
     assert inc == full
     # And with as_of = now.
     full_now, inc_now = both(db, tenant, as_of=None, sets=SETS)
     assert inc_now == full_now
-    # And once every delta is folded into the buckets.
-    fold_some(db, tenant, len(USERS))
+    # And once every logged day is folded.
+    fold_all(db)
     assert pending_users(db, tenant) == 0
     full, inc = both(db, tenant, sets=SETS)
     assert inc == full
@@ -304,23 +291,6 @@ def change(db: Engine, tenant: str, ids: list[int], op: tuple[Any, ...]) -> None
 # -- the cases the property relies on, pinned ---------------------------------------
 
 
-def test_most_users_are_answered_by_buckets_and_a_future_row_falls_back(db: Engine) -> None:
-    tenant = new_tenant()
-    insert(
-        db,
-        tenant,
-        [
-            (1, AS_OF - timedelta(days=3), "10.00", "m1", "d1"),
-            (2, AS_OF - timedelta(days=3), "10.00", "m1", "d1"),
-            (2, AS_OF + timedelta(hours=1), "99.00", "m2", None),
-        ],
-    )
-    assert answered_by_buckets(db, tenant, 1)
-    assert not answered_by_buckets(db, tenant, 2)  # a row after as_of
-    full, inc = both(db, tenant, (1, 2))
-    assert inc == full
-
-
 def test_the_window_max_drops_when_the_max_row_leaves_or_is_deleted(db: Engine) -> None:
     tenant = new_tenant()
     day = AS_OF - timedelta(days=10)
@@ -339,18 +309,17 @@ def test_the_window_max_drops_when_the_max_row_leaves_or_is_deleted(db: Engine) 
     later = AS_OF + timedelta(hours=2)
     full, inc = both(db, tenant, (1,), as_of=later)
     assert inc == full and inc[(tenant, "1")]["txn_max"] == 500.0
-    fold_some(db, tenant, 1)
+    fold_all(db)
     with db.begin() as conn:
         conn.execute(
             sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
             {"t": tenant, "id": big},
         )
-    # Pending, the removal sends that day's max to the source rows; the bucket still
-    # holds 500.
+    # Logged, that day is read from its source rows; its partial still holds 500.
     assert bucket_max(db, tenant, day) == Decimal("500.00")
     full, inc = both(db, tenant, (1,), as_of=later)
     assert inc == full and inc[(tenant, "1")]["txn_max"] == 20.0
-    fold_some(db, tenant, 1)
+    fold_all(db)
     assert bucket_max(db, tenant, day) == Decimal("20.00")
     full, inc = both(db, tenant, (1,), as_of=later)
     assert inc == full and inc[(tenant, "1")]["txn_max"] == 20.0
@@ -360,7 +329,7 @@ def bucket_max(engine: Engine, tenant: str, day: datetime) -> Decimal:
     with engine.connect() as conn:
         return Decimal(
             conn.execute(
-                sa.text("SELECT amount_max FROM txn_buckets WHERE tenant_id = :t AND day = :d"),
+                sa.text(f"SELECT mx3 FROM {PATH.days} WHERE tenant_id = :t AND day = :d"),
                 {"t": tenant, "d": day.date()},
             ).scalar_one()
         )
@@ -369,18 +338,18 @@ def bucket_max(engine: Engine, tenant: str, day: datetime) -> Decimal:
 def test_a_moved_row_leaves_one_users_buckets_for_the_others(db: Engine) -> None:
     tenant = new_tenant()
     (row,) = insert(db, tenant, [(1, AS_OF - timedelta(days=1), "42.00", "m9", "d9")])
-    fold_some(db, tenant, 1)
+    fold_all(db)
     with db.begin() as conn:
         conn.execute(
             sa.text("UPDATE transactions SET user_id = 2 WHERE tenant_id = :t AND id = :id"),
             {"t": tenant, "id": row},
         )
-    full, inc = both(db, tenant, (1, 2))  # the move pending: -1 for user 1, +1 for 2
+    full, inc = both(db, tenant, (1, 2))  # the move logged: the day of user 1 and of 2
     assert inc == full
-    fold_some(db, tenant, 2)
+    fold_all(db)
     with db.begin() as conn:
         left = conn.execute(
-            sa.text("SELECT count(*) FROM txn_buckets WHERE tenant_id = :t AND user_id = 1"),
+            sa.text(f"SELECT count(*) FROM {PATH.days} WHERE tenant_id = :t AND user_id = 1"),
             {"t": tenant},
         ).scalar_one()
     assert left == 0
@@ -390,62 +359,13 @@ def test_a_moved_row_leaves_one_users_buckets_for_the_others(db: Engine) -> None
     assert inc[(tenant, "1")]["txn_count"] == 0
 
 
-def test_build_resumes_after_an_interrupted_batch_and_truncate_empties(
-    base_settings: Settings,
-) -> None:
-    name = f"freshline_incremental_{uuid.uuid4().hex[:8]}"
-    url = recreate_database(base_settings, name)
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    try:
-        migrate(url, "0002")
-        tenant = new_tenant()
-        insert(
-            engine,
-            tenant,
-            [
-                (u, AS_OF - timedelta(days=d), f"{u * d}.25", f"m{d % 3}", f"d{u}")
-                for u in range(1, 8)
-                for d in range(1, 95, 7)
-            ],
-        )
-        migrate(url, REVISION)  # rows exist: the build starts incomplete
-        assert incremental.state(engine) == incremental.BuildState(False, None)
-        assert not answered_by_buckets(engine, tenant, 1)
-        built, _ = incremental.build_batch(engine, 3)  # then "interrupted"
-        assert built == 3
-        assert incremental.state(engine).cursor == (tenant, 3)
-        assert answered_by_buckets(engine, tenant, 3)
-        assert not answered_by_buckets(engine, tenant, 4)
-        seen: list[int] = []
-        assert incremental.build(engine, batch=2, progress=seen.append) == 4
-        assert seen == [2, 2] and incremental.state(engine).complete
-        full, inc = both(engine, tenant, tuple(range(1, 8)))
-        assert inc == full
-        with engine.begin() as conn:
-            conn.execute(sa.text("TRUNCATE transactions"))
-            left = conn.execute(
-                sa.text(
-                    "SELECT (SELECT count(*) FROM txn_buckets) + (SELECT count(*) FROM "
-                    "txn_bucket_members) + (SELECT count(*) FROM txn_bucket_latest) "
-                    "+ (SELECT count(*) FROM txn_bucket_deltas)"
-                )
-            ).scalar_one()
-        assert left == 0
-        insert(engine, tenant, [(1, AS_OF - timedelta(days=1), "5.00", "m1", None)])
-        full, inc = both(engine, tenant, (1,))
-        assert inc == full and inc[(tenant, "1")]["txn_count"] == 1
-    finally:
-        engine.dispose()
-        drop_database(base_settings, name)
-
-
 def test_reconcile_finds_and_repairs_drift(db: Engine) -> None:
     tenant = new_tenant()
     insert(db, tenant, [(u, AS_OF - timedelta(days=u), "10.00", "m1", "d1") for u in USERS])
-    fold_some(db, tenant, len(USERS))
+    fold_all(db)
     with db.begin() as conn:  # drift no fold would make
         conn.execute(
-            sa.text("UPDATE txn_buckets SET amount_max = 999 WHERE tenant_id = :t AND user_id = 2"),
+            sa.text(f"UPDATE {PATH.days} SET mx3 = 999 WHERE tenant_id = :t AND user_id = 2"),
             {"t": tenant},
         )
     report = reconcile(db, [(tenant, str(u)) for u in USERS], as_of=AS_OF)
@@ -472,13 +392,13 @@ def test_concurrent_writers_of_one_member_do_not_wait_and_stay_exact(
     db: Engine, first: str
 ) -> None:
     """A delete of a member's latest row and an insert of the same member on another
-    day, both open at once under READ COMMITTED: the triggers only append deltas, so
+    day, both open at once under READ COMMITTED: the triggers only append to the log, so
     the second writer does not wait for the first (a 10 s statement_timeout is its
     deadline), and both paths agree before and after the fold."""
     tenant = new_tenant()
     days = [AS_OF - timedelta(days=d) for d in (9, 6, 3)]
     _, _, newest = insert(db, tenant, [(1, day, "10.00", "m1", "d1") for day in days])
-    fold_some(db, tenant, 1)
+    fold_all(db)
     statements = {
         "delete": (
             "DELETE FROM transactions WHERE tenant_id = :t AND id = :id",
@@ -502,7 +422,7 @@ def test_concurrent_writers_of_one_member_do_not_wait_and_stay_exact(
         tx.commit()
     full, inc = both(db, tenant, (1,))
     assert inc == full
-    fold_some(db, tenant, 1)
+    fold_all(db)
     full, inc = both(db, tenant, (1,))
     assert inc == full
     assert inc[(tenant, "1")]["distinct_merchants"] == 1
@@ -511,7 +431,7 @@ def test_concurrent_writers_of_one_member_do_not_wait_and_stay_exact(
 
 def test_a_fold_takes_only_committed_deltas(db: Engine) -> None:
     """A fold runs beside an open writer: it folds what is committed, the writer's
-    deltas stay in the log, and every snapshot on the way gives the full path's values."""
+    log rows stay, and every snapshot on the way gives the full path's values."""
     tenant = new_tenant()
     insert(db, tenant, [(1, AS_OF - timedelta(days=d), "10.00", f"m{d}", "d1") for d in (2, 4)])
     with db.connect() as holder:
@@ -527,15 +447,15 @@ def test_a_fold_takes_only_committed_deltas(db: Engine) -> None:
             ),
             {"t": tenant, "at": AS_OF - timedelta(days=1)},
         )
-        assert incremental.fold(db, max_users=1_000_000) >= 1
-        assert pending_users(db, tenant) == 0  # the open writer's deltas are not visible
+        assert (PATH.fold(db, max_keys=1_000_000, wait=True) or 0) >= 1
+        assert pending_users(db, tenant) == 0  # the open writer's log rows are not visible
         full, inc = both(db, tenant, (1,))
         assert inc == full and inc[(tenant, "1")]["txn_count"] == 2
         tx.commit()
     assert pending_users(db, tenant) == 1
     full, inc = both(db, tenant, (1,))
     assert inc == full and inc[(tenant, "1")]["distinct_merchants"] == 2
-    fold_some(db, tenant, 1)
+    fold_all(db)
     full, inc = both(db, tenant, (1,))
     assert inc == full and inc[(tenant, "1")]["txn_max"] == 70.0
 
@@ -545,33 +465,34 @@ def test_a_fold_that_cannot_take_the_lock_returns_at_once(db: Engine) -> None:
     insert(db, tenant, [(1, AS_OF - timedelta(days=1), "1.00", "m1", None)])
     with db.connect() as holder:
         tx = holder.begin()
-        holder.execute(sa.text("SELECT freshline_bucket_lock()"))  # as a fold holds it
-        assert incremental.fold(db, wait=False) is None
+        holder.execute(sa.text(f"SELECT pg_advisory_xact_lock({PATH.lock})"))  # as a fold
+        assert PATH.fold(db, max_keys=1_000_000, wait=False) is None
         assert pending_users(db, tenant) == 1
         tx.rollback()
-    assert incremental.fold(db, max_users=1_000_000, wait=False) >= 1
+    assert (PATH.fold(db, max_keys=1_000_000, wait=False) or 0) >= 1
     assert pending_users(db, tenant) == 0
 
 
 def test_a_fold_holds_no_lock_once_postgres_has_answered(db: Engine) -> None:
     """A consumer cut off from Postgres just after its fold ran (a black hole: no reply
-    arrives, nothing is closed) must not leave the fold lock held, or every geoip write
-    waits on it (found by the postgres-blackhole fault scenario). Checked from another
-    session at the moment the fold's statement has returned: no advisory lock is held."""
+    arrives, nothing is closed) must not leave the fold lock held, or every other fold
+    and rebuild waits on it (found by the postgres-blackhole fault scenario). Checked
+    from another session at the moment the fold's statement has returned: no advisory
+    lock is held."""
     tenant = new_tenant()
     insert(db, tenant, [(1, AS_OF - timedelta(days=1), "1.00", "m1", None)])
     held: list[int] = []
 
     def after(conn: sa.Connection, cursor: Any, statement: str, *_: Any) -> None:
-        if "freshline_fold_bucket_deltas" in statement:
+        if f"{PATH.prefix}_fold(" in statement:
             with db.connect() as other:
                 held.append(
                     int(
                         other.execute(
                             sa.text(
-                                "SELECT count(*) FROM pg_locks "
-                                "WHERE locktype = 'advisory' AND granted "
-                                "AND pid <> pg_backend_pid()"
+                                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                                "AND granted AND pid <> pg_backend_pid() AND database = "
+                                "(SELECT oid FROM pg_database WHERE datname = current_database())"
                             )
                         ).scalar_one()
                     )
@@ -579,57 +500,11 @@ def test_a_fold_holds_no_lock_once_postgres_has_answered(db: Engine) -> None:
 
     sa.event.listen(db, "after_cursor_execute", after)
     try:
-        assert (incremental.fold(db, max_users=1_000_000) or 0) >= 1
+        assert (PATH.fold(db, max_keys=1_000_000, wait=True) or 0) >= 1
     finally:
         sa.event.remove(db, "after_cursor_execute", after)
     assert held == [0]
     assert pending_users(db, tenant) == 0
-
-
-def test_geo_counts_a_country_once_across_the_edge_day_and_later_days(db: Engine) -> None:
-    reset_geoip(db)
-    tenant = new_tenant()
-    insert(
-        db,
-        tenant,
-        [
-            (1, EDGE30 + timedelta(hours=1), "1.00", "m1", None, "11.0.0.5"),  # US, edge day
-            (1, AS_OF - timedelta(days=1), "1.00", "m1", None, "11.0.0.6"),  # US, later
-            (1, EDGE30 + timedelta(hours=2), "1.00", "m1", None, "11.0.1.7"),  # GB, edge only
-            (1, EDGE30 - timedelta(hours=1), "1.00", "m1", None, "11.0.2.9"),  # DE, before c
-        ],
-    )
-    full, inc = both(db, tenant, (1,), sets=SETS)
-    assert inc == full
-    assert inc[("geo", tenant, "1")]["distinct_countries_30d"] == 2
-    assert answered_by_buckets(db, tenant, 1)
-
-
-def test_a_geoip_change_refolds_a_removed_rows_pending_delta(db: Engine) -> None:
-    """A folded row from a range is deleted (its -1 delta pending), then the range
-    changes country: the delta must not be folded later under the new country."""
-    reset_geoip(db)
-    tenant = new_tenant()
-    (row,) = insert(
-        db, tenant, [(1, AS_OF - timedelta(days=2), "1.00", "m1", None, "11.0.0.5")]
-    )  # US
-    insert(db, tenant, [(1, AS_OF - timedelta(days=1), "1.00", "m1", None, "11.0.1.7")])  # GB
-    fold_some(db, tenant, 1)
-    with db.begin() as conn:
-        conn.execute(
-            sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
-            {"t": tenant, "id": row},
-        )
-    try:
-        with db.begin() as conn:
-            conn.execute(sa.text("UPDATE geoip SET country = 'FR' WHERE ip_from = '11.0.0.0'"))
-        full, inc = both(db, tenant, (1,), sets=SETS)
-        assert inc == full and inc[("geo", tenant, "1")]["distinct_countries_30d"] == 1
-        fold_some(db, tenant, 1)
-        full, inc = both(db, tenant, (1,), sets=SETS)
-        assert inc == full and inc[("geo", tenant, "1")]["distinct_countries_30d"] == 1
-    finally:
-        reset_geoip(db)
 
 
 def test_freshline_buckets_fold_and_status(db: Engine) -> None:
@@ -645,14 +520,14 @@ def test_freshline_buckets_fold_and_status(db: Engine) -> None:
         return r.stdout + r.stderr  # results on stdout, progress on stderr
 
     assert "pending   " in run("status") and pending_users(db, tenant) == len(USERS)
-    assert "folded the deltas of" in run("fold", "--entities", "2")
+    assert "folded the deltas of" in run("fold", "--entities", "100")
     assert pending_users(db, tenant) == 0
     assert "pending   0 deltas of 0 entities" in run("status")
 
 
 def test_a_fold_of_more_than_big_delta_rows_is_exact(db: Engine) -> None:
-    """Above 1,000 deltas a fold's statements are planned for their size (EXECUTE):
-    the same values either way, for additions and for removals."""
+    """A fold of many logged days at once: the same values, for additions and for
+    removals."""
     reset_geoip(db)
     tenant = new_tenant()
     rows = [
@@ -667,7 +542,7 @@ def test_a_fold_of_more_than_big_delta_rows_is_exact(db: Engine) -> None:
         for i in range(1500)
     ]
     ids = insert(db, tenant, rows)
-    fold_some(db, tenant, len(USERS))
+    fold_all(db)
     full, inc = both(db, tenant, sets=SETS)
     assert inc == full and inc[("txn_90d", tenant, "1")]["txn_count"] > 0
     with db.begin() as conn:
@@ -675,26 +550,26 @@ def test_a_fold_of_more_than_big_delta_rows_is_exact(db: Engine) -> None:
             sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = ANY(:ids)"),
             {"t": tenant, "ids": ids[:1200]},
         )
-    fold_some(db, tenant, len(USERS))
+    fold_all(db)
     full, inc = both(db, tenant, sets=SETS)
     assert inc == full
 
 
 def test_a_member_that_leaves_and_comes_back_is_counted_once(db: Engine) -> None:
     """m1's only row is deleted and folded (its latest day must go with it), then m1
-    appears on a later day: the day it left keeps m2's mark, and both count."""
+    appears on a later day: the day it left keeps m2's count, and both count."""
     tenant = new_tenant()
     day, later = AS_OF - timedelta(days=5), AS_OF - timedelta(days=2)
     first, _ = insert(db, tenant, [(1, day, "1.00", "m1", "d1"), (1, day, "2.00", "m2", "d1")])
-    fold_some(db, tenant, 1)
+    fold_all(db)
     with db.begin() as conn:
         conn.execute(
             sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = :id"),
             {"t": tenant, "id": first},
         )
-    fold_some(db, tenant, 1)
+    fold_all(db)
     insert(db, tenant, [(1, later, "3.00", "m1", "d2")])
-    for _ in range(2):  # pending, then folded
+    for _ in range(2):  # logged, then folded
         full, inc = both(db, tenant, (1,))
         assert inc == full and inc[(tenant, "1")]["distinct_merchants"] == 2
-        fold_some(db, tenant, 1)
+        fold_all(db)

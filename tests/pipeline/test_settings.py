@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pydantic
 import pytest
 
@@ -13,6 +15,20 @@ def test_environment_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None
     s = Settings()
     assert s.schema_version == 7
     assert s.kafka_bootstrap == "127.0.0.1:19092"
+
+
+def test_the_schema_version_defaults_to_the_repositorys(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``freshline.toml``'s ``project.schema_version`` is the version every command
+    uses unless ``FRESHLINE_SCHEMA_VERSION`` says otherwise; without one, 1."""
+    monkeypatch.delenv("FRESHLINE_SCHEMA_VERSION", raising=False)
+    monkeypatch.setenv("FRESHLINE_REPO", str(tmp_path))
+    assert Settings().schema_version == 1
+    (tmp_path / "freshline.toml").write_text('[project]\nname = "x"\nschema_version = 5\n')
+    assert Settings().schema_version == 5
+    monkeypatch.setenv("FRESHLINE_SCHEMA_VERSION", "6")
+    assert Settings().schema_version == 6
 
 
 def test_settings_are_frozen() -> None:

@@ -1,7 +1,6 @@
 """The fraud example's own code: what a team keeps beside its definitions.
 
-``incremental`` (the hand-written incremental path, registered through
-``freshline.IncrementalPath``), ``seed`` (synthetic data), ``simulator`` (changes and
+``seed`` (synthetic data), ``simulator`` (changes and
 their domain events), ``training`` (the example model), ``demo`` (the demo's HTTP
 side) and ``cli`` (``freshline fraud ...``).
 """

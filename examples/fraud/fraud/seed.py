@@ -22,6 +22,7 @@ from sqlalchemy.engine import Engine
 
 from pipeline.core.errors import FreshlineError
 from pipeline.core.keys import validate_id
+from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import REGISTRY
 
 Progress = Callable[[str, int, int], None]
@@ -184,21 +185,39 @@ def seed(
             sa.text("INSERT INTO freshline.tenants (id, name) VALUES (:id, :name)"),
             [{"id": t, "name": t.title()} for t in ids],
         )
-        # The new tenants' buckets are built from their rows at the end, so the load
-        # appends no bucket deltas (a million of them, deleted again, would bloat the
-        # delta log every incremental read looks into). Until commit, other writers of
-        # transactions wait for the seed.
-        conn.execute(sa.text("ALTER TABLE transactions DISABLE TRIGGER txn_buckets_insert"))
+        # The derived incremental paths' logs would take a row per user and day of the
+        # load, for a fold to recompute one by one: their insert triggers are off for the
+        # load (until commit other writers of transactions wait for the seed), and the
+        # new tenants' partials are built from their rows at the end instead.
+        paths = _installed_paths(conn)
+        for path in paths:
+            conn.execute(sa.text(f"ALTER TABLE transactions DISABLE TRIGGER {path.trigger}_i"))
         for tenant, u_idx, t_idx in zip(ids, per_tenant_users, per_tenant_txns, strict=True):
             total_devices += _seed_tenant(conn, rng, tenant, len(u_idx), len(t_idx), now, progress)
-        conn.execute(sa.text("ALTER TABLE transactions ENABLE TRIGGER txn_buckets_insert"))
-        _build_buckets(conn, ids, progress)
+        for path in paths:
+            conn.execute(sa.text(f"ALTER TABLE transactions ENABLE TRIGGER {path.trigger}_i"))
+        _build_partials(conn, paths, ids, progress)
     return SeedSummary(ids, users, total_devices, transactions, geo)
 
 
-def _build_buckets(conn: sa.Connection, tenants: list[str], progress: Progress | None) -> None:
-    """Build the new tenants' buckets from their rows (a build from the rows is about
-    twice as fast as folding a bulk load delta by delta)."""
+def _installed_paths(conn: sa.Connection) -> list[DerivedPath]:
+    """The derived incremental paths over ``transactions`` installed in this database."""
+    return [
+        path
+        for path in REGISTRY.maintenances()
+        if isinstance(path, DerivedPath)
+        and path.decl.table == "transactions"
+        and path.installed(conn)
+    ]
+
+
+def _build_partials(
+    conn: sa.Connection, paths: list[DerivedPath], tenants: list[str], progress: Progress | None
+) -> None:
+    """Build the new tenants' partials from their rows (a build from the rows is about
+    twice as fast as folding a bulk load day by day)."""
+    if not paths:
+        return
     keys = [
         (t, int(u))
         for t, u in conn.execute(
@@ -209,11 +228,11 @@ def _build_buckets(conn: sa.Connection, tenants: list[str], progress: Progress |
         )
     ]
     if progress is not None:
-        progress("buckets", 0, len(keys))
-    for path in REGISTRY.maintenances():
+        progress("partials", 0, len(keys))
+    for path in paths:
         path.rebuild(conn, keys)
     if progress is not None:
-        progress("buckets", len(keys), len(keys))
+        progress("partials", len(keys), len(keys))
 
 
 def _seed_tenant(

@@ -1,14 +1,14 @@
 """geoip ranges are disjoint: an exclusion constraint refuses a range that overlaps another.
 
 The country of an IP is that of the range with the greatest ``ip_from`` at or below
-it, if the IP is within that range's ``ip_to`` (``features._GEO_OF``). The geoip
-triggers rebuild the countries of the users with an IP in the changed ranges, and a
-CDC event of a range recomputes the same users; both assume that a range decides the
-country of its own IPs only. With ranges inside others that does not hold: a range
-inserted within another takes the IPs between its end and the outer range's end out
-of the outer range (they fall into no range), and nothing reaches their users, so the
-served entries and the buckets stay wrong. With disjoint ranges an IP is in one range
-or none, and a change of a range changes the countries of its own IPs only.
+it, if the IP is within that range's ``ip_to`` (``features._GEO_OF``). A CDC event
+of a range recomputes the users with an IP in it (the ``geoip`` table's reverse
+lookup), which assumes that a range decides the country of its own IPs only. With
+ranges inside others that does not hold: a range inserted within another takes the
+IPs between its end and the outer range's end out of the outer range (they fall into
+no range), and nothing reaches their users, so the served entries stay wrong. With
+disjoint ranges an IP is in one range or none, and a change of a range changes the
+countries of its own IPs only.
 
 Postgres has no range type over ``inet``; ``inetrange`` is one (ordered as ``inet``
 is, the order the lookup uses), and the constraint excludes two rows whose closed
@@ -27,7 +27,7 @@ from alembic import op
 from pipeline.core.errors import ConfigError
 
 revision = "0009"
-down_revision = "0008"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 
