@@ -22,7 +22,7 @@ import hmac
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, cast
 
 import redis
@@ -129,7 +129,7 @@ class Ops:
     board: StatusBoard
     sampled: SampledMetrics
     readiness: Recent[dict[str, str]]
-    key: str
+    key: str = field(repr=False)
     """The operator key; empty: the API port serves none of these to anyone."""
 
 

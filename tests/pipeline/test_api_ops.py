@@ -93,6 +93,7 @@ def test_the_api_port_serves_no_operator_page_without_the_operator_key(
                 assert answer.json()["error"]["code"] == "unauthorized"
                 assert answer.headers["www-authenticate"] == "Bearer"
             assert api.get(url, key=OPS_KEY).status_code == 200, url
+        assert OPS_KEY not in repr(api.app.state.ops)
         paths = api.get("/openapi.json").json()["paths"]
         for url in OPERATOR_PAGES:
             assert paths[url]["get"]["security"] == [{"operator": []}]
