@@ -192,10 +192,13 @@ def Aggregations(
     fields = tuple(Field(a.field_name(), a.field_type(time)) for a in aggs)
     derived: dict[str, Any] = {}
     if incremental:
-        from pipeline.core.maintenance import DerivedPath
+        from pipeline.core.maintenance import LAYOUT, DerivedPath
 
         query = full_query(entity, declared)
-        path = DerivedPath(name, entity, declared, hashlib.sha256(query.encode()).hexdigest()[:8])
+        # The layout's format too: a freshline whose generated tables differ gets tables
+        # of its own, never a query over another layout's.
+        digest = hashlib.sha256(f"{LAYOUT}\n{query}".encode()).hexdigest()[:8]
+        path = DerivedPath(name, entity, declared, digest)
         derived = {"incremental": path.query(), "maintenance": path, "path": "incremental"}
     return FeatureSet(
         name,

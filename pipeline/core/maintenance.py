@@ -65,6 +65,9 @@ from pipeline.core.features import Entity
 from pipeline.core.incremental import IncrementalPath, Queries
 
 SCHEMA = "freshline"
+LAYOUT = 2
+"""The generated tables' layout; part of their names, so a change of it (a new column, a
+new table) installs anew beside what an earlier freshline made."""
 _UTC_DAY = "(({t}) AT TIME ZONE 'UTC')::date"
 _DAY_START = "({d})::timestamp AT TIME ZONE 'UTC'"
 
@@ -583,37 +586,46 @@ class DerivedPath(IncrementalPath):
         # each once), read day by day as index ranges.
         days = ", ".join([*(f"w.dc{j}" for j in range(len(self.windows))), "w.da"])
         days = f"ARRAY[{days}] || dl.dd"  # and the whole days with writes not yet folded
+
         # LATERAL behind OFFSET 0 (which keeps the planner from flattening it), so each day
         # is an index range whatever the table's statistics say: flattened, a planner
         # without them read the entity's whole window and filtered it by day.
+        def on_edge(j: int) -> str:
+            return (
+                f"{time} > w.c{j} AND ({_day(time)} = w.dc{j} OR {_day(time)} = w.da "
+                f"OR {_day(time)} = ANY(dl.dd))"
+            )
+
+        # Each row's place in each window's edge is worked out once, as a column
+        # (fl_e<j>), not again in every aggregate's FILTER.
+        flags = ", ".join(f"{on_edge(j)} AS fl_e{j}" for j in range(len(self.windows)))
+        any_edge = " OR ".join(f"x.fl_e{j}" for j in range(len(self.windows)))
         edge_rows = (
             f"(SELECT x.* FROM (SELECT DISTINCT ed_day FROM unnest({days}) AS ed_day) "
-            f"AS ed_days CROSS JOIN LATERAL (SELECT * FROM {d.table} x WHERE {mine_x} "
-            f"AND {time} >= {_start('ed_days.ed_day')} "
+            f"AS ed_days CROSS JOIN LATERAL (SELECT x.*, {flags} FROM {d.table} x "
+            f"WHERE {mine_x} AND {time} >= {_start('ed_days.ed_day')} "
             f"AND {time} < {_start('ed_days.ed_day + 1')} AND {time} <= t.as_of OFFSET 0) AS x)"
         )
 
-        def on_edge(j: int) -> str:
-            return (
-                f"{time} > w.c{j} AND {time} <= t.as_of AND "
-                f"({_day(time)} = w.dc{j} OR {_day(time)} = w.da "
-                f"OR {_day(time)} = ANY(dl.dd))"
-            )
+        def filtered(agg: str, condition: str | None) -> str:
+            return f"{agg} FILTER (WHERE {condition})" if condition else agg
 
         bucket_vals, edge_vals, out = [], [], []
         for s in self.slots:
             i, j, col = s.index, slot_w[s.index], f"x.{s.agg.column}"
-            inside = f"b.day > w.dc{j} AND b.day < w.da AND b.day <> ALL(dl.dd)"
-            edge = f"{on_edge(j)} AND {s.where}"
+            # The partials read are the clean whole days of the widest window; a narrower
+            # window's are those after its own edge day.
+            inside = None if j == widest else f"b.day > w.dc{j}"
+            edge = f"x.fl_e{j} AND {s.where}"
             match s.agg.kind:
                 case "count":
-                    bucket_vals.append(f"coalesce(sum(b.c{i}) FILTER (WHERE {inside}), 0) AS c{i}")
+                    bucket_vals.append(f"coalesce({filtered(f'sum(b.c{i})', inside)}, 0) AS c{i}")
                     edge_vals.append(f"count(*) FILTER (WHERE {edge}) AS c{i}")
                     out.append(f"bk.c{i} + ed.c{i}")
                 case "sum" | "mean" | "stddev":
                     for c in ("n", "s", "q"):
                         bucket_vals.append(
-                            f"coalesce(sum(b.{c}{i}) FILTER (WHERE {inside}), 0) AS {c}{i}"
+                            f"coalesce({filtered(f'sum(b.{c}{i})', inside)}, 0) AS {c}{i}"
                         )
                     edge_vals += [
                         f"count({col}) FILTER (WHERE {edge}) AS n{i}",
@@ -633,17 +645,18 @@ class DerivedPath(IncrementalPath):
                         )
                 case "min" | "max":
                     m = "mn" if s.agg.kind == "min" else "mx"
-                    bucket_vals.append(f"{s.agg.kind}(b.{m}{i}) FILTER (WHERE {inside}) AS {m}{i}")
+                    bucket_vals.append(f"{filtered(f'{s.agg.kind}(b.{m}{i})', inside)} AS {m}{i}")
                     edge_vals.append(f"{s.agg.kind}({col}) FILTER (WHERE {edge}) AS {m}{i}")
                     pick = "least" if s.agg.kind == "min" else "greatest"
                     out.append(f"{pick}(bk.{m}{i}, ed.{m}{i})")
                 case "last":
                     order = f"{time} DESC, {col} DESC NULLS LAST"
                     border = f"b.lt{i} DESC, b.lv{i} DESC NULLS LAST"
+                    timed = f"b.lt{i} IS NOT NULL" + (f" AND {inside}" if inside else "")
                     bucket_vals += [
-                        f"max(b.lt{i}) FILTER (WHERE {inside}) AS lt{i}",
-                        f"(array_agg(b.lv{i} ORDER BY {border}) "
-                        f"FILTER (WHERE {inside} AND b.lt{i} IS NOT NULL))[1] AS lv{i}",
+                        f"{filtered(f'max(b.lt{i})', inside)} AS lt{i}",
+                        f"(array_agg(b.lv{i} ORDER BY {border}) FILTER (WHERE {timed}))[1] "
+                        f"AS lv{i}",
                     ]
                     edge_vals += [
                         f"max({time}) FILTER (WHERE {edge}) AS lt{i}",
@@ -671,9 +684,8 @@ class DerivedPath(IncrementalPath):
                         f"AND {inside_m} LIMIT 1)"
                     )
 
-                    bucket_vals.append(
-                        f"coalesce(sum(b.lc{i}) FILTER (WHERE {inside}), 0) AS lc{i}"
-                    )
+                    bucket_vals.append(f"coalesce({filtered(f'sum(b.lc{i})', inside)}, 0) AS lc{i}")
+                    in_clean = probe.format(value="l.value")
                     # the edge and logged days' values, gathered in the one scan of
                     # their rows
                     edge_vals.append(
@@ -683,8 +695,9 @@ class DerivedPath(IncrementalPath):
                     out.append(
                         f"(bk.lc{i}"
                         f" + (SELECT count(*) FROM {latest} l WHERE {mine_l} "
-                        f"AND (l.latest >= w.da OR l.latest = ANY(dl.dd)) "
-                        f"AND {probe.format(value='l.value')} IS NOT NULL)"
+                        f"AND l.latest >= w.da AND {in_clean} IS NOT NULL)"
+                        f" + (SELECT count(*) FROM {latest} l WHERE {mine_l} "
+                        f"AND l.latest = ANY(dl.dd) AND {in_clean} IS NOT NULL)"
                         f" + (SELECT count(*) FROM unnest(ed.ev{i}) AS ev(value) "
                         f"WHERE {probe.format(value='ev.value')} IS NULL))"
                     )
@@ -705,9 +718,9 @@ class DerivedPath(IncrementalPath):
             f"FROM {self.log} g WHERE {mine_g} AND g.day > w.dc{widest} AND g.day < w.da) "
             "AS dl\n"
             f"CROSS JOIN LATERAL (SELECT {bucket_sel} FROM {self.days} b WHERE {mine_b} "
-            f"AND b.day > w.dc{widest} AND b.day < w.da) AS bk\n"
+            f"AND b.day > w.dc{widest} AND b.day < w.da AND b.day <> ALL(dl.dd)) AS bk\n"
             f"CROSS JOIN LATERAL (SELECT {edge_sel} FROM {edge_rows} x "
-            f"WHERE {self._row_filter('x')}) AS ed\n"
+            f"WHERE {self._row_filter('x')} AND ({any_edge})) AS ed\n"
         )
 
     # -- the extension point's hooks --------------------------------------------------------
