@@ -1,7 +1,8 @@
 """Declared windowed aggregations (``freshline.Aggregations``) on a repository shaped
 unlike the fraud example (tests/repos/shop: text keys, a tenant column, orders): the
-generated query and horizon against a plain Python reference over the raw rows, on the
-real Postgres; the consumer's path through inserts, updates, moves and deletes; and the
+generated query, its derived incremental path (installed as apply --alter-tables does)
+and the horizon against a plain Python reference over the raw rows, on the real
+Postgres; the consumer's path through inserts, updates, moves and deletes; and the
 declaration's errors, named with their file and line.
 """
 
@@ -30,6 +31,7 @@ from pipeline.cache.store import FeatureStore
 from pipeline.cdc.connect import PUBLICATION
 from pipeline.core.declarations import Declaration
 from pipeline.core.errors import ConfigError
+from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import DefinitionError, Repository, load
 from pipeline.core.types import ChangeEvent, EntityRef
 from pipeline.deploy.plan import plan
@@ -58,7 +60,16 @@ def shop(engine: Engine) -> Repository:
         for statement in TABLES.split(";"):
             if statement.strip():
                 conn.execute(sa.text(statement))
-    return load(SHOP)
+    repo = load(SHOP)
+    # What apply --alter-tables does with the plan's derived paths: triggers on
+    # shop_orders, partials and a log in freshline's schema, filled from the rows.
+    result = plan(repo, engine, repo.schema_version, PUBLICATION)
+    with engine.begin() as conn:
+        for name in result.derived:
+            path = repo.registry[name].maintenance
+            assert isinstance(path, DerivedPath)
+            path.install(conn)
+    return repo
 
 
 @dataclass(frozen=True)
@@ -175,12 +186,19 @@ def test_the_generated_query_and_horizon_equal_a_reference_over_the_rows(
     shop_id = f"s{uuid.uuid4().hex[:10]}"
     insert(engine, shop_id, orders)
     keys = [(shop_id, c) for c in ("c1", "c2", "c3", "nobody")]
-    batch = compute(engine, fs, keys, as_of=AS_OF)
-    for _, customer in keys:
-        assert_same(batch.values[(shop_id, customer)], reference(orders, customer, AS_OF))
-        assert batch.valid_until_ms.get((shop_id, customer)) == reference_horizon(
-            orders, customer, AS_OF
-        )
+    derived = fs.maintenance
+    assert isinstance(derived, DerivedPath)
+    for folded in (False, True):  # the new rows' days logged, then folded into partials
+        if folded:
+            derived.fold_all(engine)
+        for path in ("full", "incremental"):
+            batch = compute(engine, fs, keys, as_of=AS_OF, path=path)
+            for _, customer in keys:
+                got = batch.values[(shop_id, customer)]
+                assert_same(got, reference(orders, customer, AS_OF))
+                assert batch.valid_until_ms.get((shop_id, customer)) == reference_horizon(
+                    orders, customer, AS_OF
+                )
 
 
 # -- the consumer's path -------------------------------------------------------------
@@ -224,6 +242,9 @@ def test_inserts_updates_moves_and_deletes_reach_the_served_values(
     # The values move only with rows here, so the reference at the test's "now" holds.
     assert_same(served("ada"), reference(orders, "ada", now))
     assert_same(served("bob"), reference(orders, "bob", now))
+    path = fs.maintenance
+    assert isinstance(path, DerivedPath) and fs.path == "incremental"
+    path.fold_all(engine)  # the changes below meet folded partials
 
     # An update of the amount, then a move from ada to bob: both are refreshed.
     with engine.begin() as conn:

@@ -1,5 +1,5 @@
 """Customers (text keys) of many shops (a tenant column) and their orders, as declared
-windowed aggregations: the query and the horizon are generated."""
+windowed aggregations: the query, the horizon and the incremental path are generated."""
 
 from freshline import Aggregations, Entity, Table, agg
 
@@ -18,6 +18,7 @@ orders_30d = Aggregations(
     where="x.status <> 'cancelled'",
     ttl="1h",
     sources=[customers],  # a new customer's entry is computed, an empty one
+    incremental=True,  # per-day partials kept by triggers (apply --alter-tables)
     aggs=[
         agg.count(),
         agg.sum("amount"),
