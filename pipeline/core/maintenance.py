@@ -694,10 +694,14 @@ class DerivedPath(IncrementalPath):
                     )
                     out.append(
                         f"(bk.lc{i}"
-                        f" + (SELECT count(*) FROM {latest} l WHERE {mine_l} "
-                        f"AND l.latest >= w.da AND {in_clean} IS NOT NULL)"
-                        f" + (SELECT count(*) FROM {latest} l WHERE {mine_l} "
-                        f"AND l.latest = ANY(dl.dd) AND {in_clean} IS NOT NULL)"
+                        # (each probed only when there can be such values: folded days
+                        # from as_of's on, logged days)
+                        f" + CASE WHEN lt.late THEN (SELECT count(*) FROM {latest} l "
+                        f"WHERE {mine_l} AND l.latest >= w.da AND {in_clean} IS NOT NULL) "
+                        "ELSE 0 END"
+                        f" + CASE WHEN cardinality(dl.dd) > 0 THEN (SELECT count(*) "
+                        f"FROM {latest} l WHERE {mine_l} AND l.latest = ANY(dl.dd) "
+                        f"AND {in_clean} IS NOT NULL) ELSE 0 END"
                         f" + (SELECT count(*) FROM unnest(ed.ev{i}) AS ev(value) "
                         f"WHERE {probe.format(value='ev.value')} IS NULL))"
                     )
@@ -717,7 +721,13 @@ class DerivedPath(IncrementalPath):
             f"CROSS JOIN LATERAL (SELECT coalesce(array_agg(DISTINCT g.day), '{{}}') AS dd "
             f"FROM {self.log} g WHERE {mine_g} AND g.day > w.dc{widest} AND g.day < w.da) "
             "AS dl\n"
-            f"CROSS JOIN LATERAL (SELECT {bucket_sel} FROM {self.days} b WHERE {mine_b} "
+            + (
+                f"CROSS JOIN LATERAL (SELECT EXISTS (SELECT 1 FROM {self.days} b "
+                f"WHERE {mine_b} AND b.day >= w.da) AS late) AS lt\n"
+                if self.distinct
+                else ""
+            )
+            + f"CROSS JOIN LATERAL (SELECT {bucket_sel} FROM {self.days} b WHERE {mine_b} "
             f"AND b.day > w.dc{widest} AND b.day < w.da AND b.day <> ALL(dl.dd)) AS bk\n"
             f"CROSS JOIN LATERAL (SELECT {edge_sel} FROM {edge_rows} x "
             f"WHERE {self._row_filter('x')} AND ({any_edge})) AS ed\n"
