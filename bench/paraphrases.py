@@ -203,8 +203,12 @@ def play(
     scope: Scope,
     stream: Stream,
     vectors: Callable[[str], np.ndarray],
+    *,
+    flags: bool = True,
 ) -> dict[str, Tally]:
-    """Cache each question's first phrasing, then run both phases as a caller would."""
+    """Cache each question's first phrasing, then run both phases as a caller would;
+    with ``flags``, the caller flags each wrong hit with its prompt
+    (``POST /v1/llm/cache/flag``), as the observed error (flags over hits) assumes."""
     for q, prompt in stream.first.items():
         cache.store_vector(scope, prompt, ZERO, q.answer, vectors(prompt))
     out: dict[str, Tally] = {}
@@ -219,6 +223,8 @@ def play(
                 tally.hits += 1
                 tally.paraphrase_hits += paraphrase
                 tally.wrong += found.response != q.answer
+                if flags and found.response != q.answer and found.entry_id is not None:
+                    cache.flag_for(scope, found.entry_id, prompt)
             else:
                 cache.store_vector(scope, prompt, ZERO, q.answer, vectors(prompt))
         out[phase] = tally
@@ -238,15 +244,17 @@ def compare(
 ) -> dict[str, Any]:
     """The stream of ``pairs`` against the fixed ``threshold`` and the learned decision
     (the shipped prior, ``max_error``; one run per exploration seed, summed), each in
-    a namespace of its own, purged after."""
+    a namespace of its own, purged after; the learned decision twice, with a caller
+    that flags wrong hits and with one that never does."""
     stream = build(pairs)
     texts = stream.prompts()
     table = dict(zip(texts, model.embed(texts), strict=True))
     shipped = prior.for_model(model.name)
     runs: dict[str, dict[str, Tally]] = {}
-    for name, decision, runs_seeds in (
-        ("static", None, (0,)),
-        ("learned", Learned(shipped, max_error), seeds),
+    for name, decision, runs_seeds, flags in (
+        ("static", None, (0,), True),
+        ("learned", Learned(shipped, max_error), seeds, True),
+        ("learned, no flags", Learned(shipped, max_error), seeds, False),
     ):
         total = {"warmup": Tally(), "measured": Tally()}
         for seed in runs_seeds:
@@ -258,9 +266,9 @@ def compare(
                 decision=decision,
                 rng=random.Random(seed),
             )
-            scope = Scope(tenant, "bench-stream", f"{name}{seed}-{tag}", "t1")
+            scope = Scope(tenant, "bench-stream", f"{name[:7]}{flags:d}{seed}-{tag}", "t1")
             try:
-                played = play(cache, scope, stream, table.__getitem__)
+                played = play(cache, scope, stream, table.__getitem__, flags=flags)
             finally:
                 cache.close()
                 purge_namespace(client, scope.namespace)
@@ -280,4 +288,7 @@ def compare(
             name: {phase: tally.figures() for phase, tally in t.items()} for name, t in runs.items()
         },
         "hit_ratio": round(hit["learned"] / hit["static"], 2) if hit["static"] else None,
+        "hit_ratio_no_flags": (
+            round(hit["learned, no flags"] / hit["static"], 2) if hit["static"] else None
+        ),
     }

@@ -77,10 +77,18 @@ from pipeline.semantic.entry import (
     encode,
     entry_id,
     literals_match,
+    pair_id,
     params_digest,
     vector_bytes,
 )
-from pipeline.semantic.feedback import PROBE_TTL_MS, Probe, Probes, same_response
+from pipeline.semantic.feedback import (
+    MAX_PAIRS,
+    PROBE_TTL_MS,
+    Probe,
+    Probes,
+    pairs_key,
+    same_response,
+)
 from pipeline.semantic.index import NamespaceIndex
 from pipeline.semantic.namespaces import (
     Limits,
@@ -186,12 +194,17 @@ class Flagged:
     threshold: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Candidate:
     similarity: float
     id: int
     raw: bytes
-    outcomes: decision.Outcomes
+    outcomes: decision.Outcomes = decision.EMPTY
+    """The entry's own: of every prompt it was explored or flagged for."""
+    pair: decision.Outcomes = decision.EMPTY
+    """Of every entry with its template, for prompts with the query's template."""
+    entry: Entry | None = None
+    """Decoded once it is checked (:meth:`SemanticCache._check`)."""
 
 
 def _entry_id(entry: object) -> int:
@@ -353,6 +366,7 @@ class SemanticCache:
         found = self._candidates(idx, candidates, raws, outcomes, vector)
         best_seen = found[0].similarity if found else None
         if self.decision is not None:
+            found = self._with_outcomes(ns, self.decision, found, prompt, params)
             return self._decide(
                 ns, self.decision, found, prompt, params, embed_s, started, best_seen
             )
@@ -382,7 +396,7 @@ class SemanticCache:
         best_seen: float | None,
     ) -> Lookup:
         """Serve, audit, explore or miss (module docstring, steps 5 and 6)."""
-        estimates = {c.id: learned.estimate(c.outcomes, c.similarity) for c in found}
+        estimates = {c.id: learned.estimate_both(c.outcomes, c.pair, c.similarity) for c in found}
         servable = sorted(
             (c for c in found if estimates[c.id].serve),
             key=lambda c: (estimates[c.id].error, -c.similarity),
@@ -578,7 +592,8 @@ class SemanticCache:
         digest: str,
     ) -> list[bool | None]:
         """Compare each stored response with its probe's candidate's, and append the
-        outcome to the candidate's: two round trips, only when a store answers an
+        outcome to those of the candidate's template (entries that differ only in
+        numbers and names share them): three round trips, only when a store answers an
         exploration. A candidate gone meanwhile has nothing to learn."""
         wanted = [
             (i, p)
@@ -588,29 +603,71 @@ class SemanticCache:
         agreed: list[bool | None] = [None] * len(items)
         if not wanted:
             return agreed
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.mget([semantic_entry_key(ns, p.candidate) for _, p in wanted])
-        pipe.mget([semantic_outcomes_key(ns, p.candidate) for _, p in wanted])
-        entries, outcomes = pipe.execute()
-        pipe = self.redis.pipeline(transaction=False)
-        for (i, p), raw, past in zip(wanted, entries, outcomes, strict=True):
+        raws = cast(
+            list[bytes | None],
+            self.redis.mget([semantic_entry_key(ns, p.candidate) for _, p in wanted]),
+        )
+        found: list[tuple[int, Probe, Entry]] = []
+        for (i, p), raw in zip(wanted, raws, strict=True):
             try:
                 cached = decode(raw) if raw else None
             except CorruptSemanticEntry:
                 cached = None
-            if cached is None:
-                continue
+            if cached is not None:
+                found.append((i, p, cached))
+        if not found:
+            return agreed
+        # Each label goes to the candidate's own outcomes and to its template pair's.
+        own = sorted({p.candidate for _, p, _ in found})
+        pairs = sorted({pair_id(cached.prompt, items[i][0]) for i, _, cached in found})
+        outcomes, paired, room = self._past(ns, own, pairs)
+        for i, p, cached in found:
             agreed[i] = right = same_response(items[i][1], cached.response)
-            labelled = decision.append(decision.decode(past), p.similarity, right)
-            pipe.set(
-                semantic_outcomes_key(ns, p.candidate), decision.encode(labelled), px=self.ttl_ms
-            )
+            outcomes[p.candidate] = decision.append(outcomes[p.candidate], p.similarity, right)
+            k = pair_id(cached.prompt, items[i][0])
+            paired[k] = decision.append(paired[k], p.similarity, right)
             self._count(ns, "right" if right else "wrong")
             if p.audit:
                 self._count(ns, "audit_right" if right else "audit_wrong")
+        self._write_outcomes(ns, outcomes, paired, room)
+        return agreed
+
+    def _past(
+        self, ns: str, own: list[int], pairs: list[int]
+    ) -> tuple[dict[int, decision.Outcomes], dict[int, decision.Outcomes], bool]:
+        """The outcomes of entries ``own`` and of template ``pairs``, and whether the
+        namespace's pairs have room for new ones (:data:`MAX_PAIRS`): one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.mget([semantic_outcomes_key(ns, e) for e in own])
+        pipe.hmget(pairs_key(ns), [f"{k:016x}" for k in pairs])
+        pipe.hlen(pairs_key(ns))
+        mine, theirs, held = pipe.execute()
+        return (
+            {e: decision.decode(raw) for e, raw in zip(own, mine, strict=True)},
+            {k: decision.decode(raw) for k, raw in zip(pairs, theirs, strict=True)},
+            int(held) < MAX_PAIRS,
+        )
+
+    def _write_outcomes(
+        self,
+        ns: str,
+        own: dict[int, decision.Outcomes],
+        pairs: dict[int, decision.Outcomes],
+        room: bool,
+    ) -> None:
+        """Write outcomes with their TTLs in one transaction (a pair already held is
+        updated; a new one only while there is ``room``), with the counters."""
+        pipe = self.redis.pipeline(transaction=True)
+        for e, out in own.items():
+            pipe.set(semantic_outcomes_key(ns, e), decision.encode(out), px=self.ttl_ms)
+        fields = {
+            f"{k:016x}": decision.encode(out) for k, out in pairs.items() if room or len(out) > 1
+        }
+        if fields:
+            pipe.hset(pairs_key(ns), mapping=cast(Any, fields))
+            pipe.pexpire(pairs_key(ns), self.ttl_ms)
         self._flush_into(pipe, ns)
         pipe.execute()
-        return agreed
 
     def get_or_generate(
         self, scope: Scope, prompt: str, params: Mapping[str, Any], generate: Callable[[str], str]
@@ -678,10 +735,7 @@ class SemanticCache:
             return Flagged(self.flag(scope, entry))
         ns = scope.namespace
         vectors, _ = self.embed([prompt])
-        raw, past = cast(
-            list[bytes | None],
-            self.redis.mget([semantic_entry_key(ns, e), semantic_outcomes_key(ns, e)]),
-        )
+        raw = cast(bytes | None, self.redis.get(semantic_entry_key(ns, e)))
         try:
             cached = decode(raw) if raw else None
         except CorruptSemanticEntry:
@@ -692,12 +746,12 @@ class SemanticCache:
         similarity = cosine(vectors[0], cached.vector)
         if similarity >= SAME_PROMPT:
             return Flagged(self.flag(scope, entry), similarity)
-        labelled = decision.append(decision.decode(past), similarity, False)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.set(semantic_outcomes_key(ns, e), decision.encode(labelled), px=self.ttl_ms)
+        k = pair_id(cached.prompt, prompt)
+        outcomes, paired, room = self._past(ns, [e], [k])
+        labelled = outcomes[e] = decision.append(outcomes[e], similarity, False)
+        paired[k] = decision.append(paired[k], similarity, False)
         self._count(ns, "flagged")
-        self._flush_into(pipe, ns)
-        pipe.execute()
+        self._write_outcomes(ns, outcomes, paired, room)
         return Flagged(False, similarity, self.decision.threshold(labelled))
 
     def purge(
@@ -781,31 +835,59 @@ class SemanticCache:
         norms = np.linalg.norm(stored, axis=1) * float(np.linalg.norm(query))
         sims = np.divide(stored @ query, norms, out=np.zeros(len(ids)), where=norms > 0)
         return [
-            _Candidate(
-                float(sims[i]),
-                ids[i],
-                kept[i][0],
-                decision.decode(kept[i][1]) if kept[i][1] else decision.EMPTY,
-            )
+            _Candidate(float(sims[i]), ids[i], kept[i][0], decision.decode(kept[i][1]))
             for i in np.argsort(-sims, kind="stable")
         ]
 
     def _first_passing(
         self, candidates: list[_Candidate], prompt: str, params: Mapping[str, Any], ns: str
     ) -> tuple[_Candidate, Entry] | None:
-        """The first candidate with the same parameters and the same numbers."""
+        """The first candidate with the same parameters, numbers and names."""
         digest = params_digest(dict(params))
         for c in candidates:
-            try:
-                entry = decode(c.raw)
-            except CorruptSemanticEntry:
-                log.warning("corrupt semantic entry %s in %s", f"{c.id:016x}", ns)
-                continue
-            if entry.params == digest and (
-                not self.guard_literals or literals_match(prompt, entry.prompt)
-            ):
+            entry = self._check(c, prompt, digest, ns)
+            if entry is not None:
                 return c, entry
         return None
+
+    def _check(self, c: _Candidate, prompt: str, digest: str, ns: str) -> Entry | None:
+        """``c``'s entry if it has the same parameters, numbers and names as the query."""
+        if c.entry is None:
+            try:
+                c.entry = decode(c.raw)
+            except CorruptSemanticEntry:
+                log.warning("corrupt semantic entry %s in %s", f"{c.id:016x}", ns)
+                return None
+        entry = c.entry
+        if entry.params == digest and (
+            not self.guard_literals or literals_match(prompt, entry.prompt)
+        ):
+            return entry
+        return None
+
+    def _with_outcomes(
+        self,
+        ns: str,
+        learned: Learned,
+        found: list[_Candidate],
+        prompt: str,
+        params: Mapping[str, Any],
+    ) -> list[_Candidate]:
+        """The candidates that pass the checks, with their templates' outcomes: one
+        more round trip, only when one is near enough that its outcomes could change
+        what is done (its estimate from the prior alone serves or may explore)."""
+        digest = params_digest(dict(params))
+        passing = [c for c in found if self._check(c, prompt, digest, ns) is not None]
+        if not any(
+            (est := learned.estimate(c.outcomes, c.similarity)).serve or est.explore >= _MIN_EXPLORE
+            for c in passing
+        ):
+            return passing
+        fields = [f"{pair_id(cast(Entry, c.entry).prompt, prompt):016x}" for c in passing]
+        raws = cast(list[bytes | None], self.redis.hmget(pairs_key(ns), fields))
+        for c, raw in zip(passing, raws, strict=True):
+            c.pair = decision.decode(raw)
+        return passing
 
     def _fetch(
         self, ns: str, ids: list[int], position: str | None, outcomes: bool = False

@@ -137,6 +137,21 @@ class Learned:
         explore = self.audit * error / self.max_error if serve else 1.0 - above
         return Estimate(error, serve, min(1.0, explore), threshold)
 
+    def estimate_both(self, own: Outcomes, pair: Outcomes, similarity: float) -> Estimate:
+        """The estimate for serving an entry for a prompt, from the outcomes of its
+        template pair (:func:`pipeline.semantic.entry.pair_id`; the prior's until it
+        has some) and the entry's own: the pair's, unless the entry's own say it is
+        worse. An entry's own outcomes come from prompts of every template, so they
+        only ever make it more careful (a flag stops it for every similar prompt);
+        only a pair's may make it bolder, for prompts worded as the pair's were.
+        Never their product: a label is in both, and counting it twice would make an
+        entry surer than it is."""
+        mine = self.estimate(pair, similarity)
+        if not len(own):
+            return mine
+        theirs = self.estimate(own, similarity)
+        return mine if mine.error >= theirs.error else theirs
+
     def threshold(self, outcomes: Outcomes) -> float:
         """The lowest similarity at which an entry with ``outcomes`` is served."""
         if not len(outcomes):

@@ -175,6 +175,26 @@ def literals_match(a: str, b: str) -> bool:
     return literals(a) == literals(b) and names_match(a, b)
 
 
+def template(text: str) -> str:
+    """A prompt with its numbers as ``#`` and its names (:func:`names`) as ``@``: what
+    entries that differ only in their entities have in common."""
+    inside = names(text)
+    masked = _LITERAL.sub("#", text)
+
+    def name(m: re.Match[str]) -> str:
+        return "@" if _POSSESSIVE.sub("", m.group()).casefold() in inside else m.group()
+
+    return _WORD.sub(name, masked) if inside else masked
+
+
+def pair_id(cached: str, query: str) -> int:
+    """The id under which outcomes of serving an entry with ``cached``'s template for
+    a prompt with ``query``'s are kept: every entry and prompt with those two
+    templates shares them, whatever their numbers and names (which the checks make
+    equal), so "move account 14205 up" served for "... down" teaches every account."""
+    return entry_id("\x00pair\x00" + template(cached) + "\x00" + template(query))
+
+
 def cosine(a: Vectors, b: Vectors) -> float:
     """Exact cosine similarity, in float64."""
     x = a.astype(np.float64)

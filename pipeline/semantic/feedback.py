@@ -10,6 +10,13 @@ candidate's outcome at the probe's similarity, appended to ``sem:o`` (the newest
 :data:`~pipeline.semantic.decision.MAX_OUTCOMES`). A **flag** with the prompt it was
 served for is a wrong outcome at that prompt's similarity.
 
+Each outcome is also kept for its **template pair**
+(:func:`pipeline.semantic.entry.pair_id`: the entry's prompt and the explored one with
+numbers and names masked), in the namespace's hash :func:`pairs_key`: the checks make
+numbers and names equal, so what was learned serving "move account 14205 down" for
+"... up" holds for every account. A lookup reads the pairs of its candidates in a
+second round trip, only when one of them is near enough to be served or explored.
+
 Bounds: a namespace holds at most :data:`MAX_PROBES` probes; a lookup that would
 explore beyond that answers a plain miss. The probe hash expires
 :data:`PROBE_TTL_MS` after its last write, and probes older than that are ignored, so
@@ -28,14 +35,28 @@ from typing import Any
 
 import redis
 
-from pipeline.core.keys import semantic_probes_key
+from pipeline.core.keys import semantic_outcomes_key, semantic_probes_key
 
 PROBE_TTL_MS = 600_000
 """How long an exploration waits for its store: ten minutes of model call."""
 MAX_PROBES = 10_000
 """Explorations awaiting their store, per namespace."""
 
+MAX_PAIRS = 10_000
+"""Template pairs whose outcomes a namespace keeps (about: two stores at once may
+each add one past it)."""
+PAIRS_ID = 0
+"""The outcomes key id of the namespace's template pairs: no prompt's entry id in
+practice (ids are 63 bits of a hash)."""
+
 _PROBE = struct.Struct("<QfBQ")
+
+
+def pairs_key(namespace: str) -> str:
+    """The namespace's hash of template-pair outcomes, field: the pair's id in hex
+    (:func:`pipeline.semantic.entry.pair_id`)."""
+    return semantic_outcomes_key(namespace, PAIRS_ID)
+
 
 # Set the probe unless the hash is full (a probe already there may be replaced), and
 # the hash's TTL: one round trip, and the bound holds under concurrent lookups.

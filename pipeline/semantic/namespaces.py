@@ -136,7 +136,12 @@ def purge_namespace(client: redis.Redis, namespace: str, batch: int = 500) -> in
         replies = pipe.execute()
         removed += int(replies[0]) + int(replies[1])
     removed += int(
-        client.unlink(ids_key, semantic_stats_key(namespace), semantic_probes_key(namespace))
+        client.unlink(
+            ids_key,
+            semantic_stats_key(namespace),
+            semantic_probes_key(namespace),
+            semantic_outcomes_key(namespace, 0),  # the template pairs (feedback.PAIRS_ID)
+        )
     )
     _announce_purges(client, [namespace])
     return removed
