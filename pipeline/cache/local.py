@@ -45,8 +45,12 @@ from Redis, and its own write's change report voids any token taken before it. I
 put with ``verify=True`` instead: the background thread takes a token, reads the key
 (``GET`` and ``PTTL``, pipelined) and stores the entry only if Redis holds exactly it
 (same watermark, not a tombstone) and nothing changed the key since that token, which
-is what a read from Redis would have stored; a report still on its way makes it try
-again, a few times.
+is what a read from Redis would have stored; it does so once the subscription has
+answered a PING sent after that read, so every change the read saw has been reported
+by then and a late report of the entry's own write cannot drop it afterwards. A
+change since the token makes it read again, a few times. A put refused for a change
+since its token is checked the same way: a read that follows a write closely often
+gets the write's report after it.
 """
 
 from __future__ import annotations
@@ -92,6 +96,19 @@ VERIFY_TRIES = 8
 
 
 @dataclass(slots=True)
+class _Unverified:
+    """An entry waiting to be seen in Redis (see the module docstring)."""
+
+    entry: Entry
+    deadline: float
+    tries: int = 0
+    token: int = 0
+    """The tier's token before the read that saw it in Redis ..."""
+    read_at: float = 0.0
+    """... and when that read was answered (monotonic); 0 until then."""
+
+
+@dataclass(slots=True)
 class LocalStats:
     hits: int = 0
     misses: int = 0
@@ -102,7 +119,9 @@ class LocalStats:
     held_back: int = 0
     """Entries of windowed feature sets stored after their Redis TTL was read."""
     verified: int = 0
-    """Computed entries stored once Redis was seen holding them."""
+    """Entries stored once Redis was seen holding them (computed, or rechecked)."""
+    rechecked: int = 0
+    """Puts refused for a change since their token, then checked against Redis."""
     invalidations: int = 0
     flushes: int = 0
     subscriptions: int = 0
@@ -147,8 +166,12 @@ class LocalTier:
         self._entries: OrderedDict[EntityRef, tuple[Entry, float]] = OrderedDict()
         # Entries of windowed sets waiting for their key's TTL (see the docstring).
         self._held: dict[EntityRef, tuple[Entry, float]] = {}
-        # Computed entries waiting to be seen in Redis, with the rounds tried so far.
-        self._unverified: dict[EntityRef, tuple[Entry, float, int]] = {}
+        # Entries waiting to be seen in Redis (see the docstring).
+        self._unverified: dict[EntityRef, _Unverified] = {}
+        # When entries read from Redis were put, until the subscription has answered a
+        # PING sent after that: a report arriving meanwhile may be of a change the read
+        # saw, so it sends the entry to be checked against Redis, not away.
+        self._settling: OrderedDict[EntityRef, float] = OrderedDict()
         self._held_wake = threading.Event()
         self._closing = threading.Event()
         self._client = client
@@ -257,30 +280,34 @@ class LocalTier:
             return entry
 
     def put(self, ref: EntityRef, entry: Entry, token: int, *, verify: bool = False) -> bool:
-        """Hold ``entry`` unless it may be stale: see the module docstring.
+        """Hold ``entry`` unless it may be stale: see the module docstring. True if it is
+        held (or held back, or with ``verify`` waiting to be seen in Redis).
 
         ``verify`` for an entry this process computed and wrote rather than read: it is
-        stored once Redis is seen holding it, whatever ``token``.
+        stored once Redis is seen holding it, whatever ``token``. A put refused because
+        the entity changed (or the tier flushed) since ``token`` is checked the same way
+        in the background: the change may be the very write whose entry it read, whose
+        report came after the read (``stats.rechecked``).
         """
         lifetime_ms = self._lifetime_ms(ref, entry)
         with self._lock:
-            if (
-                not self.live
-                or (not verify and (token < self._floor or self._recent.get(ref, -1) > token))
-                or lifetime_ms <= 0
-            ):
+            if not self.live or lifetime_ms <= 0:
                 self.stats.refused += 1
                 return False
-            deadline = time.monotonic() + lifetime_ms / 1000
-            if verify:
-                self._entries.pop(ref, None)
-                self._held.pop(ref, None)
-                self._unverified[ref] = (entry, deadline, 0)
+            now = time.monotonic()
+            deadline = now + lifetime_ms / 1000
+            stale = token < self._floor or self._recent.get(ref, -1) > token
+            if verify or stale:
+                self._unverified[ref] = _Unverified(entry, deadline)
                 if len(self._unverified) > self.max_entries:
                     self._unverified.pop(next(iter(self._unverified)))
                     self.stats.evicted += 1
                 self._held_wake.set()
+                if stale and not verify:
+                    self.stats.rechecked += 1
+                    return False
                 return True
+            self._settle_from(ref, now)
             if self.registry[ref.feature_set].horizon is not None:
                 self._entries.pop(ref, None)
                 self._held[ref] = (entry, deadline)
@@ -291,6 +318,16 @@ class LocalTier:
                 return True
             self._store_locked(ref, entry, deadline)
             return True
+
+    def _settle_from(self, ref: EntityRef, put_at: float) -> None:
+        """Note ``ref``'s put time (see ``_settling``), forgetting the settled ones."""
+        settling, contact = self._settling, self._subscription.contact
+        settling.pop(ref, None)
+        while settling and (
+            next(iter(settling.values())) < contact or len(settling) >= self.max_entries
+        ):
+            settling.popitem(last=False)
+        settling[ref] = put_at
 
     def _store_locked(self, ref: EntityRef, entry: Entry, deadline: float) -> None:
         self._entries[ref] = (entry, deadline)
@@ -319,18 +356,21 @@ class LocalTier:
     def _store_held(
         self,
         held: list[tuple[EntityRef, tuple[Entry, float]]],
-        unverified: list[tuple[EntityRef, tuple[Entry, float, int]]],
+        unverified: list[tuple[EntityRef, _Unverified]],
     ) -> None:
+        contact = self._subscription.contact
+        reading = [(ref, pending) for ref, pending in unverified if not pending.read_at]
         pipe = self._client.pipeline(transaction=False)
         for ref, (entry, _) in held:
             pipe.pttl(feature_key(entry.schema_version, ref))
-        for ref, (entry, _, _) in unverified:
-            key = feature_key(entry.schema_version, ref)
+        for ref, pending in reading:
+            key = feature_key(pending.entry.schema_version, ref)
             pipe.get(key)
             pipe.pttl(key)
         token = self._seq  # before the keys are read, as for a put
         started = time.monotonic()  # before the TTLs are read: errs short
-        replies = pipe.execute()
+        replies = pipe.execute() if held or reading else []
+        read_at = time.monotonic()
         ttls, seen = replies[: len(held)], replies[len(held) :]
         with self._lock:
             for (ref, item), ttl_ms in zip(held, ttls, strict=True):
@@ -342,24 +382,46 @@ class LocalTier:
                     continue
                 self.stats.held_back += 1
                 self._store_locked(ref, item[0], min(item[1], started + int(ttl_ms) / 1000))
-            for i, (ref, pending) in enumerate(unverified):
+            for ref, pending in unverified:
+                if pending.read_at and self._unverified.get(ref) is pending:
+                    self._settle_locked(ref, pending, contact)
+            for i, (ref, pending) in enumerate(reading):
                 if self._unverified.get(ref) is not pending:
                     continue  # flushed or replaced meanwhile
-                entry, deadline, tries = pending
                 raw, ttl_ms = seen[2 * i], seen[2 * i + 1]
-                changed = token < self._floor or self._recent.get(ref, -1) > token
-                if changed and tries + 1 < VERIFY_TRIES:
-                    # Changed since the read: maybe only by its own write, whose report
-                    # came late. Look again next round, a few times.
-                    self._unverified[ref] = (entry, deadline, tries + 1)
-                    self._held_wake.set()
-                    continue
-                del self._unverified[ref]
-                if changed or not _holds(raw, entry) or ttl_ms is None or int(ttl_ms) <= 0:
+                if token < self._floor or self._recent.get(ref, -1) > token:
+                    self._retry_locked(ref, pending)
+                elif not _holds(raw, pending.entry) or ttl_ms is None or int(ttl_ms) <= 0:
+                    del self._unverified[ref]
                     self.stats.refused += 1
-                    continue
-                self.stats.verified += 1
-                self._store_locked(ref, entry, min(deadline, started + int(ttl_ms) / 1000))
+                else:  # seen in Redis: stored once every report older than the read is in
+                    pending.token, pending.read_at = token, read_at
+                    pending.deadline = min(pending.deadline, started + int(ttl_ms) / 1000)
+                    self._held_wake.set()
+
+    def _settle_locked(self, ref: EntityRef, pending: _Unverified, contact: float) -> None:
+        """Store an entry seen in Redis, once the subscription has answered a PING sent
+        after that read: every change the read saw has been reported by then."""
+        if contact < pending.read_at:
+            self._held_wake.set()  # the next heartbeat
+            return
+        if pending.token < self._floor or self._recent.get(ref, -1) > pending.token:
+            self._retry_locked(ref, pending)
+            return
+        del self._unverified[ref]
+        self.stats.verified += 1
+        self._store_locked(ref, pending.entry, pending.deadline)
+
+    def _retry_locked(self, ref: EntityRef, pending: _Unverified) -> None:
+        """Changed since the read: maybe only by its own write, whose report came late.
+        Read it again next round, a few times."""
+        pending.tries += 1
+        pending.read_at = 0.0
+        if pending.tries < VERIFY_TRIES:
+            self._held_wake.set()
+        else:
+            del self._unverified[ref]
+            self.stats.refused += 1
 
     def _lifetime_ms(self, ref: EntityRef, entry: Entry) -> float:
         ttl_ms = self.registry[ref.feature_set].ttl_s * 1000 * (1 - TTL_JITTER)
@@ -380,9 +442,15 @@ class LocalTier:
             # Forgetting an invalidation: every token older than it becomes void.
             _, seq = self._recent.popitem(last=False)
             self._floor = max(self._floor, seq)
-        self._entries.pop(ref, None)
-        self._held.pop(ref, None)
+        stored, held = self._entries.pop(ref, None), self._held.pop(ref, None)
+        item = stored or held
         self.stats.invalidations += 1
+        put_at = self._settling.pop(ref, None)
+        if item is not None and put_at is not None and put_at > self._subscription.contact:
+            # Maybe the report of the very write its read saw: check it against Redis.
+            self._unverified[ref] = _Unverified(*item)
+            self.stats.rechecked += 1
+            self._held_wake.set()
 
     def flush(self) -> None:
         """Drop everything, and void every token taken so far."""
@@ -395,6 +463,7 @@ class LocalTier:
         self._entries.clear()
         self._held.clear()
         self._unverified.clear()
+        self._settling.clear()
         self._recent.clear()
         self.stats.flushes += 1
 

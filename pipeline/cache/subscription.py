@@ -130,6 +130,9 @@ class Subscription:
         self.name = name or f"freshline-sub-{uuid.uuid4().hex[:12]}"
         self.epoch = 0
         self.heartbeats = 0
+        self.contact = 0.0
+        """When (monotonic) the latest command Redis has answered on this subscription's
+        connection was sent: every message Redis queued for it before that has arrived."""
         self._on_message = on_message
         self._on_live = on_live
         self._on_dark = on_dark
@@ -328,13 +331,14 @@ class Subscription:
                             seen, at = pending.popitem(last=False)
                             if seen == token:
                                 break
-                        contact = at
+                        contact = self.contact = at
                         self.heartbeats += 1
                         if self._subscribed:
                             self._until = contact + self.silence_s
                 elif kind in ("subscribe", "ssubscribe"):
                     waiting.discard(_text(message["channel"]))
                     if not waiting:
+                        self.contact = contact
                         self._go_live(contact + self.silence_s)
                 elif kind in ("unsubscribe", "sunsubscribe"):
                     raise SubscriptionLost("unsubscribed by the server")

@@ -230,3 +230,34 @@ def test_the_stacks_logins_may_track_keys(settings: Settings, login: str) -> Non
     finally:
         tier.close()
         client.close()
+
+
+def test_a_late_report_of_a_write_the_read_saw_does_not_lose_the_entry(
+    tier: LocalTier, redis_client: redis.Redis
+) -> None:
+    """The report of a write reaches the tier after a read that saw the write: the
+    entry goes back to Redis for a check, and stays only if Redis still holds it."""
+    tenant = f"track-{uuid.uuid4().hex[:10]}"
+    store = FeatureStore(redis_client, fresh_version())
+    kept, changed = EntityRef("txn_90d", tenant, "1"), EntityRef("txn_90d", tenant, "2")
+    for ref in (kept, changed):
+        write(store, tenant, ref.entity, count=1, watermark=10)
+    assert wait_until(lambda: tier.stats.tracked >= 2)  # both writes reported
+    for ref in (kept, changed):
+        token = tier.token()
+        entry = store.read([ref])[0]
+        assert entry is not None and tier.put(ref, entry, token)
+    # A report as late as can be: before the subscription answers a PING sent after
+    # the put, the tier cannot tell it from the report of the write the read saw.
+    rechecked = tier.stats.rechecked
+    tier.invalidate("txn_90d", tenant, "1")
+    assert tier.stats.rechecked == rechecked + 1
+    assert wait_until(lambda: tier.get(kept, store.schema_version) is not None)
+    entry = tier.get(kept, store.schema_version)
+    assert entry is not None and entry.values["txn_count"] == 1
+    # A write after the read: checked against Redis too if its report comes that soon,
+    # and then not kept, as Redis holds another entry.
+    write(store, tenant, "2", count=2, watermark=20)
+    assert wait_until(lambda: tier.get(changed, store.schema_version) is None)
+    assert wait_until(lambda: not tier._unverified)
+    assert tier.get(changed, store.schema_version) is None
