@@ -21,15 +21,19 @@ Hot keys are refreshed a little before they expire, by one reader chosen at rand
 On a Postgres read replica (a hot standby: ``pg_is_in_recovery()``, asked once per
 engine) the feature queries run on the replica, and a result is stored only when the
 replica is known to be at least as new as a snapshot of the primary. With ``primary``
-(the primary's engine) a miss first reads, in one statement on the primary, a snapshot
-watermark W and the WAL insert position P after it; then the replica's replay
-position R. If R >= P, every transaction visible in W's snapshot is visible on the
-replica (their commit records precede P, and a standby's snapshots follow the replay
-of commit records), so the replica's result is at least as new as W's snapshot: it
-is leased, computed on the replica and stored with watermark W, exactly as a result
-computed on the primary at W would be. It may be newer than W says, which is safe:
-anything computed after it outranks it. If R < P (the replica lags), the result is
-served ``uncached`` and nothing is leased or stored. Without ``primary`` every
+(the primary's engine) a miss first takes its lease, then reads, in one statement on
+the primary, a snapshot watermark W and the WAL insert position P after it; then the
+replica's replay position R. If R >= P, every transaction visible in W's snapshot is
+visible on the replica (their commit records precede P, and a standby's snapshots
+follow the replay of commit records), so the replica's result is at least as new as
+W's snapshot: it is computed on the replica and stored with watermark W, exactly as a
+result computed on the primary at W would be. It may be newer than W says, which is
+safe: anything computed after it outranks it. The lease comes first, as for any fill:
+a source write that lands after W was read revokes it, so the fill never replaces a
+write it did not see, whatever that write's watermark (one that does not order
+against W, such as an LSN-based one of an earlier consumer, included). If R < P (the
+replica lags), the leases are released and the result is served ``uncached``:
+nothing is stored. Without ``primary`` every
 replica result is ``uncached``: the replica's own ``pg_current_snapshot()`` cannot
 order it against the primary's watermarks (a commit is in the WAL before it is
 visible there, and a standby does not list the primary's in-progress transactions).
@@ -234,11 +238,10 @@ class ReadThrough:
                 refresh.append(ref)
         self.counters.hits += len(answers)
         if misses or refresh:
-            gate = self._gate() if self.standby else None
-            if self.standby and gate is None:
+            if self.standby and self.primary is None:
                 answers.update(self._compute(misses, None))  # served, never stored
             else:
-                answers.update(self._resolve(misses, refresh, gate))
+                answers.update(self._resolve(misses, refresh))
         return [answers[r] for r in refs]
 
     def _gate(self) -> Position | None:
@@ -313,8 +316,20 @@ class ReadThrough:
         gap = -delta * math.log(random.random() or _MIN_DRAW)
         return now + gap >= expiry
 
+    def _gated(self, mine: list[EntityRef], token: str) -> Position | None:
+        """On a replica, once ``mine`` are leased: :meth:`_gate`, releasing the leases
+        if the replica lags (or the primary fails), so their waiters need not wait."""
+        try:
+            gate = self._gate()
+        except BaseException:
+            self.store.release(mine, token)
+            raise
+        if gate is None:
+            self.store.release(mine, token)
+        return gate
+
     def _resolve(
-        self, misses: list[EntityRef], refresh: list[EntityRef], gate: Position | None = None
+        self, misses: list[EntityRef], refresh: list[EntityRef]
     ) -> dict[EntityRef, Result]:
         token = uuid.uuid4().hex
         wanted = misses + refresh
@@ -331,6 +346,12 @@ class ReadThrough:
         # Misses whose lease another reader holds wait for that reader's result; an
         # early refresh that lost the race just keeps serving its hit.
         others = [r for r, (code, _) in zip(misses, leases, strict=False) if code == LEASE_BUSY]
+        gate: Position | None = None
+        if self.standby:  # the lease first, then the primary's watermark: see the docstring
+            gate = self._gated(mine, token)
+            if gate is None:  # a lagging replica: the misses are served, never stored
+                unfound = [r for r in misses if r not in found]
+                return {**found, **self._compute(unfound, None)}
         self.counters.early_refresh += sum(
             1 for code, _ in leases[len(misses) :] if code == LEASE_GRANTED
         )
@@ -357,13 +378,17 @@ class ReadThrough:
         position, nothing could: :class:`ReplicaBehind`.
         """
         unique = list(dict.fromkeys(refs))
-        gate = self._gate() if self.standby else None
-        if self.standby and gate is None:
+        if self.standby and self.primary is None:
             raise ReplicaBehind(self.engine)
         token = uuid.uuid4().hex
         leases = self.store.lease(unique, token, self.lease_ms, [True] * len(unique))
         mine = [r for r, (code, _) in zip(unique, leases, strict=True) if code == LEASE_GRANTED]
         others = [r for r, (code, _) in zip(unique, leases, strict=True) if code != LEASE_GRANTED]
+        gate: Position | None = None
+        if self.standby:  # the lease first, then the primary's watermark: see the docstring
+            gate = self._gated(mine, token)
+            if gate is None:
+                raise ReplicaBehind(self.engine)
         try:
             answers = self._compute(mine, token, gate)
         except BaseException:
