@@ -7,6 +7,10 @@ background thread every ``flush_s`` (the API and the following client), so sampl
 adds no round trip to a read; without ``flush_s`` each :meth:`HotReads.record` flushes
 at once. Each flush trims every sorted set it touched to its ``max_entities``
 highest scores, so ids that readers make up cannot grow a set without bound.
+
+Each sorted set is counted, trimmed and given its TTL by one script call: a flush cut
+short (the process killed, the connection dropped mid-pipeline) never leaves a set
+that a count created without its TTL.
 """
 
 from __future__ import annotations
@@ -28,6 +32,15 @@ from pipeline.core.types import EntityRef, text
 HOT_SAMPLE: Final = 16
 HOT_TTL_S: Final = 24 * 3600
 HOT_MAX_ENTITIES: Final = 10_000
+
+# KEYS[1] one sorted set; ARGV[1] TTL in seconds, ARGV[2] how many entities it keeps,
+# then (score, entity) pairs to add. Atomic, so the set never exists without its TTL.
+_COUNT_LUA: Final = """
+for i = 3, #ARGV, 2 do redis.call('ZINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -tonumber(ARGV[2]) - 1)
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +126,12 @@ class HotReads:
                 key = hot_key(version, feature_set, tenant)
             except InvalidId:  # a read that was refused: nothing to count
                 continue
-            for entity, score in counts.items():
-                pipe.zincrby(key, score, entity)
-            pipe.zremrangebyrank(key, 0, -self.max_entities - 1)
-            pipe.expire(key, self.ttl_s)
+            pairs = [arg for entity, score in counts.items() for arg in (score, entity)]
+            # EVAL, not EVALSHA: no NOSCRIPT to handle after a restart, for a few hundred
+            # bytes a second; execute_command, as a cluster pipeline refuses eval().
+            pipe.execute_command(  # type: ignore[no-untyped-call]
+                "EVAL", _COUNT_LUA, 1, key, self.ttl_s, self.max_entities, *pairs
+            )
         pipe.execute()
 
     def _start(self) -> None:
