@@ -173,7 +173,8 @@ class Lookups(Learning):
     ) -> tuple[list[bytes | None], list[bytes | None], list[Any]]:
         """One round trip: the entries (and, if ``outcomes``, their outcomes), the
         stream since ``position`` (unless None), this process's pending counters."""
-        pipe = self.redis.pipeline(transaction=False)
+        # A transaction: the counters flushed here get their TTL in the same MULTI.
+        pipe = self.redis.pipeline(transaction=True)
         keys = [semantic_entry_key(ns, e) for e in ids]
         if outcomes:
             keys += [semantic_outcomes_key(ns, e) for e in ids]

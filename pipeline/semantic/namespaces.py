@@ -93,7 +93,7 @@ def evict_oldest(client: redis.Redis, namespace: str, count: int, ttl_ms: int) -
     if not popped:
         return 0
     minid = trim_minid(int(time.time() * 1000))
-    pipe = client.pipeline(transaction=False)
+    pipe = client.pipeline(transaction=True)  # the stream's TTL with its write
     ids = [int(text(m), 16) for m, _ in popped]
     pipe.unlink(*[semantic_entry_key(namespace, e) for e in ids])
     pipe.unlink(*[semantic_outcomes_key(namespace, e) for e in ids])
@@ -184,10 +184,13 @@ def _announce_purges(client: redis.Redis, namespaces: list[str]) -> None:
     if not namespaces:
         return
     minid = trim_minid(int(time.time() * 1000))
-    pipe = client.pipeline(transaction=False)
-    for ns in namespaces:
+    for ns in namespaces:  # one transaction each: a stream and its TTL, in one slot
+        pipe = client.pipeline(transaction=True)
         pipe.xadd(semantic_log_key(ns), {"op": "purge"}, minid=minid, approximate=True)
         pipe.pexpire(semantic_log_key(ns), STREAM_RETENTION_MS)
+        pipe.execute()
+    pipe = client.pipeline(transaction=False)
+    for ns in namespaces:
         pipe.zrem(semantic_registry_key(parse_semantic_namespace(ns)[0]), ns)
     pipe.execute()
 

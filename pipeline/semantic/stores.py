@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from pipeline.core.cluster import is_cluster
 from pipeline.core.keys import (
     semantic_entry_key,
     semantic_ids_key,
@@ -136,7 +137,8 @@ class Stores(Lookups):
         ids_key, log_key = semantic_ids_key(ns), semantic_log_key(ns)
         registry = semantic_registry_key(scope.tenant)
         minid = trim_minid(now_ms)
-        pipe = self.redis.pipeline(transaction=False)
+        # One MULTI: every key written here gets its TTL in the same transaction.
+        pipe = self.redis.pipeline(transaction=True)
         out = [f"{entry_id(prompt):016x}" for prompt, _ in items]
         for (prompt, response), member, vector in zip(items, out, vectors, strict=True):
             entry = Entry(prompt, response, now_ms, digest, np.asarray(vector, dtype=np.float32))
@@ -156,18 +158,22 @@ class Stores(Lookups):
             )
         pipe.pexpire(ids_key, ttl)
         pipe.pexpire(log_key, ttl)
-        pipe.zadd(registry, {ns: now_ms})
-        pipe.zremrangebyscore(registry, "-inf", now_ms - ttl)
-        spaces_at = len(pipe)
-        pipe.zcard(registry)
-        pipe.pexpire(registry, ttl)
+        # The registry is in the tenant's slot: on a cluster, a transaction of its own.
+        apart = is_cluster(self.redis)
+        reg = self.redis.pipeline(transaction=True) if apart else pipe
+        reg.zadd(registry, {ns: now_ms})
+        reg.zremrangebyscore(registry, "-inf", now_ms - ttl)
+        spaces_at = len(reg)
+        reg.zcard(registry)
+        reg.pexpire(registry, ttl)
         probes_at = len(pipe)
         if self.decision is not None:
             self.probes.take_into(pipe, ns, [int(m, 16) for m in out])
         self._count(ns, "stored", len(items))
         self._flush_into(pipe, ns)
         replies = pipe.execute()
-        self._enforce_limits(scope, int(replies[size_at]), int(replies[spaces_at]))
+        spaces = reg.execute() if apart else replies
+        self._enforce_limits(scope, int(replies[size_at]), int(spaces[spaces_at]))
         agreed: list[bool | None] = [None] * len(items)
         if self.decision is not None:
             taken = self.probes.taken(replies[probes_at], now_ms)
@@ -204,7 +210,7 @@ class Stores(Lookups):
         e = parse_entry_id(entry)
         entry = f"{e:016x}"  # the stored form, whatever case the caller sent
         now_ms = int(time.time() * 1000)
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.redis.pipeline(transaction=True)  # the stream's TTL with its write
         pipe.delete(semantic_entry_key(ns, e))
         pipe.delete(semantic_outcomes_key(ns, e))
         pipe.zrem(semantic_ids_key(ns), entry)
