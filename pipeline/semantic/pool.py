@@ -34,8 +34,11 @@ Builds run one at a time on the cache's background thread, with one OpenMP threa
 two shared cores a build never takes both from the lookups.
 
 The budget: the indexes held hold at most ``max_vectors`` vectors (each index counted
-as at least :data:`MIN_CHARGE`); when a build passes it, the least recently used other
-indexes are dropped (a dropped index is built again on its next lookup).
+as at least :data:`MIN_CHARGE`); when a build passes it, indexes are dropped (a
+dropped index is built again on its next lookup), each time the least recently used
+of the tenant that holds the most. So one tenant's lookups on fresh namespaces (each
+an index, if an empty one) drop that tenant's own indexes, never another's while it
+holds more than they do, and a tenant can always keep about its share.
 """
 
 from __future__ import annotations
@@ -282,13 +285,27 @@ class IndexPool:
         self._enforce_budget(keep=idx.namespace)
 
     def _enforce_budget(self, keep: str) -> None:
+        """Drop indexes until the budget holds: each time the least recently used index
+        of the tenant that holds the most, never ``keep`` (module docstring)."""
         with self._lock:
             charges = {ns: max(len(i), MIN_CHARGE) for ns, i in self._indexes.items()}
             total = sum(charges.values())
-            for ns in sorted(charges, key=lambda n: self._indexes[n].used_at):
-                if total <= self.max_vectors:
-                    break
-                if ns != keep:
-                    del self._indexes[ns]
-                    total -= charges[ns]
-                    self.dropped += 1
+            held: dict[str, int] = {}
+            for ns, charge in charges.items():
+                held[tenant_of(ns)] = held.get(tenant_of(ns), 0) + charge
+            order = sorted(
+                (n for n in charges if n != keep), key=lambda n: self._indexes[n].used_at
+            )
+            while total > self.max_vectors and order:
+                heaviest = max({tenant_of(n) for n in order}, key=held.__getitem__)
+                victim = next(n for n in order if tenant_of(n) == heaviest)
+                order.remove(victim)
+                del self._indexes[victim]
+                total -= charges[victim]
+                held[heaviest] -= charges[victim]
+                self.dropped += 1
+
+
+def tenant_of(namespace: str) -> str:
+    """The tenant of a namespace tag ``{<tenant>:...}`` (tenants hold no ``:``)."""
+    return namespace[1:].split(":", 1)[0]

@@ -270,3 +270,20 @@ def test_an_idle_index_is_rebuilt_only_if_its_stream_lost_events(
     assert wait_until(lambda: worker.pool.builds == 2, timeout=30)
     assert entry_id("late two") in idx.live
     assert answer(worker, scope, "late two", late[1]) == "two"
+
+
+def test_one_tenants_fresh_namespaces_never_drop_another_tenants_index(
+    redis_client: redis.Redis, caches: list[SemanticCache]
+) -> None:
+    worker = cache(redis_client, caches, max_index_vectors=4000)  # four small indexes
+    writer = cache(redis_client, caches)
+    quiet = Scope(f"t{uuid.uuid4().hex[:12]}", "bot", "v1", "t1")
+    vectors = fill(writer, quiet, 5)
+    assert answer(worker, quiet, "prompt 0-0", vectors[0]) == "response 0"
+    noisy = f"t{uuid.uuid4().hex[:12]}"
+    for i in range(20):  # lookups on namespaces nobody stored into
+        assert answer(worker, Scope(noisy, "bot", f"v{i}", "t1"), "x", vectors[1]) is None
+    assert quiet.namespace in worker.pool.namespaces()
+    assert worker.pool.dropped >= 17  # the noisy tenant's own, oldest first
+    assert worker.pool.peek(quiet.namespace) is not None
+    assert answer(worker, quiet, "prompt 0-1", vectors[1]) == "response 1"
