@@ -24,6 +24,7 @@ from pipeline.api.errors import HANDLERS
 from pipeline.api.limits import AccessGuard
 from pipeline.api.openapi import document
 from pipeline.api.reader import FeatureReader
+from pipeline.api.tenancy import TenantSlots
 from pipeline.cache.arrivals import Arrivals
 from pipeline.cache.hot import HotReads
 from pipeline.cache.local import LocalTier
@@ -238,6 +239,7 @@ def create_app(
         middleware=[Middleware(AccessGuard, auth=services.auth, settings=settings)],
     )
     app.state.services = services
+    app.state.tenant_slots = TenantSlots(settings.api_tenant_concurrency)
     app.state.openapi = document(
         registry.names(),
         batch_limit=settings.api_batch_limit,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Awaitable
 from typing import Any, cast
 
 import redis
@@ -34,6 +35,7 @@ from starlette.responses import Response
 from pipeline.api import metrics
 from pipeline.api.errors import ApiError, JSONResponse
 from pipeline.api.routes import authenticate, read_json, timed
+from pipeline.api.tenancy import in_pool
 from pipeline.core.keys import validate_id
 from pipeline.core.settings import Settings
 from pipeline.semantic.cache import (
@@ -220,8 +222,17 @@ def as_api_error(exc: Exception) -> Exception:
 
 
 async def _call(fn: Any, *args: Any) -> Any:
+    return await _answered(run_in_threadpool(fn, *args))
+
+
+async def _in_share(request: Request, fn: Any, scope: Scope, *args: Any) -> Any:
+    """``fn(scope, *args)`` in the thread pool within the scope's tenant's share."""
+    return await _answered(in_pool(request, scope.tenant, fn, scope, *args))
+
+
+async def _answered(work: Awaitable[Any]) -> Any:
     try:
-        return await run_in_threadpool(fn, *args)
+        return await work
     except (NonDeterministicParams, InvalidPrompt, EmbeddingError) as exc:
         raise as_api_error(exc) from exc
 
@@ -275,7 +286,7 @@ async def lookup(request: Request) -> Response:
     model = service.label(scope.model)
     cache = await _cache(service)
     try:
-        found: Lookup = await _call(cache.lookup, scope, prompt, params)
+        found: Lookup = await _in_share(request, cache.lookup, scope, prompt, params)
     except ApiError as exc:
         if exc.code == "not_deterministic":
             LOOKUPS.labels(model, "refused").inc()
@@ -321,7 +332,7 @@ async def store(request: Request) -> Response:
     model = service.label(scope.model)
     cache = await _cache(service)
     started = time.perf_counter()
-    stored: Stored = await _call(cache.store, scope, prompt, params, response)
+    stored: Stored = await _in_share(request, cache.store, scope, prompt, params, response)
     STORED.labels(model).inc()
     if stored.agreed is not None:
         LABELS.labels(model, "agreed" if stored.agreed else "disagreed").inc()
@@ -349,9 +360,9 @@ async def flag(request: Request) -> Response:
     cache = await _cache(service)
     answer: dict[str, Any] = {"entry_id": entry}
     if prompt is None:
-        answer["removed"] = await _call(cache.flag, scope, entry)
+        answer["removed"] = await _in_share(request, cache.flag, scope, entry)
     else:
-        flagged: Flagged = await _call(cache.flag_for, scope, entry, prompt)
+        flagged: Flagged = await _in_share(request, cache.flag_for, scope, entry, prompt)
         answer["removed"] = flagged.removed
         if flagged.similarity is not None:
             answer["similarity"] = flagged.similarity

@@ -26,6 +26,7 @@ from pipeline.api.auth import Authenticator, bearer_token
 from pipeline.api.errors import ApiError, JSONResponse, error_response, status_of
 from pipeline.api.reader import MODES, FeatureReader, Lookup, Mode, parse_entities, parse_entity
 from pipeline.api.splice import Spliced
+from pipeline.api.tenancy import in_pool
 from pipeline.core.errors import FreshlineError, InvalidId
 from pipeline.core.features import Registry
 from pipeline.core.keys import validate_id, validate_name
@@ -256,7 +257,9 @@ async def get_features(request: Request) -> Response:
     else:
         cached = await svc.reader.cached(lookup, mode)
         answers = (
-            cached if cached is not None else await run_in_threadpool(svc.reader.read, lookup, mode)
+            cached
+            if cached is not None
+            else await in_pool(request, tenant, svc.reader.read, lookup, mode)
         )
     [answer] = answers
     after_response(request, metrics.record_answer, answer, time.perf_counter() - started)
@@ -317,7 +320,9 @@ async def batch(request: Request) -> Response:
     if isinstance(found, Spliced):  # every entry a hit, spliced: the same bytes
         after_response(request, metrics.record_hits, feature_sets[0], len(lookup))
         return Response(found.body, media_type="application/json")
-    answers = found if found is not None else await run_in_threadpool(svc.reader.read, lookup, mode)
+    if found is None:
+        found = await in_pool(request, tenant, svc.reader.read, lookup, mode)
+    answers = found
     after_response(request, metrics.record_answers, answers)
     return JSONResponse({"schema_version": answers[0]["schema_version"], "items": answers})
 
@@ -371,7 +376,7 @@ async def predict(request: Request) -> Response:
             ],
         }
 
-    return JSONResponse(await run_in_threadpool(run))
+    return JSONResponse(await in_pool(request, tenant, run))
 
 
 async def openapi(request: Request) -> Response:

@@ -133,6 +133,9 @@ class Settings(BaseSettings):
     api_rate_per_s: float = Field(default=1000.0, ge=0)
     """Requests per second per API key and worker (token bucket; 0: no limit)."""
     api_rate_burst: int = Field(default=2000, ge=1)
+    api_tenant_concurrency: int = Field(default=4, ge=0)
+    """Thread-pool jobs (misses, predictions, semantic calls) one tenant may run at
+    once per worker; more wait their turn on the event loop (0: no limit)."""
     api_auth_failures_per_min: float = Field(default=30.0, ge=0)
     """Failed authentications per client address and worker (0: no limit)."""
     api_auth_failures_burst: int = Field(default=20, ge=1)

@@ -1,0 +1,62 @@
+"""Each tenant's share of a worker's thread pool.
+
+Blocking work (read-through misses that reach Postgres, predictions, the semantic
+cache) runs in Starlette's thread pool, 40 threads per worker shared by every
+tenant. Without a bound, one tenant's flood of such requests (ids with no source row,
+distinct prediction rows) holds every thread, and every other tenant's misses queue
+behind it. :class:`TenantSlots` lets each tenant run at most
+``FRESHLINE_API_TENANT_CONCURRENCY`` jobs at once per worker; its other requests
+wait on the event loop, holding no thread, in arrival order. Hits answered on the
+event loop never take a slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+T = TypeVar("T")
+
+
+class TenantSlots:
+    """Per-tenant semaphores over the thread pool, made on first use and dropped when
+    their tenant has nothing running or waiting (one event loop: no lock)."""
+
+    def __init__(self, per_tenant: int) -> None:
+        self.per_tenant = per_tenant
+        self._slots: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
+
+    async def run(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the thread pool, once ``tenant`` has a free slot."""
+        if self.per_tenant <= 0:
+            return await run_in_threadpool(fn, *args)
+        slot = self._slots.get(tenant)
+        if slot is None:
+            slot = self._slots[tenant] = (asyncio.Semaphore(self.per_tenant), [0])
+        semaphore, users = slot
+        users[0] += 1
+        try:
+            async with semaphore:
+                return await run_in_threadpool(fn, *args)
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                self._slots.pop(tenant, None)
+
+    def busy(self, tenant: str) -> int:
+        """``tenant``'s requests running or waiting for a slot in this worker."""
+        slot = self._slots.get(tenant)
+        return slot[1][0] if slot else 0
+
+
+async def in_pool(request: Request, tenant: str, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in the thread pool within ``tenant``'s share of it (an app that
+    :func:`pipeline.api.create_app` did not build has no shares)."""
+    slots: TenantSlots | None = getattr(request.app.state, "tenant_slots", None)
+    if slots is None:
+        return await run_in_threadpool(fn, *args)
+    return await slots.run(tenant, fn, *args)
