@@ -213,6 +213,14 @@ class LocalTier:
 
     def start(self) -> LocalTier:
         """Start the subscription thread; the tier serves once it is confirmed."""
+        if not self.tracking and self._subscription.epoch == 0 and self._horizons is None:
+            log.warning(
+                "%s: on Redis Cluster the in-process tier relies on published "
+                "invalidations alone: a writer that dies between its write and its "
+                "publish leaves entries served until their TTL (FRESHLINE_LOCAL_CACHE_SIZE=0 "
+                "turns the tier off)",
+                self.name,
+            )
         self._subscription.start()
         if self._horizons is None:
             self._horizons = threading.Thread(
