@@ -43,6 +43,7 @@ BENCHMARKS = (
     "read_path",
     "reference_app",
     "idle_connections",
+    "abuse",
     "write_path",
     "cdc_freshness",
     "freshness",

@@ -1,0 +1,428 @@
+"""One abusive tenant beside a well-behaved one: what the abuser costs the other.
+
+``freshline serve`` (granian, 2 workers, the semantic routes mounted, every limit at
+its default) runs on loopback. The well-behaved tenant reads ``txn_90d`` features of
+its own users (entries present, the default read-through mode), one request at a
+time at a fixed pace, from one keep-alive connection. The abusive tenant, from the
+same address, floods the server on several connections at once with:
+
+* **predictions of distinct rows**: ``POST /v1/models/{name}/predict``, 100 rows never
+  seen before per request (every row a miss and a new cached prediction);
+* **ghost ids**: reads of ids that have no source row, by GET and by batches of 100,
+  every id new (each a read-through that reaches Postgres);
+* **bad keys**: requests with random keys that are in no table;
+* **LLM flag floods**: ``POST /v1/llm/cache/flag`` for namespaces never stored into.
+
+The abuser runs in a spawned process of its own, so its client threads never hold the
+GIL of the process that times the well-behaved tenant; it shares the machine's CPUs
+with the server, as a co-located client would.
+
+Phases alternate without and with the abuser (without, with, without, with, ...), so
+drift and the load of other work on the machine land on both alike. The figures are
+the well-behaved tenant's p99 and success rate in each kind of phase, and the p99
+ratio with / without (median of the pairs' ratios). Targets (issue 30): p99 within
+1.5x, and every well-behaved request answered 200.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing
+import os
+import secrets
+import statistics
+import sys
+import tempfile
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from bench import common, reference_app
+
+FEATURE_SET = "txn_90d"
+SERVER_WORKERS = 2
+GOOD_RATE = 50.0
+"""The well-behaved tenant's requests per second (open loop, one connection)."""
+ABUSE_KINDS = ("predict", "ghost get", "ghost batch", "bad key", "llm flag")
+ABUSE_CONNECTIONS = 2
+"""Connections per kind of abuse, each sending as fast as it is answered."""
+PREDICT_ROWS = 100
+GHOST_BATCH = 100
+GHOST_BASE = 900_000_000
+"""Ghost ids start here: far past any seeded user id, so none has a source row."""
+FEATURES = ("a", "b", "c")
+FRESHLINE = str(Path(sys.executable).with_name("freshline"))
+PHASE_SPAN = 10_000_000
+"""Ghost ids and prediction rows of one phase: phase ``n`` starts at ``n * PHASE_SPAN``,
+so none is sent twice in a run."""
+
+
+def _model(name: str, directory: Path) -> Path:
+    from pipeline.inference.models import LogisticModel
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, len(FEATURES)))
+    fitted = LogisticModel.fit(
+        x, (x[:, 0] > 0).astype(float), version="v1", feature_names=FEATURES, name=name, epochs=5
+    )
+    return fitted.save(directory / f"{name}.json")
+
+
+@contextlib.contextmanager
+def _server(ctx: common.Context, version: int) -> Iterator[str]:
+    port = reference_app.free_port()
+    env = {
+        "FRESHLINE_POSTGRES_URL": ctx.settings.postgres_url,
+        "FRESHLINE_REDIS_URL": ctx.settings.redis_url,
+        "FRESHLINE_SCHEMA_VERSION": str(version),
+        "FRESHLINE_SEMANTIC_ENABLED": "true",
+        "FRESHLINE_OPS_PORT": "0",  # no operator port: several benchmarks may run at once
+    }
+    with reference_app.launch(
+        [FRESHLINE, "serve", "--port", str(port), "--workers", str(SERVER_WORKERS)],
+        env,
+        port,
+        "/readyz",
+    ) as url:
+        yield url
+
+
+class Abuser:
+    """The abusive tenant's connections, each sending its kind of request in a loop
+    until :meth:`stop`; counts the answers by kind and status."""
+
+    def __init__(
+        self,
+        url: str,
+        key: str,
+        model: str,
+        tag: str,
+        kinds: tuple[str, ...] = ABUSE_KINDS,
+        phase: int = 0,
+    ) -> None:
+        self.url, self.key, self.model, self.tag, self.kinds = url, key, model, tag, kinds
+        self._ids = itertools.count(GHOST_BASE + phase * PHASE_SPAN)
+        self._rows = itertools.count(phase * PHASE_SPAN + 1)
+        self.answers: Counter[tuple[str, int]] = Counter()
+        self.samples: dict[tuple[str, int], str] = {}
+        """The first answer of each (kind, status), cut short: what the abuser was told."""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def _request(self, kind: str) -> Callable[[httpx.Client], httpx.Response]:
+        auth = {"Authorization": f"Bearer {self.key}"}
+
+        def predict(c: httpx.Client) -> httpx.Response:
+            start = next(self._rows) * PREDICT_ROWS
+            rows = [[float(start + i), 0.5, -0.5] for i in range(PREDICT_ROWS)]
+            return c.post(f"/v1/models/{self.model}/predict", json={"inputs": rows}, headers=auth)
+
+        def ghost_get(c: httpx.Client) -> httpx.Response:
+            return c.get(f"/v1/features/{FEATURE_SET}/{next(self._ids)}", headers=auth)
+
+        def ghost_batch(c: httpx.Client) -> httpx.Response:
+            ids = [str(next(self._ids)) for _ in range(GHOST_BATCH)]
+            body = {"feature_sets": [FEATURE_SET], "entities": ids}
+            return c.post("/v1/features/batch", json=body, headers=auth)
+
+        def bad_key(c: httpx.Client) -> httpx.Response:
+            bad = {"Authorization": f"Bearer fl_{secrets.token_urlsafe(32)}"}
+            return c.get(f"/v1/features/{FEATURE_SET}/1", headers=bad)
+
+        def llm_flag(c: httpx.Client) -> httpx.Response:
+            n = next(self._rows)
+            body = {
+                "model": f"abuse{self.tag}{n}",
+                "model_version": "v1",
+                "template_version": "t1",
+                "entry_id": secrets.token_hex(8),
+            }
+            return c.post("/v1/llm/cache/flag", json=body, headers=auth)
+
+        return {
+            "predict": predict,
+            "ghost get": ghost_get,
+            "ghost batch": ghost_batch,
+            "bad key": bad_key,
+            "llm flag": llm_flag,
+        }[kind]
+
+    def _loop(self, kind: str) -> None:
+        send = self._request(kind)
+        seen: Counter[tuple[str, int]] = Counter()
+        with httpx.Client(base_url=self.url, timeout=10) as client:
+            while not self._stop.is_set():
+                try:
+                    answer = send(client)
+                    status, text = answer.status_code, answer.text[:160]
+                except httpx.HTTPError as exc:
+                    status, text = 0, type(exc).__name__  # a timeout or a refused connection
+                seen[(kind, status)] += 1
+                if seen[(kind, status)] == 1:
+                    with self._lock:
+                        self.samples.setdefault((kind, status), text)
+        with self._lock:
+            self.answers.update(seen)
+
+    def start(self) -> Abuser:
+        self._stop.clear()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(kind,), name=f"abuse-{kind}", daemon=True)
+            for kind in self.kinds
+            for _ in range(ABUSE_CONNECTIONS)
+        ]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+
+def _abuse_in_process(
+    args: tuple[str, str, str, str, tuple[str, ...], int], ready: Any, stop: Any, out: Any
+) -> None:
+    """An :class:`Abuser` in a process of its own (its threads must not hold the GIL of
+    the process that times the well-behaved tenant), until ``stop``; its counts to ``out``."""
+    abuser = Abuser(*args).start()
+    ready.set()
+    stop.wait()
+    abuser.stop()
+    out.put((dict(abuser.answers), abuser.samples))
+
+
+@contextlib.contextmanager
+def _abusing(url: str, key: str, model: str, tag: str, phase: int) -> Iterator[dict[str, Any]]:
+    """The abuser running in a spawned process while the block runs; yields a dict that
+    holds its ``answers`` and ``samples`` once the block is done."""
+    mp = multiprocessing.get_context("spawn")
+    ready, stop, out = mp.Event(), mp.Event(), mp.Queue()
+    proc = mp.Process(
+        target=_abuse_in_process,
+        args=((url, key, model, tag, ABUSE_KINDS, phase), ready, stop, out),
+        daemon=True,
+    )
+    proc.start()
+    got: dict[str, Any] = {}
+    try:
+        if not ready.wait(60):
+            raise RuntimeError("the abuser's process did not start")
+        yield got
+    finally:
+        stop.set()
+        try:
+            got["answers"], got["samples"] = out.get(timeout=60)
+        finally:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _good_phase(url: str, key: str, users: list[int], seconds: float) -> tuple[list[int], int]:
+    """The well-behaved tenant's reads for ``seconds``: (latencies ns of 200s, failures)."""
+    samples: list[int] = []
+    failures = 0
+    ids = itertools.cycle(users)
+    with httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=10
+    ) as client:
+        client.get(f"/v1/features/{FEATURE_SET}/{users[0]}")  # the connection, outside
+        for _ in common.paced(GOOD_RATE, seconds):
+            started = common.now_ns()
+            try:
+                ok = client.get(f"/v1/features/{FEATURE_SET}/{next(ids)}").status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                samples.append(common.now_ns() - started)
+            else:
+                failures += 1
+    return samples, failures
+
+
+def _warm(url: str, key: str, model: str, tag: str) -> None:
+    """Each worker loads the model and the embedding model before anything is timed."""
+    abuser = Abuser(url, key, model, tag)
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for kind in ABUSE_KINDS:
+            for _ in range(4 * SERVER_WORKERS):
+                abuser._request(kind)(client)
+
+
+def _redis_footprint(ctx: common.Context, tenant: str) -> dict[str, int]:
+    """Keys the abusive tenant holds in Redis, by kind, after the run."""
+    from pipeline.core.budget import usage
+    from pipeline.core.keys import inference_budget_keys
+
+    keys, size = usage(ctx.redis, inference_budget_keys(tenant))
+    semantic = sum(1 for _ in ctx.redis.scan_iter(match=f"sem:*{{{tenant}:*", count=1000))
+    return {"prediction_keys": keys, "prediction_bytes": size, "semantic_keys": semantic}
+
+
+def run(quick: bool) -> dict[str, Any]:
+    from pipeline.api.auth import create_api_key, create_tenant
+    from pipeline.inference.models import ModelRegistry
+
+    ctx = common.context(quick)
+    version, _, key, users = reference_app.prepared(ctx)
+    abuser_tenant = f"{ctx.tenant_prefix()}abuser"
+    create_tenant(ctx.engine, abuser_tenant)
+    abuser_key = create_api_key(ctx.engine, abuser_tenant)
+    model = f"bench{ctx.tag}abuse"
+    models = tempfile.TemporaryDirectory()  # the registry names the file: kept for the run
+    ModelRegistry(ctx.redis).register(_model(model, Path(models.name)))
+    pairs, seconds = (2, 2.5) if quick else (5, 10.0)
+    series: dict[str, list[int]] = {"without": [], "with": []}
+    failures = {"without": 0, "with": 0}
+    ratios: list[float] = []
+    abuser_answers: Counter[tuple[str, int]] = Counter()
+    told: dict[tuple[str, int], str] = {}
+    with models, _server(ctx, version) as url:
+        _warm(url, abuser_key, model, ctx.tag)
+        for p in range(pairs):
+            p99: dict[str, float] = {}
+            for phase in ("without", "with"):
+                if phase == "without":
+                    samples, failed = _good_phase(url, key, users, seconds)
+                else:
+                    with _abusing(url, abuser_key, model, ctx.tag, p + 1) as got:
+                        samples, failed = _good_phase(url, key, users, seconds)
+                    abuser_answers.update(got["answers"])
+                    for k, v in got["samples"].items():
+                        told.setdefault(k, v)
+                series[phase].extend(samples)
+                failures[phase] += failed
+                p99[phase] = common.stats_ns(samples).get("p99_us", 0.0)
+            if p99["without"]:
+                ratios.append(p99["with"] / p99["without"])
+            common.note(
+                f"pair {p + 1}/{pairs}: p99 {p99['without'] / 1000:.1f} ms without, "
+                f"{p99['with'] / 1000:.1f} ms with the abuser"
+            )
+    results: dict[str, dict[str, Any]] = {}
+    for phase, samples in series.items():
+        sent = len(samples) + failures[phase]
+        results[phase] = {
+            **common.stats_ns(samples),
+            "failures": failures[phase],
+            "success_rate": round(len(samples) / sent, 5) if sent else None,
+        }
+    overall = (
+        round(results["with"]["p99_us"] / results["without"]["p99_us"], 3)
+        if results["with"].get("n") and results["without"].get("n")
+        else None
+    )
+    median_ratio = round(statistics.median(ratios), 3) if ratios else None
+    abuse = {
+        kind: {str(status): n for (k, status), n in sorted(abuser_answers.items()) if k == kind}
+        for kind in ABUSE_KINDS
+    }
+    return {
+        "parameters": {
+            "server_workers": SERVER_WORKERS,
+            "good_rate_per_s": GOOD_RATE,
+            "phase_s": seconds,
+            "pairs": pairs,
+            "abuse_connections_per_kind": ABUSE_CONNECTIONS,
+            "predict_rows": PREDICT_ROWS,
+            "ghost_batch": GHOST_BATCH,
+            "cpus": os.cpu_count(),
+            "tenant_concurrency": os.environ.get("FRESHLINE_API_TENANT_CONCURRENCY", "4"),
+            "rate_per_s": os.environ.get("FRESHLINE_API_RATE_PER_S", "1000"),
+        },
+        "results": results,
+        "p99_ratio_median": median_ratio,
+        "p99_ratio_overall": overall,
+        "pair_ratios": [round(r, 3) for r in ratios],
+        "abuser_answers": abuse,
+        "abuser_told": {f"{kind} {status}": text for (kind, status), text in sorted(told.items())},
+        "abuser_redis": _redis_footprint(ctx, abuser_tenant),
+        "targets": [
+            common.target(
+                "well-behaved p99 with / without the abuser", median_ratio, "<=", 1.5, "x"
+            ),
+            common.target(
+                "well-behaved requests answered 200 with the abuser",
+                None
+                if results["with"]["success_rate"] is None
+                else 100 * results["with"]["success_rate"],
+                ">=",
+                100,
+                "%",
+            ),
+        ],
+    }
+
+
+def markdown(res: dict[str, Any]) -> str:
+    p = res["parameters"]
+    rows = [
+        (
+            phase,
+            r.get("n", 0),
+            r.get("failures", 0),
+            None if r.get("success_rate") is None else f"{100 * r['success_rate']:.2f}%",
+            r.get("p50_us"),
+            r.get("p90_us"),
+            r.get("p99_us"),
+            r.get("max_us"),
+        )
+        for phase, r in res["results"].items()
+    ]
+    answers = [
+        (kind, ", ".join(f"{status}: {common.fmt(n)}" for status, n in counts.items()) or "-")
+        for kind, counts in res["abuser_answers"].items()
+    ]
+    held = res["abuser_redis"]
+    return "\n".join(
+        [
+            "## abuse: one abusive tenant beside a well-behaved one",
+            "",
+            f"`freshline serve` (granian, {p['server_workers']} workers, semantic routes on, "
+            "default limits) on loopback. The well-behaved tenant reads its own `txn_90d` "
+            f"entries at {common.fmt(p['good_rate_per_s'])} requests/s on one connection. "
+            f"The abuser, from the same address, keeps {p['abuse_connections_per_kind']} "
+            "connections busy per kind of abuse: predictions of "
+            f"{p['predict_rows']} distinct rows, reads of ids with no source row (GET, and "
+            f"batches of {p['ghost_batch']}), random bad keys, and LLM flags for "
+            f"namespaces never stored into. {p['pairs']} pairs of {p['phase_s']:.1f} s "
+            "phases, without then with the abuser. Times in µs, the well-behaved tenant's. "
+            f"The abuser runs in a process of its own on the same {p['cpus']} CPUs as the "
+            f"server; limits: {p['rate_per_s']} requests/s per key and worker, "
+            f"{p['tenant_concurrency']} thread-pool jobs per tenant and worker.",
+            "",
+            common.table(
+                ["phase", "requests ok", "failed", "success", "p50", "p90", "p99", "max"], rows
+            ),
+            "",
+            f"p99 with / without: {common.fmt(res['p99_ratio_median'], 3)}x (median of the "
+            f"pairs' ratios {res['pair_ratios']}); over all samples "
+            f"{common.fmt(res['p99_ratio_overall'], 3)}x.",
+            "",
+            "What the abuser got (status: answers):",
+            "",
+            common.table(["abuse", "answers"], answers),
+            "",
+            f"It holds {common.fmt(held['prediction_keys'])} cached predictions "
+            f"({common.fmt(held['prediction_bytes'])} bytes, within its budget) and "
+            f"{common.fmt(held['semantic_keys'])} semantic keys afterwards.",
+            "",
+            common.targets_table(res["targets"]),
+        ]
+    )
+
+
+if __name__ == "__main__":
+    import json
+
+    quick = "--quick" in sys.argv
+    print(json.dumps(common.run_standalone(run, quick), indent=2))
