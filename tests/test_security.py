@@ -309,6 +309,26 @@ def test_the_api_role_may_mark_a_key_used(settings: Settings, engine: Engine, te
         eng.dispose()
 
 
+def test_only_the_api_role_reads_api_keys(settings: Settings, engine: Engine, tenant: str) -> None:
+    """Key hashes are for the API, which checks keys; the consumers' login (and
+    ``freshline warm``'s) reads the tenants and never the keys."""
+    create_api_key(engine, tenant)
+    consumer = role_engine(settings, "FRESHLINE_STACK_POSTGRES_CONSUMER_URL")
+    api = role_engine(settings, "FRESHLINE_STACK_POSTGRES_API_URL")
+    try:
+        with consumer.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM freshline.tenants")).scalar_one()
+            for column in ("key_hash", "tenant_id", "id"):
+                with pytest.raises(sa.exc.ProgrammingError, match="permission denied"):
+                    conn.execute(sa.text(f"SELECT {column} FROM freshline.api_keys"))
+                conn.rollback()
+        with api.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(key_hash) FROM freshline.api_keys")).scalar()
+    finally:
+        consumer.dispose()
+        api.dispose()
+
+
 # ------------------------------------------------------------------------ Kafka SCRAM
 
 
