@@ -333,3 +333,45 @@ def test_plan_lists_the_derived_path_until_it_is_installed(own: Engine, tmp_path
     fs = repo.registry["weekly"]
     inc = compute(own, fs, [(shop, "c1")], as_of=AS_OF, path="incremental").values
     assert inc[(shop, "c1")] == {"count": 2, "max_amount": 7.0}
+
+
+def test_a_writer_without_grants_on_freshline_logs_its_own_inserts(own: Engine) -> None:
+    """The insert trigger runs with the writer's rights: a role that may only insert into
+    the table logs its rows (INSERT on the log is PUBLIC's) and can neither remove a log
+    row nor touch the partials, so it cannot make a served value wrong."""
+    path = path_of(DECLARED)
+    role, password = f"freshline_test_writer_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    with own.begin() as conn:
+        conn.execute(sa.text(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'"))
+        conn.execute(sa.text(f"GRANT INSERT ON orders TO {role}"))
+        conn.execute(sa.text(f"GRANT USAGE ON SEQUENCE orders_id_seq TO {role}"))
+    writer = sa.create_engine(
+        own.url.set(username=role, password=password), poolclass=sa.pool.NullPool
+    )
+    shop = f"s{uuid.uuid4().hex[:10]}"
+    try:
+        with writer.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO orders (shop_id, customer_id, amount, placed_at) "
+                    "VALUES (:s, 'c1', 5, :t)"
+                ),
+                {"s": shop, "t": at(-3 * DAY)},
+            )
+        with own.connect() as conn:
+            logged = conn.execute(
+                sa.text(f"SELECT count(*) FROM {path.log} WHERE shop_id = :s"), {"s": shop}
+            ).scalar_one()
+        assert logged == 1
+        for statement in (f"DELETE FROM {path.log}", f"DELETE FROM {path.days}"):
+            with (
+                writer.begin() as conn,
+                pytest.raises(sa.exc.ProgrammingError, match="permission denied"),
+            ):
+                conn.execute(sa.text(statement))
+        assert_paths_agree(own, [(shop, "c1")], [0])
+    finally:
+        writer.dispose()
+        with own.begin() as conn:
+            conn.execute(sa.text(f"DROP OWNED BY {role}"))
+            conn.execute(sa.text(f"DROP ROLE {role}"))
