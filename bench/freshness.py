@@ -28,7 +28,8 @@ reached a Redis subscriber. Commit-to-Redis is the last minus the first, the lat
 background load on other users, trial threads each commit an INSERT for a user of their
 own with ``SELECT freshline.token()`` (inside the transaction for even trials, right
 after commit for odd ones), then read ``GET /v1/features/txn_90d/{user}?after=<token>``
-(default ``wait_ms``). An answer predates the commit when its ``last_txn_at`` is before
+(the server's default ``wait_ms``; then half as many trials with ``wait_ms=0``, which
+go straight to the recompute). An answer predates the commit when its ``last_txn_at`` is before
 the inserted row's ``created_at`` (the trial users get no other writes); there must be
 none. Commit-to-answer runs from the COMMIT's return to the answer. Then the same with
 domain events: the writer also publishes ``transaction.created`` after commit, the
@@ -120,12 +121,14 @@ def _load_main(
     seed: int,
     events: dict[str, str] | None,
     stop: MpEvent,
+    ready: MpEvent,
     done: Any,
 ) -> None:
     """A process of writer threads offering ``rate`` SQL writes/s in all (the workload of
     :mod:`bench.cdc_freshness`) for ``seconds`` or until ``stop``; with ``events`` (the
     domain topics by event name), each write also publishes its domain event, on the
-    broker the environment's settings name. Puts the writes made in ``done``."""
+    broker the environment's settings name. Sets ``ready`` once every writer has its
+    connection; puts the writes made in ``done``."""
     writers = max(1, -(-rate // PER_WRITER))
     producer = None
     if events is not None:
@@ -133,12 +136,14 @@ def _load_main(
 
         producer = Producer(Settings(), **{"linger.ms": 1})
     counts = [0] * writers
+    connected = threading.Barrier(writers, action=ready.set)
 
     def writer(k: int) -> None:
         rng = random.Random(seed * 100 + k)
         mine: list[int] = []
         with psycopg.connect(conninfo, autocommit=True) as conn:
             conn.execute("SET synchronous_commit = on")
+            connected.wait()
             for _ in common.paced(rate / writers, seconds):
                 if stop.is_set():
                     break
@@ -200,17 +205,20 @@ def background(
     events: dict[str, str] | None = None,
 ) -> Iterator[Callable[[bool], tuple[int, float]]]:
     """Run :func:`_load_main` in a process of its own (its pacing is not slowed by this
-    process's GIL); yields a function that stops it (``now``, or else at the end of
-    ``seconds``) and returns (writes, seconds)."""
+    process's GIL); yields, once its writers are connected, a function that stops it
+    (``now``, or else at the end of ``seconds``) and returns (writes, seconds)."""
     mp = multiprocessing.get_context("spawn")
-    stop, done = mp.Event(), mp.Queue()
+    stop, ready, done = mp.Event(), mp.Event(), mp.Queue()
     proc = mp.Process(
         target=_load_main,
-        args=(conninfo, tenant, users, rate, seconds, seed, events, stop, done),
+        args=(conninfo, tenant, users, rate, seconds, seed, events, stop, ready, done),
         daemon=True,
     )
-    started = time.monotonic()
     proc.start()
+    if not ready.wait(60):
+        proc.kill()
+        raise RuntimeError("the background writers did not connect within 60 s")
+    started = time.monotonic()
     result: list[tuple[int, float]] = []
 
     def finish(now: bool) -> tuple[int, float]:
@@ -568,7 +576,9 @@ def _trial_thread(
     out: Trials,
     producer: Producer | None,
     topic: str,
+    wait_ms: int | None,
 ) -> None:
+    extra = {} if wait_ms is None else {"wait_ms": str(wait_ms)}
     with (
         psycopg.connect(conninfo, autocommit=True) as conn,
         httpx.Client(
@@ -598,7 +608,7 @@ def _trial_thread(
                     f"{tenant}:{user}".encode(),
                 )
                 producer.inner.poll(0)
-            r = http.get(f"/v1/features/{RYW_SET}/{user}", params={"after": token[0]})
+            r = http.get(f"/v1/features/{RYW_SET}/{user}", params={"after": token[0], **extra})
             took = (time.perf_counter() - committed) * 1000
             with out.lock:
                 if r.status_code != 200:
@@ -624,9 +634,11 @@ def ryw(
     trials: int,
     *,
     events: bool,
+    wait_ms: int | None = None,
 ) -> dict[str, Any]:
     """``trials`` read-your-writes trials over :data:`TRIAL_THREADS` threads, with
-    :data:`LOAD_RATE` background writes/s (and their domain events, with ``events``)."""
+    :data:`LOAD_RATE` background writes/s (and their domain events, with ``events``),
+    reading with ``wait_ms`` (the server's default when None)."""
     settings = pipe.settings
     topics = {t: qualified(settings, t) for t in ("transaction.created", "transaction.updated")}
     out = Trials()
@@ -657,6 +669,7 @@ def ryw(
                         out,
                         producer,
                         topics["transaction.created"],
+                        wait_ms,
                     ),
                 )
                 for k in range(TRIAL_THREADS)
@@ -841,7 +854,7 @@ def _part(res: dict[str, Any], name: str, measure: Callable[[], Any]) -> None:
         res.setdefault("failed", {})[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
 
 
-def run(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
+def run(quick: bool, parts: tuple[str, ...] = PARTS, trials: int | None = None) -> dict[str, Any]:
     ctx = common.context(quick)
     data = ctx.dataset()
     res: dict[str, Any] = {"parts": list(parts)}
@@ -857,7 +870,7 @@ def run(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
             if "cdc" in parts:
                 _part(res, "cdc", lambda: cdc(pipe, conninfo, writers, quick))
             if "ryw" in parts:
-                _part(res, "ryw", lambda: _ryw_both(ctx, pipe, conninfo, writers, quick))
+                _part(res, "ryw", lambda: _ryw_both(ctx, pipe, conninfo, writers, quick, trials))
         finally:
             pipe.close()
     res["targets"] = _targets(res)
@@ -869,17 +882,26 @@ def run(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
         "before_connector": BEFORE_CONNECTOR,
         "after_connector": LATENCY_SETTINGS,
         "batch_max_wait_ms": ctx.settings.batch_max_wait_ms,
+        "token_wait_ms": ctx.settings.token_wait_ms,
         "dataset": {"users": data.users, "transactions": data.transactions},
     }
     return res
 
 
 def _ryw_both(
-    ctx: common.Context, pipe: Pipeline, conninfo: str, writers: list[int], quick: bool
+    ctx: common.Context,
+    pipe: Pipeline,
+    conninfo: str,
+    writers: list[int],
+    quick: bool,
+    trials: int | None = None,
 ) -> dict[str, Any]:
+    """Read-your-writes through Debezium (with the server's default ``wait_ms``, then
+    half as many trials with ``wait_ms=0``: straight to the recompute), then through
+    domain events."""
     from pipeline.api.auth import create_api_key
 
-    trials = 200 if quick else 2000
+    trials = trials or (200 if quick else 2000)
     busy = set(writers)
     spare = [u for u in range(ctx.dataset().users, 0, -1) if u not in busy]
     trial_users = spare[: TRIAL_THREADS * TRIAL_USERS_PER_THREAD]
@@ -892,6 +914,11 @@ def _ryw_both(
         common.note(f"freshness: read-your-writes through Debezium, {trials} trials")
         out["sql"] = ryw(pipe, conninfo, url, api_key, writers, trial_users, trials, events=False)
         _note_ryw(out["sql"])
+        common.note(f"freshness: the same with wait_ms=0, {trials // 2} trials")
+        out["sql_wait0"] = ryw(
+            pipe, conninfo, url, api_key, writers, trial_users, trials // 2, events=False, wait_ms=0
+        )
+        _note_ryw(out["sql_wait0"])
         try:
             domain = [
                 qualified(pipe.settings, t) for t in ("transaction.created", "transaction.updated")
@@ -1035,7 +1062,11 @@ def markdown(res: dict[str, Any]) -> str:
     ryw_res = res.get("ryw")
     if ryw_res is not None:
         ryw_rows: list[tuple[Any, ...]] = []
-        for path, label in (("sql", "plain SQL via Debezium"), ("events", "domain events")):
+        for path, label in (
+            ("sql", "plain SQL via Debezium"),
+            ("sql_wait0", "plain SQL via Debezium, `wait_ms=0`"),
+            ("events", "domain events"),
+        ):
             r = ryw_res.get(path)
             if r is None:
                 continue
@@ -1056,7 +1087,8 @@ def markdown(res: dict[str, Any]) -> str:
             "### Read-your-writes",
             "",
             f"{TRIAL_THREADS} threads, each committing an INSERT for users of its own and "
-            "then reading `txn_90d` with `after=` its token (default `wait_ms`), beside "
+            "then reading `txn_90d` with `after=` its token (the server's default `wait_ms`, "
+            f"{res['parameters'].get('token_wait_ms', 100)} ms, unless the row says), beside "
             f"{LOAD_RATE} SQL writes/s of background load on other users. Half the tokens "
             "come from inside the transaction, half from right after commit. Latency runs "
             "from the COMMIT's return to the answer.",
@@ -1098,8 +1130,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smoke sizes")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--trials", type=int, help="read-your-writes trials per path")
     args = parser.parse_args()
-    res = common.run_standalone(lambda q: run(q, tuple(args.parts)), args.quick)
+    res = common.run_standalone(lambda q: run(q, tuple(args.parts), args.trials), args.quick)
     print(orjson.dumps(res, option=orjson.OPT_INDENT_2).decode() if args.json else markdown(res))
     return 0
 
