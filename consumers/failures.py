@@ -3,11 +3,14 @@
 Failures are classified by cause, never by where they surfaced:
 
 - **transient** (:data:`TRANSIENT`): a service is away or behind: Postgres or Redis
-  down, Redis full under ``noeviction``, a change not yet visible. The worker holds
+  down, Redis full under ``noeviction``, a change not yet visible, a snapshot's WAL
+  not yet flushed, Redis replicas that have not acknowledged the batch (``WAIT``). The worker holds
   the batch and retries it with backoff.
 - **configuration** (:data:`CONFIGURATION`): the deployment is wrong, not the event:
   the deploy pointer, the lock, the eviction policy or another setting, a permission
-  (Postgres's grants, Redis's ACL), a schema the migrations have not made. Every
+  (Postgres's grants, Redis's ACL), a schema the migrations have not made, a Postgres
+  whose history changed under the consumer (a promoted standby: see
+  :class:`~consumers.processor.SourceChanged`). Every
   event would fail alike, so none is dead-lettered: the worker holds the batch, says
   once what to fix, and retries with the same backoff until it is fixed.
 - **data** (:data:`DATA_ERRORS`): one event's own data cannot be applied (an id no
@@ -25,7 +28,8 @@ import psycopg
 import redis
 import sqlalchemy as sa
 
-from pipeline.cache.recompute import NotYetVisible
+from consumers.processor import ReplicasBehind, SourceChanged
+from pipeline.cache.recompute import NotYetDurable, NotYetVisible
 from pipeline.core.errors import (
     ConfigError,
     DeployError,
@@ -36,6 +40,8 @@ from pipeline.core.errors import (
 
 TRANSIENT: tuple[type[BaseException], ...] = (
     NotYetVisible,
+    NotYetDurable,
+    ReplicasBehind,
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
     redis.exceptions.OutOfMemoryError,  # a full Redis under noeviction: wait for room
@@ -49,6 +55,7 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     sa.exc.InterfaceError,
 )
 CONFIGURATION: tuple[type[BaseException], ...] = (
+    SourceChanged,
     DeployError,
     LockMismatch,
     ConfigError,
@@ -65,20 +72,24 @@ RETRIED: tuple[type[BaseException], ...] = CONFIGURATION + TRANSIENT
 DATA_ERRORS: tuple[type[BaseException], ...] = (FreshlineError, ValueError, sa.exc.DataError)
 """Failures of one event's data: dead-lettered, never retried."""
 
-Cause = Literal["deploy", "lock", "settings", "permission", "schema"]
+Cause = Literal["deploy", "lock", "settings", "permission", "schema", "source"]
 
 
 def service(exc: BaseException) -> str:
     """The label of a transient failure: ``visibility``, ``redis`` or ``postgres``."""
     if isinstance(exc, NotYetVisible):
         return "visibility"
-    if isinstance(exc, redis.exceptions.RedisError | redis.exceptions.RedisClusterException):
+    if isinstance(
+        exc, ReplicasBehind | redis.exceptions.RedisError | redis.exceptions.RedisClusterException
+    ):
         return "redis"
     return "postgres"
 
 
 def cause(exc: BaseException) -> Cause:
     """The label of a configuration failure (an instance of :data:`CONFIGURATION`)."""
+    if isinstance(exc, SourceChanged):
+        return "source"
     if isinstance(exc, DeployError):
         return "deploy"
     if isinstance(exc, LockMismatch):

@@ -68,6 +68,11 @@ class ConsumerMetrics:
             ["cause"],
             multiprocess_mode="livemax",
         )
+        self.redis_failovers = Counter(
+            "freshline_redis_failovers_total",
+            "Changes of the Redis server written to (run id or replication id) after "
+            "which every floor was raised",
+        )
         self.delivery_failures = Counter(
             "freshline_delivery_failures_total",
             "Flushes whose dead letters or invalidations the broker refused (sent again)",

@@ -15,6 +15,23 @@ The order of side effects, per batch, all reads on one REPEATABLE READ snapshot:
 4. publish one invalidation message per entry to the Redis channel, and hand the same
    messages to the Kafka producer.
 
+Before its first Redis write, the batch waits until Postgres has flushed its WAL past
+the snapshot's position (:func:`~pipeline.cache.recompute.wait_durable`, which makes
+it flush if it does not soon by itself), so no entry
+holds a transaction committed asynchronously that a crash could still undo; and the
+snapshot's cluster and timeline must be those of the batches before
+(:class:`SourceChanged` otherwise).
+
+With ``wait_replicas``, step 4's pipeline ends with ``WAIT n timeout`` on the
+connection that published last: the Redis replication stream is one ordered log, so
+once ``n`` replicas acknowledge that connection's last write they hold every write
+of the batch before it. Fewer is :class:`ReplicasBehind`, transient: the caller keeps
+the offsets and retries. The same pipeline reads the server's run id and replication
+id: when they change (a failover, or a restart that may have lost writes), the floors
+of every feature set in every written version are raised to a snapshot taken then
+(:meth:`Processor.raise_floors`), so every entry computed before reads as absent,
+whichever of its writes the new server lost, truncate floors included.
+
 The caller (:class:`consumers.worker.Worker`) then flushes the producer and only then
 commits the offsets, so a crash anywhere before the commit replays the batch, which
 the conditional writes make harmless.
@@ -25,23 +42,36 @@ A transaction id that stays invisible may name no transaction at all: the caller
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from consumers.routing import Router
 from pipeline.cache.invalidation import ALL, Invalidation
-from pipeline.cache.recompute import compute, take_snapshot
+from pipeline.cache.recompute import (
+    Snapshot,
+    SourceIdentity,
+    compute,
+    force_flush,
+    source_identity,
+    take_snapshot,
+    wait_durable,
+)
 from pipeline.cache.store import FeatureStore, WriteResult
 from pipeline.core.cluster import is_cluster, publish
+from pipeline.core.errors import FreshlineError
 from pipeline.core.features import Registry
 from pipeline.core.keys import INVALIDATION_CHANNEL
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import ChangeEvent, EntityRef
+
+logger = logging.getLogger("freshline.consumer")
 
 XID_SPAN = 1 << 32
 """Ids below it are 32-bit (as Debezium reports them); from it up, full ``xid8``s."""
@@ -82,6 +112,52 @@ def impossible_txids(engine: Engine, txids: Iterable[int]) -> tuple[int, frozens
     )
 
 
+class ReplicasBehind(FreshlineError):
+    """Fewer Redis replicas than asked acknowledged a batch's writes within the wait.
+
+    Transient: the offsets are not committed and the batch is retried.
+    """
+
+    def __init__(self, acknowledged: int, wanted: int, timeout_ms: int) -> None:
+        self.acknowledged, self.wanted = acknowledged, wanted
+        super().__init__(
+            f"{acknowledged} of {wanted} Redis replica(s) acknowledged the batch's writes "
+            f"within {timeout_ms} ms (WAIT)"
+        )
+
+
+class SourceChanged(FreshlineError):
+    """The Postgres the consumer reads is not the history its earlier batches read: a
+    new system identifier (another cluster) or a new timeline (a promoted standby, a
+    point-in-time recovery).
+
+    Commits the old primary had not shipped are gone, and transaction ids are issued
+    again, so the new watermarks may rank below entries in Redis (the true recompute
+    refused) and entries may hold transactions that never became durable. Floors cannot
+    void entries whose watermarks rank above every new one, so the consumer writes
+    nothing and holds its batch (a configuration failure, one log line and
+    ``freshline_consumer_paused{cause="source"}``) until an operator purges the
+    written versions (or deploys a new one) and restarts the consumers.
+    """
+
+    def __init__(self, before: SourceIdentity, now: SourceIdentity) -> None:
+        self.before, self.now = before, now
+        super().__init__(
+            f"Postgres changed history under the consumer ({before} before, {now} now): "
+            "entries in Redis may hold lost transactions and outrank new watermarks. Purge "
+            "every written schema version (or deploy a new one), then restart the consumers"
+        )
+
+
+RedisIdentity = tuple[str, str]
+"""A Redis server's run id and replication id: a change means writes may be lost."""
+
+
+def redis_identity(info: dict[str, Any]) -> RedisIdentity:
+    """The :data:`RedisIdentity` in an ``INFO server replication`` reply."""
+    return str(info.get("run_id", "")), str(info.get("master_replid", ""))
+
+
 @dataclass(slots=True)
 class BatchReport:
     """What one batch did, for counters and tests."""
@@ -93,6 +169,10 @@ class BatchReport:
     recompute_ms: dict[str, float] = field(default_factory=dict)
     write_ms: float = 0.0
     written_at_ms: int = 0
+    lsn: int = 0
+    """The snapshot's WAL position (past every commit it sees)."""
+    flushed_lsn: int = 0
+    """Postgres's WAL flush position read before the first write (0: none written)."""
 
 
 class Processor:
@@ -107,6 +187,10 @@ class Processor:
         registry: Registry = REGISTRY,
         tombstone_ttl_s: int = 300,
         publish: Callable[[Invalidation], None] | None = None,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+        durable_wait_ms: int = 2000,
+        on_failover: Callable[[RedisIdentity, RedisIdentity], None] | None = None,
     ) -> None:
         self.engine = engine
         self.redis = client
@@ -115,6 +199,15 @@ class Processor:
         self.router = Router(registry)
         self.store = FeatureStore(client, 1, registry=registry, tombstone_ttl_s=tombstone_ttl_s)
         self.publish = publish
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self.durable_wait_ms = durable_wait_ms
+        self.on_failover = on_failover
+        self.cluster = is_cluster(client)
+        self.source: SourceIdentity | None = None
+        """The Postgres history of this processor's first batch; every later one must match."""
+        self.server: RedisIdentity | None = None
+        """The Redis server the last batch was written to (not watched on a cluster)."""
 
     def apply(self, events: Sequence[ChangeEvent]) -> BatchReport:
         report = BatchReport(events=len(events))
@@ -122,9 +215,13 @@ class Processor:
         txids = [e.txid for e in events if e.txid is not None]
         with self.engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
             snapshot = take_snapshot(conn, txids).require_visible()
+            self._check_source(conn)
+            report.lsn = snapshot.lsn
+            durable = self._durable(conn, snapshot, report)
             for table in dict.fromkeys(e.table for e in events if e.op == "t"):
                 for fs, _ in self.registry.affected_by(table):
                     for version in versions:
+                        durable()
                         self.store.truncate(fs.name, snapshot.watermark, schema_version=version)
                         report.invalidations.append(
                             Invalidation(ALL, fs.name, ALL, snapshot.watermark, version)
@@ -139,12 +236,14 @@ class Processor:
                     batch = compute(conn, fs, refs)
                     watermark = batch.watermark
                     report.recompute_ms[name] = (time.perf_counter() - started) * 1000
+                    durable()
                     started = time.perf_counter()
                     for version in versions:
                         report.writes.merge(self.store.write(batch, schema_version=version))
                 else:
                     watermark = snapshot.watermark
                     entity_refs = [EntityRef(name, t, e) for t, e in refs]
+                    durable()
                     for version in versions:
                         report.writes.merge(
                             self.store.invalidate(entity_refs, watermark, schema_version=version)
@@ -158,14 +257,101 @@ class Processor:
         report.written_at_ms = time.time_ns() // 1_000_000
         return report
 
-    def _announce(self, invalidations: list[Invalidation]) -> None:
+    def _durable(
+        self, conn: Connection, snapshot: Snapshot, report: BatchReport
+    ) -> Callable[[], None]:
+        """A call that waits, the first time only, until ``snapshot``'s WAL position is
+        flushed (see :func:`~pipeline.cache.recompute.wait_durable`): called before each
+        write, so the WAL writer flushes while the batch computes."""
+        done = not self.durable_wait_ms or not snapshot.lsn
+
+        def durable() -> None:
+            nonlocal done
+            if not done:
+                timeout_s = self.durable_wait_ms / 1000
+                report.flushed_lsn = wait_durable(
+                    conn, snapshot.lsn, timeout_s, force=lambda: force_flush(self.engine)
+                )
+                done = True
+
+        return durable
+
+    def _check_source(self, conn: Connection) -> None:
+        """Raise :class:`SourceChanged` if ``conn``'s Postgres is another history than
+        the first batch's."""
+        identity = source_identity(conn)
+        if self.source is None:
+            self.source = identity
+        elif identity != self.source:
+            raise SourceChanged(self.source, identity)
+
+    def raise_floors(self) -> list[Invalidation]:
+        """Void every entry written so far, in every version written: each feature set's
+        floor goes to the watermark of a snapshot taken now (floors only rise, and live
+        twice their set's TTL, longer than any entry they void). The invalidations name
+        entity ``*``, as for a truncate; they are announced (and waited for) here."""
+        versions = list(self.versions())
+        with self.engine.connect() as conn:
+            snapshot = take_snapshot(conn)
+            wait_durable(
+                conn,
+                snapshot.lsn,
+                max(self.durable_wait_ms, 1) / 1000,
+                force=lambda: force_flush(self.engine),
+            )
+            conn.rollback()
+        invalidations = []
+        for fs in self.registry:
+            for version in versions:
+                self.store.truncate(fs.name, snapshot.watermark, schema_version=version)
+                invalidations.append(Invalidation(ALL, fs.name, ALL, snapshot.watermark, version))
+        self._announce(invalidations, watch=False)
+        return invalidations
+
+    def watch(self) -> bool:
+        """Read the Redis server's identity; True if it changed (the floors are then
+        raised). For an idle consumer: a batch does this in its announce."""
+        if self.cluster:
+            return False
+        return self._observe(self.redis.info("server", "replication"))
+
+    def _observe(self, info: dict[str, Any]) -> bool:
+        identity, before = redis_identity(info), self.server
+        if before is None or before == identity:
+            self.server = identity
+            return False
+        logger.error(
+            "the Redis server written to changed (run id %s, replication id %s; was %s, %s): "
+            "a failover or restart may have lost acknowledged writes, floors included; "
+            "raising every feature set's floor, so every entry written before reads as absent",
+            *identity,
+            *before,
+        )
+        self.raise_floors()
+        self.server = identity  # only now: a failure above finds the change again
+        if self.on_failover is not None:
+            self.on_failover(before, identity)
+        return True
+
+    def _announce(self, invalidations: list[Invalidation], *, watch: bool = True) -> None:
+        """Publish ``invalidations``; with ``wait_replicas``, then WAIT for the replicas
+        on the same connection (raising :class:`ReplicasBehind` before the Kafka copies
+        are handed over); and, off a cluster, read the server's identity."""
         if not invalidations:
             return
-        cluster = is_cluster(self.redis)
         pipe = self.redis.pipeline(transaction=False)
         for message in invalidations:
-            publish(pipe, INVALIDATION_CHANNEL, message.encode(), cluster=cluster)
-        pipe.execute()
+            publish(pipe, INVALIDATION_CHANNEL, message.encode(), cluster=self.cluster)
+        watched = watch and not self.cluster
+        if watched:
+            pipe.info("server", "replication")
+        if self.wait_replicas:
+            pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+        replies = pipe.execute()
+        if self.wait_replicas and int(replies[-1]) < self.wait_replicas:
+            raise ReplicasBehind(int(replies[-1]), self.wait_replicas, self.wait_timeout_ms)
+        if watched:
+            self._observe(replies[len(invalidations)])
         if self.publish is not None:
             for message in invalidations:
                 self.publish(message)

@@ -10,6 +10,14 @@ Each iteration (:meth:`Worker._iteration`):
 4. flush the producer (dead letters and invalidations acknowledged by the broker);
 5. commit the offsets after the batch, for partitions still assigned.
 
+Step 3 ends, before any offset is committed, with the waits that make a write last:
+Postgres's WAL flushed past the batch's snapshot (before the Redis writes) and, with
+``redis_wait_replicas``, the Redis replicas' acknowledgement (``WAIT``); either one
+not reached in time is a transient failure. A change of the Redis server written to
+(its run id or replication id: a failover, a restart) raises every floor
+(:meth:`consumers.processor.Processor.raise_floors`); it is looked for in every
+batch, and every ``WATCH_EVERY_S`` while idle.
+
 Beside the loop, a thread folds the pending changes of the repository's incremental
 path (:mod:`pipeline.core.incremental`; the fraud example's bucket deltas) every
 ``bucket_fold_interval_ms``, on a connection of its own, so a fold never holds a batch
@@ -70,6 +78,7 @@ from pipeline.cache.recompute import NotYetVisible
 from pipeline.cache.store import check_eviction_policy
 from pipeline.cache.versions import WriteVersions
 from pipeline.core.db import make_engine
+from pipeline.core.errors import ConfigError
 from pipeline.core.repository import REGISTRY
 from pipeline.core.services import consumer_redis_client
 from pipeline.core.settings import Settings
@@ -82,6 +91,8 @@ MAX_BACKOFF_S = 5.0
 CLOSE_TIMEOUT_S = 10.0
 """How long closing the producer (its flush) and the consumer may each take."""
 LAG_EVERY_S = 5.0
+WATCH_EVERY_S = 1.0
+"""How often an idle consumer reads the Redis server's identity (a batch always does)."""
 FOLD_USERS = 500
 """Users whose pending bucket deltas one fold takes (a few milliseconds each)."""
 CHECK_TXIDS_AFTER = 5
@@ -102,6 +113,24 @@ class Totals:
     retries: int = 0
 
 
+def check_durability_settings(settings: Settings) -> None:
+    """Refuse a ``WAIT`` the consumer cannot do: on Redis Cluster (a batch's writes
+    span masters, each with its own replication stream), or one that outlasts the
+    socket timeout (the wait would be cut as a lost connection)."""
+    if settings.redis_wait_replicas and settings.redis_cluster:
+        raise ConfigError(
+            "FRESHLINE_REDIS_WAIT_REPLICAS is not supported on Redis Cluster; set it to 0"
+        )
+    if (
+        settings.redis_wait_replicas
+        and settings.redis_wait_timeout_ms >= settings.consumer_redis_timeout_s * 1000
+    ):
+        raise ConfigError(
+            f"FRESHLINE_REDIS_WAIT_TIMEOUT_MS ({settings.redis_wait_timeout_ms}) must be "
+            f"below FRESHLINE_CONSUMER_REDIS_TIMEOUT_S ({settings.consumer_redis_timeout_s}s)"
+        )
+
+
 class Worker:
     """One member of the consumer group."""
 
@@ -114,6 +143,7 @@ class Worker:
         versions: Callable[[], Sequence[int]] | None = None,
         client_overrides: dict[str, object] | None = None,
     ) -> None:
+        check_durability_settings(settings)
         self.settings = settings
         self.topics = list(topics or subscription(settings))
         overrides = dict(client_overrides or {})
@@ -128,6 +158,7 @@ class Worker:
         self.engine = make_engine(settings)
         self.redis = consumer_redis_client(settings)
         self._policy_checked = False
+        self.metrics = consumer_metrics()
         self.processor = Processor(
             self.engine,
             self.redis,
@@ -135,10 +166,14 @@ class Worker:
             registry=REGISTRY.with_paths(settings.recompute_paths),
             tombstone_ttl_s=settings.tombstone_ttl_s,
             publish=self._publish,
+            wait_replicas=settings.redis_wait_replicas,
+            wait_timeout_ms=settings.redis_wait_timeout_ms,
+            durable_wait_ms=settings.postgres_durable_wait_ms,
+            on_failover=lambda *_: self.metrics.redis_failovers.inc(),
         )
         self.router = Router()
         self.totals = Totals()
-        self.metrics = consumer_metrics()
+        self._watch_due = 0.0
         self._stop = threading.Event()
         self.closed_cleanly = True
         self._revoked: set[tuple[str, int]] = set()
@@ -211,6 +246,7 @@ class Worker:
         )
         if not messages:
             self._report_lag()
+            self._watch_redis()
             return 0
         self._revoked.clear()
         events: list[tuple[Message, ChangeEvent]] = []
@@ -506,6 +542,18 @@ class Worker:
     def _on_revoke(self, _consumer: object, partitions: list[TopicPartition]) -> None:
         self._revoked.update((p.topic, p.partition) for p in partitions)
         logger.info("revoked %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))
+
+    def _watch_redis(self) -> None:
+        """While idle, look for a change of the Redis server (a batch looks in its
+        announce); a failure is left for the next batch, which retries it."""
+        now = time.monotonic()
+        if now < self._watch_due:
+            return
+        self._watch_due = now + WATCH_EVERY_S
+        try:
+            self.processor.watch()
+        except RETRIED as exc:
+            logger.warning("could not read the Redis server's identity: %s", exc)
 
     def _report_lag(self) -> None:
         now = time.monotonic()

@@ -49,12 +49,27 @@ which an invalidation or source-driven write revokes.
 
 On a hot standby Postgres keeps in-progress ids where ``pg_current_snapshot()`` does not
 report them, so this argument holds for computations on the primary.
+
+Visible is not durable
+----------------------
+A transaction committed with ``synchronous_commit = off`` is visible before its commit
+record is flushed; should Postgres crash first, it never happened, and no event will
+ever name it. So the consumer's snapshot also reads the WAL insert position
+(:attr:`Snapshot.lsn`): every commit the snapshot sees was inserted before it. Before
+the batch writes, :func:`wait_durable` waits until Postgres has flushed that far, and
+makes it flush (:func:`force_flush`) if that does not come by itself within
+:data:`FORCE_AFTER_S` (bounded: :class:`NotYetDurable` is transient). Synchronous
+commits are flushed before they are visible, so with a busy stream of them the wait is
+usually a single read. :func:`source_identity` names
+the cluster and timeline a snapshot came from: after a crash that lost such commits,
+or the promotion of a standby, watermarks are not comparable with those before.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -95,7 +110,18 @@ SELECT snap.s::text AS snapshot,
 FROM (SELECT s, pg_snapshot_xmax(s)::text::bigint AS xmax
       FROM (SELECT pg_current_snapshot() AS s) AS cur) AS snap
 """
-_SNAPSHOT_SQL = sa.text(_SNAPSHOT_SELECT)
+# The consumer's snapshot, with the WAL insert position read in the same statement (so
+# after its snapshot was taken); NULL on a standby, which has no insert position.
+_SNAPSHOT_SQL = sa.text(
+    "SELECT w.snapshot, w.us, w.invisible, CASE WHEN pg_is_in_recovery() THEN NULL "
+    "ELSE pg_current_wal_insert_lsn() - '0/0'::pg_lsn END AS lsn "
+    f"FROM ({_SNAPSHOT_SELECT}) AS w"
+)
+_FLUSHED_SQL = sa.text("SELECT pg_current_wal_flush_lsn() - '0/0'::pg_lsn")
+_IDENTITY_SQL = sa.text(
+    "SELECT (SELECT system_identifier FROM pg_control_system())::text, "
+    "('x' || substr(pg_walfile_name(pg_current_wal_insert_lsn()), 1, 8))::bit(32)::bigint"
+)
 
 
 class NotYetVisible(FreshlineError):
@@ -110,13 +136,35 @@ class NotYetVisible(FreshlineError):
         super().__init__(f"transaction(s) {shown} not yet visible to new snapshots")
 
 
+class NotYetDurable(FreshlineError):
+    """Postgres has not yet flushed its WAL past a snapshot's position: a transaction
+    the snapshot sees, committed asynchronously, could still be lost in a crash.
+
+    Transient: the batch is retried, and writes nothing meanwhile.
+    """
+
+    def __init__(self, lsn: int, flushed: int, waited_s: float) -> None:
+        self.lsn, self.flushed = lsn, flushed
+        super().__init__(
+            f"Postgres flushed its WAL to {format_lsn(flushed)}, not yet past the "
+            f"snapshot's {format_lsn(lsn)}, within {waited_s:.2f}s"
+        )
+
+
+def format_lsn(lsn: int) -> str:
+    """An LSN as Postgres prints it (``9/51F96A0``)."""
+    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """What one statement's snapshot says: its watermark, the clock, unseen changes."""
+    """What one statement's snapshot says: its watermark, the clock, unseen changes, and
+    the WAL insert position read after it (0 on a standby, or where not read)."""
 
     watermark: Watermark
     now_ms: int
     invisible: tuple[int, ...] = ()
+    lsn: int = 0
 
     def require_visible(self) -> Snapshot:
         """Raise :class:`NotYetVisible` if a change it was asked about is not visible."""
@@ -159,7 +207,89 @@ def take_snapshot(conn: Connection, txids: Iterable[int] = ()) -> Snapshot:
     statement of the transaction too.
     """
     row = conn.execute(_SNAPSHOT_SQL, {"txids": sorted(set(txids))}).one()
-    return _snapshot(row.snapshot, row.us, row.invisible)
+    snap = _snapshot(row.snapshot, row.us, row.invisible)
+    return Snapshot(snap.watermark, snap.now_ms, snap.invisible, int(row.lsn or 0))
+
+
+def flushed_lsn(conn: Connection) -> int:
+    """How far Postgres has flushed its WAL to disk (the primary's own flush)."""
+    return int(conn.execute(_FLUSHED_SQL).scalar_one())
+
+
+FORCE_AFTER_S = 0.02
+"""How long :func:`wait_durable` polls before it makes Postgres flush (``force``)."""
+
+
+def wait_durable(
+    conn: Connection,
+    lsn: int,
+    timeout_s: float,
+    *,
+    force: Callable[[], None] | None = None,
+    poll: Callable[[float], None] = time.sleep,
+) -> int:
+    """Wait until Postgres has flushed its WAL to at least ``lsn``; the flushed position.
+
+    ``lsn`` is a :attr:`Snapshot.lsn`: past every commit record the snapshot sees, and
+    maybe past WAL no commit asked to flush (page pruning by a read, a transaction
+    still running), which the WAL writer leaves in a partial page until someone
+    commits. So after :data:`FORCE_AFTER_S` without the flush, ``force`` (such as
+    :func:`force_flush`) is called once. Raises :class:`NotYetDurable` once
+    ``timeout_s`` has passed. Works inside the snapshot's transaction (the position is
+    not part of a snapshot).
+    """
+    started = time.monotonic()
+    interval = 0.001
+    while (flushed := flushed_lsn(conn)) < lsn:
+        waited = time.monotonic() - started
+        if waited >= timeout_s:
+            raise NotYetDurable(lsn, flushed, waited)
+        if force is not None and waited >= FORCE_AFTER_S:
+            force()
+            force = None
+            continue
+        poll(min(interval, timeout_s - waited))
+        interval = min(interval * 2, 0.01)
+    return flushed
+
+
+_FORCE_FLUSH = (
+    sa.text("SET LOCAL synchronous_commit = local"),
+    sa.text("CREATE TEMPORARY TABLE freshline_flush (x int) ON COMMIT DROP"),
+)
+
+
+def force_flush(engine: Engine) -> None:
+    """Make Postgres flush its WAL up to now, on a connection of its own.
+
+    A commit flushes the WAL up to its own record only when it wrote some and commits
+    synchronously; a read-only role has one thing to write that every role may: a
+    temporary table's catalog rows (``TEMPORARY`` is granted to ``PUBLIC`` by default),
+    dropped at commit. ``local``: the primary's own flush, not a standby's.
+    """
+    with engine.begin() as conn:
+        for statement in _FORCE_FLUSH:
+            conn.execute(statement)
+
+
+@dataclass(frozen=True, slots=True)
+class SourceIdentity:
+    """Which Postgres history a snapshot belongs to: the cluster's system identifier
+    (new after an ``initdb`` or a restore into a new cluster) and its timeline (new
+    after a standby's promotion or a point-in-time recovery)."""
+
+    system_identifier: str
+    timeline: int
+
+    def __str__(self) -> str:
+        return f"system {self.system_identifier}, timeline {self.timeline}"
+
+
+def source_identity(conn: Connection) -> SourceIdentity:
+    """The identity of the primary ``conn`` is on (its timeline is that of the WAL
+    being inserted now, not of the last checkpoint, which a promotion updates late)."""
+    row = conn.execute(_IDENTITY_SQL).one()
+    return SourceIdentity(str(row[0]), int(row[1]))
 
 
 @dataclass(frozen=True, slots=True)

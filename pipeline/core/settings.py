@@ -91,6 +91,17 @@ class Settings(BaseSettings):
     batch is retried (recomputed) like any transient failure."""
     consumer_redis_connect_timeout_s: float = Field(default=2.0, gt=0)
     """How long a consumer waits for a connection to Redis."""
+    redis_wait_replicas: int = Field(default=0, ge=0)
+    """Replicas that must acknowledge a batch's Redis writes (``WAIT``) before the
+    consumer commits its offsets; fewer within ``redis_wait_timeout_ms`` holds the batch
+    and retries it. 0: no wait (a failover may then lose acknowledged writes). Not on
+    Redis Cluster."""
+    redis_wait_timeout_ms: int = Field(default=1000, ge=1)
+    """How long one ``WAIT`` may block; below ``consumer_redis_timeout_s``."""
+    postgres_durable_wait_ms: int = Field(default=2000, ge=0)
+    """How long a batch waits for Postgres to flush its WAL past the batch's snapshot
+    before it writes (asynchronous commits are visible before they are durable); then
+    the batch is retried. 0: no wait, only if every writer commits synchronously."""
     kafka_bootstrap: str = "127.0.0.1:9092"
     kafka_security_protocol: Literal["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"] = "plaintext"
     kafka_sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = ""

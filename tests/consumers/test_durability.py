@@ -1,0 +1,218 @@
+"""Visible is not durable: a batch waits for Postgres to flush past its snapshot.
+
+A private Postgres whose WAL writer wakes only every 10 s (``wal_writer_delay``, its
+maximum), so a commit made with ``synchronous_commit = off`` stays visible and not
+flushed for real; ``pg_ctl stop -m immediate`` is the crash that would then lose it. The
+WAL writer may still flush early (it is woken when a WAL page fills), so each test
+first checks that the lag it needs is there, and takes another commit if not.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from consumers.processor import Processor, SourceChanged
+from fraud.seed import seed
+from pipeline.cache.recompute import (
+    NotYetDurable,
+    compute,
+    flushed_lsn,
+    force_flush,
+    source_identity,
+    take_snapshot,
+    wait_durable,
+)
+from pipeline.cache.store import FeatureStore
+from pipeline.core.repository import REGISTRY
+from pipeline.core.types import ChangeEvent, EntityRef
+from tests.conftest import ANCHOR, free_port, migrate
+from tests.pipeline.test_visibility import PG_BIN, postgres
+
+ATTEMPTS = 5
+INSERT_LSN = sa.text("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn")
+
+
+@dataclass
+class Cluster:
+    engine: Engine
+    url: str
+    crash: Callable[[], None]
+
+
+@pytest.fixture(scope="module")
+def lagging() -> Iterator[Cluster]:
+    """A private Postgres with the fraud schema, seeded, whose WAL writer sleeps 10 s."""
+    if not (PG_BIN / "pg_ctl").is_file():
+        pytest.fail(f"Postgres is not installed in {PG_BIN}: scripts/stack up installs it")
+    root = Path(tempfile.mkdtemp(prefix="freshline-durable-"))
+    data, log, port = root / "data", root / "postgres.log", free_port()
+    user = pwd.getpwnam("postgres") if os.geteuid() == 0 else None
+    if user:
+        os.chown(root, user.pw_uid, user.pw_gid)
+    options = (
+        f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c autovacuum=off "
+        "-c wal_writer_delay=10000 -c checkpoint_timeout=3600"
+    )
+    start = ["pg_ctl", "-D", str(data), "-l", str(log), "-o", options, "-w", "start"]
+    url = f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+
+    def crash() -> None:
+        postgres("pg_ctl", "-D", str(data), "-m", "immediate", "-w", "stop", log=log)
+        postgres(*start, log=log)
+
+    try:
+        postgres(
+            "initdb", "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C"
+        )
+        postgres(*start, log=log)
+        with engine.begin() as conn:
+            for role in ("freshline_api", "freshline_consumer"):
+                conn.execute(sa.text(f"CREATE ROLE {role}"))
+        migrate(url)
+        seed(engine, users=10, transactions=200, tenant_prefix="durable-", anchor=ANCHOR)
+        yield Cluster(engine, url, crash)
+    finally:
+        engine.dispose()
+        if (data / "postmaster.pid").exists():
+            postgres("pg_ctl", "-D", str(data), "-m", "fast", "-w", "stop")
+        shutil.rmtree(root)
+
+
+def commit_async(conn: Connection, statement: str, params: dict[str, object]) -> int:
+    """Run ``statement`` in a transaction committed with ``synchronous_commit = off``;
+    the WAL insert position after its commit."""
+    conn.execute(sa.text("SET synchronous_commit = off"))
+    conn.execute(sa.text(statement), params)
+    conn.commit()
+    return int(conn.execute(INSERT_LSN).scalar_one())
+
+
+def commit_sync(engine: Engine) -> None:
+    """A synchronous commit of a transaction that wrote: Postgres flushes the WAL up
+    to its commit record, so past every earlier commit."""
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TEMP TABLE flush_me (x int) ON COMMIT DROP"))
+
+
+def test_the_wait_lasts_until_the_flush_reaches_the_snapshot(lagging: Cluster) -> None:
+    with lagging.engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE IF NOT EXISTS async_rows (v int)"))
+    timed_out = waited = 0
+    for _ in range(ATTEMPTS):
+        with lagging.engine.connect() as writer, lagging.engine.connect() as reader:
+            commit_async(writer, "INSERT INTO async_rows VALUES (1)", {})
+            snap = take_snapshot(reader)
+            if flushed_lsn(reader) >= snap.lsn:
+                continue  # the WAL writer was woken meanwhile: take another commit
+            # Nothing flushes within the bound: not durable, transient.
+            try:
+                wait_durable(reader, snap.lsn, 0.05)
+            except NotYetDurable as exc:
+                assert exc.lsn == snap.lsn and exc.flushed < snap.lsn
+                timed_out += 1
+            # A synchronous commit elsewhere flushes: the wait returns at once after it.
+            polls: list[int] = []
+
+            def poll(_: float) -> None:
+                polls.append(flushed_lsn(reader))
+                commit_sync(lagging.engine)
+
+            if flushed_lsn(reader) >= snap.lsn:
+                continue
+            flushed = wait_durable(reader, snap.lsn, 60, poll=poll)
+            assert polls and polls[0] < snap.lsn <= flushed
+            waited += 1
+    assert timed_out and waited
+
+
+def test_a_wal_tail_no_commit_asked_to_flush_is_flushed_by_force(lagging: Cluster) -> None:
+    # A read that prunes, a transaction still running: WAL the WAL writer leaves in a
+    # partial page until someone commits. Here: a transaction that wrote and is open.
+    with lagging.engine.connect() as held, lagging.engine.connect() as reader:
+        held.execute(sa.text("CREATE TABLE IF NOT EXISTS held_rows (v int)"))
+        held.commit()
+        for _ in range(ATTEMPTS):
+            held.execute(sa.text("INSERT INTO held_rows VALUES (1)"))
+            snap = take_snapshot(reader)
+            if flushed_lsn(reader) < snap.lsn:
+                break
+            held.rollback()
+        else:
+            pytest.fail("the WAL writer flushed every attempt at once")
+        with pytest.raises(NotYetDurable):
+            wait_durable(reader, snap.lsn, 0.05)  # nothing else will flush it
+        forced: list[int] = []
+
+        def force() -> None:
+            forced.append(flushed_lsn(reader))
+            force_flush(lagging.engine)
+
+        assert wait_durable(reader, snap.lsn, 60, force=force) >= snap.lsn
+        assert len(forced) == 1 and forced[0] < snap.lsn
+        held.rollback()
+
+
+def test_a_batch_never_writes_a_commit_a_crash_can_undo(
+    lagging: Cluster, redis_client: redis.Redis, version: int
+) -> None:
+    with lagging.engine.connect() as conn:
+        tenant = conn.execute(sa.text("SELECT min(id) FROM freshline.tenants")).scalar_one()
+    processor = Processor(lagging.engine, redis_client, versions=lambda: [version])
+    ref = EntityRef("txn_90d", tenant, "7")
+    store = FeatureStore(redis_client, version)
+    event = ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": 7})
+    before = compute(lagging.engine, REGISTRY["txn_90d"], [(tenant, "7")]).values
+    for _ in range(ATTEMPTS):
+        with lagging.engine.connect() as writer:
+            committed_at = commit_async(
+                writer,
+                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, device_id, "
+                "ip) VALUES (:t, 7, 999.00, 'm-async', 'd1', '11.0.16.5')",
+                {"t": tenant},
+            )
+            if flushed_lsn(writer) < committed_at:
+                break
+    else:
+        pytest.fail("the WAL writer flushed every asynchronous commit at once")
+    # Visible, not flushed: the batch sees it, and writes only once it is durable.
+    report = processor.apply([event])
+    assert report.writes.written == 2  # txn_90d, geo
+    assert report.flushed_lsn >= max(report.lsn, committed_at) > 0
+    [entry] = store.read([ref])
+    assert entry is not None and entry.values != before[(tenant, "7")]
+    lagging.crash()
+    # The crash cannot take back what the entry holds.
+    after = compute(lagging.engine, REGISTRY["txn_90d"], [(tenant, "7")]).values
+    assert entry.values == after[(tenant, "7")]
+
+
+def test_a_new_postgres_under_the_consumer_stops_its_writes(
+    engine: Engine, lagging: Cluster, redis_client: redis.Redis, version: int
+) -> None:
+    with engine.connect() as one, lagging.engine.connect() as other:
+        first, second = source_identity(one), source_identity(other)
+    assert first.system_identifier != second.system_identifier
+    assert first.timeline >= 1 and second.timeline >= 1
+    processor = Processor(engine, redis_client, versions=lambda: [version])
+    processor.apply([])
+    assert processor.source == first
+    processor.engine = lagging.engine  # the consumer's Postgres URL now names another cluster
+    with lagging.engine.connect() as conn:
+        tenant = conn.execute(sa.text("SELECT min(id) FROM freshline.tenants")).scalar_one()
+    event = ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": 3})
+    with pytest.raises(SourceChanged) as changed:
+        processor.apply([event])
+    assert (changed.value.before, changed.value.now) == (first, second)
+    assert FeatureStore(redis_client, version).read([EntityRef("txn_90d", tenant, "3")]) == [None]

@@ -1,0 +1,293 @@
+"""Redis replication under the consumer: WAIT before the offsets, floors after a failover.
+
+A primary and a replica of the test's own (private redis-server processes, no
+persistence). The replica is frozen (SIGSTOP: a replica that stops acknowledging, for
+real), or promoted while the primary still takes writes (a split, as when Sentinel
+promotes a replica cut off from a live primary) before the primary is killed. The one
+thing done by hand is the consumer's Redis name moving to the promoted replica (what
+Sentinel, a proxy or a DNS name does): its client's pool is pointed at the new port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+from pydantic import SecretStr
+from sqlalchemy.engine import Engine
+
+from consumers.events import decode
+from consumers.kafka import Producer
+from consumers.processor import Processor, ReplicasBehind
+from consumers.worker import Worker
+from fraud.seed import SeedSummary
+from pipeline.cache.store import FeatureStore
+from pipeline.core.errors import ConfigError
+from pipeline.core.settings import Settings
+from pipeline.core.types import ChangeEvent, EntityRef
+from tests.conftest import free_port
+from tests.consumers.conftest import Env, emit, wait_for
+from tests.consumers.test_worker_faults import Running, committed
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@dataclass
+class Server:
+    port: int
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+    def freeze(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def start_server(*args: str) -> Server:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        message = "redis-server is not installed: apt-get install redis-server"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    server = Server(port, proc)
+    probe = server.client()
+
+    def answers() -> bool:
+        try:
+            return bool(probe.ping())
+        except redis.exceptions.ConnectionError:
+            return False
+
+    wait_for(answers, f"redis-server on port {port}")
+    probe.close()
+    return server
+
+
+def move(client: redis.Redis, port: int) -> None:
+    """Point ``client`` at ``port`` from its next command on (its name moved)."""
+    client.connection_pool.connection_kwargs["port"] = port
+    client.connection_pool.disconnect()
+    client.connection_pool.reset()
+
+
+def replicas_online(primary: redis.Redis) -> int:
+    info = primary.info("replication")
+    return sum(1 for k, v in info.items() if k.startswith("slave") and v.get("state") == "online")
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Server, Server]]:
+    """A primary and one replica of it, in sync."""
+    primary = start_server()
+    replica = start_server("--replicaof", "127.0.0.1", str(primary.port))
+    client = primary.client()
+    try:
+        wait_for(lambda: replicas_online(client) == 1, "the replica to come online")
+        yield primary, replica
+    finally:
+        client.close()
+        for server in (replica, primary):
+            if server.proc.poll() is None:
+                server.kill()
+
+
+@pytest.fixture
+def tenant(tenant_factory: Callable[..., SeedSummary]) -> str:
+    return tenant_factory(users=10, transactions=200).tenants[0]
+
+
+def touch(tenant: str, user: int) -> ChangeEvent:
+    return ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": user})
+
+
+def test_a_batch_is_not_acknowledged_until_a_replica_has_it(
+    engine: Engine, pair: tuple[Server, Server], tenant: str, version: int
+) -> None:
+    primary, replica = pair
+    client = primary.client()
+    processor = Processor(
+        engine, client, versions=lambda: [version], wait_replicas=1, wait_timeout_ms=100
+    )
+    key = FeatureStore(client, version).key(EntityRef("txn_90d", tenant, "1"))
+    assert processor.apply([touch(tenant, 1)]).writes.written == 2
+    assert replica.client().exists(key)  # acknowledged, so already on the replica
+    replica.freeze()
+    try:
+        with pytest.raises(ReplicasBehind) as behind:
+            processor.apply([touch(tenant, 2)])
+        assert (behind.value.acknowledged, behind.value.wanted) == (0, 1)
+    finally:
+        replica.thaw()
+    assert processor.apply([touch(tenant, 2)]).writes.written == 2
+    assert replica.client().exists(
+        FeatureStore(client, version).key(EntityRef("txn_90d", tenant, "2"))
+    )
+
+
+@pytest.mark.kafka
+def test_the_offsets_wait_for_the_replica(
+    env: Env, pair: tuple[Server, Server], producer: Producer
+) -> None:
+    primary, replica = pair
+    settings = env.settings.model_copy(
+        update={
+            "redis_url": primary.url,
+            "redis_username": "",
+            "redis_password": SecretStr(""),
+            "redis_wait_replicas": 1,
+            "redis_wait_timeout_ms": 100,
+        }
+    )
+    topic = env.topic("transaction.updated")
+    replica.freeze()
+    worker = Worker(settings, topics=[topic])
+    running = Running(worker, timeout=120)
+    try:
+        emit(
+            producer,
+            env,
+            "transaction.updated",
+            {"tenant": env.tenant, "user_id": 3, "transaction_id": 1},
+            b"k",
+        )
+        producer.flush()
+        wait_for(
+            lambda: worker.totals.retries >= 2 or running.error is not None,
+            "the worker to retry the batch no replica acknowledged",
+        )
+        assert running.error is None, f"the worker died: {running.error!r}"
+        assert worker.totals.consumed == 0  # the batch is in hand, uncommitted
+        assert all(
+            o < 0 for o in committed(settings.consumer_group, settings.kafka_bootstrap, topic)
+        )
+        replica.thaw()
+        wait_for(
+            lambda: worker.totals.consumed == 1 or running.error is not None,
+            "the batch to be acknowledged once the replica is back",
+        )
+        wait_for(
+            lambda: (
+                sum(
+                    max(o, 0)
+                    for o in committed(settings.consumer_group, settings.kafka_bootstrap, topic)
+                )
+                == 1
+            ),
+            "the offset to be committed",
+        )
+    finally:
+        replica.thaw()
+        running.stop()
+    assert worker.totals.applied == 1
+
+
+def test_a_wait_the_consumer_cannot_do_is_refused_at_start(settings: Settings) -> None:
+    with pytest.raises(ConfigError, match="Cluster"):
+        Worker(settings.model_copy(update={"redis_wait_replicas": 1, "redis_cluster": True}))
+    with pytest.raises(ConfigError, match="below"):
+        Worker(
+            settings.model_copy(update={"redis_wait_replicas": 1, "redis_wait_timeout_ms": 5000})
+        )
+
+
+def truncate_event() -> ChangeEvent:
+    captured = json.loads((FIXTURES / "user_devices_truncate_t.json").read_text())
+    event = decode("freshline.public.user_devices", None, json.dumps(captured["value"]).encode())
+    assert event is not None and event.op == "t"
+    return event
+
+
+def test_a_failover_that_loses_a_truncate_floor_raises_every_floor(
+    engine: Engine, pair: tuple[Server, Server], tenant: str, version: int
+) -> None:
+    primary, replica = pair
+    client = primary.client()
+    processor = Processor(engine, client, versions=lambda: [version])
+    users = ["1", "2", "3"]
+    processor.apply(
+        [
+            ChangeEvent("user_devices", "u", tenant, {"tenant_id": tenant, "user_id": int(u)})
+            for u in users
+        ]
+    )
+    risk = [EntityRef("device_risk", tenant, u) for u in users]
+    store = FeatureStore(client, version)
+    assert None not in store.read(risk)
+    # Replicated; then the replica is promoted while the old primary still takes the
+    # truncate's floor (no WAIT: the split the floors must survive), and the old one dies.
+    assert client.wait(1, 5000) == 1
+    replica.client().replicaof("NO", "ONE")
+    processor.apply([truncate_event()])
+    assert store.read(risk) == [None] * len(users)
+    primary.kill()
+    # The consumer's Redis name moves to the promoted replica.
+    move(client, replica.port)
+    assert None not in store.read(risk)  # the lost floor revived every voided entry
+    failovers: list[object] = []
+    processor.on_failover = lambda before, now: failovers.append((before, now))
+    assert processor.watch()
+    assert store.read(risk) == [None] * len(users)
+    assert len(failovers) == 1
+    assert not processor.watch()  # once per change
+
+
+def test_a_batch_after_a_failover_raises_the_floors_in_its_announce(
+    engine: Engine, pair: tuple[Server, Server], tenant: str, version: int
+) -> None:
+    primary, replica = pair
+    client = primary.client()
+    processor = Processor(engine, client, versions=lambda: [version])
+    processor.apply([touch(tenant, 4)])
+    store = FeatureStore(client, version)
+    assert client.wait(1, 5000) == 1
+    replica.client().replicaof("NO", "ONE")
+    processor.apply([touch(tenant, 5)])  # lost in the failover: the old primary dies
+    primary.kill()
+    move(client, replica.port)
+    old = store.read([EntityRef("txn_90d", tenant, "4")])
+    assert old[0] is not None
+    processor.apply([touch(tenant, 6)])
+    # Every entry written before the change is void, the batch's own included; later
+    # batches write again.
+    assert store.read([EntityRef("txn_90d", tenant, u) for u in ("4", "6")]) == [None, None]
+    processor.apply([touch(tenant, 6)])
+    assert store.read([EntityRef("txn_90d", tenant, "6")])[0] is not None
