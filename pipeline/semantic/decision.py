@@ -139,7 +139,7 @@ class Learned:
 
     def estimate_both(self, own: Outcomes, pair: Outcomes, similarity: float) -> Estimate:
         """The estimate for serving an entry for a prompt, from the outcomes of its
-        template pair (:func:`pipeline.semantic.entry.pair_id`; the prior's until it
+        template pair (:func:`pipeline.semantic.entry.template_id`; the prior's until it
         has some) and the entry's own: the pair's, unless the entry's own say it is
         worse. An entry's own outcomes come from prompts of every template, so they
         only ever make it more careful (a flag stops it for every similar prompt);

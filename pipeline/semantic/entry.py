@@ -187,12 +187,13 @@ def template(text: str) -> str:
     return _WORD.sub(name, masked) if inside else masked
 
 
-def pair_id(cached: str, query: str) -> int:
-    """The id under which outcomes of serving an entry with ``cached``'s template for
-    a prompt with ``query``'s are kept: every entry and prompt with those two
-    templates shares them, whatever their numbers and names (which the checks make
-    equal), so "move account 14205 up" served for "... down" teaches every account."""
-    return entry_id("\x00pair\x00" + template(cached) + "\x00" + template(query))
+def template_id(text: str) -> int:
+    """The id of a prompt's :func:`template`. Outcomes are kept per pair of templates,
+    the cached entry's and the prompt's (:mod:`pipeline.semantic.feedback`): every
+    entry and prompt with those two shares them, whatever their numbers and names
+    (which the checks make equal), so "move account 14205 up" served for "... down"
+    teaches every account."""
+    return entry_id("\x00template\x00" + template(text))
 
 
 def cosine(a: Vectors, b: Vectors) -> float:

@@ -10,12 +10,12 @@ candidate's outcome at the probe's similarity, appended to ``sem:o`` (the newest
 :data:`~pipeline.semantic.decision.MAX_OUTCOMES`). A **flag** with the prompt it was
 served for is a wrong outcome at that prompt's similarity.
 
-Each outcome is also kept for its **template pair**
-(:func:`pipeline.semantic.entry.pair_id`: the entry's prompt and the explored one with
-numbers and names masked), in the namespace's hash :func:`pairs_key`: the checks make
-numbers and names equal, so what was learned serving "move account 14205 down" for
-"... up" holds for every account. A lookup reads the pairs of its candidates in a
-second round trip, only when one of them is near enough to be served or explored.
+Each outcome is also kept for its **template pair** (the entry's prompt and the
+explored one with numbers and names masked,
+:func:`pipeline.semantic.entry.template`), in the namespace's hash :func:`pairs_key`:
+the checks make numbers and names equal, so what was learned serving "move account
+14205 down" for "... up" holds for every account. A lookup reads its prompt
+template's pairs in its one round trip.
 
 Bounds: a namespace holds at most :data:`MAX_PROBES` probes; a lookup that would
 explore beyond that answers a plain miss. The probe hash expires
@@ -36,6 +36,7 @@ from typing import Any
 import redis
 
 from pipeline.core.keys import semantic_outcomes_key, semantic_probes_key
+from pipeline.semantic.decision import Outcomes, decode, encode
 
 PROBE_TTL_MS = 600_000
 """How long an exploration waits for its store: ten minutes of model call."""
@@ -43,8 +44,10 @@ MAX_PROBES = 10_000
 """Explorations awaiting their store, per namespace."""
 
 MAX_PAIRS = 10_000
-"""Template pairs whose outcomes a namespace keeps (about: two stores at once may
-each add one past it)."""
+"""Prompt templates whose pairs' outcomes a namespace keeps (about: two stores at
+once may each add one past it)."""
+MAX_PAIRED = 32
+"""Entry templates kept per prompt template, the most recently labelled."""
 PAIRS_ID = 0
 """The outcomes key id of the namespace's template pairs: no prompt's entry id in
 practice (ids are 63 bits of a hash)."""
@@ -53,9 +56,36 @@ _PROBE = struct.Struct("<QfBQ")
 
 
 def pairs_key(namespace: str) -> str:
-    """The namespace's hash of template-pair outcomes, field: the pair's id in hex
-    (:func:`pipeline.semantic.entry.pair_id`)."""
+    """The namespace's hash of template-pair outcomes: a field per prompt template
+    (:func:`pipeline.semantic.entry.template_id` in hex) holding the outcomes of each
+    entry template it was labelled against (:func:`encode_pairs`), so a lookup reads
+    its candidates' pairs with one ``HGET`` in its one round trip."""
     return semantic_outcomes_key(namespace, PAIRS_ID)
+
+
+_PAIRED = struct.Struct("<QH")
+
+
+def encode_pairs(pairs: dict[int, Outcomes]) -> bytes:
+    """``[uint64 entry template][uint16 length][outcomes]...``, the newest
+    :data:`MAX_PAIRED` (a dict's order: the last updated last)."""
+    out = bytearray()
+    for template, outcomes in list(pairs.items())[-MAX_PAIRED:]:
+        raw = encode(outcomes)
+        out += _PAIRED.pack(template, len(raw)) + raw
+    return bytes(out)
+
+
+def decode_pairs(raw: bytes | None) -> dict[int, Outcomes]:
+    """What :func:`encode_pairs` packed; an unreadable tail is dropped."""
+    pairs: dict[int, Outcomes] = {}
+    at = 0
+    while raw and at + _PAIRED.size <= len(raw):
+        template, size = _PAIRED.unpack_from(raw, at)
+        at += _PAIRED.size
+        pairs[template] = decode(raw[at : at + size])
+        at += size
+    return pairs
 
 
 # Set the probe unless the hash is full (a probe already there may be replaced), and

@@ -25,13 +25,15 @@ from pipeline.semantic.entry import (
     Entry,
     decode,
     entry_id,
-    pair_id,
     params_digest,
+    template_id,
 )
 from pipeline.semantic.feedback import (
     MAX_PAIRS,
     PROBE_TTL_MS,
     Probe,
+    decode_pairs,
+    encode_pairs,
     pairs_key,
     same_response,
 )
@@ -142,22 +144,26 @@ class Learning(CacheState):
         found: list[Candidate],
         prompt: str,
         params: Mapping[str, Any],
+        pairs: bytes | None,
     ) -> list[Candidate]:
-        """The candidates that pass the checks, with their templates' outcomes: one
-        more round trip, only when one is near enough that its outcomes could change
-        what is done (its estimate from the prior alone serves or may explore)."""
+        """The candidates near enough to be served or explored (on their own outcomes)
+        that pass the checks, with their template pairs' outcomes from ``pairs`` (the
+        prompt template's field, read in the lookup's round trip)."""
         digest = params_digest(dict(params))
-        passing = [c for c in found if self.check(c, prompt, digest, ns) is not None]
-        if not any(
-            (est := learned.estimate(c.outcomes, c.similarity)).serve or est.explore >= _MIN_EXPLORE
-            for c in passing
-        ):
-            return passing
-        fields = [f"{pair_id(cast(Entry, c.entry).prompt, prompt):016x}" for c in passing]
-        raws = cast(list[bytes | None], self.redis.hmget(pairs_key(ns), fields))
-        for c, raw in zip(passing, raws, strict=True):
-            c.pair = decision.decode(raw)
-        return passing
+        worth = [
+            c
+            for c in found
+            if (
+                (est := learned.estimate(c.outcomes, c.similarity)).serve
+                or est.explore >= _MIN_EXPLORE
+            )
+            and self.check(c, prompt, digest, ns) is not None
+        ]
+        if worth and pairs:
+            learned_pairs = decode_pairs(pairs)
+            for c in worth:
+                c.pair = learned_pairs.get(template_id(cast(Entry, c.entry).prompt), decision.EMPTY)
+        return worth
 
     def label(
         self,
@@ -195,13 +201,13 @@ class Learning(CacheState):
             return agreed
         # Each label goes to the candidate's own outcomes and to its template pair's.
         own = sorted({p.candidate for _, p, _ in found})
-        pairs = sorted({pair_id(cached.prompt, items[i][0]) for i, _, cached in found})
-        outcomes, paired, room = self._past(ns, own, pairs)
-        for i, p, cached in found:
+        keys = [(template_id(cached.prompt), template_id(items[i][0])) for i, _, cached in found]
+        outcomes, paired, room = self._past(ns, own, keys)
+        for (i, p, cached), pair in zip(found, keys, strict=True):
             agreed[i] = right = same_response(items[i][1], cached.response)
             outcomes[p.candidate] = decision.append(outcomes[p.candidate], p.similarity, right)
-            k = pair_id(cached.prompt, items[i][0])
-            paired[k] = decision.append(paired[k], p.similarity, right)
+            held = paired[pair[1]]
+            held[pair[0]] = decision.append(held.pop(pair[0], decision.EMPTY), p.similarity, right)
             self._count(ns, "right" if right else "wrong")
             if p.audit:
                 self._count(ns, "audit_right" if right else "audit_wrong")
@@ -209,18 +215,21 @@ class Learning(CacheState):
         return agreed
 
     def _past(
-        self, ns: str, own: list[int], pairs: list[int]
-    ) -> tuple[dict[int, decision.Outcomes], dict[int, decision.Outcomes], bool]:
-        """The outcomes of entries ``own`` and of template ``pairs``, and whether the
-        namespace's pairs have room for new ones (:data:`MAX_PAIRS`): one round trip."""
+        self, ns: str, own: list[int], pairs: list[tuple[int, int]]
+    ) -> tuple[dict[int, decision.Outcomes], dict[int, dict[int, decision.Outcomes]], bool]:
+        """The outcomes of entries ``own``; the pairs held for the prompt templates of
+        ``pairs`` (``(entry template, prompt template)``), by prompt template; whether
+        the namespace has room for another prompt template (:data:`MAX_PAIRS`). One
+        round trip."""
+        queries = sorted({q for _, q in pairs})
         pipe = self.redis.pipeline(transaction=False)
         pipe.mget([semantic_outcomes_key(ns, e) for e in own])
-        pipe.hmget(pairs_key(ns), [f"{k:016x}" for k in pairs])
+        pipe.hmget(pairs_key(ns), [f"{q:016x}" for q in queries])
         pipe.hlen(pairs_key(ns))
         mine, theirs, held = pipe.execute()
         return (
             {e: decision.decode(raw) for e, raw in zip(own, mine, strict=True)},
-            {k: decision.decode(raw) for k, raw in zip(pairs, theirs, strict=True)},
+            {q: decode_pairs(raw) for q, raw in zip(queries, theirs, strict=True)},
             int(held) < MAX_PAIRS,
         )
 
@@ -228,16 +237,18 @@ class Learning(CacheState):
         self,
         ns: str,
         own: dict[int, decision.Outcomes],
-        pairs: dict[int, decision.Outcomes],
+        pairs: dict[int, dict[int, decision.Outcomes]],
         room: bool,
     ) -> None:
-        """Write outcomes with their TTLs in one transaction (a pair already held is
-        updated; a new one only while there is ``room``), with the counters."""
+        """Write outcomes with their TTLs in one transaction (a prompt template already
+        held is updated; a new one only while there is ``room``), with the counters."""
         pipe = self.redis.pipeline(transaction=True)
         for e, out in own.items():
             pipe.set(semantic_outcomes_key(ns, e), decision.encode(out), px=self.ttl_ms)
         fields = {
-            f"{k:016x}": decision.encode(out) for k, out in pairs.items() if room or len(out) > 1
+            f"{q:016x}": encode_pairs(held)
+            for q, held in pairs.items()
+            if room or sum(len(o) for o in held.values()) > 1
         }
         if fields:
             pipe.hset(pairs_key(ns), mapping=cast(Any, fields))

@@ -5,19 +5,20 @@
    is not ready (a large namespace still building), answer a miss, ``warming``.
 3. Search it for the :data:`CANDIDATES` nearest ids.
 4. One round trip: ``MGET`` their entries (and, with a learned decision, their own
-   outcomes), ``XREAD`` the namespace's stream since the index's position, and this
-   process's pending counters. Changes read are applied; when they added entries,
-   steps 3-4 run once more so a new entry can win.
+   outcomes and ``HGET`` the prompt template's pairs), ``XREAD`` the namespace's
+   stream since the index's position, and this process's pending counters. Changes
+   read are applied; when they added entries, steps 3-4 run once more so a new entry
+   can win.
 5. Check each candidate present in Redis *exactly*: the same generation parameters,
    the same numbers and names in both prompts
    (:func:`pipeline.semantic.entry.literals_match`), and its cosine similarity with
    the query (float64) good enough to serve: with a
    :class:`~pipeline.semantic.decision.Learned` decision, the estimated error at that
-   similarity (from the outcomes of its template pair, read in a second round trip
-   when one is near enough to matter, and its own; the embedding model's prior until
-   there are some) at most ``max_error`` (:mod:`pipeline.semantic.learning`); without
-   one, at or above the model's fixed threshold. With a learned decision, the
-   candidate with the lowest estimated error is served, unless it is audited.
+   similarity (from the outcomes of its template pair and its own, read in step 4's
+   round trip; the embedding model's prior until there are some) at most
+   ``max_error`` (:mod:`pipeline.semantic.learning`); without one, at or above the
+   model's fixed threshold. With a learned decision, the candidate with the lowest
+   estimated error is served, unless it is audited.
 6. With no candidate served, the nearest that passes the checks may be explored: a
    miss that names it (``Lookup.candidate_id``), remembered so that the caller's
    store of the model's response labels it (:mod:`pipeline.semantic.feedback`).
@@ -40,8 +41,10 @@ from pipeline.core.keys import (
 from pipeline.semantic import decision
 from pipeline.semantic.embed import Vectors
 from pipeline.semantic.entry import (
+    template_id,
     vector_bytes,
 )
+from pipeline.semantic.feedback import pairs_key
 from pipeline.semantic.index import NamespaceIndex
 from pipeline.semantic.learning import Learning
 from pipeline.semantic.pool import STREAM_BATCH
@@ -99,19 +102,23 @@ class Lookups(Learning):
         with idx.lock:
             candidates = idx.search(query, CANDIDATES)[0]
             position = idx.stream_id
-        learned = self.decision is not None
-        raws, outcomes, events = self._fetch(ns, [e for e, _ in candidates], position, learned)
+        learned = prompt if self.decision is not None else None
+        raws, outcomes, pairs, events = self._fetch(
+            ns, [e for e, _ in candidates], position, learned
+        )
         if events:
             with idx.lock:
                 added = self._apply(idx, events)
                 if added:
                     candidates = idx.search(query, CANDIDATES)[0]
             if added:
-                raws, outcomes, _ = self._fetch(ns, [e for e, _ in candidates], None, learned)
+                raws, outcomes, pairs, _ = self._fetch(
+                    ns, [e for e, _ in candidates], None, learned
+                )
         found = self._candidates(idx, candidates, raws, outcomes, vector)
         best_seen = found[0].similarity if found else None
         if self.decision is not None:
-            found = self._with_outcomes(ns, self.decision, found, prompt, params)
+            found = self._with_outcomes(ns, self.decision, found, prompt, params, pairs)
             return self.decide(
                 ns, self.decision, found, prompt, params, embed_s, started, best_seen
             )
@@ -169,27 +176,30 @@ class Lookups(Learning):
         ]
 
     def _fetch(
-        self, ns: str, ids: list[int], position: str | None, outcomes: bool = False
-    ) -> tuple[list[bytes | None], list[bytes | None], list[Any]]:
-        """One round trip: the entries (and, if ``outcomes``, their outcomes), the
-        stream since ``position`` (unless None), this process's pending counters."""
+        self, ns: str, ids: list[int], position: str | None, learned: str | None = None
+    ) -> tuple[list[bytes | None], list[bytes | None], bytes | None, list[Any]]:
+        """One round trip: the entries (and, for a ``learned`` decision's prompt, their
+        outcomes and its template's pairs), the stream since ``position`` (unless
+        None), this process's pending counters."""
         # A transaction: the counters flushed here get their TTL in the same MULTI.
         pipe = self.redis.pipeline(transaction=True)
         keys = [semantic_entry_key(ns, e) for e in ids]
-        if outcomes:
+        if learned is not None:
             keys += [semantic_outcomes_key(ns, e) for e in ids]
+            pipe.hget(pairs_key(ns), f"{template_id(learned):016x}")
         if ids:
             pipe.mget(keys)
         if position is not None:
             pipe.xread({semantic_log_key(ns): position}, count=STREAM_BATCH)
         self._flush_into(pipe, ns)
         replies = pipe.execute()
+        pairs = replies.pop(0) if learned is not None else None
         values: list[bytes | None] = list(replies[0]) if ids else []
         events: list[Any] = []
         if position is not None:
             reply = replies[1 if ids else 0]
             events = reply[0][1] if reply else []
-        return values[: len(ids)], values[len(ids) :], events
+        return values[: len(ids)], values[len(ids) :], pairs, events
 
     def _apply(self, idx: NamespaceIndex, events: list[Any]) -> int:
         """Apply events read by a lookup (the index's lock held); past a full batch,

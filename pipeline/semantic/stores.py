@@ -36,8 +36,8 @@ from pipeline.semantic.entry import (
     decode,
     encode,
     entry_id,
-    pair_id,
     params_digest,
+    template_id,
 )
 from pipeline.semantic.lookups import Lookups
 from pipeline.semantic.namespaces import (
@@ -257,10 +257,11 @@ class Stores(Lookups):
         similarity = cosine(vectors[0], cached.vector)
         if similarity >= SAME_PROMPT:
             return Flagged(self.flag(scope, entry), similarity)
-        k = pair_id(cached.prompt, prompt)
-        outcomes, paired, room = self._past(ns, [e], [k])
+        pair = (template_id(cached.prompt), template_id(prompt))
+        outcomes, paired, room = self._past(ns, [e], [pair])
         labelled = outcomes[e] = decision.append(outcomes[e], similarity, False)
-        paired[k] = decision.append(paired[k], similarity, False)
+        held = paired[pair[1]]
+        held[pair[0]] = decision.append(held.pop(pair[0], decision.EMPTY), similarity, False)
         self._count(ns, "flagged")
         self._write_outcomes(ns, outcomes, paired, room)
         return Flagged(False, similarity, self.decision.threshold(labelled))

@@ -27,7 +27,15 @@ from pipeline.semantic import decision, prior
 from pipeline.semantic.cache import Scope, SemanticCache
 from pipeline.semantic.decision import MAX_OUTCOMES, Learned
 from pipeline.semantic.entry import entry_id
-from pipeline.semantic.feedback import PROBE_TTL_MS, Probe, Probes, same_response
+from pipeline.semantic.feedback import (
+    MAX_PAIRED,
+    PROBE_TTL_MS,
+    Probe,
+    Probes,
+    decode_pairs,
+    encode_pairs,
+    same_response,
+)
 from pipeline.semantic.namespaces import purge_namespace, stats
 
 DIM = 256
@@ -333,3 +341,26 @@ def test_answers_agree_only_when_equal_once_normalised() -> None:
     assert same_response("\uff21\uff22\uff23", "abc")  # full-width letters, NFKC
     assert not same_response("Yes, you can.", "No, you can't.")
     assert not same_response("Refund for order 123.", "Refund for order 124.")
+
+
+def test_a_flag_teaches_every_entity_with_the_same_wording(
+    cache: SemanticCache, table: Table, scope: Scope
+) -> None:
+    for n in (1, 2):
+        cache.store(scope, table.at(f"Move account {n} up to a bigger plan", 1.0), ZERO, f"U{n}")
+    down = [table.at(f"Move account {n} down to a smaller plan", 0.95) for n in (1, 2, 3)]
+    first = cache.lookup(scope, down[0], ZERO)
+    assert first.hit and first.entry_id is not None  # the prior alone cannot tell
+    cache.flag_for(scope, first.entry_id, down[0])
+    # Account 2's entry has no outcomes of its own; its template pair has one.
+    assert not cache.lookup(scope, down[1], ZERO).hit
+    assert cache.lookup(scope, table.at("Move account 2 up to a larger plan", 0.95), ZERO).hit
+
+
+def test_template_pairs_are_bounded() -> None:
+    one = decision.append(decision.EMPTY, 0.9, True)
+    held = {t: one for t in range(MAX_PAIRED + 5)}
+    kept = decode_pairs(encode_pairs(held))
+    assert list(kept) == list(range(5, MAX_PAIRED + 5))  # the newest
+    assert all(len(o) == 1 and o.right[0] for o in kept.values())
+    assert decode_pairs(None) == {} and decode_pairs(b"\x01") == {}
