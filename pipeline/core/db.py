@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from pipeline.core.errors import ServiceUnavailable
-from pipeline.core.settings import Settings
+from pipeline.core.settings import Settings, redact
 
 metadata = sa.MetaData()
 
@@ -111,5 +111,5 @@ def ping(engine: Engine) -> None:
             conn.execute(sa.text("SELECT 1"))
     except sa.exc.OperationalError as exc:
         detail = str(exc.orig).strip().splitlines()[0] if exc.orig else "no answer"
-        url = engine.url.render_as_string(hide_password=True)
+        url = redact(engine.url.render_as_string(hide_password=False))
         raise ServiceUnavailable("Postgres", url, detail) from exc

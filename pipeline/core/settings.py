@@ -66,7 +66,10 @@ def repository_schema_version() -> int:
 class Settings(BaseSettings):
     """Every knob freshline has. See the README's "Settings" table."""
 
-    model_config = SettingsConfigDict(env_prefix="FRESHLINE_", frozen=True, extra="ignore")
+    # A value refused is never echoed: it may hold a password.
+    model_config = SettingsConfigDict(
+        env_prefix="FRESHLINE_", frozen=True, extra="ignore", hide_input_in_errors=True
+    )
 
     postgres_url: str = "postgresql+psycopg://freshline:freshline@127.0.0.1:5432/freshline"
     postgres_admin_url: str = ""
@@ -232,6 +235,30 @@ class Settings(BaseSettings):
     """LLM model names (comma-separated) the metrics name; with the models of
     ``semantic_thresholds`` and ``semantic_max_entries_per_model``. Any other model
     a request names is counted as ``other``: callers choose no label values."""
+
+    @field_validator("postgres_url", "postgres_admin_url", "postgres_replica_url")
+    @classmethod
+    def _database_url(cls, value: str) -> str:
+        """A database URL SQLAlchemy reads as written. It reads a password up to its
+        first ``@`` and the rest as the host, which every connection error would then
+        show: such a URL is refused, and the message never echoes it."""
+        if not value:
+            return value
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            url = make_url(value)
+        except ArgumentError:
+            raise ValueError(
+                "not a database URL (postgresql+psycopg://user:password@host:port/database)"
+            ) from None
+        if "@" in (url.host or ""):
+            raise ValueError(
+                "its password holds an '@': write it as %40 (the URL's password ends at its "
+                "first '@')"
+            )
+        return value
 
     @field_validator("api_trusted_proxies", "semantic_models", mode="before")
     @classmethod
