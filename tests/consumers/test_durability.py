@@ -216,3 +216,41 @@ def test_a_new_postgres_under_the_consumer_stops_its_writes(
         processor.apply([event])
     assert (changed.value.before, changed.value.now) == (first, second)
     assert FeatureStore(redis_client, version).read([EntityRef("txn_90d", tenant, "3")]) == [None]
+
+
+def test_a_promoted_standby_under_the_consumer_stops_its_writes(
+    lagging: Cluster, redis_client: redis.Redis, version: int
+) -> None:
+    """A standby of a private primary, promoted for real: the same system, timeline 2."""
+    root = Path(tempfile.mkdtemp(prefix="freshline-promote-"))
+    user = pwd.getpwnam("postgres") if os.geteuid() == 0 else None
+    if user:
+        os.chown(root, user.pw_uid, user.pw_gid)
+    data, log, port = root / "data", root / "postgres.log", free_port()
+    primary_port = lagging.engine.url.port
+    standby = sa.create_engine(
+        f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres", poolclass=sa.pool.NullPool
+    )
+    try:
+        postgres(
+            "pg_basebackup", "-D", str(data), "-R", "-X", "stream", "-c", "fast",
+            "-h", "127.0.0.1", "-p", str(primary_port), "-U", "postgres",
+        )  # fmt: skip
+        options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1"
+        postgres("pg_ctl", "-D", str(data), "-l", str(log), "-o", options, "-w", "start", log=log)
+        processor = Processor(lagging.engine, redis_client, versions=lambda: [version])
+        processor.apply([])
+        before = processor.source
+        assert before is not None
+        postgres("pg_ctl", "-D", str(data), "-w", "promote", log=log)
+        processor.engine = standby  # the consumer's Postgres name moves to the promoted one
+        with pytest.raises(SourceChanged) as changed:
+            processor.apply([])
+        now = changed.value.now
+        assert now.system_identifier == before.system_identifier
+        assert now.timeline == before.timeline + 1
+    finally:
+        standby.dispose()
+        if (data / "postmaster.pid").exists():
+            postgres("pg_ctl", "-D", str(data), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(root)
