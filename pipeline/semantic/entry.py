@@ -14,6 +14,7 @@ never served.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import struct
@@ -121,9 +122,50 @@ def vector_bytes(raw: bytes | None, dim: int) -> bytes | None:
 
 _LITERAL = re.compile(r"\d+(?:[.,]\d+)*")
 _WORD = re.compile(r"[^\W\d_][\w'\u2019-]*")
-_SENTENCE_END = re.compile(r"[.!?:;\n]\s*$")
+_SENTENCE = re.compile(r"[^.!?:;\n]+")
 _POSSESSIVE = re.compile(r"['\u2019]s?$")
 _NOT_NAMES = frozenset({"i", "i'm", "i've", "i'd", "i'll"})
+_CACHED_CHARS = 2000
+"""Prompts up to this long have their parts remembered (:func:`_parts`): a cached
+entry's prompt is checked on every lookup it is a candidate for."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Parts:
+    numbers: tuple[str, ...]
+    names: frozenset[str]
+    words: frozenset[str]
+    template_id: int
+
+
+def _plain(word: str) -> str:
+    return _POSSESSIVE.sub("", word.replace("\u2019", "'")).casefold()
+
+
+def _split(text: str) -> _Parts:
+    found: set[str] = set()
+    if text != text.lower():
+        for sentence in _SENTENCE.findall(text):
+            for word in _WORD.findall(sentence)[1:]:  # the opening word is capitalised anyway
+                if word != word.lower() and _plain(word) not in _NOT_NAMES:
+                    found.add(_plain(word))
+    words = frozenset(_plain(w) for w in _WORD.findall(text)) if found else frozenset()
+    masked = _LITERAL.sub("#", text)
+    if found:
+        masked = _WORD.sub(lambda m: "@" if _plain(m.group()) in found else m.group(), masked)
+    return _Parts(
+        tuple(sorted(_LITERAL.findall(text))),
+        frozenset(found),
+        words,
+        entry_id("\x00template\x00" + masked),
+    )
+
+
+_split_cached = functools.lru_cache(maxsize=4096)(_split)
+
+
+def _parts(text: str) -> _Parts:
+    return _split_cached(text) if len(text) <= _CACHED_CHARS else _split(text)
 
 
 def literals(text: str) -> Counter[str]:
@@ -136,23 +178,7 @@ def names(text: str) -> frozenset[str]:
     people, places, products, plans (``Li Wei``, ``Lisbon``, ``iPhone``, ``VAT``).
     The word that opens a sentence is left out (it is capitalised anyway), a
     possessive ``'s`` is dropped, and "I" and its contractions are not names."""
-    found: set[str] = set()
-    for m in _WORD.finditer(text):
-        word = m.group()
-        if not any(ch.isupper() for ch in word) or _plain(word) in _NOT_NAMES:
-            continue
-        before = text[: m.start()]
-        if before.strip() and _SENTENCE_END.search(before) is None:
-            found.add(_POSSESSIVE.sub("", word).casefold())
-    return frozenset(found)
-
-
-def _plain(word: str) -> str:
-    return word.replace("\u2019", "'").casefold()
-
-
-def _words(text: str) -> frozenset[str]:
-    return frozenset(_POSSESSIVE.sub("", w).casefold() for w in _WORD.findall(text))
+    return _parts(text).names
 
 
 def names_match(a: str, b: str) -> bool:
@@ -160,7 +186,15 @@ def names_match(a: str, b: str) -> bool:
     any case and anywhere (so a name that opens one phrasing still matches).
     "Where is Li Wei's card?" and "Li Wei's card: where is it?" match; "... Lu Wei's
     card?" does not."""
-    return names(a) <= _words(b) and names(b) <= _words(a)
+    p, q = _parts(a), _parts(b)
+    return _names_within(p, b, q) and _names_within(q, a, p)
+
+
+def _names_within(p: _Parts, other: str, q: _Parts) -> bool:
+    if not p.names:
+        return True
+    words = q.words or frozenset(_plain(w) for w in _WORD.findall(other))
+    return p.names <= words
 
 
 def literals_match(a: str, b: str) -> bool:
@@ -172,28 +206,18 @@ def literals_match(a: str, b: str) -> bool:
     above most paraphrases (:func:`names_match`). A name written in lower case in both
     prompts is not seen as one.
     """
-    return literals(a) == literals(b) and names_match(a, b)
-
-
-def template(text: str) -> str:
-    """A prompt with its numbers as ``#`` and its names (:func:`names`) as ``@``: what
-    entries that differ only in their entities have in common."""
-    inside = names(text)
-    masked = _LITERAL.sub("#", text)
-
-    def name(m: re.Match[str]) -> str:
-        return "@" if _POSSESSIVE.sub("", m.group()).casefold() in inside else m.group()
-
-    return _WORD.sub(name, masked) if inside else masked
+    p, q = _parts(a), _parts(b)
+    return p.numbers == q.numbers and _names_within(p, b, q) and _names_within(q, a, p)
 
 
 def template_id(text: str) -> int:
-    """The id of a prompt's :func:`template`. Outcomes are kept per pair of templates,
-    the cached entry's and the prompt's (:mod:`pipeline.semantic.feedback`): every
-    entry and prompt with those two shares them, whatever their numbers and names
-    (which the checks make equal), so "move account 14205 up" served for "... down"
-    teaches every account."""
-    return entry_id("\x00template\x00" + template(text))
+    """The id of a prompt's template: the prompt with its numbers as ``#`` and its
+    names (:func:`names`) as ``@``, what entries that differ only in their entities
+    have in common. Outcomes are kept per pair of templates, the cached entry's and
+    the prompt's (:mod:`pipeline.semantic.feedback`): every entry and prompt with those
+    two shares them, whatever their numbers and names (which the checks make equal),
+    so "move account 14205 up" served for "... down" teaches every account."""
+    return _parts(text).template_id
 
 
 def cosine(a: Vectors, b: Vectors) -> float:
