@@ -27,10 +27,13 @@ connection that published last: the Redis replication stream is one ordered log,
 once ``n`` replicas acknowledge that connection's last write they hold every write
 of the batch before it. Fewer is :class:`ReplicasBehind`, transient: the caller keeps
 the offsets and retries. The same pipeline reads the server's run id and replication
-id: when they change (a failover, or a restart that may have lost writes), the floors
-of every feature set in every written version are raised to a snapshot taken then
-(:meth:`Processor.raise_floors`), so every entry computed before reads as absent,
-whichever of its writes the new server lost, truncate floors included.
+id, and those the consumers recorded in Redis (``floor:server``, which a promoted
+replica holds as its old primary's): when they differ (a failover, or a restart that
+may have lost writes), the floors of every feature set in every written version are
+raised to a snapshot taken then (:meth:`Processor.raise_floors`), so every entry
+computed before reads as absent, whichever of its writes the new server lost,
+truncate floors included; then the new identity is recorded. A consumer started after
+the failover finds it too.
 
 The caller (:class:`consumers.worker.Worker`) then flushes the producer and only then
 commits the offsets, so a crash anywhere before the commit replays the batch, which
@@ -67,7 +70,7 @@ from pipeline.cache.store import FeatureStore, WriteResult
 from pipeline.core.cluster import is_cluster, publish
 from pipeline.core.errors import FreshlineError
 from pipeline.core.features import Registry
-from pipeline.core.keys import INVALIDATION_CHANNEL
+from pipeline.core.keys import INVALIDATION_CHANNEL, SERVER_KEY
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import ChangeEvent, EntityRef
 
@@ -313,24 +316,38 @@ class Processor:
         raised). For an idle consumer: a batch does this in its announce."""
         if self.cluster:
             return False
-        return self._observe(self.redis.info("server", "replication"))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.info("server", "replication")
+        pipe.get(SERVER_KEY)
+        info, recorded = pipe.execute()
+        return self._observe(info, recorded)
 
-    def _observe(self, info: dict[str, Any]) -> bool:
-        identity, before = redis_identity(info), self.server
+    def _observe(self, info: dict[str, Any], recorded: bytes | None) -> bool:
+        """Compare the server's identity with the one the consumers recorded
+        (:data:`~pipeline.core.keys.SERVER_KEY`, else this processor's last): on a
+        change raise the floors, then record the new one. None recorded anywhere (a
+        first start, or the key gone with its TTL): record it."""
+        identity = redis_identity(info)
+        noted = tuple(recorded.decode().split(":", 1)) if recorded else None
+        before = noted if noted is not None and len(noted) == 2 else self.server
+        if before is not None and before != identity:
+            logger.error(
+                "the Redis server written to changed (run id %s, replication id %s; was "
+                "%s, %s): a failover or restart may have lost acknowledged writes, floors "
+                "included; raising every feature set's floor, so every entry written "
+                "before reads as absent",
+                *identity,
+                *before,
+            )
+            self.raise_floors()
+        if noted != identity:  # only now: a failure above finds the change again
+            ttl_ms = 2 * max((fs.ttl_s for fs in self.registry), default=3600) * 1000
+            self.redis.set(SERVER_KEY, ":".join(identity), px=ttl_ms)
+        self.server = identity
         if before is None or before == identity:
-            self.server = identity
             return False
-        logger.error(
-            "the Redis server written to changed (run id %s, replication id %s; was %s, %s): "
-            "a failover or restart may have lost acknowledged writes, floors included; "
-            "raising every feature set's floor, so every entry written before reads as absent",
-            *identity,
-            *before,
-        )
-        self.raise_floors()
-        self.server = identity  # only now: a failure above finds the change again
         if self.on_failover is not None:
-            self.on_failover(before, identity)
+            self.on_failover((str(before[0]), str(before[1])), identity)
         return True
 
     def _announce(self, invalidations: list[Invalidation], *, watch: bool = True) -> None:
@@ -345,13 +362,14 @@ class Processor:
         watched = watch and not self.cluster
         if watched:
             pipe.info("server", "replication")
+            pipe.get(SERVER_KEY)
         if self.wait_replicas:
             pipe.wait(self.wait_replicas, self.wait_timeout_ms)
         replies = pipe.execute()
         if self.wait_replicas and int(replies[-1]) < self.wait_replicas:
             raise ReplicasBehind(int(replies[-1]), self.wait_replicas, self.wait_timeout_ms)
         if watched:
-            self._observe(replies[len(invalidations)])
+            self._observe(replies[len(invalidations)], replies[len(invalidations) + 1])
         if self.publish is not None:
             for message in invalidations:
                 self.publish(message)

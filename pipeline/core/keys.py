@@ -181,6 +181,14 @@ def floor_key(schema_version: int, feature_set: str) -> str:
     return f"{FLOOR_PREFIX}:{schema_version}:{validate_name('feature set', feature_set)}"
 
 
+SERVER_KEY = f"{FLOOR_PREFIX}:server"
+"""``floor:server``: the run id and replication id of the Redis server the consumers
+last wrote to (``<run_id>:<replid>``). A consumer that finds another server's there (a
+failover, a restart that may have lost writes) raises every floor
+(:mod:`consumers.processor`). Under ``floor:`` so that the consumers' login may write
+it and in-process tiers, which track ``floor:``, flush when it changes."""
+
+
 def entity_floor_key(schema_version: int, ref: EntityRef) -> str:
     """``floor:<version>:<feature_set>:{<tenant>:<entity>}``: one entity's own floor.
 

@@ -262,12 +262,20 @@ def test_a_failover_that_loses_a_truncate_floor_raises_every_floor(
     # The consumer's Redis name moves to the promoted replica.
     move(client, replica.port)
     assert None not in store.read(risk)  # the lost floor revived every voided entry
+    # A consumer started after the failover: it knows the old server only from the
+    # identity the consumers recorded, which the promoted replica holds.
     failovers: list[object] = []
-    processor.on_failover = lambda before, now: failovers.append((before, now))
-    assert processor.watch()
+    restarted = Processor(
+        engine,
+        client,
+        versions=lambda: [version],
+        on_failover=lambda before, now: failovers.append((before, now)),
+    )
+    assert restarted.watch()
     assert store.read(risk) == [None] * len(users)
     assert len(failovers) == 1
-    assert not processor.watch()  # once per change
+    assert not restarted.watch()  # once per change
+    assert not processor.watch()  # and the running one finds it recorded
 
 
 def test_a_batch_after_a_failover_raises_the_floors_in_its_announce(
