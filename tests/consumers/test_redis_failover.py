@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 class Server:
     port: int
     proc: subprocess.Popen[bytes]
+    workdir: str
 
     @property
     def url(self) -> str:
@@ -72,6 +74,8 @@ def start_server(*args: str) -> Server:
             pytest.fail(message, pytrace=False)
         pytest.skip(message)
     port = free_port()
+    # Its own directory: a replica writes the primary's snapshot to disk when it syncs.
+    workdir = tempfile.mkdtemp(prefix="freshline-redis-")
     proc = subprocess.Popen(
         [
             binary,
@@ -83,12 +87,14 @@ def start_server(*args: str) -> Server:
             "",
             "--appendonly",
             "no",
+            "--dir",
+            workdir,
             *args,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    server = Server(port, proc)
+    server = Server(port, proc, workdir)
     probe = server.client()
 
     def answers() -> bool:
@@ -128,6 +134,7 @@ def pair() -> Iterator[tuple[Server, Server]]:
         for server in (replica, primary):
             if server.proc.poll() is None:
                 server.kill()
+            shutil.rmtree(server.workdir, ignore_errors=True)
 
 
 @pytest.fixture
