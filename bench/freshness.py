@@ -1005,7 +1005,13 @@ def markdown(res: dict[str, Any]) -> str:
     tok = res.get("token")
     if tok is not None:
         rows = [
-            (name, f["p50_us"], f["p99_us"], f["ops_per_s"], tok["http_p50_ratio"].get(name, 1.0))
+            (
+                name,
+                f["p50_us"],
+                f["p99_us"],
+                f["ops_per_s"],
+                f"{tok['http_p50_ratio'].get(name, 1.0):.2f}x",
+            )
             for name, f in tok["http"].items()
         ]
         c = tok["client"]
