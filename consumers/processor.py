@@ -207,6 +207,8 @@ class Processor:
         self.durable_wait_ms = durable_wait_ms
         self.on_failover = on_failover
         self.cluster = is_cluster(client)
+        self.can_force = True
+        """Whether the role may force a WAL flush (:meth:`_force`)."""
         self.source: SourceIdentity | None = None
         """The Postgres history of this processor's first batch; every later one must match."""
         self.server: RedisIdentity | None = None
@@ -272,12 +274,25 @@ class Processor:
             nonlocal done
             if not done:
                 timeout_s = self.durable_wait_ms / 1000
-                report.flushed_lsn = wait_durable(
-                    conn, snapshot.lsn, timeout_s, force=lambda: force_flush(self.engine)
-                )
+                report.flushed_lsn = wait_durable(conn, snapshot.lsn, timeout_s, force=self._force)
                 done = True
 
         return durable
+
+    def _force(self) -> None:
+        """:func:`~pipeline.cache.recompute.force_flush`, unless the role may not: then
+        the batch waits for a commit to flush (any writing one does), and says so once."""
+        if not self.can_force:
+            return
+        try:
+            force_flush(self.engine)
+        except sa.exc.ProgrammingError as exc:
+            self.can_force = False
+            logger.warning(
+                "cannot make Postgres flush its WAL (%s): grant this role TEMPORARY on the "
+                "database; until then a batch waits for a commit to flush past its snapshot",
+                str(exc.orig).strip().splitlines()[0] if exc.orig else exc,
+            )
 
     def _check_source(self, conn: Connection) -> None:
         """Raise :class:`SourceChanged` if ``conn``'s Postgres is another history than
@@ -296,12 +311,7 @@ class Processor:
         versions = list(self.versions())
         with self.engine.connect() as conn:
             snapshot = take_snapshot(conn)
-            wait_durable(
-                conn,
-                snapshot.lsn,
-                max(self.durable_wait_ms, 1) / 1000,
-                force=lambda: force_flush(self.engine),
-            )
+            wait_durable(conn, snapshot.lsn, max(self.durable_wait_ms, 1) / 1000, force=self._force)
             conn.rollback()
         invalidations = []
         for fs in self.registry:

@@ -9,6 +9,7 @@ first checks that the lag it needs is there, and takes another commit if not.
 
 from __future__ import annotations
 
+import logging
 import os
 import pwd
 import shutil
@@ -254,3 +255,27 @@ def test_a_promoted_standby_under_the_consumer_stops_its_writes(
         if (data / "postmaster.pid").exists():
             postgres("pg_ctl", "-D", str(data), "-m", "immediate", "-w", "stop")
         shutil.rmtree(root)
+
+
+def test_a_role_that_may_not_force_a_flush_says_so_once(
+    lagging: Cluster, redis_client: redis.Redis, version: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="freshline.consumer")
+    with lagging.engine.begin() as conn:
+        conn.execute(sa.text("CREATE ROLE no_temp LOGIN"))
+        conn.execute(sa.text("REVOKE TEMPORARY ON DATABASE postgres FROM PUBLIC"))
+    limited = sa.create_engine(
+        lagging.engine.url.set(username="no_temp"), poolclass=sa.pool.NullPool
+    )
+    try:
+        processor = Processor(limited, redis_client, versions=lambda: [version])
+        processor._force()  # refused: the batch then waits for a commit to flush
+        processor._force()
+        assert not processor.can_force
+        warned = [r.getMessage() for r in caplog.records if "TEMPORARY" in r.getMessage()]
+        assert len(warned) == 1, warned
+    finally:
+        limited.dispose()
+        with lagging.engine.begin() as conn:
+            conn.execute(sa.text("GRANT TEMPORARY ON DATABASE postgres TO PUBLIC"))
+            conn.execute(sa.text("DROP ROLE no_temp"))
