@@ -1,0 +1,361 @@
+"""The CDC path's stages, per change: commit, Debezium's event, the Kafka record, a
+consumer's receipt, the recompute's start, the entry's invalidation on Redis.
+
+:class:`Pipeline` holds a benchmark's connector (reconfigured per window) and its
+``freshline consume``; :func:`cdc` runs :data:`RATES` with the connector settings before
+issue 26 and with the current ones (see :mod:`bench.freshness`)."""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import psycopg
+
+from bench import common
+from bench.cdc_freshness import _delete_topics
+from bench.sql_load import background
+from consumers.kafka import Consumer
+from consumers.topics import ensure_cdc_topics
+from pipeline.cdc.connect import (
+    LATENCY_SETTINGS,
+    ConnectClient,
+    captured_tables,
+    connector_config,
+    connector_state,
+    drop_slot,
+    names,
+    slot_state,
+)
+
+RATES = (500, 2000)
+SETTLE_S = 10.0
+"""A pause after each CDC window, so work it left in Postgres does not land on the next."""
+FEATURE_SETS = ("txn_90d", "geo")
+FRESHLINE = str(Path(sys.executable).with_name("freshline"))
+BEFORE_CONNECTOR = {"poll.interval.ms": "50"}
+"""The connector's latency settings before issue 26 (the rest were Debezium's and
+Connect's defaults): the "before" windows run with these instead of
+:data:`pipeline.cdc.connect.LATENCY_SETTINGS`."""
+STAGES = (
+    ("commit -> Debezium event", "commit", "debezium"),
+    ("Debezium -> Kafka record", "debezium", "kafka"),
+    ("Kafka -> consumer receive", "kafka", "received"),
+    ("receive -> recompute start", "received", "recompute"),
+    ("recompute start -> Redis", "recompute", "redis"),
+    ("commit -> Redis", "commit", "redis"),
+)
+
+
+@dataclass
+class Change:
+    user: str
+    commit_us: int
+    debezium_us: int
+    kafka_ms: int
+    received: float
+
+
+class Changes:
+    """The CDC topic of ``transactions`` as a consumer with the consumer's own settings
+    sees it: per change of ``tenant``, its commit, Debezium's and Kafka's timestamps,
+    and when it was received (one record per poll, so nothing waits for a batch)."""
+
+    def __init__(self, settings: Any, topic: str, tenant: str) -> None:
+        self.seen: list[Change] = []
+        self.tenant = tenant
+        self.consumer = Consumer(
+            settings,
+            **{"group.id": f"{settings.consumer_group}-stages", "auto.offset.reset": "latest"},
+        )
+        self.consumer.subscribe([topic])
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="cdc-stages", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            msg = self.consumer.poll(0.1)
+            if msg is None:
+                continue
+            at = time.time()
+            value = msg.value()
+            if not value:
+                continue  # a tombstone
+            env = orjson.loads(value)
+            env = env.get("payload", env)
+            row = env.get("after") or env.get("before") or {}
+            if row.get("tenant_id") != self.tenant:
+                continue
+            source = env["source"]
+            self.seen.append(
+                Change(
+                    str(row["user_id"]),
+                    int(source.get("ts_us") or source["ts_ms"] * 1000),
+                    int(env.get("ts_us") or env["ts_ms"] * 1000),
+                    int(msg.timestamp()[1]),
+                    at,
+                )
+            )
+
+    def since(self, start_us: int) -> list[Change]:
+        return [c for c in self.seen if c.commit_us >= start_us]
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.consumer.close()
+
+
+def _covering(watcher: common.InvalidationWatcher, change: Change) -> tuple[float, float] | None:
+    """(recompute start, Redis receipt) in seconds of the later feature set's first entry
+    whose watermark clock is at least 1 ms after the commit (cdc_freshness's rule)."""
+    worst: tuple[float, float] | None = None
+    bar = (change.commit_us // 1000 + 1) * 1000
+    for fs in FEATURE_SETS:
+        rows = watcher.seen.get((fs, change.user), [])
+        j = bisect.bisect_left(rows, (bar, 0.0))
+        if j >= len(rows):
+            return None
+        clock_us, at = rows[j]
+        if worst is None or at > worst[1]:
+            worst = (clock_us / 1e6, at)
+    return worst
+
+
+def _stages(watcher: common.InvalidationWatcher, changes: list[Change]) -> dict[str, Any]:
+    times: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
+    never = 0
+    for c in changes:
+        fresh = _covering(watcher, c)
+        if fresh is None:
+            never += 1
+            continue
+        at = {
+            "commit": c.commit_us / 1e6,
+            "debezium": c.debezium_us / 1e6,
+            "kafka": c.kafka_ms / 1e3,
+            "received": c.received,
+            "recompute": fresh[0],
+            "redis": fresh[1],
+        }
+        for name, a, b in STAGES:
+            times[name].append((at[b] - at[a]) * 1000)
+    return {
+        "changes": len(changes),
+        "never_fresh": never,
+        "stages_ms": {name: pcts(xs) for name, xs in times.items()},
+    }
+
+
+def pcts(xs: list[float]) -> dict[str, float | None]:
+    if not xs:
+        return {"p50": None, "p90": None, "p99": None, "max": None}
+    p50, p90, p99 = np.percentile(np.array(xs), [50, 90, 99])
+    return {
+        "p50": round(float(p50), 1),
+        "p90": round(float(p90), 1),
+        "p99": round(float(p99), 1),
+        "max": round(float(max(xs)), 1),
+    }
+
+
+@dataclass
+class Pipeline:
+    """The run's connector (its config changed per window) and consumer process."""
+
+    ctx: common.Context
+    version: int
+    tenant: str
+    settings: Any = None
+    client: ConnectClient | None = None
+    owned: Any = None
+    watcher: common.InvalidationWatcher | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    log: Any = None
+    registered: bool = False
+    cdc_topics: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.settings = self.ctx.settings_for(schema_version=self.version)
+        self.ctx.kafka_topics()
+        self.owned = names(self.settings)
+        self.client = ConnectClient(self.settings.connect_url)
+        self.client.ping()
+        self.cdc_topics = [self.owned.topic(t) for t in captured_tables()]
+        ensure_cdc_topics(self.settings, self.cdc_topics)
+        self.watcher = common.InvalidationWatcher(self.ctx.new_redis(), self.version, self.tenant)
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
+
+    def connector(self, tuned: bool) -> dict[str, str]:
+        """(Re)configure the connector, tuned or as before issue 26; wait until it runs."""
+        assert self.client is not None
+        config = connector_config(self.settings, self.owned)
+        if not tuned:
+            for key in LATENCY_SETTINGS:
+                config.pop(key, None)
+            config.update(BEFORE_CONNECTOR)
+        self.client.put_config(self.owned.connector, config)
+        self.registered = True
+        time.sleep(2.0)  # the config change restarts the task: let it begin
+
+        def running() -> bool:
+            assert self.client is not None
+            connector, tasks = connector_state(self.client, self.owned.connector)
+            return (
+                connector is not None
+                and connector.state == "RUNNING"
+                and bool(tasks)
+                and all(t.state == "RUNNING" for t in tasks)
+                and slot_state(self.ctx.engine, self.owned.slot) is not None
+            )
+
+        _wait(running, "the connector to run", 60)
+        return {k: config[k] for k in sorted(config) if k in {*LATENCY_SETTINGS, *BEFORE_CONNECTOR}}
+
+    def consume(self, env: dict[str, str], topics: list[str] | None = None) -> None:
+        """(Re)start ``freshline consume`` with ``env``; on ``topics`` or its default."""
+        self.stop_consumer()
+        group = f"{self.settings.consumer_group}-{self.version}-{time.monotonic_ns()}"
+        argv = [FRESHLINE, "consume", "--metrics-port", "0", "--group", group]
+        for t in topics or []:
+            argv += ["--topics", t]
+        self.proc = subprocess.Popen(
+            argv,
+            env={
+                **os.environ,
+                "FRESHLINE_POSTGRES_URL": self.settings.postgres_url,
+                "FRESHLINE_REDIS_URL": self.settings.redis_url,
+                "FRESHLINE_SCHEMA_VERSION": str(self.version),
+                "FRESHLINE_TOPIC_PREFIX": self.settings.topic_prefix,
+                "FRESHLINE_AUTO_OFFSET_RESET": "latest",
+                **env,
+            },
+            stdout=self.log,
+            stderr=self.log,
+            start_new_session=True,
+        )
+
+    def probe(self, poke: Callable[[], None]) -> None:
+        """``poke`` (a write) until one comes out the far end: the consumer has joined."""
+        assert self.watcher is not None and self.proc is not None
+        before = sum(len(v) for v in self.watcher.seen.values())
+        end = time.monotonic() + 90
+        while sum(len(v) for v in self.watcher.seen.values()) == before:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"freshline consume exited: {self.log.read()[-2000:]!r}")
+            if time.monotonic() > end:
+                self.log.seek(0)
+                raise RuntimeError(
+                    f"no probe write reached Redis within 90 s: {self.log.read()[-3000:]!r}"
+                )
+            poke()
+            time.sleep(0.5)  # pacing the probes while the group forms
+        time.sleep(1.0)  # let the probes drain
+
+    def stop_consumer(self) -> None:
+        if self.proc is not None:
+            common.stop_process(self.proc)
+            self.proc = None
+
+    def close(self) -> None:
+        self.stop_consumer()
+        if self.watcher is not None:
+            self.watcher.close()
+        if self.log is not None:
+            self.log.close()
+        if self.registered and self.client is not None:
+            with contextlib.suppress(Exception):
+                self.client.delete(self.owned.connector)
+            drop_slot(self.ctx.engine, self.owned.slot)
+        _delete_topics(
+            self.ctx,
+            [*self.cdc_topics, f"__debezium-heartbeat.{self.owned.topic_prefix}"],
+        )
+
+
+def _wait(condition: Callable[[], bool], what: str, deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > end:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.1)  # polling interval
+
+
+def sql_poke(conninfo: str, tenant: str, user: int) -> Callable[[], None]:
+    def poke() -> None:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id) "
+                "VALUES (%s, %s, 1, 'probe')",
+                (tenant, user),
+            )
+
+    return poke
+
+
+def _cdc_window(
+    pipe: Pipeline, changes: Changes, conninfo: str, writers: list[int], rate: int, window: float
+) -> dict[str, Any]:
+    assert pipe.watcher is not None
+    load = os.getloadavg()[0]
+    start_us = int(time.time() * 1e6)
+    with background(conninfo, pipe.tenant, writers, rate, window) as finish:
+        writes, took = finish(False)
+    # Drain: every write on the topic, then its entry in Redis (or 30 s).
+    _wait(lambda: len(changes.since(start_us)) >= writes, "every write on the CDC topic", 60)
+    mine = changes.since(start_us)[:writes]
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        pipe.watcher.sort()
+        if _covering(pipe.watcher, mine[-1]) is not None:
+            break
+        time.sleep(0.1)  # polling for the drain
+    time.sleep(0.5)  # stragglers of the last batch
+    pipe.watcher.sort()
+    return {
+        "offered_per_s": rate,
+        "achieved_per_s": round(writes / took, 1),
+        "writes": writes,
+        "load_at_start": round(load, 2),
+        **_stages(pipe.watcher, mine),
+    }
+
+
+def cdc(pipe: Pipeline, conninfo: str, writers: list[int], quick: bool) -> dict[str, Any]:
+    """Each rate with the settings before issue 26, then with the current ones, in that
+    order (a new consumer for each window: a backlog left by one is not the next's)."""
+    window = 4.0 if quick else 20.0
+    changes = Changes(pipe.settings, pipe.owned.topic("transactions"), pipe.tenant)
+    poke = sql_poke(conninfo, pipe.tenant, writers[0])
+    out: dict[str, Any] = {"window_s": window, "configs": {}, "windows": {}}
+    try:
+        for rate in RATES:
+            for label, tuned in (("before", False), ("after", True)):
+                out["configs"][label] = {"connector": pipe.connector(tuned)}
+                pipe.consume({})
+                pipe.probe(poke)
+                common.note(
+                    f"freshness: CDC stages, {label}, {rate} SQL writes/s for {window:.0f} s"
+                )
+                res = _cdc_window(pipe, changes, conninfo, writers, rate, window)
+                out["windows"][f"{label}@{rate}"] = res
+                e2e = res["stages_ms"]["commit -> Redis"]
+                common.note(f"freshness:   commit -> Redis p50 {e2e['p50']} p99 {e2e['p99']} ms")
+                time.sleep(1.0 if quick else SETTLE_S)  # what the window left behind settles
+    finally:
+        changes.close()
+    return out

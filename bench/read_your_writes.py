@@ -1,0 +1,253 @@
+"""Read-your-writes trials: commit with plain SQL, take ``freshline.token()``, read the
+feature over HTTP ``after`` it; count answers older than the commit and time commit to
+answer (see :mod:`bench.freshness`)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import psycopg
+
+from bench import common, reference_app
+from bench.cdc_stages import Pipeline, pcts, sql_poke
+from bench.sql_load import background
+from consumers.kafka import Producer
+from pipeline.core.topics import qualified
+
+LOAD_RATE = 500
+RYW_SET = "txn_90d"
+TRIAL_THREADS = 8
+TRIAL_USERS_PER_THREAD = 25
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+@dataclass
+class Trials:
+    latencies_ms: list[float] = field(default_factory=list)
+    by_form: dict[str, list[float]] = field(default_factory=lambda: {"in txn": [], "after": []})
+    sources: Counter[str] = field(default_factory=Counter)
+    predates: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _epoch_ms(value: Any) -> int | None:
+    """An answer's timestamp (epoch ms, as the API sends them; or ISO text) in epoch ms."""
+    if value is None:
+        return None
+    if isinstance(value, int | float):
+        return int(value)
+    return int(datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp() * 1000)
+
+
+def _trial_thread(
+    conninfo: str,
+    url: str,
+    api_key: str,
+    tenant: str,
+    users: list[int],
+    count: int,
+    out: Trials,
+    producer: Producer | None,
+    topic: str,
+    wait_ms: int | None,
+) -> None:
+    extra = {} if wait_ms is None else {"wait_ms": str(wait_ms)}
+    with (
+        psycopg.connect(conninfo, autocommit=True) as conn,
+        httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30
+        ) as http,
+    ):
+        for i in range(count):
+            user = users[i % len(users)]
+            in_txn = i % 2 == 0
+            with conn.transaction():
+                row = conn.execute(
+                    "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id) "
+                    "VALUES (%s, %s, %s, 'ryw') RETURNING id, created_at",
+                    (tenant, user, 1 + i % 400),
+                    prepare=True,
+                ).fetchone()
+                assert row is not None
+                token = conn.execute("SELECT freshline.token()").fetchone() if in_txn else None
+            committed = time.perf_counter()
+            if token is None:
+                token = conn.execute("SELECT freshline.token()").fetchone()
+            assert token is not None
+            if producer is not None:
+                producer.produce(
+                    topic,
+                    orjson.dumps({"tenant": tenant, "user_id": user, "transaction_id": row[0]}),
+                    f"{tenant}:{user}".encode(),
+                )
+                producer.inner.poll(0)
+            r = http.get(f"/v1/features/{RYW_SET}/{user}", params={"after": token[0], **extra})
+            took = (time.perf_counter() - committed) * 1000
+            with out.lock:
+                if r.status_code != 200:
+                    out.errors[f"{r.status_code} {r.text[:80]}"] += 1
+                    continue
+                body = r.json()
+                last = _epoch_ms((body.get("values") or {}).get("last_txn_at"))
+                # Entries keep milliseconds: compare the row's created_at truncated alike.
+                if last is None or last < (row[1] - EPOCH) // timedelta(milliseconds=1):
+                    out.predates += 1
+                out.sources[str(body.get("source"))] += 1
+                out.latencies_ms.append(took)
+                out.by_form["in txn" if in_txn else "after"].append(took)
+
+
+def ryw(
+    pipe: Pipeline,
+    conninfo: str,
+    url: str,
+    api_key: str,
+    writers: list[int],
+    trial_users: list[int],
+    trials: int,
+    *,
+    events: bool,
+    wait_ms: int | None = None,
+) -> dict[str, Any]:
+    """``trials`` read-your-writes trials over :data:`TRIAL_THREADS` threads, with
+    :data:`LOAD_RATE` background writes/s (and their domain events, with ``events``),
+    reading with ``wait_ms`` (the server's default when None)."""
+    settings = pipe.settings
+    topics = {t: qualified(settings, t) for t in ("transaction.created", "transaction.updated")}
+    out = Trials()
+    per_thread = -(-trials // TRIAL_THREADS)
+    groups = [trial_users[k::TRIAL_THREADS] for k in range(TRIAL_THREADS)]
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {api_key}"}) as http:
+        for u in trial_users:  # their entries are cached before the trials begin
+            http.get(f"/v1/features/{RYW_SET}/{u}")
+    producer = Producer(settings, **{"linger.ms": 1}) if events else None
+    load_events = topics if events else None
+    load = os.getloadavg()[0]
+    started = time.perf_counter()
+    try:
+        with background(
+            conninfo, pipe.tenant, writers, LOAD_RATE, 3600, seed=11, events=load_events
+        ) as finish:
+            time.sleep(1.0)  # the load is on before the first trial
+            threads = [
+                threading.Thread(
+                    target=_trial_thread,
+                    args=(
+                        conninfo,
+                        url,
+                        api_key,
+                        pipe.tenant,
+                        groups[k],
+                        per_thread,
+                        out,
+                        producer,
+                        topics["transaction.created"],
+                        wait_ms,
+                    ),
+                )
+                for k in range(TRIAL_THREADS)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            elapsed = time.perf_counter() - started
+            writes, took = finish(True)
+    finally:
+        if producer is not None:
+            producer.close()
+    lat = np.array(out.latencies_ms)
+    return {
+        "trials": int(lat.size) + sum(out.errors.values()),
+        "answered": int(lat.size),
+        "predates_commit": out.predates,
+        "errors": dict(out.errors),
+        "sources": dict(out.sources),
+        "latency_ms": pcts(out.latencies_ms),
+        "latency_ms_by_token": {form: pcts(xs) for form, xs in out.by_form.items()},
+        "trials_per_s": round(lat.size / elapsed, 1),
+        "elapsed_s": round(elapsed, 1),
+        "load_per_s": round(writes / took, 1),
+        "load_at_start": round(load, 2),
+    }
+
+
+def _events_poke(settings: Any, tenant: str, user: int) -> Callable[[], None]:
+    topic = qualified(settings, "transaction.updated")
+
+    def poke() -> None:
+        with Producer(settings) as producer:
+            producer.produce(
+                topic,
+                orjson.dumps({"tenant": tenant, "user_id": user, "transaction_id": 0}),
+                f"{tenant}:{user}".encode(),
+            )
+            producer.flush()
+
+    return poke
+
+
+def both(
+    ctx: common.Context,
+    pipe: Pipeline,
+    conninfo: str,
+    writers: list[int],
+    quick: bool,
+    trials: int | None = None,
+) -> dict[str, Any]:
+    """Read-your-writes through Debezium (with the server's default ``wait_ms``, then
+    half as many trials with ``wait_ms=0``: straight to the recompute), then through
+    domain events."""
+    from pipeline.api.auth import create_api_key
+
+    trials = trials or (200 if quick else 2000)
+    busy = set(writers)
+    spare = [u for u in range(ctx.dataset().users, 0, -1) if u not in busy]
+    trial_users = spare[: TRIAL_THREADS * TRIAL_USERS_PER_THREAD]
+    api_key = create_api_key(ctx.engine, pipe.tenant)
+    out: dict[str, Any] = {"trials_asked": trials}
+    with reference_app.serve_freshline(ctx, pipe.version) as url:
+        pipe.connector(tuned=True)
+        pipe.consume({})
+        pipe.probe(sql_poke(conninfo, pipe.tenant, writers[0]))
+        common.note(f"freshness: read-your-writes through Debezium, {trials} trials")
+        out["sql"] = ryw(pipe, conninfo, url, api_key, writers, trial_users, trials, events=False)
+        _note_ryw(out["sql"])
+        common.note(f"freshness: the same with wait_ms=0, {trials // 2} trials")
+        out["sql_wait0"] = ryw(
+            pipe, conninfo, url, api_key, writers, trial_users, trials // 2, events=False, wait_ms=0
+        )
+        _note_ryw(out["sql_wait0"])
+        try:
+            domain = [
+                qualified(pipe.settings, t) for t in ("transaction.created", "transaction.updated")
+            ]
+            pipe.consume({}, topics=domain)
+            pipe.probe(_events_poke(pipe.settings, pipe.tenant, writers[0]))
+            common.note(f"freshness: read-your-writes through domain events, {trials} trials")
+            out["events"] = ryw(
+                pipe, conninfo, url, api_key, writers, trial_users, trials, events=True
+            )
+            _note_ryw(out["events"])
+        except Exception as exc:  # keep the Debezium half's figures
+            out["events_failed"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+    return out
+
+
+def _note_ryw(r: dict[str, Any]) -> None:
+    common.note(
+        f"freshness:   {r['answered']} answered, {r['predates_commit']} predate the commit, "
+        f"p50 {r['latency_ms']['p50']} p99 {r['latency_ms']['p99']} ms, sources {r['sources']}, "
+        f"errors {r['errors']}"
+    )
