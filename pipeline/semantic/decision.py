@@ -115,12 +115,32 @@ class Learned:
         self._wrong = (np.log(eps), np.log(rho + (1 - rho) * eps))
         self._prior_tail = self._tail(prior.weights())
         self._prior_list: list[float] = self._prior_tail.tolist()
+        self._floors: dict[float, int] = {}
         self.start = self._threshold(self._prior_tail)
         """The similarity a fresh entry is served at: the prior's threshold."""
 
     @property
     def name(self) -> str:
         return "learned"
+
+    def floor(self, min_explore: float) -> float:
+        """The lowest similarity at which an entry without outcomes is explored with at
+        least ``min_explore``."""
+        self.worth(EMPTY, 0.0, min_explore)
+        j = self._floors[min_explore]
+        return float(GRID[j]) if j < len(GRID) else 1.0
+
+    def worth(self, outcomes: Outcomes, similarity: float, min_explore: float) -> bool:
+        """Whether an entry at ``similarity`` could be served or explored with at least
+        ``min_explore``: for one without outcomes (most candidates), a comparison."""
+        if len(outcomes):
+            est = self.estimate(outcomes, similarity)
+            return est.serve or est.explore >= min_explore
+        floor = self._floors.get(min_explore)
+        if floor is None:  # the first grid point where the prior's explore reaches it
+            ok = np.nonzero(np.asarray(self._prior_list) <= 1.0 - min_explore)[0]
+            floor = self._floors[min_explore] = int(ok[0]) if len(ok) else len(GRID)
+        return math.floor(similarity * _PER_STEP + 1e-9) >= floor
 
     def estimate(self, outcomes: Outcomes, similarity: float) -> Estimate:
         """Serve, explore or miss an entry with ``outcomes`` at ``similarity``."""

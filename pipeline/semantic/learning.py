@@ -42,7 +42,7 @@ from pipeline.semantic.state import CacheState, Candidate
 
 log = logging.getLogger(__name__)
 
-_MIN_EXPLORE = 0.001  # below this chance, a candidate is not even checked for exploring
+MIN_EXPLORE = 0.001  # below this chance, a candidate is not even checked for exploring
 
 
 class Learning(CacheState):
@@ -91,7 +91,7 @@ class Learning(CacheState):
                 )
             explored: Candidate | None = c
         else:
-            worth = [c for c in found if estimates[c.id].explore >= _MIN_EXPLORE]
+            worth = [c for c in found if estimates[c.id].explore >= MIN_EXPLORE]
             nearest = self._first_passing(worth, prompt, params, ns)
             explored = None
             if nearest is not None:
@@ -153,10 +153,8 @@ class Learning(CacheState):
         worth = [
             c
             for c in found
-            if (
-                (est := learned.estimate(c.outcomes, c.similarity)).serve
-                or est.explore >= _MIN_EXPLORE
-            )
+            if c.known
+            and learned.worth(c.outcomes, c.similarity, MIN_EXPLORE)
             and self.check(c, prompt, digest, ns) is not None
         ]
         if worth and pairs:

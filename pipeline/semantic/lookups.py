@@ -46,7 +46,7 @@ from pipeline.semantic.entry import (
 )
 from pipeline.semantic.feedback import pairs_key
 from pipeline.semantic.index import NamespaceIndex
-from pipeline.semantic.learning import Learning
+from pipeline.semantic.learning import MIN_EXPLORE, Learning
 from pipeline.semantic.pool import STREAM_BATCH
 from pipeline.semantic.scope import Lookup, NonDeterministicParams, Scope, check_deterministic
 from pipeline.semantic.state import Candidate
@@ -54,6 +54,10 @@ from pipeline.semantic.state import Candidate
 log = logging.getLogger(__name__)
 
 CANDIDATES = 8
+MARGIN = 0.1
+"""With a learned decision, a candidate's own outcomes are read only when the index
+puts it at most this far below the similarity at which the prior starts exploring
+(0.45 for the local model); the others are neither served nor explored."""
 
 
 class Lookups(Learning):
@@ -103,18 +107,14 @@ class Lookups(Learning):
             candidates = idx.search(query, CANDIDATES)[0]
             position = idx.stream_id
         learned = prompt if self.decision is not None else None
-        raws, outcomes, pairs, events = self._fetch(
-            ns, [e for e, _ in candidates], position, learned
-        )
+        raws, outcomes, pairs, events = self._fetch(ns, candidates, position, learned)
         if events:
             with idx.lock:
                 added = self._apply(idx, events)
                 if added:
                     candidates = idx.search(query, CANDIDATES)[0]
             if added:
-                raws, outcomes, pairs, _ = self._fetch(
-                    ns, [e for e, _ in candidates], None, learned
-                )
+                raws, outcomes, pairs, _ = self._fetch(ns, candidates, None, learned)
         found = self._candidates(idx, candidates, raws, outcomes, vector)
         best_seen = found[0].similarity if found else None
         if self.decision is not None:
@@ -141,16 +141,16 @@ class Lookups(Learning):
         idx: NamespaceIndex,
         candidates: list[tuple[int, float]],
         raws: list[bytes | None],
-        outcomes: list[bytes | None],
+        outcomes: dict[int, bytes | None],
         vector: Vectors,
     ) -> list[Candidate]:
         """The candidates present in Redis with their exact similarity, most similar
         first; those gone (expired or removed: Redis is the truth) leave the index."""
         ids: list[int] = []
         tails: list[bytes] = []
-        kept: list[tuple[bytes, bytes | None]] = []
+        kept: list[bytes] = []
         gone: list[int] = []
-        for (e, _), raw, out in zip(candidates, raws, outcomes or [None] * len(raws), strict=True):
+        for (e, _), raw in zip(candidates, raws, strict=True):
             tail = vector_bytes(raw, idx.dim)
             if raw is None:
                 gone.append(e)
@@ -159,7 +159,7 @@ class Lookups(Learning):
             else:
                 ids.append(e)
                 tails.append(tail)
-                kept.append((raw, out))
+                kept.append(raw)
         if gone:
             with idx.lock:
                 idx.remove(gone)
@@ -171,21 +171,35 @@ class Lookups(Learning):
         norms = np.linalg.norm(stored, axis=1) * float(np.linalg.norm(query))
         sims = np.divide(stored @ query, norms, out=np.zeros(len(ids)), where=norms > 0)
         return [
-            Candidate(float(sims[i]), ids[i], kept[i][0], decision.decode(kept[i][1]))
+            Candidate(
+                float(sims[i]),
+                ids[i],
+                kept[i],
+                decision.decode(outcomes.get(ids[i])),
+                known=ids[i] in outcomes,
+            )
             for i in np.argsort(-sims, kind="stable")
         ]
 
     def _fetch(
-        self, ns: str, ids: list[int], position: str | None, learned: str | None = None
-    ) -> tuple[list[bytes | None], list[bytes | None], bytes | None, list[Any]]:
-        """One round trip: the entries (and, for a ``learned`` decision's prompt, their
-        outcomes and its template's pairs), the stream since ``position`` (unless
-        None), this process's pending counters."""
+        self,
+        ns: str,
+        candidates: list[tuple[int, float]],
+        position: str | None,
+        learned: str | None = None,
+    ) -> tuple[list[bytes | None], dict[int, bytes | None], bytes | None, list[Any]]:
+        """One round trip: the entries (and, for a ``learned`` decision's prompt, the
+        outcomes of those near enough, :data:`MARGIN`, and its template's pairs), the
+        stream since ``position`` (unless None), this process's pending counters."""
         # A transaction: the counters flushed here get their TTL in the same MULTI.
         pipe = self.redis.pipeline(transaction=True)
+        ids = [e for e, _ in candidates]
         keys = [semantic_entry_key(ns, e) for e in ids]
-        if learned is not None:
-            keys += [semantic_outcomes_key(ns, e) for e in ids]
+        near: list[int] = []
+        if learned is not None and self.decision is not None:
+            floor = self.decision.floor(MIN_EXPLORE) - MARGIN
+            near = [e for e, s in candidates if s >= floor]
+            keys += [semantic_outcomes_key(ns, e) for e in near]
             pipe.hget(pairs_key(ns), f"{template_id(learned):016x}")
         if ids:
             pipe.mget(keys)
@@ -199,7 +213,7 @@ class Lookups(Learning):
         if position is not None:
             reply = replies[1 if ids else 0]
             events = reply[0][1] if reply else []
-        return values[: len(ids)], values[len(ids) :], pairs, events
+        return values[: len(ids)], dict(zip(near, values[len(ids) :], strict=True)), pairs, events
 
     def _apply(self, idx: NamespaceIndex, events: list[Any]) -> int:
         """Apply events read by a lookup (the index's lock held); past a full batch,

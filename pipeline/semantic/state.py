@@ -50,6 +50,9 @@ class Candidate:
     id: int
     raw: bytes
     outcomes: decision.Outcomes = decision.EMPTY
+    known: bool = True
+    """Whether its own outcomes were read (a lookup reads them only for candidates
+    near enough to matter: :data:`pipeline.semantic.lookups.MARGIN`)."""
     """The entry's own: of every prompt it was explored or flagged for."""
     pair: decision.Outcomes = decision.EMPTY
     """Of every entry with its template, for prompts with the query's template."""
