@@ -24,7 +24,9 @@ near miss for every three paraphrases, in a seeded random order; the **measured*
 stream asks each question's last phrasing and the remaining near misses. Each lookup
 is a caller's: a hit is served (right or wrong against the prompt's own answer), a
 miss stores the prompt's right answer, as a caller storing its model's response
-would. The same stream runs against each decision, in a namespace of its own.
+would; a wrong hit is flagged with its prompt, as the observed error (flags over hits)
+assumes a caller does (the learned decision also runs with a caller that never flags).
+The same stream runs against each decision, in a namespace of its own.
 """
 
 from __future__ import annotations

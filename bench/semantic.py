@@ -19,13 +19,16 @@
 * **Tenants and determinism**: every near query again from another tenant (hits must
   be 0), and stores at temperature 0.7 (entries stored must be 0).
 * **Embedding throughput**: the local model, batches of 32 against one prompt a call.
-* **The labelled set**: hit rate and false-hit rate at the default threshold.
-* **Static against learned** (:mod:`bench.paraphrases`): a stream made from the
-  labelled set, in which each cached question recurs with fresh paraphrases among
+* **The labelled sets**: hit rate and false-hit rate at the default threshold, on the
+  shipped pairs (the prior is fitted on them) and on the holdout pairs (written apart,
+  never used for calibration).
+* **Static against learned** (:mod:`bench.paraphrases`), on each set: a stream made
+  from the labelled set, in which each cached question recurs with fresh paraphrases among
   near misses (a warm-up, then a measured stream), played as a caller plays it (a
   miss stores the right answer) against the fixed threshold and against the learned
-  decision (``max_error`` 0.02, three exploration seeds summed): paraphrase hit rate
-  and the error rate of hits, side by side.
+  decision (``max_error`` 0.02, three exploration seeds summed; with a caller that
+  flags wrong hits, and with one that never does): paraphrase hit rate and the error
+  rate of hits, side by side.
 """
 
 from __future__ import annotations
