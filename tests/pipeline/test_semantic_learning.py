@@ -34,6 +34,7 @@ from pipeline.semantic.feedback import (
     Probes,
     decode_pairs,
     encode_pairs,
+    pairs_key,
     same_response,
 )
 from pipeline.semantic.namespaces import purge_namespace, stats
@@ -272,6 +273,8 @@ def test_tenants_and_namespaces_keep_their_labels_apart(
     for s, n in ((scope, 1), (other_tenant, 0), (other_template, 0)):
         labels = raw(redis_client, semantic_outcomes_key(s.namespace, entry_id(BASE)))
         assert len(decision.decode(labels)) == n
+        # The template pairs too: one namespace's hash, no other's.
+        assert bool(redis_client.exists(pairs_key(s.namespace))) == bool(n)
 
 
 def test_explorations_are_repeatable_with_a_seed(
