@@ -616,21 +616,16 @@ class DerivedPath(IncrementalPath):
         widest = len(self.windows) - 1
         # The source rows of the edge days (every window's old edge day, and as_of's day,
         # each once), read day by day as index ranges.
-        days = ", ".join(f"w.dc{j}" for j in range(len(self.windows)))
-        # and as_of's day unless it is read whole (we.de past it), and the logged days
-        days = (
-            f"ARRAY[{days}] "
-            "|| CASE WHEN we.de = w.da THEN ARRAY[w.da] ELSE '{}'::pg_catalog.date[] END "
-            "|| dl.dd"
-        )
+        days = ", ".join([*(f"w.dc{j}" for j in range(len(self.windows))), "w.da"])
+        days = f"ARRAY[{days}] || dl.dd"  # and the whole days with writes not yet folded
 
         # LATERAL behind OFFSET 0 (which keeps the planner from flattening it), so each day
         # is an index range whatever the table's statistics say: flattened, a planner
         # without them read the entity's whole window and filtered it by day.
         def on_edge(j: int) -> str:
             return (
-                f"{time} > w.c{j} AND ({_day(time)} = w.dc{j} "
-                f"OR ({_day(time)} = w.da AND we.de = w.da) OR {_day(time)} = ANY(dl.dd))"
+                f"{time} > w.c{j} AND ({_day(time)} = w.dc{j} OR {_day(time)} = w.da "
+                f"OR {_day(time)} = ANY(dl.dd))"
             )
 
         # Each row's place in each window's edge is worked out once, as a column
@@ -712,7 +707,7 @@ class DerivedPath(IncrementalPath):
                     members, latest = self.members(s), self.latest(s)
                     mine_l = " AND ".join(f"l.{c} = k.{c}" for c in e.columns)
                     same = " AND ".join(f"m.{c} = k.{c}" for c in e.columns)
-                    inside_m = f"m.day > w.dc{j} AND m.day < we.de AND m.day <> ALL(dl.dd)"
+                    inside_m = f"m.day > w.dc{j} AND m.day < w.da AND m.day <> ALL(dl.dd)"
                     # Probes one value at a time (a scalar subquery with LIMIT is never
                     # made a join): the values of the edge rows and of as_of's day are few,
                     # the member rows of a head entity's window many.
@@ -734,7 +729,7 @@ class DerivedPath(IncrementalPath):
                         # (each probed only when there can be such values: folded days
                         # from as_of's on, logged days)
                         f" + CASE WHEN lt.late THEN (SELECT count(*) FROM {latest} l "
-                        f"WHERE {mine_l} AND l.latest >= we.de AND {in_clean} IS NOT NULL) "
+                        f"WHERE {mine_l} AND l.latest >= w.da AND {in_clean} IS NOT NULL) "
                         "ELSE 0 END"
                         f" + CASE WHEN cardinality(dl.dd) > 0 THEN (SELECT count(*) "
                         f"FROM {latest} l WHERE {mine_l} AND l.latest = ANY(dl.dd) "
@@ -755,22 +750,17 @@ class DerivedPath(IncrementalPath):
         return (
             f"\nSELECT {body}\nFROM k CROSS JOIN t\n"
             f"CROSS JOIN LATERAL (SELECT {', '.join(bounds)}) AS w\n"
-            # as_of's day is a whole day too (its partial read, when clean) unless the
-            # entity has a row after as_of on it: one index probe
-            f"CROSS JOIN LATERAL (SELECT CASE WHEN EXISTS (SELECT 1 FROM {d.table} x "
-            f"WHERE {mine_x} AND {time} > t.as_of AND {time} < {_start('w.da + 1')}) "
-            "THEN w.da ELSE w.da + 1 END AS de) AS we\n"
             f"CROSS JOIN LATERAL (SELECT coalesce(array_agg(DISTINCT g.day), '{{}}') AS dd "
-            f"FROM {self.log} g WHERE {mine_g} AND g.day > w.dc{widest} AND g.day < we.de) "
+            f"FROM {self.log} g WHERE {mine_g} AND g.day > w.dc{widest} AND g.day < w.da) "
             "AS dl\n"
             + (
                 f"CROSS JOIN LATERAL (SELECT EXISTS (SELECT 1 FROM {self.days} b "
-                f"WHERE {mine_b} AND b.day >= we.de) AS late) AS lt\n"
+                f"WHERE {mine_b} AND b.day >= w.da) AS late) AS lt\n"
                 if self.distinct
                 else ""
             )
             + f"CROSS JOIN LATERAL (SELECT {bucket_sel} FROM {self.days} b WHERE {mine_b} "
-            f"AND b.day > w.dc{widest} AND b.day < we.de AND b.day <> ALL(dl.dd)) AS bk\n"
+            f"AND b.day > w.dc{widest} AND b.day < w.da AND b.day <> ALL(dl.dd)) AS bk\n"
             f"CROSS JOIN LATERAL (SELECT {edge_sel} FROM {edge_rows} x "
             f"WHERE {self._row_filter('x')} AND ({any_edge})) AS ed\n"
         )
