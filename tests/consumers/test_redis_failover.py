@@ -151,7 +151,12 @@ def test_a_batch_is_not_acknowledged_until_a_replica_has_it(
 ) -> None:
     primary, replica = pair
     client = primary.client()
+    # WAIT returns as soon as the replica has the writes: a long timeout costs a healthy
+    # pair nothing, and a loaded machine may take more than 100 ms to replicate.
     processor = Processor(
+        engine, client, versions=lambda: [version], wait_replicas=1, wait_timeout_ms=5000
+    )
+    impatient = Processor(
         engine, client, versions=lambda: [version], wait_replicas=1, wait_timeout_ms=100
     )
     key = FeatureStore(client, version).key(EntityRef("txn_90d", tenant, "1"))
@@ -160,7 +165,7 @@ def test_a_batch_is_not_acknowledged_until_a_replica_has_it(
     replica.freeze()
     try:
         with pytest.raises(ReplicasBehind) as behind:
-            processor.apply([touch(tenant, 2)])
+            impatient.apply([touch(tenant, 2)])
         assert (behind.value.acknowledged, behind.value.wanted) == (0, 1)
     finally:
         replica.thaw()
