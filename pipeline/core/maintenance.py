@@ -805,22 +805,12 @@ class DerivedPath(IncrementalPath):
     def pending(self, db: Engine | Connection) -> tuple[int, int]:
         """(logged (key, day)s, keys they belong to): a scan of the log."""
         ents = ", ".join(self.entity.columns)
-        sql = sa.text(f"SELECT count(*), count(DISTINCT ({ents})) FROM {self.log}")
-        if isinstance(db, Connection):
-            row = db.execute(sql).one()
-        else:
-            with db.connect() as conn:
-                row = conn.execute(sql).one()
+        row = _one_row(db, f"SELECT count(*), count(DISTINCT ({ents})) FROM {self.log}")
         return int(row[0]), int(row[1])
 
     def summary(self, db: Engine | Connection) -> str:
         sizes = " + ".join(f"pg_total_relation_size('{t}')" for t in self.tables)
-        sql = sa.text(f"SELECT (SELECT count(*) FROM {self.days}), pg_size_pretty({sizes})")
-        if isinstance(db, Connection):
-            row = db.execute(sql).one()
-        else:
-            with db.connect() as conn:
-                row = conn.execute(sql).one()
+        row = _one_row(db, f"SELECT (SELECT count(*) FROM {self.days}), pg_size_pretty({sizes})")
         return f"{row[0]:,} day rows, {row[1]}"
 
     def install(self, conn: Connection) -> None:
@@ -852,6 +842,14 @@ class DerivedPath(IncrementalPath):
             f"create {tables}; statement triggers {self.trigger}_{{i,u,d,t}} on {table}; "
             f"fill them from its rows under LOCK TABLE {table} IN SHARE MODE"
         )
+
+
+def _one_row(db: Engine | Connection, sql: str) -> tuple[Any, ...]:
+    """The one row of ``sql``, in ``db``'s transaction or a connection of its own."""
+    if isinstance(db, Connection):
+        return tuple(db.execute(sa.text(sql)).one())
+    with db.connect() as conn:
+        return tuple(conn.execute(sa.text(sql)).one())
 
 
 def install_missing(conn: Connection, paths: Iterable[IncrementalPath]) -> list[DerivedPath]:
