@@ -35,7 +35,7 @@ from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import DefinitionError, Repository, load
 from pipeline.core.types import ChangeEvent, EntityRef
 from pipeline.deploy.plan import plan
-from tests.conftest import fresh_version
+from tests.helpers import fresh_version
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOP = ROOT / "tests" / "repos" / "shop"

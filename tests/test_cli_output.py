@@ -40,7 +40,7 @@ from pipeline.core.keys import MODELS_KEY
 from pipeline.core.settings import Settings
 from pipeline.inference.models import LogisticModel, ModelRecord, ModelRegistry
 from pipeline.observe.advisor import Figures, advise
-from tests.conftest import fresh_version, serving
+from tests.helpers import fresh_version, serving
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 WIDTH = 80

@@ -30,7 +30,7 @@ from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import load
 from pipeline.core.settings import Settings
 from pipeline.deploy.plan import plan
-from tests.conftest import drop_database, recreate_database
+from tests.helpers import drop_database, recreate_database
 
 AS_OF = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 DAY = 86400

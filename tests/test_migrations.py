@@ -7,7 +7,7 @@ import migrations
 from pipeline.core.db import metadata
 from pipeline.core.errors import ConfigError
 from pipeline.core.settings import Settings
-from tests.conftest import (
+from tests.helpers import (
     FRAUD_MIGRATIONS,
     drop_database,
     migrate,

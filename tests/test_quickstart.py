@@ -24,7 +24,7 @@ import pytest
 import sqlalchemy as sa
 
 from pipeline.core.settings import Settings
-from tests.conftest import drop_database, free_port, recreate_database, wait_until
+from tests.helpers import drop_database, free_port, recreate_database, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))

@@ -23,7 +23,7 @@ import pytest
 from pipeline.core.db import make_engine, ping
 from pipeline.core.errors import ServiceUnavailable
 from pipeline.core.settings import Settings, load_settings
-from tests.conftest import free_port
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))

@@ -54,10 +54,9 @@ from pipeline.core.types import ChangeEvent, EntityRef
 from pipeline.deploy.plan import plan
 from pipeline.deploy.pointer import flip, start
 from pipeline.deploy.warm import active_entities, count_active, warm
-from tests.conftest import drop_database, fresh_version, recreate_database, wait_until
-from tests.pipeline.test_api import running
-from tests.pipeline.test_deploy import under_load
-from tests.pipeline.test_readthrough import read_at_once
+from tests.helpers import drop_database, fresh_version, recreate_database, running, wait_until
+from tests.pipeline.cache.test_readthrough import read_at_once
+from tests.pipeline.deploy.test_deploy import under_load
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "tests" / "repos" / "library"

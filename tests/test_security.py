@@ -26,7 +26,7 @@ import redis
 import sqlalchemy as sa
 from confluent_kafka import KafkaError
 from pydantic import SecretStr
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Engine
 
 from consumers.kafka import Consumer, Producer, admin_client, client_config
 from fraud.seed import SeedSummary
@@ -36,7 +36,6 @@ from pipeline.api.auth import create_api_key
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.cdc.connect import ConnectClient, connector_config, drop_slot, names
-from pipeline.core.db import make_engine
 from pipeline.core.errors import ServiceUnavailable
 from pipeline.core.keys import ACTIVE_SCHEMA_KEY, INVALIDATION_CHANNEL, feature_key
 from pipeline.core.maintenance import DerivedPath
@@ -44,28 +43,7 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from tests.conftest import fresh_version, wait_until
-from tests.pipeline.test_api import running
-
-
-def need(variable: str) -> str:
-    """The value of a ``.stack/env`` variable this test needs."""
-    value = os.environ.get(variable, "")
-    if not value:
-        message = (
-            f"{variable} is not set: the stack runs without this login; restart it "
-            "with scripts/stack down && scripts/stack up"
-        )
-        if os.environ.get("CI") == "true":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-    return value
-
-
-def as_user(settings: Settings, user: str, password: str) -> Settings:
-    return settings.model_copy(
-        update={"redis_username": user, "redis_password": SecretStr(password)}
-    )
+from tests.helpers import as_user, fresh_version, need, role_engine, running, wait_until
 
 
 @pytest.fixture
@@ -81,15 +59,6 @@ def writer_user(settings: Settings) -> Settings:
         settings,
         need("FRESHLINE_STACK_REDIS_WRITER_USER"),
         need("FRESHLINE_STACK_REDIS_WRITER_PASSWORD"),
-    )
-
-
-def role_engine(settings: Settings, variable: str) -> Engine:
-    """An engine on the test database, logged in with the role ``variable`` names."""
-    role = make_url(need(variable))
-    url = make_url(settings.postgres_url).set(username=role.username, password=role.password)
-    return make_engine(
-        settings.model_copy(update={"postgres_url": url.render_as_string(hide_password=False)})
     )
 
 

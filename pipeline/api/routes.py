@@ -115,7 +115,7 @@ async def read_json(request: Request) -> Any:
         value = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         # orjson's own limit (1024 levels) is told apart only by its message; the
-        # 2000-level bodies of tests/pipeline/test_abuse.py fail if that changes.
+        # 2000-level bodies of tests/pipeline/api/test_abuse.py fail if that changes.
         if exc.msg == "depth limit exceeded":
             raise _too_deep() from None
         raise ApiError(400, "invalid_json", f"the request body is not JSON: {exc}") from exc

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
-from tests.conftest import migrate
+from tests.helpers import migrate
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK = Path(os.environ.get("FRESHLINE_STACK_DIR", ROOT / ".stack"))

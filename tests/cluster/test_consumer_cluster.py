@@ -23,7 +23,7 @@ from pipeline.core.settings import Settings
 from pipeline.core.topics import qualified
 from pipeline.core.types import EntityRef
 from pipeline.observe.audit import Auditor
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.cluster
 USERS = 40

@@ -24,7 +24,7 @@ from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.observe.audit import Auditor
 from tests.cluster.conftest import stack
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.cluster
 TXN = REGISTRY["txn_90d"]

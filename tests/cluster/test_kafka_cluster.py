@@ -13,7 +13,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from consumers.topics import ensure
 from pipeline.core.settings import Settings
 from tests.cluster.conftest import stack
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.cluster
 

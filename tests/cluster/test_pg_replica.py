@@ -18,7 +18,7 @@ from pipeline.cache.recompute import compute, current_watermark
 from pipeline.cache.store import FeatureStore
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.cluster
 TXN = REGISTRY["txn_90d"]

@@ -26,7 +26,7 @@ from pipeline.core.types import EntityRef
 from pipeline.deploy import pointer as deploy
 from pipeline.deploy.purge import purge
 from tests.cluster.conftest import stack
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.cluster
 

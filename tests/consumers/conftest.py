@@ -27,7 +27,7 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.topics import qualified
 from pipeline.core.types import EntityRef
-from tests.conftest import fresh_version
+from tests.helpers import fresh_version
 
 DEADLINE_S = 30.0
 PARTITIONS = 4

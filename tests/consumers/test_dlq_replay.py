@@ -32,7 +32,6 @@ from pipeline.core.keys import dlq_replayed_key
 from pipeline.core.repository import REGISTRY
 from pipeline.core.topics import DLQ
 from pipeline.core.types import EntityRef
-from tests.conftest import ROOT
 from tests.consumers.conftest import (
     PARTITIONS,
     Env,
@@ -40,6 +39,7 @@ from tests.consumers.conftest import (
     emit,
     read_topic,
 )
+from tests.helpers import ROOT
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 SETS = ("txn_90d", "geo")

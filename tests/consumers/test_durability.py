@@ -37,8 +37,8 @@ from pipeline.cache.recompute import (
 from pipeline.cache.store import FeatureStore
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import ChangeEvent, EntityRef
-from tests.conftest import ANCHOR, free_port, migrate
-from tests.pipeline.test_visibility import PG_BIN, postgres
+from tests.helpers import ANCHOR, free_port, migrate
+from tests.pipeline.cache.test_visibility import PG_BIN, postgres
 
 ATTEMPTS = 5
 INSERT_LSN = sa.text("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn")

@@ -23,7 +23,7 @@ from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
-from tests.conftest import free_port, fresh_version
+from tests.helpers import free_port, fresh_version
 
 DEADLINE_S = 60.0
 """The test's own bound on a write to a stalled server: far above any timeout here."""

@@ -34,9 +34,9 @@ from pipeline.cache.store import FeatureStore
 from pipeline.core.errors import ConfigError
 from pipeline.core.settings import Settings
 from pipeline.core.types import ChangeEvent, EntityRef
-from tests.conftest import free_port
 from tests.consumers.conftest import Env, emit, wait_for
 from tests.consumers.test_worker_faults import Running, committed
+from tests.helpers import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -25,7 +25,7 @@ from pipeline.core.db import make_engine
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from tests.conftest import ANCHOR, drop_database, migrate, recreate_database
+from tests.helpers import ANCHOR, drop_database, migrate, recreate_database
 
 DEVICE_RISK = REGISTRY["device_risk"]
 TXN_90D = REGISTRY["txn_90d"]

@@ -1,0 +1,299 @@
+"""Plain helpers the tests share: the stack's environment, databases, versions, ports, an
+in-process API client and least-privilege logins. Fixtures live in ``conftest.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import anyio.from_thread
+import httpx
+import pytest
+import redis
+import sqlalchemy as sa
+from pydantic import SecretStr
+from sqlalchemy.engine import Engine, make_url
+from starlette.applications import Starlette
+
+import migrations
+from pipeline.core.db import make_engine
+from pipeline.core.features import Registry
+from pipeline.core.maintenance import install_missing
+from pipeline.core.repository import REGISTRY
+from pipeline.core.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+FRAUD_MIGRATIONS = migrations.Chain.of(ROOT / "examples" / "fraud" / "migrations", "fraud")
+
+
+def migrate(url: str, fraud_revision: str = "head") -> None:
+    """freshline's schema at head, and the fraud example's tables at ``fraud_revision``;
+    at head, also the derived incremental paths ``apply --alter-tables`` installs."""
+    migrations.upgrade(url, repo=FRAUD_MIGRATIONS, repo_revision=fraud_revision)
+    if fraud_revision == "head":
+        engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+        try:
+            with engine.begin() as conn:
+                install_missing(conn, REGISTRY.maintenances())
+        finally:
+            engine.dispose()
+
+
+def load_stack_env(path: Path = ROOT / ".stack" / "env") -> None:
+    """Take the local stack's connection settings from ``.stack/env`` (``scripts/stack up``
+    writes it) unless the environment names a Postgres already; set variables win."""
+    if "FRESHLINE_POSTGRES_URL" in os.environ or not path.is_file():
+        return
+    for line in path.read_text().splitlines():
+        key, sep, value = line.strip().partition("=")
+        if not sep or key.startswith("#"):
+            continue
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        os.environ.setdefault(key, value)
+
+
+def act_as_operator() -> None:
+    """Tests act as the operator: the Postgres owner and the Redis admin, in this process
+    and in the ``freshline`` processes they start. The least-privilege logins that
+    ``.stack/env`` names as the defaults stay at hand, as ``FRESHLINE_STACK_POSTGRES_API_URL``
+    and ``FRESHLINE_STACK_REDIS_API_{USER,PASSWORD}``, for the tests of those logins."""
+    admin_url = os.environ.pop("FRESHLINE_POSTGRES_ADMIN_URL", "")
+    if admin_url and os.environ.get("FRESHLINE_POSTGRES_URL", admin_url) != admin_url:
+        os.environ["FRESHLINE_STACK_POSTGRES_API_URL"] = os.environ["FRESHLINE_POSTGRES_URL"]
+        os.environ["FRESHLINE_POSTGRES_URL"] = admin_url
+    admin_user = os.environ.get("FRESHLINE_STACK_REDIS_ADMIN_USER", "")
+    if admin_user and os.environ.get("FRESHLINE_REDIS_USERNAME") != admin_user:
+        os.environ["FRESHLINE_STACK_REDIS_API_USER"] = os.environ.get(
+            "FRESHLINE_REDIS_USERNAME", ""
+        )
+        os.environ["FRESHLINE_STACK_REDIS_API_PASSWORD"] = os.environ.get(
+            "FRESHLINE_REDIS_PASSWORD", ""
+        )
+        os.environ["FRESHLINE_REDIS_USERNAME"] = admin_user
+        os.environ["FRESHLINE_REDIS_PASSWORD"] = os.environ.get(
+            "FRESHLINE_STACK_REDIS_ADMIN_PASSWORD", ""
+        )
+
+
+# Importing the helpers (conftest.py does, first) sets the tests' environment up.
+load_stack_env()
+act_as_operator()
+# The tests run on the fraud example's repository unless told otherwise; the freshline
+# processes they start inherit it.
+os.environ.setdefault("FRESHLINE_REPO", str(ROOT / "examples" / "fraud"))
+
+# One database per test session, so sessions running side by side never collide.
+TEST_DB = os.environ.get("FRESHLINE_TEST_DB", f"freshline_test_{os.getpid()}")
+TEST_REDIS_DB = int(os.environ.get("FRESHLINE_TEST_REDIS_DB", "1"))
+ANCHOR = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+
+
+def _admin_engine(base: Settings) -> Engine:
+    url = make_url(base.postgres_url).set(database="postgres")
+    return sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` until it holds or the deadline passes; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)  # polling interval, not synchronisation
+    return predicate()
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serving(app: Any, timeout: float = 30.0) -> Iterator[int]:
+    """``app`` on a real loopback socket (uvicorn in a thread, lifespan on): its port,
+    until the block ends and the server shuts down."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started or not thread.is_alive(), timeout)
+        if not server.started:
+            pytest.fail("the API did not start on a real socket")
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+def recreate_database(base: Settings, name: str) -> str:
+    """Drop and create ``name``; return its URL."""
+    admin = _admin_engine(base)
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    admin.dispose()
+    return make_url(base.postgres_url).set(database=name).render_as_string(hide_password=False)
+
+
+def drop_database(base: Settings, name: str) -> None:
+    admin = _admin_engine(base)
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+def with_login(url: str, base: Settings) -> str:
+    """``url`` with the settings' Redis login in it, so that the tests' own
+    ``redis.Redis.from_url(settings.redis_url)`` and child processes log in too."""
+    user, password = base.redis_username, base.redis_password.get_secret_value()
+    if not user or "@" in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{rest}"
+
+
+def make_url_redis(url: str, db: int) -> str:
+    head, _, _ = url.rpartition("/")
+    return f"{head}/{db}" if head.count("/") >= 2 else f"{url}/{db}"
+
+
+# Schema versions for tests' own Redis namespaces: consecutive within a session, from
+# a block of a thousand that the session reserves in the tests' Redis, so sessions side
+# by side (a developer's and CI's, or several at once) never share one. Never random per
+# test: a session's tests would collide on the birthday bound.
+VERSION_BLOCKS = "freshline:test:version_blocks"
+
+
+def _version_block() -> int:
+    base = Settings()
+    client = redis.Redis.from_url(with_login(make_url_redis(base.redis_url, TEST_REDIS_DB), base))
+    try:
+        block = int(client.incr(VERSION_BLOCKS))
+        client.expire(VERSION_BLOCKS, 86_400)  # every key has a TTL, this one too
+    finally:
+        client.close()
+    return 100_000 + (block % 899) * 1000
+
+
+@functools.cache
+def _session_versions() -> Iterator[int]:
+    return itertools.count(_version_block())
+
+
+def fresh_version() -> int:
+    """A schema version no other test of this session, or of a session beside it, uses."""
+    return next(_session_versions())
+
+
+UNWINDOWED = Registry(dataclasses.replace(fs, horizon=None) for fs in REGISTRY)
+"""The feature sets without their horizons: an in-process tier serves their entries
+at once, without reading their Redis TTL first (tests of the tier's other rules, with
+entries that are not in Redis)."""
+
+
+class Api:
+    """A synchronous face on an httpx client talking ASGI to the app, in a portal thread."""
+
+    def __init__(
+        self,
+        app: Starlette,
+        portal: anyio.from_thread.BlockingPortal,
+        client: httpx.AsyncClient,
+        key: str | None,
+    ) -> None:
+        self.app = app
+        self.portal = portal
+        self.client = client
+        self.key = key
+
+    def request(
+        self, method: str, url: str, *, key: str | None = "default", **kwargs: Any
+    ) -> httpx.Response:
+        headers = dict(kwargs.pop("headers", {}))
+        key = self.key if key == "default" else key
+        if key is not None:
+            headers.setdefault("Authorization", f"Bearer {key}")
+        call = functools.partial(self.client.request, method, url, headers=headers, **kwargs)
+        return self.portal.call(call)
+
+    def get(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("GET", url, **kwargs)
+
+    def post(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("POST", url, **kwargs)
+
+    def ops(self, url: str, **kwargs: Any) -> httpx.Response:
+        """GET ``url`` from the app's ops-port app (:mod:`pipeline.api.ops`), with no key."""
+
+        async def get() -> httpx.Response:
+            transport = httpx.ASGITransport(app=self.app.state.ops_app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://ops.test") as c:
+                return await c.get(url, **kwargs)
+
+        return self.portal.call(get)
+
+
+@contextmanager
+def running(app: Starlette, key: str | None = None) -> Iterator[Api]:
+    """Run the app's lifespan and yield a client for it."""
+    with (
+        anyio.from_thread.start_blocking_portal() as portal,
+        portal.wrap_async_context_manager(app.router.lifespan_context(app)),
+    ):
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://freshline.test"
+        )
+        try:
+            yield Api(app, portal, client, key)
+        finally:
+            portal.call(client.aclose)
+
+
+def need(variable: str) -> str:
+    """The value of a ``.stack/env`` variable this test needs."""
+    value = os.environ.get(variable, "")
+    if not value:
+        message = (
+            f"{variable} is not set: the stack runs without this login; restart it "
+            "with scripts/stack down && scripts/stack up"
+        )
+        if os.environ.get("CI") == "true":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    return value
+
+
+def as_user(settings: Settings, user: str, password: str) -> Settings:
+    return settings.model_copy(
+        update={"redis_username": user, "redis_password": SecretStr(password)}
+    )
+
+
+def role_engine(settings: Settings, variable: str) -> Engine:
+    """An engine on the test database, logged in with the role ``variable`` names."""
+    role = make_url(need(variable))
+    url = make_url(settings.postgres_url).set(username=role.username, password=role.password)
+    return make_engine(
+        settings.model_copy(update={"postgres_url": url.render_as_string(hide_password=False)})
+    )

@@ -1,0 +1,87 @@
+"""Each tenant's share of a worker's thread pool (issue 30, "Leases always end"), on the
+real Postgres and Redis: one tenant's slow misses hold at most its share of threads."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import httpx
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from fraud.seed import SeedSummary
+from pipeline.api import create_app
+from pipeline.api.auth import create_api_key
+from pipeline.core.settings import Settings
+from tests.helpers import fresh_version, running, wait_until
+
+SHARE = 2
+REQUESTS = 6
+
+
+@pytest.fixture(scope="module")
+def tenants(tenant_factory_module: Callable[..., SeedSummary]) -> list[str]:
+    return tenant_factory_module(users=REQUESTS, transactions=60, tenants=1).tenants
+
+
+def waiting_on(engine: Engine, table: str) -> int:
+    """Backends waiting for a lock on ``table``."""
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = "
+                    "CAST(:t AS regclass)"
+                ),
+                {"t": table},
+            ).scalar_one()
+        )
+
+
+def test_one_tenants_slow_misses_hold_at_most_its_share_of_threads(
+    settings: Settings, engine: Engine, redis_client: redis.Redis, tenants: list[str]
+) -> None:
+    [tenant] = tenants
+    app = create_app(
+        settings.model_copy(
+            update={
+                "schema_version": fresh_version(),  # every read a miss
+                "local_cache_size": 0,
+                "api_tenant_concurrency": SHARE,
+            }
+        ),
+        engine=engine,
+        redis_client=redis_client,
+        follow_deploys=False,
+    )
+    key = create_api_key(engine, tenant)
+    with running(app, key) as api, engine.connect() as locker:
+        # Every read-through of this tenant now blocks in Postgres, holding its thread.
+        locker.execute(sa.text("LOCK TABLE users IN ACCESS EXCLUSIVE MODE"))
+        sent: list[Future[httpx.Response]] = [
+            api.portal.start_task_soon(
+                functools.partial(
+                    api.client.get,
+                    f"/v1/features/txn_90d/{entity}",
+                    headers={"Authorization": f"Bearer {key}"},
+                )
+            )
+            for entity in range(1, REQUESTS + 1)
+        ]
+        slots = getattr(app.state, "tenant_slots", None)
+
+        def settled() -> bool:
+            blocked = waiting_on(engine, "users")
+            every_one_in = slots is not None and slots.busy(tenant) == REQUESTS
+            return blocked == REQUESTS or (every_one_in and blocked == SHARE)
+
+        assert wait_until(settled, timeout=30)
+        assert waiting_on(engine, "users") == SHARE, "one tenant took more than its threads"
+        locker.rollback()  # the lock goes; the waiting requests take their turns
+        answers = [f.result(timeout=60) for f in sent]
+    assert [a.status_code for a in answers] == [200] * REQUESTS
+    assert slots is not None and slots.busy(tenant) == 0
