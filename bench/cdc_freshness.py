@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import orjson
@@ -71,7 +71,7 @@ FEATURE_SETS = ("txn_90d", "geo")
 UPDATE_SHARE = 0.3
 SAMPLE_ROWS = 20_000
 """Rows sampled for the writers' users (their users in proportion to their rows)."""
-PATHS = ("full", "incremental")
+PATHS: tuple[Literal["full", "incremental"], ...] = ("full", "incremental")
 """The recompute path of both feature sets (``FRESHLINE_RECOMPUTE_PATHS``), one window
 each, with a consumer started for it; the target is read on "incremental"."""
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))

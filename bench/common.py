@@ -29,13 +29,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 from urllib.parse import quote
 
 import numpy as np
+import psycopg
 import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.pool import PoolProxiedConnection
 
 from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.recompute import unpack_watermark
@@ -52,6 +54,7 @@ sys.path.insert(0, str(REPO / "examples" / "fraud"))
 ANCHOR = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
 now_ns = time.perf_counter_ns
+T = TypeVar("T")
 
 
 # -- statistics -------------------------------------------------------------------------
@@ -291,14 +294,16 @@ class Context:
             self._engine = make_engine(self.settings, pool_size=20)
         return self._engine
 
+    # Before the ``redis`` property: in the class body after it, ``redis`` names the
+    # property, not the module.
+    def new_redis(self) -> redis.Redis:
+        return redis_client(self.settings)
+
     @property
     def redis(self) -> redis.Redis:
         if self._redis is None:
             self._redis = redis_client(self.settings)
         return self._redis
-
-    def new_redis(self) -> redis.Redis:
-        return redis_client(self.settings)
 
     def tenant_prefix(self) -> str:
         return f"b{self.tag}{next(_counter)}-"
@@ -343,8 +348,8 @@ class Context:
         if self.topics:
             from consumers.kafka import admin_client
 
-            admin = admin_client(self.settings)  # keep it alive until the futures resolve
-            futures = admin.delete_topics(self.topics, operation_timeout=10)
+            kafka_admin = admin_client(self.settings)  # alive until the futures resolve
+            futures = kafka_admin.delete_topics(self.topics, operation_timeout=10)
             for future in futures.values():
                 with contextlib.suppress(Exception):  # best effort clean-up
                     future.result(timeout=30)
@@ -354,6 +359,14 @@ class Context:
         with admin.connect() as conn:
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)'))
         admin.dispose()
+
+
+def psycopg_of(conn: PoolProxiedConnection) -> psycopg.Connection[Any]:
+    """The psycopg connection under a pooled SQLAlchemy one (for COPY and prepared
+    statements): the engines are psycopg 3's (``make_engine``)."""
+    raw = conn.driver_connection
+    assert isinstance(raw, psycopg.Connection)
+    return raw
 
 
 def _unlink_matching(client: redis.Redis, pattern: str) -> None:
@@ -403,7 +416,13 @@ def targets_table(targets: Sequence[dict[str, Any]]) -> str:
     return table(["target", "this run", "goal", ""], rows)
 
 
-def chunks(seq: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+@overload
+def chunks(seq: np.ndarray[Any, Any], size: int) -> Iterator[np.ndarray[Any, Any]]: ...
+@overload
+def chunks(seq: Sequence[T], size: int) -> Iterator[Sequence[T]]: ...
+def chunks(
+    seq: Sequence[T] | np.ndarray[Any, Any], size: int
+) -> Iterator[Sequence[T] | np.ndarray[Any, Any]]:
     for i in range(0, len(seq), size):
         yield seq[i : i + size]
 

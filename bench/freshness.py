@@ -160,9 +160,9 @@ def token_reads(ctx: common.Context, quick: bool) -> dict[str, Any]:
         if name != "plain"
     }
     # The Python client, 16 threads.
-    r = ctx.new_redis()
+    rc = ctx.new_redis()
     client = FeatureClient(
-        r, version, readthrough=ReadThrough(FeatureStore(r, version), ctx.engine)
+        rc, version, readthrough=ReadThrough(FeatureStore(rc, version), ctx.engine)
     )
     counter = iter(range(10**9))
 
@@ -181,7 +181,7 @@ def token_reads(ctx: common.Context, quick: bool) -> dict[str, Any]:
         calls=800 if quick else 4000,
         concurrency=16,
     )
-    r.close()
+    rc.close()
     return {
         "rounds": rounds,
         "seconds": seconds,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import sys
 from collections.abc import Callable, Iterator
@@ -39,12 +40,14 @@ import sqlalchemy as sa
 
 from bench import common
 from pipeline.cache.recompute import compute
+from pipeline.core.features import Path
 from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import REGISTRY
 
 # txn_90d's incremental path, derived from its declaration.
-(PATH,) = REGISTRY.maintenances()
-assert isinstance(PATH, DerivedPath)
+(_maintenance,) = REGISTRY.maintenances()
+assert isinstance(_maintenance, DerivedPath)
+PATH: DerivedPath = _maintenance
 
 TRIGGERS = tuple(f"{PATH.trigger}_{op}" for op in "iud")
 _COLUMNS = "user_id, amount, currency, merchant_id, device_id, ip, status, created_at, updated_at"
@@ -80,12 +83,13 @@ def _recompute(
     for fs in REGISTRY:
         if fs.incremental is None:
             continue
-        candidates = {}
-        for path in ("full", "incremental"):
+        candidates: dict[str, Callable[[], Any]] = {}
+        paths: tuple[Path, ...] = ("full", "incremental")
+        for path in paths:
             for role in ("head", "median"):
                 ref = [(tenant, who[role]["user"])]
-                candidates[f"{path}_{role}"] = lambda ref=ref, path=path, fs=fs: compute(
-                    ctx.engine, fs, ref, path=path
+                candidates[f"{path}_{role}"] = functools.partial(
+                    compute, ctx.engine, fs, ref, path=path
                 )
         res = common.measure(candidates, rounds=rounds, calls=calls, warmup=3)
         p50 = {name: r["p50_us"] / 1000 for name, r in res.items()}
@@ -143,12 +147,10 @@ def _copy(ctx: common.Context, tenant: str, rows: list[tuple[Any, ...]]) -> None
     for r in rows:
         buf.write("\t".join([tenant, *("\\N" if v is None else str(v) for v in r)]) + "\n")
     with ctx.engine.begin() as conn:
-        raw = conn.connection.driver_connection
+        raw = common.psycopg_of(conn.connection)
         with (
             raw.cursor() as cur,
-            cur.copy(  # type: ignore[union-attr]
-                f"COPY transactions (tenant_id, {_COLUMNS}) FROM STDIN"
-            ) as copy,
+            cur.copy(f"COPY transactions (tenant_id, {_COLUMNS}) FROM STDIN") as copy,
         ):
             copy.write(buf.getvalue())
 
@@ -184,7 +186,7 @@ def write_rounds(
                 toggle(mode == "with")
                 t = f"{ctx.tenant_prefix()}w"
                 scratch.append(t)
-                _, took = common.timed(lambda t=t: _copy(ctx, t, rows))
+                _, took = common.timed(functools.partial(_copy, ctx, t, rows))
                 copy_rates[mode].append(len(rows) / took)
         # Single-row INSERTs in many small blocks, the mode alternating block by block,
         # so that bursts of load from other processes land on both alike.
@@ -192,8 +194,9 @@ def write_rounds(
         scratch += targets.values()
         raw_conn = ctx.engine.raw_connection()
         try:
-            raw_conn.driver_connection.autocommit = True  # type: ignore[union-attr]
-            with raw_conn.driver_connection.cursor() as cur:  # type: ignore[union-attr]
+            driver = common.psycopg_of(raw_conn)
+            driver.autocommit = True
+            with driver.cursor() as cur:
                 i = 0
                 for r in range(insert_rounds):
                     for mode in ("with", "without") if r % 2 == 0 else ("without", "with"):

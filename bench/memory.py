@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+from redis.typing import EncodableT, FieldT
 
 from bench import common
 from pipeline.cache.recompute import compute
@@ -51,7 +52,7 @@ def run(quick: bool) -> dict[str, Any]:
         pipe = ctx.redis.pipeline(transaction=False)
         for (tenant, entity), vals in values.items():
             key = f"{feast_prefix}:{tenant}:{entity}:{fs.name}"
-            mapping: dict[bytes | str, bytes] = {
+            mapping: dict[FieldT, EncodableT] = {
                 _field(fs.name, name): orjson.dumps(vals[name]) for name in fs.field_names
             }
             mapping[f"_ts:{fs.name}"] = orjson.dumps(batches[0].computed_at_ms)

@@ -13,6 +13,7 @@ the bare :func:`compute` of the same single entity, interleaved.
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Any
 
@@ -53,11 +54,9 @@ def _batched(ctx: common.Context, rounds: int, rng: random.Random) -> dict[str, 
             order = ["batched", "per_entity"] if r % 2 == 0 else ["per_entity", "batched"]
             for how in order:
                 if how == "batched":
-                    _, took = common.timed(lambda refs=refs, fs=fs: compute(ctx.engine, fs, refs))
+                    _, took = common.timed(functools.partial(compute, ctx.engine, fs, refs))
                 else:
-                    _, took = common.timed(
-                        lambda refs=refs, fs=fs: _per_entity(ctx.engine, fs, refs)
-                    )
+                    _, took = common.timed(functools.partial(_per_entity, ctx.engine, fs, refs))
                 rates[how].append(BATCH / took)
         batched = float(np.median(rates["batched"]))
         single = float(np.median(rates["per_entity"]))

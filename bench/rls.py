@@ -15,6 +15,7 @@ The policy and the role are dropped afterwards.
 
 from __future__ import annotations
 
+import functools
 import random
 import uuid
 from typing import Any
@@ -80,9 +81,7 @@ def run(quick: bool) -> dict[str, Any]:
                     runs = [runs[1], runs[0], runs[3], runs[2]]
                 found: dict[str, int] = {}
                 for name, engine, refs in runs:
-                    result, took = common.timed(
-                        lambda engine=engine, refs=refs, fs=fs: compute(engine, fs, refs)
-                    )
+                    result, took = common.timed(functools.partial(compute, engine, fs, refs))
                     found[name] = len(result.values)
                     times[name].append(took * 1000)
                 if found["batch"] != found["batch_rls"] or found["one"] != found["one_rls"]:

@@ -13,6 +13,7 @@ The rows/s ratio compares the two on identical rows.
 
 from __future__ import annotations
 
+import functools
 import io
 from typing import Any
 
@@ -92,7 +93,7 @@ def run(quick: bool) -> dict[str, Any]:
             with ctx.engine.begin() as conn:
                 raw = conn.connection.driver_connection
                 load = _copy_rows if how == "copy" else _insert_rows
-                _, took = common.timed(lambda raw=raw, load=load, name=name: load(raw, name, rows))
+                _, took = common.timed(functools.partial(load, raw, name, rows))
             rates[how].append(len(rows) / took)
     with ctx.engine.begin() as conn:
         conn.execute(sa.text("DELETE FROM transactions WHERE tenant_id = ANY(:t)"), {"t": scratch})
