@@ -39,7 +39,6 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import numpy as np
 import orjson
@@ -52,7 +51,6 @@ from consumers.worker import Worker
 from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
-from pipeline.core.features import Registry
 from pipeline.core.keys import INVALIDATION_CHANNEL
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
@@ -60,9 +58,7 @@ from pipeline.core.topics import logical, qualified
 
 HOT_USERS = 20
 HOT_SHARE = 0.8
-# The feature sets the events route to: both by default; FRESHLINE_BENCH_WRITE_SETS=txn_90d
-# measures one set's path alone (against another build's, say).
-FEATURE_SETS = tuple(os.environ.get("FRESHLINE_BENCH_WRITE_SETS", "txn_90d,geo").split(","))
+FEATURE_SETS = ("txn_90d", "geo")
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 
 
@@ -109,19 +105,13 @@ class TimedWorker(Worker):
         return n
 
 
-def _routed() -> Registry:
-    """The active repository's feature sets, those of ``FEATURE_SETS`` only."""
-    return Registry(fs for fs in REGISTRY if fs.name in FEATURE_SETS)
-
-
 def _real(settings: Settings, version: int, n: int) -> dict[str, Any]:
-    with mock.patch("consumers.worker.REGISTRY", _routed()):
-        worker = TimedWorker(
-            settings,
-            topics=[qualified(settings, "transaction.updated")],
-            group=f"{settings.consumer_group}-real-{common.Context.new_schema_version()}",
-            versions=lambda: [version],
-        )
+    worker = TimedWorker(
+        settings,
+        topics=[qualified(settings, "transaction.updated")],
+        group=f"{settings.consumer_group}-real-{common.Context.new_schema_version()}",
+        versions=lambda: [version],
+    )
     totals = worker.run(max_messages=n, timeout=300)
     if totals.consumed < n or worker.first_ns is None:
         raise RuntimeError(f"the worker consumed {totals.consumed} of {n} events")
@@ -139,7 +129,7 @@ def _real(settings: Settings, version: int, n: int) -> dict[str, Any]:
 def _naive(ctx: common.Context, settings: Settings, version: int, n: int) -> dict[str, Any]:
     """One event at a time: decode, route, recompute, write, publish, commit."""
     store = FeatureStore(ctx.redis, version)
-    router = Router(_routed())
+    router = Router()
     consumer = Consumer(
         settings,
         **{"group.id": f"{settings.consumer_group}-naive-{common.Context.new_schema_version()}"},
