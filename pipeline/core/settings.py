@@ -1,5 +1,10 @@
 """One frozen settings object, read from ``FRESHLINE_*`` environment variables.
 
+:class:`Settings` composes groups (:class:`PostgresSettings`, :class:`RedisSettings`,
+...) by inheritance: every field stays ``settings.<name>`` and one ``FRESHLINE_<NAME>``
+variable, while each group is a section of ``docs/settings.md``, generated from the
+fields' docstrings by :mod:`pipeline.core.settings_doc`.
+
 Nothing reads the environment at import time: call :func:`load_settings` once at
 start-up and pass the object on, or build ``Settings()`` yourself in tests. Defaults
 point at the local stack started by ``scripts/stack up``.
@@ -15,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from pipeline.core.errors import ConfigError
@@ -63,13 +68,22 @@ def repository_schema_version() -> int:
     return version if ok else 1
 
 
-class Settings(BaseSettings):
-    """Every knob freshline has. See the README's "Settings" table."""
+def _comma_separated(value: object) -> object:
+    """A comma-separated variable's parts, blanks dropped; any other value as it is."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
 
-    # A value refused is never echoed: it may hold a password.
-    model_config = SettingsConfigDict(
-        env_prefix="FRESHLINE_", frozen=True, extra="ignore", hide_input_in_errors=True
-    )
+
+class SettingsGroup(BaseModel):
+    """A group of settings: its fields' docstrings are their descriptions, from which
+    ``docs/settings.md`` is generated (:mod:`pipeline.core.settings_doc`)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+
+class PostgresSettings(SettingsGroup):
+    """Postgres: the source database freshline computes features from."""
 
     postgres_url: str = "postgresql+psycopg://freshline:freshline@127.0.0.1:5432/freshline"
     postgres_admin_url: str = ""
@@ -78,6 +92,44 @@ class Settings(BaseSettings):
     """A hot standby for the read API's feature queries; empty: ``postgres_url``. Its
     results are stored only once it has replayed past the primary's position (see
     :mod:`pipeline.cache.readthrough`); while it lags they are served uncached."""
+    postgres_durable_wait_ms: int = Field(default=2000, ge=0)
+    """How long a batch waits for Postgres to flush its WAL past the batch's snapshot
+    before it writes (asynchronous commits are visible before they are durable); then
+    the batch is retried. 0: no wait, only if every writer commits synchronously."""
+
+    @field_validator("postgres_url", "postgres_admin_url", "postgres_replica_url")
+    @classmethod
+    def _database_url(cls, value: str) -> str:
+        """A database URL SQLAlchemy reads as written. It reads a password up to its
+        first ``@`` and the rest as the host, which every connection error would then
+        show: such a URL is refused, and the message never echoes it."""
+        if not value:
+            return value
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            url = make_url(value)
+        except ArgumentError:
+            raise ValueError(
+                "not a database URL (postgresql+psycopg://user:password@host:port/database)"
+            ) from None
+        if "@" in (url.host or ""):
+            raise ValueError(
+                "its password holds an '@': write it as %40 (the URL's password ends at its "
+                "first '@')"
+            )
+        return value
+
+    @property
+    def migration_url(self) -> str:
+        """The URL migrations and other owner-only work run with."""
+        return self.postgres_admin_url or self.postgres_url
+
+
+class RedisSettings(SettingsGroup):
+    """Redis: the feature store, the inference and semantic caches."""
+
     redis_url: str = "redis://127.0.0.1:6379/0"
     """``redis://`` or ``rediss://`` (TLS); credentials may sit in it or below."""
     redis_username: str = ""
@@ -89,11 +141,6 @@ class Settings(BaseSettings):
     """A client certificate and key, for servers that require one (``tls-auth-clients``)."""
     redis_cluster: bool = False
     """Redis Cluster: ``redis_url`` names one node of it, the client finds the rest."""
-    consumer_redis_timeout_s: float = Field(default=5.0, gt=0)
-    """How long a consumer waits for a Redis reply; then the command fails, and the
-    batch is retried (recomputed) like any transient failure."""
-    consumer_redis_connect_timeout_s: float = Field(default=2.0, gt=0)
-    """How long a consumer waits for a connection to Redis."""
     redis_wait_replicas: int = Field(default=0, ge=0)
     """Replicas that must acknowledge a batch's Redis writes (``WAIT``) before the
     consumer commits its offsets; fewer within ``redis_wait_timeout_ms`` holds the batch
@@ -101,26 +148,28 @@ class Settings(BaseSettings):
     Redis Cluster."""
     redis_wait_timeout_ms: int = Field(default=1000, ge=1)
     """How long one ``WAIT`` may block; below ``consumer_redis_timeout_s``."""
-    postgres_durable_wait_ms: int = Field(default=2000, ge=0)
-    """How long a batch waits for Postgres to flush its WAL past the batch's snapshot
-    before it writes (asynchronous commits are visible before they are durable); then
-    the batch is retried. 0: no wait, only if every writer commits synchronously."""
+
+
+class KafkaSettings(SettingsGroup):
+    """Kafka, its topics, and Kafka Connect (Debezium)."""
+
     kafka_bootstrap: str = "127.0.0.1:9092"
     kafka_security_protocol: Literal["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"] = "plaintext"
     kafka_sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = ""
     kafka_sasl_username: str = ""
     kafka_sasl_password: SecretStr = SecretStr("")
     kafka_ssl_ca: str = ""
+    topic_prefix: str = Field(default="", pattern=r"^[A-Za-z0-9_.\-]*$")
+    topic_partitions: int = Field(default=6, ge=1, le=1000)
     connect_url: str = "http://127.0.0.1:8083"
     connect_secrets_file: str = ""
     """A properties file on the Connect worker with ``database.password``, read by its
     FileConfigProvider; empty: the password goes into the connector config in clear."""
 
-    schema_version: int = Field(default_factory=repository_schema_version, ge=1, le=999_999)
-    """The version this code writes and reads: ``FRESHLINE_SCHEMA_VERSION``, else the
-    active repository's ``project.schema_version`` (``freshline.toml``), else 1."""
-    topic_prefix: str = Field(default="", pattern=r"^[A-Za-z0-9_.\-]*$")
-    topic_partitions: int = Field(default=6, ge=1, le=1000)
+
+class ConsumerSettings(SettingsGroup):
+    """The consumers: batches, offsets, recompute paths, their Redis timeouts."""
+
     consumer_group: str = "freshline"
     auto_offset_reset: Literal["earliest", "latest"] = "earliest"
     batch_max_events: int = Field(default=2000, ge=1)
@@ -128,7 +177,25 @@ class Settings(BaseSettings):
     max_message_bytes: int = Field(default=1_000_000, ge=1024)
     consumer_metrics_host: str = "127.0.0.1"
     consumer_metrics_port: int = Field(default=9464, ge=0, le=65535)
+    consumer_redis_timeout_s: float = Field(default=5.0, gt=0)
+    """How long a consumer waits for a Redis reply; then the command fails, and the
+    batch is retried (recomputed) like any transient failure."""
+    consumer_redis_connect_timeout_s: float = Field(default=2.0, gt=0)
+    """How long a consumer waits for a connection to Redis."""
+    recompute_paths: dict[str, Literal["full", "incremental"]] = Field(default_factory=dict)
+    """Per feature set, JSON: ``{"txn_90d": "full"}``; others keep their declared path."""
+    bucket_fold_interval_ms: int = Field(default=1000, ge=0)
+    """How often each consumer folds pending bucket deltas into the buckets (0: never;
+    then run ``freshline buckets fold --follow``)."""
 
+
+class CacheSettings(SettingsGroup):
+    """Feature entries: the key namespace, read-through leases, freshness tokens, the
+    write fence, and the in-process tier."""
+
+    schema_version: int = Field(default_factory=repository_schema_version, ge=1, le=999_999)
+    """The version this code writes and reads: ``FRESHLINE_SCHEMA_VERSION``, else the
+    active repository's ``project.schema_version`` (``freshline.toml``), else 1."""
     lease_ms: int = Field(default=5000, ge=10)
     read_wait_ms: int = Field(default=2000, ge=0)
     token_wait_ms: int = Field(default=100, ge=0)
@@ -137,13 +204,17 @@ class Settings(BaseSettings):
     token_wait_max_ms: int = Field(default=2000, ge=0)
     """The most a request's ``wait_ms`` may ask; more is cut to this."""
     tombstone_ttl_s: int = Field(default=300, ge=1)
+    local_cache_size: int = Field(default=100_000, ge=0)
+    subscription_silence_ms: int = Field(default=1000, ge=50, le=60_000)
+
+
+class ApiSettings(SettingsGroup):
+    """The read API: its address, limits, authentication and TLS."""
 
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=8000, ge=1, le=65535)
     api_batch_limit: int = Field(default=500, ge=1)
     api_body_limit_bytes: int = Field(default=1_000_000, ge=1024)
-    local_cache_size: int = Field(default=100_000, ge=0)
-    subscription_silence_ms: int = Field(default=1000, ge=50, le=60_000)
     api_rate_per_s: float = Field(default=1000.0, ge=0)
     """Requests per second per API key and worker (token bucket; 0: no limit)."""
     api_rate_burst: int = Field(default=2000, ge=1)
@@ -175,6 +246,26 @@ class Settings(BaseSettings):
     api_ready_cache_s: float = Field(default=1.0, ge=0)
     """How long ``/readyz`` reuses its Redis and Postgres check (one check at a time)."""
 
+    @field_validator("api_trusted_proxies", mode="before")
+    @classmethod
+    def _proxies_comma_separated(cls, value: object) -> object:
+        return _comma_separated(value)
+
+    @field_validator("api_trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        networks = []
+        for proxy in value:
+            try:
+                networks.append(str(ipaddress.ip_network(proxy, strict=False)))
+            except ValueError:
+                raise ValueError(f"{proxy!r} is not an IP address or CIDR network") from None
+        return networks
+
+
+class OpsSettings(SettingsGroup):
+    """The operator's endpoints: ``/metrics``, ``/status`` and the probes."""
+
     ops_host: str = "127.0.0.1"
     ops_port: int = Field(default=9465, ge=0, le=65535)
     """Where ``freshline serve`` serves ``/metrics``, ``/status`` and ``/status.json`` (and
@@ -186,11 +277,9 @@ class Settings(BaseSettings):
     """How long ``/metrics`` and ``/status`` reuse their Redis sample and broker lag: requests
     drive at most one sample (a SCAN of Redis) per period. 0: sample every request."""
 
-    recompute_paths: dict[str, Literal["full", "incremental"]] = Field(default_factory=dict)
-    """Per feature set, JSON: ``{"txn_90d": "full"}``; others keep their declared path."""
-    bucket_fold_interval_ms: int = Field(default=1000, ge=0)
-    """How often each consumer folds pending bucket deltas into the buckets (0: never;
-    then run ``freshline buckets fold --follow``)."""
+
+class InferenceSettings(SettingsGroup):
+    """The inference cache of model predictions."""
 
     inference_decimals: int = Field(default=4, ge=0, le=12)
     inference_ttl_s: int = Field(default=3600, ge=1)
@@ -199,6 +288,10 @@ class Settings(BaseSettings):
     inference_tenant_max_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     """Bytes one tenant's cached predictions may take (keys, values, bookkeeping);
     past it, that tenant's oldest go."""
+
+
+class SemanticSettings(SettingsGroup):
+    """The semantic cache of LLM responses (``freshline[semantic]``)."""
 
     semantic_enabled: bool = False
     """Serve the semantic cache of LLM responses (``/v1/llm/cache/*``); needs the
@@ -236,47 +329,10 @@ class Settings(BaseSettings):
     ``semantic_thresholds`` and ``semantic_max_entries_per_model``. Any other model
     a request names is counted as ``other``: callers choose no label values."""
 
-    @field_validator("postgres_url", "postgres_admin_url", "postgres_replica_url")
+    @field_validator("semantic_models", mode="before")
     @classmethod
-    def _database_url(cls, value: str) -> str:
-        """A database URL SQLAlchemy reads as written. It reads a password up to its
-        first ``@`` and the rest as the host, which every connection error would then
-        show: such a URL is refused, and the message never echoes it."""
-        if not value:
-            return value
-        from sqlalchemy.engine import make_url
-        from sqlalchemy.exc import ArgumentError
-
-        try:
-            url = make_url(value)
-        except ArgumentError:
-            raise ValueError(
-                "not a database URL (postgresql+psycopg://user:password@host:port/database)"
-            ) from None
-        if "@" in (url.host or ""):
-            raise ValueError(
-                "its password holds an '@': write it as %40 (the URL's password ends at its "
-                "first '@')"
-            )
-        return value
-
-    @field_validator("api_trusted_proxies", "semantic_models", mode="before")
-    @classmethod
-    def _comma_separated(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
-
-    @field_validator("api_trusted_proxies")
-    @classmethod
-    def _networks(cls, value: list[str]) -> list[str]:
-        networks = []
-        for proxy in value:
-            try:
-                networks.append(str(ipaddress.ip_network(proxy, strict=False)))
-            except ValueError:
-                raise ValueError(f"{proxy!r} is not an IP address or CIDR network") from None
-        return networks
+    def _models_comma_separated(cls, value: object) -> object:
+        return _comma_separated(value)
 
     @field_validator("semantic_thresholds")
     @classmethod
@@ -294,14 +350,32 @@ class Settings(BaseSettings):
                 raise ValueError(f"max entries {n} for {model!r} is not at least 1")
         return value
 
-    @property
-    def migration_url(self) -> str:
-        """The URL migrations and other owner-only work run with."""
-        return self.postgres_admin_url or self.postgres_url
-
     def semantic_threshold_for(self, model: str) -> float:
         """The similarity a cached response must reach to be served for ``model``."""
         return self.semantic_thresholds.get(model, self.semantic_threshold)
+
+
+# pydantic orders inherited fields from the last base to the first: the groups are
+# listed last-first so that fields (in repr, model_dump) keep the order read above.
+class Settings(
+    SemanticSettings,
+    InferenceSettings,
+    OpsSettings,
+    ApiSettings,
+    CacheSettings,
+    ConsumerSettings,
+    KafkaSettings,
+    RedisSettings,
+    PostgresSettings,
+    BaseSettings,
+):
+    """Every knob freshline has, composed of the groups above: each field is one
+    ``FRESHLINE_<NAME>`` variable, documented in ``docs/settings.md``."""
+
+    # A value refused is never echoed: it may hold a password.
+    model_config = SettingsConfigDict(
+        env_prefix="FRESHLINE_", frozen=True, extra="ignore", hide_input_in_errors=True
+    )
 
     def __repr_args__(self) -> Iterable[tuple[str | None, Any]]:
         """What ``repr()`` and ``str()`` show: URLs with their passwords masked (and
