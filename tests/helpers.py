@@ -22,6 +22,7 @@ import httpx
 import pytest
 import redis
 import sqlalchemy as sa
+from confluent_kafka import Message
 from pydantic import SecretStr
 from sqlalchemy.engine import Engine, make_url
 from starlette.applications import Starlette
@@ -297,3 +298,26 @@ def role_engine(settings: Settings, variable: str) -> Engine:
     return make_engine(
         settings.model_copy(update={"postgres_url": url.render_as_string(hide_password=False)})
     )
+
+
+def kafka_header_pairs(msg: Message) -> list[tuple[str, str | bytes | None]]:
+    """``msg``'s headers in order, as (name, value) pairs."""
+    raw = msg.headers() or []
+    return list(raw.items()) if isinstance(raw, dict) else raw
+
+
+def kafka_headers(msg: Message) -> dict[str, bytes]:
+    """``msg``'s headers by name (the last of a repeated name), as bytes; a header
+    without a value fails the test."""
+    out: dict[str, bytes] = {}
+    for name, value in kafka_header_pairs(msg):
+        assert value is not None, f"header {name!r} has no value"
+        out[name] = value.encode() if isinstance(value, str) else value
+    return out
+
+
+def kafka_value(msg: Message) -> bytes:
+    """``msg``'s value; a record without one (a tombstone) fails the test."""
+    value = msg.value()
+    assert value is not None, f"{msg.topic()}[{msg.partition()}]@{msg.offset()} has no value"
+    return value

@@ -35,7 +35,7 @@ class Loop:
     """``step`` in a thread until stopped, counting successes and Redis errors; it stops
     only after a step that succeeded, so the last one is whole."""
 
-    def __init__(self, step: Callable[[int], None]) -> None:
+    def __init__(self, step: Callable[[int], object]) -> None:
         self.ok = self.errors = 0
         self._stop = threading.Event()
         self._step = step

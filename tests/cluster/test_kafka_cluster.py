@@ -13,7 +13,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from consumers.topics import ensure
 from pipeline.core.settings import Settings
 from tests.cluster.conftest import stack
-from tests.helpers import wait_until
+from tests.helpers import kafka_value, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -101,7 +101,7 @@ def test_a_killed_broker_loses_no_acknowledged_message(cluster_settings: Setting
     def drained() -> bool:
         for msg in consumer.consume(500, timeout=0.5):
             if msg.error() is None:
-                seen.add(int(msg.value()))
+                seen.add(int(kafka_value(msg)))
         return len(seen) == N
 
     try:

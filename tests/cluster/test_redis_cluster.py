@@ -260,7 +260,7 @@ def test_a_killed_master_fails_over_and_writes_and_reads_recover(
         def promoted() -> bool:
             try:
                 client.nodes_manager.initialize()
-                return client.get_node_from_key(key).port != victim.port
+                return bool(client.get_node_from_key(key).port != victim.port)
             except redis.exceptions.RedisError:
                 return False
 
@@ -297,12 +297,12 @@ def test_the_audit_reads_and_samples_every_master(
     assert complete and len(keys) == 60
 
 
-def test_the_apis_asyncio_twin_reads_across_slots(
-    cluster_redis: redis.Redis, tenant: str, version: int
+def test_the_apis_asyncio_client_reads_across_slots(
+    cluster_settings: Settings, cluster_redis: redis.Redis, tenant: str, version: int
 ) -> None:
     import asyncio
 
-    from pipeline.api.app import async_twin
+    from pipeline.api.fastpath import async_client
     from pipeline.core.cluster import amget
 
     store = FeatureStore(cluster_redis, version)
@@ -310,7 +310,7 @@ def test_the_apis_asyncio_twin_reads_across_slots(
     keys = store.read_keys(refs(tenant, range(40)))
 
     async def read() -> list[Any]:
-        twin = async_twin(cluster_redis)
+        twin = async_client(cluster_settings)
         try:
             assert is_cluster(twin)
             return await amget(twin, keys)

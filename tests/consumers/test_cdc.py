@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -152,6 +153,7 @@ def snapshot(client: redis.Redis, version: int) -> dict[Key, bytes]:
         _, _, fs, tag = key.decode().split(":", 3)
         tenant, entity = tag.strip("{}").split(":")
         if raw is not None:
+            assert isinstance(raw, bytes)  # the client does not decode responses
             out[(fs, tenant, entity)] = raw
     return out
 
@@ -170,7 +172,7 @@ def assert_fresh(engine: Engine, client: redis.Redis, version: int, keys: set[Ke
         assert entry.values == truth, (fs, tenant, entity)
 
 
-def sql(engine: Engine, statement: str, **params: object) -> list[sa.Row[tuple[object, ...]]]:
+def sql(engine: Engine, statement: str, **params: object) -> list[sa.Row[*tuple[Any, ...]]]:
     with engine.begin() as conn:
         result = conn.execute(sa.text(statement), params)
         return list(result) if result.returns_rows else []
@@ -454,7 +456,7 @@ def test_restarting_the_connect_worker_mid_burst_loses_nothing(
 
     def stale() -> list[tuple[Key, object, object]]:
         store = FeatureStore(redis_client, version)
-        found = []
+        found: list[tuple[Key, object, object]] = []
         for fs, t, u in sorted(keys):
             truth = compute(engine, REGISTRY[fs], [(t, u)]).values[(t, u)]
             entry = store.read([EntityRef(fs, t, u)])[0]

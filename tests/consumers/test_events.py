@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from consumers.events import EventRejected, decode
-from pipeline.core.types import ChangeEvent
+from pipeline.core.types import ChangeEvent, Op
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TOPIC = "freshline.public.transactions"
@@ -253,13 +253,13 @@ def test_table_comes_from_source_when_the_topic_was_renamed() -> None:
     ],
 )
 def test_domain_events(
-    topic: str, body: dict[str, Any], table: str, op: str, row: dict[str, Any]
+    topic: str, body: dict[str, Any], table: str, op: Op, row: dict[str, Any]
 ) -> None:
     event = decode(topic, b"acme:42", encode(body))
     assert event == ChangeEvent(
         table=table,
         op=op,
-        tenant="acme",  # type: ignore[arg-type]
+        tenant="acme",
         row=row,
         watermark=0,
         committed_at_ms=None,

@@ -35,6 +35,7 @@ from tests.consumers.conftest import (
     read_topic,
     wait_for,
 )
+from tests.helpers import kafka_headers
 
 pytestmark = pytest.mark.kafka
 
@@ -143,7 +144,7 @@ def test_a_record_naming_a_transaction_not_yet_issued_is_dead_lettered(
         "the forged record dead-lettered and the real one applied",
     )
     [dead] = read_topic(consumer_factory(), env.topic(DLQ), 1, PARTITIONS)
-    assert dict(dead.headers())[ERROR_KIND] == b"impossible_txid"
+    assert kafka_headers(dead)[ERROR_KIND] == b"impossible_txid"
     assert_redis_equals_postgres(engine, redis_client, env, {7})
     store = FeatureStore(redis_client, env.settings.schema_version)
     assert store.read([EntityRef("txn_90d", env.tenant, "8")]) == [None]  # nothing applied

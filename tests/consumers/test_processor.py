@@ -19,7 +19,7 @@ from pipeline.cache.store import FeatureStore
 from pipeline.core.keys import INVALIDATION_CHANNEL, feature_pattern
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
-from pipeline.core.types import ChangeEvent, EntityRef, Entry
+from pipeline.core.types import ChangeEvent, EntityRef, Entry, FeatureValues
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def make(engine: Engine, client: redis.Redis, version: int) -> Processor:
     return Processor(engine, client, versions=lambda: [version])
 
 
-def stored(client: redis.Redis, version: int, tenant: str) -> dict[tuple[str, str], dict]:
+def stored(client: redis.Redis, version: int, tenant: str) -> dict[tuple[str, str], FeatureValues]:
     store = FeatureStore(client, version)
     out = {}
     for key in client.scan_iter(match=feature_pattern(version), count=1000):
@@ -44,7 +44,7 @@ def stored(client: redis.Redis, version: int, tenant: str) -> dict[tuple[str, st
     return out
 
 
-def truth(engine: Engine, name: str, tenant: str, users: list[str]) -> dict[str, dict]:
+def truth(engine: Engine, name: str, tenant: str, users: list[str]) -> dict[str, FeatureValues]:
     batch = compute(engine, REGISTRY[name], [(tenant, u) for u in users])
     return {u: batch.values[(tenant, u)] for u in users}
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.connection import AbstractConnection
 from sqlalchemy.engine import Engine
 
 from consumers.failures import TRANSIENT
@@ -38,6 +39,7 @@ def test_the_consumers_client_has_timeouts_and_no_retry(settings: Settings) -> N
         options = worker.redis.connection_pool.connection_kwargs
         assert (options.get("socket_timeout"), options.get("socket_connect_timeout")) == (3.5, 1.5)
         connection = worker.redis.connection_pool.make_connection()
+        assert isinstance(connection, AbstractConnection)
         assert connection.retry.get_retries() == 0
     finally:
         worker.close()

@@ -29,6 +29,7 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.topics import DLQ
 from pipeline.core.types import EntityRef
 from tests.consumers.conftest import PARTITIONS, Env, read_topic
+from tests.helpers import kafka_headers
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -93,6 +94,6 @@ def test_a_forged_truncate_on_a_domain_event_topic_voids_nothing(
     totals = Worker(env.settings, topics=[domain_style_topic]).run(max_messages=1, timeout=60)
     assert (totals.consumed, totals.applied, totals.dead_lettered) == (1, 0, 1)
     [dead] = read_topic(consumer_factory(), env.topic(DLQ), 1, PARTITIONS)
-    assert dict(dead.headers())[ERROR_KIND] == b"truncate_outside_cdc"
+    assert kafka_headers(dead)[ERROR_KIND] == b"truncate_outside_cdc"
     entries = store.read([EntityRef("device_risk", t, e) for t, e in refs])
     assert None not in entries  # every tenant's entries still served

@@ -12,13 +12,13 @@ import hashlib
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import confluent_kafka
 import pytest
 import redis
 from confluent_kafka import Consumer as RawConsumer
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 from sqlalchemy.engine import Engine
 
@@ -34,23 +34,32 @@ from tests.consumers.conftest import (
     read_topic,
     wait_for,
 )
+from tests.helpers import kafka_headers, kafka_value
 
 pytestmark = pytest.mark.kafka
 
 BROKER_DEFAULT_MAX_MESSAGE_BYTES = 1_048_588
 
 
+class RunArgs(TypedDict, total=False):
+    """:meth:`Worker.run`'s keyword arguments."""
+
+    max_messages: int | None
+    timeout: float | None
+    idle_timeout: float | None
+
+
 class Running:
     """A worker's ``run`` in a thread: its totals, or the exception that ended it."""
 
-    def __init__(self, worker: Worker, **run_args: float) -> None:
+    def __init__(self, worker: Worker, **run_args: Unpack[RunArgs]) -> None:
         self.worker = worker
         self.totals: Totals | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, kwargs=run_args, daemon=True)
         self.thread.start()
 
-    def _run(self, **run_args: float) -> None:
+    def _run(self, **run_args: Unpack[RunArgs]) -> None:
         try:
             self.totals = self.worker.run(**run_args)
         except BaseException as exc:  # reported to the test, which asserts on it
@@ -120,12 +129,12 @@ def test_a_record_too_big_to_dead_letter_whole_is_cut_and_the_stream_goes_on(
     assert (totals.consumed, totals.applied, totals.dead_lettered) == (3, 2, 1)
     assert_redis_equals_postgres(engine, redis_client, env, {3, 4})
     [copy] = read_topic(consumer_factory(), env.topic(DLQ), 1, PARTITIONS)
-    headers = dict(copy.headers())
+    headers = kafka_headers(copy)
     assert headers[ERROR_KIND] == b"oversized"
     assert headers[TRUNCATED] == b"1"
     assert int(headers[ORIGINAL_SIZE]) == len(huge)
     assert headers[VALUE_SHA256].decode() == hashlib.sha256(huge).hexdigest()
-    assert copy.key() == b"k" and huge.startswith(copy.value())
+    assert copy.key() == b"k" and huge.startswith(kafka_value(copy))
 
 
 def test_a_dead_letter_topic_that_refuses_writes_is_retried_and_nothing_is_skipped(
@@ -181,11 +190,13 @@ def test_a_commit_refused_by_a_rebalance_is_not_fatal(
     # The shortest poll interval librdkafka allows with the broker's minimum session.
     first = consumer_factory(group, **{"session.timeout.ms": 6000, "max.poll.interval.ms": 6000})
     first.subscribe([topic])
-    batch: list[object] = []
-    wait_for(
-        lambda: bool(batch.extend(first.consume(10, timeout=0.2)) or len(batch) == 2),
-        "the first member's batch",
-    )
+    batch: list[Message] = []
+
+    def first_batch() -> bool:
+        batch.extend(first.consume(10, timeout=0.2))
+        return len(batch) == 2
+
+    wait_for(first_batch, "the first member's batch")
     # The first member stops polling (a long batch): it leaves the group, and a second
     # member takes its partitions. Its pending commit is then refused.
     second = consumer_factory(group)
@@ -194,7 +205,7 @@ def test_a_commit_refused_by_a_rebalance_is_not_fatal(
         lambda: second.poll(0.2) is not None or len(second.assignment()) == 2,
         "the second member to own both partitions",
     )
-    assert first.commit(batch) == []  # type: ignore[arg-type]
+    assert first.commit(batch) == []
 
 
 class RefusingOnce(confluent_kafka.Consumer):
@@ -226,12 +237,14 @@ def test_a_refused_commit_is_sent_again_for_the_partitions_the_member_keeps(
     first = consumer_factory(group)
     first._inner = RefusingOnce(first._config)
     first.subscribe([topic])
-    batch: list[object] = []
-    wait_for(
-        lambda: bool(batch.extend(first.consume(10, timeout=0.2)) or len(batch) == 2),
-        "the first member's batch",
-    )
-    assert first.commit(batch) == []  # type: ignore[arg-type]
+    batch: list[Message] = []
+
+    def first_batch() -> bool:
+        batch.extend(first.consume(10, timeout=0.2))
+        return len(batch) == 2
+
+    wait_for(first_batch, "the first member's batch")
+    assert first.commit(batch) == []
     # The member keeps both partitions (as the cooperative assignor often lets it), its
     # position past their records. Nothing more arrives, so only the refused offsets
     # sent again commit them; before they were, the group's lag stayed at 2 for good.
