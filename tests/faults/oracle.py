@@ -1,8 +1,12 @@
 """The oracle: what must hold once a scenario's faults are over and the consumers quiesce.
 
 (a) **Values.** For every entity the workload touched, and every entry of its tenant
-    present in Redis, the served entry (active schema version) equals a recompute from
-    Postgres now. Correct or absent: a missing entry or a tombstone passes.
+    present in Redis, the served entry (active schema version) equals two answers that
+    share no code with the consumers' path: the feature set's defining full query
+    (never the incremental path) and a plain Python reference over the raw rows
+    (:mod:`tests.faults.reference`), both at the moment of the check, from one
+    snapshot. Correct or absent: a missing entry or a tombstone passes. The two
+    answers must also agree with each other, for every entity checked.
 (b) **Accounting.** Per partition of every topic the group reads: the group committed
     every record (committed offset = end offset); the domain-event partitions hold
     exactly the records the workload produced, and the CDC topics at least as many
@@ -26,8 +30,9 @@ from __future__ import annotations
 import re
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import redis
@@ -44,8 +49,9 @@ from pipeline.cache.versions import state
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.topics import qualified
-from pipeline.core.types import EntityRef
+from pipeline.core.types import EntityRef, Entry, FeatureValues
 from tests.faults.processes import Counts, Fleet
+from tests.faults.reference import FEATURE_SETS, Values, reference
 from tests.faults.workload import Produced, Ref
 
 Partition = tuple[str, int]
@@ -299,6 +305,8 @@ class Verdict:
     checked: int = 0
     present: int = 0
     mismatches: list[dict[str, Any]] = field(default_factory=list)
+    disagreements: list[dict[str, Any]] = field(default_factory=list)
+    """Values on which the full query and the Python reference differ."""
     accounting: dict[str, Any] = field(default_factory=dict)
     ttl_violations: list[str] = field(default_factory=list)
     dead: list[str] = field(default_factory=list)
@@ -319,6 +327,124 @@ def tenant_keys(client: redis.Redis, version: int, tenant: str) -> set[Ref]:
     return found
 
 
+@dataclass(frozen=True, slots=True)
+class Truth:
+    """What a served entry must equal: two independent answers, at one moment, from one
+    snapshot."""
+
+    as_of: datetime
+    full: dict[str, dict[Ref, FeatureValues]]
+    """Per feature set, the defining full query's values: never the incremental path
+    the consumers may recompute by (``txn_90d``'s, by default)."""
+    reference: dict[str, dict[Ref, Values]]
+    """Per feature set, the plain Python reference's over the raw rows
+    (:mod:`tests.faults.reference`), which shares no code with either query."""
+
+
+def truth(engine: Engine, refs: Sequence[Ref], as_of: datetime | None = None) -> Truth:
+    """Both answers for ``refs`` at ``as_of``: by default the moment of this call
+    (Postgres's ``now()`` in the transaction, as a recompute without ``as_of`` takes).
+
+    One REPEATABLE READ transaction holds them: its first statement takes the snapshot
+    that the full query and the reference's plain SELECTs then both read.
+    """
+    known = set(FEATURE_SETS)
+    if set(REGISTRY.names()) != known:
+        raise ValueError(
+            f"the reference knows {sorted(known)}, the registry has {sorted(REGISTRY.names())}"
+        )
+    with engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
+        moment: datetime = conn.execute(sa.text("SELECT now()")).scalar_one()
+        at = moment if as_of is None else as_of
+        full = {fs.name: compute(conn, fs, refs, as_of=at, path="full").values for fs in REGISTRY}
+        by_hand = reference(conn, refs, at)
+        conn.rollback()
+    return Truth(at, full, by_hand)
+
+
+def compare(
+    refs: Sequence[Ref],
+    served: Mapping[str, Sequence[Entry | None]],
+    want: Truth,
+    verdict: Verdict,
+    last_change: dict[tuple[str, str, str], tuple[int, str, int]] | None = None,
+) -> None:
+    """(a) on entries already read: each present one equals both answers of ``want``.
+
+    ``served`` holds, per feature set, the entries of ``refs`` in order (None: absent or
+    a tombstone, which passes). A mismatch names which answer it differs from. Where
+    the two answers differ from each other (entry or not), the oracle cannot judge:
+    that fails too, as a disagreement.
+    """
+    for name, entries in served.items():
+        for (t, e), entry in zip(refs, entries, strict=True):
+            full, by_hand = want.full[name].get((t, e)), want.reference[name][(t, e)]
+            if full != by_hand:
+                verdict.disagreements.append(
+                    {
+                        "feature_set": name,
+                        "tenant": t,
+                        "entity": e,
+                        "full_query": full,
+                        "reference": by_hand,
+                    }
+                )
+            verdict.checked += 1
+            if entry is None:
+                continue
+            verdict.present += 1
+            differs = [
+                what
+                for what, value in (("full query", full), ("reference", by_hand))
+                if entry.values != value
+            ]
+            if not differs:
+                continue
+            change = (last_change or {}).get((name, t, e))
+            verdict.mismatches.append(
+                {
+                    "feature_set": name,
+                    "tenant": t,
+                    "entity": e,
+                    "served": entry.values,
+                    "differs_from": differs,
+                    "full_query": full,
+                    "reference": by_hand,
+                    "as_of": want.as_of.isoformat(),
+                    "computed_at_ms": entry.computed_at_ms,
+                    "watermark": hex(entry.watermark),
+                    "last_change": None
+                    if change is None
+                    else {
+                        "index": change[0],
+                        "kind": change[1],
+                        "committed_at_ms": change[2],
+                        "entry_computed": "after"
+                        if entry.computed_at_ms >= change[2]
+                        else "before",
+                    },
+                }
+            )
+    if verdict.mismatches:
+        sets = sorted({m["feature_set"] for m in verdict.mismatches})
+        against = {
+            what: sum(what in m["differs_from"] for m in verdict.mismatches)
+            for what in ("full query", "reference")
+        }
+        verdict.failures.append(
+            f"(a) {len(verdict.mismatches)} of {verdict.present} present entries differ "
+            f"(from the full query: {against['full query']}, from the reference: "
+            f"{against['reference']}; {', '.join(sets)}); e.g. {verdict.mismatches[0]}"
+        )
+    if verdict.disagreements:
+        sets = sorted({d["feature_set"] for d in verdict.disagreements})
+        verdict.failures.append(
+            f"(a) the full query and the Python reference disagree on "
+            f"{len(verdict.disagreements)} values ({', '.join(sets)}): a definition and "
+            f"tests/faults/reference.py differ; e.g. {verdict.disagreements[0]}"
+        )
+
+
 def check_values(
     engine: Engine,
     client: redis.Redis,
@@ -328,54 +454,28 @@ def check_values(
     verdict: Verdict,
     last_change: dict[tuple[str, str, str], tuple[int, str, int]] | None = None,
 ) -> None:
-    """(a): served equals recomputed, or is absent.
+    """(a): served equals both the full defining query and the Python reference, or is
+    absent.
 
-    A mismatch names the last change that could alter that feature set of the entity: an
-    entry computed before that change committed was never refreshed after it (an event
-    lost or misrouted); one computed after it read a state without it (a snapshot or
-    visibility problem).
+    Every entry is read first, then both answers at one moment ``T`` (:func:`truth`,
+    ``as_of`` = ``T``, the moment of the comparison). An entry read at ``R`` must equal
+    the truth at ``R``; that is the truth at ``T`` too, since between them nothing
+    commits (the consumers quiesced, the workload is over) and no row enters or leaves
+    a window: the harness keeps the seeded rows ``HORIZON`` away from every window
+    edge (``_clear_edges``), and the workload's rows are created at their commit, far
+    inside. An entry whose horizon passed expired in Redis, so it reads as absent. A
+    workload whose rows cross edges during the check needs ``as_of`` per read instead.
+
+    A mismatch names the last change that could alter that feature set of the entity:
+    an entry computed before that change committed was never refreshed after it (an
+    event lost or misrouted); one computed after it read a state without it (a snapshot
+    or visibility problem).
     """
     version = state(client, settings).active
     refs = sorted(touched | tenant_keys(client, version, tenant))
     store = FeatureStore(client, version)
-    for fs in REGISTRY:
-        entries = store.read([EntityRef(fs.name, t, e) for t, e in refs])
-        truth = compute(engine, fs, refs).values
-        for (t, e), entry in zip(refs, entries, strict=True):
-            verdict.checked += 1
-            if entry is None:
-                continue
-            verdict.present += 1
-            want = truth.get((t, e))
-            if entry.values != want:
-                change = (last_change or {}).get((fs.name, t, e))
-                verdict.mismatches.append(
-                    {
-                        "feature_set": fs.name,
-                        "tenant": t,
-                        "entity": e,
-                        "served": entry.values,
-                        "postgres": want,
-                        "computed_at_ms": entry.computed_at_ms,
-                        "watermark": hex(entry.watermark),
-                        "last_change": None
-                        if change is None
-                        else {
-                            "index": change[0],
-                            "kind": change[1],
-                            "committed_at_ms": change[2],
-                            "entry_computed": "after"
-                            if entry.computed_at_ms >= change[2]
-                            else "before",
-                        },
-                    }
-                )
-    if verdict.mismatches:
-        sets = sorted({m["feature_set"] for m in verdict.mismatches})
-        verdict.failures.append(
-            f"(a) {len(verdict.mismatches)} of {verdict.present} present entries differ from "
-            f"Postgres ({', '.join(sets)}); e.g. {verdict.mismatches[0]}"
-        )
+    served = {fs.name: store.read([EntityRef(fs.name, t, e) for t, e in refs]) for fs in REGISTRY}
+    compare(refs, served, truth(engine, refs), verdict, last_change)
     if verdict.present == 0:
         verdict.failures.append(
             f"(a) no entry present for {len(refs)} entities: the check would pass vacuously"
