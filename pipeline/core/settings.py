@@ -76,26 +76,34 @@ def _comma_separated(value: object) -> object:
 
 
 class SettingsGroup(BaseModel):
-    """A group of settings: its fields' docstrings are their descriptions, from which
-    ``docs/settings.md`` is generated (:mod:`pipeline.core.settings_doc`)."""
+    """A group of settings, one section of ``docs/settings.md``: its ``title`` names the
+    section, its docstring introduces it, and each field's docstring becomes the field's
+    description (pydantic's ``use_attribute_docstrings``), from which
+    :mod:`pipeline.core.settings_doc` writes the table."""
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
 
 class PostgresSettings(SettingsGroup):
-    """Postgres: the source database freshline computes features from."""
+    """The source database freshline computes features from, and how its writes must have
+    reached disk before a batch stores their results."""
+
+    model_config = ConfigDict(title="Postgres")
 
     postgres_url: str = "postgresql+psycopg://freshline:freshline@127.0.0.1:5432/freshline"
+    """The source database (a SQLAlchemy URL, psycopg 3)."""
     postgres_admin_url: str = ""
-    """The owner's URL, for migrations and CDC registration; empty: ``postgres_url``."""
+    """The owner's URL, for ``freshline db upgrade``, ``freshline cdc register`` and other
+    owner-only work; empty: ``postgres_url``."""
     postgres_replica_url: str = ""
     """A hot standby for the read API's feature queries; empty: ``postgres_url``. Its
     results are stored only once it has replayed past the primary's position (see
-    :mod:`pipeline.cache.readthrough`); while it lags they are served uncached."""
+    :mod:`pipeline.cache.readthrough`); while it lags they are served uncached
+    ([Scaling out](scaling.md))."""
     postgres_durable_wait_ms: int = Field(default=2000, ge=0)
     """How long a batch waits for Postgres to flush its WAL past the batch's snapshot
-    before it writes (asynchronous commits are visible before they are durable); then
-    the batch is retried. 0: no wait, only if every writer commits synchronously."""
+    before it writes (an asynchronous commit is visible before it is durable); then the
+    batch is retried. 0: no wait, only if every writer commits synchronously."""
 
     @field_validator("postgres_url", "postgres_admin_url", "postgres_replica_url")
     @classmethod
@@ -128,123 +136,198 @@ class PostgresSettings(SettingsGroup):
 
 
 class RedisSettings(SettingsGroup):
-    """Redis: the feature store, the inference and semantic caches."""
+    """The feature store, which also holds the inference and semantic caches."""
+
+    model_config = ConfigDict(title="Redis")
 
     redis_url: str = "redis://127.0.0.1:6379/0"
-    """``redis://`` or ``rediss://`` (TLS); credentials may sit in it or below."""
+    """The feature store: ``redis://``, or ``rediss://`` for TLS; credentials may sit in
+    it or in ``redis_username`` and ``redis_password``."""
     redis_username: str = ""
+    """The Redis ACL user; wins over one in ``redis_url``."""
     redis_password: SecretStr = SecretStr("")
+    """The Redis ACL user's password (masked when printed); wins over one in
+    ``redis_url``."""
     redis_tls_ca: str = ""
     """A CA file to verify the server with (``rediss://`` only); empty: the system's."""
     redis_tls_cert: str = ""
+    """A client certificate, for servers that require one (``tls-auth-clients``;
+    ``rediss://`` only)."""
     redis_tls_key: str = ""
-    """A client certificate and key, for servers that require one (``tls-auth-clients``)."""
+    """The client certificate's key."""
     redis_cluster: bool = False
-    """Redis Cluster: ``redis_url`` names one node of it, the client finds the rest."""
+    """Redis Cluster (redis-py's ``RedisCluster``): ``redis_url`` names one node of it,
+    the client finds the rest."""
     redis_wait_replicas: int = Field(default=0, ge=0)
     """Replicas that must acknowledge a batch's Redis writes (``WAIT``) before the
     consumer commits its offsets; fewer within ``redis_wait_timeout_ms`` holds the batch
     and retries it. 0: no wait (a failover may then lose acknowledged writes). Not on
-    Redis Cluster."""
+    Redis Cluster ([Guarantees](guarantees.md))."""
     redis_wait_timeout_ms: int = Field(default=1000, ge=1)
     """How long one ``WAIT`` may block; below ``consumer_redis_timeout_s``."""
 
 
 class KafkaSettings(SettingsGroup):
-    """Kafka, its topics, and Kafka Connect (Debezium)."""
+    """The Kafka cluster, the topics freshline creates, and Kafka Connect (Debezium)."""
+
+    model_config = ConfigDict(title="Kafka and Kafka Connect")
 
     kafka_bootstrap: str = "127.0.0.1:9092"
+    """Kafka bootstrap servers (``host:port``, comma-separated)."""
     kafka_security_protocol: Literal["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"] = "plaintext"
+    """How clients talk to the brokers (librdkafka's ``security.protocol``)."""
     kafka_sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = ""
+    """The SASL mechanism, for ``sasl_plaintext`` and ``sasl_ssl``."""
     kafka_sasl_username: str = ""
+    """The SASL login's user name."""
     kafka_sasl_password: SecretStr = SecretStr("")
+    """The SASL login's password (masked when printed)."""
     kafka_ssl_ca: str = ""
+    """A CA file for ``ssl`` and ``sasl_ssl``; empty: the system's."""
     topic_prefix: str = Field(default="", pattern=r"^[A-Za-z0-9_.\-]*$")
+    """Prepended to every topic freshline reads or writes, so environments can share a
+    cluster."""
     topic_partitions: int = Field(default=6, ge=1, le=1000)
+    """Partitions for the topics freshline creates."""
     connect_url: str = "http://127.0.0.1:8083"
+    """The Kafka Connect REST API."""
     connect_secrets_file: str = ""
     """A properties file on the Connect worker with ``database.password``, read by its
     FileConfigProvider; empty: the password goes into the connector config in clear."""
 
 
 class ConsumerSettings(SettingsGroup):
-    """The consumers: batches, offsets, recompute paths, their Redis timeouts."""
+    """The Kafka consumers that recompute features: their group, batches, metrics, Redis
+    timeouts and recompute paths."""
+
+    model_config = ConfigDict(title="Consumers")
 
     consumer_group: str = "freshline"
+    """The Kafka consumer group id."""
     auto_offset_reset: Literal["earliest", "latest"] = "earliest"
+    """Where a new consumer group starts."""
     batch_max_events: int = Field(default=2000, ge=1)
+    """Events per consumer batch at most."""
     batch_max_wait_ms: int = Field(default=50, ge=1)
+    """How long a batch waits to fill."""
     max_message_bytes: int = Field(default=1_000_000, ge=1024)
+    """Larger messages are dead-lettered."""
     consumer_metrics_host: str = "127.0.0.1"
+    """The address a consumer's metrics server binds (``0.0.0.0`` in containers)."""
     consumer_metrics_port: int = Field(default=9464, ge=0, le=65535)
+    """The Prometheus port of a consumer process (0: off)."""
     consumer_redis_timeout_s: float = Field(default=5.0, gt=0)
     """How long a consumer waits for a Redis reply; then the command fails, and the
-    batch is retried (recomputed) like any transient failure."""
+    batch is retried (recomputed) like any transient failure. redis-py itself never sends
+    a consumer's write again: a late resend would carry values of an older snapshot."""
     consumer_redis_connect_timeout_s: float = Field(default=2.0, gt=0)
     """How long a consumer waits for a connection to Redis."""
     recompute_paths: dict[str, Literal["full", "incremental"]] = Field(default_factory=dict)
-    """Per feature set, JSON: ``{"txn_90d": "full"}``; others keep their declared path."""
+    """Per feature set, JSON: ``{"txn_90d": "full"}``: the consumer recomputes those sets
+    on that path; others keep their declared path."""
     bucket_fold_interval_ms: int = Field(default=1000, ge=0)
-    """How often each consumer folds pending bucket deltas into the buckets (0: never;
-    then run ``freshline buckets fold --follow``)."""
+    """How often each consumer folds pending bucket deltas into the buckets, up to 500
+    entities a time (0: never; then run ``freshline buckets fold --follow``)."""
 
 
 class CacheSettings(SettingsGroup):
-    """Feature entries: the key namespace, read-through leases, freshness tokens, the
-    write fence, and the in-process tier."""
+    """How feature entries are keyed, computed on a miss and fenced: the key namespace,
+    read-through leases, freshness tokens, the write fence, and the API's in-process
+    tier."""
+
+    model_config = ConfigDict(title="Feature entries")
 
     schema_version: int = Field(default_factory=repository_schema_version, ge=1, le=999_999)
-    """The version this code writes and reads: ``FRESHLINE_SCHEMA_VERSION``, else the
-    active repository's ``project.schema_version`` (``freshline.toml``), else 1."""
+    """The feature schema version (the key namespace) this code writes and reads:
+    ``FRESHLINE_SCHEMA_VERSION``, else the active repository's ``project.schema_version``
+    (``freshline.toml``), else 1."""
     lease_ms: int = Field(default=5000, ge=10)
+    """The read-through lease's lifetime."""
     read_wait_ms: int = Field(default=2000, ge=0)
+    """How long a reader waits for another's computation of the same entry."""
     token_wait_ms: int = Field(default=100, ge=0)
     """How long a read ``after`` a freshness token waits for the consumer's write before
-    it computes, unless the request says (``wait_ms``)."""
+    it computes, unless the request's ``wait_ms`` says
+    ([Freshness on request](freshness.md))."""
     token_wait_max_ms: int = Field(default=2000, ge=0)
     """The most a request's ``wait_ms`` may ask; more is cut to this."""
     tombstone_ttl_s: int = Field(default=300, ge=1)
+    """The fence: how long every write's compare-and-set state outlives it (tombstones,
+    the floor of an entry gone at its horizon); a write that finds no state is refused
+    when its query is more than half this old
+    ([Keys and entries](keys.md#writes-watermarks-and-leases))."""
     local_cache_size: int = Field(default=100_000, ge=0)
+    """In-process tier entries per API worker (0: off); about 90 MB of ``txn_90d``
+    entries at the default."""
     subscription_silence_ms: int = Field(default=1000, ge=50, le=60_000)
+    """The longest the in-process tier, the deploy listener and the API-key cache rely on
+    their Redis subscription without confirmed contact (heartbeats every quarter of it)."""
 
 
 class ApiSettings(SettingsGroup):
-    """The read API: its address, limits, authentication and TLS."""
+    """The read API (``freshline serve``): its address, limits, authentication, TLS and
+    audit log."""
+
+    model_config = ConfigDict(title="Read API")
 
     api_host: str = "127.0.0.1"
+    """The read API's address."""
     api_port: int = Field(default=8000, ge=1, le=65535)
+    """The read API's port."""
     api_batch_limit: int = Field(default=500, ge=1)
+    """Entities times feature sets per batch request, at most."""
     api_body_limit_bytes: int = Field(default=1_000_000, ge=1024)
+    """The request body limit."""
     api_rate_per_s: float = Field(default=1000.0, ge=0)
     """Requests per second per API key and worker (token bucket; 0: no limit)."""
     api_rate_burst: int = Field(default=2000, ge=1)
+    """The token bucket of ``api_rate_per_s``: requests one key may make at once."""
     api_tenant_concurrency: int = Field(default=4, ge=0)
-    """Thread-pool jobs (misses, predictions, semantic calls) one tenant may run at
-    once per worker; more wait their turn on the event loop (0: no limit)."""
+    """Thread-pool jobs (read-through misses, predictions, semantic cache calls) one
+    tenant may run at once per worker; its other such requests wait on the event loop,
+    holding no thread, so one tenant cannot take the pool (0: no limit, as a deployment
+    with one tenant may prefer). With untrusted tenants, 1 keeps more of the workers for
+    the others (``bench/abuse.py``) at the cost of each tenant's own concurrency."""
     api_auth_failures_per_min: float = Field(default=30.0, ge=0)
-    """Failed authentications per client address and worker (0: no limit)."""
+    """Failed authentications per client address (per /64 for IPv6) and worker before an
+    unknown key gets 401 without a lookup; valid keys are still served (0: no limit)."""
     api_auth_failures_burst: int = Field(default=20, ge=1)
+    """The token bucket of ``api_auth_failures_per_min``: failures allowed at once."""
     api_trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Proxies (addresses or CIDRs, comma-separated) whose ``X-Forwarded-For`` names the
     client: its right-most address that is not one of them; empty: the TCP peer."""
     api_key_index_refresh_s: float = Field(default=1.0, gt=0)
-    """How often a worker may re-read key hashes while an address is locked out; a
-    key not yet read waits for the next read (see :class:`pipeline.api.limits.KeyIndex`)."""
+    """While an address is locked out, how often a worker may read the API keys made
+    since its last read; a key it has not read waits for the next
+    ([Security](security.md); :class:`pipeline.api.limits.KeyIndex`)."""
     api_key_cache_s: float = Field(default=60.0, ge=0)
+    """How long a worker caches an API key (revocations drop it at once)."""
     api_key_last_used_s: float = Field(default=60.0, gt=0)
+    """How often a worker writes its API keys' last-use times."""
     api_max_connections: int = Field(default=4096, ge=1)
+    """Connections served at once per worker."""
     api_backlog: int = Field(default=4096, ge=1)
+    """The accept queue's length."""
     api_header_timeout_s: float = Field(default=10.0, gt=0)
+    """Time for a request head, and for an idle keep-alive connection."""
     api_body_timeout_s: float = Field(default=30.0, gt=0)
+    """Time for a request body (408 past it; checked every tenth of it, so within 1.1
+    times)."""
     api_tls_cert: str = ""
+    """A PEM certificate: with ``api_tls_key``, serve HTTPS."""
     api_tls_key: str = ""
+    """The PEM key of ``api_tls_cert``."""
     audit_log: str = ""
+    """A file the audit log's JSON lines are appended to; empty: stderr."""
     api_probe_rate_per_s: float = Field(default=10.0, ge=0)
     """``/healthz`` and ``/readyz`` requests per second per client address and worker on
-    the API port (token bucket; 0: no limit). The ops port's probes are not limited."""
+    the API port (token bucket; 429 past it; 0: no limit). The ops port's probes are not
+    limited."""
     api_probe_burst: int = Field(default=20, ge=1)
+    """The token bucket of ``api_probe_rate_per_s``: probes allowed at once."""
     api_ready_cache_s: float = Field(default=1.0, ge=0)
-    """How long ``/readyz`` reuses its Redis and Postgres check (one check at a time)."""
+    """How long ``/readyz`` reuses its Redis and Postgres check; callers meanwhile wait
+    for the one check."""
 
     @field_validator("api_trusted_proxies", mode="before")
     @classmethod
@@ -264,70 +347,109 @@ class ApiSettings(SettingsGroup):
 
 
 class OpsSettings(SettingsGroup):
-    """The operator's endpoints: ``/metrics``, ``/status`` and the probes."""
+    """The operator's endpoints: ``/metrics``, ``/status``, ``/status.json`` and the
+    probes."""
+
+    model_config = ConfigDict(title="Operations")
 
     ops_host: str = "127.0.0.1"
+    """Where ``freshline serve`` serves the operator's endpoints, apart from the API
+    port."""
     ops_port: int = Field(default=9465, ge=0, le=65535)
-    """Where ``freshline serve`` serves ``/metrics``, ``/status`` and ``/status.json`` (and
-    the probes), apart from the API port; 0: not served apart."""
+    """The port of ``ops_host``: ``/metrics``, ``/status``, ``/status.json`` and the
+    probes, with no key, in a process of its own (0: not served apart; a taken port is a
+    warning)."""
     ops_key: SecretStr = SecretStr("")
-    """An operator key: with it, the API port serves ``/metrics``, ``/status`` and
-    ``/status.json`` too, to ``Authorization: Bearer <key>`` only; empty: not there."""
+    """An operator key (32 random characters or more): with it, the API port serves
+    ``/metrics``, ``/status`` and ``/status.json`` too, to ``Authorization: Bearer <key>``
+    only; empty: 404 there ([Security](security.md))."""
     ops_cache_s: float = Field(default=5.0, ge=0)
-    """How long ``/metrics`` and ``/status`` reuse their Redis sample and broker lag: requests
-    drive at most one sample (a SCAN of Redis) per period. 0: sample every request."""
+    """How long ``/metrics`` and ``/status`` reuse their Redis sample (a SCAN) and broker
+    lag: any number of requests drive at most one sample per period. 0: sample every
+    request."""
 
 
 class InferenceSettings(SettingsGroup):
     """The inference cache of model predictions."""
 
+    model_config = ConfigDict(title="Inference cache")
+
     inference_decimals: int = Field(default=4, ge=0, le=12)
+    """Inputs are rounded to this many decimals before hashing."""
     inference_ttl_s: int = Field(default=3600, ge=1)
+    """The lifetime of a cached prediction."""
     inference_tenant_max_keys: int = Field(default=100_000, ge=1)
     """Cached predictions one tenant may hold; past it, that tenant's oldest go."""
     inference_tenant_max_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
-    """Bytes one tenant's cached predictions may take (keys, values, bookkeeping);
-    past it, that tenant's oldest go."""
+    """Bytes (32 MiB by default) one tenant's cached predictions may take: keys, values
+    and Redis's overhead; past it, that tenant's oldest go
+    ([Security](security.md#redis-memory-per-tenant-budgets-and-maxmemory))."""
 
 
 class SemanticSettings(SettingsGroup):
-    """The semantic cache of LLM responses (``freshline[semantic]``)."""
+    """The semantic cache of LLM responses (``pip install 'freshline[semantic]'``)."""
+
+    model_config = ConfigDict(title="Semantic cache")
 
     semantic_enabled: bool = False
     """Serve the semantic cache of LLM responses (``/v1/llm/cache/*``); needs the
-    ``freshline[semantic]`` extra. Off, the API imports none of it."""
+    ``freshline[semantic]`` extra, and the API refuses to start without it. Off, the API
+    imports none of it."""
     semantic_decision: Literal["learned", "static"] = "learned"
     """``learned``: serve each entry only while its estimated error, learned from its
-    outcomes and the embedding model's prior, is within ``semantic_max_error``.
-    ``static``: serve at or above ``semantic_threshold``, learning nothing."""
+    outcomes and the embedding model's prior, is within ``semantic_max_error``
+    ([how](reading.md#when-an-entry-is-served)). ``static``: serve at or above
+    ``semantic_threshold``, learning nothing."""
     semantic_max_error: float = Field(default=0.02, gt=0.0, lt=1.0)
     """The learned decision's bound on a served hit's estimated error (delta)."""
     semantic_prior: str = ""
-    """A prior file from ``freshline semantic tune --write-prior`` for the embedding
-    model; empty: the one shipped for the local model."""
+    """A prior file from ``freshline semantic tune --write-prior FILE`` for the embedding
+    model in use; empty: the one shipped for the local model. With an endpoint's model and
+    no prior, the API refuses to start unless ``semantic_decision`` is ``static``."""
     semantic_threshold: float = Field(default=0.93, gt=0.0, le=1.0)
+    """With the ``static`` decision: the cosine similarity a cached response must reach to
+    be served."""
     semantic_thresholds: dict[str, float] = Field(default_factory=dict)
-    """Per-model thresholds, JSON: ``{"support-bot": 0.95}``; others use the default."""
+    """With the ``static`` decision: per-model thresholds, JSON:
+    ``{"support-bot": 0.95}``; others use ``semantic_threshold``."""
     semantic_ttl_s: int = Field(default=86_400, ge=1)
+    """The lifetime of a semantic cache entry (and of its namespace's keys)."""
     semantic_embeddings_url: str = ""
-    """An OpenAI-compatible ``/v1/embeddings`` base URL; empty: the local model."""
+    """An OpenAI-compatible embeddings base URL (``<url>/embeddings``); empty: the local
+    model."""
     semantic_embeddings_model: str = "all-MiniLM-L6-v2"
+    """The embedding model's name at ``semantic_embeddings_url``."""
     semantic_embeddings_api_key: SecretStr = SecretStr("")
+    """The bearer key for ``semantic_embeddings_url`` (masked when printed)."""
     semantic_max_prompt_chars: int = Field(default=32_000, ge=1)
+    """The longest prompt or response accepted."""
     semantic_max_entries: int = Field(default=200_000, ge=1)
-    """Entries per namespace (tenant, model, versions); past it the oldest are evicted."""
+    """Entries per namespace (tenant, model, model version, template version); a store
+    past it evicts the namespace's oldest stored entries."""
     semantic_max_entries_per_model: dict[str, int] = Field(default_factory=dict)
     """Per model, JSON: ``{"support-bot": 1000000}``; others use the default."""
     semantic_max_namespaces: int = Field(default=16, ge=1)
     """Namespaces per tenant; past it, the one stored into least recently is purged."""
+    semantic_tenant_max_keys: int = Field(default=200_000, ge=1)
+    """Entries one tenant may hold in all its namespaces; a store past it evicts that
+    tenant's oldest, never another's."""
+    semantic_tenant_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
+    """Bytes (256 MiB by default) one tenant's entries may take (prompts, responses,
+    vectors, keys and Redis's overhead); a store past it evicts that tenant's oldest. A
+    store larger than all of it is refused (413 ``semantic_entry_too_large``)."""
     semantic_index_max_vectors: int = Field(default=2_000_000, ge=1)
-    """Vectors one API process's semantic indexes hold; least recently used dropped."""
+    """Vectors one API process's semantic indexes hold (about 0.6 KB each at 384
+    dimensions, measured: 2,000,000 is about 1.2 GB); past it, the least recently used
+    indexes are dropped."""
     semantic_warm: bool = True
-    """Build the semantic indexes of the namespaces in Redis when the API starts."""
+    """Build, in the background when the API starts, the semantic indexes of the
+    namespaces in Redis (most recently stored first, within
+    ``semantic_index_max_vectors``)."""
     semantic_models: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """LLM model names (comma-separated) the metrics name; with the models of
-    ``semantic_thresholds`` and ``semantic_max_entries_per_model``. Any other model
-    a request names is counted as ``other``: callers choose no label values."""
+    """LLM model names (comma-separated) that the semantic cache's metrics (and
+    ``/status``, ``freshline advise``) show by name, with the models of
+    ``semantic_thresholds`` and ``semantic_max_entries_per_model``. Any other model a
+    request names is counted as ``other``: callers choose no label values."""
 
     @field_validator("semantic_models", mode="before")
     @classmethod
@@ -372,9 +494,14 @@ class Settings(
     """Every knob freshline has, composed of the groups above: each field is one
     ``FRESHLINE_<NAME>`` variable, documented in ``docs/settings.md``."""
 
-    # A value refused is never echoed: it may hold a password.
+    # A value refused is never echoed: it may hold a password. The title is set here,
+    # else the last group's would be inherited.
     model_config = SettingsConfigDict(
-        env_prefix="FRESHLINE_", frozen=True, extra="ignore", hide_input_in_errors=True
+        title="Settings",
+        env_prefix="FRESHLINE_",
+        frozen=True,
+        extra="ignore",
+        hide_input_in_errors=True,
     )
 
     def __repr_args__(self) -> Iterable[tuple[str | None, Any]]:
