@@ -13,7 +13,6 @@ import math
 import re
 import sys
 import textwrap
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -145,11 +144,6 @@ def summary_lines(report: AuditReport, source: str) -> list[str]:
     return lines
 
 
-class Reference(StrEnum):
-    full = "full"
-    own = "own"
-
-
 def audit(
     sample: Annotated[
         int | None,
@@ -198,15 +192,6 @@ def audit(
         ),
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=10000)] = 500,
-    reference: Annotated[
-        Reference,
-        typer.Option(
-            "--reference",
-            help="Recompute with the full, defining query (finds drift in the "
-            "incremental path's buckets too), or each feature set's own "
-            "path (cheaper for head entities)",
-        ),
-    ] = Reference.full,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON, not a summary")] = False,
     metrics_port: Annotated[
         int | None,
@@ -289,7 +274,6 @@ def audit(
             batch_size=batch_size,
             metrics=audit_metrics(),
             progress=progress,
-            reference=reference.value,
         )
         if keys is not None:
             report = auditor.audit_keys(keys, graces)
@@ -313,14 +297,8 @@ def audit(
                 "duration_s": duration_s,
             }
     engine.dispose()
-    if reference is Reference.own:
-        source += ", each recomputed on its feature set's own path"
     if json_out:
-        typer.echo(
-            json.dumps(
-                {"source": chosen, "reference": reference.value, **report.as_json()}, indent=2
-            )
-        )
+        typer.echo(json.dumps({"source": chosen, **report.as_json()}, indent=2))
     else:
         for line in summary_lines(report, source):
             out.print(line, markup=False)

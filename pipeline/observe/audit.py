@@ -8,7 +8,9 @@ while it goes on with first checks. One check of a batch, in this order:
 
 1. read every entry of the batch (pipelined MGETs, one round trip);
 2. recompute the entries that exist: one :func:`~pipeline.cache.recompute.compute` per
-   feature set, so its snapshot is taken after the entries were read;
+   feature set, so its snapshot is taken after the entries were read, always with the
+   feature set's defining full query, never the incremental path a consumer may write
+   from (the path under test: partials that drifted would agree with themselves);
 3. compare field by field, exactly, as the codec stores values
    (:func:`~pipeline.observe.consistency.same`). An absent key, a tombstone or an
    entry below its feature set's floor (voided by a truncate) is consistent: every
@@ -211,7 +213,6 @@ class Auditor:
         metrics: AuditMetrics | None = None,
         before_recheck: RecheckHook | None = None,
         progress: ProgressHook | None = None,
-        reference: Literal["full", "own"] = "full",
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -226,10 +227,6 @@ class Auditor:
         if self.rate is not None:
             self.batch_size = min(batch_size, max(1, math.ceil(self.rate / PACE_SLICES)))
         self.metrics = metrics
-        self.path: Literal["full"] | None = "full" if reference == "full" else None
-        """The recompute path of the reference: the full, defining query by default, so
-        drift in the incremental path's buckets shows as a mismatch; ``own`` uses each
-        feature set's own path (cheaper on heads, blind to bucket drift)."""
         self.before_recheck = before_recheck
         self.progress = progress
         self.clock = clock
@@ -553,7 +550,7 @@ class Auditor:
             # snapshot (after the read), as compute() on the engine would.
             with self.engine.connect() as conn:
                 for name, pairs in present.items():
-                    batches[name] = compute(conn, self.registry[name], pairs, path=self.path)
+                    batches[name] = compute(conn, self.registry[name], pairs, path="full")
                 conn.rollback()
         outcomes = [
             self._compare(ref, key, raw, batches.get(ref.feature_set))
