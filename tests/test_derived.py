@@ -14,6 +14,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
@@ -229,9 +230,11 @@ def test_copy_truncate_and_rebuild_keep_the_partials_exact(own: Engine) -> None:
     keys = [(shop, "c1")]
     raw = own.raw_connection()
     try:
+        driver = raw.driver_connection
+        assert isinstance(driver, psycopg.Connection)
         with (
-            raw.cursor() as cur,
-            cur.copy(  # type: ignore[attr-defined]
+            driver.cursor() as cur,
+            cur.copy(
                 "COPY orders (shop_id, customer_id, amount, sku, placed_at) FROM STDIN"
             ) as copy,
         ):

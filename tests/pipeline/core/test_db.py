@@ -10,6 +10,7 @@ from sqlalchemy.engine import Engine
 
 from pipeline.cache.recompute import feature_statement
 from pipeline.core import db
+from pipeline.core.features import Path
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from tests.helpers import wait_until
@@ -60,7 +61,7 @@ def test_a_session_idle_in_a_transaction_is_ended_and_its_locks_go(
 
 
 @pytest.mark.parametrize("path", ["incremental", "full"])
-def test_feature_queries_are_never_jit_compiled(settings: Settings, path: str) -> None:
+def test_feature_queries_are_never_jit_compiled(settings: Settings, path: Path) -> None:
     """A batch's feature query whose estimate passes jit_above_cost (as it does on a
     table without statistics) is planned without JIT: compiling it took 1.5-2.5 s
     for a query of tens of milliseconds, and stalled the consumers (issue 13)."""

@@ -22,6 +22,7 @@ from sqlalchemy.engine import Engine
 from fraud.seed import SeedSummary
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import TTL_JITTER, FeatureStore, entry_ttl_ms
+from pipeline.core.features import Path
 from pipeline.core.keys import feature_key
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef
@@ -39,7 +40,7 @@ def tenant(tenant_factory: Callable[..., SeedSummary]) -> str:
 def add_transaction(engine: Engine, tenant: str, created: str) -> dt.datetime:
     """A transaction of :data:`USER` created at the SQL expression ``created``."""
     with engine.begin() as conn:
-        return conn.execute(
+        at: dt.datetime = conn.execute(
             sa.text(
                 "INSERT INTO transactions "
                 "(tenant_id, user_id, amount, merchant_id, ip, created_at) "
@@ -47,6 +48,7 @@ def add_transaction(engine: Engine, tenant: str, created: str) -> dt.datetime:
             ),
             {"t": tenant, "u": USER},
         ).scalar_one()
+        return at
 
 
 def ms(at: dt.datetime) -> int:
@@ -59,7 +61,7 @@ def test_a_transaction_leaving_the_window_expires_the_entry_that_counted_it(
     redis_client: redis.Redis,
     tenant: str,
     version: int,
-    path: str,
+    path: Path,
 ) -> None:
     leaving = add_transaction(engine, tenant, "now() - interval '90 days' + interval '3 s'")
     add_transaction(engine, tenant, "now() - interval '1 day'")
@@ -90,7 +92,7 @@ def test_the_horizon_is_the_first_row_to_leave_or_enter_the_window(
     tenant: str,
     name: str,
     days: int,
-    path: str,
+    path: Path,
 ) -> None:
     fs = REGISTRY[name].on_path(path)
     ref = (tenant, str(USER))

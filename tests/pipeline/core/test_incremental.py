@@ -35,6 +35,7 @@ from pipeline.core.features import FeatureSet
 from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
+from pipeline.core.types import FeatureValues
 from pipeline.observe.reconcile import compare, reconcile
 from tests.helpers import drop_database, migrate, recreate_database
 
@@ -88,12 +89,12 @@ def both(
     users: tuple[int, ...] = USERS,
     as_of: datetime | None = AS_OF,
     sets: list[FeatureSet] | None = None,
-) -> tuple[dict[object, object], dict[object, object]]:
+) -> tuple[dict[tuple[str, ...], FeatureValues], dict[tuple[str, ...], FeatureValues]]:
     """Both paths on one snapshot, keyed (tenant, entity) for txn_90d alone, or
     (feature set, tenant, entity) when ``sets`` is given."""
     refs = [(tenant, str(u)) for u in users]
-    full: dict[object, object] = {}
-    inc: dict[object, object] = {}
+    full: dict[tuple[str, ...], FeatureValues] = {}
+    inc: dict[tuple[str, ...], FeatureValues] = {}
     with engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
         for fs in sets or [FS]:
             f = compute(conn, fs, refs, as_of=as_of, path="full").values
@@ -217,7 +218,9 @@ _UPDATES = {
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(steps=st.lists(_step, min_size=1, max_size=25))
-def test_incremental_equals_full_after_any_sequence_of_changes(db: Engine, steps: list) -> None:
+def test_incremental_equals_full_after_any_sequence_of_changes(
+    db: Engine, steps: list[tuple[tuple[Any, ...], int]]
+) -> None:
     tenant = new_tenant()
     ids: list[int] = []
     for i, (op, folds) in enumerate(steps):

@@ -34,7 +34,7 @@ def test_the_schema_version_defaults_to_the_repositorys(
 def test_settings_are_frozen() -> None:
     s = Settings()
     with pytest.raises(pydantic.ValidationError):
-        s.schema_version = 3  # type: ignore[misc]
+        s.schema_version = 3
 
 
 def test_passwords_are_masked_when_printed() -> None:

@@ -11,31 +11,31 @@ swapped = FeatureSet(  # the fields come back in another order
     "swapped",
     entity=member,
     ttl="1m",
-    sources=[loans],
-    fields=[Field("b", "int"), Field("a", "int")],
+    sources=(loans,),
+    fields=(Field("b", "int"), Field("a", "int")),
     query="SELECT k.member_id, 1 AS a, 2 AS b FROM keys k",
 )
 mistyped = FeatureSet(  # a text column declared an int
     "mistyped",
     entity=member,
     ttl="1m",
-    sources=[loans],
-    fields=[Field("title", "int")],
+    sources=(loans,),
+    fields=(Field("title", "int"),),
     query="SELECT k.member_id, 'x'::text AS title FROM keys k",
 )
 unknown_table = FeatureSet(
     "unknown_table",
     entity=member,
     ttl="1m",
-    sources=[ghosts],
-    fields=[Field("n", "int")],
+    sources=(ghosts,),
+    fields=(Field("n", "int"),),
     query="SELECT k.member_id, 1 AS n FROM keys k",
 )
 unknown_column = FeatureSet(
     "unknown_column",
     entity=member,
     ttl="1m",
-    sources=[wrong_column],
-    fields=[Field("n", "int")],
+    sources=(wrong_column,),
+    fields=(Field("n", "int"),),
     query="SELECT k.member_id, 1 AS n FROM keys k",
 )

@@ -22,12 +22,12 @@ loans_now = FeatureSet(
     "loans_now",
     entity=member,
     ttl="10m",
-    sources=[members, loans, books],
-    fields=[
+    sources=(members, loans, books),
+    fields=(
         Field("open_loans", "int"),
         Field("lost_books", "int"),
         Field("last_loan_at", "timestamp"),
-    ],
+    ),
     query="""
 SELECT k.member_id,
        count(l.id) FILTER (WHERE l.returned_at IS NULL) AS open_loans,
@@ -45,8 +45,8 @@ standing = FeatureSet(
     entity=member,
     ttl=600,
     mode="invalidate",
-    sources=[members],
-    fields=[Field("name", "str"), Field("suspended", "bool")],
+    sources=(members,),
+    fields=(Field("name", "str"), Field("suspended", "bool")),
     query="""
 SELECT k.member_id, m.name, coalesce(m.suspended, false) AS suspended
 FROM keys k LEFT JOIN lib_members m ON m.member_id = k.member_id
