@@ -31,8 +31,8 @@ from sqlalchemy.engine import Engine
 from consumers.kafka import Consumer, Producer, admin_client, client_config
 from fraud.seed import SeedSummary
 from pipeline.api import create_app
-from pipeline.api.app import async_twin
 from pipeline.api.auth import create_api_key
+from pipeline.api.fastpath import async_client
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.cdc.connect import ConnectClient, connector_config, drop_slot, names
@@ -541,16 +541,16 @@ def test_redis_over_tls_with_a_client_certificate(tls_redis: tuple[int, Path]) -
     client.set("feat:1:txn_90d:{t:1}", b"x")
     assert client.get("feat:1:txn_90d:{t:1}") == b"x"
 
-    async def twin_reads() -> bytes | None:
-        twin = async_twin(client)  # the API's asyncio client: the same TLS options
+    async def api_reads() -> bytes | None:
+        fast = async_client(settings)  # the API's asyncio client: the same TLS options
         try:
-            return await twin.get("feat:1:txn_90d:{t:1}")  # type: ignore[no-any-return]
+            return await fast.get("feat:1:txn_90d:{t:1}")  # type: ignore[no-any-return]
         finally:
-            await twin.aclose()
+            await fast.aclose()
 
     import anyio
 
-    assert anyio.run(twin_reads) == b"x"
+    assert anyio.run(api_reads) == b"x"
     client.close()
 
 

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict, cast
 
 import redis
 
-from pipeline.api.connections import HeldConnections
 from pipeline.api.deadlines import Deadlines
+from pipeline.api.fastpath import HeldConnections
 from pipeline.api.splice import Spliced, Splicer
 from pipeline.cache.arrivals import Arrivals
 from pipeline.cache.local import LocalTier
@@ -157,14 +157,14 @@ class Lookup(LazyRefs):
 class FeatureReader:
     """Reads for the API: ``read(lookup, mode)`` and ``await cached(lookup, mode)``.
 
-    ``aredis`` is the asyncio client :meth:`cached` reads with; the app sets it at
-    start-up, on the loop that serves (see :func:`pipeline.api.app.create_app`).
-    Its reads are bounded by ``timeout_s`` (a client-side socket timeout would cost
-    the loop a task per command, ``asyncio.timeout`` a timer per call): one check per
-    loop every tenth of it (:class:`pipeline.api.deadlines.Deadlines`), so a read is
-    cut off within 1.1 times ``timeout_s``. Unless it is a cluster client, its
-    MGETs run on connections held between calls
-    (:class:`pipeline.api.connections.HeldConnections`).
+    ``aredis`` is the asyncio client :meth:`cached` reads with
+    (:func:`pipeline.api.fastpath.async_client`); the app sets it at start-up, on the
+    loop that serves (see :func:`pipeline.api.app.create_app`). Its reads are bounded
+    by ``timeout_s`` (redis-py's socket timeout would cost the loop a timer per
+    command, ``asyncio.timeout`` one per call): one check per loop every tenth of it
+    (:class:`pipeline.api.deadlines.Deadlines`), so a read is cut off within 1.1 times
+    ``timeout_s``. Unless it is a cluster client, its MGETs run on connections held
+    between calls (:class:`pipeline.api.fastpath.HeldConnections`).
 
     Reads asking for freshness (:mod:`pipeline.api.freshness`) check tokens with
     ``tokens`` and wait for writes with ``arrivals`` (made from the read-through's
@@ -191,7 +191,7 @@ class FeatureReader:
         self.timeout_s = timeout_s
         self._deadlines = None if timeout_s is None else Deadlines(tick_s=timeout_s / 10)
         self._splicers: dict[tuple[str, int], Splicer] = {}  # (feature set, version)
-        # The MGETs' connections (pipeline.api.connections), for aredis unless a cluster.
+        # The MGETs' connections (pipeline.api.fastpath), for aredis unless a cluster.
         self._held: HeldConnections | None = None
         self._held_for: object = None
 

@@ -9,7 +9,9 @@ from typing import Any, cast
 
 import psycopg
 import redis
+import redis.asyncio
 import sqlalchemy as sa
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
@@ -49,15 +51,34 @@ def redis_client(settings: Settings, url: str | None = None, **kwargs: Any) -> r
     path the code asks :func:`pipeline.core.cluster.is_cluster`. The URL names one
     node; the client learns the others from it and follows slot moves and failovers.
     """
+    url, options = _url_and_options(settings, url, kwargs)
+    if settings.redis_cluster:
+        cluster = RedisCluster.from_url(url, **options)
+        return cast(redis.Redis, cluster)
+    return redis.Redis.from_url(url, **options)
+
+
+def async_redis_client(settings: Settings, **kwargs: Any) -> redis.asyncio.Redis:
+    """:func:`redis_client` for asyncio: the same server, login, database and TLS
+    options; redis-py's asyncio ``RedisCluster`` (typed as ``redis.asyncio.Redis``) with
+    ``settings.redis_cluster``. It belongs to the event loop that first uses it."""
+    url, options = _url_and_options(settings, None, kwargs)
+    if settings.redis_cluster:
+        cluster = AsyncRedisCluster.from_url(url, **options)
+        return cast(redis.asyncio.Redis, cluster)
+    return redis.asyncio.Redis.from_url(url, **options)
+
+
+def _url_and_options(
+    settings: Settings, url: str | None, kwargs: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
     options = {**redis_options(settings), **kwargs}
     url = url or settings.redis_url
     if "username" in options or "password" in options:
         url = _without_login(url)  # redis-py would let the URL's login win
     if settings.redis_cluster:
         options.pop("db", None)
-        cluster = RedisCluster.from_url(url, **options)
-        return cast(redis.Redis, cluster)
-    return redis.Redis.from_url(url, **options)
+    return url, options
 
 
 def consumer_redis_client(settings: Settings) -> redis.Redis:

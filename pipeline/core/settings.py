@@ -328,6 +328,12 @@ class ApiSettings(SettingsGroup):
     api_ready_cache_s: float = Field(default=1.0, ge=0)
     """How long ``/readyz`` reuses its Redis and Postgres check; callers meanwhile wait
     for the one check."""
+    api_redis_timeout_s: float = Field(default=5.0, gt=0)
+    """How long the API waits for a Redis reply; then the read fails (503). Its reads on
+    the event loop are checked every tenth of it, so they fail within 1.1 times
+    (:mod:`pipeline.api.fastpath`)."""
+    api_redis_connect_timeout_s: float = Field(default=2.0, gt=0)
+    """How long the API waits for a connection to Redis."""
 
     @field_validator("api_trusted_proxies", mode="before")
     @classmethod

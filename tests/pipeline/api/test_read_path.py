@@ -16,8 +16,8 @@ from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
 from pipeline.api import create_app
-from pipeline.api.app import HiredisPacking, async_twin
 from pipeline.api.auth import create_api_key
+from pipeline.api.fastpath import async_client
 from pipeline.api.reader import Answer, FeatureReader, Lookup, parse_entities, parse_entity
 from pipeline.cache.hot import HotReads
 from pipeline.cache.readthrough import ReadThrough
@@ -37,7 +37,7 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from tests.helpers import fresh_version, running, wait_until
-from tests.pipeline.cache.test_subscriptions import Forwarder, address, login
+from tests.pipeline.cache.test_subscriptions import Forwarder, address
 
 
 @pytest.fixture(scope="module")
@@ -233,10 +233,10 @@ def filled(engine: Engine, redis_client: redis.Redis, tenant: str) -> Iterator[F
 
 
 def _cached(
-    reader: FeatureReader, client: redis.Redis, lookup: Lookup, mode: str
+    reader: FeatureReader, settings: Settings, lookup: Lookup, mode: str
 ) -> list[Answer] | None:
     async def go() -> list[Answer] | None:
-        reader.aredis = async_twin(client)
+        reader.aredis = async_client(settings)
         try:
             return await reader.cached(lookup, mode)  # type: ignore[arg-type]
         finally:
@@ -246,33 +246,7 @@ def _cached(
     return asyncio.run(go())
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ("MGET", "feat:1:txn_90d:{t:1}", "feat:1:txn_90d:{t:2}", "floor:1:txn_90d"),
-        ("MGET", *[f"feat:7:geo:{{tenant-a:{i}}}" for i in range(300)]),
-        ("CONFIG GET", "maxmemory"),
-        (b"CLIENT SETNAME", "x"),
-        ("SET", "k", 7),
-        ("SET", "k", 0.1 + 0.2),
-        ("SET", "k", b"\xff\x00"),
-        ("SET", "k", "\u00e9"),
-        ("SET", "k", memoryview(b"v")),
-        ("SET", "k", bytearray(b"v")),
-        ("SET", "k", "v" * 10000),
-    ],
-)
-def test_the_async_twin_packs_commands_in_c_as_redis_py_would(
-    redis_client: redis.Redis, args: tuple[object, ...]
-) -> None:
-    twin = async_twin(redis_client)
-    packing = twin.connection_pool.make_connection()
-    assert isinstance(packing, HiredisPacking)
-    plain = redis.asyncio.Connection()
-    assert b"".join(packing.pack_command(*args)) == b"".join(plain.pack_command(*args))
-
-
-def test_is_cluster_answers_per_client_class(redis_client: redis.Redis) -> None:
+def test_is_cluster_answers_per_client_class(settings: Settings, redis_client: redis.Redis) -> None:
     from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
     from redis.cluster import RedisCluster
 
@@ -281,26 +255,19 @@ def test_is_cluster_answers_per_client_class(redis_client: redis.Redis) -> None:
 
     # Instances made without connecting: is_cluster looks at the class only.
     clusters = [object.__new__(cls) for cls in (RedisCluster, AsyncRedisCluster, OurCluster)]
-    plain = [redis_client, async_twin(redis_client), redis.Redis(), object()]
+    plain = [redis_client, async_client(settings), redis.Redis(), object()]
     for _ in range(2):  # the second time from what the first one learnt
         assert [is_cluster(c) for c in clusters] == [True, True, True]
         assert [is_cluster(c) for c in plain] == [False, False, False, False]
 
 
-def test_the_async_twin_refuses_what_redis_py_refuses(redis_client: redis.Redis) -> None:
-    packing = async_twin(redis_client).connection_pool.make_connection()
-    for bad in (None, True):
-        with pytest.raises(redis.exceptions.DataError):
-            packing.pack_command("SET", "k", bad)
-
-
 def test_the_async_read_answers_as_the_store_does(
-    filled: FeatureStore, engine: Engine, redis_client: redis.Redis, tenant: str
+    filled: FeatureStore, engine: Engine, settings: Settings, tenant: str
 ) -> None:
     reader = FeatureReader(ReadThrough(filled, engine, early_refresh=False))
     lookup = Lookup(tenant, ["txn_90d"], ["1", "2", "99"])
-    assert _cached(reader, redis_client, lookup, "read-through") is None  # 99 is a miss
-    answers = _cached(reader, redis_client, lookup, "cache-only")
+    assert _cached(reader, settings, lookup, "read-through") is None  # 99 is a miss
+    answers = _cached(reader, settings, lookup, "cache-only")
     assert answers is not None
     assert [a["source"] for a in answers] == ["hit", "hit", "miss"]
     assert [a["values"] for a in answers[:2]] == [e and e.values for e in filled.read(lookup[:2])]
@@ -314,16 +281,16 @@ def test_the_async_read_answers_as_the_store_does(
 
 
 def test_the_async_read_treats_entries_below_the_floor_as_absent(
-    filled: FeatureStore, engine: Engine, redis_client: redis.Redis, tenant: str
+    filled: FeatureStore, engine: Engine, settings: Settings, tenant: str
 ) -> None:
     reader = FeatureReader(ReadThrough(filled, engine, early_refresh=False))
     lookup = Lookup(tenant, ["txn_90d"], ["1", "2"])
     [entry, _] = filled.read(lookup)
     assert entry is not None
     filled.truncate("txn_90d", entry.watermark + 1)
-    answers = _cached(reader, redis_client, lookup, "cache-only")
+    answers = _cached(reader, settings, lookup, "cache-only")
     assert answers is not None and [a["source"] for a in answers] == ["miss", "miss"]
-    assert _cached(reader, redis_client, lookup, "read-through") is None
+    assert _cached(reader, settings, lookup, "read-through") is None
 
 
 def test_the_api_serves_a_truncated_entry_as_absent(
@@ -428,26 +395,20 @@ def test_a_redis_that_stops_answering_is_a_503_and_the_next_read_is_clean(
     settings: Settings, engine: Engine, redis_client: redis.Redis, tenant: str
 ) -> None:
     """The asyncio reads carry no socket timeout of their own: the reader's timer
-    (the sync client's ``socket_timeout``) bounds them, and the connection it cancels
-    is dropped, so no late reply answers the next request."""
+    (``api_redis_timeout_s``) bounds them, and the connection it cancels is dropped,
+    so no late reply answers the next request."""
     host, port, db = address(redis_client)
     FeatureStore(redis_client, settings.schema_version).write(
         compute(engine, REGISTRY["geo"], [(tenant, "4"), (tenant, "5")])
     )
     with Forwarder(host, port) as hole:
-        client = redis.Redis(
-            host="127.0.0.1",
-            port=hole.port,
-            db=db,
-            socket_connect_timeout=2,
-            socket_timeout=0.5,
-            **login(redis_client),
-        )
+        through_hole = {
+            "redis_url": f"redis://127.0.0.1:{hole.port}/{db}",
+            "api_redis_timeout_s": 0.5,
+            "local_cache_size": 0,
+        }
         app = create_app(
-            settings.model_copy(update={"local_cache_size": 0}),
-            engine=engine,
-            redis_client=client,
-            follow_deploys=False,
+            settings.model_copy(update=through_hole), engine=engine, follow_deploys=False
         )
         assert app.state.services.reader.timeout_s == 0.5
         with running(app, create_api_key(engine, tenant)) as api, ThreadPoolExecutor(1) as pool:
@@ -468,4 +429,3 @@ def test_a_redis_that_stops_answering_is_a_503_and_the_next_read_is_clean(
             assert wait_until(lambda: get("5").status_code == 200, timeout=10)
             assert get("5").json()["entity"] == "5"  # its own answer, not a late one
             assert get("4").json()["entity"] == "4"
-        client.close()

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api.app import async_twin
+from pipeline.api.fastpath import async_client
 from pipeline.api.reader import FeatureReader, Lookup
 from pipeline.cache.client import FeatureClient
 from pipeline.cache.hot import HotReads
@@ -400,7 +400,7 @@ def test_the_api_reader_serves_a_flip_with_the_pointer_cached(world: Deploy) -> 
 
     def served() -> int:
         async def read() -> int:
-            reader.aredis = async_twin(world.redis)
+            reader.aredis = async_client(world.settings)
             try:
                 answers = await reader.cached(lookup, "cache-only")
             finally:
