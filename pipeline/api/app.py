@@ -24,6 +24,7 @@ from pipeline.api.errors import HANDLERS
 from pipeline.api.limits import AccessGuard
 from pipeline.api.openapi import document
 from pipeline.api.reader import FeatureReader
+from pipeline.api.semantic_status import reader as semantic_reader
 from pipeline.api.tenancy import TenantSlots
 from pipeline.cache.arrivals import Arrivals
 from pipeline.cache.hot import HotReads
@@ -71,6 +72,7 @@ def create_app(
     follow_deploys: bool = True,
     consumer_metrics: list[str] | None = None,
     status_interval_s: float = 60.0,
+    semantic_figures: bool | None = None,
 ) -> Starlette:
     """The read API. Clients not passed in are made from ``settings`` and closed on exit.
 
@@ -83,7 +85,9 @@ def create_app(
 
     ``/status`` keeps a snapshot every ``status_interval_s`` (:mod:`pipeline.observe.status`);
     ``consumer_metrics`` are the consumers' ``/metrics`` URLs it reads freshness lag
-    from (default: the local consumer's port, ``FRESHLINE_CONSUMER_METRICS_PORT``).
+    from (default: the local consumer's port, ``FRESHLINE_CONSUMER_METRICS_PORT``), and
+    with ``semantic_figures`` (default: ``settings.semantic_enabled``) it shows the
+    semantic cache's busiest namespaces (:mod:`pipeline.api.semantic_status`).
     ``/metrics``, ``/status`` and ``/status.json`` are served by ``app.state.ops_app``
     (the ops port's app, :mod:`pipeline.api.ops`), and on this app only to the operator
     key (``settings.ops_key``), if one is set.
@@ -164,6 +168,8 @@ def create_app(
     if consumer_metrics is None:
         port = settings.consumer_metrics_port
         consumer_metrics = [f"http://127.0.0.1:{port}/metrics"] if port else []
+    if semantic_figures is None:
+        semantic_figures = settings.semantic_enabled
     observer = ops.SharedObserver(
         client,
         registry,
@@ -172,6 +178,7 @@ def create_app(
         counters=metrics.process_registry,
         consumer_metrics=consumer_metrics,
         lag=GroupLag(settings),
+        semantic_namespaces=semantic_reader(settings, client, engine) if semantic_figures else None,
         sample_max_age_s=settings.ops_cache_s,
     )
     board = StatusBoard(observer, interval_s=status_interval_s)
@@ -408,9 +415,11 @@ def ops_app_from_env() -> Starlette:
     ``/metrics``, ``/status``, ``/status.json`` and the probes, with no key.
 
     It starts what the API app starts (its clients, the status board; not the semantic
-    cache nor an in-process tier) and reads the workers' counters from
-    ``PROMETHEUS_MULTIPROC_DIR``, which ``freshline serve`` sets for both.
+    cache nor an in-process tier, though it shows the cache's namespaces) and reads the
+    workers' counters from ``PROMETHEUS_MULTIPROC_DIR``, which ``freshline serve`` sets
+    for both.
     """
-    settings = load_settings().model_copy(update={"semantic_enabled": False, "local_cache_size": 0})
-    api = create_app(settings)
+    loaded = load_settings()
+    settings = loaded.model_copy(update={"semantic_enabled": False, "local_cache_size": 0})
+    api = create_app(settings, semantic_figures=loaded.semantic_enabled)
     return ops.ops_app(api.state.ops, lifespan=api.router.lifespan_context)

@@ -6,13 +6,13 @@ SCAN) and of the broker, so the API port does not serve them to anyone who asks:
 ``_PORT``, loopback by default; :func:`ops_app`), and the API port serves them only to
 the operator key (``FRESHLINE_OPS_KEY``), if one is set.
 
-What they sample (staleness from Redis, consumer-group lag from the broker) is taken at
-most once per ``FRESHLINE_OPS_CACHE_S`` whoever asks (:class:`SharedObserver`): any
-number of requests drive at most one SCAN of Redis per period. Counters are read fresh
-on every request. ``/readyz`` reuses its Redis and Postgres check for
-``FRESHLINE_API_READY_CACHE_S``, one check at a time (:class:`Recent`), so probes cost no
-round trip each; on the API port they are limited per client address too
-(:class:`pipeline.api.limits.AccessGuard`).
+What they sample (staleness from Redis, consumer-group lag from the broker, the semantic
+cache's namespaces) is taken at most once per ``FRESHLINE_OPS_CACHE_S`` whoever asks
+(:class:`SharedObserver`): any number of requests drive at most one SCAN of Redis per
+period. Counters are read fresh on every request. ``/readyz`` reuses its Redis and
+Postgres check for ``FRESHLINE_API_READY_CACHE_S``, one check at a time
+(:class:`Recent`), so probes cost no round trip each; on the API port they are limited
+per client address too (:class:`pipeline.api.limits.AccessGuard`).
 """
 
 from __future__ import annotations
@@ -101,14 +101,15 @@ class Recent(Generic[T]):
 
 
 class SharedObserver(Observer):
-    """An :class:`Observer` whose Redis sample and broker lag are taken at most once per
-    ``sample_max_age_s``, whoever asks: ``/metrics``, ``/status`` and the status
-    board's own thread share them."""
+    """An :class:`Observer` whose Redis sample, broker lag and semantic namespaces are
+    taken at most once per ``sample_max_age_s``, whoever asks: ``/metrics``,
+    ``/status`` and the status board's own thread share them."""
 
     def __init__(self, *args: Any, sample_max_age_s: float, **kwargs: Any) -> None:
         super().__init__(*args, max_age_s=sample_max_age_s, **kwargs)
         self._staleness = Shared(super().staleness, sample_max_age_s)
         self._lag = Shared(super().lag, sample_max_age_s)
+        self._namespaces = Shared(super().namespaces, sample_max_age_s)
 
     @property
     def samples(self) -> int:
@@ -120,6 +121,9 @@ class SharedObserver(Observer):
 
     def lag(self) -> dict[str, int] | None:
         return self._lag.get()
+
+    def namespaces(self) -> dict[str, Any] | None:
+        return self._namespaces.get()
 
 
 @dataclass(slots=True)

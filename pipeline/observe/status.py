@@ -136,6 +136,7 @@ class Observer:
         counters: Callable[[], CollectorRegistry],
         consumer_metrics: Sequence[str] = (),
         lag: GroupLag | None = None,
+        semantic_namespaces: Callable[[], dict[str, Any]] | None = None,
         max_age_s: float = 5.0,
     ) -> None:
         self.redis = client
@@ -145,6 +146,7 @@ class Observer:
         self.counters = counters
         self.consumer_metrics = list(consumer_metrics)
         self.group_lag = lag
+        self.semantic_namespaces = semantic_namespaces
         self.max_age_s = max_age_s
         self.topics = source_topics(settings, registry)
         self._lock = threading.Lock()
@@ -163,6 +165,17 @@ class Observer:
             return self.group_lag.by_feature_set(self.topics)
         except Exception as exc:  # the broker is advisory here; never fail a page
             log.debug("consumer-group lag unavailable: %s", exc)
+            return None
+
+    def namespaces(self) -> dict[str, Any] | None:
+        """The semantic cache's busiest namespaces (:mod:`pipeline.api.semantic_status`),
+        or None when the cache is off or its figures could not be read."""
+        if self.semantic_namespaces is None:
+            return None
+        try:
+            return self.semantic_namespaces()
+        except Exception as exc:  # advisory, as the broker is: never fail a page
+            log.debug("semantic namespaces unavailable: %s", exc)
             return None
 
     def _sampled(self, max_age_s: float) -> tuple[dict[str, Staleness], dict[str, int] | None]:
@@ -381,6 +394,9 @@ class StatusBoard:
                 {"name": name, "ttl_s": ttl, "current": current, "series": series.as_dict()}
             )
         semantic = self._semantic(now, base, problems)
+        namespaces = self.observer.namespaces()
+        if namespaces is not None:
+            self._namespace_problems(namespaces["rows"], problems)
         fresh = _Series()
         for prev, cur in itertools.pairwise(points):
             fresh.add(cur.at, lag_s=_mean_between(prev.freshness, cur.freshness))
@@ -396,6 +412,7 @@ class StatusBoard:
                 "series": fresh.as_dict(),
             },
             "semantic": semantic,
+            "semantic_namespaces": namespaces,
             "broker_reachable": now.lag is not None,
             "problems": problems,
         }
@@ -428,6 +445,17 @@ class StatusBoard:
             if rate is not None and rate < 0.25 and d["hit"] + d["miss"] >= 20:
                 problems.append(f"semantic cache {model}: hit rate {rate:.0%} is below 25%")
         return rows
+
+    def _namespace_problems(self, rows: list[dict[str, Any]], problems: list[str]) -> None:
+        """A namespace whose callers flag more of its hits than the decision's bound."""
+        bound = self.observer.settings.semantic_max_error
+        for r in rows:
+            error = r["observed_error"]
+            if error is not None and error > bound and r["hits"] >= 20:
+                problems.append(
+                    f"semantic cache {r['tenant']} {r['model']}: {error:.1%} of hits "
+                    f"flagged, above the {bound:.1%} bound"
+                )
 
     def _base(self, now: Snapshot) -> Snapshot:
         """The snapshot the current rates are measured from: about five minutes ago."""
