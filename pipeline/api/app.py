@@ -6,13 +6,9 @@ import contextlib
 import gc
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
-import hiredis
 import redis
-import redis.asyncio
-from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
-from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -21,6 +17,7 @@ from starlette.routing import BaseRoute, Route
 from pipeline.api import audit_log, metrics, ops, routes
 from pipeline.api.auth import Authenticator
 from pipeline.api.errors import HANDLERS
+from pipeline.api.fastpath import async_client
 from pipeline.api.limits import AccessGuard
 from pipeline.api.openapi import document
 from pipeline.api.reader import FeatureReader
@@ -34,7 +31,6 @@ from pipeline.cache.store import FeatureStore, check_eviction_policy
 from pipeline.cache.tokens import Tokens
 from pipeline.cache.versions import VersionResolver
 from pipeline.core.budget import TenantBudget
-from pipeline.core.cluster import is_cluster
 from pipeline.core.db import make_engine
 from pipeline.core.features import Registry
 from pipeline.core.repository import REGISTRY
@@ -102,7 +98,11 @@ def create_app(
     owned_engine = engine is None
     owned_redis = redis_client is None
     engine = engine or make_engine(settings, pool_size=10)
-    client = redis_client or make_redis_client(settings, socket_connect_timeout=2, socket_timeout=5)
+    client = redis_client or make_redis_client(
+        settings,
+        socket_connect_timeout=settings.api_redis_connect_timeout_s,
+        socket_timeout=settings.api_redis_timeout_s,
+    )
     owned_local = local is None and settings.local_cache_size > 0
     if owned_local:
         local = LocalTier(
@@ -141,7 +141,7 @@ def create_app(
         reader=FeatureReader(
             readthrough,
             local,
-            timeout_s=socket_timeout(client),
+            timeout_s=settings.api_redis_timeout_s,
             tokens=Tokens(engine, client),
             arrivals=Arrivals(client, silence_s=settings.subscription_silence_ms / 1000),
         ),
@@ -194,49 +194,46 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        try:
-            check_eviction_policy(client)  # read-through fills are writes too
-        except redis.exceptions.ConnectionError as exc:
-            # Not ready yet (/readyz says so); the API still starts and serves health.
-            log.warning(
-                "Redis not reachable at start-up (%s); its eviction policy was not checked", exc
-            )
-        if owned_local and local is not None:
-            local.start()
-        services.auth.start()
-        # Made here, on the loop that serves: an asyncio client belongs to one loop.
-        services.reader.aredis = async_twin(client)
-        if versions is not None:
-            versions.listen()
-        stop_timing = metrics.time_feature_queries(engine, registry)
-        board.start()
-        if semantic is not None:
-            semantic.start()
-        try:
-            yield
-        finally:
-            board.close()
-            services.auth.close()
-            services.reader.close()
-            aredis, services.reader.aredis = services.reader.aredis, None
-            if aredis is not None:
-                await aredis.aclose()
-            if hot is not None:
-                hot.close()
-            if semantic is not None:
-                semantic.close()
-            stop_timing()
-            metrics.flush()  # what this worker gathered since the last tick
-            if versions is not None:
-                versions.close()
-            if owned_local and local is not None:
-                local.close()
-            if owned_redis:
-                client.close()
-            if owned_engine:
-                engine.dispose()
+        """Start what serves; on the way out close it in the reverse order, the status
+        board and the subscriptions first, the clients last. A close that raises skips
+        none of those after it; the last failure is raised, chained to any before it."""
+        async with contextlib.AsyncExitStack() as stack:
             if replica is not None:
-                replica.dispose()
+                stack.callback(replica.dispose)
+            if owned_engine:
+                stack.callback(engine.dispose)
+            if owned_redis:
+                stack.callback(client.close)
+            try:
+                check_eviction_policy(client)  # read-through fills are writes too
+            except redis.exceptions.ConnectionError as exc:
+                # Not ready yet (/readyz says so); the API still starts and serves health.
+                log.warning(
+                    "Redis not reachable at start-up (%s); its eviction policy was not checked",
+                    exc,
+                )
+            if owned_local and local is not None:
+                local.start()
+                stack.callback(local.close)
+            if versions is not None:
+                versions.listen()
+                stack.callback(versions.close)
+            stack.callback(metrics.flush)  # what this worker gathered since the last tick
+            stack.callback(metrics.time_feature_queries(engine, registry))
+            if semantic is not None:
+                semantic.start()
+                stack.callback(semantic.close)
+            if hot is not None:
+                stack.callback(hot.close)
+            # Made here, on the loop that serves: an asyncio client belongs to one loop.
+            services.reader.aredis = async_client(settings)
+            stack.push_async_callback(_close_async_client, services.reader)
+            stack.callback(services.reader.close)
+            services.auth.start()
+            stack.callback(services.auth.close)
+            board.start()
+            stack.callback(board.close)
+            yield
 
     audit_log.configure(settings.audit_log)
     app = Starlette(
@@ -285,112 +282,10 @@ def semantic_service(
     ]
 
 
-def socket_timeout(client: redis.Redis) -> float | None:
-    """The socket timeout ``client`` reads with, if any."""
-    kwargs = _connection_kwargs(client)
-    timeout = kwargs.get("socket_timeout")
-    return float(timeout) if timeout else None
-
-
-def _connection_kwargs(client: Any) -> dict[str, Any]:
-    if is_cluster(client):
-        client = client.get_nodes()[0].redis_connection
-    return cast(dict[str, Any], client.connection_pool.connection_kwargs)
-
-
-def async_twin(client: redis.Redis) -> redis.asyncio.Redis:
-    """An asyncio client to the server ``client`` talks to, with its connect timeout.
-
-    hiredis, a dependency, parses its replies. For a cluster client, an asyncio
-    cluster client seeded with every node the first one knows. The twin has no
-    socket timeout: redis.asyncio runs every command with one as a task of its own,
-    which costs more than the command; its caller bounds each call instead (see
-    :class:`pipeline.api.reader.FeatureReader`).
-    """
-    if is_cluster(client):
-        return cluster_twin(client)
-    kwargs = client.connection_pool.connection_kwargs
-    common: dict[str, Any] = {
-        k: kwargs[k]
-        for k in ("db", "username", "password", "socket_connect_timeout", "client_name")
-        if k in kwargs
-    }
-    common["socket_timeout"] = None  # not redis-py's default of 5 s
-    if "path" in kwargs:  # a Unix socket
-        return packing_in_c(redis.asyncio.Redis(unix_socket_path=kwargs["path"], **common))
-    ssl = issubclass(client.connection_pool.connection_class, redis.SSLConnection)
-    if ssl:
-        common.update(
-            {
-                k: kwargs[k]
-                for k in (
-                    "ssl_ca_certs",
-                    "ssl_certfile",
-                    "ssl_keyfile",
-                    "ssl_cert_reqs",
-                    "ssl_check_hostname",
-                )
-                if k in kwargs
-            }
-        )
-    return packing_in_c(
-        redis.asyncio.Redis(
-            host=kwargs.get("host", "localhost"), port=kwargs.get("port", 6379), ssl=ssl, **common
-        )
-    )
-
-
-class HiredisPacking:
-    """A redis.asyncio connection that packs commands with hiredis, in C.
-
-    redis-py's synchronous client packs with ``hiredis.pack_command`` when hiredis is
-    installed; its asyncio client always packs in Python, argument by argument, which
-    for the API's MGET of 101 keys cost about ten times as much (and more than
-    decoding the replies). The bytes sent are the same. Floats, and arguments hiredis
-    does not take, are packed by redis-py as before.
-    """
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        head = args[0]
-        if isinstance(head, str):
-            command = (*head.encode().split(), *args[1:])
-        elif isinstance(head, bytes) and b" " in head:
-            command = (*head.split(), *args[1:])
-        else:
-            command = args
-        if float not in set(map(type, command)):  # redis-py writes floats its own way
-            try:
-                return [hiredis.pack_command(command)]
-            except TypeError:
-                pass  # None, bool, bytearray...: redis-py's to take or refuse
-        return super().pack_command(*args)  # type: ignore[misc, no-any-return]
-
-
-_PACKING: dict[type, type] = {}
-
-
-def packing_in_c(twin: redis.asyncio.Redis) -> redis.asyncio.Redis:
-    """``twin``, its connections made with :class:`HiredisPacking` (none is open yet)."""
-    pool = twin.connection_pool
-    cls = pool.connection_class
-    packing = _PACKING.get(cls)
-    if packing is None:
-        packing = _PACKING[cls] = type(f"HiredisPacking{cls.__name__}", (HiredisPacking, cls), {})
-    pool.connection_class = packing
-    return twin
-
-
-def cluster_twin(client: Any) -> redis.asyncio.Redis:
-    nodes = client.get_nodes()
-    kwargs = nodes[0].redis_connection.connection_pool.connection_kwargs
-    common = {
-        k: kwargs[k] for k in ("username", "password", "socket_connect_timeout") if k in kwargs
-    }
-    common["socket_timeout"] = None  # bounded by the caller, as for async_twin
-    twin = AsyncRedisCluster(
-        startup_nodes=[AsyncClusterNode(n.host, n.port) for n in nodes], **common
-    )
-    return cast(redis.asyncio.Redis, twin)
+async def _close_async_client(reader: FeatureReader) -> None:
+    aredis, reader.aredis = reader.aredis, None
+    if aredis is not None:
+        await aredis.aclose()
 
 
 def app_from_env() -> Starlette:

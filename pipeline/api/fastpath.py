@@ -6,14 +6,15 @@ and TLS options), with three departures from redis-py. Each works around a gap i
 redis-py and has a test in ``tests/pipeline/api/test_fastpath.py`` that fails once the
 installed redis-py no longer has the gap; the workaround can go then.
 
-* **No socket timeout.** redis-py's asyncio client bounds every read with an
-  ``asyncio.timeout`` of its own, a timer pushed on the loop's heap and cancelled, per
+* **No socket timeout.** redis-py's asyncio ``socket_timeout`` is an
+  ``asyncio.timeout`` around every read (redis-py #3454; its open PR #4106 would time
+  each chunk read instead): a timer pushed on the loop's heap and cancelled, per
   command. The reader bounds its calls instead, with one check per loop
   (:class:`pipeline.api.deadlines.Deadlines`, :class:`pipeline.api.reader.FeatureReader`).
 * **Commands packed by hiredis** (:class:`HiredisPacking`), for redis-py #4176, "Async
-  Redis cannot use hiredis pack_command". The packer that PR #4191 gives asyncio
-  connections (redis-py 8.2 has it) encodes each argument in Python before hiredis
-  packs them: no faster than packing in Python for an MGET of 101 keys.
+  Redis cannot use hiredis pack_command". The packer PR #4191 gives asyncio
+  connections, which the installed redis-py 8.2 has, encodes each argument in Python
+  before hiredis packs them: no faster than packing in Python for an MGET of 101 keys.
 * **MGETs on connections held between calls** (:class:`HeldConnections`), for redis-py
   #3692, "Async performance issue since version 5.3.0": the pool takes an
   ``asyncio.Lock`` on every acquire and release, and checks the socket's readiness on

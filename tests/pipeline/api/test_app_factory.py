@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
+import pytest
+
+from pipeline.api import create_app
 from pipeline.core.settings import Settings
 
 
@@ -33,3 +38,40 @@ def test_a_worker_moves_its_long_lived_objects_out_of_the_collector(settings: Se
     before, frozen, tracked = map(int, out.stdout.split()[-3:])
     assert before == 0
     assert frozen > 10_000 and tracked < frozen / 10  # nearly all of it, right after start
+
+
+def test_one_close_that_raises_skips_none_of_the_others(settings: Settings) -> None:
+    """The app's start-up and shutdown run on one exit stack: every close runs, in the
+    reverse order of start-up, though the first one (the status board's) raises."""
+    app = create_app(settings.model_copy(update={"local_cache_size": 10}))
+    services = app.state.services
+    closed: list[str] = []
+
+    def recorded(name: str, close: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            closed.append(name)
+            close()
+
+        return run
+
+    def broken() -> None:
+        closed.append("status board")
+        raise RuntimeError("the status board would not stop")
+
+    # Set before start-up: the exit stack takes each close as it starts its service.
+    app.state.status.close = broken
+    services.auth.close = recorded("auth", services.auth.close)
+    services.reader.close = recorded("reader", services.reader.close)
+    services.reader.local.close = recorded("local tier", services.reader.local.close)
+    services.redis.close = recorded("redis", services.redis.close)
+    services.engine.dispose = recorded("engine", services.engine.dispose)
+
+    async def serve_and_stop() -> None:
+        async with app.router.lifespan_context(app):
+            assert services.reader.aredis is not None
+            assert await services.reader.aredis.ping()
+
+    with pytest.raises(RuntimeError, match="would not stop"):
+        asyncio.run(serve_and_stop())
+    assert closed == ["status board", "auth", "reader", "local tier", "redis", "engine"]
+    assert services.reader.aredis is None  # the asyncio client was closed as well
