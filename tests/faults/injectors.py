@@ -154,6 +154,10 @@ class HeldCommit:
                 is True
             )
 
+    def settled(self) -> bool:
+        """Finished, or its COMMIT waiting for the standby."""
+        return self.finished or self.waiting()
+
     def cancel(self, deadline_s: float = 30.0) -> None:
         """Cancel the wait: the commit completes locally and becomes visible."""
         with self.engine.connect() as conn:

@@ -53,6 +53,7 @@ from pipeline.core.types import EntityRef, Entry, FeatureValues
 from tests.faults.processes import Counts, Fleet
 from tests.faults.reference import FEATURE_SETS, Values, reference
 from tests.faults.workload import Produced, Ref
+from tests.helpers import kafka_headers
 
 Partition = tuple[str, int]
 DLQ_SOURCE = (
@@ -159,19 +160,13 @@ def read_range(
             for msg in probe.consume(500, timeout=0.5):
                 if msg.error() is not None:
                     continue
-                key = (msg.topic(), msg.partition())
-                if key not in left or msg.offset() >= left[key][1]:
+                topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+                assert topic is not None and partition is not None and offset is not None
+                key = (topic, partition)
+                if key not in left or offset >= left[key][1]:
                     continue
-                out.append(
-                    Record(
-                        msg.topic(),
-                        msg.partition(),
-                        msg.offset(),
-                        msg.value(),
-                        {k: v for k, v in (msg.headers() or [])},
-                    )
-                )
-                if msg.offset() + 1 >= left[key][1]:
+                out.append(Record(topic, partition, offset, msg.value(), kafka_headers(msg)))
+                if offset + 1 >= left[key][1]:
                     del left[key]
     finally:
         probe.close()

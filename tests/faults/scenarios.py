@@ -349,11 +349,7 @@ def commit_visibility_window(run: Run) -> None:
                 {"d": round(1000 + run.rng.random() * 1000, 2), "t": tenant, "id": txn},
             )
             held.begin()
-            wait_until(
-                lambda h=held: h.finished or h.waiting(),
-                "the commit to wait for the standby or end",
-                30,
-            )
+            wait_until(held.settled, "the commit to wait for the standby or end", 30)
             if not held.finished:
                 break
             # The checkpointer had not taken the new standby name yet: a plain commit.

@@ -52,7 +52,8 @@ class Toxiproxy:
 
     def version(self) -> str:
         with urllib.request.urlopen(self.url + "/version", timeout=self.timeout_s) as resp:
-            return resp.read().decode().strip()
+            body: bytes = resp.read()
+        return body.decode().strip()
 
     def create(self, name: str, *, listen: int | str, upstream: str) -> Proxy:
         """Create (or replace) proxy ``name`` listening on ``listen`` (a port or host:port)."""

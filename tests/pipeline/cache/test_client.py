@@ -41,6 +41,7 @@ def test_many_entities_in_one_round_trip_with_misses_reported(
     for fs in REGISTRY:
         store.write(compute(engine, fs, refs))
     counting = CountingRedis.from_url(settings.redis_url)
+    assert isinstance(counting, CountingRedis)
     client = FeatureClient(counting, version)
     items = [(fs.name, tenant, u) for fs in REGISTRY for u in range(1, 13)]
     got = client.get_many(items)

@@ -213,19 +213,23 @@ def test_sixteen_threads_on_one_missing_key_compute_once(
     results = read_at_once(rt, EntityRef("txn_90d", tenant, "4"))
     assert calls == [1]
     assert len(results) == 16
-    assert len({str(r.values) for r in results}) == 1  # type: ignore[attr-defined]
+    assert len({str(r.values) for r in results}) == 1
 
 
 def _process_reader(
     settings: Settings, version: int, ref: EntityRef, counter: str, start: mp.synchronize.Barrier
-) -> None:  # type: ignore[name-defined]
+) -> None:
     client = redis.Redis.from_url(settings.redis_url)
     engine = make_engine(settings, pool_size=1)
+
+    def count(group: list[EntityRef]) -> None:
+        client.incr(counter)
+
     rt = ReadThrough(
         FeatureStore(client, version),
         engine,
         early_refresh=False,
-        hooks=Hooks(before_compute=lambda group: client.incr(counter)),
+        hooks=Hooks(before_compute=count),
     )
     start.wait(timeout=60)
     rt.get(ref)

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import pytest
 import redis
@@ -19,7 +19,7 @@ TXN_90D = REGISTRY["txn_90d"]
 
 
 def _batch(
-    values: dict[str, object], watermark: int, tenant: str = "acme", entity: str = "1"
+    values: Mapping[str, object], watermark: int, tenant: str = "acme", entity: str = "1"
 ) -> Batch:
     full = {name: values.get(name, 0) for name in TXN_90D.field_names}
     return Batch(TXN_90D, {(tenant, entity): full}, watermark, 1_700_000_000_000)
@@ -123,6 +123,6 @@ def test_entry_encoding_is_compact(redis_client: redis.Redis, version: int) -> N
     }
     store.write(_batch(values, 10**20, entity="77"))
     raw = redis_client.get(store.key(EntityRef("txn_90d", "acme", "77")))
-    assert raw is not None
+    assert isinstance(raw, bytes)
     assert len(raw) < 120
     assert raw.startswith(b"1")

@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator
+from typing import TypedDict
 
 import pytest
 import redis
@@ -218,10 +219,22 @@ def invalidate(client: redis.Redis, channel: str, ref: EntityRef) -> None:
 # -- a half-open connection ----------------------------------------------------------------
 
 
-def login(client: redis.Redis) -> dict[str, str]:
+class Login(TypedDict, total=False):
+    """Keyword arguments of :class:`redis.Redis` that log in."""
+
+    username: str
+    password: str
+
+
+def login(client: redis.Redis) -> Login:
     """The username and password ``client`` logs in with (the stack's ACL user)."""
     kwargs = client.connection_pool.connection_kwargs
-    return {k: kwargs[k] for k in ("username", "password") if kwargs.get(k)}
+    out = Login()
+    if kwargs.get("username"):
+        out["username"] = kwargs["username"]
+    if kwargs.get("password"):
+        out["password"] = kwargs["password"]
+    return out
 
 
 @pytest.mark.parametrize("silence_s", [None, 0.3], ids=["default", "configured"])

@@ -185,5 +185,5 @@ def test_the_semantic_cache_gets_a_verdict_from_its_own_figures() -> None:
     assert (bot.name, bot.kind) == ("support-bot", "semantic")
     assert bot.qps == pytest.approx(10.0)  # refused requests are not cache traffic
     assert bot.hit_rate == pytest.approx(0.4)
-    assert (bot.lookup_s, bot.compute_s) == (pytest.approx(0.02), pytest.approx(0.8))
+    assert (bot.lookup_s, bot.compute_s) == pytest.approx((0.02, 0.8))
     assert advise(bot).verdict == "keep"  # 20 ms + 0.6 x 800 ms < 800 ms

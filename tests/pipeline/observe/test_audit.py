@@ -321,9 +321,9 @@ def test_a_mismatch_healed_within_a_grace_counts_only_before_it(
     assert [g for g, _ in seen] == list(graces[: fixed_at + 1])
     first = seen[0][1][0]
     assert first.ref == target and set(first.differing) >= {"txn_sum"}
-    entry = store.read([target])[0]
-    assert entry is not None and first.recomputed is not None
-    assert entry.values["txn_sum"] == first.recomputed["txn_sum"]
+    served = store.read([target])[0]
+    assert served is not None and first.recomputed is not None
+    assert served.values["txn_sum"] == first.recomputed["txn_sum"]
 
 
 def test_an_entry_that_caught_up_and_changed_again_is_consistent_at_that_grace(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from typing import cast
 
 import numpy as np
 import pytest
@@ -51,6 +52,11 @@ def store(c: SemanticCache, scope: Scope, prompts: list[str]) -> np.ndarray:
     return vectors
 
 
+def members(client: redis.Redis, key: str) -> set[str]:
+    """The sorted set's members, decoded (the client returns them as bytes)."""
+    return {m.decode() for m in cast(list[bytes], client.zrange(key, 0, -1))}
+
+
 def later() -> None:
     """Let the clock move past the last store's millisecond, so the next scores higher."""
     now = int(time.time() * 1000)
@@ -94,7 +100,7 @@ def test_storing_a_prompt_again_makes_it_young(
     store(c, s, ["first"])  # again: now the youngest
     later()
     store(c, s, ["third"])
-    kept = {m.decode() for m in redis_client.zrange(semantic_ids_key(s.namespace), 0, -1)}
+    kept = members(redis_client, semantic_ids_key(s.namespace))
     assert kept == {f"{entry_id('first'):016x}", f"{entry_id('third'):016x}"}
 
 
@@ -136,7 +142,7 @@ def test_a_tenant_keeps_its_most_recently_stored_namespaces(
     )
     assert not redis_client.exists(semantic_ids_key(versions[0].namespace))
     assert semantic_registry_key(tenant) == f"sem:ns:{tenant}"  # the README's key table
-    registry = {m.decode() for m in redis_client.zrange(semantic_registry_key(tenant), 0, -1)}
+    registry = members(redis_client, semantic_registry_key(tenant))
     assert registry == {versions[1].namespace, versions[2].namespace}
     # The reader's index of v1 is emptied by the purge on its stream.
     assert answer(reader, versions[0], "where is my order", vectors[0][0]) is None
