@@ -36,9 +36,11 @@ from pipeline.api import metrics
 from pipeline.api.errors import ApiError, JSONResponse
 from pipeline.api.routes import authenticate, read_json, timed
 from pipeline.api.tenancy import in_pool
+from pipeline.core.budget import TenantBudget
 from pipeline.core.keys import validate_id
 from pipeline.core.settings import Settings
 from pipeline.semantic.cache import (
+    EntryOverBudget,
     Flagged,
     InvalidPrompt,
     Limits,
@@ -190,6 +192,11 @@ class SemanticService:
                 ),
                 max_index_vectors=s.semantic_index_max_vectors,
                 decision=self.decision,
+                budget=TenantBudget(
+                    self.redis,
+                    max_keys=s.semantic_tenant_max_keys,
+                    max_bytes=s.semantic_tenant_max_bytes,
+                ),
             )
         return self._cache
 
@@ -214,6 +221,13 @@ def as_api_error(exc: Exception) -> Exception:
         return ApiError(422, "not_deterministic", str(exc))
     if isinstance(exc, InvalidPrompt):
         return ApiError(422, "invalid_request", str(exc))
+    if isinstance(exc, EntryOverBudget):
+        return ApiError(
+            413,
+            "semantic_entry_too_large",
+            f"{exc}: FRESHLINE_SEMANTIC_TENANT_MAX_BYTES and _MAX_KEYS bound what one "
+            "tenant keeps; a smaller entry evicts the tenant's oldest instead",
+        )
     if isinstance(exc, EmbeddingError):
         # Its message names the endpoint and quotes its answer: for the log only
         # (:func:`pipeline.api.errors.freshline_error` logs the cause).
@@ -233,7 +247,7 @@ async def _in_share(request: Request, fn: Any, scope: Scope, *args: Any) -> Any:
 async def _answered(work: Awaitable[Any]) -> Any:
     try:
         return await work
-    except (NonDeterministicParams, InvalidPrompt, EmbeddingError) as exc:
+    except (NonDeterministicParams, InvalidPrompt, EntryOverBudget, EmbeddingError) as exc:
         raise as_api_error(exc) from exc
 
 

@@ -335,6 +335,18 @@ def semantic_registry_key(tenant: str) -> str:
     return f"{SEMANTIC_PREFIX}:ns:{validate_id('tenant', tenant)}"
 
 
+def semantic_budget_keys(tenant: str) -> tuple[str, str]:
+    """``sem:_own:{<tenant>}`` and ``sem:_bytes:{<tenant>}``: the tenant's semantic
+    entries, a sorted set scored by expiry (ms), and the bytes they take
+    (:class:`pipeline.core.budget.TenantBudget`).
+
+    Under ``sem:``, in the tenant's own hash tag, and never matched by
+    :func:`semantic_pattern`: a namespace's tag always holds four parts.
+    """
+    tag = "{" + validate_id("tenant", tenant) + "}"
+    return f"{SEMANTIC_PREFIX}:_own:{tag}", f"{SEMANTIC_PREFIX}:_bytes:{tag}"
+
+
 def semantic_pattern(
     tenant: str | None = None,
     model: str | None = None,

@@ -32,6 +32,7 @@ from pipeline.semantic.entry import InvalidPrompt
 from pipeline.semantic.lookups import CANDIDATES
 from pipeline.semantic.namespaces import Limits, live_namespaces, purge_keys
 from pipeline.semantic.scope import (
+    EntryOverBudget,
     Flagged,
     Lookup,
     NonDeterministicParams,
@@ -46,6 +47,7 @@ __all__ = [
     "CANDIDATES",
     "DEFAULT_THRESHOLD",
     "SAME_PROMPT",
+    "EntryOverBudget",
     "Flagged",
     "InvalidPrompt",
     "Learned",
@@ -67,9 +69,10 @@ class SemanticCache(Stores):
     a model to its fixed similarity threshold (default ``threshold``). ``rng`` draws
     the explorations (seed it for repeatable runs). ``ttl_s`` bounds every key's
     life; ``limits`` bounds entries per namespace and namespaces per tenant;
-    ``max_index_vectors`` bounds the vectors this process's indexes hold. Thread-safe;
-    share one per process, since it holds this process's indexes and their background
-    builder. :meth:`close` stops it.
+    ``max_index_vectors`` bounds the vectors this process's indexes hold; ``budget``
+    bounds each tenant's entries in keys and bytes (:mod:`pipeline.semantic.stores`).
+    Thread-safe; share one per process, since it holds this process's indexes and
+    their background builder. :meth:`close` stops it.
     """
 
     def warm(self, namespaces: Sequence[tuple[str, int]] | None = None) -> int:

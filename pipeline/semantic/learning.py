@@ -251,5 +251,7 @@ class Learning(CacheState):
         if fields:
             pipe.hset(pairs_key(ns), mapping=cast(Any, fields))
             pipe.pexpire(pairs_key(ns), self.ttl_ms)
-        self._flush_into(pipe, ns)
-        pipe.execute()
+        counted = len(pipe)
+        pending = self._flush_into(pipe, ns)
+        replies = pipe.execute()
+        self._settle(ns, pending, replies[counted] if pending else None)

@@ -205,8 +205,10 @@ class Lookups(Learning):
             pipe.mget(keys)
         if position is not None:
             pipe.xread({semantic_log_key(ns): position}, count=STREAM_BATCH)
-        self._flush_into(pipe, ns)
+        counted = len(pipe)
+        pending = self._flush_into(pipe, ns)
         replies = pipe.execute()
+        self._settle(ns, pending, replies[counted] if pending else None)
         pairs = replies.pop(0) if learned is not None else None
         values: list[bytes | None] = list(replies[0]) if ids else []
         events: list[Any] = []

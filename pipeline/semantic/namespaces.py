@@ -18,14 +18,22 @@ Bounds (:class:`Limits`), all enforced when a response is stored:
   namespace the tenant stored into least recently, typically an old model or
   template version. A namespace whose last store is older than the TTL has expired
   and no longer counts.
+* **Bytes and entries per tenant** (``FRESHLINE_SEMANTIC_TENANT_MAX_BYTES`` and
+  ``_MAX_KEYS``, with a :class:`pipeline.core.budget.TenantBudget` in
+  ``sem:_own:{<tenant>}`` and ``sem:_bytes:{<tenant>}``): past it, the tenant's oldest
+  entries in any of its namespaces are evicted (:func:`evict_entries`,
+  :mod:`pipeline.semantic.stores`).
 * **Time**: every key has a TTL (``FRESHLINE_SEMANTIC_TTL_S``), extended by stores.
+
+Only a store makes a namespace: lookups and flags write their counters, their
+``remove`` and their explorations only where it exists.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +41,7 @@ import redis
 
 from pipeline.core.keys import (
     parse_semantic_namespace,
+    semantic_budget_keys,
     semantic_entry_key,
     semantic_ids_key,
     semantic_log_key,
@@ -88,20 +97,46 @@ def trim_minid(now_ms: int) -> str:
 
 def evict_oldest(client: redis.Redis, namespace: str, count: int, ttl_ms: int) -> int:
     """Evict the ``count`` oldest stored entries of ``namespace``; returns how many."""
-    ids_key, log_key = semantic_ids_key(namespace), semantic_log_key(namespace)
-    popped: Any = client.zpopmin(ids_key, count)  # first: a build never reads them again
-    if not popped:
-        return 0
+    # Out of the id set first: a build never reads them again.
+    popped: Any = client.zpopmin(semantic_ids_key(namespace), count)
+    _unlink_entries(client, namespace, [int(text(m), 16) for m, _ in popped], ttl_ms)
+    return len(popped)
+
+
+def evict_entries(client: redis.Redis, keys: Iterable[str], ttl_ms: int) -> Counter[str]:
+    """Evict the entries whose keys are ``keys`` (those its tenant's budget popped),
+    as :func:`evict_oldest` does: out of their id sets first, then their keys and
+    outcomes unlinked and a ``remove`` on each stream. Returns how many of them were
+    still in their id sets, per namespace."""
+    by_namespace: dict[str, list[int]] = {}
+    for key in keys:
+        by_namespace.setdefault(namespace_of(key), []).append(int(key.rpartition(":")[2], 16))
+    evicted: Counter[str] = Counter()
+    for ns, ids in by_namespace.items():
+        evicted[ns] = int(client.zrem(semantic_ids_key(ns), *[f"{e:016x}" for e in ids]))
+        _unlink_entries(client, ns, ids, ttl_ms)
+    return evicted
+
+
+def _unlink_entries(client: redis.Redis, namespace: str, ids: list[int], ttl_ms: int) -> None:
+    if not ids:
+        return
+    log_key = semantic_log_key(namespace)
     minid = trim_minid(int(time.time() * 1000))
     pipe = client.pipeline(transaction=True)  # the stream's TTL with its write
-    ids = [int(text(m), 16) for m, _ in popped]
     pipe.unlink(*[semantic_entry_key(namespace, e) for e in ids])
     pipe.unlink(*[semantic_outcomes_key(namespace, e) for e in ids])
-    for member, _ in popped:
-        pipe.xadd(log_key, {"op": "remove", "id": text(member)}, minid=minid, approximate=True)
+    for e in ids:
+        # NOMKSTREAM: a namespace whose stream has gone has no index to tell.
+        pipe.xadd(
+            log_key,
+            {"op": "remove", "id": f"{e:016x}"},
+            minid=minid,
+            approximate=True,
+            nomkstream=True,
+        )
     pipe.pexpire(log_key, ttl_ms)
     pipe.execute()
-    return len(popped)
 
 
 def evict_namespaces(client: redis.Redis, tenant: str, keep: int) -> list[str]:
@@ -176,6 +211,9 @@ def purge_keys(
             keys.clear()
     if keys:
         client.unlink(*keys)
+    if tenant and not (model or model_version or template_version):
+        # The whole tenant: its budget's count goes with its entries.
+        client.unlink(*semantic_budget_keys(tenant))
     _announce_purges(client, list(removed))
     return dict(removed)
 

@@ -30,6 +30,22 @@ class NonDeterministicParams(FreshlineError):
     """A generation that may differ for the same prompt: never stored nor served."""
 
 
+class EntryOverBudget(FreshlineError):
+    """A store that could never fit its tenant's budget: one entry (or the batch)
+    costs more bytes, or is more entries, than the whole budget holds."""
+
+    def __init__(self, cost: int, entries: int, max_bytes: int, max_keys: int) -> None:
+        super().__init__(
+            f"{entries} entries of {cost:,} bytes (prompts, responses, vectors and "
+            f"Redis's overhead) over the tenant's budget of {max_keys:,} entries and "
+            f"{max_bytes:,} bytes"
+        )
+        self.cost = cost
+        self.entries = entries
+        self.max_bytes = max_bytes
+        self.max_keys = max_keys
+
+
 @dataclass(frozen=True, slots=True)
 class Scope:
     """Who asks and for what: the parts of a namespace."""

@@ -15,7 +15,9 @@ from typing import Any
 
 import redis
 
+from pipeline.core.budget import TenantBudget
 from pipeline.core.keys import (
+    semantic_ids_key,
     semantic_stats_key,
 )
 from pipeline.semantic import decision
@@ -40,6 +42,21 @@ from pipeline.semantic.pool import MAX_VECTORS, IndexPool
 log = logging.getLogger(__name__)
 
 DEFAULT_THRESHOLD = 0.93
+
+MAX_PENDING = 10_000
+"""Namespaces whose counters this process holds before writing them; the counts of
+one more are dropped. Counters wait here while their namespace was never stored into
+(:data:`_COUNT`): callers choose namespaces, and those must not grow the process."""
+
+# The counters are written only into a namespace that exists (its ids or its counters
+# are in Redis): a caller's lookups and flags for namespaces never stored into must
+# make no key. EVAL, not EVALSHA, so that it runs in any pipeline, a cluster's too.
+_COUNT = """
+if redis.call('EXISTS', KEYS[1], KEYS[2]) == 0 then return 0 end
+for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
 
 
 @dataclass(slots=True)
@@ -77,6 +94,7 @@ class CacheState:
         max_index_vectors: int = MAX_VECTORS,
         decision: Learned | None = None,
         rng: random.Random | None = None,
+        budget: TenantBudget | None = None,
     ) -> None:
         self.redis = client
         self.embedder = embedder
@@ -89,6 +107,7 @@ class CacheState:
         self.max_prompt_chars = max_prompt_chars
         self.guard_literals = guard_literals
         self.limits = limits or Limits()
+        self.budget = budget
         self.background = ThreadPoolExecutor(1, thread_name_prefix="semantic")
         self.pool = IndexPool(client, embedder.dim, self.background, max_vectors=max_index_vectors)
         self._pending: dict[str, Counter[str]] = {}
@@ -146,15 +165,36 @@ class CacheState:
 
     def _count(self, ns: str, field: str, n: int = 1) -> None:
         with self._pending_lock:
-            self._pending.setdefault(ns, Counter())[field] += n
+            self._add_pending(ns, Counter({field: n}))
 
-    def _flush_into(self, pipe: Any, ns: str) -> None:
-        """Add this process's pending counters of ``ns`` to ``pipe`` (with the key's TTL)."""
+    def _add_pending(self, ns: str, counts: Counter[str]) -> None:
+        """``counts`` into ``ns``'s pending counters (the lock held), unless
+        :data:`MAX_PENDING` other namespaces are waiting."""
+        held = self._pending.get(ns)
+        if held is None:
+            if len(self._pending) >= MAX_PENDING:
+                return
+            held = self._pending[ns] = Counter()
+        held.update(counts)
+
+    def _flush_into(self, pipe: Any, ns: str) -> Counter[str] | None:
+        """Add this process's pending counters of ``ns`` to ``pipe``, written (with the
+        key's TTL) only if the namespace exists (:data:`_COUNT`); returns them, for
+        :meth:`_settle` once ``pipe`` ran, or None if there were none."""
         with self._pending_lock:
             pending = self._pending.pop(ns, None)
         if not pending:
-            return
-        key = semantic_stats_key(ns)
+            return None
+        args: list[Any] = [self.ttl_ms]
         for field, n in pending.items():
-            pipe.hincrby(key, field, n)
-        pipe.pexpire(key, self.ttl_ms)
+            args += [field, n]
+        pipe.eval(_COUNT, 2, semantic_stats_key(ns), semantic_ids_key(ns), *args)
+        return pending
+
+    def _settle(self, ns: str, pending: Counter[str] | None, written: Any) -> None:
+        """Hold again the counters :meth:`_flush_into` took if its script wrote
+        nothing (``written`` is its reply): the namespace was never stored into, and
+        they count once it is."""
+        if pending and not written:
+            with self._pending_lock:
+                self._add_pending(ns, pending)

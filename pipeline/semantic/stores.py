@@ -7,6 +7,21 @@ extended in the same ``MULTI``. The tenant's registry of namespaces is in it too
 except on Redis Cluster, where it lives in another slot and has a transaction of its
 own. Then the bounds (:class:`~pipeline.semantic.namespaces.Limits`), then the labels
 of explorations the stored prompts answer.
+
+With a tenant budget (:class:`pipeline.core.budget.TenantBudget`, in keys and bytes:
+an entry is its key, its value, its vector on the stream, its id and Redis's
+overhead), the entries are counted against their tenant before that transaction, and
+the budget pops the tenant's oldest entries, in any of its namespaces, until it
+holds; after the transaction those are evicted as a namespace's oldest are (out of
+the id set, unlinked, a ``remove`` on the stream). Only a tenant's own stores add to
+its budget, so another tenant's entries are never touched. A store that could never
+fit (one entry, or the batch, over the whole budget) is refused before anything is
+counted (:class:`~pipeline.semantic.scope.EntryOverBudget`). Entries evicted by the
+other bounds stay counted until their expiry, as if present: the count errs towards
+less room, never more.
+
+A flag writes its ``remove`` and its counter only into a namespace that exists: a
+flag for a namespace never stored into stores nothing.
 """
 
 from __future__ import annotations
@@ -18,8 +33,10 @@ from typing import Any, cast
 
 import numpy as np
 
+from pipeline.core.budget import entry_cost
 from pipeline.core.cluster import is_cluster
 from pipeline.core.keys import (
+    semantic_budget_keys,
     semantic_entry_key,
     semantic_ids_key,
     semantic_log_key,
@@ -41,11 +58,13 @@ from pipeline.semantic.entry import (
 )
 from pipeline.semantic.lookups import Lookups
 from pipeline.semantic.namespaces import (
+    evict_entries,
     evict_namespaces,
     evict_oldest,
     trim_minid,
 )
 from pipeline.semantic.scope import (
+    EntryOverBudget,
     Flagged,
     Lookup,
     NonDeterministicParams,
@@ -56,6 +75,9 @@ from pipeline.semantic.scope import (
 )
 
 log = logging.getLogger(__name__)
+
+ID_BYTES = 24
+"""An entry's member in its namespace's id set: 16 hex digits and a score."""
 
 SAME_PROMPT = 0.999
 """A flag at or above this similarity is about the entry's own prompt: the response
@@ -137,12 +159,19 @@ class Stores(Lookups):
         ids_key, log_key = semantic_ids_key(ns), semantic_log_key(ns)
         registry = semantic_registry_key(scope.tenant)
         minid = trim_minid(now_ms)
+        out = [f"{entry_id(prompt):016x}" for prompt, _ in items]
+        blobs = {
+            semantic_entry_key(ns, int(member, 16)): encode(
+                Entry(prompt, response, now_ms, digest, np.asarray(vector, dtype=np.float32))
+            )
+            for (prompt, response), member, vector in zip(items, out, vectors, strict=True)
+        }
+        popped = self._admit(scope.tenant, blobs, vectors.shape[1])
         # One MULTI: every key written here gets its TTL in the same transaction.
         pipe = self.redis.pipeline(transaction=True)
-        out = [f"{entry_id(prompt):016x}" for prompt, _ in items]
-        for (prompt, response), member, vector in zip(items, out, vectors, strict=True):
-            entry = Entry(prompt, response, now_ms, digest, np.asarray(vector, dtype=np.float32))
-            pipe.set(semantic_entry_key(ns, int(member, 16)), encode(entry), px=ttl)
+        for key, blob in blobs.items():
+            if key not in popped:
+                pipe.set(key, blob, px=ttl)
         # The ids before the stream events: an index build between the two still
         # finds the entry (pipeline.semantic.pool).
         pipe.zadd(ids_key, dict.fromkeys(out, now_ms + ttl))
@@ -173,6 +202,7 @@ class Stores(Lookups):
         self._flush_into(pipe, ns)
         replies = pipe.execute()
         spaces = reg.execute() if apart else replies
+        self._evict_popped(popped - blobs.keys())
         self._enforce_limits(scope, int(replies[size_at]), int(spaces[spaces_at]))
         agreed: list[bool | None] = [None] * len(items)
         if self.decision is not None:
@@ -214,16 +244,21 @@ class Stores(Lookups):
         pipe.delete(semantic_entry_key(ns, e))
         pipe.delete(semantic_outcomes_key(ns, e))
         pipe.zrem(semantic_ids_key(ns), entry)
+        # NOMKSTREAM: a flag for a namespace never stored into stores nothing.
         pipe.xadd(
             semantic_log_key(ns),
             {"op": "remove", "id": entry},
             minid=trim_minid(now_ms),
             approximate=True,
+            nomkstream=True,
         )
         pipe.pexpire(semantic_log_key(ns), self.ttl_ms)
         self._count(ns, "flagged")
-        self._flush_into(pipe, ns)
-        removed = bool(pipe.execute()[0])
+        counted = len(pipe)
+        pending = self._flush_into(pipe, ns)
+        replies = pipe.execute()
+        self._settle(ns, pending, replies[counted] if pending else None)
+        removed = bool(replies[0])
         idx = self.pool.peek(ns)
         if idx is not None:
             with idx.lock:
@@ -265,6 +300,28 @@ class Stores(Lookups):
         self._count(ns, "flagged")
         self._write_outcomes(ns, outcomes, paired, room)
         return Flagged(False, similarity, self.decision.threshold(labelled))
+
+    def _admit(self, tenant: str, blobs: dict[str, bytes], dim: int) -> set[str]:
+        """Count the entries ``blobs`` against ``tenant``'s budget, if there is one;
+        returns the keys it popped, the tenant's oldest (module docstring). Refused,
+        before anything is counted, when they could never fit."""
+        if self.budget is None:
+            return set()
+        # An entry is also its vector on the stream and its member in the id set.
+        entries = [(key, len(blob) + 4 * dim + ID_BYTES) for key, blob in blobs.items()]
+        cost = sum(entry_cost(key, size) for key, size in entries)
+        if cost > self.budget.max_bytes or len(entries) > self.budget.max_keys:
+            raise EntryOverBudget(cost, len(entries), self.budget.max_bytes, self.budget.max_keys)
+        return self.budget.admit(semantic_budget_keys(tenant), entries, self.ttl_ms)
+
+    def _evict_popped(self, keys: set[str]) -> None:
+        """Evict the tenant's entries its budget popped (never another tenant's: only
+        its own stores add to its budget)."""
+        if not keys:
+            return
+        for ns, n in evict_entries(self.redis, keys, self.ttl_ms).items():
+            if n:
+                self._count(ns, "evicted", n)
 
     def _enforce_limits(self, scope: Scope, entries: int, namespaces: int) -> None:
         ns = scope.namespace
