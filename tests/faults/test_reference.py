@@ -6,18 +6,22 @@ with many rows, rows exactly at and just inside every window edge, rows after th
 moment computed for, ties on the latest row, IPs with no range or none at all, a
 device first seen exactly a day before, a risk score whose rounding depends on
 Postgres's ``real`` to ``numeric`` conversion, a link to a missing device, a rounding
-tie, and users with no rows. Then :func:`tests.faults.oracle.compare` catches a value
-that went stale when a row changed, and says which answer a wrong value contradicts.
-Not part of the fault suite's run: it needs only the session's Postgres.
+tie, and users with no rows; and, as a property, over any rows hypothesis draws around
+those edges. Then :func:`tests.faults.oracle.compare` catches a value that went stale
+when a row changed, and says which answer a wrong value contradicts. Not part of the
+fault suite's run: it needs only the session's Postgres.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from decimal import Decimal
 
 import sqlalchemy as sa
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
@@ -232,3 +236,107 @@ def test_a_value_only_the_reference_contradicts_fails_and_names_it(
     ]
     assert [(d["feature_set"], d["entity"]) for d in verdict.disagreements] == [("txn_90d", "101")]
     assert len(verdict.failures) == 2
+
+
+# -- the property: any rows ------------------------------------------------------------
+
+EDGES = (
+    ANCHOR - 90 * DAY,
+    ANCHOR - 90 * DAY + US,
+    ANCHOR - 30 * DAY,
+    ANCHOR - 30 * DAY + US,
+    ANCHOR - DAY,
+    ANCHOR - DAY + US,
+    ANCHOR,
+    ANCHOR + US,
+)
+_times = st.one_of(
+    st.sampled_from(EDGES),
+    st.integers(-100 * 86400, 2 * 86400).map(lambda s: ANCHOR + timedelta(seconds=s)),
+)
+_ips = st.sampled_from(
+    # a range's first and last address, the next range's first, one past the last
+    # range (11.128.0.0), below every range, and none
+    ["11.0.0.0", "11.0.15.255", "11.0.16.0", "11.0.16.9", "11.128.0.0", "10.0.0.1", None]
+)
+_txn = st.tuples(
+    st.sampled_from([1, 2, 3]),
+    _times,
+    st.decimals(min_value=0, max_value=999, places=2).map(str),
+    st.sampled_from(["m1", "m2", "m3"]),
+    st.sampled_from(["d1", "d2", None]),
+    _ips,
+)
+_device = st.tuples(
+    _times,
+    st.one_of(
+        st.sampled_from([0.0, 0.99344996, 0.12345, 1.0]),
+        st.floats(0, 1, width=32, allow_subnormal=False),
+    ),
+)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    txns=st.lists(_txn, max_size=14),
+    links=st.sets(st.tuples(st.sampled_from([1, 2, 3, 4]), st.sampled_from(["d1", "d2", "d3"]))),
+    devices=st.dictionaries(st.sampled_from(["d1", "d2", "d3"]), _device),
+    as_of=st.sampled_from(EDGES),
+)
+def test_the_reference_equals_the_full_query_over_any_rows(
+    tenant_factory_module: Callable[..., SeedSummary],
+    engine: Engine,
+    txns: list[tuple[int, datetime, str, str, str | None, str | None]],
+    links: set[tuple[int, str]],
+    devices: dict[str, tuple[datetime, float]],
+    as_of: datetime,
+) -> None:
+    geoip_loaded(tenant_factory_module)
+    tenant = f"p{uuid.uuid4().hex[:12]}"
+    with engine.begin() as conn:
+        for user, at, amount, merchant, device, ip in txns:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, "
+                    "device_id, ip, created_at) VALUES (:t, :u, CAST(:a AS numeric), :m, :d, "
+                    "CAST(:ip AS inet), :at)"
+                ),
+                {
+                    "t": tenant,
+                    "u": user,
+                    "a": amount,
+                    "m": merchant,
+                    "d": device,
+                    "ip": ip,
+                    "at": at,
+                },
+            )
+        for user, device in links:
+            link(conn, tenant, user, device)
+        for device, (first_seen, risk) in devices.items():
+            conn.execute(
+                sa.text(
+                    "INSERT INTO devices (tenant_id, id, fingerprint, risk_score, first_seen) "
+                    "VALUES (:t, :d, 'f', :r, :at)"
+                ),
+                {"t": tenant, "d": device, "r": risk, "at": first_seen},
+            )
+    refs = [(tenant, str(u)) for u in (1, 2, 3, 4, 5)]
+    got = truth(engine, refs, as_of=as_of)
+    for name in FEATURE_SETS:
+        for ref in refs:
+            assert got.reference[name][ref] == got.full[name][ref], (name, ref)
+
+
+_geoip: list[bool] = []
+
+
+def geoip_loaded(tenant_factory_module: Callable[..., SeedSummary]) -> None:
+    """The seeded geoip ranges (global; a first seed loads them), once per module."""
+    if not _geoip:
+        tenant_factory_module(users=1, transactions=0)
+        _geoip.append(True)
