@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import anyio.from_thread
 import httpx
@@ -23,6 +23,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 from prometheus_client import REGISTRY
+from pydantic import SecretStr
 from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
 
@@ -37,6 +38,13 @@ from tests.helpers import fresh_version, running
 
 URL = "/v1/features/txn_90d/1"
 REFRESH_S = 0.05  # how long a throttled guess waits at most (the key index's refresh)
+
+
+class Services(TypedDict, total=False):
+    """The clients :func:`create_app` takes instead of making its own."""
+
+    engine: Engine
+    redis_client: redis.Redis
 
 
 class Callers:
@@ -293,10 +301,10 @@ def test_settings_and_redact_never_show_a_password() -> None:
         postgres_url="postgresql+psycopg://svc:pg-pa%40ss:w0rd@db.internal:5432/app",
         postgres_admin_url="postgresql+psycopg://owner:adm%2Fin%40pw@db.internal/app?password=adm/in@pw",
         redis_url="redis://api:r3d:is@pw@cache.internal:6379/0",
-        redis_password="r3d:is@pw",
-        kafka_sasl_password="kafka-pw",
+        redis_password=SecretStr("r3d:is@pw"),
+        kafka_sasl_password=SecretStr("kafka-pw"),
         semantic_embeddings_url="https://user:emb@pw:x@embed.internal/v1",
-        semantic_embeddings_api_key="sk-embed-key",
+        semantic_embeddings_api_key=SecretStr("sk-embed-key"),
     )
     texts = [str(s), repr(s), str(s.redacted()), f"{s}", f"{s!r}"]
     texts += [redact(url) for url in (s.postgres_url, s.redis_url, s.semantic_embeddings_url)]
@@ -392,9 +400,13 @@ def test_server_errors_name_no_internal_url_path_or_upstream_text(
     # Redis, then Postgres, not answering (503 both).
     dead_redis = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=1)
     dead_pg = sa.create_engine(engine.url.set(port=1), connect_args={"connect_timeout": 1})
-    for services in ({"redis_client": dead_redis, "engine": engine}, {"engine": dead_pg}):
+    cases: tuple[Services, ...] = (
+        {"redis_client": dead_redis, "engine": engine},
+        {"engine": dead_pg},
+    )
+    for services in cases:
         services.setdefault("redis_client", redis_client)
-        app = create_app(settings, follow_deploys=False, **services)  # type: ignore[arg-type]
+        app = create_app(settings, follow_deploys=False, **services)
         with running(app, key) as api:
             answers.append(api.get(URL))
     dead_pg.dispose()

@@ -27,7 +27,7 @@ from pipeline.api import create_app
 from pipeline.api import freshness as api_freshness
 from pipeline.api.auth import create_api_key
 from pipeline.api.freshness import Demand
-from pipeline.api.reader import FeatureReader, Lookup
+from pipeline.api.reader import FeatureReader, Lookup, Mode
 from pipeline.cache.client import FeatureClient, freshline_token
 from pipeline.cache.local import LocalTier
 from pipeline.cache.readthrough import Hooks, ReadThrough
@@ -333,7 +333,8 @@ def test_a_reader_without_an_asyncio_client_reads_fresh_in_the_thread_pool(
     token = write(engine, tenant, 12, inside=False)
     demand = Demand(token, None, 10)
     try:
-        for mode, source in (("cache-only", "miss"), ("read-through", "computed")):
+        cases: tuple[tuple[Mode, str], ...] = (("cache-only", "miss"), ("read-through", "computed"))
+        for mode, source in cases:
             lookup = Lookup(tenant, ("txn_90d",), ("12",))
             [found] = asyncio.run(api_freshness.read(reader, lookup, mode, demand))
             assert found["source"] == source and found["took_ms"] >= 0

@@ -113,7 +113,11 @@ class Counted(redis.Connection):
 def test_requests_drive_at_most_one_redis_sample_per_period(
     ops_settings: Settings, engine: Engine, tenant: str
 ) -> None:
-    counted = type("CountedHere", (Counted,), {"scans": 0})
+
+    class CountedHere(Counted):
+        scans = 0  # this test's own count
+
+    counted = CountedHere
     client = make_redis_client(ops_settings, connection_class=counted)
     cached = ops_settings.model_copy(update={"ops_cache_s": 3600.0})
     try:

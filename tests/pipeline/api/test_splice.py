@@ -183,9 +183,11 @@ def test_what_a_splicer_keeps_is_bounded_and_answers_as_a_fresh_one_would() -> N
         ids, raws, None, NOW
     )
     # A bad entry among kept ones: no answer, and nothing of it kept.
-    bad = [*raws[:5], raws[5][:-3]]
+    sixth = raws[5]
+    assert sixth is not None
+    bad = [*raws[:5], sixth[:-3]]
     assert splicer.body(ids[:6], bad, None, NOW) is None
-    assert raws[5][:-3] not in splicer._seen
+    assert sixth[:-3] not in splicer._seen
 
 
 def _mutations() -> dict[str, Callable[[list[bytes | None]], list[Any]]]:
