@@ -16,6 +16,7 @@ The policy and the role are dropped afterwards.
 from __future__ import annotations
 
 import functools
+import os
 import random
 import uuid
 from typing import Any
@@ -46,8 +47,15 @@ def run(quick: bool) -> dict[str, Any]:
     rng = random.Random(14)
     rounds = 3 if quick else 9
     role, password = f"freshline_bench_rls_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    with ctx.engine.begin() as conn:
+    # Roles are made by the superuser: the stack's owner may not.
+    login = make_url(os.environ.get("FRESHLINE_STACK_POSTGRES_SUPERUSER_URL") or ctx.engine.url)
+    superuser = sa.create_engine(
+        ctx.engine.url.set(username=login.username, password=login.password),
+        poolclass=sa.pool.NullPool,
+    )
+    with superuser.begin() as conn:
         conn.execute(sa.text(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'"))
+    with ctx.engine.begin() as conn:
         conn.execute(sa.text(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}"))
         conn.execute(sa.text(f"GRANT USAGE ON SCHEMA freshline TO {role}"))
         for table in TABLES:
@@ -105,7 +113,9 @@ def run(quick: bool) -> dict[str, Any]:
             for table in TABLES:
                 conn.execute(sa.text(f"REVOKE ALL ON {table} FROM {role}"))
             conn.execute(sa.text(f"REVOKE USAGE ON SCHEMA freshline FROM {role}"))
+        with superuser.begin() as conn:
             conn.execute(sa.text(f"DROP ROLE {role}"))
+        superuser.dispose()
     return out
 
 

@@ -262,7 +262,7 @@ cl_up_pg_primary() {
   fi
   cl_pg_conf "$data" "$CL_PG_PORT"
   cl_pg_start pg-primary "$data" "$CL_PG_PORT"
-  cl_pg_psql "$CL_PG_PORT" -d postgres -v user="$PG_USER" -v password="$PG_PASSWORD" \
+  cl_pg_psql "$CL_PG_PORT" -d postgres -v user="$PG_USER" -v password="$(secret pg-owner)" \
     -v db="$PG_DATABASE" >/dev/null <<'EOF' || fail "pg-primary: could not create role/database"
 SELECT format('CREATE ROLE %I', :'user')
  WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = :'user') \gexec
@@ -315,9 +315,9 @@ cl_write_env() {
     echo "# The cluster topology's connection settings, written by"
     echo "# scripts/stack up --topology cluster. Load with: set -a; . .stack/cluster/env; set +a"
     env_line FRESHLINE_POSTGRES_URL \
-      "postgresql+psycopg://$PG_USER:$PG_PASSWORD@$HOST:$CL_PG_PORT/$PG_DATABASE"
+      "postgresql+psycopg://$PG_USER:$(secret pg-owner)@$HOST:$CL_PG_PORT/$PG_DATABASE"
     env_line FRESHLINE_POSTGRES_REPLICA_URL \
-      "postgresql+psycopg://$PG_USER:$PG_PASSWORD@$HOST:$CL_PG_REPLICA_PORT/$PG_DATABASE"
+      "postgresql+psycopg://$PG_USER:$(secret pg-owner)@$HOST:$CL_PG_REPLICA_PORT/$PG_DATABASE"
     env_line FRESHLINE_REDIS_URL "redis://$HOST:7001/0"
     env_line FRESHLINE_REDIS_CLUSTER "1"
     env_line FRESHLINE_KAFKA_BOOTSTRAP "$(cl_kafka_bootstrap)"
@@ -326,7 +326,7 @@ cl_write_env() {
     env_line PGHOST "$HOST"
     env_line PGPORT "$CL_PG_PORT"
     env_line PGUSER "$PG_USER"
-    env_line PGPASSWORD "$PG_PASSWORD"
+    env_line PGPASSWORD "$(secret pg-owner)"
     env_line PGDATABASE "$PG_DATABASE"
   } >"$tmp" || { rm -f "$tmp"; exit 1; }
   mv -f "$tmp" "$CL/env"

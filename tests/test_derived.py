@@ -7,6 +7,7 @@ every window edge; and after COPY, TRUNCATE and a rebuild.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -19,7 +20,7 @@ import pytest
 import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 
 import migrations
 from freshline import Aggregations, Entity, Table, agg
@@ -344,8 +345,15 @@ def test_a_writer_without_grants_on_freshline_logs_its_own_inserts(own: Engine) 
     row nor touch the partials, so it cannot make a served value wrong."""
     path = path_of(DECLARED)
     role, password = f"freshline_test_writer_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    with own.begin() as conn:
+    # Roles are made by the superuser: the stack's owner may not.
+    found = make_url(os.environ.get("FRESHLINE_STACK_POSTGRES_SUPERUSER_URL") or own.url)
+    superuser = sa.create_engine(
+        own.url.set(username=found.username, password=found.password),
+        poolclass=sa.pool.NullPool,
+    )
+    with superuser.begin() as conn:
         conn.execute(sa.text(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'"))
+    with own.begin() as conn:
         conn.execute(sa.text(f"GRANT INSERT ON orders TO {role}"))
         conn.execute(sa.text(f"GRANT USAGE ON SEQUENCE orders_id_seq TO {role}"))
     writer = sa.create_engine(
@@ -375,6 +383,7 @@ def test_a_writer_without_grants_on_freshline_logs_its_own_inserts(own: Engine) 
         assert_paths_agree(own, [(shop, "c1")], [0])
     finally:
         writer.dispose()
-        with own.begin() as conn:
+        with superuser.begin() as conn:
             conn.execute(sa.text(f"DROP OWNED BY {role}"))
             conn.execute(sa.text(f"DROP ROLE {role}"))
+        superuser.dispose()

@@ -109,11 +109,12 @@ def connector_config(
 ) -> dict[str, str]:
     """The Debezium Postgres connector configuration; see ``docs/cdc.md`` for each choice.
 
-    The database comes from ``FRESHLINE_POSTGRES_ADMIN_URL`` (else ``_URL``): logical
-    replication needs the owner's rights. ``database_host`` overrides its host where
-    Connect sees Postgres under another name (``postgres`` in compose). With
-    ``connect_secrets_file`` the password is a ``${file:...}`` reference that the worker
-    resolves, so Connect's REST API never returns it.
+    The database comes from ``FRESHLINE_POSTGRES_ADMIN_URL`` (else ``_URL``).
+    ``database_host`` overrides its host where Connect sees Postgres under another name
+    (``postgres`` in compose). With ``connect_secrets_file`` the login is the file's
+    ``database.user`` and ``database.password``, ``${file:...}`` references that the
+    worker resolves (so Connect's REST API never returns the password, and Debezium logs
+    in as a replication role of its own); without it, the URL's user and password.
     """
     url = make_url(settings.migration_url)
     if not url.database:
@@ -124,7 +125,11 @@ def connector_config(
         "tasks.max": "1",
         "database.hostname": database_host or url.host or "127.0.0.1",
         "database.port": str(url.port or 5432),
-        "database.user": url.username or "",
+        "database.user": (
+            f"${{file:{settings.connect_secrets_file}:database.user}}"
+            if settings.connect_secrets_file
+            else url.username or ""
+        ),
         "database.password": (
             f"${{file:{settings.connect_secrets_file}:database.password}}"
             if settings.connect_secrets_file

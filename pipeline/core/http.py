@@ -10,6 +10,7 @@ the URL. Standard library only: the runtime has no HTTP client dependency.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import urllib.error
 import urllib.parse
@@ -57,14 +58,25 @@ def fetch(
 ) -> Response:
     """One request to an ``http(s)`` URL; the response whatever its status.
 
+    A login in the URL (``http://user:password@host/``) is sent as HTTP Basic
+    authentication, as curl does; urllib would take it for part of the host.
+
     Raises :class:`ServiceUnavailable` (``service``, the URL with any password masked,
     and ``hint`` as the remedy) when no answer comes within ``timeout`` seconds, and
     :class:`ConfigError` for a URL that is not ``http(s)``.
     """
-    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https"):
         raise ConfigError(f"not an http(s) URL: {redact(url)}")
+    sent = dict(headers or {})
+    target = url
+    if parts.username is not None or parts.password is not None:
+        login = f"{urllib.parse.unquote(parts.username or '')}:"
+        login += urllib.parse.unquote(parts.password or "")
+        sent["Authorization"] = "Basic " + base64.b64encode(login.encode()).decode()
+        target = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
     request = urllib.request.Request(  # noqa: S310 (the scheme is checked above)
-        url, data=body, method=method, headers=dict(headers or {})
+        target, data=body, method=method, headers=sent
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310

@@ -190,10 +190,12 @@ class KafkaSettings(SettingsGroup):
     topic_partitions: int = Field(default=6, ge=1, le=1000)
     """Partitions for the topics freshline creates."""
     connect_url: str = "http://127.0.0.1:8083"
-    """The Kafka Connect REST API."""
+    """The Kafka Connect REST API; a login in the URL (``http://user:password@host:8083``)
+    is sent as HTTP Basic authentication, and masked when printed."""
     connect_secrets_file: str = ""
-    """A properties file on the Connect worker with ``database.password``, read by its
-    FileConfigProvider; empty: the password goes into the connector config in clear."""
+    """A properties file on the Connect worker with ``database.user`` and
+    ``database.password`` (Debezium's own login), read by its FileConfigProvider; empty:
+    the owner's user and password go into the connector config in clear."""
 
 
 class ConsumerSettings(SettingsGroup):

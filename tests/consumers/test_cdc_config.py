@@ -66,7 +66,7 @@ def test_connector_config() -> None:
     assert all(isinstance(v, str) for v in config.values())
 
 
-def test_with_a_secrets_file_the_password_is_a_provider_reference() -> None:
+def test_with_a_secrets_file_the_login_is_a_provider_reference() -> None:
     settings = Settings(
         postgres_url="postgresql+psycopg://u:p%40ss@db.example:6543/shop",
         postgres_admin_url="postgresql+psycopg://o:s3cret@db.example/shop",
@@ -74,8 +74,11 @@ def test_with_a_secrets_file_the_password_is_a_provider_reference() -> None:
     )
     config = connector_config(settings, names(settings))
     assert config["database.password"] == "${file:/etc/connect/pg.properties:database.password}"
-    assert config["database.user"] == "o"  # the owner: logical replication needs it
+    # Debezium's own replication role, named in the same file: not the owner.
+    assert config["database.user"] == "${file:/etc/connect/pg.properties:database.user}"
     assert "s3cret" not in str(config) and "p@ss" not in str(config)
+    without = settings.model_copy(update={"connect_secrets_file": ""})
+    assert connector_config(without, names(without))["database.user"] == "o"
 
 
 def test_the_migration_publishes_exactly_the_captured_tables() -> None:

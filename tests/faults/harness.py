@@ -64,6 +64,8 @@ class FaultEnv:
     stack: PrivateStack
     settings: Settings
     engine: Engine
+    superuser: Engine
+    """Postgres as its superuser: for ``ALTER SYSTEM`` (:mod:`tests.faults.injectors`)."""
     redis: redis.Redis
     admin: AdminClient
     toxiproxy: Toxiproxy
@@ -105,6 +107,7 @@ class FaultEnv:
             stack,
             settings,
             engine,
+            make_engine(stack.superuser_settings, pool_size=1),
             redis_client(settings),
             admin_client(settings),
             toxi,
@@ -115,6 +118,7 @@ class FaultEnv:
     def close(self) -> None:
         self.redis.close()
         self.engine.dispose()
+        self.superuser.dispose()
 
     def heal(self) -> list[str]:
         """Undo whatever a case left broken; what had to be restarted or reset."""
@@ -125,7 +129,7 @@ class FaultEnv:
             if pid is None or not Path(f"/proc/{pid}").exists():
                 self.stack.start(service)
                 restarted.append(service)
-        if injectors.heal_postgres(self.engine):
+        if injectors.heal_postgres(self.superuser):
             restarted.append("postgres synchronous replication settings")
         if injectors.heal_topic(self.admin, qualified(self.settings, DLQ), "max.message.bytes"):
             restarted.append("the dead-letter topic's max.message.bytes")

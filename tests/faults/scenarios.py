@@ -336,7 +336,7 @@ def commit_visibility_window(run: Run) -> None:
         ).items()
     }
     base = run.fleet.counter(RETRIES, service="visibility")
-    injectors.hold_synchronous_commits(env.engine)
+    injectors.hold_synchronous_commits(env.superuser)
     run.note(f"synchronous_standby_names: {injectors.ABSENT_STANDBY} (never connects)")
     held: HeldCommit | None = None
     try:

@@ -142,6 +142,15 @@ class PrivateStack:
         return build_settings(values)
 
     @functools.cached_property
+    def superuser_settings(self) -> Settings:
+        """:attr:`settings` with Postgres as its superuser, for the fault injections that
+        change the server's settings (``ALTER SYSTEM``): the owner is no superuser."""
+        found = self.env_file().get("FRESHLINE_STACK_POSTGRES_SUPERUSER_URL")
+        if not found:
+            return self.settings
+        return self.settings.model_copy(update={"postgres_url": found})
+
+    @functools.cached_property
     def consumer_settings(self) -> Settings:
         """What ``freshline consume`` runs with: the consumer's Postgres login and the
         Redis writer, as scripts/demo hands them to its consumer."""
