@@ -101,11 +101,19 @@ class TenantBudget:
         the tenant whose budget ``keys`` are (its sorted set and byte counter); return
         the keys that had to go to stay within budget: the tenant's oldest, maybe some
         of ``entries`` themselves, which the caller must then not write."""
+        return {key for key, _ in self.admit_costs(keys, entries, ttl_ms)}
+
+    def admit_costs(
+        self, keys: tuple[str, str], entries: Sequence[tuple[str, int]], ttl_ms: int
+    ) -> list[tuple[str, int]]:
+        """:meth:`admit`, each key popped with the bytes it was counted for: a key
+        whose value has since been written again with another size has a member of
+        its own, and a caller can tell the two apart by their sizes."""
         members = [f"{key}|{entry_cost(key, size)}" for key, size in entries]
         popped = self._admit(
             keys=list(keys), args=[ttl_ms, self.max_keys, self.max_bytes, *members]
         )
-        return {_key_of(member) for member in popped}
+        return [_key_and_cost(member) for member in popped]
 
 
 def memory_problem(client: redis.Redis) -> str | None:
@@ -146,6 +154,7 @@ def usage(client: redis.Redis, keys: tuple[str, str]) -> tuple[int, int]:
     return int(n), int(size or 0)
 
 
-def _key_of(member: bytes | str) -> str:
+def _key_and_cost(member: bytes | str) -> tuple[str, int]:
     text = member.decode() if isinstance(member, bytes) else member
-    return text.rpartition("|")[0]
+    key, _, cost = text.rpartition("|")
+    return key, int(cost or 0)

@@ -13,12 +13,15 @@ an entry is its key, its value, its vector on the stream, its id and Redis's
 overhead), the entries are counted against their tenant before that transaction, and
 the budget pops the tenant's oldest entries, in any of its namespaces, until it
 holds; after the transaction those are evicted as a namespace's oldest are (out of
-the id set, unlinked, a ``remove`` on the stream). Only a tenant's own stores add to
-its budget, so another tenant's entries are never touched. A store that could never
-fit (one entry, or the batch, over the whole budget) is refused before anything is
-counted (:class:`~pipeline.semantic.scope.EntryOverBudget`). Entries evicted by the
-other bounds stay counted until their expiry, as if present: the count errs towards
-less room, never more.
+the id set, unlinked, a ``remove`` on the stream), each only while its value is the
+size it was counted at: a prompt stored again with another response (after a flag,
+say) has a member of its own, and its old one going takes nothing with it. Only a
+tenant's own stores add to its budget, so another tenant's entries are never
+touched. A store that could never fit (one entry, or the batch, over the whole
+budget) is refused before anything is counted
+(:class:`~pipeline.semantic.scope.EntryOverBudget`). Entries evicted by the other
+bounds, or flagged away, stay counted until their expiry or their turn to be popped,
+as if present: the count errs towards less room, never more.
 
 A flag writes its ``remove`` and its counter only into a namespace that exists: a
 flag for a namespace never stored into stores nothing.
@@ -166,11 +169,12 @@ class Stores(Lookups):
             )
             for (prompt, response), member, vector in zip(items, out, vectors, strict=True)
         }
-        popped = self._admit(scope.tenant, blobs, vectors.shape[1])
+        popped = self._admit(scope.tenant, blobs)
+        gone = set(popped)
         # One MULTI: every key written here gets its TTL in the same transaction.
         pipe = self.redis.pipeline(transaction=True)
         for key, blob in blobs.items():
-            if key not in popped:
+            if (key, self._cost(key, len(blob))) not in gone:  # else popped at once
                 pipe.set(key, blob, px=ttl)
         # The ids before the stream events: an index build between the two still
         # finds the entry (pipeline.semantic.pool).
@@ -202,7 +206,7 @@ class Stores(Lookups):
         self._flush_into(pipe, ns)
         replies = pipe.execute()
         spaces = reg.execute() if apart else replies
-        self._evict_popped(popped - blobs.keys())
+        self._evict_popped([(k, c) for k, c in popped if k not in blobs])
         self._enforce_limits(scope, int(replies[size_at]), int(spaces[spaces_at]))
         agreed: list[bool | None] = [None] * len(items)
         if self.decision is not None:
@@ -301,25 +305,48 @@ class Stores(Lookups):
         self._write_outcomes(ns, outcomes, paired, room)
         return Flagged(False, similarity, self.decision.threshold(labelled))
 
-    def _admit(self, tenant: str, blobs: dict[str, bytes], dim: int) -> set[str]:
+    def _admit(self, tenant: str, blobs: dict[str, bytes]) -> list[tuple[str, int]]:
         """Count the entries ``blobs`` against ``tenant``'s budget, if there is one;
-        returns the keys it popped, the tenant's oldest (module docstring). Refused,
-        before anything is counted, when they could never fit."""
+        returns the keys it popped, the tenant's oldest (module docstring), with the
+        bytes each was counted for. Refused, before anything is counted, when they
+        could never fit."""
         if self.budget is None:
-            return set()
-        # An entry is also its vector on the stream and its member in the id set.
-        entries = [(key, len(blob) + 4 * dim + ID_BYTES) for key, blob in blobs.items()]
-        cost = sum(entry_cost(key, size) for key, size in entries)
+            return []
+        entries = [(key, self._value_bytes(len(blob))) for key, blob in blobs.items()]
+        cost = sum(self._cost(key, len(blob)) for key, blob in blobs.items())
         if cost > self.budget.max_bytes or len(entries) > self.budget.max_keys:
             raise EntryOverBudget(cost, len(entries), self.budget.max_bytes, self.budget.max_keys)
-        return self.budget.admit(semantic_budget_keys(tenant), entries, self.ttl_ms)
+        return self.budget.admit_costs(semantic_budget_keys(tenant), entries, self.ttl_ms)
 
-    def _evict_popped(self, keys: set[str]) -> None:
+    def _value_bytes(self, blob: int) -> int:
+        """What an entry of ``blob`` bytes is counted for besides its key: also its
+        vector on the stream and its member in the id set."""
+        return blob + 4 * self.embedder.dim + ID_BYTES
+
+    def _cost(self, key: str, blob: int) -> int:
+        """The bytes the budget counts an entry at ``key`` of ``blob`` bytes for."""
+        return entry_cost(key, self._value_bytes(blob))
+
+    def _evict_popped(self, popped: list[tuple[str, int]]) -> None:
         """Evict the tenant's entries its budget popped (never another tenant's: only
-        its own stores add to its budget)."""
-        if not keys:
+        its own stores add to its budget), each only if it is still the version that
+        was counted: one stored again since with another size (after a flag, say) is
+        newer than the member popped, and one gone already needs nothing."""
+        if not popped:
             return
-        for ns, n in evict_entries(self.redis, keys, self.ttl_ms).items():
+        counted: dict[str, set[int]] = {}
+        for key, cost in popped:
+            counted.setdefault(key, set()).add(cost)
+        pipe = self.redis.pipeline(transaction=False)
+        for key in counted:
+            pipe.strlen(key)  # one key per command: on a cluster, each to its own slot
+        sizes = pipe.execute()
+        current = [
+            key
+            for (key, costs), size in zip(counted.items(), sizes, strict=True)
+            if size and self._cost(key, int(size)) in costs
+        ]
+        for ns, n in evict_entries(self.redis, current, self.ttl_ms).items():
             if n:
                 self._count(ns, "evicted", n)
 

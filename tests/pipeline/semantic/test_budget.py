@@ -181,6 +181,27 @@ def test_a_tenant_past_its_byte_budget_loses_its_own_oldest_entries(
     assert all(k.startswith("sem:log:") for k in tenant_keys(redis_client, tenant))
 
 
+def test_a_prompt_stored_again_with_another_response_is_not_evicted_for_its_old_one(
+    redis_client: redis.Redis, made: Callable[..., SemanticCache], tenant: str
+) -> None:
+    c = made(redis_client, budget=TenantBudget(redis_client, max_keys=3, max_bytes=1 << 20))
+    s = Scope(tenant, "bot", "v1", "t1")
+    v = unit(np.random.default_rng(3).normal(size=(3, DIM)))
+    c.store_many(s, [(PROMPT, "Use the link.")], ZERO, v[:1])
+    later()
+    [flagged] = c.store_many(s, [(PROMPT, "Use the link.")], ZERO, v[:1])
+    assert c.flag(s, flagged)  # wrong: removed, its member counted until popped
+    later()
+    c.store_many(s, [(PROMPT, "Open Settings, then Security, then Reset.")], ZERO, v[:1])
+    later()
+    c.store_many(s, [("second question", "B")], ZERO, v[1:2])
+    later()
+    c.store_many(s, [("third question", "C")], ZERO, v[2:3])  # pops the old member
+    assert answer(c, s, PROMPT, v[0]) == "Open Settings, then Security, then Reset."
+    assert usage(redis_client, semantic_budget_keys(tenant))[0] == 3
+    c.purge(tenant=tenant)
+
+
 def test_an_entry_larger_than_the_budget_is_refused_and_nothing_is_written(
     redis_client: redis.Redis, made: Callable[..., SemanticCache], tenant: str
 ) -> None:
