@@ -5,10 +5,11 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import CursorResult, Engine
 from typer.testing import CliRunner
 
 from fraud.cli import app
@@ -50,7 +51,10 @@ def test_seeded_data_has_the_shape_of_production(
     summary = tenant_factory(users=400, transactions=20000)
     tenant = summary.tenants[0]
     with engine.connect() as conn:
-        q = lambda sql: conn.execute(sa.text(sql), {"t": tenant})  # noqa: E731
+
+        def q(sql: str) -> CursorResult[*tuple[Any, ...]]:
+            return conn.execute(sa.text(sql), {"t": tenant})
+
         per_user = [
             r[0]
             for r in q(
