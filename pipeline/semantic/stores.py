@@ -9,16 +9,16 @@ own. Then the bounds (:class:`~pipeline.semantic.namespaces.Limits`), then the l
 of explorations the stored prompts answer.
 
 With a tenant budget (:class:`pipeline.core.budget.TenantBudget`, in keys and bytes:
-an entry is its key, its value, its vector on the stream, its id and Redis's
-overhead), the entries are counted against their tenant before that transaction, and
-the budget pops the tenant's oldest entries, in any of its namespaces, until it
-holds; after the transaction those are evicted as a namespace's oldest are (out of
-the id set, unlinked, a ``remove`` on the stream), each only while its value is the
-size it was counted at: a prompt stored again with another response (after a flag,
-say) has a member of its own, and its old one going takes nothing with it. Only a
-tenant's own stores add to its budget, so another tenant's entries are never
-touched. A store that could never fit (one entry, or the batch, over the whole
-budget) is refused before anything is counted
+an entry is its key, its value, its vector on the stream, its id, its outcomes at
+their most and Redis's overhead), the entries are counted against their tenant
+before that transaction, and the budget pops the tenant's oldest entries, in any of
+its namespaces, until it holds; after the transaction those are evicted as a
+namespace's oldest are (out of the id set, unlinked, a ``remove`` on the stream),
+each only while its value is the size it was counted at: a prompt stored again with
+another response (after a flag, say) has a member of its own, and its old one going
+takes nothing with it. Only a tenant's own stores add to its budget, so another
+tenant's entries are never touched. A store that could never fit (one entry, or the
+batch, over the whole budget) is refused before anything is counted
 (:class:`~pipeline.semantic.scope.EntryOverBudget`). Entries evicted by the other
 bounds, or flagged away, stay counted until their expiry or their turn to be popped,
 as if present: the count errs towards less room, never more.
@@ -81,6 +81,10 @@ log = logging.getLogger(__name__)
 
 ID_BYTES = 24
 """An entry's member in its namespace's id set: 16 hex digits and a score."""
+OUTCOMES_BYTES = 1 + 2 * decision.MAX_OUTCOMES + 150
+"""An entry's outcomes (``sem:o``) at their most, and what Redis spends on a string
+key with a TTL (about 150 bytes, :data:`pipeline.core.budget.ENTRY_OVERHEAD_BYTES`):
+counted with every entry, labelled or not, so that the count never falls short."""
 
 SAME_PROMPT = 0.999
 """A flag at or above this similarity is about the entry's own prompt: the response
@@ -312,20 +316,21 @@ class Stores(Lookups):
         could never fit."""
         if self.budget is None:
             return []
-        entries = [(key, self._value_bytes(len(blob))) for key, blob in blobs.items()]
+        entries = [(key, self._value_bytes(key, len(blob))) for key, blob in blobs.items()]
         cost = sum(self._cost(key, len(blob)) for key, blob in blobs.items())
         if cost > self.budget.max_bytes or len(entries) > self.budget.max_keys:
             raise EntryOverBudget(cost, len(entries), self.budget.max_bytes, self.budget.max_keys)
         return self.budget.admit_costs(semantic_budget_keys(tenant), entries, self.ttl_ms)
 
-    def _value_bytes(self, blob: int) -> int:
-        """What an entry of ``blob`` bytes is counted for besides its key: also its
-        vector on the stream and its member in the id set."""
-        return blob + 4 * self.embedder.dim + ID_BYTES
+    def _value_bytes(self, key: str, blob: int) -> int:
+        """What an entry of ``blob`` bytes at ``key`` is counted for besides its key
+        and its budget member: also its vector on the stream, its member in the id
+        set and its outcomes' key at their most."""
+        return blob + 4 * self.embedder.dim + ID_BYTES + len(key) + OUTCOMES_BYTES
 
     def _cost(self, key: str, blob: int) -> int:
         """The bytes the budget counts an entry at ``key`` of ``blob`` bytes for."""
-        return entry_cost(key, self._value_bytes(blob))
+        return entry_cost(key, self._value_bytes(key, blob))
 
     def _evict_popped(self, popped: list[tuple[str, int]]) -> None:
         """Evict the tenant's entries its budget popped (never another tenant's: only
