@@ -62,7 +62,6 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import TracebackType
 
 import redis
 
@@ -240,12 +239,7 @@ class LocalTier:
     def __enter__(self) -> LocalTier:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
