@@ -23,19 +23,18 @@ from typing import Any, Final
 
 from starlette.concurrency import run_in_threadpool
 
+from pipeline.api.contracts import MAX_MS, freshness_fields
 from pipeline.api.errors import ApiError
 from pipeline.api.reader import Answer, AnswerSource, FeatureReader, Lookup, Mode, answer
 from pipeline.cache import freshness
 from pipeline.cache.freshness import Freshness
 from pipeline.cache.readthrough import Result
-from pipeline.cache.tokens import InvalidToken, TokenPending, Tokens
+from pipeline.cache.tokens import TokenPending, Tokens
 from pipeline.core.clock import now_ms
 from pipeline.core.settings import Settings
 from pipeline.core.types import Entry
 
 FIELDS: Final = ("after", "max_staleness_ms", "wait_ms")
-MAX_MS: Final = 10**12
-"""The largest ``max_staleness_ms`` or ``wait_ms`` taken (about 31 years)."""
 _FIRST_PAUSE_S, _LONGEST_PAUSE_S = 0.001, 0.05
 
 
@@ -68,18 +67,8 @@ def from_body(body: Mapping[str, Any], settings: Settings) -> Demand | None:
     """A batch body's demand; ``None`` without ``after`` or ``max_staleness_ms``."""
     if body.keys().isdisjoint(FIELDS):  # a plain batch: one C-level check
         return None
-    values: dict[str, int | None] = {}
-    for name in ("max_staleness_ms", "wait_ms"):
-        value = body.get(name)
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)  # JSON has one number type, as for entity ids
-        if value is not None and (type(value) is not int):
-            raise ApiError(422, "invalid_request", f"{name!r} must be an integer or null")
-        values[name] = None if value is None else _in_range(name, value, 422, "invalid_request")
-    after = body.get("after")
-    if after is not None and not isinstance(after, str):
-        raise InvalidToken("'after' must be a freshness token (a string) or null")
-    return _demand(after, values, settings)
+    staleness, wait, after = freshness_fields(body)
+    return _demand(after, {"max_staleness_ms": staleness, "wait_ms": wait}, settings)
 
 
 def _in_range(name: str, value: int, status: int, code: str) -> int:

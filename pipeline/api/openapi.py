@@ -1,16 +1,34 @@
-"""The OpenAPI 3.1 document, written by hand so it says exactly what the API does.
+"""The OpenAPI 3.1 document: the paths written here, the bodies' schemas generated from
+:mod:`pipeline.api.contracts`, the limits and names of the server that serves it.
 
-A test checks that every route of the app appears here with its methods.
+A test checks that every route of the app appears here with its methods, and that the
+committed document of the fraud example (``examples/fraud/schemas/openapi.json``) is
+the generated one; ``scripts/contracts`` writes it (:func:`main`).
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
-from collections.abc import Iterable
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
+from pipeline.api.contracts import (
+    LLM_MODELS,
+    MAX_MS,
+    MODELS,
+    TOKEN_PATTERN,
+    Freshness,
+    component_schemas,
+)
 from pipeline.api.reader import MAX_USER_ID
 from pipeline.api.routes import MAX_JSON_DEPTH
+from pipeline.core.features import Registry
+from pipeline.core.repository import REGISTRY
+from pipeline.core.settings import Settings
 from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
@@ -84,20 +102,11 @@ def entity_id_schemas(key_types: Iterable[str]) -> tuple[dict[str, Any], dict[st
 
 _NAME = {"type": "string", "pattern": "^[a-z][a-z0-9_]*$", "maxLength": MAX_ID_LENGTH}
 
-# Reads that ask for freshness (pipeline.api.freshness): the GET's query parameters,
-# the batch body's fields. document() states the server's wait default and maximum.
-_MS = {"type": "integer", "minimum": 0, "maximum": 10**12}
-_AFTER_TEXT = (
-    "A freshness token from freshline.token() (SELECT freshline.token() in the writer's "
-    "transaction after its writes, or right after commit): answer only with values "
-    "computed from a database state at or after that commit. An entry that is not is "
-    "waited for (the consumer's write, up to wait_ms), then recomputed. Opaque; a token "
-    "that is malformed, altered or from another database is a 400 invalid_token."
-)
-_STALENESS_TEXT = (
-    "Answer only with values computed less than this many milliseconds ago; older "
-    "entries are recomputed at once (0: always recompute)."
-)
+# Reads that ask for freshness (pipeline.api.freshness): the GET's query parameters say
+# what the batch body's fields say. document() states the server's wait default and maximum.
+_MS = {"type": "integer", "minimum": 0, "maximum": MAX_MS}
+_AFTER_TEXT = Freshness.model_fields["after"].description
+_STALENESS_TEXT = Freshness.model_fields["max_staleness_ms"].description
 _FRESHNESS_400 = (
     "Invalid id or mode; a freshness token that is malformed (invalid_token) or names a "
     "state the database has not reached (token_ahead); max_staleness_ms or wait_ms not "
@@ -107,8 +116,7 @@ _FRESHNESS_403 = (
     "A freshness token of the right shape that this database did not sign: forged, "
     "altered or another database's (foreign_token)"
 )
-# A freshness token's shape (pipeline.cache.tokens): what a schema can check of it.
-_TOKEN = {"type": "string", "pattern": "^[A-Za-z0-9_-]{28}$"}
+_TOKEN = {"type": "string", "pattern": TOKEN_PATTERN}
 _FRESHNESS_409 = (
     "The token names a transaction that has not committed within wait_ms (token_pending)"
 )
@@ -122,249 +130,9 @@ _MODE = {
     "schema": {"type": "string", "enum": ["read-through", "cache-only"]},
 }
 
-_SCHEMAS: dict[str, Any] = {
-    "Error": {
-        "type": "object",
-        "required": ["error"],
-        "properties": {
-            "error": {
-                "type": "object",
-                "required": ["code", "message"],
-                "properties": {
-                    "code": {"type": "string", "examples": ["invalid_id", "unknown_feature_set"]},
-                    "message": {"type": "string"},
-                },
-            }
-        },
-    },
-    "Features": {
-        "type": "object",
-        "required": [
-            "feature_set",
-            "entity",
-            "values",
-            "hit",
-            "source",
-            "age_ms",
-            "schema_version",
-        ],
-        "properties": {
-            "feature_set": {"type": "string"},
-            "entity": {"type": "string"},
-            "values": {
-                "type": ["object", "null"],
-                "description": "The named features; null for a cache-only miss in a batch.",
-            },
-            "hit": {"type": "boolean", "description": "True if served from a cache."},
-            "source": {
-                "type": "string",
-                "enum": ["local", "hit", "waited", "computed", "uncached", "miss"],
-                "description": "local: the in-process tier; hit: Redis; waited: "
-                "Redis, after waiting for another reader's computation or, for a read "
-                "with after, for the consumer's write; computed: "
-                "read through and cached; uncached: computed but not "
-                "cached; miss: cache-only and not cached. local and hit are "
-                "the cache; a read with after or max_staleness_ms only gets "
-                "them for entries that meet both.",
-            },
-            "age_ms": {"type": "integer", "description": "Milliseconds since computed."},
-            "schema_version": {"type": "integer"},
-            "took_ms": {
-                "type": "integer",
-                "description": "Only on reads with after or max_staleness_ms: "
-                "milliseconds from the request's start until this answer was had "
-                "(its wait and recompute).",
-            },
-        },
-    },
-    "BatchRequest": {
-        "type": "object",
-        "required": ["feature_sets", "entities"],
-        "properties": {
-            "feature_sets": {"type": "array", "items": {"type": "string"}, "minItems": 1},
-            "entities": {"type": "array", "minItems": 1},
-            "after": {**_TOKEN, "type": ["string", "null"], "description": _AFTER_TEXT},
-            "max_staleness_ms": {
-                **_MS,
-                "type": ["integer", "null"],
-                "description": _STALENESS_TEXT,
-            },
-            "wait_ms": {"type": ["integer", "null"]},
-        },
-        "description": "len(feature_sets) x len(entities) must not exceed the batch "
-        "limit (FRESHLINE_API_BATCH_LIMIT). Other fields are ignored: the "
-        "tenant always comes from the API key.",
-    },
-    "BatchResponse": {
-        "type": "object",
-        "required": ["schema_version", "items"],
-        "properties": {
-            "schema_version": {"type": "integer"},
-            "items": {
-                "type": "array",
-                "items": _ref("Features"),
-                "description": "One per combination: for each entity in order, "
-                "each feature set in order.",
-            },
-        },
-    },
-    "PredictRequest": {
-        "type": "object",
-        "required": ["inputs"],
-        "properties": {
-            "inputs": {
-                "type": "array",
-                "minItems": 1,
-                "items": {"type": "array", "items": {"type": "number"}},
-            },
-            "arm": {
-                **ID,
-                "type": ["string", "null"],
-                "description": "Experiment arm; kept apart in the cache. A string "
-                "id (an integer is refused).",
-            },
-        },
-    },
-    "PredictResponse": {
-        "type": "object",
-        "required": ["model", "model_version", "predictions"],
-        "properties": {
-            "model": {"type": "string"},
-            "model_version": {"type": "string"},
-            "arm": {"type": ["string", "null"]},
-            "predictions": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["value", "hit"],
-                    "properties": {"value": {}, "hit": {"type": "boolean"}},
-                },
-            },
-        },
-    },
-}
-
-_SCOPE = {
-    "model": {**ID, "description": "Model name (an id: letters, digits, _ . -)"},
-    "model_version": ID,
-    "template_version": {**ID, "description": "Version of the prompt template (system prompt)."},
-}
-# Text the cache takes: not blank. Its maxLength (FRESHLINE_SEMANTIC_MAX_PROMPT_CHARS) is
-# set by document().
-_TEXT = {"type": "string", "minLength": 1, "pattern": "\\S"}
-_ENTRY_ID = {"type": "string", "pattern": "^[0-9a-fA-F]{16}$", "description": "16 hex digits."}
-_PARAMS = {
-    "type": "object",
-    "description": "Generation parameters. Only temperature 0, or deterministic: true, "
-    "may be cached (422 not_deterministic otherwise); other keys "
-    "(max_tokens, stop, ...) must match exactly.",
-    "properties": {"deterministic": {"type": "boolean"}},
-    "anyOf": [
-        {"required": ["temperature"], "properties": {"temperature": {"const": 0}}},
-        {"required": ["deterministic"], "properties": {"deterministic": {"const": True}}},
-    ],
-}
-_SCHEMAS.update(
-    {
-        "LlmLookupRequest": {
-            "type": "object",
-            "required": ["model", "model_version", "template_version", "prompt", "params"],
-            "properties": {**_SCOPE, "prompt": _TEXT, "params": _PARAMS},
-        },
-        "LlmLookupResponse": {
-            "type": "object",
-            "required": ["hit", "similarity", "threshold"],
-            "properties": {
-                "hit": {"type": "boolean"},
-                "response": {"type": "string", "description": "Only on a hit."},
-                "similarity": {
-                    "type": ["number", "null"],
-                    "description": "Exact cosine similarity of the served entry "
-                    "(on a miss, of the best candidate, if any).",
-                },
-                "threshold": {
-                    "type": "number",
-                    "description": "The similarity the deciding entry is served at now "
-                    "(learned per entry; without a candidate, a fresh entry's).",
-                },
-                "estimated_error": {
-                    "type": "number",
-                    "description": "The served (or explored) entry's estimated error at "
-                    "this similarity; a hit's is at most FRESHLINE_SEMANTIC_MAX_ERROR.",
-                },
-                "candidate_id": {
-                    "type": "string",
-                    "description": "Only on a miss that explores: the entry that the store "
-                    "of this prompt's response will label. Nothing to do but store as usual.",
-                },
-                "age_ms": {"type": "integer", "description": "Only on a hit."},
-                "entry_id": {"type": "string", "description": "Only on a hit; flag it if wrong."},
-            },
-        },
-        "LlmStoreRequest": {
-            "type": "object",
-            "required": [
-                "model",
-                "model_version",
-                "template_version",
-                "prompt",
-                "params",
-                "response",
-            ],
-            "properties": {
-                **_SCOPE,
-                "prompt": _TEXT,
-                "params": _PARAMS,
-                "response": _TEXT,
-                "generation_ms": {
-                    "type": ["number", "null"],
-                    "minimum": 0,
-                    "description": "What the model call took; feeds freshline advise.",
-                },
-            },
-        },
-        "LlmStoreResponse": {
-            "type": "object",
-            "required": ["stored", "entry_id"],
-            "properties": {
-                "stored": {"type": "boolean"},
-                "entry_id": {"type": "string"},
-                "agreed": {
-                    "type": "boolean",
-                    "description": "Only when the store answered an exploration: whether "
-                    "the response was the explored candidate's (its label).",
-                },
-            },
-        },
-        "LlmFlagRequest": {
-            "type": "object",
-            "required": ["model", "model_version", "template_version", "entry_id"],
-            "properties": {
-                **_SCOPE,
-                "entry_id": _ENTRY_ID,
-                "prompt": {
-                    **_TEXT,
-                    "description": "The prompt the hit was served for: a wrong outcome at "
-                    "its similarity, and the entry stays for closer prompts. Without it "
-                    "(or for the entry's own prompt) the entry is removed.",
-                },
-            },
-        },
-        "LlmFlagResponse": {
-            "type": "object",
-            "required": ["removed", "entry_id"],
-            "properties": {
-                "removed": {"type": "boolean"},
-                "entry_id": {"type": "string"},
-                "similarity": {"type": "number", "description": "With a prompt."},
-                "threshold": {
-                    "type": "number",
-                    "description": "With a prompt: the similarity the entry is served at now.",
-                },
-            },
-        },
-    }
-)
+# The bodies' schemas, generated from their models (pipeline.api.contracts).
+_SCHEMAS = component_schemas(MODELS)
+_LLM_SCHEMAS = component_schemas(LLM_MODELS)
 
 
 def _llm(summary: str, request: str, response: str, status: str = "200") -> dict[str, Any]:
@@ -417,19 +185,15 @@ def document(
     semantic cache's routes (``/v1/llm/``) and their schemas only if ``semantic``
     (``FRESHLINE_SEMANTIC_ENABLED``); ``/metrics``, ``/status`` and ``/status.json`` only
     if ``operator_pages`` (an operator key is set: ``FRESHLINE_OPS_KEY``), for that key."""
-    schemas = copy.deepcopy(_SCHEMAS)
+    schemas = copy.deepcopy({**_SCHEMAS, **(_LLM_SCHEMAS if semantic else {})})
     wait = (
         f"With after: how long to wait for the consumer's write before recomputing, in ms "
         f"(default {token_wait_ms}; more than {token_wait_max_ms} is cut to it: "
         "FRESHLINE_TOKEN_WAIT_MS, FRESHLINE_TOKEN_WAIT_MAX_MS)."
     )
-    schemas["BatchRequest"]["properties"]["wait_ms"] = {
-        **_MS,
-        "type": ["integer", "null"],
-        "description": wait,
-    }
     entity_path, entity_body = entity_id_schemas(key_types)
     batch = schemas["BatchRequest"]
+    batch["properties"]["wait_ms"]["description"] = wait
     batch["properties"]["entities"]["items"] = entity_body
     most = min(len(feature_sets), batch_limit)
     batch["properties"]["feature_sets"].update(
@@ -452,19 +216,17 @@ def document(
         "appear once. Other fields are ignored: the tenant always comes from the API key."
     )
     schemas["PredictRequest"]["properties"]["inputs"]["maxItems"] = batch_limit
-    for name, fields in (
-        ("LlmLookupRequest", ("prompt",)),
-        ("LlmStoreRequest", ("prompt", "response")),
-        ("LlmFlagRequest", ("prompt",)),
-    ):
-        for field in fields:
-            text = schemas[name]["properties"][field]
-            schemas[name]["properties"][field] = {**text, "maxLength": prompt_limit}
+    if semantic:
+        for name, fields in (
+            ("LlmLookupRequest", ("prompt",)),
+            ("LlmStoreRequest", ("prompt", "response")),
+            ("LlmFlagRequest", ("prompt",)),
+        ):
+            for field in fields:
+                schemas[name]["properties"][field]["maxLength"] = prompt_limit
     doc = _document(feature_sets, schemas, entity_path, wait)
     if not semantic:
         doc["paths"] = {p: v for p, v in doc["paths"].items() if not p.startswith("/v1/llm/")}
-        for name in [n for n in schemas if n.startswith("Llm")]:
-            del schemas[name]
     if not operator_pages:
         doc["paths"] = {p: v for p, v in doc["paths"].items() if p not in OPERATOR_PAGES}
         del doc["components"]["securitySchemes"]["operator"]
@@ -704,3 +466,37 @@ def _document(
             },
         },
     }
+
+
+def reference_document(registry: Registry = REGISTRY) -> dict[str, Any]:
+    """The document a server of ``registry`` (the active repository's) serves with the
+    default settings, the semantic cache on and an operator key set: every route."""
+    defaults = Settings.model_construct()  # the defaults alone, not the environment
+    return document(
+        registry.names(),
+        batch_limit=defaults.api_batch_limit,
+        body_limit=defaults.api_body_limit_bytes,
+        prompt_limit=defaults.semantic_max_prompt_chars,
+        key_types={fs.entity.type for fs in registry},
+        token_wait_ms=defaults.token_wait_ms,
+        token_wait_max_ms=defaults.token_wait_max_ms,
+        semantic=True,
+        operator_pages=True,
+    )
+
+
+def reference_text(registry: Registry = REGISTRY) -> str:
+    """:func:`reference_document` as the text of its committed file."""
+    return json.dumps(reference_document(registry), indent=2) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``[--out FILE]``: write the active repository's reference document to FILE or
+    standard output (``scripts/contracts`` calls it)."""
+    parser = argparse.ArgumentParser(prog="pipeline.api.openapi")
+    parser.add_argument("--out", type=Path, help="write it here [default: standard output]")
+    args = parser.parse_args(argv)
+    if args.out is None:
+        sys.stdout.write(reference_text())
+    else:
+        args.out.write_text(reference_text())

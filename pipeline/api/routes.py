@@ -23,13 +23,14 @@ from starlette.responses import Response
 
 from pipeline.api import freshness, metrics
 from pipeline.api.auth import Authenticator, bearer_token
+from pipeline.api.contracts import feature_selection, predict_request
 from pipeline.api.errors import ApiError, JSONResponse, error_response, status_of
 from pipeline.api.reader import MODES, FeatureReader, Lookup, Mode, parse_entities, parse_entity
 from pipeline.api.splice import Spliced
 from pipeline.api.tenancy import in_pool
-from pipeline.core.errors import FreshlineError, InvalidId
+from pipeline.core.errors import FreshlineError
 from pipeline.core.features import Registry
-from pipeline.core.keys import validate_id, validate_name
+from pipeline.core.keys import validate_name
 from pipeline.core.settings import Settings
 from pipeline.inference.models import ModelRegistry
 from pipeline.inference.predictions import InferenceCache, non_finite_rows
@@ -270,13 +271,6 @@ async def get_features(request: Request) -> Response:
     return JSONResponse(answer)
 
 
-def _string_list(body: dict[str, Any], field: str) -> list[Any]:
-    value = body.get(field)
-    if not isinstance(value, list) or not value:
-        raise ApiError(422, "invalid_request", f"{field!r} must be a non-empty JSON array")
-    return value
-
-
 @timed("batch")
 async def batch(request: Request) -> Response:
     """Every combination of the given feature sets and entities."""
@@ -284,24 +278,9 @@ async def batch(request: Request) -> Response:
     svc = services(request)
     mode = mode_of(request)
     body = await read_json(request)
-    if not isinstance(body, dict):
-        raise ApiError(422, "invalid_request", "the body must be a JSON object")
-    feature_sets = _string_list(body, "feature_sets")
-    entities = _string_list(body, "entities")
-    limit = svc.settings.api_batch_limit
-    if len(feature_sets) * len(entities) > limit:
-        raise ApiError(
-            422,
-            "batch_too_large",
-            f"{len(entities)} entities x {len(feature_sets)} feature sets is over "
-            f"the limit of {limit} per request",
-        )
-    for name in feature_sets:
-        if not isinstance(name, str):
-            raise InvalidId("feature set", name, "must be a string")
-        svc.registry[name]
-    if len(set(feature_sets)) != len(feature_sets):
-        raise ApiError(422, "invalid_request", "'feature_sets' names a feature set twice")
+    feature_sets, entities = feature_selection(
+        body, svc.settings.api_batch_limit, svc.registry.__getitem__
+    )
     request.state.feature_set = "*"
     if request.scope.get("query_string", b"") not in _MODES_BY_QUERY and any(
         name in request.query_params for name in freshness.FIELDS
@@ -333,22 +312,7 @@ async def predict(request: Request) -> Response:
     tenant = await authenticate(request)
     svc = services(request)
     name = validate_name("model", request.path_params["name"])
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise ApiError(422, "invalid_request", "the body must be a JSON object")
-    inputs = body.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        raise ApiError(422, "invalid_request", "'inputs' must be a non-empty array of rows")
-    limit = svc.settings.api_batch_limit
-    if len(inputs) > limit:
-        raise ApiError(
-            422, "batch_too_large", f"{len(inputs)} inputs is over the limit of {limit} per request"
-        )
-    arm = body.get("arm")
-    if arm is not None and not isinstance(arm, str):
-        raise ApiError(422, "invalid_request", "'arm' must be a string id or null")
-    if arm is not None:
-        arm = validate_id("arm", arm)
+    inputs, arm = predict_request(await read_json(request), svc.settings.api_batch_limit)
 
     def run() -> dict[str, Any]:
         model = svc.models.get(name)
