@@ -221,24 +221,22 @@ def _size(ctx: common.Context, n: int, quick: bool) -> Prepared:
     state = {"i": 0}
     learned = Learned(prior.for_model(MiniLM.name), MAX_ERROR)
 
-    def lookup() -> None:
-        worker.decision = None
-        i = state["i"] = state["i"] + 1
-        q = (i // 2) % queries
-        if i % 2:
-            worker.lookup_vector(scope, asked[q], ZERO, near[q])
-        else:
-            worker.lookup_vector(scope, "no such prompt", ZERO, far[q])
+    def lookups(decision: Learned | None) -> Callable[[], None]:
+        """Lookups alternating a near query and a far one, served under ``decision``."""
 
-    def lookup_learned() -> None:
-        # The same worker and index: only the decision differs.
-        worker.decision = learned
-        i = state["i"] = state["i"] + 1
-        q = (i // 2) % queries
-        if i % 2:
-            worker.lookup_vector(scope, asked[q], ZERO, near[q])
-        else:
-            worker.lookup_vector(scope, "no such prompt", ZERO, far[q])
+        def lookup() -> None:
+            worker.decision = decision
+            i = state["i"] = state["i"] + 1
+            q = (i // 2) % queries
+            if i % 2:
+                worker.lookup_vector(scope, asked[q], ZERO, near[q])
+            else:
+                worker.lookup_vector(scope, "no such prompt", ZERO, far[q])
+
+        return lookup
+
+    # The same worker and index: only the decision differs.
+    lookup, lookup_learned = lookups(None), lookups(learned)
 
     def close() -> None:
         worker.close()
