@@ -7,14 +7,20 @@ audit line (``FRESHLINE_AUDIT_LOG``, else stderr) with the key's id, never the k
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.table import Table
+from rich.text import Text
 
-from pipeline.cli.app import console
+from pipeline.cli.app import console, print_rows
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from pipeline.api.auth import KeyInfo
 
 tenants_app = typer.Typer(help="Tenants and their API keys.", no_args_is_help=True)
 apikey_app = typer.Typer(help="API keys of the read API.", no_args_is_help=True)
@@ -43,6 +49,21 @@ def _settings() -> Settings:
 
 def _when(value: datetime | None) -> str:
     return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M") if value else "-"
+
+
+def key_table(keys: Iterable[KeyInfo], now: datetime) -> Table:
+    """Keys as ``apikey list`` shows them (:func:`pipeline.cli.app.print_rows`)."""
+    table = Table(show_edge=False, pad_edge=False)
+    table.add_column("id", no_wrap=True)
+    table.add_column("tenant", overflow="fold")
+    table.add_column("state", no_wrap=True)
+    for time in ("created", "expires", "last used"):
+        table.add_column(time, overflow="fold")  # under 16 columns, the time goes under
+    table.add_column("label", overflow="fold")
+    for k in keys:
+        times = (_when(k.created_at), _when(k.expires_at), _when(k.last_used_at))
+        table.add_row(k.key_id, k.tenant, k.state(now), *times, Text(k.label))
+    return table
 
 
 @tenants_app.command("create")
@@ -100,17 +121,7 @@ def apikey_list(
     if not keys:
         console.print("no API keys" + (f" for tenant {tenant}" if tenant else ""))
         return
-    now = datetime.now(UTC)
-    typer.echo(
-        f"{'id':<12}  {'tenant':<16}  {'state':<7}  {'created':<16}  "
-        f"{'expires':<16}  {'last used':<16}  label"
-    )
-    for k in keys:
-        typer.echo(
-            f"{k.key_id:<12}  {k.tenant[:16]:<16}  {k.state(now):<7}  "
-            f"{_when(k.created_at):<16}  {_when(k.expires_at):<16}  "
-            f"{_when(k.last_used_at):<16}  {k.label}"
-        )
+    print_rows(key_table(keys, datetime.now(UTC)))
 
 
 @apikey_app.command("revoke")

@@ -11,7 +11,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import typer
+from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -19,6 +21,7 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+from rich.table import Table
 
 app = typer.Typer(
     name="freshline",
@@ -60,3 +63,24 @@ def progress_bar() -> Iterator[Progress]:
     )
     with bar:
         yield bar
+
+
+def print_rows(table: Table) -> None:
+    """A listing on stdout, such as ``apikey list``. On a terminal it fits the width
+    (cells fold) with a rule under the header; in a pipe it is plain: the header, then a
+    line a row at its natural width, never folded, so that grep, awk and cut see whole
+    rows."""
+    if out.is_terminal:
+        table.box, table.padding = box.SIMPLE_HEAD, (0, 1, 0, 0)
+        for column in table.columns:  # a header is never cut
+            column.min_width = max(column.min_width or 0, len(str(column.header)))
+        out.print(table)
+        return
+    table.box, table.padding = None, (0, 2, 0, 0)
+    unbounded = Console(width=1_000_000, color_system=None, highlight=False)
+    width = Measurement.get(unbounded, unbounded.options, table).maximum
+    plain = Console(width=width, color_system=None, highlight=False)
+    with plain.capture() as captured:
+        plain.print(table)
+    for line in captured.get().splitlines():
+        typer.echo(line.rstrip())

@@ -2,8 +2,8 @@
 
 A thin shell over :class:`pipeline.observe.audit.Auditor`: chooses the keys (a SCAN
 sample of the active schema version, or a keys file), paces the run, shows progress
-on stderr and prints a summary readable at 80 columns (or JSON). Exit status 1 when
-a mismatch persisted past the last grace.
+on stderr and prints a summary readable at 80 columns (or JSON): its tables are
+``rich`` tables. Exit status 1 when a mismatch persisted past the last grace.
 """
 
 from __future__ import annotations
@@ -12,12 +12,15 @@ import json
 import math
 import re
 import sys
-import textwrap
 from pathlib import Path
 from typing import Annotated
 
 import orjson
 import typer
+from rich.console import Group, RenderableType
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
 
 from pipeline.cli.app import console, out, progress_bar
 from pipeline.core.errors import ConfigError, InvalidId
@@ -69,79 +72,99 @@ def _value(value: object) -> str:
     return text if len(text) <= VALUE_WIDTH else text[: VALUE_WIDTH - 3] + "..."
 
 
-def _row(name: str, served: str, recomputed: str) -> str:
-    return f"  {name[:NAME_WIDTH]:<{NAME_WIDTH}} {served:<{VALUE_WIDTH}} {recomputed}".rstrip()
+def _indented(table: Table) -> Padding:
+    return Padding(table, (0, 0, 0, 2))
 
 
-def mismatch_lines(m: Mismatch) -> list[str]:
+def mismatch_block(m: Mismatch) -> Group:
     """One mismatch: its key, the two watermarks, then each differing field."""
-    lines = [
-        m.key,
-        _row("served watermark", describe_watermark(m.served_watermark), ""),
-        _row("recomputed watermark", describe_watermark(m.recomputed_watermark), ""),
-    ]
+    watermarks = Table.grid(padding=(0, 1, 0, 0))
+    watermarks.add_column(width=NAME_WIDTH)
+    watermarks.add_column(overflow="fold")
+    watermarks.add_row("served watermark", describe_watermark(m.served_watermark))
+    watermarks.add_row("recomputed watermark", describe_watermark(m.recomputed_watermark))
+    fields = Table(box=None, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
+    fields.add_column("field", width=NAME_WIDTH, overflow="fold")
+    fields.add_column("served", width=VALUE_WIDTH, overflow="fold")
+    fields.add_column("recomputed", overflow="fold")
+    for name, (s, r) in m.differing.items():
+        fields.add_row(Text(name), Text("-" if m.served is None else _value(s)), Text(_value(r)))
+    parts: list[RenderableType] = [Text(m.key), _indented(watermarks)]
     if m.problem:
-        lines += textwrap.wrap(m.problem, 78, initial_indent="  ", subsequent_indent="  ")
-    lines.append(_row("field", "served", "recomputed"))
-    lines += [
-        _row(name, "-" if m.served is None else _value(s), _value(r))
-        for name, (s, r) in m.differing.items()
-    ]
-    return lines
+        parts.append(Padding(Text(m.problem), (0, 0, 0, 2)))
+    return Group(*parts, _indented(fields))
 
 
-def summary_lines(report: AuditReport, source: str) -> list[str]:
+def grace_table(report: AuditReport) -> Table:
+    """Per grace: entries inconsistent, the fraction consistent and its nines."""
+    table = Table(box=None, show_edge=False, pad_edge=False, padding=0)
+    table.add_column("grace", min_width=8)
+    table.add_column("inconsistent", justify="right", min_width=14)
+    table.add_column("consistent", justify="right", min_width=14)
+    table.add_column("nines", justify="right", min_width=10)
+    for r in report.results():
+        fraction = r.consistent_fraction
+        table.add_row(
+            r.label,
+            f"{r.inconsistent:,}",
+            "-" if fraction is None else _floor_percent(fraction),
+            _nines(r),
+        )
+    return table
+
+
+def summary(report: AuditReport, source: str) -> Group:
     """The report at 80 columns: counts, speed, consistency per grace, mismatches."""
     by_set = ", ".join(f"{n} {c:,}" for n, c in sorted(report.checked_by_set.items()))
     limit = f"rate limit {report.rate:,.0f}/s" if report.rate else "no rate limit"
-    lines = [
-        f"audit of schema version {report.schema_version}: {source}",
-        f"checked     {report.checked:,} entries ({by_set or 'none'})",
-        f"            {report.absent:,} absent or tombstoned, {report.suspects:,} mismatched "
-        "at first check",
-    ]
-    if report.caught_up:
-        lines.append(
-            f"            {report.caught_up:,} healed by catching up while they changed again"
-        )
-    if report.samples > 1:
-        lines.append(
-            f"            in {report.samples:,} samples (a key sampled twice is checked twice)"
-        )
-    if report.skipped:
-        lines.append(f"            {report.skipped:,} sampled keys skipped (not this code's)")
-    lines += [
-        f"speed       {report.entries_per_s:,.0f} entries/s ({limit}); "
-        f"{report.capacity_per_s:,.0f}/s of busy time",
-        f"time        {report.checking_s:,.1f} s checking, {report.elapsed_s:,.1f} s with "
-        "the re-checks",
+    figures = Table.grid(padding=(0, 1, 0, 0))
+    figures.add_column(width=11)
+    figures.add_column(overflow="fold")
+    figures.add_row("checked", f"{report.checked:,} entries ({by_set or 'none'})")
+    figures.add_row(
         "",
-        f"{'grace':<8}{'inconsistent':>14}{'consistent':>14}{'nines':>10}",
+        f"{report.absent:,} absent or tombstoned, {report.suspects:,} mismatched at first check",
+    )
+    if report.caught_up:
+        figures.add_row("", f"{report.caught_up:,} healed by catching up while they changed again")
+    if report.samples > 1:
+        figures.add_row("", f"in {report.samples:,} samples (a key sampled twice is checked twice)")
+    if report.skipped:
+        figures.add_row("", f"{report.skipped:,} sampled keys skipped (not this code's)")
+    figures.add_row(
+        "speed",
+        f"{report.entries_per_s:,.0f} entries/s ({limit}); "
+        f"{report.capacity_per_s:,.0f}/s of busy time",
+    )
+    figures.add_row(
+        "time",
+        f"{report.checking_s:,.1f} s checking, {report.elapsed_s:,.1f} s with the re-checks",
+    )
+    parts: list[RenderableType] = [
+        Text(f"audit of schema version {report.schema_version}: {source}"),
+        figures,
+        Text(),
+        grace_table(report),
+        Text(),
     ]
-    for r in report.results():
-        fraction = r.consistent_fraction
-        lines.append(
-            f"{r.label:<8}{r.inconsistent:>14,}"
-            f"{'-' if fraction is None else _floor_percent(fraction):>14}"
-            f"{_nines(r):>10}"
-        )
     last = report.results()[-1].label
-    lines.append("")
     if report.consistent:
-        lines.append(f"no mismatch persisted past {last}")
-        return lines
-    lines.append(f"{report.persistent:,} mismatched after {last} (persistent):")
+        parts.append(Text(f"no mismatch persisted past {last}"))
+        return Group(*parts)
+    parts.append(Text(f"{report.persistent:,} mismatched after {last} (persistent):"))
     for m in report.mismatches[:SHOWN_MISMATCHES]:
-        lines += ["", *mismatch_lines(m)]
+        parts += [Text(), mismatch_block(m)]
     hidden = report.persistent - SHOWN_MISMATCHES
     if hidden > 0:
         listed = len(report.mismatches)
-        lines += [
-            "",
-            f"... and {hidden:,} more (--json lists "
-            + ("them all)" if listed == report.persistent else f"the first {listed:,})"),
+        parts += [
+            Text(),
+            Text(
+                f"... and {hidden:,} more (--json lists "
+                + ("them all)" if listed == report.persistent else f"the first {listed:,})")
+            ),
         ]
-    return lines
+    return Group(*parts)
 
 
 def audit(
@@ -300,8 +323,7 @@ def audit(
     if json_out:
         typer.echo(json.dumps({"source": chosen, **report.as_json()}, indent=2))
     else:
-        for line in summary_lines(report, source):
-            out.print(line, markup=False)
+        out.print(summary(report, source))
     if not report.consistent:
         if not json_out:
             n = report.persistent

@@ -8,6 +8,7 @@ store path, for tenants of its own. What a re-check sees is decided by the
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
+from rich.console import Console
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
@@ -754,7 +756,7 @@ def test_a_report_keeps_the_first_mismatches_and_counts_them_all(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import pipeline.observe.audit as audit_module
-    from pipeline.cli.audit import summary_lines
+    from pipeline.cli.audit import summary
 
     monkeypatch.setattr(audit_module, "KEPT_MISMATCHES", 2)
     refs = materialize(engine, store, tenant)
@@ -764,7 +766,9 @@ def test_a_report_keeps_the_first_mismatches_and_counts_them_all(
     assert report.persistent == 3 and len(report.mismatches) == 2 and not report.consistent
     assert report.as_json()["persistent"] == 3
     monkeypatch.setattr("pipeline.cli.audit.SHOWN_MISMATCHES", 1)
-    text = "\n".join(summary_lines(report, "test"))
+    shown = io.StringIO()
+    Console(file=shown, width=80).print(summary(report, "test"))
+    text = shown.getvalue()
     assert "3 mismatched after 2ms (persistent)" in text
     assert "... and 2 more (--json lists the first 2)" in text
 
