@@ -20,7 +20,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from pipeline.core.errors import ConfigError
@@ -73,6 +81,10 @@ def _comma_separated(value: object) -> object:
     if isinstance(value, str):
         return [part.strip() for part in value.split(",") if part.strip()]
     return value
+
+
+CommaSeparated = Annotated[list[str], NoDecode, BeforeValidator(_comma_separated)]
+"""A list read from one comma-separated variable (``NoDecode``: not as JSON)."""
 
 
 class SettingsGroup(BaseModel):
@@ -295,7 +307,7 @@ class ApiSettings(SettingsGroup):
     unknown key gets 401 without a lookup; valid keys are still served (0: no limit)."""
     api_auth_failures_burst: int = Field(default=20, ge=1)
     """The token bucket of ``api_auth_failures_per_min``: failures allowed at once."""
-    api_trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    api_trusted_proxies: CommaSeparated = Field(default_factory=list)
     """Proxies (addresses or CIDRs, comma-separated) whose ``X-Forwarded-For`` names the
     client: its right-most address that is not one of them; empty: the TCP peer."""
     api_key_index_refresh_s: float = Field(default=1.0, gt=0)
@@ -336,11 +348,6 @@ class ApiSettings(SettingsGroup):
     (:mod:`pipeline.api.fastpath`)."""
     api_redis_connect_timeout_s: float = Field(default=2.0, gt=0)
     """How long the API waits for a connection to Redis."""
-
-    @field_validator("api_trusted_proxies", mode="before")
-    @classmethod
-    def _proxies_comma_separated(cls, value: object) -> object:
-        return _comma_separated(value)
 
     @field_validator("api_trusted_proxies")
     @classmethod
@@ -453,16 +460,11 @@ class SemanticSettings(SettingsGroup):
     """Build, in the background when the API starts, the semantic indexes of the
     namespaces in Redis (most recently stored first, within
     ``semantic_index_max_vectors``)."""
-    semantic_models: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    semantic_models: CommaSeparated = Field(default_factory=list)
     """LLM model names (comma-separated) that the semantic cache's metrics (and
     ``/status``, ``freshline advise``) show by name, with the models of
     ``semantic_thresholds`` and ``semantic_max_entries_per_model``. Any other model a
     request names is counted as ``other``: callers choose no label values."""
-
-    @field_validator("semantic_models", mode="before")
-    @classmethod
-    def _models_comma_separated(cls, value: object) -> object:
-        return _comma_separated(value)
 
     @field_validator("semantic_thresholds")
     @classmethod
