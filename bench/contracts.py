@@ -13,8 +13,9 @@ reference:
   :func:`~pipeline.api.contracts.predict_request`), and against validating the whole
   body by the model, which the batch route does not do (its fast path);
 * domain events: the hand-written parser the consumer runs
-  (:meth:`pipeline.core.events.Event.change`) against a pydantic model of the same
-  event, built from its declaration, by ``model_validate_json``.
+  (:meth:`pipeline.core.events.Event.change`) against the event's pydantic model
+  (:func:`pipeline.core.events.record_model`, from its declaration) by
+  ``model_validate_json``, alone and with the ``ChangeEvent`` built after it.
 
 No Redis, Kafka or Postgres: the fraud example's definitions only (``FRESHLINE_REPO``).
 """
@@ -26,10 +27,10 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Any
 
 import orjson
-from pydantic import AwareDatetime, BaseModel, Field, StringConstraints, create_model
+from pydantic import BaseModel
 
 from pipeline.api import freshness
 from pipeline.api.contracts import (
@@ -41,12 +42,11 @@ from pipeline.api.contracts import (
 from pipeline.api.errors import ApiError
 from pipeline.api.reader import parse_entities
 from pipeline.core.errors import InvalidId
-from pipeline.core.events import MAX_BIGINT, Event
+from pipeline.core.events import Event, record_model
 from pipeline.core.keys import validate_id
 from pipeline.core.repository import REGISTRY, active
 from pipeline.core.settings import Settings
 from pipeline.core.types import ChangeEvent
-from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
 
 LIMIT = 500
 CALLS = 50
@@ -138,27 +138,6 @@ def whole_model_predict(raw: bytes) -> Any:
     return request.inputs, request.arm
 
 
-_TEXT_ID = Annotated[
-    str, StringConstraints(pattern=f"^{ID_PATTERN.pattern}$", max_length=MAX_ID_LENGTH)
-]
-_UUID = Annotated[str, StringConstraints(pattern="^[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}$")]
-_BIGINT = (
-    Annotated[int, Field(ge=0, le=MAX_BIGINT)]
-    | Annotated[str, StringConstraints(pattern="^[0-9]{1,19}$")]
-)
-
-
-def event_model(event: Event) -> type[BaseModel]:
-    """A pydantic model of ``event``'s records, from its declaration: what a generic
-    decoder would validate (the consumer's parser is hand-written). A lower bound of
-    its cost: the record still has to become a ``ChangeEvent`` after it."""
-    types = {"bigint": _BIGINT, "text": _TEXT_ID, "uuid": _UUID}
-    fields: dict[str, Any] = {c.name: (types[c.type], ...) for c in event.columns}
-    fields["occurred_at"] = (AwareDatetime | None, None)
-    fields["version"] = (int | None, None)
-    return create_model(f"Event_{event.topic.replace('.', '_')}", **fields)
-
-
 def model_change(event: Event, model: type[BaseModel]) -> Callable[[bytes], ChangeEvent]:
     """The record through ``model``, then the :class:`ChangeEvent` the parser makes (a
     valid record only: no error translation)."""
@@ -218,10 +197,10 @@ def measure(
 def report(title: str, figures: dict[str, dict[str, float]], reference: str) -> None:
     names = list(next(iter(figures.values())))
     print(f"\n{title} (median ns per decode; ratio to {reference}, same run)")
-    print(f"{'case':<34}" + "".join(f"{n:>22}" for n in names))
+    print(f"{'case':<30}" + "".join(f"{n:>26}" for n in names))
     for case, row in figures.items():
         cells = [f"{row[n]:>10.0f} ({row[n] / row[reference]:.2f}x)" for n in names]
-        print(f"{case:<34}" + "".join(f"{c:>22}" for c in cells))
+        print(f"{case:<30}" + "".join(f"{c:>26}" for c in cells))
 
 
 def main() -> None:
@@ -286,7 +265,7 @@ def main() -> None:
         event = events[topic]
         fields = {*event.required, "occurred_at", "version"}
         raw = orjson.dumps({k: v for k, v in given.items() if k in fields})
-        model = event_model(event)
+        model = record_model(event)
         by_model = model_change(event, model)
         if by_model(raw) != event.change(orjson.loads(raw)):
             raise SystemExit(f"{topic}: the model's ChangeEvent is not the parser's")

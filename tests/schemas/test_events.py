@@ -9,11 +9,14 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from consumers.events import EventRejected, decode, domain_events
 from pipeline.cli import app
-from pipeline.core.events import Event, EventFieldError, event_schema, schema_file
+from pipeline.core.events import Event, EventFieldError, event_schema, record_model, schema_file
 from pipeline.core.features import Entity, Table
 from pipeline.core.repository import active
 from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
@@ -101,7 +104,7 @@ def test_id_rules_match_the_key_scheme(topic: str) -> None:
             assert prop["pattern"] == f"^{ID_PATTERN.pattern}$"
             assert prop["maxLength"] == MAX_ID_LENGTH
         elif name in NUMERIC_ID_PROPERTIES:
-            integer, digits = prop["oneOf"]
+            integer, digits = prop["anyOf"]
             assert integer["type"] == "integer" and integer["minimum"] == 0
             assert integer["maximum"] == 2**63 - 1
             assert re.fullmatch(digits["pattern"].strip("^$"), "9" * 19)
@@ -125,3 +128,50 @@ def test_a_uuid_key_is_checked_as_cdc_rows_are() -> None:
     pattern = event_schema(orders)["properties"]["order_id"]["pattern"]
     assert re.fullmatch(pattern.strip("^$"), key)
     assert not re.fullmatch(pattern.strip("^$"), key.upper())
+
+
+ID_VALUES = (
+    st.none()
+    | st.integers(min_value=-2, max_value=2**63)
+    | st.sampled_from(
+        [
+            "1",
+            "007",
+            "9" * 19,
+            "9" * 20,
+            "a1",
+            "",
+            "a:b",
+            "A.b-c_d",
+            "x" * 65,
+            "é",
+            "a\n",
+            True,
+            2.0,
+        ]
+    )
+)
+WHEN = st.none() | st.sampled_from(
+    ["2026-01-01T00:00:00Z", "2026-01-01T00:00:00.5+02:00", "2026-01-01T00:00:00", "soon", 5]
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(topic=st.sampled_from(TOPICS), data=st.data())
+def test_the_parser_takes_the_records_the_model_takes(topic: str, data: st.DataObject) -> None:
+    declared = event(topic)
+    fields = dict.fromkeys(declared.required, ID_VALUES)
+    more = {"occurred_at": WHEN, "version": st.none() | st.sampled_from([3, "3", True, 1.5])}
+    record = data.draw(st.fixed_dictionaries({}, optional={**fields, **more}))
+    raw = orjson.dumps(record)
+    try:
+        record_model(declared).model_validate_json(raw)
+        taken = True
+    except ValidationError:
+        taken = False
+    try:
+        declared.change(orjson.loads(raw))
+        parsed = True
+    except EventFieldError:
+        parsed = False
+    assert parsed == taken, record
