@@ -101,16 +101,6 @@ def _covered(ctx: common.Context, conninfo: str, tokens: list[str]) -> None:
         conn.execute("SELECT pg_current_xact_id()")
 
 
-def _wrk_get(key: str, users: list[int], query: str) -> str:
-    ids = ", ".join(str(u) for u in users)
-    return (
-        f"local ids = {{{ids}}}\nlocal i = 0\n"
-        "request = function()\n  i = i % #ids + 1\n"
-        f"  return wrk.format('GET', '/v1/features/{RYW_SET}/' .. ids[i] .. '{query}', "
-        f"{{['Authorization'] = 'Bearer {key}'}})\nend\n"
-    )
-
-
 def token_reads(ctx: common.Context, quick: bool) -> dict[str, Any]:
     """p50 at c=16 of token reads whose entries cover the token, against plain reads."""
     from pipeline.cache.client import FeatureClient
@@ -125,8 +115,9 @@ def token_reads(ctx: common.Context, quick: bool) -> dict[str, Any]:
     }
     _covered(ctx, conninfo, list(tokens.values()))
     version, tenant, key, users = reference_app.prepared(ctx)  # computed after the tokens
-    scripts = {"plain": _wrk_get(key, users, "")} | {
-        f"after ({form})": _wrk_get(key, users, f"?after={tok}") for form, tok in tokens.items()
+    scripts = {"plain": reference_app.wrk_get_script(key, users, RYW_SET, "")} | {
+        f"after ({form})": reference_app.wrk_get_script(key, users, RYW_SET, f"?after={tok}")
+        for form, tok in tokens.items()
     }
     rounds, seconds = (1, 2) if quick else (5, 5)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in scripts}

@@ -259,12 +259,18 @@ def wrk_script(key: str, users: list[int], *, batch: bool) -> str:
             f"{{['Authorization'] = 'Bearer {key}', "
             "['Content-Type'] = 'application/json'}, bodies[i])\nend\n"
         )
+    return wrk_get_script(key, users, FEATURE_SET, "?mode=cache-only")
+
+
+def wrk_get_script(key: str, users: list[int], feature_set: str, query: str) -> str:
+    """A Lua script cycling through ``users``, one GET of ``feature_set`` each, with
+    ``query`` (``""`` or from ``?``) appended to the path."""
     ids = ", ".join(str(u) for u in users)
     return (
         f"local ids = {{{ids}}}\nlocal i = 0\n"
         "request = function()\n  i = i % #ids + 1\n"
-        f"  return wrk.format('GET', '/v1/features/{FEATURE_SET}/' .. ids[i] .. "
-        f"'?mode=cache-only', {{['Authorization'] = 'Bearer {key}'}})\nend\n"
+        f"  return wrk.format('GET', '/v1/features/{feature_set}/' .. ids[i] .. '{query}', "
+        f"{{['Authorization'] = 'Bearer {key}'}})\nend\n"
     )
 
 
