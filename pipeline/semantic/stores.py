@@ -23,8 +23,9 @@ batch, over the whole budget) is refused before anything is counted
 bounds, or flagged away, stay counted until their expiry or their turn to be popped,
 as if present: the count errs towards less room, never more.
 
-A flag writes its ``remove`` and its counter only into a namespace that exists: a
-flag for a namespace never stored into stores nothing.
+A flag writes its counter only into a namespace that exists, and its ``remove`` on
+the stream only when it removed something: a flag for a namespace never stored into
+stores nothing, and one for an id not there adds only to the namespace's counters.
 """
 
 from __future__ import annotations
@@ -248,25 +249,31 @@ class Stores(Lookups):
         e = parse_entry_id(entry)
         entry = f"{e:016x}"  # the stored form, whatever case the caller sent
         now_ms = int(time.time() * 1000)
-        pipe = self.redis.pipeline(transaction=True)  # the stream's TTL with its write
+        pipe = self.redis.pipeline(transaction=True)
         pipe.delete(semantic_entry_key(ns, e))
         pipe.delete(semantic_outcomes_key(ns, e))
         pipe.zrem(semantic_ids_key(ns), entry)
-        # NOMKSTREAM: a flag for a namespace never stored into stores nothing.
-        pipe.xadd(
-            semantic_log_key(ns),
-            {"op": "remove", "id": entry},
-            minid=trim_minid(now_ms),
-            approximate=True,
-            nomkstream=True,
-        )
-        pipe.pexpire(semantic_log_key(ns), self.ttl_ms)
         self._count(ns, "flagged")
         counted = len(pipe)
         pending = self._flush_into(pipe, ns)
         replies = pipe.execute()
         self._settle(ns, pending, replies[counted] if pending else None)
         removed = bool(replies[0])
+        if removed or replies[2]:
+            # Only a removal is news to the other workers: a flag of an id that is
+            # not there (a caller's guess) adds nothing to the stream. NOMKSTREAM: a
+            # namespace whose stream has gone has no index to tell.
+            log_key = semantic_log_key(ns)
+            pipe = self.redis.pipeline(transaction=True)  # the stream's TTL with its write
+            pipe.xadd(
+                log_key,
+                {"op": "remove", "id": entry},
+                minid=trim_minid(now_ms),
+                approximate=True,
+                nomkstream=True,
+            )
+            pipe.pexpire(log_key, self.ttl_ms)
+            pipe.execute()
         idx = self.pool.peek(ns)
         if idx is not None:
             with idx.lock:

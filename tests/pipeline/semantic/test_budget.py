@@ -20,7 +20,12 @@ from sqlalchemy.engine import Engine
 from pipeline.api import create_app
 from pipeline.api.auth import create_api_key, create_tenant
 from pipeline.core.budget import TenantBudget, usage
-from pipeline.core.keys import semantic_budget_keys, semantic_entry_key, semantic_ids_key
+from pipeline.core.keys import (
+    semantic_budget_keys,
+    semantic_entry_key,
+    semantic_ids_key,
+    semantic_log_key,
+)
 from pipeline.core.settings import Settings
 from pipeline.semantic import prior
 from pipeline.semantic.cache import EntryOverBudget, Scope, SemanticCache
@@ -93,6 +98,24 @@ def test_flags_and_lookups_of_namespaces_never_stored_into_leave_no_key(
     learned.close()  # what a worker has pending is written when it stops: nothing here either
     static.close()
     assert tenant_keys(redis_client, tenant) == []
+
+
+def test_flags_of_ids_not_there_add_nothing_to_a_namespaces_stream(
+    redis_client: redis.Redis, made: Callable[..., SemanticCache], tenant: str
+) -> None:
+    c = made(redis_client)
+    s = Scope(tenant, "bot", "v1", "t1")
+    store(c, s, ["old question 0"])
+    before = redis_client.xlen(semantic_log_key(s.namespace))
+    for n in range(200):
+        assert c.flag(s, f"{n + 1:016x}") is False
+    assert redis_client.xlen(semantic_log_key(s.namespace)) == before
+    assert c.flag(s, f"{entry_id('old question 0'):016x}") is True  # a removal is told
+    assert redis_client.xlen(semantic_log_key(s.namespace)) == before + 1
+    c.close()
+    [row] = stats(redis_client, tenant)
+    assert row.counts["flagged"] == 201
+    c.purge(tenant=tenant)
 
 
 def test_counters_of_a_namespace_count_once_it_is_stored_into(
