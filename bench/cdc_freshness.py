@@ -31,7 +31,6 @@ and 1,000,000 transactions).
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import collections
 import contextlib
@@ -571,22 +570,15 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.cdc_freshness", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--quick", action="store_true", help="a 5 s window instead of 30 s")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument(
-        "--users",
-        type=int,
-        help="seed this many users (with --transactions; "
+    return common.seeded_main(
+        "cdc_freshness",
+        __doc__,
+        run,
+        markdown,
+        quick_help="a 5 s window instead of 30 s",
+        users_help="seed this many users (with --transactions; "
         "the full benchmark's data set is 100000 and 1000000)",
     )
-    parser.add_argument("--transactions", type=int)
-    args = parser.parse_args()
-    res = common.run_standalone(run, args.quick, users=args.users, transactions=args.transactions)
-    print(orjson.dumps(res, option=orjson.OPT_INDENT_2).decode() if args.json else markdown(res))
-    return 0
 
 
 if __name__ == "__main__":

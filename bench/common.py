@@ -14,6 +14,7 @@ created once per run, then reused by every benchmark that needs it.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
 import os
@@ -33,6 +34,7 @@ from typing import Any, TypeVar, overload
 from urllib.parse import quote
 
 import numpy as np
+import orjson
 import psycopg
 import redis
 import sqlalchemy as sa
@@ -605,3 +607,27 @@ def run_standalone(
         return run(quick)
     finally:
         close_context()
+
+
+def seeded_main(
+    module: str,
+    doc: str,
+    run: Callable[[bool], dict[str, Any]],
+    markdown: Callable[[dict[str, Any]], str],
+    *,
+    quick_help: str | None = None,
+    users_help: str = "seed this many users (with --transactions)",
+) -> int:
+    """``python -m bench.<module>``: options ``--quick``, ``--json``, ``--users`` and
+    ``--transactions``; one :func:`run_standalone`, printed as Markdown or JSON."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m bench.{module}", description=doc.splitlines()[0]
+    )
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--users", type=int, help=users_help)
+    parser.add_argument("--transactions", type=int)
+    args = parser.parse_args()
+    res = run_standalone(run, args.quick, users=args.users, transactions=args.transactions)
+    print(orjson.dumps(res, option=orjson.OPT_INDENT_2).decode() if args.json else markdown(res))
+    return 0

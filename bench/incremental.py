@@ -26,7 +26,6 @@ Run alone: ``.venv/bin/python -m bench.incremental [--quick] [--users N
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import io
@@ -35,7 +34,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-import orjson
 import sqlalchemy as sa
 
 from bench import common
@@ -415,17 +413,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.incremental", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--users", type=int, help="seed this many users (with --transactions)")
-    parser.add_argument("--transactions", type=int)
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    args = parser.parse_args()
-    res = common.run_standalone(run, args.quick, users=args.users, transactions=args.transactions)
-    print(orjson.dumps(res, option=orjson.OPT_INDENT_2).decode() if args.json else markdown(res))
-    return 0
+    return common.seeded_main("incremental", __doc__, run, markdown)
 
 
 if __name__ == "__main__":
