@@ -52,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeVar, cast
 
 import sqlalchemy as sa
 from confluent_kafka import Message, TopicPartition
@@ -68,7 +68,14 @@ from consumers.failures import (
     remedy,
     service,
 )
-from consumers.kafka import CommitNotYet, Consumer, DeliveryFailed, Producer, check_message
+from consumers.kafka import (
+    CommitNotYet,
+    Consumer,
+    Delivery,
+    DeliveryFailed,
+    Producer,
+    check_message,
+)
 from consumers.metrics import consumer_metrics
 from consumers.processor import BatchReport, Processor, impossible_txids
 from consumers.routing import Router
@@ -87,6 +94,7 @@ from pipeline.core.types import ChangeEvent
 
 logger = logging.getLogger("freshline.consumer")
 
+FIRST_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 5.0
 CLOSE_TIMEOUT_S = 10.0
 """How long closing the producer (its flush) and the consumer may each take."""
@@ -99,6 +107,37 @@ CHECK_TXIDS_AFTER = 5
 """Failures of a batch for changes not yet visible (0.75 s of backoff) from which on
 its invisible transaction ids are checked against the database's next one. The usual
 wait, for a commit to become visible, lasts milliseconds."""
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def retry(
+    attempt: Callable[[], object],
+    retried: type[E] | tuple[type[E], ...],
+    failed: Callable[[E, float], bool],
+    *,
+    pause: Callable[[float], None],
+    stop: threading.Event,
+) -> None:
+    """Call ``attempt()`` until it returns: the consumer's one backoff loop.
+
+    A failure of a ``retried`` kind is raised again once a stop is requested; else
+    ``failed(exc, delay)`` counts and logs it and says whether to ``pause(delay)``
+    before the next attempt (False: try again at once). The delay doubles from
+    :data:`FIRST_BACKOFF_S` to :data:`MAX_BACKOFF_S`. Any other failure is raised.
+    """
+    delay = FIRST_BACKOFF_S
+    while True:
+        try:
+            attempt()
+            return
+        except retried as exc:
+            if stop.is_set():
+                raise
+            if failed(exc, delay):
+                pause(delay)
+                delay = min(delay * 2, MAX_BACKOFF_S)
 
 
 @dataclass(slots=True)
@@ -286,46 +325,45 @@ class Worker:
         once, naming the fix (again only if it changes), and shown by
         ``freshline_consumer_paused{cause}`` until the batch goes through.
         """
-        backoff = 0.05
         held: tuple[str, str] | None = None  # the configuration failure's cause and remedy
         unseen = 0  # retries for changes not yet visible
         since = time.monotonic()
+
+        def apply() -> None:
+            if events:  # empty once every event was dead-lettered
+                self._apply(events)
+
+        def failed(exc: BaseException, delay: float) -> bool:
+            nonlocal held, unseen
+            if isinstance(exc, CONFIGURATION):  # first: Redis's AuthenticationError is both
+                failure = (cause(exc), remedy(exc, role=self.engine.url.username))
+                if failure != held:
+                    if held is not None:
+                        self.metrics.paused.labels(held[0]).set(0)
+                    self.metrics.paused.labels(failure[0]).set(1)
+                    logger.error(
+                        "consumer paused by a configuration error (%s): %s. Not the "
+                        "events' fault, so none is dead-lettered: the batch is held "
+                        "uncommitted and retried, at most %.0fs apart, until it is fixed",
+                        *failure,
+                        MAX_BACKOFF_S,
+                    )
+                    held = failure
+                self.totals.retries += 1
+                self.metrics.config_retries.labels(failure[0]).inc()
+                return True
+            if isinstance(exc, NotYetVisible):
+                unseen += 1
+                if unseen >= CHECK_TXIDS_AFTER and self._drop_impossible(events, exc):
+                    return False  # the rest of the batch, at once
+            label = service(exc)
+            self.totals.retries += 1
+            self.metrics.retries.labels(label).inc()
+            logger.warning("%s: %s; retrying the batch in %.2fs", label, exc, delay)
+            return True
+
         try:
-            while events:
-                try:
-                    self._apply(events)
-                    break
-                except CONFIGURATION as exc:  # first: Redis's AuthenticationError is both
-                    if self._stop.is_set():
-                        raise
-                    failure = (cause(exc), remedy(exc, role=self.engine.url.username))
-                    if failure != held:
-                        if held is not None:
-                            self.metrics.paused.labels(held[0]).set(0)
-                        self.metrics.paused.labels(failure[0]).set(1)
-                        logger.error(
-                            "consumer paused by a configuration error (%s): %s. Not the "
-                            "events' fault, so none is dead-lettered: the batch is held "
-                            "uncommitted and retried, at most %.0fs apart, until it is fixed",
-                            *failure,
-                            MAX_BACKOFF_S,
-                        )
-                        held = failure
-                    self.totals.retries += 1
-                    self.metrics.config_retries.labels(failure[0]).inc()
-                except TRANSIENT as exc:
-                    if self._stop.is_set():
-                        raise
-                    if isinstance(exc, NotYetVisible):
-                        unseen += 1
-                        if unseen >= CHECK_TXIDS_AFTER and self._drop_impossible(events, exc):
-                            continue  # the rest of the batch, at once
-                    label = service(exc)
-                    self.totals.retries += 1
-                    self.metrics.retries.labels(label).inc()
-                    logger.warning("%s: %s; retrying the batch in %.2fs", label, exc, backoff)
-                self._pause_for(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
+            retry(apply, RETRIED, failed, pause=self._pause_for, stop=self._stop)
         finally:
             if held is not None:
                 self.metrics.paused.labels(held[0]).set(0)
@@ -379,26 +417,27 @@ class Worker:
         Never skips a record and never ends the loop: the offsets are committed only
         after every dead letter of the batch is acknowledged.
         """
-        backoff = 0.05
-        while True:
-            try:
-                self.producer.flush()
-                return
-            except DeliveryFailed as exc:
-                if self._stop.is_set():
-                    raise
-                self.totals.retries += 1
-                self.metrics.delivery_failures.labels(exc.topic).inc()
-                logger.error(
-                    "the broker refused %d message(s) to %s (%s); sending them again in %.2fs",
-                    len(exc.failed),
-                    exc.topic,
-                    exc.error.name(),
-                    backoff,
-                )
-                self._pause_for(backoff)
-                self.producer.resend(exc.failed)
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
+        refused: list[Delivery] = []
+
+        def flush() -> None:
+            self.producer.resend(refused)  # those refused last time, after the wait
+            refused.clear()
+            self.producer.flush()
+
+        def failed(exc: DeliveryFailed, delay: float) -> bool:
+            self.totals.retries += 1
+            self.metrics.delivery_failures.labels(exc.topic).inc()
+            logger.error(
+                "the broker refused %d message(s) to %s (%s); sending them again in %.2fs",
+                len(exc.failed),
+                exc.topic,
+                exc.error.name(),
+                delay,
+            )
+            refused.extend(exc.failed)
+            return True
+
+        retry(flush, DeliveryFailed, failed, pause=self._pause_for, stop=self._stop)
 
     def _pause_for(self, seconds: float) -> None:
         """Wait without leaving the group: pause the partitions and keep polling.
@@ -517,22 +556,19 @@ class Worker:
     def _commit(self, messages: list[Message]) -> None:
         """Commit the batch; while the coordinator is away (a broker restarting), wait and
         commit the same offsets again, polling to stay in the group."""
-        backoff = 0.05
-        while True:
+
+        def commit() -> None:
             keep = [m for m in messages if (m.topic(), m.partition()) not in self._revoked]
-            if not keep:
-                return
-            try:
+            if keep:
                 self.consumer.commit(keep)
-                return
-            except CommitNotYet as exc:
-                if self._stop.is_set():
-                    raise
-                self.totals.retries += 1
-                self.metrics.retries.labels("kafka").inc()
-                logger.warning("%s; committing again in %.2fs", exc, backoff)
-                self._pause_for(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+        def failed(exc: CommitNotYet, delay: float) -> bool:
+            self.totals.retries += 1
+            self.metrics.retries.labels("kafka").inc()
+            logger.warning("%s; committing again in %.2fs", exc, delay)
+            return True
+
+        retry(commit, CommitNotYet, failed, pause=self._pause_for, stop=self._stop)
 
     # -- rebalances and lag ----------------------------------------------------
 
