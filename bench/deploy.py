@@ -338,22 +338,11 @@ def markdown(res: dict[str, Any]) -> str:
         common.table(
             ["reader", "calls", "p50", "p90", "p99", "max"],
             [
-                (
-                    "without purge (before and after)",
-                    p["reader_without"].get("n"),
-                    p["reader_without"].get("p50_us"),
-                    p["reader_without"].get("p90_us"),
-                    p["reader_without"].get("p99_us"),
-                    p["reader_without"].get("max_us"),
-                ),
-                (
-                    "during purge",
-                    p["reader_during"].get("n"),
-                    p["reader_during"].get("p50_us"),
-                    p["reader_during"].get("p90_us"),
-                    p["reader_during"].get("p99_us"),
-                    p["reader_during"].get("max_us"),
-                ),
+                (name, *(p[reader].get(k) for k in ("n", "p50_us", "p90_us", "p99_us", "max_us")))
+                for name, reader in (
+                    ("without purge (before and after)", "reader_without"),
+                    ("during purge", "reader_during"),
+                )
             ],
         ),
         "",
