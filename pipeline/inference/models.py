@@ -3,7 +3,7 @@
 A model file is one JSON document (floats written in shortest round-trip form, so a
 loaded model predicts bit for bit what the saved one did)::
 
-    {"format": "freshline.model/1", "kind": "logistic", "name": "fraud_example",
+    {"format": "freshline.model/1", "kind": "logistic", "name": "risk",
      "version": "lr-3f2a...", "deterministic": true, "feature_names": [...],
      "weights": [...], "bias": 0.1, "mean": [...], "scale": [...], "info": {...}}
 
@@ -126,8 +126,8 @@ class LogisticModel:
         X: Array,
         y: Array,
         *,
-        version: str,
         feature_names: Sequence[str],
+        version: str | None = None,
         name: str = "model",
         epochs: int = 500,
         learning_rate: float = 0.5,
@@ -138,6 +138,9 @@ class LogisticModel:
 
         Inputs are standardised with the training mean and standard deviation, which
         the model keeps. ``X`` must be finite (impute before fitting); ``y`` holds 0/1.
+        Without ``version``, the version is ``lr-`` and the parameters' fingerprint: a
+        retrain on the same data keeps the version (and its cached predictions), any
+        change in the parameters gets a new one.
         """
         X = np.asarray(X, dtype=np.float64)
         y = np.asarray(y, dtype=np.float64).ravel()
@@ -174,9 +177,9 @@ class LogisticModel:
             "l2": l2,
             "seed": seed,
         }
-        return cls(
+        model = cls(
             name=name,
-            version=version,
+            version=version or "pending",
             feature_names=tuple(feature_names),
             weights=w,
             bias=b,
@@ -184,6 +187,9 @@ class LogisticModel:
             scale=scale,
             info=info,
         )
+        if version is None:
+            model = dataclasses.replace(model, version=f"lr-{model.fingerprint()}")
+        return model
 
     def fingerprint(self) -> str:
         """A short digest of the parameters: equal for models that predict alike."""
@@ -252,36 +258,6 @@ def _read_model_file(path: Path) -> dict[str, Any]:
 def load_model(path: str | os.PathLike[str]) -> LogisticModel:
     """Load any model file freshline knows (so far: logistic regression)."""
     return LogisticModel.load(path)
-
-
-def train_example(
-    X: Array,
-    y: Array,
-    feature_names: Sequence[str],
-    *,
-    name: str = "fraud_example",
-    version: str | None = None,
-    epochs: int = 500,
-    seed: int = 0,
-) -> LogisticModel:
-    """Train the shipped example model.
-
-    Without ``version``, the version is ``lr-`` and the parameters' fingerprint: a
-    retrain on the same data keeps the version (and its cached predictions), any change
-    in the parameters gets a new one.
-    """
-    model = LogisticModel.fit(
-        X,
-        y,
-        version=version or "pending",
-        feature_names=feature_names,
-        name=name,
-        epochs=epochs,
-        seed=seed,
-    )
-    if version is None:
-        model = dataclasses.replace(model, version=f"lr-{model.fingerprint()}")
-    return model
 
 
 @dataclass(frozen=True, slots=True)

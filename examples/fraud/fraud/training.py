@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 
 from pipeline.cache.recompute import compute
 from pipeline.core.repository import REGISTRY
-from pipeline.inference.models import LogisticModel, train_example
+from pipeline.inference.models import LogisticModel
 
 MODEL_NAME = "fraud_example"
 MODEL_INPUTS: tuple[tuple[str, str], ...] = (
@@ -89,6 +89,6 @@ def train(
     x, y = dataset(engine, tenant, progress)
     if len(x) < 10 or y.min() == y.max():
         raise ValueError(f"tenant {tenant!r} has too few users or a single class to train on")
-    model = train_example(x, y, FEATURE_NAMES, name=MODEL_NAME)
+    model = LogisticModel.fit(x, y, feature_names=FEATURE_NAMES, name=MODEL_NAME)
     path = model.save(out_dir / f"{model.name}-{model.version}.json")
     return model, path

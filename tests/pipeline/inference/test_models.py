@@ -15,7 +15,6 @@ from pipeline.inference.models import (
     LogisticModel,
     ModelRegistry,
     UnknownModel,
-    train_example,
 )
 from pipeline.inference.predictions import Array, InferenceCache
 
@@ -125,15 +124,14 @@ def test_predict_refuses_the_wrong_width() -> None:
         model.predict(X[:, :3])
 
 
-def test_train_example_versions_follow_the_parameters() -> None:
+def test_without_a_version_the_parameters_name_it() -> None:
     X, y = dataset()
-    a = train_example(X, y, FEATURES)
-    b = train_example(X, y, FEATURES)
-    c = train_example(X[:1000], y[:1000], FEATURES)
-    assert a.name == "fraud_example"
+    a = LogisticModel.fit(X, y, feature_names=FEATURES)
+    b = LogisticModel.fit(X, y, feature_names=FEATURES)
+    c = LogisticModel.fit(X[:1000], y[:1000], feature_names=FEATURES)
     assert a.version.startswith("lr-") and a.version == b.version
     assert c.version != a.version
-    assert train_example(X, y, FEATURES, version="7").version == "7"
+    assert LogisticModel.fit(X, y, feature_names=FEATURES, version="7").version == "7"
 
 
 def test_the_registry_loads_and_follows_a_version_change(
@@ -141,8 +139,8 @@ def test_the_registry_loads_and_follows_a_version_change(
 ) -> None:
     name = unique_name()
     X, y = dataset()
-    v1 = train_example(X, y, FEATURES, name=name, version="v1")
-    v2 = train_example(X[:800], y[:800], FEATURES, name=name, version="v2")
+    v1 = LogisticModel.fit(X, y, feature_names=FEATURES, name=name, version="v1")
+    v2 = LogisticModel.fit(X[:800], y[:800], feature_names=FEATURES, name=name, version="v2")
     registry = ModelRegistry(redis_client)
     other_process = ModelRegistry(redis_client)
 
@@ -165,7 +163,11 @@ def test_registered_models_go_through_the_cache(redis_client: redis.Redis, tmp_p
     name = unique_name()
     X, y = dataset(n=300)
     registry = ModelRegistry(redis_client)
-    registry.register(train_example(X, y, FEATURES, name=name, epochs=50).save(tmp_path / "m.json"))
+    registry.register(
+        LogisticModel.fit(X, y, feature_names=FEATURES, name=name, epochs=50).save(
+            tmp_path / "m.json"
+        )
+    )
     model = SlowModel(registry.get(name))
     cache = InferenceCache(redis_client)
     first = cache.predict(model, X)
@@ -188,8 +190,12 @@ def test_a_file_replaced_behind_the_registrys_back_is_refused(
     X, y = dataset(n=200)
     path = tmp_path / "m.json"
     registry = ModelRegistry(redis_client)
-    registry.register(train_example(X, y, FEATURES, name=name, version="v1", epochs=5).save(path))
-    train_example(X, y, FEATURES, name=name, version="v2", epochs=5).save(path)
+    registry.register(
+        LogisticModel.fit(X, y, feature_names=FEATURES, name=name, version="v1", epochs=5).save(
+            path
+        )
+    )
+    LogisticModel.fit(X, y, feature_names=FEATURES, name=name, version="v2", epochs=5).save(path)
     with pytest.raises(ModelError, match="register it again"):
         registry.get(name)
     assert redis_client.hexists(MODELS_KEY, name)
