@@ -48,6 +48,7 @@ from typing import Any, Literal
 import numpy as np
 import orjson
 import psycopg
+from confluent_kafka import Message
 from sqlalchemy.engine import make_url
 
 from bench import common
@@ -76,24 +77,40 @@ each, with a consumer started for it; the target is read on "incremental"."""
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 
 
-class Commits:
-    """The CDC topic of ``transactions``: (user, ``source.ts_ms``) of each change of ours."""
+class TenantChanges:
+    """The CDC topic of ``transactions`` read on a daemon thread until :meth:`close`:
+    each change of ``tenant`` is handed to :meth:`take` with its Debezium envelope and
+    row (tombstones and other tenants' changes are skipped)."""
 
-    def __init__(self, settings: Any, topic: str, tenant: str) -> None:
-        self.changes: list[tuple[str, int]] = []
+    def __init__(
+        self,
+        settings: Any,
+        topic: str,
+        tenant: str,
+        *,
+        group: str,
+        reset: Literal["earliest", "latest"],
+    ) -> None:
         self.tenant = tenant
         self.consumer = Consumer(
             settings,
-            **{"group.id": f"{settings.consumer_group}-commits", "auto.offset.reset": "earliest"},
+            **{"group.id": f"{settings.consumer_group}-{group}", "auto.offset.reset": reset},
         )
         self.consumer.subscribe([topic])
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="cdc-commits", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"cdc-{group}", daemon=True)
         self.thread.start()
+
+    def receive(self) -> list[Message]:
+        """The next records: up to 500, waiting at most 0.2 s for the first."""
+        return self.consumer.consume(500, timeout=0.2)
+
+    def take(self, msg: Message, env: dict[str, Any], row: dict[str, Any]) -> None:
+        raise NotImplementedError
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            for msg in self.consumer.consume(500, timeout=0.2):
+            for msg in self.receive():
                 value = msg.value()
                 if not value:
                     continue  # a tombstone
@@ -101,12 +118,23 @@ class Commits:
                 env = env.get("payload", env)
                 row = env.get("after") or env.get("before") or {}
                 if row.get("tenant_id") == self.tenant:
-                    self.changes.append((str(row["user_id"]), int(env["source"]["ts_ms"])))
+                    self.take(msg, env, row)
 
     def close(self) -> None:
         self._stop.set()
         self.thread.join(5)
         self.consumer.close()
+
+
+class Commits(TenantChanges):
+    """The CDC topic of ``transactions``: (user, ``source.ts_ms``) of each change of ours."""
+
+    def __init__(self, settings: Any, topic: str, tenant: str) -> None:
+        self.changes: list[tuple[str, int]] = []
+        super().__init__(settings, topic, tenant, group="commits", reset="earliest")
+
+    def take(self, msg: Message, env: dict[str, Any], row: dict[str, Any]) -> None:
+        self.changes.append((str(row["user_id"]), int(env["source"]["ts_ms"])))
 
 
 def _connstr(url: str) -> str:

@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,13 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 import psycopg
+from confluent_kafka import Message
 
 from bench import common
-from bench.cdc_freshness import _delete_topics
+from bench.cdc_freshness import TenantChanges, _delete_topics
 from bench.sql_load import background
-from consumers.kafka import Consumer
 from consumers.topics import ensure_cdc_topics
 from pipeline.cdc.connect import (
     LATENCY_SETTINGS,
@@ -68,55 +66,35 @@ class Change:
     received: float
 
 
-class Changes:
+class Changes(TenantChanges):
     """The CDC topic of ``transactions`` as a consumer with the consumer's own settings
     sees it: per change of ``tenant``, its commit, Debezium's and Kafka's timestamps,
     and when it was received (one record per poll, so nothing waits for a batch)."""
 
     def __init__(self, settings: Any, topic: str, tenant: str) -> None:
         self.seen: list[Change] = []
-        self.tenant = tenant
-        self.consumer = Consumer(
-            settings,
-            **{"group.id": f"{settings.consumer_group}-stages", "auto.offset.reset": "latest"},
-        )
-        self.consumer.subscribe([topic])
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="cdc-stages", daemon=True)
-        self.thread.start()
+        self._at = 0.0
+        super().__init__(settings, topic, tenant, group="stages", reset="latest")
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            msg = self.consumer.poll(0.1)
-            if msg is None:
-                continue
-            at = time.time()
-            value = msg.value()
-            if not value:
-                continue  # a tombstone
-            env = orjson.loads(value)
-            env = env.get("payload", env)
-            row = env.get("after") or env.get("before") or {}
-            if row.get("tenant_id") != self.tenant:
-                continue
-            source = env["source"]
-            self.seen.append(
-                Change(
-                    str(row["user_id"]),
-                    int(source.get("ts_us") or source["ts_ms"] * 1000),
-                    int(env.get("ts_us") or env["ts_ms"] * 1000),
-                    int(msg.timestamp()[1]),
-                    at,
-                )
+    def receive(self) -> list[Message]:
+        msg = self.consumer.poll(0.1)
+        self._at = time.time()  # received: before the record is decoded
+        return [] if msg is None else [msg]
+
+    def take(self, msg: Message, env: dict[str, Any], row: dict[str, Any]) -> None:
+        source = env["source"]
+        self.seen.append(
+            Change(
+                str(row["user_id"]),
+                int(source.get("ts_us") or source["ts_ms"] * 1000),
+                int(env.get("ts_us") or env["ts_ms"] * 1000),
+                int(msg.timestamp()[1]),
+                self._at,
             )
+        )
 
     def since(self, start_us: int) -> list[Change]:
         return [c for c in self.seen if c.commit_us >= start_us]
-
-    def close(self) -> None:
-        self._stop.set()
-        self.thread.join(5)
-        self.consumer.close()
 
 
 def _covering(watcher: common.InvalidationWatcher, change: Change) -> tuple[float, float] | None:
