@@ -1,19 +1,22 @@
 """The read API's bodies as pydantic models: what requests send and responses answer.
 
 The OpenAPI document's components are generated from these (:func:`component_schemas`,
-used by :mod:`pipeline.api.openapi`), and the request bodies are validated by them.
-A body the models refuse gets the answer the API has always given: the
+used by :mod:`pipeline.api.openapi`), and the batch and predict bodies are validated by
+them. A body the models refuse gets the answer the API has always given: the
 ``{"error": {"code", "message"}}`` of :mod:`pipeline.api.errors`, with the code, status
 and message of the first problem in the order the checks have always run (the body's
 shape, its size, the names, then the rest).
 
 The batch read is the hottest route, so :func:`feature_selection` takes its common body
 (non-empty lists, every feature set named by a string) with a few C-level checks and
-asks the model only about the rest; :func:`freshness_fields` and
-:func:`predict_request` do the same: a
-validation by the model cost a small body's decode several times what the checks do
-(``python -m bench.contracts``). A fast check accepts only bodies the model accepts,
-with the same values (``tests/pipeline/api/test_contracts.py``).
+asks the model only about the rest; :func:`freshness_fields` and :func:`predict_request`
+do the same, since validating a small body by the model costs more than the checks
+(``python -m bench.contracts``). A fast check accepts only bodies the model accepts, with
+the same values (``tests/pipeline/api/test_contracts.py``).
+
+The semantic cache's models (``Llm*``) document its bodies; :mod:`pipeline.api.llm`
+checks their shape, and the cache refuses what its documented contract leaves out
+(parameters that are not deterministic: ``not_deterministic``).
 """
 
 from __future__ import annotations
