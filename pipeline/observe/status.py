@@ -209,6 +209,29 @@ class Observer:
             self.group_lag.close()
 
 
+_STALENESS_GAUGES = {
+    "oldest": (
+        "freshline_staleness_oldest_age_seconds",
+        "Age of the oldest entry in a random sample of the served namespace.",
+    ),
+    "mean": (
+        "freshline_staleness_mean_age_seconds",
+        "Mean entry age in the sample (about TTL/2 when entries live out their TTL).",
+    ),
+    "over": (
+        "freshline_staleness_over_ttl_entries",
+        "Sampled entries older than their feature set's TTL (a bug: TTL not enforced).",
+    ),
+    "immortal": (
+        "freshline_staleness_immortal_entries",
+        "Sampled keys without an expiry (a bug: every entry has a TTL).",
+    ),
+    "sampled": ("freshline_staleness_sampled_entries", "Entries in the sample."),
+    "ttl": ("freshline_feature_ttl_seconds", "The feature set's TTL."),
+}
+"""The per-feature-set gauges :class:`SampledMetrics` reports: key, (name, help)."""
+
+
 class SampledMetrics:
     """A Prometheus collector of the sampled figures, taken at each scrape.
 
@@ -231,34 +254,8 @@ class SampledMetrics:
             self._lag = (now, self.observer.lag())
         lag = self._lag[1]
         families = {
-            "oldest": GaugeMetricFamily(
-                "freshline_staleness_oldest_age_seconds",
-                "Age of the oldest entry in a random sample of the served namespace.",
-                labels=["feature_set"],
-            ),
-            "mean": GaugeMetricFamily(
-                "freshline_staleness_mean_age_seconds",
-                "Mean entry age in the sample (about TTL/2 when entries live out their TTL).",
-                labels=["feature_set"],
-            ),
-            "over": GaugeMetricFamily(
-                "freshline_staleness_over_ttl_entries",
-                "Sampled entries older than their feature set's TTL (a bug: TTL not enforced).",
-                labels=["feature_set"],
-            ),
-            "immortal": GaugeMetricFamily(
-                "freshline_staleness_immortal_entries",
-                "Sampled keys without an expiry (a bug: every entry has a TTL).",
-                labels=["feature_set"],
-            ),
-            "sampled": GaugeMetricFamily(
-                "freshline_staleness_sampled_entries",
-                "Entries in the sample.",
-                labels=["feature_set"],
-            ),
-            "ttl": GaugeMetricFamily(
-                "freshline_feature_ttl_seconds", "The feature set's TTL.", labels=["feature_set"]
-            ),
+            key: GaugeMetricFamily(name, doc, labels=["feature_set"])
+            for key, (name, doc) in _STALENESS_GAUGES.items()
         }
         for name, s in ages.items():
             if s.oldest_age_s is not None and s.mean_age_s is not None:
