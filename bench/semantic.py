@@ -55,7 +55,7 @@ from pipeline.semantic.cache import (
     SemanticCache,
 )
 from pipeline.semantic.decision import Learned
-from pipeline.semantic.embed import MiniLM, local_model
+from pipeline.semantic.embed import MiniLM, local_model, normalise
 from pipeline.semantic.entry import entry_id
 from pipeline.semantic.index import FLAT_MAX, NPROBE, TRAIN_PER_LIST
 from pipeline.semantic.pool import MAX_VECTORS
@@ -81,22 +81,17 @@ class _Fixed:
         raise AssertionError("the lookup benchmark passes vectors")
 
 
-def _unit(x: np.ndarray) -> np.ndarray:
-    out: np.ndarray = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
-    return out
-
-
 def _vectors(rng: np.random.Generator, n: int) -> np.ndarray:
     centers = rng.normal(size=(max(1, n // CLUSTER), DIM))
     members = centers[rng.integers(0, len(centers), n)] + 0.6 * rng.normal(size=(n, DIM))
-    return _unit(members)
+    return normalise(members)
 
 
 def _near(rng: np.random.Generator, base: np.ndarray) -> np.ndarray:
     """Queries at cosine about 0.94-0.99 from ``base`` (random directions)."""
-    noise = _unit(rng.normal(size=base.shape))
+    noise = normalise(rng.normal(size=base.shape))
     angle = rng.uniform(0.14, 0.34, size=(len(base), 1))  # cos 0.99 .. 0.94
-    return _unit(np.cos(angle) * base + np.sin(angle) * noise)
+    return normalise(np.cos(angle) * base + np.sin(angle) * noise)
 
 
 def _sizes(quick: bool) -> list[int]:
@@ -187,7 +182,7 @@ def _size(ctx: common.Context, n: int, quick: bool) -> Prepared:
     queries = 200 if quick else 1000
     picks = rng.integers(0, n, queries)
     near = _near(rng, vectors[picks])
-    far = _unit(rng.normal(size=(queries, DIM)))
+    far = normalise(rng.normal(size=(queries, DIM)))
 
     # Recall at the threshold: exact search over every stored vector.
     best = np.zeros(queries, dtype=np.int64)
@@ -308,7 +303,7 @@ def _non_deterministic(ctx: common.Context) -> dict[str, int]:
     cache = SemanticCache(ctx.redis, _Fixed())
     scope = Scope(tenant, "bench-bot", "v1", "t1")
     refused = 0
-    vector = _unit(np.ones((1, DIM)))
+    vector = normalise(np.ones((1, DIM)))
     for i in range(100):
         try:
             cache.store_many(scope, [(f"prompt {i}", "sampled")], {"temperature": 0.7}, vector)
