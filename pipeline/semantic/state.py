@@ -44,9 +44,11 @@ log = logging.getLogger(__name__)
 DEFAULT_THRESHOLD = 0.93
 
 MAX_PENDING = 10_000
-"""Namespaces whose counters this process holds before writing them; the counts of
-one more are dropped. Counters wait here while their namespace was never stored into
-(:data:`_COUNT`): callers choose namespaces, and those must not grow the process."""
+"""Namespaces whose counters this process holds before writing them; past it, those
+held longest are dropped. Counters wait here while their namespace was never stored
+into (:data:`_COUNT`): callers choose namespaces, and those must not grow the
+process. A namespace that exists has its counters written by the request that made
+them, so it is never the one held longest."""
 
 # The counters are written only into a namespace that exists (its ids or its counters
 # are in Redis): a caller's lookups and flags for namespaces never stored into must
@@ -168,12 +170,12 @@ class CacheState:
             self._add_pending(ns, Counter({field: n}))
 
     def _add_pending(self, ns: str, counts: Counter[str]) -> None:
-        """``counts`` into ``ns``'s pending counters (the lock held), unless
-        :data:`MAX_PENDING` other namespaces are waiting."""
+        """``counts`` into ``ns``'s pending counters (the lock held); past
+        :data:`MAX_PENDING` namespaces, those of the one held longest are dropped."""
         held = self._pending.get(ns)
         if held is None:
             if len(self._pending) >= MAX_PENDING:
-                return
+                del self._pending[next(iter(self._pending))]
             held = self._pending[ns] = Counter()
         held.update(counts)
 

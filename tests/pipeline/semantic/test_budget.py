@@ -27,7 +27,7 @@ from pipeline.core.keys import (
     semantic_log_key,
 )
 from pipeline.core.settings import Settings
-from pipeline.semantic import prior
+from pipeline.semantic import prior, state
 from pipeline.semantic.cache import EntryOverBudget, Scope, SemanticCache
 from pipeline.semantic.decision import Learned
 from pipeline.semantic.embed import Embedder
@@ -131,6 +131,27 @@ def test_counters_of_a_namespace_count_once_it_is_stored_into(
     c.close()
     [row] = stats(redis_client, tenant)
     assert (row.counts["misses"], row.counts["hits"], row.counts["stored"]) == (1, 1, 1)
+    c.purge(tenant=tenant)
+
+
+def test_counters_held_for_namespaces_never_stored_into_are_bounded(
+    redis_client: redis.Redis,
+    made: Callable[..., SemanticCache],
+    tenant: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(state, "MAX_PENDING", 20)
+    c = made(redis_client)
+    real = Scope(tenant, "bot", "v1", "t1")
+    v = unit(np.random.default_rng(4).normal(size=(2, DIM)))
+    c.store_many(real, [(PROMPT, "Use the reset link.")], ZERO, v[:1])
+    for n in range(100):
+        assert answer(c, Scope(tenant, "bot", f"ghost{n}", "t1"), PROMPT, v[0]) is None
+    assert len(c._pending) <= 20
+    assert answer(c, real, "another question", v[1]) is None  # still counted
+    c.close()
+    [row] = stats(redis_client, tenant)
+    assert (row.counts["stored"], row.counts["misses"]) == (1, 1)
     c.purge(tenant=tenant)
 
 
