@@ -35,6 +35,7 @@ from starlette.responses import Response
 from pipeline.api import metrics
 from pipeline.api.errors import ApiError, JSONResponse
 from pipeline.api.routes import authenticate, read_json, timed
+from pipeline.api.semantic_status import OTHER, named_models
 from pipeline.api.tenancy import in_pool
 from pipeline.core.budget import TenantBudget
 from pipeline.core.keys import validate_id
@@ -61,9 +62,6 @@ from pipeline.semantic.namespaces import live_namespaces
 from pipeline.semantic.prior import for_model
 
 log = logging.getLogger(__name__)
-
-OTHER = "other"
-"""The label value of every model the settings do not name."""
 
 LOOKUPS = Counter(
     "freshline_semantic_lookups_total",
@@ -131,13 +129,7 @@ class SemanticService:
             )
             prior = for_model(embedding_model, settings.semantic_prior)
             self.decision = Learned(prior, settings.semantic_max_error)
-        self._named = frozenset(
-            [
-                *settings.semantic_models,
-                *settings.semantic_thresholds,
-                *settings.semantic_max_entries_per_model,
-            ]
-        )
+        self._named = named_models(settings)
 
     def label(self, model: str) -> str:
         """``model`` as a metric label value: itself if the settings name it, else

@@ -40,10 +40,12 @@ TOP = 10
 MAX_READ = 500
 """Namespaces read at the most, the most recently stored into first."""
 OTHER = "other"
+"""The label value of every model the settings do not name."""
 
 
 def named_models(settings: Settings) -> frozenset[str]:
-    """The models a label or a page may name: those the settings name."""
+    """The models a metric label or a page may name: those the settings name
+    (:meth:`pipeline.api.llm.SemanticService.label`)."""
     return frozenset(
         [
             *settings.semantic_models,
