@@ -2,8 +2,9 @@
 
 The suite itself is ``tests/faults`` (pytest, marker ``faults``): each scenario runs a
 seeded workload against a private stack, injects its faults, waits for the consumers
-to quiesce and then checks the oracle (served values equal a recompute from Postgres,
-every record accounted for, every key with a TTL, every process alive). This module
+to quiesce and then checks the oracle (served values equal the defining full query
+and a plain Python reference over the raw rows, every record accounted for, every key
+with a TTL, every process alive). This module
 holds what the suite and the command share:
 
 * :data:`PROFILES`: ``short`` (CI: a few scenarios, one seed) and ``long`` (every
@@ -139,8 +140,9 @@ def render_markdown(
         f"(pytest exit code {exit_code}).",
         "",
         "Each case runs a seeded workload on a private stack, injects the scenario's faults, "
-        "waits for the consumers to quiesce, and checks: served values equal a recompute "
-        "from Postgres (correct or absent), every record applied, dead-lettered or "
+        "waits for the consumers to quiesce, and checks: served values equal both the "
+        "defining full query and a plain Python reference over the raw rows (correct "
+        "or absent), every record applied, dead-lettered or "
         "skipped, every feature key with a TTL, every consumer alive unless the "
         'scenario killed it. See the README, "Fault injection".',
         "",
