@@ -28,21 +28,14 @@ KEYS = [
         NOW,
     ),
 ]
+HEADER = ["id", "tenant", "state", "created", "expires", "last", "used", "label"]
+"""The header line split at spaces ("last used" is one column)."""
 
 
 def test_in_a_pipe_a_row_is_one_whole_line(capsys: pytest.CaptureFixture[str]) -> None:
     app.print_rows(key_table(KEYS, NOW))
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == [
-        "id",
-        "tenant",
-        "state",
-        "created",
-        "expires",
-        "last",
-        "used",
-        "label",
-    ]
+    assert lines[0].split() == HEADER
     assert len(lines) == 3 and all(line == line.rstrip() for line in lines)
     first, second = (line.split() for line in lines[1:])
     assert first[:3] == ["35e8875b394b", "acme", "active"] and first[-2:] == ["batch", "scorer"]
@@ -61,16 +54,7 @@ def test_on_a_terminal_the_table_fits_and_cuts_nothing(
     app.print_rows(key_table(KEYS, NOW))
     lines = shown.getvalue().splitlines()
     assert max(len(line) for line in lines) <= 80 and "…" not in shown.getvalue()
-    assert lines[0].split() == [
-        "id",
-        "tenant",
-        "state",
-        "created",
-        "expires",
-        "last",
-        "used",
-        "label",
-    ]
+    assert lines[0].split() == HEADER
     assert set(lines[1]) == {"─"}
     # Folded, not cut: every character the pipe shows is there (cells wrap at spaces).
     folded = Counter("".join(lines[:1] + lines[2:]).replace(" ", ""))
