@@ -1,11 +1,21 @@
 from __future__ import annotations
 
+import fnmatch
 import random
 
 import pytest
 
 from pipeline.core.errors import InvalidId
-from pipeline.core.keys import feature_key, inference_key, lease_key, validate_id
+from pipeline.core.keys import (
+    feature_key,
+    inference_key,
+    lease_key,
+    semantic_budget_keys,
+    semantic_entry_key,
+    semantic_namespace,
+    semantic_pattern,
+    validate_id,
+)
 from pipeline.core.types import EntityRef
 from schemas.ids import id_problem
 
@@ -76,3 +86,16 @@ def test_inference_key_keeps_tenant_and_arm_apart() -> None:
     with_tenant = inference_key("fraud", "3", "abc", tenant="b")
     assert plain == "infer:fraud:3:::{abc}"
     assert len({plain, with_arm, with_tenant}) == 3
+
+
+def test_a_tenants_semantic_budget_shares_its_tag_and_no_namespace_pattern() -> None:
+    own, size = semantic_budget_keys("acme")
+    assert (own, size) == ("sem:_own:{acme}", "sem:_bytes:{acme}")  # one slot: one script
+    entry = semantic_entry_key(semantic_namespace("acme", "bot", "v1", "t1"), 1)
+    # A namespace's pattern, even the whole tenant's, never matches the budget: a
+    # purge narrowed to a model cannot drop the count of the tenant's other entries.
+    glob = semantic_pattern("acme").replace("\\", "")
+    assert fnmatch.fnmatchcase(entry, glob)
+    assert not fnmatch.fnmatchcase(own, glob) and not fnmatch.fnmatchcase(size, glob)
+    with pytest.raises(InvalidId):
+        semantic_budget_keys("a}b")
