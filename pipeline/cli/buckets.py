@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.table import Table
+from rich.text import Text
 from sqlalchemy.engine import Engine
 
 from pipeline.cli.app import console, out, progress_bar
@@ -126,19 +128,26 @@ def status_cmd() -> None:
 
     engine, path = _engine(), _path()
     st = path.state(engine, count=True)
+    report = Table.grid(padding=(0, 1, 0, 0))
+    report.add_column(min_width=9)
+    report.add_column(overflow="fold")
     if st.complete:
-        out.print("build     complete")
+        report.add_row("build", "complete")
     else:
         where = f" after {st.cursor[0]}/{st.cursor[1]}" if st.cursor else ""
-        out.print(f"build     {st.remaining:,} entities left{where} (run: freshline buckets build)")
+        report.add_row(
+            "build", f"{st.remaining:,} entities left{where} (run: freshline buckets build)"
+        )
     summary = path.summary(engine)
     if summary:
-        out.print(f"{path.name:<9} {summary}")
+        report.add_row(Text(path.name), Text(summary))
     deltas, owners = path.pending(engine)
-    out.print(
-        f"pending   {deltas:,} deltas of {owners:,} entities"
-        + (" (folded by the consumers, or: freshline buckets fold)" if deltas else "")
+    report.add_row(
+        "pending",
+        f"{deltas:,} deltas of {owners:,} entities"
+        + (" (folded by the consumers, or: freshline buckets fold)" if deltas else ""),
     )
+    out.print(report)
 
 
 def reconcile_cmd(
