@@ -59,7 +59,7 @@ from pipeline.cdc.connect import (
     ConnectClient,
     captured_tables,
     connector_config,
-    connector_state,
+    connector_running,
     drop_slot,
     names,
     slot_state,
@@ -251,12 +251,8 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
         client.put_config(owned.connector, config)
 
         def running() -> bool:
-            connector, tasks = connector_state(client, owned.connector)
             return (
-                connector is not None
-                and connector.state == "RUNNING"
-                and bool(tasks)
-                and all(t.state == "RUNNING" for t in tasks)
+                connector_running(client, owned.connector)
                 and slot_state(ctx.engine, owned.slot) is not None
             )
 

@@ -32,7 +32,7 @@ from pipeline.cdc.connect import (
     ConnectClient,
     captured_tables,
     connector_config,
-    connector_state,
+    connector_running,
     drop_slot,
     names,
     slot_state,
@@ -191,12 +191,8 @@ class Pipeline:
 
         def running() -> bool:
             assert self.client is not None
-            connector, tasks = connector_state(self.client, self.owned.connector)
             return (
-                connector is not None
-                and connector.state == "RUNNING"
-                and bool(tasks)
-                and all(t.state == "RUNNING" for t in tasks)
+                connector_running(self.client, self.owned.connector)
                 and slot_state(self.ctx.engine, self.owned.slot) is not None
             )
 

@@ -37,7 +37,7 @@ from pipeline.cdc.connect import (
     PUBLICATION,
     ConnectClient,
     connector_config,
-    connector_state,
+    connector_running,
     drop_slot,
     names,
     slot_state,
@@ -827,15 +827,6 @@ def test_plain_sql_reaches_the_served_entries_through_debezium(
     log = tmp_path / "consume.log"
     consumer: subprocess.Popen[bytes] | None = None
 
-    def streaming() -> bool:
-        state, tasks = connector_state(connect, owned.connector)
-        return (
-            state is not None
-            and state.state == "RUNNING"
-            and bool(tasks)
-            and all(t.state == "RUNNING" for t in tasks)
-        )
-
     def served(feature_set: str, key: str) -> dict[str, Any] | None:
         [entry] = store.read([EntityRef(feature_set, IMPLICIT_TENANT, key)])
         return None if entry is None else dict(entry.values)
@@ -851,7 +842,10 @@ def test_plain_sql_reaches_the_served_entries_through_debezium(
         )
         # Commits after the slot exists are captured; the consumer reads from the start.
         until(
-            lambda: streaming() and slot_state(own_engine, owned.slot) is not None,
+            lambda: (
+                connector_running(connect, owned.connector)
+                and slot_state(own_engine, owned.slot) is not None
+            ),
             "the connector to run and create its slot",
         )
         with log.open("wb") as out:

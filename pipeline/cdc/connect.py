@@ -295,12 +295,22 @@ class CdcStatus:
 
     @property
     def running(self) -> bool:
-        return (
-            self.connector is not None
-            and self.connector.state == "RUNNING"
-            and bool(self.tasks)
-            and all(t.state == "RUNNING" for t in self.tasks)
-        )
+        return is_running(self.connector, self.tasks)
+
+
+def is_running(connector: TaskState | None, tasks: list[TaskState]) -> bool:
+    """The connector and its tasks, at least one, are all RUNNING."""
+    return (
+        connector is not None
+        and connector.state == "RUNNING"
+        and bool(tasks)
+        and all(t.state == "RUNNING" for t in tasks)
+    )
+
+
+def connector_running(client: ConnectClient, name: str) -> bool:
+    """Whether connector ``name`` :func:`is_running` now (False when it is not registered)."""
+    return is_running(*connector_state(client, name))
 
 
 def connector_state(client: ConnectClient, name: str) -> tuple[TaskState | None, list[TaskState]]:

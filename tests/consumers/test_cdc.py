@@ -36,7 +36,7 @@ from pipeline.cdc.connect import (
     Names,
     captured_tables,
     connector_config,
-    connector_state,
+    connector_running,
     drop_slot,
     names,
     slot_state,
@@ -72,13 +72,7 @@ class Cdc:
         wait_for(lambda: self.consumed() >= count, what, DEADLINE_S)
 
     def running(self) -> bool:
-        connector, tasks = connector_state(self.client, self.names.connector)
-        return (
-            connector is not None
-            and connector.state == "RUNNING"
-            and bool(tasks)
-            and all(t.state == "RUNNING" for t in tasks)
-        )
+        return connector_running(self.client, self.names.connector)
 
 
 @pytest.fixture(scope="module")
