@@ -30,11 +30,11 @@ from pipeline.core.settings import Settings
 from pipeline.semantic import prior, state
 from pipeline.semantic.cache import EntryOverBudget, Scope, SemanticCache
 from pipeline.semantic.decision import Learned
-from pipeline.semantic.embed import Embedder
+from pipeline.semantic.embed import Embedder, normalise
 from pipeline.semantic.entry import entry_id
 from pipeline.semantic.namespaces import purge_keys, stats
 from tests.helpers import running, wait_until
-from tests.pipeline.semantic.test_index import DIM, Vectors, answer, unit
+from tests.pipeline.semantic.test_index import DIM, Vectors, answer
 from tests.pipeline.semantic.test_learning import Draws
 from tests.pipeline.semantic.test_ttl import Near
 
@@ -73,7 +73,9 @@ def later() -> None:
 
 
 def store(c: SemanticCache, scope: Scope, prompts: list[str]) -> np.ndarray:
-    vectors = unit(np.random.default_rng(entry_id(prompts[0])).normal(size=(len(prompts), DIM)))
+    vectors = normalise(
+        np.random.default_rng(entry_id(prompts[0])).normal(size=(len(prompts), DIM))
+    )
     c.store_many(scope, [(p, f"answer to {p}") for p in prompts], ZERO, vectors)
     return vectors
 
@@ -123,7 +125,7 @@ def test_counters_of_a_namespace_count_once_it_is_stored_into(
 ) -> None:
     c = made(redis_client)
     s = Scope(tenant, "bot", "v1", "t1")
-    v = unit(np.random.default_rng(1).normal(size=(1, DIM)))
+    v = normalise(np.random.default_rng(1).normal(size=(1, DIM)))
     assert answer(c, s, PROMPT, v[0]) is None  # a miss before any store: held, not written
     assert tenant_keys(redis_client, tenant) == []
     c.store_many(s, [(PROMPT, "Use the reset link.")], ZERO, v)
@@ -143,7 +145,7 @@ def test_counters_held_for_namespaces_never_stored_into_are_bounded(
     monkeypatch.setattr(state, "MAX_PENDING", 20)
     c = made(redis_client)
     real = Scope(tenant, "bot", "v1", "t1")
-    v = unit(np.random.default_rng(4).normal(size=(2, DIM)))
+    v = normalise(np.random.default_rng(4).normal(size=(2, DIM)))
     c.store_many(real, [(PROMPT, "Use the reset link.")], ZERO, v[:1])
     for n in range(100):
         assert answer(c, Scope(tenant, "bot", f"ghost{n}", "t1"), PROMPT, v[0]) is None
@@ -230,7 +232,7 @@ def test_a_prompt_stored_again_with_another_response_is_not_evicted_for_its_old_
 ) -> None:
     c = made(redis_client, budget=TenantBudget(redis_client, max_keys=3, max_bytes=1 << 20))
     s = Scope(tenant, "bot", "v1", "t1")
-    v = unit(np.random.default_rng(3).normal(size=(3, DIM)))
+    v = normalise(np.random.default_rng(3).normal(size=(3, DIM)))
     c.store_many(s, [(PROMPT, "Use the link.")], ZERO, v[:1])
     later()
     [flagged] = c.store_many(s, [(PROMPT, "Use the link.")], ZERO, v[:1])
@@ -253,7 +255,7 @@ def test_an_entry_larger_than_the_budget_is_refused_and_nothing_is_written(
     c = made(redis_client, budget=TenantBudget(redis_client, max_keys=10, max_bytes=3 * cost))
     s = Scope(tenant, "bot", "v1", "t1")
     kept = store(c, s, ["old question 0"])
-    v = unit(np.random.default_rng(2).normal(size=(1, DIM)))
+    v = normalise(np.random.default_rng(2).normal(size=(1, DIM)))
     with pytest.raises(EntryOverBudget, match="bytes"):
         c.store_many(s, [("a long one", "x" * 4 * cost)], ZERO, v)
     with pytest.raises(EntryOverBudget, match="bytes"):  # a batch over it as a whole too

@@ -20,6 +20,7 @@ import redis
 
 from pipeline.core.keys import semantic_log_key
 from pipeline.semantic.cache import Scope, SemanticCache
+from pipeline.semantic.embed import normalise
 from pipeline.semantic.entry import entry_id
 from pipeline.semantic.index import STREAM_RETENTION_MS, NamespaceIndex
 from pipeline.semantic.namespaces import live_namespaces
@@ -38,11 +39,6 @@ class Vectors:
 
     def embed(self, texts: Any, /) -> np.ndarray:
         raise AssertionError("the tests pass vectors")
-
-
-def unit(rows: np.ndarray) -> np.ndarray:
-    out: np.ndarray = (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float32)
-    return out
 
 
 @pytest.fixture
@@ -65,7 +61,7 @@ def cache(redis_client: redis.Redis, made: list[SemanticCache], **kwargs: Any) -
 
 
 def fill(writer: SemanticCache, scope: Scope, n: int, seed: int = 0) -> np.ndarray:
-    vectors = unit(np.random.default_rng(seed).normal(size=(n, DIM)))
+    vectors = normalise(np.random.default_rng(seed).normal(size=(n, DIM)))
     writer.store_many(
         scope, [(f"prompt {seed}-{i}", f"response {i}") for i in range(n)], ZERO, vectors
     )
@@ -108,7 +104,7 @@ def test_a_large_namespace_builds_in_the_background_and_changes_made_meanwhile_h
 
     # Meanwhile: a flag, a new entry, a changed response.
     assert writer.flag(scope, f"{entry_id('prompt 0-1'):016x}")
-    late = unit(np.random.default_rng(99).normal(size=(1, DIM)))
+    late = normalise(np.random.default_rng(99).normal(size=(1, DIM)))
     writer.store_many(scope, [("a late prompt", "late response")], ZERO, late)
     writer.store_many(scope, [("prompt 0-2", "changed")], ZERO, vectors[2:3])
     during = worker.lookup_vector(scope, "prompt 0-0", ZERO, vectors[0])
@@ -140,7 +136,7 @@ def test_a_rebuild_runs_while_the_old_index_serves(
 
     # The old index keeps serving, and keeps up with the stream, while the rebuild waits.
     assert writer.flag(scope, f"{entry_id('prompt 0-4'):016x}")
-    late = unit(np.random.default_rng(7).normal(size=(1, DIM)))
+    late = normalise(np.random.default_rng(7).normal(size=(1, DIM)))
     writer.store_many(scope, [("a late prompt", "late")], ZERO, late)
     assert answer(worker, scope, "prompt 0-3", vectors[3]) == "response 3"
     assert answer(worker, scope, "prompt 0-4", vectors[4]) is None
@@ -216,7 +212,7 @@ def test_warm_builds_namespaces_before_any_lookup_most_recent_first_within_the_b
 
 def test_events_apply_once_and_in_order() -> None:
     idx = NamespaceIndex("{t:bot:v1:t1}", DIM)
-    v = unit(np.ones((1, DIM))).tobytes()
+    v = normalise(np.ones((1, DIM))).tobytes()
     idx.apply([(b"5-0", {b"op": b"add", b"id": b"000000000000000a", b"v": v})])
     assert idx.live == {10} and idx.stream_id == "5-0"
     idx.apply([(b"4-9", {b"op": b"purge"}), (b"5-0", {b"op": b"purge"})])  # replayed
@@ -255,7 +251,7 @@ def test_an_idle_index_is_rebuilt_only_if_its_stream_lost_events(
     retention_s = STREAM_RETENTION_MS / 1000
 
     # Idle past half the retention, but the stream still holds all that came since.
-    late = unit(np.random.default_rng(5).normal(size=(2, DIM)))
+    late = normalise(np.random.default_rng(5).normal(size=(2, DIM)))
     writer.store_many(scope, [("late one", "one")], ZERO, late[:1])
     idx.synced_at -= retention_s
     assert answer(worker, scope, "late one", late[0]) == "one"

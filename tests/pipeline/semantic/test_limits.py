@@ -20,10 +20,11 @@ from pipeline.core.keys import (
     semantic_registry_key,
 )
 from pipeline.semantic.cache import Limits, Scope, SemanticCache
+from pipeline.semantic.embed import normalise
 from pipeline.semantic.entry import entry_id
 from pipeline.semantic.namespaces import stats
 from tests.helpers import wait_until
-from tests.pipeline.semantic.test_index import DIM, ZERO, Vectors, answer, unit
+from tests.pipeline.semantic.test_index import DIM, ZERO, Vectors, answer
 
 
 @pytest.fixture
@@ -47,7 +48,7 @@ def cache(redis_client: redis.Redis, made: list[SemanticCache], limits: Limits) 
 
 def store(c: SemanticCache, scope: Scope, prompts: list[str]) -> np.ndarray:
     rng = np.random.default_rng(entry_id(prompts[0]))
-    vectors = unit(rng.normal(size=(len(prompts), DIM)))
+    vectors = normalise(rng.normal(size=(len(prompts), DIM)))
     c.store_many(scope, [(p, f"answer to {p}") for p in prompts], ZERO, vectors)
     return vectors
 
