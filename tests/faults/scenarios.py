@@ -383,7 +383,7 @@ def commit_visibility_window(run: Run) -> None:
         )
         run.note("wait cancelled: the commit completed locally and is visible")
     finally:
-        injectors.heal_postgres(env.engine)
+        injectors.heal_postgres(env.superuser)
         if held is not None:
             held.close()
     run.note("synchronous_standby_names reset")
