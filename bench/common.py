@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import IO, Any, TypeVar, overload
 from urllib.parse import quote
 
 import numpy as np
@@ -54,6 +54,8 @@ os.environ.setdefault("FRESHLINE_REPO", str(REPO / "examples" / "fraud"))
 # Its own package (fraud.seed, fraud.simulator), as the tests have it (pytest's pythonpath).
 sys.path.insert(0, str(REPO / "examples" / "fraud"))
 ANCHOR = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+FRESHLINE = str(Path(sys.executable).with_name("freshline"))
+"""The CLI of the interpreter running the benchmarks."""
 
 now_ns = time.perf_counter_ns
 T = TypeVar("T")
@@ -565,6 +567,20 @@ def paced(rate: float, window: float) -> Iterator[int]:
             time.sleep(due - now)  # pacing the offered rate
         yield i
         i += 1
+
+
+def start_consumer(
+    env: dict[str, str], topic: str, group: str, log: IO[bytes]
+) -> subprocess.Popen[bytes]:
+    """``freshline consume`` of ``topic`` in ``group``, its output to ``log``, in its own
+    session (:func:`stop_process` ends it)."""
+    return subprocess.Popen(
+        [FRESHLINE, "consume", "--topics", topic, "--group", group, "--metrics-port", "0"],
+        env=env,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
 
 
 def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:

@@ -33,7 +33,6 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -48,7 +47,6 @@ from consumers.kafka import Producer
 from pipeline.core.topics import qualified
 from pipeline.observe.staleness import GroupLag
 
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 HOT_USERS = 20
 HOT_SHARE = 0.8
 TICK_S = 0.01
@@ -221,13 +219,7 @@ def run(quick: bool) -> dict[str, Any]:
     lag = GroupLag(ctx.settings_for(consumer_group=group))
     consumer_log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
     audit_err = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
-    consumer = subprocess.Popen(
-        [FRESHLINE, "consume", "--topics", topic, "--group", group, "--metrics-port", "0"],
-        env=env,
-        stdout=consumer_log,
-        stderr=consumer_log,
-        start_new_session=True,
-    )
+    consumer = common.start_consumer(env, topic, group, consumer_log)
     audit: subprocess.Popen[bytes] | None = None
     load: Load | None = None
     lags: list[int] = []
@@ -248,7 +240,7 @@ def run(quick: bool) -> dict[str, Any]:
         load = Load(ctx, data.tenant, data.users).start()
         audit = subprocess.Popen(
             [
-                FRESHLINE,
+                common.FRESHLINE,
                 "audit",
                 "--version",
                 str(version),

@@ -32,12 +32,9 @@ from __future__ import annotations
 import bisect
 import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,7 +56,6 @@ from pipeline.core.topics import logical, qualified
 HOT_USERS = 20
 HOT_SHARE = 0.8
 FEATURE_SETS = ("txn_90d", "geo")
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 
 
 def _user(rng: random.Random, users: int) -> int:
@@ -224,13 +220,7 @@ def _freshness(ctx: common.Context, quick: bool) -> dict[str, Any]:
     watcher = common.InvalidationWatcher(ctx.new_redis(), version, data.tenant)
     topic = qualified(settings, "transaction.updated")
     log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen(
-        [FRESHLINE, "consume", "--topics", topic, "--group", group, "--metrics-port", "0"],
-        env=env,
-        stdout=log,
-        stderr=log,
-        start_new_session=True,
-    )
+    proc = common.start_consumer(env, topic, group, log)
     rng = random.Random(9)
     sent: list[tuple[float, int]] = []
     try:
