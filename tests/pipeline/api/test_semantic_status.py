@@ -116,6 +116,25 @@ def test_the_ops_process_shows_them_without_running_the_cache(
             assert report["semantic_namespaces"] is None
 
 
+def test_a_namespace_flagged_above_the_bound_is_a_problem(
+    api: Api, redis_client: redis.Redis, tenant: str, model: str
+) -> None:
+    bound = api.app.state.ops.board.observer.settings.semantic_max_error
+    ns = f"{{{tenant}:{model}:v9:t9}}"
+    redis_client.zadd(f"sem:ns:{tenant}", {ns: 1e15})
+    redis_client.hset(f"sem:stats:{ns}", mapping={"hits": 40, "misses": 10, "flagged": 2})
+    try:
+        problems = api.ops("/status.json").json()["problems"]
+    finally:
+        redis_client.zrem(f"sem:ns:{tenant}", ns)
+        redis_client.delete(f"sem:stats:{ns}")
+    assert bound < 2 / 40
+    assert (
+        f"semantic cache {tenant} {model}: 5.0% of hits flagged, above the {bound:.1%} bound"
+        in (problems)
+    )
+
+
 def test_the_busiest_are_shown_and_models_are_labelled(redis_client: redis.Redis) -> None:
     """Rows are tenant and model label, versions summed; the most lookups first, top N."""
     run = uuid.uuid4().hex[:8]
