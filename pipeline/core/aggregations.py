@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from pipeline.core.declarations import Agg, AggKind, Declaration
 from pipeline.core.errors import ConfigError
@@ -64,9 +64,14 @@ def count(
     return Agg("count", None, name, where, window, "int")
 
 
-class ColumnAgg(Protocol):
+class ColumnAgg:
     """An aggregation of one column: ``agg.mean("amount", where=..., window=..., name=...,
     type=..., default=0, digits=4)``."""
+
+    def __init__(self, kind: AggKind, doc: str) -> None:
+        self.kind = kind
+        self.__name__ = self.__qualname__ = kind
+        self.__doc__ = doc
 
     def __call__(
         self,
@@ -78,35 +83,21 @@ class ColumnAgg(Protocol):
         type: FieldType | None = None,
         default: int | float | None = None,
         digits: int | None = None,
-    ) -> Agg: ...
-
-
-def _of_column(kind: AggKind, doc: str) -> ColumnAgg:
-    def make(
-        column: str,
-        *,
-        where: str | None = None,
-        window: str | int | None = None,
-        name: str | None = None,
-        type: FieldType | None = None,
-        default: int | float | None = None,
-        digits: int | None = None,
     ) -> Agg:
-        kept = "int" if kind == "count_distinct" else type
-        return Agg(kind, column, name, where, window, kept, default, digits)
+        kept = "int" if self.kind == "count_distinct" else type
+        return Agg(self.kind, column, name, where, window, kept, default, digits)
 
-    make.__name__ = make.__qualname__ = kind
-    make.__doc__ = doc
-    return make
+    def __repr__(self) -> str:
+        return f"<aggregation {self.kind}>"
 
 
-sum = _of_column("sum", "The sum of a column (0 over no rows).")
-mean = _of_column("mean", "The mean of a column's non-null values: their sum over their count.")
-min = _of_column("min", "The least value of a column.")
-max = _of_column("max", "The greatest value of a column.")
-stddev = _of_column("stddev", "The population standard deviation of a column's non-null values.")
-count_distinct = _of_column("count_distinct", "How many distinct non-null values a column takes.")
-last = _of_column(
+sum = ColumnAgg("sum", "The sum of a column (0 over no rows).")
+mean = ColumnAgg("mean", "The mean of a column's non-null values: their sum over their count.")
+min = ColumnAgg("min", "The least value of a column.")
+max = ColumnAgg("max", "The greatest value of a column.")
+stddev = ColumnAgg("stddev", "The population standard deviation of a column's non-null values.")
+count_distinct = ColumnAgg("count_distinct", "How many distinct non-null values a column takes.")
+last = ColumnAgg(
     "last",
     "The column's value in the latest row (by the time column; ties: the greatest value).",
 )
