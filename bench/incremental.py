@@ -37,6 +37,7 @@ import numpy as np
 import sqlalchemy as sa
 
 from bench import common
+from bench.seed import ROW_COLUMNS, sample_rows
 from pipeline.cache.recompute import compute
 from pipeline.core.features import Path
 from pipeline.core.maintenance import DerivedPath
@@ -48,7 +49,6 @@ assert isinstance(_maintenance, DerivedPath)
 PATH: DerivedPath = _maintenance
 
 TRIGGERS = tuple(f"{PATH.trigger}_{op}" for op in "iud")
-_COLUMNS = "user_id, amount, currency, merchant_id, device_id, ip, status, created_at, updated_at"
 TARGET_HEAD_RATIO = 3.0
 TARGET_WRITE_COST = 1.30
 PENDING_HEAD = 64
@@ -148,7 +148,7 @@ def _copy(ctx: common.Context, tenant: str, rows: list[tuple[Any, ...]]) -> None
         raw = common.psycopg_of(conn.connection)
         with (
             raw.cursor() as cur,
-            cur.copy(f"COPY transactions (tenant_id, {_COLUMNS}) FROM STDIN") as copy,
+            cur.copy(f"COPY transactions (tenant_id, {ROW_COLUMNS}) FROM STDIN") as copy,
         ):
             copy.write(buf.getvalue())
 
@@ -166,16 +166,7 @@ def write_rounds(
     """COPY rounds and single-row INSERT blocks with triggers on and off by ``toggle``,
     interleaved; (the rows, COPY rows/s and INSERT ns per mode). The tenants written go
     to ``scratch`` as they are made: the caller removes their rows, even after an error."""
-    with ctx.engine.connect() as conn:
-        rows = [
-            tuple(r)
-            for r in conn.execute(
-                sa.text(
-                    f"SELECT {_COLUMNS} FROM transactions WHERE tenant_id = :t ORDER BY id LIMIT :n"
-                ),
-                {"t": tenant, "n": sample},
-            )
-        ]
+    rows = sample_rows(ctx.engine, tenant, sample)
     copy_rates: dict[str, list[float]] = {"with": [], "without": []}
     insert_ns: dict[str, list[int]] = {"with": [], "without": []}
     try:
@@ -204,7 +195,7 @@ def write_rounds(
                             i += 1
                             t0 = common.now_ns()
                             cur.execute(
-                                f"INSERT INTO transactions (tenant_id, {_COLUMNS}) "
+                                f"INSERT INTO transactions (tenant_id, {ROW_COLUMNS}) "
                                 "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                                 (targets[mode], *row),
                                 prepare=True,

@@ -22,11 +22,27 @@ import sqlalchemy as sa
 
 from bench import common
 
-_COLUMNS = (
-    "tenant_id, user_id, amount, currency, merchant_id, device_id, ip, status, "
-    "created_at, updated_at"
+ROW_COLUMNS = (
+    "user_id, amount, currency, merchant_id, device_id, ip, status, created_at, updated_at"
 )
+"""A transaction's columns but its tenant (and id): what :func:`sample_rows` reads."""
+_COLUMNS = f"tenant_id, {ROW_COLUMNS}"
 _INSERT = f"INSERT INTO transactions ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+
+
+def sample_rows(engine: sa.Engine, tenant: str, n: int) -> list[tuple[Any, ...]]:
+    """The first ``n`` transactions of ``tenant`` by id, as :data:`ROW_COLUMNS` tuples."""
+    with engine.connect() as conn:
+        return [
+            tuple(r)
+            for r in conn.execute(
+                sa.text(
+                    f"SELECT {ROW_COLUMNS} FROM transactions WHERE tenant_id = :t "
+                    "ORDER BY id LIMIT :n"
+                ),
+                {"t": tenant, "n": n},
+            )
+        ]
 
 
 def _copy_rows(raw: Any, tenant: str, rows: list[tuple[Any, ...]]) -> None:
@@ -71,17 +87,7 @@ def run(quick: bool) -> dict[str, Any]:
         ).scalar_one()
     ctx.adopt_dataset(common.Dataset(tenant, users, txns, seconds))
 
-    with ctx.engine.connect() as conn:
-        rows = [
-            tuple(r)
-            for r in conn.execute(
-                sa.text(
-                    f"SELECT {_COLUMNS.split(', ', 1)[1]} FROM transactions WHERE tenant_id = :t "
-                    "ORDER BY id LIMIT :n"
-                ),
-                {"t": tenant, "n": sample},
-            )
-        ]
+    rows = sample_rows(ctx.engine, tenant, sample)
 
     rates: dict[str, list[float]] = {"copy": [], "executemany": []}
     scratch: list[str] = []
