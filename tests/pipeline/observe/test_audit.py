@@ -34,9 +34,9 @@ from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from pipeline.observe.audit import Auditor, Suspect, sample_pattern
+from pipeline.observe.audit import Auditor, RecheckHook, Suspect, sample_pattern
 from pipeline.observe.audit_metrics import AuditMetrics
-from pipeline.observe.consistency import GraceResult, Mismatch, same
+from pipeline.observe.consistency import AuditReport, GraceResult, Mismatch, same
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 USERS = 20
@@ -49,6 +49,7 @@ class FakeClock:
     def __init__(self) -> None:
         self.now = 0.0
         self.sleeps: list[float] = []
+        self.rechecks: list[float] = []
 
     def __call__(self) -> float:
         return self.now
@@ -56,6 +57,10 @@ class FakeClock:
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
         self.now += seconds
+
+    def note_recheck(self, _grace: float, _suspects: Sequence[Mismatch]) -> None:
+        """A ``before_recheck`` hook: when each re-check ran."""
+        self.rechecks.append(self.now)
 
 
 def materialize(
@@ -126,9 +131,35 @@ def store(redis_client: redis.Redis, version: int) -> FeatureStore:
     return FeatureStore(redis_client, version)
 
 
-def auditor(redis_client: redis.Redis, engine: Engine, version: int, **kwargs: Any) -> Auditor:
-    """An unthrottled auditor: these tests are about verdicts, not pacing."""
-    return Auditor(redis_client, engine, version, rate=None, **kwargs)
+@pytest.fixture
+def refs(engine: Engine, store: FeatureStore, tenant: str) -> list[EntityRef]:
+    """The tenant's entries of every feature set, written by the pipeline: 60 of them."""
+    return materialize(engine, store, tenant)
+
+
+AuditorFactory = Callable[..., Auditor]
+
+
+@pytest.fixture
+def auditor(redis_client: redis.Redis, engine: Engine, version: int) -> AuditorFactory:
+    """Auditors of the test's schema version, unthrottled unless given a ``rate``: most
+    tests are about verdicts, not pacing. Given a :class:`FakeClock`, they sleep on it."""
+
+    def make(*, clock: FakeClock | None = None, **kwargs: Any) -> Auditor:
+        if clock is not None:
+            kwargs.update(clock=clock, sleep=clock.sleep)
+        return Auditor(redis_client, engine, version, **{"rate": None, **kwargs})
+
+    return make
+
+
+def audit_rechecked(
+    auditor: AuditorFactory, refs: Sequence[EntityRef], before_recheck: RecheckHook
+) -> AuditReport:
+    """Audit ``refs`` at graces of 1 s and 10 s on a fake clock, ``before_recheck``
+    deciding what each re-check sees."""
+    clock = FakeClock()
+    return auditor(before_recheck=before_recheck, clock=clock).audit_refs(refs, graces=(1.0, 10.0))
 
 
 # -- keys and comparisons -------------------------------------------------------------
@@ -174,15 +205,10 @@ def test_nines_per_grace() -> None:
 
 
 def test_entries_written_by_the_pipeline_are_consistent(
-    redis_client: redis.Redis,
-    engine: Engine,
-    store: FeatureStore,
-    version: int,
-    tenant: str,
+    version: int, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
-    refs = materialize(engine, store, tenant)
     registry = CollectorRegistry()
-    report = auditor(redis_client, engine, version, metrics=AuditMetrics(registry)).audit_refs(refs)
+    report = auditor(metrics=AuditMetrics(registry)).audit_refs(refs)
     assert report.checked == 3 * USERS and report.absent == 0
     assert report.suspects == 0 and report.consistent and report.mismatches == []
     assert report.checked_by_set == dict.fromkeys(REGISTRY.names(), USERS)
@@ -196,22 +222,17 @@ def test_entries_written_by_the_pipeline_are_consistent(
     ) == pytest.approx(math.log10(3 * USERS))
 
     keys = [feature_key(version, r) for r in refs]
-    assert auditor(redis_client, engine, version).audit_keys(keys).checked == 3 * USERS
-    sampled = auditor(redis_client, engine, version).audit_sample(1000)
+    assert auditor().audit_keys(keys).checked == 3 * USERS
+    sampled = auditor().audit_sample(1000)
     assert sampled.checked == 3 * USERS and sampled.consistent and sampled.skipped == 0
 
 
 def test_bucket_drift_is_a_mismatch_since_the_audit_recomputes_in_full(
-    redis_client: redis.Redis,
-    engine: Engine,
-    store: FeatureStore,
-    version: int,
-    tenant: str,
+    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     """A consumer on the incremental path writes what drifted partials say; the audit
     recomputes with the defining full query, never that path, so it finds the drift
     (the incremental path, reading the same partials, agrees with the entry)."""
-    refs = materialize(engine, store, tenant)
     ref = active(store, refs)
     path = REGISTRY["txn_90d"].maintenance
     assert isinstance(path, DerivedPath)
@@ -228,7 +249,7 @@ def test_bucket_drift_is_a_mismatch_since_the_audit_recomputes_in_full(
     rewrite_truth(engine, store, ref)  # on txn_90d's own path: the incremental one
     (entry,) = store.read([ref])
     assert entry is not None and entry.values["txn_max"] == 99999.0
-    full = auditor(redis_client, engine, version).audit_refs([ref], graces=GRACES)
+    full = auditor().audit_refs([ref], graces=GRACES)
     assert not full.consistent
     (found,) = full.mismatches
     assert set(found.differing) == {"txn_max"} and found.differing["txn_max"][0] == 99999.0
@@ -237,20 +258,17 @@ def test_bucket_drift_is_a_mismatch_since_the_audit_recomputes_in_full(
 
 
 def test_a_corrupted_entry_is_reported_with_both_values_and_watermarks(
-    redis_client: redis.Redis,
     engine: Engine,
     store: FeatureStore,
     version: int,
-    tenant: str,
+    auditor: AuditorFactory,
+    refs: list[EntityRef],
 ) -> None:
-    refs = materialize(engine, store, tenant)
     target = next(r for r in refs if r.feature_set == "txn_90d")
     bad = corrupt(engine, store, target, "txn_sum", 123456.78)
     truth = bad.values[(target.tenant, target.entity)]
     registry = CollectorRegistry()
-    report = auditor(redis_client, engine, version, metrics=AuditMetrics(registry)).audit_refs(
-        refs, graces=GRACES
-    )
+    report = auditor(metrics=AuditMetrics(registry)).audit_refs(refs, graces=GRACES)
 
     assert report.checked == 3 * USERS and report.suspects == 1
     assert report.inconsistent == {GRACES[0]: 1, GRACES[1]: 1} and not report.consistent
@@ -283,15 +301,14 @@ def test_a_corrupted_entry_is_reported_with_both_values_and_watermarks(
 
 @pytest.mark.parametrize("fixed_at", [0, 1])
 def test_a_mismatch_healed_within_a_grace_counts_only_before_it(
-    redis_client: redis.Redis,
     engine: Engine,
     store: FeatureStore,
     version: int,
-    tenant: str,
+    auditor: AuditorFactory,
+    refs: list[EntityRef],
     fixed_at: int,
 ) -> None:
     """A change in flight: Postgres moved, the consumer writes the new entry late."""
-    refs = materialize(engine, store, tenant)
     target = active(store, refs)
     change(engine, target)
     graces = (1.0, 10.0)
@@ -302,10 +319,7 @@ def test_a_mismatch_healed_within_a_grace_counts_only_before_it(
         if grace == graces[fixed_at]:
             rewrite_truth(engine, store, target)
 
-    clock = FakeClock()
-    report = auditor(
-        redis_client, engine, version, before_recheck=before_recheck, clock=clock, sleep=clock.sleep
-    ).audit_refs(refs, graces=graces)
+    report = audit_rechecked(auditor, refs, before_recheck)
 
     assert report.suspects == 1 and report.consistent and report.caught_up == 0
     assert report.inconsistent == {1.0: fixed_at, 10.0: 0}
@@ -329,40 +343,26 @@ def test_a_mismatch_healed_within_a_grace_counts_only_before_it(
 
 
 def test_an_entry_that_caught_up_and_changed_again_is_consistent_at_that_grace(
-    redis_client: redis.Redis,
-    engine: Engine,
-    store: FeatureStore,
-    version: int,
-    tenant: str,
+    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     """A busy entity: by the re-check the consumer applied the change the first check
     saw, and a newer one is in flight. The entry differs again, yet it is fresh."""
-    refs = materialize(engine, store, tenant)
     target = active(store, refs)
     change(engine, target)  # in flight at the first check
-    graces = (1.0, 10.0)
 
     def before_recheck(grace: float, suspects: Sequence[Mismatch]) -> None:
         assert grace == 1.0 and [s.ref for s in suspects] == [target]
         rewrite_truth(engine, store, target)  # the consumer applies it...
         change(engine, target)  # ...and the next change is in flight
 
-    clock = FakeClock()
-    report = auditor(
-        redis_client, engine, version, before_recheck=before_recheck, clock=clock, sleep=clock.sleep
-    ).audit_refs(refs, graces=graces)
+    report = audit_rechecked(auditor, refs, before_recheck)
     assert report.suspects == 1 and report.caught_up == 1 and report.rechecks == 1
     assert report.inconsistent == {1.0: 0, 10.0: 0} and report.consistent
 
 
 def test_an_entry_rewritten_from_a_snapshot_older_than_the_first_check_has_not_caught_up(
-    redis_client: redis.Redis,
-    engine: Engine,
-    store: FeatureStore,
-    version: int,
-    tenant: str,
+    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
-    refs = materialize(engine, store, tenant)
     target = active(store, refs)
     before = compute(engine, REGISTRY["txn_90d"], [(target.tenant, target.entity)])
     change(engine, target)  # committed after ``before`` was computed
@@ -371,26 +371,18 @@ def test_an_entry_rewritten_from_a_snapshot_older_than_the_first_check_has_not_c
         if grace == 1.0:  # a slow worker lands its computation from before the change
             assert store.write(before).written == 1
 
-    clock = FakeClock()
-    report = auditor(
-        redis_client, engine, version, before_recheck=before_recheck, clock=clock, sleep=clock.sleep
-    ).audit_refs(refs, graces=(1.0, 10.0))
+    report = audit_rechecked(auditor, refs, before_recheck)
     assert report.caught_up == 0 and report.inconsistent == {1.0: 1, 10.0: 1}
     [m] = report.mismatches
     assert m.served_watermark == before.watermark and m.ref == target
 
 
 def test_an_entry_showing_the_first_checks_truth_from_a_moment_before_it_is_consistent(
-    redis_client: redis.Redis,
-    engine: Engine,
-    store: FeatureStore,
-    version: int,
-    tenant: str,
+    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     """The consumer computed after the change but a moment before the first check's
     recompute, and wrote late; by the re-check a newer change is in flight. The entry
     shows what Postgres held when the mismatch was found: at most the grace behind."""
-    refs = materialize(engine, store, tenant)
     target = active(store, refs)
     change(engine, target)  # committed, its event in flight
     seen = compute(engine, REGISTRY["txn_90d"], [(target.tenant, target.entity)])
@@ -401,24 +393,16 @@ def test_an_entry_showing_the_first_checks_truth_from_a_moment_before_it_is_cons
         assert store.write(seen).written == 1  # the consumer's write lands...
         change(engine, target)  # ...and the next change is in flight
 
-    clock = FakeClock()
-    report = auditor(
-        redis_client, engine, version, before_recheck=before_recheck, clock=clock, sleep=clock.sleep
-    ).audit_refs(refs, graces=(1.0, 10.0))
+    report = audit_rechecked(auditor, refs, before_recheck)
     assert report.suspects == 1 and report.caught_up == 1
     assert report.inconsistent == {1.0: 0, 10.0: 0} and report.consistent
 
 
 def test_an_entry_claiming_a_snapshot_it_cannot_have_seen_never_catches_up(
-    redis_client: redis.Redis,
-    engine: Engine,
-    store: FeatureStore,
-    version: int,
-    tenant: str,
+    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     """Wrong values under a watermark beyond the re-check's own recompute (a writer
     with a bad clock or a bug): rewritten since the first check, but not caught up."""
-    refs = materialize(engine, store, tenant)
     target = active(store, refs)
     change(engine, target)
 
@@ -426,10 +410,7 @@ def test_an_entry_claiming_a_snapshot_it_cannot_have_seen_never_catches_up(
         if grace == 1.0:
             corrupt(engine, store, target, "txn_count", 0, ahead=FAR_AHEAD)
 
-    clock = FakeClock()
-    report = auditor(
-        redis_client, engine, version, before_recheck=before_recheck, clock=clock, sleep=clock.sleep
-    ).audit_refs(refs, graces=(1.0, 10.0))
+    report = audit_rechecked(auditor, refs, before_recheck)
     assert report.caught_up == 0 and report.inconsistent == {1.0: 1, 10.0: 1}
     [m] = report.mismatches
     assert m.served is not None and m.served["txn_count"] == 0
@@ -437,16 +418,11 @@ def test_an_entry_claiming_a_snapshot_it_cannot_have_seen_never_catches_up(
 
 
 def test_an_entry_wrong_from_the_start_under_a_future_watermark_stays_inconsistent(
-    redis_client: redis.Redis,
-    engine: Engine,
-    store: FeatureStore,
-    version: int,
-    tenant: str,
+    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
-    refs = materialize(engine, store, tenant)
     target = active(store, refs)
     corrupt(engine, store, target, "txn_sum", -1.0, ahead=FAR_AHEAD)
-    report = auditor(redis_client, engine, version).audit_refs(refs, graces=GRACES)
+    report = auditor().audit_refs(refs, graces=GRACES)
     assert report.suspects == 1 and report.caught_up == 0
     assert report.inconsistent == dict.fromkeys(GRACES, 1) and report.persistent == 1
 
@@ -495,26 +471,15 @@ def test_the_rules_of_catching_up() -> None:
 
 
 def test_rechecks_run_at_each_grace_after_the_first_check(
-    redis_client: redis.Redis,
-    engine: Engine,
-    store: FeatureStore,
-    version: int,
-    tenant: str,
+    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
-    refs = materialize(engine, store, tenant)
     corrupt(engine, store, refs[0], "txn_count", 999_999)
     clock = FakeClock()
-    at: list[float] = []
-    report = auditor(
-        redis_client,
-        engine,
-        version,
-        clock=clock,
-        sleep=clock.sleep,
-        before_recheck=lambda grace, _s: at.append(clock.now),
-    ).audit_refs(refs, graces=(60, 1, 10))
+    report = auditor(clock=clock, before_recheck=clock.note_recheck).audit_refs(
+        refs, graces=(60, 1, 10)
+    )
     assert report.graces == (1.0, 10.0, 60.0)
-    assert at == [1.0, 10.0, 60.0]
+    assert clock.rechecks == [1.0, 10.0, 60.0]
     assert report.inconsistent == {1.0: 1, 10.0: 1, 60.0: 1}
     assert [m.ref for m in report.mismatches] == [refs[0]]
     assert report.rechecks == 3 and report.elapsed_s == 60.0
@@ -537,85 +502,65 @@ def test_rechecks_ride_with_the_first_checks_never_late(
     engine: Engine,
     store: FeatureStore,
     version: int,
-    tenant: str,
+    refs: list[EntityRef],
 ) -> None:
     """At 100 entries/s, batches of 10 start every 0.1 s; a suspect of the first batch
     due 0.25 s later is re-checked with the batch of 0.2 s (whose slice holds 0.25 s),
     in the same read and recompute, rather than alone at 0.25 s."""
-    refs = materialize(engine, store, tenant)  # 60 entries: 6 batches
     corrupt(engine, store, refs[0], "txn_count", 999_999)
-    clock = FakeClock()
-    rechecked_at: list[float] = []
-    audit = CountingAuditor(
-        redis_client,
-        engine,
-        version,
-        rate=100,
-        clock=clock,
-        sleep=clock.sleep,
-        before_recheck=lambda grace, _s: rechecked_at.append(clock.now),
-    )
-    report = audit.audit_refs(refs, graces=(0.25,))
-    assert audit.checks == [10, 10, 11, 10, 10, 10]
+
+    def audit_at(rate: float | None) -> tuple[list[int], list[float], AuditReport]:
+        """The sizes of its checks, the times of its re-checks, and its report."""
+        clock = FakeClock()
+        audit = CountingAuditor(
+            redis_client,
+            engine,
+            version,
+            rate=rate,
+            clock=clock,
+            sleep=clock.sleep,
+            before_recheck=clock.note_recheck,
+        )
+        report = audit.audit_refs(refs, graces=(0.25,))
+        return audit.checks, clock.rechecks, report
+
+    checks, rechecked_at, report = audit_at(100)
+    assert checks == [10, 10, 11, 10, 10, 10]
     assert rechecked_at == pytest.approx([0.2])
     assert report.rechecks == 1 and report.inconsistent == {0.25: 1}
     # Unthrottled there is no slice: the re-check comes alone, exactly when due.
-    clock = FakeClock()
-    rechecked_at.clear()
-    audit = CountingAuditor(
-        redis_client,
-        engine,
-        version,
-        rate=None,
-        clock=clock,
-        sleep=clock.sleep,
-        before_recheck=lambda grace, _s: rechecked_at.append(clock.now),
-    )
-    audit.audit_refs(refs, graces=(0.25,))
-    assert audit.checks == [60, 1] and rechecked_at == [0.25]
+    checks, rechecked_at, _ = audit_at(None)
+    assert checks == [60, 1] and rechecked_at == [0.25]
 
 
 def test_a_value_of_another_json_type_is_a_mismatch(
-    redis_client: redis.Redis,
-    engine: Engine,
-    store: FeatureStore,
-    version: int,
-    tenant: str,
+    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     """1.0 is not 1: the comparison is of the codec's JSON, not of Python equality."""
-    refs = materialize(engine, store, tenant)
     target = active(store, refs)
     entry = store.read([target])[0]
     assert entry is not None and isinstance(entry.values["txn_count"], int)
     corrupt(engine, store, target, "txn_count", float(entry.values["txn_count"]))
-    report = auditor(redis_client, engine, version).audit_refs(refs, graces=GRACES)
+    report = auditor().audit_refs(refs, graces=GRACES)
     [m] = report.mismatches
     assert set(m.differing) == {"txn_count"} and m.ref == target
 
 
 def test_tombstones_and_absent_entries_are_consistent(
-    redis_client: redis.Redis,
-    engine: Engine,
-    store: FeatureStore,
-    version: int,
-    tenant: str,
+    engine: Engine, store: FeatureStore, tenant: str, auditor: AuditorFactory
 ) -> None:
     from pipeline.cache.recompute import current_watermark
 
     written = materialize(engine, store, tenant, users=range(1, 6))
     store.invalidate(written[:3], current_watermark(engine))
     never = [EntityRef(fs.name, tenant, str(u)) for fs in REGISTRY for u in range(6, 9)]
-    report = auditor(redis_client, engine, version).audit_refs([*written, *never])
+    report = auditor().audit_refs([*written, *never])
     assert report.checked == 15 + 9 and report.absent == 3 + 9
     assert report.suspects == 0 and report.consistent
 
 
 def test_entries_below_a_truncate_floor_read_as_absent(
-    redis_client: redis.Redis,
-    engine: Engine,
-    store: FeatureStore,
-    version: int,
-    tenant: str,
+    engine: Engine, store: FeatureStore, tenant: str, refs: list[EntityRef], auditor: AuditorFactory
 ) -> None:
     """A truncate voids a feature set's older entries for readers, and so for the audit."""
     from pipeline.cache.recompute import current_watermark
@@ -623,9 +568,9 @@ def test_entries_below_a_truncate_floor_read_as_absent(
     refs = materialize(engine, store, tenant, users=range(1, 6))
     wrong = next(r for r in refs if r.feature_set == "device_risk")
     corrupt(engine, store, wrong, "device_count", 99)
-    assert not auditor(redis_client, engine, version).audit_refs(refs, graces=(0,)).consistent
+    assert not auditor().audit_refs(refs, graces=(0,)).consistent
     store.truncate("device_risk", current_watermark(engine))
-    report = auditor(redis_client, engine, version).audit_refs(refs, graces=(0,))
+    report = auditor().audit_refs(refs, graces=(0,))
     assert report.absent == 5 and report.suspects == 0 and report.consistent
 
 
@@ -634,6 +579,7 @@ def test_samples_one_feature_set_or_tenant_and_skips_foreign_keys(
     engine: Engine,
     store: FeatureStore,
     version: int,
+    auditor: AuditorFactory,
     tenant_factory: Callable[..., SeedSummary],
 ) -> None:
     one, two = (tenant_factory(users=USERS, transactions=400).tenants[0] for _ in range(2))
@@ -641,7 +587,7 @@ def test_samples_one_feature_set_or_tenant_and_skips_foreign_keys(
     materialize(engine, store, two)
     redis_client.set(f"feat:{version}:nope:{{{one}:1}}", b"x", px=60_000)
     redis_client.set(f"feat:{version}:geo:{{{one}:u1}}", b"x", px=60_000)
-    audit = auditor(redis_client, engine, version)
+    audit = auditor()
 
     by_set = audit.audit_sample(1000, feature_set="device_risk")
     assert by_set.checked_by_set == {"device_risk": 2 * USERS} and by_set.consistent
@@ -655,17 +601,10 @@ def test_samples_one_feature_set_or_tenant_and_skips_foreign_keys(
 
 
 def test_the_rate_limit_paces_checks_and_rechecks(
-    redis_client: redis.Redis,
-    engine: Engine,
-    store: FeatureStore,
-    version: int,
-    tenant: str,
+    auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
-    refs = materialize(engine, store, tenant)  # 60 entries
     clock = FakeClock()
-    report = Auditor(
-        redis_client, engine, version, rate=100, clock=clock, sleep=clock.sleep
-    ).audit_refs(refs)
+    report = auditor(rate=100, clock=clock).audit_refs(refs)
     # Batches of a tenth of a second's worth (10 entries), one every 0.1 s.
     assert report.checked == 60 and report.consistent
     assert report.elapsed_s == pytest.approx(0.5)
@@ -673,14 +612,10 @@ def test_the_rate_limit_paces_checks_and_rechecks(
 
 
 def test_a_stall_builds_no_credit_above_the_rate(
-    redis_client: redis.Redis,
-    engine: Engine,
-    store: FeatureStore,
-    version: int,
-    tenant: str,
+    auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
-    """After a second lost to a stall, batches stay 0.1 s apart: no burst to catch up."""
-    refs = materialize(engine, store, tenant)  # 60 entries: 6 batches of 10 at 100/s
+    """After a second lost to a stall, batches stay 0.1 s apart: no burst to catch up
+    (60 entries: 6 batches of 10 at 100/s)."""
     clock = FakeClock()
     starts: list[float] = []
 
@@ -689,9 +624,7 @@ def test_a_stall_builds_no_credit_above_the_rate(
         if done == 20:
             clock.now += 1.0  # Postgres stalls for a second after the second batch
 
-    report = Auditor(
-        redis_client, engine, version, rate=100, clock=clock, sleep=clock.sleep, progress=progress
-    ).audit_refs(refs)
+    report = auditor(rate=100, clock=clock, progress=progress).audit_refs(refs)
     assert report.checked == 60
     batch_times = starts[:6]
     assert batch_times == pytest.approx([0.0, 0.1, 1.1, 1.2, 1.3, 1.4])
@@ -699,26 +632,14 @@ def test_a_stall_builds_no_credit_above_the_rate(
 
 
 def test_a_timed_audit_samples_until_its_duration_and_rechecks_meanwhile(
-    redis_client: redis.Redis,
-    engine: Engine,
-    store: FeatureStore,
-    version: int,
-    tenant: str,
+    engine: Engine, store: FeatureStore, tenant: str, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
-    refs = materialize(engine, store, tenant)  # 60 entries, all in every sample below
     target = next(r for r in refs if r.feature_set == "geo")
     corrupt(engine, store, target, "last_city", "Atlantis")
     clock = FakeClock()
-    rechecked_at: list[float] = []
-    report = Auditor(
-        redis_client,
-        engine,
-        version,
-        rate=640,
-        clock=clock,
-        sleep=clock.sleep,
-        before_recheck=lambda grace, _s: rechecked_at.append(clock.now),
-    ).audit_sample(60, tenant=tenant, graces=(1.0, 10.0), duration_s=3.0)
+    report = auditor(rate=640, clock=clock, before_recheck=clock.note_recheck).audit_sample(
+        60, tenant=tenant, graces=(1.0, 10.0), duration_s=3.0
+    )
     # One batch of 60 per sample, 60/640 s apart: samples start at 0, 3/32, ..., 93/32 s.
     assert report.samples >= 31 and report.checked == 60 * report.samples
     assert report.checked_by_set == dict.fromkeys(REGISTRY.names(), 20 * report.samples)
@@ -727,42 +648,35 @@ def test_a_timed_audit_samples_until_its_duration_and_rechecks_meanwhile(
     assert report.suspects == report.samples
     assert report.inconsistent == {1.0: report.samples, 10.0: report.samples}
     assert report.persistent == report.samples and not report.consistent
-    assert min(rechecked_at) < 3.0
+    assert min(clock.rechecks) < 3.0
     assert report.elapsed_s >= report.checking_s + 10.0 - 60 / 640 - 0.01
 
 
 def test_a_timed_audit_of_nothing_waits_between_samples(
-    redis_client: redis.Redis,
-    engine: Engine,
-    version: int,
-    tenant: str,
+    tenant: str, auditor: AuditorFactory
 ) -> None:
     clock = FakeClock()
-    report = auditor(redis_client, engine, version, clock=clock, sleep=clock.sleep).audit_sample(
-        100, tenant=tenant, duration_s=5.0
-    )
+    report = auditor(clock=clock).audit_sample(100, tenant=tenant, duration_s=5.0)
     assert report.checked == 0 and report.samples == 5 and report.consistent
     assert clock.sleeps == [1.0] * 5
     with pytest.raises(ConfigError):
-        auditor(redis_client, engine, version).audit_sample(1, duration_s=-1.0)
+        auditor().audit_sample(1, duration_s=-1.0)
 
 
 def test_a_report_keeps_the_first_mismatches_and_counts_them_all(
-    redis_client: redis.Redis,
     engine: Engine,
     store: FeatureStore,
-    version: int,
-    tenant: str,
+    auditor: AuditorFactory,
+    refs: list[EntityRef],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import pipeline.observe.audit as audit_module
     from pipeline.cli.audit import summary
 
     monkeypatch.setattr(audit_module, "KEPT_MISMATCHES", 2)
-    refs = materialize(engine, store, tenant)
     for ref in [r for r in refs if r.feature_set == "geo"][:3]:
         corrupt(engine, store, ref, "last_city", "Atlantis")
-    report = auditor(redis_client, engine, version).audit_refs(refs, graces=GRACES)
+    report = auditor().audit_refs(refs, graces=GRACES)
     assert report.persistent == 3 and len(report.mismatches) == 2 and not report.consistent
     assert report.as_json()["persistent"] == 3
     monkeypatch.setattr("pipeline.cli.audit.SHOWN_MISMATCHES", 1)
@@ -773,8 +687,8 @@ def test_a_report_keeps_the_first_mismatches_and_counts_them_all(
     assert "... and 2 more (--json lists the first 2)" in text
 
 
-def test_bad_requests_raise(redis_client: redis.Redis, engine: Engine, version: int) -> None:
-    audit = auditor(redis_client, engine, version)
+def test_bad_requests_raise(version: int, auditor: AuditorFactory) -> None:
+    audit = auditor()
     with pytest.raises(UnknownFeatureSet):
         audit.audit_refs([EntityRef("nope", "acme", "1")])
     with pytest.raises(InvalidId):
@@ -804,14 +718,8 @@ def run_audit(settings: Settings, version: int, *args: str) -> subprocess.Comple
 
 
 def test_the_command_prints_a_summary_at_80_columns(
-    settings: Settings,
-    engine: Engine,
-    store: FeatureStore,
-    version: int,
-    tenant: str,
-    tmp_path: Path,
+    settings: Settings, refs: list[EntityRef], version: int, tmp_path: Path
 ) -> None:
-    refs = materialize(engine, store, tenant)
     keys = tmp_path / "keys.txt"
     keys.write_text("# entries to audit\n" + "".join(f"{feature_key(version, r)}\n" for r in refs))
     done = run_audit(settings, version, "--keys-file", str(keys), "--grace", "0s,1ms")
@@ -844,11 +752,10 @@ def test_the_command_exits_1_on_a_persistent_mismatch_and_prints_json(
     settings: Settings,
     engine: Engine,
     store: FeatureStore,
+    refs: list[EntityRef],
     version: int,
-    tenant: str,
     tmp_path: Path,
 ) -> None:
-    refs = materialize(engine, store, tenant)
     target = next(r for r in refs if r.feature_set == "geo")
     bad = corrupt(engine, store, target, "last_city", "Atlantis")
     keys = tmp_path / "keys.txt"
