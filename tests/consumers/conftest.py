@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,6 +146,21 @@ def emit(
 ) -> None:
     value = body if isinstance(body, bytes) else orjson.dumps(body)
     producer.produce(env.topic(topic), value, key)
+
+
+def emit_per_user(
+    producer: Producer,
+    env: Env,
+    topic: str,
+    users: Iterable[int],
+    key: Callable[[int], bytes | None] = lambda user: None,
+) -> None:
+    """One ``topic`` event per user, of a transaction whose id is the user's, keyed by
+    ``key(user)``; then flush."""
+    for user in users:
+        body = {"tenant": env.tenant, "user_id": user, "transaction_id": user}
+        emit(producer, env, topic, body, key(user))
+    producer.flush()
 
 
 def assert_redis_equals_postgres(

@@ -41,6 +41,7 @@ from tests.consumers.conftest import (
     Env,
     assert_redis_equals_postgres,
     emit,
+    emit_per_user,
     read_topic,
     wait_for,
 )
@@ -98,6 +99,25 @@ def paused_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     ]
 
 
+def wait_held(
+    worker: Worker, running: Running, label: str, retried: float, retries: int, what: str
+) -> None:
+    """Wait for ``retries`` more retries of the worker's batch for a ``label`` cause than
+    the ``retried`` counted before it started, then check it held the batch: nothing
+    consumed, applied or dead-lettered."""
+    wait_for(
+        lambda: (
+            sample(CONFIG_RETRIES, label) >= retried + retries
+            or worker.totals.consumed > 0
+            or running.error is not None
+        ),
+        what,
+    )
+    assert running.error is None, f"the worker died: {running.error!r}"
+    held = worker.totals
+    assert (held.consumed, held.applied, held.dead_lettered) == (0, 0, 0)
+
+
 @pytest.fixture
 def geoip_topic(env: Env, admin: AdminClient) -> Iterator[str]:
     """The geoip table's CDC topic under the test's prefix."""
@@ -121,15 +141,9 @@ def test_a_malformed_deploy_pointer_pauses_the_stream_and_dead_letters_nothing(
     redis_client.set(pointer.active_key, "2 ")  # a trailing space: not a schema version
     created = env.topic("transaction.created")
     users = {4, 5, 6}
-    for user in sorted(users):
-        emit(
-            producer,
-            env,
-            "transaction.created",
-            {"tenant": env.tenant, "user_id": user, "transaction_id": user},
-            f"{env.tenant}:{user}".encode(),
-        )
-    producer.flush()
+    emit_per_user(
+        producer, env, "transaction.created", sorted(users), lambda u: f"{env.tenant}:{u}".encode()
+    )
     retried = sample(CONFIG_RETRIES, "deploy")
     worker = Worker(
         env.settings,
@@ -138,17 +152,14 @@ def test_a_malformed_deploy_pointer_pauses_the_stream_and_dead_letters_nothing(
     )
     running = Running(worker, timeout=180)
     try:
-        wait_for(
-            lambda: (
-                sample(CONFIG_RETRIES, "deploy") >= retried + 3
-                or worker.totals.consumed > 0
-                or running.error is not None
-            ),
+        wait_held(
+            worker,
+            running,
+            "deploy",
+            retried,
+            3,
             "the worker to hold its batch and retry it while the pointer is malformed",
         )
-        assert running.error is None, f"the worker died: {running.error!r}"
-        held = worker.totals
-        assert (held.consumed, held.applied, held.dead_lettered) == (0, 0, 0)
         assert offsets(env, created, PARTITIONS)[0] == [0] * PARTITIONS  # none committed
         assert sample(PAUSED, "deploy") == 1
         said = paused_lines(caplog)
@@ -219,32 +230,23 @@ def test_a_missing_grant_pauses_the_stream_until_it_is_granted(
     )
     created = env.topic("transaction.created")
     users = {8, 9}
-    for user in sorted(users):
-        emit(
-            producer,
-            env,
-            "transaction.created",
-            {"tenant": env.tenant, "user_id": user, "transaction_id": user},
-            f"{env.tenant}:{user}".encode(),
-        )
-    producer.flush()
+    emit_per_user(
+        producer, env, "transaction.created", sorted(users), lambda u: f"{env.tenant}:{u}".encode()
+    )
     retried = sample(CONFIG_RETRIES, "permission")
     with engine.begin() as conn:
         conn.execute(sa.text(f'REVOKE SELECT ON transactions FROM "{role}"'))
     worker = Worker(settings, topics=[created])
     running = Running(worker, timeout=180)
     try:
-        wait_for(
-            lambda: (
-                sample(CONFIG_RETRIES, "permission") >= retried + 2
-                or worker.totals.consumed > 0
-                or running.error is not None
-            ),
+        wait_held(
+            worker,
+            running,
+            "permission",
+            retried,
+            2,
             "the worker to hold its batch and retry it while the grant is missing",
         )
-        assert running.error is None, f"the worker died: {running.error!r}"
-        held = worker.totals
-        assert (held.consumed, held.applied, held.dead_lettered) == (0, 0, 0)
         assert offsets(env, created, PARTITIONS)[0] == [0] * PARTITIONS  # none committed
         assert sample(PAUSED, "permission") == 1
         said = paused_lines(caplog)
@@ -306,19 +308,16 @@ def test_a_grant_missing_while_a_bad_event_is_isolated_holds_the_batch_and_count
     worker = Worker(settings, topics=[geoip_topic])
     running = Running(worker, timeout=180)
     try:
-        wait_for(
-            lambda: (
-                sample(CONFIG_RETRIES, "permission") >= retried + 3
-                or worker.totals.consumed > 0
-                or running.error is not None
-            ),
+        wait_held(
+            worker,
+            running,
+            "permission",
+            retried,
+            3,
             "the worker to hold its batch while the grant is missing",
         )
-        assert running.error is None, f"the worker died: {running.error!r}"
         said = [r.getMessage() for r in caplog.records if r.name == "freshline.consumer"]
         assert any(m.startswith("batch failed") for m in said), said  # isolated one by one
-        held = worker.totals
-        assert (held.consumed, held.applied, held.dead_lettered) == (0, 0, 0)
         assert "permission denied for table geoip" in paused_lines(caplog)[0]
         with engine.begin() as conn:
             conn.execute(sa.text(f'GRANT SELECT ON geoip TO "{role}"'))
