@@ -46,6 +46,7 @@ from tests.consumers.conftest import (
     Env,
     assert_redis_equals_postgres,
     emit,
+    emit_per_user,
     read_topic,
     wait_for,
 )
@@ -343,14 +344,7 @@ def test_redis_down_pauses_and_retries_and_dead_letters_nothing(
     """A real outage: the consumer's own redis-server is stopped, then started again."""
     url, stop, start = private_redis
     settings = env.settings.model_copy(update={"redis_url": url})
-    for user in (1, 2, 3):
-        emit(
-            producer,
-            env,
-            "transaction.updated",
-            {"tenant": env.tenant, "user_id": user, "transaction_id": user},
-        )
-    producer.flush()
+    emit_per_user(producer, env, "transaction.updated", (1, 2, 3))
     stop()
     worker = Worker(settings)
     done: list[object] = []

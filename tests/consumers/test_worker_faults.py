@@ -31,6 +31,7 @@ from tests.consumers.conftest import (
     Env,
     assert_redis_equals_postgres,
     emit,
+    emit_per_user,
     read_topic,
     wait_for,
 )
@@ -280,15 +281,7 @@ def test_a_partition_assigned_during_a_retry_loses_no_record(
 ) -> None:
     worker, stop_redis, start_redis = worker_on_private_redis
     users = set(range(1, 41))
-    for user in sorted(users):
-        emit(
-            producer,
-            env,
-            "transaction.updated",
-            {"tenant": env.tenant, "user_id": user, "transaction_id": user},
-            str(user).encode(),
-        )
-    producer.flush()
+    emit_per_user(producer, env, "transaction.updated", sorted(users), lambda u: str(u).encode())
     # Another member of the group holds some partitions; it reads without committing.
     other = consumer_factory(env.settings.consumer_group)
     other.subscribe([env.topic("transaction.updated")])
@@ -362,15 +355,7 @@ def test_a_partition_paused_for_a_retry_then_revoked_is_read_when_it_comes_back(
     worker, stop_redis, start_redis = worker_on_private_redis
     topic = env.topic("transaction.updated")
     group = env.settings.consumer_group
-    for user in range(1, 41):
-        emit(
-            producer,
-            env,
-            "transaction.updated",
-            {"tenant": env.tenant, "user_id": user, "transaction_id": user},
-            str(user).encode(),
-        )
-    producer.flush()
+    emit_per_user(producer, env, "transaction.updated", range(1, 41), lambda u: str(u).encode())
     stop_redis()
     running = Running(worker, timeout=240)
     other = consumer_factory(group)
