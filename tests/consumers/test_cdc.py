@@ -156,20 +156,50 @@ def changed(before: dict[Key, bytes], after: dict[Key, bytes]) -> set[Key]:
     return {k for k, v in after.items() if before.get(k) != v}
 
 
-def assert_fresh(engine: Engine, client: redis.Redis, version: int, keys: set[Key]) -> None:
-    """Each entry equals a direct recompute from Postgres now."""
+def stale(
+    engine: Engine, client: redis.Redis, version: int, keys: set[Key]
+) -> list[tuple[Key, object, object]]:
+    """The entries of ``keys`` absent or unequal to a direct recompute from Postgres now:
+    each with that recompute and the entry."""
     store = FeatureStore(client, version)
+    found: list[tuple[Key, object, object]] = []
     for fs, tenant, entity in sorted(keys):
         truth = compute(engine, REGISTRY[fs], [(tenant, entity)]).values[(tenant, entity)]
         entry = store.read([EntityRef(fs, tenant, entity)])[0]
-        assert entry is not None, (fs, tenant, entity)
-        assert entry.values == truth, (fs, tenant, entity)
+        if entry is None or entry.values != truth:
+            found.append(((fs, tenant, entity), truth, entry))
+    return found
+
+
+def assert_fresh(engine: Engine, client: redis.Redis, version: int, keys: set[Key]) -> None:
+    """Each entry equals a direct recompute from Postgres now."""
+    found = stale(engine, client, version, keys)
+    assert not found, found
 
 
 def sql(engine: Engine, statement: str, **params: object) -> list[sa.Row[*tuple[Any, ...]]]:
     with engine.begin() as conn:
         result = conn.execute(sa.text(statement), params)
         return list(result) if result.returns_rows else []
+
+
+class Changes:
+    """Plain SQL committed one statement at a time, and the entries each one changed."""
+
+    def __init__(self, cdc: Cdc, engine: Engine, client: redis.Redis) -> None:
+        self.cdc, self.engine, self.client = cdc, engine, client
+        self.now = snapshot(client, cdc.settings.schema_version)
+        self.rows: list[sa.Row[*tuple[Any, ...]]] = []
+
+    def commit(self, events: int, what: str, statement: str, **params: object) -> set[Key]:
+        """Run ``statement``, wait for the consumer to take the ``events`` it makes (a
+        DELETE makes two: the change and its tombstone), and return the entries changed
+        since the last snapshot; ``rows`` keeps what the statement returned."""
+        base, start = self.now, self.cdc.consumed()
+        self.rows = sql(self.engine, statement, **params)
+        self.cdc.wait_consumed(start + events, what)
+        self.now = snapshot(self.client, self.cdc.settings.schema_version)
+        return changed(base, self.now)
 
 
 def test_insert_update_delete_reach_exactly_the_affected_users(
@@ -182,37 +212,38 @@ def test_insert_update_delete_reach_exactly_the_affected_users(
     version = cdc.settings.schema_version
     user_sets = ("txn_90d", "geo")
 
-    base, start = snapshot(redis_client, version), cdc.consumed()
-    (txn,) = sql(
-        engine,
+    changes = Changes(cdc, engine, redis_client)
+    step = changes.commit(
+        1,
+        "the INSERT",
         "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
         "VALUES (:t, 3, 512.25, 'm-cdc', '11.0.0.7') RETURNING id",
         t=tenant,
-    )[0]
-    cdc.wait_consumed(start + 1, "the INSERT")
-    now = snapshot(redis_client, version)
-    assert changed(base, now) == {(fs, tenant, "3") for fs in user_sets}
-    assert_fresh(engine, redis_client, version, changed(base, now))
+    )
+    (txn,) = changes.rows[0]
+    assert step == {(fs, tenant, "3") for fs in user_sets}
+    assert_fresh(engine, redis_client, version, step)
 
     # An UPDATE that moves the row to another user affects the old user and the new.
-    base, start = now, cdc.consumed()
-    sql(
-        engine,
+    step = changes.commit(
+        1,
+        "the UPDATE",
         "UPDATE transactions SET user_id = 4, amount = 77.10 WHERE tenant_id = :t AND id = :id",
         t=tenant,
         id=txn,
     )
-    cdc.wait_consumed(start + 1, "the UPDATE")
-    now = snapshot(redis_client, version)
-    assert changed(base, now) == {(fs, tenant, u) for fs in user_sets for u in ("3", "4")}
-    assert_fresh(engine, redis_client, version, changed(base, now))
+    assert step == {(fs, tenant, u) for fs in user_sets for u in ("3", "4")}
+    assert_fresh(engine, redis_client, version, step)
 
     # A DELETE (and the tombstone after it) affects the user the row belonged to.
-    base, start = now, cdc.consumed()
-    sql(engine, "DELETE FROM transactions WHERE tenant_id = :t AND id = :id", t=tenant, id=txn)
-    cdc.wait_consumed(start + 2, "the DELETE and its tombstone")
-    now = snapshot(redis_client, version)
-    assert changed(base, now) == {(fs, tenant, "4") for fs in user_sets}
+    step = changes.commit(
+        2,
+        "the DELETE and its tombstone",
+        "DELETE FROM transactions WHERE tenant_id = :t AND id = :id",
+        t=tenant,
+        id=txn,
+    )
+    assert step == {(fs, tenant, "4") for fs in user_sets}
     assert_fresh(
         engine, redis_client, version, {(fs, tenant, u) for fs in user_sets for u in ("3", "4")}
     )
@@ -256,31 +287,28 @@ def test_a_device_change_reaches_every_user_of_the_device(
     }
     assert len(users) >= 3
 
-    base, start = snapshot(redis_client, version), cdc.consumed()
-    sql(
-        engine,
+    changes = Changes(cdc, engine, redis_client)
+    step = changes.commit(
+        1,
+        "the device UPDATE",
         "UPDATE devices SET risk_score = 0.987 WHERE tenant_id = :t AND id = :d",
         t=tenant,
         d=device,
     )
-    cdc.wait_consumed(start + 1, "the device UPDATE")
-    now = snapshot(redis_client, version)
-    assert changed(base, now) == {("device_risk", tenant, u) for u in users}
-    assert_fresh(engine, redis_client, version, changed(base, now))
+    assert step == {("device_risk", tenant, u) for u in users}
+    assert_fresh(engine, redis_client, version, step)
 
     # Unlinking a user from the device (every column is the key: DEFAULT identity suffices).
     gone = min(users)
-    base, start = now, cdc.consumed()
-    sql(
-        engine,
+    step = changes.commit(
+        2,
+        "the user_devices DELETE and its tombstone",
         "DELETE FROM user_devices WHERE tenant_id = :t AND user_id = :u AND device_id = :d",
         t=tenant,
         u=int(gone),
         d=device,
     )
-    cdc.wait_consumed(start + 2, "the user_devices DELETE and its tombstone")
-    now = snapshot(redis_client, version)
-    assert ("device_risk", tenant, gone) in changed(base, now)
+    assert ("device_risk", tenant, gone) in step
     assert_fresh(engine, redis_client, version, {("device_risk", tenant, gone)})
 
 
@@ -325,40 +353,39 @@ def test_a_geoip_range_change_reaches_the_users_with_transactions_in_it(
     cdc.wait_consumed(start + len(ips), "the transaction INSERTs")
     assert all(("geo", tenant, u) in snapshot(redis_client, version) for u in ips)
 
-    base, start = snapshot(redis_client, version), cdc.consumed()
-    sql(
-        engine,
+    changes = Changes(cdc, engine, redis_client)
+    step = changes.commit(
+        1,
+        "the geoip INSERT",
         "INSERT INTO geoip VALUES (CAST(:lo AS inet), CAST(:hi AS inet), 'ZZ', 'Testville', 64512)",
         lo=lo,
         hi=hi,
     )
-    cdc.wait_consumed(start + 1, "the geoip INSERT")
-    now = snapshot(redis_client, version)
-    assert changed(base, now) == in_range(lo, hi)
+    assert step == in_range(lo, hi)
     assert_fresh(engine, redis_client, version, in_range(lo, hi))
 
     # Shrinking the range: the users in the *old* range are affected (REPLICA IDENTITY
     # FULL gives the old ip_to), including user 7, whose IP fell out of it.
     affected = in_range(lo, hi)
-    base, start = now, cdc.consumed()
-    sql(
-        engine,
+    step = changes.commit(
+        1,
+        "the geoip UPDATE",
         "UPDATE geoip SET ip_to = CAST(:hi AS inet), country = 'ZY' "
         "WHERE ip_from = CAST(:lo AS inet)",
         lo=lo,
         hi=f"{net}.127",
     )
-    cdc.wait_consumed(start + 1, "the geoip UPDATE")
-    now = snapshot(redis_client, version)
-    assert changed(base, now) == affected
+    assert step == affected
     assert ("geo", tenant, "7") in affected
     assert_fresh(engine, redis_client, version, affected)
 
-    base, start = now, cdc.consumed()
-    sql(engine, "DELETE FROM geoip WHERE ip_from = CAST(:lo AS inet)", lo=lo)
-    cdc.wait_consumed(start + 2, "the geoip DELETE and its tombstone")
-    now = snapshot(redis_client, version)
-    assert changed(base, now) == in_range(lo, f"{net}.127")
+    step = changes.commit(
+        2,
+        "the geoip DELETE and its tombstone",
+        "DELETE FROM geoip WHERE ip_from = CAST(:lo AS inet)",
+        lo=lo,
+    )
+    assert step == in_range(lo, f"{net}.127")
     assert_fresh(engine, redis_client, version, affected)
 
 
@@ -448,20 +475,15 @@ def test_restarting_the_connect_worker_mid_burst_loses_nothing(
 
     keys = {(fs, tenant, u) for fs in ("txn_90d", "geo") for u in touched}
 
-    def stale() -> list[tuple[Key, object, object]]:
-        store = FeatureStore(redis_client, version)
-        found: list[tuple[Key, object, object]] = []
-        for fs, t, u in sorted(keys):
-            truth = compute(engine, REGISTRY[fs], [(t, u)]).values[(t, u)]
-            entry = store.read([EntityRef(fs, t, u)])[0]
-            if entry is None or entry.values != truth:
-                found.append(((fs, t, u), truth, entry))
-        return found
-
     try:
-        wait_for(lambda: not stale(), "Redis to equal Postgres for every touched user", 90)
+        wait_for(
+            lambda: not stale(engine, redis_client, version, keys),
+            "Redis to equal Postgres for every touched user",
+            90,
+        )
     except pytest.fail.Exception:
-        pytest.fail(f"stale entries: {stale()}; totals {cdc.worker.totals}")
+        found = stale(engine, redis_client, version, keys)
+        pytest.fail(f"stale entries: {found}; totals {cdc.worker.totals}")
 
 
 def test_status_shows_the_connector_and_the_slot(cdc: Cdc) -> None:
