@@ -177,27 +177,38 @@ def test_a_dead_letter_topic_that_refuses_writes_is_retried_and_nothing_is_skipp
     assert copy.value() == b"{not json"
 
 
+def one_record_per_partition(producer: Producer, topic: str) -> str:
+    """Put one record in each of ``topic``'s two partitions; the topic."""
+    for p in range(2):
+        producer.produce(topic, b"x", partition=p)
+    producer.flush()
+    return topic
+
+
+def take_both(first: Consumer, topic: str) -> list[Message]:
+    """Subscribe the group's first member and consume until it holds both records."""
+    first.subscribe([topic])
+    batch: list[Message] = []
+
+    def both() -> bool:
+        batch.extend(first.consume(10, timeout=0.2))
+        return len(batch) == 2
+
+    wait_for(both, "the first member's batch")
+    return batch
+
+
 def test_a_commit_refused_by_a_rebalance_is_not_fatal(
     env: Env,
     producer: Producer,
     consumer_factory: Callable[..., Consumer],
     topic_factory: Callable[..., str],
 ) -> None:
-    topic = topic_factory("rebalance", partitions=2)
-    for p in range(2):
-        producer.produce(topic, b"x", partition=p)
-    producer.flush()
+    topic = one_record_per_partition(producer, topic_factory("rebalance", partitions=2))
     group = f"test-{uuid.uuid4().hex[:10]}"
     # The shortest poll interval librdkafka allows with the broker's minimum session.
     first = consumer_factory(group, **{"session.timeout.ms": 6000, "max.poll.interval.ms": 6000})
-    first.subscribe([topic])
-    batch: list[Message] = []
-
-    def first_batch() -> bool:
-        batch.extend(first.consume(10, timeout=0.2))
-        return len(batch) == 2
-
-    wait_for(first_batch, "the first member's batch")
+    batch = take_both(first, topic)
     # The first member stops polling (a long batch): it leaves the group, and a second
     # member takes its partitions. Its pending commit is then refused.
     second = consumer_factory(group)
@@ -230,21 +241,11 @@ def test_a_refused_commit_is_sent_again_for_the_partitions_the_member_keeps(
     consumer_factory: Callable[..., Consumer],
     topic_factory: Callable[..., str],
 ) -> None:
-    topic = topic_factory("owed", partitions=2)
-    for p in range(2):
-        producer.produce(topic, b"x", partition=p)
-    producer.flush()
+    topic = one_record_per_partition(producer, topic_factory("owed", partitions=2))
     group = f"test-{uuid.uuid4().hex[:10]}"
     first = consumer_factory(group)
     first._inner = RefusingOnce(first._config)
-    first.subscribe([topic])
-    batch: list[Message] = []
-
-    def first_batch() -> bool:
-        batch.extend(first.consume(10, timeout=0.2))
-        return len(batch) == 2
-
-    wait_for(first_batch, "the first member's batch")
+    batch = take_both(first, topic)
     assert first.commit(batch) == []
     # The member keeps both partitions (as the cooperative assignor often lets it), its
     # position past their records. Nothing more arrives, so only the refused offsets
@@ -257,6 +258,37 @@ def test_a_refused_commit_is_sent_again_for_the_partitions_the_member_keeps(
         return [int(tp.offset) for tp in first.inner.committed(kept, timeout=5)]
 
     wait_for(lambda: committed() == [1, 1], "the kept partitions' offsets to commit")
+
+
+class IdleMember:
+    """Another member of the worker's group, polling in a thread of its own: it stays in
+    the group, holding partitions, and never commits their records."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.consumer = consumer
+        self.leaving = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self.leaving.is_set():
+            self.consumer.poll(0.1)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def leave(self, worker: Worker, what: str) -> None:
+        """Stop polling and close, without committing; wait for ``worker`` to own every
+        partition again."""
+        self.leaving.set()
+        self.thread.join(10)
+        self.consumer.close()
+        wait_for(lambda: len(worker.consumer.assignment()) == PARTITIONS, what, deadline_s=60)
+
+
+def wait_more_retries(worker: Worker, more: int, what: str) -> None:
+    """Wait for ``worker`` to retry its batch ``more`` times from now."""
+    retries = worker.totals.retries
+    wait_for(lambda: worker.totals.retries >= retries + more, what)
 
 
 @pytest.fixture
@@ -291,33 +323,16 @@ def test_a_partition_assigned_during_a_retry_loses_no_record(
     )
     stop_redis()
     running = Running(worker, timeout=180)
-    leaving = threading.Event()
-
-    def keep_polling() -> None:
-        while not leaving.is_set():
-            other.poll(0.1)  # stays in the group; its records are never committed
-
-    poller = threading.Thread(target=keep_polling, daemon=True)
-    poller.start()
+    member = IdleMember(other)
+    member.start()
     try:
         wait_for(
             lambda: worker.totals.retries >= 1 or running.error is not None,
             "the worker to retry its batch while Redis is down",
         )
         # The other member leaves: its partitions move to the worker mid-retry.
-        leaving.set()
-        poller.join(10)
-        other.close()
-        wait_for(
-            lambda: len(worker.consumer.assignment()) == PARTITIONS,
-            "the worker to own every partition",
-            deadline_s=60,
-        )
-        retries = worker.totals.retries
-        wait_for(
-            lambda: worker.totals.retries >= retries + 2,
-            "the worker to poll through two more retries",
-        )
+        member.leave(worker, "the worker to own every partition")
+        wait_more_retries(worker, 2, "the worker to poll through two more retries")
         start_redis()
         wait_for(
             lambda: worker.totals.applied >= len(users) or running.error is not None,
@@ -359,14 +374,7 @@ def test_a_partition_paused_for_a_retry_then_revoked_is_read_when_it_comes_back(
     stop_redis()
     running = Running(worker, timeout=240)
     other = consumer_factory(group)
-    leaving = threading.Event()
-
-    def keep_polling() -> None:
-        other.subscribe([topic])
-        while not leaving.is_set():
-            other.poll(0.1)  # stays in the group; its records are never committed
-
-    poller = threading.Thread(target=keep_polling, daemon=True)
+    member = IdleMember(other)
     try:
         wait_for(
             lambda: worker.totals.retries >= 1 or running.error is not None,
@@ -374,17 +382,14 @@ def test_a_partition_paused_for_a_retry_then_revoked_is_read_when_it_comes_back(
         )
         assert len(worker.consumer.assignment()) == PARTITIONS
         # A second member joins mid-retry: the worker gives up paused partitions.
-        poller.start()
+        other.subscribe([topic])
+        member.start()
         wait_for(
             lambda: 0 < len(worker.consumer.assignment()) < PARTITIONS,
             "the worker to hand partitions to the new member",
             deadline_s=60,
         )
-        retries = worker.totals.retries
-        wait_for(
-            lambda: worker.totals.retries >= retries + 1,
-            "the worker to end one more wait after the rebalance",
-        )
+        wait_more_retries(worker, 1, "the worker to end one more wait after the rebalance")
         start_redis()
         wait_for(
             lambda: worker.totals.batches >= 1 or running.error is not None,
@@ -392,14 +397,7 @@ def test_a_partition_paused_for_a_retry_then_revoked_is_read_when_it_comes_back(
         )
         # The new member leaves, without committing: its partitions come back while the
         # worker is between retries.
-        leaving.set()
-        poller.join(10)
-        other.close()
-        wait_for(
-            lambda: len(worker.consumer.assignment()) == PARTITIONS,
-            "the worker to own every partition again",
-            deadline_s=60,
-        )
+        member.leave(worker, "the worker to own every partition again")
         ends = end_offsets(env.settings.kafka_bootstrap, topic)
         wait_for(
             lambda: (
@@ -410,5 +408,5 @@ def test_a_partition_paused_for_a_retry_then_revoked_is_read_when_it_comes_back(
             deadline_s=60,
         )
     finally:
-        leaving.set()
+        member.leaving.set()
         running.stop()
