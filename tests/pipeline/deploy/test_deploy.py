@@ -11,6 +11,7 @@ import asyncio
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -89,33 +90,43 @@ def module_tenant(tenant_factory_module: Callable[..., SeedSummary]) -> str:
     return tenant_factory_module(users=USERS, transactions=1200).tenants[0]
 
 
-@pytest.fixture
-def world(
-    settings: Settings, redis_client: redis.Redis, engine: Engine, module_tenant: str
+@contextmanager
+def deploy_world(
+    settings: Settings, client: redis.Redis, engine: Engine, tenant: str, a: int, b: int
 ) -> Iterator[Deploy]:
-    a = 1000 + uuid.uuid4().int % 4000
-    b = a + 1 + uuid.uuid4().int % 3000
+    """A private world of versions ``a`` and ``b`` with ``a`` active (flipped to), on a
+    pointer of its own whose keys are deleted afterwards."""
     lock = Lock({a: locked_entry(), b: locked_entry()})
     pointer = Pointer.scoped(uuid.uuid4().hex)
     world = Deploy(
-        redis_client,
+        client,
         engine,
         settings.model_copy(update={"schema_version": a}),
         a,
         b,
         lock,
         pointer,
-        module_tenant,
+        tenant,
     )
-    flip(redis_client, world.settings, a, lock, pointer=pointer)
+    flip(client, world.settings, a, lock, pointer=pointer)
     yield world
-    redis_client.delete(
+    client.delete(
         pointer.active_key,
         pointer.next_key,
         pointer.previous_key,
         pointer.retired_key(a),
         pointer.retired_key(b),
     )
+
+
+@pytest.fixture
+def world(
+    settings: Settings, redis_client: redis.Redis, engine: Engine, module_tenant: str
+) -> Iterator[Deploy]:
+    a = 1000 + uuid.uuid4().int % 4000
+    b = a + 1 + uuid.uuid4().int % 3000
+    with deploy_world(settings, redis_client, engine, module_tenant, a, b) as world:
+        yield world
 
 
 def test_the_pointer_moves_through_a_deploy(world: Deploy) -> None:

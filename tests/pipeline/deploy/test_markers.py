@@ -14,7 +14,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from pipeline.deploy.pointer import cancel, flip, keep_ms, start
 from pipeline.deploy.purge import purge
 from pipeline.deploy.warm import active_entities, warm
 from tests.helpers import fresh_version
-from tests.pipeline.deploy.test_deploy import Deploy, fill, locked_entry
+from tests.pipeline.deploy.test_deploy import Deploy, deploy_world, fill, locked_entry
 
 TXN_90D = REGISTRY["txn_90d"]
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
@@ -54,27 +53,8 @@ def world(
     settings: Settings, redis_client: redis.Redis, engine: Engine, module_tenant: str
 ) -> Iterator[Deploy]:
     a, b = fresh_version(), fresh_version()  # no other test of the session writes them
-    lock = Lock({a: locked_entry(), b: locked_entry()})
-    pointer = Pointer.scoped(uuid.uuid4().hex)
-    world = Deploy(
-        redis_client,
-        engine,
-        settings.model_copy(update={"schema_version": a}),
-        a,
-        b,
-        lock,
-        pointer,
-        module_tenant,
-    )
-    flip(redis_client, world.settings, a, lock, pointer=pointer)
-    yield world
-    redis_client.delete(
-        pointer.active_key,
-        pointer.next_key,
-        pointer.previous_key,
-        pointer.retired_key(a),
-        pointer.retired_key(b),
-    )
+    with deploy_world(settings, redis_client, engine, module_tenant, a, b) as world:
+        yield world
     for version in (a, b):
         for key in redis_client.scan_iter(match=feature_pattern(version), count=1000):
             redis_client.unlink(key)
