@@ -337,6 +337,19 @@ class Workload:
         ).all()
         return int(rows[int(pick * len(rows))][0]) if rows else None
 
+    def _some_device(self, conn: Connection, user: int, pick: float) -> str | None:
+        devices = [
+            d
+            for (d,) in conn.execute(
+                sa.text(
+                    "SELECT device_id FROM user_devices WHERE tenant_id = :t AND user_id = :u "
+                    "ORDER BY device_id"
+                ),
+                {"t": self.tenant, "u": user},
+            )
+        ]
+        return devices[int(pick * len(devices))] if devices else None
+
     def _txn_insert(
         self, conn: Connection, user: int, _other: int, pick: float, value: float
     ) -> Events:
@@ -418,19 +431,9 @@ class Workload:
     def _device_risk(
         self, conn: Connection, user: int, _other: int, pick: float, value: float
     ) -> Events:
-        devices = [
-            d
-            for (d,) in conn.execute(
-                sa.text(
-                    "SELECT device_id FROM user_devices WHERE tenant_id = :t AND user_id = :u "
-                    "ORDER BY device_id"
-                ),
-                {"t": self.tenant, "u": user},
-            )
-        ]
-        if not devices:
+        device = self._some_device(conn, user, pick)
+        if device is None:
             return []
-        device = devices[int(pick * len(devices))]
         conn.execute(
             sa.text("UPDATE devices SET risk_score = :r WHERE tenant_id = :t AND id = :d"),
             {"r": round(value, 4), "t": self.tenant, "d": device},
@@ -458,19 +461,9 @@ class Workload:
     def _link_remove(
         self, conn: Connection, user: int, _other: int, pick: float, _value: float
     ) -> Events:
-        devices = [
-            d
-            for (d,) in conn.execute(
-                sa.text(
-                    "SELECT device_id FROM user_devices WHERE tenant_id = :t AND user_id = :u "
-                    "ORDER BY device_id"
-                ),
-                {"t": self.tenant, "u": user},
-            )
-        ]
-        if not devices:
+        device = self._some_device(conn, user, pick)
+        if device is None:
             return []
-        device = devices[int(pick * len(devices))]
         sharing = self._device_users(conn, device)
         conn.execute(
             sa.text(
