@@ -84,6 +84,19 @@ def clean_env() -> dict[str, str]:
     }
 
 
+def run(name: str, command: list[str], env: dict[str, str], timeout: float) -> str:
+    """Run ``command`` from the repository root; its output, or StackError naming it
+    as ``name`` with its arguments."""
+    done = subprocess.run(
+        command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    if done.returncode != 0:
+        raise StackError(
+            f"{name} {' '.join(command[1:])} exited {done.returncode}:\n{done.stdout}{done.stderr}"
+        )
+    return done.stdout + done.stderr
+
+
 @dataclass
 class PrivateStack:
     """One private instance: its directory, its ports, and the settings that reach it."""
@@ -178,36 +191,11 @@ class PrivateStack:
 
     def script(self, *args: str, timeout: float = 300) -> str:
         """Run ``scripts/stack ARGS`` on this instance; its output, or StackError."""
-        done = subprocess.run(
-            [str(STACK_SCRIPT), *args],
-            env=self.stack_env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if done.returncode != 0:
-            raise StackError(
-                f"scripts/stack {' '.join(args)} exited {done.returncode}:\n"
-                f"{done.stdout}{done.stderr}"
-            )
-        return done.stdout + done.stderr
+        return run("scripts/stack", [str(STACK_SCRIPT), *args], self.stack_env, timeout)
 
     def freshline(self, *args: str, timeout: float = 300) -> str:
         """Run ``freshline ARGS`` against this instance, as its operator."""
-        done = subprocess.run(
-            [FRESHLINE, *args],
-            env=self.freshline_env(self.settings),
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if done.returncode != 0:
-            raise StackError(
-                f"freshline {' '.join(args)} exited {done.returncode}:\n{done.stdout}{done.stderr}"
-            )
-        return done.stdout + done.stderr
+        return run("freshline", [FRESHLINE, *args], self.freshline_env(self.settings), timeout)
 
     def up(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
