@@ -33,6 +33,7 @@ from pipeline.core.features import Registry
 from pipeline.core.maintenance import install_missing
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
+from pipeline.core.types import FeatureValues
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAUD_MIGRATIONS = migrations.Chain.of(ROOT / "examples" / "fraud" / "migrations", "fraud")
@@ -211,6 +212,18 @@ UNWINDOWED = Registry(dataclasses.replace(fs, horizon=None) for fs in REGISTRY)
 """The feature sets without their horizons: an in-process tier serves their entries
 at once, without reading their Redis TTL first (tests of the tier's other rules, with
 entries that are not in Redis)."""
+
+TXN_VALUES: FeatureValues = {
+    "txn_count": 1,
+    "txn_sum": 2.0,
+    "txn_mean": 2.0,
+    "txn_max": 2.0,
+    "txn_std": 0.0,
+    "distinct_merchants": 1,
+    "distinct_devices": 1,
+    "last_txn_at": None,
+}
+"""A txn_90d entry's values, for tests that write entries without computing them."""
 
 
 class Api:

@@ -17,18 +17,7 @@ from pipeline.cache.store import TTL_JITTER, FeatureStore
 from pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef, Entry
-from tests.helpers import UNWINDOWED, fresh_version, wait_until
-
-VALUES = {
-    "txn_count": 1,
-    "txn_sum": 2.0,
-    "txn_mean": 2.0,
-    "txn_max": 2.0,
-    "txn_std": 0.0,
-    "distinct_merchants": 1,
-    "distinct_devices": 1,
-    "last_txn_at": None,
-}
+from tests.helpers import TXN_VALUES, UNWINDOWED, fresh_version, wait_until
 
 
 def now_ms() -> int:
@@ -36,7 +25,7 @@ def now_ms() -> int:
 
 
 def entry(version: int = 1, age_ms: int = 0, watermark: int = 1, **changes: object) -> Entry:
-    return Entry(dict(VALUES, **changes), version, now_ms() - age_ms, watermark)
+    return Entry(dict(TXN_VALUES, **changes), version, now_ms() - age_ms, watermark)
 
 
 @pytest.fixture
@@ -118,7 +107,7 @@ def test_the_client_follows_redis_after_an_invalidation(
         store.write(
             Batch(
                 REGISTRY["txn_90d"],
-                {(tenant, "5"): dict(VALUES, txn_count=count)},
+                {(tenant, "5"): dict(TXN_VALUES, txn_count=count)},
                 watermark,
                 now_ms(),
             )

@@ -27,25 +27,14 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client as make_redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef, Entry
-from tests.helpers import UNWINDOWED, as_user, fresh_version, need, running, wait_until
-
-VALUES = {
-    "txn_count": 1,
-    "txn_sum": 2.0,
-    "txn_mean": 2.0,
-    "txn_max": 2.0,
-    "txn_std": 0.0,
-    "distinct_merchants": 1,
-    "distinct_devices": 1,
-    "last_txn_at": None,
-}
+from tests.helpers import TXN_VALUES, UNWINDOWED, as_user, fresh_version, need, running, wait_until
 
 
 def write(store: FeatureStore, tenant: str, entity: str, count: int, watermark: int) -> None:
     """Write as a consumer does, and publish nothing."""
     batch = Batch(
         REGISTRY["txn_90d"],
-        {(tenant, entity): dict(VALUES, txn_count=count)},
+        {(tenant, entity): dict(TXN_VALUES, txn_count=count)},
         watermark,
         time.time_ns() // 1_000_000,
     )
@@ -103,7 +92,7 @@ def test_a_write_with_no_publish_stops_the_api_serving_the_old_entry(
 
         # The tier is warm: the entry is served from memory.
         assert wait_until(lambda: served()["source"] == "local")
-        assert served()["values"] == VALUES
+        assert served()["values"] == TXN_VALUES
 
         write(store, tenant, "77", count=2, watermark=20)  # the writer dies here: no publish
 
@@ -115,7 +104,7 @@ def test_a_write_with_no_publish_stops_the_api_serving_the_old_entry(
         assert wait_until(follows, timeout=5)
         # ... and it is served from memory again once the new entry is read.
         assert wait_until(lambda: served()["source"] == "local")
-        assert served()["values"] == dict(VALUES, txn_count=2)
+        assert served()["values"] == dict(TXN_VALUES, txn_count=2)
 
 
 def test_an_entry_goes_when_its_key_is_deleted_or_expires(
@@ -185,7 +174,7 @@ def test_a_login_refused_tracking_keeps_the_tier_dark_and_says_why(
         assert "Traceback" not in caplog.text
         assert not tier.live
         ref = EntityRef("txn_90d", "t", "1")
-        entry = Entry(dict(VALUES), 1, time.time_ns() // 1_000_000, 1)
+        entry = Entry(dict(TXN_VALUES), 1, time.time_ns() // 1_000_000, 1)
         assert tier.put(ref, entry, tier.token()) is False
     finally:
         tier.close()
@@ -201,13 +190,15 @@ def test_a_computed_entry_is_held_only_once_redis_holds_it(
     # A read-through's fill: it wrote the entry, and its write's report voids the token.
     token = tier.token()
     write(store, tenant, "1", count=1, watermark=10)
-    assert tier.put(stored, Entry(dict(VALUES), store.schema_version, now, 10), token, verify=True)
+    assert tier.put(
+        stored, Entry(dict(TXN_VALUES), store.schema_version, now, 10), token, verify=True
+    )
     assert wait_until(lambda: tier.get(stored, store.schema_version) is not None)
 
     # A fill whose store was refused: Redis holds a newer entry, never to be shadowed.
     write(store, tenant, "2", count=2, watermark=20)
     refused = tier.stats.refused
-    computed = Entry(dict(VALUES), store.schema_version, now, 10)
+    computed = Entry(dict(TXN_VALUES), store.schema_version, now, 10)
     assert tier.put(overtaken, computed, tier.token(), verify=True)
     assert wait_until(lambda: tier.stats.refused > refused)
     assert tier.get(overtaken, store.schema_version) is None
