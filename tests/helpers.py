@@ -304,13 +304,16 @@ def as_user(settings: Settings, user: str, password: str) -> Settings:
     )
 
 
-def role_engine(settings: Settings, variable: str) -> Engine:
-    """An engine on the test database, logged in with the role ``variable`` names."""
+def role_url(settings: Settings, variable: str) -> str:
+    """The test database's URL, logged in with the role ``variable`` names."""
     role = make_url(need(variable))
     url = make_url(settings.postgres_url).set(username=role.username, password=role.password)
-    return make_engine(
-        settings.model_copy(update={"postgres_url": url.render_as_string(hide_password=False)})
-    )
+    return url.render_as_string(hide_password=False)
+
+
+def role_engine(settings: Settings, variable: str) -> Engine:
+    """An engine on the test database, logged in with the role ``variable`` names."""
+    return make_engine(settings.model_copy(update={"postgres_url": role_url(settings, variable)}))
 
 
 def kafka_header_pairs(msg: Message) -> list[tuple[str, str | bytes | None]]:

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from pipeline.core.settings import Settings
+from tests.helpers import role_url
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,18 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def api_url(settings: Settings) -> str:
     """The test database's URL, logged in as the API's read-only role."""
-    role = os.environ.get("FRESHLINE_STACK_POSTGRES_API_URL", "")
-    if not role:
-        message = "FRESHLINE_STACK_POSTGRES_API_URL is not set: restart the stack"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-    login = make_url(role)
-    return (
-        make_url(settings.postgres_url)
-        .set(username=login.username, password=login.password)
-        .render_as_string(hide_password=False)
-    )
+    return role_url(settings, "FRESHLINE_STACK_POSTGRES_API_URL")
 
 
 def run(argv: list[str], settings: Settings, admin: str) -> subprocess.CompletedProcess[str]:

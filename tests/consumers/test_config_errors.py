@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import os
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -46,6 +45,7 @@ from tests.consumers.conftest import (
     wait_for,
 )
 from tests.consumers.test_worker_faults import Running
+from tests.helpers import role_url
 
 pytestmark = pytest.mark.kafka
 
@@ -202,18 +202,7 @@ def test_a_malformed_deploy_pointer_pauses_the_stream_and_dead_letters_nothing(
 
 def consumer_login(settings: Settings) -> str:
     """The test database's URL, logged in as the consumers' least-privilege role."""
-    role = os.environ.get("FRESHLINE_STACK_POSTGRES_CONSUMER_URL", "")
-    if not role:
-        message = "FRESHLINE_STACK_POSTGRES_CONSUMER_URL is not set: restart the stack"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-    login = make_url(role)
-    return (
-        make_url(settings.postgres_url)
-        .set(username=login.username, password=login.password)
-        .render_as_string(hide_password=False)
-    )
+    return role_url(settings, "FRESHLINE_STACK_POSTGRES_CONSUMER_URL")
 
 
 def test_a_missing_grant_pauses_the_stream_until_it_is_granted(
