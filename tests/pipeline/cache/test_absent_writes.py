@@ -57,6 +57,27 @@ def add_transaction(engine: Engine, tenant: str, created: str) -> None:
         )
 
 
+def recompute(engine: Engine, tenant: str) -> Batch:
+    """:data:`USER`'s txn_90d, computed now on the full path."""
+    return compute(engine, FULL, [(tenant, USER)])
+
+
+@pytest.fixture
+def store(redis_client: redis.Redis, version: int) -> FeatureStore:
+    return FeatureStore(redis_client, version)
+
+
+@pytest.fixture
+def ref(tenant: str) -> EntityRef:
+    return EntityRef("txn_90d", tenant, USER)
+
+
+def assert_refused_when_held(store: FeatureStore, batch: Batch, ref: EntityRef) -> None:
+    """``batch``, held twice a fence since its query, is refused and stores nothing."""
+    assert store.write(held(batch, 2 * (store.fence_ms / 1000))).refused == 1
+    assert store.read([ref]) == [None]
+
+
 def count(batch: Batch, tenant: str) -> object:
     return batch.values[(tenant, USER)]["txn_count"]
 
@@ -76,6 +97,16 @@ def due_in(batch: Batch, tenant: str, ms: int) -> Batch:
     return dataclasses.replace(batch, valid_until_ms={(tenant, USER): int(time.time() * 1000) + ms})
 
 
+def written_due_soon(engine: Engine, store: FeatureStore, tenant: str) -> tuple[Batch, Batch]:
+    """Two computations, A then B, of a transaction of a day ago; B is stored, with a
+    horizon 200 ms from now."""
+    add_transaction(engine, tenant, "now() - interval '1 day'")
+    a = recompute(engine, tenant)
+    b = recompute(engine, tenant)
+    assert store.write(due_in(b, tenant, 200)).written == 1
+    return a, b
+
+
 def expire_now(client: redis.Redis, *keys: str) -> None:
     """End ``keys`` as their TTLs would, a millisecond from now."""
     for key in keys:
@@ -84,69 +115,61 @@ def expire_now(client: redis.Redis, *keys: str) -> None:
 
 
 def test_an_older_batch_is_refused_after_the_newer_entry_expired_at_its_horizon(
-    engine: Engine, redis_client: redis.Redis, tenant: str, version: int
+    engine: Engine, redis_client: redis.Redis, tenant: str, store: FeatureStore, ref: EntityRef
 ) -> None:
     """The issue's case: A computes and is held; B writes an entry that expires at its
     horizon; A arrives. Today A lands and serves a count Postgres no longer has."""
-    store = FeatureStore(redis_client, version)
-    ref = EntityRef("txn_90d", tenant, USER)
     add_transaction(engine, tenant, "now() - interval '1 day'")
-    a = compute(engine, FULL, [(tenant, USER)])
+    a = recompute(engine, tenant)
     assert count(a, tenant) == 1
     add_transaction(engine, tenant, "now() - interval '1 day'")
     # B counts a row that leaves the 90-day window a second from now.
     add_transaction(engine, tenant, "now() - interval '90 days' + interval '1 s'")
-    b = compute(engine, FULL, [(tenant, USER)])
+    b = recompute(engine, tenant)
     assert count(b, tenant) == 3 and b.valid_until_ms
     assert store.write(b).written == 1
     assert wait_until(lambda: not redis_client.exists(store.key(ref)))
-    assert count(compute(engine, FULL, [(tenant, USER)]), tenant) == 2
+    assert count(recompute(engine, tenant), tenant) == 2
 
     late = store.write(a)
 
     assert (late.written, late.refused) == (0, 1)
     assert store.read([ref]) == [None]
     # A later computation is stored as usual.
-    assert store.write(compute(engine, FULL, [(tenant, USER)])).written == 1
+    assert store.write(recompute(engine, tenant)).written == 1
     [entry] = store.read([ref])
     assert entry is not None and entry.values["txn_count"] == 2
 
 
 def test_an_older_batch_held_past_the_fence_is_refused_once_every_trace_is_gone(
-    engine: Engine, redis_client: redis.Redis, tenant: str, version: int
+    engine: Engine,
+    redis_client: redis.Redis,
+    tenant: str,
+    version: int,
+    store: FeatureStore,
+    ref: EntityRef,
 ) -> None:
-    store = FeatureStore(redis_client, version)
-    ref = EntityRef("txn_90d", tenant, USER)
-    add_transaction(engine, tenant, "now() - interval '1 day'")
-    a = compute(engine, FULL, [(tenant, USER)])
-    b = compute(engine, FULL, [(tenant, USER)])
-    assert store.write(due_in(b, tenant, 200)).written == 1
+    a, _ = written_due_soon(engine, store, tenant)
     # Everything the write left behind runs out, as it does a fence's length later.
     assert redis_client.exists(store.key(ref), entity_floor_key(version, ref)) == 2
     expire_now(redis_client, store.key(ref), entity_floor_key(version, ref))
 
-    fence_s = store.fence_ms / 1000
-    assert store.write(held(a, 2 * fence_s)).refused == 1
-    assert store.read([ref]) == [None]
+    assert_refused_when_held(store, a, ref)
     # A write computed just now is stored: it is no older than anything that was there.
-    assert store.write(compute(engine, FULL, [(tenant, USER)])).written == 1
+    assert store.write(recompute(engine, tenant)).written == 1
 
 
 def test_an_older_batch_is_refused_after_the_tombstone_expired(
-    engine: Engine, redis_client: redis.Redis, tenant: str, version: int
+    engine: Engine, redis_client: redis.Redis, tenant: str, store: FeatureStore, ref: EntityRef
 ) -> None:
-    store = FeatureStore(redis_client, version)
-    ref = EntityRef("txn_90d", tenant, USER)
     add_transaction(engine, tenant, "now() - interval '1 day'")
-    a = compute(engine, FULL, [(tenant, USER)])
+    a = recompute(engine, tenant)
     add_transaction(engine, tenant, "now() - interval '2 days'")
     assert store.invalidate([ref], current_watermark(engine)).written == 1
     # A writer that arrives after the tombstone's TTL computed at least that long ago.
-    fence_s = store.fence_ms / 1000
     expire_now(redis_client, store.key(ref))
 
-    assert store.write(held(a, 2 * fence_s)).refused == 1
-    assert store.read([ref]) == [None]
+    assert_refused_when_held(store, a, ref)
 
 
 def test_an_older_batch_is_refused_after_the_version_was_purged(
@@ -158,33 +181,31 @@ def test_an_older_batch_is_refused_after_the_version_was_purged(
     store = FeatureStore(redis_client, old)
     ref = EntityRef("txn_90d", tenant, USER)
     add_transaction(engine, tenant, "now() - interval '1 day'")
-    a = compute(engine, FULL, [(tenant, USER)])
-    assert store.write(compute(engine, FULL, [(tenant, USER)])).written == 1
+    a = recompute(engine, tenant)
+    assert store.write(recompute(engine, tenant)).written == 1
     pointer = Pointer.scoped(uuid.uuid4().hex)
     assert purge(redis_client, settings, old, pointer=pointer).done
     assert not redis_client.exists(store.key(ref))
 
-    fence_s = store.fence_ms / 1000
-    assert store.write(held(a, 2 * fence_s)).refused == 1
-    assert store.read([ref]) == [None]
+    assert_refused_when_held(store, a, ref)
 
 
 def test_an_expired_entry_still_refuses_older_and_equal_writes_and_a_newer_one_replaces_it(
-    engine: Engine, redis_client: redis.Redis, tenant: str, version: int
+    engine: Engine,
+    redis_client: redis.Redis,
+    tenant: str,
+    version: int,
+    store: FeatureStore,
+    ref: EntityRef,
 ) -> None:
-    store = FeatureStore(redis_client, version)
-    ref = EntityRef("txn_90d", tenant, USER)
-    add_transaction(engine, tenant, "now() - interval '1 day'")
-    a = compute(engine, FULL, [(tenant, USER)])
-    b = compute(engine, FULL, [(tenant, USER)])
+    a, b = written_due_soon(engine, store, tenant)
     assert a.watermark < b.watermark
-    assert store.write(due_in(b, tenant, 200)).written == 1
     assert wait_until(lambda: not redis_client.exists(store.key(ref)))
 
     assert store.write(a).refused == 1
     assert store.write(dataclasses.replace(b, valid_until_ms={})).unchanged == 1
     assert store.read([ref]) == [None]
-    c = compute(engine, FULL, [(tenant, USER)])
+    c = recompute(engine, tenant)
     assert store.write(c).written == 1
     [entry] = store.read([ref])
     assert entry is not None and entry.watermark == c.watermark
@@ -199,15 +220,15 @@ def test_a_write_held_past_its_horizon_is_not_served(
     settings: Settings,
     tenant: str,
     version: int,
+    store: FeatureStore,
+    ref: EntityRef,
 ) -> None:
     """A batch whose horizon passed while its writer was held: its values are no longer
     true, so no reader (the store, the client, the API's spliced batch) may serve them;
     and it still refuses what is older."""
-    store = FeatureStore(redis_client, version)
-    ref = EntityRef("txn_90d", tenant, USER)
     add_transaction(engine, tenant, "now() - interval '1 day'")
-    older = compute(engine, FULL, [(tenant, USER)])
-    fresh = compute(engine, FULL, [(tenant, USER)])
+    older = recompute(engine, tenant)
+    fresh = recompute(engine, tenant)
     now = int(time.time() * 1000)
     # Held 60 s since its query, with a horizon 30 s after it: due for 30 s now.
     late = dataclasses.replace(held(fresh, 60), valid_until_ms={(tenant, USER): now - 30_000})
