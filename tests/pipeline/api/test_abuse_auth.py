@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import http.server
-import json
 import logging
 import threading
 import time
@@ -34,7 +33,7 @@ from pipeline.api.limits import AccessGuard, address_group
 from pipeline.core.errors import ConfigError
 from pipeline.core.settings import Settings, load_settings, redact
 from pipeline.inference.models import LogisticModel, ModelRegistry
-from tests.helpers import fresh_version, running
+from tests.helpers import api_app, running
 
 URL = "/v1/features/txn_90d/1"
 REFRESH_S = 0.05  # how long a throttled guess waits at most (the key index's refresh)
@@ -105,35 +104,16 @@ def tenants(tenant_factory_module: Callable[..., SeedSummary]) -> list[str]:
     return tenant_factory_module(users=5, transactions=50, tenants=2).tenants
 
 
-@pytest.fixture
-def audit(caplog: pytest.LogCaptureFixture) -> Iterator[Callable[[], list[dict[str, Any]]]]:
-    """The audit lines written during the test, parsed."""
-    logger = logging.getLogger("freshline.audit")
-    logger.addHandler(caplog.handler)
-    previous = logger.level
-    logger.setLevel(logging.INFO)
-    yield lambda: [json.loads(r.getMessage()) for r in caplog.records if r.name == logger.name]
-    logger.removeHandler(caplog.handler)
-    logger.setLevel(previous)
-
-
 def guarded_app(
     settings: Settings, engine: Engine, redis_client: redis.Redis, **update: Any
 ) -> Starlette:
     limits = {
-        "schema_version": fresh_version(),
-        "local_cache_size": 0,
         "api_auth_failures_burst": 3,
         "api_auth_failures_per_min": 0.001,  # no refill within a test
         "api_key_index_refresh_s": REFRESH_S,
         **update,
     }
-    return create_app(
-        settings.model_copy(update=limits),
-        engine=engine,
-        redis_client=redis_client,
-        follow_deploys=False,
-    )
+    return api_app(settings, engine, redis_client, **limits)
 
 
 def throttled(response: httpx.Response) -> bool:
