@@ -284,6 +284,22 @@ def running(app: Starlette, key: str | None = None) -> Iterator[Api]:
             portal.call(client.aclose)
 
 
+def api_app(settings: Settings, engine: Engine, client: redis.Redis, **update: Any) -> Starlette:
+    """The API on a schema version of its own, without the in-process tier, following no
+    deploys; ``update`` changes these or other settings."""
+    # Imported here: loading these helpers should not import prometheus_client, which
+    # fixes its mode when first imported (pipeline.api imports it).
+    from pipeline.api import create_app
+
+    changed = {"schema_version": fresh_version(), "local_cache_size": 0, **update}
+    return create_app(
+        settings.model_copy(update=changed),
+        engine=engine,
+        redis_client=client,
+        follow_deploys=False,
+    )
+
+
 def need(variable: str) -> str:
     """The value of a ``.stack/env`` variable this test needs."""
     value = os.environ.get(variable, "")

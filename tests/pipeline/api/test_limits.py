@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from sqlalchemy.engine import Engine
 
 import pipeline.api.auth as auth_module
 from fraud.seed import SeedSummary
-from pipeline.api import create_app, metrics
+from pipeline.api import metrics
 from pipeline.api.auth import (
     Authenticator,
     Unauthorized,
@@ -47,13 +47,28 @@ from pipeline.core.keys import feature_pattern
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.inference.models import LogisticModel, ModelRegistry
-from tests.helpers import fresh_version, running, serving, wait_until
+from tests.helpers import api_app, fresh_version, running, serving, wait_until
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 
 
 def fresh_tenant() -> str:
     return f"lim-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def tenant(engine: Engine) -> str:
+    """A new tenant, with its first key."""
+    name = fresh_tenant()
+    create_tenant(engine, name)
+    return name
+
+
+def assert_refused(auth: Authenticator, key: str, reason: str, key_id: str) -> None:
+    """``auth`` refuses ``key`` for ``reason``, naming the key's id."""
+    with pytest.raises(Unauthorized) as refused:
+        auth.principal(key)
+    assert refused.value.reason == reason and refused.value.key_id == key_id
 
 
 class Queries:
@@ -75,22 +90,6 @@ class Queries:
 
     def count(self, needle: str) -> int:
         return sum(needle in s for s in self.statements)
-
-
-@pytest.fixture
-def audit(caplog: pytest.LogCaptureFixture) -> Iterator[Callable[[], list[dict[str, Any]]]]:
-    """The audit lines written during the test, parsed."""
-    logger = logging.getLogger("freshline.audit")
-    logger.addHandler(caplog.handler)
-    previous = logger.level
-    logger.setLevel(logging.INFO)
-
-    def lines() -> list[dict[str, Any]]:
-        return [json.loads(r.getMessage()) for r in caplog.records if r.name == logger.name]
-
-    yield lines
-    logger.removeHandler(caplog.handler)
-    logger.setLevel(previous)
 
 
 # -- the key lifecycle (finding 4) ------------------------------------------------------
@@ -126,10 +125,7 @@ def test_revocation_reaches_every_worker_through_the_channel(
 
         revoke_api_key(engine, redis_client, principal.key_id)
         assert wait_until(lambda: two.cached(key) == (False, None), timeout=1.0)
-        with pytest.raises(Unauthorized) as refused:
-            two.principal(key)
-        assert refused.value.reason == "revoked_key"
-        assert refused.value.key_id == principal.key_id
+        assert_refused(two, key, "revoked_key", principal.key_id)
         with pytest.raises(Unauthorized):
             one.principal(key)
     finally:
@@ -191,35 +187,25 @@ def test_keys_are_compared_in_constant_time_and_cached_keys_hash_nothing(
         auth.principal(key[:-1] + ("A" if key[-1] != "A" else "B"))
 
 
-def test_a_key_that_expires_while_cached_is_refused_as_expired(engine: Engine) -> None:
-    tenant = fresh_tenant()
-    create_tenant(engine, tenant)
+def test_a_key_that_expires_while_cached_is_refused_as_expired(engine: Engine, tenant: str) -> None:
     soon = issue_api_key(engine, tenant, expires_at=datetime.now(UTC) + timedelta(seconds=1))
     auth = Authenticator(engine, ttl_s=600)
     principal = auth.principal(soon.key)
     assert auth.cached(soon.key) == (True, principal)
     # The cache keeps it for ten minutes, but not past the key's own expiry.
     assert wait_until(lambda: auth.cached(soon.key) == (False, None), timeout=10)
-    with pytest.raises(Unauthorized) as refused:
-        auth.principal(soon.key)
-    assert refused.value.reason == "expired_key" and refused.value.key_id == soon.key_id
+    assert_refused(auth, soon.key, "expired_key", soon.key_id)
 
 
-def test_expired_keys_are_refused(engine: Engine) -> None:
-    tenant = fresh_tenant()
-    create_tenant(engine, tenant)
+def test_expired_keys_are_refused(engine: Engine, tenant: str) -> None:
     soon = issue_api_key(engine, tenant, expires_at=datetime.now(UTC) + timedelta(hours=1))
     past = issue_api_key(engine, tenant, expires_at=datetime.now(UTC) - timedelta(seconds=1))
     auth = Authenticator(engine)
     assert auth.principal(soon.key).key_id == soon.key_id
-    with pytest.raises(Unauthorized) as refused:
-        auth.principal(past.key)
-    assert refused.value.reason == "expired_key" and refused.value.key_id == past.key_id
+    assert_refused(auth, past.key, "expired_key", past.key_id)
 
 
-def test_last_use_is_written_in_batches_not_per_request(engine: Engine) -> None:
-    tenant = fresh_tenant()
-    create_tenant(engine, tenant)
+def test_last_use_is_written_in_batches_not_per_request(engine: Engine, tenant: str) -> None:
     issued = issue_api_key(engine, tenant)
     auth = Authenticator(engine, last_used_interval_s=3600)
     with Queries(engine) as queries:
@@ -298,18 +284,6 @@ def tenant_module(tenant_factory_module: Callable[..., SeedSummary]) -> str:
     return tenant_factory_module(users=10, transactions=200).tenants[0]
 
 
-def limited_app(
-    settings: Settings, engine: Engine, redis_client: redis.Redis, **limits: Any
-) -> Any:
-    update = {"schema_version": fresh_version(), "local_cache_size": 0, **limits}
-    return create_app(
-        settings.model_copy(update=update),
-        engine=engine,
-        redis_client=redis_client,
-        follow_deploys=False,
-    )
-
-
 def test_failed_authentications_past_the_limit_cost_no_query(
     settings: Settings,
     engine: Engine,
@@ -317,7 +291,7 @@ def test_failed_authentications_past_the_limit_cost_no_query(
     tenant_module: str,
     audit: Callable[[], list[dict[str, Any]]],
 ) -> None:
-    app = limited_app(
+    app = api_app(
         settings,
         engine,
         redis_client,
@@ -349,7 +323,7 @@ def test_a_key_over_its_rate_gets_429_with_retry_after(
     tenant_module: str,
     audit: Callable[[], list[dict[str, Any]]],
 ) -> None:
-    app = limited_app(settings, engine, redis_client, api_rate_per_s=0.01, api_rate_burst=3)
+    app = api_app(settings, engine, redis_client, api_rate_per_s=0.01, api_rate_burst=3)
     tenant = tenant_module
     greedy = issue_api_key(engine, tenant)
     other = create_api_key(engine, tenant)
@@ -383,7 +357,7 @@ def test_a_revoked_key_is_refused_by_the_api(
     tenant_module: str,
     audit: Callable[[], list[dict[str, Any]]],
 ) -> None:
-    app = limited_app(settings, engine, redis_client)
+    app = api_app(settings, engine, redis_client)
     issued = issue_api_key(engine, tenant_module)
     with running(app, issued.key) as api:
         assert app.state.services.auth.wait_live(5)
@@ -401,12 +375,7 @@ def test_reads_of_entities_without_source_rows_store_nothing(
     settings: Settings, engine: Engine, redis_client: redis.Redis, tenant_module: str
 ) -> None:
     version = fresh_version()
-    app = create_app(
-        settings.model_copy(update={"schema_version": version, "local_cache_size": 0}),
-        engine=engine,
-        redis_client=redis_client,
-        follow_deploys=False,
-    )
+    app = api_app(settings, engine, redis_client, schema_version=version)
     with running(app, create_api_key(engine, tenant_module)) as api:
         known = api.get("/v1/features/txn_90d/3").json()
         assert known["source"] == "computed"
@@ -441,7 +410,7 @@ def test_non_finite_predictions_are_refused_and_not_cached(
         seed=0,
     )
     ModelRegistry(redis_client).register(model.save(tmp_path / "v1.json"))
-    app = limited_app(settings, engine, redis_client)
+    app = api_app(settings, engine, redis_client)
     with running(app, create_api_key(engine, tenant_module)) as api:
         # inf - inf inside the model: a NaN prediction.
         candidates = [[1e308, -1e308], [-1e308, 1e308]]
@@ -475,7 +444,7 @@ def test_a_disconnect_mid_body_is_no_error_log_and_no_500(
     tenant_module: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    app = limited_app(settings, engine, redis_client)
+    app = api_app(settings, engine, redis_client)
     issued = issue_api_key(engine, tenant_module)
     key = issued.key
     with serving(app) as port:
@@ -511,7 +480,7 @@ def test_a_disconnect_mid_body_is_no_error_log_and_no_500(
 def test_a_body_that_does_not_arrive_in_time_is_a_408(
     settings: Settings, engine: Engine, redis_client: redis.Redis, tenant_module: str
 ) -> None:
-    app = limited_app(settings, engine, redis_client, api_body_timeout_s=0.3)
+    app = api_app(settings, engine, redis_client, api_body_timeout_s=0.3)
     key = create_api_key(engine, tenant_module)
     with serving(app) as port:
         with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -595,7 +564,7 @@ def test_an_integer_arm_is_refused_as_documented(
     tenant_module: str,
     tmp_path: Path,
 ) -> None:
-    app = limited_app(settings, engine, redis_client)
+    app = api_app(settings, engine, redis_client)
     with running(app, create_api_key(engine, tenant_module)) as api:
         out = api.post("/v1/models/anything/predict", json={"inputs": [[1.0]], "arm": 7})
         assert out.status_code == 422 and "arm" in out.json()["error"]["message"]
@@ -604,7 +573,7 @@ def test_an_integer_arm_is_refused_as_documented(
 def test_a_batch_names_each_feature_set_once_and_takes_integral_numbers(
     settings: Settings, engine: Engine, redis_client: redis.Redis, tenant_module: str
 ) -> None:
-    app = limited_app(settings, engine, redis_client)
+    app = api_app(settings, engine, redis_client)
     with running(app, create_api_key(engine, tenant_module)) as api:
         twice = api.post(
             "/v1/features/batch", json={"feature_sets": ["geo", "geo"], "entities": [1]}

@@ -36,7 +36,7 @@ from pipeline.core.keys import feature_key, feature_keys, grid_keys, hot_key, va
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from tests.helpers import fresh_version, running, wait_until
+from tests.helpers import api_app, fresh_version, running, wait_until
 from tests.pipeline.cache.test_subscriptions import Forwarder, address
 
 
@@ -297,12 +297,7 @@ def test_the_api_serves_a_truncated_entry_as_absent(
     settings: Settings, engine: Engine, redis_client: redis.Redis, tenant: str
 ) -> None:
     version = fresh_version()
-    app = create_app(
-        settings.model_copy(update={"schema_version": version, "local_cache_size": 0}),
-        engine=engine,
-        redis_client=redis_client,
-        follow_deploys=False,
-    )
+    app = api_app(settings, engine, redis_client, schema_version=version)
     with running(app, create_api_key(engine, tenant)) as api:
         assert api.get("/v1/features/txn_90d/3").json()["source"] == "computed"
         assert api.get("/v1/features/txn_90d/3").json()["source"] == "hit"
