@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import redis
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from consumers.processor import Processor
 from consumers.routing import Router, Unroutable
@@ -49,6 +49,18 @@ def truth(engine: Engine, name: str, tenant: str, users: list[str]) -> dict[str,
     return {u: batch.values[(tenant, u)] for u in users}
 
 
+def shared_device(conn: Connection, tenant: str) -> tuple[str, list[str]]:
+    """A device of ``tenant`` that more than one user has, and its users (ids, sorted)."""
+    device, users = conn.execute(
+        sa.text(
+            """SELECT device_id, array_agg(user_id::text ORDER BY user_id) FROM user_devices
+           WHERE tenant_id = :t GROUP BY device_id HAVING count(*) > 1 LIMIT 1"""
+        ),
+        {"t": tenant},
+    ).one()
+    return device, users
+
+
 def test_a_new_transaction_refreshes_exactly_its_user(
     engine: Engine, redis_client: redis.Redis, tenant: str, version: int
 ) -> None:
@@ -87,13 +99,7 @@ def test_a_device_change_reaches_every_user_of_it_and_no_other(
     engine: Engine, redis_client: redis.Redis, tenant: str, version: int
 ) -> None:
     with engine.begin() as conn:
-        device, users = conn.execute(
-            sa.text(
-                """SELECT device_id, array_agg(user_id::text ORDER BY user_id) FROM user_devices
-               WHERE tenant_id = :t GROUP BY device_id HAVING count(*) > 1 LIMIT 1"""
-            ),
-            {"t": tenant},
-        ).one()
+        device, users = shared_device(conn, tenant)
         conn.execute(
             sa.text("UPDATE devices SET risk_score = 0.99 WHERE tenant_id = :t AND id = :d"),
             {"t": tenant, "d": device},
@@ -279,13 +285,7 @@ def test_a_new_device_link_refreshes_every_user_of_that_device(
     engine: Engine, redis_client: redis.Redis, tenant: str, version: int
 ) -> None:
     with engine.begin() as conn:
-        device, users = conn.execute(
-            sa.text(
-                """SELECT device_id, array_agg(user_id::text ORDER BY user_id) FROM user_devices
-               WHERE tenant_id = :t GROUP BY device_id HAVING count(*) > 1 LIMIT 1"""
-            ),
-            {"t": tenant},
-        ).one()
+        device, users = shared_device(conn, tenant)
         newcomer = conn.execute(
             sa.text("SELECT max(id) FROM users WHERE tenant_id = :t"), {"t": tenant}
         ).scalar_one()
