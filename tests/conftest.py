@@ -9,8 +9,6 @@ itself by tenant: the ``tenant_factory`` fixture seeds fresh tenants with unique
 from __future__ import annotations
 
 import itertools
-import os
-import shutil
 import socket
 import subprocess
 import time
@@ -34,6 +32,8 @@ from tests.helpers import (
     make_url_redis,
     migrate,
     recreate_database,
+    redis_login_args,
+    redis_server,
     with_login,
 )
 
@@ -106,16 +106,11 @@ def private_redis() -> Iterator[tuple[str, Callable[[], None], Callable[[], None
 
     Yields ``(url, stop, start)``; it is running when the test begins.
     """
-    binary = shutil.which("redis-server")
-    if binary is None:
-        # Under CI a missing tool is a broken install step, not a reason to skip.
-        message = "redis-server is not installed: apt-get install redis-server (scripts/test does)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # The settings' Redis login (the stack's admin) works here too; so does no login.
+    argv = redis_server(port, *redis_login_args())
     procs: list[subprocess.Popen[bytes]] = []
 
     def answers(client: redis.Redis) -> bool:
@@ -124,28 +119,10 @@ def private_redis() -> Iterator[tuple[str, Callable[[], None], Callable[[], None
         except redis.exceptions.ConnectionError:
             return False
 
-    # The settings' Redis login (the stack's admin) works here too; so does no login.
-    user, password = (
-        os.environ.get("FRESHLINE_REDIS_USERNAME"),
-        os.environ.get("FRESHLINE_REDIS_PASSWORD", ""),
-    )
-    login = ["--user", user, "on", f">{password}", "~*", "&*", "+@all"] if user and password else []
-
     def start() -> None:
         procs.append(
             subprocess.Popen(
-                [
-                    binary,
-                    "--port",
-                    str(port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    *login,
-                ],
+                argv,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -298,6 +299,28 @@ def api_app(settings: Settings, engine: Engine, client: redis.Redis, **update: A
         redis_client=client,
         follow_deploys=False,
     )
+
+
+def redis_server(port: int, *args: str) -> list[str]:
+    """The command line of a redis-server of a test's own, on ``port`` of 127.0.0.1,
+    persisting nothing, ``args`` last. Without redis-server the test skips; under CI a
+    missing tool is a broken install step, so it fails."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        message = "redis-server is not installed: apt-get install redis-server (scripts/test does)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    local = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return [binary, *local, *args]
+
+
+def redis_login_args() -> list[str]:
+    """redis-server arguments that add the settings' Redis login (the stack's admin), so
+    that it works on a private server too; none without one (no login works as well)."""
+    user = os.environ.get("FRESHLINE_REDIS_USERNAME")
+    password = os.environ.get("FRESHLINE_REDIS_PASSWORD")
+    return ["--user", user, "on", f">{password}", "~*", "&*", "+@all"] if user and password else []
 
 
 def need(variable: str) -> str:

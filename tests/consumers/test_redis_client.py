@@ -4,7 +4,6 @@ never sends a failed write again by itself (the batch's own retry recomputes).""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -24,7 +23,7 @@ from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
-from tests.helpers import free_port, fresh_version
+from tests.helpers import free_port, fresh_version, redis_login_args, redis_server
 
 DEADLINE_S = 60.0
 """The test's own bound on a write to a stalled server: far above any timeout here."""
@@ -96,24 +95,16 @@ def test_a_write_to_a_stalled_redis_fails_instead_of_hanging(
 def one_node_cluster(tmp_path: Path) -> Iterator[redis.Redis]:
     """A redis-server of this test's own in cluster mode, serving every slot; yields a
     plain client on it, for the test to change the cluster with."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        message = "redis-server is not installed: apt-get install redis-server (scripts/test does)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
     port = free_port()
     user, password = (
         os.environ.get("FRESHLINE_REDIS_USERNAME") or None,
         os.environ.get("FRESHLINE_REDIS_PASSWORD") or None,
     )
-    login = ["--user", user, "on", f">{password}", "~*", "&*", "+@all"] if user and password else []
     # The cluster bus port is given: by default it is the port + 10000, past 65535 for
     # half of the ports free_port can pick.
     bus = ["--cluster-enabled", "yes", "--cluster-port", str(free_port())]
-    server = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir"]
     proc = subprocess.Popen(
-        [*server, str(tmp_path), "--appendonly", "no", *bus, *login],
+        redis_server(port, "--dir", str(tmp_path), *bus, *redis_login_args()),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -11,7 +11,6 @@ Sentinel, a proxy or a DNS name does): its client's pool is pointed at the new p
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -36,7 +35,7 @@ from pipeline.core.settings import Settings
 from pipeline.core.types import ChangeEvent, EntityRef
 from tests.consumers.conftest import Env, emit, wait_for
 from tests.consumers.test_worker_faults import Running, committed
-from tests.helpers import free_port
+from tests.helpers import free_port, redis_server
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -67,30 +66,12 @@ class Server:
 
 
 def start_server(*args: str) -> Server:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        message = "redis-server is not installed: apt-get install redis-server"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
     port = free_port()
+    argv = redis_server(port)
     # Its own directory: a replica writes the primary's snapshot to disk when it syncs.
     workdir = tempfile.mkdtemp(prefix="freshline-redis-")
     proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            workdir,
-            *args,
-        ],
+        [*argv, "--dir", workdir, *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
