@@ -228,13 +228,22 @@ def test_events_apply_once_and_in_order() -> None:
     assert idx.live == set() and idx.stream_id == "6-0"
 
 
-def test_a_namespace_stream_is_read_from_the_index_position(
+def warm_worker(
     redis_client: redis.Redis, caches: list[SemanticCache], scope: Scope
-) -> None:
+) -> tuple[SemanticCache, SemanticCache]:
+    """Two caches: a writer that stored three entries in the namespace, and a worker
+    that answered from them (so its index of the namespace is built)."""
     writer = cache(redis_client, caches)
     worker = cache(redis_client, caches)
     vectors = fill(writer, scope, 3)
     assert answer(worker, scope, "prompt 0-0", vectors[0]) == "response 0"
+    return writer, worker
+
+
+def test_a_namespace_stream_is_read_from_the_index_position(
+    redis_client: redis.Redis, caches: list[SemanticCache], scope: Scope
+) -> None:
+    _, worker = warm_worker(redis_client, caches, scope)
     idx = worker.pool.get(scope.namespace)
     last: Any = redis_client.xrevrange(semantic_log_key(scope.namespace), count=1)
     assert idx.stream_id == last[0][0].decode()
@@ -243,10 +252,7 @@ def test_a_namespace_stream_is_read_from_the_index_position(
 def test_an_idle_index_is_rebuilt_only_if_its_stream_lost_events(
     redis_client: redis.Redis, caches: list[SemanticCache], scope: Scope
 ) -> None:
-    writer = cache(redis_client, caches)
-    worker = cache(redis_client, caches)
-    vectors = fill(writer, scope, 3)
-    assert answer(worker, scope, "prompt 0-0", vectors[0]) == "response 0"
+    writer, worker = warm_worker(redis_client, caches, scope)
     idx = worker.pool.get(scope.namespace)
     retention_s = STREAM_RETENTION_MS / 1000
 
