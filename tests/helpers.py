@@ -9,7 +9,9 @@ import functools
 import itertools
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -321,6 +323,16 @@ def redis_login_args() -> list[str]:
     user = os.environ.get("FRESHLINE_REDIS_USERNAME")
     password = os.environ.get("FRESHLINE_REDIS_PASSWORD")
     return ["--user", user, "on", f">{password}", "~*", "&*", "+@all"] if user and password else []
+
+
+def interrupt(proc: subprocess.Popen[Any]) -> None:
+    """Stop ``proc`` as Ctrl-C does, killing it if it has not exited 15 s later."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
 
 
 def need(variable: str) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from sqlalchemy.engine import Engine
 from fraud.seed import SeedSummary
 from pipeline.api.auth import create_api_key
 from pipeline.core.settings import Settings
-from tests.helpers import wait_until
+from tests.helpers import interrupt, wait_until
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 
@@ -69,12 +68,7 @@ def server(settings: Settings, tmp_path: Path, ops_port: int) -> Iterator[str]:
         proc.wait(5)
         pytest.fail(f"serve did not come up: {log.read_text()[-2000:]}")
     yield url
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
+    interrupt(proc)
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -22,7 +21,7 @@ import httpx
 import pytest
 
 from pipeline.core.settings import Settings
-from tests.helpers import wait_until
+from tests.helpers import interrupt, wait_until
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 IDLE = 1500  # past granian's default of 1,024 connections per worker
@@ -70,12 +69,7 @@ def serving(
             pytest.fail(f"serve did not come up: {log.read_text()[-2000:]}")
         yield url, port
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        interrupt(proc)
 
 
 @pytest.mark.slow
