@@ -33,14 +33,6 @@ def tenant() -> str:
     return f"local-{uuid.uuid4().hex[:10]}"
 
 
-@pytest.fixture
-def tier(redis_client: redis.Redis) -> Iterator[LocalTier]:
-    local = LocalTier(redis_client, max_entries=100, heartbeat_s=0.2, registry=UNWINDOWED).start()
-    assert local.wait_live(5)
-    yield local
-    local.close()
-
-
 def publish(
     client: redis.Redis,
     tenant: str,

@@ -41,14 +41,6 @@ def write(store: FeatureStore, tenant: str, entity: str, count: int, watermark: 
     assert store.write(batch).written == 1
 
 
-@pytest.fixture
-def tier(redis_client: redis.Redis) -> Iterator[LocalTier]:
-    local = LocalTier(redis_client, max_entries=100, heartbeat_s=0.2, registry=UNWINDOWED).start()
-    assert local.wait_live(5)
-    yield local
-    local.close()
-
-
 def warm(tier: LocalTier, store: FeatureStore, ref: EntityRef) -> None:
     """Read ``ref`` from Redis into the tier, as the API does, until the tier holds it.
 
