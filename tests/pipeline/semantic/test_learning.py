@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import cast
 
 import numpy as np
@@ -91,14 +91,6 @@ def learned() -> Learned:
 @pytest.fixture
 def table() -> Table:
     return Table()
-
-
-@pytest.fixture
-def made(redis_client: redis.Redis) -> Iterator[list[SemanticCache]]:
-    caches: list[SemanticCache] = []
-    yield caches
-    for c in caches:
-        c.close()
 
 
 @pytest.fixture

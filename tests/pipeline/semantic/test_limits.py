@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from typing import cast
 
 import numpy as np
@@ -30,14 +29,6 @@ from tests.pipeline.semantic.test_index import DIM, ZERO, Vectors, answer
 @pytest.fixture
 def tenant() -> str:
     return f"t{uuid.uuid4().hex[:12]}"
-
-
-@pytest.fixture
-def made(redis_client: redis.Redis) -> Iterator[list[SemanticCache]]:
-    caches: list[SemanticCache] = []
-    yield caches
-    for c in caches:
-        c.close()
 
 
 def cache(redis_client: redis.Redis, made: list[SemanticCache], limits: Limits) -> SemanticCache:
