@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from sqlalchemy.engine import Engine, make_url
 from starlette.applications import Starlette
 
 import migrations
+from pipeline.cache.versions import VersionResolver
 from pipeline.core.db import make_engine
 from pipeline.core.features import Registry
 from pipeline.core.maintenance import install_missing
@@ -333,6 +335,19 @@ def interrupt(proc: subprocess.Popen[Any]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(5)
+
+
+def observe_refreshes(resolver: VersionResolver) -> threading.Event:
+    """An event set each time a deploy message drops the resolver's cached version."""
+    got = threading.Event()
+    original = resolver.refresh
+
+    def refresh() -> None:
+        original()
+        got.set()
+
+    resolver.refresh = refresh  # type: ignore[method-assign]
+    return got
 
 
 def need(variable: str) -> str:

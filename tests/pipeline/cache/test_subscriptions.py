@@ -38,7 +38,7 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef, Entry
 from pipeline.deploy.pointer import flip
-from tests.helpers import TXN_VALUES, UNWINDOWED, running, wait_until
+from tests.helpers import TXN_VALUES, UNWINDOWED, observe_refreshes, running, wait_until
 
 PrivateRedis = tuple[str, Callable[[], None], Callable[[], None]]
 
@@ -292,19 +292,6 @@ def deploy(
     pointer = Pointer.scoped(uuid.uuid4().hex)
     yield settings.model_copy(update={"schema_version": a}), lock, pointer, a, b
     redis_client.delete(pointer.active_key, pointer.next_key)
-
-
-def observe_refreshes(resolver: VersionResolver) -> threading.Event:
-    """An event set each time a deploy message drops the resolver's cached version."""
-    got = threading.Event()
-    original = resolver.refresh
-
-    def refresh() -> None:
-        original()
-        got.set()
-
-    resolver.refresh = refresh  # type: ignore[method-assign]
-    return got
 
 
 def test_a_resolver_with_a_silent_listener_rereads_the_pointer(

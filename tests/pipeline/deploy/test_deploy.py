@@ -38,7 +38,7 @@ from pipeline.deploy.pointer import IN_FLIGHT_MS, cancel, flip, keep_ms, start
 from pipeline.deploy.purge import purge
 from pipeline.deploy.warm import Throttle, active_entities, count_active, warm
 from pipeline.inference.models import purge_model
-from tests.helpers import wait_until
+from tests.helpers import observe_refreshes, wait_until
 
 TXN_90D = REGISTRY["txn_90d"]
 
@@ -123,8 +123,9 @@ def deploy_world(
 def world(
     settings: Settings, redis_client: redis.Redis, engine: Engine, module_tenant: str
 ) -> Iterator[Deploy]:
-    a = 1000 + uuid.uuid4().int % 4000
-    b = a + 1 + uuid.uuid4().int % 3000
+    # Versions no other test, of this session or one beside it, writes: random ones met
+    # entries other runs had left in them within their TTL (1,513 where 1,500 were made).
+    a, b = fresh_version(), fresh_version()
     with deploy_world(settings, redis_client, engine, module_tenant, a, b) as world:
         yield world
 
@@ -358,14 +359,7 @@ def test_a_listening_resolver_follows_the_flip_at_once(world: Deploy) -> None:
         world.redis, world.settings, pointer=world.pointer, lock=world.lock, max_age_s=3600
     )
     assert resolver.current() == world.a
-    got = threading.Event()
-    original = resolver.refresh
-
-    def refresh() -> None:
-        original()
-        got.set()
-
-    resolver.refresh = refresh  # type: ignore[method-assign]
+    got = observe_refreshes(resolver)
     resolver.listen()
     try:
         channel = world.pointer.channel
