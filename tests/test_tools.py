@@ -190,6 +190,9 @@ BUILTINS = {
 }
 
 
+HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
+
+
 def script_programs() -> dict[str, set[str]]:
     """``{program: {script, ...}}``: command words of the shell scripts that are programs
     on this machine's PATH (config keys and variables are not), or in ``command -v``."""
@@ -197,9 +200,17 @@ def script_programs() -> dict[str, set[str]]:
     for path in SCRIPTS:
         text = path.read_text()
         functions = set(re.findall(r"^\s*([\w-]+)\(\)\s*\{", text, re.M))
+        heredoc = None  # the delimiter of the here-document being read: its lines are data
         for raw in text.splitlines():
+            if heredoc is not None:
+                if raw.strip() == heredoc:
+                    heredoc = None
+                continue
             if raw.strip().startswith("#"):
                 continue
+            opened = HEREDOC.search(raw)
+            if opened:
+                heredoc = opened.group(1)
             line = re.sub(r"'[^']*'", "''", raw.strip())
             asked = set(COMMAND_V.findall(line))
             for word in asked | set(COMMAND_WORD.findall(line)):

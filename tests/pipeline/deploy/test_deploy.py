@@ -38,7 +38,7 @@ from pipeline.deploy.pointer import IN_FLIGHT_MS, cancel, flip, keep_ms, start
 from pipeline.deploy.purge import purge
 from pipeline.deploy.warm import Throttle, active_entities, count_active, warm
 from pipeline.inference.models import purge_model
-from tests.helpers import observe_refreshes, wait_until
+from tests.helpers import fresh_version, observe_refreshes, wait_until
 
 TXN_90D = REGISTRY["txn_90d"]
 
