@@ -32,13 +32,14 @@ from sqlalchemy.engine import Engine, make_url
 from starlette.applications import Starlette
 
 import migrations
+from pipeline.cache.readthrough import ReadThrough, Result
 from pipeline.cache.versions import VersionResolver
 from pipeline.core.db import make_engine
 from pipeline.core.features import Registry
 from pipeline.core.maintenance import install_missing
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
-from pipeline.core.types import FeatureValues
+from pipeline.core.types import EntityRef, FeatureValues
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAUD_MIGRATIONS = migrations.Chain.of(ROOT / "examples" / "fraud" / "migrations", "fraud")
@@ -348,6 +349,47 @@ def observe_refreshes(resolver: VersionResolver) -> threading.Event:
 
     resolver.refresh = refresh  # type: ignore[method-assign]
     return got
+
+
+@dataclasses.dataclass
+class PausedReader:
+    """A reader thread held between its database query and its write to Redis."""
+
+    thread: threading.Thread
+    resume: threading.Event
+    answers: list[Result] = dataclasses.field(default_factory=list)
+    errors: list[BaseException] = dataclasses.field(default_factory=list)
+
+    def finish(self) -> Result:
+        """Let the reader write, wait for its thread to end; its one answer."""
+        self.resume.set()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the paused reader never finished"
+        assert not self.errors, f"the paused reader raised: {self.errors[0]!r}"
+        assert len(self.answers) == 1
+        return self.answers[0]
+
+
+def paused_reader(rt: ReadThrough, ref: EntityRef) -> PausedReader:
+    """Start a reader of ``ref`` and return once it has queried the database."""
+    queried, resume = threading.Event(), threading.Event()
+
+    def pause(_: list[EntityRef]) -> None:
+        queried.set()
+        if not resume.wait(timeout=30):
+            raise TimeoutError("the test never resumed the reader")
+
+    def read() -> None:
+        try:
+            paused.answers.append(rt.get(ref))
+        except BaseException as exc:  # reported by finish(), in the test's thread
+            paused.errors.append(exc)
+
+    rt.hooks.after_compute = pause
+    paused = PausedReader(threading.Thread(target=read), resume)
+    paused.thread.start()
+    assert queried.wait(timeout=30)
+    return paused
 
 
 def need(variable: str) -> str:

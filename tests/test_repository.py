@@ -29,7 +29,7 @@ from consumers.routing import Router
 from consumers.topics import ensure, ensure_cdc_topics, managed
 from pipeline.api import create_app
 from pipeline.api.auth import TenantExists, create_api_key, create_tenant
-from pipeline.cache.readthrough import Hooks, ReadThrough, Result
+from pipeline.cache.readthrough import Hooks, ReadThrough
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.cache.versions import Pointer, VersionResolver, WriteVersions
@@ -54,7 +54,14 @@ from pipeline.core.types import ChangeEvent, EntityRef
 from pipeline.deploy.plan import plan
 from pipeline.deploy.pointer import flip, start
 from pipeline.deploy.warm import active_entities, count_active, warm
-from tests.helpers import drop_database, fresh_version, recreate_database, running, wait_until
+from tests.helpers import (
+    drop_database,
+    fresh_version,
+    paused_reader,
+    recreate_database,
+    running,
+    wait_until,
+)
 from tests.pipeline.cache.test_readthrough import read_at_once
 from tests.pipeline.deploy.test_deploy import under_load
 
@@ -518,35 +525,14 @@ def test_no_stale_set_when_a_change_lands_mid_read_through(
     store = FeatureStore(redis_client, version, registry=library.registry)
     rt = ReadThrough(store, engine, early_refresh=False)
     ref = EntityRef(feature_set, IMPLICIT_TENANT, key)
-    queried, resume = threading.Event(), threading.Event()
-    answers: list[Result] = []
-    errors: list[BaseException] = []
-
-    def pause(_: list[EntityRef]) -> None:
-        queried.set()
-        if not resume.wait(timeout=30):
-            raise TimeoutError("the test never resumed the reader")
-
-    def read() -> None:
-        try:
-            answers.append(rt.get(ref))
-        except BaseException as exc:  # reported below, in the test's thread
-            errors.append(exc)
-
-    rt.hooks.after_compute = pause
-    reader = threading.Thread(target=read)
-    reader.start()
-    assert queried.wait(timeout=30)
+    reader = paused_reader(rt, ref)
     with engine.begin() as conn:
         conn.execute(sa.text(change), {"m": key})
     processor = Processor(
         engine, redis_client, versions=lambda: [version], registry=library.registry
     )
     processor.apply([event(key)])
-    resume.set()
-    reader.join(timeout=30)
-    assert not reader.is_alive() and not errors, errors
-    [answer] = answers
+    answer = reader.finish()
     assert answer.source == "computed" and answer.values[field] == old
     assert (rt.counters.stored, rt.counters.refused) == (0, 1)
     [served] = store.read([ref])

@@ -6,7 +6,6 @@ import multiprocessing as mp
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import pytest
 import redis
@@ -22,6 +21,7 @@ from pipeline.core.keys import lease_key
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
+from tests.helpers import paused_reader
 
 TXN_90D = REGISTRY["txn_90d"]
 
@@ -73,47 +73,6 @@ def test_hit_miss_and_batch(
     assert second[0].values == truth(engine, refs[0])
 
 
-@dataclass
-class PausedReader:
-    """A reader thread held between its database query and its write to Redis."""
-
-    thread: threading.Thread
-    resume: threading.Event
-    answers: list[Result] = field(default_factory=list)
-    errors: list[BaseException] = field(default_factory=list)
-
-    def finish(self) -> Result:
-        """Let the reader write, wait for its thread to end; its one answer."""
-        self.resume.set()
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive(), "the paused reader never finished"
-        assert not self.errors, f"the paused reader raised: {self.errors[0]!r}"
-        assert len(self.answers) == 1
-        return self.answers[0]
-
-
-def _paused_reader(rt: ReadThrough, ref: EntityRef) -> PausedReader:
-    """Start a reader of ``ref`` and return once it has queried the database."""
-    queried, resume = threading.Event(), threading.Event()
-
-    def pause(_: list[EntityRef]) -> None:
-        queried.set()
-        if not resume.wait(timeout=30):
-            raise TimeoutError("the test never resumed the reader")
-
-    def read() -> None:
-        try:
-            paused.answers.append(rt.get(ref))
-        except BaseException as exc:  # reported by finish(), in the test's thread
-            paused.errors.append(exc)
-
-    rt.hooks.after_compute = pause
-    paused = PausedReader(threading.Thread(target=read), resume)
-    paused.thread.start()
-    assert queried.wait(timeout=30)
-    return paused
-
-
 def test_no_stale_set_when_an_invalidation_lands_mid_read(
     redis_client: redis.Redis, engine: Engine, tenant: str, version: int
 ) -> None:
@@ -122,7 +81,7 @@ def test_no_stale_set_when_an_invalidation_lands_mid_read(
     ref = EntityRef("txn_90d", tenant, "1")
     old = truth(engine, ref)
     # The reader has queried the database and is paused before its write.
-    reader = _paused_reader(rt, ref)
+    reader = paused_reader(rt, ref)
     # A change commits and its invalidation is applied.
     bump_amounts(engine, ref)
     store.invalidate([ref], current_watermark(engine))
@@ -146,7 +105,7 @@ def test_no_stale_set_when_the_newer_entry_is_evicted_mid_read(
     rt = ReadThrough(store, engine, early_refresh=False)
     ref = EntityRef("txn_90d", tenant, "2")
     old = truth(engine, ref)
-    reader = _paused_reader(rt, ref)
+    reader = paused_reader(rt, ref)
     bump_amounts(engine, ref)
     store.write(compute(engine, TXN_90D, [(ref.tenant, ref.entity)]))  # the consumer
     redis_client.delete(store.key(ref))  # evicted
@@ -165,7 +124,7 @@ def test_the_watermark_alone_refuses_a_stale_fill(
     ref = EntityRef("txn_90d", tenant, "3")
     lease = lease_key(version, ref)
     old = truth(engine, ref)
-    reader = _paused_reader(rt, ref)
+    reader = paused_reader(rt, ref)
     token = redis_client.get(lease)
     assert token is not None
     bump_amounts(engine, ref)
