@@ -128,3 +128,12 @@ def stack(*args: str) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def add_tenant(conn: sa.Connection, tenant: str, users: int) -> None:
+    """A tenant of its own, with users 1 to ``users``."""
+    conn.execute(sa.text("INSERT INTO freshline.tenants (id, name) VALUES (:t, :t)"), {"t": tenant})
+    conn.execute(
+        sa.text("INSERT INTO users (tenant_id, id) SELECT :t, g FROM generate_series(1, :n) g"),
+        {"t": tenant, "n": users},
+    )

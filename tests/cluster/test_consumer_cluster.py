@@ -23,6 +23,7 @@ from pipeline.core.settings import Settings
 from pipeline.core.topics import qualified
 from pipeline.core.types import EntityRef
 from pipeline.observe.audit import Auditor
+from tests.cluster.conftest import add_tenant
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.cluster
@@ -49,13 +50,7 @@ def test_a_worker_on_the_cluster_writes_entries_the_auditor_finds_consistent(
     report = ensure(admin, 3, topics=topics)
     assert sorted(report.created) == sorted(topics)
     with primary.begin() as conn:
-        conn.execute(
-            sa.text("INSERT INTO freshline.tenants (id, name) VALUES (:t, :t)"), {"t": tenant}
-        )
-        conn.execute(
-            sa.text("INSERT INTO users (tenant_id, id) SELECT :t, g FROM generate_series(1, :n) g"),
-            {"t": tenant, "n": USERS},
-        )
+        add_tenant(conn, tenant, USERS)
         ids = conn.execute(
             sa.text(
                 "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "

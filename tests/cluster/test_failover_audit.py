@@ -23,7 +23,7 @@ from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from pipeline.observe.audit import Auditor
-from tests.cluster.conftest import stack
+from tests.cluster.conftest import add_tenant, stack
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.cluster
@@ -68,13 +68,7 @@ def test_a_killed_master_then_quiescence_leaves_no_inconsistency(
     primary, _ = engines
     tenant = f"fo-{uuid.uuid4().hex[:10]}"
     with primary.begin() as conn:
-        conn.execute(
-            sa.text("INSERT INTO freshline.tenants (id, name) VALUES (:t, :t)"), {"t": tenant}
-        )
-        conn.execute(
-            sa.text("INSERT INTO users (tenant_id, id) SELECT :t, g FROM generate_series(1, :n) g"),
-            {"t": tenant, "n": USERS},
-        )
+        add_tenant(conn, tenant, USERS)
     version = 950_000 + uuid.uuid4().int % 40_000
     refs = [EntityRef("txn_90d", tenant, str(u)) for u in range(1, USERS + 1)]
     client = redis_client(cluster_settings, socket_timeout=1, socket_connect_timeout=1)

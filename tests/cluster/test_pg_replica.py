@@ -18,6 +18,7 @@ from pipeline.cache.recompute import compute, current_watermark
 from pipeline.cache.store import FeatureStore
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef
+from tests.cluster.conftest import add_tenant
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.cluster
@@ -54,10 +55,7 @@ def one_transaction_replicated(
     under a version no other test uses, and the user's ``txn_90d`` ref."""
     tenant = f"rep-{uuid.uuid4().hex[:10]}"
     with primary.begin() as conn:
-        conn.execute(
-            sa.text("INSERT INTO freshline.tenants (id, name) VALUES (:t, :t)"), {"t": tenant}
-        )
-        conn.execute(sa.text("INSERT INTO users (tenant_id, id) VALUES (:t, 1)"), {"t": tenant})
+        add_tenant(conn, tenant, 1)
     add_transaction(primary, tenant, 10)
     assert wait_until(lambda: count(replica, tenant) == 1, 30)
     store = FeatureStore(client, 900_000 + uuid.uuid4().int % 90_000)
