@@ -32,7 +32,8 @@ from sqlalchemy.engine import Engine, make_url
 from starlette.applications import Starlette
 
 import migrations
-from pipeline.cache.readthrough import ReadThrough, Result
+from pipeline.cache.readthrough import Hooks, ReadThrough, Result
+from pipeline.cache.store import FeatureStore
 from pipeline.cache.versions import VersionResolver
 from pipeline.core.db import make_engine
 from pipeline.core.features import Registry
@@ -349,6 +350,18 @@ def observe_refreshes(resolver: VersionResolver) -> threading.Event:
 
     resolver.refresh = refresh  # type: ignore[method-assign]
     return got
+
+
+def counting_readthrough(
+    store: FeatureStore, engine: Engine
+) -> tuple[ReadThrough, list[list[EntityRef]]]:
+    """A read-through without early refreshes, and the list of the refs of each compute
+    it runs, appended as it runs them."""
+    computed: list[list[EntityRef]] = []
+    rt = ReadThrough(
+        store, engine, hooks=Hooks(before_compute=computed.append), early_refresh=False
+    )
+    return rt, computed
 
 
 @dataclasses.dataclass

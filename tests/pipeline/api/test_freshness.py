@@ -30,7 +30,7 @@ from pipeline.api.freshness import Demand
 from pipeline.api.reader import FeatureReader, Lookup, Mode
 from pipeline.cache.client import FeatureClient, freshline_token
 from pipeline.cache.local import LocalTier
-from pipeline.cache.readthrough import Hooks, ReadThrough
+from pipeline.cache.readthrough import ReadThrough
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.cache.tokens import SNAPSHOT, TRANSACTION, Token, decode, encode
@@ -38,7 +38,16 @@ from pipeline.core.errors import ConfigError
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import ChangeEvent, EntityRef
-from tests.helpers import Api, as_user, fresh_version, need, role_engine, running, wait_until
+from tests.helpers import (
+    Api,
+    as_user,
+    counting_readthrough,
+    fresh_version,
+    need,
+    role_engine,
+    running,
+    wait_until,
+)
 
 TOKEN_SQL = sa.text("SELECT freshline.token()")
 
@@ -491,13 +500,7 @@ def test_the_client_honours_tokens_and_staleness_bounds(
     engine: Engine, redis_client: redis.Redis, tenant: str
 ) -> None:
     version = fresh_version()
-    computed: list[list[EntityRef]] = []
-    rt = ReadThrough(
-        FeatureStore(redis_client, version),
-        engine,
-        hooks=Hooks(before_compute=computed.append),
-        early_refresh=False,
-    )
+    rt, computed = counting_readthrough(FeatureStore(redis_client, version), engine)
     client = FeatureClient(redis_client, version, readthrough=rt)
     tier = LocalTier(redis_client, max_entries=100).start()
     tiered = FeatureClient(redis_client, version, readthrough=rt, local=tier)

@@ -21,7 +21,7 @@ from pipeline.core.keys import lease_key
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from tests.helpers import paused_reader
+from tests.helpers import counting_readthrough, paused_reader
 
 TXN_90D = REGISTRY["txn_90d"]
 
@@ -51,13 +51,7 @@ def bump_amounts(engine: Engine, ref: EntityRef) -> None:
 def test_hit_miss_and_batch(
     redis_client: redis.Redis, engine: Engine, tenant: str, version: int
 ) -> None:
-    computed: list[list[EntityRef]] = []
-    rt = ReadThrough(
-        FeatureStore(redis_client, version),
-        engine,
-        hooks=Hooks(before_compute=computed.append),
-        early_refresh=False,
-    )
+    rt, computed = counting_readthrough(FeatureStore(redis_client, version), engine)
     refs = [EntityRef(fs, tenant, str(u)) for fs in ("txn_90d", "geo") for u in (1, 2, 3)]
     first = rt.get_many([*refs, refs[0]])
     assert [r.source for r in first] == ["computed"] * 7
