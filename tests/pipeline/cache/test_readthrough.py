@@ -48,6 +48,17 @@ def bump_amounts(engine: Engine, ref: EntityRef) -> None:
         )
 
 
+@pytest.fixture
+def store(redis_client: redis.Redis, version: int) -> FeatureStore:
+    return FeatureStore(redis_client, version)
+
+
+@pytest.fixture
+def rt(store: FeatureStore, engine: Engine) -> ReadThrough:
+    """A read-through on the test's store, without early refreshes."""
+    return ReadThrough(store, engine, early_refresh=False)
+
+
 def test_hit_miss_and_batch(
     redis_client: redis.Redis, engine: Engine, tenant: str, version: int
 ) -> None:
@@ -68,10 +79,8 @@ def test_hit_miss_and_batch(
 
 
 def test_no_stale_set_when_an_invalidation_lands_mid_read(
-    redis_client: redis.Redis, engine: Engine, tenant: str, version: int
+    engine: Engine, tenant: str, store: FeatureStore, rt: ReadThrough
 ) -> None:
-    store = FeatureStore(redis_client, version)
-    rt = ReadThrough(store, engine, early_refresh=False)
     ref = EntityRef("txn_90d", tenant, "1")
     old = truth(engine, ref)
     # The reader has queried the database and is paused before its write.
@@ -91,12 +100,10 @@ def test_no_stale_set_when_an_invalidation_lands_mid_read(
 
 
 def test_no_stale_set_when_the_newer_entry_is_evicted_mid_read(
-    redis_client: redis.Redis, engine: Engine, tenant: str, version: int
+    redis_client: redis.Redis, engine: Engine, tenant: str, store: FeatureStore, rt: ReadThrough
 ) -> None:
     """Meta's "Cache made consistent" case: the newer entry is gone when the stale
     reader comes to write, so only the lease stands between it and the cache."""
-    store = FeatureStore(redis_client, version)
-    rt = ReadThrough(store, engine, early_refresh=False)
     ref = EntityRef("txn_90d", tenant, "2")
     old = truth(engine, ref)
     reader = paused_reader(rt, ref)
@@ -110,11 +117,14 @@ def test_no_stale_set_when_the_newer_entry_is_evicted_mid_read(
 
 
 def test_the_watermark_alone_refuses_a_stale_fill(
-    redis_client: redis.Redis, engine: Engine, tenant: str, version: int
+    redis_client: redis.Redis,
+    engine: Engine,
+    tenant: str,
+    version: int,
+    store: FeatureStore,
+    rt: ReadThrough,
 ) -> None:
     """Defence in depth: even if the lease survived, the tombstone's watermark wins."""
-    store = FeatureStore(redis_client, version)
-    rt = ReadThrough(store, engine, early_refresh=False)
     ref = EntityRef("txn_90d", tenant, "3")
     lease = lease_key(version, ref)
     old = truth(engine, ref)
