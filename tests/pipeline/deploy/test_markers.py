@@ -67,6 +67,18 @@ def whole_pointer(world: Deploy) -> list[bytes | str | None]:
     return [*world.redis.mget([*keys, p.retired_key(world.b)])]
 
 
+def assert_not_deployable(world: Deploy, version: int) -> None:
+    """Neither a flip to ``version`` nor a start of it is allowed ("purge it first"),
+    and the refused attempts leave the pointer as it was."""
+    r, s, p, lock = world.redis, world.settings, world.pointer, world.lock
+    before = whole_pointer(world)
+    with pytest.raises(DeployError, match="purge it first"):
+        flip(r, s, version, lock, pointer=p)
+    with pytest.raises(DeployError, match="purge it first"):
+        start(r, s, version, lock, pointer=p)
+    assert whole_pointer(world) == before
+
+
 def age(world: Deploy, version: int, ms: int) -> None:
     """Pretend ``version`` stopped being written ``ms`` earlier than it did."""
     key = world.pointer.retired_key(version)
@@ -139,12 +151,7 @@ def test_a_forced_purge_of_the_previous_version_leaves_it_unflippable(world: Dep
     # A consumer's last write to A may land after the purge's scan: the marker stays.
     assert result.retired_ms >= longest_ms(lock, world.a)
     assert r.pttl(p.retired_key(world.a)) >= longest_ms(lock, world.a)
-    before = whole_pointer(world)
-    with pytest.raises(DeployError, match="purge it first"):
-        flip(r, s, world.a, lock, pointer=p)
-    with pytest.raises(DeployError, match="purge it first"):
-        start(r, s, world.a, lock, pointer=p)
-    assert whole_pointer(world) == before
+    assert_not_deployable(world, world.a)
     # Once every write to A has landed, a purge clears the marker: A can be deployed.
     age(world, world.a, deploy.IN_FLIGHT_MS)
     again = purge(r, s, world.a, pointer=p)
@@ -166,12 +173,7 @@ def test_a_cancelled_version_is_refused_until_purged(world: Deploy) -> None:
     assert served(world, world.a, 3) == truth(world, 3)
     frozen = served(world, world.b, 3)
     assert frozen is not None and frozen != truth(world, 3)  # ...so its entries are frozen
-    before = whole_pointer(world)
-    with pytest.raises(DeployError, match="purge it first"):
-        flip(r, s, world.b, lock, pointer=p)
-    with pytest.raises(DeployError, match="purge it first"):
-        start(r, s, world.b, lock, pointer=p)
-    assert whole_pointer(world) == before
+    assert_not_deployable(world, world.b)
     # The cancel left a marker that outlives every entry of B written before it.
     assert r.pttl(p.retired_key(world.b)) > longest_ms(lock, world.b)
 
