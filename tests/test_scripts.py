@@ -90,25 +90,35 @@ def test_refuses_python_3_10_in_one_line(tmp_path: Path) -> None:
     assert "3.10" in lines[0] and "3.11 or later" in lines[0] and str(python) in lines[0]
 
 
-def test_without_PYTHON_the_locks_python_3_11_is_chosen_first(tmp_path: Path) -> None:
-    """requirements/dev.txt is compiled on 3.11: a machine that has it uses it."""
+@pytest.mark.parametrize(
+    ("installed", "chosen"),
+    [
+        pytest.param(
+            {"python3.13": "3.13.1", "python3.12": "3.12.4", "python3.11": "3.11.9"},
+            "3.11",
+            id="the-locks-3.11-first",
+        ),
+        pytest.param(
+            {"python3.11": None, "python3.12": "3.12.4", "python3.13": "3.13.1"},
+            "3.12",
+            id="the-next-that-runs",
+        ),
+    ],
+)
+def test_without_PYTHON_the_first_interpreter_that_runs_is_chosen(
+    tmp_path: Path, installed: dict[str, str | None], chosen: str
+) -> None:
+    """requirements/dev.txt is compiled on 3.11: a machine that has it uses it; where it
+    does not run (``None``: a pyenv shim of a version not installed), the next that does."""
     bin_dir = tmp_path / "bin"
-    fake_python(bin_dir / "python3.13", "3.13.1")
-    fake_python(bin_dir / "python3.12", "3.12.4")
-    fake_python(bin_dir / "python3.11", "3.11.9")
+    for name, version in installed.items():
+        if version is None:
+            write_executable(bin_dir / name, BROKEN_SHIM)
+        else:
+            fake_python(bin_dir / name, version)
     r = check_python(tmp_path, PATH=f"{bin_dir}:/usr/bin:/bin")
     assert r.returncode == 0, r.stderr
-    assert "Python 3.11" in r.stdout and r.stdout.strip().endswith("python3.11")
-
-
-def test_without_PYTHON_the_next_interpreter_that_runs_is_chosen(tmp_path: Path) -> None:
-    bin_dir = tmp_path / "bin"
-    write_executable(bin_dir / "python3.11", BROKEN_SHIM)
-    fake_python(bin_dir / "python3.12", "3.12.4")
-    fake_python(bin_dir / "python3.13", "3.13.1")
-    r = check_python(tmp_path, PATH=f"{bin_dir}:/usr/bin:/bin")
-    assert r.returncode == 0, r.stderr
-    assert "Python 3.12" in r.stdout and r.stdout.strip().endswith("python3.12")
+    assert f"Python {chosen}" in r.stdout and r.stdout.strip().endswith(f"python{chosen}")
 
 
 def test_without_PYTHON_an_old_python3_alone_is_refused(tmp_path: Path) -> None:
