@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +136,15 @@ def env(
     yield Env(local, seeded.tenants[0], seeded.users)
     for future in admin.delete_topics(topics, operation_timeout=10).values():
         future.result()
+
+
+@contextmanager
+def own_topic(env: Env, admin: AdminClient, name: str) -> Iterator[str]:
+    """The topic ``name`` under the test's prefix, of one partition, deleted after."""
+    topic = env.topic(name)
+    ensure(admin, 1, topics=[topic])
+    yield topic
+    admin.delete_topics([topic], operation_timeout=10)[topic].result()
 
 
 def emit(

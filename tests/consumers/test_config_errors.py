@@ -29,7 +29,6 @@ from sqlalchemy.engine import Engine, make_url
 from consumers.dlq import ERROR_CLASS, ERROR_KIND
 from consumers.failures import CONFIGURATION, DATA_ERRORS, RETRIED, cause
 from consumers.kafka import Consumer, Producer
-from consumers.topics import ensure
 from consumers.worker import Worker
 from pipeline.cache.versions import Pointer, WriteVersions
 from pipeline.core.errors import ConfigError, DeployError, InvalidId, LockMismatch
@@ -41,6 +40,7 @@ from tests.consumers.conftest import (
     assert_redis_equals_postgres,
     emit,
     emit_per_user,
+    own_topic,
     read_topic,
     wait_for,
 )
@@ -121,10 +121,8 @@ def wait_held(
 @pytest.fixture
 def geoip_topic(env: Env, admin: AdminClient) -> Iterator[str]:
     """The geoip table's CDC topic under the test's prefix."""
-    topic = env.topic("freshline.public.geoip")
-    ensure(admin, 1, topics=[topic])
-    yield topic
-    admin.delete_topics([topic], operation_timeout=10)[topic].result()
+    with own_topic(env, admin, "freshline.public.geoip") as topic:
+        yield topic
 
 
 def test_a_malformed_deploy_pointer_pauses_the_stream_and_dead_letters_nothing(

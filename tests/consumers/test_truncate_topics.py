@@ -21,14 +21,13 @@ from sqlalchemy.engine import Engine
 from consumers.dlq import ERROR_KIND
 from consumers.events import EventRejected, decode
 from consumers.kafka import Consumer, Producer
-from consumers.topics import ensure
 from consumers.worker import Worker
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.repository import REGISTRY
 from pipeline.core.topics import DLQ
 from pipeline.core.types import EntityRef
-from tests.consumers.conftest import PARTITIONS, Env, read_topic
+from tests.consumers.conftest import PARTITIONS, Env, own_topic, read_topic
 from tests.helpers import kafka_headers
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -72,10 +71,8 @@ def test_a_domain_event_topic_never_yields_a_truncate(topic: str) -> None:
 
 @pytest.fixture
 def domain_style_topic(env: Env, admin: AdminClient) -> Iterator[str]:
-    name = env.topic("orders.v1.created")
-    ensure(admin, 1, topics=[name])
-    yield name
-    admin.delete_topics([name], operation_timeout=10)[name].result()
+    with own_topic(env, admin, "orders.v1.created") as name:
+        yield name
 
 
 def test_a_forged_truncate_on_a_domain_event_topic_voids_nothing(
