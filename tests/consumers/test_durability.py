@@ -38,7 +38,7 @@ from pipeline.cache.store import FeatureStore
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import ChangeEvent, EntityRef
 from tests.helpers import ANCHOR, free_port, migrate
-from tests.pipeline.cache.test_visibility import PG_BIN, postgres
+from tests.pipeline.cache.test_visibility import initdb, postgres, private_cluster
 
 ATTEMPTS = 5
 INSERT_LSN = sa.text("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn")
@@ -54,13 +54,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def lagging() -> Iterator[Cluster]:
     """A private Postgres with the fraud schema, seeded, whose WAL writer sleeps 10 s."""
-    if not (PG_BIN / "pg_ctl").is_file():
-        pytest.fail(f"Postgres is not installed in {PG_BIN}: scripts/stack up installs it")
-    root = Path(tempfile.mkdtemp(prefix="freshline-durable-"))
-    data, log, port = root / "data", root / "postgres.log", free_port()
-    user = pwd.getpwnam("postgres") if os.geteuid() == 0 else None
-    if user:
-        os.chown(root, user.pw_uid, user.pw_gid)
+    root, data, log, port = private_cluster("freshline-durable-", "pg_ctl")
     options = (
         f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c autovacuum=off "
         "-c wal_writer_delay=10000 -c checkpoint_timeout=3600"
@@ -74,9 +68,7 @@ def lagging() -> Iterator[Cluster]:
         postgres(*start, log=log)
 
     try:
-        postgres(
-            "initdb", "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C"
-        )
+        initdb(data)
         postgres(*start, log=log)
         with engine.begin() as conn:
             for role in ("freshline_api", "freshline_consumer"):

@@ -86,16 +86,31 @@ def postgres(*args: str, log: Path | None = None) -> None:
         pytest.fail(f"{args[0]} failed: {done.stdout}{done.stderr}{logged}", pytrace=False)
 
 
-@pytest.fixture(scope="module")
-def late_epoch() -> Iterator[Engine]:
-    """A private Postgres in epoch 1, ``EPOCH - NEXT`` ids before epoch 2 begins."""
-    if not (PG_BIN / "pg_resetwal").is_file():
+def private_cluster(prefix: str, program: str) -> tuple[Path, Path, Path, int]:
+    """Where a private Postgres cluster is to live: its root (owned by the postgres user
+    when the tests run as root), data directory, log file and a free port. A machine
+    without ``program`` in ``PG_BIN`` fails the test."""
+    if not (PG_BIN / program).is_file():
         pytest.fail(f"Postgres is not installed in {PG_BIN}: scripts/stack up installs it")
-    root = Path(tempfile.mkdtemp(prefix="freshline-epoch-"))
-    data, log, port = root / "data", root / "postgres.log", free_port()
+    root = Path(tempfile.mkdtemp(prefix=prefix))
     user = pwd.getpwnam("postgres") if os.geteuid() == 0 else None
     if user:
         os.chown(root, user.pw_uid, user.pw_gid)
+    return root, root / "data", root / "postgres.log", free_port()
+
+
+def initdb(data: Path) -> None:
+    """A new cluster in ``data``: the postgres superuser, trusted, UTF-8, locale C."""
+    postgres(
+        "initdb", "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C"
+    )
+
+
+@pytest.fixture(scope="module")
+def late_epoch() -> Iterator[Engine]:
+    """A private Postgres in epoch 1, ``EPOCH - NEXT`` ids before epoch 2 begins."""
+    root, data, log, port = private_cluster("freshline-epoch-", "pg_resetwal")
+    user = pwd.getpwnam("postgres") if os.geteuid() == 0 else None
     # Autovacuum off: the tests' transactions are the only ones given ids.
     options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c autovacuum=off"
     start = ["pg_ctl", "-D", str(data), "-l", str(log), "-o", options, "-w", "start"]
@@ -106,9 +121,7 @@ def late_epoch() -> Iterator[Engine]:
         return sa.create_engine(url, poolclass=sa.pool.NullPool)
 
     try:
-        postgres(
-            "initdb", "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C"
-        )
+        initdb(data)
         postgres(*start, log=log)
         # Moving more than 2**31 ids ahead turns every unfrozen row's id into one from the
         # future, and the row vanishes: first freeze the rows of the databases in use.
