@@ -118,6 +118,16 @@ def wait_held(
     assert (held.consumed, held.applied, held.dead_lettered) == (0, 0, 0)
 
 
+def paused_once(env: Env, topic: str, label: str, caplog: pytest.LogCaptureFixture) -> str:
+    """Check the pause shows: nothing of ``topic`` committed, the paused gauge up for
+    ``label``, and one error line for the whole pause (not one per retry); that line."""
+    assert offsets(env, topic, PARTITIONS)[0] == [0] * PARTITIONS
+    assert sample(PAUSED, label) == 1
+    said = paused_lines(caplog)
+    assert len(said) == 1, said
+    return said[0]
+
+
 @pytest.fixture
 def geoip_topic(env: Env, admin: AdminClient) -> Iterator[str]:
     """The geoip table's CDC topic under the test's prefix."""
@@ -158,11 +168,8 @@ def test_a_malformed_deploy_pointer_pauses_the_stream_and_dead_letters_nothing(
             3,
             "the worker to hold its batch and retry it while the pointer is malformed",
         )
-        assert offsets(env, created, PARTITIONS)[0] == [0] * PARTITIONS  # none committed
-        assert sample(PAUSED, "deploy") == 1
-        said = paused_lines(caplog)
-        assert len(said) == 1, said  # one line for the whole pause, not one per retry
-        assert pointer.active_key in said[0] and "freshline deploy flip" in said[0]
+        said = paused_once(env, created, "deploy", caplog)
+        assert pointer.active_key in said and "freshline deploy flip" in said
 
         # The operator sets the pointer right. Meanwhile two records with bad data of
         # their own arrive: an id decoding refuses, and a geoip row Postgres refuses.
@@ -234,12 +241,9 @@ def test_a_missing_grant_pauses_the_stream_until_it_is_granted(
             2,
             "the worker to hold its batch and retry it while the grant is missing",
         )
-        assert offsets(env, created, PARTITIONS)[0] == [0] * PARTITIONS  # none committed
-        assert sample(PAUSED, "permission") == 1
-        said = paused_lines(caplog)
-        assert len(said) == 1, said
-        assert "permission denied for table transactions" in said[0]
-        assert f"grant the role {role} (FRESHLINE_POSTGRES_URL)" in said[0]
+        said = paused_once(env, created, "permission", caplog)
+        assert "permission denied for table transactions" in said
+        assert f"grant the role {role} (FRESHLINE_POSTGRES_URL)" in said
         with engine.begin() as conn:
             conn.execute(sa.text(f'GRANT SELECT ON transactions TO "{role}"'))
         wait_for(
