@@ -15,7 +15,8 @@ of the seeded tenant, and for those with 400 others drawn at random (a write-pat
 batch). ``drain``: the real consumer (``Worker``) drains a stream of
 ``transaction.updated`` events routed to ``--sets`` only (80% on the 20 busiest users),
 events/s. A ``NAME=TREE?VAR=VALUE&...`` argument sets environment variables for that
-build alone. Runs as the operator, with ``.stack/env``'s logins.
+build alone. Run it as the other benchmarks are run: as the operator, with the stack's
+settings in the environment (``bench/RESULTS.md`` gives the variables).
 
 A build runs this file as a script in its own checkout, so the child half imports only
 what every build has: ``bench.common``, ``bench.write_path``, ``compute``, ``Worker``.
@@ -33,27 +34,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-ROOT = Path(__file__).resolve().parents[1]
 HOT_USERS = 20
 OTHERS = 400
-
-
-def _stack_env() -> dict[str, str]:
-    """This environment, with ``.stack/env``'s settings and the operator's logins."""
-    env = dict(os.environ)
-    stack = Path(os.environ.get("FRESHLINE_STACK_DIR", ROOT / ".stack")) / "env"
-    for line in stack.read_text().splitlines() if stack.is_file() else []:
-        key, sep, value = line.strip().partition("=")
-        if sep and not key.startswith("#"):
-            env.setdefault(key, value.strip("'\""))
-    for var, source in (
-        ("FRESHLINE_POSTGRES_URL", "FRESHLINE_POSTGRES_ADMIN_URL"),
-        ("FRESHLINE_REDIS_USERNAME", "FRESHLINE_STACK_REDIS_ADMIN_USER"),
-        ("FRESHLINE_REDIS_PASSWORD", "FRESHLINE_STACK_REDIS_ADMIN_PASSWORD"),
-    ):
-        if env.get(source):
-            env[var] = env[source]
-    return env
 
 
 class Build:
@@ -95,7 +77,7 @@ class Build:
 
 
 def drive(mode: str, rounds: int, builds: dict[str, str], child_args: list[str]) -> None:
-    env = _stack_env()
+    env = dict(os.environ)
     started = [Build(name, spec, [mode, *child_args], env) for name, spec in builds.items()]
     try:
         for b in started:

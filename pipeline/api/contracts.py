@@ -40,7 +40,7 @@ from pipeline.api.errors import ApiError
 from pipeline.api.reader import AnswerSource
 from pipeline.cache.tokens import TOKEN_CHARS, InvalidToken
 from pipeline.core.errors import InvalidId
-from pipeline.core.keys import validate_id
+from pipeline.core.keys import is_plain_id, validate_id
 from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
 
 MAX_MS: Final = 10**12
@@ -308,7 +308,7 @@ def predict_request(body: object, limit: int) -> tuple[list[Any], str | None]:
         raise _not_an_object()
     inputs = body.get("inputs")
     arm = body.get("arm")
-    if not (type(inputs) is list and inputs and (arm is None or _plain_id(arm))):
+    if not (type(inputs) is list and inputs and (arm is None or is_plain_id(arm))):
         try:
             request = PredictRequest.model_validate(body)
         except ValidationError as exc:
@@ -316,15 +316,6 @@ def predict_request(body: object, limit: int) -> tuple[list[Any], str | None]:
         inputs, arm = request.inputs, request.arm
     _predict_size(len(inputs), limit)
     return inputs, arm
-
-
-def _plain_id(value: object) -> bool:
-    """Whether ``value`` is an id by :func:`pipeline.core.keys.validate_id`'s fast test."""
-    return (
-        type(value) is str
-        and len(value) <= MAX_ID_LENGTH
-        and ((value.isascii() and value.isalnum()) or ID_PATTERN.fullmatch(value) is not None)
-    )
 
 
 def _predict_error(error: ErrorDetails, body: dict[str, Any], limit: int) -> Exception:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import cast
+from typing import TypeGuard, cast
 
 from pipeline.core.errors import InvalidId
 from pipeline.core.types import EntityRef, Item
@@ -45,18 +45,24 @@ DLQ_REPLAYED_PREFIX = "freshline:dlq:replayed"
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
+def is_plain_id(value: object) -> TypeGuard[str]:
+    """Whether ``value`` is an id by the rule's common cases, in a C call or two:
+    alphanumeric ASCII, or the pattern. Anything else takes :func:`validate_id`'s path."""
+    return (
+        type(value) is str
+        and len(value) <= MAX_ID_LENGTH
+        and ((value.isascii() and value.isalnum()) or ID_PATTERN.fullmatch(value) is not None)
+    )
+
+
 def validate_id(kind: str, value: object) -> str:
     """Return ``value`` as text if it is safe inside a key, else raise :class:`InvalidId`.
 
     The rule is the contracts' (:mod:`schemas.ids`): letters, digits, ``_``, ``.`` and
     ``-``, starting alphanumeric, at most 64 characters.
     """
-    if (
-        type(value) is str
-        and len(value) <= MAX_ID_LENGTH
-        and ((value.isascii() and value.isalnum()) or ID_PATTERN.fullmatch(value))
-    ):
-        return value  # the rule's common cases: alphanumeric (one C call), or the pattern
+    if is_plain_id(value):
+        return value
     problem = id_problem(value)
     if problem is not None:
         raise InvalidId(kind, value, problem)
