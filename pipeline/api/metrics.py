@@ -311,34 +311,24 @@ def time_feature_queries(engine: Engine, registry: Registry) -> Callable[[], Non
     names = {feature_statement(registry[n]).text: n for n in registry.names()}
     key = "freshline_compute_started"
 
-    def before(
-        conn: Connection,
-        cursor: Any,
-        statement: str,
-        parameters: Any,
-        context: ExecutionContext | None,
-        executemany: bool,
-    ) -> None:
+    def feature_set(context: ExecutionContext | None) -> str | None:
         stmt = getattr(getattr(context, "compiled", None), "statement", None)
-        if isinstance(stmt, TextClause) and stmt.text in names:
-            conn.info.setdefault(key, []).append((names[stmt.text], time.perf_counter()))
+        return names.get(stmt.text) if isinstance(stmt, TextClause) else None
 
-    def after(
-        conn: Connection,
-        cursor: Any,
-        statement: str,
-        parameters: Any,
-        context: ExecutionContext | None,
-        executemany: bool,
-    ) -> None:
-        stmt = getattr(getattr(context, "compiled", None), "statement", None)
+    def before(conn: Connection, context: ExecutionContext | None, **_: Any) -> None:
+        name = feature_set(context)
+        if name is not None:
+            conn.info.setdefault(key, []).append((name, time.perf_counter()))
+
+    def after(conn: Connection, context: ExecutionContext | None, **_: Any) -> None:
         started = conn.info.get(key)
-        if isinstance(stmt, TextClause) and stmt.text in names and started:
+        if feature_set(context) is not None and started:
             name, at = started.pop()
             COMPUTE_SECONDS.labels("feature", name).observe(time.perf_counter() - at)
 
-    event.listen(engine, "before_cursor_execute", before)
-    event.listen(engine, "after_cursor_execute", after)
+    # named=True: SQLAlchemy passes the listeners' arguments by name.
+    event.listen(engine, "before_cursor_execute", before, named=True)
+    event.listen(engine, "after_cursor_execute", after, named=True)
 
     def stop() -> None:
         event.remove(engine, "before_cursor_execute", before)
