@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
-import signal
 import socket
 import statistics
 import subprocess
@@ -65,6 +64,7 @@ def _serve(settings: Any) -> Iterator[int]:
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         for _ in range(300):
@@ -79,12 +79,7 @@ def _serve(settings: Any) -> Iterator[int]:
             raise RuntimeError("freshline serve did not answer /healthz")
         yield port
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        common.stop_process(proc)
 
 
 def _sample(port: int, calls: int) -> tuple[list[int], int]:
