@@ -307,18 +307,51 @@ def api_app(settings: Settings, engine: Engine, client: redis.Redis, **update: A
     )
 
 
-def redis_server(port: int, *args: str) -> list[str]:
-    """The command line of a redis-server of a test's own, on ``port`` of 127.0.0.1,
-    persisting nothing, ``args`` last. Without redis-server the test skips; under CI a
-    missing tool is a broken install step, so it fails."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        message = "redis-server is not installed: apt-get install redis-server (scripts/test does)"
+def installed(tool: str, package: str) -> str:
+    """The path of the command ``tool``. Without it the test skips; under CI a missing
+    tool is a broken install step, so it fails."""
+    path = shutil.which(tool)
+    if path is None:
+        message = f"{tool} is not installed: apt-get install {package} (scripts/test does)"
         if os.environ.get("CI") == "true":
             pytest.fail(message, pytrace=False)
         pytest.skip(message)
+    return path
+
+
+def redis_server(port: int, *args: str) -> list[str]:
+    """The command line of a redis-server of a test's own, on ``port`` of 127.0.0.1
+    (0: no plain port), persisting nothing, ``args`` last; see :func:`installed`."""
+    binary = installed("redis-server", "redis-server")
     local = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     return [binary, *local, *args]
+
+
+def self_signed_certificate(cert: Path, key: Path, subject: str, *options: str) -> None:
+    """Write a self-signed certificate for ``subject`` (``/CN=...``) valid for two days,
+    and its unencrypted RSA key, with openssl; ``options``: more ``openssl req`` options."""
+    subprocess.run(
+        [
+            installed("openssl", "openssl"),
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            subject,
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            *options,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
 
 
 def redis_login_args() -> list[str]:

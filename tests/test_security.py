@@ -10,7 +10,6 @@ until ``scripts/stack down && scripts/stack up``; under CI that is a failure.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -43,7 +42,18 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from tests.helpers import as_user, fresh_version, need, role_engine, running, wait_until
+from tests.helpers import (
+    as_user,
+    free_port,
+    fresh_version,
+    installed,
+    need,
+    redis_server,
+    role_engine,
+    running,
+    self_signed_certificate,
+    wait_until,
+)
 
 
 @pytest.fixture
@@ -412,31 +422,12 @@ def _task_state(client: ConnectClient, name: str) -> str | None:
 def tls_redis(tmp_path: Path) -> Iterator[tuple[int, Path]]:
     """A private redis-server that speaks only TLS and requires a client certificate;
     the CA and certificates are made with openssl into ``tmp_path``."""
-    binary, openssl = shutil.which("redis-server"), shutil.which("openssl")
-    if binary is None or openssl is None:
-        message = "redis-server and openssl are needed (scripts/test installs them)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
+    openssl = installed("openssl", "openssl")
 
     def run(*args: str) -> None:
         subprocess.run([openssl, *args], cwd=tmp_path, check=True, capture_output=True)
 
-    run(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=test CA",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-    )
+    self_signed_certificate(tmp_path / "ca.crt", tmp_path / "ca.key", "/CN=test CA")
     (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     for name, ext in (("server", ["-extfile", "san.ext"]), ("client", [])):
         run(
@@ -467,18 +458,12 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[int, Path]]:
             "-out",
             f"{name}.crt",
         )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            "0",
+        redis_server(
+            0,
             "--tls-port",
             str(port),
-            "--bind",
-            "127.0.0.1",
             "--tls-cert-file",
             str(tmp_path / "server.crt"),
             "--tls-key-file",
@@ -487,10 +472,6 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[int, Path]]:
             str(tmp_path / "ca.crt"),
             "--tls-auth-clients",
             "yes",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
             "--user",
             "tester",
             "on",
@@ -501,7 +482,7 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[int, Path]]:
             "--user",
             "default",
             "off",
-        ],
+        ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

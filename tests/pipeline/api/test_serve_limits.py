@@ -8,7 +8,6 @@ measured by ``bench/idle_connections.py``; here only the behaviour is asserted.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import ssl
 import subprocess
@@ -21,7 +20,7 @@ import httpx
 import pytest
 
 from pipeline.core.settings import Settings
-from tests.helpers import interrupt, wait_until
+from tests.helpers import interrupt, self_signed_certificate, wait_until
 
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 IDLE = 1500  # past granian's default of 1,024 connections per worker
@@ -116,34 +115,8 @@ def test_silent_and_idle_keep_alive_connections_are_closed(
 
 @pytest.mark.slow
 def test_serve_speaks_tls(settings: Settings, tmp_path: Path) -> None:
-    openssl = shutil.which("openssl")
-    if openssl is None and os.environ.get("CI") != "true":
-        pytest.skip("openssl is not installed")
-    assert openssl is not None, "openssl is needed to make the test certificate"
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            openssl,
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
+    self_signed_certificate(cert, key, "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1")
     trust = ssl.create_default_context(cafile=str(cert))
     with serving(
         settings,
