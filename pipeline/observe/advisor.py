@@ -44,6 +44,7 @@ slots, which is what a model's verdict prices.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -241,6 +242,8 @@ def figures_from_samples(delta: Samples, latest: Samples, window_s: float) -> li
     """Figures for every feature set and model seen, from counter increases over the
     window (``delta``) and the latest values (``latest``: gauges, lifetime histograms)."""
     out: list[Figures] = []
+    # Every cache's figures are read from the same window's samples.
+    figures = functools.partial(_figures, delta=delta, latest=latest, window_s=window_s)
     sets = _values(latest, "freshline_api_feature_hits_total", "feature_set") | _values(
         latest, "freshline_api_feature_misses_total", "feature_set"
     )
@@ -248,15 +251,12 @@ def figures_from_samples(delta: Samples, latest: Samples, window_s: float) -> li
         hits = _sum(delta, "freshline_api_feature_hits_total", feature_set=name) or 0.0
         misses = _sum(delta, "freshline_api_feature_misses_total", feature_set=name) or 0.0
         out.append(
-            _figures(
+            figures(
                 name,
                 "feature_set",
                 "feature",
                 hits,
                 misses,
-                delta,
-                latest,
-                window_s,
                 deterministic=True,
                 ttl=_max(latest, "freshline_feature_ttl_seconds", feature_set=name),
                 oldest=_max(latest, "freshline_staleness_oldest_age_seconds", feature_set=name),
@@ -273,17 +273,7 @@ def figures_from_samples(delta: Samples, latest: Samples, window_s: float) -> li
         )
         flag = _max(latest, "freshline_model_deterministic", model=name)
         out.append(
-            _figures(
-                name,
-                "model",
-                "model",
-                hits,
-                misses,
-                delta,
-                latest,
-                window_s,
-                deterministic=flag is None or flag > 0,
-            )
+            figures(name, "model", "model", hits, misses, deterministic=flag is None or flag > 0)
         )
     # The semantic cache of LLM responses: lookup = embedding + search (a hit's whole
     # cost); compute = the generation callers report with each store (generation_ms).
@@ -291,19 +281,7 @@ def figures_from_samples(delta: Samples, latest: Samples, window_s: float) -> li
     for name in sorted(_values(latest, "freshline_semantic_lookups_total", "model")):
         hits = _sum(delta, "freshline_semantic_lookups_total", model=name, outcome="hit") or 0.0
         misses = _sum(delta, "freshline_semantic_lookups_total", model=name, outcome="miss") or 0.0
-        out.append(
-            _figures(
-                name,
-                "semantic",
-                "semantic",
-                hits,
-                misses,
-                delta,
-                latest,
-                window_s,
-                deterministic=True,
-            )
-        )
+        out.append(figures(name, "semantic", "semantic", hits, misses, deterministic=True))
     return out
 
 
