@@ -165,9 +165,27 @@ class PredictRequest(BaseModel):
     )
 
 
+class PredictEntitiesRequest(Freshness):
+    """The entity form: the server reads each entity's features that the model takes
+    (its feature names, ``<feature_set>.<field>``) as a batch read does, and predicts
+    on them. The prediction is keyed by those values, so a changed feature never gets
+    an older prediction. after, max_staleness_ms and wait_ms apply to the feature
+    reads. At most FRESHLINE_API_BATCH_LIMIT entities x feature sets."""
+
+    entities: list[Any] = Field(
+        min_length=1,
+        description="Entity ids, each checked as the model's feature sets' entity keys it.",
+    )
+    arm: Annotated[Id, Strict()] | None = Field(
+        default=None,
+        description="Experiment arm; kept apart in the cache. A string id (an integer is refused).",
+    )
+
+
 class Prediction(BaseModel):
-    value: Any
+    value: Any = Field(description="The model's output for the row.")
     hit: bool
+    entity: str | SkipJsonSchema[None] = _sometimes("Only in the entity form: whose row.")
 
 
 class PredictResponse(BaseModel):
@@ -190,6 +208,7 @@ MODELS: Final[tuple[type[BaseModel], ...]] = (
     BatchRequest,
     BatchResponse,
     PredictRequest,
+    PredictEntitiesRequest,
     PredictResponse,
 )
 
@@ -318,11 +337,39 @@ def predict_request(body: object, limit: int) -> tuple[list[Any], str | None]:
     return inputs, arm
 
 
+def predict_entities(body: dict[str, Any]) -> tuple[list[Any], str | None]:
+    """The entities and arm of a predict body in the entity form (``"entities"``, never
+    with ``"inputs"``), checked by :class:`PredictEntitiesRequest`; the freshness fields
+    are :func:`freshness_fields`' and the size is the caller's (it depends on the
+    model's feature sets)."""
+    if "inputs" in body:
+        raise ApiError(
+            422, "invalid_request", "a predict body takes 'inputs' or 'entities', not both"
+        )
+    entities = body["entities"]
+    arm = body.get("arm")
+    if not (type(entities) is list and entities and (arm is None or is_plain_id(arm))):
+        try:
+            request = PredictEntitiesRequest.model_validate({"entities": entities, "arm": arm})
+        except ValidationError as exc:
+            error = _first(exc)
+            if error["loc"][0] == "entities":
+                raise ApiError(
+                    422, "invalid_request", "'entities' must be a non-empty array of ids"
+                ) from None
+            raise _arm_error(error, arm) from None
+        entities, arm = request.entities, request.arm
+    return entities, arm
+
+
 def _predict_error(error: ErrorDetails, body: dict[str, Any], limit: int) -> Exception:
     if error["loc"][0] == "inputs":
         return ApiError(422, "invalid_request", "'inputs' must be a non-empty array of rows")
     _predict_size(len(body["inputs"]), limit)
-    arm = body["arm"]
+    return _arm_error(error, body["arm"])
+
+
+def _arm_error(error: ErrorDetails, arm: object) -> Exception:
     if not isinstance(arm, str):
         return ApiError(422, "invalid_request", "'arm' must be a string id or null")
     validate_id("arm", arm)  # raises InvalidId, naming the rule

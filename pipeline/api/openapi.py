@@ -216,6 +216,9 @@ def document(
         "appear once. Other fields are ignored: the tenant always comes from the API key."
     )
     schemas["PredictRequest"]["properties"]["inputs"]["maxItems"] = batch_limit
+    by_entity = schemas["PredictEntitiesRequest"]["properties"]
+    by_entity["wait_ms"]["description"] = wait
+    by_entity["entities"].update(items=entity_body, maxItems=batch_limit)
     if semantic:
         for name, fields in (
             ("LlmLookupRequest", ("prompt",)),
@@ -380,10 +383,19 @@ def _document(
                     ],
                     "requestBody": {
                         "required": True,
-                        "content": {"application/json": {"schema": _ref("PredictRequest")}},
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "oneOf": [
+                                        _ref("PredictRequest"),
+                                        _ref("PredictEntitiesRequest"),
+                                    ]
+                                }
+                            }
+                        },
                     },
                     "responses": {
-                        "200": _json(_ref("PredictResponse"), "One per input row"),
+                        "200": _json(_ref("PredictResponse"), "One per input row or entity"),
                         **_errors(400, 401, 404, 409, 413, 422, 503),
                     },
                 }

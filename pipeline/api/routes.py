@@ -23,16 +23,16 @@ from starlette.responses import Response
 
 from pipeline.api import freshness, metrics
 from pipeline.api.auth import Authenticator, bearer_token
-from pipeline.api.contracts import feature_selection, predict_request
+from pipeline.api.contracts import batch_size, feature_selection, predict_entities, predict_request
 from pipeline.api.errors import ApiError, JSONResponse, error_response, status_of
 from pipeline.api.reader import MODES, FeatureReader, Lookup, Mode, parse_entities, parse_entity
 from pipeline.api.splice import Spliced
 from pipeline.api.tenancy import in_pool
-from pipeline.core.errors import FreshlineError
+from pipeline.core.errors import FreshlineError, ModelError
 from pipeline.core.features import Registry
 from pipeline.core.keys import validate_name
 from pipeline.core.settings import Settings
-from pipeline.inference.models import ModelRegistry
+from pipeline.inference.models import ModelRegistry, feature_inputs, input_row
 from pipeline.inference.predictions import InferenceCache, non_finite_rows
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -308,39 +308,87 @@ async def batch(request: Request) -> Response:
 
 @timed("predict")
 async def predict(request: Request) -> Response:
-    """Predictions of a registered model through the inference cache."""
+    """Predictions of a registered model through the inference cache: of the rows given
+    (``inputs``), or of the given entities' features (``entities``)."""
     tenant = await authenticate(request)
     svc = services(request)
     name = validate_name("model", request.path_params["name"])
-    inputs, arm = predict_request(await read_json(request), svc.settings.api_batch_limit)
+    body = await read_json(request)
+    if type(body) is dict and "entities" in body:
+        return await _predict_entities(request, svc, tenant, name, body)
+    inputs, arm = predict_request(body, svc.settings.api_batch_limit)
+    return JSONResponse(
+        await in_pool(request, tenant, _predictions, svc, tenant, name, inputs, arm)
+    )
 
-    def run() -> dict[str, Any]:
-        model = svc.models.get(name)
-        metrics.MODEL_DETERMINISTIC.labels(name).set(1 if model.deterministic else 0)
-        started = time.perf_counter()
-        out = svc.inference.predict(metrics.TimedModel(model), inputs, tenant=tenant, arm=arm)
-        bad = non_finite_rows(out.values)
-        if bad:
+
+async def _predict_entities(
+    request: Request, svc: Services, tenant: str, name: str, body: dict[str, Any]
+) -> Response:
+    """The entity form: each entity's features that the model takes, read as a batch
+    read reads them (with its freshness fields), then predicted on. Predictions are
+    keyed by the rounded feature values, so a changed feature is a new key: an entity
+    never gets a prediction made from older features (``docs/reading.md``)."""
+    entities, arm = predict_entities(body)
+    demand = freshness.from_body(body, svc.settings)
+    model = await in_pool(request, tenant, svc.models.get, name)
+    try:
+        inputs = feature_inputs(model.feature_names)
+    except ModelError as exc:
+        raise ApiError(409, "model_inputs_unknown", str(exc)) from None
+    feature_sets = list(dict.fromkeys(fs for fs, _ in inputs))
+    for fs, field_name in inputs:
+        if fs not in svc.registry or field_name not in svc.registry[fs].field_names:
             raise ApiError(
-                422,
-                "non_finite_prediction",
-                f"the model gave NaN or infinity for input row(s) "
-                f"{', '.join(map(str, bad[:10]))}; such predictions are not cached",
+                409,
+                "model_inputs_unknown",
+                f"model {name!r} takes {fs}.{field_name}, which no feature set here serves",
             )
-        hits = int(out.hit.sum())
-        metrics.observe_read("model", name, hits == len(out), time.perf_counter() - started)
-        metrics.record_predictions(name, hits, len(out) - hits)
-        return {
-            "model": out.model,
-            "model_version": out.model_version,
-            "arm": arm,
-            "predictions": [
-                {"value": value, "hit": bool(hit)}
-                for value, hit in zip(out.values.tolist(), out.hit.tolist(), strict=True)
-            ],
-        }
+    batch_size(len(feature_sets), len(entities), svc.settings.api_batch_limit)
+    lookup = Lookup(tenant, feature_sets, entity_ids(svc.registry, feature_sets, entities))
+    if demand is not None:
+        answers = await freshness.read(svc.reader, lookup, "read-through", demand)
+    else:
+        answers = await in_pool(request, tenant, svc.reader.read, lookup, "read-through")
+    k = len(feature_sets)
+    rows = [
+        input_row(inputs, {a["feature_set"]: a["values"] for a in answers[i : i + k]})
+        for i in range(0, len(answers), k)
+    ]
+    out = await in_pool(request, tenant, _predictions, svc, tenant, name, rows, arm)
+    for prediction, entity in zip(out["predictions"], lookup.entities, strict=True):
+        prediction["entity"] = str(entity)
+    return JSONResponse(out)
 
-    return JSONResponse(await in_pool(request, tenant, run))
+
+def _predictions(
+    svc: Services, tenant: str, name: str, inputs: list[Any], arm: str | None
+) -> dict[str, Any]:
+    """``inputs`` predicted through the inference cache, as the API answers them."""
+    model = svc.models.get(name)
+    metrics.MODEL_DETERMINISTIC.labels(name).set(1 if model.deterministic else 0)
+    started = time.perf_counter()
+    out = svc.inference.predict(metrics.TimedModel(model), inputs, tenant=tenant, arm=arm)
+    bad = non_finite_rows(out.values)
+    if bad:
+        raise ApiError(
+            422,
+            "non_finite_prediction",
+            f"the model gave NaN or infinity for input row(s) "
+            f"{', '.join(map(str, bad[:10]))}; such predictions are not cached",
+        )
+    hits = int(out.hit.sum())
+    metrics.observe_read("model", name, hits == len(out), time.perf_counter() - started)
+    metrics.record_predictions(name, hits, len(out) - hits)
+    return {
+        "model": out.model,
+        "model_version": out.model_version,
+        "arm": arm,
+        "predictions": [
+            {"value": value, "hit": bool(hit)}
+            for value, hit in zip(out.values.tolist(), out.hit.tolist(), strict=True)
+        ],
+    }
 
 
 async def openapi(request: Request) -> Response:

@@ -18,7 +18,7 @@ import dataclasses
 import hashlib
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -258,6 +258,34 @@ def _read_model_file(path: Path) -> dict[str, Any]:
 def load_model(path: str | os.PathLike[str]) -> LogisticModel:
     """Load any model file freshline knows (so far: logistic regression)."""
     return LogisticModel.load(path)
+
+
+def feature_inputs(feature_names: Sequence[str]) -> list[tuple[str, str]]:
+    """``(feature_set, field)`` of each of a model's feature names, spelled
+    ``<feature_set>.<field>``: the features the predict route's entity form reads.
+    :class:`ModelError` names the first that is not spelled so."""
+    inputs = []
+    for name in feature_names:
+        feature_set, dot, field_name = name.partition(".")
+        if not (dot and feature_set and field_name):
+            raise ModelError(
+                f"feature name {name!r} is not <feature_set>.<field>, so the model cannot "
+                "be fed from an entity's features"
+            )
+        inputs.append((feature_set, field_name))
+    return inputs
+
+
+def input_row(inputs: Sequence[tuple[str, str]], features: Mapping[str, Any]) -> list[float]:
+    """One model input row from ``{feature_set: values}``: each ``(feature_set, field)``
+    of ``inputs`` as a float, ``True``/``False`` as 1/0, and a value that is missing,
+    null or not a number as 0 (the rule a model trained on served features learned with,
+    as the fraud example's trainer does)."""
+    row = []
+    for feature_set, field_name in inputs:
+        value = (features.get(feature_set) or {}).get(field_name)
+        row.append(float(value) if isinstance(value, (int, float)) else 0.0)
+    return row
 
 
 @dataclass(frozen=True, slots=True)

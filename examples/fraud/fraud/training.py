@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 
 from pipeline.cache.recompute import compute
 from pipeline.core.repository import REGISTRY
-from pipeline.inference.models import LogisticModel
+from pipeline.inference.models import LogisticModel, input_row
 
 MODEL_NAME = "fraud_example"
 MODEL_INPUTS: tuple[tuple[str, str], ...] = (
@@ -39,12 +39,9 @@ BATCH = 1000
 
 
 def vector(features: dict[str, dict[str, object]]) -> list[float]:
-    """One model input row from ``{feature_set: values}`` (missing values count as 0)."""
-    row = []
-    for fs, name in MODEL_INPUTS:
-        value = features.get(fs, {}).get(name)
-        row.append(float(value) if isinstance(value, (int, float)) else 0.0)
-    return row
+    """One model input row from ``{feature_set: values}`` (missing values count as 0),
+    as the predict route's entity form builds it."""
+    return input_row(MODEL_INPUTS, features)
 
 
 def dataset(
