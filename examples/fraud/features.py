@@ -166,7 +166,11 @@ SELECT g.country, g.city FROM (
 ) g WHERE {ip} <= g.ip_to
 """
 
-
+# geo's query suits the (tenant_id, user_id, created_at DESC) index, which holds no id:
+# the latest row is the greatest id among the rows at the user's latest created_at (an
+# index probe), not the first of every row of the user sorted by (created_at, id); and
+# each distinct IP of the 30-day window is looked up once (a country is a function of
+# the IP, so the count is the same).
 GEO = FeatureSet(
     name="geo",
     entity=user,
@@ -185,16 +189,21 @@ SELECT k.tenant_id, k.user_id,
 FROM k CROSS JOIN t
 LEFT JOIN LATERAL (
     SELECT x.ip FROM transactions x
-    WHERE x.tenant_id = k.tenant_id AND x.user_id = k.user_id AND x.created_at <= t.as_of
-    ORDER BY x.created_at DESC, x.id DESC LIMIT 1
+    WHERE x.tenant_id = k.tenant_id AND x.user_id = k.user_id AND x.created_at = (
+        SELECT max(y.created_at) FROM transactions y
+        WHERE y.tenant_id = k.tenant_id AND y.user_id = k.user_id AND y.created_at <= t.as_of
+    )
+    ORDER BY x.id DESC LIMIT 1
 ) lt ON true
 LEFT JOIN LATERAL ({_GEO_OF.format(ip="lt.ip")}) lg ON true
 LEFT JOIN LATERAL (
     SELECT count(DISTINCT xg.country) AS n
-    FROM transactions x
+    FROM (
+        SELECT DISTINCT x.ip FROM transactions x
+        WHERE x.tenant_id = k.tenant_id AND x.user_id = k.user_id
+          AND x.created_at > t.as_of - interval '30 days' AND x.created_at <= t.as_of
+    ) AS x
     CROSS JOIN LATERAL ({_GEO_OF.format(ip="x.ip")}) xg
-    WHERE x.tenant_id = k.tenant_id AND x.user_id = k.user_id
-      AND x.created_at > t.as_of - interval '30 days' AND x.created_at <= t.as_of
 ) c ON true
 """,
     sources=(transactions, geoip, users),
