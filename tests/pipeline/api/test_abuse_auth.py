@@ -7,7 +7,6 @@ import asyncio
 import functools
 import http.server
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -33,7 +32,7 @@ from pipeline.api.limits import AccessGuard, address_group
 from pipeline.core.errors import ConfigError
 from pipeline.core.settings import Settings, load_settings, redact
 from pipeline.inference.models import LogisticModel, ModelRegistry
-from tests.helpers import api_app, running
+from tests.helpers import api_app, http_server, running
 
 URL = "/v1/features/txn_90d/1"
 REFRESH_S = 0.05  # how long a throttled guess waits at most (the key index's refresh)
@@ -300,38 +299,29 @@ def test_settings_and_redact_never_show_a_password() -> None:
     assert redact("redis://cache.internal:6379/0") == "redis://cache.internal:6379/0"
 
 
-class Upstream:
-    """An embeddings endpoint that answers every request with ``status`` and ``body``."""
+def answering(status: int, body: bytes) -> type[http.server.BaseHTTPRequestHandler]:
+    """A request handler that answers every POST with ``status`` and ``body``."""
 
-    def __init__(self, status: int, body: bytes) -> None:
-        outer = self
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                self.send_response(outer.status)
-                self.send_header("Content-Length", str(len(outer.body)))
-                self.end_headers()
-                self.wfile.write(outer.body)
+        def log_message(self, *args: Any) -> None:
+            pass
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.status, self.body = status, body
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    return Handler
 
 
 @pytest.fixture
-def upstream() -> Iterator[Upstream]:
-    server = Upstream(500, b'{"error": "quota of org-internal-42 exceeded, key sk-upstream"}')
-    yield server
-    server.close()
+def upstream() -> Iterator[str]:
+    """An embeddings endpoint that fails, naming internals the API must not repeat."""
+    body = b'{"error": "quota of org-internal-42 exceeded, key sk-upstream"}'
+    with http_server(answering(500, body)) as url:
+        yield url
 
 
 def test_server_errors_name_no_internal_url_path_or_upstream_text(
@@ -339,7 +329,7 @@ def test_server_errors_name_no_internal_url_path_or_upstream_text(
     engine: Engine,
     redis_client: redis.Redis,
     tenants: list[str],
-    upstream: Upstream,
+    upstream: str,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -360,7 +350,7 @@ def test_server_errors_name_no_internal_url_path_or_upstream_text(
     answers: list[httpx.Response] = []
     # An embeddings endpoint that does not answer (503), one that fails (502).
     dead = "http://127.0.0.1:1/v1"
-    failing = f"http://127.0.0.1:{upstream.port}/v1"
+    failing = f"{upstream}/v1"
     for url in (dead, failing):
         with running(app_embedding_at(url), key) as api:
             answers.append(api.post("/v1/llm/cache/lookup", json=lookup))

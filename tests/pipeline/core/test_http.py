@@ -7,10 +7,9 @@ that a test controls what it answers; Kafka Connect is the real worker of the st
 from __future__ import annotations
 
 import socket
-import threading
 import uuid
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -19,6 +18,7 @@ from pipeline.core.errors import ConfigError, ServiceUnavailable
 from pipeline.core.http import fetch
 from pipeline.core.settings import Settings
 from pipeline.observe.status import scrape_freshness
+from tests.helpers import http_server
 
 CONSUMER_METRICS = b"""\
 # TYPE freshline_freshness_lag_seconds histogram
@@ -67,13 +67,8 @@ class Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join(timeout=5)
+    with http_server(Handler) as url:
+        yield url
 
 
 def dead_url(path: str = "/") -> str:

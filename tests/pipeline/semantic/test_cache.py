@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,7 @@ from pipeline.semantic.entry import literals, literals_match, names_match
 from pipeline.semantic.namespaces import stats
 from pipeline.semantic.prior import group_of
 from pipeline.semantic.tune import HOLDOUT, PAIRS, load_pairs, sweep
-from tests.helpers import wait_until
+from tests.helpers import http_server, wait_until
 
 ZERO = {"temperature": 0}
 PROMPT = "How do I reset the password of my account?"
@@ -312,13 +312,8 @@ class _Embeddings(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def endpoint() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Embeddings)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    server.shutdown()
-    server.server_close()
-    thread.join()
+    with http_server(_Embeddings) as url:
+        yield f"{url}/v1"
 
 
 def test_an_embeddings_endpoint_replaces_the_local_model(
