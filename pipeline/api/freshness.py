@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -31,6 +31,7 @@ from pipeline.cache.freshness import Freshness
 from pipeline.cache.readthrough import Result
 from pipeline.cache.tokens import TokenPending, Tokens
 from pipeline.core.clock import now_ms
+from pipeline.core.features import Registry
 from pipeline.core.settings import Settings
 from pipeline.core.types import Entry
 
@@ -69,6 +70,25 @@ def from_body(body: Mapping[str, Any], settings: Settings) -> Demand | None:
         return None
     staleness, wait, after = freshness_fields(body)
     return _demand(after, {"max_staleness_ms": staleness, "wait_ms": wait}, settings)
+
+
+def defaulted(demand: Demand | None, default_ms: int | None, settings: Settings) -> Demand | None:
+    """``demand`` with the feature sets' declared ``max_staleness_ms`` where the request
+    gives none (:attr:`pipeline.core.features.FeatureSet.max_staleness_ms`; for several
+    sets, the smallest): a plain read of a set that declares one becomes a bounded read."""
+    if default_ms is None or (demand is not None and demand.max_staleness_ms is not None):
+        return demand
+    if demand is None:
+        return Demand(None, default_ms, min(settings.token_wait_ms, settings.token_wait_max_ms))
+    return Demand(demand.after, default_ms, demand.wait_ms)
+
+
+def declared_default(registry: Registry, feature_sets: Iterable[str]) -> int | None:
+    """The smallest ``max_staleness_ms`` that ``feature_sets`` declare, if any does."""
+    bounds = [
+        b for b in (registry[name].max_staleness_ms for name in feature_sets) if b is not None
+    ]
+    return min(bounds) if bounds else None
 
 
 def _in_range(name: str, value: int, status: int, code: str) -> int:

@@ -251,6 +251,9 @@ async def get_features(request: Request) -> Response:
     raw = request.path_params["entity_id"]
     entity = parse_entity(raw) if of.type == "bigint" else of.validate(raw)
     mode, demand = read_options(request, svc.settings)
+    default_ms = svc.registry[feature_set].max_staleness_ms
+    if default_ms is not None:
+        demand = freshness.defaulted(demand, default_ms, svc.settings)
     lookup = Lookup(tenant, (feature_set,), (entity,))
     started = time.perf_counter()
     if demand is not None:
@@ -288,7 +291,11 @@ async def batch(request: Request) -> Response:
         raise ApiError(
             400, "invalid_parameter", "a batch takes after, max_staleness_ms, wait_ms in its body"
         )
-    demand = freshness.from_body(body, svc.settings)
+    demand = freshness.defaulted(
+        freshness.from_body(body, svc.settings),
+        freshness.declared_default(svc.registry, feature_sets),
+        svc.settings,
+    )
     # JSON has one number type: 7.0 is the integer 7, as the OpenAPI document says.
     lookup = Lookup(tenant, feature_sets, entity_ids(svc.registry, feature_sets, entities))
     if demand is not None:
@@ -330,7 +337,6 @@ async def _predict_entities(
     keyed by the rounded feature values, so a changed feature is a new key: an entity
     never gets a prediction made from older features (``docs/reading.md``)."""
     entities, arm = predict_entities(body)
-    demand = freshness.from_body(body, svc.settings)
     model = await in_pool(request, tenant, svc.models.get, name)
     try:
         inputs = feature_inputs(model.feature_names)
@@ -345,6 +351,11 @@ async def _predict_entities(
                 f"model {name!r} takes {fs}.{field_name}, which no feature set here serves",
             )
     batch_size(len(feature_sets), len(entities), svc.settings.api_batch_limit)
+    demand = freshness.defaulted(
+        freshness.from_body(body, svc.settings),
+        freshness.declared_default(svc.registry, feature_sets),
+        svc.settings,
+    )
     lookup = Lookup(tenant, feature_sets, entity_ids(svc.registry, feature_sets, entities))
     if demand is not None:
         answers = await freshness.read(svc.reader, lookup, "read-through", demand)

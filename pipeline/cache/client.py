@@ -104,6 +104,10 @@ class FeatureClient:
         self._stores = {schema_version: self.store}
         self._tokens: Tokens | None = None
         self._arrivals: Arrivals | None = None
+        # The feature sets that declare a default freshness bound (FeatureSet.max_staleness_ms).
+        self._bounds = {
+            fs.name: fs.max_staleness_ms for fs in registry if fs.max_staleness_ms is not None
+        }
 
     @classmethod
     def from_url(
@@ -164,9 +168,22 @@ class FeatureClient:
         are waited for (``after``: up to ``wait_ms``, for the consumer's write) and then
         computed, so nothing is ``None`` (see :mod:`pipeline.cache.freshness`; which of
         those happened is the read-through's to count, :attr:`ReadThrough.counters`).
+        A feature set that declares ``max_staleness_ms`` gives it to a read that gives
+        none (the smallest of the items' sets); without a read-through an entry past it
+        is a miss.
         """
+        if self._bounds and max_staleness_ms is None:
+            bounds = [self._bounds[fs] for fs, _, _ in items if fs in self._bounds]
+            if bounds:  # the sets' declared default, the smallest
+                max_staleness_ms = min(bounds)
+                if after is None and self.readthrough is None:
+                    return self._within(items, max_staleness_ms)
         if after is not None or max_staleness_ms is not None:
             return self._fresh(items, after, max_staleness_ms, wait_ms)
+        return self._plain(items)
+
+    def _plain(self, items: Sequence[tuple[str, str, str | int]]) -> list[Features | None]:
+        """Every item as cached (tier, then Redis), ``None`` for a miss."""
         store = self._store_for_call()
         version = store.schema_version
         named: list[Item] = [
@@ -215,6 +232,14 @@ class FeatureClient:
         if self.hot is not None:
             self.hot.record(version, _Refs(named))
         return out
+
+    def _within(
+        self, items: Sequence[tuple[str, str, str | int]], bound_ms: int
+    ) -> list[Features | None]:
+        """A plain read under a declared bound with nothing to recompute with: an entry
+        computed ``bound_ms`` ago or longer is a miss."""
+        found = self._plain(items)
+        return [f if f is not None and f.age_ms < bound_ms else None for f in found]
 
     def _fresh(
         self,

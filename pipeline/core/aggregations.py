@@ -117,6 +117,7 @@ def Aggregations(
     description: str = "",
     sources: Sequence[Table] = (),
     incremental: bool = False,
+    max_staleness_ms: int | None = None,
 ) -> FeatureSet:
     """A feature set of windowed aggregations over ``table``'s rows of each entity.
 
@@ -127,7 +128,8 @@ def Aggregations(
     does). The query and horizon are generated (see the module's docstring).
     ``incremental``: also derive per-day partial aggregates kept by triggers on the
     table, and recompute from them (:mod:`pipeline.core.maintenance`; ``freshline
-    apply --alter-tables`` installs them).
+    apply --alter-tables`` installs them). ``max_staleness_ms``: the default freshness
+    bound of reads (:attr:`FeatureSet.max_staleness_ms`).
     """
     what = f"aggregations {name!r}"
     source = table.source_for(entity)
@@ -202,6 +204,7 @@ def Aggregations(
         description=description,
         horizon=horizon(entity, declared),
         declared=declared,
+        max_staleness_ms=max_staleness_ms,
         **derived,
     )
 

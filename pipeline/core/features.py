@@ -320,6 +320,12 @@ class FeatureSet:
     (a miss), late is not, so a horizon may be conservative. Not part of the
     fingerprint: it decides when an entry expires, never its value, and an entry
     written without one is still a valid entry of the same schema version."""
+    max_staleness_ms: int | None = field(default=None, compare=False)
+    """The default freshness bound of a read that gives none: an entry computed longer
+    ago than this is recomputed (or waited for) rather than served, as with a read's
+    ``max_staleness_ms`` (which, given, wins). ``None``: entries are served until their
+    TTL or an invalidation. Not part of the fingerprint: it decides what a read
+    accepts, never a value."""
     ttl: InitVar[int | str | None] = None
     declared: object | None = field(default=None, repr=False, compare=False)
     """The declaration that generated ``query`` and ``horizon``, if one did (a
@@ -341,6 +347,13 @@ class FeatureSet:
         if ttl is not None:
             object.__setattr__(self, "ttl_s", seconds(ttl, f"feature set {self.name!r} ttl"))
         object.__setattr__(self, "fields", tuple(self.fields))
+        if self.max_staleness_ms is not None and (
+            type(self.max_staleness_ms) is not int or self.max_staleness_ms < 0
+        ):
+            raise ConfigError(
+                f"feature set {self.name!r}: max_staleness_ms must be an integer of 0 or "
+                f"more (milliseconds), got {self.max_staleness_ms!r}"
+            )
         sources: list[Source] = []
         for declared in self.sources:
             if isinstance(declared, Table):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.cache.tokens import SNAPSHOT, TRANSACTION, Token, decode, encode
 from pipeline.core.errors import ConfigError
+from pipeline.core.features import Registry
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import ChangeEvent, EntityRef
@@ -370,6 +372,70 @@ def test_max_staleness_zero_recomputes_and_a_loose_bound_serves_the_cache(api: A
     ).json()
     assert [i["source"] for i in batch["items"]] == ["computed", "computed"]
     assert [len(g) for g in computed] == [1, 1, 2]
+
+
+def bounded(**bounds: int) -> Registry:
+    """The example's feature sets, ``bounds`` declaring their ``max_staleness_ms``."""
+    return Registry(
+        dataclasses.replace(fs, max_staleness_ms=bounds[fs.name]) if fs.name in bounds else fs
+        for fs in REGISTRY
+    )
+
+
+def test_a_declared_bound_applies_to_plain_reads_and_a_given_one_wins(
+    fresh_settings: Settings, engine: Engine, redis_client: redis.Redis, tenant: str
+) -> None:
+    app = create_app(
+        fresh_settings,
+        engine=engine,
+        redis_client=redis_client,
+        follow_deploys=False,
+        registry=bounded(device_risk=0, geo=600_000),
+    )
+    with running(app, create_api_key(engine, tenant)) as api:
+        computed: list[list[EntityRef]] = []
+        api.app.state.services.reader.readthrough.hooks.before_compute = computed.append
+        # device_risk declares 0: every plain read recomputes, as max_staleness_ms=0 does.
+        assert api.get("/v1/features/device_risk/2").json()["source"] == "computed"
+        again = api.get("/v1/features/device_risk/2").json()
+        assert again["source"] == "computed" and "took_ms" in again
+        # A bound the request gives wins over the declared one.
+        assert (
+            api.get("/v1/features/device_risk/2?max_staleness_ms=600000").json()["source"] == "hit"
+        )
+        # geo declares a loose bound: its cached entry is served.
+        assert api.get("/v1/features/geo/2").json()["source"] == "computed"
+        assert api.get("/v1/features/geo/2").json()["source"] == "hit"
+        # A batch takes its sets' smallest bound.
+        batch = api.post(
+            "/v1/features/batch", json={"feature_sets": ["geo", "device_risk"], "entities": [2]}
+        ).json()
+        assert [i["source"] for i in batch["items"]] == ["computed", "computed"]
+        # txn_90d declares none: a plain read is the plain path.
+        api.get("/v1/features/txn_90d/2")
+        assert "took_ms" not in api.get("/v1/features/txn_90d/2").json()
+
+
+def test_the_client_honours_a_declared_bound(
+    fresh_settings: Settings, engine: Engine, redis_client: redis.Redis, tenant: str
+) -> None:
+    registry = bounded(device_risk=0)
+    store = FeatureStore(redis_client, fresh_settings.schema_version, registry=registry)
+    batch = compute(engine, registry["device_risk"], [(tenant, "2")])
+    store.write(batch)
+    plain = FeatureClient(redis_client, fresh_settings.schema_version)
+    assert plain.get("device_risk", tenant, 2) is not None
+    # Declared 0 and nothing to recompute with: the cached entry is a miss.
+    bounded_client = FeatureClient(redis_client, fresh_settings.schema_version, registry=registry)
+    assert bounded_client.get("device_risk", tenant, 2) is None
+    # With a read-through it recomputes instead.
+    rt, counted = counting_readthrough(store, engine)
+    through = FeatureClient(
+        redis_client, fresh_settings.schema_version, registry=registry, readthrough=rt
+    )
+    found = through.get("device_risk", tenant, 2)
+    assert found is not None and found.values == batch.values[(tenant, "2")]
+    assert counted
 
 
 # -- bad tokens and parameters ---------------------------------------------------------
