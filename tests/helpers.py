@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,8 @@ from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef, FeatureValues
 
 ROOT = Path(__file__).resolve().parents[1]
+FRESHLINE = str(Path(sys.executable).with_name("freshline"))
+"""The ``freshline`` command installed beside this Python."""
 FRAUD_MIGRATIONS = migrations.Chain.of(ROOT / "examples" / "fraud" / "migrations", "fraud")
 
 
@@ -321,6 +324,23 @@ def api_app(settings: Settings, engine: Engine, client: redis.Redis, **update: A
         redis_client=client,
         follow_deploys=False,
     )
+
+
+def freshline(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``freshline args`` (60 s at most) with ``env`` added to this environment."""
+    return subprocess.run(
+        [FRESHLINE, *args], capture_output=True, text=True, timeout=60, env={**os.environ, **env}
+    )
+
+
+def error_line(done: subprocess.CompletedProcess[str]) -> str:
+    """The one line a command that failed as it should (exit status 1, no traceback)
+    wrote to stderr."""
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    return lines[0]
 
 
 def installed(tool: str, package: str) -> str:

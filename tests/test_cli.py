@@ -1,75 +1,50 @@
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
-
-
-def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [FRESHLINE, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, **env},
-    )
+from tests.helpers import error_line, free_port, freshline
 
 
 def test_unreachable_postgres_is_one_line_naming_it_and_the_fix() -> None:
-    r = run("db", "upgrade", FRESHLINE_POSTGRES_URL="postgresql+psycopg://u:pw@127.0.0.1:1/x")
-    assert r.returncode == 1
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    assert "Postgres" in lines[0] and "127.0.0.1:1" in lines[0]
-    assert "scripts/stack up" in lines[0]
-    assert "pw" not in lines[0]
-    assert "Traceback" not in r.stderr
+    r = freshline("db", "upgrade", FRESHLINE_POSTGRES_URL="postgresql+psycopg://u:pw@127.0.0.1:1/x")
+    line = error_line(r)
+    assert "Postgres" in line and "127.0.0.1:1" in line
+    assert "scripts/stack up" in line
+    assert "pw" not in line
 
 
 def test_bad_arguments_give_a_usage_error() -> None:
-    r = run("fraud", "seed", "--users", "zero")
+    r = freshline("fraud", "seed", "--users", "zero")
     assert r.returncode == 2
     assert "Usage" in r.stderr or "usage" in r.stderr
     assert "Traceback" not in r.stderr
 
 
 def test_bad_setting_is_one_line() -> None:
-    r = run("db", "upgrade", FRESHLINE_SCHEMA_VERSION="-1")
+    r = freshline("db", "upgrade", FRESHLINE_SCHEMA_VERSION="-1")
     assert r.returncode == 1
     assert "FRESHLINE_SCHEMA_VERSION" in r.stderr
     assert "Traceback" not in r.stderr
 
 
-def free_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_advise_with_no_api_running_says_to_start_the_api_not_the_stack() -> None:
     port = free_port()  # of the API's ops port, where its /metrics are
-    r = run(
+    r = freshline(
         "advise", "--window", "1s", FRESHLINE_OPS_HOST="127.0.0.1", FRESHLINE_OPS_PORT=str(port)
     )
-    assert r.returncode == 1
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    assert f"http://127.0.0.1:{port}/metrics" in lines[0]
+    line = error_line(r)
+    assert f"http://127.0.0.1:{port}/metrics" in line
     assert (
         "the API is not running: start it with `freshline serve`, or pass `--from-metrics URL`"
-    ) in lines[0]
-    assert "scripts/stack up" not in lines[0]
-    assert "Traceback" not in r.stderr
+    ) in line
+    assert "scripts/stack up" not in line
 
 
 def test_advise_from_a_dead_metrics_url_names_it_and_the_option() -> None:
     url = f"http://127.0.0.1:{free_port()}/metrics"
-    r = run("advise", "--window", "1s", "--from-metrics", url)
+    r = freshline("advise", "--window", "1s", "--from-metrics", url)
     assert r.returncode == 1
     assert url in r.stderr and "--from-metrics" in r.stderr
     assert "scripts/stack up" not in r.stderr
@@ -78,7 +53,7 @@ def test_advise_from_a_dead_metrics_url_names_it_and_the_option() -> None:
 
 def test_a_repository_s_own_commands_run_under_its_name(tmp_path: Path) -> None:
     repo = tmp_path / "shop"
-    assert run("init", str(repo)).returncode == 0
+    assert freshline("init", str(repo)).returncode == 0
     config = repo / "freshline.toml"
     name = next(
         line.split("=", 1)[1].strip().strip('"')
@@ -93,18 +68,18 @@ def test_a_repository_s_own_commands_run_under_its_name(tmp_path: Path) -> None:
         "@app.command()\ndef hello(who: str) -> None:\n    print(f'hello {who}')\n\n\n"
         "@app.command()\ndef bye() -> None:\n    print('bye')\n"
     )
-    said = run("--repo", str(repo), name, "hello", "ada")
+    said = freshline("--repo", str(repo), name, "hello", "ada")
     assert said.returncode == 0, said.stderr
     assert said.stdout.strip() == "hello ada"
-    assert name in run("--repo", str(repo), "--help").stdout
+    assert name in freshline("--repo", str(repo), "--help").stdout
     # A group that cannot be imported fails the command line that asks for it, in one
     # line naming the file; every other command still runs.
     (repo / "shop_cli.py").write_text("raise ImportError('no such thing')\n")
-    broken = run("--repo", str(repo), name, "hello", "ada")
+    broken = freshline("--repo", str(repo), name, "hello", "ada")
     assert broken.returncode == 1
     assert "freshline.toml" in broken.stderr and "no such thing" in broken.stderr
     assert "Traceback" not in broken.stderr
-    assert run("--repo", str(repo), "--help").returncode == 0
+    assert freshline("--repo", str(repo), "--help").returncode == 0
 
 
 def test_a_repository_folder_never_shadows_a_freshline_package(tmp_path: Path) -> None:
@@ -112,7 +87,7 @@ def test_a_repository_folder_never_shadows_a_freshline_package(tmp_path: Path) -
     ``import migrations`` to freshline's package (it shadowed it once: plan and apply
     broke with AttributeError)."""
     repo = tmp_path / "shop"
-    assert run("init", str(repo)).returncode == 0
+    assert freshline("init", str(repo)).returncode == 0
     config = repo / "freshline.toml"
     config.write_text(
         config.read_text().replace("[project]\n", '[project]\ncommands = "shop_cli:app"\n', 1)

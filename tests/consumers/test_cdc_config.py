@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +11,9 @@ import pytest
 from consumers.topics import subscription
 from pipeline.cdc.connect import captured_tables, connector_config, names, slot_name
 from pipeline.core.settings import Settings
+from tests.helpers import error_line, freshline
 
 ROOT = Path(__file__).resolve().parents[2]
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 
 
 def test_names_follow_the_topic_prefix() -> None:
@@ -92,16 +89,12 @@ def test_the_migration_publishes_exactly_the_captured_tables() -> None:
 
 
 def test_register_says_in_one_line_when_connect_is_down(settings: Settings) -> None:
-    env = {
-        **os.environ,
-        "FRESHLINE_POSTGRES_URL": settings.postgres_url,
-        "FRESHLINE_CONNECT_URL": "http://127.0.0.1:9",
-    }
-    done = subprocess.run(
-        [FRESHLINE, "cdc", "register"], env=env, capture_output=True, text=True, timeout=60
+    done = freshline(
+        "cdc",
+        "register",
+        FRESHLINE_POSTGRES_URL=settings.postgres_url,
+        FRESHLINE_CONNECT_URL="http://127.0.0.1:9",
     )
-    assert done.returncode == 1
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
-    assert "Kafka Connect is not reachable at http://127.0.0.1:9" in lines[0]
-    assert "scripts/stack up" in lines[0]
+    line = error_line(done)
+    assert "Kafka Connect is not reachable at http://127.0.0.1:9" in line
+    assert "scripts/stack up" in line

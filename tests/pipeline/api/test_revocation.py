@@ -9,10 +9,7 @@ chosen points, so the interleaving is certain rather than likely.
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -37,9 +34,8 @@ from pipeline.core.db import make_engine
 from pipeline.core.errors import FreshlineError
 from pipeline.core.keys import APIKEY_CHANNEL
 from pipeline.core.settings import Settings
-from tests.helpers import free_port, wait_until
+from tests.helpers import error_line, free_port, freshline, wait_until
 
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 DEADLINE_S = 10.0
 
 
@@ -168,21 +164,14 @@ def test_apikey_revoke_fails_loudly_when_redis_does_not_answer(
     tenant = fresh_tenant()
     create_tenant(engine, tenant)
     issued = issue_api_key(engine, tenant)
-    env = {
-        **os.environ,
-        "FRESHLINE_POSTGRES_URL": settings.postgres_url,
-        "FRESHLINE_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
-        "FRESHLINE_AUDIT_LOG": str(tmp_path / "audit.jsonl"),
-    }
-    revoked = subprocess.run(
-        [FRESHLINE, "apikey", "revoke", issued.key_id],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
+    revoked = freshline(
+        "apikey",
+        "revoke",
+        issued.key_id,
+        FRESHLINE_POSTGRES_URL=settings.postgres_url,
+        FRESHLINE_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",
+        FRESHLINE_AUDIT_LOG=str(tmp_path / "audit.jsonl"),
     )
-    assert revoked.returncode == 1, revoked.stderr
-    lines = revoked.stderr.strip().splitlines()
-    assert len(lines) == 1, revoked.stderr
-    assert issued.key_id in lines[0] and "not published" in lines[0]
+    line = error_line(revoked)
+    assert issued.key_id in line and "not published" in line
     assert revoked.stdout == ""

@@ -1,10 +1,6 @@
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,9 +11,7 @@ from typer.testing import CliRunner
 from fraud.cli import app
 from fraud.seed import SeedSummary, TenantsExist, seed
 from pipeline.core.settings import Settings
-from tests.helpers import ANCHOR
-
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
+from tests.helpers import ANCHOR, error_line, freshline
 
 
 def _profile(engine: Engine, tenant: str) -> list[tuple[object, ...]]:
@@ -147,16 +141,5 @@ def test_the_cli_refuses_in_one_line_without_a_traceback(
     assert "--tenant-prefix" in str(result.exception)
     assert "Traceback" not in result.output
     # The installed command, through main(): one line on stderr, exit status 1.
-    done = subprocess.run(
-        [FRESHLINE, "fraud", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, **env},
-        check=False,
-    )
-    assert done.returncode == 1
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
-    assert tenant in lines[0] and "--tenant-prefix" in lines[0]
-    assert "Traceback" not in done.stderr
+    line = error_line(freshline("fraud", *args, **env))
+    assert tenant in line and "--tenant-prefix" in line
