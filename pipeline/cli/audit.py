@@ -113,6 +113,30 @@ def grace_table(report: AuditReport) -> Table:
     return table
 
 
+def settled_table(report: AuditReport) -> Table:
+    """The entries caught up on their watermarks alone, by how their values settled."""
+    table = Table(box=None, show_edge=False, pad_edge=False, padding=0)
+    table.add_column("caught up on watermark", min_width=24)
+    table.add_column("verified", justify="right", min_width=12)
+    table.add_column("unverified", justify="right", min_width=12)
+    table.add_column("mismatched", justify="right", min_width=12)
+    pending = report.verified + report.unverified + report.wrong_after_catching_up
+    fraction = report.unverified_fraction
+    table.add_row(
+        f"{pending:,}",
+        f"{report.verified:,}",
+        f"{report.unverified:,}",
+        f"{report.wrong_after_catching_up:,}",
+    )
+    table.add_row(
+        "per entry checked",
+        "",
+        "-" if fraction is None else f"{fraction:.2e}",
+        "",
+    )
+    return table
+
+
 def summary(report: AuditReport, source: str) -> Group:
     """The report at 80 columns: counts, speed, consistency per grace, mismatches."""
     by_set = ", ".join(f"{n} {c:,}" for n, c in sorted(report.checked_by_set.items()))
@@ -147,6 +171,8 @@ def summary(report: AuditReport, source: str) -> Group:
         grace_table(report),
         Text(),
     ]
+    if report.verified or report.unverified or report.wrong_after_catching_up:
+        parts += [settled_table(report), Text()]
     last = report.results()[-1].label
     if report.consistent:
         parts.append(Text(f"no mismatch persisted past {last}"))
@@ -198,6 +224,14 @@ def audit(
             "--rate", min=0, help="Entries per second at most, re-checks included (0: no limit)"
         ),
     ] = DEFAULT_RATE,
+    verify_within: Annotated[
+        str | None,
+        typer.Option(
+            "--verify-within",
+            help="Re-check an entry caught up on its watermark alone until its values "
+            "match, at most this long [default: the last grace]",
+        ),
+    ] = None,
     grace: Annotated[
         str,
         typer.Option(
@@ -231,7 +265,9 @@ def audit(
 
     A mismatch is re-checked after each grace (a change in flight heals); one still
     there after the last is printed with both values and watermarks, and the exit
-    status is 1. Absent or tombstoned entries are consistent (correct or absent).
+    status is 1. Absent or tombstoned entries are consistent (correct or absent). One
+    that caught up on its watermark alone is re-checked until its values match
+    (verified) or --verify-within passes (unverified, or a mismatch if unchanged).
     """
 
     from pipeline.cache.versions import state
@@ -244,6 +280,9 @@ def audit(
     from pipeline.observe.audit_metrics import audit_metrics
 
     graces = parse_graces(grace)
+    verify_s = (
+        None if verify_within is None else parse_duration(verify_within, "--verify-within", "60s")
+    )
     duration_s = None if duration is None else parse_duration(duration, "--duration", "10m")
     if keys_file is not None and (sample or feature_set or tenant or duration):
         raise typer.BadParameter(
@@ -297,6 +336,7 @@ def audit(
             batch_size=batch_size,
             metrics=audit_metrics(),
             progress=progress,
+            verify_s=verify_s,
         )
         if keys is not None:
             report = auditor.audit_keys(keys, graces)

@@ -37,14 +37,27 @@ longer one, once
   this one when the consumer's snapshot saw the change but was taken a moment before
   the first check's, and a newer change is in flight by the re-check.
 
+Catching up by watermark alone says the entry is fresh, not that its values are
+right: a writer that computes wrong values from a fresh snapshot passes it. So such
+an entry counts as consistent at that grace but is kept *pending*: its entity is
+re-checked (read, then recomputed with the full query) every :data:`VERIFY_EVERY_S`
+on later passes until the entry it serves, the accepted one or a later one, matches
+the recompute of that pass (a first check of a later sample that matches does too):
+it is then *verified*. One that does not within ``verify_s`` of its entity's latest
+acceptance (the last grace by default) is settled at that deadline: still the
+accepted entry, unchanged, and differing, it is a *mismatch* (counted inconsistent at
+the grace it was accepted at and every longer one); otherwise *unverified*, reported
+apart from both. An entity that changes faster than the pipeline's latency without
+pause never matches at an instant, so its entries are verified only once it pauses.
+
 An entry whose watermark is at or above a recompute taken after it was read, and
 which differs from it, claims to have seen what it cannot have: it never heals by
 catching up, nor does an entry left unchanged since the first check. What a re-check
 cannot verify is the values of a newer entry that differs again; they are checked
 when a later sample finds the entity quiet. A mismatch that persists past the last
 grace is reported with both values and both watermarks. Between the first check and
-each re-check the ``before_recheck`` hook runs, which lets tests decide
-deterministically what the re-check sees.
+each re-check the ``before_recheck`` hook runs (``before_verify`` before each
+pending pass), which lets tests decide deterministically what the re-check sees.
 
 Safe on a live system: reads only, never writes Redis; Postgres sees set-based
 queries of at most a tenth of a second's worth of entries at the configured rate
@@ -110,14 +123,21 @@ MAX_EARLY_S: Final = 1 / PACE_SLICES
 """How early a re-check may ride along with a batch of first checks."""
 EMPTY_ROUND_WAIT_S: Final = 1.0
 """How long a timed audit waits after a sample that found no entry."""
+VERIFY_EVERY_S: Final = 1.0
+"""How often an entity whose entry caught up on its watermark alone is re-checked."""
+KEPT_UNVERIFIED: Final = 50
+"""Unverified entries kept as examples (``AuditReport.unverified_entries``)."""
 
 RecheckHook = Callable[[float, Sequence[Mismatch]], None]
 """Called with ``(grace_s, suspects)`` just before those suspects are re-checked."""
+VerifyHook = Callable[[Sequence[EntityRef]], None]
+"""Called with the entities about to be re-checked in a pending pass."""
 ProgressHook = Callable[[int, int | None, str], None]
 """Called with ``(first checks done, total, note)`` after each batch and while waiting;
 ``total`` is None in a timed audit."""
 
 Outcome = Mismatch | Literal["absent", "match"]
+CaughtUp = Literal["values", "watermark"]
 
 
 def sample_pattern(
@@ -172,12 +192,37 @@ class Suspect:
         """Not claiming more than the re-check's recompute, and either rewritten since
         the first check from a snapshot that saw what its recompute saw, or showing
         that recompute's values (see the module docstring)."""
+        return self.caught_up_by(now) is not None
+
+    def caught_up_by(self, now: Mismatch) -> CaughtUp | None:
+        """How the entry caught up: ``"values"`` when it shows the first check's
+        recompute, ``"watermark"`` when only its watermark says so (its values are
+        then still to be verified), ``None`` when it has not."""
         served = now.served_watermark
         if now.problem is not None or served is None or served >= now.recomputed_watermark:
-            return False
-        return (self.first_served < served and self.target <= served) or (
-            self.truth is not None and same(now.served, self.truth)
-        )
+            return None
+        if self.truth is not None and same(now.served, self.truth):
+            return "values"
+        if self.first_served < served and self.target <= served:
+            return "watermark"
+        return None
+
+
+@dataclass(slots=True)
+class Pending:
+    """An entity whose entries caught up on their watermarks alone, awaiting a pass
+    whose recompute its served entry matches (see the module docstring)."""
+
+    ref: EntityRef
+    served: Watermark
+    """The watermark of the entry accepted last."""
+    stages: list[int]
+    """Per acceptance, the index of the grace it was accepted at."""
+    first_at: list[float]
+    """Per acceptance, when its suspect was first checked."""
+    due: float
+    deadline: float
+    last: Mismatch
 
 
 @dataclass(slots=True)
@@ -186,6 +231,8 @@ class _Run:
     total: int | None
     started: float
     pending: list[Suspect] = field(default_factory=list)
+    verifying: dict[EntityRef, Pending] = field(default_factory=dict)
+    """Entities with entries caught up on their watermarks alone, not yet verified."""
     next_at: float = -math.inf
     """When the rate allows the next batch (see :meth:`Auditor._spent`)."""
     last_check_s: float = 0.0
@@ -197,8 +244,9 @@ class Auditor:
     """Checks one schema version's entries against Postgres; see the module docstring.
 
     ``rate`` caps entries per second (first checks and re-checks), ``None`` or ``0``
-    for no cap. ``clock`` and ``sleep`` are for tests that want to run the graces
-    on a clock of their own.
+    for no cap. ``verify_s`` bounds how long an entry caught up on its watermark alone
+    may take to be verified (the last grace by default). ``clock`` and ``sleep`` are
+    for tests that want to run the graces on a clock of their own.
     """
 
     def __init__(
@@ -212,12 +260,16 @@ class Auditor:
         batch_size: int = DEFAULT_BATCH,
         metrics: AuditMetrics | None = None,
         before_recheck: RecheckHook | None = None,
+        before_verify: VerifyHook | None = None,
+        verify_s: float | None = None,
         progress: ProgressHook | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch size must be at least 1, not {batch_size}")
+        if verify_s is not None and not (math.isfinite(verify_s) and verify_s >= 0):
+            raise ConfigError(f"the bound to verify an entry is 0 s or more, not {verify_s}")
         self.redis = client
         self.engine = engine
         self.schema_version = schema_version
@@ -228,6 +280,8 @@ class Auditor:
             self.batch_size = min(batch_size, max(1, math.ceil(self.rate / PACE_SLICES)))
         self.metrics = metrics
         self.before_recheck = before_recheck
+        self.before_verify = before_verify
+        self.verify_s = verify_s
         self.progress = progress
         self.clock = clock
         self.sleep = sleep
@@ -292,6 +346,7 @@ class Auditor:
         if duration_s is None:
             report = self._report(checked_graces)
             refs = self._sample(n, pattern, rng, report)
+            report.samples += 1
             run = self._start(checked_graces, total=len(refs), report=report)
             return self._run(run, self._batches(refs))
         run = self._start(checked_graces, total=None)
@@ -314,10 +369,13 @@ class Auditor:
         while before_until():
             refs = self._sample(n, pattern, rng, run.report)
             if not refs:
+                run.report.samples += 1
                 yield []
-            for batch in self._batches(refs):
+            for i, batch in enumerate(self._batches(refs)):
                 if not before_until():
-                    return
+                    return  # (a sample none of which was checked is not counted)
+                if i == 0:
+                    run.report.samples += 1
                 yield batch
 
     def _sample(
@@ -325,7 +383,6 @@ class Auditor:
     ) -> list[EntityRef]:
         """Up to ``n`` auditable refs by SCAN from a random cursor; the rest are skipped."""
         keys, _, _ = scan_sample(self.redis, pattern, want=n, max_calls=MAX_SCAN_CALLS, rng=rng)
-        report.samples += 1
         return self._auditable(keys, report)
 
     def _auditable(self, keys: Iterable[bytes], report: AuditReport) -> list[EntityRef]:
@@ -392,10 +449,10 @@ class Auditor:
             self._recheck_due(run)
             self._progress(run, "")
         report.checking_s = self.clock() - run.started
-        graces = report.graces
-        while run.pending:
-            self._progress(run, f"{len(run.pending)} to re-check")
-            self._wait_until(min(self._due(s, graces) for s in run.pending), run)
+        while run.pending or run.verifying:
+            waiting = len(run.pending) + len(run.verifying)
+            self._progress(run, f"{waiting} to re-check")
+            self._wait_until(self._next_due(run), run)
         report.elapsed_s = self.clock() - run.started
         self._progress(run, "")
         if self.metrics is not None:
@@ -416,6 +473,14 @@ class Auditor:
     def _due(suspect: Suspect, graces: tuple[float, ...]) -> float:
         return suspect.first_at + graces[suspect.stage]
 
+    def _next_due(self, run: _Run) -> float:
+        """When the next re-check (of a suspect or a pending entity) falls due."""
+        graces = run.report.graces
+        return min(
+            min((self._due(s, graces) for s in run.pending), default=math.inf),
+            min((p.due for p in run.verifying.values()), default=math.inf),
+        )
+
     def _wait_until(self, when: float, run: _Run) -> None:
         """Sleep until ``when``, re-checking suspects as they fall due meanwhile."""
         while True:
@@ -423,8 +488,7 @@ class Auditor:
             now = self.clock()
             if now >= when:
                 return
-            next_due = min((self._due(s, run.report.graces) for s in run.pending), default=math.inf)
-            self.sleep(max(0.0, min(when, next_due) - now))
+            self.sleep(max(0.0, min(when, self._next_due(run)) - now))
 
     def _progress(self, run: _Run, note: str) -> None:
         if self.progress is not None:
@@ -451,6 +515,9 @@ class Auditor:
         per_set: dict[str, int] = defaultdict(int)
         for ref, outcome in zip(refs, outcomes[: len(refs)], strict=True):
             per_set[ref.feature_set] += 1
+            if outcome == "match" and ref in run.verifying:
+                # A later entry (watermarks only grow) that matches: it supersedes them.
+                self._verified(run.verifying.pop(ref), run)
             if outcome == "absent":
                 report.absent += 1
             elif isinstance(outcome, Mismatch):
@@ -478,7 +545,8 @@ class Auditor:
         return due
 
     def _recheck_due(self, run: _Run) -> None:
-        """Re-check every suspect whose next grace has passed; see the module docstring."""
+        """Re-check every suspect whose next grace has passed, then every pending
+        entity whose next pass has come; see the module docstring."""
         due = self._take_due(run, self.clock())
         for i in range(0, len(due), self.batch_size):
             chunk = due[i : i + self.batch_size]
@@ -486,6 +554,87 @@ class Auditor:
             outcomes = self._check([s.mismatch.ref for s in chunk], run.report)
             self._spent(run, len(chunk), started)
             self._rechecked(chunk, outcomes, run)
+        now = self.clock()
+        passing = [p for p in run.verifying.values() if p.due <= now]
+        if passing and self.before_verify is not None:
+            self.before_verify([p.ref for p in passing])
+        for i in range(0, len(passing), self.batch_size):
+            entities = passing[i : i + self.batch_size]
+            started = self.clock()
+            outcomes = self._check([p.ref for p in entities], run.report)
+            self._spent(run, len(entities), started)
+            run.report.rechecks += len(entities)
+            for p, outcome in zip(entities, outcomes, strict=True):
+                self._verify_pass(p, outcome, started, run)
+
+    def _pend(self, suspect: Suspect, now: Mismatch, run: _Run) -> None:
+        """Keep an entry caught up on its watermark alone pending (see the module
+        docstring): its entity joins the pending set, or its acceptance joins those
+        already pending there, and the deadline moves to this acceptance's."""
+        at = self.clock()
+        bound = self.verify_s if self.verify_s is not None else run.report.graces[-1]
+        served = now.served_watermark
+        if served is None:  # caught_up_by accepts none such
+            return
+        pending = run.verifying.get(now.ref)
+        if pending is None:
+            run.verifying[now.ref] = Pending(
+                now.ref,
+                served,
+                [suspect.stage],
+                [suspect.first_at],
+                at + min(VERIFY_EVERY_S, bound),
+                at + bound,
+                now,
+            )
+            return
+        pending.served = max(pending.served, served)
+        pending.stages.append(suspect.stage)
+        pending.first_at.append(suspect.first_at)
+        pending.deadline = max(pending.deadline, at + bound)
+        pending.last = now
+
+    def _verify_pass(self, pending: Pending, outcome: Outcome, at: float, run: _Run) -> None:
+        """One pass over a pending entity: verified on a match; at its deadline, a
+        mismatch if it still serves the accepted entry, else unverified."""
+        if outcome == "match":
+            self._verified(run.verifying.pop(pending.ref), run)
+            return
+        if isinstance(outcome, Mismatch):
+            pending.last = outcome
+        if at < pending.deadline:
+            pending.due = min(at + VERIFY_EVERY_S, pending.deadline)
+            return
+        del run.verifying[pending.ref]
+        report = run.report
+        last = pending.last
+        name = pending.ref.feature_set
+        n = len(pending.stages)
+        if isinstance(outcome, Mismatch) and outcome.served_watermark == pending.served:
+            for stage, first_at in zip(pending.stages, pending.first_at, strict=True):
+                for grace in report.graces[stage:]:
+                    self._count_inconsistent(grace, first_at, name, run)
+            if len(report.mismatches) < KEPT_MISMATCHES:
+                report.mismatches.append(outcome)
+            report.wrong_after_catching_up += n
+            log.info(
+                "%s caught up on its watermark %s but never matched, unchanged: %s",
+                outcome.key,
+                outcome.served_watermark,
+                outcome.problem or outcome.differing,
+            )
+            return
+        report.unverified += n
+        if len(report.unverified_entries) < KEPT_UNVERIFIED:
+            report.unverified_entries.append(last)
+        if self.metrics is not None:
+            self.metrics.settled(name, verified=0, unverified=n)
+
+    def _verified(self, pending: Pending, run: _Run) -> None:
+        n = len(pending.stages)
+        run.report.verified += n
+        if self.metrics is not None:
+            self.metrics.settled(pending.ref.feature_set, verified=n, unverified=0)
 
     def _rechecked(
         self, suspects: Sequence[Suspect], outcomes: Sequence[Outcome], run: _Run
@@ -493,19 +642,30 @@ class Auditor:
         run.report.rechecks += len(suspects)
         for suspect, outcome in zip(suspects, outcomes, strict=True):
             if not isinstance(outcome, Mismatch):
+                if outcome == "match" and suspect.mismatch.ref in run.verifying:
+                    self._verified(run.verifying.pop(suspect.mismatch.ref), run)
                 continue
-            if suspect.caught_up(outcome):
-                run.report.caught_up += 1
-            else:
+            how = suspect.caught_up_by(outcome)
+            if how is None:
                 self._still_inconsistent(suspect, outcome, run)
+                continue
+            run.report.caught_up += 1
+            if how == "watermark":
+                self._pend(suspect, outcome, run)
+
+    def _count_inconsistent(self, grace: float, first_at: float, name: str, run: _Run) -> None:
+        report = run.report
+        report.inconsistent[grace] += 1
+        at = report.inconsistent_at.setdefault(grace, {})
+        second = int(first_at - run.started)
+        at[second] = at.get(second, 0) + 1
+        if self.metrics is not None:
+            self.metrics.still_inconsistent(name, grace)
 
     def _still_inconsistent(self, suspect: Suspect, mismatch: Mismatch, run: _Run) -> None:
         report = run.report
         grace = report.graces[suspect.stage]
-        report.inconsistent[grace] += 1
-        at = report.inconsistent_at.setdefault(grace, {})
-        second = int(suspect.first_at - run.started)
-        at[second] = at.get(second, 0) + 1
+        self._count_inconsistent(grace, suspect.first_at, mismatch.ref.feature_set, run)
         late = report.late.setdefault(grace, [])
         if len(late) < KEPT_LATE:
             late.append(
@@ -515,8 +675,6 @@ class Auditor:
                     None if suspect.first_served < 0 else suspect.first_served,
                 )
             )
-        if self.metrics is not None:
-            self.metrics.still_inconsistent(mismatch.ref.feature_set, grace)
         suspect.mismatch = mismatch
         suspect.stage += 1
         if suspect.stage < len(report.graces):

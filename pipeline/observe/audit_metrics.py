@@ -1,7 +1,8 @@
 """Prometheus metrics of the consistency auditor (:mod:`pipeline.observe.audit`).
 
 The counters move while an audit runs (``checked`` per batch, ``inconsistent`` when a
-re-check after a grace still finds a mismatch); the gauges hold the last finished
+re-check after a grace still finds a mismatch, ``caught_up_settled`` when an entry
+caught up on its watermark alone is verified or left unverified); the gauges hold the last finished
 audit's figures. ``freshline audit --metrics-port`` serves them.
 """
 
@@ -29,6 +30,20 @@ class AuditMetrics:
             "freshline_audit_inconsistent_total",
             "Entries still inconsistent with Postgres when re-checked after the grace",
             ["feature_set", "grace"],
+            registry=registry,
+        )
+        self.settled_total = Counter(
+            "freshline_audit_caught_up_settled_total",
+            "Entries caught up on their watermarks alone, by how their values were "
+            "settled: verified (then seen to match a recompute) or unverified (never, "
+            "within the audit's bound)",
+            ["feature_set", "outcome"],
+            registry=registry,
+        )
+        self.unverified_ratio = Gauge(
+            "freshline_audit_unverified_ratio",
+            "Entries of the last audit caught up on their watermarks alone and never "
+            "verified by value, per entry checked",
             registry=registry,
         )
         self.nines = Gauge(
@@ -61,6 +76,11 @@ class AuditMetrics:
     def still_inconsistent(self, feature_set: str, grace_s: float) -> None:
         self.inconsistent.labels(feature_set=feature_set, grace=grace_label(grace_s)).inc()
 
+    def settled(self, feature_set: str, *, verified: int, unverified: int) -> None:
+        for outcome, n in (("verified", verified), ("unverified", unverified)):
+            if n:
+                self.settled_total.labels(feature_set=feature_set, outcome=outcome).inc(n)
+
     def finished(self, report: AuditReport) -> None:
         """Set the gauges from a finished audit (one that checked nothing sets none)."""
         if report.checked == 0:
@@ -70,6 +90,7 @@ class AuditMetrics:
             if nines is not None and fraction is not None:
                 self.nines.labels(grace=result.label).set(nines)
                 self.consistent_ratio.labels(grace=result.label).set(fraction)
+        self.unverified_ratio.set(report.unverified_fraction or 0.0)
         self.entries_per_second.set(report.capacity_per_s)
         self.last_run.set(time.time())
 

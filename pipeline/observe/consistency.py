@@ -183,6 +183,18 @@ class AuditReport:
     """Suspects consistent at a re-check by having caught up, though they differed
     again (rewritten from a snapshot that saw the first check's; newer changes in
     flight): see :mod:`pipeline.observe.audit`."""
+    verified: int = 0
+    """Of those caught up on their watermarks alone, the ones whose entry (or a later
+    one) then matched a recompute: their values seen right."""
+    unverified: int = 0
+    """Caught up on their watermarks alone and never seen to match within the audit's
+    bound, yet not shown wrong: their entity kept changing (or its entry went)."""
+    wrong_after_catching_up: int = 0
+    """Caught up on their watermarks alone, then still the same entry and still
+    differing at the bound: counted inconsistent from the grace they were accepted at
+    and listed with the mismatches."""
+    unverified_entries: list[Mismatch] = field(default_factory=list)
+    """The first unverified entries, as last seen."""
     checked_by_set: dict[str, int] = field(default_factory=dict)
     inconsistent: dict[float, int] = field(default_factory=dict)
     inconsistent_at: dict[float, dict[int, int]] = field(default_factory=dict)
@@ -219,6 +231,11 @@ class AuditReport:
         return GraceResult(grace_s, self.checked, self.inconsistent[grace_s])
 
     @property
+    def unverified_fraction(self) -> float | None:
+        """Unverified entries per checked entry."""
+        return self.unverified / self.checked if self.checked else None
+
+    @property
     def entries_per_s(self) -> float:
         """Entries checked per second of the pass over them (paced, graces not waited)."""
         return self.checked / self.checking_s if self.checking_s > 0 else 0.0
@@ -238,6 +255,11 @@ class AuditReport:
             "samples": self.samples,
             "rechecks": self.rechecks,
             "caught_up": self.caught_up,
+            "verified": self.verified,
+            "unverified": self.unverified,
+            "unverified_fraction": self.unverified_fraction,
+            "wrong_after_catching_up": self.wrong_after_catching_up,
+            "unverified_entries": [m.as_json() for m in self.unverified_entries],
             "persistent": self.persistent,
             "checked_by_feature_set": self.checked_by_set,
             "consistent": self.consistent,

@@ -360,6 +360,161 @@ def test_an_entry_that_caught_up_and_changed_again_is_consistent_at_that_grace(
     assert report.inconsistent == {1.0: 0, 10.0: 0} and report.consistent
 
 
+def audit_verified(
+    auditor: AuditorFactory,
+    refs: Sequence[EntityRef],
+    before_recheck: RecheckHook,
+    before_verify: Callable[[Sequence[EntityRef]], None],
+    registry: CollectorRegistry | None = None,
+) -> tuple[AuditReport, FakeClock]:
+    """As :func:`audit_rechecked`, ``before_verify`` deciding what each pass over the
+    entries caught up on their watermarks alone sees (one a second, for 10 s)."""
+    clock = FakeClock()
+    metrics = AuditMetrics(registry) if registry is not None else None
+    report = auditor(
+        before_recheck=before_recheck, before_verify=before_verify, clock=clock, metrics=metrics
+    ).audit_refs(refs, graces=(1.0, 10.0))
+    return report, clock
+
+
+def test_a_wrong_entry_whose_watermark_caught_up_ends_a_mismatch_never_verified(
+    engine: Engine,
+    store: FeatureStore,
+    version: int,
+    auditor: AuditorFactory,
+    refs: list[EntityRef],
+) -> None:
+    """A writer that computes wrong values from a fresh snapshot: by its watermark the
+    entry caught up; by its values it never does. Re-checked on every pass, unchanged
+    and still differing at the bound, it is a mismatch from the grace it was accepted at."""
+    target = active(store, refs)
+    change(engine, target)  # in flight at the first check
+    passes: list[float] = []
+
+    def before_recheck(grace: float, _suspects: Sequence[Mismatch]) -> None:
+        if grace == 1.0:  # the consumer's write lands, fresh and wrong
+            corrupt(engine, store, target, "txn_sum", -1.0)
+
+    def before_verify(pending: Sequence[EntityRef]) -> None:
+        assert list(pending) == [target]
+        passes.append(clock.now)
+
+    clock = FakeClock()
+    registry = CollectorRegistry()
+    report = auditor(
+        before_recheck=before_recheck,
+        before_verify=before_verify,
+        clock=clock,
+        metrics=AuditMetrics(registry),
+    ).audit_refs(refs, graces=(1.0, 10.0))
+
+    assert report.suspects == 1 and report.caught_up == 1  # on its watermark, at 1 s
+    assert report.verified == 0 and report.unverified == 0
+    assert report.wrong_after_catching_up == 1
+    assert report.inconsistent == {1.0: 1, 10.0: 1} and not report.consistent
+    [m] = report.mismatches
+    assert m.ref == target and m.served is not None and m.served["txn_sum"] == -1.0
+    assert passes == [float(t) for t in range(2, 12)]  # every second until 10 s after
+    sample = registry.get_sample_value
+    assert sample("freshline_audit_inconsistent_total", {"feature_set": "txn_90d", "grace": "10s"})
+    assert report.as_json()["wrong_after_catching_up"] == 1
+
+
+def test_a_wrong_entry_rewritten_under_fresh_watermarks_ends_unverified(
+    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
+) -> None:
+    """Wrong values under a watermark that keeps moving: never seen right, never the
+    same entry twice, so neither verified nor shown wrong: unverified, apart."""
+    target = active(store, refs)
+    change(engine, target)
+
+    def before_recheck(grace: float, _suspects: Sequence[Mismatch]) -> None:
+        if grace == 1.0:
+            corrupt(engine, store, target, "txn_sum", -1.0)
+
+    def before_verify(_pending: Sequence[EntityRef]) -> None:
+        corrupt(engine, store, target, "txn_sum", -1.0)  # a fresh watermark each time
+
+    registry = CollectorRegistry()
+    report, _ = audit_verified(auditor, refs, before_recheck, before_verify, registry)
+    assert report.caught_up == 1 and report.verified == 0 and report.unverified == 1
+    assert report.wrong_after_catching_up == 0 and report.persistent == 0
+    assert report.unverified_fraction == pytest.approx(1 / len(refs))
+    [entry] = report.unverified_entries
+    assert entry.ref == target and entry.served is not None and entry.served["txn_sum"] == -1.0
+    doc = report.as_json()
+    assert doc["unverified"] == 1 and doc["unverified_entries"][0]["key"] == entry.key
+    sample = registry.get_sample_value
+    assert sample("freshline_audit_unverified_ratio") == pytest.approx(1 / len(refs))
+    from pipeline.cli.audit import summary
+
+    shown = io.StringIO()
+    Console(file=shown, width=80).print(summary(report, "test"))
+    text = shown.getvalue()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, text
+    head = next(i for i, line in enumerate(lines) if line.startswith("caught up on watermark"))
+    assert lines[head].split()[-3:] == ["verified", "unverified", "mismatched"], text
+    assert lines[head + 1].split() == ["1", "0", "1", "0"], text
+    assert (
+        sample(
+            "freshline_audit_caught_up_settled_total",
+            {"feature_set": "txn_90d", "outcome": "unverified"},
+        )
+        == 1
+    )
+
+
+def test_a_correct_entry_of_a_hot_entity_ends_verified(
+    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
+) -> None:
+    """A hot entity: at the re-check and at the next passes the consumer has applied
+    a change newer than the first check saw and the next is in flight, so its entry
+    never matches at that instant, nor shows the first check's values; once the entity
+    pauses, the entry matches the pass's recompute: verified."""
+    target = active(store, refs)
+    change(engine, target)
+    passes: list[float] = []
+
+    def busy() -> None:
+        rewrite_truth(engine, store, target)  # the consumer applies a change...
+        change(engine, target)  # ...and the next is in flight
+
+    def before_recheck(grace: float, _suspects: Sequence[Mismatch]) -> None:
+        if grace == 1.0:
+            change(engine, target)  # changed again since the first check
+            busy()
+
+    def before_verify(_pending: Sequence[EntityRef]) -> None:
+        passes.append(clock.now)
+        if len(passes) < 3:
+            busy()
+        else:  # the entity pauses: the consumer applies its last change
+            rewrite_truth(engine, store, target)
+
+    clock = FakeClock()
+    registry = CollectorRegistry()
+    report = auditor(
+        before_recheck=before_recheck,
+        before_verify=before_verify,
+        clock=clock,
+        metrics=AuditMetrics(registry),
+    ).audit_refs(refs, graces=(1.0, 10.0))
+    assert report.suspects == 1 and report.caught_up == 1
+    assert report.verified == 1 and report.unverified == 0
+    assert report.wrong_after_catching_up == 0
+    assert report.inconsistent == {1.0: 0, 10.0: 0} and report.consistent
+    assert passes == [2.0, 3.0, 4.0]  # verified at the third pass, none after
+    assert (
+        registry.get_sample_value(
+            "freshline_audit_caught_up_settled_total",
+            {"feature_set": "txn_90d", "outcome": "verified"},
+        )
+        == 1
+    )
+    assert registry.get_sample_value("freshline_audit_unverified_ratio") == 0
+
+
 def test_an_entry_rewritten_from_a_snapshot_older_than_the_first_check_has_not_caught_up(
     engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:

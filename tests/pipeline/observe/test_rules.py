@@ -22,6 +22,7 @@ import pipeline.api.metrics  # noqa: F401  (registers the API's metrics)
 from consumers.metrics import consumer_metrics
 from pipeline.api import create_app
 from pipeline.core.settings import Settings
+from pipeline.observe.audit_metrics import audit_metrics
 from tests.helpers import running
 
 DOCKER = Path(__file__).resolve().parents[3] / "docker"
@@ -73,6 +74,7 @@ def names_in(expr: str) -> set[str]:
 def exported(settings: Settings, engine: Engine, redis_client: redis.Redis) -> Iterator[set[str]]:
     """Every sample name the API and the consumers expose, sampled ones included."""
     consumer_metrics()
+    audit_metrics()
     from prometheus_client import REGISTRY
 
     names: set[str] = set()
