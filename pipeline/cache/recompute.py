@@ -68,6 +68,7 @@ or the promotion of a standby, watermarks are not comparable with those before.
 from __future__ import annotations
 
 import datetime as dt
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -408,6 +409,43 @@ def compute(
         batch = _compute(conn, feature_set, tenants, ids, as_of, txids, path)
         conn.rollback()
         return batch
+
+
+_EXPORT_SQL = sa.text("SELECT pg_export_snapshot()")
+_SNAPSHOT_ID = re.compile(r"[0-9A-F]+(-[0-9A-F]+)+")
+
+
+def export_snapshot(conn: Connection) -> str:
+    """The id of ``conn``'s transaction snapshot (``pg_export_snapshot()``), for
+    :func:`compute_in_snapshot` on other connections while that transaction stays open.
+
+    In a REPEATABLE READ transaction it is the snapshot of its first statement, the
+    one every later statement of the transaction reads.
+    """
+    return str(conn.execute(_EXPORT_SQL).scalar_one())
+
+
+def compute_in_snapshot(
+    engine: Engine,
+    snapshot_id: str,
+    feature_set: FeatureSet,
+    refs: Sequence[tuple[str, str]],
+    *,
+    path: Path | None = None,
+) -> Batch:
+    """:func:`compute` on a connection of its own that imports an exported snapshot
+    (:func:`export_snapshot`; ``SET TRANSACTION SNAPSHOT``).
+
+    It sees exactly the rows the exporting transaction sees, so its watermark has the
+    same snapshot part (only the clock differs), as if computed on that connection.
+    """
+    if not _SNAPSHOT_ID.fullmatch(snapshot_id):  # inlined below: SET takes no parameter
+        raise ValueError(f"not an exported snapshot id: {snapshot_id!r}")
+    with engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
+        conn.execute(sa.text(f"SET TRANSACTION SNAPSHOT '{snapshot_id}'"))
+        batch = compute(conn, feature_set, refs, path=path)
+        conn.rollback()
+    return batch
 
 
 def feature_statement(fs: FeatureSet, path: Path | None = None) -> sa.TextClause:
