@@ -39,22 +39,34 @@ BATCH = 500
 PROCESSES = (1, 2, 3)
 
 
-def _cluster_url() -> str | None:
+def _cluster_login() -> tuple[str, str, str] | None:
+    """The cluster's Redis URL and the writers' login (a consumer's: it writes entries
+    and may read them), or None when the topology is not up."""
     if not ENV.exists():
         return None
+    env = {}
     for line in ENV.read_text().splitlines():
-        if line.startswith("FRESHLINE_REDIS_URL="):
-            url = shlex.split(line.split("=", 1)[1])[0]
-            host, port = url.split("//")[1].split("/")[0].split(":")
-            with socket.socket() as sock:
-                sock.settimeout(0.5)
-                if sock.connect_ex((host, int(port))) == 0:
-                    return url
-    return None
+        if "=" in line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            env[key] = shlex.split(value)[0] if value else ""
+    url = env.get("FRESHLINE_REDIS_URL")
+    if not url:
+        return None
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        if sock.connect_ex((host, int(port))) != 0:
+            return None
+    return (
+        url,
+        env.get("FRESHLINE_STACK_REDIS_WRITER_USER", ""),
+        env.get("FRESHLINE_STACK_REDIS_WRITER_PASSWORD", ""),
+    )
 
 
 def _worker(
     url: str,
+    login: tuple[str, str],
     cluster: bool,
     kind: str,
     version: int,
@@ -63,6 +75,8 @@ def _worker(
     start_at: float,
     out: Any,
 ) -> None:
+    from pydantic import SecretStr
+
     from pipeline.cache.recompute import Batch
     from pipeline.cache.store import FeatureStore
     from pipeline.core.repository import REGISTRY
@@ -71,7 +85,15 @@ def _worker(
     from pipeline.core.types import EntityRef
 
     fs = REGISTRY["txn_90d"]
-    client = redis_client(Settings(redis_url=url, redis_cluster=cluster))
+    user, password = login
+    client = redis_client(
+        Settings(
+            redis_url=url,
+            redis_cluster=cluster,
+            redis_username=user,
+            redis_password=SecretStr(password),
+        )
+    )
     store = FeatureStore(client, version)
     values = {
         "txn_count": 3,
@@ -102,14 +124,17 @@ def _worker(
     out.put(done / seconds)
 
 
-def _throughput(url: str, cluster: bool, kind: str, procs: int, seconds: float) -> float:
+def _throughput(
+    url: str, login: tuple[str, str], cluster: bool, kind: str, procs: int, seconds: float
+) -> float:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     version = 700_000 + os.getpid() % 1000
     start_at = time.time() + 3.0  # after every process has imported and connected
     workers = [
         ctx.Process(
-            target=_worker, args=(url, cluster, kind, version, i * BATCH, seconds, start_at, out)
+            target=_worker,
+            args=(url, login, cluster, kind, version, i * BATCH, seconds, start_at, out),
         )
         for i in range(procs)
     ]
@@ -155,10 +180,11 @@ def _private_redis() -> tuple[subprocess.Popen[bytes], str, str]:
 
 
 def run(quick: bool) -> dict[str, Any]:
-    url = _cluster_url()
-    if url is None:
+    found = _cluster_login()
+    if found is None:
         common.note("cluster_scaling: the cluster topology is not up; nothing measured")
         return {"skipped": "scripts/stack up --topology cluster is not running"}
+    url, user, password = found
     rounds, seconds = (1, 0.5) if quick else (3, 2.0)
     proc, single, tmp = _private_redis()
     figures: dict[str, dict[str, list[float]]] = {}
@@ -166,11 +192,14 @@ def run(quick: bool) -> dict[str, Any]:
         for r in range(rounds):
             for kind in ("write", "read"):
                 for procs in PROCESSES:
-                    for masters, target, cluster in ((1, single, False), (3, url, True)):
+                    for masters, target, login, cluster in (
+                        (1, single, ("", ""), False),
+                        (3, url, (user, password), True),
+                    ):
                         name = f"{kind}/{masters}m/{procs}p"
                         common.note(f"cluster_scaling round {r + 1}/{rounds}: {name}")
                         figures.setdefault(kind, {}).setdefault(f"{masters}m/{procs}p", []).append(
-                            _throughput(target, cluster, kind, procs, seconds)
+                            _throughput(target, login, cluster, kind, procs, seconds)
                         )
     finally:
         proc.terminate()

@@ -21,6 +21,20 @@
 # tested on the single topology). State lives in $STACK/cluster (.stack/cluster); the
 # connection settings go to .stack/cluster/env, as .stack/env for the single topology.
 #
+# The same logins as the single topology, with passwords of their own (made at random
+# once, in .stack/cluster/secrets), all written to .stack/cluster/env:
+#   redis     every node, replicas too: the single topology's ACL users (default user
+#             off; freshline-api, -writer, -admin), and freshline-replication, which
+#             may only replicate: replicas log in to their master with it
+#   kafka     no PLAINTEXT listener: clients log in with SCRAM-SHA-512 as freshline,
+#             brokers to each other as freshline-broker; the controllers' listener
+#             takes SASL/PLAIN as freshline-controller only (a controller cannot check
+#             SCRAM, whose credentials live in the metadata it serves, and without a
+#             login anyone could alter the brokers' configuration through it)
+#   postgres  the owner freshline is no superuser; freshline_api and freshline_consumer
+#             as on the single topology (no freshline_cdc: no Debezium here); the
+#             standby replicates as postgres over the 0700 local socket
+#
 # Sizing for a 2-core, 24 GiB machine: each broker gets a 384 MiB heap (serial GC), each
 # Redis node a 256 MiB maxmemory, Postgres 128 MiB shared_buffers: about 2.5 GiB resident
 # for the whole topology. CPU, not memory, is the bound.
@@ -31,6 +45,10 @@ CL_KAFKA_PORTS=(19092 19093 19094)
 CL_CONTROLLER_PORTS=(19192 19193 19194)
 CL_PG_PORT=15432
 CL_PG_REPLICA_PORT=15433
+CL_REDIS_REPLICATION_USER=freshline-replication
+CL_KAFKA_BROKER_USER=freshline-broker
+CL_KAFKA_CONTROLLER_USER=freshline-controller
+CL_KAFKA_SCRAM=SCRAM-SHA-512
 CL_KAFKA_OPTS=(-Xms256m -Xmx384m -XX:+UseSerialGC -XX:+ExitOnOutOfMemoryError
   -XX:TieredStopAtLevel=1 -Djava.awt.headless=true
   -Dlog4j2.configurationFile="$STACK/conf/log4j2.properties")
@@ -55,16 +73,28 @@ cluster_requested() {
 
 # ---------------------------------------------------------------- redis cluster
 
-cl_redis_cli() { redis-cli -h "$HOST" -p "$1" "${@:2}"; }
+# cl_redis_cli PORT ARGS...: redis-cli on one node, as the admin.
+cl_redis_cli() {
+  env -u REDISCLI_AUTH redis-cli -h "$HOST" -p "$1" --user "$REDIS_ADMIN_USER" \
+    --pass "$(secret redis-admin)" --no-auth-warning "${@:2}"
+}
 
 cl_up_redis_node() {
   local port=$1 name=redis-$(($1 - 7000)) dir="$CL/redis/$1"
-  if [[ -n "$(pid_of "$name")" ]]; then return 0; fi
+  if [[ -n "$(pid_of "$name")" ]]; then
+    [[ -s $dir/security ]] ||
+      fail "$name runs without ACL users: scripts/stack down --topology cluster, then up"
+    return 0
+  fi
   port_open "$port" && fail "$HOST:$port ($name) is taken by another process"
   mkdir -p "$dir"
+  rm -f "$dir/security"
+  redis_acl_file "$dir/users.acl" \
+    "user $CL_REDIS_REPLICATION_USER on >$(secret redis-replication) resetkeys resetchannels -@all +psync +replconf +ping"
   # No persistence: a node that restarts rejoins empty and resyncs from its master.
   # nodes.conf stays: it is the node's cluster identity, so a restarted node rejoins.
-  cat >"$dir/redis.conf" <<EOF
+  # Mode 600: masterauth is a password.
+  (umask 077 && rm -f "$dir/redis.conf" && cat >"$dir/redis.conf") <<EOF
 bind $HOST
 port $port
 protected-mode yes
@@ -82,8 +112,12 @@ cluster-node-timeout 2000
 cluster-replica-validity-factor 0
 cluster-require-full-coverage no
 cluster-allow-reads-when-down no
+aclfile $dir/users.acl
+masteruser $CL_REDIS_REPLICATION_USER
+masterauth $(secret redis-replication)
 EOF
   redis-server "$dir/redis.conf" >"$dir/redis.out" 2>&1 || fail "$name did not start" "$dir/redis.log"
+  echo acl >"$dir/security"
   wait_until "$name" "$dir/redis.log" "" cl_redis_ping "$port"
 }
 
@@ -106,11 +140,12 @@ cl_up_redis() {
   if ! cl_redis_cli 7001 cluster info 2>/dev/null | grep -q '^cluster_known_nodes:6'; then
     say "redis cluster: creating 3 masters, 3 replicas"
     for port in "${CL_REDIS_PORTS[@]}"; do addrs+=("$HOST:$port"); done
-    redis-cli --cluster create "${addrs[@]}" --cluster-replicas 1 --cluster-yes \
+    cl_redis_cli 7001 --cluster create "${addrs[@]}" --cluster-replicas 1 --cluster-yes \
       >"$CL/redis/create.log" 2>&1 || fail "redis-cli --cluster create failed" "$CL/redis/create.log"
   fi
   wait_until "redis cluster state" "$CL/redis/create.log" "" cl_redis_ok 7001
   wait_until "redis cluster replicas" "$CL/redis/create.log" "" cl_redis_replicas_linked
+  echo acl >"$CL/redis/security"
   say "redis cluster up on $HOST:7001-7006"
 }
 
@@ -134,15 +169,22 @@ cl_up_kafka_node() {
   if [[ -n "$(pid_of "$name")" ]]; then return 0; fi
   port_open "$port" && fail "$HOST:$port ($name) is taken by another process"
   mkdir -p "$dir/data"
-  cat >"$dir/server.properties" <<EOF
+  # Mode 600: the broker's own SCRAM password is in it.
+  (umask 077 && rm -f "$dir/server.properties" && cat >"$dir/server.properties") <<EOF
 process.roles=broker,controller
 node.id=$i
 controller.quorum.voters=$(cl_kafka_voters)
-listeners=PLAINTEXT://$HOST:$port,CONTROLLER://$HOST:$cport
-advertised.listeners=PLAINTEXT://$HOST:$port
+listeners=SASL://$HOST:$port,CONTROLLER://$HOST:$cport
+advertised.listeners=SASL://$HOST:$port
 controller.listener.names=CONTROLLER
-inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+inter.broker.listener.name=SASL
+listener.security.protocol.map=SASL:SASL_PLAINTEXT,CONTROLLER:SASL_PLAINTEXT
+sasl.enabled.mechanisms=$CL_KAFKA_SCRAM
+sasl.mechanism.inter.broker.protocol=$CL_KAFKA_SCRAM
+listener.name.sasl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="$CL_KAFKA_BROKER_USER" password="$(secret kafka-broker)";
+listener.name.controller.sasl.enabled.mechanisms=PLAIN
+sasl.mechanism.controller.protocol=PLAIN
+listener.name.controller.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required username="$CL_KAFKA_CONTROLLER_USER" password="$(secret kafka-controller)" user_$CL_KAFKA_CONTROLLER_USER="$(secret kafka-controller)";
 log.dirs=$dir/data
 num.partitions=1
 default.replication.factor=3
@@ -165,6 +207,8 @@ EOF
     java -Xmx256m -XX:+UseSerialGC -XX:TieredStopAtLevel=1 -Dfreshline.log="$dir/format.log" \
       -Dlog4j2.configurationFile="$STACK/conf/log4j2.properties" -cp "$LIB/*" \
       kafka.tools.StorageTool format -t "$cid" -c "$dir/server.properties" \
+      --add-scram "$CL_KAFKA_SCRAM=[name=$CL_KAFKA_BROKER_USER,password=$(secret kafka-broker)]" \
+      --add-scram "$CL_KAFKA_SCRAM=[name=$KAFKA_SCRAM_USER,password=$(secret kafka-scram)]" \
       >"$dir/format.out" 2>&1 || fail "$name: storage format failed" "$dir/format.out"
   fi
   : >"$dir/kafka.log"
@@ -173,20 +217,44 @@ EOF
   echo $! >"$STACK/run/$name.pid"
 }
 
+# cl_kafka_client_config: the Kafka tools' login (mode 600), as the client user.
+cl_kafka_client_config() {
+  (
+    umask 077
+    cat >"$CL/kafka/client.properties" <<EOF
+security.protocol=SASL_PLAINTEXT
+sasl.mechanism=$CL_KAFKA_SCRAM
+sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="$KAFKA_SCRAM_USER" password="$(secret kafka-scram)";
+EOF
+  )
+}
+
 cl_kafka_brokers_registered() {
   java -Xmx128m -XX:+UseSerialGC -XX:TieredStopAtLevel=1 -Dfreshline.log="$CL/kafka/tools.log" \
     -Dlog4j2.configurationFile="$STACK/conf/log4j2.properties" -cp "$LIB/*" \
     org.apache.kafka.tools.BrokerApiVersionsCommand --bootstrap-server "$(cl_kafka_bootstrap)" \
-    >"$CL/kafka/brokers.out" 2>&1 || return 1
+    --command-config "$CL/kafka/client.properties" >"$CL/kafka/brokers.out" 2>&1 || return 1
   [[ "$(grep -c '^[^ ].*(id: [0-9]' "$CL/kafka/brokers.out")" -ge 3 ]]
 }
 
 cl_up_kafka() {
   local i
+  # Storage formatted before the brokers had SCRAM users has none, and its brokers
+  # could not log in to each other: the topology's data is disposable, format it again.
+  if [[ -s $CL/kafka/cluster.id && ! -s $CL/kafka/scram-users ]]; then
+    for i in 1 2 3; do
+      [[ -z "$(pid_of "kafka-$i")" ]] ||
+        fail "kafka-$i runs without SCRAM: scripts/stack down --topology cluster, then up"
+    done
+    say "kafka cluster: storage made before SCRAM, formatting it again"
+    rm -rf "$CL/kafka"
+  fi
   mkdir -p "$CL/kafka"
+  cl_kafka_client_config
   [[ -s $CL/kafka/cluster.id ]] ||
     head -c16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n' >"$CL/kafka/cluster.id"
   for i in 1 2 3; do cl_up_kafka_node "$i"; done
+  echo "$CL_KAFKA_BROKER_USER $KAFKA_SCRAM_USER" >"$CL/kafka/scram-users"
   for i in 1 2 3; do
     wait_until "kafka-$i" "$CL/kafka/$i/kafka.log" "kafka-$i" port_open "${CL_KAFKA_PORTS[$((i - 1))]}"
   done
@@ -262,17 +330,19 @@ cl_up_pg_primary() {
   fi
   cl_pg_conf "$data" "$CL_PG_PORT"
   cl_pg_start pg-primary "$data" "$CL_PG_PORT"
-  cl_pg_psql "$CL_PG_PORT" -d postgres -v user="$PG_USER" -v password="$(secret pg-owner)" \
-    -v db="$PG_DATABASE" >/dev/null <<'EOF' || fail "pg-primary: could not create role/database"
+  cl_pg_psql "$CL_PG_PORT" -d postgres -v user="$PG_USER" -v db="$PG_DATABASE" \
+    >/dev/null <<'EOF' || fail "pg-primary: could not create role/database"
 SELECT format('CREATE ROLE %I', :'user')
  WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = :'user') \gexec
-SELECT format('ALTER ROLE %I LOGIN SUPERUSER REPLICATION PASSWORD %L', :'user', :'password') \gexec
 SELECT format('ALTER ROLE %I SET search_path = public', :'user') \gexec
 SELECT format('CREATE DATABASE %I OWNER %I', :'db', :'user')
  WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = :'db') \gexec
 SELECT 'SELECT pg_create_physical_replication_slot(''freshline_replica'')'
  WHERE NOT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = 'freshline_replica') \gexec
 EOF
+  # The logins, as on the single topology (the standby gets them by replication).
+  pg_login_roles "$CL/pg/pg-primary.log" cl_pg_psql "$CL_PG_PORT"
+  echo "$PG_API_ROLE $PG_CONSUMER_ROLE" >"$CL/pg/roles"
 }
 
 cl_pg_streaming() {
@@ -314,13 +384,24 @@ cl_write_env() {
   {
     echo "# The cluster topology's connection settings, written by"
     echo "# scripts/stack up --topology cluster. Load with: set -a; . .stack/cluster/env; set +a"
-    env_line FRESHLINE_POSTGRES_URL \
-      "postgresql+psycopg://$PG_USER:$(secret pg-owner)@$HOST:$CL_PG_PORT/$PG_DATABASE"
-    env_line FRESHLINE_POSTGRES_REPLICA_URL \
-      "postgresql+psycopg://$PG_USER:$(secret pg-owner)@$HOST:$CL_PG_REPLICA_PORT/$PG_DATABASE"
-    env_line FRESHLINE_REDIS_URL "redis://$HOST:7001/0"
+    env_postgres "$CL_PG_PORT" "$CL/pg/roles"
+    # The standby serves the API's reads, as the API's role.
+    if [[ -s $CL/pg/roles ]]; then
+      env_line FRESHLINE_POSTGRES_REPLICA_URL \
+        "postgresql+psycopg://$PG_API_ROLE:$(secret pg-api)@$HOST:$CL_PG_REPLICA_PORT/$PG_DATABASE"
+    else
+      env_line FRESHLINE_POSTGRES_REPLICA_URL \
+        "postgresql+psycopg://$PG_USER:$(secret pg-owner)@$HOST:$CL_PG_REPLICA_PORT/$PG_DATABASE"
+    fi
+    env_redis 7001 "$CL/redis/security"
     env_line FRESHLINE_REDIS_CLUSTER "1"
     env_line FRESHLINE_KAFKA_BOOTSTRAP "$(cl_kafka_bootstrap)"
+    if [[ -s $CL/kafka/scram-users ]]; then
+      env_line FRESHLINE_KAFKA_SECURITY_PROTOCOL sasl_plaintext
+      env_line FRESHLINE_KAFKA_SASL_MECHANISM "$CL_KAFKA_SCRAM"
+      env_line FRESHLINE_KAFKA_SASL_USERNAME "$KAFKA_SCRAM_USER"
+      env_line FRESHLINE_KAFKA_SASL_PASSWORD "$(secret kafka-scram)"
+    fi
     env_line FRESHLINE_TOPIC_REPLICATION "3"
     env_line FRESHLINE_STACK_TOPOLOGY cluster
     env_line PGHOST "$HOST"
@@ -350,6 +431,7 @@ cl_cmd_up() {
   say "postgres primary $HOST:$CL_PG_PORT, streaming replica $HOST:$CL_PG_REPLICA_PORT"
   cl_up_redis
   cl_up_kafka
+  cl_write_env
   say "cluster topology up in $((SECONDS - t0))s (settings in ${CL#"$ROOT"/}/env)"
 }
 
@@ -431,9 +513,8 @@ cl_cmd_stop() {
 # cluster_main ARGS...: the command line of scripts/stack, --topology cluster among it.
 cluster_main() {
   local args=() prev="" arg
-  # The cluster's nodes have no ACL: .stack/env's REDISCLI_AUTH (the single topology's
-  # admin) would make every redis-cli here fail.
-  unset REDISCLI_AUTH
+  # Passwords of its own, never the single topology's.
+  SECRETS="$CL/secrets"
   for arg in "$@"; do
     if [[ $arg == --topology ]]; then prev=$arg; continue; fi
     if [[ $prev == --topology || $arg == --topology=* ]]; then prev=""; continue; fi

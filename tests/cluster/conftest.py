@@ -3,7 +3,10 @@ cluster`` (Redis Cluster 3+3, three Kafka brokers, a Postgres replica).
 
 Skipped when that topology is not up, unless ``FRESHLINE_CLUSTER_REQUIRED=1`` (set by
 scripts/test, which starts it): then a missing topology fails the run. The settings
-come from ``.stack/cluster/env``, never from the single topology's.
+come from ``.stack/cluster/env``, never from the single topology's. As on the single
+topology (tests/helpers.py), the tests act as the operator: the Postgres owner, the
+Redis admin and the brokers' SCRAM user; the least-privilege logins stay in
+``cluster_env`` for the tests of those logins (test_cluster_security.py).
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 import sqlalchemy as sa
 
-from pipeline.core.services import redis_client
+from pipeline.core.services import kafka_security_config, redis_client
 from pipeline.core.settings import Settings
 from tests.helpers import migrate
 
@@ -71,8 +75,15 @@ def cluster_settings(cluster_env: dict[str, str]) -> Settings:
         k.removeprefix("FRESHLINE_").lower(): v
         for k, v in cluster_env.items()
         if k.startswith("FRESHLINE_")
-        and k not in ("FRESHLINE_STACK_TOPOLOGY", "FRESHLINE_POSTGRES_REPLICA_URL")
+        and not k.startswith("FRESHLINE_STACK_")
+        and k != "FRESHLINE_POSTGRES_REPLICA_URL"
     }
+    # The operator's logins (see the module's docstring).
+    if "FRESHLINE_POSTGRES_ADMIN_URL" in cluster_env:
+        fields["postgres_url"] = cluster_env["FRESHLINE_POSTGRES_ADMIN_URL"]
+    if "FRESHLINE_STACK_REDIS_ADMIN_USER" in cluster_env:
+        fields["redis_username"] = cluster_env["FRESHLINE_STACK_REDIS_ADMIN_USER"]
+        fields["redis_password"] = cluster_env["FRESHLINE_STACK_REDIS_ADMIN_PASSWORD"]
     # Credentials the single topology's .stack/env may set must not reach this one.
     for name in (
         "redis_username",
@@ -104,15 +115,32 @@ def cluster_redis(cluster_settings: Settings) -> Iterator[redis.Redis]:
             node.redis_connection.connection_pool.disconnect()
 
 
+def kafka_config(settings: Settings, **config: Any) -> dict[str, Any]:
+    """librdkafka's configuration for a plain client of the cluster's brokers: the
+    bootstrap servers and the SCRAM login in ``settings``, then ``config``."""
+    return {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        **kafka_security_config(settings),
+        **config,
+    }
+
+
 @pytest.fixture(scope="session")
 def engines(
     cluster_env: dict[str, str], cluster_settings: Settings
 ) -> Iterator[tuple[sa.Engine, sa.Engine]]:
-    """The cluster topology's Postgres primary and replica, migrated to the head (the
-    fraud example's tables the feature queries read, and txn_90d's derived path)."""
+    """The cluster topology's Postgres primary (as the owner) and replica (as the
+    superuser, who may pause its replay), migrated to the head (the fraud example's
+    tables the feature queries read, and txn_90d's derived path)."""
     migrate(cluster_settings.postgres_url)
     primary = sa.create_engine(cluster_settings.postgres_url)
-    replica = sa.create_engine(cluster_env["FRESHLINE_POSTGRES_REPLICA_URL"])
+    replica_port = sa.engine.make_url(cluster_env["FRESHLINE_POSTGRES_REPLICA_URL"]).port
+    superuser = cluster_env.get("FRESHLINE_STACK_POSTGRES_SUPERUSER_URL")
+    replica = sa.create_engine(
+        sa.engine.make_url(superuser).set(port=replica_port)
+        if superuser
+        else cluster_env["FRESHLINE_POSTGRES_REPLICA_URL"]
+    )
     yield primary, replica
     primary.dispose()
     replica.dispose()

@@ -1,7 +1,8 @@
 """The consumer itself on the cluster topology: a real ``Worker`` reads domain events
 from the three brokers (topics replicated 3 times), recomputes on the Postgres primary
-and writes to the Redis Cluster; the auditor then finds every entry present and equal
-to Postgres (``-m cluster``; see conftest)."""
+and writes to the Redis Cluster, with the consumers' own logins (``freshline_consumer``,
+the Redis writer, the brokers' SCRAM user); the auditor then finds every entry present
+and equal to Postgres (``-m cluster``; see conftest)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient
+from pydantic import SecretStr
 
 from consumers.kafka import Producer
 from consumers.topics import ensure, managed_topics
@@ -23,7 +25,7 @@ from pipeline.core.settings import Settings
 from pipeline.core.topics import qualified
 from pipeline.core.types import EntityRef
 from pipeline.observe.audit import Auditor
-from tests.cluster.conftest import add_tenant
+from tests.cluster.conftest import add_tenant, kafka_config
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.cluster
@@ -31,7 +33,10 @@ USERS = 40
 
 
 def test_a_worker_on_the_cluster_writes_entries_the_auditor_finds_consistent(
-    engines: tuple[sa.Engine, sa.Engine], cluster_redis: redis.Redis, cluster_settings: Settings
+    engines: tuple[sa.Engine, sa.Engine],
+    cluster_redis: redis.Redis,
+    cluster_settings: Settings,
+    cluster_env: dict[str, str],
 ) -> None:
     primary, _ = engines
     tag = uuid.uuid4().hex[:8]
@@ -45,7 +50,7 @@ def test_a_worker_on_the_cluster_writes_entries_the_auditor_finds_consistent(
             "auto_offset_reset": "earliest",
         }
     )
-    admin = AdminClient({"bootstrap.servers": settings.kafka_bootstrap})
+    admin = AdminClient(kafka_config(settings))
     topics = managed_topics(settings)
     report = ensure(admin, 3, topics=topics)
     assert sorted(report.created) == sorted(topics)
@@ -60,7 +65,14 @@ def test_a_worker_on_the_cluster_writes_entries_the_auditor_finds_consistent(
             {"t": tenant, "n": USERS, "k": USERS * 3},
         ).all()
 
-    worker = Worker(settings, topics=[qualified(settings, "transaction.created")])
+    as_consumer = settings.model_copy(
+        update={
+            "postgres_url": cluster_env["FRESHLINE_STACK_POSTGRES_CONSUMER_URL"],
+            "redis_username": cluster_env["FRESHLINE_STACK_REDIS_WRITER_USER"],
+            "redis_password": SecretStr(cluster_env["FRESHLINE_STACK_REDIS_WRITER_PASSWORD"]),
+        }
+    )
+    worker = Worker(as_consumer, topics=[qualified(settings, "transaction.created")])
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:

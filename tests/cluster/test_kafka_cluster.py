@@ -12,7 +12,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 
 from consumers.topics import ensure
 from pipeline.core.settings import Settings
-from tests.cluster.conftest import stack
+from tests.cluster.conftest import kafka_config, stack
 from tests.helpers import kafka_value, wait_until
 
 pytestmark = pytest.mark.cluster
@@ -21,8 +21,7 @@ N = 3000
 
 
 def test_a_killed_broker_loses_no_acknowledged_message(cluster_settings: Settings) -> None:
-    bootstrap = cluster_settings.kafka_bootstrap
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient(kafka_config(cluster_settings))
     topic = f"cluster-test-{uuid.uuid4().hex[:10]}"
     assert ensure(admin, 3, topics=[topic]).created == [topic]
 
@@ -55,12 +54,11 @@ def test_a_killed_broker_loses_no_acknowledged_message(cluster_settings: Setting
 
     leader = meta.partitions[0].leader
     producer = Producer(
-        {
-            "bootstrap.servers": bootstrap,
-            "acks": "all",
-            "enable.idempotence": True,
-            "message.timeout.ms": 120_000,
-        }
+        kafka_config(
+            cluster_settings,
+            acks="all",
+            **{"enable.idempotence": True, "message.timeout.ms": 120_000},
+        )
     )
     acked: list[int] = []
     failed: list[Any] = []
@@ -88,12 +86,14 @@ def test_a_killed_broker_loses_no_acknowledged_message(cluster_settings: Setting
     assert sorted(acked) == list(range(N))
 
     consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"g-{topic}",
-            "auto.offset.reset": "earliest",
-            "enable.auto.commit": False,
-        }
+        kafka_config(
+            cluster_settings,
+            **{
+                "group.id": f"g-{topic}",
+                "auto.offset.reset": "earliest",
+                "enable.auto.commit": False,
+            },
+        )
     )
     consumer.subscribe([topic])
     seen: set[int] = set()
