@@ -310,6 +310,20 @@ def running(app: Starlette, key: str | None = None) -> Iterator[Api]:
             portal.call(client.aclose)
 
 
+@contextmanager
+def api_for(
+    settings: Settings, engine: Engine, client: redis.Redis, tenant: str, **create: Any
+) -> Iterator[Api]:
+    """The API on ``settings`` running, following no deploys (``create``: more
+    ``create_app`` arguments), and a client of it holding a new key of ``tenant``."""
+    from pipeline.api import create_app  # imported here: see api_app
+    from pipeline.api.auth import create_api_key
+
+    app = create_app(settings, engine=engine, redis_client=client, follow_deploys=False, **create)
+    with running(app, create_api_key(engine, tenant)) as api:
+        yield api
+
+
 def api_app(settings: Settings, engine: Engine, client: redis.Redis, **update: Any) -> Starlette:
     """The API on a schema version of its own, without the in-process tier, following no
     deploys; ``update`` changes these or other settings."""

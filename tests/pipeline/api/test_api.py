@@ -24,7 +24,7 @@ from pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from tests.helpers import Api, fresh_version, running, wait_until
+from tests.helpers import Api, api_for, fresh_version, running, wait_until
 
 
 @pytest.fixture
@@ -49,8 +49,7 @@ def two_tenants(tenant_factory_module: Callable[..., SeedSummary]) -> list[str]:
 def api(
     api_settings: Settings, engine: Engine, redis_client: redis.Redis, two_tenants: list[str]
 ) -> Iterator[Api]:
-    app = create_app(api_settings, engine=engine, redis_client=redis_client, follow_deploys=False)
-    with running(app, create_api_key(engine, two_tenants[0])) as client:
+    with api_for(api_settings, engine, redis_client, two_tenants[0]) as client:
         yield client
 
 
@@ -459,14 +458,9 @@ def test_the_api_serves_from_the_local_tier_until_invalidated(
     api_settings: Settings, engine: Engine, redis_client: redis.Redis, two_tenants: list[str]
 ) -> None:
     tenant = two_tenants[0]
-    app = create_app(
-        api_settings.model_copy(update={"local_cache_size": 100}),
-        engine=engine,
-        redis_client=redis_client,
-        follow_deploys=False,
-    )
-    with running(app, create_api_key(engine, tenant)) as client:
-        local: LocalTier = app.state.services.reader.local
+    with_tier = api_settings.model_copy(update={"local_cache_size": 100})
+    with api_for(with_tier, engine, redis_client, tenant) as client:
+        local: LocalTier = client.app.state.services.reader.local
         assert local.wait_live(5)
         assert client.get("/v1/features/txn_90d/10").json()["source"] == "computed"
         # txn_90d has a horizon: the tier holds its entry back until it has read the

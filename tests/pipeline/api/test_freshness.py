@@ -12,7 +12,6 @@ import base64
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -42,6 +41,7 @@ from pipeline.core.settings import Settings
 from pipeline.core.types import ChangeEvent, EntityRef
 from tests.helpers import (
     Api,
+    api_for,
     as_user,
     counting_readthrough,
     fresh_version,
@@ -65,15 +65,6 @@ def fresh_settings(settings: Settings) -> Settings:
     return settings.model_copy(
         update={"schema_version": fresh_version(), "local_cache_size": 0, "token_wait_max_ms": 500}
     )
-
-
-@contextmanager
-def api_for(
-    settings: Settings, engine: Engine, redis_client: redis.Redis, tenant: str
-) -> Iterator[Api]:
-    app = create_app(settings, engine=engine, redis_client=redis_client, follow_deploys=False)
-    with running(app, create_api_key(engine, tenant)) as client:
-        yield client
 
 
 @pytest.fixture
@@ -385,14 +376,8 @@ def bounded(**bounds: int) -> Registry:
 def test_a_declared_bound_applies_to_plain_reads_and_a_given_one_wins(
     fresh_settings: Settings, engine: Engine, redis_client: redis.Redis, tenant: str
 ) -> None:
-    app = create_app(
-        fresh_settings,
-        engine=engine,
-        redis_client=redis_client,
-        follow_deploys=False,
-        registry=bounded(device_risk=0, geo=600_000),
-    )
-    with running(app, create_api_key(engine, tenant)) as api:
+    registry = bounded(device_risk=0, geo=600_000)
+    with api_for(fresh_settings, engine, redis_client, tenant, registry=registry) as api:
         computed: list[list[EntityRef]] = []
         api.app.state.services.reader.readthrough.hooks.before_compute = computed.append
         # device_risk declares 0: every plain read recomputes, as max_staleness_ms=0 does.

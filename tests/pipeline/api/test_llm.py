@@ -19,7 +19,7 @@ from pipeline.core.settings import Settings
 from pipeline.semantic.cache import Limits, Scope, SemanticCache
 from pipeline.semantic.embed import local_model
 from pipeline.semantic.prior import InvalidPrior
-from tests.helpers import Api, running, wait_until
+from tests.helpers import Api, api_for, running, wait_until
 from tests.pipeline.semantic.test_learning import EXPLORE, NEVER
 
 PROMPT = "How do I reset the password of my account?"
@@ -47,8 +47,7 @@ def api(
     enabled: Settings, engine: Engine, redis_client: redis.Redis, tenants: list[str], model: str
 ) -> Iterator[Api]:
     named = enabled.model_copy(update={"semantic_models": [model]})  # named in the metrics
-    app = create_app(named, engine=engine, redis_client=redis_client, follow_deploys=False)
-    with running(app, create_api_key(engine, tenants[0])) as client:
+    with api_for(named, engine, redis_client, tenants[0]) as client:
         # No exploration or audit draws unless a test asks for them: a random audit
         # answers a would-be hit as a miss, and a test reading hits must not meet one.
         client.app.state.semantic.cache().rng = NEVER
@@ -181,9 +180,8 @@ def test_the_api_warms_the_indexes_at_start(
     writer = SemanticCache(redis_client, local_model())
     writer.store(scope, PROMPT, {"temperature": 0}, "warmed")
     writer.close()
-    app = create_app(enabled, engine=engine, redis_client=redis_client, follow_deploys=False)
-    with running(app, create_api_key(engine, tenants[0])) as client:
-        service = app.state.semantic
+    with api_for(enabled, engine, redis_client, tenants[0]) as client:
+        service = client.app.state.semantic
         # Built at start-up, before any request asked for it.
         assert wait_until(lambda: service.pool_ready(scope.namespace), timeout=60)
         hit = client.post("/v1/llm/cache/lookup", json=body(model, NEAR)).json()

@@ -14,10 +14,9 @@ from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
 from pipeline.api import create_app
-from pipeline.api.auth import create_api_key
 from pipeline.api.semantic_status import busiest
 from pipeline.core.settings import Settings
-from tests.helpers import Api, running, serving
+from tests.helpers import Api, api_for, running, serving
 from tests.pipeline.api.test_status_browser import chromium, console_errors, run_chromium
 from tests.pipeline.semantic.test_learning import NEVER
 
@@ -42,8 +41,7 @@ def api(
     settings: Settings, engine: Engine, redis_client: redis.Redis, tenant: str, model: str
 ) -> Iterator[Api]:
     named = settings.model_copy(update={"semantic_enabled": True, "semantic_models": [model]})
-    app = create_app(named, engine=engine, redis_client=redis_client, follow_deploys=False)
-    with running(app, create_api_key(engine, tenant)) as client:
+    with api_for(named, engine, redis_client, tenant) as client:
         client.app.state.semantic.cache().rng = NEVER  # no exploration draws
         yield client
 

@@ -17,8 +17,6 @@ from sqlalchemy.engine import Engine
 from consumers.kafka import Producer, admin_client
 from consumers.topics import ensure, managed_topics
 from fraud.seed import SeedSummary
-from pipeline.api import create_app
-from pipeline.api.auth import create_api_key
 from pipeline.core.codec import encode_entry
 from pipeline.core.keys import feature_key
 from pipeline.core.repository import REGISTRY
@@ -27,7 +25,7 @@ from pipeline.core.topics import qualified
 from pipeline.core.types import EntityRef
 from pipeline.observe.staleness import GroupLag, sample, source_topics
 from tests.consumers.conftest import wait_for
-from tests.helpers import Api, fresh_version, make_url_redis, running
+from tests.helpers import Api, api_for, fresh_version, make_url_redis
 
 # The staleness test samples a Redis database of its own, small enough for one sample to
 # cover every key, so the injected entry is always seen.
@@ -68,8 +66,7 @@ def tenant(tenant_factory: Callable[..., SeedSummary]) -> str:
 def api(
     obs_settings: Settings, engine: Engine, redis_client: redis.Redis, tenant: str
 ) -> Iterator[Api]:
-    app = create_app(obs_settings, engine=engine, redis_client=redis_client, follow_deploys=False)
-    with running(app, create_api_key(engine, tenant)) as client:
+    with api_for(obs_settings, engine, redis_client, tenant) as client:
         yield client
 
 
@@ -106,9 +103,8 @@ def stale_api(obs_settings: Settings, engine: Engine, tenant: str) -> Iterator[A
     url = make_url_redis(obs_settings.redis_url, STALENESS_REDIS_DB)
     local = obs_settings.model_copy(update={"redis_url": url})
     client = redis.Redis.from_url(url)
-    app = create_app(local, engine=engine, redis_client=client, follow_deploys=False)
     try:
-        with running(app, create_api_key(engine, tenant)) as api:
+        with api_for(local, engine, client, tenant) as api:
             yield api
     finally:
         for key in client.scan_iter(match=f"*:{local.schema_version}:*", count=1000):
