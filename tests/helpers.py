@@ -34,6 +34,7 @@ from sqlalchemy.engine import Engine, make_url
 from starlette.applications import Starlette
 
 import migrations
+from pipeline.cache.local import LocalTier
 from pipeline.cache.readthrough import Hooks, ReadThrough, Result
 from pipeline.cache.store import FeatureStore
 from pipeline.cache.versions import VersionResolver
@@ -42,7 +43,7 @@ from pipeline.core.features import Registry
 from pipeline.core.maintenance import install_missing
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef, FeatureValues
+from pipeline.core.types import EntityRef, Entry, FeatureValues
 
 ROOT = Path(__file__).resolve().parents[1]
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
@@ -420,6 +421,26 @@ def interrupt(proc: subprocess.Popen[Any]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(5)
+
+
+def dark_through_outage(
+    tier: LocalTier,
+    ref: EntityRef,
+    entry: Callable[[], Entry],
+    stop: Callable[[], None],
+    start: Callable[[], None],
+) -> None:
+    """Check a live in-process tier holding ``ref`` through a Redis outage: ``stop``ped,
+    it goes dark, serving and keeping nothing; ``start``ed, it is live again, still
+    empty, and keeps entries."""
+    stop()
+    assert wait_until(lambda: not tier.live)
+    assert tier.get(ref, 1) is None
+    assert tier.put(ref, entry(), tier.token()) is False
+    start()
+    assert tier.wait_live(10)
+    assert tier.get(ref, 1) is None
+    assert tier.put(ref, entry(), tier.token())
 
 
 def observe_refreshes(resolver: VersionResolver) -> threading.Event:

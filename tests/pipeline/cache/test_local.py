@@ -17,7 +17,7 @@ from pipeline.cache.store import TTL_JITTER, FeatureStore
 from pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef, Entry
-from tests.helpers import TXN_VALUES, UNWINDOWED, fresh_version, wait_until
+from tests.helpers import TXN_VALUES, UNWINDOWED, dark_through_outage, fresh_version, wait_until
 
 
 def now_ms() -> int:
@@ -160,13 +160,7 @@ def test_the_tier_stays_dark_while_redis_is_unreachable(
     local, stop_redis, start_redis = tier_on_private_redis
     ref = EntityRef("txn_90d", tenant, "1")
     assert local.put(ref, entry(), local.token())
-    stop_redis()
-    assert wait_until(lambda: not local.live)
-    assert local.get(ref, 1) is None
-    assert local.put(ref, entry(), local.token()) is False
-    start_redis()
-    assert local.wait_live(10)
-    assert local.put(ref, entry(), local.token()) is True
+    dark_through_outage(local, ref, entry, stop_redis, start_redis)
 
 
 @pytest.fixture

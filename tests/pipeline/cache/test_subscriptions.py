@@ -38,7 +38,14 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef, Entry
 from pipeline.deploy.pointer import flip
-from tests.helpers import TXN_VALUES, UNWINDOWED, observe_refreshes, running, wait_until
+from tests.helpers import (
+    TXN_VALUES,
+    UNWINDOWED,
+    dark_through_outage,
+    observe_refreshes,
+    running,
+    wait_until,
+)
 
 PrivateRedis = tuple[str, Callable[[], None], Callable[[], None]]
 
@@ -409,14 +416,7 @@ def test_the_local_tier_survives_a_redis_restart(
         assert tier.wait_live(5)
         assert tier.put(ref, entry(), tier.token())
         caplog.set_level(logging.INFO, logger="pipeline")
-        stop()
-        assert wait_until(lambda: not tier.live)
-        assert tier.get(ref, 1) is None
-        assert tier.put(ref, entry(), tier.token()) is False
-        start()
-        assert tier.wait_live(10)
-        assert tier.get(ref, 1) is None
-        assert tier.put(ref, entry(), tier.token())
+        dark_through_outage(tier, ref, entry, stop, start)
         invalidate(admin, channel, ref)  # published after the restart: it arrives
         assert wait_until(lambda: tier.get(ref, 1) is None)
     finally:
