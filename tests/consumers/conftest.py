@@ -116,20 +116,27 @@ class Env:
         return qualified(self.settings, name)
 
 
+def own_settings(settings: Settings, name: str, partitions: int = PARTITIONS) -> Settings:
+    """``settings`` for consumers of a test's own: topics under a prefix of its own
+    (``name`` and a random tag), its own consumer group and schema version, topics of
+    ``partitions`` partitions, and batches that wait at most 20 ms."""
+    tag = f"{name}{uuid.uuid4().hex[:8]}"
+    return settings.model_copy(
+        update={
+            "topic_prefix": f"{tag}.",
+            "consumer_group": f"test-{tag}",
+            "schema_version": fresh_version(),
+            "topic_partitions": partitions,
+            "batch_max_wait_ms": 20,
+        }
+    )
+
+
 @pytest.fixture
 def env(
     settings: Settings, admin: AdminClient, tenant_factory: Callable[..., SeedSummary]
 ) -> Iterator[Env]:
-    tag = uuid.uuid4().hex[:8]
-    local = settings.model_copy(
-        update={
-            "topic_prefix": f"test{tag}.",
-            "consumer_group": f"test-{tag}",
-            "schema_version": fresh_version(),
-            "topic_partitions": PARTITIONS,
-            "batch_max_wait_ms": 20,
-        }
-    )
+    local = own_settings(settings, "test")
     topics = managed_topics(local)
     ensure(admin, PARTITIONS, topics=topics)
     seeded = tenant_factory(users=60, transactions=1500)

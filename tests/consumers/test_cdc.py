@@ -45,7 +45,7 @@ from pipeline.core.keys import feature_pattern
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
-from tests.consumers.conftest import wait_for
+from tests.consumers.conftest import own_settings, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.connect]
 
@@ -86,16 +86,7 @@ def tenants(tenant_factory_module: Callable[..., SeedSummary]) -> list[str]:
 def cdc(
     settings: Settings, engine: Engine, admin: AdminClient, tenants: list[str]
 ) -> Iterator[Cdc]:
-    tag = uuid.uuid4().hex[:8]
-    local = settings.model_copy(
-        update={
-            "topic_prefix": f"cdc{tag}.",
-            "consumer_group": f"test-cdc-{tag}",
-            "schema_version": 1000 + uuid.uuid4().int % 8000,
-            "topic_partitions": PARTITIONS,
-            "batch_max_wait_ms": 20,
-        }
-    )
+    local = own_settings(settings, "cdc", PARTITIONS)
     owned = names(local)
     client = ConnectClient(local.connect_url)
     ensure(admin, PARTITIONS, topics=managed_topics(local))
