@@ -26,11 +26,12 @@ concern, each a layer on the one before:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Unpack
 
 from pipeline.semantic.decision import Learned
 from pipeline.semantic.entry import InvalidPrompt
 from pipeline.semantic.lookups import CANDIDATES
-from pipeline.semantic.namespaces import Limits, live_namespaces, purge_keys
+from pipeline.semantic.namespaces import Limits, Purge, live_namespaces, purge_keys
 from pipeline.semantic.scope import (
     EntryOverBudget,
     Flagged,
@@ -82,25 +83,10 @@ class SemanticCache(Stores):
         found = live_namespaces(self.redis) if namespaces is None else namespaces
         return self.pool.warm(found)
 
-    def purge(
-        self,
-        *,
-        tenant: str | None = None,
-        model: str | None = None,
-        model_version: str | None = None,
-        template_version: str | None = None,
-        batch: int = 500,
-    ) -> dict[str, int]:
+    def purge(self, **match: Unpack[Purge]) -> dict[str, int]:
         """:func:`~pipeline.semantic.namespaces.purge_keys`, and this process's indexes
         of those namespaces dropped."""
-        removed = purge_keys(
-            self.redis,
-            tenant=tenant,
-            model=model,
-            model_version=model_version,
-            template_version=template_version,
-            batch=batch,
-        )
+        removed = purge_keys(self.redis, **match)
         for ns in removed:
             self.pool.drop(ns)
         return removed

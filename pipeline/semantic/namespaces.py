@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import redis
 
@@ -180,6 +180,16 @@ def purge_namespace(client: redis.Redis, namespace: str, batch: int = 500) -> in
     )
     _announce_purges(client, [namespace])
     return removed
+
+
+class Purge(TypedDict, total=False):
+    """The keyword arguments of :func:`purge_keys` after the client."""
+
+    tenant: str | None
+    model: str | None
+    model_version: str | None
+    template_version: str | None
+    batch: int
 
 
 def purge_keys(
