@@ -15,6 +15,7 @@ import logging
 import operator
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import orjson
 import pytest
@@ -128,6 +129,23 @@ def paused_once(env: Env, topic: str, label: str, caplog: pytest.LogCaptureFixtu
     return said[0]
 
 
+@contextmanager
+def without_select(engine: Engine, table: str, role: str) -> Iterator[Callable[[], None]]:
+    """``role`` loses SELECT on ``table``; yields the function that grants it back, which
+    also runs on the way out."""
+
+    def grant() -> None:
+        with engine.begin() as conn:
+            conn.execute(sa.text(f'GRANT SELECT ON {table} TO "{role}"'))
+
+    with engine.begin() as conn:
+        conn.execute(sa.text(f'REVOKE SELECT ON {table} FROM "{role}"'))
+    try:
+        yield grant
+    finally:
+        grant()
+
+
 @pytest.fixture
 def geoip_topic(env: Env, admin: AdminClient) -> Iterator[str]:
     """The geoip table's CDC topic under the test's prefix."""
@@ -218,7 +236,7 @@ def test_a_missing_grant_pauses_the_stream_until_it_is_granted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="freshline.consumer")
-    role = make_url(consumer_login(env.settings)).username
+    role = str(make_url(consumer_login(env.settings)).username)
     settings = env.settings.model_copy(
         update={"postgres_url": consumer_login(env.settings), "bucket_fold_interval_ms": 0}
     )
@@ -228,32 +246,28 @@ def test_a_missing_grant_pauses_the_stream_until_it_is_granted(
         producer, env, "transaction.created", sorted(users), lambda u: f"{env.tenant}:{u}".encode()
     )
     retried = sample(CONFIG_RETRIES, "permission")
-    with engine.begin() as conn:
-        conn.execute(sa.text(f'REVOKE SELECT ON transactions FROM "{role}"'))
-    worker = Worker(settings, topics=[created])
-    running = Running(worker, timeout=180)
-    try:
-        wait_held(
-            worker,
-            running,
-            "permission",
-            retried,
-            2,
-            "the worker to hold its batch and retry it while the grant is missing",
-        )
-        said = paused_once(env, created, "permission", caplog)
-        assert "permission denied for table transactions" in said
-        assert f"grant the role {role} (FRESHLINE_POSTGRES_URL)" in said
-        with engine.begin() as conn:
-            conn.execute(sa.text(f'GRANT SELECT ON transactions TO "{role}"'))
-        wait_for(
-            lambda: worker.totals.consumed >= len(users) or running.error is not None,
-            "the held events applied once the grant is back",
-        )
-    finally:
-        with engine.begin() as conn:
-            conn.execute(sa.text(f'GRANT SELECT ON transactions TO "{role}"'))
-        running.stop()
+    with without_select(engine, "transactions", role) as grant:
+        worker = Worker(settings, topics=[created])
+        running = Running(worker, timeout=180)
+        try:
+            wait_held(
+                worker,
+                running,
+                "permission",
+                retried,
+                2,
+                "the worker to hold its batch and retry it while the grant is missing",
+            )
+            said = paused_once(env, created, "permission", caplog)
+            assert "permission denied for table transactions" in said
+            assert f"grant the role {role} (FRESHLINE_POSTGRES_URL)" in said
+            grant()
+            wait_for(
+                lambda: worker.totals.consumed >= len(users) or running.error is not None,
+                "the held events applied once the grant is back",
+            )
+        finally:
+            running.stop()
     totals = worker.totals
     assert (totals.consumed, totals.applied, totals.dead_lettered) == (2, 2, 0)
     assert sample(PAUSED, "permission") == 0
@@ -274,7 +288,7 @@ def test_a_grant_missing_while_a_bad_event_is_isolated_holds_the_batch_and_count
     (configuration). The whole batch is held, the bad row not yet dead-lettered nor
     counted; once the grant is back it is dead-lettered once and the change applied."""
     caplog.set_level(logging.INFO, logger="freshline.consumer")
-    role = make_url(consumer_login(env.settings)).username
+    role = str(make_url(consumer_login(env.settings)).username)
     settings = env.settings.model_copy(
         update={
             "postgres_url": consumer_login(env.settings),
@@ -294,32 +308,29 @@ def test_a_grant_missing_while_a_bad_event_is_isolated_holds_the_batch_and_count
     )
     producer.flush()
     retried = sample(CONFIG_RETRIES, "permission")
-    with engine.begin() as conn:  # the geo set reads geoip; routing the bad row does not
-        conn.execute(sa.text(f'REVOKE SELECT ON geoip FROM "{role}"'))
-    worker = Worker(settings, topics=[geoip_topic])
-    running = Running(worker, timeout=180)
-    try:
-        wait_held(
-            worker,
-            running,
-            "permission",
-            retried,
-            3,
-            "the worker to hold its batch while the grant is missing",
-        )
-        said = [r.getMessage() for r in caplog.records if r.name == "freshline.consumer"]
-        assert any(m.startswith("batch failed") for m in said), said  # isolated one by one
-        assert "permission denied for table geoip" in paused_lines(caplog)[0]
-        with engine.begin() as conn:
-            conn.execute(sa.text(f'GRANT SELECT ON geoip TO "{role}"'))
-        wait_for(
-            lambda: worker.totals.consumed >= 2 or running.error is not None,
-            "the held batch applied once the grant is back",
-        )
-    finally:
-        with engine.begin() as conn:
-            conn.execute(sa.text(f'GRANT SELECT ON geoip TO "{role}"'))
-        running.stop()
+    # The geo set reads geoip; routing the bad row does not.
+    with without_select(engine, "geoip", role) as grant:
+        worker = Worker(settings, topics=[geoip_topic])
+        running = Running(worker, timeout=180)
+        try:
+            wait_held(
+                worker,
+                running,
+                "permission",
+                retried,
+                3,
+                "the worker to hold its batch while the grant is missing",
+            )
+            said = [r.getMessage() for r in caplog.records if r.name == "freshline.consumer"]
+            assert any(m.startswith("batch failed") for m in said), said  # one by one
+            assert "permission denied for table geoip" in paused_lines(caplog)[0]
+            grant()
+            wait_for(
+                lambda: worker.totals.consumed >= 2 or running.error is not None,
+                "the held batch applied once the grant is back",
+            )
+        finally:
+            running.stop()
     totals = worker.totals
     assert (totals.consumed, totals.applied, totals.dead_lettered, totals.skipped) == (2, 1, 1, 0)
     assert_redis_equals_postgres(engine, redis_client, env, {10})
