@@ -44,10 +44,12 @@ re-checked (read, then recomputed with the full query) every :data:`VERIFY_EVERY
 on later passes until the entry it serves, the accepted one or a later one, matches
 the recompute of that pass (a first check of a later sample that matches does too):
 it is then *verified*. One that does not within ``verify_s`` of its entity's latest
-acceptance (the last grace by default) is settled at that deadline: still the
-accepted entry, unchanged, and differing, it is a *mismatch* (counted inconsistent at
-the grace it was accepted at and every longer one); otherwise *unverified*, reported
-apart from both. An entity that changes faster than the pipeline's latency without
+acceptance (the last grace by default) is settled at that deadline. If it still
+serves the accepted entry, unchanged, and every pass since recomputed the same values
+(the entity was quiet), it differed for the whole bound from what Postgres held all
+that time: a *mismatch*, counted inconsistent at the grace it was accepted at and
+every longer one up to the bound. Otherwise it is *unverified*, reported apart from
+both. An entity that changes faster than the pipeline's latency without
 pause never matches at an instant, so its entries are verified only once it pauses.
 
 An entry whose watermark is at or above a recompute taken after it was read, and
@@ -223,6 +225,11 @@ class Pending:
     due: float
     deadline: float
     last: Mismatch
+    truth: FeatureValues | None
+    """The recompute at the latest acceptance."""
+    quiet: bool = True
+    """Every pass since the latest acceptance recomputed :attr:`truth`: the entity
+    has not changed since (as far as the passes can tell)."""
 
 
 @dataclass(slots=True)
@@ -586,22 +593,27 @@ class Auditor:
                 at + min(VERIFY_EVERY_S, bound),
                 at + bound,
                 now,
+                now.recomputed,
             )
             return
         pending.served = max(pending.served, served)
         pending.stages.append(suspect.stage)
         pending.first_at.append(suspect.first_at)
         pending.deadline = max(pending.deadline, at + bound)
-        pending.last = now
+        pending.last, pending.truth, pending.quiet = now, now.recomputed, True
 
     def _verify_pass(self, pending: Pending, outcome: Outcome, at: float, run: _Run) -> None:
         """One pass over a pending entity: verified on a match; at its deadline, a
-        mismatch if it still serves the accepted entry, else unverified."""
+        mismatch if it still serves the accepted entry and the entity was quiet
+        throughout, else unverified."""
         if outcome == "match":
             self._verified(run.verifying.pop(pending.ref), run)
             return
         if isinstance(outcome, Mismatch):
             pending.last = outcome
+            pending.quiet = pending.quiet and same(outcome.recomputed, pending.truth)
+        else:
+            pending.quiet = False
         if at < pending.deadline:
             pending.due = min(at + VERIFY_EVERY_S, pending.deadline)
             return
@@ -610,10 +622,18 @@ class Auditor:
         last = pending.last
         name = pending.ref.feature_set
         n = len(pending.stages)
-        if isinstance(outcome, Mismatch) and outcome.served_watermark == pending.served:
+        if (
+            isinstance(outcome, Mismatch)
+            and outcome.served_watermark == pending.served
+            and pending.quiet
+        ):
+            # Differing, for the whole bound, from what Postgres held all that time:
+            # inconsistent at every grace up to the bound.
+            bound = self.verify_s if self.verify_s is not None else report.graces[-1]
             for stage, first_at in zip(pending.stages, pending.first_at, strict=True):
                 for grace in report.graces[stage:]:
-                    self._count_inconsistent(grace, first_at, name, run)
+                    if grace <= bound:
+                        self._count_inconsistent(grace, first_at, name, run)
             if len(report.mismatches) < KEPT_MISMATCHES:
                 report.mismatches.append(outcome)
             report.wrong_after_catching_up += n

@@ -465,6 +465,36 @@ def test_a_wrong_entry_rewritten_under_fresh_watermarks_ends_unverified(
     )
 
 
+def test_an_entry_left_behind_by_a_newer_change_ends_unverified_not_a_mismatch(
+    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
+) -> None:
+    """Accepted on its watermark, then the entity changes and the consumer is late
+    past the bound: the entry is unchanged and differs, but from a value Postgres has
+    not held for the whole bound, so it is not shown wrong: unverified."""
+    target = active(store, refs)
+    change(engine, target)
+    passes: list[float] = []
+
+    def before_recheck(grace: float, _suspects: Sequence[Mismatch]) -> None:
+        if grace == 1.0:
+            change(engine, target)
+            rewrite_truth(engine, store, target)  # fresh, and right at this instant...
+            change(engine, target)  # ...with a change in flight
+
+    def before_verify(_pending: Sequence[EntityRef]) -> None:
+        passes.append(clock.now)
+        if len(passes) == 5:
+            change(engine, target)  # another, mid-way; none is applied in time
+
+    clock = FakeClock()
+    report = auditor(
+        before_recheck=before_recheck, before_verify=before_verify, clock=clock
+    ).audit_refs(refs, graces=(1.0, 10.0))
+    assert report.caught_up == 1 and report.verified == 0 and report.unverified == 1
+    assert report.wrong_after_catching_up == 0 and report.consistent
+    assert report.inconsistent == {1.0: 0, 10.0: 0}
+
+
 def test_a_correct_entry_of_a_hot_entity_ends_verified(
     engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
