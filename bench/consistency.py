@@ -26,8 +26,8 @@ change with time alone, so the workload crosses their edges throughout:
 
 * rows that age out during the run: before the warm-up, one cold user in
   ``AGEING_SHARE`` per window gets a transaction that turns 90 (or 30) days old at a
-  moment spread over the whole run; their events are sent then, so the entries exist, and no event comes when
-  they age out (the entry's horizon must end it);
+  moment spread over the whole run; their events are sent then, so the entries exist,
+  and no event comes when they age out (the entry's horizon must end it);
 * rows created at the edge: every ``EDGE_TICK_S`` an edge thread inserts, for cold
   users, transactions at most ``EDGE_SLACK_S`` inside each window's edge, which age out
   moments after their event is applied;
@@ -839,7 +839,7 @@ def markdown(res: dict[str, Any]) -> str:
     applied = load.get("consumer_applied_per_s")
     lag = load.get("lag_records", {})
     lines = [
-        "## consistency: `freshline audit` under steady load",
+        "## consistency: `freshline audit` under load, across window edges and a deploy",
         "",
         f"{load['offered_per_s']:,} events/s offered, {load['events_per_s']:,} sent for "
         f"{load['seconds']:.0f} s, each a change to a user's newest transaction "
