@@ -27,6 +27,7 @@ from consumers.kafka import Consumer, Producer
 from consumers.worker import Totals, Worker
 from pipeline.core.topics import DLQ
 from tests.consumers.conftest import (
+    DEADLINE_S,
     PARTITIONS,
     Env,
     assert_redis_equals_postgres,
@@ -65,6 +66,11 @@ class Running:
             self.totals = self.worker.run(**run_args)
         except BaseException as exc:  # reported to the test, which asserts on it
             self.error = exc
+
+    def wait(self, done: Callable[[], bool], what: str, deadline_s: float = DEADLINE_S) -> None:
+        """Wait until ``done()`` holds (:func:`wait_for`); fail at once if the worker dies."""
+        wait_for(lambda: done() or self.error is not None, what, deadline_s)
+        assert self.error is None, f"the worker died: {self.error!r}"
 
     def stop(self) -> None:
         self.worker.stop()
@@ -151,11 +157,10 @@ def test_a_dead_letter_topic_that_refuses_writes_is_retried_and_nothing_is_skipp
     worker = Worker(env.settings, topics=[env.topic("transaction.updated")])
     running = Running(worker, timeout=120)
     try:
-        wait_for(
-            lambda: worker.totals.retries >= 2 or running.error is not None,
+        running.wait(
+            lambda: worker.totals.retries >= 2,
             "the worker to retry the refused dead letter",
         )
-        assert running.error is None, f"the worker died: {running.error!r}"
         assert worker.totals.consumed == 0  # the batch is still in hand, uncommitted
         assert all(
             o < 0
@@ -166,8 +171,8 @@ def test_a_dead_letter_topic_that_refuses_writes_is_retried_and_nothing_is_skipp
             )
         )
         set_topic_max_bytes(admin, dlq, BROKER_DEFAULT_MAX_MESSAGE_BYTES)
-        wait_for(
-            lambda: worker.totals.consumed == 1 or running.error is not None,
+        running.wait(
+            lambda: worker.totals.consumed == 1,
             "the batch to complete once the topic takes writes again",
         )
     finally:
@@ -326,16 +331,16 @@ def test_a_partition_assigned_during_a_retry_loses_no_record(
     member = IdleMember(other)
     member.start()
     try:
-        wait_for(
-            lambda: worker.totals.retries >= 1 or running.error is not None,
+        running.wait(
+            lambda: worker.totals.retries >= 1,
             "the worker to retry its batch while Redis is down",
         )
         # The other member leaves: its partitions move to the worker mid-retry.
         member.leave(worker, "the worker to own every partition")
         wait_more_retries(worker, 2, "the worker to poll through two more retries")
         start_redis()
-        wait_for(
-            lambda: worker.totals.applied >= len(users) or running.error is not None,
+        running.wait(
+            lambda: worker.totals.applied >= len(users),
             f"all {len(users)} events applied",
             deadline_s=60,
         )
@@ -376,8 +381,8 @@ def test_a_partition_paused_for_a_retry_then_revoked_is_read_when_it_comes_back(
     other = consumer_factory(group)
     member = IdleMember(other)
     try:
-        wait_for(
-            lambda: worker.totals.retries >= 1 or running.error is not None,
+        running.wait(
+            lambda: worker.totals.retries >= 1,
             "the worker to pause every partition for a retry (Redis down)",
         )
         assert len(worker.consumer.assignment()) == PARTITIONS
@@ -391,19 +396,16 @@ def test_a_partition_paused_for_a_retry_then_revoked_is_read_when_it_comes_back(
         )
         wait_more_retries(worker, 1, "the worker to end one more wait after the rebalance")
         start_redis()
-        wait_for(
-            lambda: worker.totals.batches >= 1 or running.error is not None,
+        running.wait(
+            lambda: worker.totals.batches >= 1,
             "the worker to finish the retried batch once Redis is back",
         )
         # The new member leaves, without committing: its partitions come back while the
         # worker is between retries.
         member.leave(worker, "the worker to own every partition again")
         ends = end_offsets(env.settings.kafka_bootstrap, topic)
-        wait_for(
-            lambda: (
-                committed(group, env.settings.kafka_bootstrap, topic) == ends
-                or running.error is not None
-            ),
+        running.wait(
+            lambda: committed(group, env.settings.kafka_bootstrap, topic) == ends,
             f"the worker to read and commit every partition to its end {ends}",
             deadline_s=60,
         )
