@@ -64,10 +64,7 @@ def test_a_consumer_whose_postgres_changes_history_holds_its_batch(
         # The operator purged and restarts the consumer: it starts without the identity.
         worker.processor.engine = engine
         worker.processor.source = None
-        running.wait(
-            lambda: worker.totals.consumed == 2,
-            "the held batch applied",
-        )
+        running.wait(lambda: worker.totals.consumed == 2, "the held batch applied")
     finally:
         running.stop()
     assert worker.totals.applied == 2
