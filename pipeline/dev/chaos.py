@@ -92,6 +92,9 @@ class CaseResult:
     accounting: dict[str, Any] = field(default_factory=dict)
     ttl_violations: int = 0
     dead_processes: list[str] = field(default_factory=list)
+    readers: dict[str, Any] = field(default_factory=dict)
+    """What the readers (the API, the Python client) were served: answers, present,
+    mismatches (true at no moment within their grace), staleness."""
     faults: list[str] = field(default_factory=list)
     """The fault history, each line tagged with the workload's progress (changes)."""
     workload: dict[str, Any] = field(default_factory=dict)

@@ -1,15 +1,15 @@
 """Running one case (a scenario with a seed) on the private stack, and its environment.
 
-:class:`FaultEnv` is the session's: the private stack, migrated, its topics made, one
-tenant seeded per case (before the Debezium connector exists, so the seed is not
-streamed), the connector registered, and a Toxiproxy proxy in front of its Redis and
-of its Postgres.
+:class:`FaultEnv` is the session's: the private stack, migrated, its topics made, one tenant
+seeded per case (before the Debezium connector exists, so the seed is not streamed),
+the connector registered, a Toxiproxy proxy in front of its Redis and of its
+Postgres, and ``freshline serve`` for the readers (:mod:`tests.faults.readers`).
 
 :func:`run_case` gives each case a consumer group of its own, positioned at the end
 of every topic it reads (so it sees only this case's records), starts the scenario's
-consumers, runs the workload and the scenario's faults, then quiesces and asks the
-oracle. Whatever happens, it leaves the stack whole for the next case: toxics removed,
-every service running, every consumer stopped.
+consumers and the readers, runs the workload and the scenario's faults, then quiesces,
+reads once more and asks the oracle. Whatever happens, it leaves the stack whole for
+the next case: toxics removed, every service running, every consumer stopped.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from sqlalchemy.engine import Engine, make_url
 
 from consumers.kafka import Producer, admin_client
 from fraud.seed import seed
+from pipeline.api.auth import create_api_key
 from pipeline.cdc.connect import names
 from pipeline.core.db import make_engine
 from pipeline.core.maintenance import install_missing
@@ -42,6 +43,7 @@ from pipeline.core.topics import DLQ, qualified
 from pipeline.dev.chaos import CaseResult, Profile
 from tests.faults import injectors, oracle
 from tests.faults.processes import Fleet, Member
+from tests.faults.readers import Api, Readers
 from tests.faults.scenarios import Scenario
 from tests.faults.stack import PrivateStack, free_ports
 from tests.faults.toxiproxy import Proxy, Toxiproxy
@@ -57,6 +59,8 @@ LOG_LINES = 25
 ABANDONED_CLOSE = "the Kafka consumer did not close within"
 """What consumers.kafka logs when it leaves a hung close behind."""
 Case = tuple[str, int]
+WATCHED = 16
+"""How many of a case's users the readers read (the hottest, and a few others)."""
 
 
 @dataclass
@@ -71,6 +75,7 @@ class FaultEnv:
     toxiproxy: Toxiproxy
     proxies: dict[str, Proxy]
     tenants: dict[Case, str] = field(default_factory=dict)
+    api: Api | None = None
 
     @classmethod
     def create(cls, stack: PrivateStack, cases: Sequence[Case], profile: Profile) -> FaultEnv:
@@ -113,9 +118,12 @@ class FaultEnv:
             toxi,
             proxies,
             tenants,
+            Api(stack, stack.directory / "serve"),
         )
 
     def close(self) -> None:
+        if self.api is not None:
+            self.api.close()
         self.redis.close()
         self.engine.dispose()
         self.superuser.dispose()
@@ -321,9 +329,11 @@ def run_case(
     verdict = oracle.Verdict()
     history: list[str] = []
     workload: Workload | None = None
+    readers: Readers | None = None
+    quiesced = False
     try:
         producer = Producer(settings)
-        workload = Workload(env.engine, producer, tenant, case_seed)
+        workload = Workload(env.engine, producer, tenant, case_seed, watch=WATCHED)
         run = Run(
             env, scenario, case_seed, fleet, workload, profile.changes, history, len(partitions)
         )
@@ -335,6 +345,10 @@ def run_case(
             120,
         )
         run.note(f"{scenario.consumers} consumers own {len(partitions)} partitions")
+        workload.observe()
+        if env.api is not None:
+            key = create_api_key(env.engine, tenant, label="faults-readers")
+            readers = Readers(env.api, key, settings, workload.watched).start()
         thread = workload.start(profile.changes, profile.rate)
         try:
             scenario.inject(run)
@@ -347,7 +361,8 @@ def run_case(
             verdict.failures.append(f"workload did not finish: {workload.error!r}")
         producer.close(timeout=60)
         run.note(
-            f"workload done: {workload.report.changes} changes, {workload.report.events} events"
+            f"workload done: {workload.report.changes} changes, {workload.report.events} "
+            f"events, {time.monotonic() - started:.0f} s into the case"
         )
         try:
             with env.engine.connect() as conn:
@@ -362,9 +377,19 @@ def run_case(
                 names(settings).slot,
                 end_lsn,
             )
-            run.note("quiesced")
+            run.note(f"quiesced, {time.monotonic() - started:.0f} s into the case")
+            quiesced = True
         except oracle.NotQuiesced as exc:
             verdict.failures.append(f"quiesce: {exc}")
+        if readers is not None:
+            readers.stop()
+            if quiesced:
+                workload.observe()  # after the scenario's own writes, if any
+                readers.settle()
+            run.note(
+                f"readers: {len(readers.answers)} answers, "
+                f"{time.monotonic() - started:.0f} s into the case"
+            )
         for check, args in (
             (
                 oracle.check_values,
@@ -391,6 +416,7 @@ def run_case(
                     scenario.expect_dead_letter,
                 ),
             ),
+            (oracle.check_readers, (readers, workload, verdict)),
             (oracle.check_ttls, (env.redis, verdict)),
             (oracle.check_processes, (fleet, verdict)),
         ):
@@ -400,6 +426,8 @@ def run_case(
                 verdict.failures.append(f"{check.__name__}: {type(exc).__name__}: {exc}")
                 log.exception("%s failed", check.__name__)
     finally:
+        if readers is not None:
+            readers.close()
         codes = fleet.shutdown()
         for name, code in codes.items():
             if code not in (0, None):
@@ -435,6 +463,7 @@ def run_case(
         accounting=verdict.accounting,
         ttl_violations=len(verdict.ttl_violations),
         dead_processes=verdict.dead,
+        readers=verdict.readers,
         faults=history,
         workload={}
         if workload is None

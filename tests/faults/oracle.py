@@ -4,8 +4,9 @@
     present in Redis, the served entry (active schema version) equals two answers that
     share no code with the consumers' path: the feature set's defining full query
     (never the incremental path) and a plain Python reference over the raw rows
-    (:mod:`tests.faults.reference`), both at the moment of the check, from one
-    snapshot. Correct or absent: a missing entry or a tombstone passes. The two
+    (:mod:`tests.faults.reference`), both at the moment the entries were read, from
+    one snapshot (or, where a window edge passed while they were read, at a moment of
+    that read). Correct or absent: a missing entry or a tombstone passes. The two
     answers must also agree with each other, for every entity checked.
 (b) **Accounting.** Per partition of every topic the group reads: the group committed
     every record (committed offset = end offset); the domain-event partitions hold
@@ -19,6 +20,9 @@
     silently.
 (c) **TTLs.** Every feature and lease key of the instance has one (SCAN + PTTL).
 (d) **Processes.** Every consumer is alive unless the scenario killed it.
+(e) **Readers.** Every value the API (in-process tier on) and the Python client served
+    while the case ran and after it quiesced was the reference's at some moment within
+    its grace (:mod:`tests.faults.readers`).
 
 Quiescence (:func:`quiesce`): the CDC topics hold the records the workload's SQL must
 yield, every partition's committed offset is its end offset, and no live member holds
@@ -32,7 +36,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
@@ -51,8 +55,9 @@ from pipeline.core.settings import Settings
 from pipeline.core.topics import qualified
 from pipeline.core.types import EntityRef, Entry, FeatureValues
 from tests.faults.processes import Counts, Fleet
-from tests.faults.reference import FEATURE_SETS, Values, reference
-from tests.faults.workload import Produced, Ref
+from tests.faults.readers import READERS, SETTLED_GRACE_S, Readers, judge
+from tests.faults.reference import FEATURE_SETS, Values, load, one, pieces, reference
+from tests.faults.workload import Produced, Ref, Workload
 from tests.helpers import kafka_headers
 
 Partition = tuple[str, int]
@@ -305,6 +310,8 @@ class Verdict:
     accounting: dict[str, Any] = field(default_factory=dict)
     ttl_violations: list[str] = field(default_factory=list)
     dead: list[str] = field(default_factory=list)
+    readers: dict[str, Any] = field(default_factory=dict)
+    """(e): what the readers were served, and the answers true at no moment in their grace."""
 
     @property
     def passed(self) -> bool:
@@ -357,14 +364,21 @@ def truth(engine: Engine, refs: Sequence[Ref], as_of: datetime | None = None) ->
     return Truth(at, full, by_hand)
 
 
+Elsewhen = Callable[[str, Ref, Entry], bool]
+"""Whether an entry that differs from the truth at the check's moment was true at another
+moment it may have been read at."""
+
+
 def compare(
     refs: Sequence[Ref],
     served: Mapping[str, Sequence[Entry | None]],
     want: Truth,
     verdict: Verdict,
     last_change: dict[tuple[str, str, str], tuple[int, str, int]] | None = None,
+    elsewhen: Elsewhen | None = None,
 ) -> None:
-    """(a) on entries already read: each present one equals both answers of ``want``.
+    """(a) on entries already read: each present one equals both answers of ``want``
+    (or, per ``elsewhen``, both answers at another moment it may have been read at).
 
     ``served`` holds, per feature set, the entries of ``refs`` in order (None: absent or
     a tombstone, which passes). A mismatch names which answer it differs from. Where
@@ -393,7 +407,7 @@ def compare(
                 for what, value in (("full query", full), ("reference", by_hand))
                 if entry.values != value
             ]
-            if not differs:
+            if not differs or (elsewhen is not None and elsewhen(name, (t, e), entry)):
                 continue
             change = (last_change or {}).get((name, t, e))
             verdict.mismatches.append(
@@ -452,14 +466,14 @@ def check_values(
     """(a): served equals both the full defining query and the Python reference, or is
     absent.
 
-    Every entry is read first, then both answers at one moment ``T`` (:func:`truth`,
-    ``as_of`` = ``T``, the moment of the comparison). An entry read at ``R`` must equal
-    the truth at ``R``; that is the truth at ``T`` too, since between them nothing
-    commits (the consumers quiesced, the workload is over) and no row enters or leaves
-    a window: the harness keeps the seeded rows ``HORIZON`` away from every window
-    edge (``_clear_edges``), and the workload's rows are created at their commit, far
-    inside. An entry whose horizon passed expired in Redis, so it reads as absent. A
-    workload whose rows cross edges during the check needs ``as_of`` per read instead.
+    Every entry is read first, over ``[R0, R1]``, then both answers from one snapshot
+    with ``as_of`` = ``R1`` (:func:`truth`): nothing commits after ``R0`` (the
+    consumers quiesced, the workload is over), so that snapshot holds the rows the
+    entries were read against. Rows do cross window edges (the workload makes some
+    that age out during and after the case), and an entry whose horizon passed expired
+    in Redis, so it reads as absent; one that differs at ``R1`` passes if both answers
+    give its values at some moment of ``[R0 - SETTLED_GRACE_S, R1]`` (an edge passed
+    while it was read: :func:`tests.faults.reference.pieces` finds the moments).
 
     A mismatch names the last change that could alter that feature set of the entity:
     an entry computed before that change committed was never refreshed after it (an
@@ -469,8 +483,22 @@ def check_values(
     version = state(client, settings).active
     refs = sorted(touched | tenant_keys(client, version, tenant))
     store = FeatureStore(client, version)
+    began = time.time()
     served = {fs.name: store.read([EntityRef(fs.name, t, e) for t, e in refs]) for fs in REGISTRY}
-    compare(refs, served, truth(engine, refs), verdict, last_change)
+    ended = time.time()
+
+    def elsewhen(name: str, ref: Ref, entry: Entry) -> bool:
+        with engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
+            rows = load(conn, [ref])
+            conn.rollback()
+        lo = datetime.fromtimestamp(began - SETTLED_GRACE_S, UTC)
+        for at, _ in pieces(rows, ref, lo, datetime.fromtimestamp(ended, UTC)):
+            if one(rows, ref, at)[name] == entry.values:
+                return truth(engine, [ref], at).full[name].get(ref) == entry.values
+        return False
+
+    want = truth(engine, refs, datetime.fromtimestamp(ended, UTC))
+    compare(refs, served, want, verdict, last_change, elsewhen)
     if verdict.present == 0:
         verdict.failures.append(
             f"(a) no entry present for {len(refs)} entities: the check would pass vacuously"
@@ -621,6 +649,27 @@ def check_accounting(
         "per_topic": per_topic,
         "per_partition": per_partition,
     }
+
+
+def check_readers(readers: Readers | None, workload: Workload, verdict: Verdict) -> None:
+    """(e): every value a reader was served was true at some moment within its grace."""
+    if readers is None:
+        return
+    got = judge(readers.answers, workload.history, workload.watched, readers.errors)
+    verdict.readers = got.summary()
+    if got.mismatches:
+        verdict.failures.append(
+            f"(e) readers: {len(got.mismatches)} of {got.present} served values were true "
+            f"at no moment within their grace (by reader: {got.by_reader}); "
+            f"e.g. {got.mismatches[0]}"
+        )
+    for reader in READERS:
+        row = got.by_reader.get(reader, {})
+        if not row.get("present"):
+            verdict.failures.append(
+                f"(e) readers: {reader} served no value in {row.get('answers', 0)} answers "
+                f"(errors: {got.errors}): its check would pass vacuously"
+            )
 
 
 def check_ttls(client: redis.Redis, verdict: Verdict) -> None:

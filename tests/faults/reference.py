@@ -35,6 +35,14 @@ The definitions, at the moment ``as_of``:
 The rows must be read in one snapshot, the one a compared recompute reads: run
 :func:`load` in the same REPEATABLE READ transaction (:func:`tests.faults.oracle.truth`
 does).
+
+**Over a span of time.** With the rows fixed, each value is a step function of
+``as_of``: it can change only where a row enters the data (its ``created_at``) or
+leaves a window (``created_at + 90 days``, ``+ 30`` calendar days, a device's
+``first_seen + 24 hours``). :func:`breakpoints` lists those moments for one user, and
+:func:`pieces` cuts a span ``[lo, hi]`` at them, so evaluating at the start of each
+piece gives every value the user had during the span, and from when to when
+(:mod:`tests.faults.readers` judges readers' answers by it).
 """
 
 from __future__ import annotations
@@ -121,8 +129,9 @@ def _key(ip: Address) -> tuple[int, int]:
     return ip.version, int(ip)
 
 
-def load(conn: Connection, refs: Iterable[Ref]) -> Rows:
-    """The rows of ``refs``' users, their links and devices, and every geoip range."""
+def load(conn: Connection, refs: Iterable[Ref], ranges: list[Range] | None = None) -> Rows:
+    """The rows of ``refs``' users, their links and devices, and every geoip range
+    (``ranges``, if given: the caller knows they are still the table's)."""
     users: dict[str, list[int]] = defaultdict(list)
     for tenant, user in dict.fromkeys(refs):
         users[tenant].append(int(user))
@@ -172,6 +181,9 @@ def load(conn: Connection, refs: Iterable[Ref]) -> Rows:
             mine,
         ):
             rows.devices[(tenant, device)] = Device(float(risk), first_seen)
+    if ranges is not None:
+        rows.ranges.extend(ranges)
+        return rows
     rows.ranges.extend(
         Range(_address(start), _address(end), country, city)
         for start, end, country, city in conn.execute(
@@ -282,3 +294,57 @@ def reference(
     """Load the rows of ``refs`` on ``conn`` and compute every feature set at ``as_of``."""
     refs = list(dict.fromkeys(refs))
     return values(load(conn, refs), refs, as_of)
+
+
+# -- values over a span of time ----------------------------------------------------------
+
+
+def days_after(at: datetime, days: int, zone: ZoneInfo) -> datetime:
+    """The moment ``as_of`` at which ``days_before(as_of, days) == at``."""
+    return (at.astimezone(zone) + timedelta(days=days)).astimezone(UTC)
+
+
+def breakpoints(rows: Rows, ref: Ref) -> list[datetime]:
+    """Every moment at which ``ref``'s values may change with its rows fixed, sorted.
+
+    A value at ``as_of = b`` is already the value after the change: each window is
+    ``edge < created_at <= as_of``, so a row is in from its ``created_at`` and out from
+    its edge's moment on, both included.
+    """
+    tenant = ref[0]
+    moments: set[datetime] = set()
+    for x in rows.txns.get(ref, []):
+        moments |= {x.created_at, x.created_at + TXN_WINDOW}
+        moments.add(days_after(x.created_at, GEO_DAYS, rows.zone))
+    for d in rows.links.get(ref, []):
+        device = rows.devices.get((tenant, d))
+        if device is not None:
+            moments.add(device.first_seen + DEVICE_WINDOW)
+    return sorted(m.astimezone(UTC) for m in moments)
+
+
+def pieces(rows: Rows, ref: Ref, lo: datetime, hi: datetime) -> list[tuple[datetime, datetime]]:
+    """``[lo, hi]`` cut where ``ref``'s values may change: ``(start, end)`` pieces over
+    each of which every value is constant (``lo == hi``: one piece of one moment)."""
+    cuts = [b for b in breakpoints(rows, ref) if lo < b <= hi]
+    starts = [lo, *cuts]
+    return list(zip(starts, [*cuts, hi], strict=True))
+
+
+def fingerprint(rows: Rows, ref: Ref) -> tuple[object, ...]:
+    """Everything of ``rows`` that ``ref``'s values depend on: two states with the same
+    fingerprint give ``ref`` the same values at every ``as_of``."""
+    tenant = ref[0]
+    txns = tuple(sorted(rows.txns.get(ref, []), key=lambda x: x.id))
+    links = tuple(sorted(rows.links.get(ref, [])))
+    return (
+        txns,
+        tuple((d, rows.devices.get((tenant, d)), rows.linked.get((tenant, d))) for d in links),
+        tuple(None if x.ip is None else range_of(rows.ranges, x.ip) for x in txns),
+        rows.zone.key,
+    )
+
+
+def one(rows: Rows, ref: Ref, as_of: datetime) -> dict[str, Values]:
+    """:func:`values` of one ref."""
+    return {name: got[ref] for name, got in values(rows, [ref], as_of).items()}

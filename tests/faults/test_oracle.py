@@ -1,10 +1,11 @@
 """The oracle has teeth: a case sabotaged on every count fails every check.
 
 One control case runs the workload with two consumers and, meanwhile, breaks each rule
-the oracle guards, once: a stale entry that no later write can replace (a), a record
-nobody produced and a record that must be dead-lettered (b), a feature key without a
-TTL (c), and a consumer killed behind the scenario's back (d). If any check stayed
-quiet, the suite's passes would mean nothing.
+the oracle guards, once: a stale entry that no later write can replace (a), and one
+for a user the readers read, which they are then served (e), a record nobody produced
+and a record that must be dead-lettered (b), a feature key without a TTL (c), and a
+consumer killed behind the scenario's back (d). If any check stayed quiet, the
+suite's passes would mean nothing.
 """
 
 from __future__ import annotations
@@ -32,18 +33,18 @@ SEED = int(os.environ.get(SEED_ENV) or DEFAULT_SEED)
 
 
 def sabotage(run: Run) -> None:
-    """Break rules (a) to (d) once each."""
+    """Break rules (a) to (e) once each."""
     env, settings = run.env, run.env.settings
     run.workload.wait_for(run.at(0.3, 0.4))
     tenant, entity = sorted(run.workload.touched)[0]
     fs = REGISTRY["txn_90d"]
     # (a) A wrong entry under the highest watermark: no write can ever replace it.
     wrong = encode_entry([-1] * len(fs.fields), settings.schema_version, 0, (1 << 120) - 1)
-    env.redis.set(
-        feature_key(settings.schema_version, EntityRef(fs.name, tenant, entity)),
-        wrong,
-        px=3_600_000,
-    )
+    # (e) The same for a user the readers read: a value no moment of the case had.
+    for t, e in {(tenant, entity), run.workload.watched[0]}:
+        env.redis.set(
+            feature_key(settings.schema_version, EntityRef(fs.name, t, e)), wrong, px=3_600_000
+        )
     # (c) A feature key without a TTL.
     env.redis.set(
         feature_key(settings.schema_version, EntityRef("geo", tenant, "999999")),
@@ -81,7 +82,8 @@ def test_every_check_fires_on_a_sabotaged_case(
     for key in fault_env.redis.scan_iter(match="feat:*:geo:*:999999}"):
         fault_env.redis.delete(key)
     fired = {f[:3] for f in result.failures}
-    assert {"(a)", "(b)", "(c)", "(d)"} <= fired, "\n".join(result.failures)
+    assert {"(a)", "(b)", "(c)", "(d)", "(e)"} <= fired, "\n".join(result.failures)
+    assert result.readers["mismatches"] > 0, result.readers
     assert result.mismatches >= 2  # the stale entry and the foreign key
     assert any("unexpected dead letters" in f for f in result.failures), result.failures
     assert any("the workload produced" in f for f in result.failures), result.failures

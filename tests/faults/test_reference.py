@@ -27,7 +27,7 @@ from sqlalchemy.engine import Engine
 from fraud.seed import SeedSummary
 from pipeline.core.types import Entry, FeatureValues
 from tests.faults.oracle import Truth, Verdict, compare, truth
-from tests.faults.reference import FEATURE_SETS, Ref
+from tests.faults.reference import FEATURE_SETS, Ref, load, one, pieces
 from tests.helpers import ANCHOR
 
 US = timedelta(microseconds=1)
@@ -168,6 +168,31 @@ def test_the_reference_equals_the_full_query_at_and_around_the_edges(
     for name in FEATURE_SETS:  # no rows at all: the same values, in or out of users
         assert now.reference[name][(tenant, "108")] == now.reference[name][(tenant, "999999999")]
     assert txn[(tenant, "108")]["last_txn_at"] is None
+
+
+def test_values_change_only_at_the_breakpoints(
+    tenant_factory: Callable[..., SeedSummary], engine: Engine
+) -> None:
+    """What the readers' check rests on: over each piece :func:`pieces` cuts, every
+    value is the one at its start, which is the full query's there too."""
+    tenant, _ = seeded(tenant_factory, engine)
+    refs = [(tenant, u) for u in ("101", "105", "106")]
+    with engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
+        rows = load(conn, refs)
+        conn.rollback()
+    for ref in refs:
+        cut = pieces(rows, ref, ANCHOR - 2 * DAY, ANCHOR + 95 * DAY)
+        assert len(cut) >= (6 if ref[1] == "101" else 2), cut  # the edges are live
+        changed = 0
+        for start, end in cut:
+            at_start = one(rows, ref, start)
+            inside = [start + (end - start) / 2, max(start, end - US)]
+            for at in inside:
+                assert one(rows, ref, at) == at_start, (ref, start, at)
+            full = truth(engine, [ref], as_of=inside[0]).full
+            assert {name: full[name][ref] for name in FEATURE_SETS} == at_start, (ref, start)
+            changed += start > ANCHOR - 2 * DAY and at_start != one(rows, ref, start - US)
+        assert changed, ref  # some breakpoint changed a value
 
 
 def served(

@@ -6,7 +6,12 @@ are drawn with a Zipf skew (rank ``r`` weighs ``1 / r^1.1``), so a few are hot.
 
 The kinds of change: a transaction inserted, its amount updated, deleted, or moved to
 another user; a device's risk score changed; a user-device link added or removed; a
-geoip range's country edited.
+geoip range's country edited. And rows at the windows' edges (``txn_edge``): a
+transaction created just inside ``txn_90d``'s 90-day or ``geo``'s 30-day window, so it
+ages out while the case runs (between :data:`EDGE_AHEAD_S` seconds of its insert),
+one created exactly at an edge, and a late one (created up to 80 days ago, inserted
+now); its IP is some geoip range's, so leaving the 30-day window changes
+``distinct_countries_30d`` too.
 
 What it records, for the oracle:
 
@@ -14,7 +19,16 @@ What it records, for the oracle:
   or a geoip range, every user of it, found in the change's own transaction);
 * ``produced``: the (topic, partition, offset) of every domain event it produced;
 * ``cdc_expected``: per table, how many CDC records its committed SQL must yield (an
-  insert or an update one per row, a delete two: the delete and its tombstone).
+  insert or an update one per row, a delete two: the delete and its tombstone);
+* ``history``: with ``watch``, the raw rows of the watched users
+  (:func:`tests.faults.reference.load`) as each change leaves them, with the
+  wall-clock moments around it: the workload is the only writer of source rows, so
+  those rows are the committed state from that change's commit to the next one's
+  (:mod:`tests.faults.readers` builds the truth over time from it). The rows of the
+  watched users a change touches are read in its own transaction, after its SQL; the
+  others' are the previous observation's, and a geoip edit is applied to the previous
+  ranges as its UPDATE was (reading them all again, 2,048 rows, would slow the
+  workload below its rate). :meth:`Workload.observe` reads everything afresh.
 
 ``random.Random(seed)`` draws every choice in order, so a seed replays the same
 sequence of changes over the same seeded data. Progress is a count of committed
@@ -32,6 +46,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from ipaddress import ip_interface
 from typing import NamedTuple
 
 import orjson
@@ -40,6 +55,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from consumers.kafka import Delivery, Producer
 from fraud.seed import COUNTRIES
+from tests.faults.reference import Range, Rows, load
 
 log = logging.getLogger("freshline.faults.workload")
 
@@ -58,6 +74,7 @@ MIX: tuple[tuple[str, float], ...] = (
     ("link_add", 0.07),
     ("link_remove", 0.05),
     ("geoip_edit", 0.10),
+    ("txn_edge", 0.06),
 )
 AFFECTS: dict[str, tuple[str, ...]] = {
     "txn_insert": ("txn_90d", "geo"),
@@ -68,12 +85,33 @@ AFFECTS: dict[str, tuple[str, ...]] = {
     "link_add": ("device_risk",),
     "link_remove": ("device_risk",),
     "geoip_edit": ("geo",),
+    "txn_edge": ("txn_90d", "geo"),
 }
 """The feature sets whose values each kind of change can alter (for diagnosing a mismatch)."""
 DOMAIN_SHARE = 0.5
 """Of the changes that have a domain event, the share that emits one."""
 DB_RETRY_S = 120.0
 """How long one change keeps retrying while Postgres is away (a restart scenario)."""
+EDGE_AHEAD_S = 20.0
+"""A row near an edge leaves its window within this long of its insert."""
+EDGES: tuple[tuple[str, float], ...] = (
+    ("90 days", 0.3),  # leaves txn_90d during the run
+    ("30 days", 0.3),  # leaves geo's distinct countries during the run
+    ("at 90 days", 0.1),  # exactly at the edge: never inside
+    ("at 30 days", 0.1),
+    ("late", 0.2),  # created in the past, inside both windows or txn_90d's
+)
+"""The kinds of edge row, by ``txn_edge``'s ``pick``, with their shares."""
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """The watched users' rows as one change left them, read in its transaction: the
+    committed state from some moment in ``[start, end]`` (wall clock, s) on."""
+
+    start: float
+    end: float
+    rows: Rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +149,7 @@ class Workload:
         seed: int,
         *,
         topic: Callable[[str], str] = lambda t: t,
+        watch: int = 0,
     ) -> None:
         self.engine = engine
         self.producer = producer
@@ -122,6 +161,8 @@ class Workload:
         """Per (feature set, tenant, entity): the last change that could alter it (index,
         kind, commit time in ms)."""
         self._pending: set[Ref] = set()
+        self._range_edit: tuple[str, str, str] | None = None
+        """The geoip range the change being attempted edited: (ip_from, country, city)."""
         self._cdc_pending: Counter[str] = Counter()
         """What the change being attempted must yield; counted once it commits, since
         an attempt that Postgres aborts (a restart) yields nothing."""
@@ -156,6 +197,19 @@ class Workload:
         self._cum = list(itertools.accumulate(1.0 / (r + 1) ** 1.1 for r in range(len(order))))
         self._start_state = self.rng.getstate()
         self._total = 0
+        # The hottest users, and a few of the rest (another stream: the changes' draws
+        # do not depend on what is watched).
+        pick = random.Random(f"watch:{seed}")
+        rest = order[watch:]
+        self.watched: list[Ref] = (
+            [
+                (tenant, str(u))
+                for u in order[: watch - watch // 4] + pick.sample(rest, min(len(rest), watch // 4))
+            ]
+            if watch
+            else []
+        )
+        self.history: list[Observation] = []
 
     # -- progress -----------------------------------------------------------------
 
@@ -179,6 +233,17 @@ class Workload:
         self._stop.set()
 
     # -- running ------------------------------------------------------------------
+
+    def observe(self) -> None:
+        """Add the watched users' rows as they are now to ``history`` (the state before
+        the first change, and after the last one, or after a scenario's own writes)."""
+        if not self.watched:
+            return
+        start = time.time()
+        with self.engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
+            rows = load(conn, self.watched)
+            conn.rollback()
+        self.history.append(Observation(start, time.time(), rows))
 
     def run(self, total: int, rate: float) -> None:
         """Commit ``total`` changes at ``rate`` per second, then flush the producer."""
@@ -285,9 +350,15 @@ class Workload:
         while True:
             self._pending = set()
             self._cdc_pending = Counter()
+            rows: Rows | None = None
+            self._range_edit = None
             try:
+                start = time.time()
                 with self.engine.begin() as conn:
                     events = getattr(self, f"_{kind}")(conn, user, other, pick, value)
+                    rows = self._observed(conn)
+                if rows is not None:
+                    self.history.append(Observation(start, time.time(), rows))
                 break
             except (sa.exc.OperationalError, sa.exc.InterfaceError):
                 self.report.db_retries += 1
@@ -312,6 +383,33 @@ class Workload:
                     )
                 )
                 self.report.events += 1
+
+    def _observed(self, conn: Connection) -> Rows | None:
+        """The watched users' rows as this change leaves them (see ``history``)."""
+        if not self.watched:
+            return None
+        if not self.history:
+            return load(conn, self.watched)
+        previous = self.history[-1].rows
+        ranges = previous.ranges
+        if self._range_edit is not None:
+            start, country, city = self._range_edit
+            edited = ip_interface(start).ip  # inet's text has its netmask: 11.0.0.0/32
+            ranges = [
+                Range(r.start, r.end, country, city) if r.start == edited else r for r in ranges
+            ]
+        mine = [r for r in self.watched if r in self._pending]
+        if not mine and ranges is previous.ranges:
+            return previous
+        fresh = load(conn, mine, ranges)
+        return Rows(
+            previous.zone,
+            {**{r: v for r, v in previous.txns.items() if r not in mine}, **fresh.txns},
+            {**{r: v for r, v in previous.links.items() if r not in mine}, **fresh.links},
+            {**previous.linked, **fresh.linked},
+            {**previous.devices, **fresh.devices},
+            ranges,
+        )
 
     def _touch(self, *users: int) -> None:
         refs = {(self.tenant, str(u)) for u in users}
@@ -370,6 +468,50 @@ class Workload:
                 "u": user,
                 "amount": round(10 + value * 490, 2),
                 "m": f"m{int(pick * 20000)}",
+            },
+        ).scalar_one()
+        self._cdc_pending["transactions"] += 1
+        self._touch(user)
+        return [("transaction.created", {"user_id": user, "transaction_id": int(txn)})]
+
+    def _txn_edge(
+        self, conn: Connection, user: int, _other: int, pick: float, value: float
+    ) -> Events:
+        """A transaction at a window's edge (:data:`EDGES`), with some range's IP."""
+        edge = EDGES[-1][0]
+        share = pick
+        for name, weight in EDGES:
+            if share < weight:
+                edge = name
+                break
+            share -= weight
+        created = {
+            "90 days": "now() - interval '90 days' + make_interval(secs => :ahead)",
+            "30 days": "now() - interval '30 days' + make_interval(secs => :ahead)",
+            "at 90 days": "now() - interval '90 days'",
+            "at 30 days": "now() - interval '30 days'",
+            "late": "now() - make_interval(secs => :late)",
+        }[edge]
+        txn = conn.execute(
+            sa.text(
+                f"""INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, device_id,
+                   ip, created_at, updated_at)
+               SELECT :t, :u, :amount, :m,
+                      (SELECT device_id FROM user_devices
+                       WHERE tenant_id = :t AND user_id = :u ORDER BY device_id LIMIT 1),
+                      (SELECT ip_from FROM geoip ORDER BY ip_from
+                       OFFSET floor(:value * (SELECT count(*) FROM geoip)) LIMIT 1),
+                      {created}, now()
+               RETURNING id"""
+            ),
+            {
+                "t": self.tenant,
+                "u": user,
+                "amount": round(5 + value * 95, 2),
+                "m": f"edge{int(value * 50)}",
+                "value": value,
+                "ahead": 0.5 + value * (EDGE_AHEAD_S - 0.5),
+                "late": 60 + value * 80 * 86_400,
             },
         ).scalar_one()
         self._cdc_pending["transactions"] += 1
@@ -496,6 +638,7 @@ class Workload:
             {"c": country, "city": cities[int(value * len(cities))], "f": row[0]},
         )
         self._cdc_pending["geoip"] += 1
+        self._range_edit = (row[0], country, cities[int(value * len(cities))])
         self._touch(
             *(
                 int(u)
