@@ -84,6 +84,10 @@ from pipeline.core.types import ChangeEvent, EntityRef
 
 logger = logging.getLogger("freshline.consumer")
 
+SETS_BESIDE = 3
+"""At most this many feature sets of a batch computed beside the batch's connection at
+once, each on a connection of the engine's pool (the rest wait for one to finish)."""
+
 XID_SPAN = 1 << 32
 """Ids below it are 32-bit (as Debezium reports them); from it up, full ``xid8``s."""
 
@@ -301,7 +305,8 @@ class Processor:
         if not others:
             return {first: timed(first, here)}
         snapshot_id = export_snapshot(conn)
-        with ThreadPoolExecutor(len(others), thread_name_prefix="recompute") as pool:
+        workers = min(len(others), SETS_BESIDE)
+        with ThreadPoolExecutor(workers, thread_name_prefix="recompute") as pool:
             beside = {
                 name: pool.submit(
                     timed,
