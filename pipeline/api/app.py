@@ -18,7 +18,7 @@ from pipeline.api import audit_log, metrics, ops, routes
 from pipeline.api.auth import Authenticator
 from pipeline.api.errors import HANDLERS
 from pipeline.api.fastpath import async_client
-from pipeline.api.limits import AccessGuard
+from pipeline.api.limits import AccessGuard, PoolBudget
 from pipeline.api.openapi import document
 from pipeline.api.reader import FeatureReader
 from pipeline.api.semantic_status import reader as semantic_reader
@@ -236,14 +236,15 @@ def create_app(
             yield
 
     audit_log.configure(settings.audit_log)
+    pool = PoolBudget.from_settings(settings)
     app = Starlette(
         routes=[*ROUTES, *ops.api_routes(operator), *semantic_routes],
         exception_handlers=HANDLERS,
         lifespan=lifespan,
-        middleware=[Middleware(AccessGuard, auth=services.auth, settings=settings)],
+        middleware=[Middleware(AccessGuard, auth=services.auth, settings=settings, pool=pool)],
     )
     app.state.services = services
-    app.state.tenant_slots = TenantSlots(settings.api_tenant_concurrency)
+    app.state.tenant_slots = TenantSlots(settings.api_tenant_concurrency, pool)
     app.state.openapi = document(
         registry.names(),
         batch_limit=settings.api_batch_limit,

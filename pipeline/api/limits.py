@@ -12,7 +12,10 @@ request, in order:
    refused for someone else's failures;
 2. the key takes a token from its own bucket (``FRESHLINE_API_RATE_PER_S``,
    ``FRESHLINE_API_RATE_BURST``), or the answer is 429 with ``Retry-After``;
-3. the request body must arrive within ``FRESHLINE_API_BODY_TIMEOUT_S`` (408
+3. the key's tenant must not owe more thread-pool time than it may wait for
+   (:class:`PoolBudget`, ``FRESHLINE_API_TENANT_POOL_*``), or the request is held
+   ``FRESHLINE_API_TENANT_POOL_WAIT_S``, then answered 429 ``tenant_over_budget``;
+4. the request body must arrive within ``FRESHLINE_API_BODY_TIMEOUT_S`` (408
    otherwise; checked every tenth of it, :class:`pipeline.api.deadlines.Deadlines`,
    so the answer comes within 1.1 times the limit), and a client that goes away
    mid-body ends the request as 499 ("client closed request"): neither is a server
@@ -89,7 +92,7 @@ class TokenBuckets:
     def __init__(
         self,
         rate_per_s: float,
-        burst: int,
+        burst: float,
         *,
         max_entries: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
@@ -123,11 +126,94 @@ class TokenBuckets:
         self._store(name, tokens - 1, now)
         return 0.0
 
+    def charge(self, name: str, cost: float) -> None:
+        """Take ``cost`` tokens for work already done: into debt, if need be."""
+        if self.rate > 0:
+            now = self.clock()
+            self._store(name, self._level(name, now) - cost, now)
+
+    def owed(self, name: str) -> float:
+        """Seconds until ``name`` is out of debt (0 if it is not in debt)."""
+        if self.rate <= 0:
+            return 0.0
+        return max(0.0, -self._level(name, self.clock()) / self.rate)
+
     def _store(self, name: str, tokens: float, now: float) -> None:
         self._buckets[name] = (tokens, now)
         self._buckets.move_to_end(name)
         while len(self._buckets) > self.max_entries:
             self._buckets.popitem(last=False)
+
+
+class TenantOverBudget(ApiError):
+    """A tenant owes more thread-pool time than it may wait to pay back."""
+
+    def __init__(self, owed_s: float) -> None:
+        self.retry_after = max(1, math.ceil(owed_s))
+        super().__init__(
+            429,
+            "tenant_over_budget",
+            "this tenant has used its share of the server's thread pool "
+            f"(FRESHLINE_API_TENANT_POOL_SHARE); retry in {self.retry_after} s",
+        )
+
+
+class PoolBudget:
+    """Each tenant's thread-pool time in a worker: ``share`` seconds of work per
+    second, ``burst_s`` at once, charged by what each job took.
+
+    The work that reaches the pool (read-through misses, predictions, semantic cache
+    calls) costs what it costs: a batch of a hundred ids with no source row, or a
+    hundred rows never predicted, weighs a hundred times one hit's miss, where a rate
+    of requests counts each as one. A job is charged its wall time in a thread when it
+    ends, so a tenant may run into debt; its next job waits on the event loop, holding
+    no thread, until the debt is paid. A request of a tenant that owes more than
+    ``max_wait_s`` is held that long, then refused (:class:`TenantOverBudget`, 429)
+    before its body is read (:class:`AccessGuard`): a flood of expensive requests costs
+    its sender waits and refusals, not the worker its CPU, and a sender that asks again
+    at once cannot turn the refusals themselves into the flood. ``share`` 0 means no
+    limit.
+    """
+
+    def __init__(
+        self,
+        share: float,
+        burst_s: float,
+        max_wait_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.share = share
+        self.max_wait_s = max_wait_s
+        self._spent = TokenBuckets(share, burst_s, clock=clock)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PoolBudget:
+        return cls(
+            settings.api_tenant_pool_share,
+            settings.api_tenant_pool_burst_s,
+            settings.api_tenant_pool_wait_s,
+        )
+
+    def owed(self, tenant: str) -> float:
+        """Seconds until ``tenant`` is out of debt."""
+        return self._spent.owed(tenant)
+
+    async def check(self, tenant: str) -> None:
+        """Raise :class:`TenantOverBudget` if ``tenant`` owes more than it may wait, once
+        ``max_wait_s`` has passed: refused at once, a flood's sender would ask again at
+        once, and the refusals would take the worker in the work's place."""
+        if self._spent.owed(tenant) > self.max_wait_s:
+            await asyncio.sleep(self.max_wait_s)
+            raise TenantOverBudget(self._spent.owed(tenant))
+
+    async def paid(self, tenant: str) -> None:
+        """Return once ``tenant`` is out of debt (others' jobs may add to it meanwhile)."""
+        while (owed := self._spent.owed(tenant)) > 0:
+            await asyncio.sleep(owed)
+
+    def charge(self, tenant: str, seconds: float) -> None:
+        self._spent.charge(tenant, seconds)
 
 
 def address_group(address: str) -> str:
@@ -220,9 +306,17 @@ class AccessGuard:
     """ASGI middleware: authentication, per-key rate and per-address failure limits,
     and body timeouts for ``/v1``; see the module docstring."""
 
-    def __init__(self, app: ASGIApp, *, auth: Authenticator, settings: Settings) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        auth: Authenticator,
+        settings: Settings,
+        pool: PoolBudget | None = None,
+    ) -> None:
         self.app = app
         self.auth = auth
+        self.pool = pool
         self.keys = KeyIndex(auth.engine, refresh_s=settings.api_key_index_refresh_s)
         self.per_key = TokenBuckets(settings.api_rate_per_s, settings.api_rate_burst)
         self.failures = TokenBuckets(
@@ -285,6 +379,23 @@ class AccessGuard:
                 "rate_limited",
                 f"over {self.per_key.rate:g} requests/s for this API key; retry in {retry} s",
                 {"Retry-After": str(retry)},
+            )
+            await response(scope, receive, send)
+            return
+        try:
+            if self.pool is not None:
+                await self.pool.check(principal.tenant)
+        except TenantOverBudget as refusal:
+            metrics.REFUSED.labels("tenant_over_budget").inc()
+            audit_log.record(
+                "tenant.over_budget",
+                key_id=principal.key_id,
+                tenant=principal.tenant,
+                client=address,
+                path=scope["path"],
+            )
+            response = error_response(
+                429, refusal.code, str(refusal), {"Retry-After": str(refusal.retry_after)}
             )
             await response(scope, receive, send)
             return

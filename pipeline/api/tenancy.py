@@ -13,11 +13,14 @@ event loop never take a slot.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
+
+from pipeline.api.limits import PoolBudget
 
 T = TypeVar("T")
 
@@ -26,14 +29,18 @@ class TenantSlots:
     """Per-tenant semaphores over the thread pool, made on first use and dropped when
     their tenant has nothing running or waiting (one event loop: no lock)."""
 
-    def __init__(self, per_tenant: int) -> None:
+    def __init__(self, per_tenant: int, budget: PoolBudget | None = None) -> None:
         self.per_tenant = per_tenant
+        self.budget = budget
         self._slots: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
 
     async def run(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in the thread pool, once ``tenant`` has a free slot."""
+        """``fn(*args)`` in the thread pool, once ``tenant`` has a free slot and owes
+        no pool time (:class:`pipeline.api.limits.PoolBudget`)."""
+        if self.budget is not None:
+            await self.budget.check(tenant)
         if self.per_tenant <= 0:
-            return await run_in_threadpool(fn, *args)
+            return await self._timed(tenant, fn, *args)
         slot = self._slots.get(tenant)
         if slot is None:
             slot = self._slots[tenant] = (asyncio.Semaphore(self.per_tenant), [0])
@@ -41,11 +48,21 @@ class TenantSlots:
         users[0] += 1
         try:
             async with semaphore:
-                return await run_in_threadpool(fn, *args)
+                return await self._timed(tenant, fn, *args)
         finally:
             users[0] -= 1
             if users[0] == 0:
                 self._slots.pop(tenant, None)
+
+    async def _timed(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
+        if self.budget is None:
+            return await run_in_threadpool(fn, *args)
+        await self.budget.paid(tenant)
+        started = time.monotonic()
+        try:
+            return await run_in_threadpool(fn, *args)
+        finally:
+            self.budget.charge(tenant, time.monotonic() - started)
 
     def busy(self, tenant: str) -> int:
         """``tenant``'s requests running or waiting for a slot in this worker."""

@@ -302,6 +302,19 @@ class ApiSettings(SettingsGroup):
     holding no thread, so one tenant cannot take the pool (0: no limit, as a deployment
     with one tenant may prefer). With untrusted tenants, 1 keeps more of the workers for
     the others (``bench/abuse.py``) at the cost of each tenant's own concurrency."""
+    api_tenant_pool_share: float = Field(default=1.0, ge=0)
+    """Seconds of thread-pool work (read-through misses, predictions, semantic cache
+    calls) one tenant may spend per second per worker, charged by each job's time: a
+    batch of 100 ids with no source row weighs what it costs, not one request. A tenant
+    over it waits, holding no thread, until it is back within it (0: no limit)."""
+    api_tenant_pool_burst_s: float = Field(default=5.0, gt=0)
+    """The token bucket of ``api_tenant_pool_share``: pool seconds one tenant may spend
+    at once before it waits."""
+    api_tenant_pool_wait_s: float = Field(default=2.0, ge=0)
+    """How far over its ``api_tenant_pool_share`` (in seconds of waiting) a tenant may
+    be and still have its requests wait; further over, each is held this long, then
+    refused with 429 ``tenant_over_budget`` before its body is read (a refusal at once
+    would only be asked again at once)."""
     api_auth_failures_per_min: float = Field(default=30.0, ge=0)
     """Failed authentications per client address (per /64 for IPv6) and worker before an
     unknown key gets 401 without a lookup; valid keys are still served (0: no limit)."""
