@@ -333,3 +333,97 @@ def cdc(pipe: Pipeline, conninfo: str, writers: list[int], quick: bool) -> dict[
     finally:
         changes.close()
     return out
+
+
+def consumers(
+    pipe: Pipeline,
+    conninfo: str,
+    writers: list[int],
+    builds: dict[str, dict[str, str]],
+    *,
+    rates: tuple[int, ...] = RATES,
+    window: float = 20.0,
+) -> dict[str, Any]:
+    """Each rate with each consumer build, the connector tuned: ``builds`` maps a name to
+    the environment of its ``freshline consume`` (another checkout's ``PYTHONPATH`` and
+    ``FRESHLINE_REPO``; ``{}``: this one). The order of the builds alternates from one
+    rate to the next, so neither always runs on the table the other has just grown."""
+    changes = Changes(pipe.settings, pipe.owned.topic("transactions"), pipe.tenant)
+    poke = sql_poke(conninfo, pipe.tenant, writers[0])
+    out: dict[str, Any] = {"window_s": window, "windows": {}}
+    try:
+        pipe.connector(True)
+        names = list(builds)
+        for i, rate in enumerate(rates):
+            for name in names if i % 2 == 0 else names[::-1]:
+                pipe.consume(builds[name])
+                pipe.probe(poke)
+                common.note(f"cdc_stages: consumer {name}, {rate} SQL writes/s for {window:.0f} s")
+                res = _cdc_window(pipe, changes, conninfo, writers, rate, window)
+                out["windows"][f"{name}@{rate}"] = res
+                e2e = res["stages_ms"]["commit -> Redis"]
+                common.note(f"cdc_stages:   commit -> Redis p50 {e2e['p50']} p99 {e2e['p99']} ms")
+                time.sleep(SETTLE_S)  # what the window left behind settles
+    finally:
+        changes.close()
+    return out
+
+
+def main() -> int:
+    """``python -m bench.cdc_stages NAME=TREE ...``: the CDC stages with the consumer of
+    each checkout (``this`` is added, as this one), one run, printed as a table."""
+    import argparse
+
+    from bench.cdc_freshness import _connstr, _writers
+
+    parser = argparse.ArgumentParser(prog="python -m bench.cdc_stages", description=main.__doc__)
+    parser.add_argument("builds", nargs="+", metavar="NAME=TREE")
+    parser.add_argument("--rates", nargs="+", type=int, default=list(RATES))
+    parser.add_argument("--window", type=float, default=20.0)
+    args = parser.parse_args()
+    builds: dict[str, dict[str, str]] = {}
+    for spec in args.builds:
+        name, tree = spec.split("=", 1)
+        root = Path(tree).resolve()
+        builds[name] = {"PYTHONPATH": str(root), "FRESHLINE_REPO": str(root / "examples/fraud")}
+    builds["this"] = {}
+
+    def run(quick: bool) -> dict[str, Any]:
+        ctx = common.context(quick)
+        data = ctx.dataset()
+        conninfo = _connstr(ctx.settings.postgres_url)
+        pipe = Pipeline(ctx, ctx.schema_version(), data.tenant)
+        try:
+            writers = _writers(conninfo, data.tenant)
+            return consumers(
+                pipe, conninfo, writers, builds, rates=tuple(args.rates), window=args.window
+            )
+        finally:
+            pipe.close()
+
+    res = common.run_standalone(run, False)
+    windows = res["windows"]
+    rows: list[tuple[Any, ...]] = [
+        (
+            name,
+            *(
+                f"{w['stages_ms'][name]['p50']} / {w['stages_ms'][name]['p99']}"
+                for w in windows.values()
+            ),
+        )
+        for name, _, _ in STAGES
+    ]
+    rows.append(("writes/s achieved", *(w["achieved_per_s"] for w in windows.values())))
+    rows.append(
+        (
+            "changes (never fresh)",
+            *(f"{w['changes']} ({w['never_fresh']})" for w in windows.values()),
+        )
+    )
+    rows.append(("load average at start", *(w["load_at_start"] for w in windows.values())))
+    print(common.table(["stage", *windows], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
