@@ -28,17 +28,19 @@ import httpx
 import pytest
 import redis
 import sqlalchemy as sa
-from confluent_kafka import Message
+from confluent_kafka import KafkaError, Message, Producer
 from pydantic import SecretStr
 from sqlalchemy.engine import Engine, make_url
 from starlette.applications import Starlette
 
 import migrations
+from consumers.kafka import admin_client, client_config
 from pipeline.cache.local import LocalTier
 from pipeline.cache.readthrough import Hooks, ReadThrough, Result
 from pipeline.cache.store import FeatureStore
 from pipeline.cache.versions import VersionResolver
 from pipeline.core.db import make_engine
+from pipeline.core.errors import ServiceUnavailable
 from pipeline.core.features import Registry
 from pipeline.core.maintenance import install_missing
 from pipeline.core.repository import REGISTRY
@@ -539,6 +541,22 @@ def role_url(settings: Settings, variable: str) -> str:
 def role_engine(settings: Settings, variable: str) -> Engine:
     """An engine on the test database, logged in with the role ``variable`` names."""
     return make_engine(settings.model_copy(update={"postgres_url": role_url(settings, variable)}))
+
+
+def assert_kafka_refuses(settings: Settings) -> None:
+    """Kafka refuses ``settings``' login: the admin client fails at start-up, and a
+    producer is told ``_AUTHENTICATION`` within 30 s."""
+    with pytest.raises(ServiceUnavailable):
+        admin_client(settings)
+    errors: list[KafkaError] = []
+    producer = Producer(client_config(settings, "producer", error_cb=errors.append))
+    assert wait_until(
+        lambda: (
+            producer.poll(0.2) >= 0 and any(e.code() == KafkaError._AUTHENTICATION for e in errors)
+        ),
+        timeout=30,
+    ), errors
+    producer.flush(0)
 
 
 def kafka_header_pairs(msg: Message) -> list[tuple[str, str | bytes | None]]:
