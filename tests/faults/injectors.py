@@ -7,20 +7,34 @@
   new snapshot. Cancelling the waiting backend ends the wait: the commit completes
   locally and becomes visible, and no further event says so. Everything else runs with
   ``synchronous_commit = local`` meanwhile, so only the held transaction waits.
+* **Commits visible, never durable** (:func:`asynchronous_commits`,
+  :func:`freeze_wal_writer`): with ``synchronous_commit = off`` a commit is visible
+  before the WAL writer flushes it; with the WAL writer SIGSTOPped nothing flushes it
+  (no synchronous commit runs: :func:`revoke_temporary` takes from the consumers the
+  one write they make to force a flush), so a crash (the WAL writer SIGKILLed: the
+  postmaster's crash path) loses every such commit.
+* **A wall-clock step in a consumer** (:func:`step_clock`): the offset a member started
+  with ``Fleet.spawn(clock=...)`` adds to its wall clock (``tests/faults/clock``).
+* **A malformed deploy pointer** (:func:`set_key`): any Redis key set to a value, and
+  put back as it was.
 * **A topic that refuses writes** (:func:`set_topic_config`): a ``max.message.bytes``
   below the records' size makes the broker refuse every produce to it
   (``MSG_SIZE_TOO_LARGE``) while it stays readable; deleting the override heals it.
 
-:func:`heal_postgres` and :func:`heal_topic` undo either, whatever state a case left.
+:func:`heal_postgres` and :func:`heal_topic` undo these, whatever state a case left.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import redis
 import sqlalchemy as sa
 from confluent_kafka.admin import (
     AdminClient,
@@ -82,13 +96,14 @@ def hold_synchronous_commits(engine: Engine, deadline_s: float = 30.0) -> None:
 
 
 def heal_postgres(engine: Engine) -> bool:
-    """Back to the configuration file's settings (a waiting commit is released); whether
-    anything had to be undone."""
+    """Back to the configuration file's settings (a waiting commit is released) and
+    ``TEMPORARY`` granted to ``PUBLIC`` again; whether anything had to be undone."""
+    regranted = grant_temporary(engine)
     if (
         _setting(engine, "synchronous_standby_names") == ""
         and _setting(engine, "synchronous_commit") == "on"
     ):
-        return False
+        return regranted
     _admin_sql(
         engine,
         "ALTER SYSTEM RESET synchronous_standby_names",
@@ -96,6 +111,125 @@ def heal_postgres(engine: Engine) -> bool:
         "SELECT pg_reload_conf()",
     )
     return True
+
+
+# -- commits visible before they are durable ----------------------------------------------
+
+
+def asynchronous_commits(engine: Engine, deadline_s: float = 30.0) -> None:
+    """``ALTER SYSTEM SET synchronous_commit = off`` and reload: every session's commit
+    is acknowledged, and visible, before its WAL is flushed. (:func:`heal_postgres`
+    resets it.)"""
+    _admin_sql(engine, "ALTER SYSTEM SET synchronous_commit = 'off'", "SELECT pg_reload_conf()")
+    _wait(
+        lambda: _setting(engine, "synchronous_commit") == "off",
+        "a new session to see synchronous_commit = off",
+        deadline_s,
+    )
+
+
+def _database_acl(engine: Engine, statement: str) -> None:
+    with engine.connect() as conn:
+        name = str(conn.execute(sa.text("SELECT current_database()")).scalar_one())
+        quoted = conn.dialect.identifier_preparer.quote(name)
+    _admin_sql(engine, statement.format(database=quoted))
+
+
+def public_temporary(engine: Engine) -> bool:
+    """Whether ``PUBLIC`` holds ``TEMPORARY`` on the database (Postgres's default)."""
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(
+                sa.text(
+                    "SELECT EXISTS (SELECT 1 FROM pg_database d, "
+                    "aclexplode(coalesce(d.datacl, acldefault('d', d.datdba))) a "
+                    "WHERE d.datname = current_database() AND a.grantee = 0 "
+                    "AND a.privilege_type = 'TEMPORARY')"
+                )
+            ).scalar()
+        )
+
+
+def revoke_temporary(engine: Engine) -> None:
+    """Take ``TEMPORARY`` from ``PUBLIC``: a consumer can no longer force a WAL flush
+    (its one write, a temporary table), so it waits for the WAL writer's."""
+    _database_acl(engine, "REVOKE TEMPORARY ON DATABASE {database} FROM PUBLIC")
+
+
+def grant_temporary(engine: Engine) -> bool:
+    """Give ``PUBLIC`` its ``TEMPORARY`` back; whether it had been taken."""
+    if public_temporary(engine):
+        return False
+    _database_acl(engine, "GRANT TEMPORARY ON DATABASE {database} TO PUBLIC")
+    return True
+
+
+def wal_writer_pid(engine: Engine) -> int:
+    """The pid of the WAL writer (superuser: other roles see no pids of server processes)."""
+    with engine.connect() as conn:
+        pid = conn.execute(
+            sa.text("SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'")
+        ).scalar()
+    if pid is None:
+        raise RuntimeError("no WAL writer in pg_stat_activity")
+    return int(pid)
+
+
+def freeze_wal_writer(engine: Engine) -> int:
+    """SIGSTOP the WAL writer: asynchronous commits stay in shared memory, visible and
+    not flushed, until a synchronous commit flushes them; its pid."""
+    pid = wal_writer_pid(engine)
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def crash_wal_writer(pid: int) -> None:
+    """SIGKILL the (frozen) WAL writer: the postmaster takes its crash path at once (every
+    server process quits, shared memory and the unflushed WAL in it are dropped) and
+    recovers from the WAL on disk, as after ``pg_ctl stop -m immediate``."""
+    os.kill(pid, signal.SIGKILL)
+
+
+def wal_positions(engine: Engine) -> tuple[int, int]:
+    """The WAL insert and flush positions, in bytes."""
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.text(
+                "SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn, "
+                "pg_current_wal_flush_lsn() - '0/0'::pg_lsn"
+            )
+        ).one()
+    return int(row[0]), int(row[1])
+
+
+# -- a consumer's wall clock ----------------------------------------------------------------
+
+
+def step_clock(path: Path, offset_s: float, deadline_s: float = 30.0) -> None:
+    """Set the wall-clock offset of the member(s) reading ``path`` to ``offset_s`` (from
+    the real clock, not from the last step) and wait until they have taken it."""
+    wanted = str(round(offset_s * 1e9))
+    path.write_text(wanted)
+    seen = path.with_name(path.name + ".seen")
+
+    def taken() -> bool:
+        try:
+            return seen.read_text().strip() == wanted
+        except OSError:
+            return False
+
+    _wait(taken, f"the stepped clock to take offset {offset_s:+.0f}s", deadline_s)
+
+
+# -- Redis keys ------------------------------------------------------------------------------
+
+
+def set_key(client: redis.Redis, key: str, value: bytes | str | None) -> None:
+    """Set ``key`` to ``value``, or (None) delete it."""
+    if value is None:
+        client.delete(key)
+    else:
+        client.set(key, value)
 
 
 @dataclass

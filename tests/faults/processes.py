@@ -26,6 +26,9 @@ from prometheus_client.samples import Sample
 from pipeline.core.settings import Settings
 from tests.faults.stack import FRESHLINE, ROOT, free_ports, settings_env
 
+CLOCK_SHIM = Path(__file__).resolve().parent / "clock"
+"""A directory whose ``sitecustomize`` steps a member's wall clock (``spawn(clock=...)``)."""
+
 COUNTERS = {
     "freshline_events_consumed": "consumed",
     "freshline_events_applied": "applied",
@@ -90,6 +93,16 @@ def _file_counter(files: list[str], name: str, labels: dict[str, str]) -> int:
             ):
                 total += sample.value
     return int(total)
+
+
+def _file_gauge(files: list[str], name: str, labels: dict[str, str]) -> float:
+    """The largest value of gauge ``name`` over samples matching ``labels`` (0 if none)."""
+    found = 0.0
+    for metric in MultiProcessCollector.merge(files, accumulate=True) if files else ():
+        for sample in metric.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                found = max(found, sample.value)
+    return found
 
 
 @dataclass
@@ -213,8 +226,10 @@ class Fleet:
         self.multiproc_dir.mkdir(parents=True, exist_ok=True)
         self.members: list[Member] = []
 
-    def spawn(self, settings: Settings | None = None) -> Member:
-        """Start one more member (``settings`` may route it through proxies)."""
+    def spawn(self, settings: Settings | None = None, *, clock: Path | None = None) -> Member:
+        """Start one more member (``settings`` may route it through proxies). With
+        ``clock``, its wall clock steps by the offset written in that file
+        (:data:`CLOCK_SHIM`)."""
         s = (settings or self.settings).model_copy(
             update={"consumer_group": self.group, "batch_max_events": self.batch_max_events}
         )
@@ -228,8 +243,14 @@ class Fleet:
         env.update(settings_env(s))
         env["FRESHLINE_CONSUMER_METRICS_PORT"] = str(port)
         code = os.environ.get("FRESHLINE_CHAOS_CODE")
+        paths = []
+        if clock is not None:
+            paths.append(str(CLOCK_SHIM))
+            env["FRESHLINE_FAULTS_CLOCK"] = str(clock)
         if code:  # run the consumers from another checkout (a branch under test)
-            env["PYTHONPATH"] = code
+            paths.append(code)
+        if paths:
+            env["PYTHONPATH"] = os.pathsep.join(paths)
         log = self.directory / f"{name}.log"
         with log.open("ab") as sink:  # a file, not a pipe: a full pipe would block it
             proc = subprocess.Popen(
@@ -259,6 +280,14 @@ class Fleet:
         return _file_counter(
             [str(p) for p in self.multiproc_dir.glob("counter_*.db")], name, labels
         )
+
+    def gauge(self, name: str, **labels: str) -> float:
+        """A gauge's largest value over the live members (e.g. ``freshline_consumer_paused``,
+        kept per process in the shared files)."""
+        files = [
+            str(p) for m in self.alive() for p in self.multiproc_dir.glob(f"gauge_*_{m.pid}.db")
+        ]
+        return _file_gauge(files, name, labels)
 
     def settled(self) -> bool:
         """No live member holds a batch it has not finished counting."""

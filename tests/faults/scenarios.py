@@ -163,6 +163,25 @@ def postgres_restart(run: Run) -> None:
     run.note("postgres started")
 
 
+@scenario("postgres-crash", consumers=2)
+def postgres_crash(run: Run) -> None:
+    """Postgres crashes (``pg_ctl stop -m immediate``: no checkpoint, crash recovery at
+    the next start) while a consumer holds a batch, then starts again."""
+    run.workload.wait_for(run.at(0.2, 0.5))
+    victim = run.pick_member()
+    caught = run.catch_mid_batch(victim)
+    try:
+        run.stack.kill("postgres")
+    finally:
+        victim.sigcont()
+    run.note(
+        f"postgres crashed (immediate stop) with {victim.name} "
+        f"{'frozen mid-batch' if caught else 'between batches'}; {victim.name} resumed"
+    )
+    run.stack.start("postgres")
+    run.note("postgres started (crash recovery)")
+
+
 @scenario("connect-kill", consumers=1)
 def connect_kill(run: Run) -> None:
     """The Kafka Connect worker (Debezium) is SIGKILLed, then started again."""

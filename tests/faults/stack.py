@@ -7,17 +7,21 @@ it at its own directory and free ports), so the services are the very ones users
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
+import redis
 from pydantic import SecretStr
 
 from pipeline.core.settings import Settings
@@ -104,6 +108,8 @@ class PrivateStack:
     directory: Path
     ports: dict[str, int]
     partitions: int = 3
+    extra_redis: dict[str, int] = field(default_factory=dict)
+    """Redis servers a scenario started beside the stack's (name: port); ``down`` stops them."""
 
     @classmethod
     def allocate(cls, directory: Path, partitions: int = 3) -> PrivateStack:
@@ -204,6 +210,8 @@ class PrivateStack:
 
     def down(self, *, keep_data: bool = False) -> None:
         """Stop every service; then delete the data, unless told to keep it (logs stay)."""
+        for name in list(self.extra_redis):
+            self.kill_redis(name)
         self.script("down")
         if not keep_data:
             for data in ("pg/data", "kafka/data"):
@@ -217,6 +225,92 @@ class PrivateStack:
 
     def kill(self, service: str) -> None:
         self.script("kill", service)
+
+    # -- Redis servers of a scenario's own (replicas) ------------------------------------
+
+    def redis_admin(self, port: int) -> redis.Redis:
+        """A client of the Redis server on ``port``, as the stack's Redis admin."""
+        env = self.env_file()
+        return redis.Redis(
+            host="127.0.0.1",
+            port=port,
+            username=env.get("FRESHLINE_STACK_REDIS_ADMIN_USER") or None,
+            password=env.get("FRESHLINE_STACK_REDIS_ADMIN_PASSWORD") or None,
+            socket_timeout=10,
+        )
+
+    def follow(self, port: int, master: int | None) -> None:
+        """Make the Redis server on ``port`` a replica of the one on ``master`` (logging in
+        as the admin, whose ACL every server of the stack shares), or (None) a master."""
+        client = self.redis_admin(port)
+        try:
+            if master is None:
+                client.execute_command("REPLICAOF", "NO", "ONE")
+                return
+            env = self.env_file()
+            user = env.get("FRESHLINE_STACK_REDIS_ADMIN_USER")
+            if user:
+                client.config_set("masteruser", user)
+                client.config_set("masterauth", env["FRESHLINE_STACK_REDIS_ADMIN_PASSWORD"])
+            client.execute_command("REPLICAOF", "127.0.0.1", str(master))
+        finally:
+            client.close()
+
+    def start_redis(self, name: str, *, replica_of: int, port: int | None = None) -> int:
+        """Start a Redis server ``name`` configured as the stack's (its ACL file too),
+        a replica of the server on ``replica_of``; its port (``port``, or a free one)."""
+        base = self.directory / "redis" / "redis.conf"
+        directory = self.directory / name
+        directory.mkdir(parents=True, exist_ok=True)
+        port = port or self.extra_redis.get(name) or free_ports(1)[0]
+        own = {
+            "port": str(port),
+            "pidfile": str(self.directory / "run" / f"{name}.pid"),
+            "logfile": str(directory / "redis.log"),
+            "dir": str(directory),
+        }
+        lines = [
+            line
+            for line in base.read_text().splitlines()
+            if line.split(" ", 1)[0] not in own
+            and line.split(" ", 1)[0] not in ("replicaof", "masteruser", "masterauth")
+        ]
+        lines += [f"{k} {v}" for k, v in own.items()]
+        env = self.env_file()
+        if env.get("FRESHLINE_STACK_REDIS_ADMIN_USER"):
+            lines += [
+                f"masteruser {env['FRESHLINE_STACK_REDIS_ADMIN_USER']}",
+                f"masterauth {env['FRESHLINE_STACK_REDIS_ADMIN_PASSWORD']}",
+            ]
+        lines.append(f"replicaof 127.0.0.1 {replica_of}")
+        conf = directory / "redis.conf"
+        conf.write_text("\n".join(lines) + "\n")
+        conf.chmod(0o600)  # it holds the admin's password
+        run(name, ["redis-server", str(conf)], clean_env(), 60)
+        self.extra_redis[name] = port
+        return port
+
+    def replication(self, port: int) -> dict[str, Any]:
+        """``INFO replication`` of the Redis server on ``port``."""
+        client = self.redis_admin(port)
+        try:
+            return dict(client.info("replication"))
+        finally:
+            client.close()
+
+    def kill_redis(self, name: str) -> None:
+        """SIGKILL Redis server ``name`` (one of :attr:`extra_redis`) and wait until it is gone."""
+        pidfile = self.directory / "run" / f"{name}.pid"
+        try:
+            pid = int(pidfile.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        end = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < end:
+            time.sleep(0.05)  # polling interval, not synchronisation
+        pidfile.unlink(missing_ok=True)
 
     def pid(self, service: str) -> int | None:
         path = self.directory / "run" / f"{service}.pid"

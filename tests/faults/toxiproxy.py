@@ -134,5 +134,11 @@ class Proxy:
     def enable(self) -> None:
         self.api.request("POST", f"/proxies/{self.name}", {"enabled": True})
 
+    def retarget(self, upstream: str) -> None:
+        """Point the proxy at another server (its connections are closed); clients that
+        reconnect reach ``upstream``, as after a DNS or virtual-IP move in a failover."""
+        self.api.request("POST", f"/proxies/{self.name}", {"upstream": upstream})
+        self.upstream = upstream
+
     def delete(self) -> None:
         self.api.request("DELETE", f"/proxies/{self.name}")
