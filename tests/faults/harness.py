@@ -1,6 +1,7 @@
 """Running one case (a scenario with a seed) on the private stack, and its environment.
 
-:class:`FaultEnv` is the session's: the private stack, migrated, its topics made, one tenant
+:class:`FaultEnv` is the session's: the private stack (its Postgres moved to
+transaction-id epoch :func:`xid_epoch` first), migrated, its topics made, one tenant
 seeded per case (before the Debezium connector exists, so the seed is not streamed),
 the connector registered, a Toxiproxy proxy in front of its Redis and of its
 Postgres, and ``freshline serve`` for the readers (:mod:`tests.faults.readers`).
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import re
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -61,6 +64,37 @@ ABANDONED_CLOSE = "the Kafka consumer did not close within"
 Case = tuple[str, int]
 WATCHED = 16
 """How many of a case's users the readers read (the hottest, and a few others)."""
+XID_EPOCH_ENV = "FRESHLINE_CHAOS_XID_EPOCH"
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+"""Where ``scripts/stack`` runs Postgres from."""
+
+
+def xid_epoch(profile: Profile) -> int:
+    """The transaction-id epoch the private Postgres runs in: ``FRESHLINE_CHAOS_XID_EPOCH``,
+    else 1 for the long profile and 0 (as a new cluster is) for the short one, so both
+    epochs are run. Debezium sends 32-bit ids; every later epoch widens them the same
+    way, so 1 stands for all of them."""
+    chosen = os.environ.get(XID_EPOCH_ENV)
+    return int(chosen) if chosen else int(profile.name == "long")
+
+
+def _set_epoch(stack: PrivateStack, epoch: int) -> None:
+    """Move the stopped-and-restarted Postgres to ``epoch`` (``pg_resetwal -e``): the
+    next transaction id stays, only its epoch changes, so every row stays visible."""
+    stack.stop("postgres")
+    command = [
+        str(PG_BIN / "pg_resetwal"),
+        "-e",
+        str(epoch),
+        "-D",
+        str(stack.directory / "pg" / "data"),
+    ]
+    if os.geteuid() == 0:
+        command = ["runuser", "-u", "postgres", "--", *command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    if done.returncode:
+        raise RuntimeError(f"pg_resetwal -e {epoch} failed: {done.stdout}{done.stderr}")
+    stack.start("postgres")
 
 
 @dataclass
@@ -76,10 +110,14 @@ class FaultEnv:
     proxies: dict[str, Proxy]
     tenants: dict[Case, str] = field(default_factory=dict)
     api: Api | None = None
+    epoch: int = 0
 
     @classmethod
     def create(cls, stack: PrivateStack, cases: Sequence[Case], profile: Profile) -> FaultEnv:
         stack.up()
+        epoch = xid_epoch(profile)
+        if epoch:
+            _set_epoch(stack, epoch)
         stack.freshline("db", "upgrade")
         stack.freshline("topics", "ensure")
         settings = stack.settings
@@ -108,6 +146,10 @@ class FaultEnv:
                 "postgres", listen=pg_port, upstream=f"127.0.0.1:{stack.ports['pg']}"
             ),
         }
+        with engine.connect() as conn:
+            found = conn.execute(sa.text("SELECT pg_current_xact_id()::text::bigint")).scalar_one()
+        if found >> 32 != epoch:
+            raise RuntimeError(f"Postgres is in xid epoch {found >> 32}, not {epoch}")
         return cls(
             stack,
             settings,
@@ -119,6 +161,7 @@ class FaultEnv:
             proxies,
             tenants,
             Api(stack, stack.directory / "serve"),
+            epoch,
         )
 
     def close(self) -> None:
@@ -345,6 +388,8 @@ def run_case(
             120,
         )
         run.note(f"{scenario.consumers} consumers own {len(partitions)} partitions")
+        if env.epoch:
+            run.note(f"Postgres in transaction-id epoch {env.epoch}")
         workload.observe()
         if env.api is not None:
             key = create_api_key(env.engine, tenant, label="faults-readers")
