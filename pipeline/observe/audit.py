@@ -579,7 +579,7 @@ class Auditor:
         docstring): its entity joins the pending set, or its acceptance joins those
         already pending there, and the deadline moves to this acceptance's."""
         at = self.clock()
-        bound = self.verify_s if self.verify_s is not None else run.report.graces[-1]
+        bound = self._verify_bound(run.report)
         served = now.served_watermark
         if served is None:  # caught_up_by accepts none such
             return
@@ -629,7 +629,7 @@ class Auditor:
         ):
             # Differing, for the whole bound, from what Postgres held all that time:
             # inconsistent at every grace up to the bound.
-            bound = self.verify_s if self.verify_s is not None else report.graces[-1]
+            bound = self._verify_bound(report)
             for stage, first_at in zip(pending.stages, pending.first_at, strict=True):
                 for grace in report.graces[stage:]:
                     if grace <= bound:
@@ -638,7 +638,8 @@ class Auditor:
                 report.mismatches.append(outcome)
             report.wrong_after_catching_up += n
             log.info(
-                "%s caught up on its watermark %s but never matched, unchanged: %s",
+                "%s caught up on its watermark %s, then differed unchanged while its "
+                "entity was quiet: %s",
                 outcome.key,
                 outcome.served_watermark,
                 outcome.problem or outcome.differing,
@@ -649,6 +650,9 @@ class Auditor:
             report.unverified_entries.append(last)
         if self.metrics is not None:
             self.metrics.settled(name, verified=0, unverified=n)
+
+    def _verify_bound(self, report: AuditReport) -> float:
+        return self.verify_s if self.verify_s is not None else report.graces[-1]
 
     def _verified(self, pending: Pending, run: _Run) -> None:
         n = len(pending.stages)
