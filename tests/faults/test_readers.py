@@ -40,12 +40,12 @@ OBSERVATIONS = [
 ]
 
 
-def count(n: int, received: float, grace: float = 2.0, reader: str = "api") -> Answer:
-    values = dict(one(AFTER, REF, at(T0)).get("txn_90d") or {})
+def count(n: int, received: float, grace: float = 2.0) -> Answer:
+    """An API answer of ``txn_90d`` with ``n`` transactions: 0 and 1 are the two states'
+    values, anything else no state's."""
+    values = dict(one(BEFORE if n == 0 else AFTER, REF, at(T0))["txn_90d"])
     values["txn_count"] = n
-    if n == 0:
-        values = dict(one(BEFORE, REF, at(T0))["txn_90d"])
-    return Answer(reader, "txn_90d", REF, values, received - 0.01, received, grace)
+    return Answer("api", "txn_90d", REF, values, received - 0.01, received, grace)
 
 
 def test_the_value_while_the_row_is_inside_passes_and_after_its_edge_fails() -> None:
