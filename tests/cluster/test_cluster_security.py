@@ -20,17 +20,16 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
-from confluent_kafka import KafkaError, Producer
 from pydantic import SecretStr
 from sqlalchemy.engine import make_url
 
-from consumers.kafka import admin_client, client_config
+from consumers.kafka import admin_client
 from pipeline.core.errors import ServiceUnavailable
 from pipeline.core.keys import ACTIVE_SCHEMA_KEY, INVALIDATION_CHANNEL
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from tests.cluster.conftest import ENV_FILE
-from tests.helpers import wait_until
+from tests.helpers import assert_kafka_refuses
 
 pytestmark = pytest.mark.cluster
 
@@ -288,17 +287,7 @@ def test_a_wrong_scram_password_is_refused(cluster_settings: Settings) -> None:
     wrong = cluster_settings.model_copy(
         update={"kafka_sasl_password": SecretStr("not-the-password")}
     )
-    with pytest.raises(ServiceUnavailable):
-        admin_client(wrong)
-    errors: list[KafkaError] = []
-    producer = Producer(client_config(wrong, "producer", error_cb=errors.append))
-    assert wait_until(
-        lambda: (
-            producer.poll(0.2) >= 0 and any(e.code() == KafkaError._AUTHENTICATION for e in errors)
-        ),
-        timeout=30,
-    ), errors
-    producer.flush(0)
+    assert_kafka_refuses(wrong)
 
 
 def test_the_scram_login_reaches_all_three_brokers(cluster_settings: Settings) -> None:
