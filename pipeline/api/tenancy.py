@@ -7,7 +7,9 @@ distinct prediction rows) holds every thread, and every other tenant's misses qu
 behind it. :class:`TenantSlots` lets each tenant run at most
 ``FRESHLINE_API_TENANT_CONCURRENCY`` jobs at once per worker; its other requests
 wait on the event loop, holding no thread, in arrival order. Hits answered on the
-event loop never take a slot.
+event loop never take a slot. Slots bound threads, not time: each job is also charged
+its time against the tenant's :class:`pipeline.api.limits.PoolBudget`, and a tenant
+in debt waits, still holding no thread, before its next job runs.
 """
 
 from __future__ import annotations
