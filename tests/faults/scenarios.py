@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from consumers.events import decode
+from pipeline.core.keys import ACTIVE_SCHEMA_KEY
 from pipeline.core.topics import DLQ, logical, qualified
 from tests.faults import injectors, oracle
 from tests.faults.injectors import HeldCommit
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
 Inject = Callable[["Run"], None]
 RETRIES = "freshline_transient_retries"
 DELIVERY_FAILURES = "freshline_delivery_failures"
+CONFIG_RETRIES = "freshline_config_retries"
+PAUSED = "freshline_consumer_paused"
 
 
 @dataclass(frozen=True)
@@ -412,6 +415,69 @@ def commit_visibility_window(run: Run) -> None:
         120,
     )
     run.note("the record is applied and committed")
+
+
+# -- the deployment's configuration -------------------------------------------------------
+
+MALFORMED_POINTER = b"2 "
+"""A deploy pointer that does not parse (a trailing space): no schema version."""
+PAUSE_LINE = "consumer paused by a configuration error (deploy)"
+RESUME_LINE = "consumer resumed: the configuration error (deploy) is fixed"
+
+
+def _log_count(run: Run, line: str) -> dict[str, int]:
+    return {m.name: m.log.read_text(errors="replace").count(line) for m in run.fleet.members}
+
+
+@scenario("malformed-deploy-pointer", consumers=2)
+def malformed_deploy_pointer(run: Run) -> None:
+    """The deploy pointer holds ``"2 "`` for a while: the consumers pause (one log line
+    each, ``freshline_consumer_paused``), dead-letter nothing, and apply every held
+    record once it is fixed."""
+    run.workload.wait_for(run.at(0.15, 0.35))
+    client = run.env.redis
+    saved = client.get(ACTIVE_SCHEMA_KEY)
+    base = run.fleet.counter(CONFIG_RETRIES, cause="deploy")
+    injectors.set_key(client, ACTIVE_SCHEMA_KEY, MALFORMED_POINTER)
+    run.note(f"{ACTIVE_SCHEMA_KEY} = {MALFORMED_POINTER!r} (was {saved!r})")
+    try:
+        wait_until(
+            lambda: all(n >= 1 for n in _log_count(run, PAUSE_LINE).values()),
+            "every consumer to log that the deploy pointer paused it",
+            120,
+        )
+        wait_until(
+            lambda: run.fleet.gauge(PAUSED, cause="deploy") == 1,
+            f"{PAUSED}{{cause=deploy}} to show the pause",
+            30,
+        )
+        run.workload.wait_for(run.workload.progress + run.span(20, 80))
+        wait_until(
+            lambda: run.fleet.counter(CONFIG_RETRIES, cause="deploy") >= base + 4,
+            "the consumers to retry their held batches",
+            120,
+        )
+        run.note(
+            f"paused: {PAUSED}{{cause=deploy}} 1, "
+            f"{run.fleet.counter(CONFIG_RETRIES, cause='deploy') - base} held retries"
+        )
+    finally:
+        injectors.set_key(client, ACTIVE_SCHEMA_KEY, saved)
+    run.note(f"{ACTIVE_SCHEMA_KEY} restored")
+    wait_until(
+        lambda: all(n >= 1 for n in _log_count(run, RESUME_LINE).values()),
+        "every consumer to log that it resumed",
+        120,
+    )
+    wait_until(
+        lambda: run.fleet.gauge(PAUSED, cause="deploy") == 0,
+        f"{PAUSED}{{cause=deploy}} back to 0",
+        30,
+    )
+    paused = _log_count(run, PAUSE_LINE)
+    if any(n != 1 for n in paused.values()):
+        raise AssertionError(f"the pause is to be logged once per consumer, was {paused}")
+    run.note(f"resumed; the pause logged once by each consumer ({paused})")
 
 
 # -- records the consumers must dead-letter -----------------------------------------------
