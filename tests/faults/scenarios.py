@@ -145,6 +145,77 @@ def redis_restart(run: Run) -> None:
     run.note("redis started (empty)")
 
 
+REPLICA = "redis-replica"
+FAILOVERS = "freshline_redis_failovers"
+
+
+def _replicating(run: Run, port: int) -> bool:
+    """The Redis server on ``port`` is a replica, linked to its master and synced."""
+    info = run.stack.replication(port)
+    return (
+        info.get("role") == "slave"
+        and info.get("master_link_status") == "up"
+        and not info.get("master_sync_in_progress")
+    )
+
+
+def _promote(run: Run, port: int) -> None:
+    """``REPLICAOF NO ONE`` on ``port``, and the consumers' address (the proxy) moved to it."""
+    run.stack.follow(port, None)
+    run.proxies["redis"].retarget(f"127.0.0.1:{port}")
+
+
+@scenario("redis-failover", consumers=1, via=("redis",))
+def redis_failover(run: Run) -> None:
+    """Redis fails over twice (master SIGKILLed, its replica promoted, the consumers'
+    address moved to it, the old master back as a replica); the consumers WAIT for a
+    replica before committing offsets.
+
+    The consumers reach Redis through a Toxiproxy proxy, the address a failover moves
+    (as a virtual IP or a Sentinel-aware client would). They run with
+    ``FRESHLINE_REDIS_WAIT_REPLICAS=1``: the case's first member (without it) is
+    replaced by two that wait, before the first failover. While the promoted master
+    has no replica, the consumers hold their batches; the old master, started again
+    empty, syncs as its replica; then the second failover moves everything back.
+    """
+    stack = run.stack
+    primary = stack.ports["redis"]
+    replica = stack.start_redis(REPLICA, replica_of=primary)
+    wait_until(lambda: _replicating(run, replica), "the replica to sync", 60)
+    run.note(f"{REPLICA} on port {replica} replicates the master (port {primary})")
+    settings = run.consumer_settings().model_copy(update={"redis_wait_replicas": 1})
+    first = list(run.fleet.alive())
+    for _ in range(2):
+        run.fleet.spawn(settings)
+    for member in first:
+        member.expected_dead = True
+        code = member.terminate()
+        if code != 0:
+            raise RuntimeError(f"{member.name} exited {code} on SIGTERM")
+    wait_until(lambda: run.spread(2), "the two waiting members to share the partitions", 120)
+    run.note(f"{', '.join(m.name for m in first)} replaced by two members that WAIT for 1 replica")
+
+    run.workload.wait_for(run.at(0.25, 0.45))
+    stack.kill("redis")
+    _promote(run, replica)
+    run.note(f"master SIGKILLed; {REPLICA} promoted, the consumers' proxy moved to it")
+    run.workload.wait_for(run.workload.progress + run.span(20, 60))
+    stack.start("redis")
+    stack.follow(primary, replica)
+    wait_until(lambda: _replicating(run, primary), "the old master to sync as a replica", 60)
+    run.note("the old master, started again empty, synced as the new master's replica")
+
+    run.workload.wait_for(run.workload.progress + run.span(40, 120))
+    stack.kill_redis(REPLICA)
+    _promote(run, primary)
+    run.note(f"{REPLICA} (the master) SIGKILLed; the old master promoted, the proxy moved back")
+    stack.start_redis(REPLICA, replica_of=primary)
+    wait_until(lambda: _replicating(run, replica), "the replica to sync again", 60)
+    run.note(
+        f"{REPLICA} synced again; freshline_redis_failovers_total: {run.fleet.counter(FAILOVERS)}"
+    )
+
+
 @scenario("kafka-restart", consumers=2)
 def kafka_restart(run: Run) -> None:
     """The Kafka broker restarts (clean stop, start)."""
