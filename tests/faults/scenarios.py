@@ -256,6 +256,67 @@ def postgres_crash(run: Run) -> None:
     run.note("postgres started (crash recovery)")
 
 
+@scenario("postgres-async-commit-crash", consumers=2)
+def postgres_async_commit_crash(run: Run) -> None:
+    """With ``synchronous_commit = off``, Postgres crashes holding commits that were
+    visible and never flushed: no consumer serves one.
+
+    ``ALTER SYSTEM`` turns ``synchronous_commit`` off for every session, the workload's
+    included; a while later the WAL writer is SIGSTOPped, so every commit from then on
+    is visible and not flushed. Odd seeds also take ``TEMPORARY`` from ``PUBLIC``: the
+    consumers cannot force a flush, and hold their batches (``NotYetDurable``) until
+    the crash; even seeds leave it, and the consumers' forced flushes make durable
+    what they computed from. Then the WAL writer is SIGKILLed (the postmaster's crash
+    path), Postgres is stopped immediately and started again: the commits never
+    flushed are gone. The CDC records the workload counted since it went asynchronous
+    are no longer expected (those of commits that survived still come).
+    """
+    su = run.env.superuser
+    run.workload.wait_for(run.at(0.15, 0.3))
+    expected = dict(run.workload.cdc_expected)  # every change so far committed durably
+    consumers_wait = run.seed % 2 == 1
+    held = run.fleet.counter(RETRIES, service="postgres")
+    try:
+        if consumers_wait:
+            injectors.revoke_temporary(su)
+            run.note("TEMPORARY revoked from PUBLIC: the consumers cannot force a WAL flush")
+        injectors.asynchronous_commits(su)
+        run.note("synchronous_commit = off (ALTER SYSTEM, reloaded)")
+        run.workload.wait_for(run.workload.progress + run.span(20, 60))
+        pid = injectors.freeze_wal_writer(su)
+        run.note(f"WAL writer (pid {pid}) SIGSTOPped: commits visible, not flushed")
+        try:
+            run.workload.wait_for(run.workload.progress + run.span(20, 60))
+            if consumers_wait:
+                wait_until(
+                    lambda: run.fleet.counter(RETRIES, service="postgres") > held,
+                    "a consumer to hold a batch whose snapshot is not flushed (NotYetDurable)",
+                    60,
+                )
+            inserted, flushed = injectors.wal_positions(su)
+            run.note(
+                f"{inserted - flushed:,} bytes of WAL inserted and not flushed; "
+                f"{run.fleet.counter(RETRIES, service='postgres') - held} postgres retries"
+            )
+        finally:
+            injectors.crash_wal_writer(pid)
+        run.note("WAL writer SIGKILLed: the postmaster's crash path")
+        run.stack.kill("postgres")
+        run.note("postgres stopped immediately")
+        # The workload is retrying its change while Postgres is down: its counts hold
+        # still. Every change counted since `expected` may be lost; one that survived
+        # yields its records anyway, and the oracle asks for at least the expected ones.
+        counted = dict(run.workload.cdc_expected)
+        unsure = {t: n - expected.get(t, 0) for t, n in counted.items() if n > expected.get(t, 0)}
+        run.workload.cdc_expected.subtract(unsure)
+        run.note(f"CDC records no longer expected (changes maybe lost): {unsure}")
+        run.stack.start("postgres")
+        run.note("postgres started (crash recovery)")
+    finally:
+        injectors.heal_postgres(su)
+    run.note("synchronous_commit reset, TEMPORARY granted to PUBLIC")
+
+
 @scenario("connect-kill", consumers=1)
 def connect_kill(run: Run) -> None:
     """The Kafka Connect worker (Debezium) is SIGKILLed, then started again."""
