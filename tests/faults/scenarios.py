@@ -43,6 +43,7 @@ RETRIES = "freshline_transient_retries"
 DELIVERY_FAILURES = "freshline_delivery_failures"
 CONFIG_RETRIES = "freshline_config_retries"
 PAUSED = "freshline_consumer_paused"
+APPLIED = "freshline_events_applied"
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,33 @@ def consumer_zombie(run: Run) -> None:
     run.workload.wait_for(run.workload.progress + run.span(20, 80))
     victim.sigcont()
     run.note(f"SIGCONT {victim.name}")
+
+
+@scenario("consumer-clock-step", consumers=1)
+def consumer_clock_step(run: Run) -> None:
+    """A consumer's wall clock steps an hour forward, then to an hour behind (its
+    monotonic clock runs on), while it shares the partitions with one on the real clock.
+
+    faketime is not installed: the member's Python steps instead (``tests/faults/clock``:
+    ``time.time`` and ``time.time_ns`` plus an offset; librdkafka and libpq keep the
+    real clock). Its entries are computed with Postgres's clock and expire by Redis's,
+    so they must come out the same.
+    """
+    clock = run.fleet.directory / "clock"
+    clock.write_text("0")
+    stepped = run.fleet.spawn(run.consumer_settings(), clock=clock)
+    wait_until(lambda: run.spread(2), f"{stepped.name} to join and take partitions", 120)
+    run.note(f"{stepped.name} (wall clock steppable) shares the partitions")
+    for offset in (3600, -3600):
+        applied = stepped.counter(APPLIED)
+        injectors.step_clock(clock, offset)
+        run.note(f"{stepped.name}: wall clock stepped to {offset:+d} s from the real one")
+        wait_until(
+            lambda applied=applied: stepped.counter(APPLIED) > applied,  # type: ignore[misc]
+            f"{stepped.name} to apply events on its stepped clock",
+            120,
+        )
+        run.workload.wait_for(run.workload.progress + run.span(40, 120))
 
 
 # -- the stack's services -----------------------------------------------------------------
