@@ -189,9 +189,7 @@ def test_the_offsets_wait_for_the_replica(
         )
         assert running.error is None, f"the worker died: {running.error!r}"
         assert worker.totals.consumed == 0  # the batch is in hand, uncommitted
-        assert all(
-            o < 0 for o in committed(settings.consumer_group, settings.kafka_bootstrap, topic)
-        )
+        assert all(o < 0 for o in committed(settings.consumer_group, settings, topic))
         replica.thaw()
         wait_for(
             lambda: worker.totals.consumed == 1 or running.error is not None,
@@ -199,11 +197,7 @@ def test_the_offsets_wait_for_the_replica(
         )
         wait_for(
             lambda: (
-                sum(
-                    max(o, 0)
-                    for o in committed(settings.consumer_group, settings.kafka_bootstrap, topic)
-                )
-                == 1
+                sum(max(o, 0) for o in committed(settings.consumer_group, settings, topic)) == 1
             ),
             "the offset to be committed",
         )
