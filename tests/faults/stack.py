@@ -203,7 +203,9 @@ class PrivateStack:
 
     def up(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.script("up")
+        # A fresh instance starts ~10 JVMs (Kafka's format, ACLs, Connect): minutes on a
+        # loaded 2-core box.
+        self.script("up", timeout=900)
         self.script("start", "toxiproxy")
 
     def down(self, *, keep_data: bool = False) -> None:
