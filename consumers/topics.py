@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import (
+    AclBinding,
+    AclOperation,
+    AclPermissionType,
+    AdminClient,
+    ResourcePatternType,
+    ResourceType,
+)
 from confluent_kafka.cimpl import NewTopic
 
 from pipeline.core.errors import FreshlineError
@@ -175,7 +182,48 @@ def ensure_cdc_topics(settings: Settings, topics: Iterable[str]) -> list[str]:
     Made before the connector runs, not left to broker auto-creation: they get the
     configured partition count (consumers scale out by partition), and a consumer's
     regex subscription finds them at once instead of at its next metadata refresh.
+    With ``FRESHLINE_KAFKA_CONNECT_USER`` set, Connect's login may then write them
+    (:func:`allow_writer`).
     """
     from consumers.kafka import admin_client
 
-    return ensure(admin_client(settings), settings.topic_partitions, topics=topics).created
+    wanted = list(topics)
+    admin = admin_client(settings)
+    created = ensure(admin, settings.topic_partitions, topics=wanted).created
+    if settings.kafka_connect_user:
+        allow_writer(admin, settings.kafka_connect_user, wanted)
+    return created
+
+
+def allow_writer(admin: AdminClient, user: str, topics: Iterable[str]) -> None:
+    """Allow the SASL login ``user`` to write ``topics``: an ALLOW ACL for WRITE and
+    DESCRIBE on each topic's literal name (adding one that exists is a no-op).
+
+    Nothing to do on a broker without an authorizer, where every client may write.
+    """
+    bindings = [
+        AclBinding(
+            ResourceType.TOPIC,
+            name,
+            ResourcePatternType.LITERAL,
+            f"User:{user}",
+            "*",
+            operation,
+            AclPermissionType.ALLOW,
+        )
+        for name in topics
+        for operation in (AclOperation.WRITE, AclOperation.DESCRIBE)
+    ]
+    if not bindings:
+        return
+    for binding, future in admin.create_acls(bindings, request_timeout=ADMIN_TIMEOUT_S).items():
+        try:
+            future.result()
+        except KafkaException as exc:
+            err = exc.args[0]
+            if isinstance(err, KafkaError) and err.code() == KafkaError.SECURITY_DISABLED:
+                return
+            raise TopicError(
+                f"could not allow {user!r} to write {binding.name!r}: {err}; "
+                "create the CDC topics as a login that may manage ACLs"
+            ) from exc

@@ -81,10 +81,11 @@ def load_stack_env(path: Path = ROOT / ".stack" / "env") -> None:
 
 
 def act_as_operator() -> None:
-    """Tests act as the operator: the Postgres owner and the Redis admin, in this process
-    and in the ``freshline`` processes they start. The least-privilege logins that
-    ``.stack/env`` names as the defaults stay at hand, as ``FRESHLINE_STACK_POSTGRES_API_URL``
-    and ``FRESHLINE_STACK_REDIS_API_{USER,PASSWORD}``, for the tests of those logins."""
+    """Tests act as the operator: the Postgres owner, the Redis admin and the Kafka admin,
+    in this process and in the ``freshline`` processes they start. The least-privilege
+    logins that ``.stack/env`` names as the defaults stay at hand, as
+    ``FRESHLINE_STACK_POSTGRES_API_URL``, ``FRESHLINE_STACK_REDIS_API_{USER,PASSWORD}`` and
+    ``FRESHLINE_STACK_KAFKA_CONSUMER_{USER,PASSWORD}``, for the tests of those logins."""
     admin_url = os.environ.pop("FRESHLINE_POSTGRES_ADMIN_URL", "")
     if admin_url and os.environ.get("FRESHLINE_POSTGRES_URL", admin_url) != admin_url:
         os.environ["FRESHLINE_STACK_POSTGRES_API_URL"] = os.environ["FRESHLINE_POSTGRES_URL"]
@@ -101,6 +102,15 @@ def act_as_operator() -> None:
         os.environ["FRESHLINE_REDIS_PASSWORD"] = os.environ.get(
             "FRESHLINE_STACK_REDIS_ADMIN_PASSWORD", ""
         )
+    kafka_admin = os.environ.get("FRESHLINE_STACK_KAFKA_ADMIN_USER", "")
+    if kafka_admin and os.environ.get("FRESHLINE_KAFKA_SASL_USERNAME") != kafka_admin:
+        env = os.environ
+        env["FRESHLINE_STACK_KAFKA_CONSUMER_USER"] = env.get("FRESHLINE_KAFKA_SASL_USERNAME", "")
+        env["FRESHLINE_STACK_KAFKA_CONSUMER_PASSWORD"] = env.get(
+            "FRESHLINE_KAFKA_SASL_PASSWORD", ""
+        )
+        env["FRESHLINE_KAFKA_SASL_USERNAME"] = kafka_admin
+        env["FRESHLINE_KAFKA_SASL_PASSWORD"] = env.get("FRESHLINE_STACK_KAFKA_ADMIN_PASSWORD", "")
 
 
 # Importing the helpers (conftest.py does, first) sets the tests' environment up.
@@ -528,6 +538,21 @@ def need(variable: str) -> str:
 def as_user(settings: Settings, user: str, password: str) -> Settings:
     return settings.model_copy(
         update={"redis_username": user, "redis_password": SecretStr(password)}
+    )
+
+
+def kafka_login(settings: Settings, login: str) -> Settings:
+    """``settings`` logged in to Kafka as one of the stack's logins: ``consumer``,
+    ``producer`` (domain events), ``connect`` or ``admin``."""
+    return settings.model_copy(
+        update={
+            "kafka_security_protocol": "sasl_plaintext",
+            "kafka_sasl_mechanism": "SCRAM-SHA-512",
+            "kafka_sasl_username": need(f"FRESHLINE_STACK_KAFKA_{login.upper()}_USER"),
+            "kafka_sasl_password": SecretStr(
+                need(f"FRESHLINE_STACK_KAFKA_{login.upper()}_PASSWORD")
+            ),
+        }
     )
 
 

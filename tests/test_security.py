@@ -25,7 +25,6 @@ import sqlalchemy as sa
 from pydantic import SecretStr
 from sqlalchemy.engine import Engine
 
-from consumers.kafka import Consumer, Producer, admin_client
 from fraud.seed import SeedSummary
 from pipeline.api import create_app
 from pipeline.api.auth import create_api_key
@@ -33,7 +32,6 @@ from pipeline.api.fastpath import async_client
 from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.cdc.connect import ConnectClient, connector_config, drop_slot, names
-from pipeline.core.errors import ServiceUnavailable
 from pipeline.core.keys import ACTIVE_SCHEMA_KEY, INVALIDATION_CHANNEL, feature_key
 from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import REGISTRY
@@ -46,6 +44,7 @@ from tests.helpers import (
     free_port,
     fresh_version,
     installed,
+    kafka_login,
     need,
     redis_server,
     role_engine,
@@ -308,61 +307,14 @@ def test_only_the_api_role_reads_api_keys(settings: Settings, engine: Engine, te
 
 
 # ------------------------------------------------------------------------ Kafka SCRAM
-
-
-def scram(settings: Settings, password: str | None = None) -> Settings:
-    return settings.model_copy(
-        update={
-            "kafka_bootstrap": need("FRESHLINE_STACK_KAFKA_SASL_BOOTSTRAP"),
-            "kafka_security_protocol": "sasl_plaintext",
-            "kafka_sasl_mechanism": "SCRAM-SHA-512",
-            "kafka_sasl_username": need("FRESHLINE_STACK_KAFKA_SASL_USER"),
-            "kafka_sasl_password": SecretStr(
-                password or need("FRESHLINE_STACK_KAFKA_SASL_PASSWORD")
-            ),
-        }
-    )
-
-
-def test_produce_and_consume_with_scram(settings: Settings) -> None:
-    local = scram(settings).model_copy(update={"consumer_group": f"scram-{uuid.uuid4().hex}"})
-    topic = f"test-scram-{uuid.uuid4().hex[:12]}"
-    admin = admin_client(local)
-    from consumers.topics import ensure
-
-    ensure(admin, 1, topics=[topic])  # returns once the partition is in the metadata
-    try:
-        with Producer(local) as producer:
-            delivery = producer.produce(topic, b"over scram", key=b"k")
-            producer.flush(30)
-        assert delivery.error is None
-        with Consumer(local) as consumer:
-            consumer.subscribe([topic])
-            got: list[bytes] = []
-
-            def received() -> bool:
-                m = consumer.poll(0.5)
-                if m is None:
-                    return False
-                got.append(m.value() or b"")
-                return True
-
-            assert wait_until(received, timeout=30)
-        assert got == [b"over scram"]
-    finally:
-        admin.delete_topics([topic])
+# What each login may do is in tests/test_stack_security.py.
 
 
 def test_a_wrong_scram_password_is_refused(settings: Settings) -> None:
-    assert_kafka_refuses(scram(settings, password="not-the-password"))
-
-
-def test_the_plaintext_listener_is_not_the_scram_one(settings: Settings) -> None:
-    """SCRAM settings against the PLAINTEXT port fail: the options are really sent."""
-    need("FRESHLINE_STACK_KAFKA_SASL_BOOTSTRAP")
-    wrong = scram(settings).model_copy(update={"kafka_bootstrap": settings.kafka_bootstrap})
-    with pytest.raises(ServiceUnavailable):
-        admin_client(wrong)
+    login = kafka_login(settings, "consumer")
+    assert_kafka_refuses(
+        login.model_copy(update={"kafka_sasl_password": SecretStr("not-the-password")})
+    )
 
 
 # ------------------------------------------------------------------------ Connect secrets

@@ -196,6 +196,10 @@ class KafkaSettings(SettingsGroup):
     """The SASL login's password (masked when printed)."""
     kafka_ssl_ca: str = ""
     """A CA file for ``ssl`` and ``sasl_ssl``; empty: the system's."""
+    kafka_connect_user: str = ""
+    """Kafka Connect's SASL user name. When set, creating the CDC topics (``freshline cdc
+    register``) also allows that login to write them, one ACL per topic, so Debezium
+    needs no wider grant; empty: no ACLs are made."""
     topic_prefix: str = Field(default="", pattern=r"^[A-Za-z0-9_.\-]*$")
     """Prepended to every topic freshline reads or writes, so environments can share a
     cluster."""

@@ -33,6 +33,7 @@ from consumers.kafka import Consumer, Producer
 from consumers.worker import Worker
 from pipeline.cache.versions import Pointer, WriteVersions
 from pipeline.core.errors import ConfigError, DeployError, InvalidId, LockMismatch
+from pipeline.core.services import kafka_security_config
 from pipeline.core.settings import Settings
 from pipeline.core.topics import DLQ
 from tests.consumers.conftest import (
@@ -75,6 +76,7 @@ def offsets(env: Env, topic: str, partitions: int) -> tuple[list[int], list[int]
             "bootstrap.servers": env.settings.kafka_bootstrap,
             "group.id": env.settings.consumer_group,
             "enable.auto.commit": False,
+            **kafka_security_config(env.settings),
         }
     )
     try:

@@ -188,9 +188,7 @@ def test_the_offsets_wait_for_the_replica(
             "the worker to retry the batch no replica acknowledged",
         )
         assert worker.totals.consumed == 0  # the batch is in hand, uncommitted
-        assert all(
-            o < 0 for o in committed(settings.consumer_group, settings.kafka_bootstrap, topic)
-        )
+        assert all(o < 0 for o in committed(settings.consumer_group, settings, topic))
         replica.thaw()
         running.wait(
             lambda: worker.totals.consumed == 1,
@@ -198,11 +196,7 @@ def test_the_offsets_wait_for_the_replica(
         )
         wait_for(
             lambda: (
-                sum(
-                    max(o, 0)
-                    for o in committed(settings.consumer_group, settings.kafka_bootstrap, topic)
-                )
-                == 1
+                sum(max(o, 0) for o in committed(settings.consumer_group, settings, topic)) == 1
             ),
             "the offset to be committed",
         )

@@ -39,6 +39,7 @@ from consumers.worker import Worker
 from pipeline.core.keys import feature_pattern
 from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import REGISTRY
+from pipeline.core.services import kafka_security_config
 from pipeline.core.settings import Settings
 from pipeline.core.topics import DLQ, INVALIDATIONS
 from tests.consumers.conftest import (
@@ -203,6 +204,7 @@ def _group_caught_up(settings: Settings, topics: list[str]) -> bool:
             "bootstrap.servers": settings.kafka_bootstrap,
             "group.id": settings.consumer_group,
             "enable.auto.commit": False,
+            **kafka_security_config(settings),
         }
     )
     try:

@@ -25,6 +25,8 @@ from sqlalchemy.engine import Engine
 from consumers.dlq import ERROR_KIND, ORIGINAL_SIZE, TRUNCATED, VALUE_SHA256
 from consumers.kafka import Consumer, Producer
 from consumers.worker import Totals, Worker
+from pipeline.core.services import kafka_security_config
+from pipeline.core.settings import Settings
 from pipeline.core.topics import DLQ
 from tests.consumers.conftest import (
     DEADLINE_S,
@@ -79,10 +81,15 @@ class Running:
         assert self.error is None, f"the worker died: {self.error!r}"
 
 
-def committed(group: str, bootstrap: str, topic: str) -> list[int]:
+def committed(group: str, settings: Settings, topic: str) -> list[int]:
     """The group's committed offset per partition of ``topic`` (negative: none)."""
     raw = RawConsumer(
-        {"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False}
+        {
+            "bootstrap.servers": settings.kafka_bootstrap,
+            "group.id": group,
+            "enable.auto.commit": False,
+            **kafka_security_config(settings),
+        }
     )
     try:
         parts = raw.committed([TopicPartition(topic, p) for p in range(PARTITIONS)], timeout=10)
@@ -166,7 +173,7 @@ def test_a_dead_letter_topic_that_refuses_writes_is_retried_and_nothing_is_skipp
             o < 0
             for o in committed(
                 env.settings.consumer_group,
-                env.settings.kafka_bootstrap,
+                env.settings,
                 env.topic("transaction.updated"),
             )
         )
@@ -353,8 +360,14 @@ def test_a_partition_assigned_during_a_retry_loses_no_record(
         client.close()
 
 
-def end_offsets(bootstrap: str, topic: str) -> list[int]:
-    raw = RawConsumer({"bootstrap.servers": bootstrap, "group.id": "test-watermarks"})
+def end_offsets(settings: Settings, topic: str) -> list[int]:
+    raw = RawConsumer(
+        {
+            "bootstrap.servers": settings.kafka_bootstrap,
+            "group.id": "test-watermarks",
+            **kafka_security_config(settings),
+        }
+    )
     try:
         return [
             raw.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
@@ -403,9 +416,9 @@ def test_a_partition_paused_for_a_retry_then_revoked_is_read_when_it_comes_back(
         # The new member leaves, without committing: its partitions come back while the
         # worker is between retries.
         member.leave(worker, "the worker to own every partition again")
-        ends = end_offsets(env.settings.kafka_bootstrap, topic)
+        ends = end_offsets(env.settings, topic)
         running.wait(
-            lambda: committed(group, env.settings.kafka_bootstrap, topic) == ends,
+            lambda: committed(group, env.settings, topic) == ends,
             f"the worker to read and commit every partition to its end {ends}",
             deadline_s=60,
         )

@@ -361,7 +361,8 @@ def run_case(
     settings = env.settings
     tenant = env.tenants[(scenario.name, case_seed)]
     directory.mkdir(parents=True, exist_ok=True)
-    group = f"faults-{scenario.name}-{case_seed}-{uuid.uuid4().hex[:6]}"
+    # The consumers' Kafka login may join only groups named freshline* (scripts/stack).
+    group = f"freshline-faults-{scenario.name}-{case_seed}-{uuid.uuid4().hex[:6]}"
     partitions = oracle.subscribed_partitions(env.admin, settings)
     start = oracle.end_offsets(settings, partitions)
     oracle.position_group(settings, group, start)

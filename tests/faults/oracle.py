@@ -51,6 +51,7 @@ from pipeline.cache.recompute import compute
 from pipeline.cache.store import FeatureStore
 from pipeline.cache.versions import state
 from pipeline.core.repository import REGISTRY
+from pipeline.core.services import kafka_security_config
 from pipeline.core.settings import Settings
 from pipeline.core.topics import qualified
 from pipeline.core.types import EntityRef, Entry, FeatureValues
@@ -99,6 +100,7 @@ def _probe(settings: Settings, group: str = "freshline-faults-probe") -> KafkaCo
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest",
             "enable.partition.eof": True,
+            **kafka_security_config(settings),
         }
     )
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STACK_SCRIPT = ROOT / "scripts" / "stack"
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 SERVICES = ("postgres", "redis", "kafka", "connect", "toxiproxy")
-PORT_NAMES = ("pg", "redis", "kafka", "kafka_sasl", "controller", "connect", "toxiproxy")
+PORT_NAMES = ("pg", "redis", "kafka", "controller", "connect", "toxiproxy")
 
 
 class StackError(Exception):
@@ -151,13 +151,17 @@ class PrivateStack:
     @functools.cached_property
     def settings(self) -> Settings:
         """The operator's view, from the instance's env file: Postgres as its owner, Redis
-        as the admin user (migrations, seeding, the workload's writes, the oracle)."""
+        and Kafka as their admin users (migrations, topics, seeding, the workload's writes,
+        the oracle)."""
         env = self.env_file()
         values = self._values()
         values["postgres_url"] = env.get("FRESHLINE_POSTGRES_ADMIN_URL") or values["postgres_url"]
         if env.get("FRESHLINE_STACK_REDIS_ADMIN_USER"):
             values["redis_username"] = env["FRESHLINE_STACK_REDIS_ADMIN_USER"]
             values["redis_password"] = env["FRESHLINE_STACK_REDIS_ADMIN_PASSWORD"]
+        if env.get("FRESHLINE_STACK_KAFKA_ADMIN_USER"):
+            values["kafka_sasl_username"] = env["FRESHLINE_STACK_KAFKA_ADMIN_USER"]
+            values["kafka_sasl_password"] = env["FRESHLINE_STACK_KAFKA_ADMIN_PASSWORD"]
         return build_settings(values)
 
     @functools.cached_property
@@ -205,7 +209,9 @@ class PrivateStack:
 
     def up(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.script("up")
+        # A fresh instance starts ~10 JVMs (Kafka's format, ACLs, Connect): minutes on a
+        # loaded 2-core box.
+        self.script("up", timeout=900)
         self.script("start", "toxiproxy")
 
     def down(self, *, keep_data: bool = False) -> None:
