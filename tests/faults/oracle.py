@@ -657,7 +657,9 @@ def check_readers(readers: Readers | None, workload: Workload, verdict: Verdict)
     """(e): every value a reader was served was true at some moment within its grace."""
     if readers is None:
         return
-    got = judge(readers.answers, workload.history, workload.watched, readers.errors)
+    got = judge(
+        readers.answers, workload.history, workload.watched, readers.errors, workload.unsure
+    )
     verdict.readers = got.summary()
     if got.mismatches:
         verdict.failures.append(

@@ -93,6 +93,9 @@ class Answer:
     sent: float
     received: float
     grace: float
+    computed_at_ms: int | None = None
+    """The entry's, where the reader says (the client; the API gives its age)."""
+    watermark: int | None = None
 
 
 class Api:
@@ -191,9 +194,20 @@ class Readers:
         else:
             received = time.time()
             for (fs, t, e), f in zip(items, got, strict=True):
-                values = None if f is None else dict(f.values)
                 self.answers.append(
-                    Answer("client", fs, (t, e), values, sent, received, self._grace)
+                    Answer("client", fs, (t, e), None, sent, received, self._grace)
+                    if f is None
+                    else Answer(
+                        "client",
+                        fs,
+                        (t, e),
+                        dict(f.values),
+                        sent,
+                        received,
+                        self._grace,
+                        int(received * 1000) - f.age_ms,
+                        f.watermark,
+                    )
                 )
         sent = time.time()
         try:
@@ -339,8 +353,13 @@ def judge(
     observations: Sequence[Observation],
     refs: Sequence[Ref],
     errors: Counter[str] | None = None,
+    unsure: Sequence[tuple[float, float]] = (),
 ) -> ReadersVerdict:
-    """Every answer against the truth over time (the module docstring's rule)."""
+    """Every answer against the truth over time (the module docstring's rule).
+
+    A mismatch lists what the reference gave over the answer's window, and whether an
+    attempt of the workload whose outcome is unknown (``unsure``: a connection error
+    during it) ran before it: a state the history never saw may then have existed."""
     timeline = Timeline(observations, refs)
     since = min((o.start for o in observations), default=0.0)
     verdict = ReadersVerdict(errors=dict(errors or {}))
@@ -366,8 +385,15 @@ def judge(
             continue
         row["mismatches"] += 1
         state = _state_at(timeline, answer.ref, answer.received)
+        window = (answer.sent - answer.grace, answer.received)
         verdict.mismatches.append(
             {
+                "computed_at": None
+                if answer.computed_at_ms is None
+                else _at(answer.computed_at_ms / 1000).isoformat(),
+                "watermark": None if answer.watermark is None else hex(answer.watermark),
+                "reference_in_window": _values_between(timeline, answer, *window),
+                "unsure_attempts_before": sum(lo <= answer.received for lo, _ in unsure),
                 "reader": answer.reader,
                 "feature_set": answer.feature_set,
                 "entity": answer.ref[1],
@@ -382,6 +408,22 @@ def judge(
         )
     verdict.within = dict(within)
     return verdict
+
+
+def _values_between(
+    timeline: Timeline, answer: Answer, lo: float, hi: float
+) -> list[Values | None]:
+    """The reference's distinct values of ``answer``'s feature set over ``[lo, hi]``."""
+    found: list[Values | None] = []
+    for state in timeline.states.get(answer.ref, []):
+        a, b = max(state.start, lo), min(state.end, hi)
+        if b < a:
+            continue
+        for start, _ in pieces(state.rows, answer.ref, _at(a), _at(b)):
+            got = timeline.value(state, answer.ref, start)[answer.feature_set]
+            if got not in found:
+                found.append(got)
+    return found[-8:]
 
 
 def _state_at(timeline: Timeline, ref: Ref, at: float) -> State | None:

@@ -68,6 +68,8 @@ def test_the_value_while_the_row_is_inside_passes_and_after_its_edge_fails() -> 
     assert 24.9 < stale["last_true_s_before"] < 25.1
     assert stale["reference_then"]["txn_count"] == 0
     assert never["last_true_s_before"] is None
+    assert one(AFTER, REF, at(T0))["txn_90d"] in never["reference_in_window"]
+    assert never["unsure_attempts_before"] == 0
     assert got.by_reader["api"] == {"answers": 6, "present": 6, "mismatches": 2}
 
 

@@ -210,6 +210,10 @@ class Workload:
             else []
         )
         self.history: list[Observation] = []
+        self.unsure: list[tuple[float, float]] = []
+        """Wall-clock spans of attempts that failed on a connection error: whether their
+        COMMIT took effect is unknown (a reply lost to a crash), so a state the
+        history never saw may have existed then (:mod:`tests.faults.readers` says so)."""
 
     # -- progress -----------------------------------------------------------------
 
@@ -361,6 +365,7 @@ class Workload:
                     self.history.append(Observation(start, time.time(), rows))
                 break
             except (sa.exc.OperationalError, sa.exc.InterfaceError):
+                self.unsure.append((start, time.time()))
                 self.report.db_retries += 1
                 if time.monotonic() > deadline:
                     raise
