@@ -169,6 +169,17 @@ def mode_of(request: Request) -> Mode:
     return mode
 
 
+def body_demand(
+    body: dict[str, Any], svc: Services, feature_sets: Sequence[str]
+) -> freshness.Demand | None:
+    """The freshness a body asks for, or else the one ``feature_sets`` declare."""
+    return freshness.defaulted(
+        freshness.from_body(body, svc.settings),
+        freshness.declared_default(svc.registry, feature_sets),
+        svc.settings,
+    )
+
+
 def read_options(request: Request, settings: Settings) -> tuple[Mode, freshness.Demand | None]:
     """The mode, and the freshness the query asks for (``None``: a plain read)."""
     known = _MODES_BY_QUERY.get(request.scope.get("query_string", b""))
@@ -291,11 +302,7 @@ async def batch(request: Request) -> Response:
         raise ApiError(
             400, "invalid_parameter", "a batch takes after, max_staleness_ms, wait_ms in its body"
         )
-    demand = freshness.defaulted(
-        freshness.from_body(body, svc.settings),
-        freshness.declared_default(svc.registry, feature_sets),
-        svc.settings,
-    )
+    demand = body_demand(body, svc, feature_sets)
     # JSON has one number type: 7.0 is the integer 7, as the OpenAPI document says.
     lookup = Lookup(tenant, feature_sets, entity_ids(svc.registry, feature_sets, entities))
     if demand is not None:
@@ -351,11 +358,7 @@ async def _predict_entities(
                 f"model {name!r} takes {fs}.{field_name}, which no feature set here serves",
             )
     batch_size(len(feature_sets), len(entities), svc.settings.api_batch_limit)
-    demand = freshness.defaulted(
-        freshness.from_body(body, svc.settings),
-        freshness.declared_default(svc.registry, feature_sets),
-        svc.settings,
-    )
+    demand = body_demand(body, svc, feature_sets)
     lookup = Lookup(tenant, feature_sets, entity_ids(svc.registry, feature_sets, entities))
     if demand is not None:
         answers = await freshness.read(svc.reader, lookup, "read-through", demand)

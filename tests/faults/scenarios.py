@@ -339,7 +339,10 @@ def postgres_async_commit_crash(run: Run) -> None:
         run.workload.cdc_expected.subtract(unsure)
         run.note(f"CDC records no longer expected (changes maybe lost): {unsure}")
         run.stack.start("postgres")
-        run.note("postgres started (crash recovery)")
+        # The crash took back commits the readers' reference saw: what is true now is
+        # an earlier state, which it must see too.
+        run.workload.observe()
+        run.note("postgres started (crash recovery); the recovered state observed")
     finally:
         injectors.heal_postgres(su)
     run.note("synchronous_commit reset, TEMPORARY granted to PUBLIC")
