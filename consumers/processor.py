@@ -313,7 +313,7 @@ class Processor:
                     name,
                     partial(
                         compute_in_snapshot,
-                        self.engine,
+                        conn.engine,  # the snapshot's own cluster, even if self.engine moved
                         snapshot_id,
                         self.registry[name],
                         work[name],

@@ -62,6 +62,13 @@ def test_a_consumer_whose_postgres_changes_history_holds_its_batch(
         assert len(said) == 1, said
         assert "timeline" in said[0] and "Purge" in said[0]
         # The operator purged and restarts the consumer: it starts without the identity.
+        # Swapped just after a retry has failed, while the worker waits out its backoff,
+        # so no attempt in flight on the other cluster records that cluster's identity.
+        failed = sample("freshline_config_retries_total", "source")
+        running.wait(
+            lambda: sample("freshline_config_retries_total", "source") > failed,
+            "the next retry to fail",
+        )
         worker.processor.engine = engine
         worker.processor.source = None
         running.wait(lambda: worker.totals.consumed == 2, "the held batch applied")
