@@ -46,6 +46,8 @@ CL_CONTROLLER_PORTS=(19192 19193 19194)
 CL_PG_PORT=15432
 CL_PG_REPLICA_PORT=15433
 CL_REDIS_REPLICATION_USER=freshline-replication
+# The clients' SCRAM login (the cluster topology has one for every client).
+CL_KAFKA_USER=freshline
 CL_KAFKA_BROKER_USER=freshline-broker
 CL_KAFKA_CONTROLLER_USER=freshline-controller
 CL_KAFKA_SCRAM=SCRAM-SHA-512
@@ -208,7 +210,7 @@ EOF
       -Dlog4j2.configurationFile="$STACK/conf/log4j2.properties" -cp "$LIB/*" \
       kafka.tools.StorageTool format -t "$cid" -c "$dir/server.properties" \
       --add-scram "$CL_KAFKA_SCRAM=[name=$CL_KAFKA_BROKER_USER,password=$(secret kafka-broker)]" \
-      --add-scram "$CL_KAFKA_SCRAM=[name=$KAFKA_SCRAM_USER,password=$(secret kafka-scram)]" \
+      --add-scram "$CL_KAFKA_SCRAM=[name=$CL_KAFKA_USER,password=$(secret kafka-scram)]" \
       >"$dir/format.out" 2>&1 || fail "$name: storage format failed" "$dir/format.out"
   fi
   : >"$dir/kafka.log"
@@ -224,7 +226,7 @@ cl_kafka_client_config() {
     cat >"$CL/kafka/client.properties" <<EOF
 security.protocol=SASL_PLAINTEXT
 sasl.mechanism=$CL_KAFKA_SCRAM
-sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="$KAFKA_SCRAM_USER" password="$(secret kafka-scram)";
+sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="$CL_KAFKA_USER" password="$(secret kafka-scram)";
 EOF
   )
 }
@@ -254,7 +256,7 @@ cl_up_kafka() {
   [[ -s $CL/kafka/cluster.id ]] ||
     head -c16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n' >"$CL/kafka/cluster.id"
   for i in 1 2 3; do cl_up_kafka_node "$i"; done
-  echo "$CL_KAFKA_BROKER_USER $KAFKA_SCRAM_USER" >"$CL/kafka/scram-users"
+  echo "$CL_KAFKA_BROKER_USER $CL_KAFKA_USER" >"$CL/kafka/scram-users"
   for i in 1 2 3; do
     wait_until "kafka-$i" "$CL/kafka/$i/kafka.log" "kafka-$i" port_open "${CL_KAFKA_PORTS[$((i - 1))]}"
   done
@@ -399,7 +401,7 @@ cl_write_env() {
     if [[ -s $CL/kafka/scram-users ]]; then
       env_line FRESHLINE_KAFKA_SECURITY_PROTOCOL sasl_plaintext
       env_line FRESHLINE_KAFKA_SASL_MECHANISM "$CL_KAFKA_SCRAM"
-      env_line FRESHLINE_KAFKA_SASL_USERNAME "$KAFKA_SCRAM_USER"
+      env_line FRESHLINE_KAFKA_SASL_USERNAME "$CL_KAFKA_USER"
       env_line FRESHLINE_KAFKA_SASL_PASSWORD "$(secret kafka-scram)"
     fi
     env_line FRESHLINE_TOPIC_REPLICATION "3"
