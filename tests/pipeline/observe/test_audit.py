@@ -365,16 +365,15 @@ def audit_verified(
     refs: Sequence[EntityRef],
     before_recheck: RecheckHook,
     before_verify: Callable[[Sequence[EntityRef]], None],
+    clock: FakeClock,
     registry: CollectorRegistry | None = None,
-) -> tuple[AuditReport, FakeClock]:
-    """As :func:`audit_rechecked`, ``before_verify`` deciding what each pass over the
-    entries caught up on their watermarks alone sees (one a second, for 10 s)."""
-    clock = FakeClock()
+) -> AuditReport:
+    """As :func:`audit_rechecked` on ``clock``, ``before_verify`` deciding what each pass
+    over the entries caught up on their watermarks alone sees (one a second, for 10 s)."""
     metrics = AuditMetrics(registry) if registry is not None else None
-    report = auditor(
+    return auditor(
         before_recheck=before_recheck, before_verify=before_verify, clock=clock, metrics=metrics
     ).audit_refs(refs, graces=(1.0, 10.0))
-    return report, clock
 
 
 def test_a_wrong_entry_whose_watermark_caught_up_ends_a_mismatch_never_verified(
@@ -389,6 +388,7 @@ def test_a_wrong_entry_whose_watermark_caught_up_ends_a_mismatch_never_verified(
     and still differing at the bound, it is a mismatch from the grace it was accepted at."""
     target = active(store, refs)
     change(engine, target)  # in flight at the first check
+    clock = FakeClock()
     passes: list[float] = []
 
     def before_recheck(grace: float, _suspects: Sequence[Mismatch]) -> None:
@@ -399,14 +399,8 @@ def test_a_wrong_entry_whose_watermark_caught_up_ends_a_mismatch_never_verified(
         assert list(pending) == [target]
         passes.append(clock.now)
 
-    clock = FakeClock()
     registry = CollectorRegistry()
-    report = auditor(
-        before_recheck=before_recheck,
-        before_verify=before_verify,
-        clock=clock,
-        metrics=AuditMetrics(registry),
-    ).audit_refs(refs, graces=(1.0, 10.0))
+    report = audit_verified(auditor, refs, before_recheck, before_verify, clock, registry)
 
     assert report.suspects == 1 and report.caught_up == 1  # on its watermark, at 1 s
     assert report.verified == 0 and report.unverified == 0
@@ -436,7 +430,7 @@ def test_a_wrong_entry_rewritten_under_fresh_watermarks_ends_unverified(
         corrupt(engine, store, target, "txn_sum", -1.0)  # a fresh watermark each time
 
     registry = CollectorRegistry()
-    report, _ = audit_verified(auditor, refs, before_recheck, before_verify, registry)
+    report = audit_verified(auditor, refs, before_recheck, before_verify, FakeClock(), registry)
     assert report.caught_up == 1 and report.verified == 0 and report.unverified == 1
     assert report.wrong_after_catching_up == 0 and report.persistent == 0
     assert report.unverified_fraction == pytest.approx(1 / len(refs))
@@ -473,6 +467,7 @@ def test_an_entry_left_behind_by_a_newer_change_ends_unverified_not_a_mismatch(
     not held for the whole bound, so it is not shown wrong: unverified."""
     target = active(store, refs)
     change(engine, target)
+    clock = FakeClock()
     passes: list[float] = []
 
     def before_recheck(grace: float, _suspects: Sequence[Mismatch]) -> None:
@@ -486,10 +481,7 @@ def test_an_entry_left_behind_by_a_newer_change_ends_unverified_not_a_mismatch(
         if len(passes) == 5:
             change(engine, target)  # another, mid-way; none is applied in time
 
-    clock = FakeClock()
-    report = auditor(
-        before_recheck=before_recheck, before_verify=before_verify, clock=clock
-    ).audit_refs(refs, graces=(1.0, 10.0))
+    report = audit_verified(auditor, refs, before_recheck, before_verify, clock)
     assert report.caught_up == 1 and report.verified == 0 and report.unverified == 1
     assert report.wrong_after_catching_up == 0 and report.consistent
     assert report.inconsistent == {1.0: 0, 10.0: 0}
@@ -504,6 +496,7 @@ def test_a_correct_entry_of_a_hot_entity_ends_verified(
     pauses, the entry matches the pass's recompute: verified."""
     target = active(store, refs)
     change(engine, target)
+    clock = FakeClock()
     passes: list[float] = []
 
     def busy() -> None:
@@ -522,14 +515,8 @@ def test_a_correct_entry_of_a_hot_entity_ends_verified(
         else:  # the entity pauses: the consumer applies its last change
             rewrite_truth(engine, store, target)
 
-    clock = FakeClock()
     registry = CollectorRegistry()
-    report = auditor(
-        before_recheck=before_recheck,
-        before_verify=before_verify,
-        clock=clock,
-        metrics=AuditMetrics(registry),
-    ).audit_refs(refs, graces=(1.0, 10.0))
+    report = audit_verified(auditor, refs, before_recheck, before_verify, clock, registry)
     assert report.suspects == 1 and report.caught_up == 1
     assert report.verified == 1 and report.unverified == 0
     assert report.wrong_after_catching_up == 0
