@@ -88,6 +88,9 @@ SETS_BESIDE = 3
 """At most this many feature sets of a batch computed beside the batch's connection at
 once, each on a connection of the engine's pool (the rest wait for one to finish)."""
 
+FORCE_RETRY_S = 60.0
+"""How long after a refused :func:`~pipeline.cache.recompute.force_flush` the processor
+tries again (a grant of ``TEMPORARY`` takes effect without a restart)."""
 XID_SPAN = 1 << 32
 """Ids below it are 32-bit (as Debezium reports them); from it up, full ``xid8``s."""
 
@@ -219,8 +222,9 @@ class Processor:
         self.durable_wait_ms = durable_wait_ms
         self.on_failover = on_failover
         self.cluster = is_cluster(client)
-        self.can_force = True
-        """Whether the role may force a WAL flush (:meth:`_force`)."""
+        self.force_refused_at: float | None = None
+        """When the role was last refused a forced WAL flush (:meth:`_force`), if it was."""
+        self.clock: Callable[[], float] = time.monotonic
         self.source: SourceIdentity | None = None
         """The Postgres history of this processor's first batch; every later one must match."""
         self.server: RedisIdentity | None = None
@@ -342,20 +346,35 @@ class Processor:
 
         return durable
 
+    @property
+    def can_force(self) -> bool:
+        """Whether the role may force a WAL flush, as far as the last try told."""
+        return self.force_refused_at is None
+
     def _force(self) -> None:
         """:func:`~pipeline.cache.recompute.force_flush`, unless the role may not: then
-        the batch waits for a commit to flush (any writing one does), and says so once."""
-        if not self.can_force:
+        the batch waits for a commit to flush (any writing one does), and says so once.
+        A refused role is tried again every :data:`FORCE_RETRY_S`, so a grant made
+        later takes effect without a restart (and says so)."""
+        now = self.clock()
+        refused_at = self.force_refused_at
+        if refused_at is not None and now - refused_at < FORCE_RETRY_S:
             return
         try:
             force_flush(self.engine)
         except sa.exc.ProgrammingError as exc:
-            self.can_force = False
-            logger.warning(
-                "cannot make Postgres flush its WAL (%s): grant this role TEMPORARY on the "
-                "database; until then a batch waits for a commit to flush past its snapshot",
-                str(exc.orig).strip().splitlines()[0] if exc.orig else exc,
-            )
+            self.force_refused_at = now
+            if refused_at is None:
+                logger.warning(
+                    "cannot make Postgres flush its WAL (%s): grant this role TEMPORARY on "
+                    "the database; until then a batch waits for a commit to flush past its "
+                    "snapshot",
+                    str(exc.orig).strip().splitlines()[0] if exc.orig else exc,
+                )
+            return
+        if refused_at is not None:
+            self.force_refused_at = None
+            logger.warning("Postgres flushes its WAL when asked again: this role may now")
 
     def _check_source(self, conn: Connection) -> None:
         """Raise :class:`SourceChanged` if ``conn``'s Postgres is another history than

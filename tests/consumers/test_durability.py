@@ -23,7 +23,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from consumers.processor import Processor, SourceChanged
+from consumers.processor import FORCE_RETRY_S, Processor, SourceChanged
 from fraud.seed import seed
 from pipeline.cache.recompute import (
     NotYetDurable,
@@ -249,7 +249,7 @@ def test_a_promoted_standby_under_the_consumer_stops_its_writes(
         shutil.rmtree(root)
 
 
-def test_a_role_that_may_not_force_a_flush_says_so_once(
+def test_a_role_that_may_not_force_a_flush_says_so_once_and_tries_again_later(
     lagging: Cluster, redis_client: redis.Redis, version: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="freshline.consumer")
@@ -259,15 +259,30 @@ def test_a_role_that_may_not_force_a_flush_says_so_once(
     limited = sa.create_engine(
         lagging.engine.url.set(username="no_temp"), poolclass=sa.pool.NullPool
     )
+    granted = False
+    now = [1000.0]
     try:
         processor = Processor(limited, redis_client, versions=lambda: [version])
+        processor.clock = lambda: now[0]
         processor._force()  # refused: the batch then waits for a commit to flush
-        processor._force()
+        now[0] += FORCE_RETRY_S + 1
+        processor._force()  # refused again: said once
         assert not processor.can_force
         warned = [r.getMessage() for r in caplog.records if "TEMPORARY" in r.getMessage()]
         assert len(warned) == 1, warned
+        with lagging.engine.begin() as conn:
+            conn.execute(sa.text("GRANT TEMPORARY ON DATABASE postgres TO PUBLIC"))
+        granted = True
+        now[0] += FORCE_RETRY_S / 2
+        processor._force()  # too soon to try again
+        assert not processor.can_force
+        now[0] += FORCE_RETRY_S
+        processor._force()  # the grant holds now: no restart needed
+        assert processor.can_force
+        assert any("may now" in r.getMessage() for r in caplog.records)
     finally:
         limited.dispose()
         with lagging.engine.begin() as conn:
-            conn.execute(sa.text("GRANT TEMPORARY ON DATABASE postgres TO PUBLIC"))
+            if not granted:
+                conn.execute(sa.text("GRANT TEMPORARY ON DATABASE postgres TO PUBLIC"))
             conn.execute(sa.text("DROP ROLE no_temp"))
