@@ -100,6 +100,21 @@ def at(seconds: int) -> datetime:
     return AS_OF + timedelta(seconds=seconds)
 
 
+def place_orders(engine: Engine, *amounts: int) -> str:
+    """A new shop whose customer c1 placed an order of each of ``amounts`` three days
+    before AS_OF, in one statement; the shop."""
+    shop = f"s{uuid.uuid4().hex[:10]}"
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO orders (shop_id, customer_id, amount, placed_at) "
+                "SELECT :s, 'c1', a, :t FROM unnest(CAST(:a AS numeric[])) AS a"
+            ),
+            {"s": shop, "a": list(amounts), "t": at(-3 * DAY)},
+        )
+    return shop
+
+
 def assert_paths_agree(engine: Engine, keys: list[tuple[str, str]], moments: list[int]) -> None:
     for moment in moments:
         full = compute(engine, DECLARED, keys, as_of=at(moment), path="full").values
@@ -325,15 +340,7 @@ def test_plan_lists_the_derived_path_until_it_is_installed(own: Engine, tmp_path
     with own.begin() as conn:
         path.install(conn)
     assert plan(repo, own, 1, PUBLICATION).derived == {}
-    shop = f"s{uuid.uuid4().hex[:10]}"
-    with own.begin() as conn:
-        conn.execute(
-            sa.text(
-                "INSERT INTO orders (shop_id, customer_id, amount, placed_at) "
-                "VALUES (:s, 'c1', 5, :t), (:s, 'c1', 7, :t)"
-            ),
-            {"s": shop, "t": at(-3 * DAY)},
-        )
+    shop = place_orders(own, 5, 7)
     fs = repo.registry["weekly"]
     inc = compute(own, fs, [(shop, "c1")], as_of=AS_OF, path="incremental").values
     assert inc[(shop, "c1")] == {"count": 2, "max_amount": 7.0}
@@ -359,16 +366,8 @@ def test_a_writer_without_grants_on_freshline_logs_its_own_inserts(own: Engine) 
     writer = sa.create_engine(
         own.url.set(username=role, password=password), poolclass=sa.pool.NullPool
     )
-    shop = f"s{uuid.uuid4().hex[:10]}"
     try:
-        with writer.begin() as conn:
-            conn.execute(
-                sa.text(
-                    "INSERT INTO orders (shop_id, customer_id, amount, placed_at) "
-                    "VALUES (:s, 'c1', 5, :t)"
-                ),
-                {"s": shop, "t": at(-3 * DAY)},
-            )
+        shop = place_orders(writer, 5)
         with own.connect() as conn:
             logged = conn.execute(
                 sa.text(f"SELECT count(*) FROM {path.log} WHERE shop_id = :s"), {"s": shop}
