@@ -20,6 +20,7 @@ whoever reads ``/metrics``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -50,6 +51,7 @@ from pipeline.semantic.cache import (
     Scope,
     SemanticCache,
     Stored,
+    flag_keys,
 )
 from pipeline.semantic.decision import Learned
 from pipeline.semantic.embed import (
@@ -355,19 +357,49 @@ async def store(request: Request) -> Response:
     return JSONResponse(answer, status_code=201)
 
 
+async def _nothing_to_flag(request: Request, scope: Scope, entry: str) -> bool:
+    """Whether Redis holds none of the keys a flag of ``entry`` could find
+    (:func:`pipeline.semantic.cache.flag_keys`): told by one ``EXISTS`` on the event
+    loop, with the reader's bound on it. False without the reader's asyncio client."""
+    reader = request.app.state.services.reader
+    if reader.aredis is None:
+        return False
+    try:
+        keys = flag_keys(scope, entry)
+    except InvalidPrompt as exc:
+        raise as_api_error(exc) from exc
+    try:
+        async with asyncio.timeout(reader.timeout_s):
+            found = await reader.aredis.exists(*keys)
+    except TimeoutError:
+        raise redis.exceptions.TimeoutError(
+            f"Redis did not answer within {reader.timeout_s:g} s"
+        ) from None
+    return int(found) == 0
+
+
 @timed("llm_flag")
 async def flag(request: Request) -> Response:
     """A caller reports a bad hit: with the ``prompt`` it was served for, a wrong
-    outcome for the entry at that similarity; without, the entry is removed. Counted."""
+    outcome for the entry at that similarity; without, the entry is removed. Counted.
+
+    A flag in a namespace never stored into (none of its keys in Redis) is answered
+    ``removed: false`` from one Redis command on the event loop: no thread-pool job,
+    no share of the tenant's pool time, no key written, the model not loaded; with no
+    namespace, it has no counters to be added to."""
     scope, body = await _request(request)
     entry = _text(body, "entry_id")
     prompt = _text(body, "prompt") if "prompt" in body else None  # null is no string
     service = _service(request)
-    cache = await _cache(service)
     answer: dict[str, Any] = {"entry_id": entry}
-    if prompt is None:
+    fits = prompt is None or len(prompt) <= service.settings.semantic_max_prompt_chars
+    if fits and await _nothing_to_flag(request, scope, entry):
+        answer["removed"] = False
+    elif prompt is None:
+        cache = await _cache(service)
         answer["removed"] = await _in_share(request, cache.flag, scope, entry)
     else:
+        cache = await _cache(service)
         flagged: Flagged = await _in_share(request, cache.flag_for, scope, entry, prompt)
         answer["removed"] = flagged.removed
         if flagged.similarity is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Unpack
 
+from pipeline.core.keys import semantic_entry_key, semantic_ids_key, semantic_stats_key
 from pipeline.semantic.decision import Learned
 from pipeline.semantic.entry import InvalidPrompt
 from pipeline.semantic.lookups import CANDIDATES
@@ -40,6 +41,7 @@ from pipeline.semantic.scope import (
     Scope,
     Stored,
     check_deterministic,
+    parse_entry_id,
 )
 from pipeline.semantic.state import DEFAULT_THRESHOLD
 from pipeline.semantic.stores import SAME_PROMPT, Stores
@@ -59,7 +61,23 @@ __all__ = [
     "SemanticCache",
     "Stored",
     "check_deterministic",
+    "flag_keys",
 ]
+
+
+def flag_keys(scope: Scope, entry: str) -> list[str]:
+    """The keys a flag of ``entry`` in ``scope`` could find: the namespace's ids and
+    counters (whether it exists, as its counters ask) and the entry itself, one cluster
+    slot. With none of them in Redis, a flag removes nothing and has no counters to add
+    to, which one ``EXISTS`` tells: the API answers such a flag on its event loop,
+    without the cache (:func:`pipeline.api.llm.flag`). Raises
+    :class:`InvalidPrompt` for an entry id that is not 16 hex digits."""
+    ns = scope.namespace
+    return [
+        semantic_ids_key(ns),
+        semantic_stats_key(ns),
+        semantic_entry_key(ns, parse_entry_id(entry)),
+    ]
 
 
 class SemanticCache(Stores):
