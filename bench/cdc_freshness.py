@@ -59,10 +59,9 @@ from pipeline.cdc.connect import (
     ConnectClient,
     captured_tables,
     connector_config,
-    connector_running,
     drop_slot,
     names,
-    slot_state,
+    streaming,
 )
 
 RATE = 500
@@ -250,13 +249,7 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
         ensure_cdc_topics(settings, [owned.topic(t) for t in tables])
         client.put_config(owned.connector, config)
 
-        def running() -> bool:
-            return (
-                connector_running(client, owned.connector)
-                and slot_state(ctx.engine, owned.slot) is not None
-            )
-
-        _wait(running, "the connector to run", 60)
+        _wait(lambda: streaming(client, ctx.engine, owned), "the connector to run", 60)
         commits = Commits(settings, owned.topic("transactions"), data.tenant)
         writers = _writers(conninfo, data.tenant)
         head_share = max(collections.Counter(writers).values()) / len(writers)
@@ -297,9 +290,7 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
         with contextlib.suppress(Exception):
             client.delete(owned.connector)
         drop_slot(ctx.engine, owned.slot)
-        _delete_topics(
-            ctx, [*(owned.topic(t) for t in tables), f"__debezium-heartbeat.{owned.topic_prefix}"]
-        )
+        _delete_topics(ctx, [*(owned.topic(t) for t in tables), owned.heartbeat_topic])
     return {
         "offered_per_s": RATE,
         "window_s": window,

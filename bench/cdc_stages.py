@@ -32,10 +32,9 @@ from pipeline.cdc.connect import (
     ConnectClient,
     captured_tables,
     connector_config,
-    connector_running,
     drop_slot,
     names,
-    slot_state,
+    streaming,
 )
 
 RATES = (500, 2000)
@@ -179,24 +178,17 @@ class Pipeline:
 
     def connector(self, tuned: bool) -> dict[str, str]:
         """(Re)configure the connector, tuned or as before issue 26; wait until it runs."""
-        assert self.client is not None
+        client = self.client
+        assert client is not None
         config = connector_config(self.settings, self.owned)
         if not tuned:
             for key in LATENCY_SETTINGS:
                 config.pop(key, None)
             config.update(BEFORE_CONNECTOR)
-        self.client.put_config(self.owned.connector, config)
+        client.put_config(self.owned.connector, config)
         self.registered = True
         time.sleep(2.0)  # the config change restarts the task: let it begin
-
-        def running() -> bool:
-            assert self.client is not None
-            return (
-                connector_running(self.client, self.owned.connector)
-                and slot_state(self.ctx.engine, self.owned.slot) is not None
-            )
-
-        _wait(running, "the connector to run", 60)
+        _wait(lambda: streaming(client, self.ctx.engine, self.owned), "the connector to run", 60)
         return {k: config[k] for k in sorted(config) if k in {*LATENCY_SETTINGS, *BEFORE_CONNECTOR}}
 
     def consume(self, env: dict[str, str], topics: list[str] | None = None) -> None:
@@ -255,10 +247,7 @@ class Pipeline:
             with contextlib.suppress(Exception):
                 self.client.delete(self.owned.connector)
             drop_slot(self.ctx.engine, self.owned.slot)
-        _delete_topics(
-            self.ctx,
-            [*self.cdc_topics, f"__debezium-heartbeat.{self.owned.topic_prefix}"],
-        )
+        _delete_topics(self.ctx, [*self.cdc_topics, self.owned.heartbeat_topic])
 
 
 def _wait(condition: Callable[[], bool], what: str, deadline_s: float) -> None:

@@ -37,10 +37,9 @@ from pipeline.cdc.connect import (
     PUBLICATION,
     ConnectClient,
     connector_config,
-    connector_running,
     drop_slot,
     names,
-    slot_state,
+    streaming,
 )
 from pipeline.core.db import make_engine
 from pipeline.core.errors import ConfigError, InvalidId
@@ -828,10 +827,7 @@ def test_plain_sql_reaches_the_served_entries_through_debezium(
         )
         # Commits after the slot exists are captured; the consumer reads from the start.
         until(
-            lambda: (
-                connector_running(connect, owned.connector)
-                and slot_state(own_engine, owned.slot) is not None
-            ),
+            lambda: streaming(connect, own_engine, owned),
             "the connector to run and create its slot",
         )
         with log.open("wb") as out:
@@ -919,7 +915,7 @@ def test_plain_sql_reaches_the_served_entries_through_debezium(
         drop_slot(own_engine, owned.slot)
         with own_engine.begin() as conn:
             conn.execute(sa.text(f"DROP PUBLICATION IF EXISTS {owned.publication}"))
-        leftovers = [*topics, *managed_topics, f"__debezium-heartbeat.{owned.topic_prefix}"]
+        leftovers = [*topics, *managed_topics, owned.heartbeat_topic]
         for future in admin.delete_topics(leftovers, operation_timeout=10).values():
             with contextlib.suppress(Exception):  # a topic never created (no heartbeat yet)
                 future.result()

@@ -83,6 +83,11 @@ class Names:
     def topic(self, table: str) -> str:
         return f"{self.topic_prefix}.{SCHEMA}.{table}"
 
+    @property
+    def heartbeat_topic(self) -> str:
+        """Where Debezium publishes the heartbeats (its default ``topic.heartbeat.prefix``)."""
+        return f"__debezium-heartbeat.{self.topic_prefix}"
+
 
 def slot_name(prefix: str) -> str:
     """A replication slot name for a topic prefix: ``[a-z0-9_]``, at most 63 bytes."""
@@ -311,6 +316,12 @@ def is_running(connector: TaskState | None, tasks: list[TaskState]) -> bool:
 def connector_running(client: ConnectClient, name: str) -> bool:
     """Whether connector ``name`` :func:`is_running` now (False when it is not registered)."""
     return is_running(*connector_state(client, name))
+
+
+def streaming(client: ConnectClient, engine: Engine, owned: Names) -> bool:
+    """Whether ``owned``'s connector runs and its slot exists: commits from now on are
+    captured."""
+    return connector_running(client, owned.connector) and slot_state(engine, owned.slot) is not None
 
 
 def connector_state(client: ConnectClient, name: str) -> tuple[TaskState | None, list[TaskState]]:

@@ -39,7 +39,7 @@ from pipeline.cdc.connect import (
     connector_running,
     drop_slot,
     names,
-    slot_state,
+    streaming,
 )
 from pipeline.core.keys import feature_pattern
 from pipeline.core.repository import REGISTRY
@@ -107,7 +107,7 @@ def cdc(
     try:
         # The slot exists from the moment the connector streams: commits after it are captured.
         wait_for(
-            lambda: env.running() and slot_state(engine, owned.slot) is not None,
+            lambda: streaming(client, engine, owned),
             "the connector to run and create its slot",
             DEADLINE_S,
         )
@@ -122,7 +122,7 @@ def cdc(
         topics = [
             *(owned.topic(t) for t in tables),
             *managed_topics(local),
-            f"__debezium-heartbeat.{owned.topic_prefix}",
+            owned.heartbeat_topic,
         ]
         for future in admin.delete_topics(topics, operation_timeout=10).values():
             with contextlib.suppress(Exception):  # a topic never created (no heartbeat yet)

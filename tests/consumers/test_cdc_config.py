@@ -37,7 +37,7 @@ def test_the_subscription_takes_table_topics_but_not_heartbeats_or_messages(pref
     owned = names(settings)
     pattern = re.compile(subscription(settings)[-1])
     assert pattern.match(owned.topic("transactions"))
-    assert not pattern.match(f"__debezium-heartbeat.{owned.topic_prefix}")
+    assert not pattern.match(owned.heartbeat_topic)
     assert not pattern.match(f"{owned.topic_prefix}.message")
 
 
