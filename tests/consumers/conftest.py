@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 import pytest
 import redis
+import sqlalchemy as sa
 from confluent_kafka import Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine
@@ -178,6 +179,27 @@ def emit_per_user(
         body = {"tenant": env.tenant, "user_id": user, "transaction_id": user}
         emit(producer, env, topic, body, key(user))
     producer.flush()
+
+
+def insert_transaction(
+    conn: sa.Connection,
+    tenant: str,
+    user: int,
+    amount: float,
+    merchant: str,
+    ip: str,
+    device: str | None = None,
+) -> int:
+    """Insert one transaction of ``user`` in ``conn``'s transaction; its id."""
+    return int(
+        conn.execute(
+            sa.text(
+                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, device_id, ip) "
+                "VALUES (:t, :u, :a, :m, :d, :ip) RETURNING id"
+            ),
+            {"t": tenant, "u": user, "a": amount, "m": merchant, "d": device, "ip": ip},
+        ).scalar_one()
+    )
 
 
 def assert_redis_equals_postgres(

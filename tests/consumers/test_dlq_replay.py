@@ -37,6 +37,7 @@ from tests.consumers.conftest import (
     Env,
     assert_redis_equals_postgres,
     emit,
+    insert_transaction,
     read_topic,
 )
 from tests.helpers import ROOT, kafka_header_pairs
@@ -126,13 +127,7 @@ def test_a_consumer_on_the_wrong_repository_dead_letters_cdc_and_a_replay_repair
         store.write(compute(engine, REGISTRY[name], [(env.tenant, str(u)) for u in users]))
     assert stale(engine, redis_client, env, users) == set()
     with engine.begin() as conn:  # then both users change
-        added = conn.execute(
-            sa.text(
-                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
-                "VALUES (:t, 4, 999.99, 'm-replay', '11.0.0.9') RETURNING id"
-            ),
-            {"t": env.tenant},
-        ).scalar_one()
+        added = insert_transaction(conn, env.tenant, 4, 999.99, "m-replay", "11.0.0.9")
         moved = conn.execute(
             sa.text(
                 "UPDATE transactions SET amount = amount + 1000 WHERE id = (SELECT min(id) "

@@ -20,6 +20,7 @@ from pipeline.core.keys import INVALIDATION_CHANNEL, feature_pattern
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import ChangeEvent, EntityRef, Entry, FeatureValues
+from tests.consumers.conftest import insert_transaction
 
 
 @pytest.fixture
@@ -65,13 +66,7 @@ def test_a_new_transaction_refreshes_exactly_its_user(
     engine: Engine, redis_client: redis.Redis, tenant: str, version: int
 ) -> None:
     with engine.begin() as conn:
-        txn_id = conn.execute(
-            sa.text(
-                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, device_id, ip) "
-                "VALUES (:t, 7, 4321.00, 'm-new', 'd1', '11.0.16.5') RETURNING id"
-            ),
-            {"t": tenant},
-        ).scalar_one()
+        txn_id = insert_transaction(conn, tenant, 7, 4321.00, "m-new", "11.0.16.5", device="d1")
     event = ChangeEvent(
         "transactions", "c", tenant, {"tenant_id": tenant, "user_id": 7, "id": txn_id}
     )

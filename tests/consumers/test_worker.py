@@ -48,6 +48,7 @@ from tests.consumers.conftest import (
     assert_redis_equals_postgres,
     emit,
     emit_per_user,
+    insert_transaction,
     read_topic,
     wait_for,
 )
@@ -77,13 +78,7 @@ def test_a_change_and_its_event_yield_the_recomputed_entry(
     consumer_factory: Callable[..., Consumer],
 ) -> None:
     with engine.begin() as conn:
-        txn = conn.execute(
-            sa.text(
-                "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, ip) "
-                "VALUES (:t, 4, 999.99, 'm-x', '11.0.0.9') RETURNING id"
-            ),
-            {"t": env.tenant},
-        ).scalar_one()
+        txn = insert_transaction(conn, env.tenant, 4, 999.99, "m-x", "11.0.0.9")
     change_user(engine, env.tenant, 5)
     emit(
         producer,
