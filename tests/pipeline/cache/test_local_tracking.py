@@ -30,6 +30,18 @@ from pipeline.core.types import EntityRef, Entry
 from tests.helpers import TXN_VALUES, UNWINDOWED, as_user, fresh_version, need, running, wait_until
 
 
+@pytest.fixture
+def tenant() -> str:
+    """A tenant of the test's own, with no rows: Redis answers every read."""
+    return f"track-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def store(redis_client: redis.Redis) -> FeatureStore:
+    """The store of a schema version of the test's own."""
+    return FeatureStore(redis_client, fresh_version())
+
+
 def write(store: FeatureStore, tenant: str, entity: str, count: int, watermark: int) -> None:
     """Write as a consumer does, and publish nothing."""
     batch = Batch(
@@ -63,13 +75,13 @@ def test_a_write_with_no_publish_stops_the_api_serving_the_old_entry(
     settings: Settings,
     engine: Engine,
     redis_client: redis.Redis,
+    tenant: str,
+    store: FeatureStore,
 ) -> None:
-    tenant = f"track-{uuid.uuid4().hex[:10]}"
-    key = create_tenant(engine, tenant)  # no rows: Redis answers every read
+    key = create_tenant(engine, tenant)
     api_settings = settings.model_copy(
-        update={"schema_version": fresh_version(), "local_cache_size": 100}
+        update={"schema_version": store.schema_version, "local_cache_size": 100}
     )
-    store = FeatureStore(redis_client, api_settings.schema_version)
     write(store, tenant, "77", count=1, watermark=10)
     app = create_app(api_settings, engine=engine, redis_client=redis_client, follow_deploys=False)
     with running(app, key) as api:
@@ -100,10 +112,8 @@ def test_a_write_with_no_publish_stops_the_api_serving_the_old_entry(
 
 
 def test_an_entry_goes_when_its_key_is_deleted_or_expires(
-    tier: LocalTier, redis_client: redis.Redis
+    tier: LocalTier, redis_client: redis.Redis, tenant: str, store: FeatureStore
 ) -> None:
-    tenant = f"track-{uuid.uuid4().hex[:10]}"
-    store = FeatureStore(redis_client, fresh_version())
     gone, expiring = EntityRef("txn_90d", tenant, "1"), EntityRef("txn_90d", tenant, "2")
     for ref in (gone, expiring):
         write(store, tenant, ref.entity, count=1, watermark=10)
@@ -117,9 +127,9 @@ def test_an_entry_goes_when_its_key_is_deleted_or_expires(
     assert wait_until(lambda: tier.get(expiring, store.schema_version) is None)
 
 
-def test_a_truncate_floor_flushes_the_tier(tier: LocalTier, redis_client: redis.Redis) -> None:
-    tenant = f"track-{uuid.uuid4().hex[:10]}"
-    store = FeatureStore(redis_client, fresh_version())
+def test_a_truncate_floor_flushes_the_tier(
+    tier: LocalTier, tenant: str, store: FeatureStore
+) -> None:
     refs = [EntityRef("txn_90d", tenant, str(i)) for i in range(3)]
     for ref in refs:
         write(store, tenant, ref.entity, count=1, watermark=10)
@@ -173,10 +183,8 @@ def test_a_login_refused_tracking_keeps_the_tier_dark_and_says_why(
 
 
 def test_a_computed_entry_is_held_only_once_redis_holds_it(
-    tier: LocalTier, redis_client: redis.Redis
+    tier: LocalTier, tenant: str, store: FeatureStore
 ) -> None:
-    tenant = f"track-{uuid.uuid4().hex[:10]}"
-    store = FeatureStore(redis_client, fresh_version())
     stored, overtaken = EntityRef("txn_90d", tenant, "1"), EntityRef("txn_90d", tenant, "2")
     now = time.time_ns() // 1_000_000
     # A read-through's fill: it wrote the entry, and its write's report voids the token.
@@ -214,12 +222,10 @@ def test_the_stacks_logins_may_track_keys(settings: Settings, login: str) -> Non
 
 
 def test_a_late_report_of_a_write_the_read_saw_does_not_lose_the_entry(
-    tier: LocalTier, redis_client: redis.Redis
+    tier: LocalTier, tenant: str, store: FeatureStore
 ) -> None:
     """The report of a write reaches the tier after a read that saw the write: the
     entry goes back to Redis for a check, and stays only if Redis still holds it."""
-    tenant = f"track-{uuid.uuid4().hex[:10]}"
-    store = FeatureStore(redis_client, fresh_version())
     kept, changed = EntityRef("txn_90d", tenant, "1"), EntityRef("txn_90d", tenant, "2")
     for ref in (kept, changed):
         write(store, tenant, ref.entity, count=1, watermark=10)
