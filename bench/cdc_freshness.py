@@ -57,6 +57,7 @@ from consumers.topics import ensure_cdc_topics
 from pipeline.cdc.connect import (
     HEARTBEAT_MS,
     ConnectClient,
+    Names,
     captured_tables,
     connector_config,
     drop_slot,
@@ -287,9 +288,7 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
         watcher.close()
         if commits is not None:
             commits.close()
-        with contextlib.suppress(Exception):
-            client.delete(owned.connector)
-        drop_slot(ctx.engine, owned.slot)
+        _remove_connector(ctx, client, owned)
         _delete_topics(ctx, [*(owned.topic(t) for t in tables), owned.heartbeat_topic])
     return {
         "offered_per_s": RATE,
@@ -435,6 +434,13 @@ def _summary(
         },
         "lags_ms_sample": [round(float(x), 1) for x in np.sort(got)[:: max(1, got.size // 2000)]],
     }
+
+
+def _remove_connector(ctx: common.Context, client: ConnectClient, owned: Names) -> None:
+    """Delete the connector (if it was ever made), then its replication slot."""
+    with contextlib.suppress(Exception):
+        client.delete(owned.connector)
+    drop_slot(ctx.engine, owned.slot)
 
 
 def _delete_topics(ctx: common.Context, topics: list[str]) -> None:

@@ -8,7 +8,6 @@ issue 26 and with the current ones (see :mod:`bench.freshness`)."""
 from __future__ import annotations
 
 import bisect
-import contextlib
 import os
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import psycopg
 from confluent_kafka import Message
 
 from bench import common
-from bench.cdc_freshness import TenantChanges, _delete_topics
+from bench.cdc_freshness import TenantChanges, _delete_topics, _remove_connector, _wait
 from bench.sql_load import background
 from consumers.topics import ensure_cdc_topics
 from pipeline.cdc.connect import (
@@ -32,7 +31,6 @@ from pipeline.cdc.connect import (
     ConnectClient,
     captured_tables,
     connector_config,
-    drop_slot,
     names,
     streaming,
 )
@@ -244,18 +242,8 @@ class Pipeline:
         if self.log is not None:
             self.log.close()
         if self.registered and self.client is not None:
-            with contextlib.suppress(Exception):
-                self.client.delete(self.owned.connector)
-            drop_slot(self.ctx.engine, self.owned.slot)
+            _remove_connector(self.ctx, self.client, self.owned)
         _delete_topics(self.ctx, [*self.cdc_topics, self.owned.heartbeat_topic])
-
-
-def _wait(condition: Callable[[], bool], what: str, deadline_s: float) -> None:
-    end = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > end:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.1)  # polling interval
 
 
 def sql_poke(conninfo: str, tenant: str, user: int) -> Callable[[], None]:
