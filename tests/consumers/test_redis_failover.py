@@ -16,6 +16,7 @@ import signal
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +95,19 @@ def move(client: redis.Redis, port: int) -> None:
     client.connection_pool.connection_kwargs["port"] = port
     client.connection_pool.disconnect()
     client.connection_pool.reset()
+
+
+@contextmanager
+def failing_over(pair: tuple[Server, Server], client: redis.Redis) -> Iterator[None]:
+    """Promote the pair's replica once it has every write so far; what runs inside reaches
+    only the old primary (no WAIT: the split the consumer must survive). Then the old
+    primary dies and ``client``'s name moves to the promoted replica."""
+    primary, replica = pair
+    assert client.wait(1, 5000) == 1
+    replica.client().replicaof("NO", "ONE")
+    yield
+    primary.kill()
+    move(client, replica.port)
 
 
 def replicas_online(primary: redis.Redis) -> int:
@@ -225,8 +239,7 @@ def truncate_event() -> ChangeEvent:
 def test_a_failover_that_loses_a_truncate_floor_raises_every_floor(
     engine: Engine, pair: tuple[Server, Server], tenant: str, version: int
 ) -> None:
-    primary, replica = pair
-    client = primary.client()
+    client = pair[0].client()
     processor = Processor(engine, client, versions=lambda: [version])
     users = ["1", "2", "3"]
     processor.apply(
@@ -238,15 +251,9 @@ def test_a_failover_that_loses_a_truncate_floor_raises_every_floor(
     risk = [EntityRef("device_risk", tenant, u) for u in users]
     store = FeatureStore(client, version)
     assert None not in store.read(risk)
-    # Replicated; then the replica is promoted while the old primary still takes the
-    # truncate's floor (no WAIT: the split the floors must survive), and the old one dies.
-    assert client.wait(1, 5000) == 1
-    replica.client().replicaof("NO", "ONE")
-    processor.apply([truncate_event()])
-    assert store.read(risk) == [None] * len(users)
-    primary.kill()
-    # The consumer's Redis name moves to the promoted replica.
-    move(client, replica.port)
+    with failing_over(pair, client):  # the truncate's floor is lost with the old primary
+        processor.apply([truncate_event()])
+        assert store.read(risk) == [None] * len(users)
     assert None not in store.read(risk)  # the lost floor revived every voided entry
     # A consumer started after the failover: it knows the old server only from the
     # identity the consumers recorded, which the promoted replica holds.
@@ -267,16 +274,12 @@ def test_a_failover_that_loses_a_truncate_floor_raises_every_floor(
 def test_a_batch_after_a_failover_raises_the_floors_in_its_announce(
     engine: Engine, pair: tuple[Server, Server], tenant: str, version: int
 ) -> None:
-    primary, replica = pair
-    client = primary.client()
+    client = pair[0].client()
     processor = Processor(engine, client, versions=lambda: [version])
     processor.apply([touch(tenant, 4)])
     store = FeatureStore(client, version)
-    assert client.wait(1, 5000) == 1
-    replica.client().replicaof("NO", "ONE")
-    processor.apply([touch(tenant, 5)])  # lost in the failover: the old primary dies
-    primary.kill()
-    move(client, replica.port)
+    with failing_over(pair, client):
+        processor.apply([touch(tenant, 5)])  # lost with the old primary
     old = store.read([EntityRef("txn_90d", tenant, "4")])
     assert old[0] is not None
     processor.apply([touch(tenant, 6)])
