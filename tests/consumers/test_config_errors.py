@@ -102,18 +102,25 @@ def paused_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     ]
 
 
-def wait_held(
-    worker: Worker, running: Running, label: str, retried: float, retries: int, what: str
-) -> None:
-    """Wait for ``retries`` more retries of the worker's batch for a ``label`` cause than
-    the ``retried`` counted before it started, then check it held the batch: nothing
-    consumed, applied or dead-lettered."""
-    running.wait(
-        lambda: sample(CONFIG_RETRIES, label) >= retried + retries or worker.totals.consumed > 0,
-        what,
-    )
-    held = worker.totals
-    assert (held.consumed, held.applied, held.dead_lettered) == (0, 0, 0)
+@contextmanager
+def held(worker: Worker, label: str, retries: int, what: str) -> Iterator[Running]:
+    """Run ``worker`` until it has retried its batch ``retries`` times for a ``label``
+    cause, check it held the batch (nothing consumed, applied or dead-lettered), and
+    yield it running; it is stopped on the way out."""
+    retried = sample(CONFIG_RETRIES, label)
+    running = Running(worker, timeout=180)
+    try:
+        running.wait(
+            lambda: (
+                sample(CONFIG_RETRIES, label) >= retried + retries or worker.totals.consumed > 0
+            ),
+            what,
+        )
+        totals = worker.totals
+        assert (totals.consumed, totals.applied, totals.dead_lettered) == (0, 0, 0)
+        yield running
+    finally:
+        running.stop()
 
 
 def paused_once(env: Env, topic: str, label: str, caplog: pytest.LogCaptureFixture) -> str:
@@ -167,22 +174,17 @@ def test_a_malformed_deploy_pointer_pauses_the_stream_and_dead_letters_nothing(
     emit_per_user(
         producer, env, "transaction.created", sorted(users), lambda u: f"{env.tenant}:{u}".encode()
     )
-    retried = sample(CONFIG_RETRIES, "deploy")
     worker = Worker(
         env.settings,
         topics=[created, geoip_topic],
         versions=WriteVersions(redis_client, env.settings, pointer=pointer),
     )
-    running = Running(worker, timeout=180)
-    try:
-        wait_held(
-            worker,
-            running,
-            "deploy",
-            retried,
-            3,
-            "the worker to hold its batch and retry it while the pointer is malformed",
-        )
+    with held(
+        worker,
+        "deploy",
+        3,
+        "the worker to hold its batch and retry it while the pointer is malformed",
+    ) as running:
         said = paused_once(env, created, "deploy", caplog)
         assert pointer.active_key in said and "freshline deploy flip" in said
 
@@ -207,8 +209,6 @@ def test_a_malformed_deploy_pointer_pauses_the_stream_and_dead_letters_nothing(
                 lambda t=topic, p=partitions: operator.eq(*offsets(env, t, p)),  # type: ignore[misc]
                 f"the group's offsets on {topic} to reach its end",
             )
-    finally:
-        running.stop()
     totals = worker.totals
     assert (totals.consumed, totals.applied, totals.dead_lettered, totals.skipped) == (5, 3, 2, 0)
     assert totals.applied + totals.dead_lettered + totals.skipped == totals.consumed
@@ -220,9 +220,14 @@ def test_a_malformed_deploy_pointer_pauses_the_stream_and_dead_letters_nothing(
     assert {m.key() for m in dead} == {b"bad-id", b"bad-range"}
 
 
-def consumer_login(settings: Settings) -> str:
-    """The test database's URL, logged in as the consumers' least-privilege role."""
-    return role_url(settings, "FRESHLINE_STACK_POSTGRES_CONSUMER_URL")
+def as_consumer_role(env: Env, **update: object) -> tuple[Settings, str]:
+    """The test's settings logged in to its database as the consumers' least-privilege
+    role, folding buckets at once, with ``update``; and that role."""
+    url = role_url(env.settings, "FRESHLINE_STACK_POSTGRES_CONSUMER_URL")
+    settings = env.settings.model_copy(
+        update={"postgres_url": url, "bucket_fold_interval_ms": 0, **update}
+    )
+    return settings, str(make_url(url).username)
 
 
 def test_a_missing_grant_pauses_the_stream_until_it_is_granted(
@@ -233,38 +238,26 @@ def test_a_missing_grant_pauses_the_stream_until_it_is_granted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="freshline.consumer")
-    role = str(make_url(consumer_login(env.settings)).username)
-    settings = env.settings.model_copy(
-        update={"postgres_url": consumer_login(env.settings), "bucket_fold_interval_ms": 0}
-    )
+    settings, role = as_consumer_role(env)
     created = env.topic("transaction.created")
     users = {8, 9}
     emit_per_user(
         producer, env, "transaction.created", sorted(users), lambda u: f"{env.tenant}:{u}".encode()
     )
-    retried = sample(CONFIG_RETRIES, "permission")
-    with without_select(engine, "transactions", role) as grant:
-        worker = Worker(settings, topics=[created])
-        running = Running(worker, timeout=180)
-        try:
-            wait_held(
-                worker,
-                running,
-                "permission",
-                retried,
-                2,
-                "the worker to hold its batch and retry it while the grant is missing",
-            )
-            said = paused_once(env, created, "permission", caplog)
-            assert "permission denied for table transactions" in said
-            assert f"grant the role {role} (FRESHLINE_POSTGRES_URL)" in said
-            grant()
-            running.wait(
-                lambda: worker.totals.consumed >= len(users),
-                "the held events applied once the grant is back",
-            )
-        finally:
-            running.stop()
+    worker = Worker(settings, topics=[created])
+    what = "the worker to hold its batch and retry it while the grant is missing"
+    with (
+        without_select(engine, "transactions", role) as grant,
+        held(worker, "permission", 2, what) as running,
+    ):
+        said = paused_once(env, created, "permission", caplog)
+        assert "permission denied for table transactions" in said
+        assert f"grant the role {role} (FRESHLINE_POSTGRES_URL)" in said
+        grant()
+        running.wait(
+            lambda: worker.totals.consumed >= len(users),
+            "the held events applied once the grant is back",
+        )
     totals = worker.totals
     assert (totals.consumed, totals.applied, totals.dead_lettered) == (2, 2, 0)
     assert sample(PAUSED, "permission") == 0
@@ -285,14 +278,10 @@ def test_a_grant_missing_while_a_bad_event_is_isolated_holds_the_batch_and_count
     (configuration). The whole batch is held, the bad row not yet dead-lettered nor
     counted; once the grant is back it is dead-lettered once and the change applied."""
     caplog.set_level(logging.INFO, logger="freshline.consumer")
-    role = str(make_url(consumer_login(env.settings)).username)
-    settings = env.settings.model_copy(
-        update={
-            "postgres_url": consumer_login(env.settings),
-            "bucket_fold_interval_ms": 0,
-            "batch_max_events": 2,  # one batch of both records, taken as soon as both are in
-            "batch_max_wait_ms": 5_000,
-        }
+    settings, role = as_consumer_role(
+        env,
+        batch_max_events=2,  # one batch of both records, taken as soon as both are in
+        batch_max_wait_ms=5_000,
     )
     # One partition, in this order: the bad row is isolated first. The good change is
     # a transactions row on the same topic (Debezium's source.table names the table).
@@ -304,30 +293,20 @@ def test_a_grant_missing_while_a_bad_event_is_isolated_holds_the_batch_and_count
         b"good",
     )
     producer.flush()
-    retried = sample(CONFIG_RETRIES, "permission")
-    # The geo set reads geoip; routing the bad row does not.
-    with without_select(engine, "geoip", role) as grant:
-        worker = Worker(settings, topics=[geoip_topic])
-        running = Running(worker, timeout=180)
-        try:
-            wait_held(
-                worker,
-                running,
-                "permission",
-                retried,
-                3,
-                "the worker to hold its batch while the grant is missing",
-            )
-            said = [r.getMessage() for r in caplog.records if r.name == "freshline.consumer"]
-            assert any(m.startswith("batch failed") for m in said), said  # one by one
-            assert "permission denied for table geoip" in paused_lines(caplog)[0]
-            grant()
-            running.wait(
-                lambda: worker.totals.consumed >= 2,
-                "the held batch applied once the grant is back",
-            )
-        finally:
-            running.stop()
+    worker = Worker(settings, topics=[geoip_topic])
+    what = "the worker to hold its batch while the grant is missing"
+    with (
+        without_select(engine, "geoip", role) as grant,  # the geo set reads geoip; routing does not
+        held(worker, "permission", 3, what) as running,
+    ):
+        said = [r.getMessage() for r in caplog.records if r.name == "freshline.consumer"]
+        assert any(m.startswith("batch failed") for m in said), said  # one by one
+        assert "permission denied for table geoip" in paused_lines(caplog)[0]
+        grant()
+        running.wait(
+            lambda: worker.totals.consumed >= 2,
+            "the held batch applied once the grant is back",
+        )
     totals = worker.totals
     assert (totals.consumed, totals.applied, totals.dead_lettered, totals.skipped) == (2, 1, 1, 0)
     assert_redis_equals_postgres(engine, redis_client, env, {10})
