@@ -231,6 +231,15 @@ def address_group(address: str) -> str:
     return address
 
 
+def _limited(reason: str, event: str, principal: Principal, address: str, path: str) -> None:
+    """Count and audit a request refused after its key was known: ``reason`` labels the
+    refusals counter, ``event`` names the audit record."""
+    metrics.REFUSED.labels(reason).inc()
+    audit_log.record(
+        event, key_id=principal.key_id, tenant=principal.tenant, client=address, path=path
+    )
+
+
 class KeyIndex:
     """The hashes of the keys that may be valid, in the worker: what lets a valid key
     through from an address locked out by others' failures, without a query per guess.
@@ -365,14 +374,7 @@ class AccessGuard:
             return
         wait = self.per_key.take(principal.key_id)
         if wait > 0:
-            metrics.REFUSED.labels("rate_limited").inc()
-            audit_log.record(
-                "rate.limited",
-                key_id=principal.key_id,
-                tenant=principal.tenant,
-                client=address,
-                path=scope["path"],
-            )
+            _limited("rate_limited", "rate.limited", principal, address, path)
             retry = max(1, math.ceil(wait))
             response = error_response(
                 429,
@@ -386,14 +388,7 @@ class AccessGuard:
             if self.pool is not None:
                 await self.pool.check(principal.tenant)
         except TenantOverBudget as refusal:
-            metrics.REFUSED.labels("tenant_over_budget").inc()
-            audit_log.record(
-                "tenant.over_budget",
-                key_id=principal.key_id,
-                tenant=principal.tenant,
-                client=address,
-                path=scope["path"],
-            )
+            _limited("tenant_over_budget", "tenant.over_budget", principal, address, path)
             response = error_response(
                 429, refusal.code, str(refusal), {"Retry-After": str(refusal.retry_after)}
             )
