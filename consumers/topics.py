@@ -17,6 +17,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import (
     AclBinding,
+    AclBindingFilter,
     AclOperation,
     AclPermissionType,
     AdminClient,
@@ -31,6 +32,8 @@ from pipeline.core.settings import Settings
 from pipeline.core.topics import CDC_PREFIX, DLQ, INVALIDATIONS, qualified
 
 ADMIN_TIMEOUT_S = 15.0
+WRITER_OPERATIONS = (AclOperation.WRITE, AclOperation.DESCRIBE)
+"""What :func:`allow_writer` grants a login on each topic it may write."""
 
 
 class TopicError(FreshlineError):
@@ -183,7 +186,7 @@ def ensure_cdc_topics(settings: Settings, topics: Iterable[str]) -> list[str]:
     configured partition count (consumers scale out by partition), and a consumer's
     regex subscription finds them at once instead of at its next metadata refresh.
     With ``FRESHLINE_KAFKA_CONNECT_USER`` set, Connect's login may then write them
-    (:func:`allow_writer`).
+    (:func:`allow_writer`; :func:`remove_cdc_acls` takes that back).
     """
     from consumers.kafka import admin_client
 
@@ -193,6 +196,17 @@ def ensure_cdc_topics(settings: Settings, topics: Iterable[str]) -> list[str]:
     if settings.kafka_connect_user:
         allow_writer(admin, settings.kafka_connect_user, wanted)
     return created
+
+
+def remove_cdc_acls(settings: Settings, prefix: str) -> list[str]:
+    """Delete the ACLs :func:`ensure_cdc_topics` made for ``FRESHLINE_KAFKA_CONNECT_USER``
+    on the CDC topics named ``prefix...`` (:func:`revoke_writer`); returns those topics.
+    None without that setting, which made none."""
+    from consumers.kafka import admin_client
+
+    if not settings.kafka_connect_user:
+        return []
+    return revoke_writer(admin_client(settings), settings.kafka_connect_user, prefix)
 
 
 def allow_writer(admin: AdminClient, user: str, topics: Iterable[str]) -> None:
@@ -212,7 +226,7 @@ def allow_writer(admin: AdminClient, user: str, topics: Iterable[str]) -> None:
             AclPermissionType.ALLOW,
         )
         for name in topics
-        for operation in (AclOperation.WRITE, AclOperation.DESCRIBE)
+        for operation in WRITER_OPERATIONS
     ]
     if not bindings:
         return
@@ -220,10 +234,72 @@ def allow_writer(admin: AdminClient, user: str, topics: Iterable[str]) -> None:
         try:
             future.result()
         except KafkaException as exc:
-            err = exc.args[0]
-            if isinstance(err, KafkaError) and err.code() == KafkaError.SECURITY_DISABLED:
+            if _security_disabled(exc):
                 return
             raise TopicError(
-                f"could not allow {user!r} to write {binding.name!r}: {err}; "
+                f"could not allow {user!r} to write {binding.name!r}: {exc.args[0]}; "
                 "create the CDC topics as a login that may manage ACLs"
             ) from exc
+
+
+def revoke_writer(admin: AdminClient, user: str, prefix: str) -> list[str]:
+    """Delete what :func:`allow_writer` granted ``user`` on the topics whose names start
+    with ``prefix``: the ALLOW ACLs for WRITE and DESCRIBE on each one's literal name,
+    whichever topics they were made for. Returns those topics (none once deleted:
+    idempotent); ``user``'s other ACLs, prefixed ones included, are left alone.
+
+    Nothing to do on a broker without an authorizer.
+    """
+    try:
+        owned = [
+            AclBindingFilter(
+                b.restype,
+                b.name,
+                b.resource_pattern_type,
+                b.principal,
+                b.host,
+                b.operation,
+                b.permission_type,
+            )
+            for b in topic_acls(admin, user, prefix)
+            if b.operation in WRITER_OPERATIONS
+        ]
+        if not owned:
+            return []
+        for future in admin.delete_acls(owned, request_timeout=ADMIN_TIMEOUT_S).values():
+            future.result()
+    except KafkaException as exc:
+        if _security_disabled(exc):
+            return []
+        raise TopicError(
+            f"could not delete the ACLs of {user!r} on {prefix}*: {exc.args[0]}; "
+            "remove the connector as a login that may manage ACLs"
+        ) from exc
+    return sorted({f.name for f in owned})
+
+
+def topic_acls(
+    admin: AdminClient,
+    user: str,
+    prefix: str,
+    pattern: ResourcePatternType = ResourcePatternType.LITERAL,
+) -> list[AclBinding]:
+    """The ALLOW ACLs, of any operation, the login ``user`` holds on topic names of
+    ``pattern`` (``ANY``: literal and prefixed alike) that start with ``prefix``."""
+    wanted = AclBindingFilter(
+        ResourceType.TOPIC,
+        None,  # type: ignore[arg-type]  # None matches any name (describe_acls)
+        pattern,
+        f"User:{user}",
+        None,  # type: ignore[arg-type]  # any host
+        AclOperation.ANY,
+        AclPermissionType.ALLOW,
+    )
+    found = admin.describe_acls(wanted, request_timeout=ADMIN_TIMEOUT_S).result()
+    return [b for b in found if b.name.startswith(prefix)]
+
+
+def _security_disabled(exc: KafkaException) -> bool:
+    """Whether the broker refused for having no authorizer (no ACLs to manage)."""
+    err = exc.args[0]
+    return isinstance(err, KafkaError) and err.code() == KafkaError.SECURITY_DISABLED

@@ -162,7 +162,9 @@ def status_report(state: CdcStatus, wal_warn_bytes: int) -> tuple[Table, int]:
 
 @cdc_app.command("remove")
 def cdc_remove(name: NameOption = None) -> None:
-    """Delete the connector (and its stored offsets), then drop its replication slot."""
+    """Delete the connector (and its stored offsets), drop its replication slot, then
+    delete the ACLs register gave Connect's login on its topics (idempotent)."""
+    from consumers.topics import remove_cdc_acls
     from pipeline.cdc.connect import ConnectClient, drop_slot, names
     from pipeline.core.db import make_engine
     from pipeline.core.settings import load_settings
@@ -175,6 +177,15 @@ def cdc_remove(name: NameOption = None) -> None:
     dropped = drop_slot(engine, owned.slot)
     engine.dispose()
     console.print(f"slot {owned.slot}: {'dropped' if dropped else 'none'}")
+    prefix = owned.topic("")
+    if not settings.kafka_connect_user:
+        console.print("acls: none made (FRESHLINE_KAFKA_CONNECT_USER is empty)")
+        return
+    revoked = remove_cdc_acls(settings, prefix)
+    console.print(
+        f"acls User:{settings.kafka_connect_user} on {prefix}*: "
+        + (f"WRITE and DESCRIBE deleted on {len(revoked)} topics" if revoked else "none")
+    )
 
 
 def _state(state: str) -> str:
