@@ -148,11 +148,10 @@ def hand_change(event: Event) -> Callable[[bytes], ChangeEvent]:
 
 
 def model_change(event: Event, model: type[BaseModel]) -> Callable[[bytes], ChangeEvent]:
-    """The record through ``model``, then the :class:`ChangeEvent` the parser makes (a
-    valid record only: no error translation)."""
+    """The record through ``model``, then the :class:`ChangeEvent` the parser makes
+    (:meth:`Event.change_of`; a valid record only: no error translation)."""
     columns = [(c.name, c.column) for c in event.columns]
     bigints = [c.column for c in event.columns if c.type == "bigint"]
-    tenant = event.table.tenant
 
     def change(raw: bytes) -> ChangeEvent:
         record = model.model_validate_json(raw).__dict__
@@ -160,16 +159,8 @@ def model_change(event: Event, model: type[BaseModel]) -> Callable[[bytes], Chan
         for column in bigints:
             row[column] = int(row[column])  # as the parser does a bigint's string
         occurred = record["occurred_at"]
-        if record["version"] is not None:
-            row["_version"] = record["version"]
-        return ChangeEvent(
-            table=event.table.name,
-            op=event.op,
-            tenant=row[tenant] if tenant else None,
-            row=row,
-            watermark=0,
-            committed_at_ms=None if occurred is None else int(occurred.timestamp() * 1000),
-        )
+        committed_at_ms = None if occurred is None else int(occurred.timestamp() * 1000)
+        return event.change_of(row, committed_at_ms, record["version"])
 
     return change
 

@@ -229,8 +229,13 @@ class Event:
             if value is None:
                 raise EventFieldError("missing_field", name, "required")
             row[column] = parse(name, value)
-        committed_at_ms = _occurred_at_ms(obj)
-        version = _version(obj)
+        return self.change_of(row, _occurred_at_ms(obj), _version(obj))
+
+    def change_of(
+        self, row: dict[str, Any], committed_at_ms: int | None, version: int | None
+    ) -> ChangeEvent:
+        """The change of a checked record: ``row`` its columns' parsed values (a
+        ``version`` is added to it as ``_version``)."""
         if version is not None:
             row["_version"] = version
         tenant = self.table.tenant
