@@ -64,12 +64,12 @@ from consumers.routing import Router
 from pipeline.cache.invalidation import ALL, Invalidation
 from pipeline.cache.recompute import (
     Batch,
+    Flusher,
     Snapshot,
     SourceIdentity,
     compute,
     compute_in_snapshot,
     export_snapshot,
-    force_flush,
     source_identity,
     take_snapshot,
     wait_durable,
@@ -88,9 +88,6 @@ SETS_BESIDE = 3
 """At most this many feature sets of a batch computed beside the batch's connection at
 once, each on a connection of the engine's pool (the rest wait for one to finish)."""
 
-FORCE_RETRY_S = 60.0
-"""How long after a refused :func:`~pipeline.cache.recompute.force_flush` the processor
-tries again (a grant of ``TEMPORARY`` takes effect without a restart)."""
 XID_SPAN = 1 << 32
 """Ids below it are 32-bit (as Debezium reports them); from it up, full ``xid8``s."""
 
@@ -222,9 +219,8 @@ class Processor:
         self.durable_wait_ms = durable_wait_ms
         self.on_failover = on_failover
         self.cluster = is_cluster(client)
-        self.force_refused_at: float | None = None
-        """When the role was last refused a forced WAL flush (:meth:`_force`), if it was."""
-        self.clock: Callable[[], float] = time.monotonic
+        self.flusher = Flusher(engine, logger, "a batch")
+        """Makes Postgres flush (:meth:`_force`), or knows the role may not."""
         self.source: SourceIdentity | None = None
         """The Postgres history of this processor's first batch; every later one must match."""
         self.server: RedisIdentity | None = None
@@ -266,17 +262,15 @@ class Processor:
                     watermark = batch.watermark
                     durable()
                     started = time.perf_counter()
-                    for version in versions:
-                        report.writes.merge(self.store.write(batch, schema_version=version))
+                    report.writes.merge(self.store.write(batch, versions=versions))
                 else:
                     watermark = snapshot.watermark
                     entity_refs = [EntityRef(name, t, e) for t, e in refs]
                     started = time.perf_counter()
                     durable()
-                    for version in versions:
-                        report.writes.merge(
-                            self.store.invalidate(entity_refs, watermark, schema_version=version)
-                        )
+                    report.writes.merge(
+                        self.store.invalidate(entity_refs, watermark, versions=versions)
+                    )
                 report.write_ms += (time.perf_counter() - started) * 1000
                 report.invalidations.extend(
                     Invalidation(t, name, e, watermark, v) for v in versions for t, e in refs
@@ -349,32 +343,12 @@ class Processor:
     @property
     def can_force(self) -> bool:
         """Whether the role may force a WAL flush, as far as the last try told."""
-        return self.force_refused_at is None
+        return self.flusher.allowed
 
     def _force(self) -> None:
-        """:func:`~pipeline.cache.recompute.force_flush`, unless the role may not: then
-        the batch waits for a commit to flush (any writing one does), and says so once.
-        A refused role is tried again every :data:`FORCE_RETRY_S`, so a grant made
-        later takes effect without a restart (and says so)."""
-        now = self.clock()
-        refused_at = self.force_refused_at
-        if refused_at is not None and now - refused_at < FORCE_RETRY_S:
-            return
-        try:
-            force_flush(self.engine)
-        except sa.exc.ProgrammingError as exc:
-            self.force_refused_at = now
-            if refused_at is None:
-                logger.warning(
-                    "cannot make Postgres flush its WAL (%s): grant this role TEMPORARY on "
-                    "the database; until then a batch waits for a commit to flush past its "
-                    "snapshot",
-                    str(exc.orig).strip().splitlines()[0] if exc.orig else exc,
-                )
-            return
-        if refused_at is not None:
-            self.force_refused_at = None
-            logger.warning("Postgres flushes its WAL when asked again: this role may now")
+        """:class:`~pipeline.cache.recompute.Flusher`: make Postgres flush, unless the
+        role may not; then the batch waits for a commit to flush (any writing one does)."""
+        self.flusher()
 
     def _check_source(self, conn: Connection) -> None:
         """Raise :class:`SourceChanged` if ``conn``'s Postgres is another history than

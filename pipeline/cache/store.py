@@ -451,12 +451,21 @@ class FeatureStore:
         raws = mget(self.redis, keys + [lease_key(self.schema_version, r) for r in refs])
         return self.entries(refs, raws[: len(keys)]), [raw is not None for raw in raws[len(keys) :]]
 
-    def write(self, batch: Batch, *, schema_version: int | None = None) -> WriteResult:
-        """Write a computed batch, source-driven: revokes leases, keeps newer entries."""
-        version = schema_version or self.schema_version
+    def write(
+        self,
+        batch: Batch,
+        *,
+        schema_version: int | None = None,
+        versions: Sequence[int] = (),
+    ) -> WriteResult:
+        """Write a computed batch, source-driven: revokes leases, keeps newer entries.
+
+        ``versions``: into each of these schema versions (a deploy writes two), all in
+        one pipelined round trip; otherwise into ``schema_version`` (or the store's)."""
         name = batch.feature_set.name
         calls = [
             self._call(batch, EntityRef(name, tenant, entity), values, version, "")
+            for version in versions or (schema_version or self.schema_version,)
             for (tenant, entity), values in batch.values.items()
         ]
         return self._written(calls)
@@ -471,10 +480,15 @@ class FeatureStore:
         return self._written(calls)
 
     def invalidate(
-        self, refs: Sequence[EntityRef], watermark: Watermark, *, schema_version: int | None = None
+        self,
+        refs: Sequence[EntityRef],
+        watermark: Watermark,
+        *,
+        schema_version: int | None = None,
+        versions: Sequence[int] = (),
     ) -> WriteResult:
-        """Replace entries older than ``watermark`` with a tombstone that lives the fence."""
-        version = schema_version or self.schema_version
+        """Replace entries older than ``watermark`` with a tombstone that lives the fence,
+        in each of ``versions`` at once (as :meth:`write`), or in ``schema_version``."""
         tomb = encode_tombstone(watermark)
         calls: list[Call] = [
             (
@@ -486,6 +500,7 @@ class FeatureStore:
                 ),
                 (tomb, self.fence_ms, "", "", self.fence_ms, self.max_age_ms),
             )
+            for version in versions or (schema_version or self.schema_version,)
             for ref in refs
         ]
         return self._written(calls)
