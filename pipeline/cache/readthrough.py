@@ -39,10 +39,25 @@ order it against the primary's watermarks (a commit is in the WAL before it is
 visible there, and a standby does not list the primary's in-progress transactions).
 The gate costs the primary one small statement per batch of misses; the feature
 joins run on the replica.
+
+Visible is not durable: a commit made with ``synchronous_commit = off`` is visible
+before its WAL is flushed, and a crash of the primary then erases it, with no event
+ever naming it, so an entry holding it would be a phantom for its whole TTL. So a fill
+on the primary stores only once Postgres has flushed its WAL past the WAL insert
+position its feature statement read (:attr:`Batch.lsn`, after its snapshot):
+:func:`~pipeline.cache.recompute.wait_durable`, which makes Postgres flush
+(:class:`~pipeline.cache.recompute.Flusher`) when that does not come by itself within
+20 ms. If it has not within ``durable_wait_ms``, the leases are released and the
+computed values are answered ``uncached`` (counted in :attr:`Counters.undurable`): the
+reader gets its answer, the cache stays correct or absent. A replica's results need no
+wait: a standby receives only WAL its primary has flushed (a walsender sends up to the
+flush position), so every commit it has replayed, and so every commit its results
+hold, is durable on the primary.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -57,11 +72,14 @@ from sqlalchemy.engine import Engine
 
 from pipeline.cache.recompute import (
     Batch,
+    Flusher,
+    NotYetDurable,
     Position,
     compute,
     entity_ids,
     primary_position,
     replayed_lsn,
+    wait_durable,
 )
 from pipeline.cache.store import LEASE_BUSY, LEASE_FOUND, LEASE_GRANTED, FeatureStore
 from pipeline.core.clock import now_ms
@@ -78,8 +96,14 @@ Source = Literal["local", "hit", "computed", "waited", "uncached"]
 freshness (:mod:`pipeline.cache.freshness`)."""
 Hook = Callable[[list[EntityRef]], None]
 XFETCH_BETA = 1.0
+DURABLE_WAIT_MS = 250
+"""How long a fill waits for Postgres to flush past its snapshot before it answers
+without storing: a little over the default ``wal_writer_delay`` (200 ms), so a role
+that may not force a flush still stores once the WAL writer has run."""
 _MIN_DRAW = 1e-12
 _MAX_LOG = -math.log(_MIN_DRAW)  # the largest gap is delta * beta * this
+
+log = logging.getLogger(__name__)
 
 
 class ReplicaBehind(ServiceUnavailable):
@@ -175,6 +199,9 @@ class Counters:
     early_refresh: int = 0
     lagging: int = 0
     """Batches of misses a lagging replica answered uncached."""
+    undurable: int = 0
+    """Fills answered uncached because Postgres had not flushed past their snapshot
+    within ``durable_wait_ms`` (see the module docstring)."""
     compute_ms: dict[str, float] = field(default_factory=dict)
 
 
@@ -183,7 +210,8 @@ class ReadThrough:
 
     With ``versions``, each call serves the active schema version (resolved once per
     call) when this code computes it, else the store's own; ``hot`` samples reads
-    for warming.
+    for warming. ``durable_wait_ms`` bounds a fill's wait for Postgres's flush (0: no
+    wait, only if every writer commits synchronously).
     """
 
     def __init__(
@@ -198,6 +226,7 @@ class ReadThrough:
         versions: VersionResolver | None = None,
         hot: HotReads | None = None,
         primary: Engine | None = None,
+        durable_wait_ms: int = DURABLE_WAIT_MS,
     ) -> None:
         self.store = store
         self.engine = engine
@@ -211,6 +240,8 @@ class ReadThrough:
         self.hot = hot
         self._at_version: dict[int, ReadThrough] = {}
         self._standby: bool | None = None  # asked on the first miss
+        self.durable_wait_ms = durable_wait_ms
+        self.flusher = Flusher(engine, log, "a read-through fill")
 
     def get(self, ref: EntityRef) -> Result:
         return self.get_many([ref])[0]
@@ -280,8 +311,10 @@ class ReadThrough:
                 early_refresh=self.early_refresh,
                 hot=self.hot,
                 primary=self.primary,
+                durable_wait_ms=self.durable_wait_ms,
             )
             other.counters = self.counters
+            other.flusher = self.flusher
             other._standby = self._standby
             self._at_version[version] = other
         return self._at_version[version]
@@ -425,7 +458,11 @@ class ReadThrough:
                 self.counters.uncached += len(group)
                 answers.update(self._from_batch(batch, group, "uncached"))
                 continue
-            known = existing_entities(self.engine, self.store.registry[name].entity, group)
+            if self._durable(batch):
+                known = existing_entities(self.engine, self.store.registry[name].entity, group)
+            else:  # answered, not stored, as an unknown id is: see the module docstring
+                known = set()
+                self.counters.undurable += len(group)
             filled = [r for r in group if (r.tenant, r.entity) in known]
             unknown = [r for r in group if (r.tenant, r.entity) not in known]
             written = self.store.fill(batch, token, filled)
@@ -438,6 +475,20 @@ class ReadThrough:
             answers.update(self._from_batch(batch, filled, "computed"))
             answers.update(self._from_batch(batch, unknown, "uncached"))
         return answers
+
+    def _durable(self, batch: Batch) -> bool:
+        """Whether Postgres has flushed its WAL past ``batch``'s snapshot, waiting up to
+        ``durable_wait_ms`` (see the module docstring). A batch from a standby has no
+        position and needs no wait."""
+        if not batch.lsn or not self.durable_wait_ms:
+            return True
+        with self.engine.connect() as conn:
+            try:
+                wait_durable(conn, batch.lsn, self.durable_wait_ms / 1000, force=self.flusher)
+            except NotYetDurable as exc:
+                log.debug("%s: %s answered, not stored", exc, batch.feature_set.name)
+                return False
+        return True
 
     def _from_batch(
         self, batch: Batch, refs: list[EntityRef], source: Source

@@ -55,9 +55,10 @@ Visible is not durable
 A transaction committed with ``synchronous_commit = off`` is visible before its commit
 record is flushed; should Postgres crash first, it never happened, and no event will
 ever name it. So the consumer's snapshot also reads the WAL insert position
-(:attr:`Snapshot.lsn`): every commit the snapshot sees was inserted before it. Before
-the batch writes, :func:`wait_durable` waits until Postgres has flushed that far, and
-makes it flush (:func:`force_flush`) if that does not come by itself within
+(:attr:`Snapshot.lsn`; a feature statement's, :attr:`Batch.lsn`, for a read-through
+fill): every commit the snapshot sees was inserted before it. Before the batch writes,
+:func:`wait_durable` waits until Postgres has flushed that far, and makes it flush
+(:class:`Flusher`, :func:`force_flush`) if that does not come by itself within
 :data:`FORCE_AFTER_S` (bounded: :class:`NotYetDurable` is transient). Synchronous
 commits are flushed before they are visible, so with a busy stream of them the wait is
 usually a single read. :func:`source_identity` names
@@ -68,6 +69,7 @@ or the promotion of a standby, watermarks are not comparable with those before.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -111,12 +113,14 @@ SELECT snap.s::text AS snapshot,
 FROM (SELECT s, pg_snapshot_xmax(s)::text::bigint AS xmax
       FROM (SELECT pg_current_snapshot() AS s) AS cur) AS snap
 """
-# The consumer's snapshot, with the WAL insert position read in the same statement (so
-# after its snapshot was taken); NULL on a standby, which has no insert position.
+# The WAL insert position, read in the statement of a snapshot (so after the snapshot
+# was taken); NULL on a standby, which has no insert position.
+_INSERT_LSN = (
+    "CASE WHEN pg_is_in_recovery() THEN NULL ELSE pg_current_wal_insert_lsn() - '0/0'::pg_lsn END"
+)
+# The consumer's snapshot, with the WAL insert position.
 _SNAPSHOT_SQL = sa.text(
-    "SELECT w.snapshot, w.us, w.invisible, CASE WHEN pg_is_in_recovery() THEN NULL "
-    "ELSE pg_current_wal_insert_lsn() - '0/0'::pg_lsn END AS lsn "
-    f"FROM ({_SNAPSHOT_SELECT}) AS w"
+    f"SELECT w.snapshot, w.us, w.invisible, {_INSERT_LSN} AS lsn FROM ({_SNAPSHOT_SELECT}) AS w"
 )
 _FLUSHED_SQL = sa.text("SELECT pg_current_wal_flush_lsn() - '0/0'::pg_lsn")
 _IDENTITY_SQL = sa.text(
@@ -273,6 +277,53 @@ def force_flush(engine: Engine) -> None:
             conn.execute(statement)
 
 
+FORCE_RETRY_S = 60.0
+"""How long a :class:`Flusher` whose role was refused waits before it asks again."""
+
+
+class Flusher:
+    """:func:`force_flush` on ``engine``, as :func:`wait_durable`'s ``force``, unless the
+    role may not (it lacks ``TEMPORARY``): then a call does nothing, so the wait lasts
+    until some commit flushes, and ``log`` says so once (``waiter``: what waits). A
+    refused role is asked again every :data:`FORCE_RETRY_S`, so a grant made later takes
+    effect without a restart (and that is said too)."""
+
+    def __init__(self, engine: Engine, log: logging.Logger, waiter: str) -> None:
+        self.engine = engine
+        self.log = log
+        self.waiter = waiter
+        self.refused_at: float | None = None
+        """When the role was last refused a forced flush, if it was."""
+        self.clock: Callable[[], float] = time.monotonic
+
+    @property
+    def allowed(self) -> bool:
+        """Whether the role may force a flush, as far as the last try told."""
+        return self.refused_at is None
+
+    def __call__(self) -> None:
+        now = self.clock()
+        refused_at = self.refused_at
+        if refused_at is not None and now - refused_at < FORCE_RETRY_S:
+            return
+        try:
+            force_flush(self.engine)
+        except sa.exc.ProgrammingError as exc:
+            self.refused_at = now
+            if refused_at is None:
+                self.log.warning(
+                    "cannot make Postgres flush its WAL (%s): grant this role TEMPORARY on "
+                    "the database; until then %s waits for a commit to flush past its "
+                    "snapshot",
+                    str(exc.orig).strip().splitlines()[0] if exc.orig else exc,
+                    self.waiter,
+                )
+            return
+        if refused_at is not None:
+            self.refused_at = None
+            self.log.warning("Postgres flushes its WAL when asked again: this role may now")
+
+
 @dataclass(frozen=True, slots=True)
 class SourceIdentity:
     """Which Postgres history a snapshot belongs to: the cluster's system identifier
@@ -350,6 +401,10 @@ class Batch:
     valid_until_ms: dict[tuple[str, str], int] = field(default_factory=dict)
     """For a feature set with a horizon, per entity that has one: when its values may
     next change with time alone (epoch ms, Postgres's clock, as ``computed_at_ms``)."""
+    lsn: int = 0
+    """The WAL insert position read after the snapshot (:attr:`Snapshot.lsn`; 0 on a
+    standby): once Postgres has flushed this far, every commit the values hold is
+    durable (:func:`wait_durable`)."""
 
 
 def entity_ids(
@@ -454,7 +509,8 @@ def feature_statement(fs: FeatureSet, path: Path | None = None) -> sa.TextClause
     if fs.horizon is not None:  # its moment as the last column: see FeatureSet.horizon
         body = f"SELECT f.*, {fs.horizon} AS valid_until FROM ({body}) AS f"
     return sa.text(
-        f"SELECT w.snapshot, w.us, w.invisible, f.* FROM ({_SNAPSHOT_SELECT}) AS w "
+        f"SELECT w.snapshot, w.us, w.invisible, w.lsn, f.* "
+        f"FROM (SELECT s.*, {_INSERT_LSN} AS lsn FROM ({_SNAPSHOT_SELECT}) AS s) AS w "
         f"LEFT JOIN ({body}) AS f ON true"
     )
 
@@ -479,16 +535,16 @@ def _compute(
     names = fs.field_names
     kinds = [f.type for f in fs.fields]
     tenanted = fs.entity.tenant is not None  # else: the key alone, of the one tenant
-    start = 5 if tenanted else 4
+    start = 6 if tenanted else 5
     end = start + len(names)
     for row in rows:
-        if row[3] is None:  # the LEFT JOIN's row when no entity has features
+        if row[4] is None:  # the LEFT JOIN's row when no entity has features
             continue
-        key = (row[3], str(row[4])) if tenanted else (IMPLICIT_TENANT, str(row[3]))
+        key = (row[4], str(row[5])) if tenanted else (IMPLICIT_TENANT, str(row[4]))
         values[key] = {
             name: _jsonable(v, kind)
             for name, kind, v in zip(names, kinds, row[start:end], strict=True)
         }
         if fs.horizon is not None and row[end] is not None:
             valid_until[key] = _jsonable(row[end])
-    return Batch(fs, values, snap.watermark, snap.now_ms, valid_until)
+    return Batch(fs, values, snap.watermark, snap.now_ms, valid_until, int(first[3] or 0))

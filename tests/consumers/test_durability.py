@@ -23,9 +23,10 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from consumers.processor import FORCE_RETRY_S, Processor, SourceChanged
+from consumers.processor import Processor, SourceChanged
 from fraud.seed import seed
 from pipeline.cache.recompute import (
+    FORCE_RETRY_S,
     NotYetDurable,
     compute,
     flushed_lsn,
@@ -263,7 +264,7 @@ def test_a_role_that_may_not_force_a_flush_says_so_once_and_tries_again_later(
     now = [1000.0]
     try:
         processor = Processor(limited, redis_client, versions=lambda: [version])
-        processor.clock = lambda: now[0]
+        processor.flusher.clock = lambda: now[0]
         processor._force()  # refused: the batch then waits for a commit to flush
         now[0] += FORCE_RETRY_S + 1
         processor._force()  # refused again: said once
