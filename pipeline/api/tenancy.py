@@ -10,6 +10,12 @@ wait on the event loop, holding no thread, in arrival order. Hits answered on th
 event loop never take a slot. Slots bound threads, not time: each job is also charged
 its time against the tenant's :class:`pipeline.api.limits.PoolBudget`, and a tenant
 in debt waits, still holding no thread, before its next job runs.
+
+Both bounds are per worker process, and nothing adds them up across workers: a tenant
+whose requests reach each of ``N`` workers may run ``N`` times its concurrency at once
+and spend ``N`` times its share per second, out of ``N`` times 40 threads that all run
+on the host's CPUs. ``freshline check --workers N`` warns when that can take every
+CPU (:func:`pipeline.cli.deploy.share_problem`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ from pipeline.cli.app import console, out, progress_bar
 from pipeline.core.lock import lock_path as repository_lock
 from pipeline.core.services import redis_client
 
+POOL_THREADS = 40
+"""Threads in an API worker's pool: anyio's default limiter, which Starlette's
+``run_in_threadpool`` runs on (:mod:`pipeline.api.tenancy`)."""
+
 LockOption = Annotated[
     Path | None, typer.Option("--lock", help="The lock file (default: the repository's)")
 ]
@@ -32,8 +36,16 @@ def check(
         typer.Option("--update-lock", help="Add FRESHLINE_SCHEMA_VERSION to the lock if it is new"),
     ] = False,
     lock_path: LockOption = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            "--workers", min=1, help="The API's worker processes on this host (serve --workers)"
+        ),
+    ] = 1,
 ) -> None:
-    """Refuse feature definitions that changed without a FRESHLINE_SCHEMA_VERSION bump."""
+    """Refuse feature definitions that changed without a FRESHLINE_SCHEMA_VERSION bump;
+    warn about a Redis that may fill or evict, and about a per-tenant thread-pool share
+    that, times the workers, could keep every CPU of this host busy."""
     from pipeline.core.lock import Lock, update
     from pipeline.core.lock import check as check_lock
     from pipeline.core.settings import load_settings
@@ -56,6 +68,7 @@ def check(
         raise typer.Exit(1)
     console.print(f"feature definitions match the lock for schema version {version}")
     warn_about_redis_memory()
+    warn_about_pool_share(workers)
 
 
 def warn_about_redis_memory() -> None:
@@ -78,6 +91,46 @@ def warn_about_redis_memory() -> None:
         return
     if problem:
         console.print(f"[yellow]warning:[/yellow] {problem}")
+
+
+def warn_about_pool_share(workers: int) -> None:
+    """A warning when one tenant's thread-pool share over ``workers`` processes could
+    keep every CPU the API may run on busy (:func:`share_problem`)."""
+    import os
+
+    from pipeline.core.settings import load_settings
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    settings = load_settings()
+    problem = share_problem(
+        settings.api_tenant_pool_share, settings.api_tenant_concurrency, workers, cpus or 1
+    )
+    if problem:
+        console.print(f"[yellow]warning:[/yellow] {problem}")
+
+
+def share_problem(share: float, concurrency: int, workers: int, cpus: int) -> str | None:
+    """A warning when one tenant could keep all ``cpus`` busy with thread-pool work.
+
+    In each of ``workers`` processes a tenant runs at most ``concurrency`` pool jobs at
+    once and ``share`` seconds of them a second, whichever binds (0: that one does not),
+    and never more than the pool's :data:`POOL_THREADS`; the workers add up. None when
+    that stays below ``cpus``, or when neither limit is set (a deployment with one
+    tenant's choice)."""
+    limits = [limit for limit in (share, concurrency) if limit > 0]
+    if not limits:
+        return None
+    per_worker = min(*limits, POOL_THREADS)
+    taken = workers * per_worker
+    if taken < cpus:
+        return None
+    return (
+        f"one tenant may keep {taken:g} threads busy with pool work ({workers} worker(s) "
+        f"x {per_worker:g}: FRESHLINE_API_TENANT_POOL_SHARE {share:g}, "
+        f"FRESHLINE_API_TENANT_CONCURRENCY {concurrency}), as many as this host's {cpus} "
+        f"CPU(s); with untrusted tenants, keep the share below {cpus / workers:g} "
+        "(CPUs / workers)"
+    )
 
 
 def warm(

@@ -310,7 +310,9 @@ class ApiSettings(SettingsGroup):
     """Seconds of thread-pool work (read-through misses, predictions, semantic cache
     calls) one tenant may spend per second per worker, charged by each job's time: a
     batch of 100 ids with no source row weighs what it costs, not one request. A tenant
-    over it waits, holding no thread, until it is back within it (0: no limit)."""
+    over it waits, holding no thread, until it is back within it (0: no limit). Per
+    worker: with N workers a tenant may spend N times it; ``freshline check --workers N``
+    warns when that could keep every CPU of the host busy."""
     api_tenant_pool_burst_s: float = Field(default=5.0, gt=0)
     """The token bucket of ``api_tenant_pool_share``: pool seconds one tenant may spend
     at once before it waits."""
