@@ -15,7 +15,6 @@ import pty
 import re
 import struct
 import subprocess
-import sys
 import termios
 import uuid
 from collections.abc import Callable, Iterator
@@ -40,9 +39,8 @@ from pipeline.core.keys import MODELS_KEY
 from pipeline.core.settings import Settings
 from pipeline.inference.models import LogisticModel, ModelRecord, ModelRegistry
 from pipeline.observe.advisor import Figures, advise
-from tests.helpers import fresh_version, serving
+from tests.helpers import FRESHLINE, fresh_version, serving
 
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 WIDTH = 80
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")
 

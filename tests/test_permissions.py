@@ -18,9 +18,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from pipeline.core.settings import Settings
-from tests.helpers import role_url
+from tests.helpers import FRESHLINE, role_url
 
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -13,7 +13,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,10 +23,9 @@ import pytest
 import sqlalchemy as sa
 
 from pipeline.core.settings import Settings
-from tests.helpers import drop_database, free_port, recreate_database, wait_until
+from tests.helpers import FRESHLINE, drop_database, free_port, recreate_database, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 TABLES = (ROOT / "docs" / "quickstart.sql").read_text()
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,10 +22,9 @@ import pytest
 from pipeline.core.db import make_engine, ping
 from pipeline.core.errors import ServiceUnavailable
 from pipeline.core.settings import Settings, load_settings
-from tests.helpers import free_port
+from tests.helpers import FRESHLINE, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 
 PG = "Pg5ecret@Fr4gmentPg"
 PG_ADMIN = "Adm5ecret@Fr4gmentAdm"

@@ -10,7 +10,6 @@ import dataclasses
 import os
 import re
 import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -54,6 +53,7 @@ from pipeline.deploy.plan import plan
 from pipeline.deploy.pointer import flip, start
 from pipeline.deploy.warm import active_entities, count_active, warm
 from tests.helpers import (
+    FRESHLINE,
     drop_database,
     fresh_version,
     paused_reader,
@@ -67,7 +67,6 @@ from tests.pipeline.deploy.test_deploy import under_load
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "tests" / "repos" / "library"
 BROKEN = ROOT / "tests" / "repos" / "broken"
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 
 TABLES = """

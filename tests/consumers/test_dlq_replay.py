@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
-from pathlib import Path
 
 import orjson
 import pytest
@@ -40,9 +38,8 @@ from tests.consumers.conftest import (
     insert_transaction,
     read_topic,
 )
-from tests.helpers import ROOT, kafka_header_pairs
+from tests.helpers import FRESHLINE, ROOT, kafka_header_pairs
 
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 SETS = ("txn_90d", "geo")
 
 pytestmark = pytest.mark.kafka

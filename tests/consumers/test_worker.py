@@ -11,7 +11,6 @@ import hashlib
 import os
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -52,9 +51,7 @@ from tests.consumers.conftest import (
     read_topic,
     wait_for,
 )
-from tests.helpers import kafka_headers, kafka_value
-
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
+from tests.helpers import FRESHLINE, kafka_headers, kafka_value
 
 pytestmark = pytest.mark.kafka
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -24,8 +22,7 @@ from pipeline.api.auth import (
 )
 from pipeline.core.errors import InvalidId
 from pipeline.core.settings import Settings
-
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
+from tests.helpers import FRESHLINE
 
 
 def fresh_tenant() -> str:

@@ -11,7 +11,6 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -47,9 +46,7 @@ from pipeline.core.keys import feature_pattern
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.inference.models import LogisticModel, ModelRegistry
-from tests.helpers import api_app, fresh_version, running, serving, wait_until
-
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
+from tests.helpers import FRESHLINE, api_app, fresh_version, running, serving, wait_until
 
 
 def fresh_tenant() -> str:

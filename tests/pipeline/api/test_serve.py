@@ -7,7 +7,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,9 +19,7 @@ from sqlalchemy.engine import Engine
 from fraud.seed import SeedSummary
 from pipeline.api.auth import create_api_key
 from pipeline.core.settings import Settings
-from tests.helpers import interrupt, wait_until
-
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
+from tests.helpers import FRESHLINE, interrupt, wait_until
 
 
 def free_port() -> int:

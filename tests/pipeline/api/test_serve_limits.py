@@ -11,7 +11,6 @@ import os
 import socket
 import ssl
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,9 +19,8 @@ import httpx
 import pytest
 
 from pipeline.core.settings import Settings
-from tests.helpers import interrupt, self_signed_certificate, wait_until
+from tests.helpers import FRESHLINE, interrupt, self_signed_certificate, wait_until
 
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 IDLE = 1500  # past granian's default of 1,024 connections per worker
 
 

@@ -15,12 +15,10 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,9 +35,8 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import FeatureValues
 from pipeline.observe.reconcile import compare, reconcile
-from tests.helpers import drop_database, migrate, recreate_database
+from tests.helpers import FRESHLINE, drop_database, migrate, recreate_database
 
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 AS_OF = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 EDGE = AS_OF - timedelta(days=90)  # txn_90d's window starts after it
 EDGE30 = AS_OF - timedelta(days=30)  # geo's

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -36,11 +35,10 @@ from pipeline.deploy import pointer as deploy
 from pipeline.deploy.pointer import cancel, flip, keep_ms, start
 from pipeline.deploy.purge import purge
 from pipeline.deploy.warm import active_entities, warm
-from tests.helpers import fresh_version
+from tests.helpers import FRESHLINE, fresh_version
 from tests.pipeline.deploy.test_deploy import Deploy, deploy_world, fill, locked_entry
 
 TXN_90D = REGISTRY["txn_90d"]
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 
 
 @pytest.fixture(scope="module")

@@ -37,8 +37,8 @@ from pipeline.core.types import EntityRef
 from pipeline.observe.audit import Auditor, RecheckHook, Suspect, sample_pattern
 from pipeline.observe.audit_metrics import AuditMetrics
 from pipeline.observe.consistency import AuditReport, GraceResult, Mismatch, same
+from tests.helpers import FRESHLINE
 
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 USERS = 20
 GRACES = (0.001, 0.002)  # real but tiny: these tests assert outcomes, not timings
 
@@ -377,11 +377,7 @@ def audit_verified(
 
 
 def test_a_wrong_entry_whose_watermark_caught_up_ends_a_mismatch_never_verified(
-    engine: Engine,
-    store: FeatureStore,
-    version: int,
-    auditor: AuditorFactory,
-    refs: list[EntityRef],
+    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     """A writer that computes wrong values from a fresh snapshot: by its watermark the
     entry caught up; by its values it never does. Re-checked on every pass, unchanged
