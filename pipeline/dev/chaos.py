@@ -147,17 +147,22 @@ def render_markdown(
         "defining full query and a plain Python reference over the raw rows (correct "
         "or absent), every record applied, dead-lettered or "
         "skipped, every feature key with a TTL, every consumer alive unless the "
-        'scenario killed it. See the README, "Fault injection".',
+        "scenario killed it, and every value the readers (the read API and the Python "
+        "client, during the case and after it) were served true at some moment within "
+        "its grace. See docs/faults.md.",
         "",
-        "| scenario | seed | result | checked (present) | mismatches | records "
-        "(produced / counted) | dead-lettered | TTL-less keys | duration |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| scenario | seed | result | checked (present) | mismatches | reads checked "
+        "(present) | reader mismatches | records (produced / counted) | dead-lettered "
+        "| TTL-less keys | duration |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
-        acc = r.accounting
+        acc, reads = r.accounting, r.readers
         lines.append(
             f"| {r.scenario} | {r.seed} | {'pass' if r.passed else '**FAIL**'} "
             f"| {r.checked} ({r.present}) | {r.mismatches} "
+            f"| {reads.get('answers', '-')} ({reads.get('present', '-')}) "
+            f"| {reads.get('mismatches', '-')} "
             f"| {acc.get('produced', '?')} / {acc.get('counted', '?')} "
             f"| {acc.get('dead_lettered', '?')} | {r.ttl_violations} | {r.duration_s:.0f} s |"
         )
