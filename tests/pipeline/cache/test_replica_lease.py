@@ -37,9 +37,12 @@ def tenant(tenant_factory: Callable[..., SeedSummary]) -> str:
     return tenant_factory(users=3, transactions=12).tenants[0]
 
 
-def on_replica(
+@pytest.fixture
+def rt(
     redis_client: redis.Redis, engine: Engine, version: int, monkeypatch: pytest.MonkeyPatch
 ) -> ReadThrough:
+    """A read-through of the test's schema version on the stand-in replica, which has
+    replayed everything unless the test says otherwise."""
     rt = ReadThrough(
         FeatureStore(redis_client, version), engine, primary=engine, early_refresh=False
     )
@@ -61,13 +64,12 @@ def on_watermark_read(monkeypatch: pytest.MonkeyPatch, then: Callable[[], None])
 
 
 def test_a_miss_holds_its_lease_when_the_primarys_watermark_is_read(
+    rt: ReadThrough,
     redis_client: redis.Redis,
-    engine: Engine,
     tenant: str,
     version: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    rt = on_replica(redis_client, engine, version, monkeypatch)
     ref = EntityRef("txn_90d", tenant, "1")
     leased: list[int] = []
     on_watermark_read(
@@ -81,16 +83,11 @@ def test_a_miss_holds_its_lease_when_the_primarys_watermark_is_read(
 
 
 def test_a_write_after_the_watermark_is_not_replaced_by_the_fill(
-    redis_client: redis.Redis,
-    engine: Engine,
-    tenant: str,
-    version: int,
-    monkeypatch: pytest.MonkeyPatch,
+    rt: ReadThrough, tenant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A freshness read's recompute on the replica, and a consumer's write landing
     just after the primary's watermark was read. Its watermark does not order against
     W (an LSN-based one, as an earlier consumer wrote): only the lease protects it."""
-    rt = on_replica(redis_client, engine, version, monkeypatch)
     ref = EntityRef("txn_90d", tenant, "2")
     store = rt.store
     consumers = {(tenant, "2"): dict.fromkeys(TXN_90D.field_names, 0) | {"txn_count": 999}}
@@ -108,13 +105,12 @@ def test_a_write_after_the_watermark_is_not_replaced_by_the_fill(
 
 
 def test_a_lagging_replica_releases_its_leases_and_stores_nothing(
+    rt: ReadThrough,
     redis_client: redis.Redis,
-    engine: Engine,
     tenant: str,
     version: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    rt = on_replica(redis_client, engine, version, monkeypatch)
     monkeypatch.setattr(readthrough, "replayed_lsn", lambda _: 0)  # behind the primary
     ref = EntityRef("txn_90d", tenant, "3")
     assert rt.get(ref).source == "uncached"
