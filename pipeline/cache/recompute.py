@@ -504,12 +504,13 @@ def compute_in_snapshot(
 
 
 def feature_statement(fs: FeatureSet, path: Path | None = None) -> sa.TextClause:
-    """The feature query joined to the snapshot select: one statement, one snapshot."""
+    """The feature query joined to the snapshot select: one statement, one snapshot;
+    the WAL insert position read after the snapshot comes last (:attr:`Batch.lsn`)."""
     body = fs.sql(path)
     if fs.horizon is not None:  # its moment as the last column: see FeatureSet.horizon
         body = f"SELECT f.*, {fs.horizon} AS valid_until FROM ({body}) AS f"
     return sa.text(
-        f"SELECT w.snapshot, w.us, w.invisible, w.lsn, f.* "
+        f"SELECT w.snapshot, w.us, w.invisible, f.*, w.lsn "
         f"FROM (SELECT s.*, {_INSERT_LSN} AS lsn FROM ({_SNAPSHOT_SELECT}) AS s) AS w "
         f"LEFT JOIN ({body}) AS f ON true"
     )
@@ -535,16 +536,16 @@ def _compute(
     names = fs.field_names
     kinds = [f.type for f in fs.fields]
     tenanted = fs.entity.tenant is not None  # else: the key alone, of the one tenant
-    start = 6 if tenanted else 5
+    start = 5 if tenanted else 4
     end = start + len(names)
     for row in rows:
-        if row[4] is None:  # the LEFT JOIN's row when no entity has features
+        if row[3] is None:  # the LEFT JOIN's row when no entity has features
             continue
-        key = (row[4], str(row[5])) if tenanted else (IMPLICIT_TENANT, str(row[4]))
+        key = (row[3], str(row[4])) if tenanted else (IMPLICIT_TENANT, str(row[3]))
         values[key] = {
             name: _jsonable(v, kind)
             for name, kind, v in zip(names, kinds, row[start:end], strict=True)
         }
         if fs.horizon is not None and row[end] is not None:
             valid_until[key] = _jsonable(row[end])
-    return Batch(fs, values, snap.watermark, snap.now_ms, valid_until, int(first[3] or 0))
+    return Batch(fs, values, snap.watermark, snap.now_ms, valid_until, int(first[-1] or 0))
