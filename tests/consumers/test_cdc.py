@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -46,11 +45,11 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from tests.consumers.conftest import own_settings, wait_for
+from tests.helpers import FRESHLINE
 
 pytestmark = [pytest.mark.kafka, pytest.mark.connect]
 
 ROOT = Path(__file__).resolve().parents[2]
-FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 PARTITIONS = 2
 DEADLINE_S = 60.0
 
