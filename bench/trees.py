@@ -180,7 +180,7 @@ def _child_drain(events: int, sets: list[str], out: IO[str]) -> None:
     print(json.dumps({"events": events, "sets": sets}), file=out, flush=True)
     for _ in sys.stdin:
         with mock.patch("consumers.worker.REGISTRY", routed):
-            result = write_path._real(ctx.settings, ctx.schema_version(), events)
+            result = write_path._real(ctx.settings, [ctx.schema_version()], events)
         print(json.dumps({"value": result["events_per_s"]}), file=out, flush=True)
 
 
