@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import subprocess
 import time
 import uuid
@@ -38,8 +39,9 @@ from fraud.seed import seed
 from pipeline.api.auth import create_api_key
 from pipeline.cdc.connect import names
 from pipeline.core.db import make_engine
+from pipeline.core.lock import Lock, LockedSet
 from pipeline.core.maintenance import install_missing
-from pipeline.core.repository import REGISTRY
+from pipeline.core.repository import REGISTRY, active
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.topics import DLQ, qualified
@@ -67,6 +69,9 @@ WATCHED = 16
 XID_EPOCH_ENV = "FRESHLINE_CHAOS_XID_EPOCH"
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 """Where ``scripts/stack`` runs Postgres from."""
+DEPLOYABLE = 2
+"""How many schema versions after the stack's the private repository locks, with this
+code's definitions, for scenarios that deploy them (see _repository)."""
 
 
 def xid_epoch(profile: Profile) -> int:
@@ -76,6 +81,25 @@ def xid_epoch(profile: Profile) -> int:
     way, so 1 stands for all of them."""
     chosen = os.environ.get(XID_EPOCH_ENV)
     return int(chosen) if chosen else int(profile.name == "long")
+
+
+def _repository(into: Path, version: int) -> Path:
+    """A copy of the active repository whose lock holds ``version`` and the next
+    :data:`DEPLOYABLE` ones, all with this code's definitions: what every ``freshline``
+    process of the private stack runs on, so a scenario can deploy a new version (a
+    redeploy of the same definitions) and readers can decode it."""
+    repo = into / "repo"
+    source = active()
+    shutil.rmtree(repo, ignore_errors=True)
+    shutil.copytree(
+        source.path,
+        repo,
+        ignore=shutil.ignore_patterns(source.lock_path.name, "__pycache__", "*.egg-info"),
+    )
+    entry = {fs.name: LockedSet.of(fs) for fs in REGISTRY}
+    versions = range(version, version + DEPLOYABLE + 1)
+    Lock(dict.fromkeys(versions, entry)).save(repo / source.lock_path.name)
+    return repo
 
 
 def _set_epoch(stack: PrivateStack, epoch: int) -> None:
@@ -112,9 +136,17 @@ class FaultEnv:
     api: Api | None = None
     epoch: int = 0
 
+    @property
+    def lock(self) -> Lock:
+        """The lock of the repository the stack's ``freshline`` processes run on."""
+        if self.stack.repo is None:
+            return Lock.load()
+        return Lock.load(self.stack.repo / active().lock_path.name)
+
     @classmethod
     def create(cls, stack: PrivateStack, cases: Sequence[Case], profile: Profile) -> FaultEnv:
         stack.up()
+        stack.repo = _repository(stack.directory, stack.settings.schema_version)
         epoch = xid_epoch(profile)
         if epoch:
             _set_epoch(stack, epoch)
@@ -144,6 +176,12 @@ class FaultEnv:
             ),
             "postgres": toxi.create(
                 "postgres", listen=pg_port, upstream=f"127.0.0.1:{stack.ports['pg']}"
+            ),
+            # The broker's second listener advertises this proxy's port (scripts/stack).
+            "kafka": toxi.create(
+                "kafka",
+                listen=stack.ports["kafka_proxied_advertised"],
+                upstream=f"127.0.0.1:{stack.ports['kafka_proxied']}",
             ),
         }
         with engine.connect() as conn:
@@ -184,6 +222,8 @@ class FaultEnv:
             restarted.append("postgres synchronous replication settings")
         if injectors.heal_topic(self.admin, qualified(self.settings, DLQ), "max.message.bytes"):
             restarted.append("the dead-letter topic's max.message.bytes")
+        if injectors.reset_deploy(self.redis):
+            restarted.append("the deploy pointer (back to the settings' version)")
         return restarted
 
 
@@ -270,6 +310,8 @@ class Run:
         if "postgres" in self.scenario.via:
             url = make_url(s.postgres_url).set(port=self.proxies["postgres"].port)
             update["postgres_url"] = url.render_as_string(hide_password=False)
+        if "kafka" in self.scenario.via:
+            update["kafka_bootstrap"] = f"127.0.0.1:{self.proxies['kafka'].port}"
         return s.model_copy(update=update)
 
     def group_members(self) -> int:
@@ -394,7 +436,7 @@ def run_case(
         workload.observe()
         if env.api is not None:
             key = create_api_key(env.engine, tenant, label="faults-readers")
-            readers = Readers(env.api, key, settings, workload.watched).start()
+            readers = Readers(env.api, key, settings, workload.watched, env.lock).start()
         thread = workload.start(profile.changes, profile.rate)
         try:
             scenario.inject(run)

@@ -21,7 +21,8 @@
   below the records' size makes the broker refuse every produce to it
   (``MSG_SIZE_TOO_LARGE``) while it stays readable; deleting the override heals it.
 
-:func:`heal_postgres` and :func:`heal_topic` undo these, whatever state a case left.
+:func:`heal_postgres` and :func:`heal_topic` undo these, whatever state a case left;
+:func:`reset_deploy` undoes a deploy a scenario made (the pointer and its markers).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from confluent_kafka.admin import (
     ConfigSource,
 )
 from sqlalchemy.engine import Connection, Engine
+
+from pipeline.cache.versions import DEFAULT_POINTER
 
 ABSENT_STANDBY = "freshline_faults_absent_standby"
 """A standby name nothing connects as: synchronous commits wait for it for ever."""
@@ -230,6 +233,19 @@ def set_key(client: redis.Redis, key: str, value: bytes | str | None) -> None:
         client.delete(key)
     else:
         client.set(key, value)
+
+
+def reset_deploy(client: redis.Redis) -> bool:
+    """Clear the deploy pointer (active, next, previous and every retired marker), so the
+    next case starts on the settings' version, and tell listening readers (the read
+    API), which would otherwise keep the version they hold. Whether there was any."""
+    pointer = DEFAULT_POINTER
+    keys = [pointer.active_key, pointer.next_key, pointer.previous_key]
+    keys += client.scan_iter(match=f"{pointer.retired_prefix}:*", count=1000)
+    if not client.delete(*keys):
+        return False
+    client.publish(pointer.channel, "")
+    return True
 
 
 @dataclass

@@ -660,7 +660,7 @@ def check_readers(readers: Readers | None, workload: Workload, verdict: Verdict)
     got = judge(
         readers.answers, workload.history, workload.watched, readers.errors, workload.unsure
     )
-    verdict.readers = got.summary()
+    verdict.readers = {**got.summary(), "versions": dict(readers.versions)}
     if got.mismatches:
         verdict.failures.append(
             f"(e) readers: {len(got.mismatches)} of {got.present} served values were true "

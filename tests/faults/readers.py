@@ -59,6 +59,7 @@ import redis
 from pipeline.cache.client import FeatureClient
 from pipeline.cache.local import LocalTier
 from pipeline.cache.versions import VersionResolver
+from pipeline.core.lock import Lock
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from tests.faults.reference import FEATURE_SETS, Ref, Rows, Values, fingerprint, one, pieces
@@ -153,10 +154,19 @@ class Readers:
     """Reads ``refs`` in rounds through the API and the client, in a thread of its own,
     until :meth:`settle`; each answer kept as an :class:`Answer`."""
 
-    def __init__(self, api: Api, api_key: str, settings: Settings, refs: Sequence[Ref]) -> None:
+    def __init__(
+        self,
+        api: Api,
+        api_key: str,
+        settings: Settings,
+        refs: Sequence[Ref],
+        lock: Lock | None = None,
+    ) -> None:
         self.refs = list(refs)
         self.answers: list[Answer] = []
         self.errors: Counter[str] = Counter()
+        self.versions: Counter[str] = Counter()
+        """Present answers by reader and the schema version they were read from."""
         self._http = httpx.Client(
             base_url=api.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=5
         )
@@ -168,7 +178,7 @@ class Readers:
             self._redis,
             settings.schema_version,
             local=self._tier,
-            versions=VersionResolver(self._redis, settings),
+            versions=VersionResolver(self._redis, settings, lock=lock),
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="readers", daemon=True)
@@ -193,6 +203,7 @@ class Readers:
             self.errors[f"client: {type(exc).__name__}"] += 1
         else:
             received = time.time()
+            self.versions.update(f"client v{f.schema_version}" for f in got if f is not None)
             for (fs, t, e), f in zip(items, got, strict=True):
                 self.answers.append(
                     Answer("client", fs, (t, e), None, sent, received, self._grace)
@@ -224,7 +235,11 @@ class Readers:
             self.errors[f"api: {response.status_code}"] += 1
             return
         tenant = self.refs[0][0]
-        for item in response.json()["items"]:
+        body = response.json()
+        self.versions[f"api v{body['schema_version']}"] += sum(
+            item["values"] is not None for item in body["items"]
+        )
+        for item in body["items"]:
             self.answers.append(
                 Answer(
                     "api",

@@ -18,7 +18,8 @@ Adding one::
 
 ``expect_dead_letter`` (a predicate over a produced record) tells the oracle which
 records a scenario made bad on purpose, so their dead letters are expected; ``via``
-routes the consumers' Redis and/or Postgres connections through Toxiproxy.
+routes the consumers' Redis, Postgres and/or Kafka connections through Toxiproxy (Kafka:
+through the broker's second listener, which advertises the proxy's port).
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import httpx
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import Producer as RawProducer
+
 from consumers.events import decode
+from consumers.kafka import client_config
+from pipeline.api.auth import create_api_key
+from pipeline.cache.versions import state
 from pipeline.core.keys import ACTIVE_SCHEMA_KEY
 from pipeline.core.topics import DLQ, logical, qualified
 from tests.faults import injectors, oracle
@@ -54,7 +62,7 @@ class Scenario:
     short: bool = False
     """Part of the ``short`` profile (CI)."""
     via: tuple[str, ...] = ()
-    """Dependencies the consumers reach through Toxiproxy: "redis", "postgres"."""
+    """Dependencies the consumers reach through Toxiproxy: "redis", "postgres", "kafka"."""
     expect_dead_letter: Callable[[Record], bool] = lambda _r: False
     description: str = ""
 
@@ -417,6 +425,69 @@ def postgres_blackhole(run: Run) -> None:
     _blackhole(run, "postgres")
 
 
+def _refused_on_proxied_listener(run: Run) -> None:
+    """The consumers' login may not write a domain topic on the listener behind the
+    proxy either: the stack's ACLs name logins, not listeners."""
+    settings = run.consumer_settings()
+    topic = qualified(settings, "transaction.updated")
+    producer = RawProducer(
+        client_config(
+            settings, "producer", **{"enable.idempotence": False, "message.timeout.ms": 30000}
+        )
+    )
+    errors: list[KafkaError | None] = []
+    producer.produce(topic, b"{}", callback=lambda err, _msg: errors.append(err))
+    if producer.flush(60) or not errors:
+        raise TimeoutError(f"no answer to a write on {topic} through the proxy")
+    if errors[0] is None or errors[0].code() != KafkaError.TOPIC_AUTHORIZATION_FAILED:
+        raise KafkaException(
+            f"the consumers' login wrote {topic} through the proxied listener, or failed "
+            f"otherwise: {errors[0]}"
+        )
+    run.note(f"the consumers' login is refused a write on {topic} through the proxy (ACLs)")
+
+
+@scenario("kafka-partition", consumers=2, via=("kafka",))
+def kafka_partition(run: Run) -> None:
+    """Latency, then a silent partition past the session timeout, between the consumers
+    and Kafka (Toxiproxy); then healed.
+
+    The consumers bootstrap on the broker's second listener, which advertises the
+    proxy's port, so every connection they make to the broker goes through it; the
+    workload's producer and the oracle use the first. The black hole drops data both
+    ways and keeps connections open; it lasts until the group coordinator has evicted
+    every member (their session timeout) and the workload has moved on, so the members
+    come back holding batches of a generation that is gone.
+    """
+    proxy = run.proxies["kafka"]
+    _refused_on_proxied_listener(run)
+    run.workload.wait_for(run.at(0.1, 0.25))
+    ms = run.rng.choice((50, 100, 200, 400))
+    toxic = proxy.latency(ms, ms // 4)
+    run.note(f"kafka: latency {ms} ms (jitter {ms // 4})")
+    try:
+        run.workload.wait_for(run.workload.progress + run.span(40, 120))
+    finally:
+        proxy.remove(toxic)
+    holes = [proxy.timeout(0), proxy.timeout(0, stream="downstream")]
+    run.note("kafka: black hole (data dropped both ways, connections left open)")
+    try:
+        wait_until(
+            lambda: run.group_members() == 0,
+            "the group to evict every member (session timeout)",
+            120,
+        )
+        run.note("the group evicted every member")
+        run.workload.wait_for(run.workload.progress + run.span(40, 120))
+    finally:
+        for hole in holes:
+            proxy.remove(hole)
+    run.note("kafka: partition healed")
+    members = len(run.fleet.alive())
+    wait_until(lambda: run.spread(members), "the members to rejoin and share the partitions", 180)
+    run.note(f"{members} members rejoined and share the partitions")
+
+
 # -- the group under a dependency outage --------------------------------------------------
 
 
@@ -641,6 +712,71 @@ def malformed_deploy_pointer(run: Run) -> None:
     if any(n != 1 for n in paused.values()):
         raise AssertionError(f"the pause is to be logged once per consumer, was {paused}")
     run.note(f"resumed; the pause logged once by each consumer ({paused})")
+
+
+def _cli(run: Run, *args: object) -> None:
+    """Run ``freshline ARGS`` as the operator; what it said (its progress bars left out)
+    goes into the history."""
+    lines = run.stack.freshline(*map(str, args)).splitlines()
+    said = " ".join(" ".join(line.split()) for line in lines if "━" not in line)
+    run.note(f"freshline {' '.join(map(str, args))}: {said[:240] or 'ok'}")
+
+
+def _served_version(run: Run, api_key: str, version: int) -> None:
+    """Wait until the read API serves ``version`` (it follows the deploy channel)."""
+    if run.env.api is None:
+        raise RuntimeError("no read API on the private stack")
+    url = f"{run.env.api.url}/v1/features/batch"
+    user = next(iter(sorted(run.workload.users)))
+
+    def serves() -> bool:
+        response = httpx.post(
+            url,
+            params={"mode": "cache-only"},
+            json={"feature_sets": ["txn_90d"], "entities": [user]},
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=5,
+        )
+        return response.status_code == 200 and response.json()["schema_version"] == version
+
+    wait_until(serves, f"the read API to serve schema version {version}", 30)
+
+
+@scenario("deploy-under-load", consumers=2)
+def deploy_under_load(run: Run) -> None:
+    """A deploy cycle under load through the CLI: start, warm, flip, roll back, flip
+    again, purge the version left; then a second deploy started, warmed and cancelled.
+
+    The new version is a redeploy of the same definitions (the private repository's
+    lock holds the next versions with this code's), so the consumers write both and
+    the oracle checks the active one; the readers follow the pointer throughout. Each
+    step waits for some of the workload's changes, so the consumers write under every
+    state of the pointer; after each flip the read API must serve the version flipped to.
+    """
+    tenant = run.workload.tenant
+    old = state(run.env.redis, run.env.settings).active
+    new, cancelled = old + 1, old + 2
+    key = create_api_key(run.env.engine, tenant, label="faults-deploy")
+
+    def then() -> None:
+        run.workload.wait_for(run.workload.progress + run.span(5, 20))
+
+    run.workload.wait_for(run.at(0.02, 0.06))
+    _cli(run, "deploy", "start", new)
+    then()
+    _cli(run, "warm", "--version", new, "--all", "--tenant", tenant)
+    then()
+    for version in (new, old, new):  # the flip, the rollback, the flip again
+        _cli(run, "deploy", "flip", version)
+        _served_version(run, key, version)
+        then()
+    _cli(run, "purge", "--version", old, "--force")
+    then()
+    _cli(run, "deploy", "start", cancelled)
+    _cli(run, "warm", "--version", cancelled, "--all", "--tenant", tenant)
+    then()
+    _cli(run, "deploy", "cancel")
+    _cli(run, "deploy", "status")
 
 
 # -- records the consumers must dead-letter -----------------------------------------------

@@ -30,7 +30,19 @@ ROOT = Path(__file__).resolve().parents[2]
 STACK_SCRIPT = ROOT / "scripts" / "stack"
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 SERVICES = ("postgres", "redis", "kafka", "connect", "toxiproxy")
-PORT_NAMES = ("pg", "redis", "kafka", "controller", "connect", "toxiproxy")
+PORT_NAMES = (
+    "pg",
+    "redis",
+    "kafka",
+    "controller",
+    "connect",
+    "toxiproxy",
+    "kafka_proxied",
+    "kafka_proxied_advertised",
+)
+"""Each given to ``scripts/stack`` as ``FRESHLINE_STACK_<NAME>_PORT``. ``kafka_proxied``
+is the broker's second client listener, which advertises ``kafka_proxied_advertised``:
+the Toxiproxy port in front of it (scripts/stack, ``write_kafka_conf``)."""
 
 
 class StackError(Exception):
@@ -110,6 +122,9 @@ class PrivateStack:
     partitions: int = 3
     extra_redis: dict[str, int] = field(default_factory=dict)
     """Redis servers a scenario started beside the stack's (name: port); ``down`` stops them."""
+    repo: Path | None = None
+    """The feature repository ``freshline`` children run on (``FRESHLINE_REPO``), if not
+    this process's."""
 
     @classmethod
     def allocate(cls, directory: Path, partitions: int = 3) -> PrivateStack:
@@ -197,6 +212,8 @@ class PrivateStack:
         env = {**clean_env(), **self.env_file()}
         if settings is not None:
             env.update(settings_env(settings))
+        if self.repo is not None:
+            env["FRESHLINE_REPO"] = str(self.repo)
         return env
 
     def script(self, *args: str, timeout: float = 300) -> str:
