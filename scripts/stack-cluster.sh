@@ -26,11 +26,14 @@
 #   redis     every node, replicas too: the single topology's ACL users (default user
 #             off; freshline-api, -writer, -admin), and freshline-replication, which
 #             may only replicate: replicas log in to their master with it
-#   kafka     no PLAINTEXT listener: clients log in with SCRAM-SHA-512 as freshline,
+#   kafka     no PLAINTEXT listener: clients log in with SCRAM-SHA-512 as the single
+#             topology's logins (freshline-consumer, -producer, -connect, -admin),
 #             brokers to each other as freshline-broker; the controllers' listener
 #             takes SASL/PLAIN as freshline-controller only (a controller cannot check
 #             SCRAM, whose credentials live in the metadata it serves, and without a
-#             login anyone could alter the brokers' configuration through it)
+#             login anyone could alter the brokers' configuration through it). The
+#             StandardAuthorizer, as there: the broker, controller and admin logins
+#             are super users, and `up` grants the others kafka_acls's list
 #   postgres  the owner freshline is no superuser; freshline_api and freshline_consumer
 #             as on the single topology (no freshline_cdc: no Debezium here); the
 #             standby replicates as postgres over the 0700 local socket
@@ -46,9 +49,8 @@ CL_CONTROLLER_PORTS=(19192 19193 19194)
 CL_PG_PORT=15432
 CL_PG_REPLICA_PORT=15433
 CL_REDIS_REPLICATION_USER=freshline-replication
-# The clients' SCRAM login (the cluster topology has one for every client).
-CL_KAFKA_USER=freshline
-CL_KAFKA_BROKER_USER=freshline-broker
+# The brokers' SCRAM logins are the single topology's (KAFKA_LOGINS); the controllers
+# take this one PLAIN login.
 CL_KAFKA_CONTROLLER_USER=freshline-controller
 CL_KAFKA_SCRAM=SCRAM-SHA-512
 CL_KAFKA_OPTS=(-Xms256m -Xmx384m -XX:+UseSerialGC -XX:+ExitOnOutOfMemoryError
@@ -183,10 +185,11 @@ inter.broker.listener.name=SASL
 listener.security.protocol.map=SASL:SASL_PLAINTEXT,CONTROLLER:SASL_PLAINTEXT
 sasl.enabled.mechanisms=$CL_KAFKA_SCRAM
 sasl.mechanism.inter.broker.protocol=$CL_KAFKA_SCRAM
-listener.name.sasl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="$CL_KAFKA_BROKER_USER" password="$(secret kafka-broker)";
+listener.name.sasl.scram-sha-512.sasl.jaas.config=$(scram_jaas "$KAFKA_BROKER_USER" kafka-broker)
 listener.name.controller.sasl.enabled.mechanisms=PLAIN
 sasl.mechanism.controller.protocol=PLAIN
 listener.name.controller.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required username="$CL_KAFKA_CONTROLLER_USER" password="$(secret kafka-controller)" user_$CL_KAFKA_CONTROLLER_USER="$(secret kafka-controller)";
+$(kafka_authorizer_conf "$CL_KAFKA_CONTROLLER_USER")
 log.dirs=$dir/data
 num.partitions=1
 default.replication.factor=3
@@ -205,13 +208,7 @@ num.replica.fetchers=1
 log.retention.hours=24
 EOF
   if [[ ! -s $dir/data/meta.properties ]]; then
-    cid="$(cat "$CL/kafka/cluster.id")"
-    java -Xmx256m -XX:+UseSerialGC -XX:TieredStopAtLevel=1 -Dfreshline.log="$dir/format.log" \
-      -Dlog4j2.configurationFile="$STACK/conf/log4j2.properties" -cp "$LIB/*" \
-      kafka.tools.StorageTool format -t "$cid" -c "$dir/server.properties" \
-      --add-scram "$CL_KAFKA_SCRAM=[name=$CL_KAFKA_BROKER_USER,password=$(secret kafka-broker)]" \
-      --add-scram "$CL_KAFKA_SCRAM=[name=$CL_KAFKA_USER,password=$(secret kafka-scram)]" \
-      >"$dir/format.out" 2>&1 || fail "$name: storage format failed" "$dir/format.out"
+    kafka_format "$dir" "$(cat "$CL/kafka/cluster.id")" "$name"
   fi
   : >"$dir/kafka.log"
   setsid nohup java "${CL_KAFKA_OPTS[@]}" -Dfreshline.log="$dir/kafka.log" -cp "$LIB/*" \
@@ -219,48 +216,37 @@ EOF
   echo $! >"$STACK/run/$name.pid"
 }
 
-# cl_kafka_client_config: the Kafka tools' login (mode 600), as the client user.
-cl_kafka_client_config() {
-  (
-    umask 077
-    cat >"$CL/kafka/client.properties" <<EOF
-security.protocol=SASL_PLAINTEXT
-sasl.mechanism=$CL_KAFKA_SCRAM
-sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="$CL_KAFKA_USER" password="$(secret kafka-scram)";
-EOF
-  )
-}
-
 cl_kafka_brokers_registered() {
-  java -Xmx128m -XX:+UseSerialGC -XX:TieredStopAtLevel=1 -Dfreshline.log="$CL/kafka/tools.log" \
-    -Dlog4j2.configurationFile="$STACK/conf/log4j2.properties" -cp "$LIB/*" \
-    org.apache.kafka.tools.BrokerApiVersionsCommand --bootstrap-server "$(cl_kafka_bootstrap)" \
-    --command-config "$CL/kafka/client.properties" >"$CL/kafka/brokers.out" 2>&1 || return 1
+  kafka_tool "$CL/kafka" "$(cl_kafka_bootstrap)" "$CL/kafka/brokers.out" \
+    org.apache.kafka.tools.BrokerApiVersionsCommand || return 1
   [[ "$(grep -c '^[^ ].*(id: [0-9]' "$CL/kafka/brokers.out")" -ge 3 ]]
 }
 
 cl_up_kafka() {
   local i
-  # Storage formatted before the brokers had SCRAM users has none, and its brokers
-  # could not log in to each other: the topology's data is disposable, format it again.
-  if [[ -s $CL/kafka/cluster.id && ! -s $CL/kafka/scram-users ]]; then
+  # Storage formatted without this script's logins (before SCRAM, or with the one
+  # client login the topology had before its ACLs) cannot gain them, and brokers
+  # started from it run without the authorizer: the topology's data is disposable,
+  # format it again.
+  if [[ -s $CL/kafka/cluster.id ]] && ! kafka_has_logins "$CL/kafka"; then
     for i in 1 2 3; do
       [[ -z "$(pid_of "kafka-$i")" ]] ||
-        fail "kafka-$i runs without SCRAM: scripts/stack down --topology cluster, then up"
+        fail "kafka-$i runs without the logins and ACLs: scripts/stack down --topology cluster, then up"
     done
-    say "kafka cluster: storage made before SCRAM, formatting it again"
+    say "kafka cluster: storage made without the logins, formatting it again"
     rm -rf "$CL/kafka"
   fi
   mkdir -p "$CL/kafka"
-  cl_kafka_client_config
+  kafka_admin_properties "$CL/kafka"
   [[ -s $CL/kafka/cluster.id ]] ||
     head -c16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n' >"$CL/kafka/cluster.id"
   for i in 1 2 3; do cl_up_kafka_node "$i"; done
-  echo "$CL_KAFKA_BROKER_USER $CL_KAFKA_USER" >"$CL/kafka/scram-users"
+  echo "$KAFKA_LOGINS" >"$CL/kafka/logins"
   for i in 1 2 3; do
     wait_until "kafka-$i" "$CL/kafka/$i/kafka.log" "kafka-$i" port_open "${CL_KAFKA_PORTS[$((i - 1))]}"
   done
   wait_until "kafka brokers" "$CL/kafka/1/kafka.log" kafka-1 cl_kafka_brokers_registered
+  kafka_acls "$CL/kafka" "$(cl_kafka_bootstrap)"
   say "kafka cluster up on $(cl_kafka_bootstrap)"
 }
 
@@ -397,13 +383,7 @@ cl_write_env() {
     fi
     env_redis 7001 "$CL/redis/security"
     env_line FRESHLINE_REDIS_CLUSTER "1"
-    env_line FRESHLINE_KAFKA_BOOTSTRAP "$(cl_kafka_bootstrap)"
-    if [[ -s $CL/kafka/scram-users ]]; then
-      env_line FRESHLINE_KAFKA_SECURITY_PROTOCOL sasl_plaintext
-      env_line FRESHLINE_KAFKA_SASL_MECHANISM "$CL_KAFKA_SCRAM"
-      env_line FRESHLINE_KAFKA_SASL_USERNAME "$CL_KAFKA_USER"
-      env_line FRESHLINE_KAFKA_SASL_PASSWORD "$(secret kafka-scram)"
-    fi
+    env_kafka "$(cl_kafka_bootstrap)" "$CL/kafka"
     env_line FRESHLINE_TOPIC_REPLICATION "3"
     env_line FRESHLINE_STACK_TOPOLOGY cluster
     env_line PGHOST "$HOST"

@@ -17,17 +17,21 @@ from urllib.parse import urlsplit
 
 import pytest
 import sqlalchemy as sa
-from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
-from pydantic import SecretStr
 from sqlalchemy.engine import Engine, make_url
 
-from consumers.kafka import Consumer, DeliveryFailed, Producer, admin_client
-from consumers.topics import ensure
 from pipeline.cdc.connect import ConnectClient, connector_config, drop_slot, names
 from pipeline.core.http import fetch
 from pipeline.core.settings import Settings
-from pipeline.core.topics import INVALIDATIONS
 from tests.helpers import kafka_login, need, wait_until
+from tests.kafka_acls import (
+    FORBIDDEN_WRITES,
+    acl_topics,
+    anonymous,
+    assert_each_writer_writes_its_topics,
+    assert_group_refused,
+    assert_refused_everything,
+    assert_write_refused,
+)
 
 
 def _properties(path: str) -> dict[str, str]:
@@ -177,57 +181,13 @@ def test_connect_rest_listens_on_loopback_only(settings: Settings) -> None:
 
 
 # ------------------------------------------------------------------------ Kafka ACLs
-# The stack grants its ACLs for the default topic layout (no FRESHLINE_TOPIC_PREFIX):
-# CDC topics are freshline.public.<table>, and a domain-event topic is any name outside
-# freshline.*, _connect-* and __*.
-
-REFUSED_S = 10.0
-"""How long a producer tries to deliver before it reports the message as failed."""
+# The checks are shared with the cluster topology's brokers (tests/kafka_acls.py).
 
 
 @pytest.fixture
 def kafka_topics(settings: Settings) -> Iterator[dict[str, str]]:
-    """A domain-event topic and a CDC topic of their own, made by the operator (the
-    tests' login), and the invalidations topic."""
-    tag = uuid.uuid4().hex[:10]
-    topics = {
-        "domain": f"acltest{tag}.created",
-        "cdc": f"freshline.public.acltest_{tag}",
-        "invalidations": INVALIDATIONS,
-    }
-    admin = admin_client(settings)
-    ensure(admin, 1, topics=topics.values())
-    yield topics
-    for future in admin.delete_topics([topics["domain"], topics["cdc"]]).values():
-        future.result()
-
-
-def _anonymous(settings: Settings) -> Settings:
-    return settings.model_copy(
-        update={
-            "kafka_security_protocol": "plaintext",
-            "kafka_sasl_mechanism": "",
-            "kafka_sasl_username": "",
-            "kafka_sasl_password": SecretStr(""),
-        }
-    )
-
-
-def _produce(settings: Settings, topic: str) -> KafkaError | None:
-    """Produce one record to ``topic``; the error it failed with, or None."""
-    producer = Producer(settings, **{"message.timeout.ms": int(REFUSED_S * 1000)})
-    producer.produce(topic, b"forged", key=b"k")
-    try:
-        producer.flush(REFUSED_S * 3)
-    except DeliveryFailed as exc:
-        return exc.error
-    return None
-
-
-def _end_offset(settings: Settings, topic: str) -> int:
-    """The end offset of ``topic``'s partition 0, read with ``settings``' login."""
-    with Consumer(settings, **{"group.id": "freshline-acltest"}) as consumer:
-        return int(consumer.inner.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)[1])
+    with acl_topics(settings) as topics:
+        yield topics
 
 
 def test_kafka_refuses_a_client_without_a_login(
@@ -235,68 +195,26 @@ def test_kafka_refuses_a_client_without_a_login(
 ) -> None:
     """Nothing answers a client without a login: it can produce neither a domain event
     nor a CDC record, and cannot read the invalidations (not even their offsets)."""
-    anonymous = _anonymous(settings)
-    for kind in ("domain", "cdc"):
-        assert _produce(anonymous, kafka_topics[kind]) is not None, kind
-        assert _end_offset(settings, kafka_topics[kind]) == 0, f"{kind}: a record got in"
-    with pytest.raises(KafkaException):
-        _end_offset(anonymous, kafka_topics["invalidations"])
+    assert_refused_everything(settings, anonymous(settings), kafka_topics)
 
 
-@pytest.mark.parametrize(
-    ("login", "kind"),
-    [
-        ("producer", "cdc"),
-        ("producer", "invalidations"),
-        ("connect", "domain"),
-        ("consumer", "cdc"),
-        ("consumer", "domain"),
-    ],
-)
+@pytest.mark.parametrize(("login", "kind"), FORBIDDEN_WRITES)
 def test_a_login_may_not_write_another_logins_topics(
     settings: Settings, kafka_topics: dict[str, str], login: str, kind: str
 ) -> None:
     """The domain-event producer cannot forge a CDC record or an invalidation; Debezium's
     login writes no domain event; the consumers write neither."""
-    error = _produce(kafka_login(settings, login), kafka_topics[kind])
-    assert error is not None and error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED, error
+    assert_write_refused(kafka_login(settings, login), kafka_topics[kind])
 
 
 def test_each_writer_writes_its_topics_and_the_consumer_reads_them(
     settings: Settings, kafka_topics: dict[str, str]
 ) -> None:
-    """The producer login writes a domain event, Connect's login a CDC record, and the
-    consumers' login reads both, in a group of its own (``freshline*``)."""
-    assert _produce(kafka_login(settings, "producer"), kafka_topics["domain"]) is None
-    assert _produce(kafka_login(settings, "connect"), kafka_topics["cdc"]) is None
-    group = f"freshline-acltest-{uuid.uuid4().hex[:8]}"
-    reader = kafka_login(settings, "consumer")
-    got: list[str] = []
-    with Consumer(reader, **{"group.id": group}) as consumer:
-        consumer.subscribe([kafka_topics["domain"], kafka_topics["cdc"]])
-
-        def received() -> bool:
-            msg: Message | None = consumer.poll(0.5)
-            if msg is not None:
-                got.append(str(msg.topic()))
-            return len(got) == 2
-
-        assert wait_until(received, timeout=60), got
-    assert sorted(got) == sorted([kafka_topics["domain"], kafka_topics["cdc"]])
+    assert_each_writer_writes_its_topics(lambda login: kafka_login(settings, login), kafka_topics)
 
 
 def test_the_consumer_login_may_not_join_other_groups(
     settings: Settings, kafka_topics: dict[str, str]
 ) -> None:
-    errors: list[KafkaError] = []
-    reader = kafka_login(settings, "consumer")
-    with Consumer(reader, **{"group.id": f"other-{uuid.uuid4().hex[:8]}"}) as consumer:
-        consumer.subscribe([kafka_topics["domain"]])
-
-        def refused() -> bool:
-            msg = consumer.inner.poll(0.5)
-            if msg is not None and (error := msg.error()) is not None:
-                errors.append(error)
-            return any(e.code() == KafkaError.GROUP_AUTHORIZATION_FAILED for e in errors)
-
-        assert wait_until(refused, timeout=60), errors
+    group = f"other-{uuid.uuid4().hex[:8]}"
+    assert_group_refused(kafka_login(settings, "consumer"), group, kafka_topics["domain"])

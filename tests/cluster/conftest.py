@@ -5,8 +5,9 @@ Skipped when that topology is not up, unless ``FRESHLINE_CLUSTER_REQUIRED=1`` (s
 scripts/test, which starts it): then a missing topology fails the run. The settings
 come from ``.stack/cluster/env``, never from the single topology's. As on the single
 topology (tests/helpers.py), the tests act as the operator: the Postgres owner, the
-Redis admin and the brokers' SCRAM user; the least-privilege logins stay in
-``cluster_env`` for the tests of those logins (test_cluster_security.py).
+Redis admin and the Kafka admin; the least-privilege logins stay in ``cluster_env``
+(:func:`kafka_login`) for the clients that are services and for the tests of those
+logins (test_cluster_security.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
+from confluent_kafka.admin import (
+    AclBindingFilter,
+    AclOperation,
+    AclPermissionType,
+    AdminClient,
+    ResourcePatternType,
+    ResourceType,
+)
+from pydantic import SecretStr
 
 from pipeline.core.services import kafka_security_config, redis_client
 from pipeline.core.settings import Settings
@@ -84,6 +94,9 @@ def cluster_settings(cluster_env: dict[str, str]) -> Settings:
     if "FRESHLINE_STACK_REDIS_ADMIN_USER" in cluster_env:
         fields["redis_username"] = cluster_env["FRESHLINE_STACK_REDIS_ADMIN_USER"]
         fields["redis_password"] = cluster_env["FRESHLINE_STACK_REDIS_ADMIN_PASSWORD"]
+    if "FRESHLINE_STACK_KAFKA_ADMIN_USER" in cluster_env:
+        fields["kafka_sasl_username"] = cluster_env["FRESHLINE_STACK_KAFKA_ADMIN_USER"]
+        fields["kafka_sasl_password"] = cluster_env["FRESHLINE_STACK_KAFKA_ADMIN_PASSWORD"]
     # Credentials the single topology's .stack/env may set must not reach this one.
     for name in (
         "redis_username",
@@ -113,6 +126,42 @@ def cluster_redis(cluster_settings: Settings) -> Iterator[redis.Redis]:
     for node in nodes:
         if node.redis_connection is not None:
             node.redis_connection.connection_pool.disconnect()
+
+
+def kafka_login(settings: Settings, cluster_env: dict[str, str], login: str) -> Settings:
+    """``settings`` logged in to the brokers as one of the cluster's logins: ``consumer``
+    (the env file's default), ``producer`` (domain events), ``connect`` or ``admin``."""
+    if login == "consumer":
+        user, password = "FRESHLINE_KAFKA_SASL_USERNAME", "FRESHLINE_KAFKA_SASL_PASSWORD"
+    else:
+        user, password = (
+            f"FRESHLINE_STACK_KAFKA_{login.upper()}_{k}" for k in ("USER", "PASSWORD")
+        )
+    return settings.model_copy(
+        update={
+            "kafka_sasl_username": cluster_env[user],
+            "kafka_sasl_password": SecretStr(cluster_env[password]),
+        }
+    )
+
+
+def revoke_writer(admin: AdminClient, user: str, topics: list[str]) -> None:
+    """Remove every ACL of the SASL login ``user`` on ``topics`` (literal names), as
+    :func:`consumers.topics.allow_writer` added them."""
+    filters = [
+        AclBindingFilter(
+            ResourceType.TOPIC,
+            name,
+            ResourcePatternType.LITERAL,
+            f"User:{user}",
+            "*",
+            AclOperation.ANY,
+            AclPermissionType.ANY,
+        )
+        for name in topics
+    ]
+    for future in admin.delete_acls(filters).values():
+        future.result()
 
 
 def kafka_config(settings: Settings, **config: Any) -> dict[str, Any]:

@@ -1,10 +1,11 @@
 """Least privilege on the cluster topology, as on the single one (issue 28 item 9,
 issue 30 item 10): every Redis node, replicas included, has the ACL users and no
-default user; the brokers take only SCRAM logins; the Postgres owner is no superuser
-and its password is made per instance (``-m cluster``; see conftest).
+default user; the brokers take only SCRAM logins and allow each only what the single
+topology's ACLs grant it; the Postgres owner is no superuser and its password is made
+per instance (``-m cluster``; see conftest).
 
-The logins come from ``.stack/cluster/env``; the tests of what a login may not do ask
-``ACL DRYRUN`` (as the admin) where a command let through would harm the shared
+The logins come from ``.stack/cluster/env``; the tests of what a Redis login may not do
+ask ``ACL DRYRUN`` (as the admin) where a command let through would harm the shared
 topology.
 """
 
@@ -14,12 +15,19 @@ import os
 import socket
 import stat
 import struct
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 import sqlalchemy as sa
+from confluent_kafka.admin import (
+    ScramCredentialInfo,
+    ScramMechanism,
+    UserScramCredentialDeletion,
+    UserScramCredentialUpsertion,
+)
 from pydantic import SecretStr
 from sqlalchemy.engine import make_url
 
@@ -28,12 +36,14 @@ from pipeline.core.errors import ServiceUnavailable
 from pipeline.core.keys import ACTIVE_SCHEMA_KEY, INVALIDATION_CHANNEL
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
-from tests.cluster.conftest import ENV_FILE
-from tests.helpers import assert_kafka_refuses
+from tests import kafka_acls
+from tests.cluster.conftest import ENV_FILE, kafka_login
+from tests.helpers import assert_kafka_refuses, wait_until
 
 pytestmark = pytest.mark.cluster
 
 REDIS_PORTS = (7001, 7002, 7003, 7004, 7005, 7006)
+BROKER_PORTS = (19092, 19093, 19094)
 FEATURE_KEY = "feat:1:txn_90d:{t:1}"
 
 
@@ -257,6 +267,9 @@ def test_the_env_file_is_private_and_names_every_login() -> None:
         "FRESHLINE_STACK_POSTGRES_SUPERUSER_URL",
         "FRESHLINE_KAFKA_SASL_USERNAME",
         "FRESHLINE_KAFKA_SASL_PASSWORD",
+        "FRESHLINE_STACK_KAFKA_PRODUCER_USER",
+        "FRESHLINE_STACK_KAFKA_CONNECT_USER",
+        "FRESHLINE_STACK_KAFKA_ADMIN_USER",
     ):
         assert f"\n{name}=" in text, name
 
@@ -264,23 +277,15 @@ def test_the_env_file_is_private_and_names_every_login() -> None:
 # ------------------------------------------------------------------------ Kafka SCRAM
 
 
-def without_login(settings: Settings, bootstrap: str) -> Settings:
-    return settings.model_copy(
-        update={
-            "kafka_bootstrap": bootstrap,
-            "kafka_security_protocol": "plaintext",
-            "kafka_sasl_mechanism": "",
-            "kafka_sasl_username": "",
-            "kafka_sasl_password": SecretStr(""),
-        }
-    )
+def on_broker(settings: Settings, port: int) -> Settings:
+    return settings.model_copy(update={"kafka_bootstrap": f"127.0.0.1:{port}"})
 
 
-@pytest.mark.parametrize("port", [19092, 19093, 19094])
+@pytest.mark.parametrize("port", BROKER_PORTS)
 def test_a_broker_refuses_a_client_without_a_login(cluster_settings: Settings, port: int) -> None:
     assert cluster_settings.kafka_security_protocol == "sasl_plaintext"
     with pytest.raises(ServiceUnavailable):
-        admin_client(without_login(cluster_settings, f"127.0.0.1:{port}"))
+        admin_client(on_broker(kafka_acls.anonymous(cluster_settings), port))
 
 
 def test_a_wrong_scram_password_is_refused(cluster_settings: Settings) -> None:
@@ -293,7 +298,7 @@ def test_a_wrong_scram_password_is_refused(cluster_settings: Settings) -> None:
 def test_the_scram_login_reaches_all_three_brokers(cluster_settings: Settings) -> None:
     admin = admin_client(cluster_settings)
     brokers = admin.list_topics(timeout=15).brokers
-    assert sorted(b.port for b in brokers.values()) == [19092, 19093, 19094]
+    assert sorted(b.port for b in brokers.values()) == list(BROKER_PORTS)
 
 
 def describe_cluster(port: int) -> bytes:
@@ -323,3 +328,85 @@ def test_a_controller_answers_no_client_without_a_login(port: int) -> None:
     """A controller's listener serves the Admin API (describe and alter the brokers'
     configurations): without a login it must close the connection, never answer."""
     assert describe_cluster(port) == b""
+
+
+# ------------------------------------------------------------------------ Kafka ACLs
+# The brokers run the StandardAuthorizer with the single topology's ACLs (scripts/stack's
+# kafka_acls, granted at `up`): the single topology's checks (tests/kafka_acls.py), on
+# topics replicated over the three brokers.
+
+
+@pytest.fixture
+def kafka_topics(cluster_settings: Settings) -> Iterator[dict[str, str]]:
+    with kafka_acls.acl_topics(cluster_settings) as topics:
+        yield topics
+
+
+@pytest.fixture
+def stranger(cluster_settings: Settings) -> Iterator[Settings]:
+    """A SCRAM login of its own that no ACL names, made by the operator (and removed
+    after) once every broker takes it."""
+    user, password = f"freshline-stranger-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    admin = admin_client(cluster_settings)
+    scram = ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 4096)
+    for future in admin.alter_user_scram_credentials(
+        [UserScramCredentialUpsertion(user, scram, password.encode())]
+    ).values():
+        future.result()
+    login = cluster_settings.model_copy(
+        update={"kafka_sasl_username": user, "kafka_sasl_password": SecretStr(password)}
+    )
+
+    def every_broker_takes_it() -> bool:
+        try:
+            for port in BROKER_PORTS:
+                admin_client(on_broker(login, port))
+        except ServiceUnavailable:
+            return False
+        return True
+
+    assert wait_until(every_broker_takes_it, timeout=60)
+    yield login
+    for future in admin.alter_user_scram_credentials(
+        [UserScramCredentialDeletion(user, ScramMechanism.SCRAM_SHA_512)]
+    ).values():
+        future.result()
+
+
+def test_the_brokers_refuse_a_login_no_acl_names(
+    cluster_settings: Settings, kafka_topics: dict[str, str], stranger: Settings
+) -> None:
+    """A login the operator made but granted nothing (``allow.everyone.if.no.acl.found``
+    stays false) can produce neither a domain event nor a CDC record, and cannot read
+    the invalidations; without a login nothing answers at all (above)."""
+    kafka_acls.assert_refused_everything(cluster_settings, stranger, kafka_topics)
+
+
+@pytest.mark.parametrize(("login", "kind"), kafka_acls.FORBIDDEN_WRITES)
+def test_a_login_may_not_write_another_logins_topics(
+    cluster_settings: Settings,
+    cluster_env: dict[str, str],
+    kafka_topics: dict[str, str],
+    login: str,
+    kind: str,
+) -> None:
+    """As on the single topology: the producer forges no CDC record or invalidation,
+    Debezium's login writes no domain event, the consumers write neither."""
+    refused = kafka_login(cluster_settings, cluster_env, login)
+    kafka_acls.assert_write_refused(refused, kafka_topics[kind])
+
+
+def test_each_writer_writes_its_topics_and_the_consumer_reads_them(
+    cluster_settings: Settings, cluster_env: dict[str, str], kafka_topics: dict[str, str]
+) -> None:
+    kafka_acls.assert_each_writer_writes_its_topics(
+        lambda login: kafka_login(cluster_settings, cluster_env, login), kafka_topics
+    )
+
+
+def test_the_consumer_login_may_not_join_other_groups(
+    cluster_settings: Settings, cluster_env: dict[str, str], kafka_topics: dict[str, str]
+) -> None:
+    consumer = kafka_login(cluster_settings, cluster_env, "consumer")
+    group = f"other-{uuid.uuid4().hex[:8]}"
+    kafka_acls.assert_group_refused(consumer, group, kafka_topics["domain"])

@@ -1,8 +1,9 @@
 """The consumer itself on the cluster topology: a real ``Worker`` reads domain events
 from the three brokers (topics replicated 3 times), recomputes on the Postgres primary
 and writes to the Redis Cluster, with the consumers' own logins (``freshline_consumer``,
-the Redis writer, the brokers' SCRAM user); the auditor then finds every entry present
-and equal to Postgres (``-m cluster``; see conftest)."""
+the Redis writer, ``freshline-consumer`` on the brokers), fed by the domain-event
+producer's login; the auditor then finds every entry present and equal to Postgres
+(``-m cluster``; see conftest)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,14 @@ from confluent_kafka.admin import AdminClient
 from pydantic import SecretStr
 
 from consumers.kafka import Producer
-from consumers.topics import ensure, managed_topics
+from consumers.topics import allow_writer, ensure, managed_topics
 from consumers.worker import Worker
 from pipeline.cache.store import FeatureStore
 from pipeline.core.settings import Settings
-from pipeline.core.topics import qualified
+from pipeline.core.topics import DLQ, INVALIDATIONS, qualified
 from pipeline.core.types import EntityRef
 from pipeline.observe.audit import Auditor
-from tests.cluster.conftest import add_tenant, kafka_config
+from tests.cluster.conftest import add_tenant, kafka_config, kafka_login, revoke_writer
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.cluster
@@ -44,7 +45,7 @@ def test_a_worker_on_the_cluster_writes_entries_the_auditor_finds_consistent(
     settings = cluster_settings.model_copy(
         update={
             "topic_prefix": f"cl{tag}.",
-            "consumer_group": f"cl-{tag}",
+            "consumer_group": f"freshline-cl-{tag}",  # the consumers' login's groups
             "schema_version": 960_000 + uuid.uuid4().int % 30_000,
             "batch_max_wait_ms": 20,
             "auto_offset_reset": "earliest",
@@ -65,7 +66,12 @@ def test_a_worker_on_the_cluster_writes_entries_the_auditor_finds_consistent(
             {"t": tenant, "n": USERS, "k": USERS * 3},
         ).all()
 
-    as_consumer = settings.model_copy(
+    # The stack grants the consumers' login the unprefixed dead-letter and invalidation
+    # topics; with a topic prefix, the operator allows its own (as for Debezium's).
+    consumer_writes = [qualified(settings, DLQ), qualified(settings, INVALIDATIONS)]
+    as_consumer = kafka_login(settings, cluster_env, "consumer")
+    allow_writer(admin, as_consumer.kafka_sasl_username, consumer_writes)
+    as_consumer = as_consumer.model_copy(
         update={
             "postgres_url": cluster_env["FRESHLINE_STACK_POSTGRES_CONSUMER_URL"],
             "redis_username": cluster_env["FRESHLINE_STACK_REDIS_WRITER_USER"],
@@ -76,7 +82,7 @@ def test_a_worker_on_the_cluster_writes_entries_the_auditor_finds_consistent(
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
-        with Producer(settings) as producer:
+        with Producer(kafka_login(settings, cluster_env, "producer")) as producer:
             for txn, user in ids:
                 producer.produce(
                     qualified(settings, "transaction.created"),
@@ -103,6 +109,7 @@ def test_a_worker_on_the_cluster_writes_entries_the_auditor_finds_consistent(
         assert not thread.is_alive()
         for future in admin.delete_topics(topics, operation_timeout=10).values():
             future.result()
+        revoke_writer(admin, as_consumer.kafka_sasl_username, consumer_writes)
     assert worker.totals.applied == len(ids) and worker.totals.dead_lettered == 0
     client: Any = cluster_redis
     masters = {client.get_node_from_key(store.key(r)).name for r in refs}

@@ -1,5 +1,7 @@
 """Three brokers: topics replicated 3 times (min.insync.replicas 2), and a broker
-killed while a producer writes loses nothing (``-m cluster``; see conftest)."""
+killed while a producer writes loses nothing (``-m cluster``; see conftest). The
+operator makes the topic; the domain-event producer's and the consumers' logins write
+and read it."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 
 from consumers.topics import ensure
 from pipeline.core.settings import Settings
-from tests.cluster.conftest import kafka_config, stack
+from tests.cluster.conftest import kafka_config, kafka_login, stack
 from tests.helpers import kafka_value, wait_until
 
 pytestmark = pytest.mark.cluster
@@ -20,7 +22,9 @@ pytestmark = pytest.mark.cluster
 N = 3000
 
 
-def test_a_killed_broker_loses_no_acknowledged_message(cluster_settings: Settings) -> None:
+def test_a_killed_broker_loses_no_acknowledged_message(
+    cluster_settings: Settings, cluster_env: dict[str, str]
+) -> None:
     admin = AdminClient(kafka_config(cluster_settings))
     topic = f"cluster-test-{uuid.uuid4().hex[:10]}"
     assert ensure(admin, 3, topics=[topic]).created == [topic]
@@ -55,7 +59,7 @@ def test_a_killed_broker_loses_no_acknowledged_message(cluster_settings: Setting
     leader = meta.partitions[0].leader
     producer = Producer(
         kafka_config(
-            cluster_settings,
+            kafka_login(cluster_settings, cluster_env, "producer"),
             acks="all",
             **{"enable.idempotence": True, "message.timeout.ms": 120_000},
         )
@@ -87,9 +91,9 @@ def test_a_killed_broker_loses_no_acknowledged_message(cluster_settings: Setting
 
     consumer = Consumer(
         kafka_config(
-            cluster_settings,
+            kafka_login(cluster_settings, cluster_env, "consumer"),
             **{
-                "group.id": f"g-{topic}",
+                "group.id": f"freshline-{topic}",
                 "auto.offset.reset": "earliest",
                 "enable.auto.commit": False,
             },
