@@ -119,13 +119,19 @@ def run(quick: bool) -> dict[str, Any]:
     for it in items:  # fill the tier
         local_client.get(*it)
 
+    def missed(item: tuple[str, str, str]) -> RuntimeError:
+        key = store.key(EntityRef(*item))
+        return RuntimeError(f"unexpected miss: {key} (PTTL {ctx.redis.pttl(key)} ms)")
+
     def client_get() -> None:
-        if client.get(*next_item()) is None:
-            raise RuntimeError("unexpected miss")
+        item = next_item()
+        if client.get(*item) is None:
+            raise missed(item)
 
     def local_get() -> None:
-        if local_client.get(*next_local()) is None:
-            raise RuntimeError("unexpected miss")
+        item = next_local()
+        if local_client.get(*item) is None:
+            raise missed(item)
 
     # Every key is present and the client does not decode responses: bytes, as cast.
     def raw_get_decode() -> Any:
