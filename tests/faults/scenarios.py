@@ -337,6 +337,10 @@ def postgres_async_commit_crash(run: Run) -> None:
         finally:
             injectors.crash_wal_writer(pid)
         run.note("WAL writer SIGKILLed: the postmaster's crash path")
+        # The workload waits from here until the recovered state is observed: a change
+        # it retries the moment Postgres is back would otherwise move that state on
+        # unseen, and an entry of it would look true at no moment.
+        run.workload.hold()
         run.stack.kill("postgres")
         run.note("postgres stopped immediately")
         # The workload is retrying its change while Postgres is down: its counts hold
@@ -352,6 +356,7 @@ def postgres_async_commit_crash(run: Run) -> None:
         run.workload.observe()
         run.note("postgres started (crash recovery); the recovered state observed")
     finally:
+        run.workload.release()
         injectors.heal_postgres(su)
     run.note("synchronous_commit reset, TEMPORARY granted to PUBLIC")
 

@@ -174,6 +174,8 @@ class Workload:
         self._done = False
         self._cond = threading.Condition()
         self._stop = threading.Event()
+        self._go = threading.Event()
+        self._go.set()
         with engine.connect() as conn:
             users = [
                 int(u)
@@ -235,6 +237,16 @@ class Workload:
 
     def stop(self) -> None:
         self._stop.set()
+        self._go.set()
+
+    def hold(self) -> None:
+        """Make no change from the next attempt on (one in flight ends first) until
+        :meth:`release`: a scenario observes a state nobody else writes, such as the
+        one a crash recovered, before a retried change moves it on."""
+        self._go.clear()
+
+    def release(self) -> None:
+        self._go.set()
 
     # -- running ------------------------------------------------------------------
 
@@ -352,6 +364,7 @@ class Workload:
         # depends on what the database answered.
         deadline = time.monotonic() + DB_RETRY_S
         while True:
+            self._go.wait()
             self._pending = set()
             self._cdc_pending = Counter()
             rows: Rows | None = None
