@@ -74,6 +74,7 @@ from pipeline.cache.recompute import (
     take_snapshot,
     wait_durable,
 )
+from pipeline.cache.server import RedisIdentity, recorded_identity, redis_identity
 from pipeline.cache.store import FeatureStore, WriteResult
 from pipeline.core.cluster import is_cluster, publish
 from pipeline.core.errors import FreshlineError
@@ -162,15 +163,6 @@ class SourceChanged(FreshlineError):
             "entries in Redis may hold lost transactions and outrank new watermarks. Purge "
             "every written schema version (or deploy a new one), then restart the consumers"
         )
-
-
-RedisIdentity = tuple[str, str]
-"""A Redis server's run id and replication id: a change means writes may be lost."""
-
-
-def redis_identity(info: dict[str, Any]) -> RedisIdentity:
-    """The :data:`RedisIdentity` in an ``INFO server replication`` reply."""
-    return str(info.get("run_id", "")), str(info.get("master_replid", ""))
 
 
 @dataclass(slots=True)
@@ -394,8 +386,8 @@ class Processor:
         change raise the floors, then record the new one. None recorded anywhere (a
         first start, or the key gone with its TTL): record it."""
         identity = redis_identity(info)
-        noted = tuple(recorded.decode().split(":", 1)) if recorded else None
-        before = noted if noted is not None and len(noted) == 2 else self.server
+        noted = recorded_identity(recorded)
+        before = noted if noted is not None else self.server
         if before is not None and before != identity:
             logger.error(
                 "the Redis server written to changed (run id %s, replication id %s; was "

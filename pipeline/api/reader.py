@@ -13,6 +13,11 @@ the thread pool, through :meth:`FeatureReader.read`. Each answer is the JSON obj
 the API sends for it (:class:`Answer`): one object per entity, built once, except in
 :meth:`FeatureReader.cached_batch` for a batch of hits, which answers the whole
 response's bytes, spliced from the stored entries (:mod:`pipeline.api.splice`).
+
+Neither serves an entry from a Redis server the consumers have not vouched for (one
+back with fewer writes than it acknowledged, :mod:`pipeline.cache.server`): the
+asyncio client's MGETs read as all absent then, as the store's reads do for
+:meth:`FeatureReader.read`.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pipeline.api.splice import Spliced, Splicer
 from pipeline.cache.arrivals import Arrivals
 from pipeline.cache.local import LocalTier
 from pipeline.cache.readthrough import ReadThrough
+from pipeline.cache.server import ServerGate, async_server_gate
 from pipeline.cache.tokens import Tokens
 from pipeline.core.clock import now_ms
 from pipeline.core.cluster import amget, is_cluster
@@ -194,6 +200,7 @@ class FeatureReader:
         # The MGETs' connections (pipeline.api.fastpath), for aredis unless a cluster.
         self._held: HeldConnections | None = None
         self._held_for: object = None
+        self._gate = ServerGate(vouched=True)  # aredis's (pipeline.cache.server)
 
     def close(self) -> None:
         """End the subscription reads asking for freshness wait with (if it started)."""
@@ -253,17 +260,24 @@ class FeatureReader:
         if self._held_for is not aredis:  # a client set since the last call
             self._held_for = aredis
             self._held = None if aredis is None or is_cluster(aredis) else HeldConnections(aredis)
+            if aredis is not None:
+                self._gate = async_server_gate(aredis)
         call = amget(aredis, keys) if self._held is None else self._held.mget(keys)
         if self.timeout_s is None or self._deadlines is None:
-            return await call
-        try:
-            return await self._deadlines.bound(call, self.timeout_s)
-        except TimeoutError:
-            # The cancelled command dropped its connection (redis-py disconnects on
-            # any interruption), so no reply is left behind for the next one.
-            raise redis.exceptions.TimeoutError(
-                f"Redis did not answer within {self.timeout_s:g} s"
-            ) from None
+            raws = await call
+        else:
+            try:
+                raws = await self._deadlines.bound(call, self.timeout_s)
+            except TimeoutError:
+                # The cancelled command dropped its connection (redis-py disconnects on
+                # any interruption), so no reply is left behind for the next one.
+                raise redis.exceptions.TimeoutError(
+                    f"Redis did not answer within {self.timeout_s:g} s"
+                ) from None
+        gate = self._gate
+        if gate.vouched or (aredis is not None and await gate.aadmits(aredis)):
+            return raws
+        return [None] * len(raws)
 
     async def cached_batch(
         self, lookup: Lookup, mode: Mode = "read-through"

@@ -10,6 +10,10 @@ With ``readthrough=``, a read may ask for freshness: ``after=`` a token from
 ``freshline.token()`` (:func:`pipeline.cache.tokens.freshline_token`), or
 ``max_staleness_ms=``; it then never answers ``None``, and never an entry older than
 asked (:mod:`pipeline.cache.freshness`).
+
+A Redis server back with fewer writes than it acknowledged (restarted from an older
+snapshot, a replica promoted) serves nothing until a consumer has raised the floors:
+its entries are misses meanwhile (:mod:`pipeline.cache.server`).
 """
 
 from __future__ import annotations

@@ -54,6 +54,12 @@ on the read path; the scripts' check keeps voided data from being written.
 
 Batched reads across slots (``get_many``) are grouped by slot into one ``MGET``
 each, all pipelined: one round trip per node that holds keys, never one per key.
+
+Reads serve nothing from a server the consumers have not vouched for
+(:mod:`pipeline.cache.server`: one that came back with fewer writes than it
+acknowledged, until a consumer has raised the floors): every entry reads as absent, and
+an entry the lease script finds there is answered as a lease another reader holds, which
+the read-through then computes for itself without storing.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from pipeline.cache.recompute import Batch
+from pipeline.cache.server import ServerGate, server_gate
 from pipeline.core.cluster import is_cluster, mget, rerouted_on_failure
 from pipeline.core.codec import (
     Row,
@@ -295,6 +302,17 @@ class FeatureStore:
         self._fields: dict[str, tuple[str, ...]] = {}  # per feature set, built once
         self._floor_keys: dict[str, str] = {}
         self.cluster = is_cluster(client)
+        self._gate: ServerGate | None = None  # installed by the first read
+
+    def vouched(self) -> bool:
+        """Whether the entries on the server may be served (:mod:`pipeline.cache.server`);
+        asked after a read's reply."""
+        gate = self._gate or self._gated()
+        return gate.vouched or gate.admits(self.redis)
+
+    def _gated(self) -> ServerGate:
+        self._gate = server_gate(self.redis)
+        return self._gate
 
     def key(self, ref: EntityRef, schema_version: int | None = None) -> str:
         self.registry[ref.feature_set]
@@ -304,7 +322,8 @@ class FeatureStore:
         """One MGET for all ``refs``; ``None`` where missing or a tombstone."""
         if not refs:
             return []
-        return self.entries(refs, mget(self.redis, self.read_keys(refs)))
+        raws = mget(self.redis, self.read_keys(refs))
+        return self.entries(refs, raws) if self.vouched() else [None] * len(refs)
 
     def read_keys(self, refs: Sequence[EntityRef]) -> list[str]:
         """What :meth:`read` fetches in its MGET: each ref's key, then each set's floor.
@@ -340,7 +359,8 @@ class FeatureStore:
         keys = item_keys(self.schema_version, items)
         names = [fs for fs, _, _ in items]
         keys += [self._floor_key(name) for name in dict.fromkeys(names)]
-        return self._rows_of(names, mget(self.redis, keys))
+        raws = mget(self.redis, keys)
+        return self._rows_of(names, raws) if self.vouched() else [None] * len(items)
 
     def _rows_of(
         self, names: Sequence[str], raws: Sequence[bytes | str | None]
@@ -422,8 +442,12 @@ class FeatureStore:
             calls.append((keys, (token, lease_ms, "1" if again else "")))
         calls = self._floors_as_args(calls)
         out: list[tuple[int, Entry | None]] = []
-        for ref, reply in zip(refs, self._run(self._lease, calls), strict=True):
+        replies = self._run(self._lease, calls)
+        vouched = self.vouched()
+        for ref, reply in zip(refs, replies, strict=True):
             code = int(reply[0])
+            if code == LEASE_FOUND and not vouched:  # see the module docstring
+                code = LEASE_BUSY
             out.append(
                 (code, self._decode(ref.feature_set, reply[1]) if code == LEASE_FOUND else None)
             )
@@ -449,7 +473,10 @@ class FeatureStore:
             return [], []
         keys = self.read_keys(refs)
         raws = mget(self.redis, keys + [lease_key(self.schema_version, r) for r in refs])
-        return self.entries(refs, raws[: len(keys)]), [raw is not None for raw in raws[len(keys) :]]
+        entries: list[Entry | None] = [None] * len(refs)
+        if self.vouched():
+            entries = self.entries(refs, raws[: len(keys)])
+        return entries, [raw is not None for raw in raws[len(keys) :]]
 
     def write(
         self,

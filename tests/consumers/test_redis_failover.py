@@ -32,6 +32,7 @@ from consumers.worker import Worker
 from fraud.seed import SeedSummary
 from pipeline.cache.store import FeatureStore
 from pipeline.core.errors import ConfigError
+from pipeline.core.keys import floor_key
 from pipeline.core.settings import Settings
 from pipeline.core.types import ChangeEvent, EntityRef
 from tests.consumers.conftest import Env, emit, wait_for
@@ -254,7 +255,11 @@ def test_a_failover_that_loses_a_truncate_floor_raises_every_floor(
     with failing_over(pair, client):  # the truncate's floor is lost with the old primary
         processor.apply([truncate_event()])
         assert store.read(risk) == [None] * len(users)
-    assert None not in store.read(risk)  # the lost floor revived every voided entry
+    # The lost floor revived every voided entry; readers serve none of them until a
+    # consumer has raised the floors (pipeline.cache.server).
+    assert client.get(floor_key(version, "device_risk")) is None
+    assert all(client.exists(store.key(r)) for r in risk)
+    assert store.read(risk) == [None] * len(users)
     # A consumer started after the failover: it knows the old server only from the
     # identity the consumers recorded, which the promoted replica holds.
     failovers: list[object] = []
@@ -280,11 +285,13 @@ def test_a_batch_after_a_failover_raises_the_floors_in_its_announce(
     store = FeatureStore(client, version)
     with failing_over(pair, client):
         processor.apply([touch(tenant, 5)])  # lost with the old primary
-    old = store.read([EntityRef("txn_90d", tenant, "4")])
-    assert old[0] is not None
+    assert client.exists(store.key(EntityRef("txn_90d", tenant, "4")))
     processor.apply([touch(tenant, 6)])
     # Every entry written before the change is void, the batch's own included; later
     # batches write again.
     assert store.read([EntityRef("txn_90d", tenant, u) for u in ("4", "6")]) == [None, None]
     processor.apply([touch(tenant, 6)])
-    assert store.read([EntityRef("txn_90d", tenant, "6")])[0] is not None
+    wait_for(  # readers ask the now recorded server again (pipeline.cache.server)
+        lambda: store.read([EntityRef("txn_90d", tenant, "6")])[0] is not None,
+        "readers to serve the server the consumer recorded",
+    )
