@@ -61,7 +61,12 @@ FEATURE_SET = "txn_90d"
 SERVER_WORKERS = 2
 GOOD_RATE = 50.0
 """The well-behaved tenant's requests per second (open loop, one connection)."""
-ABUSE_KINDS = ("predict", "ghost get", "ghost batch", "bad key", "llm flag")
+ALL_KINDS = ("predict", "ghost get", "ghost batch", "bad key", "llm flag")
+ABUSE_KINDS = tuple(
+    k for k in os.environ.get("FRESHLINE_BENCH_ABUSE_KINDS", ",".join(ALL_KINDS)).split(",") if k
+)
+"""The kinds of abuse sent (``FRESHLINE_BENCH_ABUSE_KINDS``, comma-separated, to see
+what each one costs alone)."""
 ABUSE_CONNECTIONS = 2
 ABUSER_NICE = int(os.environ.get("FRESHLINE_BENCH_ABUSER_NICE", "19"))
 """CPU priority of the abuser's client and of the second server (standing in for
@@ -124,7 +129,7 @@ class Abuser:
         key: str,
         model: str,
         tag: str,
-        kinds: tuple[str, ...] = ABUSE_KINDS,
+        kinds: tuple[str, ...] = ALL_KINDS,
         phase: int = 0,
     ) -> None:
         self.url, self.key, self.model, self.tag, self.kinds = url, key, model, tag, kinds
