@@ -351,6 +351,8 @@ def test_missing_or_unknown_keys_are_401(api: Api, header: str | None) -> None:
 
 def test_keys_are_cached_in_process(api: Api) -> None:
     auth = api.app.state.services.auth
+    # Only a lookup begun once the revocation subscription is live may be cached.
+    assert auth.wait_live(10), "the revocation subscription never became live"
     api.get("/v1/features/txn_90d/1")
     before = auth.lookups
     for _ in range(5):
