@@ -22,8 +22,9 @@ Before its first Redis write, the batch waits until Postgres has flushed its WAL
 the snapshot's position (:func:`~pipeline.cache.recompute.wait_durable`, which makes
 it flush if it does not soon by itself), so no entry
 holds a transaction committed asynchronously that a crash could still undo; and the
-snapshot's cluster and timeline must be those of the batches before
-(:class:`SourceChanged` otherwise).
+snapshot's cluster and timeline must be those of the batches before, and those
+recorded in Redis for every version written (:mod:`consumers.source`), so that a
+consumer started after the change finds it too (:class:`SourceChanged` otherwise).
 
 With ``wait_replicas``, step 4's pipeline ends with ``WAIT n timeout`` on the
 connection that published last: the Redis replication stream is one ordered log, so
@@ -61,6 +62,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from consumers.routing import Router
+from consumers.source import SourceRecord
 from pipeline.cache.invalidation import ALL, Invalidation
 from pipeline.cache.recompute import (
     Batch,
@@ -215,6 +217,10 @@ class Processor:
         """Makes Postgres flush (:meth:`_force`), or knows the role may not."""
         self.source: SourceIdentity | None = None
         """The Postgres history of this processor's first batch; every later one must match."""
+        self.record_ttl_ms = 2 * max((fs.ttl_s for fs in registry), default=3600) * 1000
+        """How long Redis keeps what the consumers record (twice the longest TTL)."""
+        self.record = SourceRecord(client, self.record_ttl_ms)
+        """The history recorded in Redis for each version written."""
         self.server: RedisIdentity | None = None
         """The Redis server the last batch was written to (not watched on a cluster)."""
 
@@ -224,7 +230,7 @@ class Processor:
         txids = [e.txid for e in events if e.txid is not None]
         with self.engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
             snapshot = take_snapshot(conn, txids).require_visible()
-            self._check_source(conn)
+            self._check_source(conn, versions)
             report.lsn = snapshot.lsn
             durable = self._durable(conn, snapshot, report)
             for table in dict.fromkeys(e.table for e in events if e.op == "t"):
@@ -342,14 +348,17 @@ class Processor:
         role may not; then the batch waits for a commit to flush (any writing one does)."""
         self.flusher()
 
-    def _check_source(self, conn: Connection) -> None:
+    def _check_source(self, conn: Connection, versions: Sequence[int]) -> None:
         """Raise :class:`SourceChanged` if ``conn``'s Postgres is another history than
-        the first batch's."""
+        the first batch's, or than the one recorded for a version in ``versions`` (none
+        recorded: record it)."""
         identity = source_identity(conn)
-        if self.source is None:
-            self.source = identity
-        elif identity != self.source:
-            raise SourceChanged(self.source, identity)
+        before = self.source if self.source is not None else identity
+        if before == identity:
+            before = self.record.other(identity, versions) or identity
+        if before != identity:
+            raise SourceChanged(before, identity)
+        self.source = identity
 
     def raise_floors(self) -> list[Invalidation]:
         """Void every entry written so far, in every version written: each feature set's
@@ -399,8 +408,7 @@ class Processor:
             )
             self.raise_floors()
         if noted != identity:  # only now: a failure above finds the change again
-            ttl_ms = 2 * max((fs.ttl_s for fs in self.registry), default=3600) * 1000
-            self.redis.set(SERVER_KEY, ":".join(identity), px=ttl_ms)
+            self.redis.set(SERVER_KEY, ":".join(identity), px=self.record_ttl_ms)
         self.server = identity
         if before is None or before == identity:
             return False

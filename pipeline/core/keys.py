@@ -195,6 +195,16 @@ failover, a restart that may have lost writes) raises every floor
 it and in-process tiers, which track ``floor:``, flush when it changes."""
 
 
+def source_key(schema_version: int) -> str:
+    """``floor:<version>:{source}``: the Postgres history (``<system identifier>:
+    <timeline>``) the version's entries were computed from (:mod:`consumers.source`).
+
+    Under ``floor:`` so that the consumers' login may write it; with a hash tag, so that
+    in-process tiers ignore its renewals (as an entity floor's) and every version's
+    record shares one slot. No feature set is named ``{source}``."""
+    return f"{FLOOR_PREFIX}:{int(schema_version)}:{{source}}"
+
+
 def entity_floor_key(schema_version: int, ref: EntityRef) -> str:
     """``floor:<version>:<feature_set>:{<tenant>:<entity>}``: one entity's own floor.
 

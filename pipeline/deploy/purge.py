@@ -16,7 +16,7 @@ import redis
 from pipeline.cache.versions import DEFAULT_POINTER, Pointer, state
 from pipeline.core.cluster import is_cluster, scan_chunks
 from pipeline.core.errors import DeployError
-from pipeline.core.keys import LEASE_PREFIX, feature_pattern
+from pipeline.core.keys import LEASE_PREFIX, feature_pattern, source_key
 from pipeline.core.settings import Settings
 from pipeline.core.types import text
 from pipeline.deploy.pointer import IN_FLIGHT_MS
@@ -63,7 +63,9 @@ def purge(
     max_batches: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> PurgeResult:
-    """Remove schema version ``version``'s feature and lease keys in small batches.
+    """Remove schema version ``version``'s feature and lease keys in small batches,
+    then its record of the Postgres history they came from
+    (:func:`~pipeline.core.keys.source_key`).
 
     Each batch is one ``SCAN MATCH feat:<version>:* COUNT count`` step and an
     ``UNLINK`` of at most ``count`` keys (freed in the background), so Redis never
@@ -110,6 +112,9 @@ def purge(
                 progress(result.removed)
             if cursor == 0:
                 break
+    # The history the entries were computed from goes last: until they are all gone, a
+    # consumer on another one must keep refusing to write beside them.
+    client.delete(source_key(version))
     result.done = True
     _clear_marker(client, marker, began_ms, result)
     return result

@@ -14,6 +14,7 @@ import os
 import pwd
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from consumers.processor import Processor, SourceChanged
+from consumers.source import encode
 from fraud.seed import seed
 from pipeline.cache.recompute import (
     FORCE_RETRY_S,
@@ -36,8 +38,12 @@ from pipeline.cache.recompute import (
     wait_durable,
 )
 from pipeline.cache.store import FeatureStore
+from pipeline.cache.versions import Pointer
+from pipeline.core.keys import source_key
 from pipeline.core.repository import REGISTRY
+from pipeline.core.settings import Settings
 from pipeline.core.types import ChangeEvent, EntityRef
+from pipeline.deploy.purge import purge
 from tests.helpers import ANCHOR, free_port, migrate
 from tests.pipeline.cache.test_visibility import initdb, postgres, private_cluster
 
@@ -210,6 +216,35 @@ def test_a_new_postgres_under_the_consumer_stops_its_writes(
         processor.apply([event])
     assert (changed.value.before, changed.value.now) == (first, second)
     assert FeatureStore(redis_client, version).read([EntityRef("txn_90d", tenant, "3")]) == [None]
+
+
+def test_a_consumer_started_on_another_history_finds_the_recorded_one(
+    engine: Engine, lagging: Cluster, redis_client: redis.Redis, settings: Settings, version: int
+) -> None:
+    """Each version records the history its entries came from: a consumer with none in
+    memory (restarted during the failover, say) compares its own with that."""
+    with engine.connect() as one, lagging.engine.connect() as other:
+        first, second = source_identity(one), source_identity(other)
+        tenant = other.execute(sa.text("SELECT min(id) FROM freshline.tenants")).scalar_one()
+    key = source_key(version)
+    before = Processor(engine, redis_client, versions=lambda: [version])
+    before.apply([])  # a fresh version: nothing recorded, so its history is
+    assert redis_client.get(key) == encode(first).encode()
+    assert 0 < redis_client.pttl(key) <= before.record_ttl_ms
+    Processor(engine, redis_client, versions=lambda: [version]).apply([])  # the same: passes
+    # The consumer's Postgres URL now names another cluster, and the consumer restarts.
+    restarted = Processor(lagging.engine, redis_client, versions=lambda: [version])
+    event = ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": 4})
+    with pytest.raises(SourceChanged) as changed:
+        restarted.apply([event])
+    assert (changed.value.before, changed.value.now) == (first, second)
+    assert restarted.source is None
+    assert FeatureStore(redis_client, version).read([EntityRef("txn_90d", tenant, "4")]) == [None]
+    assert redis_client.get(key) == encode(first).encode()
+    # The operator purges the version: the held batch goes through, on the new history.
+    assert purge(redis_client, settings, version, pointer=Pointer.scoped(uuid.uuid4().hex)).done
+    assert restarted.apply([event]).writes.written == 2  # txn_90d, geo
+    assert redis_client.get(key) == encode(second).encode()
 
 
 def test_a_promoted_standby_under_the_consumer_stops_its_writes(
