@@ -222,8 +222,10 @@ class FaultEnv:
             restarted.append("postgres synchronous replication settings")
         if injectors.heal_topic(self.admin, qualified(self.settings, DLQ), "max.message.bytes"):
             restarted.append("the dead-letter topic's max.message.bytes")
-        if injectors.reset_deploy(self.redis):
-            restarted.append("the deploy pointer (back to the settings' version)")
+        removed = injectors.reset_deploy(self.redis, self.settings)
+        if removed is not None:
+            keys = "".join(f"; {n} keys of version {v} removed" for v, n in removed.items())
+            restarted.append(f"the deploy pointer (back to the settings' version{keys})")
         return restarted
 
 

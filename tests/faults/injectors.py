@@ -22,11 +22,13 @@
   (``MSG_SIZE_TOO_LARGE``) while it stays readable; deleting the override heals it.
 
 :func:`heal_postgres` and :func:`heal_topic` undo these, whatever state a case left;
-:func:`reset_deploy` undoes a deploy a scenario made (the pointer and its markers).
+:func:`reset_deploy` undoes a deploy a scenario made (the pointer, its markers and
+the entries of every version it left unwritten).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -46,7 +48,11 @@ from confluent_kafka.admin import (
 )
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.cache.versions import DEFAULT_POINTER
+from pipeline.cache.versions import DEFAULT_POINTER, Pointer, state
+from pipeline.core.errors import DeployError
+from pipeline.core.keys import LEASE_PREFIX, feature_pattern, source_key
+from pipeline.core.settings import Settings
+from pipeline.core.types import text
 
 ABSENT_STANDBY = "freshline_faults_absent_standby"
 """A standby name nothing connects as: synchronous commits wait for it for ever."""
@@ -235,17 +241,49 @@ def set_key(client: redis.Redis, key: str, value: bytes | str | None) -> None:
         client.set(key, value)
 
 
-def reset_deploy(client: redis.Redis) -> bool:
-    """Clear the deploy pointer (active, next, previous and every retired marker), so the
-    next case starts on the settings' version, and tell listening readers (the read
-    API), which would otherwise keep the version they hold. Whether there was any."""
-    pointer = DEFAULT_POINTER
+def reset_deploy(
+    client: redis.Redis, settings: Settings, *, pointer: Pointer = DEFAULT_POINTER
+) -> dict[int, int] | None:
+    """Undo a deploy a case made, so the next case starts on the settings' version as
+    on a stack nobody deployed on: None if the pointer was untouched, else the keys
+    removed, by version. Only while nothing writes (no consumer, no deploy command).
+
+    Clearing the pointer makes the settings' version active again and stops writing
+    every other; clearing a retired marker forgets that a version's entries may be
+    stale (``purge --force`` leaves one because a consumer's batch in flight can land
+    after its scan). The deploy commands would refuse such a version until purged, so
+    every version the deploy named loses its entries first, but the settings' version
+    if it was still written when the case ended (active, next or previous, unmarked).
+    Then the pointer and the markers go, and listening readers (the read API), which
+    would otherwise keep the version they hold, are told.
+    """
     keys = [pointer.active_key, pointer.next_key, pointer.previous_key]
-    keys += client.scan_iter(match=f"{pointer.retired_prefix}:*", count=1000)
-    if not client.delete(*keys):
-        return False
+    markers = [text(k) for k in client.scan_iter(match=f"{pointer.retired_prefix}:*")]
+    named = {text(v) for v in client.mget(keys)} | {m.rpartition(":")[2] for m in markers}
+    if not named - {""}:
+        return None
+    written: set[int | None] = set()  # a malformed pointer: the consumers held their writes
+    with contextlib.suppress(DeployError):
+        seen = state(client, settings, pointer=pointer)
+        written = {seen.active, seen.next, seen.previous}
+    own = settings.schema_version
+    stale = {int(v) for v in named if v.isdigit()} | {own}
+    if own in written and pointer.retired_key(own) not in markers:
+        stale.discard(own)
+    removed: dict[int, int] = {}
+    for version in sorted(stale):
+        found = [
+            key
+            for pattern in (feature_pattern(version), f"{LEASE_PREFIX}:{version}:*")
+            for key in client.scan_iter(match=pattern, count=1000)
+        ]
+        for at in range(0, len(found), 1000):
+            client.unlink(*found[at : at + 1000])
+        client.delete(source_key(version))
+        removed[version] = len(found)
+    client.delete(*keys, *markers)
     client.publish(pointer.channel, "")
-    return True
+    return removed
 
 
 @dataclass
