@@ -11,7 +11,10 @@ request, in order:
    query, so random keys cannot drive the database while a valid key is never
    refused for someone else's failures;
 2. the key takes a token from its own bucket (``FRESHLINE_API_RATE_PER_S``,
-   ``FRESHLINE_API_RATE_BURST``), or the answer is 429 with ``Retry-After``;
+   ``FRESHLINE_API_RATE_BURST``): a request a little over the rate waits its turn (up to
+   ``FRESHLINE_API_RATE_HOLD_S``) and is served; further over, it is held that long and
+   answered 429 with ``Retry-After``, so a sender that asks again at once gets one
+   refusal per hold and connection, not a flood of them;
 3. the key's tenant must not owe more thread-pool time than it may wait for
    (:class:`PoolBudget`, ``FRESHLINE_API_TENANT_POOL_*``), or the request is held
    ``FRESHLINE_API_TENANT_POOL_WAIT_S``, then answered 429 ``tenant_over_budget``;
@@ -125,6 +128,19 @@ class TokenBuckets:
             return (1 - tokens) / self.rate
         self._store(name, tokens - 1, now)
         return 0.0
+
+    def reserve(self, name: str, max_wait_s: float) -> float | None:
+        """Take a token, into debt if need be: the seconds until it is due (0: now), or
+        ``None``, taking nothing, if that is more than ``max_wait_s``."""
+        if self.rate <= 0:
+            return 0.0
+        now = self.clock()
+        tokens = self._level(name, now)
+        wait = 0.0 if tokens >= 1 else (1 - tokens) / self.rate
+        if wait > max_wait_s:
+            return None
+        self._store(name, tokens - 1, now)
+        return wait
 
     def charge(self, name: str, cost: float) -> None:
         """Take ``cost`` tokens for work already done: into debt, if need be."""
@@ -328,6 +344,7 @@ class AccessGuard:
         self.pool = pool
         self.keys = KeyIndex(auth.engine, refresh_s=settings.api_key_index_refresh_s)
         self.per_key = TokenBuckets(settings.api_rate_per_s, settings.api_rate_burst)
+        self.rate_hold_s = settings.api_rate_hold_s
         self.failures = TokenBuckets(
             settings.api_auth_failures_per_min / 60, settings.api_auth_failures_burst
         )
@@ -372,10 +389,11 @@ class AccessGuard:
             )
             await response(scope, receive, send)
             return
-        wait = self.per_key.take(principal.key_id)
-        if wait > 0:
+        wait = self.per_key.reserve(principal.key_id, self.rate_hold_s)
+        if wait is None:
+            await asyncio.sleep(self.rate_hold_s)
             _limited("rate_limited", "rate.limited", principal, address, path)
-            retry = max(1, math.ceil(wait))
+            retry = max(1, math.ceil(self.per_key.wait(principal.key_id)))
             response = error_response(
                 429,
                 "rate_limited",
@@ -384,6 +402,8 @@ class AccessGuard:
             )
             await response(scope, receive, send)
             return
+        if wait > 0:
+            await asyncio.sleep(wait)  # its token is taken: later arrivals queue behind it
         try:
             if self.pool is not None:
                 await self.pool.check(principal.tenant)

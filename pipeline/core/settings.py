@@ -300,6 +300,11 @@ class ApiSettings(SettingsGroup):
     """Requests per second per API key and worker (token bucket; 0: no limit)."""
     api_rate_burst: int = Field(default=2000, ge=1)
     """The token bucket of ``api_rate_per_s``: requests one key may make at once."""
+    api_rate_hold_s: float = Field(default=1.0, ge=0)
+    """A request over its key's ``api_rate_per_s`` waits up to this long for its turn and
+    is then served; one that would wait longer is held this long, then refused with 429
+    ``rate_limited`` (a refusal at once would be asked again at once, and the refusals
+    would take the worker in the work's place)."""
     api_tenant_concurrency: int = Field(default=4, ge=0)
     """Thread-pool jobs (read-through misses, predictions, semantic cache calls) one
     tenant may run at once per worker; its other such requests wait on the event loop,

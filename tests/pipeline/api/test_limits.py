@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import subprocess
+import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -320,12 +321,25 @@ def test_a_key_over_its_rate_gets_429_with_retry_after(
     tenant_module: str,
     audit: Callable[[], list[dict[str, Any]]],
 ) -> None:
-    app = api_app(settings, engine, redis_client, api_rate_per_s=0.01, api_rate_burst=3)
+    hold_s = 0.2
+    app = api_app(
+        settings,
+        engine,
+        redis_client,
+        api_rate_per_s=0.01,
+        api_rate_burst=3,
+        api_rate_hold_s=hold_s,
+    )
     tenant = tenant_module
     greedy = issue_api_key(engine, tenant)
     other = create_api_key(engine, tenant)
     with running(app, greedy.key) as api:
-        answers = [api.get("/v1/features/txn_90d/1") for _ in range(5)]
+        answers = [api.get("/v1/features/txn_90d/1") for _ in range(3)]
+        started = time.monotonic()
+        answers += [api.get("/v1/features/txn_90d/1") for _ in range(2)]
+        # Each refusal was held before it was sent: a sender that asks again at once
+        # gets one refusal per hold, not a flood of them.
+        assert time.monotonic() - started >= 2 * hold_s
         assert [a.status_code for a in answers] == [200, 200, 200, 429, 429]
         refused = answers[-1]
         assert refused.json()["error"]["code"] == "rate_limited"
@@ -335,6 +349,34 @@ def test_a_key_over_its_rate_gets_429_with_retry_after(
     limited = [line for line in audit() if line["event"] == "rate.limited"]
     assert len(limited) == 2 and {line["key_id"] for line in limited} == {greedy.key_id}
     assert all(greedy.key not in json.dumps(line) for line in audit())
+
+
+def test_a_request_a_little_over_its_rate_waits_its_turn_and_is_served(
+    settings: Settings, engine: Engine, redis_client: redis.Redis, tenant_module: str
+) -> None:
+    # 5/s with a burst of 1: back to back, each request after the first is 0.2 s early,
+    # within the hold, so it waits for its token rather than being refused.
+    app = api_app(
+        settings, engine, redis_client, api_rate_per_s=5, api_rate_burst=1, api_rate_hold_s=1
+    )
+    key = issue_api_key(engine, tenant_module)
+    with running(app, key.key) as api:
+        started = time.monotonic()
+        statuses = [api.get("/v1/features/txn_90d/1").status_code for _ in range(3)]
+        assert statuses == [200, 200, 200]
+        assert time.monotonic() - started >= 2 / 5 * 0.9  # two of them waited their turn
+
+
+def test_token_buckets_reserve_a_turn_within_the_wait_they_allow() -> None:
+    now = [0.0]
+    buckets = TokenBuckets(2.0, 1, clock=lambda: now[0])
+    assert buckets.reserve("k", 1.0) == 0.0
+    assert buckets.reserve("k", 1.0) == pytest.approx(0.5)  # queued behind the first
+    assert buckets.reserve("k", 1.0) == pytest.approx(1.0)
+    assert buckets.reserve("k", 1.0) is None  # 1.5 s away: refused, nothing taken
+    now[0] += 0.5
+    assert buckets.reserve("k", 1.0) == pytest.approx(1.0)
+    assert TokenBuckets(0, 1).reserve("k", 0) == 0.0  # rate 0: no limit
 
 
 def test_token_buckets_refill_at_their_rate() -> None:
