@@ -77,6 +77,17 @@ GHOST_BATCH = 100
 GHOST_BASE = 900_000_000
 """Ghost ids start here: far past any seeded user id, so none has a source row."""
 FEATURES = ("a", "b", "c")
+UNTRUSTED_LIMITS = {
+    "FRESHLINE_API_RATE_PER_S": "100",
+    "FRESHLINE_API_RATE_BURST": "200",
+    "FRESHLINE_API_TENANT_CONCURRENCY": "1",
+    "FRESHLINE_API_TENANT_POOL_SHARE": "0.01",
+}
+"""The limits ``docs/security.md`` gives for a server shared by untrusted tenants."""
+PROFILES = {"defaults": {}, "untrusted tenants": UNTRUSTED_LIMITS}
+"""Each profile of limits is measured in full, on servers started with it; the
+variables set in the environment apply to both."""
+TARGET_PROFILE = "untrusted tenants"
 PHASES = ("without", "elsewhere", "with")
 """No abuser; the abuser on a second server on this machine; the abuser on the
 well-behaved tenant's server."""
@@ -98,9 +109,12 @@ def _model(name: str, directory: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _server(ctx: common.Context, version: int, nice: int = 0) -> Iterator[str]:
+def _server(
+    ctx: common.Context, version: int, limits: dict[str, str], nice: int = 0
+) -> Iterator[str]:
     port = reference_app.free_port()
     env = {
+        **limits,
         "FRESHLINE_POSTGRES_URL": ctx.settings.postgres_url,
         "FRESHLINE_REDIS_URL": ctx.settings.redis_url,
         "FRESHLINE_SCHEMA_VERSION": str(version),
@@ -319,6 +333,67 @@ def run(quick: bool) -> dict[str, Any]:
     models = tempfile.TemporaryDirectory()  # the registry names the file: kept for the run
     ModelRegistry(ctx.redis).register(_model(model, Path(models.name)))
     pairs, seconds = (2, 2.5) if quick else (5, 10.0)
+    with models:
+        profiles = {
+            name: _profile(ctx, version, key, users, abuser_key, model, limits, n, pairs, seconds)
+            for n, (name, limits) in enumerate(PROFILES.items())
+        }
+    held = _redis_footprint(ctx, abuser_tenant)
+    measured = profiles[TARGET_PROFILE]
+    return {
+        "parameters": {
+            "server_workers": SERVER_WORKERS,
+            "good_rate_per_s": GOOD_RATE,
+            "phase_s": seconds,
+            "pairs": pairs,
+            "abuse_connections_per_kind": ABUSE_CONNECTIONS,
+            "predict_rows": PREDICT_ROWS,
+            "ghost_batch": GHOST_BATCH,
+            "cpus": os.cpu_count(),
+            "abuser_nice": ABUSER_NICE,
+            "kinds": list(ABUSE_KINDS),
+        },
+        "profiles": profiles,
+        "abuser_redis": held,
+        "targets": [
+            common.target(
+                "well-behaved p99 with / without the abuser (limits for untrusted tenants)",
+                measured["p99_ratio_median"],
+                "<=",
+                1.5,
+                "x",
+            ),
+            common.target(
+                "well-behaved p99 with the abuser on its server / on another server",
+                measured["p99_ratio_with_elsewhere_median"],
+                "<=",
+                1.5,
+                "x",
+            ),
+            common.target(
+                "well-behaved requests answered 200 with the abuser",
+                100 * min(p["results"]["with"]["success_rate"] or 0 for p in profiles.values()),
+                ">=",
+                100,
+                "%",
+            ),
+        ],
+    }
+
+
+def _profile(
+    ctx: common.Context,
+    version: int,
+    key: str,
+    users: list[int],
+    abuser_key: str,
+    model: str,
+    limits: dict[str, str],
+    index: int,
+    pairs: int,
+    seconds: float,
+) -> dict[str, Any]:
+    """The rounds of one profile of limits, on servers started with them."""
     series: dict[str, list[int]] = {phase: [] for phase in PHASES}
     failures = dict.fromkeys(PHASES, 0)
     ratios: dict[str, list[float]] = {"with": [], "elsewhere": [], "with_elsewhere": []}
@@ -326,9 +401,8 @@ def run(quick: bool) -> dict[str, Any]:
     abuser_sent = {"with": 0, "elsewhere": 0}
     told: dict[tuple[str, int], str] = {}
     with (
-        models,
-        _server(ctx, version) as url,
-        _server(ctx, version, nice=ABUSER_NICE) as elsewhere,
+        _server(ctx, version, limits) as url,
+        _server(ctx, version, limits, nice=ABUSER_NICE) as elsewhere,
     ):
         _warm(url, abuser_key, model, ctx.tag)
         _warm(elsewhere, abuser_key, model, ctx.tag)
@@ -339,7 +413,8 @@ def run(quick: bool) -> dict[str, Any]:
                     samples, failed = _good_phase(url, key, users, seconds)
                 else:
                     target = url if phase == "with" else elsewhere
-                    round_ = 2 * p + (1 if phase == "with" else 2)  # no id sent twice
+                    # No id sent twice in the run.
+                    round_ = 2 * (index * pairs + p) + (1 if phase == "with" else 2)
                     with _abusing(target, abuser_key, model, ctx.tag, round_) as got:
                         samples, failed = _good_phase(url, key, users, seconds)
                     abuser_answers.update(got["answers"])
@@ -378,20 +453,7 @@ def run(quick: bool) -> dict[str, Any]:
         for kind in ABUSE_KINDS
     }
     return {
-        "parameters": {
-            "server_workers": SERVER_WORKERS,
-            "good_rate_per_s": GOOD_RATE,
-            "phase_s": seconds,
-            "pairs": pairs,
-            "abuse_connections_per_kind": ABUSE_CONNECTIONS,
-            "predict_rows": PREDICT_ROWS,
-            "ghost_batch": GHOST_BATCH,
-            "cpus": os.cpu_count(),
-            "abuser_nice": ABUSER_NICE,
-            "tenant_concurrency": os.environ.get("FRESHLINE_API_TENANT_CONCURRENCY", "4"),
-            "tenant_pool_share": os.environ.get("FRESHLINE_API_TENANT_POOL_SHARE", "1"),
-            "rate_per_s": os.environ.get("FRESHLINE_API_RATE_PER_S", "1000"),
-        },
+        "limits": limits,
         "results": results,
         "p99_ratio_median": median_ratio,
         "p99_ratio_overall": overall,
@@ -404,33 +466,24 @@ def run(quick: bool) -> dict[str, Any]:
             phase: round(n / (pairs * seconds)) for phase, n in abuser_sent.items()
         },
         "abuser_told": {f"{kind} {status}": text for (kind, status), text in sorted(told.items())},
-        "abuser_redis": _redis_footprint(ctx, abuser_tenant),
-        "targets": [
-            common.target(
-                "well-behaved p99 with / without the abuser", median_ratio, "<=", 1.5, "x"
-            ),
-            common.target(
-                "well-behaved p99 with the abuser on its server / on another server",
-                medians["with_elsewhere"],
-                "<=",
-                1.5,
-                "x",
-            ),
-            common.target(
-                "well-behaved requests answered 200 with the abuser",
-                None
-                if results["with"]["success_rate"] is None
-                else 100 * results["with"]["success_rate"],
-                ">=",
-                100,
-                "%",
-            ),
-        ],
     }
 
 
-def markdown(res: dict[str, Any]) -> str:
-    p = res["parameters"]
+def _effective(limits: dict[str, str]) -> dict[str, str]:
+    """Each limit the profile's servers ran with: the profile's, the environment's, or
+    the setting's default."""
+    from pipeline.core.settings import Settings
+
+    fields = Settings.model_fields
+    return {
+        var: limits.get(var)
+        or os.environ.get(var)
+        or str(fields[var.removeprefix("FRESHLINE_").lower()].default)
+        for var in UNTRUSTED_LIMITS
+    }
+
+
+def _profile_markdown(name: str, prof: dict[str, Any]) -> list[str]:
     rows = [
         (
             phase,
@@ -442,79 +495,82 @@ def markdown(res: dict[str, Any]) -> str:
             r.get("p99_us"),
             r.get("max_us"),
         )
-        for phase, r in res["results"].items()
+        for phase, r in prof["results"].items()
     ]
     answers = [
         (kind, ", ".join(f"{status}: {common.fmt(n)}" for status, n in counts.items()) or "-")
-        for kind, counts in res["abuser_answers"].items()
+        for kind, counts in prof["abuser_answers"].items()
     ]
-    held = res["abuser_redis"]
-    return "\n".join(
-        [
-            "## abuse: one abusive tenant beside a well-behaved one",
-            "",
-            f"`freshline serve` (granian, {p['server_workers']} workers, semantic routes on, "
-            "default limits) on loopback. The well-behaved tenant reads its own `txn_90d` "
-            f"entries at {common.fmt(p['good_rate_per_s'])} requests/s on one connection. "
-            f"The abuser, from the same address, keeps {p['abuse_connections_per_kind']} "
-            "connections busy per kind of abuse: predictions of "
-            f"{p['predict_rows']} distinct rows, reads of ids with no source row (GET, and "
-            f"batches of {p['ghost_batch']}), random bad keys, and LLM flags for "
-            f"namespaces never stored into. {p['pairs']} rounds of three {p['phase_s']:.1f} s "
-            "phases: without the abuser, with it flooding a second `freshline serve` on "
-            "this machine at the abuser's priority (`elsewhere`: what it costs through "
-            "the shared Postgres and Redis, which no server can isolate), and with it "
-            "flooding the "
-            "well-behaved tenant's server. Times in µs, the well-behaved tenant's, from "
-            "each request's scheduled moment (a request held up behind a slow one is "
-            "charged its wait); `failed` counts requests answered otherwise than 200 and "
-            "those the phase ended before they could be sent. "
-            f"The abuser runs in a process of its own on the same {p['cpus']} CPUs as the "
-            f"servers, at CPU priority `nice {p.get('abuser_nice', 0)}` (as the second "
-            "server is), standing in for machines of their own: the server under test "
-            "spends at full priority whatever the abuser's requests cost it; "
-            f"limits: {p['rate_per_s']} requests/s per key and worker, "
-            f"{p['tenant_concurrency']} thread-pool jobs per tenant and worker, "
-            f"{p.get('tenant_pool_share', '-')} s of thread-pool work per second per "
-            "tenant and worker.",
-            "",
-            common.table(
-                [
-                    "phase",
-                    "requests ok",
-                    "failed or not sent",
-                    "success",
-                    "p50",
-                    "p90",
-                    "p99",
-                    "max",
-                ],
-                rows,
-            ),
-            "",
-            f"p99 with / without: {common.fmt(res['p99_ratio_median'], 3)}x (median of the "
-            f"rounds' ratios {res['pair_ratios']}); over all samples "
-            f"{common.fmt(res['p99_ratio_overall'], 3)}x. With the abuser on another "
-            f"server: {common.fmt(res.get('p99_ratio_elsewhere_median'), 3)}x "
-            f"({res.get('elsewhere_ratios')}); on this server / on another: "
-            f"{common.fmt(res.get('p99_ratio_with_elsewhere_median'), 3)}x.",
-            "",
-            "The abuser sent "
-            + " and ".join(
-                f"{common.fmt(n)} requests/s {phase}"
-                for phase, n in res.get("abuser_rate_per_s", {}).items()
-            )
-            + ". What it got (status: answers):",
-            "",
-            common.table(["abuse", "answers"], answers),
-            "",
-            f"It holds {common.fmt(held['prediction_keys'])} cached predictions "
-            f"({common.fmt(held['prediction_bytes'])} bytes, within its budget) and "
-            f"{common.fmt(held['semantic_keys'])} semantic keys afterwards.",
-            "",
-            common.targets_table(res["targets"]),
-        ]
+    limits = ", ".join(
+        f"`{var.removeprefix('FRESHLINE_')}={value}`"
+        for var, value in _effective(prof["limits"]).items()
     )
+    return [
+        f"### {name}: {limits}",
+        "",
+        common.table(
+            ["phase", "requests ok", "failed or not sent", "success", "p50", "p90", "p99", "max"],
+            rows,
+        ),
+        "",
+        f"p99 with / without: {common.fmt(prof['p99_ratio_median'], 3)}x (median of the "
+        f"rounds' ratios {prof['pair_ratios']}); over all samples "
+        f"{common.fmt(prof['p99_ratio_overall'], 3)}x. With the abuser on another "
+        f"server: {common.fmt(prof.get('p99_ratio_elsewhere_median'), 3)}x "
+        f"({prof.get('elsewhere_ratios')}); on this server / on another: "
+        f"{common.fmt(prof.get('p99_ratio_with_elsewhere_median'), 3)}x.",
+        "",
+        "The abuser sent "
+        + " and ".join(
+            f"{common.fmt(n)} requests/s {phase}"
+            for phase, n in prof.get("abuser_rate_per_s", {}).items()
+        )
+        + ". What it got (status: answers):",
+        "",
+        common.table(["abuse", "answers"], answers),
+        "",
+    ]
+
+
+def markdown(res: dict[str, Any]) -> str:
+    p = res["parameters"]
+    held = res["abuser_redis"]
+    lines = [
+        "## abuse: one abusive tenant beside a well-behaved one",
+        "",
+        f"`freshline serve` (granian, {p['server_workers']} workers, semantic routes on) on "
+        "loopback. The well-behaved tenant reads its own `txn_90d` entries at "
+        f"{common.fmt(p['good_rate_per_s'])} requests/s on one connection. The abuser, from "
+        f"the same address and with one key, keeps {p['abuse_connections_per_kind']} "
+        "connections busy per kind of abuse: predictions of "
+        f"{p['predict_rows']} distinct rows, reads of ids with no source row (GET, and "
+        f"batches of {p['ghost_batch']}), random bad keys, and LLM flags for "
+        f"namespaces never stored into. For each profile of limits, {p['pairs']} rounds of "
+        f"three {p['phase_s']:.1f} s phases: without the abuser, with it flooding a second "
+        "`freshline serve` on this machine at the abuser's priority (`elsewhere`: what it "
+        "costs through the shared CPUs, Postgres and Redis, which no server can isolate), "
+        "and with it flooding the well-behaved tenant's server. Times in µs, the "
+        "well-behaved tenant's, from each request's scheduled moment (a request held up "
+        "behind a slow one is charged its wait); `failed` counts requests answered "
+        "otherwise than 200 and those the phase ended before they could be sent. The "
+        f"abuser runs in a process of its own on the same {p['cpus']} CPUs as the servers, "
+        f"at CPU priority `nice {p.get('abuser_nice', 0)}` (as the second server is), "
+        "standing in for machines of their own: the server under test spends at full "
+        "priority whatever the abuser's requests cost it. `defaults` runs every limit at "
+        "its default; `untrusted tenants` with the limits `docs/security.md` gives for a "
+        "server shared by tenants that do not trust each other (the target's).",
+        "",
+    ]
+    for name, prof in res["profiles"].items():
+        lines += _profile_markdown(name, prof)
+    lines += [
+        f"It holds {common.fmt(held['prediction_keys'])} cached predictions "
+        f"({common.fmt(held['prediction_bytes'])} bytes, within its budget) and "
+        f"{common.fmt(held['semantic_keys'])} semantic keys afterwards.",
+        "",
+        common.targets_table(res["targets"]),
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
