@@ -108,12 +108,33 @@ class RevocationUnannounced(FreshlineError):
 
 
 @dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """A tenant's own API limits (``freshline tenants limits``), each ``None`` where the
+    server's setting applies; 0 is no limit, as for the settings."""
+
+    rate_per_s: float | None = None
+    rate_burst: int | None = None
+    concurrency: int | None = None
+    pool_share: float | None = None
+
+    def items(self) -> list[tuple[str, float | int]]:
+        """The limits set, by name (for listings and the audit log)."""
+        return [(n, v) for n in LIMIT_NAMES if (v := getattr(self, n)) is not None]
+
+
+LIMIT_NAMES = ("rate_per_s", "rate_burst", "concurrency", "pool_share")
+SERVER_DEFAULTS = TenantLimits()
+
+
+@dataclass(frozen=True, slots=True)
 class Principal:
-    """Who a request is: the key's id and its tenant (and when the key expires)."""
+    """Who a request is: the key's id and its tenant (and when the key expires), and
+    the tenant's own limits."""
 
     key_id: str
     tenant: str
     expires_at: datetime | None = None
+    limits: TenantLimits = SERVER_DEFAULTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +304,76 @@ def revoke_api_key(engine: Engine, redis_client: redis.Redis | None, key_id: str
         except (redis.exceptions.RedisError, OSError) as exc:
             raise RevocationUnannounced(key_id, info.tenant, redact_text(str(exc))) from exc
     return info
+
+
+class LimitsUnannounced(FreshlineError):
+    """A tenant's limits stored in Postgres whose change could not be published on Redis:
+    API workers keep their cached keys, with the old limits, for up to
+    ``FRESHLINE_API_KEY_CACHE_S``."""
+
+    def __init__(self, tenant: str, detail: str) -> None:
+        self.tenant = tenant
+        super().__init__(
+            f"tenant {tenant}'s limits are stored in Postgres, but the change was not "
+            f"published on Redis ({detail}): API workers apply them when their cached keys "
+            f"expire (FRESHLINE_API_KEY_CACHE_S); run the command again once Redis answers"
+        )
+
+
+def tenant_limits(engine: Engine, tenant: str) -> TenantLimits:
+    """``tenant``'s own limits; :class:`UnknownTenant` if there is no such tenant."""
+    t = tenants.c
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(*(t[name] for name in LIMIT_NAMES)).where(t.id == tenant)
+        ).first()
+    if row is None:
+        raise UnknownTenant(tenant)
+    return TenantLimits(*row)
+
+
+def set_tenant_limits(
+    engine: Engine,
+    redis_client: redis.Redis | None,
+    tenant: str,
+    changes: dict[str, float | int | None],
+) -> TenantLimits:
+    """Set (a value) or clear (``None``: the server's setting again) some of ``tenant``'s
+    limits, named as in :data:`LIMIT_NAMES`; return them all (audited).
+
+    Then each of the tenant's key ids is published on :data:`APIKEY_CHANNEL`, so every
+    worker drops its cached answer and reads the new limits with the key on its next
+    request. If that cannot be published the limits are stored all the same and
+    :class:`LimitsUnannounced` is raised. ``redis_client`` None publishes nothing.
+    """
+    unknown = set(changes) - set(LIMIT_NAMES)
+    if unknown:
+        raise ValueError(f"no such limit: {', '.join(sorted(unknown))}")
+    t, c = tenants.c, api_keys.c
+    with engine.begin() as conn:
+        row = conn.execute(
+            sa.update(tenants)
+            .where(t.id == tenant)
+            .values(**changes)
+            .returning(*(t[name] for name in LIMIT_NAMES))
+            if changes
+            else sa.select(*(t[name] for name in LIMIT_NAMES)).where(t.id == tenant)
+        ).first()
+        if row is None:
+            raise UnknownTenant(tenant)
+        key_ids = list(conn.execute(sa.select(c.id).where(c.tenant_id == tenant)).scalars())
+    limits = TenantLimits(*row)
+    if not changes:
+        return limits
+    audit_log.record("tenant.limits", tenant=tenant, **dict(limits.items()))
+    if redis_client is not None:
+        try:
+            cluster = is_cluster(redis_client)
+            for key_id in key_ids:
+                publish(redis_client, APIKEY_CHANNEL, key_id, cluster=cluster)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise LimitsUnannounced(tenant, redact_text(str(exc))) from exc
+    return limits
 
 
 def bearer_token(header: str | None) -> str:
@@ -460,12 +551,19 @@ class Authenticator:
         digest = hash_key(key)
         with self._lock:
             generation = self._generation
-        c = api_keys.c
+        c, t = api_keys.c, tenants.c
         with self.engine.connect() as conn:
             row = conn.execute(
-                sa.select(c.key_hash, c.id, c.tenant_id, c.expires_at, c.revoked_at).where(
-                    c.key_hash == digest
+                sa.select(
+                    c.key_hash,
+                    c.id,
+                    c.tenant_id,
+                    c.expires_at,
+                    c.revoked_at,
+                    *(t[name] for name in LIMIT_NAMES),
                 )
+                .join_from(api_keys, tenants, c.tenant_id == t.id)
+                .where(c.key_hash == digest)
             ).first()
         self.lookups += 1
         principal: Principal | None = None
@@ -478,7 +576,8 @@ class Authenticator:
         elif row.expires_at is not None and row.expires_at <= datetime.now(UTC):
             refusal = Unauthorized("API key expired", key_id=row.id, reason="expired_key")
         else:
-            principal = Principal(row.id, row.tenant_id, row.expires_at)
+            limits = TenantLimits(*(getattr(row, name) for name in LIMIT_NAMES))
+            principal = Principal(row.id, row.tenant_id, row.expires_at, limits)
         ttl = self.ttl_s if principal is not None else self.negative_ttl_s
         expires = (
             principal.expires_at.timestamp()

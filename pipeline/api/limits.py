@@ -11,8 +11,9 @@ request, in order:
    query, so random keys cannot drive the database while a valid key is never
    refused for someone else's failures;
 2. the key takes a token from its own bucket (``FRESHLINE_API_RATE_PER_S``,
-   ``FRESHLINE_API_RATE_BURST``): a request a little over the rate waits its turn (up to
-   ``FRESHLINE_API_RATE_HOLD_S``) and is served; further over, it is held that long and
+   ``FRESHLINE_API_RATE_BURST``, or its tenant's own: ``freshline tenants limits``): a
+   request a little over the rate waits its turn (up to ``FRESHLINE_API_RATE_HOLD_S``)
+   and is served; further over, it is held that long and
    answered 429 with ``Retry-After``, so a sender that asks again at once gets one
    refusal per hold and connection, not a flood of them;
 3. the key's tenant must not owe more thread-pool time than it may wait for
@@ -89,7 +90,8 @@ class TokenBuckets:
     """A token bucket per name: ``burst`` tokens, refilled at ``rate_per_s``.
 
     At most ``max_entries`` names are tracked (least recently used are forgotten, which
-    only ever forgives). ``rate_per_s`` 0 means no limit.
+    only ever forgives). ``rate_per_s`` 0 means no limit. Each method may be given a
+    name's own ``rate`` and ``burst`` (a tenant's limits), over the bucket's.
     """
 
     def __init__(
@@ -106,53 +108,62 @@ class TokenBuckets:
         self.clock = clock
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
 
-    def _level(self, name: str, now: float) -> float:
-        tokens, at = self._buckets.get(name, (self.burst, now))
-        return min(self.burst, tokens + (now - at) * self.rate)
+    def _level(self, name: str, now: float, rate: float, burst: float) -> float:
+        tokens, at = self._buckets.get(name, (burst, now))
+        return min(burst, tokens + (now - at) * rate)
 
-    def wait(self, name: str) -> float:
+    def _limits(self, rate: float | None, burst: float | None) -> tuple[float, float]:
+        return (self.rate if rate is None else rate, self.burst if burst is None else burst)
+
+    def wait(self, name: str, rate: float | None = None, burst: float | None = None) -> float:
         """Seconds until ``name`` has a token (0 if it has one now); takes nothing."""
-        if self.rate <= 0:
+        rate, burst = self._limits(rate, burst)
+        if rate <= 0:
             return 0.0
-        tokens = self._level(name, self.clock())
-        return 0.0 if tokens >= 1 else (1 - tokens) / self.rate
+        tokens = self._level(name, self.clock(), rate, burst)
+        return 0.0 if tokens >= 1 else (1 - tokens) / rate
 
     def take(self, name: str) -> float:
         """Take a token: 0 if one was there, else the seconds until one will be."""
         if self.rate <= 0:
             return 0.0
         now = self.clock()
-        tokens = self._level(name, now)
+        tokens = self._level(name, now, self.rate, self.burst)
         if tokens < 1:
             self._store(name, tokens, now)
             return (1 - tokens) / self.rate
         self._store(name, tokens - 1, now)
         return 0.0
 
-    def reserve(self, name: str, max_wait_s: float) -> float | None:
+    def reserve(
+        self, name: str, max_wait_s: float, rate: float | None = None, burst: float | None = None
+    ) -> float | None:
         """Take a token, into debt if need be: the seconds until it is due (0: now), or
         ``None``, taking nothing, if that is more than ``max_wait_s``."""
-        if self.rate <= 0:
+        rate, burst = self._limits(rate, burst)
+        if rate <= 0:
             return 0.0
         now = self.clock()
-        tokens = self._level(name, now)
-        wait = 0.0 if tokens >= 1 else (1 - tokens) / self.rate
+        tokens = self._level(name, now, rate, burst)
+        wait = 0.0 if tokens >= 1 else (1 - tokens) / rate
         if wait > max_wait_s:
             return None
         self._store(name, tokens - 1, now)
         return wait
 
-    def charge(self, name: str, cost: float) -> None:
+    def charge(self, name: str, cost: float, rate: float | None = None) -> None:
         """Take ``cost`` tokens for work already done: into debt, if need be."""
-        if self.rate > 0:
+        rate, burst = self._limits(rate, None)
+        if rate > 0:
             now = self.clock()
-            self._store(name, self._level(name, now) - cost, now)
+            self._store(name, self._level(name, now, rate, burst) - cost, now)
 
-    def owed(self, name: str) -> float:
+    def owed(self, name: str, rate: float | None = None) -> float:
         """Seconds until ``name`` is out of debt (0 if it is not in debt)."""
-        if self.rate <= 0:
+        rate, burst = self._limits(rate, None)
+        if rate <= 0:
             return 0.0
-        return max(0.0, -self._level(name, self.clock()) / self.rate)
+        return max(0.0, -self._level(name, self.clock(), rate, burst) / rate)
 
     def _store(self, name: str, tokens: float, now: float) -> None:
         self._buckets[name] = (tokens, now)
@@ -188,7 +199,8 @@ class PoolBudget:
     before its body is read (:class:`AccessGuard`): a flood of expensive requests costs
     its sender waits and refusals, not the worker its CPU, and a sender that asks again
     at once cannot turn the refusals themselves into the flood. ``share`` 0 means no
-    limit.
+    limit; each method may be given the tenant's own share (its
+    :class:`pipeline.api.auth.TenantLimits`), over ``share``.
     """
 
     def __init__(
@@ -211,25 +223,25 @@ class PoolBudget:
             settings.api_tenant_pool_wait_s,
         )
 
-    def owed(self, tenant: str) -> float:
+    def owed(self, tenant: str, share: float | None = None) -> float:
         """Seconds until ``tenant`` is out of debt."""
-        return self._spent.owed(tenant)
+        return self._spent.owed(tenant, share)
 
-    async def check(self, tenant: str) -> None:
+    async def check(self, tenant: str, share: float | None = None) -> None:
         """Raise :class:`TenantOverBudget` if ``tenant`` owes more than it may wait, once
         ``max_wait_s`` has passed: refused at once, a flood's sender would ask again at
         once, and the refusals would take the worker in the work's place."""
-        if self._spent.owed(tenant) > self.max_wait_s:
+        if self._spent.owed(tenant, share) > self.max_wait_s:
             await asyncio.sleep(self.max_wait_s)
-            raise TenantOverBudget(self._spent.owed(tenant))
+            raise TenantOverBudget(self._spent.owed(tenant, share))
 
-    async def paid(self, tenant: str) -> None:
+    async def paid(self, tenant: str, share: float | None = None) -> None:
         """Return once ``tenant`` is out of debt (others' jobs may add to it meanwhile)."""
-        while (owed := self._spent.owed(tenant)) > 0:
+        while (owed := self._spent.owed(tenant, share)) > 0:
             await asyncio.sleep(owed)
 
-    def charge(self, tenant: str, seconds: float) -> None:
-        self._spent.charge(tenant, seconds)
+    def charge(self, tenant: str, seconds: float, share: float | None = None) -> None:
+        self._spent.charge(tenant, seconds, share)
 
 
 def address_group(address: str) -> str:
@@ -389,15 +401,18 @@ class AccessGuard:
             )
             await response(scope, receive, send)
             return
-        wait = self.per_key.reserve(principal.key_id, self.rate_hold_s)
+        own = principal.limits
+        rate, burst = own.rate_per_s, own.rate_burst
+        wait = self.per_key.reserve(principal.key_id, self.rate_hold_s, rate, burst)
         if wait is None:
             await asyncio.sleep(self.rate_hold_s)
             _limited("rate_limited", "rate.limited", principal, address, path)
-            retry = max(1, math.ceil(self.per_key.wait(principal.key_id)))
+            retry = max(1, math.ceil(self.per_key.wait(principal.key_id, rate, burst)))
             response = error_response(
                 429,
                 "rate_limited",
-                f"over {self.per_key.rate:g} requests/s for this API key; retry in {retry} s",
+                f"over {self.per_key.rate if rate is None else rate:g} requests/s for this "
+                f"API key; retry in {retry} s",
                 {"Retry-After": str(retry)},
             )
             await response(scope, receive, send)
@@ -406,7 +421,7 @@ class AccessGuard:
             await asyncio.sleep(wait)  # its token is taken: later arrivals queue behind it
         try:
             if self.pool is not None:
-                await self.pool.check(principal.tenant)
+                await self.pool.check(principal.tenant, own.pool_share)
         except TenantOverBudget as refusal:
             _limited("tenant_over_budget", "tenant.over_budget", principal, address, path)
             response = error_response(

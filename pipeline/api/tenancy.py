@@ -11,6 +11,10 @@ event loop never take a slot. Slots bound threads, not time: each job is also ch
 its time against the tenant's :class:`pipeline.api.limits.PoolBudget`, and a tenant
 in debt waits, still holding no thread, before its next job runs.
 
+A tenant's own limits (``freshline tenants limits``: ``concurrency``, ``pool_share``),
+read with its key, replace the settings for it; a change reaches requests that arrive
+after it, while those already waiting finish under the old bound.
+
 Both bounds are per worker process, and nothing adds them up across workers: a tenant
 whose requests reach each of ``N`` workers may run ``N`` times its concurrency at once
 and spend ``N`` times its share per second, out of ``N`` times 40 threads that all run
@@ -28,6 +32,7 @@ from typing import Any, TypeVar
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from pipeline.api.auth import SERVER_DEFAULTS, Principal, TenantLimits
 from pipeline.api.limits import PoolBudget
 
 T = TypeVar("T")
@@ -40,37 +45,47 @@ class TenantSlots:
     def __init__(self, per_tenant: int, budget: PoolBudget | None = None) -> None:
         self.per_tenant = per_tenant
         self.budget = budget
-        self._slots: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
+        # tenant -> (its semaphore, [requests running or waiting on it], its size)
+        self._slots: dict[str, tuple[asyncio.Semaphore, list[int], int]] = {}
 
-    async def run(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
+    async def run(
+        self,
+        tenant: str,
+        fn: Callable[..., T],
+        *args: Any,
+        limits: TenantLimits = SERVER_DEFAULTS,
+    ) -> T:
         """``fn(*args)`` in the thread pool, once ``tenant`` has a free slot and owes
-        no pool time (:class:`pipeline.api.limits.PoolBudget`)."""
+        no pool time (:class:`pipeline.api.limits.PoolBudget`), under ``limits`` where
+        they are set."""
+        share = limits.pool_share
         if self.budget is not None:
-            await self.budget.check(tenant)
-        if self.per_tenant <= 0:
-            return await self._timed(tenant, fn, *args)
+            await self.budget.check(tenant, share)
+        size = self.per_tenant if limits.concurrency is None else limits.concurrency
+        if size <= 0:
+            return await self._timed(tenant, share, fn, *args)
         slot = self._slots.get(tenant)
-        if slot is None:
-            slot = self._slots[tenant] = (asyncio.Semaphore(self.per_tenant), [0])
-        semaphore, users = slot
+        if slot is None or slot[2] != size:  # new, or its tenant's limit changed
+            slot = self._slots[tenant] = (asyncio.Semaphore(size), [0], size)
+        semaphore, users, _ = slot
         users[0] += 1
         try:
             async with semaphore:
-                return await self._timed(tenant, fn, *args)
+                return await self._timed(tenant, share, fn, *args)
         finally:
             users[0] -= 1
-            if users[0] == 0:
-                self._slots.pop(tenant, None)
+            if users[0] == 0 and self._slots.get(tenant) is slot:
+                del self._slots[tenant]
 
-    async def _timed(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
+    async def _timed(self, tenant: str, share: float | None, fn: Callable[..., T], *args: Any) -> T:
         if self.budget is None:
             return await run_in_threadpool(fn, *args)
-        await self.budget.paid(tenant)
+        await self.budget.paid(tenant, share)
         started = time.monotonic()
         try:
             return await run_in_threadpool(fn, *args)
         finally:
-            self.budget.charge(tenant, time.monotonic() - started)
+            self.budget.charge(tenant, time.monotonic() - started, share)
 
     def busy(self, tenant: str) -> int:
         """``tenant``'s requests running or waiting for a slot in this worker."""
@@ -84,4 +99,6 @@ async def in_pool(request: Request, tenant: str, fn: Callable[..., T], *args: An
     slots: TenantSlots | None = getattr(request.app.state, "tenant_slots", None)
     if slots is None:
         return await run_in_threadpool(fn, *args)
-    return await slots.run(tenant, fn, *args)
+    principal: Principal | None = request.scope.get("state", {}).get("principal")
+    limits = principal.limits if principal is not None and principal.tenant == tenant else None
+    return await slots.run(tenant, fn, *args, limits=limits or SERVER_DEFAULTS)

@@ -1,4 +1,5 @@
-"""CLI commands for tenants and API keys: ``tenants create``, ``apikey create|list|revoke``.
+"""CLI commands for tenants and API keys: ``tenants create|limits``,
+``apikey create|list|revoke``.
 
 Registered on the main app by :func:`register`. Each administrative action writes an
 audit line (``FRESHLINE_AUDIT_LOG``, else stderr) with the key's id, never the key.
@@ -80,6 +81,93 @@ def tenants_create(
         f"created tenant {tenant}; its API key {issued.key_id} (stored hashed, shown only now):"
     )
     typer.echo(issued.key)
+
+
+_LIMIT_SETTINGS = {
+    "rate_per_s": "api_rate_per_s",
+    "rate_burst": "api_rate_burst",
+    "concurrency": "api_tenant_concurrency",
+    "pool_share": "api_tenant_pool_share",
+}
+"""Each of a tenant's own limits, and the setting it stands in for."""
+
+
+@tenants_app.command("limits")
+def tenants_limits(
+    tenant: Annotated[str, typer.Argument(help="An existing tenant id")],
+    rate: Annotated[
+        float | None,
+        typer.Option("--rate", min=0, help="Requests/s per key and worker (0: no limit)"),
+    ] = None,
+    burst: Annotated[
+        int | None, typer.Option("--burst", min=1, help="Requests one key may make at once")
+    ] = None,
+    concurrency: Annotated[
+        int | None,
+        typer.Option(
+            "--concurrency", min=0, help="Thread-pool jobs at once per worker (0: no limit)"
+        ),
+    ] = None,
+    pool_share: Annotated[
+        float | None,
+        typer.Option(
+            "--pool-share", min=0, help="Pool seconds per second per worker (0: no limit)"
+        ),
+    ] = None,
+    reset: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--reset",
+            help="Back to the server's setting: rate, burst, concurrency or pool-share "
+            "(repeatable), or all",
+        ),
+    ] = None,
+) -> None:
+    """Show or set a tenant's own API limits, over the servers' settings.
+
+    A trusted scoring service can be given more than the default and a tenant you do
+    not trust less, on the same servers. Every API worker applies a change on the
+    tenant's next request. With no option, shows the limits.
+    """
+    from pipeline.api.auth import LIMIT_NAMES, set_tenant_limits
+    from pipeline.core.db import make_owner_engine
+
+    names = {"rate": "rate_per_s", "burst": "rate_burst", "concurrency": "concurrency"}
+    names["pool-share"] = "pool_share"
+    changes: dict[str, float | int | None] = {}
+    for option in reset or []:
+        if option == "all":
+            changes.update(dict.fromkeys(LIMIT_NAMES))
+        elif option in names:
+            changes[names[option]] = None
+        else:
+            raise typer.BadParameter(
+                f"{option!r} is none of: {', '.join(names)}, all", param_hint="--reset"
+            )
+    given = {"rate_per_s": rate, "rate_burst": burst, "concurrency": concurrency}
+    given["pool_share"] = pool_share
+    changes.update({n: v for n, v in given.items() if v is not None})
+    settings = _settings()
+    client = redis_client(settings, socket_connect_timeout=2, socket_timeout=5) if changes else None
+    try:
+        limits = set_tenant_limits(make_owner_engine(settings), client, tenant, changes)
+    finally:
+        if client is not None:
+            client.close()
+    if changes:
+        console.print(f"tenant {tenant}'s limits set; every API worker applies them now")
+    table = Table(show_edge=False, pad_edge=False)
+    for column in ("limit", "tenant", "server", "setting"):
+        table.add_column(column, no_wrap=True)
+    for name, setting in _LIMIT_SETTINGS.items():
+        own = getattr(limits, name)
+        table.add_row(
+            name,
+            "-" if own is None else f"{own:g}",
+            f"{getattr(settings, setting):g}",
+            f"FRESHLINE_{setting.upper()}",
+        )
+    print_rows(table)
 
 
 @apikey_app.command("create")

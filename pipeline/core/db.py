@@ -24,6 +24,11 @@ tenants = sa.Table(
     sa.Column("id", sa.Text, primary_key=True),
     sa.Column("name", sa.Text, nullable=False),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    # The tenant's own API limits (migration 0004): NULL is the server's setting.
+    sa.Column("rate_per_s", sa.Float),
+    sa.Column("rate_burst", sa.Integer),
+    sa.Column("concurrency", sa.Integer),
+    sa.Column("pool_share", sa.Float),
     schema=SCHEMA,
 )
 

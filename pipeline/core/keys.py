@@ -30,8 +30,9 @@ META_PREFIX = "freshline"
 
 INVALIDATION_CHANNEL = "freshline:invalidations"
 APIKEY_CHANNEL = "freshline:apikeys:revoked"
-"""Revoked API keys' ids, published by ``freshline apikey revoke``; each API worker drops
-the key from its cache on the message."""
+"""API key ids whose cached answers must go: published by ``freshline apikey revoke``
+(the key is revoked) and ``freshline tenants limits`` (its tenant's limits changed); each
+API worker drops the key from its cache on the message and looks it up again."""
 # The deploy pointer's keys and channel share the hash tag {deploy}: its script moves
 # them together, and publishes the flip on a sharded channel of the same slot.
 ACTIVE_SCHEMA_KEY = "freshline:{deploy}:active_schema_version"

@@ -297,7 +297,9 @@ class ApiSettings(SettingsGroup):
     api_body_limit_bytes: int = Field(default=1_000_000, ge=1024)
     """The request body limit."""
     api_rate_per_s: float = Field(default=1000.0, ge=0)
-    """Requests per second per API key and worker (token bucket; 0: no limit)."""
+    """Requests per second per API key and worker (token bucket; 0: no limit). A tenant
+    may have its own (``freshline tenants limits``), as for the burst, concurrency and
+    pool share below."""
     api_rate_burst: int = Field(default=2000, ge=1)
     """The token bucket of ``api_rate_per_s``: requests one key may make at once."""
     api_rate_hold_s: float = Field(default=1.0, ge=0)
@@ -309,8 +311,8 @@ class ApiSettings(SettingsGroup):
     """Thread-pool jobs (read-through misses, predictions, semantic cache calls) one
     tenant may run at once per worker; its other such requests wait on the event loop,
     holding no thread, so one tenant cannot take the pool (0: no limit, as a deployment
-    with one tenant may prefer). With untrusted tenants, 1 keeps more of the workers for
-    the others (``bench/abuse.py``) at the cost of each tenant's own concurrency."""
+    with one tenant may prefer). For a tenant you do not trust, 1 of its own (``freshline
+    tenants limits``) keeps more of the workers for the others (``bench/abuse.py``)."""
     api_tenant_pool_share: float = Field(default=1.0, ge=0)
     """Seconds of thread-pool work (read-through misses, predictions, semantic cache
     calls) one tenant may spend per second per worker, charged by each job's time: a
