@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from typer.testing import CliRunner
 
 from pipeline.api import create_app
 from pipeline.api.auth import create_api_key, create_tenant
-from pipeline.core.budget import TenantBudget, entry_cost, memory_problem, usage
+from pipeline.core.budget import ADMIT_CHUNK, TenantBudget, entry_cost, memory_problem, usage
 from pipeline.core.keys import inference_budget_keys, inference_prefix
 from pipeline.core.lock import Lock
 from pipeline.core.settings import Settings
@@ -211,3 +212,39 @@ def test_a_full_redis_still_answers_predictions_uncached(
         assert client.dbsize() == 0
     finally:
         client.close()
+
+
+def test_a_large_write_is_counted_in_chunks_that_each_keep_the_budget(
+    redis_client: redis.Redis,
+) -> None:
+    """No script call holds Redis for more than ``ADMIT_CHUNK`` entries (every tenant's
+    reads wait on it), and counting in chunks keeps what counting at once kept: the
+    limits, the oldest popped first, a re-counted key counted once, and a key with a
+    '|' of its own priced by its last one."""
+    tenant = f"chunks-{uuid.uuid4().hex[:8]}"
+    keys = (f"test:_own:{{{tenant}}}", f"test:_bytes:{{{tenant}}}")
+    budget = TenantBudget(redis_client, max_keys=150, max_bytes=1 << 30)
+    calls: list[int] = []
+    admit = budget._admit
+
+    def counted(*, keys: list[str], args: list[Any]) -> Any:
+        calls.append(len(args) - 3)
+        return admit(keys=keys, args=args)
+
+    budget._admit = counted  # type: ignore[assignment]
+    first = [(f"k|{tenant}|{i:04d}", 10) for i in range(100)]
+    assert budget.admit_costs(keys, first, 60_000) == []
+    assert calls == [ADMIT_CHUNK] * (100 // ADMIT_CHUNK) + [100 % ADMIT_CHUNK]
+    again = first[:10]  # counted again: moved to a later expiry, not counted twice
+    assert budget.admit_costs(keys, again, 120_000) == []
+    second = [(f"k|{tenant}|{i:04d}", 10) for i in range(100, 190)]
+    popped = budget.admit_costs(keys, second, 90_000)
+    # 190 keys for 150 places: the 40 expiring first go, never the re-counted ones.
+    assert [key for key, _ in popped] == [key for key, _ in first[10:50]]
+    assert all(cost == entry_cost(key, 10) for key, cost in popped)
+    n, size = usage(redis_client, keys)
+    assert n == 150 and size == sum(entry_cost(k, 10) for k, _ in [*first, *second]) - sum(
+        c for _, c in popped
+    )
+    assert max(calls) <= ADMIT_CHUNK
+    redis_client.delete(*keys)
