@@ -28,7 +28,7 @@ from pipeline.api.errors import ApiError
 from pipeline.api.reader import Answer, AnswerSource, FeatureReader, Lookup, Mode, answer
 from pipeline.cache import freshness
 from pipeline.cache.freshness import Freshness
-from pipeline.cache.readthrough import Result
+from pipeline.cache.readthrough import ReadThrough, Result
 from pipeline.cache.tokens import TokenPending, Tokens
 from pipeline.core.clock import now_ms
 from pipeline.core.features import Registry
@@ -131,6 +131,10 @@ async def read(reader: FeatureReader, lookup: Lookup, mode: Mode, demand: Demand
     rank = None if demand.after is None else await rank_of(reader.tokens, demand.after, deadline)
     fresh = Freshness(rank, demand.max_staleness_ms, demand.wait_ms)
     target = reader._target()
+    if reader.aredis is not None and reader.local is None:
+        covered = await _all_taken(reader, target, lookup, fresh, started)
+        if covered is not None:
+            return covered
     version = target.store.schema_version
     refs = list(lookup)
     if reader.aredis is None:  # no asyncio client: all of it in the thread pool
@@ -214,6 +218,28 @@ async def read(reader: FeatureReader, lookup: Lookup, mode: Mode, demand: Demand
     if target.hot is not None:
         target.hot.record(version, lookup)
     return answers  # type: ignore[return-value]  # every slot is filled
+
+
+async def _all_taken(
+    reader: FeatureReader, target: ReadThrough, lookup: Lookup, fresh: Freshness, started: float
+) -> list[Answer] | None:
+    """Every pair's answer from one MGET when ``fresh`` takes each entry (a token read
+    of entries the consumer has written since, a bounded read of fresh ones: the usual
+    case), built as a plain read builds its hits, with no entry or ref object per pair;
+    ``None`` otherwise, and the general path reads again."""
+    keys = target.store.grid_keys(lookup.tenant, lookup.feature_sets, lookup.entities)
+    raws = await reader._mget(keys)
+    answers = reader._answers_from(
+        target, lookup, "cache-only", raws, now_ms(), keep=fresh.takes_row
+    )
+    if answers is None:
+        return None
+    took = _took(started)
+    for found in answers:
+        found["took_ms"] = took
+    if target.hot is not None:
+        target.hot.record(target.store.schema_version, lookup)
+    return answers
 
 
 def _took(started: float) -> int:

@@ -23,7 +23,7 @@ asyncio client's MGETs read as all absent then, as the store's reads do for
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict, cast
 
 import redis
@@ -37,6 +37,7 @@ from pipeline.cache.readthrough import ReadThrough
 from pipeline.cache.server import ServerGate, async_server_gate
 from pipeline.cache.tokens import Tokens
 from pipeline.core.clock import now_ms
+from pipeline.core.codec import Row
 from pipeline.core.cluster import amget, is_cluster
 from pipeline.core.errors import InvalidId
 from pipeline.core.keys import validate_id
@@ -324,9 +325,15 @@ class FeatureReader:
 
     @staticmethod
     def _answers_from(
-        target: ReadThrough, lookup: Lookup, mode: Mode, raws: list[bytes | None], now: int
+        target: ReadThrough,
+        lookup: Lookup,
+        mode: Mode,
+        raws: list[bytes | None],
+        now: int,
+        keep: Callable[[Row, int], bool] | None = None,
     ) -> list[Answer] | None:
-        """The answers of the MGET of the lookup's :meth:`FeatureStore.grid_keys`."""
+        """The answers of the MGET of the lookup's :meth:`FeatureStore.grid_keys`; with
+        ``keep``, ``None`` unless every pair has an entry that ``keep(row, now)`` takes."""
         store = target.store
         version = store.schema_version
         sets, entities = lookup.feature_sets, lookup.entities
@@ -336,6 +343,8 @@ class FeatureReader:
         columns: list[list[Answer]] = []
         for j, fs in enumerate(sets):
             rows = store.rows(fs, raws[j:n:k], raws[n + j])
+            if keep is not None and not all(row is not None and keep(row, now) for row in rows):
+                return None
             if through:  # a miss, or an entry XFetch picks, is the thread pool's job
                 horizon = target.refresh_horizon(fs, now)
                 for row in rows:

@@ -37,6 +37,7 @@ from pipeline.cache.readthrough import ReadThrough, Result, Source
 from pipeline.cache.recompute import CLOCK_BITS
 from pipeline.cache.tokens import TokenAhead, TokenPending, Tokens
 from pipeline.core.clock import now_ms
+from pipeline.core.codec import Row, parse_watermark
 from pipeline.core.types import EntityRef, Entry
 
 DEFAULT_WAIT_MS = 100
@@ -61,6 +62,12 @@ class Freshness:
         """Whether ``entry`` may be served at ``now`` (epoch ms)."""
         return self.reaches(entry.watermark) and (
             self.max_staleness_ms is None or now - entry.computed_at_ms < self.max_staleness_ms
+        )
+
+    def takes_row(self, row: Row, now: int) -> bool:
+        """:meth:`takes` of a decoded row (:data:`pipeline.core.codec.Row`)."""
+        return self.reaches(parse_watermark(row[2])) and (
+            self.max_staleness_ms is None or now - row[1] < self.max_staleness_ms
         )
 
     def awaits(self, entry: Entry | None) -> bool:

@@ -53,7 +53,7 @@ import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import redis
 import sqlalchemy as sa
@@ -165,6 +165,7 @@ class Tokens:
         self.client = client
         self._key: bytes | None = None
         self._ranks: OrderedDict[int, int] = OrderedDict()
+        self._parsed: OrderedDict[str, Token] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -189,8 +190,17 @@ class Tokens:
         return self._key
 
     def parse(self, text: object) -> Token:
-        """The token ``text`` names, checked; :class:`InvalidToken` otherwise."""
-        return decode(self.load(), text)
+        """The token ``text`` names, checked; :class:`InvalidToken` otherwise. The last
+        :data:`RESOLVED_LIMIT` tokens checked are remembered (a reader sends one again
+        and again), so the MAC is computed once each; only checked ones are kept."""
+        if type(text) is str and (token := self._parsed.get(text)) is not None:
+            return token
+        token = decode(self.load(), text)
+        with self._lock:
+            self._parsed[cast(str, text)] = token
+            if len(self._parsed) > RESOLVED_LIMIT:
+                self._parsed.popitem(last=False)
+        return token
 
     def rank(self, token: Token) -> int | None:
         """The token's rank if known without a query: a snapshot token's, or a

@@ -585,3 +585,50 @@ def test_the_client_honours_tokens_and_staleness_bounds(
         client.close()
         tiered.close()
         tier.close()
+
+
+def test_a_token_sent_again_is_checked_once_and_a_forged_one_every_time(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pipeline.cache.tokens as tokens_module
+
+    checked: list[object] = []
+    real = tokens_module.decode
+
+    def decode(key: bytes, text: object) -> Token:
+        checked.append(text)
+        return real(key, text)
+
+    monkeypatch.setattr(tokens_module, "decode", decode)
+    tokens = tokens_module.Tokens(engine)
+    text = freshline_token(engine)
+    assert tokens.parse(text) == tokens.parse(text) == real(key_of(engine), text)
+    assert checked == [text]
+    forged = BAD_TOKENS["forged"](key_of(engine), text)
+    for _ in range(2):
+        with pytest.raises(tokens_module.InvalidToken):
+            tokens.parse(forged)
+    assert checked == [text, forged, forged]
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        b"after=AbC-_9",
+        b"after=a&after=b",
+        b"mode=cache-only&after=x&wait_ms=5",
+        b"after",
+        b"after=&wait_ms=",
+        b"a=b=c&&d=e",
+        b"after=%41b",
+        b"after=a+b",
+        b"x=\xe9",
+    ],
+)
+def test_a_query_is_split_as_starlette_parses_it(query: bytes) -> None:
+    from starlette.requests import Request
+
+    from pipeline.api.routes import query_of
+
+    request = Request({"type": "http", "query_string": query})
+    assert dict(query_of(request)) == dict(request.query_params)
