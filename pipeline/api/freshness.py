@@ -41,11 +41,15 @@ _FIRST_PAUSE_S, _LONGEST_PAUSE_S = 0.001, 0.05
 
 @dataclass(frozen=True, slots=True)
 class Demand:
-    """A request's freshness parameters, checked (``wait_ms`` within the server's max)."""
+    """A request's freshness parameters, checked (``wait_ms`` within the server's max).
+    ``sized`` when the request gave its own ``wait_ms``: waited in full, where the
+    server's default wait is made only while waiting pays
+    (:class:`pipeline.cache.arrivals.WaitHistory`)."""
 
     after: str | None
     max_staleness_ms: int | None
     wait_ms: int
+    sized: bool = False
 
 
 def from_query(query: Mapping[str, str], settings: Settings) -> Demand | None:
@@ -80,7 +84,7 @@ def defaulted(demand: Demand | None, default_ms: int | None, settings: Settings)
         return demand
     if demand is None:
         return Demand(None, default_ms, min(settings.token_wait_ms, settings.token_wait_max_ms))
-    return Demand(demand.after, default_ms, demand.wait_ms)
+    return Demand(demand.after, default_ms, demand.wait_ms, demand.sized)
 
 
 def declared_default(registry: Registry, feature_sets: Iterable[str]) -> int | None:
@@ -102,8 +106,9 @@ def _demand(after: str | None, values: dict[str, int | None], settings: Settings
     if after is None and staleness is None:
         return None
     wait = values["wait_ms"]
+    sized = wait is not None
     wait = settings.token_wait_ms if wait is None else wait
-    return Demand(after, staleness, min(wait, settings.token_wait_max_ms))
+    return Demand(after, staleness, min(wait, settings.token_wait_max_ms), sized)
 
 
 async def rank_of(tokens: Tokens, text: str, deadline: float) -> int:
@@ -187,7 +192,7 @@ async def read(reader: FeatureReader, lookup: Lookup, mode: Mode, demand: Demand
         return wait, compute
 
     waiting, computing = await take(pending, "hit") if pending else ([], [])
-    if waiting and deadline > time.monotonic():
+    if waiting and deadline > time.monotonic() and (demand.sized or reader.waits.worth()):
         loop = asyncio.get_running_loop()
         with reader.arrivals.watch([refs[i] for i in waiting], loop) as watch:
             while waiting:
@@ -198,6 +203,8 @@ async def read(reader: FeatureReader, lookup: Lookup, mode: Mode, demand: Demand
                 if not waiting or left <= 0:
                     break
                 await watch.until(left)
+        if not demand.sized:
+            reader.waits.record(not waiting)
     computing += waiting
     if computing and mode == "cache-only":
         for i in computing:

@@ -31,14 +31,14 @@ import redis
 from pipeline.api.deadlines import Deadlines
 from pipeline.api.fastpath import HeldConnections
 from pipeline.api.splice import Spliced, Splicer
-from pipeline.cache.arrivals import Arrivals
+from pipeline.cache.arrivals import Arrivals, WaitHistory
 from pipeline.cache.local import LocalTier
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.cache.server import ServerGate, async_server_gate
 from pipeline.cache.tokens import Tokens
 from pipeline.core.clock import now_ms
-from pipeline.core.codec import Row
 from pipeline.core.cluster import amget, is_cluster
+from pipeline.core.codec import Row
 from pipeline.core.errors import InvalidId
 from pipeline.core.keys import validate_id
 from pipeline.core.types import EntityRef, Entry, FeatureValues, LazyRefs
@@ -195,6 +195,7 @@ class FeatureReader:
             readthrough.primary or readthrough.engine, readthrough.store.redis
         )
         self.arrivals = arrivals or Arrivals(readthrough.store.redis)
+        self.waits = WaitHistory()
         self.timeout_s = timeout_s
         self._deadlines = None if timeout_s is None else Deadlines(tick_s=timeout_s / 10)
         self._splicers: dict[tuple[str, int], Splicer] = {}  # (feature set, version)

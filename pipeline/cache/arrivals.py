@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
+import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Final, Literal
 
 import redis
@@ -37,6 +39,56 @@ from pipeline.core.types import EntityRef
 
 POLL_S: Final = 0.02
 """How often a waiting reader reads its keys while the subscription is not live."""
+
+
+class WaitHistory:
+    """Whether waiting for the consumer's writes pays, from this process's recent waits.
+
+    A wait that ends without the write it waited for (the consumer runs behind by more
+    than the wait) cost its reader the whole wait and spared the database nothing: the
+    read then computed anyway. After :attr:`misses` such waits in a row, :meth:`worth`
+    says no, and reads go straight to the recompute, except one probe every
+    :attr:`probe_s` that waits as before; a wait that gets its write starts the count
+    over. Only waits a caller did not size itself consult it (a ``wait_ms`` given with
+    the request is waited in full). Correctness does not depend on it: a read that does
+    not wait computes from a snapshot taken after the token. One event loop or one
+    thread per instance: no lock.
+    """
+
+    def __init__(
+        self,
+        *,
+        misses: int = 4,
+        probe_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.misses = misses
+        self.probe_s = probe_s
+        self.clock = clock
+        self.missed = 0  # waits in a row that ended without their write
+        self.skipped = 0  # waits not made, since this instance began
+        self._probed = -math.inf  # the clock at the last wait that missed, or probe
+
+    def worth(self) -> bool:
+        """Whether to wait now (a probe counts as waiting)."""
+        if self.missed < self.misses:
+            return True
+        now = self.clock()
+        if now - self._probed >= self.probe_s:
+            self._probed = now
+            return True
+        self.skipped += 1
+        return False
+
+    def record(self, arrived: bool) -> None:
+        """A wait's outcome: its writes came within it, or not (then the next probe is
+        :attr:`probe_s` after it)."""
+        if arrived:
+            self.missed = 0
+        else:
+            self.missed += 1
+            self._probed = self.clock()
+
 
 Key = tuple[str, str, str]  # feature set, tenant, entity
 

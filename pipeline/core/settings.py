@@ -265,8 +265,8 @@ class CacheSettings(SettingsGroup):
     """How long a reader waits for another's computation of the same entry."""
     token_wait_ms: int = Field(default=100, ge=0)
     """How long a read ``after`` a freshness token waits for the consumer's write before
-    it computes, unless the request's ``wait_ms`` says
-    ([Freshness on request](freshness.md))."""
+    it computes, unless the request's ``wait_ms`` says; made only while such waits get
+    their writes ([Freshness on request](freshness.md))."""
     token_wait_max_ms: int = Field(default=2000, ge=0)
     """The most a request's ``wait_ms`` may ask; more is cut to this."""
     tombstone_ttl_s: int = Field(default=300, ge=1)

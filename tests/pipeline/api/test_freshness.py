@@ -632,3 +632,55 @@ def test_a_query_is_split_as_starlette_parses_it(query: bytes) -> None:
 
     request = Request({"type": "http", "query_string": query})
     assert dict(query_of(request)) == dict(request.query_params)
+
+
+def test_default_waits_stop_while_they_do_not_pay_and_a_sized_one_still_waits(
+    fresh_settings: Settings, engine: Engine, redis_client: redis.Redis, tenant: str
+) -> None:
+    settings = fresh_settings.model_copy(update={"token_wait_ms": 20})
+    with api_for(settings, engine, redis_client, tenant) as api:
+        reader = api.app.state.services.reader
+        reader.waits.probe_s = 3600.0  # no probe within the test
+        arrivals = reader.arrivals
+
+        def token_read(user: int, query: str = "") -> dict[str, Any]:
+            api.get(f"/v1/features/txn_90d/{user}")  # cached before the write
+            token = write(engine, tenant, user, inside=False)
+            body: dict[str, Any] = api.get(
+                f"/v1/features/txn_90d/{user}?after={token}{query}"
+            ).json()
+            assert body["source"] == "computed" and body["values"] == truth(engine, tenant, user)
+            return body
+
+        for user in range(6, 6 + reader.waits.misses):
+            # No consumer runs: each wait ends without the write it waits for.
+            watches = arrivals.watches
+            token_read(user)
+            assert arrivals.watches == watches + 1
+        assert reader.waits.missed == reader.waits.misses and reader.waits.skipped == 0
+        # Waiting no longer pays: the next read goes straight to the recompute.
+        watches = arrivals.watches
+        token_read(10)
+        assert arrivals.watches == watches and reader.waits.skipped == 1
+        # A read that sizes its own wait is waited in full.
+        token_read(11, "&wait_ms=20")
+        assert arrivals.watches == watches + 1 and reader.waits.skipped == 1
+
+
+def test_a_wait_history_probes_while_waits_miss_and_resumes_on_an_arrival() -> None:
+    from pipeline.cache.arrivals import WaitHistory
+
+    now = [0.0]
+    history = WaitHistory(misses=2, probe_s=10.0, clock=lambda: now[0])
+    assert history.worth()
+    history.record(False)
+    assert history.worth()
+    now[0] = 1.0
+    history.record(False)  # two in a row
+    assert not history.worth() and not history.worth()
+    assert history.skipped == 2
+    now[0] = 11.0
+    assert history.worth()  # a probe, 10 s after the last miss
+    assert not history.worth()  # one per period
+    history.record(True)  # it got its write: waiting pays again
+    assert history.worth() and history.worth() and history.skipped == 3
