@@ -28,7 +28,8 @@ from pipeline.cache import freshness
 from pipeline.cache.arrivals import Arrivals
 from pipeline.cache.store import FeatureStore
 from pipeline.cache.tokens import Tokens, freshline_token
-from pipeline.core.codec import parse_watermark
+from pipeline.core.clock import now_ms
+from pipeline.core.codec import Row, parse_watermark
 from pipeline.core.errors import ConfigError
 from pipeline.core.features import Registry
 from pipeline.core.repository import REGISTRY
@@ -190,10 +191,7 @@ class FeatureClient:
         """Every item as cached (tier, then Redis), ``None`` for a miss."""
         store = self._store_for_call()
         version = store.schema_version
-        named: list[Item] = [
-            (fs, tenant, entity if type(entity) is str else str(entity))
-            for fs, tenant, entity in items
-        ]
+        named = _named(items)
         out: list[Features | None] = []
         append = out.append
         if self.local is not None:
@@ -214,27 +212,37 @@ class FeatureClient:
                     )
                 )
         else:
-            rows = store.read_rows(named)
-            now = time.time_ns() // 1_000_000
-            for (fs, tenant, entity), row in zip(named, rows, strict=True):
-                if row is None:
-                    append(None)
-                    continue
-                values, computed_at_ms, watermark = row  # no entry object in between
-                age_ms = now - computed_at_ms
-                append(
-                    Features(
-                        fs,
-                        tenant,
-                        entity,
-                        values,
-                        age_ms if age_ms > 0 else 0,
-                        version,
-                        parse_watermark(watermark),
-                    )
-                )
+            out = self._rows_as_features(named, store.read_rows(named), version)
         if self.hot is not None:
             self.hot.record(version, _Refs(named))
+        return out
+
+    @staticmethod
+    def _rows_as_features(
+        named: Sequence[Item], rows: Sequence[Row | None], version: int
+    ) -> list[Features | None]:
+        """Each item's :class:`Features` from its decoded row (no entry object in
+        between), ``None`` for a miss."""
+        now = time.time_ns() // 1_000_000
+        out: list[Features | None] = []
+        append = out.append
+        for (fs, tenant, entity), row in zip(named, rows, strict=True):
+            if row is None:
+                append(None)
+                continue
+            values, computed_at_ms, watermark = row
+            age_ms = now - computed_at_ms
+            append(
+                Features(
+                    fs,
+                    tenant,
+                    entity,
+                    values,
+                    age_ms if age_ms > 0 else 0,
+                    version,
+                    parse_watermark(watermark),
+                )
+            )
         return out
 
     def _within(
@@ -267,13 +275,24 @@ class FeatureClient:
         rank = None
         if after is not None:
             rank = freshness.rank_of(self._tokens, after, started + max(0, wait_ms) / 1000)
-        version = self._store_for_call().schema_version
+        fresh = freshness.Freshness(rank, max_staleness_ms, max(0, wait_ms))
+        store = self._store_for_call()
+        version = store.schema_version
+        if self.local is None:
+            # Every entry taken (the usual case): read and answered as a plain read is.
+            named = _named(items)
+            rows = store.read_rows(named)
+            now = now_ms()
+            if all(row is not None and fresh.takes_row(row, now) for row in rows):
+                if self.hot is not None:
+                    self.hot.record(version, _Refs(named))
+                return self._rows_as_features(named, rows, version)
         target = rt if version == rt.store.schema_version else rt._for_version(version)
         refs = [EntityRef(fs, tenant, str(entity)) for fs, tenant, entity in items]
         results = freshness.read(
             target,
             refs,
-            freshness.Freshness(rank, max_staleness_ms, max(0, wait_ms)),
+            fresh,
             arrivals=self._arrivals,
             local=self.local,
             started=started,
@@ -326,3 +345,10 @@ class FeatureClient:
                 self.store.redis, version, registry=self.versions.decoders(version)
             )
         return self._stores[version]
+
+
+def _named(items: Sequence[tuple[str, str, str | int]]) -> list[Item]:
+    """``items`` with each entity id as text."""
+    return [
+        (fs, tenant, entity if type(entity) is str else str(entity)) for fs, tenant, entity in items
+    ]

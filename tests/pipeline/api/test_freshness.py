@@ -579,6 +579,14 @@ def test_the_client_honours_tokens_and_staleness_bounds(
         )
         assert all(f is not None for f in zero)
         assert [len(g) for g in computed] == [1, 1, 2]
+        # The client without a tier reads first after another write: the entry in Redis
+        # predates the token, so it is not served but computed anew.
+        before = client.get("txn_90d", tenant, 11)
+        token = write(engine, tenant, 11, inside=False)
+        got = client.get("txn_90d", tenant, 11, after=token, wait_ms=10)
+        assert got is not None and before is not None
+        assert got.values == truth(engine, tenant, 11) != before.values
+        assert [len(g) for g in computed] == [1, 1, 2, 1]
         with pytest.raises(ConfigError, match="readthrough"):
             FeatureClient(redis_client, version).get("txn_90d", tenant, 11, after=token)
     finally:
