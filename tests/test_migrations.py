@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import logging
+
 import pytest
 import sqlalchemy as sa
 
 import migrations
+from pipeline.api.auth import Authenticator, TenantLimits, create_tenant, set_tenant_limits
 from pipeline.core.db import metadata
 from pipeline.core.errors import ConfigError
 from pipeline.core.settings import Settings
@@ -194,6 +197,34 @@ def test_0009_refuses_a_geoip_range_that_overlaps_another(base_settings: Setting
         _fraud_downgrade(url, "0005")
         with engine.begin() as conn:
             conn.execute(insert, {"f": "11.0.0.16", "t": "11.0.0.31"})
+    finally:
+        engine.dispose()
+        drop_database(base_settings, name)
+
+
+def test_an_api_on_a_schema_before_tenant_limits_serves_keys_at_the_settings(
+    base_settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An API upgraded before ``freshline db upgrade`` ran (revision 0003) still
+    serves every key, with the settings' limits, and says what to run; the limits
+    command says it too; once upgraded, a tenant's own limits are read."""
+    name = "freshline_limits_before_0004"
+    url = recreate_database(base_settings, name)
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        migrations.upgrade(url, "0003")
+        key = create_tenant(engine, "acme")
+        auth = Authenticator(engine)
+        with caplog.at_level(logging.WARNING, logger="pipeline.api.auth"):
+            assert auth.principal(key).limits == TenantLimits()
+            auth.clear()
+            assert auth.principal(key).tenant == "acme"
+        assert caplog.text.count("run freshline db upgrade") == 1  # said once
+        with pytest.raises(ConfigError, match="run freshline db upgrade"):
+            set_tenant_limits(engine, None, "acme", {"rate_per_s": 5.0})
+        migrations.upgrade(url)
+        set_tenant_limits(engine, None, "acme", {"rate_per_s": 5.0})
+        assert Authenticator(engine).principal(key).limits == TenantLimits(rate_per_s=5.0)
     finally:
         engine.dispose()
         drop_database(base_settings, name)

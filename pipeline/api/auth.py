@@ -23,6 +23,7 @@ whose message could not be published raises :class:`RevocationUnannounced`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -31,9 +32,12 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
+import psycopg
 import redis
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
@@ -43,7 +47,7 @@ from pipeline.api import audit_log
 from pipeline.cache.subscription import Subscription
 from pipeline.core.cluster import is_cluster, publish
 from pipeline.core.db import api_keys, tenants
-from pipeline.core.errors import FreshlineError
+from pipeline.core.errors import ConfigError, FreshlineError
 from pipeline.core.keys import APIKEY_CHANNEL, validate_id
 from pipeline.core.settings import redact_text
 
@@ -320,10 +324,25 @@ class LimitsUnannounced(FreshlineError):
         )
 
 
+@contextlib.contextmanager
+def _limits_schema() -> Iterator[None]:
+    """Turn a query of the limit columns on a schema before revision 0004 into a
+    :class:`ConfigError` that says what to run."""
+    try:
+        yield
+    except sa.exc.ProgrammingError as exc:
+        if isinstance(exc.orig, psycopg.errors.UndefinedColumn):
+            raise ConfigError(
+                "freshline's schema has no tenant limits yet (revision 0004): run "
+                "freshline db upgrade"
+            ) from None
+        raise
+
+
 def tenant_limits(engine: Engine, tenant: str) -> TenantLimits:
     """``tenant``'s own limits; :class:`UnknownTenant` if there is no such tenant."""
     t = tenants.c
-    with engine.connect() as conn:
+    with _limits_schema(), engine.connect() as conn:
         row = conn.execute(
             sa.select(*(t[name] for name in LIMIT_NAMES)).where(t.id == tenant)
         ).first()
@@ -350,7 +369,7 @@ def set_tenant_limits(
     if unknown:
         raise ValueError(f"no such limit: {', '.join(sorted(unknown))}")
     t, c = tenants.c, api_keys.c
-    with engine.begin() as conn:
+    with _limits_schema(), engine.begin() as conn:
         row = conn.execute(
             sa.update(tenants)
             .where(t.id == tenant)
@@ -458,6 +477,7 @@ class Authenticator:
             )
         )
         self.lookups = 0
+        self._limits_stored = True  # until the schema shows it has no limit columns
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -547,24 +567,40 @@ class Authenticator:
     def _on_revoked(self, channel: str, data: bytes | str) -> None:
         self.forget(data.decode() if isinstance(data, bytes) else data)
 
+    def _key_row(self, digest: str) -> sa.Row[Any] | None:
+        """The key's row, with its tenant's limits while the schema has them.
+
+        An API upgraded before ``freshline db upgrade`` ran finds no limit columns
+        (revision 0004): it then reads keys without them, every tenant at the settings,
+        and says so once, rather than refusing every key."""
+        c, t = api_keys.c, tenants.c
+        columns = [c.key_hash, c.id, c.tenant_id, c.expires_at, c.revoked_at]
+        query = sa.select(*columns).where(c.key_hash == digest)
+        if self._limits_stored:
+            limited = (
+                sa.select(*columns, *(t[name] for name in LIMIT_NAMES))
+                .join_from(api_keys, tenants, c.tenant_id == t.id)
+                .where(c.key_hash == digest)
+            )
+            try:
+                with self.engine.connect() as conn:
+                    return conn.execute(limited).first()
+            except sa.exc.ProgrammingError as exc:
+                if not isinstance(exc.orig, psycopg.errors.UndefinedColumn):
+                    raise
+                self._limits_stored = False
+                log.warning(
+                    "freshline.tenants has no limit columns (schema before revision 0004): "
+                    "every tenant gets the settings' limits; run freshline db upgrade"
+                )
+        with self.engine.connect() as conn:
+            return conn.execute(query).first()
+
     def _lookup(self, key: str) -> _Cached:
         digest = hash_key(key)
         with self._lock:
             generation = self._generation
-        c, t = api_keys.c, tenants.c
-        with self.engine.connect() as conn:
-            row = conn.execute(
-                sa.select(
-                    c.key_hash,
-                    c.id,
-                    c.tenant_id,
-                    c.expires_at,
-                    c.revoked_at,
-                    *(t[name] for name in LIMIT_NAMES),
-                )
-                .join_from(api_keys, tenants, c.tenant_id == t.id)
-                .where(c.key_hash == digest)
-            ).first()
+        row = self._key_row(digest)
         self.lookups += 1
         principal: Principal | None = None
         refusal: Unauthorized | None = None
@@ -576,7 +612,7 @@ class Authenticator:
         elif row.expires_at is not None and row.expires_at <= datetime.now(UTC):
             refusal = Unauthorized("API key expired", key_id=row.id, reason="expired_key")
         else:
-            limits = TenantLimits(*(getattr(row, name) for name in LIMIT_NAMES))
+            limits = TenantLimits(*(getattr(row, name, None) for name in LIMIT_NAMES))
             principal = Principal(row.id, row.tenant_id, row.expires_at, limits)
         ttl = self.ttl_s if principal is not None else self.negative_ttl_s
         expires = (
