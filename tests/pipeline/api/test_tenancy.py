@@ -17,7 +17,7 @@ from fraud.seed import SeedSummary
 from pipeline.api import create_app
 from pipeline.api.auth import create_api_key
 from pipeline.core.settings import Settings
-from tests.helpers import fresh_version, running, wait_until
+from tests.helpers import Api, fresh_version, running, wait_until
 
 SHARE = 2
 REQUESTS = 6
@@ -42,6 +42,38 @@ def waiting_on(engine: Engine, table: str) -> int:
         )
 
 
+def reads_held_to(
+    api: Api, engine: Engine, key: str, tenant: str, requests: int, allowed: int
+) -> list[httpx.Response]:
+    """Send ``requests`` reads of ``tenant`` whose read-throughs all block in Postgres
+    (``users`` locked), check that only ``allowed`` of them reach it while the rest wait
+    for a slot, then lift the lock; the answers."""
+    slots = getattr(api.app.state, "tenant_slots", None)
+    with engine.connect() as locker:
+        # Every read-through of this tenant now blocks in Postgres, holding its thread.
+        locker.execute(sa.text("LOCK TABLE users IN ACCESS EXCLUSIVE MODE"))
+        sent: list[Future[httpx.Response]] = [
+            api.portal.start_task_soon(
+                functools.partial(
+                    api.client.get,
+                    f"/v1/features/txn_90d/{entity}",
+                    headers={"Authorization": f"Bearer {key}"},
+                )
+            )
+            for entity in range(1, requests + 1)
+        ]
+
+        def settled() -> bool:
+            blocked = waiting_on(engine, "users")
+            every_one_in = slots is not None and slots.busy(tenant) == requests
+            return blocked == requests or (every_one_in and blocked == allowed)
+
+        assert wait_until(settled, timeout=30)
+        assert waiting_on(engine, "users") == allowed, "a tenant took more than its threads"
+        locker.rollback()  # the lock goes; the waiting requests take their turns
+        return [f.result(timeout=60) for f in sent]
+
+
 def test_one_tenants_slow_misses_hold_at_most_its_share_of_threads(
     settings: Settings, engine: Engine, redis_client: redis.Redis, tenants: list[str]
 ) -> None:
@@ -59,29 +91,8 @@ def test_one_tenants_slow_misses_hold_at_most_its_share_of_threads(
         follow_deploys=False,
     )
     key = create_api_key(engine, tenant)
-    with running(app, key) as api, engine.connect() as locker:
-        # Every read-through of this tenant now blocks in Postgres, holding its thread.
-        locker.execute(sa.text("LOCK TABLE users IN ACCESS EXCLUSIVE MODE"))
-        sent: list[Future[httpx.Response]] = [
-            api.portal.start_task_soon(
-                functools.partial(
-                    api.client.get,
-                    f"/v1/features/txn_90d/{entity}",
-                    headers={"Authorization": f"Bearer {key}"},
-                )
-            )
-            for entity in range(1, REQUESTS + 1)
-        ]
+    with running(app, key) as api:
         slots = getattr(app.state, "tenant_slots", None)
-
-        def settled() -> bool:
-            blocked = waiting_on(engine, "users")
-            every_one_in = slots is not None and slots.busy(tenant) == REQUESTS
-            return blocked == REQUESTS or (every_one_in and blocked == SHARE)
-
-        assert wait_until(settled, timeout=30)
-        assert waiting_on(engine, "users") == SHARE, "one tenant took more than its threads"
-        locker.rollback()  # the lock goes; the waiting requests take their turns
-        answers = [f.result(timeout=60) for f in sent]
+        answers = reads_held_to(api, engine, key, tenant, REQUESTS, SHARE)
     assert [a.status_code for a in answers] == [200] * REQUESTS
     assert slots is not None and slots.busy(tenant) == 0

@@ -5,15 +5,12 @@ request, and by no other tenant."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 import sqlalchemy as sa
@@ -30,7 +27,7 @@ from pipeline.api.auth import (
 from pipeline.api.limits import PoolBudget, TokenBuckets
 from pipeline.core.settings import Settings
 from tests.helpers import FRESHLINE, api_app, running, wait_until
-from tests.pipeline.api.test_tenancy import waiting_on
+from tests.pipeline.api.test_tenancy import reads_held_to
 
 REQUESTS = 3
 
@@ -108,29 +105,8 @@ def test_a_tenants_own_concurrency_bounds_its_threads_below_the_servers(
     set_tenant_limits(engine, None, limited, {"concurrency": 1})
     app = api_app(settings, engine, redis_client, api_tenant_concurrency=4)
     key = create_api_key(engine, limited)
-    with running(app, key) as api, engine.connect() as locker:
-        # Every read-through of this tenant now blocks in Postgres, holding its thread.
-        locker.execute(sa.text("LOCK TABLE users IN ACCESS EXCLUSIVE MODE"))
-        sent: list[Future[httpx.Response]] = [
-            api.portal.start_task_soon(
-                functools.partial(
-                    api.client.get,
-                    f"/v1/features/txn_90d/{entity}",
-                    headers={"Authorization": f"Bearer {key}"},
-                )
-            )
-            for entity in range(1, REQUESTS + 1)
-        ]
-        slots = app.state.tenant_slots
-
-        def settled() -> bool:
-            blocked = waiting_on(engine, "users")
-            return blocked == REQUESTS or (slots.busy(limited) == REQUESTS and blocked == 1)
-
-        assert wait_until(settled, timeout=30)
-        assert waiting_on(engine, "users") == 1, "the tenant ran more than its own 1 job"
-        locker.rollback()
-        answers = [f.result(timeout=60) for f in sent]
+    with running(app, key) as api:
+        answers = reads_held_to(api, engine, key, limited, REQUESTS, allowed=1)
     assert [a.status_code for a in answers] == [200] * REQUESTS
 
 
