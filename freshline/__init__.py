@@ -15,7 +15,7 @@ these; ``freshline plan`` shows what they would change and ``freshline apply`` d
 """
 
 from freshline import agg
-from pipeline.core.aggregations import Aggregations
+from pipeline.core.aggregations import Aggregations, Lookup
 from pipeline.core.events import Event, EventField
 from pipeline.core.features import (
     AS_OF,
@@ -39,6 +39,7 @@ __all__ = [
     "FeatureSet",
     "Field",
     "IncrementalPath",
+    "Lookup",
     "Repository",
     "Table",
     "agg",

@@ -2,7 +2,8 @@
 database of its own, the partials kept by the generated triggers must give exactly the
 defining query's values, field by field, through random streams of inserts, updates,
 moves, time changes, filter changes and deletes, at moments that put rows on and beside
-every window edge; and after COPY, TRUNCATE and a rebuild.
+every window edge; and after COPY, TRUNCATE and a rebuild. The same for aggregations of
+looked-up columns (a ``Lookup`` in another table), through changes of that table too.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from hypothesis import strategies as st
 from sqlalchemy.engine import Engine, make_url
 
 import migrations
-from freshline import Aggregations, Entity, Table, agg
+from freshline import Aggregations, Entity, Lookup, Table, agg
 from pipeline.cache.recompute import compute
 from pipeline.cdc.connect import PUBLICATION
 from pipeline.core.db import make_engine
@@ -40,7 +41,9 @@ TABLE = """
 CREATE TABLE orders (id bigserial PRIMARY KEY, shop_id text NOT NULL,
                      customer_id text NOT NULL, amount numeric(12, 2), sku text,
                      status text NOT NULL DEFAULT 'placed', placed_at timestamptz NOT NULL);
-CREATE INDEX orders_by_customer ON orders (shop_id, customer_id, placed_at)
+CREATE INDEX orders_by_customer ON orders (shop_id, customer_id, placed_at);
+CREATE INDEX orders_by_sku ON orders (sku);
+CREATE TABLE skus (sku text PRIMARY KEY, category text, tier int)
 """
 
 customer = Entity("customer", key="customer_id", type="text", tenant="shop_id")
@@ -75,6 +78,46 @@ DECLARED = Aggregations(
 )
 
 
+sku_rows = Table(
+    "skus",
+    reverse={
+        customer: "SELECT DISTINCT shop_id, customer_id FROM orders WHERE sku = :sku",
+    },
+)
+# Each order's category and tier, from its sku's row; ties of placed_at go to the
+# greatest id, so every last_* is the values of one order. Two aggregations span all time.
+LOOKED_UP = Aggregations(
+    "orders_lk",
+    entity=customer,
+    table=orders,
+    time="placed_at",
+    window="30d",
+    where="x.status <> 'cancelled'",
+    incremental=True,
+    tiebreak="id",
+    lookups=[
+        Lookup(
+            sku_rows,
+            columns=["category", "tier"],
+            query="SELECT s.category, s.tier FROM skus s WHERE s.sku = x.sku",
+            rows="g.sku = x.sku",
+        )
+    ],
+    aggs=[
+        agg.count_distinct("category"),
+        agg.count_distinct("category", window="1d", name="categories_1d"),
+        agg.last("category", type="str"),
+        agg.last("tier", type="int"),
+        agg.last("sku", type="str"),
+        agg.last("amount", name="last_amount"),
+        agg.sum("tier", where="x.category IS NOT NULL"),
+        agg.max("tier", window="36h", name="max_tier_36h"),
+        agg.last("category", window="all", type="str", name="category_ever"),
+        agg.count(window="all", name="orders_ever"),
+    ],
+)
+
+
 def path_of(fs: FeatureSet) -> DerivedPath:
     assert isinstance(fs.maintenance, DerivedPath)
     return fs.maintenance
@@ -91,6 +134,7 @@ def own(base_settings: Settings) -> Iterator[Engine]:
         for statement in TABLE.split(";"):
             conn.execute(sa.text(statement))
         path_of(DECLARED).install(conn)
+        path_of(LOOKED_UP).install(conn)
     yield engine
     engine.dispose()
     drop_database(base_settings, name)
@@ -115,10 +159,12 @@ def place_orders(engine: Engine, *amounts: int) -> str:
     return shop
 
 
-def assert_paths_agree(engine: Engine, keys: list[tuple[str, str]], moments: list[int]) -> None:
+def assert_paths_agree(
+    engine: Engine, keys: list[tuple[str, str]], moments: list[int], fs: FeatureSet = DECLARED
+) -> None:
     for moment in moments:
-        full = compute(engine, DECLARED, keys, as_of=at(moment), path="full").values
-        inc = compute(engine, DECLARED, keys, as_of=at(moment), path="incremental").values
+        full = compute(engine, fs, keys, as_of=at(moment), path="full").values
+        inc = compute(engine, fs, keys, as_of=at(moment), path="incremental").values
         for key in keys:
             assert inc[key] == full[key], (moment, key, inc[key], full[key])
 
@@ -131,21 +177,18 @@ amounts = st.one_of(st.none(), st.decimals(min_value=-50, max_value=500, places=
 skus = st.sampled_from([None, "a", "b", "c"])
 customers = st.sampled_from(["c1", "c2", "c3"])
 row = st.tuples(customers, amounts, skus, st.sampled_from(["placed", "cancelled"]), offsets)
-ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("insert"), st.lists(row, min_size=1, max_size=6)),
-        st.tuples(st.just("amount"), st.integers(0, 50), amounts),
-        st.tuples(st.just("time"), st.integers(0, 50), offsets),
-        st.tuples(st.just("move"), st.integers(0, 50), customers),
-        st.tuples(st.just("status"), st.integers(0, 50), st.sampled_from(["placed", "cancelled"])),
-        st.tuples(st.just("sku"), st.integers(0, 50), skus),
-        st.tuples(st.just("delete"), st.integers(0, 50)),
-        st.tuples(st.just("bump"), customers),
-        st.tuples(st.just("fold"), st.integers(1, 20)),
-    ),
-    min_size=1,
-    max_size=12,
+order_op = st.one_of(
+    st.tuples(st.just("insert"), st.lists(row, min_size=1, max_size=6)),
+    st.tuples(st.just("amount"), st.integers(0, 50), amounts),
+    st.tuples(st.just("time"), st.integers(0, 50), offsets),
+    st.tuples(st.just("move"), st.integers(0, 50), customers),
+    st.tuples(st.just("status"), st.integers(0, 50), st.sampled_from(["placed", "cancelled"])),
+    st.tuples(st.just("sku"), st.integers(0, 50), skus),
+    st.tuples(st.just("delete"), st.integers(0, 50)),
+    st.tuples(st.just("bump"), customers),
+    st.tuples(st.just("fold"), st.integers(1, 20)),
 )
+ops = st.lists(order_op, min_size=1, max_size=12)
 
 
 def apply(conn: sa.Connection, shop: str, op: tuple[Any, ...], ids: list[int]) -> None:
@@ -166,6 +209,29 @@ def apply(conn: sa.Connection, shop: str, op: tuple[Any, ...], ids: list[int]) -
         return
     if kind == "fold":  # some logged days recomputed, in the writers' midst
         path_of(DECLARED).fold(conn, max_keys=op[1], wait=True)
+        path_of(LOOKED_UP).fold(conn, max_keys=op[1], wait=True)
+        return
+    if kind == "lookup":  # a sku's row added, changed or removed
+        _, sku, category, tier = op
+        if category is None and tier is None:
+            conn.execute(sa.text("DELETE FROM skus WHERE sku = :k"), {"k": sku})
+        else:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO skus VALUES (:k, :c, :t) ON CONFLICT (sku) "
+                    "DO UPDATE SET category = excluded.category, tier = excluded.tier"
+                ),
+                {"k": sku, "c": category, "t": tier},
+            )
+        return
+    if kind == "rename":  # one sku's row takes another's name, in one UPDATE
+        conn.execute(
+            sa.text(
+                "UPDATE skus SET sku = :to WHERE sku = :k "
+                "AND NOT EXISTS (SELECT 1 FROM skus WHERE sku = :to)"
+            ),
+            {"k": op[1], "to": op[2]},
+        )
         return
     if kind == "bump":  # one statement changing many rows of a customer
         conn.execute(
@@ -214,6 +280,115 @@ def test_the_derived_path_equals_the_defining_query_through_any_changes(
     path_of(DECLARED).fold_all(own)
     assert path_of(DECLARED).pending(own) == (0, 0)
     assert_paths_agree(own, keys, moments)
+
+
+# The lookup's own changes beside the orders': skus are shared by every shop, so these
+# also touch other examples' rows, which only makes more days to log.
+sku_names = st.sampled_from(["a", "b", "c"])
+inserts = st.lists(
+    st.tuples(st.just("insert"), st.lists(row, min_size=1, max_size=6)), min_size=1, max_size=3
+)
+lookup_ops = st.lists(
+    st.one_of(
+        order_op,
+        st.tuples(
+            st.just("lookup"),
+            sku_names,
+            st.sampled_from([None, "toys", "food"]),
+            st.one_of(st.none(), st.integers(1, 3)),
+        ),
+        st.tuples(st.just("rename"), sku_names, sku_names),
+    ),
+    min_size=1,
+    max_size=14,
+)
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(first=inserts, then=lookup_ops, moment=offsets)
+def test_aggregations_of_looked_up_columns_stay_exact_through_changes_of_both_tables(
+    own: Engine, first: list[tuple[Any, ...]], then: list[tuple[Any, ...]], moment: int
+) -> None:
+    """Orders folded into partials, then any mix of changes to the orders and to the
+    skus their values are looked up in."""
+    shop = f"s{uuid.uuid4().hex[:10]}"
+    keys = [(shop, c) for c in ("c1", "c2", "c3", "nobody")]
+    ids: list[int] = []
+    for i, stream in enumerate((first, then)):
+        for op in stream:
+            with own.begin() as conn:
+                apply(conn, shop, op, ids)
+        if i == 0:
+            path_of(LOOKED_UP).fold_all(own)
+    moments = sorted({0, moment, moment + DAY, -DAY + 1})
+    assert_paths_agree(own, keys, moments, LOOKED_UP)  # with the changes not yet folded
+    path_of(LOOKED_UP).fold_all(own)
+    assert path_of(LOOKED_UP).pending(own) == (0, 0)
+    assert_paths_agree(own, keys, moments, LOOKED_UP)
+
+
+def test_a_looked_up_value_and_the_tiebreak_decide_the_values(own: Engine) -> None:
+    """The values themselves, against what the rows say: two orders at one moment, the
+    later id's category is the last; a sku's category changed after the fact changes
+    the counts, on the incremental path without any write to the orders."""
+    shop = f"s{uuid.uuid4().hex[:10]}"
+    key = (shop, "c1")
+    with own.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO skus VALUES ('t1', 'tea', 1), ('t2', 'coffee', 2) "
+                "ON CONFLICT (sku) DO UPDATE SET category = excluded.category, "
+                "tier = excluded.tier"
+            )
+        )
+        for sku in ("t2", "t1"):  # one moment, t1's order has the greater id
+            conn.execute(
+                sa.text(
+                    "INSERT INTO orders (shop_id, customer_id, amount, sku, placed_at) "
+                    "VALUES (:s, 'c1', 1, :k, :t)"
+                ),
+                {"s": shop, "k": sku, "t": at(-2 * DAY)},
+            )
+    path_of(LOOKED_UP).fold_all(own)
+
+    def values() -> dict[str, Any]:
+        return compute(own, LOOKED_UP, [key], as_of=AS_OF, path="incremental").values[key]
+
+    first = values()
+    assert (first["last_category"], first["last_tier"], first["last_sku"]) == ("tea", 1, "t1")
+    assert first["distinct_category"] == 2
+    assert first["sum_tier"] == 3
+    with own.begin() as conn:
+        conn.execute(sa.text("UPDATE skus SET category = 'tea', tier = 5 WHERE sku = 't2'"))
+    after = values()  # the days t2 decides are logged, and read from the rows
+    assert (after["distinct_category"], after["sum_tier"]) == (1, 6)
+    path_of(LOOKED_UP).fold_all(own)
+    assert values() == after
+    with own.begin() as conn:
+        conn.execute(sa.text("DELETE FROM skus WHERE sku = 't1'"))
+    gone = values()
+    assert (gone["last_category"], gone["last_tier"], gone["last_sku"]) == (None, None, "t1")
+    assert_paths_agree(own, [key], [0, -DAY], LOOKED_UP)
+
+    # A window of all time holds an order of long ago; the 30 days do not.
+    old_key = (shop, "c2")
+    with own.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO orders (shop_id, customer_id, amount, sku, placed_at) "
+                "VALUES (:s, 'c2', 1, 't2', :t)"
+            ),
+            {"s": shop, "t": at(-400 * DAY)},
+        )
+    path_of(LOOKED_UP).fold_all(own)
+    ever = compute(own, LOOKED_UP, [old_key], as_of=AS_OF, path="incremental").values[old_key]
+    assert (ever["orders_ever"], ever["category_ever"]) == (1, "tea")
+    assert (ever["distinct_category"], ever["last_category"]) == (0, None)
+    assert_paths_agree(own, [old_key], [0, -401 * DAY], LOOKED_UP)
 
 
 def test_a_statement_changing_many_days_at_once_is_exact(own: Engine) -> None:

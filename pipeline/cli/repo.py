@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from pipeline.cli.app import console, out
-from pipeline.core.declarations import Declaration
-from pipeline.core.features import duration
+from pipeline.core.declarations import Declaration, window_text
 from pipeline.core.maintenance import DerivedPath
 
 if TYPE_CHECKING:
@@ -224,7 +223,7 @@ def _print(result: Plan) -> None:
             f"{', '.join(s.table for s in fs.sources)}"
         )
         if isinstance(fs.declared, Declaration):
-            windows = ", ".join(duration(w) for w in sorted(set(fs.declared.windows_s)))
+            windows = ", ".join(window_text(w) for w in sorted(set(fs.declared.windows_s)))
             out.print(
                 f"    declared: {len(fs.declared.aggs)} aggregations over "
                 f"{fs.declared.table}.{fs.declared.time}, windows {windows}; query and "

@@ -32,8 +32,14 @@ are generated from it:
   make it earlier: safe (an entry expires early, a miss; never late, stale).
 
 Windows are durations (``"90d"``, ``"24h"``, ``"30m"``, seconds): exact intervals of
-seconds, so a day is 86,400 s whatever the session's time zone. The time column is a
-``timestamptz``.
+seconds, so a day is 86,400 s whatever the session's time zone; ``"all"`` is every row at
+or before ``as_of`` (no row leaves it). The time column is a ``timestamptz``.
+
+* **Lookups** (:func:`Lookup`): columns each row takes from another table (a country
+  from an IP's range), aggregated by name like the table's own. The defining query looks
+  them up row by row; the incremental path's partials hold the looked-up values, and a
+  change of the other table logs the days of the rows it decides (its ``rows=``), so
+  those days are read from the rows until the next fold.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.core.declarations import Agg, AggKind, Declaration
+from pipeline.core import declarations
+from pipeline.core.declarations import ALL_TIME, Agg, AggKind, Declaration, since
 from pipeline.core.errors import ConfigError
 from pipeline.core.features import (
     AS_OF,
@@ -103,6 +110,39 @@ last = ColumnAgg(
 )
 
 
+def Lookup(table: Table, *, columns: Sequence[str], query: str, rows: str) -> declarations.Lookup:
+    """Columns each source row takes from ``table``, to aggregate like its own::
+
+        geo_of_ip = Lookup(
+            geoip,
+            columns=["country", "city"],
+            query="SELECT g.country, g.city FROM geoip g WHERE g.ip_from <= x.ip "
+            "AND x.ip <= g.ip_to ORDER BY g.ip_from DESC LIMIT 1",
+            rows="x.ip BETWEEN g.ip_from AND g.ip_to",
+        )
+
+    ``query``: SQL over the source row ``x`` returning at most one row of ``columns``
+    (none: the columns are ``NULL``), each a column of ``table`` of the same name.
+    ``rows``: a condition on a source row ``x`` and a row ``g`` of ``table``, true of
+    every source row whose looked-up values ``g`` can decide, whether ``g`` is added,
+    changed or removed; it tells the incremental path which days a change of ``table``
+    makes stale, so it must not miss one (more only costs reads). ``table`` must route
+    its changes to the entity itself (``Table(..., reverse=...)``), as any source must.
+    """
+    what = f"lookup in {table.name!r}"
+    if not columns:
+        raise ConfigError(f"{what}: names no column")
+    for column in columns:
+        identifier(column, f"{what} column")
+    if len(set(columns)) != len(columns):
+        raise ConfigError(f"{what}: a column is named twice")
+    if "x." not in query:
+        raise ConfigError(f"{what}: query= reads nothing of the source row x")
+    if "x." not in rows or "g." not in rows:
+        raise ConfigError(f"{what}: rows= relates the source row x to a row g of the table")
+    return declarations.Lookup(table, tuple(columns), query.strip(), rows.strip())
+
+
 def Aggregations(
     name: str,
     *,
@@ -118,6 +158,8 @@ def Aggregations(
     sources: Sequence[Table] = (),
     incremental: bool = False,
     max_staleness_ms: int | None = None,
+    lookups: Sequence[declarations.Lookup] = (),
+    tiebreak: str | None = None,
 ) -> FeatureSet:
     """A feature set of windowed aggregations over ``table``'s rows of each entity.
 
@@ -129,7 +171,11 @@ def Aggregations(
     ``incremental``: also derive per-day partial aggregates kept by triggers on the
     table, and recompute from them (:mod:`pipeline.core.maintenance`; ``freshline
     apply --alter-tables`` installs them). ``max_staleness_ms``: the default freshness
-    bound of reads (:attr:`FeatureSet.max_staleness_ms`).
+    bound of reads (:attr:`FeatureSet.max_staleness_ms`). ``lookups``: columns the rows
+    take from other tables (:func:`Lookup`), aggregated by name like the table's own;
+    their tables are sources too. ``tiebreak``: a column of the table that orders rows of
+    the same time for ``last`` (the greatest wins; a unique one, such as the primary
+    key, makes every ``last`` the values of one row); without it, the greatest value.
     """
     what = f"aggregations {name!r}"
     source = table.source_for(entity)
@@ -142,6 +188,21 @@ def Aggregations(
     if entity.tenant and not table.tenant:
         raise ConfigError(f"{what}: table {table.name!r} has no tenant column")
     identifier(time, f"{what} time column")
+    if tiebreak is not None:
+        identifier(tiebreak, f"{what} tiebreak column")
+    looked_up: set[str] = set()
+    for lookup in lookups:
+        if not isinstance(lookup, declarations.Lookup):
+            raise ConfigError(f"{what}: {lookup!r} is not a Lookup(...)")
+        if lookup.table.source_for(entity) is None:
+            raise ConfigError(
+                f"{what}: lookup table {lookup.table.name!r} routes no change to entity "
+                f"{entity.name!r} (Table({lookup.table.name!r}, reverse={{{entity.name}: "
+                "'SELECT ...'}))"
+            )
+        if looked_up & set(lookup.columns):
+            raise ConfigError(f"{what}: two lookups give a column of the same name")
+        looked_up |= set(lookup.columns)
     if not aggs:
         raise ConfigError(f"{what}: declares no aggregation")
     windows: list[int] = []
@@ -172,7 +233,9 @@ def Aggregations(
         chosen = agg.window if agg.window is not None else window
         if chosen is None:
             raise ConfigError(f"{what}: {field_name} has no window (give window= to it or all)")
-        windows.append(seconds(chosen, f"{what} window of {field_name}"))
+        windows.append(
+            ALL_TIME if chosen == "all" else seconds(chosen, f"{what} window of {field_name}")
+        )
     declared = Declaration(
         table=table.name,
         entity_column=column,
@@ -181,6 +244,8 @@ def Aggregations(
         where=where,
         aggs=tuple(aggs),
         windows_s=tuple(windows),
+        lookups=tuple(lookups),
+        tiebreak=tiebreak,
     )
     fields = tuple(Field(a.field_name(), a.field_type(time)) for a in aggs)
     derived: dict[str, Any] = {}
@@ -190,7 +255,9 @@ def Aggregations(
         query = full_query(entity, declared)
         # The layout's format too: a freshline whose generated tables differ gets tables
         # of its own, never a query over another layout's.
-        digest = hashlib.sha256(f"{LAYOUT}\n{query}".encode()).hexdigest()[:8]
+        # The lookups' rows= too: they shape the triggers, not the query.
+        rows = "".join(f"\n{lk.table.name}: {lk.rows}" for lk in lookups)
+        digest = hashlib.sha256(f"{LAYOUT}\n{query}{rows}".encode()).hexdigest()[:8]
         path = DerivedPath(name, entity, declared, digest)
         derived = {"incremental": path.query(), "maintenance": path, "path": "incremental"}
     return FeatureSet(
@@ -199,7 +266,7 @@ def Aggregations(
         fields=fields,
         ttl=ttl,
         query=full_query(entity, declared),
-        sources=(table, *[s for s in sources if s is not table]),
+        sources=_unique([table, *(lk.table for lk in lookups), *sources]),
         mode=mode,
         description=description,
         horizon=horizon(entity, declared),
@@ -209,15 +276,11 @@ def Aggregations(
     )
 
 
-def _interval(window_s: int) -> str:
-    return f"interval '{window_s} seconds'"
-
-
 def _aggregate(agg: Agg, window_s: int, decl: Declaration) -> str:
     """One aggregation's SQL over the joined rows ``x`` (``NULL`` where none joined)."""
     conditions = [f"({agg.where})"] if agg.where else []
     if window_s < decl.widest_s:
-        conditions.append(f"x.{decl.time} > t.as_of - {_interval(window_s)}")
+        conditions.append(f"x.{decl.time} > {since('t.as_of', window_s)}")
     if agg.kind == "count":  # a joined row has its entity column; an unjoined one not
         conditions.append(f"x.{decl.entity_column} IS NOT NULL")
     only = f" FILTER (WHERE {' AND '.join(conditions)})" if conditions else ""
@@ -239,7 +302,8 @@ def _aggregate(agg: Agg, window_s: int, decl: Declaration) -> str:
         case "count_distinct":
             return f"count(DISTINCT {col}){only}"
         case "last":
-            order = f"x.{decl.time} DESC, {col} DESC NULLS LAST"
+            tiebreak = f"x.{decl.tiebreak}" if decl.tiebreak else None
+            order = decl.last_order(f"x.{decl.time}", col, tiebreak)
             return f"(array_agg({col} ORDER BY {order}){only})[1]"
     raise ConfigError(f"unknown aggregation {agg.kind!r}")  # pragma: no cover
 
@@ -254,17 +318,31 @@ def full_query(entity: Entity, decl: Declaration) -> str:
     on = [f"x.{decl.entity_column} = k.{entity.key}"]
     if decl.tenant_column and entity.tenant:
         on.insert(0, f"x.{decl.tenant_column} = k.{entity.tenant}")
-    on.append(f"x.{decl.time} > t.as_of - {_interval(decl.widest_s)}")
+    if decl.widest_s != ALL_TIME:
+        on.append(f"x.{decl.time} > {since('t.as_of', decl.widest_s)}")
     on.append(f"x.{decl.time} <= t.as_of")
     if decl.where:
         on.append(f"({decl.where})")
     group = ", ".join(f"k.{c}" for c in entity.columns)
     body = ",\n       ".join([*keys, *values])
     joined = "\n      AND ".join(on)
-    return (
-        f"\nSELECT {body}\nFROM k CROSS JOIN t\nLEFT JOIN {decl.table} x\n"
-        f"       ON {joined}\nGROUP BY {group}\n"
-    )
+    if decl.lookups:  # each row of the window with its looked-up columns
+        cols, joins = decl.looked_up()
+        rows = (
+            f"LEFT JOIN LATERAL (SELECT {cols} FROM {decl.table} x{joins}\n"
+            f"    WHERE {joined}) AS x ON true"
+        )
+    else:
+        rows = f"LEFT JOIN {decl.table} x\n       ON {joined}"
+    return f"\nSELECT {body}\nFROM k CROSS JOIN t\n{rows}\nGROUP BY {group}\n"
+
+
+def _unique(tables: Sequence[Table]) -> tuple[Table, ...]:
+    """``tables`` without repeats (by name), in order."""
+    seen: dict[str, Table] = {}
+    for table in tables:
+        seen.setdefault(table.name, table)
+    return tuple(seen.values())
 
 
 def horizon(entity: Entity, decl: Declaration) -> str:
@@ -274,10 +352,11 @@ def horizon(entity: Entity, decl: Declaration) -> str:
         mine.insert(0, f"x.{decl.tenant_column} = f.{entity.tenant}")
     own = " AND ".join(mine)
     time = f"x.{decl.time}"
-    leaving = [
-        f"(SELECT min({time}) FROM {decl.table} x WHERE {own} AND {time} > {AS_OF} - "
-        f"{_interval(w)} AND {time} <= {AS_OF}) + {_interval(w)}"
+    leaving = [  # (a row never leaves the window of all time)
+        f"(SELECT min({time}) FROM {decl.table} x WHERE {own} AND {time} > "
+        f"{since(AS_OF, w)} AND {time} <= {AS_OF}) + interval '{w} seconds'"
         for w in sorted(set(decl.windows_s))
+        if w != ALL_TIME
     ]
     entering = f"(SELECT min({time}) FROM {decl.table} x WHERE {own} AND {time} > {AS_OF})"
     return "least(\n    " + ",\n    ".join([*leaving, entering]) + ")"

@@ -8,7 +8,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeline.core.features import FieldType
+from pipeline.core.features import FieldType, Table, duration
+
+ALL_TIME = 2**62
+"""The window of ``window="all"``: every row at or before ``as_of``, however old."""
+
+
+def since(as_of: str, window_s: int) -> str:
+    """SQL of the moment a window of ``window_s`` seconds before ``as_of`` opens (rows
+    after it are in): ``-infinity`` for :data:`ALL_TIME`."""
+    if window_s == ALL_TIME:
+        return "'-infinity'::timestamptz"
+    return f"{as_of} - interval '{window_s} seconds'"
+
+
+def window_text(window_s: int) -> str:
+    """A window as a declaration writes it (``"30d"``, ``"all"``)."""
+    return "all" if window_s == ALL_TIME else duration(window_s)
+
 
 AggKind = Literal["count", "sum", "mean", "min", "max", "stddev", "count_distinct", "last"]
 
@@ -57,6 +74,21 @@ class Agg:
 
 
 @dataclass(frozen=True, slots=True)
+class Lookup:
+    """Columns a source row takes from another table, for aggregations over them (made by
+    :func:`pipeline.core.aggregations.Lookup`, where the arguments are described)."""
+
+    table: Table
+    columns: tuple[str, ...]
+    query: str
+    rows: str
+
+    def join(self, index: int) -> str:
+        """The ``LEFT JOIN LATERAL`` that gives row ``x`` the columns, as ``lk<index>``."""
+        return f" LEFT JOIN LATERAL ({self.query}) AS lk{index}({', '.join(self.columns)}) ON true"
+
+
+@dataclass(frozen=True, slots=True)
 class Declaration:
     """What :func:`Aggregations` was given, resolved: kept on the feature set
     (:attr:`FeatureSet.declared`) for ``plan`` and for incremental maintenance."""
@@ -69,6 +101,24 @@ class Declaration:
     aggs: tuple[Agg, ...]
     windows_s: tuple[int, ...]
     """Each aggregation's window in seconds, in the order of ``aggs``."""
+    lookups: tuple[Lookup, ...] = ()
+    tiebreak: str | None = None
+    """The column that orders rows of the same time for ``last`` (greatest first)."""
+
+    @property
+    def lookup_columns(self) -> list[str]:
+        return [c for lk in self.lookups for c in lk.columns]
+
+    def looked_up(self) -> tuple[str, str]:
+        """(the select list, the joins) of source rows ``x`` with the lookups' columns:
+        ``SELECT {cols} FROM table x{joins}``."""
+        cols = ["x.*"] + [f"lk{i}.{c}" for i, lk in enumerate(self.lookups) for c in lk.columns]
+        return ", ".join(cols), "".join(lk.join(i) for i, lk in enumerate(self.lookups))
+
+    def last_order(self, time: str, value: str, tiebreak: str | None) -> str:
+        """The order of ``last``: latest time, then greatest tiebreak, then value."""
+        middle = f", {tiebreak} DESC NULLS LAST" if tiebreak else ""
+        return f"{time} DESC{middle}, {value} DESC NULLS LAST"
 
     @property
     def widest_s(self) -> int:

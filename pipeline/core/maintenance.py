@@ -54,14 +54,15 @@ function is all it needs); ``freshline buckets fold`` does it by hand.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.core.declarations import Agg, Declaration
+from pipeline.core.declarations import Agg, Declaration, Lookup, since
+from pipeline.core.errors import ConfigError
 from pipeline.core.features import Entity
 from pipeline.core.incremental import IncrementalPath, Queries
 
@@ -88,6 +89,7 @@ class _Slot:
     index: int
     agg: Agg
     window_s: int
+    tiebreak: bool = False
 
     @property
     def where(self) -> str:
@@ -105,7 +107,8 @@ class _Slot:
         if kind == "max":
             return [(f"mx{i}", "{col}")]
         if kind == "last":
-            return [(f"lt{i}", "timestamptz"), (f"lv{i}", "{col}")]
+            broken = [(f"lb{i}", "{tb}")] if self.tiebreak else []
+            return [(f"lt{i}", "timestamptz"), *broken, (f"lv{i}", "{col}")]
         return []  # count_distinct: a table of its own
 
 
@@ -121,7 +124,8 @@ class DerivedPath(IncrementalPath):
         self.decl = decl
         self.prefix = f"agg_{fs_name[:40]}_{digest}"
         self.slots = [
-            _Slot(i, a, w) for i, (a, w) in enumerate(zip(decl.aggs, decl.windows_s, strict=True))
+            _Slot(i, a, w, decl.tiebreak is not None)
+            for i, (a, w) in enumerate(zip(decl.aggs, decl.windows_s, strict=True))
         ]
         self.windows = sorted(set(decl.windows_s))
 
@@ -181,6 +185,7 @@ class DerivedPath(IncrementalPath):
         triggers on the source table (the last change the user's table), then the
         build of the partials from the rows there are."""
         table = self._qualified(conn)
+        lookups = self._lookup_tables(conn)
         types = self._column_types(conn, table)
         key_types = [
             *(["text"] if self.entity.tenant else []),
@@ -188,8 +193,9 @@ class DerivedPath(IncrementalPath):
             "date",
         ]
         keys = ", ".join(f"{k} {t} NOT NULL" for k, t in zip(self.keys, key_types, strict=True))
+        tb = types[self.decl.tiebreak] if self.decl.tiebreak else ""
         cols = [
-            f"{name} {kind.format(col=types[s.agg.column]) if s.agg.column else kind}"
+            f"{name} {kind.format(col=types[s.agg.column], tb=tb) if s.agg.column else kind}"
             for s in self.slots
             for name, kind in s.columns()
         ]
@@ -231,7 +237,7 @@ class DerivedPath(IncrementalPath):
         )
         tables = ", ".join(self.tables)
         out += [f"GRANT SELECT ON {tables} TO {role}" for role in roles]
-        out += self._functions(table, types)
+        out += self._functions(table, types, lookups)
         fn = f"{SCHEMA}.{self.prefix}"
         out += [
             f"REVOKE ALL ON FUNCTION {fn}_fold(integer, boolean) FROM PUBLIC",
@@ -257,8 +263,22 @@ class DerivedPath(IncrementalPath):
             f"old_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_d()",
             f"CREATE TRIGGER {trigger}_t AFTER TRUNCATE ON {table} "
             f"FOR EACH STATEMENT EXECUTE FUNCTION {fn}_t()",
-            f"SELECT pg_advisory_xact_lock({self.lock})",
-            f"LOCK TABLE {table} IN SHARE MODE",
+        ]
+        for n, looked in enumerate(lookups):  # a change there logs the days it decides
+            name = f"{trigger}_l{n}"
+            out += [
+                *(f"DROP TRIGGER IF EXISTS {name}{op} ON {looked}" for op in "iudt"),
+                f"CREATE TRIGGER {name}i AFTER INSERT ON {looked} REFERENCING NEW TABLE AS "
+                f"new_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_l{n}i()",
+                f"CREATE TRIGGER {name}u AFTER UPDATE ON {looked} REFERENCING OLD TABLE AS "
+                f"old_rows NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_l{n}u()",
+                f"CREATE TRIGGER {name}d AFTER DELETE ON {looked} REFERENCING OLD TABLE AS "
+                f"old_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_l{n}d()",
+                f"CREATE TRIGGER {name}t AFTER TRUNCATE ON {looked} "
+                f"FOR EACH STATEMENT EXECUTE FUNCTION {fn}_l{n}t()",
+            ]
+        out += [
+            *self._locks(table, lookups),
             *self._rebuild_sql(table, keys_from=None),
             # Statistics now, not at autovacuum's leisure: without them the first
             # recomputes plan the partials as empty tables (a head entity's took a
@@ -267,25 +287,53 @@ class DerivedPath(IncrementalPath):
         ]
         return out
 
-    def _qualified(self, conn: Connection) -> str:
-        found = conn.execute(
-            sa.text("SELECT to_regclass(:t)::text"), {"t": self.decl.table}
-        ).scalar()
+    def _qualified(self, conn: Connection, name: str | None = None) -> str:
+        name = name or self.decl.table
+        found = conn.execute(sa.text("SELECT to_regclass(:t)::text"), {"t": name}).scalar()
         if found is None:
-            from pipeline.core.errors import ConfigError
-
-            raise ConfigError(f"table {self.decl.table!r} does not exist")
+            raise ConfigError(f"table {name!r} does not exist")
         return str(found) if "." in str(found) else f"public.{found}"
 
+    def _lookup_tables(self, conn: Connection) -> list[str]:
+        """The lookups' tables, qualified, in the declaration's order."""
+        return [self._qualified(conn, lk.table.name) for lk in self.decl.lookups]
+
+    def _locks(self, table: str, lookups: list[str]) -> list[str]:
+        """What a build of partials holds: the path's lock, its tables unwritten."""
+        return [
+            f"SELECT pg_advisory_xact_lock({self.lock})",
+            *(f"LOCK TABLE {t} IN SHARE MODE" for t in [table, *lookups]),
+        ]
+
     def _column_types(self, conn: Connection, table: str) -> dict[str, str]:
-        rows = conn.execute(
-            sa.text(
-                "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
-                "WHERE attrelid = CAST(:t AS regclass) AND attnum > 0 AND NOT attisdropped"
-            ),
-            {"t": table},
-        ).all()
-        return {str(name): str(kind) for name, kind in rows}
+        """The source table's column types, and the lookups' columns' (each its own
+        table's column of that name)."""
+
+        def types_of(name: str) -> dict[str, str]:
+            rows = conn.execute(
+                sa.text(
+                    "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
+                    "WHERE attrelid = CAST(:t AS regclass) AND attnum > 0 AND NOT attisdropped"
+                ),
+                {"t": name},
+            ).all()
+            return {str(column): str(kind) for column, kind in rows}
+
+        types = types_of(table)
+        for lookup, looked in zip(self.decl.lookups, self._lookup_tables(conn), strict=True):
+            theirs = types_of(looked)
+            for column in lookup.columns:
+                if column in types:
+                    raise ConfigError(
+                        f"lookup column {column!r} is also a column of {self.decl.table!r} "
+                        "(name them apart)"
+                    )
+                if column not in theirs:
+                    raise ConfigError(
+                        f"lookup column {column!r} is not a column of {lookup.table.name!r}"
+                    )
+                types[column] = theirs[column]
+        return types
 
     def _aggregate_rows(self, source: str, alias: str, where: str) -> str:
         """``SELECT`` of the partials of ``source`` rows ``alias`` passing ``where``."""
@@ -306,11 +354,16 @@ class DerivedPath(IncrementalPath):
                 case "min" | "max":
                     values.append(f"{s.agg.kind}({col}) FILTER (WHERE {cond})")
                 case "last":
-                    order = f"{alias}.{self.decl.time} DESC, {col} DESC NULLS LAST"
-                    values += [
-                        f"max({alias}.{self.decl.time}) FILTER (WHERE {cond})",
-                        f"(array_agg({col} ORDER BY {order}) FILTER (WHERE {cond}))[1]",
-                    ]
+                    time = f"{alias}.{self.decl.time}"
+                    values.append(f"max({time}) FILTER (WHERE {cond})")
+                    tiebreak = f"{alias}.{self.decl.tiebreak}" if s.tiebreak else None
+                    if tiebreak:
+                        first = f"{time} DESC, {tiebreak} DESC NULLS LAST"
+                        values.append(
+                            f"(array_agg({tiebreak} ORDER BY {first}) FILTER (WHERE {cond}))[1]"
+                        )
+                    order = self.decl.last_order(time, col, tiebreak)
+                    values.append(f"(array_agg({col} ORDER BY {order}) FILTER (WHERE {cond}))[1]")
         group = ", ".join(str(i + 1) for i in range(len(parts)))
         return (
             f"SELECT {', '.join(parts + values)} FROM {source} {alias} WHERE {where} "
@@ -330,59 +383,13 @@ class DerivedPath(IncrementalPath):
     def _column_list(self) -> list[str]:
         return [name for s in self.slots for name, _ in s.columns()]
 
-    def _merge(self) -> str:
-        """``ON CONFLICT`` of the insert trigger: the new rows' partials added to a day's."""
-        sets = []
-        for s in self.slots:
-            i = s.index
-            match s.agg.kind:
-                case "count":
-                    sets.append(f"c{i} = d.c{i} + excluded.c{i}")
-                case "sum" | "mean" | "stddev":
-                    sets += [f"{c}{i} = d.{c}{i} + excluded.{c}{i}" for c in ("n", "s", "q")]
-                case "min":
-                    sets.append(f"mn{i} = least(d.mn{i}, excluded.mn{i})")
-                case "max":
-                    sets.append(f"mx{i} = greatest(d.mx{i}, excluded.mx{i})")
-                case "last":
-                    new, old = f"excluded.lt{i}", f"d.lt{i}"
-                    nv, ov = f"excluded.lv{i}", f"d.lv{i}"
-                    sets += [
-                        f"lv{i} = CASE WHEN {new} IS NULL THEN {ov} WHEN {old} IS NULL "
-                        f"OR {new} > {old} THEN {nv} WHEN {new} < {old} THEN {ov} "
-                        f"WHEN {nv} IS NULL THEN {ov} WHEN {ov} IS NULL THEN {nv} "
-                        f"ELSE greatest({nv}, {ov}) END",
-                        f"lt{i} = greatest({old}, {new})",
-                    ]
-        return ", ".join(sets) if sets else f"{self.keys[-1]} = d.{self.keys[-1]}"
-
-    def _insert_days(self, select: str, merge: bool) -> str:
+    def _insert_days(self, select: str) -> str:
         target = ", ".join([*self.keys, *self._column_list()])
-        conflict = f" ON CONFLICT ({', '.join(self.keys)}) DO UPDATE SET {self._merge()}"
-        return f"INSERT INTO {self.days} AS d ({target}) {select}" + (conflict if merge else "")
+        return f"INSERT INTO {self.days} ({target}) {select}"
 
-    def _insert_members(self, slot: _Slot, select: str, merge: bool) -> str:
+    def _insert_members(self, slot: _Slot, select: str) -> str:
         target = ", ".join([*self.keys, "value", "n"])
-        ents = ", ".join(self.entity.columns)
-        conflict = f" ON CONFLICT ({ents}, value, day) DO UPDATE SET n = m.n + excluded.n"
-        return f"INSERT INTO {self.members(slot)} AS m ({target}) {select}" + (
-            conflict if merge else ""
-        )
-
-    def _latest_from_rows(self, slot: _Slot, source: str) -> str:
-        """Upsert each value's latest day from the new rows ``source`` (greatest wins)."""
-        ents = ", ".join(self.entity.columns)
-        col = f"x.{slot.agg.column}"
-        cond = f"{self._row_filter('x')} AND {slot.where} AND {col} IS NOT NULL"
-        parts = [*self._src_keys("x")[:-1], col]
-        group = ", ".join(str(i + 1) for i in range(len(parts)))
-        return (
-            f"INSERT INTO {self.latest(slot)} AS l ({ents}, value, latest) "
-            f"SELECT {', '.join(parts)}, max({_day(f'x.{self.decl.time}')}) FROM {source} x "
-            f"WHERE {cond} GROUP BY {group} ORDER BY {group} "
-            f"ON CONFLICT ({ents}, value) "
-            "DO UPDATE SET latest = greatest(l.latest, excluded.latest)"
-        )
+        return f"INSERT INTO {self.members(slot)} ({target}) {select}"
 
     def _latest_from_members(self, slot: _Slot, values: str) -> list[str]:
         """Recompute the latest day of the (entity, value)s in ``values`` from the
@@ -405,7 +412,8 @@ class DerivedPath(IncrementalPath):
                 f"x.{self.decl.time} < {_start('t.day + 1')}",
             ]
         )
-        return f"(SELECT x.* FROM ({touched}) AS t({keys}) JOIN {table} x ON {cond})"
+        cols, joins = self.decl.looked_up()
+        return f"(SELECT {cols} FROM ({touched}) AS t({keys}) JOIN {table} x ON {cond}{joins})"
 
     def _recompute_days(self, table: str, touched: str, values: dict[int, str]) -> list[str]:
         """Statements that recompute the days in ``touched`` (a query of the partials'
@@ -414,13 +422,11 @@ class DerivedPath(IncrementalPath):
         keys = ", ".join(self.keys)
         source = self._touched_rows(table, touched)
         out = [f"DELETE FROM {self.days} WHERE ({keys}) IN ({touched})"]
-        out.append(
-            self._insert_days(self._aggregate_rows(source, "x", self._row_filter("x")), False)
-        )
+        out.append(self._insert_days(self._aggregate_rows(source, "x", self._row_filter("x"))))
         for s in self.distinct:
             out.append(f"DELETE FROM {self.members(s)} WHERE ({keys}) IN ({touched})")
             select = self._members_rows(s, source, "x", self._row_filter("x"))
-            out.append(self._insert_members(s, select, False))
+            out.append(self._insert_members(s, select))
             out += self._latest_from_members(s, values[s.index])
         return out
 
@@ -453,11 +459,15 @@ class DerivedPath(IncrementalPath):
         """The advisory lock that folds and rebuilds of this path take."""
         return f"hashtext('{SCHEMA}.{self.prefix}')"
 
-    def _functions(self, table: str, types: dict[str, str]) -> list[str]:
+    def _functions(self, table: str, types: dict[str, str], lookups: list[str]) -> list[str]:
         """The trigger functions (each records the (key, day)s its statement touched in
         the log) and the fold (which recomputes logged days from the source rows)."""
         fn = f"{SCHEMA}.{self.prefix}"
         keys = ", ".join(self.keys)
+        # A lookup's query names its tables as the user wrote them: the definer functions
+        # resolve them in the schemas of the tables involved, after pg_catalog.
+        schemas = dict.fromkeys(t.rsplit(".", 1)[0] for t in [table, *lookups] if lookups)
+        path = ", ".join(["pg_catalog", *schemas, "pg_temp"])
 
         def logged(*transition: str, distinct: bool = True) -> list[str]:
             # UNION dedups two transition tables; DISTINCT one, where asked
@@ -478,7 +488,7 @@ class DerivedPath(IncrementalPath):
         ) -> str:
             statements = "".join(f"    {b};\n" for b in body)
             end = "    RETURN NULL;\n" if returns == "trigger" else ""
-            rights = "SECURITY DEFINER SET search_path = pg_catalog, pg_temp " if definer else ""
+            rights = f"SECURITY DEFINER SET search_path = {path} " if definer else ""
             return (
                 f"CREATE OR REPLACE FUNCTION {fn}_{name} RETURNS {returns} LANGUAGE plpgsql "
                 f"{rights}AS $fn$\n{head}BEGIN\n{statements}{end}END\n$fn$"
@@ -560,6 +570,7 @@ class DerivedPath(IncrementalPath):
             function("u()", logged("old_rows", "new_rows")),
             function("d()", logged("old_rows")),
             function("t()", truncate),
+            *self._lookup_functions(table, function),
             function(
                 "fold(integer, boolean)",
                 body,
@@ -567,6 +578,34 @@ class DerivedPath(IncrementalPath):
                 returns="integer",
             ),
         ]
+
+    def _lookup_functions(self, table: str, function: Callable[[str, list[str]], str]) -> list[str]:
+        """Per lookup, the functions of its table's triggers: every (key, day) of the
+        source rows that a changed row ``g`` decides (its ``rows=``), before and after,
+        is logged; a TRUNCATE logs every row's."""
+        keys = ", ".join(self.keys)
+        src = f"{', '.join(self._src_keys('x'))} FROM {table} x"
+
+        def logged(lookup: Lookup, *transition: str) -> list[str]:
+            select = "SELECT DISTINCT" if len(transition) == 1 else "SELECT"
+            rows = " UNION ".join(
+                f"{select} {src} JOIN {t} g ON ({lookup.rows}) WHERE {self._row_filter('x')}"
+                for t in transition
+            )
+            return [f"INSERT INTO {self.log} ({keys}) {rows}"]
+
+        every = (
+            f"INSERT INTO {self.log} ({keys}) SELECT DISTINCT {src} WHERE {self._row_filter('x')}"
+        )
+        out = []
+        for n, lookup in enumerate(self.decl.lookups):
+            out += [
+                function(f"l{n}i()", logged(lookup, "new_rows")),
+                function(f"l{n}u()", logged(lookup, "old_rows", "new_rows")),
+                function(f"l{n}d()", logged(lookup, "old_rows")),
+                function(f"l{n}t()", [every]),
+            ]
+        return out
 
     def _rebuild_sql(self, table: str, keys_from: str | None) -> list[str]:
         """Fill the partials from ``table``: of every key, or of the keys in
@@ -580,9 +619,11 @@ class DerivedPath(IncrementalPath):
             match = f"({', '.join(f'x.{c}' for c in own)}) IN ({keys_from})"
             out = [f"DELETE FROM {t} WHERE ({ents}) IN ({keys_from})" for t in self.tables]
             where = f"{self._row_filter('x')} AND {match}"
-        out.append(self._insert_days(self._aggregate_rows(table, "x", where), False))
+        cols, joins = self.decl.looked_up()
+        rows = f"(SELECT {cols} FROM {table} x{joins})" if self.decl.lookups else table
+        out.append(self._insert_days(self._aggregate_rows(rows, "x", where)))
         for s in self.distinct:
-            out.append(self._insert_members(s, self._members_rows(s, table, "x", where), False))
+            out.append(self._insert_members(s, self._members_rows(s, rows, "x", where)))
             scope = "" if keys_from is None else f" WHERE ({ents}) IN ({keys_from})"
             out.append(
                 f"INSERT INTO {self.latest(s)} ({ents}, value, latest) "
@@ -605,7 +646,7 @@ class DerivedPath(IncrementalPath):
         time = f"x.{d.time}"
         bounds = ["(t.as_of AT TIME ZONE 'UTC')::date AS da"]
         for j, w in enumerate(self.windows):
-            c = f"t.as_of - interval '{w} seconds'"
+            c = since("t.as_of", w)
             bounds += [f"{c} AS c{j}", f"{_day(c)} AS dc{j}"]
         slot_w = {s.index: self.windows.index(s.window_s) for s in self.slots}
         mine_b = " AND ".join(f"b.{c} = k.{c}" for c in e.columns)
@@ -631,10 +672,11 @@ class DerivedPath(IncrementalPath):
         # Each row's place in each window's edge is worked out once, as a column
         # (fl_e<j>), not again in every aggregate's FILTER.
         flags = ", ".join(f"{on_edge(j)} AS fl_e{j}" for j in range(len(self.windows)))
+        looked_up, joins = d.looked_up()
         any_edge = " OR ".join(f"x.fl_e{j}" for j in range(len(self.windows)))
         edge_rows = (
             f"(SELECT x.* FROM (SELECT DISTINCT ed_day FROM unnest({days}) AS ed_day) "
-            f"AS ed_days CROSS JOIN LATERAL (SELECT x.*, {flags} FROM {d.table} x "
+            f"AS ed_days CROSS JOIN LATERAL (SELECT {looked_up}, {flags} FROM {d.table} x{joins} "
             f"WHERE {mine_x} AND {time} >= {_start('ed_days.ed_day')} "
             f"AND {time} < {_start('ed_days.ed_day + 1')} AND {time} <= t.as_of OFFSET 0) AS x)"
         )
@@ -682,23 +724,42 @@ class DerivedPath(IncrementalPath):
                     pick = "least" if s.agg.kind == "min" else "greatest"
                     out.append(f"{pick}(bk.{m}{i}, ed.{m}{i})")
                 case "last":
-                    order = f"{time} DESC, {col} DESC NULLS LAST"
-                    border = f"b.lt{i} DESC, b.lv{i} DESC NULLS LAST"
+                    tiebreak = f"x.{d.tiebreak}" if s.tiebreak else None
+                    btie = f"b.lb{i}" if s.tiebreak else None
                     timed = f"b.lt{i} IS NOT NULL" + (f" AND {inside}" if inside else "")
-                    bucket_vals += [
-                        f"{filtered(f'max(b.lt{i})', inside)} AS lt{i}",
-                        f"(array_agg(b.lv{i} ORDER BY {border}) FILTER (WHERE {timed}))[1] "
-                        f"AS lv{i}",
-                    ]
-                    edge_vals += [
-                        f"max({time}) FILTER (WHERE {edge}) AS lt{i}",
-                        f"(array_agg({col} ORDER BY {order}) FILTER (WHERE {edge}))[1] AS lv{i}",
-                    ]
+                    bucket_vals.append(f"{filtered(f'max(b.lt{i})', inside)} AS lt{i}")
+                    edge_vals.append(f"max({time}) FILTER (WHERE {edge}) AS lt{i}")
+                    if btie and tiebreak:
+                        bfirst = f"b.lt{i} DESC, {btie} DESC NULLS LAST"
+                        bucket_vals.append(
+                            f"(array_agg({btie} ORDER BY {bfirst}) FILTER (WHERE {timed}))[1] "
+                            f"AS lb{i}"
+                        )
+                        first = f"{time} DESC, {tiebreak} DESC NULLS LAST"
+                        edge_vals.append(
+                            f"(array_agg({tiebreak} ORDER BY {first}) FILTER (WHERE {edge}))[1] "
+                            f"AS lb{i}"
+                        )
+                    border = d.last_order(f"b.lt{i}", f"b.lv{i}", btie)
+                    order = d.last_order(time, col, tiebreak)
+                    bucket_vals.append(
+                        f"(array_agg(b.lv{i} ORDER BY {border}) FILTER (WHERE {timed}))[1] AS lv{i}"
+                    )
+                    edge_vals.append(
+                        f"(array_agg({col} ORDER BY {order}) FILTER (WHERE {edge}))[1] AS lv{i}"
+                    )
                     new, old, nv, ov = f"ed.lt{i}", f"bk.lt{i}", f"ed.lv{i}", f"bk.lv{i}"
+                    nb, ob = f"ed.lb{i}", f"bk.lb{i}"
+                    tied = (
+                        f"WHEN {nb} IS NOT NULL AND ({ob} IS NULL OR {nb} > {ob}) THEN {nv} "
+                        f"WHEN {ob} IS NOT NULL AND ({nb} IS NULL OR {nb} < {ob}) THEN {ov} "
+                        if s.tiebreak
+                        else ""
+                    )
                     out.append(
                         f"CASE WHEN {new} IS NULL THEN {ov} WHEN {old} IS NULL OR {new} > {old} "
-                        f"THEN {nv} WHEN {new} < {old} THEN {ov} WHEN {nv} IS NULL THEN {ov} "
-                        f"WHEN {ov} IS NULL THEN {nv} ELSE greatest({nv}, {ov}) END"
+                        f"THEN {nv} WHEN {new} < {old} THEN {ov} {tied}WHEN {nv} IS NULL "
+                        f"THEN {ov} WHEN {ov} IS NULL THEN {nv} ELSE greatest({nv}, {ov}) END"
                     )
                 case "count_distinct":
                     # Values in the whole days (dc, da): those whose latest day is in
@@ -783,8 +844,8 @@ class DerivedPath(IncrementalPath):
             "tenants": [t for t, _ in keys],
             "ids": [self.entity.param(str(k)) for _, k in keys],
         }
-        conn.execute(sa.text(f"SELECT pg_advisory_xact_lock({self.lock})"))
-        conn.execute(sa.text(f"LOCK TABLE {table} IN SHARE MODE"))
+        for statement in self._locks(table, self._lookup_tables(conn)):
+            conn.execute(sa.text(statement))
         for statement in self._rebuild_sql(table, keys_from):
             conn.execute(sa.text(statement), params)
 
@@ -838,9 +899,15 @@ class DerivedPath(IncrementalPath):
         """What installing it does, in one line (for ``plan``)."""
         tables = ", ".join([self.days, *(self.members(s) for s in self.distinct)])
         table = self._qualified(conn)
+        lookups = self._lookup_tables(conn)
+        also = "".join(
+            f"; statement triggers {self.trigger}_l{n}{{i,u,d,t}} on {looked}"
+            for n, looked in enumerate(lookups)
+        )
+        held = ", ".join([table, *lookups])
         return (
-            f"create {tables}; statement triggers {self.trigger}_{{i,u,d,t}} on {table}; "
-            f"fill them from its rows under LOCK TABLE {table} IN SHARE MODE"
+            f"create {tables}; statement triggers {self.trigger}_{{i,u,d,t}} on {table}{also}; "
+            f"fill them from its rows under LOCK TABLE {held} IN SHARE MODE"
         )
 
 
