@@ -308,7 +308,7 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
 
 
 def _paths(path: str) -> dict[str, str]:
-    """``path`` for each feature set that has it (``geo`` is a plain query: full only)."""
+    """``path`` for each feature set that has it (a plain query: full only)."""
     from pipeline.core.repository import REGISTRY
 
     return {

@@ -18,7 +18,8 @@
    The rows written without triggers are removed with the triggers off, with their
    tenants' partials and log, so the partials stay exact.
 
-txn_90d's path is derived from its declaration (:mod:`pipeline.core.maintenance`).
+txn_90d's and geo's paths are derived from their declarations
+(:mod:`pipeline.core.maintenance`); the write cost is that of both paths' triggers.
 
 Run alone: ``.venv/bin/python -m bench.incremental [--quick] [--users N
 --transactions N]``; or as part of ``python -m bench``.
@@ -43,12 +44,11 @@ from pipeline.core.features import Path
 from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import REGISTRY
 
-# txn_90d's incremental path, derived from its declaration.
-(_maintenance,) = REGISTRY.maintenances()
-assert isinstance(_maintenance, DerivedPath)
-PATH: DerivedPath = _maintenance
+# The derived incremental paths (txn_90d's and geo's), each with triggers on transactions.
+PATHS: list[DerivedPath] = [p for p in REGISTRY.maintenances() if isinstance(p, DerivedPath)]
+assert PATHS and all(p.decl.table == "transactions" for p in PATHS)
 
-TRIGGERS = tuple(f"{PATH.trigger}_{op}" for op in "iud")
+TRIGGERS = tuple(f"{p.trigger}_{op}" for p in PATHS for op in "iud")
 TARGET_HEAD_RATIO = 3.0
 TARGET_WRITE_COST = 1.30
 PENDING_HEAD = 64
@@ -130,7 +130,12 @@ def _pending(ctx: common.Context, tenant: str, who: dict[str, Any]) -> Iterator[
                 sa.text("DELETE FROM transactions WHERE tenant_id = :t AND id = ANY(:ids)"),
                 {"t": tenant, "ids": ids},
             )
-        PATH.fold_all(ctx.engine, max_keys=FOLD_USERS)
+        _fold_all(ctx)
+
+
+def _fold_all(ctx: common.Context) -> None:
+    for path in PATHS:
+        path.fold_all(ctx.engine, max_keys=FOLD_USERS)
 
 
 def _triggers(ctx: common.Context, enabled: bool) -> None:
@@ -224,8 +229,8 @@ def _writes(
             scratch,
         )
         # The deferred work: fold every day the rounds with triggers logged.
-        deltas, _ = PATH.pending(ctx.engine)
-        _, fold_s = common.timed(lambda: PATH.fold_all(ctx.engine, max_keys=FOLD_USERS))
+        deltas = sum(path.pending(ctx.engine)[0] for path in PATHS)
+        _, fold_s = common.timed(lambda: _fold_all(ctx))
     finally:
         _cleanup(ctx, scratch)
     copy = {m: round(float(np.median(v))) for m, v in copy_rates.items()}
@@ -259,7 +264,7 @@ def _cleanup(ctx: common.Context, tenants: list[str]) -> None:
     _triggers(ctx, False)
     try:
         with ctx.engine.begin() as conn:
-            for table in ("transactions", *PATH.tables):
+            for table in ("transactions", *(t for path in PATHS for t in path.tables)):
                 conn.execute(
                     sa.text(f"DELETE FROM {table} WHERE tenant_id = ANY(:t)"), {"t": tenants}
                 )
@@ -272,7 +277,7 @@ def run(quick: bool) -> dict[str, Any]:
     data = ctx.dataset()
     who = _head_and_median(ctx, data.tenant)
     rounds, calls = (2, 5) if quick else (5, 20)
-    PATH.fold_all(ctx.engine, max_keys=FOLD_USERS)
+    _fold_all(ctx)
     recompute = _recompute(ctx, data.tenant, who, rounds, calls)
     with _pending(ctx, data.tenant, who):
         pending = _recompute(ctx, data.tenant, who, rounds, calls)

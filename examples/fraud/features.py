@@ -1,15 +1,28 @@
 """The fraud example's definitions: one entity (a user of a tenant), five source tables,
 three feature sets, four domain-event topics.
 
-``txn_90d`` is declared (:func:`freshline.Aggregations`): freshline generates its
-defining query, its horizon and an incremental path over per-day partials (installed by
-``freshline apply --alter-tables``). ``device_risk`` and ``geo`` are plain queries: a
-join through ``user_devices`` and a lookup in ``geoip`` are more than a declaration says.
+``txn_90d`` and ``geo`` are declared (:func:`freshline.Aggregations`): freshline
+generates their defining queries, their horizons and incremental paths over per-day
+partials (installed by ``freshline apply --alter-tables``); ``geo`` aggregates the
+country and city each transaction takes from ``geoip`` (a :func:`freshline.Lookup`).
+``device_risk`` is a plain query: a join through ``user_devices`` is more than a
+declaration says.
 """
 
 from __future__ import annotations
 
-from freshline import AS_OF, Aggregations, Entity, Event, EventField, FeatureSet, Field, Table, agg
+from freshline import (
+    AS_OF,
+    Aggregations,
+    Entity,
+    Event,
+    EventField,
+    FeatureSet,
+    Field,
+    Lookup,
+    Table,
+    agg,
+)
 
 user = Entity(
     "user",
@@ -87,19 +100,6 @@ geoip = Table(
 )
 
 
-def rows_horizon(table: str, days: int) -> str:
-    """The horizon of features over a user's ``table`` rows created in the last ``days``
-    (and none created after the moment computed for): the first moment a row leaves
-    that window, or a row created later enters it. ``f.tenant_id``/``f.user_id`` is
-    the key; the ``(tenant_id, user_id, created_at)`` index answers both probes."""
-    mine = "x.tenant_id = f.tenant_id AND x.user_id = f.user_id"
-    return f"""least(
-    (SELECT min(x.created_at) FROM {table} x WHERE {mine}
-       AND x.created_at > {AS_OF} - interval '{days} days' AND x.created_at <= {AS_OF})
-    + interval '{days} days',
-    (SELECT min(x.created_at) FROM {table} x WHERE {mine} AND x.created_at > {AS_OF}))"""
-
-
 TXN_90D = Aggregations(
     "txn_90d",
     entity=user,
@@ -166,47 +166,31 @@ SELECT g.country, g.city FROM (
 ) g WHERE {ip} <= g.ip_to
 """
 
-# geo's query suits the (tenant_id, user_id, created_at DESC) index, which holds no id:
-# the latest row is the greatest id among the rows at the user's latest created_at (an
-# index probe), not the first of every row of the user sorted by (created_at, id); and
-# each distinct IP of the 30-day window is looked up once (a country is a function of
-# the IP, so the count is the same).
-GEO = FeatureSet(
-    name="geo",
+# Each transaction's country and city, by its IP's range. A range decides the IPs in it
+# (added, changed or removed), so a change of geoip makes the days of those rows stale.
+GEO_OF_IP = Lookup(
+    geoip,
+    columns=["country", "city"],
+    query=_GEO_OF.format(ip="x.ip"),
+    rows="x.ip BETWEEN g.ip_from AND g.ip_to",
+)
+GEO = Aggregations(
+    "geo",
     entity=user,
+    table=transactions,
+    time="created_at",
+    window="30d",
     description="Where the user transacts: the latest country and city, and how many.",
-    fields=(
-        Field("last_country", "str"),
-        Field("last_city", "str"),
-        Field("distinct_countries_30d", "int"),
-    ),
-    ttl_s=3600,
-    query=f"""
-SELECT k.tenant_id, k.user_id,
-       lg.country AS last_country,
-       lg.city AS last_city,
-       coalesce(c.n, 0) AS distinct_countries_30d
-FROM k CROSS JOIN t
-LEFT JOIN LATERAL (
-    SELECT x.ip FROM transactions x
-    WHERE x.tenant_id = k.tenant_id AND x.user_id = k.user_id AND x.created_at = (
-        SELECT max(y.created_at) FROM transactions y
-        WHERE y.tenant_id = k.tenant_id AND y.user_id = k.user_id AND y.created_at <= t.as_of
-    )
-    ORDER BY x.id DESC LIMIT 1
-) lt ON true
-LEFT JOIN LATERAL ({_GEO_OF.format(ip="lt.ip")}) lg ON true
-LEFT JOIN LATERAL (
-    SELECT count(DISTINCT xg.country) AS n
-    FROM (
-        SELECT DISTINCT x.ip FROM transactions x
-        WHERE x.tenant_id = k.tenant_id AND x.user_id = k.user_id
-          AND x.created_at > t.as_of - interval '30 days' AND x.created_at <= t.as_of
-    ) AS x
-    CROSS JOIN LATERAL ({_GEO_OF.format(ip="x.ip")}) xg
-) c ON true
-""",
-    sources=(transactions, geoip, users),
-    # the 30-day window; and a later row, once created, is the latest
-    horizon=rows_horizon("transactions", 30),
+    ttl=3600,
+    sources=[users],
+    incremental=True,
+    # the latest transaction is the one with the greatest id among those at the latest
+    # created_at, and both its country and city are that row's
+    tiebreak="id",
+    lookups=[GEO_OF_IP],
+    aggs=[
+        agg.last("country", window="all", type="str", name="last_country"),
+        agg.last("city", window="all", type="str", name="last_city"),
+        agg.count_distinct("country", name="distinct_countries_30d"),
+    ],
 )

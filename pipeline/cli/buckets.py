@@ -13,6 +13,7 @@ partials and a log of changed days: :mod:`pipeline.core.maintenance`.)
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated
 
 import typer
@@ -42,15 +43,33 @@ def _engine() -> Engine:
     return engine
 
 
-def _path() -> IncrementalPath:
+def _paths(feature_set: str | None) -> list[tuple[str, IncrementalPath]]:
+    """The repository's incremental paths, each with the feature sets it serves (or the
+    one of ``feature_set``)."""
     from pipeline.core.repository import REGISTRY
 
-    paths = REGISTRY.maintenances()
-    if not paths:
+    found = [
+        (", ".join(fs.name for fs in REGISTRY if fs.maintenance is path), path)
+        for path in REGISTRY.maintenances()
+    ]
+    if not found:
         raise ConfigError("this repository has no incremental path: nothing to build or fold")
-    if len(paths) > 1:
-        raise ConfigError("this repository has several incremental paths; one is supported")
-    return paths[0]
+    if feature_set is None:
+        return found
+    chosen = [(name, path) for name, path in found if feature_set in name.split(", ")]
+    if not chosen:
+        names = ", ".join(name for name, _ in found)
+        raise typer.BadParameter(
+            f"{feature_set!r} has no incremental path (those with one: {names})",
+            param_hint="--set",
+        )
+    return chosen
+
+
+FeatureSetOption = Annotated[
+    str | None,
+    typer.Option("--set", help="Only this feature set's path [default: every path]"),
+]
 
 
 @buckets_app.command("build")
@@ -64,25 +83,28 @@ def build_cmd(
             "--restart", help="Rebuild every entity's buckets, not only those not yet built"
         ),
     ] = False,
+    feature_set: FeatureSetOption = None,
 ) -> None:
     """Build the buckets of existing rows, in batches; safe to interrupt and resume.
 
-    Each batch holds the path's lock on its source table while it runs (the fraud
-    example: SHARE mode, so writers wait for it; a batch takes well under a second).
+    Each batch holds the path's lock on its source table while it runs (SHARE mode, so
+    writers wait for it; a batch takes well under a second). A declared aggregation's
+    path is built whole by ``freshline apply --alter-tables``: nothing is left here.
     """
-    engine, path = _engine(), _path()
-    if restart:
-        path.restart(engine)
-    st = path.state(engine, count=True)
-    if st.complete:
-        console.print("buckets: complete, nothing to build")
-        return
-    where = f", resuming after {st.cursor[0]}/{st.cursor[1]}" if st.cursor else ""
-    console.print(f"buckets: {st.remaining:,} entities to build{where}")
-    with progress_bar() as bar:
-        task = bar.add_task("buckets", total=st.remaining)
-        built = path.build(engine, batch=batch, progress=lambda n: bar.advance(task, n))
-    console.print(f"buckets: built {built:,} entities; complete")
+    engine = _engine()
+    for name, path in _paths(feature_set):
+        if restart:
+            path.restart(engine)
+        st = path.state(engine, count=True)
+        if st.complete:
+            console.print(f"buckets of {name}: complete, nothing to build")
+            continue
+        where = f", resuming after {st.cursor[0]}/{st.cursor[1]}" if st.cursor else ""
+        console.print(f"buckets of {name}: {st.remaining:,} entities to build{where}")
+        with progress_bar() as bar:
+            task = bar.add_task(name, total=st.remaining)
+            built = path.build(engine, batch=batch, progress=partial(bar.advance, task))
+        console.print(f"buckets of {name}: built {built:,} entities; complete")
 
 
 @buckets_app.command("fold")
@@ -98,6 +120,7 @@ def fold_cmd(
         float,
         typer.Option("--interval", min=0.05, max=3600, help="Seconds between folds with --follow"),
     ] = 1.0,
+    feature_set: FeatureSetOption = None,
 ) -> None:
     """Fold the pending bucket deltas into the buckets, a batch of entities per transaction.
 
@@ -107,46 +130,51 @@ def fold_cmd(
     """
     import time
 
-    engine, path = _engine(), _path()
-    deltas, owners = path.pending(engine)
-    console.print(f"buckets: {deltas:,} pending deltas of {owners:,} entities")
-    with progress_bar() as bar:
-        task = bar.add_task("fold", total=owners)
-        folded = path.fold_all(engine, max_keys=entities, progress=lambda n: bar.advance(task, n))
-    console.print(f"buckets: folded the deltas of {folded:,} entities")
+    engine, paths = _engine(), _paths(feature_set)
+    for name, path in paths:
+        deltas, owners = path.pending(engine)
+        console.print(f"buckets of {name}: {deltas:,} pending deltas of {owners:,} entities")
+        with progress_bar() as bar:
+            task = bar.add_task(name, total=owners)
+            folded = path.fold_all(engine, max_keys=entities, progress=partial(bar.advance, task))
+        console.print(f"buckets of {name}: folded the deltas of {folded:,} entities")
     try:
         while follow:
             time.sleep(interval)  # the cadence of the follow loop, not synchronisation
-            path.fold_all(engine, max_keys=entities)
+            for _, path in paths:
+                path.fold_all(engine, max_keys=entities)
     except KeyboardInterrupt:
         console.print("buckets: stopped")
 
 
 @buckets_app.command("status")
-def status_cmd() -> None:
-    """Whether the buckets cover every user, and their size."""
+def status_cmd(feature_set: FeatureSetOption = None) -> None:
+    """Per incremental path: whether its buckets cover every entity, their size, and
+    the changes not yet folded."""
 
-    engine, path = _engine(), _path()
-    st = path.state(engine, count=True)
+    engine = _engine()
     report = Table.grid(padding=(0, 1, 0, 0))
     report.add_column(min_width=9)
     report.add_column(overflow="fold")
-    if st.complete:
-        report.add_row("build", "complete")
-    else:
-        where = f" after {st.cursor[0]}/{st.cursor[1]}" if st.cursor else ""
+    for name, path in _paths(feature_set):
+        report.add_row("path", Text(name))
+        st = path.state(engine, count=True)
+        if st.complete:
+            report.add_row("build", "complete")
+        else:
+            where = f" after {st.cursor[0]}/{st.cursor[1]}" if st.cursor else ""
+            report.add_row(
+                "build", f"{st.remaining:,} entities left{where} (run: freshline buckets build)"
+            )
+        summary = path.summary(engine)
+        if summary:
+            report.add_row(Text(path.name), Text(summary))
+        deltas, owners = path.pending(engine)
         report.add_row(
-            "build", f"{st.remaining:,} entities left{where} (run: freshline buckets build)"
+            "pending",
+            f"{deltas:,} deltas of {owners:,} entities"
+            + (" (folded by the consumers, or: freshline buckets fold)" if deltas else ""),
         )
-    summary = path.summary(engine)
-    if summary:
-        report.add_row(Text(path.name), Text(summary))
-    deltas, owners = path.pending(engine)
-    report.add_row(
-        "pending",
-        f"{deltas:,} deltas of {owners:,} entities"
-        + (" (folded by the consumers, or: freshline buckets fold)" if deltas else ""),
-    )
     out.print(report)
 
 

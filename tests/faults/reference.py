@@ -28,9 +28,8 @@ The definitions, at the moment ``as_of``:
   it has no IP or the IP no range; ``distinct_countries_30d`` counts the countries of
   the IPs of the user's transactions with ``as_of - 30 days < created_at <= as_of``.
   An IP's range is the one with the greatest ``ip_from`` at or below it, if the IP is
-  at or below that range's ``ip_to``. ``30 days`` is calendar days in the session's
-  time zone, as Postgres subtracts an interval of days from a ``timestamptz`` (in
-  UTC, where every stack runs, 30 * 86,400 s).
+  at or below that range's ``ip_to``. ``30 days`` is 30 * 86,400 s (the declared
+  window is exact seconds, as ``txn_90d``'s).
 
 The rows must be read in one snapshot, the one a compared recompute reads: run
 :func:`load` in the same REPEATABLE READ transaction (:func:`tests.faults.oracle.truth`
@@ -38,7 +37,7 @@ does).
 
 **Over a span of time.** With the rows fixed, each value is a step function of
 ``as_of``: it can change only where a row enters the data (its ``created_at``) or
-leaves a window (``created_at + 90 days``, ``+ 30`` calendar days, a device's
+leaves a window (``created_at + 90 days``, ``+ 30 days``, a device's
 ``first_seen + 24 hours``). :func:`breakpoints` lists those moments for one user, and
 :func:`pieces` cuts a span ``[lo, hi]`` at them, so evaluating at the start of each
 piece gives every value the user had during the span, and from when to when
@@ -54,7 +53,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal, localcontext
 from ipaddress import IPv4Address, IPv6Address
-from zoneinfo import ZoneInfo
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -68,7 +66,7 @@ Address = IPv4Address | IPv6Address
 FEATURE_SETS = ("txn_90d", "device_risk", "geo")
 TXN_WINDOW = timedelta(days=90)
 DEVICE_WINDOW = timedelta(hours=24)
-GEO_DAYS = 30
+GEO_WINDOW = timedelta(days=30)
 PLACES = Decimal("0.0001")
 FLOAT4_DIGITS = 6
 """Significant digits Postgres keeps converting a ``real`` to ``numeric`` (FLT_DIG)."""
@@ -104,8 +102,6 @@ class Range:
 class Rows:
     """The raw rows the three feature sets read, for some users."""
 
-    zone: ZoneInfo
-    """The session's time zone: where Postgres counts calendar days."""
     txns: dict[Ref, list[Txn]] = field(default_factory=dict)
     links: dict[Ref, list[str]] = field(default_factory=dict)
     """Per user, the ids of the devices linked to it."""
@@ -135,7 +131,7 @@ def load(conn: Connection, refs: Iterable[Ref], ranges: list[Range] | None = Non
     users: dict[str, list[int]] = defaultdict(list)
     for tenant, user in dict.fromkeys(refs):
         users[tenant].append(int(user))
-    rows = Rows(ZoneInfo(conn.execute(sa.text("SELECT current_setting('TimeZone')")).scalar_one()))
+    rows = Rows()
     for tenant, ids in sorted(users.items()):
         params = {"t": tenant, "users": ids}
         for user, txn_id, amount, merchant, device, ip, created_at in conn.execute(
@@ -250,17 +246,11 @@ def range_of(ranges: list[Range], ip: Address) -> Range | None:
     return found if _key(ip) <= _key(found.end) else None
 
 
-def days_before(as_of: datetime, days: int, zone: ZoneInfo) -> datetime:
-    """``as_of - interval 'N days'`` as Postgres computes it: N calendar days back on the
-    session zone's wall clock (Python's aware arithmetic is wall-clock arithmetic)."""
-    return as_of.astimezone(zone) - timedelta(days=days)
-
-
 def geo(rows: Rows, ref: Ref, as_of: datetime) -> Values:
     seen = [x for x in rows.txns.get(ref, []) if x.created_at <= as_of]
     latest = max(seen, key=lambda x: (x.created_at, x.id), default=None)
     where = None if latest is None or latest.ip is None else range_of(rows.ranges, latest.ip)
-    since = days_before(as_of, GEO_DAYS, rows.zone)
+    since = as_of - GEO_WINDOW
     countries = {
         r.country
         for x in seen
@@ -299,11 +289,6 @@ def reference(
 # -- values over a span of time ----------------------------------------------------------
 
 
-def days_after(at: datetime, days: int, zone: ZoneInfo) -> datetime:
-    """The moment ``as_of`` at which ``days_before(as_of, days) == at``."""
-    return (at.astimezone(zone) + timedelta(days=days)).astimezone(UTC)
-
-
 def breakpoints(rows: Rows, ref: Ref) -> list[datetime]:
     """Every moment at which ``ref``'s values may change with its rows fixed, sorted.
 
@@ -314,8 +299,7 @@ def breakpoints(rows: Rows, ref: Ref) -> list[datetime]:
     tenant = ref[0]
     moments: set[datetime] = set()
     for x in rows.txns.get(ref, []):
-        moments |= {x.created_at, x.created_at + TXN_WINDOW}
-        moments.add(days_after(x.created_at, GEO_DAYS, rows.zone))
+        moments |= {x.created_at, x.created_at + TXN_WINDOW, x.created_at + GEO_WINDOW}
     for d in rows.links.get(ref, []):
         device = rows.devices.get((tenant, d))
         if device is not None:
@@ -341,7 +325,6 @@ def fingerprint(rows: Rows, ref: Ref) -> tuple[object, ...]:
         txns,
         tuple((d, rows.devices.get((tenant, d)), rows.linked.get((tenant, d))) for d in links),
         tuple(None if x.ip is None else range_of(rows.ranges, x.ip) for x in txns),
-        rows.zone.key,
     )
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from ipaddress import IPv4Address
-from zoneinfo import ZoneInfo
 
 from tests.faults.readers import Answer, Timeline, judge
 from tests.faults.reference import Range, Rows, Txn, one
@@ -25,7 +24,7 @@ def at(seconds: float) -> datetime:
 
 
 def rows(*txns: Txn) -> Rows:
-    return Rows(ZoneInfo("UTC"), txns={REF: list(txns)} if txns else {}, ranges=RANGES)
+    return Rows(txns={REF: list(txns)} if txns else {}, ranges=RANGES)
 
 
 # A row created 90 days and 5 s before T0: in txn_90d until T0 + 5 s.

@@ -421,7 +421,6 @@ class Workload:
             return previous
         fresh = load(conn, mine, ranges)
         return Rows(
-            previous.zone,
             {**{r: v for r, v in previous.txns.items() if r not in mine}, **fresh.txns},
             {**{r: v for r, v in previous.links.items() if r not in mine}, **fresh.links},
             {**previous.linked, **fresh.linked},

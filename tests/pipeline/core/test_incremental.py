@@ -1,5 +1,6 @@
-"""The fraud example's declared ``txn_90d``: its derived incremental path gives the full
-path's values, whatever happened to the rows.
+"""The fraud example's declared ``txn_90d`` and ``geo``: their derived incremental paths
+give the full path's values, whatever happened to the rows (and, for ``geo``, to the
+geoip ranges its countries are looked up in).
 
 All on a private database of this module's own (TRUNCATE and the fold are
 database-wide). The property test drives random sequences of inserts, updates,
@@ -43,7 +44,11 @@ EDGE30 = AS_OF - timedelta(days=30)  # geo's
 FS = REGISTRY["txn_90d"]
 assert isinstance(FS.maintenance, DerivedPath)
 PATH: DerivedPath = FS.maintenance
-SETS = [FS]
+GEO = REGISTRY["geo"]
+assert isinstance(GEO.maintenance, DerivedPath)
+GEO_PATH: DerivedPath = GEO.maintenance
+PATHS: list[DerivedPath] = [PATH, GEO_PATH]
+SETS = [FS, GEO]
 IPS = ["11.0.0.5", "11.0.1.7", "11.0.2.9", "11.0.3.3", None]  # US, GB, DE, no range, none
 USERS = (1, 2, 3)
 REVISION = "head"
@@ -131,19 +136,24 @@ def fold_some(engine: Engine, tenant: str, days: int) -> None:
     """Fold ``days`` logged (key, day)s (any tenant's), as the consumers' upkeep does;
     0: none."""
     if days:
-        PATH.fold(engine, max_keys=days, wait=True)
+        for path in PATHS:
+            path.fold(engine, max_keys=days, wait=True)
 
 
 def fold_all(engine: Engine) -> None:
-    PATH.fold_all(engine)
+    for path in PATHS:
+        path.fold_all(engine)
 
 
-def pending_users(engine: Engine, tenant: str) -> int:
+def pending_users(engine: Engine, tenant: str, paths: list[DerivedPath] | None = None) -> int:
+    """Users of ``tenant`` with a logged day in any of ``paths`` (both by default)."""
+    logs = " UNION ".join(
+        f"SELECT user_id FROM {p.log} WHERE tenant_id = :t" for p in paths or PATHS
+    )
     with engine.connect() as conn:
         return int(
             conn.execute(
-                sa.text(f"SELECT count(DISTINCT user_id) FROM {PATH.log} WHERE tenant_id = :t"),
-                {"t": tenant},
+                sa.text(f"SELECT count(DISTINCT user_id) FROM ({logs}) AS g"), {"t": tenant}
             ).scalar_one()
         )
 
@@ -377,6 +387,58 @@ def test_reconcile_finds_and_repairs_drift(db: Engine) -> None:
     assert again.drifted == []
 
 
+def test_a_geoip_change_reaches_geo_days_already_folded(db: Engine) -> None:
+    """geo's partials hold each row's country as of its fold: a range changed later
+    (its country updated, or the range removed) must make those days read from the
+    rows again, on the incremental path, with no write to the transactions."""
+    reset_geoip(db)
+    try:
+        _geoip_change(db)
+    finally:
+        reset_geoip(db)
+
+
+def _geoip_change(db: Engine) -> None:
+    tenant = new_tenant()
+    insert(
+        db,
+        tenant,
+        [
+            (1, AS_OF - timedelta(days=5), "1.00", "m1", None, "11.0.0.5"),  # US
+            (1, AS_OF - timedelta(days=4), "1.00", "m1", None, "11.0.1.7"),  # GB
+            (2, AS_OF - timedelta(days=50), "1.00", "m1", None, "11.0.1.9"),  # GB, long ago
+        ],
+    )
+    fold_all(db)
+
+    def geo() -> dict[tuple[str, ...], FeatureValues]:
+        full, inc = both(db, tenant, users=(1, 2), sets=[GEO])
+        assert inc == full
+        return inc
+
+    before = geo()
+    assert before[("geo", tenant, "1")]["distinct_countries_30d"] == 2
+    assert before[("geo", tenant, "2")]["last_country"] == "GB"
+    with db.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE geoip SET country = 'US', city = 'Boston' WHERE country = 'GB'")
+        )
+    after = geo()
+    assert after[("geo", tenant, "1")] == {
+        "last_country": "US",
+        "last_city": "Boston",
+        "distinct_countries_30d": 1,
+    }
+    assert after[("geo", tenant, "2")]["last_country"] == "US"
+    with db.begin() as conn:
+        conn.execute(sa.text("DELETE FROM geoip WHERE city = 'Boston'"))
+    gone = geo()
+    assert gone[("geo", tenant, "1")]["last_country"] is None
+    assert gone[("geo", tenant, "2")]["last_country"] is None
+    fold_all(db)
+    assert geo() == gone
+
+
 def test_a_feature_set_without_an_incremental_query_refuses_that_path() -> None:
     with pytest.raises(ConfigError, match="no incremental path"):
         REGISTRY.with_paths({"device_risk": "incremental"})
@@ -448,11 +510,11 @@ def test_a_fold_takes_only_committed_deltas(db: Engine) -> None:
             {"t": tenant, "at": AS_OF - timedelta(days=1)},
         )
         assert (PATH.fold(db, max_keys=1_000_000, wait=True) or 0) >= 1
-        assert pending_users(db, tenant) == 0  # the open writer's log rows are not visible
+        assert pending_users(db, tenant, [PATH]) == 0  # the open writer's log rows are not visible
         full, inc = both(db, tenant, (1,))
         assert inc == full and inc[(tenant, "1")]["txn_count"] == 2
         tx.commit()
-    assert pending_users(db, tenant) == 1
+    assert pending_users(db, tenant, [PATH]) == 1
     full, inc = both(db, tenant, (1,))
     assert inc == full and inc[(tenant, "1")]["distinct_merchants"] == 2
     fold_all(db)
@@ -467,10 +529,10 @@ def test_a_fold_that_cannot_take_the_lock_returns_at_once(db: Engine) -> None:
         tx = holder.begin()
         holder.execute(sa.text(f"SELECT pg_advisory_xact_lock({PATH.lock})"))  # as a fold
         assert PATH.fold(db, max_keys=1_000_000, wait=False) is None
-        assert pending_users(db, tenant) == 1
+        assert pending_users(db, tenant, [PATH]) == 1
         tx.rollback()
     assert (PATH.fold(db, max_keys=1_000_000, wait=False) or 0) >= 1
-    assert pending_users(db, tenant) == 0
+    assert pending_users(db, tenant, [PATH]) == 0
 
 
 def test_a_fold_holds_no_lock_once_postgres_has_answered(db: Engine) -> None:
@@ -504,7 +566,7 @@ def test_a_fold_holds_no_lock_once_postgres_has_answered(db: Engine) -> None:
     finally:
         sa.event.remove(db, "after_cursor_execute", after)
     assert held == [0]
-    assert pending_users(db, tenant) == 0
+    assert pending_users(db, tenant, [PATH]) == 0
 
 
 def test_freshline_buckets_fold_and_status(db: Engine) -> None:
@@ -512,17 +574,24 @@ def test_freshline_buckets_fold_and_status(db: Engine) -> None:
     insert(db, tenant, [(u, AS_OF - timedelta(days=1), "1.00", "m1", None) for u in USERS])
     env = {**os.environ, "FRESHLINE_POSTGRES_URL": db.url.render_as_string(hide_password=False)}
 
-    def run(*args: str) -> str:
+    def run(*args: str, code: int = 0) -> str:
         r = subprocess.run(
             [FRESHLINE, "buckets", *args], capture_output=True, text=True, timeout=120, env=env
         )
-        assert r.returncode == 0, r.stderr
+        assert r.returncode == code, r.stderr
         return r.stdout + r.stderr  # results on stdout, progress on stderr
 
-    assert "pending   " in run("status") and pending_users(db, tenant) == len(USERS)
-    assert "folded the deltas of" in run("fold", "--entities", "100")
+    status = run("status")  # every path, each under its feature set's name
+    assert "path      txn_90d" in status and "path      geo" in status
+    assert "pending   " in status and pending_users(db, tenant) == len(USERS)
+    # One path: geo's days stay logged.
+    assert "buckets of txn_90d: folded" in run("fold", "--set", "txn_90d")
+    assert pending_users(db, tenant, [PATH]) == 0
+    assert pending_users(db, tenant, [GEO_PATH]) == len(USERS)
+    assert "has no incremental path" in run("fold", "--set", "device_risk", code=2)
+    assert "buckets of geo: folded the deltas of" in run("fold", "--entities", "100")
     assert pending_users(db, tenant) == 0
-    assert "pending   0 deltas of 0 entities" in run("status")
+    assert run("status").count("pending   0 deltas of 0 entities") == 2
 
 
 def test_a_fold_of_more_than_big_delta_rows_is_exact(db: Engine) -> None:
