@@ -348,7 +348,9 @@ def consumers(
 
 def main() -> int:
     """``python -m bench.cdc_stages NAME=TREE ...``: the CDC stages with the consumer of
-    each checkout (``this`` is added, as this one), one run, printed as a table."""
+    each checkout (``this`` is added, as this one), one run, printed as a table.
+    ``NAME:VAR=VALUE`` is this checkout's consumer with an environment variable set
+    (``everyfold:FRESHLINE_BUCKET_FOLD_ALL_INTERVAL_MS=0``)."""
     import argparse
 
     from bench.cdc_freshness import _connstr, _writers
@@ -361,6 +363,10 @@ def main() -> int:
     builds: dict[str, dict[str, str]] = {}
     for spec in args.builds:
         name, tree = spec.split("=", 1)
+        if ":" in name:  # this checkout, with a variable of its own
+            name, variable = name.split(":", 1)
+            builds[name] = {variable: tree}
+            continue
         root = Path(tree).resolve()
         builds[name] = {"PYTHONPATH": str(root), "FRESHLINE_REPO": str(root / "examples/fraud")}
     builds["this"] = {}

@@ -616,7 +616,9 @@ class Worker:
 
     def _fold_deltas(self) -> None:
         """The fold thread: fold at once, then every interval until the worker closes;
-        while a fold takes a full ``FOLD_USERS``, the next follows without a pause.
+        while a fold takes a full ``FOLD_USERS``, the next follows without a pause. A
+        fold leaves the current day (:meth:`IncrementalPath.fold_settled`) but once every
+        ``bucket_fold_all_interval_ms``.
 
         Upkeep, like the lag: the values the incremental path returns are exact either
         way (it reads what is not folded yet from the source rows), so a failure is
@@ -624,12 +626,18 @@ class Worker:
         stops trying.
         """
         interval = self.settings.bucket_fold_interval_ms / 1000
+        every = self.settings.bucket_fold_all_interval_ms / 1000
+        whole_at = time.monotonic() + every  # the first folds leave the current day
         while True:
             try:
+                whole = time.monotonic() >= whole_at
                 for path in REGISTRY.maintenances():
-                    while path.fold(self.engine, max_keys=FOLD_USERS, wait=False) == FOLD_USERS:
+                    fold = path.fold if whole else path.fold_settled
+                    while fold(self.engine, max_keys=FOLD_USERS, wait=False) == FOLD_USERS:
                         if self._folding.is_set():
                             return
+                if whole:
+                    whole_at = time.monotonic() + every
             except sa.exc.ProgrammingError as exc:
                 logger.error(
                     "cannot fold the incremental path's pending changes (%s); grant "

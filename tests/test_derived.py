@@ -391,6 +391,46 @@ def test_a_looked_up_value_and_the_tiebreak_decide_the_values(own: Engine) -> No
     assert_paths_agree(own, [old_key], [0, -401 * DAY], LOOKED_UP)
 
 
+def test_a_settled_fold_leaves_the_current_day_and_values_stay_exact(own: Engine) -> None:
+    """fold_settled folds the days before the current UTC day and leaves the current
+    one logged (reads take it from the rows either way); fold takes it too."""
+    shop = f"s{uuid.uuid4().hex[:10]}"
+    key = (shop, "c1")
+    path = path_of(DECLARED)
+    today = "(now() AT TIME ZONE 'UTC')::date"
+    mine = f"FROM {path.log} WHERE shop_id = :s"
+    with own.begin() as conn:
+        before = conn.execute(sa.text(f"SELECT {today}")).scalar_one()
+        conn.execute(
+            sa.text(
+                "INSERT INTO orders (shop_id, customer_id, amount, sku, placed_at) "
+                "VALUES (:s, 'c1', 5, 'a', now()), (:s, 'c1', 7, 'b', now() - interval '3 days')"
+            ),
+            {"s": shop},
+        )
+    path.fold_all(own)  # every other shop's days too, so what is left is this one's
+    with own.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE orders SET amount = amount + 1 WHERE shop_id = :s AND customer_id = 'c1'"
+            ),
+            {"s": shop},
+        )
+    while path.fold_settled(own, max_keys=1000, wait=True):
+        pass
+    with own.connect() as conn:
+        days = conn.execute(sa.text(f"SELECT DISTINCT day {mine}"), {"s": shop}).scalars().all()
+        if conn.execute(sa.text(f"SELECT {today}")).scalar_one() != before:
+            pytest.skip("the UTC day ended during the test")
+    assert days == [before]
+    now = compute(own, DECLARED, [key], path="incremental").values[key]
+    assert (now["count"], now["sum_amount"]) == (2, 14.0)
+    assert now == compute(own, DECLARED, [key], path="full").values[key]
+    path.fold(own, max_keys=1000, wait=True)
+    assert path.pending(own) == (0, 0)
+    assert compute(own, DECLARED, [key], path="incremental").values[key] == now
+
+
 def test_a_statement_changing_many_days_at_once_is_exact(own: Engine) -> None:
     """Several changes in one transaction, and statements over many rows and days."""
     shop = f"s{uuid.uuid4().hex[:10]}"

@@ -79,6 +79,12 @@ class IncrementalPath(abc.ABC):
     def pending(self, db: Engine | Connection) -> tuple[int, int]:
         """(pending changes, keys they belong to)."""
 
+    def fold_settled(self, db: Engine | Connection, *, max_keys: int, wait: bool) -> int | None:
+        """:meth:`fold`, leaving what a path may fold later at no cost to reads (the
+        consumers call this every ``FRESHLINE_BUCKET_FOLD_INTERVAL_MS`` and :meth:`fold`
+        every ``FRESHLINE_BUCKET_FOLD_ALL_INTERVAL_MS``). By default, all of it."""
+        return self.fold(db, max_keys=max_keys, wait=wait)
+
     def fold_all(
         self,
         engine: Engine,

@@ -49,7 +49,10 @@ Installing it changes the user's table (triggers), so ``freshline apply`` does i
 with ``--alter-tables``, and fills the partials from the existing rows in the same
 transaction, under ``LOCK TABLE ... IN SHARE MODE`` (writers wait for the build). The
 consumers' upkeep thread folds (:meth:`DerivedPath.fold`, EXECUTE on the generated
-function is all it needs); ``freshline buckets fold`` does it by hand.
+function is all it needs); ``freshline buckets fold`` does it by hand. The consumers fold
+the current UTC day only now and then (:meth:`DerivedPath.fold_settled` leaves it): a read
+takes its ``as_of``'s day from the rows whatever the partial holds, so under a steady
+stream of writes a fold of that day is recomputed again and again for no reader.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from pipeline.core.features import Entity
 from pipeline.core.incremental import IncrementalPath, Queries
 
 SCHEMA = "freshline"
-LAYOUT = 2
+LAYOUT = 3
 """The generated tables' layout; part of their names, so a change of it (a new column, a
 new table) installs anew beside what an earlier freshline made."""
 _UTC_DAY = "(({t}) AT TIME ZONE 'UTC')::pg_catalog.date"  # qualified: see _functions
@@ -240,12 +243,12 @@ class DerivedPath(IncrementalPath):
         out += self._functions(table, types, lookups)
         fn = f"{SCHEMA}.{self.prefix}"
         out += [
-            f"REVOKE ALL ON FUNCTION {fn}_fold(integer, boolean) FROM PUBLIC",
+            f"REVOKE ALL ON FUNCTION {fn}_fold(integer, boolean, boolean) FROM PUBLIC",
             # every writer of the table logs its inserts itself (see _functions)
             f"GRANT INSERT ON {self.log} TO PUBLIC",
         ]
         out += [
-            f"GRANT EXECUTE ON FUNCTION {fn}_fold(integer, boolean) TO {role}"
+            f"GRANT EXECUTE ON FUNCTION {fn}_fold(integer, boolean, boolean) TO {role}"
             for role in roles
             if role == "freshline_consumer"
         ]
@@ -496,7 +499,8 @@ class DerivedPath(IncrementalPath):
 
         # The fold: the logged (key, day)s, up to $1 of them, leave the log; their days
         # are recomputed from the source rows (see the module's docstring on why that
-        # is exact under any interleaving with writers).
+        # is exact under any interleaving with writers). $3: only days before the
+        # current UTC day, which every read takes from its rows anyway.
         key_types = [*(["text"] if self.entity.tenant else []), self.entity.type, "date"]
         picked = [f"fl_k{i}" for i in range(len(self.keys))]
         declare = [f"{v} {t}[];" for v, t in zip(picked, key_types, strict=True)]
@@ -508,7 +512,7 @@ class DerivedPath(IncrementalPath):
             f"ELSIF NOT pg_try_advisory_xact_lock({self.lock}) THEN RETURN NULL; END IF",
             f"SELECT {', '.join(f'array_agg(g.{k})' for k in self.keys)} "
             f"INTO {', '.join(picked)} FROM (SELECT DISTINCT {keys} FROM {self.log} "
-            f"LIMIT $1) AS g",
+            f"WHERE NOT $3 OR day < {_day('now()')} LIMIT $1) AS g",
             f"IF {picked[0]} IS NULL THEN RETURN 0; END IF",
             f"DELETE FROM {self.log} WHERE ({keys}) IN ({touched})",
         ]
@@ -572,7 +576,7 @@ class DerivedPath(IncrementalPath):
             function("t()", truncate),
             *self._lookup_functions(table, function),
             function(
-                "fold(integer, boolean)",
+                "fold(integer, boolean, boolean)",
                 body,
                 head="DECLARE\n" + "".join(f"    {d}\n" for d in declare),
                 returns="integer",
@@ -853,8 +857,20 @@ class DerivedPath(IncrementalPath):
         """Recompute up to ``max_keys`` logged (key, day)s (the generated function does,
         as the partials' owner: a consumer needs only EXECUTE on it). With an Engine,
         one statement in autocommit, so the lock is let go as the statement ends."""
-        fold = sa.text(f"SELECT {SCHEMA}.{self.prefix}_fold(:n, :wait)")
-        params = {"n": max_keys, "wait": wait}
+        return self._fold(db, max_keys=max_keys, wait=wait, settled=False)
+
+    def fold_settled(self, db: Engine | Connection, *, max_keys: int, wait: bool) -> int | None:
+        """:meth:`fold` of the days before the current UTC day only. A read takes the
+        day of its ``as_of`` from the source rows whatever the partials hold, so a
+        partial of the current day is read only once the day is over: folding it
+        while writes keep logging it recomputes it again and again for nothing."""
+        return self._fold(db, max_keys=max_keys, wait=wait, settled=True)
+
+    def _fold(
+        self, db: Engine | Connection, *, max_keys: int, wait: bool, settled: bool
+    ) -> int | None:
+        fold = sa.text(f"SELECT {SCHEMA}.{self.prefix}_fold(:n, :wait, :settled)")
+        params = {"n": max_keys, "wait": wait, "settled": settled}
         if isinstance(db, Connection):
             n = db.execute(fold, params).scalar_one()
         else:

@@ -245,7 +245,12 @@ class ConsumerSettings(SettingsGroup):
     on that path; others keep their declared path."""
     bucket_fold_interval_ms: int = Field(default=1000, ge=0)
     """How often each consumer folds pending bucket deltas into the buckets, up to 500
-    entities a time (0: never; then run ``freshline buckets fold --follow``)."""
+    entities a time (0: never; then run ``freshline buckets fold --follow``). These
+    folds leave a derived path's current UTC day, which reads take from the rows anyway."""
+    bucket_fold_all_interval_ms: int = Field(default=60_000, ge=0)
+    """How often a consumer's fold takes the current UTC day too (0: every fold), so
+    that its log stays short while writes keep changing it; once the day is over, the
+    next fold takes it whatever this says."""
 
 
 class CacheSettings(SettingsGroup):

@@ -107,25 +107,40 @@ def test_a_change_and_its_event_yield_the_recomputed_entry(
 def test_the_worker_folds_logged_days_between_batches(env: Env, engine: Engine) -> None:
     """The derived path's triggers log the days a write changed; a consumer's fold thread
     folds them into the partials when it starts and then every interval, with nothing
-    consumed."""
+    consumed: the days before the current UTC day at every fold, the current one only
+    every ``bucket_fold_all_interval_ms``."""
     path = REGISTRY["txn_90d"].maintenance
     assert isinstance(path, DerivedPath)
+    today = sa.text("SELECT (now() AT TIME ZONE 'UTC')::date")
     with engine.begin() as conn:
+        started = conn.execute(today).scalar_one()
         conn.execute(
             sa.text(
                 "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, created_at) "
-                "VALUES (:t, 6, 12.5, 'm-fold', now() - interval '1 day')"
+                "VALUES (:t, 6, 12.5, 'm-fold', now() - interval '1 day'), "
+                "(:t, 6, 1.5, 'm-today', now())"
             ),
             {"t": env.tenant},
         )
-    logged = sa.text(f"SELECT count(*) FROM {path.log} WHERE tenant_id = :t AND user_id = 6")
+    logged = sa.text(
+        f"SELECT DISTINCT day FROM {path.log} WHERE tenant_id = :t AND user_id = 6 ORDER BY 1"
+    )
     with engine.connect() as conn:
-        assert conn.execute(logged, {"t": env.tenant}).scalar_one() >= 1
-    settings = env.settings.model_copy(update={"bucket_fold_interval_ms": 60_000})
+        assert len(conn.execute(logged, {"t": env.tenant}).all()) == 2
+    settings = env.settings.model_copy(
+        update={"bucket_fold_interval_ms": 60_000, "bucket_fold_all_interval_ms": 600_000}
+    )
+    Worker(settings).run(idle_timeout=0.2, timeout=60)
+    with engine.connect() as conn:
+        left = conn.execute(logged, {"t": env.tenant}).scalars().all()
+        if conn.execute(today).scalar_one() != started:
+            pytest.skip("the UTC day ended during the test")
+    assert left == [started]
+    settings = settings.model_copy(update={"bucket_fold_all_interval_ms": 0})
     Worker(settings).run(idle_timeout=0.2, timeout=60)
     (member,) = path.distinct[:1]
     with engine.connect() as conn:
-        assert conn.execute(logged, {"t": env.tenant}).scalar_one() == 0
+        assert conn.execute(logged, {"t": env.tenant}).all() == []
         assert (
             conn.execute(
                 sa.text(
