@@ -29,7 +29,7 @@ from pipeline.cache.recompute import compute
 from pipeline.cdc.connect import PUBLICATION
 from pipeline.core.db import make_engine
 from pipeline.core.features import FeatureSet
-from pipeline.core.maintenance import DerivedPath
+from pipeline.core.maintenance import DerivedPath, superseded
 from pipeline.core.repository import load
 from pipeline.core.settings import Settings
 from pipeline.deploy.plan import plan
@@ -429,6 +429,32 @@ def test_a_settled_fold_leaves_the_current_day_and_values_stay_exact(own: Engine
     path.fold(own, max_keys=1000, wait=True)
     assert path.pending(own) == (0, 0)
     assert compute(own, DECLARED, [key], path="incremental").values[key] == now
+
+
+def test_a_superseded_path_is_found_and_dropped_and_the_kept_ones_stay(own: Engine) -> None:
+    """A path of an earlier declaration (another digest) keeps logging every write;
+    superseded() finds it, by its names alone, and drop() removes its triggers,
+    functions and tables, leaving the kept paths working and exact."""
+    decl = path_of(DECLARED)
+    old = DerivedPath("orders_inc", decl.entity, decl.decl, "0ldd1ge5")
+    kept = [decl, path_of(LOOKED_UP)]
+    with own.begin() as conn:
+        old.install(conn)
+        assert [i.prefix for i in superseded(conn, kept)] == [old.prefix]
+    shop = place_orders(own, 3)  # logged by the old path too
+    with own.begin() as conn:
+        (found,) = superseded(conn, kept)
+        assert found.logged >= 1
+        assert {t for _, t in found.triggers} == {"orders"}
+        assert len(found.triggers) == 4 and found.functions
+        assert old.log.split(".")[1] in found.tables
+        found.drop(conn)
+    with own.begin() as conn:
+        assert superseded(conn, kept) == []
+        assert not old.installed(conn) and decl.installed(conn)
+        assert conn.execute(sa.text("SELECT to_regclass(:t)"), {"t": old.days}).scalar() is None
+    place_orders(own, 4)  # writes go on, through the kept paths' triggers only
+    assert_paths_agree(own, [(shop, "c1")], [0])
 
 
 def test_a_statement_changing_many_days_at_once_is_exact(own: Engine) -> None:

@@ -1,12 +1,13 @@
-"""``freshline buckets build | fold | status`` and ``freshline reconcile``: the active
-repository's incremental path (:mod:`pipeline.core.incremental`).
+"""``freshline buckets build | fold | status | prune`` and ``freshline reconcile``: the
+active repository's incremental paths (:mod:`pipeline.core.incremental`).
 
 ``buckets build`` fills the partial aggregates for rows that existed before the path
 did, a batch of keys per transaction, with a progress bar; interrupted (Ctrl-C, a
 crash), it resumes after the last committed batch. ``buckets fold`` applies the pending
 changes to the aggregates (the consumers do it too, every
 ``FRESHLINE_BUCKET_FOLD_INTERVAL_MS``). ``reconcile`` compares the incremental path
-with the full one on sampled entities and repairs drifted aggregates. (A declared
+with the full one on sampled entities and repairs drifted aggregates. ``buckets prune``
+drops the derived paths the repository no longer declares. (A declared
 aggregation's derived path, such as the fraud example's ``txn_90d``, keeps per-day
 partials and a log of changed days: :mod:`pipeline.core.maintenance`.)
 """
@@ -176,6 +177,47 @@ def status_cmd(feature_set: FeatureSetOption = None) -> None:
             + (" (folded by the consumers, or: freshline buckets fold)" if deltas else ""),
         )
     out.print(report)
+
+
+@buckets_app.command("prune")
+def prune_cmd(
+    yes: Annotated[
+        bool, typer.Option("--yes", help="Drop them (without it: list them only)")
+    ] = False,
+) -> None:
+    """Drop the derived paths this repository no longer declares: those of an earlier
+    schema version or an earlier freshline. Their triggers keep logging every write
+    until dropped. Run it once no running consumer or API of an older version reads
+    them (after a deploy's old version is gone)."""
+    from pipeline.core.maintenance import DerivedPath, superseded
+    from pipeline.core.repository import REGISTRY
+
+    engine = _engine()
+    keep = [p for p in REGISTRY.maintenances() if isinstance(p, DerivedPath)]
+    with engine.begin() as conn:
+        found = superseded(conn, keep)
+        if not found:
+            console.print("buckets: no derived path to prune")
+            return
+        report = Table.grid(padding=(0, 1, 0, 0))
+        report.add_column()
+        report.add_column(overflow="fold")
+        for item in found:
+            on = sorted({table for _, table in item.triggers})
+            report.add_row(
+                Text(item.prefix),
+                Text(
+                    f"{len(item.tables)} tables, {len(item.triggers)} triggers on "
+                    f"{', '.join(on) or 'no table'}, {item.logged:,} logged rows"
+                ),
+            )
+        out.print(report)
+        if not yes:
+            console.print("buckets: not dropped (run again with --yes to drop them)")
+            return
+        for item in found:
+            item.drop(conn)
+    console.print(f"buckets: dropped {len(found)} derived path(s)")
 
 
 def reconcile_cmd(

@@ -594,6 +594,34 @@ def test_freshline_buckets_fold_and_status(db: Engine) -> None:
     assert run("status").count("pending   0 deltas of 0 entities") == 2
 
 
+def test_freshline_buckets_prune_drops_a_path_no_longer_declared(db: Engine) -> None:
+    env = {**os.environ, "FRESHLINE_POSTGRES_URL": db.url.render_as_string(hide_password=False)}
+
+    def run(*args: str) -> str:
+        r = subprocess.run(
+            [FRESHLINE, "buckets", "prune", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert r.returncode == 0, r.stderr
+        return r.stdout + r.stderr
+
+    assert "no derived path to prune" in run()
+    old = DerivedPath("txn_90d", PATH.entity, PATH.decl, "0ldd1ge5")  # an earlier version's
+    with db.begin() as conn:
+        old.install(conn)
+    listed = run()
+    assert old.prefix in listed and "transactions" in listed and "not dropped" in listed
+    with db.connect() as conn:
+        assert old.installed(conn)
+    assert "dropped 1 derived path" in run("--yes")
+    with db.connect() as conn:
+        assert not old.installed(conn) and PATH.installed(conn) and GEO_PATH.installed(conn)
+    assert "no derived path to prune" in run()
+
+
 def test_a_fold_of_more_than_big_delta_rows_is_exact(db: Engine) -> None:
     """A fold of many logged days at once: the same values, for additions and for
     removals."""
