@@ -249,7 +249,7 @@ def test_only_the_consumer_role_may_fold_a_derived_path_and_neither_writes_it(
     DEFINER function; its partials and log stay read-only to both service roles."""
     path = REGISTRY["txn_90d"].maintenance
     assert isinstance(path, DerivedPath)
-    fold = sa.text(f"SELECT freshline.{path.prefix}_fold(10, false)")
+    fold = sa.text(f"SELECT freshline.{path.prefix}_fold(10, false, false)")
     consumer = role_engine(settings, "FRESHLINE_STACK_POSTGRES_CONSUMER_URL")
     api = role_engine(settings, "FRESHLINE_STACK_POSTGRES_API_URL")
     try:
