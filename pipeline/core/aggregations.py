@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.core import declarations
-from pipeline.core.declarations import ALL_TIME, Agg, AggKind, Declaration, since
+from pipeline.core.declarations import ALL_TIME, Agg, AggKind, Declaration, last_order, since
 from pipeline.core.errors import ConfigError
 from pipeline.core.features import (
     AS_OF,
@@ -303,7 +303,7 @@ def _aggregate(agg: Agg, window_s: int, decl: Declaration) -> str:
             return f"count(DISTINCT {col}){only}"
         case "last":
             tiebreak = f"x.{decl.tiebreak}" if decl.tiebreak else None
-            order = decl.last_order(f"x.{decl.time}", col, tiebreak)
+            order = last_order(f"x.{decl.time}", col, tiebreak)
             return f"(array_agg({col} ORDER BY {order}){only})[1]"
     raise ConfigError(f"unknown aggregation {agg.kind!r}")  # pragma: no cover
 

@@ -105,21 +105,18 @@ class Declaration:
     tiebreak: str | None = None
     """The column that orders rows of the same time for ``last`` (greatest first)."""
 
-    @property
-    def lookup_columns(self) -> list[str]:
-        return [c for lk in self.lookups for c in lk.columns]
-
     def looked_up(self) -> tuple[str, str]:
         """(the select list, the joins) of source rows ``x`` with the lookups' columns:
         ``SELECT {cols} FROM table x{joins}``."""
         cols = ["x.*"] + [f"lk{i}.{c}" for i, lk in enumerate(self.lookups) for c in lk.columns]
         return ", ".join(cols), "".join(lk.join(i) for i, lk in enumerate(self.lookups))
 
-    def last_order(self, time: str, value: str, tiebreak: str | None) -> str:
-        """The order of ``last``: latest time, then greatest tiebreak, then value."""
-        middle = f", {tiebreak} DESC NULLS LAST" if tiebreak else ""
-        return f"{time} DESC{middle}, {value} DESC NULLS LAST"
-
     @property
     def widest_s(self) -> int:
         return max(self.windows_s)
+
+
+def last_order(time: str, value: str, tiebreak: str | None) -> str:
+    """The order of ``last``: latest time, then greatest tiebreak, then value."""
+    middle = f", {tiebreak} DESC NULLS LAST" if tiebreak else ""
+    return f"{time} DESC{middle}, {value} DESC NULLS LAST"

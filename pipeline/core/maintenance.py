@@ -64,7 +64,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.core.declarations import Agg, Declaration, Lookup, since
+from pipeline.core.declarations import Agg, Declaration, Lookup, last_order, since
 from pipeline.core.errors import ConfigError
 from pipeline.core.features import Entity
 from pipeline.core.incremental import IncrementalPath, Queries
@@ -189,7 +189,7 @@ class DerivedPath(IncrementalPath):
         build of the partials from the rows there are."""
         table = self._qualified(conn)
         lookups = self._lookup_tables(conn)
-        types = self._column_types(conn, table)
+        types = self._column_types(conn, table, lookups)
         key_types = [
             *(["text"] if self.entity.tenant else []),
             self.entity.type,
@@ -308,7 +308,7 @@ class DerivedPath(IncrementalPath):
             *(f"LOCK TABLE {t} IN SHARE MODE" for t in [table, *lookups]),
         ]
 
-    def _column_types(self, conn: Connection, table: str) -> dict[str, str]:
+    def _column_types(self, conn: Connection, table: str, lookups: list[str]) -> dict[str, str]:
         """The source table's column types, and the lookups' columns' (each its own
         table's column of that name)."""
 
@@ -323,7 +323,7 @@ class DerivedPath(IncrementalPath):
             return {str(column): str(kind) for column, kind in rows}
 
         types = types_of(table)
-        for lookup, looked in zip(self.decl.lookups, self._lookup_tables(conn), strict=True):
+        for lookup, looked in zip(self.decl.lookups, lookups, strict=True):
             theirs = types_of(looked)
             for column in lookup.columns:
                 if column in types:
@@ -365,7 +365,7 @@ class DerivedPath(IncrementalPath):
                         values.append(
                             f"(array_agg({tiebreak} ORDER BY {first}) FILTER (WHERE {cond}))[1]"
                         )
-                    order = self.decl.last_order(time, col, tiebreak)
+                    order = last_order(time, col, tiebreak)
                     values.append(f"(array_agg({col} ORDER BY {order}) FILTER (WHERE {cond}))[1]")
         group = ", ".join(str(i + 1) for i in range(len(parts)))
         return (
@@ -472,16 +472,6 @@ class DerivedPath(IncrementalPath):
         schemas = dict.fromkeys(t.rsplit(".", 1)[0] for t in [table, *lookups] if lookups)
         path = ", ".join(["pg_catalog", *schemas, "pg_temp"])
 
-        def logged(*transition: str, distinct: bool = True) -> list[str]:
-            # UNION dedups two transition tables; DISTINCT one, where asked
-            select = "SELECT DISTINCT" if len(transition) == 1 and distinct else "SELECT"
-            rows = " UNION ".join(
-                f"{select} {', '.join(self._src_keys('x'))} FROM {t} x "
-                f"WHERE {self._row_filter('x')}"
-                for t in transition
-            )
-            return [f"INSERT INTO {self.log} ({keys}) {rows}"]
-
         def function(
             name: str,
             body: list[str],
@@ -571,8 +561,8 @@ class DerivedPath(IncrementalPath):
             # which no search_path changes; the declaration's own where, SQL that could,
             # is left out (a day logged that the filter would skip costs a read, no more).
             function("i()", self._log_inserts(), definer=False),
-            function("u()", logged("old_rows", "new_rows")),
-            function("d()", logged("old_rows")),
+            function("u()", [self._logged("old_rows x", "new_rows x")]),
+            function("d()", [self._logged("old_rows x")]),
             function("t()", truncate),
             *self._lookup_functions(table, function),
             function(
@@ -583,30 +573,31 @@ class DerivedPath(IncrementalPath):
             ),
         ]
 
+    def _logged(self, *sources: str) -> str:
+        """The statement that logs the (key, day)s of the source rows ``x`` of each FROM
+        item in ``sources`` (a UNION dedups several; DISTINCT, one)."""
+        select = "SELECT DISTINCT" if len(sources) == 1 else "SELECT"
+        rows = " UNION ".join(
+            f"{select} {', '.join(self._src_keys('x'))} FROM {source} WHERE {self._row_filter('x')}"
+            for source in sources
+        )
+        return f"INSERT INTO {self.log} ({', '.join(self.keys)}) {rows}"
+
     def _lookup_functions(self, table: str, function: Callable[[str, list[str]], str]) -> list[str]:
         """Per lookup, the functions of its table's triggers: every (key, day) of the
         source rows that a changed row ``g`` decides (its ``rows=``), before and after,
         is logged; a TRUNCATE logs every row's."""
-        keys = ", ".join(self.keys)
-        src = f"{', '.join(self._src_keys('x'))} FROM {table} x"
 
-        def logged(lookup: Lookup, *transition: str) -> list[str]:
-            select = "SELECT DISTINCT" if len(transition) == 1 else "SELECT"
-            rows = " UNION ".join(
-                f"{select} {src} JOIN {t} g ON ({lookup.rows}) WHERE {self._row_filter('x')}"
-                for t in transition
-            )
-            return [f"INSERT INTO {self.log} ({keys}) {rows}"]
+        def logged(lookup: Lookup, *transition: str) -> str:
+            return self._logged(*(f"{table} x JOIN {t} g ON ({lookup.rows})" for t in transition))
 
-        every = (
-            f"INSERT INTO {self.log} ({keys}) SELECT DISTINCT {src} WHERE {self._row_filter('x')}"
-        )
+        every = self._logged(f"{table} x")
         out = []
         for n, lookup in enumerate(self.decl.lookups):
             out += [
-                function(f"l{n}i()", logged(lookup, "new_rows")),
-                function(f"l{n}u()", logged(lookup, "old_rows", "new_rows")),
-                function(f"l{n}d()", logged(lookup, "old_rows")),
+                function(f"l{n}i()", [logged(lookup, "new_rows")]),
+                function(f"l{n}u()", [logged(lookup, "old_rows", "new_rows")]),
+                function(f"l{n}d()", [logged(lookup, "old_rows")]),
                 function(f"l{n}t()", [every]),
             ]
         return out
@@ -744,8 +735,8 @@ class DerivedPath(IncrementalPath):
                             f"(array_agg({tiebreak} ORDER BY {first}) FILTER (WHERE {edge}))[1] "
                             f"AS lb{i}"
                         )
-                    border = d.last_order(f"b.lt{i}", f"b.lv{i}", btie)
-                    order = d.last_order(time, col, tiebreak)
+                    border = last_order(f"b.lt{i}", f"b.lv{i}", btie)
+                    order = last_order(time, col, tiebreak)
                     bucket_vals.append(
                         f"(array_agg(b.lv{i} ORDER BY {border}) FILTER (WHERE {timed}))[1] AS lv{i}"
                     )
