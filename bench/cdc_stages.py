@@ -346,6 +346,19 @@ def consumers(
     return out
 
 
+INSTALL = """
+import sys
+import sqlalchemy as sa
+from pipeline.core.maintenance import install_missing
+from pipeline.core.repository import active
+with sa.create_engine(sys.argv[1]).begin() as conn:
+    install_missing(conn, active().registry.maintenances())
+"""
+"""Install a checkout's derived paths in the run's database (a checkout of another
+layout needs its own tables; both layouts' triggers then log every write, in every
+window alike)."""
+
+
 def main() -> int:
     """``python -m bench.cdc_stages NAME=TREE ...``: the CDC stages with the consumer of
     each checkout (``this`` is added, as this one), one run, printed as a table.
@@ -373,6 +386,15 @@ def main() -> int:
 
     def run(quick: bool) -> dict[str, Any]:
         ctx = common.context(quick)
+        for name, env in builds.items():  # each checkout's derived paths (its layout's)
+            if "PYTHONPATH" in env:
+                common.note(f"cdc_stages: installing the derived paths of {name}")
+                subprocess.run(
+                    [sys.executable, "-c", INSTALL, ctx.settings.postgres_admin_url],
+                    env=os.environ | env,
+                    cwd=env["PYTHONPATH"],  # (-c puts the working directory first)
+                    check=True,
+                )
         data = ctx.dataset()
         conninfo = _connstr(ctx.settings.postgres_url)
         pipe = Pipeline(ctx, ctx.schema_version(), data.tenant)

@@ -633,7 +633,7 @@ class Worker:
                 whole = time.monotonic() >= whole_at
                 for path in REGISTRY.maintenances():
                     fold = path.fold if whole else path.fold_settled
-                    while fold(self.engine, max_keys=FOLD_USERS, wait=False) == FOLD_USERS:
+                    while (fold(self.engine, max_keys=FOLD_USERS, wait=False) or 0) >= FOLD_USERS:
                         if self._folding.is_set():
                             return
                 if whole:

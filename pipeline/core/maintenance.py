@@ -24,6 +24,10 @@ Why the values are exact in every snapshot
 A write costs one small insert: a statement trigger appends the (key, day)s of the rows
 it added, removed or changed (before and after) to the log, in the writer's
 transaction.
+An UPDATE logs only the old and new rows whose columns that any value reads (key, time,
+tiebreak, aggregated columns, those its SQL names as ``x.col``) are not matched, as a
+multiset, among the other side's: where they all are, every (key, day) has the same
+multiset of what is read, so the same partials.
 So in any snapshot, every committed write to a day the snapshot sees has its log row
 there too, until a fold removes it. The fold (one function, under an advisory lock that
 rebuilds take too) deletes some logged (key, day)s, then recomputes those days' partials
@@ -45,6 +49,25 @@ have none: the members of clean days are exact, and a value's latest day is the 
 its member rows as folded. The sums are ``numeric`` and the mean and deviation the same
 ``numeric`` formulas the defining query uses, so both paths give the same digits.
 
+Heads: the current day without its rows
+--------------------------------------
+A read takes ``as_of``'s day from the rows, and an entity written all day long has many
+there. So the consumers' fold also keeps, per key, a *head*: the partial of the current
+UTC day's rows before a *cut* (the fold's ``now()``). A log row carries the earliest time
+of the rows it names (``at``), and a read uses a key's head only if it is of ``as_of``'s
+day, its cut is at or before ``as_of``, and the reader sees no log row of the day with
+``at`` before the cut; it then reads the day's rows from the cut on. The fold deletes the
+day's log rows before its new cut (for up to ``$1`` keys), then writes the heads: an old
+head of the day whose cut is at or before every deleted row's ``at`` grows by the rows
+between the two cuts, any other is made from the day's rows before the new cut. The
+argument above holds with "the day" read as "the day before the cut": a write to those
+rows the fold did not see left its log row, which the reader sees; one whose log row the
+fold deleted is in the head's statement's snapshot. Those deleted rows no longer mark
+the whole day dirty, so the fold leaves a marker (``at`` = infinity, never before a
+cut) that does until a fold of the whole day, which also drops the day's heads. Heads
+are kept only when every window is a day or longer (then all of ``as_of``'s day before
+``as_of`` is in every window).
+
 Installing it changes the user's table (triggers), so ``freshline apply`` does it only
 with ``--alter-tables``, and fills the partials from the existing rows in the same
 transaction, under ``LOCK TABLE ... IN SHARE MODE`` (writers wait for the build). The
@@ -57,6 +80,7 @@ stream of writes a fold of that day is recomputed again and again for no reader.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,9 +94,16 @@ from pipeline.core.features import Entity
 from pipeline.core.incremental import IncrementalPath, Queries
 
 SCHEMA = "freshline"
-LAYOUT = 3
+LAYOUT = 4
 """The generated tables' layout; part of their names, so a change of it (a new column, a
 new table) installs anew beside what an earlier freshline made."""
+HEAD_ROWS = 64
+"""How many logged rows of the current day after a head's cut (or of a key with none) a
+fold waits for before it moves the head (``SET freshline.head_rows`` in the fold's
+session overrides it): reads take those rows from the table, few enough to cost less
+than a fold of every key written to."""
+_COLUMN_OF_X = re.compile(r'\bx\.("?)(\w+)\1')
+_ROW_X = re.compile(r"\bx\b")
 _UTC_DAY = "(({t}) AT TIME ZONE 'UTC')::pg_catalog.date"  # qualified: see _functions
 _DAY_START = "({d})::timestamp AT TIME ZONE 'UTC'"
 
@@ -150,11 +181,23 @@ class DerivedPath(IncrementalPath):
         return f"{SCHEMA}.{self.prefix}_log"
 
     @property
+    def head(self) -> str:
+        """Per key, the partial of the current UTC day's rows before a cut."""
+        return f"{SCHEMA}.{self.prefix}_head"
+
+    @property
+    def heads(self) -> bool:
+        """Whether the path keeps heads: only when every window is a day or longer, so
+        that the whole of ``as_of``'s day before ``as_of`` is in every window."""
+        return min(self.windows) >= 86_400
+
+    @property
     def tables(self) -> list[str]:
         """Every table of the path."""
         return [
             self.days,
             *(t for s in self.distinct for t in (self.members(s), self.latest(s))),
+            *([self.head] if self.heads else []),
             self.log,
         ]
 
@@ -225,10 +268,17 @@ class DerivedPath(IncrementalPath):
                 f"CREATE INDEX IF NOT EXISTS {self.prefix}_l{s.index}_by_day "
                 f"ON {self.latest(s)} ({ents}, latest)",
             ]
+        if self.heads:
+            hv = [f"hv{s.index} {types[str(s.agg.column)]}[]" for s in self.distinct]
+            partial = ", ".join([*cols[: len(cols) - len(self.distinct)], *hv])
+            out.append(
+                f"CREATE TABLE IF NOT EXISTS {self.head} ({entity_keys}, day date NOT NULL, "
+                f"cut timestamptz NOT NULL, {partial}, PRIMARY KEY ({ents}))"
+            )
         day_keys = ", ".join(self.keys)
         out += [
-            f"CREATE TABLE IF NOT EXISTS {self.log} ({keys})",
-            f"CREATE INDEX IF NOT EXISTS {self.prefix}_log_by_key ON {self.log} ({day_keys})",
+            f"CREATE TABLE IF NOT EXISTS {self.log} ({keys}, at timestamptz NOT NULL)",
+            f"CREATE INDEX IF NOT EXISTS {self.prefix}_log_by_key ON {self.log} ({day_keys}, at)",
         ]
         roles = list(
             conn.execute(
@@ -240,7 +290,7 @@ class DerivedPath(IncrementalPath):
         )
         tables = ", ".join(self.tables)
         out += [f"GRANT SELECT ON {tables} TO {role}" for role in roles]
-        out += self._functions(table, types, lookups)
+        out += self._functions(table, types, lookups, self._read_columns(conn, table, types))
         fn = f"{SCHEMA}.{self.prefix}"
         out += [
             f"REVOKE ALL ON FUNCTION {fn}_fold(integer, boolean, boolean) FROM PUBLIC",
@@ -260,7 +310,8 @@ class DerivedPath(IncrementalPath):
             f"DROP TRIGGER IF EXISTS {trigger}_t ON {table}",
             f"CREATE TRIGGER {trigger}_i AFTER INSERT ON {table} REFERENCING NEW TABLE AS "
             f"new_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_i()",
-            f"CREATE TRIGGER {trigger}_u AFTER UPDATE ON {table} REFERENCING OLD TABLE AS "
+            f"CREATE TRIGGER {trigger}_u AFTER UPDATE ON {table} "
+            "REFERENCING OLD TABLE AS "
             f"old_rows NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_u()",
             f"CREATE TRIGGER {trigger}_d AFTER DELETE ON {table} REFERENCING OLD TABLE AS "
             f"old_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_d()",
@@ -289,6 +340,32 @@ class DerivedPath(IncrementalPath):
             *(f"ANALYZE {t}" for t in self.tables),
         ]
         return out
+
+    def _read_columns(self, conn: Connection, table: str, types: dict[str, str]) -> list[str]:
+        """The source table's columns a value can depend on: its key, time and tiebreak,
+        the aggregated ones, and those the ``where``s and lookups name as ``x.col``; none
+        (every column) when some SQL of the declaration names the row ``x`` otherwise, or
+        a column's type has no default equality (the update trigger compares them)."""
+        d = self.decl
+        sql = [d.where, *(a.where for a in d.aggs), *(lk.query for lk in d.lookups)]
+        texts = [t for t in [*sql, *(lk.rows for lk in d.lookups)] if t]
+        if any(_ROW_X.search(_COLUMN_OF_X.sub("", t)) for t in texts):
+            return []
+        used = [*self._src_cols(), d.time, *([d.tiebreak] if d.tiebreak else [])]
+        used += [a.column for a in d.aggs if a.column]
+        used += [m.group(2) for t in texts for m in _COLUMN_OF_X.finditer(t)]
+        looked_up = {c for lk in d.lookups for c in lk.columns}
+        columns = [c for c in dict.fromkeys(used) if c in types and c not in looked_up]
+        comparable = conn.execute(
+            sa.text(
+                "SELECT bool_and(EXISTS (SELECT 1 FROM pg_opclass o JOIN pg_am m "
+                "ON m.oid = o.opcmethod WHERE m.amname = 'btree' AND o.opcdefault "
+                "AND o.opcintype = a.atttypid)) FROM pg_attribute a "
+                "WHERE a.attrelid = CAST(:t AS regclass) AND a.attname = ANY(:c)"
+            ),
+            {"t": table, "c": columns},
+        ).scalar()
+        return columns if comparable else []
 
     def _qualified(self, conn: Connection, name: str | None = None) -> str:
         name = name or self.decl.table
@@ -338,8 +415,9 @@ class DerivedPath(IncrementalPath):
                 types[column] = theirs[column]
         return types
 
-    def _aggregate_rows(self, source: str, alias: str, where: str) -> str:
-        """``SELECT`` of the partials of ``source`` rows ``alias`` passing ``where``."""
+    def _aggregate_rows(self, source: str, alias: str, where: str, arrays: bool = False) -> str:
+        """``SELECT`` of the partials of ``source`` rows ``alias`` passing ``where``; with
+        ``arrays``, then each ``count_distinct``'s values as an array (a head's)."""
         parts = self._src_keys(alias)
         values = []
         for s in self.slots:
@@ -367,6 +445,10 @@ class DerivedPath(IncrementalPath):
                         )
                     order = last_order(time, col, tiebreak)
                     values.append(f"(array_agg({col} ORDER BY {order}) FILTER (WHERE {cond}))[1]")
+        for s in self.distinct if arrays else []:
+            col = f"{alias}.{s.agg.column}"
+            cond = f"{where} AND {s.where.replace('x.', f'{alias}.')} AND {col} IS NOT NULL"
+            values.append(f"array_agg(DISTINCT {col}) FILTER (WHERE {cond})")
         group = ", ".join(str(i + 1) for i in range(len(parts)))
         return (
             f"SELECT {', '.join(parts + values)} FROM {source} {alias} WHERE {where} "
@@ -425,6 +507,8 @@ class DerivedPath(IncrementalPath):
         keys = ", ".join(self.keys)
         source = self._touched_rows(table, touched)
         out = [f"DELETE FROM {self.days} WHERE ({keys}) IN ({touched})"]
+        if self.heads:  # the log rows that kept a head of these days from use are gone
+            out.append(f"DELETE FROM {self.head} WHERE ({keys}) IN ({touched})")
         out.append(self._insert_days(self._aggregate_rows(source, "x", self._row_filter("x"))))
         for s in self.distinct:
             out.append(f"DELETE FROM {self.members(s)} WHERE ({keys}) IN ({touched})")
@@ -438,8 +522,8 @@ class DerivedPath(IncrementalPath):
         own = " AND ".join(f"x.{c} IS NOT NULL" for c in [*self._src_cols(), self.decl.time])
         keys = ", ".join(self.keys)
         return [
-            f"INSERT INTO {self.log} ({keys}) SELECT {', '.join(self._src_keys('x'))} "
-            f"FROM new_rows x WHERE {own}"
+            f"INSERT INTO {self.log} ({keys}, at) SELECT {', '.join(self._src_keys('x'))}, "
+            f"x.{self.decl.time} FROM new_rows x WHERE {own}"
         ]
 
     def _latest_counts(self, slot: _Slot, days: str) -> str:
@@ -462,7 +546,9 @@ class DerivedPath(IncrementalPath):
         """The advisory lock that folds and rebuilds of this path take."""
         return f"hashtext('{SCHEMA}.{self.prefix}')"
 
-    def _functions(self, table: str, types: dict[str, str], lookups: list[str]) -> list[str]:
+    def _functions(
+        self, table: str, types: dict[str, str], lookups: list[str], read: list[str]
+    ) -> list[str]:
         """The trigger functions (each records the (key, day)s its statement touched in
         the log) and the fold (which recomputes logged days from the source rows)."""
         fn = f"{SCHEMA}.{self.prefix}"
@@ -490,7 +576,8 @@ class DerivedPath(IncrementalPath):
         # The fold: the logged (key, day)s, up to $1 of them, leave the log; their days
         # are recomputed from the source rows (see the module's docstring on why that
         # is exact under any interleaving with writers). $3: only days before the
-        # current UTC day, which every read takes from its rows anyway.
+        # current UTC day, which every read takes from its rows anyway, and the heads
+        # of the current day (_head_fold).
         key_types = [*(["text"] if self.entity.tenant else []), self.entity.type, "date"]
         picked = [f"fl_k{i}" for i in range(len(self.keys))]
         declare = [f"{v} {t}[];" for v, t in zip(picked, key_types, strict=True)]
@@ -500,10 +587,20 @@ class DerivedPath(IncrementalPath):
         body = [
             f"IF $2 THEN PERFORM pg_advisory_xact_lock({self.lock}); "
             f"ELSIF NOT pg_try_advisory_xact_lock({self.lock}) THEN RETURN NULL; END IF",
+        ]
+        whole = [
             f"SELECT {', '.join(f'array_agg(g.{k})' for k in self.keys)} "
             f"INTO {', '.join(picked)} FROM (SELECT DISTINCT {keys} FROM {self.log} "
             f"WHERE NOT $3 OR day < {_day('now()')} LIMIT $1) AS g",
-            f"IF {picked[0]} IS NULL THEN RETURN 0; END IF",
+        ]
+        declare.append("fl_h integer := 0;")
+        if self.heads:
+            head_declare, head_block = self._head_fold(table, key_types[:-1])
+            declare += head_declare
+            body.append(head_block)
+        body += [
+            *whole,
+            f"IF {picked[0]} IS NULL THEN RETURN fl_h; END IF",
             f"DELETE FROM {self.log} WHERE ({keys}) IN ({touched})",
         ]
         values: dict[int, str] = {}
@@ -546,7 +643,7 @@ class DerivedPath(IncrementalPath):
             )
         body += self._recompute_days(table, touched, values)
         body += after
-        body.append(f"RETURN cardinality({picked[0]})")
+        body.append(f"RETURN cardinality({picked[0]}) + fl_h")
         truncate = [f"TRUNCATE {', '.join(self.tables)}"]
         return [
             # An INSERT or COPY logs a row per row, without DISTINCT: measured in one
@@ -561,7 +658,7 @@ class DerivedPath(IncrementalPath):
             # which no search_path changes; the declaration's own where, SQL that could,
             # is left out (a day logged that the filter would skip costs a read, no more).
             function("i()", self._log_inserts(), definer=False),
-            function("u()", [self._logged("old_rows x", "new_rows x")]),
+            function("u()", [self._logged(*self._changed_rows(read))]),
             function("d()", [self._logged("old_rows x")]),
             function("t()", truncate),
             *self._lookup_functions(table, function),
@@ -573,15 +670,128 @@ class DerivedPath(IncrementalPath):
             ),
         ]
 
+    @staticmethod
+    def _changed_rows(read: list[str]) -> tuple[str, str]:
+        """An UPDATE's rows to log, as FROM items ``x``: of ``read`` (the columns values
+        read), the old rows' that no new row has and the new rows' that no old row has
+        (EXCEPT ALL): an UPDATE that leaves them as they were logs nothing, and a day
+        whose rows read the same, as a multiset, has the same partial. Without ``read``,
+        every old and new row."""
+        if not read:
+            return "old_rows x", "new_rows x"
+        cols = ", ".join(f'"{c}"' for c in read)
+        return (
+            f"(SELECT {cols} FROM old_rows EXCEPT ALL SELECT {cols} FROM new_rows) AS x",
+            f"(SELECT {cols} FROM new_rows EXCEPT ALL SELECT {cols} FROM old_rows) AS x",
+        )
+
     def _logged(self, *sources: str) -> str:
         """The statement that logs the (key, day)s of the source rows ``x`` of each FROM
-        item in ``sources`` (a UNION dedups several; DISTINCT, one)."""
-        select = "SELECT DISTINCT" if len(sources) == 1 else "SELECT"
-        rows = " UNION ".join(
-            f"{select} {', '.join(self._src_keys('x'))} FROM {source} WHERE {self._row_filter('x')}"
+        item in ``sources``, each once, with the earliest time of its rows."""
+        rows = " UNION ALL ".join(
+            f"SELECT {', '.join(self._src_keys('x'))}, x.{self.decl.time} FROM {source} "
+            f"WHERE {self._row_filter('x')}"
             for source in sources
         )
-        return f"INSERT INTO {self.log} ({', '.join(self.keys)}) {rows}"
+        keys = ", ".join(self.keys)
+        return (
+            f"INSERT INTO {self.log} ({keys}, at) SELECT {keys}, min(at) "
+            f"FROM ({rows}) AS x({keys}, at) GROUP BY {keys}"
+        )
+
+    def _head_fold(self, table: str, ent_types: list[str]) -> tuple[list[str], str]:
+        """(declarations, block) of the fold's part that moves the heads of the current
+        UTC day up to a new cut (the fold's ``now()``), for the keys with log rows of
+        the day before it, up to ``$1`` of them, when ``$3`` (see the module's
+        docstring, *Heads*)."""
+        ents = self.entity.columns
+        cols = ", ".join(ents)
+        hk = [f"fl_hk{i}" for i in range(len(ents))]
+        declare = [
+            *(f"{v} {t}[];" for v, t in zip(hk, ent_types, strict=True)),
+            "fl_hm timestamptz[];",
+            f"fl_da date := {_day('now()')};",
+            "fl_cut timestamptz := now();",
+        ]
+        before = "day = fl_da AND at < fl_cut"
+        arrays = ", ".join(hk)
+        take = ", ".join(f"array_agg(g.{c})" for c in ents)
+        same = " AND ".join(f"h.{c} = k.{c}" for c in ents)
+        partial = self._column_list()
+        hv = [f"hv{s.index}" for s in self.distinct]
+        merged = []
+        for s in self.slots:
+            i = s.index
+            match s.agg.kind:
+                case "count" | "sum" | "mean" | "stddev":
+                    merged += [f"coalesce(o.{c}, 0) + coalesce(n.{c}, 0)" for c, _ in s.columns()]
+                case "min" | "max":
+                    pick = "least" if s.agg.kind == "min" else "greatest"
+                    merged += [f"{pick}(o.{c}, n.{c})" for c, _ in s.columns()]
+                case "last":  # every new row is at or after the old cut, every old one before
+                    merged += [
+                        f"CASE WHEN n.lt{i} IS NOT NULL THEN n.{c} ELSE o.{c} END"
+                        for c, _ in s.columns()
+                    ]
+        merged += [f"ARRAY(SELECT DISTINCT v FROM unnest(o.{c} || n.{c}) AS v)" for c in hv]
+        rows_of = " AND ".join(
+            [f"x.{c} = t.{k}" for c, k in zip(self._src_cols(), ents, strict=True)]
+            + [f"x.{self.decl.time} >= t.lo", f"x.{self.decl.time} < fl_cut"]
+        )
+        looked_up, joins = self.decl.looked_up()
+        source = f"(SELECT {looked_up} FROM t JOIN {table} x ON {rows_of}{joins})"
+        new = self._aggregate_rows(source, "x", self._row_filter("x"), arrays=True)
+        target = ", ".join([*ents, "day", "cut", *partial, *hv])
+        # the keys with HEAD_ROWS rows of the day before the cut logged, or a head a
+        # logged row before its cut made stale (what reads would take from the rows)
+        on = " AND ".join(f"h.{c} = l.{c}" for c in ents)
+        mine = ", ".join(f"l.{c}" for c in ents)
+        enough = (
+            "coalesce(nullif(current_setting('freshline.head_rows', true), '')::integer, "
+            f"{HEAD_ROWS})"
+        )
+        picked = (
+            f"SELECT {take} INTO {arrays} FROM (SELECT {mine} FROM {self.log} l "
+            f"LEFT JOIN {self.head} h ON {on} AND h.day = l.day "
+            "WHERE l.day = fl_da AND l.at < fl_cut "
+            f"GROUP BY {mine}, h.cut HAVING count(*) >= {enough} OR min(l.at) < h.cut "
+            "LIMIT $1) AS g"
+        )
+        statements = [
+            # their log rows before the cut leave the log: per key, the earliest time
+            # they name (before the old cut: the old head is stale)
+            f"WITH gone AS (DELETE FROM {self.log} WHERE ({cols}) IN (SELECT * FROM "
+            f"unnest({arrays})) AND {before} RETURNING {cols}, at) "
+            f"SELECT {take}, array_agg(g.m) INTO {arrays}, fl_hm FROM (SELECT {cols}, "
+            f"min(at) AS m FROM gone GROUP BY {cols}) AS g",
+            # a clean head of the day grows by the rows from its cut to the new one;
+            # any other key's is made from the day's rows before the new cut
+            f"WITH k AS (SELECT * FROM unnest({arrays}, fl_hm) AS k({cols}, m)), "
+            f"o AS (SELECT h.* FROM {self.head} h JOIN k ON {same} "
+            "WHERE h.day = fl_da AND h.cut <= k.m), "
+            f"t AS (SELECT k.*, coalesce(o.cut, {_start('fl_da')}) AS lo "
+            f"FROM k LEFT JOIN o USING ({cols})), "
+            f"n({', '.join([*ents, 'day', *partial, *hv])}) AS ({new}) "
+            f"INSERT INTO {self.head} ({target}) SELECT "
+            + ", ".join([*(f"k.{c}" for c in ents), "fl_da", "fl_cut", *merged])
+            + f" FROM k LEFT JOIN o USING ({cols}) LEFT JOIN n USING ({cols}) "
+            f"ON CONFLICT ({cols}) DO UPDATE SET "
+            + ", ".join(f"{c} = EXCLUDED.{c}" for c in ["day", "cut", *partial, *hv]),
+            # the day's partial no longer sees those writes in the log: a marker keeps
+            # the day dirty until a fold of the whole day (never before a head's cut)
+            f"INSERT INTO {self.log} ({cols}, day, at) SELECT k.*, fl_da, 'infinity' "
+            f"FROM unnest({arrays}) AS k({cols}) WHERE NOT EXISTS (SELECT 1 FROM "
+            f"{self.log} l WHERE "
+            + " AND ".join(f"l.{c} = k.{c}" for c in ents)
+            + " AND l.day = fl_da AND l.at = 'infinity')",
+            f"fl_h := coalesce(cardinality({hk[0]}), 0)",
+        ]
+        block = (
+            f"IF $3 THEN\n        {picked};\n        IF {hk[0]} IS NOT NULL THEN\n"
+            + "".join(f"            {r};\n" for r in statements)
+            + "        END IF;\n    END IF"
+        )
+        return declare, block
 
     def _lookup_functions(self, table: str, function: Callable[[str, list[str]], str]) -> list[str]:
         """Per lookup, the functions of its table's triggers: every (key, day) of the
@@ -668,11 +878,17 @@ class DerivedPath(IncrementalPath):
         # (fl_e<j>), not again in every aggregate's FILTER.
         flags = ", ".join(f"{on_edge(j)} AS fl_e{j}" for j in range(len(self.windows)))
         looked_up, joins = d.looked_up()
+        # as_of's day from its head's cut on, when a head is in use (hd)
+        lower = _start("ed_days.ed_day")
+        if self.heads:
+            lower = (
+                f"CASE WHEN ed_days.ed_day = w.da THEN coalesce(hd.cut, {lower}) ELSE {lower} END"
+            )
         any_edge = " OR ".join(f"x.fl_e{j}" for j in range(len(self.windows)))
         edge_rows = (
             f"(SELECT x.* FROM (SELECT DISTINCT ed_day FROM unnest({days}) AS ed_day) "
             f"AS ed_days CROSS JOIN LATERAL (SELECT {looked_up}, {flags} FROM {d.table} x{joins} "
-            f"WHERE {mine_x} AND {time} >= {_start('ed_days.ed_day')} "
+            f"WHERE {mine_x} AND {time} >= {lower} "
             f"AND {time} < {_start('ed_days.ed_day + 1')} AND {time} <= t.as_of OFFSET 0) AS x)"
         )
 
@@ -774,6 +990,7 @@ class DerivedPath(IncrementalPath):
 
                     bucket_vals.append(f"coalesce({filtered(f'sum(b.lc{i})', inside)}, 0) AS lc{i}")
                     in_clean = probe.format(value="l.value")
+                    edge_values = f"ed.ev{i} || hd.hv{i}" if self.heads else f"ed.ev{i}"
                     # the edge and logged days' values, gathered in the one scan of
                     # their rows
                     edge_vals.append(
@@ -790,8 +1007,8 @@ class DerivedPath(IncrementalPath):
                         f" + CASE WHEN cardinality(dl.dd) > 0 THEN (SELECT count(*) "
                         f"FROM {latest} l WHERE {mine_l} AND l.latest = ANY(dl.dd) "
                         f"AND {in_clean} IS NOT NULL) ELSE 0 END"
-                        f" + (SELECT count(*) FROM unnest(ed.ev{i}) AS ev(value) "
-                        f"WHERE {probe.format(value='ev.value')} IS NULL))"
+                        f" + (SELECT count(DISTINCT ev.value) FROM unnest({edge_values}) "
+                        f"AS ev(value) WHERE {probe.format(value='ev.value')} IS NULL))"
                     )
         names = [a.field_name() for a in d.aggs]
         body = ",\n       ".join(
@@ -802,6 +1019,25 @@ class DerivedPath(IncrementalPath):
             ]
         )
         bucket_sel = ", ".join(bucket_vals) or "1 AS none"
+        partials = (
+            f"{self.days} b WHERE {mine_b} AND b.day > w.dc{widest} AND b.day < w.da "
+            "AND b.day <> ALL(dl.dd)"
+        )
+        head = ""
+        if self.heads:  # as_of's day before the cut of its head, if no write since made it stale
+            mine_h = " AND ".join(f"h.{c} = k.{c}" for c in e.columns)
+            head = (
+                f"LEFT JOIN LATERAL (SELECT h.* FROM {self.head} h WHERE {mine_h} "
+                f"AND h.day = w.da AND h.cut <= t.as_of AND NOT EXISTS (SELECT 1 FROM "
+                f"{self.log} g WHERE {mine_g} AND g.day = w.da AND g.at < h.cut)) AS hd ON true\n"
+            )
+            columns = ["day", *self._column_list()]
+            lcs = [f"lc{s.index}" for s in self.distinct]
+            theirs = ", ".join([*(f"hd.{c}" for c in columns), *("0::bigint" for _ in lcs)])
+            partials = (
+                f"(SELECT {', '.join(f'b.{c}' for c in [*columns, *lcs])} FROM {partials} "
+                f"UNION ALL SELECT {theirs} WHERE hd.day IS NOT NULL) AS b"
+            )
         edge_sel = ", ".join(edge_vals) or "1 AS none"
         return (
             f"\nSELECT {body}\nFROM k CROSS JOIN t\n"
@@ -815,8 +1051,8 @@ class DerivedPath(IncrementalPath):
                 if self.distinct
                 else ""
             )
-            + f"CROSS JOIN LATERAL (SELECT {bucket_sel} FROM {self.days} b WHERE {mine_b} "
-            f"AND b.day > w.dc{widest} AND b.day < w.da AND b.day <> ALL(dl.dd)) AS bk\n"
+            + head
+            + f"CROSS JOIN LATERAL (SELECT {bucket_sel} FROM {partials}) AS bk\n"
             f"CROSS JOIN LATERAL (SELECT {edge_sel} FROM {edge_rows} x "
             f"WHERE {self._row_filter('x')} AND ({any_edge})) AS ed\n"
         )

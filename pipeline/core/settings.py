@@ -246,7 +246,8 @@ class ConsumerSettings(SettingsGroup):
     bucket_fold_interval_ms: int = Field(default=1000, ge=0)
     """How often each consumer folds pending bucket deltas into the buckets, up to 500
     entities a time (0: never; then run ``freshline buckets fold --follow``). These
-    folds leave a derived path's current UTC day, which reads take from the rows anyway."""
+    folds leave a derived path's current UTC day and move its entities' heads instead
+    (the day's partial before a cut, which reads take with the rows after it)."""
     bucket_fold_all_interval_ms: int = Field(default=60_000, ge=0)
     """How often a consumer's fold takes the current UTC day too (0: every fold), so
     that its log stays short while writes keep changing it; once the day is over, the
