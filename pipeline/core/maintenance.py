@@ -240,7 +240,7 @@ class DerivedPath(IncrementalPath):
         ]
         keys = ", ".join(f"{k} {t} NOT NULL" for k, t in zip(self.keys, key_types, strict=True))
         tb = types[self.decl.tiebreak] if self.decl.tiebreak else ""
-        cols = [
+        partial = [
             f"{name} {kind.format(col=types[s.agg.column], tb=tb) if s.agg.column else kind}"
             for s in self.slots
             for name, kind in s.columns()
@@ -248,7 +248,7 @@ class DerivedPath(IncrementalPath):
         # Per count_distinct: how many values have this day as their latest (so that the
         # values whose latest day is a clean whole day are a sum over days, not a count
         # over values).
-        cols += [f"lc{s.index} bigint NOT NULL DEFAULT 0" for s in self.distinct]
+        cols = partial + [f"lc{s.index} bigint NOT NULL DEFAULT 0" for s in self.distinct]
         out = [
             f"CREATE TABLE IF NOT EXISTS {self.days} ({keys}, {', '.join(cols)}, "
             f"PRIMARY KEY ({', '.join(self.keys)}))"
@@ -270,10 +270,9 @@ class DerivedPath(IncrementalPath):
             ]
         if self.heads:
             hv = [f"hv{s.index} {types[str(s.agg.column)]}[]" for s in self.distinct]
-            partial = ", ".join([*cols[: len(cols) - len(self.distinct)], *hv])
             out.append(
                 f"CREATE TABLE IF NOT EXISTS {self.head} ({entity_keys}, day date NOT NULL, "
-                f"cut timestamptz NOT NULL, {partial}, PRIMARY KEY ({ents}))"
+                f"cut timestamptz NOT NULL, {', '.join([*partial, *hv])}, PRIMARY KEY ({ents}))"
             )
         day_keys = ", ".join(self.keys)
         out += [
@@ -446,8 +445,7 @@ class DerivedPath(IncrementalPath):
                     order = last_order(time, col, tiebreak)
                     values.append(f"(array_agg({col} ORDER BY {order}) FILTER (WHERE {cond}))[1]")
         for s in self.distinct if arrays else []:
-            col = f"{alias}.{s.agg.column}"
-            cond = f"{where} AND {s.where.replace('x.', f'{alias}.')} AND {col} IS NOT NULL"
+            col, cond = self._member(s, alias, where)
             values.append(f"array_agg(DISTINCT {col}) FILTER (WHERE {cond})")
         group = ", ".join(str(i + 1) for i in range(len(parts)))
         return (
@@ -455,9 +453,15 @@ class DerivedPath(IncrementalPath):
             f"GROUP BY {group} ORDER BY {group}"
         )
 
-    def _members_rows(self, slot: _Slot, source: str, alias: str, where: str) -> str:
+    @staticmethod
+    def _member(slot: _Slot, alias: str, where: str) -> tuple[str, str]:
+        """(the column, the condition) of a ``count_distinct``'s values among rows
+        ``alias`` passing ``where``: its own ``where`` too, and no ``NULL``."""
         col = f"{alias}.{slot.agg.column}"
-        cond = f"{where} AND {slot.where.replace('x.', f'{alias}.')} AND {col} IS NOT NULL"
+        return col, f"{where} AND {slot.where.replace('x.', f'{alias}.')} AND {col} IS NOT NULL"
+
+    def _members_rows(self, slot: _Slot, source: str, alias: str, where: str) -> str:
+        col, cond = self._member(slot, alias, where)
         parts = [*self._src_keys(alias), col]
         group = ", ".join(str(i + 1) for i in range(len(parts)))
         return (
