@@ -271,13 +271,26 @@ class Consumer:
         return msg
 
     def consume(self, max_messages: int, timeout: float) -> list[Message]:
-        """Up to ``max_messages`` records, waiting at most ``timeout`` seconds for the first.
+        """Up to ``max_messages`` records: those fetched already, or else the first to
+        arrive within ``timeout`` seconds and those fetched with it.
+
+        librdkafka's batch call waits out its whole timeout unless ``max_messages``
+        records come: a consumer keeping up with its partitions would hold every batch
+        ``timeout`` long. So the records waiting are taken without a wait, and only an
+        empty queue is waited on, until its first record.
 
         When a rebalance refused a commit and this member kept the partition, the
         offsets are committed again here once the group has settled
         (:meth:`commit_owed`), so a quiet partition does not stay uncommitted.
         """
-        raw = self.inner.consume(num_messages=max_messages, timeout=timeout)
+        inner = self.inner
+        raw = inner.consume(num_messages=max_messages, timeout=0)
+        if not raw:
+            first = inner.poll(timeout)
+            if first is not None:
+                raw = [first]
+                if max_messages > 1:
+                    raw += inner.consume(num_messages=max_messages - 1, timeout=0)
         self._raise_fatal()
         if self._owed:
             self.commit_owed()

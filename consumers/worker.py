@@ -2,7 +2,9 @@
 
 Each iteration (:meth:`Worker._iteration`):
 
-1. consume up to ``batch_max_events`` records, waiting at most ``batch_max_wait_ms``;
+1. consume up to ``batch_max_events`` records: those fetched already, or the first to
+   come within ``batch_max_wait_ms`` and those fetched with it (a batch never waits to
+   fill: one that keeps up has what came during the batch before);
 2. decode them; a record that cannot become an event goes to the dead-letter topic
    with its reason, and so does an event whose own data fails to apply;
 3. apply the events as one batch (:class:`consumers.processor.Processor`): Redis

@@ -227,7 +227,9 @@ class ConsumerSettings(SettingsGroup):
     batch_max_events: int = Field(default=2000, ge=1)
     """Events per consumer batch at most."""
     batch_max_wait_ms: int = Field(default=50, ge=1)
-    """How long a batch waits to fill."""
+    """How long a consumer with no record fetched waits for one (a poll), before it
+    reports its lag and looks at Redis. A batch never waits to fill: it takes the records
+    fetched when it starts, up to ``batch_max_events``."""
     max_message_bytes: int = Field(default=1_000_000, ge=1024)
     """Larger messages are dead-lettered."""
     consumer_metrics_host: str = "127.0.0.1"

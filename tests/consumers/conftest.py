@@ -94,13 +94,16 @@ def consumer_factory(base_settings: Settings) -> Iterator[Callable[..., Consumer
         consumer.close()
 
 
-def read_topic(consumer: Consumer, topic: str, count: int, partitions: int = 1) -> list[Message]:
-    """Assign every partition of ``topic`` from the start and read ``count`` records."""
+def read_topic(
+    consumer: Consumer, topic: str, count: int, partitions: int = 1, batch: int = 100
+) -> list[Message]:
+    """Assign every partition of ``topic`` from the start and read ``count`` records,
+    ``batch`` at most at a time."""
     consumer.inner.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
     got: list[Message] = []
 
     def more() -> bool:
-        got.extend(consumer.consume(100, timeout=0.2))
+        got.extend(consumer.consume(batch, timeout=0.2))
         return len(got) >= count
 
     wait_for(more, f"{count} records on {topic}")

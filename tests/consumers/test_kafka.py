@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from confluent_kafka import KafkaError, TopicPartition
+from confluent_kafka import KafkaError, Message, TopicPartition
 
 from consumers.kafka import (
     Consumer,
@@ -70,6 +71,66 @@ def test_commit_resumes_the_group_after_the_last_processed_record(
 
     wait_for(more, "the uncommitted records")
     assert sorted(rest) == [b"6", b"7", b"8", b"9"]
+
+
+LONG_WAIT_S = 300.0
+"""A batch's wait far longer than any deadline below: a consume that waited it out fails."""
+
+
+def _within(
+    consume: Callable[[], list[Message]], what: str, meanwhile: Callable[[], None] = lambda: None
+) -> list[bytes | None]:
+    """The values ``consume()`` returns, which must come within the usual 30 s deadline
+    (``meanwhile()`` runs while it waits)."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        waiting = pool.submit(consume)
+        meanwhile()
+        return [m.value() for m in waiting.result(timeout=30)]
+    except TimeoutError:
+        pytest.fail(f"{what} waited out its timeout")
+    finally:
+        pool.shutdown(wait=False)
+
+
+def test_a_batch_takes_the_records_fetched_without_waiting_to_fill(
+    topic_factory: Callable[..., str],
+    producer: Producer,
+    consumer_factory: Callable[..., Consumer],
+) -> None:
+    """librdkafka's batch call waits out its timeout unless it fills: a consumer keeping
+    up would hold every batch that long. Records fetched already come at once."""
+    topic = topic_factory("eager")
+    for i in range(3):
+        producer.produce(topic, str(i).encode(), None)
+    producer.flush()  # one batch on the broker, so one fetch brings all three
+    consumer = consumer_factory()
+    [first] = read_topic(consumer, topic, 1, batch=1)
+    assert first.value() == b"0"
+    rest = _within(
+        lambda: consumer.consume(100, timeout=LONG_WAIT_S), "a batch of the records fetched"
+    )
+    assert rest == [b"1", b"2"]
+
+
+def test_an_idle_consumer_takes_the_first_record_as_it_comes(
+    topic_factory: Callable[..., str],
+    producer: Producer,
+    consumer_factory: Callable[..., Consumer],
+) -> None:
+    topic = topic_factory("first")
+    consumer = consumer_factory()
+    consumer.inner.assign([TopicPartition(topic, 0, 0)])
+    assert consumer.consume(100, timeout=0.2) == []  # nothing there: the wait, then empty
+
+    def late() -> None:
+        producer.produce(topic, b"late", None)
+        producer.flush()
+
+    got = _within(
+        lambda: consumer.consume(100, timeout=LONG_WAIT_S), "an idle consumer's poll", late
+    )
+    assert got == [b"late"]
 
 
 def test_partition_eof_is_not_an_error(
