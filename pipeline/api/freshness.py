@@ -133,7 +133,11 @@ async def read(reader: FeatureReader, lookup: Lookup, mode: Mode, demand: Demand
     """Answer every pair of ``lookup`` as ``demand`` asks, in order (module docstring)."""
     started = time.monotonic()
     deadline = started + demand.wait_ms / 1000
-    rank = None if demand.after is None else await rank_of(reader.tokens, demand.after, deadline)
+    rank = None
+    if demand.after is not None:  # a token sent before: no coroutine of its own
+        rank = reader.tokens.known_rank(demand.after)
+        if rank is None:
+            rank = await rank_of(reader.tokens, demand.after, deadline)
     fresh = Freshness(rank, demand.max_staleness_ms, demand.wait_ms)
     target = reader._target()
     if reader.aredis is not None and reader.local is None:

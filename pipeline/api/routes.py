@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, compress
 from typing import Any, Final, cast
 
@@ -58,6 +58,8 @@ class Services:
     auth: Authenticator
     models: ModelRegistry
     inference: InferenceCache
+    queries: dict[bytes, tuple[Mode, freshness.Demand | None]] = field(default_factory=dict)
+    """The feature route's parsed query strings (:func:`read_options`)."""
 
 
 def services(request: Request) -> Services:
@@ -190,13 +192,32 @@ def body_demand(
     )
 
 
-def read_options(request: Request, settings: Settings) -> tuple[Mode, freshness.Demand | None]:
-    """The mode, and the freshness the query asks for (``None``: a plain read)."""
-    known = _MODES_BY_QUERY.get(request.scope.get("query_string", b""))
+QUERIES_KEPT: Final = 1024
+"""Query strings :func:`read_options` keeps parsed: a reader sends the same token with
+each of its reads after a write, so each token's query is parsed once."""
+
+
+def read_options(
+    request: Request,
+    settings: Settings,
+    kept: dict[bytes, tuple[Mode, freshness.Demand | None]] | None = None,
+) -> tuple[Mode, freshness.Demand | None]:
+    """The mode, and the freshness the query asks for (``None``: a plain read); with
+    ``kept``, parsed once per query string (the last :data:`QUERIES_KEPT` parsed; one
+    the parsing refuses is not kept). The token itself is checked by the read."""
+    raw: bytes = request.scope.get("query_string", b"")
+    known = _MODES_BY_QUERY.get(raw)
     if known is not None:
         return known, None
+    if kept is not None and (options := kept.get(raw)) is not None:
+        return options
     query = query_of(request)
-    return mode_of(request, query), freshness.from_query(query, settings)
+    options = mode_of(request, query), freshness.from_query(query, settings)
+    if kept is not None:
+        if len(kept) >= QUERIES_KEPT:
+            del kept[next(iter(kept))]  # the oldest
+        kept[raw] = options
+    return options
 
 
 AFTER_RESPONSE = "freshline.after_response"
@@ -272,7 +293,7 @@ async def get_features(request: Request) -> Response:
     request.state.feature_set = feature_set
     raw = request.path_params["entity_id"]
     entity = parse_entity(raw) if of.type == "bigint" else of.validate(raw)
-    mode, demand = read_options(request, svc.settings)
+    mode, demand = read_options(request, svc.settings, svc.queries)
     default_ms = svc.registry[feature_set].max_staleness_ms
     if default_ms is not None:
         demand = freshness.defaulted(demand, default_ms, svc.settings)

@@ -202,6 +202,11 @@ class Tokens:
                 self._parsed.popitem(last=False)
         return token
 
+    def known_rank(self, text: str) -> int | None:
+        """The rank of token ``text`` if it was checked before and ranks without a query."""
+        token = self._parsed.get(text)
+        return None if token is None else self.rank(token)
+
     def rank(self, token: Token) -> int | None:
         """The token's rank if known without a query: a snapshot token's, or a
         transaction token's ranked before by this process."""

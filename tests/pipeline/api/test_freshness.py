@@ -26,6 +26,7 @@ from fraud.seed import SeedSummary
 from pipeline.api import create_app
 from pipeline.api import freshness as api_freshness
 from pipeline.api.auth import create_api_key
+from pipeline.api.errors import ApiError
 from pipeline.api.freshness import Demand
 from pipeline.api.reader import FeatureReader, Lookup, Mode
 from pipeline.cache.client import FeatureClient, freshline_token
@@ -640,6 +641,45 @@ def test_a_query_is_split_as_starlette_parses_it(query: bytes) -> None:
 
     request = Request({"type": "http", "query_string": query})
     assert dict(query_of(request)) == dict(request.query_params)
+
+
+def test_a_query_parsed_once_reads_as_one_parsed_each_time(api: Api, engine: Engine) -> None:
+    """The feature route keeps each good query string's parse (a reader sends one token
+    with each of its reads): the kept answer is the fresh one, a refused query is not
+    kept, the kept ones are bounded, and a token kept this way is still checked."""
+    from starlette.requests import Request
+
+    from pipeline.api.routes import QUERIES_KEPT, read_options
+
+    settings = Settings()
+    kept: dict[bytes, Any] = {}
+
+    def options(query: bytes) -> Any:
+        return read_options(Request({"type": "http", "query_string": query}), settings, kept)
+
+    token = freshline_token(engine)
+    query = f"after={token}&wait_ms=7&mode=cache-only".encode()
+    assert options(query) == read_options(
+        Request({"type": "http", "query_string": query}), settings
+    )
+    assert options(query) == ("cache-only", Demand(token, None, 7, True)) and list(kept) == [query]
+    for _ in range(2):
+        with pytest.raises(ApiError):
+            options(b"max_staleness_ms=-1")
+    assert list(kept) == [query]
+    for n in range(QUERIES_KEPT + 5):
+        options(f"max_staleness_ms={n}".encode())
+    assert len(kept) == QUERIES_KEPT and query not in kept  # the oldest went first
+    assert options(b"max_staleness_ms=1") == (
+        "read-through",
+        Demand(None, 1, settings.token_wait_ms),
+    )
+
+    forged = BAD_TOKENS["forged"](key_of(engine), token)
+    for _ in range(2):  # the second from the kept parse: the token is checked again
+        assert_error(
+            api.get("/v1/features/txn_90d/1", params={"after": forged}), 403, "foreign_token"
+        )
 
 
 def test_default_waits_stop_while_they_do_not_pay_and_a_sized_one_still_waits(
