@@ -158,7 +158,7 @@ class Pipeline:
     client: ConnectClient | None = None
     owned: Any = None
     watcher: common.InvalidationWatcher | None = None
-    proc: subprocess.Popen[bytes] | None = None
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     log: Any = None
     registered: bool = False
     cdc_topics: list[str] = field(default_factory=list)
@@ -190,35 +190,41 @@ class Pipeline:
         return {k: config[k] for k in sorted(config) if k in {*LATENCY_SETTINGS, *BEFORE_CONNECTOR}}
 
     def consume(self, env: dict[str, str], topics: list[str] | None = None) -> None:
-        """(Re)start ``freshline consume`` with ``env``; on ``topics`` or its default."""
+        """(Re)start ``freshline consume`` with ``env``; on ``topics`` or its default.
+        ``env["MEMBERS"]`` (not passed on) starts that many processes in one group."""
         self.stop_consumer()
+        env = dict(env)
+        members = int(env.pop("MEMBERS", "1"))
         group = f"{self.settings.consumer_group}-{self.version}-{time.monotonic_ns()}"
         argv = [FRESHLINE, "consume", "--metrics-port", "0", "--group", group]
         for t in topics or []:
             argv += ["--topics", t]
-        self.proc = subprocess.Popen(
-            argv,
-            env={
-                **os.environ,
-                "FRESHLINE_POSTGRES_URL": self.settings.postgres_url,
-                "FRESHLINE_REDIS_URL": self.settings.redis_url,
-                "FRESHLINE_SCHEMA_VERSION": str(self.version),
-                "FRESHLINE_TOPIC_PREFIX": self.settings.topic_prefix,
-                "FRESHLINE_AUTO_OFFSET_RESET": "latest",
-                **env,
-            },
-            stdout=self.log,
-            stderr=self.log,
-            start_new_session=True,
-        )
+        for _ in range(members):
+            self.procs.append(
+                subprocess.Popen(
+                    argv,
+                    env={
+                        **os.environ,
+                        "FRESHLINE_POSTGRES_URL": self.settings.postgres_url,
+                        "FRESHLINE_REDIS_URL": self.settings.redis_url,
+                        "FRESHLINE_SCHEMA_VERSION": str(self.version),
+                        "FRESHLINE_TOPIC_PREFIX": self.settings.topic_prefix,
+                        "FRESHLINE_AUTO_OFFSET_RESET": "latest",
+                        **env,
+                    },
+                    stdout=self.log,
+                    stderr=self.log,
+                    start_new_session=True,
+                )
+            )
 
     def probe(self, poke: Callable[[], None]) -> None:
         """``poke`` (a write) until one comes out the far end: the consumer has joined."""
-        assert self.watcher is not None and self.proc is not None
+        assert self.watcher is not None and self.procs
         before = sum(len(v) for v in self.watcher.seen.values())
         end = time.monotonic() + 90
         while sum(len(v) for v in self.watcher.seen.values()) == before:
-            if self.proc.poll() is not None:
+            if any(proc.poll() is not None for proc in self.procs):
                 self.log.seek(0)
                 raise RuntimeError(f"freshline consume exited: {self.log.read()[-2000:]!r}")
             if time.monotonic() > end:
@@ -231,9 +237,9 @@ class Pipeline:
         time.sleep(1.0)  # let the probes drain
 
     def stop_consumer(self) -> None:
-        if self.proc is not None:
-            common.stop_process(self.proc)
-            self.proc = None
+        for proc in self.procs:
+            common.stop_process(proc)
+        self.procs.clear()
 
     def close(self) -> None:
         self.stop_consumer()
@@ -363,7 +369,8 @@ def main() -> int:
     """``python -m bench.cdc_stages NAME=TREE ...``: the CDC stages with the consumer of
     each checkout (``this`` is added, as this one), one run, printed as a table.
     ``NAME:VAR=VALUE`` is this checkout's consumer with an environment variable set
-    (``everyfold:FRESHLINE_BUCKET_FOLD_ALL_INTERVAL_MS=0``)."""
+    (``everyfold:FRESHLINE_BUCKET_FOLD_ALL_INTERVAL_MS=0``); ``NAME:MEMBERS=N`` runs N
+    of this checkout's consumers in one group."""
     import argparse
 
     from bench.cdc_freshness import _connstr, _writers
