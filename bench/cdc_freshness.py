@@ -303,6 +303,7 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
             for k in ("snapshot.mode", "poll.interval.ms", "heartbeat.interval.ms", "plugin.name")
         },
         "batch_max_wait_ms": settings.batch_max_wait_ms,
+        "batches_as_fetched": True,
         "partitions": settings.topic_partitions,
     }
 
@@ -556,7 +557,7 @@ def markdown(res: dict[str, Any]) -> str:
         "Commit time is the change's `source.ts_ms`; a write is fresh when an invalidation "
         "for its user arrives whose watermark clock is after the commit, for both `txn_90d` "
         f"and `geo`. Connector: {', '.join(f'`{k}={v}`' for k, v in res['config'].items())}; "
-        f"consumer batches wait at most {res['batch_max_wait_ms']} ms; "
+        f"consumer: {common.batching(res)}; "
         f"{res['partitions']} partitions.",
         "",
         _writers_note(res),

@@ -667,3 +667,12 @@ def seeded_main(
     res = run_standalone(run, args.quick, users=args.users, transactions=args.transactions)
     print(orjson.dumps(res, option=orjson.OPT_INDENT_2).decode() if args.json else markdown(res))
     return 0
+
+
+def batching(params: dict[str, Any]) -> str:
+    """How the run's consumer batched, as its parameters say: runs since batches take
+    what is fetched record ``batches_as_fetched``; earlier ones waited to fill."""
+    wait = params["batch_max_wait_ms"]
+    if params.get("batches_as_fetched"):
+        return f"a batch takes the records fetched, an idle consumer waits up to {wait} ms"
+    return f"batches wait at most {wait} ms"

@@ -229,6 +229,7 @@ def run(quick: bool, parts: tuple[str, ...] = PARTS, trials: int | None = None) 
         "before_connector": BEFORE_CONNECTOR,
         "after_connector": LATENCY_SETTINGS,
         "batch_max_wait_ms": ctx.settings.batch_max_wait_ms,
+        "batches_as_fetched": True,
         "token_wait_ms": ctx.settings.token_wait_ms,
         "dataset": {"users": data.users, "transactions": data.transactions},
     }
@@ -335,8 +336,7 @@ def markdown(res: dict[str, Any]) -> str:
             + " (the rest Debezium's and Connect's defaults). After: "
             + ", ".join(f"`{k}={v}`" for k, v in cfg["after"]["connector"].items())
             + " (`pipeline/cdc/connect.py`, `LATENCY_SETTINGS`). The consumer is the same in "
-            f"both (`freshline consume`, batches wait at most "
-            f"{res['parameters']['batch_max_wait_ms']} ms). "
+            f"both (`freshline consume`; {common.batching(res['parameters'])}). "
             "Each stage is the p50 / p99 in ms of the time between two stamps of a change "
             "(clocks of one machine); the last row is commit to the entry in Redis.",
             "",

@@ -335,6 +335,7 @@ def run(quick: bool) -> dict[str, Any]:
             "feature_sets": list(FEATURE_SETS),
             "batch_max_events": ctx.settings.batch_max_events,
             "batch_max_wait_ms": ctx.settings.batch_max_wait_ms,
+            "batches_as_fetched": True,
             "partitions": ctx.settings.topic_partitions,
         },
         "throughput": throughput,
@@ -367,7 +368,7 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         f"A skewed stream of `transaction.updated` events ({p['hot_share']:.0%} on "
         f"{p['hot_users']} hot users), each routed to {', '.join(p['feature_sets'])}. "
-        f"Batches of up to {p['batch_max_events']:,} events or {p['batch_max_wait_ms']} ms; "
+        f"Batches of up to {p['batch_max_events']:,} events ({common.batching(p)}); "
         f"{p['partitions']} partitions.",
         "",
         f"Throughput: {t['events']:,} events pre-produced, drained by the real consumer "
