@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -79,6 +79,48 @@ DECLARED = Aggregations(
 )
 
 
+# No count_distinct or last reads the amount: an UPDATE of amounts alone is logged as a
+# delta, which the current day's heads take in (count, sums, min and max moving).
+DELTA_AGGS = [
+    agg.count(),
+    agg.sum("amount"),
+    agg.mean("amount"),
+    agg.min("amount"),
+    agg.max("amount"),
+    agg.stddev("amount"),
+    agg.count_distinct("sku"),
+    agg.last("sku", type="str"),
+    agg.last("placed_at"),
+    agg.count(where="x.amount > 50", name="over_50"),
+    agg.sum("amount", window="7d", where="x.amount >= 100", name="big_spend"),
+    agg.max("amount", window="1d", name="max_1d_or_0", default=0),
+    agg.min("amount", window="36h", where="x.amount > 0", name="least_positive"),
+]
+DELTAS = Aggregations(
+    "orders_dx",
+    entity=customer,
+    table=orders,
+    time="placed_at",
+    window="30d",
+    where="x.status <> 'cancelled'",
+    incremental=True,
+    aggs=DELTA_AGGS,
+)
+
+# The same without minima or maxima: few rows per customer in the random streams, and the
+# row an update changes is often one holding an extreme, which DELTAS's heads cannot take.
+SUMS = Aggregations(
+    "orders_dxs",
+    entity=customer,
+    table=orders,
+    time="placed_at",
+    window="30d",
+    where="x.status <> 'cancelled'",
+    incremental=True,
+    aggs=[a for a in DELTA_AGGS if a.kind not in ("min", "max")],
+)
+
+
 sku_rows = Table(
     "skus",
     reverse={
@@ -119,6 +161,9 @@ LOOKED_UP = Aggregations(
 )
 
 
+PATHS = (DECLARED, LOOKED_UP, DELTAS, SUMS)
+
+
 def path_of(fs: FeatureSet) -> DerivedPath:
     assert isinstance(fs.maintenance, DerivedPath)
     return fs.maintenance
@@ -134,8 +179,8 @@ def own(base_settings: Settings) -> Iterator[Engine]:
     with engine.begin() as conn:
         for statement in TABLE.split(";"):
             conn.execute(sa.text(statement))
-        path_of(DECLARED).install(conn)
-        path_of(LOOKED_UP).install(conn)
+        for fs in PATHS:
+            path_of(fs).install(conn)
     yield engine
     engine.dispose()
     drop_database(base_settings, name)
@@ -224,14 +269,23 @@ def apply(
             params,
         ).scalars()
         return
+    if kind == "now":  # an order placed at the transaction's now(): after earlier cuts
+        ids += conn.execute(
+            sa.text(
+                "INSERT INTO orders (shop_id, customer_id, amount, placed_at) "
+                "VALUES (:s, :c, :a, now()) RETURNING id"
+            ),
+            {"s": shop, "c": op[1], "a": op[2]},
+        ).scalars()
+        return
     if kind == "fold":  # some logged days recomputed, in the writers' midst
-        path_of(DECLARED).fold(conn, max_keys=op[1], wait=True)
-        path_of(LOOKED_UP).fold(conn, max_keys=op[1], wait=True)
+        for fs in PATHS:
+            path_of(fs).fold(conn, max_keys=op[1], wait=True)
         return
     if kind == "settle":  # the consumers' fold: days before today, today's heads
         conn.execute(sa.text("SET LOCAL freshline.head_rows = 1"))  # of any key written
-        path_of(DECLARED).fold_settled(conn, max_keys=op[1], wait=True)
-        path_of(LOOKED_UP).fold_settled(conn, max_keys=op[1], wait=True)
+        for fs in PATHS:
+            path_of(fs).fold_settled(conn, max_keys=op[1], wait=True)
         return
     if kind == "lookup":  # a sku's row added, changed or removed
         _, sku, category, tier = op
@@ -298,10 +352,11 @@ def test_the_derived_path_equals_the_defining_query_through_any_changes(
         with own.begin() as conn:  # each change its own transaction, as writers do
             apply(conn, shop, op, ids)
     moments = sorted({0, moment, moment + DAY, -DAY + 1})
-    assert_paths_agree(own, keys, moments)  # with writes logged and not yet folded
-    path_of(DECLARED).fold_all(own)
-    assert path_of(DECLARED).pending(own) == (0, 0)
-    assert_paths_agree(own, keys, moments)
+    for fs in (DECLARED, DELTAS, SUMS):
+        assert_paths_agree(own, keys, moments, fs)  # with writes logged and not yet folded
+        path_of(fs).fold_all(own)
+        assert path_of(fs).pending(own) == (0, 0)
+        assert_paths_agree(own, keys, moments, fs)
 
 
 # The lookup's own changes beside the orders': skus are shared by every shop, so these
@@ -414,8 +469,55 @@ def test_heads_of_the_current_day_keep_reads_exact_through_any_changes(
     with own.connect() as conn:
         late = int((conn.execute(now).one()[0] - base).total_seconds()) + 2
     moments = sorted({late, 0, -1, day + 1})
-    for fs in (DECLARED, LOOKED_UP):
+    for fs in PATHS:
         assert_paths_agree(own, keys, moments, fs, base)
+
+
+# Orders of two customers, mostly placed: several per customer, so that an update
+# often changes a row holding an extreme that others do not.
+placed = st.sampled_from(["placed", "placed", "placed", "cancelled"])
+pair = st.sampled_from(["c1", "c2"])
+varied = st.integers(-5000, 50000).map(lambda cents: Decimal(cents) / 100)
+earlier = st.tuples(pair, varied, skus, placed, st.integers(-3600, -1))
+updates = st.lists(
+    st.one_of(
+        st.tuples(st.just("amount"), st.integers(0, 50), amounts),
+        st.tuples(st.just("amount"), st.integers(0, 50), varied),
+        st.tuples(st.just("bump"), pair),
+        st.tuples(st.just("settle"), st.integers(1, 20)),
+        st.tuples(st.just("status"), st.integers(0, 50), statuses),
+        st.tuples(st.just("now"), pair, varied),
+    ),
+    min_size=1,
+    max_size=14,
+)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(first=st.lists(earlier, min_size=3, max_size=12), then=updates)
+def test_heads_take_in_updates_of_amounts_exactly(
+    own: Engine, first: list[tuple[Any, ...]], then: list[tuple[Any, ...]]
+) -> None:
+    """Orders of the last hour, the current day's heads folded, then updates of amounts
+    (logged as deltas), of statuses (which a ``where`` reads: logged as rows), orders
+    placed now (after the cut) and settled folds in any order: reads at now agree with
+    the defining query."""
+    shop = f"s{uuid.uuid4().hex[:10]}"
+    keys = [(shop, c) for c in ("c1", "c2")]
+    ids: list[int] = []
+    with own.connect() as conn:
+        base = conn.execute(sa.text("SELECT date_trunc('second', now())")).scalar_one()
+    for op in [("insert", first), ("settle", 20), *then]:
+        with own.begin() as conn:
+            apply(conn, shop, op, ids, base)
+    with own.connect() as conn:
+        late = int((conn.execute(sa.text("SELECT now()")).scalar_one() - base).total_seconds())
+    for fs in (DELTAS, SUMS):
+        assert_paths_agree(own, keys, [late + 2, 0], fs, base)
 
 
 def test_a_head_spares_the_reads_the_current_days_rows_until_a_write_before_its_cut(
@@ -479,6 +581,108 @@ def test_a_head_spares_the_reads_the_current_days_rows_until_a_write_before_its_
         pass
     assert read() < 50
     assert compute(own, DECLARED, [key], path="incremental").values[key] == values
+
+
+def _busy_shop(engine: Engine, fs: FeatureSet) -> tuple[str, Callable[[], int]]:
+    """A new shop whose customer "busy" placed 500 orders (amounts 0-99) in the last
+    500 s and "quiet" 3, its heads folded; (the shop, how many orders rows a read of
+    "busy" at now takes from the table)."""
+    shop = f"s{uuid.uuid4().hex[:10]}"
+    since_midnight = sa.text("SELECT extract(epoch FROM now() - date_trunc('day', now(), 'UTC'))")
+    with engine.connect() as conn:
+        if conn.execute(since_midnight).scalar_one() < 600:
+            pytest.skip("too close to the start of the UTC day for 500 rows in it")
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO orders (shop_id, customer_id, amount, sku, placed_at) "
+                "SELECT :s, CASE WHEN g <= 500 THEN 'busy' ELSE 'quiet' END, g % 100, "
+                "'k' || (g % 9), now() - g * interval '1 second' "
+                "FROM generate_series(1, 503) g"
+            ),
+            {"s": shop},
+        )
+        conn.execute(sa.text("ANALYZE orders"))
+    while path_of(fs).fold_settled(engine, max_keys=1000, wait=True):
+        pass
+    sql = fs.sql("incremental")
+
+    def read() -> int:
+        with engine.connect() as conn:
+            plan = conn.execute(
+                sa.text(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}"),
+                {"tenants": [shop], "ids": ["busy"], "as_of": None},
+            ).scalar_one()
+        return _rows_read(plan[0]["Plan"], "orders")
+
+    return shop, read
+
+
+def test_a_head_takes_in_updates_of_amounts_before_its_cut(own: Engine) -> None:
+    """An UPDATE of amounts alone, of rows before a head's cut, is logged as a delta the
+    reads take in: the head stays in use (Postgres counts the rows read) and the values
+    exact, a new maximum included. An update that lowers the row holding the head's
+    maximum, or changes a sku (which a count_distinct reads), makes the head stale and
+    the read exact; the next fold makes it anew."""
+    shop, read = _busy_shop(own, DELTAS)
+    key = (shop, "busy")
+    path = path_of(DELTAS)
+    assert read() < 50
+    params = {"s": shop}
+    mine = "shop_id = :s AND customer_id = 'busy'"
+
+    def update(sql: str) -> dict[str, Any]:
+        with own.begin() as conn:
+            conn.execute(sa.text(f"UPDATE orders SET {sql}"), params)
+        values = compute(own, DELTAS, [key], path="incremental").values[key]
+        assert values == compute(own, DELTAS, [key], path="full").values[key]
+        return values
+
+    with own.connect() as conn:
+        first = conn.execute(
+            sa.text(f"SELECT min(id) FROM orders WHERE {mine} AND amount = 10"), params
+        ).scalar_one()
+    one = f"id = {int(first)}"
+    assert update(f"amount = 250 WHERE {one}")["max_amount"] == 250  # 10 was below 99
+    assert read() < 50
+    with own.connect() as conn:
+        logged = conn.execute(
+            sa.text(f"SELECT dmx4, dox4 FROM {path.log} WHERE {mine} AND till IS NOT NULL"),
+            params,
+        ).all()
+    assert logged == [(Decimal("250.00"), Decimal("10.00"))]
+    values = update(f"amount = amount + 30 WHERE {mine} AND amount BETWEEN 10 AND 30")
+    assert values["over_50"] == 296  # 51-99 five times, the 250, the 21-30s made 51-60
+    assert read() < 50  # many rows at once, none the head's minimum or maximum
+    assert update(f"amount = 1 WHERE {mine} AND amount = 99")["max_amount"] == 250
+    assert read() >= 500  # 99 was the head's maximum: which row holds it now is unknown
+    while path.fold_settled(own, max_keys=1000, wait=True):
+        pass
+    assert read() < 50
+    assert update(f"amount = 0 WHERE {one}")["max_amount"] == 98
+    assert read() >= 500  # lowered the head's own maximum, 250
+    while path.fold_settled(own, max_keys=1000, wait=True):
+        pass
+    assert read() < 50
+    update(f"sku = 'new' WHERE {one}")
+    assert read() >= 500
+    while path.fold_settled(own, max_keys=1000, wait=True):
+        pass
+    with own.begin() as conn:  # a row after the cut, changed before the next fold
+        (late,) = conn.execute(
+            sa.text(
+                "INSERT INTO orders (shop_id, customer_id, amount, sku, placed_at) "
+                "VALUES (:s, 'busy', 5, 'k1', now()) RETURNING id"
+            ),
+            params,
+        ).one()
+    update(f"amount = 7 WHERE id = {int(late)}")
+    with own.begin() as conn:  # moves the head past it: takes its row, not its delta
+        conn.execute(sa.text("SET LOCAL freshline.head_rows = 1"))
+        assert path.fold_settled(conn, max_keys=1000, wait=True)
+    assert read() < 50
+    values = compute(own, DELTAS, [key], path="incremental").values[key]
+    assert values == compute(own, DELTAS, [key], path="full").values[key]
 
 
 def test_an_update_of_columns_no_value_reads_logs_nothing(own: Engine) -> None:
@@ -545,7 +749,7 @@ def test_an_update_logs_what_changed_not_what_it_set(own: Engine) -> None:
         "sum_amount": 10.0
     }
     with own.begin() as conn:  # the module's other paths are the only ones left
-        for found in superseded(conn, [path_of(DECLARED), path_of(LOOKED_UP)]):
+        for found in superseded(conn, [path_of(fs) for fs in PATHS]):
             found.drop(conn)
         conn.execute(sa.text("DROP TABLE noted"))
 
@@ -656,7 +860,7 @@ def test_a_superseded_path_is_found_and_dropped_and_the_kept_ones_stay(own: Engi
     functions and tables, leaving the kept paths working and exact."""
     decl = path_of(DECLARED)
     old = DerivedPath("orders_inc", decl.entity, decl.decl, "0ldd1ge5")
-    kept = [decl, path_of(LOOKED_UP)]
+    kept = [path_of(fs) for fs in PATHS]
     with own.begin() as conn:
         old.install(conn)
         assert [i.prefix for i in superseded(conn, kept)] == [old.prefix]

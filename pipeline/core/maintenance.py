@@ -57,16 +57,42 @@ UTC day's rows before a *cut* (the fold's ``now()``). A log row carries the earl
 of the rows it names (``at``), and a read uses a key's head only if it is of ``as_of``'s
 day, its cut is at or before ``as_of``, and the reader sees no log row of the day with
 ``at`` before the cut; it then reads the day's rows from the cut on. The fold deletes the
-day's log rows before its new cut (for up to ``$1`` keys), then writes the heads: an old
-head of the day whose cut is at or before every deleted row's ``at`` grows by the rows
-between the two cuts, any other is made from the day's rows before the new cut. The
-argument above holds with "the day" read as "the day before the cut": a write to those
-rows the fold did not see left its log row, which the reader sees; one whose log row the
-fold deleted is in the head's statement's snapshot. Those deleted rows no longer mark
-the whole day dirty, so the fold leaves a marker (``at`` = infinity, never before a
-cut) that does until a fold of the whole day, which also drops the day's heads. Heads
-are kept only when every window is a day or longer (then all of ``as_of``'s day before
-``as_of`` is in every window).
+day's log rows before its new cut (for up to ``$1`` keys) and writes the heads in one
+statement, so in one snapshot: an old head of the day whose cut is at or before every
+deleted row's ``at`` grows by the rows between the two cuts, any other is made from the
+day's rows before the new cut. The argument above holds with "the day" read as "the day
+before the cut": a write to those rows the snapshot does not see left its log row, which
+the reader sees; one whose log row the fold deleted is in the snapshot. Those deleted
+rows no longer mark the whole day dirty, so the fold leaves a marker (``at`` = infinity,
+never before a cut) that does until a fold of the whole day, which also drops the day's
+heads. Heads are kept only when every window is a day or longer (then all of
+``as_of``'s day before ``as_of`` is in every window).
+
+Updates as deltas
+-----------------
+An UPDATE of a row before a head's cut would make the head stale, and every read take the
+day's rows again until the next fold: under corrections of amounts, a busy entity's reads
+would take its whole day. So an UPDATE that leaves every *fixed* column as it was (the key,
+time, tiebreak, the declaration's ``where``'s columns, and every column a
+``count_distinct`` or ``last`` reads), as a multiset over the rows it changed, logs per
+(key, day) a *delta* instead: the earliest and latest time of those rows (``at``,
+``till``), and, for each *moving* aggregation (a count, sum, mean, deviation, min or max
+whose column or ``where`` is not fixed), the new rows' counts and sums less the old rows',
+and the new and the old rows' least or greatest value. Every (key, day, time) then has the
+same rows, with other values in those columns only, so the aggregations that are not
+moving are unchanged, and a head's counts and sums plus the deltas are those of its rows
+now. A maximum is taken in only while every old value of the deltas is below the head's:
+then no row that held it was changed, and every value a row took and lost on the way is
+an old value of a later delta, so the greatest of the head's and the deltas' new values
+is the maximum (a minimum likewise). A read uses a head with the deltas whose ``till`` is
+before its cut added, unless a log row of the day before the cut is not such a delta (no
+``till``, one that reaches the cut, or one that moves the head's extreme): then it reads
+the day's rows from their start, as before. The deltas a head has not taken are exactly
+those in the log that the reader sees: the fold that made the head deleted, in its
+snapshot, the log rows of every write that snapshot sees, and a write it does not see
+left its log row for every reader that sees the write. The fold takes them into an old
+head the same way (with the rows from its cut to the new one). A delta of a day before
+``as_of``'s marks that day to be read from its rows, as any log row does.
 
 Installing it changes the user's table (triggers), so ``freshline apply`` does it only
 with ``--alter-tables``, and fills the partials from the existing rows in the same
@@ -94,7 +120,7 @@ from pipeline.core.features import Entity
 from pipeline.core.incremental import IncrementalPath, Queries
 
 SCHEMA = "freshline"
-LAYOUT = 4
+LAYOUT = 5
 """The generated tables' layout; part of their names, so a change of it (a new column, a
 new table) installs anew beside what an earlier freshline made."""
 HEAD_ROWS = 64
@@ -144,6 +170,20 @@ class _Slot:
             broken = [(f"lb{i}", "{tb}")] if self.tiebreak else []
             return [(f"lt{i}", "timestamptz"), *broken, (f"lv{i}", "{col}")]
         return []  # count_distinct: a table of its own
+
+    def deltas(self) -> list[tuple[str, str]]:
+        """(name, type) of its columns in an update's delta log row: the change of each
+        count and sum, and of a min or max the new rows' extreme and the old rows'."""
+        i, kind = self.index, self.agg.kind
+        if kind == "count":
+            return [(f"dc{i}", "bigint")]
+        if kind in ("sum", "mean", "stddev"):
+            return [(f"dn{i}", "bigint"), (f"ds{i}", "numeric"), (f"dq{i}", "numeric")]
+        if kind == "min":
+            return [(f"dmn{i}", "{col}"), (f"don{i}", "{col}")]
+        if kind == "max":
+            return [(f"dmx{i}", "{col}"), (f"dox{i}", "{col}")]
+        return []
 
 
 class DerivedPath(IncrementalPath):
@@ -204,6 +244,37 @@ class DerivedPath(IncrementalPath):
     @property
     def distinct(self) -> list[_Slot]:
         return [s for s in self.slots if s.agg.kind == "count_distinct"]
+
+    @property
+    def fixed(self) -> set[str]:
+        """The source columns an UPDATE must leave as they were (as a multiset over the
+        rows it changed) to be logged as a delta: the key, time and tiebreak, the
+        declaration's ``where``'s, and every column a ``count_distinct`` or ``last``
+        reads (what no delta can take back)."""
+        d = self.decl
+        kept = [s for s in self.slots if s.agg.kind in ("count_distinct", "last")]
+        texts = [t for t in [d.where, *(s.agg.where for s in kept)] if t]
+        cols = {*self._src_cols(), d.time, *([d.tiebreak] if d.tiebreak else [])}
+        cols |= {str(s.agg.column) for s in kept if s.agg.column}
+        return cols | {m.group(2) for t in texts for m in _COLUMN_OF_X.finditer(t)}
+
+    @property
+    def moving(self) -> list[_Slot]:
+        """The aggregations an update logged as a delta can change (their column or
+        ``where`` names a column not :attr:`fixed`): counts, sums, means, deviations,
+        minima and maxima. Only with heads, and without lookups."""
+        if not self.heads or self.decl.lookups:
+            return []
+        fixed = self.fixed
+        out = []
+        for s in self.slots:
+            if not s.deltas():
+                continue
+            named = {s.agg.column} if s.agg.column else set()
+            named |= {m.group(2) for m in _COLUMN_OF_X.finditer(s.agg.where or "")}
+            if not named <= fixed:
+                out.append(s)
+        return out
 
     @property
     def keys(self) -> list[str]:
@@ -275,8 +346,14 @@ class DerivedPath(IncrementalPath):
                 f"cut timestamptz NOT NULL, {', '.join([*partial, *hv])}, PRIMARY KEY ({ents}))"
             )
         day_keys = ", ".join(self.keys)
+        deltas = "".join(
+            f", {name} {kind.format(col=types[s.agg.column]) if s.agg.column else kind}"
+            for s in self.moving
+            for name, kind in s.deltas()
+        )
         out += [
-            f"CREATE TABLE IF NOT EXISTS {self.log} ({keys}, at timestamptz NOT NULL)",
+            f"CREATE TABLE IF NOT EXISTS {self.log} ({keys}, at timestamptz NOT NULL, "
+            f"till timestamptz{deltas})",
             f"CREATE INDEX IF NOT EXISTS {self.prefix}_log_by_key ON {self.log} ({day_keys}, at)",
         ]
         roles = list(
@@ -662,7 +739,7 @@ class DerivedPath(IncrementalPath):
             # which no search_path changes; the declaration's own where, SQL that could,
             # is left out (a day logged that the filter would skip costs a read, no more).
             function("i()", self._log_inserts(), definer=False),
-            function("u()", [self._logged(*self._changed_rows(read))]),
+            function("u()", [self._log_update(read)]),
             function("d()", [self._logged("old_rows x")]),
             function("t()", truncate),
             *self._lookup_functions(table, function),
@@ -689,6 +766,56 @@ class DerivedPath(IncrementalPath):
             f"(SELECT {cols} FROM new_rows EXCEPT ALL SELECT {cols} FROM old_rows) AS x",
         )
 
+    def _log_update(self, read: list[str]) -> str:
+        """The update trigger's body: the changed rows logged (:meth:`_changed_rows`),
+        as deltas when the statement left every :attr:`fixed` column as it was, as a
+        multiset over those rows (so every (key, day, time) has the rows it had, with
+        other values of the :attr:`moving` aggregations' columns): per (key, day), the
+        earliest and latest time of its changed rows and what they changed, the new
+        rows' counts and sums less the old rows', and the new and old rows' extremes."""
+        old, new = self._changed_rows(read)
+        plain = self._logged(old, new)
+        if not read or not self.moving:
+            return plain
+        fixed = self.fixed
+        cols = ", ".join(f'"{c}"' for c in read if c in fixed)
+        same = (
+            f"NOT EXISTS (SELECT {cols} FROM {old} EXCEPT ALL SELECT {cols} FROM {new}) "
+            f"AND NOT EXISTS (SELECT {cols} FROM {new} EXCEPT ALL SELECT {cols} FROM {old})"
+        )
+        signed = (
+            f"(SELECT 1 AS fl_sg, x.* FROM {new} WHERE {self._row_filter('x')} UNION ALL "
+            f"SELECT -1, x.* FROM {old} WHERE {self._row_filter('x')}) AS x"
+        )
+        values = []
+        for s in self.moving:
+            cond, col = s.where, f"x.{s.agg.column}"
+            match s.agg.kind:
+                case "count":
+                    values.append(f"coalesce(sum(x.fl_sg) FILTER (WHERE {cond}), 0)")
+                case "sum" | "mean" | "stddev":
+                    values += [
+                        f"coalesce(sum(x.fl_sg) FILTER (WHERE {cond} AND {col} IS NOT NULL), 0)",
+                        f"coalesce(sum(x.fl_sg * {col}::numeric) FILTER (WHERE {cond}), 0)",
+                        f"coalesce(sum(x.fl_sg * {col}::numeric * {col}::numeric) "
+                        f"FILTER (WHERE {cond}), 0)",
+                    ]
+                case "min" | "max":
+                    values += [
+                        f"{s.agg.kind}({col}) FILTER (WHERE {cond} AND x.fl_sg > 0)",
+                        f"{s.agg.kind}({col}) FILTER (WHERE {cond} AND x.fl_sg < 0)",
+                    ]
+        names = [name for s in self.moving for name, _ in s.deltas()]
+        time = f"x.{self.decl.time}"
+        parts = self._src_keys("x")
+        group = ", ".join(str(i + 1) for i in range(len(parts)))
+        delta = (
+            f"INSERT INTO {self.log} ({', '.join([*self.keys, 'at', 'till', *names])}) "
+            f"SELECT {', '.join([*parts, f'min({time})', f'max({time})', *values])} "
+            f"FROM {signed} GROUP BY {group}"
+        )
+        return f"IF {same} THEN\n        {delta};\n    ELSE\n        {plain};\n    END IF"
+
     def _logged(self, *sources: str) -> str:
         """The statement that logs the (key, day)s of the source rows ``x`` of each FROM
         item in ``sources``, each once, with the earliest time of its rows."""
@@ -703,6 +830,49 @@ class DerivedPath(IncrementalPath):
             f"FROM ({rows}) AS x({keys}, at) GROUP BY {keys}"
         )
 
+    def _stale(self, g: str, h: str) -> str:
+        """Whether log row ``g`` keeps head ``h`` from use: a row of the day before its
+        cut, unless it is an update's delta wholly before the cut that the head can
+        take, that is, of each minimum or maximum it moves, the values it took away
+        were inside the head's extreme (so the rows that hold the extreme still do)."""
+        takes = [f"{g}.till < {h}.cut"]
+        for s in self.moving:
+            i = s.index
+            if s.agg.kind == "max":
+                takes.append(f"coalesce({g}.dox{i} < {h}.mx{i}, {g}.dox{i} IS NULL)")
+            elif s.agg.kind == "min":
+                takes.append(f"coalesce({g}.don{i} > {h}.mn{i}, {g}.don{i} IS NULL)")
+        return f"({g}.at < {h}.cut AND NOT coalesce({' AND '.join(takes)}, false))"
+
+    def _delta_sums(self, g: str, where: str = "") -> list[str]:
+        """The aggregates of the delta log rows ``g`` (those passing ``where``), named as
+        their columns: the counts and sums added, the extremes of the new rows."""
+        only = f" FILTER (WHERE {where})" if where else ""
+        out = []
+        for s in self.moving:
+            for name, _ in s.deltas():
+                if name.startswith(("don", "dox")):
+                    continue
+                pick = {"dmn": "min", "dmx": "max"}.get(name.rstrip("0123456789"), "sum")
+                out.append(f"{pick}({g}.{name}){only} AS {name}")
+        return out
+
+    def _taken(self, h: str, d: str) -> list[str]:
+        """Head ``h``'s partial columns with the deltas ``d`` (of :meth:`_delta_sums`,
+        ``NULL`` when there were none) taken in, each named as its column."""
+        moving = {s.index for s in self.moving}
+        out = []
+        for s in self.slots:
+            for c, _ in s.columns():
+                if s.index not in moving:
+                    out.append(f"{h}.{c}")
+                elif s.agg.kind in ("min", "max"):
+                    pick = "least" if s.agg.kind == "min" else "greatest"
+                    out.append(f"{pick}({h}.{c}, {d}.d{c}) AS {c}")
+                else:
+                    out.append(f"{h}.{c} + coalesce({d}.d{c}, 0) AS {c}")
+        return out
+
     def _head_fold(self, table: str, ent_types: list[str]) -> tuple[list[str], str]:
         """(declarations, block) of the fold's part that moves the heads of the current
         UTC day up to a new cut (the fold's ``now()``), for the keys with log rows of
@@ -713,14 +883,12 @@ class DerivedPath(IncrementalPath):
         hk = [f"fl_hk{i}" for i in range(len(ents))]
         declare = [
             *(f"{v} {t}[];" for v, t in zip(hk, ent_types, strict=True)),
-            "fl_hm timestamptz[];",
             f"fl_da date := {_day('now()')};",
             "fl_cut timestamptz := now();",
         ]
-        before = "day = fl_da AND at < fl_cut"
         arrays = ", ".join(hk)
         take = ", ".join(f"array_agg(g.{c})" for c in ents)
-        same = " AND ".join(f"h.{c} = k.{c}" for c in ents)
+        keyed = f"({cols}) IN (SELECT * FROM unnest({arrays}))"
         partial = self._column_list()
         hv = [f"hv{s.index}" for s in self.distinct]
         merged = []
@@ -747,7 +915,7 @@ class DerivedPath(IncrementalPath):
         new = self._aggregate_rows(source, "x", self._row_filter("x"), arrays=True)
         target = ", ".join([*ents, "day", "cut", *partial, *hv])
         # the keys with HEAD_ROWS rows of the day before the cut logged, or a head a
-        # logged row before its cut made stale (what reads would take from the rows)
+        # logged row made stale (what reads would take from the rows)
         on = " AND ".join(f"h.{c} = l.{c}" for c in ents)
         mine = ", ".join(f"l.{c}" for c in ents)
         enough = (
@@ -758,22 +926,29 @@ class DerivedPath(IncrementalPath):
             f"SELECT {take} INTO {arrays} FROM (SELECT {mine} FROM {self.log} l "
             f"LEFT JOIN {self.head} h ON {on} AND h.day = l.day "
             "WHERE l.day = fl_da AND l.at < fl_cut "
-            f"GROUP BY {mine}, h.cut HAVING count(*) >= {enough} OR min(l.at) < h.cut "
-            "LIMIT $1) AS g"
+            f"GROUP BY {mine}, h.cut HAVING count(*) >= {enough} "
+            f"OR coalesce(bool_or({self._stale('l', 'h')}), false) LIMIT $1) AS g"
         )
+        sums = ", ".join(
+            [
+                f"coalesce(bool_or({self._stale('g', 'h0')}), false) AS fl_stale",
+                *self._delta_sums("g", "g.till < h0.cut"),
+            ]
+        )
+        held = ", ".join(["h0.cut", *self._taken("h0", "k"), *(f"h0.{c}" for c in hv)])
         statements = [
-            # their log rows before the cut leave the log: per key, the earliest time
-            # they name (before the old cut: the old head is stale)
-            f"WITH gone AS (DELETE FROM {self.log} WHERE ({cols}) IN (SELECT * FROM "
-            f"unnest({arrays})) AND {before} RETURNING {cols}, at) "
-            f"SELECT {take}, array_agg(g.m) INTO {arrays}, fl_hm FROM (SELECT {cols}, "
-            f"min(at) AS m FROM gone GROUP BY {cols}) AS g",
-            # a clean head of the day grows by the rows from its cut to the new one;
-            # any other key's is made from the day's rows before the new cut
-            f"WITH k AS (SELECT * FROM unnest({arrays}, fl_hm) AS k({cols}, m)), "
-            f"o AS (SELECT h.* FROM {self.head} h JOIN k ON {same} "
-            "WHERE h.day = fl_da AND h.cut <= k.m), "
-            f"t AS (SELECT k.*, coalesce(o.cut, {_start('fl_da')}) AS lo "
+            # One statement, so one snapshot: its log rows before the cut leave the log,
+            # and the head is made of what that snapshot sees. A clean old head (one no
+            # deleted row made stale) grows by the deltas before its cut and the rows
+            # from its cut to the new one; any other key's is made from the day's rows
+            # before the new cut.
+            f"WITH gone AS (DELETE FROM {self.log} WHERE {keyed} AND day = fl_da "
+            "AND at < fl_cut RETURNING *), "
+            f"h0 AS (SELECT h.* FROM {self.head} h WHERE {keyed} AND h.day = fl_da), "
+            f"k AS (SELECT {cols}, {sums} FROM gone g LEFT JOIN h0 USING ({cols}) "
+            f"GROUP BY {cols}), "
+            f"o AS (SELECT {cols}, {held} FROM h0 JOIN k USING ({cols}) WHERE NOT k.fl_stale), "
+            f"t AS (SELECT {cols}, coalesce(o.cut, {_start('fl_da')}) AS lo "
             f"FROM k LEFT JOIN o USING ({cols})), "
             f"n({', '.join([*ents, 'day', *partial, *hv])}) AS ({new}) "
             f"INSERT INTO {self.head} ({target}) SELECT "
@@ -1029,11 +1204,28 @@ class DerivedPath(IncrementalPath):
         )
         head = ""
         if self.heads:  # as_of's day before the cut of its head, if no write since made it stale
+            # (with the deltas of the updates since its fold of rows before its cut)
             mine_h = " AND ".join(f"h.{c} = k.{c}" for c in e.columns)
+            taken = ", ".join(
+                [
+                    "h.day",
+                    "h.cut",
+                    *self._taken("h", "gd"),
+                    *(f"h.hv{s.index}" for s in self.distinct),
+                ]
+            )
+            sums = ""
+            if self.moving:
+                sums = (
+                    f"CROSS JOIN LATERAL (SELECT {', '.join(self._delta_sums('g'))} "
+                    f"FROM {self.log} g WHERE {mine_g} AND g.day = w.da AND g.till < h.cut) "
+                    "AS gd "
+                )
             head = (
-                f"LEFT JOIN LATERAL (SELECT h.* FROM {self.head} h WHERE {mine_h} "
+                f"LEFT JOIN LATERAL (SELECT {taken} FROM {self.head} h {sums}WHERE {mine_h} "
                 f"AND h.day = w.da AND h.cut <= t.as_of AND NOT EXISTS (SELECT 1 FROM "
-                f"{self.log} g WHERE {mine_g} AND g.day = w.da AND g.at < h.cut)) AS hd ON true\n"
+                f"{self.log} g WHERE {mine_g} AND g.day = w.da AND {self._stale('g', 'h')})) "
+                "AS hd ON true\n"
             )
             columns = ["day", *self._column_list()]
             lcs = [f"lc{s.index}" for s in self.distinct]
