@@ -8,6 +8,7 @@ name, slot and topics), removed whatever happens.
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -45,11 +46,21 @@ def owned(local: Settings, engine: Engine, admin: AdminClient) -> Iterator[Names
                 future.result()
 
 
-def connect_acls(admin: AdminClient, user: str, owned: Names) -> set[tuple[str, object]]:
+def connect_acls(
+    admin: AdminClient, user: str, owned: Names, expected: set[tuple[str, object]]
+) -> set[tuple[str, object]]:
     """The (topic, operation) of each ALLOW ACL ``user`` holds on ``owned``'s topics,
-    literal or prefixed."""
-    found = topic_acls(admin, user, owned.topic(""), ResourcePatternType.ANY)
-    return {(b.name, b.operation) for b in found}
+    literal or prefixed, once they are ``expected`` or 30 s have passed: the controller
+    has committed a change when its call returns, and the broker that answers a
+    describe applies it from the metadata log soon after (a describe at once, on a busy
+    machine, found none of the ACLs just created)."""
+    deadline = time.monotonic() + 30
+    while True:
+        found = topic_acls(admin, user, owned.topic(""), ResourcePatternType.ANY)
+        acls = {(b.name, b.operation) for b in found}
+        if acls == expected or time.monotonic() > deadline:
+            return acls
+        time.sleep(0.1)
 
 
 def test_cdc_remove_deletes_the_acls_register_made(
@@ -67,13 +78,13 @@ def test_cdc_remove_deletes_the_acls_register_made(
         for t in captured_tables()
         for op in (AclOperation.WRITE, AclOperation.DESCRIBE)
     }
-    assert connect_acls(admin, user, owned) == granted
+    assert connect_acls(admin, user, owned, granted) == granted
 
     removed = freshline("cdc", "remove", **env)
     assert removed.returncode == 0, removed.stderr
     said = removed.stdout + removed.stderr
     assert f"WRITE and DESCRIBE deleted on {len(captured_tables())} topics" in said, said
-    assert connect_acls(admin, user, owned) == set()
+    assert connect_acls(admin, user, owned, set()) == set()
 
     again = freshline("cdc", "remove", **env)
     assert again.returncode == 0, again.stderr
