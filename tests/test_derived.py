@@ -164,6 +164,15 @@ LOOKED_UP = Aggregations(
 PATHS = (DECLARED, LOOKED_UP, DELTAS, SUMS)
 
 
+def examples(n: int) -> settings:
+    """Hypothesis' settings for ``n`` examples on the module's database fixture."""
+    return settings(
+        max_examples=n,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+
+
 def path_of(fs: FeatureSet) -> DerivedPath:
     assert isinstance(fs.maintenance, DerivedPath)
     return fs.maintenance
@@ -336,11 +345,7 @@ def apply(
     )
 
 
-@settings(
-    max_examples=120,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@examples(120)
 @given(stream=ops, moment=offsets)
 def test_the_derived_path_equals_the_defining_query_through_any_changes(
     own: Engine, stream: list[tuple[Any, ...]], moment: int
@@ -381,11 +386,7 @@ lookup_ops = st.lists(
 )
 
 
-@settings(
-    max_examples=100,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@examples(100)
 @given(first=inserts, then=lookup_ops, moment=offsets)
 def test_aggregations_of_looked_up_columns_stay_exact_through_changes_of_both_tables(
     own: Engine, first: list[tuple[Any, ...]], then: list[tuple[Any, ...]], moment: int
@@ -444,11 +445,7 @@ def _resolved(op: tuple[Any, ...], day: int) -> tuple[Any, ...]:
     return op
 
 
-@settings(
-    max_examples=100,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@examples(100)
 @given(stream=near_ops)
 def test_heads_of_the_current_day_keep_reads_exact_through_any_changes(
     own: Engine, stream: list[tuple[Any, ...]]
@@ -493,11 +490,7 @@ updates = st.lists(
 )
 
 
-@settings(
-    max_examples=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@examples(60)
 @given(first=st.lists(earlier, min_size=3, max_size=12), then=updates)
 def test_heads_take_in_updates_of_amounts_exactly(
     own: Engine, first: list[tuple[Any, ...]], then: list[tuple[Any, ...]]
@@ -518,69 +511,6 @@ def test_heads_take_in_updates_of_amounts_exactly(
         late = int((conn.execute(sa.text("SELECT now()")).scalar_one() - base).total_seconds())
     for fs in (DELTAS, SUMS):
         assert_paths_agree(own, keys, [late + 2, 0], fs, base)
-
-
-def test_a_head_spares_the_reads_the_current_days_rows_until_a_write_before_its_cut(
-    own: Engine,
-) -> None:
-    """After a settled fold, a read at now takes the current day's rows before the
-    fold's cut from the key's head, not the rows (Postgres counts the rows read); a
-    later write of a row before the cut makes the head stale, and the read exact; the
-    next fold makes the head anew (growing the stale one would miss that row)."""
-    shop = f"s{uuid.uuid4().hex[:10]}"
-    key = (shop, "busy")
-    since_midnight = sa.text("SELECT extract(epoch FROM now() - date_trunc('day', now(), 'UTC'))")
-    with own.connect() as conn:
-        if conn.execute(since_midnight).scalar_one() < 600:
-            pytest.skip("too close to the start of the UTC day for 500 rows in it")
-    with own.begin() as conn:
-        conn.execute(
-            sa.text(
-                "INSERT INTO orders (shop_id, customer_id, amount, sku, placed_at) "
-                "SELECT :s, CASE WHEN g <= 500 THEN 'busy' ELSE 'quiet' END, g % 100, "
-                "'k' || (g % 9), now() - g * interval '1 second' "
-                "FROM generate_series(1, 503) g"
-            ),
-            {"s": shop},
-        )
-        conn.execute(sa.text("ANALYZE orders"))
-    path = path_of(DECLARED)
-    while path.fold_settled(own, max_keys=1000, wait=True):
-        pass
-    sql = DECLARED.sql("incremental")
-
-    def read() -> int:
-        with own.connect() as conn:
-            plan = conn.execute(
-                sa.text(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}"),
-                {"tenants": [shop], "ids": ["busy"], "as_of": None},
-            ).scalar_one()
-        return _rows_read(plan[0]["Plan"], "orders")
-
-    with own.connect() as conn:
-        with_head = conn.execute(
-            sa.text(f"SELECT customer_id FROM {path.head} WHERE shop_id = :s"), {"s": shop}
-        ).all()
-    assert with_head == [("busy",)]  # not "quiet", whose few rows reads take as they are
-    assert read() < 50
-    values = compute(own, DECLARED, [key], path="incremental").values[key]
-    assert values["count"] == 500
-    with own.begin() as conn:  # a row before the cut, written after the fold
-        conn.execute(
-            sa.text(
-                "INSERT INTO orders (shop_id, customer_id, amount, sku, placed_at) "
-                "VALUES (:s, 'busy', 1000, 'late', now() - interval '5 minutes')"
-            ),
-            {"s": shop},
-        )
-    assert read() >= 500
-    values = compute(own, DECLARED, [key], path="incremental").values[key]
-    assert (values["count"], values["max_amount"]) == (501, 1000)
-    assert values == compute(own, DECLARED, [key], path="full").values[key]
-    while path.fold_settled(own, max_keys=1000, wait=True):  # a new head, with that row
-        pass
-    assert read() < 50
-    assert compute(own, DECLARED, [key], path="incremental").values[key] == values
 
 
 def _busy_shop(engine: Engine, fs: FeatureSet) -> tuple[str, Callable[[], int]]:
@@ -616,6 +546,42 @@ def _busy_shop(engine: Engine, fs: FeatureSet) -> tuple[str, Callable[[], int]]:
         return _rows_read(plan[0]["Plan"], "orders")
 
     return shop, read
+
+
+def test_a_head_spares_the_reads_the_current_days_rows_until_a_write_before_its_cut(
+    own: Engine,
+) -> None:
+    """After a settled fold, a read at now takes the current day's rows before the
+    fold's cut from the key's head, not the rows (Postgres counts the rows read); a
+    later write of a row before the cut makes the head stale, and the read exact; the
+    next fold makes the head anew (growing the stale one would miss that row)."""
+    shop, read = _busy_shop(own, DECLARED)
+    key = (shop, "busy")
+    path = path_of(DECLARED)
+    with own.connect() as conn:
+        with_head = conn.execute(
+            sa.text(f"SELECT customer_id FROM {path.head} WHERE shop_id = :s"), {"s": shop}
+        ).all()
+    assert with_head == [("busy",)]  # not "quiet", whose few rows reads take as they are
+    assert read() < 50
+    values = compute(own, DECLARED, [key], path="incremental").values[key]
+    assert values["count"] == 500
+    with own.begin() as conn:  # a row before the cut, written after the fold
+        conn.execute(
+            sa.text(
+                "INSERT INTO orders (shop_id, customer_id, amount, sku, placed_at) "
+                "VALUES (:s, 'busy', 1000, 'late', now() - interval '5 minutes')"
+            ),
+            {"s": shop},
+        )
+    assert read() >= 500
+    values = compute(own, DECLARED, [key], path="incremental").values[key]
+    assert (values["count"], values["max_amount"]) == (501, 1000)
+    assert values == compute(own, DECLARED, [key], path="full").values[key]
+    while path.fold_settled(own, max_keys=1000, wait=True):  # a new head, with that row
+        pass
+    assert read() < 50
+    assert compute(own, DECLARED, [key], path="incremental").values[key] == values
 
 
 def test_a_head_takes_in_updates_of_amounts_before_its_cut(own: Engine) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 
 import pytest
 from confluent_kafka.admin import AclOperation, AdminClient, ResourcePatternType
@@ -47,7 +48,7 @@ def owned(local: Settings, engine: Engine, admin: AdminClient) -> Iterator[Names
 
 
 def connect_acls(
-    admin: AdminClient, user: str, owned: Names, expected: set[tuple[str, object]]
+    admin: AdminClient, user: str, owned: Names, expected: AbstractSet[tuple[str, object]]
 ) -> set[tuple[str, object]]:
     """The (topic, operation) of each ALLOW ACL ``user`` holds on ``owned``'s topics,
     literal or prefixed, once they are ``expected`` or 30 s have passed: the controller
@@ -57,7 +58,7 @@ def connect_acls(
     deadline = time.monotonic() + 30
     while True:
         found = topic_acls(admin, user, owned.topic(""), ResourcePatternType.ANY)
-        acls = {(b.name, b.operation) for b in found}
+        acls: set[tuple[str, object]] = {(b.name, b.operation) for b in found}
         if acls == expected or time.monotonic() > deadline:
             return acls
         time.sleep(0.1)
