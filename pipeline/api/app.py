@@ -18,7 +18,7 @@ from pipeline.api import audit_log, metrics, ops, routes
 from pipeline.api.auth import Authenticator
 from pipeline.api.errors import HANDLERS
 from pipeline.api.fastpath import async_client
-from pipeline.api.limits import AccessGuard, PoolBudget
+from pipeline.api.limits import AccessGuard, PoolBudget, RowBudget
 from pipeline.api.openapi import document
 from pipeline.api.reader import FeatureReader
 from pipeline.api.semantic_status import reader as semantic_reader
@@ -245,6 +245,7 @@ def create_app(
     )
     app.state.services = services
     app.state.tenant_slots = TenantSlots(settings.api_tenant_concurrency, pool)
+    app.state.rows = RowBudget.from_settings(settings)
     app.state.openapi = document(
         registry.names(),
         batch_limit=settings.api_batch_limit,

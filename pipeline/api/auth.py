@@ -120,13 +120,22 @@ class TenantLimits:
     rate_burst: int | None = None
     concurrency: int | None = None
     pool_share: float | None = None
+    rows_per_s: float | None = None
+    rows_burst: int | None = None
 
     def items(self) -> list[tuple[str, float | int]]:
         """The limits set, by name (for listings and the audit log)."""
         return [(n, v) for n in LIMIT_NAMES if (v := getattr(self, n)) is not None]
 
 
-LIMIT_NAMES = ("rate_per_s", "rate_burst", "concurrency", "pool_share")
+LIMIT_NAMES = (
+    "rate_per_s",
+    "rate_burst",
+    "concurrency",
+    "pool_share",
+    "rows_per_s",
+    "rows_burst",
+)
 SERVER_DEFAULTS = TenantLimits()
 
 
@@ -571,7 +580,7 @@ class Authenticator:
         """The key's row, with its tenant's limits while the schema has them.
 
         An API upgraded before ``freshline db upgrade`` ran finds no limit columns
-        (revision 0004): it then reads keys without them, every tenant at the settings,
+        (revisions 0004, 0005): it then reads keys without them, every tenant at the settings,
         and says so once, rather than refusing every key."""
         c, t = api_keys.c, tenants.c
         columns = [c.key_hash, c.id, c.tenant_id, c.expires_at, c.revoked_at]
@@ -590,7 +599,7 @@ class Authenticator:
                     raise
                 self._limits_stored = False
                 log.warning(
-                    "freshline.tenants has no limit columns (schema before revision 0004): "
+                    "freshline.tenants lacks limit columns (schema before revision 0005): "
                     "every tenant gets the settings' limits; run freshline db upgrade"
                 )
         with self.engine.connect() as conn:

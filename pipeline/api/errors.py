@@ -50,11 +50,18 @@ class JSONResponse(Response):
 
 
 class ApiError(FreshlineError):
-    """A bad request the API names itself: a status, a code and a message."""
+    """A bad request the API names itself: a status, a code and a message (and, for a
+    refusal to retry later, the seconds to wait: its ``Retry-After``)."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    retry_after: int | None = None
+
+    def __init__(
+        self, status: int, code: str, message: str, retry_after: int | None = None
+    ) -> None:
         self.status = status
         self.code = code
+        if retry_after is not None:
+            self.retry_after = retry_after
         super().__init__(message)
 
 
@@ -113,6 +120,9 @@ async def freshline_error(request: Request, exc: Exception) -> Response:
         cause = f" ({exc.__cause__})" if isinstance(exc.__cause__, FreshlineError) else ""
         log.error("%s %s: %s", request.method, request.url.path, redact_text(f"{exc}{cause}"))
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    retry = exc.retry_after if isinstance(exc, ApiError) else None
+    if retry is not None:
+        headers = {"Retry-After": str(retry)}
     return error_response(status, code, public_message(exc, status), headers)
 
 

@@ -19,7 +19,12 @@ request, in order:
 3. the key's tenant must not owe more thread-pool time than it may wait for
    (:class:`PoolBudget`, ``FRESHLINE_API_TENANT_POOL_*``), or the request is held
    ``FRESHLINE_API_TENANT_POOL_WAIT_S``, then answered 429 ``tenant_over_budget``;
-4. the request body must arrive within ``FRESHLINE_API_BODY_TIMEOUT_S`` (408
+4. once a batch read's or a prediction's body is read, its tenant's rows
+   (:class:`RowBudget`, ``FRESHLINE_API_ROWS_PER_S``, or its own) must be due within
+   ``FRESHLINE_API_RATE_HOLD_S``: a request that asks for a hundred rows counts a
+   hundred; held, then 429 ``rows_limited`` past the rate, 413 ``over_rows_burst``
+   past the burst (the routes ask, :func:`pipeline.api.tenancy.admit_rows`);
+5. the request body must arrive within ``FRESHLINE_API_BODY_TIMEOUT_S`` (408
    otherwise; checked every tenth of it, :class:`pipeline.api.deadlines.Deadlines`,
    so the answer comes within 1.1 times the limit), and a client that goes away
    mid-body ends the request as 499 ("client closed request"): neither is a server
@@ -115,13 +120,15 @@ class TokenBuckets:
     def _limits(self, rate: float | None, burst: float | None) -> tuple[float, float]:
         return (self.rate if rate is None else rate, self.burst if burst is None else burst)
 
-    def wait(self, name: str, rate: float | None = None, burst: float | None = None) -> float:
-        """Seconds until ``name`` has a token (0 if it has one now); takes nothing."""
+    def wait(
+        self, name: str, rate: float | None = None, burst: float | None = None, cost: float = 1.0
+    ) -> float:
+        """Seconds until ``name`` has ``cost`` tokens (0 if it has now); takes nothing."""
         rate, burst = self._limits(rate, burst)
         if rate <= 0:
             return 0.0
         tokens = self._level(name, self.clock(), rate, burst)
-        return 0.0 if tokens >= 1 else (1 - tokens) / rate
+        return 0.0 if tokens >= cost else (cost - tokens) / rate
 
     def take(self, name: str) -> float:
         """Take a token: 0 if one was there, else the seconds until one will be."""
@@ -136,19 +143,24 @@ class TokenBuckets:
         return 0.0
 
     def reserve(
-        self, name: str, max_wait_s: float, rate: float | None = None, burst: float | None = None
+        self,
+        name: str,
+        max_wait_s: float,
+        rate: float | None = None,
+        burst: float | None = None,
+        cost: float = 1.0,
     ) -> float | None:
-        """Take a token, into debt if need be: the seconds until it is due (0: now), or
-        ``None``, taking nothing, if that is more than ``max_wait_s``."""
+        """Take ``cost`` tokens, into debt if need be: the seconds until they are due (0:
+        now), or ``None``, taking nothing, if that is more than ``max_wait_s``."""
         rate, burst = self._limits(rate, burst)
         if rate <= 0:
             return 0.0
         now = self.clock()
         tokens = self._level(name, now, rate, burst)
-        wait = 0.0 if tokens >= 1 else (1 - tokens) / rate
+        wait = 0.0 if tokens >= cost else (cost - tokens) / rate
         if wait > max_wait_s:
             return None
-        self._store(name, tokens - 1, now)
+        self._store(name, tokens - cost, now)
         return wait
 
     def charge(self, name: str, cost: float, rate: float | None = None) -> None:
@@ -242,6 +254,62 @@ class PoolBudget:
 
     def charge(self, tenant: str, seconds: float, share: float | None = None) -> None:
         self._spent.charge(tenant, seconds, share)
+
+
+class RowBudget:
+    """Each tenant's rows in a worker: the entities (times feature sets) its reads and
+    the rows its predictions ask for, ``rate_per_s`` a second and ``burst`` at once
+    (``FRESHLINE_API_ROWS_PER_S``; a tenant's own, over it).
+
+    A request's rate counts it once; a batch of a hundred ids with no source row, or a
+    prediction of a hundred new rows, costs the servers (Postgres, Redis, the model)
+    about a hundred times one, before any thread-pool time is charged. A request whose
+    rows are due within ``hold_s`` waits for them; a later one is held ``hold_s`` and
+    refused (429 ``rows_limited``), one asking for more than the burst is held and
+    refused too (413 ``over_rows_burst``): refused at once, a sender would only ask
+    again at once."""
+
+    def __init__(self, rate_per_s: float, burst: int, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self._buckets = TokenBuckets(rate_per_s, burst)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RowBudget:
+        return cls(settings.api_rows_per_s, settings.api_rows_burst, settings.api_rate_hold_s)
+
+    async def admit(
+        self, tenant: str, rows: int, rate: float | None = None, burst: int | None = None
+    ) -> None:
+        """Return once ``tenant`` may ask for ``rows`` more rows; raise :class:`ApiError`
+        (after ``hold_s``) if it may not soon."""
+        rate = self._buckets.rate if rate is None else rate
+        most = self._buckets.burst if burst is None else burst
+        if rate <= 0 or rows <= 0:
+            return
+        if rows > most:
+            await asyncio.sleep(self.hold_s)
+            metrics.REFUSED.labels("over_rows_burst").inc()
+            raise ApiError(
+                413,
+                "over_rows_burst",
+                f"this request asks for {rows} rows (entities times feature sets, or "
+                f"prediction rows), more than this tenant's {most:g} at once "
+                "(FRESHLINE_API_ROWS_BURST); split it",
+            )
+        wait = self._buckets.reserve(tenant, self.hold_s, rate, most, cost=rows)
+        if wait is None:
+            await asyncio.sleep(self.hold_s)
+            due = max(1, math.ceil(self._buckets.wait(tenant, rate, most, cost=rows)))
+            metrics.REFUSED.labels("rows_limited").inc()
+            raise ApiError(
+                429,
+                "rows_limited",
+                f"over {rate:g} rows/s for this tenant (FRESHLINE_API_ROWS_PER_S); "
+                f"retry in {due} s",
+                retry_after=due,
+            )
+        if wait > 0:
+            await asyncio.sleep(wait)
 
 
 def address_group(address: str) -> str:

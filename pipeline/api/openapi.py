@@ -256,7 +256,11 @@ _PROBE_429 = {
 _LIMIT_RESPONSES = {
     "408": _json(_ERROR, "The request body did not arrive within FRESHLINE_API_BODY_TIMEOUT_S"),
     "429": {
-        **_json(_ERROR, "Over this API key's request rate (FRESHLINE_API_RATE_PER_S)"),
+        **_json(
+            _ERROR,
+            "Over this API key's request rate (FRESHLINE_API_RATE_PER_S: rate_limited), its "
+            "tenant's pool share (tenant_over_budget) or rows (rows_limited)",
+        ),
         "headers": {
             "Retry-After": {
                 "description": "Seconds to wait",
@@ -276,7 +280,9 @@ def _limits(operation: dict[str, Any], body_limit: int) -> None:
     if "requestBody" in operation:
         responses["408"] = _LIMIT_RESPONSES["408"]
         responses["413"] = _json(
-            _ERROR, f"Body over {body_limit} bytes (FRESHLINE_API_BODY_LIMIT_BYTES)"
+            _ERROR,
+            f"Body over {body_limit} bytes (FRESHLINE_API_BODY_LIMIT_BYTES), or more rows "
+            "than the tenant may ask for at once (over_rows_burst)",
         )
         operation["requestBody"]["description"] = (
             f"At most {body_limit} bytes, nested at most {MAX_JSON_DEPTH} levels deep."

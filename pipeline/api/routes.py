@@ -27,7 +27,7 @@ from pipeline.api.contracts import batch_size, feature_selection, predict_entiti
 from pipeline.api.errors import ApiError, JSONResponse, error_response, status_of
 from pipeline.api.reader import MODES, FeatureReader, Lookup, Mode, parse_entities, parse_entity
 from pipeline.api.splice import Spliced
-from pipeline.api.tenancy import in_pool
+from pipeline.api.tenancy import admit_rows, in_pool
 from pipeline.core.errors import FreshlineError, ModelError
 from pipeline.core.features import Registry
 from pipeline.core.keys import validate_name
@@ -328,6 +328,7 @@ async def batch(request: Request) -> Response:
         body, svc.settings.api_batch_limit, svc.registry.__getitem__
     )
     request.state.feature_set = "*"
+    await admit_rows(request, tenant, len(feature_sets) * len(entities))
     if request.scope.get("query_string", b"") not in _MODES_BY_QUERY and any(
         name in request.query_params for name in freshness.FIELDS
     ):
@@ -363,6 +364,7 @@ async def predict(request: Request) -> Response:
     if type(body) is dict and "entities" in body:
         return await _predict_entities(request, svc, tenant, name, body)
     inputs, arm = predict_request(body, svc.settings.api_batch_limit)
+    await admit_rows(request, tenant, len(inputs))
     return JSONResponse(
         await in_pool(request, tenant, _predictions, svc, tenant, name, inputs, arm)
     )
@@ -390,6 +392,7 @@ async def _predict_entities(
                 f"model {name!r} takes {fs}.{field_name}, which no feature set here serves",
             )
     batch_size(len(feature_sets), len(entities), svc.settings.api_batch_limit)
+    await admit_rows(request, tenant, len(entities) * (len(feature_sets) + 1))
     demand = body_demand(body, svc, feature_sets)
     lookup = Lookup(tenant, feature_sets, entity_ids(svc.registry, feature_sets, entities))
     if demand is not None:

@@ -33,7 +33,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from pipeline.api.auth import SERVER_DEFAULTS, Principal, TenantLimits
-from pipeline.api.limits import PoolBudget
+from pipeline.api.limits import PoolBudget, RowBudget
 
 T = TypeVar("T")
 
@@ -91,6 +91,19 @@ class TenantSlots:
         """``tenant``'s requests running or waiting for a slot in this worker."""
         slot = self._slots.get(tenant)
         return slot[1][0] if slot else 0
+
+
+async def admit_rows(request: Request, tenant: str, rows: int) -> None:
+    """Return once ``tenant`` may ask for ``rows`` rows (:class:`RowBudget`, under its
+    own limits where set); an app that :func:`pipeline.api.create_app` did not build
+    has no such budget."""
+    budget: RowBudget | None = getattr(request.app.state, "rows", None)
+    if budget is None:
+        return
+    principal: Principal | None = request.scope.get("state", {}).get("principal")
+    own = principal.limits if principal is not None and principal.tenant == tenant else None
+    own = own or SERVER_DEFAULTS
+    await budget.admit(tenant, rows, own.rows_per_s, own.rows_burst)
 
 
 async def in_pool(request: Request, tenant: str, fn: Callable[..., T], *args: Any) -> T:

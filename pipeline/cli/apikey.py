@@ -88,6 +88,8 @@ _LIMIT_SETTINGS = {
     "rate_burst": "api_rate_burst",
     "concurrency": "api_tenant_concurrency",
     "pool_share": "api_tenant_pool_share",
+    "rows_per_s": "api_rows_per_s",
+    "rows_burst": "api_rows_burst",
 }
 """Each of a tenant's own limits, and the setting it stands in for."""
 
@@ -114,12 +116,24 @@ def tenants_limits(
             "--pool-share", min=0, help="Pool seconds per second per worker (0: no limit)"
         ),
     ] = None,
+    rows: Annotated[
+        float | None,
+        typer.Option(
+            "--rows",
+            min=0,
+            help="Entities and prediction rows/s per worker its requests may ask for (0: no limit)",
+        ),
+    ] = None,
+    rows_burst: Annotated[
+        int | None,
+        typer.Option("--rows-burst", min=1, help="Rows its requests may ask for at once"),
+    ] = None,
     reset: Annotated[
         list[str] | None,
         typer.Option(
             "--reset",
-            help="Back to the server's setting: rate, burst, concurrency or pool-share "
-            "(repeatable), or all",
+            help="Back to the server's setting: rate, burst, concurrency, pool-share, rows "
+            "or rows-burst (repeatable), or all",
         ),
     ] = None,
 ) -> None:
@@ -133,7 +147,7 @@ def tenants_limits(
     from pipeline.core.db import make_owner_engine
 
     names = {"rate": "rate_per_s", "burst": "rate_burst", "concurrency": "concurrency"}
-    names["pool-share"] = "pool_share"
+    names |= {"pool-share": "pool_share", "rows": "rows_per_s", "rows-burst": "rows_burst"}
     changes: dict[str, float | int | None] = {}
     for option in reset or []:
         if option == "all":
@@ -145,7 +159,7 @@ def tenants_limits(
                 f"{option!r} is none of: {', '.join(names)}, all", param_hint="--reset"
             )
     given = {"rate_per_s": rate, "rate_burst": burst, "concurrency": concurrency}
-    given["pool_share"] = pool_share
+    given |= {"pool_share": pool_share, "rows_per_s": rows, "rows_burst": rows_burst}
     changes.update({n: v for n, v in given.items() if v is not None})
     settings = _settings()
     client = redis_client(settings, socket_connect_timeout=2, socket_timeout=5) if changes else None

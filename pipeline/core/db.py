@@ -29,6 +29,8 @@ tenants = sa.Table(
     sa.Column("rate_burst", sa.Integer),
     sa.Column("concurrency", sa.Integer),
     sa.Column("pool_share", sa.Float),
+    sa.Column("rows_per_s", sa.Float),  # migration 0005
+    sa.Column("rows_burst", sa.Integer),
     schema=SCHEMA,
 )
 

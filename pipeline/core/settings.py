@@ -336,6 +336,17 @@ class ApiSettings(SettingsGroup):
     be and still have its requests wait; further over, each is held this long, then
     refused with 429 ``tenant_over_budget`` before its body is read (a refusal at once
     would only be asked again at once)."""
+    api_rows_per_s: float = Field(default=0.0, ge=0)
+    """Rows per second per tenant and worker that reads and predictions may ask for: the
+    entities times feature sets of a read, the rows or entities of a prediction (token
+    bucket; 0: no limit). A request's rate counts it once, whatever it asks for; this
+    counts what it costs the servers, a batch of 100 ids 100 times one. A request that
+    would wait longer than ``api_rate_hold_s`` for its rows is held that long, then
+    refused with 429 ``rows_limited``; one asking for more than the burst, with 413
+    ``over_rows_burst``. Meant for a tenant you do not trust, as its own (``freshline
+    tenants limits --rows``)."""
+    api_rows_burst: int = Field(default=2000, ge=1)
+    """The token bucket of ``api_rows_per_s``: rows one tenant may ask for at once."""
     api_auth_failures_per_min: float = Field(default=30.0, ge=0)
     """Failed authentications per client address (per /64 for IPv6) and worker before an
     unknown key gets 401 without a lookup; valid keys are still served (0: no limit)."""

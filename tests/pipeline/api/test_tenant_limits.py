@@ -110,6 +110,38 @@ def test_a_tenants_own_concurrency_bounds_its_threads_below_the_servers(
     assert [a.status_code for a in answers] == [200] * REQUESTS
 
 
+def test_a_tenants_own_row_limit_counts_what_its_requests_ask_for(
+    settings: Settings, engine: Engine, redis_client: redis.Redis, two_tenants: list[str]
+) -> None:
+    """A request's rate counts a batch of 100 ids once; the tenant's rows count each
+    (entities times feature sets, prediction rows): past its burst a request is 413,
+    past its rate 429, each after the hold; another tenant is not held to them."""
+    limited, other = two_tenants
+    set_tenant_limits(engine, None, limited, {"rows_per_s": 0.01, "rows_burst": 40})
+    app = api_app(settings, engine, redis_client, api_rate_hold_s=0.05)
+    key = create_api_key(engine, limited)
+    other_key = create_api_key(engine, other)
+
+    def batch(ids: int, sets: list[str], key: str = key) -> tuple[int, str]:
+        body = {"feature_sets": sets, "entities": [str(i) for i in range(1, ids + 1)]}
+        answer = api.post("/v1/features/batch", json=body, key=key)
+        return answer.status_code, answer.json().get("error", {}).get("code", "")
+
+    with running(app, key) as api:
+        assert batch(100, ["txn_90d"]) == (413, "over_rows_burst")
+        assert batch(10, ["txn_90d", "geo"]) == (200, "")  # 20 rows of its 40
+        assert batch(20, ["txn_90d"]) == (200, "")  # 40
+        assert batch(1, ["txn_90d"]) == (429, "rows_limited")  # its next row in 100 s
+        refused = api.post("/v1/features/batch", json={"feature_sets": ["geo"], "entities": ["1"]})
+        assert int(refused.headers["Retry-After"]) >= 60
+        rows = [[1.0, 2.0, 3.0, 4.0]] * 50
+        predicted = api.post("/v1/models/fraud/predict", json={"inputs": rows})
+        assert predicted.status_code == 413, predicted.text
+        assert batch(100, ["txn_90d"], other_key) == (200, "")  # the server's: no limit
+        assert api.get("/v1/features/txn_90d/1").status_code == 200  # one request: its rate
+    assert tenant_limits(engine, limited) == TenantLimits(rows_per_s=0.01, rows_burst=40)
+
+
 def test_unknown_limits_and_tenants_are_refused(engine: Engine, two_tenants: list[str]) -> None:
     with pytest.raises(ValueError, match="no such limit: rate"):
         set_tenant_limits(engine, None, two_tenants[0], {"rate": 3})
