@@ -103,7 +103,14 @@ SERVER_LIMITS = (
     "FRESHLINE_API_TENANT_POOL_SHARE",
 )
 """The settings each profile's header shows."""
-UNTRUSTED_TENANT = {"rate_per_s": 20.0, "rate_burst": 40, "concurrency": 1, "pool_share": 0.01}
+UNTRUSTED_TENANT = {
+    "rate_per_s": 20.0,
+    "rate_burst": 40,
+    "concurrency": 1,
+    "pool_share": 0.01,
+    "rows_per_s": 50.0,
+    "rows_burst": 100,
+}
 """The limits ``docs/security.md`` gives a tenant the platform does not trust, set with
 ``freshline tenants limits`` (:func:`pipeline.api.auth.set_tenant_limits`)."""
 PROFILES: dict[str, dict[str, Any]] = {
