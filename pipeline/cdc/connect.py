@@ -36,16 +36,19 @@ PUBLICATION = "freshline"
 SCHEMA = "public"
 HEARTBEAT_MS = 10_000
 HEARTBEAT_PREFIX = "freshline-heartbeat"
-LATENCY_SETTINGS: dict[str, str] = {
-    # Debezium's queue hands Connect a batch once it holds max.batch.size events or
-    # poll.interval.ms has passed, and its streaming loop sleeps poll.interval.ms when
-    # the slot has nothing pending: both waits are on every change's path.
-    "poll.interval.ms": "10",
-    # Connect's producer (Kafka 4's default linger.ms is 5): send at once. Needs the
-    # worker's connector.client.config.override.policy to allow it (All, the default).
-    "producer.override.linger.ms": "0",
-}
-"""The connector's settings for a short commit-to-Kafka path (``docs/cdc.md``)."""
+
+
+def latency_settings(settings: Settings) -> dict[str, str]:
+    """The connector's settings for a short commit-to-Kafka path (``docs/cdc.md``):
+    ``FRESHLINE_CDC_POLL_INTERVAL_MS`` and ``FRESHLINE_CDC_LINGER_MS``."""
+    return {
+        "poll.interval.ms": str(settings.cdc_poll_interval_ms),
+        "producer.override.linger.ms": str(settings.cdc_linger_ms),
+    }
+
+
+LATENCY_SETTINGS = latency_settings(Settings.model_construct())
+""":func:`latency_settings` at the settings' defaults."""
 WAL_WARN_BYTES = 1 << 30
 HTTP_TIMEOUT_S = 10.0
 
@@ -168,7 +171,7 @@ def connector_config(
         ),
         "message.prefix.exclude.list": HEARTBEAT_PREFIX,
         "slot.drop.on.stop": "false",
-        **LATENCY_SETTINGS,
+        **latency_settings(settings),
     }
 
 

@@ -63,6 +63,21 @@ def test_connector_config() -> None:
     assert all(isinstance(v, str) for v in config.values())
 
 
+def test_the_connectors_poll_and_linger_come_from_the_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The defaults are the short commit-to-Kafka path; under a sustained high write
+    rate an operator sets what was faster there (``docs/cdc.md``)."""
+    plain = Settings()
+    config = connector_config(plain, names(plain))
+    assert (config["poll.interval.ms"], config["producer.override.linger.ms"]) == ("10", "0")
+    monkeypatch.setenv("FRESHLINE_CDC_POLL_INTERVAL_MS", "50")
+    monkeypatch.setenv("FRESHLINE_CDC_LINGER_MS", "5")
+    busy = Settings()
+    config = connector_config(busy, names(busy))
+    assert (config["poll.interval.ms"], config["producer.override.linger.ms"]) == ("50", "5")
+
+
 def test_with_a_secrets_file_the_login_is_a_provider_reference() -> None:
     settings = Settings(
         postgres_url="postgresql+psycopg://u:p%40ss@db.example:6543/shop",
