@@ -53,15 +53,12 @@ class ApiError(FreshlineError):
     """A bad request the API names itself: a status, a code and a message (and, for a
     refusal to retry later, the seconds to wait: its ``Retry-After``)."""
 
-    retry_after: int | None = None
-
     def __init__(
         self, status: int, code: str, message: str, retry_after: int | None = None
     ) -> None:
         self.status = status
         self.code = code
-        if retry_after is not None:
-            self.retry_after = retry_after
+        self.retry_after = retry_after
         super().__init__(message)
 
 

@@ -117,14 +117,14 @@ class TokenBuckets:
         tokens, at = self._buckets.get(name, (burst, now))
         return min(burst, tokens + (now - at) * rate)
 
-    def _limits(self, rate: float | None, burst: float | None) -> tuple[float, float]:
+    def limits(self, rate: float | None, burst: float | None) -> tuple[float, float]:
         return (self.rate if rate is None else rate, self.burst if burst is None else burst)
 
     def wait(
         self, name: str, rate: float | None = None, burst: float | None = None, cost: float = 1.0
     ) -> float:
         """Seconds until ``name`` has ``cost`` tokens (0 if it has now); takes nothing."""
-        rate, burst = self._limits(rate, burst)
+        rate, burst = self.limits(rate, burst)
         if rate <= 0:
             return 0.0
         tokens = self._level(name, self.clock(), rate, burst)
@@ -152,7 +152,7 @@ class TokenBuckets:
     ) -> float | None:
         """Take ``cost`` tokens, into debt if need be: the seconds until they are due (0:
         now), or ``None``, taking nothing, if that is more than ``max_wait_s``."""
-        rate, burst = self._limits(rate, burst)
+        rate, burst = self.limits(rate, burst)
         if rate <= 0:
             return 0.0
         now = self.clock()
@@ -165,14 +165,14 @@ class TokenBuckets:
 
     def charge(self, name: str, cost: float, rate: float | None = None) -> None:
         """Take ``cost`` tokens for work already done: into debt, if need be."""
-        rate, burst = self._limits(rate, None)
+        rate, burst = self.limits(rate, None)
         if rate > 0:
             now = self.clock()
             self._store(name, self._level(name, now, rate, burst) - cost, now)
 
     def owed(self, name: str, rate: float | None = None) -> float:
         """Seconds until ``name`` is out of debt (0 if it is not in debt)."""
-        rate, burst = self._limits(rate, None)
+        rate, burst = self.limits(rate, None)
         if rate <= 0:
             return 0.0
         return max(0.0, -self._level(name, self.clock(), rate, burst) / rate)
@@ -188,12 +188,13 @@ class TenantOverBudget(ApiError):
     """A tenant owes more thread-pool time than it may wait to pay back."""
 
     def __init__(self, owed_s: float) -> None:
-        self.retry_after = max(1, math.ceil(owed_s))
+        retry = max(1, math.ceil(owed_s))
         super().__init__(
             429,
             "tenant_over_budget",
             "this tenant has used its share of the server's thread pool "
-            f"(FRESHLINE_API_TENANT_POOL_SHARE); retry in {self.retry_after} s",
+            f"(FRESHLINE_API_TENANT_POOL_SHARE); retry in {retry} s",
+            retry_after=retry,
         )
 
 
@@ -282,8 +283,7 @@ class RowBudget:
     ) -> None:
         """Return once ``tenant`` may ask for ``rows`` more rows; raise :class:`ApiError`
         (after ``hold_s``) if it may not soon."""
-        rate = self._buckets.rate if rate is None else rate
-        most = self._buckets.burst if burst is None else burst
+        rate, most = self._buckets.limits(rate, burst)
         if rate <= 0 or rows <= 0:
             return
         if rows > most:

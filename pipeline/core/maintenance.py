@@ -850,11 +850,11 @@ class DerivedPath(IncrementalPath):
         only = f" FILTER (WHERE {where})" if where else ""
         out = []
         for s in self.moving:
-            for name, _ in s.deltas():
-                if name.startswith(("don", "dox")):
-                    continue
-                pick = {"dmn": "min", "dmx": "max"}.get(name.rstrip("0123456789"), "sum")
-                out.append(f"{pick}({g}.{name}){only} AS {name}")
+            if s.agg.kind in ("min", "max"):  # the new rows' extreme; the old one is a check
+                name = s.deltas()[0][0]
+                out.append(f"{s.agg.kind}({g}.{name}){only} AS {name}")
+            else:
+                out += [f"sum({g}.{name}){only} AS {name}" for name, _ in s.deltas()]
         return out
 
     def _taken(self, h: str, d: str) -> list[str]:
