@@ -38,6 +38,13 @@ from pipeline.cdc.connect import (
 
 RATES = (500, 2000)
 SETTLE_S = 10.0
+WARMUP_S = 3.0
+"""Writes at a window's rate before its changes count: each window starts a consumer
+(and may reconfigure the connector, which restarts its task), and their first batches
+are not the steady state the window measures. Without it, in four windows at 500
+writes/s after one reconfiguration (2026-12-07), the first window's 60 slowest changes
+all came in its first 0.3 s: commit to Debezium event took 100-170 ms, the new
+consumer's first batch 288 ms."""
 """A pause after each CDC window, so work it left in Postgres does not land on the next."""
 FEATURE_SETS = ("txn_90d", "geo")
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
@@ -268,15 +275,18 @@ def sql_poke(conninfo: str, tenant: str, user: int) -> Callable[[], None]:
 def _cdc_window(
     pipe: Pipeline, changes: Changes, conninfo: str, writers: list[int], rate: int, window: float
 ) -> tuple[dict[str, Any], list[Change]]:
-    """One window of writes at ``rate``: its figures, and its changes."""
+    """One window of writes at ``rate``: its figures, and its changes. The writes run
+    :data:`WARMUP_S` longer, first: the changes committed then are not counted."""
     assert pipe.watcher is not None
     load = os.getloadavg()[0]
-    start_us = int(time.time() * 1e6)
-    with background(conninfo, pipe.tenant, writers, rate, window) as finish:
+    begun_us = int(time.time() * 1e6)
+    warmup = min(WARMUP_S, window / 4)
+    with background(conninfo, pipe.tenant, writers, rate, warmup + window) as finish:
+        start_us = int((time.time() + warmup) * 1e6)  # the writers are connected
         writes, took = finish(False)
     # Drain: every write on the topic, then its entry in Redis (or 30 s).
-    _wait(lambda: len(changes.since(start_us)) >= writes, "every write on the CDC topic", 60)
-    mine = changes.since(start_us)[:writes]
+    _wait(lambda: len(changes.since(begun_us)) >= writes, "every write on the CDC topic", 60)
+    mine = [c for c in changes.since(begun_us)[:writes] if c.commit_us >= start_us]
     end = time.monotonic() + 30
     while time.monotonic() < end:
         pipe.watcher.sort()
@@ -288,7 +298,8 @@ def _cdc_window(
     res = {
         "offered_per_s": rate,
         "achieved_per_s": round(writes / took, 1),
-        "writes": writes,
+        "writes": len(mine),
+        "warmup_s": warmup,
         "load_at_start": round(load, 2),
         **_stages(pipe.watcher, mine),
     }

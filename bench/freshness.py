@@ -25,15 +25,19 @@ reached a Redis subscriber. Commit-to-Redis is the last minus the first, the lat
 ``txn_90d`` and ``geo``, as in :mod:`bench.cdc_freshness` (the same definition of fresh).
 
 **Read-your-writes** (``ryw``). With the current settings, 500 SQL writes/s of
-background load on other users, trial threads each commit an INSERT for a user of their
-own with ``SELECT freshline.token()`` (inside the transaction for even trials, right
-after commit for odd ones), then read ``GET /v1/features/txn_90d/{user}?after=<token>``
-(the server's default ``wait_ms``; then half as many trials with ``wait_ms=0``, which
-go straight to the recompute). An answer predates the commit when its ``last_txn_at`` is before
-the inserted row's ``created_at`` (the trial users get no other writes); there must be
-none. Commit-to-answer runs from the COMMIT's return to the answer. Then the same with
+background load on other users, trial threads (50 trials a second in all, each thread
+on a schedule: :data:`bench.read_your_writes.TRIAL_RATE`) each commit an INSERT for a
+user of their own with ``SELECT freshline.token()`` (inside the transaction for even
+trials, right after commit for odd ones), then read
+``GET /v1/features/txn_90d/{user}?after=<token>`` (the server's default ``wait_ms``;
+then a fifth as many trials with ``wait_ms=0``, which go straight to the recompute).
+An answer predates the commit when its ``last_txn_at`` is before the inserted row's
+``created_at`` (the trial users get no other writes); there must be none.
+Commit-to-answer runs from the COMMIT's return to the answer. Then the same with
 domain events: the writer also publishes ``transaction.created`` after commit, the
-background load publishes one per write, and the consumer reads the domain topics only.
+background load publishes one per write, and the consumer reads the domain topics only
+(the connector keeps streaming, as where both feed freshline). Before each path, the
+work earlier writes left is finished (:func:`bench.read_your_writes.settle`).
 
 The parts live in :mod:`bench.cdc_stages`, :mod:`bench.read_your_writes` (both with
 the background writers of :mod:`bench.sql_load`) and here (token reads, the run, the
@@ -58,7 +62,7 @@ import psycopg
 from bench import common, read_your_writes, reference_app
 from bench.cdc_freshness import _connstr, _writers
 from bench.cdc_stages import BEFORE_CONNECTOR, FEATURE_SETS, RATES, STAGES, Pipeline, cdc
-from bench.read_your_writes import LOAD_RATE, RYW_SET, TRIAL_THREADS
+from bench.read_your_writes import LOAD_RATE, RYW_SET, TRIAL_RATE, TRIAL_THREADS
 from pipeline.cdc.connect import (
     LATENCY_SETTINGS,
 )
@@ -225,6 +229,7 @@ def run(quick: bool, parts: tuple[str, ...] = PARTS, trials: int | None = None) 
         "rates": list(RATES),
         "load_rate": LOAD_RATE,
         "trial_threads": TRIAL_THREADS,
+        "trial_rate": TRIAL_RATE,
         "feature_sets": list(FEATURE_SETS),
         "before_connector": BEFORE_CONNECTOR,
         "after_connector": LATENCY_SETTINGS,
@@ -330,6 +335,7 @@ def markdown(res: dict[str, Any]) -> str:
             "### The CDC path, stage by stage, before and after tuning",
             "",
             f"Plain SQL writes (the `cdc_freshness` workload) for {cdc_res['window_s']:.0f} s "
+            + _warmup(cdc_res)
             + (
                 "per window, each rate twice per configuration in the order before, after, "
                 "after, before (each window adds rows to the busy users' current UTC day, "
@@ -391,12 +397,16 @@ def markdown(res: dict[str, Any]) -> str:
         lines += [
             "### Read-your-writes",
             "",
-            f"{TRIAL_THREADS} threads, each committing an INSERT for users of its own and "
+            f"{TRIAL_THREADS} threads, {TRIAL_RATE:g} trials a second in all (each thread on a "
+            "schedule), each trial committing an INSERT for a user of its thread's and "
             "then reading `txn_90d` with `after=` its token (the server's default `wait_ms`, "
             f"{res['parameters'].get('token_wait_ms', 100)} ms, unless the row says), beside "
             f"{LOAD_RATE} SQL writes/s of background load on other users. Half the tokens "
             "come from inside the transaction, half from right after commit. Latency runs "
-            "from the COMMIT's return to the answer.",
+            "from the COMMIT's return to the answer. Before each path the work earlier "
+            "writes left is finished (the derived paths' pending changes folded, "
+            "autovacuum let end: `bench.read_your_writes.settle`), so the trials run at "
+            "their own load, not the CDC windows' leftovers.",
             "",
             common.table(
                 [
@@ -422,6 +432,18 @@ def markdown(res: dict[str, Any]) -> str:
     if res.get("targets"):
         lines += [common.targets_table(res["targets"]), ""]
     return "\n".join(lines)
+
+
+def _warmup(cdc_res: dict[str, Any]) -> str:
+    """The windows' warm-up as the section says it; nothing for a run without one."""
+    windows = [w for run in cdc_res["windows"].values() for w in run.get("windows", [run])]
+    warmup = max((w.get("warmup_s", 0) for w in windows), default=0)
+    if not warmup:
+        return ""
+    return (
+        f"after {warmup:g} s of writes at the rate that are not counted (each window starts "
+        "a consumer and may restart the connector's task: `bench.cdc_stages.WARMUP_S`) "
+    )
 
 
 def _pp(p: dict[str, Any]) -> str:
