@@ -68,7 +68,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from pipeline.cache.recompute import (
     Batch,
@@ -83,6 +83,7 @@ from pipeline.cache.recompute import (
 )
 from pipeline.cache.store import LEASE_BUSY, LEASE_FOUND, LEASE_GRANTED, FeatureStore
 from pipeline.core.clock import now_ms
+from pipeline.core.db import autocommit
 from pipeline.core.errors import ServiceUnavailable
 from pipeline.core.features import IMPLICIT_TENANT, Entity
 from pipeline.core.types import EntityRef, Entry, FeatureValues
@@ -148,7 +149,7 @@ class Result:
 
 
 def existing_entities(
-    engine: Engine, entity: Entity, refs: Sequence[EntityRef]
+    db: Engine | Connection, entity: Entity, refs: Sequence[EntityRef]
 ) -> set[tuple[str, str]]:
     """The ``(tenant, entity)`` pairs of ``refs`` that are rows of the entity's table
     (:attr:`Entity.table`; in the fraud example, ``users``), all of them if it has none.
@@ -174,8 +175,11 @@ def existing_entities(
             f"SELECT '{IMPLICIT_TENANT}', e.{column}::text FROM {entity.table} e "
             f"WHERE e.{column} = ANY(CAST(:ids AS {entity.type}[]))"
         )
-    with engine.connect() as conn:
-        return {(t, e) for t, e in conn.execute(statement, {"tenants": tenants, "ids": ids})}
+    params = {"tenants": tenants, "ids": ids}
+    if isinstance(db, Connection):
+        return {(t, e) for t, e in db.execute(statement, params)}
+    with autocommit(db) as conn:
+        return {(t, e) for t, e in conn.execute(statement, params)}
 
 
 @dataclass(slots=True)
@@ -443,26 +447,29 @@ class ReadThrough:
         for name, group in by_set.items():
             if self.hooks.before_compute:
                 self.hooks.before_compute(group)
-            started = time.perf_counter()
-            batch = compute(
-                self.engine, self.store.registry[name], [(r.tenant, r.entity) for r in group]
-            )
-            elapsed = (time.perf_counter() - started) * 1000
-            prev = self.counters.compute_ms.get(name, elapsed)
-            self.counters.compute_ms[name] = 0.8 * prev + 0.2 * elapsed
-            if gate is not None:
-                batch = replace(batch, watermark=gate.watermark)
-            if self.hooks.after_compute:
-                self.hooks.after_compute(group)
-            if token is None:
-                self.counters.uncached += len(group)
-                answers.update(self._from_batch(batch, group, "uncached"))
-                continue
-            if self._durable(batch):
-                known = existing_entities(self.engine, self.store.registry[name].entity, group)
-            else:  # answered, not stored, as an unknown id is: see the module docstring
-                known = set()
-                self.counters.undurable += len(group)
+            # One connection for the query and the checks that follow, each statement
+            # on its own (autocommit: no BEGIN or ROLLBACK, one pool ping).
+            with autocommit(self.engine) as conn:
+                started = time.perf_counter()
+                batch = compute(
+                    conn, self.store.registry[name], [(r.tenant, r.entity) for r in group]
+                )
+                elapsed = (time.perf_counter() - started) * 1000
+                prev = self.counters.compute_ms.get(name, elapsed)
+                self.counters.compute_ms[name] = 0.8 * prev + 0.2 * elapsed
+                if gate is not None:
+                    batch = replace(batch, watermark=gate.watermark)
+                if self.hooks.after_compute:
+                    self.hooks.after_compute(group)
+                if token is None:
+                    self.counters.uncached += len(group)
+                    answers.update(self._from_batch(batch, group, "uncached"))
+                    continue
+                if self._durable(batch, conn):
+                    known = existing_entities(conn, self.store.registry[name].entity, group)
+                else:  # answered, not stored, as an unknown id is: see the module docstring
+                    known = set()
+                    self.counters.undurable += len(group)
             filled = [r for r in group if (r.tenant, r.entity) in known]
             unknown = [r for r in group if (r.tenant, r.entity) not in known]
             written = self.store.fill(batch, token, filled)
@@ -476,18 +483,17 @@ class ReadThrough:
             answers.update(self._from_batch(batch, unknown, "uncached"))
         return answers
 
-    def _durable(self, batch: Batch) -> bool:
+    def _durable(self, batch: Batch, conn: Connection) -> bool:
         """Whether Postgres has flushed its WAL past ``batch``'s snapshot, waiting up to
-        ``durable_wait_ms`` (see the module docstring). A batch from a standby has no
-        position and needs no wait."""
+        ``durable_wait_ms`` (see the module docstring), asked on ``conn``. A batch from
+        a standby has no position and needs no wait."""
         if not batch.lsn or not self.durable_wait_ms:
             return True
-        with self.engine.connect() as conn:
-            try:
-                wait_durable(conn, batch.lsn, self.durable_wait_ms / 1000, force=self.flusher)
-            except NotYetDurable as exc:
-                log.debug("%s: %s answered, not stored", exc, batch.feature_set.name)
-                return False
+        try:
+            wait_durable(conn, batch.lsn, self.durable_wait_ms / 1000, force=self.flusher)
+        except NotYetDurable as exc:
+            log.debug("%s: %s answered, not stored", exc, batch.feature_set.name)
+            return False
         return True
 
     def _from_batch(

@@ -80,6 +80,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from pipeline.core.db import autocommit
 from pipeline.core.errors import FreshlineError, InvalidId
 from pipeline.core.features import IMPLICIT_TENANT, Entity, FeatureSet, FieldType, Path
 from pipeline.core.keys import validate_id
@@ -365,7 +366,7 @@ def primary_position(engine: Engine) -> Position:
     statement read the insert position, so a standby that has replayed up to ``lsn``
     sees all of them (and maybe more: see :func:`replayed_lsn`).
     """
-    with engine.connect() as conn:
+    with autocommit(engine) as conn:
         row = conn.execute(_POSITION_SQL, {"txids": []}).one()
     return Position(snapshot_watermark(row.snapshot, int(row.us)), int(row.lsn))
 
@@ -373,11 +374,11 @@ def primary_position(engine: Engine) -> Position:
 def replayed_lsn(engine: Engine) -> int:
     """How far a hot standby has replayed the WAL; 0 if it is not a standby.
 
-    Read in its own transaction, before a query on the standby: that query's snapshot,
-    taken later, sees every commit up to this position (a standby's visibility
-    follows the replay of commit records).
+    Read in a statement of its own, before a query on the standby: that query's
+    snapshot, taken later, sees every commit up to this position (a standby's
+    visibility follows the replay of commit records).
     """
-    with engine.connect() as conn:
+    with autocommit(engine) as conn:
         lsn = conn.execute(
             sa.text("SELECT coalesce(pg_last_wal_replay_lsn() - '0/0'::pg_lsn, 0)")
         ).scalar()
@@ -386,7 +387,7 @@ def replayed_lsn(engine: Engine) -> int:
 
 def current_watermark(engine: Engine) -> Watermark:
     """A watermark read now: what an invalidation applied after a commit carries."""
-    with engine.connect() as conn:
+    with autocommit(engine) as conn:
         return take_snapshot(conn).watermark
 
 
@@ -460,10 +461,8 @@ def compute(
     tenants, ids = entity_ids(refs, feature_set.entity)
     if isinstance(db, Connection):
         return _compute(db, feature_set, tenants, ids, as_of, txids, path)
-    with db.connect() as conn:
-        batch = _compute(conn, feature_set, tenants, ids, as_of, txids, path)
-        conn.rollback()
-        return batch
+    with autocommit(db) as conn:  # one statement: no transaction around it
+        return _compute(conn, feature_set, tenants, ids, as_of, txids, path)
 
 
 _EXPORT_SQL = sa.text("SELECT pg_export_snapshot()")

@@ -60,7 +60,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from pipeline.cache.recompute import snapshot_rank
-from pipeline.core.db import token_key
+from pipeline.core.db import autocommit, token_key
 from pipeline.core.errors import ConfigError, FreshlineError
 from pipeline.core.keys import token_rank_key
 
@@ -267,7 +267,7 @@ class Tokens:
     def _ranked_now(self, token: Token) -> int | None:
         """The rank of the primary's snapshot now, if it sees the token's transaction ended."""
         try:
-            with self.engine.connect() as conn:
+            with autocommit(self.engine) as conn:
                 row = conn.execute(_RESOLVE, {"xid": token.a}).one()
         except sa.exc.DBAPIError as exc:
             if getattr(exc.orig, "sqlstate", None) == _IN_THE_FUTURE:

@@ -78,6 +78,40 @@ def test_hit_miss_and_batch(
     assert second[0].values == truth(engine, refs[0])
 
 
+def test_a_miss_takes_one_connection_per_set_and_no_transaction(
+    redis_client: redis.Redis, settings: Settings, tenant: str, version: int
+) -> None:
+    """A recompute's statements (the feature query, the WAL flush checks, the entity
+    lookup) share one pooled connection in autocommit: one pool ping, and no BEGIN or
+    ROLLBACK round trip, where three connections in turn took nine round trips more."""
+    own = make_engine(settings)
+    rt = ReadThrough(FeatureStore(redis_client, version), own, early_refresh=False)
+    assert not rt.standby  # asked once, before the reads counted below
+    checkouts: list[object] = []
+    statements: list[tuple[str, bool]] = []
+
+    def checkout(*_: object) -> None:
+        checkouts.append(object())
+
+    def before(conn: sa.Connection, _c: object, statement: str, *_: object) -> None:
+        driver = conn.connection.driver_connection
+        statements.append((statement, bool(driver is not None and driver.autocommit)))
+
+    sa.event.listen(own.pool, "checkout", checkout)
+    sa.event.listen(own, "before_cursor_execute", before)
+    try:
+        refs = [EntityRef(fs, tenant, str(u)) for fs in ("txn_90d", "geo") for u in (1, 2)]
+        assert [r.source for r in rt.get_many(refs)] == ["computed"] * 4
+    finally:
+        own.dispose()
+    # A flush forced after a wait (nobody else committed) is a transaction of its own.
+    forced = sum("freshline_flush" in text for text, _ in statements)
+    assert len(checkouts) == 2 + forced  # one per feature set
+    reads = [(text, auto) for text, auto in statements if text.startswith("SELECT")]
+    assert sum(text.startswith("SELECT e.") for text, _ in reads) == 2  # the lookups
+    assert all(auto for _, auto in reads), [text[:60] for text, auto in reads if not auto]
+
+
 def test_no_stale_set_when_an_invalidation_lands_mid_read(
     engine: Engine, tenant: str, store: FeatureStore, rt: ReadThrough
 ) -> None:
