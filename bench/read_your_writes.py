@@ -1,16 +1,23 @@
 """Read-your-writes trials: commit with plain SQL, take ``freshline.token()``, read the
 feature over HTTP ``after`` it; count answers older than the commit and time commit to
-answer (see :mod:`bench.freshness`)."""
+answer (see :mod:`bench.freshness`).
+
+``python -m bench.read_your_writes NAME=TREE ... [--rounds N] [--trials N]`` runs the
+trials against the API of each checkout in turn (``this`` is added, as this one), under
+one steady background load and consumer: see :func:`builds`."""
 
 from __future__ import annotations
 
 import os
+import statistics
+import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -294,3 +301,110 @@ def _note_ryw(r: dict[str, Any]) -> None:
         f"p50 {r['latency_ms']['p50']} p99 {r['latency_ms']['p99']} ms, sources {r['sources']}, "
         f"errors {r['errors']}"
     )
+
+
+def builds(trees: dict[str, str], rounds: int, trials: int) -> dict[str, Any]:
+    """Read-your-writes with ``wait_ms=0`` (each read recomputes) against ``freshline
+    serve`` of each checkout in turn, ``trees`` mapping a name to a checkout's root
+    (``""``: this one), the order reversed every round so neither always runs on the
+    table the other has just grown; :data:`LOAD_RATE` background writes/s, the tuned
+    connector and this checkout's consumer throughout. Per round, each build's p50 and
+    p99; the medians of each round's ratio to the first build."""
+    from bench.cdc_freshness import _writers
+
+    ctx = common.context(False)
+    data = ctx.dataset()
+    conninfo = _connstr(ctx.settings.postgres_url)
+    pipe = Pipeline(ctx, ctx.schema_version(), data.tenant)
+    writers = _writers(conninfo, data.tenant)
+    busy = set(writers)
+    spare = [u for u in range(data.users, 0, -1) if u not in busy]
+    trial_users = spare[: TRIAL_THREADS * TRIAL_USERS_PER_THREAD]
+    groups = [trial_users[k::TRIAL_THREADS] for k in range(TRIAL_THREADS)]
+    api_key = _api_key(ctx, pipe.tenant)
+    names = list(trees)
+    out: dict[str, Any] = {"rounds": [], "trials_per_round": trials, "load_rate": LOAD_RATE}
+    try:
+        pipe.connector(tuned=True)
+        pipe.consume({})
+        pipe.probe(sql_poke(conninfo, pipe.tenant, writers[0]))
+        settle(ctx)
+        with background(conninfo, pipe.tenant, writers, LOAD_RATE, 24 * 3600, seed=11) as done:
+            for n in range(rounds):
+                figures: dict[str, dict[str, float | None]] = {}
+                for name in names if n % 2 == 0 else names[::-1]:
+                    root = trees[name]
+                    env = {"PYTHONPATH": f"{root}:{root}/examples/fraud"} if root else {}
+                    with reference_app.serve_freshline(ctx, pipe.version, env=env) as url:
+                        got = Trials()
+                        threads = [
+                            threading.Thread(
+                                target=_trial_thread,
+                                args=(
+                                    conninfo,
+                                    url,
+                                    api_key,
+                                    pipe.tenant,
+                                    groups[k],
+                                    -(-trials // TRIAL_THREADS),
+                                    got,
+                                    None,
+                                    "",
+                                    0,
+                                    TRIAL_THREADS / TRIAL_RATE,
+                                ),
+                            )
+                            for k in range(TRIAL_THREADS)
+                        ]
+                        for t in threads:
+                            t.start()
+                        for t in threads:
+                            t.join()
+                    if got.predates or got.errors:
+                        raise RuntimeError(f"{name}: {got.predates} predate, {dict(got.errors)}")
+                    figures[name] = pcts(got.latencies_ms)
+                    common.note(
+                        f"read_your_writes: round {n + 1}/{rounds}, {name}: p50 "
+                        f"{figures[name]['p50']} p99 {figures[name]['p99']} ms"
+                    )
+                out["rounds"].append(figures)
+            done(True)
+    finally:
+        pipe.close()
+    first = names[0]
+    for name in names[1:]:
+        for q in ("p50", "p99"):
+            ratios = [r[name][q] / r[first][q] for r in out["rounds"]]
+            out[f"{q}_ratio_{name}_to_{first}"] = {
+                "rounds": [round(x, 3) for x in ratios],
+                "median": round(statistics.median(ratios), 3),
+            }
+    return out
+
+
+def _api_key(ctx: common.Context, tenant: str) -> str:
+    from pipeline.api.auth import create_api_key
+
+    return create_api_key(ctx.engine, tenant)
+
+
+def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.read_your_writes", description=builds.__doc__
+    )
+    parser.add_argument("builds", nargs="+", metavar="NAME=TREE")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--trials", type=int, default=800)
+    args = parser.parse_args()
+    trees = dict(spec.split("=", 1) for spec in args.builds)
+    trees = {name: str(Path(root).resolve()) for name, root in trees.items()}
+    trees["this"] = ""
+    res = common.run_standalone(lambda _quick: builds(trees, args.rounds, args.trials), False)
+    print(orjson.dumps(res, option=orjson.OPT_INDENT_2).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -200,11 +200,16 @@ def launch(argv: list[str], env: dict[str, str], port: int, ready: str) -> Itera
 
 
 def serve_freshline(
-    ctx: common.Context, version: int, *, local_cache_size: int = 0
+    ctx: common.Context,
+    version: int,
+    *,
+    local_cache_size: int = 0,
+    env: dict[str, str] | None = None,
 ) -> contextlib.AbstractContextManager[str]:
-    """``freshline serve`` on a free port; yields its URL."""
+    """``freshline serve`` on a free port, with ``env`` on top of the benchmark's
+    (another checkout's ``PYTHONPATH``, say); yields its URL."""
     port = free_port()
-    env = {
+    own = {
         "FRESHLINE_POSTGRES_URL": ctx.settings.postgres_url,
         "FRESHLINE_REDIS_URL": ctx.settings.redis_url,
         "FRESHLINE_SCHEMA_VERSION": str(version),
@@ -215,7 +220,7 @@ def serve_freshline(
     }
     return launch(
         [FRESHLINE, "serve", "--port", str(port), "--workers", str(SERVER_WORKERS)],
-        env,
+        {**own, **(env or {})},
         port,
         "/readyz",
     )
