@@ -244,6 +244,19 @@ class Pipeline:
             time.sleep(0.5)  # pacing the probes while the group forms
         time.sleep(1.0)  # let the probes drain
 
+    def pause_connector(self) -> None:
+        """Pause the connector, as where domain events alone feed freshline; wait
+        until it is paused."""
+        client, name = self.client, self.owned.connector
+        assert client is not None
+        client.request("PUT", f"/connectors/{name}/pause")
+
+        def paused() -> bool:
+            state = (client.status(name) or {}).get("connector", {}).get("state")
+            return bool(state == "PAUSED")
+
+        _wait(paused, "the connector to pause", 60)
+
     def stop_consumer(self) -> None:
         for proc in self.procs:
             common.stop_process(proc)

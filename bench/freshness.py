@@ -36,7 +36,7 @@ An answer predates the commit when its ``last_txn_at`` is before the inserted ro
 Commit-to-answer runs from the COMMIT's return to the answer. Then the same with
 domain events: the writer also publishes ``transaction.created`` after commit, the
 background load publishes one per write, and the consumer reads the domain topics only
-(the connector keeps streaming, as where both feed freshline). Before each path, the
+(the connector paused, as where domain events alone feed freshline). Before each path, the
 work earlier writes left is finished (:func:`bench.read_your_writes.settle`).
 
 The parts live in :mod:`bench.cdc_stages`, :mod:`bench.read_your_writes` (both with
@@ -406,7 +406,9 @@ def markdown(res: dict[str, Any]) -> str:
             "from the COMMIT's return to the answer. Before each path the work earlier "
             "writes left is finished (the derived paths' pending changes folded, "
             "autovacuum let end: `bench.read_your_writes.settle`), so the trials run at "
-            "their own load, not the CDC windows' leftovers.",
+            "their own load, not the CDC windows' leftovers. Through domain events the "
+            "writers also publish `transaction.created` after each commit, and the "
+            "connector is paused (a deployment fed by domain events alone runs none).",
             "",
             common.table(
                 [

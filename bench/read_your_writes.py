@@ -283,6 +283,7 @@ def both(
             domain = [
                 qualified(pipe.settings, t) for t in ("transaction.created", "transaction.updated")
             ]
+            pipe.pause_connector()
             pipe.consume({}, topics=domain)
             pipe.probe(_events_poke(pipe.settings, pipe.tenant, writers[0]))
             common.note(f"freshness: read-your-writes through domain events, {trials} trials")
