@@ -132,6 +132,44 @@ def _trial_thread(
                 out.by_form["in txn" if in_txn else "after"].append(took)
 
 
+def _run_trials(
+    target: tuple[str, str, str, str],
+    groups: list[list[int]],
+    per_thread: int,
+    out: Trials,
+    producer: Producer | None,
+    topic: str,
+    wait_ms: int | None,
+) -> None:
+    """:data:`TRIAL_THREADS` threads of :func:`_trial_thread`, one per group of users,
+    each on its schedule; returns when all are done. ``target``: the database's
+    conninfo, the API's URL, the key and the tenant."""
+    conninfo, url, api_key, tenant = target
+    threads = [
+        threading.Thread(
+            target=_trial_thread,
+            args=(
+                conninfo,
+                url,
+                api_key,
+                tenant,
+                group,
+                per_thread,
+                out,
+                producer,
+                topic,
+                wait_ms,
+                TRIAL_THREADS / TRIAL_RATE,
+            ),
+        )
+        for group in groups
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def settle(ctx: common.Context) -> dict[str, float]:
     """Finish the work earlier writes left before the trials begin: fold every pending
     change of the derived paths (the current UTC day's too), then wait for autovacuum's
@@ -188,29 +226,15 @@ def ryw(
             conninfo, pipe.tenant, writers, LOAD_RATE, 3600, seed=11, events=load_events
         ) as finish:
             time.sleep(1.0)  # the load is on before the first trial
-            threads = [
-                threading.Thread(
-                    target=_trial_thread,
-                    args=(
-                        conninfo,
-                        url,
-                        api_key,
-                        pipe.tenant,
-                        groups[k],
-                        per_thread,
-                        out,
-                        producer,
-                        topics["transaction.created"],
-                        wait_ms,
-                        TRIAL_THREADS / TRIAL_RATE,
-                    ),
-                )
-                for k in range(TRIAL_THREADS)
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            _run_trials(
+                (conninfo, url, api_key, pipe.tenant),
+                groups,
+                per_thread,
+                out,
+                producer,
+                topics["transaction.created"],
+                wait_ms,
+            )
             elapsed = time.perf_counter() - started
             writes, took = finish(True)
     finally:
@@ -338,29 +362,9 @@ def builds(trees: dict[str, str], rounds: int, trials: int) -> dict[str, Any]:
                     env = {"PYTHONPATH": f"{root}:{root}/examples/fraud"} if root else {}
                     with reference_app.serve_freshline(ctx, pipe.version, env=env) as url:
                         got = Trials()
-                        threads = [
-                            threading.Thread(
-                                target=_trial_thread,
-                                args=(
-                                    conninfo,
-                                    url,
-                                    api_key,
-                                    pipe.tenant,
-                                    groups[k],
-                                    -(-trials // TRIAL_THREADS),
-                                    got,
-                                    None,
-                                    "",
-                                    0,
-                                    TRIAL_THREADS / TRIAL_RATE,
-                                ),
-                            )
-                            for k in range(TRIAL_THREADS)
-                        ]
-                        for t in threads:
-                            t.start()
-                        for t in threads:
-                            t.join()
+                        per_thread = -(-trials // TRIAL_THREADS)
+                        target = (conninfo, url, api_key, pipe.tenant)
+                        _run_trials(target, groups, per_thread, got, None, "", 0)
                     if got.predates or got.errors:
                         raise RuntimeError(f"{name}: {got.predates} predate, {dict(got.errors)}")
                     figures[name] = pcts(got.latencies_ms)
