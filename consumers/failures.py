@@ -32,6 +32,7 @@ from consumers.processor import ReplicasBehind, SourceChanged
 from pipeline.cache.recompute import NotYetDurable, NotYetVisible
 from pipeline.core.errors import (
     ConfigError,
+    DefinitionFailed,
     DeployError,
     FreshlineError,
     LockMismatch,
@@ -72,7 +73,7 @@ RETRIED: tuple[type[BaseException], ...] = CONFIGURATION + TRANSIENT
 DATA_ERRORS: tuple[type[BaseException], ...] = (FreshlineError, ValueError, sa.exc.DataError)
 """Failures of one event's data: dead-lettered, never retried."""
 
-Cause = Literal["deploy", "lock", "settings", "permission", "schema", "source"]
+Cause = Literal["deploy", "lock", "definition", "settings", "permission", "schema", "source"]
 
 
 def service(exc: BaseException) -> str:
@@ -94,6 +95,8 @@ def cause(exc: BaseException) -> Cause:
         return "deploy"
     if isinstance(exc, LockMismatch):
         return "lock"
+    if isinstance(exc, DefinitionFailed):
+        return "definition"
     if isinstance(exc, ConfigError):
         return "settings"
     if isinstance(exc, sa.exc.ProgrammingError) and not isinstance(

@@ -11,6 +11,20 @@ class ConfigError(FreshlineError):
     """A setting is missing or invalid."""
 
 
+class DefinitionFailed(ConfigError):
+    """A feature set's statement (its query or horizon) does not run on this database:
+    the definition at ``origin`` is wrong (``freshline plan`` runs the same statement)."""
+
+    def __init__(self, feature_set: str, origin: str, detail: str) -> None:
+        self.feature_set = feature_set
+        self.origin = origin
+        self.detail = detail
+        super().__init__(
+            f"feature set {feature_set!r} ({origin or 'no origin'}): its statement fails: "
+            f"{detail}; fix the definition (freshline plan checks it against the database)"
+        )
+
+
 STACK_HINT = "start the local stack with: scripts/stack up"
 
 

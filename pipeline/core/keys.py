@@ -42,6 +42,16 @@ RETIRED_SCHEMA_KEY = "freshline:{deploy}:retired_schema_version"
 DEPLOY_CHANNEL = "freshline:{deploy}"
 MODELS_KEY = "freshline:models"
 DLQ_REPLAYED_PREFIX = "freshline:dlq:replayed"
+UNEXPIRING: tuple[str, ...] = (
+    ACTIVE_SCHEMA_KEY,
+    NEXT_SCHEMA_KEY,
+    f"{ACTIVE_SCHEMA_KEY}:*",  # a scoped pointer (Pointer.scoped): one per deployment
+    f"{NEXT_SCHEMA_KEY}:*",
+    MODELS_KEY,
+    f"{DLQ_REPLAYED_PREFIX}:*",
+)
+"""The only keys (``fnmatch`` patterns) freshline writes without a TTL: small control
+keys that hold no tenant's data and do not grow with traffic (docs/guarantees.md)."""
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
