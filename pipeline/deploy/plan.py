@@ -199,6 +199,12 @@ def _check_query(conn: Connection, fs: FeatureSet) -> list[str]:
             described = result.cursor.description if result.cursor else None
     except sa.exc.DBAPIError as exc:
         message = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+        if getattr(exc.orig, "sqlstate", None) == "42501":  # a missing grant, not the query
+            return [
+                f"{where}: feature set {fs.name!r}: cannot check the query as "
+                f"{conn.engine.url.username or 'this login'} ({message}): run plan as the "
+                "tables' owner (FRESHLINE_POSTGRES_ADMIN_URL), which apply uses too"
+            ]
         return [f"{where}: feature set {fs.name!r}: the query fails: {message}"]
     if not described:
         return [f"{where}: feature set {fs.name!r}: the query returns no columns"]

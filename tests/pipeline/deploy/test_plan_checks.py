@@ -8,15 +8,20 @@ import uuid
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.engine import Engine
+from typer.testing import CliRunner
 
 from consumers.failures import cause, remedy
 from pipeline.cache.recompute import compute
 from pipeline.cdc.connect import PUBLICATION
+from pipeline.cli import app
 from pipeline.core.errors import DefinitionFailed
 from pipeline.core.features import IMPLICIT_TENANT
 from pipeline.core.repository import DefinitionError, Repository, load
+from pipeline.core.settings import Settings
 from pipeline.deploy.plan import plan
+from tests.helpers import role_url
 from tests.test_repository import BROKEN, library  # noqa: F401  (the tables' fixture)
 
 DEFINITIONS = str(BROKEN / "definitions.py")
@@ -85,3 +90,33 @@ def test_a_statement_that_fails_at_run_time_names_its_definition(
     # The consumer holds its batch on it, naming the definition, not `db upgrade`.
     assert cause(caught.value) == "definition"
     assert remedy(caught.value).startswith("feature set 'misspelt_horizon' (")
+
+
+def test_plan_as_the_api_login_checks_as_the_owner_and_lists_the_grants(
+    tmp_path: Path, settings: Settings, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = f"plan_role_{uuid.uuid4().hex[:8]}"
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"CREATE TABLE {table} (member_id uuid PRIMARY KEY, n int)"))
+        # The test database grants by default what a user's database does not.
+        conn.execute(sa.text(f"REVOKE ALL ON {table} FROM freshline_api, freshline_consumer"))
+    (tmp_path / "freshline.toml").write_text("[project]\nname = 'roles'\n")
+    (tmp_path / "features.py").write_text(
+        "from freshline import Entity, FeatureSet, Field, Table\n"
+        "member = Entity('member', key='member_id', type='uuid')\n"
+        f"rows = Table({table!r}, entities={{member: 'member_id'}})\n"
+        "n = FeatureSet('n', entity=member, ttl='1h', sources=(rows,),\n"
+        "               fields=(Field('n', 'int'),),\n"
+        f"               query='SELECT k.member_id, r.n FROM keys k LEFT JOIN {table} r "
+        "ON r.member_id = k.member_id')\n"
+    )
+    # The README's environment: the service URL is the API's login, the owner's beside it.
+    monkeypatch.setenv(
+        "FRESHLINE_POSTGRES_URL", role_url(settings, "FRESHLINE_STACK_POSTGRES_API_URL")
+    )
+    monkeypatch.setenv("FRESHLINE_POSTGRES_ADMIN_URL", settings.postgres_url)
+    monkeypatch.setenv("FRESHLINE_REPO", str(tmp_path))
+    result = CliRunner().invoke(app, ["plan"])
+    assert result.exit_code == 0, result.output
+    assert f"GRANT SELECT ON {table} TO freshline_api" in result.output
+    assert "plan: ok" in result.output
