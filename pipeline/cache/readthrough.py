@@ -215,9 +215,9 @@ class ReadThrough:
     With ``versions``, each call serves the active schema version (resolved once per
     call, :meth:`for_call`). One this code does not compute is read with its field
     lists and its misses are answered from the store's own version while that one is
-    written, else refused (:class:`~pipeline.core.errors.SchemaVersionUnknown`); ``hot``
-    samples reads for warming. ``durable_wait_ms`` bounds a fill's wait for Postgres's flush (0: no
-    wait, only if every writer commits synchronously).
+    written, else refused (:class:`~pipeline.core.errors.SchemaVersionUnknown`).
+    ``hot`` samples reads for warming. ``durable_wait_ms`` bounds a fill's wait for
+    Postgres's flush (0: no wait, only if every writer commits synchronously).
     """
 
     def __init__(

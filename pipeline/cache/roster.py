@@ -30,6 +30,7 @@ import orjson
 import redis
 
 from pipeline.cache.versions import DEFAULT_POINTER, Pointer
+from pipeline.core.cluster import is_cluster
 from pipeline.core.features import Registry
 from pipeline.core.lock import Lock
 
@@ -151,7 +152,8 @@ class Registration:
                 proc = self.proc = Proc(**{**asdict(proc), "serving": serving})
         index = self.pointer.procs_index(proc.role)
         expires = int(time.time() * 1000) + self.ttl_ms
-        pipe = self.redis.pipeline(transaction=False)
+        # MULTI, so the index never lacks its TTL (a cluster's pipelines have none).
+        pipe = self.redis.pipeline(transaction=not is_cluster(self.redis))
         pipe.set(self.key, proc.to_json(), px=self.ttl_ms)
         pipe.zadd(index, {proc.id: expires})
         pipe.zremrangebyscore(index, "-inf", int(time.time() * 1000))
