@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import redis
@@ -414,3 +415,38 @@ def test_deploy_status_lists_the_running_processes(world: World) -> None:
         [proc] = roster(world.admin, pointer=world.pointer)
         assert (proc.kind, proc.computes) == ("client", (world.a,))
         assert wait_until(lambda: roster(world.admin, pointer=world.pointer)[0].serving == world.a)
+
+
+def test_the_cli_flip_names_who_is_in_the_way_and_status_lists_them(
+    settings: Settings,
+    private_redis: tuple[str, Callable[[], None], Callable[[], None]],
+    tmp_path: Path,
+) -> None:
+    """``freshline deploy flip`` and ``status`` on a Redis of their own (they move the
+    shared pointer), with a reader registered whose code computes version 1 only."""
+    from tests.pipeline.deploy.test_markers import refused, run
+
+    url = private_redis[0]
+    lock_file = tmp_path / "features.lock.json"
+    lock = Lock({1: entry(CODE_A), 2: entry(CODE_B)})
+    lock.save(lock_file)
+    env = {
+        "FRESHLINE_POSTGRES_URL": settings.postgres_url,
+        "FRESHLINE_REDIS_URL": url,
+        "FRESHLINE_SCHEMA_VERSION": "1",
+    }
+    client = redis.Redis.from_url(url)
+    reader = Proc.of("serve", Lock({1: entry(CODE_A)}), CODE_A)
+    registration = Registration(client, reader).start()
+    try:
+        assert run(env, "deploy", "start", "2", "--lock", str(lock_file)).returncode == 0
+        said = refused(run(env, "deploy", "flip", "2", "--lock", str(lock_file)), "--force")
+        assert f"serve {reader.host}:{reader.pid} does not compute schema version 2" in said
+        status = run(env, "deploy", "status", "--lock", str(lock_file)).stdout
+        assert f"serve {reader.host}:{reader.pid}: computes 1, knows 1" in status
+        forced = run(env, "deploy", "flip", "2", "--force", "--lock", str(lock_file))
+        assert forced.returncode == 0, forced.stdout + forced.stderr
+        assert "active schema version:   2" in forced.stdout
+    finally:
+        registration.close()
+        client.close()
