@@ -20,6 +20,7 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.services import consumer_redis_client
 from tests.consumers.conftest import Env
 from tests.helpers import as_user, kafka_login, need, wait_until
+from tests.pipeline.deploy.test_readers import registrations_allowed
 
 pytestmark = pytest.mark.kafka
 
@@ -37,6 +38,7 @@ def test_a_consumer_is_registered_with_its_group_and_versions_while_it_runs(
     lock = Lock({version: {fs.name: LockedSet.of(fs) for fs in REGISTRY}})
     pointer = Pointer.scoped(uuid.uuid4().hex)
     writes_with = consumer_redis_client(settings)
+    registrations_allowed(writes_with, pointer, "consume")
     worker = Worker(
         settings, versions=WriteVersions(writes_with, settings, pointer=pointer, lock=lock)
     )

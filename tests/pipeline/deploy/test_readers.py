@@ -12,6 +12,7 @@ has a pointer of its own (``Pointer.scoped``) and fresh schema versions.
 from __future__ import annotations
 
 import dataclasses
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -25,7 +26,7 @@ from sqlalchemy.engine import Engine
 from fraud.seed import SeedSummary
 from pipeline.api.auth import create_api_key
 from pipeline.cache.client import FeatureClient
-from pipeline.cache.roster import CONSUMER, READER, Proc, Registration, roster
+from pipeline.cache.roster import CONSUMER, READER, Kind, Proc, Registration, roster
 from pipeline.cache.versions import Pointer, publish_fields, state
 from pipeline.core.errors import DeployError
 from pipeline.core.features import Registry
@@ -184,6 +185,7 @@ def world(
     pointer = Pointer.scoped(uuid.uuid4().hex)
     with ExitStack() as stack:
         api_redis = redis_client_for(api_settings, stack)
+        registrations_allowed(api_redis, pointer)
         writer_redis = redis_client_for(writer_settings, stack)
         api_engine = role_engine(settings, "FRESHLINE_STACK_POSTGRES_API_URL")
         stack.callback(api_engine.dispose)
@@ -219,6 +221,20 @@ def redis_client_for(settings: Settings, stack: ExitStack) -> redis.Redis:
     client = redis_client(settings)
     stack.callback(client.close)
     return client
+
+
+def registrations_allowed(client: redis.Redis, pointer: Pointer, kind: Kind = "client") -> None:
+    """Skip (fail in CI) on a Redis still running the ACL rules from before the logins
+    could register: ``scripts/stack up`` loads the current ones into it."""
+    probe = Registration(client, Proc.of(kind, Lock(), REGISTRY, pointer=pointer))
+    try:
+        probe.renew()
+    except redis.exceptions.NoPermissionError:
+        message = "the running Redis has ACL rules without registrations: run scripts/stack up"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    probe.close()
 
 
 # ---------------------------------------------------------------- registrations
