@@ -84,6 +84,7 @@ from consumers.routing import Router
 from consumers.topics import subscription
 from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.recompute import NotYetVisible
+from pipeline.cache.roster import Proc, Registration
 from pipeline.cache.store import check_eviction_policy
 from pipeline.cache.versions import WriteVersions
 from pipeline.core.db import make_engine
@@ -200,10 +201,11 @@ class Worker:
         self.redis = consumer_redis_client(settings)
         self._policy_checked = False
         self.metrics = consumer_metrics()
+        writes = versions or WriteVersions(self.redis, settings)
         self.processor = Processor(
             self.engine,
             self.redis,
-            versions=versions or WriteVersions(self.redis, settings),
+            versions=writes,
             registry=REGISTRY.with_paths(settings.recompute_paths),
             tombstone_ttl_s=settings.tombstone_ttl_s,
             publish=self._publish,
@@ -221,6 +223,17 @@ class Worker:
         self._lag_due = 0.0
         self._folding = threading.Event()
         self._folder = threading.Thread(target=self._fold_deltas, name="bucket-fold", daemon=True)
+        # Who runs what (pipeline.cache.roster): the versions it writes, for deploy flip.
+        self.registration: Registration | None = None
+        if isinstance(writes, WriteVersions):
+            proc = Proc.of(
+                "consume",
+                writes.lock,
+                writes.registry,
+                group=self.consumer.group_id,
+                pointer=writes.pointer,
+            )
+            self.registration = Registration(self.redis, proc, pointer=writes.pointer)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -240,6 +253,8 @@ class Worker:
         deadline = None if timeout is None else time.monotonic() + timeout
         idle_since = time.monotonic()
         try:
+            if self.registration is not None:
+                self.registration.start()
             self._check_policy(at_start=True)
             self.consumer.subscribe(
                 self.topics,
@@ -270,6 +285,8 @@ class Worker:
         ``os._exit``, since the interpreter's own teardown would wait on it again.
         """
         self._folding.set()
+        if self.registration is not None:
+            self.registration.close()
         if self._folder.is_alive():
             self._folder.join(CLOSE_TIMEOUT_S)
         try:

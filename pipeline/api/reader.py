@@ -211,16 +211,13 @@ class FeatureReader:
     @property
     def schema_version(self) -> int:
         """The version this call would serve: the active pointer's, when following it."""
-        return self._target().store.schema_version
+        rt = self.readthrough
+        return rt.store.schema_version if rt.versions is None else rt.versions.current()
 
     def _target(self) -> ReadThrough:
-        rt = self.readthrough
-        if rt.versions is None:
-            return rt
-        version = rt.versions.current(rt.store.registry)
         # The read-through's per-version twin, so cache-only reads and the local tier
         # use the same namespace as read-through ones within a call.
-        return rt if version == rt.store.schema_version else rt._for_version(version)
+        return self.readthrough.for_call()
 
     def read(self, lookup: Lookup, mode: Mode = "read-through") -> list[Answer]:
         """Answer every pair, in order, all from one schema version (blocking)."""

@@ -12,6 +12,8 @@ from pipeline.core.declarations import Declaration, window_text
 from pipeline.core.maintenance import DerivedPath
 
 if TYPE_CHECKING:
+    from pipeline.core.lock import Lock
+    from pipeline.core.settings import Settings
     from pipeline.deploy.plan import Plan
 
 CONFIG_TEMPLATE = """\
@@ -197,12 +199,37 @@ def apply(
     if update(lock, result.schema_version, repo.registry):
         lock.save(repo.lock_path)
         console.print(f"recorded schema version {result.schema_version} in {repo.lock_path}")
+    _publish_fields(settings, lock)
     report = ensure_from_settings(settings)
     console.print(f"topics: {len(report.created)} created, {len(report.existing)} existing")
     if cdc:
         register_connector(database_host=database_host)
     else:
         console.print("change data capture not registered (--no-cdc): freshline cdc register")
+
+
+def _publish_fields(settings: Settings, lock: Lock) -> None:
+    """Publish the lock's field lists for readers whose lock lacks a version
+    (:func:`pipeline.cache.versions.publish_fields`); the deploy commands do it too, so a
+    login that may not write them gets a warning, not a failure."""
+    import redis
+
+    from pipeline.cache.versions import publish_fields
+    from pipeline.core.services import redis_client
+
+    try:
+        client = redis_client(settings)
+        try:
+            done = publish_fields(client, lock)
+        finally:
+            client.close()
+    except (redis.RedisError, OSError) as exc:
+        console.print(
+            f"[yellow]warning:[/yellow] could not publish the lock's field lists in Redis "
+            f"({exc}); `freshline deploy start` and `flip` publish them"
+        )
+        return
+    console.print(f"published the field lists of schema versions {', '.join(map(str, done))}")
 
 
 def _plan(publication: str) -> Plan:

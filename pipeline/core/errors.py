@@ -113,5 +113,18 @@ class DeployError(FreshlineError):
     """A warm, flip or purge that would be unsafe."""
 
 
+class SchemaVersionUnknown(FreshlineError):
+    """A reader cannot serve the active schema version: it cannot decode or compute it,
+    and its own version is no longer written (:mod:`pipeline.cache.versions`)."""
+
+    def __init__(self, version: int, own: int) -> None:
+        self.version = version
+        self.own = own
+        super().__init__(
+            f"schema version {version} is active, which this reader does not compute "
+            f"(it computes {own}, no longer written); retry on a reader that knows it"
+        )
+
+
 class ModelError(FreshlineError):
     """An unknown model, or one that must not be cached."""

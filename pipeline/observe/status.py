@@ -137,6 +137,7 @@ class Observer:
         consumer_metrics: Sequence[str] = (),
         lag: GroupLag | None = None,
         semantic_namespaces: Callable[[], dict[str, Any]] | None = None,
+        deploy: Callable[[], dict[str, Any]] | None = None,
         max_age_s: float = 5.0,
     ) -> None:
         self.redis = client
@@ -147,6 +148,7 @@ class Observer:
         self.consumer_metrics = list(consumer_metrics)
         self.group_lag = lag
         self.semantic_namespaces = semantic_namespaces
+        self.deploy_state = deploy
         self.max_age_s = max_age_s
         self.topics = source_topics(settings, registry)
         self._lock = threading.Lock()
@@ -176,6 +178,17 @@ class Observer:
             return self.semantic_namespaces()
         except Exception as exc:  # advisory, as the broker is: never fail a page
             log.debug("semantic namespaces unavailable: %s", exc)
+            return None
+
+    def deploy(self) -> dict[str, Any] | None:
+        """The running processes and this reader's problems with the active version
+        (:func:`pipeline.api.app.deploy_report`), or None if unreadable."""
+        if self.deploy_state is None:
+            return None
+        try:
+            return self.deploy_state()
+        except Exception as exc:  # advisory, as the broker is: never fail a page
+            log.debug("deploy state unavailable: %s", exc)
             return None
 
     def _sampled(self, max_age_s: float) -> tuple[dict[str, Staleness], dict[str, int] | None]:
@@ -394,6 +407,9 @@ class StatusBoard:
         namespaces = self.observer.namespaces()
         if namespaces is not None:
             self._namespace_problems(namespaces["rows"], problems)
+        deploy = self.observer.deploy()
+        if deploy is not None:
+            problems += deploy["problems"]
         fresh = _Series()
         for prev, cur in itertools.pairwise(points):
             fresh.add(cur.at, lag_s=_mean_between(prev.freshness, cur.freshness))
@@ -411,6 +427,7 @@ class StatusBoard:
             "semantic": semantic,
             "semantic_namespaces": namespaces,
             "broker_reachable": now.lag is not None,
+            "processes": None if deploy is None else deploy["processes"],
             "problems": problems,
         }
 

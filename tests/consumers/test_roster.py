@@ -1,0 +1,57 @@
+"""A running consumer registers itself for the deploy commands (:mod:`pipeline.cache.roster`).
+
+Real broker, Postgres and Redis; the consumer logs in as the consumers do (the writers'
+Redis login, the consumer's Kafka login) on a pointer of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import redis
+
+from consumers.worker import Worker
+from pipeline.cache.roster import CONSUMER, roster
+from pipeline.cache.versions import Pointer, WriteVersions
+from pipeline.core.lock import Lock, LockedSet
+from pipeline.core.repository import REGISTRY
+from pipeline.core.services import consumer_redis_client
+from tests.consumers.conftest import Env
+from tests.helpers import as_user, kafka_login, need, wait_until
+from tests.pipeline.deploy.test_readers import registrations_allowed
+
+pytestmark = pytest.mark.kafka
+
+
+def test_a_consumer_is_registered_with_its_group_and_versions_while_it_runs(
+    env: Env, redis_client: redis.Redis
+) -> None:
+    group = f"freshline-roster-{uuid.uuid4().hex[:8]}"
+    settings = as_user(
+        kafka_login(env.settings, "consumer"),
+        need("FRESHLINE_STACK_REDIS_WRITER_USER"),
+        need("FRESHLINE_STACK_REDIS_WRITER_PASSWORD"),
+    ).model_copy(update={"consumer_group": group})
+    version = settings.schema_version
+    lock = Lock({version: {fs.name: LockedSet.of(fs) for fs in REGISTRY}})
+    pointer = Pointer.scoped(uuid.uuid4().hex)
+    writes_with = consumer_redis_client(settings)
+    registrations_allowed(writes_with, pointer, "consume")
+    worker = Worker(
+        settings, versions=WriteVersions(writes_with, settings, pointer=pointer, lock=lock)
+    )
+    thread = threading.Thread(target=worker.run, kwargs={"timeout": 120})
+    thread.start()
+    try:
+        assert wait_until(lambda: len(roster(redis_client, pointer=pointer)) == 1, timeout=30)
+        [proc] = roster(redis_client, pointer=pointer)
+        assert (proc.kind, proc.role, proc.group) == ("consume", CONSUMER, group)
+        assert (proc.knows, proc.computes) == ((version,), (version,))
+        assert redis_client.pttl(pointer.proc_key(CONSUMER, proc.id)) > 0
+    finally:
+        worker.stop()
+        thread.join(60)
+        writes_with.close()
+    assert roster(redis_client, pointer=pointer) == []  # it left on the way out
