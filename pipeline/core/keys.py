@@ -54,6 +54,7 @@ UNEXPIRING: tuple[str, ...] = (
     NEXT_SCHEMA_KEY,
     f"{ACTIVE_SCHEMA_KEY}:*",  # a scoped pointer (Pointer.scoped): one per deployment
     f"{NEXT_SCHEMA_KEY}:*",
+    f"{FIELDS_KEY}:*",  # one per schema version, never rewritten
     MODELS_KEY,
     f"{DLQ_REPLAYED_PREFIX}:*",
 )
