@@ -233,14 +233,15 @@ def _publish_fields(settings: Settings, lock: Lock) -> None:
 
 
 def _plan(publication: str) -> Plan:
-    from pipeline.core.db import make_engine, ping
+    from pipeline.core.db import make_owner_engine, ping
     from pipeline.core.repository import active
     from pipeline.core.settings import load_settings
     from pipeline.deploy.plan import plan as make_plan
 
     repo = active()
     settings = load_settings()
-    engine = make_engine(settings)
+    # As the login apply uses: the owner's, where set (FRESHLINE_POSTGRES_ADMIN_URL).
+    engine = make_owner_engine(settings)
     ping(engine)
     try:
         return make_plan(repo, engine, settings.schema_version, publication)
