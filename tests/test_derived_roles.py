@@ -10,6 +10,8 @@ grant in freshline's schema still has every write logged.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,13 +23,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine, make_url
 
 import migrations
-from freshline import Aggregations, Entity, Lookup, Table, agg
 from pipeline.cache.recompute import compute
 from pipeline.core.db import make_engine
 from pipeline.core.features import FeatureSet
 from pipeline.core.maintenance import DerivedPath
+from pipeline.core.repository import load
 from pipeline.core.settings import Settings
-from tests.helpers import drop_database, recreate_database
+from tests.helpers import ROOT, drop_database, freshline, recreate_database
 
 TABLES = """
 CREATE TABLE orders (id bigserial PRIMARY KEY, shop_id text NOT NULL,
@@ -35,40 +37,11 @@ CREATE TABLE orders (id bigserial PRIMARY KEY, shop_id text NOT NULL,
                      placed_at timestamptz NOT NULL);
 CREATE TABLE skus (sku text PRIMARY KEY, category text)
 """
-customer = Entity("customer", key="customer_id", type="text", tenant="shop_id")
-orders = Table("orders", entities={customer: "customer_id"})
-skus = Table(
-    "skus",
-    reverse={customer: "SELECT DISTINCT shop_id, customer_id FROM orders WHERE sku = :sku"},
-)
-# Windows of a day or more, and a sum an UPDATE moves: heads, and deltas the reads add.
-SPEND = Aggregations(
-    "spend",
-    entity=customer,
-    table=orders,
-    time="placed_at",
-    window="30d",
-    incremental=True,
-    aggs=[agg.count(), agg.sum("amount")],
-)
-# A lookup: trigger functions on a second table.
-CATEGORIES = Aggregations(
-    "categories",
-    entity=customer,
-    table=orders,
-    time="placed_at",
-    window="30d",
-    incremental=True,
-    lookups=[
-        Lookup(
-            skus,
-            columns=["category"],
-            query="SELECT s.category FROM skus s WHERE s.sku = x.sku",
-            rows="g.sku = x.sku",
-        )
-    ],
-    aggs=[agg.count_distinct("category")],
-)
+REPO = load(ROOT / "tests" / "repos" / "orders")
+SPEND = REPO.registry["spend"]
+"""Windows of a day or more, and a sum an UPDATE moves: heads, and deltas the reads add."""
+CATEGORIES = REPO.registry["categories"]
+"""With a lookup: trigger functions on a second table too."""
 PATHS = (SPEND, CATEGORIES)
 OTHERS = ("no grants", "api")
 """The logins the holes were shown with: a new role, and the read API's."""
@@ -421,3 +394,130 @@ def test_no_login_but_the_owner_may_write_freshlines_schema(
     for name, engine in logins.items():
         expected = {"EXECUTE freshline.token()", *meant.get(name, set())}
         assert allowed(engine, tried) == expected, name
+
+
+GUARD = re.compile(r"    IF TG_RELID .*?END IF;\n", re.S)
+
+
+def as_main_made_it(conn: Connection, path: DerivedPath) -> None:
+    """Make the installed ``path``'s functions and privileges what freshline made
+    before these checks (main at ce4c3f6; the catalogs compared equal): the trigger
+    functions without their guard, executable by PUBLIC (CREATE FUNCTION's default:
+    only the fold was revoked), the insert trigger with the writer's rights and no
+    search_path of its own, and INSERT on the log granted to PUBLIC."""
+    mine = {"p": f"{path.prefix}_"}
+    functions = conn.execute(
+        sa.text(
+            "SELECT p.oid::regprocedure::text, pg_get_functiondef(p.oid) FROM pg_proc p "
+            "JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'freshline' "
+            "AND p.prorettype = 'trigger'::regtype AND left(p.proname, length(:p)) = :p"
+        ),
+        mine,
+    ).all()
+    for signature, definition in functions:
+        conn.exec_driver_sql(GUARD.sub("", definition))
+        conn.exec_driver_sql(f"GRANT EXECUTE ON FUNCTION {signature} TO PUBLIC")
+    conn.exec_driver_sql(
+        f"ALTER FUNCTION freshline.{path.prefix}_i() SECURITY INVOKER RESET search_path"
+    )
+    conn.exec_driver_sql(f"GRANT INSERT ON {path.log} TO PUBLIC")
+
+
+@pytest.fixture
+def earlier(base_settings: Settings) -> Iterator[str]:
+    """A database whose paths an earlier freshline installed (:func:`as_main_made_it`),
+    with orders folded into their partials: its URL."""
+    name = f"freshline_earlier_{uuid.uuid4().hex[:8]}"
+    url = recreate_database(base_settings, name)
+    migrations.upgrade(url)
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    with engine.begin() as conn:
+        for statement in TABLES.split(";"):
+            conn.execute(sa.text(statement))
+        conn.execute(sa.text("ALTER TABLE orders REPLICA IDENTITY FULL"))
+        for fs in PATHS:
+            path_of(fs).install(conn)
+            as_main_made_it(conn, path_of(fs))
+    place(engine, "3 days", 1, 2, 3)
+    for fs in PATHS:
+        path_of(fs).fold_all(engine)
+    engine.dispose()
+    yield url
+    drop_database(base_settings, name)
+
+
+def partials(engine: Engine) -> dict[str, list[Any]]:
+    """Every row of every table of the paths, by table."""
+    with engine.connect() as conn:
+        return {
+            t: sorted(map(tuple, conn.execute(sa.text(f"SELECT * FROM {t}")).all()), key=repr)
+            for fs in PATHS
+            for t in path_of(fs).tables
+        }
+
+
+def test_an_install_made_before_the_checks_is_fixed_in_place(
+    earlier: str, settings: Settings, tmp_path: Path
+) -> None:
+    """On a database an earlier freshline installed the paths in, ``plan`` shows a
+    security fix pending and every grant apply makes; ``apply`` (without
+    --alter-tables: no user table changes) replaces the functions and grants in place,
+    leaving every partial and log row as it was; then plan shows nothing pending and
+    the holes are closed there too."""
+    repo = tmp_path / "orders"
+    shutil.copytree(REPO.path, repo)  # apply writes its lock there
+    env = {
+        "FRESHLINE_REPO": str(repo),
+        "FRESHLINE_POSTGRES_URL": earlier,
+        "FRESHLINE_POSTGRES_ADMIN_URL": earlier,
+        "FRESHLINE_TOPIC_PREFIX": f"earlier{uuid.uuid4().hex[:6]}.",
+    }
+    engine = sa.create_engine(earlier, poolclass=sa.pool.NullPool)
+    before = partials(engine)
+    planned = freshline("plan", **env)
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    shown = " ".join(planned.stdout.split())  # as one line: rich wraps it at 80 columns
+    for fs in PATHS:
+        path = path_of(fs)
+        pending = f"{fs.name}'s incremental path: security fix pending"
+        assert pending in shown
+        with engine.connect() as conn:
+            for grant in path.grants(conn):
+                assert f"{fs.name}'s incremental path: apply runs: {grant}" in shown
+    assert f"PUBLIC may use {path_of(SPEND).log}" in shown
+    assert f"freshline.{path_of(SPEND).prefix}_i() runs with its caller's rights" in shown
+    applied = freshline("apply", "--no-cdc", **env)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert "fixed the derived incremental path of spend in place" in " ".join(
+        applied.stderr.split()
+    )
+    assert partials(engine) == before
+    again = freshline("plan", **env)
+    assert "security fix pending" not in again.stdout, again.stdout
+    with engine.connect() as conn:
+        for fs in PATHS:
+            assert path_of(fs).unsecured(conn) == []
+    with new_role(engine) as nobody:
+        path = path_of(SPEND)
+        assert "permission denied" in refused(
+            nobody,
+            f"INSERT INTO {path.log} (shop_id, customer_id, day, at) "
+            "VALUES ('s', 'c', current_date, now())",
+        )
+        assert "permission denied" in refused(
+            nobody,
+            "CREATE TEMP TABLE fl_bait (x int) ON COMMIT DROP",
+            "CREATE TRIGGER fl_bait AFTER TRUNCATE ON fl_bait FOR EACH STATEMENT "
+            f"EXECUTE FUNCTION freshline.{path.prefix}_t()",
+        )
+    with engine.connect() as conn, conn.begin():  # the owner's misuse, refused
+        conn.execute(sa.text("CREATE TEMP TABLE fl_bait (x int) ON COMMIT DROP"))
+        conn.execute(
+            sa.text(
+                "CREATE TRIGGER fl_bait AFTER TRUNCATE ON fl_bait FOR EACH STATEMENT "
+                f"EXECUTE FUNCTION freshline.{path_of(SPEND).prefix}_t()"
+            )
+        )
+        with pytest.raises(sa.exc.DBAPIError, match="runs only as"):
+            conn.execute(sa.text("TRUNCATE fl_bait"))
+    engine.dispose()
