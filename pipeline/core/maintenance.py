@@ -102,6 +102,11 @@ function is all it needs); ``freshline buckets fold`` does it by hand. The consu
 the current UTC day only now and then (:meth:`DerivedPath.fold_settled` leaves it): a read
 takes its ``as_of``'s day from the rows whatever the partial holds, so under a steady
 stream of writes a fold of that day is recomputed again and again for no reader.
+
+Every generated function runs as the owner, and no other login may write the path's
+tables or run its functions (:meth:`DerivedPath.grants`: freshline's roles read, the
+consumers fold): a log row forged by another login would move a head's values. Each
+trigger function refuses to run as any trigger but its own.
 """
 
 from __future__ import annotations
