@@ -643,16 +643,16 @@ class DerivedPath(IncrementalPath):
         )
 
     @property
+    def _fold_signature(self) -> str:
+        return f"{self.prefix}_fold(integer, boolean, boolean)"
+
+    @property
     def _signatures(self) -> list[str]:
         """Every function of the path, as ``pg_get_function_identity_arguments`` names
         its arguments (no schema)."""
         ops = "iudt"
         lookups = [f"l{n}{k}" for n in range(len(self.decl.lookups)) for k in ops]
-        names = [*ops, *lookups]
-        return [
-            *(f"{self.prefix}_{k}()" for k in names),
-            f"{self.prefix}_fold(integer, boolean, boolean)",
-        ]
+        return [*(f"{self.prefix}_{k}()" for k in [*ops, *lookups]), self._fold_signature]
 
     def _functions(
         self, table: str, types: dict[str, str], lookups: list[str], read: list[str]
@@ -1371,7 +1371,7 @@ class DerivedPath(IncrementalPath):
         for role in roles:
             out.append(f"GRANT SELECT ON {tables} TO {role}")
             if role == "freshline_consumer":
-                out.append(f"GRANT EXECUTE ON FUNCTION {SCHEMA}.{self._signatures[-1]} TO {role}")
+                out.append(f"GRANT EXECUTE ON FUNCTION {SCHEMA}.{self._fold_signature} TO {role}")
         return out
 
     def unsecured(self, conn: Connection) -> list[str]:
@@ -1422,7 +1422,7 @@ class DerivedPath(IncrementalPath):
                 {"t": t},
             ).scalar():
                 out.append(f"PUBLIC may use {t}")
-        if self._signatures[-1] not in found:
+        if self._fold_signature not in found:
             return out
         granted = conn.execute(
             sa.text(
@@ -1432,7 +1432,7 @@ class DerivedPath(IncrementalPath):
                 "FROM pg_roles r CROSS JOIN unnest(CAST(:tables AS text[])) AS t "
                 "WHERE r.rolname IN ('freshline_api', 'freshline_consumer')"
             ),
-            {"fold": f"{SCHEMA}.{self._signatures[-1]}", "tables": self.tables},
+            {"fold": f"{SCHEMA}.{self._fold_signature}", "tables": self.tables},
         ).scalar()
         if granted is False:
             out.append("freshline's roles lack their grants")
@@ -1481,6 +1481,18 @@ def install_missing(conn: Connection, paths: Iterable[IncrementalPath]) -> list[
     for path in paths:
         if isinstance(path, DerivedPath) and not path.installed(conn):
             path.install(conn)
+            done.append(path)
+    return done
+
+
+def secure_installed(conn: Connection, paths: Iterable[IncrementalPath]) -> list[DerivedPath]:
+    """Fix in place the installed derived paths among ``paths`` that
+    :meth:`DerivedPath.unsecured` finds lacking (an earlier freshline's), in ``conn``'s
+    transaction, as ``freshline apply`` does; those it fixed."""
+    done = []
+    for path in paths:
+        if isinstance(path, DerivedPath) and path.installed(conn) and path.unsecured(conn):
+            path.secure(conn)
             done.append(path)
     return done
 
@@ -1569,4 +1581,4 @@ def superseded(conn: Connection, keep: Iterable[DerivedPath]) -> list[Installed]
     return found
 
 
-__all__ = ["DerivedPath", "Installed", "install_missing", "superseded"]
+__all__ = ["DerivedPath", "Installed", "install_missing", "secure_installed", "superseded"]
