@@ -490,7 +490,10 @@ def test_an_install_made_before_the_checks_is_fixed_in_place(
             for grant in path.grants(conn):
                 assert f"{fs.name}'s incremental path: apply runs: {grant}" in shown
     assert f"PUBLIC may use {path_of(SPEND).log}" in shown
-    assert f"freshline.{path_of(SPEND).prefix}_i() runs with its caller's rights" in shown
+    spend = path_of(SPEND).prefix
+    assert f"not SECURITY DEFINER with its fixed search_path: freshline.{spend}_i()" in shown
+    assert f"running as any trigger it is attached to: freshline.{spend}_{{i,u,d,t}}()" in shown
+    assert f"executable by PUBLIC: freshline.{spend}_{{i,u,d,t}}()" in shown
     applied = freshline("apply", "--no-cdc", **env)
     assert applied.returncode == 0, applied.stdout + applied.stderr
     ran = " ".join(applied.stderr.split())

@@ -1400,18 +1400,21 @@ class DerivedPath(IncrementalPath):
                 {"schema": SCHEMA, "p": f"{self.prefix}_"},
             )
         }
-        out = []
+        lacking: dict[str, list[str]] = {}
         for name in self._signatures:
             if name not in found:
-                out.append(f"{SCHEMA}.{name} is missing")
+                lacking.setdefault("missing", []).append(name)
                 continue
             definer, settings, source, public = found[name]
             if not definer or list(settings or []) != config:
-                out.append(f"{SCHEMA}.{name} runs with its caller's rights or search_path")
+                lacking.setdefault("not SECURITY DEFINER with its fixed search_path", []).append(
+                    name
+                )
             if guards.get(name, "") not in source:
-                out.append(f"{SCHEMA}.{name} runs as any trigger it is attached to")
+                lacking.setdefault("running as any trigger it is attached to", []).append(name)
             if public:
-                out.append(f"{SCHEMA}.{name} is executable by PUBLIC")
+                lacking.setdefault("executable by PUBLIC", []).append(name)
+        out = [f"{what}: {self._named(names)}" for what, names in lacking.items()]
         for t in self.tables:
             if conn.execute(
                 sa.text(
@@ -1437,6 +1440,13 @@ class DerivedPath(IncrementalPath):
         if granted is False:
             out.append("freshline's roles lack their grants")
         return out
+
+    def _named(self, names: list[str]) -> str:
+        """Functions of the path, few words: ``freshline.<prefix>_{i,u,d,t}()``."""
+        bare = [n.removeprefix(f"{self.prefix}_") for n in names]
+        if len(bare) > 1 and all(b.endswith("()") for b in bare):
+            return f"{SCHEMA}.{self.prefix}_{{{','.join(b[:-2] for b in bare)}}}()"
+        return ", ".join(f"{SCHEMA}.{n}" for n in names)
 
     def secure(self, conn: Connection) -> None:
         """Replace the installed path's functions with those :meth:`ddl` makes now and
