@@ -183,6 +183,18 @@ def apply(
             assert isinstance(path, DerivedPath)
             path.install(conn)
             console.print(f"installed the derived incremental path of {name} ({path.days})")
+            for grant in path.grants(conn):
+                console.print(f"ran: {grant}")
+        for name in result.security:  # no user table changes: no --alter-tables needed
+            path = repo.registry[name].maintenance
+            assert isinstance(path, DerivedPath)
+            path.secure(conn)
+            console.print(
+                f"fixed the derived incremental path of {name} in place: functions replaced, "
+                "partials kept"
+            )
+            for grant in path.grants(conn):
+                console.print(f"ran: {grant}")
         if result.publication_missing:
             exists = conn.execute(
                 sa.text("SELECT 1 FROM pg_publication WHERE pubname = :p"), {"p": publication}
@@ -283,6 +295,14 @@ def _print(result: Plan) -> None:
         out.print(f"  freshline's roles need: {grant} (apply runs it only with --alter-tables)")
     for name, what in result.derived.items():
         out.print(f"  {name}'s incremental path: {what} (apply does it only with --alter-tables)")
+    for name, lacking in result.security.items():
+        out.print(
+            f"  {name}'s incremental path: security fix pending: {'; '.join(lacking)} (apply "
+            "replaces its functions and grants in place; partials, log and triggers stay)"
+        )
+    for name, grants in result.path_grants.items():
+        for grant in grants:
+            out.print(f"  {name}'s incremental path: apply runs: {grant}")
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")
     for problem in result.problems:

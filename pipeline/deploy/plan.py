@@ -62,6 +62,12 @@ class Plan:
     derived: dict[str, str] = field(default_factory=dict)
     """Feature set -> what installing its derived incremental path does (triggers on
     the user's table: ``apply --alter-tables``), for those not installed yet."""
+    security: dict[str, list[str]] = field(default_factory=dict)
+    """Feature set -> what its installed derived path lacks of who may do what (an
+    earlier freshline's install): apply replaces its functions and grants in place."""
+    path_grants: dict[str, list[str]] = field(default_factory=dict)
+    """Feature set -> the ``GRANT``/``REVOKE`` apply runs on its derived path's objects
+    (one it installs or fixes)."""
 
     @property
     def ok(self) -> bool:
@@ -95,12 +101,15 @@ def plan(repo: Repository, engine: Engine, schema_version: int, publication: str
         result.grants = missing_grants(conn, [t for t in result.tables if t in columns])
         for fs in repo.registry:
             path = fs.maintenance
-            if (
-                isinstance(path, DerivedPath)
-                and path.decl.table in columns
-                and not path.installed(conn)
-            ):
+            if not isinstance(path, DerivedPath) or path.decl.table not in columns:
+                continue
+            if not path.installed(conn):
                 result.derived[fs.name] = path.describe(conn)
+            elif lacking := path.unsecured(conn):
+                result.security[fs.name] = lacking
+            else:
+                continue
+            result.path_grants[fs.name] = path.grants(conn)
         conn.rollback()
     try:
         result.lock = check(Lock.load(repo.lock_path), schema_version, repo.registry)
