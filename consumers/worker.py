@@ -30,7 +30,10 @@ harmless. A failure that is not about one event's data (:mod:`consumers.failures
 never dead-letters a healthy stream: a transient one (Postgres or Redis down, a change
 not yet visible) or a configuration one (the deploy pointer, the lock, the eviction
 policy, a permission; logged once with its fix) pauses the assigned partitions and
-retries the same batch with backoff until it succeeds or a stop is requested. While
+retries the same batch with backoff until it succeeds or a stop is requested (which
+ends the run cleanly, the batch uncommitted). An ACL that refuses the consumer its
+group, a topic it writes or the invalidation channel ends the run with one line naming
+it (:mod:`consumers.access`); group and topics are checked before joining. While
 paused the loop keeps polling, to stay in the group: a partition assigned meanwhile is
 paused too, and a record that a poll returns anyway is never dropped: the partition is
 rewound to it.
@@ -45,6 +48,8 @@ their new owner reads them again; a commit the rebalance refuses is logged, not 
 If the broker refuses the dead letters or invalidations of a batch (the dead-letter
 topic unavailable), they are sent again with backoff and counted in
 ``freshline_delivery_failures_total``; the offsets wait, so nothing is skipped.
+While idle, the loop reports its lag (the end less the group's committed offset) and
+counts the topics its subscription matches, warning while it matches none.
 """
 
 from __future__ import annotations
