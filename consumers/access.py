@@ -118,6 +118,7 @@ def check_kafka(settings: Settings, group: str, writes: Sequence[str]) -> None:
         if isinstance(error, KafkaError) and error.code() == KafkaError.GROUP_AUTHORIZATION_FAILED:
             raise group_refused(settings, group) from None
         logger.debug("could not check the group %r: %s", group, exc)
+        return  # the broker is away or behind: the run loop meets any refusal
     topics = list(dict.fromkeys(writes))
     if not topics:
         return

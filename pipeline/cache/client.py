@@ -202,7 +202,7 @@ class FeatureClient:
         append = out.append
         for fs, tenant, entity in items:
             of = entities.get(fs)
-            if of is None:  # not this registry's: the store names the feature sets it has
+            if of is None:  # not this registry's: the store names the sets it has
                 append((fs, tenant, entity if type(entity) is str else str(entity)))
             elif (
                 of.type == "bigint"

@@ -137,9 +137,10 @@ def validate_key(kind: KeyType, value: object) -> str:
 
     The one rule for entity ids wherever they come in (the read API, the Python client,
     change and domain events; training spines, when they come), so each takes and
-    refuses the same ids, with the same message: ``bigint``, a non-negative integer (or its digits, no
-    leading zeros); ``uuid``, 8-4-4-4-12 hex digits in either case, normalised to lower
-    case (as Postgres writes it); ``text``, the id rule of :mod:`schemas.ids`.
+    refuses the same ids, with the same message: ``bigint``, a non-negative integer (or
+    its digits, no leading zeros); ``uuid``, 8-4-4-4-12 hex digits in either case,
+    normalised to lower case (as Postgres writes it); ``text``, the id rule of
+    :mod:`schemas.ids`.
     """
     return _ID_CHECKS[kind](value)
 
