@@ -366,6 +366,8 @@ class Consumer:
                 return []
             if isinstance(err, KafkaError) and err.code() in RETRIABLE_COMMIT_ERRORS:
                 raise CommitNotYet(err, "commit") from exc
+            if isinstance(err, KafkaError) and err.code() in NOT_AUTHORIZED:
+                raise NotAuthorized(err, None) from exc
             if isinstance(err, KafkaError):
                 raise BrokerError(err, "commit") from exc
             raise

@@ -16,8 +16,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from confluent_kafka.admin import (
+    AclBinding,
+    AclBindingFilter,
+    AclOperation,
+    AclPermissionType,
+    AdminClient,
+    ResourcePatternType,
+    ResourceType,
+)
 from pydantic import SecretStr
 
+from consumers.access import group_refused
 from consumers.kafka import Producer
 from consumers.worker import Worker
 from pipeline.core.errors import AccessRefused
@@ -95,6 +105,29 @@ def test_a_group_the_acls_refuse_stops_the_consumer_with_one_line(env: Env) -> N
     line = the_error(*consume(settings))
     assert "GROUP_AUTHORIZATION_FAILED" in line, line
     assert settings.consumer_group in line and "FRESHLINE_CONSUMER_GROUP" in line, line
+
+
+def test_a_group_refused_while_running_stops_the_consumer_with_the_same_line(
+    env: Env, admin: AdminClient, topic_factory: Callable[..., str]
+) -> None:
+    """The ACL changes under a running consumer: a DENY on its group, added (and
+    removed after) by the operator. No topic prefix: the consumer login's own layout."""
+    settings = as_consumer(env.settings).model_copy(update={"topic_prefix": ""})
+    group, user = settings.consumer_group, f"User:{settings.kafka_sasl_username}"
+    running = Running(Worker(settings, topics=[topic_factory("deny")]), timeout=120)
+    running.wait(lambda: bool(running.worker.consumer.assignment()), "the assignment")
+    rule = (ResourceType.GROUP, group, ResourcePatternType.LITERAL, user, "*")
+    deny = AclBinding(*rule, AclOperation.READ, AclPermissionType.DENY)
+    for future in admin.create_acls([deny]).values():
+        future.result()
+    try:
+        wait_for(lambda: not running.thread.is_alive(), "the consumer to stop", 90)
+    finally:
+        undo = AclBindingFilter(*rule, AclOperation.ANY, AclPermissionType.ANY)
+        for future in admin.delete_acls([undo]).values():
+            future.result()
+    assert isinstance(running.error, AccessRefused), repr(running.error)
+    assert str(running.error) == str(group_refused(settings, group))
 
 
 def test_invalidations_the_acls_refuse_stop_the_consumer_with_one_line(env: Env) -> None:
