@@ -643,9 +643,12 @@ class Worker:
 
     def _on_revoke(self, _consumer: object, partitions: list[TopicPartition]) -> None:
         self._revoked.update((p.topic, p.partition) for p in partitions)
-        for p in partitions:  # its new owner commits from now on
+        group = self.consumer.group_id
+        for p in partitions:  # its new owner commits, and reports the lag, from now on
             self._done.pop((p.topic, p.partition), None)
-            self.metrics.consumer_lag.remove(self.consumer.group_id, p.topic, str(p.partition))
+            # 0 first: with PROMETHEUS_MULTIPROC_DIR a removed value stays in the file
+            self.metrics.consumer_lag.labels(group, p.topic, str(p.partition)).set(0)
+            self.metrics.consumer_lag.remove(group, p.topic, str(p.partition))
         logger.info("revoked %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))
 
     def _watch_redis(self) -> None:
@@ -711,13 +714,11 @@ class Worker:
             return
         matched = matching(self.topics, names)
         group = self.consumer.group_id
-        self.metrics.subscribed_topics.labels(group).set(len(matched))
         if matched:
             if self._unmatched_since is not None:
                 logger.info("the subscription now matches %s", ", ".join(sorted(matched)))
             self._unmatched_since = None
-            return
-        if self._unmatched_since is None or now - self._unmatched_logged > UNMATCHED_LOG_EVERY_S:
+        elif self._unmatched_since is None or now - self._unmatched_logged > UNMATCHED_LOG_EVERY_S:
             self._unmatched_since = self._unmatched_since or now
             self._unmatched_logged = now
             logger.warning(
@@ -728,6 +729,7 @@ class Worker:
                 group,
                 self.settings.topic_prefix,
             )
+        self.metrics.subscribed_topics.labels(group).set(len(matched))  # after the log
 
     # -- bucket upkeep ---------------------------------------------------------
 

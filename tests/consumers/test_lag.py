@@ -90,15 +90,18 @@ def test_a_subscription_matching_no_topic_says_so_until_one_appears(
     group = settings.consumer_group
     running = Running(Worker(settings, topics=[pattern]), timeout=180)
     topic = f"nomatch{tag}.created"
+    made: list[str] = []
     try:
         running.wait(lambda: subscribed(group) == 0, "the consumer to count no topic")
         said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert any("matches no topic" in m and group in m for m in said), said
         ensure(admin, 1, topics=[topic])
+        made.append(topic)
         running.wait(lambda: subscribed(group) == 1, "the consumer to count the new topic", 60)
         said = [r.getMessage() for r in caplog.records]
         assert any(m == f"the subscription now matches {topic}" for m in said), said
     finally:
         running.stop()
-        for future in admin.delete_topics([topic], operation_timeout=10).values():
-            future.result()
+        if made:
+            for future in admin.delete_topics(made, operation_timeout=10).values():
+                future.result()
