@@ -40,7 +40,7 @@ from pipeline.core.clock import now_ms
 from pipeline.core.cluster import amget, is_cluster
 from pipeline.core.codec import Row
 from pipeline.core.errors import InvalidId
-from pipeline.core.keys import validate_id
+from pipeline.core.features import BIGINT_RULE, validate_key
 from pipeline.core.types import EntityRef, Entry, FeatureValues, LazyRefs
 
 if TYPE_CHECKING:
@@ -68,9 +68,9 @@ def parse_entity(value: object) -> str:
         and (len(value) == 1 or value[0] != "0")
     ):
         return value  # the common case; it passes validate_id by construction
-    text = validate_id("entity", value)
-    if not text.isdigit() or (len(text) > 1 and text[0] == "0") or int(text) >= MAX_USER_ID:
-        raise InvalidId("entity", value, "a user id is a non-negative integer, no leading zeros")
+    text = validate_key("bigint", value)  # the one rule, and its message
+    if int(text) >= MAX_USER_ID:
+        raise InvalidId("entity", value, f"{BIGINT_RULE}, of at most {MAX_USER_DIGITS} digits")
     return text
 
 

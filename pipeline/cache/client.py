@@ -112,6 +112,8 @@ class FeatureClient:
         self._tokens: Tokens | None = None
         self._arrivals: Arrivals | None = None
         self._registration: Registration | None = None
+        # Each feature set's entity: ids are checked and normalised by its key type.
+        self._entities = {fs.name: fs.entity for fs in registry}
         # The feature sets that declare a default freshness bound (FeatureSet.max_staleness_ms).
         self._bounds = {
             fs.name: fs.max_staleness_ms for fs in registry if fs.max_staleness_ms is not None
@@ -201,7 +203,13 @@ class FeatureClient:
         A feature set that declares ``max_staleness_ms`` gives it to a read that gives
         none (the smallest of the items' sets); without a read-through an entry past it
         is a miss.
+
+        Each entity id is checked and normalised as its feature set's entity keys it
+        (:func:`pipeline.core.features.validate_key`, the read API's rule: an upper-case
+        uuid reads the entry of its lower-case spelling); one that is not a key of that
+        type raises :class:`~pipeline.core.errors.InvalidId`, as HTTP answers 400.
         """
+        items = self._canonical(items)
         if self._bounds and max_staleness_ms is None:
             bounds = [self._bounds[fs] for fs, _, _ in items if fs in self._bounds]
             if bounds:  # the sets' declared default, the smallest
@@ -211,6 +219,28 @@ class FeatureClient:
         if after is not None or max_staleness_ms is not None:
             return self._fresh(items, after, max_staleness_ms, wait_ms)
         return self._plain(items)
+
+    def _canonical(self, items: Sequence[tuple[str, str, str | int]]) -> list[Item]:
+        """``items`` with each entity id in its key type's canonical text."""
+        entities = self._entities
+        out: list[Item] = []
+        append = out.append
+        for fs, tenant, entity in items:
+            of = entities.get(fs)
+            if of is None:  # not this registry's: the store names the sets it has
+                append((fs, tenant, entity if type(entity) is str else str(entity)))
+            elif (
+                of.type == "bigint"
+                and type(entity) is str
+                and entity.isdigit()
+                and entity.isascii()
+                and len(entity) <= 18  # below 2**63 - 1 by its length
+                and (len(entity) == 1 or entity[0] != "0")
+            ):
+                append((fs, tenant, entity))  # the common case, without a call
+            else:
+                append((fs, tenant, of.validate(entity)))
+        return out
 
     def _plain(self, items: Sequence[tuple[str, str, str | int]]) -> list[Features | None]:
         """Every item as cached (tier, then Redis), ``None`` for a miss."""

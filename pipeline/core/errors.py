@@ -128,3 +128,8 @@ class SchemaVersionUnknown(FreshlineError):
 
 class ModelError(FreshlineError):
     """An unknown model, or one that must not be cached."""
+
+
+class AccessRefused(FreshlineError):
+    """A service refused a login something it must do, by an ACL or a grant: waiting
+    cannot help, so the process stops and the message names the ACL or the setting."""

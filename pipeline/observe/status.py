@@ -154,6 +154,8 @@ class Observer:
         self._lock = threading.Lock()
         self._slow: tuple[float, dict[str, Staleness], dict[str, int] | None] | None
         self._slow = None
+        self.lag_error: str | None = None
+        """Why the last lag was not had (the broker's refusal, a timeout), if it was not."""
 
     def staleness(self) -> dict[str, Staleness]:
         """A fresh sample of the served schema version's entries."""
@@ -164,10 +166,13 @@ class Observer:
         if self.group_lag is None:
             return None
         try:
-            return self.group_lag.by_feature_set(self.topics)
+            lag = self.group_lag.by_feature_set(self.topics)
         except Exception as exc:  # the broker is advisory here; never fail a page
             log.debug("consumer-group lag unavailable: %s", exc)
+            self.lag_error = str(exc) or type(exc).__name__
             return None
+        self.lag_error = None
+        return lag
 
     def namespaces(self) -> dict[str, Any] | None:
         """The semantic cache's busiest namespaces (:mod:`pipeline.api.semantic_status`),
@@ -403,6 +408,7 @@ class StatusBoard:
             sets.append(
                 {"name": name, "ttl_s": ttl, "current": current, "series": series.as_dict()}
             )
+        group = self._group(problems) if now.lag is not None else None
         semantic = self._semantic(now, base, problems)
         namespaces = self.observer.namespaces()
         if namespaces is not None:
@@ -428,8 +434,26 @@ class StatusBoard:
             "semantic_namespaces": namespaces,
             "broker_reachable": now.lag is not None,
             "processes": None if deploy is None else deploy["processes"],
+            "lag_error": None if now.lag is not None else self.observer.lag_error,
+            "consumer_group": group,
             "problems": problems,
         }
+
+    def _group(self, problems: list[str]) -> dict[str, Any] | None:
+        """The group whose lag is shown, and a problem for each feature set none of
+        whose topics exists (a consumer subscribed to them reads nothing)."""
+        measured = self.observer.group_lag
+        if measured is None:
+            return None
+        missing = set(measured.missing)
+        for name, topics in self.observer.topics.items():
+            if topics and missing.issuperset(topics):
+                problems.append(
+                    f"{name}: none of its topics exists ({', '.join(topics)}), so no "
+                    "consumer reads its changes; check FRESHLINE_TOPIC_PREFIX, run "
+                    "freshline topics ensure and register the connector"
+                )
+        return {"name": measured.group, "consuming": measured.consuming}
 
     @staticmethod
     def _semantic(now: Snapshot, base: Snapshot, problems: list[str]) -> list[dict[str, Any]]:
