@@ -197,7 +197,9 @@ def audit(
     sample: Annotated[
         int | None,
         typer.Option(
-            "--sample", min=1, help="Entries to sample by SCAN from a random cursor \\[default: 1000]"
+            "--sample",
+            min=1,
+            help="Entries to sample by SCAN from a random cursor \\[default: 1000]",
         ),
     ] = None,
     duration: Annotated[

@@ -143,7 +143,12 @@ def warm(
         int | None, typer.Option("--top", min=1, help="The N most-read entities per feature set")
     ] = None,
     all_active: Annotated[
-        bool, typer.Option("--all", help="Every active entity of each feature set's entity (its `active=` condition; default: every row of its table)")
+        bool,
+        typer.Option(
+            "--all",
+            help="Every active entity of each feature set's entity (its `active=` condition; "
+            "default: every row of its table)",
+        ),
     ] = False,
     tenant: Annotated[
         list[str] | None,
