@@ -257,6 +257,8 @@ class Worker:
         self._folder = threading.Thread(target=self._fold_deltas, name="bucket-fold", daemon=True)
         # Who runs what (pipeline.cache.roster): the versions it writes, for deploy flip.
         self.registration: Registration | None = None
+        self.paused: str | None = None
+        """What holds the batch (a configuration failure's cause and remedy), or None."""
         if isinstance(writes, WriteVersions):
             proc = Proc.of(
                 "consume",
@@ -265,7 +267,9 @@ class Worker:
                 group=self.consumer.group_id,
                 pointer=writes.pointer,
             )
-            self.registration = Registration(self.redis, proc, pointer=writes.pointer)
+            self.registration = Registration(
+                self.redis, proc, pointer=writes.pointer, paused=lambda: self.paused
+            )
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -429,6 +433,7 @@ class Worker:
                         MAX_BACKOFF_S,
                     )
                     held = failure
+                    self.paused = f"{failure[0]}: {failure[1]}"  # the status page's problem
                 self.totals.retries += 1
                 self.metrics.config_retries.labels(failure[0]).inc()
                 return True
@@ -447,6 +452,7 @@ class Worker:
         finally:
             if held is not None:
                 self.metrics.paused.labels(held[0]).set(0)
+                self.paused = None
         if held is not None:
             logger.info(
                 "consumer resumed: the configuration error (%s) is fixed; the batch held "

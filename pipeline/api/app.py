@@ -284,7 +284,8 @@ def deploy_report(
     client: redis.Redis, pointer: Pointer, readthrough: ReadThrough
 ) -> dict[str, Any]:
     """The status page's deploy figures: the registered processes, and as problems this
-    worker's with the active version and each process that does not compute it."""
+    worker's with the active version, each process that does not compute it, and each
+    consumer paused by a configuration failure (a feature set whose statement fails)."""
     procs = roster(client, pointer=pointer)
     problems: list[str] = []
     versions = readthrough.versions
@@ -301,6 +302,7 @@ def deploy_report(
                 f"(it computes {own}): its misses are {misses}"
             )
         problems += [f"running: {line}" for line in strangers(procs, active)]
+    problems += [f"{p.name} is paused, nothing applied: {p.paused}" for p in procs if p.paused]
     return {"processes": [dataclasses.asdict(p) for p in procs], "problems": problems}
 
 

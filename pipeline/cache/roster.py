@@ -53,7 +53,9 @@ class Proc:
     ``knows``: the versions its lock has (it decodes their entries); ``computes``: those
     its code computes (a reader serves their misses, a consumer writes them);
     ``serving``: the version a reader served last (None for a consumer); ``group``: the
-    consumer group a consumer consumes for.
+    consumer group a consumer consumes for; ``paused``: what holds a consumer's batch (a
+    configuration failure's cause and remedy, such as a feature set's failing
+    statement), None while it applies.
     """
 
     id: str
@@ -65,6 +67,7 @@ class Proc:
     group: str | None = None
     serving: int | None = None
     scope: str = ""
+    paused: str | None = None
 
     @property
     def role(self) -> Role:
@@ -113,8 +116,8 @@ class Proc:
 class Registration:
     """Keep ``proc`` registered while this process runs: :meth:`start`, :meth:`close`.
 
-    ``serving`` (for a reader) says which version it serves now; it is written with
-    each renewal. A renewal that fails (Redis away, a login without the ACL) is logged
+    ``serving`` (for a reader) says which version it serves now, ``paused`` (for a
+    consumer) what holds its batch; both are written with each renewal. A renewal that fails (Redis away, a login without the ACL) is logged
     once and retried at the next; the process runs on either way.
     """
 
@@ -125,12 +128,14 @@ class Registration:
         *,
         pointer: Pointer = DEFAULT_POINTER,
         serving: Callable[[], int | None] | None = None,
+        paused: Callable[[], str | None] | None = None,
         ttl_s: float = TTL_S,
     ) -> None:
         self.redis = client
         self.proc = proc
         self.pointer = pointer
         self.serving = serving
+        self.paused = paused
         self.ttl_ms = int(ttl_s * 1000)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -150,6 +155,8 @@ class Registration:
                 serving = None
             if serving != proc.serving:
                 proc = self.proc = Proc(**{**asdict(proc), "serving": serving})
+        if self.paused is not None and (paused := self.paused()) != proc.paused:
+            proc = self.proc = Proc(**{**asdict(proc), "paused": paused})
         index = self.pointer.procs_index(proc.role)
         expires = int(time.time() * 1000) + self.ttl_ms
         # MULTI, so the index never lacks its TTL (a cluster's pipelines have none).
