@@ -117,8 +117,9 @@ class Registration:
     """Keep ``proc`` registered while this process runs: :meth:`start`, :meth:`close`.
 
     ``serving`` (for a reader) says which version it serves now, ``paused`` (for a
-    consumer) what holds its batch; both are written with each renewal. A renewal that fails (Redis away, a login without the ACL) is logged
-    once and retried at the next; the process runs on either way.
+    consumer) what holds its batch; both are written with each renewal. A renewal that
+    fails (Redis away, a login without the ACL) is logged once and retried at the next;
+    the process runs on either way.
     """
 
     def __init__(
