@@ -52,10 +52,10 @@ def path_of(fs: FeatureSet) -> DerivedPath:
     return fs.maintenance
 
 
-def superuser_engine(url: sa.URL) -> Engine:
+def superuser_engine(url: sa.URL, superuser: str = "") -> Engine:
     """``url``'s database as the stack's superuser (roles are made by it: the stack's
-    owner may not)."""
-    found = make_url(os.environ.get("FRESHLINE_STACK_POSTGRES_SUPERUSER_URL") or url)
+    owner may not), whose login ``superuser`` (a URL) or the environment names."""
+    found = make_url(superuser or os.environ.get("FRESHLINE_STACK_POSTGRES_SUPERUSER_URL") or url)
     return sa.create_engine(
         url.set(username=found.username, password=found.password), poolclass=sa.pool.NullPool
     )
@@ -79,11 +79,11 @@ def db(base_settings: Settings) -> Iterator[Engine]:
 
 
 @contextmanager
-def new_role(db: Engine, *grants: str) -> Iterator[Engine]:
+def new_role(db: Engine, *grants: str, superuser_url: str = "") -> Iterator[Engine]:
     """A new login role, granted ``grants`` (``{role}`` in them is its name) by the
     owner; its engine on ``db``'s database. Dropped afterwards."""
     role, password = f"freshline_test_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    superuser = superuser_engine(db.url)
+    superuser = superuser_engine(db.url, superuser_url)
     with superuser.begin() as conn:
         conn.execute(sa.text(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'"))
     with db.begin() as conn:
@@ -102,24 +102,19 @@ def new_role(db: Engine, *grants: str) -> Iterator[Engine]:
         superuser.dispose()
 
 
-def freshline_logins(database: str) -> dict[str, Engine]:
-    """The logins of freshline's roles that the stack made, on ``database``: the read
-    API's and the consumers' (``.stack/env``), Debezium's (Connect's secrets file)."""
-    urls = {
-        "api": os.environ.get("FRESHLINE_STACK_POSTGRES_API_URL", ""),
-        "consumer": os.environ.get("FRESHLINE_STACK_POSTGRES_CONSUMER_URL", ""),
-    }
-    secrets = Path(os.environ.get("FRESHLINE_CONNECT_SECRETS_FILE", "/nonexistent"))
-    if secrets.is_file():
-        found = dict(line.split("=", 1) for line in secrets.read_text().splitlines() if "=" in line)
-        api = make_url(urls["api"]) if urls["api"] else None
-        if api is not None:
-            urls["cdc"] = api.set(
-                username=found["database.user"], password=found["database.password"]
-            ).render_as_string(hide_password=False)
-    missing = [name for name in ("api", "consumer", "cdc") if not urls.get(name)]
-    if missing:
-        pytest.skip(f"the stack names no login for {', '.join(missing)} (scripts/stack up)")
+def freshline_logins(database: str, api: str, consumer: str, cdc: str = "") -> dict[str, Engine]:
+    """The logins of freshline's roles on ``database``: the read API's and the
+    consumers' (URLs), and Debezium's when ``cdc`` names Connect's secrets file."""
+    urls = {"api": api, "consumer": consumer}
+    if cdc:
+        found = dict(
+            line.split("=", 1) for line in Path(cdc).read_text().splitlines() if "=" in line
+        )
+        urls["cdc"] = (
+            make_url(api)
+            .set(username=found["database.user"], password=found["database.password"])
+            .render_as_string(hide_password=False)
+        )
     return {
         name: sa.create_engine(make_url(url).set(database=database), poolclass=sa.pool.NullPool)
         for name, url in urls.items()
@@ -128,8 +123,15 @@ def freshline_logins(database: str) -> dict[str, Engine]:
 
 @pytest.fixture(scope="module")
 def logins(db: Engine) -> Iterator[dict[str, Engine]]:
-    """A new role with no grant at all, and each of freshline's roles' logins."""
-    theirs = freshline_logins(str(db.url.database))
+    """A new role with no grant at all, and each of freshline's roles' logins (the
+    stack's: ``.stack/env`` and Connect's secrets file)."""
+    env = os.environ
+    api = env.get("FRESHLINE_STACK_POSTGRES_API_URL", "")
+    consumer = env.get("FRESHLINE_STACK_POSTGRES_CONSUMER_URL", "")
+    cdc = env.get("FRESHLINE_CONNECT_SECRETS_FILE", "")
+    if not (api and consumer and cdc and Path(cdc).is_file()):
+        pytest.skip("the stack names no API, consumer or Debezium login (scripts/stack up)")
+    theirs = freshline_logins(str(db.url.database), api, consumer, cdc)
     with new_role(db) as nobody:
         yield {"no grants": nobody, **theirs}
     for engine in theirs.values():
@@ -373,27 +375,30 @@ def allowed(engine: Engine, tried: list[tuple[str, list[str]]]) -> set[str]:
     return done
 
 
+def assert_only_the_owner_may_write(
+    owner: Engine, logins: dict[str, Engine], paths: list[DerivedPath]
+) -> None:
+    """Each of ``logins`` may do none of :func:`attempts` but what freshline means it
+    to: the consumers run the folds of ``paths``, the API stamps a key's last use, and
+    anyone takes a freshness token (``freshline.token()``, of their own transaction)."""
+    with owner.connect() as conn:
+        tried = attempts(conn)
+    assert any(what.startswith("ATTACH") for what, _ in tried)
+    folds = {f"EXECUTE freshline.{p.prefix}_fold(integer,boolean,boolean)" for p in paths}
+    meant = {"api": {"UPDATE freshline.api_keys.last_used_at"}, "consumer": folds}
+    for name, engine in logins.items():
+        expected = {"EXECUTE freshline.token()", *meant.get(name, set())}
+        assert allowed(engine, tried) == expected, name
+
+
 def test_no_login_but_the_owner_may_write_freshlines_schema(
     db: Engine, logins: dict[str, Engine]
 ) -> None:
     """As a new role with no grant and as each of freshline's roles, try every write of
     every table of freshline's schema, every function, and attaching every trigger
     function to a TEMP table: all are refused but the rights freshline means them to
-    have (the consumers fold, the API stamps a key's last use, anyone may take a
-    freshness token of their own transaction)."""
-    with db.connect() as conn:
-        tried = attempts(conn)
-    folds = {
-        f"EXECUTE freshline.{path_of(fs).prefix}_fold(integer,boolean,boolean)" for fs in PATHS
-    }
-    meant = {
-        "api": {"UPDATE freshline.api_keys.last_used_at"},
-        "consumer": folds,
-    }
-    assert any(what.startswith("ATTACH") for what, _ in tried)
-    for name, engine in logins.items():
-        expected = {"EXECUTE freshline.token()", *meant.get(name, set())}
-        assert allowed(engine, tried) == expected, name
+    have (on the cluster topology's primary: tests/cluster/test_cluster_security.py)."""
+    assert_only_the_owner_may_write(db, logins, [path_of(fs) for fs in PATHS])
 
 
 GUARD = re.compile(r"    IF TG_RELID .*?END IF;\n", re.S)
@@ -485,12 +490,19 @@ def test_an_install_made_before_the_checks_is_fixed_in_place(
             for grant in path.grants(conn):
                 assert f"{fs.name}'s incremental path: apply runs: {grant}" in shown
     assert f"PUBLIC may use {path_of(SPEND).log}" in shown
-    assert f"freshline.{path_of(SPEND).prefix}_i() runs with its caller's rights" in shown
+    spend = path_of(SPEND).prefix
+    assert f"not SECURITY DEFINER with its fixed search_path: freshline.{spend}_i()" in shown
+    assert f"running as any trigger it is attached to: freshline.{spend}_{{i,u,d,t}}()" in shown
+    assert f"executable by PUBLIC: freshline.{spend}_{{i,u,d,t}}()" in shown
     applied = freshline("apply", "--no-cdc", **env)
     assert applied.returncode == 0, applied.stdout + applied.stderr
-    assert "fixed the derived incremental path of spend in place" in " ".join(
-        applied.stderr.split()
-    )
+    ran = " ".join(applied.stderr.split())
+    assert "fixed the derived incremental path of spend in place" in ran
+    with engine.connect() as conn:
+        for fs in PATHS:  # every grant apply made, the plan listed
+            for grant in path_of(fs).grants(conn):
+                assert f"ran: {grant}" in ran
+                assert f"{fs.name}'s incremental path: apply runs: {grant}" in shown
     assert partials(engine) == before
     again = freshline("plan", **env)
     assert "security fix pending" not in again.stdout, again.stdout

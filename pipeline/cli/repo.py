@@ -173,6 +173,8 @@ def apply(
             assert isinstance(path, DerivedPath)
             path.install(conn)
             console.print(f"installed the derived incremental path of {name} ({path.days})")
+            for grant in path.grants(conn):
+                console.print(f"ran: {grant}")
         for name in result.security:  # no user table changes: no --alter-tables needed
             path = repo.registry[name].maintenance
             assert isinstance(path, DerivedPath)
@@ -181,8 +183,8 @@ def apply(
                 f"fixed the derived incremental path of {name} in place: functions replaced, "
                 "partials kept"
             )
-        for grant in (g for grants in result.path_grants.values() for g in grants):
-            console.print(f"ran: {grant}")
+            for grant in path.grants(conn):
+                console.print(f"ran: {grant}")
         if result.publication_missing:
             exists = conn.execute(
                 sa.text("SELECT 1 FROM pg_publication WHERE pubname = :p"), {"p": publication}

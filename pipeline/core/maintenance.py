@@ -102,6 +102,11 @@ function is all it needs); ``freshline buckets fold`` does it by hand. The consu
 the current UTC day only now and then (:meth:`DerivedPath.fold_settled` leaves it): a read
 takes its ``as_of``'s day from the rows whatever the partial holds, so under a steady
 stream of writes a fold of that day is recomputed again and again for no reader.
+
+Every generated function runs as the owner, and no other login may write the path's
+tables or run its functions (:meth:`DerivedPath.grants`: freshline's roles read, the
+consumers fold): a log row forged by another login would move a head's values. Each
+trigger function refuses to run as any trigger but its own.
 """
 
 from __future__ import annotations
@@ -685,16 +690,16 @@ class DerivedPath(IncrementalPath):
         )
 
     @property
+    def _fold_signature(self) -> str:
+        return f"{self.prefix}_fold(integer, boolean, boolean)"
+
+    @property
     def _signatures(self) -> list[str]:
         """Every function of the path, as ``pg_get_function_identity_arguments`` names
         its arguments (no schema)."""
         ops = "iudt"
         lookups = [f"l{n}{k}" for n in range(len(self.decl.lookups)) for k in ops]
-        names = [*ops, "p", *lookups]
-        return [
-            *(f"{self.prefix}_{k}()" for k in names),
-            f"{self.prefix}_fold(integer, boolean, boolean)",
-        ]
+        return [*(f"{self.prefix}_{k}()" for k in [*ops, "p", *lookups]), self._fold_signature]
 
     def _functions(
         self,
@@ -1518,7 +1523,7 @@ class DerivedPath(IncrementalPath):
         for role in roles:
             out.append(f"GRANT SELECT ON {tables} TO {role}")
             if role == "freshline_consumer":
-                out.append(f"GRANT EXECUTE ON FUNCTION {SCHEMA}.{self._signatures[-1]} TO {role}")
+                out.append(f"GRANT EXECUTE ON FUNCTION {SCHEMA}.{self._fold_signature} TO {role}")
         return out
 
     def unsecured(self, conn: Connection) -> list[str]:
@@ -1547,18 +1552,21 @@ class DerivedPath(IncrementalPath):
                 {"schema": SCHEMA, "p": f"{self.prefix}_"},
             )
         }
-        out = []
+        lacking: dict[str, list[str]] = {}
         for name in self._signatures:
             if name not in found:
-                out.append(f"{SCHEMA}.{name} is missing")
+                lacking.setdefault("missing", []).append(name)
                 continue
             definer, settings, source, public = found[name]
             if not definer or list(settings or []) != config:
-                out.append(f"{SCHEMA}.{name} runs with its caller's rights or search_path")
+                lacking.setdefault("not SECURITY DEFINER with its fixed search_path", []).append(
+                    name
+                )
             if guards.get(name, "") not in source:
-                out.append(f"{SCHEMA}.{name} runs as any trigger it is attached to")
+                lacking.setdefault("running as any trigger it is attached to", []).append(name)
             if public:
-                out.append(f"{SCHEMA}.{name} is executable by PUBLIC")
+                lacking.setdefault("executable by PUBLIC", []).append(name)
+        out = [f"{what}: {self._named(names)}" for what, names in lacking.items()]
         for t in self.tables:
             if conn.execute(
                 sa.text(
@@ -1569,7 +1577,7 @@ class DerivedPath(IncrementalPath):
                 {"t": t},
             ).scalar():
                 out.append(f"PUBLIC may use {t}")
-        if self._signatures[-1] not in found:
+        if self._fold_signature not in found:
             return out
         granted = conn.execute(
             sa.text(
@@ -1579,11 +1587,18 @@ class DerivedPath(IncrementalPath):
                 "FROM pg_roles r CROSS JOIN unnest(CAST(:tables AS text[])) AS t "
                 "WHERE r.rolname IN ('freshline_api', 'freshline_consumer')"
             ),
-            {"fold": f"{SCHEMA}.{self._signatures[-1]}", "tables": self.tables},
+            {"fold": f"{SCHEMA}.{self._fold_signature}", "tables": self.tables},
         ).scalar()
         if granted is False:
             out.append("freshline's roles lack their grants")
         return out
+
+    def _named(self, names: list[str]) -> str:
+        """Functions of the path, few words: ``freshline.<prefix>_{i,u,d,t}()``."""
+        bare = [n.removeprefix(f"{self.prefix}_") for n in names]
+        if len(bare) > 1 and all(b.endswith("()") for b in bare):
+            return f"{SCHEMA}.{self.prefix}_{{{','.join(b[:-2] for b in bare)}}}()"
+        return ", ".join(f"{SCHEMA}.{n}" for n in names)
 
     def secure(self, conn: Connection) -> None:
         """Replace the installed path's functions with those :meth:`ddl` makes now and
@@ -1629,6 +1644,18 @@ def install_missing(conn: Connection, paths: Iterable[IncrementalPath]) -> list[
     for path in paths:
         if isinstance(path, DerivedPath) and not path.installed(conn):
             path.install(conn)
+            done.append(path)
+    return done
+
+
+def secure_installed(conn: Connection, paths: Iterable[IncrementalPath]) -> list[DerivedPath]:
+    """Fix in place the installed derived paths among ``paths`` that
+    :meth:`DerivedPath.unsecured` finds lacking (an earlier freshline's), in ``conn``'s
+    transaction, as ``freshline apply`` does; those it fixed."""
+    done = []
+    for path in paths:
+        if isinstance(path, DerivedPath) and path.installed(conn) and path.unsecured(conn):
+            path.secure(conn)
             done.append(path)
     return done
 
@@ -1717,4 +1744,4 @@ def superseded(conn: Connection, keep: Iterable[DerivedPath]) -> list[Installed]
     return found
 
 
-__all__ = ["DerivedPath", "Installed", "install_missing", "superseded"]
+__all__ = ["DerivedPath", "Installed", "install_missing", "secure_installed", "superseded"]
