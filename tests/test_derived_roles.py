@@ -401,7 +401,7 @@ def test_no_login_but_the_owner_may_write_freshlines_schema(
     assert_only_the_owner_may_write(db, logins, [path_of(fs) for fs in PATHS])
 
 
-GUARD = re.compile(r"    IF TG_RELID .*?END IF;\n", re.S)
+GUARD = re.compile(r"    IF \(?(?:CASE WHEN )?TG_RELID .*?END IF;\n", re.S)
 
 
 def as_main_made_it(conn: Connection, path: DerivedPath) -> None:
@@ -492,8 +492,8 @@ def test_an_install_made_before_the_checks_is_fixed_in_place(
     assert f"PUBLIC may use {path_of(SPEND).log}" in shown
     spend = path_of(SPEND).prefix
     assert f"not SECURITY DEFINER with its fixed search_path: freshline.{spend}_i()" in shown
-    assert f"running as any trigger it is attached to: freshline.{spend}_{{i,u,d,t}}()" in shown
-    assert f"executable by PUBLIC: freshline.{spend}_{{i,u,d,t}}()" in shown
+    assert f"running as any trigger it is attached to: freshline.{spend}_{{i,u,d,t,p}}()" in shown
+    assert f"executable by PUBLIC: freshline.{spend}_{{i,u,d,t,p}}()" in shown
     applied = freshline("apply", "--no-cdc", **env)
     assert applied.returncode == 0, applied.stdout + applied.stderr
     ran = " ".join(applied.stderr.split())

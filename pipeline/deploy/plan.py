@@ -25,6 +25,7 @@ from pipeline.core.features import FeatureSet, FieldType
 from pipeline.core.lock import Lock, check
 from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import Repository
+from pipeline.deploy import derived_checks
 
 # Postgres types (pg_type.typname) a declared field type accepts.
 FITS: dict[FieldType, frozenset[str]] = {
@@ -84,7 +85,10 @@ def plan(repo: Repository, engine: Engine, schema_version: int, publication: str
         for fs in repo.registry:
             # A query is run only once its tables are known to be there.
             result.problems += (
-                _check_sources(fs, columns) or _check_query(conn, fs) or _check_horizon(conn, fs)
+                _check_sources(fs, columns)
+                or _check_query(conn, fs)
+                or _check_horizon(conn, fs)
+                or derived_checks.check(conn, fs)
             )
             result.warnings += staleness_warnings(fs)
         for table in result.tables:
@@ -105,6 +109,10 @@ def plan(repo: Repository, engine: Engine, schema_version: int, publication: str
                 continue
             if not path.installed(conn):
                 result.derived[fs.name] = path.describe(conn)
+            elif fixes := path.table_fixes(conn):
+                result.derived[fs.name] = (
+                    f"{'; '.join(fixes)}: installs it again and rebuilds its partials"
+                )
             elif lacking := path.unsecured(conn):
                 result.security[fs.name] = lacking
             else:
