@@ -646,9 +646,14 @@ def test_the_api_serves_the_one_tenant_and_a_key_of_another_gets_nothing(
                 for fs in ("loans_now", "standing")
             )
         )
-        # Ids are checked as the entity's type: a uuid in canonical lower case only.
+        # Ids are checked as the entity's type: a uuid in either case reads the entry of
+        # its lower-case spelling; anything else that is not a uuid is refused.
         upper = api.get(f"/v1/features/loans_now/{ada.upper()}")
-        assert upper.status_code == 400 and upper.json()["error"]["code"] == "invalid_id"
+        assert upper.status_code == 200, upper.text
+        lower = api.get(f"/v1/features/loans_now/{ada}")
+        assert upper.json()["values"] == lower.json()["values"]
+        short = api.get(f"/v1/features/loans_now/{ada[:-1]}")
+        assert short.status_code == 400 and short.json()["error"]["code"] == "invalid_id"
 
 
 def test_a_deploy_warms_the_new_version_and_readers_move_to_it_whole(
