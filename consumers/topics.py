@@ -277,9 +277,11 @@ def _create_acls(admin: AdminClient, bindings: list[AclBinding], remedy: str) ->
             if _security_disabled(exc):
                 return
             user = binding.principal.removeprefix("User:")
+            operation, kind = binding.operation, binding.restype
+            what = f"{getattr(operation, 'name', operation)} {getattr(kind, 'name', kind)}"
             raise TopicError(
-                f"could not allow {user!r} to {binding.operation.name} "
-                f"{binding.restype.name.lower()} {binding.name!r}: {exc.args[0]}; {remedy}"
+                f"could not allow {user!r} to {what.lower()} {binding.name!r}: "
+                f"{exc.args[0]}; {remedy}"
             ) from exc
 
 

@@ -34,6 +34,7 @@ from confluent_kafka.admin import (
     AclBindingFilter,
     AclOperation,
     AclPermissionType,
+    AdminClient,
     ResourcePatternType,
     ResourceType,
 )
@@ -223,9 +224,17 @@ def forget_repository(base_settings: Settings, db: str) -> None:
         "FRESHLINE_TOPIC_PREFIX": prefix,
         "FRESHLINE_POSTGRES_URL": re.sub(r"/[^/]*$", f"/{db}", operator.postgres_url),
     }
-    subprocess.run([FRESHLINE, "cdc", "remove"], env=env, capture_output=True, timeout=120)
+    removed = subprocess.run(
+        [FRESHLINE, "cdc", "remove"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert removed.returncode == 0, removed.stdout + removed.stderr
     drop_database(base_settings, db)
-    admin = admin_client(operator)
+    forget_prefix(admin_client(operator), prefix)
+
+
+def forget_prefix(admin: AdminClient, prefix: str) -> None:
+    """Delete the topics named ``prefix...`` (and Debezium's heartbeats for them) and
+    every ACL on a topic or group named ``prefix...``, as the ``admin``'s login."""
     heartbeats = f"__debezium-heartbeat.{prefix}"
     topics = [t for t in admin.list_topics(timeout=15).topics if t.startswith((prefix, heartbeats))]
     if topics:
