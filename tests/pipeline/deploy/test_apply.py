@@ -110,3 +110,42 @@ def test_apply_changes_no_table_until_kafka_allows_it_and_a_rerun_finishes(
     assert (repo / "features.lock.json").exists()
     again = freshline("apply", "--alter-tables")  # nothing left to do: still fine
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_a_connector_refused_after_the_tables_changed_says_how_to_undo_or_finish(
+    database: tuple[str, str], tmp_path: Path
+) -> None:
+    name, url = database
+    repo = tmp_path / "myrepo"
+    env = {
+        **os.environ,
+        "FRESHLINE_POSTGRES_URL": url,
+        "FRESHLINE_TOPIC_PREFIX": f"{name}.",
+        "FRESHLINE_REPO": str(repo),
+    }
+    env.pop("FRESHLINE_POSTGRES_ADMIN_URL", None)
+
+    def freshline(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [FRESHLINE, *args], capture_output=True, text=True, env=env, timeout=180
+        )
+
+    assert freshline("init", str(repo)).returncode == 0
+    # Connect cannot reach Postgres under this name: the last step fails.
+    failed = freshline("apply", "--alter-tables", "--database-host", "nowhere.invalid")
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "Traceback" not in failed.stderr, failed.stderr
+    said = " ".join(failed.stderr.split())
+    assert "apply stopped at the connector" in said, said
+    assert "done: topics, ACLs, Kafka Connect, freshline schema, your tables, the lock" in said
+    assert "your tables were changed" in said, said
+    for undo in (
+        "ALTER TABLE loans REPLICA IDENTITY DEFAULT",
+        "REVOKE SELECT ON books, loans, members FROM freshline_consumer",
+        "DROP PUBLICATION freshline",
+    ):
+        assert undo in said, said
+    assert "run freshline apply again" in said, said
+    done = freshline("apply", "--alter-tables")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "RUNNING" in done.stderr, done.stderr
