@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -30,6 +30,11 @@ from pipeline.cli.app import console
 from pipeline.cli.repo import _plan, _print
 from pipeline.core.errors import FreshlineError
 from pipeline.core.maintenance import DerivedPath
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from pipeline.deploy.plan import Plan
 
 
 class ApplyStopped(FreshlineError):
@@ -87,8 +92,9 @@ def undo(ddl: str) -> str:
         return "REVOKE " + ddl.removeprefix("GRANT ").replace(" TO ", " FROM ")
     if ddl.startswith("CREATE PUBLICATION "):
         return "DROP PUBLICATION " + ddl.split()[2]
-    if ddl.startswith("installed "):
-        return f"remove what {ddl} made"
+    if ddl.startswith("installed triggers "):
+        triggers, _, table = ddl.removeprefix("installed triggers ").partition(" on ")
+        return f"drop the triggers {triggers} on {table.split()[0]}"
     return f"revert: {ddl}"
 
 
@@ -114,8 +120,6 @@ def apply(
     """Deploy the repository: topics, ACLs and freshline's own schema first, then the
     publication, the lock and the CDC connector. Your tables are changed only with
     --alter-tables, and only once everything else is in place."""
-    import sqlalchemy as sa
-
     import migrations
     from consumers.kafka import admin_client
     from consumers.topics import (
@@ -129,7 +133,6 @@ def apply(
     from pipeline.core.db import make_owner_engine
     from pipeline.core.lock import Lock, update
     from pipeline.core.settings import load_settings
-    from pipeline.deploy.plan import missing_grants
 
     result = _plan(publication)
     _print(result)
@@ -176,38 +179,11 @@ def apply(
         engine = make_owner_engine(settings)
         try:
             with engine.begin() as conn:
-                ddls = list(result.replica_identity.values())
-                grants = missing_grants(conn, result.tables)  # the roles exist now
-                if alter_tables:
-                    ddls += grants
-                elif grants:
-                    console.print(
-                        "[yellow]warning:[/yellow] freshline's roles cannot read your tables; "
-                        f"run (or pass --alter-tables): {'; '.join(grants)}"
-                    )
-                for ddl in ddls:
-                    conn.execute(sa.text(ddl))
-                for name in result.derived:
-                    path = repo.registry[name].maintenance
-                    assert isinstance(path, DerivedPath)
-                    path.install(conn)
-                    ddls.append(f"installed the derived incremental path of {name}")
-                if result.publication_missing:
-                    exists = conn.execute(
-                        sa.text("SELECT 1 FROM pg_publication WHERE pubname = :p"),
-                        {"p": publication},
-                    ).first()
-                    verb = (
-                        "ALTER PUBLICATION {p} SET TABLE"
-                        if exists
-                        else ("CREATE PUBLICATION {p} FOR TABLE")
-                    )
-                    ddls.append(f"{verb.format(p=publication)} {', '.join(result.tables)}")
-                    conn.execute(sa.text(ddls[-1]))
+                ran = change_tables(conn, result, alter_tables, publication)
         finally:
             engine.dispose()
-        steps.ran = ddls  # committed together, or not at all
-        for ddl in ddls:
+        steps.ran = ran  # committed together, or not at all
+        for ddl in ran:
             console.print(f"ran: {ddl}")
     with steps.step("the lock"):
         lock = Lock.load(repo.lock_path)
@@ -219,3 +195,42 @@ def apply(
         return
     with steps.step("the connector"):
         register_connector(database_host=database_host)
+
+
+def change_tables(
+    conn: Connection, result: Plan, alter_tables: bool, publication: str
+) -> list[str]:
+    """What apply does to the user's tables, in ``conn``'s transaction: the replica
+    identity and grants (with ``alter_tables``), the derived paths, the publication.
+    Returns what ran, one line each."""
+    import sqlalchemy as sa
+
+    from pipeline.deploy.plan import missing_grants
+
+    ran = list(result.replica_identity.values())
+    grants = missing_grants(conn, result.tables)  # the roles exist now
+    if alter_tables:
+        ran += grants
+    elif grants:
+        console.print(
+            "[yellow]warning:[/yellow] freshline's roles cannot read your tables; "
+            f"run (or pass --alter-tables): {'; '.join(grants)}"
+        )
+    for ddl in ran:
+        conn.execute(sa.text(ddl))
+    for name in result.derived:
+        path = result.repository.registry[name].maintenance
+        assert isinstance(path, DerivedPath)
+        path.install(conn)
+        ran.append(
+            f"installed triggers {path.trigger}_* on {path.decl.table} (the derived "
+            f"incremental path of {name})"
+        )
+    if result.publication_missing:
+        exists = conn.execute(
+            sa.text("SELECT 1 FROM pg_publication WHERE pubname = :p"), {"p": publication}
+        ).first()
+        verb = "ALTER PUBLICATION {p} SET TABLE" if exists else "CREATE PUBLICATION {p} FOR TABLE"
+        ran.append(f"{verb.format(p=publication)} {', '.join(result.tables)}")
+        conn.execute(sa.text(ran[-1]))
+    return ran
