@@ -79,7 +79,7 @@ class Steps:
         else:
             tables = "your tables are unchanged"
         return (
-            f"apply stopped at {name}: {cause}. {ran}; {tables}. Once that is fixed, "
+            f"apply stopped at {name}: {cause.rstrip('.')}. {ran}; {tables}. Once that is fixed, "
             "run freshline apply again: it finishes the job"
         )
 
