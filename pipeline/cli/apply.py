@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from pipeline.cli.app import console
-from pipeline.cli.repo import _plan, _print
+from pipeline.cli.repo import checked_plan, show_plan
 from pipeline.core.errors import FreshlineError
 from pipeline.core.maintenance import DerivedPath
 
@@ -134,8 +134,8 @@ def apply(
     from pipeline.core.lock import Lock, update
     from pipeline.core.settings import load_settings
 
-    result = _plan(publication)
-    _print(result)
+    result = checked_plan(publication)
+    show_plan(result)
     if not result.ok:
         console.print("[red]error:[/red] the plan has problems; nothing applied")
         raise typer.Exit(1)
@@ -234,3 +234,8 @@ def change_tables(
         ran.append(f"{verb.format(p=publication)} {', '.join(result.tables)}")
         conn.execute(sa.text(ran[-1]))
     return ran
+
+
+def register(app: typer.Typer) -> None:
+    """Add apply to the ``freshline`` app."""
+    app.command("apply")(apply)

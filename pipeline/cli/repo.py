@@ -101,13 +101,14 @@ def plan(
     publication: Annotated[str, typer.Option(help="The CDC publication")] = "freshline",
 ) -> None:
     """Show what apply would change, checked against Postgres; change nothing."""
-    result = _plan(publication)
-    _print(result)
+    result = checked_plan(publication)
+    show_plan(result)
     if not result.ok:
         raise typer.Exit(1)
 
 
-def _plan(publication: str) -> Plan:
+def checked_plan(publication: str) -> Plan:
+    """The active repository's plan, checked against the database (plan and apply)."""
     from pipeline.core.db import make_engine, ping
     from pipeline.core.repository import active
     from pipeline.core.settings import load_settings
@@ -123,7 +124,8 @@ def _plan(publication: str) -> Plan:
         engine.dispose()
 
 
-def _print(result: Plan) -> None:
+def show_plan(result: Plan) -> None:
+    """Print ``result`` as ``plan`` shows it."""
     repo = result.repository
     out.print(f"repository {repo.name} at {repo.path}, schema version {result.schema_version}")
     for fs in repo.registry:
@@ -164,9 +166,6 @@ def _print(result: Plan) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    """Add init, plan and apply to the ``freshline`` app."""
+    """Add init and plan to the ``freshline`` app (apply is :mod:`pipeline.cli.apply`)."""
     app.command("init")(init)
     app.command("plan")(plan)
-    from pipeline.cli.apply import apply  # it builds on _plan and _print, here
-
-    app.command("apply")(apply)
