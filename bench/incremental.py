@@ -17,6 +17,9 @@
    transaction (days folded per second, and COPY plus its fold against COPY without).
    The rows written without triggers are removed with the triggers off, with their
    tenants' partials and log, so the partials stay exact.
+3. **The insert trigger's rights.** The same writes, triggers on, with the insert
+   trigger as freshline makes it (SECURITY DEFINER) and as it was before (the writer's
+   rights), interleaved.
 
 txn_90d's and geo's paths are derived from their declarations
 (:mod:`pipeline.core.maintenance`); the write cost is that of both paths' triggers.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -257,6 +261,53 @@ def _writes(
     }
 
 
+_GUARD = re.compile(r"    IF TG_RELID .*?END IF;\n", re.S)
+_DEFINER = re.compile(r"\n SECURITY DEFINER\n SET search_path TO [^\n]*")
+
+
+def _insert_rights(
+    ctx: common.Context, tenant: str, sample: int, rounds: int, insert_rounds: int, block: int
+) -> dict[str, Any]:
+    """What the insert trigger's rights cost a write: the triggers on in both modes,
+    each path's insert trigger function as freshline makes it ("definer": SECURITY
+    DEFINER, a fixed search_path, the check of the trigger it runs as) against as it
+    was before (the writer's rights, no check, no search_path of its own), replaced
+    block by block and interleaved as :func:`write_rounds` does."""
+    with ctx.engine.connect() as conn:
+        made = [
+            str(
+                conn.execute(
+                    sa.text("SELECT pg_get_functiondef(CAST(:f AS regprocedure))"),
+                    {"f": f"freshline.{path.prefix}_i()"},
+                ).scalar_one()
+            )
+            for path in PATHS
+        ]
+    before = [_DEFINER.sub("", _GUARD.sub("", f)) for f in made]
+    assert all(b != f for b, f in zip(before, made, strict=True))
+
+    def toggle(definer: bool) -> None:
+        with ctx.engine.begin() as conn:
+            for statement in made if definer else before:
+                conn.execute(sa.text(statement))
+
+    scratch: list[str] = []
+    try:
+        _, copy_rates, insert_ns = write_rounds(
+            ctx, tenant, sample, rounds, insert_rounds, block, toggle, scratch
+        )
+    finally:
+        _cleanup(ctx, scratch)
+    copy = {m: round(float(np.median(v))) for m, v in copy_rates.items()}
+    ins = {m: common.stats_ns(v) for m, v in insert_ns.items()}
+    return {
+        "copy_rows_per_s": copy,
+        "copy_cost": common.ratio(copy["without"], copy["with"]),
+        "insert_us": ins,
+        "insert_p50_cost": common.ratio(ins["with"]["p50_us"], ins["without"]["p50_us"]),
+    }
+
+
 def _cleanup(ctx: common.Context, tenants: list[str]) -> None:
     """Remove the scratch rows with the triggers off, and their tenants' partials."""
     if not tenants:
@@ -283,6 +334,7 @@ def run(quick: bool) -> dict[str, Any]:
         pending = _recompute(ctx, data.tenant, who, rounds, calls)
     sample, w_rounds, i_rounds, block = (2_000, 2, 8, 25) if quick else (20_000, 4, 30, 50)
     writes = _writes(ctx, data.tenant, sample, w_rounds, i_rounds, block)
+    rights = _insert_rights(ctx, data.tenant, sample, w_rounds, i_rounds, block)
     targets = []
     for state, res in (("folded", recompute), ("changes logged", pending)):
         for name, r in res.items():
@@ -326,6 +378,7 @@ def run(quick: bool) -> dict[str, Any]:
         "recompute_pending": pending,
         "pending_head": PENDING_HEAD,
         "writes": writes,
+        "insert_rights": rights,
         "targets": targets,
     }
 
@@ -349,6 +402,36 @@ def markdown(res: dict[str, Any]) -> str:
                 )
             )
     ins, fold = w["insert_us"], w["fold"]
+    rights = res.get("insert_rights")
+    by_rights = []
+    if rights is not None:
+        r_ins = rights["insert_us"]
+        by_rights = [
+            "The insert trigger as freshline makes it (SECURITY DEFINER, a fixed search_path, "
+            "the check of the trigger it runs as) against as it was before (the writer's "
+            "rights, INSERT on the log granted to PUBLIC), both paths' triggers on, the same "
+            "writes interleaved the same way:",
+            "",
+            common.table(
+                ["", "definer", "writer's rights", "cost"],
+                [
+                    (
+                        "COPY rows/s",
+                        rights["copy_rows_per_s"]["with"],
+                        rights["copy_rows_per_s"]["without"],
+                        f"{rights['copy_cost']}x",
+                    ),
+                    (
+                        "INSERT p50 µs",
+                        r_ins["with"]["p50_us"],
+                        r_ins["without"]["p50_us"],
+                        f"{rights['insert_p50_cost']}x",
+                    ),
+                    ("INSERT p99 µs", r_ins["with"]["p99_us"], r_ins["without"]["p99_us"], ""),
+                ],
+            ),
+            "",
+        ]
     return "\n".join(
         [
             "## incremental: head entity against median, and the write cost of the derived path",
@@ -403,6 +486,7 @@ def markdown(res: dict[str, Any]) -> str:
             f"transaction); COPY plus its fold costs {fold['copy_and_fold_cost']}x a COPY "
             "without triggers, off the writer's transaction.",
             "",
+            *by_rights,
             common.targets_table(res["targets"]),
         ]
     )

@@ -17,6 +17,10 @@ Failures are classified by cause, never by where they surfaced:
   key may hold, a value Postgres refuses). The worker finds the culprits by applying
   the batch's events one by one and dead-letters them with the reason.
 
+- **refused** (:data:`FATAL`): an ACL refuses the consumer's login its group, a topic
+  or the invalidation channel. The consumer stops with one line naming the ACL or
+  the setting (:mod:`consumers.access`), its batch uncommitted.
+
 Anything else is a bug: it ends the loop with the batch uncommitted.
 """
 
@@ -28,10 +32,13 @@ import psycopg
 import redis
 import sqlalchemy as sa
 
-from consumers.processor import ReplicasBehind, SourceChanged
+from consumers.kafka import NotAuthorized
+from consumers.processor import PublishRefused, ReplicasBehind, SourceChanged
 from pipeline.cache.recompute import NotYetDurable, NotYetVisible
 from pipeline.core.errors import (
+    AccessRefused,
     ConfigError,
+    DefinitionFailed,
     DeployError,
     FreshlineError,
     LockMismatch,
@@ -67,12 +74,15 @@ CONFIGURATION: tuple[type[BaseException], ...] = (
 """Failures of the deployment, not of an event: held and retried, never dead-lettered.
 Caught before :data:`TRANSIENT` (Redis's ``AuthenticationError`` is a connection error)
 and before :data:`DATA_ERRORS` (most are :class:`FreshlineError`)."""
+FATAL: tuple[type[BaseException], ...] = (AccessRefused, PublishRefused, NotAuthorized)
+"""Refusals by an ACL (:mod:`consumers.access`): waiting cannot help, so the consumer
+stops with one line naming the ACL or the setting; its batch stays uncommitted."""
 RETRIED: tuple[type[BaseException], ...] = CONFIGURATION + TRANSIENT
 """Every failure that holds the batch rather than dead-letter an event."""
 DATA_ERRORS: tuple[type[BaseException], ...] = (FreshlineError, ValueError, sa.exc.DataError)
 """Failures of one event's data: dead-lettered, never retried."""
 
-Cause = Literal["deploy", "lock", "settings", "permission", "schema", "source"]
+Cause = Literal["deploy", "lock", "definition", "settings", "permission", "schema", "source"]
 
 
 def service(exc: BaseException) -> str:
@@ -94,6 +104,8 @@ def cause(exc: BaseException) -> Cause:
         return "deploy"
     if isinstance(exc, LockMismatch):
         return "lock"
+    if isinstance(exc, DefinitionFailed):
+        return "definition"
     if isinstance(exc, ConfigError):
         return "settings"
     if isinstance(exc, sa.exc.ProgrammingError) and not isinstance(

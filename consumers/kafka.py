@@ -55,6 +55,20 @@ class MissingTopic(BrokerError):
         self.args = (f"{self.args[0]}; create the topics with: freshline topics ensure",)
 
 
+class NotAuthorized(BrokerError):
+    """The broker's ACLs refuse the login the group or a topic; waiting cannot help
+    (:mod:`consumers.access` says which ACL or setting)."""
+
+    def __init__(self, error: KafkaError, topic: str | None) -> None:
+        super().__init__(error, f"topic {topic!r}" if topic else "")
+        self.topic = topic
+
+
+NOT_AUTHORIZED = frozenset(
+    {KafkaError.GROUP_AUTHORIZATION_FAILED, KafkaError.TOPIC_AUTHORIZATION_FAILED}
+)
+
+
 class DeliveryFailed(FreshlineError):
     """A produced message was not acknowledged by the broker.
 
@@ -152,7 +166,8 @@ def check_message(msg: Message | None) -> Message | None:
 
     The one place every polled message's ``.error()`` is checked: partition EOF is not
     an error; a missing topic raises :class:`MissingTopic`; a fatal error raises
-    :class:`BrokerError`; other errors are ones librdkafka recovers from by itself,
+    :class:`BrokerError`; a refusal by the ACLs raises :class:`NotAuthorized`; other
+    errors are ones librdkafka recovers from by itself,
     so they are logged and skipped.
     """
     if msg is None:
@@ -169,6 +184,8 @@ def check_message(msg: Message | None) -> Message | None:
             logger.debug("no topic matches %s yet", msg.topic())
             return None
         raise MissingTopic(err, msg.topic())
+    if code in NOT_AUTHORIZED:
+        raise NotAuthorized(err, msg.topic())
     if err.fatal():
         raise BrokerError(err, f"{msg.topic()}[{msg.partition()}]")
     logger.warning(
@@ -228,13 +245,15 @@ class Consumer:
         return str(self._config["group.id"])
 
     def _on_error(self, err: KafkaError) -> None:
-        if err.fatal():
+        if err.fatal() or err.code() in NOT_AUTHORIZED:
             self._fatal = err
         else:
             logger.warning("Kafka consumer: %s", err)
 
     def _raise_fatal(self) -> None:
         if self._fatal is not None:
+            if self._fatal.code() in NOT_AUTHORIZED:
+                raise NotAuthorized(self._fatal, None)
             raise BrokerError(self._fatal, "consumer")
 
     def subscribe(
@@ -347,6 +366,8 @@ class Consumer:
                 return []
             if isinstance(err, KafkaError) and err.code() in RETRIABLE_COMMIT_ERRORS:
                 raise CommitNotYet(err, "commit") from exc
+            if isinstance(err, KafkaError) and err.code() in NOT_AUTHORIZED:
+                raise NotAuthorized(err, None) from exc
             if isinstance(err, KafkaError):
                 raise BrokerError(err, "commit") from exc
             raise

@@ -48,9 +48,16 @@ class ConsumerMetrics:
         )
         self.consumer_lag = Gauge(
             "freshline_consumer_lag",
-            "Records behind the partition end",
-            ["topic", "partition"],
+            "Records between the group's committed offset and the partition's end "
+            "(high watermark), per partition this member is assigned",
+            ["group", "topic", "partition"],
             multiprocess_mode="max",
+        )
+        self.subscribed_topics = Gauge(
+            "freshline_consumer_subscribed_topics",
+            "Topics the consumer's subscription matches (0: it reads nothing)",
+            ["group"],
+            multiprocess_mode="livemax",
         )
         self.retries = Counter(
             "freshline_transient_retries_total",

@@ -144,6 +144,12 @@ class ReplicasBehind(FreshlineError):
         )
 
 
+class PublishRefused(FreshlineError):
+    """Redis refused the user publishing the batch's invalidations (an ACL): its entries
+    are written but not announced, and no retry will announce them
+    (:func:`consumers.access.publish_refused` says what to change)."""
+
+
 class SourceChanged(FreshlineError):
     """The Postgres the consumer reads is not the history its earlier batches read: a
     new system identifier (another cluster) or a new timeline (a promoted standby, a
@@ -431,7 +437,11 @@ class Processor:
             pipe.get(SERVER_KEY)
         if self.wait_replicas:
             pipe.wait(self.wait_replicas, self.wait_timeout_ms)
-        replies = pipe.execute()
+        try:
+            replies = pipe.execute()
+        except redis.exceptions.NoPermissionError as exc:
+            # The user may write the entries but not announce them: the API's user, say.
+            raise PublishRefused(str(exc)) from exc
         if self.wait_replicas and int(replies[-1]) < self.wait_replicas:
             raise ReplicasBehind(int(replies[-1]), self.wait_replicas, self.wait_timeout_ms)
         if watched:

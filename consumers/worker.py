@@ -30,7 +30,10 @@ harmless. A failure that is not about one event's data (:mod:`consumers.failures
 never dead-letters a healthy stream: a transient one (Postgres or Redis down, a change
 not yet visible) or a configuration one (the deploy pointer, the lock, the eviction
 policy, a permission; logged once with its fix) pauses the assigned partitions and
-retries the same batch with backoff until it succeeds or a stop is requested. While
+retries the same batch with backoff until it succeeds or a stop is requested (which
+ends the run cleanly, the batch uncommitted). An ACL that refuses the consumer its
+group, a topic it writes or the invalidation channel ends the run with one line naming
+it (:mod:`consumers.access`); group and topics are checked before joining. While
 paused the loop keeps polling, to stay in the group: a partition assigned meanwhile is
 paused too, and a record that a poll returns anyway is never dropped: the partition is
 rewound to it.
@@ -45,25 +48,30 @@ their new owner reads them again; a commit the rebalance refuses is logged, not 
 If the broker refuses the dead letters or invalidations of a batch (the dead-letter
 topic unavailable), they are sent again with backoff and counted in
 ``freshline_delivery_failures_total``; the offsets wait, so nothing is skipped.
+While idle, the loop reports its lag (the end less the group's committed offset) and
+counts the topics its subscription matches, warning while it matches none.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
 import sqlalchemy as sa
-from confluent_kafka import Message, TopicPartition
+from confluent_kafka import KafkaError, Message, TopicPartition
 
+from consumers.access import check_kafka, kafka_refusal, publish_refused, write_refusal
 from consumers.dlq import DeadLetters, Record
 from consumers.events import EventRejected, decode
 from consumers.failures import (
     CONFIGURATION,
     DATA_ERRORS,
+    FATAL,
     RETRIED,
     TRANSIENT,
     cause,
@@ -75,15 +83,17 @@ from consumers.kafka import (
     Consumer,
     Delivery,
     DeliveryFailed,
+    NotAuthorized,
     Producer,
     check_message,
 )
 from consumers.metrics import consumer_metrics
-from consumers.processor import BatchReport, Processor, impossible_txids
+from consumers.processor import BatchReport, Processor, PublishRefused, impossible_txids
 from consumers.routing import Router
 from consumers.topics import subscription
 from pipeline.cache.invalidation import Invalidation
 from pipeline.cache.recompute import NotYetVisible
+from pipeline.cache.roster import Proc, Registration
 from pipeline.cache.store import check_eviction_policy
 from pipeline.cache.versions import WriteVersions
 from pipeline.core.db import make_engine
@@ -101,6 +111,9 @@ MAX_BACKOFF_S = 5.0
 CLOSE_TIMEOUT_S = 10.0
 """How long closing the producer (its flush) and the consumer may each take."""
 LAG_EVERY_S = 5.0
+"""How often an idle consumer reports its lag and counts the topics it subscribes to."""
+LAG_TIMEOUT_S = 2.0
+UNMATCHED_LOG_EVERY_S = 300.0
 WATCH_EVERY_S = 1.0
 """How often an idle consumer reads the Redis server's identity (a batch always does)."""
 FOLD_USERS = 500
@@ -154,6 +167,22 @@ class Totals:
     retries: int = 0
 
 
+HELD: tuple[type[BaseException], ...] = (*RETRIED, DeliveryFailed, CommitNotYet)
+"""What the loop holds a batch for; a stop asked for meanwhile ends the run cleanly."""
+
+
+def matching(subscription: Sequence[str], topics: Iterable[str]) -> set[str]:
+    """The ``topics`` a subscription of names and ``^regex`` patterns matches, as
+    librdkafka matches them (a pattern by a regex search; never ``__`` internal ones)."""
+    patterns = [re.compile(s) for s in subscription if s.startswith("^")]
+    names = set(subscription)
+    return {
+        t
+        for t in topics
+        if t in names or (not t.startswith("__") and any(p.search(t) for p in patterns))
+    }
+
+
 def check_durability_settings(settings: Settings) -> None:
     """Refuse a ``WAIT`` the consumer cannot do: on Redis Cluster (a batch's writes
     span masters, each with its own replication stream), or one that outlasts the
@@ -200,10 +229,11 @@ class Worker:
         self.redis = consumer_redis_client(settings)
         self._policy_checked = False
         self.metrics = consumer_metrics()
+        writes = versions or WriteVersions(self.redis, settings)
         self.processor = Processor(
             self.engine,
             self.redis,
-            versions=versions or WriteVersions(self.redis, settings),
+            versions=writes,
             registry=REGISTRY.with_paths(settings.recompute_paths),
             tombstone_ttl_s=settings.tombstone_ttl_s,
             publish=self._publish,
@@ -219,8 +249,27 @@ class Worker:
         self.closed_cleanly = True
         self._revoked: set[tuple[str, int]] = set()
         self._lag_due = 0.0
+        self._done: dict[tuple[str, int], int] = {}  # committed offsets, for the lag
+        self._topics_due = 0.0
+        self._unmatched_since: float | None = None
+        self._unmatched_logged = 0.0
         self._folding = threading.Event()
         self._folder = threading.Thread(target=self._fold_deltas, name="bucket-fold", daemon=True)
+        # Who runs what (pipeline.cache.roster): the versions it writes, for deploy flip.
+        self.registration: Registration | None = None
+        self.paused: str | None = None
+        """What holds the batch (a configuration failure's cause and remedy), or None."""
+        if isinstance(writes, WriteVersions):
+            proc = Proc.of(
+                "consume",
+                writes.lock,
+                writes.registry,
+                group=self.consumer.group_id,
+                pointer=writes.pointer,
+            )
+            self.registration = Registration(
+                self.redis, proc, pointer=writes.pointer, paused=lambda: self.paused
+            )
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -240,7 +289,10 @@ class Worker:
         deadline = None if timeout is None else time.monotonic() + timeout
         idle_since = time.monotonic()
         try:
+            if self.registration is not None:
+                self.registration.start()
             self._check_policy(at_start=True)
+            check_kafka(self.settings, self.consumer.group_id, self._writes())
             self.consumer.subscribe(
                 self.topics,
                 on_assign=self._on_assign,
@@ -258,9 +310,36 @@ class Worker:
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     break
+        except NotAuthorized as exc:
+            refused = kafka_refusal(
+                self.settings, self.consumer.group_id, exc.error, exc.topic, writing=False
+            )
+            raise (refused or exc) from exc
+        except PublishRefused as exc:
+            raise publish_refused(self.settings, exc) from exc
+        except HELD as exc:
+            if not self._stop.is_set():
+                raise
+            # A stop asked for while a batch was held: its records stay uncommitted and
+            # are read again at the next start (by this group's next member).
+            logger.info("stopped with a batch held uncommitted (%s)", exc)
         finally:
             self.close()
         return self.totals
+
+    def _exists(self, topic: str) -> bool:
+        """Whether ``topic`` is on the broker (True if it cannot tell)."""
+        try:
+            found = self.consumer.inner.list_topics(topic, timeout=LAG_TIMEOUT_S).topics.get(topic)
+        except Exception:  # only to word the message; the refusal stands either way
+            return True
+        if found is None:
+            return False
+        return found.error is None or found.error.code() != KafkaError.UNKNOWN_TOPIC_OR_PART
+
+    def _writes(self) -> list[str]:
+        """The topics this member writes: the invalidations and the dead letters."""
+        return [self.invalidations_topic, self.dead_letters.topic]
 
     def close(self) -> None:
         """Flush the producer and leave the group, each within a bound.
@@ -270,6 +349,8 @@ class Worker:
         ``os._exit``, since the interpreter's own teardown would wait on it again.
         """
         self._folding.set()
+        if self.registration is not None:
+            self.registration.close()
         if self._folder.is_alive():
             self._folder.join(CLOSE_TIMEOUT_S)
         try:
@@ -287,6 +368,7 @@ class Worker:
         )
         if not messages:
             self._report_lag()
+            self._watch_subscription()
             self._watch_redis()
             return 0
         self._revoked.clear()
@@ -351,6 +433,7 @@ class Worker:
                         MAX_BACKOFF_S,
                     )
                     held = failure
+                    self.paused = f"{failure[0]}: {failure[1]}"  # the status page's problem
                 self.totals.retries += 1
                 self.metrics.config_retries.labels(failure[0]).inc()
                 return True
@@ -369,6 +452,7 @@ class Worker:
         finally:
             if held is not None:
                 self.metrics.paused.labels(held[0]).set(0)
+                self.paused = None
         if held is not None:
             logger.info(
                 "consumer resumed: the configuration error (%s) is fixed; the batch held "
@@ -427,6 +511,8 @@ class Worker:
             self.producer.flush()
 
         def failed(exc: DeliveryFailed, delay: float) -> bool:
+            if exc.error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+                raise write_refusal(self.settings, exc.topic, self._exists(exc.topic)) from exc
             self.totals.retries += 1
             self.metrics.delivery_failures.labels(exc.topic).inc()
             logger.error(
@@ -515,7 +601,7 @@ class Worker:
         self._check_policy(at_start=False)
         try:
             report = self.processor.apply([e for _, e in events])
-        except RETRIED:
+        except FATAL + RETRIED:
             raise
         except DATA_ERRORS as exc:
             logger.info("batch failed (%s); applying its events one by one", exc)
@@ -523,7 +609,7 @@ class Worker:
             for _, event in events:
                 try:
                     outcomes.append(self.processor.apply([event]))
-                except RETRIED:
+                except FATAL + RETRIED:
                     raise
                 except DATA_ERRORS as one:
                     outcomes.append(one)
@@ -562,7 +648,8 @@ class Worker:
         def commit() -> None:
             keep = [m for m in messages if (m.topic(), m.partition()) not in self._revoked]
             if keep:
-                self.consumer.commit(keep)
+                for tp in self.consumer.commit(keep):
+                    self._done[tp.topic, tp.partition] = tp.offset
 
         def failed(exc: CommitNotYet, delay: float) -> bool:
             self.totals.retries += 1
@@ -579,6 +666,12 @@ class Worker:
 
     def _on_revoke(self, _consumer: object, partitions: list[TopicPartition]) -> None:
         self._revoked.update((p.topic, p.partition) for p in partitions)
+        group = self.consumer.group_id
+        for p in partitions:  # its new owner commits, and reports the lag, from now on
+            self._done.pop((p.topic, p.partition), None)
+            # 0 first: with PROMETHEUS_MULTIPROC_DIR a removed value stays in the file
+            self.metrics.consumer_lag.labels(group, p.topic, str(p.partition)).set(0)
+            self.metrics.consumer_lag.remove(group, p.topic, str(p.partition))
         logger.info("revoked %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))
 
     def _watch_redis(self) -> None:
@@ -594,6 +687,12 @@ class Worker:
             logger.warning("could not read the Redis server's identity: %s", exc)
 
     def _report_lag(self) -> None:
+        """``freshline_consumer_lag``: per assigned partition, the end (high watermark)
+        less the group's committed offset, which is what a restart would read again.
+
+        The committed offsets are those this member committed, and for a partition it
+        has committed nothing to yet, the group's, asked once after it is assigned.
+        """
         now = time.monotonic()
         if now < self._lag_due:
             return
@@ -602,17 +701,58 @@ class Worker:
             assignment = self.consumer.assignment()
             if not assignment:
                 return
-            positions = self.consumer.inner.position(assignment)
-            for tp in positions:
-                # Cached: the high watermark of the last fetch. Asking the broker would
+            inner = self.consumer.inner
+            unknown = [tp for tp in assignment if (tp.topic, tp.partition) not in self._done]
+            if unknown:
+                for tp in inner.committed(unknown, timeout=LAG_TIMEOUT_S):
+                    self._done.setdefault((tp.topic, tp.partition), tp.offset)
+            group = self.consumer.group_id
+            for tp in assignment:
+                # Cached: the watermarks of the last fetch. Asking the broker would
                 # queue behind the long-polling fetch and stall the loop for seconds.
-                _, high = self.consumer.inner.get_watermark_offsets(tp, cached=True)
-                if high < 0:
+                low, high = inner.get_watermark_offsets(tp, cached=True)
+                done = self._done.get((tp.topic, tp.partition), -1)
+                if done < 0:  # nothing committed: the group starts at the reset offset
+                    done = low if self.settings.auto_offset_reset == "earliest" else high
+                if high < 0 or done < 0:
                     continue
-                behind = high - tp.offset if tp.offset >= 0 else high
-                self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(max(0, behind))
+                self.metrics.consumer_lag.labels(group, tp.topic, str(tp.partition)).set(
+                    max(0, high - done)
+                )
         except Exception as exc:  # lag is advisory; never let it stop the loop
             logger.debug("consumer lag not available: %s", exc)
+
+    def _watch_subscription(self) -> None:
+        """While idle, count the topics the subscription matches: none is logged (again
+        every :data:`UNMATCHED_LOG_EVERY_S`) and shown by
+        ``freshline_consumer_subscribed_topics``, until one appears."""
+        now = time.monotonic()
+        if now < self._topics_due:
+            return
+        self._topics_due = now + LAG_EVERY_S
+        try:
+            names = self.consumer.inner.list_topics(timeout=LAG_TIMEOUT_S).topics
+        except Exception as exc:  # advisory, as the lag is
+            logger.debug("topics not listed: %s", exc)
+            return
+        matched = matching(self.topics, names)
+        group = self.consumer.group_id
+        if matched:
+            if self._unmatched_since is not None:
+                logger.info("the subscription now matches %s", ", ".join(sorted(matched)))
+            self._unmatched_since = None
+        elif self._unmatched_since is None or now - self._unmatched_logged > UNMATCHED_LOG_EVERY_S:
+            self._unmatched_since = self._unmatched_since or now
+            self._unmatched_logged = now
+            logger.warning(
+                "the subscription (%s) matches no topic: group %s reads nothing. Check "
+                "FRESHLINE_TOPIC_PREFIX (%r), create the domain-event topics (freshline "
+                "topics ensure) and register the connector (freshline cdc register)",
+                ", ".join(self.topics),
+                group,
+                self.settings.topic_prefix,
+            )
+        self.metrics.subscribed_topics.labels(group).set(len(matched))  # after the log
 
     # -- bucket upkeep ---------------------------------------------------------
 

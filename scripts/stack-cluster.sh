@@ -83,18 +83,26 @@ cl_redis_cli() {
     --pass "$(secret redis-admin)" --no-auth-warning "${@:2}"
 }
 
+# cl_redis_acl_file DIR: a node's ACL users: the single topology's and the replication login.
+cl_redis_acl_file() {
+  redis_acl_file "$1/users.acl" \
+    "user $CL_REDIS_REPLICATION_USER on >$(secret redis-replication) resetkeys resetchannels -@all +psync +replconf +ping"
+}
+
 cl_up_redis_node() {
   local port=$1 name=redis-$(($1 - 7000)) dir="$CL/redis/$1"
   if [[ -n "$(pid_of "$name")" ]]; then
     [[ -s $dir/security ]] ||
       fail "$name runs without ACL users: scripts/stack down --topology cluster, then up"
+    # This script's current ACL rules, loaded into the running node.
+    cl_redis_acl_file "$dir"
+    cl_redis_cli "$port" ACL LOAD >/dev/null 2>&1 || fail "$name: could not load its ACL rules"
     return 0
   fi
   port_open "$port" && fail "$HOST:$port ($name) is taken by another process"
   mkdir -p "$dir"
   rm -f "$dir/security"
-  redis_acl_file "$dir/users.acl" \
-    "user $CL_REDIS_REPLICATION_USER on >$(secret redis-replication) resetkeys resetchannels -@all +psync +replconf +ping"
+  cl_redis_acl_file "$dir"
   # No persistence: a node that restarts rejoins empty and resyncs from its master.
   # nodes.conf stays: it is the node's cluster identity, so a restarted node rejoins.
   # Mode 600: masterauth is a password.

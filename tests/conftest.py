@@ -65,7 +65,20 @@ def redis_client(settings: Settings) -> Iterator[redis.Redis]:
     # tenant ids and schema versions of their own, never by flushing.
     client = make_redis_client(settings)
     yield client
-    client.close()
+    try:
+        # Every key the session's writers left has a TTL, but the documented control
+        # keys (docs/guarantees.md): a failure here names the keys, not a test.
+        from tests.pipeline.core.test_ttl_everywhere import keys_without_ttl
+
+        immortal = keys_without_ttl(client)
+        if immortal:
+            shown = ", ".join(immortal[:10]) + (" ..." if len(immortal) > 10 else "")
+            raise AssertionError(
+                f"{len(immortal)} key(s) without a TTL, not in pipeline.core.keys.UNEXPIRING: "
+                f"{shown}"
+            )
+    finally:
+        client.close()
 
 
 _tenant_counter = itertools.count(1)

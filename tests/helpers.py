@@ -51,7 +51,7 @@ from pipeline.cache.versions import VersionResolver
 from pipeline.core.db import make_engine
 from pipeline.core.errors import ServiceUnavailable
 from pipeline.core.features import Registry
-from pipeline.core.maintenance import install_missing
+from pipeline.core.maintenance import install_missing, secure_installed
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef, Entry, FeatureValues
@@ -64,13 +64,15 @@ FRAUD_MIGRATIONS = migrations.Chain.of(ROOT / "examples" / "fraud" / "migrations
 
 def migrate(url: str, fraud_revision: str = "head") -> None:
     """freshline's schema at head, and the fraud example's tables at ``fraud_revision``;
-    at head, also the derived incremental paths ``apply --alter-tables`` installs."""
+    at head, also the derived incremental paths ``apply --alter-tables`` installs (and
+    fixes in place, on a database an earlier freshline installed them in)."""
     migrations.upgrade(url, repo=FRAUD_MIGRATIONS, repo_revision=fraud_revision)
     if fraud_revision == "head":
         engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
         try:
             with engine.begin() as conn:
                 install_missing(conn, REGISTRY.maintenances())
+                secure_installed(conn, REGISTRY.maintenances())
         finally:
             engine.dispose()
 

@@ -8,7 +8,6 @@ looked-up columns (a ``Lookup`` in another table), through changes of that table
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -21,7 +20,7 @@ import pytest
 import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Engine
 
 import migrations
 from freshline import Aggregations, Entity, Lookup, Table, agg
@@ -974,45 +973,3 @@ def test_plan_lists_the_derived_path_until_it_is_installed(own: Engine, tmp_path
     fs = repo.registry["weekly"]
     inc = compute(own, fs, [(shop, "c1")], as_of=AS_OF, path="incremental").values
     assert inc[(shop, "c1")] == {"count": 2, "max_amount": 7.0}
-
-
-def test_a_writer_without_grants_on_freshline_logs_its_own_inserts(own: Engine) -> None:
-    """The insert trigger runs with the writer's rights: a role that may only insert into
-    the table logs its rows (INSERT on the log is PUBLIC's) and can neither remove a log
-    row nor touch the partials, so it cannot make a served value wrong."""
-    path = path_of(DECLARED)
-    role, password = f"freshline_test_writer_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    # Roles are made by the superuser: the stack's owner may not.
-    found = make_url(os.environ.get("FRESHLINE_STACK_POSTGRES_SUPERUSER_URL") or own.url)
-    superuser = sa.create_engine(
-        own.url.set(username=found.username, password=found.password),
-        poolclass=sa.pool.NullPool,
-    )
-    with superuser.begin() as conn:
-        conn.execute(sa.text(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'"))
-    with own.begin() as conn:
-        conn.execute(sa.text(f"GRANT INSERT ON orders TO {role}"))
-        conn.execute(sa.text(f"GRANT USAGE ON SEQUENCE orders_id_seq TO {role}"))
-    writer = sa.create_engine(
-        own.url.set(username=role, password=password), poolclass=sa.pool.NullPool
-    )
-    try:
-        shop = place_orders(writer, 5)
-        with own.connect() as conn:
-            logged = conn.execute(
-                sa.text(f"SELECT count(*) FROM {path.log} WHERE shop_id = :s"), {"s": shop}
-            ).scalar_one()
-        assert logged == 1
-        for statement in (f"DELETE FROM {path.log}", f"DELETE FROM {path.days}"):
-            with (
-                writer.begin() as conn,
-                pytest.raises(sa.exc.ProgrammingError, match="permission denied"),
-            ):
-                conn.execute(sa.text(statement))
-        assert_paths_agree(own, [(shop, "c1")], [0])
-    finally:
-        writer.dispose()
-        with superuser.begin() as conn:
-            conn.execute(sa.text(f"DROP OWNED BY {role}"))
-            conn.execute(sa.text(f"DROP ROLE {role}"))
-        superuser.dispose()

@@ -268,7 +268,7 @@ def test_uuid_keys_of_the_one_tenant_are_computed_and_others_refused(
     }
     assert batch.values[(IMPLICIT_TENANT, nobody)]["open_loans"] == 0
     with pytest.raises(InvalidId, match="uuid"):
-        compute(engine, fs, [(IMPLICIT_TENANT, ada.upper())])
+        compute(engine, fs, [(IMPLICIT_TENANT, ada[:-1])])
     with pytest.raises(InvalidId, match="single-tenant"):
         compute(engine, fs, [("acme", ada)])
 

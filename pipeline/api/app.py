@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis
 from sqlalchemy.engine import Engine
@@ -27,12 +28,14 @@ from pipeline.cache.arrivals import Arrivals
 from pipeline.cache.hot import HotReads
 from pipeline.cache.local import LocalTier
 from pipeline.cache.readthrough import ReadThrough
+from pipeline.cache.roster import Proc, Registration, roster, strangers
 from pipeline.cache.store import FeatureStore, check_eviction_policy
 from pipeline.cache.tokens import Tokens
-from pipeline.cache.versions import VersionResolver
+from pipeline.cache.versions import DEFAULT_POINTER, Pointer, VersionResolver
 from pipeline.core.budget import TenantBudget
 from pipeline.core.db import make_engine
 from pipeline.core.features import Registry
+from pipeline.core.lock import Lock
 from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client as make_redis_client
 from pipeline.core.settings import Settings, load_settings
@@ -69,15 +72,19 @@ def create_app(
     consumer_metrics: list[str] | None = None,
     status_interval_s: float = 60.0,
     semantic_figures: bool | None = None,
+    pointer: Pointer = DEFAULT_POINTER,
+    lock: Lock | None = None,
 ) -> Starlette:
     """The read API. Clients not passed in are made from ``settings`` and closed on exit.
 
     The in-process tier is used when ``local`` is given, or made (and started at
     start-up) when ``settings.local_cache_size > 0``. With ``follow_deploys`` reads
     serve the active schema version named by the deploy pointer
-    (:class:`pipeline.cache.versions.VersionResolver`) and are sampled for warming.
-    Both subscriptions rely on Redis for ``settings.subscription_silence_ms`` at most
-    without confirmed contact, and reconnect by themselves.
+    (:class:`pipeline.cache.versions.VersionResolver`; ``pointer``, ``lock``: whose and
+    with which lock, the repository's by default) and are sampled for warming, and the
+    worker registers itself (:mod:`pipeline.cache.roster`). Both subscriptions rely on
+    Redis for ``settings.subscription_silence_ms`` at most without confirmed contact,
+    and reconnect by themselves.
 
     ``/status`` keeps a snapshot every ``status_interval_s`` (:mod:`pipeline.observe.status`);
     ``consumer_metrics`` are the consumers' ``/metrics`` URLs it reads freshness lag
@@ -115,7 +122,9 @@ def create_app(
     store = FeatureStore(
         client, settings.schema_version, registry=registry, tombstone_ttl_s=settings.tombstone_ttl_s
     )
-    versions = VersionResolver(client, settings) if follow_deploys else None
+    versions = (
+        VersionResolver(client, settings, pointer=pointer, lock=lock) if follow_deploys else None
+    )
     # Sampled reads gather in memory and are flushed in the background: no round trip.
     hot = HotReads(client, flush_s=HOT_FLUSH_S) if follow_deploys else None
     # With a replica, the feature queries run there and the primary gates the writes.
@@ -179,6 +188,7 @@ def create_app(
         consumer_metrics=consumer_metrics,
         lag=GroupLag(settings),
         semantic_namespaces=semantic_reader(settings, client, engine) if semantic_figures else None,
+        deploy=lambda: deploy_report(client, pointer, readthrough),
         sample_max_age_s=settings.ops_cache_s,
     )
     board = StatusBoard(observer, interval_s=status_interval_s)
@@ -218,6 +228,11 @@ def create_app(
             if versions is not None:
                 versions.listen()
                 stack.callback(versions.close)
+                proc = Proc.of("serve", versions.lock, registry, pointer=pointer)
+                serving = Registration(
+                    client, proc, pointer=pointer, serving=lambda: services.reader.schema_version
+                )
+                stack.callback(serving.start().close)
             stack.callback(metrics.flush)  # what this worker gathered since the last tick
             stack.callback(metrics.time_feature_queries(engine, registry))
             if semantic is not None:
@@ -263,6 +278,32 @@ def create_app(
     app.state.sampled_metrics = operator.sampled
     app.state.semantic = semantic
     return app
+
+
+def deploy_report(
+    client: redis.Redis, pointer: Pointer, readthrough: ReadThrough
+) -> dict[str, Any]:
+    """The status page's deploy figures: the registered processes, and as problems this
+    worker's with the active version, each process that does not compute it, and each
+    consumer paused by a configuration failure (a feature set whose statement fails)."""
+    procs = roster(client, pointer=pointer)
+    problems: list[str] = []
+    versions = readthrough.versions
+    if versions is not None:
+        active, own = versions.current(), readthrough.store.schema_version
+        if not versions.computes(active, readthrough.store.registry):
+            misses = (
+                f"answered from version {own}"
+                if versions.written(own)
+                else "answered 503 schema_version_unknown"
+            )
+            problems.append(
+                f"schema version {active} is active, which this API's code does not compute "
+                f"(it computes {own}): its misses are {misses}"
+            )
+        problems += [f"running: {line}" for line in strangers(procs, active)]
+    problems += [f"{p.name} is paused, nothing applied: {p.paused}" for p in procs if p.paused]
+    return {"processes": [dataclasses.asdict(p) for p in procs], "problems": problems}
 
 
 def semantic_service(

@@ -30,6 +30,7 @@ from pipeline.core.errors import (
     FreshlineError,
     InvalidId,
     ModelError,
+    SchemaVersionUnknown,
     ServiceUnavailable,
     UnknownFeatureSet,
 )
@@ -76,6 +77,7 @@ STATUS: dict[type[FreshlineError], tuple[int, str]] = {
     ModelError: (500, "model_error"),
     ServiceUnavailable: (503, "service_unavailable"),
     ReplicaBehind: (503, "replica_behind"),
+    SchemaVersionUnknown: (503, "schema_version_unknown"),
 }
 
 _HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}
@@ -100,7 +102,7 @@ def status_of(exc: FreshlineError) -> tuple[int, str]:
 
 def public_message(exc: FreshlineError, status: int) -> str:
     """What the caller is told of ``exc``: its message, unless the server failed."""
-    if status < 500 or isinstance(exc, ApiError):  # an ApiError's message is for callers
+    if status < 500 or isinstance(exc, ApiError | SchemaVersionUnknown):  # for callers
         return str(exc)
     if isinstance(exc, ServiceUnavailable):
         return f"{exc.service} did not answer; retry later"
@@ -113,6 +115,10 @@ async def freshline_error(request: Request, exc: Exception) -> Response:
     if not isinstance(exc, FreshlineError):
         return await unexpected_error(request, exc)
     status, code = status_of(exc)
+    if isinstance(exc, SchemaVersionUnknown):
+        from pipeline.api.metrics import SCHEMA_VERSION_UNKNOWN  # prometheus, on first use
+
+        SCHEMA_VERSION_UNKNOWN.inc()
     if status >= 500:
         cause = f" ({exc.__cause__})" if isinstance(exc.__cause__, FreshlineError) else ""
         log.error("%s %s: %s", request.method, request.url.path, redact_text(f"{exc}{cause}"))

@@ -77,6 +77,11 @@ REFUSED = Counter(
     "probe_rate_limited: /healthz or /readyz over FRESHLINE_API_PROBE_RATE_PER_S).",
     ["reason"],
 )
+SCHEMA_VERSION_UNKNOWN = Counter(
+    "freshline_api_schema_version_unknown_total",
+    "Reads answered 503 schema_version_unknown: the active schema version is one this "
+    "worker's code does not compute and its own is no longer written (docs/deploys.md).",
+)
 PREDICTIONS = Counter(
     "freshline_api_predictions_total",
     "Predictions served, by model and outcome (hit or computed).",

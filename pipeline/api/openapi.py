@@ -80,9 +80,11 @@ _KEY_TEXT: dict[str, dict[str, Any]] = {
     },
     "uuid": {
         "type": "string",
-        "pattern": "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$",
+        "pattern": (
+            "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$"
+        ),
         "maxLength": 36,
-        "description": "A uuid key, lower-case.",
+        "description": "A uuid key, either case; answered in lower case.",
     },
 }
 _BIGINT_JSON = {"type": "integer", "minimum": 0, "maximum": MAX_USER_ID - 1}

@@ -40,7 +40,7 @@ from pipeline.core.clock import now_ms
 from pipeline.core.cluster import amget, is_cluster
 from pipeline.core.codec import Row
 from pipeline.core.errors import InvalidId
-from pipeline.core.keys import validate_id
+from pipeline.core.features import BIGINT_RULE, validate_key
 from pipeline.core.types import EntityRef, Entry, FeatureValues, LazyRefs
 
 if TYPE_CHECKING:
@@ -68,9 +68,9 @@ def parse_entity(value: object) -> str:
         and (len(value) == 1 or value[0] != "0")
     ):
         return value  # the common case; it passes validate_id by construction
-    text = validate_id("entity", value)
-    if not text.isdigit() or (len(text) > 1 and text[0] == "0") or int(text) >= MAX_USER_ID:
-        raise InvalidId("entity", value, "a user id is a non-negative integer, no leading zeros")
+    text = validate_key("bigint", value)  # the one rule, and its message
+    if int(text) >= MAX_USER_ID:
+        raise InvalidId("entity", value, f"{BIGINT_RULE}, of at most {MAX_USER_DIGITS} digits")
     return text
 
 
@@ -211,16 +211,13 @@ class FeatureReader:
     @property
     def schema_version(self) -> int:
         """The version this call would serve: the active pointer's, when following it."""
-        return self._target().store.schema_version
+        rt = self.readthrough
+        return rt.store.schema_version if rt.versions is None else rt.versions.current()
 
     def _target(self) -> ReadThrough:
-        rt = self.readthrough
-        if rt.versions is None:
-            return rt
-        version = rt.versions.current(rt.store.registry)
         # The read-through's per-version twin, so cache-only reads and the local tier
         # use the same namespace as read-through ones within a call.
-        return rt if version == rt.store.schema_version else rt._for_version(version)
+        return self.readthrough.for_call()
 
     def read(self, lookup: Lookup, mode: Mode = "read-through") -> list[Answer]:
         """Answer every pair, in order, all from one schema version (blocking)."""

@@ -30,7 +30,7 @@ from pipeline.cache.store import FeatureStore
 from pipeline.cache.tokens import Tokens, freshline_token
 from pipeline.core.clock import now_ms
 from pipeline.core.codec import Row, parse_watermark
-from pipeline.core.errors import ConfigError
+from pipeline.core.errors import ConfigError, SchemaVersionUnknown
 from pipeline.core.features import Registry
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef, Entry, FeatureValues, Item, LazyRefs
@@ -39,7 +39,9 @@ if TYPE_CHECKING:
     from pipeline.cache.hot import HotReads
     from pipeline.cache.local import LocalTier
     from pipeline.cache.readthrough import ReadThrough
-    from pipeline.cache.versions import VersionResolver
+    from pipeline.cache.roster import Registration
+    from pipeline.cache.versions import Pointer, VersionResolver
+    from pipeline.core.lock import Lock
     from pipeline.core.settings import Settings
 
 __all__ = ["FeatureClient", "Features", "freshline_token"]
@@ -109,6 +111,9 @@ class FeatureClient:
         self._stores = {schema_version: self.store}
         self._tokens: Tokens | None = None
         self._arrivals: Arrivals | None = None
+        self._registration: Registration | None = None
+        # Each feature set's entity: ids are checked and normalised by its key type.
+        self._entities = {fs.name: fs.entity for fs in registry}
         # The feature sets that declare a default freshness bound (FeatureSet.max_staleness_ms).
         self._bounds = {
             fs.name: fs.max_staleness_ms for fs in registry if fs.max_staleness_ms is not None
@@ -127,18 +132,40 @@ class FeatureClient:
 
     @classmethod
     def following(
-        cls, client: redis.Redis, settings: Settings, *, listen: bool = True
+        cls,
+        client: redis.Redis,
+        settings: Settings,
+        *,
+        listen: bool = True,
+        registry: Registry = REGISTRY,
+        pointer: Pointer | None = None,
+        lock: Lock | None = None,
     ) -> FeatureClient:
-        """A client on the active-version pointer that samples reads for warming."""
-        from pipeline.cache.hot import HotReads
-        from pipeline.cache.versions import VersionResolver
+        """A client on the active-version pointer that samples reads for warming.
 
-        versions = VersionResolver(client, settings)
+        Listening, it registers itself as a reader (:mod:`pipeline.cache.roster`) until
+        :meth:`close`, so ``deploy flip`` knows which versions it can serve.
+        """
+        from pipeline.cache.hot import HotReads
+        from pipeline.cache.roster import Proc, Registration
+        from pipeline.cache.versions import DEFAULT_POINTER, VersionResolver
+
+        pointer = pointer or DEFAULT_POINTER
+        versions = VersionResolver(client, settings, pointer=pointer, lock=lock)
+        features = cls(
+            client,
+            settings.schema_version,
+            registry=registry,
+            versions=versions,
+            hot=HotReads(client, flush_s=1.0),
+        )
         if listen:
             versions.listen()
-        return cls(
-            client, settings.schema_version, versions=versions, hot=HotReads(client, flush_s=1.0)
-        )
+            proc = Proc.of("client", versions.lock, registry, pointer=pointer)
+            features._registration = Registration(
+                client, proc, pointer=pointer, serving=versions.current
+            ).start()
+        return features
 
     def get(
         self,
@@ -176,7 +203,13 @@ class FeatureClient:
         A feature set that declares ``max_staleness_ms`` gives it to a read that gives
         none (the smallest of the items' sets); without a read-through an entry past it
         is a miss.
+
+        Each entity id is checked and normalised as its feature set's entity keys it
+        (:func:`pipeline.core.features.validate_key`, the read API's rule: an upper-case
+        uuid reads the entry of its lower-case spelling); one that is not a key of that
+        type raises :class:`~pipeline.core.errors.InvalidId`, as HTTP answers 400.
         """
+        items = self._canonical(items)
         if self._bounds and max_staleness_ms is None:
             bounds = [self._bounds[fs] for fs, _, _ in items if fs in self._bounds]
             if bounds:  # the sets' declared default, the smallest
@@ -186,6 +219,28 @@ class FeatureClient:
         if after is not None or max_staleness_ms is not None:
             return self._fresh(items, after, max_staleness_ms, wait_ms)
         return self._plain(items)
+
+    def _canonical(self, items: Sequence[tuple[str, str, str | int]]) -> list[Item]:
+        """``items`` with each entity id in its key type's canonical text."""
+        entities = self._entities
+        out: list[Item] = []
+        append = out.append
+        for fs, tenant, entity in items:
+            of = entities.get(fs)
+            if of is None:  # not this registry's: the store names the sets it has
+                append((fs, tenant, entity if type(entity) is str else str(entity)))
+            elif (
+                of.type == "bigint"
+                and type(entity) is str
+                and entity.isdigit()
+                and entity.isascii()
+                and len(entity) <= 18  # below 2**63 - 1 by its length
+                and (len(entity) == 1 or entity[0] != "0")
+            ):
+                append((fs, tenant, entity))  # the common case, without a call
+            else:
+                append((fs, tenant, of.validate(entity)))
+        return out
 
     def _plain(self, items: Sequence[tuple[str, str, str | int]]) -> list[Features | None]:
         """Every item as cached (tier, then Redis), ``None`` for a miss."""
@@ -212,7 +267,19 @@ class FeatureClient:
                     )
                 )
         else:
-            out = self._rows_as_features(named, store.read_rows(named), version)
+            rows = store.read_rows(named)
+            out = self._rows_as_features(named, rows, version)
+            if store is not self.store and None in rows and self._stands_in(version):
+                # A version this code does not compute: its misses, from the own one.
+                missing = [i for i, row in enumerate(rows) if row is None]
+                own = self.store
+                found = self._rows_as_features(
+                    [named[i] for i in missing],
+                    own.read_rows([named[i] for i in missing]),
+                    own.schema_version,
+                )
+                for i, features in zip(missing, found, strict=True):
+                    out[i] = features
         if self.hot is not None:
             self.hot.record(version, _Refs(named))
         return out
@@ -315,9 +382,15 @@ class FeatureClient:
         ]
 
     def close(self) -> None:
-        """End the subscription that reads asking for freshness wait with, if any."""
+        """End the subscriptions this client started, if any (the one reads asking for
+        freshness wait with; :meth:`following`'s deploy subscription and registration)."""
         if self._arrivals is not None:
             self._arrivals.close()
+        if self._registration is not None:  # following()'s, with the resolver it made
+            self._registration.close()
+            self._registration = None
+            if self.versions is not None:
+                self.versions.close()
 
     @staticmethod
     def _through_tier(
@@ -337,14 +410,36 @@ class FeatureClient:
         return entries
 
     def _store_for_call(self) -> FeatureStore:
-        if self.versions is None:
+        """The active version's store, decoding with its field lists (the lock's, else
+        the published ones); this client's own while those are unknown and its own
+        version is written, else :class:`SchemaVersionUnknown`."""
+        versions = self.versions
+        if versions is None:
             return self.store
-        version = self.versions.current()
-        if version not in self._stores:
-            self._stores[version] = FeatureStore(
-                self.store.redis, version, registry=self.versions.decoders(version)
+        version = versions.current()
+        store = self._stores.get(version)
+        if store is None:
+            decoders = versions.decoders(version)
+            if decoders is None:
+                versions.foreign += 1
+                if not versions.written(self.store.schema_version):
+                    versions.refused += 1
+                    raise SchemaVersionUnknown(version, self.store.schema_version)
+                return self.store
+            store = self._stores[version] = FeatureStore(
+                self.store.redis, version, registry=decoders
             )
-        return self._stores[version]
+        return store
+
+    def _stands_in(self, version: int) -> bool:
+        """Whether this client answers misses of ``version`` from its own: it does not
+        compute it, and its own version is still written."""
+        versions = self.versions
+        return (
+            versions is not None
+            and not versions.computes(version, self.store.registry)
+            and versions.written(self.store.schema_version)
+        )
 
 
 def _named(items: Sequence[tuple[str, str, str | int]]) -> list[Item]:

@@ -84,7 +84,7 @@ from pipeline.cache.recompute import (
 from pipeline.cache.store import LEASE_BUSY, LEASE_FOUND, LEASE_GRANTED, FeatureStore
 from pipeline.core.clock import now_ms
 from pipeline.core.db import autocommit
-from pipeline.core.errors import ServiceUnavailable
+from pipeline.core.errors import SchemaVersionUnknown, ServiceUnavailable
 from pipeline.core.features import IMPLICIT_TENANT, Entity
 from pipeline.core.types import EntityRef, Entry, FeatureValues
 
@@ -213,9 +213,11 @@ class ReadThrough:
     """``get``/``get_many`` over a :class:`FeatureStore` and the source database.
 
     With ``versions``, each call serves the active schema version (resolved once per
-    call) when this code computes it, else the store's own; ``hot`` samples reads
-    for warming. ``durable_wait_ms`` bounds a fill's wait for Postgres's flush (0: no
-    wait, only if every writer commits synchronously).
+    call, :meth:`for_call`). One this code does not compute is read with its field
+    lists and its misses are answered from the store's own version while that one is
+    written, else refused (:class:`~pipeline.core.errors.SchemaVersionUnknown`).
+    ``hot`` samples reads for warming. ``durable_wait_ms`` bounds a fill's wait for
+    Postgres's flush (0: no wait, only if every writer commits synchronously).
     """
 
     def __init__(
@@ -243,6 +245,9 @@ class ReadThrough:
         self.versions = versions
         self.hot = hot
         self._at_version: dict[int, ReadThrough] = {}
+        self.own: ReadThrough | None = None
+        """On a twin for a version this code does not compute: the read-through of the
+        code's own version, which answers its misses while it is written."""
         self._standby: bool | None = None  # asked on the first miss
         self.durable_wait_ms = durable_wait_ms
         self.flusher = Flusher(engine, log, "a read-through fill")
@@ -250,12 +255,38 @@ class ReadThrough:
     def get(self, ref: EntityRef) -> Result:
         return self.get_many([ref])[0]
 
+    def for_call(self) -> ReadThrough:
+        """The read-through a call serves with: the active version's (see the class
+        docstring); this one without ``versions``. Raises :class:`SchemaVersionUnknown`
+        when the active version can be neither decoded nor stood in for."""
+        versions = self.versions
+        if versions is None:
+            return self
+        version = versions.current()
+        if version == self.store.schema_version:
+            return self
+        if versions.computes(version, self.store.registry):
+            return self._for_version(version)
+        versions.foreign += 1
+        if version in self._at_version or versions.decoders(version) is not None:
+            return self._for_version(version)
+        return self._fallback_target(version)
+
+    def _fallback_target(self, version: int) -> ReadThrough:
+        """This read-through, standing in for ``version`` while its own is written."""
+        versions = self.versions
+        if versions is not None and not versions.written(self.store.schema_version):
+            versions.refused += 1
+            raise SchemaVersionUnknown(version, self.store.schema_version)
+        return self
+
     def get_many(self, refs: Sequence[EntityRef]) -> list[Result]:
         """Answer every ref, in order; duplicates are read once."""
-        if self.versions is not None:
-            version = self.versions.current(self.store.registry)
-            if version != self.store.schema_version:
-                return self._for_version(version).get_many(refs)
+        return self.for_call()._serve(refs)
+
+    def _serve(self, refs: Sequence[EntityRef]) -> list[Result]:
+        """:meth:`get_many` on this read-through's own version."""
+        own = self.own
         if self.hot is not None:
             self.hot.record(self.store.schema_version, refs)
         unique = list(dict.fromkeys(refs))
@@ -272,7 +303,11 @@ class ReadThrough:
             if self.should_refresh(ref, entry, now):
                 refresh.append(ref)
         self.counters.hits += len(answers)
-        if misses or refresh:
+        if own is not None:  # a version this code does not compute: its misses, from own
+            if misses:
+                found = own._fallback_target(self.store.schema_version)._serve(misses)
+                answers.update(zip(misses, found, strict=True))
+        elif misses or refresh:
             if self.standby and self.primary is None:
                 answers.update(self._compute(misses, None))  # served, never stored
             else:
@@ -298,12 +333,18 @@ class ReadThrough:
         return self._standby
 
     def _for_version(self, version: int) -> ReadThrough:
-        """The same read-through on another version's namespace, sharing counters."""
+        """The same read-through on another version's namespace, sharing counters; for a
+        version this code does not compute, one that decodes it with its field lists,
+        never computes, and answers its misses from this one (:attr:`own`)."""
         if version not in self._at_version:
+            registry = self.store.registry
+            foreign = self.versions is not None and not self.versions.computes(version, registry)
+            if foreign and self.versions is not None:
+                registry = self.versions.decoders(version) or registry
             store = FeatureStore(
                 self.store.redis,
                 version,
-                registry=self.store.registry,
+                registry=registry,
                 tombstone_ttl_s=self.store.tombstone_ttl_ms // 1000,
             )
             other = ReadThrough(
@@ -312,12 +353,13 @@ class ReadThrough:
                 lease_ms=self.lease_ms,
                 wait_ms=self.wait_ms,
                 hooks=self.hooks,
-                early_refresh=self.early_refresh,
+                early_refresh=self.early_refresh and not foreign,
                 hot=self.hot,
                 primary=self.primary,
                 durable_wait_ms=self.durable_wait_ms,
             )
             other.counters = self.counters
+            other.own = self if foreign else None
             other.flusher = self.flusher
             other._standby = self._standby
             self._at_version[version] = other
@@ -412,8 +454,11 @@ class ReadThrough:
         Every result comes from a snapshot taken after this call began (on a replica,
         stored under the primary's watermark read now), so its watermark reaches any
         bar known before it. On a replica that has not replayed the primary's
-        position, nothing could: :class:`ReplicaBehind`.
+        position, nothing could: :class:`ReplicaBehind`. A version this code does not
+        compute is recomputed in its own, while that one is written.
         """
+        if self.own is not None:
+            return self.own._fallback_target(self.store.schema_version).recompute(refs, accept)
         unique = list(dict.fromkeys(refs))
         if self.standby and self.primary is None:
             raise ReplicaBehind(self.engine)

@@ -81,7 +81,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from pipeline.core.db import autocommit
-from pipeline.core.errors import FreshlineError, InvalidId
+from pipeline.core.errors import DefinitionFailed, FreshlineError, InvalidId
 from pipeline.core.features import IMPLICIT_TENANT, Entity, FeatureSet, FieldType, Path
 from pipeline.core.keys import validate_id
 from pipeline.core.types import FeatureValues, Watermark
@@ -515,6 +515,19 @@ def feature_statement(fs: FeatureSet, path: Path | None = None) -> sa.TextClause
     )
 
 
+def _definition_failed(fs: FeatureSet, exc: sa.exc.ProgrammingError) -> DefinitionFailed | None:
+    """The definition's fault (a column, function or table its SQL names is not there, a
+    syntax error), named with its file and line; a missing grant, or one of freshline's
+    own tables missing (``db upgrade``), stays the database error it is."""
+    orig = exc.orig
+    detail = str(orig).strip().splitlines()[0] if orig else str(exc)
+    state = getattr(orig, "sqlstate", None) or ""
+    # Class 42: syntax error or access rule violation; 42501 is a missing grant.
+    if not state.startswith("42") or state == "42501" or "freshline." in detail:
+        return None
+    return DefinitionFailed(fs.name, fs.origin, detail)
+
+
 def _compute(
     conn: Connection,
     fs: FeatureSet,
@@ -524,10 +537,16 @@ def _compute(
     txids: Iterable[int],
     path: Path | None,
 ) -> Batch:
-    rows = conn.execute(
-        feature_statement(fs, path),
-        {"tenants": tenants, "ids": ids, "as_of": as_of, "txids": sorted(set(txids))},
-    ).all()
+    try:
+        rows = conn.execute(
+            feature_statement(fs, path),
+            {"tenants": tenants, "ids": ids, "as_of": as_of, "txids": sorted(set(txids))},
+        ).all()
+    except sa.exc.ProgrammingError as exc:
+        failed = _definition_failed(fs, exc)
+        if failed is None:
+            raise
+        raise failed from exc
     first = rows[0]
     snap = _snapshot(first[0], first[1], first[2]).require_visible()
     values: dict[tuple[str, str], FeatureValues] = {}

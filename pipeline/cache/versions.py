@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Final
 
+import orjson
 import redis
 
 from pipeline.cache.subscription import Subscription
@@ -22,11 +23,13 @@ from pipeline.core.features import Registry
 from pipeline.core.keys import (
     ACTIVE_SCHEMA_KEY,
     DEPLOY_CHANNEL,
+    FIELDS_KEY,
     NEXT_SCHEMA_KEY,
     PREVIOUS_SCHEMA_KEY,
+    PROCS_KEY,
     RETIRED_SCHEMA_KEY,
 )
-from pipeline.core.lock import Lock
+from pipeline.core.lock import Lock, LockedSet
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import text
@@ -50,6 +53,7 @@ class Pointer:
     channel: str = DEPLOY_CHANNEL
     previous_key: str = PREVIOUS_SCHEMA_KEY
     retired_prefix: str = RETIRED_SCHEMA_KEY
+    scope: str = ""
 
     @classmethod
     def scoped(cls, scope: str) -> Pointer:
@@ -59,10 +63,23 @@ class Pointer:
             f"{DEPLOY_CHANNEL}:{scope}",
             f"{PREVIOUS_SCHEMA_KEY}:{scope}",
             f"{RETIRED_SCHEMA_KEY}:{scope}",
+            scope,
         )
 
     def retired_key(self, version: int) -> str:
         return f"{self.retired_prefix}:{version}"
+
+    def fields_key(self, version: int) -> str:
+        """Where ``version``'s field lists are published (:func:`publish_fields`)."""
+        return f"{FIELDS_KEY}:{version}{':' + self.scope if self.scope else ''}"
+
+    def procs_index(self, role: str) -> str:
+        """The index of ``role``'s registrations (:mod:`pipeline.cache.roster`)."""
+        return f"{PROCS_KEY}:{role}{':' + self.scope if self.scope else ''}"
+
+    def proc_key(self, role: str, proc_id: str) -> str:
+        """One registration: role first, so an ACL pattern gives each role its own."""
+        return f"{PROCS_KEY}:{role}:{proc_id}"
 
 
 DEFAULT_POINTER: Final = Pointer()
@@ -116,6 +133,41 @@ def state(
         next_raw,
         _version(previous_raw, pointer.previous_key, lock),
     )
+
+
+def publish_fields(
+    client: redis.Redis,
+    lock: Lock,
+    versions: list[int] | None = None,
+    *,
+    pointer: Pointer = DEFAULT_POINTER,
+) -> list[int]:
+    """Publish the lock's field lists of ``versions`` (all by default) for readers whose
+    lock lacks them: what ``apply`` and the deploy commands do. A version's entry is
+    never rewritten, so publishing again changes nothing; no TTL (see
+    :data:`pipeline.core.keys.FIELDS_KEY`)."""
+    done = [v for v in (sorted(lock.versions) if versions is None else versions) if v in lock]
+    if done:
+        client.mset(
+            {
+                pointer.fields_key(v): orjson.dumps(
+                    {name: s.to_json() for name, s in lock.entry(v).items()}
+                )
+                for v in done
+            }
+        )
+    return done
+
+
+def published_decoders(
+    client: redis.Redis, version: int, *, pointer: Pointer = DEFAULT_POINTER
+) -> Registry | None:
+    """``version``'s field lists as published, as a registry that decodes its entries."""
+    raw = client.get(pointer.fields_key(version))
+    if raw is None:
+        return None
+    doc = orjson.loads(raw)
+    return Registry(LockedSet.from_json(name, body).decoder() for name, body in doc.items())
 
 
 class WriteVersions:
@@ -176,9 +228,13 @@ class VersionResolver:
     reads the pointer. The deploy commands move the pointer and publish in one script
     (:mod:`pipeline.deploy.pointer`); a pointer edited by hand is followed once the
     subscription reconnects, or by resolvers that do not listen. A reader's whole call
-    uses the one version it resolved, so no response mixes versions. A pointer naming a
-    version missing from the lock raises :class:`DeployError` rather than serve entries
-    nobody can decode.
+    uses the one version it resolved.
+
+    Readers always follow the pointer, a rollback included. A version this code does
+    not compute is decoded with its field lists (:meth:`decoders`: the lock's, else
+    those ``apply`` published); a reader answers its misses from its own version while
+    that one is written (:meth:`written`), else refuses them
+    (:class:`~pipeline.core.errors.SchemaVersionUnknown`, the API's 503).
     """
 
     def __init__(
@@ -199,37 +255,50 @@ class VersionResolver:
         self._cached: tuple[float, int, int | None] | None = None
         self._refreshes = 0
         self._decoders: dict[int, Registry] = {}
+        self._unpublished: dict[int, float] = {}  # version -> when it was last looked for
         self._compatible: dict[int, tuple[Registry, bool]] = {}
         self._warned: set[int] = set()
+        self._written: tuple[float, tuple[int | None, ...]] | None = None
         self._subscription: Subscription | None = None
+        self.foreign = 0
+        """Calls that served a version this code does not compute."""
+        self.refused = 0
+        """Calls refused: such a version, and this code's own no longer written."""
 
-    def current(self, registry: Registry | None = None) -> int:
-        """The active version; with ``registry``, only if that code can compute it.
-
-        A read-through passes its registry: where the active version's definitions
-        differ from its code it stays on ``settings.schema_version`` (and logs once).
-        """
+    def current(self) -> int:
+        """The active version, whatever this code computes: readers follow rollbacks."""
         version = self._kept()
         if version is None:
             version = self._read()
-        if registry is not None and not self._computes(version, registry):
-            if version not in self._warned:
-                self._warned.add(version)
-                log.warning(
-                    "active schema version %d differs from this code's definitions; staying on %d",
-                    version,
-                    self.settings.schema_version,
-                )
-            return self.settings.schema_version
         return version
 
-    def _computes(self, version: int, registry: Registry) -> bool:
+    def computes(self, version: int, registry: Registry) -> bool:
         """``lock.compatible(version, registry)``, asked once per version and registry
-        (neither the lock nor a registry changes while the process runs)."""
+        (neither the lock nor a registry changes while the process runs); logs once for
+        each version it does not."""
         known = self._compatible.get(version)
         if known is None or known[0] is not registry:
             known = self._compatible[version] = (registry, self.lock.compatible(version, registry))
+            if not known[1] and version not in self._warned:
+                self._warned.add(version)
+                log.warning(
+                    "schema version %d is active, which this code does not compute (it "
+                    "computes %d): its entries are decoded from its field lists and misses "
+                    "are answered from version %d while it is written, else refused",
+                    version,
+                    self.settings.schema_version,
+                    self.settings.schema_version,
+                )
         return known[1]
+
+    def written(self, version: int) -> bool:
+        """Whether consumers still write ``version`` (active, next or previous); the
+        pointer is read at most every ``WRITE_VERSIONS_MAX_AGE_S``."""
+        now = time.monotonic()
+        if self._written is None or now - self._written[0] >= WRITE_VERSIONS_MAX_AGE_S:
+            seen = state(self.redis, self.settings, pointer=self.pointer)
+            self._written = (now, (seen.active, seen.next, seen.previous))
+        return version in self._written[1]
 
     def _kept(self) -> int | None:
         """The cached version, if it may still be relied on."""
@@ -251,7 +320,7 @@ class VersionResolver:
         epoch = sub.epoch if sub is not None and sub.live else None
         refreshes = self._refreshes
         now = time.monotonic()
-        version = state(self.redis, self.settings, pointer=self.pointer, lock=self.lock).active
+        version = state(self.redis, self.settings, pointer=self.pointer).active
         if self._refreshes == refreshes:
             self._cached = (now, version, epoch)
         return version
@@ -261,11 +330,24 @@ class VersionResolver:
         self._refreshes += 1
         self._cached = None
 
-    def decoders(self, version: int) -> Registry:
-        """Field lists for ``version`` from the lock, for decoding its entries."""
-        if version not in self._decoders:
-            self._decoders[version] = self.lock.decoders(version)
-        return self._decoders[version]
+    def decoders(self, version: int) -> Registry | None:
+        """Field lists for decoding ``version``'s entries: the lock's, else the published
+        ones (looked for again at most every ``max_age_s`` while absent), else None."""
+        found = self._decoders.get(version)
+        if found is not None:
+            return found
+        if version in self.lock:
+            found = self.lock.decoders(version)
+        else:
+            asked = self._unpublished.get(version)
+            if asked is not None and time.monotonic() - asked < max(self.max_age_s, 1.0):
+                return None
+            found = published_decoders(self.redis, version, pointer=self.pointer)
+            if found is None:
+                self._unpublished[version] = time.monotonic()
+                return None
+        self._decoders[version] = found
+        return found
 
     @property
     def silence_s(self) -> float:

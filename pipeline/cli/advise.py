@@ -232,7 +232,7 @@ def advise(
         typer.Option(
             "--from-metrics",
             help="A /metrics URL to scrape twice, a window apart (repeatable) "
-            "[default: the local API's ops port, FRESHLINE_OPS_PORT]",
+            "\\[default: the local API's ops port, FRESHLINE_OPS_PORT]",
         ),
     ] = None,
     from_prometheus: Annotated[

@@ -7,10 +7,12 @@ other; :mod:`pipeline.cli.app` registers them all the same way, through ``regist
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import typer
+import typer.rich_utils
 from rich import box
 from rich.console import Console
 from rich.measure import Measurement
@@ -47,7 +49,12 @@ def _options(
 
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
-out = Console(highlight=False)
+# On a terminal, output fits its width; in a pipe or a file, a line is never folded at
+# rich's default of 80 columns (grep and a log see whole lines).
+out = Console(highlight=False, soft_wrap=not sys.stdout.isatty())
+if not sys.stdout.isatty() and not os.environ.get("TERMINAL_WIDTH"):
+    # Help in a pipe: Typer boxes it at 80 columns, which folds most option texts.
+    typer.rich_utils.MAX_WIDTH = 120
 
 
 @contextmanager

@@ -34,6 +34,8 @@ from pipeline.core.maintenance import DerivedPath
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
+    from pipeline.core.lock import Lock
+    from pipeline.core.settings import Settings
     from pipeline.deploy.plan import Plan
 
 
@@ -190,6 +192,7 @@ def apply(
         if update(lock, result.schema_version, repo.registry):
             lock.save(repo.lock_path)
             console.print(f"recorded schema version {result.schema_version} in {repo.lock_path}")
+    publish_fields(settings, lock)
     if not cdc:
         console.print("change data capture not registered (--no-cdc): freshline cdc register")
         return
@@ -226,6 +229,16 @@ def change_tables(
             f"installed triggers {path.trigger}_* on {path.decl.table} (the derived "
             f"incremental path of {name})"
         )
+        ran += path.grants(conn)
+    for name in result.security:  # no user table changes: no --alter-tables needed
+        path = result.repository.registry[name].maintenance
+        assert isinstance(path, DerivedPath)
+        path.secure(conn)
+        console.print(
+            f"fixed the derived incremental path of {name} in place: functions replaced, "
+            "partials kept"
+        )
+        ran += path.grants(conn)
     if result.publication_missing:
         exists = conn.execute(
             sa.text("SELECT 1 FROM pg_publication WHERE pubname = :p"), {"p": publication}
@@ -239,3 +252,27 @@ def change_tables(
 def register(app: typer.Typer) -> None:
     """Add apply to the ``freshline`` app."""
     app.command("apply")(apply)
+
+
+def publish_fields(settings: Settings, lock: Lock) -> None:
+    """Publish the lock's field lists for readers whose lock lacks a version
+    (:func:`pipeline.cache.versions.publish_fields`); the deploy commands do it too, so a
+    login that may not write them gets a warning, not a failure."""
+    import redis
+
+    from pipeline.cache.versions import publish_fields as publish
+    from pipeline.core.services import redis_client
+
+    try:
+        client = redis_client(settings)
+        try:
+            done = publish(client, lock)
+        finally:
+            client.close()
+    except (redis.RedisError, OSError) as exc:
+        console.print(
+            f"[yellow]warning:[/yellow] could not publish the lock's field lists in Redis "
+            f"({exc}); `freshline deploy start` and `flip` publish them"
+        )
+        return
+    console.print(f"published the field lists of schema versions {', '.join(map(str, done))}")

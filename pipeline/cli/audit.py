@@ -197,7 +197,9 @@ def audit(
     sample: Annotated[
         int | None,
         typer.Option(
-            "--sample", min=1, help="Entries to sample by SCAN from a random cursor [default: 1000]"
+            "--sample",
+            min=1,
+            help="Entries to sample by SCAN from a random cursor \\[default: 1000]",
         ),
     ] = None,
     duration: Annotated[
@@ -229,7 +231,7 @@ def audit(
         typer.Option(
             "--verify-within",
             help="Re-check an entry caught up on its watermark alone until its values "
-            "match, at most this long [default: the last grace]",
+            "match, at most this long \\[default: the last grace]",
         ),
     ] = None,
     grace: Annotated[
@@ -245,7 +247,7 @@ def audit(
         typer.Option(
             "--version",
             min=1,
-            help="Schema version to audit [default: the keys', or the active one]",
+            help="Schema version to audit \\[default: the keys', or the active one]",
         ),
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=10000)] = 500,

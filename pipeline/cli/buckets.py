@@ -69,7 +69,7 @@ def _paths(feature_set: str | None) -> list[tuple[str, IncrementalPath]]:
 
 FeatureSetOption = Annotated[
     str | None,
-    typer.Option("--set", help="Only this feature set's path [default: every path]"),
+    typer.Option("--set", help="Only this feature set's path \\[default: every path]"),
 ]
 
 

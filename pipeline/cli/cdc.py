@@ -19,7 +19,7 @@ cdc_app = typer.Typer(help="Postgres change data capture through Debezium.", no_
 NameOption = Annotated[
     str | None,
     typer.Option(
-        "--name", help="Connector name [default: <FRESHLINE_TOPIC_PREFIX>freshline-postgres]"
+        "--name", help="Connector name \\[default: <FRESHLINE_TOPIC_PREFIX>freshline-postgres]"
     ),
 ]
 
@@ -43,7 +43,7 @@ def cdc_register(
         str | None,
         typer.Option(
             "--database-host",
-            help="Postgres host as Connect sees it [default: from the URL]",
+            help="Postgres host as Connect sees it \\[default: from the URL]",
         ),
     ] = None,
     wait: Annotated[

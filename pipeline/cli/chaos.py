@@ -32,7 +32,7 @@ def chaos(
         list[str] | None, typer.Option("--scenario", help="Run only this scenario (repeatable)")
     ] = None,
     out: Annotated[
-        Path | None, typer.Option(help="Where to write CHAOS.md and chaos.json [default: bench/]")
+        Path | None, typer.Option(help="Where to write CHAOS.md and chaos.json \\[default: bench/]")
     ] = None,
 ) -> None:
     """Inject real faults on a private stack under a seeded workload, and check the oracle.

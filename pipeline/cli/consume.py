@@ -21,13 +21,13 @@ def register(app: typer.Typer) -> None:
 def topics_ensure(
     partitions: Annotated[
         int | None,
-        typer.Option(min=1, help="Partitions per topic [default: FRESHLINE_TOPIC_PARTITIONS]"),
+        typer.Option(min=1, help="Partitions per topic \\[default: FRESHLINE_TOPIC_PARTITIONS]"),
     ] = None,
     replication_factor: Annotated[
         int | None,
         typer.Option(
             min=1,
-            help="Replicas per partition [default: 3 (min.insync.replicas 2) from "
+            help="Replicas per partition \\[default: 3 (min.insync.replicas 2) from "
             "3 brokers on, else one per broker]",
         ),
     ] = None,
@@ -57,16 +57,16 @@ def consume(
         list[str] | None,
         typer.Option(
             "--topics",
-            help="Topics or ^regex patterns [default: domain events, CDC topics]",
+            help="Topics or ^regex patterns \\[default: domain events, CDC topics]",
         ),
     ] = None,
     group: Annotated[
-        str | None, typer.Option(help="Consumer group [default: FRESHLINE_CONSUMER_GROUP]")
+        str | None, typer.Option(help="Consumer group \\[default: FRESHLINE_CONSUMER_GROUP]")
     ] = None,
     metrics_port: Annotated[
         int | None,
         typer.Option(
-            help="Prometheus port [default: FRESHLINE_CONSUMER_METRICS_PORT; 0 turns it off]"
+            help="Prometheus port \\[default: FRESHLINE_CONSUMER_METRICS_PORT; 0 turns it off]"
         ),
     ] = None,
     max_messages: Annotated[int | None, typer.Option(min=1, help="Stop after this many")] = None,

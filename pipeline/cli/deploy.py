@@ -143,7 +143,12 @@ def warm(
         int | None, typer.Option("--top", min=1, help="The N most-read entities per feature set")
     ] = None,
     all_active: Annotated[
-        bool, typer.Option("--all", help="Every user with a transaction in the last 90 days")
+        bool,
+        typer.Option(
+            "--all",
+            help="Every active entity of each feature set's entity (its `active=` condition; "
+            "default: every row of its table)",
+        ),
     ] = False,
     tenant: Annotated[
         list[str] | None,
@@ -235,10 +240,21 @@ def deploy_start(
 
 @deploy_app.command("flip")
 def deploy_flip(
-    version: Annotated[int, typer.Argument(min=1)], lock_path: LockOption = None
+    version: Annotated[int, typer.Argument(min=1)],
+    lock_path: LockOption = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Flip even while registered readers or consumers do not know the version",
+        ),
+    ] = False,
 ) -> None:
-    """Make a version active, atomically; readers follow without a restart."""
-    _pointer_command("flip", version, lock_path)
+    """Make a version active, atomically; readers follow without a restart.
+
+    Refused while a running reader or consumer does not know the version (it names
+    them), unless forced; a rollback to the previous version is always accepted."""
+    _pointer_command("flip", version, lock_path, force=force)
 
 
 @deploy_app.command("cancel")
@@ -249,12 +265,16 @@ def deploy_cancel(lock_path: LockOption = None) -> None:
 
 @deploy_app.command("status")
 def deploy_status(lock_path: LockOption = None) -> None:
-    """The active, next and previous schema versions and the locked ones."""
+    """The active, next and previous schema versions, the locked ones, and the running
+    readers and consumers with the versions each computes."""
     _pointer_command("status", None, lock_path)
 
 
-def _pointer_command(action: str, version: int | None, lock_path: Path | None) -> None:
+def _pointer_command(
+    action: str, version: int | None, lock_path: Path | None, *, force: bool = False
+) -> None:
 
+    from pipeline.cache.roster import roster
     from pipeline.cache.versions import state
     from pipeline.core.lock import Lock
     from pipeline.core.settings import load_settings
@@ -267,7 +287,7 @@ def _pointer_command(action: str, version: int | None, lock_path: Path | None) -
     if action == "start" and version is not None:
         start(client, settings, version, lock)
     elif action == "flip" and version is not None:
-        flip(client, settings, version, lock)
+        flip(client, settings, version, lock, force=force)
     elif action == "cancel":
         cancel(client, settings, lock)
     seen = state(client, settings, lock=lock)
@@ -281,6 +301,14 @@ def _pointer_command(action: str, version: int | None, lock_path: Path | None) -
     out.print(f"next schema version:     {seen.next if seen.next is not None else '-'}")
     out.print(f"previous schema version: {previous}")
     out.print(f"locked versions:         {', '.join(map(str, sorted(lock.versions)))}")
+    procs = roster(client)
+    out.print(f"running processes:       {len(procs) or '-'}")
+    for p in procs:
+        serving = "" if p.serving is None else f", serves {p.serving}"
+        out.print(
+            f"  {p.name}: computes {', '.join(map(str, p.computes)) or '-'}, "
+            f"knows {', '.join(map(str, p.knows)) or '-'}{serving}"
+        )
 
 
 def purge(

@@ -24,7 +24,7 @@ def schemas(
         typer.Option(
             "--out",
             metavar="DIRECTORY",
-            help="Where to write them [default: the repository's schemas/ folder]",
+            help="Where to write them \\[default: the repository's schemas/ folder]",
         ),
     ] = None,
 ) -> None:

@@ -27,7 +27,7 @@ DEFINITIONS_TEMPLATE = '''\
 apply` deploys them. This example is a sketch of a lending library; replace it with your
 own tables and queries."""
 
-from freshline import Entity, FeatureSet, Field, Table
+from freshline import AS_OF, Entity, FeatureSet, Field, Table
 
 # What features are about: its key column and type (bigint, text or uuid) and, for a
 # multi-tenant database, the column holding the tenant. `table` is where its rows are.
@@ -47,7 +47,9 @@ books = Table(
 
 # One set-based query for a whole batch of keys: read them from `keys` (columns: the
 # tenant column, then the key) and the moment from `t(as_of)`; return the key columns,
-# then the fields in declared order.
+# then the fields in declared order. A query that reads the moment changes with time
+# alone (a loan leaves the 30 days, a due date passes): its `horizon` says when, for one
+# row of the query's result (`f`), so the entry expires then instead of going stale.
 loans_30d = FeatureSet(
     "loans_30d",
     entity=member,
@@ -65,6 +67,12 @@ LEFT JOIN loans l ON l.library_id = k.library_id AND l.member_id = k.member_id
                AND l.loaned_at > t.as_of - interval '30 days' AND l.loaned_at <= t.as_of
 GROUP BY k.library_id, k.member_id
 """,
+    horizon=f"""(SELECT least(
+        min(l.loaned_at) FILTER (WHERE l.loaned_at > {AS_OF} - interval '30 days')
+            + interval '30 days',
+        min(l.loaned_at) FILTER (WHERE l.loaned_at > {AS_OF}),
+        min(l.due_at) FILTER (WHERE l.returned_at IS NULL AND l.due_at >= {AS_OF}))
+    FROM loans l WHERE l.library_id = f.library_id AND l.member_id = f.member_id)""",
 )
 '''
 
@@ -109,14 +117,15 @@ def plan(
 
 def checked_plan(publication: str) -> Plan:
     """The active repository's plan, checked against the database (plan and apply)."""
-    from pipeline.core.db import make_engine, ping
+    from pipeline.core.db import make_owner_engine, ping
     from pipeline.core.repository import active
     from pipeline.core.settings import load_settings
     from pipeline.deploy.plan import plan as make_plan
 
     repo = active()
     settings = load_settings()
-    engine = make_engine(settings)
+    # As the login apply uses: the owner's, where set (FRESHLINE_POSTGRES_ADMIN_URL).
+    engine = make_owner_engine(settings)
     ping(engine)
     try:
         return make_plan(repo, engine, settings.schema_version, publication)
@@ -159,6 +168,16 @@ def show_plan(result: Plan) -> None:
         out.print(f"  freshline's roles need: {grant} (apply runs it only with --alter-tables)")
     for name, what in result.derived.items():
         out.print(f"  {name}'s incremental path: {what} (apply does it only with --alter-tables)")
+    for name, lacking in result.security.items():
+        out.print(
+            f"  {name}'s incremental path: security fix pending: {'; '.join(lacking)} (apply "
+            "replaces its functions and grants in place; partials, log and triggers stay)"
+        )
+    for name, grants in result.path_grants.items():
+        for grant in grants:
+            out.print(f"  {name}'s incremental path: apply runs: {grant}")
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
     for problem in result.problems:
         console.print(f"[red]problem:[/red] {problem}")
     if result.ok:

@@ -145,12 +145,12 @@ def purge(
 @semantic_app.command("tune")
 def tune(
     pairs: Annotated[
-        Path | None, typer.Option(help="Labelled pairs (JSON) [default: the shipped set]")
+        Path | None, typer.Option(help="Labelled pairs (JSON) \\[default: the shipped set]")
     ] = None,
     model: Annotated[
         str | None,
         typer.Option(
-            help="Mark this model's configured threshold [default: the default threshold]"
+            help="Mark this model's configured threshold \\[default: the default threshold]"
         ),
     ] = None,
     show_false_hits: Annotated[

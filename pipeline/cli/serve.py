@@ -23,6 +23,7 @@ from typing import Annotated
 import typer
 
 from pipeline.cli.app import console
+from pipeline.core.errors import ConfigError
 from pipeline.core.settings import Settings, load_settings
 
 
@@ -96,6 +97,14 @@ def serve(
             "0: not served [FRESHLINE_OPS_PORT]",
         ),
     ] = None,
+    reuse_port: Annotated[
+        bool,
+        typer.Option(
+            "--reuse-port",
+            help="Share the port with listeners already on it (SO_REUSEPORT): the "
+            "kernel then splits the connections between them",
+        ),
+    ] = False,
 ) -> None:
     """Serve the HTTP read API (Starlette) with granian or uvicorn, and the operator's
     endpoints on the ops port."""
@@ -126,6 +135,8 @@ def serve(
             raise typer.BadParameter(
                 f"no such file: {path}", param_hint="--ssl-certificate/--ssl-keyfile"
             )
+    if not reuse_port:
+        check_port_free(host, port)
     metrics_dir: str | None = None
     if (workers > 1 or ops_port) and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Set before any worker imports prometheus_client, which reads it on import.
@@ -169,6 +180,26 @@ def serve(
                 ops.join(timeout=5)
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port another listener holds, with one line.
+
+    granian binds with ``SO_REUSEPORT`` and has no setting to leave it out: beside a
+    listener that set it too (a second ``freshline serve``) it binds anyway and the two
+    split the traffic; beside one that did not, it panics. A bind without
+    ``SO_REUSEPORT`` fails in both cases, so it is tried first. (Another process may
+    still take the port between this check and granian's bind.)
+    """
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"{host}:{port} is already in use ({exc.strerror or exc}): stop what listens "
+            "there, or serve on another port (--port, FRESHLINE_API_PORT); --reuse-port "
+            "shares it on purpose"
+        ) from exc
 
 
 OPS_LIMITS = ServerLimits(max_connections=64, backlog=64, header_timeout_s=10.0)

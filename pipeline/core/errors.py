@@ -11,6 +11,20 @@ class ConfigError(FreshlineError):
     """A setting is missing or invalid."""
 
 
+class DefinitionFailed(ConfigError):
+    """A feature set's statement (its query or horizon) does not run on this database:
+    the definition at ``origin`` is wrong (``freshline plan`` runs the same statement)."""
+
+    def __init__(self, feature_set: str, origin: str, detail: str) -> None:
+        self.feature_set = feature_set
+        self.origin = origin
+        self.detail = detail
+        super().__init__(
+            f"feature set {feature_set!r} ({origin or 'no origin'}): its statement fails: "
+            f"{detail}; fix the definition (freshline plan checks it against the database)"
+        )
+
+
 STACK_HINT = "start the local stack with: scripts/stack up"
 
 
@@ -99,5 +113,23 @@ class DeployError(FreshlineError):
     """A warm, flip or purge that would be unsafe."""
 
 
+class SchemaVersionUnknown(FreshlineError):
+    """A reader cannot serve the active schema version: it cannot decode or compute it,
+    and its own version is no longer written (:mod:`pipeline.cache.versions`)."""
+
+    def __init__(self, version: int, own: int) -> None:
+        self.version = version
+        self.own = own
+        super().__init__(
+            f"schema version {version} is active, which this reader does not compute "
+            f"(it computes {own}, no longer written); retry on a reader that knows it"
+        )
+
+
 class ModelError(FreshlineError):
     """An unknown model, or one that must not be cached."""
+
+
+class AccessRefused(FreshlineError):
+    """A service refused a login something it must do, by an ACL or a grant: waiting
+    cannot help, so the process stops and the message names the ACL or the setting."""

@@ -82,21 +82,16 @@ class Column:
 
 def _bigint(name: str, value: object) -> int:
     # A string of digits too: JSON producers in some languages cannot send 64-bit
-    # integers exactly.
-    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 19:
-        number = int(value)
-    elif isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    else:
-        raise EventFieldError("invalid_id", name, "must be an integer or a string of digits")
-    if not 0 <= number <= MAX_BIGINT:
-        raise EventFieldError("invalid_id", name, "out of range for a bigint id")
-    return number
+    # integers exactly. The rule and its message are every entity id's (validate_key).
+    try:
+        return int(validate_key("bigint", value))
+    except InvalidId as exc:
+        raise EventFieldError("invalid_id", name, exc.reason) from None
 
 
 def _string_parser(kind: KeyType) -> Callable[[str, object], str]:
     def parse(name: str, value: object) -> str:
-        if not isinstance(value, str):
+        if kind == "text" and not isinstance(value, str):  # JSON: a number is no text key
             raise EventFieldError("invalid_id", name, "must be a string")
         try:
             return validate_key(kind, value)
@@ -250,7 +245,7 @@ class Event:
 
 
 _TEXT_RULE = "letters, digits, '_', '.' and '-', starting alphanumeric, at most 64 characters"
-_UUID_PATTERN = "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+_UUID_PATTERN = "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$"
 
 
 def _bigint_text(text: str) -> str:
@@ -263,13 +258,16 @@ _FIELD_TYPES: dict[KeyType, tuple[Any, str]] = {
     "bigint": (
         Annotated[int, Strict(), Field(ge=0, le=MAX_BIGINT)]
         | Annotated[
-            str, Strict(), StringConstraints(pattern="^[0-9]{1,19}$"), AfterValidator(_bigint_text)
+            str,
+            Strict(),
+            StringConstraints(pattern="^(0|[1-9][0-9]{0,18})$"),
+            AfterValidator(_bigint_text),
         ],
-        "a non-negative integer, or a string of digits",
+        "a non-negative integer, or a string of its digits without leading zeros",
     ),
     "uuid": (
         Annotated[str, Strict(), StringConstraints(pattern=_UUID_PATTERN)],
-        "a lower-case UUID",
+        "a UUID, either case (read as lower case)",
     ),
     "text": (
         Annotated[

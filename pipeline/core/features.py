@@ -89,7 +89,9 @@ def identifier(value: object, what: str) -> str:
     return value
 
 
-_BIGINT_MAX = (1 << 63) - 1
+BIGINT_MAX = (1 << 63) - 1
+BIGINT_RULE = "a bigint key is a non-negative integer without leading zeros"
+UUID_RULE = "a uuid key is 8-4-4-4-12 hex digits and dashes, 36 characters"
 
 
 def _bigint_id(value: object) -> str:
@@ -100,24 +102,25 @@ def _bigint_id(value: object) -> str:
         and text.isdigit()
         and (text == "0" or text[0] != "0")
         and len(text) <= 19
-        and int(text) <= _BIGINT_MAX
+        and int(text) <= BIGINT_MAX
     ):
         return text
-    raise InvalidId("entity", value, "a bigint key is a non-negative integer without leading zeros")
+    raise InvalidId("entity", value, BIGINT_RULE)
 
 
 def _uuid_id(value: object) -> str:
     if isinstance(value, uuid.UUID):  # as Postgres's rows give it
         return str(value)
     if isinstance(value, str) and len(value) == 36:
+        text = value.lower()  # many systems write upper case; Postgres answers lower
         try:
-            parsed = uuid.UUID(value)
+            parsed = uuid.UUID(text)
         except ValueError:
             pass
         else:
-            if str(parsed) == value:
-                return value
-    raise InvalidId("entity", value, "a uuid key is 36 characters, lower-case hex and dashes")
+            if str(parsed) == text:
+                return text
+    raise InvalidId("entity", value, UUID_RULE)
 
 
 def _text_id(value: object) -> str:
@@ -130,7 +133,15 @@ _ID_CHECKS = {"bigint": _bigint_id, "text": _text_id, "uuid": _uuid_id}
 
 
 def validate_key(kind: KeyType, value: object) -> str:
-    """``value`` as the canonical text of a key of type ``kind``, or :class:`InvalidId`."""
+    """``value`` as the canonical text of a key of type ``kind``, or :class:`InvalidId`.
+
+    The one rule for entity ids wherever they come in (the read API, the Python client,
+    change and domain events; training spines, when they come), so each takes and
+    refuses the same ids, with the same message: ``bigint``, a non-negative integer (or
+    its digits, no leading zeros); ``uuid``, 8-4-4-4-12 hex digits in either case,
+    normalised to lower case (as Postgres writes it); ``text``, the id rule of
+    :mod:`schemas.ids`.
+    """
     return _ID_CHECKS[kind](value)
 
 

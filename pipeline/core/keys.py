@@ -40,8 +40,26 @@ NEXT_SCHEMA_KEY = "freshline:{deploy}:next_schema_version"
 PREVIOUS_SCHEMA_KEY = "freshline:{deploy}:previous_schema_version"
 RETIRED_SCHEMA_KEY = "freshline:{deploy}:retired_schema_version"
 DEPLOY_CHANNEL = "freshline:{deploy}"
+FIELDS_KEY = "freshline:{deploy}:fields"
+"""``<FIELDS_KEY>:<version>``: a version's locked field lists, published by ``apply`` and
+the deploy commands for readers whose lock lacks it. No TTL, as the pointer's keys: a
+version's entry is never rewritten and holds a few hundred bytes."""
+PROCS_KEY = "freshline:{deploy}:procs"
+"""``<PROCS_KEY>:<role>:<id>``: a running process's registration (a TTL, renewed), and
+``<PROCS_KEY>:<role>``: the role's index of them (:mod:`pipeline.cache.roster`)."""
 MODELS_KEY = "freshline:models"
 DLQ_REPLAYED_PREFIX = "freshline:dlq:replayed"
+UNEXPIRING: tuple[str, ...] = (
+    ACTIVE_SCHEMA_KEY,
+    NEXT_SCHEMA_KEY,
+    f"{ACTIVE_SCHEMA_KEY}:*",  # a scoped pointer (Pointer.scoped): one per deployment
+    f"{NEXT_SCHEMA_KEY}:*",
+    f"{FIELDS_KEY}:*",  # one per schema version, never rewritten
+    MODELS_KEY,
+    f"{DLQ_REPLAYED_PREFIX}:*",
+)
+"""The only keys (``fnmatch`` patterns) freshline writes without a TTL: small control
+keys that hold no tenant's data and do not grow with traffic (docs/guarantees.md)."""
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 

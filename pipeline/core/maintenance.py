@@ -102,6 +102,11 @@ function is all it needs); ``freshline buckets fold`` does it by hand. The consu
 the current UTC day only now and then (:meth:`DerivedPath.fold_settled` leaves it): a read
 takes its ``as_of``'s day from the rows whatever the partial holds, so under a steady
 stream of writes a fold of that day is recomputed again and again for no reader.
+
+Every generated function runs as the owner, and no other login may write the path's
+tables or run its functions (:meth:`DerivedPath.grants`: freshline's roles read, the
+consumers fold): a log row forged by another login would move a head's values. Each
+trigger function refuses to run as any trigger but its own.
 """
 
 from __future__ import annotations
@@ -356,28 +361,10 @@ class DerivedPath(IncrementalPath):
             f"till timestamptz{deltas})",
             f"CREATE INDEX IF NOT EXISTS {self.prefix}_log_by_key ON {self.log} ({day_keys}, at)",
         ]
-        roles = list(
-            conn.execute(
-                sa.text(
-                    "SELECT rolname FROM pg_roles "
-                    "WHERE rolname IN ('freshline_api', 'freshline_consumer') ORDER BY 1"
-                )
-            ).scalars()
-        )
-        tables = ", ".join(self.tables)
-        out += [f"GRANT SELECT ON {tables} TO {role}" for role in roles]
-        out += self._functions(table, types, lookups, self._read_columns(conn, table, types))
+        read = self._read_columns(conn, table, types)
+        out += self._functions(table, types, lookups, read, self._collated(conn, table, read))
+        out += self.grants(conn)
         fn = f"{SCHEMA}.{self.prefix}"
-        out += [
-            f"REVOKE ALL ON FUNCTION {fn}_fold(integer, boolean, boolean) FROM PUBLIC",
-            # every writer of the table logs its inserts itself (see _functions)
-            f"GRANT INSERT ON {self.log} TO PUBLIC",
-        ]
-        out += [
-            f"GRANT EXECUTE ON FUNCTION {fn}_fold(integer, boolean, boolean) TO {role}"
-            for role in roles
-            if role == "freshline_consumer"
-        ]
         trigger = self.trigger
         out += [
             f"DROP TRIGGER IF EXISTS {trigger}_i ON {table}",
@@ -393,7 +380,9 @@ class DerivedPath(IncrementalPath):
             f"old_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_d()",
             f"CREATE TRIGGER {trigger}_t AFTER TRUNCATE ON {table} "
             f"FOR EACH STATEMENT EXECUTE FUNCTION {fn}_t()",
+            *self._always(table, "iudt"),
         ]
+        out += self.partition_triggers(self.partitions(conn))
         for n, looked in enumerate(lookups):  # a change there logs the days it decides
             name = f"{trigger}_l{n}"
             out += [
@@ -406,6 +395,7 @@ class DerivedPath(IncrementalPath):
                 f"old_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_l{n}d()",
                 f"CREATE TRIGGER {name}t AFTER TRUNCATE ON {looked} "
                 f"FOR EACH STATEMENT EXECUTE FUNCTION {fn}_l{n}t()",
+                *(f"ALTER TABLE {looked} ENABLE ALWAYS TRIGGER {name}{op}" for op in "iudt"),
             ]
         out += [
             *self._locks(table, lookups),
@@ -416,6 +406,23 @@ class DerivedPath(IncrementalPath):
             *(f"ANALYZE {t}" for t in self.tables),
         ]
         return out
+
+    @staticmethod
+    def _collated(conn: Connection, table: str, read: list[str]) -> frozenset[str]:
+        """The columns of ``read`` whose equality is not identity: those with a
+        collation (a nondeterministic one calls 'open' and 'OPEN' equal), and citext."""
+        if not read:
+            return frozenset()
+        return frozenset(
+            conn.execute(
+                sa.text(
+                    "SELECT a.attname FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
+                    "WHERE a.attrelid = CAST(:t AS regclass) AND a.attname = ANY(:c) "
+                    "AND (a.attcollation <> 0 OR t.typname = 'citext')"
+                ),
+                {"t": table, "c": read},
+            ).scalars()
+        )
 
     def _read_columns(self, conn: Connection, table: str, types: dict[str, str]) -> list[str]:
         """The source table's columns a value can depend on: its key, time and tiebreak,
@@ -627,31 +634,99 @@ class DerivedPath(IncrementalPath):
         """The advisory lock that folds and rebuilds of this path take."""
         return f"hashtext('{SCHEMA}.{self.prefix}')"
 
+    @staticmethod
+    def _search_path(table: str, lookups: list[str]) -> str:
+        """The functions' ``search_path``. A ``where`` or a lookup's query names tables
+        and functions as the user wrote them: they resolve in the schemas of the tables
+        involved, after pg_catalog (so no user object shadows a built-in), as ``plan``
+        checks (:meth:`search_path`)."""
+        schemas = dict.fromkeys(t.rsplit(".", 1)[0] for t in [table, *lookups])
+        return ", ".join(["pg_catalog", *schemas, "pg_temp"])
+
+    def search_path(self, conn: Connection) -> str:
+        """The ``search_path`` the path's trigger functions and fold run with: ``plan``
+        checks the declaration's SQL under it, so what plan accepts, the triggers run."""
+        return self._search_path(self._qualified(conn), self._lookup_tables(conn))
+
+    def _made_for(self, table: str, lookups: list[str]) -> dict[str, tuple[str, str]]:
+        """Each trigger function (``i()``, ``l0t()``, ...) -> (the table, the operation)
+        of the one trigger it is made for."""
+        ops = {"i": "INSERT", "u": "UPDATE", "d": "DELETE", "t": "TRUNCATE"}
+        out = {f"{k}()": (table, op) for k, op in ops.items()}
+        out["p()"] = (table, "TRUNCATE")  # BEFORE, on a partition: see _partition_truncate
+        for n, looked in enumerate(lookups):
+            out |= {f"l{n}{k}()": (looked, op) for k, op in ops.items()}
+        return out
+
+    def _guard(self, name: str, table: str, op: str) -> str:
+        """Trigger function ``name``'s first statement: refuse to run as any trigger but
+        the AFTER ``op`` statement trigger on ``table``. EXECUTE is checked when a
+        trigger is made, not when it fires, and the owner may attach it anywhere."""
+        literal = table.replace("'", "''")
+        root = f"'{literal}'::pg_catalog.regclass"
+        # A write addressed to a partition fires the partition's own statement triggers,
+        # not the parent's: i(), u() and d() run on every partition too, and p() on a
+        # partition only. CASE orders the checks: the parent's costs no lookup (in
+        # parentheses: PL/pgSQL ends an IF's condition at the first THEN outside them).
+        partition = (
+            f"NOT EXISTS (SELECT 1 FROM pg_catalog.pg_partition_tree({root}) AS p "
+            "WHERE p.relid = TG_RELID)"
+        )
+        when, what = "AFTER", f"the AFTER {op} statement trigger on %"
+        if name in ("i", "u", "d"):
+            relation = f"(CASE WHEN TG_RELID = {root} THEN false ELSE {partition} END)"
+            what += " or a partition of it"
+        elif name == "p":
+            relation = f"(CASE WHEN TG_RELID = {root} THEN true ELSE {partition} END)"
+            when, what = "BEFORE", f"the BEFORE {op} statement trigger on a partition of %"
+        else:
+            relation = f"TG_RELID <> {root}"
+        return (
+            f"IF {relation} OR TG_WHEN <> '{when}' "
+            f"OR TG_LEVEL <> 'STATEMENT' OR TG_OP <> '{op}' THEN\n"
+            f"        RAISE EXCEPTION 'freshline: {SCHEMA}.{self.prefix}_{name}() runs only as "
+            f"{what}', '{literal}' "
+            "USING ERRCODE = 'triggered_action_exception';\n    END IF"
+        )
+
+    @property
+    def _fold_signature(self) -> str:
+        return f"{self.prefix}_fold(integer, boolean, boolean)"
+
+    @property
+    def _signatures(self) -> list[str]:
+        """Every function of the path, as ``pg_get_function_identity_arguments`` names
+        its arguments (no schema)."""
+        ops = "iudt"
+        lookups = [f"l{n}{k}" for n in range(len(self.decl.lookups)) for k in ops]
+        return [*(f"{self.prefix}_{k}()" for k in [*ops, "p", *lookups]), self._fold_signature]
+
     def _functions(
-        self, table: str, types: dict[str, str], lookups: list[str], read: list[str]
+        self,
+        table: str,
+        types: dict[str, str],
+        lookups: list[str],
+        read: list[str],
+        collated: frozenset[str] = frozenset(),
     ) -> list[str]:
         """The trigger functions (each records the (key, day)s its statement touched in
-        the log) and the fold (which recomputes logged days from the source rows)."""
+        the log) and the fold (which recomputes logged days from the source rows), each
+        SECURITY DEFINER with a fixed ``search_path``: no other login needs a right on
+        freshline's schema, and a writer of the table none on the log (see :meth:`grants`)."""
         fn = f"{SCHEMA}.{self.prefix}"
         keys = ", ".join(self.keys)
-        # A lookup's query names its tables as the user wrote them: the definer functions
-        # resolve them in the schemas of the tables involved, after pg_catalog.
-        schemas = dict.fromkeys(t.rsplit(".", 1)[0] for t in [table, *lookups] if lookups)
-        path = ", ".join(["pg_catalog", *schemas, "pg_temp"])
+        path = self._search_path(table, lookups)
+        made_for = self._made_for(table, lookups)
 
-        def function(
-            name: str,
-            body: list[str],
-            head: str = "",
-            returns: str = "trigger",
-            definer: bool = True,
-        ) -> str:
+        def function(name: str, body: list[str], head: str = "", returns: str = "trigger") -> str:
+            if returns == "trigger":
+                body = [self._guard(name.removesuffix("()"), *made_for[name]), *body]
             statements = "".join(f"    {b};\n" for b in body)
             end = "    RETURN NULL;\n" if returns == "trigger" else ""
-            rights = f"SECURITY DEFINER SET search_path = {path} " if definer else ""
             return (
                 f"CREATE OR REPLACE FUNCTION {fn}_{name} RETURNS {returns} LANGUAGE plpgsql "
-                f"{rights}AS $fn$\n{head}BEGIN\n{statements}{end}END\n$fn$"
+                f"SECURITY DEFINER SET search_path = {path} "
+                f"AS $fn$\n{head}BEGIN\n{statements}{end}END\n$fn$"
             )
 
         # The fold: the logged (key, day)s, up to $1 of them, leave the log; their days
@@ -731,17 +806,13 @@ class DerivedPath(IncrementalPath):
             # transaction, a single-row INSERT pays +6 us for it against +9.4 us with
             # DISTINCT (+4.6 us as a row trigger, which made a COPY 3.6x slower); 40,000
             # rows inserted at once pay +34% against +50%. The fold's DISTINCT takes the
-            # repeats back. It runs with the writer's rights (a SECURITY DEFINER with its
-            # own search_path cost a single-row INSERT some 30 us more): the writer may
-            # only insert into the log (INSERT to PUBLIC), and nothing it does can make a
-            # value wrong. A row logged for nothing marks a day to be read from its rows;
-            # the (key, day) it logs names columns and pg_catalog's timezone() and a cast,
-            # which no search_path changes; the declaration's own where, SQL that could,
-            # is left out (a day logged that the filter would skip costs a read, no more).
-            function("i()", self._log_inserts(), definer=False),
-            function("u()", [self._log_update(read)]),
+            # repeats back. The declaration's own where is left out (a day logged that
+            # the filter would skip costs a read, no more).
+            function("i()", self._log_inserts()),
+            function("u()", [self._log_update(read, collated)]),
             function("d()", [self._logged("old_rows x")]),
             function("t()", truncate),
+            function("p()", [self._partition_truncate()]),
             *self._lookup_functions(table, function),
             function(
                 "fold(integer, boolean, boolean)",
@@ -751,34 +822,128 @@ class DerivedPath(IncrementalPath):
             ),
         ]
 
+    def _always(self, table: str, ops: str) -> list[str]:
+        """The triggers ``ops`` of ``table`` fire in every session, also one with
+        ``session_replication_role = replica`` (``pg_restore --disable-triggers`` and
+        logical replication's apply workers set it), where an ordinary trigger does not."""
+        return [f"ALTER TABLE {table} ENABLE ALWAYS TRIGGER {self.trigger}_{op}" for op in ops]
+
+    def partitions(self, conn: Connection) -> list[str]:
+        """Every partition of the source table, at every level, qualified; none when it is
+        not partitioned."""
+        return list(
+            conn.execute(
+                sa.text(
+                    "SELECT format('%I.%I', n.nspname, c.relname) "
+                    "FROM pg_partition_tree(to_regclass(:t)) p JOIN pg_class c ON c.oid = p.relid "
+                    "JOIN pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE p.relid <> to_regclass(:t) ORDER BY p.level, 1"
+                ),
+                {"t": self._qualified(conn)},
+            ).scalars()
+        )
+
+    def untriggered_partitions(self, conn: Connection) -> list[str]:
+        """The partitions without the path's triggers (made after ``apply``): writes
+        addressed to them are not logged until ``apply --alter-tables`` attaches them."""
+        found = self.partitions(conn)
+        if not found:
+            return []
+        triggered = set(
+            conn.execute(
+                sa.text(
+                    "SELECT format('%I.%I', n.nspname, c.relname) FROM pg_trigger t "
+                    "JOIN pg_class c ON c.oid = t.tgrelid "
+                    "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE t.tgname = :name"
+                ),
+                {"name": f"{self.trigger}_p"},
+            ).scalars()
+        )
+        return [p for p in found if p not in triggered]
+
+    def partition_triggers(self, partitions: Sequence[str]) -> list[str]:
+        """The statement triggers of ``partitions``: a write addressed to a partition fires
+        its own triggers, not the parent's (one addressed to the parent fires the
+        parent's only), so every write is logged once."""
+        fn, trigger = f"{SCHEMA}.{self.prefix}", self.trigger
+        out = []
+        for part in partitions:
+            out += [
+                *(f"DROP TRIGGER IF EXISTS {trigger}_{op} ON {part}" for op in "iudp"),
+                f"CREATE TRIGGER {trigger}_i AFTER INSERT ON {part} REFERENCING NEW TABLE AS "
+                f"new_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_i()",
+                f"CREATE TRIGGER {trigger}_u AFTER UPDATE ON {part} REFERENCING OLD TABLE AS "
+                f"old_rows NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_u()",
+                f"CREATE TRIGGER {trigger}_d AFTER DELETE ON {part} REFERENCING OLD TABLE AS "
+                f"old_rows FOR EACH STATEMENT EXECUTE FUNCTION {fn}_d()",
+                f"CREATE TRIGGER {trigger}_p BEFORE TRUNCATE ON {part} "
+                f"FOR EACH STATEMENT EXECUTE FUNCTION {fn}_p()",
+                *self._always(part, "iudp"),
+            ]
+        return out
+
+    def table_fixes(self, conn: Connection) -> list[str]:
+        """What an installed path needs on the user's tables to see every write: its
+        triggers on partitions made after it was installed, and ALWAYS on triggers an
+        earlier freshline left firing in origin sessions only. ``apply --alter-tables``
+        installs it again (:meth:`install`: the triggers, then its partials rebuilt from
+        the rows, which a write to an untriggered partition may have missed)."""
+        out = []
+        parts = self.untriggered_partitions(conn)
+        if parts:
+            out.append(f"partitions without its triggers: {', '.join(parts)}")
+        origin = conn.execute(
+            sa.text("SELECT count(*) FROM pg_trigger WHERE tgname LIKE :name AND tgenabled = 'O'"),
+            {"name": f"{self.trigger}\\_%"},
+        ).scalar()
+        if origin:
+            out.append(f"{origin} trigger(s) not fired in replica-role sessions (not ALWAYS)")
+        return out
+
+    def _partition_truncate(self) -> str:
+        """p()'s body, before a TRUNCATE of one partition: log the (key, day)s of every
+        row it holds, so that reads take those days from the rows (then gone) until a
+        fold rebuilds them. A TRUNCATE of the whole table empties the partials (t())."""
+        logged = self._logged("__partition__ x").replace("%", "%%").replace("__partition__", "%s")
+        return f"EXECUTE pg_catalog.format($q${logged}$q$, TG_RELID::pg_catalog.regclass)"
+
     @staticmethod
-    def _changed_rows(read: list[str]) -> tuple[str, str]:
+    def _identity(read: list[str], collated: frozenset[str]) -> str:
+        """The select list that compares rows of ``read`` by identity: each column, and
+        each of ``collated`` also as its text in the "C" collation, so that a change its
+        collation calls equal ('open' to 'OPEN' under a case-insensitive one) differs."""
+        cols = [f'"{c}"' for c in read]
+        cols += [f'"{c}"::pg_catalog.text COLLATE "C" AS "fl_c_{c}"' for c in read if c in collated]
+        return ", ".join(cols)
+
+    @staticmethod
+    def _changed_rows(read: list[str], collated: frozenset[str] = frozenset()) -> tuple[str, str]:
         """An UPDATE's rows to log, as FROM items ``x``: of ``read`` (the columns values
         read), the old rows' that no new row has and the new rows' that no old row has
-        (EXCEPT ALL): an UPDATE that leaves them as they were logs nothing, and a day
-        whose rows read the same, as a multiset, has the same partial. Without ``read``,
-        every old and new row."""
+        (EXCEPT ALL, by identity: :meth:`_identity`): an UPDATE that leaves them as they
+        were logs nothing, and a day whose rows read the same, as a multiset, has the
+        same partial. Without ``read``, every old and new row."""
         if not read:
             return "old_rows x", "new_rows x"
-        cols = ", ".join(f'"{c}"' for c in read)
+        cols = DerivedPath._identity(read, collated)
         return (
             f"(SELECT {cols} FROM old_rows EXCEPT ALL SELECT {cols} FROM new_rows) AS x",
             f"(SELECT {cols} FROM new_rows EXCEPT ALL SELECT {cols} FROM old_rows) AS x",
         )
 
-    def _log_update(self, read: list[str]) -> str:
+    def _log_update(self, read: list[str], collated: frozenset[str] = frozenset()) -> str:
         """The update trigger's body: the changed rows logged (:meth:`_changed_rows`),
         as deltas when the statement left every :attr:`fixed` column as it was, as a
         multiset over those rows (so every (key, day, time) has the rows it had, with
         other values of the :attr:`moving` aggregations' columns): per (key, day), the
         earliest and latest time of its changed rows and what they changed, the new
         rows' counts and sums less the old rows', and the new and old rows' extremes."""
-        old, new = self._changed_rows(read)
+        old, new = self._changed_rows(read, collated)
         plain = self._logged(old, new)
         if not read or not self.moving:
             return plain
         fixed = self.fixed
-        cols = ", ".join(f'"{c}"' for c in read if c in fixed)
+        cols = self._identity([c for c in read if c in fixed], collated)
         same = (
             f"NOT EXISTS (SELECT {cols} FROM {old} EXCEPT ALL SELECT {cols} FROM {new}) "
             f"AND NOT EXISTS (SELECT {cols} FROM {new} EXCEPT ALL SELECT {cols} FROM {old})"
@@ -838,6 +1003,11 @@ class DerivedPath(IncrementalPath):
         takes = [f"{g}.till < {h}.cut"]
         for s in self.moving:
             i = s.index
+            for name, kind in s.deltas():
+                if kind == "numeric":  # a NaN or an infinity never cancels: read the rows
+                    takes.append(
+                        f"coalesce({g}.{name} NOT IN ('NaN', 'Infinity', '-Infinity'), true)"
+                    )
             if s.agg.kind == "max":
                 takes.append(f"coalesce({g}.dox{i} < {h}.mx{i}, {g}.dox{i} IS NULL)")
             elif s.agg.kind == "min":
@@ -1334,6 +1504,115 @@ class DerivedPath(IncrementalPath):
             ).scalar()
         )
 
+    def grants(self, conn: Connection) -> list[str]:
+        """The privileges on the path's objects, set whole: PUBLIC has none (every
+        function runs as the owner, and the triggers on the user's tables were made by
+        the owner), freshline's roles read the tables, the consumers run the fold."""
+        roles = conn.execute(
+            sa.text(
+                "SELECT rolname FROM pg_roles "
+                "WHERE rolname IN ('freshline_api', 'freshline_consumer') ORDER BY 1"
+            )
+        ).scalars()
+        tables = ", ".join(self.tables)
+        functions = ", ".join(f"{SCHEMA}.{f}" for f in self._signatures)
+        out = [
+            f"REVOKE ALL ON {tables} FROM PUBLIC",
+            f"REVOKE ALL ON FUNCTION {functions} FROM PUBLIC",
+        ]
+        for role in roles:
+            out.append(f"GRANT SELECT ON {tables} TO {role}")
+            if role == "freshline_consumer":
+                out.append(f"GRANT EXECUTE ON FUNCTION {SCHEMA}.{self._fold_signature} TO {role}")
+        return out
+
+    def unsecured(self, conn: Connection) -> list[str]:
+        """What an installed path lacks of what :meth:`ddl` makes now, as to who may do
+        what (an earlier freshline's, say): each function SECURITY DEFINER with the fixed
+        ``search_path``, each trigger function checking the trigger it runs as, none
+        executable by PUBLIC, no privilege of PUBLIC on a table, the grants of
+        :meth:`grants`. Empty when nothing; :meth:`secure` makes it so."""
+        table = self._qualified(conn)
+        lookups = self._lookup_tables(conn)
+        config = [f"search_path={self._search_path(table, lookups)}"]
+        guards = {
+            f"{self.prefix}_{name}": self._guard(name.removesuffix("()"), *on)
+            for name, on in self._made_for(table, lookups).items()
+        }
+        found = {
+            str(row[0]): row[1:]
+            for row in conn.execute(
+                sa.text(
+                    "SELECT p.proname || '(' || pg_get_function_identity_arguments(p.oid) || ')', "
+                    "p.prosecdef, p.proconfig, p.prosrc, "
+                    "has_function_privilege('public', p.oid, 'EXECUTE') "
+                    "FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+                    "WHERE n.nspname = :schema AND left(p.proname, length(:p)) = :p"
+                ),
+                {"schema": SCHEMA, "p": f"{self.prefix}_"},
+            )
+        }
+        lacking: dict[str, list[str]] = {}
+        for name in self._signatures:
+            if name not in found:
+                lacking.setdefault("missing", []).append(name)
+                continue
+            definer, settings, source, public = found[name]
+            if not definer or list(settings or []) != config:
+                lacking.setdefault("not SECURITY DEFINER with its fixed search_path", []).append(
+                    name
+                )
+            if guards.get(name, "") not in source:
+                lacking.setdefault("running as any trigger it is attached to", []).append(name)
+            if public:
+                lacking.setdefault("executable by PUBLIC", []).append(name)
+        out = [f"{what}: {self._named(names)}" for what, names in lacking.items()]
+        for t in self.tables:
+            if conn.execute(
+                sa.text(
+                    "SELECT has_table_privilege('public', :t, "
+                    "'SELECT, INSERT, UPDATE, DELETE, TRUNCATE, REFERENCES, TRIGGER') "
+                    "OR has_any_column_privilege('public', :t, 'SELECT, INSERT, UPDATE')"
+                ),
+                {"t": t},
+            ).scalar():
+                out.append(f"PUBLIC may use {t}")
+        if self._fold_signature not in found:
+            return out
+        granted = conn.execute(
+            sa.text(
+                "SELECT bool_and(CASE WHEN r.rolname = 'freshline_consumer' "
+                "AND NOT has_function_privilege(r.oid, CAST(:fold AS regprocedure), 'EXECUTE') "
+                "THEN false ELSE has_table_privilege(r.oid, t, 'SELECT') END) "
+                "FROM pg_roles r CROSS JOIN unnest(CAST(:tables AS text[])) AS t "
+                "WHERE r.rolname IN ('freshline_api', 'freshline_consumer')"
+            ),
+            {"fold": f"{SCHEMA}.{self._fold_signature}", "tables": self.tables},
+        ).scalar()
+        if granted is False:
+            out.append("freshline's roles lack their grants")
+        return out
+
+    def _named(self, names: list[str]) -> str:
+        """Functions of the path, few words: ``freshline.<prefix>_{i,u,d,t}()``."""
+        bare = [n.removeprefix(f"{self.prefix}_") for n in names]
+        if len(bare) > 1 and all(b.endswith("()") for b in bare):
+            return f"{SCHEMA}.{self.prefix}_{{{','.join(b[:-2] for b in bare)}}}()"
+        return ", ".join(f"{SCHEMA}.{n}" for n in names)
+
+    def secure(self, conn: Connection) -> None:
+        """Replace the installed path's functions with those :meth:`ddl` makes now and
+        set :meth:`grants`, in ``conn``'s transaction. Its tables, partials, log and
+        triggers stay as they are: a replaced function keeps its oid, so the triggers
+        call the new one, and its log rows mean what they meant."""
+        table = self._qualified(conn)
+        lookups = self._lookup_tables(conn)
+        types = self._column_types(conn, table, lookups)
+        read = self._read_columns(conn, table, types)
+        functions = self._functions(table, types, lookups, read, self._collated(conn, table, read))
+        for statement in [*functions, *self.grants(conn)]:
+            conn.execute(sa.text(statement))
+
     def describe(self, conn: Connection) -> str:
         """What installing it does, in one line (for ``plan``)."""
         tables = ", ".join([self.days, *(self.members(s) for s in self.distinct)])
@@ -1365,6 +1644,18 @@ def install_missing(conn: Connection, paths: Iterable[IncrementalPath]) -> list[
     for path in paths:
         if isinstance(path, DerivedPath) and not path.installed(conn):
             path.install(conn)
+            done.append(path)
+    return done
+
+
+def secure_installed(conn: Connection, paths: Iterable[IncrementalPath]) -> list[DerivedPath]:
+    """Fix in place the installed derived paths among ``paths`` that
+    :meth:`DerivedPath.unsecured` finds lacking (an earlier freshline's), in ``conn``'s
+    transaction, as ``freshline apply`` does; those it fixed."""
+    done = []
+    for path in paths:
+        if isinstance(path, DerivedPath) and path.installed(conn) and path.unsecured(conn):
+            path.secure(conn)
             done.append(path)
     return done
 
@@ -1453,4 +1744,4 @@ def superseded(conn: Connection, keep: Iterable[DerivedPath]) -> list[Installed]
     return found
 
 
-__all__ = ["DerivedPath", "Installed", "install_missing", "superseded"]
+__all__ = ["DerivedPath", "Installed", "install_missing", "secure_installed", "superseded"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 import tomllib
 import traceback
@@ -36,6 +37,13 @@ from pipeline.core.features import Entity, FeatureSet, Registry, Source, Table
 
 CONFIG = "freshline.toml"
 REPO_VARIABLE = "FRESHLINE_REPO"
+SECTIONS: dict[str, frozenset[str]] = {
+    "project": frozenset(
+        {"name", "schema_version", "definitions", "lock", "migrations", "commands"}
+    ),
+}
+"""The tables ``freshline.toml`` may have, with the keys each may hold: anything else is
+a typo, refused with its line rather than ignored."""
 
 
 class DefinitionError(ConfigError):
@@ -165,6 +173,7 @@ def load(path: Path | str) -> Repository:
         config = tomllib.loads(config_path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise DefinitionError(str(config_path), f"not valid TOML: {exc}") from None
+    _check_keys(config_path, config)
     project = config.get("project")
     if not isinstance(project, dict):
         raise DefinitionError(str(config_path), "needs a [project] table")
@@ -238,6 +247,34 @@ def load(path: Path | str) -> Repository:
         tables=tuple(tables.values()),
         events=tuple(events.values()),
     )
+
+
+def _check_keys(path: Path, config: dict[str, object]) -> None:
+    """Refuse a table or key of ``freshline.toml`` that :data:`SECTIONS` does not name,
+    with the line it is on."""
+    lines = path.read_text().splitlines()
+
+    def line_of(pattern: str, after: int = 0) -> str:
+        for number, text in enumerate(lines[after:], start=after + 1):
+            if re.match(pattern, text):
+                return f"{path}:{number}"
+        return str(path)
+
+    known = ", ".join(f"[{name}]" for name in SECTIONS)
+    for name, value in config.items():
+        if not isinstance(value, dict):
+            where = line_of(rf"\s*{re.escape(name)}\s*=")
+            raise DefinitionError(where, f"{name!r} is outside a table (known: {known})")
+        header = line_of(rf"\s*\[\s*{re.escape(name)}\s*\]")
+        if name not in SECTIONS:
+            raise DefinitionError(header, f"unknown table [{name}] (known: {known})")
+        after = int(header.rpartition(":")[2]) if header != str(path) else 0
+        for key in value:
+            if key not in SECTIONS[name]:
+                raise DefinitionError(
+                    line_of(rf"\s*{re.escape(key)}\s*=", after),
+                    f"[{name}] has no key {key!r} (known: {', '.join(sorted(SECTIONS[name]))})",
+                )
 
 
 _by_setting: dict[str, Repository] = {}

@@ -25,6 +25,7 @@ from pipeline.core.features import FeatureSet, FieldType
 from pipeline.core.lock import Lock, check
 from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import Repository
+from pipeline.deploy import derived_checks
 
 # Postgres types (pg_type.typname) a declared field type accepts.
 FITS: dict[FieldType, frozenset[str]] = {
@@ -45,6 +46,9 @@ class Plan:
     repository: Repository
     schema_version: int
     problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """What would serve stale values but not fail (a query that reads the moment it is
+    computed for and has no horizon); ``plan`` still passes."""
     lock: str = ""
     """``ok`` (the lock has this version, unchanged), ``new`` (apply records it), or the
     mismatch (a SCHEMA_VERSION bump is needed)."""
@@ -59,6 +63,12 @@ class Plan:
     derived: dict[str, str] = field(default_factory=dict)
     """Feature set -> what installing its derived incremental path does (triggers on
     the user's table: ``apply --alter-tables``), for those not installed yet."""
+    security: dict[str, list[str]] = field(default_factory=dict)
+    """Feature set -> what its installed derived path lacks of who may do what (an
+    earlier freshline's install): apply replaces its functions and grants in place."""
+    path_grants: dict[str, list[str]] = field(default_factory=dict)
+    """Feature set -> the ``GRANT``/``REVOKE`` apply runs on its derived path's objects
+    (one it installs or fixes)."""
 
     @property
     def ok(self) -> bool:
@@ -68,12 +78,19 @@ class Plan:
 def plan(repo: Repository, engine: Engine, schema_version: int, publication: str) -> Plan:
     """Check ``repo`` against the database ``engine`` reaches (read-only)."""
     result = Plan(repo, schema_version, tables=repo.table_names())
+    entity_tables = {fs.entity.table for fs in repo.registry if fs.entity.table is not None}
     with engine.connect() as conn:
         conn.execute(sa.text("SET TRANSACTION READ ONLY"))
-        columns = _columns(conn, result.tables)
+        columns = _columns(conn, sorted(set(result.tables) | entity_tables))
         for fs in repo.registry:
             # A query is run only once its tables are known to be there.
-            result.problems += _check_sources(fs, columns) or _check_query(conn, fs)
+            result.problems += (
+                _check_sources(fs, columns)
+                or _check_query(conn, fs)
+                or _check_horizon(conn, fs)
+                or derived_checks.check(conn, fs)
+            )
+            result.warnings += staleness_warnings(fs)
         for table in result.tables:
             if table in columns:
                 ddl = _replica_identity(conn, repo, table)
@@ -88,12 +105,19 @@ def plan(repo: Repository, engine: Engine, schema_version: int, publication: str
         result.grants = missing_grants(conn, [t for t in result.tables if t in columns])
         for fs in repo.registry:
             path = fs.maintenance
-            if (
-                isinstance(path, DerivedPath)
-                and path.decl.table in columns
-                and not path.installed(conn)
-            ):
+            if not isinstance(path, DerivedPath) or path.decl.table not in columns:
+                continue
+            if not path.installed(conn):
                 result.derived[fs.name] = path.describe(conn)
+            elif fixes := path.table_fixes(conn):
+                result.derived[fs.name] = (
+                    f"{'; '.join(fixes)}: installs it again and rebuilds its partials"
+                )
+            elif lacking := path.unsecured(conn):
+                result.security[fs.name] = lacking
+            else:
+                continue
+            result.path_grants[fs.name] = path.grants(conn)
         conn.rollback()
     try:
         result.lock = check(Lock.load(repo.lock_path), schema_version, repo.registry)
@@ -192,6 +216,12 @@ def _check_query(conn: Connection, fs: FeatureSet) -> list[str]:
             described = result.cursor.description if result.cursor else None
     except sa.exc.DBAPIError as exc:
         message = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+        if getattr(exc.orig, "sqlstate", None) == "42501":  # a missing grant, not the query
+            return [
+                f"{where}: feature set {fs.name!r}: cannot check the query as "
+                f"{conn.engine.url.username or 'this login'} ({message}): run plan as the "
+                "tables' owner (FRESHLINE_POSTGRES_ADMIN_URL), which apply uses too"
+            ]
         return [f"{where}: feature set {fs.name!r}: the query fails: {message}"]
     if not described:
         return [f"{where}: feature set {fs.name!r}: the query returns no columns"]
@@ -224,6 +254,62 @@ def _check_query(conn: Connection, fs: FeatureSet) -> list[str]:
                 f"but the query returns {typname}"
             )
     return problems
+
+
+def _check_horizon(conn: Connection, fs: FeatureSet) -> list[str]:
+    """Compile the horizon the way recomputes run it (over the query's rows, ``f``)."""
+    if fs.horizon is None:
+        return []
+    statement = sa.text(
+        f"SELECT f.*, {fs.horizon} AS valid_until FROM ({fs.statement.text}) AS f LIMIT 0"
+    )
+    try:
+        with conn.begin_nested():
+            conn.execute(statement, {"tenants": [], "ids": [], "as_of": None})
+    except sa.exc.DBAPIError as exc:
+        message = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+        return [
+            f"{fs.origin or fs.name}: feature set {fs.name!r}: the horizon fails: {message} "
+            "(it reads the query's row as f.<column>: "
+            f"{', '.join(f'f.{c}' for c in fs.entity.columns)})"
+        ]
+    return []
+
+
+# What makes a query's result change with time alone: the moment it computes for
+# (``t.as_of``, ``:as_of``) or the clock. Matched outside comments and string literals.
+_MOMENT = re.compile(
+    r"\b(?:(as_of|current_date|current_timestamp|localtimestamp)\b"
+    r"|(now|clock_timestamp|statement_timestamp|transaction_timestamp)\s*\()",
+    re.IGNORECASE,
+)
+_NOT_CODE = re.compile(r"--[^\n]*|/\*.*?\*/|'(?:[^']|'')*'", re.DOTALL)
+
+
+def reads_the_moment(sql: str) -> list[str]:
+    """What in ``sql`` reads the moment or the clock (``as_of``, ``now()``, ...), in order,
+    each once; comments and string literals are not looked at."""
+    found = [
+        (m.group(1) or f"{m.group(2)}()").lower() for m in _MOMENT.finditer(_NOT_CODE.sub(" ", sql))
+    ]
+    return list(dict.fromkeys(found))
+
+
+def staleness_warnings(fs: FeatureSet) -> list[str]:
+    """A query whose result changes with time alone (it reads the moment it computes for)
+    and has no horizon serves a stale value until its TTL once a row leaves its window."""
+    if fs.horizon is not None or fs.declared is not None:
+        return []
+    read = reads_the_moment(fs.query)
+    if not read:
+        return []
+    return [
+        f"{fs.origin or fs.name}: feature set {fs.name!r}: its query reads "
+        f"{', '.join(read)} but declares no horizon, so an entry stays served until its "
+        f'TTL ({fs.ttl_s} s) after a row leaves its window; add horizon="<SQL: the first '
+        'moment after as_of its value may change with no row changing>" (see '
+        "docs/repositories.md#horizons), or a short ttl"
+    ]
 
 
 def _replica_identity(conn: Connection, repo: Repository, table: str) -> str:

@@ -37,7 +37,8 @@ from typing import Final
 
 import redis
 
-from pipeline.cache.versions import DEFAULT_POINTER, DeployState, Pointer, state
+from pipeline.cache.roster import roster, strangers
+from pipeline.cache.versions import DEFAULT_POINTER, DeployState, Pointer, publish_fields, state
 from pipeline.core.cluster import is_cluster
 from pipeline.core.errors import DeployError
 from pipeline.core.features import Registry
@@ -214,6 +215,7 @@ def start(
         )
     if seen.next != version:
         retired(client, version, "start", pointer=pointer)
+        publish_fields(client, lock, [version], pointer=pointer)
         _move(client, pointer, seen, active=None, nxt=version, enter=version)
     return state(client, settings, pointer=pointer, lock=lock)
 
@@ -277,8 +279,13 @@ def flip(
     *,
     pointer: Pointer = DEFAULT_POINTER,
     registry: Registry = REGISTRY,
+    force: bool = False,
 ) -> DeployState:
     """Make ``version`` active and clear next, atomically; readers follow.
+
+    Refused, unless ``force``, while a registered process would not serve or write
+    ``version`` (:func:`pipeline.cache.roster.strangers`), naming each; a rollback (to
+    the previous version, written all along) is always accepted.
 
     The version left stays *previous* for one TTL (the longest of ``registry``'s sets):
     consumers keep writing it, so flipping back to it (a rollback) serves fresh
@@ -297,6 +304,16 @@ def flip(
         return seen
     if version not in (seen.active, seen.previous):
         retired(client, version, "flip to", pointer=pointer)
+        unready = strangers(roster(client, pointer=pointer), version)
+        if unready and not force:
+            raise DeployError(
+                f"cannot flip to schema version {version} while running processes do not "
+                f"know it: {'; '.join(unready)}. Restart them on code whose lock has "
+                f"version {version}, or flip with --force (they then serve the entries of "
+                f"version {version} they can decode and answer their misses from their "
+                "own version while it is written, else 503)"
+            )
+    publish_fields(client, lock, [version], pointer=pointer)
     keep = keep_ms(registry)
     left = None
     if version != seen.active:

@@ -18,7 +18,8 @@ change events long before that are younger (mean roughly the time between change
 Consumer lag
 ------------
 :class:`GroupLag` asks the broker, not the consumers, how far the consumer group is
-behind: per partition, the end offset minus the group's committed offset. A consumer
+behind: per partition, the end offset minus the group's committed offset, for the group
+that has members assigned the topics (the status page names it). A consumer
 that has died reports nothing, but this figure keeps growing while events arrive.
 """
 
@@ -218,16 +219,25 @@ def source_topics(settings: Settings, registry: Registry) -> dict[str, list[str]
 
 
 class GroupLag:
-    """The consumer group's lag per topic, read from the broker.
+    """The lag of the consumer group reading the repository's topics, from the broker.
 
-    One probe client (in the group, never subscribed, so it never joins or
-    rebalances it) is made on first use and reused; call :meth:`close` when done.
+    The group is the one actually consuming: among the groups with members assigned
+    any of the topics, ``settings.consumer_group`` if it is one, else the one assigned
+    the most of their partitions; with none consuming, ``settings.consumer_group``.
+    :attr:`group` names the group last measured and :attr:`missing` the topics asked
+    for that do not exist. One admin client and one probe consumer (never subscribed,
+    so it joins no group) are made on first use and reused; call :meth:`close`.
     """
 
     def __init__(self, settings: Settings, *, timeout_s: float = 2.0) -> None:
         self.settings = settings
         self.timeout_s = timeout_s
+        self.group = settings.consumer_group
+        self.consuming = False
+        """Whether :attr:`group` had members assigned the topics at the last measure."""
+        self.missing: list[str] = []
         self._probe: Any = None
+        self._admin: Any = None
 
     def _client(self) -> Any:
         if self._probe is None:
@@ -246,28 +256,92 @@ class GroupLag:
             )
         return self._probe
 
+    def _admin_client(self) -> Any:
+        if self._admin is None:
+            from confluent_kafka.admin import AdminClient
+
+            from pipeline.core.services import kafka_security_config
+
+            self._admin = AdminClient(
+                {
+                    "bootstrap.servers": self.settings.kafka_bootstrap,
+                    "socket.timeout.ms": int(self.timeout_s * 1000),
+                    **kafka_security_config(self.settings),
+                }
+            )
+        return self._admin
+
+    def consuming_group(self, topics: Iterable[str]) -> tuple[str, bool]:
+        """The group consuming ``topics`` (see the class), and whether any is."""
+        from confluent_kafka import ConsumerGroupState
+
+        wanted = set(topics)
+        admin = self._admin_client()
+        listed = admin.list_consumer_groups(
+            states={
+                ConsumerGroupState.STABLE,
+                ConsumerGroupState.PREPARING_REBALANCING,
+                ConsumerGroupState.COMPLETING_REBALANCING,
+            },
+            request_timeout=self.timeout_s,
+        ).result()
+        ids = [g.group_id for g in listed.valid]
+        assigned: dict[str, int] = {}
+        if ids:
+            described = admin.describe_consumer_groups(ids, request_timeout=self.timeout_s)
+            for group, future in described.items():
+                try:
+                    members = future.result().members
+                except Exception as exc:  # a group this login may not describe
+                    log.debug("group %s not described: %s", group, exc)
+                    continue
+                count = sum(
+                    1
+                    for m in members
+                    if m.assignment is not None
+                    for tp in m.assignment.topic_partitions
+                    if tp.topic in wanted
+                )
+                if count:
+                    assigned[group] = count
+        if not assigned:
+            return self.settings.consumer_group, False
+        if self.settings.consumer_group in assigned:
+            return self.settings.consumer_group, True
+        return max(sorted(assigned), key=assigned.__getitem__), True
+
     def measure(self, topics: Iterable[str]) -> dict[str, int]:
-        """Records behind the end, per existing topic, summed over its partitions.
+        """Records behind the end, per existing topic, summed over its partitions, for
+        the consuming group (:attr:`group`): the high watermark less its committed offset.
 
         A partition the group never committed counts from its earliest offset (the
         group reads from the start: ``auto_offset_reset=earliest``). Topics that do not
-        exist are left out.
+        exist are left out, and listed in :attr:`missing`.
         """
-        from confluent_kafka import KafkaException, TopicPartition
+        from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition
 
         probe = self._client()
         wanted = list(dict.fromkeys(topics))
         metadata = probe.list_topics(timeout=self.timeout_s)
+        found = {t for t in wanted if (m := metadata.topics.get(t)) is not None and m.error is None}
+        self.missing = [t for t in wanted if t not in found]
         parts = [
             TopicPartition(t, p)
             for t in wanted
-            if (meta := metadata.topics.get(t)) is not None and meta.error is None
-            for p in meta.partitions
+            if t in found
+            for p in metadata.topics[t].partitions
         ]
+        self.group, self.consuming = self.consuming_group(found)
         if not parts:
             return {}
+        request = [ConsumerGroupTopicPartitions(self.group, parts)]
+        offsets = (
+            self._admin_client()
+            .list_consumer_group_offsets(request, request_timeout=self.timeout_s)[self.group]
+            .result()
+        )
         lag: dict[str, int] = {}
-        for tp in probe.committed(parts, timeout=self.timeout_s):
+        for tp in offsets.topic_partitions:
             try:
                 low, high = probe.get_watermark_offsets(tp, timeout=self.timeout_s)
             except KafkaException as exc:
@@ -288,3 +362,4 @@ class GroupLag:
         if self._probe is not None:
             self._probe.close()
             self._probe = None
+        self._admin = None

@@ -137,6 +137,7 @@ class Observer:
         consumer_metrics: Sequence[str] = (),
         lag: GroupLag | None = None,
         semantic_namespaces: Callable[[], dict[str, Any]] | None = None,
+        deploy: Callable[[], dict[str, Any]] | None = None,
         max_age_s: float = 5.0,
     ) -> None:
         self.redis = client
@@ -147,11 +148,14 @@ class Observer:
         self.consumer_metrics = list(consumer_metrics)
         self.group_lag = lag
         self.semantic_namespaces = semantic_namespaces
+        self.deploy_state = deploy
         self.max_age_s = max_age_s
         self.topics = source_topics(settings, registry)
         self._lock = threading.Lock()
         self._slow: tuple[float, dict[str, Staleness], dict[str, int] | None] | None
         self._slow = None
+        self.lag_error: str | None = None
+        """Why the last lag was not had (the broker's refusal, a timeout), if it was not."""
 
     def staleness(self) -> dict[str, Staleness]:
         """A fresh sample of the served schema version's entries."""
@@ -162,10 +166,13 @@ class Observer:
         if self.group_lag is None:
             return None
         try:
-            return self.group_lag.by_feature_set(self.topics)
+            lag = self.group_lag.by_feature_set(self.topics)
         except Exception as exc:  # the broker is advisory here; never fail a page
             log.debug("consumer-group lag unavailable: %s", exc)
+            self.lag_error = str(exc) or type(exc).__name__
             return None
+        self.lag_error = None
+        return lag
 
     def namespaces(self) -> dict[str, Any] | None:
         """The semantic cache's busiest namespaces (:mod:`pipeline.api.semantic_status`),
@@ -176,6 +183,17 @@ class Observer:
             return self.semantic_namespaces()
         except Exception as exc:  # advisory, as the broker is: never fail a page
             log.debug("semantic namespaces unavailable: %s", exc)
+            return None
+
+    def deploy(self) -> dict[str, Any] | None:
+        """The running processes and this reader's problems with the active version
+        (:func:`pipeline.api.app.deploy_report`), or None if unreadable."""
+        if self.deploy_state is None:
+            return None
+        try:
+            return self.deploy_state()
+        except Exception as exc:  # advisory, as the broker is: never fail a page
+            log.debug("deploy state unavailable: %s", exc)
             return None
 
     def _sampled(self, max_age_s: float) -> tuple[dict[str, Staleness], dict[str, int] | None]:
@@ -390,10 +408,14 @@ class StatusBoard:
             sets.append(
                 {"name": name, "ttl_s": ttl, "current": current, "series": series.as_dict()}
             )
+        group = self._group(problems) if now.lag is not None else None
         semantic = self._semantic(now, base, problems)
         namespaces = self.observer.namespaces()
         if namespaces is not None:
             self._namespace_problems(namespaces["rows"], problems)
+        deploy = self.observer.deploy()
+        if deploy is not None:
+            problems += deploy["problems"]
         fresh = _Series()
         for prev, cur in itertools.pairwise(points):
             fresh.add(cur.at, lag_s=_mean_between(prev.freshness, cur.freshness))
@@ -411,8 +433,27 @@ class StatusBoard:
             "semantic": semantic,
             "semantic_namespaces": namespaces,
             "broker_reachable": now.lag is not None,
+            "processes": None if deploy is None else deploy["processes"],
+            "lag_error": None if now.lag is not None else self.observer.lag_error,
+            "consumer_group": group,
             "problems": problems,
         }
+
+    def _group(self, problems: list[str]) -> dict[str, Any] | None:
+        """The group whose lag is shown, and a problem for each feature set none of
+        whose topics exists (a consumer subscribed to them reads nothing)."""
+        measured = self.observer.group_lag
+        if measured is None:
+            return None
+        missing = set(measured.missing)
+        for name, topics in self.observer.topics.items():
+            if topics and missing.issuperset(topics):
+                problems.append(
+                    f"{name}: none of its topics exists ({', '.join(topics)}), so no "
+                    "consumer reads its changes; check FRESHLINE_TOPIC_PREFIX, run "
+                    "freshline topics ensure and register the connector"
+                )
+        return {"name": measured.group, "consuming": measured.consuming}
 
     @staticmethod
     def _semantic(now: Snapshot, base: Snapshot, problems: list[str]) -> list[dict[str, Any]]:

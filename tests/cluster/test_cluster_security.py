@@ -34,11 +34,14 @@ from sqlalchemy.engine import make_url
 from consumers.kafka import admin_client
 from pipeline.core.errors import ServiceUnavailable
 from pipeline.core.keys import ACTIVE_SCHEMA_KEY, INVALIDATION_CHANNEL
+from pipeline.core.maintenance import DerivedPath
+from pipeline.core.repository import REGISTRY
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from tests import kafka_acls
 from tests.cluster.conftest import ENV_FILE, kafka_login
 from tests.helpers import assert_kafka_refuses, wait_until
+from tests.test_derived_roles import assert_only_the_owner_may_write, freshline_logins, new_role
 
 pytestmark = pytest.mark.cluster
 
@@ -272,6 +275,30 @@ def test_the_env_file_is_private_and_names_every_login() -> None:
         "FRESHLINE_STACK_KAFKA_ADMIN_USER",
     ):
         assert f"\n{name}=" in text, name
+
+
+def test_no_login_but_the_owner_may_write_freshlines_schema_on_the_primary(
+    cluster_env: dict[str, str], engines: tuple[sa.Engine, sa.Engine]
+) -> None:
+    """As on the single topology (tests/test_derived_roles.py), on the primary the
+    fraud example's derived paths are installed in: a new role with no grant, the API's
+    and the consumers' logins (no Debezium here) may write no table of freshline's
+    schema, run none of its functions nor attach one to a TEMP table, but what
+    freshline means them to."""
+    primary, _ = engines
+    theirs = freshline_logins(
+        str(primary.url.database),
+        cluster_env["FRESHLINE_POSTGRES_URL"],
+        cluster_env["FRESHLINE_STACK_POSTGRES_CONSUMER_URL"],
+    )
+    paths = [p for p in REGISTRY.maintenances() if isinstance(p, DerivedPath)]
+    try:
+        superuser = cluster_env["FRESHLINE_STACK_POSTGRES_SUPERUSER_URL"]
+        with new_role(primary, superuser_url=superuser) as nobody:
+            assert_only_the_owner_may_write(primary, {"no grants": nobody, **theirs}, paths)
+    finally:
+        for engine in theirs.values():
+            engine.dispose()
 
 
 # ------------------------------------------------------------------------ Kafka SCRAM

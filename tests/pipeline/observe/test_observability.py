@@ -146,8 +146,11 @@ def test_an_entry_older_than_its_ttl_fires_the_staleness_check(stale_api: Api, t
             [None] * len(REGISTRY["geo"].fields), svc.reader.schema_version, old + ttl_ms, 1
         ),
     )
-    text = stale_api.ops("/metrics").text
-    assert metric(text, "freshline_staleness_immortal_entries", feature_set="geo") == 1
+    try:
+        text = stale_api.ops("/metrics").text
+        assert metric(text, "freshline_staleness_immortal_entries", feature_set="geo") == 1
+    finally:
+        svc.redis.delete(immortal)  # the session ends by checking no key is left so
 
 
 @pytest.fixture

@@ -39,3 +39,30 @@ unknown_column = FeatureSet(
     fields=(Field("n", "int"),),
     query="SELECT k.member_id, 1 AS n FROM keys k",
 )
+# Reads the moment it is computed for, with no horizon: stale once a loan leaves the window.
+borrower = Entity("borrower", key="member_id", type="uuid", table="lib_members")
+borrowed = Table("lib_loans", entities={borrower: "member_id"})
+windowed = FeatureSet(
+    "windowed",
+    entity=borrower,
+    ttl="1h",
+    sources=(borrowed,),
+    fields=(Field("recent", "int"),),
+    query="""
+SELECT k.member_id, count(l.id) AS recent
+FROM keys k CROSS JOIN t
+LEFT JOIN lib_loans l ON l.member_id = k.member_id
+                     AND l.loaned_at > t.as_of - interval '30 days' AND l.loaned_at <= t.as_of
+GROUP BY k.member_id
+""",
+)
+misspelt_horizon = FeatureSet(  # the horizon names a column the query does not return
+    "misspelt_horizon",
+    entity=member,
+    ttl="1h",
+    sources=(loans,),
+    fields=(Field("n", "int"),),
+    query="SELECT k.member_id, 1 AS n FROM keys k",
+    horizon="(SELECT max(l.loaned_at) + interval '30 days' FROM lib_loans l "
+    "WHERE l.member_id = f.membr_id)",
+)
