@@ -91,6 +91,10 @@ def test_apply_changes_no_table_until_kafka_allows_it_and_a_rerun_finishes(
         )
 
     assert freshline("init", str(repo)).returncode == 0
+    # Without the flag, apply refuses to touch the user's tables, and changes nothing.
+    refused = freshline("apply")
+    assert refused.returncode == 1 and "--alter-tables" in refused.stderr, refused.stderr
+    assert untouched(url) == []
     failed = freshline("apply", "--alter-tables")
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert "Traceback" not in failed.stderr, failed.stderr
