@@ -34,6 +34,8 @@ from pipeline.core.topics import CDC_PREFIX, DLQ, INVALIDATIONS, qualified
 ADMIN_TIMEOUT_S = 15.0
 WRITER_OPERATIONS = (AclOperation.WRITE, AclOperation.DESCRIBE)
 """What :func:`allow_writer` grants a login on each topic it may write."""
+READER_OPERATIONS = (AclOperation.READ, AclOperation.DESCRIBE)
+"""What :func:`allow_consumer` grants on each topic and group it may read or join."""
 
 
 class TopicError(FreshlineError):
@@ -215,19 +217,57 @@ def allow_writer(admin: AdminClient, user: str, topics: Iterable[str]) -> None:
 
     Nothing to do on a broker without an authorizer, where every client may write.
     """
+    bindings = _bindings(ResourceType.TOPIC, topics, LITERAL, user, WRITER_OPERATIONS)
+    _create_acls(admin, bindings, "create the CDC topics as a login that may manage ACLs")
+
+
+def allow_consumer(admin: AdminClient, user: str, settings: Settings) -> list[str]:
+    """Allow the consumers' SASL login ``user`` what ``settings``' topic prefix needs:
+    to write the invalidations and dead letters (WRITE, DESCRIBE; literal names), to read
+    the repository's domain-event topics (literal) and every CDC topic of the prefix
+    (``<prefix>freshline.public.``, prefixed), and to join the consumer group (READ,
+    DESCRIBE on ``consumer_group``, prefixed: its ``.dlq`` replay group too). Adding
+    an ACL that exists is a no-op; returns the resources, for the operator to read.
+
+    Nothing to do on a broker without an authorizer.
+    """
+    writes = [qualified(settings, t) for t in (INVALIDATIONS, DLQ)]
+    reads = [qualified(settings, t) for t in event_topics()]
+    cdc = f"{qualified(settings, CDC_PREFIX)}.public."
+    group = settings.consumer_group
     bindings = [
-        AclBinding(
-            ResourceType.TOPIC,
-            name,
-            ResourcePatternType.LITERAL,
-            f"User:{user}",
-            "*",
-            operation,
-            AclPermissionType.ALLOW,
-        )
-        for name in topics
-        for operation in WRITER_OPERATIONS
+        *_bindings(ResourceType.TOPIC, writes, LITERAL, user, WRITER_OPERATIONS),
+        *_bindings(ResourceType.TOPIC, reads, LITERAL, user, READER_OPERATIONS),
+        *_bindings(ResourceType.TOPIC, [cdc], PREFIXED, user, READER_OPERATIONS),
+        *_bindings(ResourceType.GROUP, [group], PREFIXED, user, READER_OPERATIONS),
     ]
+    _create_acls(admin, bindings, "grant them as a login that may manage ACLs")
+    return [
+        f"write {', '.join(writes)}",
+        f"read {', '.join([*reads, cdc + '*'])}",
+        f"join group {group}*",
+    ]
+
+
+LITERAL, PREFIXED = ResourcePatternType.LITERAL, ResourcePatternType.PREFIXED
+
+
+def _bindings(
+    kind: ResourceType,
+    names: Iterable[str],
+    pattern: ResourcePatternType,
+    user: str,
+    operations: Iterable[AclOperation],
+) -> list[AclBinding]:
+    return [
+        AclBinding(kind, name, pattern, f"User:{user}", "*", operation, AclPermissionType.ALLOW)
+        for name in names
+        for operation in operations
+    ]
+
+
+def _create_acls(admin: AdminClient, bindings: list[AclBinding], remedy: str) -> None:
+    """Create ``bindings``; a refusal raises :class:`TopicError` naming the first one."""
     if not bindings:
         return
     for binding, future in admin.create_acls(bindings, request_timeout=ADMIN_TIMEOUT_S).items():
@@ -236,9 +276,12 @@ def allow_writer(admin: AdminClient, user: str, topics: Iterable[str]) -> None:
         except KafkaException as exc:
             if _security_disabled(exc):
                 return
+            user = binding.principal.removeprefix("User:")
+            operation, kind = binding.operation, binding.restype
+            what = f"{getattr(operation, 'name', operation)} {getattr(kind, 'name', kind)}"
             raise TopicError(
-                f"could not allow {user!r} to write {binding.name!r}: {exc.args[0]}; "
-                "create the CDC topics as a login that may manage ACLs"
+                f"could not allow {user!r} to {what.lower()} {binding.name!r}: "
+                f"{exc.args[0]}; {remedy}"
             ) from exc
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -29,6 +30,14 @@ import pytest
 import redis
 import sqlalchemy as sa
 from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka.admin import (
+    AclBindingFilter,
+    AclOperation,
+    AclPermissionType,
+    AdminClient,
+    ResourcePatternType,
+    ResourceType,
+)
 from pydantic import SecretStr
 from sqlalchemy.engine import Engine, make_url
 from starlette.applications import Starlette
@@ -204,6 +213,61 @@ def drop_database(base: Settings, name: str) -> None:
     with admin.connect() as conn:
         conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+
+
+def forget_repository(base_settings: Settings, db: str) -> None:
+    """Remove, as the operator, what deploying a repository on database ``db`` with
+    topic prefix ``db.`` made: its connector and slot, the database, and the topics and
+    ACLs of its prefix."""
+    prefix = f"{db}."
+    operator = base_settings.model_copy(update={"topic_prefix": prefix})
+    env = {
+        **os.environ,
+        "FRESHLINE_TOPIC_PREFIX": prefix,
+        "FRESHLINE_POSTGRES_URL": re.sub(r"/[^/]*$", f"/{db}", operator.postgres_url),
+    }
+    removed = subprocess.run(
+        [FRESHLINE, "cdc", "remove"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert removed.returncode == 0, removed.stdout + removed.stderr
+    drop_database(base_settings, db)
+    forget_prefix(admin_client(operator), prefix)
+
+
+def forget_prefix(admin: AdminClient, prefix: str) -> None:
+    """Delete the topics named ``prefix...`` (and Debezium's heartbeats for them) and
+    every ACL on a topic or group named ``prefix...``, as the ``admin``'s login."""
+    heartbeats = f"__debezium-heartbeat.{prefix}"
+    topics = [t for t in admin.list_topics(timeout=15).topics if t.startswith((prefix, heartbeats))]
+    if topics:
+        for future in admin.delete_topics(topics, request_timeout=30).values():
+            future.result()
+    for kind in (ResourceType.TOPIC, ResourceType.GROUP):
+        everything = AclBindingFilter(
+            kind,
+            None,  # type: ignore[arg-type]  # any name
+            ResourcePatternType.ANY,
+            None,  # type: ignore[arg-type]  # any principal
+            None,  # type: ignore[arg-type]  # any host
+            AclOperation.ANY,
+            AclPermissionType.ANY,
+        )
+        ours = [
+            AclBindingFilter(
+                b.restype,
+                b.name,
+                b.resource_pattern_type,
+                b.principal,
+                b.host,
+                b.operation,
+                b.permission_type,
+            )
+            for b in admin.describe_acls(everything, request_timeout=30).result()
+            if b.name.startswith(prefix)
+        ]
+        if ours:
+            for future in admin.delete_acls(ours, request_timeout=30).values():
+                future.result()
 
 
 def with_login(url: str, base: Settings) -> str:

@@ -4,7 +4,8 @@ stack's broker, tests/cluster/test_cluster_security.py on the cluster's three.
 ``scripts/stack up`` grants the same ACLs on both (its ``kafka_acls``) for the default
 topic layout (no ``FRESHLINE_TOPIC_PREFIX``): CDC topics are
 ``freshline.public.<table>``, and a domain-event topic is any name outside
-``freshline.*``, ``_connect-*`` and ``__*``.
+``freshline.*``, ``_connect-*`` and ``__*``. A prefix's grants are ``freshline apply``'s
+(``tests/consumers/test_prefix_acls.py``).
 """
 
 from __future__ import annotations

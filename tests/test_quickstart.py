@@ -1,156 +1,266 @@
-"""The README's quick start, end to end, on the real stack: a database freshline did not
-create, tables it has never seen, and only the commands a new user runs (``init``,
-``plan``, ``apply``, ``tenants create``, ``consume``, ``serve``), then a change made
-with plain SQL that reaches the served value through Debezium.
+"""The README's quick start, as written, on the real stack: the console block under
+"Quick start: your own Postgres" is read from README.md when the test runs and typed,
+command by command, into a shell at a checkout's root, as a new user would: the logins
+are the ones ``.stack/env`` holds and the block hands each role, nothing else (the
+shell starts from an environment with no ``FRESHLINE_*`` or ``PG*`` variable at all).
 
-The tables are the README's own (``docs/quickstart.sql``) and the definitions are the
-ones ``freshline init`` writes, so the README cannot drift from what works.
+Only what the README says may change is set beforehand: the database name (``DB``) and
+the ports, so that runs never collide. A ``curl`` whose comment names a served value
+(``# "open_loans": 1``) is typed again until the answer has it, within a deadline.
+A second repository (another database and topic prefix) runs the whole block on the
+same stack while the first one still serves, and the first one serves on.
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
+import queue
+import re
 import signal
 import subprocess
+import threading
+import time
 import uuid
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-import sqlalchemy as sa
 
 from pipeline.core.settings import Settings
-from tests.helpers import FRESHLINE, drop_database, free_port, recreate_database, wait_until
+from tests.helpers import FRESHLINE, ROOT, forget_repository, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
-TABLES = (ROOT / "docs" / "quickstart.sql").read_text()
+pytestmark = [pytest.mark.kafka, pytest.mark.connect, pytest.mark.slow]
 
-
-@pytest.fixture
-def own_database(base_settings: Settings) -> Iterator[str]:
-    name = f"freshline_quickstart_{uuid.uuid4().hex[:8]}"
-    url = recreate_database(base_settings, name)
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    with engine.begin() as conn:
-        conn.exec_driver_sql(TABLES)  # the user's tables, made without freshline
-    engine.dispose()
-    yield url
-    drop_database(base_settings, name)
+HEADING = "## Quick start: your own Postgres"
+COMMAND_S = 240.0
+"""The longest one command may take (``apply`` migrates, then waits for the connector)."""
+SERVED_S = 90.0
+"""How long a ``curl`` is typed again until its answer holds the value its comment names."""
+EXPECTED = re.compile(r'#\s*"(?P<field>\w+)":\s*(?P<value>\S+)\s*$')
 
 
-def test_the_readme_quick_start_serves_a_change_made_with_plain_sql(
-    own_database: str, settings: Settings, tmp_path: Path
-) -> None:
-    run = uuid.uuid4().hex[:6]
-    prefix, tenant = f"qs{run}.", f"lib{run}"  # the test Redis outlives a run: keys differ
-    port = free_port()
-    repo = tmp_path / "myrepo"
-    env = {
-        **os.environ,
-        "FRESHLINE_POSTGRES_URL": own_database,
-        "FRESHLINE_POSTGRES_ADMIN_URL": own_database,
-        "FRESHLINE_REDIS_URL": settings.redis_url,
-        "FRESHLINE_TOPIC_PREFIX": prefix,
-        "FRESHLINE_CONSUMER_GROUP": f"{prefix}freshline",
-        "FRESHLINE_API_PORT": str(port),
-        "FRESHLINE_REPO": str(repo),
+def readme_block() -> str:
+    """The first ``console`` block after the quick start's heading in README.md."""
+    text = (ROOT / "README.md").read_text()
+    after = text[text.index(HEADING) :]
+    found = re.search(r"```console\n(.*?)```", after, re.DOTALL)
+    assert found is not None, f"no console block under {HEADING!r}"
+    return found.group(1)
+
+
+def commands(block: str) -> list[str]:
+    """The block's commands, as a shell reads them: a line ending in a backslash, or
+    one that leaves a double quote open, goes on with the next; comment lines go."""
+    out: list[str] = []
+    pending = ""
+    for line in block.splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        pending = f"{pending}\n{line}" if pending else line
+        if pending.endswith("\\") or pending.count('"') % 2:
+            continue
+        out.append(pending)
+        pending = ""
+    assert not pending, f"the block ends inside a command: {pending!r}"
+    return out
+
+
+class Terminal:
+    """A bash reading commands one at a time, like a terminal a user types into.
+
+    Each command runs with its standard input on /dev/null (nothing it starts can eat
+    the next command), then the shell prints a marker with its exit status. Background
+    jobs (``&``) write to the same output, which a reader thread collects.
+    """
+
+    def __init__(self, cwd: Path, env: dict[str, str], name: str) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            ["bash", "--noprofile", "--norc"],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.transcript: list[str] = []
+        self._count = 0
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.type("set -o pipefail")  # a failure inside KEY=$(... | tail -1) shows
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            self.lines.put(raw.decode(errors="replace"))
+        self.lines.put(None)
+
+    def type(self, command: str, timeout: float = COMMAND_S) -> tuple[int, str]:
+        """Run ``command``; its exit status and what the shell printed meanwhile."""
+        assert self.proc.stdin is not None
+        self._count += 1
+        marker = f"__quickstart_done_{self._count}__"
+        self.transcript.append(f"$ {command}\n")
+        self.proc.stdin.write(
+            f"{{ {command}\n}} </dev/null\nprintf '\\n{marker} %s\\n' $?\n".encode()
+        )
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        output: list[str] = []
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"{self.name}: {command!r} still runs after {timeout:.0f} s\n{self}")
+            if line is None:
+                pytest.fail(f"{self.name}: the shell exited during {command!r}\n{self}")
+            if line.startswith(marker):
+                status = int(line.split()[1])
+                self.transcript.append(f"[exit {status}]\n")
+                return status, "".join(output)
+            output.append(line)
+            self.transcript.append(line)
+
+    def must(self, command: str) -> str:
+        """Run ``command``; fail the test with the transcript unless it succeeds."""
+        status, output = self.type(command)
+        assert status == 0, f"{self.name}: {command!r} exited {status}\n{self}"
+        return output
+
+    def until_served(self, command: str) -> dict[str, Any]:
+        """Type ``command`` (a curl) until its answer holds the value its comment names."""
+        wanted = EXPECTED.search(command)
+        assert wanted is not None, command
+        field, value = wanted["field"], json.loads(wanted["value"])
+        deadline = time.monotonic() + SERVED_S
+        seen: list[Any] = []
+        while time.monotonic() < deadline:
+            start = len(self.transcript)
+            _, output = self.type(command)
+            answer = served(output)
+            if answer is not None:
+                seen.append(answer.get("values", {}).get(field))
+                if seen[-1] == value:
+                    return answer
+            # Keep what the background jobs printed meanwhile, not each repeated read.
+            self.transcript[start:] = [
+                line for line in self.transcript[start + 1 : -1] if '{"' not in line
+            ]
+            time.sleep(0.5)  # a user typing the read again, not a synchronisation
+        self.transcript.append(f"$ {command}\n{output}")
+        pytest.fail(
+            f"{self.name}: never served {field} = {value!r} ({len(seen)} reads, the last "
+            f"{seen[-3:]})\n{self}"
+        )
+
+    def close(self) -> None:
+        """Stop whatever the block left running: the shell's session, SIGTERM then SIGKILL."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self._reader.join(timeout=30)  # EOF once every process of the session is gone
+        if self.proc.stdout is not None and not self._reader.is_alive():
+            self.proc.stdout.close()
+
+    def __str__(self) -> str:
+        return "".join(self.transcript)[-6000:]
+
+
+def served(output: str) -> dict[str, Any] | None:
+    """The JSON object a curl printed amid the background jobs' log lines, if any."""
+    decoder = json.JSONDecoder()
+    for start in (m.start() for m in re.finditer(r'\{"', output)):
+        try:
+            found, _ = decoder.raw_decode(output, start)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(found, dict) and "values" in found:
+            return found
+    return None
+
+
+def checkout(tmp_path: Path) -> Path:
+    """A directory that looks like a checkout's root where the block needs it (the
+    stack's ``.stack``, the ``.venv`` running this test, ``docs``), so ``freshline init
+    myrepo`` writes into it rather than into the real checkout."""
+    root = tmp_path / "checkout"
+    root.mkdir(parents=True)
+    (root / ".stack").symlink_to((ROOT / ".stack").resolve())
+    (root / ".venv").symlink_to(Path(FRESHLINE).parents[1])
+    (root / "docs").symlink_to(ROOT / "docs")
+    return root
+
+
+def user_env(db: str) -> dict[str, str]:
+    """A new user's environment: PATH and HOME, the database name and free ports."""
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", "/tmp"),
+        "LANG": "C.UTF-8",
+        "DB": db,
+        "FRESHLINE_API_PORT": str(free_port()),
+        "FRESHLINE_OPS_PORT": str(free_port()),
+        "FRESHLINE_CONSUMER_METRICS_PORT": str(free_port()),
     }
 
-    def freshline(*args: str) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
-            [FRESHLINE, *args], capture_output=True, text=True, env=env, timeout=180
-        )
-        assert "Traceback" not in done.stderr, done.stderr
-        return done
 
-    assert freshline("init", str(repo)).returncode == 0
-    planned = freshline("plan")
-    assert planned.returncode == 0, planned.stdout + planned.stderr
-    assert "freshline schema: missing" in planned.stdout
-    assert "ALTER TABLE loans REPLICA IDENTITY FULL" in planned.stdout
-    # Without the flag, apply refuses to touch the user's tables, and changes nothing.
-    refused = freshline("apply")
-    assert refused.returncode == 1 and "--alter-tables" in refused.stderr
-    engine = sa.create_engine(own_database, poolclass=sa.pool.NullPool)
-    with engine.connect() as conn:
-        assert conn.execute(sa.text("SELECT to_regnamespace('freshline')")).scalar() is None
-
-    children: list[subprocess.Popen[Any]] = []
-    client: httpx.Client | None = None
-    files = contextlib.ExitStack()
+@contextmanager
+def repository(tmp_path: Path, base_settings: Settings, tag: str) -> Iterator[Terminal]:
+    """A terminal for a user whose database is named ``qs_<tag>``; afterwards, as the
+    operator, the connector and its slot, the database, and the topics and ACLs of
+    its prefix are removed."""
+    db = f"qs_{tag}"
+    terminal = Terminal(checkout(tmp_path / tag), user_env(db), db)
     try:
-        applied = freshline("apply", "--alter-tables")
-        assert applied.returncode == 0, applied.stdout + applied.stderr
-        assert "RUNNING" in applied.stderr
-        with engine.connect() as conn:
-            assert (
-                conn.execute(
-                    sa.text("SELECT relreplident FROM pg_class WHERE relname = 'loans'")
-                ).scalar()
-                == "f"
-            )
-            # Debezium streams from the slot; a change before it exists would be lost.
-            slot = sa.text("SELECT active FROM pg_replication_slots WHERE database = :db")
-            assert wait_until(
-                lambda: bool(conn.execute(slot, {"db": engine.url.database}).scalar()), 60
-            )
-        key = freshline("tenants", "create", tenant).stdout.strip().splitlines()[-1]
-        logs = tmp_path / "logs"
-        logs.mkdir()
-        for command in ("consume", "serve"):
-            children.append(
-                subprocess.Popen(
-                    [FRESHLINE, command],
-                    env=env,
-                    stdout=files.enter_context((logs / f"{command}.log").open("w")),
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-        with engine.begin() as conn:
-            conn.execute(sa.text("INSERT INTO members VALUES (:t, 7, 'Ada')"), {"t": tenant})
-            conn.execute(
-                sa.text(
-                    "INSERT INTO loans (library_id, member_id, book_id, loaned_at, due_at) "
-                    "VALUES (:t, 7, 1, now(), now() + interval '14 days')"
-                ),
-                {"t": tenant},
-            )
-        client = httpx.Client(
-            base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"}
-        )
-
-        def read() -> dict[str, Any] | None:
-            try:
-                answer = client.get("/v1/features/loans_30d/7")
-            except httpx.TransportError:
-                return None  # not listening yet
-            return answer.json() if answer.status_code == 200 else None
-
-        assert wait_until(lambda: read() is not None, 60), (logs / "serve.log").read_text()
-        first = read()
-        assert first is not None and first["values"]["open_loans"] == 1
-        with engine.begin() as conn:
-            conn.execute(sa.text("UPDATE loans SET returned_at = now() WHERE member_id = 7"))
-
-        def returned() -> bool:
-            found = read()
-            return found is not None and found["values"]["open_loans"] == 0
-
-        assert wait_until(returned, 60), (logs / "consume.log").read_text()[-3000:]
+        yield terminal
     finally:
-        for child in children:
-            os.killpg(child.pid, signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-        if client is not None:
-            client.close()
-        files.close()
-        freshline("cdc", "remove")
-        engine.dispose()
+        terminal.close()
+        forget_repository(base_settings, db)
+
+
+def run_until_stop(terminal: Terminal, steps: list[str]) -> list[str]:
+    """Type every command up to the last (which stops the jobs); return the reads."""
+    reads = []
+    for step in steps[:-1]:
+        if step.startswith("curl"):
+            terminal.until_served(step)
+            reads.append(step)
+        else:
+            terminal.must(step)
+    return reads
+
+
+def test_the_readme_quick_start_runs_as_written_twice_on_one_stack(
+    base_settings: Settings, tmp_path: Path
+) -> None:
+    steps = commands(readme_block())
+    assert steps[0].startswith("set -a; . .stack/env"), steps[0]
+    assert steps[-1].startswith("kill %1 %2"), steps[-1]
+    reads = [s for s in steps if s.startswith("curl")]
+    assert [EXPECTED.search(r)["value"] for r in reads] == ["1", "0"]  # type: ignore[index]
+    run = uuid.uuid4().hex[:6]
+    with ExitStack() as stack:
+        first = stack.enter_context(repository(tmp_path, base_settings, f"{run}a"))
+        run_until_stop(first, steps)
+        # A second repository: another database and topic prefix, its own ports, on the
+        # same stack, while the first one's consumer and API still run.
+        second = stack.enter_context(repository(tmp_path, base_settings, f"{run}b"))
+        run_until_stop(second, steps)
+        second.must(steps[-1])
+        first.until_served(reads[-1])  # the first one still serves its value
+        first.must(steps[-1])
+        for terminal in (first, second):
+            assert "Traceback" not in str(terminal), str(terminal)

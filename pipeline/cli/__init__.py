@@ -15,6 +15,7 @@ from rich.markup import escape
 from pipeline.cli import (
     advise,
     apikey,
+    apply,
     audit,
     bench,
     buckets,
@@ -37,6 +38,7 @@ from pipeline.core.services import translate_errors
 
 for _group in (
     repo,
+    apply,
     db,
     consume,
     events,

@@ -9,11 +9,8 @@ import typer
 
 from pipeline.cli.app import console, out
 from pipeline.core.declarations import Declaration, window_text
-from pipeline.core.maintenance import DerivedPath
 
 if TYPE_CHECKING:
-    from pipeline.core.lock import Lock
-    from pipeline.core.settings import Settings
     from pipeline.deploy.plan import Plan
 
 CONFIG_TEMPLATE = """\
@@ -112,139 +109,14 @@ def plan(
     publication: Annotated[str, typer.Option(help="The CDC publication")] = "freshline",
 ) -> None:
     """Show what apply would change, checked against Postgres; change nothing."""
-    result = _plan(publication)
-    _print(result)
+    result = checked_plan(publication)
+    show_plan(result)
     if not result.ok:
         raise typer.Exit(1)
 
 
-def apply(
-    alter_tables: Annotated[
-        bool,
-        typer.Option(
-            "--alter-tables",
-            help="Also run the DDL on your tables that the plan lists (replica identity, "
-            "grants to the freshline roles)",
-        ),
-    ] = False,
-    cdc: Annotated[
-        bool,
-        typer.Option("--cdc/--no-cdc", help="Register the Debezium connector (Kafka Connect)"),
-    ] = True,
-    database_host: Annotated[
-        str | None,
-        typer.Option("--database-host", help="Postgres host as Connect sees it"),
-    ] = None,
-    publication: Annotated[str, typer.Option(help="The CDC publication")] = "freshline",
-) -> None:
-    """Deploy the repository: freshline's own schema, the publication, the lock, the
-    topics and the CDC connector. Your tables are changed only with --alter-tables."""
-    import sqlalchemy as sa
-
-    import migrations
-    from consumers.topics import ensure_from_settings
-    from pipeline.cli.connector import register_connector
-    from pipeline.core.db import make_owner_engine
-    from pipeline.core.lock import Lock, update
-    from pipeline.core.settings import load_settings
-    from pipeline.deploy.plan import missing_grants
-
-    result = _plan(publication)
-    _print(result)
-    if not result.ok:
-        console.print("[red]error:[/red] the plan has problems; nothing applied")
-        raise typer.Exit(1)
-    if (result.replica_identity or result.derived) and not alter_tables:
-        console.print(
-            "[red]error:[/red] your tables need the DDL above; run it yourself or pass "
-            "--alter-tables; nothing applied"
-        )
-        raise typer.Exit(1)
-    repo, settings = result.repository, load_settings()
-    if result.own_schema != "ok":
-        migrations.upgrade(settings.migration_url)
-        console.print(f"freshline schema at revision {migrations.head()}")
-    engine = make_owner_engine(settings)
-    with engine.begin() as conn:
-        ddls = list(result.replica_identity.values())
-        grants = missing_grants(conn, result.tables)  # the roles exist now
-        if alter_tables:
-            ddls += grants
-        elif grants:
-            console.print(
-                "[yellow]warning:[/yellow] freshline's roles cannot read your tables; "
-                f"run (or pass --alter-tables): {'; '.join(grants)}"
-            )
-        for ddl in ddls:
-            conn.execute(sa.text(ddl))
-            console.print(f"ran: {ddl}")
-        for name in result.derived:
-            path = repo.registry[name].maintenance
-            assert isinstance(path, DerivedPath)
-            path.install(conn)
-            console.print(f"installed the derived incremental path of {name} ({path.days})")
-            for grant in path.grants(conn):
-                console.print(f"ran: {grant}")
-        for name in result.security:  # no user table changes: no --alter-tables needed
-            path = repo.registry[name].maintenance
-            assert isinstance(path, DerivedPath)
-            path.secure(conn)
-            console.print(
-                f"fixed the derived incremental path of {name} in place: functions replaced, "
-                "partials kept"
-            )
-            for grant in path.grants(conn):
-                console.print(f"ran: {grant}")
-        if result.publication_missing:
-            exists = conn.execute(
-                sa.text("SELECT 1 FROM pg_publication WHERE pubname = :p"), {"p": publication}
-            ).first()
-            tables = ", ".join(result.tables)
-            verb = (
-                "ALTER PUBLICATION {p} SET TABLE" if exists else "CREATE PUBLICATION {p} FOR TABLE"
-            )
-            ddl = f"{verb.format(p=publication)} {tables}"
-            conn.execute(sa.text(ddl))
-            console.print(f"ran: {ddl}")
-    engine.dispose()
-    lock = Lock.load(repo.lock_path)
-    if update(lock, result.schema_version, repo.registry):
-        lock.save(repo.lock_path)
-        console.print(f"recorded schema version {result.schema_version} in {repo.lock_path}")
-    _publish_fields(settings, lock)
-    report = ensure_from_settings(settings)
-    console.print(f"topics: {len(report.created)} created, {len(report.existing)} existing")
-    if cdc:
-        register_connector(database_host=database_host)
-    else:
-        console.print("change data capture not registered (--no-cdc): freshline cdc register")
-
-
-def _publish_fields(settings: Settings, lock: Lock) -> None:
-    """Publish the lock's field lists for readers whose lock lacks a version
-    (:func:`pipeline.cache.versions.publish_fields`); the deploy commands do it too, so a
-    login that may not write them gets a warning, not a failure."""
-    import redis
-
-    from pipeline.cache.versions import publish_fields
-    from pipeline.core.services import redis_client
-
-    try:
-        client = redis_client(settings)
-        try:
-            done = publish_fields(client, lock)
-        finally:
-            client.close()
-    except (redis.RedisError, OSError) as exc:
-        console.print(
-            f"[yellow]warning:[/yellow] could not publish the lock's field lists in Redis "
-            f"({exc}); `freshline deploy start` and `flip` publish them"
-        )
-        return
-    console.print(f"published the field lists of schema versions {', '.join(map(str, done))}")
-
-
-def _plan(publication: str) -> Plan:
+def checked_plan(publication: str) -> Plan:
+    """The active repository's plan, checked against the database (plan and apply)."""
     from pipeline.core.db import make_owner_engine, ping
     from pipeline.core.repository import active
     from pipeline.core.settings import load_settings
@@ -261,7 +133,8 @@ def _plan(publication: str) -> Plan:
         engine.dispose()
 
 
-def _print(result: Plan) -> None:
+def show_plan(result: Plan) -> None:
+    """Print ``result`` as ``plan`` shows it."""
     repo = result.repository
     out.print(f"repository {repo.name} at {repo.path}, schema version {result.schema_version}")
     for fs in repo.registry:
@@ -312,7 +185,6 @@ def _print(result: Plan) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    """Add init, plan and apply to the ``freshline`` app."""
+    """Add init and plan to the ``freshline`` app (apply is :mod:`pipeline.cli.apply`)."""
     app.command("init")(init)
     app.command("plan")(plan)
-    app.command("apply")(apply)

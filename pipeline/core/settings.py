@@ -28,6 +28,7 @@ from pydantic import (
     SecretStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -200,6 +201,11 @@ class KafkaSettings(SettingsGroup):
     """Kafka Connect's SASL user name. When set, creating the CDC topics (``freshline cdc
     register``) also allows that login to write them, one ACL per topic, so Debezium
     needs no wider grant; empty: no ACLs are made."""
+    kafka_consumer_user: str = ""
+    """The consumers' SASL user name. When set, ``freshline apply`` (run as a login that
+    may manage ACLs) allows that login what the topic prefix needs: to write its
+    invalidations and dead letters, read its CDC and domain-event topics and join its
+    consumer group; empty: no ACLs are made."""
     topic_prefix: str = Field(default="", pattern=r"^[A-Za-z0-9_.\-]*$")
     """Prepended to every topic freshline reads or writes, so environments can share a
     cluster."""
@@ -233,7 +239,8 @@ class ConsumerSettings(SettingsGroup):
     model_config = ConfigDict(title="Consumers")
 
     consumer_group: str = "freshline"
-    """The Kafka consumer group id."""
+    """The Kafka consumer group id; unset, ``<topic_prefix>freshline`` (with a topic
+    prefix, each environment sharing a cluster has a group of its own)."""
     auto_offset_reset: Literal["earliest", "latest"] = "earliest"
     """Where a new consumer group starts."""
     batch_max_events: int = Field(default=2000, ge=1)
@@ -570,6 +577,14 @@ class Settings(
         extra="ignore",
         hide_input_in_errors=True,
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _group_of_prefix(cls, data: Any) -> Any:
+        """The consumer group, unless set, follows the topic prefix."""
+        if isinstance(data, dict) and data.get("topic_prefix") and "consumer_group" not in data:
+            return {**data, "consumer_group": f"{data['topic_prefix']}freshline"}
+        return data
 
     def __repr_args__(self) -> Iterable[tuple[str | None, Any]]:
         """What ``repr()`` and ``str()`` show: URLs with their passwords masked (and
