@@ -10,20 +10,23 @@ takes another commit when the lag it needs is not there.
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.cache.readthrough import ReadThrough
+from pipeline.cache.readthrough import Hooks, ReadThrough
 from pipeline.cache.recompute import FORCE_RETRY_S, compute, flushed_lsn
 from pipeline.cache.store import FeatureStore
 from pipeline.core.repository import REGISTRY
 from pipeline.core.types import EntityRef
 from tests.consumers.test_durability import ATTEMPTS, Cluster, commit_async, lagging
-from tests.helpers import fresh_version
+from tests.helpers import fresh_version, nested_checkouts
 
 __all__ = ["lagging"]  # the module's private Postgres, a fixture of this module too
 
@@ -71,6 +74,59 @@ def no_temp(lagging: Cluster) -> Iterator[Engine]:
         with lagging.engine.begin() as conn:
             conn.execute(sa.text("GRANT TEMPORARY ON DATABASE postgres TO PUBLIC"))
             conn.execute(sa.text("DROP ROLE reader_no_temp"))
+
+
+@pytest.fixture
+def api_pool(lagging: Cluster) -> Iterator[Engine]:
+    """A login of ``freshline_api`` with a pool of ``POOL`` connections and no overflow,
+    which gives up waiting for one after ``POOL_TIMEOUT_S``."""
+    with lagging.engine.begin() as conn:
+        conn.execute(sa.text("CREATE ROLE reader_pooled LOGIN IN ROLE freshline_api"))
+    pooled = sa.create_engine(
+        lagging.engine.url.set(username="reader_pooled"),
+        pool_size=POOL,
+        max_overflow=0,
+        pool_timeout=POOL_TIMEOUT_S,
+    )
+    try:
+        yield pooled
+    finally:
+        pooled.dispose()
+        with lagging.engine.begin() as conn:
+            conn.execute(sa.text("DROP ROLE reader_pooled"))
+
+
+POOL, POOL_TIMEOUT_S = 2, 10
+
+
+def test_more_fills_than_the_pool_holds_each_flush_on_their_own_connection(
+    lagging: Cluster, api_pool: Engine, redis_client: redis.Redis
+) -> None:
+    """Every pooled connection held by a fill whose snapshot is not flushed yet: each
+    makes Postgres flush on the connection it holds, never on a second one from the
+    same pool (which no fill would give back: each would wait out the pool's timeout)."""
+    tenant = tenant_of(lagging)
+    refs = [EntityRef("txn_90d", tenant, str(user)) for user in range(1, 2 * POOL + 1)]
+    arrivals = itertools.count()
+    all_in = threading.Barrier(POOL, timeout=30)
+
+    def hold(_: list[EntityRef]) -> None:
+        # The first POOL fills meet here, each with its connection, before any flushes.
+        if next(arrivals) < POOL:
+            all_in.wait()
+
+    rt = ReadThrough(
+        FeatureStore(redis_client, fresh_version()),
+        api_pool,
+        early_refresh=False,
+        hooks=Hooks(after_compute=hold),
+    )
+    commit_not_flushed(lagging, tenant)
+    with nested_checkouts(api_pool) as nested, ThreadPoolExecutor(len(refs)) as threads:
+        results = list(threads.map(rt.get, refs))
+    assert nested == []
+    assert [r.source for r in results] == ["computed"] * len(refs)
+    assert rt.counters.stored == len(refs) and rt.counters.undurable == 0
 
 
 def test_a_fill_never_stores_a_commit_a_crash_can_undo(
