@@ -20,6 +20,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
+from starlette.concurrency import run_in_threadpool
 
 from consumers.processor import Processor
 from fraud.seed import SeedSummary
@@ -339,7 +340,8 @@ def test_a_reader_without_an_asyncio_client_reads_fresh_in_the_thread_pool(
         cases: tuple[tuple[Mode, str], ...] = (("cache-only", "miss"), ("read-through", "computed"))
         for mode, source in cases:
             lookup = Lookup(tenant, ("txn_90d",), ("12",))
-            [found] = asyncio.run(api_freshness.read(reader, lookup, mode, demand))
+            read = api_freshness.read(reader, lookup, mode, demand, run_in_threadpool)
+            [found] = asyncio.run(read)
             assert found["source"] == source and found["took_ms"] >= 0
         assert found["values"] == truth(engine, tenant, 12)
     finally:
