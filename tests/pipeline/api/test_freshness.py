@@ -48,6 +48,7 @@ from tests.helpers import (
     counting_readthrough,
     fresh_version,
     need,
+    nested_checkouts,
     role_engine,
     running,
     wait_until,
@@ -59,6 +60,14 @@ TOKEN_SQL = sa.text("SELECT freshline.token()")
 @pytest.fixture
 def tenant(tenant_factory: Callable[..., SeedSummary]) -> str:
     return tenant_factory(users=12, transactions=300).tenants[0]
+
+
+@pytest.fixture(autouse=True)
+def one_connection_per_thread(engine: Engine) -> Iterator[None]:
+    """No read here checks out a second connection while it holds one (issue 48)."""
+    with nested_checkouts(engine) as nested:
+        yield
+    assert nested == [], "a thread took a second connection from the pool"
 
 
 @pytest.fixture
