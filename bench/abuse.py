@@ -12,6 +12,8 @@ same address, floods the server on several connections at once with:
   seen before per request (every row a miss and a new cached prediction);
 * **ghost ids**: reads of ids that have no source row, by GET and by batches of 100,
   every id new (each a read-through that reaches Postgres);
+* **fresh reads**: GETs with ``max_staleness_ms=0``, which no cached entry answers: each
+  a recompute in the thread pool, as a token read's can be;
 * **bad keys**: requests with random keys that are in no table;
 * **LLM flag floods**: ``POST /v1/llm/cache/flag`` for namespaces never stored into.
 
@@ -62,7 +64,7 @@ FEATURE_SET = "txn_90d"
 SERVER_WORKERS = 2
 GOOD_RATE = 50.0
 """The well-behaved tenant's requests per second (open loop, one connection)."""
-ALL_KINDS = ("predict", "ghost get", "ghost batch", "bad key", "llm flag")
+ALL_KINDS = ("predict", "ghost get", "ghost batch", "fresh get", "bad key", "llm flag")
 ABUSE_KINDS = tuple(
     k for k in os.environ.get("FRESHLINE_BENCH_ABUSE_KINDS", ",".join(ALL_KINDS)).split(",") if k
 )
@@ -107,6 +109,8 @@ PREDICT_ROWS = 100
 GHOST_BATCH = 100
 GHOST_BASE = 900_000_000
 """Ghost ids start here: far past any seeded user id, so none has a source row."""
+FRESH_IDS = 1000
+"""The fresh reads cycle through ids 1 to this: each read computes anew all the same."""
 FEATURES = ("a", "b", "c")
 SERVER_LIMITS = (
     "FRESHLINE_API_RATE_PER_S",
@@ -221,6 +225,11 @@ class Abuser:
             body = {"feature_sets": [FEATURE_SET], "entities": ids}
             return c.post("/v1/features/batch", json=body, headers=auth)
 
+        def fresh_get(c: httpx.Client) -> httpx.Response:
+            entity = next(self._rows) % FRESH_IDS + 1
+            query = {"max_staleness_ms": 0}
+            return c.get(f"/v1/features/{FEATURE_SET}/{entity}", params=query, headers=auth)
+
         def bad_key(c: httpx.Client) -> httpx.Response:
             bad = {"Authorization": f"Bearer fl_{secrets.token_urlsafe(32)}"}
             return c.get(f"/v1/features/{FEATURE_SET}/1", headers=bad)
@@ -239,6 +248,7 @@ class Abuser:
             "predict": predict,
             "ghost get": ghost_get,
             "ghost batch": ghost_batch,
+            "fresh get": fresh_get,
             "bad key": bad_key,
             "llm flag": llm_flag,
         }[kind]
@@ -607,7 +617,13 @@ def markdown(res: dict[str, Any]) -> str:
         f"the same address and with one key, keeps {p['abuse_connections_per_kind']} "
         "connections busy per kind of abuse: predictions of "
         f"{p['predict_rows']} distinct rows, reads of ids with no source row (GET, and "
-        f"batches of {p['ghost_batch']}), random bad keys, and LLM flags for "
+        f"batches of {p['ghost_batch']}), "
+        + (
+            "reads with `max_staleness_ms=0` (each a recompute), "
+            if "fresh get" in p.get("kinds", ())
+            else ""
+        )
+        + "random bad keys, and LLM flags for "
         f"namespaces never stored into. For each profile of limits, {p['pairs']} rounds of "
         f"three {p['phase_s']:.1f} s phases: without the abuser, with it flooding a second "
         "`freshline serve` on this machine at the abuser's priority (`elsewhere`: what it "

@@ -546,6 +546,39 @@ def counting_readthrough(
     return rt, computed
 
 
+@contextmanager
+def nested_checkouts(engine: Engine) -> Iterator[list[str]]:
+    """Watch ``engine``'s pool: yields the names of the threads that checked a connection
+    out while holding one already, as they do. Enough such threads hold every connection
+    and wait for one more, and the pool deadlocks until its timeout (issue 48)."""
+    held: dict[int, int] = {}  # thread -> connections it holds
+    owner: dict[int, int] = {}  # id of a checked-out connection record -> its thread
+    nested: list[str] = []
+    lock = threading.Lock()
+
+    def checkout(_dbapi: Any, record: Any, _proxy: Any) -> None:
+        me = threading.get_ident()
+        with lock:
+            owner[id(record)] = me
+            held[me] = held.get(me, 0) + 1
+            if held[me] > 1:
+                nested.append(threading.current_thread().name)
+
+    def checkin(_dbapi: Any, record: Any) -> None:
+        with lock:
+            thread = owner.pop(id(record), None)
+            if thread is not None:
+                held[thread] -= 1
+
+    sa.event.listen(engine, "checkout", checkout)
+    sa.event.listen(engine, "checkin", checkin)
+    try:
+        yield nested
+    finally:
+        sa.event.remove(engine, "checkout", checkout)
+        sa.event.remove(engine, "checkin", checkin)
+
+
 @dataclasses.dataclass
 class PausedReader:
     """A reader thread held between its database query and its write to Redis."""

@@ -9,23 +9,25 @@ what is served and why it is never older than asked. Here the tier and Redis are
 on the event loop (one MGET, with the asyncio client), the wait for the consumer's
 write is a coroutine woken by the entity's invalidation, and only the database work
 goes to the thread pool: reading the token key once, ranking a transaction token once,
-the recompute. Each answer has ``took_ms``, the time from the request's start until it
-was had.
+the recompute. That work runs as the tenant's share of the pool
+(:func:`pipeline.api.tenancy.tenant_pool`): within its concurrency, charged to its pool
+time, as every other read's. Each answer has ``took_ms``, the time from the request's
+start until it was had.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from starlette.concurrency import run_in_threadpool
-
 from pipeline.api.contracts import MAX_MS, freshness_fields
 from pipeline.api.errors import ApiError
 from pipeline.api.reader import Answer, AnswerSource, FeatureReader, Lookup, Mode, answer
+from pipeline.api.tenancy import Pool
 from pipeline.cache import freshness
 from pipeline.cache.freshness import Freshness
 from pipeline.cache.readthrough import ReadThrough, Result
@@ -111,15 +113,15 @@ def _demand(after: str | None, values: dict[str, int | None], settings: Settings
     return Demand(after, staleness, min(wait, settings.token_wait_max_ms), sized)
 
 
-async def rank_of(tokens: Tokens, text: str, deadline: float) -> int:
-    """:func:`pipeline.cache.freshness.rank_of`, its queries off the event loop."""
+async def rank_of(tokens: Tokens, text: str, deadline: float, pool: Pool) -> int:
+    """:func:`pipeline.cache.freshness.rank_of`, its queries in ``pool``."""
     if not tokens.loaded:
-        await run_in_threadpool(tokens.load)
+        await pool(tokens.load)
     token = tokens.parse(text)
     rank = tokens.rank(token)
     pause = _FIRST_PAUSE_S
     while rank is None:
-        rank = await run_in_threadpool(tokens.resolve, token)
+        rank = await pool(tokens.resolve, token)
         left = deadline - time.monotonic()
         if rank is None and left <= 0:
             raise TokenPending(token.a)
@@ -129,15 +131,18 @@ async def rank_of(tokens: Tokens, text: str, deadline: float) -> int:
     return rank
 
 
-async def read(reader: FeatureReader, lookup: Lookup, mode: Mode, demand: Demand) -> list[Answer]:
-    """Answer every pair of ``lookup`` as ``demand`` asks, in order (module docstring)."""
+async def read(
+    reader: FeatureReader, lookup: Lookup, mode: Mode, demand: Demand, pool: Pool
+) -> list[Answer]:
+    """Answer every pair of ``lookup`` as ``demand`` asks, in order (module docstring);
+    the database work in ``pool``, the tenant's share of the thread pool."""
     started = time.monotonic()
     deadline = started + demand.wait_ms / 1000
     rank = None
     if demand.after is not None:  # a token sent before: no coroutine of its own
         rank = reader.tokens.known_rank(demand.after)
         if rank is None:
-            rank = await rank_of(reader.tokens, demand.after, deadline)
+            rank = await rank_of(reader.tokens, demand.after, deadline, pool)
     fresh = Freshness(rank, demand.max_staleness_ms, demand.wait_ms)
     target = reader._target()
     if reader.aredis is not None and reader.local is None:
@@ -147,15 +152,17 @@ async def read(reader: FeatureReader, lookup: Lookup, mode: Mode, demand: Demand
     version = target.store.schema_version
     refs = list(lookup)
     if reader.aredis is None:  # no asyncio client: all of it in the thread pool
-        found = await run_in_threadpool(
-            freshness.read,
-            target,
-            refs,
-            fresh,
-            arrivals=reader.arrivals,
-            local=reader.local,
-            started=started,
-            compute=mode == "read-through",
+        found = await pool(
+            functools.partial(
+                freshness.read,
+                target,
+                refs,
+                fresh,
+                arrivals=reader.arrivals,
+                local=reader.local,
+                started=started,
+                compute=mode == "read-through",
+            )
         )
         took = _took(started)
         return [
@@ -218,7 +225,7 @@ async def read(reader: FeatureReader, lookup: Lookup, mode: Mode, demand: Demand
     elif computing:
         seal = local.token() if local is not None else 0
         began = now_ms()
-        results = await run_in_threadpool(
+        results = await pool(
             target.recompute, [refs[i] for i in computing], lambda e: fresh.takes(e, now_ms())
         )
         took = _took(started)

@@ -10,12 +10,13 @@ request, in order:
    the worker's :class:`KeyIndex` is looked up, and any other gets 401 with no
    query, so random keys cannot drive the database while a valid key is never
    refused for someone else's failures;
-2. the key takes a token from its own bucket (``FRESHLINE_API_RATE_PER_S``,
-   ``FRESHLINE_API_RATE_BURST``, or its tenant's own: ``freshline tenants limits``): a
-   request a little over the rate waits its turn (up to ``FRESHLINE_API_RATE_HOLD_S``)
-   and is served; further over, it is held that long and
-   answered 429 with ``Retry-After``, so a sender that asks again at once gets one
-   refusal per hold and connection, not a flood of them;
+2. the key's tenant takes a token from its bucket (``FRESHLINE_API_RATE_PER_S``,
+   ``FRESHLINE_API_RATE_BURST``, or the tenant's own: ``freshline tenants limits``),
+   one bucket for all its keys, so more keys buy no more rate: a request a little over
+   the rate waits its turn (up to ``FRESHLINE_API_RATE_HOLD_S``) and is served;
+   further over, it is held that long and answered 429 with ``Retry-After``, so a
+   sender that asks again at once gets one refusal per hold and connection, not a
+   flood of them;
 3. the key's tenant must not owe more thread-pool time than it may wait for
    (:class:`PoolBudget`, ``FRESHLINE_API_TENANT_POOL_*``), or the request is held
    ``FRESHLINE_API_TENANT_POOL_WAIT_S``, then answered 429 ``tenant_over_budget``;
@@ -39,7 +40,7 @@ spend them.
 
 Refusals are written to the audit log (:mod:`pipeline.api.audit_log`) and counted in
 ``freshline_api_refused_total{reason}``. Buckets live in the worker process (one event
-loop, so no lock): with ``N`` workers a key can reach ``N`` times its rate.
+loop, so no lock): with ``N`` workers a tenant can reach ``N`` times its rate.
 
 The client address is the TCP peer's, or, when the peer is one of
 ``FRESHLINE_API_TRUSTED_PROXIES``, the right-most address in ``X-Forwarded-For`` that
@@ -170,6 +171,11 @@ class TokenBuckets:
             now = self.clock()
             self._store(name, self._level(name, now, rate, burst) - cost, now)
 
+    def level(self, name: str, rate: float | None = None) -> float:
+        """``name``'s tokens now (negative: in debt; infinite with no limit)."""
+        rate, burst = self.limits(rate, None)
+        return self._level(name, self.clock(), rate, burst) if rate > 0 else math.inf
+
     def owed(self, name: str, rate: float | None = None) -> float:
         """Seconds until ``name`` is out of debt (0 if it is not in debt)."""
         rate, burst = self.limits(rate, None)
@@ -239,6 +245,10 @@ class PoolBudget:
     def owed(self, tenant: str, share: float | None = None) -> float:
         """Seconds until ``tenant`` is out of debt."""
         return self._spent.owed(tenant, share)
+
+    def left(self, tenant: str, share: float | None = None) -> float:
+        """Seconds of pool time ``tenant`` may spend now (negative: in debt)."""
+        return self._spent.level(tenant, share)
 
     async def check(self, tenant: str, share: float | None = None) -> None:
         """Raise :class:`TenantOverBudget` if ``tenant`` owes more than it may wait, once
@@ -408,7 +418,7 @@ class KeyIndex:
 
 
 class AccessGuard:
-    """ASGI middleware: authentication, per-key rate and per-address failure limits,
+    """ASGI middleware: authentication, per-tenant rate and per-address failure limits,
     and body timeouts for ``/v1``; see the module docstring."""
 
     def __init__(
@@ -423,7 +433,7 @@ class AccessGuard:
         self.auth = auth
         self.pool = pool
         self.keys = KeyIndex(auth.engine, refresh_s=settings.api_key_index_refresh_s)
-        self.per_key = TokenBuckets(settings.api_rate_per_s, settings.api_rate_burst)
+        self.per_tenant = TokenBuckets(settings.api_rate_per_s, settings.api_rate_burst)
         self.rate_hold_s = settings.api_rate_hold_s
         self.failures = TokenBuckets(
             settings.api_auth_failures_per_min / 60, settings.api_auth_failures_burst
@@ -471,16 +481,16 @@ class AccessGuard:
             return
         own = principal.limits
         rate, burst = own.rate_per_s, own.rate_burst
-        wait = self.per_key.reserve(principal.key_id, self.rate_hold_s, rate, burst)
+        wait = self.per_tenant.reserve(principal.tenant, self.rate_hold_s, rate, burst)
         if wait is None:
             await asyncio.sleep(self.rate_hold_s)
             _limited("rate_limited", "rate.limited", principal, address, path)
-            retry = max(1, math.ceil(self.per_key.wait(principal.key_id, rate, burst)))
+            retry = max(1, math.ceil(self.per_tenant.wait(principal.tenant, rate, burst)))
             response = error_response(
                 429,
                 "rate_limited",
-                f"over {self.per_key.rate if rate is None else rate:g} requests/s for this "
-                f"API key; retry in {retry} s",
+                f"over {self.per_tenant.rate if rate is None else rate:g} requests/s for this "
+                f"tenant (all its API keys); retry in {retry} s",
                 {"Retry-After": str(retry)},
             )
             await response(scope, receive, send)

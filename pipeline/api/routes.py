@@ -27,7 +27,7 @@ from pipeline.api.contracts import batch_size, feature_selection, predict_entiti
 from pipeline.api.errors import ApiError, JSONResponse, error_response, status_of
 from pipeline.api.reader import MODES, FeatureReader, Lookup, Mode, parse_entities, parse_entity
 from pipeline.api.splice import Spliced
-from pipeline.api.tenancy import admit_rows, in_pool
+from pipeline.api.tenancy import admit_rows, in_pool, tenant_pool
 from pipeline.core.errors import FreshlineError, ModelError
 from pipeline.core.features import Registry
 from pipeline.core.keys import validate_name
@@ -300,7 +300,9 @@ async def get_features(request: Request) -> Response:
     lookup = Lookup(tenant, (feature_set,), (entity,))
     started = time.perf_counter()
     if demand is not None:
-        answers = await freshness.read(svc.reader, lookup, mode, demand)
+        answers = await freshness.read(
+            svc.reader, lookup, mode, demand, tenant_pool(request, tenant)
+        )
     else:
         cached = await svc.reader.cached(lookup, mode)
         answers = (
@@ -339,7 +341,9 @@ async def batch(request: Request) -> Response:
     # JSON has one number type: 7.0 is the integer 7, as the OpenAPI document says.
     lookup = Lookup(tenant, feature_sets, entity_ids(svc.registry, feature_sets, entities))
     if demand is not None:
-        answers = await freshness.read(svc.reader, lookup, mode, demand)
+        answers = await freshness.read(
+            svc.reader, lookup, mode, demand, tenant_pool(request, tenant)
+        )
         after_response(request, metrics.record_answers, answers)
         return JSONResponse({"schema_version": answers[0]["schema_version"], "items": answers})
     found = await svc.reader.cached_batch(lookup, mode)
@@ -396,7 +400,9 @@ async def _predict_entities(
     demand = body_demand(body, svc, feature_sets)
     lookup = Lookup(tenant, feature_sets, entity_ids(svc.registry, feature_sets, entities))
     if demand is not None:
-        answers = await freshness.read(svc.reader, lookup, "read-through", demand)
+        answers = await freshness.read(
+            svc.reader, lookup, "read-through", demand, tenant_pool(request, tenant)
+        )
     else:
         answers = await in_pool(request, tenant, svc.reader.read, lookup, "read-through")
     k = len(feature_sets)

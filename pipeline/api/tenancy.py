@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -104,6 +104,22 @@ async def admit_rows(request: Request, tenant: str, rows: int) -> None:
     own = principal.limits if principal is not None and principal.tenant == tenant else None
     own = own or SERVER_DEFAULTS
     await budget.admit(tenant, rows, own.rows_per_s, own.rows_burst)
+
+
+class Pool(Protocol):
+    """Runs a blocking call in the thread pool (as someone's share of it), off the loop."""
+
+    def __call__(self, fn: Callable[..., T], /, *args: Any) -> Awaitable[T]: ...
+
+
+def tenant_pool(request: Request, tenant: str) -> Pool:
+    """:func:`in_pool` for ``tenant``'s calls of ``request``, as a :class:`Pool` to hand
+    to the code that makes them (:func:`pipeline.api.freshness.read`)."""
+
+    def run(fn: Callable[..., T], /, *args: Any) -> Awaitable[T]:
+        return in_pool(request, tenant, fn, *args)
+
+    return run
 
 
 async def in_pool(request: Request, tenant: str, fn: Callable[..., T], *args: Any) -> T:

@@ -530,12 +530,19 @@ class ReadThrough:
 
     def _durable(self, batch: Batch, conn: Connection) -> bool:
         """Whether Postgres has flushed its WAL past ``batch``'s snapshot, waiting up to
-        ``durable_wait_ms`` (see the module docstring), asked on ``conn``. A batch from
-        a standby has no position and needs no wait."""
+        ``durable_wait_ms`` (see the module docstring), asked, and made to flush, on
+        ``conn`` (the fill's: one connection per fill, so fills that hold every pooled
+        connection never wait for another). A batch from a standby has no position and
+        needs no wait."""
         if not batch.lsn or not self.durable_wait_ms:
             return True
         try:
-            wait_durable(conn, batch.lsn, self.durable_wait_ms / 1000, force=self.flusher)
+            wait_durable(
+                conn,
+                batch.lsn,
+                self.durable_wait_ms / 1000,
+                force=lambda: self.flusher(conn),  # this fill's connection: never a second
+            )
         except NotYetDurable as exc:
             log.debug("%s: %s answered, not stored", exc, batch.feature_set.name)
             return False

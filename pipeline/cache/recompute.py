@@ -259,23 +259,28 @@ def wait_durable(
     return flushed
 
 
+# One simple query of two statements: Postgres runs it as one transaction of its own,
+# so ``SET LOCAL`` holds for its commit, on a connection in autocommit as on any other.
 _FORCE_FLUSH = (
-    sa.text("SET LOCAL synchronous_commit = local"),
-    sa.text("CREATE TEMPORARY TABLE freshline_flush (x int) ON COMMIT DROP"),
+    "SET LOCAL synchronous_commit = local; "
+    "CREATE TEMPORARY TABLE freshline_flush (x int) ON COMMIT DROP"
 )
 
 
-def force_flush(engine: Engine) -> None:
-    """Make Postgres flush its WAL up to now, on a connection of its own.
+def force_flush(db: Engine | Connection) -> None:
+    """Make Postgres flush its WAL up to now, on ``db``: a connection outside a
+    transaction (a fill's own, in autocommit), or an engine's, taken for it.
 
     A commit flushes the WAL up to its own record only when it wrote some and commits
     synchronously; a read-only role has one thing to write that every role may: a
     temporary table's catalog rows (``TEMPORARY`` is granted to ``PUBLIC`` by default),
     dropped at commit. ``local``: the primary's own flush, not a standby's.
     """
-    with engine.begin() as conn:
-        for statement in _FORCE_FLUSH:
-            conn.execute(statement)
+    if isinstance(db, Engine):
+        with autocommit(db) as conn:
+            force_flush(conn)
+        return
+    db.exec_driver_sql(_FORCE_FLUSH)
 
 
 FORCE_RETRY_S = 60.0
@@ -283,11 +288,16 @@ FORCE_RETRY_S = 60.0
 
 
 class Flusher:
-    """:func:`force_flush` on ``engine``, as :func:`wait_durable`'s ``force``, unless the
-    role may not (it lacks ``TEMPORARY``): then a call does nothing, so the wait lasts
-    until some commit flushes, and ``log`` says so once (``waiter``: what waits). A
-    refused role is asked again every :data:`FORCE_RETRY_S`, so a grant made later takes
-    effect without a restart (and that is said too)."""
+    """:func:`force_flush`, as :func:`wait_durable`'s ``force``, unless the role may not
+    (it lacks ``TEMPORARY``): then a call does nothing, so the wait lasts until some
+    commit flushes, and ``log`` says so once (``waiter``: what waits). A refused role is
+    asked again every :data:`FORCE_RETRY_S`, so a grant made later takes effect without
+    a restart (and that is said too).
+
+    A call flushes on the connection it is given, outside a transaction: a caller that
+    holds a connection of ``engine``'s pool passes it, for a second one may never come
+    (every connection held by a caller waiting for one more). Without one, on a
+    connection of ``engine``'s."""
 
     def __init__(self, engine: Engine, log: logging.Logger, waiter: str) -> None:
         self.engine = engine
@@ -302,13 +312,13 @@ class Flusher:
         """Whether the role may force a flush, as far as the last try told."""
         return self.refused_at is None
 
-    def __call__(self) -> None:
+    def __call__(self, conn: Connection | None = None) -> None:
         now = self.clock()
         refused_at = self.refused_at
         if refused_at is not None and now - refused_at < FORCE_RETRY_S:
             return
         try:
-            force_flush(self.engine)
+            force_flush(self.engine if conn is None else conn)
         except sa.exc.ProgrammingError as exc:
             self.refused_at = now
             if refused_at is None:

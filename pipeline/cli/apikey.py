@@ -99,10 +99,13 @@ def tenants_limits(
     tenant: Annotated[str, typer.Argument(help="An existing tenant id")],
     rate: Annotated[
         float | None,
-        typer.Option("--rate", min=0, help="Requests/s per key and worker (0: no limit)"),
+        typer.Option(
+            "--rate", min=0, help="Requests/s per worker, all its keys together (0: no limit)"
+        ),
     ] = None,
     burst: Annotated[
-        int | None, typer.Option("--burst", min=1, help="Requests one key may make at once")
+        int | None,
+        typer.Option("--burst", min=1, help="Requests its keys may make at once, together"),
     ] = None,
     concurrency: Annotated[
         int | None,
@@ -182,6 +185,10 @@ def tenants_limits(
             f"FRESHLINE_{setting.upper()}",
         )
     print_rows(table)
+    console.print(
+        f"each limit holds in each API worker; rate_per_s and rate_burst count the "
+        f"requests of all tenant {tenant}'s API keys together"
+    )
 
 
 @apikey_app.command("create")

@@ -324,13 +324,13 @@ class ApiSettings(SettingsGroup):
     api_body_limit_bytes: int = Field(default=1_000_000, ge=1024)
     """The request body limit."""
     api_rate_per_s: float = Field(default=1000.0, ge=0)
-    """Requests per second per API key and worker (token bucket; 0: no limit). A tenant
-    may have its own (``freshline tenants limits``), as for the burst, concurrency and
-    pool share below."""
+    """Requests per second per tenant and worker, all its API keys together (token
+    bucket; 0: no limit). A tenant may have its own (``freshline tenants limits``), as
+    for the burst, concurrency and pool share below."""
     api_rate_burst: int = Field(default=2000, ge=1)
-    """The token bucket of ``api_rate_per_s``: requests one key may make at once."""
+    """The token bucket of ``api_rate_per_s``: requests one tenant's keys may make at once."""
     api_rate_hold_s: float = Field(default=1.0, ge=0)
-    """A request over its key's ``api_rate_per_s`` waits up to this long for its turn and
+    """A request over its tenant's ``api_rate_per_s`` waits up to this long for its turn and
     is then served; one that would wait longer is held this long, then refused with 429
     ``rate_limited`` (a refusal at once would be asked again at once, and the refusals
     would take the worker in the work's place)."""

@@ -20,6 +20,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
+from starlette.concurrency import run_in_threadpool
 
 from consumers.processor import Processor
 from fraud.seed import SeedSummary
@@ -47,6 +48,7 @@ from tests.helpers import (
     counting_readthrough,
     fresh_version,
     need,
+    nested_checkouts,
     role_engine,
     running,
     wait_until,
@@ -58,6 +60,14 @@ TOKEN_SQL = sa.text("SELECT freshline.token()")
 @pytest.fixture
 def tenant(tenant_factory: Callable[..., SeedSummary]) -> str:
     return tenant_factory(users=12, transactions=300).tenants[0]
+
+
+@pytest.fixture(autouse=True)
+def one_connection_per_thread(engine: Engine) -> Iterator[None]:
+    """No read here checks out a second connection while it holds one (issue 48)."""
+    with nested_checkouts(engine) as nested:
+        yield
+    assert nested == [], "a thread took a second connection from the pool"
 
 
 @pytest.fixture
@@ -339,7 +349,8 @@ def test_a_reader_without_an_asyncio_client_reads_fresh_in_the_thread_pool(
         cases: tuple[tuple[Mode, str], ...] = (("cache-only", "miss"), ("read-through", "computed"))
         for mode, source in cases:
             lookup = Lookup(tenant, ("txn_90d",), ("12",))
-            [found] = asyncio.run(api_freshness.read(reader, lookup, mode, demand))
+            read = api_freshness.read(reader, lookup, mode, demand, run_in_threadpool)
+            [found] = asyncio.run(read)
             assert found["source"] == source and found["took_ms"] >= 0
         assert found["values"] == truth(engine, tenant, 12)
     finally:

@@ -43,11 +43,12 @@ def waiting_on(engine: Engine, table: str) -> int:
 
 
 def reads_held_to(
-    api: Api, engine: Engine, key: str, tenant: str, requests: int, allowed: int
+    api: Api, engine: Engine, key: str, tenant: str, requests: int, allowed: int, query: str = ""
 ) -> list[httpx.Response]:
-    """Send ``requests`` reads of ``tenant`` whose read-throughs all block in Postgres
-    (``users`` locked), check that only ``allowed`` of them reach it while the rest wait
-    for a slot, then lift the lock; the answers."""
+    """Send ``requests`` reads of ``tenant`` (each with ``query``, such as
+    ``?max_staleness_ms=0``) whose read-throughs all block in Postgres (``users``
+    locked), check that only ``allowed`` of them reach it while the rest wait for a
+    slot, then lift the lock; the answers."""
     slots = getattr(api.app.state, "tenant_slots", None)
     with engine.connect() as locker:
         # Every read-through of this tenant now blocks in Postgres, holding its thread.
@@ -56,7 +57,7 @@ def reads_held_to(
             api.portal.start_task_soon(
                 functools.partial(
                     api.client.get,
-                    f"/v1/features/txn_90d/{entity}",
+                    f"/v1/features/txn_90d/{entity}{query}",
                     headers={"Authorization": f"Bearer {key}"},
                 )
             )

@@ -178,6 +178,7 @@ def test_cli_shows_sets_and_resets_a_tenants_limits(
     assert tenant_limits(engine, tenant) == TenantLimits(20.0, 40, None, 0.01)
     rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[1:]}
     assert rows["rate_per_s"][:2] == ["20", "1000"] and rows["concurrency"][0] == "-"
+    assert f"requests of all tenant {tenant}'s API keys together" in done.stderr
     done = _cli(env, tenant, "--reset", "rate", "--reset", "pool-share")
     assert done.returncode == 0, done.stderr
     assert tenant_limits(engine, tenant) == TenantLimits(rate_burst=40)

@@ -10,20 +10,27 @@ takes another commit when the lag it needs is not there.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
+import httpx
 import pytest
 import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from pipeline.api.auth import create_api_key
 from pipeline.cache.readthrough import ReadThrough
 from pipeline.cache.recompute import FORCE_RETRY_S, compute, flushed_lsn
 from pipeline.cache.store import FeatureStore
 from pipeline.core.repository import REGISTRY
+from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef
 from tests.consumers.test_durability import ATTEMPTS, Cluster, commit_async, lagging
-from tests.helpers import fresh_version
+from tests.helpers import api_app, fresh_version, nested_checkouts, running
 
 __all__ = ["lagging"]  # the module's private Postgres, a fixture of this module too
 
@@ -71,6 +78,88 @@ def no_temp(lagging: Cluster) -> Iterator[Engine]:
         with lagging.engine.begin() as conn:
             conn.execute(sa.text("GRANT TEMPORARY ON DATABASE postgres TO PUBLIC"))
             conn.execute(sa.text("DROP ROLE reader_no_temp"))
+
+
+@pytest.fixture
+def api_pool(lagging: Cluster) -> Iterator[Engine]:
+    """A login of ``freshline_api`` with a pool of ``POOL`` connections and no overflow,
+    which gives up waiting for one after ``POOL_TIMEOUT_S``."""
+    with lagging.engine.begin() as conn:
+        conn.execute(sa.text("CREATE ROLE reader_pooled LOGIN IN ROLE freshline_api"))
+    pooled = sa.create_engine(
+        lagging.engine.url.set(username="reader_pooled"),
+        pool_size=POOL,
+        max_overflow=0,
+        pool_timeout=POOL_TIMEOUT_S,
+    )
+    try:
+        yield pooled
+    finally:
+        pooled.dispose()
+        with lagging.engine.begin() as conn:
+            conn.execute(sa.text("DROP ROLE reader_pooled"))
+
+
+POOL, POOL_TIMEOUT_S = 2, 10
+
+
+def test_more_fills_than_the_pool_holds_each_flush_on_their_own_connection(
+    lagging: Cluster, api_pool: Engine, redis_client: redis.Redis
+) -> None:
+    """Every pooled connection held by a fill whose snapshot is not flushed yet: each
+    makes Postgres flush on the connection it holds, never on a second one from the
+    same pool (which no fill would give back: each would wait out the pool's timeout)."""
+    tenant = tenant_of(lagging)
+    refs = [EntityRef("txn_90d", tenant, str(user)) for user in range(1, 2 * POOL + 1)]
+    rt = ReadThrough(FeatureStore(redis_client, fresh_version()), api_pool, early_refresh=False)
+    pool_met(rt)
+    commit_not_flushed(lagging, tenant)
+    with nested_checkouts(api_pool) as nested, ThreadPoolExecutor(len(refs)) as threads:
+        results = list(threads.map(rt.get, refs))
+    assert nested == []
+    assert [r.source for r in results] == ["computed"] * len(refs)
+    assert rt.counters.stored == len(refs) and rt.counters.undurable == 0
+
+
+def pool_met(rt: ReadThrough) -> None:
+    """Make the first ``POOL`` fills of ``rt`` meet, each holding its connection, before
+    any of them flushes."""
+    arrivals = itertools.count()
+    all_in = threading.Barrier(POOL, timeout=30)
+
+    def hold(_: list[EntityRef]) -> None:
+        if next(arrivals) < POOL:
+            all_in.wait()
+
+    rt.hooks.after_compute = hold
+
+
+def test_the_api_answers_more_misses_than_its_pool_holds_while_wal_is_unflushed(
+    lagging: Cluster, api_pool: Engine, redis_client: redis.Redis, settings: Settings
+) -> None:
+    """Every pooled connection of the API held by a miss whose snapshot is not flushed
+    (a batch job's asynchronous commit): every miss is answered, none 500."""
+    tenant = tenant_of(lagging)
+    url = api_pool.url.render_as_string(hide_password=False)
+    app = api_app(settings.model_copy(update={"postgres_url": url}), api_pool, redis_client)
+    key = create_api_key(lagging.engine, tenant)
+    with running(app, key) as api:
+        assert api.get("/v1/features/geo/1").status_code == 200  # the key, cached
+        pool_met(app.state.services.reader.readthrough)
+        commit_not_flushed(lagging, tenant)
+        sent: list[Future[httpx.Response]] = [
+            api.portal.start_task_soon(
+                functools.partial(
+                    api.client.get,
+                    f"/v1/features/txn_90d/{user}",
+                    headers={"Authorization": f"Bearer {key}"},
+                )
+            )
+            for user in range(1, 2 * POOL + 1)
+        ]
+        answers = [f.result(timeout=60) for f in sent]
+    assert [a.status_code for a in answers] == [200] * len(answers), answers[0].text
+    assert {a.json()["source"] for a in answers} == {"computed"}
 
 
 def test_a_fill_never_stores_a_commit_a_crash_can_undo(
