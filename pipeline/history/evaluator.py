@@ -66,7 +66,7 @@ class AtSnapshot:
 
 
 Moment = AtCommitTime | AtSnapshot
-M = TypeVar("M", AtCommitTime, AtSnapshot)
+M = TypeVar("M", bound=AtCommitTime | AtSnapshot)
 Ref = tuple[str, str]
 """(tenant, entity id) as keys spell them."""
 
@@ -141,15 +141,16 @@ _CLOCK = re.compile(
 )
 
 
-def history_sql(fs: FeatureSet, tables: Mapping[str, Captured], kind: type[Moment]) -> str:
-    """The statement evaluating ``fs`` at many moments of ``kind``.
+def history_sql(fs: FeatureSet, tables: Mapping[str, Captured], snapshots: bool) -> str:
+    """The statement evaluating ``fs`` at many moments: :class:`AtSnapshot` ones with
+    ``snapshots``, else :class:`AtCommitTime` ones.
 
     Parameters: ``:mg``/``:mat``/``:msnap`` (per moment: a group number, ``as_of``, the
     snapshot text or NULL), ``:sg``/``:tenants``/``:ids`` (per key: its moment's group,
     tenant and id). Rows: the group, then what the feature query returns.
     """
     entity = fs.entity
-    predicate = _COMMIT_TIME if kind is AtCommitTime else _SNAPSHOT
+    predicate = _SNAPSHOT if snapshots else _COMMIT_TIME
     key_type = entity.type
     spine_columns = "s.tenant, s.id" if entity.tenant else "s.id"
     history = "".join(
@@ -296,7 +297,7 @@ class Evaluator:
             ids += got_ids
             params["sg"] += [g] * len(got_ids)
         params["tenants"], params["ids"] = tenants, ids
-        statement = history_sql(fs, self.tables, kind)
+        statement = history_sql(fs, self.tables, kind is AtSnapshot)
         if (fs.name, kind) not in self._read:
             self._read[(fs.name, kind)] = guard(self.conn, fs, statement, params, self.tables)
         for moment in order:
