@@ -1,8 +1,7 @@
 """History tables for the evaluator's tests, laid out as the history contract says.
 
-Until the recorder of the history issue (51) lands on this branch, these tests make
-history tables themselves, with the contract's columns, in freshline's schema, and fill
-them two ways:
+The history tables are the history issue's (51: :mod:`pipeline.history.tables`); these
+tests fill them two ways:
 
 * :func:`version`: one row version written directly, with the commit times a test
   chooses (the leakage tests: edges exactly at a window's ends);
@@ -17,34 +16,24 @@ freshline does not touch user tables. :func:`uncapture` removes all of it.
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from pipeline.history import tables
+
 SCHEMA = "freshline"
-FL = (
-    "_fl_xmin xid8 NOT NULL, _fl_xmax xid8, _fl_from_lsn pg_lsn NOT NULL, _fl_to_lsn pg_lsn, "
-    "_fl_from timestamptz NOT NULL, _fl_to timestamptz, _fl_change pg_lsn NOT NULL"
-)
-# The registry as migration 0006 of the history issue makes it (IF NOT EXISTS: once that
-# migration is here, it is a no-op).
-REGISTRY = f"""
-CREATE TABLE IF NOT EXISTS {SCHEMA}.history_tables (
-    source_schema text NOT NULL, source_table text NOT NULL,
-    history_table text NOT NULL UNIQUE, s0_snapshot pg_snapshot, s0_at timestamptz,
-    s0_lsn pg_lsn, complete_to timestamptz, broken_from timestamptz, broken_reason text,
-    retention_s bigint CHECK (retention_s > 0), created_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (source_schema, source_table))
-"""
+_XMINS = itertools.count(10)
 LONG_AGO = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
 PENDING = dt.datetime(9999, 1, 1, tzinfo=dt.UTC)
 """The commit time of a version whose transaction :func:`stamp` has not stamped yet."""
 
 
 def history_name(table: str) -> str:
-    return f"h_public__{table}"
+    return tables.history_table_name("public", table)
 
 
 def _key(conn: Connection, table: str) -> list[str]:
@@ -70,43 +59,31 @@ def capture(
     complete_to: dt.datetime | None = None,
     retention_s: int | None = None,
 ) -> str:
-    """Make ``public.table``'s history table and register it; with ``backfill``, copy
-    today's rows in as versions every snapshot sees (``_fl_xmin`` 3) from ``start``.
-    ``complete_to`` defaults to forever. Run as the owner."""
-    conn.execute(sa.text(REGISTRY))
-    conn.execute(sa.text(f"GRANT SELECT ON {SCHEMA}.history_tables TO freshline_api"))
-    name = history_name(table)
-    conn.execute(sa.text(f"DROP TABLE IF EXISTS {SCHEMA}.{name}"))
-    conn.execute(sa.text(f"CREATE TABLE {SCHEMA}.{name} (LIKE public.{table}, {FL})"))
-    key = ", ".join(_key(conn, table))
-    conn.execute(sa.text(f"CREATE INDEX ON {SCHEMA}.{name} ({key}, _fl_from)"))
-    conn.execute(sa.text(f"GRANT SELECT ON {SCHEMA}.{name} TO freshline_api"))
+    """Make ``public.table``'s history table with the history issue's DDL
+    (:func:`pipeline.history.tables.create`) and register it as starting at ``start``
+    and complete to ``complete_to`` (default: forever); with ``backfill``, copy today's
+    rows in as versions every snapshot sees (``_fl_xmin`` 3) from ``start``. Run as the
+    owner."""
+    found = tables.layout(conn, "public", table)
+    conn.execute(sa.text(f"DROP TABLE IF EXISTS {tables.qualified(found.history)}"))
+    tables.create(conn, found, retention_s)
     if backfill:
         conn.execute(sa.text(f"LOCK TABLE public.{table} IN SHARE MODE"))
         conn.execute(
             sa.text(
-                f"INSERT INTO {SCHEMA}.{name} SELECT t.*, '3'::xid8, NULL, '0/0', NULL, "
-                f":start, NULL, '0/0' FROM public.{table} t"
+                f"INSERT INTO {tables.qualified(found.history)} SELECT t.*, '3'::xid8, NULL, "
+                f"'0/0', NULL, :start, NULL, '0/0' FROM public.{table} t"
             ),
             {"start": start},
         )
     conn.execute(
         sa.text(
-            f"INSERT INTO {SCHEMA}.history_tables (source_schema, source_table, history_table, "
-            "s0_at, complete_to, retention_s) VALUES ('public', :t, :h, :s, :c, :r) "
-            "ON CONFLICT (source_schema, source_table) DO UPDATE SET s0_at = excluded.s0_at, "
-            "complete_to = excluded.complete_to, retention_s = excluded.retention_s, "
-            "broken_from = NULL"
+            f"UPDATE {SCHEMA}.history_tables SET s0_at = :s, complete_to = :c, "
+            "broken_from = NULL WHERE source_schema = 'public' AND source_table = :t"
         ),
-        {
-            "t": table,
-            "h": name,
-            "s": start,
-            "c": complete_to or dt.datetime.max.replace(tzinfo=dt.UTC),
-            "r": retention_s,
-        },
+        {"t": table, "s": start, "c": complete_to or dt.datetime.max.replace(tzinfo=dt.UTC)},
     )
-    return name
+    return found.history
 
 
 def record(conn: Connection, table: str) -> None:
@@ -182,11 +159,15 @@ def version(
     committed: dt.datetime,
     ended: dt.datetime | None = None,
     *,
-    xmin: int = 3,
+    xmin: int | None = None,
     xmax: int | None = None,
 ) -> None:
     """Write one version of a ``table`` row: created by a transaction that committed at
-    ``committed``, ended by one that committed at ``ended`` (None: current)."""
+    ``committed``, ended by one that committed at ``ended`` (None: current). Transaction
+    ids default to small ones, each new (a row's versions have different creators), that
+    every snapshot sees."""
+    if xmin is None:
+        xmin = next(_XMINS)
     columns = ", ".join(row)
     values = ", ".join(f":{c}" for c in row)
     conn.execute(
