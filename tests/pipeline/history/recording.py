@@ -135,6 +135,13 @@ END $$
     )
 
 
+def unrecord(conn: Connection, table: str) -> None:
+    """Stop :func:`record`'s trigger on ``public.table``."""
+    name = history_name(table)
+    conn.execute(sa.text(f"DROP TRIGGER IF EXISTS {name}_rec ON public.{table}"))
+    conn.execute(sa.text(f"DROP TRIGGER IF EXISTS {name}_trunc ON public.{table}"))
+
+
 def stamp(conn: Connection, tables: list[str], xid: int) -> dt.datetime:
     """Give the versions committed transaction ``xid`` made and ended its commit time:
     the clock now, read after the commit (so stamps follow the commit order)."""

@@ -241,9 +241,7 @@ def test_at_snapshot_sees_what_the_snapshot_saw(
         assert got[moment][(tenant, "7")]["txn_sum"] == 5.0
     finally:
         with engine.begin() as conn:
-            conn.execute(
-                sa.text("DROP TRIGGER IF EXISTS h_public__transactions_rec ON transactions")
-            )
+            recording.unrecord(conn, "transactions")
 
 
 def test_refuses_a_future_moment(api: Engine, captured: None, tenant: str) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from pipeline.core.repository import REGISTRY, load
@@ -156,3 +157,40 @@ def test_the_command_line_says_bad_input_in_one_line(
 
 def test_the_repository_loads_from_its_directory() -> None:
     assert load(FRAUD).registry.names() == REGISTRY.names()
+
+
+def test_at_snapshot_reads_each_row_as_its_snapshot_saw(
+    engine: Engine, api: Engine, captured: None, tenant: str
+) -> None:
+    """A spine of entries' snapshots: each row's values are what that snapshot saw, with
+    the row's timestamp as ``as_of``; a change committed after it is not there."""
+    with engine.begin() as conn:
+        recording.record(conn, "transactions")
+    try:
+        add = sa.text(
+            "INSERT INTO transactions (tenant_id, user_id, amount, merchant_id, created_at) "
+            "VALUES (:t, 7, :a, 'm', now() - interval '1 hour')"
+        )
+        reads: list[Any] = []
+        for amount in ("5.00", "7.00"):
+            with engine.begin() as conn:
+                conn.execute(add, {"t": tenant, "a": amount})
+            with api.connect() as conn:
+                reads.append(
+                    conn.execute(sa.text("SELECT pg_current_snapshot()::text, now()")).one()
+                )
+        spine = pa.table(
+            {
+                "tenant_id": [tenant, tenant],
+                "user_id": pa.array([7, 7], pa.int64()),
+                "timestamp": pa.array([r[1] for r in reads], pa.timestamp("us", tz="UTC")),
+                "snapshot": [r[0] for r in reads],
+            }
+        )
+        got = training_set(FRAUD, spine, ["txn_90d:txn_sum"], engine=api, at="snapshot")
+        assert got.column("txn_90d__txn_sum").to_pylist() == [5.0, 12.0]
+        with pytest.raises(SpineError, match="delay= goes with at='commit_time'"):
+            training_set(FRAUD, spine, ["txn_90d"], engine=api, at="snapshot", delay=HOUR)
+    finally:
+        with engine.begin() as conn:
+            recording.unrecord(conn, "transactions")
