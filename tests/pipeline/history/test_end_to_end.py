@@ -27,7 +27,7 @@ from pipeline.cdc.connect import ConnectClient, connector_config, drop_slot, nam
 from pipeline.core.settings import Settings
 from pipeline.history.audit import audit
 from pipeline.history.backfill import backfill
-from pipeline.history.tables import create, layout, qualified
+from pipeline.history.tables import create, layout, qualified, registered
 from tests.consumers.conftest import own_settings, wait_for
 from tests.pipeline.history.conftest import KEEP, History, Txn, sample
 
@@ -117,7 +117,7 @@ def test_history_from_the_real_connector_audits_clean(live: Live) -> None:
     h.writer.commit(Txn().update(sample(3, note="toast", big=KEEP)))
     h.writer.commit(Txn().delete(100).insert(sample(4)))
     h.writer.commit(Txn().truncate().insert(sample(5)).insert(sample(6)))
-    h.writer.commit(Txn().update(sample(6, amount=-1, blob=b"\x00\x01")))
+    last = h.writer.commit(Txn().update(sample(6, amount=-1, blob=b"\x00\x01")))
 
     results = audit(h.consumer, DEADLINE_S)
     mine = [r for r in results if r.table == h.table]
