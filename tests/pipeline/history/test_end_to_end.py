@@ -133,3 +133,13 @@ def test_history_from_the_real_connector_audits_clean(live: Live) -> None:
             ).scalar_one()
             == 1
         )  # two updates in one transaction: one version
+
+    # Complete: every partition read to its end after a heartbeat later than the last commit.
+    committed_us = last[0]["source"]["ts_us"]
+
+    def complete() -> bool:
+        with h.consumer.connect() as conn:
+            found = registered(conn)[("public", h.table)]
+        return found.complete_to_us is not None and found.complete_to_us >= committed_us
+
+    wait_for(complete, "history complete past the last commit", DEADLINE_S)
