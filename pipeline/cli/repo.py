@@ -244,7 +244,6 @@ def _plan(publication: str) -> Plan:
     from pipeline.core.repository import active
     from pipeline.core.settings import load_settings
     from pipeline.deploy.plan import plan as make_plan
-
     from pipeline.history.status import describe
 
     repo = active()

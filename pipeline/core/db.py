@@ -118,8 +118,12 @@ def _connect_args() -> dict[str, object]:
     return {
         "connect_timeout": 3,
         "application_name": "freshline",
+        # TimeZone=UTC: a timestamp without zone read from a timestamptz, now()::date,
+        # date_trunc('day', ...) and the text of every timestamptz would otherwise follow
+        # the database's (or role's) default zone, and differ between a feature query
+        # run here and the same query replayed over history.
         "options": f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S * 1000} "
-        "-c jit=off",
+        "-c jit=off -c TimeZone=UTC",
         # A peer that vanished without closing (a partition) is found within about
         # 30 s, where the kernel's defaults take over two hours.
         "keepalives": 1,

@@ -17,13 +17,14 @@ and kept as long as history (:func:`prune`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.core.db import SCHEMA
+from pipeline.cache.recompute import Batch
+from pipeline.core.db import SCHEMA, autocommit
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,25 @@ def record(conn: Connection, snapshots: Iterable[EntrySnapshot]) -> None:
                 "a": [r.as_of_us for r in rows],
             },
         )
+
+
+def of_batches(batches: Iterable[Batch]) -> list[EntrySnapshot]:
+    """What each computation's entries name (those that carry their snapshot)."""
+    return [EntrySnapshot(b.watermark, b.snapshot, b.as_of_us) for b in batches if b.snapshot]
+
+
+def keeper(engine: Engine) -> Callable[[Sequence[Batch]], None]:
+    """A call that keeps the snapshots of computations (one statement, its own
+    connection): the consumers' and read-through's ``on_computed``, run before their
+    entries are written, so no entry names a snapshot that was not kept."""
+
+    def keep(batches: Sequence[Batch]) -> None:
+        rows = of_batches(batches)
+        if rows:
+            with autocommit(engine) as conn:
+                record(conn, rows)
+
+    return keep
 
 
 def snapshots_of(db: Engine | Connection, watermarks: Iterable[int]) -> dict[int, EntrySnapshot]:

@@ -185,3 +185,20 @@ def test_widen_matches_the_snapshot_select() -> None:
     assert widen(150, xmax) == (5 << 32) + 150  # just committed, above the old xmax
     assert widen((1 << 32) - 5, xmax) == (4 << 32) + (1 << 32) - 5  # last epoch
     assert widen((7 << 32) + 1, xmax) == (7 << 32) + 1  # already wide
+
+
+def test_a_truncate_read_before_the_changes_it_follows(history_factory: HistoryFactory) -> None:
+    """A truncate has no key, so it can come from another partition, ahead of records
+    committed before it: the versions they make still end at the truncate."""
+    h = history_factory()
+    h.writer.commit(Txn().insert(sample(1)))
+    h.enable()
+    before = h.writer.commit(Txn().insert(sample(2)))
+    before += h.writer.commit(Txn().update(sample(1, note="late")))
+    truncate = h.writer.commit(Txn().truncate())
+    after = h.writer.commit(Txn().insert(sample(3)))
+    h.record(truncate)
+    h.record(after)
+    h.record(before)
+    assert [v["xmax"] is None for v in h.versions()] == [False, False, False, True]
+    assert_audit(h)
