@@ -27,7 +27,6 @@ where it is broken, beyond retention, in the future).
 from __future__ import annotations
 
 import datetime as dt
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -38,7 +37,7 @@ from sqlalchemy.engine import Connection
 from pipeline.cache.recompute import entity_ids, entry_value
 from pipeline.core.db import SCHEMA
 from pipeline.core.errors import FreshlineError
-from pipeline.core.features import IMPLICIT_TENANT, FeatureSet
+from pipeline.core.features import IMPLICIT_TENANT, FeatureSet, reads_clock
 from pipeline.core.types import FeatureValues
 
 
@@ -132,13 +131,6 @@ _SNAPSHOT = (
     "pg_visible_in_snapshot(h._fl_xmin, _fl_m.snap) AND "
     "(h._fl_xmax IS NULL OR NOT pg_visible_in_snapshot(h._fl_xmax, _fl_m.snap))"
 )
-# Functions that read the clock: a query calling one would compute for the training
-# run's moment, not the spine's.
-_CLOCK = re.compile(
-    r"\b(now\s*\(|(?:clock_timestamp|statement_timestamp|transaction_timestamp|timeofday"
-    r"|current_date|current_time|current_timestamp|localtime|localtimestamp)\b)",
-    re.IGNORECASE,
-)
 
 
 def history_sql(fs: FeatureSet, tables: Mapping[str, Captured], snapshots: bool) -> str:
@@ -181,10 +173,10 @@ def _check_query(fs: FeatureSet) -> None:
             f"feature set {fs.name!r}: its query reads {names} directly; "
             "read the moment from t.as_of so it can be evaluated at past moments"
         )
-    found = _CLOCK.search(fs.query)
+    found = reads_clock(fs.query)
     if found:
         raise HistoryRefused(
-            f"feature set {fs.name!r}: its query reads the clock ({found[1].strip()}); "
+            f"feature set {fs.name!r}: its query reads the clock ({found}); "
             "use t.as_of, the moment it computes for, so past moments do not see today"
         )
 
