@@ -197,6 +197,11 @@ class Outcome:
     """Changes the backfill's snapshot already held."""
     unregistered: int = 0
     broken: list[str] = field(default_factory=list)
+    tables: dict[str, list[int]] = field(default_factory=dict)
+    """Per table (``schema.table``): versions, duplicates, skipped as S0's."""
+
+    def count(self, table: str, kind: int) -> None:
+        self.tables.setdefault(table, [0, 0, 0])[kind] += 1
 
 
 _HISTORY_COLUMNS = sa.text(
@@ -285,6 +290,7 @@ class Recorder:
                 txid = widen(change.txid, xmax)
                 if (target.registered.s0_snapshot, txid) in seen:
                     outcome.skipped_s0 += 1
+                    outcome.count(f"{change.schema}.{change.table}", 2)
                     continue
                 self._check_columns(conn, target, change, outcome)
                 by_table.setdefault((change.schema, change.table), []).append((change, txid))
@@ -357,7 +363,9 @@ def _apply_table(
             _Rows.load(conn, target, run).apply(run, outcome).save(conn)
             run = []
         at = from_epoch_us(change.commit_us)
-        if _truncate(conn, target, txid, change.lsn, at):
+        ended = _truncate(conn, target, txid, change.lsn, at)
+        outcome.count(f"{change.schema}.{change.table}", 0 if ended else 1)
+        if ended:
             outcome.versions += 1
         else:
             outcome.duplicates += 1
@@ -486,7 +494,9 @@ class _Rows:
             assert image is not None
             key = {k: typed(image[k], columns[k]) for k in self.target.key}
             chain = self.chains.setdefault(_row_key(key, self.target.key), [])
-            if self._one(chain, change, txid, image, columns):
+            made = self._one(chain, change, txid, image, columns)
+            outcome.count(f"{change.schema}.{change.table}", 0 if made else 1)
+            if made:
                 outcome.versions += 1
             else:
                 outcome.duplicates += 1
