@@ -152,6 +152,11 @@ def typed(value: Any, column: Column) -> Any:
         precision = column.typmod if column.typmod >= 0 else 6
         unit = dt.timedelta(milliseconds=1) if precision <= 3 else dt.timedelta(microseconds=1)
         return (EPOCH + value * unit).replace(tzinfo=None)
+    if kind == "timestamptz" and isinstance(value, str):
+        try:  # as a moment, so a key compares equal to one read back from Postgres
+            return dt.datetime.fromisoformat(value)
+        except ValueError:
+            return value  # infinity and the like: Postgres reads the text
     if kind == "date" and isinstance(value, int):
         return (EPOCH + dt.timedelta(days=value)).date()
     if kind == "time" and isinstance(value, int):
