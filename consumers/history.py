@@ -37,11 +37,13 @@ from confluent_kafka import Message, TopicPartition
 from sqlalchemy.engine import Engine
 
 from consumers.kafka import Consumer
+from consumers.metrics import history_metrics
 from pipeline.core.db import SCHEMA, make_engine
 from pipeline.core.settings import Settings
 from pipeline.core.topics import CDC_PREFIX
 from pipeline.history.recorder import MalformedChange, NotBackfilled, Outcome, Recorder, parse
 from pipeline.history.snapshots import prune as prune_snapshots
+from pipeline.history.status import lag_s, sizes
 from pipeline.history.tables import from_epoch_us, qualified, registered
 
 logger = logging.getLogger("freshline.history")
@@ -126,6 +128,22 @@ class HistoryWorker:
         if time.monotonic() - self._pruned_at > PRUNE_EVERY_S:
             self._pruned_at = time.monotonic()
             prune(self.engine)
+            self.report()
+
+    def report(self) -> None:
+        """Set the gauges: completeness lag, broken tables, sizes (every
+        ``PRUNE_EVERY_S``, and once history completes further)."""
+        metrics = history_metrics()
+        with self.engine.connect() as conn:
+            found = list(registered(conn).values())
+        lags = [lag for r in found if (lag := lag_s(r)) is not None]
+        if lags:
+            metrics.complete_lag.set(max(lags))
+        on_disk = sizes(self.engine) if found else {}
+        for r in found:
+            name = f"{r.schema}.{r.table}"
+            metrics.broken.labels(name).set(0 if r.broken_from_us is None else 1)
+            metrics.bytes.labels(name).set(on_disk.get(r.history, (0, 0))[0])
 
     def _record(self, batch: Sequence[Message]) -> Outcome:
         changes = []
@@ -138,6 +156,7 @@ class HistoryWorker:
                 change = parse(msg.value())
             except MalformedChange as exc:
                 self.totals.malformed += 1
+                history_metrics().malformed.inc()
                 logger.error(
                     "history: %s[%s]@%s skipped: %s", topic, msg.partition(), msg.offset(), exc
                 )
@@ -148,6 +167,11 @@ class HistoryWorker:
         self.totals.versions += outcome.versions
         self.totals.duplicates += outcome.duplicates
         self.totals.skipped_s0 += outcome.skipped_s0
+        metrics = history_metrics()
+        for table, (made, repeated, before) in outcome.tables.items():
+            metrics.versions.labels(table).inc(made)
+            metrics.duplicates.labels(table).inc(repeated)
+            metrics.skipped_s0.labels(table).inc(before)
         return outcome
 
     def _heartbeat(self, value: bytes | None) -> None:
@@ -181,6 +205,9 @@ class HistoryWorker:
                 ),
                 {"at": at},
             )
+        history_metrics().complete_lag.set(
+            max(0.0, time.time() - at.timestamp())  # just completed: the heartbeat's age
+        )
 
 
 def _rewind(consumer: Consumer, batch: Sequence[Message]) -> None:

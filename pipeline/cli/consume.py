@@ -125,6 +125,9 @@ def consume(
 
 def record(
     max_messages: Annotated[int | None, typer.Option(min=1, help="Stop after this many")] = None,
+    metrics_port: Annotated[
+        int, typer.Option(help="Prometheus port for the recorder's metrics (0: none)")
+    ] = 0,
 ) -> None:
     """Record history: every version of every row of the captured tables, from the CDC
     topics, in a consumer group of its own (FRESHLINE_CONSUMER_GROUP + "-history").
@@ -143,6 +146,10 @@ def record(
     )
     settings = load_settings()
     worker = HistoryWorker(settings)
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=settings.consumer_metrics_host)
 
     def on_signal(_signum: int, _frame: object) -> None:
         console.print("stopping after this batch")

@@ -22,6 +22,7 @@ from sqlalchemy.engine import Engine
 
 from consumers.history import HistoryWorker
 from consumers.kafka import admin_client
+from consumers.metrics import history_metrics
 from consumers.topics import ensure_cdc_topics
 from pipeline.cdc.connect import ConnectClient, connector_config, drop_slot, names, streaming
 from pipeline.core.settings import Settings
@@ -143,3 +144,11 @@ def test_history_from_the_real_connector_audits_clean(live: Live) -> None:
         return found.complete_to_us is not None and found.complete_to_us >= committed_us
 
     wait_for(complete, "history complete past the last commit", DEADLINE_S)
+
+    # What the recorder reports (its /metrics): versions made, size, completeness lag.
+    metrics = history_metrics()
+    table = f"public.{h.table}"
+    assert metrics.versions.labels(table)._value.get() > 0
+    live.worker.report()
+    assert metrics.bytes.labels(table)._value.get() > 0
+    assert metrics.broken.labels(table)._value.get() == 0

@@ -10,9 +10,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from consumers.history import prune
 from pipeline.history.audit import audit_table
 from pipeline.history.recorder import widen
-from pipeline.history.tables import registered
+from pipeline.history.tables import qualified, registered
 from tests.pipeline.history.conftest import KEEP, History, Txn, sample
 
 HistoryFactory = Callable[[], History]
@@ -201,4 +202,42 @@ def test_a_truncate_read_before_the_changes_it_follows(history_factory: HistoryF
     h.record(after)
     h.record(before)
     assert [v["xmax"] is None for v in h.versions()] == [False, False, False, True]
+    assert_audit(h)
+
+
+def test_retention_drops_versions_that_ended_long_ago(history_factory: HistoryFactory) -> None:
+    h = history_factory()
+    h.writer.commit(Txn().insert(sample(1)).insert(sample(2)))
+    h.enable()
+    h.record(h.writer.commit(Txn().update(sample(1, note="new"))))
+    assert h.found is not None
+    with h.owner.begin() as conn:  # the first version ended a year ago; keep 30 days
+        conn.execute(
+            sa.text(
+                f"UPDATE {qualified(h.found.history)} SET _fl_to = now() - interval '1 year' "
+                "WHERE id = 1 AND _fl_xmax IS NOT NULL"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "UPDATE freshline.history_tables SET retention_s = 2592000 WHERE source_table = :t"
+            ),
+            {"t": h.table},
+        )
+    assert prune(h.consumer) >= 1
+    assert [v["note"] for v in h.versions(1)] == ["new"]  # the current one stays
+    assert [v["note"] for v in h.versions(2)] == ["note 2"]
+
+
+def test_a_timestamptz_key_finds_its_versions(history_factory: HistoryFactory) -> None:
+    h = history_factory()
+    with h.owner.begin() as conn:
+        conn.execute(sa.text(f"ALTER TABLE {h.table} DROP CONSTRAINT {h.table}_pkey"))
+        conn.execute(sa.text(f"ALTER TABLE {h.table} ADD PRIMARY KEY (at_tz)"))
+    h.writer.commit(Txn().insert(sample(1)))
+    h.enable()
+    records = h.writer.commit(Txn().update(sample(1, note="once")))
+    h.record(records)
+    h.record(records)
+    assert [v["note"] for v in h.versions()] == ["note 1", "once"]
     assert_audit(h)

@@ -1,0 +1,57 @@
+"""``freshline record``'s loop on real Kafka without Connect: the envelopes of real
+transactions produced to a CDC topic (twice: a redelivery), recorded by the worker's
+consumer group, audited, and counted in its metrics."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import orjson
+import pytest
+from confluent_kafka.admin import AdminClient
+
+from consumers.history import HistoryWorker
+from consumers.kafka import Producer, admin_client
+from consumers.metrics import history_metrics
+from consumers.topics import ensure
+from pipeline.cdc.connect import names
+from pipeline.core.settings import Settings
+from pipeline.history.audit import audit
+from tests.consumers.conftest import own_settings
+from tests.pipeline.history.conftest import KEEP, History, Txn, sample
+
+pytestmark = [pytest.mark.kafka]
+
+
+def test_the_worker_records_a_topic_and_its_redelivery(
+    settings: Settings, base_settings: Settings, history_factory: Callable[[], History]
+) -> None:
+    h = history_factory()
+    h.writer.commit(Txn().insert(sample(1)).insert(sample(2)))
+    h.enable()
+    records = h.writer.commit(Txn().update(sample(1, note="a")).update(sample(1, note="b")))
+    records += h.writer.commit(Txn().update(sample(2, big=KEEP, note="toast")).insert(sample(3)))
+    records += h.writer.commit(Txn().delete(1))
+    local = own_settings(settings, "hrec", 1)
+    topic = names(local).topic(h.table)
+    admin: AdminClient = admin_client(base_settings)
+    ensure(admin, 1, topics=[topic])
+    try:
+        with Producer(base_settings) as producer:
+            for record in records * 2:  # and every one again
+                producer.produce(topic, orjson.dumps(record), key=None)
+            producer.flush()
+        worker = HistoryWorker(local, h.consumer)
+        totals = worker.run(max_messages=len(records) * 2, timeout=60)
+        assert totals.consumed == len(records) * 2
+        assert totals.duplicates == len(records)
+        [result] = [r for r in audit(h.consumer) if r.table == h.table]
+        assert result.ok, result.samples
+        assert history_metrics().versions.labels(f"public.{h.table}")._value.get() == len(records)
+        worker.report()
+        assert history_metrics().bytes.labels(f"public.{h.table}")._value.get() > 0
+    finally:
+        for future in admin.delete_topics([topic], operation_timeout=10).values():
+            with contextlib.suppress(Exception):
+                future.result()
