@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 import sqlalchemy as sa
@@ -98,7 +99,10 @@ class HistoryWorker:
         end = None if timeout is None else time.monotonic() + timeout
         overrides = {"group.id": group(self.settings), "auto.offset.reset": "earliest"}
         with Consumer(self.settings, **overrides) as consumer:
-            consumer.subscribe(topics(self.settings))
+            consumer.subscribe(
+                topics(self.settings),
+                on_assign=self._check_gaps,
+            )
             while not self._stop.is_set():
                 if max_messages is not None and self.totals.consumed >= max_messages:
                     break
@@ -144,6 +148,36 @@ class HistoryWorker:
             name = f"{r.schema}.{r.table}"
             metrics.broken.labels(name).set(0 if r.broken_from_us is None else 1)
             metrics.bytes.labels(name).set(on_disk.get(r.history, (0, 0))[0])
+
+    def _check_gaps(self, inner: Any, partitions: list[TopicPartition]) -> None:
+        """A partition whose committed offset is below its first record lost records to
+        the topic's retention before history read them: its table's history has a gap,
+        and is marked broken (loudly) from now."""
+        cdc = [tp for tp in partitions if not (tp.topic or "").startswith("__debezium")]
+        if not cdc:
+            return
+        for tp in inner.committed(cdc, timeout=10):
+            if tp.offset < 0:
+                continue  # never read: it starts at the first record the topic holds
+            low, _ = inner.get_watermark_offsets(tp, timeout=10, cached=False)
+            if tp.offset >= low:
+                continue
+            table = (tp.topic or "").rsplit(".", 1)[-1]
+            reason = (
+                f"records {tp.offset}..{low - 1} of {tp.topic}[{tp.partition}] were deleted "
+                "by the topic's retention before history read them"
+            )
+            with self.engine.begin() as conn:
+                marked = conn.execute(
+                    sa.text(
+                        f"UPDATE {SCHEMA}.history_tables SET broken_from = now(), "
+                        "broken_reason = :why WHERE source_schema = 'public' "
+                        "AND source_table = :table AND broken_from IS NULL"
+                    ),
+                    {"why": reason, "table": table},
+                ).rowcount
+            if marked:
+                logger.error("history of public.%s is BROKEN: %s", table, reason)
 
     def _record(self, batch: Sequence[Message]) -> Outcome:
         changes = []
