@@ -358,7 +358,12 @@ def _apply_table(
     conn: Connection, target: Target, changes: Sequence[tuple[Change, int]], outcome: Outcome
 ) -> None:
     """Apply one table's changes, in arrival order: each run of row changes as one
-    :class:`_Rows` (one read, one write), each truncate by itself between them."""
+    :class:`_Rows` (one read, one write), each truncate by itself between them.
+
+    Recorders of one table take turns (a transaction-scoped advisory lock on its
+    history table): a truncate another one applies must see every version made before
+    it, and a run must see every truncate recorded before it."""
+    conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext(:h))"), {"h": target.table})
     run: list[tuple[Change, int]] = []
     for change, txid in changes:
         if change.op != "t":
