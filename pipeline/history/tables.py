@@ -216,7 +216,7 @@ def follow(conn: Connection, found: Layout) -> list[str]:
             {"rel": qualified(found.history)},
         ).scalars()
     )
-    defaults = dict(
+    defaults: dict[str, str] = dict(
         conn.execute(
             sa.text(
                 "SELECT a.attname, pg_get_expr(d.adbin, d.adrelid) FROM pg_attrdef d "
