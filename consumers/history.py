@@ -11,9 +11,11 @@ column of every record, where the consumers decode only what routes.
 Each iteration: consume up to ``BATCH`` records; read each CDC record as a
 :class:`~pipeline.history.recorder.Change` (a malformed one is logged and counted, not
 recorded); record the batch in one Postgres transaction; then commit the offsets. A
-failure before the commit (Postgres away, a table not backfilled yet) rewinds the
-batch's partitions and tries again with backoff, so nothing is skipped; the recorder's
-idempotence makes the replay harmless.
+failure before the commit (Postgres away) rewinds the batch's partitions and tries
+again with backoff, so nothing is skipped; the recorder's idempotence makes the replay
+harmless. A table registered but not backfilled yet, or a change with a column its
+history table lacks, holds the batch (rewound, offsets kept) until ``freshline apply``
+has done its part, however long.
 
 Completeness: a heartbeat record (Debezium's ``__debezium-heartbeat.<prefix>``) is
 remembered; once every assigned CDC partition has been read to its end after it, every
@@ -128,7 +130,7 @@ class HistoryWorker:
             try:
                 self._record(batch)
                 break
-            except HistoryBehind as exc:  # waits for apply, however long: nothing skipped
+            except (HistoryBehind, NotBackfilled) as exc:  # waits for apply, however long
                 now = time.monotonic()
                 if now - self._behind_logged > BEHIND_LOG_S:
                     self._behind_logged = now
@@ -137,7 +139,7 @@ class HistoryWorker:
                 self.recorder.refresh()
                 self._stop.wait(BEHIND_WAIT_S)
                 return
-            except (sa.exc.OperationalError, sa.exc.InterfaceError, NotBackfilled) as exc:
+            except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
                 if attempt == len(BACKOFF_S) or self._stop.is_set():
                     _rewind(consumer, batch)
                     raise

@@ -304,6 +304,9 @@ class Recorder:
         outcome = Outcome()
         if not batch:
             return outcome
+        # A table not registered is looked up again each batch: apply may register it
+        # at any time, and every change committed after that must be recorded.
+        self._targets = {k: v for k, v in self._targets.items() if v is not None}
         with self.engine.begin() as conn:
             xmax = int(conn.execute(_XMAX).scalar_one())
             targets: dict[tuple[str, str], Target] = {}

@@ -278,3 +278,15 @@ def test_a_timestamptz_key_finds_its_versions(history_factory: HistoryFactory) -
     h.record(records)
     assert [v["note"] for v in h.versions()] == ["note 1", "once"]
     assert_audit(h)
+
+
+def test_a_table_registered_while_the_recorder_runs_is_recorded(
+    history_factory: HistoryFactory,
+) -> None:
+    h = history_factory()
+    before = h.writer.commit(Txn().insert(sample(1)))
+    h.record(before)  # history is not on for it yet: nothing to do
+    h.enable()
+    h.record(h.writer.commit(Txn().update(sample(1, note="after"))))  # the same recorder
+    assert [v["note"] for v in h.versions(1)] == ["note 1", "after"]
+    assert_audit(h)
