@@ -11,9 +11,11 @@ column of every record, where the consumers decode only what routes.
 Each iteration: consume up to ``BATCH`` records; read each CDC record as a
 :class:`~pipeline.history.recorder.Change` (a malformed one is logged and counted, not
 recorded); record the batch in one Postgres transaction; then commit the offsets. A
-failure before the commit (Postgres away, a table not backfilled yet) rewinds the
-batch's partitions and tries again with backoff, so nothing is skipped; the recorder's
-idempotence makes the replay harmless.
+failure before the commit (Postgres away) rewinds the batch's partitions and tries
+again with backoff, so nothing is skipped; the recorder's idempotence makes the replay
+harmless. A table registered but not backfilled yet, or a change with a column its
+history table lacks, holds the batch (rewound, offsets kept) until ``freshline apply``
+has done its part, however long.
 
 Completeness: a heartbeat record (Debezium's ``__debezium-heartbeat.<prefix>``) is
 remembered; once every assigned CDC partition has been read to its end after it, every
@@ -30,6 +32,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 import sqlalchemy as sa
@@ -41,7 +44,14 @@ from consumers.metrics import history_metrics
 from pipeline.core.db import SCHEMA, make_engine
 from pipeline.core.settings import Settings
 from pipeline.core.topics import CDC_PREFIX
-from pipeline.history.recorder import MalformedChange, NotBackfilled, Outcome, Recorder, parse
+from pipeline.history.recorder import (
+    HistoryBehind,
+    MalformedChange,
+    NotBackfilled,
+    Outcome,
+    Recorder,
+    parse,
+)
 from pipeline.history.snapshots import prune as prune_snapshots
 from pipeline.history.status import lag_s, sizes
 from pipeline.history.tables import from_epoch_us, qualified, registered
@@ -52,6 +62,9 @@ BATCH = 500
 WAIT_S = 0.2
 BACKOFF_S = (0.1, 0.5, 2.0, 5.0)
 PRUNE_EVERY_S = 600.0
+BEHIND_WAIT_S = 2.0
+"""How long the recorder waits before it looks again for columns apply has to add."""
+BEHIND_LOG_S = 60.0
 GROUP_SUFFIX = "-history"
 
 
@@ -88,6 +101,7 @@ class HistoryWorker:
         self._stop = threading.Event()
         self._heartbeat_ms: int | None = None
         self._pruned_at = 0.0
+        self._behind_logged = -BEHIND_LOG_S
 
     def stop(self) -> None:
         """Ask the loop to stop after the batch in hand."""
@@ -98,7 +112,10 @@ class HistoryWorker:
         end = None if timeout is None else time.monotonic() + timeout
         overrides = {"group.id": group(self.settings), "auto.offset.reset": "earliest"}
         with Consumer(self.settings, **overrides) as consumer:
-            consumer.subscribe(topics(self.settings))
+            consumer.subscribe(
+                topics(self.settings),
+                on_assign=self._check_gaps,
+            )
             while not self._stop.is_set():
                 if max_messages is not None and self.totals.consumed >= max_messages:
                     break
@@ -113,7 +130,16 @@ class HistoryWorker:
             try:
                 self._record(batch)
                 break
-            except (sa.exc.OperationalError, sa.exc.InterfaceError, NotBackfilled) as exc:
+            except (HistoryBehind, NotBackfilled) as exc:  # waits for apply, however long
+                now = time.monotonic()
+                if now - self._behind_logged > BEHIND_LOG_S:
+                    self._behind_logged = now
+                    logger.error("history: %s", exc)
+                _rewind(consumer, batch)
+                self.recorder.refresh()
+                self._stop.wait(BEHIND_WAIT_S)
+                return
+            except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
                 if attempt == len(BACKOFF_S) or self._stop.is_set():
                     _rewind(consumer, batch)
                     raise
@@ -144,6 +170,36 @@ class HistoryWorker:
             name = f"{r.schema}.{r.table}"
             metrics.broken.labels(name).set(0 if r.broken_from_us is None else 1)
             metrics.bytes.labels(name).set(on_disk.get(r.history, (0, 0))[0])
+
+    def _check_gaps(self, inner: Any, partitions: list[TopicPartition]) -> None:
+        """A partition whose committed offset is below its first record lost records to
+        the topic's retention before history read them: its table's history has a gap,
+        and is marked broken (loudly) from now."""
+        cdc = [tp for tp in partitions if not (tp.topic or "").startswith("__debezium")]
+        if not cdc:
+            return
+        for tp in inner.committed(cdc, timeout=10):
+            if tp.offset < 0:
+                continue  # never read: it starts at the first record the topic holds
+            low, _ = inner.get_watermark_offsets(tp, timeout=10, cached=False)
+            if tp.offset >= low:
+                continue
+            table = (tp.topic or "").rsplit(".", 1)[-1]
+            reason = (
+                f"records {tp.offset}..{low - 1} of {tp.topic}[{tp.partition}] were deleted "
+                "by the topic's retention before history read them"
+            )
+            with self.engine.begin() as conn:
+                marked = conn.execute(
+                    sa.text(
+                        f"UPDATE {SCHEMA}.history_tables SET broken_from = now(), "
+                        "broken_reason = :why WHERE source_schema = 'public' "
+                        "AND source_table = :table AND broken_from IS NULL"
+                    ),
+                    {"why": reason, "table": table},
+                ).rowcount
+            if marked:
+                logger.error("history of public.%s is BROKEN: %s", table, reason)
 
     def _record(self, batch: Sequence[Message]) -> Outcome:
         changes = []
