@@ -90,3 +90,47 @@ class ConsumerMetrics:
 @functools.cache
 def consumer_metrics() -> ConsumerMetrics:
     return ConsumerMetrics()
+
+
+class HistoryMetrics:
+    """The history recorder's (``freshline record``)."""
+
+    def __init__(self) -> None:
+        self.versions = Counter(
+            "freshline_history_versions_total", "Versions of rows made or changed", ["table"]
+        )
+        self.duplicates = Counter(
+            "freshline_history_duplicates_total",
+            "Change records already recorded (redelivered, duplicated)",
+            ["table"],
+        )
+        self.skipped_s0 = Counter(
+            "freshline_history_before_s0_total",
+            "Change records the backfill's snapshot already held",
+            ["table"],
+        )
+        self.malformed = Counter(
+            "freshline_history_malformed_total", "Records that are not change records"
+        )
+        self.broken = Gauge(
+            "freshline_history_broken",
+            "1 while a table's history is marked broken (DDL it does not follow)",
+            ["table"],
+            multiprocess_mode="max",
+        )
+        self.complete_lag = Gauge(
+            "freshline_history_complete_lag_seconds",
+            "How far behind now history is known complete (complete_to)",
+            multiprocess_mode="min",
+        )
+        self.bytes = Gauge(
+            "freshline_history_bytes",
+            "A history table's size on disk, with its indexes",
+            ["table"],
+            multiprocess_mode="max",
+        )
+
+
+@functools.cache
+def history_metrics() -> HistoryMetrics:
+    return HistoryMetrics()

@@ -27,7 +27,7 @@ from pipeline.api.tenancy import TenantSlots
 from pipeline.cache.arrivals import Arrivals
 from pipeline.cache.hot import HotReads
 from pipeline.cache.local import LocalTier
-from pipeline.cache.readthrough import ReadThrough
+from pipeline.cache.readthrough import Hooks, ReadThrough
 from pipeline.cache.roster import Proc, Registration, roster, strangers
 from pipeline.cache.store import FeatureStore, check_eviction_policy
 from pipeline.cache.tokens import Tokens
@@ -36,9 +36,11 @@ from pipeline.core.budget import TenantBudget
 from pipeline.core.db import make_engine
 from pipeline.core.features import Registry
 from pipeline.core.lock import Lock
-from pipeline.core.repository import REGISTRY
+from pipeline.core.repository import REGISTRY, active
 from pipeline.core.services import redis_client as make_redis_client
 from pipeline.core.settings import Settings, load_settings
+from pipeline.history.snapshots import keeper
+from pipeline.history.status import rows as history_rows
 from pipeline.inference.models import ModelRegistry
 from pipeline.inference.predictions import InferenceCache
 from pipeline.observe.staleness import GroupLag
@@ -74,6 +76,7 @@ def create_app(
     semantic_figures: bool | None = None,
     pointer: Pointer = DEFAULT_POINTER,
     lock: Lock | None = None,
+    keep_snapshots: bool | None = None,
 ) -> Starlette:
     """The read API. Clients not passed in are made from ``settings`` and closed on exit.
 
@@ -91,6 +94,8 @@ def create_app(
     from (default: the local consumer's port, ``FRESHLINE_CONSUMER_METRICS_PORT``), and
     with ``semantic_figures`` (default: ``settings.semantic_enabled``) it shows the
     semantic cache's busiest namespaces (:mod:`pipeline.api.semantic_status`).
+    With ``keep_snapshots`` (default: the active repository's ``[history] enabled``) a
+    read-through fill keeps the snapshot its entries name (:mod:`pipeline.history.snapshots`).
     ``/metrics``, ``/status`` and ``/status.json`` are served by ``app.state.ops_app``
     (the ops port's app, :mod:`pipeline.api.ops`), and on this app only to the operator
     key (``settings.ops_key``), if one is set.
@@ -102,6 +107,8 @@ def create_app(
     """
     if settings.semantic_enabled:
         require_extra("FRESHLINE_SEMANTIC_ENABLED")  # before any client is made
+    if keep_snapshots is None:
+        keep_snapshots = registry is REGISTRY and active().history.enabled
     owned_engine = engine is None
     owned_redis = redis_client is None
     engine = engine or make_engine(settings, pool_size=10)
@@ -141,6 +148,7 @@ def create_app(
         versions=versions,
         hot=hot,
         primary=engine if replica is not None else None,
+        hooks=Hooks(on_computed=keeper(engine)) if keep_snapshots else None,
     )
     services = routes.Services(
         settings=settings,
@@ -191,7 +199,11 @@ def create_app(
         deploy=lambda: deploy_report(client, pointer, readthrough),
         sample_max_age_s=settings.ops_cache_s,
     )
-    board = StatusBoard(observer, interval_s=status_interval_s)
+    board = StatusBoard(
+        observer,
+        interval_s=status_interval_s,
+        history=(lambda: history_rows(engine)) if keep_snapshots else None,
+    )
     operator = ops.Ops(
         board=board,
         sampled=SampledMetrics(observer),

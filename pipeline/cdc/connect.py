@@ -159,8 +159,8 @@ def connector_config(
         "decimal.handling.mode": "string",
         "time.precision.mode": "adaptive_time_microseconds",
         "tombstones.on.delete": "true",
-        # Truncates are emitted: the consumer cannot route one, so it dead-letters it
-        # with the reason instead of the change vanishing silently.
+        # Truncates are emitted: the consumers void the feature sets the table feeds,
+        # and history ends every open version of the table.
         "skipped.operations": "none",
         # Heartbeats commit the slot's position while captured tables are quiet; the
         # action writes a logical message into *this* database's WAL, so the slot

@@ -195,9 +195,12 @@ def apply(
     publish_fields(settings, lock)
     if not cdc:
         console.print("change data capture not registered (--no-cdc): freshline cdc register")
-        return
-    with steps.step("the connector"):
-        register_connector(database_host=database_host)
+    else:
+        with steps.step("the connector"):
+            register_connector(database_host=database_host)
+    if repo.history.enabled:
+        with steps.step("history"):
+            enable_history(result.tables, repo.history.retention_s)
 
 
 def change_tables(
@@ -247,6 +250,48 @@ def change_tables(
         ran.append(f"{verb.format(p=publication)} {', '.join(result.tables)}")
         conn.execute(sa.text(ran[-1]))
     return ran
+
+
+def enable_history(tables: list[str], retention_s: int | None) -> None:
+    """Create and register a history table per captured table, then backfill the new
+    ones from one snapshot S0, once the connector's slot exists (every change S0 does
+    not see is then streamed: ``pipeline.history.backfill``)."""
+    import sqlalchemy as sa
+
+    from pipeline.cdc.connect import SCHEMA, names
+    from pipeline.core.db import make_owner_engine
+    from pipeline.core.settings import load_settings
+    from pipeline.history.backfill import backfill
+    from pipeline.history.tables import create, follow, layout, registered
+
+    settings = load_settings()
+    engine = make_owner_engine(settings)
+    try:
+        with engine.begin() as conn:
+            layouts = [layout(conn, SCHEMA, t) for t in tables]
+            for found in layouts:
+                if create(conn, found, retention_s):
+                    console.print(f"history: created {found.history} for {SCHEMA}.{found.table}")
+                for statement in follow(conn, found):
+                    console.print(f"history: ran {statement}")
+            known = registered(conn)
+            slot = conn.execute(
+                sa.text("SELECT 1 FROM pg_replication_slots WHERE slot_name = :s"),
+                {"s": names(settings).slot},
+            ).first()
+        pending = [f for f in layouts if known[(f.schema, f.table)].s0_snapshot is None]
+        if pending and slot is None:
+            console.print(
+                "[yellow]warning:[/yellow] history waits for the connector's replication "
+                "slot before its backfill: run apply with --cdc (or freshline cdc register), "
+                "then apply again"
+            )
+        elif pending:
+            s0 = backfill(engine, pending)
+            copied = ", ".join(f"{t} {n}" for t, n in s0.rows.items())
+            console.print(f"history: backfilled from snapshot {s0.snapshot} ({copied} rows)")
+    finally:
+        engine.dispose()
 
 
 def register(app: typer.Typer) -> None:

@@ -121,6 +121,7 @@ def checked_plan(publication: str) -> Plan:
     from pipeline.core.repository import active
     from pipeline.core.settings import load_settings
     from pipeline.deploy.plan import plan as make_plan
+    from pipeline.history.status import describe
 
     repo = active()
     settings = load_settings()
@@ -128,7 +129,9 @@ def checked_plan(publication: str) -> Plan:
     engine = make_owner_engine(settings)
     ping(engine)
     try:
-        return make_plan(repo, engine, settings.schema_version, publication)
+        result = make_plan(repo, engine, settings.schema_version, publication)
+        result.history = describe(engine, repo.history, result.tables)
+        return result
     finally:
         engine.dispose()
 
@@ -157,6 +160,8 @@ def show_plan(result: Plan) -> None:
     else:
         out.print(f"lock: {result.lock}")
     out.print(f"freshline schema: {result.own_schema}")
+    for line in result.history:
+        out.print(line)
     out.print(f"change data capture must cover: {', '.join(result.tables)}")
     if result.publication_missing:
         out.print(
