@@ -385,7 +385,29 @@ def assert_only_the_owner_may_write(
         tried = attempts(conn)
     assert any(what.startswith("ATTACH") for what, _ in tried)
     folds = {f"EXECUTE freshline.{p.prefix}_fold(integer,boolean,boolean)" for p in paths}
-    meant = {"api": {"UPDATE freshline.api_keys.last_used_at"}, "consumer": folds}
+    # Both record each computation's snapshot (freshline.snapshots: what an entry was
+    # computed from, for history's AtSnapshot); the consumers prune it. A forged row
+    # there could mislead a skew report, never change a served value.
+    snapshots = {
+        f"INSERT freshline.snapshots.{c}"
+        for c in ("watermark", "snapshot", "as_of_us", "recorded_at")
+    }
+    # The history recorder runs as the consumers' login: its bookkeeping.
+    recorder = {
+        *(
+            f"INSERT freshline.history_truncates.{c}"
+            for c in ("history_table", "txid", "lsn", "committed_at")
+        ),
+        "DELETE freshline.history_truncates",
+        *(
+            f"UPDATE freshline.history_tables.{c}"
+            for c in ("complete_to", "broken_from", "broken_reason")
+        ),
+    }
+    meant = {
+        "api": {"UPDATE freshline.api_keys.last_used_at", *snapshots},
+        "consumer": {*folds, *snapshots, "DELETE freshline.snapshots", *recorder},
+    }
     for name, engine in logins.items():
         expected = {"EXECUTE freshline.token()", *meant.get(name, set())}
         assert allowed(engine, tried) == expected, name
