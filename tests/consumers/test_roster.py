@@ -14,6 +14,8 @@ from typing import cast
 import pytest
 import redis
 
+from consumers.kafka import admin_client
+from consumers.topics import allow_consumer
 from consumers.worker import Worker
 from pipeline.api.app import deploy_report
 from pipeline.cache.readthrough import ReadThrough
@@ -44,6 +46,9 @@ def test_a_consumer_is_registered_with_its_group_and_versions_while_it_runs(
     pointer = Pointer.scoped(uuid.uuid4().hex)
     writes_with = consumer_redis_client(settings)
     registrations_allowed(writes_with, pointer, "consume")
+    # What apply grants the consumers' login for the test's topic prefix.
+    admin = admin_client(env.settings)
+    allow_consumer(admin, need("FRESHLINE_STACK_KAFKA_CONSUMER_USER"), settings)
     worker = Worker(
         settings, versions=WriteVersions(writes_with, settings, pointer=pointer, lock=lock)
     )
