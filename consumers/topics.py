@@ -29,7 +29,7 @@ from confluent_kafka.cimpl import NewTopic
 from pipeline.core.errors import FreshlineError
 from pipeline.core.repository import Repository, active
 from pipeline.core.settings import Settings
-from pipeline.core.topics import CDC_PREFIX, DLQ, INVALIDATIONS, qualified
+from pipeline.core.topics import CDC_PREFIX, DLQ, INVALIDATIONS, SERVED, qualified
 
 ADMIN_TIMEOUT_S = 15.0
 WRITER_OPERATIONS = (AclOperation.WRITE, AclOperation.DESCRIBE)
@@ -151,8 +151,8 @@ def event_topics(repo: Repository | None = None) -> list[str]:
 
 def managed(repo: Repository | None = None) -> list[str]:
     """The topics ``freshline topics ensure`` creates: the repository's domain events,
-    the invalidations and the dead letters (contract names, unprefixed)."""
-    return [*event_topics(repo), INVALIDATIONS, DLQ]
+    the invalidations, the dead letters and the served log (contract names, unprefixed)."""
+    return [*event_topics(repo), INVALIDATIONS, DLQ, SERVED]
 
 
 def managed_topics(settings: Settings) -> list[str]:

@@ -38,6 +38,7 @@ from pipeline.core.services import redis_client as make_redis_client
 from pipeline.core.settings import Settings, load_settings
 from pipeline.inference.models import ModelRegistry
 from pipeline.inference.predictions import InferenceCache
+from pipeline.observe.served import ServedLog
 from pipeline.observe.staleness import GroupLag
 from pipeline.observe.status import SampledMetrics, StatusBoard
 from pipeline.semantic.extra import require_extra
@@ -163,6 +164,7 @@ def create_app(
                 max_bytes=settings.inference_tenant_max_bytes,
             ),
         ),
+        served=ServedLog(settings) if settings.served_log_buffer > 0 else None,
     )
 
     if consumer_metrics is None:
@@ -233,6 +235,8 @@ def create_app(
             stack.callback(services.auth.close)
             board.start()
             stack.callback(board.close)
+            if services.served is not None:
+                stack.callback(services.served.close)
             yield
 
     audit_log.configure(settings.audit_log)
