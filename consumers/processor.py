@@ -200,8 +200,12 @@ class Processor:
         wait_timeout_ms: int = 1000,
         durable_wait_ms: int = 2000,
         on_failover: Callable[[RedisIdentity, RedisIdentity], None] | None = None,
+        on_computed: Callable[[Sequence[Batch]], None] | None = None,
     ) -> None:
         self.engine = engine
+        self.on_computed = on_computed
+        """Called with a batch's computations before any of their entries is written
+        (history keeps the snapshot each names: :mod:`pipeline.history.snapshots`)."""
         self.redis = client
         self.versions = versions
         self.registry = registry
@@ -251,6 +255,8 @@ class Processor:
                 },
                 report,
             )
+            if batches and self.on_computed is not None:
+                self.on_computed(list(batches.values()))
             for name, pairs in targets.items():
                 fs = self.registry[name]
                 refs = sorted(pairs)

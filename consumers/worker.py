@@ -88,11 +88,12 @@ from pipeline.cache.store import check_eviction_policy
 from pipeline.cache.versions import WriteVersions
 from pipeline.core.db import make_engine
 from pipeline.core.errors import ConfigError
-from pipeline.core.repository import REGISTRY
+from pipeline.core.repository import REGISTRY, active
 from pipeline.core.services import consumer_redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.topics import DLQ, INVALIDATIONS, logical, qualified
 from pipeline.core.types import ChangeEvent
+from pipeline.history.snapshots import keeper
 
 logger = logging.getLogger("freshline.consumer")
 
@@ -211,6 +212,7 @@ class Worker:
             wait_timeout_ms=settings.redis_wait_timeout_ms,
             durable_wait_ms=settings.postgres_durable_wait_ms,
             on_failover=lambda *_: self.metrics.redis_failovers.inc(),
+            on_computed=keeper(self.engine) if active().history.enabled else None,
         )
         self.router = Router()
         self.totals = Totals()

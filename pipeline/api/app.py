@@ -26,16 +26,17 @@ from pipeline.api.tenancy import TenantSlots
 from pipeline.cache.arrivals import Arrivals
 from pipeline.cache.hot import HotReads
 from pipeline.cache.local import LocalTier
-from pipeline.cache.readthrough import ReadThrough
+from pipeline.cache.readthrough import Hooks, ReadThrough
 from pipeline.cache.store import FeatureStore, check_eviction_policy
 from pipeline.cache.tokens import Tokens
 from pipeline.cache.versions import VersionResolver
 from pipeline.core.budget import TenantBudget
 from pipeline.core.db import make_engine
 from pipeline.core.features import Registry
-from pipeline.core.repository import REGISTRY
+from pipeline.core.repository import REGISTRY, active
 from pipeline.core.services import redis_client as make_redis_client
 from pipeline.core.settings import Settings, load_settings
+from pipeline.history.snapshots import keeper
 from pipeline.inference.models import ModelRegistry
 from pipeline.inference.predictions import InferenceCache
 from pipeline.observe.served import ServedLog
@@ -70,6 +71,7 @@ def create_app(
     consumer_metrics: list[str] | None = None,
     status_interval_s: float = 60.0,
     semantic_figures: bool | None = None,
+    keep_snapshots: bool | None = None,
 ) -> Starlette:
     """The read API. Clients not passed in are made from ``settings`` and closed on exit.
 
@@ -85,6 +87,8 @@ def create_app(
     from (default: the local consumer's port, ``FRESHLINE_CONSUMER_METRICS_PORT``), and
     with ``semantic_figures`` (default: ``settings.semantic_enabled``) it shows the
     semantic cache's busiest namespaces (:mod:`pipeline.api.semantic_status`).
+    With ``keep_snapshots`` (default: the active repository's ``[history] enabled``) a
+    read-through fill keeps the snapshot its entries name (:mod:`pipeline.history.snapshots`).
     ``/metrics``, ``/status`` and ``/status.json`` are served by ``app.state.ops_app``
     (the ops port's app, :mod:`pipeline.api.ops`), and on this app only to the operator
     key (``settings.ops_key``), if one is set.
@@ -96,6 +100,8 @@ def create_app(
     """
     if settings.semantic_enabled:
         require_extra("FRESHLINE_SEMANTIC_ENABLED")  # before any client is made
+    if keep_snapshots is None:
+        keep_snapshots = registry is REGISTRY and active().history.enabled
     owned_engine = engine is None
     owned_redis = redis_client is None
     engine = engine or make_engine(settings, pool_size=10)
@@ -133,6 +139,7 @@ def create_app(
         versions=versions,
         hot=hot,
         primary=engine if replica is not None else None,
+        hooks=Hooks(on_computed=keeper(engine)) if keep_snapshots else None,
     )
     services = routes.Services(
         settings=settings,

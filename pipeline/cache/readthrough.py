@@ -184,10 +184,13 @@ def existing_entities(
 
 @dataclass(slots=True)
 class Hooks:
-    """Test seams. ``after_compute`` runs between the query and the write."""
+    """Seams. ``after_compute`` runs between the query and the write (tests);
+    ``on_computed`` is given a computation on the primary just before its entries are
+    stored (history keeps the snapshot they name: :mod:`pipeline.history.snapshots`)."""
 
     before_compute: Hook | None = None
     after_compute: Hook | None = None
+    on_computed: Callable[[Sequence[Batch]], None] | None = None
 
 
 @dataclass(slots=True)
@@ -472,6 +475,8 @@ class ReadThrough:
                     self.counters.undurable += len(group)
             filled = [r for r in group if (r.tenant, r.entity) in known]
             unknown = [r for r in group if (r.tenant, r.entity) not in known]
+            if filled and gate is None and self.hooks.on_computed is not None:
+                self.hooks.on_computed([batch])
             written = self.store.fill(batch, token, filled)
             if unknown:
                 self.store.release(unknown, token)

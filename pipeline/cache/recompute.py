@@ -82,7 +82,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from pipeline.core.db import autocommit
 from pipeline.core.errors import FreshlineError, InvalidId
-from pipeline.core.features import IMPLICIT_TENANT, Entity, FeatureSet, FieldType, Path
+from pipeline.core.features import AS_OF, IMPLICIT_TENANT, Entity, FeatureSet, FieldType, Path
 from pipeline.core.keys import validate_id
 from pipeline.core.types import FeatureValues, Watermark
 
@@ -119,6 +119,8 @@ FROM (SELECT s, pg_snapshot_xmax(s)::text::bigint AS xmax
 _INSERT_LSN = (
     "CASE WHEN pg_is_in_recovery() THEN NULL ELSE pg_current_wal_insert_lsn() - '0/0'::pg_lsn END"
 )
+# The moment a feature statement computes for (t(as_of)), as epoch µs.
+_AS_OF_US = f"floor(extract(epoch FROM {AS_OF}) * 1000000)::bigint"
 # The consumer's snapshot, with the WAL insert position.
 _SNAPSHOT_SQL = sa.text(
     f"SELECT w.snapshot, w.us, w.invisible, {_INSERT_LSN} AS lsn FROM ({_SNAPSHOT_SELECT}) AS w"
@@ -406,6 +408,12 @@ class Batch:
     """The WAL insert position read after the snapshot (:attr:`Snapshot.lsn`; 0 on a
     standby): once Postgres has flushed this far, every commit the values hold is
     durable (:func:`wait_durable`)."""
+    snapshot: str = ""
+    """The statement's full ``pg_current_snapshot()`` (``xmin:xmax:xip,...``): exactly
+    which transactions the values hold (:mod:`pipeline.history.snapshots` keeps it by
+    watermark)."""
+    as_of_us: int = 0
+    """The moment the query computed for (``t(as_of)``), epoch µs."""
 
 
 def entity_ids(
@@ -428,9 +436,10 @@ def entity_ids(
     return tenants, ids
 
 
-def _jsonable(value: Any, kind: FieldType = "float") -> Any:
+def entry_value(value: Any, kind: FieldType = "float") -> Any:
     """A column's value as the entry holds it: a timestamp as epoch ms, a ``numeric`` as
-    the declared field's ``int`` or ``float``."""
+    the declared field's ``int`` or ``float`` (the training evaluator converts the same
+    way: :mod:`pipeline.history.evaluator`)."""
     if isinstance(value, dt.datetime):
         return int(value.timestamp() * 1000)
     if isinstance(value, Decimal):
@@ -509,8 +518,9 @@ def feature_statement(fs: FeatureSet, path: Path | None = None) -> sa.TextClause
     if fs.horizon is not None:  # its moment as the last column: see FeatureSet.horizon
         body = f"SELECT f.*, {fs.horizon} AS valid_until FROM ({body}) AS f"
     return sa.text(
-        f"SELECT w.snapshot, w.us, w.invisible, f.*, w.lsn "
-        f"FROM (SELECT s.*, {_INSERT_LSN} AS lsn FROM ({_SNAPSHOT_SELECT}) AS s) AS w "
+        f"SELECT w.snapshot, w.us, w.invisible, f.*, w.as_of_us, w.lsn "
+        f"FROM (SELECT s.*, {_AS_OF_US} AS as_of_us, {_INSERT_LSN} AS lsn "
+        f"FROM ({_SNAPSHOT_SELECT}) AS s) AS w "
         f"LEFT JOIN ({body}) AS f ON true"
     )
 
@@ -542,9 +552,18 @@ def _compute(
             continue
         key = (row[3], str(row[4])) if tenanted else (IMPLICIT_TENANT, str(row[3]))
         values[key] = {
-            name: _jsonable(v, kind)
+            name: entry_value(v, kind)
             for name, kind, v in zip(names, kinds, row[start:end], strict=True)
         }
         if fs.horizon is not None and row[end] is not None:
-            valid_until[key] = _jsonable(row[end])
-    return Batch(fs, values, snap.watermark, snap.now_ms, valid_until, int(first[-1] or 0))
+            valid_until[key] = entry_value(row[end])
+    return Batch(
+        fs,
+        values,
+        snap.watermark,
+        snap.now_ms,
+        valid_until,
+        int(first[-1] or 0),
+        str(first[0]),
+        int(first[-2]),
+    )

@@ -30,6 +30,7 @@ from pipeline.cli import (
     semantic,
     serve,
     served,
+    training,
 )
 from pipeline.cli.app import app, console
 from pipeline.core.errors import ConfigError, FreshlineError
@@ -54,6 +55,7 @@ for _group in (
     semantic,
     buckets,
     served,
+    training,
 ):
     _group.register(app)
 

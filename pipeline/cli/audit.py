@@ -260,6 +260,14 @@ def audit(
         ),
     ] = None,
     metrics_host: Annotated[str, typer.Option("--metrics-host")] = "127.0.0.1",
+    history: Annotated[
+        bool,
+        typer.Option(
+            "--history",
+            help="Audit history instead: the latest version of every row equals the "
+            "table, both ways, at one snapshot",
+        ),
+    ] = False,
 ) -> None:
     """Recompute served entries from Postgres; report consistency in nines per grace.
 
@@ -270,6 +278,9 @@ def audit(
     (verified) or --verify-within passes (unverified, or a mismatch if unchanged).
     """
 
+    if history:
+        _audit_history(duration or "30s", json_out)
+        return
     from pipeline.cache.versions import state
     from pipeline.core.db import make_engine
     from pipeline.core.keys import parse_feature_key
@@ -368,6 +379,50 @@ def audit(
         if not json_out:
             n = report.persistent
             console.print(f"{n:,} persistent mismatch{'' if n == 1 else 'es'}")
+        raise typer.Exit(1)
+
+
+def _audit_history(within: str, json_out: bool) -> None:
+    """``audit --history``: each recorded table against its history at one snapshot,
+    retried for ``within`` while the recorder catches up; exit 1 on a difference."""
+    from pipeline.core.db import make_engine
+    from pipeline.core.settings import load_settings
+    from pipeline.history.audit import audit as audit_tables
+
+    engine = make_engine(load_settings())
+    try:
+        results = audit_tables(engine, parse_duration(within, "--duration", "30s"))
+    finally:
+        engine.dispose()
+    if json_out:
+        out.print_json(
+            data=[
+                {
+                    "table": f"{r.schema}.{r.table}",
+                    "snapshot": r.snapshot,
+                    "rows": r.rows,
+                    "missing": r.missing,
+                    "extra": r.extra,
+                    "broken": r.broken,
+                    "samples": r.samples,
+                }
+                for r in results
+            ]
+        )
+    else:
+        table = Table("table", "rows", "missing", "extra", "state", title="history audit")
+        for r in results:
+            state = "ok" if r.ok else (f"BROKEN: {r.broken}" if r.broken else "differs")
+            table.add_row(
+                f"{r.schema}.{r.table}", f"{r.rows:,}", str(r.missing), str(r.extra), state
+            )
+        out.print(table)
+        for r in results:
+            for line in r.samples:
+                out.print(f"  {r.table}: {line}")
+        if not results:
+            out.print("no history recorded: [history] enabled = true in freshline.toml, then apply")
+    if not all(r.ok for r in results):
         raise typer.Exit(1)
 
 

@@ -15,6 +15,7 @@ def register(app: typer.Typer) -> None:
     """Add ``freshline topics ...`` and ``consume`` to the main CLI."""
     app.add_typer(topics_app, name="topics")
     app.command("consume")(consume)
+    app.command("record")(record)
 
 
 @topics_app.command("ensure")
@@ -120,3 +121,41 @@ def consume(
         console.file.flush()
         logging.shutdown()
         os._exit(0)
+
+
+def record(
+    max_messages: Annotated[int | None, typer.Option(min=1, help="Stop after this many")] = None,
+) -> None:
+    """Record history: every version of every row of the captured tables, from the CDC
+    topics, in a consumer group of its own (FRESHLINE_CONSUMER_GROUP + "-history").
+
+    Turn history on in freshline.toml ([history] enabled = true) and run apply first.
+    SIGTERM or Ctrl-C finishes the batch, commits and exits.
+    """
+    import logging
+    import signal
+
+    from consumers.history import HistoryWorker, group, topics
+    from pipeline.core.settings import load_settings
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    settings = load_settings()
+    worker = HistoryWorker(settings)
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        console.print("stopping after this batch")
+        worker.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    console.print(
+        f"recording history from {', '.join(topics(settings))} as group {group(settings)}"
+    )
+    totals = worker.run(max_messages=max_messages)
+    console.print(
+        f"consumed {totals.consumed:,}: {totals.versions:,} versions, "
+        f"{totals.duplicates:,} duplicates, {totals.skipped_s0:,} before S0, "
+        f"{totals.malformed:,} malformed"
+    )

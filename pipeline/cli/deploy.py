@@ -162,11 +162,12 @@ def warm(
     from pipeline.cache.versions import WRITE_VERSIONS_MAX_AGE_S, state
     from pipeline.core.db import make_engine
     from pipeline.core.lock import Lock
-    from pipeline.core.repository import REGISTRY
+    from pipeline.core.repository import REGISTRY, active
     from pipeline.core.settings import load_settings
     from pipeline.deploy.pointer import start, writing
     from pipeline.deploy.warm import active_entities, count_active, tenant_ids
     from pipeline.deploy.warm import warm as warm_version
+    from pipeline.history.snapshots import keeper
 
     if (top is None) == (not all_active):
         raise typer.BadParameter("choose one of --top N or --all")
@@ -217,6 +218,7 @@ def warm(
                 rate=rate,
                 progress=report,
                 guard=guard,
+                on_computed=keeper(engine) if active().history.enabled else None,
             )
             total += result.entities
     console.print(

@@ -195,6 +195,48 @@ def apply(
         register_connector(database_host=database_host)
     else:
         console.print("change data capture not registered (--no-cdc): freshline cdc register")
+    if repo.history.enabled:
+        _enable_history(result.tables, repo.history.retention_s)
+
+
+def _enable_history(tables: list[str], retention_s: int | None) -> None:
+    """Create and register a history table per captured table, then backfill the new
+    ones from one snapshot S0, once the connector's slot exists (every change S0 does
+    not see is then streamed: ``pipeline.history.backfill``)."""
+    import sqlalchemy as sa
+
+    from pipeline.cdc.connect import SCHEMA, names
+    from pipeline.core.db import make_owner_engine
+    from pipeline.core.settings import load_settings
+    from pipeline.history.backfill import backfill
+    from pipeline.history.tables import create, layout, registered
+
+    settings = load_settings()
+    engine = make_owner_engine(settings)
+    try:
+        with engine.begin() as conn:
+            layouts = [layout(conn, SCHEMA, t) for t in tables]
+            for found in layouts:
+                if create(conn, found, retention_s):
+                    console.print(f"history: created {found.history} for {SCHEMA}.{found.table}")
+            known = registered(conn)
+            slot = conn.execute(
+                sa.text("SELECT 1 FROM pg_replication_slots WHERE slot_name = :s"),
+                {"s": names(settings).slot},
+            ).first()
+        pending = [f for f in layouts if known[(f.schema, f.table)].s0_snapshot is None]
+        if pending and slot is None:
+            console.print(
+                "[yellow]warning:[/yellow] history waits for the connector's replication "
+                "slot before its backfill: run apply with --cdc (or freshline cdc register), "
+                "then apply again"
+            )
+        elif pending:
+            s0 = backfill(engine, pending)
+            copied = ", ".join(f"{t} {n}" for t, n in s0.rows.items())
+            console.print(f"history: backfilled from snapshot {s0.snapshot} ({copied} rows)")
+    finally:
+        engine.dispose()
 
 
 def _plan(publication: str) -> Plan:
@@ -202,13 +244,16 @@ def _plan(publication: str) -> Plan:
     from pipeline.core.repository import active
     from pipeline.core.settings import load_settings
     from pipeline.deploy.plan import plan as make_plan
+    from pipeline.history.status import describe
 
     repo = active()
     settings = load_settings()
     engine = make_engine(settings)
     ping(engine)
     try:
-        return make_plan(repo, engine, settings.schema_version, publication)
+        result = make_plan(repo, engine, settings.schema_version, publication)
+        result.history = describe(engine, repo.history, result.tables)
+        return result
     finally:
         engine.dispose()
 
@@ -236,6 +281,8 @@ def _print(result: Plan) -> None:
     else:
         out.print(f"lock: {result.lock}")
     out.print(f"freshline schema: {result.own_schema}")
+    for line in result.history:
+        out.print(line)
     out.print(f"change data capture must cover: {', '.join(result.tables)}")
     if result.publication_missing:
         out.print(

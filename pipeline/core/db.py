@@ -60,6 +60,46 @@ token_key = sa.Table(
 )
 """The key freshness tokens are signed with (one row; :mod:`pipeline.cache.tokens`)."""
 
+history_tables = sa.Table(
+    "history_tables",
+    metadata,
+    sa.Column("source_schema", sa.Text, primary_key=True),
+    sa.Column("source_table", sa.Text, primary_key=True),
+    sa.Column("history_table", sa.Text, nullable=False, unique=True),
+    sa.Column("s0_snapshot", sa.Text),  # a pg_snapshot as text
+    sa.Column("s0_at", sa.DateTime(timezone=True)),
+    sa.Column("s0_lsn", sa.Text),  # a pg_lsn as text
+    sa.Column("complete_to", sa.DateTime(timezone=True)),
+    sa.Column("broken_from", sa.DateTime(timezone=True)),
+    sa.Column("broken_reason", sa.Text),
+    sa.Column("retention_s", sa.BigInteger),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    schema=SCHEMA,
+)
+"""The user tables whose history freshline records (migration 0006; :mod:`pipeline.history`)."""
+
+history_truncates = sa.Table(
+    "history_truncates",
+    metadata,
+    sa.Column("history_table", sa.Text, primary_key=True),
+    sa.Column("lsn", sa.BigInteger, primary_key=True),
+    sa.Column("txid", sa.BigInteger, nullable=False),  # an xid8's value
+    sa.Column("committed_at", sa.DateTime(timezone=True), nullable=False),
+    schema=SCHEMA,
+)
+"""Each TRUNCATE the history recorder read (:mod:`pipeline.history.recorder`)."""
+
+snapshots = sa.Table(
+    "snapshots",
+    metadata,
+    sa.Column("watermark", sa.Numeric(40, 0), primary_key=True),
+    sa.Column("snapshot", sa.Text, nullable=False),  # a pg_snapshot as text
+    sa.Column("as_of_us", sa.BigInteger, nullable=False),
+    sa.Column("recorded_at", sa.DateTime(timezone=True), nullable=False),
+    schema=SCHEMA,
+)
+"""The snapshot and ``as_of`` each entry's watermark names (:mod:`pipeline.history.snapshots`)."""
+
 
 IDLE_IN_TRANSACTION_S = 60
 """Postgres ends a freshline session left idle inside a transaction this long: none of
@@ -78,8 +118,12 @@ def _connect_args() -> dict[str, object]:
     return {
         "connect_timeout": 3,
         "application_name": "freshline",
+        # TimeZone=UTC: a timestamp without zone read from a timestamptz, now()::date,
+        # date_trunc('day', ...) and the text of every timestamptz would otherwise follow
+        # the database's (or role's) default zone, and differ between a feature query
+        # run here and the same query replayed over history.
         "options": f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S * 1000} "
-        "-c jit=off",
+        "-c jit=off -c TimeZone=UTC",
         # A peer that vanished without closing (a partition) is found within about
         # 30 s, where the kernel's defaults take over two hours.
         "keepalives": 1,

@@ -14,6 +14,10 @@ Python against the ``freshline`` package, kept in their git. ``freshline.toml``:
     commands = "library.cli:app"     # optional: a Typer app of the repository's own
                                      # chores, run as `freshline <name> ...`
 
+    [history]                        # optional: every version of every captured row,
+    enabled = true                   # recorded from the change stream (docs/training.md)
+    retention = "400d"               # how long an ended version is kept (default: for ever)
+
 Every command works on the *active* repository: ``--repo`` (which sets
 ``FRESHLINE_REPO``), else ``FRESHLINE_REPO``, else the current directory. A definition
 error names the file and line it was made at.
@@ -32,7 +36,7 @@ from types import ModuleType
 
 from pipeline.core.errors import ConfigError
 from pipeline.core.events import Event
-from pipeline.core.features import Entity, FeatureSet, Registry, Source, Table
+from pipeline.core.features import Entity, FeatureSet, Registry, Source, Table, seconds
 
 CONFIG = "freshline.toml"
 REPO_VARIABLE = "FRESHLINE_REPO"
@@ -45,6 +49,16 @@ class DefinitionError(ConfigError):
         self.where = where
         self.problem = problem
         super().__init__(f"{where}: {problem}" if where else problem)
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """The repository's ``[history]`` table: whether freshline records every version of
+    every captured row (:mod:`pipeline.history`), and for how long it keeps an ended one
+    (``None``: for ever)."""
+
+    enabled: bool = False
+    retention_s: int | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,8 @@ class Repository:
     tables: tuple[Table, ...]
     events: tuple[Event, ...] = ()
     """The domain-event topics it declares (:class:`pipeline.core.events.Event`)."""
+    history: History = History()
+    """Its ``[history]`` settings."""
 
     def table(self, name: str) -> Table | None:
         return next((t for t in self.tables if t.name == name), None)
@@ -189,6 +205,7 @@ def load(path: Path | str) -> Repository:
             raise DefinitionError(
                 str(config_path), f"project.migrations: no folder {migrations / 'versions'}"
             )
+    history = _history(config, str(config_path))
     module = _import(definitions, name)
     feature_sets: dict[str, FeatureSet] = {}
     entities: dict[str, Entity] = {}
@@ -237,7 +254,29 @@ def load(path: Path | str) -> Repository:
         entities=tuple(entities.values()),
         tables=tuple(tables.values()),
         events=tuple(events.values()),
+        history=history,
     )
+
+
+def _history(config: dict[str, object], where: str) -> History:
+    table = config.get("history", {})
+    if not isinstance(table, dict):
+        raise DefinitionError(where, "[history] must be a table")
+    unknown = set(table) - {"enabled", "retention"}
+    if unknown:
+        raise DefinitionError(where, f"[history] has unknown keys: {', '.join(sorted(unknown))}")
+    enabled = table.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise DefinitionError(where, f"history.enabled {enabled!r} is not true or false")
+    retention = table.get("retention")
+    if retention is None:
+        return History(enabled, None)
+    if not isinstance(retention, int | str):
+        raise DefinitionError(where, f"history.retention {retention!r} is not a duration")
+    try:
+        return History(enabled, seconds(retention, "history.retention"))
+    except ConfigError as exc:
+        raise DefinitionError(where, str(exc)) from None
 
 
 _by_setting: dict[str, Repository] = {}

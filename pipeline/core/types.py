@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 Watermark = int
-"""A monotonic measure of source state: a Postgres WAL LSN as an integer.
-
-See :mod:`pipeline.cache.recompute` for why a computation's watermark is read *before* its
-snapshot is taken, and :mod:`pipeline.cache.store` for how writes compare them.
+"""A monotonic measure of source state, packed from the computing statement's own
+snapshot: its ``xmax``, its count of in-progress transactions, then a clock (µs). It is
+not a WAL position. A greater one never saw less; see :mod:`pipeline.cache.recompute`
+for why, :mod:`pipeline.cache.store` for how writes compare them, and
+:mod:`pipeline.history.snapshots` for the full snapshot and ``as_of`` it names.
 """
 
 TenantId = str

@@ -59,6 +59,8 @@ class Plan:
     derived: dict[str, str] = field(default_factory=dict)
     """Feature set -> what installing its derived incremental path does (triggers on
     the user's table: ``apply --alter-tables``), for those not installed yet."""
+    history: list[str] = field(default_factory=list)
+    """What history records and what apply does for it (``pipeline.history.status``)."""
 
     @property
     def ok(self) -> bool:

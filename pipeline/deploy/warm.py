@@ -17,7 +17,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.cache.recompute import compute
+from pipeline.cache.recompute import Batch, compute
 from pipeline.cache.store import FeatureStore
 from pipeline.core.errors import DeployError
 from pipeline.core.features import IMPLICIT_TENANT, Entity, Registry
@@ -134,6 +134,7 @@ def warm(
     rate: float | None = None,
     progress: Callable[[int], None] | None = None,
     guard: Callable[[], None] | None = None,
+    on_computed: Callable[[Sequence[Batch]], None] | None = None,
 ) -> WarmResult:
     """Compute ``feature_set`` for each batch of (tenant, entity) and write it to ``version``.
 
@@ -141,7 +142,8 @@ def warm(
     from a newer snapshot is kept). ``rate`` caps entities per second. ``guard`` runs
     before each batch and raises to stop: the command passes
     :func:`pipeline.deploy.pointer.writing`, so a warm stops once its deploy is
-    cancelled and writes nothing the consumers do not keep fresh.
+    cancelled and writes nothing the consumers do not keep fresh. ``on_computed`` gets
+    each computation before its entries are written (history keeps their snapshot).
     """
     locked(lock, version, "warm")
     if not lock.compatible(version, registry, feature_set):
@@ -155,7 +157,10 @@ def warm(
     for refs in batches:
         if guard is not None:
             guard()
-        written = store.write(compute(engine, registry[feature_set], refs))
+        batch = compute(engine, registry[feature_set], refs)
+        if on_computed is not None:
+            on_computed([batch])
+        written = store.write(batch)
         result.entities += len(refs)
         result.written += written.written
         result.batches += 1

@@ -1,0 +1,629 @@
+"""The recorder: every change record of a captured table, as versions of its rows.
+
+It reads Debezium's envelopes as they come (JSON without schemas), so each value's type
+comes from the catalog: the history table has the user table's columns and types, and
+:func:`typed` turns what the connector sends into that type (``timestamp`` and
+``date`` arrive as integers, ``bytea`` as base64, ``interval`` as µs, ``numeric`` as
+text under ``decimal.handling.mode=string``). A column Postgres did not send because
+its TOASTed value did not change arrives as ``__debezium_unavailable_value`` and keeps
+the previous version's value.
+
+A record is one change of transaction ``T`` (``source.txId``, widened to ``xid8`` as
+:mod:`pipeline.cache.recompute` does) at LSN ``L`` (``source.lsn``), committed at
+``source.ts_us``. Applying it (:meth:`Recorder.record`) is idempotent and order-free
+per row, so a redelivered, duplicated or reordered record never makes a second version
+or a gap:
+
+* a row's versions are ordered by ``_fl_change``: every record of a transaction that
+  changes a row comes after every record of the one that changed it before (it waited
+  for that one's commit, on the row's lock);
+* if the row has a version created by ``T``: a record at or below its ``_fl_change`` is
+  a duplicate; a later one replaces its values (a row changed twice in one transaction
+  is one version), or, for a delete, leaves it empty (``_fl_to = _fl_from``: no
+  snapshot and no moment sees it);
+* else an insert or update creates ``T``'s version after the row's last version before
+  ``L`` (ending that one at ``T``) and ending where the row's chain went on after
+  ``L``; a delete ends that version at ``T`` and leaves an empty version of ``T`` (a
+  record of the delete for records that arrive after it);
+* a TRUNCATE ends every version of its table open at ``L``, and is kept
+  (``freshline.history_truncates``) to end a version whose record arrives after it.
+
+Changes whose transaction the backfill's snapshot S0 sees are skipped
+(:mod:`pipeline.history.backfill`). A record whose columns are not the history
+table's (DDL the recorder cannot follow) marks the table's history broken from its
+commit, loudly (``freshline.history_tables.broken_from``; plan, audit and the logs say
+so); its matching columns are still recorded.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, Literal
+
+import orjson
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from pipeline.core.db import SCHEMA
+from pipeline.core.errors import FreshlineError
+from pipeline.history.tables import (
+    EPOCH,
+    Column,
+    Registered,
+    from_epoch_us,
+    history_table_name,
+    qualified,
+    quote,
+    registered,
+)
+
+logger = logging.getLogger("freshline.history")
+
+UNAVAILABLE = "__debezium_unavailable_value"
+"""Debezium's placeholder for an unchanged TOASTed value Postgres did not send."""
+UNAVAILABLE_B64 = base64.b64encode(UNAVAILABLE.encode()).decode()
+"""The same placeholder in a ``bytea`` column (base64 of its bytes)."""
+HistoryOp = Literal["c", "u", "d", "r", "t"]
+_OPS = frozenset({"c", "u", "d", "r", "t"})
+_WIDE = 1 << 32
+
+
+class MalformedChange(FreshlineError):
+    """A record the recorder cannot read as a change; it is skipped with this reason."""
+
+
+class NotBackfilled(FreshlineError):
+    """A registered table whose backfill has not run yet: its changes cannot be placed
+    before S0 exists. Transient: ``freshline apply`` runs the backfill."""
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One Debezium change record, as the recorder reads it."""
+
+    schema: str
+    table: str
+    op: HistoryOp
+    txid: int
+    lsn: int
+    commit_us: int
+    before: Mapping[str, Any] | None = None
+    after: Mapping[str, Any] | None = None
+
+
+def parse(value: bytes | Mapping[str, Any] | None) -> Change | None:
+    """A Debezium envelope (bare or in the JSON converter's schema wrapper) as a
+    :class:`Change`; ``None`` for a tombstone. Raises :class:`MalformedChange`."""
+    if value is None:
+        return None
+    try:
+        obj = orjson.loads(value) if isinstance(value, bytes | bytearray) else value
+    except orjson.JSONDecodeError as exc:
+        raise MalformedChange(f"not JSON: {exc}") from exc
+    if not isinstance(obj, Mapping):
+        raise MalformedChange("not a JSON object")
+    if "op" not in obj and "payload" in obj:
+        obj = obj["payload"]
+        if obj is None:
+            return None
+    if not isinstance(obj, Mapping):
+        raise MalformedChange("'payload' is not a JSON object")
+    op, source = obj.get("op"), obj.get("source")
+    if op not in _OPS or not isinstance(source, Mapping):
+        raise MalformedChange(f"no op or source (op {op!r})")
+    txid, lsn = source.get("txId"), source.get("lsn")
+    commit_us = source.get("ts_us")
+    if commit_us is None and isinstance(source.get("ts_ms"), int):
+        commit_us = source["ts_ms"] * 1000  # a connector before ts_us: ms only
+    for name, got in (("txId", txid), ("lsn", lsn), ("ts_us", commit_us)):
+        if isinstance(got, bool) or not isinstance(got, int) or got < 0:
+            raise MalformedChange(f"source.{name} is {got!r}, not a non-negative integer")
+    schema, table = source.get("schema"), source.get("table")
+    if not isinstance(schema, str) or not isinstance(table, str):
+        raise MalformedChange("source names no schema and table")
+    before, after = obj.get("before"), obj.get("after")
+    if (op == "d" and not isinstance(before, Mapping)) or (
+        op in ("c", "u", "r") and not isinstance(after, Mapping)
+    ):
+        raise MalformedChange(f"op {op!r} without its row image")
+    return Change(schema, table, op, txid, lsn, commit_us, before, after)  # type: ignore[arg-type]
+
+
+def widen(txid: int, xmax: int) -> int:
+    """A 32-bit transaction id as the ``xid8`` with those low bits that lies in
+    ``[xmax - 3 * 2**30, xmax + 2**30)`` (as ``_SNAPSHOT_SELECT`` does): ``xmax`` is a
+    snapshot's, taken after the transaction committed."""
+    if txid >= _WIDE:
+        return txid
+    return xmax - 3 * (1 << 30) + ((txid - xmax + 3 * (1 << 30)) & (_WIDE - 1))
+
+
+def typed(value: Any, column: Column) -> Any:
+    """A value as the connector sends it, as ``column``'s type (see the module)."""
+    if value is None:
+        return None
+    kind = column.typname
+    if kind == "timestamp" and isinstance(value, int):
+        precision = column.typmod if column.typmod >= 0 else 6
+        unit = dt.timedelta(milliseconds=1) if precision <= 3 else dt.timedelta(microseconds=1)
+        return (EPOCH + value * unit).replace(tzinfo=None)
+    if kind == "date" and isinstance(value, int):
+        return (EPOCH + dt.timedelta(days=value)).date()
+    if kind == "time" and isinstance(value, int):
+        return (dt.datetime.min + dt.timedelta(microseconds=value)).time()
+    if kind == "interval" and isinstance(value, int):
+        return dt.timedelta(microseconds=value)
+    if kind == "bytea" and isinstance(value, str):
+        return base64.b64decode(value)
+    if kind == "numeric" and isinstance(value, str | int | float):
+        return Decimal(str(value))
+    if isinstance(value, dict) or (isinstance(value, list) and kind in ("json", "jsonb")):
+        return orjson.dumps(value).decode()
+    return value
+
+
+def _unavailable(value: Any, column: Column) -> bool:
+    placeholder = UNAVAILABLE_B64 if column.typname == "bytea" else UNAVAILABLE
+    return isinstance(value, str) and value == placeholder
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A registered table as the recorder writes it: its history table's user columns
+    (name and type, from the catalog) and the columns naming a row."""
+
+    registered: Registered
+    columns: tuple[Column, ...]
+    key: tuple[str, ...]
+
+    @property
+    def table(self) -> str:
+        return qualified(self.registered.history)
+
+
+@dataclass
+class Outcome:
+    """What one :meth:`Recorder.record` call did."""
+
+    versions: int = 0
+    """Versions created or changed."""
+    duplicates: int = 0
+    skipped_s0: int = 0
+    """Changes the backfill's snapshot already held."""
+    unregistered: int = 0
+    broken: list[str] = field(default_factory=list)
+
+
+_HISTORY_COLUMNS = sa.text(
+    "SELECT a.attname, format_type(a.atttypid, a.atttypmod), t.typname, a.atttypmod "
+    "FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
+    "WHERE a.attrelid = to_regclass(:rel) AND a.attnum > 0 AND NOT a.attisdropped "
+    "AND a.attname NOT LIKE '\\_fl\\_%' ORDER BY a.attnum"
+)
+# The key: the columns of the unique (key, _fl_xmin) index tables.history_ddl makes.
+_HISTORY_KEY = sa.text(
+    "SELECT a.attname FROM pg_index i "
+    "JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n) ON true "
+    "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum "
+    "WHERE i.indrelid = to_regclass(:rel) AND i.indisunique AND a.attname <> '_fl_xmin' "
+    "ORDER BY i.indexrelid, k.n"
+)
+_XMAX = sa.text("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
+_SEEN_BY_S0 = sa.text(
+    "SELECT t FROM unnest(CAST(:txids AS bigint[])) AS t "
+    "WHERE pg_visible_in_snapshot(CAST(CAST(t AS text) AS xid8), CAST(:s0 AS pg_snapshot))"
+)
+_FL = "_fl_xmin::text::bigint, _fl_xmax::text::bigint, _fl_change - '0/0'::pg_lsn, " + (
+    "_fl_to_lsn - '0/0'::pg_lsn, _fl_from, _fl_to"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Version:
+    xmin: int
+    xmax: int | None
+    change: int
+    to_lsn: int | None
+    start: dt.datetime
+    end: dt.datetime | None
+    values: dict[str, Any]
+
+
+def _lsn(value: int) -> str:
+    return f"{value >> 32:X}/{value & 0xFFFFFFFF:X}"
+
+
+class Recorder:
+    """Writes change records into the history tables, one transaction per batch.
+
+    Run it as the consumer role (``GRANT`` by ``freshline apply``); its caller commits
+    the batch's Kafka offsets only after :meth:`record` returns.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._targets: dict[tuple[str, str], Target | None] = {}
+
+    def refresh(self) -> None:
+        """Forget what the registry and catalog said (a table registered since)."""
+        self._targets.clear()
+
+    def _target(self, conn: Connection, schema: str, table: str) -> Target | None:
+        key = (schema, table)
+        if key not in self._targets:
+            found = registered(conn).get(key)
+            if found is None:
+                self._targets[key] = None
+            else:
+                rel = qualified(history_table_name(schema, table))
+                columns = tuple(
+                    Column(n, k, t, int(m))
+                    for n, k, t, m in conn.execute(_HISTORY_COLUMNS, {"rel": rel})
+                )
+                names = list(dict.fromkeys(conn.execute(_HISTORY_KEY, {"rel": rel}).scalars()))
+                self._targets[key] = Target(found, columns, tuple(names))
+        return self._targets[key]
+
+    def record(self, changes: Iterable[Change]) -> Outcome:
+        """Apply ``changes`` (any order, any repeats) in one transaction."""
+        batch = list(changes)
+        outcome = Outcome()
+        if not batch:
+            return outcome
+        with self.engine.begin() as conn:
+            xmax = int(conn.execute(_XMAX).scalar_one())
+            targets: dict[tuple[str, str], Target] = {}
+            for change in batch:
+                target = self._target(conn, change.schema, change.table)
+                if target is None:
+                    outcome.unregistered += 1
+                    continue
+                if target.registered.s0_snapshot is None:
+                    self._targets.pop((change.schema, change.table), None)
+                    raise NotBackfilled(
+                        f"history of {change.schema}.{change.table} is registered but not "
+                        "backfilled yet: freshline apply does it"
+                    )
+                targets[(change.schema, change.table)] = target
+            seen = self._seen_by_s0(conn, batch, targets, xmax)
+            for change in batch:
+                target = targets.get((change.schema, change.table))
+                if target is None:
+                    continue
+                txid = widen(change.txid, xmax)
+                if (target.registered.s0_snapshot, txid) in seen:
+                    outcome.skipped_s0 += 1
+                    continue
+                self._check_columns(conn, target, change, outcome)
+                if _apply(conn, target, change, txid):
+                    outcome.versions += 1
+                else:
+                    outcome.duplicates += 1
+        return outcome
+
+    def _seen_by_s0(
+        self,
+        conn: Connection,
+        batch: Sequence[Change],
+        targets: Mapping[tuple[str, str], Target],
+        xmax: int,
+    ) -> set[tuple[str | None, int]]:
+        by_s0: dict[str, set[int]] = {}
+        for change in batch:
+            target = targets.get((change.schema, change.table))
+            if target is not None and target.registered.s0_snapshot:
+                by_s0.setdefault(target.registered.s0_snapshot, set()).add(widen(change.txid, xmax))
+        seen: set[tuple[str | None, int]] = set()
+        for s0, txids in by_s0.items():
+            rows = conn.execute(_SEEN_BY_S0, {"txids": sorted(txids), "s0": s0}).scalars()
+            seen |= {(s0, int(t)) for t in rows}
+        return seen
+
+    def _check_columns(
+        self, conn: Connection, target: Target, change: Change, outcome: Outcome
+    ) -> None:
+        image = change.after if change.after is not None else change.before
+        if image is None or change.op == "d":  # a delete's image may be the key alone
+            return
+        have = {c.name for c in target.columns}
+        if set(image) == have:
+            return
+        added, dropped = sorted(set(image) - have), sorted(have - set(image))
+        reason = (
+            f"the change at {_lsn(change.lsn)} has columns the history table lacks "
+            f"({', '.join(added) or 'none'}) or lacks its ({', '.join(dropped) or 'none'}): "
+            "DDL on the table that history does not follow"
+        )
+        updated = conn.execute(
+            sa.text(
+                f"UPDATE {SCHEMA}.history_tables SET broken_from = :at, broken_reason = :why "
+                "WHERE source_schema = :schema AND source_table = :table "
+                "AND (broken_from IS NULL OR broken_from > :at)"
+            ),
+            {
+                "at": from_epoch_us(change.commit_us),
+                "why": reason,
+                "schema": change.schema,
+                "table": change.table,
+            },
+        ).rowcount
+        if updated:
+            logger.error("history of %s.%s is BROKEN: %s", change.schema, change.table, reason)
+            outcome.broken.append(f"{change.schema}.{change.table}")
+
+
+def _apply(conn: Connection, target: Target, change: Change, txid: int) -> bool:
+    """Apply one change; False if it was already applied (a duplicate)."""
+    at = from_epoch_us(change.commit_us)
+    if change.op == "t":
+        return _truncate(conn, target, txid, change.lsn, at)
+    image = change.before if change.op == "d" else change.after
+    assert image is not None  # parse() checked it
+    columns = {c.name: c for c in target.columns}
+    try:
+        key = {k: typed(image[k], columns[k]) for k in target.key}
+    except KeyError as exc:
+        raise MalformedChange(f"the row image lacks key column {exc}") from None
+    own = _version(conn, target, key, "_fl_xmin = CAST(CAST(:txid AS text) AS xid8)", txid)
+    if own is not None:
+        if change.lsn <= own.change:
+            return False
+        if change.op == "d":
+            _update(
+                conn,
+                target,
+                key,
+                txid,
+                {"_fl_xmax": txid, "_fl_to": own.start, "_fl_to_lsn": change.lsn},
+                change.lsn,
+            )
+            return True
+        values = _values(image, columns, own.values)
+        end = _end_after(conn, target, key, txid, own.change, None)
+        _update(conn, target, key, txid, {**values, **end}, change.lsn)
+        return True
+    prev = _neighbour(conn, target, key, txid, change.lsn, before=True)
+    ends_prev = prev is not None and (prev.to_lsn is None or prev.to_lsn > change.lsn)
+    values = _values(image, columns, prev.values if prev else None)
+    if change.op == "d":  # an empty version of T: the delete, for records that come later
+        end = {"_fl_xmax": txid, "_fl_to_lsn": change.lsn, "_fl_to": at}
+    else:
+        end = _end_after(conn, target, key, txid, change.lsn, prev)
+    _insert(conn, target, values, txid, change.lsn, at, end)
+    if ends_prev:
+        assert prev is not None
+        _set_end(conn, target, key, prev.xmin, txid, change.lsn, at)
+    return True
+
+
+def _values(
+    image: Mapping[str, Any], columns: Mapping[str, Column], previous: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, column in columns.items():
+        value = image.get(name)
+        if _unavailable(value, column):
+            out[name] = previous.get(name) if previous is not None else None
+        else:
+            out[name] = typed(value, column)
+    return out
+
+
+def _where_key(target: Target, key: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    columns = {c.name: c for c in target.columns}
+    parts, params = [], {}
+    for n, name in enumerate(target.key):
+        parts.append(f"{quote(name)} = CAST(:k{n} AS {columns[name].type})")
+        params[f"k{n}"] = key[name]
+    return " AND ".join(parts), params
+
+
+def _select(target: Target) -> str:
+    names = ", ".join(quote(c.name) for c in target.columns)
+    return f"SELECT {_FL}, {names} FROM {target.table}"
+
+
+def _row(target: Target, row: Sequence[Any]) -> _Version:
+    values = {c.name: v for c, v in zip(target.columns, row[6:], strict=True)}
+    return _Version(
+        int(row[0]),
+        None if row[1] is None else int(row[1]),
+        int(row[2]),
+        None if row[3] is None else int(row[3]),
+        row[4],
+        row[5],
+        values,
+    )
+
+
+def _version(
+    conn: Connection, target: Target, key: Mapping[str, Any], where: str, txid: int
+) -> _Version | None:
+    match, params = _where_key(target, key)
+    row = conn.execute(
+        sa.text(f"{_select(target)} WHERE {match} AND {where} FOR UPDATE"),
+        {**params, "txid": txid},
+    ).first()
+    return None if row is None else _row(target, row)
+
+
+def _neighbour(
+    conn: Connection,
+    target: Target,
+    key: Mapping[str, Any],
+    txid: int,
+    lsn: int,
+    *,
+    before: bool,
+) -> _Version | None:
+    """The row's version of another transaction just before (or after) ``lsn``."""
+    match, params = _where_key(target, key)
+    op, order = ("<", "DESC") if before else (">", "ASC")
+    row = conn.execute(
+        sa.text(
+            f"{_select(target)} WHERE {match} "
+            "AND _fl_xmin <> CAST(CAST(:txid AS text) AS xid8) "
+            f"AND _fl_change {op} CAST(:lsn AS pg_lsn) "
+            f"ORDER BY _fl_change {order} LIMIT 1 FOR UPDATE"
+        ),
+        {**params, "txid": txid, "lsn": _lsn(lsn)},
+    ).first()
+    return None if row is None else _row(target, row)
+
+
+def _end_after(
+    conn: Connection,
+    target: Target,
+    key: Mapping[str, Any],
+    txid: int,
+    lsn: int,
+    prev: _Version | None,
+) -> dict[str, Any]:
+    """Where a version of ``txid`` at ``lsn`` ends: where the row's chain went on after
+    it (the end ``prev`` had if that came after ``lsn``, else the next version's start),
+    or the table's first truncate after ``lsn`` if that came first (a truncate has no
+    key, so it may reach another partition, and the recorder, before this record)."""
+    ends: list[tuple[int, int | None, dt.datetime | None]] = []
+    if prev is not None and prev.to_lsn is not None and prev.to_lsn > lsn:
+        ends.append((prev.to_lsn, prev.xmax, prev.end))
+    else:
+        after = _neighbour(conn, target, key, txid, lsn, before=False)
+        if after is not None:
+            ends.append((after.change, after.xmin, after.start))
+    truncate = conn.execute(
+        sa.text(
+            f"SELECT lsn, txid, committed_at FROM {SCHEMA}.history_truncates "
+            "WHERE history_table = :h AND lsn > :lsn ORDER BY lsn LIMIT 1"
+        ),
+        {"h": target.registered.history, "lsn": lsn},
+    ).first()
+    if truncate is not None:
+        ends.append((int(truncate[0]), int(truncate[1]), truncate[2]))
+    if not ends:
+        return {"_fl_xmax": None, "_fl_to_lsn": None, "_fl_to": None}
+    to_lsn, xmax, moment = min(ends, key=lambda e: e[0])
+    return {"_fl_xmax": xmax, "_fl_to_lsn": to_lsn, "_fl_to": moment}
+
+
+_CASTS = {
+    "_fl_xmin": "xid8",
+    "_fl_xmax": "xid8",
+    "_fl_from_lsn": "pg_lsn",
+    "_fl_to_lsn": "pg_lsn",
+    "_fl_change": "pg_lsn",
+    "_fl_from": "timestamptz",
+    "_fl_to": "timestamptz",
+}
+
+
+def _param(name: str, value: Any, types: Mapping[str, str]) -> tuple[str, Any]:
+    cast = _CASTS.get(name) or types[name]
+    if cast == "xid8":
+        return "CAST(CAST(:{p} AS text) AS xid8)", value
+    if cast == "pg_lsn" and value is not None:
+        return "CAST(:{p} AS pg_lsn)", _lsn(value)
+    return f"CAST(:{{p}} AS {cast})", value
+
+
+def _insert(
+    conn: Connection,
+    target: Target,
+    values: Mapping[str, Any],
+    txid: int,
+    lsn: int,
+    at: dt.datetime,
+    end: Mapping[str, Any],
+) -> None:
+    types = {c.name: c.type for c in target.columns}
+    row = {
+        **values,
+        "_fl_xmin": txid,
+        "_fl_from_lsn": lsn,
+        "_fl_from": at,
+        "_fl_change": lsn,
+        **end,
+    }
+    names, exprs, params = [], [], {}
+    for n, (name, value) in enumerate(row.items()):
+        expr, param = _param(name, value, types)
+        names.append(quote(name))
+        exprs.append(expr.format(p=f"p{n}"))
+        params[f"p{n}"] = param
+    conn.execute(
+        sa.text(f"INSERT INTO {target.table} ({', '.join(names)}) VALUES ({', '.join(exprs)})"),
+        params,
+    )
+
+
+def _update(
+    conn: Connection,
+    target: Target,
+    key: Mapping[str, Any],
+    xmin: int,
+    values: Mapping[str, Any],
+    lsn: int,
+) -> None:
+    types = {c.name: c.type for c in target.columns}
+    match, params = _where_key(target, key)
+    sets = []
+    for n, (name, value) in enumerate({**values, "_fl_change": lsn}.items()):
+        expr, param = _param(name, value, types)
+        sets.append(f"{quote(name)} = {expr.format(p=f'p{n}')}")
+        params[f"p{n}"] = param
+    conn.execute(
+        sa.text(
+            f"UPDATE {target.table} SET {', '.join(sets)} WHERE {match} "
+            "AND _fl_xmin = CAST(CAST(:xmin AS text) AS xid8)"
+        ),
+        {**params, "xmin": xmin},
+    )
+
+
+def _set_end(
+    conn: Connection,
+    target: Target,
+    key: Mapping[str, Any],
+    xmin: int,
+    txid: int,
+    lsn: int,
+    at: dt.datetime,
+) -> None:
+    match, params = _where_key(target, key)
+    conn.execute(
+        sa.text(
+            f"UPDATE {target.table} SET _fl_xmax = CAST(CAST(:txid AS text) AS xid8), "
+            "_fl_to_lsn = CAST(:lsn AS pg_lsn), _fl_to = :at "
+            f"WHERE {match} AND _fl_xmin = CAST(CAST(:xmin AS text) AS xid8)"
+        ),
+        {**params, "txid": txid, "lsn": _lsn(lsn), "at": at, "xmin": xmin},
+    )
+
+
+def _truncate(conn: Connection, target: Target, txid: int, lsn: int, at: dt.datetime) -> bool:
+    """End every version open at ``lsn``: of ``txid`` itself (made before the truncate
+    in the same transaction) as empty, every other at ``txid``; and remember it, for
+    versions before it whose records come later."""
+    remembered = conn.execute(
+        sa.text(
+            f"INSERT INTO {SCHEMA}.history_truncates (history_table, lsn, txid, committed_at) "
+            "VALUES (:h, :lsn, :txid, :at) ON CONFLICT DO NOTHING"
+        ),
+        {"h": target.registered.history, "lsn": lsn, "txid": txid, "at": at},
+    ).rowcount
+    ended = conn.execute(
+        sa.text(
+            f"UPDATE {target.table} SET _fl_xmax = CAST(CAST(:txid AS text) AS xid8), "
+            "_fl_to_lsn = CAST(:lsn AS pg_lsn), "
+            "_fl_to = CASE WHEN _fl_xmin = CAST(CAST(:txid AS text) AS xid8) "
+            "THEN _fl_from ELSE :at END "
+            "WHERE _fl_change < CAST(:lsn AS pg_lsn) "
+            "AND (_fl_to_lsn IS NULL OR _fl_to_lsn > CAST(:lsn AS pg_lsn))"
+        ),
+        {"txid": txid, "lsn": _lsn(lsn), "at": at},
+    ).rowcount
+    return bool(ended or remembered)
