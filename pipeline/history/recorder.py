@@ -218,20 +218,6 @@ _SEEN_BY_S0 = sa.text(
     "SELECT t FROM unnest(CAST(:txids AS bigint[])) AS t "
     "WHERE pg_visible_in_snapshot(CAST(CAST(t AS text) AS xid8), CAST(:s0 AS pg_snapshot))"
 )
-_FL = "_fl_xmin::text::bigint, _fl_xmax::text::bigint, _fl_change - '0/0'::pg_lsn, " + (
-    "_fl_to_lsn - '0/0'::pg_lsn, _fl_from, _fl_to"
-)
-
-
-@dataclass(frozen=True, slots=True)
-class _Version:
-    xmin: int
-    xmax: int | None
-    change: int
-    to_lsn: int | None
-    start: dt.datetime
-    end: dt.datetime | None
-    values: dict[str, Any]
 
 
 def _lsn(value: int) -> str:
@@ -291,6 +277,7 @@ class Recorder:
                     )
                 targets[(change.schema, change.table)] = target
             seen = self._seen_by_s0(conn, batch, targets, xmax)
+            by_table: dict[tuple[str, str], list[tuple[Change, int]]] = {}
             for change in batch:
                 target = targets.get((change.schema, change.table))
                 if target is None:
@@ -300,10 +287,9 @@ class Recorder:
                     outcome.skipped_s0 += 1
                     continue
                 self._check_columns(conn, target, change, outcome)
-                if _apply(conn, target, change, txid):
-                    outcome.versions += 1
-                else:
-                    outcome.duplicates += 1
+                by_table.setdefault((change.schema, change.table), []).append((change, txid))
+            for key, run in by_table.items():
+                _apply_table(conn, targets[key], run, outcome)
         return outcome
 
     def _seen_by_s0(
@@ -357,48 +343,26 @@ class Recorder:
             outcome.broken.append(f"{change.schema}.{change.table}")
 
 
-def _apply(conn: Connection, target: Target, change: Change, txid: int) -> bool:
-    """Apply one change; False if it was already applied (a duplicate)."""
-    at = from_epoch_us(change.commit_us)
-    if change.op == "t":
-        return _truncate(conn, target, txid, change.lsn, at)
-    image = change.before if change.op == "d" else change.after
-    assert image is not None  # parse() checked it
-    columns = {c.name: c for c in target.columns}
-    try:
-        key = {k: typed(image[k], columns[k]) for k in target.key}
-    except KeyError as exc:
-        raise MalformedChange(f"the row image lacks key column {exc}") from None
-    own = _version(conn, target, key, "_fl_xmin = CAST(CAST(:txid AS text) AS xid8)", txid)
-    if own is not None:
-        if change.lsn <= own.change:
-            return False
-        if change.op == "d":
-            _update(
-                conn,
-                target,
-                key,
-                txid,
-                {"_fl_xmax": txid, "_fl_to": own.start, "_fl_to_lsn": change.lsn},
-                change.lsn,
-            )
-            return True
-        values = _values(image, columns, own.values)
-        end = _end_after(conn, target, key, txid, own.change, None)
-        _update(conn, target, key, txid, {**values, **end}, change.lsn)
-        return True
-    prev = _neighbour(conn, target, key, txid, change.lsn, before=True)
-    ends_prev = prev is not None and (prev.to_lsn is None or prev.to_lsn > change.lsn)
-    values = _values(image, columns, prev.values if prev else None)
-    if change.op == "d":  # an empty version of T: the delete, for records that come later
-        end = {"_fl_xmax": txid, "_fl_to_lsn": change.lsn, "_fl_to": at}
-    else:
-        end = _end_after(conn, target, key, txid, change.lsn, prev)
-    _insert(conn, target, values, txid, change.lsn, at, end)
-    if ends_prev:
-        assert prev is not None
-        _set_end(conn, target, key, prev.xmin, txid, change.lsn, at)
-    return True
+def _apply_table(
+    conn: Connection, target: Target, changes: Sequence[tuple[Change, int]], outcome: Outcome
+) -> None:
+    """Apply one table's changes, in arrival order: each run of row changes as one
+    :class:`_Rows` (one read, one write), each truncate by itself between them."""
+    run: list[tuple[Change, int]] = []
+    for change, txid in changes:
+        if change.op != "t":
+            run.append((change, txid))
+            continue
+        if run:
+            _Rows.load(conn, target, run).apply(run, outcome).save(conn)
+            run = []
+        at = from_epoch_us(change.commit_us)
+        if _truncate(conn, target, txid, change.lsn, at):
+            outcome.versions += 1
+        else:
+            outcome.duplicates += 1
+    if run:
+        _Rows.load(conn, target, run).apply(run, outcome).save(conn)
 
 
 def _values(
@@ -414,100 +378,246 @@ def _values(
     return out
 
 
-def _where_key(target: Target, key: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    columns = {c.name: c for c in target.columns}
-    parts, params = [], {}
-    for n, name in enumerate(target.key):
-        parts.append(f"{quote(name)} = CAST(:k{n} AS {columns[name].type})")
-        params[f"k{n}"] = key[name]
-    return " AND ".join(parts), params
+def _row_key(values: Mapping[str, Any], key: Sequence[str]) -> tuple[str, ...]:
+    # As text: a key typed from the connector's JSON and one read back from Postgres
+    # (a uuid.UUID, a Decimal) compare equal.
+    return tuple(str(values[k]) for k in key)
 
 
-def _select(target: Target) -> str:
-    names = ", ".join(quote(c.name) for c in target.columns)
-    return f"SELECT {_FL}, {names} FROM {target.table}"
+_FL_COLUMNS = "_fl_xmin::text::bigint, _fl_xmax::text::bigint, _fl_change - '0/0'::pg_lsn, " + (
+    "_fl_to_lsn - '0/0'::pg_lsn, _fl_from, _fl_to, _fl_from_lsn - '0/0'::pg_lsn"
+)
 
 
-def _row(target: Target, row: Sequence[Any]) -> _Version:
-    values = {c.name: v for c, v in zip(target.columns, row[6:], strict=True)}
-    return _Version(
-        int(row[0]),
-        None if row[1] is None else int(row[1]),
-        int(row[2]),
-        None if row[3] is None else int(row[3]),
-        row[4],
-        row[5],
-        values,
-    )
+@dataclass
+class _Version:
+    """A version of a row, read or made by the recorder; ``dirty`` once changed."""
+
+    xmin: int
+    xmax: int | None
+    change: int
+    to_lsn: int | None
+    start: dt.datetime
+    end: dt.datetime | None
+    from_lsn: int
+    values: dict[str, Any]
+    dirty: bool = False
+
+    @property
+    def end_fields(self) -> tuple[int | None, int | None, dt.datetime | None]:
+        return self.to_lsn, self.xmax, self.end
+
+    def end_at(self, to_lsn: int | None, xmax: int | None, end: dt.datetime | None) -> None:
+        self.to_lsn, self.xmax, self.end = to_lsn, xmax, end
+        self.dirty = True
 
 
-def _version(
-    conn: Connection, target: Target, key: Mapping[str, Any], where: str, txid: int
-) -> _Version | None:
-    match, params = _where_key(target, key)
-    row = conn.execute(
-        sa.text(f"{_select(target)} WHERE {match} AND {where} FOR UPDATE"),
-        {**params, "txid": txid},
-    ).first()
-    return None if row is None else _row(target, row)
+@dataclass
+class _Rows:
+    """The versions of the rows a run of changes touches, read in one statement: every
+    version still open, or ended at or after the run's first LSN, or made by one of its
+    transactions (the ones a change can end or replace); and the table's truncates
+    after that LSN. Changes are applied to them in memory, then written in one
+    statement."""
+
+    target: Target
+    chains: dict[tuple[str, ...], list[_Version]]
+    truncates: list[tuple[int, int, dt.datetime]]
+
+    @classmethod
+    def load(cls, conn: Connection, target: Target, run: Sequence[tuple[Change, int]]) -> _Rows:
+        columns = {c.name: c for c in target.columns}
+        keys: dict[tuple[str, ...], dict[str, Any]] = {}
+        for change, _ in run:
+            image = change.before if change.op == "d" else change.after
+            assert image is not None  # parse() checked it
+            try:
+                typed_key = {k: typed(image[k], columns[k]) for k in target.key}
+            except KeyError as exc:
+                raise MalformedChange(f"the row image lacks key column {exc}") from None
+            keys.setdefault(_row_key(typed_key, target.key), typed_key)
+        first = min(change.lsn for change, _ in run)
+        names = ", ".join(quote(c.name) for c in target.columns)
+        key_cols = ", ".join(quote(k) for k in target.key)
+        arrays = ", ".join(f"CAST(:a{n} AS {columns[k].type}[])" for n, k in enumerate(target.key))
+        params: dict[str, Any] = {
+            f"a{n}": [v[k] for v in keys.values()] for n, k in enumerate(target.key)
+        }
+        rows = conn.execute(
+            sa.text(
+                f"SELECT {_FL_COLUMNS}, {names} FROM {target.table} "
+                f"WHERE ({key_cols}) IN (SELECT * FROM unnest({arrays})) "
+                "AND (_fl_to_lsn IS NULL OR _fl_to_lsn >= CAST(:first AS pg_lsn) "
+                "OR _fl_xmin::text::bigint = ANY(CAST(:txids AS bigint[]))) "
+                "ORDER BY _fl_change FOR UPDATE"
+            ),
+            {**params, "first": _lsn(first), "txids": sorted({t for _, t in run})},
+        ).all()
+        chains: dict[tuple[str, ...], list[_Version]] = {k: [] for k in keys}
+        for row in rows:
+            values = {c.name: v for c, v in zip(target.columns, row[7:], strict=True)}
+            version = _Version(
+                int(row[0]),
+                None if row[1] is None else int(row[1]),
+                int(row[2]),
+                None if row[3] is None else int(row[3]),
+                row[4],
+                row[5],
+                int(row[6]),
+                values,
+            )
+            chains.setdefault(_row_key(values, target.key), []).append(version)
+        truncates = [
+            (int(lsn), int(txid), at)
+            for lsn, txid, at in conn.execute(
+                sa.text(
+                    f"SELECT lsn, txid, committed_at FROM {SCHEMA}.history_truncates "
+                    "WHERE history_table = :h AND lsn > :lsn ORDER BY lsn"
+                ),
+                {"h": target.registered.history, "lsn": first},
+            )
+        ]
+        return cls(target, chains, truncates)
+
+    def apply(self, run: Sequence[tuple[Change, int]], outcome: Outcome) -> _Rows:
+        columns = {c.name: c for c in self.target.columns}
+        for change, txid in run:
+            image = change.before if change.op == "d" else change.after
+            assert image is not None
+            key = {k: typed(image[k], columns[k]) for k in self.target.key}
+            chain = self.chains.setdefault(_row_key(key, self.target.key), [])
+            if self._one(chain, change, txid, image, columns):
+                outcome.versions += 1
+            else:
+                outcome.duplicates += 1
+        return self
+
+    def _one(
+        self,
+        chain: list[_Version],
+        change: Change,
+        txid: int,
+        image: Mapping[str, Any],
+        columns: Mapping[str, Column],
+    ) -> bool:
+        lsn, at = change.lsn, from_epoch_us(change.commit_us)
+        own = next((v for v in chain if v.xmin == txid), None)
+        if own is not None:
+            if lsn <= own.change:
+                return False
+            if change.op == "d":
+                own.end_at(lsn, txid, own.start)
+            else:
+                own.values = _values(image, columns, own.values)
+                own.end_at(*self._end_after(chain, txid, own.change, None))
+            own.change = lsn
+            own.dirty = True
+            return True
+        others = [v for v in chain if v.xmin != txid]
+        prev = max((v for v in others if v.change < lsn), key=lambda v: v.change, default=None)
+        ends_prev = prev is not None and (prev.to_lsn is None or prev.to_lsn > lsn)
+        made = _Version(
+            txid,
+            None,
+            lsn,
+            None,
+            at,
+            None,
+            lsn,
+            _values(image, columns, prev.values if prev else None),
+            dirty=True,
+        )
+        if change.op == "d":  # an empty version of T: the delete, for records that come later
+            made.end_at(lsn, txid, at)
+        else:
+            made.end_at(*self._end_after(chain, txid, lsn, prev))
+        chain.append(made)
+        chain.sort(key=lambda v: v.change)
+        if ends_prev:
+            assert prev is not None
+            prev.end_at(lsn, txid, at)
+        return True
+
+    def _end_after(
+        self, chain: Sequence[_Version], txid: int, lsn: int, prev: _Version | None
+    ) -> tuple[int | None, int | None, dt.datetime | None]:
+        """Where a version of ``txid`` at ``lsn`` ends: where the row's chain went on
+        after it (the end ``prev`` had if that came after ``lsn``, else the next
+        version's start), or the table's first truncate after ``lsn`` if that came
+        first (a truncate has no key, so it may reach another partition, and the
+        recorder, before this record)."""
+        ends: list[tuple[int, int | None, dt.datetime | None]] = []
+        if prev is not None and prev.to_lsn is not None and prev.to_lsn > lsn:
+            ends.append((prev.to_lsn, prev.xmax, prev.end))
+        else:
+            after = min(
+                (v for v in chain if v.xmin != txid and v.change > lsn),
+                key=lambda v: v.change,
+                default=None,
+            )
+            if after is not None:
+                ends.append((after.change, after.xmin, after.start))
+        truncate = next((t for t in self.truncates if t[0] > lsn), None)
+        if truncate is not None:
+            ends.append(truncate)
+        if not ends:
+            return None, None, None
+        return min(ends, key=lambda e: e[0])
+
+    def save(self, conn: Connection) -> None:
+        """Write every changed version in one statement (an upsert on the unique
+        (key, ``_fl_xmin``) index)."""
+        dirty = [v for chain in self.chains.values() for v in chain if v.dirty]
+        if not dirty:
+            return
+        target = self.target
+        user = [c.name for c in target.columns]
+        names = [
+            *user,
+            "_fl_xmin",
+            "_fl_xmax",
+            "_fl_from_lsn",
+            "_fl_to_lsn",
+            "_fl_from",
+            "_fl_to",
+            "_fl_change",
+        ]
+        casts = [*(c.type for c in target.columns), *(_CASTS[n] for n in names[len(user) :])]
+        exprs = []
+        for n, cast in enumerate(casts):
+            if cast == "xid8":
+                exprs.append(f"CAST(CAST(:p{n} AS text) AS xid8)")
+            else:
+                exprs.append(f"CAST(:p{n} AS {cast})")
+        conflict = ", ".join(quote(k) for k in target.key)
+        updates = ", ".join(f"{quote(n)} = excluded.{quote(n)}" for n in names)
+        statement = sa.text(
+            f"INSERT INTO {target.table} ({', '.join(quote(n) for n in names)}) "
+            f"VALUES ({', '.join(exprs)}) "
+            f"ON CONFLICT ({conflict}, _fl_xmin) DO UPDATE SET {updates}"
+        )
+        params = []
+        for v in dirty:
+            row = [_storable(v.values[c.name], c) for c in target.columns]
+            row += [
+                v.xmin,
+                v.xmax,
+                _lsn(v.from_lsn),
+                None if v.to_lsn is None else _lsn(v.to_lsn),
+                v.start,
+                v.end,
+                _lsn(v.change),
+            ]
+            params.append({f"p{n}": value for n, value in enumerate(row)})
+        conn.execute(statement, params)
 
 
-def _neighbour(
-    conn: Connection,
-    target: Target,
-    key: Mapping[str, Any],
-    txid: int,
-    lsn: int,
-    *,
-    before: bool,
-) -> _Version | None:
-    """The row's version of another transaction just before (or after) ``lsn``."""
-    match, params = _where_key(target, key)
-    op, order = ("<", "DESC") if before else (">", "ASC")
-    row = conn.execute(
-        sa.text(
-            f"{_select(target)} WHERE {match} "
-            "AND _fl_xmin <> CAST(CAST(:txid AS text) AS xid8) "
-            f"AND _fl_change {op} CAST(:lsn AS pg_lsn) "
-            f"ORDER BY _fl_change {order} LIMIT 1 FOR UPDATE"
-        ),
-        {**params, "txid": txid, "lsn": _lsn(lsn)},
-    ).first()
-    return None if row is None else _row(target, row)
-
-
-def _end_after(
-    conn: Connection,
-    target: Target,
-    key: Mapping[str, Any],
-    txid: int,
-    lsn: int,
-    prev: _Version | None,
-) -> dict[str, Any]:
-    """Where a version of ``txid`` at ``lsn`` ends: where the row's chain went on after
-    it (the end ``prev`` had if that came after ``lsn``, else the next version's start),
-    or the table's first truncate after ``lsn`` if that came first (a truncate has no
-    key, so it may reach another partition, and the recorder, before this record)."""
-    ends: list[tuple[int, int | None, dt.datetime | None]] = []
-    if prev is not None and prev.to_lsn is not None and prev.to_lsn > lsn:
-        ends.append((prev.to_lsn, prev.xmax, prev.end))
-    else:
-        after = _neighbour(conn, target, key, txid, lsn, before=False)
-        if after is not None:
-            ends.append((after.change, after.xmin, after.start))
-    truncate = conn.execute(
-        sa.text(
-            f"SELECT lsn, txid, committed_at FROM {SCHEMA}.history_truncates "
-            "WHERE history_table = :h AND lsn > :lsn ORDER BY lsn LIMIT 1"
-        ),
-        {"h": target.registered.history, "lsn": lsn},
-    ).first()
-    if truncate is not None:
-        ends.append((int(truncate[0]), int(truncate[1]), truncate[2]))
-    if not ends:
-        return {"_fl_xmax": None, "_fl_to_lsn": None, "_fl_to": None}
-    to_lsn, xmax, moment = min(ends, key=lambda e: e[0])
-    return {"_fl_xmax": xmax, "_fl_to_lsn": to_lsn, "_fl_to": moment}
+def _storable(value: Any, column: Column) -> Any:
+    """A value read back from Postgres, as a parameter again (psycopg reads ``jsonb`` as
+    Python objects but takes only text for it here)."""
+    if column.typname in ("json", "jsonb") and value is not None and not isinstance(value, str):
+        return orjson.dumps(value).decode()
+    return value
 
 
 _CASTS = {
@@ -519,89 +629,6 @@ _CASTS = {
     "_fl_from": "timestamptz",
     "_fl_to": "timestamptz",
 }
-
-
-def _param(name: str, value: Any, types: Mapping[str, str]) -> tuple[str, Any]:
-    cast = _CASTS.get(name) or types[name]
-    if cast == "xid8":
-        return "CAST(CAST(:{p} AS text) AS xid8)", value
-    if cast == "pg_lsn" and value is not None:
-        return "CAST(:{p} AS pg_lsn)", _lsn(value)
-    return f"CAST(:{{p}} AS {cast})", value
-
-
-def _insert(
-    conn: Connection,
-    target: Target,
-    values: Mapping[str, Any],
-    txid: int,
-    lsn: int,
-    at: dt.datetime,
-    end: Mapping[str, Any],
-) -> None:
-    types = {c.name: c.type for c in target.columns}
-    row = {
-        **values,
-        "_fl_xmin": txid,
-        "_fl_from_lsn": lsn,
-        "_fl_from": at,
-        "_fl_change": lsn,
-        **end,
-    }
-    names, exprs, params = [], [], {}
-    for n, (name, value) in enumerate(row.items()):
-        expr, param = _param(name, value, types)
-        names.append(quote(name))
-        exprs.append(expr.format(p=f"p{n}"))
-        params[f"p{n}"] = param
-    conn.execute(
-        sa.text(f"INSERT INTO {target.table} ({', '.join(names)}) VALUES ({', '.join(exprs)})"),
-        params,
-    )
-
-
-def _update(
-    conn: Connection,
-    target: Target,
-    key: Mapping[str, Any],
-    xmin: int,
-    values: Mapping[str, Any],
-    lsn: int,
-) -> None:
-    types = {c.name: c.type for c in target.columns}
-    match, params = _where_key(target, key)
-    sets = []
-    for n, (name, value) in enumerate({**values, "_fl_change": lsn}.items()):
-        expr, param = _param(name, value, types)
-        sets.append(f"{quote(name)} = {expr.format(p=f'p{n}')}")
-        params[f"p{n}"] = param
-    conn.execute(
-        sa.text(
-            f"UPDATE {target.table} SET {', '.join(sets)} WHERE {match} "
-            "AND _fl_xmin = CAST(CAST(:xmin AS text) AS xid8)"
-        ),
-        {**params, "xmin": xmin},
-    )
-
-
-def _set_end(
-    conn: Connection,
-    target: Target,
-    key: Mapping[str, Any],
-    xmin: int,
-    txid: int,
-    lsn: int,
-    at: dt.datetime,
-) -> None:
-    match, params = _where_key(target, key)
-    conn.execute(
-        sa.text(
-            f"UPDATE {target.table} SET _fl_xmax = CAST(CAST(:txid AS text) AS xid8), "
-            "_fl_to_lsn = CAST(:lsn AS pg_lsn), _fl_to = :at "
-            f"WHERE {match} AND _fl_xmin = CAST(CAST(:xmin AS text) AS xid8)"
-        ),
-        {**params, "txid": txid, "lsn": _lsn(lsn), "at": at, "xmin": xmin},
-    )
 
 
 def _truncate(conn: Connection, target: Target, txid: int, lsn: int, at: dt.datetime) -> bool:
