@@ -37,6 +37,8 @@ from pipeline.core.topics import SERVED, qualified
 
 log = logging.getLogger(__name__)
 
+EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+
 GROUP: Final = "freshline-served-sink"
 
 SCHEMA: Final = pa.schema(
@@ -44,7 +46,7 @@ SCHEMA: Final = pa.schema(
         ("request_id", pa.string()),
         ("tenant", pa.string()),
         ("route", pa.string()),
-        ("requested_at", pa.timestamp("ms", tz="UTC")),
+        ("requested_at", pa.timestamp("us", tz="UTC")),
         ("feature_set", pa.string()),
         ("entity", pa.string()),
         ("source", pa.string()),
@@ -66,7 +68,7 @@ decimal (the key of ``freshline.snapshots``); ``values`` and ``prediction`` are 
 def rows(message: bytes, registry: Registry) -> list[dict[str, Any]]:
     """The rows of one log message, its entries decoded."""
     record = orjson.loads(message)
-    at = datetime.fromtimestamp(record["at_ms"] / 1000, UTC)
+    at = EPOCH + timedelta(microseconds=record["at_us"])
     out = []
     for item in record["items"]:
         text: str | None = item["entry"]

@@ -8,12 +8,12 @@ A logged request's response carries its id in ``X-Request-Id``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from starlette.requests import Request
 
-from pipeline.core.clock import now_ms
 from pipeline.core.features import Registry
 from pipeline.observe import served
 from pipeline.observe.served import Served, ServedLog
@@ -44,7 +44,7 @@ def begin(
     rid = served.request_id(request.headers.get(served.REQUEST_ID_HEADER))
     if not (asked or served.sampled(rid, rate)):
         return False
-    request.scope[KEY] = (rid, now_ms(), served.watch(), log, tenant, route)
+    request.scope[KEY] = (rid, time.time_ns() // 1000, served.watch(), log, tenant, route)
     return True
 
 
@@ -66,7 +66,7 @@ def finish(
     found = request.scope.get(KEY)
     if found is None:
         return
-    rid, at_ms, seen, log, tenant, route = found
+    rid, at_us, seen, log, tenant, route = found
     served.stop()
     refs = list(lookup)
     sources = ["hit"] * len(refs) if answers is None else [a["source"] for a in answers]
@@ -74,7 +74,7 @@ def finish(
         rid,
         tenant,
         route,
-        at_ms,
+        at_us,
         [
             (ref.feature_set, ref.entity, source, seen.get((ref.feature_set, ref.entity)))
             for ref, source in zip(refs, sources, strict=True)

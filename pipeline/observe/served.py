@@ -144,7 +144,7 @@ class Served:
     request_id: str
     tenant: str
     route: str
-    at_ms: int
+    at_us: int
     items: list[tuple[str, str, str, bytes | str | Entry | ServedResult | None]]
     model: str | None = None
     model_version: str | None = None
@@ -160,7 +160,7 @@ class Served:
                 "request_id": self.request_id,
                 "tenant": self.tenant,
                 "route": self.route,
-                "at_ms": self.at_ms,
+                "at_us": self.at_us,
                 "model": self.model,
                 "model_version": self.model_version,
                 "items": [
@@ -168,7 +168,7 @@ class Served:
                         "feature_set": fs,
                         "entity": entity,
                         "source": SOURCES.get(source, source),
-                        "entry": _entry_text(entry, self.at_ms),
+                        "entry": _entry_text(entry, self.at_us),
                         "prediction": self.predictions.get(entity),
                         "values": self.values.get((fs, entity)),
                     }
@@ -178,14 +178,14 @@ class Served:
         )
 
 
-def _entry_text(entry: bytes | str | Entry | ServedResult | None, at_ms: int) -> str | None:
+def _entry_text(entry: bytes | str | Entry | ServedResult | None, at_us: int) -> str | None:
     """An entry as the text of its stored bytes (entries are ASCII and UTF-8 JSON)."""
     if entry is None or isinstance(entry, str):
         return entry
     if isinstance(entry, bytes):
         return entry.decode()
     # A read-through's result was computed at most its age before the request.
-    computed = entry.computed_at_ms if isinstance(entry, Entry) else at_ms - entry.age_ms
+    computed = entry.computed_at_ms if isinstance(entry, Entry) else at_us // 1000 - entry.age_ms
     raw = encode_entry(list(entry.values.values()), entry.schema_version, computed, entry.watermark)
     return raw.decode()
 
