@@ -30,7 +30,7 @@ from pipeline.core.settings import Settings
 from pipeline.core.topics import SERVED, qualified
 from pipeline.core.types import EntityRef
 from pipeline.observe.skew import check
-from tests.helpers import Api, fresh_version, running
+from tests.helpers import Api, freshline, fresh_version, running
 from tests.pipeline.history import recording
 
 LOG = {"Freshline-Log": "1"}
@@ -154,6 +154,24 @@ def test_a_corrupted_entry_is_a_mismatch_and_a_stale_one_is_stale(
     assert len(skew.stale_ages_ms) == 1
     out = orjson.loads(orjson.dumps(report.as_json()))
     assert out["mismatched"] == 1
+
+    # The command line says the same, and fails on the mismatch.
+    done = freshline(
+        "skew",
+        "--dir",
+        str(tmp_path),
+        "--since",
+        "1h",
+        "--json",
+        FRESHLINE_POSTGRES_URL=logged.postgres_url,
+    )
+    assert done.returncode == 1, done.stderr
+    [printed] = orjson.loads(done.stdout)["feature_sets"]
+    assert (printed["mismatched"], printed["stale"], printed["checked"]) == (1, 1, 4)
+    table = freshline(
+        "skew", "--dir", str(tmp_path), FRESHLINE_POSTGRES_URL=logged.postgres_url, COLUMNS="120"
+    )
+    assert "txn_sum" in table.stdout and "txn_90d" in table.stdout, table.stderr
 
 
 def test_reads_whose_snapshot_was_not_kept_are_counted_unchecked(
