@@ -95,11 +95,11 @@ def skew(
     import time
     from datetime import UTC, datetime, timedelta
 
-    from consumers.served import ParquetLog
     from pipeline.core.db import make_engine
     from pipeline.core.features import seconds
     from pipeline.core.repository import REGISTRY
     from pipeline.core.settings import load_settings
+    from pipeline.observe.served_files import ParquetLog
     from pipeline.observe.skew import check, skew_metrics
 
     settings = load_settings()

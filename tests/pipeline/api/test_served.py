@@ -15,7 +15,7 @@ import redis
 from sqlalchemy.engine import Engine
 
 from consumers.kafka import admin_client
-from consumers.served import ParquetLog, ServedSink
+from consumers.served import ServedSink
 from consumers.topics import ensure
 from fraud.seed import SeedSummary
 from pipeline.api import create_app
@@ -28,6 +28,7 @@ from pipeline.core.topics import SERVED, qualified
 from pipeline.inference.models import LogisticModel, ModelRegistry
 from pipeline.observe import served
 from pipeline.observe.served import LOGGED, Served, ServedLog
+from pipeline.observe.served_files import ParquetLog
 from tests.helpers import Api, fresh_version, running, wait_until
 
 LOG = {"Freshline-Log": "1"}

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from consumers.kafka import admin_client
-from consumers.served import ParquetLog, ServedSink
+from consumers.served import ServedSink
 from consumers.topics import ensure
 from pipeline.api import create_app
 from pipeline.api.auth import create_tenant
@@ -29,8 +29,9 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.topics import SERVED, qualified
 from pipeline.core.types import EntityRef
+from pipeline.observe.served_files import ParquetLog
 from pipeline.observe.skew import check
-from tests.helpers import Api, freshline, fresh_version, running
+from tests.helpers import Api, fresh_version, freshline, running
 from tests.pipeline.history import recording
 
 LOG = {"Freshline-Log": "1"}
