@@ -242,7 +242,11 @@ class ServedLog:
         producer = confluent_kafka.Producer(self._config)
         try:
             while True:
-                record = self._queue.get()
+                try:
+                    record = self._queue.get(timeout=0.5)
+                except queue.Empty:  # idle: serve delivery reports all the same
+                    producer.poll(0)
+                    continue
                 if record is None:
                     break
                 self._produce(producer, record)
@@ -260,11 +264,11 @@ class ServedLog:
             producer.produce(
                 self.topic, record.message(), record.request_id, on_delivery=_delivered
             )
-        except BufferError:
+        except BufferError:  # librdkafka's own queue is full: Kafka is away or slow
+            self.dropped += 1
             LOGGED.labels("dropped").inc()
         except (confluent_kafka.KafkaException, ValueError, TypeError) as exc:
-            LOGGED.labels("failed").inc()
-            log.warning("served log: a record was not produced: %s", exc)
+            _failed(f"a record was not produced: {exc}")
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Send what is queued, then stop the thread (``timeout_s`` for both)."""
@@ -289,5 +293,17 @@ def _delivered(err: confluent_kafka.KafkaError | None, _msg: confluent_kafka.Mes
     if err is None:
         LOGGED.labels("sent").inc()
     else:
-        LOGGED.labels("failed").inc()
-        log.warning("served log: a record was not delivered: %s", err)
+        _failed(f"a record was not delivered: {err}")
+
+
+_WARNED = [0.0]
+WARN_EVERY_S: Final = 60.0
+
+
+def _failed(what: str) -> None:
+    """Count a failure; warn at most once a minute (a broker away fails every record)."""
+    LOGGED.labels("failed").inc()
+    now = time.monotonic()
+    if now - _WARNED[0] >= WARN_EVERY_S:
+        _WARNED[0] = now
+        log.warning("served log: %s (freshline_served_log_total counts them all)", what)

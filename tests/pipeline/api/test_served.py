@@ -3,6 +3,8 @@ Parquet, on the real stack (the Kafka login is the tests' admin; topics are pref
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -10,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+import pyarrow as pa
 import pytest
 import redis
 from sqlalchemy.engine import Engine
@@ -22,14 +25,16 @@ from pipeline.api import create_app
 from pipeline.api.auth import create_api_key
 from pipeline.cache.local import LocalTier
 from pipeline.cache.recompute import compute
-from pipeline.core.repository import REGISTRY
+from pipeline.core.features import Registry
+from pipeline.core.repository import REGISTRY, active
 from pipeline.core.settings import Settings
 from pipeline.core.topics import SERVED, qualified
 from pipeline.inference.models import LogisticModel, ModelRegistry
 from pipeline.observe import served
 from pipeline.observe.served import LOGGED, Served, ServedLog
 from pipeline.observe.served_files import ParquetLog
-from tests.helpers import Api, fresh_version, running, wait_until
+from pipeline.observe.served_training import from_logs
+from tests.helpers import Api, fresh_version, freshline, running, wait_until
 
 LOG = {"Freshline-Log": "1"}
 ENTITY_FEATURES = ("txn_90d.txn_count", "txn_90d.txn_sum", "geo.distinct_countries_30d")
@@ -201,6 +206,37 @@ def test_batch_and_predict_round_trip(
             engine, tenant, row["feature_set"], row["entity"]
         )
 
+    # Training on what was served: by request id (exact), else the latest read of the
+    # entity at or before the moment, within the tolerance; none: nulls and a flag.
+    first_at = min(r["requested_at"] for r in rows)
+    last_at = max(r["requested_at"] for r in rows)
+    spine = pa.table(
+        {
+            "tenant_id": [tenant] * 3,
+            "user_id": pa.array([1, 2, 4], pa.int64()),
+            "request_id": [batch.headers["x-request-id"], None, None],
+            "timestamp": pa.array(
+                [None, last_at + dt.timedelta(seconds=1), first_at - dt.timedelta(seconds=1)],
+                pa.timestamp("us", tz="UTC"),
+            ),
+        }
+    )
+    got = from_logs(
+        active(),
+        spine,
+        ["txn_90d:txn_sum", "geo"],
+        ParquetLog(tmp_path / "log"),
+        tolerance=dt.timedelta(minutes=1),
+    ).to_pylist()
+    served_values = {(i["feature_set"], i["entity"]): i["values"] for i in batch.json()["items"]}
+    assert got[0]["txn_90d__txn_sum"] == served_values["txn_90d", "1"]["txn_sum"]
+    assert got[0]["geo__logged"] and got[0]["txn_90d__logged"]
+    assert got[1]["txn_90d__txn_sum"] == truth(engine, tenant, "txn_90d", "2")["txn_sum"]
+    assert (
+        got[1]["geo__distinct_countries_30d"] == served_values["geo", "2"]["distinct_countries_30d"]
+    )
+    assert not got[2]["txn_90d__logged"] and got[2]["txn_90d__txn_sum"] is None
+
 
 def test_a_full_buffer_drops_and_counts_and_the_read_answers(
     api_factory: Callable[..., Api], logged: Settings
@@ -235,3 +271,41 @@ def test_sampling_is_by_request_id_and_logs_a_batch_whole() -> None:
     assert not any(served.sampled(rid, 0.0) for rid in ids[:10])
     assert served.request_id("abc-DEF_1.2:3") == "abc-DEF_1.2:3"
     assert len(served.request_id("x" * 65)) == 32
+
+
+def test_a_feature_set_logs_its_share_without_the_header(
+    logged: Settings, engine: Engine, redis_client: redis.Redis, tenant: str, tmp_path: Path
+) -> None:
+    sets = [dataclasses.replace(fs, log_sample=1.0) if fs.name == "geo" else fs for fs in REGISTRY]
+    app = create_app(
+        logged.model_copy(update={"local_cache_size": 0}),
+        engine=engine,
+        redis_client=redis_client,
+        follow_deploys=False,
+        registry=Registry(sets),
+    )
+    with running(app, create_api_key(engine, tenant)) as api:
+        geo = api.get("/v1/features/geo/1")
+        assert geo.status_code == 200 and "x-request-id" in geo.headers
+        assert "x-request-id" not in api.get("/v1/features/txn_90d/1").headers
+        both = {"feature_sets": ["geo", "txn_90d"], "entities": ["1"]}
+        assert "x-request-id" in api.post("/v1/features/batch", json=both).headers
+    # The sink as the command line runs it.
+    done = freshline(
+        "served",
+        "sink",
+        "--dir",
+        str(tmp_path),
+        "--max-rows",
+        "3",
+        "--timeout",
+        "60",
+        FRESHLINE_TOPIC_PREFIX=logged.topic_prefix,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = ParquetLog(tmp_path).read().to_pylist()
+    assert sorted((r["route"], r["feature_set"]) for r in rows) == [
+        ("batch", "geo"),
+        ("batch", "txn_90d"),
+        ("features", "geo"),
+    ]
