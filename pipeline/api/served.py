@@ -37,7 +37,7 @@ def begin(
     noted from here on."""
     if log is None or not log.enabled:
         return False
-    rate = max(registry[fs].log_sample for fs in feature_sets)
+    rate = max(log.sample, *(registry[fs].log_sample for fs in feature_sets))
     asked = request.headers.get(served.LOG_HEADER) == "1"
     if rate <= 0.0 and not asked:
         return False

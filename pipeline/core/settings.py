@@ -443,6 +443,10 @@ class OpsSettings(SettingsGroup):
     """Records of logged reads the API holds for Kafka (``freshline.served``); one past
     it is dropped and counted, never waited for. 0: no served log
     ([Observability](observability.md#the-served-log))."""
+    served_log_sample: float = Field(default=0.0, ge=0.0, le=1.0)
+    """The share of every feature set's reads the served log keeps, whatever the feature
+    sets' own ``log_sample`` (the larger wins): logging turned on without a repository
+    change. 0: only what the feature sets and callers ask for."""
     served_log_dir: str = "served"
     """Where ``freshline served sink`` writes the served log: day-partitioned Parquet
     files (``day=YYYY-MM-DD/``)."""

@@ -201,6 +201,7 @@ class ServedLog:
     def __init__(self, settings: Settings, capacity: int | None = None) -> None:
         self.topic = qualified(settings, SERVED)
         self.capacity = settings.served_log_buffer if capacity is None else capacity
+        self.sample = settings.served_log_sample
         self._config: dict[str, Any] = {
             "bootstrap.servers": settings.kafka_bootstrap,
             "client.id": "freshline-served-log",

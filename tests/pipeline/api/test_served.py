@@ -309,3 +309,24 @@ def test_a_feature_set_logs_its_share_without_the_header(
         ("batch", "txn_90d"),
         ("features", "geo"),
     ]
+
+
+@pytest.mark.parametrize(("share", "logged_ids"), [(0.0, 0), (1.0, 5)])
+def test_the_setting_logs_every_feature_set(
+    logged: Settings,
+    engine: Engine,
+    redis_client: redis.Redis,
+    tenant: str,
+    share: float,
+    logged_ids: int,
+) -> None:
+    app = create_app(
+        logged.model_copy(update={"local_cache_size": 0, "served_log_sample": share}),
+        engine=engine,
+        redis_client=redis_client,
+        follow_deploys=False,
+    )
+    with running(app, create_api_key(engine, tenant)) as api:
+        answers = [api.get(f"/v1/features/txn_90d/{u}") for u in range(1, 6)]
+    assert all(a.status_code == 200 for a in answers)
+    assert sum("x-request-id" in a.headers for a in answers) == logged_ids
