@@ -57,6 +57,7 @@ BENCHMARKS = (
     "cluster_scaling",
     "rls",
     "training",
+    "served_log",
 )
 
 LIBRARIES = (

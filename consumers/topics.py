@@ -29,7 +29,7 @@ from confluent_kafka.cimpl import NewTopic
 from pipeline.core.errors import FreshlineError
 from pipeline.core.repository import Repository, active
 from pipeline.core.settings import Settings
-from pipeline.core.topics import CDC_PREFIX, DLQ, INVALIDATIONS, qualified
+from pipeline.core.topics import CDC_PREFIX, DLQ, INVALIDATIONS, SERVED, qualified
 
 ADMIN_TIMEOUT_S = 15.0
 WRITER_OPERATIONS = (AclOperation.WRITE, AclOperation.DESCRIBE)
@@ -153,8 +153,8 @@ def event_topics(repo: Repository | None = None) -> list[str]:
 
 def managed(repo: Repository | None = None) -> list[str]:
     """The topics ``freshline topics ensure`` creates: the repository's domain events,
-    the invalidations and the dead letters (contract names, unprefixed)."""
-    return [*event_topics(repo), INVALIDATIONS, DLQ]
+    the invalidations, the dead letters and the served log (contract names, unprefixed)."""
+    return [*event_topics(repo), INVALIDATIONS, DLQ, SERVED]
 
 
 def managed_topics(settings: Settings) -> list[str]:
@@ -223,16 +223,17 @@ def allow_writer(admin: AdminClient, user: str, topics: Iterable[str]) -> None:
 
 def allow_consumer(admin: AdminClient, user: str, settings: Settings) -> list[str]:
     """Allow the consumers' SASL login ``user`` what ``settings``' topic prefix needs:
-    to write the invalidations and dead letters (WRITE, DESCRIBE; literal names), to read
-    the repository's domain-event topics (literal) and every CDC topic of the prefix
+    to write the invalidations, dead letters and the served log (WRITE, DESCRIBE; literal
+    names; the read API logs with this login), to read the repository's domain-event
+    topics and the served log (literal; its sink) and every CDC topic of the prefix
     (``<prefix>freshline.public.``, prefixed), and to join the consumer group (READ,
     DESCRIBE on ``consumer_group``, prefixed: its ``.dlq`` replay group too). Adding
     an ACL that exists is a no-op; returns the resources, for the operator to read.
 
     Nothing to do on a broker without an authorizer.
     """
-    writes = [qualified(settings, t) for t in (INVALIDATIONS, DLQ)]
-    reads = [qualified(settings, t) for t in event_topics()]
+    writes = [qualified(settings, t) for t in (INVALIDATIONS, DLQ, SERVED)]
+    reads = [qualified(settings, t) for t in [*event_topics(), SERVED]]
     cdc = f"{qualified(settings, CDC_PREFIX)}.public."
     group = settings.consumer_group
     bindings = [

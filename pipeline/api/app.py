@@ -43,6 +43,7 @@ from pipeline.history.snapshots import keeper
 from pipeline.history.status import rows as history_rows
 from pipeline.inference.models import ModelRegistry
 from pipeline.inference.predictions import InferenceCache
+from pipeline.observe.served import ServedLog
 from pipeline.observe.staleness import GroupLag
 from pipeline.observe.status import SampledMetrics, StatusBoard
 from pipeline.semantic.extra import require_extra
@@ -180,6 +181,7 @@ def create_app(
                 max_bytes=settings.inference_tenant_max_bytes,
             ),
         ),
+        served=ServedLog(settings) if settings.served_log_buffer > 0 else None,
     )
 
     if consumer_metrics is None:
@@ -260,6 +262,8 @@ def create_app(
             stack.callback(services.auth.close)
             board.start()
             stack.callback(board.close)
+            if services.served is not None:
+                stack.callback(services.served.close)
             yield
 
     audit_log.configure(settings.audit_log)

@@ -42,6 +42,7 @@ from pipeline.core.codec import Row
 from pipeline.core.errors import InvalidId
 from pipeline.core.features import BIGINT_RULE, validate_key
 from pipeline.core.types import EntityRef, Entry, FeatureValues, LazyRefs
+from pipeline.observe import served
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -293,6 +294,7 @@ class FeatureReader:
         raws = await self._mget(
             store.grid_keys(lookup.tenant, lookup.feature_sets, lookup.entities)
         )
+        served.saw_grid(lookup.feature_sets, lookup.entities, raws)
         now = now_ms()
         splicer = self._splicers.get((fs, version))
         if splicer is None:
@@ -335,6 +337,7 @@ class FeatureReader:
         store = target.store
         version = store.schema_version
         sets, entities = lookup.feature_sets, lookup.entities
+        served.saw_grid(sets, entities, raws)
         k = len(sets)
         n = len(raws) - k
         through = mode == "read-through"
@@ -387,6 +390,7 @@ class FeatureReader:
             todo = refs if len(pending) == len(refs) else [refs[i] for i in pending]
             token = local.token()
             entries = store.entries(todo, await self._mget(store.read_keys(todo)))
+            served.saw(todo, entries)
             now = now_ms()
             if mode == "read-through" and any(
                 entry is None or target.should_refresh(ref, entry, now)
@@ -419,6 +423,7 @@ class FeatureReader:
             if entry is None:
                 pending.append(i)
             else:
+                served.saw((ref,), (entry,))
                 answers[i] = answer(
                     ref.feature_set,
                     ref.entity,
@@ -476,13 +481,16 @@ class FeatureReader:
         cls, target: ReadThrough, refs: list[EntityRef]
     ) -> list[tuple[Answer, Entry | None]]:
         entries = target.store.read(refs)
+        served.saw(refs, entries)
         return cls._answers(refs, entries, now_ms(), target.store.schema_version)
 
     @staticmethod
     def _through(target: ReadThrough, refs: list[EntityRef]) -> list[tuple[Answer, Entry | None]]:
         started_ms = now_ms()
         out: list[tuple[Answer, Entry | None]] = []
-        for r in target.get_many(refs):
+        results = target.get_many(refs)
+        served.saw(refs, results)
+        for r in results:
             found = answer(
                 r.ref.feature_set, r.ref.entity, r.values, r.source, r.age_ms, r.schema_version
             )

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pipeline.api import freshness, metrics
+from pipeline.api import freshness, metrics, served
 from pipeline.api.auth import Authenticator, bearer_token
 from pipeline.api.contracts import batch_size, feature_selection, predict_entities, predict_request
 from pipeline.api.errors import ApiError, JSONResponse, error_response, status_of
@@ -34,6 +34,7 @@ from pipeline.core.keys import validate_name
 from pipeline.core.settings import Settings
 from pipeline.inference.models import ModelRegistry, feature_inputs, input_row
 from pipeline.inference.predictions import InferenceCache, non_finite_rows
+from pipeline.observe.served import ServedLog
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -60,6 +61,8 @@ class Services:
     inference: InferenceCache
     queries: dict[bytes, tuple[Mode, freshness.Demand | None]] = field(default_factory=dict)
     """The feature route's parsed query strings (:func:`read_options`)."""
+    served: ServedLog | None = None
+    """The served log (:mod:`pipeline.api.served`); ``None``: off."""
 
 
 def services(request: Request) -> Services:
@@ -264,6 +267,8 @@ def timed(endpoint: str) -> Callable[[Handler], Handler]:
                 for fn, args in _observations(request, endpoint, status, started):
                     fn(*args)
                 raise
+            if (rid := served.request_id(request)) is not None:
+                response.headers["x-request-id"] = rid
             response.background = AfterResponse(
                 _observations(request, endpoint, response.status_code, started), response.background
             )
@@ -298,6 +303,7 @@ async def get_features(request: Request) -> Response:
     if default_ms is not None:
         demand = freshness.defaulted(demand, default_ms, svc.settings)
     lookup = Lookup(tenant, (feature_set,), (entity,))
+    logged = served.begin(request, svc.served, svc.registry, [feature_set], tenant, "features")
     started = time.perf_counter()
     if demand is not None:
         answers = await freshness.read(
@@ -312,6 +318,8 @@ async def get_features(request: Request) -> Response:
         )
     [answer] = answers
     after_response(request, metrics.record_answer, answer, time.perf_counter() - started)
+    if logged:
+        after_response(request, served.finish, request, lookup, answers)
     if answer["values"] is None:
         return error_response(
             404, "miss", f"{feature_set}/{entity} is not cached (mode=cache-only)"
@@ -340,20 +348,27 @@ async def batch(request: Request) -> Response:
     demand = body_demand(body, svc, feature_sets)
     # JSON has one number type: 7.0 is the integer 7, as the OpenAPI document says.
     lookup = Lookup(tenant, feature_sets, entity_ids(svc.registry, feature_sets, entities))
+    logged = served.begin(request, svc.served, svc.registry, feature_sets, tenant, "batch")
     if demand is not None:
         answers = await freshness.read(
             svc.reader, lookup, mode, demand, tenant_pool(request, tenant)
         )
         after_response(request, metrics.record_answers, answers)
+        if logged:
+            after_response(request, served.finish, request, lookup, answers)
         return JSONResponse({"schema_version": answers[0]["schema_version"], "items": answers})
     found = await svc.reader.cached_batch(lookup, mode)
     if isinstance(found, Spliced):  # every entry a hit, spliced: the same bytes
         after_response(request, metrics.record_hits, feature_sets[0], len(lookup))
+        if logged:
+            after_response(request, served.finish, request, lookup, None)
         return Response(found.body, media_type="application/json")
     if found is None:
         found = await in_pool(request, tenant, svc.reader.read, lookup, mode)
     answers = found
     after_response(request, metrics.record_answers, answers)
+    if logged:
+        after_response(request, served.finish, request, lookup, answers)
     return JSONResponse({"schema_version": answers[0]["schema_version"], "items": answers})
 
 
@@ -399,6 +414,7 @@ async def _predict_entities(
     await admit_rows(request, tenant, len(entities) * (len(feature_sets) + 1))
     demand = body_demand(body, svc, feature_sets)
     lookup = Lookup(tenant, feature_sets, entity_ids(svc.registry, feature_sets, entities))
+    logged = served.begin(request, svc.served, svc.registry, feature_sets, tenant, "predict")
     if demand is not None:
         answers = await freshness.read(
             svc.reader, lookup, "read-through", demand, tenant_pool(request, tenant)
@@ -413,6 +429,8 @@ async def _predict_entities(
     out = await in_pool(request, tenant, _predictions, svc, tenant, name, rows, arm)
     for prediction, entity in zip(out["predictions"], lookup.entities, strict=True):
         prediction["entity"] = str(entity)
+    if logged:
+        after_response(request, served.finish, request, lookup, answers, out)
     return JSONResponse(out)
 
 

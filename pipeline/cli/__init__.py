@@ -30,6 +30,7 @@ from pipeline.cli import (
     repo,
     semantic,
     serve,
+    served,
     training,
 )
 from pipeline.cli.app import app, console
@@ -55,6 +56,7 @@ for _group in (
     chaos,
     semantic,
     buckets,
+    served,
     training,
 ):
     _group.register(app)

@@ -160,6 +160,7 @@ def Aggregations(
     max_staleness_ms: int | None = None,
     lookups: Sequence[declarations.Lookup] = (),
     tiebreak: str | None = None,
+    log_sample: float = 0.0,
 ) -> FeatureSet:
     """A feature set of windowed aggregations over ``table``'s rows of each entity.
 
@@ -176,6 +177,8 @@ def Aggregations(
     their tables are sources too. ``tiebreak``: a column of the table that orders rows of
     the same time for ``last`` (the greatest wins; a unique one, such as the primary
     key, makes every ``last`` the values of one row); without it, the greatest value.
+    ``log_sample``: the share of reads the served log keeps
+    (:attr:`FeatureSet.log_sample`).
     """
     what = f"aggregations {name!r}"
     source = table.source_for(entity)
@@ -272,6 +275,7 @@ def Aggregations(
         horizon=horizon(entity, declared),
         declared=declared,
         max_staleness_ms=max_staleness_ms,
+        log_sample=log_sample,
         **derived,
     )
 

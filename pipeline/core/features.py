@@ -356,6 +356,10 @@ class FeatureSet:
     ``max_staleness_ms`` (which, given, wins). ``None``: entries are served until their
     TTL or an invalidation. Not part of the fingerprint: it decides what a read
     accepts, never a value."""
+    log_sample: float = field(default=0.0, compare=False)
+    """The share of reads of this feature set the served log keeps (0 to 1), chosen by
+    a hash of the request id, a request logged whole (:mod:`pipeline.observe.served`).
+    Not part of the fingerprint: it decides what is logged, never a value."""
     ttl: InitVar[int | str | None] = None
     declared: object | None = field(default=None, repr=False, compare=False)
     """The declaration that generated ``query`` and ``horizon``, if one did (a
@@ -383,6 +387,11 @@ class FeatureSet:
             raise ConfigError(
                 f"feature set {self.name!r}: max_staleness_ms must be an integer of 0 or "
                 f"more (milliseconds), got {self.max_staleness_ms!r}"
+            )
+        if not (isinstance(self.log_sample, int | float) and 0.0 <= self.log_sample <= 1.0):
+            raise ConfigError(
+                f"feature set {self.name!r}: log_sample must be a share from 0 to 1, "
+                f"got {self.log_sample!r}"
             )
         sources: list[Source] = []
         for declared in self.sources:

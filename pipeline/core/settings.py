@@ -446,6 +446,19 @@ class OpsSettings(SettingsGroup):
     """How long ``/metrics`` and ``/status`` reuse their Redis sample (a SCAN) and broker
     lag: any number of requests drive at most one sample per period. 0: sample every
     request."""
+    served_log_buffer: int = Field(default=10_000, ge=0)
+    """Records of logged reads the API holds for Kafka (``freshline.served``); one past
+    it is dropped and counted, never waited for. 0: no served log
+    ([Observability](observability.md#the-served-log))."""
+    served_log_sample: float = Field(default=0.0, ge=0.0, le=1.0)
+    """The share of every feature set's reads the served log keeps, whatever the feature
+    sets' own ``log_sample`` (the larger wins): logging turned on without a repository
+    change. 0: only what the feature sets and callers ask for."""
+    served_log_dir: str = "served"
+    """Where ``freshline served sink`` writes the served log: day-partitioned Parquet
+    files (``day=YYYY-MM-DD/``)."""
+    served_log_retention_days: int = Field(default=30, ge=1)
+    """Days of the served log ``freshline served sink`` keeps; older days are deleted."""
 
 
 class InferenceSettings(SettingsGroup):

@@ -13,6 +13,8 @@ from pipeline.core.settings import Settings
 
 INVALIDATIONS = "freshline.invalidations"
 DLQ = "freshline.dlq"
+SERVED = "freshline.served"
+"""The served log (:mod:`pipeline.observe.served`)."""
 
 CDC_PREFIX = "freshline"
 CDC_TOPIC_PATTERN = re.compile(r"(?P<prefix>[^.]+)\.(?P<schema>[^.]+)\.(?P<table>[^.]+)")

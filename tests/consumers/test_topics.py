@@ -14,6 +14,7 @@ from pipeline.core.topics import (
     CDC_TOPIC_PATTERN,
     DLQ,
     INVALIDATIONS,
+    SERVED,
 )
 from tests.helpers import error_line, freshline
 
@@ -28,7 +29,7 @@ def test_topic_names_are_the_documented_ones() -> None:
         "user.updated",
     }
     assert (INVALIDATIONS, DLQ) == ("freshline.invalidations", "freshline.dlq")
-    assert managed() == [*event_topics(), INVALIDATIONS, DLQ]
+    assert managed() == [*event_topics(), INVALIDATIONS, DLQ, SERVED]
     match = CDC_TOPIC_PATTERN.fullmatch("freshline.public.transactions")
     assert match is not None and match["table"] == "transactions"
     assert CDC_TOPIC_PATTERN.fullmatch("transaction.updated") is None

@@ -23,6 +23,7 @@ from consumers.metrics import consumer_metrics
 from pipeline.api import create_app
 from pipeline.core.settings import Settings
 from pipeline.observe.audit_metrics import audit_metrics
+from pipeline.observe.skew import skew_metrics
 from tests.helpers import running
 
 DOCKER = Path(__file__).resolve().parents[3] / "docker"
@@ -75,6 +76,7 @@ def exported(settings: Settings, engine: Engine, redis_client: redis.Redis) -> I
     """Every sample name the API and the consumers expose, sampled ones included."""
     consumer_metrics()
     audit_metrics()
+    skew_metrics()
     from prometheus_client import REGISTRY
 
     names: set[str] = set()

@@ -1,0 +1,168 @@
+"""The read path with the served log at 100% and 1% of requests, against off.
+
+Three ``freshline serve`` processes (granian, the read-path benchmark's workers, tier
+off) on the same ``txn_90d`` entries (:func:`bench.reference_app.prepared`), with
+``FRESHLINE_SERVED_LOG_SAMPLE`` 0 (off), 0.01 and 1, logging to a topic of the run's own
+(``<the run's prefix>freshline.served``, made here and deleted after; the servers
+log in to Kafka as the benchmark does). ``wrk`` loads each with
+HTTP GET and batch-100 (cache-only) at 16 connections, the three interleaved round by
+round; the ratios are the medians of each round's p50 and p99 against off.
+
+Targets (issue 58): at 1%, p50 <= 1.10x and p99 <= 1.2x; at 100%, p50 <= 1.3x. Nothing
+consumes the topic while it runs: the producer's work is what is measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from typing import Any
+
+from bench import common, reference_app
+from pipeline.core.topics import SERVED
+
+SHARES = {"off": "0", "1%": "0.01", "100%": "1"}
+CONCURRENCY = 16
+
+
+def run(quick: bool) -> dict[str, Any]:
+    from consumers.kafka import admin_client
+    from consumers.topics import ensure
+
+    ctx = common.context(quick)
+    version, _tenant, api_key, users = reference_app.prepared(ctx)
+    prefix = ctx.settings.topic_prefix
+    topic = prefix + SERVED
+    admin = admin_client(ctx.settings)
+    ensure(admin, 1, topics=[topic])
+    rounds, seconds = (1, 2) if quick else (5, 5)
+    scripts = {
+        "GET": reference_app.wrk_script(api_key, users, batch=False),
+        "batch 100": reference_app.wrk_script(api_key, users, batch=True),
+    }
+    figures: dict[str, dict[str, list[dict[str, Any]]]] = {
+        e: {s: [] for s in SHARES} for e in scripts
+    }
+    try:
+        with contextlib.ExitStack() as stack:
+            urls = {
+                share: stack.enter_context(
+                    reference_app.serve_freshline(
+                        ctx,
+                        version,
+                        env={
+                            "FRESHLINE_SERVED_LOG_SAMPLE": value,
+                            "FRESHLINE_TOPIC_PREFIX": prefix,
+                        },
+                    )
+                )
+                for share, value in SHARES.items()
+            }
+            for url in urls.values():
+                reference_app.warm(url, api_key, users)
+            for r in range(rounds):
+                order = list(SHARES)[r % 3 :] + list(SHARES)[: r % 3]
+                for endpoint, script in scripts.items():
+                    for share in order:
+                        common.note(f"round {r + 1}: {endpoint}, logging {share}")
+                        figures[endpoint][share].append(
+                            reference_app.wrk(
+                                urls[share], script, concurrency=CONCURRENCY, seconds=seconds
+                            )
+                        )
+    finally:
+        admin.delete_topics([topic])
+    ratios = {
+        endpoint: {
+            share: {
+                p: statistics.median(
+                    common.ratio(a[f"{p}_us"], b[f"{p}_us"]) or 0.0
+                    for a, b in zip(runs[share], runs["off"], strict=True)
+                )
+                for p in ("p50", "p99")
+            }
+            for share in ("1%", "100%")
+        }
+        for endpoint, runs in figures.items()
+    }
+    medians = {
+        endpoint: {
+            share: {
+                k: statistics.median(run[k] for run in runs)
+                for k in ("p50_us", "p99_us", "ops_per_s", "errors")
+            }
+            for share, runs in by_share.items()
+        }
+        for endpoint, by_share in figures.items()
+    }
+    targets = []
+    for endpoint in scripts:
+        targets += [
+            common.target(
+                f"{endpoint} p50, 1% / off", ratios[endpoint]["1%"]["p50"], "<=", 1.10, "x"
+            ),
+            common.target(
+                f"{endpoint} p99, 1% / off", ratios[endpoint]["1%"]["p99"], "<=", 1.2, "x"
+            ),
+            common.target(
+                f"{endpoint} p50, 100% / off", ratios[endpoint]["100%"]["p50"], "<=", 1.3, "x"
+            ),
+        ]
+    return {
+        "parameters": {
+            "rounds": rounds,
+            "seconds": seconds,
+            "concurrency": CONCURRENCY,
+            "server_workers": reference_app.SERVER_WORKERS,
+            "entities": len(users),
+            "mode": "cache-only",
+        },
+        "results": medians,
+        "ratios": ratios,
+        "targets": targets,
+    }
+
+
+def markdown(res: dict[str, Any]) -> str:
+    p = res["parameters"]
+    rows = [
+        (
+            endpoint,
+            share,
+            r["p50_us"],
+            r["p99_us"],
+            round(r["ops_per_s"]),
+            r["errors"],
+            res["ratios"][endpoint].get(share, {}).get("p50", 1.0),
+            res["ratios"][endpoint].get(share, {}).get("p99", 1.0),
+        )
+        for endpoint, by_share in res["results"].items()
+        for share, r in by_share.items()
+    ]
+    return "\n".join(
+        [
+            "## served_log: the read path with the served log at 100% and 1%",
+            "",
+            f"`freshline serve` ({p['server_workers']} workers, tier off, {p['mode']}) three "
+            f"times, with `FRESHLINE_SERVED_LOG_SAMPLE` 0, 0.01 and 1; `wrk` at "
+            f"{p['concurrency']} connections, {p['rounds']} interleaved rounds of "
+            f"{p['seconds']} s per server and endpoint, {p['entities']} entities. Medians; "
+            "ratios are the median of each round's ratio to off.",
+            "",
+            common.table(
+                (
+                    "endpoint",
+                    "logging",
+                    "p50 µs",
+                    "p99 µs",
+                    "req/s",
+                    "non-2xx",
+                    "p50 / off",
+                    "p99 / off",
+                ),
+                rows,
+            ),
+            "",
+            common.targets_table(res["targets"]),
+        ]
+    )
