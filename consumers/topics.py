@@ -233,12 +233,16 @@ def allow_consumer(admin: AdminClient, user: str, settings: Settings) -> list[st
     Nothing to do on a broker without an authorizer.
     """
     writes = [qualified(settings, t) for t in (INVALIDATIONS, DLQ, SERVED)]
-    reads = [qualified(settings, t) for t in [*event_topics(), SERVED]]
+    reads = [qualified(settings, t) for t in event_topics()]
     cdc = f"{qualified(settings, CDC_PREFIX)}.public."
     group = settings.consumer_group
     bindings = [
         *_bindings(ResourceType.TOPIC, writes, LITERAL, user, WRITER_OPERATIONS),
         *_bindings(ResourceType.TOPIC, reads, LITERAL, user, READER_OPERATIONS),
+        # The served log's sink reads what the read API wrote (DESCRIBE is above).
+        *_bindings(
+            ResourceType.TOPIC, [qualified(settings, SERVED)], LITERAL, user, (AclOperation.READ,)
+        ),
         *_bindings(ResourceType.TOPIC, [cdc], PREFIXED, user, READER_OPERATIONS),
         *_bindings(ResourceType.GROUP, [group], PREFIXED, user, READER_OPERATIONS),
     ]
