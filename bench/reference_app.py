@@ -27,12 +27,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +39,7 @@ import httpx
 import orjson
 
 from bench import common
+from pipeline.dev import processes
 from pipeline.dev.tools import require
 
 FEATURE_SET = "txn_90d"
@@ -167,36 +166,15 @@ def _decoding_routes(client: Any, prefix: str, version: int) -> tuple[Any, Any]:
 # -- servers ---------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+free_port = processes.free_port
 
 
-@contextlib.contextmanager
-def launch(argv: list[str], env: dict[str, str], port: int, ready: str) -> Iterator[str]:
-    """Run ``argv`` in a process group of its own until ``ready`` answers; yields the URL."""
-    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen(
-        argv, env={**os.environ, **env}, stdout=log, stderr=log, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}{ready}", timeout=1).status_code < 500:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise RuntimeError(f"{argv[0]} did not start: {log.read()[-2000:]!r}")
-            time.sleep(0.1)  # polling for readiness
-        yield url
-    finally:
-        common.stop_process(proc, 10)
-        log.close()
+def launch(
+    argv: list[str], env: dict[str, str], port: int, ready: str
+) -> contextlib.AbstractContextManager[str]:
+    """Run ``argv`` in a process group of its own, with ``env`` on top of this
+    environment, until ``ready`` answers; yields the URL (``processes.serving``)."""
+    return processes.serving(argv, port, ready=ready, env={**os.environ, **env}, grace_s=10)
 
 
 def serve_freshline(
