@@ -358,6 +358,28 @@ def freshline(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``freshline args`` in this process (``main`` under click's ``CliRunner``), with
+    ``env`` added: what ``freshline()`` answers without starting Python, for a test that
+    is not about the process itself."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    argv = sys.argv
+    with CliRunner().isolation(env=env) as (out, err, _):
+        sys.argv = [FRESHLINE, *args]
+        try:
+            main()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        finally:
+            sys.argv = argv
+        stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    return subprocess.CompletedProcess([FRESHLINE, *args], code, stdout, stderr)
+
+
 def error_line(done: subprocess.CompletedProcess[str]) -> str:
     """The one line a command that failed as it should (exit status 1, no traceback)
     wrote to stderr."""

@@ -50,6 +50,14 @@ def wait_until(
     return condition()
 
 
+def wait_for(
+    condition: Callable[[], bool], what: str, timeout: float = 60.0, interval: float = POLL_S
+) -> None:
+    """:func:`wait_until` ``condition`` holds; ``TimeoutError`` naming ``what`` if not."""
+    if not wait_until(condition, timeout, interval):
+        raise TimeoutError(f"timed out waiting for {what}")
+
+
 class DidNotStart(Exception):
     """A server exited, or did not answer in time; the message ends with its log."""
 
