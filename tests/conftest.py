@@ -19,6 +19,7 @@ import itertools
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import hypothesis
 import pytest
@@ -100,9 +101,39 @@ def tier_of(item: pytest.Item) -> str:
     return "unit"
 
 
+def drives_a_connector(item: pytest.Item) -> bool:
+    """Whether ``item`` needs Kafka Connect: its ``connect`` marker, or a module that
+    drives connectors itself (it imports ``ConnectClient``)."""
+    module = getattr(item, "module", None)
+    return item.get_closest_marker("connect") is not None or hasattr(module, "ConnectClient")
+
+
+# First: pytest-xdist reads the xdist_group markers in its own hook.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(tier_of(item))
+        if drives_a_connector(item):
+            # The stack's one Connect worker rebalances every connector when one comes or
+            # goes: the tests that add them run one at a time, on one xdist worker.
+            item.add_marker(pytest.mark.xdist_group("connect"))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With ``--dist loadgroup`` (scripts/test): a module's tests on one worker, as
+    ``loadfile`` has it (its module-scoped fixtures run once), and every test of an
+    xdist_group on one worker."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ModuleOrGroup(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if "@" in nodeid:
+                return nodeid.rsplit("@", 1)[-1]
+            return nodeid.split("::", 1)[0]
+
+    return ModuleOrGroup(config, log)
 
 
 @pytest.fixture(autouse=True)

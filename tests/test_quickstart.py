@@ -41,6 +41,7 @@ def own_database(base_settings: Settings) -> Iterator[str]:
     drop_database(base_settings, name)
 
 
+@pytest.mark.connect
 def test_the_readme_quick_start_serves_a_change_made_with_plain_sql(
     own_database: str, settings: Settings, tmp_path: Path
 ) -> None:

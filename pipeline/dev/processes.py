@@ -92,7 +92,7 @@ def serving(
     log: IO[bytes] | None = None,
     scheme: str = "http",
     verify: ssl.SSLContext | bool = True,
-    timeout: float = 30.0,
+    timeout: float = 60.0,
     grace_s: float = 15.0,
 ) -> Iterator[str]:
     """Run ``argv`` (an HTTP server on ``port``, in a process group of its own) until
