@@ -381,7 +381,7 @@ def run(quick: bool) -> dict[str, Any]:
     model = f"bench{ctx.tag}abuse"
     models = tempfile.TemporaryDirectory()  # the registry names the file: kept for the run
     ModelRegistry(ctx.redis).register(_model(model, Path(models.name)))
-    pairs, seconds = (2, 2.5) if quick else (5, 10.0)
+    pairs, seconds = (1, 1.0) if quick else (5, 10.0)
     with models:
         profiles = {}
         for n, (name, profile) in enumerate(PROFILES.items()):

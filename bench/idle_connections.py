@@ -76,7 +76,7 @@ def _sample(port: int, calls: int) -> tuple[list[int], int]:
 
 def run(quick: bool) -> dict[str, Any]:
     ctx = common.context(quick)
-    rounds, calls = (2, 100) if quick else (8, 500)
+    rounds, calls = (1, 50) if quick else (8, 500)
     _raise_fd_limit(2 * IDLE + 256)
     series: dict[str, list[int]] = {"no idle connections": [], f"{IDLE} idle": []}
     timeouts = {name: 0 for name in series}

@@ -127,7 +127,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         return None
     from xdist.scheduler import LoadGroupScheduling
 
-    class ModuleOrGroup(LoadGroupScheduling):
+    class ModuleOrGroup(LoadGroupScheduling):  # type: ignore[misc]  # xdist has no types
         def _split_scope(self, nodeid: str) -> str:
             if "@" in nodeid:
                 return nodeid.rsplit("@", 1)[-1]
