@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import cli, error_line, free_port, freshline
 
 
@@ -16,7 +18,7 @@ def test_unreachable_postgres_is_one_line_naming_it_and_the_fix() -> None:
 
 
 def test_bad_arguments_give_a_usage_error() -> None:
-    r = freshline("fraud", "seed", "--users", "zero")
+    r = cli("fraud", "seed", "--users", "zero")
     assert r.returncode == 2
     assert "Usage" in r.stderr or "usage" in r.stderr
     assert "Traceback" not in r.stderr
@@ -51,6 +53,7 @@ def test_advise_from_a_dead_metrics_url_names_it_and_the_option() -> None:
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # five freshline processes
 def test_a_repository_s_own_commands_run_under_its_name(tmp_path: Path) -> None:
     repo = tmp_path / "shop"
     assert freshline("init", str(repo)).returncode == 0
@@ -82,6 +85,7 @@ def test_a_repository_s_own_commands_run_under_its_name(tmp_path: Path) -> None:
     assert freshline("--repo", str(repo), "--help").returncode == 0
 
 
+@pytest.mark.slow  # two freshline processes and a probe
 def test_a_repository_folder_never_shadows_a_freshline_package(tmp_path: Path) -> None:
     """The fraud example keeps a migrations/ folder: mounting its commands must leave
     ``import migrations`` to freshline's package (it shadowed it once: plan and apply

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
 
 BEFORE = ROOT / "tests" / "collected_before_tiers.txt"
@@ -32,6 +34,7 @@ def collected() -> set[str]:
     return {line for line in done.stdout.splitlines() if "::" in line}
 
 
+@pytest.mark.slow  # collects the whole suite in a process of its own
 def test_every_test_collected_before_the_tiers_is_still_collected() -> None:
     before = set(BEFORE.read_text().splitlines())
     now = collected()
