@@ -53,8 +53,6 @@ hypothesis.settings.register_profile("ci", print_blob=True)
 hypothesis.settings.register_profile("dev", max_examples=10, print_blob=True)
 hypothesis.settings.load_profile(HYPOTHESIS_PROFILE)
 
-TIERS = ("unit", "stack", "faults", "cluster")
-
 STACK_FIXTURES = frozenset(
     {
         # Settings() from the stack's environment: every service fixture builds on it
