@@ -57,6 +57,7 @@ import httpx
 import numpy as np
 
 from bench import common, reference_app
+from pipeline.dev import processes
 
 FEATURE_SET = "txn_90d"
 SERVER_WORKERS = 2
@@ -456,10 +457,10 @@ def _profile(
     abuser_answers: Counter[tuple[str, int]] = Counter()
     abuser_sent = {"with": 0, "elsewhere": 0}
     told: dict[tuple[str, int], str] = {}
-    with (
-        _server(ctx, version, limits) as url,
-        _server(ctx, version, limits, nice=ABUSER_NICE) as elsewhere,
-    ):
+    with contextlib.ExitStack() as stack:
+        url, elsewhere = processes.enter_together(
+            stack, [_server(ctx, version, limits), _server(ctx, version, limits, nice=ABUSER_NICE)]
+        )
         _warm(url, abuser_key, model, ctx.tag)
         _warm(elsewhere, abuser_key, model, ctx.tag)
         for p in range(pairs):

@@ -401,15 +401,20 @@ def servers(
     ctx: common.Context, version: int, tenant: str, key: str, users: list[int]
 ) -> Iterator[dict[str, str]]:
     """The minimal app, minimal+decode, freshline with the tier off and with it on
-    (warm): name -> URL, in :data:`SERVERS` order."""
-    with (
-        serve_reference(ctx, version, tenant) as ref,
-        serve_reference(ctx, version, tenant, decode=True) as floor,
-        serve_freshline(ctx, version) as plain,
-        serve_freshline(ctx, version, local_cache_size=10 * len(users)) as tier,
-    ):
-        warm(tier, key, users, passes=1 if ctx.quick else 3)
-        yield {"minimal": ref, FLOOR: floor, "freshline": plain, "freshline+tier": tier}
+    (warm): name -> URL, in :data:`SERVERS` order. They start side by side: most of a
+    start is waiting for the workers to answer."""
+    starting = {
+        "minimal": serve_reference(ctx, version, tenant),
+        FLOOR: serve_reference(ctx, version, tenant, decode=True),
+        "freshline": serve_freshline(ctx, version),
+        "freshline+tier": serve_freshline(ctx, version, local_cache_size=10 * len(users)),
+    }
+    with contextlib.ExitStack() as stack:
+        urls = dict(
+            zip(starting, processes.enter_together(stack, list(starting.values())), strict=True)
+        )
+        warm(urls["freshline+tier"], key, users, passes=1 if ctx.quick else 3)
+        yield urls
 
 
 def prepared(ctx: common.Context) -> tuple[int, str, str, list[int]]:

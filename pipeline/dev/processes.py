@@ -14,10 +14,13 @@ import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import IO
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, TypeVar
 
 import httpx
+
+T = TypeVar("T")
 
 POLL_S = 0.005
 """How often a condition is asked again: a polling interval, never synchronisation."""
@@ -73,6 +76,17 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(5)
+
+
+def enter_together(
+    stack: contextlib.ExitStack[bool | None],
+    managers: Sequence[contextlib.AbstractContextManager[T]],
+) -> list[T]:
+    """Enter ``managers`` side by side, a thread each, onto ``stack`` (which exits them):
+    servers that start together are up in the time of the slowest."""
+    with ThreadPoolExecutor(max(1, len(managers))) as pool:
+        futures = [pool.submit(stack.enter_context, m) for m in managers]
+    return [f.result() for f in futures]
 
 
 def _answers(url: str, verify: ssl.SSLContext | bool) -> bool:
