@@ -59,6 +59,7 @@ import httpx
 import numpy as np
 
 from bench import common, reference_app
+from pipeline.dev import processes
 
 FEATURE_SET = "txn_90d"
 SERVER_WORKERS = 2
@@ -391,7 +392,7 @@ def run(quick: bool) -> dict[str, Any]:
     model = f"bench{ctx.tag}abuse"
     models = tempfile.TemporaryDirectory()  # the registry names the file: kept for the run
     ModelRegistry(ctx.redis).register(_model(model, Path(models.name)))
-    pairs, seconds = (2, 2.5) if quick else (5, 10.0)
+    pairs, seconds = (1, 1.0) if quick else (5, 10.0)
     with models:
         profiles = {}
         for n, (name, profile) in enumerate(PROFILES.items()):
@@ -466,10 +467,10 @@ def _profile(
     abuser_answers: Counter[tuple[str, int]] = Counter()
     abuser_sent = {"with": 0, "elsewhere": 0}
     told: dict[tuple[str, int], str] = {}
-    with (
-        _server(ctx, version, limits) as url,
-        _server(ctx, version, limits, nice=ABUSER_NICE) as elsewhere,
-    ):
+    with contextlib.ExitStack() as stack:
+        url, elsewhere = processes.enter_together(
+            stack, [_server(ctx, version, limits), _server(ctx, version, limits, nice=ABUSER_NICE)]
+        )
         _warm(url, abuser_key, model, ctx.tag)
         _warm(elsewhere, abuser_key, model, ctx.tag)
         for p in range(pairs):

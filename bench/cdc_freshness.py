@@ -222,7 +222,7 @@ def _wait(
 
 def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
     data = ctx.dataset()  # seeded before the connector exists: no snapshot events
-    window = 5.0 if quick else 30.0
+    window = 1.0 if quick else 30.0
     version = ctx.schema_version()
     settings = ctx.settings_for(schema_version=version)
     ctx.kafka_topics()

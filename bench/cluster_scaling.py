@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
+from pipeline.dev import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = Path(os.environ.get("FRESHLINE_STACK_DIR", ROOT / ".stack")) / "cluster" / "env"
@@ -146,10 +147,13 @@ def _throughput(
     return float(total)
 
 
-def _private_redis() -> tuple[subprocess.Popen[bytes], str, str]:
+def _listens(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _private_redis() -> tuple[subprocess.Popen[bytes], str, str]:
+    port = processes.free_port()
     tmp = tempfile.mkdtemp(prefix="freshline-bench-redis-")
     proc = subprocess.Popen(
         [
@@ -170,12 +174,7 @@ def _private_redis() -> tuple[subprocess.Popen[bytes], str, str]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.05)  # waiting for the port, with a deadline
+    processes.wait_until(lambda: _listens(port), timeout=10, interval=0.05)
     return proc, f"redis://127.0.0.1:{port}/0", tmp
 
 

@@ -117,12 +117,12 @@ FULL: dict[str, Any] = {
     "warm_rate": 2000,
 }
 QUICK: dict[str, Any] = {
-    "graces": "1s,10s",
+    "graces": "1s,2s",
     "rate": 2000,
     "new_rate": 1000,
-    "duration_s": 12,
-    "sample": 1000,
-    "warm_s": 2.0,
+    "duration_s": 4,
+    "sample": 200,
+    "warm_s": 1.0,
     "deploy_at_s": 1,
     "warm_rate": 4000,
 }

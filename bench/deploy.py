@@ -240,10 +240,10 @@ def _purge(ctx: common.Context, keys: int, quiet_s: float) -> dict[str, Any]:
 
 def run(quick: bool) -> dict[str, Any]:
     ctx = common.context(quick)
-    hot, before_s, after_s = (300, 1.0, 1.5) if quick else (2000, 3.0, 5.0)
+    hot, before_s, after_s = (100, 1.0, 1.0) if quick else (2000, 3.0, 5.0)
     cold = _bump(ctx, warmed=False, hot=hot, before_s=before_s, after_s=after_s)
     warmed = _bump(ctx, warmed=True, hot=hot, before_s=before_s, after_s=after_s)
-    purge = _purge(ctx, 20_000 if quick else 300_000, 1.0 if quick else 2.0)
+    purge = _purge(ctx, 2_000 if quick else 300_000, 1.0 if quick else 2.0)
     plots = _plot(cold, warmed)
     targets = [
         common.target(

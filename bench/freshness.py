@@ -123,7 +123,7 @@ def token_reads(ctx: common.Context, quick: bool) -> dict[str, Any]:
         f"after ({form})": reference_app.wrk_get_script(key, users, RYW_SET, f"?after={tok}")
         for form, tok in tokens.items()
     }
-    rounds, seconds = (1, 2) if quick else (9, 4)
+    rounds, seconds = (1, 1) if quick else (9, 4)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in scripts}
     with reference_app.serve_freshline(ctx, version) as url:
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as http:
@@ -172,8 +172,8 @@ def token_reads(ctx: common.Context, quick: bool) -> dict[str, Any]:
 
     py = common.measure(
         {"plain": reader(None), "after (after commit)": reader(tokens["after commit"])},
-        rounds=3 if quick else 7,
-        calls=800 if quick else 4000,
+        rounds=1 if quick else 7,
+        calls=100 if quick else 4000,
         concurrency=16,
     )
     rc.close()

@@ -19,9 +19,7 @@ import os
 import resource
 import socket
 import statistics
-import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,15 +27,10 @@ from typing import Any
 import httpx
 
 from bench import common
+from pipeline.dev import processes
 
 IDLE = 2000
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _raise_fd_limit(needed: int) -> None:
@@ -52,34 +45,16 @@ def _raise_fd_limit(needed: int) -> None:
 
 @contextlib.contextmanager
 def _serve(settings: Any) -> Iterator[int]:
-    port = _free_port()
+    port = processes.free_port()
     env = {
         **os.environ,
         "FRESHLINE_POSTGRES_URL": settings.postgres_url,
         "FRESHLINE_REDIS_URL": settings.redis_url,
     }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    proc = subprocess.Popen(
-        [FRESHLINE, "serve", "--port", str(port), "--workers", "1"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                threading.Event().wait(0.05)  # polling interval while it starts
-            if proc.poll() is not None:
-                raise RuntimeError("freshline serve exited at start-up")
-        else:
-            raise RuntimeError("freshline serve did not answer /healthz")
+    argv = [FRESHLINE, "serve", "--port", str(port), "--workers", "1"]
+    with processes.serving(argv, port, env=env):
         yield port
-    finally:
-        common.stop_process(proc)
 
 
 def _sample(port: int, calls: int) -> tuple[list[int], int]:
@@ -101,7 +76,7 @@ def _sample(port: int, calls: int) -> tuple[list[int], int]:
 
 def run(quick: bool) -> dict[str, Any]:
     ctx = common.context(quick)
-    rounds, calls = (2, 100) if quick else (8, 500)
+    rounds, calls = (1, 50) if quick else (8, 500)
     _raise_fd_limit(2 * IDLE + 256)
     series: dict[str, list[int]] = {"no idle connections": [], f"{IDLE} idle": []}
     timeouts = {name: 0 for name in series}

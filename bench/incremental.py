@@ -327,12 +327,12 @@ def run(quick: bool) -> dict[str, Any]:
     ctx = common.context(quick)
     data = ctx.dataset()
     who = _head_and_median(ctx, data.tenant)
-    rounds, calls = (2, 5) if quick else (5, 20)
+    rounds, calls = (1, 2) if quick else (5, 20)
     _fold_all(ctx)
     recompute = _recompute(ctx, data.tenant, who, rounds, calls)
     with _pending(ctx, data.tenant, who):
         pending = _recompute(ctx, data.tenant, who, rounds, calls)
-    sample, w_rounds, i_rounds, block = (2_000, 2, 8, 25) if quick else (20_000, 4, 30, 50)
+    sample, w_rounds, i_rounds, block = (500, 1, 2, 25) if quick else (20_000, 4, 30, 50)
     writes = _writes(ctx, data.tenant, sample, w_rounds, i_rounds, block)
     rights = _insert_rights(ctx, data.tenant, sample, w_rounds, i_rounds, block)
     targets = []

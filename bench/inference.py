@@ -122,7 +122,7 @@ def _scenario(
 
 def run(quick: bool) -> dict[str, Any]:
     ctx = common.context(quick)
-    rounds = 2 if quick else 3
+    rounds = 1 if quick else 3
     scenarios = {
         "per_request": _scenario(
             ctx,
@@ -131,7 +131,7 @@ def run(quick: bool) -> dict[str, Any]:
             cost_s=0.010,
             per_row_s=0.0,
             rounds=rounds,
-            calls=30 if quick else 200,
+            calls=10 if quick else 200,
         ),
         "batched": _scenario(
             ctx,
@@ -140,7 +140,7 @@ def run(quick: bool) -> dict[str, Any]:
             cost_s=0.0,
             per_row_s=0.010,
             rounds=rounds,
-            calls=3 if quick else 15,
+            calls=2 if quick else 15,
         ),
     }
     targets = [

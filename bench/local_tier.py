@@ -48,7 +48,7 @@ def _summary(lifetimes_ms: list[float]) -> dict[str, float]:
 
 def run(quick: bool) -> dict[str, Any]:
     ctx = common.context(quick)
-    rounds = 10 if quick else 60
+    rounds = 2 if quick else 60
     tenant = ctx.tenant_prefix() + "local"
     ttl_ms = REGISTRY[FEATURE_SET].ttl_s * 1000 * (1 - TTL_JITTER)
     # The TTL rule alone: without the horizons, whose entries the tier holds back until

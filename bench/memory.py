@@ -36,8 +36,8 @@ def _field(view: str, name: str) -> bytes:
 def run(quick: bool) -> dict[str, Any]:
     ctx = common.context(quick)
     data = ctx.dataset()
-    n = 500 if quick else 5000
-    sample = 200 if quick else 1000
+    n = 100 if quick else 5000
+    sample = 50 if quick else 1000
     version = ctx.schema_version()
     store = FeatureStore(ctx.redis, version)
     users = random.Random(3).sample(range(1, data.users + 1), min(n, data.users))

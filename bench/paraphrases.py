@@ -233,6 +233,10 @@ def play(
     return out
 
 
+SEEDS = (29, 30, 31)
+"""The learned decision's exploration seeds: one run each, summed."""
+
+
 def compare(
     client: redis.Redis,
     model: Embedder,
@@ -242,7 +246,7 @@ def compare(
     *,
     max_error: float = 0.02,
     threshold: float = 0.93,
-    seeds: tuple[int, ...] = (29, 30, 31),
+    seeds: tuple[int, ...] = SEEDS,
 ) -> dict[str, Any]:
     """The stream of ``pairs`` against the fixed ``threshold`` and the learned decision
     (the shipped prior, ``max_error``; one run per exploration seed, summed), each in

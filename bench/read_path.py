@@ -152,7 +152,7 @@ def run(quick: bool) -> dict[str, Any]:
         "raw MGET 100 + decode": raw_mget_decode,
         "client get_many 100": lambda: client.get_many(next_items()),
     }
-    rounds, calls = (2, 200) if quick else (5, 2000)
+    rounds, calls = (1, 50) if quick else (5, 2000)
     results: dict[str, Any] = {}
     wrk: dict[str, Any] = {}
     try:
@@ -180,7 +180,7 @@ def run(quick: bool) -> dict[str, Any]:
                 )
                 results[f"c{concurrency}"] = {**one, **hundred}
         common.note("wrk against the minimal app and freshline (tier off, tier warm)")
-        w_rounds, w_seconds = (1, 2) if quick else (3, 5)
+        w_rounds, w_seconds = (1, 1) if quick else (3, 5)
         with reference_app.servers(ctx, version, tenant, api_key, users) as urls:
             wrk = reference_app.compare(urls, api_key, users, rounds=w_rounds, seconds=w_seconds)
         wrk["parameters"] = {

@@ -282,10 +282,10 @@ def both(
 ) -> dict[str, Any]:
     """Read-your-writes through Debezium (with the server's default ``wait_ms``, then
     a fifth as many trials with ``wait_ms=0``: straight to the recompute), then through
-    domain events. The issue's 10,000 trials per path; 200 with ``quick``."""
+    domain events. The issue's 10,000 trials per path; 40 with ``quick``."""
     from pipeline.api.auth import create_api_key
 
-    trials = trials or (200 if quick else 10_000)
+    trials = trials or (40 if quick else 10_000)
     busy = set(writers)
     spare = [u for u in range(ctx.dataset().users, 0, -1) if u not in busy]
     trial_users = spare[: TRIAL_THREADS * TRIAL_USERS_PER_THREAD]

@@ -123,7 +123,7 @@ def _read_through(ctx: common.Context, n: int, rng: random.Random) -> dict[str, 
 def run(quick: bool) -> dict[str, Any]:
     ctx = common.context(quick)
     rng = random.Random(11)
-    rounds, n = (2, 30) if quick else (5, 200)
+    rounds, n = (1, 10) if quick else (5, 200)
     batched = _batched(ctx, rounds, rng)
     rt = _read_through(ctx, n, rng)
     targets = [

@@ -109,7 +109,7 @@ def run(quick: bool) -> dict[str, Any]:
             pipe.set(key, raw, px=fs.ttl_s * 1000)
         pipe.execute()
 
-    rounds, calls = (2, 5) if quick else (7, 30)
+    rounds, calls = (1, 3) if quick else (7, 30)
     res = common.measure(
         {
             "conditional (FeatureStore.write)": conditional,

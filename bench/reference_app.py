@@ -27,12 +27,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +39,7 @@ import httpx
 import orjson
 
 from bench import common
+from pipeline.dev import processes
 from pipeline.dev.tools import require
 
 FEATURE_SET = "txn_90d"
@@ -167,36 +166,15 @@ def _decoding_routes(client: Any, prefix: str, version: int) -> tuple[Any, Any]:
 # -- servers ---------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+free_port = processes.free_port
 
 
-@contextlib.contextmanager
-def launch(argv: list[str], env: dict[str, str], port: int, ready: str) -> Iterator[str]:
-    """Run ``argv`` in a process group of its own until ``ready`` answers; yields the URL."""
-    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen(
-        argv, env={**os.environ, **env}, stdout=log, stderr=log, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}{ready}", timeout=1).status_code < 500:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise RuntimeError(f"{argv[0]} did not start: {log.read()[-2000:]!r}")
-            time.sleep(0.1)  # polling for readiness
-        yield url
-    finally:
-        common.stop_process(proc, 10)
-        log.close()
+def launch(
+    argv: list[str], env: dict[str, str], port: int, ready: str
+) -> contextlib.AbstractContextManager[str]:
+    """Run ``argv`` in a process group of its own, with ``env`` on top of this
+    environment, until ``ready`` answers; yields the URL (``processes.serving``)."""
+    return processes.serving(argv, port, ready=ready, env={**os.environ, **env}, grace_s=10)
 
 
 def serve_freshline(
@@ -423,19 +401,25 @@ def servers(
     ctx: common.Context, version: int, tenant: str, key: str, users: list[int]
 ) -> Iterator[dict[str, str]]:
     """The minimal app, minimal+decode, freshline with the tier off and with it on
-    (warm): name -> URL, in :data:`SERVERS` order."""
-    with (
-        serve_reference(ctx, version, tenant) as ref,
-        serve_reference(ctx, version, tenant, decode=True) as floor,
-        serve_freshline(ctx, version) as plain,
-        serve_freshline(ctx, version, local_cache_size=10 * len(users)) as tier,
-    ):
-        warm(tier, key, users)
-        yield {"minimal": ref, FLOOR: floor, "freshline": plain, "freshline+tier": tier}
+    (warm): name -> URL, in :data:`SERVERS` order. They start side by side: most of a
+    start is waiting for the workers to answer."""
+    starting = {
+        "minimal": serve_reference(ctx, version, tenant),
+        FLOOR: serve_reference(ctx, version, tenant, decode=True),
+        "freshline": serve_freshline(ctx, version),
+        "freshline+tier": serve_freshline(ctx, version, local_cache_size=10 * len(users)),
+    }
+    with contextlib.ExitStack() as stack:
+        urls = dict(
+            zip(starting, processes.enter_together(stack, list(starting.values())), strict=True)
+        )
+        warm(urls["freshline+tier"], key, users, passes=1 if ctx.quick else 3)
+        yield urls
 
 
 def prepared(ctx: common.Context) -> tuple[int, str, str, list[int]]:
-    """A schema version of the run's own with ``txn_90d`` entries of up to 1,000 users.
+    """A schema version of the run's own with ``txn_90d`` entries of up to 1,000 users
+    (200 with ``--quick``).
 
     Returns ``(version, tenant, api_key, users)``.
     """
@@ -447,7 +431,7 @@ def prepared(ctx: common.Context) -> tuple[int, str, str, list[int]]:
 
     data = ctx.dataset()
     version = ctx.schema_version()
-    users = list(range(1, min(ENTITIES, data.users) + 1))
+    users = list(range(1, min(200 if ctx.quick else ENTITIES, data.users) + 1))
     store = FeatureStore(ctx.redis, version)
     for chunk in common.chunks(users, 500):
         store.write(
@@ -464,7 +448,7 @@ def prepared(ctx: common.Context) -> tuple[int, str, str, list[int]]:
 def run(quick: bool) -> dict[str, Any]:
     ctx = common.context(quick)
     version, tenant, key, users = prepared(ctx)
-    rounds, seconds = (1, 2) if quick else (3, 5)
+    rounds, seconds = (1, 1) if quick else (3, 5)
     with servers(ctx, version, tenant, key, users) as urls:
         res = compare(urls, key, users, rounds=rounds, seconds=seconds)
     print_ratios(res)

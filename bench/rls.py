@@ -45,7 +45,7 @@ def run(quick: bool) -> dict[str, Any]:
     ctx = common.context(quick)
     data = ctx.dataset()
     rng = random.Random(14)
-    rounds = 3 if quick else 9
+    rounds = 1 if quick else 9
     role, password = f"freshline_bench_rls_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     # Roles are made by the superuser: the stack's owner may not.
     login = make_url(os.environ.get("FRESHLINE_STACK_POSTGRES_SUPERUSER_URL") or ctx.engine.url)

@@ -60,8 +60,8 @@ def _insert_rows(raw: Any, tenant: str, rows: list[tuple[Any, ...]]) -> None:
 
 def run(quick: bool) -> dict[str, Any]:
     ctx = common.context(quick)
-    users, txns = (2_500, 50_000) if quick else (100_000, 1_000_000)
-    sample, rounds = (2_000, 2) if quick else (20_000, 3)
+    users, txns = (2_000, 40_000) if quick else (100_000, 1_000_000)
+    sample, rounds = (500, 1) if quick else (20_000, 3)
 
     from fraud.seed import seed
 

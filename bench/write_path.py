@@ -172,7 +172,7 @@ def _naive(ctx: common.Context, settings: Settings, version: int, n: int) -> dic
 
 def _throughput(ctx: common.Context, quick: bool) -> dict[str, Any]:
     data = ctx.dataset()
-    n, naive_n, rounds = (5_000, 150, 1) if quick else (60_000, 1_000, 2)
+    n, naive_n, rounds = (1_000, 50, 1) if quick else (60_000, 1_000, 2)
     settings = ctx.settings
     ctx.kafka_topics()
     _, produce_s = common.timed(lambda: _produce(settings, data.tenant, data.users, n, seed=5))
@@ -209,7 +209,7 @@ def _throughput(ctx: common.Context, quick: bool) -> dict[str, Any]:
 
 def _freshness(ctx: common.Context, quick: bool) -> dict[str, Any]:
     data = ctx.dataset()
-    rate, window = (2000, 3.0) if quick else (2000, 20.0)
+    rate, window = (2000, 1.0) if quick else (2000, 20.0)
     version = ctx.schema_version()
     settings = ctx.settings
     ctx.kafka_topics()

@@ -11,11 +11,9 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -55,6 +53,7 @@ from pipeline.core.maintenance import install_missing, secure_installed
 from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import EntityRef, Entry, FeatureValues
+from pipeline.dev import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
@@ -136,27 +135,26 @@ TEST_DB = os.environ.get("FRESHLINE_TEST_DB", f"freshline_test_{os.getpid()}")
 TEST_REDIS_DB = int(os.environ.get("FRESHLINE_TEST_REDIS_DB", "1"))
 ANCHOR = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
+# The tests' and the benchmarks' one copy (pipeline/dev/processes.py).
+free_port = processes.free_port
+wait_until = processes.wait_until
+
+# The Hypothesis profile (tests/conftest.py registers both): ``ci`` (scripts/test, and CI,
+# where CI=true) runs each property test's full number of examples; ``dev`` (scripts/test
+# --fast, a developer's pytest) a tenth of it, for an answer in a minute.
+HYPOTHESIS_PROFILE = os.environ.get(
+    "FRESHLINE_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") == "true" else "dev"
+)
+
+
+def examples(n: int) -> int:
+    """How many examples a property test that runs ``n`` in CI runs under this profile."""
+    return n if HYPOTHESIS_PROFILE == "ci" else max(10, n // 10)
+
 
 def _admin_engine(base: Settings) -> Engine:
     url = make_url(base.postgres_url).set(database="postgres")
     return sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """Poll ``predicate`` until it holds or the deadline passes; its last answer."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)  # polling interval, not synchronisation
-    return predicate()
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
@@ -424,6 +422,28 @@ def freshline(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [FRESHLINE, *args], capture_output=True, text=True, timeout=60, env={**os.environ, **env}
     )
+
+
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``freshline args`` in this process (``main`` under click's ``CliRunner``), with
+    ``env`` added: what ``freshline()`` answers without starting Python, for a test that
+    is not about the process itself."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    argv = sys.argv
+    with CliRunner().isolation(env=env) as (out, err, _):
+        sys.argv = [FRESHLINE, *args]
+        try:
+            main()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        finally:
+            sys.argv = argv
+        stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    return subprocess.CompletedProcess([FRESHLINE, *args], code, stdout, stderr)
 
 
 def error_line(done: subprocess.CompletedProcess[str]) -> str:

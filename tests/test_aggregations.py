@@ -35,7 +35,7 @@ from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import DefinitionError, Repository, load
 from pipeline.core.types import ChangeEvent, EntityRef, Op
 from pipeline.deploy.plan import plan
-from tests.helpers import fresh_version
+from tests.helpers import examples, fresh_version
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOP = ROOT / "tests" / "repos" / "shop"
@@ -174,7 +174,7 @@ orders_strategy = st.lists(
 
 
 @settings(
-    max_examples=200,
+    max_examples=examples(200),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

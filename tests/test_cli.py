@@ -4,11 +4,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import error_line, free_port, freshline
+import pytest
+
+from tests.helpers import cli, error_line, free_port, freshline
 
 
 def test_unreachable_postgres_is_one_line_naming_it_and_the_fix() -> None:
-    r = freshline("db", "upgrade", FRESHLINE_POSTGRES_URL="postgresql+psycopg://u:pw@127.0.0.1:1/x")
+    r = cli("db", "upgrade", FRESHLINE_POSTGRES_URL="postgresql+psycopg://u:pw@127.0.0.1:1/x")
     line = error_line(r)
     assert "Postgres" in line and "127.0.0.1:1" in line
     assert "scripts/stack up" in line
@@ -16,14 +18,14 @@ def test_unreachable_postgres_is_one_line_naming_it_and_the_fix() -> None:
 
 
 def test_bad_arguments_give_a_usage_error() -> None:
-    r = freshline("fraud", "seed", "--users", "zero")
+    r = cli("fraud", "seed", "--users", "zero")
     assert r.returncode == 2
     assert "Usage" in r.stderr or "usage" in r.stderr
     assert "Traceback" not in r.stderr
 
 
 def test_bad_setting_is_one_line() -> None:
-    r = freshline("db", "upgrade", FRESHLINE_SCHEMA_VERSION="-1")
+    r = cli("db", "upgrade", FRESHLINE_SCHEMA_VERSION="-1")
     assert r.returncode == 1
     assert "FRESHLINE_SCHEMA_VERSION" in r.stderr
     assert "Traceback" not in r.stderr
@@ -31,7 +33,7 @@ def test_bad_setting_is_one_line() -> None:
 
 def test_advise_with_no_api_running_says_to_start_the_api_not_the_stack() -> None:
     port = free_port()  # of the API's ops port, where its /metrics are
-    r = freshline(
+    r = cli(
         "advise", "--window", "1s", FRESHLINE_OPS_HOST="127.0.0.1", FRESHLINE_OPS_PORT=str(port)
     )
     line = error_line(r)
@@ -44,13 +46,14 @@ def test_advise_with_no_api_running_says_to_start_the_api_not_the_stack() -> Non
 
 def test_advise_from_a_dead_metrics_url_names_it_and_the_option() -> None:
     url = f"http://127.0.0.1:{free_port()}/metrics"
-    r = freshline("advise", "--window", "1s", "--from-metrics", url)
+    r = cli("advise", "--window", "1s", "--from-metrics", url)
     assert r.returncode == 1
     assert url in r.stderr and "--from-metrics" in r.stderr
     assert "scripts/stack up" not in r.stderr
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # five freshline processes
 def test_a_repository_s_own_commands_run_under_its_name(tmp_path: Path) -> None:
     repo = tmp_path / "shop"
     assert freshline("init", str(repo)).returncode == 0
@@ -82,6 +85,7 @@ def test_a_repository_s_own_commands_run_under_its_name(tmp_path: Path) -> None:
     assert freshline("--repo", str(repo), "--help").returncode == 0
 
 
+@pytest.mark.slow  # two freshline processes and a probe
 def test_a_repository_folder_never_shadows_a_freshline_package(tmp_path: Path) -> None:
     """The fraud example keeps a migrations/ folder: mounting its commands must leave
     ``import migrations`` to freshline's package (it shadowed it once: plan and apply

@@ -32,6 +32,7 @@ from pipeline.core.maintenance import DerivedPath, superseded
 from pipeline.core.repository import load
 from pipeline.core.settings import Settings
 from pipeline.deploy.plan import plan
+from tests import helpers
 from tests.helpers import drop_database, recreate_database
 
 AS_OF = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -166,7 +167,7 @@ PATHS = (DECLARED, LOOKED_UP, DELTAS, SUMS)
 def examples(n: int) -> settings:
     """Hypothesis' settings for ``n`` examples on the module's database fixture."""
     return settings(
-        max_examples=n,
+        max_examples=helpers.examples(n),
         deadline=None,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )

@@ -135,6 +135,7 @@ def test_a_failing_command_shows_no_password(command: list[str], percent_encoded
     assert_no_secret(out)
 
 
+@pytest.mark.slow  # a consumer process against a dead stack
 def test_the_consumers_log_lines_show_no_password() -> None:
     """A consumer that cannot reach Kafka keeps trying and logs each failure: read its
     log until the first failure, then stop it."""

@@ -92,7 +92,8 @@ def mount_own_commands(argv: list[str]) -> None:
         if name in argv:
             raise ConfigError(f"{root / 'freshline.toml'}: commands {target!r} is not a Typer app")
         return
-    app.add_typer(group, name=name)
+    if all(info.typer_instance is not group for info in app.registered_groups):
+        app.add_typer(group, name=name)  # once, when main runs again in one process
 
 
 def main() -> None:

@@ -5,7 +5,6 @@ Nothing here sleeps: every wait polls a condition until a deadline.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -29,7 +28,7 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.topics import qualified
 from pipeline.core.types import EntityRef
-from tests.helpers import fresh_version
+from tests.helpers import fresh_version, wait_until
 
 DEADLINE_S = 30.0
 PARTITIONS = 4
@@ -37,11 +36,8 @@ PARTITIONS = 4
 
 def wait_for(condition: Callable[[], bool], what: str, deadline_s: float = DEADLINE_S) -> None:
     """Poll ``condition`` until it holds; fail naming ``what`` at the deadline."""
-    end = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > end:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)  # polling interval, not synchronisation
+    if not wait_until(condition, deadline_s, interval=0.05):
+        pytest.fail(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="session")

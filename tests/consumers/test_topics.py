@@ -16,7 +16,7 @@ from pipeline.core.topics import (
     INVALIDATIONS,
     SERVED,
 )
-from tests.helpers import error_line, freshline
+from tests.helpers import cli, error_line, freshline
 
 pytestmark = pytest.mark.kafka
 
@@ -81,6 +81,6 @@ def test_cli_is_idempotent(admin: AdminClient) -> None:
 
 
 def test_cli_unreachable_broker_is_one_line() -> None:
-    line = error_line(freshline("topics", "ensure", FRESHLINE_KAFKA_BOOTSTRAP="127.0.0.1:1"))
+    line = error_line(cli("topics", "ensure", FRESHLINE_KAFKA_BOOTSTRAP="127.0.0.1:1"))
     assert "Kafka" in line and "127.0.0.1:1" in line
     assert "scripts/stack up" in line

@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,6 +45,7 @@ from pipeline.core.repository import REGISTRY, active
 from pipeline.core.services import redis_client
 from pipeline.core.settings import Settings
 from pipeline.core.topics import DLQ, qualified
+from pipeline.dev import processes
 from pipeline.dev.chaos import CaseResult, Profile
 from tests.faults import injectors, oracle
 from tests.faults.processes import Fleet, Member
@@ -362,12 +363,7 @@ class Run:
         return False
 
 
-def _wait(condition: Callable[[], bool], what: str, deadline_s: float) -> None:
-    end = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > end:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.005)  # polling interval, not synchronisation
+_wait = processes.wait_for
 
 
 def _spread(env: FaultEnv, group: str, members: int, partitions: int) -> bool:

@@ -32,7 +32,6 @@ import contextlib
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +52,7 @@ from pipeline.core.errors import DeployError
 from pipeline.core.keys import LEASE_PREFIX, feature_pattern, source_key
 from pipeline.core.settings import Settings
 from pipeline.core.types import text
+from pipeline.dev import processes
 
 ABSENT_STANDBY = "freshline_faults_absent_standby"
 """A standby name nothing connects as: synchronous commits wait for it for ever."""
@@ -72,11 +72,7 @@ def _setting(engine: Engine, name: str) -> str:
 
 
 def _wait(condition: Callable[[], bool], what: str, deadline_s: float) -> None:
-    end = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > end:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(POLL_S)  # polling interval, not synchronisation
+    processes.wait_for(condition, what, deadline_s, interval=POLL_S)
 
 
 def hold_synchronous_commits(engine: Engine, deadline_s: float = 30.0) -> None:

@@ -39,6 +39,7 @@ from pipeline.api.auth import create_api_key
 from pipeline.cache.versions import state
 from pipeline.core.keys import ACTIVE_SCHEMA_KEY
 from pipeline.core.topics import DLQ, logical, qualified
+from pipeline.dev import processes
 from tests.faults import injectors, oracle
 from tests.faults.injectors import HeldCommit
 from tests.faults.oracle import Partition, Record
@@ -98,11 +99,7 @@ def scenario(
 
 
 def wait_until(condition: Callable[[], bool], what: str, deadline_s: float = 60.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > end:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.02)  # polling interval, not synchronisation
+    processes.wait_for(condition, what, deadline_s, interval=0.02)
 
 
 # -- consumer processes ------------------------------------------------------------------

@@ -12,7 +12,6 @@ import functools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import redis
 from pydantic import SecretStr
 
 from pipeline.core.settings import Settings
+from pipeline.dev import processes
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK_SCRIPT = ROOT / "scripts" / "stack"
@@ -49,18 +49,7 @@ class StackError(Exception):
     """``scripts/stack`` or a ``freshline`` command failed; the message has its output."""
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports the kernel calls free now (bound together, then released)."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+free_ports = processes.free_ports
 
 
 def settings_env(settings: Settings) -> dict[str, str]:

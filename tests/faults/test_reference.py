@@ -28,7 +28,7 @@ from fraud.seed import SeedSummary
 from pipeline.core.types import Entry, FeatureValues
 from tests.faults.oracle import Truth, Verdict, compare, truth
 from tests.faults.reference import FEATURE_SETS, Ref, load, one, pieces
-from tests.helpers import ANCHOR
+from tests.helpers import ANCHOR, examples
 
 US = timedelta(microseconds=1)
 DAY = timedelta(days=1)
@@ -302,7 +302,7 @@ _device = st.tuples(
 
 
 @settings(
-    max_examples=60,
+    max_examples=examples(60),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

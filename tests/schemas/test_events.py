@@ -20,6 +20,7 @@ from pipeline.core.events import Event, EventFieldError, event_schema, record_mo
 from pipeline.core.features import Entity, Table
 from pipeline.core.repository import active
 from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
+from tests.helpers import examples
 
 ID_PROPERTIES = {"tenant", "device_id"}
 NUMERIC_ID_PROPERTIES = {"user_id", "transaction_id"}
@@ -159,7 +160,7 @@ WHEN = st.none() | st.sampled_from(
 )
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(topic=st.sampled_from(TOPICS), data=st.data())
 def test_the_parser_takes_the_records_the_model_takes(topic: str, data: st.DataObject) -> None:
     declared = event(topic)

@@ -25,6 +25,7 @@ from pipeline.api.openapi import reference_text
 from pipeline.core.errors import FreshlineError
 from pipeline.core.features import Registry
 from pipeline.core.repository import REGISTRY, active
+from tests.helpers import examples
 
 LIMIT = 12
 
@@ -240,7 +241,9 @@ JSON = st.recursive(
 NAMES = st.sampled_from(["geo", "txn_90d", "device_risk"]) | JSON
 
 
-PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(
+    max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 M = TypeVar("M", bound=BaseModel)

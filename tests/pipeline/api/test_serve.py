@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,13 +15,8 @@ from sqlalchemy.engine import Engine
 from fraud.seed import SeedSummary
 from pipeline.api.auth import create_api_key
 from pipeline.core.settings import Settings
-from tests.helpers import FRESHLINE, interrupt, wait_until
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from pipeline.dev.processes import DidNotStart, serving
+from tests.helpers import FRESHLINE, free_port, wait_until
 
 
 @pytest.fixture
@@ -43,29 +34,13 @@ def server(settings: Settings, tmp_path: Path, ops_port: int) -> Iterator[str]:
         "FRESHLINE_OPS_PORT": str(ops_port),
     }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    log = tmp_path / "serve.log"
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(
-            [FRESHLINE, "serve", "--port", str(port), "--workers", "2"],
-            env=env,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    tick = threading.Event()
-    while time.monotonic() < deadline and proc.poll() is None:
+    argv = [FRESHLINE, "serve", "--port", str(port), "--workers", "2"]
+    with (tmp_path / "serve.log").open("w+b") as log:
         try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            tick.wait(0.05)
-    else:
-        proc.kill()
-        proc.wait(5)
-        pytest.fail(f"serve did not come up: {log.read_text()[-2000:]}")
-    yield url
-    interrupt(proc)
+            with serving(argv, port, env=env, log=log) as url:
+                yield url
+        except DidNotStart as exc:
+            pytest.fail(f"serve did not come up: {exc}")
 
 
 @pytest.mark.slow

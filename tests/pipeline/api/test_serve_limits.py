@@ -19,15 +19,10 @@ import httpx
 import pytest
 
 from pipeline.core.settings import Settings
-from tests.helpers import FRESHLINE, interrupt, self_signed_certificate, wait_until
+from pipeline.dev import processes
+from tests.helpers import FRESHLINE, free_port, self_signed_certificate, wait_until
 
 IDLE = 1500  # past granian's default of 1,024 connections per worker
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
@@ -44,29 +39,15 @@ def serving(
     }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     scheme = "https" if "--ssl-certificate" in args else "http"
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(
-            [FRESHLINE, "serve", "--port", str(port), *args],
-            env=env,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"{scheme}://127.0.0.1:{port}"
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            return True
+    argv = [FRESHLINE, "serve", "--port", str(port), *args]
+    with log.open("w+b") as sink:
         try:
-            return httpx.get(f"{url}/healthz", timeout=1, verify=verify).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        if not wait_until(up, timeout=30) or proc.poll() is not None:
-            pytest.fail(f"serve did not come up: {log.read_text()[-2000:]}")
-        yield url, port
-    finally:
-        interrupt(proc)
+            with processes.serving(
+                argv, port, env=env, log=sink, scheme=scheme, verify=verify
+            ) as url:
+                yield url, port
+        except processes.DidNotStart as exc:
+            pytest.fail(f"serve did not come up: {exc}")
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ that a test controls what it answers; Kafka Connect is the real worker of the st
 
 from __future__ import annotations
 
-import socket
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
@@ -18,7 +17,7 @@ from pipeline.core.errors import ConfigError, ServiceUnavailable
 from pipeline.core.http import fetch
 from pipeline.core.settings import Settings
 from pipeline.observe.status import scrape_freshness
-from tests.helpers import http_server
+from tests.helpers import free_port, http_server
 
 CONSUMER_METRICS = b"""\
 # TYPE freshline_freshness_lag_seconds histogram
@@ -73,10 +72,7 @@ def server() -> Iterator[str]:
 
 def dead_url(path: str = "/") -> str:
     """A URL on a port nothing listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}{path}"
+    return f"http://127.0.0.1:{free_port()}{path}"
 
 
 def test_every_status_is_returned_with_its_body(server: str) -> None:

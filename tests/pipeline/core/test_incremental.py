@@ -36,7 +36,7 @@ from pipeline.core.repository import REGISTRY
 from pipeline.core.settings import Settings
 from pipeline.core.types import FeatureValues
 from pipeline.observe.reconcile import compare, reconcile
-from tests.helpers import FRESHLINE, drop_database, migrate, recreate_database
+from tests.helpers import FRESHLINE, drop_database, examples, migrate, recreate_database
 
 AS_OF = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 EDGE = AS_OF - timedelta(days=90)  # txn_90d's window starts after it
@@ -220,7 +220,7 @@ _UPDATES = {
 
 
 @settings(
-    max_examples=60,
+    max_examples=examples(60),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

@@ -104,6 +104,7 @@ def test_outcomes_pack_small_and_keep_the_newest() -> None:
     assert edges.sims.tolist() == [0.8099, 0.8001]
 
 
+@pytest.mark.slow  # embeds every pair with the local model
 def test_the_shipped_prior_is_the_fit_on_the_shipped_pairs() -> None:
     """`freshline semantic tune --write-prior` on the shipped pairs with the local model
     writes the shipped prior: it is reproducible, not a hand-set number."""

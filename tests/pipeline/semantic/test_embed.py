@@ -32,6 +32,7 @@ def model() -> MiniLM:
     return local_model()
 
 
+@pytest.mark.slow  # embeds with the local model
 def test_vectors_equal_the_stored_reference(model: MiniLM) -> None:
     expected = np.load(REFERENCE)
     assert expected.shape == (len(SENTENCES), 384) and expected.dtype == np.float32

@@ -1,0 +1,42 @@
+"""No test is lost to the tiers: every test id that main collected before them
+(``tests/collected_before_tiers.txt``, at ce4c3f6) is still collected, or is renamed as
+``RENAMED`` says. A new test needs nothing here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+BEFORE = ROOT / "tests" / "collected_before_tiers.txt"
+
+RENAMED: dict[str, str] = {}
+"""Old test id -> its new id, for a test renamed since."""
+
+
+def collected() -> set[str]:
+    """The ids ``pytest --collect-only`` finds now, over the whole of ``tests/``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.pop("FRESHLINE_CHAOS_PROFILE", None)  # the fault scenarios' ids follow it
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return {line for line in done.stdout.splitlines() if "::" in line}
+
+
+@pytest.mark.slow  # collects the whole suite in a process of its own
+def test_every_test_collected_before_the_tiers_is_still_collected() -> None:
+    before = set(BEFORE.read_text().splitlines())
+    now = collected()
+    lost = sorted(RENAMED.get(test, test) for test in before if RENAMED.get(test, test) not in now)
+    assert not lost, f"{len(lost)} test ids no longer collected: {lost[:20]}"
