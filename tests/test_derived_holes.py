@@ -26,6 +26,7 @@ from pipeline.core.features import FeatureSet, Registry
 from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import Repository
 from pipeline.core.settings import Settings
+from pipeline.deploy import derived_checks
 from pipeline.deploy.plan import plan
 from tests.helpers import drop_database, recreate_database
 
@@ -280,3 +281,13 @@ def test_plan_names_a_disabled_trigger_and_a_partition_made_after_apply(own: Eng
     run(own, f"ALTER TABLE orders_a DISABLE TRIGGER {path_of(fs).trigger}_i")
     problems = plan(repo, own, 1, PUBLICATION).problems
     assert any("orders_a" in p and "disabled" in p for p in problems), problems
+
+
+def test_plans_check_as_the_triggers_run_leaves_the_search_path_as_it_was(own: Engine) -> None:
+    orders_table(own)
+    fs = declared("pathless", "orders")
+    with own.connect() as conn:
+        before = conn.execute(sa.text("SHOW search_path")).scalar()
+        assert derived_checks.check(conn, fs) == []
+        assert conn.execute(sa.text("SHOW search_path")).scalar() == before
+        conn.rollback()

@@ -180,12 +180,16 @@ def _as_the_triggers_run(
     other moments than a read does."""
     search_path = path.search_path(conn)
     try:
-        with conn.begin_nested():
+        # Rolled back, never released: a SET LOCAL outlives the release of its savepoint.
+        savepoint = conn.begin_nested()
+        try:
             conn.execute(sa.text(f"SET LOCAL search_path TO {search_path}"))
             conn.execute(
                 sa.text(f"SELECT * FROM ({fs.statement.text}) AS q LIMIT 0"),
                 {"tenants": [], "ids": [], "as_of": None},
             )
+        finally:
+            savepoint.rollback()
     except sa.exc.DBAPIError as exc:
         message = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
         return [
