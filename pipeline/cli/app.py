@@ -49,9 +49,7 @@ def _options(
 
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
-# On a terminal, output fits its width; in a pipe or a file, a line is never folded at
-# rich's default of 80 columns (grep and a log see whole lines).
-out = Console(highlight=False, soft_wrap=not sys.stdout.isatty())
+out = Console(highlight=False)
 if not sys.stdout.isatty() and not os.environ.get("TERMINAL_WIDTH"):
     # Help in a pipe: Typer boxes it at 80 columns, which folds most option texts.
     typer.rich_utils.MAX_WIDTH = 120
