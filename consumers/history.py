@@ -247,9 +247,19 @@ class HistoryWorker:
         assigned = inner.assignment()
         if not assigned:
             return
-        for tp in inner.position(assigned):
-            _, high = inner.get_watermark_offsets(tp, timeout=5, cached=False)
-            if tp.offset < 0 or tp.offset < high:
+        positions = inner.position(assigned)
+        # A partition this process has read nothing of since it was assigned has no
+        # position (a quiet table's topic, or any after a restart): it resumes at its
+        # committed offset, else at its start (the recorder reads from the earliest).
+        unread = [tp for tp in positions if tp.offset < 0]
+        committed = {
+            (tp.topic, tp.partition): tp.offset
+            for tp in (inner.committed(unread, timeout=5) if unread else [])
+        }
+        for tp in positions:
+            low, high = inner.get_watermark_offsets(tp, timeout=5, cached=False)
+            offset = tp.offset if tp.offset >= 0 else committed.get((tp.topic, tp.partition), -1)
+            if (offset if offset >= 0 else low) < high:
                 return
         at = from_epoch_us(self._heartbeat_ms * 1000)
         self._heartbeat_ms = None

@@ -79,6 +79,7 @@ from pipeline.cache.recompute import (
 from pipeline.cache.server import RedisIdentity, recorded_identity, redis_identity
 from pipeline.cache.store import FeatureStore, WriteResult
 from pipeline.core.cluster import is_cluster, publish
+from pipeline.core.db import own_connections
 from pipeline.core.errors import FreshlineError
 from pipeline.core.features import Registry
 from pipeline.core.keys import INVALIDATION_CHANNEL, SERVER_KEY
@@ -223,7 +224,11 @@ class Processor:
         self.durable_wait_ms = durable_wait_ms
         self.on_failover = on_failover
         self.cluster = is_cluster(client)
-        self.flusher = Flusher(engine, logger, "a batch")
+        # Connections of its own, not of ``engine``'s pool: the batch's thread holds one
+        # of those while it waits for a flush, and no code path takes a second one from
+        # a pool it holds one of (a pool of such waiters deadlocks). A forced flush is
+        # rare (a commit's WAL not flushed within 20 ms): a connection each is cheap.
+        self.flusher = Flusher(own_connections(engine), logger, "a batch")
         """Makes Postgres flush (:meth:`_force`), or knows the role may not."""
         self.source: SourceIdentity | None = None
         """The Postgres history of this processor's first batch; every later one must match."""

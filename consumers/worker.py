@@ -96,7 +96,7 @@ from pipeline.cache.recompute import NotYetVisible
 from pipeline.cache.roster import Proc, Registration
 from pipeline.cache.store import check_eviction_policy
 from pipeline.cache.versions import WriteVersions
-from pipeline.core.db import make_engine
+from pipeline.core.db import make_engine, own_pool
 from pipeline.core.errors import ConfigError
 from pipeline.core.repository import REGISTRY, active
 from pipeline.core.services import consumer_redis_client
@@ -227,6 +227,8 @@ class Worker:
         )
         self.invalidations_topic = qualified(settings, INVALIDATIONS)
         self.engine = make_engine(settings)
+        self.snapshots_engine = own_pool(self.engine) if active().history.enabled else None
+        """Where history's snapshot of each computation is kept (None with history off)."""
         self.redis = consumer_redis_client(settings)
         self._policy_checked = False
         self.metrics = consumer_metrics()
@@ -242,7 +244,8 @@ class Worker:
             wait_timeout_ms=settings.redis_wait_timeout_ms,
             durable_wait_ms=settings.postgres_durable_wait_ms,
             on_failover=lambda *_: self.metrics.redis_failovers.inc(),
-            on_computed=keeper(self.engine) if active().history.enabled else None,
+            # On a pool of its own: the batch holds a connection of self.engine then.
+            on_computed=keeper(self.snapshots_engine) if self.snapshots_engine else None,
         )
         self.router = Router()
         self.totals = Totals()
@@ -361,6 +364,8 @@ class Worker:
             self.closed_cleanly = self.consumer.close(timeout=CLOSE_TIMEOUT_S)
             self.redis.close()
             self.engine.dispose()
+            if self.snapshots_engine is not None:
+                self.snapshots_engine.dispose()
 
     # -- one batch -------------------------------------------------------------
 

@@ -114,6 +114,27 @@ mid-transaction must not hold its snapshot and locks for good."""
 # statistics are missing or stale: a new delta log, a bulk load, until autovacuum's
 # first ANALYZE. A consumer then ran at a fiftieth of its rate; measured, it fell
 # 67,000 events behind in the first minute of a 2,000 events/s load (issue 13).
+def own_pool(engine: Engine, size: int = 1) -> Engine:
+    """An engine on ``engine``'s database and login with a pool of its own of ``size``
+    connections, for work a caller does on every batch while it holds a connection of
+    ``engine``'s (:func:`own_connections` for rare work). Its owner disposes of it."""
+    return sa.create_engine(
+        engine.url,
+        pool_size=size,
+        max_overflow=0,
+        pool_pre_ping=True,
+        connect_args=_connect_args(),
+    )
+
+
+def own_connections(engine: Engine) -> Engine:
+    """An engine on ``engine``'s database and login that opens a connection of its own
+    for each use and closes it after (no pool): for the rare work a caller does while it
+    holds a connection of ``engine``'s, where a second one from the same pool may never
+    come (every connection held by a caller waiting for one more)."""
+    return sa.create_engine(engine.url, poolclass=sa.pool.NullPool, connect_args=_connect_args())
+
+
 def _connect_args() -> dict[str, object]:
     return {
         "connect_timeout": 3,
