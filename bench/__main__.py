@@ -56,6 +56,7 @@ BENCHMARKS = (
     "consistency",
     "cluster_scaling",
     "rls",
+    "training",
 )
 
 LIBRARIES = (

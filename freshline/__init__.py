@@ -27,6 +27,7 @@ from pipeline.core.features import (
 )
 from pipeline.core.incremental import BuildState, IncrementalPath
 from pipeline.core.repository import Repository, load
+from pipeline.history.training import training_set
 
 __all__ = [
     "AS_OF",
@@ -44,4 +45,5 @@ __all__ = [
     "Table",
     "agg",
     "load",
+    "training_set",
 ]

@@ -436,9 +436,10 @@ def entity_ids(
     return tenants, ids
 
 
-def _jsonable(value: Any, kind: FieldType = "float") -> Any:
+def entry_value(value: Any, kind: FieldType = "float") -> Any:
     """A column's value as the entry holds it: a timestamp as epoch ms, a ``numeric`` as
-    the declared field's ``int`` or ``float``."""
+    the declared field's ``int`` or ``float`` (the training evaluator converts the same
+    way: :mod:`pipeline.history.evaluator`)."""
     if isinstance(value, dt.datetime):
         return int(value.timestamp() * 1000)
     if isinstance(value, Decimal):
@@ -551,11 +552,11 @@ def _compute(
             continue
         key = (row[3], str(row[4])) if tenanted else (IMPLICIT_TENANT, str(row[3]))
         values[key] = {
-            name: _jsonable(v, kind)
+            name: entry_value(v, kind)
             for name, kind, v in zip(names, kinds, row[start:end], strict=True)
         }
         if fs.horizon is not None and row[end] is not None:
-            valid_until[key] = _jsonable(row[end])
+            valid_until[key] = entry_value(row[end])
     return Batch(
         fs,
         values,

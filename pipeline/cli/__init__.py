@@ -29,6 +29,7 @@ from pipeline.cli import (
     repo,
     semantic,
     serve,
+    training,
 )
 from pipeline.cli.app import app, console
 from pipeline.core.errors import ConfigError, FreshlineError
@@ -52,6 +53,7 @@ for _group in (
     chaos,
     semantic,
     buckets,
+    training,
 ):
     _group.register(app)
 

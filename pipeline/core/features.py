@@ -56,6 +56,25 @@ AS_OF = "coalesce(CAST(:as_of AS timestamptz), now())"
 """The moment a feature query computes for: ``:as_of``, or the transaction's ``now()``."""
 
 _IDENT = re.compile(r"[a-z_][a-z0-9_]*")
+# Functions that read the clock: a query calling one computes for the moment it runs,
+# not for t(as_of), so it cannot be evaluated at a past moment.
+_CLOCK = re.compile(
+    r"\b(now\s*\(|(?:clock_timestamp|statement_timestamp|transaction_timestamp|timeofday"
+    r"|current_date|current_time|current_timestamp|localtime|localtimestamp)\b)",
+    re.IGNORECASE,
+)
+
+
+def reads_clock(query: str) -> str | None:
+    """The clock function ``query`` calls directly (``now(``, ``current_date``, ...), if
+    any: such a query computes for the moment it runs rather than ``t(as_of)``."""
+    found = _CLOCK.search(query)
+    if found is None:
+        return None
+    name = found[1].strip()
+    return f"{name[:-1].strip()}()" if name.endswith("(") else name
+
+
 _DURATION = re.compile(r"(\d+)(s|m|h|d)")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 

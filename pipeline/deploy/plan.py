@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from pipeline.core.errors import LockMismatch
-from pipeline.core.features import FeatureSet, FieldType
+from pipeline.core.features import AS_OF, FeatureSet, FieldType, reads_clock
 from pipeline.core.lock import Lock, check
 from pipeline.core.maintenance import DerivedPath
 from pipeline.core.repository import Repository
@@ -75,7 +75,10 @@ def plan(repo: Repository, engine: Engine, schema_version: int, publication: str
         columns = _columns(conn, result.tables)
         for fs in repo.registry:
             # A query is run only once its tables are known to be there.
-            result.problems += _check_sources(fs, columns) or _check_query(conn, fs)
+            problems = _check_sources(fs, columns) or _check_query(conn, fs)
+            if not problems and repo.history.enabled:
+                problems = _check_history(conn, fs, set(result.tables))
+            result.problems += problems
         for table in result.tables:
             if table in columns:
                 ddl = _replica_identity(conn, repo, table)
@@ -102,6 +105,80 @@ def plan(repo: Repository, engine: Engine, schema_version: int, publication: str
     except LockMismatch as exc:
         result.lock = str(exc)
     return result
+
+
+def _check_history(conn: Connection, fs: FeatureSet, captured: set[str]) -> list[str]:
+    """With history on, a query must compute from its rows and ``t(as_of)`` alone, so a
+    training set can evaluate it at any past moment (docs/training.md): no clock read
+    directly, no user function that is not IMMUTABLE, no table history does not capture
+    (the plan of the full path, EXPLAINed, says which relations and functions it uses)."""
+    where = fs.origin or fs.name
+    problems = []
+    clock = reads_clock(fs.query)
+    if clock:
+        problems.append(
+            f"{where}: feature set {fs.name!r}: with history on, the query may not read the "
+            f"clock ({clock}): use t.as_of, the moment it computes for"
+        )
+    # The defining query (the full path) with t(as_of) given: its own clock reads only.
+    keys = fs.entity.keys_cte().replace(AS_OF, "CAST(:as_of AS timestamptz)")
+    plan = conn.execute(
+        sa.text(f"EXPLAIN (VERBOSE, FORMAT JSON) {keys}{fs.query}"),
+        {"tenants": [], "ids": [], "as_of": None},
+    ).scalar()
+    schema = conn.execute(sa.text("SELECT current_schema()")).scalar()
+    relations, calls, clocks = _explained(plan)
+    if clocks and not clock:  # through a function Postgres inlined
+        problems.append(
+            f"{where}: feature set {fs.name!r}: with history on, the query may not read the "
+            f"clock ({', '.join(sorted(clocks))}, through a function): use t.as_of"
+        )
+    for relation_schema, name in sorted(relations):
+        if relation_schema != schema or name not in captured:
+            problems.append(
+                f"{where}: feature set {fs.name!r}: with history on, the query may read only "
+                f"the tables history captures (its sources): it reads {relation_schema}.{name}"
+            )
+    for function_schema, name in conn.execute(_NOT_IMMUTABLE, {"names": sorted(calls)}):
+        problems.append(
+            f"{where}: feature set {fs.name!r}: with history on, the query may call only "
+            f"IMMUTABLE user functions: {function_schema}.{name} is not"
+        )
+    return problems
+
+
+# A call as EXPLAIN VERBOSE prints it: qualified where the search path would not find it.
+_CALL = re.compile(r"\b(?:[a-z_][a-z0-9_]*\.)?([a-z_][a-z0-9_]*)\(")
+# The user functions (outside Postgres's own schemas) of those names that are not IMMUTABLE.
+_NOT_IMMUTABLE = sa.text(
+    "SELECT DISTINCT n.nspname, p.proname FROM pg_proc p "
+    "JOIN pg_namespace n ON n.oid = p.pronamespace "
+    "WHERE p.proname = ANY(CAST(:names AS text[])) AND p.provolatile <> 'i' "
+    "AND n.nspname NOT IN ('pg_catalog', 'information_schema') ORDER BY 1, 2"
+)
+
+
+def _explained(plan: object) -> tuple[set[tuple[str, str]], set[str], set[str]]:
+    """The relations a JSON plan scans, the names of the functions it calls, and the
+    clock functions it reads."""
+    relations: set[tuple[str, str]] = set()
+    calls: set[str] = set()
+    clocks: set[str] = set()
+    todo = [plan]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if "Relation Name" in node:
+                relations.add((str(node.get("Schema")), str(node["Relation Name"])))
+            todo += node.values()
+        elif isinstance(node, list):
+            todo += node
+        elif isinstance(node, str):
+            calls |= set(_CALL.findall(node))
+            clock = reads_clock(node)
+            if clock:
+                clocks.add(clock)
+    return relations, calls, clocks
 
 
 ROLES = ("freshline_api", "freshline_consumer")

@@ -1,15 +1,25 @@
 """The shipped example model: fraud risk from the three feature sets.
 
 Inputs are the numeric features below, in this order (what a scoring service sends
-to ``POST /v1/models/fraud_example/predict``); the label is whether the user had a
-transaction reversed (a chargeback) in the last 90 days. It is an example of the
-wiring, trained in seconds with numpy, not a fraud model to deploy.
+to ``POST /v1/models/fraud_example/predict``). It is an example of the wiring, trained
+in seconds with numpy, not a fraud model to deploy.
+
+Where the repository records history (``[history]`` in ``freshline.toml``), the training
+set is one row per transaction committed since history starts: the features as
+freshline would have served them at the transaction's moment (``created_at``), from
+:func:`freshline.training_set`, and the label whether that transaction was reversed (a
+chargeback). No row committed later, and no later correction, reaches a row's features
+(docs/training.md). Without history it falls back to one row per user with today's
+features and, as label, whether the user had a transaction reversed in the last 90
+days: those features already hold the reversed transactions, so that fallback leaks
+and only shows the wiring.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import sqlalchemy as sa
@@ -36,6 +46,8 @@ MODEL_INPUTS: tuple[tuple[str, str], ...] = (
 )
 FEATURE_NAMES = tuple(f"{fs}.{name}" for fs, name in MODEL_INPUTS)
 BATCH = 1000
+ACTIVE = Path(__file__).resolve().parents[1]
+"""The fraud example's repository, whose feature sets the training set reads."""
 
 
 def vector(features: dict[str, dict[str, object]]) -> list[float]:
@@ -44,10 +56,71 @@ def vector(features: dict[str, dict[str, object]]) -> list[float]:
     return input_row(MODEL_INPUTS, features)
 
 
+SPINE_LIMIT = 50_000
+"""The most recent transactions a history-based training set holds."""
+
+
+def spine(engine: Engine, tenant: str) -> Any | None:
+    """The training spine from history: ``tenant``'s transactions committed since history
+    of ``transactions`` starts (at most :data:`SPINE_LIMIT`, the latest), each at its
+    ``created_at``, labelled with whether it was reversed; None without history."""
+    import pyarrow as pa
+
+    from pipeline.history.evaluator import captured
+
+    with engine.connect() as conn:
+        history = captured(conn).get("transactions")
+        if history is None or history.start is None:
+            return None
+        rows = conn.execute(
+            sa.text(
+                "SELECT user_id, created_at, status = 'reversed' FROM ("
+                "  SELECT user_id, created_at, status, id FROM transactions "
+                "  WHERE tenant_id = :t AND created_at >= :start AND created_at <= now() "
+                "  ORDER BY created_at DESC, id DESC LIMIT :n) AS x ORDER BY created_at, id"
+            ),
+            {"t": tenant, "start": history.start, "n": SPINE_LIMIT},
+        ).all()
+    return pa.table(
+        {
+            "tenant_id": [tenant] * len(rows),
+            "user_id": pa.array([r[0] for r in rows], pa.int64()),
+            "timestamp": pa.array([r[1] for r in rows], pa.timestamp("us", tz="UTC")),
+            "reversed": [bool(r[2]) for r in rows],
+        }
+    )
+
+
 def dataset(
     engine: Engine, tenant: str, progress: Callable[[int, int], None] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Features (computed in batches) and labels for every user of ``tenant``."""
+    """Features and labels: from history where it is recorded (a row per transaction,
+    features as of its moment), else today's per user (see the module docstring)."""
+    rows = spine(engine, tenant) if _has_arrow() else None
+    if rows is not None:
+        from freshline import training_set
+
+        sets = list(dict.fromkeys(fs for fs, _ in MODEL_INPUTS))
+        table = training_set(ACTIVE, rows, sets, engine=engine, progress=progress)
+        columns = [table.column(f"{fs}__{name}").to_pylist() for fs, name in MODEL_INPUTS]
+        x = np.array(
+            [[float(v or 0) for v in row] for row in zip(*columns, strict=True)],
+            dtype=np.float64,
+        ).reshape(-1, len(MODEL_INPUTS))
+        return x, np.array(table.column("reversed").to_pylist(), dtype=np.float64)
+    return _today(engine, tenant, progress)
+
+
+def _has_arrow() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("pyarrow") is not None
+
+
+def _today(
+    engine: Engine, tenant: str, progress: Callable[[int, int], None] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Today's features (computed in batches) and labels for every user of ``tenant``."""
     with engine.connect() as conn:
         users = [
             str(u)

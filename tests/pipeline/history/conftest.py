@@ -2,7 +2,8 @@
 makes real transactions on it and hands back the Debezium envelopes they would stream
 (JSON without schemas, as the connector is configured): the recorder's unit tier runs
 on real Postgres transactions and ids without Kafka; ``test_end_to_end`` uses the real
-connector."""
+connector. The evaluator's tests (issue 52) get the fraud tables captured, the API
+role's engine, a tenant of their own and a moment in the past."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pipeline.history.backfill import S0, backfill
 from pipeline.history.recorder import UNAVAILABLE, Change, Recorder, parse
 from pipeline.history.tables import EPOCH, Layout, create, layout, qualified
 from tests.helpers import role_engine
+from tests.pipeline.history import recording
 
 COLUMNS = (
     "id bigint PRIMARY KEY, note text, at_ts timestamp, at_ms timestamp(3), "
@@ -231,6 +233,39 @@ def history_factory(settings: Settings) -> Iterator[Callable[[], History]]:
             )
     owner.dispose()
     consumer.dispose()
+
+
+FRAUD_TABLES = ("transactions", "users", "user_devices", "devices", "geoip")
+HOUR = dt.timedelta(hours=1)
+
+
+@pytest.fixture(scope="module")
+def captured(engine: Engine) -> Iterator[None]:
+    with engine.begin() as conn:
+        for table in FRAUD_TABLES:
+            recording.capture(conn, table)
+    yield
+    with engine.begin() as conn:
+        for table in FRAUD_TABLES:
+            recording.uncapture(conn, table)
+
+
+@pytest.fixture(scope="module")
+def api(settings: Settings) -> Iterator[Engine]:
+    eng = role_engine(settings, "FRESHLINE_STACK_POSTGRES_API_URL")
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def tenant() -> str:
+    return f"h{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def t() -> dt.datetime:
+    """The moment asked about: two hours ago, to the microsecond."""
+    return (dt.datetime.now(dt.UTC) - 2 * HOUR).replace(microsecond=123456)
 
 
 __all__ = ["KEEP", "Change", "History", "Txn", "sample"]

@@ -1,0 +1,309 @@
+"""Training sets: for each row of a spine, the features freshline would have served.
+
+``training_set(repo, spine, features=[...])`` takes a spine (the entity's tenant column
+where it has one, its key column, a timestamp with a zone, any label columns; an Arrow
+or pandas frame, or a Parquet or CSV file) and returns it as an Arrow table with one
+column per requested field, ``feature_set__field``, typed as declared: the value the
+online path would have served at each row's moment had it been perfectly fresh
+(:class:`~pipeline.history.evaluator.AtCommitTime`), or, with ``at="snapshot"``, as of
+the snapshot a ``snapshot`` column names (:class:`~pipeline.history.evaluator.AtSnapshot`).
+The spine's own columns pass through unchanged, in its order. docs/training.md says
+what the moments mean and how to turn history on.
+
+pyarrow is imported only here, when a training set is asked for (the ``training``
+extra).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from sqlalchemy.engine import Engine
+
+from pipeline.core.db import make_engine
+from pipeline.core.errors import FreshlineError, InvalidId, UnknownFeatureSet
+from pipeline.core.features import IMPLICIT_TENANT, FeatureSet, Field, FieldType
+from pipeline.core.keys import validate_id
+from pipeline.core.repository import Repository, load
+from pipeline.core.settings import Settings, load_settings
+from pipeline.history.evaluator import AtCommitTime, AtSnapshot, Evaluator, Moment, Ref
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+At = Literal["commit_time", "snapshot"]
+CHUNK = 2000
+"""Spine keys per statement (whole moments: a moment's keys never split)."""
+
+
+class SpineError(FreshlineError):
+    """A spine or a feature list the training set cannot be built from (one line)."""
+
+
+def _arrow() -> Any:
+    try:
+        import pyarrow
+    except ImportError:  # pragma: no cover - the extra is installed where tests run
+        raise SpineError("training sets need pyarrow: pip install 'freshline[training]'") from None
+    return pyarrow
+
+
+@dataclass(frozen=True, slots=True)
+class Requested:
+    """One output column: a field of a feature set."""
+
+    feature_set: FeatureSet
+    field: Field
+
+    @property
+    def column(self) -> str:
+        return f"{self.feature_set.name}__{self.field.name}"
+
+
+def requested(repo: Repository, features: Sequence[str]) -> list[Requested]:
+    """``txn_90d`` (every field) or ``geo:distinct_countries_30d`` (one), in order."""
+    if not features:
+        raise SpineError("no features asked for: name feature sets, e.g. txn_90d,geo")
+    out: list[Requested] = []
+    for spec in features:
+        name, _, field = spec.strip().partition(":")
+        try:
+            fs = repo.registry[name]
+        except UnknownFeatureSet as exc:
+            raise SpineError(str(exc)) from None
+        if not field:
+            out += [Requested(fs, f) for f in fs.fields]
+            continue
+        found = next((f for f in fs.fields if f.name == field), None)
+        if found is None:
+            raise SpineError(
+                f"feature set {name!r} has no field {field!r}; its fields: "
+                f"{', '.join(fs.field_names)}"
+            )
+        out.append(Requested(fs, found))
+    return list(dict.fromkeys(out))
+
+
+def read_spine(spine: Any) -> pa.Table:
+    """A spine as an Arrow table: an Arrow table, a pandas frame, or a ``.parquet`` or
+    ``.csv`` file."""
+    pa = _arrow()
+    if isinstance(spine, pa.Table):
+        return spine
+    if isinstance(spine, str | Path):
+        path = Path(spine)
+        if not path.exists():
+            raise SpineError(f"spine file {path} does not exist")
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path)
+        if path.suffix == ".csv":
+            import pyarrow.csv as pcsv
+
+            try:
+                return pcsv.read_csv(path)
+            except pa.ArrowInvalid as exc:
+                raise SpineError(f"spine {path}: {str(exc).splitlines()[0]}") from None
+        raise SpineError(f"spine {path}: expected a .parquet or .csv file")
+    if type(spine).__name__ == "DataFrame" and hasattr(spine, "to_records"):
+        return pa.Table.from_pandas(spine, preserve_index=False)
+    raise SpineError(f"a spine is an Arrow table, a pandas frame or a file, not {type(spine)}")
+
+
+def _column(table: pa.Table, name: str, what: str) -> list[Any]:
+    if name not in table.column_names:
+        raise SpineError(
+            f"the spine has no column {name!r} ({what}); its columns: "
+            f"{', '.join(table.column_names)}"
+        )
+    return list(table.column(name).to_pylist())
+
+
+def _moments(
+    table: pa.Table, timestamp: str, at: At, snapshot: str, delay: dt.timedelta | None
+) -> list[Moment]:
+    pa = _arrow()
+    if timestamp not in table.column_names:
+        _column(table, timestamp, "the moment of each row")
+    kind = table.schema.field(timestamp).type
+    if not pa.types.is_timestamp(kind) or kind.tz is None:
+        zone = "a timestamp without a time zone" if pa.types.is_timestamp(kind) else str(kind)
+        raise SpineError(
+            f"spine column {timestamp!r} is {zone}: give each row's moment with its zone "
+            "(e.g. 2026-12-01T10:00:00+00:00)"
+        )
+    times = table.column(timestamp).to_pylist()
+    if any(t is None for t in times):
+        raise SpineError(
+            f"spine column {timestamp!r} has an empty timestamp (row {times.index(None)})"
+        )
+    if at == "commit_time":
+        shift = delay or dt.timedelta(0)
+        return [AtCommitTime(t - shift) for t in times]
+    if delay:
+        raise SpineError("delay= goes with at='commit_time': a snapshot names its own moment")
+    snaps = _column(table, snapshot, "the snapshot each row names, with at='snapshot'")
+    return [AtSnapshot(str(s), t) for s, t in zip(snaps, times, strict=True)]
+
+
+def _refs(table: pa.Table, fs: FeatureSet) -> list[Ref]:
+    entity = fs.entity
+    ids = _column(table, entity.key, f"the key of entity {entity.name!r}")
+    if entity.tenant:
+        tenants = _column(table, entity.tenant, f"the tenant of entity {entity.name!r}")
+    else:
+        tenants = [IMPLICIT_TENANT] * len(ids)
+    refs: list[Ref] = []
+    for row, (tenant, key) in enumerate(zip(tenants, ids, strict=True)):
+        try:
+            refs.append((validate_id("tenant", tenant), entity.validate(key)))
+        except InvalidId as exc:
+            raise SpineError(f"spine row {row}: {exc}") from None
+    return refs
+
+
+def _arrow_type(kind: FieldType) -> Any:
+    pa = _arrow()
+    return {
+        "int": pa.int64(),
+        "float": pa.float64(),
+        "bool": pa.bool_(),
+        "str": pa.string(),
+        "timestamp": pa.timestamp("ms", tz="UTC"),
+    }[kind]
+
+
+def arrow_column(kind: FieldType, values: list[Any]) -> pa.Array:
+    """Entry values (timestamps as epoch ms) as an Arrow column of the declared type."""
+    pa = _arrow()
+    if kind == "timestamp":
+        return pa.array(values, pa.int64()).cast(_arrow_type(kind))
+    return pa.array(values, _arrow_type(kind))
+
+
+def training_set(
+    repo: Repository | str | Path,
+    spine: Any,
+    features: Sequence[str],
+    *,
+    engine: Engine | None = None,
+    settings: Settings | None = None,
+    timestamp: str = "timestamp",
+    delay: dt.timedelta | None = None,
+    at: At = "commit_time",
+    snapshot: str = "snapshot",
+    chunk: int = CHUNK,
+    progress: Callable[[int, int], None] | None = None,
+) -> pa.Table:
+    """The spine with the requested features as of each row's moment.
+
+    ``repo``: the repository (or its directory); ``spine``: see the module docstring;
+    ``features``: feature set names, or ``set:field``; ``engine``: Postgres (the API's
+    login is enough: it reads the history tables), else one made from ``settings`` (else
+    the environment's, ``FRESHLINE_POSTGRES_URL``); ``timestamp``: the spine's moment
+    column (aware); ``delay``: model serving lag, the value as of ``moment - delay``;
+    ``at``: ``"commit_time"`` (the rows as committed at the moment) or ``"snapshot"``
+    (as the snapshot in the ``snapshot`` column saw them, with the moment as ``as_of``);
+    ``progress(done, total)``: called once the input is checked, then as spine rows are
+    evaluated (per feature set).
+
+    Raises :class:`SpineError` for a spine or feature list it cannot use, and
+    :class:`~pipeline.history.evaluator.HistoryRefused` where history cannot answer
+    without leaking.
+    """
+    pa = _arrow()
+    repository = repo if isinstance(repo, Repository) else load(repo)
+    wanted = requested(repository, features)
+    table = read_spine(spine)
+    moments = _moments(table, timestamp, at, snapshot, delay)
+    for r in wanted:
+        if r.column in table.column_names:
+            raise SpineError(f"the spine already has a column {r.column!r}")
+    sets = list(dict.fromkeys(r.feature_set for r in wanted))
+    refs = {fs.name: _refs(table, fs) for fs in sets}
+    if engine is None:
+        own = make_engine(settings or load_settings(), pool_size=1)
+        try:
+            values = _evaluate(own, sets, moments, refs, chunk, progress)
+        finally:
+            own.dispose()
+    else:
+        values = _evaluate(engine, sets, moments, refs, chunk, progress)
+    for r in wanted:
+        column = [None if v is None else v[r.field.name] for v in values[r.feature_set.name]]
+        table = table.append_column(
+            pa.field(r.column, _arrow_type(r.field.type)), arrow_column(r.field.type, column)
+        )
+    return table
+
+
+def _evaluate(
+    engine: Engine,
+    sets: list[FeatureSet],
+    moments: list[Moment],
+    refs: dict[str, list[Ref]],
+    chunk: int,
+    progress: Callable[[int, int], None] | None,
+) -> dict[str, list[dict[str, Any] | None]]:
+    """Per feature set, each spine row's values (None: the query gave its key no row),
+    all read in one REPEATABLE READ transaction: every chunk sees the same history."""
+    total = len(moments) * len(sets)
+    done = 0
+    if progress:
+        progress(done, total)
+    values: dict[str, list[dict[str, Any] | None]] = {}
+    with engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
+        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+        evaluator = Evaluator.on(conn)
+        for fs in sets:
+            rows: dict[Moment, list[int]] = defaultdict(list)
+            for n, moment in enumerate(moments):
+                rows[moment].append(n)
+            got: list[dict[str, Any] | None] = [None] * len(moments)
+            for batch in _chunks(rows, chunk):
+                answers = evaluator.evaluate(
+                    fs, {m: [refs[fs.name][n] for n in rows[m]] for m in batch}
+                )
+                for moment in batch:
+                    for n in rows[moment]:
+                        got[n] = answers[moment].get(refs[fs.name][n])
+                    done += len(rows[moment])
+                if progress:
+                    progress(done, total)
+            values[fs.name] = got
+        conn.rollback()
+    return values
+
+
+def _chunks(rows: dict[Moment, list[int]], size: int) -> list[list[Moment]]:
+    batches: list[list[Moment]] = [[]]
+    count = 0
+    for moment, members in rows.items():
+        if batches[-1] and count + len(members) > size:
+            batches.append([])
+            count = 0
+        batches[-1].append(moment)
+        count += len(members)
+    return [b for b in batches if b]
+
+
+def write(table: pa.Table, out: str | Path) -> Path:
+    """Write a training set to ``.parquet`` or ``.csv``."""
+    path = Path(out)
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, path)
+    elif path.suffix == ".csv":
+        import pyarrow.csv as pcsv
+
+        pcsv.write_csv(table, path)
+    else:
+        raise SpineError(f"--out {path}: expected a .parquet or .csv file")
+    return path
