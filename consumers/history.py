@@ -11,9 +11,11 @@ column of every record, where the consumers decode only what routes.
 Each iteration: consume up to ``BATCH`` records; read each CDC record as a
 :class:`~pipeline.history.recorder.Change` (a malformed one is logged and counted, not
 recorded); record the batch in one Postgres transaction; then commit the offsets. A
-failure before the commit (Postgres away, a table not backfilled yet) rewinds the
-batch's partitions and tries again with backoff, so nothing is skipped; the recorder's
-idempotence makes the replay harmless.
+failure before the commit (Postgres away) rewinds the batch's partitions and tries
+again with backoff, so nothing is skipped; the recorder's idempotence makes the replay
+harmless. A table registered but not backfilled yet, or a change with a column its
+history table lacks, holds the batch (rewound, offsets kept) until ``freshline apply``
+has done its part, however long.
 
 Completeness: a heartbeat record (Debezium's ``__debezium-heartbeat.<prefix>``) is
 remembered; once every assigned CDC partition has been read to its end after it, every
@@ -42,7 +44,14 @@ from consumers.metrics import history_metrics
 from pipeline.core.db import SCHEMA, make_engine
 from pipeline.core.settings import Settings
 from pipeline.core.topics import CDC_PREFIX
-from pipeline.history.recorder import MalformedChange, NotBackfilled, Outcome, Recorder, parse
+from pipeline.history.recorder import (
+    HistoryBehind,
+    MalformedChange,
+    NotBackfilled,
+    Outcome,
+    Recorder,
+    parse,
+)
 from pipeline.history.snapshots import prune as prune_snapshots
 from pipeline.history.status import lag_s, sizes
 from pipeline.history.tables import from_epoch_us, qualified, registered
@@ -53,6 +62,9 @@ BATCH = 500
 WAIT_S = 0.2
 BACKOFF_S = (0.1, 0.5, 2.0, 5.0)
 PRUNE_EVERY_S = 600.0
+BEHIND_WAIT_S = 2.0
+"""How long the recorder waits before it looks again for columns apply has to add."""
+BEHIND_LOG_S = 60.0
 GROUP_SUFFIX = "-history"
 
 
@@ -89,6 +101,7 @@ class HistoryWorker:
         self._stop = threading.Event()
         self._heartbeat_ms: int | None = None
         self._pruned_at = 0.0
+        self._behind_logged = -BEHIND_LOG_S
 
     def stop(self) -> None:
         """Ask the loop to stop after the batch in hand."""
@@ -117,7 +130,16 @@ class HistoryWorker:
             try:
                 self._record(batch)
                 break
-            except (sa.exc.OperationalError, sa.exc.InterfaceError, NotBackfilled) as exc:
+            except (HistoryBehind, NotBackfilled) as exc:  # waits for apply, however long
+                now = time.monotonic()
+                if now - self._behind_logged > BEHIND_LOG_S:
+                    self._behind_logged = now
+                    logger.error("history: %s", exc)
+                _rewind(consumer, batch)
+                self.recorder.refresh()
+                self._stop.wait(BEHIND_WAIT_S)
+                return
+            except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
                 if attempt == len(BACKOFF_S) or self._stop.is_set():
                     _rewind(consumer, batch)
                     raise

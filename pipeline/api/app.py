@@ -37,6 +37,7 @@ from pipeline.core.repository import REGISTRY, active
 from pipeline.core.services import redis_client as make_redis_client
 from pipeline.core.settings import Settings, load_settings
 from pipeline.history.snapshots import keeper
+from pipeline.history.status import rows as history_rows
 from pipeline.inference.models import ModelRegistry
 from pipeline.inference.predictions import InferenceCache
 from pipeline.observe.staleness import GroupLag
@@ -188,7 +189,11 @@ def create_app(
         semantic_namespaces=semantic_reader(settings, client, engine) if semantic_figures else None,
         sample_max_age_s=settings.ops_cache_s,
     )
-    board = StatusBoard(observer, interval_s=status_interval_s)
+    board = StatusBoard(
+        observer,
+        interval_s=status_interval_s,
+        history=(lambda: history_rows(engine)) if keep_snapshots else None,
+    )
     operator = ops.Ops(
         board=board,
         sampled=SampledMetrics(observer),

@@ -209,7 +209,7 @@ def _enable_history(tables: list[str], retention_s: int | None) -> None:
     from pipeline.core.db import make_owner_engine
     from pipeline.core.settings import load_settings
     from pipeline.history.backfill import backfill
-    from pipeline.history.tables import create, layout, registered
+    from pipeline.history.tables import create, follow, layout, registered
 
     settings = load_settings()
     engine = make_owner_engine(settings)
@@ -219,6 +219,8 @@ def _enable_history(tables: list[str], retention_s: int | None) -> None:
             for found in layouts:
                 if create(conn, found, retention_s):
                     console.print(f"history: created {found.history} for {SCHEMA}.{found.table}")
+                for statement in follow(conn, found):
+                    console.print(f"history: ran {statement}")
             known = registered(conn)
             slot = conn.execute(
                 sa.text("SELECT 1 FROM pg_replication_slots WHERE slot_name = :s"),

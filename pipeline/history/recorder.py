@@ -77,6 +77,21 @@ class MalformedChange(FreshlineError):
     """A record the recorder cannot read as a change; it is skipped with this reason."""
 
 
+class HistoryBehind(FreshlineError):
+    """A change has columns its history table lacks: ``ALTER TABLE ... ADD COLUMN`` on
+    the user's table that ``freshline apply`` has not followed yet. Transient: the
+    recorder waits (its offsets stay) until apply adds them, with the default the
+    earlier versions then hold."""
+
+    def __init__(self, table: str, columns: Sequence[str]) -> None:
+        self.table = table
+        self.columns = tuple(columns)
+        super().__init__(
+            f"{table} has new column(s) {', '.join(columns)} that its history lacks: "
+            "run freshline apply (history waits for it)"
+        )
+
+
 class NotBackfilled(FreshlineError):
     """A registered table whose backfill has not run yet: its changes cannot be placed
     before S0 exists. Transient: ``freshline apply`` runs the backfill."""
@@ -185,6 +200,9 @@ class Target:
     registered: Registered
     columns: tuple[Column, ...]
     key: tuple[str, ...]
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    """Each column's default, as a value: what a change made before the column was
+    added holds (as Postgres gave the rows then)."""
 
     @property
     def table(self) -> str:
@@ -222,6 +240,15 @@ _HISTORY_KEY = sa.text(
     "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum "
     "WHERE i.indrelid = to_regclass(:rel) AND i.indisunique AND a.attname <> '_fl_xmin' "
     "ORDER BY i.indexrelid, k.n"
+)
+_HISTORY_DEFAULTS = sa.text(
+    "SELECT a.attname, pg_get_expr(d.adbin, d.adrelid) FROM pg_attrdef d "
+    "JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum "
+    "WHERE d.adrelid = to_regclass(:rel)"
+)
+_USER_COLUMNS = sa.text(
+    "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(:rel) "
+    "AND attnum > 0 AND NOT attisdropped"
 )
 _XMAX = sa.text("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
 _SEEN_BY_S0 = sa.text(
@@ -262,7 +289,13 @@ class Recorder:
                     for n, k, t, m in conn.execute(_HISTORY_COLUMNS, {"rel": rel})
                 )
                 names = list(dict.fromkeys(conn.execute(_HISTORY_KEY, {"rel": rel}).scalars()))
-                self._targets[key] = Target(found, columns, tuple(names))
+                types = {c.name: c.type for c in columns}
+                defaults = {
+                    name: conn.execute(sa.text(f"SELECT CAST(({expr}) AS {types[name]})")).scalar()
+                    for name, expr in conn.execute(_HISTORY_DEFAULTS, {"rel": rel})
+                    if name in types
+                }
+                self._targets[key] = Target(found, columns, tuple(names), defaults)
         return self._targets[key]
 
     def record(self, changes: Iterable[Change]) -> Outcome:
@@ -271,6 +304,9 @@ class Recorder:
         outcome = Outcome()
         if not batch:
             return outcome
+        # A table not registered is looked up again each batch: apply may register it
+        # at any time, and every change committed after that must be recorded.
+        self._targets = {k: v for k, v in self._targets.items() if v is not None}
         with self.engine.begin() as conn:
             xmax = int(conn.execute(_XMAX).scalar_one())
             targets: dict[tuple[str, str], Target] = {}
@@ -330,11 +366,21 @@ class Recorder:
         have = {c.name for c in target.columns}
         if set(image) == have:
             return
-        added, dropped = sorted(set(image) - have), sorted(have - set(image))
+        added = sorted(set(image) - have)
+        if added:
+            raise HistoryBehind(f"{change.schema}.{change.table}", added)
+        now = set(
+            conn.execute(
+                _USER_COLUMNS, {"rel": f"{quote(change.schema)}.{quote(change.table)}"}
+            ).scalars()
+        )
+        # A column the record lacks but the table has was added after it: its default.
+        dropped = sorted((have - set(image)) - now)
+        if not dropped:
+            return
         reason = (
-            f"the change at {_lsn(change.lsn)} has columns the history table lacks "
-            f"({', '.join(added) or 'none'}) or lacks its ({', '.join(dropped) or 'none'}): "
-            "DDL on the table that history does not follow"
+            f"the change at {_lsn(change.lsn)} lacks column(s) {', '.join(dropped)} that "
+            "the table no longer has: DDL on the table that history does not follow"
         )
         updated = conn.execute(
             sa.text(
@@ -384,11 +430,17 @@ def _apply_table(
 
 
 def _values(
-    image: Mapping[str, Any], columns: Mapping[str, Column], previous: Mapping[str, Any] | None
+    image: Mapping[str, Any],
+    columns: Mapping[str, Column],
+    previous: Mapping[str, Any] | None,
+    defaults: Mapping[str, Any],
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, column in columns.items():
-        value = image.get(name)
+        if name not in image:  # added to the table after this change: its default
+            out[name] = defaults.get(name)
+            continue
+        value = image[name]
         if _unavailable(value, column):
             out[name] = previous.get(name) if previous is not None else None
         else:
@@ -528,7 +580,7 @@ class _Rows:
             if change.op == "d":
                 own.end_at(lsn, txid, own.start)
             else:
-                own.values = _values(image, columns, own.values)
+                own.values = _values(image, columns, own.values, self.target.defaults)
                 own.end_at(*self._end_after(chain, txid, own.change, None))
             own.change = lsn
             own.dirty = True
@@ -544,7 +596,7 @@ class _Rows:
             at,
             None,
             lsn,
-            _values(image, columns, prev.values if prev else None),
+            _values(image, columns, prev.values if prev else None, self.target.defaults),
             dirty=True,
         )
         if change.op == "d":  # an empty version of T: the delete, for records that come later

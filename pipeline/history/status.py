@@ -76,6 +76,30 @@ def describe(engine: Engine, config: History, tables: list[str]) -> list[str]:
     return lines
 
 
+def rows(engine: Engine) -> list[dict[str, object]]:
+    """The status page's history section: one row per recorded table."""
+    with engine.connect() as conn:
+        known = list(registered(conn).values())
+    on_disk = sizes(engine) if known else {}
+    out: list[dict[str, object]] = []
+    for found in known:
+        size, versions = on_disk.get(found.history, (0, 0))
+        out.append(
+            {
+                "table": f"{found.schema}.{found.table}",
+                "history_table": f"freshline.{found.history}",
+                "s0_at": None if found.s0_at_us is None else found.s0_at_us / 1e6,
+                "complete_to": None if found.complete_to_us is None else found.complete_to_us / 1e6,
+                "lag_s": lag_s(found),
+                "versions": versions,
+                "bytes": size,
+                "retention_s": found.retention_s,
+                "broken": found.broken_reason if found.broken_from_us is not None else None,
+            }
+        )
+    return out
+
+
 def lag_s(found: Registered, now: dt.datetime | None = None) -> float | None:
     """How far behind now ``found``'s history is complete, in seconds (None: never)."""
     if found.complete_to_us is None:

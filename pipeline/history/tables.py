@@ -202,6 +202,44 @@ def _index_name(history: str, suffix: str) -> str:
     return f"{history[: MAX_NAME - len(suffix) - 1]}_{suffix}"
 
 
+def follow(conn: Connection, found: Layout) -> list[str]:
+    """Add to ``found``'s history table the columns its user table has gained (``ADD
+    COLUMN``), with the same type and default, so the versions recorded before hold the
+    default, as the table's rows did then; the statements run. (A volatile default such
+    as ``now()`` is evaluated now, not when the column was added.) Run as the owner."""
+    have = set(
+        conn.execute(
+            sa.text(
+                "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(:rel) "
+                "AND attnum > 0 AND NOT attisdropped"
+            ),
+            {"rel": qualified(found.history)},
+        ).scalars()
+    )
+    defaults: dict[str, str] = dict(
+        conn.execute(
+            sa.text(
+                "SELECT a.attname, pg_get_expr(d.adbin, d.adrelid) FROM pg_attrdef d "
+                "JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum "
+                "WHERE d.adrelid = to_regclass(:rel)"
+            ),
+            {"rel": f"{quote(found.schema)}.{quote(found.table)}"},
+        ).all()
+    )
+    ran = []
+    for column in found.columns:
+        if column.name in have:
+            continue
+        default = defaults.get(column.name)
+        statement = (
+            f"ALTER TABLE {qualified(found.history)} ADD COLUMN {quote(column.name)} "
+            f"{column.type}{f' DEFAULT {default}' if default else ''}"
+        )
+        conn.execute(sa.text(statement))
+        ran.append(statement)
+    return ran
+
+
 GRANTS = (
     "GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO freshline_consumer",
     "GRANT SELECT ON {table} TO freshline_api",

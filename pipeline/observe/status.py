@@ -300,9 +300,17 @@ class StatusBoard:
     """The ring buffer of per-minute snapshots and the report the page draws."""
 
     def __init__(
-        self, observer: Observer, *, interval_s: float = INTERVAL_S, window_s: int = WINDOW_S
+        self,
+        observer: Observer,
+        *,
+        interval_s: float = INTERVAL_S,
+        window_s: int = WINDOW_S,
+        history: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         self.observer = observer
+        self.history_rows = history
+        """The recorded tables' history, one row each (``pipeline.history.status.rows``)
+        when the repository records history."""
         self.interval_s = interval_s
         self.window_s = window_s
         self.history: deque[Snapshot] = deque(maxlen=int(window_s / interval_s) + 1)
@@ -394,6 +402,7 @@ class StatusBoard:
         namespaces = self.observer.namespaces()
         if namespaces is not None:
             self._namespace_problems(namespaces["rows"], problems)
+        history = self._history(problems)
         fresh = _Series()
         for prev, cur in itertools.pairwise(points):
             fresh.add(cur.at, lag_s=_mean_between(prev.freshness, cur.freshness))
@@ -411,8 +420,22 @@ class StatusBoard:
             "semantic": semantic,
             "semantic_namespaces": namespaces,
             "broker_reachable": now.lag is not None,
+            "history": history,
             "problems": problems,
         }
+
+    def _history(self, problems: list[str]) -> list[dict[str, Any]] | None:
+        if self.history_rows is None:
+            return None
+        try:
+            rows = self.history_rows()
+        except Exception as exc:  # a failed read leaves the section empty, never the page
+            log.warning("history status failed: %s", exc)
+            return None
+        problems += [
+            f"history of {r['table']} is broken: {r['broken']}" for r in rows if r["broken"]
+        ]
+        return rows
 
     @staticmethod
     def _semantic(now: Snapshot, base: Snapshot, problems: list[str]) -> list[dict[str, Any]]:

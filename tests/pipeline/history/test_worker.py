@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import orjson
 import pytest
+import sqlalchemy as sa
 from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
 
@@ -19,7 +20,7 @@ from consumers.topics import ensure
 from pipeline.cdc.connect import names
 from pipeline.core.settings import Settings
 from pipeline.history.audit import audit
-from pipeline.history.tables import registered
+from pipeline.history.tables import follow, layout, registered
 from tests.consumers.conftest import own_settings
 from tests.pipeline.history.conftest import KEEP, History, Txn, sample
 
@@ -87,6 +88,37 @@ def test_records_lost_to_retention_mark_history_broken(
             found = registered(conn)[("public", h.table)]
         assert found.broken_from_us is not None
         assert "deleted by the topic's retention" in (found.broken_reason or "")
+    finally:
+        for future in admin.delete_topics([topic], operation_timeout=10).values():
+            with contextlib.suppress(Exception):
+                future.result()
+
+
+def test_the_worker_waits_for_apply_to_follow_an_added_column(
+    settings: Settings, base_settings: Settings, history_factory: Callable[[], History]
+) -> None:
+    h = history_factory()
+    h.writer.commit(Txn().insert(sample(1)))
+    h.enable()
+    with h.owner.begin() as conn:
+        conn.execute(sa.text(f"ALTER TABLE {h.table} ADD COLUMN extra text DEFAULT 'x'"))
+    records = h.writer.commit(Txn().update(sample(1, note="new", extra="y")))
+    local = own_settings(settings, "hadd", 1)
+    topic = names(local).topic(h.table)
+    admin: AdminClient = admin_client(base_settings)
+    ensure(admin, 1, topics=[topic])
+    try:
+        with Producer(base_settings) as producer:
+            producer.produce(topic, orjson.dumps(records[0]), key=None)
+            producer.flush()
+        waiting = HistoryWorker(local, h.consumer).run(timeout=5)
+        assert waiting.consumed == 0 and waiting.versions == 0  # held, nothing committed
+        with h.owner.begin() as conn:  # what apply does
+            follow(conn, layout(conn, "public", h.table))
+        done = HistoryWorker(local, h.consumer).run(max_messages=1, timeout=60)
+        assert done.versions == 1
+        [result] = [r for r in audit(h.consumer) if r.table == h.table]
+        assert result.ok, result.samples
     finally:
         for future in admin.delete_topics([topic], operation_timeout=10).values():
             with contextlib.suppress(Exception):
