@@ -21,9 +21,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 
 from pipeline.history import tables
+from pipeline.history.recorder import Change, Recorder
 
 SCHEMA = "freshline"
 _XMINS = itertools.count(10)
@@ -207,3 +208,74 @@ def uncapture(conn: Connection, table: str) -> None:
         ),
         {"t": table},
     )
+
+
+LOG = f"{SCHEMA}.h52_changes"
+"""The change log :func:`log` fills: what Debezium would stream, for the recorder API."""
+
+
+def log(conn: Connection, table: str) -> None:
+    """Log every later change of ``public.table`` (its images, transaction and WAL
+    position) into :data:`LOG`, for :func:`drain` to hand the history recorder as the
+    change stream would (no connector: a test's stand-in for Debezium, not the
+    recorder's)."""
+    conn.execute(
+        sa.text(
+            f"CREATE TABLE IF NOT EXISTS {LOG} (n bigserial PRIMARY KEY, tbl text, op text, "
+            "txid bigint, lsn bigint, before jsonb, after jsonb)"
+        )
+    )
+    conn.execute(
+        sa.text(
+            f"""
+CREATE OR REPLACE FUNCTION {SCHEMA}.h52_log() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO {LOG} (tbl, op, txid, lsn, before, after) VALUES (
+        TG_TABLE_NAME,
+        CASE TG_OP WHEN 'INSERT' THEN 'c' WHEN 'UPDATE' THEN 'u' WHEN 'DELETE' THEN 'd'
+                   ELSE 't' END,
+        pg_current_xact_id()::text::bigint, pg_current_wal_insert_lsn() - '0/0'::pg_lsn,
+        CASE WHEN TG_OP IN ('UPDATE', 'DELETE') THEN to_jsonb(OLD) END,
+        CASE WHEN TG_OP IN ('INSERT', 'UPDATE') THEN to_jsonb(NEW) END);
+    RETURN NULL;
+END $$
+"""
+        )
+    )
+    name = history_name(table)
+    conn.execute(
+        sa.text(
+            f"CREATE TRIGGER {name}_log AFTER INSERT OR UPDATE OR DELETE ON public.{table} "
+            f"FOR EACH ROW EXECUTE FUNCTION {SCHEMA}.h52_log()"
+        )
+    )
+    conn.execute(
+        sa.text(
+            f"CREATE TRIGGER {name}_logt AFTER TRUNCATE ON public.{table} "
+            f"FOR EACH STATEMENT EXECUTE FUNCTION {SCHEMA}.h52_log()"
+        )
+    )
+
+
+def drain(owner: Engine, recorder: Recorder) -> int:
+    """Hand every logged change of committed transactions to ``recorder`` as Debezium
+    change records, each transaction with the clock read now as its commit time (call it
+    right after the commit); how many."""
+    with owner.begin() as conn:
+        rows = conn.execute(
+            sa.text(
+                f"DELETE FROM {LOG} WHERE pg_xact_status(CAST(CAST(txid AS text) AS xid8)) "
+                "= 'committed' RETURNING tbl, op, txid, lsn, before, after, n"
+            )
+        ).all()
+        now_us = int(
+            conn.execute(
+                sa.text("SELECT floor(extract(epoch FROM clock_timestamp()) * 1e6)::bigint")
+            ).scalar_one()
+        )
+    changes = [
+        Change("public", tbl, op, txid % (1 << 32), lsn, now_us, before, after)
+        for tbl, op, txid, lsn, before, after, _ in sorted(rows, key=lambda r: r[6])
+    ]
+    recorder.record(changes)
+    return len(changes)

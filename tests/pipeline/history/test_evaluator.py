@@ -282,7 +282,8 @@ def test_refuses_moments_past_complete_to_where_broken_and_beyond_retention(
 def recording_reset(conn: sa.Connection) -> None:
     conn.execute(
         sa.text(
-            "UPDATE freshline.history_tables SET complete_to = 'infinity', broken_from = NULL, "
+            "UPDATE freshline.history_tables SET complete_to = '9999-01-01 00:00+00', "
+            "broken_from = NULL, "
             "retention_s = NULL WHERE source_table = 'transactions'"
         )
     )

@@ -12,11 +12,15 @@ evaluator :class:`AtSnapshot` of each read gives every field equal, digit for di
 the fraud example so does the independent reference (:mod:`tests.faults.reference`) run
 over the history rows that snapshot sees.
 
-History is recorded by the test's trigger stand-in (:func:`recording.record`): real
-transaction ids, so snapshot visibility is exact.
+History is the history issue's: its tables, its backfill (S0) and its recorder
+(:class:`pipeline.history.recorder.Recorder`, as the consumer role), handed each
+committed transaction's changes as Debezium records (images, transaction id, WAL
+position, commit time) by a logging trigger that stands in for the connector
+(:func:`recording.log`, :func:`recording.drain`).
 
-Budget: ``FRESHLINE_HISTORY_EXAMPLES`` examples per repository (default 15, about 30 s
-for both on the development machine; the full run sets 60).
+Budget: ``FRESHLINE_HISTORY_EXAMPLES`` examples per repository: 15 by default (about
+15 s for both here, plus the module's database), 60 for a full run (about 60 s); within
+4 minutes either way.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ from pipeline.core.repository import REGISTRY, load
 from pipeline.core.settings import Settings
 from pipeline.core.types import FeatureValues
 from pipeline.history import tables
-from pipeline.history.evaluator import AtSnapshot, Evaluator
+from pipeline.history.backfill import backfill
+from pipeline.history.evaluator import AtCommitTime, AtSnapshot, Evaluator
+from pipeline.history.recorder import Recorder
 from tests.faults import reference
 from tests.helpers import ROOT, drop_database, migrate, recreate_database, role_url
 from tests.pipeline.history import recording
@@ -59,6 +65,7 @@ CREATE TABLE shop_orders (id bigserial PRIMARY KEY, shop_id text NOT NULL,
 CREATE INDEX shop_orders_by_customer ON shop_orders (shop_id, customer_id, placed_at)
 """
 FRAUD_TABLES = ("transactions", "users", "user_devices", "devices", "geoip")
+CAPTURED = (*FRAUD_TABLES, "shop_customers", "shop_orders")
 RANGES = [("10.0.0.0", "10.0.0.255"), ("10.0.1.0", "10.0.1.255"), ("10.0.2.0", "10.0.2.255")]
 IPS = ["10.0.0.7", "10.0.1.9", "10.0.2.200", "10.0.9.1"]  # the last in no range
 DEVICES = ["d1", "d2", "d3"]
@@ -75,6 +82,11 @@ SETTINGS = settings(
 class Db:
     owner: Engine
     api: Engine
+    recorder: Recorder
+
+    def record(self) -> None:
+        """Hand the committed changes to the history recorder, as the stream would."""
+        recording.drain(self.owner, self.recorder)
 
 
 @pytest.fixture(scope="module")
@@ -94,16 +106,22 @@ def db(base_settings: Settings) -> Iterator[Db]:
                 sa.text("INSERT INTO geoip VALUES (:f, :t, :c, :city, 1)"),
                 {"f": start, "t": end, "c": f"C{n}", "city": f"city{n}"},
             )
-        for table in (*FRAUD_TABLES, "shop_customers", "shop_orders"):
-            recording.capture(conn, table)
-            recording.record(conn, table)
-    api = make_engine(
-        local.model_copy(
-            update={"postgres_url": role_url(local, "FRESHLINE_STACK_POSTGRES_API_URL")}
+        layouts = [tables.layout(conn, "public", t) for t in CAPTURED]
+        for found in layouts:
+            tables.create(conn, found, None)
+            recording.log(conn, found.table)
+    backfill(owner, layouts)  # S0: history's start
+    with owner.begin() as conn:  # the recorder's heartbeats would move it; no connector here
+        conn.execute(
+            sa.text("UPDATE freshline.history_tables SET complete_to = '9999-01-01 00:00+00'")
         )
+    api, consumer = (
+        make_engine(local.model_copy(update={"postgres_url": role_url(local, role)}))
+        for role in ("FRESHLINE_STACK_POSTGRES_API_URL", "FRESHLINE_STACK_POSTGRES_CONSUMER_URL")
     )
-    yield Db(owner, api)
+    yield Db(owner, api, Recorder(consumer))
     api.dispose()
+    consumer.dispose()
     owner.dispose()
     drop_database(base_settings, name)
 
@@ -134,15 +152,20 @@ def serve(api: Engine, registry: Registry, refs: list[tuple[str, str]]) -> list[
 def offline(
     api: Engine, registry: Registry, reads: list[Served], refs: list[tuple[str, str]]
 ) -> None:
-    """Every read's values, again from history AtSnapshot, equal field for field."""
+    """Every read's values, again from history AtSnapshot and AtCommitTime of its
+    ``as_of``, equal field for field."""
     with api.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
         evaluator = Evaluator.on(conn)
         for fs in registry:
             mine = [r for r in reads if r.feature_set == fs.name]
             got = evaluator.evaluate(fs, {AtSnapshot(r.snapshot, r.as_of): refs for r in mine})
+            at = evaluator.evaluate(fs, {AtCommitTime(r.as_of): refs for r in mine})
             for read in mine:
                 moment = AtSnapshot(read.snapshot, read.as_of)
                 assert got[moment] == read.values, (fs.name, read.snapshot, read.as_of)
+                # each commit was stamped before the next read and after the reads that
+                # saw it open, so the commit-time reading is the same
+                assert at[AtCommitTime(read.as_of)] == read.values, (fs.name, read.as_of)
         conn.rollback()
 
 
@@ -314,6 +337,7 @@ def run(
     with db.owner.begin() as conn:
         for statement in setup:
             conn.execute(sa.text(statement), {"t": tenant})
+    db.record()
     reads = serve(db.api, registry, refs)  # before any change: every change is after it
     for ops, read_open, read_after in steps_:
         with db.owner.begin() as conn:
@@ -322,6 +346,7 @@ def run(
             # a reader waits for an open TRUNCATE's lock: no read while one is open
             if read_open and not any(op[0] == "truncate" for op in ops):
                 reads += serve(db.api, registry, refs)
+        db.record()
         if read_after:
             reads += serve(db.api, registry, refs)
     reads += serve(db.api, registry, refs)
