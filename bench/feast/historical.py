@@ -5,8 +5,9 @@ requirements.txt``), never in freshline's: ``python historical.py FEATURES SPINE
 ``FEATURES`` is a Parquet file of ``user_id``, ``event_timestamp`` and one column per
 feature (``<feature set>__<field>``, freshline's own output at each change); ``SPINE``
 one of ``user_id`` and ``event_timestamp``. Each feature set becomes a FeatureView over
-that file (its fields named as the columns), with the file offline store and a local registry in ``WORKDIR``. Prints one
-JSON line: rows, seconds for ``get_historical_features(...).to_df()``, the Feast version.
+that file (its fields named as the columns), with the file offline store and a local
+registry in ``WORKDIR``. Prints one JSON line: rows, seconds for
+``get_historical_features(...).to_df()``, the Feast version.
 """
 
 from __future__ import annotations
