@@ -23,7 +23,7 @@ from pathlib import Path
 def main(features_path: str, spine_path: str, workdir: str) -> None:
     import pandas as pd
     import pyarrow.parquet as pq
-    from feast import Entity, FeatureStore, FeatureView, Field, FileSource, RepoConfig
+    from feast import Entity, FeatureStore, FeatureView, Field, FileSource, RepoConfig, ValueType
     from feast.types import Bool, Float64, Int64, String, UnixTimestamp
 
     kinds = {"int64": Int64, "double": Float64, "bool": Bool, "string": String}
@@ -39,7 +39,7 @@ def main(features_path: str, spine_path: str, workdir: str) -> None:
         entity_key_serialization_version=3,
     )
     store = FeatureStore(config=config)
-    user = Entity(name="user", join_keys=["user_id"])
+    user = Entity(name="user", join_keys=["user_id"], value_type=ValueType.INT64)
     source = FileSource(path=features_path, timestamp_field="event_timestamp")
     views: dict[str, list[Field]] = {}
     for field in schema:
@@ -72,6 +72,7 @@ def main(features_path: str, spine_path: str, workdir: str) -> None:
                 "rows": len(out),
                 "seconds": took,
                 "features": len(refs),
+                "non_null": int(out[refs[0].split(":")[1]].notna().sum()),
                 "feast": metadata.version("feast"),
             }
         )
