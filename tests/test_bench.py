@@ -86,3 +86,55 @@ def test_a_result_the_current_format_cannot_render_is_shown_as_its_run_rendered_
     # A result the current format renders is rendered again, not taken from the store;
     # the stored text is the runner's, never passed to the benchmark's markdown.
     assert "stale text" not in text and "## memory: " in text and "**failed**" not in text
+
+
+def test_training_renders_a_missed_target_and_a_failed_feast_run() -> None:
+    from bench import training
+
+    window = {
+        "writes": 100,
+        "writes_per_s": 20.0,
+        "lag_records_mean": 1.5,
+        "lag_records_p95": 3,
+        "lag_records_max": 4,
+        "drain_s": 0.1,
+    }
+    result = {
+        "parameters": {
+            **training.QUICK.__dict__,
+            "load_at_start": [1.0, 1.0, 1.0],
+            "load_at_end": [2.0, 2.0, 2.0],
+            "postgres": "127.0.0.1:5432",
+        },
+        "cost": {
+            "on": {**window, "history_bytes": 50_000, "history_bytes_per_change": 500.0},
+            "off": window,
+            "recorder": {
+                "backlog": 100,
+                "seconds_from_first_commit": 0.5,
+                "seconds_from_start": 2.0,
+                "changes_per_s": 200.0,
+            },
+        },
+        "history": {
+            "versions": 10,
+            "recorded": 5,
+            "ended": 2,
+            "s0": "S0",
+            "complete_to": "C",
+            "complete_to_set_by": "recorder",
+            "span_s": 9,
+        },
+        "throughput": {"rows": 400, "seconds": 2.0, "rows_per_s": 200.0, "peak_rss_mib": 150.0},
+        "naive": {
+            "rows": 40,
+            "lateral_rows_per_s": 400.0,
+            "naive_rows_per_s": 100.0,
+            "ratio": 4.0,
+            "same_values": True,
+        },
+        "feast_error": "feast exited 1: no module",
+    }
+    text = training.markdown(result)
+    assert "Target >= 20x: **missed**" in text
+    assert "Feast: **failed**" in text and "1,000,000" in text
