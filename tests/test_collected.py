@@ -14,7 +14,21 @@ from tests.helpers import ROOT
 
 BEFORE = ROOT / "tests" / "collected_before_tiers.txt"
 
-RENAMED: dict[str, str] = {}
+RENAMED: dict[str, str] = {
+    # One rate per tenant, all its keys (issue 48).
+    "tests/pipeline/api/test_limits.py::test_a_key_over_its_rate_gets_429_with_retry_after": (
+        "tests/pipeline/api/test_limits.py::"
+        "test_a_tenant_over_its_rate_gets_429_with_retry_after_on_every_key"
+    ),
+    # The writer with no grant moved to the role tests of the derived path (issue 47).
+    "tests/test_derived.py::test_a_writer_without_grants_on_freshline_logs_its_own_inserts": (
+        "tests/test_derived_roles.py::test_a_writer_with_no_grant_on_freshline_has_its_writes_logged"
+    ),
+    # The README's block as written, twice on one stack (issue 49).
+    "tests/test_quickstart.py::test_the_readme_quick_start_serves_a_change_made_with_plain_sql": (
+        "tests/test_quickstart.py::test_the_readme_quick_start_runs_as_written_twice_on_one_stack"
+    ),
+}
 """Old test id -> its new id, for a test renamed since."""
 
 
