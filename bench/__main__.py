@@ -33,8 +33,8 @@ import confluent_kafka
 import orjson
 
 from bench import common
-from pipeline.core.errors import FreshlineError
-from pipeline.core.services import translate_errors
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.services import translate_errors
 
 BENCHMARKS = (
     "seed",

@@ -59,7 +59,7 @@ import httpx
 import numpy as np
 
 from bench import common, reference_app
-from pipeline.dev import processes
+from freshline.pipeline.dev import processes
 
 FEATURE_SET = "txn_90d"
 SERVER_WORKERS = 2
@@ -129,7 +129,7 @@ UNTRUSTED_TENANT = {
     "rows_burst": 100,
 }
 """The limits ``docs/security.md`` gives a tenant the platform does not trust, set with
-``freshline tenants limits`` (:func:`pipeline.api.auth.set_tenant_limits`)."""
+``freshline tenants limits`` (:func:`freshline.pipeline.api.auth.set_tenant_limits`)."""
 PROFILES: dict[str, dict[str, Any]] = {
     "defaults": {"server": {}, "abuser": {}},
     "untrusted tenant": {"server": {}, "abuser": UNTRUSTED_TENANT},
@@ -148,7 +148,7 @@ so none is sent twice in a run."""
 
 
 def _model(name: str, directory: Path) -> Path:
-    from pipeline.inference.models import LogisticModel
+    from freshline.pipeline.inference.models import LogisticModel
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(200, len(FEATURES)))
@@ -372,8 +372,8 @@ def _warm(url: str, key: str, model: str, tag: str) -> None:
 
 def _redis_footprint(ctx: common.Context, tenant: str) -> dict[str, int]:
     """Keys the abusive tenant holds in Redis, by kind, after the run."""
-    from pipeline.core.budget import usage
-    from pipeline.core.keys import inference_budget_keys
+    from freshline.pipeline.core.budget import usage
+    from freshline.pipeline.core.keys import inference_budget_keys
 
     keys, size = usage(ctx.redis, inference_budget_keys(tenant))
     semantic = sum(1 for _ in ctx.redis.scan_iter(match=f"sem:*{{{tenant}:*", count=1000))
@@ -381,8 +381,8 @@ def _redis_footprint(ctx: common.Context, tenant: str) -> dict[str, int]:
 
 
 def run(quick: bool) -> dict[str, Any]:
-    from pipeline.api.auth import create_api_key, create_tenant, set_tenant_limits
-    from pipeline.inference.models import ModelRegistry
+    from freshline.pipeline.api.auth import create_api_key, create_tenant, set_tenant_limits
+    from freshline.pipeline.inference.models import ModelRegistry
 
     ctx = common.context(quick)
     version, _, key, users = reference_app.prepared(ctx)
@@ -539,7 +539,7 @@ def _profile(
 def _effective(limits: dict[str, str]) -> dict[str, str]:
     """Each limit the profile's servers ran with: the profile's, the environment's, or
     the setting's default."""
-    from pipeline.core.settings import Settings
+    from freshline.pipeline.core.settings import Settings
 
     fields = Settings.model_fields
     return {

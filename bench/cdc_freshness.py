@@ -52,9 +52,9 @@ from confluent_kafka import Message
 from sqlalchemy.engine import make_url
 
 from bench import common
-from consumers.kafka import Consumer
-from consumers.topics import ensure_cdc_topics
-from pipeline.cdc.connect import (
+from freshline.consumers.kafka import Consumer
+from freshline.consumers.topics import ensure_cdc_topics
+from freshline.pipeline.cdc.connect import (
     HEARTBEAT_MS,
     ConnectClient,
     Names,
@@ -310,7 +310,7 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
 
 def _paths(path: str) -> dict[str, str]:
     """``path`` for each feature set that has it (a plain query: full only)."""
-    from pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.repository import REGISTRY
 
     return {
         name: path
@@ -375,8 +375,8 @@ def _heaviest_user_cost(ctx: common.Context, tenant: str) -> dict[str, Any]:
     """
     import sqlalchemy as sa
 
-    from pipeline.cache.recompute import compute
-    from pipeline.core.repository import REGISTRY
+    from freshline.pipeline.cache.recompute import compute
+    from freshline.pipeline.core.repository import REGISTRY
 
     with ctx.engine.connect() as conn:
         user, count = conn.execute(
@@ -445,7 +445,7 @@ def _remove_connector(ctx: common.Context, client: ConnectClient, owned: Names) 
 
 
 def _delete_topics(ctx: common.Context, topics: list[str]) -> None:
-    from consumers.kafka import admin_client
+    from freshline.consumers.kafka import admin_client
 
     admin = admin_client(ctx.settings)
     for future in admin.delete_topics(topics, operation_timeout=10).values():

@@ -26,8 +26,8 @@ from confluent_kafka import Message
 from bench import common
 from bench.cdc_freshness import TenantChanges, _delete_topics, _remove_connector, _wait
 from bench.sql_load import background
-from consumers.topics import ensure_cdc_topics
-from pipeline.cdc.connect import (
+from freshline.consumers.topics import ensure_cdc_topics
+from freshline.pipeline.cdc.connect import (
     LATENCY_SETTINGS,
     ConnectClient,
     captured_tables,
@@ -51,7 +51,7 @@ FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 BEFORE_CONNECTOR = {"poll.interval.ms": "50"}
 """The connector's latency settings before issue 26 (the rest were Debezium's and
 Connect's defaults): the "before" windows run with these instead of
-:data:`pipeline.cdc.connect.LATENCY_SETTINGS`."""
+:data:`freshline.pipeline.cdc.connect.LATENCY_SETTINGS`."""
 STAGES = (
     ("commit -> Debezium event", "commit", "debezium"),
     ("Debezium -> Kafka record", "debezium", "kafka"),
@@ -409,8 +409,8 @@ def consumers(
 INSTALL = """
 import sys
 import sqlalchemy as sa
-from pipeline.core.maintenance import install_missing
-from pipeline.core.repository import active
+from freshline.pipeline.core.maintenance import install_missing
+from freshline.pipeline.core.repository import active
 with sa.create_engine(sys.argv[1]).begin() as conn:
     install_missing(conn, active().registry.maintenances())
 """

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from pipeline.dev import processes
+from freshline.pipeline.dev import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = Path(os.environ.get("FRESHLINE_STACK_DIR", ROOT / ".stack")) / "cluster" / "env"
@@ -78,12 +78,12 @@ def _worker(
 ) -> None:
     from pydantic import SecretStr
 
-    from pipeline.cache.recompute import Batch
-    from pipeline.cache.store import FeatureStore
-    from pipeline.core.repository import REGISTRY
-    from pipeline.core.services import redis_client
-    from pipeline.core.settings import Settings
-    from pipeline.core.types import EntityRef
+    from freshline.pipeline.cache.recompute import Batch
+    from freshline.pipeline.cache.store import FeatureStore
+    from freshline.pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.services import redis_client
+    from freshline.pipeline.core.settings import Settings
+    from freshline.pipeline.core.types import EntityRef
 
     fs = REGISTRY["txn_90d"]
     user, password = login

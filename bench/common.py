@@ -41,11 +41,11 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.pool import PoolProxiedConnection
 
-from pipeline.cache.invalidation import Invalidation
-from pipeline.cache.recompute import unpack_watermark
-from pipeline.core.errors import FreshlineError
-from pipeline.core.keys import INVALIDATION_CHANNEL
-from pipeline.core.services import redis_client
+from freshline.pipeline.cache.invalidation import Invalidation
+from freshline.pipeline.cache.recompute import unpack_watermark
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.keys import INVALIDATION_CHANNEL
+from freshline.pipeline.core.services import redis_client
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -219,7 +219,7 @@ class Context:
     """
 
     def __init__(self, quick: bool) -> None:
-        from pipeline.core.settings import Settings
+        from freshline.pipeline.core.settings import Settings
 
         self.quick = quick
         self.tag = uuid.uuid4().hex[:8]
@@ -268,18 +268,18 @@ class Context:
         return self.settings.model_copy(update=update)
 
     def open(self) -> Context:
-        import migrations
+        from freshline import migrations
 
         admin = self._admin()
         with admin.connect() as conn:
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)'))
             conn.execute(sa.text(f'CREATE DATABASE "{self.db_name}"'))
         admin.dispose()
-        from pipeline.core.repository import active
+        from freshline.pipeline.core.repository import active
 
         repo = active()  # the fraud example, whose tables the benchmarks seed
         migrations.upgrade(self.settings.postgres_url, repo=migrations.Chain.of_repository(repo))
-        from pipeline.core.maintenance import install_missing
+        from freshline.pipeline.core.maintenance import install_missing
 
         with self.engine.begin() as conn:  # what apply --alter-tables installs
             install_missing(conn, repo.registry.maintenances())
@@ -293,7 +293,7 @@ class Context:
     @property
     def engine(self) -> Engine:
         if self._engine is None:
-            from pipeline.core.db import make_engine
+            from freshline.pipeline.core.db import make_engine
 
             self._engine = make_engine(self.settings, pool_size=20)
         return self._engine
@@ -336,7 +336,7 @@ class Context:
     def kafka_topics(self) -> list[str]:
         """Create the run's prefixed topics (once) and return their names."""
         if not self.topics:
-            from consumers.topics import ensure_from_settings, managed_topics
+            from freshline.consumers.topics import ensure_from_settings, managed_topics
 
             ensure_from_settings(self.settings)
             self.topics = managed_topics(self.settings)
@@ -350,7 +350,7 @@ class Context:
             _unlink_matching(self._redis, f"infer:bench{self.tag}*")
             self._redis.close()
         if self.topics:
-            from consumers.kafka import admin_client
+            from freshline.consumers.kafka import admin_client
 
             kafka_admin = admin_client(self.settings)  # alive until the futures resolve
             futures = kafka_admin.delete_topics(self.topics, operation_timeout=10)

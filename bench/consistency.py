@@ -77,17 +77,17 @@ import orjson
 import sqlalchemy as sa
 
 from bench import common
-from consumers.kafka import Producer
-from pipeline.core.keys import (
+from freshline.consumers.kafka import Producer
+from freshline.pipeline.core.keys import (
     ACTIVE_SCHEMA_KEY,
     NEXT_SCHEMA_KEY,
     PREVIOUS_SCHEMA_KEY,
     RETIRED_SCHEMA_KEY,
 )
-from pipeline.core.lock import Lock, LockedSet
-from pipeline.core.repository import REGISTRY, active
-from pipeline.core.topics import qualified
-from pipeline.observe.staleness import GroupLag
+from freshline.pipeline.core.lock import Lock, LockedSet
+from freshline.pipeline.core.repository import REGISTRY, active
+from freshline.pipeline.core.topics import qualified
+from freshline.pipeline.observe.staleness import GroupLag
 
 HOT_USERS = 20
 HOT_SHARE = 0.8

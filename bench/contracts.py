@@ -9,12 +9,12 @@ reference:
 
 * batch and predict bodies: the hand-written checks the routes made before the models
   (copied here as the reference) against what they call now
-  (:func:`pipeline.api.contracts.feature_selection`, ``freshness.from_body``,
-  :func:`~pipeline.api.contracts.predict_request`), and against validating the whole
+  (:func:`freshline.pipeline.api.contracts.feature_selection`, ``freshness.from_body``,
+  :func:`~freshline.pipeline.api.contracts.predict_request`), and against validating the whole
   body by the model, which the batch route does not do (its fast path);
 * domain events: the hand-written parser the consumer runs
-  (:meth:`pipeline.core.events.Event.change`) against the event's pydantic model
-  (:func:`pipeline.core.events.record_model`, from its declaration) by
+  (:meth:`freshline.pipeline.core.events.Event.change`) against the event's pydantic model
+  (:func:`freshline.pipeline.core.events.record_model`, from its declaration) by
   ``model_validate_json``, alone and with the ``ChangeEvent`` built after it.
 
 No Redis, Kafka or Postgres: the fraud example's definitions only (``FRESHLINE_REPO``).
@@ -32,21 +32,21 @@ from typing import Any
 import orjson
 from pydantic import BaseModel
 
-from pipeline.api import freshness
-from pipeline.api.contracts import (
+from freshline.pipeline.api import freshness
+from freshline.pipeline.api.contracts import (
     BatchRequest,
     PredictRequest,
     feature_selection,
     predict_request,
 )
-from pipeline.api.errors import ApiError
-from pipeline.api.reader import parse_entities
-from pipeline.core.errors import InvalidId
-from pipeline.core.events import Event, record_model
-from pipeline.core.keys import validate_id
-from pipeline.core.repository import REGISTRY, active
-from pipeline.core.settings import Settings
-from pipeline.core.types import ChangeEvent
+from freshline.pipeline.api.errors import ApiError
+from freshline.pipeline.api.reader import parse_entities
+from freshline.pipeline.core.errors import InvalidId
+from freshline.pipeline.core.events import Event, record_model
+from freshline.pipeline.core.keys import validate_id
+from freshline.pipeline.core.repository import REGISTRY, active
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import ChangeEvent
 
 LIMIT = 500
 CALLS = 50

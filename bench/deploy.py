@@ -1,16 +1,18 @@
 """Deploys: the hit rate across a SCHEMA_VERSION bump, and purging an old namespace.
 
 **Hit rate over time.** A reader thread reads random batches of the hottest users
-through :class:`pipeline.cache.readthrough.ReadThrough` following a private deploy pointer
-(:class:`pipeline.cache.versions.Pointer.scoped`, an in-memory lock holding both versions),
+through :class:`freshline.pipeline.cache.readthrough.ReadThrough` following a private deploy pointer
+(:class:`freshline.pipeline.cache.versions.Pointer.scoped`, an in-memory lock holding both
+versions),
 and records, per call, how many answers were cache hits. Mid-way the version is
 bumped, twice in the same run: cold (``flip`` straight to the new version) and warmed
-(``start``, warm the hottest users by sampled reads with :func:`pipeline.deploy.warm.warm`,
+(``start``, warm the hottest users by sampled reads with
+:func:`freshline.pipeline.deploy.warm.warm`,
 then ``flip``). Each bump gets fresh versions.
 
-**Purge.** An old namespace of N keys is removed by :func:`pipeline.deploy.purge.purge`
+**Purge.** An old namespace of N keys is removed by :func:`freshline.pipeline.deploy.purge.purge`
 (SCAN + UNLINK batches of 500) in a separate process, while a reader in this process
-reads active entries with :class:`pipeline.cache.client.FeatureClient`; the reader's
+reads active entries with :class:`freshline.pipeline.cache.client.FeatureClient`; the reader's
 latency during the purge is compared with its latency just before and after.
 """
 
@@ -28,18 +30,18 @@ from typing import Any
 import numpy as np
 
 from bench import common
-from pipeline.cache.client import FeatureClient
-from pipeline.cache.hot import HotReads
-from pipeline.cache.readthrough import ReadThrough
-from pipeline.cache.store import FeatureStore
-from pipeline.cache.versions import Pointer, VersionResolver
-from pipeline.core.codec import encode_entry
-from pipeline.core.keys import feature_key
-from pipeline.core.lock import Lock, LockedSet
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import EntityRef
-from pipeline.deploy.pointer import flip, start
-from pipeline.deploy.warm import warm
+from freshline.pipeline.cache.client import FeatureClient
+from freshline.pipeline.cache.hot import HotReads
+from freshline.pipeline.cache.readthrough import ReadThrough
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.versions import Pointer, VersionResolver
+from freshline.pipeline.core.codec import encode_entry
+from freshline.pipeline.core.keys import feature_key
+from freshline.pipeline.core.lock import Lock, LockedSet
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import EntityRef
+from freshline.pipeline.deploy.pointer import flip, start
+from freshline.pipeline.deploy.warm import warm
 
 FEATURE_SET = "txn_90d"
 READ_BATCH = 50
@@ -147,9 +149,9 @@ def _rate(h: np.ndarray, t: np.ndarray) -> float | None:
 
 _PURGE = """
 import json, sys, time, redis
-from pipeline.cache.versions import Pointer
-from pipeline.deploy.purge import purge
-from pipeline.core.settings import Settings
+from freshline.pipeline.cache.versions import Pointer
+from freshline.pipeline.deploy.purge import purge
+from freshline.pipeline.core.settings import Settings
 s = Settings(redis_url=sys.argv[1], schema_version=int(sys.argv[2]))
 r = redis.Redis.from_url(sys.argv[1])
 pointer = Pointer.scoped(sys.argv[4])
@@ -168,7 +170,7 @@ def _purge(ctx: common.Context, keys: int, quiet_s: float) -> dict[str, Any]:
     r = ctx.new_redis()
     # The active namespace the reader reads, and an old one of ``keys`` entries.
     readers = [(data.tenant, str(u)) for u in range(1, min(1000, data.users) + 1)]
-    from pipeline.cache.recompute import compute
+    from freshline.pipeline.cache.recompute import compute
 
     store = FeatureStore(r, active)
     for chunk in common.chunks(readers, 500):

@@ -63,7 +63,7 @@ from bench import common, read_your_writes, reference_app
 from bench.cdc_freshness import _connstr, _writers
 from bench.cdc_stages import BEFORE_CONNECTOR, FEATURE_SETS, RATES, STAGES, Pipeline, cdc
 from bench.read_your_writes import LOAD_RATE, RYW_SET, TRIAL_RATE, TRIAL_THREADS
-from pipeline.cdc.connect import (
+from freshline.pipeline.cdc.connect import (
     LATENCY_SETTINGS,
 )
 
@@ -94,7 +94,7 @@ def _covered(ctx: common.Context, conninfo: str, tokens: list[str]) -> None:
     token's rank is then shared through Redis, so the API's workers rank it alike;
     ranked later, its bar would pass entries computed before), then issue one
     transaction id, which every later snapshot's xmax passes."""
-    from pipeline.cache.tokens import Tokens
+    from freshline.pipeline.cache.tokens import Tokens
 
     ranks = Tokens(ctx.engine, ctx.redis)
     for text in tokens:
@@ -107,9 +107,9 @@ def _covered(ctx: common.Context, conninfo: str, tokens: list[str]) -> None:
 
 def token_reads(ctx: common.Context, quick: bool) -> dict[str, Any]:
     """p50 at c=16 of token reads whose entries cover the token, against plain reads."""
-    from pipeline.cache.client import FeatureClient
-    from pipeline.cache.readthrough import ReadThrough
-    from pipeline.cache.store import FeatureStore
+    from freshline.pipeline.cache.client import FeatureClient
+    from freshline.pipeline.cache.readthrough import ReadThrough
+    from freshline.pipeline.cache.store import FeatureStore
 
     data = ctx.dataset()
     conninfo = _connstr(ctx.settings.postgres_url)

@@ -26,12 +26,12 @@ from sqlalchemy.engine import Engine
 
 from bench import common  # noqa: F401  (puts the fraud example's package on the path)
 from fraud.seed import seed
-from pipeline.cdc.connect import SCHEMA
-from pipeline.core.repository import load
-from pipeline.core.settings import Settings
-from pipeline.history.backfill import backfill
-from pipeline.history.recorder import Change, Recorder
-from pipeline.history.tables import EPOCH, create, layout, qualified
+from freshline.pipeline.cdc.connect import SCHEMA
+from freshline.pipeline.core.repository import load
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.history.backfill import backfill
+from freshline.pipeline.history.recorder import Change, Recorder
+from freshline.pipeline.history.tables import EPOCH, create, layout, qualified
 from tests.helpers import ROOT, drop_database, migrate, recreate_database
 
 DATABASE = "freshline_bench_history"

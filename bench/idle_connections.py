@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from bench import common
-from pipeline.dev import processes
+from freshline.pipeline.dev import processes
 
 IDLE = 2000
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))

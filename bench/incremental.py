@@ -2,7 +2,7 @@
 
 1. **Recompute cost by entity size.** The data set's busiest user (the head of the
    Zipf activity) and a median user (the median row count among users with rows),
-   each recomputed alone by :func:`pipeline.cache.recompute.compute` on the full path
+   each recomputed alone by :func:`freshline.pipeline.cache.recompute.compute` on the full path
    and on the incremental one, the four candidates interleaved round by round
    (:func:`bench.common.measure`). The figures to read: head / median per path. Twice:
    with every change folded, and with changes logged (``PENDING_HEAD`` new rows of the
@@ -22,7 +22,7 @@
    rights), interleaved.
 
 txn_90d's and geo's paths are derived from their declarations
-(:mod:`pipeline.core.maintenance`); the write cost is that of both paths' triggers.
+(:mod:`freshline.pipeline.core.maintenance`); the write cost is that of both paths' triggers.
 
 Run alone: ``.venv/bin/python -m bench.incremental [--quick] [--users N
 --transactions N]``; or as part of ``python -m bench``.
@@ -43,10 +43,10 @@ import sqlalchemy as sa
 
 from bench import common
 from bench.seed import ROW_COLUMNS, sample_rows
-from pipeline.cache.recompute import compute
-from pipeline.core.features import Path
-from pipeline.core.maintenance import DerivedPath
-from pipeline.core.repository import REGISTRY
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.core.features import Path
+from freshline.pipeline.core.maintenance import DerivedPath
+from freshline.pipeline.core.repository import REGISTRY
 
 # The derived incremental paths (txn_90d's and geo's), each with triggers on transactions.
 PATHS: list[DerivedPath] = [p for p in REGISTRY.maintenances() if isinstance(p, DerivedPath)]

@@ -1,7 +1,8 @@
 """The inference cache: predictions/s at 0%, 40% and 90% hit rates against the model alone.
 
 The model is a logistic regression over 8 inputs wrapped in
-:class:`pipeline.dev.models.SlowModel`, which adds the cost of a real model (``time.sleep``
+:class:`freshline.pipeline.dev.models.SlowModel`, which adds the cost of a real model
+(``time.sleep``
 standing for its compute). Two shapes of that cost, both "about 10 ms a call":
 
 * ``per_request``: a scoring service asks for one prediction at a time and the model
@@ -9,7 +10,8 @@ standing for its compute). Two shapes of that cost, both "about 10 ms a call":
 * ``batched``: a batch of 20 inputs per call and a model that costs 10 ms per row (no
   batching gains inside the model). The cache sends only the misses, in one call.
 
-For each, the direct call and :meth:`pipeline.inference.predictions.InferenceCache.predict` at
+For each, the direct call and
+:meth:`freshline.pipeline.inference.predictions.InferenceCache.predict` at
 each hit rate run interleaved, round by round, on pre-built inputs: a hit is a row
 taken from a pool predicted beforehand, a miss a fresh random row never seen before.
 """
@@ -22,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from bench import common
-from pipeline.dev.models import SlowModel
-from pipeline.inference.models import LogisticModel
-from pipeline.inference.predictions import InferenceCache
+from freshline.pipeline.dev.models import SlowModel
+from freshline.pipeline.inference.models import LogisticModel
+from freshline.pipeline.inference.predictions import InferenceCache
 
 D = 8
 HIT_RATES = (0.0, 0.4, 0.9)

@@ -1,6 +1,6 @@
 """The in-process tier's expiry: how long past an entry's last moment it is still served.
 
-:class:`pipeline.cache.local.LocalTier` holds an entry no longer than the shortest TTL
+:class:`freshline.pipeline.cache.local.LocalTier` holds an entry no longer than the shortest TTL
 Redis may have given it, counted from when the entry was computed. Each round puts an
 entry with ``LIFE_MS`` of that life left and reads it in a tight loop until the tier
 misses; the observed lifetime runs from just before ``put`` to the first miss.
@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 
 from bench import common
-from pipeline.cache.local import LocalTier
-from pipeline.cache.store import TTL_JITTER
-from pipeline.core.features import Registry
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import EntityRef, Entry
+from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.store import TTL_JITTER
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import EntityRef, Entry
 
 FEATURE_SET = "txn_90d"
 LIFE_MS = 150

@@ -1,7 +1,7 @@
 """Redis memory per cached entry, against the raw values and a Feast-like layout.
 
 Entries of each feature set are written for the run's data set by the real path
-(set-based compute, :meth:`pipeline.cache.store.FeatureStore.write`), then ``MEMORY USAGE
+(set-based compute, :meth:`freshline.pipeline.cache.store.FeatureStore.write`), then ``MEMORY USAGE
 key SAMPLES 0`` is read for a sample of them. "Raw" is what the values are worth
 without any store: the orjson of the values dict (names and values), and, tighter,
 the orjson of the positional list of values (what freshline's entry body holds).
@@ -23,10 +23,10 @@ import orjson
 from redis.typing import EncodableT, FieldT
 
 from bench import common
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import EntityRef
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import EntityRef
 
 
 def _field(view: str, name: str) -> bytes:

@@ -41,13 +41,13 @@ from typing import Any
 import numpy as np
 import redis
 
-from pipeline.semantic import prior
-from pipeline.semantic.cache import Scope, SemanticCache
-from pipeline.semantic.decision import Learned
-from pipeline.semantic.embed import Embedder
-from pipeline.semantic.namespaces import purge_namespace
-from pipeline.semantic.prior import group_of
-from pipeline.semantic.tune import Pair
+from freshline.pipeline.semantic import prior
+from freshline.pipeline.semantic.cache import Scope, SemanticCache
+from freshline.pipeline.semantic.decision import Learned
+from freshline.pipeline.semantic.embed import Embedder
+from freshline.pipeline.semantic.namespaces import purge_namespace
+from freshline.pipeline.semantic.prior import group_of
+from freshline.pipeline.semantic.tune import Pair
 
 ZERO = {"temperature": 0}
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")

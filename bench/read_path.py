@@ -5,11 +5,12 @@ run's data set, in a schema version of its own), cycling through them, at concur
 1 and 16 (threads sharing one process, as a scoring service's request threads would):
 
 * ``raw GET`` / ``raw MGET 100``: redis-py on the same keys, the floor; ``+ decode``
-  adds :func:`pipeline.core.codec.decode_entry` of each value, the Python client's
+  adds :func:`freshline.pipeline.core.codec.decode_entry` of each value, the Python client's
   reference;
-* ``client get`` / ``client get_many 100``: :class:`pipeline.cache.client.FeatureClient`
+* ``client get`` / ``client get_many 100``: :class:`freshline.pipeline.cache.client.FeatureClient`
   (MGET with the truncate floors, decode, age);
-* ``in-process hit``: the same client with a started :class:`pipeline.cache.local.LocalTier`
+* ``in-process hit``: the same client with a started
+:class:`freshline.pipeline.cache.local.LocalTier`
   (every read a local hit);
 * ``HTTP GET`` / ``HTTP batch 100``: a real ``freshline serve`` subprocess (granian,
   2 workers, in-process tier off) over keep-alive httpx connections, one client per
@@ -31,13 +32,13 @@ import httpx
 import orjson
 
 from bench import common, reference_app
-from pipeline.cache.client import FeatureClient
-from pipeline.cache.local import LocalTier
-from pipeline.cache.store import FeatureStore
-from pipeline.core.codec import decode_entry
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import EntityRef
-from pipeline.dev.tools import require
+from freshline.pipeline.cache.client import FeatureClient
+from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.codec import decode_entry
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import EntityRef
+from freshline.pipeline.dev.tools import require
 
 FEATURE_SET = "txn_90d"
 ENTITIES = 1000

@@ -1,12 +1,12 @@
 """Recompute: entities/s of the set-based query against one query per entity; read-through.
 
 For each feature set, a batch of 500 users is computed by
-:func:`pipeline.cache.recompute.compute` (one watermark read, one set-based query) and, in
+:func:`freshline.pipeline.cache.recompute.compute` (one watermark read, one set-based query) and, in
 the same round, by the same feature query run once per entity on one connection (the
 way a per-key cache fill would do it). Rounds alternate which goes first and take a
 fresh sample of users each time, so both meet the same cache state.
 
-Read-through (:meth:`pipeline.cache.readthrough.ReadThrough.get`): a hit against a raw
+Read-through (:meth:`freshline.pipeline.cache.readthrough.ReadThrough.get`): a hit against a raw
 redis-py GET of the same key, and a miss (MGET, lease, query, guarded write) against
 the bare :func:`compute` of the same single entity, interleaved.
 """
@@ -21,12 +21,12 @@ import numpy as np
 from sqlalchemy.engine import Engine
 
 from bench import common
-from pipeline.cache.readthrough import ReadThrough
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.core.features import FeatureSet
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import EntityRef
+from freshline.pipeline.cache.readthrough import ReadThrough
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.features import FeatureSet
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import EntityRef
 
 BATCH = 500
 

@@ -5,7 +5,8 @@ and again, each call with a newer watermark, so every conditional write really
 replaces its entry (an equal watermark would be a cheaper no-op). Candidates,
 interleaved round by round:
 
-* ``conditional``: :meth:`pipeline.cache.store.FeatureStore.write`, the shipped path: encode
+* ``conditional``: :meth:`freshline.pipeline.cache.store.FeatureStore.write`, the shipped path:
+encode
   each entry, one pipeline of EVALSHA of the compare-and-set Lua script;
 * ``conditional, plain EVALSHA``: the same script and encoding in a bare loop, without
   the store's bookkeeping (its entity refs, result codes, NOSCRIPT handling);
@@ -21,12 +22,12 @@ import random
 from typing import Any
 
 from bench import common
-from pipeline.cache.recompute import Batch, compute
-from pipeline.cache.store import _WRITE_LUA, FeatureStore, jittered_ttl_ms
-from pipeline.core.codec import encode_entry
-from pipeline.core.keys import entity_floor_key, feature_key, floor_key, lease_key
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import EntityRef
+from freshline.pipeline.cache.recompute import Batch, compute
+from freshline.pipeline.cache.store import _WRITE_LUA, FeatureStore, jittered_ttl_ms
+from freshline.pipeline.core.codec import encode_entry
+from freshline.pipeline.core.keys import entity_floor_key, feature_key, floor_key, lease_key
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import EntityRef
 
 BATCH = 500
 

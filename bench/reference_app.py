@@ -4,13 +4,13 @@ The reference answers the read API's two feature requests with nothing but the R
 call: ``GET /v1/features/{feature_set}/{entity_id}`` does one GET and ``POST
 /v1/features/batch`` one MGET of the body's entities. No auth, no validation, no
 decoding: it returns the stored JSON as is. Served by the same granian launch as
-``freshline serve`` (:func:`pipeline.cli.serve.run_granian`, the same workers), it is
+``freshline serve`` (:func:`freshline.pipeline.cli.serve.run_granian`, the same workers), it is
 what a Python ASGI server does on this machine against this Redis, so every HTTP
 figure of freshline is reported as a ratio to it, measured in the same run.
 
 A second reference, ``minimal+decode``, is the same app answering what freshline
 answers: it also reads each feature set's truncate floor in the MGET, decodes every
-entry with freshline's decoder (:func:`pipeline.core.codec.decode_rows`: schema version,
+entry with freshline's decoder (:func:`freshline.pipeline.core.codec.decode_rows`: schema version,
 field count, tombstone, floor) and sends the same JSON object per entity (named
 values, age, source, schema version). Still no auth, id validation, version pointer,
 metrics or hot-read sampling: it is the floor of freshline's answer format, so
@@ -39,8 +39,8 @@ import httpx
 import orjson
 
 from bench import common
-from pipeline.dev import processes
-from pipeline.dev.tools import require
+from freshline.pipeline.dev import processes
+from freshline.pipeline.dev.tools import require
 
 FEATURE_SET = "txn_90d"
 ENTITIES = 1000
@@ -51,7 +51,7 @@ benchmark of hits would meet it as a miss."""
 BATCH = 100
 SERVER_WORKERS = 2
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
-HEADER = 31  # tag + watermark ahead of an entry's JSON (pipeline.core.codec.HEADER)
+HEADER = 31  # tag + watermark ahead of an entry's JSON (freshline.pipeline.core.codec.HEADER)
 SERVERS = ("minimal", "minimal+decode", "freshline", "freshline+tier")
 FLOOR = "minimal+decode"
 ENDPOINTS = ("GET", "batch 100")
@@ -111,9 +111,9 @@ def _decoding_routes(client: Any, prefix: str, version: int) -> tuple[Any, Any]:
     from starlette.requests import Request
     from starlette.responses import Response
 
-    from pipeline.core.clock import now_ms
-    from pipeline.core.codec import decode_rows
-    from pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.clock import now_ms
+    from freshline.pipeline.core.codec import decode_rows
+    from freshline.pipeline.core.repository import REGISTRY
 
     fields = REGISTRY[FEATURE_SET].field_names
     floor = f"floor:{version}:{FEATURE_SET}"
@@ -216,7 +216,7 @@ def serve_reference(
         "BENCH_REFERENCE_DECODE": str(version) if decode else "",
     }
     code = (
-        "from pipeline.cli.serve import run_granian; "
+        "from freshline.pipeline.cli.serve import run_granian; "
         f"run_granian('bench.reference_app:app_from_env', '127.0.0.1', {port}, "
         f"{SERVER_WORKERS})"
     )
@@ -423,11 +423,11 @@ def prepared(ctx: common.Context) -> tuple[int, str, str, list[int]]:
 
     Returns ``(version, tenant, api_key, users)``.
     """
-    from pipeline.api.auth import create_api_key
-    from pipeline.cache.recompute import compute
-    from pipeline.cache.store import FeatureStore
-    from pipeline.core.repository import REGISTRY
-    from pipeline.core.types import EntityRef
+    from freshline.pipeline.api.auth import create_api_key
+    from freshline.pipeline.cache.recompute import compute
+    from freshline.pipeline.cache.store import FeatureStore
+    from freshline.pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.types import EntityRef
 
     data = ctx.dataset()
     version = ctx.schema_version()

@@ -155,7 +155,7 @@ def main() -> int:
     ctx = common.context(True)
     try:
         version, tenant, key, users = reference_app.prepared(ctx)
-        from pipeline.api import create_app
+        from freshline.pipeline.api import create_app
 
         os.environ.update(
             {

@@ -7,7 +7,7 @@ queries under 10%?
 In the run's own database the source tables get that policy, and a role of this
 benchmark (subject to it, ``SELECT`` only) reads with the tenant list in a session
 setting (``freshline.tenants``, given at connect). The owner bypasses the policy, so
-the same :func:`pipeline.cache.recompute.compute` runs on two engines, interleaved,
+the same :func:`freshline.pipeline.cache.recompute.compute` runs on two engines, interleaved,
 alternating which goes first: a batch of 500 users and one user, per feature set.
 Reported: medians and the ratio with RLS against without (1.10 is the 10% line).
 The policy and the role are dropped afterwards.
@@ -26,8 +26,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from bench import common
-from pipeline.cache.recompute import compute
-from pipeline.core.repository import REGISTRY
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.core.repository import REGISTRY
 
 BATCH = 500
 TABLES = (

@@ -45,21 +45,21 @@ import numpy as np
 
 from bench import common, paraphrases
 from bench.common import _unlink_matching
-from pipeline.core.keys import semantic_entry_key, semantic_pattern, semantic_registry_key
-from pipeline.semantic import prior
-from pipeline.semantic.cache import (
+from freshline.pipeline.core.keys import semantic_entry_key, semantic_pattern, semantic_registry_key
+from freshline.pipeline.semantic import prior
+from freshline.pipeline.semantic.cache import (
     CANDIDATES,
     Limits,
     NonDeterministicParams,
     Scope,
     SemanticCache,
 )
-from pipeline.semantic.decision import Learned
-from pipeline.semantic.embed import MiniLM, local_model, normalise
-from pipeline.semantic.entry import entry_id
-from pipeline.semantic.index import FLAT_MAX, NPROBE, TRAIN_PER_LIST
-from pipeline.semantic.pool import MAX_VECTORS
-from pipeline.semantic.tune import HOLDOUT, PAIRS, load_pairs, similarities, sweep
+from freshline.pipeline.semantic.decision import Learned
+from freshline.pipeline.semantic.embed import MiniLM, local_model, normalise
+from freshline.pipeline.semantic.entry import entry_id
+from freshline.pipeline.semantic.index import FLAT_MAX, NPROBE, TRAIN_PER_LIST
+from freshline.pipeline.semantic.pool import MAX_VECTORS
+from freshline.pipeline.semantic.tune import HOLDOUT, PAIRS, load_pairs, similarities, sweep
 
 DIM = 384
 THRESHOLD = 0.93

@@ -19,15 +19,15 @@ import statistics
 from typing import Any
 
 from bench import common, reference_app
-from pipeline.core.topics import SERVED
+from freshline.pipeline.core.topics import SERVED
 
 SHARES = {"off": "0", "1%": "0.01", "100%": "1"}
 CONCURRENCY = 16
 
 
 def run(quick: bool) -> dict[str, Any]:
-    from consumers.kafka import admin_client
-    from consumers.topics import ensure
+    from freshline.consumers.kafka import admin_client
+    from freshline.consumers.topics import ensure
 
     ctx = common.context(quick)
     version, _tenant, api_key, users = reference_app.prepared(ctx)

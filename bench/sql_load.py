@@ -19,7 +19,7 @@ import psycopg
 
 from bench import common
 from bench.cdc_freshness import UPDATE_SHARE
-from consumers.kafka import Producer
+from freshline.consumers.kafka import Producer
 
 PER_WRITER = 500
 """Writes/s one background writer thread is asked for; more writers for more."""
@@ -45,7 +45,7 @@ def _load_main(
     writers = max(1, -(-rate // PER_WRITER))
     producer = None
     if events is not None:
-        from pipeline.core.settings import Settings
+        from freshline.pipeline.core.settings import Settings
 
         producer = Producer(Settings(), **{"linger.ms": 1})
     counts = [0] * writers

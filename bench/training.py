@@ -64,10 +64,10 @@ from pydantic import SecretStr
 from sqlalchemy.engine import make_url
 
 from bench import common
-from consumers.history import group as recorder_group
-from consumers.kafka import client_config
-from pipeline.core.settings import Settings
-from pipeline.core.topics import CDC_PREFIX
+from freshline.consumers.history import group as recorder_group
+from freshline.consumers.kafka import client_config
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import CDC_PREFIX
 
 FEATURES = ("txn_90d", "device_risk", "geo")
 FEAST_DIR = common.BENCH_DIR / "feast"
@@ -266,7 +266,7 @@ class World:
             with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
                 self.freshline("cdc", "remove")
         with contextlib.suppress(Exception):  # best effort: topics of the run's prefix
-            from consumers.kafka import admin_client
+            from freshline.consumers.kafka import admin_client
 
             kafka = admin_client(self.settings())
             mine = [t for t in kafka.list_topics(timeout=10).topics if self.prefix in t]
@@ -561,9 +561,9 @@ def change_moments(engine: sa.Engine, tenant: str, users: list[int], s0: dt.date
 
 def naive(world: World, spine: Any, rounds: int) -> dict[str, Any]:
     """The default against one statement per spine row, interleaved, on ``spine``."""
-    from pipeline.core.db import make_engine
-    from pipeline.core.repository import load
-    from pipeline.history.training import training_set
+    from freshline.pipeline.core.db import make_engine
+    from freshline.pipeline.core.repository import load
+    from freshline.pipeline.history.training import training_set
 
     repo = load(world.tmp / "fraud_on")
     engine = make_engine(world.settings().model_copy(update={"postgres_url": world.url}))
@@ -612,14 +612,14 @@ def feast(world: World, spine: Any, s0: dt.datetime, tenant: str, users: list[in
     """freshline's output at each change as Feast's feature table; Feast's lookup timed."""
     import pyarrow.parquet as pq
 
-    from pipeline.history.training import training_set
+    from freshline.pipeline.history.training import training_set
 
     engine = sa.create_engine(world.url, poolclass=sa.pool.NullPool)
     try:
         moments = change_moments(engine, tenant, users, s0)
     finally:
         engine.dispose()
-    from pipeline.core.db import make_engine
+    from freshline.pipeline.core.db import make_engine
 
     own = make_engine(world.settings().model_copy(update={"postgres_url": world.url}))
     try:

@@ -124,8 +124,8 @@ def _child_compute(out: IO[str]) -> None:
     import sqlalchemy as sa
 
     from bench import common
-    from pipeline.cache.recompute import compute
-    from pipeline.core.repository import REGISTRY
+    from freshline.pipeline.cache.recompute import compute
+    from freshline.pipeline.core.repository import REGISTRY
 
     ctx = common.context(False)
     data = ctx.dataset()
@@ -169,8 +169,8 @@ def _child_drain(events: int, sets: list[str], out: IO[str]) -> None:
     from unittest import mock
 
     from bench import common, write_path
-    from pipeline.core.features import Registry
-    from pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.features import Registry
+    from freshline.pipeline.core.repository import REGISTRY
 
     ctx = common.context(False)
     data = ctx.dataset()
@@ -179,7 +179,7 @@ def _child_drain(events: int, sets: list[str], out: IO[str]) -> None:
     routed = Registry(fs for fs in REGISTRY if fs.name in sets)
     print(json.dumps({"events": events, "sets": sets}), file=out, flush=True)
     for _ in sys.stdin:
-        with mock.patch("consumers.worker.REGISTRY", routed):
+        with mock.patch("freshline.consumers.worker.REGISTRY", routed):
             result = write_path._real(ctx.settings, [ctx.schema_version()], events)
         print(json.dumps({"value": result["events_per_s"]}), file=out, flush=True)
 

@@ -6,7 +6,7 @@ README asks producers to key. Each event routes to two feature sets (``txn_90d``
 ``geo``).
 
 **Throughput.** N events are produced first; then the real consumer
-(:class:`consumers.worker.Worker`: batches, coalescing, one set-based query per feature
+(:class:`freshline.consumers.worker.Worker`: batches, coalescing, one set-based query per feature
 set, pipelined conditional writes, invalidations, a commit per batch) drains them in a
 fresh consumer group, and so does a naive consumer written here, which takes one event
 at a time: decode, route, recompute each feature set for that one entity, write,
@@ -41,17 +41,17 @@ import numpy as np
 import orjson
 
 from bench import common
-from consumers.events import decode
-from consumers.kafka import Consumer, Producer
-from consumers.routing import Router
-from consumers.worker import Worker
-from pipeline.cache.invalidation import Invalidation
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.core.keys import INVALIDATION_CHANNEL
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.topics import logical, qualified
+from freshline.consumers.events import decode
+from freshline.consumers.kafka import Consumer, Producer
+from freshline.consumers.routing import Router
+from freshline.consumers.worker import Worker
+from freshline.pipeline.cache.invalidation import Invalidation
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.keys import INVALIDATION_CHANNEL
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import logical, qualified
 
 HOT_USERS = 20
 HOT_SHARE = 0.8

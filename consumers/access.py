@@ -3,13 +3,13 @@
 A consumer needs its Kafka login to join its group and read its topics, to write the
 invalidations and dead-letter topics, and its Redis user to publish on the channel
 ``freshline:invalidations``. An ACL that refuses any of these does not go away by
-waiting, so the consumer stops with :class:`~pipeline.core.errors.AccessRefused`, one
+waiting, so the consumer stops with :class:`~freshline.pipeline.core.errors.AccessRefused`, one
 line naming the ACL and the setting, instead of retrying quietly (see
-:mod:`consumers.failures` for what is retried).
+:mod:`freshline.consumers.failures` for what is retried).
 
 :func:`check_kafka` asks the broker before the consumer joins its group (the writes
 would otherwise fail only at the first invalidation); the run loop turns a refusal
-seen later (:class:`consumers.kafka.NotAuthorized`, a refused delivery) into the same
+seen later (:class:`freshline.consumers.kafka.NotAuthorized`, a refused delivery) into the same
 line with :func:`kafka_refusal`.
 """
 
@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from confluent_kafka import KafkaError, KafkaException, TopicCollection
 from confluent_kafka.admin import AclOperation, AdminClient
 
-from consumers.kafka import client_config
-from pipeline.core.errors import AccessRefused
-from pipeline.core.keys import INVALIDATION_CHANNEL
-from pipeline.core.settings import Settings
+from freshline.consumers.kafka import client_config
+from freshline.pipeline.core.errors import AccessRefused
+from freshline.pipeline.core.keys import INVALIDATION_CHANNEL
+from freshline.pipeline.core.settings import Settings
 
 logger = logging.getLogger("freshline.consumer")
 

@@ -20,7 +20,7 @@ and the first :data:`KEPT_VALUE_BYTES` of the value, and says so::
 
 (and if the original headers alone are too big, only freshline's are kept).
 
-``freshline dlq replay`` (:mod:`consumers.replay`) sends a record back to its source
+``freshline dlq replay`` (:mod:`freshline.consumers.replay`) sends a record back to its source
 topic with its original headers and one of ours, ``x-freshline-replay-of``
 (``<dead-letter topic>:<partition>:<offset>``); a record dead-lettered again loses it
 with the rest of ours.
@@ -35,9 +35,9 @@ from __future__ import annotations
 import hashlib
 from typing import Protocol
 
-from consumers.events import EventRejected
-from consumers.kafka import Delivery, Headers, Producer
-from pipeline.core.topics import DLQ
+from freshline.consumers.events import EventRejected
+from freshline.consumers.kafka import Delivery, Headers, Producer
+from freshline.pipeline.core.topics import DLQ
 
 HEADER_PREFIX = "x-freshline-"
 ERROR_CLASS = "x-freshline-error-class"

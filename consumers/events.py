@@ -1,17 +1,17 @@
-"""Decoding Kafka records into :class:`pipeline.core.types.ChangeEvent`.
+"""Decoding Kafka records into :class:`freshline.pipeline.core.types.ChangeEvent`.
 
 Two input forms become one event:
 
 * Debezium Postgres connector envelopes (JSON converter, with or without the
   ``{"schema": ..., "payload": ...}`` wrapper) on topics ``<prefix>.<schema>.<table>``;
 * domain events on the topics the active repository declares
-  (:class:`pipeline.core.events.Event`; the fraud example's are ``transaction.created``,
+  (:class:`freshline.pipeline.core.events.Event`; the fraud example's are ``transaction.created``,
   ``transaction.updated``, ``device.updated`` and ``user.updated``), whose contracts
   are the JSON Schemas ``freshline events schemas`` writes.
 
 A TRUNCATE (op ``t``) voids a feature set for every tenant, so it is honoured only on
 Debezium's topic of the table it names (``freshline.<schema>.<table>``): never on a
-domain-event topic (an :class:`~pipeline.core.events.Event` is an insert or an update),
+domain-event topic (an :class:`~freshline.pipeline.core.events.Event` is an insert or an update),
 on another three-part topic taken for a CDC one, or on another table's CDC topic.
 
 :func:`decode` returns ``None`` for a tombstone (nothing to do) and raises
@@ -19,7 +19,7 @@ on another three-part topic taken for a CDC one, or on another table's CDC topic
 exception, so the run loop can dead-letter the record and move on.
 
 Every tenant and entity id in a returned event's ``row`` and ``before`` has passed
-:func:`pipeline.core.keys.validate_id`, so routing can build keys from them.
+:func:`freshline.pipeline.core.keys.validate_id`, so routing can build keys from them.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ from typing import Any, Literal, cast, get_args
 
 import orjson
 
-from pipeline.core.errors import FreshlineError, InvalidId
-from pipeline.core.events import Event, EventFieldError
-from pipeline.core.features import Entity, Registry
-from pipeline.core.keys import validate_id
-from pipeline.core.repository import REGISTRY, Repository, active
-from pipeline.core.settings import Settings
-from pipeline.core.topics import CDC_PREFIX, CDC_TOPIC_PATTERN
-from pipeline.core.types import ChangeEvent, Op
+from freshline.pipeline.core.errors import FreshlineError, InvalidId
+from freshline.pipeline.core.events import Event, EventFieldError
+from freshline.pipeline.core.features import Entity, Registry
+from freshline.pipeline.core.keys import validate_id
+from freshline.pipeline.core.repository import REGISTRY, Repository, active
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import CDC_PREFIX, CDC_TOPIC_PATTERN
+from freshline.pipeline.core.types import ChangeEvent, Op
 
 RejectKind = Literal[
     "oversized",

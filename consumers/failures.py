@@ -10,7 +10,7 @@ Failures are classified by cause, never by where they surfaced:
   the deploy pointer, the lock, the eviction policy or another setting, a permission
   (Postgres's grants, Redis's ACL), a schema the migrations have not made, a Postgres
   whose history changed under the consumer (a promoted standby: see
-  :class:`~consumers.processor.SourceChanged`). Every
+  :class:`~freshline.consumers.processor.SourceChanged`). Every
   event would fail alike, so none is dead-lettered: the worker holds the batch, says
   once what to fix, and retries with the same backoff until it is fixed.
 - **data** (:data:`DATA_ERRORS`): one event's own data cannot be applied (an id no
@@ -19,7 +19,7 @@ Failures are classified by cause, never by where they surfaced:
 
 - **refused** (:data:`FATAL`): an ACL refuses the consumer's login its group, a topic
   or the invalidation channel. The consumer stops with one line naming the ACL or
-  the setting (:mod:`consumers.access`), its batch uncommitted.
+  the setting (:mod:`freshline.consumers.access`), its batch uncommitted.
 
 Anything else is a bug: it ends the loop with the batch uncommitted.
 """
@@ -32,10 +32,10 @@ import psycopg
 import redis
 import sqlalchemy as sa
 
-from consumers.kafka import NotAuthorized
-from consumers.processor import PublishRefused, ReplicasBehind, SourceChanged
-from pipeline.cache.recompute import NotYetDurable, NotYetVisible
-from pipeline.core.errors import (
+from freshline.consumers.kafka import NotAuthorized
+from freshline.consumers.processor import PublishRefused, ReplicasBehind, SourceChanged
+from freshline.pipeline.cache.recompute import NotYetDurable, NotYetVisible
+from freshline.pipeline.core.errors import (
     AccessRefused,
     ConfigError,
     DefinitionFailed,
@@ -53,7 +53,7 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     redis.exceptions.TimeoutError,
     redis.exceptions.OutOfMemoryError,  # a full Redis under noeviction: wait for room
     # A cluster failing over or resharding: the consumer's client does not retry them
-    # itself (pipeline.core.services.consumer_redis_client), the batch is retried.
+    # itself (freshline.pipeline.core.services.consumer_redis_client), the batch is retried.
     redis.exceptions.ClusterDownError,
     redis.exceptions.TryAgainError,
     redis.exceptions.SlotNotCoveredError,
@@ -75,7 +75,7 @@ CONFIGURATION: tuple[type[BaseException], ...] = (
 Caught before :data:`TRANSIENT` (Redis's ``AuthenticationError`` is a connection error)
 and before :data:`DATA_ERRORS` (most are :class:`FreshlineError`)."""
 FATAL: tuple[type[BaseException], ...] = (AccessRefused, PublishRefused, NotAuthorized)
-"""Refusals by an ACL (:mod:`consumers.access`): waiting cannot help, so the consumer
+"""Refusals by an ACL (:mod:`freshline.consumers.access`): waiting cannot help, so the consumer
 stops with one line naming the ACL or the setting; its batch stays uncommitted."""
 RETRIED: tuple[type[BaseException], ...] = CONFIGURATION + TRANSIENT
 """Every failure that holds the batch rather than dead-letter an event."""

@@ -4,12 +4,12 @@ Why its own group (``<FRESHLINE_CONSUMER_GROUP>-history``, ``freshline record``)
 not the feature consumers: history must begin before S0, the backfill's snapshot,
 whatever the feature consumers had read by then, so its group starts at the earliest
 offsets the topics hold (changes S0 already saw are skipped exactly:
-:mod:`pipeline.history.backfill`); a history write that fails (DDL, a full disk) must
+:mod:`freshline.pipeline.history.backfill`); a history write that fails (DDL, a full disk) must
 not hold fresh features back, nor a Redis outage hold history back; and it reads every
 column of every record, where the consumers decode only what routes.
 
 Each iteration: consume up to ``BATCH`` records; read each CDC record as a
-:class:`~pipeline.history.recorder.Change` (a malformed one is logged and counted, not
+:class:`~freshline.pipeline.history.recorder.Change` (a malformed one is logged and counted, not
 recorded); record the batch in one Postgres transaction; then commit the offsets. A
 failure before the commit (Postgres away) rewinds the batch's partitions and tries
 again with backoff, so nothing is skipped; the recorder's idempotence makes the replay
@@ -39,12 +39,12 @@ import sqlalchemy as sa
 from confluent_kafka import Message, TopicPartition
 from sqlalchemy.engine import Engine
 
-from consumers.kafka import Consumer
-from consumers.metrics import history_metrics
-from pipeline.core.db import SCHEMA, make_engine
-from pipeline.core.settings import Settings
-from pipeline.core.topics import CDC_PREFIX
-from pipeline.history.recorder import (
+from freshline.consumers.kafka import Consumer
+from freshline.consumers.metrics import history_metrics
+from freshline.pipeline.core.db import SCHEMA, make_engine
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import CDC_PREFIX
+from freshline.pipeline.history.recorder import (
     HistoryBehind,
     MalformedChange,
     NotBackfilled,
@@ -52,9 +52,9 @@ from pipeline.history.recorder import (
     Recorder,
     parse,
 )
-from pipeline.history.snapshots import prune as prune_snapshots
-from pipeline.history.status import lag_s, sizes
-from pipeline.history.tables import from_epoch_us, qualified, registered
+from freshline.pipeline.history.snapshots import prune as prune_snapshots
+from freshline.pipeline.history.status import lag_s, sizes
+from freshline.pipeline.history.tables import from_epoch_us, qualified, registered
 
 logger = logging.getLogger("freshline.history")
 

@@ -20,9 +20,9 @@ import confluent_kafka
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from pipeline.core.errors import FreshlineError, ServiceUnavailable
-from pipeline.core.services import kafka_security_config
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.errors import FreshlineError, ServiceUnavailable
+from freshline.pipeline.core.services import kafka_security_config
+from freshline.pipeline.core.settings import Settings
 
 logger = logging.getLogger("freshline.kafka")
 
@@ -57,7 +57,7 @@ class MissingTopic(BrokerError):
 
 class NotAuthorized(BrokerError):
     """The broker's ACLs refuse the login the group or a topic; waiting cannot help
-    (:mod:`consumers.access` says which ACL or setting)."""
+    (:mod:`freshline.consumers.access` says which ACL or setting)."""
 
     def __init__(self, error: KafkaError, topic: str | None) -> None:
         super().__init__(error, f"topic {topic!r}" if topic else "")

@@ -3,7 +3,7 @@
 The order of side effects, per batch, all reads on one REPEATABLE READ snapshot:
 
 0. take the snapshot and check that every CDC event's transaction is visible in it;
-   if one is not yet (:class:`~pipeline.cache.recompute.NotYetVisible`), write
+   if one is not yet (:class:`~freshline.pipeline.cache.recompute.NotYetVisible`), write
    nothing: the caller retries the batch;
 1. for a TRUNCATE, raise the floor of every feature set the table feeds to the
    snapshot's watermark (every entry computed before it reads as absent), and tell
@@ -19,11 +19,11 @@ The order of side effects, per batch, all reads on one REPEATABLE READ snapshot:
    messages to the Kafka producer.
 
 Before its first Redis write, the batch waits until Postgres has flushed its WAL past
-the snapshot's position (:func:`~pipeline.cache.recompute.wait_durable`, which makes
+the snapshot's position (:func:`~freshline.pipeline.cache.recompute.wait_durable`, which makes
 it flush if it does not soon by itself), so no entry
 holds a transaction committed asynchronously that a crash could still undo; and the
 snapshot's cluster and timeline must be those of the batches before, and those
-recorded in Redis for every version written (:mod:`consumers.source`), so that a
+recorded in Redis for every version written (:mod:`freshline.consumers.source`), so that a
 consumer started after the change finds it too (:class:`SourceChanged` otherwise).
 
 With ``wait_replicas``, step 4's pipeline ends with ``WAIT n timeout`` on the
@@ -39,7 +39,7 @@ computed before reads as absent, whichever of its writes the new server lost,
 truncate floors included; then the new identity is recorded. A consumer started after
 the failover finds it too.
 
-The caller (:class:`consumers.worker.Worker`) then flushes the producer and only then
+The caller (:class:`freshline.consumers.worker.Worker`) then flushes the producer and only then
 commits the offsets, so a crash anywhere before the commit replays the batch, which
 the conditional writes make harmless.
 
@@ -61,10 +61,10 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from consumers.routing import Router
-from consumers.source import SourceRecord
-from pipeline.cache.invalidation import ALL, Invalidation
-from pipeline.cache.recompute import (
+from freshline.consumers.routing import Router
+from freshline.consumers.source import SourceRecord
+from freshline.pipeline.cache.invalidation import ALL, Invalidation
+from freshline.pipeline.cache.recompute import (
     Batch,
     Flusher,
     Snapshot,
@@ -76,15 +76,15 @@ from pipeline.cache.recompute import (
     take_snapshot,
     wait_durable,
 )
-from pipeline.cache.server import RedisIdentity, recorded_identity, redis_identity
-from pipeline.cache.store import FeatureStore, WriteResult
-from pipeline.core.cluster import is_cluster, publish
-from pipeline.core.db import own_connections
-from pipeline.core.errors import FreshlineError
-from pipeline.core.features import Registry
-from pipeline.core.keys import INVALIDATION_CHANNEL, SERVER_KEY
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import ChangeEvent, EntityRef
+from freshline.pipeline.cache.server import RedisIdentity, recorded_identity, redis_identity
+from freshline.pipeline.cache.store import FeatureStore, WriteResult
+from freshline.pipeline.core.cluster import is_cluster, publish
+from freshline.pipeline.core.db import own_connections
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.keys import INVALIDATION_CHANNEL, SERVER_KEY
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import ChangeEvent, EntityRef
 
 logger = logging.getLogger("freshline.consumer")
 
@@ -110,7 +110,7 @@ def impossible_txids(engine: Engine, txids: Iterable[int]) -> tuple[int, frozens
     """The database's next transaction id, and which of ``txids`` it cannot have had.
 
     ``txids`` are ids a snapshot could not see
-    (:class:`~pipeline.cache.recompute.NotYetVisible`). A change's
+    (:class:`~freshline.pipeline.cache.recompute.NotYetVisible`). A change's
     transaction committed before its event was read, so its id was assigned before:
     an id at or past the next id to be assigned names no transaction, and waiting for
     it to become visible would wait for ever. A 32-bit id not visible lies less than
@@ -148,7 +148,7 @@ class ReplicasBehind(FreshlineError):
 class PublishRefused(FreshlineError):
     """Redis refused the user publishing the batch's invalidations (an ACL): its entries
     are written but not announced, and no retry will announce them
-    (:func:`consumers.access.publish_refused` says what to change)."""
+    (:func:`freshline.consumers.access.publish_refused` says what to change)."""
 
 
 class SourceChanged(FreshlineError):
@@ -212,7 +212,7 @@ class Processor:
         self.engine = engine
         self.on_computed = on_computed
         """Called with a batch's computations before any of their entries is written
-        (history keeps the snapshot each names: :mod:`pipeline.history.snapshots`)."""
+        (history keeps the snapshot each names: :mod:`freshline.pipeline.history.snapshots`)."""
         self.redis = client
         self.versions = versions
         self.registry = registry
@@ -301,7 +301,7 @@ class Processor:
         """Compute each feature set in ``work`` for its entities, all from ``conn``'s
         snapshot: the first on ``conn``, the others at the same time, each on a
         connection of its own that imports the snapshot
-        (:func:`~pipeline.cache.recompute.compute_in_snapshot`), so a batch takes its
+        (:func:`~freshline.pipeline.cache.recompute.compute_in_snapshot`), so a batch takes its
         slowest set's time, not the sum. Each sees exactly the rows ``conn`` sees, and
         its watermark ranks the same."""
 
@@ -342,7 +342,7 @@ class Processor:
         self, conn: Connection, snapshot: Snapshot, report: BatchReport
     ) -> Callable[[], None]:
         """A call that waits, the first time only, until ``snapshot``'s WAL position is
-        flushed (see :func:`~pipeline.cache.recompute.wait_durable`): called before each
+        flushed (see :func:`~freshline.pipeline.cache.recompute.wait_durable`): called before each
         write, so the WAL writer flushes while the batch computes."""
         done = not self.durable_wait_ms or not snapshot.lsn
 
@@ -361,7 +361,7 @@ class Processor:
         return self.flusher.allowed
 
     def _force(self) -> None:
-        """:class:`~pipeline.cache.recompute.Flusher`: make Postgres flush, unless the
+        """:class:`~freshline.pipeline.cache.recompute.Flusher`: make Postgres flush, unless the
         role may not; then the batch waits for a commit to flush (any writing one does)."""
         self.flusher()
 
@@ -408,7 +408,7 @@ class Processor:
 
     def _observe(self, info: dict[str, Any], recorded: bytes | None) -> bool:
         """Compare the server's identity with the one the consumers recorded
-        (:data:`~pipeline.core.keys.SERVER_KEY`, else this processor's last): on a
+        (:data:`~freshline.pipeline.core.keys.SERVER_KEY`, else this processor's last): on a
         change raise the floors, then record the new one. None recorded anywhere (a
         first start, or the key gone with its TTL): record it."""
         identity = redis_identity(info)

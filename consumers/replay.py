@@ -13,7 +13,7 @@ crash in between replays the chunk again on the next run: at least once, which t
 conditional writes make harmless.
 
 The ledger is one Redis hash per dead-letter topic
-(:func:`pipeline.core.keys.dlq_replayed_key`): field ``<partition>:<offset>``, value
+(:func:`freshline.pipeline.core.keys.dlq_replayed_key`): field ``<partition>:<offset>``, value
 the dead letter's timestamp (ms), so that a record at the same position of a topic
 deleted and made again is not taken for one already replayed. Each replay drops the
 fields below their partition's first retained offset: those records are gone.
@@ -33,7 +33,7 @@ from typing import Self
 import redis
 from confluent_kafka import KafkaError, Message, TopicPartition
 
-from consumers.dlq import (
+from freshline.consumers.dlq import (
     ERROR_CLASS,
     ERROR_KIND,
     HEADER_PREFIX,
@@ -41,11 +41,11 @@ from consumers.dlq import (
     SOURCE_TOPIC,
     TRUNCATED,
 )
-from consumers.kafka import Consumer, Headers, Producer, check_message
-from pipeline.core.errors import ConfigError, ServiceUnavailable
-from pipeline.core.keys import dlq_replayed_key
-from pipeline.core.settings import Settings
-from pipeline.core.topics import DLQ, qualified
+from freshline.consumers.kafka import Consumer, Headers, Producer, check_message
+from freshline.pipeline.core.errors import ConfigError, ServiceUnavailable
+from freshline.pipeline.core.keys import dlq_replayed_key
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import DLQ, qualified
 
 READ_STALL_S = 30.0
 """How long reading may go without a record or an end of partition before giving up."""
@@ -276,7 +276,7 @@ def replay(
     """Send the chosen dead letters not yet replayed back to their source topics.
 
     ``progress(read, total)`` is called as records are read. A delivery the broker
-    refuses raises :class:`consumers.kafka.DeliveryFailed`, with nothing of its chunk
+    refuses raises :class:`freshline.consumers.kafka.DeliveryFailed`, with nothing of its chunk
     recorded: the next run sends the chunk again.
     """
     report = ReplayReport()

@@ -1,12 +1,12 @@
 """Routing: which (feature set, tenant, entity) entries a change affects.
 
-A change reaches a feature set through the set's :class:`~pipeline.core.features.Source`
+A change reaches a feature set through the set's :class:`~freshline.pipeline.core.features.Source`
 for the changed table: directly, through columns that hold an entity's key (the old
 and the new value both, so a row that moves between entities affects both), or through
 a reverse-lookup query that returns the affected entities' key columns, tenant first
 (in the fraud example, a changed device affects every user of it). Identical lookups
 within one batch run once. In a single-tenant repository every entity is of
-:data:`~pipeline.core.features.IMPLICIT_TENANT`.
+:data:`~freshline.pipeline.core.features.IMPLICIT_TENANT`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from pipeline.core.errors import FreshlineError, InvalidId
-from pipeline.core.features import IMPLICIT_TENANT, Entity, Registry, Source
-from pipeline.core.keys import validate_id
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import ChangeEvent
+from freshline.pipeline.core.errors import FreshlineError, InvalidId
+from freshline.pipeline.core.features import IMPLICIT_TENANT, Entity, Registry, Source
+from freshline.pipeline.core.keys import validate_id
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import ChangeEvent
 
 Targets = dict[str, set[tuple[str, str]]]
 """Feature set name -> the (tenant, entity) pairs to recompute or invalidate."""

@@ -1,14 +1,14 @@
 """The served log's sink: ``freshline served sink``.
 
 A consumer group of its own (``freshline-served-sink``) reads ``freshline.served``
-(:mod:`pipeline.observe.served`), decodes each logged entry with the repository's field
+(:mod:`freshline.pipeline.observe.served`), decodes each logged entry with the repository's field
 names, and writes one row per (request, feature set, entity) to day-partitioned Parquet
 files under ``FRESHLINE_SERVED_LOG_DIR`` (``day=YYYY-MM-DD/<n>.parquet``, by the
 request's UTC day), deleting days older than ``FRESHLINE_SERVED_LOG_RETENTION_DAYS``.
 
 Order of side effects, per batch: write the files, then commit the offsets. A crash
 between the two writes a batch again (rows carry their ``request_id``: readers drop
-the repeats, as :meth:`pipeline.observe.served_files.ParquetLog.read` does). See
+the repeats, as :meth:`freshline.pipeline.observe.served_files.ParquetLog.read` does). See
 ``docs/observability.md``.
 """
 
@@ -22,12 +22,12 @@ from typing import Any, Final
 
 import orjson
 
-from consumers.kafka import Consumer, check_message
-from pipeline.core.codec import HEADER, TOMBSTONE_TAG
-from pipeline.core.features import Registry
-from pipeline.core.settings import Settings
-from pipeline.core.topics import SERVED, qualified
-from pipeline.observe.served_files import ParquetLog
+from freshline.consumers.kafka import Consumer, check_message
+from freshline.pipeline.core.codec import HEADER, TOMBSTONE_TAG
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import SERVED, qualified
+from freshline.pipeline.observe.served_files import ParquetLog
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """Which Postgres history each schema version's entries were computed from, in Redis.
 
 A consumer compares every batch's Postgres identity
-(:func:`~pipeline.cache.recompute.source_identity`) with its first batch's; one started
+(:func:`~freshline.pipeline.cache.recompute.source_identity`) with its first batch's; one started
 after Postgres changed history (restarted during a failover, say) has nothing of its
 own to compare with. So the identity is also recorded beside the entries it vouches
-for, one key per schema version (:func:`~pipeline.core.keys.source_key`), and a batch
+for, one key per schema version (:func:`~freshline.pipeline.core.keys.source_key`), and a batch
 compares its snapshot's identity with the record of every version it writes, before
 its first write: a consumer asks Redis on its first batch, when the versions written
 change, and then every :data:`RECHECK_S` while batches come.
@@ -17,7 +17,7 @@ records, the second compares), and one on another history changes nothing.
 A record lives twice the longest feature-set TTL (as floors do) from its last renewal,
 at most :data:`RECHECK_S` before any write it vouches for: once it is gone, every entry
 computed on its history has expired. A purge of the version removes it after the
-entries (:mod:`pipeline.deploy.purge`). Every version's record has the hash tag
+entries (:mod:`freshline.pipeline.deploy.purge`). Every version's record has the hash tag
 ``{source}``, so the script runs on one node of a Redis Cluster as on one server.
 """
 
@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from pipeline.cache.recompute import SourceIdentity
-from pipeline.core.keys import source_key
+from freshline.pipeline.cache.recompute import SourceIdentity
+from freshline.pipeline.core.keys import source_key
 
 RECHECK_S = 5.0
 """While the identity and the versions stay the same, the records are read again (and

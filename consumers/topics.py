@@ -26,10 +26,10 @@ from confluent_kafka.admin import (
 )
 from confluent_kafka.cimpl import NewTopic
 
-from pipeline.core.errors import FreshlineError
-from pipeline.core.repository import Repository, active
-from pipeline.core.settings import Settings
-from pipeline.core.topics import CDC_PREFIX, DLQ, INVALIDATIONS, SERVED, qualified
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.repository import Repository, active
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import CDC_PREFIX, DLQ, INVALIDATIONS, SERVED, qualified
 
 ADMIN_TIMEOUT_S = 15.0
 WRITER_OPERATIONS = (AclOperation.WRITE, AclOperation.DESCRIBE)
@@ -171,7 +171,7 @@ def ensure_from_settings(
     settings: Settings, *, replication_factor: int | None = None
 ) -> EnsureReport:
     """:func:`ensure` with the partition count, broker and prefix from ``settings``."""
-    from consumers.kafka import admin_client
+    from freshline.consumers.kafka import admin_client
 
     return ensure(
         admin_client(settings),
@@ -190,7 +190,7 @@ def ensure_cdc_topics(settings: Settings, topics: Iterable[str]) -> list[str]:
     With ``FRESHLINE_KAFKA_CONNECT_USER`` set, Connect's login may then write them
     (:func:`allow_writer`; :func:`remove_cdc_acls` takes that back).
     """
-    from consumers.kafka import admin_client
+    from freshline.consumers.kafka import admin_client
 
     wanted = list(topics)
     admin = admin_client(settings)
@@ -204,7 +204,7 @@ def remove_cdc_acls(settings: Settings, prefix: str) -> list[str]:
     """Delete the ACLs :func:`ensure_cdc_topics` made for ``FRESHLINE_KAFKA_CONNECT_USER``
     on the CDC topics named ``prefix...`` (:func:`revoke_writer`); returns those topics.
     None without that setting, which made none."""
-    from consumers.kafka import admin_client
+    from freshline.consumers.kafka import admin_client
 
     if not settings.kafka_connect_user:
         return []

@@ -7,7 +7,7 @@ Each iteration (:meth:`Worker._iteration`):
    fill: one that keeps up has what came during the batch before);
 2. decode them; a record that cannot become an event goes to the dead-letter topic
    with its reason, and so does an event whose own data fails to apply;
-3. apply the events as one batch (:class:`consumers.processor.Processor`): Redis
+3. apply the events as one batch (:class:`freshline.consumers.processor.Processor`): Redis
    writes, then invalidations on the Redis channel and handed to the producer;
 4. flush the producer (dead letters and invalidations acknowledged by the broker);
 5. commit the offsets after the batch, for partitions still assigned.
@@ -17,23 +17,23 @@ Postgres's WAL flushed past the batch's snapshot (before the Redis writes) and, 
 ``redis_wait_replicas``, the Redis replicas' acknowledgement (``WAIT``); either one
 not reached in time is a transient failure. A change of the Redis server written to
 (its run id or replication id: a failover, a restart) raises every floor
-(:meth:`consumers.processor.Processor.raise_floors`); it is looked for in every
+(:meth:`freshline.consumers.processor.Processor.raise_floors`); it is looked for in every
 batch, and every ``WATCH_EVERY_S`` while idle.
 
 Beside the loop, a thread folds the pending changes of the repository's incremental
-path (:mod:`pipeline.core.incremental`; the fraud example's bucket deltas) every
+path (:mod:`freshline.pipeline.core.incremental`; the fraud example's bucket deltas) every
 ``bucket_fold_interval_ms``, on a connection of its own, so a fold never holds a batch
 back; a fold already running in another consumer is not waited for.
 
 A crash anywhere before step 5 replays the batch; conditional writes make that
-harmless. A failure that is not about one event's data (:mod:`consumers.failures`)
+harmless. A failure that is not about one event's data (:mod:`freshline.consumers.failures`)
 never dead-letters a healthy stream: a transient one (Postgres or Redis down, a change
 not yet visible) or a configuration one (the deploy pointer, the lock, the eviction
 policy, a permission; logged once with its fix) pauses the assigned partitions and
 retries the same batch with backoff until it succeeds or a stop is requested (which
 ends the run cleanly, the batch uncommitted). An ACL that refuses the consumer its
 group, a topic it writes or the invalidation channel ends the run with one line naming
-it (:mod:`consumers.access`); group and topics are checked before joining. While
+it (:mod:`freshline.consumers.access`); group and topics are checked before joining. While
 paused the loop keeps polling, to stay in the group: a partition assigned meanwhile is
 paused too, and a record that a poll returns anyway is never dropped: the partition is
 rewound to it.
@@ -65,10 +65,10 @@ from typing import TypeVar, cast
 import sqlalchemy as sa
 from confluent_kafka import KafkaError, Message, TopicPartition
 
-from consumers.access import check_kafka, kafka_refusal, publish_refused, write_refusal
-from consumers.dlq import DeadLetters, Record
-from consumers.events import EventRejected, decode
-from consumers.failures import (
+from freshline.consumers.access import check_kafka, kafka_refusal, publish_refused, write_refusal
+from freshline.consumers.dlq import DeadLetters, Record
+from freshline.consumers.events import EventRejected, decode
+from freshline.consumers.failures import (
     CONFIGURATION,
     DATA_ERRORS,
     FATAL,
@@ -78,7 +78,7 @@ from consumers.failures import (
     remedy,
     service,
 )
-from consumers.kafka import (
+from freshline.consumers.kafka import (
     CommitNotYet,
     Consumer,
     Delivery,
@@ -87,23 +87,23 @@ from consumers.kafka import (
     Producer,
     check_message,
 )
-from consumers.metrics import consumer_metrics
-from consumers.processor import BatchReport, Processor, PublishRefused, impossible_txids
-from consumers.routing import Router
-from consumers.topics import subscription
-from pipeline.cache.invalidation import Invalidation
-from pipeline.cache.recompute import NotYetVisible
-from pipeline.cache.roster import Proc, Registration
-from pipeline.cache.store import check_eviction_policy
-from pipeline.cache.versions import WriteVersions
-from pipeline.core.db import make_engine, own_pool
-from pipeline.core.errors import ConfigError
-from pipeline.core.repository import REGISTRY, active
-from pipeline.core.services import consumer_redis_client
-from pipeline.core.settings import Settings
-from pipeline.core.topics import DLQ, INVALIDATIONS, logical, qualified
-from pipeline.core.types import ChangeEvent
-from pipeline.history.snapshots import keeper
+from freshline.consumers.metrics import consumer_metrics
+from freshline.consumers.processor import BatchReport, Processor, PublishRefused, impossible_txids
+from freshline.consumers.routing import Router
+from freshline.consumers.topics import subscription
+from freshline.pipeline.cache.invalidation import Invalidation
+from freshline.pipeline.cache.recompute import NotYetVisible
+from freshline.pipeline.cache.roster import Proc, Registration
+from freshline.pipeline.cache.store import check_eviction_policy
+from freshline.pipeline.cache.versions import WriteVersions
+from freshline.pipeline.core.db import make_engine, own_pool
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.core.repository import REGISTRY, active
+from freshline.pipeline.core.services import consumer_redis_client
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import DLQ, INVALIDATIONS, logical, qualified
+from freshline.pipeline.core.types import ChangeEvent
+from freshline.pipeline.history.snapshots import keeper
 
 logger = logging.getLogger("freshline.consumer")
 
@@ -260,7 +260,7 @@ class Worker:
         self._unmatched_logged = 0.0
         self._folding = threading.Event()
         self._folder = threading.Thread(target=self._fold_deltas, name="bucket-fold", daemon=True)
-        # Who runs what (pipeline.cache.roster): the versions it writes, for deploy flip.
+        # Who runs what (freshline.pipeline.cache.roster): the versions it writes, for deploy flip.
         self.registration: Registration | None = None
         self.paused: str | None = None
         """What holds the batch (a configuration failure's cause and remedy), or None."""
@@ -350,7 +350,7 @@ class Worker:
         """Flush the producer and leave the group, each within a bound.
 
         ``closed_cleanly`` is False when the Kafka consumer had to be abandoned (see
-        :meth:`consumers.kafka.Consumer.close`); the process should then exit with
+        :meth:`freshline.consumers.kafka.Consumer.close`); the process should then exit with
         ``os._exit``, since the interpreter's own teardown would wait on it again.
         """
         self._folding.set()

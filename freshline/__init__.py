@@ -15,9 +15,9 @@ these; ``freshline plan`` shows what they would change and ``freshline apply`` d
 """
 
 from freshline import agg
-from pipeline.core.aggregations import Aggregations, Lookup
-from pipeline.core.events import Event, EventField
-from pipeline.core.features import (
+from freshline.pipeline.core.aggregations import Aggregations, Lookup
+from freshline.pipeline.core.events import Event, EventField
+from freshline.pipeline.core.features import (
     AS_OF,
     IMPLICIT_TENANT,
     Entity,
@@ -25,9 +25,9 @@ from pipeline.core.features import (
     Field,
     Table,
 )
-from pipeline.core.incremental import BuildState, IncrementalPath
-from pipeline.core.repository import Repository, load
-from pipeline.history.training import training_set
+from freshline.pipeline.core.incremental import BuildState, IncrementalPath
+from freshline.pipeline.core.repository import Repository, load
+from freshline.pipeline.history.training import training_set
 
 __all__ = [
     "AS_OF",

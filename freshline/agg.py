@@ -6,7 +6,7 @@
     orders_30d = Aggregations(..., aggs=[agg.count(), agg.sum("amount"), agg.max("amount")])
 """
 
-from pipeline.core.aggregations import (
+from freshline.pipeline.core.aggregations import (
     count,
     count_distinct,
     last,
@@ -16,6 +16,6 @@ from pipeline.core.aggregations import (
     stddev,
     sum,
 )
-from pipeline.core.declarations import Agg
+from freshline.pipeline.core.declarations import Agg
 
 __all__ = ["Agg", "count", "count_distinct", "last", "max", "mean", "min", "stddev", "sum"]

@@ -20,10 +20,10 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 
-from pipeline.core.errors import ConfigError
+from freshline.pipeline.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from pipeline.core.repository import Repository
+    from freshline.pipeline.core.repository import Repository
 
 HERE = Path(__file__).resolve().parent
 SCHEMA = "freshline"

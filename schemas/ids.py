@@ -3,7 +3,7 @@
 Allowed: ASCII letters, digits, ``_``, ``.`` and ``-``, starting with a letter or
 digit, at most 64 characters. That rules out the key separator ``:``, hash-tag
 braces, glob wildcards, whitespace and control characters. Event decoding and the
-key scheme (:func:`pipeline.core.keys.validate_id`) apply this one rule.
+key scheme (:func:`freshline.pipeline.core.keys.validate_id`) apply this one rule.
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ import redis
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary, seed
-from pipeline.core.db import make_engine
-from pipeline.core.services import redis_client as make_redis_client
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.db import make_engine
+from freshline.pipeline.core.services import redis_client as make_redis_client
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import (
     ANCHOR,
     HYPOTHESIS_PROFILE,
@@ -182,7 +182,8 @@ def redis_client(settings: Settings) -> Iterator[redis.Redis]:
         if immortal:
             shown = ", ".join(immortal[:10]) + (" ..." if len(immortal) > 10 else "")
             raise AssertionError(
-                f"{len(immortal)} key(s) without a TTL, not in pipeline.core.keys.UNEXPIRING: "
+                f"{len(immortal)} key(s) without a TTL, not in "
+                "freshline.pipeline.core.keys.UNEXPIRING: "
                 f"{shown}"
             )
     finally:

@@ -40,20 +40,20 @@ from pydantic import SecretStr
 from sqlalchemy.engine import Engine, make_url
 from starlette.applications import Starlette
 
-import migrations
-from consumers.kafka import admin_client, client_config
-from pipeline.cache.local import LocalTier
-from pipeline.cache.readthrough import Hooks, ReadThrough, Result
-from pipeline.cache.store import FeatureStore
-from pipeline.cache.versions import VersionResolver
-from pipeline.core.db import make_engine
-from pipeline.core.errors import ServiceUnavailable
-from pipeline.core.features import Registry
-from pipeline.core.maintenance import install_missing, secure_installed
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef, Entry, FeatureValues
-from pipeline.dev import processes
+from freshline import migrations
+from freshline.consumers.kafka import admin_client, client_config
+from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.readthrough import Hooks, ReadThrough, Result
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.versions import VersionResolver
+from freshline.pipeline.core.db import make_engine
+from freshline.pipeline.core.errors import ServiceUnavailable
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.maintenance import install_missing, secure_installed
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef, Entry, FeatureValues
+from freshline.pipeline.dev import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
@@ -361,7 +361,8 @@ class Api:
         return self.request("POST", url, **kwargs)
 
     def ops(self, url: str, **kwargs: Any) -> httpx.Response:
-        """GET ``url`` from the app's ops-port app (:mod:`pipeline.api.ops`), with no key."""
+        """GET ``url`` from the app's ops-port app (:mod:`freshline.pipeline.api.ops`), with no
+        key."""
 
         async def get() -> httpx.Response:
             transport = httpx.ASGITransport(app=self.app.state.ops_app)
@@ -393,8 +394,8 @@ def api_for(
 ) -> Iterator[Api]:
     """The API on ``settings`` running, following no deploys (``create``: more
     ``create_app`` arguments), and a client of it holding a new key of ``tenant``."""
-    from pipeline.api import create_app  # imported here: see api_app
-    from pipeline.api.auth import create_api_key
+    from freshline.pipeline.api import create_app  # imported here: see api_app
+    from freshline.pipeline.api.auth import create_api_key
 
     app = create_app(settings, engine=engine, redis_client=client, follow_deploys=False, **create)
     with running(app, create_api_key(engine, tenant)) as api:
@@ -405,8 +406,8 @@ def api_app(settings: Settings, engine: Engine, client: redis.Redis, **update: A
     """The API on a schema version of its own, without the in-process tier, following no
     deploys; ``update`` changes these or other settings."""
     # Imported here: loading these helpers should not import prometheus_client, which
-    # fixes its mode when first imported (pipeline.api imports it).
-    from pipeline.api import create_app
+    # fixes its mode when first imported (freshline.pipeline.api imports it).
+    from freshline.pipeline.api import create_app
 
     changed = {"schema_version": fresh_version(), "local_cache_size": 0, **update}
     return create_app(
@@ -430,7 +431,7 @@ def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     is not about the process itself."""
     from click.testing import CliRunner
 
-    from pipeline.cli import main
+    from freshline.pipeline.cli import main
 
     argv = sys.argv
     with CliRunner().isolation(env=env) as (out, err, _):

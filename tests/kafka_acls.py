@@ -18,10 +18,10 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 from pydantic import SecretStr
 
-from consumers.kafka import Consumer, DeliveryFailed, Producer, admin_client
-from consumers.topics import ensure
-from pipeline.core.settings import Settings
-from pipeline.core.topics import INVALIDATIONS
+from freshline.consumers.kafka import Consumer, DeliveryFailed, Producer, admin_client
+from freshline.consumers.topics import ensure
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import INVALIDATIONS
 from tests.helpers import wait_until
 
 REFUSED_S = 10.0

@@ -24,17 +24,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 
-from consumers.processor import Processor
 from freshline import Aggregations, Entity, Table, agg
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.cdc.connect import PUBLICATION
-from pipeline.core.declarations import Declaration
-from pipeline.core.errors import ConfigError
-from pipeline.core.maintenance import DerivedPath
-from pipeline.core.repository import DefinitionError, Repository, load
-from pipeline.core.types import ChangeEvent, EntityRef, Op
-from pipeline.deploy.plan import plan
+from freshline.consumers.processor import Processor
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cdc.connect import PUBLICATION
+from freshline.pipeline.core.declarations import Declaration
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.core.maintenance import DerivedPath
+from freshline.pipeline.core.repository import DefinitionError, Repository, load
+from freshline.pipeline.core.types import ChangeEvent, EntityRef, Op
+from freshline.pipeline.deploy.plan import plan
 from tests.helpers import examples, fresh_version
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -99,7 +99,7 @@ def test_a_repository_folder_never_shadows_a_freshline_package(tmp_path: Path) -
     (repo / "shop_cli.py").write_text("import typer\n\napp = typer.Typer()\n")
     (repo / "migrations" / "versions").mkdir(parents=True)
     probe = (
-        "from pipeline.cli import mount_own_commands\n"
+        "from freshline.pipeline.cli import mount_own_commands\n"
         f"mount_own_commands(['--repo', {str(repo)!r}])\n"
         "import migrations\n"
         "print(hasattr(migrations, 'upgrade'))\n"

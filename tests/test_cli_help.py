@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from pipeline.cli import app
+from freshline.pipeline.cli import app
 
 
 def help_of(*command: str) -> str:

@@ -27,18 +27,18 @@ from rich.console import Console, RenderableType
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api import create_app
-from pipeline.api.auth import create_api_key
-from pipeline.cdc.connect import CdcStatus, Names, SlotState, TaskState
-from pipeline.cli.advise import report
-from pipeline.cli.cdc import status_report
-from pipeline.cli.db import summary_table
-from pipeline.cli.models import model_block
-from pipeline.core.http import fetch
-from pipeline.core.keys import MODELS_KEY
-from pipeline.core.settings import Settings
-from pipeline.inference.models import LogisticModel, ModelRecord, ModelRegistry
-from pipeline.observe.advisor import Figures, advise
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.cdc.connect import CdcStatus, Names, SlotState, TaskState
+from freshline.pipeline.cli.advise import report
+from freshline.pipeline.cli.cdc import status_report
+from freshline.pipeline.cli.db import summary_table
+from freshline.pipeline.cli.models import model_block
+from freshline.pipeline.core.http import fetch
+from freshline.pipeline.core.keys import MODELS_KEY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.inference.models import LogisticModel, ModelRecord, ModelRegistry
+from freshline.pipeline.observe.advisor import Figures, advise
 from tests.helpers import FRESHLINE, fresh_version, serving
 
 WIDTH = 80

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from pipeline.core.settings import Settings
-from pipeline.semantic import prior
-from pipeline.semantic.cache import Scope, SemanticCache
-from pipeline.semantic.embed import local_model
-from pipeline.semantic.extra import MODULES
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.semantic import prior
+from freshline.pipeline.semantic.cache import Scope, SemanticCache
+from freshline.pipeline.semantic.embed import local_model
+from freshline.pipeline.semantic.extra import MODULES
 from tests.helpers import freshline
 
 
@@ -109,7 +109,7 @@ def test_without_the_extra_each_command_says_what_to_install(command: str) -> No
             sys.executable,
             "-c",
             f"import sys; {absent}sys.argv = ['freshline', 'semantic', {command!r}]; "
-            "from pipeline.cli import main; main()",
+            "from freshline.pipeline.cli import main; main()",
         ],
         capture_output=True,
         text=True,

@@ -1,4 +1,5 @@
-"""Listings (``pipeline.cli.app.print_rows``): fitted on a terminal, whole rows in a pipe."""
+"""Listings (``freshline.pipeline.cli.app.print_rows``): fitted on a terminal, whole rows in a
+pipe."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from rich.console import Console
 
-from pipeline.api.auth import KeyInfo
-from pipeline.cli.apikey import key_table
+from freshline.pipeline.api.auth import KeyInfo
+from freshline.pipeline.cli.apikey import key_table
 
-app = importlib.import_module("pipeline.cli.app")  # the module: pipeline.cli.app is the Typer app
+app = importlib.import_module(
+    "freshline.pipeline.cli.app"
+)  # the module: freshline.pipeline.cli.app is the Typer app
 
 NOW = datetime(2026, 12, 6, 0, 30, tzinfo=UTC)
 KEYS = [

@@ -1,4 +1,4 @@
-"""Incremental maintenance derived from a declaration (pipeline.core.maintenance): on a
+"""Incremental maintenance derived from a declaration (freshline.pipeline.core.maintenance): on a
 database of its own, the partials kept by the generated triggers must give exactly the
 defining query's values, field by field, through random streams of inserts, updates,
 moves, time changes, filter changes and deletes, at moments that put rows on and beside
@@ -22,16 +22,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 
-import migrations
-from freshline import Aggregations, Entity, Lookup, Table, agg
-from pipeline.cache.recompute import compute
-from pipeline.cdc.connect import PUBLICATION
-from pipeline.core.db import make_engine
-from pipeline.core.features import FeatureSet
-from pipeline.core.maintenance import DerivedPath, superseded
-from pipeline.core.repository import load
-from pipeline.core.settings import Settings
-from pipeline.deploy.plan import plan
+from freshline import Aggregations, Entity, Lookup, Table, agg, migrations
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cdc.connect import PUBLICATION
+from freshline.pipeline.core.db import make_engine
+from freshline.pipeline.core.features import FeatureSet
+from freshline.pipeline.core.maintenance import DerivedPath, superseded
+from freshline.pipeline.core.repository import load
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.deploy.plan import plan
 from tests import helpers
 from tests.helpers import drop_database, recreate_database
 

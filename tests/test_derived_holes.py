@@ -1,5 +1,5 @@
 """Writes a user's ordinary database makes that the derived incremental path must see
-(pipeline.core.maintenance), each on a database of its own: a ``where`` calling the
+(freshline.pipeline.core.maintenance), each on a database of its own: a ``where`` calling the
 user's own function, writes addressed to a partition, NaN and infinities corrected
 after a fold, an update its collation calls equal, and a time column without a zone.
 Each would make the incremental path serve other values than the defining query, or
@@ -17,17 +17,16 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
-import migrations
-from freshline import Aggregations, Entity, Table, agg
-from pipeline.cache.recompute import compute
-from pipeline.cdc.connect import PUBLICATION
-from pipeline.core.db import make_engine
-from pipeline.core.features import FeatureSet, Registry
-from pipeline.core.maintenance import DerivedPath
-from pipeline.core.repository import Repository
-from pipeline.core.settings import Settings
-from pipeline.deploy import derived_checks
-from pipeline.deploy.plan import plan
+from freshline import Aggregations, Entity, Table, agg, migrations
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cdc.connect import PUBLICATION
+from freshline.pipeline.core.db import make_engine
+from freshline.pipeline.core.features import FeatureSet, Registry
+from freshline.pipeline.core.maintenance import DerivedPath
+from freshline.pipeline.core.repository import Repository
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.deploy import derived_checks
+from freshline.pipeline.deploy.plan import plan
 from tests.helpers import drop_database, recreate_database
 
 customer = Entity("customer", key="customer_id", type="text", tenant="shop_id")

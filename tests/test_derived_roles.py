@@ -1,4 +1,4 @@
-"""Who may change what a derived incremental path serves (pipeline.core.maintenance):
+"""Who may change what a derived incremental path serves (freshline.pipeline.core.maintenance):
 freshline's owner alone, through the triggers on the user's tables and the fold. Another
 login on the same database, one with no grant at all or one of freshline's own (the
 API's, the consumers', Debezium's), can neither write the path's log or partials nor
@@ -22,13 +22,13 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine, make_url
 
-import migrations
-from pipeline.cache.recompute import compute
-from pipeline.core.db import make_engine
-from pipeline.core.features import FeatureSet
-from pipeline.core.maintenance import DerivedPath
-from pipeline.core.repository import load
-from pipeline.core.settings import Settings
+from freshline import migrations
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.core.db import make_engine
+from freshline.pipeline.core.features import FeatureSet
+from freshline.pipeline.core.maintenance import DerivedPath
+from freshline.pipeline.core.repository import load
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import ROOT, drop_database, freshline, recreate_database
 
 TABLES = """

@@ -5,11 +5,16 @@ import logging
 import pytest
 import sqlalchemy as sa
 
-import migrations
-from pipeline.api.auth import Authenticator, TenantLimits, create_tenant, set_tenant_limits
-from pipeline.core.db import metadata
-from pipeline.core.errors import ConfigError
-from pipeline.core.settings import Settings
+from freshline import migrations
+from freshline.pipeline.api.auth import (
+    Authenticator,
+    TenantLimits,
+    create_tenant,
+    set_tenant_limits,
+)
+from freshline.pipeline.core.db import metadata
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import (
     FRAUD_MIGRATIONS,
     drop_database,
@@ -218,7 +223,7 @@ def test_an_api_on_a_schema_before_tenant_limits_serves_keys_at_the_settings(
         migrations.upgrade(url, "0003")
         key = create_tenant(engine, "acme")
         auth = Authenticator(engine)
-        with caplog.at_level(logging.WARNING, logger="pipeline.api.auth"):
+        with caplog.at_level(logging.WARNING, logger="freshline.pipeline.api.auth"):
             assert auth.principal(key).limits == TenantLimits()
             auth.clear()
             assert auth.principal(key).tenant == "acme"

@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import FRESHLINE, role_url
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import FRESHLINE, ROOT, forget_repository, free_port
 
 pytestmark = [pytest.mark.kafka, pytest.mark.connect, pytest.mark.slow]

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core.db import make_engine, ping
-from pipeline.core.errors import ServiceUnavailable
-from pipeline.core.settings import Settings, load_settings
+from freshline.pipeline.core.db import make_engine, ping
+from freshline.pipeline.core.errors import ServiceUnavailable
+from freshline.pipeline.core.settings import Settings, load_settings
 from tests.helpers import FRESHLINE, free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,17 +22,17 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from consumers.kafka import admin_client
-from consumers.processor import Processor
-from consumers.routing import Router
-from consumers.topics import ensure, ensure_cdc_topics, managed
-from pipeline.api import create_app
-from pipeline.api.auth import TenantExists, create_api_key, create_tenant
-from pipeline.cache.readthrough import Hooks, ReadThrough
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.cache.versions import Pointer, VersionResolver, WriteVersions
-from pipeline.cdc.connect import (
+from freshline.consumers.kafka import admin_client
+from freshline.consumers.processor import Processor
+from freshline.consumers.routing import Router
+from freshline.consumers.topics import ensure, ensure_cdc_topics, managed
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import TenantExists, create_api_key, create_tenant
+from freshline.pipeline.cache.readthrough import Hooks, ReadThrough
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.versions import Pointer, VersionResolver, WriteVersions
+from freshline.pipeline.cdc.connect import (
     PUBLICATION,
     ConnectClient,
     connector_config,
@@ -40,18 +40,18 @@ from pipeline.cdc.connect import (
     names,
     streaming,
 )
-from pipeline.core.db import make_engine
-from pipeline.core.errors import ConfigError, InvalidId
-from pipeline.core.features import IMPLICIT_TENANT
-from pipeline.core.keys import feature_key
-from pipeline.core.lock import Lock, LockedSet
-from pipeline.core.repository import Repository, load
-from pipeline.core.settings import Settings
-from pipeline.core.topics import qualified
-from pipeline.core.types import ChangeEvent, EntityRef
-from pipeline.deploy.plan import plan
-from pipeline.deploy.pointer import flip, start
-from pipeline.deploy.warm import active_entities, count_active, warm
+from freshline.pipeline.core.db import make_engine
+from freshline.pipeline.core.errors import ConfigError, InvalidId
+from freshline.pipeline.core.features import IMPLICIT_TENANT
+from freshline.pipeline.core.keys import feature_key
+from freshline.pipeline.core.lock import Lock, LockedSet
+from freshline.pipeline.core.repository import Repository, load
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import qualified
+from freshline.pipeline.core.types import ChangeEvent, EntityRef
+from freshline.pipeline.deploy.plan import plan
+from freshline.pipeline.deploy.pointer import flip, start
+from freshline.pipeline.deploy.warm import active_entities, count_active, warm
 from tests.helpers import (
     FRESHLINE,
     drop_database,
@@ -425,7 +425,7 @@ def test_init_makes_a_repository_that_plan_checks(
 
 def test_an_incremental_query_needs_its_maintenance_and_recomputes_go_through_it() -> None:
     from freshline import IncrementalPath
-    from pipeline.core.features import Entity, FeatureSet, Field, Registry, Source
+    from freshline.pipeline.core.features import Entity, FeatureSet, Field, Registry, Source
 
     class Recorded(IncrementalPath):
         """Records the statements asked of it; the SQL it returns is the full query."""

@@ -26,18 +26,18 @@ from pydantic import SecretStr
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api import create_app
-from pipeline.api.auth import create_api_key
-from pipeline.api.fastpath import async_client
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.cdc.connect import ConnectClient, connector_config, drop_slot, names
-from pipeline.core.keys import ACTIVE_SCHEMA_KEY, INVALIDATION_CHANNEL, feature_key
-from pipeline.core.maintenance import DerivedPath
-from pipeline.core.repository import REGISTRY
-from pipeline.core.services import redis_client
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.fastpath import async_client
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cdc.connect import ConnectClient, connector_config, drop_slot, names
+from freshline.pipeline.core.keys import ACTIVE_SCHEMA_KEY, INVALIDATION_CHANNEL, feature_key
+from freshline.pipeline.core.maintenance import DerivedPath
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.services import redis_client
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef
 from tests.helpers import (
     as_user,
     assert_kafka_refuses,

@@ -19,9 +19,9 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
-from pipeline.cdc.connect import ConnectClient, connector_config, drop_slot, names
-from pipeline.core.http import fetch
-from pipeline.core.settings import Settings
+from freshline.pipeline.cdc.connect import ConnectClient, connector_config, drop_slot, names
+from freshline.pipeline.core.http import fetch
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import kafka_login, need, wait_until
 from tests.kafka_acls import (
     FORBIDDEN_WRITES,

@@ -7,7 +7,7 @@ import psycopg
 import pytest
 import redis
 
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.settings import Settings
 
 
 def test_a_test_without_a_service_fixture_is_unit(request: pytest.FixtureRequest) -> None:

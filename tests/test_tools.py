@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.dev.tools import MissingTool, manifest, require
+from freshline.pipeline.dev.tools import MissingTool, manifest, require
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent

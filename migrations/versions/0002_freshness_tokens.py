@@ -3,7 +3,7 @@
 A writer calls ``SELECT freshline.token()`` in its transaction, after its writes, or
 right after commit, and hands the token to a reader, which asks the read API (or the
 Python client) for features ``after`` it. What a token names and why a reader's check
-is sound is :mod:`pipeline.cache.tokens`'s docstring; here is what the database holds.
+is sound is :mod:`freshline.pipeline.cache.tokens`'s docstring; here is what the database holds.
 
 - ``freshline.token_key``: one row, a random 32-byte key made here (Python's
   ``secrets``), with its HMAC-SHA256 inner and outer pads (the key, zero-padded to

@@ -9,7 +9,7 @@
   the table is not to be trusted (DDL it could not follow), with ``broken_reason``.
 - ``freshline.snapshots``: the full snapshot (``pg_current_snapshot()``) and ``as_of``
   (µs) each computation read, keyed by the watermark its entries carry, so an entry
-  names exactly the rows it was computed from (:mod:`pipeline.history.snapshots`).
+  names exactly the rows it was computed from (:mod:`freshline.pipeline.history.snapshots`).
 - ``freshline.history_truncates``: each TRUNCATE the recorder read, so a version whose
   record arrives after it (a truncate has no key: another partition) still ends there.
 

@@ -15,41 +15,41 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import BaseRoute, Route
 
-from pipeline.api import audit_log, metrics, ops, routes
-from pipeline.api.auth import Authenticator
-from pipeline.api.errors import HANDLERS
-from pipeline.api.fastpath import async_client
-from pipeline.api.limits import AccessGuard, PoolBudget, RowBudget
-from pipeline.api.openapi import document
-from pipeline.api.reader import FeatureReader
-from pipeline.api.semantic_status import reader as semantic_reader
-from pipeline.api.tenancy import TenantSlots
-from pipeline.cache.arrivals import Arrivals
-from pipeline.cache.hot import HotReads
-from pipeline.cache.local import LocalTier
-from pipeline.cache.readthrough import Hooks, ReadThrough
-from pipeline.cache.roster import Proc, Registration, roster, strangers
-from pipeline.cache.store import FeatureStore, check_eviction_policy
-from pipeline.cache.tokens import Tokens
-from pipeline.cache.versions import DEFAULT_POINTER, Pointer, VersionResolver
-from pipeline.core.budget import TenantBudget
-from pipeline.core.db import make_engine
-from pipeline.core.features import Registry
-from pipeline.core.lock import Lock
-from pipeline.core.repository import REGISTRY, active
-from pipeline.core.services import redis_client as make_redis_client
-from pipeline.core.settings import Settings, load_settings
-from pipeline.history.snapshots import keeper
-from pipeline.history.status import rows as history_rows
-from pipeline.inference.models import ModelRegistry
-from pipeline.inference.predictions import InferenceCache
-from pipeline.observe.served import ServedLog
-from pipeline.observe.staleness import GroupLag
-from pipeline.observe.status import SampledMetrics, StatusBoard
-from pipeline.semantic.extra import require_extra
+from freshline.pipeline.api import audit_log, metrics, ops, routes
+from freshline.pipeline.api.auth import Authenticator
+from freshline.pipeline.api.errors import HANDLERS
+from freshline.pipeline.api.fastpath import async_client
+from freshline.pipeline.api.limits import AccessGuard, PoolBudget, RowBudget
+from freshline.pipeline.api.openapi import document
+from freshline.pipeline.api.reader import FeatureReader
+from freshline.pipeline.api.semantic_status import reader as semantic_reader
+from freshline.pipeline.api.tenancy import TenantSlots
+from freshline.pipeline.cache.arrivals import Arrivals
+from freshline.pipeline.cache.hot import HotReads
+from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.readthrough import Hooks, ReadThrough
+from freshline.pipeline.cache.roster import Proc, Registration, roster, strangers
+from freshline.pipeline.cache.store import FeatureStore, check_eviction_policy
+from freshline.pipeline.cache.tokens import Tokens
+from freshline.pipeline.cache.versions import DEFAULT_POINTER, Pointer, VersionResolver
+from freshline.pipeline.core.budget import TenantBudget
+from freshline.pipeline.core.db import make_engine
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.lock import Lock
+from freshline.pipeline.core.repository import REGISTRY, active
+from freshline.pipeline.core.services import redis_client as make_redis_client
+from freshline.pipeline.core.settings import Settings, load_settings
+from freshline.pipeline.history.snapshots import keeper
+from freshline.pipeline.history.status import rows as history_rows
+from freshline.pipeline.inference.models import ModelRegistry
+from freshline.pipeline.inference.predictions import InferenceCache
+from freshline.pipeline.observe.served import ServedLog
+from freshline.pipeline.observe.staleness import GroupLag
+from freshline.pipeline.observe.status import SampledMetrics, StatusBoard
+from freshline.pipeline.semantic.extra import require_extra
 
 if TYPE_CHECKING:
-    from pipeline.api.llm import SemanticService
+    from freshline.pipeline.api.llm import SemanticService
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ ROUTES = [
     Route("/v1/models/{name}/predict", routes.predict, methods=["POST"]),
     Route("/openapi.json", routes.openapi, methods=["GET"]),
 ]
-"""The API's own routes; the probes and the operator's pages are :mod:`pipeline.api.ops`'s."""
+"""The API's own routes; the probes and the operator's pages are
+:mod:`freshline.pipeline.api.ops`'s."""
 
 
 def create_app(
@@ -84,26 +85,28 @@ def create_app(
     The in-process tier is used when ``local`` is given, or made (and started at
     start-up) when ``settings.local_cache_size > 0``. With ``follow_deploys`` reads
     serve the active schema version named by the deploy pointer
-    (:class:`pipeline.cache.versions.VersionResolver`; ``pointer``, ``lock``: whose and
+    (:class:`freshline.pipeline.cache.versions.VersionResolver`; ``pointer``, ``lock``: whose and
     with which lock, the repository's by default) and are sampled for warming, and the
-    worker registers itself (:mod:`pipeline.cache.roster`). Both subscriptions rely on
+    worker registers itself (:mod:`freshline.pipeline.cache.roster`). Both subscriptions rely on
     Redis for ``settings.subscription_silence_ms`` at most without confirmed contact,
     and reconnect by themselves.
 
-    ``/status`` keeps a snapshot every ``status_interval_s`` (:mod:`pipeline.observe.status`);
+    ``/status`` keeps a snapshot every ``status_interval_s``
+    (:mod:`freshline.pipeline.observe.status`);
     ``consumer_metrics`` are the consumers' ``/metrics`` URLs it reads freshness lag
     from (default: the local consumer's port, ``FRESHLINE_CONSUMER_METRICS_PORT``), and
     with ``semantic_figures`` (default: ``settings.semantic_enabled``) it shows the
-    semantic cache's busiest namespaces (:mod:`pipeline.api.semantic_status`).
+    semantic cache's busiest namespaces (:mod:`freshline.pipeline.api.semantic_status`).
     With ``keep_snapshots`` (default: the active repository's ``[history] enabled``) a
-    read-through fill keeps the snapshot its entries name (:mod:`pipeline.history.snapshots`).
+    read-through fill keeps the snapshot its entries name
+    (:mod:`freshline.pipeline.history.snapshots`).
     ``/metrics``, ``/status`` and ``/status.json`` are served by ``app.state.ops_app``
-    (the ops port's app, :mod:`pipeline.api.ops`), and on this app only to the operator
+    (the ops port's app, :mod:`freshline.pipeline.api.ops`), and on this app only to the operator
     key (``settings.ops_key``), if one is set.
 
     The semantic cache's routes (``/v1/llm/cache/*``) mount only with
     ``settings.semantic_enabled``, which needs the ``freshline[semantic]`` extra
-    (:class:`pipeline.semantic.extra.SemanticNotInstalled` otherwise); without it
+    (:class:`freshline.pipeline.semantic.extra.SemanticNotInstalled` otherwise); without it
     nothing of FAISS, ``tokenizers`` or ``safetensors`` is imported.
     """
     if settings.semantic_enabled:
@@ -327,12 +330,12 @@ def semantic_service(
 ) -> tuple[SemanticService | None, list[BaseRoute]]:
     """The semantic cache's service and routes, or none with ``semantic_enabled`` off.
 
-    :mod:`pipeline.api.llm` is imported here rather than at the top: it imports FAISS
+    :mod:`freshline.pipeline.api.llm` is imported here rather than at the top: it imports FAISS
     and the embedding model's libraries, which a server without the cache never needs.
     """
     if not settings.semantic_enabled:
         return None, []
-    from pipeline.api import llm
+    from freshline.pipeline.api import llm
 
     return llm.SemanticService(settings, client), [
         Route("/v1/llm/cache/lookup", llm.lookup, methods=["POST"]),

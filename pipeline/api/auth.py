@@ -10,10 +10,10 @@ The caller's tenant comes from its key and from nothing else: the read API never
 takes a tenant from a path, query or body.
 
 Revocation reaches every API worker at once: :func:`revoke_api_key` marks the row,
-then publishes the key's id on :data:`pipeline.core.keys.APIKEY_CHANNEL`; each
+then publishes the key's id on :data:`freshline.pipeline.core.keys.APIKEY_CHANNEL`; each
 worker's :class:`Authenticator` drops the key from its cache when the message
 arrives, and trusts its cache only while that subscription is confirmed live
-(:class:`pipeline.cache.subscription.Subscription`, bounded by
+(:class:`freshline.pipeline.cache.subscription.Subscription`, bounded by
 ``FRESHLINE_SUBSCRIPTION_SILENCE_MS``). A lost message therefore keeps a revoked key
 working for that bound at most: a message published while the subscription is down
 is lost, so the cache is dropped when it goes down and again when it is back, and
@@ -43,13 +43,13 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.engine import Engine
 
-from pipeline.api import audit_log
-from pipeline.cache.subscription import Subscription
-from pipeline.core.cluster import is_cluster, publish
-from pipeline.core.db import api_keys, tenants
-from pipeline.core.errors import ConfigError, FreshlineError
-from pipeline.core.keys import APIKEY_CHANNEL, validate_id
-from pipeline.core.settings import redact_text
+from freshline.pipeline.api import audit_log
+from freshline.pipeline.cache.subscription import Subscription
+from freshline.pipeline.core.cluster import is_cluster, publish
+from freshline.pipeline.core.db import api_keys, tenants
+from freshline.pipeline.core.errors import ConfigError, FreshlineError
+from freshline.pipeline.core.keys import APIKEY_CHANNEL, validate_id
+from freshline.pipeline.core.settings import redact_text
 
 log = logging.getLogger(__name__)
 

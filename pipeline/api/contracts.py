@@ -1,9 +1,9 @@
 """The read API's bodies as pydantic models: what requests send and responses answer.
 
 The OpenAPI document's components are generated from these (:func:`component_schemas`,
-used by :mod:`pipeline.api.openapi`), and the batch and predict bodies are validated by
+used by :mod:`freshline.pipeline.api.openapi`), and the batch and predict bodies are validated by
 them. A body the models refuse gets the answer the API has always given: the
-``{"error": {"code", "message"}}`` of :mod:`pipeline.api.errors`, with the code, status
+``{"error": {"code", "message"}}`` of :mod:`freshline.pipeline.api.errors`, with the code, status
 and message of the first problem in the order the checks have always run (the body's
 shape, its size, the names, then the rest).
 
@@ -14,7 +14,7 @@ do the same, since validating a small body by the model costs more than the chec
 (``python -m bench.contracts``). A fast check accepts only bodies the model accepts, with
 the same values (``tests/pipeline/api/test_contracts.py``).
 
-The semantic cache's models (``Llm*``) document its bodies; :mod:`pipeline.api.llm`
+The semantic cache's models (``Llm*``) document its bodies; :mod:`freshline.pipeline.api.llm`
 checks their shape, and the cache refuses what its documented contract leaves out
 (parameters that are not deterministic: ``not_deterministic``).
 """
@@ -36,21 +36,22 @@ from pydantic import (
 from pydantic.json_schema import GenerateJsonSchema, SkipJsonSchema, models_json_schema
 from pydantic_core import ErrorDetails
 
-from pipeline.api.errors import ApiError
-from pipeline.api.reader import AnswerSource
-from pipeline.cache.tokens import TOKEN_CHARS, InvalidToken
-from pipeline.core.errors import InvalidId
-from pipeline.core.keys import is_plain_id, validate_id
-from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
+from freshline.pipeline.api.errors import ApiError
+from freshline.pipeline.api.reader import AnswerSource
+from freshline.pipeline.cache.tokens import TOKEN_CHARS, InvalidToken
+from freshline.pipeline.core.errors import InvalidId
+from freshline.pipeline.core.keys import is_plain_id, validate_id
+from freshline.schemas.ids import ID_PATTERN, MAX_ID_LENGTH
 
 MAX_MS: Final = 10**12
 """The largest ``max_staleness_ms`` or ``wait_ms`` taken (about 31 years)."""
 
 TOKEN_PATTERN: Final = f"^[A-Za-z0-9_-]{{{TOKEN_CHARS}}}$"
-"""A freshness token's shape (:mod:`pipeline.cache.tokens`): what a schema can check of it."""
+"""A freshness token's shape (:mod:`freshline.pipeline.cache.tokens`): what a schema can check of
+it."""
 
 Id = Annotated[str, StringConstraints(pattern=f"^{ID_PATTERN.pattern}$", max_length=MAX_ID_LENGTH)]
-"""An id that reaches keys (:mod:`schemas.ids`): tenants, entities, arms, models."""
+"""An id that reaches keys (:mod:`freshline.schemas.ids`): tenants, entities, arms, models."""
 
 
 def _absent_when_none(schema: dict[str, Any]) -> None:
@@ -113,7 +114,7 @@ Milliseconds = Annotated[int, Strict(), Field(ge=0, le=MAX_MS), BeforeValidator(
 
 
 class Freshness(BaseModel):
-    """The freshness fields of a batch body (:mod:`pipeline.api.freshness`)."""
+    """The freshness fields of a batch body (:mod:`freshline.pipeline.api.freshness`)."""
 
     max_staleness_ms: Milliseconds | None = Field(
         default=None,
@@ -125,7 +126,7 @@ class Freshness(BaseModel):
         description="With after: how long to wait for the consumer's write before "
         "recomputing, in ms.",
     )
-    # The token's shape is checked where it is decoded (pipeline.cache.tokens), after the
+    # The token's shape is checked where it is decoded (freshline.pipeline.cache.tokens), after the
     # ids, with its own message; here it is only described.
     after: Annotated[str | None, Strict()] = Field(
         default=None,
@@ -383,7 +384,7 @@ def _predict_size(rows: int, limit: int) -> None:
         )
 
 
-# The semantic cache's bodies (pipeline.api.llm): components only when it is on.
+# The semantic cache's bodies (freshline.pipeline.api.llm): components only when it is on.
 
 Text = Annotated[str, StringConstraints(min_length=1, pattern=r"\S")]
 """Text the semantic cache takes: not blank."""

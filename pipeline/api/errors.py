@@ -1,6 +1,6 @@
 """Errors as JSON: ``{"error": {"code": ..., "message": ...}}``, never a traceback.
 
-Every :class:`pipeline.core.errors.FreshlineError` a handler raises maps to a status and a
+Every :class:`freshline.pipeline.core.errors.FreshlineError` a handler raises maps to a status and a
 code by its class (the most specific class in :data:`STATUS` wins); Starlette's own
 404 and 405 become the same JSON; anything unexpected is logged and answered 500.
 
@@ -23,10 +23,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ExceptionHandler
 
-from pipeline.api.auth import Unauthorized
-from pipeline.cache.readthrough import ReplicaBehind
-from pipeline.cache.tokens import ForeignToken, InvalidToken, TokenAhead, TokenPending
-from pipeline.core.errors import (
+from freshline.pipeline.api.auth import Unauthorized
+from freshline.pipeline.cache.readthrough import ReplicaBehind
+from freshline.pipeline.cache.tokens import ForeignToken, InvalidToken, TokenAhead, TokenPending
+from freshline.pipeline.core.errors import (
     FreshlineError,
     InvalidId,
     ModelError,
@@ -34,9 +34,9 @@ from pipeline.core.errors import (
     ServiceUnavailable,
     UnknownFeatureSet,
 )
-from pipeline.core.settings import redact_text
-from pipeline.inference.models import UnknownModel
-from pipeline.inference.predictions import InvalidInput, NonDeterministicModel
+from freshline.pipeline.core.settings import redact_text
+from freshline.pipeline.inference.models import UnknownModel
+from freshline.pipeline.inference.predictions import InvalidInput, NonDeterministicModel
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,9 @@ async def freshline_error(request: Request, exc: Exception) -> Response:
         return await unexpected_error(request, exc)
     status, code = status_of(exc)
     if isinstance(exc, SchemaVersionUnknown):
-        from pipeline.api.metrics import SCHEMA_VERSION_UNKNOWN  # prometheus, on first use
+        from freshline.pipeline.api.metrics import (
+            SCHEMA_VERSION_UNKNOWN,  # prometheus, on first use
+        )
 
         SCHEMA_VERSION_UNKNOWN.inc()
     if status >= 500:

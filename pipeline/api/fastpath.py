@@ -1,7 +1,7 @@
 """The read API's fast path to Redis: the asyncio client its event loop reads with.
 
 :func:`async_client` makes it from the settings, as the synchronous client is made
-(:func:`pipeline.core.services.async_redis_client`: the same server, login, database
+(:func:`freshline.pipeline.core.services.async_redis_client`: the same server, login, database
 and TLS options), with three departures from redis-py. Each works around a gap in
 redis-py and has a test in ``tests/pipeline/api/test_fastpath.py`` that fails once the
 installed redis-py no longer has the gap; the workaround can go then.
@@ -10,7 +10,8 @@ installed redis-py no longer has the gap; the workaround can go then.
   ``asyncio.timeout`` around every read (redis-py #3454; its open PR #4106 would time
   each chunk read instead): a timer pushed on the loop's heap and cancelled, per
   command. The reader bounds its calls instead, with one check per loop
-  (:class:`pipeline.api.deadlines.Deadlines`, :class:`pipeline.api.reader.FeatureReader`).
+  (:class:`freshline.pipeline.api.deadlines.Deadlines`,
+  :class:`freshline.pipeline.api.reader.FeatureReader`).
 * **Commands packed by hiredis** (:class:`HiredisPacking`), for redis-py #4176, "Async
   Redis cannot use hiredis pack_command". The packer PR #4191 gives asyncio
   connections, which the installed redis-py 8.2 has, encodes each argument in Python
@@ -21,7 +22,7 @@ installed redis-py no longer has the gap; the workaround can go then.
   every acquire.
 
 A cluster client keeps redis-py's packing and pool: its commands go through the
-cluster's own routing (:func:`pipeline.core.cluster.amget`).
+cluster's own routing (:func:`freshline.pipeline.core.cluster.amget`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ import hiredis
 import redis
 import redis.asyncio
 
-from pipeline.core.cluster import is_cluster
-from pipeline.core.services import async_redis_client
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.cluster import is_cluster
+from freshline.pipeline.core.services import async_redis_client
+from freshline.pipeline.core.settings import Settings
 
 
 def async_client(settings: Settings) -> redis.asyncio.Redis:

@@ -4,13 +4,13 @@
 its body. A request with neither ``after`` nor ``max_staleness_ms`` is a plain read and
 never comes here (no parsing beyond the usual, no round trip of its own).
 
-:func:`read` is the coroutine twin of :func:`pipeline.cache.freshness.read`, which says
+:func:`read` is the coroutine twin of :func:`freshline.pipeline.cache.freshness.read`, which says
 what is served and why it is never older than asked. Here the tier and Redis are read
 on the event loop (one MGET, with the asyncio client), the wait for the consumer's
 write is a coroutine woken by the entity's invalidation, and only the database work
 goes to the thread pool: reading the token key once, ranking a transaction token once,
 the recompute. That work runs as the tenant's share of the pool
-(:func:`pipeline.api.tenancy.tenant_pool`): within its concurrency, charged to its pool
+(:func:`freshline.pipeline.api.tenancy.tenant_pool`): within its concurrency, charged to its pool
 time, as every other read's. Each answer has ``took_ms``, the time from the request's
 start until it was had.
 """
@@ -24,18 +24,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from pipeline.api.contracts import MAX_MS, freshness_fields
-from pipeline.api.errors import ApiError
-from pipeline.api.reader import Answer, AnswerSource, FeatureReader, Lookup, Mode, answer
-from pipeline.api.tenancy import Pool
-from pipeline.cache import freshness
-from pipeline.cache.freshness import Freshness
-from pipeline.cache.readthrough import ReadThrough, Result
-from pipeline.cache.tokens import TokenPending, Tokens
-from pipeline.core.clock import now_ms
-from pipeline.core.features import Registry
-from pipeline.core.settings import Settings
-from pipeline.core.types import Entry
+from freshline.pipeline.api.contracts import MAX_MS, freshness_fields
+from freshline.pipeline.api.errors import ApiError
+from freshline.pipeline.api.reader import Answer, AnswerSource, FeatureReader, Lookup, Mode, answer
+from freshline.pipeline.api.tenancy import Pool
+from freshline.pipeline.cache import freshness
+from freshline.pipeline.cache.freshness import Freshness
+from freshline.pipeline.cache.readthrough import ReadThrough, Result
+from freshline.pipeline.cache.tokens import TokenPending, Tokens
+from freshline.pipeline.core.clock import now_ms
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import Entry
 
 FIELDS: Final = ("after", "max_staleness_ms", "wait_ms")
 _FIRST_PAUSE_S, _LONGEST_PAUSE_S = 0.001, 0.05
@@ -46,7 +46,7 @@ class Demand:
     """A request's freshness parameters, checked (``wait_ms`` within the server's max).
     ``sized`` when the request gave its own ``wait_ms``: waited in full, where the
     server's default wait is made only while waiting pays
-    (:class:`pipeline.cache.arrivals.WaitHistory`)."""
+    (:class:`freshline.pipeline.cache.arrivals.WaitHistory`)."""
 
     after: str | None
     max_staleness_ms: int | None
@@ -80,7 +80,7 @@ def from_body(body: Mapping[str, Any], settings: Settings) -> Demand | None:
 
 def defaulted(demand: Demand | None, default_ms: int | None, settings: Settings) -> Demand | None:
     """``demand`` with the feature sets' declared ``max_staleness_ms`` where the request
-    gives none (:attr:`pipeline.core.features.FeatureSet.max_staleness_ms`; for several
+    gives none (:attr:`freshline.pipeline.core.features.FeatureSet.max_staleness_ms`; for several
     sets, the smallest): a plain read of a set that declares one becomes a bounded read."""
     if default_ms is None or (demand is not None and demand.max_staleness_ms is not None):
         return demand
@@ -114,7 +114,7 @@ def _demand(after: str | None, values: dict[str, int | None], settings: Settings
 
 
 async def rank_of(tokens: Tokens, text: str, deadline: float, pool: Pool) -> int:
-    """:func:`pipeline.cache.freshness.rank_of`, its queries in ``pool``."""
+    """:func:`freshline.pipeline.cache.freshness.rank_of`, its queries in ``pool``."""
     if not tokens.loaded:
         await pool(tokens.load)
     token = tokens.parse(text)

@@ -3,7 +3,7 @@
 :class:`AccessGuard` is ASGI middleware in front of every ``/v1`` route. For each
 request, in order:
 
-1. the bearer key is resolved to a :class:`pipeline.api.auth.Principal`, from the
+1. the bearer key is resolved to a :class:`freshline.pipeline.api.auth.Principal`, from the
    worker's cache when it can be. A key the cache does not know costs one Postgres
    query, unless its client address has spent its budget of failed authentications
    (a token bucket per address, per /64 for IPv6): then only a key whose hash is in
@@ -24,9 +24,9 @@ request, in order:
    (:class:`RowBudget`, ``FRESHLINE_API_ROWS_PER_S``, or its own) must be due within
    ``FRESHLINE_API_RATE_HOLD_S``: a request that asks for a hundred rows counts a
    hundred; held, then 429 ``rows_limited`` past the rate, 413 ``over_rows_burst``
-   past the burst (the routes ask, :func:`pipeline.api.tenancy.admit_rows`);
+   past the burst (the routes ask, :func:`freshline.pipeline.api.tenancy.admit_rows`);
 5. the request body must arrive within ``FRESHLINE_API_BODY_TIMEOUT_S`` (408
-   otherwise; checked every tenth of it, :class:`pipeline.api.deadlines.Deadlines`,
+   otherwise; checked every tenth of it, :class:`freshline.pipeline.api.deadlines.Deadlines`,
    so the answer comes within 1.1 times the limit), and a client that goes away
    mid-body ends the request as 499 ("client closed request"): neither is a server
    error.
@@ -34,11 +34,11 @@ request, in order:
 The probes on the API port (``/healthz``, ``/readyz``: no key) take a token from their
 client address's bucket (``FRESHLINE_API_PROBE_RATE_PER_S``, ``_BURST``), or get 429:
 an anonymous flood costs an answer from memory each, never a check (``/readyz``
-reuses one, :mod:`pipeline.api.ops`). Load balancers and orchestrators should probe the
+reuses one, :mod:`freshline.pipeline.api.ops`). Load balancers and orchestrators should probe the
 ops port (``FRESHLINE_OPS_PORT``), whose probes are not limited: there, no client can
 spend them.
 
-Refusals are written to the audit log (:mod:`pipeline.api.audit_log`) and counted in
+Refusals are written to the audit log (:mod:`freshline.pipeline.api.audit_log`) and counted in
 ``freshline_api_refused_total{reason}``. Buckets live in the worker process (one event
 loop, so no lock): with ``N`` workers a tenant can reach ``N`` times its rate.
 
@@ -65,8 +65,8 @@ from sqlalchemy.engine import Engine
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pipeline.api import audit_log, metrics
-from pipeline.api.auth import (
+from freshline.pipeline.api import audit_log, metrics
+from freshline.pipeline.api.auth import (
     MAX_KEY_LENGTH,
     Authenticator,
     Principal,
@@ -74,10 +74,10 @@ from pipeline.api.auth import (
     bearer_token,
     hash_key,
 )
-from pipeline.api.deadlines import Deadlines
-from pipeline.api.errors import ApiError, error_response
-from pipeline.core.db import api_keys
-from pipeline.core.settings import Settings, redact_text
+from freshline.pipeline.api.deadlines import Deadlines
+from freshline.pipeline.api.errors import ApiError, error_response
+from freshline.pipeline.core.db import api_keys
+from freshline.pipeline.core.settings import Settings, redact_text
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class PoolBudget:
     its sender waits and refusals, not the worker its CPU, and a sender that asks again
     at once cannot turn the refusals themselves into the flood. ``share`` 0 means no
     limit; each method may be given the tenant's own share (its
-    :class:`pipeline.api.auth.TenantLimits`), over ``share``.
+    :class:`freshline.pipeline.api.auth.TenantLimits`), over ``share``.
     """
 
     def __init__(

@@ -1,13 +1,13 @@
 """``/v1/llm/cache/*``: the semantic response cache over HTTP.
 
 The tenant comes from the API key, never from the body. The cache
-(:class:`pipeline.semantic.cache.SemanticCache`) is made on the first request, or at
+(:class:`freshline.pipeline.semantic.cache.SemanticCache`) is made on the first request, or at
 start-up when Redis holds namespaces to warm (``FRESHLINE_SEMANTIC_WARM``), so the
 embedding model loads once per worker process and only in workers that use it;
 concurrent requests are embedded together (:class:`BatchingEmbedder`).
 
 A lookup may answer a miss that names a ``candidate_id``: an exploration
-(:mod:`pipeline.semantic.decision`). The caller does nothing different: it calls its
+(:mod:`freshline.pipeline.semantic.decision`). The caller does nothing different: it calls its
 model and stores the response, and that store labels the candidate (``agreed`` in
 its answer). A flag with the ``prompt`` the hit was served for is a wrong outcome for
 the entry at that prompt's similarity; without one, the entry is removed.
@@ -33,15 +33,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pipeline.api import metrics
-from pipeline.api.errors import ApiError, JSONResponse
-from pipeline.api.routes import authenticate, read_json, timed
-from pipeline.api.semantic_status import OTHER, named_models
-from pipeline.api.tenancy import in_pool
-from pipeline.core.budget import TenantBudget
-from pipeline.core.keys import validate_id
-from pipeline.core.settings import Settings
-from pipeline.semantic.cache import (
+from freshline.pipeline.api import metrics
+from freshline.pipeline.api.errors import ApiError, JSONResponse
+from freshline.pipeline.api.routes import authenticate, read_json, timed
+from freshline.pipeline.api.semantic_status import OTHER, named_models
+from freshline.pipeline.api.tenancy import in_pool
+from freshline.pipeline.core.budget import TenantBudget
+from freshline.pipeline.core.keys import validate_id
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.semantic.cache import (
     EntryOverBudget,
     Flagged,
     InvalidPrompt,
@@ -53,15 +53,15 @@ from pipeline.semantic.cache import (
     Stored,
     flag_keys,
 )
-from pipeline.semantic.decision import Learned
-from pipeline.semantic.embed import (
+from freshline.pipeline.semantic.decision import Learned
+from freshline.pipeline.semantic.embed import (
     BatchingEmbedder,
     EmbeddingError,
     MiniLM,
     embedder_from_settings,
 )
-from pipeline.semantic.namespaces import live_namespaces
-from pipeline.semantic.prior import for_model
+from freshline.pipeline.semantic.namespaces import live_namespaces
+from freshline.pipeline.semantic.prior import for_model
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def as_api_error(exc: Exception) -> Exception:
         )
     if isinstance(exc, EmbeddingError):
         # Its message names the endpoint and quotes its answer: for the log only
-        # (:func:`pipeline.api.errors.freshline_error` logs the cause).
+        # (:func:`freshline.pipeline.api.errors.freshline_error` logs the cause).
         return ApiError(502, "embedding_failed", "the embeddings endpoint failed; retry later")
     return exc
 
@@ -359,7 +359,7 @@ async def store(request: Request) -> Response:
 
 async def _nothing_to_flag(request: Request, scope: Scope, entry: str) -> bool:
     """Whether Redis holds none of the keys a flag of ``entry`` could find
-    (:func:`pipeline.semantic.cache.flag_keys`): told by one ``EXISTS`` on the event
+    (:func:`freshline.pipeline.semantic.cache.flag_keys`): told by one ``EXISTS`` on the event
     loop, with the reader's bound on it. False without the reader's asyncio client."""
     reader = request.app.state.services.reader
     if reader.aredis is None:

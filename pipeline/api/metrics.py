@@ -40,10 +40,10 @@ from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine, ExecutionContext
 from sqlalchemy.sql.elements import TextClause
 
-from pipeline.api.reader import Answer
-from pipeline.cache.recompute import feature_statement
-from pipeline.core.features import Registry
-from pipeline.inference.predictions import Array, Model
+from freshline.pipeline.api.reader import Answer
+from freshline.pipeline.cache.recompute import feature_statement
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.inference.predictions import Array, Model
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ PREDICTIONS = Counter(
 )
 
 
-# The caching decision (pipeline.observe.advisor) rests on these three per cache: the cost of a
+# The caching decision (freshline.pipeline.observe.advisor) rests on these three per cache: the
+# cost of a
 # read the cache answers, of one it does not, and of the computation alone. ``cache`` is
 # "feature" (``name`` a feature set) or "model" (``name`` a model).
 CACHE_READ_SECONDS = Histogram(
@@ -237,7 +238,7 @@ def record_answers(answers: Iterable[Answer]) -> None:
 
 
 def record_hits(feature_set: str, n: int) -> None:
-    """``n`` hits from Redis (a spliced batch: :mod:`pipeline.api.splice`)."""
+    """``n`` hits from Redis (a spliced batch: :mod:`freshline.pipeline.api.splice`)."""
     _count(feature_set, "hit", n)
 
 

@@ -1,5 +1,5 @@
 """The OpenAPI 3.1 document: the paths written here, the bodies' schemas generated from
-:mod:`pipeline.api.contracts`, the limits and names of the server that serves it.
+:mod:`freshline.pipeline.api.contracts`, the limits and names of the server that serves it.
 
 A test checks that every route of the app appears here with its methods, and that the
 committed document of the fraud example (``examples/fraud/schemas/openapi.json``) is
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.api.contracts import (
+from freshline.pipeline.api.contracts import (
     LLM_MODELS,
     MAX_MS,
     MODELS,
@@ -24,12 +24,12 @@ from pipeline.api.contracts import (
     Freshness,
     component_schemas,
 )
-from pipeline.api.reader import MAX_USER_ID
-from pipeline.api.routes import MAX_JSON_DEPTH
-from pipeline.core.features import Registry
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
+from freshline.pipeline.api.reader import MAX_USER_ID
+from freshline.pipeline.api.routes import MAX_JSON_DEPTH
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.schemas.ids import ID_PATTERN, MAX_ID_LENGTH
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -67,8 +67,8 @@ def _ref(name: str) -> dict[str, str]:
 
 # Ids that reach keys (schemas/ids.py): the rule every tenant, entity and arm follows.
 ID = {"type": "string", "pattern": f"^{ID_PATTERN.pattern}$", "maxLength": MAX_ID_LENGTH}
-# An entity id as the server takes it, per key type (pipeline.core.features.validate_key;
-# the read API's fast path for bigint keys, pipeline.api.reader.parse_entity, takes ids
+# An entity id as the server takes it, per key type (freshline.pipeline.core.features.validate_key;
+# the read API's fast path for bigint keys, freshline.pipeline.api.reader.parse_entity, takes ids
 # below MAX_USER_ID): the canonical spelling only; as JSON, bigint ids may be integers.
 _BIGINT_DIGITS = len(str(MAX_USER_ID - 1))
 _KEY_TEXT: dict[str, dict[str, Any]] = {
@@ -104,7 +104,7 @@ def entity_id_schemas(key_types: Iterable[str]) -> tuple[dict[str, Any], dict[st
 
 _NAME = {"type": "string", "pattern": "^[a-z][a-z0-9_]*$", "maxLength": MAX_ID_LENGTH}
 
-# Reads that ask for freshness (pipeline.api.freshness): the GET's query parameters say
+# Reads that ask for freshness (freshline.pipeline.api.freshness): the GET's query parameters say
 # what the batch body's fields say. document() states the server's wait default and maximum.
 _MS = {"type": "integer", "minimum": 0, "maximum": MAX_MS}
 _AFTER_TEXT = Freshness.model_fields["after"].description
@@ -132,7 +132,7 @@ _MODE = {
     "schema": {"type": "string", "enum": ["read-through", "cache-only"]},
 }
 
-# The bodies' schemas, generated from their models (pipeline.api.contracts).
+# The bodies' schemas, generated from their models (freshline.pipeline.api.contracts).
 _SCHEMAS = component_schemas(MODELS)
 _LLM_SCHEMAS = component_schemas(LLM_MODELS)
 
@@ -513,7 +513,7 @@ def reference_text(registry: Registry = REGISTRY) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     """``[--out FILE]``: write the active repository's reference document to FILE or
     standard output (``scripts/contracts`` calls it)."""
-    parser = argparse.ArgumentParser(prog="pipeline.api.openapi")
+    parser = argparse.ArgumentParser(prog="freshline.pipeline.api.openapi")
     parser.add_argument("--out", type=Path, help="write it here [default: standard output]")
     args = parser.parse_args(argv)
     if args.out is None:

@@ -12,7 +12,7 @@ cache's namespaces) is taken at most once per ``FRESHLINE_OPS_CACHE_S`` whoever 
 period. Counters are read fresh on every request. ``/readyz`` reuses its Redis and
 Postgres check for ``FRESHLINE_API_READY_CACHE_S``, one check at a time
 (:class:`Recent`), so probes cost no round trip each; on the API port they are limited
-per client address too (:class:`pipeline.api.limits.AccessGuard`).
+per client address too (:class:`freshline.pipeline.api.limits.AccessGuard`).
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Lifespan
 
-from pipeline.api import metrics
-from pipeline.api.errors import HANDLERS, JSONResponse, error_response
-from pipeline.api.status_page import page as render_status_page
-from pipeline.core.db import ping
-from pipeline.core.errors import FreshlineError
-from pipeline.observe.staleness import Staleness
-from pipeline.observe.status import Observer, SampledMetrics, StatusBoard
+from freshline.pipeline.api import metrics
+from freshline.pipeline.api.errors import HANDLERS, JSONResponse, error_response
+from freshline.pipeline.api.status_page import page as render_status_page
+from freshline.pipeline.core.db import ping
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.observe.staleness import Staleness
+from freshline.pipeline.observe.status import Observer, SampledMetrics, StatusBoard
 
 T = TypeVar("T")
 Handler = Callable[[Request], Awaitable[Response]]

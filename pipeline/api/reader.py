@@ -3,19 +3,19 @@
 One call answers a :class:`Lookup`, every (feature set, entity) pair of one tenant's
 request: the local tier first; one MGET for the rest; for the misses, one query per
 feature set through the lease-guarded read-through
-(:class:`pipeline.cache.readthrough.ReadThrough`), unless the mode is ``cache-only``,
+(:class:`freshline.pipeline.cache.readthrough.ReadThrough`), unless the mode is ``cache-only``,
 which reports them as misses instead.
 
 On the event loop, :meth:`FeatureReader.cached` answers from the local tier and one
 MGET with the asyncio client (the same keys, floors and decoding as
-:meth:`pipeline.cache.store.FeatureStore.read`); only what needs the database goes to
+:meth:`freshline.pipeline.cache.store.FeatureStore.read`); only what needs the database goes to
 the thread pool, through :meth:`FeatureReader.read`. Each answer is the JSON object
 the API sends for it (:class:`Answer`): one object per entity, built once, except in
 :meth:`FeatureReader.cached_batch` for a batch of hits, which answers the whole
-response's bytes, spliced from the stored entries (:mod:`pipeline.api.splice`).
+response's bytes, spliced from the stored entries (:mod:`freshline.pipeline.api.splice`).
 
 Neither serves an entry from a Redis server the consumers have not vouched for (one
-back with fewer writes than it acknowledged, :mod:`pipeline.cache.server`): the
+back with fewer writes than it acknowledged, :mod:`freshline.pipeline.cache.server`): the
 asyncio client's MGETs read as all absent then, as the store's reads do for
 :meth:`FeatureReader.read`.
 """
@@ -28,21 +28,21 @@ from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict, cast
 
 import redis
 
-from pipeline.api.deadlines import Deadlines
-from pipeline.api.fastpath import HeldConnections
-from pipeline.api.splice import Spliced, Splicer
-from pipeline.cache.arrivals import Arrivals, WaitHistory
-from pipeline.cache.local import LocalTier
-from pipeline.cache.readthrough import ReadThrough
-from pipeline.cache.server import ServerGate, async_server_gate
-from pipeline.cache.tokens import Tokens
-from pipeline.core.clock import now_ms
-from pipeline.core.cluster import amget, is_cluster
-from pipeline.core.codec import Row
-from pipeline.core.errors import InvalidId
-from pipeline.core.features import BIGINT_RULE, validate_key
-from pipeline.core.types import EntityRef, Entry, FeatureValues, LazyRefs
-from pipeline.observe import served
+from freshline.pipeline.api.deadlines import Deadlines
+from freshline.pipeline.api.fastpath import HeldConnections
+from freshline.pipeline.api.splice import Spliced, Splicer
+from freshline.pipeline.cache.arrivals import Arrivals, WaitHistory
+from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.readthrough import ReadThrough
+from freshline.pipeline.cache.server import ServerGate, async_server_gate
+from freshline.pipeline.cache.tokens import Tokens
+from freshline.pipeline.core.clock import now_ms
+from freshline.pipeline.core.cluster import amget, is_cluster
+from freshline.pipeline.core.codec import Row
+from freshline.pipeline.core.errors import InvalidId
+from freshline.pipeline.core.features import BIGINT_RULE, validate_key
+from freshline.pipeline.core.types import EntityRef, Entry, FeatureValues, LazyRefs
+from freshline.pipeline.observe import served
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -111,7 +111,7 @@ class Answer(TypedDict):
     schema_version: int
     took_ms: NotRequired[int]
     """Only for a read asking for freshness: ms from the request's start until this
-    answer was had (:mod:`pipeline.api.freshness`)."""
+    answer was had (:mod:`freshline.pipeline.api.freshness`)."""
 
 
 def answer(
@@ -166,15 +166,15 @@ class FeatureReader:
     """Reads for the API: ``read(lookup, mode)`` and ``await cached(lookup, mode)``.
 
     ``aredis`` is the asyncio client :meth:`cached` reads with
-    (:func:`pipeline.api.fastpath.async_client`); the app sets it at start-up, on the
-    loop that serves (see :func:`pipeline.api.app.create_app`). Its reads are bounded
+    (:func:`freshline.pipeline.api.fastpath.async_client`); the app sets it at start-up, on the
+    loop that serves (see :func:`freshline.pipeline.api.app.create_app`). Its reads are bounded
     by ``timeout_s`` (redis-py's socket timeout would cost the loop a timer per
     command, ``asyncio.timeout`` one per call): one check per loop every tenth of it
-    (:class:`pipeline.api.deadlines.Deadlines`), so a read is cut off within 1.1 times
+    (:class:`freshline.pipeline.api.deadlines.Deadlines`), so a read is cut off within 1.1 times
     ``timeout_s``. Unless it is a cluster client, its MGETs run on connections held
-    between calls (:class:`pipeline.api.fastpath.HeldConnections`).
+    between calls (:class:`freshline.pipeline.api.fastpath.HeldConnections`).
 
-    Reads asking for freshness (:mod:`pipeline.api.freshness`) check tokens with
+    Reads asking for freshness (:mod:`freshline.pipeline.api.freshness`) check tokens with
     ``tokens`` and wait for writes with ``arrivals`` (made from the read-through's
     engines and Redis when not given; :meth:`close` ends the latter's subscription).
     """
@@ -200,10 +200,10 @@ class FeatureReader:
         self.timeout_s = timeout_s
         self._deadlines = None if timeout_s is None else Deadlines(tick_s=timeout_s / 10)
         self._splicers: dict[tuple[str, int], Splicer] = {}  # (feature set, version)
-        # The MGETs' connections (pipeline.api.fastpath), for aredis unless a cluster.
+        # The MGETs' connections (freshline.pipeline.api.fastpath), for aredis unless a cluster.
         self._held: HeldConnections | None = None
         self._held_for: object = None
-        self._gate = ServerGate(vouched=True)  # aredis's (pipeline.cache.server)
+        self._gate = ServerGate(vouched=True)  # aredis's (freshline.pipeline.cache.server)
 
     def close(self) -> None:
         """End the subscription reads asking for freshness wait with (if it started)."""
@@ -284,7 +284,8 @@ class FeatureReader:
     ) -> Spliced | list[Answer] | None:
         """:meth:`cached` for a batch, which answers one feature set's hits (without the
         local tier) with the answer's bytes spliced from the stored entries
-        (:mod:`pipeline.api.splice`): the same bytes as encoding :meth:`cached`'s answers."""
+        (:mod:`freshline.pipeline.api.splice`): the same bytes as encoding :meth:`cached`'s
+        answers."""
         if self.aredis is None or self.local is not None or len(lookup.feature_sets) != 1:
             return await self.cached(lookup, mode)
         target = self._target()
@@ -446,7 +447,7 @@ class FeatureReader:
 
         A computed entry was written, not read: the tier stores it once it sees Redis
         hold it (its own write's change report voids ``token``; see
-        :mod:`pipeline.cache.local`).
+        :mod:`freshline.pipeline.cache.local`).
         """
         local = self.local
         for i, ref, (found, entry) in zip(pending, refs, fetched, strict=True):

@@ -21,20 +21,32 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pipeline.api import freshness, metrics, served
-from pipeline.api.auth import Authenticator, bearer_token
-from pipeline.api.contracts import batch_size, feature_selection, predict_entities, predict_request
-from pipeline.api.errors import ApiError, JSONResponse, error_response, status_of
-from pipeline.api.reader import MODES, FeatureReader, Lookup, Mode, parse_entities, parse_entity
-from pipeline.api.splice import Spliced
-from pipeline.api.tenancy import admit_rows, in_pool, tenant_pool
-from pipeline.core.errors import FreshlineError, ModelError
-from pipeline.core.features import Registry
-from pipeline.core.keys import validate_name
-from pipeline.core.settings import Settings
-from pipeline.inference.models import ModelRegistry, feature_inputs, input_row
-from pipeline.inference.predictions import InferenceCache, non_finite_rows
-from pipeline.observe.served import ServedLog
+from freshline.pipeline.api import freshness, metrics, served
+from freshline.pipeline.api.auth import Authenticator, bearer_token
+from freshline.pipeline.api.contracts import (
+    batch_size,
+    feature_selection,
+    predict_entities,
+    predict_request,
+)
+from freshline.pipeline.api.errors import ApiError, JSONResponse, error_response, status_of
+from freshline.pipeline.api.reader import (
+    MODES,
+    FeatureReader,
+    Lookup,
+    Mode,
+    parse_entities,
+    parse_entity,
+)
+from freshline.pipeline.api.splice import Spliced
+from freshline.pipeline.api.tenancy import admit_rows, in_pool, tenant_pool
+from freshline.pipeline.core.errors import FreshlineError, ModelError
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.keys import validate_name
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.inference.models import ModelRegistry, feature_inputs, input_row
+from freshline.pipeline.inference.predictions import InferenceCache, non_finite_rows
+from freshline.pipeline.observe.served import ServedLog
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -49,7 +61,8 @@ _CONTAINERS: Final = frozenset({dict, list})
 
 @dataclass(slots=True)
 class Services:
-    """Everything the endpoints use, built once per app (see :func:`pipeline.api.create_app`)."""
+    """Everything the endpoints use, built once per app (see
+    :func:`freshline.pipeline.api.create_app`)."""
 
     settings: Settings
     redis: redis.Redis
@@ -62,7 +75,7 @@ class Services:
     queries: dict[bytes, tuple[Mode, freshness.Demand | None]] = field(default_factory=dict)
     """The feature route's parsed query strings (:func:`read_options`)."""
     served: ServedLog | None = None
-    """The served log (:mod:`pipeline.api.served`); ``None``: off."""
+    """The served log (:mod:`freshline.pipeline.api.served`); ``None``: off."""
 
 
 def services(request: Request) -> Services:
@@ -72,7 +85,7 @@ def services(request: Request) -> Services:
 async def authenticate(request: Request) -> str:
     """The caller's tenant, from its API key alone.
 
-    :class:`pipeline.api.limits.AccessGuard` has checked the key (and its limits)
+    :class:`freshline.pipeline.api.limits.AccessGuard` has checked the key (and its limits)
     before any ``/v1`` endpoint runs; this is only the fallback for an app without it.
     """
     principal = request.scope.get("state", {}).get("principal")
@@ -88,7 +101,7 @@ def entity_ids(
     """``values`` as keys of the entities of ``feature_sets``: each id is checked for each.
 
     Integer keys take the fast path of :func:`parse_entities`; ``text`` and ``uuid`` keys
-    are checked by their entity (:meth:`pipeline.core.features.Entity.validate`), which
+    are checked by their entity (:meth:`freshline.pipeline.core.features.Entity.validate`), which
     takes only their canonical spelling, so every check gives the same text.
     """
     entities = {registry[name].entity.type: registry[name].entity for name in feature_sets}

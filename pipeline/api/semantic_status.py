@@ -1,6 +1,6 @@
 """The semantic cache's busiest namespaces, as ``/status`` shows them.
 
-A namespace's counters (``sem:stats``, :mod:`pipeline.semantic.namespaces`) cover its
+A namespace's counters (``sem:stats``, :mod:`freshline.pipeline.semantic.namespaces`) cover its
 life in Redis, as ``freshline semantic stats`` shows them. The page reads them from
 the namespaces each tenant stored into within the TTL (``sem:ns:<tenant>``, newest
 first, at most :data:`MAX_READ` in all; never a keyspace SCAN) and shows the
@@ -8,11 +8,11 @@ first, at most :data:`MAX_READ` in all; never a keyspace SCAN) and shows the
 
 The page names only what the operator chose: a row is a tenant and a model label
 (the model if the settings name it, else ``other``: the rule of the metrics'
-labels, :meth:`pipeline.api.llm.SemanticService.label`), its counters summed over
+labels, :meth:`freshline.pipeline.api.llm.SemanticService.label`), its counters summed over
 the model and template versions, which are strings only a request carried.
 
 The ops port's process shows them too, without running the cache: this module
-imports :mod:`pipeline.semantic.namespaces` (and so FAISS) only when it first reads.
+imports :mod:`freshline.pipeline.semantic.namespaces` (and so FAISS) only when it first reads.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from typing import Any
 import redis
 from sqlalchemy.engine import Engine
 
-from pipeline.core.keys import (
+from freshline.pipeline.core.keys import (
     parse_semantic_namespace,
     semantic_ids_key,
     semantic_registry_key,
     semantic_stats_key,
 )
-from pipeline.core.settings import Settings
-from pipeline.core.types import text
-from pipeline.deploy.warm import tenant_ids
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import text
+from freshline.pipeline.deploy.warm import tenant_ids
 
 TOP = 10
 """Rows on the page: the tenant and model labels with the most lookups."""
@@ -45,7 +45,7 @@ OTHER = "other"
 
 def named_models(settings: Settings) -> frozenset[str]:
     """The models a metric label or a page may name: those the settings name
-    (:meth:`pipeline.api.llm.SemanticService.label`)."""
+    (:meth:`freshline.pipeline.api.llm.SemanticService.label`)."""
     return frozenset(
         [
             *settings.semantic_models,
@@ -81,8 +81,11 @@ def busiest(
 ) -> dict[str, Any]:
     """``{"namespaces": read, "rows": [...]}``: per tenant and model label, the summed
     counters of its namespaces with the rates of
-    :class:`~pipeline.semantic.namespaces.NamespaceStats`."""
-    from pipeline.semantic.namespaces import STAT_FIELDS, NamespaceStats  # FAISS: see above
+    :class:`~freshline.pipeline.semantic.namespaces.NamespaceStats`."""
+    from freshline.pipeline.semantic.namespaces import (  # FAISS: see above
+        STAT_FIELDS,
+        NamespaceStats,
+    )
 
     now_ms = int(time.time() * 1000)
     pipe = client.pipeline(transaction=False)

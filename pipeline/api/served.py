@@ -1,4 +1,4 @@
-"""The routes' side of the served log (:mod:`pipeline.observe.served`).
+"""The routes' side of the served log (:mod:`freshline.pipeline.observe.served`).
 
 :func:`begin` decides whether a request is logged (its feature sets' ``log_sample``, or
 the caller's ``Freshline-Log: 1``, by a hash of its request id) and, if so, starts
@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any, Final
 
 from starlette.requests import Request
 
-from pipeline.core.features import Registry
-from pipeline.observe import served
-from pipeline.observe.served import Served, ServedLog
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.observe import served
+from freshline.pipeline.observe.served import Served, ServedLog
 
 if TYPE_CHECKING:
-    from pipeline.api.reader import Answer, Lookup
+    from freshline.pipeline.api.reader import Answer, Lookup
 
 KEY: Final = "freshline.served"
 """Where a logged request keeps its id and moment in the ASGI scope."""

@@ -5,7 +5,8 @@ The API answers each entity with its values by field name::
     {"feature_set": ..., "entity": ..., "values": {"f1": v1, ...}, "hit": true,
      "source": "hit", "age_ms": ..., "schema_version": ...}
 
-Decoding every entry and encoding the answer again (:func:`pipeline.core.codec.decode_rows`,
+Decoding every entry and encoding the answer again
+(:func:`freshline.pipeline.core.codec.decode_rows`,
 then orjson) costs more than the rest of a batch request. When every entry of the
 batch is a hit whose values are JSON scalars (numbers, booleans, null: every feature
 set's fields today), the values' JSON text is already in the stored entry, in field
@@ -15,7 +16,7 @@ decoding and encoding would (orjson wrote the entries, and writes a number the s
 way again). Anything else (a miss, a tombstone, an entry below its floor, a string or
 nested value, whitespace, an entry that does not parse or has another schema version
 or field count) returns ``None``: the caller then decodes as before, which answers
-misses and raises :class:`pipeline.core.errors.CorruptEntry` where it always did.
+misses and raises :class:`freshline.pipeline.core.errors.CorruptEntry` where it always did.
 
 A hot entity's entry is read again and again, unchanged until it is rewritten. A
 :class:`Splicer` keeps, per stored entry's exact bytes, what the checks and the copy
@@ -34,7 +35,7 @@ from typing import NamedTuple, cast
 
 import orjson
 
-from pipeline.core.codec import HEADER
+from freshline.pipeline.core.codec import HEADER
 
 _first, _second, _third = itemgetter(0), itemgetter(1), itemgetter(2)
 _NOT_SPLICED = (b'"', b"{", b"\\", b" ", b"\t", b"\n", b"\r")
@@ -137,7 +138,7 @@ class Splicer:
 
     def _cut(self, entries: Sequence[bytes]) -> list[tuple[bytes, int]] | None:
         """Each entry's values object and ``computed_at_ms``, checked as
-        :func:`~pipeline.core.codec.decode_rows` checks them; ``None`` if one is not a
+        :func:`~freshline.pipeline.core.codec.decode_rows` checks them; ``None`` if one is not a
         plain entry of this set and version."""
         n, width, schema_version = len(entries), self.width, self.schema_version
         blob = b",".join(entries)

@@ -1,7 +1,7 @@
 """The ``/status`` page: one self-contained HTML document, no external assets.
 
 The document is ``status.html``, shipped beside this module as package data and read
-once. The report (:meth:`pipeline.observe.status.StatusBoard.report`) is embedded in the
+once. The report (:meth:`freshline.pipeline.observe.status.StatusBoard.report`) is embedded in the
 page, so it renders at once, and fetched again from ``status.json`` every 15 seconds.
 The charts are inline SVG drawn by a few lines of vanilla JavaScript: the page works
 air-gapped.

@@ -8,7 +8,7 @@ behind it. :class:`TenantSlots` lets each tenant run at most
 ``FRESHLINE_API_TENANT_CONCURRENCY`` jobs at once per worker; its other requests
 wait on the event loop, holding no thread, in arrival order. Hits answered on the
 event loop never take a slot. Slots bound threads, not time: each job is also charged
-its time against the tenant's :class:`pipeline.api.limits.PoolBudget`, and a tenant
+its time against the tenant's :class:`freshline.pipeline.api.limits.PoolBudget`, and a tenant
 in debt waits, still holding no thread, before its next job runs.
 
 A tenant's own limits (``freshline tenants limits``: ``concurrency``, ``pool_share``),
@@ -19,7 +19,7 @@ Both bounds are per worker process, and nothing adds them up across workers: a t
 whose requests reach each of ``N`` workers may run ``N`` times its concurrency at once
 and spend ``N`` times its share per second, out of ``N`` times 40 threads that all run
 on the host's CPUs. ``freshline check --workers N`` warns when that can take every
-CPU (:func:`pipeline.cli.deploy.share_problem`).
+CPU (:func:`freshline.pipeline.cli.deploy.share_problem`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Any, Protocol, TypeVar
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from pipeline.api.auth import SERVER_DEFAULTS, Principal, TenantLimits
-from pipeline.api.limits import PoolBudget, RowBudget
+from freshline.pipeline.api.auth import SERVER_DEFAULTS, Principal, TenantLimits
+from freshline.pipeline.api.limits import PoolBudget, RowBudget
 
 T = TypeVar("T")
 
@@ -56,7 +56,7 @@ class TenantSlots:
         limits: TenantLimits = SERVER_DEFAULTS,
     ) -> T:
         """``fn(*args)`` in the thread pool, once ``tenant`` has a free slot and owes
-        no pool time (:class:`pipeline.api.limits.PoolBudget`), under ``limits`` where
+        no pool time (:class:`freshline.pipeline.api.limits.PoolBudget`), under ``limits`` where
         they are set."""
         share = limits.pool_share
         if self.budget is not None:
@@ -95,7 +95,7 @@ class TenantSlots:
 
 async def admit_rows(request: Request, tenant: str, rows: int) -> None:
     """Return once ``tenant`` may ask for ``rows`` rows (:class:`RowBudget`, under its
-    own limits where set); an app that :func:`pipeline.api.create_app` did not build
+    own limits where set); an app that :func:`freshline.pipeline.api.create_app` did not build
     has no such budget."""
     budget: RowBudget | None = getattr(request.app.state, "rows", None)
     if budget is None:
@@ -114,7 +114,7 @@ class Pool(Protocol):
 
 def tenant_pool(request: Request, tenant: str) -> Pool:
     """:func:`in_pool` for ``tenant``'s calls of ``request``, as a :class:`Pool` to hand
-    to the code that makes them (:func:`pipeline.api.freshness.read`)."""
+    to the code that makes them (:func:`freshline.pipeline.api.freshness.read`)."""
 
     def run(fn: Callable[..., T], /, *args: Any) -> Awaitable[T]:
         return in_pool(request, tenant, fn, *args)
@@ -124,7 +124,7 @@ def tenant_pool(request: Request, tenant: str) -> Pool:
 
 async def in_pool(request: Request, tenant: str, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` in the thread pool within ``tenant``'s share of it (an app that
-    :func:`pipeline.api.create_app` did not build has no shares)."""
+    :func:`freshline.pipeline.api.create_app` did not build has no shares)."""
     slots: TenantSlots | None = getattr(request.app.state, "tenant_slots", None)
     if slots is None:
         return await run_in_threadpool(fn, *args)

@@ -2,9 +2,9 @@
 
 A reader that needs a newer entry than Redis holds (a freshness token the entry does
 not reach yet) waits for the consumer's write rather than polling the key. Every write
-is followed by an invalidation message on :data:`pipeline.core.keys.INVALIDATION_CHANNEL`
-(:mod:`pipeline.cache.invalidation`), so one subscription per process
-(:class:`Arrivals`, on :class:`pipeline.cache.subscription.Subscription`) wakes the
+is followed by an invalidation message on :data:`freshline.pipeline.core.keys.INVALIDATION_CHANNEL`
+(:mod:`freshline.pipeline.cache.invalidation`), so one subscription per process
+(:class:`Arrivals`, on :class:`freshline.pipeline.cache.subscription.Subscription`) wakes the
 :class:`Watch` of every reader waiting on that entity, whatever the schema version; a
 message naming every entity of a feature set, or one that does not decode, wakes all
 watches of that set, or all. A woken reader reads the key again.
@@ -31,11 +31,11 @@ from typing import Final, Literal
 
 import redis
 
-from pipeline.cache.invalidation import ALL, Invalidation
-from pipeline.cache.subscription import DEFAULT_SILENCE_S, Subscription
-from pipeline.core.errors import FreshlineError
-from pipeline.core.keys import INVALIDATION_CHANNEL
-from pipeline.core.types import EntityRef
+from freshline.pipeline.cache.invalidation import ALL, Invalidation
+from freshline.pipeline.cache.subscription import DEFAULT_SILENCE_S, Subscription
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.keys import INVALIDATION_CHANNEL
+from freshline.pipeline.core.types import EntityRef
 
 POLL_S: Final = 0.02
 """How often a waiting reader reads its keys while the subscription is not live."""

@@ -2,18 +2,18 @@
 
 One call reads any number of (feature set, tenant, entity) entries in one Redis round
 trip and returns each with its age and schema version, or ``None`` for a miss: the
-caller decides whether to read through (:class:`pipeline.cache.readthrough.ReadThrough`).
-With ``local=`` a started :class:`pipeline.cache.local.LocalTier` answers first, and the
+caller decides whether to read through (:class:`freshline.pipeline.cache.readthrough.ReadThrough`).
+With ``local=`` a started :class:`freshline.pipeline.cache.local.LocalTier` answers first, and the
 entries read from Redis fill it.
 
 With ``readthrough=``, a read may ask for freshness: ``after=`` a token from
-``freshline.token()`` (:func:`pipeline.cache.tokens.freshline_token`), or
+``freshline.token()`` (:func:`freshline.pipeline.cache.tokens.freshline_token`), or
 ``max_staleness_ms=``; it then never answers ``None``, and never an entry older than
-asked (:mod:`pipeline.cache.freshness`).
+asked (:mod:`freshline.pipeline.cache.freshness`).
 
 A Redis server back with fewer writes than it acknowledged (restarted from an older
 snapshot, a replica promoted) serves nothing until a consumer has raised the floors:
-its entries are misses meanwhile (:mod:`pipeline.cache.server`).
+its entries are misses meanwhile (:mod:`freshline.pipeline.cache.server`).
 """
 
 from __future__ import annotations
@@ -24,25 +24,25 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import redis
 
-from pipeline.cache import freshness
-from pipeline.cache.arrivals import Arrivals
-from pipeline.cache.store import FeatureStore
-from pipeline.cache.tokens import Tokens, freshline_token
-from pipeline.core.clock import now_ms
-from pipeline.core.codec import Row, parse_watermark
-from pipeline.core.errors import ConfigError, SchemaVersionUnknown
-from pipeline.core.features import Registry
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import EntityRef, Entry, FeatureValues, Item, LazyRefs
+from freshline.pipeline.cache import freshness
+from freshline.pipeline.cache.arrivals import Arrivals
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.tokens import Tokens, freshline_token
+from freshline.pipeline.core.clock import now_ms
+from freshline.pipeline.core.codec import Row, parse_watermark
+from freshline.pipeline.core.errors import ConfigError, SchemaVersionUnknown
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import EntityRef, Entry, FeatureValues, Item, LazyRefs
 
 if TYPE_CHECKING:
-    from pipeline.cache.hot import HotReads
-    from pipeline.cache.local import LocalTier
-    from pipeline.cache.readthrough import ReadThrough
-    from pipeline.cache.roster import Registration
-    from pipeline.cache.versions import Pointer, VersionResolver
-    from pipeline.core.lock import Lock
-    from pipeline.core.settings import Settings
+    from freshline.pipeline.cache.hot import HotReads
+    from freshline.pipeline.cache.local import LocalTier
+    from freshline.pipeline.cache.readthrough import ReadThrough
+    from freshline.pipeline.cache.roster import Registration
+    from freshline.pipeline.cache.versions import Pointer, VersionResolver
+    from freshline.pipeline.core.lock import Lock
+    from freshline.pipeline.core.settings import Settings
 
 __all__ = ["FeatureClient", "Features", "freshline_token"]
 
@@ -143,12 +143,12 @@ class FeatureClient:
     ) -> FeatureClient:
         """A client on the active-version pointer that samples reads for warming.
 
-        Listening, it registers itself as a reader (:mod:`pipeline.cache.roster`) until
+        Listening, it registers itself as a reader (:mod:`freshline.pipeline.cache.roster`) until
         :meth:`close`, so ``deploy flip`` knows which versions it can serve.
         """
-        from pipeline.cache.hot import HotReads
-        from pipeline.cache.roster import Proc, Registration
-        from pipeline.cache.versions import DEFAULT_POINTER, VersionResolver
+        from freshline.pipeline.cache.hot import HotReads
+        from freshline.pipeline.cache.roster import Proc, Registration
+        from freshline.pipeline.cache.versions import DEFAULT_POINTER, VersionResolver
 
         pointer = pointer or DEFAULT_POINTER
         versions = VersionResolver(client, settings, pointer=pointer, lock=lock)
@@ -198,16 +198,16 @@ class FeatureClient:
         With ``after`` (a freshness token) or ``max_staleness_ms``, only entries at or
         after the token, computed less than ``max_staleness_ms`` ago, are served; others
         are waited for (``after``: up to ``wait_ms``, for the consumer's write) and then
-        computed, so nothing is ``None`` (see :mod:`pipeline.cache.freshness`; which of
+        computed, so nothing is ``None`` (see :mod:`freshline.pipeline.cache.freshness`; which of
         those happened is the read-through's to count, :attr:`ReadThrough.counters`).
         A feature set that declares ``max_staleness_ms`` gives it to a read that gives
         none (the smallest of the items' sets); without a read-through an entry past it
         is a miss.
 
         Each entity id is checked and normalised as its feature set's entity keys it
-        (:func:`pipeline.core.features.validate_key`, the read API's rule: an upper-case
+        (:func:`freshline.pipeline.core.features.validate_key`, the read API's rule: an upper-case
         uuid reads the entry of its lower-case spelling); one that is not a key of that
-        type raises :class:`~pipeline.core.errors.InvalidId`, as HTTP answers 400.
+        type raises :class:`~freshline.pipeline.core.errors.InvalidId`, as HTTP answers 400.
         """
         items = self._canonical(items)
         if self._bounds and max_staleness_ms is None:

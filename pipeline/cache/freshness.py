@@ -1,28 +1,28 @@
 """Reads that ask for freshness: ``after`` a token, within ``max_staleness_ms``.
 
 A :class:`Freshness` says which entries a read may serve: one whose watermark reaches
-the token's rank (:mod:`pipeline.cache.tokens`), and, with a staleness bound, one
+the token's rank (:mod:`freshline.pipeline.cache.tokens`), and, with a staleness bound, one
 computed less than ``max_staleness_ms`` ago (so ``0`` takes no cached entry at all).
 
 A read with one (:func:`read`; the API's coroutine twin is in
-:mod:`pipeline.api.freshness`) goes, per entity:
+:mod:`freshline.pipeline.api.freshness`) goes, per entity:
 
 1. to the in-process tier, then Redis (one MGET): an entry the freshness takes is served
    as ``local`` or ``hit``;
 2. if the entry falls short of the token (or is missing), the consumer's write is on
    its way: the read waits for it, woken by the entity's invalidation
-   (:mod:`pipeline.cache.arrivals`), until ``wait_ms`` after the read began; an entry
+   (:mod:`freshline.pipeline.cache.arrivals`), until ``wait_ms`` after the read began; an entry
    taken then is served as ``waited``. An entry that reaches the token but is too old
    is not waited for: nothing is on its way;
 3. the rest are computed anew under read-through leases
-   (:meth:`pipeline.cache.readthrough.ReadThrough.recompute`): ``computed`` (or
+   (:meth:`freshline.pipeline.cache.readthrough.ReadThrough.recompute`): ``computed`` (or
    ``waited`` for another reader's fill, ``uncached`` when not stored). Such a result
    comes from a snapshot taken after the token's rank was known, so it reaches it;
-   one that does not is refused (:class:`~pipeline.cache.tokens.TokenAhead`).
+   one that does not is refused (:class:`~freshline.pipeline.cache.tokens.TokenAhead`).
 
 It never serves an entry the freshness does not take. The wait is bounded by
 ``wait_ms`` (ranking a transaction token that has not committed yet counts against it
-too, then :class:`~pipeline.cache.tokens.TokenPending`).
+too, then :class:`~freshline.pipeline.cache.tokens.TokenPending`).
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline.cache.arrivals import Arrivals
-from pipeline.cache.local import LocalTier
-from pipeline.cache.readthrough import ReadThrough, Result, Source
-from pipeline.cache.recompute import CLOCK_BITS
-from pipeline.cache.tokens import TokenAhead, TokenPending, Tokens
-from pipeline.core.clock import now_ms
-from pipeline.core.codec import Row, parse_watermark
-from pipeline.core.types import EntityRef, Entry
+from freshline.pipeline.cache.arrivals import Arrivals
+from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.readthrough import ReadThrough, Result, Source
+from freshline.pipeline.cache.recompute import CLOCK_BITS
+from freshline.pipeline.cache.tokens import TokenAhead, TokenPending, Tokens
+from freshline.pipeline.core.clock import now_ms
+from freshline.pipeline.core.codec import Row, parse_watermark
+from freshline.pipeline.core.types import EntityRef, Entry
 
 DEFAULT_WAIT_MS = 100
 """How long a token read waits for the consumer's write unless told (the API's default
@@ -65,7 +65,7 @@ class Freshness:
         )
 
     def takes_row(self, row: Row, now: int) -> bool:
-        """:meth:`takes` of a decoded row (:data:`pipeline.core.codec.Row`)."""
+        """:meth:`takes` of a decoded row (:data:`freshline.pipeline.core.codec.Row`)."""
         return self.reaches(parse_watermark(row[2])) and (
             self.max_staleness_ms is None or now - row[1] < self.max_staleness_ms
         )

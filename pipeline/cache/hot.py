@@ -25,9 +25,9 @@ from typing import Final
 
 import redis
 
-from pipeline.core.errors import InvalidId
-from pipeline.core.keys import hot_key
-from pipeline.core.types import EntityRef, text
+from freshline.pipeline.core.errors import InvalidId
+from freshline.pipeline.core.keys import hot_key
+from freshline.pipeline.core.types import EntityRef, text
 
 HOT_SAMPLE: Final = 16
 HOT_TTL_S: Final = 24 * 3600

@@ -8,7 +8,7 @@ One JSON object per affected entry, the same bytes on the Kafka topic
      "watermark": "00000000002eb1cb80661a6ac7e63f", "schema_version": 1}
 
 The watermark is the same 30-digit hex string that heads the entry (see
-:mod:`pipeline.core.codec`): it is wider than 64 bits, and hex strings of equal width
+:mod:`freshline.pipeline.core.codec`): it is wider than 64 bits, and hex strings of equal width
 compare in the same order as the numbers.
 
 Readers holding a copy of that entry (the in-process tier) drop it on receipt. After a
@@ -23,8 +23,8 @@ from typing import Any
 
 import orjson
 
-from pipeline.core.codec import watermark_hex
-from pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.codec import watermark_hex
+from freshline.pipeline.core.errors import FreshlineError
 
 ALL = "*"
 """Tenant and entity of an invalidation that covers every entity of a feature set."""

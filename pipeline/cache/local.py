@@ -8,7 +8,7 @@ serving what Redis would not:
   ``computed_at_ms`` (the Redis copy was written after it was computed, with at least
   that TTL), and never longer than ``max_ttl_ms`` when set.
 * **Windows.** An entry of a feature set whose values change with time alone (a
-  window over the last days; :attr:`pipeline.core.features.FeatureSet.horizon`) has a
+  window over the last days; :attr:`freshline.pipeline.core.features.FeatureSet.horizon`) has a
   Redis TTL cut to end when they may change, which its bytes do not carry. The tier
   holds such an entry back until a background thread has read its key's TTL
   (pipelined ``PTTL``, every :data:`HORIZON_POLL_S`), and then serves it no longer
@@ -16,7 +16,7 @@ serving what Redis would not:
 * **Invalidations from Redis itself.** The entries are invalidated by the change of
   their key, not by a message its writer sends after it: the tier's connection has
   Redis track every key under ``feat:`` and ``floor:`` (server-assisted client-side
-  caching, broadcast mode; :mod:`pipeline.cache.subscription`), and drops the entity's
+  caching, broadcast mode; :mod:`freshline.pipeline.cache.subscription`), and drops the entity's
   entry, in every schema version, on each change Redis reports: a consumer's write, a
   read-through fill, a tombstone, an expiry, a purge. A writer that dies after its
   write and before its publish cannot leave the tier serving the old entry. A set's
@@ -24,14 +24,14 @@ serving what Redis would not:
   flushes the whole tier. On Redis Cluster, where each master would need a tracking
   connection of its own, the tier relies on the published messages alone.
 * **Published invalidations.** The same thread subscribes to the Redis channel
-  :data:`pipeline.core.keys.INVALIDATION_CHANNEL` and drops the entity's entry, in every
-  schema version, on each message (:class:`pipeline.cache.invalidation.Invalidation`). A
+  :data:`freshline.pipeline.core.keys.INVALIDATION_CHANNEL` and drops the entity's entry, in every
+  schema version, on each message (:class:`freshline.pipeline.cache.invalidation.Invalidation`). A
   message that does not decode flushes the whole tier: it may have been an
   invalidation.
 * **No gap in the subscription.** Until the subscription is confirmed, and from the
   moment it may have missed a message (a connection error, or ``silence_s`` without
   confirmed contact, which a half-open connection causes; see
-  :mod:`pipeline.cache.subscription`), the tier is *dark*: flushed whole, refusing new
+  :mod:`freshline.pipeline.cache.subscription`), the tier is *dark*: flushed whole, refusing new
   entries and answering every read with a miss. Each (re)subscription starts a new
   epoch, so an entry read from Redis in an older epoch is never stored.
 
@@ -65,23 +65,23 @@ from dataclasses import dataclass
 
 import redis
 
-from pipeline.cache.invalidation import ALL, Invalidation
-from pipeline.cache.store import TTL_JITTER
-from pipeline.cache.subscription import DEFAULT_SILENCE_S, Subscription
-from pipeline.core.clock import now_ms
-from pipeline.core.cluster import is_cluster
-from pipeline.core.codec import ENTRY_TAG, watermark_hex
-from pipeline.core.errors import FreshlineError, InvalidId
-from pipeline.core.features import Registry
-from pipeline.core.keys import (
+from freshline.pipeline.cache.invalidation import ALL, Invalidation
+from freshline.pipeline.cache.store import TTL_JITTER
+from freshline.pipeline.cache.subscription import DEFAULT_SILENCE_S, Subscription
+from freshline.pipeline.core.clock import now_ms
+from freshline.pipeline.core.cluster import is_cluster
+from freshline.pipeline.core.codec import ENTRY_TAG, watermark_hex
+from freshline.pipeline.core.errors import FreshlineError, InvalidId
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.keys import (
     FEATURE_PREFIX,
     FLOOR_PREFIX,
     INVALIDATION_CHANNEL,
     feature_key,
     parse_feature_key,
 )
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import EntityRef, Entry
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import EntityRef, Entry
 
 log = logging.getLogger(__name__)
 

@@ -45,8 +45,8 @@ before its WAL is flushed, and a crash of the primary then erases it, with no ev
 ever naming it, so an entry holding it would be a phantom for its whole TTL. So a fill
 on the primary stores only once Postgres has flushed its WAL past the WAL insert
 position its feature statement read (:attr:`Batch.lsn`, after its snapshot):
-:func:`~pipeline.cache.recompute.wait_durable`, which makes Postgres flush
-(:class:`~pipeline.cache.recompute.Flusher`) when that does not come by itself within
+:func:`~freshline.pipeline.cache.recompute.wait_durable`, which makes Postgres flush
+(:class:`~freshline.pipeline.cache.recompute.Flusher`) when that does not come by itself within
 20 ms. If it has not within ``durable_wait_ms``, the leases are released and the
 computed values are answered ``uncached`` (counted in :attr:`Counters.undurable`): the
 reader gets its answer, the cache stays correct or absent. A replica's results need no
@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Literal
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.cache.recompute import (
+from freshline.pipeline.cache.recompute import (
     Batch,
     Flusher,
     NotYetDurable,
@@ -81,20 +81,20 @@ from pipeline.cache.recompute import (
     replayed_lsn,
     wait_durable,
 )
-from pipeline.cache.store import LEASE_BUSY, LEASE_FOUND, LEASE_GRANTED, FeatureStore
-from pipeline.core.clock import now_ms
-from pipeline.core.db import autocommit
-from pipeline.core.errors import SchemaVersionUnknown, ServiceUnavailable
-from pipeline.core.features import IMPLICIT_TENANT, Entity
-from pipeline.core.types import EntityRef, Entry, FeatureValues
+from freshline.pipeline.cache.store import LEASE_BUSY, LEASE_FOUND, LEASE_GRANTED, FeatureStore
+from freshline.pipeline.core.clock import now_ms
+from freshline.pipeline.core.db import autocommit
+from freshline.pipeline.core.errors import SchemaVersionUnknown, ServiceUnavailable
+from freshline.pipeline.core.features import IMPLICIT_TENANT, Entity
+from freshline.pipeline.core.types import EntityRef, Entry, FeatureValues
 
 if TYPE_CHECKING:
-    from pipeline.cache.hot import HotReads
-    from pipeline.cache.versions import VersionResolver
+    from freshline.pipeline.cache.hot import HotReads
+    from freshline.pipeline.cache.versions import VersionResolver
 
 Source = Literal["local", "hit", "computed", "waited", "uncached"]
 """Where an answer came from; ``local`` (the in-process tier) only for reads asking for
-freshness (:mod:`pipeline.cache.freshness`)."""
+freshness (:mod:`freshline.pipeline.cache.freshness`)."""
 Hook = Callable[[list[EntityRef]], None]
 XFETCH_BETA = 1.0
 DURABLE_WAIT_MS = 250
@@ -186,7 +186,7 @@ def existing_entities(
 class Hooks:
     """Seams. ``after_compute`` runs between the query and the write (tests);
     ``on_computed`` is given a computation on the primary just before its entries are
-    stored (history keeps the snapshot they name: :mod:`pipeline.history.snapshots`)."""
+    stored (history keeps the snapshot they name: :mod:`freshline.pipeline.history.snapshots`)."""
 
     before_compute: Hook | None = None
     after_compute: Hook | None = None
@@ -218,7 +218,7 @@ class ReadThrough:
     With ``versions``, each call serves the active schema version (resolved once per
     call, :meth:`for_call`). One this code does not compute is read with its field
     lists and its misses are answered from the store's own version while that one is
-    written, else refused (:class:`~pipeline.core.errors.SchemaVersionUnknown`).
+    written, else refused (:class:`~freshline.pipeline.core.errors.SchemaVersionUnknown`).
     ``hot`` samples reads for warming. ``durable_wait_ms`` bounds a fill's wait for
     Postgres's flush (0: no wait, only if every writer commits synchronously).
     """
@@ -449,7 +449,7 @@ class ReadThrough:
 
     def recompute(self, refs: Sequence[EntityRef], accept: Callable[[Entry], bool]) -> list[Result]:
         """Compute ``refs`` anew, whatever Redis holds: a read that refused the cached
-        entries (:mod:`pipeline.cache.freshness`). Each ref is leased as an early
+        entries (:mod:`freshline.pipeline.cache.freshness`). Each ref is leased as an early
         refresh is (granted even over an entry), computed and stored under the lease;
         one another reader holds is waited for (``wait_ms``) until an entry ``accept``
         takes lands, else computed here without storing.

@@ -3,7 +3,7 @@
 Why this watermark
 ------------------
 Every entry carries a watermark, and a write replaces an entry only when its
-watermark is strictly greater (:mod:`pipeline.cache.store`). For that to keep stale
+watermark is strictly greater (:mod:`freshline.pipeline.cache.store`). For that to keep stale
 values out, the order of watermarks must follow the order of what the computations
 saw: one that saw less must never outrank one that saw more.
 
@@ -44,7 +44,7 @@ every change it was sent for, and its watermark outranks every computation that 
 one of them (those snapshots were taken before the change became visible). An
 invalidation takes its tombstone's watermark the same way, after the same check.
 
-The read-through path is also guarded by leases (:mod:`pipeline.cache.readthrough`),
+The read-through path is also guarded by leases (:mod:`freshline.pipeline.cache.readthrough`),
 which an invalidation or source-driven write revokes.
 
 On a hot standby Postgres keeps in-progress ids where ``pg_current_snapshot()`` does not
@@ -80,11 +80,18 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.core.db import autocommit
-from pipeline.core.errors import DefinitionFailed, FreshlineError, InvalidId
-from pipeline.core.features import AS_OF, IMPLICIT_TENANT, Entity, FeatureSet, FieldType, Path
-from pipeline.core.keys import validate_id
-from pipeline.core.types import FeatureValues, Watermark
+from freshline.pipeline.core.db import autocommit
+from freshline.pipeline.core.errors import DefinitionFailed, FreshlineError, InvalidId
+from freshline.pipeline.core.features import (
+    AS_OF,
+    IMPLICIT_TENANT,
+    Entity,
+    FeatureSet,
+    FieldType,
+    Path,
+)
+from freshline.pipeline.core.keys import validate_id
+from freshline.pipeline.core.types import FeatureValues, Watermark
 
 FORMAT = 1 << 116
 """The top hex digit of a snapshot watermark: above every LSN-based one written before."""
@@ -420,7 +427,7 @@ class Batch:
     durable (:func:`wait_durable`)."""
     snapshot: str = ""
     """The statement's full ``pg_current_snapshot()`` (``xmin:xmax:xip,...``): exactly
-    which transactions the values hold (:mod:`pipeline.history.snapshots` keeps it by
+    which transactions the values hold (:mod:`freshline.pipeline.history.snapshots` keeps it by
     watermark)."""
     as_of_us: int = 0
     """The moment the query computed for (``t(as_of)``), epoch µs."""
@@ -449,7 +456,7 @@ def entity_ids(
 def entry_value(value: Any, kind: FieldType = "float") -> Any:
     """A column's value as the entry holds it: a timestamp as epoch ms, a ``numeric`` as
     the declared field's ``int`` or ``float`` (the training evaluator converts the same
-    way: :mod:`pipeline.history.evaluator`)."""
+    way: :mod:`freshline.pipeline.history.evaluator`)."""
     if isinstance(value, dt.datetime):
         return int(value.timestamp() * 1000)
     if isinstance(value, Decimal):
@@ -474,7 +481,7 @@ def compute(
 
     ``path`` picks the evaluation: ``"full"`` (the defining query over the source
     rows: the reference, e.g. for an audit), ``"incremental"`` (the partial aggregates
-    the repository's :mod:`~pipeline.core.incremental` path keeps, same values), or
+    the repository's :mod:`~freshline.pipeline.core.incremental` path keeps, same values), or
     None for the feature set's own ``path``.
     """
     tenants, ids = entity_ids(refs, feature_set.entity)

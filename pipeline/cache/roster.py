@@ -1,7 +1,7 @@
 """Who runs what: each reader and consumer registers itself in Redis while it runs.
 
 A ``serve`` worker, a ``consume`` process and a listening
-:class:`~pipeline.cache.client.FeatureClient` each keep a :class:`Registration`: one key
+:class:`~freshline.pipeline.cache.client.FeatureClient` each keep a :class:`Registration`: one key
 (``freshline:{deploy}:procs:<role>:<id>``, a JSON :class:`Proc`) with a TTL of
 :data:`TTL_S`, renewed every third of it by a thread of its own, and its id in the
 role's index (a sorted set scored by expiry, with the same TTL, renewed too). The role
@@ -11,7 +11,7 @@ that expires within :data:`TTL_S`.
 
 :func:`roster` lists them: ``freshline deploy status``, the status page, and
 ``deploy flip``, which refuses a target a registered process does not know
-(:mod:`pipeline.deploy.pointer`). See docs/deploys.md.
+(:mod:`freshline.pipeline.deploy.pointer`). See docs/deploys.md.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Final, Literal
 import orjson
 import redis
 
-from pipeline.cache.versions import DEFAULT_POINTER, Pointer
-from pipeline.core.cluster import is_cluster
-from pipeline.core.features import Registry
-from pipeline.core.lock import Lock
+from freshline.pipeline.cache.versions import DEFAULT_POINTER, Pointer
+from freshline.pipeline.core.cluster import is_cluster
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.lock import Lock
 
 log = logging.getLogger(__name__)
 

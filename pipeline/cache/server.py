@@ -3,12 +3,12 @@
 A Redis server can come back holding less than it acknowledged: restarted from an
 older snapshot (RDB persistence), or a replica promoted before it had every write. It
 then holds entries since overwritten or voided, and older floors. The consumers find
-out (:mod:`consumers.processor`): the server's identity (:data:`RedisIdentity`) is not
-the one they recorded in :data:`~pipeline.core.keys.SERVER_KEY`, so they raise every
+out (:mod:`freshline.consumers.processor`): the server's identity (:data:`RedisIdentity`) is not
+the one they recorded in :data:`~freshline.pipeline.core.keys.SERVER_KEY`, so they raise every
 feature set's floor, then record the new identity. Until then the server is
 *unvouched*, and readers treat every entry on it as absent
-(:class:`pipeline.cache.store.FeatureStore`'s reads, the API's fast path in
-:class:`pipeline.api.reader.FeatureReader`): a miss, read through or answered as one.
+(:class:`freshline.pipeline.cache.store.FeatureStore`'s reads, the API's fast path in
+:class:`freshline.pipeline.api.reader.FeatureReader`): a miss, read through or answered as one.
 
 :class:`ServerGate` tells them, for an attribute read per read. There is one per
 connection pool, and each new connection of the pool reads the server's identity and
@@ -36,8 +36,8 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from pipeline.core.cluster import is_cluster
-from pipeline.core.keys import SERVER_KEY
+from freshline.pipeline.core.cluster import is_cluster
+from freshline.pipeline.core.keys import SERVER_KEY
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def redis_identity(info: Mapping[str, Any]) -> RedisIdentity:
 
 
 def recorded_identity(raw: bytes | str | None) -> RedisIdentity | None:
-    """The identity :data:`~pipeline.core.keys.SERVER_KEY` holds (``<run_id>:<replid>``),
+    """The identity :data:`~freshline.pipeline.core.keys.SERVER_KEY` holds (``<run_id>:<replid>``),
     or ``None`` if it holds none."""
     text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
     run_id, sep, replid = (text or "").partition(":")

@@ -14,10 +14,10 @@ An absent key is not a blank slate: a newer entry may have been there and gone. 
 every write's compare-and-set state outlives the write by at least the *fence*
 (``tombstone_ttl_s``, 5 minutes by default): tombstones live that long; an entry that
 would go sooner (its horizon, a short TTL) leaves its watermark in the entity's own
-floor (:func:`pipeline.core.keys.entity_floor_key`, same hash tag) for the fence; and a
+floor (:func:`freshline.pipeline.core.keys.entity_floor_key`, same hash tag) for the fence; and a
 write that finds neither entry nor floor is refused if its watermark's clock is more
 than half the fence old by Redis's clock (a snapshot watermark carries Postgres's
-clock of its query, :func:`pipeline.cache.recompute.unpack_watermark`). Why that
+clock of its query, :func:`freshline.pipeline.cache.recompute.unpack_watermark`). Why that
 refuses every write W older than a state S that was stored: W arrives either while S
 (or a newer state) is in Redis, and the compare-and-set refuses it, or at least the
 fence after S was written, hence after S was computed; W computed before S did (a
@@ -33,12 +33,12 @@ touches one slot): a source-driven write or an invalidation revokes any lease, a
 read-through fill stores only while it still holds its own (Meta's memcache leases).
 
 A TRUNCATE of a source table voids every entry of the feature sets it affects: the
-consumer raises the feature set's *floor* (:func:`pipeline.core.keys.floor_key`) to the
+consumer raises the feature set's *floor* (:func:`freshline.pipeline.core.keys.floor_key`) to the
 watermark of a snapshot that sees the truncate. Reads fetch the floors with the entries
 (one MGET) and treat an entry below its floor as absent; writes and leases below the
 floor are refused. Floors outlive every entry they void (twice the set's TTL).
 
-On Redis Cluster (:func:`pipeline.core.services.is_cluster`) every key of one entity
+On Redis Cluster (:func:`freshline.pipeline.core.services.is_cluster`) every key of one entity
 (entries, lease) shares a slot by its hash tag, so the write and lease scripts stay
 atomic per entity; the floor key does not (a copy per slot is impractical: 16384
 keys per truncate). There the client reads the floors once per batch (one grouped
@@ -56,7 +56,7 @@ Batched reads across slots (``get_many``) are grouped by slot into one ``MGET``
 each, all pipelined: one round trip per node that holds keys, never one per key.
 
 Reads serve nothing from a server the consumers have not vouched for
-(:mod:`pipeline.cache.server`: one that came back with fewer writes than it
+(:mod:`freshline.pipeline.cache.server`: one that came back with fewer writes than it
 acknowledged, until a consumer has raised the floors): every entry reads as absent, and
 an entry the lease script finds there is answered as a lease another reader holds, which
 the read-through then computes for itself without storing.
@@ -74,10 +74,10 @@ import redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
-from pipeline.cache.recompute import Batch
-from pipeline.cache.server import ServerGate, server_gate
-from pipeline.core.cluster import is_cluster, mget, rerouted_on_failure
-from pipeline.core.codec import (
+from freshline.pipeline.cache.recompute import Batch
+from freshline.pipeline.cache.server import ServerGate, server_gate
+from freshline.pipeline.core.cluster import is_cluster, mget, rerouted_on_failure
+from freshline.pipeline.core.codec import (
     Row,
     decode_entry,
     decode_rows,
@@ -86,9 +86,9 @@ from pipeline.core.codec import (
     parse_watermark,
     watermark_hex,
 )
-from pipeline.core.errors import ConfigError
-from pipeline.core.features import Registry
-from pipeline.core.keys import (
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.keys import (
     entity_floor_key,
     feature_key,
     feature_keys,
@@ -97,8 +97,8 @@ from pipeline.core.keys import (
     item_keys,
     lease_key,
 )
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import EntityRef, Entry, Item, Watermark, text
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import EntityRef, Entry, Item, Watermark, text
 
 # KEYS[1] entry, KEYS[2] lease, KEYS[3] the entity's floor, KEYS[4] the set's floor;
 # ARGV[1] encoded entry or tombstone, ARGV[2] TTL in ms, ARGV[3] lease token ("" for a
@@ -266,7 +266,7 @@ def jittered_ttl_ms(ttl_s: int) -> int:
 def entry_ttl_ms(ttl_s: int, computed_at_ms: int, valid_until_ms: int | None) -> int:
     """An entry's TTL: the jittered TTL, cut to end at ``valid_until_ms`` when its
     values may change with time alone before then (a window moving past a row; see
-    :attr:`pipeline.core.features.FeatureSet.horizon`). Both moments are Postgres's
+    :attr:`freshline.pipeline.core.features.FeatureSet.horizon`). Both moments are Postgres's
     clock, so the entry expires within its write's latency of that moment, never
     with the skew of this host's clock. At least 1 ms (Redis's least). The write script
     also ends it at ``valid_until_ms`` by Redis's clock, for a write that arrives late."""
@@ -305,7 +305,7 @@ class FeatureStore:
         self._gate: ServerGate | None = None  # installed by the first read
 
     def vouched(self) -> bool:
-        """Whether the entries on the server may be served (:mod:`pipeline.cache.server`);
+        """Whether the entries on the server may be served (:mod:`freshline.pipeline.cache.server`);
         asked after a read's reply."""
         gate = self._gate or self._gated()
         return gate.vouched or gate.admits(self.redis)
@@ -407,7 +407,8 @@ class FeatureStore:
     def rows(
         self, feature_set: str, raws: Sequence[bytes | str | None], floor: bytes | str | None
     ) -> list[Row | None]:
-        """Decoded entries of one feature set (:func:`pipeline.core.codec.decode_rows`)."""
+        """Decoded entries of one feature set
+        (:func:`freshline.pipeline.core.codec.decode_rows`)."""
         return decode_rows(raws, self.fields(feature_set), self.schema_version, floor)
 
     def fields(self, feature_set: str) -> tuple[str, ...]:

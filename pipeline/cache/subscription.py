@@ -51,8 +51,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pipeline.core.cluster import is_cluster
-from pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.cluster import is_cluster
+from freshline.pipeline.core.errors import FreshlineError
 
 log = logging.getLogger(__name__)
 

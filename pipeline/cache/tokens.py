@@ -10,7 +10,7 @@ What a token names
   caller's commit and every commit before it. Its rank (:func:`snapshot_rank`) is
   compared with an entry's watermark with no database at hand: an entry whose snapshot
   part is at least the token's saw at least what the token's snapshot saw (the argument
-  of :mod:`pipeline.cache.recompute`: a greater watermark never saw less).
+  of :mod:`freshline.pipeline.cache.recompute`: a greater watermark never saw less).
 * **Inside a transaction that has written**, a *transaction* token: its id. Its
   snapshot cannot be known yet (the commit is not visible to anyone), and an entry's
   watermark keeps no in-progress list to tell whether the id was running for it. So a
@@ -21,7 +21,7 @@ What a token names
   sound bar; it may be later than the first snapshot that saw the commit, so an entry
   the consumer computed between the two is refused and recomputed. To keep that window
   to the first read of the token anywhere, the first rank found is shared in Redis
-  (:func:`pipeline.core.keys.token_rank_key`, ``SET NX`` for :data:`RANK_TTL_S`): every
+  (:func:`freshline.pipeline.core.keys.token_rank_key`, ``SET NX`` for :data:`RANK_TTL_S`): every
   process then ranks the token alike, by the earliest bar any of them found. Until the
   transaction ends there is no rank (:class:`TokenPending`).
 
@@ -59,10 +59,10 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.cache.recompute import snapshot_rank
-from pipeline.core.db import autocommit, token_key
-from pipeline.core.errors import ConfigError, FreshlineError
-from pipeline.core.keys import token_rank_key
+from freshline.pipeline.cache.recompute import snapshot_rank
+from freshline.pipeline.core.db import autocommit, token_key
+from freshline.pipeline.core.errors import ConfigError, FreshlineError
+from freshline.pipeline.core.keys import token_rank_key
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Which schema versions readers read and writers write: the version pointer, as read.
 
-The pointer is two Redis keys, *active* and *next* (see :mod:`pipeline.deploy.pointer`,
+The pointer is two Redis keys, *active* and *next* (see :mod:`freshline.pipeline.deploy.pointer`,
 which moves it). Readers resolve the active version once per call
 (:class:`VersionResolver`), so no response mixes versions; consumers ask
 :class:`WriteVersions` once per batch which versions to write.
@@ -17,10 +17,10 @@ from typing import Final
 import orjson
 import redis
 
-from pipeline.cache.subscription import Subscription
-from pipeline.core.errors import DeployError
-from pipeline.core.features import Registry
-from pipeline.core.keys import (
+from freshline.pipeline.cache.subscription import Subscription
+from freshline.pipeline.core.errors import DeployError
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.keys import (
     ACTIVE_SCHEMA_KEY,
     DEPLOY_CHANNEL,
     FIELDS_KEY,
@@ -29,10 +29,10 @@ from pipeline.core.keys import (
     PROCS_KEY,
     RETIRED_SCHEMA_KEY,
 )
-from pipeline.core.lock import Lock, LockedSet
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import text
+from freshline.pipeline.core.lock import Lock, LockedSet
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import text
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Pointer:
         return f"{FIELDS_KEY}:{version}{':' + self.scope if self.scope else ''}"
 
     def procs_index(self, role: str) -> str:
-        """The index of ``role``'s registrations (:mod:`pipeline.cache.roster`)."""
+        """The index of ``role``'s registrations (:mod:`freshline.pipeline.cache.roster`)."""
         return f"{PROCS_KEY}:{role}{':' + self.scope if self.scope else ''}"
 
     def proc_key(self, role: str, proc_id: str) -> str:
@@ -145,7 +145,7 @@ def publish_fields(
     """Publish the lock's field lists of ``versions`` (all by default) for readers whose
     lock lacks them: what ``apply`` and the deploy commands do. A version's entry is
     never rewritten, so publishing again changes nothing; no TTL (see
-    :data:`pipeline.core.keys.FIELDS_KEY`)."""
+    :data:`freshline.pipeline.core.keys.FIELDS_KEY`)."""
     done = [v for v in (sorted(lock.versions) if versions is None else versions) if v in lock]
     if done:
         client.mset(
@@ -221,12 +221,12 @@ class VersionResolver:
     Without :meth:`listen`, ``current()`` reads the pointer (one MGET) at most every
     ``max_age_s``. A listening resolver follows deploy messages instead: it keeps the
     version it read for as long as its subscription stays confirmed
-    (:mod:`pipeline.cache.subscription`: within ``FRESHLINE_SUBSCRIPTION_SILENCE_MS`` of
+    (:mod:`freshline.pipeline.cache.subscription`: within ``FRESHLINE_SUBSCRIPTION_SILENCE_MS`` of
     the last contact, on the same connection it was read under), however old, and
     drops it when a deploy command publishes, so readers follow a flip at once and a
     request costs no Redis call. While the subscription is not confirmed, every call
     reads the pointer. The deploy commands move the pointer and publish in one script
-    (:mod:`pipeline.deploy.pointer`); a pointer edited by hand is followed once the
+    (:mod:`freshline.pipeline.deploy.pointer`); a pointer edited by hand is followed once the
     subscription reconnects, or by resolvers that do not listen. A reader's whole call
     uses the one version it resolved.
 
@@ -234,7 +234,7 @@ class VersionResolver:
     not compute is decoded with its field lists (:meth:`decoders`: the lock's, else
     those ``apply`` published); a reader answers its misses from its own version while
     that one is written (:meth:`written`), else refuses them
-    (:class:`~pipeline.core.errors.SchemaVersionUnknown`, the API's 503).
+    (:class:`~freshline.pipeline.core.errors.SchemaVersionUnknown`, the API's 503).
     """
 
     def __init__(

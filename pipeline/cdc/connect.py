@@ -23,12 +23,12 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
-from pipeline.core.errors import FreshlineError
-from pipeline.core.features import Registry
-from pipeline.core.http import fetch
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings, redact
-from pipeline.core.topics import CDC_PREFIX, qualified
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.http import fetch
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings, redact
+from freshline.pipeline.core.topics import CDC_PREFIX, qualified
 
 CONNECTOR_CLASS = "io.debezium.connector.postgresql.PostgresConnector"
 CONNECTOR_NAME = "freshline-postgres"

@@ -1,7 +1,7 @@
 """The ``freshline`` command line: one module per command group, each a thin shell.
 
 Every group module has ``register(app)``; this package registers them all on the one
-Typer app of :mod:`pipeline.cli.app`. Nothing in the library imports this package.
+Typer app of :mod:`freshline.pipeline.cli.app`. Nothing in the library imports this package.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from pipeline.cli import (
+from freshline.pipeline.cli import (
     advise,
     apikey,
     apply,
@@ -33,10 +33,10 @@ from pipeline.cli import (
     served,
     training,
 )
-from pipeline.cli.app import app, console
-from pipeline.core.errors import ConfigError, FreshlineError
-from pipeline.core.repository import active_path, import_commands, own_commands
-from pipeline.core.services import translate_errors
+from freshline.pipeline.cli.app import app, console
+from freshline.pipeline.core.errors import ConfigError, FreshlineError
+from freshline.pipeline.core.repository import active_path, import_commands, own_commands
+from freshline.pipeline.core.services import translate_errors
 
 for _group in (
     repo,

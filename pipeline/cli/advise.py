@@ -2,7 +2,7 @@
 
 Figures come from the API's (and any other process's) ``/metrics``, scraped twice a
 window apart, or from a Prometheus server's HTTP API as increases over the window.
-The verdicts are :func:`pipeline.observe.advisor.advise`'s.
+The verdicts are :func:`freshline.pipeline.observe.advisor.advise`'s.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from rich.console import Group, RenderableType
 from rich.padding import Padding
 from rich.text import Text
 
-from pipeline.cli.app import console, out
-from pipeline.core.errors import ConfigError, FreshlineError
-from pipeline.core.http import fetch
-from pipeline.observe.advisor import (
+from freshline.pipeline.cli.app import console, out
+from freshline.pipeline.core.errors import ConfigError, FreshlineError
+from freshline.pipeline.core.http import fetch
+from freshline.pipeline.observe.advisor import (
     Advice,
     Samples,
     advise_all,
@@ -247,7 +247,7 @@ def advise(
     Kept only if cheaper, at 5 requests/s or more and a hit rate of 30% or more; a
     non-deterministic computation is refused. See pipeline/observe/advisor.py.
     """
-    from pipeline.core.settings import load_settings
+    from freshline.pipeline.core.settings import load_settings
 
     window_s = parse_window(window)
     if from_metrics and from_prometheus:

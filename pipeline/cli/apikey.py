@@ -16,12 +16,12 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from pipeline.cli.app import console, print_rows
-from pipeline.core.services import redis_client
-from pipeline.core.settings import Settings, load_settings
+from freshline.pipeline.cli.app import console, print_rows
+from freshline.pipeline.core.services import redis_client
+from freshline.pipeline.core.settings import Settings, load_settings
 
 if TYPE_CHECKING:
-    from pipeline.api.auth import KeyInfo
+    from freshline.pipeline.api.auth import KeyInfo
 
 tenants_app = typer.Typer(help="Tenants and their API keys.", no_args_is_help=True)
 apikey_app = typer.Typer(help="API keys of the read API.", no_args_is_help=True)
@@ -41,7 +41,7 @@ def parse_duration(text: str) -> timedelta:
 
 
 def _settings() -> Settings:
-    from pipeline.api import audit_log
+    from freshline.pipeline.api import audit_log
 
     settings = load_settings()
     audit_log.configure(settings.audit_log)
@@ -53,7 +53,7 @@ def _when(value: datetime | None) -> str:
 
 
 def key_table(keys: Iterable[KeyInfo], now: datetime) -> Table:
-    """Keys as ``apikey list`` shows them (:func:`pipeline.cli.app.print_rows`)."""
+    """Keys as ``apikey list`` shows them (:func:`freshline.pipeline.cli.app.print_rows`)."""
     table = Table(show_edge=False, pad_edge=False)
     table.add_column("id", no_wrap=True)
     table.add_column("tenant", overflow="fold")
@@ -73,8 +73,8 @@ def tenants_create(
     name: Annotated[str | None, typer.Option(help="Display name (default: the id)")] = None,
 ) -> None:
     """Create a tenant and print its first API key (shown only this once)."""
-    from pipeline.api.auth import register_tenant
-    from pipeline.core.db import make_owner_engine
+    from freshline.pipeline.api.auth import register_tenant
+    from freshline.pipeline.core.db import make_owner_engine
 
     issued = register_tenant(make_owner_engine(_settings()), tenant, name)
     console.print(
@@ -146,8 +146,8 @@ def tenants_limits(
     not trust less, on the same servers. Every API worker applies a change on the
     tenant's next request. With no option, shows the limits.
     """
-    from pipeline.api.auth import LIMIT_NAMES, set_tenant_limits
-    from pipeline.core.db import make_owner_engine
+    from freshline.pipeline.api.auth import LIMIT_NAMES, set_tenant_limits
+    from freshline.pipeline.core.db import make_owner_engine
 
     names = {"rate": "rate_per_s", "burst": "rate_burst", "concurrency": "concurrency"}
     names |= {"pool-share": "pool_share", "rows": "rows_per_s", "rows-burst": "rows_burst"}
@@ -201,8 +201,8 @@ def apikey_create(
     ] = None,
 ) -> None:
     """Add an API key for a tenant and print it (shown only this once)."""
-    from pipeline.api.auth import issue_api_key
-    from pipeline.core.db import make_owner_engine
+    from freshline.pipeline.api.auth import issue_api_key
+    from freshline.pipeline.core.db import make_owner_engine
 
     expires_at = datetime.now(UTC) + parse_duration(expires_in) if expires_in else None
     try:
@@ -223,8 +223,8 @@ def apikey_list(
     tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant's keys")] = None,
 ) -> None:
     """List keys: id, tenant, state, label and times (UTC). Never the keys themselves."""
-    from pipeline.api.auth import list_api_keys
-    from pipeline.core.db import make_engine
+    from freshline.pipeline.api.auth import list_api_keys
+    from freshline.pipeline.core.db import make_engine
 
     keys = list_api_keys(make_engine(load_settings()), tenant)
     if not keys:
@@ -243,8 +243,8 @@ def apikey_revoke(
     the same and the command fails (exit 1) saying so: run it again once Redis answers.
     """
 
-    from pipeline.api.auth import revoke_api_key
-    from pipeline.core.db import make_owner_engine
+    from freshline.pipeline.api.auth import revoke_api_key
+    from freshline.pipeline.core.db import make_owner_engine
 
     settings = _settings()
     client = redis_client(settings, socket_connect_timeout=2, socket_timeout=5)

@@ -1,7 +1,7 @@
 """The ``freshline`` Typer app and what every command shares: consoles and progress.
 
 Command modules (one per group, beside this one) import from here and never from each
-other; :mod:`pipeline.cli.app` registers them all the same way, through ``register(app)``.
+other; :mod:`freshline.pipeline.cli.app` registers them all the same way, through ``register(app)``.
 """
 
 from __future__ import annotations

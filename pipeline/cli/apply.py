@@ -26,17 +26,17 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from pipeline.cli.app import console
-from pipeline.cli.repo import checked_plan, show_plan
-from pipeline.core.errors import FreshlineError
-from pipeline.core.maintenance import DerivedPath
+from freshline.pipeline.cli.app import console
+from freshline.pipeline.cli.repo import checked_plan, show_plan
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.maintenance import DerivedPath
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
-    from pipeline.core.lock import Lock
-    from pipeline.core.settings import Settings
-    from pipeline.deploy.plan import Plan
+    from freshline.pipeline.core.lock import Lock
+    from freshline.pipeline.core.settings import Settings
+    from freshline.pipeline.deploy.plan import Plan
 
 
 class ApplyStopped(FreshlineError):
@@ -57,7 +57,7 @@ class Steps:
         import sqlalchemy as sa
         from confluent_kafka import KafkaException
 
-        from pipeline.core.services import translate_errors
+        from freshline.pipeline.core.services import translate_errors
 
         try:
             with translate_errors():
@@ -122,19 +122,19 @@ def apply(
     """Deploy the repository: topics, ACLs and freshline's own schema first, then the
     publication, the lock and the CDC connector. Your tables are changed only with
     --alter-tables, and only once everything else is in place."""
-    import migrations
-    from consumers.kafka import admin_client
-    from consumers.topics import (
+    from freshline import migrations
+    from freshline.consumers.kafka import admin_client
+    from freshline.consumers.topics import (
         allow_consumer,
         allow_writer,
         ensure,
         managed_topics,
     )
-    from pipeline.cdc.connect import ConnectClient, captured_tables, names
-    from pipeline.cli.connector import register_connector
-    from pipeline.core.db import make_owner_engine
-    from pipeline.core.lock import Lock, update
-    from pipeline.core.settings import load_settings
+    from freshline.pipeline.cdc.connect import ConnectClient, captured_tables, names
+    from freshline.pipeline.cli.connector import register_connector
+    from freshline.pipeline.core.db import make_owner_engine
+    from freshline.pipeline.core.lock import Lock, update
+    from freshline.pipeline.core.settings import load_settings
 
     result = checked_plan(publication)
     show_plan(result)
@@ -211,7 +211,7 @@ def change_tables(
     Returns what ran, one line each."""
     import sqlalchemy as sa
 
-    from pipeline.deploy.plan import missing_grants
+    from freshline.pipeline.deploy.plan import missing_grants
 
     ran = list(result.replica_identity.values())
     grants = missing_grants(conn, result.tables)  # the roles exist now
@@ -255,14 +255,14 @@ def change_tables(
 def enable_history(tables: list[str], retention_s: int | None) -> None:
     """Create and register a history table per captured table, then backfill the new
     ones from one snapshot S0, once the connector's slot exists (every change S0 does
-    not see is then streamed: ``pipeline.history.backfill``)."""
+    not see is then streamed: ``freshline.pipeline.history.backfill``)."""
     import sqlalchemy as sa
 
-    from pipeline.cdc.connect import SCHEMA, names
-    from pipeline.core.db import make_owner_engine
-    from pipeline.core.settings import load_settings
-    from pipeline.history.backfill import backfill
-    from pipeline.history.tables import create, follow, layout, registered
+    from freshline.pipeline.cdc.connect import SCHEMA, names
+    from freshline.pipeline.core.db import make_owner_engine
+    from freshline.pipeline.core.settings import load_settings
+    from freshline.pipeline.history.backfill import backfill
+    from freshline.pipeline.history.tables import create, follow, layout, registered
 
     settings = load_settings()
     engine = make_owner_engine(settings)
@@ -301,12 +301,12 @@ def register(app: typer.Typer) -> None:
 
 def publish_fields(settings: Settings, lock: Lock) -> None:
     """Publish the lock's field lists for readers whose lock lacks a version
-    (:func:`pipeline.cache.versions.publish_fields`); the deploy commands do it too, so a
+    (:func:`freshline.pipeline.cache.versions.publish_fields`); the deploy commands do it too, so a
     login that may not write them gets a warning, not a failure."""
     import redis
 
-    from pipeline.cache.versions import publish_fields as publish
-    from pipeline.core.services import redis_client
+    from freshline.pipeline.cache.versions import publish_fields as publish
+    from freshline.pipeline.core.services import redis_client
 
     try:
         client = redis_client(settings)

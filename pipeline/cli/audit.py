@@ -1,6 +1,6 @@
 """``freshline audit``: recompute a sample of served entries and report consistency.
 
-A thin shell over :class:`pipeline.observe.audit.Auditor`: chooses the keys (a SCAN
+A thin shell over :class:`freshline.pipeline.observe.audit.Auditor`: chooses the keys (a SCAN
 sample of the active schema version, or a keys file), paces the run, shows progress
 on stderr and prints a summary readable at 80 columns (or JSON): its tables are
 ``rich`` tables. Exit status 1 when a mismatch persisted past the last grace.
@@ -22,11 +22,16 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from pipeline.cli.app import console, out, progress_bar
-from pipeline.core.errors import ConfigError, InvalidId
-from pipeline.core.services import redis_client
-from pipeline.observe.audit import DEFAULT_RATE
-from pipeline.observe.consistency import AuditReport, GraceResult, Mismatch, describe_watermark
+from freshline.pipeline.cli.app import console, out, progress_bar
+from freshline.pipeline.core.errors import ConfigError, InvalidId
+from freshline.pipeline.core.services import redis_client
+from freshline.pipeline.observe.audit import DEFAULT_RATE
+from freshline.pipeline.observe.consistency import (
+    AuditReport,
+    GraceResult,
+    Mismatch,
+    describe_watermark,
+)
 
 _DURATION = re.compile(r"^(?P<n>\d+(?:\.\d+)?)(?P<unit>ms|s|m)?$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
@@ -283,14 +288,14 @@ def audit(
     if history:
         _audit_history(duration or "30s", json_out)
         return
-    from pipeline.cache.versions import state
-    from pipeline.core.db import make_engine
-    from pipeline.core.keys import parse_feature_key
-    from pipeline.core.lock import Lock
-    from pipeline.core.repository import REGISTRY
-    from pipeline.core.settings import load_settings
-    from pipeline.observe.audit import Auditor
-    from pipeline.observe.audit_metrics import audit_metrics
+    from freshline.pipeline.cache.versions import state
+    from freshline.pipeline.core.db import make_engine
+    from freshline.pipeline.core.keys import parse_feature_key
+    from freshline.pipeline.core.lock import Lock
+    from freshline.pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.settings import load_settings
+    from freshline.pipeline.observe.audit import Auditor
+    from freshline.pipeline.observe.audit_metrics import audit_metrics
 
     graces = parse_graces(grace)
     verify_s = (
@@ -387,9 +392,9 @@ def audit(
 def _audit_history(within: str, json_out: bool) -> None:
     """``audit --history``: each recorded table against its history at one snapshot,
     retried for ``within`` while the recorder catches up; exit 1 on a difference."""
-    from pipeline.core.db import make_engine
-    from pipeline.core.settings import load_settings
-    from pipeline.history.audit import audit as audit_tables
+    from freshline.pipeline.core.db import make_engine
+    from freshline.pipeline.core.settings import load_settings
+    from freshline.pipeline.history.audit import audit as audit_tables
 
     engine = make_engine(load_settings())
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.errors import FreshlineError
 
 
 def register(app: typer.Typer) -> None:

@@ -1,5 +1,5 @@
 """``freshline buckets build | fold | status | prune`` and ``freshline reconcile``: the
-active repository's incremental paths (:mod:`pipeline.core.incremental`).
+active repository's incremental paths (:mod:`freshline.pipeline.core.incremental`).
 
 ``buckets build`` fills the partial aggregates for rows that existed before the path
 did, a batch of keys per transaction, with a progress bar; interrupted (Ctrl-C, a
@@ -9,7 +9,7 @@ changes to the aggregates (the consumers do it too, every
 with the full one on sampled entities and repairs drifted aggregates. ``buckets prune``
 drops the derived paths the repository no longer declares. (A declared
 aggregation's derived path, such as the fraud example's ``txn_90d``, keeps per-day
-partials and a log of changed days: :mod:`pipeline.core.maintenance`.)
+partials and a log of changed days: :mod:`freshline.pipeline.core.maintenance`.)
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy.engine import Engine
 
-from pipeline.cli.app import console, out, progress_bar
-from pipeline.core.errors import ConfigError
-from pipeline.core.incremental import IncrementalPath
+from freshline.pipeline.cli.app import console, out, progress_bar
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.core.incremental import IncrementalPath
 
 buckets_app = typer.Typer(help="Partial aggregates for the incremental path.", no_args_is_help=True)
 
@@ -36,8 +36,8 @@ def register(app: typer.Typer) -> None:
 
 
 def _engine() -> Engine:
-    from pipeline.core.db import make_engine, ping
-    from pipeline.core.settings import load_settings
+    from freshline.pipeline.core.db import make_engine, ping
+    from freshline.pipeline.core.settings import load_settings
 
     engine = make_engine(load_settings())
     ping(engine)
@@ -47,7 +47,7 @@ def _engine() -> Engine:
 def _paths(feature_set: str | None) -> list[tuple[str, IncrementalPath]]:
     """The repository's incremental paths, each with the feature sets it serves (or the
     one of ``feature_set``)."""
-    from pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.repository import REGISTRY
 
     found = [
         (", ".join(fs.name for fs in REGISTRY if fs.maintenance is path), path)
@@ -189,8 +189,8 @@ def prune_cmd(
     schema version or an earlier freshline. Their triggers keep logging every write
     until dropped. Run it once no running consumer or API of an older version reads
     them (after a deploy's old version is gone)."""
-    from pipeline.core.maintenance import DerivedPath, superseded
-    from pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.maintenance import DerivedPath, superseded
+    from freshline.pipeline.core.repository import REGISTRY
 
     engine = _engine()
     keep = [p for p in REGISTRY.maintenances() if isinstance(p, DerivedPath)]
@@ -235,16 +235,16 @@ def reconcile_cmd(
     Both paths run on one snapshot per batch, so a difference is drift, never a race.
     Exit status 1 when drift remains after repair (or was found, with --no-repair).
     """
-    from pipeline.core.keys import validate_id
-    from pipeline.observe.reconcile import ReconcileReport, reconcile
-    from pipeline.observe.reconcile import sample as draw
+    from freshline.pipeline.core.keys import validate_id
+    from freshline.pipeline.observe.reconcile import ReconcileReport, reconcile
+    from freshline.pipeline.observe.reconcile import sample as draw
 
     if tenant is not None:
         try:
             validate_id("tenant", tenant)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--tenant") from exc
-    from pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.repository import REGISTRY
 
     engine = _engine()
     entities = list(dict.fromkeys(fs.entity for fs in REGISTRY if fs.incremental is not None))

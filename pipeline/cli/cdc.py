@@ -1,6 +1,6 @@
 """``freshline cdc register | status | remove``: the Debezium connector and its slot.
 
-Thin shells over :mod:`pipeline.cdc.connect`; see ``docs/cdc.md``.
+Thin shells over :mod:`freshline.pipeline.cdc.connect`; see ``docs/cdc.md``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from pipeline.cdc.connect import WAL_WARN_BYTES, CdcStatus, SnapshotMode
-from pipeline.cli.app import console, out
+from freshline.pipeline.cdc.connect import WAL_WARN_BYTES, CdcStatus, SnapshotMode
+from freshline.pipeline.cli.app import console, out
 
 cdc_app = typer.Typer(help="Postgres change data capture through Debezium.", no_args_is_help=True)
 
@@ -52,7 +52,7 @@ def cdc_register(
     ] = 60.0,
 ) -> None:
     """Create or update the Debezium connector (idempotent), and its topics."""
-    from pipeline.cli.connector import register_connector
+    from freshline.pipeline.cli.connector import register_connector
 
     if snapshot_mode not in get_args(SnapshotMode):
         raise typer.BadParameter(
@@ -79,9 +79,9 @@ def cdc_status(
     Exits 1 when the connector or a task FAILED, or the connector is not registered;
     2 when the slot retains more WAL than --wal-warn-mib.
     """
-    from pipeline.cdc.connect import status
-    from pipeline.core.db import make_engine, ping
-    from pipeline.core.settings import load_settings
+    from freshline.pipeline.cdc.connect import status
+    from freshline.pipeline.core.db import make_engine, ping
+    from freshline.pipeline.core.settings import load_settings
 
     settings = load_settings()
     engine = make_engine(settings)
@@ -100,7 +100,7 @@ def status_report(state: CdcStatus, wal_warn_bytes: int) -> tuple[Table, int]:
     details on the lines below it; anything long (a Java trace, an LSN) wraps under
     its label, so the report reads at 80 columns and in a pipe.
     """
-    from pipeline.cdc.connect import format_bytes
+    from freshline.pipeline.cdc.connect import format_bytes
 
     report = Table.grid(padding=(0, 1, 0, 0))
     report.add_column(width=10, no_wrap=True)
@@ -164,10 +164,10 @@ def status_report(state: CdcStatus, wal_warn_bytes: int) -> tuple[Table, int]:
 def cdc_remove(name: NameOption = None) -> None:
     """Delete the connector (and its stored offsets), drop its replication slot, then
     delete the ACLs register gave Connect's login on its topics (idempotent)."""
-    from consumers.topics import remove_cdc_acls
-    from pipeline.cdc.connect import ConnectClient, drop_slot, names
-    from pipeline.core.db import make_engine
-    from pipeline.core.settings import load_settings
+    from freshline.consumers.topics import remove_cdc_acls
+    from freshline.pipeline.cdc.connect import ConnectClient, drop_slot, names
+    from freshline.pipeline.core.db import make_engine
+    from freshline.pipeline.core.settings import load_settings
 
     settings = load_settings()
     owned = names(settings, name)

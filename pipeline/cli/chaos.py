@@ -1,6 +1,6 @@
 """``freshline chaos``: run the fault-injection suite and write ``bench/CHAOS.md``.
 
-A thin shell over :func:`pipeline.dev.chaos.run`, which runs pytest on ``tests/faults``
+A thin shell over :func:`freshline.pipeline.dev.chaos.run`, which runs pytest on ``tests/faults``
 (from the source checkout) with the chosen profile and seed.
 """
 
@@ -11,8 +11,8 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.app import console
-from pipeline.core.errors import FreshlineError
+from freshline.pipeline.cli.app import console
+from freshline.pipeline.core.errors import FreshlineError
 
 
 def register(app: typer.Typer) -> None:
@@ -40,7 +40,7 @@ def chaos(
     Writes one row per scenario and seed (pass/fail, mismatches, accounting, duration)
     to bench/CHAOS.md and bench/chaos.json. Exits with pytest's code.
     """
-    from pipeline.dev.chaos import PROFILES, run
+    from freshline.pipeline.dev.chaos import PROFILES, run
 
     root = Path(__file__).resolve().parents[2]
     if not (root / "tests" / "faults").is_dir():

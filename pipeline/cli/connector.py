@@ -7,8 +7,8 @@ import time
 
 import typer
 
-from pipeline.cdc.connect import SnapshotMode
-from pipeline.cli.app import console
+from freshline.pipeline.cdc.connect import SnapshotMode
+from freshline.pipeline.cli.app import console
 
 
 def register_connector(
@@ -20,8 +20,8 @@ def register_connector(
 ) -> None:
     """Create or update the connector for the active repository's tables, and its topics;
     then wait up to ``wait`` seconds (0: not at all) for its task to run."""
-    from consumers.topics import ensure_cdc_topics
-    from pipeline.cdc.connect import (
+    from freshline.consumers.topics import ensure_cdc_topics
+    from freshline.pipeline.cdc.connect import (
         ConnectClient,
         captured_tables,
         check_publication,
@@ -29,8 +29,8 @@ def register_connector(
         connector_state,
         names,
     )
-    from pipeline.core.db import make_engine, ping
-    from pipeline.core.settings import load_settings
+    from freshline.pipeline.core.db import make_engine, ping
+    from freshline.pipeline.core.settings import load_settings
 
     settings = load_settings()
     owned = names(settings, name)

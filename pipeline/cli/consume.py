@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.app import console
+from freshline.pipeline.cli.app import console
 
 topics_app = typer.Typer(help="The Kafka topics freshline owns.", no_args_is_help=True)
 
@@ -34,9 +34,9 @@ def topics_ensure(
     ] = None,
 ) -> None:
     """Create the domain-event, invalidation and dead-letter topics if they are missing."""
-    from consumers.kafka import admin_client
-    from consumers.topics import ensure, managed_topics
-    from pipeline.core.settings import load_settings
+    from freshline.consumers.kafka import admin_client
+    from freshline.consumers.topics import ensure, managed_topics
+    from freshline.pipeline.core.settings import load_settings
 
     settings = load_settings()
     wanted = partitions or settings.topic_partitions
@@ -82,8 +82,8 @@ def consume(
     import os
     import signal
 
-    from consumers.worker import Worker
-    from pipeline.core.settings import load_settings
+    from freshline.consumers.worker import Worker
+    from freshline.pipeline.core.settings import load_settings
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -138,8 +138,8 @@ def record(
     import logging
     import signal
 
-    from consumers.history import HistoryWorker, group, topics
-    from pipeline.core.settings import load_settings
+    from freshline.consumers.history import HistoryWorker, group, topics
+    from freshline.pipeline.core.settings import load_settings
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -7,9 +7,9 @@ import typer
 from rich import box
 from rich.table import Table
 
-from pipeline.cli.app import console, out
-from pipeline.core.db import make_engine, make_owner_engine, ping
-from pipeline.core.settings import load_settings
+from freshline.pipeline.cli.app import console, out
+from freshline.pipeline.core.db import make_engine, make_owner_engine, ping
+from freshline.pipeline.core.settings import load_settings
 
 db_app = typer.Typer(
     help="freshline's schema and the repository's own migrations.", no_args_is_help=True
@@ -27,8 +27,8 @@ def db_upgrade(
 ) -> None:
     """Apply the migrations as the owner (FRESHLINE_POSTGRES_ADMIN_URL, else _URL):
     freshline's own schema, then the repository's migrations if it has any."""
-    import migrations
-    from pipeline.core.repository import active
+    from freshline import migrations
+    from freshline.pipeline.core.repository import active
 
     settings = load_settings()
     engine = make_owner_engine(settings)
@@ -45,7 +45,7 @@ def db_upgrade(
 @db_app.command("summary")
 def db_summary() -> None:
     """Row counts of the repository's tables, per tenant where a table has a tenant column."""
-    from pipeline.core.repository import active
+    from freshline.pipeline.core.repository import active
 
     repo = active()
     engine = make_engine(load_settings())

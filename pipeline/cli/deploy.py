@@ -1,7 +1,7 @@
 """The deploy commands: ``check``, ``warm``, ``deploy start|flip|cancel|status``, ``purge``.
 
-Thin shells over :mod:`pipeline.core.lock`, :mod:`pipeline.deploy.pointer`,
-:mod:`pipeline.deploy.warm` and :mod:`pipeline.deploy.purge`;
+Thin shells over :mod:`freshline.pipeline.core.lock`, :mod:`freshline.pipeline.deploy.pointer`,
+:mod:`freshline.pipeline.deploy.warm` and :mod:`freshline.pipeline.deploy.purge`;
 see ``docs/deploys.md`` for the runbook.
 """
 
@@ -15,13 +15,13 @@ from typing import Annotated
 import typer
 from rich.progress import TaskID
 
-from pipeline.cli.app import console, out, progress_bar
-from pipeline.core.lock import lock_path as repository_lock
-from pipeline.core.services import redis_client
+from freshline.pipeline.cli.app import console, out, progress_bar
+from freshline.pipeline.core.lock import lock_path as repository_lock
+from freshline.pipeline.core.services import redis_client
 
 POOL_THREADS = 40
 """Threads in an API worker's pool: anyio's default limiter, which Starlette's
-``run_in_threadpool`` runs on (:mod:`pipeline.api.tenancy`)."""
+``run_in_threadpool`` runs on (:mod:`freshline.pipeline.api.tenancy`)."""
 
 LockOption = Annotated[
     Path | None, typer.Option("--lock", help="The lock file (default: the repository's)")
@@ -46,9 +46,9 @@ def check(
     """Refuse feature definitions that changed without a FRESHLINE_SCHEMA_VERSION bump;
     warn about a Redis that may fill or evict, and about a per-tenant thread-pool share
     that, times the workers, could keep every CPU of this host busy."""
-    from pipeline.core.lock import Lock, update
-    from pipeline.core.lock import check as check_lock
-    from pipeline.core.settings import load_settings
+    from freshline.pipeline.core.lock import Lock, update
+    from freshline.pipeline.core.lock import check as check_lock
+    from freshline.pipeline.core.settings import load_settings
 
     version = load_settings().schema_version
     lock_path = lock_path or repository_lock()
@@ -75,8 +75,8 @@ def warn_about_redis_memory() -> None:
     """A warning, never a failure, when Redis has no ``maxmemory`` (or may evict)."""
     import redis as redis_errors
 
-    from pipeline.core.budget import memory_problem
-    from pipeline.core.settings import load_settings, redact_text
+    from freshline.pipeline.core.budget import memory_problem
+    from freshline.pipeline.core.settings import load_settings, redact_text
 
     try:
         client = redis_client(load_settings(), socket_connect_timeout=2, socket_timeout=5)
@@ -98,7 +98,7 @@ def warn_about_pool_share(workers: int) -> None:
     keep every CPU the API may run on busy (:func:`share_problem`)."""
     import os
 
-    from pipeline.core.settings import load_settings
+    from freshline.pipeline.core.settings import load_settings
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     settings = load_settings()
@@ -162,17 +162,17 @@ def warm(
 ) -> None:
     """Materialize a schema version before flipping to it (marks it next first)."""
 
-    from pipeline.cache.hot import HotReads
-    from pipeline.cache.store import check_eviction_policy
-    from pipeline.cache.versions import WRITE_VERSIONS_MAX_AGE_S, state
-    from pipeline.core.db import make_engine
-    from pipeline.core.lock import Lock
-    from pipeline.core.repository import REGISTRY, active
-    from pipeline.core.settings import load_settings
-    from pipeline.deploy.pointer import start, writing
-    from pipeline.deploy.warm import active_entities, count_active, tenant_ids
-    from pipeline.deploy.warm import warm as warm_version
-    from pipeline.history.snapshots import keeper
+    from freshline.pipeline.cache.hot import HotReads
+    from freshline.pipeline.cache.store import check_eviction_policy
+    from freshline.pipeline.cache.versions import WRITE_VERSIONS_MAX_AGE_S, state
+    from freshline.pipeline.core.db import make_engine
+    from freshline.pipeline.core.lock import Lock
+    from freshline.pipeline.core.repository import REGISTRY, active
+    from freshline.pipeline.core.settings import load_settings
+    from freshline.pipeline.deploy.pointer import start, writing
+    from freshline.pipeline.deploy.warm import active_entities, count_active, tenant_ids
+    from freshline.pipeline.deploy.warm import warm as warm_version
+    from freshline.pipeline.history.snapshots import keeper
 
     if (top is None) == (not all_active):
         raise typer.BadParameter("choose one of --top N or --all")
@@ -276,11 +276,11 @@ def _pointer_command(
     action: str, version: int | None, lock_path: Path | None, *, force: bool = False
 ) -> None:
 
-    from pipeline.cache.roster import roster
-    from pipeline.cache.versions import state
-    from pipeline.core.lock import Lock
-    from pipeline.core.settings import load_settings
-    from pipeline.deploy.pointer import cancel, flip, start
+    from freshline.pipeline.cache.roster import roster
+    from freshline.pipeline.cache.versions import state
+    from freshline.pipeline.core.lock import Lock
+    from freshline.pipeline.core.settings import load_settings
+    from freshline.pipeline.deploy.pointer import cancel, flip, start
 
     settings = load_settings()
     client = redis_client(settings)
@@ -335,13 +335,13 @@ def purge(
     one unless forced, and is safe to interrupt and run again.
     """
 
-    from pipeline.cache.versions import state
-    from pipeline.core.lock import Lock
-    from pipeline.core.settings import load_settings
-    from pipeline.deploy.pointer import retire
-    from pipeline.deploy.purge import purge as purge_version
-    from pipeline.deploy.purge import purgeable
-    from pipeline.inference.models import purge_model
+    from freshline.pipeline.cache.versions import state
+    from freshline.pipeline.core.lock import Lock
+    from freshline.pipeline.core.settings import load_settings
+    from freshline.pipeline.deploy.pointer import retire
+    from freshline.pipeline.deploy.purge import purge as purge_version
+    from freshline.pipeline.deploy.purge import purgeable
+    from freshline.pipeline.inference.models import purge_model
 
     settings = load_settings()
     client = redis_client(settings)

@@ -1,6 +1,6 @@
 """``freshline dlq list | replay``: the dead-letter topic, read back.
 
-Thin shells over :mod:`consumers.replay`; see ``docs/events.md``.
+Thin shells over :mod:`freshline.consumers.replay`; see ``docs/events.md``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from pipeline.cli.app import console, out, progress_bar
+from freshline.pipeline.cli.app import console, out, progress_bar
 
 dlq_app = typer.Typer(
     help="The dead-letter topic: what is in it, and replaying it.", no_args_is_help=True
@@ -50,9 +50,9 @@ def _when(ms: int) -> str:
 @dlq_app.command("list")
 def dlq_list() -> None:
     """Count the dead letters by reason and source topic, oldest and newest (UTC)."""
-    from consumers.replay import DeadLetterLog, Ledger, summarise
-    from pipeline.core.services import redis_client
-    from pipeline.core.settings import load_settings
+    from freshline.consumers.replay import DeadLetterLog, Ledger, summarise
+    from freshline.pipeline.core.services import redis_client
+    from freshline.pipeline.core.settings import load_settings
 
     settings = load_settings()
     client = redis_client(settings)
@@ -108,9 +108,9 @@ def dlq_replay(
     Each goes back with its key, value and headers, for the consumers to apply as
     usual; a record replayed before is not sent again.
     """
-    from consumers.replay import replay
-    from pipeline.core.services import redis_client
-    from pipeline.core.settings import load_settings
+    from freshline.consumers.replay import replay
+    from freshline.pipeline.core.services import redis_client
+    from freshline.pipeline.core.settings import load_settings
 
     since_ms = None if since is None else int(parse_since(since).timestamp() * 1000)
     settings = load_settings()

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.app import console
+from freshline.pipeline.cli.app import console
 
 events_app = typer.Typer(help="The domain events the repository declares.", no_args_is_help=True)
 
@@ -29,8 +29,8 @@ def schemas(
     ] = None,
 ) -> None:
     """Write ``<topic>.schema.json`` (JSON Schema 2020-12) for each declared domain event."""
-    from pipeline.core.events import schema_file
-    from pipeline.core.repository import active
+    from freshline.pipeline.core.events import schema_file
+    from freshline.pipeline.core.repository import active
 
     repo = active()
     folder = out or repo.path / "schemas"

@@ -10,12 +10,12 @@ from rich.console import Group
 from rich.padding import Padding
 from rich.text import Text
 
-from pipeline.cli.app import console, out
-from pipeline.core.services import redis_client
-from pipeline.core.settings import load_settings
+from freshline.pipeline.cli.app import console, out
+from freshline.pipeline.core.services import redis_client
+from freshline.pipeline.core.settings import load_settings
 
 if TYPE_CHECKING:
-    from pipeline.inference.models import ModelRecord
+    from freshline.pipeline.inference.models import ModelRecord
 
 models_app = typer.Typer(help="Models served through the inference cache.", no_args_is_help=True)
 
@@ -30,7 +30,7 @@ def models_register(
     path: Annotated[Path, typer.Argument(help="A saved model file", exists=True)],
 ) -> None:
     """Register a saved model file (its name and version are in the file) as current."""
-    from pipeline.inference.models import ModelRegistry
+    from freshline.pipeline.inference.models import ModelRegistry
 
     record = ModelRegistry(redis_client(load_settings())).register(path)
     console.print(
@@ -43,7 +43,7 @@ def models_register(
 def models_list() -> None:
     """The registered models and their versions."""
 
-    from pipeline.inference.models import ModelRegistry
+    from freshline.pipeline.inference.models import ModelRegistry
 
     registry = ModelRegistry(redis_client(load_settings()))
     records = [registry.record(name) for name in registry.names()]

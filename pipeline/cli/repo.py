@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from pipeline.cli.app import console, out
-from pipeline.core.declarations import Declaration, window_text
+from freshline.pipeline.cli.app import console, out
+from freshline.pipeline.core.declarations import Declaration, window_text
 
 if TYPE_CHECKING:
-    from pipeline.deploy.plan import Plan
+    from freshline.pipeline.deploy.plan import Plan
 
 CONFIG_TEMPLATE = """\
 # A freshline feature repository. Keep it in your own git.
@@ -117,11 +117,11 @@ def plan(
 
 def checked_plan(publication: str) -> Plan:
     """The active repository's plan, checked against the database (plan and apply)."""
-    from pipeline.core.db import make_owner_engine, ping
-    from pipeline.core.repository import active
-    from pipeline.core.settings import load_settings
-    from pipeline.deploy.plan import plan as make_plan
-    from pipeline.history.status import describe
+    from freshline.pipeline.core.db import make_owner_engine, ping
+    from freshline.pipeline.core.repository import active
+    from freshline.pipeline.core.settings import load_settings
+    from freshline.pipeline.deploy.plan import plan as make_plan
+    from freshline.pipeline.history.status import describe
 
     repo = active()
     settings = load_settings()
@@ -190,6 +190,6 @@ def show_plan(result: Plan) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    """Add init and plan to the ``freshline`` app (apply is :mod:`pipeline.cli.apply`)."""
+    """Add init and plan to the ``freshline`` app (apply is :mod:`freshline.pipeline.cli.apply`)."""
     app.command("init")(init)
     app.command("plan")(plan)

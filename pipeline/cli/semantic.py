@@ -12,10 +12,10 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from pipeline.cli.app import console, out
-from pipeline.core.services import redis_client
-from pipeline.core.settings import load_settings
-from pipeline.semantic.extra import require_extra
+from freshline.pipeline.cli.app import console, out
+from freshline.pipeline.core.services import redis_client
+from freshline.pipeline.core.settings import load_settings
+from freshline.pipeline.semantic.extra import require_extra
 
 semantic_app = typer.Typer(
     help="The semantic response cache for LLM pipelines.", no_args_is_help=True
@@ -41,7 +41,7 @@ def stats(
     """Live entries, hit rate, explorations, estimated and observed error, stores,
     evictions, flagged hits and refusals per namespace."""
 
-    from pipeline.semantic.namespaces import stats as namespace_stats
+    from freshline.pipeline.semantic.namespaces import stats as namespace_stats
 
     settings = load_settings()
     client = redis_client(settings)
@@ -118,7 +118,7 @@ def purge(
     """Remove the matching entries (SCAN + UNLINK in batches); every worker's index
     empties through the namespace's stream. Give a tenant, a version, or both."""
 
-    from pipeline.semantic.namespaces import purge_keys
+    from freshline.pipeline.semantic.namespaces import purge_keys
 
     if not (tenant or model_version or template_version):
         raise typer.BadParameter(
@@ -166,10 +166,10 @@ def tune(
 ) -> None:
     """Hit rate and false-hit rate at each threshold from 0.85 to 0.97, and where the
     learned decision starts a fresh entry."""
-    from pipeline.semantic import prior as priors
-    from pipeline.semantic.decision import Learned
-    from pipeline.semantic.embed import embedder_from_settings
-    from pipeline.semantic.tune import PAIRS, false_hits, load_pairs, similarities, sweep
+    from freshline.pipeline.semantic import prior as priors
+    from freshline.pipeline.semantic.decision import Learned
+    from freshline.pipeline.semantic.embed import embedder_from_settings
+    from freshline.pipeline.semantic.tune import PAIRS, false_hits, load_pairs, similarities, sweep
 
     settings = load_settings()
     path = pairs or PAIRS

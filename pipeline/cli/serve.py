@@ -2,10 +2,10 @@
 
 ``serve`` runs the API's workers and, apart from them, one process for the operator's
 endpoints (``/metrics``, ``/status``, ``/status.json`` and the probes) on the ops port
-(``FRESHLINE_OPS_HOST``, ``_PORT``; :mod:`pipeline.api.ops`). Both read the workers'
+(``FRESHLINE_OPS_HOST``, ``_PORT``; :mod:`freshline.pipeline.api.ops`). Both read the workers'
 counters from ``PROMETHEUS_MULTIPROC_DIR``, which ``serve`` sets for them.
 
-Registered on the main app by :func:`register`, called from :mod:`pipeline.cli.app`.
+Registered on the main app by :func:`register`, called from :mod:`freshline.pipeline.cli.app`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.app import console
-from pipeline.core.errors import ConfigError
-from pipeline.core.settings import Settings, load_settings
+from freshline.pipeline.cli.app import console
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.core.settings import Settings, load_settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +108,7 @@ def serve(
 ) -> None:
     """Serve the HTTP read API (Starlette) with granian or uvicorn, and the operator's
     endpoints on the ops port."""
-    from pipeline.core.db import make_engine, ping
+    from freshline.pipeline.core.db import make_engine, ping
 
     settings = load_settings()
     ping(make_engine(settings))
@@ -149,7 +149,7 @@ def serve(
     ops = start_ops(settings.ops_host, ops_port) if ops_port else None
     try:
         if server == "granian":
-            run_granian("pipeline.api:app_from_env", host, port, workers, limits)
+            run_granian("freshline.pipeline.api:app_from_env", host, port, workers, limits)
         else:
             try:
                 import uvicorn
@@ -159,7 +159,7 @@ def serve(
                     param_hint="--server",
                 ) from None
             uvicorn.run(
-                "pipeline.api:app_from_env",
+                "freshline.pipeline.api:app_from_env",
                 host=host,
                 port=port,
                 workers=workers,
@@ -207,7 +207,7 @@ OPS_LIMITS = ServerLimits(max_connections=64, backlog=64, header_timeout_s=10.0)
 
 
 def start_ops(host: str, port: int) -> multiprocessing.process.BaseProcess | None:
-    """The ops port's server (:func:`pipeline.api.app.ops_app_from_env`, one granian
+    """The ops port's server (:func:`freshline.pipeline.api.app.ops_app_from_env`, one granian
     worker) in a process of its own; None, with a warning, if the port is taken.
 
     The API is served all the same when the ops port cannot be: a port clash must not
@@ -225,7 +225,7 @@ def start_ops(host: str, port: int) -> multiprocessing.process.BaseProcess | Non
         return None
     process = multiprocessing.get_context("spawn").Process(
         target=run_granian,
-        args=("pipeline.api.app:ops_app_from_env", host, port, 1, OPS_LIMITS),
+        args=("freshline.pipeline.api.app:ops_app_from_env", host, port, 1, OPS_LIMITS),
         name="freshline-ops",
     )
     process.start()

@@ -1,7 +1,7 @@
 """``freshline served sink`` (the served log, from Kafka into Parquet) and ``freshline
 skew`` (logged reads checked against history).
 
-Thin shells over :mod:`consumers.served` and :mod:`pipeline.observe.skew`; see
+Thin shells over :mod:`freshline.consumers.served` and :mod:`freshline.pipeline.observe.skew`; see
 ``docs/observability.md``.
 """
 
@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from pipeline.cli.app import console, out
+from freshline.pipeline.cli.app import console, out
 
 if TYPE_CHECKING:
-    from pipeline.observe.skew import SkewReport
+    from freshline.pipeline.observe.skew import SkewReport
 
 served_app = typer.Typer(
     help="The served log: what the read API answered, kept.", no_args_is_help=True
@@ -49,9 +49,9 @@ def sink(
     """
     import signal
 
-    from consumers.served import ServedSink
-    from pipeline.core.repository import REGISTRY
-    from pipeline.core.settings import load_settings
+    from freshline.consumers.served import ServedSink
+    from freshline.pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.settings import load_settings
 
     settings = load_settings()
     served = ServedSink(settings, REGISTRY, directory)
@@ -95,12 +95,12 @@ def skew(
     import time
     from datetime import UTC, datetime, timedelta
 
-    from pipeline.core.db import make_engine
-    from pipeline.core.features import seconds
-    from pipeline.core.repository import REGISTRY
-    from pipeline.core.settings import load_settings
-    from pipeline.observe.served_files import ParquetLog
-    from pipeline.observe.skew import check, skew_metrics
+    from freshline.pipeline.core.db import make_engine
+    from freshline.pipeline.core.features import seconds
+    from freshline.pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.settings import load_settings
+    from freshline.pipeline.observe.served_files import ParquetLog
+    from freshline.pipeline.observe.skew import check, skew_metrics
 
     settings = load_settings()
     window = timedelta(seconds=seconds(since, "--since"))

@@ -12,10 +12,10 @@ from typing import Annotated
 import typer
 from rich.progress import Progress, TaskID
 
-from pipeline.cli.app import console, progress_bar
-from pipeline.core.features import seconds
-from pipeline.core.repository import active
-from pipeline.core.settings import load_settings
+from freshline.pipeline.cli.app import console, progress_bar
+from freshline.pipeline.core.features import seconds
+from freshline.pipeline.core.repository import active
+from freshline.pipeline.core.settings import load_settings
 
 
 def register(app: typer.Typer) -> None:
@@ -48,7 +48,7 @@ def training_set_command(
 ) -> None:
     """Build a training set: the spine's rows with each feature as freshline would
     have served it at the row's moment."""
-    from pipeline.history.training import SpineError, training_set, write
+    from freshline.pipeline.history.training import SpineError, training_set, write
 
     if at not in ("commit_time", "snapshot"):
         raise SpineError(f"--at {at!r}: expected commit_time or snapshot")

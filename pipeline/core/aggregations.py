@@ -9,7 +9,7 @@ column, a window, aggregations with optional filters)::
               count_distinct("sku"), last("status"), count(window="1d", name="orders_1d")],
     )
 
-and gets a :class:`~pipeline.core.features.FeatureSet` whose defining query and horizon
+and gets a :class:`~freshline.pipeline.core.features.FeatureSet` whose defining query and horizon
 are generated from it:
 
 * **The query** joins the batch's keys to the table's rows in the window
@@ -48,10 +48,17 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.core import declarations
-from pipeline.core.declarations import ALL_TIME, Agg, AggKind, Declaration, last_order, since
-from pipeline.core.errors import ConfigError
-from pipeline.core.features import (
+from freshline.pipeline.core import declarations
+from freshline.pipeline.core.declarations import (
+    ALL_TIME,
+    Agg,
+    AggKind,
+    Declaration,
+    last_order,
+    since,
+)
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.core.features import (
     AS_OF,
     Entity,
     FeatureSet,
@@ -170,7 +177,7 @@ def Aggregations(
     ``sources``: other tables whose changes should refresh it (the table itself always
     does). The query and horizon are generated (see the module's docstring).
     ``incremental``: also derive per-day partial aggregates kept by triggers on the
-    table, and recompute from them (:mod:`pipeline.core.maintenance`; ``freshline
+    table, and recompute from them (:mod:`freshline.pipeline.core.maintenance`; ``freshline
     apply --alter-tables`` installs them). ``max_staleness_ms``: the default freshness
     bound of reads (:attr:`FeatureSet.max_staleness_ms`). ``lookups``: columns the rows
     take from other tables (:func:`Lookup`), aggregated by name like the table's own;
@@ -253,7 +260,7 @@ def Aggregations(
     fields = tuple(Field(a.field_name(), a.field_type(time)) for a in aggs)
     derived: dict[str, Any] = {}
     if incremental:
-        from pipeline.core.maintenance import LAYOUT, DerivedPath
+        from freshline.pipeline.core.maintenance import LAYOUT, DerivedPath
 
         query = full_query(entity, declared)
         # The layout's format too: a freshline whose generated tables differ gets tables

@@ -1,8 +1,8 @@
 """Per-tenant budgets of the Redis keys a caller can cause, in keys and in bytes.
 
 A :class:`TenantBudget` keeps, for each tenant, two keys in the tenant's hash tag
-(their names come from :mod:`pipeline.core.keys`, e.g.
-:func:`pipeline.core.keys.inference_budget_keys`):
+(their names come from :mod:`freshline.pipeline.core.keys`, e.g.
+:func:`freshline.pipeline.core.keys.inference_budget_keys`):
 
 * a sorted set of the tenant's keys, each member ``<key>|<bytes>``, scored by the
   moment (Redis's clock, ms) the key expires;
@@ -148,7 +148,7 @@ def memory_problem(client: redis.Redis) -> str | None:
     ``noeviction`` a full Redis refuses writes and nothing is lost; any other policy
     may evict (every freshline key has a TTL, so ``volatile-*`` may evict them all,
     watermark floors and tombstones included) and an older write could then land
-    (:func:`pipeline.cache.store.check_eviction_policy` refuses such a server).
+    (:func:`freshline.pipeline.cache.store.check_eviction_policy` refuses such a server).
     """
     info: dict[str, Any] = client.info("memory")
     servers = [v for v in info.values() if isinstance(v, dict)] or [info]  # a cluster: per node

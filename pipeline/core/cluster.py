@@ -1,6 +1,6 @@
 """What differs on Redis Cluster, in one place: asking, batched reads, scans.
 
-A client from :func:`pipeline.core.services.redis_client` is redis-py's ``RedisCluster``
+A client from :func:`freshline.pipeline.core.services.redis_client` is redis-py's ``RedisCluster``
 when ``FRESHLINE_REDIS_CLUSTER`` is set. It answers single-slot commands as a plain
 client does; these helpers cover the multi-key ones that would fail with CROSSSLOT or
 return another shape:
@@ -11,7 +11,7 @@ return another shape:
 * :func:`publish`: sharded pub/sub (``SPUBLISH``) on a cluster. A classic ``PUBLISH``
   reaches other nodes over the cluster bus, after the publishing node answered, so a
   subscriber's PING to its own node would no longer prove that earlier messages have
-  arrived (:mod:`pipeline.cache.subscription` relies on that). A sharded channel lives
+  arrived (:mod:`freshline.pipeline.cache.subscription` relies on that). A sharded channel lives
   on the master of its slot: publisher and subscriber talk to the same node, and its
   answers stay in order. Each subscription's channels must share one slot;
 * :func:`rerouted_on_failure`: a connection failure refreshes the slot table before it

@@ -21,8 +21,8 @@ from typing import Any
 
 import orjson
 
-from pipeline.core.errors import CorruptEntry, SchemaVersionMismatch
-from pipeline.core.types import Entry, FeatureValues, Watermark
+from freshline.pipeline.core.errors import CorruptEntry, SchemaVersionMismatch
+from freshline.pipeline.core.types import Entry, FeatureValues, Watermark
 
 ENTRY_TAG = b"1"
 TOMBSTONE_TAG = b"T"

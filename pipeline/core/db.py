@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.core.errors import ServiceUnavailable
-from pipeline.core.settings import Settings, redact
+from freshline.pipeline.core.errors import ServiceUnavailable
+from freshline.pipeline.core.settings import Settings, redact
 
 metadata = sa.MetaData()
 
@@ -58,7 +58,7 @@ token_key = sa.Table(
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
     schema=SCHEMA,
 )
-"""The key freshness tokens are signed with (one row; :mod:`pipeline.cache.tokens`)."""
+"""The key freshness tokens are signed with (one row; :mod:`freshline.pipeline.cache.tokens`)."""
 
 history_tables = sa.Table(
     "history_tables",
@@ -76,7 +76,8 @@ history_tables = sa.Table(
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
     schema=SCHEMA,
 )
-"""The user tables whose history freshline records (migration 0006; :mod:`pipeline.history`)."""
+"""The user tables whose history freshline records (migration 0006;
+:mod:`freshline.pipeline.history`)."""
 
 history_truncates = sa.Table(
     "history_truncates",
@@ -87,7 +88,7 @@ history_truncates = sa.Table(
     sa.Column("committed_at", sa.DateTime(timezone=True), nullable=False),
     schema=SCHEMA,
 )
-"""Each TRUNCATE the history recorder read (:mod:`pipeline.history.recorder`)."""
+"""Each TRUNCATE the history recorder read (:mod:`freshline.pipeline.history.recorder`)."""
 
 snapshots = sa.Table(
     "snapshots",
@@ -98,7 +99,8 @@ snapshots = sa.Table(
     sa.Column("recorded_at", sa.DateTime(timezone=True), nullable=False),
     schema=SCHEMA,
 )
-"""The snapshot and ``as_of`` each entry's watermark names (:mod:`pipeline.history.snapshots`)."""
+"""The snapshot and ``as_of`` each entry's watermark names
+(:mod:`freshline.pipeline.history.snapshots`)."""
 
 
 IDLE_IN_TRANSACTION_S = 60
@@ -185,7 +187,7 @@ def autocommit(engine: Engine) -> Connection:
 def make_owner_engine(settings: Settings, *, pool_size: int = 5) -> Engine:
     """An engine logged in as the owner, for commands that write: seeding, tenants, API
     keys, the demo's changes. FRESHLINE_POSTGRES_ADMIN_URL where set, else the service URL
-    (and a refusal then becomes :class:`~pipeline.core.errors.PermissionDenied`)."""
+    (and a refusal then becomes :class:`~freshline.pipeline.core.errors.PermissionDenied`)."""
     return make_engine(settings, pool_size=pool_size, url=settings.migration_url)
 
 

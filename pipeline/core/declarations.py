@@ -1,14 +1,14 @@
 """The vocabulary of declared aggregations: one aggregation (:class:`Agg`) and a resolved
 declaration (:class:`Declaration`), shared by the declaration API
-(:mod:`pipeline.core.aggregations`) and the incremental path derived from it
-(:mod:`pipeline.core.maintenance`)."""
+(:mod:`freshline.pipeline.core.aggregations`) and the incremental path derived from it
+(:mod:`freshline.pipeline.core.maintenance`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeline.core.features import FieldType, Table, duration
+from freshline.pipeline.core.features import FieldType, Table, duration
 
 ALL_TIME = 2**62
 """The window of ``window="all"``: every row at or before ``as_of``, however old."""
@@ -76,7 +76,7 @@ class Agg:
 @dataclass(frozen=True, slots=True)
 class Lookup:
     """Columns a source row takes from another table, for aggregations over them (made by
-    :func:`pipeline.core.aggregations.Lookup`, where the arguments are described)."""
+    :func:`freshline.pipeline.core.aggregations.Lookup`, where the arguments are described)."""
 
     table: Table
     columns: tuple[str, ...]

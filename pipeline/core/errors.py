@@ -115,7 +115,7 @@ class DeployError(FreshlineError):
 
 class SchemaVersionUnknown(FreshlineError):
     """A reader cannot serve the active schema version: it cannot decode or compute it,
-    and its own version is no longer written (:mod:`pipeline.cache.versions`)."""
+    and its own version is no longer written (:mod:`freshline.pipeline.cache.versions`)."""
 
     def __init__(self, version: int, own: int) -> None:
         self.version = version

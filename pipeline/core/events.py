@@ -10,7 +10,7 @@ exactly the records the model takes.
 
 The parser stays hand-written: each failure names the field and says whether it was
 missing, an id that cannot reach a key, or a badly typed value (the dead-letter topic's
-reasons), and the model, with the :class:`~pipeline.core.types.ChangeEvent` still to
+reasons), and the model, with the :class:`~freshline.pipeline.core.types.ChangeEvent` still to
 build after it, decoded no faster (``python -m bench.contracts``).
 """
 
@@ -35,10 +35,17 @@ from pydantic import (
 )
 from pydantic.json_schema import GenerateJsonSchema, SkipJsonSchema
 
-from pipeline.core.errors import ConfigError, InvalidId
-from pipeline.core.features import KEY_TYPES, KeyType, Table, _caller, identifier, validate_key
-from pipeline.core.types import ChangeEvent
-from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
+from freshline.pipeline.core.errors import ConfigError, InvalidId
+from freshline.pipeline.core.features import (
+    KEY_TYPES,
+    KeyType,
+    Table,
+    _caller,
+    identifier,
+    validate_key,
+)
+from freshline.pipeline.core.types import ChangeEvent
+from freshline.schemas.ids import ID_PATTERN, MAX_ID_LENGTH
 
 EventOp = Literal["c", "u"]
 FieldProblem = Literal["missing_field", "invalid_id", "invalid_field"]

@@ -1,7 +1,7 @@
 """Feature definitions: entities, the tables that change them, and feature sets.
 
 These are the classes a feature repository declares with (``freshline``, the top-level
-package, exports them; :mod:`pipeline.core.repository` loads a repository):
+package, exports them; :mod:`freshline.pipeline.core.repository` loads a repository):
 
 * an :class:`Entity` names its key column and the key's type (``bigint``, ``text`` or
   ``uuid``, each validated before an id reaches a key), and optionally a tenant column
@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 import sqlalchemy as sa
 
-from pipeline.core.errors import ConfigError, InvalidId, UnknownFeatureSet
+from freshline.pipeline.core.errors import ConfigError, InvalidId, UnknownFeatureSet
 
 if TYPE_CHECKING:
-    from pipeline.core.incremental import IncrementalPath
+    from freshline.pipeline.core.incremental import IncrementalPath
 
 FieldType = Literal["int", "float", "bool", "str", "timestamp"]
 FIELD_TYPES: tuple[FieldType, ...] = ("int", "float", "bool", "str", "timestamp")
@@ -47,7 +47,7 @@ WriteMode = Literal["recompute", "invalidate"]
 Path = Literal["full", "incremental"]
 """How a recompute evaluates a feature set: its defining ``query`` over the source rows
 (``full``), or its ``incremental`` query over partial aggregates, which gives the same
-values (an extension a repository registers: :mod:`pipeline.core.incremental`)."""
+values (an extension a repository registers: :mod:`freshline.pipeline.core.incremental`)."""
 
 IMPLICIT_TENANT = "default"
 """The one tenant of a single-tenant repository (an entity without a tenant column)."""
@@ -143,7 +143,7 @@ def _uuid_id(value: object) -> str:
 
 
 def _text_id(value: object) -> str:
-    from pipeline.core.keys import validate_id
+    from freshline.pipeline.core.keys import validate_id
 
     return validate_id("entity", value)
 
@@ -159,7 +159,7 @@ def validate_key(kind: KeyType, value: object) -> str:
     refuses the same ids, with the same message: ``bigint``, a non-negative integer (or
     its digits, no leading zeros); ``uuid``, 8-4-4-4-12 hex digits in either case,
     normalised to lower case (as Postgres writes it); ``text``, the id rule of
-    :mod:`schemas.ids`.
+    :mod:`freshline.schemas.ids`.
     """
     return _ID_CHECKS[kind](value)
 
@@ -201,7 +201,7 @@ class Entity:
     active: str | None = None
 
     def __post_init__(self) -> None:
-        from pipeline.core.keys import validate_name
+        from freshline.pipeline.core.keys import validate_name
 
         try:
             validate_name("entity", self.name)
@@ -335,8 +335,9 @@ class FeatureSet:
     """The same features from partial aggregates: the query the ``maintenance`` path
     evaluates. Not part of the fingerprint."""
     maintenance: IncrementalPath | None = field(default=None, repr=False, compare=False)
-    """The repository's :class:`~pipeline.core.incremental.IncrementalPath` that keeps
-    those aggregates (a declared aggregation's is :class:`~pipeline.core.maintenance.DerivedPath`);
+    """The repository's :class:`~freshline.pipeline.core.incremental.IncrementalPath` that keeps
+    those aggregates (a declared aggregation's is
+    :class:`~freshline.pipeline.core.maintenance.DerivedPath`);
     required with ``incremental``."""
     path: Path = field(default="full", compare=False)
     """Which evaluation recomputes use by default. Not part of the fingerprint."""
@@ -346,7 +347,7 @@ class FeatureSet:
     :data:`AS_OF`) giving the first moment after it at which they may change with no
     source row changing: a row leaving or entering the window. ``NULL``: never. An
     entry expires then, if before its TTL, so a window that moves past a row leaves
-    the entry absent rather than stale (:mod:`pipeline.cache.store`). Early is safe
+    the entry absent rather than stale (:mod:`freshline.pipeline.cache.store`). Early is safe
     (a miss), late is not, so a horizon may be conservative. Not part of the
     fingerprint: it decides when an entry expires, never its value, and an entry
     written without one is still a valid entry of the same schema version."""
@@ -358,19 +359,19 @@ class FeatureSet:
     accepts, never a value."""
     log_sample: float = field(default=0.0, compare=False)
     """The share of reads of this feature set the served log keeps (0 to 1), chosen by
-    a hash of the request id, a request logged whole (:mod:`pipeline.observe.served`).
+    a hash of the request id, a request logged whole (:mod:`freshline.pipeline.observe.served`).
     Not part of the fingerprint: it decides what is logged, never a value."""
     ttl: InitVar[int | str | None] = None
     declared: object | None = field(default=None, repr=False, compare=False)
     """The declaration that generated ``query`` and ``horizon``, if one did (a
-    :class:`pipeline.core.aggregations.Declaration`); ``plan`` shows it."""
+    :class:`freshline.pipeline.core.aggregations.Declaration`); ``plan`` shows it."""
     origin: str = field(default="", repr=False, compare=False)
     """Where it was declared (``file:line``), for error messages; set by the loader."""
     statement: sa.TextClause = field(init=False, repr=False, compare=False)
     _fingerprint: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self, ttl: int | str | None) -> None:
-        from pipeline.core.keys import validate_name
+        from freshline.pipeline.core.keys import validate_name
 
         try:
             validate_name("feature set", self.name)

@@ -4,7 +4,7 @@ Every HTTP call freshline makes goes through here: Kafka Connect's REST API, ``/
 scrapes, Prometheus's query API, the demo's calls to the read API. Whatever status the
 server answers with is returned, never raised, so each caller decides what a 404 means;
 a server that does not answer at all (connection refused or reset, timeout, unknown
-host) raises :class:`~pipeline.core.errors.ServiceUnavailable` naming the service and
+host) raises :class:`~freshline.pipeline.core.errors.ServiceUnavailable` naming the service and
 the URL. Standard library only: the runtime has no HTTP client dependency.
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 
 import orjson
 
-from pipeline.core.errors import STACK_HINT, ConfigError, ServiceUnavailable
-from pipeline.core.settings import redact
+from freshline.pipeline.core.errors import STACK_HINT, ConfigError, ServiceUnavailable
+from freshline.pipeline.core.settings import redact
 
 TIMEOUT_S = 10.0
 

@@ -17,7 +17,7 @@ moments:
 - ``freshline buckets status | build | fold`` for the operator.
 
 A declared aggregation gets one derived from its declaration
-(:class:`pipeline.core.maintenance.DerivedPath`: per-day partials, a log of changed days
+(:class:`freshline.pipeline.core.maintenance.DerivedPath`: per-day partials, a log of changed days
 written by triggers, a fold), as the fraud example's ``txn_90d`` does; a repository may
 write its own for what a declaration cannot say.
 """
@@ -33,7 +33,7 @@ from sqlalchemy.engine import Connection, Engine
 
 
 class Queries(Protocol):
-    """What a path reads of a feature set (a :class:`~pipeline.core.features.FeatureSet`;
+    """What a path reads of a feature set (a :class:`~freshline.pipeline.core.features.FeatureSet`;
     named structurally so that this module stays below ``features``)."""
 
     @property

@@ -16,9 +16,9 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import TypeGuard, cast
 
-from pipeline.core.errors import InvalidId
-from pipeline.core.types import EntityRef, Item
-from schemas.ids import ID_PATTERN, MAX_ID_LENGTH, id_problem
+from freshline.pipeline.core.errors import InvalidId
+from freshline.pipeline.core.types import EntityRef, Item
+from freshline.schemas.ids import ID_PATTERN, MAX_ID_LENGTH, id_problem
 
 FEATURE_PREFIX = "feat"
 LEASE_PREFIX = "lease"
@@ -46,7 +46,7 @@ the deploy commands for readers whose lock lacks it. No TTL, as the pointer's ke
 version's entry is never rewritten and holds a few hundred bytes."""
 PROCS_KEY = "freshline:{deploy}:procs"
 """``<PROCS_KEY>:<role>:<id>``: a running process's registration (a TTL, renewed), and
-``<PROCS_KEY>:<role>``: the role's index of them (:mod:`pipeline.cache.roster`)."""
+``<PROCS_KEY>:<role>``: the role's index of them (:mod:`freshline.pipeline.cache.roster`)."""
 MODELS_KEY = "freshline:models"
 DLQ_REPLAYED_PREFIX = "freshline:dlq:replayed"
 UNEXPIRING: tuple[str, ...] = (
@@ -77,7 +77,7 @@ def is_plain_id(value: object) -> TypeGuard[str]:
 def validate_id(kind: str, value: object) -> str:
     """Return ``value`` as text if it is safe inside a key, else raise :class:`InvalidId`.
 
-    The rule is the contracts' (:mod:`schemas.ids`): letters, digits, ``_``, ``.`` and
+    The rule is the contracts' (:mod:`freshline.schemas.ids`): letters, digits, ``_``, ``.`` and
     ``-``, starting alphanumeric, at most 64 characters.
     """
     if is_plain_id(value):
@@ -210,13 +210,13 @@ SERVER_KEY = f"{FLOOR_PREFIX}:server"
 """``floor:server``: the run id and replication id of the Redis server the consumers
 last wrote to (``<run_id>:<replid>``). A consumer that finds another server's there (a
 failover, a restart that may have lost writes) raises every floor
-(:mod:`consumers.processor`). Under ``floor:`` so that the consumers' login may write
+(:mod:`freshline.consumers.processor`). Under ``floor:`` so that the consumers' login may write
 it and in-process tiers, which track ``floor:``, flush when it changes."""
 
 
 def source_key(schema_version: int) -> str:
     """``floor:<version>:{source}``: the Postgres history (``<system identifier>:
-    <timeline>``) the version's entries were computed from (:mod:`consumers.source`).
+    <timeline>``) the version's entries were computed from (:mod:`freshline.consumers.source`).
 
     Under ``floor:`` so that the consumers' login may write it; with a hash tag, so that
     in-process tiers ignore its renewals (as an entity floor's) and every version's
@@ -229,7 +229,7 @@ def entity_floor_key(schema_version: int, ref: EntityRef) -> str:
 
     The watermark of a write whose entry goes sooner than the store's fence (it
     expires at its horizon): kept that long, so that a write no newer than it is
-    still refused once the entry is gone (see :mod:`pipeline.cache.store`). It shares
+    still refused once the entry is gone (see :mod:`freshline.pipeline.cache.store`). It shares
     the entity's hash tag, and the prefix of :func:`floor_key`, whose keys have no tag.
     """
     tenant = validate_id("tenant", ref.tenant)
@@ -239,7 +239,7 @@ def entity_floor_key(schema_version: int, ref: EntityRef) -> str:
 
 def token_rank_key(xid: int) -> str:
     """Where readers share the rank they first found for a transaction's freshness token
-    (:meth:`pipeline.cache.tokens.Tokens.resolve`)."""
+    (:meth:`freshline.pipeline.cache.tokens.Tokens.resolve`)."""
     return f"{RANK_PREFIX}:{int(xid)}"
 
 
@@ -287,7 +287,7 @@ def inference_budget_keys(tenant: str) -> tuple[str, str]:
 
     Under ``infer:`` (the prefix the API's Redis user may write), and never a prediction
     key nor matched by :func:`inference_pattern`: a model name cannot start with ``_``.
-    The tenant is the hash tag, so :class:`pipeline.core.budget.TenantBudget` updates
+    The tenant is the hash tag, so :class:`freshline.pipeline.core.budget.TenantBudget` updates
     both in one script.
     """
     tag = "{" + validate_id("tenant", tenant) + "}"
@@ -373,7 +373,7 @@ def semantic_registry_key(tenant: str) -> str:
 def semantic_budget_keys(tenant: str) -> tuple[str, str]:
     """``sem:_own:{<tenant>}`` and ``sem:_bytes:{<tenant>}``: the tenant's semantic
     entries, a sorted set scored by expiry (ms), and the bytes they take
-    (:class:`pipeline.core.budget.TenantBudget`).
+    (:class:`freshline.pipeline.core.budget.TenantBudget`).
 
     Under ``sem:``, in the tenant's own hash tag, and never matched by
     :func:`semantic_pattern`: a namespace's tag always holds four parts.

@@ -2,10 +2,10 @@
 
 The repository's lock (``features.lock.json`` beside its ``freshline.toml``) records,
 for every schema version ever deployed, each
-feature set's fingerprint (:meth:`pipeline.core.features.FeatureSet.fingerprint`: fields,
+feature set's fingerprint (:meth:`freshline.pipeline.core.features.FeatureSet.fingerprint`: fields,
 types, query, TTL, mode) and its fields in order. The field list is also the
 reference for readers in other languages: an entry's values are positional, in this
-order (see :mod:`pipeline.core.codec`).
+order (see :mod:`freshline.pipeline.core.codec`).
 
 The rule it enforces: a definition never changes under an existing version. If the
 code's registry differs from the lock entry of ``FRESHLINE_SCHEMA_VERSION``,
@@ -23,14 +23,14 @@ from typing import Any, Literal, cast
 
 import orjson
 
-from pipeline.core.errors import LockMismatch
-from pipeline.core.features import Entity, FeatureSet, Field, FieldType, Registry
-from pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.errors import LockMismatch
+from freshline.pipeline.core.features import Entity, FeatureSet, Field, FieldType, Registry
+from freshline.pipeline.core.repository import REGISTRY
 
 
 def lock_path() -> Path:
     """The active repository's lock file."""
-    from pipeline.core.repository import active
+    from freshline.pipeline.core.repository import active
 
     return active().lock_path
 

@@ -1,6 +1,6 @@
 """Incremental maintenance derived from a declaration of windowed aggregations.
 
-:func:`pipeline.core.aggregations.Aggregations` with ``incremental=True`` gets a
+:func:`freshline.pipeline.core.aggregations.Aggregations` with ``incremental=True`` gets a
 :class:`DerivedPath`: per-day partial aggregates in freshline's schema, a log of the days
 writes have changed, kept by statement-level triggers on the source table, a fold, and an
 incremental query that reads at most one partial per whole day of the window plus the
@@ -119,10 +119,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.core.declarations import Agg, Declaration, Lookup, last_order, since
-from pipeline.core.errors import ConfigError
-from pipeline.core.features import Entity
-from pipeline.core.incremental import IncrementalPath, Queries
+from freshline.pipeline.core.declarations import Agg, Declaration, Lookup, last_order, since
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.core.features import Entity
+from freshline.pipeline.core.incremental import IncrementalPath, Queries
 
 SCHEMA = "freshline"
 LAYOUT = 5

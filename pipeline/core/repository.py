@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from pipeline.core.errors import ConfigError
-from pipeline.core.events import Event
-from pipeline.core.features import Entity, FeatureSet, Registry, Source, Table, seconds
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.core.events import Event
+from freshline.pipeline.core.features import Entity, FeatureSet, Registry, Source, Table, seconds
 
 CONFIG = "freshline.toml"
 REPO_VARIABLE = "FRESHLINE_REPO"
@@ -63,7 +63,7 @@ class DefinitionError(ConfigError):
 @dataclass(frozen=True, slots=True)
 class History:
     """The repository's ``[history]`` table: whether freshline records every version of
-    every captured row (:mod:`pipeline.history`), and for how long it keeps an ended one
+    every captured row (:mod:`freshline.pipeline.history`), and for how long it keeps an ended one
     (``None``: for ever)."""
 
     enabled: bool = False
@@ -84,7 +84,7 @@ class Repository:
     entities: tuple[Entity, ...]
     tables: tuple[Table, ...]
     events: tuple[Event, ...] = ()
-    """The domain-event topics it declares (:class:`pipeline.core.events.Event`)."""
+    """The domain-event topics it declares (:class:`freshline.pipeline.core.events.Event`)."""
     history: History = History()
     """Its ``[history]`` settings."""
 

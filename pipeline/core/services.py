@@ -17,8 +17,8 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 from sqlalchemy.engine import make_url
 
-from pipeline.core.errors import PermissionDenied, ServiceUnavailable
-from pipeline.core.settings import Settings, load_settings, redact
+from freshline.pipeline.core.errors import PermissionDenied, ServiceUnavailable
+from freshline.pipeline.core.settings import Settings, load_settings, redact
 
 
 def redis_options(settings: Settings) -> dict[str, Any]:
@@ -48,7 +48,7 @@ def redis_client(settings: Settings, url: str | None = None, **kwargs: Any) -> r
 
     With ``settings.redis_cluster`` it is redis-py's ``RedisCluster``, typed as
     ``redis.Redis``: it answers the same commands; where a cluster needs another
-    path the code asks :func:`pipeline.core.cluster.is_cluster`. The URL names one
+    path the code asks :func:`freshline.pipeline.core.cluster.is_cluster`. The URL names one
     node; the client learns the others from it and follows slot moves and failovers.
     """
     url, options = _url_and_options(settings, url, kwargs)
@@ -89,7 +89,7 @@ def consumer_redis_client(settings: Settings) -> redis.Redis:
     cluster client retries ten times by default; its standalone defaults changed
     between releases) would land late, computed from an older snapshot than writes
     made meanwhile. The consumer retries the batch instead, recomputed from a new one
-    (:mod:`consumers.failures` counts a cluster's own failover errors as transient).
+    (:mod:`freshline.consumers.failures` counts a cluster's own failover errors as transient).
     """
     return redis_client(
         settings,

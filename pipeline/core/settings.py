@@ -3,7 +3,7 @@
 :class:`Settings` composes groups (:class:`PostgresSettings`, :class:`RedisSettings`,
 ...) by inheritance: every field stays ``settings.<name>`` and one ``FRESHLINE_<NAME>``
 variable, while each group is a section of ``docs/settings.md``, generated from the
-fields' docstrings by :mod:`pipeline.core.settings_doc`.
+fields' docstrings by :mod:`freshline.pipeline.core.settings_doc`.
 
 Nothing reads the environment at import time: call :func:`load_settings` once at
 start-up and pass the object on, or build ``Settings()`` yourself in tests. Defaults
@@ -32,7 +32,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from pipeline.core.errors import ConfigError
+from freshline.pipeline.core.errors import ConfigError
 
 _SECRET_PARAM = re.compile(
     r"(?P<name>[?&](?:password|passwd|pwd|secret|token|api_key|apikey|access_token)=)[^&#]*",
@@ -66,7 +66,7 @@ def redact_text(text: str) -> str:
 def repository_schema_version() -> int:
     """``project.schema_version`` of the active repository's ``freshline.toml``
     (``FRESHLINE_REPO``, else the current directory, as
-    :func:`pipeline.core.repository.active_path`), or 1 where it names none; a bad
+    :func:`freshline.pipeline.core.repository.active_path`), or 1 where it names none; a bad
     value is left for the repository's own load to report."""
     path = Path(os.environ.get("FRESHLINE_REPO") or ".") / "freshline.toml"
     try:
@@ -92,7 +92,7 @@ class SettingsGroup(BaseModel):
     """A group of settings, one section of ``docs/settings.md``: its ``title`` names the
     section, its docstring introduces it, and each field's docstring becomes the field's
     description (pydantic's ``use_attribute_docstrings``), from which
-    :mod:`pipeline.core.settings_doc` writes the table."""
+    :mod:`freshline.pipeline.core.settings_doc` writes the table."""
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
@@ -111,7 +111,7 @@ class PostgresSettings(SettingsGroup):
     postgres_replica_url: str = ""
     """A hot standby for the read API's feature queries; empty: ``postgres_url``. Its
     results are stored only once it has replayed past the primary's position (see
-    :mod:`pipeline.cache.readthrough`); while it lags they are served uncached
+    :mod:`freshline.pipeline.cache.readthrough`); while it lags they are served uncached
     ([Scaling out](scaling.md))."""
     postgres_durable_wait_ms: int = Field(default=2000, ge=0)
     """How long a batch waits for Postgres to flush its WAL past the batch's snapshot
@@ -377,7 +377,7 @@ class ApiSettings(SettingsGroup):
     api_key_index_refresh_s: float = Field(default=1.0, gt=0)
     """While an address is locked out, how often a worker may read the API keys made
     since its last read; a key it has not read waits for the next
-    ([Security](security.md); :class:`pipeline.api.limits.KeyIndex`)."""
+    ([Security](security.md); :class:`freshline.pipeline.api.limits.KeyIndex`)."""
     api_key_cache_s: float = Field(default=60.0, ge=0)
     """How long a worker caches an API key (revocations drop it at once)."""
     api_key_last_used_s: float = Field(default=60.0, gt=0)
@@ -409,7 +409,7 @@ class ApiSettings(SettingsGroup):
     api_redis_timeout_s: float = Field(default=5.0, gt=0)
     """How long the API waits for a Redis reply; then the read fails (503). Its reads on
     the event loop are checked every tenth of it, so they fail within 1.1 times
-    (:mod:`pipeline.api.fastpath`)."""
+    (:mod:`freshline.pipeline.api.fastpath`)."""
     api_redis_connect_timeout_s: float = Field(default=2.0, gt=0)
     """How long the API waits for a connection to Redis."""
 

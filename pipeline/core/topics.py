@@ -1,6 +1,6 @@
 """freshline's own Kafka topic names, the CDC naming rule, and the prefix rule.
 
-The domain-event topics are the active repository's (:class:`pipeline.core.events.Event`).
+The domain-event topics are the active repository's (:class:`freshline.pipeline.core.events.Event`).
 The Kafka side (creating topics, consuming) lives in :mod:`consumers`; these names are
 here because the observers and the CDC administration speak of the same topics.
 """
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import re
 
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.settings import Settings
 
 INVALIDATIONS = "freshline.invalidations"
 DLQ = "freshline.dlq"
 SERVED = "freshline.served"
-"""The served log (:mod:`pipeline.observe.served`)."""
+"""The served log (:mod:`freshline.pipeline.observe.served`)."""
 
 CDC_PREFIX = "freshline"
 CDC_TOPIC_PATTERN = re.compile(r"(?P<prefix>[^.]+)\.(?P<schema>[^.]+)\.(?P<table>[^.]+)")

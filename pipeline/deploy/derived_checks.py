@@ -10,8 +10,8 @@ import re
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from pipeline.core.features import FeatureSet
-from pipeline.core.maintenance import DerivedPath
+from freshline.pipeline.core.features import FeatureSet
+from freshline.pipeline.core.maintenance import DerivedPath
 
 _CALL = re.compile(r'(?<![\w."])((?:"?[A-Za-z_]\w*"?\.)?"?[A-Za-z_]\w*"?)\s*\(')
 _NOT_CODE = re.compile(r"--[^\n]*|/\*.*?\*/|'(?:[^']|'')*'", re.DOTALL)

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.core.errors import LockMismatch
-from pipeline.core.features import AS_OF, FeatureSet, FieldType, reads_clock
-from pipeline.core.lock import Lock, check
-from pipeline.core.maintenance import DerivedPath
-from pipeline.core.repository import Repository
-from pipeline.deploy import derived_checks
+from freshline.pipeline.core.errors import LockMismatch
+from freshline.pipeline.core.features import AS_OF, FeatureSet, FieldType, reads_clock
+from freshline.pipeline.core.lock import Lock, check
+from freshline.pipeline.core.maintenance import DerivedPath
+from freshline.pipeline.core.repository import Repository
+from freshline.pipeline.deploy import derived_checks
 
 # Postgres types (pg_type.typname) a declared field type accepts.
 FITS: dict[FieldType, frozenset[str]] = {
@@ -70,7 +70,7 @@ class Plan:
     """Feature set -> the ``GRANT``/``REVOKE`` apply runs on its derived path's objects
     (one it installs or fixes)."""
     history: list[str] = field(default_factory=list)
-    """What history records and what apply does for it (``pipeline.history.status``)."""
+    """What history records and what apply does for it (``freshline.pipeline.history.status``)."""
 
     @property
     def ok(self) -> bool:
@@ -209,7 +209,7 @@ ROLES = ("freshline_api", "freshline_consumer")
 
 
 def _own_schema(conn: Connection) -> str:
-    import migrations
+    from freshline import migrations
 
     head = migrations.head()
     found = conn.execute(sa.text("SELECT to_regclass('freshline.alembic_version')")).scalar()

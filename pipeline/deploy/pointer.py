@@ -4,17 +4,17 @@ A deploy moves readers from one key namespace (``feat:<version>:...``) to anothe
 without a miss storm:
 
 1. ``start(V)`` records V as the *next* version. Consumers ask
-   :class:`~pipeline.cache.versions.WriteVersions` per batch, and from then on write
+   :class:`~freshline.pipeline.cache.versions.WriteVersions` per batch, and from then on write
    both the active and the next version (each one their code can compute, see
    :meth:`Lock.compatible`).
-2. :func:`pipeline.deploy.warm.warm` materializes V for the hottest (or all active)
+2. :func:`freshline.pipeline.deploy.warm.warm` materializes V for the hottest (or all active)
    entities, in batches, through the set-based queries, at a bounded rate.
 3. ``flip(V)`` sets active=V and clears next in one Lua script, which also
    publishes on the pointer's channel. Readers
-   (:class:`~pipeline.cache.versions.VersionResolver`) follow within their cache
+   (:class:`~freshline.pipeline.cache.versions.VersionResolver`) follow within their cache
    age, at once if listening. The version left becomes *previous*: still written for
    one TTL, so a flip back to it (a rollback) serves fresh entries.
-4. The old namespace expires by TTL, or :func:`pipeline.deploy.purge.purge` removes
+4. The old namespace expires by TTL, or :func:`freshline.pipeline.deploy.purge.purge` removes
    it in small SCAN + UNLINK batches.
 
 Every move that stops writing a version (a flip, for the version left once it is no
@@ -37,20 +37,26 @@ from typing import Final
 
 import redis
 
-from pipeline.cache.roster import roster, strangers
-from pipeline.cache.versions import DEFAULT_POINTER, DeployState, Pointer, publish_fields, state
-from pipeline.core.cluster import is_cluster
-from pipeline.core.errors import DeployError
-from pipeline.core.features import Registry
-from pipeline.core.lock import Lock
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
+from freshline.pipeline.cache.roster import roster, strangers
+from freshline.pipeline.cache.versions import (
+    DEFAULT_POINTER,
+    DeployState,
+    Pointer,
+    publish_fields,
+    state,
+)
+from freshline.pipeline.core.cluster import is_cluster
+from freshline.pipeline.core.errors import DeployError
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.lock import Lock
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
 
 IN_FLIGHT_MS: Final = 210_000
 """How long after a version stops being written a write computed before may still land:
 a consumer's cached answer (``WRITE_VERSIONS_MAX_AGE_S``), a batch in flight or a warm's
 batch, and at most the store's age limit for a key with no state (half the tombstone
-fence, 150 s at the default ``FRESHLINE_TOMBSTONE_TTL_S``; :mod:`pipeline.cache.store`),
+fence, 150 s at the default ``FRESHLINE_TOMBSTONE_TTL_S``; :mod:`freshline.pipeline.cache.store`),
 with a minute to spare."""
 
 # KEYS[1] active, KEYS[2] next, KEYS[3] previous, KEYS[4] the marker of the version
@@ -284,7 +290,7 @@ def flip(
     """Make ``version`` active and clear next, atomically; readers follow.
 
     Refused, unless ``force``, while a registered process would not serve or write
-    ``version`` (:func:`pipeline.cache.roster.strangers`), naming each; a rollback (to
+    ``version`` (:func:`freshline.pipeline.cache.roster.strangers`), naming each; a rollback (to
     the previous version, written all along) is always accepted.
 
     The version left stays *previous* for one TTL (the longest of ``registry``'s sets):

@@ -1,7 +1,7 @@
 """Removing an old schema version's keys: small SCAN + UNLINK batches, never blocking.
 
 A purge refuses the versions consumers write: the active, the next and the previous
-one (the rollback target; :func:`pipeline.deploy.pointer.retire` gives that up first,
+one (the rollback target; :func:`freshline.pipeline.deploy.pointer.retire` gives that up first,
 as ``freshline purge --force`` does). Once the keys are gone it clears the version's
 retired marker, but only if every write to it landed before the purge began.
 """
@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 import redis
 
-from pipeline.cache.versions import DEFAULT_POINTER, Pointer, state
-from pipeline.core.cluster import is_cluster, scan_chunks
-from pipeline.core.errors import DeployError
-from pipeline.core.keys import LEASE_PREFIX, feature_pattern, source_key
-from pipeline.core.settings import Settings
-from pipeline.core.types import text
-from pipeline.deploy.pointer import IN_FLIGHT_MS
+from freshline.pipeline.cache.versions import DEFAULT_POINTER, Pointer, state
+from freshline.pipeline.core.cluster import is_cluster, scan_chunks
+from freshline.pipeline.core.errors import DeployError
+from freshline.pipeline.core.keys import LEASE_PREFIX, feature_pattern, source_key
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import text
+from freshline.pipeline.deploy.pointer import IN_FLIGHT_MS
 
 
 def purgeable(
@@ -65,7 +65,7 @@ def purge(
 ) -> PurgeResult:
     """Remove schema version ``version``'s feature and lease keys in small batches,
     then its record of the Postgres history they came from
-    (:func:`~pipeline.core.keys.source_key`).
+    (:func:`~freshline.pipeline.core.keys.source_key`).
 
     Each batch is one ``SCAN MATCH feat:<version>:* COUNT count`` step and an
     ``UNLINK`` of at most ``count`` keys (freed in the background), so Redis never
@@ -74,7 +74,7 @@ def purge(
     is safe: a rerun scans from the start and finds only what is left.
 
     Done, it clears the version's retired marker if the version stopped being written
-    :data:`~pipeline.deploy.pointer.IN_FLIGHT_MS` before the purge began (so the scan
+    :data:`~freshline.pipeline.deploy.pointer.IN_FLIGHT_MS` before the purge began (so the scan
     saw every key); otherwise the marker stays and the result says for how long.
     """
     if count < 1:

@@ -1,6 +1,6 @@
 """Warming a schema version before the flip: which entities, at what rate, how.
 
-Which entities: the hottest by recent reads (:class:`~pipeline.cache.hot.HotReads`,
+Which entities: the hottest by recent reads (:class:`~freshline.pipeline.cache.hot.HotReads`,
 a sampled counter that the client and the read-through feed) or every active entity
 (:func:`active_entities`, by the entity's ``active`` condition). How: batches through
 the set-based feature queries and the conditional store writes, under a rate limit
@@ -17,13 +17,13 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.cache.recompute import Batch, compute
-from pipeline.cache.store import FeatureStore
-from pipeline.core.errors import DeployError
-from pipeline.core.features import IMPLICIT_TENANT, Entity, Registry
-from pipeline.core.lock import Lock
-from pipeline.core.repository import REGISTRY
-from pipeline.deploy.pointer import locked
+from freshline.pipeline.cache.recompute import Batch, compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.errors import DeployError
+from freshline.pipeline.core.features import IMPLICIT_TENANT, Entity, Registry
+from freshline.pipeline.core.lock import Lock
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.deploy.pointer import locked
 
 
 def tenant_ids(engine: Engine) -> list[str]:
@@ -141,7 +141,7 @@ def warm(
     One set-based query per batch, then conditional writes (an entry a consumer wrote
     from a newer snapshot is kept). ``rate`` caps entities per second. ``guard`` runs
     before each batch and raises to stop: the command passes
-    :func:`pipeline.deploy.pointer.writing`, so a warm stops once its deploy is
+    :func:`freshline.pipeline.deploy.pointer.writing`, so a warm stops once its deploy is
     cancelled and writes nothing the consumers do not keep fresh. ``on_computed`` gets
     each computation before its entries are written (history keeps their snapshot).
     """

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from pipeline.inference.predictions import Array, Model
+from freshline.pipeline.inference.predictions import Array, Model
 
 
 class SlowModel:

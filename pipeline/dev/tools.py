@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.errors import FreshlineError
 
 MANIFEST = Path(__file__).resolve().parents[2] / "scripts" / "packages.txt"
 

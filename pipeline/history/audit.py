@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.history.tables import Registered, qualified, quote, registered
+from freshline.pipeline.history.tables import Registered, qualified, quote, registered
 
 SAMPLE = 5
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.core.db import SCHEMA
-from pipeline.history.tables import FROZEN_XID, Layout, epoch_us, qualified, quote
+from freshline.pipeline.core.db import SCHEMA
+from freshline.pipeline.history.tables import FROZEN_XID, Layout, epoch_us, qualified, quote
 
 _S0_SQL = sa.text(
     "SELECT pg_current_snapshot()::text, clock_timestamp(), pg_current_wal_insert_lsn()::text"

@@ -1,9 +1,9 @@
 """Feature values at past moments: each feature set's defining query over history.
 
-The online path (:func:`pipeline.cache.recompute.compute`) runs a feature set's defining
+The online path (:func:`freshline.pipeline.cache.recompute.compute`) runs a feature set's defining
 query, always on the full path, over the source tables as one snapshot sees them. This
 evaluator runs the same query text, unmodified, over the history tables that
-:mod:`pipeline.history` records: in front of it, where ``keys``/``k``/``t`` go online,
+:mod:`freshline.pipeline.history` records: in front of it, where ``keys``/``k``/``t`` go online,
 it puts one ``NOT MATERIALIZED`` CTE per captured table, named after the table, that
 reads its history table under a visibility predicate. The unqualified table names of the
 query then resolve to those CTEs, so the query reads the rows as they were:
@@ -15,7 +15,7 @@ query then resolve to those CTEs, so the query reads the rows as they were:
 
 Many moments go in one statement: the query runs once per moment through ``LATERAL``,
 each time over that moment's keys (why, with the figures: docs/training.md). Values are
-converted as entries hold them (:func:`pipeline.cache.recompute.entry_value`).
+converted as entries hold them (:func:`freshline.pipeline.cache.recompute.entry_value`).
 
 Guards: a statement whose plan scans any relation but a history table is refused (a
 query that names a table history does not capture, or names one with its schema, would
@@ -34,11 +34,11 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from pipeline.cache.recompute import entity_ids, entry_value
-from pipeline.core.db import SCHEMA
-from pipeline.core.errors import FreshlineError
-from pipeline.core.features import IMPLICIT_TENANT, FeatureSet, reads_clock
-from pipeline.core.types import FeatureValues
+from freshline.pipeline.cache.recompute import entity_ids, entry_value
+from freshline.pipeline.core.db import SCHEMA
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.features import IMPLICIT_TENANT, FeatureSet, reads_clock
+from freshline.pipeline.core.types import FeatureValues
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ its TOASTed value did not change arrives as ``__debezium_unavailable_value`` and
 the previous version's value.
 
 A record is one change of transaction ``T`` (``source.txId``, widened to ``xid8`` as
-:mod:`pipeline.cache.recompute` does) at LSN ``L`` (``source.lsn``), committed at
+:mod:`freshline.pipeline.cache.recompute` does) at LSN ``L`` (``source.lsn``), committed at
 ``source.ts_us``. Applying it (:meth:`Recorder.record`) is idempotent and order-free
 per row, so a redelivered, duplicated or reordered record never makes a second version
 or a gap:
@@ -29,7 +29,7 @@ or a gap:
   (``freshline.history_truncates``) to end a version whose record arrives after it.
 
 Changes whose transaction the backfill's snapshot S0 sees are skipped
-(:mod:`pipeline.history.backfill`). A record whose columns are not the history
+(:mod:`freshline.pipeline.history.backfill`). A record whose columns are not the history
 table's (DDL the recorder cannot follow) marks the table's history broken from its
 commit, loudly (``freshline.history_tables.broken_from``; plan, audit and the logs say
 so); its matching columns are still recorded.
@@ -49,9 +49,9 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.core.db import SCHEMA
-from pipeline.core.errors import FreshlineError
-from pipeline.history.tables import (
+from freshline.pipeline.core.db import SCHEMA
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.history.tables import (
     EPOCH,
     Column,
     Registered,

@@ -1,7 +1,7 @@
 """Which snapshot an entry was computed from: ``freshline.snapshots``, by watermark.
 
 Every computation (a consumer batch, a read-through fill, a warm) reads its feature
-query and ``pg_current_snapshot()`` in one statement (:mod:`pipeline.cache.recompute`),
+query and ``pg_current_snapshot()`` in one statement (:mod:`freshline.pipeline.cache.recompute`),
 and its entries carry a watermark packed from that snapshot and a clock. The watermark
 alone drops the in-progress list and ``as_of``; this table keeps them, keyed by the
 watermark, so that ``snapshot_of(entry.watermark)`` names exactly the rows the entry was
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.cache.recompute import Batch
-from pipeline.core.db import SCHEMA, autocommit
+from freshline.pipeline.cache.recompute import Batch
+from freshline.pipeline.core.db import SCHEMA, autocommit
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,9 +13,14 @@ import datetime as dt
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.core.features import duration
-from pipeline.core.repository import History
-from pipeline.history.tables import Registered, from_epoch_us, history_table_name, registered
+from freshline.pipeline.core.features import duration
+from freshline.pipeline.core.repository import History
+from freshline.pipeline.history.tables import (
+    Registered,
+    from_epoch_us,
+    history_table_name,
+    registered,
+)
 
 SCHEMA = "public"
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from pipeline.core.db import SCHEMA
-from pipeline.core.errors import ConfigError
+from freshline.pipeline.core.db import SCHEMA
+from freshline.pipeline.core.errors import ConfigError
 
 FL_COLUMNS: tuple[tuple[str, str, bool], ...] = (
     ("_fl_xmin", "xid8", False),

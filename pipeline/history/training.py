@@ -5,8 +5,9 @@ where it has one, its key column, a timestamp with a zone, any label columns; an
 or pandas frame, or a Parquet or CSV file) and returns it as an Arrow table with one
 column per requested field, ``feature_set__field``, typed as declared: the value the
 online path would have served at each row's moment had it been perfectly fresh
-(:class:`~pipeline.history.evaluator.AtCommitTime`), or, with ``at="snapshot"``, as of
-the snapshot a ``snapshot`` column names (:class:`~pipeline.history.evaluator.AtSnapshot`).
+(:class:`~freshline.pipeline.history.evaluator.AtCommitTime`), or, with ``at="snapshot"``, as of
+the snapshot a ``snapshot`` column names
+(:class:`~freshline.pipeline.history.evaluator.AtSnapshot`).
 The spine's own columns pass through unchanged, in its order. docs/training.md says
 what the moments mean and how to turn history on.
 
@@ -25,13 +26,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy.engine import Engine
 
-from pipeline.core.db import make_engine
-from pipeline.core.errors import FreshlineError, InvalidId, UnknownFeatureSet
-from pipeline.core.features import IMPLICIT_TENANT, FeatureSet, Field, FieldType
-from pipeline.core.keys import validate_id
-from pipeline.core.repository import Repository, load
-from pipeline.core.settings import Settings, load_settings
-from pipeline.history.evaluator import AtCommitTime, AtSnapshot, Evaluator, Moment, Ref
+from freshline.pipeline.core.db import make_engine
+from freshline.pipeline.core.errors import FreshlineError, InvalidId, UnknownFeatureSet
+from freshline.pipeline.core.features import IMPLICIT_TENANT, FeatureSet, Field, FieldType
+from freshline.pipeline.core.keys import validate_id
+from freshline.pipeline.core.repository import Repository, load
+from freshline.pipeline.core.settings import Settings, load_settings
+from freshline.pipeline.history.evaluator import AtCommitTime, AtSnapshot, Evaluator, Moment, Ref
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -214,7 +215,7 @@ def training_set(
     evaluated (per feature set).
 
     Raises :class:`SpineError` for a spine or feature list it cannot use, and
-    :class:`~pipeline.history.evaluator.HistoryRefused` where history cannot answer
+    :class:`~freshline.pipeline.history.evaluator.HistoryRefused` where history cannot answer
     without leaking.
     """
     pa = _arrow()

@@ -8,7 +8,7 @@ loaded model predicts bit for bit what the saved one did)::
      "weights": [...], "bias": 0.1, "mean": [...], "scale": [...], "info": {...}}
 
 The registry keeps ``name -> {version, path, feature_names, deterministic}`` in the
-Redis hash :data:`pipeline.core.keys.MODELS_KEY`; registering a file with a new version
+Redis hash :data:`freshline.pipeline.core.keys.MODELS_KEY`; registering a file with a new version
 moves every process's :meth:`ModelRegistry.get` to it on its next call.
 """
 
@@ -27,10 +27,10 @@ import numpy as np
 import orjson
 import redis
 
-from pipeline.core.errors import DeployError, InvalidId, ModelError
-from pipeline.core.keys import MODELS_KEY, validate_id, validate_name
-from pipeline.inference.predictions import Array
-from pipeline.inference.predictions import purge as purge_predictions
+from freshline.pipeline.core.errors import DeployError, InvalidId, ModelError
+from freshline.pipeline.core.keys import MODELS_KEY, validate_id, validate_name
+from freshline.pipeline.inference.predictions import Array
+from freshline.pipeline.inference.predictions import purge as purge_predictions
 
 FILE_FORMAT = "freshline.model/1"
 

@@ -6,7 +6,7 @@ under::
 
     infer:<model>:<version>:<tenant>:<arm>:{<digest>}
 
-(:func:`pipeline.core.keys.inference_key`), so a new model version, another tenant or
+(:func:`freshline.pipeline.core.keys.inference_key`), so a new model version, another tenant or
 another experiment arm never sees the others' predictions.
 
 Canonical input and digest
@@ -51,7 +51,7 @@ Order of a batch
 3. One ``MGET`` for the distinct keys.
 4. One ``model.predict`` call with the first occurrence of every missing row, as given
    (not rounded), so a miss returns exactly what the model returns.
-5. With a tenant and a :class:`pipeline.core.budget.TenantBudget`: count the computed
+5. With a tenant and a :class:`freshline.pipeline.core.budget.TenantBudget`: count the computed
    rows against the tenant's budget (keys and bytes), which names the tenant's oldest
    predictions that must go to make room (maybe some of these rows).
 6. One pipeline of ``SET key value PX ttl`` for the computed rows not named, and
@@ -70,10 +70,10 @@ import numpy as np
 import numpy.typing as npt
 import redis
 
-from pipeline.core.budget import TenantBudget
-from pipeline.core.cluster import is_cluster, mget, scan_chunks
-from pipeline.core.errors import ModelError
-from pipeline.core.keys import inference_budget_keys, inference_pattern, inference_prefix
+from freshline.pipeline.core.budget import TenantBudget
+from freshline.pipeline.core.cluster import is_cluster, mget, scan_chunks
+from freshline.pipeline.core.errors import ModelError
+from freshline.pipeline.core.keys import inference_budget_keys, inference_pattern, inference_prefix
 
 log = logging.getLogger(__name__)
 

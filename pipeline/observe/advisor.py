@@ -20,7 +20,8 @@ The cache is kept only if the first is lower. Three guards come first, in this o
 
 TTL advice (only for a cache worth keeping)
 -------------------------------------------
-From the staleness sample (:mod:`pipeline.observe.staleness`): ``A`` the oldest sampled entry's
+From the staleness sample (:mod:`freshline.pipeline.observe.staleness`): ``A`` the oldest sampled
+entry's
 age, ``m`` the mean age, ``T`` the TTL. Entries that live out their TTL untouched have
 ages spread evenly over ``[0, T]``, so ``m`` is about ``T/2``; entries rewritten by
 change events are younger, ``m`` about the time between changes.

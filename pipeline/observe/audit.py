@@ -7,12 +7,12 @@ passed, as a continuous audit does, re-checking earlier suspects as they fall du
 while it goes on with first checks. One check of a batch, in this order:
 
 1. read every entry of the batch (pipelined MGETs, one round trip);
-2. recompute the entries that exist: one :func:`~pipeline.cache.recompute.compute` per
+2. recompute the entries that exist: one :func:`~freshline.pipeline.cache.recompute.compute` per
    feature set, so its snapshot is taken after the entries were read, always with the
    feature set's defining full query, never the incremental path a consumer may write
    from (the path under test: partials that drifted would agree with themselves);
 3. compare field by field, exactly, as the codec stores values
-   (:func:`~pipeline.observe.consistency.same`). An absent key, a tombstone or an
+   (:func:`~freshline.pipeline.observe.consistency.same`). An absent key, a tombstone or an
    entry below its feature set's floor (voided by a truncate) is consistent: every
    entry must be correct *or absent*, as readers see it.
 
@@ -26,7 +26,7 @@ longer one, once
 * it has *caught up*: the entry was rewritten since the first check, under a
   watermark at least that of the first check's recompute (so it was computed from a
   snapshot that saw everything the first check's snapshot saw: see
-  :mod:`pipeline.cache.recompute`), and below the re-check's own recompute, which
+  :mod:`freshline.pipeline.cache.recompute`), and below the re-check's own recompute, which
   was taken after the entry was read. It then differs only by changes newer than the
   first check: the change that was in flight has landed, and newer ones are in
   flight. Without this an entity that changes faster than the pipeline's latency
@@ -82,12 +82,17 @@ import orjson
 import redis
 from sqlalchemy.engine import Engine
 
-from pipeline.cache.recompute import Batch, compute, entity_ids
-from pipeline.core.cluster import is_cluster, mget
-from pipeline.core.codec import ENTRY_TAG, HEADER, TOMBSTONE_TAG, decode_entry
-from pipeline.core.errors import ConfigError, CorruptEntry, InvalidId, SchemaVersionMismatch
-from pipeline.core.features import Registry
-from pipeline.core.keys import (
+from freshline.pipeline.cache.recompute import Batch, compute, entity_ids
+from freshline.pipeline.core.cluster import is_cluster, mget
+from freshline.pipeline.core.codec import ENTRY_TAG, HEADER, TOMBSTONE_TAG, decode_entry
+from freshline.pipeline.core.errors import (
+    ConfigError,
+    CorruptEntry,
+    InvalidId,
+    SchemaVersionMismatch,
+)
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.keys import (
     entity_tag,
     feature_key,
     feature_pattern,
@@ -95,15 +100,21 @@ from pipeline.core.keys import (
     parse_feature_key,
     validate_id,
 )
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import EntityRef, FeatureValues, Watermark
-from pipeline.observe.consistency import AuditReport, LateEntry, Mismatch, grace_label, same
-from pipeline.observe.staleness import scan_sample
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import EntityRef, FeatureValues, Watermark
+from freshline.pipeline.observe.consistency import (
+    AuditReport,
+    LateEntry,
+    Mismatch,
+    grace_label,
+    same,
+)
+from freshline.pipeline.observe.staleness import scan_sample
 
 if TYPE_CHECKING:
     # Only a type here: importing prometheus_client fixes its multiprocess mode, which
     # `freshline serve` sets for its workers after the CLI's modules are imported.
-    from pipeline.observe.audit_metrics import AuditMetrics
+    from freshline.pipeline.observe.audit_metrics import AuditMetrics
 
 log = logging.getLogger(__name__)
 
@@ -786,7 +797,7 @@ class Auditor:
             return "absent"
         if values is not None:
             # The codec's JSON of both value lists: equal exactly when every field is
-            # (:func:`~pipeline.observe.consistency.same`), scalars being one token each.
+            # (:func:`~freshline.pipeline.observe.consistency.same`), scalars being one token each.
             served = orjson.dumps([entry.values[f] for f in fields])
             if served == orjson.dumps([values[f] for f in fields]):
                 return "match"

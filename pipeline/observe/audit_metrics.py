@@ -1,4 +1,4 @@
-"""Prometheus metrics of the consistency auditor (:mod:`pipeline.observe.audit`).
+"""Prometheus metrics of the consistency auditor (:mod:`freshline.pipeline.observe.audit`).
 
 The counters move while an audit runs (``checked`` per batch, ``inconsistent`` when a
 re-check after a grace still finds a mismatch, ``caught_up_settled`` when an entry
@@ -13,7 +13,7 @@ import time
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from pipeline.observe.consistency import AuditReport, grace_label
+from freshline.pipeline.observe.consistency import AuditReport, grace_label
 
 
 class AuditMetrics:

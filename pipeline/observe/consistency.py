@@ -20,9 +20,9 @@ from typing import Any
 
 import orjson
 
-from pipeline.cache.recompute import unpack_watermark
-from pipeline.core.codec import watermark_hex
-from pipeline.core.types import EntityRef, FeatureValues, Watermark
+from freshline.pipeline.cache.recompute import unpack_watermark
+from freshline.pipeline.core.codec import watermark_hex
+from freshline.pipeline.core.types import EntityRef, FeatureValues, Watermark
 
 
 def same(served: Any, recomputed: Any) -> bool:
@@ -182,7 +182,7 @@ class AuditReport:
     caught_up: int = 0
     """Suspects consistent at a re-check by having caught up, though they differed
     again (rewritten from a snapshot that saw the first check's; newer changes in
-    flight): see :mod:`pipeline.observe.audit`."""
+    flight): see :mod:`freshline.pipeline.observe.audit`."""
     verified: int = 0
     """Of those caught up on their watermarks alone, the ones whose entry (or a later
     one) then matched a recompute: their values seen right."""

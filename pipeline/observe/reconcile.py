@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.cache.recompute import compute
-from pipeline.core.errors import ConfigError
-from pipeline.core.features import IMPLICIT_TENANT, Entity, Registry
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import FeatureValues
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.core.features import IMPLICIT_TENANT, Entity, Registry
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import FeatureValues
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ puts one :class:`Served` record in a bounded queue. A thread encodes the records
 produces them to ``<prefix>freshline.served``; a full queue drops the record and counts
 it (``freshline_served_log_total{outcome="dropped"}``), never slowing or failing a read.
 Entries go out as the bytes Redis held (tier and read-through entries re-encoded from
-what was served); :mod:`consumers.served` decodes them. See ``docs/observability.md``.
+what was served); :mod:`freshline.consumers.served` decodes them. See ``docs/observability.md``.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ import confluent_kafka
 import orjson
 from prometheus_client import Counter
 
-from pipeline.core.codec import encode_entry
-from pipeline.core.services import kafka_security_config
-from pipeline.core.settings import Settings
-from pipeline.core.topics import SERVED, qualified
-from pipeline.core.types import EntityRef, Entry
+from freshline.pipeline.core.codec import encode_entry
+from freshline.pipeline.core.services import kafka_security_config
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import SERVED, qualified
+from freshline.pipeline.core.types import EntityRef, Entry
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ SOURCES: Final = {
     "uncached": "read-through",
     "miss": "miss",
 }
-"""Where an answer came from (:data:`pipeline.api.reader.AnswerSource`), as logged."""
+"""Where an answer came from (:data:`freshline.pipeline.api.reader.AnswerSource`), as logged."""
 
 LOGGED = Counter(
     "freshline_served_log",
@@ -66,7 +66,7 @@ LOGGED = Counter(
 
 
 class ServedResult(Protocol):
-    """What a read-through answers (:class:`pipeline.cache.readthrough.Result`)."""
+    """What a read-through answers (:class:`freshline.pipeline.cache.readthrough.Result`)."""
 
     @property
     def values(self) -> Any: ...

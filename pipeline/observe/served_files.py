@@ -1,5 +1,5 @@
 """The served log's files: day-partitioned Parquet, one row per served (request, feature
-set, entity), as ``freshline served sink`` (:mod:`consumers.served`) writes them and
+set, entity), as ``freshline served sink`` (:mod:`freshline.consumers.served`) writes them and
 the skew report and training on served values read them.
 
 pyarrow is imported here, never on the read path (the ``training`` extra).

@@ -5,7 +5,7 @@ actually served: by ``request_id`` where the spine has that column and the row a
 (exact: the read of that request), else by (entity, time): the latest logged read of
 the entity at or before the row's moment and no older than ``tolerance``. A row with
 no such read gets nulls and ``<feature set>__logged`` false. Columns are named and
-typed as :func:`pipeline.history.training.training_set` names them
+typed as :func:`freshline.pipeline.history.training.training_set` names them
 (``feature_set__field``), so a model can train on either and compare.
 See ``docs/training.md``.
 """
@@ -21,10 +21,10 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from pipeline.core.features import IMPLICIT_TENANT, FeatureSet
-from pipeline.core.repository import Repository
-from pipeline.history.training import SpineError, arrow_column, read_spine, requested
-from pipeline.observe.served_files import ParquetLog
+from freshline.pipeline.core.features import IMPLICIT_TENANT, FeatureSet
+from freshline.pipeline.core.repository import Repository
+from freshline.pipeline.history.training import SpineError, arrow_column, read_spine, requested
+from freshline.pipeline.observe.served_files import ParquetLog
 
 DEFAULT_TOLERANCE = dt.timedelta(minutes=5)
 

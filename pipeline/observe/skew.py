@@ -1,8 +1,8 @@
 """The skew report: logged reads checked against history, wrong apart from old.
 
-Each logged read (:mod:`pipeline.observe.served`, rows as ``freshline served sink``
+Each logged read (:mod:`freshline.pipeline.observe.served`, rows as ``freshline served sink``
 writes them) is evaluated twice with the training evaluator
-(:mod:`pipeline.history.evaluator`):
+(:mod:`freshline.pipeline.history.evaluator`):
 
 * at its entry's snapshot (:class:`AtSnapshot`, from ``freshline.snapshots`` by the
   entry's watermark): the served values must equal these exactly. A difference is an
@@ -31,16 +31,16 @@ import orjson
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge
 from sqlalchemy.engine import Connection
 
-from pipeline.core.features import IMPLICIT_TENANT, FeatureSet, Registry
-from pipeline.history.evaluator import (
+from freshline.pipeline.core.features import IMPLICIT_TENANT, FeatureSet, Registry
+from freshline.pipeline.history.evaluator import (
     AtCommitTime,
     AtSnapshot,
     Evaluator,
     HistoryRefused,
     Ref,
 )
-from pipeline.history.snapshots import snapshots_of
-from pipeline.history.tables import from_epoch_us
+from freshline.pipeline.history.snapshots import snapshots_of
+from freshline.pipeline.history.tables import from_epoch_us
 
 M = TypeVar("M", AtCommitTime, AtSnapshot)
 QUANTILES = (0.5, 0.9, 0.99, 1.0)

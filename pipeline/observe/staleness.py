@@ -13,7 +13,7 @@ bug (every entry has a TTL: see the design's contracts) and is counted as such.
 The mean age says what governs an entry's life. Entries that live out their TTL
 untouched have ages spread evenly over ``[0, TTL]`` (mean TTL/2); entries replaced by
 change events long before that are younger (mean roughly the time between changes).
-:mod:`pipeline.observe.advisor` uses this to advise on TTLs.
+:mod:`freshline.pipeline.observe.advisor` uses this to advise on TTLs.
 
 Consumer lag
 ------------
@@ -35,11 +35,11 @@ from typing import Any, cast
 import orjson
 import redis
 
-from pipeline.core.cluster import is_cluster
-from pipeline.core.codec import ENTRY_TAG, HEADER
-from pipeline.core.features import Registry
-from pipeline.core.keys import FEATURE_PREFIX, feature_pattern
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.cluster import is_cluster
+from freshline.pipeline.core.codec import ENTRY_TAG, HEADER
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.keys import FEATURE_PREFIX, feature_pattern
+from freshline.pipeline.core.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +205,8 @@ def sample(
 
 def source_topics(settings: Settings, registry: Registry) -> dict[str, list[str]]:
     """Feature set -> the broker topics whose events can change it (domain and CDC)."""
-    from pipeline.core.repository import active
-    from pipeline.core.topics import CDC_PREFIX, qualified
+    from freshline.pipeline.core.repository import active
+    from freshline.pipeline.core.topics import CDC_PREFIX, qualified
 
     events = active().events
     out: dict[str, list[str]] = {}
@@ -243,7 +243,7 @@ class GroupLag:
         if self._probe is None:
             from confluent_kafka import Consumer
 
-            from pipeline.core.services import kafka_security_config
+            from freshline.pipeline.core.services import kafka_security_config
 
             self._probe = Consumer(
                 {
@@ -260,7 +260,7 @@ class GroupLag:
         if self._admin is None:
             from confluent_kafka.admin import AdminClient
 
-            from pipeline.core.services import kafka_security_config
+            from freshline.pipeline.core.services import kafka_security_config
 
             self._admin = AdminClient(
                 {

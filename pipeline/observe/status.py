@@ -2,7 +2,8 @@
 
 :class:`Observer` takes a :class:`Snapshot` of everything the page plots: the API's
 hit and miss counters (summed over worker processes), entry staleness sampled from
-Redis (:mod:`pipeline.observe.staleness`), the consumer group's lag read from the broker, and
+Redis (:mod:`freshline.pipeline.observe.staleness`), the consumer group's lag read from the broker,
+and
 the consumers' freshness-lag histogram scraped from their ``/metrics``.
 
 :class:`StatusBoard` keeps a snapshot a minute in an in-process ring buffer (an hour
@@ -29,12 +30,12 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import CollectorRegistry
 
-from pipeline.core.errors import ServiceUnavailable
-from pipeline.core.features import Registry
-from pipeline.core.http import fetch
-from pipeline.core.settings import Settings
-from pipeline.observe.advisor import parse_exposition
-from pipeline.observe.staleness import GroupLag, Staleness, sample, source_topics
+from freshline.pipeline.core.errors import ServiceUnavailable
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.http import fetch
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.observe.advisor import parse_exposition
+from freshline.pipeline.observe.staleness import GroupLag, Staleness, sample, source_topics
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class Observer:
         return lag
 
     def namespaces(self) -> dict[str, Any] | None:
-        """The semantic cache's busiest namespaces (:mod:`pipeline.api.semantic_status`),
+        """The semantic cache's busiest namespaces (:mod:`freshline.pipeline.api.semantic_status`),
         or None when the cache is off or its figures could not be read."""
         if self.semantic_namespaces is None:
             return None
@@ -187,7 +188,7 @@ class Observer:
 
     def deploy(self) -> dict[str, Any] | None:
         """The running processes and this reader's problems with the active version
-        (:func:`pipeline.api.app.deploy_report`), or None if unreadable."""
+        (:func:`freshline.pipeline.api.app.deploy_report`), or None if unreadable."""
         if self.deploy_state is None:
             return None
         try:
@@ -327,7 +328,7 @@ class StatusBoard:
     ) -> None:
         self.observer = observer
         self.history_rows = history
-        """The recorded tables' history, one row each (``pipeline.history.status.rows``)
+        """The recorded tables' history, one row each (``freshline.pipeline.history.status.rows``)
         when the repository records history."""
         self.interval_s = interval_s
         self.window_s = window_s

@@ -3,7 +3,7 @@
 For each candidate a lookup finds, :meth:`Learned.estimate` gives the probability that
 serving it at the prompt's similarity ``s`` is wrong, from the entry's own labelled
 outcomes and, until it has enough, the prior of the embedding model
-(:mod:`pipeline.semantic.prior` describes the model: a ceiling ``u`` per entry,
+(:mod:`freshline.pipeline.semantic.prior` describes the model: a ceiling ``u`` per entry,
 ``error(s) = rho * P(u >= s | outcomes)``). The cache serves only when that is at most
 ``max_error`` (δ, ``FRESHLINE_SEMANTIC_MAX_ERROR``).
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.semantic.prior import GRID, STEP, Prior
+from freshline.pipeline.semantic.prior import GRID, STEP, Prior
 
 _PER_STEP = round(1 / STEP)
 _LAST = len(GRID) - 1
@@ -159,7 +159,7 @@ class Learned:
 
     def estimate_both(self, own: Outcomes, pair: Outcomes, similarity: float) -> Estimate:
         """The estimate for serving an entry for a prompt, from the outcomes of its
-        template pair (:func:`pipeline.semantic.entry.template_id`; the prior's until it
+        template pair (:func:`freshline.pipeline.semantic.entry.template_id`; the prior's until it
         has some) and the entry's own: the pair's, unless the entry's own say it is
         worse. An entry's own outcomes come from prompts of every template, so they
         only ever make it more careful (a flag stops it for every similar prompt);

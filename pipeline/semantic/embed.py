@@ -43,8 +43,8 @@ import orjson
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from pipeline.core.errors import ConfigError, FreshlineError
-from pipeline.core.http import fetch
+from freshline.pipeline.core.errors import ConfigError, FreshlineError
+from freshline.pipeline.core.http import fetch
 
 Vectors = npt.NDArray[np.float32]
 

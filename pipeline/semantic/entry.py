@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from pipeline.core.errors import FreshlineError
-from pipeline.semantic.embed import Vectors
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.semantic.embed import Vectors
 
 FORMAT_VERSION = 1
 
@@ -214,7 +214,7 @@ def template_id(text: str) -> int:
     """The id of a prompt's template: the prompt with its numbers as ``#`` and its
     names (:func:`names`) as ``@``, what entries that differ only in their entities
     have in common. Outcomes are kept per pair of templates, the cached entry's and
-    the prompt's (:mod:`pipeline.semantic.feedback`): every entry and prompt with those
+    the prompt's (:mod:`freshline.pipeline.semantic.feedback`): every entry and prompt with those
     two shares them, whatever their numbers and names (which the checks make equal),
     so "move account 14205 up" served for "... down" teaches every account."""
     return _parts(text).template_id

@@ -2,7 +2,7 @@
 
 The semantic cache needs FAISS, ``tokenizers`` and ``safetensors``; a plain
 ``pip install freshline`` has none of them and serves features all the same. The API
-and the CLI ask here before they import the rest of :mod:`pipeline.semantic`, which
+and the CLI ask here before they import the rest of :mod:`freshline.pipeline.semantic`, which
 needs them.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from pipeline.core.errors import ConfigError
+from freshline.pipeline.core.errors import ConfigError
 
 MODULES = ("faiss", "tokenizers", "safetensors")
 """What the extra installs, by import name (faiss comes from ``faiss-cpu``)."""

@@ -1,18 +1,18 @@
 """Labels without an LLM of freshline's own: explorations, their stores, and flags.
 
-An **exploration** (:mod:`pipeline.semantic.decision`) answers a lookup with a miss
+An **exploration** (:mod:`freshline.pipeline.semantic.decision`) answers a lookup with a miss
 and the candidate it would have served; it is remembered as a probe in the
 namespace's hash ``sem:x``, under the explored prompt's id, for
 :data:`PROBE_TTL_MS`. The caller, having missed, asks its model and stores the
 response, as it always does: that store takes the probe and compares the model's
 response with the candidate's (:func:`same_response`); whether they agree is the
 candidate's outcome at the probe's similarity, appended to ``sem:o`` (the newest
-:data:`~pipeline.semantic.decision.MAX_OUTCOMES`). A **flag** with the prompt it was
+:data:`~freshline.pipeline.semantic.decision.MAX_OUTCOMES`). A **flag** with the prompt it was
 served for is a wrong outcome at that prompt's similarity.
 
 Each outcome is also kept for its **template pair** (the entry's prompt and the
 explored one with numbers and names masked,
-:func:`pipeline.semantic.entry.template`), in the namespace's hash :func:`pairs_key`:
+:func:`freshline.pipeline.semantic.entry.template`), in the namespace's hash :func:`pairs_key`:
 the checks make numbers and names equal, so what was learned serving "move account
 14205 down" for "... up" holds for every account. A lookup reads its prompt
 template's pairs in its one round trip.
@@ -35,8 +35,8 @@ from typing import Any
 
 import redis
 
-from pipeline.core.keys import semantic_outcomes_key, semantic_probes_key
-from pipeline.semantic.decision import Outcomes, decode, encode
+from freshline.pipeline.core.keys import semantic_outcomes_key, semantic_probes_key
+from freshline.pipeline.semantic.decision import Outcomes, decode, encode
 
 PROBE_TTL_MS = 600_000
 """How long an exploration waits for its store: ten minutes of model call."""
@@ -57,7 +57,7 @@ _PROBE = struct.Struct("<QfBQ")
 
 def pairs_key(namespace: str) -> str:
     """The namespace's hash of template-pair outcomes: a field per prompt template
-    (:func:`pipeline.semantic.entry.template_id` in hex) holding the outcomes of each
+    (:func:`freshline.pipeline.semantic.entry.template_id` in hex) holding the outcomes of each
     entry template it was labelled against (:func:`encode_pairs`), so a lookup reads
     its candidates' pairs with one ``HGET`` in its one round trip."""
     return semantic_outcomes_key(namespace, PAIRS_ID)

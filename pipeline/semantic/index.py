@@ -22,7 +22,7 @@ Two kinds, chosen by size when the index is built:
 
 An index outgrows its kind: a flat index above :data:`FLAT_MAX`, or an IVF index
 holding :data:`GROWTH` times what its lists were trained for, asks for a rebuild
-(:meth:`NamespaceIndex.wants_rebuild`), which :mod:`pipeline.semantic.pool` runs in
+(:meth:`NamespaceIndex.wants_rebuild`), which :mod:`freshline.pipeline.semantic.pool` runs in
 the background while this one keeps serving.
 """
 
@@ -38,8 +38,8 @@ from typing import Any, Literal
 import faiss
 import numpy as np
 
-from pipeline.core.types import text
-from pipeline.semantic.embed import Vectors
+from freshline.pipeline.core.types import text
+from freshline.pipeline.semantic.embed import Vectors
 
 STREAM_RETENTION_MS = 600_000
 """How long a namespace's change stream keeps an event (trimmed by MINID on writes)."""

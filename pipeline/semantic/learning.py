@@ -1,10 +1,10 @@
 """The learned decision in the cache: serve, audit, explore or miss, and the labels.
 
-Serving (:meth:`Learning.decide`, step 5 of a lookup in :mod:`pipeline.semantic.lookups`)
+Serving (:meth:`Learning.decide`, step 5 of a lookup in :mod:`freshline.pipeline.semantic.lookups`)
 takes the candidate with the lowest estimated error within the bound; with none, the
 nearest that passes the checks may be explored. The outcomes come back through the
 caller's store (:meth:`Learning.label`) or a flag, and go to the entry's own and to
-its template pair's (:mod:`pipeline.semantic.feedback`).
+its template pair's (:mod:`freshline.pipeline.semantic.feedback`).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import time
 from collections.abc import Mapping
 from typing import Any, cast
 
-from pipeline.core.keys import (
+from freshline.pipeline.core.keys import (
     semantic_entry_key,
     semantic_outcomes_key,
 )
-from pipeline.semantic import decision
-from pipeline.semantic.decision import Learned
-from pipeline.semantic.entry import (
+from freshline.pipeline.semantic import decision
+from freshline.pipeline.semantic.decision import Learned
+from freshline.pipeline.semantic.entry import (
     CorruptSemanticEntry,
     Entry,
     decode,
@@ -28,7 +28,7 @@ from pipeline.semantic.entry import (
     params_digest,
     template_id,
 )
-from pipeline.semantic.feedback import (
+from freshline.pipeline.semantic.feedback import (
     MAX_PAIRS,
     PROBE_TTL_MS,
     Probe,
@@ -37,8 +37,8 @@ from pipeline.semantic.feedback import (
     pairs_key,
     same_response,
 )
-from pipeline.semantic.scope import Lookup
-from pipeline.semantic.state import CacheState, Candidate
+from freshline.pipeline.semantic.scope import Lookup
+from freshline.pipeline.semantic.state import CacheState, Candidate
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """A lookup, in order
 ------------------
 1. Refuse non-deterministic parameters; embed the prompt (once, in the caller's batch).
-2. Take this process's index of the namespace (:mod:`pipeline.semantic.pool`). If it
+2. Take this process's index of the namespace (:mod:`freshline.pipeline.semantic.pool`). If it
    is not ready (a large namespace still building), answer a miss, ``warming``.
 3. Search it for the :data:`CANDIDATES` nearest ids.
 4. One round trip: ``MGET`` their entries (and, with a learned decision, their own
@@ -11,17 +11,17 @@
    can win.
 5. Check each candidate present in Redis *exactly*: the same generation parameters,
    the same numbers and names in both prompts
-   (:func:`pipeline.semantic.entry.literals_match`), and its cosine similarity with
+   (:func:`freshline.pipeline.semantic.entry.literals_match`), and its cosine similarity with
    the query (float64) good enough to serve: with a
-   :class:`~pipeline.semantic.decision.Learned` decision, the estimated error at that
+   :class:`~freshline.pipeline.semantic.decision.Learned` decision, the estimated error at that
    similarity (from the outcomes of its template pair and its own, read in step 4's
    round trip; the embedding model's prior until there are some) at most
-   ``max_error`` (:mod:`pipeline.semantic.learning`); without one, at or above the
+   ``max_error`` (:mod:`freshline.pipeline.semantic.learning`); without one, at or above the
    model's fixed threshold. With a learned decision, the candidate with the lowest
    estimated error is served, unless it is audited.
 6. With no candidate served, the nearest that passes the checks may be explored: a
    miss that names it (``Lookup.candidate_id``), remembered so that the caller's
-   store of the model's response labels it (:mod:`pipeline.semantic.feedback`).
+   store of the model's response labels it (:mod:`freshline.pipeline.semantic.feedback`).
 """
 
 from __future__ import annotations
@@ -33,23 +33,28 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.core.keys import (
+from freshline.pipeline.core.keys import (
     semantic_entry_key,
     semantic_log_key,
     semantic_outcomes_key,
 )
-from pipeline.semantic import decision
-from pipeline.semantic.embed import Vectors
-from pipeline.semantic.entry import (
+from freshline.pipeline.semantic import decision
+from freshline.pipeline.semantic.embed import Vectors
+from freshline.pipeline.semantic.entry import (
     template_id,
     vector_bytes,
 )
-from pipeline.semantic.feedback import pairs_key
-from pipeline.semantic.index import NamespaceIndex
-from pipeline.semantic.learning import MIN_EXPLORE, Learning
-from pipeline.semantic.pool import STREAM_BATCH
-from pipeline.semantic.scope import Lookup, NonDeterministicParams, Scope, check_deterministic
-from pipeline.semantic.state import Candidate
+from freshline.pipeline.semantic.feedback import pairs_key
+from freshline.pipeline.semantic.index import NamespaceIndex
+from freshline.pipeline.semantic.learning import MIN_EXPLORE, Learning
+from freshline.pipeline.semantic.pool import STREAM_BATCH
+from freshline.pipeline.semantic.scope import (
+    Lookup,
+    NonDeterministicParams,
+    Scope,
+    check_deterministic,
+)
+from freshline.pipeline.semantic.state import Candidate
 
 log = logging.getLogger(__name__)
 

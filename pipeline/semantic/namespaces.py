@@ -4,7 +4,7 @@ A namespace is ``{<tenant>:<model>:<model_version>:<template_version>}``; its ke
 the entries ``sem:e:<ns>:<id>``, the ids scored by expiry ``sem:ids:<ns>``, the change
 stream ``sem:log:<ns>``, the counters ``sem:stats:<ns>``, each entry's labelled
 outcomes ``sem:o:<ns>:<id>`` and the explorations awaiting their store ``sem:x:<ns>``
-(:mod:`pipeline.semantic.feedback`). Each tenant's namespaces are listed in
+(:mod:`freshline.pipeline.semantic.feedback`). Each tenant's namespaces are listed in
 ``sem:ns:<tenant>``, scored by their last store.
 
 Bounds (:class:`Limits`), all enforced when a response is stored:
@@ -19,10 +19,10 @@ Bounds (:class:`Limits`), all enforced when a response is stored:
   template version. A namespace whose last store is older than the TTL has expired
   and no longer counts.
 * **Bytes and entries per tenant** (``FRESHLINE_SEMANTIC_TENANT_MAX_BYTES`` and
-  ``_MAX_KEYS``, with a :class:`pipeline.core.budget.TenantBudget` in
+  ``_MAX_KEYS``, with a :class:`freshline.pipeline.core.budget.TenantBudget` in
   ``sem:_own:{<tenant>}`` and ``sem:_bytes:{<tenant>}``): past it, the tenant's oldest
   entries in any of its namespaces are evicted (:func:`evict_entries`,
-  :mod:`pipeline.semantic.stores`).
+  :mod:`freshline.pipeline.semantic.stores`).
 * **Time**: every key has a TTL (``FRESHLINE_SEMANTIC_TTL_S``), extended by stores.
 
 Only a store makes a namespace: lookups and flags write their counters, their
@@ -39,7 +39,7 @@ from typing import Any, TypedDict
 
 import redis
 
-from pipeline.core.keys import (
+from freshline.pipeline.core.keys import (
     parse_semantic_namespace,
     semantic_budget_keys,
     semantic_entry_key,
@@ -51,9 +51,9 @@ from pipeline.core.keys import (
     semantic_registry_key,
     semantic_stats_key,
 )
-from pipeline.core.types import text
-from pipeline.semantic.entry import InvalidPrompt
-from pipeline.semantic.index import STREAM_RETENTION_MS
+from freshline.pipeline.core.types import text
+from freshline.pipeline.semantic.entry import InvalidPrompt
+from freshline.pipeline.semantic.index import STREAM_RETENTION_MS
 
 STAT_FIELDS = (
     "hits",

@@ -7,7 +7,7 @@ Redis holds the truth: the entries (``sem:e``), their ids scored by expiry
 
 1. note the stream's last id;
 2. read the live ids (``ZRANGEBYSCORE now +inf``); above ``flat_max`` of them, read a
-   random sample (:data:`~pipeline.semantic.index.TRAIN_PER_LIST` per list) and train
+   random sample (:data:`~freshline.pipeline.semantic.index.TRAIN_PER_LIST` per list) and train
    the inverted lists on it;
 3. read the entries in chunks (``MGET``) and add their vectors (each entry's tail: no
    JSON is parsed);
@@ -54,11 +54,11 @@ import faiss
 import numpy as np
 import redis
 
-from pipeline.core.keys import semantic_entry_key, semantic_ids_key, semantic_log_key
-from pipeline.core.types import text
-from pipeline.semantic.embed import Vectors
-from pipeline.semantic.entry import vector_bytes
-from pipeline.semantic.index import (
+from freshline.pipeline.core.keys import semantic_entry_key, semantic_ids_key, semantic_log_key
+from freshline.pipeline.core.types import text
+from freshline.pipeline.semantic.embed import Vectors
+from freshline.pipeline.semantic.entry import vector_bytes
+from freshline.pipeline.semantic.index import (
     FLAT_MAX,
     TRAIN_PER_LIST,
     NamespaceIndex,

@@ -1,7 +1,7 @@
 """What an entry's ceiling is believed to be before it has outcomes: a prior per
 embedding model, calibrated on labelled pairs.
 
-The model (:mod:`pipeline.semantic.decision` uses it)
+The model (:mod:`freshline.pipeline.semantic.decision` uses it)
 ------------------------------------------------------
 Each cached entry has an unknown **ceiling** ``u``: the highest similarity at which a
 prompt that is *not* a paraphrase of it (a near miss: same topic, another intent or
@@ -29,7 +29,7 @@ question (``refund_status``, ``refund_status: one order number differs``,
 ``refund_status vs damaged_item``) share one ceiling, as the paraphrases and near
 misses of one cached question would; pairs without a ``kind`` are grouped by their
 first prompt. Pairs that differ only in a name are kept, though the names check
-(:func:`pipeline.semantic.entry.names_match`) stops them too: they widen the prior,
+(:func:`freshline.pipeline.semantic.entry.names_match`) stops them too: they widen the prior,
 so the names check is a margin the prior does not count on (fitted without them, the
 prior narrows to a deviation of 0.02 and serves near misses at 3.5% on the stream of
 ``bench/paraphrases.py``). A grid search (mean 0.30-0.99, deviation 0.02-0.30, both in steps of
@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from pipeline.core.errors import ConfigError
-from pipeline.semantic.entry import literals
-from pipeline.semantic.tune import Pair
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.semantic.entry import literals
+from freshline.pipeline.semantic.tune import Pair
 
 STEP = 0.005
 GRID = np.round(np.arange(0.0, 1.0 + STEP / 2, STEP), 3)

@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.core.errors import FreshlineError
-from pipeline.core.keys import (
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.keys import (
     semantic_namespace,
 )
-from pipeline.semantic.entry import (
+from freshline.pipeline.semantic.entry import (
     InvalidPrompt,
 )
 

@@ -15,15 +15,15 @@ from typing import Any
 
 import redis
 
-from pipeline.core.budget import TenantBudget
-from pipeline.core.keys import (
+from freshline.pipeline.core.budget import TenantBudget
+from freshline.pipeline.core.keys import (
     semantic_ids_key,
     semantic_stats_key,
 )
-from pipeline.semantic import decision
-from pipeline.semantic.decision import Learned
-from pipeline.semantic.embed import Embedder, Vectors
-from pipeline.semantic.entry import (
+from freshline.pipeline.semantic import decision
+from freshline.pipeline.semantic.decision import Learned
+from freshline.pipeline.semantic.embed import Embedder, Vectors
+from freshline.pipeline.semantic.entry import (
     CorruptSemanticEntry,
     Entry,
     InvalidPrompt,
@@ -31,13 +31,13 @@ from pipeline.semantic.entry import (
     literals_match,
     params_digest,
 )
-from pipeline.semantic.feedback import (
+from freshline.pipeline.semantic.feedback import (
     Probes,
 )
-from pipeline.semantic.namespaces import (
+from freshline.pipeline.semantic.namespaces import (
     Limits,
 )
-from pipeline.semantic.pool import MAX_VECTORS, IndexPool
+from freshline.pipeline.semantic.pool import MAX_VECTORS, IndexPool
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Candidate:
     outcomes: decision.Outcomes = decision.EMPTY
     known: bool = True
     """Whether its own outcomes were read (a lookup reads them only for candidates
-    near enough to matter: :data:`pipeline.semantic.lookups.MARGIN`)."""
+    near enough to matter: :data:`freshline.pipeline.semantic.lookups.MARGIN`)."""
     """The entry's own: of every prompt it was explored or flagged for."""
     pair: decision.Outcomes = decision.EMPTY
     """Of every entry with its template, for prompts with the query's template."""
@@ -80,7 +80,8 @@ class Candidate:
 
 
 class CacheState:
-    """The settings and collaborators of :class:`~pipeline.semantic.cache.SemanticCache`."""
+    """The settings and collaborators of
+    :class:`~freshline.pipeline.semantic.cache.SemanticCache`."""
 
     def __init__(
         self,

@@ -5,10 +5,10 @@ the entries with their TTL, their ids in the expiry-scored set, an ``add`` per e
 on the namespace's stream (with the vector), the counters; every key's TTL set or
 extended in the same ``MULTI``. The tenant's registry of namespaces is in it too,
 except on Redis Cluster, where it lives in another slot and has a transaction of its
-own. Then the bounds (:class:`~pipeline.semantic.namespaces.Limits`), then the labels
+own. Then the bounds (:class:`~freshline.pipeline.semantic.namespaces.Limits`), then the labels
 of explorations the stored prompts answer.
 
-With a tenant budget (:class:`pipeline.core.budget.TenantBudget`, in keys and bytes:
+With a tenant budget (:class:`freshline.pipeline.core.budget.TenantBudget`, in keys and bytes:
 an entry is its key, its value, its vector on the stream, its id, its outcomes at
 their most and Redis's overhead), the entries are counted against their tenant
 before that transaction, and the budget pops the tenant's oldest entries, in any of
@@ -19,7 +19,7 @@ another response (after a flag, say) has a member of its own, and its old one go
 takes nothing with it. Only a tenant's own stores add to its budget, so another
 tenant's entries are never touched. A store that could never fit (one entry, or the
 batch, over the whole budget) is refused before anything is counted
-(:class:`~pipeline.semantic.scope.EntryOverBudget`). Entries evicted by the other
+(:class:`~freshline.pipeline.semantic.scope.EntryOverBudget`). Entries evicted by the other
 bounds, or flagged away, stay counted until their expiry or their turn to be popped,
 as if present: the count errs towards less room, never more.
 
@@ -37,9 +37,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from pipeline.core.budget import entry_cost
-from pipeline.core.cluster import is_cluster
-from pipeline.core.keys import (
+from freshline.pipeline.core.budget import entry_cost
+from freshline.pipeline.core.cluster import is_cluster
+from freshline.pipeline.core.keys import (
     semantic_budget_keys,
     semantic_entry_key,
     semantic_ids_key,
@@ -47,9 +47,9 @@ from pipeline.core.keys import (
     semantic_outcomes_key,
     semantic_registry_key,
 )
-from pipeline.semantic import decision
-from pipeline.semantic.embed import Vectors
-from pipeline.semantic.entry import (
+from freshline.pipeline.semantic import decision
+from freshline.pipeline.semantic.embed import Vectors
+from freshline.pipeline.semantic.entry import (
     CorruptSemanticEntry,
     Entry,
     InvalidPrompt,
@@ -60,14 +60,14 @@ from pipeline.semantic.entry import (
     params_digest,
     template_id,
 )
-from pipeline.semantic.lookups import Lookups
-from pipeline.semantic.namespaces import (
+from freshline.pipeline.semantic.lookups import Lookups
+from freshline.pipeline.semantic.namespaces import (
     evict_entries,
     evict_namespaces,
     evict_oldest,
     trim_minid,
 )
-from pipeline.semantic.scope import (
+from freshline.pipeline.semantic.scope import (
     EntryOverBudget,
     Flagged,
     Lookup,
@@ -84,7 +84,7 @@ ID_BYTES = 24
 """An entry's member in its namespace's id set: 16 hex digits and a score."""
 OUTCOMES_BYTES = 1 + 2 * decision.MAX_OUTCOMES + 150
 """An entry's outcomes (``sem:o``) at their most, and what Redis spends on a string
-key with a TTL (about 150 bytes, :data:`pipeline.core.budget.ENTRY_OVERHEAD_BYTES`):
+key with a TTL (about 150 bytes, :data:`freshline.pipeline.core.budget.ENTRY_OVERHEAD_BYTES`):
 counted with every entry, labelled or not, so that the count never falls short."""
 
 SAME_PROMPT = 0.999
@@ -182,7 +182,7 @@ class Stores(Lookups):
             if (key, self._cost(key, len(blob))) not in gone:  # else popped at once
                 pipe.set(key, blob, px=ttl)
         # The ids before the stream events: an index build between the two still
-        # finds the entry (pipeline.semantic.pool).
+        # finds the entry (freshline.pipeline.semantic.pool).
         pipe.zadd(ids_key, dict.fromkeys(out, now_ms + ttl))
         pipe.zremrangebyscore(ids_key, "-inf", now_ms)
         size_at = len(pipe)

@@ -4,7 +4,7 @@ A pair is two prompts and a label: ``paraphrase`` (one cached answer serves both
 ``different`` (it must not). At a threshold, a pair "hits" when the cache would serve
 one prompt's entry for the other: exact cosine similarity at or above it and, as the
 cache checks, the same numbers and names in both
-(:func:`pipeline.semantic.entry.literals_match`).
+(:func:`freshline.pipeline.semantic.entry.literals_match`).
 The hit rate is over the paraphrases, the false-hit rate over the different pairs.
 
 The shipped set (``pipeline/semantic/data/pairs.json``, 360 pairs written for
@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from pipeline.core.errors import FreshlineError
-from pipeline.semantic.embed import Embedder
-from pipeline.semantic.entry import literals_match
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.semantic.embed import Embedder
+from freshline.pipeline.semantic.entry import literals_match
 
 PAIRS = Path(__file__).resolve().parent / "data" / "pairs.json"
 HOLDOUT = PAIRS.parent / "pairs-holdout.json"

@@ -33,8 +33,8 @@ from confluent_kafka.admin import (
 )
 from pydantic import SecretStr
 
-from pipeline.core.services import kafka_security_config, redis_client
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.services import kafka_security_config, redis_client
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import migrate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,7 +147,7 @@ def kafka_login(settings: Settings, cluster_env: dict[str, str], login: str) -> 
 
 def revoke_writer(admin: AdminClient, user: str, topics: list[str]) -> None:
     """Remove every ACL of the SASL login ``user`` on ``topics`` (literal names), as
-    :func:`consumers.topics.allow_writer` added them."""
+    :func:`freshline.consumers.topics.allow_writer` added them."""
     filters = [
         AclBindingFilter(
             ResourceType.TOPIC,

@@ -31,13 +31,13 @@ from confluent_kafka.admin import (
 from pydantic import SecretStr
 from sqlalchemy.engine import make_url
 
-from consumers.kafka import admin_client
-from pipeline.core.errors import ServiceUnavailable
-from pipeline.core.keys import ACTIVE_SCHEMA_KEY, INVALIDATION_CHANNEL
-from pipeline.core.maintenance import DerivedPath
-from pipeline.core.repository import REGISTRY
-from pipeline.core.services import redis_client
-from pipeline.core.settings import Settings
+from freshline.consumers.kafka import admin_client
+from freshline.pipeline.core.errors import ServiceUnavailable
+from freshline.pipeline.core.keys import ACTIVE_SCHEMA_KEY, INVALIDATION_CHANNEL
+from freshline.pipeline.core.maintenance import DerivedPath
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.services import redis_client
+from freshline.pipeline.core.settings import Settings
 from tests import kafka_acls
 from tests.cluster.conftest import ENV_FILE, kafka_login
 from tests.helpers import assert_kafka_refuses, wait_until

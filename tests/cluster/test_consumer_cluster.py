@@ -18,14 +18,14 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient
 from pydantic import SecretStr
 
-from consumers.kafka import Producer
-from consumers.topics import allow_writer, ensure, managed_topics
-from consumers.worker import Worker
-from pipeline.cache.store import FeatureStore
-from pipeline.core.settings import Settings
-from pipeline.core.topics import DLQ, INVALIDATIONS, qualified
-from pipeline.core.types import EntityRef
-from pipeline.observe.audit import Auditor
+from freshline.consumers.kafka import Producer
+from freshline.consumers.topics import allow_writer, ensure, managed_topics
+from freshline.consumers.worker import Worker
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import DLQ, INVALIDATIONS, qualified
+from freshline.pipeline.core.types import EntityRef
+from freshline.pipeline.observe.audit import Auditor
 from tests.cluster.conftest import add_tenant, kafka_config, kafka_login, revoke_writer
 from tests.helpers import wait_until
 

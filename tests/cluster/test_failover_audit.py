@@ -14,15 +14,15 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from pipeline.cache.readthrough import ReadThrough
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.core.keys import feature_key
-from pipeline.core.repository import REGISTRY
-from pipeline.core.services import redis_client
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef
-from pipeline.observe.audit import Auditor
+from freshline.pipeline.cache.readthrough import ReadThrough
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.keys import feature_key
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.services import redis_client
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef
+from freshline.pipeline.observe.audit import Auditor
 from tests.cluster.conftest import add_tenant, stack
 from tests.helpers import wait_until
 

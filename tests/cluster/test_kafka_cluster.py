@@ -12,8 +12,8 @@ import pytest
 from confluent_kafka import Consumer, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from consumers.topics import ensure
-from pipeline.core.settings import Settings
+from freshline.consumers.topics import ensure
+from freshline.pipeline.core.settings import Settings
 from tests.cluster.conftest import kafka_config, kafka_login, stack
 from tests.helpers import kafka_value, wait_until
 

@@ -13,11 +13,11 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from pipeline.cache.readthrough import ReadThrough
-from pipeline.cache.recompute import compute, current_watermark
-from pipeline.cache.store import FeatureStore
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import EntityRef
+from freshline.pipeline.cache.readthrough import ReadThrough
+from freshline.pipeline.cache.recompute import compute, current_watermark
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import EntityRef
 from tests.cluster.conftest import add_tenant
 from tests.helpers import wait_until
 

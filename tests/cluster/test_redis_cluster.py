@@ -12,19 +12,19 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.cache.invalidation import Invalidation
-from pipeline.cache.local import LocalTier
-from pipeline.cache.recompute import Batch
-from pipeline.cache.store import LEASE_FOUND, LEASE_GRANTED, FeatureStore
-from pipeline.cache.versions import Pointer, state
-from pipeline.core.cluster import is_cluster, publish
-from pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
-from pipeline.core.repository import REGISTRY
-from pipeline.core.services import redis_client
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef
-from pipeline.deploy import pointer as deploy
-from pipeline.deploy.purge import purge
+from freshline.pipeline.cache.invalidation import Invalidation
+from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.recompute import Batch
+from freshline.pipeline.cache.store import LEASE_FOUND, LEASE_GRANTED, FeatureStore
+from freshline.pipeline.cache.versions import Pointer, state
+from freshline.pipeline.core.cluster import is_cluster, publish
+from freshline.pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.services import redis_client
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef
+from freshline.pipeline.deploy import pointer as deploy
+from freshline.pipeline.deploy.purge import purge
 from tests.cluster.conftest import stack
 from tests.helpers import wait_until
 
@@ -289,7 +289,7 @@ def test_a_killed_master_fails_over_and_writes_and_reads_recover(
 def test_the_audit_reads_and_samples_every_master(
     cluster_redis: redis.Redis, tenant: str, version: int
 ) -> None:
-    from pipeline.observe.staleness import scan_sample
+    from freshline.pipeline.observe.staleness import scan_sample
 
     store = FeatureStore(cluster_redis, version)
     store.write(batch(tenant, range(60), 50))
@@ -302,8 +302,8 @@ def test_the_apis_asyncio_client_reads_across_slots(
 ) -> None:
     import asyncio
 
-    from pipeline.api.fastpath import async_client
-    from pipeline.core.cluster import amget
+    from freshline.pipeline.api.fastpath import async_client
+    from freshline.pipeline.core.cluster import amget
 
     store = FeatureStore(cluster_redis, version)
     store.write(batch(tenant, range(40), 60))

@@ -19,15 +19,15 @@ from confluent_kafka import Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine
 
-from consumers.kafka import Consumer, Producer, admin_client
-from consumers.topics import ensure, managed_topics
 from fraud.seed import SeedSummary
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.topics import qualified
-from pipeline.core.types import EntityRef
+from freshline.consumers.kafka import Consumer, Producer, admin_client
+from freshline.consumers.topics import ensure, managed_topics
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import qualified
+from freshline.pipeline.core.types import EntityRef
 from tests.helpers import fresh_version, wait_until
 
 DEADLINE_S = 30.0

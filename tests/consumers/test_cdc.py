@@ -25,12 +25,12 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine
 
-from consumers.topics import ensure, ensure_cdc_topics, managed_topics
-from consumers.worker import Worker
 from fraud.seed import SeedSummary
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.cdc.connect import (
+from freshline.consumers.topics import ensure, ensure_cdc_topics, managed_topics
+from freshline.consumers.worker import Worker
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cdc.connect import (
     ConnectClient,
     Names,
     captured_tables,
@@ -40,10 +40,10 @@ from pipeline.cdc.connect import (
     names,
     streaming,
 )
-from pipeline.core.keys import feature_pattern
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef
+from freshline.pipeline.core.keys import feature_pattern
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef
 from tests.consumers.conftest import own_settings, wait_for
 from tests.helpers import FRESHLINE
 

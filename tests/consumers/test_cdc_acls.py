@@ -17,9 +17,9 @@ import pytest
 from confluent_kafka.admin import AclOperation, AdminClient, ResourcePatternType
 from sqlalchemy.engine import Engine
 
-from consumers.topics import revoke_writer, topic_acls
-from pipeline.cdc.connect import ConnectClient, Names, captured_tables, drop_slot, names
-from pipeline.core.settings import Settings
+from freshline.consumers.topics import revoke_writer, topic_acls
+from freshline.pipeline.cdc.connect import ConnectClient, Names, captured_tables, drop_slot, names
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import freshline
 
 pytestmark = [pytest.mark.kafka, pytest.mark.connect]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from consumers.topics import subscription
-from pipeline.cdc.connect import captured_tables, connector_config, names, slot_name
-from pipeline.core.settings import Settings
+from freshline.consumers.topics import subscription
+from freshline.pipeline.cdc.connect import captured_tables, connector_config, names, slot_name
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import error_line, freshline
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -27,15 +27,15 @@ from confluent_kafka.admin import AdminClient
 from prometheus_client import REGISTRY as METRICS
 from sqlalchemy.engine import Engine, make_url
 
-from consumers.dlq import ERROR_CLASS, ERROR_KIND
-from consumers.failures import CONFIGURATION, DATA_ERRORS, RETRIED, cause
-from consumers.kafka import Consumer, Producer
-from consumers.worker import Worker
-from pipeline.cache.versions import Pointer, WriteVersions
-from pipeline.core.errors import ConfigError, DeployError, InvalidId, LockMismatch
-from pipeline.core.services import kafka_security_config
-from pipeline.core.settings import Settings
-from pipeline.core.topics import DLQ
+from freshline.consumers.dlq import ERROR_CLASS, ERROR_KIND
+from freshline.consumers.failures import CONFIGURATION, DATA_ERRORS, RETRIED, cause
+from freshline.consumers.kafka import Consumer, Producer
+from freshline.consumers.worker import Worker
+from freshline.pipeline.cache.versions import Pointer, WriteVersions
+from freshline.pipeline.core.errors import ConfigError, DeployError, InvalidId, LockMismatch
+from freshline.pipeline.core.services import kafka_security_config
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import DLQ
 from tests.consumers.conftest import (
     PARTITIONS,
     Env,

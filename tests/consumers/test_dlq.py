@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import pytest
 
-from consumers.dlq import DeadLetters
-from consumers.events import EventRejected, decode
-from consumers.kafka import Consumer, Producer
+from freshline.consumers.dlq import DeadLetters
+from freshline.consumers.events import EventRejected, decode
+from freshline.consumers.kafka import Consumer, Producer
 from tests.consumers.conftest import read_topic
 
 pytestmark = pytest.mark.kafka

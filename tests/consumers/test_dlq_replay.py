@@ -17,19 +17,19 @@ from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine
 
-from consumers.dlq import REPLAY_OF, DeadLetters
-from consumers.events import EventRejected
-from consumers.kafka import Consumer, Producer
-from consumers.replay import DeadLetter, choose, replay
-from consumers.topics import ensure
-from consumers.worker import Worker
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.cli.dlq import parse_since
-from pipeline.core.keys import dlq_replayed_key
-from pipeline.core.repository import REGISTRY
-from pipeline.core.topics import DLQ
-from pipeline.core.types import EntityRef
+from freshline.consumers.dlq import REPLAY_OF, DeadLetters
+from freshline.consumers.events import EventRejected
+from freshline.consumers.kafka import Consumer, Producer
+from freshline.consumers.replay import DeadLetter, choose, replay
+from freshline.consumers.topics import ensure
+from freshline.consumers.worker import Worker
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cli.dlq import parse_since
+from freshline.pipeline.core.keys import dlq_replayed_key
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.topics import DLQ
+from freshline.pipeline.core.types import EntityRef
 from tests.consumers.conftest import (
     PARTITIONS,
     Env,

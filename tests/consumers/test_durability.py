@@ -24,10 +24,10 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from consumers.processor import Processor, SourceChanged
-from consumers.source import encode
 from fraud.seed import seed
-from pipeline.cache.recompute import (
+from freshline.consumers.processor import Processor, SourceChanged
+from freshline.consumers.source import encode
+from freshline.pipeline.cache.recompute import (
     FORCE_RETRY_S,
     NotYetDurable,
     compute,
@@ -37,13 +37,13 @@ from pipeline.cache.recompute import (
     take_snapshot,
     wait_durable,
 )
-from pipeline.cache.store import FeatureStore
-from pipeline.cache.versions import Pointer
-from pipeline.core.keys import source_key
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import ChangeEvent, EntityRef
-from pipeline.deploy.purge import purge
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.versions import Pointer
+from freshline.pipeline.core.keys import source_key
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import ChangeEvent, EntityRef
+from freshline.pipeline.deploy.purge import purge
 from tests.helpers import ANCHOR, free_port, migrate
 from tests.pipeline.cache.test_visibility import initdb, postgres, private_cluster
 

@@ -16,8 +16,8 @@ from typing import Any
 import orjson
 import pytest
 
-from consumers.events import EventRejected, decode
-from pipeline.core.types import ChangeEvent, Op
+from freshline.consumers.events import EventRejected, decode
+from freshline.pipeline.core.types import ChangeEvent, Op
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TOPIC = "freshline.public.transactions"

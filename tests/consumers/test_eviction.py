@@ -12,10 +12,10 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from consumers.worker import Worker
-from pipeline.cache.store import check_eviction_policy
-from pipeline.core.errors import ConfigError
-from pipeline.core.settings import Settings
+from freshline.consumers.worker import Worker
+from freshline.pipeline.cache.store import check_eviction_policy
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.core.settings import Settings
 
 Server = tuple[str, Callable[[], None], Callable[[], None]]
 
@@ -52,7 +52,7 @@ def test_the_api_refuses_to_start_on_a_redis_that_evicts(
 ) -> None:
     import asyncio
 
-    from pipeline.api import create_app
+    from freshline.pipeline.api import create_app
 
     url, _, _ = private_redis
     client = redis.Redis.from_url(url)

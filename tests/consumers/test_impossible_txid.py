@@ -19,14 +19,14 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine
 
-from consumers.dlq import ERROR_KIND
-from consumers.kafka import Consumer, Producer
-from consumers.processor import XID_SPAN, impossible_txids
-from consumers.topics import ensure
-from consumers.worker import CHECK_TXIDS_AFTER, Worker
-from pipeline.cache.store import FeatureStore
-from pipeline.core.topics import DLQ
-from pipeline.core.types import EntityRef
+from freshline.consumers.dlq import ERROR_KIND
+from freshline.consumers.kafka import Consumer, Producer
+from freshline.consumers.processor import XID_SPAN, impossible_txids
+from freshline.consumers.topics import ensure
+from freshline.consumers.worker import CHECK_TXIDS_AFTER, Worker
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.topics import DLQ
+from freshline.pipeline.core.types import EntityRef
 from tests.consumers.conftest import (
     PARTITIONS,
     Env,

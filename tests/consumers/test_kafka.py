@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from confluent_kafka import KafkaError, Message, TopicPartition
 
-from consumers.kafka import (
+from freshline.consumers.kafka import (
     Consumer,
     DeliveryFailed,
     MissingTopic,
@@ -17,8 +17,8 @@ from consumers.kafka import (
     admin_client,
     client_config,
 )
-from pipeline.core.errors import ServiceUnavailable
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.errors import ServiceUnavailable
+from freshline.pipeline.core.settings import Settings
 from tests.consumers.conftest import read_topic, wait_for
 
 pytestmark = pytest.mark.kafka

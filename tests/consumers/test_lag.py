@@ -15,10 +15,10 @@ from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
 from prometheus_client import REGISTRY as METRICS
 
-from consumers.kafka import Consumer, Producer
-from consumers.topics import ensure
-from consumers.worker import Worker
-from pipeline.core.settings import Settings
+from freshline.consumers.kafka import Consumer, Producer
+from freshline.consumers.topics import ensure
+from freshline.consumers.worker import Worker
+from freshline.pipeline.core.settings import Settings
 from tests.consumers.conftest import Env
 from tests.consumers.test_loud_failures import as_consumer
 from tests.consumers.test_worker_faults import Running

@@ -27,11 +27,11 @@ from confluent_kafka.admin import (
 )
 from pydantic import SecretStr
 
-from consumers.access import group_refused
-from consumers.kafka import Producer
-from consumers.worker import Worker
-from pipeline.core.errors import AccessRefused
-from pipeline.core.settings import Settings
+from freshline.consumers.access import group_refused
+from freshline.consumers.kafka import Producer
+from freshline.consumers.worker import Worker
+from freshline.pipeline.core.errors import AccessRefused
+from freshline.pipeline.core.settings import Settings
 from tests.consumers.conftest import Env, emit_per_user, wait_for
 from tests.consumers.test_worker_faults import Running
 from tests.helpers import FRESHLINE, free_port, kafka_login, need, role_url

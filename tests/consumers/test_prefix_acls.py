@@ -1,5 +1,5 @@
 """A topic prefix works with the stack's ACLs (issue 49): ``freshline apply``'s grants
-(:func:`consumers.topics.allow_consumer`, :func:`allow_writer`) let the consumers' own
+(:func:`freshline.consumers.topics.allow_consumer`, :func:`allow_writer`) let the consumers' own
 login do what its prefix needs and no more, and its regex subscription finds the CDC
 topics Connect's login writes under that prefix. The README's quick start
 (``tests/test_quickstart.py``) runs the same end to end.
@@ -14,11 +14,17 @@ from collections.abc import Iterator
 import pytest
 from confluent_kafka import KafkaError, Message
 
-from consumers.kafka import Consumer, admin_client
-from consumers.topics import allow_consumer, allow_writer, ensure, managed_topics, subscription
-from pipeline.cdc.connect import names
-from pipeline.core.settings import Settings
-from pipeline.core.topics import INVALIDATIONS, qualified
+from freshline.consumers.kafka import Consumer, admin_client
+from freshline.consumers.topics import (
+    allow_consumer,
+    allow_writer,
+    ensure,
+    managed_topics,
+    subscription,
+)
+from freshline.pipeline.cdc.connect import names
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import INVALIDATIONS, qualified
 from tests.helpers import forget_prefix, kafka_login, need, wait_until
 from tests.kafka_acls import assert_write_refused, produce_one
 

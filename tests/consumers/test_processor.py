@@ -10,16 +10,16 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from consumers.processor import Processor
-from consumers.routing import Router, Unroutable
 from fraud.seed import SeedSummary
-from pipeline.cache.invalidation import Invalidation
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.core.keys import INVALIDATION_CHANNEL, feature_pattern
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import ChangeEvent, EntityRef, Entry, FeatureValues
+from freshline.consumers.processor import Processor
+from freshline.consumers.routing import Router, Unroutable
+from freshline.pipeline.cache.invalidation import Invalidation
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.keys import INVALIDATION_CHANNEL, feature_pattern
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import ChangeEvent, EntityRef, Entry, FeatureValues
 from tests.consumers.conftest import insert_transaction
 
 

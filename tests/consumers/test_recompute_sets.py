@@ -9,13 +9,13 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from consumers.processor import Processor
 from fraud.seed import SeedSummary
-from pipeline.cache.recompute import compute, unpack_watermark
-from pipeline.cache.store import FeatureStore
-from pipeline.core.features import Registry
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import ChangeEvent, EntityRef
+from freshline.consumers.processor import Processor
+from freshline.pipeline.cache.recompute import compute, unpack_watermark
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import ChangeEvent, EntityRef
 from tests.helpers import wait_until
 
 # Feature statements of this database waiting for a lock (pg_stat_activity keeps a

@@ -16,13 +16,13 @@ import redis
 from redis.connection import AbstractConnection
 from sqlalchemy.engine import Engine
 
-from consumers.failures import TRANSIENT
-from consumers.worker import Worker
 from fraud.seed import SeedSummary
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
+from freshline.consumers.failures import TRANSIENT
+from freshline.consumers.worker import Worker
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import free_port, fresh_version, redis_login_args, redis_server
 
 DEADLINE_S = 60.0

@@ -25,16 +25,16 @@ import redis
 from pydantic import SecretStr
 from sqlalchemy.engine import Engine
 
-from consumers.events import decode
-from consumers.kafka import Producer
-from consumers.processor import Processor, ReplicasBehind
-from consumers.worker import Worker
 from fraud.seed import SeedSummary
-from pipeline.cache.store import FeatureStore
-from pipeline.core.errors import ConfigError
-from pipeline.core.keys import floor_key
-from pipeline.core.settings import Settings
-from pipeline.core.types import ChangeEvent, EntityRef
+from freshline.consumers.events import decode
+from freshline.consumers.kafka import Producer
+from freshline.consumers.processor import Processor, ReplicasBehind
+from freshline.consumers.worker import Worker
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.core.keys import floor_key
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import ChangeEvent, EntityRef
 from tests.consumers.conftest import Env, emit, wait_for
 from tests.consumers.test_worker_faults import Running, committed
 from tests.helpers import free_port, redis_server
@@ -256,7 +256,7 @@ def test_a_failover_that_loses_a_truncate_floor_raises_every_floor(
         processor.apply([truncate_event()])
         assert store.read(risk) == [None] * len(users)
     # The lost floor revived every voided entry; readers serve none of them until a
-    # consumer has raised the floors (pipeline.cache.server).
+    # consumer has raised the floors (freshline.pipeline.cache.server).
     assert client.get(floor_key(version, "device_risk")) is None
     assert all(client.exists(store.key(r)) for r in risk)
     assert store.read(risk) == [None] * len(users)
@@ -291,7 +291,7 @@ def test_a_batch_after_a_failover_raises_the_floors_in_its_announce(
     # batches write again.
     assert store.read([EntityRef("txn_90d", tenant, u) for u in ("4", "6")]) == [None, None]
     processor.apply([touch(tenant, 6)])
-    wait_for(  # readers ask the now recorded server again (pipeline.cache.server)
+    wait_for(  # readers ask the now recorded server again (freshline.pipeline.cache.server)
         lambda: store.read([EntityRef("txn_90d", tenant, "6")])[0] is not None,
         "readers to serve the server the consumer recorded",
     )

@@ -1,4 +1,5 @@
-"""A running consumer registers itself for the deploy commands (:mod:`pipeline.cache.roster`).
+"""A running consumer registers itself for the deploy commands
+(:mod:`freshline.pipeline.cache.roster`).
 
 Real broker, Postgres and Redis; the consumer logs in as the consumers do (the writers'
 Redis login, the consumer's Kafka login) on a pointer of its own.
@@ -14,17 +15,17 @@ from typing import cast
 import pytest
 import redis
 
-from consumers.kafka import admin_client
-from consumers.topics import allow_consumer
-from consumers.worker import Worker
-from pipeline.api.app import deploy_report
-from pipeline.cache.readthrough import ReadThrough
-from pipeline.cache.roster import CONSUMER, Proc, Registration, roster
-from pipeline.cache.versions import Pointer, WriteVersions
-from pipeline.core.lock import Lock, LockedSet
-from pipeline.core.repository import REGISTRY
-from pipeline.core.services import consumer_redis_client
-from pipeline.core.settings import Settings
+from freshline.consumers.kafka import admin_client
+from freshline.consumers.topics import allow_consumer
+from freshline.consumers.worker import Worker
+from freshline.pipeline.api.app import deploy_report
+from freshline.pipeline.cache.readthrough import ReadThrough
+from freshline.pipeline.cache.roster import CONSUMER, Proc, Registration, roster
+from freshline.pipeline.cache.versions import Pointer, WriteVersions
+from freshline.pipeline.core.lock import Lock, LockedSet
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.services import consumer_redis_client
+from freshline.pipeline.core.settings import Settings
 from tests.consumers.conftest import Env
 from tests.helpers import as_user, kafka_login, need, wait_until
 from tests.pipeline.deploy.test_readers import registrations_allowed

@@ -13,11 +13,11 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from consumers.source import RECHECK_S, SourceRecord, encode
-from pipeline.cache.local import LocalTier
-from pipeline.cache.recompute import SourceIdentity
-from pipeline.core.keys import feature_key, source_key
-from pipeline.core.types import EntityRef
+from freshline.consumers.source import RECHECK_S, SourceRecord, encode
+from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.recompute import SourceIdentity
+from freshline.pipeline.core.keys import feature_key, source_key
+from freshline.pipeline.core.types import EntityRef
 from tests.helpers import UNWINDOWED, fresh_version, wait_until
 
 OLD = SourceIdentity("7000000000000000001", 1)

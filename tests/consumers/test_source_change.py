@@ -15,8 +15,8 @@ import pytest
 from prometheus_client import REGISTRY as METRICS
 from sqlalchemy.engine import Engine
 
-from consumers.kafka import Producer
-from consumers.worker import Worker
+from freshline.consumers.kafka import Producer
+from freshline.consumers.worker import Worker
 from tests.consumers.conftest import Env, emit
 from tests.consumers.test_config_errors import offsets, paused_lines, sample
 from tests.consumers.test_durability import Cluster, lagging

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from consumers.topics import ensure, event_topics, managed, partition_count
-from pipeline.core.topics import (
+from freshline.consumers.topics import ensure, event_topics, managed, partition_count
+from freshline.pipeline.core.topics import (
     CDC_SUBSCRIPTION,
     CDC_TOPIC_PATTERN,
     DLQ,

@@ -16,15 +16,15 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from consumers.events import decode
-from consumers.processor import Processor
 from fraud.seed import seed
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.core.db import make_engine
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef
+from freshline.consumers.events import decode
+from freshline.consumers.processor import Processor
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.db import make_engine
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef
 from tests.helpers import ANCHOR, drop_database, migrate, recreate_database
 
 DEVICE_RISK = REGISTRY["device_risk"]

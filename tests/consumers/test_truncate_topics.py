@@ -18,15 +18,15 @@ import redis
 from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine
 
-from consumers.dlq import ERROR_KIND
-from consumers.events import EventRejected, decode
-from consumers.kafka import Consumer, Producer
-from consumers.worker import Worker
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.core.repository import REGISTRY
-from pipeline.core.topics import DLQ
-from pipeline.core.types import EntityRef
+from freshline.consumers.dlq import ERROR_KIND
+from freshline.consumers.events import EventRejected, decode
+from freshline.consumers.kafka import Consumer, Producer
+from freshline.consumers.worker import Worker
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.topics import DLQ
+from freshline.pipeline.core.types import EntityRef
 from tests.consumers.conftest import PARTITIONS, Env, own_topic, read_topic
 from tests.helpers import kafka_headers
 

@@ -19,19 +19,19 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from consumers.events import decode
-from consumers.processor import Processor
 from fraud.seed import SeedSummary
-from pipeline.cache.recompute import (
+from freshline.consumers.events import decode
+from freshline.consumers.processor import Processor
+from freshline.pipeline.cache.recompute import (
     NotYetVisible,
     compute,
     snapshot_watermark,
     take_snapshot,
     unpack_watermark,
 )
-from pipeline.cache.store import FeatureStore
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import ChangeEvent, EntityRef
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import ChangeEvent, EntityRef
 
 TXN_90D = REGISTRY["txn_90d"]
 

@@ -24,7 +24,7 @@ from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine
 
-from consumers.dlq import (
+from freshline.consumers.dlq import (
     ERROR_KIND,
     ORIGINAL_SIZE,
     SOURCE_OFFSET,
@@ -32,15 +32,15 @@ from consumers.dlq import (
     TRUNCATED,
     VALUE_SHA256,
 )
-from consumers.kafka import Consumer, Producer
-from consumers.topics import ensure
-from consumers.worker import Worker
-from pipeline.core.keys import feature_pattern
-from pipeline.core.maintenance import DerivedPath
-from pipeline.core.repository import REGISTRY
-from pipeline.core.services import kafka_security_config
-from pipeline.core.settings import Settings
-from pipeline.core.topics import DLQ, INVALIDATIONS
+from freshline.consumers.kafka import Consumer, Producer
+from freshline.consumers.topics import ensure
+from freshline.consumers.worker import Worker
+from freshline.pipeline.core.keys import feature_pattern
+from freshline.pipeline.core.maintenance import DerivedPath
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.services import kafka_security_config
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import DLQ, INVALIDATIONS
 from tests.consumers.conftest import (
     PARTITIONS,
     Env,

@@ -22,12 +22,12 @@ from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 from sqlalchemy.engine import Engine
 
-from consumers.dlq import ERROR_KIND, ORIGINAL_SIZE, TRUNCATED, VALUE_SHA256
-from consumers.kafka import Consumer, Producer
-from consumers.worker import Totals, Worker
-from pipeline.core.services import kafka_security_config
-from pipeline.core.settings import Settings
-from pipeline.core.topics import DLQ
+from freshline.consumers.dlq import ERROR_KIND, ORIGINAL_SIZE, TRUNCATED, VALUE_SHA256
+from freshline.consumers.kafka import Consumer, Producer
+from freshline.consumers.worker import Totals, Worker
+from freshline.pipeline.core.services import kafka_security_config
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import DLQ
 from tests.consumers.conftest import (
     DEADLINE_S,
     PARTITIONS,

@@ -1,4 +1,4 @@
-"""The consumer's one backoff loop (:func:`consumers.worker.retry`), without services."""
+"""The consumer's one backoff loop (:func:`freshline.consumers.worker.retry`), without services."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from consumers.worker import FIRST_BACKOFF_S, MAX_BACKOFF_S, retry
+from freshline.consumers.worker import FIRST_BACKOFF_S, MAX_BACKOFF_S, retry
 
 
 class Refused(Exception):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.dev.chaos import (
+from freshline.pipeline.dev.chaos import (
     DEFAULT_SEED,
     ONLY_ENV,
     PROFILE_ENV,

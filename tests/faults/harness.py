@@ -34,19 +34,19 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine, make_url
 
-from consumers.kafka import Producer, admin_client
 from fraud.seed import seed
-from pipeline.api.auth import create_api_key
-from pipeline.cdc.connect import names
-from pipeline.core.db import make_engine
-from pipeline.core.lock import Lock, LockedSet
-from pipeline.core.maintenance import install_missing
-from pipeline.core.repository import REGISTRY, active
-from pipeline.core.services import redis_client
-from pipeline.core.settings import Settings
-from pipeline.core.topics import DLQ, qualified
-from pipeline.dev import processes
-from pipeline.dev.chaos import CaseResult, Profile
+from freshline.consumers.kafka import Producer, admin_client
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.cdc.connect import names
+from freshline.pipeline.core.db import make_engine
+from freshline.pipeline.core.lock import Lock, LockedSet
+from freshline.pipeline.core.maintenance import install_missing
+from freshline.pipeline.core.repository import REGISTRY, active
+from freshline.pipeline.core.services import redis_client
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import DLQ, qualified
+from freshline.pipeline.dev import processes
+from freshline.pipeline.dev.chaos import CaseResult, Profile
 from tests.faults import injectors, oracle
 from tests.faults.processes import Fleet, Member
 from tests.faults.readers import Api, Readers
@@ -63,7 +63,7 @@ QUIESCE_S = 180.0
 WORKLOAD_S = 600.0
 LOG_LINES = 25
 ABANDONED_CLOSE = "the Kafka consumer did not close within"
-"""What consumers.kafka logs when it leaves a hung close behind."""
+"""What freshline.consumers.kafka logs when it leaves a hung close behind."""
 Case = tuple[str, int]
 WATCHED = 16
 """How many of a case's users the readers read (the hottest, and a few others)."""

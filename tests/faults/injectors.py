@@ -47,12 +47,12 @@ from confluent_kafka.admin import (
 )
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.cache.versions import DEFAULT_POINTER, Pointer, state
-from pipeline.core.errors import DeployError
-from pipeline.core.keys import LEASE_PREFIX, feature_pattern, source_key
-from pipeline.core.settings import Settings
-from pipeline.core.types import text
-from pipeline.dev import processes
+from freshline.pipeline.cache.versions import DEFAULT_POINTER, Pointer, state
+from freshline.pipeline.core.errors import DeployError
+from freshline.pipeline.core.keys import LEASE_PREFIX, feature_pattern, source_key
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import text
+from freshline.pipeline.dev import processes
 
 ABSENT_STANDBY = "freshline_faults_absent_standby"
 """A standby name nothing connects as: synchronous commits wait for it for ever."""

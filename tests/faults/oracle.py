@@ -46,15 +46,15 @@ from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine
 
-from consumers.topics import event_topics, subscription
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.cache.versions import state
-from pipeline.core.repository import REGISTRY
-from pipeline.core.services import kafka_security_config
-from pipeline.core.settings import Settings
-from pipeline.core.topics import qualified
-from pipeline.core.types import EntityRef, Entry, FeatureValues
+from freshline.consumers.topics import event_topics, subscription
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.versions import state
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.services import kafka_security_config
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import qualified
+from freshline.pipeline.core.types import EntityRef, Entry, FeatureValues
 from tests.faults.processes import Counts, Fleet
 from tests.faults.readers import READERS, SETTLED_GRACE_S, Readers, judge
 from tests.faults.reference import FEATURE_SETS, Values, load, one, pieces, reference

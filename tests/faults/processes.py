@@ -23,7 +23,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.settings import Settings
 from tests.faults.stack import FRESHLINE, ROOT, free_ports, settings_env
 
 CLOCK_SHIM = Path(__file__).resolve().parent / "clock"

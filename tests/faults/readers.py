@@ -4,8 +4,8 @@ While a case runs, and again once the consumers have quiesced, :class:`Readers` 
 the workload's watched users (every feature set) through the two ways a service reads:
 ``freshline serve`` (:class:`Api`, one worker, the in-process tier on, ``cache-only``
 so a miss is answered as one and never filled by the reader) and
-:class:`pipeline.cache.client.FeatureClient` with its own
-:class:`pipeline.cache.local.LocalTier`, following the deploy pointer. Each answer is
+:class:`freshline.pipeline.cache.client.FeatureClient` with its own
+:class:`freshline.pipeline.cache.local.LocalTier`, following the deploy pointer. Each answer is
 kept with the wall-clock moments its request was ``sent`` and ``received``.
 
 **The truth over time.** The workload is the only writer of source rows. Each change
@@ -56,12 +56,12 @@ from typing import Any
 import httpx
 import redis
 
-from pipeline.cache.client import FeatureClient
-from pipeline.cache.local import LocalTier
-from pipeline.cache.versions import VersionResolver
-from pipeline.core.lock import Lock
-from pipeline.core.services import redis_client
-from pipeline.core.settings import Settings
+from freshline.pipeline.cache.client import FeatureClient
+from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.versions import VersionResolver
+from freshline.pipeline.core.lock import Lock
+from freshline.pipeline.core.services import redis_client
+from freshline.pipeline.core.settings import Settings
 from tests.faults.reference import FEATURE_SETS, Ref, Rows, Values, fingerprint, one, pieces
 from tests.faults.stack import FRESHLINE, PrivateStack, free_ports
 from tests.faults.workload import Observation

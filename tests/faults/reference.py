@@ -4,8 +4,8 @@ The oracle's second opinion (the first is the defining full query): what
 ``examples/fraud/features.py`` says ``txn_90d``, ``device_risk`` and ``geo`` are, written
 again from its words. It shares no code with the path under test: it reads rows with
 plain SELECTs (no feature SQL, no aggregate), and imports nothing from freshline
-(:mod:`pipeline.cache.recompute`, :mod:`pipeline.core.aggregations`,
-:mod:`pipeline.core.maintenance`, the codec). Values come out as a served entry holds
+(:mod:`freshline.pipeline.cache.recompute`, :mod:`freshline.pipeline.core.aggregations`,
+:mod:`freshline.pipeline.core.maintenance`, the codec). Values come out as a served entry holds
 them: timestamps as epoch milliseconds, ``numeric`` as ``float``, ``NULL`` as None.
 
 The definitions, at the moment ``as_of``:

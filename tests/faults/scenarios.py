@@ -33,13 +33,13 @@ import httpx
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka import Producer as RawProducer
 
-from consumers.events import decode
-from consumers.kafka import client_config
-from pipeline.api.auth import create_api_key
-from pipeline.cache.versions import state
-from pipeline.core.keys import ACTIVE_SCHEMA_KEY
-from pipeline.core.topics import DLQ, logical, qualified
-from pipeline.dev import processes
+from freshline.consumers.events import decode
+from freshline.consumers.kafka import client_config
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.cache.versions import state
+from freshline.pipeline.core.keys import ACTIVE_SCHEMA_KEY
+from freshline.pipeline.core.topics import DLQ, logical, qualified
+from freshline.pipeline.dev import processes
 from tests.faults import injectors, oracle
 from tests.faults.injectors import HeldCommit
 from tests.faults.oracle import Partition, Record

@@ -23,8 +23,8 @@ import orjson
 import redis
 from pydantic import SecretStr
 
-from pipeline.core.settings import Settings
-from pipeline.dev import processes
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.dev import processes
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK_SCRIPT = ROOT / "scripts" / "stack"

@@ -8,11 +8,11 @@ as in ``tests/pipeline/deploy``.
 
 from __future__ import annotations
 
-from pipeline.cache.store import FeatureStore
-from pipeline.cache.versions import state
-from pipeline.core.keys import feature_pattern, source_key
-from pipeline.deploy.pointer import flip, retire, start
-from pipeline.deploy.purge import purge
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.versions import state
+from freshline.pipeline.core.keys import feature_pattern, source_key
+from freshline.pipeline.deploy.pointer import flip, retire, start
+from freshline.pipeline.deploy.purge import purge
 from tests.faults.injectors import reset_deploy
 from tests.pipeline.deploy.test_deploy import Deploy, fill, module_tenant, world
 from tests.pipeline.deploy.test_markers import assert_not_deployable

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.core.types import Entry, FeatureValues
+from freshline.pipeline.core.types import Entry, FeatureValues
 from tests.faults.oracle import Truth, Verdict, compare, truth
 from tests.faults.reference import FEATURE_SETS, Ref, load, one, pieces
 from tests.helpers import ANCHOR, examples

@@ -3,7 +3,7 @@ results beside the oracle's. Pure Python: no stack."""
 
 from __future__ import annotations
 
-from pipeline.dev.chaos import CaseResult, render_markdown
+from freshline.pipeline.dev.chaos import CaseResult, render_markdown
 
 
 def _render(*results: CaseResult) -> list[str]:

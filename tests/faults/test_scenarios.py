@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from pipeline.dev.chaos import RESULTS_ENV, Profile, append_result
-from pipeline.observe.reconcile import Drift, compare
+from freshline.pipeline.dev.chaos import RESULTS_ENV, Profile, append_result
+from freshline.pipeline.observe.reconcile import Drift, compare
 from tests.faults.harness import Case, FaultEnv, run_case
 from tests.faults.scenarios import SCENARIOS
 

@@ -53,8 +53,8 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from consumers.kafka import Delivery, Producer
 from fraud.seed import COUNTRIES
+from freshline.consumers.kafka import Delivery, Producer
 from tests.faults.reference import Range, Rows, load
 
 log = logging.getLogger("freshline.faults.workload")

@@ -14,12 +14,18 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from consumers.events import EventRejected, decode, domain_events
-from pipeline.cli import app
-from pipeline.core.events import Event, EventFieldError, event_schema, record_model, schema_file
-from pipeline.core.features import Entity, Table
-from pipeline.core.repository import active
-from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
+from freshline.consumers.events import EventRejected, decode, domain_events
+from freshline.pipeline.cli import app
+from freshline.pipeline.core.events import (
+    Event,
+    EventFieldError,
+    event_schema,
+    record_model,
+    schema_file,
+)
+from freshline.pipeline.core.features import Entity, Table
+from freshline.pipeline.core.repository import active
+from freshline.schemas.ids import ID_PATTERN, MAX_ID_LENGTH
 from tests.helpers import examples
 
 ID_PROPERTIES = {"tenant", "device_id"}

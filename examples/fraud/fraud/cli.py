@@ -16,10 +16,10 @@ from typing import Annotated
 import typer
 from rich.progress import TaskID
 
-from pipeline.cli.app import console, progress_bar
-from pipeline.core.db import make_engine, make_owner_engine, ping
-from pipeline.core.services import redis_client
-from pipeline.core.settings import load_settings
+from freshline.pipeline.cli.app import console, progress_bar
+from freshline.pipeline.core.db import make_engine, make_owner_engine, ping
+from freshline.pipeline.core.services import redis_client
+from freshline.pipeline.core.settings import load_settings
 
 app = typer.Typer(help="The fraud example: seed, simulate, train.", no_args_is_help=True)
 
@@ -77,9 +77,9 @@ def simulate(
     duration: Annotated[float | None, typer.Option(min=0.1, help="Stop after seconds")] = None,
 ) -> None:
     """Write realistic changes to Postgres and emit the matching domain events."""
-    from consumers.kafka import Producer
     from fraud.simulator import Simulator
-    from pipeline.core.topics import qualified
+    from freshline.consumers.kafka import Producer
+    from freshline.pipeline.core.topics import qualified
 
     settings = load_settings()
     with Producer(settings) as producer:
@@ -102,7 +102,7 @@ def train_cmd(
 ) -> None:
     """Train the example fraud model on the seeded features and register it."""
     from fraud.training import train
-    from pipeline.inference.models import ModelRegistry
+    from freshline.pipeline.inference.models import ModelRegistry
 
     settings = load_settings()
     engine = make_engine(settings)

@@ -1,7 +1,7 @@
 """The guided part of ``scripts/demo``: a change made, and fresh features served.
 
 Runs against the stack, consumer and API that ``scripts/demo`` started, and calls the
-API through :func:`pipeline.core.http.fetch` (the standard library's client), as any
+API through :func:`freshline.pipeline.core.http.fetch` (the standard library's client), as any
 scoring service would::
 
     python -m fraud.demo tour API_URL API_KEY
@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import sqlalchemy as sa
 
-from pipeline.core.db import make_engine, make_owner_engine
-from pipeline.core.errors import FreshlineError
-from pipeline.core.http import fetch
-from pipeline.core.settings import Settings, load_settings
-from pipeline.observe.staleness import GroupLag
+from freshline.pipeline.core.db import make_engine, make_owner_engine
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.http import fetch
+from freshline.pipeline.core.settings import Settings, load_settings
+from freshline.pipeline.observe.staleness import GroupLag
 
 if TYPE_CHECKING:
     from confluent_kafka.admin import AdminClient
@@ -110,7 +110,7 @@ def catch_up(settings: Settings, deadline_s: float = CATCH_UP_S) -> bool:
     Says how many events are still queued every few seconds while it waits; False, and
     says so, if the deadline passes first.
     """
-    from consumers.kafka import admin_client
+    from freshline.consumers.kafka import admin_client
 
     admin, lag = admin_client(settings), GroupLag(settings)
     try:
@@ -168,9 +168,9 @@ def tour(base: str, key: str, tenant: str = "acme", user: int = 1) -> list[str]:
     printed): the change is served, the batch answers, the second prediction comes from
     the inference cache and equals the computed one.
     """
-    from consumers.kafka import Producer
     from fraud.training import MODEL_NAME, vector
-    from pipeline.core.topics import qualified
+    from freshline.consumers.kafka import Producer
+    from freshline.pipeline.core.topics import qualified
 
     settings = load_settings()
     api = Api(base, key)
@@ -348,7 +348,7 @@ def main(argv: list[str]) -> int:
 
 def run(argv: list[str]) -> int:
     """:func:`main`, with an expected failure (a service down, a refused write) as one line."""
-    from pipeline.core.services import translate_errors
+    from freshline.pipeline.core.services import translate_errors
 
     try:
         with translate_errors():

@@ -20,10 +20,10 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.core.errors import FreshlineError
-from pipeline.core.keys import validate_id
-from pipeline.core.maintenance import DerivedPath
-from pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.keys import validate_id
+from freshline.pipeline.core.maintenance import DerivedPath
+from freshline.pipeline.core.repository import REGISTRY
 
 Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``, called as rows are loaded."""

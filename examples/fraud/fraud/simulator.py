@@ -18,9 +18,9 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from consumers.kafka import Producer
 from fraud.seed import GEO_BASE, GEO_RANGE_SIZE, GEO_RANGES
-from pipeline.core.errors import FreshlineError
+from freshline.consumers.kafka import Producer
+from freshline.pipeline.core.errors import FreshlineError
 
 
 @dataclass(slots=True)

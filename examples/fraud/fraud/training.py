@@ -25,9 +25,9 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.cache.recompute import compute
-from pipeline.core.repository import REGISTRY
-from pipeline.inference.models import LogisticModel, input_row
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.inference.models import LogisticModel, input_row
 
 MODEL_NAME = "fraud_example"
 MODEL_INPUTS: tuple[tuple[str, str], ...] = (
@@ -66,7 +66,7 @@ def spine(engine: Engine, tenant: str) -> Any | None:
     ``created_at``, labelled with whether it was reversed; None without history."""
     import pyarrow as pa
 
-    from pipeline.history.evaluator import captured
+    from freshline.pipeline.history.evaluator import captured
 
     with engine.connect() as conn:
         history = captured(conn).get("transactions")

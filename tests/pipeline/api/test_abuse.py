@@ -12,14 +12,14 @@ import pytest
 import redis
 from sqlalchemy.engine import Engine
 
-from pipeline.api import create_app
-from pipeline.api.auth import create_api_key
-from pipeline.api.routes import MAX_JSON_DEPTH
-from pipeline.cache.readthrough import Hooks, ReadThrough, Result
-from pipeline.cache.store import FeatureStore
-from pipeline.core.keys import LEASE_PREFIX
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.routes import MAX_JSON_DEPTH
+from freshline.pipeline.cache.readthrough import Hooks, ReadThrough, Result
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.keys import LEASE_PREFIX
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef
 from tests.helpers import Api, fresh_version, running, wait_until
 
 # Long enough that no lease or wait in these tests ends by running out: a lease that

@@ -26,12 +26,12 @@ from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
 
 from fraud.seed import SeedSummary
-from pipeline.api import create_app
-from pipeline.api.auth import create_api_key
-from pipeline.api.limits import AccessGuard, address_group
-from pipeline.core.errors import ConfigError
-from pipeline.core.settings import Settings, load_settings, redact
-from pipeline.inference.models import LogisticModel, ModelRegistry
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.limits import AccessGuard, address_group
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.core.settings import Settings, load_settings, redact
+from freshline.pipeline.inference.models import LogisticModel, ModelRegistry
 from tests.helpers import api_app, http_server, running
 
 URL = "/v1/features/txn_90d/1"

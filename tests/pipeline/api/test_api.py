@@ -14,16 +14,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api import create_app
-from pipeline.api.auth import create_api_key
-from pipeline.cache.invalidation import Invalidation
-from pipeline.cache.local import LocalTier
-from pipeline.cache.recompute import Batch, compute
-from pipeline.cache.store import FeatureStore
-from pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.cache.invalidation import Invalidation
+from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.recompute import Batch, compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef
 from tests.helpers import Api, api_for, fresh_version, running, wait_until
 
 

@@ -10,15 +10,15 @@ from collections.abc import Callable
 
 import pytest
 
-from pipeline.api import create_app
-from pipeline.core.settings import Settings
+from freshline.pipeline.api import create_app
+from freshline.pipeline.core.settings import Settings
 
 
 def test_a_worker_moves_its_long_lived_objects_out_of_the_collector(settings: Settings) -> None:
     """A full collection then skips the ~100,000 objects made at start-up (gc.freeze):
     walking them stalled every request in flight (README, read path)."""
     code = (
-        "import gc; from pipeline.api.app import app_from_env; "
+        "import gc; from freshline.pipeline.api.app import app_from_env; "
         "before = gc.get_freeze_count(); app_from_env(); "
         "print(before, gc.get_freeze_count(), len(gc.get_objects()))"
     )

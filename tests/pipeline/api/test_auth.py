@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.api.auth import (
+from freshline.pipeline.api.auth import (
     Authenticator,
     TenantExists,
     Unauthorized,
@@ -20,8 +20,8 @@ from pipeline.api.auth import (
     create_api_key,
     create_tenant,
 )
-from pipeline.core.errors import InvalidId
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.errors import InvalidId
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import FRESHLINE
 
 

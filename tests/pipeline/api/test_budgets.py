@@ -17,14 +17,20 @@ import redis
 from sqlalchemy.engine import Engine
 from typer.testing import CliRunner
 
-from pipeline.api import create_app
-from pipeline.api.auth import create_api_key, create_tenant
-from pipeline.core.budget import ADMIT_CHUNK, TenantBudget, entry_cost, memory_problem, usage
-from pipeline.core.keys import inference_budget_keys, inference_prefix
-from pipeline.core.lock import Lock
-from pipeline.core.settings import Settings
-from pipeline.inference.models import LogisticModel, ModelRegistry
-from pipeline.inference.predictions import InferenceCache
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_api_key, create_tenant
+from freshline.pipeline.core.budget import (
+    ADMIT_CHUNK,
+    TenantBudget,
+    entry_cost,
+    memory_problem,
+    usage,
+)
+from freshline.pipeline.core.keys import inference_budget_keys, inference_prefix
+from freshline.pipeline.core.lock import Lock
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.inference.models import LogisticModel, ModelRegistry
+from freshline.pipeline.inference.predictions import InferenceCache
 from tests.helpers import Api, running
 
 FEATURES = ("a", "b", "c")
@@ -160,7 +166,7 @@ def test_check_warns_when_redis_has_no_maxmemory_or_may_evict(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    from pipeline.cli import app
+    from freshline.pipeline.cli import app
 
     url, _stop, _start = private_redis
     monkeypatch.setenv("FRESHLINE_REDIS_URL", url)

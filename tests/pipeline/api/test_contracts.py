@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from pipeline.api.contracts import (
+from freshline.pipeline.api.contracts import (
     MAX_MS,
     FeatureSelection,
     Freshness,
@@ -20,11 +20,11 @@ from pipeline.api.contracts import (
     freshness_fields,
     predict_request,
 )
-from pipeline.api.errors import public_message, status_of
-from pipeline.api.openapi import reference_text
-from pipeline.core.errors import FreshlineError
-from pipeline.core.features import Registry
-from pipeline.core.repository import REGISTRY, active
+from freshline.pipeline.api.errors import public_message, status_of
+from freshline.pipeline.api.openapi import reference_text
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.repository import REGISTRY, active
 from tests.helpers import examples
 
 LIMIT = 12

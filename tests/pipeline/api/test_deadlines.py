@@ -1,4 +1,4 @@
-"""One check per loop bounds the API's awaits (:class:`pipeline.api.deadlines.Deadlines`).
+"""One check per loop bounds the API's awaits (:class:`freshline.pipeline.api.deadlines.Deadlines`).
 
 Each test runs under an outer ``asyncio.timeout`` of its own: a deadline on the test
 (a broken check would hang it), not a claim about speed.
@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from pipeline.api.deadlines import Deadlines
+from freshline.pipeline.api.deadlines import Deadlines
 
 TEST_DEADLINE_S = 30
 

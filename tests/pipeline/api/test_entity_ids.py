@@ -1,5 +1,5 @@
 """One rule for entity ids: the read API, the Python client and domain events take and
-refuse the same ids, with the same message (:func:`pipeline.core.features.validate_key`).
+refuse the same ids, with the same message (:func:`freshline.pipeline.core.features.validate_key`).
 
 Upper-case uuids, which many systems write, are the lower-case key everywhere. Run on
 the library repository (tests/repos/library: uuid keys, one tenant).
@@ -15,15 +15,15 @@ import redis
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.cache.client import FeatureClient
-from pipeline.cache.recompute import Batch
-from pipeline.cache.store import FeatureStore
-from pipeline.core.clock import now_ms
-from pipeline.core.errors import InvalidId
-from pipeline.core.events import Event, EventFieldError
-from pipeline.core.features import IMPLICIT_TENANT, Registry, Table, validate_key
-from pipeline.core.repository import load
-from pipeline.core.settings import Settings
+from freshline.pipeline.cache.client import FeatureClient
+from freshline.pipeline.cache.recompute import Batch
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.clock import now_ms
+from freshline.pipeline.core.errors import InvalidId
+from freshline.pipeline.core.events import Event, EventFieldError
+from freshline.pipeline.core.features import IMPLICIT_TENANT, Registry, Table, validate_key
+from freshline.pipeline.core.repository import load
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import api_for, fresh_version
 
 LIBRARY = Path(__file__).resolve().parents[2] / "repos" / "library"

@@ -1,4 +1,4 @@
-"""The read API's fast path to Redis (:mod:`pipeline.api.fastpath`): its client, made
+"""The read API's fast path to Redis (:mod:`freshline.pipeline.api.fastpath`): its client, made
 from the settings; commands packed by hiredis as redis-py would pack them; MGETs on
 held connections, reused, replaced when found closed, closed with the client.
 
@@ -19,15 +19,15 @@ import pytest
 import redis
 import redis.asyncio
 
-from pipeline.api.fastpath import (
+from freshline.pipeline.api.fastpath import (
     HeldConnections,
     PackedConnection,
     PackedSSLConnection,
     PackedUnixConnection,
     async_client,
 )
-from pipeline.core.services import async_redis_client
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.services import async_redis_client
+from freshline.pipeline.core.settings import Settings
 
 
 @pytest.fixture
@@ -321,7 +321,7 @@ def test_redis_py_still_times_each_read_with_a_timer_of_its_own(
     """redis-py's asyncio ``socket_timeout`` is an ``asyncio.timeout`` around each read
     (redis-py #3454; its PR #4106 would time each chunk read instead): a timer pushed
     on the loop's heap and cancelled, per command. :func:`async_client` has none; the
-    reader bounds its calls with :class:`pipeline.api.deadlines.Deadlines`."""
+    reader bounds its calls with :class:`freshline.pipeline.api.deadlines.Deadlines`."""
 
     async def timers(client: redis.asyncio.Redis) -> int:
         loop = asyncio.get_running_loop()

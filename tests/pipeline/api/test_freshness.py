@@ -22,25 +22,25 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from starlette.concurrency import run_in_threadpool
 
-from consumers.processor import Processor
 from fraud.seed import SeedSummary
-from pipeline.api import create_app
-from pipeline.api import freshness as api_freshness
-from pipeline.api.auth import create_api_key
-from pipeline.api.errors import ApiError
-from pipeline.api.freshness import Demand
-from pipeline.api.reader import FeatureReader, Lookup, Mode
-from pipeline.cache.client import FeatureClient, freshline_token
-from pipeline.cache.local import LocalTier
-from pipeline.cache.readthrough import ReadThrough
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.cache.tokens import SNAPSHOT, TRANSACTION, Token, decode, encode
-from pipeline.core.errors import ConfigError
-from pipeline.core.features import Registry
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import ChangeEvent, EntityRef
+from freshline.consumers.processor import Processor
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api import freshness as api_freshness
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.errors import ApiError
+from freshline.pipeline.api.freshness import Demand
+from freshline.pipeline.api.reader import FeatureReader, Lookup, Mode
+from freshline.pipeline.cache.client import FeatureClient, freshline_token
+from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.readthrough import ReadThrough
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.tokens import SNAPSHOT, TRANSACTION, Token, decode, encode
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import ChangeEvent, EntityRef
 from tests.helpers import (
     Api,
     api_for,
@@ -252,7 +252,8 @@ def test_an_entry_that_reaches_the_token_is_served_from_cache(
     token = write(engine, tenant, 5, inside=inside)
     if inside:
         # A transaction token is ranked when first read, by a snapshot then: an entry
-        # computed before that is refused once (module docstring of pipeline.cache.tokens).
+        # computed before that is refused once (module docstring of
+        # freshline.pipeline.cache.tokens).
         first = api.get(f"/v1/features/txn_90d/5?after={token}&wait_ms=0").json()
         assert first["source"] == "computed"
     else:
@@ -610,7 +611,7 @@ def test_the_client_honours_tokens_and_staleness_bounds(
 def test_a_token_sent_again_is_checked_once_and_a_forged_one_every_time(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pipeline.cache.tokens as tokens_module
+    import freshline.pipeline.cache.tokens as tokens_module
 
     checked: list[object] = []
     real = tokens_module.decode
@@ -648,7 +649,7 @@ def test_a_token_sent_again_is_checked_once_and_a_forged_one_every_time(
 def test_a_query_is_split_as_starlette_parses_it(query: bytes) -> None:
     from starlette.requests import Request
 
-    from pipeline.api.routes import query_of
+    from freshline.pipeline.api.routes import query_of
 
     request = Request({"type": "http", "query_string": query})
     assert dict(query_of(request)) == dict(request.query_params)
@@ -660,7 +661,7 @@ def test_a_query_parsed_once_reads_as_one_parsed_each_time(api: Api, engine: Eng
     kept, the kept ones are bounded, and a token kept this way is still checked."""
     from starlette.requests import Request
 
-    from pipeline.api.routes import QUERIES_KEPT, read_options
+    from freshline.pipeline.api.routes import QUERIES_KEPT, read_options
 
     settings = Settings()
     kept: dict[bytes, Any] = {}
@@ -727,7 +728,7 @@ def test_default_waits_stop_while_they_do_not_pay_and_a_sized_one_still_waits(
 
 
 def test_a_wait_history_probes_while_waits_miss_and_resumes_on_an_arrival() -> None:
-    from pipeline.cache.arrivals import WaitHistory
+    from freshline.pipeline.cache.arrivals import WaitHistory
 
     now = [0.0]
     history = WaitHistory(misses=2, probe_s=10.0, clock=lambda: now[0])

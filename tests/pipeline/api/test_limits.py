@@ -26,10 +26,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
-import pipeline.api.auth as auth_module
+import freshline.pipeline.api.auth as auth_module
 from fraud.seed import SeedSummary
-from pipeline.api import metrics
-from pipeline.api.auth import (
+from freshline.pipeline.api import metrics
+from freshline.pipeline.api.auth import (
     Authenticator,
     Unauthorized,
     UnknownKey,
@@ -39,14 +39,14 @@ from pipeline.api.auth import (
     list_api_keys,
     revoke_api_key,
 )
-from pipeline.api.limits import TokenBuckets
-from pipeline.api.openapi import document
-from pipeline.api.reader import parse_entity
-from pipeline.core.errors import InvalidId
-from pipeline.core.keys import feature_pattern
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.inference.models import LogisticModel, ModelRegistry
+from freshline.pipeline.api.limits import TokenBuckets
+from freshline.pipeline.api.openapi import document
+from freshline.pipeline.api.reader import parse_entity
+from freshline.pipeline.core.errors import InvalidId
+from freshline.pipeline.core.keys import feature_pattern
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.inference.models import LogisticModel, ModelRegistry
 from tests.helpers import FRESHLINE, api_app, fresh_version, running, serving, wait_until
 
 

@@ -12,13 +12,13 @@ import redis
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api import create_app
-from pipeline.api.auth import create_api_key
-from pipeline.api.llm import SemanticService
-from pipeline.core.settings import Settings
-from pipeline.semantic.cache import Limits, Scope, SemanticCache
-from pipeline.semantic.embed import local_model
-from pipeline.semantic.prior import InvalidPrior
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.llm import SemanticService
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.semantic.cache import Limits, Scope, SemanticCache
+from freshline.pipeline.semantic.embed import local_model
+from freshline.pipeline.semantic.prior import InvalidPrior
 from tests.helpers import Api, api_for, running, wait_until
 from tests.pipeline.semantic.test_learning import EXPLORE, NEVER
 

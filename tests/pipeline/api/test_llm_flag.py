@@ -11,8 +11,8 @@ import redis
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api.tenancy import TenantSlots
-from pipeline.core.settings import Settings
+from freshline.pipeline.api.tenancy import TenantSlots
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import Api, api_for
 
 ENTRY = "00000000000000aa"

@@ -1,4 +1,4 @@
-"""The API's metrics gathered in process (:class:`pipeline.api.metrics.Pending`) and
+"""The API's metrics gathered in process (:class:`freshline.pipeline.api.metrics.Pending`) and
 written to prometheus_client in bulk: the same figures as one update per request."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from pipeline.api.metrics import BUCKETS, Pending
+from freshline.pipeline.api.metrics import BUCKETS, Pending
 from tests.helpers import wait_until
 
 

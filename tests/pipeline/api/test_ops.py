@@ -19,11 +19,11 @@ import redis
 from pydantic import SecretStr
 from sqlalchemy.engine import Engine
 
-from pipeline.api import create_app
-from pipeline.api.auth import create_api_key, create_tenant
-from pipeline.api.ops import Ops, SharedObserver
-from pipeline.core.services import redis_client as make_redis_client
-from pipeline.core.settings import Settings
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_api_key, create_tenant
+from freshline.pipeline.api.ops import Ops, SharedObserver
+from freshline.pipeline.core.services import redis_client as make_redis_client
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import Api, fresh_version, running
 
 OPERATOR_PAGES = ("/metrics", "/status", "/status.json")

@@ -11,8 +11,8 @@ import anyio.to_thread
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.cli.deploy import POOL_THREADS, share_problem
-from pipeline.core.lock import Lock
+from freshline.pipeline.cli.deploy import POOL_THREADS, share_problem
+from freshline.pipeline.core.lock import Lock
 
 
 async def _pool_threads() -> int:
@@ -50,7 +50,7 @@ def test_a_share_times_the_workers_is_compared_with_the_cpus(
 def test_check_warns_about_the_share_of_the_workers_it_is_told_of(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pipeline.cli import app
+    from freshline.pipeline.cli import app
 
     cpus = len(os.sched_getaffinity(0))
     monkeypatch.setenv("FRESHLINE_API_TENANT_POOL_SHARE", "1")

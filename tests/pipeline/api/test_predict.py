@@ -14,12 +14,17 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api import create_app
-from pipeline.api.auth import create_api_key
-from pipeline.cache.recompute import compute
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.inference.models import LogisticModel, ModelRegistry, feature_inputs, input_row
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.inference.models import (
+    LogisticModel,
+    ModelRegistry,
+    feature_inputs,
+    input_row,
+)
 from tests.helpers import Api, running
 
 FEATURES = ("a", "b", "c")

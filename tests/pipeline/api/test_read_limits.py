@@ -11,10 +11,10 @@ import redis
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api.auth import create_api_key, set_tenant_limits
-from pipeline.api.tenancy import TenantSlots
-from pipeline.cache.tokens import freshline_token
-from pipeline.core.settings import Settings
+from freshline.pipeline.api.auth import create_api_key, set_tenant_limits
+from freshline.pipeline.api.tenancy import TenantSlots
+from freshline.pipeline.cache.tokens import freshline_token
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import api_app, running
 from tests.pipeline.api.test_tenancy import reads_held_to
 

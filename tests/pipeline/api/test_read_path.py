@@ -15,27 +15,33 @@ import redis.asyncio
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api import create_app
-from pipeline.api.auth import create_api_key
-from pipeline.api.fastpath import async_client
-from pipeline.api.reader import Answer, FeatureReader, Lookup, parse_entities, parse_entity
-from pipeline.cache.hot import HotReads
-from pipeline.cache.readthrough import ReadThrough
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.core.cluster import is_cluster
-from pipeline.core.codec import (
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.fastpath import async_client
+from freshline.pipeline.api.reader import (
+    Answer,
+    FeatureReader,
+    Lookup,
+    parse_entities,
+    parse_entity,
+)
+from freshline.pipeline.cache.hot import HotReads
+from freshline.pipeline.cache.readthrough import ReadThrough
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.cluster import is_cluster
+from freshline.pipeline.core.codec import (
     decode_entry,
     decode_rows,
     encode_entry,
     encode_tombstone,
     watermark_hex,
 )
-from pipeline.core.errors import CorruptEntry, InvalidId, SchemaVersionMismatch
-from pipeline.core.keys import feature_key, feature_keys, grid_keys, hot_key, validate_ids
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef
+from freshline.pipeline.core.errors import CorruptEntry, InvalidId, SchemaVersionMismatch
+from freshline.pipeline.core.keys import feature_key, feature_keys, grid_keys, hot_key, validate_ids
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef
 from tests.helpers import api_app, fresh_version, running, wait_until
 from tests.pipeline.cache.test_subscriptions import Forwarder, address
 

@@ -21,7 +21,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.api.auth import (
+from freshline.pipeline.api.auth import (
     Authenticator,
     Principal,
     Unauthorized,
@@ -30,10 +30,10 @@ from pipeline.api.auth import (
     list_api_keys,
     revoke_api_key,
 )
-from pipeline.core.db import make_engine
-from pipeline.core.errors import FreshlineError
-from pipeline.core.keys import APIKEY_CHANNEL
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.db import make_engine
+from freshline.pipeline.core.errors import FreshlineError
+from freshline.pipeline.core.keys import APIKEY_CHANNEL
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import error_line, free_port, freshline, wait_until
 
 DEADLINE_S = 10.0

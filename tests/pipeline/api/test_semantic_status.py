@@ -13,9 +13,9 @@ import redis
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api import create_app
-from pipeline.api.semantic_status import busiest
-from pipeline.core.settings import Settings
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.semantic_status import busiest
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import Api, api_for, running, serving
 from tests.pipeline.api.test_status_browser import chromium, console_errors, run_chromium
 from tests.pipeline.semantic.test_learning import NEVER

@@ -13,9 +13,9 @@ import pytest
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api.auth import create_api_key
-from pipeline.core.settings import Settings
-from pipeline.dev.processes import DidNotStart, serving
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.dev.processes import DidNotStart, serving
 from tests.helpers import FRESHLINE, free_port, wait_until
 
 
@@ -77,7 +77,7 @@ def test_serve_answers_and_sums_metrics_across_workers(
                 )
             )
 
-        # Each worker's requests within its flush interval (pipeline.api.metrics.FLUSH_S):
+        # Each worker's requests within its flush interval (freshline.pipeline.api.metrics.FLUSH_S):
         # all n of them, from both workers.
         assert wait_until(lambda: served() == n, timeout=10), served()
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.core.settings import Settings
-from pipeline.dev import processes
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.dev import processes
 from tests.helpers import FRESHLINE, free_port, self_signed_certificate, wait_until
 
 IDLE = 1500  # past granian's default of 1,024 connections per worker

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import FRESHLINE, error_line, interrupt, need, role_url
 
 

@@ -17,23 +17,23 @@ import pytest
 import redis
 from sqlalchemy.engine import Engine
 
-from consumers.kafka import admin_client
-from consumers.served import ServedSink
-from consumers.topics import ensure
 from fraud.seed import SeedSummary
-from pipeline.api import create_app
-from pipeline.api.auth import create_api_key
-from pipeline.cache.local import LocalTier
-from pipeline.cache.recompute import compute
-from pipeline.core.features import Registry
-from pipeline.core.repository import REGISTRY, active
-from pipeline.core.settings import Settings
-from pipeline.core.topics import SERVED, qualified
-from pipeline.inference.models import LogisticModel, ModelRegistry
-from pipeline.observe import served
-from pipeline.observe.served import LOGGED, Served, ServedLog
-from pipeline.observe.served_files import ParquetLog
-from pipeline.observe.served_training import from_logs
+from freshline.consumers.kafka import admin_client
+from freshline.consumers.served import ServedSink
+from freshline.consumers.topics import ensure
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.repository import REGISTRY, active
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import SERVED, qualified
+from freshline.pipeline.inference.models import LogisticModel, ModelRegistry
+from freshline.pipeline.observe import served
+from freshline.pipeline.observe.served import LOGGED, Served, ServedLog
+from freshline.pipeline.observe.served_files import ParquetLog
+from freshline.pipeline.observe.served_training import from_logs
 from tests.helpers import Api, fresh_version, freshline, running, wait_until
 
 LOG = {"Freshline-Log": "1"}

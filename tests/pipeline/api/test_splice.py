@@ -1,4 +1,4 @@
-"""A batch of hits answered by splicing the stored bytes (:mod:`pipeline.api.splice`):
+"""A batch of hits answered by splicing the stored bytes (:mod:`freshline.pipeline.api.splice`):
 byte for byte what decoding and encoding the same entries answers, and only then."""
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api import create_app
-from pipeline.api.auth import create_api_key
-from pipeline.api.reader import Lookup
-from pipeline.api.splice import Spliced, Splicer
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.core.codec import decode_rows, encode_entry, encode_tombstone, watermark_hex
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.reader import Lookup
+from freshline.pipeline.api.splice import Spliced, Splicer
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.codec import decode_rows, encode_entry, encode_tombstone, watermark_hex
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef
 from tests.helpers import fresh_version, running
 
 VERSION = 3

@@ -24,11 +24,11 @@ import redis
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api import create_app
-from pipeline.api.auth import create_api_key
-from pipeline.core.settings import Settings
-from pipeline.observe.staleness import Staleness
-from pipeline.observe.status import Snapshot, StatusBoard
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.observe.staleness import Staleness
+from freshline.pipeline.observe.status import Snapshot, StatusBoard
 from tests.helpers import fresh_version, serving
 
 FLAGS = [

@@ -12,7 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from pipeline.api.status_page import page
+from freshline.pipeline.api.status_page import page
 
 ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = ("freshline", "pipeline", "consumers", "schemas", "migrations")
@@ -44,7 +44,9 @@ def test_an_installed_wheel_serves_the_page(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(installed)
 
-    script = "import pipeline.api.status_page as m; print(m.__file__); print(len(m.page({})))"
+    script = (
+        "import freshline.pipeline.api.status_page as m; print(m.__file__); print(len(m.page({})))"
+    )
     env = {**os.environ, "PYTHONPATH": str(installed)}
     run = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True

@@ -14,9 +14,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api import create_app
-from pipeline.api.auth import create_api_key
-from pipeline.core.settings import Settings
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import Api, fresh_version, running, wait_until
 
 SHARE = 2

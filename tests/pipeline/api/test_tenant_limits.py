@@ -17,15 +17,15 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api.auth import (
+from freshline.pipeline.api.auth import (
     TenantLimits,
     UnknownTenant,
     create_api_key,
     set_tenant_limits,
     tenant_limits,
 )
-from pipeline.api.limits import PoolBudget, TokenBuckets
-from pipeline.core.settings import Settings
+from freshline.pipeline.api.limits import PoolBudget, TokenBuckets
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import FRESHLINE, api_app, running, wait_until
 from tests.pipeline.api.test_tenancy import reads_held_to
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.local import LocalTier
 from tests.helpers import UNWINDOWED
 
 

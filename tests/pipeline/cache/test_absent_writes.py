@@ -20,18 +20,18 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api import create_app
-from pipeline.api.reader import Lookup
-from pipeline.api.splice import Spliced
-from pipeline.cache.client import FeatureClient
-from pipeline.cache.recompute import Batch, compute, current_watermark
-from pipeline.cache.store import FeatureStore
-from pipeline.cache.versions import Pointer
-from pipeline.core.keys import entity_floor_key
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef
-from pipeline.deploy.purge import purge
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.reader import Lookup
+from freshline.pipeline.api.splice import Spliced
+from freshline.pipeline.cache.client import FeatureClient
+from freshline.pipeline.cache.recompute import Batch, compute, current_watermark
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.versions import Pointer
+from freshline.pipeline.core.keys import entity_floor_key
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef
+from freshline.pipeline.deploy.purge import purge
 from tests.helpers import fresh_version, running, wait_until
 
 FULL = REGISTRY["txn_90d"].on_path("full")

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.api.reader import Lookup
-from pipeline.cache.hot import HotReads
-from pipeline.core.keys import hot_key
+from freshline.pipeline.api.reader import Lookup
+from freshline.pipeline.cache.hot import HotReads
+from freshline.pipeline.core.keys import hot_key
 from tests.helpers import fresh_version
 
 

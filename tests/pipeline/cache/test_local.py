@@ -9,14 +9,14 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from pipeline.cache.client import FeatureClient
-from pipeline.cache.invalidation import ALL, Invalidation
-from pipeline.cache.local import LocalTier
-from pipeline.cache.recompute import Batch
-from pipeline.cache.store import TTL_JITTER, FeatureStore
-from pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import EntityRef, Entry
+from freshline.pipeline.cache.client import FeatureClient
+from freshline.pipeline.cache.invalidation import ALL, Invalidation
+from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.recompute import Batch
+from freshline.pipeline.cache.store import TTL_JITTER, FeatureStore
+from freshline.pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import EntityRef, Entry
 from tests.helpers import TXN_VALUES, UNWINDOWED, dark_through_outage, fresh_version, wait_until
 
 
@@ -267,7 +267,7 @@ def test_a_windowed_entry_invalidated_while_held_back_is_dropped(
     version = fresh_version()
     ref, other = EntityRef("geo", tenant, "1"), EntityRef("geo", tenant, "2")
     # Both written before the tier subscribes: Redis's report of a write still on its
-    # way would refuse a put (see pipeline.cache.local).
+    # way would refuse a put (see freshline.pipeline.cache.local).
     redis_client.set(feature_key(version, ref), b"the Redis copy", px=60_000)
     redis_client.set(feature_key(version, other), b"the Redis copy", px=60_000)
     with LocalTier(redis_client, max_entries=10) as local:

@@ -17,16 +17,16 @@ import pytest
 import redis
 from sqlalchemy.engine import Engine
 
-from pipeline.api import create_app
-from pipeline.api.auth import create_tenant
-from pipeline.cache.local import LocalTier
-from pipeline.cache.recompute import Batch
-from pipeline.cache.store import FeatureStore
-from pipeline.core.keys import feature_key
-from pipeline.core.repository import REGISTRY
-from pipeline.core.services import redis_client as make_redis_client
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef, Entry
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_tenant
+from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.recompute import Batch
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.keys import feature_key
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.services import redis_client as make_redis_client
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef, Entry
 from tests.helpers import TXN_VALUES, UNWINDOWED, as_user, fresh_version, need, running, wait_until
 
 
@@ -168,7 +168,7 @@ def login_without_tracking(redis_client: redis.Redis) -> Iterator[redis.Redis]:
 def test_a_login_refused_tracking_keeps_the_tier_dark_and_says_why(
     login_without_tracking: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="pipeline.cache.subscription")
+    caplog.set_level(logging.WARNING, logger="freshline.pipeline.cache.subscription")
     tier = LocalTier(login_without_tracking, max_entries=10, registry=UNWINDOWED).start()
     try:
         assert wait_until(lambda: "__redis__:invalidate" in caplog.text)

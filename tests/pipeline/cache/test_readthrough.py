@@ -13,14 +13,14 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.cache.readthrough import Hooks, ReadThrough, Result
-from pipeline.cache.recompute import Batch, compute, current_watermark
-from pipeline.cache.store import FeatureStore
-from pipeline.core.db import make_engine
-from pipeline.core.keys import lease_key
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef
+from freshline.pipeline.cache.readthrough import Hooks, ReadThrough, Result
+from freshline.pipeline.cache.recompute import Batch, compute, current_watermark
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.db import make_engine
+from freshline.pipeline.core.keys import lease_key
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef
 from tests.helpers import counting_readthrough, nested_checkouts, paused_reader
 
 TXN_90D = REGISTRY["txn_90d"]

@@ -22,13 +22,13 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.api.auth import create_api_key
-from pipeline.cache.readthrough import ReadThrough
-from pipeline.cache.recompute import FORCE_RETRY_S, compute, flushed_lsn
-from pipeline.cache.store import FeatureStore
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.cache.readthrough import ReadThrough
+from freshline.pipeline.cache.recompute import FORCE_RETRY_S, compute, flushed_lsn
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef
 from tests.consumers.test_durability import ATTEMPTS, Cluster, commit_async, lagging
 from tests.helpers import api_app, fresh_version, nested_checkouts, running
 

@@ -21,13 +21,13 @@ import redis
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.cache import readthrough
-from pipeline.cache.readthrough import ReadThrough, ReplicaBehind
-from pipeline.cache.recompute import Batch, Position, primary_position
-from pipeline.cache.store import FeatureStore
-from pipeline.core.keys import feature_key, lease_key
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import EntityRef
+from freshline.pipeline.cache import readthrough
+from freshline.pipeline.cache.readthrough import ReadThrough, ReplicaBehind
+from freshline.pipeline.cache.recompute import Batch, Position, primary_position
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.keys import feature_key, lease_key
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import EntityRef
 
 TXN_90D = REGISTRY["txn_90d"]
 

@@ -3,7 +3,7 @@
 A redis-server of the test's own keeps its data in a directory of its own; ``SAVE``
 writes its snapshot there, and a restart loads it: the RDB persistence that brings a
 killed server back older than its last writes, for real. The consumer's code writes
-the entries and records the server (:class:`consumers.processor.Processor`); the
+the entries and records the server (:class:`freshline.consumers.processor.Processor`); the
 readers are the API (its app, over that server) and the Python client.
 """
 
@@ -23,17 +23,17 @@ import sqlalchemy as sa
 from pydantic import SecretStr
 from sqlalchemy.engine import Engine
 
-from consumers.processor import Processor
 from fraud.seed import SeedSummary
-from pipeline.cache.client import FeatureClient
-from pipeline.cache.local import LocalTier
-from pipeline.cache.recompute import compute
-from pipeline.cache.server import recorded_identity, redis_identity, server_gate
-from pipeline.cache.store import FeatureStore
-from pipeline.core.keys import SERVER_KEY
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import ChangeEvent, EntityRef
+from freshline.consumers.processor import Processor
+from freshline.pipeline.cache.client import FeatureClient
+from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.server import recorded_identity, redis_identity, server_gate
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.keys import SERVER_KEY
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import ChangeEvent, EntityRef
 from tests.consumers.test_redis_failover import truncate_event
 from tests.helpers import (
     UNWINDOWED,

@@ -10,14 +10,14 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.cache.recompute import (
+from freshline.pipeline.cache.recompute import (
     compute,
     compute_in_snapshot,
     export_snapshot,
     take_snapshot,
     unpack_watermark,
 )
-from pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.repository import REGISTRY
 
 
 def test_a_set_computed_in_an_exported_snapshot_misses_later_commits_as_its_exporter_does(

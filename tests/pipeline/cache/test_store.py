@@ -7,13 +7,18 @@ import redis
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.cache.recompute import Batch, compute, current_watermark
-from pipeline.cache.store import FeatureStore
-from pipeline.core.codec import decode_entry, encode_entry
-from pipeline.core.errors import CorruptEntry, InvalidId, SchemaVersionMismatch, UnknownFeatureSet
-from pipeline.core.keys import feature_pattern
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import EntityRef
+from freshline.pipeline.cache.recompute import Batch, compute, current_watermark
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.codec import decode_entry, encode_entry
+from freshline.pipeline.core.errors import (
+    CorruptEntry,
+    InvalidId,
+    SchemaVersionMismatch,
+    UnknownFeatureSet,
+)
+from freshline.pipeline.core.keys import feature_pattern
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import EntityRef
 
 TXN_90D = REGISTRY["txn_90d"]
 

@@ -6,10 +6,10 @@ import time
 
 import redis
 
-from pipeline.cache.recompute import Batch
-from pipeline.cache.store import FeatureStore
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import EntityRef
+from freshline.pipeline.cache.recompute import Batch
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import EntityRef
 from tests.helpers import fresh_version
 
 TXN_90D = REGISTRY["txn_90d"]

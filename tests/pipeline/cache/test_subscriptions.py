@@ -29,15 +29,15 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from sqlalchemy.engine import Engine
 
-from pipeline.api.app import create_app
-from pipeline.cache.invalidation import Invalidation
-from pipeline.cache.local import LocalTier
-from pipeline.cache.versions import Pointer, VersionResolver
-from pipeline.core.lock import Lock, LockedSet
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef, Entry
-from pipeline.deploy.pointer import flip
+from freshline.pipeline.api.app import create_app
+from freshline.pipeline.cache.invalidation import Invalidation
+from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.versions import Pointer, VersionResolver
+from freshline.pipeline.core.lock import Lock, LockedSet
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef, Entry
+from freshline.pipeline.deploy.pointer import flip
 from tests.helpers import (
     TXN_VALUES,
     UNWINDOWED,

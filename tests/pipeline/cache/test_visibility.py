@@ -1,7 +1,7 @@
 """Which events' transactions a snapshot sees, in every epoch of transaction ids.
 
 Debezium reports a transaction id in 32 bits; the snapshot statement widens it to an
-``xid8`` against its own snapshot (:mod:`pipeline.cache.recompute`). A transaction held
+``xid8`` against its own snapshot (:mod:`freshline.pipeline.cache.recompute`). A transaction held
 open is what a change not yet visible looks like to every other snapshot. The stack's
 Postgres is in epoch 0; later epochs, and the end of one, are on a private cluster that
 ``pg_resetwal`` has moved there.
@@ -21,7 +21,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.cache.recompute import take_snapshot
+from freshline.pipeline.cache.recompute import take_snapshot
 from tests.helpers import free_port
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")

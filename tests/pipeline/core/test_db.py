@@ -1,4 +1,4 @@
-"""Sessions of :func:`pipeline.core.db.make_engine`: what Postgres does with one that
+"""Sessions of :func:`freshline.pipeline.core.db.make_engine`: what Postgres does with one that
 a stopped or cut-off process leaves inside a transaction, and how it plans their
 statements."""
 
@@ -8,11 +8,11 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.cache.recompute import feature_statement
-from pipeline.core import db
-from pipeline.core.features import Path
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
+from freshline.pipeline.cache.recompute import feature_statement
+from freshline.pipeline.core import db
+from freshline.pipeline.core.features import Path
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import wait_until
 
 

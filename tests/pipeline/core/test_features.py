@@ -19,9 +19,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.cache.recompute import compute
-from pipeline.core.errors import InvalidId, UnknownFeatureSet
-from pipeline.core.repository import REGISTRY
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.core.errors import InvalidId, UnknownFeatureSet
+from freshline.pipeline.core.repository import REGISTRY
 from tests.helpers import ANCHOR
 
 DEVICE_RISK = REGISTRY["device_risk"]

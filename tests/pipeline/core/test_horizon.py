@@ -20,12 +20,12 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import TTL_JITTER, FeatureStore, entry_ttl_ms
-from pipeline.core.features import Path
-from pipeline.core.keys import feature_key
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import EntityRef
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import TTL_JITTER, FeatureStore, entry_ttl_ms
+from freshline.pipeline.core.features import Path
+from freshline.pipeline.core.keys import feature_key
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import EntityRef
 from tests.helpers import wait_until
 
 USER = 9001

@@ -12,11 +12,11 @@ from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from pipeline.cdc.connect import ConnectClient, ConnectError
-from pipeline.core.errors import ConfigError, ServiceUnavailable
-from pipeline.core.http import fetch
-from pipeline.core.settings import Settings
-from pipeline.observe.status import scrape_freshness
+from freshline.pipeline.cdc.connect import ConnectClient, ConnectError
+from freshline.pipeline.core.errors import ConfigError, ServiceUnavailable
+from freshline.pipeline.core.http import fetch
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.observe.status import scrape_freshness
 from tests.helpers import free_port, http_server
 
 CONSUMER_METRICS = b"""\

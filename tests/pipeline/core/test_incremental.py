@@ -28,14 +28,14 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 
-from pipeline.cache.recompute import compute
-from pipeline.core.errors import ConfigError
-from pipeline.core.features import FeatureSet
-from pipeline.core.maintenance import DerivedPath
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import FeatureValues
-from pipeline.observe.reconcile import compare, reconcile
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.core.features import FeatureSet
+from freshline.pipeline.core.maintenance import DerivedPath
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import FeatureValues
+from freshline.pipeline.observe.reconcile import compare, reconcile
 from tests.helpers import FRESHLINE, drop_database, examples, migrate, recreate_database
 
 AS_OF = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from pipeline.core.errors import InvalidId
-from pipeline.core.keys import (
+from freshline.pipeline.core.errors import InvalidId
+from freshline.pipeline.core.keys import (
     feature_key,
     inference_key,
     lease_key,
@@ -16,8 +16,8 @@ from pipeline.core.keys import (
     semantic_pattern,
     validate_id,
 )
-from pipeline.core.types import EntityRef
-from schemas.ids import id_problem
+from freshline.pipeline.core.types import EntityRef
+from freshline.schemas.ids import id_problem
 
 
 def test_feature_key_format_is_the_documented_one() -> None:

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.core.errors import LockMismatch
-from pipeline.core.features import Field, Registry
-from pipeline.core.lock import Lock, check, lock_path, update
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.errors import LockMismatch
+from freshline.pipeline.core.features import Field, Registry
+from freshline.pipeline.core.lock import Lock, check, lock_path, update
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
 
 TXN_90D = REGISTRY["txn_90d"]
 
@@ -93,7 +93,7 @@ def test_update_adds_a_new_version_and_never_rewrites_one(tmp_path: Path) -> Non
 
 
 def test_check_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.cli import app
+    from freshline.pipeline.cli import app
 
     path = tmp_path / "features.lock.json"
     Lock({1: {fs.name: Lock.load(lock_path()).entry(1)[fs.name] for fs in REGISTRY}}).save(path)

@@ -5,8 +5,8 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from pipeline.core.errors import ConfigError
-from pipeline.core.settings import Settings, load_settings, redact
+from freshline.pipeline.core.errors import ConfigError
+from freshline.pipeline.core.settings import Settings, load_settings, redact
 
 
 def test_environment_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

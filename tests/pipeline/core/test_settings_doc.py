@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core import settings_doc
-from pipeline.core.settings import Settings, SettingsGroup
+from freshline.pipeline.core import settings_doc
+from freshline.pipeline.core.settings import Settings, SettingsGroup
 
 PAGE = Path(__file__).resolve().parents[3] / "docs" / "settings.md"
 
@@ -13,7 +13,7 @@ PAGE = Path(__file__).resolve().parents[3] / "docs" / "settings.md"
 def test_the_committed_page_is_the_generated_one() -> None:
     page = PAGE.read_text()
     assert settings_doc.splice(page, settings_doc.render()) == page, (
-        "docs/settings.md is stale: run python -m pipeline.core.settings_doc"
+        "docs/settings.md is stale: run python -m freshline.pipeline.core.settings_doc"
     )
 
 

@@ -1,5 +1,5 @@
 """Every key freshline writes has a TTL, but for the few control keys listed in
-:data:`pipeline.core.keys.UNEXPIRING` (docs/guarantees.md). The stack tier's session
+:data:`freshline.pipeline.core.keys.UNEXPIRING` (docs/guarantees.md). The stack tier's session
 ends by scanning its Redis database with :func:`keys_without_ttl` (``tests/conftest.py``),
 so a key pattern that any test made a writer leave without one fails the run."""
 
@@ -10,8 +10,8 @@ import uuid
 
 import redis
 
-from pipeline.core.keys import UNEXPIRING, feature_key
-from pipeline.core.types import EntityRef
+from freshline.pipeline.core.keys import UNEXPIRING, feature_key
+from freshline.pipeline.core.types import EntityRef
 
 
 def keys_without_ttl(client: redis.Redis) -> list[str]:

@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import FRESHLINE, ROOT, forget_repository, need
 
 pytestmark = [pytest.mark.kafka, pytest.mark.connect, pytest.mark.slow]

@@ -20,24 +20,24 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api.fastpath import async_client
-from pipeline.api.reader import FeatureReader, Lookup
-from pipeline.cache.client import FeatureClient
-from pipeline.cache.hot import HotReads
-from pipeline.cache.readthrough import ReadThrough, Result
-from pipeline.cache.recompute import Batch, compute
-from pipeline.cache.store import FeatureStore
-from pipeline.cache.versions import Pointer, VersionResolver, WriteVersions, state
-from pipeline.core.errors import DeployError
-from pipeline.core.keys import LEASE_PREFIX, feature_pattern, inference_key
-from pipeline.core.lock import Lock, LockedSet
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef
-from pipeline.deploy.pointer import IN_FLIGHT_MS, cancel, flip, keep_ms, start
-from pipeline.deploy.purge import purge
-from pipeline.deploy.warm import Throttle, active_entities, count_active, warm
-from pipeline.inference.models import purge_model
+from freshline.pipeline.api.fastpath import async_client
+from freshline.pipeline.api.reader import FeatureReader, Lookup
+from freshline.pipeline.cache.client import FeatureClient
+from freshline.pipeline.cache.hot import HotReads
+from freshline.pipeline.cache.readthrough import ReadThrough, Result
+from freshline.pipeline.cache.recompute import Batch, compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.versions import Pointer, VersionResolver, WriteVersions, state
+from freshline.pipeline.core.errors import DeployError
+from freshline.pipeline.core.keys import LEASE_PREFIX, feature_pattern, inference_key
+from freshline.pipeline.core.lock import Lock, LockedSet
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef
+from freshline.pipeline.deploy.pointer import IN_FLIGHT_MS, cancel, flip, keep_ms, start
+from freshline.pipeline.deploy.purge import purge
+from freshline.pipeline.deploy.warm import Throttle, active_entities, count_active, warm
+from freshline.pipeline.inference.models import purge_model
 from tests.helpers import fresh_version, observe_refreshes, wait_until
 
 TXN_90D = REGISTRY["txn_90d"]
@@ -523,8 +523,8 @@ def test_throttle_caps_the_rate() -> None:
 
 
 def test_a_rollback_serves_what_changed_after_the_flip(world: Deploy) -> None:
-    from consumers.processor import Processor
-    from pipeline.core.types import ChangeEvent
+    from freshline.consumers.processor import Processor
+    from freshline.pipeline.core.types import ChangeEvent
 
     r, s, p, lock = world.redis, world.settings, world.pointer, world.lock
     world.warm_all(world.a)

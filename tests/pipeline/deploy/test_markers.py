@@ -22,19 +22,19 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.cache.versions import Pointer, WriteVersions, state
-from pipeline.core.errors import DeployError
-from pipeline.core.keys import feature_pattern
-from pipeline.core.lock import Lock
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import ChangeEvent, EntityRef
-from pipeline.deploy import pointer as deploy
-from pipeline.deploy.pointer import cancel, flip, keep_ms, start
-from pipeline.deploy.purge import purge
-from pipeline.deploy.warm import active_entities, warm
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.versions import Pointer, WriteVersions, state
+from freshline.pipeline.core.errors import DeployError
+from freshline.pipeline.core.keys import feature_pattern
+from freshline.pipeline.core.lock import Lock
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import ChangeEvent, EntityRef
+from freshline.pipeline.deploy import pointer as deploy
+from freshline.pipeline.deploy.pointer import cancel, flip, keep_ms, start
+from freshline.pipeline.deploy.purge import purge
+from freshline.pipeline.deploy.warm import active_entities, warm
 from tests.helpers import FRESHLINE, fresh_version
 from tests.pipeline.deploy.test_deploy import Deploy, deploy_world, fill, locked_entry
 
@@ -90,7 +90,7 @@ def longest_ms(lock: Lock, version: int) -> int:
 
 def change(world: Deploy, user: int, writes: WriteVersions) -> None:
     """A real change in Postgres, applied by a consumer to the versions it writes now."""
-    from consumers.processor import Processor
+    from freshline.consumers.processor import Processor
 
     with world.engine.begin() as conn:
         conn.execute(

@@ -12,15 +12,15 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from typer.testing import CliRunner
 
-from consumers.failures import cause, remedy
-from pipeline.cache.recompute import compute
-from pipeline.cdc.connect import PUBLICATION
-from pipeline.cli import app
-from pipeline.core.errors import DefinitionFailed
-from pipeline.core.features import IMPLICIT_TENANT
-from pipeline.core.repository import DefinitionError, Repository, load
-from pipeline.core.settings import Settings
-from pipeline.deploy.plan import plan
+from freshline.consumers.failures import cause, remedy
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cdc.connect import PUBLICATION
+from freshline.pipeline.cli import app
+from freshline.pipeline.core.errors import DefinitionFailed
+from freshline.pipeline.core.features import IMPLICIT_TENANT
+from freshline.pipeline.core.repository import DefinitionError, Repository, load
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.deploy.plan import plan
 from tests.helpers import role_url
 from tests.test_repository import BROKEN, library  # noqa: F401  (the tables' fixture)
 

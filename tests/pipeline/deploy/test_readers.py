@@ -24,18 +24,18 @@ import redis
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api.auth import create_api_key
-from pipeline.cache.client import FeatureClient
-from pipeline.cache.roster import CONSUMER, READER, Kind, Proc, Registration, roster
-from pipeline.cache.versions import Pointer, publish_fields, state
-from pipeline.core.errors import DeployError
-from pipeline.core.features import Registry
-from pipeline.core.lock import Lock, LockedSet
-from pipeline.core.repository import REGISTRY
-from pipeline.core.services import redis_client
-from pipeline.core.settings import Settings
-from pipeline.deploy.pointer import flip, retire, start
-from pipeline.deploy.warm import warm
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.cache.client import FeatureClient
+from freshline.pipeline.cache.roster import CONSUMER, READER, Kind, Proc, Registration, roster
+from freshline.pipeline.cache.versions import Pointer, publish_fields, state
+from freshline.pipeline.core.errors import DeployError
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.lock import Lock, LockedSet
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.services import redis_client
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.deploy.pointer import flip, retire, start
+from freshline.pipeline.deploy.warm import warm
 from tests.helpers import (
     Api,
     as_user,
@@ -113,7 +113,7 @@ class World:
     @contextmanager
     def api(self, code: Registry, lock: Lock, version: int) -> Iterator[Api]:
         """The read API on ``code`` (its own version ``version``), as the API logs in."""
-        from pipeline.api import create_app
+        from freshline.pipeline.api import create_app
 
         app = create_app(
             self.api_settings.model_copy(update={"schema_version": version, "local_cache_size": 0}),
@@ -145,7 +145,7 @@ class World:
             features.close()
 
     def consumer(self, code: Registry, lock: Lock, group: str) -> Registration:
-        """A consumer's registration (what ``consumers.worker.Worker`` keeps while it
+        """A consumer's registration (what ``freshline.consumers.worker.Worker`` keeps while it
         runs), as the writers log in."""
         proc = Proc.of("consume", lock, code, group=group, pointer=self.pointer)
         return Registration(self.writer_redis, proc, pointer=self.pointer).start()

@@ -9,11 +9,11 @@ import pytest
 from confluent_kafka import Message
 from confluent_kafka.admin import AdminClient
 
-from consumers.kafka import Consumer, Producer, admin_client
-from consumers.topics import ensure
 from fraud.demo import catch_up, queued
-from pipeline.core.settings import Settings
-from pipeline.observe.staleness import GroupLag
+from freshline.consumers.kafka import Consumer, Producer, admin_client
+from freshline.consumers.topics import ensure
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.observe.staleness import GroupLag
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.kafka

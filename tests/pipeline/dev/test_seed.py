@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from fraud.cli import app
 from fraud.seed import SeedSummary, TenantsExist, seed
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import ANCHOR, error_line, freshline
 
 

@@ -19,11 +19,11 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.core.db import make_owner_engine
-from pipeline.core.settings import Settings
-from pipeline.history.backfill import S0, backfill
-from pipeline.history.recorder import UNAVAILABLE, Change, Recorder, parse
-from pipeline.history.tables import EPOCH, Layout, create, layout, qualified
+from freshline.pipeline.core.db import make_owner_engine
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.history.backfill import S0, backfill
+from freshline.pipeline.history.recorder import UNAVAILABLE, Change, Recorder, parse
+from freshline.pipeline.history.tables import EPOCH, Layout, create, layout, qualified
 from tests.helpers import role_engine
 from tests.pipeline.history import recording
 

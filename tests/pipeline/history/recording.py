@@ -1,6 +1,6 @@
 """History tables for the evaluator's tests, laid out as the history contract says.
 
-The history tables are the history issue's (51: :mod:`pipeline.history.tables`); these
+The history tables are the history issue's (51: :mod:`freshline.pipeline.history.tables`); these
 tests fill them two ways:
 
 * :func:`version`: one row version written directly, with the commit times a test
@@ -23,8 +23,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.history import tables
-from pipeline.history.recorder import Change, Recorder
+from freshline.pipeline.history import tables
+from freshline.pipeline.history.recorder import Change, Recorder
 
 SCHEMA = "freshline"
 _XMINS = itertools.count(10)
@@ -61,7 +61,7 @@ def capture(
     retention_s: int | None = None,
 ) -> str:
     """Make ``public.table``'s history table with the history issue's DDL
-    (:func:`pipeline.history.tables.create`) and register it as starting at ``start``
+    (:func:`freshline.pipeline.history.tables.create`) and register it as starting at ``start``
     and complete to ``complete_to`` (default: forever); with ``backfill``, copy today's
     rows in as versions every snapshot sees (``_fl_xmin`` 3) from ``start``. Run as the
     owner."""

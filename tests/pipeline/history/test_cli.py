@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from pipeline.core.settings import Settings
+from freshline.pipeline.core.settings import Settings
 from tests.helpers import FRESHLINE, drop_database, recreate_database
 from tests.test_aggregations import TABLES as SHOP_TABLES
 

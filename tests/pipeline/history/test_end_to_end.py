@@ -20,15 +20,21 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine
 
-from consumers.history import HistoryWorker
-from consumers.kafka import admin_client
-from consumers.metrics import history_metrics
-from consumers.topics import ensure_cdc_topics
-from pipeline.cdc.connect import ConnectClient, connector_config, drop_slot, names, streaming
-from pipeline.core.settings import Settings
-from pipeline.history.audit import audit
-from pipeline.history.backfill import backfill
-from pipeline.history.tables import create, layout, qualified, registered
+from freshline.consumers.history import HistoryWorker
+from freshline.consumers.kafka import admin_client
+from freshline.consumers.metrics import history_metrics
+from freshline.consumers.topics import ensure_cdc_topics
+from freshline.pipeline.cdc.connect import (
+    ConnectClient,
+    connector_config,
+    drop_slot,
+    names,
+    streaming,
+)
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.history.audit import audit
+from freshline.pipeline.history.backfill import backfill
+from freshline.pipeline.history.tables import create, layout, qualified, registered
 from tests.consumers.conftest import own_settings, wait_for
 from tests.pipeline.history.conftest import KEEP, History, Txn, sample
 

@@ -15,10 +15,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.core.features import FeatureSet, Field
-from pipeline.core.repository import REGISTRY
-from pipeline.core.types import FeatureValues
-from pipeline.history.evaluator import (
+from freshline.pipeline.core.features import FeatureSet, Field
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.types import FeatureValues
+from freshline.pipeline.history.evaluator import (
     AtCommitTime,
     AtSnapshot,
     Evaluator,

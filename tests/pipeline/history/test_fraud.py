@@ -18,10 +18,10 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from pipeline.core.codec import HEADER, parse_watermark
-from pipeline.core.keys import feature_pattern
-from pipeline.core.settings import Settings
-from pipeline.history.snapshots import snapshots_of
+from freshline.pipeline.core.codec import HEADER, parse_watermark
+from freshline.pipeline.core.keys import feature_pattern
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.history.snapshots import snapshots_of
 from tests.helpers import FRESHLINE, drop_database, fresh_version, recreate_database, wait_until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.connect]

@@ -4,7 +4,7 @@ Hypothesis draws a history for one tenant (inserts, corrections, moves, deletes,
 commits, device and geoip changes, a truncate) on the fraud example and on
 ``tests/repos/shop``, and runs it as real transactions on a database of the module's own
 (a truncate there harms no other test). At drawn moments it computes what the online
-path serves, :func:`pipeline.cache.recompute.compute` as the consumers call it (one
+path serves, :func:`freshline.pipeline.cache.recompute.compute` as the consumers call it (one
 statement, each feature set on its own path: the incremental one where declared), with
 the snapshot and ``as_of`` its entries name (``Batch.snapshot``, ``Batch.as_of_us``),
 sometimes while a transaction is still open (it commits later: a late commit). At the end, the
@@ -13,7 +13,7 @@ the fraud example so does the independent reference (:mod:`tests.faults.referenc
 over the history rows that snapshot sees.
 
 History is the history issue's: its tables, its backfill (S0) and its recorder
-(:class:`pipeline.history.recorder.Recorder`, as the consumer role), handed each
+(:class:`freshline.pipeline.history.recorder.Recorder`, as the consumer role), handed each
 committed transaction's changes as Debezium records (images, transaction id, WAL
 position, commit time) by a logging trigger that stands in for the connector
 (:func:`recording.log`, :func:`recording.drain`).
@@ -39,17 +39,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import Connection, Engine
 
-from pipeline.cache.recompute import compute
-from pipeline.core.db import make_engine
-from pipeline.core.features import Registry
-from pipeline.core.maintenance import install_missing
-from pipeline.core.repository import REGISTRY, load
-from pipeline.core.settings import Settings
-from pipeline.core.types import FeatureValues
-from pipeline.history import tables
-from pipeline.history.backfill import backfill
-from pipeline.history.evaluator import AtCommitTime, AtSnapshot, Evaluator
-from pipeline.history.recorder import Recorder
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.core.db import make_engine
+from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.maintenance import install_missing
+from freshline.pipeline.core.repository import REGISTRY, load
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import FeatureValues
+from freshline.pipeline.history import tables
+from freshline.pipeline.history.backfill import backfill
+from freshline.pipeline.history.evaluator import AtCommitTime, AtSnapshot, Evaluator
+from freshline.pipeline.history.recorder import Recorder
 from tests.faults import reference
 from tests.helpers import ROOT, drop_database, migrate, recreate_database, role_url
 from tests.pipeline.history import recording

@@ -9,8 +9,8 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.core.repository import load
-from pipeline.deploy.plan import plan
+from freshline.pipeline.core.repository import load
+from freshline.pipeline.deploy.plan import plan
 
 DEFINITIONS = '''
 from freshline import Entity, FeatureSet, Field, Table

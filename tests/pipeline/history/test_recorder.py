@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from consumers.history import prune
-from pipeline.history.audit import audit_table
-from pipeline.history.recorder import HistoryBehind, widen
-from pipeline.history.tables import follow, layout, qualified, registered
+from freshline.consumers.history import prune
+from freshline.pipeline.history.audit import audit_table
+from freshline.pipeline.history.recorder import HistoryBehind, widen
+from freshline.pipeline.history.tables import follow, layout, qualified, registered
 from tests.pipeline.history.conftest import KEEP, History, Txn, sample
 
 HistoryFactory = Callable[[], History]

@@ -2,11 +2,11 @@
 
 The fraud tables are captured by a connector of the module's own (its topic prefix and
 slot; the migrations' publication), history is created and backfilled from S0, and ``freshline
-record``'s worker (:class:`consumers.history.HistoryWorker`) records every change. A
+record``'s worker (:class:`freshline.consumers.history.HistoryWorker`) records every change. A
 tenant's transactions then see an insert, a correction, a move to another user, a
 delete, and a late commit (a read while the inserting transaction is still open). After
 each, the online path computes the three feature sets as the consumers do
-(:func:`~pipeline.cache.recompute.compute`, one statement each), naming the snapshot and
+(:func:`~freshline.pipeline.cache.recompute.compute`, one statement each), naming the snapshot and
 ``as_of`` its entries carry. Once history is complete past the last read, the training
 set gives every read back: ``AtSnapshot`` of the read's snapshot, and ``AtCommitTime``
 of its ``as_of`` (commit times from the stream).
@@ -25,11 +25,11 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine
 
-from consumers.history import HistoryWorker
-from consumers.kafka import admin_client
-from consumers.topics import ensure_cdc_topics
-from pipeline.cache.recompute import Batch, compute
-from pipeline.cdc.connect import (
+from freshline.consumers.history import HistoryWorker
+from freshline.consumers.kafka import admin_client
+from freshline.consumers.topics import ensure_cdc_topics
+from freshline.pipeline.cache.recompute import Batch, compute
+from freshline.pipeline.cdc.connect import (
     ConnectClient,
     ConnectError,
     connector_config,
@@ -37,11 +37,11 @@ from pipeline.cdc.connect import (
     names,
     streaming,
 )
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.history import tables
-from pipeline.history.backfill import backfill
-from pipeline.history.evaluator import AtCommitTime, AtSnapshot, Evaluator
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.history import tables
+from freshline.pipeline.history.backfill import backfill
+from freshline.pipeline.history.evaluator import AtCommitTime, AtSnapshot, Evaluator
 from tests.consumers.conftest import own_settings, wait_for
 from tests.helpers import role_engine
 

@@ -18,19 +18,19 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from consumers.kafka import admin_client
-from consumers.served import ServedSink
-from consumers.topics import ensure
-from pipeline.api import create_app
-from pipeline.api.auth import create_tenant
-from pipeline.core.codec import HEADER
-from pipeline.core.keys import feature_key
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.topics import SERVED, qualified
-from pipeline.core.types import EntityRef
-from pipeline.observe.served_files import ParquetLog
-from pipeline.observe.skew import check
+from freshline.consumers.kafka import admin_client
+from freshline.consumers.served import ServedSink
+from freshline.consumers.topics import ensure
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_tenant
+from freshline.pipeline.core.codec import HEADER
+from freshline.pipeline.core.keys import feature_key
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import SERVED, qualified
+from freshline.pipeline.core.types import EntityRef
+from freshline.pipeline.observe.served_files import ParquetLog
+from freshline.pipeline.observe.skew import check
 from tests.helpers import Api, fresh_version, freshline, running
 from tests.pipeline.history import recording
 

@@ -11,18 +11,18 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from consumers.processor import Processor
 from fraud.seed import SeedSummary
-from pipeline.cache.readthrough import Hooks, ReadThrough
-from pipeline.cache.recompute import compute
-from pipeline.cache.store import FeatureStore
-from pipeline.core.db import make_engine
-from pipeline.core.keys import feature_pattern
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import ChangeEvent, EntityRef
-from pipeline.history.snapshots import keeper, snapshot_of, snapshots_of
-from pipeline.history.tables import epoch_us
+from freshline.consumers.processor import Processor
+from freshline.pipeline.cache.readthrough import Hooks, ReadThrough
+from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.db import make_engine
+from freshline.pipeline.core.keys import feature_pattern
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import ChangeEvent, EntityRef
+from freshline.pipeline.history.snapshots import keeper, snapshot_of, snapshots_of
+from freshline.pipeline.history.tables import epoch_us
 from tests.consumers.conftest import insert_transaction
 from tests.helpers import drop_database, recreate_database, role_engine
 

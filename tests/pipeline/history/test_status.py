@@ -8,8 +8,8 @@ from typing import Any, cast
 
 import sqlalchemy as sa
 
-from pipeline.history.status import rows
-from pipeline.observe.status import StatusBoard
+from freshline.pipeline.history.status import rows
+from freshline.pipeline.observe.status import StatusBoard
 from tests.pipeline.history.conftest import History, Txn, sample
 
 

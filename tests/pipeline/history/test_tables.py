@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pipeline.history.tables import MAX_NAME, history_ddl, history_table_name, layout
+from freshline.pipeline.history.tables import MAX_NAME, history_ddl, history_table_name, layout
 from tests.pipeline.history.conftest import History
 
 

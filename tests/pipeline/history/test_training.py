@@ -11,10 +11,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from pipeline.core.repository import REGISTRY, load
-from pipeline.core.settings import Settings
-from pipeline.history.evaluator import AtCommitTime, Evaluator
-from pipeline.history.training import SpineError, training_set
+from freshline.pipeline.core.repository import REGISTRY, load
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.history.evaluator import AtCommitTime, Evaluator
+from freshline.pipeline.history.training import SpineError, training_set
 from tests.helpers import ROOT, error_line, freshline, role_url
 from tests.pipeline.history import recording
 from tests.pipeline.history.test_evaluator import txn

@@ -13,14 +13,14 @@ import sqlalchemy as sa
 from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from consumers.history import HistoryWorker, group
-from consumers.kafka import Consumer, Producer, admin_client
-from consumers.metrics import history_metrics
-from consumers.topics import ensure
-from pipeline.cdc.connect import names
-from pipeline.core.settings import Settings
-from pipeline.history.audit import audit
-from pipeline.history.tables import follow, layout, registered
+from freshline.consumers.history import HistoryWorker, group
+from freshline.consumers.kafka import Consumer, Producer, admin_client
+from freshline.consumers.metrics import history_metrics
+from freshline.consumers.topics import ensure
+from freshline.pipeline.cdc.connect import names
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.history.audit import audit
+from freshline.pipeline.history.tables import follow, layout, registered
 from tests.consumers.conftest import own_settings
 from tests.pipeline.history.conftest import KEEP, History, Txn, sample
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import redis
 
-from pipeline.core.errors import ModelError
-from pipeline.core.keys import inference_key, inference_pattern
-from pipeline.dev.models import SlowModel
-from pipeline.inference.models import LogisticModel
-from pipeline.inference.predictions import (
+from freshline.pipeline.core.errors import ModelError
+from freshline.pipeline.core.keys import inference_key, inference_pattern
+from freshline.pipeline.dev.models import SlowModel
+from freshline.pipeline.inference.models import LogisticModel
+from freshline.pipeline.inference.predictions import (
     Array,
     InferenceCache,
     InvalidInput,

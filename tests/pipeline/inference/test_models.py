@@ -8,15 +8,15 @@ import orjson
 import pytest
 import redis
 
-from pipeline.core.errors import ModelError
-from pipeline.core.keys import MODELS_KEY
-from pipeline.dev.models import SlowModel
-from pipeline.inference.models import (
+from freshline.pipeline.core.errors import ModelError
+from freshline.pipeline.core.keys import MODELS_KEY
+from freshline.pipeline.dev.models import SlowModel
+from freshline.pipeline.inference.models import (
     LogisticModel,
     ModelRegistry,
     UnknownModel,
 )
-from pipeline.inference.predictions import Array, InferenceCache
+from freshline.pipeline.inference.predictions import Array, InferenceCache
 
 FEATURES = ("txn_count_90d", "txn_amount_90d", "device_users", "geo_distance_km")
 

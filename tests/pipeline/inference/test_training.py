@@ -15,8 +15,8 @@ from fraud.training import (
     train,
     vector,
 )
-from pipeline.inference.models import ModelRegistry, load_model
-from pipeline.inference.predictions import InferenceCache
+from freshline.pipeline.inference.models import ModelRegistry, load_model
+from freshline.pipeline.inference.predictions import InferenceCache
 
 
 def test_the_example_model_trains_on_seeded_features_and_serves_through_the_cache(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.observe.advisor import (
+from freshline.pipeline.observe.advisor import (
     Figures,
     advise,
     difference,

@@ -26,17 +26,17 @@ from rich.console import Console
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.cache.recompute import Batch, compute
-from pipeline.cache.store import FeatureStore
-from pipeline.core.errors import ConfigError, InvalidId, UnknownFeatureSet
-from pipeline.core.keys import feature_key, parse_feature_key
-from pipeline.core.maintenance import DerivedPath
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.types import EntityRef
-from pipeline.observe.audit import Auditor, RecheckHook, Suspect, sample_pattern
-from pipeline.observe.audit_metrics import AuditMetrics
-from pipeline.observe.consistency import AuditReport, GraceResult, Mismatch, same
+from freshline.pipeline.cache.recompute import Batch, compute
+from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.core.errors import ConfigError, InvalidId, UnknownFeatureSet
+from freshline.pipeline.core.keys import feature_key, parse_feature_key
+from freshline.pipeline.core.maintenance import DerivedPath
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.types import EntityRef
+from freshline.pipeline.observe.audit import Auditor, RecheckHook, Suspect, sample_pattern
+from freshline.pipeline.observe.audit_metrics import AuditMetrics
+from freshline.pipeline.observe.consistency import AuditReport, GraceResult, Mismatch, same
 from tests.helpers import FRESHLINE
 
 USERS = 20
@@ -436,7 +436,7 @@ def test_a_wrong_entry_rewritten_under_fresh_watermarks_ends_unverified(
     assert doc["unverified"] == 1 and doc["unverified_entries"][0]["key"] == entry.key
     sample = registry.get_sample_value
     assert sample("freshline_audit_unverified_ratio") == pytest.approx(1 / len(refs))
-    from pipeline.cli.audit import summary
+    from freshline.pipeline.cli.audit import summary
 
     shown = io.StringIO()
     Console(file=shown, width=80).print(summary(report, "test"))
@@ -717,7 +717,7 @@ def test_a_value_of_another_json_type_is_a_mismatch(
 def test_tombstones_and_absent_entries_are_consistent(
     engine: Engine, store: FeatureStore, tenant: str, auditor: AuditorFactory
 ) -> None:
-    from pipeline.cache.recompute import current_watermark
+    from freshline.pipeline.cache.recompute import current_watermark
 
     written = materialize(engine, store, tenant, users=range(1, 6))
     store.invalidate(written[:3], current_watermark(engine))
@@ -731,7 +731,7 @@ def test_entries_below_a_truncate_floor_read_as_absent(
     engine: Engine, store: FeatureStore, tenant: str, refs: list[EntityRef], auditor: AuditorFactory
 ) -> None:
     """A truncate voids a feature set's older entries for readers, and so for the audit."""
-    from pipeline.cache.recompute import current_watermark
+    from freshline.pipeline.cache.recompute import current_watermark
 
     refs = materialize(engine, store, tenant, users=range(1, 6))
     wrong = next(r for r in refs if r.feature_set == "device_risk")
@@ -838,8 +838,8 @@ def test_a_report_keeps_the_first_mismatches_and_counts_them_all(
     refs: list[EntityRef],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import pipeline.observe.audit as audit_module
-    from pipeline.cli.audit import summary
+    import freshline.pipeline.observe.audit as audit_module
+    from freshline.pipeline.cli.audit import summary
 
     monkeypatch.setattr(audit_module, "KEPT_MISMATCHES", 2)
     for ref in [r for r in refs if r.feature_set == "geo"][:3]:
@@ -847,7 +847,7 @@ def test_a_report_keeps_the_first_mismatches_and_counts_them_all(
     report = auditor().audit_refs(refs, graces=GRACES)
     assert report.persistent == 3 and len(report.mismatches) == 2 and not report.consistent
     assert report.as_json()["persistent"] == 3
-    monkeypatch.setattr("pipeline.cli.audit.SHOWN_MISMATCHES", 1)
+    monkeypatch.setattr("freshline.pipeline.cli.audit.SHOWN_MISMATCHES", 1)
     shown = io.StringIO()
     Console(file=shown, width=80).print(summary(report, "test"))
     text = shown.getvalue()
@@ -995,7 +995,7 @@ def test_the_command_audits_sample_after_sample_for_a_duration(
 def test_the_command_leaves_prometheus_client_unimported_until_it_runs() -> None:
     """``freshline serve`` sets PROMETHEUS_MULTIPROC_DIR after the CLI's modules load;
     prometheus_client fixes its mode when first imported, so none of them may import it."""
-    code = "import sys, pipeline.cli; print('prometheus_client' in sys.modules)"
+    code = "import sys, freshline.pipeline.cli; print('prometheus_client' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"

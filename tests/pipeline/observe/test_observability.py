@@ -14,16 +14,16 @@ import redis
 from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine
 
-from consumers.kafka import Producer, admin_client
-from consumers.topics import ensure, managed_topics
 from fraud.seed import SeedSummary
-from pipeline.core.codec import encode_entry
-from pipeline.core.keys import feature_key
-from pipeline.core.repository import REGISTRY
-from pipeline.core.settings import Settings
-from pipeline.core.topics import qualified
-from pipeline.core.types import EntityRef
-from pipeline.observe.staleness import GroupLag, sample, source_topics
+from freshline.consumers.kafka import Producer, admin_client
+from freshline.consumers.topics import ensure, managed_topics
+from freshline.pipeline.core.codec import encode_entry
+from freshline.pipeline.core.keys import feature_key
+from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import qualified
+from freshline.pipeline.core.types import EntityRef
+from freshline.pipeline.observe.staleness import GroupLag, sample, source_topics
 from tests.consumers.conftest import wait_for
 from tests.helpers import Api, api_for, fresh_version, make_url_redis
 

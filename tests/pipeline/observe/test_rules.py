@@ -18,12 +18,12 @@ import redis
 import yaml
 from sqlalchemy.engine import Engine
 
-import pipeline.api.metrics  # noqa: F401  (registers the API's metrics)
-from consumers.metrics import consumer_metrics
-from pipeline.api import create_app
-from pipeline.core.settings import Settings
-from pipeline.observe.audit_metrics import audit_metrics
-from pipeline.observe.skew import skew_metrics
+import freshline.pipeline.api.metrics  # noqa: F401  (registers the API's metrics)
+from freshline.consumers.metrics import consumer_metrics
+from freshline.pipeline.api import create_app
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.observe.audit_metrics import audit_metrics
+from freshline.pipeline.observe.skew import skew_metrics
 from tests.helpers import running
 
 DOCKER = Path(__file__).resolve().parents[3] / "docker"

@@ -6,7 +6,7 @@ from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from pipeline.observe.served_files import ParquetLog
+from freshline.pipeline.observe.served_files import ParquetLog
 
 
 def row(request_id: str, at: datetime, entity: str = "1") -> dict[str, Any]:

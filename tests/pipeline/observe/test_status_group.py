@@ -16,11 +16,11 @@ from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
 from sqlalchemy.engine import Engine
 
-from consumers.kafka import Consumer, Producer, admin_client
-from consumers.topics import ensure, managed_topics
 from fraud.seed import SeedSummary
-from pipeline.core.settings import Settings
-from pipeline.core.topics import qualified
+from freshline.consumers.kafka import Consumer, Producer, admin_client
+from freshline.consumers.topics import ensure, managed_topics
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.core.topics import qualified
 from tests.consumers.conftest import wait_for
 from tests.helpers import api_for, kafka_login
 

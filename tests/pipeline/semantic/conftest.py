@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pipeline.semantic.cache import SemanticCache
+from freshline.pipeline.semantic.cache import SemanticCache
 
 
 @pytest.fixture

@@ -17,22 +17,22 @@ import pytest
 import redis
 from sqlalchemy.engine import Engine
 
-from pipeline.api import create_app
-from pipeline.api.auth import create_api_key, create_tenant
-from pipeline.core.budget import TenantBudget, usage
-from pipeline.core.keys import (
+from freshline.pipeline.api import create_app
+from freshline.pipeline.api.auth import create_api_key, create_tenant
+from freshline.pipeline.core.budget import TenantBudget, usage
+from freshline.pipeline.core.keys import (
     semantic_budget_keys,
     semantic_entry_key,
     semantic_ids_key,
     semantic_log_key,
 )
-from pipeline.core.settings import Settings
-from pipeline.semantic import prior, state
-from pipeline.semantic.cache import EntryOverBudget, Scope, SemanticCache
-from pipeline.semantic.decision import Learned
-from pipeline.semantic.embed import Embedder, normalise
-from pipeline.semantic.entry import entry_id
-from pipeline.semantic.namespaces import purge_keys, stats
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.semantic import prior, state
+from freshline.pipeline.semantic.cache import EntryOverBudget, Scope, SemanticCache
+from freshline.pipeline.semantic.decision import Learned
+from freshline.pipeline.semantic.embed import Embedder, normalise
+from freshline.pipeline.semantic.entry import entry_id
+from freshline.pipeline.semantic.namespaces import purge_keys, stats
 from tests.helpers import running, wait_until
 from tests.pipeline.semantic.test_index import DIM, Vectors, answer
 from tests.pipeline.semantic.test_learning import Draws

@@ -13,26 +13,26 @@ import orjson
 import pytest
 import redis
 
-from pipeline.core.errors import InvalidId
-from pipeline.core.keys import SEMANTIC_PREFIX, semantic_pattern, semantic_registry_key
-from pipeline.semantic.cache import (
+from freshline.pipeline.core.errors import InvalidId
+from freshline.pipeline.core.keys import SEMANTIC_PREFIX, semantic_pattern, semantic_registry_key
+from freshline.pipeline.semantic.cache import (
     InvalidPrompt,
     NonDeterministicParams,
     Scope,
     SemanticCache,
     check_deterministic,
 )
-from pipeline.semantic.embed import (
+from freshline.pipeline.semantic.embed import (
     BatchingEmbedder,
     EmbeddingError,
     HttpEmbedder,
     MiniLM,
     local_model,
 )
-from pipeline.semantic.entry import literals, literals_match, names_match
-from pipeline.semantic.namespaces import stats
-from pipeline.semantic.prior import group_of
-from pipeline.semantic.tune import HOLDOUT, PAIRS, load_pairs, sweep
+from freshline.pipeline.semantic.entry import literals, literals_match, names_match
+from freshline.pipeline.semantic.namespaces import stats
+from freshline.pipeline.semantic.prior import group_of
+from freshline.pipeline.semantic.tune import HOLDOUT, PAIRS, load_pairs, sweep
 from tests.helpers import http_server, wait_until
 
 ZERO = {"temperature": 0}

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.semantic import decision, prior
-from pipeline.semantic.decision import EMPTY, MAX_OUTCOMES, Learned, Outcomes
-from pipeline.semantic.embed import local_model
-from pipeline.semantic.tune import load_pairs, similarities
+from freshline.pipeline.semantic import decision, prior
+from freshline.pipeline.semantic.decision import EMPTY, MAX_OUTCOMES, Learned, Outcomes
+from freshline.pipeline.semantic.embed import local_model
+from freshline.pipeline.semantic.tune import load_pairs, similarities
 
 MINILM = prior.shipped("all-MiniLM-L6-v2")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.semantic.embed import MiniLM, local_model
+from freshline.pipeline.semantic.embed import MiniLM, local_model
 
 # Texts without a special-token literal ([CLS], [SEP], [UNK], [PAD], [MASK]): accents,
 # punctuation, CJK and Hangul, an emoji, control whitespace, long words split into

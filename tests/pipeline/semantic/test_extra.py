@@ -17,9 +17,9 @@ import pytest
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from pipeline.api.auth import create_api_key
-from pipeline.core.settings import Settings
-from pipeline.semantic.extra import INSTALL, MODULES
+from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.core.settings import Settings
+from freshline.pipeline.semantic.extra import INSTALL, MODULES
 from tests.helpers import fresh_version
 
 # Starts the app from the environment's settings, reads one feature and tries the LLM
@@ -31,8 +31,8 @@ if os.environ["ABSENT"] == "1":
     for name in extra:
         sys.modules[name] = None
 from starlette.testclient import TestClient
-from pipeline.api.app import create_app
-from pipeline.core.settings import load_settings
+from freshline.pipeline.api.app import create_app
+from freshline.pipeline.core.settings import load_settings
 try:
     app = create_app(load_settings(), follow_deploys=False)
 except Exception as exc:
@@ -63,10 +63,10 @@ def imported_by(statement: str) -> list[str]:
 
 
 def test_importing_the_app_imports_nothing_of_the_extra() -> None:
-    modules = imported_by("import pipeline.api.app")
-    assert "pipeline.api.app" in modules and "starlette.applications" in modules
+    modules = imported_by("import freshline.pipeline.api.app")
+    assert "freshline.pipeline.api.app" in modules and "starlette.applications" in modules
     assert [m for m in modules if m.split(".")[0] in MODULES] == []
-    assert "pipeline.api.llm" not in modules
+    assert "freshline.pipeline.api.llm" not in modules
 
 
 @pytest.fixture(scope="module")

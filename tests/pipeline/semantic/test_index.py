@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import redis
 
-from pipeline.core.keys import semantic_log_key
-from pipeline.semantic.cache import Scope, SemanticCache
-from pipeline.semantic.embed import normalise
-from pipeline.semantic.entry import entry_id
-from pipeline.semantic.index import STREAM_RETENTION_MS, NamespaceIndex
-from pipeline.semantic.namespaces import live_namespaces
-from pipeline.semantic.pool import IndexPool
+from freshline.pipeline.core.keys import semantic_log_key
+from freshline.pipeline.semantic.cache import Scope, SemanticCache
+from freshline.pipeline.semantic.embed import normalise
+from freshline.pipeline.semantic.entry import entry_id
+from freshline.pipeline.semantic.index import STREAM_RETENTION_MS, NamespaceIndex
+from freshline.pipeline.semantic.namespaces import live_namespaces
+from freshline.pipeline.semantic.pool import IndexPool
 from tests.helpers import wait_until
 
 DIM = 32

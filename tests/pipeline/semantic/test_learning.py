@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 import redis
 
-from pipeline.core.keys import (
+from freshline.pipeline.core.keys import (
     semantic_entry_key,
     semantic_outcomes_key,
     semantic_pattern,
     semantic_probes_key,
 )
-from pipeline.semantic import decision, prior
-from pipeline.semantic.cache import Scope, SemanticCache
-from pipeline.semantic.decision import MAX_OUTCOMES, Learned
-from pipeline.semantic.entry import entry_id
-from pipeline.semantic.feedback import (
+from freshline.pipeline.semantic import decision, prior
+from freshline.pipeline.semantic.cache import Scope, SemanticCache
+from freshline.pipeline.semantic.decision import MAX_OUTCOMES, Learned
+from freshline.pipeline.semantic.entry import entry_id
+from freshline.pipeline.semantic.feedback import (
     MAX_PAIRED,
     PROBE_TTL_MS,
     Probe,
@@ -37,7 +37,7 @@ from pipeline.semantic.feedback import (
     pairs_key,
     same_response,
 )
-from pipeline.semantic.namespaces import purge_namespace, stats
+from freshline.pipeline.semantic.namespaces import purge_namespace, stats
 
 DIM = 256
 ZERO = {"temperature": 0}

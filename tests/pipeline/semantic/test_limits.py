@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 import redis
 
-from pipeline.core.keys import (
+from freshline.pipeline.core.keys import (
     semantic_entry_key,
     semantic_ids_key,
     semantic_log_key,
     semantic_pattern,
     semantic_registry_key,
 )
-from pipeline.semantic.cache import Limits, Scope, SemanticCache
-from pipeline.semantic.embed import normalise
-from pipeline.semantic.entry import entry_id
-from pipeline.semantic.namespaces import stats
+from freshline.pipeline.semantic.cache import Limits, Scope, SemanticCache
+from freshline.pipeline.semantic.embed import normalise
+from freshline.pipeline.semantic.entry import entry_id
+from freshline.pipeline.semantic.namespaces import stats
 from tests.helpers import wait_until
 from tests.pipeline.semantic.test_index import DIM, ZERO, Vectors, answer
 

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import redis
 
-from pipeline.core.keys import semantic_pattern, semantic_registry_key
-from pipeline.semantic import prior
-from pipeline.semantic.cache import Limits, Scope, SemanticCache
-from pipeline.semantic.decision import Learned
+from freshline.pipeline.core.keys import semantic_pattern, semantic_registry_key
+from freshline.pipeline.semantic import prior
+from freshline.pipeline.semantic.cache import Limits, Scope, SemanticCache
+from freshline.pipeline.semantic.decision import Learned
 from tests.pipeline.semantic.test_learning import Draws
 
 DIM = 64
