@@ -22,12 +22,17 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
 
-from freshline.pipeline.core.maintenance import DerivedPath
+from freshline.pipeline.core.declarations import AggKind
+from freshline.pipeline.core.maintenance import DerivedPath, catalog
+from freshline.pipeline.core.maintenance.kinds import KINDS
 from freshline.pipeline.core.repository import load
+from tests.test_aggregations import TABLES as SHOP_DDL
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
@@ -180,3 +185,24 @@ def test_generated_sql_is_the_golden_files(repo: str, name: str) -> None:
             f"the generated {piece} of {repo}/{name} differs from {golden.relative_to(ROOT)}: "
             "if the change is meant, FRESHLINE_GOLDEN_UPDATE=1 rewrites it (review the diff)"
         )
+
+
+def test_every_aggregation_kind_has_its_class() -> None:
+    assert sorted(KINDS) == sorted(get_args(AggKind))
+
+
+@pytest.mark.parametrize(("repo", "name"), CASES, ids=[f"{r}-{n}" for r, n in CASES])
+def test_the_recorded_catalog_is_what_postgres_says(repo: str, name: str, engine: Engine) -> None:
+    """The answers the golden files are generated from are the database's own, for the
+    tables as the fraud migrations and tests/test_aggregations.py make them (stack tier)."""
+    root, tables, _ = REPOSITORIES[repo]
+    path = load(root).registry[name].maintenance
+    assert isinstance(path, DerivedPath)
+    with engine.begin() as conn:
+        if repo == "shop":
+            for statement in SHOP_DDL.split(";"):
+                if statement.strip():
+                    conn.execute(sa.text(statement))
+        real = catalog.source(conn, path)
+        assert catalog.partitions(conn, real.table) == []
+    assert real == catalog.source(Catalog(tables), path)  # type: ignore[arg-type]
