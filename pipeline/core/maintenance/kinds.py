@@ -3,12 +3,12 @@ adds to the generated SQL (the partial of some rows, an update's delta, a head's
 and its part of the incremental query: the partials' sum, the edge rows', the two
 combined). A new kind is one new class here and one entry in :data:`KINDS`.
 
-The SQL aliases the methods write in are those of the statements that call them:
-``x`` a source row, ``b`` a day partial, ``bk`` the partials' sums, ``ed`` the edge
-rows' aggregates, ``hd`` as_of's head, ``dl.dd`` the logged days, ``lt.late`` whether a
-partial of as_of's day or later exists, ``w`` the window bounds, ``o`` and ``n`` a head
-before and after a fold, ``fl_sg`` the sign of a row in an update's delta
-(docs/incremental.md).
+The SQL aliases the methods write in are those of the statements that call them: ``x``
+a source row, ``b`` a day partial; in the incremental query (:mod:`.query`)
+``buckets``, ``edges``, ``head``, ``bounds``, ``dirty`` and ``late``; in a head's fold
+(:mod:`.fold`) ``o`` and ``n``, the head before and the partial of the rows since its
+cut; in an update's delta, ``x.fl_sg``, the sign of a row (new 1, old -1). Why the
+values are exact: docs/incremental.md.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ class Reading:
     tiebreak: str | None
     """The source row's tiebreak column, on ``x``, when the declaration has one."""
     window: int
-    """Its window's index among the path's windows (``w.c<j>``, ``w.dc<j>``)."""
+    """Its window's index among the path's windows (``bounds.start<j>``)."""
     entity: tuple[str, ...]
     """The entity's columns (tenant first)."""
     heads: bool
-    """Whether the path keeps heads (``hd``)."""
+    """Whether the path keeps heads (``head``)."""
     members: str = ""
     latest: str = ""
     """A ``count_distinct``'s member and latest-day tables."""
@@ -121,7 +121,7 @@ class Kind:
         return self.partial(column, read.edge, read.time, read.tiebreak)
 
     def combine(self, read: Reading) -> str:
-        """Its value from the partials' ``bk`` and the edge rows' ``ed``."""
+        """Its value from the partials' ``buckets`` and the edge rows' ``edges``."""
         raise NotImplementedError
 
 
@@ -142,7 +142,7 @@ class Count(Kind):
         return [f"count(*) FILTER (WHERE {read.edge}) AS c{self.index}"]
 
     def combine(self, read: Reading) -> str:
-        return f"bk.c{self.index} + ed.c{self.index}"
+        return f"buckets.c{self.index} + edges.c{self.index}"
 
 
 class Moments(Kind):
@@ -184,7 +184,7 @@ class Moments(Kind):
     def sums(self) -> tuple[str, str, str]:
         """(count, sum, sum of squares) of the partials and the edge rows together."""
         i = self.index
-        count, total, squares = (f"(bk.{c}{i} + ed.{c}{i})" for c in ("n", "s", "q"))
+        count, total, squares = (f"(buckets.{c}{i} + edges.{c}{i})" for c in ("n", "s", "q"))
         return count, total, squares
 
 
@@ -266,7 +266,7 @@ class Extreme(Kind):
 
     def combine(self, read: Reading) -> str:
         name = f"{self.short}{self.index}"
-        return f"{self.pick}(bk.{name}, ed.{name})"
+        return f"{self.pick}(buckets.{name}, edges.{name})"
 
 
 class Min(Extreme):
@@ -326,8 +326,13 @@ class Last(Kind):
 
     def combine(self, read: Reading) -> str:
         i = self.index
-        new, old, new_value, old_value = f"ed.lt{i}", f"bk.lt{i}", f"ed.lv{i}", f"bk.lv{i}"
-        new_tie, old_tie = f"ed.lb{i}", f"bk.lb{i}"
+        new, old, new_value, old_value = (
+            f"edges.lt{i}",
+            f"buckets.lt{i}",
+            f"edges.lv{i}",
+            f"buckets.lv{i}",
+        )
+        new_tie, old_tie = f"edges.lb{i}", f"buckets.lb{i}"
         tied = (
             f"WHEN {new_tie} IS NOT NULL AND ({old_tie} IS NULL OR {new_tie} > {old_tie}) "
             f"THEN {new_value} "
@@ -373,15 +378,15 @@ class CountDistinct(Kind):
         # days from as_of's on, logged days).
         i = self.index
         in_clean = self._probe(read, "l.value")
-        edge_values = f"ed.ev{i} || hd.hv{i}" if read.heads else f"ed.ev{i}"
+        edge_values = f"edges.ev{i} || head.hv{i}" if read.heads else f"edges.ev{i}"
         own = " AND ".join(f"l.{c} = k.{c}" for c in read.entity)
         return (
-            f"(bk.lc{i}"
-            f" + CASE WHEN lt.late THEN (SELECT count(*) FROM {read.latest} l "
-            f"WHERE {own} AND l.latest >= w.da AND {in_clean} IS NOT NULL) "
+            f"(buckets.lc{i}"
+            f" + CASE WHEN late.present THEN (SELECT count(*) FROM {read.latest} l "
+            f"WHERE {own} AND l.latest >= bounds.as_of_day AND {in_clean} IS NOT NULL) "
             "ELSE 0 END"
-            f" + CASE WHEN cardinality(dl.dd) > 0 THEN (SELECT count(*) "
-            f"FROM {read.latest} l WHERE {own} AND l.latest = ANY(dl.dd) "
+            f" + CASE WHEN cardinality(dirty.days) > 0 THEN (SELECT count(*) "
+            f"FROM {read.latest} l WHERE {own} AND l.latest = ANY(dirty.days) "
             f"AND {in_clean} IS NOT NULL) ELSE 0 END"
             f" + (SELECT count(DISTINCT ev.value) FROM unnest({edge_values}) "
             f"AS ev(value) WHERE {self._probe(read, 'ev.value')} IS NULL))"
@@ -394,7 +399,10 @@ class CountDistinct(Kind):
         of the edge rows and of as_of's day are few, the member rows of a head entity's
         window many."""
         own = " AND ".join(f"m.{c} = k.{c}" for c in read.entity)
-        inside = f"m.day > w.dc{read.window} AND m.day < w.da AND m.day <> ALL(dl.dd)"
+        inside = (
+            f"m.day > bounds.start_day{read.window} AND m.day < bounds.as_of_day "
+            "AND m.day <> ALL(dirty.days)"
+        )
         return (
             f"(SELECT 1 FROM {read.members} m WHERE {own} AND m.value = {value} "
             f"AND {inside} LIMIT 1)"

@@ -2,11 +2,12 @@
 whole days' partials of each window, plus the source rows of the days its edges cut
 through and of the days logged since the last fold (docs/incremental.md).
 
-Its FROM items, each a LATERAL per key: ``w`` the window bounds (``da`` as_of's day,
-``c<j>`` and ``dc<j>`` window ``j``'s start and its day), ``dl`` the logged days
-(``dl.dd``), ``lt`` whether a partial of as_of's day or later exists (with a
-``count_distinct``), ``hd`` as_of's head, ``bk`` the partials' sums and ``ed`` the edge
-rows' aggregates. Each aggregation's part is its :class:`~.kinds.Kind`'s."""
+Its FROM items, each a LATERAL per key ``k``: ``bounds`` (``as_of_day``, and each
+window ``j``'s ``start<j>`` and ``start_day<j>``), ``dirty`` (``days``: the logged days
+inside the widest window), ``late`` (``present``: whether a partial of as_of's day or
+later exists; with a ``count_distinct``), ``head`` (as_of's head, when the path keeps
+heads), ``buckets`` (the clean whole days' partials summed) and ``edges`` (the edge and
+dirty days' rows aggregated). Each aggregation's part is its :class:`~.kinds.Kind`'s."""
 
 from __future__ import annotations
 
@@ -40,21 +41,22 @@ def incremental_query(shape: Shape) -> str:
     own = _own(shape, "g")
     return (
         f"\nSELECT {body}\nFROM k CROSS JOIN t\n"
-        f"CROSS JOIN LATERAL (SELECT {', '.join(_bounds(shape))}) AS w\n"
-        f"CROSS JOIN LATERAL (SELECT coalesce(array_agg(DISTINCT g.day), '{{}}') AS dd "
-        f"FROM {shape.log} g WHERE {own} AND g.day > w.dc{widest} AND g.day < w.da) "
-        "AS dl\n"
+        f"CROSS JOIN LATERAL (SELECT {', '.join(_bounds(shape))}) AS bounds\n"
+        f"CROSS JOIN LATERAL (SELECT coalesce(array_agg(DISTINCT g.day), '{{}}') AS days "
+        f"FROM {shape.log} g WHERE {own} AND g.day > bounds.start_day{widest} "
+        "AND g.day < bounds.as_of_day) "
+        "AS dirty\n"
         + (
             f"CROSS JOIN LATERAL (SELECT EXISTS (SELECT 1 FROM {shape.days} b "
-            f"WHERE {_own(shape, 'b')} AND b.day >= w.da) AS late) AS lt\n"
+            f"WHERE {_own(shape, 'b')} AND b.day >= bounds.as_of_day) AS present) AS late\n"
             if shape.distinct
             else ""
         )
         + (_head(shape) if shape.heads else "")
         + f"CROSS JOIN LATERAL (SELECT {', '.join(buckets) or '1 AS none'} "
-        f"FROM {_partials(shape)}) AS bk\n"
+        f"FROM {_partials(shape)}) AS buckets\n"
         f"CROSS JOIN LATERAL (SELECT {', '.join(edges) or '1 AS none'} FROM {_edge_rows(shape)} x "
-        f"WHERE {shape.row_filter('x')} AND ({_any_edge(shape)})) AS ed\n"
+        f"WHERE {shape.row_filter('x')} AND ({_any_edge(shape)})) AS edges\n"
     )
 
 
@@ -64,11 +66,11 @@ def _own(shape: Shape, alias: str) -> str:
 
 
 def _bounds(shape: Shape) -> list[str]:
-    """The window bounds ``w``: as_of's day, each window's start and its day."""
-    out = ["(t.as_of AT TIME ZONE 'UTC')::date AS da"]
+    """The window bounds: as_of's day, each window's start and its day."""
+    out = ["(t.as_of AT TIME ZONE 'UTC')::date AS as_of_day"]
     for j, window_s in enumerate(shape.windows):
         start = since("t.as_of", window_s)
-        out += [f"{start} AS c{j}", f"{utc_day(start)} AS dc{j}"]
+        out += [f"{start} AS start{j}", f"{utc_day(start)} AS start_day{j}"]
     return out
 
 
@@ -78,7 +80,7 @@ def _reading(shape: Shape, index: int, window: int) -> Reading:
     decl = shape.decl
     # The partials read are the clean whole days of the widest window; a narrower
     # window's are those after its own edge day.
-    inside = None if window == len(shape.windows) - 1 else f"b.day > w.dc{window}"
+    inside = None if window == len(shape.windows) - 1 else f"b.day > bounds.start_day{window}"
     return Reading(
         inside=inside,
         edge=f"x.fl_e{window} AND {slot.where}",
@@ -96,7 +98,10 @@ def _on_edge(shape: Shape, window: int) -> str:
     """Whether row ``x`` is in window ``window`` on one of the days read from rows."""
     time = f"x.{shape.decl.time}"
     day = utc_day(time)
-    return f"{time} > w.c{window} AND ({day} = w.dc{window} OR {day} = w.da OR {day} = ANY(dl.dd))"
+    return (
+        f"{time} > bounds.start{window} AND ({day} = bounds.start_day{window} "
+        f"OR {day} = bounds.as_of_day OR {day} = ANY(dirty.days))"
+    )
 
 
 def _any_edge(shape: Shape) -> str:
@@ -113,33 +118,38 @@ def _edge_rows(shape: Shape) -> str:
     aggregate's FILTER."""
     decl = shape.decl
     time = f"x.{decl.time}"
-    days = ", ".join([*(f"w.dc{j}" for j in range(len(shape.windows))), "w.da"])
-    days = f"ARRAY[{days}] || dl.dd"
+    days = ", ".join(
+        [*(f"bounds.start_day{j}" for j in range(len(shape.windows))), "bounds.as_of_day"]
+    )
+    days = f"ARRAY[{days}] || dirty.days"
     flags = ", ".join(f"{_on_edge(shape, j)} AS fl_e{j}" for j in range(len(shape.windows)))
     looked_up, joins = decl.looked_up()
     own = " AND ".join(
         f"x.{c} = k.{k}" for c, k in zip(shape.source_columns(), shape.entity.columns, strict=True)
     )
-    lower = day_start("ed_days.ed_day")
-    if shape.heads:  # as_of's day from its head's cut on, when a head is in use (hd)
-        lower = f"CASE WHEN ed_days.ed_day = w.da THEN coalesce(hd.cut, {lower}) ELSE {lower} END"
+    lower = day_start("edge_days.edge_day")
+    if shape.heads:  # as_of's day from its head's cut on, when a head is in use
+        lower = (
+            "CASE WHEN edge_days.edge_day = bounds.as_of_day "
+            f"THEN coalesce(head.cut, {lower}) ELSE {lower} END"
+        )
     return (
-        f"(SELECT x.* FROM (SELECT DISTINCT ed_day FROM unnest({days}) AS ed_day) "
-        f"AS ed_days CROSS JOIN LATERAL (SELECT {looked_up}, {flags} FROM {decl.table} x{joins} "
+        f"(SELECT x.* FROM (SELECT DISTINCT edge_day FROM unnest({days}) AS edge_day) "
+        f"AS edge_days CROSS JOIN LATERAL (SELECT {looked_up}, {flags} FROM {decl.table} x{joins} "
         f"WHERE {own} AND {time} >= {lower} "
-        f"AND {time} < {day_start('ed_days.ed_day + 1')} AND {time} <= t.as_of OFFSET 0) AS x)"
+        f"AND {time} < {day_start('edge_days.edge_day + 1')} AND {time} <= t.as_of OFFSET 0) AS x)"
     )
 
 
 def _head(shape: Shape) -> str:
-    """``hd``: as_of's day before the cut of its head, if no write since made it stale,
+    """``head``: as_of's day before the cut of its head, if no write since made it stale,
     with the deltas of the updates since its fold of rows before its cut taken in."""
     own_log = _own(shape, "g")
     values = ", ".join(
         [
             "h.day",
             "h.cut",
-            *taken(shape, "h", "gd"),
+            *taken(shape, "h", "deltas"),
             *(f"h.hv{slot.index}" for slot in shape.distinct),
         ]
     )
@@ -147,14 +157,15 @@ def _head(shape: Shape) -> str:
     if shape.moving:
         sums = (
             f"CROSS JOIN LATERAL (SELECT {', '.join(delta_sums(shape, 'g'))} "
-            f"FROM {shape.log} g WHERE {own_log} AND g.day = w.da AND g.till < h.cut) "
-            "AS gd "
+            f"FROM {shape.log} g WHERE {own_log} AND g.day = bounds.as_of_day AND g.till < h.cut) "
+            "AS deltas "
         )
     return (
         f"LEFT JOIN LATERAL (SELECT {values} FROM {shape.head} h {sums}WHERE {_own(shape, 'h')} "
-        f"AND h.day = w.da AND h.cut <= t.as_of AND NOT EXISTS (SELECT 1 FROM "
-        f"{shape.log} g WHERE {own_log} AND g.day = w.da AND {stale(shape, 'g', 'h')})) "
-        "AS hd ON true\n"
+        f"AND h.day = bounds.as_of_day AND h.cut <= t.as_of AND NOT EXISTS (SELECT 1 FROM "
+        f"{shape.log} g WHERE {own_log} AND g.day = bounds.as_of_day "
+        f"AND {stale(shape, 'g', 'h')})) "
+        "AS head ON true\n"
     )
 
 
@@ -163,15 +174,16 @@ def _partials(shape: Shape) -> str:
     heads, as_of's head as one more."""
     widest = len(shape.windows) - 1
     partials = (
-        f"{shape.days} b WHERE {_own(shape, 'b')} AND b.day > w.dc{widest} AND b.day < w.da "
-        "AND b.day <> ALL(dl.dd)"
+        f"{shape.days} b WHERE {_own(shape, 'b')} AND b.day > bounds.start_day{widest} "
+        "AND b.day < bounds.as_of_day "
+        "AND b.day <> ALL(dirty.days)"
     )
     if not shape.heads:
         return partials
     columns = ["day", *shape.partial_columns()]
     counts = [f"lc{slot.index}" for slot in shape.distinct]
-    theirs = ", ".join([*(f"hd.{c}" for c in columns), *("0::bigint" for _ in counts)])
+    theirs = ", ".join([*(f"head.{c}" for c in columns), *("0::bigint" for _ in counts)])
     return (
         f"(SELECT {', '.join(f'b.{c}' for c in [*columns, *counts])} FROM {partials} "
-        f"UNION ALL SELECT {theirs} WHERE hd.day IS NOT NULL) AS b"
+        f"UNION ALL SELECT {theirs} WHERE head.day IS NOT NULL) AS b"
     )
