@@ -164,7 +164,18 @@ def generated(repo: str, name: str) -> dict[str, str]:
     pieces["rebuild"] = conn.executed
     fs = load(root).registry[name]
     pieces["query"] = [path.statement(fs)]
-    return {p: "".join(f"{s.strip()};\n\n" for s in pieces[p]).rstrip("\n") + "\n" for p in PIECES}
+    return {p: _header(repo, name, p) + _joined(pieces[p]) for p in PIECES}
+
+
+def _header(repo: str, name: str, piece: str) -> str:
+    return (
+        f"-- The {piece} of {repo}'s {name}, as freshline.pipeline.core.maintenance writes it.\n"
+        "-- Generated: FRESHLINE_GOLDEN_UPDATE=1 pytest tests/test_golden_sql.py rewrites it.\n\n"
+    )
+
+
+def _joined(statements: list[str]) -> str:
+    return "".join(f"{s.strip()};\n\n" for s in statements).rstrip("\n") + "\n"
 
 
 CASES = [(repo, name) for repo, (_, _, names) in REPOSITORIES.items() for name in names]

@@ -1,3 +1,6 @@
+-- The build of fraud's geo, as freshline.pipeline.core.maintenance writes it.
+-- Generated: FRESHLINE_GOLDEN_UPDATE=1 pytest tests/test_golden_sql.py rewrites it.
+
 SELECT pg_advisory_xact_lock(hashtext('freshline.agg_geo_2aa57b3f'));
 
 LOCK TABLE public.transactions IN SHARE MODE;

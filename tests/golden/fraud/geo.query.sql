@@ -1,3 +1,6 @@
+-- The query of fraud's geo, as freshline.pipeline.core.maintenance writes it.
+-- Generated: FRESHLINE_GOLDEN_UPDATE=1 pytest tests/test_golden_sql.py rewrites it.
+
 WITH keys(tenant_id, user_id) AS (
     SELECT * FROM unnest(CAST(:tenants AS text[]), CAST(:ids AS bigint[]))
 ), k AS (SELECT * FROM keys), t(as_of) AS (

@@ -1,3 +1,6 @@
+-- The build of fraud's txn_90d, as freshline.pipeline.core.maintenance writes it.
+-- Generated: FRESHLINE_GOLDEN_UPDATE=1 pytest tests/test_golden_sql.py rewrites it.
+
 SELECT pg_advisory_xact_lock(hashtext('freshline.agg_txn_90d_a06f2675'));
 
 LOCK TABLE public.transactions IN SHARE MODE;

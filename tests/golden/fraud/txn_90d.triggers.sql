@@ -1,3 +1,6 @@
+-- The triggers of fraud's txn_90d, as freshline.pipeline.core.maintenance writes it.
+-- Generated: FRESHLINE_GOLDEN_UPDATE=1 pytest tests/test_golden_sql.py rewrites it.
+
 CREATE OR REPLACE FUNCTION freshline.agg_txn_90d_a06f2675_i() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public, pg_temp AS $fn$
 BEGIN
     IF (CASE WHEN TG_RELID = 'public.transactions'::pg_catalog.regclass THEN false ELSE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_partition_tree('public.transactions'::pg_catalog.regclass) AS p WHERE p.relid = TG_RELID) END) OR TG_WHEN <> 'AFTER' OR TG_LEVEL <> 'STATEMENT' OR TG_OP <> 'INSERT' THEN

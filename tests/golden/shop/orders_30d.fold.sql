@@ -1,3 +1,6 @@
+-- The fold of shop's orders_30d, as freshline.pipeline.core.maintenance writes it.
+-- Generated: FRESHLINE_GOLDEN_UPDATE=1 pytest tests/test_golden_sql.py rewrites it.
+
 CREATE OR REPLACE FUNCTION freshline.agg_orders_30d_df904743_fold(integer, boolean, boolean) RETURNS integer LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public, pg_temp AS $fn$
 DECLARE
     fl_k0 text[];

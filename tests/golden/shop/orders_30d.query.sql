@@ -1,3 +1,6 @@
+-- The query of shop's orders_30d, as freshline.pipeline.core.maintenance writes it.
+-- Generated: FRESHLINE_GOLDEN_UPDATE=1 pytest tests/test_golden_sql.py rewrites it.
+
 WITH keys(shop_id, customer_id) AS (
     SELECT * FROM unnest(CAST(:tenants AS text[]), CAST(:ids AS text[]))
 ), k AS (SELECT * FROM keys), t(as_of) AS (

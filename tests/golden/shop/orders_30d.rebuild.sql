@@ -1,3 +1,6 @@
+-- The rebuild of shop's orders_30d, as freshline.pipeline.core.maintenance writes it.
+-- Generated: FRESHLINE_GOLDEN_UPDATE=1 pytest tests/test_golden_sql.py rewrites it.
+
 SELECT pg_advisory_xact_lock(hashtext('freshline.agg_orders_30d_df904743'));
 
 LOCK TABLE public.shop_orders IN SHARE MODE;
