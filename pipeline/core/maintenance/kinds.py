@@ -126,6 +126,8 @@ class Kind:
 
 
 class Count(Kind):
+    """The rows: their count."""
+
     def columns(self) -> Columns:
         return [(f"c{self.index}", "bigint")]
 
@@ -189,17 +191,23 @@ class Moments(Kind):
 
 
 class Sum(Moments):
+    """The column's ``numeric`` sum."""
+
     def combine(self, read: Reading) -> str:
         return self.sums()[1]
 
 
 class Mean(Moments):
+    """The column's mean, as the defining query's ``numeric`` formula."""
+
     def combine(self, read: Reading) -> str:
         count, total, _ = self.sums()
         return f"CASE WHEN {count} > 0 THEN {total} / {count} END"
 
 
 class Stddev(Moments):
+    """The column's population deviation, as the defining query's ``numeric`` formula."""
+
     def combine(self, read: Reading) -> str:
         count, total, squares = self.sums()
         return (
@@ -219,8 +227,8 @@ class Extreme(Kind):
     """Its partial column's prefix."""
     old: ClassVar[str]
     """Its delta's column of the old rows' extreme."""
-    inside: ClassVar[str]
-    """How a value that is not the extreme compares with it."""
+    beaten: ClassVar[str]
+    """How a value that is not the extreme compares with it (``<`` under a maximum)."""
 
     def columns(self) -> Columns:
         return [(f"{self.short}{self.index}", "{col}")]
@@ -248,7 +256,7 @@ class Extreme(Kind):
         # the values the delta took away were inside the head's extreme, so the rows that
         # hold the extreme still do
         old, mine = f"{log}.{self.old}{self.index}", f"{head}.{self.short}{self.index}"
-        return [*super().takes(log, head), f"coalesce({old} {self.inside} {mine}, {old} IS NULL)"]
+        return [*super().takes(log, head), f"coalesce({old} {self.beaten} {mine}, {old} IS NULL)"]
 
     def taken(self, head: str, deltas: str) -> list[str]:
         return [f"{self.pick}({head}.{c}, {deltas}.d{c}) AS {c}" for c, _ in self.columns()]
@@ -270,11 +278,15 @@ class Extreme(Kind):
 
 
 class Min(Extreme):
-    function, pick, short, old, inside = "min", "least", "mn", "don", ">"
+    """The column's least value."""
+
+    function, pick, short, old, beaten = "min", "least", "mn", "don", ">"
 
 
 class Max(Extreme):
-    function, pick, short, old, inside = "max", "greatest", "mx", "dox", "<"
+    """The column's greatest value."""
+
+    function, pick, short, old, beaten = "max", "greatest", "mx", "dox", "<"
 
 
 class Last(Kind):
