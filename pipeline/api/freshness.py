@@ -131,6 +131,7 @@ async def rank_of(tokens: Tokens, text: str, deadline: float, pool: Pool) -> int
     return rank
 
 
+# long: the demand's cases in the order the module docstring gives them, on one coroutine
 async def read(
     reader: FeatureReader, lookup: Lookup, mode: Mode, demand: Demand, pool: Pool
 ) -> list[Answer]:

@@ -198,6 +198,7 @@ def summary(report: AuditReport, source: str) -> Group:
     return Group(*parts)
 
 
+# long: the signature is the command's option table (78 lines of typer options)
 def audit(
     sample: Annotated[
         int | None,

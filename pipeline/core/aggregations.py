@@ -150,6 +150,7 @@ def Lookup(table: Table, *, columns: Sequence[str], query: str, rows: str) -> de
     return declarations.Lookup(table, tuple(columns), query.strip(), rows.strip())
 
 
+# long: the public declaration: a keyword and its check per option, documented in its docstring
 def Aggregations(
     name: str,
     *,

@@ -302,6 +302,7 @@ class DerivedPath(IncrementalPath):
 
     # -- DDL ----------------------------------------------------------------------------
 
+    # long: the partials' DDL; issue 59 splits it into per-kind classes
     def ddl(self, conn: Connection) -> list[str]:
         """The statements that install this path: its tables, trigger functions and the
         triggers on the source table (the last change the user's table), then the
@@ -701,6 +702,7 @@ class DerivedPath(IncrementalPath):
         lookups = [f"l{n}{k}" for n in range(len(self.decl.lookups)) for k in ops]
         return [*(f"{self.prefix}_{k}()" for k in [*ops, "p", *lookups]), self._fold_signature]
 
+    # long: the PL/pgSQL trigger functions; issue 59 splits them into per-kind classes
     def _functions(
         self,
         table: str,
@@ -1043,6 +1045,7 @@ class DerivedPath(IncrementalPath):
                     out.append(f"{h}.{c} + coalesce({d}.d{c}, 0) AS {c}")
         return out
 
+    # long: the head fold's SQL; issue 59 splits it into per-kind classes
     def _head_fold(self, table: str, ent_types: list[str]) -> tuple[list[str], str]:
         """(declarations, block) of the fold's part that moves the heads of the current
         UTC day up to a new cut (the fold's ``now()``), for the keys with log rows of
@@ -1194,6 +1197,7 @@ class DerivedPath(IncrementalPath):
 
     # -- the incremental query ------------------------------------------------------------
 
+    # long: the derived-path query compiler; issue 59 splits it into per-kind classes
     def query(self) -> str:
         """The incremental query: the keys ``k``, ``t.as_of``, like the defining one."""
         e, d = self.entity, self.decl

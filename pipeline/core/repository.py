@@ -177,6 +177,7 @@ def _import(path: Path, name: str) -> ModuleType:
     return module
 
 
+# long: checks freshline.toml's keys, then the definitions, in one pass with one error each
 def load(path: Path | str) -> Repository:
     """Load the repository at ``path``: its ``freshline.toml`` and its definitions."""
     root = Path(path).resolve()

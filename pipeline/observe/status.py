@@ -367,6 +367,7 @@ class StatusBoard:
             self._thread.join(timeout=5)
         self.observer.close()
 
+    # long: builds the status page's JSON, one block per figure the page shows
     def report(self) -> dict[str, Any]:
         """The page's data: current figures and the last hour, per feature set."""
         now = self.observer.snapshot()
