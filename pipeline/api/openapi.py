@@ -339,7 +339,7 @@ def _feature_paths(
     feature_sets: list[str],
     entity_path: dict[str, Any],
     wait: str,
-    freshness_errors: dict[int, dict[str, Any]],
+    freshness_errors: dict[int, str],
 ) -> dict[str, Any]:
     """The read endpoints: features, predictions and the LLM cache."""
     return {
