@@ -29,9 +29,7 @@ LONG_DOCSTRINGS = {
     "pipeline/api/limits.py",
     # To move into their docs pages.
     "consumers/dlq.py",
-    "consumers/processor.py",
     "pipeline/cache/subscription.py",
-    "pipeline/cache/tokens.py",
     "pipeline/core/aggregations.py",
     "pipeline/core/budget.py",
     "pipeline/deploy/pointer.py",
