@@ -18,17 +18,11 @@ The order of side effects, per batch, all reads on one REPEATABLE READ snapshot:
 4. publish one invalidation message per entry to the Redis channel, and hand the same
    messages to the Kafka producer.
 
-Before its first Redis write the batch waits until Postgres has flushed its WAL past
-the snapshot (:func:`~freshline.pipeline.cache.recompute.wait_durable`), and the
-snapshot's cluster and timeline must be those recorded for every version written
-(:mod:`freshline.consumers.source`; :class:`SourceChanged` otherwise). With
-``wait_replicas``, step 4 ends with ``WAIT n`` (:class:`ReplicasBehind` when fewer
-acknowledge); a change of the Redis server's identity raises every floor
-(:meth:`Processor.raise_floors`). The caller (:class:`freshline.consumers.worker.Worker`)
-then flushes the producer and only then commits the offsets. :func:`impossible_txids`
-names transaction ids the database cannot have had.
-
-Why each of these holds: docs/guarantees.md.
+Before the Redis writes: the WAL flushed past the snapshot (``wait_durable``), and the
+snapshot's cluster and timeline those recorded (:class:`SourceChanged`). Step 4 may end
+with ``WAIT n`` (:class:`ReplicasBehind`); a new Redis server raises every floor
+(:meth:`Processor.raise_floors`). The caller then flushes the producer and only then
+commits the offsets. Why each holds: docs/guarantees.md.
 """
 
 from __future__ import annotations
