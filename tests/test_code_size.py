@@ -29,12 +29,10 @@ LONG_DOCSTRINGS = {
     "pipeline/api/limits.py",
     # To move into their docs pages.
     "consumers/dlq.py",
-    "pipeline/cache/subscription.py",
     "pipeline/core/aggregations.py",
     "pipeline/core/budget.py",
     "pipeline/deploy/pointer.py",
     "pipeline/history/recorder.py",
-    "pipeline/observe/advisor.py",
     "pipeline/semantic/pool.py",
     "pipeline/semantic/prior.py",
 }
