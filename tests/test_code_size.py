@@ -28,10 +28,6 @@ LONG_DOCSTRINGS = {
     "pipeline/core/maintenance.py",
     "pipeline/api/limits.py",
     # To move into their docs pages.
-    "consumers/dlq.py",
-    "pipeline/core/aggregations.py",
-    "pipeline/core/budget.py",
-    "pipeline/deploy/pointer.py",
     "pipeline/history/recorder.py",
     "pipeline/semantic/pool.py",
     "pipeline/semantic/prior.py",

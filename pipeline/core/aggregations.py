@@ -1,45 +1,14 @@
 """Declared windowed aggregations: one declaration, and freshline derives the SQL.
 
 A repository declares what it wants over a source table (an entity column, a time
-column, a window, aggregations with optional filters)::
+column, a window, aggregations with optional filters, lookups) with :func:`Aggregations`
+and :mod:`freshline.agg`'s functions, and gets a
+:class:`~freshline.pipeline.core.features.FeatureSet` whose defining query and horizon are
+generated from it. Every value is a plain aggregate or a formula over ``numeric`` sums
+written out once, here, so that the incremental path can reproduce it digit for digit.
 
-    orders_30d = Aggregations(
-        "orders_30d", entity=customer, table=orders, time="placed_at", window="30d",
-        aggs=[count(), sum("amount"), mean("amount"), max("amount"), stddev("amount"),
-              count_distinct("sku"), last("status"), count(window="1d", name="orders_1d")],
-    )
-
-and gets a :class:`~freshline.pipeline.core.features.FeatureSet` whose defining query and horizon
-are generated from it:
-
-* **The query** joins the batch's keys to the table's rows in the window
-  ``(as_of - window, as_of]`` (the widest window of any aggregation; a narrower one, or an
-  aggregation's ``where``, is a ``FILTER``). Every value is a plain aggregate or a
-  formula over ``numeric`` sums written out once, here, so that an incremental
-  evaluation of the same declaration can reproduce it digit for digit: ``mean`` is
-  ``sum / count`` and ``stddev`` (population) is ``sqrt(greatest(n*q - s*s, 0) / n^2)``
-  over the count ``n``, the sum ``s`` and the sum of squares ``q``, all ``numeric``.
-  Over no rows, ``count``, ``count_distinct`` and ``sum`` are 0; the others ``NULL``.
-  ``last`` is the value of the latest row (ties: the greatest value). An aggregation's
-  ``default=`` replaces that ``NULL`` and ``digits=`` rounds it (``numeric`` ``round``),
-  in both queries alike. Nothing else is cast:
-  counts are ``bigint``, sums and the formulas ``numeric`` (read as the declared ``int``
-  or ``float``), ``min``/``max``/``last`` the column's own type, which ``plan`` checks
-  against the declared field type. A ``float8`` column enters the sums as ``numeric``,
-  which Postgres takes to 15 significant digits.
-* **The horizon**, per window: the first moment a row in it leaves it (its time plus the
-  window), or a row after ``as_of`` enters it. Filters are ignored there, which can only
-  make it earlier: safe (an entry expires early, a miss; never late, stale).
-
-Windows are durations (``"90d"``, ``"24h"``, ``"30m"``, seconds): exact intervals of
-seconds, so a day is 86,400 s whatever the session's time zone; ``"all"`` is every row at
-or before ``as_of`` (no row leaves it). The time column is a ``timestamptz``.
-
-* **Lookups** (:func:`Lookup`): columns each row takes from another table (a country
-  from an IP's range), aggregated by name like the table's own. The defining query looks
-  them up row by row; the incremental path's partials hold the looked-up values, and a
-  change of the other table logs the days of the rows it decides (its ``rows=``), so
-  those days are read from the rows until the next fold.
+The query, the horizon and the types, in full: docs/repositories.md, "The SQL derived
+from Aggregations".
 """
 
 from __future__ import annotations
