@@ -27,10 +27,6 @@ LONG_DOCSTRINGS = {
     # Rewritten by issue 59's other parts (per-kind classes; the auth middlewares).
     "pipeline/core/maintenance.py",
     "pipeline/api/limits.py",
-    # To move into their docs pages.
-    "pipeline/history/recorder.py",
-    "pipeline/semantic/pool.py",
-    "pipeline/semantic/prior.py",
 }
 """Modules whose docstring may be longer, for now: each one's content is to move to the
 docs page it belongs to. The list only shrinks."""
