@@ -119,7 +119,7 @@ def Lookup(table: Table, *, columns: Sequence[str], query: str, rows: str) -> de
     return declarations.Lookup(table, tuple(columns), query.strip(), rows.strip())
 
 
-# long: the public declaration: a keyword and its check per option, documented in its docstring
+# long: the public declaration: 16 keywords and their docstring; its checks are helpers
 def Aggregations(
     name: str,
     *,
@@ -170,52 +170,8 @@ def Aggregations(
     identifier(time, f"{what} time column")
     if tiebreak is not None:
         identifier(tiebreak, f"{what} tiebreak column")
-    looked_up: set[str] = set()
-    for lookup in lookups:
-        if not isinstance(lookup, declarations.Lookup):
-            raise ConfigError(f"{what}: {lookup!r} is not a Lookup(...)")
-        if lookup.table.source_for(entity) is None:
-            raise ConfigError(
-                f"{what}: lookup table {lookup.table.name!r} routes no change to entity "
-                f"{entity.name!r} (Table({lookup.table.name!r}, reverse={{{entity.name}: "
-                "'SELECT ...'}))"
-            )
-        if looked_up & set(lookup.columns):
-            raise ConfigError(f"{what}: two lookups give a column of the same name")
-        looked_up |= set(lookup.columns)
-    if not aggs:
-        raise ConfigError(f"{what}: declares no aggregation")
-    windows: list[int] = []
-    names: set[str] = set()
-    for agg in aggs:
-        if not isinstance(agg, Agg):
-            raise ConfigError(f"{what}: {agg!r} is not an aggregation (count(), sum('col'), ...)")
-        if agg.column is not None:
-            identifier(agg.column, f"{what} column")
-        field_name = agg.field_name()
-        identifier(field_name, f"{what} field name")
-        if field_name in names:
-            raise ConfigError(f"{what}: two aggregations are named {field_name!r} (pass name=)")
-        names.add(field_name)
-        if agg.default is not None and (
-            agg.kind in ("count", "count_distinct", "sum")
-            or isinstance(agg.default, bool)
-            or not isinstance(agg.default, int | float)
-        ):
-            raise ConfigError(
-                f"{what}: {field_name} takes no default= (a number, for an aggregation "
-                "that is NULL over no rows: mean, stddev, min, max, last)"
-            )
-        if agg.digits is not None and (
-            agg.kind in ("count", "count_distinct") or not 0 <= agg.digits <= 15
-        ):
-            raise ConfigError(f"{what}: {field_name}: digits= is 0..15, for a non-count")
-        chosen = agg.window if agg.window is not None else window
-        if chosen is None:
-            raise ConfigError(f"{what}: {field_name} has no window (give window= to it or all)")
-        windows.append(
-            ALL_TIME if chosen == "all" else seconds(chosen, f"{what} window of {field_name}")
-        )
+    _check_lookups(what, entity, lookups)
+    windows = _windows(what, aggs, window)
     declared = Declaration(
         table=table.name,
         entity_column=column,
@@ -255,6 +211,63 @@ def Aggregations(
         log_sample=log_sample,
         **derived,
     )
+
+
+def _check_lookups(what: str, entity: Entity, lookups: Sequence[declarations.Lookup]) -> None:
+    """Each lookup is a ``Lookup`` whose table routes changes to ``entity``, and no two
+    give a column of the same name."""
+    looked_up: set[str] = set()
+    for lookup in lookups:
+        if not isinstance(lookup, declarations.Lookup):
+            raise ConfigError(f"{what}: {lookup!r} is not a Lookup(...)")
+        if lookup.table.source_for(entity) is None:
+            raise ConfigError(
+                f"{what}: lookup table {lookup.table.name!r} routes no change to entity "
+                f"{entity.name!r} (Table({lookup.table.name!r}, reverse={{{entity.name}: "
+                "'SELECT ...'}))"
+            )
+        if looked_up & set(lookup.columns):
+            raise ConfigError(f"{what}: two lookups give a column of the same name")
+        looked_up |= set(lookup.columns)
+
+
+def _windows(what: str, aggs: Sequence[Agg], window: str | int | None) -> list[int]:
+    """Each aggregation checked (its column, name, ``default=``, ``digits=``), and its
+    window in seconds (its own, else the declaration's)."""
+    if not aggs:
+        raise ConfigError(f"{what}: declares no aggregation")
+    windows: list[int] = []
+    names: set[str] = set()
+    for agg in aggs:
+        if not isinstance(agg, Agg):
+            raise ConfigError(f"{what}: {agg!r} is not an aggregation (count(), sum('col'), ...)")
+        if agg.column is not None:
+            identifier(agg.column, f"{what} column")
+        field_name = agg.field_name()
+        identifier(field_name, f"{what} field name")
+        if field_name in names:
+            raise ConfigError(f"{what}: two aggregations are named {field_name!r} (pass name=)")
+        names.add(field_name)
+        if agg.default is not None and (
+            agg.kind in ("count", "count_distinct", "sum")
+            or isinstance(agg.default, bool)
+            or not isinstance(agg.default, int | float)
+        ):
+            raise ConfigError(
+                f"{what}: {field_name} takes no default= (a number, for an aggregation "
+                "that is NULL over no rows: mean, stddev, min, max, last)"
+            )
+        if agg.digits is not None and (
+            agg.kind in ("count", "count_distinct") or not 0 <= agg.digits <= 15
+        ):
+            raise ConfigError(f"{what}: {field_name}: digits= is 0..15, for a non-count")
+        chosen = agg.window if agg.window is not None else window
+        if chosen is None:
+            raise ConfigError(f"{what}: {field_name} has no window (give window= to it or all)")
+        windows.append(
+            ALL_TIME if chosen == "all" else seconds(chosen, f"{what} window of {field_name}")
+        )
+    return windows
 
 
 def _aggregate(agg: Agg, window_s: int, decl: Declaration) -> str:
