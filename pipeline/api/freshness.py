@@ -131,7 +131,7 @@ async def rank_of(tokens: Tokens, text: str, deadline: float, pool: Pool) -> int
     return rank
 
 
-# long: the demand's cases in the order the module docstring gives them, on one coroutine
+# long: the coroutine twin of cache.freshness.read, kept step for step beside it
 async def read(
     reader: FeatureReader, lookup: Lookup, mode: Mode, demand: Demand, pool: Pool
 ) -> list[Answer]:
