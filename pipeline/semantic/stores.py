@@ -136,7 +136,7 @@ class Stores(Lookups):
         """
         return self._store(scope, items, params, vectors)[0]
 
-    # long: checks, then one MULTI whose order matters (entries, ids, stream, trims)
+    # long: checks, one MULTI whose order matters (entries, ids, stream, TTLs), then limits
     def _store(
         self,
         scope: Scope,
