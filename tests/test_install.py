@@ -9,6 +9,8 @@ venv with no pip of its own, beside two dummy packages named ``pipeline`` and
 adds that site-packages directory to ``sys.path``, and Python does not process ``.pth``
 files inside a directory a ``.pth`` line added, so ``.venv``'s editable finder for the
 checkout never runs there (``test_the_venvs_see_dependencies_but_not_the_checkout``).
+Nothing is fetched (``--no-index``); the editable install writes ``freshline.egg-info``
+in the checkout, as ``scripts/bootstrap``'s does.
 """
 
 from __future__ import annotations
@@ -122,14 +124,16 @@ def fresh_venv(where: Path) -> Path:
     return python
 
 
-def env_for(place: Path, **extra: str) -> dict[str, str]:
+def env_for(place: Path) -> dict[str, str]:
+    """This process's environment, less Python's and pytest's variables, with the
+    dummies on ``PYTHONPATH``."""
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("PYTHON", "PYTEST_", "VIRTUAL_ENV"))
     }
     env["PYTHONPATH"] = str(place / "dummies")
-    return env | extra
+    return env
 
 
 def pip(python: Path, *args: str | Path, env: dict[str, str], cwd: Path) -> None:
@@ -143,6 +147,7 @@ def pip(python: Path, *args: str | Path, env: dict[str, str], cwd: Path) -> None
         "--no-input",
         "--disable-pip-version-check",
         *args,
+        "--no-index",
         env=env,
         cwd=cwd,
     )
