@@ -1,33 +1,16 @@
 """The dead-letter topic: records that cannot be applied, unchanged, with the reason.
 
 A dead-lettered record keeps its original key, value and headers; freshline adds
-headers that say why and where it came from::
-
-    x-freshline-error-class      EventRejected (or another exception's class name)
-    x-freshline-error-kind       malformed_json, missing_field, ... (EventRejected only)
-    x-freshline-error            the message, at most 1 KiB
-    x-freshline-source-topic     the topic it was read from
-    x-freshline-source-partition the partition, as decimal text
-    x-freshline-source-offset    the offset, as decimal text
-
-A copy that would not fit the dead-letter topic (``max_bytes``, the same limit as
-``FRESHLINE_MAX_MESSAGE_BYTES``) is cut, never dropped: it keeps the key, the headers
-and the first :data:`KEPT_VALUE_BYTES` of the value, and says so::
-
-    x-freshline-truncated        "1"
-    x-freshline-original-size    the value's size in bytes, as decimal text
-    x-freshline-value-sha256     the SHA-256 of the whole value, hex
-
-(and if the original headers alone are too big, only freshline's are kept).
-
-``freshline dlq replay`` (:mod:`freshline.consumers.replay`) sends a record back to its source
-topic with its original headers and one of ours, ``x-freshline-replay-of``
-(``<dead-letter topic>:<partition>:<offset>``); a record dead-lettered again loses it
-with the rest of ours.
+``x-freshline-error-class``, ``-error-kind``, ``-error`` (at most 1 KiB) and
+``-source-topic``, ``-source-partition``, ``-source-offset``. A copy that would not fit
+``max_bytes`` is cut to :data:`KEPT_VALUE_BYTES` of its value, never dropped, and says
+so (``x-freshline-truncated``, ``-original-size``, ``-value-sha256``).
+``freshline dlq replay`` (:mod:`freshline.consumers.replay`) sends a record back with
+``x-freshline-replay-of``.
 
 Order matters: the caller sends, flushes the producer (which raises if the broker
-did not acknowledge), and only then commits the source offset. A crash in between
-re-reads the record and dead-letters it again: at least once, never lost.
+did not acknowledge), and only then commits the source offset: at least once, never
+lost. The headers and their values: docs/events.md, "What happens to a bad event".
 """
 
 from __future__ import annotations

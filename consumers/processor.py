@@ -18,33 +18,11 @@ The order of side effects, per batch, all reads on one REPEATABLE READ snapshot:
 4. publish one invalidation message per entry to the Redis channel, and hand the same
    messages to the Kafka producer.
 
-Before its first Redis write, the batch waits until Postgres has flushed its WAL past
-the snapshot's position (:func:`~freshline.pipeline.cache.recompute.wait_durable`, which makes
-it flush if it does not soon by itself), so no entry
-holds a transaction committed asynchronously that a crash could still undo; and the
-snapshot's cluster and timeline must be those of the batches before, and those
-recorded in Redis for every version written (:mod:`freshline.consumers.source`), so that a
-consumer started after the change finds it too (:class:`SourceChanged` otherwise).
-
-With ``wait_replicas``, step 4's pipeline ends with ``WAIT n timeout`` on the
-connection that published last: the Redis replication stream is one ordered log, so
-once ``n`` replicas acknowledge that connection's last write they hold every write
-of the batch before it. Fewer is :class:`ReplicasBehind`, transient: the caller keeps
-the offsets and retries. The same pipeline reads the server's run id and replication
-id, and those the consumers recorded in Redis (``floor:server``, which a promoted
-replica holds as its old primary's): when they differ (a failover, or a restart that
-may have lost writes), the floors of every feature set in every written version are
-raised to a snapshot taken then (:meth:`Processor.raise_floors`), so every entry
-computed before reads as absent, whichever of its writes the new server lost,
-truncate floors included; then the new identity is recorded. A consumer started after
-the failover finds it too.
-
-The caller (:class:`freshline.consumers.worker.Worker`) then flushes the producer and only then
-commits the offsets, so a crash anywhere before the commit replays the batch, which
-the conditional writes make harmless.
-
-A transaction id that stays invisible may name no transaction at all: the caller asks
-:func:`impossible_txids` which ones the database cannot have had.
+Before the Redis writes: the WAL flushed past the snapshot (``wait_durable``), and the
+snapshot's cluster and timeline those recorded (:class:`SourceChanged`). Step 4 may end
+with ``WAIT n`` (:class:`ReplicasBehind`); a new Redis server raises every floor
+(:meth:`Processor.raise_floors`). The caller then flushes the producer and only then
+commits the offsets. Why each holds: docs/guarantees.md.
 """
 
 from __future__ import annotations

@@ -4,52 +4,23 @@ Each iteration (:meth:`Worker._iteration`):
 
 1. consume up to ``batch_max_events`` records: those fetched already, or the first to
    come within ``batch_max_wait_ms`` and those fetched with it (a batch never waits to
-   fill: one that keeps up has what came during the batch before);
+   fill);
 2. decode them; a record that cannot become an event goes to the dead-letter topic
    with its reason, and so does an event whose own data fails to apply;
 3. apply the events as one batch (:class:`freshline.consumers.processor.Processor`): Redis
-   writes, then invalidations on the Redis channel and handed to the producer;
+   writes, then invalidations on the Redis channel and handed to the producer; it ends
+   with the waits that make the writes last (WAL flushed, Redis replicas' ``WAIT``);
 4. flush the producer (dead letters and invalidations acknowledged by the broker);
 5. commit the offsets after the batch, for partitions still assigned.
 
-Step 3 ends, before any offset is committed, with the waits that make a write last:
-Postgres's WAL flushed past the batch's snapshot (before the Redis writes) and, with
-``redis_wait_replicas``, the Redis replicas' acknowledgement (``WAIT``); either one
-not reached in time is a transient failure. A change of the Redis server written to
-(its run id or replication id: a failover, a restart) raises every floor
-(:meth:`freshline.consumers.processor.Processor.raise_floors`); it is looked for in every
-batch, and every ``WATCH_EVERY_S`` while idle.
-
-Beside the loop, a thread folds the pending changes of the repository's incremental
-path (:mod:`freshline.pipeline.core.incremental`; the fraud example's bucket deltas) every
-``bucket_fold_interval_ms``, on a connection of its own, so a fold never holds a batch
-back; a fold already running in another consumer is not waited for.
-
 A crash anywhere before step 5 replays the batch; conditional writes make that
 harmless. A failure that is not about one event's data (:mod:`freshline.consumers.failures`)
-never dead-letters a healthy stream: a transient one (Postgres or Redis down, a change
-not yet visible) or a configuration one (the deploy pointer, the lock, the eviction
-policy, a permission; logged once with its fix) pauses the assigned partitions and
-retries the same batch with backoff until it succeeds or a stop is requested (which
-ends the run cleanly, the batch uncommitted). An ACL that refuses the consumer its
-group, a topic it writes or the invalidation channel ends the run with one line naming
-it (:mod:`freshline.consumers.access`); group and topics are checked before joining. While
-paused the loop keeps polling, to stay in the group: a partition assigned meanwhile is
-paused too, and a record that a poll returns anyway is never dropped: the partition is
-rewound to it.
-A change still not visible after :data:`CHECK_TXIDS_AFTER` retries may name a
-transaction the database cannot have had (at or past its next transaction id: a forged
-or foreign record); from then on each retry checks, such events are dead-lettered
-(``impossible_txid``) and the rest of the batch goes on. A transaction still running
-or committing is waited for, however long.
-Rebalance callbacks only run inside ``consume``/``poll``, so a revoke never finds half
-a batch: a revoked partition's records of a retried batch are left uncommitted and
-their new owner reads them again; a commit the rebalance refuses is logged, not fatal.
-If the broker refuses the dead letters or invalidations of a batch (the dead-letter
-topic unavailable), they are sent again with backoff and counted in
-``freshline_delivery_failures_total``; the offsets wait, so nothing is skipped.
-While idle, the loop reports its lag (the end less the group's committed offset) and
-counts the topics its subscription matches, warning while it matches none.
+pauses the partitions and retries the batch with backoff; an ACL that refuses the
+consumer ends the run with one line naming it (:mod:`freshline.consumers.access`). A
+thread beside the loop folds the incremental path's pending changes.
+
+Why, and the rest of the loop's rules (pauses, rebalances, forged transaction ids,
+refused deliveries): docs/events.md, "The consumers: how events are applied".
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ ROUTES = [
 :mod:`freshline.pipeline.api.ops`'s."""
 
 
+# long: wires every collaborator and route in one place; issue 59's middleware rewrite splits it
 def create_app(
     settings: Settings,
     *,

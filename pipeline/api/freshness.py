@@ -131,6 +131,7 @@ async def rank_of(tokens: Tokens, text: str, deadline: float, pool: Pool) -> int
     return rank
 
 
+# long: the coroutine twin of cache.freshness.read, kept step for step beside it
 async def read(
     reader: FeatureReader, lookup: Lookup, mode: Mode, demand: Demand, pool: Pool
 ) -> list[Answer]:

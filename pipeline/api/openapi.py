@@ -319,171 +319,166 @@ def _document(
             "schemas": schemas,
         },
         "paths": {
-            "/v1/features/{feature_set}/{entity_id}": {
-                "get": {
-                    "summary": "One entity's features",
-                    "security": _SECURED,
-                    "parameters": [
-                        {
-                            "name": "feature_set",
-                            "in": "path",
-                            "required": True,
-                            "schema": {"type": "string", "enum": feature_sets},
-                        },
-                        {
-                            "name": "entity_id",
-                            "in": "path",
-                            "required": True,
-                            "schema": entity_path,
-                        },
-                        _MODE,
-                        {
-                            "name": "after",
-                            "in": "query",
-                            "required": False,
-                            "description": _AFTER_TEXT,
-                            "schema": _TOKEN,
-                        },
-                        {
-                            "name": "max_staleness_ms",
-                            "in": "query",
-                            "required": False,
-                            "description": _STALENESS_TEXT,
-                            "schema": _MS,
-                        },
-                        {
-                            "name": "wait_ms",
-                            "in": "query",
-                            "required": False,
-                            "description": wait,
-                            "schema": _MS,
-                        },
-                    ],
-                    "responses": {
-                        "200": _json(_ref("Features"), "The features"),
-                        **_errors(400, 401, 403, 404, 409, 503, override=freshness_errors),
-                    },
-                }
-            },
-            "/v1/features/batch": {
-                "post": {
-                    "summary": "Many entities and feature sets in one request",
-                    "security": _SECURED,
-                    "parameters": [_MODE],
-                    "requestBody": {
-                        "required": True,
-                        "content": {"application/json": {"schema": _ref("BatchRequest")}},
-                    },
-                    "responses": {
-                        "200": _json(_ref("BatchResponse"), "Every combination"),
-                        **_errors(
-                            400, 401, 403, 404, 409, 413, 422, 503, override=freshness_errors
-                        ),
-                    },
-                }
-            },
-            "/v1/models/{name}/predict": {
-                "post": {
-                    "summary": "Predictions through the inference cache",
-                    "security": _SECURED,
-                    "parameters": [
-                        {"name": "name", "in": "path", "required": True, "schema": _NAME}
-                    ],
-                    "requestBody": {
-                        "required": True,
-                        "content": {
-                            "application/json": {
-                                "schema": {
-                                    "oneOf": [
-                                        _ref("PredictRequest"),
-                                        _ref("PredictEntitiesRequest"),
-                                    ]
-                                }
+            **_feature_paths(feature_sets, entity_path, wait, freshness_errors),
+            **_service_paths(),
+        },
+    }
+
+
+def _param(
+    name: str, where: str, schema: dict[str, Any], description: str | None = None
+) -> dict[str, Any]:
+    """One parameter of an operation: a path one is required, a query one is not."""
+    param: dict[str, Any] = {"name": name, "in": where, "required": where == "path"}
+    if description is not None:
+        param["description"] = description
+    return param | {"schema": schema}
+
+
+def _feature_paths(
+    feature_sets: list[str],
+    entity_path: dict[str, Any],
+    wait: str,
+    freshness_errors: dict[int, str],
+) -> dict[str, Any]:
+    """The read endpoints: features, predictions and the LLM cache."""
+    return {
+        "/v1/features/{feature_set}/{entity_id}": {
+            "get": {
+                "summary": "One entity's features",
+                "security": _SECURED,
+                "parameters": [
+                    _param("feature_set", "path", {"type": "string", "enum": feature_sets}),
+                    _param("entity_id", "path", entity_path),
+                    _MODE,
+                    _param("after", "query", _TOKEN, _AFTER_TEXT),
+                    _param("max_staleness_ms", "query", _MS, _STALENESS_TEXT),
+                    _param("wait_ms", "query", _MS, wait),
+                ],
+                "responses": {
+                    "200": _json(_ref("Features"), "The features"),
+                    **_errors(400, 401, 403, 404, 409, 503, override=freshness_errors),
+                },
+            }
+        },
+        "/v1/features/batch": {
+            "post": {
+                "summary": "Many entities and feature sets in one request",
+                "security": _SECURED,
+                "parameters": [_MODE],
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": _ref("BatchRequest")}},
+                },
+                "responses": {
+                    "200": _json(_ref("BatchResponse"), "Every combination"),
+                    **_errors(400, 401, 403, 404, 409, 413, 422, 503, override=freshness_errors),
+                },
+            }
+        },
+        "/v1/models/{name}/predict": {
+            "post": {
+                "summary": "Predictions through the inference cache",
+                "security": _SECURED,
+                "parameters": [{"name": "name", "in": "path", "required": True, "schema": _NAME}],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "oneOf": [
+                                    _ref("PredictRequest"),
+                                    _ref("PredictEntitiesRequest"),
+                                ]
                             }
-                        },
+                        }
                     },
-                    "responses": {
-                        "200": _json(_ref("PredictResponse"), "One per input row or entity"),
-                        **_errors(400, 401, 404, 409, 413, 422, 503),
+                },
+                "responses": {
+                    "200": _json(_ref("PredictResponse"), "One per input row or entity"),
+                    **_errors(400, 401, 404, 409, 413, 422, 503),
+                },
+            }
+        },
+        "/v1/llm/cache/lookup": _llm(
+            "A cached LLM response for a close enough prompt",
+            "LlmLookupRequest",
+            "LlmLookupResponse",
+        ),
+        "/v1/llm/cache/store": _llm(
+            "Cache a deterministic LLM response", "LlmStoreRequest", "LlmStoreResponse", "201"
+        ),
+        "/v1/llm/cache/flag": _llm(
+            "Flag a bad hit: its entry is removed and counted",
+            "LlmFlagRequest",
+            "LlmFlagResponse",
+        ),
+    }
+
+
+def _service_paths() -> dict[str, Any]:
+    """The probes, the metrics, this document and the status page."""
+    return {
+        "/healthz": {
+            "get": {
+                "summary": "The process is up",
+                "responses": {
+                    "200": _json({"type": "object"}, "Up"),
+                    "429": _PROBE_429,
+                },
+            }
+        },
+        "/readyz": {
+            "get": {
+                "summary": "Redis and Postgres answer (checked at most once a second)",
+                "responses": {
+                    "200": _json({"type": "object"}, "Ready"),
+                    "429": _PROBE_429,
+                    "503": _json({"type": "object"}, "Not ready; 'checks' says which"),
+                },
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics (the ops port serves them with no key)",
+                "security": _OPERATOR,
+                "responses": {
+                    "200": {
+                        "description": "Prometheus text exposition",
+                        "content": {"text/plain": {}},
                     },
-                }
-            },
-            "/v1/llm/cache/lookup": _llm(
-                "A cached LLM response for a close enough prompt",
-                "LlmLookupRequest",
-                "LlmLookupResponse",
-            ),
-            "/v1/llm/cache/store": _llm(
-                "Cache a deterministic LLM response", "LlmStoreRequest", "LlmStoreResponse", "201"
-            ),
-            "/v1/llm/cache/flag": _llm(
-                "Flag a bad hit: its entry is removed and counted",
-                "LlmFlagRequest",
-                "LlmFlagResponse",
-            ),
-            "/healthz": {
-                "get": {
-                    "summary": "The process is up",
-                    "responses": {
-                        "200": _json({"type": "object"}, "Up"),
-                        "429": _PROBE_429,
+                    "401": _OPERATOR_401,
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "This document",
+                "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")},
+            }
+        },
+        "/status": {
+            "get": {
+                "summary": ("Status page: hit rate, staleness and lag per feature set, last hour"),
+                "security": _OPERATOR,
+                "responses": {
+                    "200": {
+                        "description": "A self-contained HTML page",
+                        "content": {"text/html": {}},
                     },
-                }
-            },
-            "/readyz": {
-                "get": {
-                    "summary": "Redis and Postgres answer (checked at most once a second)",
-                    "responses": {
-                        "200": _json({"type": "object"}, "Ready"),
-                        "429": _PROBE_429,
-                        "503": _json({"type": "object"}, "Not ready; 'checks' says which"),
-                    },
-                }
-            },
-            "/metrics": {
-                "get": {
-                    "summary": "Prometheus metrics (the ops port serves them with no key)",
-                    "security": _OPERATOR,
-                    "responses": {
-                        "200": {
-                            "description": "Prometheus text exposition",
-                            "content": {"text/plain": {}},
-                        },
-                        "401": _OPERATOR_401,
-                    },
-                }
-            },
-            "/openapi.json": {
-                "get": {
-                    "summary": "This document",
-                    "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")},
-                }
-            },
-            "/status": {
-                "get": {
-                    "summary": (
-                        "Status page: hit rate, staleness and lag per feature set, last hour"
-                    ),
-                    "security": _OPERATOR,
-                    "responses": {
-                        "200": {
-                            "description": "A self-contained HTML page",
-                            "content": {"text/html": {}},
-                        },
-                        "401": _OPERATOR_401,
-                    },
-                }
-            },
-            "/status.json": {
-                "get": {
-                    "summary": "The status page's data: current figures and per-minute series",
-                    "security": _OPERATOR,
-                    "responses": {
-                        "200": _json({"type": "object"}, "The status report"),
-                        "401": _OPERATOR_401,
-                    },
-                }
-            },
+                    "401": _OPERATOR_401,
+                },
+            }
+        },
+        "/status.json": {
+            "get": {
+                "summary": "The status page's data: current figures and per-minute series",
+                "security": _OPERATOR,
+                "responses": {
+                    "200": _json({"type": "object"}, "The status report"),
+                    "401": _OPERATOR_401,
+                },
+            }
         },
     }
 

@@ -1,56 +1,15 @@
 """The in-process tier: a small LRU of feature entries in front of Redis.
 
-A hit costs a dict lookup instead of a network round trip. Three rules keep it from
-serving what Redis would not:
+A hit costs a dict lookup instead of a network round trip. An entry lives no longer
+than its Redis copy can (and a windowed set's entry only once its key's TTL is read);
+it is dropped when Redis reports its key changed (key tracking, broadcast mode) and on
+each published invalidation; the tier is *dark* (flushed, serving nothing) while its
+subscription is not confirmed live. Storing is two-step: take :meth:`LocalTier.token`
+before the Redis read, then :meth:`LocalTier.put` with it, refused if the entity was
+invalidated since; an entry this process wrote itself is put with ``verify=True``.
 
-* **Bounded life.** An entry lives no longer than its Redis copy can: the feature
-  set's shortest jittered TTL (``ttl * (1 - TTL_JITTER)``) counted from the entry's
-  ``computed_at_ms`` (the Redis copy was written after it was computed, with at least
-  that TTL), and never longer than ``max_ttl_ms`` when set.
-* **Windows.** An entry of a feature set whose values change with time alone (a
-  window over the last days; :attr:`freshline.pipeline.core.features.FeatureSet.horizon`) has a
-  Redis TTL cut to end when they may change, which its bytes do not carry. The tier
-  holds such an entry back until a background thread has read its key's TTL
-  (pipelined ``PTTL``, every :data:`HORIZON_POLL_S`), and then serves it no longer
-  than that: until then its reads go to Redis, as without the tier.
-* **Invalidations from Redis itself.** The entries are invalidated by the change of
-  their key, not by a message its writer sends after it: the tier's connection has
-  Redis track every key under ``feat:`` and ``floor:`` (server-assisted client-side
-  caching, broadcast mode; :mod:`freshline.pipeline.cache.subscription`), and drops the entity's
-  entry, in every schema version, on each change Redis reports: a consumer's write, a
-  read-through fill, a tombstone, an expiry, a purge. A writer that dies after its
-  write and before its publish cannot leave the tier serving the old entry. A set's
-  floor raised (a truncate), a key that does not parse, or a flush of the database
-  flushes the whole tier. On Redis Cluster, where each master would need a tracking
-  connection of its own, the tier relies on the published messages alone.
-* **Published invalidations.** The same thread subscribes to the Redis channel
-  :data:`freshline.pipeline.core.keys.INVALIDATION_CHANNEL` and drops the entity's entry, in every
-  schema version, on each message (:class:`freshline.pipeline.cache.invalidation.Invalidation`). A
-  message that does not decode flushes the whole tier: it may have been an
-  invalidation.
-* **No gap in the subscription.** Until the subscription is confirmed, and from the
-  moment it may have missed a message (a connection error, or ``silence_s`` without
-  confirmed contact, which a half-open connection causes; see
-  :mod:`freshline.pipeline.cache.subscription`), the tier is *dark*: flushed whole, refusing new
-  entries and answering every read with a miss. Each (re)subscription starts a new
-  epoch, so an entry read from Redis in an older epoch is never stored.
-
-Storing is two-step, so an invalidation that arrives while a value is in flight from
-Redis is never overtaken: take :meth:`LocalTier.token` *before* the Redis read, then
-:meth:`LocalTier.put` with it; the put is refused if that entity was invalidated, or
-the tier flushed, since the token was taken.
-
-An entry this process computed and wrote itself (a read-through fill) was not read
-from Redis, and its own write's change report voids any token taken before it. It is
-put with ``verify=True`` instead: the background thread takes a token, reads the key
-(``GET`` and ``PTTL``, pipelined) and stores the entry only if Redis holds exactly it
-(same watermark, not a tombstone) and nothing changed the key since that token, which
-is what a read from Redis would have stored; it does so once the subscription has
-answered a PING sent after that read, so every change the read saw has been reported
-by then and a late report of the entry's own write cannot drop it afterwards. A
-change since the token makes it read again, a few times. A put refused for a change
-since its token is checked the same way: a read that follows a write closely often
-gets the write's report after it.
+The rules and why each keeps the tier from serving what Redis would not: docs/reading.md,
+"The in-process tier's rules".
 """
 
 from __future__ import annotations
@@ -96,7 +55,7 @@ VERIFY_TRIES = 8
 
 @dataclass(slots=True)
 class _Unverified:
-    """An entry waiting to be seen in Redis (see the module docstring)."""
+    """An entry waiting to be seen in Redis (docs/reading.md, the tier's rules)."""
 
     entry: Entry
     deadline: float
@@ -131,7 +90,7 @@ class LocalStats:
 
 
 class LocalTier:
-    """A bounded, invalidation-driven LRU of feature entries; see the module docstring.
+    """A bounded, invalidation-driven LRU of feature entries (module docstring).
 
     >>> tier = LocalTier(redis_client, max_entries=10_000).start()
     >>> tier.wait_live(5)
@@ -282,7 +241,7 @@ class LocalTier:
             return entry
 
     def put(self, ref: EntityRef, entry: Entry, token: int, *, verify: bool = False) -> bool:
-        """Hold ``entry`` unless it may be stale: see the module docstring. True if it is
+        """Hold ``entry`` unless it may be stale (docs/reading.md). True if it is
         held (or held back, or with ``verify`` waiting to be seen in Redis).
 
         ``verify`` for an entry this process computed and wrote rather than read: it is
@@ -341,7 +300,7 @@ class LocalTier:
 
     def _read_horizons(self) -> None:
         """Store the held-back entries, each until its key's Redis TTL runs out, and
-        the computed ones Redis is seen holding (see the module docstring)."""
+        the computed ones Redis is seen holding (docs/reading.md)."""
         while not self._closing.is_set():
             self._held_wake.wait()
             self._held_wake.clear()

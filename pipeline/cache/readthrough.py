@@ -1,58 +1,18 @@
 """Read-through: serve hits, compute misses in one query, and never store a stale set.
 
-``get_many`` reads every key in one MGET. For the misses it asks Redis for a lease
-per key (``SET NX PX``, same hash tag as the entry) in one round trip. It computes
-the misses it holds leases for with one query per feature set and stores them with
-the lease-guarded write, which fails if an invalidation or a source-driven write
-revoked the lease in the meantime: the computation may predate the change, so its
-result is returned to this caller but not stored. Readers that did not get a lease
-wait a bounded time for the holder's result, then compute without storing. This
-gives one database computation per missing key however many threads and processes
-ask at once (Meta's leases against thundering herds).
+``get_many`` reads every key in one MGET, takes a lease per miss (``SET NX PX``, same
+hash tag as the entry) in one round trip, computes the misses it holds leases for with
+one query per feature set, and stores them with the lease-guarded write: an
+invalidation or source write in the meantime revokes the lease, and the result is
+answered but not stored. Readers without a lease wait a bounded time for the holder's
+result (one computation per missing key: Meta's leases against thundering herds); a
+lease ends as soon as its holder is done. Hot keys are refreshed a little before they
+expire by one reader (XFetch, Vattani et al., VLDB 2015). On a replica a result is
+stored only when the replica has replayed past the primary's WAL position read at the
+miss; on the primary only once the WAL its snapshot saw is flushed.
 
-Every lease ends as soon as its holder is done: a fill ends it, and so does a holder
-that stores nothing (an id with no source row, a failed computation), which releases
-it. A waiter stops waiting once the lease is gone with no entry and computes for
-itself, so a repeat of an id that is never stored does not sleep in a worker thread.
-
-Hot keys are refreshed a little before they expire, by one reader chosen at random
-(XFetch, Vattani et al., VLDB 2015), so a popular entry does not expire under load.
-
-On a Postgres read replica (a hot standby: ``pg_is_in_recovery()``, asked once per
-engine) the feature queries run on the replica, and a result is stored only when the
-replica is known to be at least as new as a snapshot of the primary. With ``primary``
-(the primary's engine) a miss first takes its lease, then reads, in one statement on
-the primary, a snapshot watermark W and the WAL insert position P after it; then the
-replica's replay position R. If R >= P, every transaction visible in W's snapshot is
-visible on the replica (their commit records precede P, and a standby's snapshots
-follow the replay of commit records), so the replica's result is at least as new as
-W's snapshot: it is computed on the replica and stored with watermark W, exactly as a
-result computed on the primary at W would be. It may be newer than W says, which is
-safe: anything computed after it outranks it. The lease comes first, as for any fill:
-a source write that lands after W was read revokes it, so the fill never replaces a
-write it did not see, whatever that write's watermark (one that does not order
-against W, such as an LSN-based one of an earlier consumer, included). If R < P (the
-replica lags), the leases are released and the result is served ``uncached``:
-nothing is stored. Without ``primary`` every
-replica result is ``uncached``: the replica's own ``pg_current_snapshot()`` cannot
-order it against the primary's watermarks (a commit is in the WAL before it is
-visible there, and a standby does not list the primary's in-progress transactions).
-The gate costs the primary one small statement per batch of misses; the feature
-joins run on the replica.
-
-Visible is not durable: a commit made with ``synchronous_commit = off`` is visible
-before its WAL is flushed, and a crash of the primary then erases it, with no event
-ever naming it, so an entry holding it would be a phantom for its whole TTL. So a fill
-on the primary stores only once Postgres has flushed its WAL past the WAL insert
-position its feature statement read (:attr:`Batch.lsn`, after its snapshot):
-:func:`~freshline.pipeline.cache.recompute.wait_durable`, which makes Postgres flush
-(:class:`~freshline.pipeline.cache.recompute.Flusher`) when that does not come by itself within
-20 ms. If it has not within ``durable_wait_ms``, the leases are released and the
-computed values are answered ``uncached`` (counted in :attr:`Counters.undurable`): the
-reader gets its answer, the cache stays correct or absent. A replica's results need no
-wait: a standby receives only WAL its primary has flushed (a walsender sends up to the
-flush position), so every commit it has replayed, and so every commit its results
-hold, is durable on the primary.
+Why these keep the cache correct or absent: docs/keys.md, "Read-through fills from a
+replica, and only durable ones", and "Writes, watermarks and leases".
 """
 
 from __future__ import annotations
@@ -208,7 +168,7 @@ class Counters:
     """Batches of misses a lagging replica answered uncached."""
     undurable: int = 0
     """Fills answered uncached because Postgres had not flushed past their snapshot
-    within ``durable_wait_ms`` (see the module docstring)."""
+    within ``durable_wait_ms`` (docs/keys.md says why)."""
     compute_ms: dict[str, float] = field(default_factory=dict)
 
 
@@ -515,7 +475,7 @@ class ReadThrough:
                     continue
                 if self._durable(batch, conn):
                     known = existing_entities(conn, self.store.registry[name].entity, group)
-                else:  # answered, not stored, as an unknown id is: see the module docstring
+                else:  # answered, not stored, as an unknown id is (docs/keys.md)
                     known = set()
                     self.counters.undurable += len(group)
             filled = [r for r in group if (r.tenant, r.entity) in known]
@@ -535,7 +495,7 @@ class ReadThrough:
 
     def _durable(self, batch: Batch, conn: Connection) -> bool:
         """Whether Postgres has flushed its WAL past ``batch``'s snapshot, waiting up to
-        ``durable_wait_ms`` (see the module docstring), asked, and made to flush, on
+        ``durable_wait_ms`` (docs/keys.md says why), asked, and made to flush, on
         ``conn`` (the fill's: one connection per fill, so fills that hold every pooled
         connection never wait for another). A batch from a standby has no position and
         needs no wait."""

@@ -1,69 +1,14 @@
 """Computing feature sets for a batch of entities, with a watermark taken from its snapshot.
 
-Why this watermark
-------------------
-Every entry carries a watermark, and a write replaces an entry only when its
-watermark is strictly greater (:mod:`freshline.pipeline.cache.store`). For that to keep stale
-values out, the order of watermarks must follow the order of what the computations
-saw: one that saw less must never outrank one that saw more.
+The watermark is read from the feature query's own snapshot, in the same statement
+(``pg_current_snapshot()``: its ``xmax``, how few ids were in progress below it, then the
+clock), so a greater watermark never saw less. Before it computes, the statement checks
+that every CDC event's transaction is visible in that snapshot (:class:`NotYetVisible`
+otherwise), and before a batch writes, :func:`wait_durable` waits until Postgres has
+flushed the WAL its snapshot saw (:class:`NotYetDurable`, :class:`Flusher`). Recomputes
+run on the primary.
 
-So the watermark is read from the very snapshot the feature query runs on, in the
-same statement: ``pg_current_snapshot()`` returns the statement's own snapshot
-(``xmin:xmax:xip``), and the watermark packs its ``xmax`` and the number of its
-in-progress ids, then the clock as a tie-breaker. Why that order is the order of
-what snapshots see:
-
-* ``xmax`` is one past the newest transaction that had ended when the snapshot was
-  taken. It only grows, so a snapshot with a greater ``xmax`` was taken later, and a
-  snapshot taken later sees at least what an earlier one saw: Postgres makes a
-  commit visible once, for every later snapshot.
-* While ``xmax`` stands still, no transaction at or above it ends, and no new one can
-  enter the in-progress list below it (new ids are at least ``xmax``); the list can
-  only shrink, as older transactions end. Of two snapshots with the same ``xmax``, the
-  one with fewer in-progress ids was taken later and sees more; with as many, they see
-  exactly the same rows.
-* The clock (``clock_timestamp()``, µs) only breaks ties between snapshots that see the
-  same rows: the later computation wins, which matters for windows that move with
-  time ("last 90 days"). A clock stepping back can only reorder such equals.
-
-Hence: a greater watermark never saw less. It is *not* the WAL position: a commit is
-flushed, and shipped to Debezium, before it is visible to new snapshots (with a
-synchronous standby, for the whole wait for the standby), so an LSN read before or
-after a snapshot says nothing sure about what the snapshot sees.
-
-Events and visibility
----------------------
-An event can therefore reach the consumer before its change is visible. The consumer
-passes each CDC event's transaction id (Debezium's ``source.txId``) and the snapshot
-statement checks, on the same snapshot, that every one of them is visible
-(``pg_visible_in_snapshot``, the 32-bit id widened to the ``xid8`` with those low bits
-from ``2**30`` ahead of the snapshot's ``xmax`` back: a transaction not yet visible may
-be newer than ``xmax``). If one is not, :class:`NotYetVisible` is raised: nothing is written and the
-batch is retried with backoff. A batch that passes computes from a snapshot that sees
-every change it was sent for, and its watermark outranks every computation that missed
-one of them (those snapshots were taken before the change became visible). An
-invalidation takes its tombstone's watermark the same way, after the same check.
-
-The read-through path is also guarded by leases (:mod:`freshline.pipeline.cache.readthrough`),
-which an invalidation or source-driven write revokes.
-
-On a hot standby Postgres keeps in-progress ids where ``pg_current_snapshot()`` does not
-report them, so this argument holds for computations on the primary.
-
-Visible is not durable
-----------------------
-A transaction committed with ``synchronous_commit = off`` is visible before its commit
-record is flushed; should Postgres crash first, it never happened, and no event will
-ever name it. So the consumer's snapshot also reads the WAL insert position
-(:attr:`Snapshot.lsn`; a feature statement's, :attr:`Batch.lsn`, for a read-through
-fill): every commit the snapshot sees was inserted before it. Before the batch writes,
-:func:`wait_durable` waits until Postgres has flushed that far, and makes it flush
-(:class:`Flusher`, :func:`force_flush`) if that does not come by itself within
-:data:`FORCE_AFTER_S` (bounded: :class:`NotYetDurable` is transient). Synchronous
-commits are flushed before they are visible, so with a busy stream of them the wait is
-usually a single read. :func:`source_identity` names
-the cluster and timeline a snapshot came from: after a crash that lost such commits,
-or the promotion of a standby, watermarks are not comparable with those before.
+Why each holds: docs/keys.md, "Why watermarks and writes keep stale values out".
 """
 
 from __future__ import annotations
@@ -190,7 +135,7 @@ class Snapshot:
 
 def snapshot_rank(xmax: int, in_progress: int) -> int:
     """A snapshot's part of its watermarks (all but the clock): of two, the greater saw
-    at least as much (see the module docstring)."""
+    at least as much (docs/keys.md, "A greater watermark never saw less")."""
     return (
         FORMAT >> CLOCK_BITS
         | (xmax & ((1 << XMAX_BITS) - 1)) << XIP_BITS
@@ -476,7 +421,7 @@ def compute(
     """Compute ``feature_set`` for every (tenant, entity) in ``refs`` in one statement.
 
     Timestamps come back as epoch milliseconds. The watermark comes from the same
-    statement's snapshot (see the module docstring); if any of ``txids`` is not visible
+    statement's snapshot (docs/keys.md says why); if any of ``txids`` is not visible
     in it, :class:`NotYetVisible` is raised and nothing is returned.
 
     ``path`` picks the evaluation: ``"full"`` (the defining query over the source

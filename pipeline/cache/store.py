@@ -1,65 +1,18 @@
 """The Redis feature store: versioned entries, conditional writes, TTLs, tombstones.
 
-Every write goes through one Lua script, so the compare-and-set happens atomically
-inside Redis: an entry (or tombstone) replaces the current one only when its
-watermark is strictly greater. An equal watermark is an idempotent no-op, so
-redelivered and reordered events are harmless. Every write sets a TTL; there is no
-code path that writes a feature key without one. An entry whose values change with
-time alone (a window over the last days moving past a row) expires at that moment if
-it comes before the TTL (:func:`entry_ttl_ms`), so it is absent, never stale: the
-script also ends it at that moment by Redis's clock, so a write held past it stores a
-tombstone of its watermark instead of values no longer true.
+Every write is one Lua script: an entry (or tombstone) replaces the current one only
+when its watermark is strictly greater (equal is a no-op), and it always sets a TTL; an
+entry whose values change with time alone ends at that moment (:func:`entry_ttl_ms`).
+Every write's state outlives it by the *fence* (``tombstone_ttl_s``), and a write that
+finds no state is refused when over half a fence old. Writes revoke the entity's
+read-through lease; a fill stores only while it holds its own. A TRUNCATE raises the
+feature set's *floor*: entries below it read as absent. On Redis Cluster the floors are
+read once per batch and passed to the scripts; ``get_many`` sends one ``MGET`` per slot,
+pipelined. Nothing is served from a server the consumers have not vouched for
+(:mod:`freshline.pipeline.cache.server`).
 
-An absent key is not a blank slate: a newer entry may have been there and gone. So
-every write's compare-and-set state outlives the write by at least the *fence*
-(``tombstone_ttl_s``, 5 minutes by default): tombstones live that long; an entry that
-would go sooner (its horizon, a short TTL) leaves its watermark in the entity's own
-floor (:func:`freshline.pipeline.core.keys.entity_floor_key`, same hash tag) for the fence; and a
-write that finds neither entry nor floor is refused if its watermark's clock is more
-than half the fence old by Redis's clock (a snapshot watermark carries Postgres's
-clock of its query, :func:`freshline.pipeline.cache.recompute.unpack_watermark`). Why that
-refuses every write W older than a state S that was stored: W arrives either while S
-(or a newer state) is in Redis, and the compare-and-set refuses it, or at least the
-fence after S was written, hence after S was computed; W computed before S did (a
-greater watermark never saw less, and W's clock is read within its query), so W is
-then at least the fence old, less the skew between the Postgres and Redis clocks and
-W's query time, which the half fence left over covers. What the fence does not cover:
-a state removed before its time (a purge, a Redis that loses acknowledged writes in a
-restart or failover) stops only writers over half a fence old; a version is purged
-when nothing has computed for it since longer than that (the deploy markers' part).
-
-Writes also carry the entity's read-through lease (same hash tag, so the script
-touches one slot): a source-driven write or an invalidation revokes any lease, and a
-read-through fill stores only while it still holds its own (Meta's memcache leases).
-
-A TRUNCATE of a source table voids every entry of the feature sets it affects: the
-consumer raises the feature set's *floor* (:func:`freshline.pipeline.core.keys.floor_key`) to the
-watermark of a snapshot that sees the truncate. Reads fetch the floors with the entries
-(one MGET) and treat an entry below its floor as absent; writes and leases below the
-floor are refused. Floors outlive every entry they void (twice the set's TTL).
-
-On Redis Cluster (:func:`freshline.pipeline.core.services.is_cluster`) every key of one entity
-(entries, lease) shares a slot by its hash tag, so the write and lease scripts stay
-atomic per entity; the floor key does not (a copy per slot is impractical: 16384
-keys per truncate). There the client reads the floors once per batch (one grouped
-read) and passes each as the scripts' last argument instead of a third key. The race
-this admits, and why it is harmless: a floor raised between that read and the
-script reaches the script late, so a write computed before the truncate may still
-land, and a lease call concurrent with the truncate may answer with such an entry.
-Every read fetches the floors with the entries and treats an entry below its floor
-as absent, and every later batch passes the raised floor; so only an operation that
-overlaps the truncate can see pre-truncate data, which is also what a read
-concurrent with the truncate sees on one node. The floor check is thus authoritative
-on the read path; the scripts' check keeps voided data from being written.
-
-Batched reads across slots (``get_many``) are grouped by slot into one ``MGET``
-each, all pipelined: one round trip per node that holds keys, never one per key.
-
-Reads serve nothing from a server the consumers have not vouched for
-(:mod:`freshline.pipeline.cache.server`: one that came back with fewer writes than it
-acknowledged, until a consumer has raised the floors): every entry reads as absent, and
-an entry the lease script finds there is answered as a lease another reader holds, which
-the read-through then computes for itself without storing.
+Why each rule keeps stale values out: docs/keys.md, "Why watermarks and writes keep
+stale values out".
 """
 
 from __future__ import annotations
@@ -292,7 +245,7 @@ class FeatureStore:
         self.registry = registry
         self.tombstone_ttl_ms = tombstone_ttl_s * 1000
         self.fence_ms = self.tombstone_ttl_ms
-        """How long every write's compare-and-set state outlives it (module docstring)."""
+        """How long every write's compare-and-set state outlives it (docs/keys.md, "The fence")."""
         self.max_age_ms = self.fence_ms // 2
         """The oldest computation a write to a key with no state may store."""
         self._write = client.register_script(_WRITE_LUA)
@@ -571,7 +524,7 @@ class FeatureStore:
 
     def _floors_as_args(self, calls: list[Call]) -> list[Call]:
         """On a cluster: each call's set floor (its last key) becomes its last argument,
-        read once per batch (see the module's docstring for the race this admits);
+        read once per batch (docs/keys.md, "Truncate floors", for the race this admits);
         unchanged on one node."""
         if not self.cluster or not calls:
             return calls

@@ -1,39 +1,14 @@
 """A Redis pub/sub subscription that knows, at every moment, whether it can be relied on.
 
 Readers that skip a Redis round trip because "a message would have told us" (the
-in-process tier, the version resolver) need more than redis-py's pub/sub gives: it
-resubscribes silently after a reconnect (messages published in between vanish without
-a trace), a half-open connection looks like a quiet channel, and ``run_in_thread``'s
-worker dies with a traceback once its retries run out. :class:`Subscription` keeps one
-subscription in a thread of its own:
+in-process tier, the version resolver) need more than redis-py's pub/sub gives.
+:class:`Subscription` keeps one subscription in a thread of its own: a numbered PING
+every ``heartbeat_s`` whose PONG confirms contact (:attr:`~Subscription.live` while the
+last is under ``silence_s`` old), *dark* on any doubt (``on_dark``; each confirmed
+resubscription a new :attr:`~Subscription.epoch` and ``on_live``), reconnecting with
+backoff, and optionally Redis's key tracking (broadcast mode) on the same connection.
 
-* **Confirmed contact.** Every ``heartbeat_s`` it sends a numbered PING down the
-  subscribed connection. Redis answers in order, so each PONG proves that every
-  message published before the PING was *sent* has arrived; that send time is the
-  last confirmed contact. The subscription is :attr:`~Subscription.live` only while the
-  last confirmed contact is less than ``silence_s`` old: a reader relying on it misses
-  a message by ``silence_s`` at most, whatever the network does. The bound is checked
-  on every read of ``live``, not by the thread, so a stalled thread cannot stretch it.
-* **Dark on any doubt.** A connection error, a timeout or ``silence_s`` without
-  confirmed contact drops the connection and calls ``on_dark``; the owner stops relying
-  on the messages (messages published while dark are lost). Each confirmed
-  (re)subscription starts a new :attr:`~Subscription.epoch` and calls ``on_live``.
-* **It comes back.** It reconnects for as long as it runs, with jittered exponential
-  backoff (50 ms to 2 s). An outage is one warning line and its end one info line;
-  an error is never a thread-killing traceback.
-* **Key tracking, optionally.** With ``tracking`` (key prefixes), the same connection
-  also asks Redis for server-assisted client-side caching in broadcast mode
-  (``CLIENT TRACKING ON REDIRECT <itself> BCAST PREFIX ...``, then ``SUBSCRIBE
-  __redis__:invalidate`` beside the channels): Redis itself reports every key under
-  those prefixes that changes (a write, an expiry, an eviction, a flush), whoever
-  changed it, so a reader need not trust a writer to publish. It rides the heartbeated
-  connection, so its messages are covered by the same contact bound, and a
-  reconnect tracks again before it counts as live. The connection speaks RESP2
-  there, where tracking messages arrive as pub/sub messages (redis-py reads RESP3's
-  invalidation pushes only for its own client-side cache). The login needs
-  ``CLIENT TRACKING`` and the channel ``__redis__:invalidate``; a refusal keeps the
-  subscription dark, with one warning line that says so. Not on Redis Cluster, where
-  every master would need its own tracking connection.
+Why each rule, and what the login needs: docs/reading.md, "The subscription's rules".
 """
 
 from __future__ import annotations
@@ -87,7 +62,7 @@ def _text(value: object) -> str:
 
 
 class Subscription:
-    """One pub/sub subscription, heartbeated and reconnected; see the module docstring.
+    """One pub/sub subscription, heartbeated and reconnected (docs/reading.md).
 
     >>> sub = Subscription(client, ["freshline:invalidations"], on_message=handle).start()
     >>> sub.wait_live(5)
@@ -95,7 +70,7 @@ class Subscription:
     ``on_message(channel, data)``, ``on_live()`` and ``on_dark()`` run in the
     subscription's thread. ``heartbeat_s`` defaults to a quarter of ``silence_s``.
     With ``tracking`` (key prefixes), ``on_invalidate(keys)`` runs there too, for
-    every change Redis reports under them (see the module docstring).
+    every change Redis reports under them (docs/reading.md).
     """
 
     def __init__(
@@ -189,7 +164,7 @@ class Subscription:
             socket_connect_timeout=self.silence_s,
             health_check_interval=0,
         )
-        if self.tracking:  # tracking messages as pub/sub messages: see the module docstring
+        if self.tracking:  # tracking messages as pub/sub messages (docs/reading.md)
             kwargs["protocol"] = 2
             kwargs.pop("maint_notifications_config", None)  # RESP3 only, in redis-py
         return redis.Redis(

@@ -1,46 +1,17 @@
 """Freshness tokens: "a state of the database at or after this commit", checked against
 entries' watermarks.
 
-What a token names
-------------------
-``SELECT freshline.token()`` (migration 0002) returns one of two forms:
+``SELECT freshline.token()`` (migration 0002) returns a *snapshot* token after commit
+(the ``xmax`` and in-progress count of its snapshot, ranked by :func:`snapshot_rank` with
+no query) or, inside a transaction that has written, a *transaction* token (its id,
+ranked once by :meth:`Tokens.resolve` and shared in Redis; :class:`TokenPending` until
+it ends). A token carries a MAC keyed by the database's own ``freshline.token_key``
+(:class:`InvalidToken` otherwise); one of a state not reached is :class:`TokenAhead`.
+Format: 21 bytes as 28 characters of unpadded base64url: form (1 snapshot, 2
+transaction), ``a`` (int8), ``b`` (int4), then the MAC.
 
-* **After commit** (or in any transaction that has not written), a *snapshot* token:
-  the ``xmax`` and in-progress count of the statement's own snapshot, which sees the
-  caller's commit and every commit before it. Its rank (:func:`snapshot_rank`) is
-  compared with an entry's watermark with no database at hand: an entry whose snapshot
-  part is at least the token's saw at least what the token's snapshot saw (the argument
-  of :mod:`freshline.pipeline.cache.recompute`: a greater watermark never saw less).
-* **Inside a transaction that has written**, a *transaction* token: its id. Its
-  snapshot cannot be known yet (the commit is not visible to anyone), and an entry's
-  watermark keeps no in-progress list to tell whether the id was running for it. So a
-  reader turns it into a rank the first time it sees it (:meth:`Tokens.resolve`, one
-  statement on the primary): the rank of a snapshot that sees the transaction ended
-  (``pg_visible_in_snapshot``, which is also false in the window where a commit is
-  durable but not yet visible). Any later snapshot sees the commit, so the rank is a
-  sound bar; it may be later than the first snapshot that saw the commit, so an entry
-  the consumer computed between the two is refused and recomputed. To keep that window
-  to the first read of the token anywhere, the first rank found is shared in Redis
-  (:func:`freshline.pipeline.core.keys.token_rank_key`, ``SET NX`` for :data:`RANK_TTL_S`): every
-  process then ranks the token alike, by the earliest bar any of them found. Until the
-  transaction ends there is no rank (:class:`TokenPending`).
-
-Either way, the read-through's fallback computes from a snapshot taken after the bar
-was known, whose watermark therefore reaches it; a token that one does not reach names
-a state this database has not got to (:class:`TokenAhead`).
-
-Why a MAC
----------
-A token is checked without a query, so nothing in it may be taken on trust: it carries
-the first 8 bytes of HMAC-SHA256 over its body, with a key of the database's own
-(``freshline.token_key``, made by the migration). A token that was altered, made up, or
-made by another database is refused (:class:`InvalidToken`: the API's 400); a token is
-never a way to another answer than the one it asks for. It carries no data: any tenant
-may use any token of its database, which only makes a read wait for that state.
-
-The format, 21 bytes as 28 characters of unpadded base64url: form (1 snapshot, 2
-transaction), then ``a`` (int8: the ``xmax``, or the transaction id), ``b`` (int4: the
-in-progress count, or 0), then the MAC.
+Why the check is sound: docs/freshness.md, "What a token names, and why the check is
+sound".
 """
 
 from __future__ import annotations

@@ -94,6 +94,7 @@ _LIMIT_SETTINGS = {
 """Each of a tenant's own limits, and the setting it stands in for."""
 
 
+# long: the signature is the command's option table (one option per limit)
 @tenants_app.command("limits")
 def tenants_limits(
     tenant: Annotated[str, typer.Argument(help="An existing tenant id")],

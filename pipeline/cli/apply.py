@@ -100,6 +100,7 @@ def undo(ddl: str) -> str:
     return f"revert: {ddl}"
 
 
+# long: its steps in the order they must run (topics, ACLs, schema, tables, lock, CDC)
 def apply(
     alter_tables: Annotated[
         bool,

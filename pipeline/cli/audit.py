@@ -13,7 +13,7 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import orjson
 import typer
@@ -32,6 +32,11 @@ from freshline.pipeline.observe.consistency import (
     Mismatch,
     describe_watermark,
 )
+
+if TYPE_CHECKING:
+    import redis
+
+    from freshline.pipeline.core.settings import Settings
 
 _DURATION = re.compile(r"^(?P<n>\d+(?:\.\d+)?)(?P<unit>ms|s|m)?$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
@@ -198,6 +203,7 @@ def summary(report: AuditReport, source: str) -> Group:
     return Group(*parts)
 
 
+# long: the signature is the command's option table (78 lines of typer options)
 def audit(
     sample: Annotated[
         int | None,
@@ -288,10 +294,7 @@ def audit(
     if history:
         _audit_history(duration or "30s", json_out)
         return
-    from freshline.pipeline.cache.versions import state
     from freshline.pipeline.core.db import make_engine
-    from freshline.pipeline.core.keys import parse_feature_key
-    from freshline.pipeline.core.lock import Lock
     from freshline.pipeline.core.repository import REGISTRY
     from freshline.pipeline.core.settings import load_settings
     from freshline.pipeline.observe.audit import Auditor
@@ -312,29 +315,9 @@ def audit(
     settings = load_settings()
     keys: list[str] | None = None
     if keys_file is not None:
-        keys = read_keys(keys_file)
-        versions = set()
-        for i, key in enumerate(keys, 1):
-            try:
-                versions.add(parse_feature_key(key)[0])
-            except InvalidId as exc:
-                raise ConfigError(f"{keys_file}, line {i}: {exc}") from exc
-        if version is None and len(versions) > 1:
-            raise ConfigError(
-                f"{keys_file} holds keys of schema versions "
-                f"{', '.join(map(str, sorted(versions)))}; audit one at a time"
-            )
-        version = version or (versions.pop() if versions else None)
+        keys, version = _keys_of(keys_file, version)
     client = redis_client(settings)
-    if version is None:
-        version = state(client, settings).active
-    lock = Lock.load()
-    if version != settings.schema_version and not lock.compatible(version, REGISTRY, feature_set):
-        raise ConfigError(
-            f"this code's feature definitions differ from schema version "
-            f"{version}'s in the lock; audit it with the code that writes it "
-            f"(this code writes version {settings.schema_version})"
-        )
+    version = _version_to_audit(client, settings, version, feature_set)
     if metrics_port is not None:
         from prometheus_client import start_http_server
 
@@ -361,23 +344,47 @@ def audit(
             source = f"{len(keys):,} keys from {keys_file}"
             chosen: dict[str, object] = {"keys_file": str(keys_file), "keys": len(keys)}
         else:
-            want = sample or 1000
-            report = auditor.audit_sample(
-                want, feature_set=feature_set, tenant=tenant, graces=graces, duration_s=duration_s
-            )
-            scope = " and ".join(
-                f"{k} {v}" for k, v in (("feature set", feature_set), ("tenant", tenant)) if v
-            )
-            source = f"up to {want:,} keys by SCAN ({scope or 'all feature sets'})"
-            if duration_s is not None:
-                source = f"samples of {source.removeprefix('up to ')} for {duration}"
             chosen = {
-                "sample": want,
+                "sample": sample or 1000,
                 "feature_set": feature_set,
                 "tenant": tenant,
                 "duration_s": duration_s,
             }
+            report = auditor.audit_sample(
+                sample or 1000,
+                feature_set=feature_set,
+                tenant=tenant,
+                graces=graces,
+                duration_s=duration_s,
+            )
+            source = _sampled(sample or 1000, feature_set, tenant, duration)
     engine.dispose()
+    _show(report, source, chosen, json_out)
+
+
+def _version_to_audit(
+    client: redis.Redis, settings: Settings, version: int | None, feature_set: str | None
+) -> int:
+    """``version``, else the active one; refused unless this code's definitions are the
+    ones the lock holds for it (the recompute would differ from what was served)."""
+    from freshline.pipeline.cache.versions import state
+    from freshline.pipeline.core.lock import Lock
+    from freshline.pipeline.core.repository import REGISTRY
+
+    if version is None:
+        version = state(client, settings).active
+    lock = Lock.load()
+    if version != settings.schema_version and not lock.compatible(version, REGISTRY, feature_set):
+        raise ConfigError(
+            f"this code's feature definitions differ from schema version "
+            f"{version}'s in the lock; audit it with the code that writes it "
+            f"(this code writes version {settings.schema_version})"
+        )
+    return version
+
+
+def _show(report: AuditReport, source: str, chosen: dict[str, object], json_out: bool) -> None:
+    """Print ``report`` (JSON or the summary); exit 1 when a mismatch persisted."""
     if json_out:
         typer.echo(json.dumps({"source": chosen, **report.as_json()}, indent=2))
     else:
@@ -387,6 +394,37 @@ def audit(
             n = report.persistent
             console.print(f"{n:,} persistent mismatch{'' if n == 1 else 'es'}")
         raise typer.Exit(1)
+
+
+def _keys_of(keys_file: Path, version: int | None) -> tuple[list[str], int | None]:
+    """The keys of ``--keys-file`` and the schema version to audit: ``version``, else the
+    one version the keys share (a file mixing versions is refused)."""
+    from freshline.pipeline.core.keys import parse_feature_key
+
+    keys = read_keys(keys_file)
+    versions = set()
+    for i, key in enumerate(keys, 1):
+        try:
+            versions.add(parse_feature_key(key)[0])
+        except InvalidId as exc:
+            raise ConfigError(f"{keys_file}, line {i}: {exc}") from exc
+    if version is None and len(versions) > 1:
+        raise ConfigError(
+            f"{keys_file} holds keys of schema versions "
+            f"{', '.join(map(str, sorted(versions)))}; audit one at a time"
+        )
+    return keys, version or (versions.pop() if versions else None)
+
+
+def _sampled(want: int, feature_set: str | None, tenant: str | None, duration: str | None) -> str:
+    """What a SCAN-sampled audit covered, for the summary's first line."""
+    scope = " and ".join(
+        f"{k} {v}" for k, v in (("feature set", feature_set), ("tenant", tenant)) if v
+    )
+    source = f"up to {want:,} keys by SCAN ({scope or 'all feature sets'})"
+    if duration is not None:
+        source = f"samples of {source.removeprefix('up to ')} for {duration}"
+    return source
 
 
 def _audit_history(within: str, json_out: bool) -> None:

@@ -133,6 +133,7 @@ def share_problem(share: float, concurrency: int, workers: int, cpus: int) -> st
     )
 
 
+# long: the signature is the command's option table; its body is 68 lines
 def warm(
     version: Annotated[int, typer.Option("--version", min=1, help="Schema version to warm")],
     feature_set: Annotated[

@@ -61,6 +61,7 @@ class ServerLimits:
         return "https" if self.tls_cert else "http"
 
 
+# long: the signature is the command's option table (45 lines of typer options)
 def serve(
     host: Annotated[str | None, typer.Option(help="Address to bind [FRESHLINE_API_HOST]")] = None,
     port: Annotated[int | None, typer.Option(help="Port [FRESHLINE_API_PORT]")] = None,

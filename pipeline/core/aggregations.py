@@ -1,45 +1,14 @@
 """Declared windowed aggregations: one declaration, and freshline derives the SQL.
 
 A repository declares what it wants over a source table (an entity column, a time
-column, a window, aggregations with optional filters)::
+column, a window, aggregations with optional filters, lookups) with :func:`Aggregations`
+and :mod:`freshline.agg`'s functions, and gets a
+:class:`~freshline.pipeline.core.features.FeatureSet` whose defining query and horizon are
+generated from it. Every value is a plain aggregate or a formula over ``numeric`` sums
+written out once, here, so that the incremental path can reproduce it digit for digit.
 
-    orders_30d = Aggregations(
-        "orders_30d", entity=customer, table=orders, time="placed_at", window="30d",
-        aggs=[count(), sum("amount"), mean("amount"), max("amount"), stddev("amount"),
-              count_distinct("sku"), last("status"), count(window="1d", name="orders_1d")],
-    )
-
-and gets a :class:`~freshline.pipeline.core.features.FeatureSet` whose defining query and horizon
-are generated from it:
-
-* **The query** joins the batch's keys to the table's rows in the window
-  ``(as_of - window, as_of]`` (the widest window of any aggregation; a narrower one, or an
-  aggregation's ``where``, is a ``FILTER``). Every value is a plain aggregate or a
-  formula over ``numeric`` sums written out once, here, so that an incremental
-  evaluation of the same declaration can reproduce it digit for digit: ``mean`` is
-  ``sum / count`` and ``stddev`` (population) is ``sqrt(greatest(n*q - s*s, 0) / n^2)``
-  over the count ``n``, the sum ``s`` and the sum of squares ``q``, all ``numeric``.
-  Over no rows, ``count``, ``count_distinct`` and ``sum`` are 0; the others ``NULL``.
-  ``last`` is the value of the latest row (ties: the greatest value). An aggregation's
-  ``default=`` replaces that ``NULL`` and ``digits=`` rounds it (``numeric`` ``round``),
-  in both queries alike. Nothing else is cast:
-  counts are ``bigint``, sums and the formulas ``numeric`` (read as the declared ``int``
-  or ``float``), ``min``/``max``/``last`` the column's own type, which ``plan`` checks
-  against the declared field type. A ``float8`` column enters the sums as ``numeric``,
-  which Postgres takes to 15 significant digits.
-* **The horizon**, per window: the first moment a row in it leaves it (its time plus the
-  window), or a row after ``as_of`` enters it. Filters are ignored there, which can only
-  make it earlier: safe (an entry expires early, a miss; never late, stale).
-
-Windows are durations (``"90d"``, ``"24h"``, ``"30m"``, seconds): exact intervals of
-seconds, so a day is 86,400 s whatever the session's time zone; ``"all"`` is every row at
-or before ``as_of`` (no row leaves it). The time column is a ``timestamptz``.
-
-* **Lookups** (:func:`Lookup`): columns each row takes from another table (a country
-  from an IP's range), aggregated by name like the table's own. The defining query looks
-  them up row by row; the incremental path's partials hold the looked-up values, and a
-  change of the other table logs the days of the rows it decides (its ``rows=``), so
-  those days are read from the rows until the next fold.
+The query, the horizon and the types, in full: docs/repositories.md, "The SQL derived
+from Aggregations".
 """
 
 from __future__ import annotations
@@ -150,6 +119,7 @@ def Lookup(table: Table, *, columns: Sequence[str], query: str, rows: str) -> de
     return declarations.Lookup(table, tuple(columns), query.strip(), rows.strip())
 
 
+# long: the public declaration: 16 keywords and their docstring; its checks are helpers
 def Aggregations(
     name: str,
     *,
@@ -200,52 +170,8 @@ def Aggregations(
     identifier(time, f"{what} time column")
     if tiebreak is not None:
         identifier(tiebreak, f"{what} tiebreak column")
-    looked_up: set[str] = set()
-    for lookup in lookups:
-        if not isinstance(lookup, declarations.Lookup):
-            raise ConfigError(f"{what}: {lookup!r} is not a Lookup(...)")
-        if lookup.table.source_for(entity) is None:
-            raise ConfigError(
-                f"{what}: lookup table {lookup.table.name!r} routes no change to entity "
-                f"{entity.name!r} (Table({lookup.table.name!r}, reverse={{{entity.name}: "
-                "'SELECT ...'}))"
-            )
-        if looked_up & set(lookup.columns):
-            raise ConfigError(f"{what}: two lookups give a column of the same name")
-        looked_up |= set(lookup.columns)
-    if not aggs:
-        raise ConfigError(f"{what}: declares no aggregation")
-    windows: list[int] = []
-    names: set[str] = set()
-    for agg in aggs:
-        if not isinstance(agg, Agg):
-            raise ConfigError(f"{what}: {agg!r} is not an aggregation (count(), sum('col'), ...)")
-        if agg.column is not None:
-            identifier(agg.column, f"{what} column")
-        field_name = agg.field_name()
-        identifier(field_name, f"{what} field name")
-        if field_name in names:
-            raise ConfigError(f"{what}: two aggregations are named {field_name!r} (pass name=)")
-        names.add(field_name)
-        if agg.default is not None and (
-            agg.kind in ("count", "count_distinct", "sum")
-            or isinstance(agg.default, bool)
-            or not isinstance(agg.default, int | float)
-        ):
-            raise ConfigError(
-                f"{what}: {field_name} takes no default= (a number, for an aggregation "
-                "that is NULL over no rows: mean, stddev, min, max, last)"
-            )
-        if agg.digits is not None and (
-            agg.kind in ("count", "count_distinct") or not 0 <= agg.digits <= 15
-        ):
-            raise ConfigError(f"{what}: {field_name}: digits= is 0..15, for a non-count")
-        chosen = agg.window if agg.window is not None else window
-        if chosen is None:
-            raise ConfigError(f"{what}: {field_name} has no window (give window= to it or all)")
-        windows.append(
-            ALL_TIME if chosen == "all" else seconds(chosen, f"{what} window of {field_name}")
-        )
+    _check_lookups(what, entity, lookups)
+    windows = _windows(what, aggs, window)
     declared = Declaration(
         table=table.name,
         entity_column=column,
@@ -285,6 +211,63 @@ def Aggregations(
         log_sample=log_sample,
         **derived,
     )
+
+
+def _check_lookups(what: str, entity: Entity, lookups: Sequence[declarations.Lookup]) -> None:
+    """Each lookup is a ``Lookup`` whose table routes changes to ``entity``, and no two
+    give a column of the same name."""
+    looked_up: set[str] = set()
+    for lookup in lookups:
+        if not isinstance(lookup, declarations.Lookup):
+            raise ConfigError(f"{what}: {lookup!r} is not a Lookup(...)")
+        if lookup.table.source_for(entity) is None:
+            raise ConfigError(
+                f"{what}: lookup table {lookup.table.name!r} routes no change to entity "
+                f"{entity.name!r} (Table({lookup.table.name!r}, reverse={{{entity.name}: "
+                "'SELECT ...'}))"
+            )
+        if looked_up & set(lookup.columns):
+            raise ConfigError(f"{what}: two lookups give a column of the same name")
+        looked_up |= set(lookup.columns)
+
+
+def _windows(what: str, aggs: Sequence[Agg], window: str | int | None) -> list[int]:
+    """Each aggregation checked (its column, name, ``default=``, ``digits=``), and its
+    window in seconds (its own, else the declaration's)."""
+    if not aggs:
+        raise ConfigError(f"{what}: declares no aggregation")
+    windows: list[int] = []
+    names: set[str] = set()
+    for agg in aggs:
+        if not isinstance(agg, Agg):
+            raise ConfigError(f"{what}: {agg!r} is not an aggregation (count(), sum('col'), ...)")
+        if agg.column is not None:
+            identifier(agg.column, f"{what} column")
+        field_name = agg.field_name()
+        identifier(field_name, f"{what} field name")
+        if field_name in names:
+            raise ConfigError(f"{what}: two aggregations are named {field_name!r} (pass name=)")
+        names.add(field_name)
+        if agg.default is not None and (
+            agg.kind in ("count", "count_distinct", "sum")
+            or isinstance(agg.default, bool)
+            or not isinstance(agg.default, int | float)
+        ):
+            raise ConfigError(
+                f"{what}: {field_name} takes no default= (a number, for an aggregation "
+                "that is NULL over no rows: mean, stddev, min, max, last)"
+            )
+        if agg.digits is not None and (
+            agg.kind in ("count", "count_distinct") or not 0 <= agg.digits <= 15
+        ):
+            raise ConfigError(f"{what}: {field_name}: digits= is 0..15, for a non-count")
+        chosen = agg.window if agg.window is not None else window
+        if chosen is None:
+            raise ConfigError(f"{what}: {field_name} has no window (give window= to it or all)")
+        windows.append(
+            ALL_TIME if chosen == "all" else seconds(chosen, f"{what} window of {field_name}")
+        )
+    return windows
 
 
 def _aggregate(agg: Agg, window_s: int, decl: Declaration) -> str:

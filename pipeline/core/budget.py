@@ -24,12 +24,8 @@ Order of a write of new entries (:meth:`TenantBudget.admit`, then the caller):
    own. Only this tenant's writes add to its set, so every key popped is this
    tenant's: another tenant's entries are never touched.
 
-Counting comes before writing, so a failure between the two leaves a key counted and
-absent (harmless), never one present and uncounted. Two writers of one tenant racing
-on its very oldest key can leave that key written but uncounted, until its TTL.
-
-A key deleted by other means (a purge) is counted until its expiry passes: the count
-errs towards less room, never more.
+Counting comes before writing: the count errs towards less room, never more
+(docs/security.md, "Redis memory: per-tenant budgets and maxmemory", says why).
 """
 
 from __future__ import annotations

@@ -216,7 +216,27 @@ def load(path: Path | str) -> Repository:
                 str(config_path), f"project.migrations: no folder {migrations / 'versions'}"
             )
     history = _history(config, str(config_path))
-    module = _import(definitions, name)
+    registry, entities, tables, events = _declared(_import(definitions, name), definitions)
+    return Repository(
+        path=root,
+        name=name,
+        schema_version=version,
+        definitions=definitions,
+        lock_path=lock_path,
+        registry=registry,
+        migrations=migrations,
+        entities=entities,
+        tables=tables,
+        events=events,
+        history=history,
+    )
+
+
+def _declared(
+    module: ModuleType, definitions: Path
+) -> tuple[Registry, tuple[Entity, ...], tuple[Table, ...], tuple[Event, ...]]:
+    """The feature sets, entities, tables and events ``module`` defines, checked: names
+    and topics unique, at least one feature set, every event's table read by one."""
     feature_sets: dict[str, FeatureSet] = {}
     entities: dict[str, Entity] = {}
     tables: dict[str, Table] = {}
@@ -253,18 +273,11 @@ def load(path: Path | str) -> Repository:
             )
     for fs in feature_sets.values():
         entities.setdefault(fs.entity.name, fs.entity)
-    return Repository(
-        path=root,
-        name=name,
-        schema_version=version,
-        definitions=definitions,
-        lock_path=lock_path,
-        registry=Registry(feature_sets.values()),
-        migrations=migrations,
-        entities=tuple(entities.values()),
-        tables=tuple(tables.values()),
-        events=tuple(events.values()),
-        history=history,
+    return (
+        Registry(feature_sets.values()),
+        tuple(entities.values()),
+        tuple(tables.values()),
+        tuple(events.values()),
     )
 
 

@@ -9,8 +9,9 @@ from typing import Any, Literal, overload
 Watermark = int
 """A monotonic measure of source state, packed from the computing statement's own
 snapshot: its ``xmax``, its count of in-progress transactions, then a clock (µs). It is
-not a WAL position. A greater one never saw less; see :mod:`freshline.pipeline.cache.recompute`
-for why, :mod:`freshline.pipeline.cache.store` for how writes compare them, and
+not a WAL position. A greater one never saw less (docs/keys.md says why); see
+:mod:`freshline.pipeline.cache.recompute` for how it is read,
+:mod:`freshline.pipeline.cache.store` for how writes compare them, and
 :mod:`freshline.pipeline.history.snapshots` for the full snapshot and ``as_of`` it names.
 """
 

@@ -17,17 +17,11 @@ without a miss storm:
 4. The old namespace expires by TTL, or :func:`freshline.pipeline.deploy.purge.purge` removes
    it in small SCAN + UNLINK batches.
 
-Every move that stops writing a version (a flip, for the version left once it is no
-longer previous; ``cancel``; ``retire``, which gives up the rollback) leaves a
-*retired* marker on it in the same script. The marker holds the moment writes stop
-and lives until every entry written before then has expired (:data:`IN_FLIGHT_MS`
-after that moment, plus the version's longest TTL). A version is started or flipped
-to only while nothing of it can be stale: it is active, next or previous (written
-all along), or it has no marker. So a flip's target was written continuously since
-its warm began, or holds only entries written since then.
-
-Every step checks the lock and the pointer first and changes nothing when refusing;
-the script checks the pointer and the marker again, atomically.
+Every move that stops writing a version leaves a *retired* marker on it in the same
+script, until every entry written before has expired (:data:`IN_FLIGHT_MS` plus the
+longest TTL); a version is started or flipped to only while nothing of it can be
+stale. Every step checks the lock and the pointer first and changes nothing when
+refusing; the script checks them again, atomically. Why: docs/deploys.md.
 """
 
 from __future__ import annotations

@@ -8,25 +8,10 @@ text under ``decimal.handling.mode=string``). A column Postgres did not send bec
 its TOASTed value did not change arrives as ``__debezium_unavailable_value`` and keeps
 the previous version's value.
 
-A record is one change of transaction ``T`` (``source.txId``, widened to ``xid8`` as
-:mod:`freshline.pipeline.cache.recompute` does) at LSN ``L`` (``source.lsn``), committed at
-``source.ts_us``. Applying it (:meth:`Recorder.record`) is idempotent and order-free
-per row, so a redelivered, duplicated or reordered record never makes a second version
-or a gap:
-
-* a row's versions are ordered by ``_fl_change``: every record of a transaction that
-  changes a row comes after every record of the one that changed it before (it waited
-  for that one's commit, on the row's lock);
-* if the row has a version created by ``T``: a record at or below its ``_fl_change`` is
-  a duplicate; a later one replaces its values (a row changed twice in one transaction
-  is one version), or, for a delete, leaves it empty (``_fl_to = _fl_from``: no
-  snapshot and no moment sees it);
-* else an insert or update creates ``T``'s version after the row's last version before
-  ``L`` (ending that one at ``T``) and ending where the row's chain went on after
-  ``L``; a delete ends that version at ``T`` and leaves an empty version of ``T`` (a
-  record of the delete for records that arrive after it);
-* a TRUNCATE ends every version of its table open at ``L``, and is kept
-  (``freshline.history_truncates``) to end a version whose record arrives after it.
+A record is one change of transaction ``T`` at LSN ``L``; applying it
+(:meth:`Recorder.record`) is idempotent and order-free per row, so a redelivered,
+duplicated or reordered record never makes a second version or a gap (the rules, and
+why they hold: docs/training.md, "How a record becomes a version").
 
 Changes whose transaction the backfill's snapshot S0 sees are skipped
 (:mod:`freshline.pipeline.history.backfill`). A record whose columns are not the history
@@ -159,7 +144,7 @@ def widen(txid: int, xmax: int) -> int:
 
 
 def typed(value: Any, column: Column) -> Any:
-    """A value as the connector sends it, as ``column``'s type (see the module)."""
+    """A value as the connector sends it, as ``column``'s type (module docstring)."""
     if value is None:
         return None
     kind = column.typname

@@ -1,61 +1,13 @@
 """The model-side inference cache: predictions keyed by model version and rounded input.
 
 A scoring service wraps its model with :class:`InferenceCache` and calls
-:meth:`InferenceCache.predict` with a batch of input vectors. Each row is looked up
-under::
+:meth:`InferenceCache.predict` with a batch of input vectors. Each row is rounded to
+``decimals``, made canonical and hashed (BLAKE2b) into its key under the model, its
+version, the tenant and the arm; a batch is one ``MGET``, one ``model.predict`` of the
+misses as given, and one pipeline of writes with a TTL, within the tenant's budget.
 
-    infer:<model>:<version>:<tenant>:<arm>:{<digest>}
-
-(:func:`freshline.pipeline.core.keys.inference_key`), so a new model version, another tenant or
-another experiment arm never sees the others' predictions.
-
-Canonical input and digest
---------------------------
-Rows that round equal share a key. For a batch of shape ``(n, d)`` and ``decimals``
-``k``, each row is made canonical, then hashed; another language reproduces a digest
-with these steps:
-
-1. Convert every element to an IEEE-754 binary64 (float32 and integer inputs are
-   widened exactly; integers beyond 2**53 round to the nearest double).
-2. Round: ``x' = rint(x * 10**k) / 10**k`` in binary64, ``rint`` rounding half to
-   even. Elements with ``|x| >= 2**52 / 10**k`` (no digits below ``10**-k`` left), and
-   infinities, are kept as they are.
-3. Add ``+0.0``, which turns ``-0.0`` into ``0.0``.
-4. Replace every NaN, whatever its sign or payload, by the quiet NaN
-   ``0x7FF8000000000000``.
-5. Digest: ``BLAKE2b`` with a 16-byte digest (no key, salt or personalisation) over
-   ``uint32_le(d) || uint32_le(k) || x'_0 .. x'_{d-1}``, each ``x'`` as 8 little-endian
-   bytes; written as 32 lower-case hex characters.
-
-The dimension is part of the message, so vectors of different widths never collide;
-``k`` is too, so services configured with different roundings do not share entries.
-
-Encoding of a cached prediction
--------------------------------
-One key holds one input row's prediction: the model's output row, byte for byte::
-
-    byte 0      format version, 1
-    byte 1      dtype code (see ``_DTYPES``: 1 float64, 2 float32, 3 int64, ...)
-    byte 2      0 when the model returns a 1-D array (one scalar per input row),
-                1 when it returns a 2-D array (one vector per input row)
-    bytes 3-6   (only when byte 2 is 1) the row width as uint32 little-endian
-    rest        the row's values, little-endian
-
-A float64 score is therefore 11 bytes. Entries are written with ``SET .. PX`` so every
-key expires after ``ttl_s``; a hit does not extend it.
-
-Order of a batch
-----------------
-1. Refuse a non-deterministic model and malformed inputs (nothing is read or written).
-2. Canonicalise and deduplicate the rows; hash each distinct row once.
-3. One ``MGET`` for the distinct keys.
-4. One ``model.predict`` call with the first occurrence of every missing row, as given
-   (not rounded), so a miss returns exactly what the model returns.
-5. With a tenant and a :class:`freshline.pipeline.core.budget.TenantBudget`: count the computed
-   rows against the tenant's budget (keys and bytes), which names the tenant's oldest
-   predictions that must go to make room (maybe some of these rows).
-6. One pipeline of ``SET key value PX ttl`` for the computed rows not named, and
-   ``UNLINK`` of the tenant's older ones that were.
+The digest step by step (for another language), the value's encoding and the order of
+a batch: docs/reading.md, "The inference cache's keys and values".
 """
 
 from __future__ import annotations
@@ -169,7 +121,7 @@ def canonical_rows(inputs: object, decimals: int) -> tuple[Array, Array]:
 
     ``original`` is the caller's array (integers widened to float64), what the model
     sees; ``canonical`` is the rounded, sign- and NaN-normalised float64 array that is
-    hashed (module docstring, steps 1-4).
+    hashed (docs/reading.md, steps 1-4).
     """
     try:
         x = np.asarray(inputs)
@@ -199,7 +151,7 @@ def canonical_rows(inputs: object, decimals: int) -> tuple[Array, Array]:
 
 
 def digests(canonical: Array, decimals: int) -> list[str]:
-    """The hex BLAKE2b-128 digest of each canonical row (module docstring, step 5)."""
+    """The hex BLAKE2b-128 digest of each canonical row (docs/reading.md, step 5)."""
     n, d = canonical.shape
     width = 8 + 8 * d
     buf = np.empty((n, width), dtype=np.uint8)
@@ -214,7 +166,7 @@ def digests(canonical: Array, decimals: int) -> list[str]:
 
 
 def encode(row: npt.ArrayLike) -> bytes:
-    """One output row as stored (see the module docstring)."""
+    """One output row as stored (its encoding: docs/reading.md)."""
     return encode_rows(np.asarray(row)[np.newaxis])[0]
 
 
@@ -357,7 +309,7 @@ class InferenceCache:
         return Prediction(out.values[0], bool(out.hit[0]), out.model, out.model_version)
 
     def _store(self, entries: list[tuple[str, bytes]], tenant: str | None) -> None:
-        """Write ``entries``, within ``tenant``'s budget (module docstring, steps 5-6).
+        """Write ``entries``, within ``tenant``'s budget (docs/reading.md, a batch's steps 5-6).
 
         A Redis at its ``maxmemory`` refuses the writes: the predictions are answered
         all the same, uncached (a cache that cannot store must not fail its reads).

@@ -1,46 +1,13 @@
 """Should this be cached? A verdict per feature set and per model, from measured figures.
 
-The arithmetic
---------------
-A cache charges its lookup on every request and, on a miss, the computation plus the
-miss overhead (the lease, the store, the bookkeeping); it saves the computation on a
-hit. With hit rate ``h``::
+:func:`advise` is pure arithmetic on one cache's :class:`Figures`: a cache is kept only
+if ``lookup + (1 - h) * (compute + miss_overhead)`` is below ``compute``, after three
+guards (a non-deterministic computation is refused; under 5 requests/s or a 30% hit
+rate it is killed); a kept one may be told to lengthen or shorten its TTL from the
+staleness sample, and a model's verdict prices the serving slots it saves.
 
-    E[latency | cache]    = lookup + (1 - h) * (compute + miss_overhead)
-    E[latency | no cache] = compute
-
-The cache is kept only if the first is lower. Three guards come first, in this order:
-
-1. a non-deterministic computation is never cached (``refuse``): equal inputs may
-   not give equal outputs, so a hit would serve a wrong answer;
-2. under 5 requests/s nothing is worth caching (``kill``): the saving is too small to
-   pay for the memory, the invalidation traffic and the staleness risk;
-3. a hit rate under 30% is a tax (``kill``): most requests pay the lookup and the
-   miss overhead for nothing.
-
-TTL advice (only for a cache worth keeping)
--------------------------------------------
-From the staleness sample (:mod:`freshline.pipeline.observe.staleness`): ``A`` the oldest sampled
-entry's
-age, ``m`` the mean age, ``T`` the TTL. Entries that live out their TTL untouched have
-ages spread evenly over ``[0, T]``, so ``m`` is about ``T/2``; entries rewritten by
-change events are younger, ``m`` about the time between changes.
-
-* ``m < T/4`` and ``h < 90%``: change events keep entries fresh long before the TTL
-  would, so the TTL only expires entities that are *not* changing, whose cached values
-  are still right. ``lengthen-ttl`` (to ``2T``) turns those expiry misses into hits at
-  no cost in staleness.
-* ``A >= 0.8 T`` and ``h < 40%``: entries live out their whole TTL yet most reads
-  miss: memory holds entries nobody reads again, and an entry a lost event left wrong
-  stays wrong for the whole TTL. ``shorten-ttl`` (to ``T/2``).
-* ``A > T`` is a bug, whatever the verdict: the TTL is not enforced. It is reported
-  as a warning.
-
-Serving slots (models)
-----------------------
-By Little's law the model servers busy at once are ``QPS * compute`` without a cache
-and ``QPS * (1 - h) * compute`` with one: the cache is worth ``QPS * h * compute``
-slots, which is what a model's verdict prices.
+The arithmetic and why each rule: docs/observability.md, "The arithmetic behind the
+verdicts".
 """
 
 from __future__ import annotations
@@ -104,7 +71,7 @@ class Advice:
 
 
 def expected_latency(f: Figures) -> tuple[float, float]:
-    """``(E[latency | cache], E[latency | no cache])``; see the module docstring."""
+    """``(E[latency | cache], E[latency | no cache])`` (docs/observability.md)."""
     miss = 1.0 - f.hit_rate
     return f.lookup_s + miss * (f.compute_s + f.miss_overhead_s), f.compute_s
 
@@ -116,7 +83,7 @@ def format_ms(seconds: float) -> str:
 
 
 def advise(f: Figures) -> Advice:
-    """The verdict for one cache: pure arithmetic on ``f`` (module docstring)."""
+    """The verdict for one cache: pure arithmetic on ``f`` (docs/observability.md)."""
     cached, uncached = expected_latency(f)
     slots = (f.qps * (1 - f.hit_rate) * f.compute_s, f.qps * f.compute_s)
     warnings: list[str] = []

@@ -1,70 +1,14 @@
 """The consistency auditor: does Redis serve what Postgres says? (Meta's Polaris)
 
-:class:`Auditor` takes entries (a random SCAN sample of one schema version's
-namespace, a list of keys, or a list of entity refs) and checks each against a
-recompute from Postgres. Given a duration, it keeps sampling until the duration has
-passed, as a continuous audit does, re-checking earlier suspects as they fall due
-while it goes on with first checks. One check of a batch, in this order:
+:class:`Auditor` reads a batch of entries (a SCAN sample, a list of keys or entity
+refs), recomputes those present from Postgres with each feature set's full query (never
+the incremental path under test), its snapshot taken after the read, and compares field
+by field as the codec stores values. A mismatch is a suspect, re-checked after each
+grace; one that *caught up* on its watermark stays pending until its values match
+(verified), or is settled as unverified or a mismatch. Reads only; paced by ``rate``.
+``before_recheck`` and ``before_verify`` let tests decide what a re-check sees.
 
-1. read every entry of the batch (pipelined MGETs, one round trip);
-2. recompute the entries that exist: one :func:`~freshline.pipeline.cache.recompute.compute` per
-   feature set, so its snapshot is taken after the entries were read, always with the
-   feature set's defining full query, never the incremental path a consumer may write
-   from (the path under test: partials that drifted would agree with themselves);
-3. compare field by field, exactly, as the codec stores values
-   (:func:`~freshline.pipeline.observe.consistency.same`). An absent key, a tombstone or an
-   entry below its feature set's floor (voided by a truncate) is consistent: every
-   entry must be correct *or absent*, as readers see it.
-
-A change committed between steps 1 and 3 that a consumer has not yet applied makes a
-correct pipeline look wrong for a moment, so a mismatch is only a suspect. It is
-checked again, entry and recompute both, after each grace period (by default 1 s,
-10 s and 60 s after its first check). It is consistent at that grace, and every
-longer one, once
-
-* it matches the new recompute, or is gone; or
-* it has *caught up*: the entry was rewritten since the first check, under a
-  watermark at least that of the first check's recompute (so it was computed from a
-  snapshot that saw everything the first check's snapshot saw: see
-  :mod:`freshline.pipeline.cache.recompute`), and below the re-check's own recompute, which
-  was taken after the entry was read. It then differs only by changes newer than the
-  first check: the change that was in flight has landed, and newer ones are in
-  flight. Without this an entity that changes faster than the pipeline's latency
-  would never match at any instant, however fresh its entries are; or
-* it shows the first check's recompute, value for value, under a watermark below the
-  re-check's recompute: it is what Postgres held when the mismatch was found, so a
-  reader at the re-check is at most the grace behind. The watermark rule above misses
-  this one when the consumer's snapshot saw the change but was taken a moment before
-  the first check's, and a newer change is in flight by the re-check.
-
-Catching up by watermark alone says the entry is fresh, not that its values are
-right: a writer that computes wrong values from a fresh snapshot passes it. So such
-an entry counts as consistent at that grace but is kept *pending*: its entity is
-re-checked (read, then recomputed with the full query) every :data:`VERIFY_EVERY_S`
-on later passes until the entry it serves, the accepted one or a later one, matches
-the recompute of that pass (a first check of a later sample that matches does too):
-it is then *verified*. One that does not within ``verify_s`` of its entity's latest
-acceptance (the last grace by default) is settled at that deadline. If it still
-serves the accepted entry, unchanged, and every pass since recomputed the same values
-(the entity was quiet), it differed for the whole bound from what Postgres held all
-that time: a *mismatch*, counted inconsistent at the grace it was accepted at and
-every longer one up to the bound. Otherwise it is *unverified*, reported apart from
-both. An entity that changes faster than the pipeline's latency without
-pause never matches at an instant, so its entries are verified only once it pauses.
-
-An entry whose watermark is at or above a recompute taken after it was read, and
-which differs from it, claims to have seen what it cannot have: it never heals by
-catching up, nor does an entry left unchanged since the first check. What a re-check
-cannot verify is the values of a newer entry that differs again; they are checked
-when a later sample finds the entity quiet. A mismatch that persists past the last
-grace is reported with both values and both watermarks. Between the first check and
-each re-check the ``before_recheck`` hook runs (``before_verify`` before each
-pending pass), which lets tests decide deterministically what the re-check sees.
-
-Safe on a live system: reads only, never writes Redis; Postgres sees set-based
-queries of at most a tenth of a second's worth of entries at the configured rate
-(500 entries/s by default, re-checks included, and no catching up above the rate
-after a stall); SCAN walks from a random cursor, never KEYS.
+The rules, why each holds, and what the summary counts: docs/audit.md.
 """
 
 from __future__ import annotations
@@ -204,7 +148,7 @@ class Suspect:
     def caught_up(self, now: Mismatch) -> bool:
         """Not claiming more than the re-check's recompute, and either rewritten since
         the first check from a snapshot that saw what its recompute saw, or showing
-        that recompute's values (see the module docstring)."""
+        that recompute's values (docs/audit.md)."""
         return self.caught_up_by(now) is not None
 
     def caught_up_by(self, now: Mismatch) -> CaughtUp | None:
@@ -224,7 +168,7 @@ class Suspect:
 @dataclass(slots=True)
 class Pending:
     """An entity whose entries caught up on their watermarks alone, awaiting a pass
-    whose recompute its served entry matches (see the module docstring)."""
+    whose recompute its served entry matches (docs/audit.md)."""
 
     ref: EntityRef
     served: Watermark
@@ -259,7 +203,7 @@ class _Run:
 
 
 class Auditor:
-    """Checks one schema version's entries against Postgres; see the module docstring.
+    """Checks one schema version's entries against Postgres (module docstring, docs/audit.md).
 
     ``rate`` caps entries per second (first checks and re-checks), ``None`` or ``0``
     for no cap. ``verify_s`` bounds how long an entry caught up on its watermark alone
@@ -564,7 +508,7 @@ class Auditor:
 
     def _recheck_due(self, run: _Run) -> None:
         """Re-check every suspect whose next grace has passed, then every pending
-        entity whose next pass has come; see the module docstring."""
+        entity whose next pass has come (docs/audit.md)."""
         due = self._take_due(run, self.clock())
         for i in range(0, len(due), self.batch_size):
             chunk = due[i : i + self.batch_size]
@@ -586,8 +530,8 @@ class Auditor:
                 self._verify_pass(p, outcome, started, run)
 
     def _pend(self, suspect: Suspect, now: Mismatch, run: _Run) -> None:
-        """Keep an entry caught up on its watermark alone pending (see the module
-        docstring): its entity joins the pending set, or its acceptance joins those
+        """Keep an entry caught up on its watermark alone pending (docs/audit.md):
+        its entity joins the pending set, or its acceptance joins those
         already pending there, and the deadline moves to this acceptance's."""
         at = self.clock()
         bound = self._verify_bound(run.report)

@@ -373,50 +373,8 @@ class StatusBoard:
         points = [s for s in self.history if s.at >= now.at - self.window_s] + [now]
         base = self._base(now)
         names = self.observer.registry.names()
-        sets: list[dict[str, Any]] = []
         problems: list[str] = []
-        for name in names:
-            series = _Series()
-            for prev, cur in itertools.pairwise(points):
-                hits = cur.hits.get(name, 0.0) - prev.hits.get(name, 0.0)
-                misses = cur.misses.get(name, 0.0) - prev.misses.get(name, 0.0)
-                age = cur.staleness.get(name)
-                series.add(
-                    cur.at,
-                    hit_rate=_ratio(hits, hits + misses),
-                    requests=hits + misses,
-                    staleness_s=age.oldest_age_s if age else None,
-                    consumer_lag=None if cur.lag is None else cur.lag.get(name),
-                )
-            hits = now.hits.get(name, 0.0) - base.hits.get(name, 0.0)
-            misses = now.misses.get(name, 0.0) - base.misses.get(name, 0.0)
-            age = now.staleness.get(name)
-            ttl = self.observer.registry[name].ttl_s
-            current = {
-                "hit_rate": _ratio(hits, hits + misses),
-                "hits": hits,
-                "misses": misses,
-                "window_s": round(now.at - base.at, 1),
-                "staleness_s": age.oldest_age_s if age else None,
-                "mean_age_s": age.mean_age_s if age else None,
-                "sampled": age.sampled if age else 0,
-                "over_ttl": age.over_ttl if age else 0,
-                "immortal": age.immortal if age else 0,
-                "consumer_lag": None if now.lag is None else now.lag.get(name),
-            }
-            if current["over_ttl"]:
-                problems.append(
-                    f"{name}: {current['over_ttl']} sampled entries are older "
-                    f"than the {ttl}s TTL (TTL not enforced)"
-                )
-            if current["immortal"]:
-                problems.append(f"{name}: {current['immortal']} sampled keys have no expiry")
-            rate = current["hit_rate"]
-            if rate is not None and rate < 0.25 and hits + misses >= 20:
-                problems.append(f"{name}: hit rate {rate:.0%} is below 25%")
-            sets.append(
-                {"name": name, "ttl_s": ttl, "current": current, "series": series.as_dict()}
-            )
+        sets = [self._feature_set(name, points, now, base, problems) for name in names]
         group = self._group(problems) if now.lag is not None else None
         semantic = self._semantic(now, base, problems)
         namespaces = self.observer.namespaces()
@@ -449,6 +407,56 @@ class StatusBoard:
             "history": history,
             "problems": problems,
         }
+
+    def _feature_set(
+        self,
+        name: str,
+        points: list[Snapshot],
+        now: Snapshot,
+        base: Snapshot,
+        problems: list[str],
+    ) -> dict[str, Any]:
+        """One feature set's block of the page: its series over ``points``, its current
+        figures since ``base``, and the problems they show (added to ``problems``)."""
+        series = _Series()
+        for prev, cur in itertools.pairwise(points):
+            hits = cur.hits.get(name, 0.0) - prev.hits.get(name, 0.0)
+            misses = cur.misses.get(name, 0.0) - prev.misses.get(name, 0.0)
+            age = cur.staleness.get(name)
+            series.add(
+                cur.at,
+                hit_rate=_ratio(hits, hits + misses),
+                requests=hits + misses,
+                staleness_s=age.oldest_age_s if age else None,
+                consumer_lag=None if cur.lag is None else cur.lag.get(name),
+            )
+        hits = now.hits.get(name, 0.0) - base.hits.get(name, 0.0)
+        misses = now.misses.get(name, 0.0) - base.misses.get(name, 0.0)
+        age = now.staleness.get(name)
+        ttl = self.observer.registry[name].ttl_s
+        current = {
+            "hit_rate": _ratio(hits, hits + misses),
+            "hits": hits,
+            "misses": misses,
+            "window_s": round(now.at - base.at, 1),
+            "staleness_s": age.oldest_age_s if age else None,
+            "mean_age_s": age.mean_age_s if age else None,
+            "sampled": age.sampled if age else 0,
+            "over_ttl": age.over_ttl if age else 0,
+            "immortal": age.immortal if age else 0,
+            "consumer_lag": None if now.lag is None else now.lag.get(name),
+        }
+        if current["over_ttl"]:
+            problems.append(
+                f"{name}: {current['over_ttl']} sampled entries are older "
+                f"than the {ttl}s TTL (TTL not enforced)"
+            )
+        if current["immortal"]:
+            problems.append(f"{name}: {current['immortal']} sampled keys have no expiry")
+        rate = current["hit_rate"]
+        if rate is not None and rate < 0.25 and hits + misses >= 20:
+            problems.append(f"{name}: hit rate {rate:.0%} is below 25%")
+        return {"name": name, "ttl_s": ttl, "current": current, "series": series.as_dict()}
 
     def _group(self, problems: list[str]) -> dict[str, Any] | None:
         """The group whose lag is shown, and a problem for each feature set none of

@@ -1,44 +1,16 @@
 """This process's indexes: one per namespace, built from Redis off the request path,
 within a budget of vectors.
 
-Redis holds the truth: the entries (``sem:e``), their ids scored by expiry
-(``sem:ids``) and a stream of changes (``sem:log``: ``add`` with the vector,
-``remove``, ``purge``). A build, in order:
+Redis holds the truth (the entries, their ids scored by expiry, a stream of changes);
+a build notes the stream's last id, reads the live ids (and trains the inverted lists
+on a sample above ``flat_max``), reads the entries in chunks, applies the stream from
+the noted id, and swaps the index in. Builds run at start-up (:meth:`IndexPool.warm`),
+inline for a small namespace's first lookup, and otherwise one at a time in the
+background; past ``max_vectors`` the least recently used index of the tenant holding
+the most is dropped.
 
-1. note the stream's last id;
-2. read the live ids (``ZRANGEBYSCORE now +inf``); above ``flat_max`` of them, read a
-   random sample (:data:`~freshline.pipeline.semantic.index.TRAIN_PER_LIST` per list) and train
-   the inverted lists on it;
-3. read the entries in chunks (``MGET``) and add their vectors (each entry's tail: no
-   JSON is parsed);
-4. apply the stream from the noted id, so adds and removals made meanwhile are kept;
-   then, holding the served index's lock, apply what came since and swap it in.
-
-Stores write their id before their stream event, and removals the other way round,
-so whichever side of step 1 a change lands, step 2 or step 4 sees it.
-
-When builds run
----------------
-* :meth:`IndexPool.warm` (the API calls it at start-up): every namespace in Redis,
-  most recently stored first, as many as the budget holds.
-* A lookup on a namespace this process holds no index of: with at most
-  ``inline_max`` entries it is built there and then (one ``MGET``); a larger one is
-  built in the background, and until it is ready lookups answer a miss. A miss is
-  never a wrong answer: the caller asks its model.
-* A ready index that wants a rebuild (:meth:`NamespaceIndex.wants_rebuild`: stale or
-  grown) is rebuilt in the background while it keeps serving. A stale one (idle for
-  half the stream's retention) is only rebuilt if the stream has lost events after
-  its position; otherwise the next lookup's read of the stream catches it up.
-
-Builds run one at a time on the cache's background thread, with one OpenMP thread: on
-two shared cores a build never takes both from the lookups.
-
-The budget: the indexes held hold at most ``max_vectors`` vectors (each index counted
-as at least :data:`MIN_CHARGE`); when a build passes it, indexes are dropped (a
-dropped index is built again on its next lookup), each time the least recently used
-of the tenant that holds the most. So one tenant's lookups on fresh namespaces (each
-an index, if an empty one) drop that tenant's own indexes, never another's while it
-holds more than they do, and a tenant can always keep about its share.
+The build's order, when builds run, and the budget's fairness: docs/reading.md, "How a
+worker's semantic indexes are built".
 """
 
 from __future__ import annotations
@@ -76,7 +48,7 @@ MAX_VECTORS = 2_000_000
 
 
 class IndexPool:
-    """This process's :class:`NamespaceIndex` per namespace (module docstring).
+    """This process's :class:`NamespaceIndex` per namespace (docs/reading.md).
 
     ``background`` runs the builds (one worker thread); ``flat_max`` and
     ``inline_max`` are the sizes above which an index is IVF, and built off the
@@ -286,7 +258,7 @@ class IndexPool:
 
     def _enforce_budget(self, keep: str) -> None:
         """Drop indexes until the budget holds: each time the least recently used index
-        of the tenant that holds the most, never ``keep`` (module docstring)."""
+        of the tenant that holds the most, never ``keep`` (docs/reading.md, the budget)."""
         with self._lock:
             charges = {ns: max(len(i), MIN_CHARGE) for ns, i in self._indexes.items()}
             total = sum(charges.values())

@@ -1,40 +1,15 @@
 """What an entry's ceiling is believed to be before it has outcomes: a prior per
 embedding model, calibrated on labelled pairs.
 
-The model (:mod:`freshline.pipeline.semantic.decision` uses it)
-------------------------------------------------------
-Each cached entry has an unknown **ceiling** ``u``: the highest similarity at which a
-prompt that is *not* a paraphrase of it (a near miss: same topic, another intent or
-another name) still reaches it. Above its ceiling, serving the entry is right. At or
-below it, a prompt is a near miss with probability ``near_miss_rate`` (rho). So serving
-at similarity ``s`` is wrong with probability ``rho * P(u >= s)``. A label (an
-exploration's comparison, a flag) is itself wrong with probability ``label_error``
-(eps), so one label never settles an entry.
+An entry's unknown **ceiling** is the highest similarity at which a near miss still
+reaches it; before the entry has outcomes it follows this prior, a normal distribution
+on a grid of :data:`STEP`, fitted per embedding model (:func:`fit`: the mean and
+deviation that maximise the marginal likelihood of labelled pairs grouped by question;
+``near_miss_rate`` and ``label_error`` are assumptions, not fitted).
+:mod:`freshline.pipeline.semantic.decision` uses it.
 
-Before an entry has outcomes, ``u`` follows this prior: a normal distribution (mean,
-standard deviation) on a grid of similarities from 0 to 1 in steps of
-:data:`STEP`. Where it sits depends on the embedding model: all-MiniLM-L6-v2 puts
-paraphrases at 0.4-0.96 and near misses at 0.06-0.88 on the shipped pairs, a larger
-model elsewhere. So a prior names its model, and the cache refuses one fitted for
-another.
-
-Calibration (:func:`fit`)
--------------------------
-rho and eps are assumptions, not fitted: rho = 0.5 says nothing about whether a prompt below
-the ceiling is a near miss or a paraphrase, and eps = 0.05 leaves room for a response
-worded differently and a mistaken flag. The mean and standard deviation maximise the
-marginal likelihood of labelled pairs that pass the numbers check (the others are
-never candidates), grouped by question: pairs whose ``kind`` starts with the same
-question (``refund_status``, ``refund_status: one order number differs``,
-``refund_status vs damaged_item``) share one ceiling, as the paraphrases and near
-misses of one cached question would; pairs without a ``kind`` are grouped by their
-first prompt. Pairs that differ only in a name are kept, though the names check
-(:func:`freshline.pipeline.semantic.entry.names_match`) stops them too: they widen the prior,
-so the names check is a margin the prior does not count on (fitted without them, the
-prior narrows to a deviation of 0.02 and serves near misses at 3.5% on the stream of
-``bench/paraphrases.py``). A grid search (mean 0.30-0.99, deviation 0.02-0.30, both in steps of
-0.005) finds the maximum; the shipped prior for the local model is its result on the
-shipped pairs (``freshline semantic tune --write-prior``).
+The model, the calibration and why each assumption: docs/reading.md, "The prior on an
+entry's ceiling, and its calibration".
 """
 
 from __future__ import annotations
@@ -145,7 +120,7 @@ def for_model(embedding_model: str, path: str = "") -> Prior:
 
 
 def group_of(pair: Pair) -> str:
-    """The question a pair's outcomes belong to (module docstring)."""
+    """The question a pair's outcomes belong to (docs/reading.md)."""
     if pair.kind:
         return re.split(r": | vs |/", pair.kind, maxsplit=1)[0]
     return pair.a
@@ -164,7 +139,7 @@ def log_likelihoods(
 
 
 def fit(embedding_model: str, pairs: list[Pair], sims: np.ndarray) -> Prior:
-    """The prior that maximises the grouped marginal likelihood (module docstring)."""
+    """The prior that maximises the grouped marginal likelihood (docs/reading.md)."""
     groups: dict[str, list[int]] = {}
     for i, p in enumerate(pairs):
         if literals(p.a) == literals(p.b):

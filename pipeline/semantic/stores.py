@@ -136,6 +136,7 @@ class Stores(Lookups):
         """
         return self._store(scope, items, params, vectors)[0]
 
+    # long: checks, one MULTI whose order matters (entries, ids, stream, TTLs), then limits
     def _store(
         self,
         scope: Scope,

@@ -300,9 +300,10 @@ def cdc_change(
     if before is None:
         raise FreshlineError(f"tenant {tenant} has no user {user}")
     _say(f"-- before: tenant {tenant} user {user}: {brief(before)}")
+    quoted = "'" + tenant.replace("'", "''") + "'"  # a literal, as psql shows it
     sql = (
-        f"UPDATE transactions SET amount = amount + 100 WHERE tenant_id = '{tenant}' "
-        f"AND id = (SELECT max(id) FROM transactions WHERE tenant_id = '{tenant}' "
+        f"UPDATE transactions SET amount = amount + 100 WHERE tenant_id = {quoted} "
+        f"AND id = (SELECT max(id) FROM transactions WHERE tenant_id = {quoted} "
         f"AND user_id = {int(user)} AND created_at > now() - interval '90 days')"
     )
     _say(f"-- psql: {sql}")
