@@ -241,9 +241,9 @@ class FeatureClient:
         uuid reads the entry of its lower-case spelling); one that is not a key of that
         type raises :class:`~freshline.pipeline.core.errors.InvalidId`, as HTTP answers 400.
         """
-        if as_ not in ("features", "arrow"):
-            raise ValueError(f"as_ is 'features' or 'arrow', not {as_!r}")
-        if as_ == "arrow":
+        if as_ != "features":  # one comparison on the hot path
+            if as_ != "arrow":
+                raise ValueError(f"as_ is 'features' or 'arrow', not {as_!r}")
             frames.arrow()  # before the read: without pyarrow, say so first
             named = self._canonical(items)
             found = self.get_many(
