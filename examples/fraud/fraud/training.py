@@ -8,11 +8,11 @@ Where the repository records history (``[history]`` in ``freshline.toml``), the 
 set is one row per transaction whose moment (``created_at``) history answers for (from
 its start to what it is complete to): the features as freshline would have served them
 at that moment, from :func:`freshline.training_set`, and the label whether that
-transaction was reversed (a chargeback). No row committed later, and no later correction, reaches a row's features
-(docs/training.md). Without history it falls back to one row per user with today's
-features and, as label, whether the user had a transaction reversed in the last 90
-days: those features already hold the reversed transactions, so that fallback leaks
-and only shows the wiring.
+transaction was reversed (a chargeback). No row committed later, and no later
+correction, reaches a row's features (docs/training.md). Without history it falls back
+to one row per user with today's features and, as label, whether the user had a
+transaction reversed in the last 90 days: those features already hold the reversed
+transactions, so that fallback leaks and only shows the wiring.
 """
 
 from __future__ import annotations
