@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple, overload
 
 import redis
 
@@ -28,6 +28,7 @@ from freshline.pipeline.cache import freshness
 from freshline.pipeline.cache.arrivals import Arrivals
 from freshline.pipeline.cache.store import FeatureStore
 from freshline.pipeline.cache.tokens import Tokens, freshline_token
+from freshline.pipeline.core import frames
 from freshline.pipeline.core.clock import now_ms
 from freshline.pipeline.core.codec import Row, parse_watermark
 from freshline.pipeline.core.errors import ConfigError, SchemaVersionUnknown
@@ -36,6 +37,8 @@ from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef, Entry, FeatureValues, Item, LazyRefs
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from freshline.pipeline.cache.hot import HotReads
     from freshline.pipeline.cache.local import LocalTier
     from freshline.pipeline.cache.readthrough import ReadThrough
@@ -185,6 +188,28 @@ class FeatureClient:
             wait_ms=wait_ms,
         )[0]
 
+    @overload
+    def get_many(
+        self,
+        items: Sequence[tuple[str, str, str | int]],
+        *,
+        after: str | None = ...,
+        max_staleness_ms: int | None = ...,
+        wait_ms: int = ...,
+        as_: Literal["features"] = ...,
+    ) -> list[Features | None]: ...
+
+    @overload
+    def get_many(
+        self,
+        items: Sequence[tuple[str, str, str | int]],
+        *,
+        after: str | None = ...,
+        max_staleness_ms: int | None = ...,
+        wait_ms: int = ...,
+        as_: Literal["arrow"],
+    ) -> pa.Table: ...
+
     def get_many(
         self,
         items: Sequence[tuple[str, str, str | int]],
@@ -192,8 +217,15 @@ class FeatureClient:
         after: str | None = None,
         max_staleness_ms: int | None = None,
         wait_ms: int = freshness.DEFAULT_WAIT_MS,
-    ) -> list[Features | None]:
+        as_: Literal["features", "arrow"] = "features",
+    ) -> list[Features | None] | pa.Table:
         """All ``items`` in one MGET, in order; ``None`` marks a miss.
+
+        With ``as_="arrow"``, an Arrow table instead, a row per item
+        (:func:`freshline.pipeline.core.frames.items_frame`: ``feature_set``, ``tenant``,
+        ``entity``, ``age_ms``, ``schema_version``, then each set's fields as
+        ``feature_set__field``, typed as training sets type them; a miss is nulls). It
+        needs pyarrow (the ``training`` extra).
 
         With ``after`` (a freshness token) or ``max_staleness_ms``, only entries at or
         after the token, computed less than ``max_staleness_ms`` ago, are served; others
@@ -209,6 +241,15 @@ class FeatureClient:
         uuid reads the entry of its lower-case spelling); one that is not a key of that
         type raises :class:`~freshline.pipeline.core.errors.InvalidId`, as HTTP answers 400.
         """
+        if as_ != "features":  # one comparison on the hot path
+            if as_ != "arrow":
+                raise ValueError(f"as_ is 'features' or 'arrow', not {as_!r}")
+            frames.arrow()  # before the read: without pyarrow, say so first
+            named = self._canonical(items)
+            found = self.get_many(
+                named, after=after, max_staleness_ms=max_staleness_ms, wait_ms=wait_ms
+            )
+            return frames.items_frame(self.store.registry, named, found)
         items = self._canonical(items)
         if self._bounds and max_staleness_ms is None:
             bounds = [self._bounds[fs] for fs, _, _ in items if fs in self._bounds]
@@ -219,6 +260,47 @@ class FeatureClient:
         if after is not None or max_staleness_ms is not None:
             return self._fresh(items, after, max_staleness_ms, wait_ms)
         return self._plain(items)
+
+    def get_frame(
+        self,
+        features: Sequence[str],
+        tenant: str,
+        entities: Sequence[str | int],
+        *,
+        after: str | None = None,
+        max_staleness_ms: int | None = None,
+        wait_ms: int = freshness.DEFAULT_WAIT_MS,
+    ) -> pa.Table:
+        """Batch scoring reads as an Arrow table, a row per entity of ``entities``, in order.
+
+        ``features``: feature sets (``txn_90d``, every field) or ``set:field``, of one
+        entity. Columns: the entity's tenant column (where it has one) and key column,
+        then a column per field, ``feature_set__field``, named and typed as
+        :func:`freshline.training_set` names and types them, so a model trained on a
+        training set scores on this frame. One MGET (:meth:`get_many`, whose freshness
+        keywords it takes); a miss is nulls. Needs pyarrow (the ``training`` extra):
+        without it, :class:`~freshline.pipeline.core.frames.FrameError` says so.
+        """
+        frames.arrow()  # before the read: without pyarrow, say so first
+        wanted = frames.requested(self.store.registry, features)
+        sets = list(dict.fromkeys(r.feature_set for r in wanted))
+        entity = sets[0].entity
+        other = next((fs for fs in sets if fs.entity.name != entity.name), None)
+        if other is not None:
+            raise frames.FrameError(
+                f"a frame is about one entity: {sets[0].name!r} is about {entity.name!r}, "
+                f"{other.name!r} about {other.entity.name!r}"
+            )
+        ids = [entity.validate(e) for e in entities]
+        found = self.get_many(
+            [(fs.name, tenant, i) for fs in sets for i in ids],
+            after=after,
+            max_staleness_ms=max_staleness_ms,
+            wait_ms=wait_ms,
+        )
+        n = len(ids)
+        by_set = {fs.name: found[k * n : (k + 1) * n] for k, fs in enumerate(sets)}
+        return frames.entity_frame(entity, wanted, tenant, ids, by_set)
 
     def _canonical(self, items: Sequence[tuple[str, str, str | int]]) -> list[Item]:
         """``items`` with each entity id in its key type's canonical text."""

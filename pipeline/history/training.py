@@ -11,8 +11,9 @@ the snapshot a ``snapshot`` column names
 The spine's own columns pass through unchanged, in its order. docs/training.md says
 what the moments mean and how to turn history on.
 
-pyarrow is imported only here, when a training set is asked for (the ``training``
-extra).
+pyarrow is imported only when a training set is asked for (the ``training`` extra);
+the columns' names and types are :mod:`freshline.pipeline.core.frames`'s, which batch
+reads share.
 """
 
 from __future__ import annotations
@@ -20,15 +21,22 @@ from __future__ import annotations
 import datetime as dt
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy.engine import Engine
 
 from freshline.pipeline.core.db import make_engine
-from freshline.pipeline.core.errors import FreshlineError, InvalidId, UnknownFeatureSet
-from freshline.pipeline.core.features import IMPLICIT_TENANT, FeatureSet, Field, FieldType
+from freshline.pipeline.core.errors import InvalidId
+from freshline.pipeline.core.features import IMPLICIT_TENANT, FeatureSet
+from freshline.pipeline.core.frames import (
+    FrameError,
+    Requested,
+    arrow,
+    arrow_column,
+    arrow_type,
+)
+from freshline.pipeline.core.frames import requested as frames_requested
 from freshline.pipeline.core.keys import validate_id
 from freshline.pipeline.core.repository import Repository, load
 from freshline.pipeline.core.settings import Settings, load_settings
@@ -42,52 +50,20 @@ CHUNK = 2000
 """Spine keys per statement (whole moments: a moment's keys never split)."""
 
 
-class SpineError(FreshlineError):
+class SpineError(FrameError):
     """A spine or a feature list the training set cannot be built from (one line)."""
 
 
 def _arrow() -> Any:
-    try:
-        import pyarrow
-    except ImportError:  # pragma: no cover - the extra is installed where tests run
-        raise SpineError("training sets need pyarrow: pip install 'freshline[training]'") from None
-    return pyarrow
-
-
-@dataclass(frozen=True, slots=True)
-class Requested:
-    """One output column: a field of a feature set."""
-
-    feature_set: FeatureSet
-    field: Field
-
-    @property
-    def column(self) -> str:
-        return f"{self.feature_set.name}__{self.field.name}"
+    return arrow("training sets")
 
 
 def requested(repo: Repository, features: Sequence[str]) -> list[Requested]:
     """``txn_90d`` (every field) or ``geo:distinct_countries_30d`` (one), in order."""
-    if not features:
-        raise SpineError("no features asked for: name feature sets, e.g. txn_90d,geo")
-    out: list[Requested] = []
-    for spec in features:
-        name, _, field = spec.strip().partition(":")
-        try:
-            fs = repo.registry[name]
-        except UnknownFeatureSet as exc:
-            raise SpineError(str(exc)) from None
-        if not field:
-            out += [Requested(fs, f) for f in fs.fields]
-            continue
-        found = next((f for f in fs.fields if f.name == field), None)
-        if found is None:
-            raise SpineError(
-                f"feature set {name!r} has no field {field!r}; its fields: "
-                f"{', '.join(fs.field_names)}"
-            )
-        out.append(Requested(fs, found))
-    return list(dict.fromkeys(out))
+    try:
+        return frames_requested(repo.registry, features)
+    except FrameError as exc:
+        raise SpineError(str(exc)) from None
 
 
 def read_spine(spine: Any) -> pa.Table:
@@ -169,25 +145,6 @@ def _refs(table: pa.Table, fs: FeatureSet) -> list[Ref]:
     return refs
 
 
-def _arrow_type(kind: FieldType) -> Any:
-    pa = _arrow()
-    return {
-        "int": pa.int64(),
-        "float": pa.float64(),
-        "bool": pa.bool_(),
-        "str": pa.string(),
-        "timestamp": pa.timestamp("ms", tz="UTC"),
-    }[kind]
-
-
-def arrow_column(kind: FieldType, values: list[Any]) -> pa.Array:
-    """Entry values (timestamps as epoch ms) as an Arrow column of the declared type."""
-    pa = _arrow()
-    if kind == "timestamp":
-        return pa.array(values, pa.int64()).cast(_arrow_type(kind))
-    return pa.array(values, _arrow_type(kind))
-
-
 def training_set(
     repo: Repository | str | Path,
     spine: Any,
@@ -239,7 +196,7 @@ def training_set(
     for r in wanted:
         column = [None if v is None else v[r.field.name] for v in values[r.feature_set.name]]
         table = table.append_column(
-            pa.field(r.column, _arrow_type(r.field.type)), arrow_column(r.field.type, column)
+            pa.field(r.column, arrow_type(r.field.type)), arrow_column(r.field.type, column)
         )
     return table
 

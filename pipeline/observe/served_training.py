@@ -22,8 +22,9 @@ import orjson
 import pyarrow as pa
 
 from freshline.pipeline.core.features import IMPLICIT_TENANT, FeatureSet
+from freshline.pipeline.core.frames import arrow_column
 from freshline.pipeline.core.repository import Repository
-from freshline.pipeline.history.training import SpineError, arrow_column, read_spine, requested
+from freshline.pipeline.history.training import SpineError, read_spine, requested
 from freshline.pipeline.observe.served_files import ParquetLog
 
 DEFAULT_TOLERANCE = dt.timedelta(minutes=5)

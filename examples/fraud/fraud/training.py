@@ -5,14 +5,14 @@ to ``POST /v1/models/fraud_example/predict``). It is an example of the wiring, t
 in seconds with numpy, not a fraud model to deploy.
 
 Where the repository records history (``[history]`` in ``freshline.toml``), the training
-set is one row per transaction committed since history starts: the features as
-freshline would have served them at the transaction's moment (``created_at``), from
-:func:`freshline.training_set`, and the label whether that transaction was reversed (a
-chargeback). No row committed later, and no later correction, reaches a row's features
-(docs/training.md). Without history it falls back to one row per user with today's
-features and, as label, whether the user had a transaction reversed in the last 90
-days: those features already hold the reversed transactions, so that fallback leaks
-and only shows the wiring.
+set is one row per transaction whose moment (``created_at``) history answers for (from
+its start to what it is complete to): the features as freshline would have served them
+at that moment, from :func:`freshline.training_set`, and the label whether that
+transaction was reversed (a chargeback). No row committed later, and no later
+correction, reaches a row's features (docs/training.md). Without history it falls back
+to one row per user with today's features and, as label, whether the user had a
+transaction reversed in the last 90 days: those features already hold the reversed
+transactions, so that fallback leaks and only shows the wiring.
 """
 
 from __future__ import annotations
@@ -61,25 +61,41 @@ SPINE_LIMIT = 50_000
 
 
 def spine(engine: Engine, tenant: str) -> Any | None:
-    """The training spine from history: ``tenant``'s transactions committed since history
-    of ``transactions`` starts (at most :data:`SPINE_LIMIT`, the latest), each at its
-    ``created_at``, labelled with whether it was reversed; None without history."""
+    """The training spine from history: ``tenant``'s transactions at moments history
+    answers for (after it starts, up to what it is complete to, before any break), at
+    most :data:`SPINE_LIMIT`, the latest, each at its ``created_at`` and labelled with
+    whether it was reversed; None without history of ``transactions``."""
     import pyarrow as pa
 
     from freshline.pipeline.history.evaluator import captured
 
     with engine.connect() as conn:
-        history = captured(conn).get("transactions")
-        if history is None or history.start is None:
+        recorded = captured(conn)
+        if recorded.get("transactions") is None:
             return None
+        tables = recorded.values()
+        if any(c.start is None or c.complete_to is None for c in tables):
+            return None
+        # The feature sets read every captured table: a moment must be one all answer for.
+        start = max(c.start for c in tables if c.start is not None)
+        end = min(c.complete_to for c in tables if c.complete_to is not None)
+        broken = [c.broken_from for c in tables if c.broken_from is not None]
         rows = conn.execute(
             sa.text(
                 "SELECT user_id, created_at, status = 'reversed' FROM ("
                 "  SELECT user_id, created_at, status, id FROM transactions "
-                "  WHERE tenant_id = :t AND created_at >= :start AND created_at <= now() "
+                "  WHERE tenant_id = :t AND created_at >= :start AND created_at <= :end "
+                "    AND created_at <= now() AND (CAST(:broken AS timestamptz) IS NULL "
+                "    OR created_at < CAST(:broken AS timestamptz)) "
                 "  ORDER BY created_at DESC, id DESC LIMIT :n) AS x ORDER BY created_at, id"
             ),
-            {"t": tenant, "start": history.start, "n": SPINE_LIMIT},
+            {
+                "t": tenant,
+                "start": start,
+                "end": end,
+                "broken": min(broken) if broken else None,
+                "n": SPINE_LIMIT,
+            },
         ).all()
     return pa.table(
         {

@@ -66,3 +66,63 @@ def test_the_example_trains_on_each_transaction_as_of_its_moment(
     assert x[:, COUNT].tolist() == expected
     assert np.all(x[:, COUNT] >= 1)
     assert spine(api, tenant) is not None
+
+
+def test_the_spine_stops_where_history_is_complete_to(
+    engine: Engine,
+    api: Engine,
+    captured: None,
+    tenant_factory: Callable[..., SeedSummary],
+) -> None:
+    """A transaction after the moment history is complete to (the recorder has not read
+    its commit yet) is left out of the spine, not a refusal of the whole training set."""
+    tenant = tenant_factory(users=20, transactions=200).tenants[0]
+    with engine.begin() as conn:
+        for table in ("transactions", "user_devices", "devices"):
+            conn.execute(
+                sa.text(
+                    f"INSERT INTO freshline.{recording.history_name(table)} SELECT t.*, "
+                    "'3'::xid8, NULL, '0/0', NULL, :s, NULL, '0/0' FROM public.{table} t "
+                    "WHERE tenant_id = :t".replace("{table}", table)
+                ),
+                {"s": recording.LONG_AGO, "t": tenant},
+            )
+        moments = list(
+            conn.execute(
+                sa.text(
+                    "SELECT created_at FROM transactions WHERE tenant_id = :t "
+                    "AND created_at <= now() ORDER BY created_at, id"
+                ),
+                {"t": tenant},
+            ).scalars()
+        )
+    complete_to = moments[len(moments) // 2]
+    with engine.begin() as conn:
+        was = conn.execute(
+            sa.text(
+                "SELECT complete_to FROM freshline.history_tables "
+                "WHERE source_schema = 'public' AND source_table = 'user_devices'"
+            )
+        ).scalar_one()
+        conn.execute(
+            sa.text(
+                "UPDATE freshline.history_tables SET complete_to = :c "
+                "WHERE source_schema = 'public' AND source_table = 'user_devices'"
+            ),
+            {"c": complete_to},
+        )
+    try:
+        rows = spine(api, tenant)
+        assert rows is not None
+        assert rows.num_rows == sum(1 for m in moments if m <= complete_to)
+        x, y = dataset(api, tenant)
+        assert x.shape == (rows.num_rows, len(MODEL_INPUTS)) and len(y) == rows.num_rows
+    finally:
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "UPDATE freshline.history_tables SET complete_to = :c "
+                    "WHERE source_schema = 'public' AND source_table = 'user_devices'"
+                ),
+                {"c": was},
+            )
