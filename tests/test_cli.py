@@ -87,9 +87,10 @@ def test_a_repository_s_own_commands_run_under_its_name(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # two freshline processes and a probe
 def test_a_repository_folder_never_shadows_a_freshline_package(tmp_path: Path) -> None:
-    """The fraud example keeps a migrations/ folder: mounting its commands must leave
-    ``import migrations`` to freshline's package (it shadowed it once: plan and apply
-    broke with AttributeError)."""
+    """The fraud example keeps a migrations/ folder: mounting its commands puts the
+    repository on the path, and freshline's migrations must still be its own (the
+    repository's shadowed them once, when freshline installed a top-level
+    ``migrations``: plan and apply broke with AttributeError)."""
     repo = tmp_path / "shop"
     assert freshline("init", str(repo)).returncode == 0
     config = repo / "freshline.toml"
@@ -101,7 +102,7 @@ def test_a_repository_folder_never_shadows_a_freshline_package(tmp_path: Path) -
     probe = (
         "from freshline.pipeline.cli import mount_own_commands\n"
         f"mount_own_commands(['--repo', {str(repo)!r}])\n"
-        "import migrations\n"
+        "from freshline import migrations\n"
         "print(hasattr(migrations, 'upgrade'))\n"
     )
     done = subprocess.run(

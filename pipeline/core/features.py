@@ -56,23 +56,30 @@ AS_OF = "coalesce(CAST(:as_of AS timestamptz), now())"
 """The moment a feature query computes for: ``:as_of``, or the transaction's ``now()``."""
 
 _IDENT = re.compile(r"[a-z_][a-z0-9_]*")
-# Functions that read the clock: a query calling one computes for the moment it runs,
-# not for t(as_of), so it cannot be evaluated at a past moment.
+# What reads the clock (a query calling one computes for the moment it runs, not for
+# t(as_of), so it cannot be evaluated at a past moment), and the moment parameter itself.
 _CLOCK = re.compile(
-    r"\b(now\s*\(|(?:clock_timestamp|statement_timestamp|transaction_timestamp|timeofday"
-    r"|current_date|current_time|current_timestamp|localtime|localtimestamp)\b)",
+    r"\b(?:(as_of|current_date|current_time|current_timestamp|localtime|localtimestamp)\b"
+    r"|(now|clock_timestamp|statement_timestamp|transaction_timestamp|timeofday)\s*\()",
     re.IGNORECASE,
 )
+_NOT_CODE = re.compile(r"--[^\n]*|/\*.*?\*/|'(?:[^']|'')*'", re.DOTALL)
+"""Comments and string literals: what a query says there is not code."""
+
+
+def clock_calls(sql: str, *, as_of: bool = False) -> list[str]:
+    """What in ``sql`` reads the clock (``now()``, ``current_date``, ...), and with
+    ``as_of`` the moment parameter too, in order, each once, in lower case; comments and
+    string literals are not looked at."""
+    found = ((m[1] or f"{m[2]}()").lower() for m in _CLOCK.finditer(_NOT_CODE.sub(" ", sql)))
+    return list(dict.fromkeys(name for name in found if as_of or name != "as_of"))
 
 
 def reads_clock(query: str) -> str | None:
-    """The clock function ``query`` calls directly (``now(``, ``current_date``, ...), if
-    any: such a query computes for the moment it runs rather than ``t(as_of)``."""
-    found = _CLOCK.search(query)
-    if found is None:
-        return None
-    name = found[1].strip()
-    return f"{name[:-1].strip()}()" if name.endswith("(") else name
+    """The first clock function ``query`` calls directly (``now()``, ``current_date``,
+    ...), if any: such a query computes for the moment it runs rather than ``t(as_of)``."""
+    found = clock_calls(query)
+    return found[0] if found else None
 
 
 _DURATION = re.compile(r"(\d+)(s|m|h|d)")

@@ -21,7 +21,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from freshline.pipeline.core.errors import LockMismatch
-from freshline.pipeline.core.features import AS_OF, FeatureSet, FieldType, reads_clock
+from freshline.pipeline.core.features import (
+    AS_OF,
+    FeatureSet,
+    FieldType,
+    clock_calls,
+    reads_clock,
+)
 from freshline.pipeline.core.lock import Lock, check
 from freshline.pipeline.core.maintenance import DerivedPath
 from freshline.pipeline.core.repository import Repository
@@ -357,29 +363,12 @@ def _check_horizon(conn: Connection, fs: FeatureSet) -> list[str]:
 
 # What makes a query's result change with time alone: the moment it computes for
 # (``t.as_of``, ``:as_of``) or the clock. Matched outside comments and string literals.
-_MOMENT = re.compile(
-    r"\b(?:(as_of|current_date|current_timestamp|localtimestamp)\b"
-    r"|(now|clock_timestamp|statement_timestamp|transaction_timestamp)\s*\()",
-    re.IGNORECASE,
-)
-_NOT_CODE = re.compile(r"--[^\n]*|/\*.*?\*/|'(?:[^']|'')*'", re.DOTALL)
-
-
-def reads_the_moment(sql: str) -> list[str]:
-    """What in ``sql`` reads the moment or the clock (``as_of``, ``now()``, ...), in order,
-    each once; comments and string literals are not looked at."""
-    found = [
-        (m.group(1) or f"{m.group(2)}()").lower() for m in _MOMENT.finditer(_NOT_CODE.sub(" ", sql))
-    ]
-    return list(dict.fromkeys(found))
-
-
 def staleness_warnings(fs: FeatureSet) -> list[str]:
     """A query whose result changes with time alone (it reads the moment it computes for)
     and has no horizon serves a stale value until its TTL once a row leaves its window."""
     if fs.horizon is not None or fs.declared is not None:
         return []
-    read = reads_the_moment(fs.query)
+    read = clock_calls(fs.query, as_of=True)
     if not read:
         return []
     return [
