@@ -33,7 +33,7 @@ from bench import common
 from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.hot import HotReads
 from freshline.pipeline.cache.readthrough import ReadThrough
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.versions import Pointer, VersionResolver
 from freshline.pipeline.core.codec import encode_entry
 from freshline.pipeline.core.keys import feature_key
@@ -68,7 +68,7 @@ def _bump(
         warm(r, ctx.engine, a, FEATURE_SET, [chunk], lock)
     resolver = VersionResolver(r, settings, pointer=pointer, lock=lock, max_age_s=0.05)
     rt = ReadThrough(
-        FeatureStore(r, a),
+        EntryStore(r, a),
         ctx.engine,
         early_refresh=False,
         versions=resolver,
@@ -172,7 +172,7 @@ def _purge(ctx: common.Context, keys: int, quiet_s: float) -> dict[str, Any]:
     readers = [(data.tenant, str(u)) for u in range(1, min(1000, data.users) + 1)]
     from freshline.pipeline.cache.recompute import compute
 
-    store = FeatureStore(r, active)
+    store = EntryStore(r, active)
     for chunk in common.chunks(readers, 500):
         store.write(compute(ctx.engine, fs, list(chunk)))
     payload = encode_entry([0] * len(fs.field_names), old, int(time.time() * 1000), 1)

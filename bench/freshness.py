@@ -109,7 +109,7 @@ def token_reads(ctx: common.Context, quick: bool) -> dict[str, Any]:
     """p50 at c=16 of token reads whose entries cover the token, against plain reads."""
     from freshline.pipeline.cache.client import FeatureClient
     from freshline.pipeline.cache.readthrough import ReadThrough
-    from freshline.pipeline.cache.store import FeatureStore
+    from freshline.pipeline.cache.store import EntryStore
 
     data = ctx.dataset()
     conninfo = _connstr(ctx.settings.postgres_url)
@@ -157,7 +157,7 @@ def token_reads(ctx: common.Context, quick: bool) -> dict[str, Any]:
     # The Python client, 16 threads.
     rc = ctx.new_redis()
     client = FeatureClient(
-        rc, version, readthrough=ReadThrough(FeatureStore(rc, version), ctx.engine)
+        rc, version, readthrough=ReadThrough(EntryStore(rc, version), ctx.engine)
     )
     counter = iter(range(10**9))
 

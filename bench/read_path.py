@@ -34,7 +34,7 @@ import orjson
 from bench import common, reference_app
 from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.local import LocalTier
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.codec import decode_entry
 from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef
@@ -99,7 +99,7 @@ def run(quick: bool) -> dict[str, Any]:
     require("wrk")  # before minutes of measuring, not after
     ctx = common.context(quick)
     version, tenant, api_key, users = reference_app.prepared(ctx)
-    store = FeatureStore(ctx.redis, version)
+    store = EntryStore(ctx.redis, version)
     keys = [store.key(EntityRef(FEATURE_SET, tenant, str(u))) for u in users]
     payload_bytes = sum(len(ctx.redis.get(k) or b"") for k in keys[:100]) / 100
     fields = REGISTRY[FEATURE_SET].field_names

@@ -425,14 +425,14 @@ def prepared(ctx: common.Context) -> tuple[int, str, str, list[int]]:
     """
     from freshline.pipeline.api.auth import create_api_key
     from freshline.pipeline.cache.recompute import compute
-    from freshline.pipeline.cache.store import FeatureStore
+    from freshline.pipeline.cache.store import EntryStore
     from freshline.pipeline.core.repository import REGISTRY
     from freshline.pipeline.core.types import EntityRef
 
     data = ctx.dataset()
     version = ctx.schema_version()
     users = list(range(1, min(200 if ctx.quick else ENTITIES, data.users) + 1))
-    store = FeatureStore(ctx.redis, version)
+    store = EntryStore(ctx.redis, version)
     for chunk in common.chunks(users, 500):
         store.write(
             compute(ctx.engine, REGISTRY[FEATURE_SET], [(data.tenant, str(u)) for u in chunk])

@@ -77,7 +77,7 @@ from freshline.pipeline.cache.recompute import (
     wait_durable,
 )
 from freshline.pipeline.cache.server import RedisIdentity, recorded_identity, redis_identity
-from freshline.pipeline.cache.store import FeatureStore, WriteResult
+from freshline.pipeline.cache.store import EntryStore, WriteResult
 from freshline.pipeline.core.cluster import is_cluster, publish
 from freshline.pipeline.core.db import own_connections
 from freshline.pipeline.core.errors import FreshlineError
@@ -217,7 +217,7 @@ class Processor:
         self.versions = versions
         self.registry = registry
         self.router = Router(registry)
-        self.store = FeatureStore(client, 1, registry=registry, tombstone_ttl_s=tombstone_ttl_s)
+        self.store = EntryStore(client, 1, registry=registry, tombstone_ttl_s=tombstone_ttl_s)
         self.publish = publish
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms

@@ -44,7 +44,7 @@ from freshline import migrations
 from freshline.consumers.kafka import admin_client, client_config
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.readthrough import Hooks, ReadThrough, Result
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.versions import VersionResolver
 from freshline.pipeline.core.db import make_engine
 from freshline.pipeline.core.errors import ServiceUnavailable
@@ -556,7 +556,7 @@ def observe_refreshes(resolver: VersionResolver) -> threading.Event:
 
 
 def counting_readthrough(
-    store: FeatureStore, engine: Engine
+    store: EntryStore, engine: Engine
 ) -> tuple[ReadThrough, list[list[EntityRef]]]:
     """A read-through without early refreshes, and the list of the refs of each compute
     it runs, appended as it runs them."""

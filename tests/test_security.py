@@ -30,7 +30,7 @@ from freshline.pipeline.api import create_app
 from freshline.pipeline.api.auth import create_api_key
 from freshline.pipeline.api.fastpath import async_client
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cdc.connect import ConnectClient, connector_config, drop_slot, names
 from freshline.pipeline.core.keys import ACTIVE_SCHEMA_KEY, INVALIDATION_CHANNEL, feature_key
 from freshline.pipeline.core.maintenance import DerivedPath
@@ -190,7 +190,7 @@ def test_the_writer_user_writes_features_but_not_deploys(
     client = redis_client(writer_user)
     try:
         assert client.acl_whoami() == writer_user.redis_username
-        store = FeatureStore(client, fresh_version())
+        store = EntryStore(client, fresh_version())
         batch = compute(engine, REGISTRY["device_risk"], [(tenant, "1")])
         assert store.write(batch).written == 1
         client.publish(INVALIDATION_CHANNEL, b"{}")  # consumers publish invalidations

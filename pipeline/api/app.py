@@ -29,7 +29,7 @@ from freshline.pipeline.cache.hot import HotReads
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.readthrough import Hooks, ReadThrough
 from freshline.pipeline.cache.roster import Proc, Registration, roster, strangers
-from freshline.pipeline.cache.store import FeatureStore, check_eviction_policy
+from freshline.pipeline.cache.store import EntryStore, check_eviction_policy
 from freshline.pipeline.cache.tokens import Tokens
 from freshline.pipeline.cache.versions import DEFAULT_POINTER, Pointer, VersionResolver
 from freshline.pipeline.core.budget import TenantBudget
@@ -130,7 +130,7 @@ def create_app(
             silence_s=settings.subscription_silence_ms / 1000,
         )
 
-    store = FeatureStore(
+    store = EntryStore(
         client, settings.schema_version, registry=registry, tombstone_ttl_s=settings.tombstone_ttl_s
     )
     versions = (

@@ -26,7 +26,7 @@ import redis
 
 from freshline.pipeline.cache import freshness
 from freshline.pipeline.cache.arrivals import Arrivals
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.tokens import Tokens, freshline_token
 from freshline.pipeline.core.clock import now_ms
 from freshline.pipeline.core.codec import Row, parse_watermark
@@ -103,7 +103,7 @@ class FeatureClient:
         hot: HotReads | None = None,
         readthrough: ReadThrough | None = None,
     ) -> None:
-        self.store = FeatureStore(client, schema_version, registry=registry)
+        self.store = EntryStore(client, schema_version, registry=registry)
         self.local = local
         self.versions = versions
         self.hot = hot
@@ -393,9 +393,7 @@ class FeatureClient:
                 self.versions.close()
 
     @staticmethod
-    def _through_tier(
-        local: LocalTier, items: list[Item], store: FeatureStore
-    ) -> list[Entry | None]:
+    def _through_tier(local: LocalTier, items: list[Item], store: EntryStore) -> list[Entry | None]:
         """The local tier first; one MGET for the rest, which then fills the tier."""
         refs = [EntityRef(*item) for item in items]
         version = store.schema_version
@@ -409,7 +407,7 @@ class FeatureClient:
                     local.put(refs[i], entry, token)
         return entries
 
-    def _store_for_call(self) -> FeatureStore:
+    def _store_for_call(self) -> EntryStore:
         """The active version's store, decoding with its field lists (the lock's, else
         the published ones); this client's own while those are unknown and its own
         version is written, else :class:`SchemaVersionUnknown`."""
@@ -426,9 +424,7 @@ class FeatureClient:
                     versions.refused += 1
                     raise SchemaVersionUnknown(version, self.store.schema_version)
                 return self.store
-            store = self._stores[version] = FeatureStore(
-                self.store.redis, version, registry=decoders
-            )
+            store = self._stores[version] = EntryStore(self.store.redis, version, registry=decoders)
         return store
 
     def _stands_in(self, version: int) -> bool:

@@ -1,4 +1,4 @@
-"""The Redis feature store: versioned entries, conditional writes, TTLs, tombstones.
+"""The Redis entry store: versioned feature entries, conditional writes, TTLs, tombstones.
 
 Every write goes through one Lua script, so the compare-and-set happens atomically
 inside Redis: an entry (or tombstone) replaces the current one only when its
@@ -186,7 +186,7 @@ return 1
 """
 
 Call = tuple[tuple[str, ...], tuple[str | bytes | int, ...]]
-"""One script call: its keys (the set's floor last, see :meth:`FeatureStore._floors_as_args`)
+"""One script call: its keys (the set's floor last, see :meth:`EntryStore._floors_as_args`)
 and its arguments."""
 
 WRITTEN, REFUSED, UNCHANGED, DUE, LEASE_LOST = 1, 0, 2, 3, -1
@@ -276,7 +276,7 @@ def entry_ttl_ms(ttl_s: int, computed_at_ms: int, valid_until_ms: int | None) ->
     return max(1, min(ttl, valid_until_ms - computed_at_ms))
 
 
-class FeatureStore:
+class EntryStore:
     """Reads and conditional writes of feature entries for one schema version."""
 
     def __init__(

@@ -21,7 +21,7 @@ from pydantic import SecretStr
 from freshline.consumers.kafka import Producer
 from freshline.consumers.topics import allow_writer, ensure, managed_topics
 from freshline.consumers.worker import Worker
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.topics import DLQ, INVALIDATIONS, qualified
 from freshline.pipeline.core.types import EntityRef
@@ -101,7 +101,7 @@ def test_a_worker_on_the_cluster_writes_entries_the_auditor_finds_consistent(
             for name in ("txn_90d", "geo")
             for u in range(1, USERS + 1)
         ]
-        store = FeatureStore(cluster_redis, settings.schema_version)
+        store = EntryStore(cluster_redis, settings.schema_version)
         assert wait_until(lambda: None not in store.read(refs), 90)
     finally:
         worker.stop()

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from freshline.pipeline.cache.readthrough import ReadThrough
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.keys import feature_key
 from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.services import redis_client
@@ -72,7 +72,7 @@ def test_a_killed_master_then_quiescence_leaves_no_inconsistency(
     version = 950_000 + uuid.uuid4().int % 40_000
     refs = [EntityRef("txn_90d", tenant, str(u)) for u in range(1, USERS + 1)]
     client = redis_client(cluster_settings, socket_timeout=1, socket_connect_timeout=1)
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version)
     reader = ReadThrough(store, primary, early_refresh=False, wait_ms=200)
 
     def change(i: int) -> None:

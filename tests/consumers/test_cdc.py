@@ -29,7 +29,7 @@ from fraud.seed import SeedSummary
 from freshline.consumers.topics import ensure, ensure_cdc_topics, managed_topics
 from freshline.consumers.worker import Worker
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cdc.connect import (
     ConnectClient,
     Names,
@@ -151,7 +151,7 @@ def stale(
 ) -> list[tuple[Key, object, object]]:
     """The entries of ``keys`` absent or unequal to a direct recompute from Postgres now:
     each with that recompute and the entry."""
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version)
     found: list[tuple[Key, object, object]] = []
     for fs, tenant, entity in sorted(keys):
         truth = compute(engine, REGISTRY[fs], [(tenant, entity)]).values[(tenant, entity)]

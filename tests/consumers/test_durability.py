@@ -37,7 +37,7 @@ from freshline.pipeline.cache.recompute import (
     take_snapshot,
     wait_durable,
 )
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.versions import Pointer
 from freshline.pipeline.core.keys import source_key
 from freshline.pipeline.core.repository import REGISTRY
@@ -171,7 +171,7 @@ def test_a_batch_never_writes_a_commit_a_crash_can_undo(
         tenant = conn.execute(sa.text("SELECT min(id) FROM freshline.tenants")).scalar_one()
     processor = Processor(lagging.engine, redis_client, versions=lambda: [version])
     ref = EntityRef("txn_90d", tenant, "7")
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version)
     event = ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": 7})
     before = compute(lagging.engine, REGISTRY["txn_90d"], [(tenant, "7")]).values
     for _ in range(ATTEMPTS):
@@ -215,7 +215,7 @@ def test_a_new_postgres_under_the_consumer_stops_its_writes(
     with pytest.raises(SourceChanged) as changed:
         processor.apply([event])
     assert (changed.value.before, changed.value.now) == (first, second)
-    assert FeatureStore(redis_client, version).read([EntityRef("txn_90d", tenant, "3")]) == [None]
+    assert EntryStore(redis_client, version).read([EntityRef("txn_90d", tenant, "3")]) == [None]
 
 
 def test_a_consumer_started_on_another_history_finds_the_recorded_one(
@@ -239,7 +239,7 @@ def test_a_consumer_started_on_another_history_finds_the_recorded_one(
         restarted.apply([event])
     assert (changed.value.before, changed.value.now) == (first, second)
     assert restarted.source is None
-    assert FeatureStore(redis_client, version).read([EntityRef("txn_90d", tenant, "4")]) == [None]
+    assert EntryStore(redis_client, version).read([EntityRef("txn_90d", tenant, "4")]) == [None]
     assert redis_client.get(key) == encode(first).encode()
     # The operator purges the version: the held batch goes through, on the new history.
     assert purge(redis_client, settings, version, pointer=Pointer.scoped(uuid.uuid4().hex)).done

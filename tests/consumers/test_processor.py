@@ -15,7 +15,7 @@ from freshline.consumers.processor import Processor
 from freshline.consumers.routing import Router, Unroutable
 from freshline.pipeline.cache.invalidation import Invalidation
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.keys import INVALIDATION_CHANNEL, feature_pattern
 from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
@@ -33,7 +33,7 @@ def make(engine: Engine, client: redis.Redis, version: int) -> Processor:
 
 
 def stored(client: redis.Redis, version: int, tenant: str) -> dict[tuple[str, str], FeatureValues]:
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version)
     out = {}
     for key in client.scan_iter(match=feature_pattern(version), count=1000):
         name = key.decode().split(":")[2]
@@ -167,7 +167,7 @@ def test_redelivery_and_reordering_are_harmless(
     event = ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": 9})
     processor.apply([event])
     processor.apply([event])  # redelivered
-    assert FeatureStore(redis_client, version).write(stale).refused == 1  # arrives late
+    assert EntryStore(redis_client, version).write(stale).refused == 1  # arrives late
     got = stored(redis_client, version, tenant)
     assert got[("txn_90d", "9")] == truth(engine, "txn_90d", tenant, ["9"])["9"]
     assert got[("txn_90d", "9")] != stale.values[(tenant, "9")]
@@ -176,7 +176,7 @@ def test_redelivery_and_reordering_are_harmless(
 def in_redis(client: redis.Redis, message: Invalidation) -> Entry | None:
     """The entry a reader told of ``message`` finds in Redis."""
     ref = EntityRef(message.feature_set, message.tenant, message.entity)
-    return FeatureStore(client, message.schema_version).read([ref])[0]
+    return EntryStore(client, message.schema_version).read([ref])[0]
 
 
 def executed(url: str, action: Callable[[], object], *needles: str) -> list[str]:
@@ -200,7 +200,7 @@ def test_invalidations_are_published_after_the_write(
 ) -> None:
     """Whoever is told of a change, on the Redis channel or through the Kafka hand-off,
     finds the new entry in Redis when the message is published."""
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version)
     store.write(compute(engine, REGISTRY["txn_90d"], [(tenant, "11")]))  # before the change
     with engine.begin() as conn:
         conn.execute(

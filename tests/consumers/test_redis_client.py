@@ -20,7 +20,7 @@ from fraud.seed import SeedSummary
 from freshline.consumers.failures import TRANSIENT
 from freshline.consumers.worker import Worker
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from tests.helpers import free_port, fresh_version, redis_login_args, redis_server
@@ -64,7 +64,7 @@ def test_a_write_to_a_stalled_redis_fails_instead_of_hanging(
     )
     batch = compute(engine, REGISTRY["txn_90d"], [(tenant, "1"), (tenant, "2")])
     worker = Worker(local, topics=["unused"])
-    store = FeatureStore(worker.redis, fresh_version())
+    store = EntryStore(worker.redis, fresh_version())
     outcome: list[BaseException | object] = []
 
     def write() -> None:

@@ -30,7 +30,7 @@ from freshline.consumers.events import decode
 from freshline.consumers.kafka import Producer
 from freshline.consumers.processor import Processor, ReplicasBehind
 from freshline.consumers.worker import Worker
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.errors import ConfigError
 from freshline.pipeline.core.keys import floor_key
 from freshline.pipeline.core.settings import Settings
@@ -155,7 +155,7 @@ def test_a_batch_is_not_acknowledged_until_a_replica_has_it(
     impatient = Processor(
         engine, client, versions=lambda: [version], wait_replicas=1, wait_timeout_ms=100
     )
-    key = FeatureStore(client, version).key(EntityRef("txn_90d", tenant, "1"))
+    key = EntryStore(client, version).key(EntityRef("txn_90d", tenant, "1"))
     assert processor.apply([touch(tenant, 1)]).writes.written == 2
     assert replica.client().exists(key)  # acknowledged, so already on the replica
     replica.freeze()
@@ -167,7 +167,7 @@ def test_a_batch_is_not_acknowledged_until_a_replica_has_it(
         replica.thaw()
     assert processor.apply([touch(tenant, 2)]).writes.written == 2
     assert replica.client().exists(
-        FeatureStore(client, version).key(EntityRef("txn_90d", tenant, "2"))
+        EntryStore(client, version).key(EntityRef("txn_90d", tenant, "2"))
     )
 
 
@@ -250,7 +250,7 @@ def test_a_failover_that_loses_a_truncate_floor_raises_every_floor(
         ]
     )
     risk = [EntityRef("device_risk", tenant, u) for u in users]
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version)
     assert None not in store.read(risk)
     with failing_over(pair, client):  # the truncate's floor is lost with the old primary
         processor.apply([truncate_event()])
@@ -282,7 +282,7 @@ def test_a_batch_after_a_failover_raises_the_floors_in_its_announce(
     client = pair[0].client()
     processor = Processor(engine, client, versions=lambda: [version])
     processor.apply([touch(tenant, 4)])
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version)
     with failing_over(pair, client):
         processor.apply([touch(tenant, 5)])  # lost with the old primary
     assert client.exists(store.key(EntityRef("txn_90d", tenant, "4")))

@@ -20,7 +20,7 @@ from fraud.seed import seed
 from freshline.consumers.events import decode
 from freshline.consumers.processor import Processor
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.db import make_engine
 from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
@@ -60,7 +60,7 @@ def test_a_truncate_voids_every_entry_it_makes_stale_and_nothing_else(
 ) -> None:
     with own_engine.connect() as conn:
         tenant = conn.execute(sa.text("SELECT id FROM freshline.tenants")).scalar_one()
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version)
     refs = [(tenant, u) for u in USERS]
     before = compute(own_engine, DEVICE_RISK, refs)
     assert any(v["device_count"] > 0 for v in before.values.values())

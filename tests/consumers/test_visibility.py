@@ -29,7 +29,7 @@ from freshline.pipeline.cache.recompute import (
     take_snapshot,
     unpack_watermark,
 )
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import ChangeEvent, EntityRef
 
@@ -71,7 +71,7 @@ def test_a_change_not_yet_visible_is_retried_and_never_written_stale(
     tenant: str,
     version: int,
 ) -> None:
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version)
     ref = EntityRef("txn_90d", tenant, "3")
     conn, txid = open_change(engine, tenant, 3)
     # The low 32 bits, as Debezium reports a transaction id.

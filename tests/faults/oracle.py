@@ -48,7 +48,7 @@ from sqlalchemy.engine import Engine
 
 from freshline.consumers.topics import event_topics, subscription
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.versions import state
 from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.services import kafka_security_config
@@ -484,7 +484,7 @@ def check_values(
     """
     version = state(client, settings).active
     refs = sorted(touched | tenant_keys(client, version, tenant))
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version)
     began = time.time()
     served = {fs.name: store.read([EntityRef(fs.name, t, e) for t, e in refs]) for fs in REGISTRY}
     ended = time.time()

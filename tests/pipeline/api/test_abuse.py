@@ -16,7 +16,7 @@ from freshline.pipeline.api import create_app
 from freshline.pipeline.api.auth import create_api_key
 from freshline.pipeline.api.routes import MAX_JSON_DEPTH
 from freshline.pipeline.cache.readthrough import Hooks, ReadThrough, Result
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.keys import LEASE_PREFIX
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
@@ -38,7 +38,7 @@ def leases(client: redis.Redis, version: int) -> list[bytes]:
 
 
 def read_through(client: redis.Redis, engine: Engine, version: int) -> ReadThrough:
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version)
     return ReadThrough(store, engine, lease_ms=FOREVER_MS, wait_ms=FOREVER_MS, early_refresh=False)
 
 

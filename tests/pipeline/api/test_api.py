@@ -19,7 +19,7 @@ from freshline.pipeline.api.auth import create_api_key
 from freshline.pipeline.cache.invalidation import Invalidation
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.recompute import Batch, compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
 from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
@@ -131,7 +131,7 @@ SENTINEL = 987_654_321
 def planted(api: Api, engine: Engine, redis_client: redis.Redis, two_tenants: list[str]) -> str:
     """Tenant B's entry for user 1, holding a value no real computation gives."""
     other = two_tenants[1]
-    store = FeatureStore(redis_client, api.app.state.services.reader.schema_version)
+    store = EntryStore(redis_client, api.app.state.services.reader.schema_version)
     values = dict(truth(engine, "txn_90d", other, "1"), txn_count=SENTINEL)
     store.write(
         Batch(REGISTRY["txn_90d"], {(other, "1"): values}, 1 << 100, time.time_ns() // 1_000_000)

@@ -34,7 +34,7 @@ from freshline.pipeline.cache.client import FeatureClient, freshline_token
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.readthrough import ReadThrough
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.tokens import SNAPSHOT, TRANSACTION, Token, decode, encode
 from freshline.pipeline.core.errors import ConfigError
 from freshline.pipeline.core.features import Registry
@@ -257,7 +257,7 @@ def test_an_entry_that_reaches_the_token_is_served_from_cache(
         first = api.get(f"/v1/features/txn_90d/5?after={token}&wait_ms=0").json()
         assert first["source"] == "computed"
     else:
-        store = FeatureStore(redis_client, api.app.state.services.reader.schema_version)
+        store = EntryStore(redis_client, api.app.state.services.reader.schema_version)
         for fs in ("txn_90d", "geo"):
             store.write(compute(engine, REGISTRY[fs], [(tenant, "5")]))  # the consumer's
     computed.clear()
@@ -343,7 +343,7 @@ def test_a_reader_without_an_asyncio_client_reads_fresh_in_the_thread_pool(
     redis_client: redis.Redis, engine: Engine, tenant: str
 ) -> None:
     version = fresh_version()
-    reader = FeatureReader(ReadThrough(FeatureStore(redis_client, version), engine))
+    reader = FeatureReader(ReadThrough(EntryStore(redis_client, version), engine))
     token = write(engine, tenant, 12, inside=False)
     demand = Demand(token, None, 10)
     try:
@@ -418,7 +418,7 @@ def test_the_client_honours_a_declared_bound(
     fresh_settings: Settings, engine: Engine, redis_client: redis.Redis, tenant: str
 ) -> None:
     registry = bounded(device_risk=0)
-    store = FeatureStore(redis_client, fresh_settings.schema_version, registry=registry)
+    store = EntryStore(redis_client, fresh_settings.schema_version, registry=registry)
     batch = compute(engine, registry["device_risk"], [(tenant, "2")])
     store.write(batch)
     plain = FeatureClient(redis_client, fresh_settings.schema_version)
@@ -564,7 +564,7 @@ def test_the_client_honours_tokens_and_staleness_bounds(
     engine: Engine, redis_client: redis.Redis, tenant: str
 ) -> None:
     version = fresh_version()
-    rt, computed = counting_readthrough(FeatureStore(redis_client, version), engine)
+    rt, computed = counting_readthrough(EntryStore(redis_client, version), engine)
     client = FeatureClient(redis_client, version, readthrough=rt)
     tier = LocalTier(redis_client, max_entries=100).start()
     tiered = FeatureClient(redis_client, version, readthrough=rt, local=tier)

@@ -9,7 +9,7 @@ from sqlalchemy.engine import Engine
 from fraud.seed import SeedSummary
 from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
@@ -36,7 +36,7 @@ def test_many_entities_in_one_round_trip_with_misses_reported(
 ) -> None:
     version = fresh_version()
     tenant = tenant_factory(users=20, transactions=400).tenants[0]
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version)
     refs = [(tenant, str(u)) for u in range(1, 11)]
     for fs in REGISTRY:
         store.write(compute(engine, fs, refs))
@@ -69,7 +69,7 @@ def test_the_client_answers_as_the_store_reads(
     entries agree, field for field, across feature sets."""
     version = fresh_version()
     first, second = tenant_factory(users=6, transactions=120, tenants=2).tenants
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version)
     for tenant in (first, second):
         for fs in REGISTRY:
             store.write(compute(engine, fs, [(tenant, str(u)) for u in range(1, 6)]))

@@ -13,7 +13,7 @@ from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.invalidation import ALL, Invalidation
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.recompute import Batch
-from freshline.pipeline.cache.store import TTL_JITTER, FeatureStore
+from freshline.pipeline.cache.store import TTL_JITTER, EntryStore
 from freshline.pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
 from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef, Entry
@@ -92,7 +92,7 @@ def test_the_client_follows_redis_after_an_invalidation(
     tier: LocalTier, redis_client: redis.Redis, tenant: str
 ) -> None:
     version = fresh_version()
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version)
     client = FeatureClient(redis_client, version, local=tier)
 
     def write(count: int, watermark: int) -> None:

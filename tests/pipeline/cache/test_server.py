@@ -29,7 +29,7 @@ from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.recompute import compute
 from freshline.pipeline.cache.server import recorded_identity, redis_identity, server_gate
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.keys import SERVER_KEY
 from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
@@ -165,7 +165,7 @@ def test_readers_serve_nothing_a_restarted_redis_resurrected(
         persisting.kill()
         persisting.start()  # back from the snapshot: the older value, no truncate floor
         admin = redis.Redis(port=persisting.port)
-        assert FeatureStore(admin, version).read(
+        assert EntryStore(admin, version).read(
             [EntityRef("txn_90d", tenant, "1"), EntityRef("device_risk", tenant, "1")]
         ) == [None, None]  # a fresh client's first read: the gate is asked once
         assert recorded_identity(admin.get(SERVER_KEY)) != redis_identity(
@@ -202,9 +202,9 @@ def test_a_server_is_vouched_for_by_its_own_identity_or_by_none(
     version = fresh_version()
     ref = EntityRef("txn_90d", tenant, "2")
     admin = redis.Redis(port=persisting.port)
-    FeatureStore(admin, version).write(compute(engine, REGISTRY["txn_90d"], [(tenant, "2")]))
+    EntryStore(admin, version).write(compute(engine, REGISTRY["txn_90d"], [(tenant, "2")]))
     client = redis.Redis(port=persisting.port)
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version)
     assert store.read([ref])[0] is not None  # nothing recorded: nothing to compare
     assert server_gate(client).vouched
 
@@ -232,7 +232,7 @@ def test_a_server_is_vouched_for_by_its_own_identity_or_by_none(
     admin.set(SERVER_KEY, "another-run-id:another-replid")
     blind = redis.Redis(port=persisting.port, username="blind", password="pw")
     with caplog.at_level(logging.WARNING):
-        assert FeatureStore(blind, version).read([ref])[0] is not None
+        assert EntryStore(blind, version).read([ref])[0] is not None
     assert "may not read the server's identity" in caplog.text
     for c in (admin, client, blind):
         c.close()

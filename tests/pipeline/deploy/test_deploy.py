@@ -26,7 +26,7 @@ from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.hot import HotReads
 from freshline.pipeline.cache.readthrough import ReadThrough, Result
 from freshline.pipeline.cache.recompute import Batch, compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.versions import Pointer, VersionResolver, WriteVersions, state
 from freshline.pipeline.core.errors import DeployError
 from freshline.pipeline.core.keys import LEASE_PREFIX, feature_pattern, inference_key
@@ -285,7 +285,7 @@ def test_warm_then_flip_keeps_the_hit_rate_and_a_cold_flip_storms(
     world.warm_all(world.a)
     hot = [EntityRef("txn_90d", world.tenant, str(u)) for u in range(1, USERS // 2 + 1)]
     rt = ReadThrough(
-        FeatureStore(r, world.a),
+        EntryStore(r, world.a),
         world.engine,
         early_refresh=False,
         versions=world.resolver(),
@@ -327,7 +327,7 @@ def test_no_response_mixes_versions(world: Deploy) -> None:
     items = [(fs, world.tenant, u) for fs in ("txn_90d", "geo") for u in range(1, 21)]
     client = FeatureClient(r, world.a, versions=world.resolver())
     rt = ReadThrough(
-        FeatureStore(r, world.a), world.engine, early_refresh=False, versions=world.resolver()
+        EntryStore(r, world.a), world.engine, early_refresh=False, versions=world.resolver()
     )
     refs = [EntityRef(fs, t, str(u)) for fs, t, u in items]
     turn = iter(range(1_000_000))
@@ -401,7 +401,7 @@ def test_the_api_reader_serves_a_flip_with_the_pointer_cached(world: Deploy) -> 
     cached is dropped by the flip's message, however long it was kept."""
     resolver = VersionResolver(world.redis, world.settings, pointer=world.pointer, lock=world.lock)
     reader = FeatureReader(
-        ReadThrough(FeatureStore(world.redis, world.a), world.engine, versions=resolver),
+        ReadThrough(EntryStore(world.redis, world.a), world.engine, versions=resolver),
         timeout_s=5,
     )
     lookup = Lookup(world.tenant, ["txn_90d"], ["1"])
@@ -433,7 +433,7 @@ def test_the_api_reader_serves_a_flip_with_the_pointer_cached(world: Deploy) -> 
         resolver.close()
 
 
-def fill(store: FeatureStore, engine: Engine, tenant: str, n: int) -> None:
+def fill(store: EntryStore, engine: Engine, tenant: str, n: int) -> None:
     """``n`` entries in ``store``'s version, copies of one real user's features."""
     real = compute(engine, TXN_90D, [(tenant, "1")])
     values = real.values[(tenant, "1")]
@@ -450,8 +450,8 @@ def test_purge_removes_exactly_the_old_namespace_in_batches_and_resumes(
     world: Deploy,
 ) -> None:
     r, s, p = world.redis, world.settings, world.pointer
-    fill(FeatureStore(r, world.b), world.engine, world.tenant, 1500)
-    fill(FeatureStore(r, world.a), world.engine, world.tenant, 300)
+    fill(EntryStore(r, world.b), world.engine, world.tenant, 1500)
+    fill(EntryStore(r, world.a), world.engine, world.tenant, 300)
     r.set(f"{LEASE_PREFIX}:{world.b}:txn_90d:{{{world.tenant}:1}}", "x", px=60_000)
     active_before = world.count(feature_pattern(world.a))
     assert world.count(feature_pattern(world.b)) == 1500
@@ -544,7 +544,7 @@ def test_a_rollback_serves_what_changed_after_the_flip(world: Deploy) -> None:
         [ChangeEvent("transactions", "u", world.tenant, {"tenant_id": world.tenant, "user_id": 3})]
     )
     flip(r, s, world.a, lock, pointer=p)  # the rollback
-    [entry] = FeatureStore(r, world.a).read([EntityRef("txn_90d", world.tenant, "3")])
+    [entry] = EntryStore(r, world.a).read([EntityRef("txn_90d", world.tenant, "3")])
     truth = compute(world.engine, TXN_90D, [(world.tenant, "3")]).values[(world.tenant, "3")]
     assert entry is not None and entry.values == truth
 

@@ -23,7 +23,7 @@ from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.versions import Pointer, WriteVersions, state
 from freshline.pipeline.core.errors import DeployError
 from freshline.pipeline.core.keys import feature_pattern
@@ -107,9 +107,7 @@ def change(world: Deploy, user: int, writes: WriteVersions) -> None:
 
 
 def served(world: Deploy, version: int, user: int) -> dict[str, object] | None:
-    [entry] = FeatureStore(world.redis, version).read(
-        [EntityRef("txn_90d", world.tenant, str(user))]
-    )
+    [entry] = EntryStore(world.redis, version).read([EntityRef("txn_90d", world.tenant, str(user))])
     return None if entry is None else entry.values
 
 
@@ -140,7 +138,7 @@ def test_a_forced_purge_of_the_previous_version_leaves_it_unflippable(world: Dep
     r, s, p, lock = world.redis, world.settings, world.pointer, world.lock
     start(r, s, world.b, lock, pointer=p)
     flip(r, s, world.b, lock, pointer=p)
-    fill(FeatureStore(r, world.a), world.engine, world.tenant, 50)
+    fill(EntryStore(r, world.a), world.engine, world.tenant, 50)
     deploy.retire(r, s, world.a, lock, pointer=p)
     assert state(r, s, pointer=p).previous is None
     assert WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0)() == [world.b]

@@ -15,7 +15,7 @@ from fraud.seed import SeedSummary
 from freshline.consumers.processor import Processor
 from freshline.pipeline.cache.readthrough import Hooks, ReadThrough
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.db import make_engine
 from freshline.pipeline.core.keys import feature_pattern
 from freshline.pipeline.core.repository import REGISTRY
@@ -71,7 +71,7 @@ def test_every_entry_a_consumer_writes_names_a_kept_snapshot(
         "transactions", "c", tenant, {"tenant_id": tenant, "user_id": 3, "id": txn_id}
     )
     processor.apply([event])
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version)
     keys = list(redis_client.scan_iter(match=feature_pattern(version), count=1000))
     refs = []
     for key in keys:
@@ -88,7 +88,7 @@ def test_every_entry_a_consumer_writes_names_a_kept_snapshot(
 def test_a_read_through_fill_names_a_kept_snapshot(
     engine: Engine, redis_client: redis.Redis, tenant: str, version: int
 ) -> None:
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version)
     rt = ReadThrough(store, engine, hooks=Hooks(on_computed=keeper(engine)))
     [result] = rt.get_many([EntityRef("txn_90d", tenant, "2")])
     assert result.source == "computed"
