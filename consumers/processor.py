@@ -83,7 +83,6 @@ from freshline.pipeline.core.db import own_connections
 from freshline.pipeline.core.errors import FreshlineError
 from freshline.pipeline.core.features import Registry
 from freshline.pipeline.core.keys import INVALIDATION_CHANNEL, SERVER_KEY
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import ChangeEvent, EntityRef
 
 logger = logging.getLogger("freshline.consumer")
@@ -200,7 +199,7 @@ class Processor:
         client: redis.Redis,
         *,
         versions: Callable[[], Sequence[int]],
-        registry: Registry = REGISTRY,
+        registry: Registry,
         tombstone_ttl_s: int = 300,
         publish: Callable[[Invalidation], None] | None = None,
         wait_replicas: int = 0,

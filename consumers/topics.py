@@ -157,14 +157,16 @@ def managed(repo: Repository | None = None) -> list[str]:
     return [*event_topics(repo), INVALIDATIONS, DLQ, SERVED]
 
 
-def managed_topics(settings: Settings) -> list[str]:
-    return [qualified(settings, t) for t in managed()]
+def managed_topics(settings: Settings, repo: Repository | None = None) -> list[str]:
+    """:func:`managed`, with the settings' topic prefix."""
+    return [qualified(settings, t) for t in managed(repo)]
 
 
-def subscription(settings: Settings) -> list[str]:
-    """What ``freshline consume`` reads by default: the domain events and every CDC topic."""
+def subscription(settings: Settings, repo: Repository | None = None) -> list[str]:
+    """What ``freshline consume`` reads by default: ``repo``'s (the active repository's)
+    domain events and every CDC topic."""
     cdc = rf"^{re.escape(settings.topic_prefix + CDC_PREFIX)}\.public\..*"
-    return [*(qualified(settings, t) for t in event_topics()), cdc]
+    return [*(qualified(settings, t) for t in event_topics(repo)), cdc]
 
 
 def ensure_from_settings(

@@ -32,7 +32,6 @@ from freshline.pipeline.core.clock import now_ms
 from freshline.pipeline.core.codec import Row, parse_watermark
 from freshline.pipeline.core.errors import ConfigError, SchemaVersionUnknown
 from freshline.pipeline.core.features import Registry
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef, Entry, FeatureValues, Item, LazyRefs
 
 if TYPE_CHECKING:
@@ -97,7 +96,7 @@ class FeatureClient:
         client: redis.Redis,
         schema_version: int,
         *,
-        registry: Registry = REGISTRY,
+        registry: Registry,
         local: LocalTier | None = None,
         versions: VersionResolver | None = None,
         hot: HotReads | None = None,
@@ -125,7 +124,7 @@ class FeatureClient:
         url: str,
         schema_version: int,
         *,
-        registry: Registry = REGISTRY,
+        registry: Registry,
         local: LocalTier | None = None,
     ) -> FeatureClient:
         return cls(redis.Redis.from_url(url), schema_version, registry=registry, local=local)
@@ -137,11 +136,13 @@ class FeatureClient:
         settings: Settings,
         *,
         listen: bool = True,
-        registry: Registry = REGISTRY,
+        registry: Registry,
         pointer: Pointer | None = None,
         lock: Lock | None = None,
+        local: LocalTier | None = None,
     ) -> FeatureClient:
-        """A client on the active-version pointer that samples reads for warming.
+        """A client on the active-version pointer that samples reads for warming
+        (``local``: an in-process tier in front of Redis).
 
         Listening, it registers itself as a reader (:mod:`freshline.pipeline.cache.roster`) until
         :meth:`close`, so ``deploy flip`` knows which versions it can serve.
@@ -156,6 +157,7 @@ class FeatureClient:
             client,
             settings.schema_version,
             registry=registry,
+            local=local,
             versions=versions,
             hot=HotReads(client, flush_s=1.0),
         )

@@ -97,7 +97,6 @@ from freshline.pipeline.core.keys import (
     item_keys,
     lease_key,
 )
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef, Entry, Item, Watermark, text
 
 # KEYS[1] entry, KEYS[2] lease, KEYS[3] the entity's floor, KEYS[4] the set's floor;
@@ -284,7 +283,7 @@ class EntryStore:
         client: redis.Redis,
         schema_version: int,
         *,
-        registry: Registry = REGISTRY,
+        registry: Registry,
         tombstone_ttl_s: int = 300,
     ) -> None:
         self.redis = client

@@ -292,7 +292,7 @@ def audit(
     from freshline.pipeline.core.db import make_engine
     from freshline.pipeline.core.keys import parse_feature_key
     from freshline.pipeline.core.lock import Lock
-    from freshline.pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.repository import active
     from freshline.pipeline.core.settings import load_settings
     from freshline.pipeline.observe.audit import Auditor
     from freshline.pipeline.observe.audit_metrics import audit_metrics
@@ -308,7 +308,7 @@ def audit(
             "--feature-set, --tenant and --duration choose keys by SCAN"
         )
     if feature_set is not None:
-        REGISTRY[feature_set]
+        active().registry[feature_set]
     settings = load_settings()
     keys: list[str] | None = None
     if keys_file is not None:
@@ -329,7 +329,7 @@ def audit(
     if version is None:
         version = state(client, settings).active
     lock = Lock.load()
-    if version != settings.schema_version and not lock.compatible(version, REGISTRY, feature_set):
+    if version != settings.schema_version and not lock.compatible(version, active().registry, feature_set):
         raise ConfigError(
             f"this code's feature definitions differ from schema version "
             f"{version}'s in the lock; audit it with the code that writes it "
@@ -355,6 +355,7 @@ def audit(
             metrics=audit_metrics(),
             progress=progress,
             verify_s=verify_s,
+            registry=active().registry,
         )
         if keys is not None:
             report = auditor.audit_keys(keys, graces)

@@ -22,7 +22,6 @@ from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.errors import DeployError
 from freshline.pipeline.core.features import IMPLICIT_TENANT, Entity, Registry
 from freshline.pipeline.core.lock import Lock
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.deploy.pointer import locked
 
 
@@ -130,7 +129,7 @@ def warm(
     batches: Iterable[Sequence[tuple[str, str]]],
     lock: Lock,
     *,
-    registry: Registry = REGISTRY,
+    registry: Registry,
     rate: float | None = None,
     progress: Callable[[int], None] | None = None,
     guard: Callable[[], None] | None = None,

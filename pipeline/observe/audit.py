@@ -100,7 +100,6 @@ from freshline.pipeline.core.keys import (
     parse_feature_key,
     validate_id,
 )
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef, FeatureValues, Watermark
 from freshline.pipeline.observe.consistency import (
     AuditReport,
@@ -273,7 +272,7 @@ class Auditor:
         engine: Engine,
         schema_version: int,
         *,
-        registry: Registry = REGISTRY,
+        registry: Registry,
         rate: float | None = DEFAULT_RATE,
         batch_size: int = DEFAULT_BATCH,
         metrics: AuditMetrics | None = None,
