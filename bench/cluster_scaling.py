@@ -80,10 +80,10 @@ def _worker(
 
     from freshline.pipeline.cache.recompute import Batch
     from freshline.pipeline.cache.store import EntryStore
-    from freshline.pipeline.core.repository import REGISTRY
     from freshline.pipeline.core.services import redis_client
     from freshline.pipeline.core.settings import Settings
     from freshline.pipeline.core.types import EntityRef
+    from tests.helpers import REGISTRY
 
     fs = REGISTRY["txn_90d"]
     user, password = login
@@ -95,7 +95,7 @@ def _worker(
             redis_password=SecretStr(password),
         )
     )
-    store = EntryStore(client, version)
+    store = EntryStore(client, version, registry=REGISTRY)
     values = {
         "txn_count": 3,
         "txn_sum": 30.0,

@@ -66,6 +66,7 @@ from bench.read_your_writes import LOAD_RATE, RYW_SET, TRIAL_RATE, TRIAL_THREADS
 from freshline.pipeline.cdc.connect import (
     LATENCY_SETTINGS,
 )
+from tests.helpers import REGISTRY
 
 PARTS = ("token", "cdc", "ryw")
 
@@ -157,7 +158,10 @@ def token_reads(ctx: common.Context, quick: bool) -> dict[str, Any]:
     # The Python client, 16 threads.
     rc = ctx.new_redis()
     client = FeatureClient(
-        rc, version, readthrough=ReadThrough(EntryStore(rc, version), ctx.engine)
+        rc,
+        version,
+        readthrough=ReadThrough(EntryStore(rc, version, registry=REGISTRY), ctx.engine),
+        registry=REGISTRY,
     )
     counter = iter(range(10**9))
 

@@ -25,8 +25,8 @@ from redis.typing import EncodableT, FieldT
 from bench import common
 from freshline.pipeline.cache.recompute import compute
 from freshline.pipeline.cache.store import EntryStore
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef
+from tests.helpers import REGISTRY
 
 
 def _field(view: str, name: str) -> bytes:
@@ -39,7 +39,7 @@ def run(quick: bool) -> dict[str, Any]:
     n = 100 if quick else 5000
     sample = 50 if quick else 1000
     version = ctx.schema_version()
-    store = EntryStore(ctx.redis, version)
+    store = EntryStore(ctx.redis, version, registry=REGISTRY)
     users = random.Random(3).sample(range(1, data.users + 1), min(n, data.users))
     feast_prefix = f"feastlike:{ctx.tag}"
     out: dict[str, Any] = {}

@@ -26,8 +26,8 @@ from freshline.pipeline.cache.recompute import Batch, compute
 from freshline.pipeline.cache.store import _WRITE_LUA, EntryStore, jittered_ttl_ms
 from freshline.pipeline.core.codec import encode_entry
 from freshline.pipeline.core.keys import entity_floor_key, feature_key, floor_key, lease_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef
+from tests.helpers import REGISTRY
 
 BATCH = 500
 
@@ -39,7 +39,7 @@ def run(quick: bool) -> dict[str, Any]:
     users = random.Random(8).sample(range(1, data.users + 1), min(BATCH, data.users))
     base = compute(ctx.engine, fs, [(data.tenant, str(u)) for u in users])
     cas_version, sha_version, set_version = (ctx.schema_version() for _ in range(3))
-    store = EntryStore(ctx.redis, cas_version)
+    store = EntryStore(ctx.redis, cas_version, registry=REGISTRY)
     sha = ctx.redis.script_load(_WRITE_LUA)
     counter = itertools.count(1)
     refs = [EntityRef(fs.name, t, e) for t, e in base.values]

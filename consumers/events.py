@@ -178,7 +178,9 @@ def _domain_event(event: Event, obj: dict[str, Any]) -> ChangeEvent:
         raise EventRejected(str(exc), kind=exc.kind) from exc
 
 
-def _debezium_event(topic_table: str, obj: dict[str, Any], registry: Registry) -> ChangeEvent | None:
+def _debezium_event(
+    topic_table: str, obj: dict[str, Any], registry: Registry
+) -> ChangeEvent | None:
     payload: Any = obj
     if "op" not in obj and "payload" in obj:
         payload = obj["payload"]  # the JSON converter's schema wrapper

@@ -50,7 +50,7 @@ from freshline.pipeline.core.db import make_engine
 from freshline.pipeline.core.errors import ServiceUnavailable
 from freshline.pipeline.core.features import Registry
 from freshline.pipeline.core.maintenance import install_missing, secure_installed
-from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.repository import Repository, active
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef, Entry, FeatureValues
 from freshline.pipeline.dev import processes
@@ -129,6 +129,11 @@ act_as_operator()
 # The tests run on the fraud example's repository unless told otherwise; the freshline
 # processes they start inherit it.
 os.environ.setdefault("FRESHLINE_REPO", str(ROOT / "examples" / "fraud"))
+FRAUD: Repository = active()
+"""The repository the tests run on (the fraud example's, unless ``FRESHLINE_REPO`` names
+another), as the command line would find it."""
+REGISTRY: Registry = FRAUD.registry
+"""Its feature sets, which the library takes explicitly and the tests pass on."""
 
 # One database per test session, so sessions running side by side never collide.
 TEST_DB = os.environ.get("FRESHLINE_TEST_DB", f"freshline_test_{os.getpid()}")
@@ -415,6 +420,7 @@ def api_app(settings: Settings, engine: Engine, client: redis.Redis, **update: A
         engine=engine,
         redis_client=client,
         follow_deploys=False,
+        registry=REGISTRY,
     )
 
 

@@ -329,7 +329,9 @@ def audit(
     if version is None:
         version = state(client, settings).active
     lock = Lock.load()
-    if version != settings.schema_version and not lock.compatible(version, active().registry, feature_set):
+    if version != settings.schema_version and not lock.compatible(
+        version, active().registry, feature_set
+    ):
         raise ConfigError(
             f"this code's feature definitions differ from schema version "
             f"{version}'s in the lock; audit it with the code that writes it "

@@ -247,7 +247,8 @@ def reconcile_cmd(
     from freshline.pipeline.core.repository import active
 
     engine = _engine()
-    entities = list(dict.fromkeys(fs.entity for fs in active().registry if fs.incremental is not None))
+    registry = active().registry
+    entities = list(dict.fromkeys(fs.entity for fs in registry if fs.incremental is not None))
     drawn = [(entity, draw(engine, entity, sample, tenant=tenant)) for entity in entities]
     if not any(refs for _, refs in drawn):
         raise ConfigError("no entities to sample" + (f" in tenant {tenant}" if tenant else ""))

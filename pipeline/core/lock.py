@@ -139,9 +139,7 @@ class Lock:
         """A registry that decodes ``version``'s entries, whatever the code defines now."""
         return Registry(s.decoder() for s in self.entry(version).values())
 
-    def compatible(
-        self, version: int, registry: Registry, feature_set: str | None = None
-    ) -> bool:
+    def compatible(self, version: int, registry: Registry, feature_set: str | None = None) -> bool:
         """Whether the code's definitions produce ``version``'s entries (all sets, or one)."""
         locked = self.versions.get(version)
         if locked is None:

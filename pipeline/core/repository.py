@@ -344,4 +344,3 @@ def active() -> Repository:
             repo = _loaded[path] = load(path)
         _by_setting[setting] = repo
     return repo
-

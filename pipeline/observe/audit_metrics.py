@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 import time
 
-from prometheus_client import REGISTRY as METRICS, CollectorRegistry, Counter, Gauge
+from prometheus_client import REGISTRY as METRICS
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from freshline.pipeline.observe.consistency import AuditReport, grace_label
 

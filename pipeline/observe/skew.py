@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard, TypeVar
 
 import orjson
-from prometheus_client import REGISTRY as METRICS, CollectorRegistry, Gauge
+from prometheus_client import REGISTRY as METRICS
+from prometheus_client import CollectorRegistry, Gauge
 from sqlalchemy.engine import Connection
 
 from freshline.pipeline.core.features import IMPLICIT_TENANT, FeatureSet, Registry

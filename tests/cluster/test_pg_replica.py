@@ -16,10 +16,9 @@ import sqlalchemy as sa
 from freshline.pipeline.cache.readthrough import ReadThrough
 from freshline.pipeline.cache.recompute import compute, current_watermark
 from freshline.pipeline.cache.store import EntryStore
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef
 from tests.cluster.conftest import add_tenant
-from tests.helpers import wait_until
+from tests.helpers import REGISTRY, wait_until
 
 pytestmark = pytest.mark.cluster
 TXN = REGISTRY["txn_90d"]
@@ -58,7 +57,7 @@ def one_transaction_replicated(
         add_tenant(conn, tenant, 1)
     add_transaction(primary, tenant, 10)
     assert wait_until(lambda: count(replica, tenant) == 1, 30)
-    store = EntryStore(client, 900_000 + uuid.uuid4().int % 90_000)
+    store = EntryStore(client, 900_000 + uuid.uuid4().int % 90_000, registry=REGISTRY)
     return tenant, store, EntityRef("txn_90d", tenant, "1")
 
 

@@ -21,10 +21,9 @@ from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.recompute import Batch, compute
 from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
-from tests.helpers import Api, api_for, fresh_version, running, wait_until
+from tests.helpers import REGISTRY, Api, api_for, fresh_version, running, wait_until
 
 
 @pytest.fixture
@@ -131,7 +130,9 @@ SENTINEL = 987_654_321
 def planted(api: Api, engine: Engine, redis_client: redis.Redis, two_tenants: list[str]) -> str:
     """Tenant B's entry for user 1, holding a value no real computation gives."""
     other = two_tenants[1]
-    store = EntryStore(redis_client, api.app.state.services.reader.schema_version)
+    store = EntryStore(
+        redis_client, api.app.state.services.reader.schema_version, registry=REGISTRY
+    )
     values = dict(truth(engine, "txn_90d", other, "1"), txn_count=SENTINEL)
     store.write(
         Batch(REGISTRY["txn_90d"], {(other, "1"): values}, 1 << 100, time.time_ns() // 1_000_000)

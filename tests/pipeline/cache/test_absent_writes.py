@@ -28,11 +28,10 @@ from freshline.pipeline.cache.recompute import Batch, compute, current_watermark
 from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.versions import Pointer
 from freshline.pipeline.core.keys import entity_floor_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.deploy.purge import purge
-from tests.helpers import fresh_version, running, wait_until
+from tests.helpers import REGISTRY, fresh_version, running, wait_until
 
 FULL = REGISTRY["txn_90d"].on_path("full")
 USER = "9001"
@@ -64,7 +63,7 @@ def recompute(engine: Engine, tenant: str) -> Batch:
 
 @pytest.fixture
 def store(redis_client: redis.Redis, version: int) -> EntryStore:
-    return EntryStore(redis_client, version)
+    return EntryStore(redis_client, version, registry=REGISTRY)
 
 
 @pytest.fixture
@@ -178,7 +177,7 @@ def test_an_older_batch_is_refused_after_the_version_was_purged(
     """A purged version stays empty: a writer held since before the purge (the version
     stopped being written a while before it could be purged) stores nothing."""
     old = fresh_version()
-    store = EntryStore(redis_client, old)
+    store = EntryStore(redis_client, old, registry=REGISTRY)
     ref = EntityRef("txn_90d", tenant, USER)
     add_transaction(engine, tenant, "now() - interval '1 day'")
     a = recompute(engine, tenant)
@@ -235,12 +234,15 @@ def test_a_write_held_past_its_horizon_is_not_served(
     stored = store.write(late)
 
     assert store.read([ref]) == [None]
-    assert FeatureClient(redis_client, version).get("txn_90d", tenant, USER) is None
+    assert (
+        FeatureClient(redis_client, version, registry=REGISTRY).get("txn_90d", tenant, USER) is None
+    )
     app = create_app(
         settings.model_copy(update={"schema_version": version, "local_cache_size": 0}),
         engine=engine,
         redis_client=redis_client,
         follow_deploys=False,
+        registry=REGISTRY,
     )
     with running(app) as api:
         got = api.portal.call(

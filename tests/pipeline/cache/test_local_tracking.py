@@ -23,11 +23,19 @@ from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.recompute import Batch
 from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.keys import feature_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.services import redis_client as make_redis_client
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef, Entry
-from tests.helpers import TXN_VALUES, UNWINDOWED, as_user, fresh_version, need, running, wait_until
+from tests.helpers import (
+    REGISTRY,
+    TXN_VALUES,
+    UNWINDOWED,
+    as_user,
+    fresh_version,
+    need,
+    running,
+    wait_until,
+)
 
 
 @pytest.fixture
@@ -39,7 +47,7 @@ def tenant() -> str:
 @pytest.fixture
 def store(redis_client: redis.Redis) -> EntryStore:
     """The store of a schema version of the test's own."""
-    return EntryStore(redis_client, fresh_version())
+    return EntryStore(redis_client, fresh_version(), registry=REGISTRY)
 
 
 def write(store: EntryStore, tenant: str, entity: str, count: int, watermark: int) -> None:
@@ -83,7 +91,13 @@ def test_a_write_with_no_publish_stops_the_api_serving_the_old_entry(
         update={"schema_version": store.schema_version, "local_cache_size": 100}
     )
     write(store, tenant, "77", count=1, watermark=10)
-    app = create_app(api_settings, engine=engine, redis_client=redis_client, follow_deploys=False)
+    app = create_app(
+        api_settings,
+        engine=engine,
+        redis_client=redis_client,
+        follow_deploys=False,
+        registry=REGISTRY,
+    )
     with running(app, key) as api:
         local: LocalTier = app.state.services.reader.local
         assert local.wait_live(5)

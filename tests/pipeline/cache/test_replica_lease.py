@@ -26,8 +26,8 @@ from freshline.pipeline.cache.readthrough import ReadThrough, ReplicaBehind
 from freshline.pipeline.cache.recompute import Batch, Position, primary_position
 from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.keys import feature_key, lease_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef
+from tests.helpers import REGISTRY
 
 TXN_90D = REGISTRY["txn_90d"]
 
@@ -43,7 +43,12 @@ def rt(
 ) -> ReadThrough:
     """A read-through of the test's schema version on the stand-in replica, which has
     replayed everything unless the test says otherwise."""
-    rt = ReadThrough(EntryStore(redis_client, version), engine, primary=engine, early_refresh=False)
+    rt = ReadThrough(
+        EntryStore(redis_client, version, registry=REGISTRY),
+        engine,
+        primary=engine,
+        early_refresh=False,
+    )
     rt._standby = True  # the stand-in replica (module docstring)
     monkeypatch.setattr(readthrough, "replayed_lsn", lambda _: 1 << 62)  # replayed it all
     return rt

@@ -31,13 +31,12 @@ from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.errors import ConfigError, InvalidId, UnknownFeatureSet
 from freshline.pipeline.core.keys import feature_key, parse_feature_key
 from freshline.pipeline.core.maintenance import DerivedPath
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.observe.audit import Auditor, RecheckHook, Suspect, sample_pattern
 from freshline.pipeline.observe.audit_metrics import AuditMetrics
 from freshline.pipeline.observe.consistency import AuditReport, GraceResult, Mismatch, same
-from tests.helpers import FRESHLINE
+from tests.helpers import FRESHLINE, REGISTRY
 
 USERS = 20
 GRACES = (0.001, 0.002)  # real but tiny: these tests assert outcomes, not timings
@@ -128,7 +127,7 @@ def tenant(tenant_factory: Callable[..., SeedSummary]) -> str:
 
 @pytest.fixture
 def store(redis_client: redis.Redis, version: int) -> EntryStore:
-    return EntryStore(redis_client, version)
+    return EntryStore(redis_client, version, registry=REGISTRY)
 
 
 @pytest.fixture
