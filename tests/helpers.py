@@ -402,6 +402,7 @@ def api_for(
     from freshline.pipeline.api import create_app  # imported here: see api_app
     from freshline.pipeline.api.auth import create_api_key
 
+    create.setdefault("registry", REGISTRY)
     app = create_app(settings, engine=engine, redis_client=client, follow_deploys=False, **create)
     with running(app, create_api_key(engine, tenant)) as api:
         yield api

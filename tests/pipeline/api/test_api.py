@@ -404,7 +404,12 @@ def test_readiness_is_503_when_a_service_does_not_answer(
         {"redis_client": dead_redis, "engine": engine},
         {"redis_client": redis.Redis.from_url(api_settings.redis_url), "engine": dead_pg},
     ):
-        app = create_app(api_settings, follow_deploys=False, **kwargs)  # type: ignore[arg-type]
+        app = create_app(
+            api_settings,
+            follow_deploys=False,
+            registry=REGISTRY,
+            **kwargs,  # type: ignore[arg-type]
+        )
         with running(app) as client:
             ready = client.get("/readyz", key=None)
             assert ready.status_code == 503

@@ -147,7 +147,9 @@ def auditor(redis_client: redis.Redis, engine: Engine, version: int) -> AuditorF
     def make(*, clock: FakeClock | None = None, **kwargs: Any) -> Auditor:
         if clock is not None:
             kwargs.update(clock=clock, sleep=clock.sleep)
-        return Auditor(redis_client, engine, version, **{"rate": None, **kwargs})
+        return Auditor(
+            redis_client, engine, version, **{"rate": None, "registry": REGISTRY, **kwargs}
+        )
 
     return make
 
