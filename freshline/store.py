@@ -114,16 +114,20 @@ class FeatureStore:
 
     # -- reading ----------------------------------------------------------------------
 
-    def client(self, local: bool = False, *, follow_deploys: bool = True) -> FeatureClient:
+    def client(
+        self, local: bool = False, *, read_through: bool = False, follow_deploys: bool = True
+    ) -> FeatureClient:
         """A :class:`~freshline.pipeline.cache.client.FeatureClient` on the store's
         Redis: ``get``/``get_many`` return ``Features`` (or ``None`` for a miss).
 
         With ``follow_deploys`` (the default) it reads the schema version the deploy
         pointer names and follows a ``deploy flip``; else the settings' version. With
         ``local`` it keeps an in-process tier (``FRESHLINE_LOCAL_CACHE_SIZE`` entries,
-        10,000 if unset) in front of Redis, dropped on every invalidation. The client
-        is synchronous; the asyncio path is the ASGI app (:meth:`app`), whose reads run
-        on the event loop. Closed by :meth:`close`.
+        10,000 if unset) in front of Redis, dropped on every invalidation. With
+        ``read_through``, reads may ask for freshness (``get(..., after=token)``,
+        ``max_staleness_ms=``; docs/freshness.md), computing what Redis cannot serve
+        (:meth:`read_through`). The client is synchronous; the asyncio path is the ASGI
+        app (:meth:`app`), whose reads run on the event loop. Closed by :meth:`close`.
         """
         from freshline.pipeline.cache.client import FeatureClient
 
@@ -137,13 +141,23 @@ class FeatureStore:
                 registry=self.registry,
                 silence_s=self.settings.subscription_silence_ms / 1000,
             ).start()
+        through = self.read_through() if read_through else None
         if follow_deploys:
             client = FeatureClient.following(
-                self.redis, self.settings, registry=self.registry, lock=self.lock(), local=tier
+                self.redis,
+                self.settings,
+                registry=self.registry,
+                lock=self.lock(),
+                local=tier,
+                readthrough=through,
             )
         else:
             client = FeatureClient(
-                self.redis, self.settings.schema_version, registry=self.registry, local=tier
+                self.redis,
+                self.settings.schema_version,
+                registry=self.registry,
+                local=tier,
+                readthrough=through,
             )
         self._clients.append(client)
         return client
@@ -262,6 +276,18 @@ class FeatureStore:
         options.setdefault("settings", self.settings)
         options.setdefault("engine", self.engine)
         return training_set(self.repository, spine, features, **options)
+
+    def served_training_set(
+        self, spine: Any, features: list[str], served: str | Path, **options: Any
+    ) -> pa.Table:
+        """The spine joined to the values the API actually served, from the served log
+        in the directory ``served`` (what ``freshline served sink`` writes), as a pyarrow
+        Table named and typed as :meth:`training_set`'s; ``options``: ``timestamp``,
+        ``request_id``, ``tolerance`` (docs/training.md)."""
+        from freshline.pipeline.observe.served_files import ParquetLog
+        from freshline.pipeline.observe.served_training import from_logs
+
+        return from_logs(self.repository, spine, features, ParquetLog(served), **options)
 
     # -- closing ----------------------------------------------------------------------
 

@@ -140,9 +140,10 @@ class FeatureClient:
         pointer: Pointer | None = None,
         lock: Lock | None = None,
         local: LocalTier | None = None,
+        readthrough: ReadThrough | None = None,
     ) -> FeatureClient:
         """A client on the active-version pointer that samples reads for warming
-        (``local``: an in-process tier in front of Redis).
+        (``local``: an in-process tier in front of Redis; ``readthrough``: see the class).
 
         Listening, it registers itself as a reader (:mod:`freshline.pipeline.cache.roster`) until
         :meth:`close`, so ``deploy flip`` knows which versions it can serve.
@@ -160,6 +161,7 @@ class FeatureClient:
             local=local,
             versions=versions,
             hot=HotReads(client, flush_s=1.0),
+            readthrough=readthrough,
         )
         if listen:
             versions.listen()
