@@ -182,7 +182,7 @@ def apply_plan(
         console.print(f"topics: {len(report.created)} created, {len(report.existing)} existing")
     with steps.step("ACLs", operator):
         if settings.kafka_consumer_user:
-            for grant in allow_consumer(admin, settings.kafka_consumer_user, settings):
+            for grant in allow_consumer(admin, settings.kafka_consumer_user, settings, repo):
                 console.print(f"acls: User:{settings.kafka_consumer_user} may {grant}")
         if settings.kafka_connect_user and cdc_topics:
             allow_writer(admin, settings.kafka_connect_user, cdc_topics)
