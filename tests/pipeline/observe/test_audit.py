@@ -689,6 +689,7 @@ def test_rechecks_ride_with_the_first_checks_never_late(
             clock=clock,
             sleep=clock.sleep,
             before_recheck=clock.note_recheck,
+            registry=REGISTRY,
         )
         report = audit.audit_refs(refs, graces=(0.25,))
         return audit.checks, clock.rechecks, report
