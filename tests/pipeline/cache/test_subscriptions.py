@@ -360,7 +360,7 @@ def assert_survived(
     """No thread died, and pipeline logged the restart once: one warning that the
     connection was lost, and no traceback."""
     assert thread_errors == []
-    records = [r for r in caplog.records if r.name.startswith("pipeline.")]
+    records = [r for r in caplog.records if r.name.startswith("freshline.pipeline.")]
     warned = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
     assert len(warned) == 1 and "lost" in warned[0], warned
     assert sum(1 for r in records if r.exc_info) == 0
@@ -383,7 +383,7 @@ def test_the_deploy_listener_survives_a_redis_restart(
     resolver.listen()
     try:
         assert wait_until(lambda: subscribers(admin, pointer.channel) >= 1)
-        caplog.set_level(logging.INFO, logger="pipeline")
+        caplog.set_level(logging.INFO, logger="freshline.pipeline")
         stop()
         start()  # empty: no persistence
         flip(admin, settings, a, lock, pointer=pointer, registry=REGISTRY)
@@ -417,7 +417,7 @@ def test_the_local_tier_survives_a_redis_restart(
     try:
         assert tier.wait_live(5)
         assert tier.put(ref, entry(), tier.token())
-        caplog.set_level(logging.INFO, logger="pipeline")
+        caplog.set_level(logging.INFO, logger="freshline.pipeline")
         dark_through_outage(tier, ref, entry, stop, start)
         invalidate(admin, channel, ref)  # published after the restart: it arrives
         assert wait_until(lambda: tier.get(ref, 1) is None)
