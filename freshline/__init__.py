@@ -23,6 +23,7 @@ these; ``freshline plan`` shows what they would change and ``freshline apply`` d
 
 from freshline import agg
 from freshline.pipeline.core.aggregations import Aggregations, Lookup
+from freshline.pipeline.core.errors import ConfigError, FreshlineError
 from freshline.pipeline.core.events import Event, EventField
 from freshline.pipeline.core.features import (
     AS_OF,
@@ -42,12 +43,14 @@ __all__ = [
     "IMPLICIT_TENANT",
     "Aggregations",
     "BuildState",
+    "ConfigError",
     "Entity",
     "Event",
     "EventField",
     "FeatureSet",
     "FeatureStore",
     "Field",
+    "FreshlineError",
     "IncrementalPath",
     "Lookup",
     "Repository",

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from fraud import own_repository
-from freshline.pipeline.core.errors import FreshlineError
+from freshline import FreshlineError
 from freshline.pipeline.core.keys import validate_id
 from freshline.pipeline.core.maintenance import DerivedPath
 
