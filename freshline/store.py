@@ -46,7 +46,8 @@ class FeatureStore:
     ``FRESHLINE_*`` settings (docs/settings.md); default: read from the environment
     now, with the repository's own ``project.schema_version`` unless
     ``FRESHLINE_SCHEMA_VERSION`` is set. :meth:`from_env` finds the repository as the
-    command line does.
+    command line does. Both stay readable as ``store.repository`` (entities, tables,
+    feature sets, events, paths) and ``store.settings``.
 
     The store makes one Redis client and one Postgres engine, on first use, and shares
     them among the clients and read-throughs it hands out; :meth:`close` (or leaving a
@@ -177,8 +178,8 @@ class FeatureStore:
     def read_through(self) -> ReadThrough:
         """A :class:`~freshline.pipeline.cache.readthrough.ReadThrough` on the store's
         Redis and Postgres: ``get(feature_set, tenant, entity)`` returns the entry,
-        computing and storing a miss under a lease. Pass it to ``client`` reads as
-        ``readthrough=`` for freshness on request (docs/freshness.md)."""
+        computing and storing a miss under a lease. ``client(read_through=True)``
+        reads through one, for freshness on request (docs/freshness.md)."""
         from freshline.pipeline.cache.readthrough import Hooks, ReadThrough
 
         hooks = None
