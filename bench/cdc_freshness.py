@@ -227,7 +227,9 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
     settings = ctx.settings_for(schema_version=version)
     ctx.kafka_topics()
     owned = names(settings)
-    tables = captured_tables()
+    from tests.helpers import REGISTRY
+
+    tables = captured_tables(REGISTRY)
     client = ConnectClient(settings.connect_url)
     client.ping()
     config = connector_config(settings, owned)
@@ -310,7 +312,7 @@ def _measure(ctx: common.Context, quick: bool) -> dict[str, Any]:
 
 def _paths(path: str) -> dict[str, str]:
     """``path`` for each feature set that has it (a plain query: full only)."""
-    from freshline.pipeline.core.repository import REGISTRY
+    from tests.helpers import REGISTRY
 
     return {
         name: path
@@ -376,7 +378,7 @@ def _heaviest_user_cost(ctx: common.Context, tenant: str) -> dict[str, Any]:
     import sqlalchemy as sa
 
     from freshline.pipeline.cache.recompute import compute
-    from freshline.pipeline.core.repository import REGISTRY
+    from tests.helpers import REGISTRY
 
     with ctx.engine.connect() as conn:
         user, count = conn.execute(

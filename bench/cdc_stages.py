@@ -35,6 +35,7 @@ from freshline.pipeline.cdc.connect import (
     names,
     streaming,
 )
+from tests.helpers import REGISTRY
 
 RATES = (500, 2000)
 SETTLE_S = 10.0
@@ -177,7 +178,7 @@ class Pipeline:
         self.owned = names(self.settings)
         self.client = ConnectClient(self.settings.connect_url)
         self.client.ping()
-        self.cdc_topics = [self.owned.topic(t) for t in captured_tables()]
+        self.cdc_topics = [self.owned.topic(t) for t in captured_tables(REGISTRY)]
         ensure_cdc_topics(self.settings, self.cdc_topics)
         self.watcher = common.InvalidationWatcher(self.ctx.new_redis(), self.version, self.tenant)
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()

@@ -6,10 +6,10 @@ without it the benchmark says so and measures nothing. The reference, measured i
 the same run: a private single Redis (no cluster, same configuration) that this
 benchmark starts on a free port and stops. Each process loops, for a fixed time:
 
-* ``write``: :meth:`FeatureStore.write` of a 500-entity ``txn_90d`` batch, each batch a
+* ``write``: :meth:`EntryStore.write` of a 500-entity ``txn_90d`` batch, each batch a
   newer watermark (every entry is replaced): what a consumer does after its recompute,
   without Kafka and Postgres, so the figure is Redis's and the client's share;
-* ``read``: :meth:`FeatureStore.read` of 500 entities (``get_many``'s Redis part: one
+* ``read``: :meth:`EntryStore.read` of 500 entities (``get_many``'s Redis part: one
   MGET on one node, one per slot pipelined per node on the cluster).
 
 Figures are entries per second, the median over rounds. This machine has 2 cores,
@@ -79,11 +79,11 @@ def _worker(
     from pydantic import SecretStr
 
     from freshline.pipeline.cache.recompute import Batch
-    from freshline.pipeline.cache.store import FeatureStore
-    from freshline.pipeline.core.repository import REGISTRY
+    from freshline.pipeline.cache.store import EntryStore
     from freshline.pipeline.core.services import redis_client
     from freshline.pipeline.core.settings import Settings
     from freshline.pipeline.core.types import EntityRef
+    from tests.helpers import REGISTRY
 
     fs = REGISTRY["txn_90d"]
     user, password = login
@@ -95,7 +95,7 @@ def _worker(
             redis_password=SecretStr(password),
         )
     )
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version, registry=REGISTRY)
     values = {
         "txn_count": 3,
         "txn_sum": 30.0,

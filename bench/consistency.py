@@ -85,9 +85,10 @@ from freshline.pipeline.core.keys import (
     RETIRED_SCHEMA_KEY,
 )
 from freshline.pipeline.core.lock import Lock, LockedSet
-from freshline.pipeline.core.repository import REGISTRY, active
+from freshline.pipeline.core.repository import active
 from freshline.pipeline.core.topics import qualified
 from freshline.pipeline.observe.staleness import GroupLag
+from tests.helpers import REGISTRY
 
 HOT_USERS = 20
 HOT_SHARE = 0.8

@@ -44,9 +44,10 @@ from freshline.pipeline.api.reader import parse_entities
 from freshline.pipeline.core.errors import InvalidId
 from freshline.pipeline.core.events import Event, record_model
 from freshline.pipeline.core.keys import validate_id
-from freshline.pipeline.core.repository import REGISTRY, active
+from freshline.pipeline.core.repository import active
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import ChangeEvent
+from tests.helpers import REGISTRY
 
 LIMIT = 500
 CALLS = 50

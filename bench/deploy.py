@@ -33,15 +33,15 @@ from bench import common
 from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.hot import HotReads
 from freshline.pipeline.cache.readthrough import ReadThrough
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.versions import Pointer, VersionResolver
 from freshline.pipeline.core.codec import encode_entry
 from freshline.pipeline.core.keys import feature_key
 from freshline.pipeline.core.lock import Lock, LockedSet
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.deploy.pointer import flip, start
 from freshline.pipeline.deploy.warm import warm
+from tests.helpers import REGISTRY
 
 FEATURE_SET = "txn_90d"
 READ_BATCH = 50
@@ -62,13 +62,13 @@ def _bump(
     pointer = Pointer.scoped(f"bench{ctx.tag}{a}")
     settings = ctx.settings_for(schema_version=a)
     r = ctx.new_redis()
-    flip(r, settings, a, lock, pointer=pointer)
+    flip(r, settings, a, lock, pointer=pointer, registry=REGISTRY)
     users = [(data.tenant, str(u)) for u in range(1, min(hot, data.users) + 1)]
     for chunk in common.chunks(users, 500):
-        warm(r, ctx.engine, a, FEATURE_SET, [chunk], lock)
+        warm(r, ctx.engine, a, FEATURE_SET, [chunk], lock, registry=REGISTRY)
     resolver = VersionResolver(r, settings, pointer=pointer, lock=lock, max_age_s=0.05)
     rt = ReadThrough(
-        FeatureStore(r, a),
+        EntryStore(r, a, registry=REGISTRY),
         ctx.engine,
         early_refresh=False,
         versions=resolver,
@@ -100,11 +100,11 @@ def _bump(
         top = HotReads(r).top(a, FEATURE_SET, [data.tenant], len(users))
         _, warm_s = common.timed(
             lambda: [
-                warm(r, ctx.engine, b, FEATURE_SET, [chunk], lock)
+                warm(r, ctx.engine, b, FEATURE_SET, [chunk], lock, registry=REGISTRY)
                 for chunk in common.chunks(top, 500)
             ]
         )
-    flip(r, settings, b, lock, pointer=pointer)
+    flip(r, settings, b, lock, pointer=pointer, registry=REGISTRY)
     flipped = time.monotonic()
     time.sleep(after_s)  # steady reads after the deploy
     stop.set()
@@ -172,7 +172,7 @@ def _purge(ctx: common.Context, keys: int, quiet_s: float) -> dict[str, Any]:
     readers = [(data.tenant, str(u)) for u in range(1, min(1000, data.users) + 1)]
     from freshline.pipeline.cache.recompute import compute
 
-    store = FeatureStore(r, active)
+    store = EntryStore(r, active, registry=REGISTRY)
     for chunk in common.chunks(readers, 500):
         store.write(compute(ctx.engine, fs, list(chunk)))
     payload = encode_entry([0] * len(fs.field_names), old, int(time.time() * 1000), 1)
@@ -184,7 +184,7 @@ def _purge(ctx: common.Context, keys: int, quiet_s: float) -> dict[str, Any]:
         if i % 5000 == 4999:
             pipe.execute()
     pipe.execute()
-    client = FeatureClient(ctx.new_redis(), active)
+    client = FeatureClient(ctx.new_redis(), active, registry=REGISTRY)
     items = [(FEATURE_SET, t, e) for t, e in readers]
     lat: list[tuple[float, int]] = []
     stop = threading.Event()

@@ -66,6 +66,7 @@ from bench.read_your_writes import LOAD_RATE, RYW_SET, TRIAL_RATE, TRIAL_THREADS
 from freshline.pipeline.cdc.connect import (
     LATENCY_SETTINGS,
 )
+from tests.helpers import REGISTRY
 
 PARTS = ("token", "cdc", "ryw")
 
@@ -109,7 +110,7 @@ def token_reads(ctx: common.Context, quick: bool) -> dict[str, Any]:
     """p50 at c=16 of token reads whose entries cover the token, against plain reads."""
     from freshline.pipeline.cache.client import FeatureClient
     from freshline.pipeline.cache.readthrough import ReadThrough
-    from freshline.pipeline.cache.store import FeatureStore
+    from freshline.pipeline.cache.store import EntryStore
 
     data = ctx.dataset()
     conninfo = _connstr(ctx.settings.postgres_url)
@@ -157,7 +158,10 @@ def token_reads(ctx: common.Context, quick: bool) -> dict[str, Any]:
     # The Python client, 16 threads.
     rc = ctx.new_redis()
     client = FeatureClient(
-        rc, version, readthrough=ReadThrough(FeatureStore(rc, version), ctx.engine)
+        rc,
+        version,
+        readthrough=ReadThrough(EntryStore(rc, version, registry=REGISTRY), ctx.engine),
+        registry=REGISTRY,
     )
     counter = iter(range(10**9))
 

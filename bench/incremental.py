@@ -46,7 +46,7 @@ from bench.seed import ROW_COLUMNS, sample_rows
 from freshline.pipeline.cache.recompute import compute
 from freshline.pipeline.core.features import Path
 from freshline.pipeline.core.maintenance import DerivedPath
-from freshline.pipeline.core.repository import REGISTRY
+from tests.helpers import REGISTRY
 
 # The derived incremental paths (txn_90d's and geo's), each with triggers on transactions.
 PATHS: list[DerivedPath] = [p for p in REGISTRY.maintenances() if isinstance(p, DerivedPath)]

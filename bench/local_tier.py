@@ -24,8 +24,8 @@ from bench import common
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.store import TTL_JITTER
 from freshline.pipeline.core.features import Registry
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef, Entry
+from tests.helpers import REGISTRY
 
 FEATURE_SET = "txn_90d"
 LIFE_MS = 150

@@ -1,7 +1,7 @@
 """Redis memory per cached entry, against the raw values and a Feast-like layout.
 
 Entries of each feature set are written for the run's data set by the real path
-(set-based compute, :meth:`freshline.pipeline.cache.store.FeatureStore.write`), then ``MEMORY USAGE
+(set-based compute, :meth:`freshline.pipeline.cache.store.EntryStore.write`), then ``MEMORY USAGE
 key SAMPLES 0`` is read for a sample of them. "Raw" is what the values are worth
 without any store: the orjson of the values dict (names and values), and, tighter,
 the orjson of the positional list of values (what freshline's entry body holds).
@@ -24,9 +24,9 @@ from redis.typing import EncodableT, FieldT
 
 from bench import common
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
-from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.types import EntityRef
+from tests.helpers import REGISTRY
 
 
 def _field(view: str, name: str) -> bytes:
@@ -39,7 +39,7 @@ def run(quick: bool) -> dict[str, Any]:
     n = 100 if quick else 5000
     sample = 50 if quick else 1000
     version = ctx.schema_version()
-    store = FeatureStore(ctx.redis, version)
+    store = EntryStore(ctx.redis, version, registry=REGISTRY)
     users = random.Random(3).sample(range(1, data.users + 1), min(n, data.users))
     feast_prefix = f"feastlike:{ctx.tag}"
     out: dict[str, Any] = {}

@@ -34,11 +34,11 @@ import orjson
 from bench import common, reference_app
 from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.local import LocalTier
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.codec import decode_entry
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.dev.tools import require
+from tests.helpers import REGISTRY
 
 FEATURE_SET = "txn_90d"
 ENTITIES = 1000
@@ -99,17 +99,17 @@ def run(quick: bool) -> dict[str, Any]:
     require("wrk")  # before minutes of measuring, not after
     ctx = common.context(quick)
     version, tenant, api_key, users = reference_app.prepared(ctx)
-    store = FeatureStore(ctx.redis, version)
+    store = EntryStore(ctx.redis, version, registry=REGISTRY)
     keys = [store.key(EntityRef(FEATURE_SET, tenant, str(u))) for u in users]
     payload_bytes = sum(len(ctx.redis.get(k) or b"") for k in keys[:100]) / 100
     fields = REGISTRY[FEATURE_SET].field_names
 
     r = ctx.new_redis()
-    client = FeatureClient(r, version)
-    tier = LocalTier(ctx.new_redis(), max_entries=10 * ENTITIES).start()
+    client = FeatureClient(r, version, registry=REGISTRY)
+    tier = LocalTier(ctx.new_redis(), max_entries=10 * ENTITIES, registry=REGISTRY).start()
     if not tier.wait_live(10):
         raise RuntimeError("the local tier's invalidation subscription did not come up")
-    local_client = FeatureClient(r, version, local=tier)
+    local_client = FeatureClient(r, version, local=tier, registry=REGISTRY)
     items = [(FEATURE_SET, tenant, str(u)) for u in users]
     batches = [items[i : i + BATCH] for i in range(0, len(items), BATCH)]
     key_batches = [keys[i : i + BATCH] for i in range(0, len(keys), BATCH)]

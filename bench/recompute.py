@@ -23,10 +23,10 @@ from sqlalchemy.engine import Engine
 from bench import common
 from freshline.pipeline.cache.readthrough import ReadThrough
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.features import FeatureSet
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef
+from tests.helpers import REGISTRY
 
 BATCH = 500
 
@@ -73,7 +73,7 @@ def _batched(ctx: common.Context, rounds: int, rng: random.Random) -> dict[str, 
 def _read_through(ctx: common.Context, n: int, rng: random.Random) -> dict[str, Any]:
     data = ctx.dataset()
     version = ctx.schema_version()
-    store = FeatureStore(ctx.redis, version)
+    store = EntryStore(ctx.redis, version, registry=REGISTRY)
     rt = ReadThrough(store, ctx.engine, early_refresh=False)
     out: dict[str, Any] = {}
     for fs in REGISTRY:

@@ -5,7 +5,7 @@ and again, each call with a newer watermark, so every conditional write really
 replaces its entry (an equal watermark would be a cheaper no-op). Candidates,
 interleaved round by round:
 
-* ``conditional``: :meth:`freshline.pipeline.cache.store.FeatureStore.write`, the shipped path:
+* ``conditional``: :meth:`freshline.pipeline.cache.store.EntryStore.write`, the shipped path:
 encode
   each entry, one pipeline of EVALSHA of the compare-and-set Lua script;
 * ``conditional, plain EVALSHA``: the same script and encoding in a bare loop, without
@@ -23,11 +23,11 @@ from typing import Any
 
 from bench import common
 from freshline.pipeline.cache.recompute import Batch, compute
-from freshline.pipeline.cache.store import _WRITE_LUA, FeatureStore, jittered_ttl_ms
+from freshline.pipeline.cache.store import _WRITE_LUA, EntryStore, jittered_ttl_ms
 from freshline.pipeline.core.codec import encode_entry
 from freshline.pipeline.core.keys import entity_floor_key, feature_key, floor_key, lease_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef
+from tests.helpers import REGISTRY
 
 BATCH = 500
 
@@ -39,7 +39,7 @@ def run(quick: bool) -> dict[str, Any]:
     users = random.Random(8).sample(range(1, data.users + 1), min(BATCH, data.users))
     base = compute(ctx.engine, fs, [(data.tenant, str(u)) for u in users])
     cas_version, sha_version, set_version = (ctx.schema_version() for _ in range(3))
-    store = FeatureStore(ctx.redis, cas_version)
+    store = EntryStore(ctx.redis, cas_version, registry=REGISTRY)
     sha = ctx.redis.script_load(_WRITE_LUA)
     counter = itertools.count(1)
     refs = [EntityRef(fs.name, t, e) for t, e in base.values]
@@ -113,7 +113,7 @@ def run(quick: bool) -> dict[str, Any]:
     rounds, calls = (1, 3) if quick else (7, 30)
     res = common.measure(
         {
-            "conditional (FeatureStore.write)": conditional,
+            "conditional (EntryStore.write)": conditional,
             "conditional, plain EVALSHA": evalsha,
             "SETEX": setex,
             "SETEX, pre-encoded": setex_raw,
@@ -123,7 +123,7 @@ def run(quick: bool) -> dict[str, Any]:
         warmup=3,
         items=dict.fromkeys(
             [
-                "conditional (FeatureStore.write)",
+                "conditional (EntryStore.write)",
                 "conditional, plain EVALSHA",
                 "SETEX",
                 "SETEX, pre-encoded",
@@ -137,7 +137,7 @@ def run(quick: bool) -> dict[str, Any]:
         r["vs_setex_pre_encoded"] = common.ratio(
             r["items_per_s"], res["SETEX, pre-encoded"]["items_per_s"]
         )
-    cas = res["conditional (FeatureStore.write)"]
+    cas = res["conditional (EntryStore.write)"]
     targets = [
         common.target(
             "conditional writes/s vs pipelined SETEX of the same payloads",

@@ -113,7 +113,7 @@ def _decoding_routes(client: Any, prefix: str, version: int) -> tuple[Any, Any]:
 
     from freshline.pipeline.core.clock import now_ms
     from freshline.pipeline.core.codec import decode_rows
-    from freshline.pipeline.core.repository import REGISTRY
+    from tests.helpers import REGISTRY
 
     fields = REGISTRY[FEATURE_SET].field_names
     floor = f"floor:{version}:{FEATURE_SET}"
@@ -425,14 +425,14 @@ def prepared(ctx: common.Context) -> tuple[int, str, str, list[int]]:
     """
     from freshline.pipeline.api.auth import create_api_key
     from freshline.pipeline.cache.recompute import compute
-    from freshline.pipeline.cache.store import FeatureStore
-    from freshline.pipeline.core.repository import REGISTRY
+    from freshline.pipeline.cache.store import EntryStore
     from freshline.pipeline.core.types import EntityRef
+    from tests.helpers import REGISTRY
 
     data = ctx.dataset()
     version = ctx.schema_version()
     users = list(range(1, min(200 if ctx.quick else ENTITIES, data.users) + 1))
-    store = FeatureStore(ctx.redis, version)
+    store = EntryStore(ctx.redis, version, registry=REGISTRY)
     for chunk in common.chunks(users, 500):
         store.write(
             compute(ctx.engine, REGISTRY[FEATURE_SET], [(data.tenant, str(u)) for u in chunk])

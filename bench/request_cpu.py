@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from bench import common, reference_app
+from tests.helpers import REGISTRY
 
 Asgi = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
@@ -168,7 +169,8 @@ def main() -> int:
         os.environ["BENCH_REFERENCE_DECODE"] = str(version)
         floor = reference_app.app_from_env()
         freshline = create_app(
-            ctx.settings_for(schema_version=version, local_cache_size=0, api_rate_per_s=0)
+            ctx.settings_for(schema_version=version, local_cache_size=0, api_rate_per_s=0),
+            registry=REGISTRY,
         )
         apps = {"minimal": minimal, reference_app.FLOOR: floor, "freshline": freshline}
 

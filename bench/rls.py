@@ -27,7 +27,7 @@ from sqlalchemy.engine import make_url
 
 from bench import common
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.core.repository import REGISTRY
+from tests.helpers import REGISTRY
 
 BATCH = 500
 TABLES = (

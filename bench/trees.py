@@ -125,7 +125,7 @@ def _child_compute(out: IO[str]) -> None:
 
     from bench import common
     from freshline.pipeline.cache.recompute import compute
-    from freshline.pipeline.core.repository import REGISTRY
+    from tests.helpers import REGISTRY
 
     ctx = common.context(False)
     data = ctx.dataset()
@@ -170,7 +170,7 @@ def _child_drain(events: int, sets: list[str], out: IO[str]) -> None:
 
     from bench import common, write_path
     from freshline.pipeline.core.features import Registry
-    from freshline.pipeline.core.repository import REGISTRY
+    from tests.helpers import REGISTRY
 
     ctx = common.context(False)
     data = ctx.dataset()

@@ -47,11 +47,11 @@ from freshline.consumers.routing import Router
 from freshline.consumers.worker import Worker
 from freshline.pipeline.cache.invalidation import Invalidation
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.keys import INVALIDATION_CHANNEL
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.topics import logical, qualified
+from tests.helpers import REGISTRY
 
 HOT_USERS = 20
 HOT_SHARE = 0.8
@@ -125,8 +125,8 @@ def _real(settings: Settings, versions: list[int], n: int) -> dict[str, Any]:
 
 def _naive(ctx: common.Context, settings: Settings, version: int, n: int) -> dict[str, Any]:
     """One event at a time: decode, route, recompute, write, publish, commit."""
-    store = FeatureStore(ctx.redis, version)
-    router = Router()
+    store = EntryStore(ctx.redis, version, registry=REGISTRY)
+    router = Router(REGISTRY)
     consumer = Consumer(
         settings,
         **{"group.id": f"{settings.consumer_group}-naive-{common.Context.new_schema_version()}"},

@@ -34,7 +34,7 @@ from freshline.pipeline.core.errors import FreshlineError, InvalidId
 from freshline.pipeline.core.events import Event, EventFieldError
 from freshline.pipeline.core.features import Entity, Registry
 from freshline.pipeline.core.keys import validate_id
-from freshline.pipeline.core.repository import REGISTRY, Repository, active
+from freshline.pipeline.core.repository import Repository, active
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.topics import CDC_PREFIX, CDC_TOPIC_PATTERN
 from freshline.pipeline.core.types import ChangeEvent, Op
@@ -83,8 +83,8 @@ class TableIds:
 _tables: dict[int, tuple[object, dict[str, TableIds]]] = {}
 
 
-def table_ids(registry: Registry = REGISTRY) -> dict[str, TableIds]:
-    """The source tables of ``registry`` (the active repository's) and their id columns."""
+def table_ids(registry: Registry) -> dict[str, TableIds]:
+    """The source tables of ``registry`` and their id columns."""
     cached = _tables.get(id(registry._sets))
     if cached is not None and cached[0] is registry._sets:
         return cached[1]
@@ -122,6 +122,7 @@ def decode(
     value: bytes | None,
     *,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    repository: Repository | None = None,
 ) -> ChangeEvent | None:
     """Turn one Kafka record into a :class:`ChangeEvent`.
 
@@ -129,6 +130,7 @@ def decode(
     Raises :class:`EventRejected` for an oversized record, bad JSON, a missing or
     invalid field, an id that must not reach a key, an unknown table or an unknown
     topic. ``key`` is not needed: correctness never depends on how producers key.
+    ``repository``: whose tables and events (the active repository where not given).
     """
     if value is None:
         return None
@@ -136,13 +138,14 @@ def decode(
         raise EventRejected(
             f"{len(value)} bytes, over the {max_bytes}-byte limit", kind="oversized"
         )
-    event = domain_events().get(topic)
+    event = domain_events(repository).get(topic)
     if event is not None:
         return _domain_event(event, _load_object(value))
     match = CDC_TOPIC_PATTERN.fullmatch(topic)
     if match is None:
         raise EventRejected(f"no decoder for topic {topic!r}", kind="unknown_event_type")
-    change = _debezium_event(match["table"], _load_object(value))
+    registry = (repository or active()).registry
+    change = _debezium_event(match["table"], _load_object(value), registry)
     if (
         change is not None
         and change.op == "t"
@@ -175,7 +178,9 @@ def _domain_event(event: Event, obj: dict[str, Any]) -> ChangeEvent:
         raise EventRejected(str(exc), kind=exc.kind) from exc
 
 
-def _debezium_event(topic_table: str, obj: dict[str, Any]) -> ChangeEvent | None:
+def _debezium_event(
+    topic_table: str, obj: dict[str, Any], registry: Registry
+) -> ChangeEvent | None:
     payload: Any = obj
     if "op" not in obj and "payload" in obj:
         payload = obj["payload"]  # the JSON converter's schema wrapper
@@ -195,7 +200,7 @@ def _debezium_event(topic_table: str, obj: dict[str, Any]) -> ChangeEvent | None
         raise EventRejected("'source' is not a JSON object", kind="invalid_field")
     # source.table is the truth when present: a topic-routing SMT may rename topics.
     table = source.get("table") or topic_table
-    ids = table_ids().get(table) if isinstance(table, str) else None
+    ids = table_ids(registry).get(table) if isinstance(table, str) else None
     if ids is None:
         raise EventRejected(
             f"table {table!r} is not a freshline source table", kind="unknown_table"

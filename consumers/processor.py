@@ -55,13 +55,12 @@ from freshline.pipeline.cache.recompute import (
     wait_durable,
 )
 from freshline.pipeline.cache.server import RedisIdentity, recorded_identity, redis_identity
-from freshline.pipeline.cache.store import FeatureStore, WriteResult
+from freshline.pipeline.cache.store import EntryStore, WriteResult
 from freshline.pipeline.core.cluster import is_cluster, publish
 from freshline.pipeline.core.db import own_connections
 from freshline.pipeline.core.errors import FreshlineError
 from freshline.pipeline.core.features import Registry
 from freshline.pipeline.core.keys import INVALIDATION_CHANNEL, SERVER_KEY
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import ChangeEvent, EntityRef
 
 logger = logging.getLogger("freshline.consumer")
@@ -178,7 +177,7 @@ class Processor:
         client: redis.Redis,
         *,
         versions: Callable[[], Sequence[int]],
-        registry: Registry = REGISTRY,
+        registry: Registry,
         tombstone_ttl_s: int = 300,
         publish: Callable[[Invalidation], None] | None = None,
         wait_replicas: int = 0,
@@ -195,7 +194,7 @@ class Processor:
         self.versions = versions
         self.registry = registry
         self.router = Router(registry)
-        self.store = FeatureStore(client, 1, registry=registry, tombstone_ttl_s=tombstone_ttl_s)
+        self.store = EntryStore(client, 1, registry=registry, tombstone_ttl_s=tombstone_ttl_s)
         self.publish = publish
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms

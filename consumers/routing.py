@@ -21,7 +21,6 @@ from sqlalchemy.engine import Connection
 from freshline.pipeline.core.errors import FreshlineError, InvalidId
 from freshline.pipeline.core.features import IMPLICIT_TENANT, Entity, Registry, Source
 from freshline.pipeline.core.keys import validate_id
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import ChangeEvent
 
 Targets = dict[str, set[tuple[str, str]]]
@@ -52,7 +51,7 @@ def _params(row: Mapping[str, Any] | None, names: Iterable[str]) -> tuple[Any, .
 class Router:
     """Maps change events to the feature entries they affect."""
 
-    def __init__(self, registry: Registry = REGISTRY) -> None:
+    def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self._statements: dict[str, tuple[sa.TextClause, tuple[str, ...]]] = {}
 

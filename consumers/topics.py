@@ -157,14 +157,16 @@ def managed(repo: Repository | None = None) -> list[str]:
     return [*event_topics(repo), INVALIDATIONS, DLQ, SERVED]
 
 
-def managed_topics(settings: Settings) -> list[str]:
-    return [qualified(settings, t) for t in managed()]
+def managed_topics(settings: Settings, repo: Repository | None = None) -> list[str]:
+    """:func:`managed`, with the settings' topic prefix."""
+    return [qualified(settings, t) for t in managed(repo)]
 
 
-def subscription(settings: Settings) -> list[str]:
-    """What ``freshline consume`` reads by default: the domain events and every CDC topic."""
+def subscription(settings: Settings, repo: Repository | None = None) -> list[str]:
+    """What ``freshline consume`` reads by default: ``repo``'s (the active repository's)
+    domain events and every CDC topic."""
     cdc = rf"^{re.escape(settings.topic_prefix + CDC_PREFIX)}\.public\..*"
-    return [*(qualified(settings, t) for t in event_topics()), cdc]
+    return [*(qualified(settings, t) for t in event_topics(repo)), cdc]
 
 
 def ensure_from_settings(
@@ -221,19 +223,22 @@ def allow_writer(admin: AdminClient, user: str, topics: Iterable[str]) -> None:
     _create_acls(admin, bindings, "create the CDC topics as a login that may manage ACLs")
 
 
-def allow_consumer(admin: AdminClient, user: str, settings: Settings) -> list[str]:
+def allow_consumer(
+    admin: AdminClient, user: str, settings: Settings, repo: Repository | None = None
+) -> list[str]:
     """Allow the consumers' SASL login ``user`` what ``settings``' topic prefix needs:
     to write the invalidations, dead letters and the served log (WRITE, DESCRIBE; literal
-    names; the read API logs with this login), to read the repository's domain-event
-    topics and the served log (literal; its sink) and every CDC topic of the prefix
-    (``<prefix>freshline.public.``, prefixed), and to join the consumer group (READ,
-    DESCRIBE on ``consumer_group``, prefixed: its ``.dlq`` replay group too). Adding
-    an ACL that exists is a no-op; returns the resources, for the operator to read.
+    names; the read API logs with this login), to read the domain-event topics of
+    ``repo`` (else the active repository) and the served log (literal; its sink) and
+    every CDC topic of the prefix (``<prefix>freshline.public.``, prefixed), and to join
+    the consumer group (READ, DESCRIBE on ``consumer_group``, prefixed: its ``.dlq``
+    replay group too). Adding an ACL that exists is a no-op; returns the resources, for
+    the operator to read.
 
     Nothing to do on a broker without an authorizer.
     """
     writes = [qualified(settings, t) for t in (INVALIDATIONS, DLQ, SERVED)]
-    reads = [qualified(settings, t) for t in event_topics()]
+    reads = [qualified(settings, t) for t in event_topics(repo)]
     cdc = f"{qualified(settings, CDC_PREFIX)}.public."
     group = settings.consumer_group
     bindings = [

@@ -69,7 +69,8 @@ from freshline.pipeline.cache.store import check_eviction_policy
 from freshline.pipeline.cache.versions import WriteVersions
 from freshline.pipeline.core.db import make_engine, own_pool
 from freshline.pipeline.core.errors import ConfigError
-from freshline.pipeline.core.repository import REGISTRY, active
+from freshline.pipeline.core.lock import Lock
+from freshline.pipeline.core.repository import Repository, active
 from freshline.pipeline.core.services import consumer_redis_client
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.topics import DLQ, INVALIDATIONS, logical, qualified
@@ -174,12 +175,19 @@ def check_durability_settings(settings: Settings) -> None:
 
 
 class Worker:
-    """One member of the consumer group."""
+    """One member of the consumer group, for one feature repository.
+
+    ``repository``: whose feature sets, tables and events it serves (``FeatureStore``
+    passes its own; without one, the active repository, ``FRESHLINE_REPO``, as the
+    command line finds it); ``topics``: what it reads (default: the repository's domain
+    events and every CDC topic, :func:`freshline.consumers.topics.subscription`).
+    """
 
     def __init__(
         self,
         settings: Settings,
         *,
+        repository: Repository | None = None,
         topics: Sequence[str] | None = None,
         group: str | None = None,
         versions: Callable[[], Sequence[int]] | None = None,
@@ -187,7 +195,8 @@ class Worker:
     ) -> None:
         check_durability_settings(settings)
         self.settings = settings
-        self.topics = list(topics or subscription(settings))
+        self.repository = repository = repository or active()
+        self.topics = list(topics or subscription(settings, repository))
         overrides = dict(client_overrides or {})
         if group:
             overrides["group.id"] = group
@@ -198,17 +207,19 @@ class Worker:
         )
         self.invalidations_topic = qualified(settings, INVALIDATIONS)
         self.engine = make_engine(settings)
-        self.snapshots_engine = own_pool(self.engine) if active().history.enabled else None
+        self.snapshots_engine = own_pool(self.engine) if repository.history.enabled else None
         """Where history's snapshot of each computation is kept (None with history off)."""
         self.redis = consumer_redis_client(settings)
         self._policy_checked = False
         self.metrics = consumer_metrics()
-        writes = versions or WriteVersions(self.redis, settings)
+        writes = versions or WriteVersions(
+            self.redis, settings, lock=Lock.load(repository.lock_path), registry=repository.registry
+        )
         self.processor = Processor(
             self.engine,
             self.redis,
             versions=writes,
-            registry=REGISTRY.with_paths(settings.recompute_paths),
+            registry=repository.registry.with_paths(settings.recompute_paths),
             tombstone_ttl_s=settings.tombstone_ttl_s,
             publish=self._publish,
             wait_replicas=settings.redis_wait_replicas,
@@ -218,7 +229,7 @@ class Worker:
             # On a pool of its own: the batch holds a connection of self.engine then.
             on_computed=keeper(self.snapshots_engine) if self.snapshots_engine else None,
         )
-        self.router = Router()
+        self.router = Router(repository.registry)
         self.totals = Totals()
         self._watch_due = 0.0
         self._stop = threading.Event()
@@ -360,6 +371,7 @@ class Worker:
                     msg.key(),
                     msg.value(),
                     max_bytes=self.settings.max_message_bytes,
+                    repository=self.repository,
                 )
             except EventRejected as exc:
                 self._dead_letter(msg, exc)
@@ -751,7 +763,7 @@ class Worker:
         while True:
             try:
                 whole = time.monotonic() >= whole_at
-                for path in REGISTRY.maintenances():
+                for path in self.repository.registry.maintenances():
                     fold = path.fold if whole else path.fold_settled
                     while (fold(self.engine, max_keys=FOLD_USERS, wait=False) or 0) >= FOLD_USERS:
                         if self._folding.is_set():

@@ -1,4 +1,11 @@
-"""freshline's public API for feature repositories.
+"""freshline's public API: the definitions a feature repository writes, and the entry
+object a program reads, serves and deploys them with.
+
+    import freshline
+
+    with freshline.FeatureStore("path/to/repo") as store:
+        store.client().get("txn_90d", "acme", 42)
+
 
 A repository's definitions module declares its entities, tables, feature sets and
 domain events with
@@ -16,6 +23,7 @@ these; ``freshline plan`` shows what they would change and ``freshline apply`` d
 
 from freshline import agg
 from freshline.pipeline.core.aggregations import Aggregations, Lookup
+from freshline.pipeline.core.errors import ConfigError, FreshlineError
 from freshline.pipeline.core.events import Event, EventField
 from freshline.pipeline.core.features import (
     AS_OF,
@@ -28,22 +36,27 @@ from freshline.pipeline.core.features import (
 from freshline.pipeline.core.incremental import BuildState, IncrementalPath
 from freshline.pipeline.core.repository import Repository, load
 from freshline.pipeline.history.training import training_set
+from freshline.store import FeatureStore, freshline_token
 
 __all__ = [
     "AS_OF",
     "IMPLICIT_TENANT",
     "Aggregations",
     "BuildState",
+    "ConfigError",
     "Entity",
     "Event",
     "EventField",
     "FeatureSet",
+    "FeatureStore",
     "Field",
+    "FreshlineError",
     "IncrementalPath",
     "Lookup",
     "Repository",
     "Table",
     "agg",
+    "freshline_token",
     "load",
     "training_set",
 ]

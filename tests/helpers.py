@@ -44,13 +44,13 @@ from freshline import migrations
 from freshline.consumers.kafka import admin_client, client_config
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.readthrough import Hooks, ReadThrough, Result
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.versions import VersionResolver
 from freshline.pipeline.core.db import make_engine
 from freshline.pipeline.core.errors import ServiceUnavailable
 from freshline.pipeline.core.features import Registry
 from freshline.pipeline.core.maintenance import install_missing, secure_installed
-from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.core.repository import Repository, active
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef, Entry, FeatureValues
 from freshline.pipeline.dev import processes
@@ -129,6 +129,11 @@ act_as_operator()
 # The tests run on the fraud example's repository unless told otherwise; the freshline
 # processes they start inherit it.
 os.environ.setdefault("FRESHLINE_REPO", str(ROOT / "examples" / "fraud"))
+FRAUD: Repository = active()
+"""The repository the tests run on (the fraud example's, unless ``FRESHLINE_REPO`` names
+another), as the command line would find it."""
+REGISTRY: Registry = FRAUD.registry
+"""Its feature sets, which the library takes explicitly and the tests pass on."""
 
 # One database per test session, so sessions running side by side never collide.
 TEST_DB = os.environ.get("FRESHLINE_TEST_DB", f"freshline_test_{os.getpid()}")
@@ -397,6 +402,7 @@ def api_for(
     from freshline.pipeline.api import create_app  # imported here: see api_app
     from freshline.pipeline.api.auth import create_api_key
 
+    create.setdefault("registry", REGISTRY)
     app = create_app(settings, engine=engine, redis_client=client, follow_deploys=False, **create)
     with running(app, create_api_key(engine, tenant)) as api:
         yield api
@@ -415,6 +421,7 @@ def api_app(settings: Settings, engine: Engine, client: redis.Redis, **update: A
         engine=engine,
         redis_client=client,
         follow_deploys=False,
+        registry=REGISTRY,
     )
 
 
@@ -556,7 +563,7 @@ def observe_refreshes(resolver: VersionResolver) -> threading.Event:
 
 
 def counting_readthrough(
-    store: FeatureStore, engine: Engine
+    store: EntryStore, engine: Engine
 ) -> tuple[ReadThrough, list[list[EntityRef]]]:
     """A read-through without early refreshes, and the list of the refs of each compute
     it runs, appended as it runs them."""

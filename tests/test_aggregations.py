@@ -27,7 +27,7 @@ from sqlalchemy.engine import Engine
 from freshline import Aggregations, Entity, Table, agg
 from freshline.consumers.processor import Processor
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cdc.connect import PUBLICATION
 from freshline.pipeline.core.declarations import Declaration
 from freshline.pipeline.core.errors import ConfigError
@@ -219,7 +219,7 @@ def test_inserts_updates_moves_and_deletes_reach_the_served_values(
     fs = shop.registry["orders_30d"]
     shop_id = f"s{uuid.uuid4().hex[:10]}"
     version = fresh_version()
-    store = FeatureStore(redis_client, version, registry=shop.registry)
+    store = EntryStore(redis_client, version, registry=shop.registry)
     processor = Processor(engine, redis_client, versions=lambda: [version], registry=shop.registry)
     orders = [
         Order("ada", Decimal("120.00"), "a", "placed", now - 2 * DAY),

@@ -39,7 +39,7 @@ from freshline.pipeline.core.keys import MODELS_KEY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.inference.models import LogisticModel, ModelRecord, ModelRegistry
 from freshline.pipeline.observe.advisor import Figures, advise
-from tests.helpers import FRESHLINE, fresh_version, serving
+from tests.helpers import FRESHLINE, REGISTRY, fresh_version, serving
 
 WIDTH = 80
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")
@@ -251,7 +251,9 @@ def api_url(
     local = settings.model_copy(
         update={"schema_version": fresh_version(), "consumer_metrics_port": 0}
     )
-    app = create_app(local, engine=engine, redis_client=redis_client, follow_deploys=False)
+    app = create_app(
+        local, engine=engine, redis_client=redis_client, follow_deploys=False, registry=REGISTRY
+    )
     key = create_api_key(engine, tenant)
     with serving(app) as port, serving(app.state.ops_app) as ops_port:
         base = f"http://127.0.0.1:{port}"

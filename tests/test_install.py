@@ -34,10 +34,10 @@ from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
-from tests.helpers import ROOT
+from tests.helpers import REGISTRY, ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -74,15 +74,14 @@ come from."""
 
 READ = """\
 import json, sys
-import redis
-from freshline.pipeline.cache.client import FeatureClient
+import freshline
 
-url, version, tenant, entity = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-got = FeatureClient(redis.Redis.from_url(url), version).get("txn_90d", tenant, entity)
+repo, tenant, entity = sys.argv[1], sys.argv[2], sys.argv[3]
+with freshline.FeatureStore(repo) as store:  # settings from FRESHLINE_*
+    got = store.client(follow_deploys=False).get("txn_90d", tenant, entity)
 print(json.dumps(None if got is None else {"values": got.values, "watermark": got.watermark}))
 """
-"""A read through the installed client. Today's API (``FeatureClient`` on the
-``FRESHLINE_REPO`` registry); ``freshline.FeatureStore(...).client()`` once it lands."""
+"""A read through the installed package's entry object, as a scoring service makes it."""
 
 
 def run(*argv: str | Path, env: dict[str, str], cwd: Path) -> str:
@@ -276,11 +275,8 @@ def test_the_installed_wheel_reads_features_from_the_stack(
     version: int,
     tenant_factory: Callable[..., SeedSummary],
 ) -> None:
-    # The Redis data-access class; issue 53 renames it EntryStore.
-    from freshline.pipeline.cache.store import FeatureStore as EntryStore
-
     tenant = tenant_factory(users=3, transactions=60).tenants[0]
-    store = EntryStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     store.write(compute(engine, REGISTRY["txn_90d"], [(tenant, "2")]))
     [entry] = store.read([EntityRef("txn_90d", tenant, "2")])
     assert entry is not None
@@ -288,11 +284,10 @@ def test_the_installed_wheel_reads_features_from_the_stack(
         from_wheel,
         "-c",
         READ,
-        settings.redis_url,
-        str(version),
+        ROOT / "examples" / "fraud",
         tenant,
         "2",
-        env=env_for(place),
+        env=env_for(place) | {"FRESHLINE_SCHEMA_VERSION": str(version)},
         cwd=place,
     )
     assert json.loads(out) == {

@@ -30,7 +30,7 @@ from freshline.pipeline.api import create_app
 from freshline.pipeline.api.auth import TenantExists, create_api_key, create_tenant
 from freshline.pipeline.cache.readthrough import Hooks, ReadThrough
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.versions import Pointer, VersionResolver, WriteVersions
 from freshline.pipeline.cdc.connect import (
     PUBLICATION,
@@ -310,9 +310,7 @@ def test_writes_are_conditional_and_reads_return_the_newest(
 ) -> None:
     fs = library.registry["loans_now"]
     key = member(engine, "cond", [("c-1", False)])
-    store = FeatureStore(
-        redis_client, 900_000 + uuid.uuid4().int % 90_000, registry=library.registry
-    )
+    store = EntryStore(redis_client, 900_000 + uuid.uuid4().int % 90_000, registry=library.registry)
     ref = EntityRef(fs.name, IMPLICIT_TENANT, key)
     older = compute(engine, fs, [(IMPLICIT_TENANT, key)])
     with engine.begin() as conn:
@@ -520,7 +518,7 @@ def test_no_stale_set_when_a_change_lands_mid_read_through(
     older result goes to its caller, never into Redis."""
     key = member(engine, f"race-{feature_set}", [(f"race-{uuid.uuid4().hex[:8]}", False)])
     version = fresh_version()
-    store = FeatureStore(redis_client, version, registry=library.registry)
+    store = EntryStore(redis_client, version, registry=library.registry)
     rt = ReadThrough(store, engine, early_refresh=False)
     ref = EntityRef(feature_set, IMPLICIT_TENANT, key)
     reader = paused_reader(rt, ref)
@@ -556,7 +554,7 @@ def test_sixteen_threads_on_one_missing_uuid_key_compute_once(
         with lock:
             calls.append(len(group))
 
-    store = FeatureStore(redis_client, fresh_version(), registry=library.registry)
+    store = EntryStore(redis_client, fresh_version(), registry=library.registry)
     rt = ReadThrough(store, engine, hooks=Hooks(before_compute=count), early_refresh=False)
     results = read_at_once(rt, EntityRef("loans_now", IMPLICIT_TENANT, key))
     assert calls == [1]
@@ -671,9 +669,7 @@ def test_a_deploy_warms_the_new_version_and_readers_move_to_it_whole(
     ]
     refs = [EntityRef(fs, IMPLICIT_TENANT, k) for k in keys for fs in sets]
     resolver = VersionResolver(r, local, pointer=pointer, lock=lock, max_age_s=0)
-    rt = ReadThrough(
-        FeatureStore(r, a, registry=reg), engine, early_refresh=False, versions=resolver
-    )
+    rt = ReadThrough(EntryStore(r, a, registry=reg), engine, early_refresh=False, versions=resolver)
     writes = WriteVersions(r, local, pointer=pointer, lock=lock, registry=reg, max_age_s=0)
     processor = Processor(engine, r, versions=writes, registry=reg)
     try:
@@ -699,7 +695,7 @@ def test_a_deploy_warms_the_new_version_and_readers_move_to_it_whole(
         assert processor.apply([loan_change(keys[0])]).writes.written == 2
         changed = EntityRef("loans_now", IMPLICIT_TENANT, keys[0])
         for version in (a, b):
-            [found] = FeatureStore(r, version, registry=reg).read([changed])
+            [found] = EntryStore(r, version, registry=reg).read([changed])
             assert found is not None and found.values["open_loans"] == 0
 
         def read() -> list[tuple[int, bool]]:
@@ -748,7 +744,7 @@ def test_a_truncate_of_loans_voids_the_sets_it_feeds_and_later_entries_serve(
     library: Repository, own_engine: Engine, redis_client: redis.Redis
 ) -> None:
     version = fresh_version()
-    store = FeatureStore(redis_client, version, registry=library.registry)
+    store = EntryStore(redis_client, version, registry=library.registry)
     loans_now, standing = library.registry["loans_now"], library.registry["standing"]
     keys = [member(own_engine, f"trunc-{i}", [(f"trunc-{i}", False)]) for i in range(3)]
     pairs = [(IMPLICIT_TENANT, k) for k in keys]
@@ -812,7 +808,7 @@ def test_plain_sql_reaches_the_served_entries_through_debezium(
         conn.execute(sa.text("ALTER TABLE lib_loans REPLICA IDENTITY FULL"))  # as plan says
     ensure(admin, 2, topics=managed_topics)
     ensure_cdc_topics(local, topics)
-    store = FeatureStore(redis_client, version, registry=library.registry)
+    store = EntryStore(redis_client, version, registry=library.registry)
     log = tmp_path / "consume.log"
     consumer: subprocess.Popen[bytes] | None = None
 

@@ -30,15 +30,15 @@ from freshline.pipeline.api import create_app
 from freshline.pipeline.api.auth import create_api_key
 from freshline.pipeline.api.fastpath import async_client
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cdc.connect import ConnectClient, connector_config, drop_slot, names
 from freshline.pipeline.core.keys import ACTIVE_SCHEMA_KEY, INVALIDATION_CHANNEL, feature_key
 from freshline.pipeline.core.maintenance import DerivedPath
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.services import redis_client
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
 from tests.helpers import (
+    REGISTRY,
     as_user,
     assert_kafka_refuses,
     free_port,
@@ -159,7 +159,9 @@ def test_the_api_user_serves_and_fills_features(
     api_engine = role_engine(api_user, "FRESHLINE_STACK_POSTGRES_API_URL")
     version = fresh_version()
     local = api_user.model_copy(update={"schema_version": version, "local_cache_size": 10})
-    app = create_app(local, engine=api_engine)  # Redis: built from the API user's settings
+    app = create_app(
+        local, engine=api_engine, registry=REGISTRY
+    )  # Redis: built from the API user's settings
     key = create_api_key(engine, tenant)
     try:
         with running(app, key) as api:
@@ -190,7 +192,7 @@ def test_the_writer_user_writes_features_but_not_deploys(
     client = redis_client(writer_user)
     try:
         assert client.acl_whoami() == writer_user.redis_username
-        store = FeatureStore(client, fresh_version())
+        store = EntryStore(client, fresh_version(), registry=REGISTRY)
         batch = compute(engine, REGISTRY["device_risk"], [(tenant, "1")])
         assert store.write(batch).written == 1
         client.publish(INVALIDATION_CHANNEL, b"{}")  # consumers publish invalidations

@@ -7,7 +7,7 @@ import dataclasses
 import gc
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import redis
 from sqlalchemy.engine import Engine
@@ -29,14 +29,14 @@ from freshline.pipeline.cache.hot import HotReads
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.readthrough import Hooks, ReadThrough
 from freshline.pipeline.cache.roster import Proc, Registration, roster, strangers
-from freshline.pipeline.cache.store import FeatureStore, check_eviction_policy
+from freshline.pipeline.cache.store import EntryStore, check_eviction_policy
 from freshline.pipeline.cache.tokens import Tokens
 from freshline.pipeline.cache.versions import DEFAULT_POINTER, Pointer, VersionResolver
 from freshline.pipeline.core.budget import TenantBudget
 from freshline.pipeline.core.db import make_engine
 from freshline.pipeline.core.features import Registry
 from freshline.pipeline.core.lock import Lock
-from freshline.pipeline.core.repository import REGISTRY, active
+from freshline.pipeline.core.repository import Repository, active
 from freshline.pipeline.core.services import redis_client as make_redis_client
 from freshline.pipeline.core.settings import Settings, load_settings
 from freshline.pipeline.history.snapshots import keeper
@@ -72,14 +72,14 @@ def create_app(
     engine: Engine | None = None,
     redis_client: redis.Redis | None = None,
     local: LocalTier | None = None,
-    registry: Registry = REGISTRY,
+    registry: Registry,
     follow_deploys: bool = True,
     consumer_metrics: list[str] | None = None,
     status_interval_s: float = 60.0,
     semantic_figures: bool | None = None,
     pointer: Pointer = DEFAULT_POINTER,
     lock: Lock | None = None,
-    keep_snapshots: bool | None = None,
+    keep_snapshots: bool = False,
 ) -> Starlette:
     """The read API. Clients not passed in are made from ``settings`` and closed on exit.
 
@@ -98,8 +98,8 @@ def create_app(
     from (default: the local consumer's port, ``FRESHLINE_CONSUMER_METRICS_PORT``), and
     with ``semantic_figures`` (default: ``settings.semantic_enabled``) it shows the
     semantic cache's busiest namespaces (:mod:`freshline.pipeline.api.semantic_status`).
-    With ``keep_snapshots`` (default: the active repository's ``[history] enabled``) a
-    read-through fill keeps the snapshot its entries name
+    With ``keep_snapshots`` (the repository's ``[history] enabled``; ``FeatureStore.app``
+    passes it) a read-through fill keeps the snapshot its entries name
     (:mod:`freshline.pipeline.history.snapshots`).
     ``/metrics``, ``/status`` and ``/status.json`` are served by ``app.state.ops_app``
     (the ops port's app, :mod:`freshline.pipeline.api.ops`), and on this app only to the operator
@@ -112,8 +112,6 @@ def create_app(
     """
     if settings.semantic_enabled:
         require_extra("FRESHLINE_SEMANTIC_ENABLED")  # before any client is made
-    if keep_snapshots is None:
-        keep_snapshots = registry is REGISTRY and active().history.enabled
     owned_engine = engine is None
     owned_redis = redis_client is None
     engine = engine or make_engine(settings, pool_size=10)
@@ -131,7 +129,7 @@ def create_app(
             silence_s=settings.subscription_silence_ms / 1000,
         )
 
-    store = FeatureStore(
+    store = EntryStore(
         client, settings.schema_version, registry=registry, tombstone_ttl_s=settings.tombstone_ttl_s
     )
     versions = (
@@ -351,9 +349,26 @@ async def _close_async_client(reader: FeatureReader) -> None:
         await aredis.aclose()
 
 
+class RepositoryOptions(TypedDict):
+    registry: Registry
+    lock: Lock
+    keep_snapshots: bool
+
+
+def repository_options(repo: Repository) -> RepositoryOptions:
+    """What :func:`create_app` takes from a repository: its feature sets, its lock and
+    whether it keeps history."""
+    return RepositoryOptions(
+        registry=repo.registry,
+        lock=Lock.load(repo.lock_path),
+        keep_snapshots=repo.history.enabled,
+    )
+
+
 def app_from_env() -> Starlette:
     """The app factory servers call (``granian --factory``, ``uvicorn --factory``), once
-    per worker process.
+    per worker process, for the active repository (``FRESHLINE_REPO``, which ``freshline
+    serve`` passes on to its workers).
 
     Everything made until now (modules, the registry, the clients, SQLAlchemy's and
     Starlette's machinery: about 100,000 objects) lives as long as the worker, so it
@@ -362,7 +377,7 @@ def app_from_env() -> Starlette:
     flight; the batch route's p99 at c=16 went from 25.9 to 10.4 ms with the freeze
     (medians of 5 wrk rounds, same run; README, read path).
     """
-    app = create_app(load_settings())
+    app = create_app(load_settings(), **repository_options(active()))
     gc.collect()
     gc.freeze()
     return app
@@ -379,5 +394,7 @@ def ops_app_from_env() -> Starlette:
     """
     loaded = load_settings()
     settings = loaded.model_copy(update={"semantic_enabled": False, "local_cache_size": 0})
-    api = create_app(settings, semantic_figures=loaded.semantic_enabled)
+    api = create_app(
+        settings, semantic_figures=loaded.semantic_enabled, **repository_options(active())
+    )
     return ops.ops_app(api.state.ops, lifespan=api.router.lifespan_context)

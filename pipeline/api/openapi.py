@@ -27,7 +27,6 @@ from freshline.pipeline.api.contracts import (
 from freshline.pipeline.api.reader import MAX_USER_ID
 from freshline.pipeline.api.routes import MAX_JSON_DEPTH
 from freshline.pipeline.core.features import Registry
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.schemas.ids import ID_PATTERN, MAX_ID_LENGTH
 
@@ -483,7 +482,7 @@ def _service_paths() -> dict[str, Any]:
     }
 
 
-def reference_document(registry: Registry = REGISTRY) -> dict[str, Any]:
+def reference_document(registry: Registry) -> dict[str, Any]:
     """The document a server of ``registry`` (the active repository's) serves with the
     default settings, the semantic cache on and an operator key set: every route."""
     defaults = Settings.model_construct()  # the defaults alone, not the environment
@@ -500,7 +499,7 @@ def reference_document(registry: Registry = REGISTRY) -> dict[str, Any]:
     )
 
 
-def reference_text(registry: Registry = REGISTRY) -> str:
+def reference_text(registry: Registry) -> str:
     """:func:`reference_document` as the text of its committed file."""
     return json.dumps(reference_document(registry), indent=2) + "\n"
 
@@ -511,7 +510,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="freshline.pipeline.api.openapi")
     parser.add_argument("--out", type=Path, help="write it here [default: standard output]")
     args = parser.parse_args(argv)
+    from freshline.pipeline.core.repository import active
+
+    text = reference_text(active().registry)
     if args.out is None:
-        sys.stdout.write(reference_text())
+        sys.stdout.write(text)
     else:
-        args.out.write_text(reference_text())
+        args.out.write_text(text)

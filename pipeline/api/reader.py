@@ -8,7 +8,7 @@ which reports them as misses instead.
 
 On the event loop, :meth:`FeatureReader.cached` answers from the local tier and one
 MGET with the asyncio client (the same keys, floors and decoding as
-:meth:`freshline.pipeline.cache.store.FeatureStore.read`); only what needs the database goes to
+:meth:`freshline.pipeline.cache.store.EntryStore.read`); only what needs the database goes to
 the thread pool, through :meth:`FeatureReader.read`. Each answer is the JSON object
 the API sends for it (:class:`Answer`): one object per entity, built once, except in
 :meth:`FeatureReader.cached_batch` for a batch of hits, which answers the whole
@@ -333,7 +333,7 @@ class FeatureReader:
         now: int,
         keep: Callable[[Row, int], bool] | None = None,
     ) -> list[Answer] | None:
-        """The answers of the MGET of the lookup's :meth:`FeatureStore.grid_keys`; with
+        """The answers of the MGET of the lookup's :meth:`EntryStore.grid_keys`; with
         ``keep``, ``None`` unless every pair has an entry that ``keep(row, now)`` takes."""
         store = target.store
         version = store.schema_version

@@ -26,14 +26,13 @@ import redis
 
 from freshline.pipeline.cache import freshness
 from freshline.pipeline.cache.arrivals import Arrivals
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.tokens import Tokens, freshline_token
 from freshline.pipeline.core import frames
 from freshline.pipeline.core.clock import now_ms
 from freshline.pipeline.core.codec import Row, parse_watermark
 from freshline.pipeline.core.errors import ConfigError, SchemaVersionUnknown
 from freshline.pipeline.core.features import Registry
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef, Entry, FeatureValues, Item, LazyRefs
 
 if TYPE_CHECKING:
@@ -100,13 +99,13 @@ class FeatureClient:
         client: redis.Redis,
         schema_version: int,
         *,
-        registry: Registry = REGISTRY,
+        registry: Registry,
         local: LocalTier | None = None,
         versions: VersionResolver | None = None,
         hot: HotReads | None = None,
         readthrough: ReadThrough | None = None,
     ) -> None:
-        self.store = FeatureStore(client, schema_version, registry=registry)
+        self.store = EntryStore(client, schema_version, registry=registry)
         self.local = local
         self.versions = versions
         self.hot = hot
@@ -128,7 +127,7 @@ class FeatureClient:
         url: str,
         schema_version: int,
         *,
-        registry: Registry = REGISTRY,
+        registry: Registry,
         local: LocalTier | None = None,
     ) -> FeatureClient:
         return cls(redis.Redis.from_url(url), schema_version, registry=registry, local=local)
@@ -140,11 +139,14 @@ class FeatureClient:
         settings: Settings,
         *,
         listen: bool = True,
-        registry: Registry = REGISTRY,
+        registry: Registry,
         pointer: Pointer | None = None,
         lock: Lock | None = None,
+        local: LocalTier | None = None,
+        readthrough: ReadThrough | None = None,
     ) -> FeatureClient:
-        """A client on the active-version pointer that samples reads for warming.
+        """A client on the active-version pointer that samples reads for warming
+        (``local``: an in-process tier in front of Redis; ``readthrough``: see the class).
 
         Listening, it registers itself as a reader (:mod:`freshline.pipeline.cache.roster`) until
         :meth:`close`, so ``deploy flip`` knows which versions it can serve.
@@ -159,8 +161,10 @@ class FeatureClient:
             client,
             settings.schema_version,
             registry=registry,
+            local=local,
             versions=versions,
             hot=HotReads(client, flush_s=1.0),
+            readthrough=readthrough,
         )
         if listen:
             versions.listen()
@@ -475,9 +479,7 @@ class FeatureClient:
                 self.versions.close()
 
     @staticmethod
-    def _through_tier(
-        local: LocalTier, items: list[Item], store: FeatureStore
-    ) -> list[Entry | None]:
+    def _through_tier(local: LocalTier, items: list[Item], store: EntryStore) -> list[Entry | None]:
         """The local tier first; one MGET for the rest, which then fills the tier."""
         refs = [EntityRef(*item) for item in items]
         version = store.schema_version
@@ -491,7 +493,7 @@ class FeatureClient:
                     local.put(refs[i], entry, token)
         return entries
 
-    def _store_for_call(self) -> FeatureStore:
+    def _store_for_call(self) -> EntryStore:
         """The active version's store, decoding with its field lists (the lock's, else
         the published ones); this client's own while those are unknown and its own
         version is written, else :class:`SchemaVersionUnknown`."""
@@ -508,9 +510,7 @@ class FeatureClient:
                     versions.refused += 1
                     raise SchemaVersionUnknown(version, self.store.schema_version)
                 return self.store
-            store = self._stores[version] = FeatureStore(
-                self.store.redis, version, registry=decoders
-            )
+            store = self._stores[version] = EntryStore(self.store.redis, version, registry=decoders)
         return store
 
     def _stands_in(self, version: int) -> bool:

@@ -39,7 +39,6 @@ from freshline.pipeline.core.keys import (
     feature_key,
     parse_feature_key,
 )
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef, Entry
 
 log = logging.getLogger(__name__)
@@ -106,7 +105,7 @@ class LocalTier:
         *,
         max_entries: int,
         max_ttl_ms: int | None = None,
-        registry: Registry = REGISTRY,
+        registry: Registry,
         channel: str = INVALIDATION_CHANNEL,
         silence_s: float = DEFAULT_SILENCE_S,
         heartbeat_s: float | None = None,

@@ -41,7 +41,7 @@ from freshline.pipeline.cache.recompute import (
     replayed_lsn,
     wait_durable,
 )
-from freshline.pipeline.cache.store import LEASE_BUSY, LEASE_FOUND, LEASE_GRANTED, FeatureStore
+from freshline.pipeline.cache.store import LEASE_BUSY, LEASE_FOUND, LEASE_GRANTED, EntryStore
 from freshline.pipeline.core.clock import now_ms
 from freshline.pipeline.core.db import autocommit
 from freshline.pipeline.core.errors import SchemaVersionUnknown, ServiceUnavailable
@@ -173,7 +173,7 @@ class Counters:
 
 
 class ReadThrough:
-    """``get``/``get_many`` over a :class:`FeatureStore` and the source database.
+    """``get``/``get_many`` over a :class:`EntryStore` and the source database.
 
     With ``versions``, each call serves the active schema version (resolved once per
     call, :meth:`for_call`). One this code does not compute is read with its field
@@ -185,7 +185,7 @@ class ReadThrough:
 
     def __init__(
         self,
-        store: FeatureStore,
+        store: EntryStore,
         engine: Engine,
         *,
         lease_ms: int = 5000,
@@ -304,7 +304,7 @@ class ReadThrough:
             foreign = self.versions is not None and not self.versions.computes(version, registry)
             if foreign and self.versions is not None:
                 registry = self.versions.decoders(version) or registry
-            store = FeatureStore(
+            store = EntryStore(
                 self.store.redis,
                 version,
                 registry=registry,

@@ -7,7 +7,7 @@ out (:mod:`freshline.consumers.processor`): the server's identity (:data:`RedisI
 the one they recorded in :data:`~freshline.pipeline.core.keys.SERVER_KEY`, so they raise every
 feature set's floor, then record the new identity. Until then the server is
 *unvouched*, and readers treat every entry on it as absent
-(:class:`freshline.pipeline.cache.store.FeatureStore`'s reads, the API's fast path in
+(:class:`freshline.pipeline.cache.store.EntryStore`'s reads, the API's fast path in
 :class:`freshline.pipeline.api.reader.FeatureReader`): a miss, read through or answered as one.
 
 :class:`ServerGate` tells them, for an attribute read per read. There is one per

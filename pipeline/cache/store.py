@@ -1,4 +1,4 @@
-"""The Redis feature store: versioned entries, conditional writes, TTLs, tombstones.
+"""The Redis entry store: versioned feature entries, conditional writes, TTLs, tombstones.
 
 Every write is one Lua script: an entry (or tombstone) replaces the current one only
 when its watermark is strictly greater (equal is a no-op), and it always sets a TTL; an
@@ -50,7 +50,6 @@ from freshline.pipeline.core.keys import (
     item_keys,
     lease_key,
 )
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef, Entry, Item, Watermark, text
 
 # KEYS[1] entry, KEYS[2] lease, KEYS[3] the entity's floor, KEYS[4] the set's floor;
@@ -139,7 +138,7 @@ return 1
 """
 
 Call = tuple[tuple[str, ...], tuple[str | bytes | int, ...]]
-"""One script call: its keys (the set's floor last, see :meth:`FeatureStore._floors_as_args`)
+"""One script call: its keys (the set's floor last, see :meth:`EntryStore._floors_as_args`)
 and its arguments."""
 
 WRITTEN, REFUSED, UNCHANGED, DUE, LEASE_LOST = 1, 0, 2, 3, -1
@@ -229,7 +228,7 @@ def entry_ttl_ms(ttl_s: int, computed_at_ms: int, valid_until_ms: int | None) ->
     return max(1, min(ttl, valid_until_ms - computed_at_ms))
 
 
-class FeatureStore:
+class EntryStore:
     """Reads and conditional writes of feature entries for one schema version."""
 
     def __init__(
@@ -237,7 +236,7 @@ class FeatureStore:
         client: redis.Redis,
         schema_version: int,
         *,
-        registry: Registry = REGISTRY,
+        registry: Registry,
         tombstone_ttl_s: int = 300,
     ) -> None:
         self.redis = client

@@ -30,7 +30,6 @@ from freshline.pipeline.core.keys import (
     RETIRED_SCHEMA_KEY,
 )
 from freshline.pipeline.core.lock import Lock, LockedSet
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import text
 
@@ -188,7 +187,7 @@ class WriteVersions:
         *,
         pointer: Pointer = DEFAULT_POINTER,
         lock: Lock | None = None,
-        registry: Registry = REGISTRY,
+        registry: Registry,
         max_age_s: float = WRITE_VERSIONS_MAX_AGE_S,
     ) -> None:
         self.redis = client

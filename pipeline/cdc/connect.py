@@ -26,7 +26,6 @@ from sqlalchemy.engine import Engine, make_url
 from freshline.pipeline.core.errors import FreshlineError
 from freshline.pipeline.core.features import Registry
 from freshline.pipeline.core.http import fetch
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings, redact
 from freshline.pipeline.core.topics import CDC_PREFIX, qualified
 
@@ -69,7 +68,7 @@ class SlotBusy(FreshlineError):
     """The replication slot is still held by a walsender after the deadline."""
 
 
-def captured_tables(registry: Registry = REGISTRY) -> list[str]:
+def captured_tables(registry: Registry) -> list[str]:
     """The tables some feature set reads: exactly what the connector captures."""
     return sorted({src.table for fs in registry for src in fs.sources})
 
@@ -127,7 +126,11 @@ def connector_config(
     url = make_url(settings.migration_url)
     if not url.database:
         raise FreshlineError("FRESHLINE_POSTGRES_URL names no database")
-    include = ",".join(f"{SCHEMA}.{t}" for t in (tables or captured_tables()))
+    if tables is None:
+        from freshline.pipeline.core.repository import active
+
+        tables = captured_tables(active().registry)
+    include = ",".join(f"{SCHEMA}.{t}" for t in tables)
     return {
         "connector.class": CONNECTOR_CLASS,
         "tasks.max": "1",

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from freshline.pipeline.cli.app import console
-from freshline.pipeline.cli.repo import checked_plan, show_plan
+from freshline.pipeline.cli.repo import show_plan
 from freshline.pipeline.core.errors import FreshlineError
 from freshline.pipeline.core.maintenance import DerivedPath
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from freshline.pipeline.core.lock import Lock
     from freshline.pipeline.core.settings import Settings
     from freshline.pipeline.deploy.plan import Plan
+    from freshline.store import FeatureStore
 
 
 class ApplyStopped(FreshlineError):
@@ -123,6 +124,23 @@ def apply(
     """Deploy the repository: topics, ACLs and freshline's own schema first, then the
     publication, the lock and the CDC connector. Your tables are changed only with
     --alter-tables, and only once everything else is in place."""
+    from freshline.store import FeatureStore
+
+    FeatureStore.from_env().apply(
+        alter_tables=alter_tables, cdc=cdc, database_host=database_host, publication=publication
+    )
+
+
+def apply_plan(
+    store: FeatureStore,
+    *,
+    alter_tables: bool,
+    cdc: bool,
+    database_host: str | None,
+    publication: str,
+) -> None:
+    """What ``apply`` does for ``store`` (:meth:`freshline.FeatureStore.apply`),
+    printing each step; raises ``typer.Exit(1)`` where a step fails."""
     from freshline import migrations
     from freshline.consumers.kafka import admin_client
     from freshline.consumers.topics import (
@@ -135,9 +153,8 @@ def apply(
     from freshline.pipeline.cli.connector import register_connector
     from freshline.pipeline.core.db import make_owner_engine
     from freshline.pipeline.core.lock import Lock, update
-    from freshline.pipeline.core.settings import load_settings
 
-    result = checked_plan(publication)
+    result = store.plan(publication)
     show_plan(result)
     if not result.ok:
         console.print("[red]error:[/red] the plan has problems; nothing applied")
@@ -148,9 +165,9 @@ def apply(
             "--alter-tables; nothing applied"
         )
         raise typer.Exit(1)
-    repo, settings = result.repository, load_settings()
+    repo, settings = result.repository, store.settings
     owned = names(settings)
-    cdc_topics = [owned.topic(t) for t in captured_tables()] if cdc else []
+    cdc_topics = [owned.topic(t) for t in captured_tables(repo.registry)] if cdc else []
     steps = Steps()
     operator = (
         f"the Kafka login {settings.kafka_sasl_username or '(none)'!r}, "
@@ -161,12 +178,12 @@ def apply(
     with steps.step("topics", operator):
         admin = admin_client(settings)
         report = ensure(
-            admin, settings.topic_partitions, topics=[*managed_topics(settings), *cdc_topics]
+            admin, settings.topic_partitions, topics=[*managed_topics(settings, repo), *cdc_topics]
         )
         console.print(f"topics: {len(report.created)} created, {len(report.existing)} existing")
     with steps.step("ACLs", operator):
         if settings.kafka_consumer_user:
-            for grant in allow_consumer(admin, settings.kafka_consumer_user, settings):
+            for grant in allow_consumer(admin, settings.kafka_consumer_user, settings, repo):
                 console.print(f"acls: User:{settings.kafka_consumer_user} may {grant}")
         if settings.kafka_connect_user and cdc_topics:
             allow_writer(admin, settings.kafka_connect_user, cdc_topics)
@@ -198,7 +215,7 @@ def apply(
         console.print("change data capture not registered (--no-cdc): freshline cdc register")
     else:
         with steps.step("the connector"):
-            register_connector(database_host=database_host)
+            register_connector(database_host=database_host, tables=captured_tables(repo.registry))
     if repo.history.enabled:
         with steps.step("history"):
             enable_history(result.tables, repo.history.retention_s)

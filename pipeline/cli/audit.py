@@ -295,7 +295,7 @@ def audit(
         _audit_history(duration or "30s", json_out)
         return
     from freshline.pipeline.core.db import make_engine
-    from freshline.pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.repository import active
     from freshline.pipeline.core.settings import load_settings
     from freshline.pipeline.observe.audit import Auditor
     from freshline.pipeline.observe.audit_metrics import audit_metrics
@@ -311,7 +311,7 @@ def audit(
             "--feature-set, --tenant and --duration choose keys by SCAN"
         )
     if feature_set is not None:
-        REGISTRY[feature_set]
+        active().registry[feature_set]
     settings = load_settings()
     keys: list[str] | None = None
     if keys_file is not None:
@@ -338,6 +338,7 @@ def audit(
             metrics=audit_metrics(),
             progress=progress,
             verify_s=verify_s,
+            registry=active().registry,
         )
         if keys is not None:
             report = auditor.audit_keys(keys, graces)
@@ -369,12 +370,13 @@ def _version_to_audit(
     ones the lock holds for it (the recompute would differ from what was served)."""
     from freshline.pipeline.cache.versions import state
     from freshline.pipeline.core.lock import Lock
-    from freshline.pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.repository import active
 
     if version is None:
         version = state(client, settings).active
     lock = Lock.load()
-    if version != settings.schema_version and not lock.compatible(version, REGISTRY, feature_set):
+    registry = active().registry
+    if version != settings.schema_version and not lock.compatible(version, registry, feature_set):
         raise ConfigError(
             f"this code's feature definitions differ from schema version "
             f"{version}'s in the lock; audit it with the code that writes it "

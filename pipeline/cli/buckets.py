@@ -47,11 +47,11 @@ def _engine() -> Engine:
 def _paths(feature_set: str | None) -> list[tuple[str, IncrementalPath]]:
     """The repository's incremental paths, each with the feature sets it serves (or the
     one of ``feature_set``)."""
-    from freshline.pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.repository import active
 
     found = [
-        (", ".join(fs.name for fs in REGISTRY if fs.maintenance is path), path)
-        for path in REGISTRY.maintenances()
+        (", ".join(fs.name for fs in active().registry if fs.maintenance is path), path)
+        for path in active().registry.maintenances()
     ]
     if not found:
         raise ConfigError("this repository has no incremental path: nothing to build or fold")
@@ -190,10 +190,10 @@ def prune_cmd(
     until dropped. Run it once no running consumer or API of an older version reads
     them (after a deploy's old version is gone)."""
     from freshline.pipeline.core.maintenance import DerivedPath, superseded
-    from freshline.pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.repository import active
 
     engine = _engine()
-    keep = [p for p in REGISTRY.maintenances() if isinstance(p, DerivedPath)]
+    keep = [p for p in active().registry.maintenances() if isinstance(p, DerivedPath)]
     with engine.begin() as conn:
         found = superseded(conn, keep)
         if not found:
@@ -244,10 +244,11 @@ def reconcile_cmd(
             validate_id("tenant", tenant)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--tenant") from exc
-    from freshline.pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.repository import active
 
     engine = _engine()
-    entities = list(dict.fromkeys(fs.entity for fs in REGISTRY if fs.incremental is not None))
+    registry = active().registry
+    entities = list(dict.fromkeys(fs.entity for fs in registry if fs.incremental is not None))
     drawn = [(entity, draw(engine, entity, sample, tenant=tenant)) for entity in entities]
     if not any(refs for _, refs in drawn):
         raise ConfigError("no entities to sample" + (f" in tenant {tenant}" if tenant else ""))
@@ -257,7 +258,9 @@ def reconcile_cmd(
         for entity, refs in drawn:
             for i in range(0, len(refs), batch_size):
                 chunk = refs[i : i + batch_size]
-                report = reconcile(engine, chunk, repair=repair, entity=entity)
+                report = reconcile(
+                    engine, chunk, repair=repair, entity=entity, registry=active().registry
+                )
                 total.checked += report.checked
                 total.drifted += report.drifted
                 total.repaired += report.repaired

@@ -16,6 +16,7 @@ def register_connector(
     name: str | None = None,
     snapshot_mode: SnapshotMode = "no_data",
     database_host: str | None = None,
+    tables: list[str] | None = None,
     wait: float = 60.0,
 ) -> None:
     """Create or update the connector for the active repository's tables, and its topics;
@@ -34,7 +35,10 @@ def register_connector(
 
     settings = load_settings()
     owned = names(settings, name)
-    tables = captured_tables()
+    if tables is None:
+        from freshline.pipeline.core.repository import active
+
+        tables = captured_tables(active().registry)
     engine = make_engine(settings)
     ping(engine)
     check_publication(engine, tables, owned.publication)

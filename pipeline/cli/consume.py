@@ -82,14 +82,14 @@ def consume(
     import os
     import signal
 
-    from freshline.consumers.worker import Worker
-    from freshline.pipeline.core.settings import load_settings
+    from freshline.store import FeatureStore
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    settings = load_settings()
-    worker = Worker(settings, topics=topics, group=group)
+    store = FeatureStore.from_env()
+    settings = store.settings
+    worker = store.worker(topics=topics, group=group)
     port = settings.consumer_metrics_port if metrics_port is None else metrics_port
     if port:
         from prometheus_client import start_http_server

@@ -17,6 +17,7 @@ from rich.progress import TaskID
 
 from freshline.pipeline.cli.app import console, out, progress_bar
 from freshline.pipeline.core.lock import lock_path as repository_lock
+from freshline.pipeline.core.repository import active
 from freshline.pipeline.core.services import redis_client
 
 POOL_THREADS = 40
@@ -54,13 +55,13 @@ def check(
     lock_path = lock_path or repository_lock()
     lock = Lock.load(lock_path)
     if update_lock:
-        if update(lock, version):
+        if update(lock, version, active().registry):
             lock.save(lock_path)
             console.print(f"added schema version {version} to {lock_path}")
         else:
             console.print(f"schema version {version} is already locked and matches")
         return
-    if check_lock(lock, version) == "new":
+    if check_lock(lock, version, active().registry) == "new":
         console.print(
             f"[red]error:[/red] schema version {version} is not in {lock_path}; "
             "run `freshline check --update-lock` and commit the lock"
@@ -168,7 +169,6 @@ def warm(
     from freshline.pipeline.cache.versions import WRITE_VERSIONS_MAX_AGE_S, state
     from freshline.pipeline.core.db import make_engine
     from freshline.pipeline.core.lock import Lock
-    from freshline.pipeline.core.repository import REGISTRY, active
     from freshline.pipeline.core.settings import load_settings
     from freshline.pipeline.deploy.pointer import start, writing
     from freshline.pipeline.deploy.warm import active_entities, count_active, tenant_ids
@@ -183,9 +183,10 @@ def warm(
     engine = make_engine(settings)
     lock_path = lock_path or repository_lock()
     lock = Lock.load(lock_path)
-    names = feature_set or REGISTRY.names()
+    repo = active()
+    names = feature_set or repo.registry.names()
     for name in names:
-        REGISTRY[name]
+        repo.registry[name]
     seen = state(client, settings, lock=lock)
     if version != seen.active:
         start(client, settings, version, lock)
@@ -203,7 +204,7 @@ def warm(
                 batches = [refs[i : i + batch_size] for i in range(0, len(refs), batch_size)]
                 size = len(refs)
             else:
-                entity = REGISTRY[name].entity
+                entity = repo.registry[name].entity
                 batches = active_entities(engine, entity, tenants, batch_size=batch_size)
                 size = count_active(engine, entity, tenants)
             task = bar.add_task(f"warm {name} v{version}", total=size)
@@ -224,7 +225,8 @@ def warm(
                 rate=rate,
                 progress=report,
                 guard=guard,
-                on_computed=keeper(engine) if active().history.enabled else None,
+                on_computed=keeper(engine) if repo.history.enabled else None,
+                registry=repo.registry,
             )
             total += result.entities
     console.print(
@@ -290,9 +292,9 @@ def _pointer_command(
     if action == "start" and version is not None:
         start(client, settings, version, lock)
     elif action == "flip" and version is not None:
-        flip(client, settings, version, lock, force=force)
+        flip(client, settings, version, lock, force=force, registry=active().registry)
     elif action == "cancel":
-        cancel(client, settings, lock)
+        cancel(client, settings, lock, registry=active().registry)
     seen = state(client, settings, lock=lock)
     previous = "-"
     if seen.previous is not None:
@@ -352,7 +354,7 @@ def purge(
             raise typer.BadParameter(f"a schema version is a number, got {version!r}")
         if force and state(client, settings).previous == int(version):
             lock = Lock.load(lock_path or repository_lock())
-            retire(client, settings, int(version), lock)
+            retire(client, settings, int(version), lock, registry=active().registry)
             console.print(f"schema version {version} is no longer written: no rollback to it")
         purgeable(client, settings, int(version))
     with progress_bar() as bar:

@@ -109,31 +109,12 @@ def plan(
     publication: Annotated[str, typer.Option(help="The CDC publication")] = "freshline",
 ) -> None:
     """Show what apply would change, checked against Postgres; change nothing."""
-    result = checked_plan(publication)
+    from freshline.store import FeatureStore
+
+    result = FeatureStore.from_env().plan(publication)
     show_plan(result)
     if not result.ok:
         raise typer.Exit(1)
-
-
-def checked_plan(publication: str) -> Plan:
-    """The active repository's plan, checked against the database (plan and apply)."""
-    from freshline.pipeline.core.db import make_owner_engine, ping
-    from freshline.pipeline.core.repository import active
-    from freshline.pipeline.core.settings import load_settings
-    from freshline.pipeline.deploy.plan import plan as make_plan
-    from freshline.pipeline.history.status import describe
-
-    repo = active()
-    settings = load_settings()
-    # As the login apply uses: the owner's, where set (FRESHLINE_POSTGRES_ADMIN_URL).
-    engine = make_owner_engine(settings)
-    ping(engine)
-    try:
-        result = make_plan(repo, engine, settings.schema_version, publication)
-        result.history = describe(engine, repo.history, result.tables)
-        return result
-    finally:
-        engine.dispose()
 
 
 def show_plan(result: Plan) -> None:

@@ -50,11 +50,11 @@ def sink(
     import signal
 
     from freshline.consumers.served import ServedSink
-    from freshline.pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.repository import active
     from freshline.pipeline.core.settings import load_settings
 
     settings = load_settings()
-    served = ServedSink(settings, REGISTRY, directory)
+    served = ServedSink(settings, active().registry, directory)
 
     def on_signal(_signum: int, _frame: object) -> None:
         served.stop()
@@ -97,7 +97,7 @@ def skew(
 
     from freshline.pipeline.core.db import make_engine
     from freshline.pipeline.core.features import seconds
-    from freshline.pipeline.core.repository import REGISTRY
+    from freshline.pipeline.core.repository import active
     from freshline.pipeline.core.settings import load_settings
     from freshline.pipeline.observe.served_files import ParquetLog
     from freshline.pipeline.observe.skew import check, skew_metrics
@@ -115,7 +115,7 @@ def skew(
         now = datetime.now(UTC)
         rows = log.read(since=now - window, until=now).to_pylist()
         with engine.connect() as conn, conn.begin():
-            report = check(conn, REGISTRY, rows)
+            report = check(conn, active().registry, rows)
         if metrics_port is not None:
             skew_metrics().update(report)
         _show(report, json_out)

@@ -14,8 +14,6 @@ from rich.progress import Progress, TaskID
 
 from freshline.pipeline.cli.app import console, progress_bar
 from freshline.pipeline.core.features import seconds
-from freshline.pipeline.core.repository import active
-from freshline.pipeline.core.settings import load_settings
 
 
 def register(app: typer.Typer) -> None:
@@ -48,13 +46,15 @@ def training_set_command(
 ) -> None:
     """Build a training set: the spine's rows with each feature as freshline would
     have served it at the row's moment."""
-    from freshline.pipeline.history.training import SpineError, training_set, write
+    from freshline.pipeline.history.training import SpineError, write
+    from freshline.store import FeatureStore
 
     if at not in ("commit_time", "snapshot"):
         raise SpineError(f"--at {at!r}: expected commit_time or snapshot")
     lag = dt.timedelta(seconds=seconds(delay, "--delay")) if delay else None
     started = time.monotonic()
     with ExitStack() as stack:
+        store = stack.enter_context(FeatureStore.from_env())
         bars: list[tuple[Progress, TaskID]] = []
 
         def progress(done: int, total: int) -> None:
@@ -64,11 +64,9 @@ def training_set_command(
             bar, task = bars[0]
             bar.update(task, completed=done, total=total)
 
-        table = training_set(
-            active(),
+        table = store.training_set(
             spine,
             [f for f in features.split(",") if f.strip()],
-            settings=load_settings(),
             timestamp=timestamp,
             delay=lag,
             at="snapshot" if at == "snapshot" else "commit_time",

@@ -25,7 +25,6 @@ import orjson
 
 from freshline.pipeline.core.errors import LockMismatch
 from freshline.pipeline.core.features import Entity, FeatureSet, Field, FieldType, Registry
-from freshline.pipeline.core.repository import REGISTRY
 
 
 def lock_path() -> Path:
@@ -140,9 +139,7 @@ class Lock:
         """A registry that decodes ``version``'s entries, whatever the code defines now."""
         return Registry(s.decoder() for s in self.entry(version).values())
 
-    def compatible(
-        self, version: int, registry: Registry = REGISTRY, feature_set: str | None = None
-    ) -> bool:
+    def compatible(self, version: int, registry: Registry, feature_set: str | None = None) -> bool:
         """Whether the code's definitions produce ``version``'s entries (all sets, or one)."""
         locked = self.versions.get(version)
         if locked is None:
@@ -154,7 +151,7 @@ class Lock:
         )
 
 
-def check(lock: Lock, version: int, registry: Registry = REGISTRY) -> Status:
+def check(lock: Lock, version: int, registry: Registry) -> Status:
     """``"ok"`` if the registry matches ``version``'s entry, ``"new"`` if there is none.
 
     Raises :class:`LockMismatch`, naming every feature set that differs, if the
@@ -183,7 +180,7 @@ def check(lock: Lock, version: int, registry: Registry = REGISTRY) -> Status:
     return "ok"
 
 
-def update(lock: Lock, version: int, registry: Registry = REGISTRY) -> bool:
+def update(lock: Lock, version: int, registry: Registry) -> bool:
     """Add ``version`` from the registry; ``False`` if it is already locked and matches.
 
     Never rewrites an existing version: a mismatch raises as :func:`check` does.

@@ -19,7 +19,8 @@ Python against the ``freshline`` package, kept in their git. ``freshline.toml``:
     retention = "400d"               # how long an ended version is kept (default: for ever)
 
 Every command works on the *active* repository: ``--repo`` (which sets
-``FRESHLINE_REPO``), else ``FRESHLINE_REPO``, else the current directory. A definition
+``FRESHLINE_REPO``), else ``FRESHLINE_REPO``, else the current directory; a program
+loads one explicitly, ``freshline.FeatureStore("path/to/repo")``. A definition
 error names the file and line it was made at.
 """
 
@@ -340,12 +341,12 @@ def active_path() -> Path:
 
 
 def active() -> Repository:
-    """The active repository, loaded once per process (per directory).
+    """The active repository, loaded once per process (per directory): how the CLI and
+    :meth:`freshline.FeatureStore.from_env` find the repository to load. The library
+    itself never asks: it is handed a repository or a registry.
 
-    Looked up by the setting's text, not its resolved path: every read of a feature
-    set comes through here, and resolving a path is a few system calls (it tripled the
-    client's overhead over a raw GET). Without ``FRESHLINE_REPO``, the current
-    directory is the one at first use.
+    Looked up by the setting's text, not its resolved path, so asking again is a dict
+    lookup. Without ``FRESHLINE_REPO``, the current directory is the one at first use.
     """
     setting = os.environ.get(REPO_VARIABLE) or ""
     repo = _by_setting.get(setting)
@@ -356,18 +357,3 @@ def active() -> Repository:
             repo = _loaded[path] = load(path)
         _by_setting[setting] = repo
     return repo
-
-
-class ActiveRegistry(Registry):
-    """The feature sets of the active repository (:func:`active`), loaded on first use."""
-
-    def __init__(self) -> None:  # no sets of its own
-        pass
-
-    @property
-    def _sets(self) -> dict[str, FeatureSet]:  # type: ignore[override]
-        return active().registry._sets
-
-
-REGISTRY: Registry = ActiveRegistry()
-"""The active repository's feature sets, as the consumers, the API and the CLI use them."""

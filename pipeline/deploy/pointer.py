@@ -43,7 +43,6 @@ from freshline.pipeline.core.cluster import is_cluster
 from freshline.pipeline.core.errors import DeployError
 from freshline.pipeline.core.features import Registry
 from freshline.pipeline.core.lock import Lock
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 
 IN_FLIGHT_MS: Final = 210_000
@@ -102,7 +101,7 @@ def keep_ms(registry: Registry) -> int:
     return max(fs.ttl_s for fs in registry) * 1000
 
 
-def longest_ttl_ms(lock: Lock, version: int, registry: Registry = REGISTRY) -> int:
+def longest_ttl_ms(lock: Lock, version: int, registry: Registry) -> int:
     """The longest TTL of ``version``'s entries: its lock entry's (the code that wrote
     them), or ``registry``'s for a version the lock does not know."""
     if version in lock:
@@ -221,13 +220,18 @@ def start(
 
 
 def cancel(
-    client: redis.Redis, settings: Settings, lock: Lock, *, pointer: Pointer = DEFAULT_POINTER
+    client: redis.Redis,
+    settings: Settings,
+    lock: Lock,
+    *,
+    registry: Registry,
+    pointer: Pointer = DEFAULT_POINTER,
 ) -> DeployState:
     """Forget the next version; consumers stop writing it and it is retired until its
     entries have expired (or it is purged)."""
     seen = state(client, settings, pointer=pointer, lock=lock)
     if seen.next is not None:
-        ttl = longest_ttl_ms(lock, seen.next) + IN_FLIGHT_MS
+        ttl = longest_ttl_ms(lock, seen.next, registry) + IN_FLIGHT_MS
         _move(client, pointer, seen, active=None, nxt=None, retire=Retirement(seen.next, 0, ttl))
     return state(client, settings, pointer=pointer, lock=lock)
 
@@ -238,6 +242,7 @@ def retire(
     version: int,
     lock: Lock,
     *,
+    registry: Registry,
     pointer: Pointer = DEFAULT_POINTER,
 ) -> DeployState:
     """Stop writing the previous version now, giving up the rollback to it: what a
@@ -245,7 +250,7 @@ def retire(
     seen = state(client, settings, pointer=pointer, lock=lock)
     if version != seen.previous:
         raise DeployError(f"schema version {version} is not the previous version")
-    ttl = longest_ttl_ms(lock, version) + IN_FLIGHT_MS
+    ttl = longest_ttl_ms(lock, version, registry) + IN_FLIGHT_MS
     _move(
         client,
         pointer,
@@ -278,7 +283,7 @@ def flip(
     lock: Lock,
     *,
     pointer: Pointer = DEFAULT_POINTER,
-    registry: Registry = REGISTRY,
+    registry: Registry,
     force: bool = False,
 ) -> DeployState:
     """Make ``version`` active and clear next, atomically; readers follow.

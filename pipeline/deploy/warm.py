@@ -18,11 +18,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from freshline.pipeline.cache.recompute import Batch, compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.errors import DeployError
 from freshline.pipeline.core.features import IMPLICIT_TENANT, Entity, Registry
 from freshline.pipeline.core.lock import Lock
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.deploy.pointer import locked
 
 
@@ -130,7 +129,7 @@ def warm(
     batches: Iterable[Sequence[tuple[str, str]]],
     lock: Lock,
     *,
-    registry: Registry = REGISTRY,
+    registry: Registry,
     rate: float | None = None,
     progress: Callable[[int], None] | None = None,
     guard: Callable[[], None] | None = None,
@@ -151,7 +150,7 @@ def warm(
             f"this code's {feature_set!r} differs from schema version "
             f"{version}'s lock entry; warm it with the code of that version"
         )
-    store = FeatureStore(client, version, registry=registry)
+    store = EntryStore(client, version, registry=registry)
     throttle = Throttle(rate)
     result = WarmResult()
     for refs in batches:

@@ -44,7 +44,6 @@ from freshline.pipeline.core.keys import (
     parse_feature_key,
     validate_id,
 )
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef, FeatureValues, Watermark
 from freshline.pipeline.observe.consistency import (
     AuditReport,
@@ -217,7 +216,7 @@ class Auditor:
         engine: Engine,
         schema_version: int,
         *,
-        registry: Registry = REGISTRY,
+        registry: Registry,
         rate: float | None = DEFAULT_RATE,
         batch_size: int = DEFAULT_BATCH,
         metrics: AuditMetrics | None = None,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 import time
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client import REGISTRY as METRICS
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from freshline.pipeline.observe.consistency import AuditReport, grace_label
 
@@ -19,7 +20,7 @@ from freshline.pipeline.observe.consistency import AuditReport, grace_label
 class AuditMetrics:
     """The auditor's metrics, registered in ``registry`` (the global one by default)."""
 
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(self, registry: CollectorRegistry = METRICS) -> None:
         self.checked = Counter(
             "freshline_audit_checked_total",
             "Entries the auditor checked against Postgres",

@@ -20,7 +20,6 @@ from sqlalchemy.engine import Engine
 from freshline.pipeline.cache.recompute import compute
 from freshline.pipeline.core.errors import ConfigError
 from freshline.pipeline.core.features import IMPLICIT_TENANT, Entity, Registry
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import FeatureValues
 
 
@@ -82,7 +81,7 @@ def compare(
     refs: Sequence[tuple[str, str]],
     *,
     as_of: dt.datetime | None = None,
-    registry: Registry = REGISTRY,
+    registry: Registry,
     entity: Entity | None = None,
 ) -> list[Drift]:
     """Every (feature set, entity) of ``refs`` whose two paths disagree; with ``entity``,
@@ -108,7 +107,7 @@ def reconcile(
     *,
     repair: bool = True,
     as_of: dt.datetime | None = None,
-    registry: Registry = REGISTRY,
+    registry: Registry,
     entity: Entity | None = None,
 ) -> ReconcileReport:
     """Compare ``refs`` on both paths; with ``repair``, rebuild drifted entities and

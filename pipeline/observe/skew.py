@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard, TypeVar
 
 import orjson
-from prometheus_client import REGISTRY, CollectorRegistry, Gauge
+from prometheus_client import REGISTRY as METRICS
+from prometheus_client import CollectorRegistry, Gauge
 from sqlalchemy.engine import Connection
 
 from freshline.pipeline.core.features import IMPLICIT_TENANT, FeatureSet, Registry
@@ -310,7 +311,7 @@ def _compare_at_request(
 class SkewMetrics:
     """The last report's figures as Prometheus gauges (``freshline skew --duration``)."""
 
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(self, registry: CollectorRegistry = METRICS) -> None:
         self.mismatched = Gauge(
             "freshline_skew_mismatched_reads",
             "Logged reads of the last skew check whose values differ from their entry's "

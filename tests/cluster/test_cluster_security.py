@@ -35,12 +35,11 @@ from freshline.consumers.kafka import admin_client
 from freshline.pipeline.core.errors import ServiceUnavailable
 from freshline.pipeline.core.keys import ACTIVE_SCHEMA_KEY, INVALIDATION_CHANNEL
 from freshline.pipeline.core.maintenance import DerivedPath
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.services import redis_client
 from freshline.pipeline.core.settings import Settings
 from tests import kafka_acls
 from tests.cluster.conftest import ENV_FILE, kafka_login
-from tests.helpers import assert_kafka_refuses, wait_until
+from tests.helpers import REGISTRY, assert_kafka_refuses, wait_until
 from tests.test_derived_roles import assert_only_the_owner_may_write, freshline_logins, new_role
 
 pytestmark = pytest.mark.cluster

@@ -21,13 +21,13 @@ from pydantic import SecretStr
 from freshline.consumers.kafka import Producer
 from freshline.consumers.topics import allow_writer, ensure, managed_topics
 from freshline.consumers.worker import Worker
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.topics import DLQ, INVALIDATIONS, qualified
 from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.observe.audit import Auditor
 from tests.cluster.conftest import add_tenant, kafka_config, kafka_login, revoke_writer
-from tests.helpers import wait_until
+from tests.helpers import REGISTRY, wait_until
 
 pytestmark = pytest.mark.cluster
 USERS = 40
@@ -101,7 +101,7 @@ def test_a_worker_on_the_cluster_writes_entries_the_auditor_finds_consistent(
             for name in ("txn_90d", "geo")
             for u in range(1, USERS + 1)
         ]
-        store = FeatureStore(cluster_redis, settings.schema_version)
+        store = EntryStore(cluster_redis, settings.schema_version, registry=REGISTRY)
         assert wait_until(lambda: None not in store.read(refs), 90)
     finally:
         worker.stop()
@@ -114,6 +114,6 @@ def test_a_worker_on_the_cluster_writes_entries_the_auditor_finds_consistent(
     client: Any = cluster_redis
     masters = {client.get_node_from_key(store.key(r)).name for r in refs}
     assert len(masters) == 3  # the entities' slots are spread over every master
-    audit = Auditor(cluster_redis, primary, settings.schema_version, rate=None)
+    audit = Auditor(cluster_redis, primary, settings.schema_version, rate=None, registry=REGISTRY)
     result = audit.audit_refs(refs)
     assert result.checked == len(refs) and result.consistent, result

@@ -16,15 +16,14 @@ import sqlalchemy as sa
 
 from freshline.pipeline.cache.readthrough import ReadThrough
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.keys import feature_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.services import redis_client
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.observe.audit import Auditor
 from tests.cluster.conftest import add_tenant, stack
-from tests.helpers import wait_until
+from tests.helpers import REGISTRY, wait_until
 
 pytestmark = pytest.mark.cluster
 TXN = REGISTRY["txn_90d"]
@@ -72,7 +71,7 @@ def test_a_killed_master_then_quiescence_leaves_no_inconsistency(
     version = 950_000 + uuid.uuid4().int % 40_000
     refs = [EntityRef("txn_90d", tenant, str(u)) for u in range(1, USERS + 1)]
     client = redis_client(cluster_settings, socket_timeout=1, socket_connect_timeout=1)
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version, registry=REGISTRY)
     reader = ReadThrough(store, primary, early_refresh=False, wait_ms=200)
 
     def change(i: int) -> None:
@@ -122,6 +121,6 @@ def test_a_killed_master_then_quiescence_leaves_no_inconsistency(
     # the failover was rewritten, the others are recomputed by the final pass below
     # exactly as a consumer catching up would, then audited against Postgres.
     store.write(compute(primary, TXN, [(tenant, str(u)) for u in range(1, USERS + 1)]))
-    report = Auditor(cluster_redis, primary, version, rate=None).audit_refs(refs)
+    report = Auditor(cluster_redis, primary, version, rate=None, registry=REGISTRY).audit_refs(refs)
     assert report.checked == USERS and report.consistent, report
     client.close()

@@ -15,11 +15,10 @@ import sqlalchemy as sa
 
 from freshline.pipeline.cache.readthrough import ReadThrough
 from freshline.pipeline.cache.recompute import compute, current_watermark
-from freshline.pipeline.cache.store import FeatureStore
-from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.types import EntityRef
 from tests.cluster.conftest import add_tenant
-from tests.helpers import wait_until
+from tests.helpers import REGISTRY, wait_until
 
 pytestmark = pytest.mark.cluster
 TXN = REGISTRY["txn_90d"]
@@ -50,7 +49,7 @@ def one_transaction_replicated(
     primary: sa.Engine,
     replica: sa.Engine,
     client: redis.Redis,
-) -> tuple[str, FeatureStore, EntityRef]:
+) -> tuple[str, EntryStore, EntityRef]:
     """A new tenant whose user 1 has one transaction, replayed on the replica; a store
     under a version no other test uses, and the user's ``txn_90d`` ref."""
     tenant = f"rep-{uuid.uuid4().hex[:10]}"
@@ -58,7 +57,7 @@ def one_transaction_replicated(
         add_tenant(conn, tenant, 1)
     add_transaction(primary, tenant, 10)
     assert wait_until(lambda: count(replica, tenant) == 1, 30)
-    store = FeatureStore(client, 900_000 + uuid.uuid4().int % 90_000)
+    store = EntryStore(client, 900_000 + uuid.uuid4().int % 90_000, registry=REGISTRY)
     return tenant, store, EntityRef("txn_90d", tenant, "1")
 
 

@@ -15,18 +15,17 @@ import redis
 from freshline.pipeline.cache.invalidation import Invalidation
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.recompute import Batch
-from freshline.pipeline.cache.store import LEASE_FOUND, LEASE_GRANTED, FeatureStore
+from freshline.pipeline.cache.store import LEASE_FOUND, LEASE_GRANTED, EntryStore
 from freshline.pipeline.cache.versions import Pointer, state
 from freshline.pipeline.core.cluster import is_cluster, publish
 from freshline.pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.services import redis_client
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.deploy import pointer as deploy
 from freshline.pipeline.deploy.purge import purge
 from tests.cluster.conftest import stack
-from tests.helpers import wait_until
+from tests.helpers import REGISTRY, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -84,7 +83,7 @@ def test_the_client_is_a_cluster_client_spread_over_three_masters(
 def test_conditional_writes_leases_and_get_many_across_slots(
     cluster_redis: redis.Redis, tenant: str, version: int
 ) -> None:
-    store = FeatureStore(cluster_redis, version)
+    store = EntryStore(cluster_redis, version, registry=REGISTRY)
     many = refs(tenant, range(60))
     assert store.write(batch(tenant, range(60), 10)).written == 60
     assert [e.watermark for e in store.read(many) if e] == [10] * 60
@@ -113,7 +112,7 @@ def test_get_many_is_one_round_trip_per_node_never_one_per_key(
     cluster_redis: redis.Redis, tenant: str, version: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client: Any = cluster_redis
-    store = FeatureStore(cluster_redis, version)
+    store = EntryStore(cluster_redis, version, registry=REGISTRY)
     store.write(batch(tenant, range(200), 5))
     keys = store.read_keys(refs(tenant, range(200)))
     slots = {client.keyslot(k) for k in keys}
@@ -145,7 +144,7 @@ def test_get_many_is_one_round_trip_per_node_never_one_per_key(
 def test_a_truncate_floor_voids_entries_on_every_slot(
     cluster_redis: redis.Redis, tenant: str, version: int
 ) -> None:
-    store = FeatureStore(cluster_redis, version)
+    store = EntryStore(cluster_redis, version, registry=REGISTRY)
     many = refs(tenant, range(30))
     store.write(batch(tenant, range(30), 20))
     store.truncate("txn_90d", 21)
@@ -160,10 +159,10 @@ def test_a_truncate_floor_voids_entries_on_every_slot(
 def test_invalidations_arrive_on_a_sharded_channel(
     cluster_redis: redis.Redis, tenant: str, version: int
 ) -> None:
-    tier = LocalTier(cluster_redis, max_entries=100, silence_s=1.0).start()
+    tier = LocalTier(cluster_redis, max_entries=100, silence_s=1.0, registry=REGISTRY).start()
     try:
         assert tier.wait_live(10)
-        store = FeatureStore(cluster_redis, version)
+        store = EntryStore(cluster_redis, version, registry=REGISTRY)
         ref = refs(tenant, range(1))[0]
         store.write(batch(tenant, range(1), 30))
         token = tier.token()
@@ -198,7 +197,7 @@ def test_purge_removes_a_version_from_every_master(
     cluster_redis: redis.Redis, cluster_settings: Settings, tenant: str, version: int
 ) -> None:
     client: Any = cluster_redis
-    store = FeatureStore(cluster_redis, version)
+    store = EntryStore(cluster_redis, version, registry=REGISTRY)
     store.write(batch(tenant, range(90), 40))
     result = purge(cluster_redis, cluster_settings, version, count=25)
     assert result.done and result.removed == 90
@@ -211,7 +210,7 @@ def load(cluster_settings: Settings, tenant: str, version: int) -> Iterator[dict
     """Writes in a loop, each batch a higher watermark, counting errors and successes."""
     state_: dict[str, Any] = {"watermark": 100, "ok": 0, "errors": 0, "stop": False}
     client = redis_client(cluster_settings, socket_timeout=1, socket_connect_timeout=1)
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version, registry=REGISTRY)
 
     def run() -> None:
         failed = False
@@ -274,7 +273,7 @@ def test_a_killed_master_fails_over_and_writes_and_reads_recover(
     finally:
         stack("start", name)  # rejoins as a replica of the promoted one
     load["join"]()
-    store = FeatureStore(cluster_redis, version)
+    store = EntryStore(cluster_redis, version, registry=REGISTRY)
     final = load["watermark"]
     # Quiescent: every entity, on every slot (the failed-over one's included), holds
     # the last batch, whatever the failover lost of the batches before it.
@@ -291,7 +290,7 @@ def test_the_audit_reads_and_samples_every_master(
 ) -> None:
     from freshline.pipeline.observe.staleness import scan_sample
 
-    store = FeatureStore(cluster_redis, version)
+    store = EntryStore(cluster_redis, version, registry=REGISTRY)
     store.write(batch(tenant, range(60), 50))
     keys, _, complete = scan_sample(cluster_redis, f"feat:{version}:*", want=1000)
     assert complete and len(keys) == 60
@@ -305,7 +304,7 @@ def test_the_apis_asyncio_client_reads_across_slots(
     from freshline.pipeline.api.fastpath import async_client
     from freshline.pipeline.core.cluster import amget
 
-    store = FeatureStore(cluster_redis, version)
+    store = EntryStore(cluster_redis, version, registry=REGISTRY)
     store.write(batch(tenant, range(40), 60))
     keys = store.read_keys(refs(tenant, range(40)))
 

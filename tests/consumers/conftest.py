@@ -23,12 +23,11 @@ from fraud.seed import SeedSummary
 from freshline.consumers.kafka import Consumer, Producer, admin_client
 from freshline.consumers.topics import ensure, managed_topics
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
-from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.topics import qualified
 from freshline.pipeline.core.types import EntityRef
-from tests.helpers import fresh_version, wait_until
+from tests.helpers import REGISTRY, fresh_version, wait_until
 
 DEADLINE_S = 30.0
 PARTITIONS = 4
@@ -204,7 +203,7 @@ def insert_transaction(
 def assert_redis_equals_postgres(
     engine: Engine, client: redis.Redis, env: Env, users: set[int]
 ) -> None:
-    store = FeatureStore(client, env.settings.schema_version)
+    store = EntryStore(client, env.settings.schema_version, registry=REGISTRY)
     for name in ("txn_90d", "geo"):
         truth = compute(engine, REGISTRY[name], [(env.tenant, str(u)) for u in users])
         entries = store.read([EntityRef(name, env.tenant, str(u)) for u in sorted(users)])

@@ -29,7 +29,7 @@ from fraud.seed import SeedSummary
 from freshline.consumers.topics import ensure, ensure_cdc_topics, managed_topics
 from freshline.consumers.worker import Worker
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cdc.connect import (
     ConnectClient,
     Names,
@@ -41,11 +41,10 @@ from freshline.pipeline.cdc.connect import (
     streaming,
 )
 from freshline.pipeline.core.keys import feature_pattern
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
 from tests.consumers.conftest import own_settings, wait_for
-from tests.helpers import FRESHLINE
+from tests.helpers import FRESHLINE, REGISTRY
 
 pytestmark = [pytest.mark.kafka, pytest.mark.connect]
 
@@ -89,7 +88,7 @@ def cdc(
     owned = names(local)
     client = ConnectClient(local.connect_url)
     ensure(admin, PARTITIONS, topics=managed_topics(local))
-    tables = captured_tables()
+    tables = captured_tables(REGISTRY)
     ensure_cdc_topics(local, [owned.topic(t) for t in tables])
     client.put_config(owned.connector, connector_config(local, owned, snapshot_mode="no_data"))
     worker = Worker(local)
@@ -151,7 +150,7 @@ def stale(
 ) -> list[tuple[Key, object, object]]:
     """The entries of ``keys`` absent or unequal to a direct recompute from Postgres now:
     each with that recompute and the entry."""
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version, registry=REGISTRY)
     found: list[tuple[Key, object, object]] = []
     for fs, tenant, entity in sorted(keys):
         truth = compute(engine, REGISTRY[fs], [(tenant, entity)]).values[(tenant, entity)]

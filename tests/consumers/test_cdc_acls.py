@@ -20,7 +20,7 @@ from sqlalchemy.engine import Engine
 from freshline.consumers.topics import revoke_writer, topic_acls
 from freshline.pipeline.cdc.connect import ConnectClient, Names, captured_tables, drop_slot, names
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import freshline
+from tests.helpers import REGISTRY, freshline
 
 pytestmark = [pytest.mark.kafka, pytest.mark.connect]
 
@@ -41,7 +41,7 @@ def owned(local: Settings, engine: Engine, admin: AdminClient) -> Iterator[Names
         ConnectClient(local.connect_url).delete(found.connector)
         drop_slot(engine, found.slot)
         revoke_writer(admin, local.kafka_connect_user, found.topic(""))
-        topics = [found.topic(t) for t in captured_tables()]
+        topics = [found.topic(t) for t in captured_tables(REGISTRY)]
         for future in admin.delete_topics(topics, operation_timeout=10).values():
             with contextlib.suppress(Exception):  # a topic never created
                 future.result()
@@ -76,7 +76,7 @@ def test_cdc_remove_deletes_the_acls_register_made(
     assert registered.returncode == 0, registered.stderr
     granted = {
         (owned.topic(t), op)
-        for t in captured_tables()
+        for t in captured_tables(REGISTRY)
         for op in (AclOperation.WRITE, AclOperation.DESCRIBE)
     }
     assert connect_acls(admin, user, owned, granted) == granted
@@ -84,7 +84,7 @@ def test_cdc_remove_deletes_the_acls_register_made(
     removed = freshline("cdc", "remove", **env)
     assert removed.returncode == 0, removed.stderr
     said = removed.stdout + removed.stderr
-    assert f"WRITE and DESCRIBE deleted on {len(captured_tables())} topics" in said, said
+    assert f"WRITE and DESCRIBE deleted on {len(captured_tables(REGISTRY))} topics" in said, said
     assert connect_acls(admin, user, owned, set()) == set()
 
     again = freshline("cdc", "remove", **env)

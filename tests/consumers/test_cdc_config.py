@@ -11,7 +11,7 @@ import pytest
 from freshline.consumers.topics import subscription
 from freshline.pipeline.cdc.connect import captured_tables, connector_config, names, slot_name
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import error_line, freshline
+from tests.helpers import REGISTRY, error_line, freshline
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,9 @@ def test_connector_config() -> None:
     assert config["decimal.handling.mode"] == "string"
     assert config["tombstones.on.delete"] == "true"
     assert int(config["heartbeat.interval.ms"]) > 0
-    assert config["table.include.list"].split(",") == [f"public.{t}" for t in captured_tables()]
+    assert config["table.include.list"].split(",") == [
+        f"public.{t}" for t in captured_tables(REGISTRY)
+    ]
     assert all(isinstance(v, str) for v in config.values())
 
 
@@ -100,7 +102,7 @@ def test_the_migration_publishes_exactly_the_captured_tables() -> None:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert sorted(module.CAPTURED) == captured_tables()
+    assert sorted(module.CAPTURED) == captured_tables(REGISTRY)
 
 
 def test_register_says_in_one_line_when_connect_is_down(settings: Settings) -> None:

@@ -47,7 +47,7 @@ from tests.consumers.conftest import (
     wait_for,
 )
 from tests.consumers.test_worker_faults import Running
-from tests.helpers import role_url
+from tests.helpers import REGISTRY, role_url
 
 pytestmark = pytest.mark.kafka
 
@@ -177,7 +177,7 @@ def test_a_malformed_deploy_pointer_pauses_the_stream_and_dead_letters_nothing(
     worker = Worker(
         env.settings,
         topics=[created, geoip_topic],
-        versions=WriteVersions(redis_client, env.settings, pointer=pointer),
+        versions=WriteVersions(redis_client, env.settings, pointer=pointer, registry=REGISTRY),
     )
     with held(
         worker,

@@ -24,10 +24,9 @@ from freshline.consumers.replay import DeadLetter, choose, replay
 from freshline.consumers.topics import ensure
 from freshline.consumers.worker import Worker
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cli.dlq import parse_since
 from freshline.pipeline.core.keys import dlq_replayed_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.topics import DLQ
 from freshline.pipeline.core.types import EntityRef
 from tests.consumers.conftest import (
@@ -38,7 +37,7 @@ from tests.consumers.conftest import (
     insert_transaction,
     read_topic,
 )
-from tests.helpers import FRESHLINE, ROOT, kafka_header_pairs
+from tests.helpers import FRESHLINE, REGISTRY, ROOT, kafka_header_pairs
 
 SETS = ("txn_90d", "geo")
 
@@ -94,7 +93,7 @@ def envelope(tenant: str, row: dict[str, object], op: str = "c") -> dict[str, ob
 
 def stale(engine: Engine, client: redis.Redis, env: Env, users: list[int]) -> set[int]:
     """The users whose served txn_90d entry differs from Postgres's value now."""
-    store = FeatureStore(client, env.settings.schema_version)
+    store = EntryStore(client, env.settings.schema_version, registry=REGISTRY)
     truth = compute(engine, REGISTRY["txn_90d"], [(env.tenant, str(u)) for u in users])
     entries = store.read([EntityRef("txn_90d", env.tenant, str(u)) for u in users])
     return {
@@ -119,7 +118,7 @@ def test_a_consumer_on_the_wrong_repository_dead_letters_cdc_and_a_replay_repair
     the records back, the consumer applies them and the entries are right; a second
     replay sends nothing."""
     users = [4, 5]
-    store = FeatureStore(redis_client, env.settings.schema_version)
+    store = EntryStore(redis_client, env.settings.schema_version, registry=REGISTRY)
     for name in SETS:  # served and right
         store.write(compute(engine, REGISTRY[name], [(env.tenant, str(u)) for u in users]))
     assert stale(engine, redis_client, env, users) == set()

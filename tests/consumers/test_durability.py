@@ -37,14 +37,13 @@ from freshline.pipeline.cache.recompute import (
     take_snapshot,
     wait_durable,
 )
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.versions import Pointer
 from freshline.pipeline.core.keys import source_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import ChangeEvent, EntityRef
 from freshline.pipeline.deploy.purge import purge
-from tests.helpers import ANCHOR, free_port, migrate
+from tests.helpers import ANCHOR, REGISTRY, free_port, migrate
 from tests.pipeline.cache.test_visibility import initdb, postgres, private_cluster
 
 ATTEMPTS = 5
@@ -169,9 +168,11 @@ def test_a_batch_never_writes_a_commit_a_crash_can_undo(
 ) -> None:
     with lagging.engine.connect() as conn:
         tenant = conn.execute(sa.text("SELECT min(id) FROM freshline.tenants")).scalar_one()
-    processor = Processor(lagging.engine, redis_client, versions=lambda: [version])
+    processor = Processor(
+        lagging.engine, redis_client, versions=lambda: [version], registry=REGISTRY
+    )
     ref = EntityRef("txn_90d", tenant, "7")
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     event = ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": 7})
     before = compute(lagging.engine, REGISTRY["txn_90d"], [(tenant, "7")]).values
     for _ in range(ATTEMPTS):
@@ -205,7 +206,7 @@ def test_a_new_postgres_under_the_consumer_stops_its_writes(
         first, second = source_identity(one), source_identity(other)
     assert first.system_identifier != second.system_identifier
     assert first.timeline >= 1 and second.timeline >= 1
-    processor = Processor(engine, redis_client, versions=lambda: [version])
+    processor = Processor(engine, redis_client, versions=lambda: [version], registry=REGISTRY)
     processor.apply([])
     assert processor.source == first
     processor.engine = lagging.engine  # the consumer's Postgres URL now names another cluster
@@ -215,7 +216,9 @@ def test_a_new_postgres_under_the_consumer_stops_its_writes(
     with pytest.raises(SourceChanged) as changed:
         processor.apply([event])
     assert (changed.value.before, changed.value.now) == (first, second)
-    assert FeatureStore(redis_client, version).read([EntityRef("txn_90d", tenant, "3")]) == [None]
+    assert EntryStore(redis_client, version, registry=REGISTRY).read(
+        [EntityRef("txn_90d", tenant, "3")]
+    ) == [None]
 
 
 def test_a_consumer_started_on_another_history_finds_the_recorded_one(
@@ -227,19 +230,25 @@ def test_a_consumer_started_on_another_history_finds_the_recorded_one(
         first, second = source_identity(one), source_identity(other)
         tenant = other.execute(sa.text("SELECT min(id) FROM freshline.tenants")).scalar_one()
     key = source_key(version)
-    before = Processor(engine, redis_client, versions=lambda: [version])
+    before = Processor(engine, redis_client, versions=lambda: [version], registry=REGISTRY)
     before.apply([])  # a fresh version: nothing recorded, so its history is
     assert redis_client.get(key) == encode(first).encode()
     assert 0 < redis_client.pttl(key) <= before.record_ttl_ms
-    Processor(engine, redis_client, versions=lambda: [version]).apply([])  # the same: passes
+    Processor(engine, redis_client, versions=lambda: [version], registry=REGISTRY).apply(
+        []
+    )  # the same: passes
     # The consumer's Postgres URL now names another cluster, and the consumer restarts.
-    restarted = Processor(lagging.engine, redis_client, versions=lambda: [version])
+    restarted = Processor(
+        lagging.engine, redis_client, versions=lambda: [version], registry=REGISTRY
+    )
     event = ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": 4})
     with pytest.raises(SourceChanged) as changed:
         restarted.apply([event])
     assert (changed.value.before, changed.value.now) == (first, second)
     assert restarted.source is None
-    assert FeatureStore(redis_client, version).read([EntityRef("txn_90d", tenant, "4")]) == [None]
+    assert EntryStore(redis_client, version, registry=REGISTRY).read(
+        [EntityRef("txn_90d", tenant, "4")]
+    ) == [None]
     assert redis_client.get(key) == encode(first).encode()
     # The operator purges the version: the held batch goes through, on the new history.
     assert purge(redis_client, settings, version, pointer=Pointer.scoped(uuid.uuid4().hex)).done
@@ -267,7 +276,9 @@ def test_a_promoted_standby_under_the_consumer_stops_its_writes(
         )  # fmt: skip
         options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1"
         postgres("pg_ctl", "-D", str(data), "-l", str(log), "-o", options, "-w", "start", log=log)
-        processor = Processor(lagging.engine, redis_client, versions=lambda: [version])
+        processor = Processor(
+            lagging.engine, redis_client, versions=lambda: [version], registry=REGISTRY
+        )
         processor.apply([])
         before = processor.source
         assert before is not None
@@ -298,7 +309,7 @@ def test_a_role_that_may_not_force_a_flush_says_so_once_and_tries_again_later(
     granted = False
     now = [1000.0]
     try:
-        processor = Processor(limited, redis_client, versions=lambda: [version])
+        processor = Processor(limited, redis_client, versions=lambda: [version], registry=REGISTRY)
         processor.flusher.clock = lambda: now[0]
         processor._force()  # refused: the batch then waits for a commit to flush
         now[0] += FORCE_RETRY_S + 1

@@ -16,6 +16,7 @@ from freshline.consumers.worker import Worker
 from freshline.pipeline.cache.store import check_eviction_policy
 from freshline.pipeline.core.errors import ConfigError
 from freshline.pipeline.core.settings import Settings
+from tests.helpers import REGISTRY
 
 Server = tuple[str, Callable[[], None], Callable[[], None]]
 
@@ -58,7 +59,9 @@ def test_the_api_refuses_to_start_on_a_redis_that_evicts(
     client = redis.Redis.from_url(url)
     client.config_set("maxmemory", "100mb")
     client.config_set("maxmemory-policy", "allkeys-lru")
-    app = create_app(settings.model_copy(update={"redis_url": url}), follow_deploys=False)
+    app = create_app(
+        settings.model_copy(update={"redis_url": url}), follow_deploys=False, registry=REGISTRY
+    )
 
     async def start() -> None:
         async with app.router.lifespan_context(app):

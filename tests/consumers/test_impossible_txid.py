@@ -24,7 +24,7 @@ from freshline.consumers.kafka import Consumer, Producer
 from freshline.consumers.processor import XID_SPAN, impossible_txids
 from freshline.consumers.topics import ensure
 from freshline.consumers.worker import CHECK_TXIDS_AFTER, Worker
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.topics import DLQ
 from freshline.pipeline.core.types import EntityRef
 from tests.consumers.conftest import (
@@ -35,7 +35,7 @@ from tests.consumers.conftest import (
     read_topic,
     wait_for,
 )
-from tests.helpers import kafka_headers
+from tests.helpers import REGISTRY, kafka_headers
 
 pytestmark = pytest.mark.kafka
 
@@ -146,7 +146,7 @@ def test_a_record_naming_a_transaction_not_yet_issued_is_dead_lettered(
     [dead] = read_topic(consumer_factory(), env.topic(DLQ), 1, PARTITIONS)
     assert kafka_headers(dead)[ERROR_KIND] == b"impossible_txid"
     assert_redis_equals_postgres(engine, redis_client, env, {7})
-    store = FeatureStore(redis_client, env.settings.schema_version)
+    store = EntryStore(redis_client, env.settings.schema_version, registry=REGISTRY)
     assert store.read([EntityRef("txn_90d", env.tenant, "8")]) == [None]  # nothing applied
 
 

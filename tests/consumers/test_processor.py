@@ -15,12 +15,12 @@ from freshline.consumers.processor import Processor
 from freshline.consumers.routing import Router, Unroutable
 from freshline.pipeline.cache.invalidation import Invalidation
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.keys import INVALIDATION_CHANNEL, feature_pattern
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import ChangeEvent, EntityRef, Entry, FeatureValues
 from tests.consumers.conftest import insert_transaction
+from tests.helpers import REGISTRY
 
 
 @pytest.fixture
@@ -29,11 +29,11 @@ def tenant(tenant_factory: Callable[..., SeedSummary]) -> str:
 
 
 def make(engine: Engine, client: redis.Redis, version: int) -> Processor:
-    return Processor(engine, client, versions=lambda: [version])
+    return Processor(engine, client, versions=lambda: [version], registry=REGISTRY)
 
 
 def stored(client: redis.Redis, version: int, tenant: str) -> dict[tuple[str, str], FeatureValues]:
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version, registry=REGISTRY)
     out = {}
     for key in client.scan_iter(match=feature_pattern(version), count=1000):
         name = key.decode().split(":")[2]
@@ -167,7 +167,9 @@ def test_redelivery_and_reordering_are_harmless(
     event = ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": 9})
     processor.apply([event])
     processor.apply([event])  # redelivered
-    assert FeatureStore(redis_client, version).write(stale).refused == 1  # arrives late
+    assert (
+        EntryStore(redis_client, version, registry=REGISTRY).write(stale).refused == 1
+    )  # arrives late
     got = stored(redis_client, version, tenant)
     assert got[("txn_90d", "9")] == truth(engine, "txn_90d", tenant, ["9"])["9"]
     assert got[("txn_90d", "9")] != stale.values[(tenant, "9")]
@@ -176,7 +178,7 @@ def test_redelivery_and_reordering_are_harmless(
 def in_redis(client: redis.Redis, message: Invalidation) -> Entry | None:
     """The entry a reader told of ``message`` finds in Redis."""
     ref = EntityRef(message.feature_set, message.tenant, message.entity)
-    return FeatureStore(client, message.schema_version).read([ref])[0]
+    return EntryStore(client, message.schema_version, registry=REGISTRY).read([ref])[0]
 
 
 def executed(url: str, action: Callable[[], object], *needles: str) -> list[str]:
@@ -200,7 +202,7 @@ def test_invalidations_are_published_after_the_write(
 ) -> None:
     """Whoever is told of a change, on the Redis channel or through the Kafka hand-off,
     finds the new entry in Redis when the message is published."""
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     store.write(compute(engine, REGISTRY["txn_90d"], [(tenant, "11")]))  # before the change
     with engine.begin() as conn:
         conn.execute(
@@ -221,6 +223,7 @@ def test_invalidations_are_published_after_the_write(
         redis_client,
         versions=lambda: [version],
         publish=lambda m: handed_off.append((m, in_redis(redis_client, m))),
+        registry=REGISTRY,
     )
     keys = [store.key(EntityRef(name, tenant, "11")) for name in ("txn_90d", "geo")]
     commands = executed(
@@ -261,7 +264,9 @@ def test_invalidations_are_published_after_the_write(
 def test_two_versions_are_written_during_a_deploy(
     engine: Engine, redis_client: redis.Redis, tenant: str, version: int
 ) -> None:
-    processor = Processor(engine, redis_client, versions=lambda: [version, version + 1])
+    processor = Processor(
+        engine, redis_client, versions=lambda: [version, version + 1], registry=REGISTRY
+    )
     processor.apply(
         [ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": 12})]
     )
@@ -273,7 +278,7 @@ def test_the_router_leaves_truncates_to_the_processor(engine: Engine) -> None:
     # A truncate has no entities to route to; the processor raises floors instead
     # (tests/consumers/test_truncate.py).
     with engine.connect() as conn, pytest.raises(Unroutable):
-        Router().route(conn, [ChangeEvent("transactions", "t", None, {})])
+        Router(REGISTRY).route(conn, [ChangeEvent("transactions", "t", None, {})])
 
 
 def test_a_new_device_link_refreshes_every_user_of_that_device(

@@ -12,11 +12,10 @@ from sqlalchemy.engine import Engine
 from fraud.seed import SeedSummary
 from freshline.consumers.processor import Processor
 from freshline.pipeline.cache.recompute import compute, unpack_watermark
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.features import Registry
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import ChangeEvent, EntityRef
-from tests.helpers import wait_until
+from tests.helpers import REGISTRY, wait_until
 
 # Feature statements of this database waiting for a lock (pg_stat_activity keeps a
 # query's first 1 kB: their opening, from feature_statement).
@@ -59,7 +58,7 @@ def test_each_set_of_a_batch_runs_beside_the_others_on_the_batchs_snapshot(
         pool.shutdown()
     assert set(report.recompute_ms) == {"geo", "device_risk"}
     assert report.writes.written == 2
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     entries = {
         name: store.read([EntityRef(name, tenant, "5")])[0] for name in ("geo", "device_risk")
     }

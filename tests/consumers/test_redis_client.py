@@ -20,10 +20,9 @@ from fraud.seed import SeedSummary
 from freshline.consumers.failures import TRANSIENT
 from freshline.consumers.worker import Worker
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
-from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import free_port, fresh_version, redis_login_args, redis_server
+from tests.helpers import REGISTRY, free_port, fresh_version, redis_login_args, redis_server
 
 DEADLINE_S = 60.0
 """The test's own bound on a write to a stalled server: far above any timeout here."""
@@ -64,7 +63,7 @@ def test_a_write_to_a_stalled_redis_fails_instead_of_hanging(
     )
     batch = compute(engine, REGISTRY["txn_90d"], [(tenant, "1"), (tenant, "2")])
     worker = Worker(local, topics=["unused"])
-    store = FeatureStore(worker.redis, fresh_version())
+    store = EntryStore(worker.redis, fresh_version(), registry=REGISTRY)
     outcome: list[BaseException | object] = []
 
     def write() -> None:

@@ -30,14 +30,14 @@ from freshline.consumers.events import decode
 from freshline.consumers.kafka import Producer
 from freshline.consumers.processor import Processor, ReplicasBehind
 from freshline.consumers.worker import Worker
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.errors import ConfigError
 from freshline.pipeline.core.keys import floor_key
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import ChangeEvent, EntityRef
 from tests.consumers.conftest import Env, emit, wait_for
 from tests.consumers.test_worker_faults import Running, committed
-from tests.helpers import free_port, redis_server
+from tests.helpers import REGISTRY, free_port, redis_server
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -150,12 +150,22 @@ def test_a_batch_is_not_acknowledged_until_a_replica_has_it(
     # WAIT returns as soon as the replica has the writes: a long timeout costs a healthy
     # pair nothing, and a loaded machine may take more than 100 ms to replicate.
     processor = Processor(
-        engine, client, versions=lambda: [version], wait_replicas=1, wait_timeout_ms=5000
+        engine,
+        client,
+        versions=lambda: [version],
+        wait_replicas=1,
+        wait_timeout_ms=5000,
+        registry=REGISTRY,
     )
     impatient = Processor(
-        engine, client, versions=lambda: [version], wait_replicas=1, wait_timeout_ms=100
+        engine,
+        client,
+        versions=lambda: [version],
+        wait_replicas=1,
+        wait_timeout_ms=100,
+        registry=REGISTRY,
     )
-    key = FeatureStore(client, version).key(EntityRef("txn_90d", tenant, "1"))
+    key = EntryStore(client, version, registry=REGISTRY).key(EntityRef("txn_90d", tenant, "1"))
     assert processor.apply([touch(tenant, 1)]).writes.written == 2
     assert replica.client().exists(key)  # acknowledged, so already on the replica
     replica.freeze()
@@ -167,7 +177,7 @@ def test_a_batch_is_not_acknowledged_until_a_replica_has_it(
         replica.thaw()
     assert processor.apply([touch(tenant, 2)]).writes.written == 2
     assert replica.client().exists(
-        FeatureStore(client, version).key(EntityRef("txn_90d", tenant, "2"))
+        EntryStore(client, version, registry=REGISTRY).key(EntityRef("txn_90d", tenant, "2"))
     )
 
 
@@ -241,7 +251,7 @@ def test_a_failover_that_loses_a_truncate_floor_raises_every_floor(
     engine: Engine, pair: tuple[Server, Server], tenant: str, version: int
 ) -> None:
     client = pair[0].client()
-    processor = Processor(engine, client, versions=lambda: [version])
+    processor = Processor(engine, client, versions=lambda: [version], registry=REGISTRY)
     users = ["1", "2", "3"]
     processor.apply(
         [
@@ -250,7 +260,7 @@ def test_a_failover_that_loses_a_truncate_floor_raises_every_floor(
         ]
     )
     risk = [EntityRef("device_risk", tenant, u) for u in users]
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version, registry=REGISTRY)
     assert None not in store.read(risk)
     with failing_over(pair, client):  # the truncate's floor is lost with the old primary
         processor.apply([truncate_event()])
@@ -268,6 +278,7 @@ def test_a_failover_that_loses_a_truncate_floor_raises_every_floor(
         client,
         versions=lambda: [version],
         on_failover=lambda before, now: failovers.append((before, now)),
+        registry=REGISTRY,
     )
     assert restarted.watch()
     assert store.read(risk) == [None] * len(users)
@@ -280,9 +291,9 @@ def test_a_batch_after_a_failover_raises_the_floors_in_its_announce(
     engine: Engine, pair: tuple[Server, Server], tenant: str, version: int
 ) -> None:
     client = pair[0].client()
-    processor = Processor(engine, client, versions=lambda: [version])
+    processor = Processor(engine, client, versions=lambda: [version], registry=REGISTRY)
     processor.apply([touch(tenant, 4)])
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version, registry=REGISTRY)
     with failing_over(pair, client):
         processor.apply([touch(tenant, 5)])  # lost with the old primary
     assert client.exists(store.key(EntityRef("txn_90d", tenant, "4")))

@@ -23,11 +23,10 @@ from freshline.pipeline.cache.readthrough import ReadThrough
 from freshline.pipeline.cache.roster import CONSUMER, Proc, Registration, roster
 from freshline.pipeline.cache.versions import Pointer, WriteVersions
 from freshline.pipeline.core.lock import Lock, LockedSet
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.services import consumer_redis_client
 from freshline.pipeline.core.settings import Settings
 from tests.consumers.conftest import Env
-from tests.helpers import as_user, kafka_login, need, wait_until
+from tests.helpers import REGISTRY, as_user, kafka_login, need, wait_until
 from tests.pipeline.deploy.test_readers import registrations_allowed
 
 pytestmark = pytest.mark.kafka
@@ -51,7 +50,10 @@ def test_a_consumer_is_registered_with_its_group_and_versions_while_it_runs(
     admin = admin_client(env.settings)
     allow_consumer(admin, need("FRESHLINE_STACK_KAFKA_CONSUMER_USER"), settings)
     worker = Worker(
-        settings, versions=WriteVersions(writes_with, settings, pointer=pointer, lock=lock)
+        settings,
+        versions=WriteVersions(
+            writes_with, settings, pointer=pointer, lock=lock, registry=REGISTRY
+        ),
     )
     thread = threading.Thread(target=worker.run, kwargs={"timeout": 120})
     thread.start()

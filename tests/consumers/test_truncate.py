@@ -20,12 +20,11 @@ from fraud.seed import seed
 from freshline.consumers.events import decode
 from freshline.consumers.processor import Processor
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.db import make_engine
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
-from tests.helpers import ANCHOR, drop_database, migrate, recreate_database
+from tests.helpers import ANCHOR, REGISTRY, drop_database, migrate, recreate_database
 
 DEVICE_RISK = REGISTRY["device_risk"]
 TXN_90D = REGISTRY["txn_90d"]
@@ -60,7 +59,7 @@ def test_a_truncate_voids_every_entry_it_makes_stale_and_nothing_else(
 ) -> None:
     with own_engine.connect() as conn:
         tenant = conn.execute(sa.text("SELECT id FROM freshline.tenants")).scalar_one()
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     refs = [(tenant, u) for u in USERS]
     before = compute(own_engine, DEVICE_RISK, refs)
     assert any(v["device_count"] > 0 for v in before.values.values())
@@ -68,7 +67,7 @@ def test_a_truncate_voids_every_entry_it_makes_stale_and_nothing_else(
     store.write(compute(own_engine, TXN_90D, refs))
     with own_engine.begin() as conn:
         conn.execute(sa.text("TRUNCATE user_devices"))
-    processor = Processor(own_engine, redis_client, versions=lambda: [version])
+    processor = Processor(own_engine, redis_client, versions=lambda: [version], registry=REGISTRY)
     report = processor.apply([truncate_event()])  # type: ignore[list-item]
     risk = [EntityRef("device_risk", tenant, u) for u in USERS]
     assert store.read(risk) == [None] * len(USERS)  # every entry the truncate made stale

@@ -23,12 +23,11 @@ from freshline.consumers.events import EventRejected, decode
 from freshline.consumers.kafka import Consumer, Producer
 from freshline.consumers.worker import Worker
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
-from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.topics import DLQ
 from freshline.pipeline.core.types import EntityRef
 from tests.consumers.conftest import PARTITIONS, Env, own_topic, read_topic
-from tests.helpers import kafka_headers
+from tests.helpers import REGISTRY, kafka_headers
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -83,7 +82,7 @@ def test_a_forged_truncate_on_a_domain_event_topic_voids_nothing(
     producer: Producer,
     consumer_factory: Callable[..., Consumer],
 ) -> None:
-    store = FeatureStore(redis_client, env.settings.schema_version)
+    store = EntryStore(redis_client, env.settings.schema_version, registry=REGISTRY)
     refs = [(env.tenant, "1"), (env.tenant, "2")]
     store.write(compute(engine, REGISTRY["device_risk"], refs))
     producer.produce(domain_style_topic, orjson.dumps(truncate_of("user_devices")), b"x")

@@ -29,9 +29,9 @@ from freshline.pipeline.cache.recompute import (
     take_snapshot,
     unpack_watermark,
 )
-from freshline.pipeline.cache.store import FeatureStore
-from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.types import ChangeEvent, EntityRef
+from tests.helpers import REGISTRY
 
 TXN_90D = REGISTRY["txn_90d"]
 
@@ -71,7 +71,7 @@ def test_a_change_not_yet_visible_is_retried_and_never_written_stale(
     tenant: str,
     version: int,
 ) -> None:
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     ref = EntityRef("txn_90d", tenant, "3")
     conn, txid = open_change(engine, tenant, 3)
     # The low 32 bits, as Debezium reports a transaction id.
@@ -82,7 +82,7 @@ def test_a_change_not_yet_visible_is_retried_and_never_written_stale(
         {"tenant_id": tenant, "user_id": 3, "id": 1},
         txid=txid & 0xFFFFFFFF,
     )
-    processor = Processor(engine, redis_client, versions=lambda: [version])
+    processor = Processor(engine, redis_client, versions=lambda: [version], registry=REGISTRY)
     try:
         with pytest.raises(NotYetVisible) as refused:
             processor.apply([event])

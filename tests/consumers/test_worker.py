@@ -37,7 +37,6 @@ from freshline.consumers.topics import ensure
 from freshline.consumers.worker import Worker
 from freshline.pipeline.core.keys import feature_pattern
 from freshline.pipeline.core.maintenance import DerivedPath
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.services import kafka_security_config
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.topics import DLQ, INVALIDATIONS
@@ -51,7 +50,7 @@ from tests.consumers.conftest import (
     read_topic,
     wait_for,
 )
-from tests.helpers import FRESHLINE, kafka_headers, kafka_value
+from tests.helpers import FRESHLINE, REGISTRY, kafka_headers, kafka_value
 
 pytestmark = pytest.mark.kafka
 

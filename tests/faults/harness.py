@@ -41,7 +41,7 @@ from freshline.pipeline.cdc.connect import names
 from freshline.pipeline.core.db import make_engine
 from freshline.pipeline.core.lock import Lock, LockedSet
 from freshline.pipeline.core.maintenance import install_missing
-from freshline.pipeline.core.repository import REGISTRY, active
+from freshline.pipeline.core.repository import active
 from freshline.pipeline.core.services import redis_client
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.topics import DLQ, qualified
@@ -54,6 +54,7 @@ from tests.faults.scenarios import Scenario
 from tests.faults.stack import PrivateStack, free_ports
 from tests.faults.toxiproxy import Proxy, Toxiproxy
 from tests.faults.workload import Produced, Workload
+from tests.helpers import REGISTRY
 
 log = logging.getLogger("freshline.faults")
 

@@ -48,9 +48,8 @@ from sqlalchemy.engine import Engine
 
 from freshline.consumers.topics import event_topics, subscription
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.versions import state
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.services import kafka_security_config
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.topics import qualified
@@ -59,7 +58,7 @@ from tests.faults.processes import Counts, Fleet
 from tests.faults.readers import READERS, SETTLED_GRACE_S, Readers, judge
 from tests.faults.reference import FEATURE_SETS, Values, load, one, pieces, reference
 from tests.faults.workload import Produced, Ref, Workload
-from tests.helpers import kafka_headers
+from tests.helpers import REGISTRY, kafka_headers
 
 Partition = tuple[str, int]
 DLQ_SOURCE = (
@@ -484,7 +483,7 @@ def check_values(
     """
     version = state(client, settings).active
     refs = sorted(touched | tenant_keys(client, version, tenant))
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version, registry=REGISTRY)
     began = time.time()
     served = {fs.name: store.read([EntityRef(fs.name, t, e) for t, e in refs]) for fs in REGISTRY}
     ended = time.time()

@@ -65,6 +65,7 @@ from freshline.pipeline.core.settings import Settings
 from tests.faults.reference import FEATURE_SETS, Ref, Rows, Values, fingerprint, one, pieces
 from tests.faults.stack import FRESHLINE, PrivateStack, free_ports
 from tests.faults.workload import Observation
+from tests.helpers import REGISTRY
 
 log = logging.getLogger("freshline.faults.readers")
 
@@ -173,12 +174,13 @@ class Readers:
         self._redis: redis.Redis = redis_client(
             settings, socket_timeout=5, socket_connect_timeout=5
         )
-        self._tier = LocalTier(self._redis, max_entries=10_000).start()
+        self._tier = LocalTier(self._redis, max_entries=10_000, registry=REGISTRY).start()
         self._client = FeatureClient(
             self._redis,
             settings.schema_version,
             local=self._tier,
             versions=VersionResolver(self._redis, settings, lock=lock),
+            registry=REGISTRY,
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="readers", daemon=True)

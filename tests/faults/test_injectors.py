@@ -8,12 +8,13 @@ as in ``tests/pipeline/deploy``.
 
 from __future__ import annotations
 
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.versions import state
 from freshline.pipeline.core.keys import feature_pattern, source_key
 from freshline.pipeline.deploy.pointer import flip, retire, start
 from freshline.pipeline.deploy.purge import purge
 from tests.faults.injectors import reset_deploy
+from tests.helpers import REGISTRY
 from tests.pipeline.deploy.test_deploy import Deploy, fill, module_tenant, world
 from tests.pipeline.deploy.test_markers import assert_not_deployable
 
@@ -28,12 +29,14 @@ def test_a_version_a_forced_purge_left_stale_is_emptied_before_it_is_active_agai
     keeps A from being deployed. The reset makes A active again: not with that entry."""
     r, s, p, lock = world.redis, world.settings, world.pointer, world.lock
     start(r, s, world.b, lock, pointer=p)
-    flip(r, s, world.b, lock, pointer=p)
-    retire(r, s, world.a, lock, pointer=p)  # what `purge --force` does first
+    flip(r, s, world.b, lock, pointer=p, registry=REGISTRY)
+    retire(r, s, world.a, lock, pointer=p, registry=REGISTRY)  # what `purge --force` does first
     assert purge(r, s, world.a, pointer=p).done
-    fill(FeatureStore(r, world.a), world.engine, world.tenant, 3)  # landed after the scan
+    fill(
+        EntryStore(r, world.a, registry=REGISTRY), world.engine, world.tenant, 3
+    )  # landed after the scan
     r.set(source_key(world.a), "landed too")
-    fill(FeatureStore(r, world.b), world.engine, world.tenant, 3)
+    fill(EntryStore(r, world.b, registry=REGISTRY), world.engine, world.tenant, 3)
     assert_not_deployable(world, world.a)
 
     assert reset_deploy(r, s, pointer=p) == {world.a: 3, world.b: 3}
@@ -50,8 +53,8 @@ def test_the_settings_version_written_all_along_keeps_its_entries(world: Deploy)
     """A deploy of B started and left: A stayed active and written, B goes."""
     r, s, p = world.redis, world.settings, world.pointer
     start(r, s, world.b, world.lock, pointer=p)
-    fill(FeatureStore(r, world.a), world.engine, world.tenant, 3)
-    fill(FeatureStore(r, world.b), world.engine, world.tenant, 3)
+    fill(EntryStore(r, world.a, registry=REGISTRY), world.engine, world.tenant, 3)
+    fill(EntryStore(r, world.b, registry=REGISTRY), world.engine, world.tenant, 3)
 
     assert reset_deploy(r, s, pointer=p) == {world.b: 3}
 

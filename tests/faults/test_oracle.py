@@ -19,12 +19,12 @@ import pytest
 from freshline.consumers.kafka import Producer
 from freshline.pipeline.core.codec import encode_entry
 from freshline.pipeline.core.keys import feature_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.topics import qualified
 from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.dev.chaos import DEFAULT_SEED, SEED_ENV, Profile
 from tests.faults.harness import Case, FaultEnv, Run, run_case
 from tests.faults.scenarios import Scenario
+from tests.helpers import REGISTRY
 
 pytestmark = [pytest.mark.faults, pytest.mark.kafka, pytest.mark.connect, pytest.mark.slow]
 

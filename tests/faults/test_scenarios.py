@@ -20,6 +20,7 @@ from freshline.pipeline.dev.chaos import RESULTS_ENV, Profile, append_result
 from freshline.pipeline.observe.reconcile import Drift, compare
 from tests.faults.harness import Case, FaultEnv, run_case
 from tests.faults.scenarios import SCENARIOS
+from tests.helpers import REGISTRY
 
 pytestmark = [pytest.mark.faults, pytest.mark.kafka, pytest.mark.connect, pytest.mark.slow]
 
@@ -55,4 +56,4 @@ def _drift(env: FaultEnv, tenant: str) -> list[Drift]:
             {"t": tenant},
         ).scalars()
         refs = [(tenant, str(u)) for u in users]
-    return compare(env.engine, refs)
+    return compare(env.engine, refs, registry=REGISTRY)

@@ -4,3 +4,14 @@
 their domain events), ``training`` (the example model), ``demo`` (the demo's HTTP
 side) and ``cli`` (``freshline fraud ...``).
 """
+
+from functools import cache
+from pathlib import Path
+
+import freshline
+
+
+@cache
+def own_repository() -> freshline.Repository:
+    """This repository (the directory above this package), loaded once."""
+    return freshline.load(Path(__file__).resolve().parents[1])

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import sqlalchemy as sa
 
+from freshline import FreshlineError
 from freshline.pipeline.core.db import make_engine, make_owner_engine
-from freshline.pipeline.core.errors import FreshlineError
 from freshline.pipeline.core.http import fetch
 from freshline.pipeline.core.settings import Settings, load_settings
 from freshline.pipeline.observe.staleness import GroupLag

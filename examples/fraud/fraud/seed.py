@@ -20,10 +20,10 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from freshline.pipeline.core.errors import FreshlineError
+from fraud import own_repository
+from freshline import FreshlineError
 from freshline.pipeline.core.keys import validate_id
 from freshline.pipeline.core.maintenance import DerivedPath
-from freshline.pipeline.core.repository import REGISTRY
 
 Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``, called as rows are loaded."""
@@ -204,7 +204,7 @@ def _installed_paths(conn: sa.Connection) -> list[DerivedPath]:
     """The derived incremental paths over ``transactions`` installed in this database."""
     return [
         path
-        for path in REGISTRY.maintenances()
+        for path in own_repository().registry.maintenances()
         if isinstance(path, DerivedPath)
         and path.decl.table == "transactions"
         and path.installed(conn)

@@ -19,8 +19,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from fraud.seed import GEO_BASE, GEO_RANGE_SIZE, GEO_RANGES
+from freshline import FreshlineError
 from freshline.consumers.kafka import Producer
-from freshline.pipeline.core.errors import FreshlineError
 
 
 @dataclass(slots=True)

@@ -25,8 +25,8 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from fraud import own_repository
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.inference.models import LogisticModel, input_row
 
 MODEL_NAME = "fraud_example"
@@ -158,7 +158,7 @@ def _today(
     for start in range(0, len(users), BATCH):
         chunk = users[start : start + BATCH]
         refs = [(tenant, u) for u in chunk]
-        batches = {fs.name: compute(engine, fs, refs).values for fs in REGISTRY}
+        batches = {fs.name: compute(engine, fs, refs).values for fs in own_repository().registry}
         rows.extend(
             vector({name: values[(tenant, u)] for name, values in batches.items()}) for u in chunk
         )

@@ -16,11 +16,11 @@ from freshline.pipeline.api import create_app
 from freshline.pipeline.api.auth import create_api_key
 from freshline.pipeline.api.routes import MAX_JSON_DEPTH
 from freshline.pipeline.cache.readthrough import Hooks, ReadThrough, Result
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.keys import LEASE_PREFIX
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
-from tests.helpers import Api, fresh_version, running, wait_until
+from tests.helpers import REGISTRY, Api, fresh_version, running, wait_until
 
 # Long enough that no lease or wait in these tests ends by running out: a lease that
 # is still there, or a read that is still waiting, was never ended by the code.
@@ -38,7 +38,7 @@ def leases(client: redis.Redis, version: int) -> list[bytes]:
 
 
 def read_through(client: redis.Redis, engine: Engine, version: int) -> ReadThrough:
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version, registry=REGISTRY)
     return ReadThrough(store, engine, lease_ms=FOREVER_MS, wait_ms=FOREVER_MS, early_refresh=False)
 
 
@@ -150,6 +150,7 @@ def deep_api(
         engine=engine,
         redis_client=redis_client,
         follow_deploys=False,
+        registry=REGISTRY,
     )
     with running(app, create_api_key(engine, tenant)) as api:
         yield api

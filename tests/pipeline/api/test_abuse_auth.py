@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import redis
 import sqlalchemy as sa
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY as METRICS
 from pydantic import SecretStr
 from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
@@ -32,7 +32,7 @@ from freshline.pipeline.api.limits import AccessGuard, address_group
 from freshline.pipeline.core.errors import ConfigError
 from freshline.pipeline.core.settings import Settings, load_settings, redact
 from freshline.pipeline.inference.models import LogisticModel, ModelRegistry
-from tests.helpers import api_app, http_server, running
+from tests.helpers import REGISTRY, api_app, http_server, running
 
 URL = "/v1/features/txn_90d/1"
 REFRESH_S = 0.05  # how long a throttled guess waits at most (the key index's refresh)
@@ -215,7 +215,7 @@ def label_values(name: str, label: str) -> set[str]:
     """Every value of ``label`` in the samples of the metric family ``name``."""
     return {
         sample.labels[label]
-        for family in REGISTRY.collect()
+        for family in METRICS.collect()
         if family.name == name
         for sample in family.samples
         if label in sample.labels
@@ -232,6 +232,7 @@ def test_llm_model_labels_are_bounded_to_configured_models(
         engine=engine,
         redis_client=redis_client,
         follow_deploys=False,
+        registry=REGISTRY,
     )
     scope: dict[str, Any] = {"model_version": "v1", "template_version": "t1", "prompt": "hi"}
     scope["params"] = {"temperature": 0}
@@ -342,6 +343,7 @@ def test_server_errors_name_no_internal_url_path_or_upstream_text(
             engine=engine,
             redis_client=redis_client,
             follow_deploys=False,
+            registry=REGISTRY,
         )
 
     lookup: dict[str, Any] = {"model": "bot", "model_version": "v1", "template_version": "t1"}
@@ -363,7 +365,9 @@ def test_server_errors_name_no_internal_url_path_or_upstream_text(
     path = model.save(tmp_path / "internal-models" / "v1.json")
     ModelRegistry(redis_client).register(path)
     path.unlink()
-    app = create_app(settings, engine=engine, redis_client=redis_client, follow_deploys=False)
+    app = create_app(
+        settings, engine=engine, redis_client=redis_client, follow_deploys=False, registry=REGISTRY
+    )
     with running(app, key) as api:
         answers.append(api.post(f"/v1/models/{name}/predict", json={"inputs": [[0.1, 0.2]]}))
 
@@ -376,7 +380,7 @@ def test_server_errors_name_no_internal_url_path_or_upstream_text(
     )
     for services in cases:
         services.setdefault("redis_client", redis_client)
-        app = create_app(settings, follow_deploys=False, **services)
+        app = create_app(settings, follow_deploys=False, **services, registry=REGISTRY)
         with running(app, key) as api:
             answers.append(api.get(URL))
     dead_pg.dispose()

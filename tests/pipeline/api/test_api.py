@@ -19,12 +19,11 @@ from freshline.pipeline.api.auth import create_api_key
 from freshline.pipeline.cache.invalidation import Invalidation
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.recompute import Batch, compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
-from tests.helpers import Api, api_for, fresh_version, running, wait_until
+from tests.helpers import REGISTRY, Api, api_for, fresh_version, running, wait_until
 
 
 @pytest.fixture
@@ -131,7 +130,9 @@ SENTINEL = 987_654_321
 def planted(api: Api, engine: Engine, redis_client: redis.Redis, two_tenants: list[str]) -> str:
     """Tenant B's entry for user 1, holding a value no real computation gives."""
     other = two_tenants[1]
-    store = FeatureStore(redis_client, api.app.state.services.reader.schema_version)
+    store = EntryStore(
+        redis_client, api.app.state.services.reader.schema_version, registry=REGISTRY
+    )
     values = dict(truth(engine, "txn_90d", other, "1"), txn_count=SENTINEL)
     store.write(
         Batch(REGISTRY["txn_90d"], {(other, "1"): values}, 1 << 100, time.time_ns() // 1_000_000)
@@ -403,7 +404,12 @@ def test_readiness_is_503_when_a_service_does_not_answer(
         {"redis_client": dead_redis, "engine": engine},
         {"redis_client": redis.Redis.from_url(api_settings.redis_url), "engine": dead_pg},
     ):
-        app = create_app(api_settings, follow_deploys=False, **kwargs)  # type: ignore[arg-type]
+        app = create_app(
+            api_settings,
+            follow_deploys=False,
+            registry=REGISTRY,
+            **kwargs,  # type: ignore[arg-type]
+        )
         with running(app) as client:
             ready = client.get("/readyz", key=None)
             assert ready.status_code == 503

@@ -12,6 +12,7 @@ import pytest
 
 from freshline.pipeline.api import create_app
 from freshline.pipeline.core.settings import Settings
+from tests.helpers import REGISTRY
 
 
 def test_a_worker_moves_its_long_lived_objects_out_of_the_collector(settings: Settings) -> None:
@@ -43,7 +44,7 @@ def test_a_worker_moves_its_long_lived_objects_out_of_the_collector(settings: Se
 def test_one_close_that_raises_skips_none_of_the_others(settings: Settings) -> None:
     """The app's start-up and shutdown run on one exit stack: every close runs, in the
     reverse order of start-up, though the first one (the status board's) raises."""
-    app = create_app(settings.model_copy(update={"local_cache_size": 10}))
+    app = create_app(settings.model_copy(update={"local_cache_size": 10}), registry=REGISTRY)
     services = app.state.services
     closed: list[str] = []
 

@@ -31,7 +31,7 @@ from freshline.pipeline.core.lock import Lock
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.inference.models import LogisticModel, ModelRegistry
 from freshline.pipeline.inference.predictions import InferenceCache
-from tests.helpers import Api, running
+from tests.helpers import REGISTRY, Api, running
 
 FEATURES = ("a", "b", "c")
 BATCH = 50
@@ -64,6 +64,7 @@ def serve(settings: Settings, engine: Engine, client: redis.Redis, **limits: int
         engine=engine,
         redis_client=client,
         follow_deploys=False,
+        registry=REGISTRY,
     )
     with running(app) as api:
         yield api

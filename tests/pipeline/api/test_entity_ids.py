@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 from fraud.seed import SeedSummary
 from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.recompute import Batch
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.clock import now_ms
 from freshline.pipeline.core.errors import InvalidId
 from freshline.pipeline.core.events import Event, EventFieldError
@@ -51,7 +51,7 @@ def test_an_upper_case_uuid_reads_the_lower_case_key(
     version = fresh_version()
     values = {"open_loans": 1, "lost_books": 0, "last_loan_at": None}
     batch = Batch(registry["loans_now"], {(IMPLICIT_TENANT, MEMBER): values}, 5, now_ms())
-    FeatureStore(redis_client, version, registry=registry).write(batch)
+    EntryStore(redis_client, version, registry=registry).write(batch)
     client = FeatureClient(redis_client, version, registry=registry)
     got = client.get("loans_now", IMPLICIT_TENANT, MEMBER.upper())
     assert got is not None and (got.entity, got.values["open_loans"]) == (MEMBER, 1)

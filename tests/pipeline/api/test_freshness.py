@@ -34,14 +34,14 @@ from freshline.pipeline.cache.client import FeatureClient, freshline_token
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.readthrough import ReadThrough
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.tokens import SNAPSHOT, TRANSACTION, Token, decode, encode
 from freshline.pipeline.core.errors import ConfigError
 from freshline.pipeline.core.features import Registry
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import ChangeEvent, EntityRef
 from tests.helpers import (
+    REGISTRY,
     Api,
     api_for,
     as_user,
@@ -232,9 +232,9 @@ def test_a_token_read_waits_for_the_consumers_write(
             assert wait_until(lambda: arrivals.watches > watched, 10)  # it waits for a write
             # The consumer's side, as it runs: recompute, write, publish the invalidation.
             event = ChangeEvent("transactions", "u", tenant, {"tenant_id": tenant, "user_id": 4})
-            Processor(engine, redis_client, versions=lambda: [settings.schema_version]).apply(
-                [event]
-            )
+            Processor(
+                engine, redis_client, versions=lambda: [settings.schema_version], registry=REGISTRY
+            ).apply([event])
         finally:
             reader.join(60)
     [response] = answers
@@ -257,7 +257,9 @@ def test_an_entry_that_reaches_the_token_is_served_from_cache(
         first = api.get(f"/v1/features/txn_90d/5?after={token}&wait_ms=0").json()
         assert first["source"] == "computed"
     else:
-        store = FeatureStore(redis_client, api.app.state.services.reader.schema_version)
+        store = EntryStore(
+            redis_client, api.app.state.services.reader.schema_version, registry=REGISTRY
+        )
         for fs in ("txn_90d", "geo"):
             store.write(compute(engine, REGISTRY[fs], [(tenant, "5")]))  # the consumer's
     computed.clear()
@@ -343,7 +345,9 @@ def test_a_reader_without_an_asyncio_client_reads_fresh_in_the_thread_pool(
     redis_client: redis.Redis, engine: Engine, tenant: str
 ) -> None:
     version = fresh_version()
-    reader = FeatureReader(ReadThrough(FeatureStore(redis_client, version), engine))
+    reader = FeatureReader(
+        ReadThrough(EntryStore(redis_client, version, registry=REGISTRY), engine)
+    )
     token = write(engine, tenant, 12, inside=False)
     demand = Demand(token, None, 10)
     try:
@@ -418,10 +422,10 @@ def test_the_client_honours_a_declared_bound(
     fresh_settings: Settings, engine: Engine, redis_client: redis.Redis, tenant: str
 ) -> None:
     registry = bounded(device_risk=0)
-    store = FeatureStore(redis_client, fresh_settings.schema_version, registry=registry)
+    store = EntryStore(redis_client, fresh_settings.schema_version, registry=registry)
     batch = compute(engine, registry["device_risk"], [(tenant, "2")])
     store.write(batch)
-    plain = FeatureClient(redis_client, fresh_settings.schema_version)
+    plain = FeatureClient(redis_client, fresh_settings.schema_version, registry=REGISTRY)
     assert plain.get("device_risk", tenant, 2) is not None
     # Declared 0 and nothing to recompute with: the cached entry is a miss.
     bounded_client = FeatureClient(redis_client, fresh_settings.schema_version, registry=registry)
@@ -541,7 +545,7 @@ def test_the_service_logins_take_tokens_and_serve_reads_after_them(
     writer_role = role_engine(settings, "FRESHLINE_STACK_POSTGRES_CONSUMER_URL")
     key = key_of(engine)
     local = api_user.model_copy(update={"schema_version": fresh_version(), "local_cache_size": 0})
-    app = create_app(local, engine=api_role, follow_deploys=False)
+    app = create_app(local, engine=api_role, follow_deploys=False, registry=REGISTRY)
     try:
         with writer_role.begin() as conn:
             conn.execute(sa.text("SELECT pg_current_xact_id()"))  # a transaction id, as a write
@@ -564,10 +568,12 @@ def test_the_client_honours_tokens_and_staleness_bounds(
     engine: Engine, redis_client: redis.Redis, tenant: str
 ) -> None:
     version = fresh_version()
-    rt, computed = counting_readthrough(FeatureStore(redis_client, version), engine)
-    client = FeatureClient(redis_client, version, readthrough=rt)
-    tier = LocalTier(redis_client, max_entries=100).start()
-    tiered = FeatureClient(redis_client, version, readthrough=rt, local=tier)
+    rt, computed = counting_readthrough(
+        EntryStore(redis_client, version, registry=REGISTRY), engine
+    )
+    client = FeatureClient(redis_client, version, readthrough=rt, registry=REGISTRY)
+    tier = LocalTier(redis_client, max_entries=100, registry=REGISTRY).start()
+    tiered = FeatureClient(redis_client, version, readthrough=rt, local=tier, registry=REGISTRY)
     try:
         assert tier.wait_live(5)
         rt.get(EntityRef("txn_90d", tenant, "11"))
@@ -601,7 +607,9 @@ def test_the_client_honours_tokens_and_staleness_bounds(
         assert got.values == truth(engine, tenant, 11) != before.values
         assert [len(g) for g in computed] == [1, 1, 2, 1]
         with pytest.raises(ConfigError, match="readthrough"):
-            FeatureClient(redis_client, version).get("txn_90d", tenant, 11, after=token)
+            FeatureClient(redis_client, version, registry=REGISTRY).get(
+                "txn_90d", tenant, 11, after=token
+            )
     finally:
         client.close()
         tiered.close()

@@ -44,10 +44,9 @@ from freshline.pipeline.api.openapi import document
 from freshline.pipeline.api.reader import parse_entity
 from freshline.pipeline.core.errors import InvalidId
 from freshline.pipeline.core.keys import feature_pattern
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.inference.models import LogisticModel, ModelRegistry
-from tests.helpers import FRESHLINE, api_app, fresh_version, running, serving, wait_until
+from tests.helpers import FRESHLINE, REGISTRY, api_app, fresh_version, running, serving, wait_until
 
 
 def fresh_tenant() -> str:

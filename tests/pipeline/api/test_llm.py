@@ -19,7 +19,7 @@ from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.semantic.cache import Limits, Scope, SemanticCache
 from freshline.pipeline.semantic.embed import local_model
 from freshline.pipeline.semantic.prior import InvalidPrior
-from tests.helpers import Api, api_for, running, wait_until
+from tests.helpers import REGISTRY, Api, api_for, running, wait_until
 from tests.pipeline.semantic.test_learning import EXPLORE, NEVER
 
 PROMPT = "How do I reset the password of my account?"
@@ -192,6 +192,7 @@ def test_the_api_warms_the_indexes_at_start(
         engine=engine,
         redis_client=redis_client,
         follow_deploys=False,
+        registry=REGISTRY,
     )
     with running(cold):
         assert not cold.state.semantic.pool_ready(scope.namespace)

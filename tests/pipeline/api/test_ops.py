@@ -24,7 +24,7 @@ from freshline.pipeline.api.auth import create_api_key, create_tenant
 from freshline.pipeline.api.ops import Ops, SharedObserver
 from freshline.pipeline.core.services import redis_client as make_redis_client
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import Api, fresh_version, running
+from tests.helpers import REGISTRY, Api, fresh_version, running
 
 OPERATOR_PAGES = ("/metrics", "/status", "/status.json")
 OPS_KEY = "ops-" + "k" * 40
@@ -60,7 +60,9 @@ def tenant(engine: Engine) -> str:
 
 
 def serve(settings: Settings, engine: Engine, client: redis.Redis, key: str | None = None) -> Any:
-    app = create_app(settings, engine=engine, redis_client=client, follow_deploys=False)
+    app = create_app(
+        settings, engine=engine, redis_client=client, follow_deploys=False, registry=REGISTRY
+    )
     return running(app, key)
 
 

@@ -17,7 +17,6 @@ from fraud.seed import SeedSummary
 from freshline.pipeline.api import create_app
 from freshline.pipeline.api.auth import create_api_key
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.inference.models import (
     LogisticModel,
@@ -25,7 +24,7 @@ from freshline.pipeline.inference.models import (
     feature_inputs,
     input_row,
 )
-from tests.helpers import Api, running
+from tests.helpers import REGISTRY, Api, running
 
 FEATURES = ("a", "b", "c")
 
@@ -65,6 +64,7 @@ def api(
         engine=engine,
         redis_client=redis_client,
         follow_deploys=False,
+        registry=REGISTRY,
     )
     with running(app, create_api_key(engine, tenants[0])) as client:
         yield client

@@ -28,7 +28,7 @@ from freshline.pipeline.api.reader import (
 from freshline.pipeline.cache.hot import HotReads
 from freshline.pipeline.cache.readthrough import ReadThrough
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.cluster import is_cluster
 from freshline.pipeline.core.codec import (
     decode_entry,
@@ -39,10 +39,9 @@ from freshline.pipeline.core.codec import (
 )
 from freshline.pipeline.core.errors import CorruptEntry, InvalidId, SchemaVersionMismatch
 from freshline.pipeline.core.keys import feature_key, feature_keys, grid_keys, hot_key, validate_ids
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
-from tests.helpers import api_app, fresh_version, running, wait_until
+from tests.helpers import REGISTRY, api_app, fresh_version, running, wait_until
 from tests.pipeline.cache.test_subscriptions import Forwarder, address
 
 
@@ -232,8 +231,8 @@ def test_an_invalid_tenant_in_a_sample_does_not_stop_the_flush(
 
 
 @pytest.fixture
-def filled(engine: Engine, redis_client: redis.Redis, tenant: str) -> Iterator[FeatureStore]:
-    store = FeatureStore(redis_client, fresh_version())
+def filled(engine: Engine, redis_client: redis.Redis, tenant: str) -> Iterator[EntryStore]:
+    store = EntryStore(redis_client, fresh_version(), registry=REGISTRY)
     store.write(compute(engine, REGISTRY["txn_90d"], [(tenant, str(u)) for u in range(1, 6)]))
     yield store
 
@@ -268,7 +267,7 @@ def test_is_cluster_answers_per_client_class(settings: Settings, redis_client: r
 
 
 def test_the_async_read_answers_as_the_store_does(
-    filled: FeatureStore, engine: Engine, settings: Settings, tenant: str
+    filled: EntryStore, engine: Engine, settings: Settings, tenant: str
 ) -> None:
     reader = FeatureReader(ReadThrough(filled, engine, early_refresh=False))
     lookup = Lookup(tenant, ["txn_90d"], ["1", "2", "99"])
@@ -287,7 +286,7 @@ def test_the_async_read_answers_as_the_store_does(
 
 
 def test_the_async_read_treats_entries_below_the_floor_as_absent(
-    filled: FeatureStore, engine: Engine, settings: Settings, tenant: str
+    filled: EntryStore, engine: Engine, settings: Settings, tenant: str
 ) -> None:
     reader = FeatureReader(ReadThrough(filled, engine, early_refresh=False))
     lookup = Lookup(tenant, ["txn_90d"], ["1", "2"])
@@ -307,9 +306,13 @@ def test_the_api_serves_a_truncated_entry_as_absent(
     with running(app, create_api_key(engine, tenant)) as api:
         assert api.get("/v1/features/txn_90d/3").json()["source"] == "computed"
         assert api.get("/v1/features/txn_90d/3").json()["source"] == "hit"
-        [entry] = FeatureStore(redis_client, version).read([EntityRef("txn_90d", tenant, "3")])
+        [entry] = EntryStore(redis_client, version, registry=REGISTRY).read(
+            [EntityRef("txn_90d", tenant, "3")]
+        )
         assert entry is not None
-        FeatureStore(redis_client, version).truncate("txn_90d", entry.watermark + 1)
+        EntryStore(redis_client, version, registry=REGISTRY).truncate(
+            "txn_90d", entry.watermark + 1
+        )
         assert api.get("/v1/features/txn_90d/3?mode=cache-only").status_code == 404
         batch = api.post(
             "/v1/features/batch?mode=cache-only",
@@ -324,7 +327,7 @@ def test_the_api_serves_a_truncated_entry_as_absent(
 
 
 def test_the_reader_without_an_async_client_defers_to_the_thread_pool(
-    filled: FeatureStore, engine: Engine, tenant: str
+    filled: EntryStore, engine: Engine, tenant: str
 ) -> None:
     reader = FeatureReader(ReadThrough(filled, engine, early_refresh=False))
     lookup = Lookup(tenant, ["txn_90d"], ["1"])
@@ -345,6 +348,7 @@ def test_a_redis_outage_on_the_async_path_is_a_503_and_it_recovers(
         engine=engine,
         redis_client=client,
         follow_deploys=False,
+        registry=REGISTRY,
     )
     with running(app, create_api_key(engine, tenant)) as api:
         assert api.get("/v1/features/geo/4?mode=cache-only").status_code == 404  # a miss
@@ -399,7 +403,7 @@ def test_a_redis_that_stops_answering_is_a_503_and_the_next_read_is_clean(
     (``api_redis_timeout_s``) bounds them, and the connection it cancels is dropped,
     so no late reply answers the next request."""
     host, port, db = address(redis_client)
-    FeatureStore(redis_client, settings.schema_version).write(
+    EntryStore(redis_client, settings.schema_version, registry=REGISTRY).write(
         compute(engine, REGISTRY["geo"], [(tenant, "4"), (tenant, "5")])
     )
     with Forwarder(host, port) as hole:
@@ -409,7 +413,10 @@ def test_a_redis_that_stops_answering_is_a_503_and_the_next_read_is_clean(
             "local_cache_size": 0,
         }
         app = create_app(
-            settings.model_copy(update=through_hole), engine=engine, follow_deploys=False
+            settings.model_copy(update=through_hole),
+            engine=engine,
+            follow_deploys=False,
+            registry=REGISTRY,
         )
         assert app.state.services.reader.timeout_s == 0.5
         with running(app, create_api_key(engine, tenant)) as api, ThreadPoolExecutor(1) as pool:

@@ -16,7 +16,7 @@ from fraud.seed import SeedSummary
 from freshline.pipeline.api import create_app
 from freshline.pipeline.api.semantic_status import busiest
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import Api, api_for, running, serving
+from tests.helpers import REGISTRY, Api, api_for, running, serving
 from tests.pipeline.api.test_status_browser import chromium, console_errors, run_chromium
 from tests.pipeline.semantic.test_learning import NEVER
 
@@ -103,6 +103,7 @@ def test_the_ops_process_shows_them_without_running_the_cache(
             redis_client=redis_client,
             follow_deploys=False,
             semantic_figures=figures,
+            registry=REGISTRY,
         )
         with running(app) as ops:
             report = ops.ops("/status.json").json()

@@ -26,7 +26,7 @@ from freshline.pipeline.api.auth import create_api_key
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.recompute import compute
 from freshline.pipeline.core.features import Registry
-from freshline.pipeline.core.repository import REGISTRY, active
+from freshline.pipeline.core.repository import active
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.topics import SERVED, qualified
 from freshline.pipeline.inference.models import LogisticModel, ModelRegistry
@@ -34,7 +34,7 @@ from freshline.pipeline.observe import served
 from freshline.pipeline.observe.served import LOGGED, Served, ServedLog
 from freshline.pipeline.observe.served_files import ParquetLog
 from freshline.pipeline.observe.served_training import from_logs
-from tests.helpers import Api, fresh_version, freshline, running, wait_until
+from tests.helpers import REGISTRY, Api, fresh_version, freshline, running, wait_until
 
 LOG = {"Freshline-Log": "1"}
 ENTITY_FEATURES = ("txn_90d.txn_count", "txn_90d.txn_sum", "geo.distinct_countries_30d")
@@ -73,6 +73,7 @@ def api_factory(
             redis_client=redis_client,
             follow_deploys=False,
             local=tier,
+            registry=REGISTRY,
         )
         ctx = running(app, create_api_key(engine, tenant))
         api = ctx.__enter__()
@@ -325,6 +326,7 @@ def test_the_setting_logs_every_feature_set(
         engine=engine,
         redis_client=redis_client,
         follow_deploys=False,
+        registry=REGISTRY,
     )
     with running(app, create_api_key(engine, tenant)) as api:
         answers = [api.get(f"/v1/features/txn_90d/{u}") for u in range(1, 6)]

@@ -19,12 +19,11 @@ from freshline.pipeline.api.auth import create_api_key
 from freshline.pipeline.api.reader import Lookup
 from freshline.pipeline.api.splice import Spliced, Splicer
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.codec import decode_rows, encode_entry, encode_tombstone, watermark_hex
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
-from tests.helpers import fresh_version, running
+from tests.helpers import REGISTRY, fresh_version, running
 
 VERSION = 3
 NOW = 1_733_200_000_000
@@ -250,7 +249,7 @@ def test_the_api_answers_a_batch_of_hits_as_the_decoding_path_does(
 ) -> None:
     tenant = tenant_factory_module(users=8, transactions=120).tenants[0]
     version = fresh_version()
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     ids = [str(u) for u in range(1, 9)]
     store.write(compute(engine, REGISTRY["txn_90d"], [(tenant, u) for u in ids]))
     app = create_app(
@@ -258,6 +257,7 @@ def test_the_api_answers_a_batch_of_hits_as_the_decoding_path_does(
         engine=engine,
         redis_client=redis_client,
         follow_deploys=False,
+        registry=REGISTRY,
     )
     reader = app.state.services.reader
     with running(app, create_api_key(engine, tenant)) as api:
@@ -271,7 +271,7 @@ def test_the_api_answers_a_batch_of_hits_as_the_decoding_path_does(
                 json={"feature_sets": ["txn_90d"], "entities": ids},
             )
             assert got.status_code == 200 and got.headers["content-type"] == "application/json"
-            # ...and the thread pool's path (FeatureStore.read, an Entry per item) answers
+            # ...and the thread pool's path (EntryStore.read, an Entry per item) answers
             # the same JSON, encoded by orjson; only the ages move with the clock.
             answers = reader.read(Lookup(tenant, ["txn_90d"], ids), "cache-only")
             for answer, item in zip(answers, got.json()["items"], strict=True):

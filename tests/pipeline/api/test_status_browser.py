@@ -29,7 +29,7 @@ from freshline.pipeline.api.auth import create_api_key
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.observe.staleness import Staleness
 from freshline.pipeline.observe.status import Snapshot, StatusBoard
-from tests.helpers import fresh_version, serving
+from tests.helpers import REGISTRY, fresh_version, serving
 
 FLAGS = [
     "--headless",
@@ -101,7 +101,9 @@ def served(
     local = settings.model_copy(
         update={"schema_version": fresh_version(), "consumer_metrics_port": 0}
     )
-    app = create_app(local, engine=engine, redis_client=redis_client, follow_deploys=False)
+    app = create_app(
+        local, engine=engine, redis_client=redis_client, follow_deploys=False, registry=REGISTRY
+    )
     with serving(app) as port, serving(app.state.ops_app) as ops_port:
         key = create_api_key(engine, tenant)
         yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{ops_port}", key, app.state.status

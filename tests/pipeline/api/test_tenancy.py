@@ -17,7 +17,7 @@ from fraud.seed import SeedSummary
 from freshline.pipeline.api import create_app
 from freshline.pipeline.api.auth import create_api_key
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import Api, fresh_version, running, wait_until
+from tests.helpers import REGISTRY, Api, fresh_version, running, wait_until
 
 SHARE = 2
 REQUESTS = 6
@@ -90,6 +90,7 @@ def test_one_tenants_slow_misses_hold_at_most_its_share_of_threads(
         engine=engine,
         redis_client=redis_client,
         follow_deploys=False,
+        registry=REGISTRY,
     )
     key = create_api_key(engine, tenant)
     with running(app, key) as api:

@@ -25,14 +25,13 @@ from freshline.pipeline.api.reader import Lookup
 from freshline.pipeline.api.splice import Spliced
 from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.recompute import Batch, compute, current_watermark
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.versions import Pointer
 from freshline.pipeline.core.keys import entity_floor_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.deploy.purge import purge
-from tests.helpers import fresh_version, running, wait_until
+from tests.helpers import REGISTRY, fresh_version, running, wait_until
 
 FULL = REGISTRY["txn_90d"].on_path("full")
 USER = "9001"
@@ -63,8 +62,8 @@ def recompute(engine: Engine, tenant: str) -> Batch:
 
 
 @pytest.fixture
-def store(redis_client: redis.Redis, version: int) -> FeatureStore:
-    return FeatureStore(redis_client, version)
+def store(redis_client: redis.Redis, version: int) -> EntryStore:
+    return EntryStore(redis_client, version, registry=REGISTRY)
 
 
 @pytest.fixture
@@ -72,7 +71,7 @@ def ref(tenant: str) -> EntityRef:
     return EntityRef("txn_90d", tenant, USER)
 
 
-def assert_refused_when_held(store: FeatureStore, batch: Batch, ref: EntityRef) -> None:
+def assert_refused_when_held(store: EntryStore, batch: Batch, ref: EntityRef) -> None:
     """``batch``, held twice a fence since its query, is refused and stores nothing."""
     assert store.write(held(batch, 2 * (store.fence_ms / 1000))).refused == 1
     assert store.read([ref]) == [None]
@@ -97,7 +96,7 @@ def due_in(batch: Batch, tenant: str, ms: int) -> Batch:
     return dataclasses.replace(batch, valid_until_ms={(tenant, USER): int(time.time() * 1000) + ms})
 
 
-def written_due_soon(engine: Engine, store: FeatureStore, tenant: str) -> tuple[Batch, Batch]:
+def written_due_soon(engine: Engine, store: EntryStore, tenant: str) -> tuple[Batch, Batch]:
     """Two computations, A then B, of a transaction of a day ago; B is stored, with a
     horizon 200 ms from now."""
     add_transaction(engine, tenant, "now() - interval '1 day'")
@@ -115,7 +114,7 @@ def expire_now(client: redis.Redis, *keys: str) -> None:
 
 
 def test_an_older_batch_is_refused_after_the_newer_entry_expired_at_its_horizon(
-    engine: Engine, redis_client: redis.Redis, tenant: str, store: FeatureStore, ref: EntityRef
+    engine: Engine, redis_client: redis.Redis, tenant: str, store: EntryStore, ref: EntityRef
 ) -> None:
     """The issue's case: A computes and is held; B writes an entry that expires at its
     horizon; A arrives. Today A lands and serves a count Postgres no longer has."""
@@ -146,7 +145,7 @@ def test_an_older_batch_held_past_the_fence_is_refused_once_every_trace_is_gone(
     redis_client: redis.Redis,
     tenant: str,
     version: int,
-    store: FeatureStore,
+    store: EntryStore,
     ref: EntityRef,
 ) -> None:
     a, _ = written_due_soon(engine, store, tenant)
@@ -160,7 +159,7 @@ def test_an_older_batch_held_past_the_fence_is_refused_once_every_trace_is_gone(
 
 
 def test_an_older_batch_is_refused_after_the_tombstone_expired(
-    engine: Engine, redis_client: redis.Redis, tenant: str, store: FeatureStore, ref: EntityRef
+    engine: Engine, redis_client: redis.Redis, tenant: str, store: EntryStore, ref: EntityRef
 ) -> None:
     add_transaction(engine, tenant, "now() - interval '1 day'")
     a = recompute(engine, tenant)
@@ -178,7 +177,7 @@ def test_an_older_batch_is_refused_after_the_version_was_purged(
     """A purged version stays empty: a writer held since before the purge (the version
     stopped being written a while before it could be purged) stores nothing."""
     old = fresh_version()
-    store = FeatureStore(redis_client, old)
+    store = EntryStore(redis_client, old, registry=REGISTRY)
     ref = EntityRef("txn_90d", tenant, USER)
     add_transaction(engine, tenant, "now() - interval '1 day'")
     a = recompute(engine, tenant)
@@ -195,7 +194,7 @@ def test_an_expired_entry_still_refuses_older_and_equal_writes_and_a_newer_one_r
     redis_client: redis.Redis,
     tenant: str,
     version: int,
-    store: FeatureStore,
+    store: EntryStore,
     ref: EntityRef,
 ) -> None:
     a, b = written_due_soon(engine, store, tenant)
@@ -220,7 +219,7 @@ def test_a_write_held_past_its_horizon_is_not_served(
     settings: Settings,
     tenant: str,
     version: int,
-    store: FeatureStore,
+    store: EntryStore,
     ref: EntityRef,
 ) -> None:
     """A batch whose horizon passed while its writer was held: its values are no longer
@@ -235,12 +234,15 @@ def test_a_write_held_past_its_horizon_is_not_served(
     stored = store.write(late)
 
     assert store.read([ref]) == [None]
-    assert FeatureClient(redis_client, version).get("txn_90d", tenant, USER) is None
+    assert (
+        FeatureClient(redis_client, version, registry=REGISTRY).get("txn_90d", tenant, USER) is None
+    )
     app = create_app(
         settings.model_copy(update={"schema_version": version, "local_cache_size": 0}),
         engine=engine,
         redis_client=redis_client,
         follow_deploys=False,
+        registry=REGISTRY,
     )
     with running(app) as api:
         got = api.portal.call(

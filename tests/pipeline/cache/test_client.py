@@ -9,11 +9,10 @@ from sqlalchemy.engine import Engine
 from fraud.seed import SeedSummary
 from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
-from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
-from tests.helpers import fresh_version
+from tests.helpers import REGISTRY, fresh_version
 
 
 class CountingRedis(redis.Redis):
@@ -36,13 +35,13 @@ def test_many_entities_in_one_round_trip_with_misses_reported(
 ) -> None:
     version = fresh_version()
     tenant = tenant_factory(users=20, transactions=400).tenants[0]
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     refs = [(tenant, str(u)) for u in range(1, 11)]
     for fs in REGISTRY:
         store.write(compute(engine, fs, refs))
     counting = CountingRedis.from_url(settings.redis_url)
     assert isinstance(counting, CountingRedis)
-    client = FeatureClient(counting, version)
+    client = FeatureClient(counting, version, registry=REGISTRY)
     items = [(fs.name, tenant, u) for fs in REGISTRY for u in range(1, 13)]
     got = client.get_many(items)
     assert counting.commands == ["MGET"]
@@ -69,7 +68,7 @@ def test_the_client_answers_as_the_store_reads(
     entries agree, field for field, across feature sets."""
     version = fresh_version()
     first, second = tenant_factory(users=6, transactions=120, tenants=2).tenants
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     for tenant in (first, second):
         for fs in REGISTRY:
             store.write(compute(engine, fs, [(tenant, str(u)) for u in range(1, 6)]))
@@ -82,7 +81,7 @@ def test_the_client_answers_as_the_store_reads(
     items = [
         (fs.name, tenant, u) for u in range(1, 7) for fs in REGISTRY for tenant in (first, second)
     ]
-    got = FeatureClient(redis_client, version).get_many(items)
+    got = FeatureClient(redis_client, version, registry=REGISTRY).get_many(items)
     expected = store.read([EntityRef(fs, t, str(u)) for fs, t, u in items])
     assert [g and (g.values, g.schema_version, g.watermark) for g in got] == [
         e and (e.values, e.schema_version, e.watermark) for e in expected

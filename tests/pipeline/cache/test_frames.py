@@ -15,13 +15,12 @@ from fraud.seed import SeedSummary
 from freshline import Entity, FeatureSet, Field, Table
 from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.errors import InvalidId
 from freshline.pipeline.core.features import Registry
 from freshline.pipeline.core.frames import FrameError, arrow_type
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import fresh_version
+from tests.helpers import REGISTRY, fresh_version
 from tests.pipeline.cache.test_client import CountingRedis
 
 pa = pytest.importorskip("pyarrow")
@@ -36,7 +35,7 @@ def served(
     """A schema version of its own with users 1..5 of a fresh tenant computed."""
     version = fresh_version()
     tenant = tenant_factory(users=8, transactions=200).tenants[0]
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     for fs in REGISTRY:
         store.write(compute(engine, fs, [(tenant, str(u)) for u in range(1, 6)]))
     return version, tenant
@@ -48,7 +47,7 @@ def test_a_frame_is_a_row_per_entity_typed_as_a_training_set_in_one_mget(
     version, tenant = served
     counting = CountingRedis.from_url(settings.redis_url)
     assert isinstance(counting, CountingRedis)
-    client = FeatureClient(counting, version)
+    client = FeatureClient(counting, version, registry=REGISTRY)
     ids: list[str | int] = [3, "1", 5, 7]  # 7 was never computed: a miss
     frame = client.get_frame(["txn_90d", "device_risk", "geo:distinct_countries_30d"], tenant, ids)
     assert counting.commands == ["MGET"]
@@ -87,7 +86,7 @@ def test_get_many_as_arrow_is_a_row_per_item(
     served: tuple[int, str], redis_client: redis.Redis
 ) -> None:
     version, tenant = served
-    client = FeatureClient(redis_client, version)
+    client = FeatureClient(redis_client, version, registry=REGISTRY)
     items: list[tuple[str, str, str | int]] = [
         ("geo", tenant, "2"),
         ("txn_90d", tenant, 4),
@@ -116,7 +115,7 @@ def test_bad_frames_are_one_clear_error(
     served: tuple[int, str], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     version, tenant = served
-    client = FeatureClient(redis_client, version)
+    client = FeatureClient(redis_client, version, registry=REGISTRY)
     with pytest.raises(FrameError, match="unknown feature set 'txn_9d'"):
         client.get_frame(["txn_9d"], tenant, [1])
     with pytest.raises(InvalidId):

@@ -13,11 +13,17 @@ from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.invalidation import ALL, Invalidation
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.recompute import Batch
-from freshline.pipeline.cache.store import TTL_JITTER, FeatureStore
+from freshline.pipeline.cache.store import TTL_JITTER, EntryStore
 from freshline.pipeline.core.keys import INVALIDATION_CHANNEL, feature_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef, Entry
-from tests.helpers import TXN_VALUES, UNWINDOWED, dark_through_outage, fresh_version, wait_until
+from tests.helpers import (
+    REGISTRY,
+    TXN_VALUES,
+    UNWINDOWED,
+    dark_through_outage,
+    fresh_version,
+    wait_until,
+)
 
 
 def now_ms() -> int:
@@ -92,8 +98,8 @@ def test_the_client_follows_redis_after_an_invalidation(
     tier: LocalTier, redis_client: redis.Redis, tenant: str
 ) -> None:
     version = fresh_version()
-    store = FeatureStore(redis_client, version)
-    client = FeatureClient(redis_client, version, local=tier)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
+    client = FeatureClient(redis_client, version, local=tier, registry=REGISTRY)
 
     def write(count: int, watermark: int) -> None:
         store.write(
@@ -242,7 +248,7 @@ def test_a_windowed_entry_is_served_no_longer_than_its_redis_copy_lives(
     ref = EntityRef("txn_90d", tenant, "1")
     key = feature_key(version, ref)
     redis_client.set(key, b"the Redis copy", px=1500)
-    with LocalTier(redis_client, max_entries=10) as local:
+    with LocalTier(redis_client, max_entries=10, registry=REGISTRY) as local:
         assert local.wait_live(5)
         assert local.put(ref, entry(version), local.token())
         assert wait_until(lambda: local.get(ref, version) is not None)
@@ -270,7 +276,7 @@ def test_a_windowed_entry_invalidated_while_held_back_is_dropped(
     # way would refuse a put (see freshline.pipeline.cache.local).
     redis_client.set(feature_key(version, ref), b"the Redis copy", px=60_000)
     redis_client.set(feature_key(version, other), b"the Redis copy", px=60_000)
-    with LocalTier(redis_client, max_entries=10) as local:
+    with LocalTier(redis_client, max_entries=10, registry=REGISTRY) as local:
         assert local.wait_live(5)
         local._held_wake.clear()  # hold the thread off for this put
         with local._lock:  # and this invalidation, before it reads the TTL

@@ -2,7 +2,7 @@
 
 A consumer writes Redis, then publishes the invalidation; one that dies between the
 two must not leave API workers serving the old entry from memory. Every write here
-goes to Redis as a consumer's would (:meth:`FeatureStore.write`), and nothing is
+goes to Redis as a consumer's would (:meth:`EntryStore.write`), and nothing is
 published.
 """
 
@@ -21,13 +21,21 @@ from freshline.pipeline.api import create_app
 from freshline.pipeline.api.auth import create_tenant
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.recompute import Batch
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.keys import feature_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.services import redis_client as make_redis_client
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef, Entry
-from tests.helpers import TXN_VALUES, UNWINDOWED, as_user, fresh_version, need, running, wait_until
+from tests.helpers import (
+    REGISTRY,
+    TXN_VALUES,
+    UNWINDOWED,
+    as_user,
+    fresh_version,
+    need,
+    running,
+    wait_until,
+)
 
 
 @pytest.fixture
@@ -37,12 +45,12 @@ def tenant() -> str:
 
 
 @pytest.fixture
-def store(redis_client: redis.Redis) -> FeatureStore:
+def store(redis_client: redis.Redis) -> EntryStore:
     """The store of a schema version of the test's own."""
-    return FeatureStore(redis_client, fresh_version())
+    return EntryStore(redis_client, fresh_version(), registry=REGISTRY)
 
 
-def write(store: FeatureStore, tenant: str, entity: str, count: int, watermark: int) -> None:
+def write(store: EntryStore, tenant: str, entity: str, count: int, watermark: int) -> None:
     """Write as a consumer does, and publish nothing."""
     batch = Batch(
         REGISTRY["txn_90d"],
@@ -53,7 +61,7 @@ def write(store: FeatureStore, tenant: str, entity: str, count: int, watermark: 
     assert store.write(batch).written == 1
 
 
-def warm(tier: LocalTier, store: FeatureStore, ref: EntityRef) -> None:
+def warm(tier: LocalTier, store: EntryStore, ref: EntityRef) -> None:
     """Read ``ref`` from Redis into the tier, as the API does, until the tier holds it.
 
     A put is refused while a change of the key that happened before the read is still
@@ -76,14 +84,20 @@ def test_a_write_with_no_publish_stops_the_api_serving_the_old_entry(
     engine: Engine,
     redis_client: redis.Redis,
     tenant: str,
-    store: FeatureStore,
+    store: EntryStore,
 ) -> None:
     key = create_tenant(engine, tenant)
     api_settings = settings.model_copy(
         update={"schema_version": store.schema_version, "local_cache_size": 100}
     )
     write(store, tenant, "77", count=1, watermark=10)
-    app = create_app(api_settings, engine=engine, redis_client=redis_client, follow_deploys=False)
+    app = create_app(
+        api_settings,
+        engine=engine,
+        redis_client=redis_client,
+        follow_deploys=False,
+        registry=REGISTRY,
+    )
     with running(app, key) as api:
         local: LocalTier = app.state.services.reader.local
         assert local.wait_live(5)
@@ -112,7 +126,7 @@ def test_a_write_with_no_publish_stops_the_api_serving_the_old_entry(
 
 
 def test_an_entry_goes_when_its_key_is_deleted_or_expires(
-    tier: LocalTier, redis_client: redis.Redis, tenant: str, store: FeatureStore
+    tier: LocalTier, redis_client: redis.Redis, tenant: str, store: EntryStore
 ) -> None:
     gone, expiring = EntityRef("txn_90d", tenant, "1"), EntityRef("txn_90d", tenant, "2")
     for ref in (gone, expiring):
@@ -127,9 +141,7 @@ def test_an_entry_goes_when_its_key_is_deleted_or_expires(
     assert wait_until(lambda: tier.get(expiring, store.schema_version) is None)
 
 
-def test_a_truncate_floor_flushes_the_tier(
-    tier: LocalTier, tenant: str, store: FeatureStore
-) -> None:
+def test_a_truncate_floor_flushes_the_tier(tier: LocalTier, tenant: str, store: EntryStore) -> None:
     refs = [EntityRef("txn_90d", tenant, str(i)) for i in range(3)]
     for ref in refs:
         write(store, tenant, ref.entity, count=1, watermark=10)
@@ -183,7 +195,7 @@ def test_a_login_refused_tracking_keeps_the_tier_dark_and_says_why(
 
 
 def test_a_computed_entry_is_held_only_once_redis_holds_it(
-    tier: LocalTier, tenant: str, store: FeatureStore
+    tier: LocalTier, tenant: str, store: EntryStore
 ) -> None:
     stored, overtaken = EntityRef("txn_90d", tenant, "1"), EntityRef("txn_90d", tenant, "2")
     now = time.time_ns() // 1_000_000
@@ -222,7 +234,7 @@ def test_the_stacks_logins_may_track_keys(settings: Settings, login: str) -> Non
 
 
 def test_a_late_report_of_a_write_the_read_saw_does_not_lose_the_entry(
-    tier: LocalTier, tenant: str, store: FeatureStore
+    tier: LocalTier, tenant: str, store: EntryStore
 ) -> None:
     """The report of a write reaches the tier after a read that saw the write: the
     entry goes back to Redis for a check, and stays only if Redis still holds it."""

@@ -15,13 +15,12 @@ from sqlalchemy.engine import Engine
 from fraud.seed import SeedSummary
 from freshline.pipeline.cache.readthrough import Hooks, ReadThrough, Result
 from freshline.pipeline.cache.recompute import Batch, compute, current_watermark
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.db import make_engine
 from freshline.pipeline.core.keys import lease_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
-from tests.helpers import counting_readthrough, nested_checkouts, paused_reader
+from tests.helpers import REGISTRY, counting_readthrough, nested_checkouts, paused_reader
 
 TXN_90D = REGISTRY["txn_90d"]
 
@@ -58,12 +57,12 @@ def bump_amounts(engine: Engine, ref: EntityRef) -> None:
 
 
 @pytest.fixture
-def store(redis_client: redis.Redis, version: int) -> FeatureStore:
-    return FeatureStore(redis_client, version)
+def store(redis_client: redis.Redis, version: int) -> EntryStore:
+    return EntryStore(redis_client, version, registry=REGISTRY)
 
 
 @pytest.fixture
-def rt(store: FeatureStore, engine: Engine) -> ReadThrough:
+def rt(store: EntryStore, engine: Engine) -> ReadThrough:
     """A read-through on the test's store, without early refreshes."""
     return ReadThrough(store, engine, early_refresh=False)
 
@@ -71,7 +70,9 @@ def rt(store: FeatureStore, engine: Engine) -> ReadThrough:
 def test_hit_miss_and_batch(
     redis_client: redis.Redis, engine: Engine, tenant: str, version: int
 ) -> None:
-    rt, computed = counting_readthrough(FeatureStore(redis_client, version), engine)
+    rt, computed = counting_readthrough(
+        EntryStore(redis_client, version, registry=REGISTRY), engine
+    )
     refs = [EntityRef(fs, tenant, str(u)) for fs in ("txn_90d", "geo") for u in (1, 2, 3)]
     first = rt.get_many([*refs, refs[0]])
     assert [r.source for r in first] == ["computed"] * 7
@@ -95,7 +96,7 @@ def test_a_miss_takes_one_connection_per_set_and_no_transaction(
     and no BEGIN or ROLLBACK round trip, where three connections in turn took nine round
     trips more."""
     own = make_engine(settings)
-    rt = ReadThrough(FeatureStore(redis_client, version), own, early_refresh=False)
+    rt = ReadThrough(EntryStore(redis_client, version, registry=REGISTRY), own, early_refresh=False)
     assert not rt.standby  # asked once, before the reads counted below
     checkouts: list[object] = []
     statements: list[tuple[str, bool]] = []
@@ -122,7 +123,7 @@ def test_a_miss_takes_one_connection_per_set_and_no_transaction(
 
 
 def test_no_stale_set_when_an_invalidation_lands_mid_read(
-    engine: Engine, tenant: str, store: FeatureStore, rt: ReadThrough
+    engine: Engine, tenant: str, store: EntryStore, rt: ReadThrough
 ) -> None:
     ref = EntityRef("txn_90d", tenant, "1")
     old = truth(engine, ref)
@@ -143,7 +144,7 @@ def test_no_stale_set_when_an_invalidation_lands_mid_read(
 
 
 def test_no_stale_set_when_the_newer_entry_is_evicted_mid_read(
-    redis_client: redis.Redis, engine: Engine, tenant: str, store: FeatureStore, rt: ReadThrough
+    redis_client: redis.Redis, engine: Engine, tenant: str, store: EntryStore, rt: ReadThrough
 ) -> None:
     """Meta's "Cache made consistent" case: the newer entry is gone when the stale
     reader comes to write, so only the lease stands between it and the cache."""
@@ -164,7 +165,7 @@ def test_the_watermark_alone_refuses_a_stale_fill(
     engine: Engine,
     tenant: str,
     version: int,
-    store: FeatureStore,
+    store: EntryStore,
     rt: ReadThrough,
 ) -> None:
     """Defence in depth: even if the lease survived, the tombstone's watermark wins."""
@@ -211,7 +212,7 @@ def test_sixteen_threads_on_one_missing_key_compute_once(
             calls.append(len(group))
 
     rt = ReadThrough(
-        FeatureStore(redis_client, version),
+        EntryStore(redis_client, version, registry=REGISTRY),
         engine,
         hooks=Hooks(before_compute=count),
         early_refresh=False,
@@ -232,7 +233,7 @@ def _process_reader(
         client.incr(counter)
 
     rt = ReadThrough(
-        FeatureStore(client, version),
+        EntryStore(client, version, registry=REGISTRY),
         engine,
         early_refresh=False,
         hooks=Hooks(before_compute=count),
@@ -266,7 +267,7 @@ def test_an_entry_near_expiry_is_refreshed_early_by_one_reader(
     redis_client: redis.Redis, engine: Engine, tenant: str, version: int
 ) -> None:
     """XFetch: past 90% of its TTL an entry is recomputed by the reader that sees it."""
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     ref = EntityRef("txn_90d", tenant, "6")
     batch = compute(engine, TXN_90D, [(ref.tenant, ref.entity)])
     old = batch.computed_at_ms - int(TXN_90D.ttl_s * 1000 * 0.95)

@@ -25,12 +25,11 @@ from sqlalchemy.engine import Engine
 from freshline.pipeline.api.auth import create_api_key
 from freshline.pipeline.cache.readthrough import ReadThrough
 from freshline.pipeline.cache.recompute import FORCE_RETRY_S, compute, flushed_lsn
-from freshline.pipeline.cache.store import FeatureStore
-from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
 from tests.consumers.test_durability import ATTEMPTS, Cluster, commit_async, lagging
-from tests.helpers import api_app, fresh_version, nested_checkouts, running
+from tests.helpers import REGISTRY, api_app, fresh_version, nested_checkouts, running
 
 __all__ = ["lagging"]  # the module's private Postgres, a fixture of this module too
 
@@ -111,7 +110,9 @@ def test_more_fills_than_the_pool_holds_each_flush_on_their_own_connection(
     same pool (which no fill would give back: each would wait out the pool's timeout)."""
     tenant = tenant_of(lagging)
     refs = [EntityRef("txn_90d", tenant, str(user)) for user in range(1, 2 * POOL + 1)]
-    rt = ReadThrough(FeatureStore(redis_client, fresh_version()), api_pool, early_refresh=False)
+    rt = ReadThrough(
+        EntryStore(redis_client, fresh_version(), registry=REGISTRY), api_pool, early_refresh=False
+    )
     pool_met(rt)
     commit_not_flushed(lagging, tenant)
     with nested_checkouts(api_pool) as nested, ThreadPoolExecutor(len(refs)) as threads:
@@ -166,7 +167,7 @@ def test_a_fill_never_stores_a_commit_a_crash_can_undo(
     lagging: Cluster, redis_client: redis.Redis, version: int
 ) -> None:
     tenant = tenant_of(lagging)
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     ref = EntityRef("txn_90d", tenant, USER)
     before = txn_90d(lagging.engine, tenant)
     committed_at = commit_not_flushed(lagging, tenant)
@@ -191,7 +192,7 @@ def test_a_fill_that_cannot_be_made_durable_is_answered_not_stored(
     ref = EntityRef("txn_90d", tenant, USER)
     for _ in range(ATTEMPTS):
         committed_at = commit_not_flushed(lagging, tenant)
-        store = FeatureStore(redis_client, fresh_version())
+        store = EntryStore(redis_client, fresh_version(), registry=REGISTRY)
         rt = ReadThrough(store, no_temp, early_refresh=False)
         result = rt.get(ref)
         with lagging.engine.connect() as conn:

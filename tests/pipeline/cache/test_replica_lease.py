@@ -24,10 +24,10 @@ from fraud.seed import SeedSummary
 from freshline.pipeline.cache import readthrough
 from freshline.pipeline.cache.readthrough import ReadThrough, ReplicaBehind
 from freshline.pipeline.cache.recompute import Batch, Position, primary_position
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.keys import feature_key, lease_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef
+from tests.helpers import REGISTRY
 
 TXN_90D = REGISTRY["txn_90d"]
 
@@ -44,7 +44,10 @@ def rt(
     """A read-through of the test's schema version on the stand-in replica, which has
     replayed everything unless the test says otherwise."""
     rt = ReadThrough(
-        FeatureStore(redis_client, version), engine, primary=engine, early_refresh=False
+        EntryStore(redis_client, version, registry=REGISTRY),
+        engine,
+        primary=engine,
+        early_refresh=False,
     )
     rt._standby = True  # the stand-in replica (module docstring)
     monkeypatch.setattr(readthrough, "replayed_lsn", lambda _: 1 << 62)  # replayed it all

@@ -29,13 +29,13 @@ from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.recompute import compute
 from freshline.pipeline.cache.server import recorded_identity, redis_identity, server_gate
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.keys import SERVER_KEY
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import ChangeEvent, EntityRef
 from tests.consumers.test_redis_failover import truncate_event
 from tests.helpers import (
+    REGISTRY,
     UNWINDOWED,
     api_for,
     free_port,
@@ -113,7 +113,7 @@ def test_readers_serve_nothing_a_restarted_redis_resurrected(
 ) -> None:
     version = fresh_version()
     client = redis.Redis(port=persisting.port, socket_timeout=5)
-    processor = Processor(engine, client, versions=lambda: [version])
+    processor = Processor(engine, client, versions=lambda: [version], registry=REGISTRY)
     processor.apply([changed("transactions", tenant, 1), changed("user_devices", tenant, 1)])
     assert client.get(SERVER_KEY) is not None  # the consumer recorded the server
     tier = LocalTier(client, max_entries=100, registry=UNWINDOWED).start() if tiers else None
@@ -165,7 +165,7 @@ def test_readers_serve_nothing_a_restarted_redis_resurrected(
         persisting.kill()
         persisting.start()  # back from the snapshot: the older value, no truncate floor
         admin = redis.Redis(port=persisting.port)
-        assert FeatureStore(admin, version).read(
+        assert EntryStore(admin, version, registry=REGISTRY).read(
             [EntityRef("txn_90d", tenant, "1"), EntityRef("device_risk", tenant, "1")]
         ) == [None, None]  # a fresh client's first read: the gate is asked once
         assert recorded_identity(admin.get(SERVER_KEY)) != redis_identity(
@@ -202,9 +202,11 @@ def test_a_server_is_vouched_for_by_its_own_identity_or_by_none(
     version = fresh_version()
     ref = EntityRef("txn_90d", tenant, "2")
     admin = redis.Redis(port=persisting.port)
-    FeatureStore(admin, version).write(compute(engine, REGISTRY["txn_90d"], [(tenant, "2")]))
+    EntryStore(admin, version, registry=REGISTRY).write(
+        compute(engine, REGISTRY["txn_90d"], [(tenant, "2")])
+    )
     client = redis.Redis(port=persisting.port)
-    store = FeatureStore(client, version)
+    store = EntryStore(client, version, registry=REGISTRY)
     assert store.read([ref])[0] is not None  # nothing recorded: nothing to compare
     assert server_gate(client).vouched
 
@@ -232,7 +234,7 @@ def test_a_server_is_vouched_for_by_its_own_identity_or_by_none(
     admin.set(SERVER_KEY, "another-run-id:another-replid")
     blind = redis.Redis(port=persisting.port, username="blind", password="pw")
     with caplog.at_level(logging.WARNING):
-        assert FeatureStore(blind, version).read([ref])[0] is not None
+        assert EntryStore(blind, version, registry=REGISTRY).read([ref])[0] is not None
     assert "may not read the server's identity" in caplog.text
     for c in (admin, client, blind):
         c.close()

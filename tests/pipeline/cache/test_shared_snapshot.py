@@ -17,7 +17,7 @@ from freshline.pipeline.cache.recompute import (
     take_snapshot,
     unpack_watermark,
 )
-from freshline.pipeline.core.repository import REGISTRY
+from tests.helpers import REGISTRY
 
 
 def test_a_set_computed_in_an_exported_snapshot_misses_later_commits_as_its_exporter_does(

@@ -8,7 +8,7 @@ from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
 from freshline.pipeline.cache.recompute import Batch, compute, current_watermark
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.codec import decode_entry, encode_entry
 from freshline.pipeline.core.errors import (
     CorruptEntry,
@@ -17,8 +17,8 @@ from freshline.pipeline.core.errors import (
     UnknownFeatureSet,
 )
 from freshline.pipeline.core.keys import feature_pattern
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef
+from tests.helpers import REGISTRY
 
 TXN_90D = REGISTRY["txn_90d"]
 
@@ -33,7 +33,7 @@ def _batch(
 def test_conditional_writes_keep_the_newest_watermark(
     redis_client: redis.Redis, version: int
 ) -> None:
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     ref = EntityRef("txn_90d", "acme", "1")
     assert store.write(_batch({"txn_count": 5}, watermark=200)).written == 1
     older = store.write(_batch({"txn_count": 4}, watermark=100))
@@ -53,7 +53,7 @@ def test_conditional_writes_keep_the_newest_watermark(
 def test_invalidation_leaves_a_tombstone_that_refuses_older_writes(
     redis_client: redis.Redis, version: int
 ) -> None:
-    store = FeatureStore(redis_client, version, tombstone_ttl_s=60)
+    store = EntryStore(redis_client, version, tombstone_ttl_s=60, registry=REGISTRY)
     ref = EntityRef("txn_90d", "acme", "2")
     store.write(_batch({"txn_count": 1}, 100, entity="2"))
     assert store.invalidate([ref], watermark=150).written == 1
@@ -75,7 +75,7 @@ def test_every_key_written_has_a_ttl(
     version: int,
 ) -> None:
     seeded = tenant_factory(users=60, transactions=600)
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     refs = [(seeded.tenants[0], str(u)) for u in range(1, 61)]
     for fs in REGISTRY:
         store.write(compute(engine, fs, refs))
@@ -88,7 +88,7 @@ def test_every_key_written_has_a_ttl(
 
 
 def test_bad_input_raises_and_writes_nothing(redis_client: redis.Redis, version: int) -> None:
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     with pytest.raises(UnknownFeatureSet):
         store.read([EntityRef("nope", "acme", "1")])
     with pytest.raises(InvalidId):
@@ -104,7 +104,7 @@ def test_entries_of_another_schema_version_are_refused(
     raw = encode_entry([0] * len(TXN_90D.field_names), version + 1, 1, 5)
     with pytest.raises(SchemaVersionMismatch):
         decode_entry(raw, TXN_90D.field_names, version)
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     ref = EntityRef("txn_90d", "acme", "9")
     redis_client.set(store.key(ref), raw, px=10_000)
     with pytest.raises(SchemaVersionMismatch):
@@ -115,7 +115,7 @@ def test_entries_of_another_schema_version_are_refused(
 
 
 def test_entry_encoding_is_compact(redis_client: redis.Redis, version: int) -> None:
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     values = {
         "txn_count": 12,
         "txn_sum": 1234.56,

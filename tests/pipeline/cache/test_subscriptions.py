@@ -34,11 +34,11 @@ from freshline.pipeline.cache.invalidation import Invalidation
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.versions import Pointer, VersionResolver
 from freshline.pipeline.core.lock import Lock, LockedSet
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef, Entry
 from freshline.pipeline.deploy.pointer import flip
 from tests.helpers import (
+    REGISTRY,
     TXN_VALUES,
     UNWINDOWED,
     dark_through_outage,
@@ -306,7 +306,7 @@ def test_a_resolver_with_a_silent_listener_rereads_the_pointer(
 ) -> None:
     settings, lock, pointer, a, b = deploy
     settings = settings.model_copy(update={"subscription_silence_ms": 300})
-    flip(redis_client, settings, a, lock, pointer=pointer)
+    flip(redis_client, settings, a, lock, pointer=pointer, registry=REGISTRY)
     host, port, db = address(redis_client)
     with Forwarder(host, port) as hole:
         client = redis.Redis(host="127.0.0.1", port=hole.port, db=db, **login(redis_client))
@@ -324,7 +324,9 @@ def test_a_resolver_with_a_silent_listener_rereads_the_pointer(
             spare = readers(redis_client, hole)
             assert spare
             hole.cut(spare=spare)  # the listener's connection goes silent, reads still work
-            flip(redis_client, settings, b, lock, pointer=pointer)  # its message is lost
+            flip(
+                redis_client, settings, b, lock, pointer=pointer, registry=REGISTRY
+            )  # its message is lost
             assert wait_until(lambda: resolver.current() == b, timeout=0.3 * SLACK)
             assert not resolver.listening
         finally:
@@ -374,7 +376,7 @@ def test_the_deploy_listener_survives_a_redis_restart(
     settings, lock, pointer, a, b = deploy
     admin = redis.Redis.from_url(url)
     client = no_retries(url)
-    flip(admin, settings, a, lock, pointer=pointer)
+    flip(admin, settings, a, lock, pointer=pointer, registry=REGISTRY)
     resolver = VersionResolver(client, settings, pointer=pointer, lock=lock, max_age_s=3600)
     got = observe_refreshes(resolver)
     before = deploy_threads()
@@ -384,13 +386,13 @@ def test_the_deploy_listener_survives_a_redis_restart(
         caplog.set_level(logging.INFO, logger="freshline.pipeline")
         stop()
         start()  # empty: no persistence
-        flip(admin, settings, a, lock, pointer=pointer)
+        flip(admin, settings, a, lock, pointer=pointer, registry=REGISTRY)
         assert wait_until(lambda: subscribers(admin, pointer.channel) >= 1, timeout=10)
         assert wait_until(lambda: resolver.listening)
         assert len(deploy_threads() - before) == 1  # the same listener thread, still alive
         assert resolver.current() == a
         got.clear()
-        flip(admin, settings, b, lock, pointer=pointer)
+        flip(admin, settings, b, lock, pointer=pointer, registry=REGISTRY)
         assert got.wait(5)  # the message published after the restart arrived
         assert resolver.current() == b
     finally:
@@ -444,6 +446,7 @@ def test_the_api_keeps_both_subscriptions_through_a_redis_restart(
         ),
         engine=engine,
         redis_client=client,
+        registry=REGISTRY,
     )
     try:
         with running(app):

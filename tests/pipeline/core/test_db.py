@@ -11,9 +11,8 @@ from sqlalchemy.engine import Engine
 from freshline.pipeline.cache.recompute import feature_statement
 from freshline.pipeline.core import db
 from freshline.pipeline.core.features import Path
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import wait_until
+from tests.helpers import REGISTRY, wait_until
 
 
 def test_a_session_idle_in_a_transaction_is_ended_and_its_locks_go(

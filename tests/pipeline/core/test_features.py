@@ -21,8 +21,7 @@ from sqlalchemy.engine import Engine
 from fraud.seed import SeedSummary
 from freshline.pipeline.cache.recompute import compute
 from freshline.pipeline.core.errors import InvalidId, UnknownFeatureSet
-from freshline.pipeline.core.repository import REGISTRY
-from tests.helpers import ANCHOR
+from tests.helpers import ANCHOR, REGISTRY
 
 DEVICE_RISK = REGISTRY["device_risk"]
 GEO = REGISTRY["geo"]

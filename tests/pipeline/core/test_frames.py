@@ -11,7 +11,7 @@ import pytest
 
 from freshline.pipeline.core import frames
 from freshline.pipeline.core.frames import FrameError, requested
-from freshline.pipeline.core.repository import REGISTRY
+from tests.helpers import REGISTRY
 
 pa = pytest.importorskip("pyarrow")
 

@@ -21,12 +21,11 @@ from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import TTL_JITTER, FeatureStore, entry_ttl_ms
+from freshline.pipeline.cache.store import TTL_JITTER, EntryStore, entry_ttl_ms
 from freshline.pipeline.core.features import Path
 from freshline.pipeline.core.keys import feature_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import EntityRef
-from tests.helpers import wait_until
+from tests.helpers import REGISTRY, wait_until
 
 USER = 9001
 """Beyond the seeded users: only this module's rows are the user's."""
@@ -70,7 +69,7 @@ def test_a_transaction_leaving_the_window_expires_the_entry_that_counted_it(
     assert batch.values[(tenant, str(USER))]["txn_count"] == 2
     assert batch.valid_until_ms == {(tenant, str(USER)): ms(leaving + dt.timedelta(days=90))}
 
-    FeatureStore(redis_client, version).write(batch)
+    EntryStore(redis_client, version, registry=REGISTRY).write(batch)
     key = feature_key(version, EntityRef("txn_90d", tenant, str(USER)))
     assert 0 < redis_client.pttl(key) <= 3000
     # Gone when the row leaves the window: what it counted is then no longer true.

@@ -32,11 +32,10 @@ from freshline.pipeline.cache.recompute import compute
 from freshline.pipeline.core.errors import ConfigError
 from freshline.pipeline.core.features import FeatureSet
 from freshline.pipeline.core.maintenance import DerivedPath
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import FeatureValues
 from freshline.pipeline.observe.reconcile import compare, reconcile
-from tests.helpers import FRESHLINE, drop_database, examples, migrate, recreate_database
+from tests.helpers import FRESHLINE, REGISTRY, drop_database, examples, migrate, recreate_database
 
 AS_OF = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 EDGE = AS_OF - timedelta(days=90)  # txn_90d's window starts after it
@@ -378,12 +377,12 @@ def test_reconcile_finds_and_repairs_drift(db: Engine) -> None:
             sa.text(f"UPDATE {PATH.days} SET mx3 = 999 WHERE tenant_id = :t AND user_id = 2"),
             {"t": tenant},
         )
-    report = reconcile(db, [(tenant, str(u)) for u in USERS], as_of=AS_OF)
+    report = reconcile(db, [(tenant, str(u)) for u in USERS], as_of=AS_OF, registry=REGISTRY)
     assert report.checked == 3
     assert [(m.tenant, m.entity) for m in report.drifted] == [(tenant, "2")]
     assert report.drifted[0].fields == {"txn_max": (999.0, 10.0)}
     assert report.repaired == 1
-    again = reconcile(db, [(tenant, str(u)) for u in USERS], as_of=AS_OF)
+    again = reconcile(db, [(tenant, str(u)) for u in USERS], as_of=AS_OF, registry=REGISTRY)
     assert again.drifted == []
 
 
@@ -488,7 +487,7 @@ def test_concurrent_writers_of_one_member_do_not_wait_and_stay_exact(
     full, inc = both(db, tenant, (1,))
     assert inc == full
     assert inc[(tenant, "1")]["distinct_merchants"] == 1
-    assert compare(db, [(tenant, "1")], as_of=AS_OF) == []
+    assert compare(db, [(tenant, "1")], as_of=AS_OF, registry=REGISTRY) == []
 
 
 def test_a_fold_takes_only_committed_deltas(db: Engine) -> None:

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from freshline.pipeline.core.errors import LockMismatch
 from freshline.pipeline.core.features import Field, Registry
 from freshline.pipeline.core.lock import Lock, check, lock_path, update
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
+from tests.helpers import REGISTRY
 
 TXN_90D = REGISTRY["txn_90d"]
 

@@ -26,19 +26,18 @@ from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.hot import HotReads
 from freshline.pipeline.cache.readthrough import ReadThrough, Result
 from freshline.pipeline.cache.recompute import Batch, compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.versions import Pointer, VersionResolver, WriteVersions, state
 from freshline.pipeline.core.errors import DeployError
 from freshline.pipeline.core.keys import LEASE_PREFIX, feature_pattern, inference_key
 from freshline.pipeline.core.lock import Lock, LockedSet
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.deploy.pointer import IN_FLIGHT_MS, cancel, flip, keep_ms, start
 from freshline.pipeline.deploy.purge import purge
 from freshline.pipeline.deploy.warm import Throttle, active_entities, count_active, warm
 from freshline.pipeline.inference.models import purge_model
-from tests.helpers import fresh_version, observe_refreshes, wait_until
+from tests.helpers import REGISTRY, fresh_version, observe_refreshes, wait_until
 
 TXN_90D = REGISTRY["txn_90d"]
 
@@ -72,6 +71,7 @@ class Deploy:
                 name,
                 active_entities(self.engine, REGISTRY[name].entity, [self.tenant], batch_size=16),
                 self.lock,
+                registry=REGISTRY,
             )
 
     def raw_pointer(self) -> list[bytes | str | None]:
@@ -108,7 +108,7 @@ def deploy_world(
         pointer,
         tenant,
     )
-    flip(client, world.settings, a, lock, pointer=pointer)
+    flip(client, world.settings, a, lock, pointer=pointer, registry=REGISTRY)
     yield world
     client.delete(
         pointer.active_key,
@@ -133,14 +133,14 @@ def world(
 def test_the_pointer_moves_through_a_deploy(world: Deploy) -> None:
     r, s, p, lock = world.redis, world.settings, world.pointer, world.lock
     assert state(r, s, pointer=p, lock=lock).active == world.a
-    writes = WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0)
+    writes = WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0, registry=REGISTRY)
     assert writes() == [world.a]
     assert start(r, s, world.b, lock, pointer=p).next == world.b
     assert writes() == [world.a, world.b]
-    after = flip(r, s, world.b, lock, pointer=p)
+    after = flip(r, s, world.b, lock, pointer=p, registry=REGISTRY)
     assert (after.active, after.next, after.previous) == (world.b, None, world.a)
     assert writes() == [world.b, world.a]  # A stays written for one TTL: a rollback is safe
-    rollback = flip(r, s, world.a, lock, pointer=p)
+    rollback = flip(r, s, world.a, lock, pointer=p, registry=REGISTRY)
     assert (rollback.active, rollback.next, rollback.previous) == (world.a, None, world.b)
 
 
@@ -158,12 +158,12 @@ def test_write_versions_is_cached_and_skips_versions_the_code_cannot_compute(
         }
     )
     start(r, s, world.b, lock, pointer=p)
-    fresh = WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0)
+    fresh = WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0, registry=REGISTRY)
     assert fresh() == [world.a]
     assert fresh("geo") == [world.a, world.b]
-    kept = WriteVersions(r, s, pointer=p, lock=lock, max_age_s=3600)
+    kept = WriteVersions(r, s, pointer=p, lock=lock, max_age_s=3600, registry=REGISTRY)
     cached = kept("geo")
-    flip(r, s, world.b, lock, pointer=p)
+    flip(r, s, world.b, lock, pointer=p, registry=REGISTRY)
     assert kept("geo") == cached  # one GET per max_age_s at most
     assert fresh("geo") == [world.b, world.a]
     # After a flip to a version this code cannot compute, it keeps its own fresh.
@@ -177,9 +177,9 @@ def test_refusals_change_nothing(world: Deploy) -> None:
     with pytest.raises(DeployError, match="no lock entry"):
         start(r, s, unlocked, lock, pointer=p)
     with pytest.raises(DeployError, match="no lock entry"):
-        flip(r, s, unlocked, lock, pointer=p)
+        flip(r, s, unlocked, lock, pointer=p, registry=REGISTRY)
     with pytest.raises(DeployError, match="no lock entry"):
-        warm(r, world.engine, unlocked, "txn_90d", [[(world.tenant, "1")]], lock)
+        warm(r, world.engine, unlocked, "txn_90d", [[(world.tenant, "1")]], lock, registry=REGISTRY)
     with pytest.raises(DeployError, match="already active"):
         start(r, s, world.a, lock, pointer=p)
     with pytest.raises(DeployError, match="is active"):
@@ -192,16 +192,16 @@ def test_refusals_change_nothing(world: Deploy) -> None:
     with pytest.raises(DeployError, match="in progress"):
         start(r, s, unlocked, other, pointer=p)
     with pytest.raises(DeployError, match="being warmed"):
-        flip(r, s, unlocked, other, pointer=p)
+        flip(r, s, unlocked, other, pointer=p, registry=REGISTRY)
     with pytest.raises(DeployError, match="being warmed"):
         purge(r, s, world.b, pointer=p)
     assert world.raw_pointer() == during
-    assert cancel(r, s, lock, pointer=p).next is None
+    assert cancel(r, s, lock, pointer=p, registry=REGISTRY).next is None
 
     for bad in (str(unlocked).encode(), b"abc"):
         r.set(p.active_key, bad)
         with pytest.raises(DeployError, match=r"not in the lock|not a schema version"):
-            flip(r, s, world.b, lock, pointer=p)
+            flip(r, s, world.b, lock, pointer=p, registry=REGISTRY)
         if bad == b"abc":
             with pytest.raises(DeployError):
                 world.resolver().current()
@@ -220,7 +220,15 @@ def test_warm_refuses_a_definition_the_code_does_not_compute(world: Deploy) -> N
         }
     )
     with pytest.raises(DeployError, match="differs"):
-        warm(world.redis, world.engine, world.b, "txn_90d", [[(world.tenant, "1")]], lock)
+        warm(
+            world.redis,
+            world.engine,
+            world.b,
+            "txn_90d",
+            [[(world.tenant, "1")]],
+            lock,
+            registry=REGISTRY,
+        )
     assert world.count(feature_pattern(world.b)) == 0
 
 
@@ -285,7 +293,7 @@ def test_warm_then_flip_keeps_the_hit_rate_and_a_cold_flip_storms(
     world.warm_all(world.a)
     hot = [EntityRef("txn_90d", world.tenant, str(u)) for u in range(1, USERS // 2 + 1)]
     rt = ReadThrough(
-        FeatureStore(r, world.a),
+        EntryStore(r, world.a, registry=REGISTRY),
         world.engine,
         early_refresh=False,
         versions=world.resolver(),
@@ -301,8 +309,8 @@ def test_warm_then_flip_keeps_the_hit_rate_and_a_cold_flip_storms(
             start(r, s, world.b, lock, pointer=p)
             top = HotReads(r).top(world.a, "txn_90d", [world.tenant], len(hot))
             assert sorted(top) == sorted((ref.tenant, ref.entity) for ref in hot)
-            warm(r, world.engine, world.b, "txn_90d", [top], lock)
-        flip(r, s, world.b, lock, pointer=p)
+            warm(r, world.engine, world.b, "txn_90d", [top], lock, registry=REGISTRY)
+        flip(r, s, world.b, lock, pointer=p, registry=REGISTRY)
 
     rounds, before = under_load(read, deploy)
     for answer in rounds:
@@ -325,9 +333,12 @@ def test_no_response_mixes_versions(world: Deploy) -> None:
     for version in (world.a, world.b):
         world.warm_all(version, ("txn_90d", "geo"))
     items = [(fs, world.tenant, u) for fs in ("txn_90d", "geo") for u in range(1, 21)]
-    client = FeatureClient(r, world.a, versions=world.resolver())
+    client = FeatureClient(r, world.a, versions=world.resolver(), registry=REGISTRY)
     rt = ReadThrough(
-        FeatureStore(r, world.a), world.engine, early_refresh=False, versions=world.resolver()
+        EntryStore(r, world.a, registry=REGISTRY),
+        world.engine,
+        early_refresh=False,
+        versions=world.resolver(),
     )
     refs = [EntityRef(fs, t, str(u)) for fs, t, u in items]
     turn = iter(range(1_000_000))
@@ -342,7 +353,7 @@ def test_no_response_mixes_versions(world: Deploy) -> None:
     thread.start()
     try:
         for i in range(12):
-            flip(r, s, world.b if i % 2 == 0 else world.a, lock, pointer=p)
+            flip(r, s, world.b if i % 2 == 0 else world.a, lock, pointer=p, registry=REGISTRY)
             load.wait_rounds(2)
     finally:
         load.stop = True
@@ -369,7 +380,14 @@ def test_a_listening_resolver_follows_the_flip_at_once(world: Deploy) -> None:
         # The SUBSCRIBE is on the wire; wait until Redis has registered it.
         assert wait_until(lambda: world.redis.pubsub_numsub(channel)[0][1] >= 1, timeout=30)
         assert resolver.current() == world.a  # cached for an hour...
-        flip(world.redis, world.settings, world.b, world.lock, pointer=world.pointer)
+        flip(
+            world.redis,
+            world.settings,
+            world.b,
+            world.lock,
+            pointer=world.pointer,
+            registry=REGISTRY,
+        )
         assert got.wait(10)
         assert resolver.current() == world.b  # ...but the deploy message dropped it
     finally:
@@ -390,7 +408,14 @@ def test_a_listening_resolver_keeps_the_pointer_until_a_deploy_message(world: De
         assert [resolver.current() for _ in range(3)] == [world.a] * 3
         world.redis.set(world.pointer.active_key, str(world.a))
         # ...while the deploy command's message drops the cached pointer.
-        flip(world.redis, world.settings, world.b, world.lock, pointer=world.pointer)
+        flip(
+            world.redis,
+            world.settings,
+            world.b,
+            world.lock,
+            pointer=world.pointer,
+            registry=REGISTRY,
+        )
         assert wait_until(lambda: resolver.current() == world.b, timeout=10)
     finally:
         resolver.close()
@@ -401,7 +426,9 @@ def test_the_api_reader_serves_a_flip_with_the_pointer_cached(world: Deploy) -> 
     cached is dropped by the flip's message, however long it was kept."""
     resolver = VersionResolver(world.redis, world.settings, pointer=world.pointer, lock=world.lock)
     reader = FeatureReader(
-        ReadThrough(FeatureStore(world.redis, world.a), world.engine, versions=resolver),
+        ReadThrough(
+            EntryStore(world.redis, world.a, registry=REGISTRY), world.engine, versions=resolver
+        ),
         timeout_s=5,
     )
     lookup = Lookup(world.tenant, ["txn_90d"], ["1"])
@@ -424,16 +451,30 @@ def test_the_api_reader_serves_a_flip_with_the_pointer_cached(world: Deploy) -> 
         assert served() == world.a
         kept = resolver._cached
         assert kept is not None and kept[1] == world.a  # the pointer is cached...
-        flip(world.redis, world.settings, world.b, world.lock, pointer=world.pointer)
+        flip(
+            world.redis,
+            world.settings,
+            world.b,
+            world.lock,
+            pointer=world.pointer,
+            registry=REGISTRY,
+        )
         # ...and a reader that kept it would serve version A forever: no age limit.
         assert wait_until(lambda: served() == world.b, timeout=10)
-        flip(world.redis, world.settings, world.a, world.lock, pointer=world.pointer)
+        flip(
+            world.redis,
+            world.settings,
+            world.a,
+            world.lock,
+            pointer=world.pointer,
+            registry=REGISTRY,
+        )
         assert wait_until(lambda: served() == world.a, timeout=10)  # a rollback too
     finally:
         resolver.close()
 
 
-def fill(store: FeatureStore, engine: Engine, tenant: str, n: int) -> None:
+def fill(store: EntryStore, engine: Engine, tenant: str, n: int) -> None:
     """``n`` entries in ``store``'s version, copies of one real user's features."""
     real = compute(engine, TXN_90D, [(tenant, "1")])
     values = real.values[(tenant, "1")]
@@ -450,8 +491,8 @@ def test_purge_removes_exactly_the_old_namespace_in_batches_and_resumes(
     world: Deploy,
 ) -> None:
     r, s, p = world.redis, world.settings, world.pointer
-    fill(FeatureStore(r, world.b), world.engine, world.tenant, 1500)
-    fill(FeatureStore(r, world.a), world.engine, world.tenant, 300)
+    fill(EntryStore(r, world.b, registry=REGISTRY), world.engine, world.tenant, 1500)
+    fill(EntryStore(r, world.a, registry=REGISTRY), world.engine, world.tenant, 300)
     r.set(f"{LEASE_PREFIX}:{world.b}:txn_90d:{{{world.tenant}:1}}", "x", px=60_000)
     active_before = world.count(feature_pattern(world.a))
     assert world.count(feature_pattern(world.b)) == 1500
@@ -530,8 +571,8 @@ def test_a_rollback_serves_what_changed_after_the_flip(world: Deploy) -> None:
     world.warm_all(world.a)
     start(r, s, world.b, lock, pointer=p)
     world.warm_all(world.b)
-    flip(r, s, world.b, lock, pointer=p)
-    writes = WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0)
+    flip(r, s, world.b, lock, pointer=p, registry=REGISTRY)
+    writes = WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0, registry=REGISTRY)
     assert writes() == [world.b, world.a]  # the version left is still written
     with world.engine.begin() as conn:
         conn.execute(
@@ -540,26 +581,28 @@ def test_a_rollback_serves_what_changed_after_the_flip(world: Deploy) -> None:
             ),
             {"t": world.tenant},
         )
-    Processor(world.engine, r, versions=writes).apply(
+    Processor(world.engine, r, versions=writes, registry=REGISTRY).apply(
         [ChangeEvent("transactions", "u", world.tenant, {"tenant_id": world.tenant, "user_id": 3})]
     )
-    flip(r, s, world.a, lock, pointer=p)  # the rollback
-    [entry] = FeatureStore(r, world.a).read([EntityRef("txn_90d", world.tenant, "3")])
+    flip(r, s, world.a, lock, pointer=p, registry=REGISTRY)  # the rollback
+    [entry] = EntryStore(r, world.a, registry=REGISTRY).read(
+        [EntityRef("txn_90d", world.tenant, "3")]
+    )
     truth = compute(world.engine, TXN_90D, [(world.tenant, "3")]).values[(world.tenant, "3")]
     assert entry is not None and entry.values == truth
 
 
 def test_a_version_not_written_for_a_ttl_is_purged_before_a_flip_back(world: Deploy) -> None:
     r, s, p, lock = world.redis, world.settings, world.pointer, world.lock
-    flip(r, s, world.b, lock, pointer=p)
+    flip(r, s, world.b, lock, pointer=p, registry=REGISTRY)
     # One TTL and a minute later: consumers stopped writing version A and every write
     # to it has landed (its marker holds when that happened).
     r.delete(p.previous_key)
     stopped = int(r.get(p.retired_key(world.a)) or 0)
     r.set(p.retired_key(world.a), stopped - keep_ms(REGISTRY) - IN_FLIGHT_MS, keepttl=True)
-    assert WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0)() == [world.b]
+    assert WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0, registry=REGISTRY)() == [world.b]
     with pytest.raises(DeployError, match="purge it first"):
-        flip(r, s, world.a, lock, pointer=p)
+        flip(r, s, world.a, lock, pointer=p, registry=REGISTRY)
     assert state(r, s, pointer=p).active == world.b  # nothing changed
     assert purge(r, s, world.a, pointer=p).done
-    assert flip(r, s, world.a, lock, pointer=p).active == world.a
+    assert flip(r, s, world.a, lock, pointer=p, registry=REGISTRY).active == world.a

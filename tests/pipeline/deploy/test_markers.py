@@ -23,19 +23,18 @@ from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.cache.versions import Pointer, WriteVersions, state
 from freshline.pipeline.core.errors import DeployError
 from freshline.pipeline.core.keys import feature_pattern
 from freshline.pipeline.core.lock import Lock
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import ChangeEvent, EntityRef
 from freshline.pipeline.deploy import pointer as deploy
 from freshline.pipeline.deploy.pointer import cancel, flip, keep_ms, start
 from freshline.pipeline.deploy.purge import purge
 from freshline.pipeline.deploy.warm import active_entities, warm
-from tests.helpers import FRESHLINE, fresh_version
+from tests.helpers import FRESHLINE, REGISTRY, fresh_version
 from tests.pipeline.deploy.test_deploy import Deploy, deploy_world, fill, locked_entry
 
 TXN_90D = REGISTRY["txn_90d"]
@@ -71,7 +70,7 @@ def assert_not_deployable(world: Deploy, version: int) -> None:
     r, s, p, lock = world.redis, world.settings, world.pointer, world.lock
     before = whole_pointer(world)
     with pytest.raises(DeployError, match="purge it first"):
-        flip(r, s, version, lock, pointer=p)
+        flip(r, s, version, lock, pointer=p, registry=REGISTRY)
     with pytest.raises(DeployError, match="purge it first"):
         start(r, s, version, lock, pointer=p)
     assert whole_pointer(world) == before
@@ -103,11 +102,11 @@ def change(world: Deploy, user: int, writes: WriteVersions) -> None:
     event = ChangeEvent(
         "transactions", "u", world.tenant, {"tenant_id": world.tenant, "user_id": user}
     )
-    Processor(world.engine, world.redis, versions=writes).apply([event])
+    Processor(world.engine, world.redis, versions=writes, registry=REGISTRY).apply([event])
 
 
 def served(world: Deploy, version: int, user: int) -> dict[str, object] | None:
-    [entry] = FeatureStore(world.redis, version).read(
+    [entry] = EntryStore(world.redis, version, registry=REGISTRY).read(
         [EntityRef("txn_90d", world.tenant, str(user))]
     )
     return None if entry is None else entry.values
@@ -123,7 +122,7 @@ def test_purge_and_start_refuse_the_previous_version(world: Deploy) -> None:
     r, s, p, lock = world.redis, world.settings, world.pointer, world.lock
     world.warm_all(world.a)
     start(r, s, world.b, lock, pointer=p)
-    flip(r, s, world.b, lock, pointer=p)
+    flip(r, s, world.b, lock, pointer=p, registry=REGISTRY)
     entries = world.count(feature_pattern(world.a))
     before = whole_pointer(world)
     # Purging the rollback target would leave it written but empty, then frozen.
@@ -133,17 +132,19 @@ def test_purge_and_start_refuse_the_previous_version(world: Deploy) -> None:
         start(r, s, world.a, lock, pointer=p)
     assert whole_pointer(world) == before
     assert world.count(feature_pattern(world.a)) == entries
-    assert flip(r, s, world.a, lock, pointer=p).active == world.a  # the rollback still works
+    assert (
+        flip(r, s, world.a, lock, pointer=p, registry=REGISTRY).active == world.a
+    )  # the rollback still works
 
 
 def test_a_forced_purge_of_the_previous_version_leaves_it_unflippable(world: Deploy) -> None:
     r, s, p, lock = world.redis, world.settings, world.pointer, world.lock
     start(r, s, world.b, lock, pointer=p)
-    flip(r, s, world.b, lock, pointer=p)
-    fill(FeatureStore(r, world.a), world.engine, world.tenant, 50)
-    deploy.retire(r, s, world.a, lock, pointer=p)
+    flip(r, s, world.b, lock, pointer=p, registry=REGISTRY)
+    fill(EntryStore(r, world.a, registry=REGISTRY), world.engine, world.tenant, 50)
+    deploy.retire(r, s, world.a, lock, pointer=p, registry=REGISTRY)
     assert state(r, s, pointer=p).previous is None
-    assert WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0)() == [world.b]
+    assert WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0, registry=REGISTRY)() == [world.b]
     result = purge(r, s, world.a, pointer=p)
     assert result.done and world.count(feature_pattern(world.a)) == 0
     # A consumer's last write to A may land after the purge's scan: the marker stays.
@@ -156,16 +157,16 @@ def test_a_forced_purge_of_the_previous_version_leaves_it_unflippable(world: Dep
     assert again.done and again.retired_ms == 0
     assert r.exists(p.retired_key(world.a)) == 0
     start(r, s, world.a, lock, pointer=p)
-    assert flip(r, s, world.a, lock, pointer=p).active == world.a
+    assert flip(r, s, world.a, lock, pointer=p, registry=REGISTRY).active == world.a
 
 
 def test_a_cancelled_version_is_refused_until_purged(world: Deploy) -> None:
     r, s, p, lock = world.redis, world.settings, world.pointer, world.lock
-    writes = WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0)
+    writes = WriteVersions(r, s, pointer=p, lock=lock, max_age_s=0, registry=REGISTRY)
     world.warm_all(world.a)
     start(r, s, world.b, lock, pointer=p)
     world.warm_all(world.b)
-    cancel(r, s, lock, pointer=p)
+    cancel(r, s, lock, pointer=p, registry=REGISTRY)
     assert writes() == [world.a]  # B is no longer written...
     change(world, 3, writes)
     assert served(world, world.a, 3) == truth(world, 3)
@@ -178,12 +179,12 @@ def test_a_cancelled_version_is_refused_until_purged(world: Deploy) -> None:
     # Purged at once, a write computed before the cancel could still land: refused still.
     assert purge(r, s, world.b, pointer=p).retired_ms > 0
     with pytest.raises(DeployError, match="purge it first"):
-        flip(r, s, world.b, lock, pointer=p)
+        flip(r, s, world.b, lock, pointer=p, registry=REGISTRY)
     age(world, world.b, deploy.IN_FLIGHT_MS)
     assert purge(r, s, world.b, pointer=p).retired_ms == 0
     start(r, s, world.b, lock, pointer=p)
     world.warm_all(world.b)
-    flip(r, s, world.b, lock, pointer=p)
+    flip(r, s, world.b, lock, pointer=p, registry=REGISTRY)
     assert served(world, world.b, 3) == truth(world, 3)
 
 
@@ -193,7 +194,7 @@ def test_the_marker_of_the_version_left_outlives_its_longest_ttl(world: Deploy) 
     longer = {n: dataclasses.replace(e, ttl_s=e.ttl_s * 24) for n, e in locked_entry().items()}
     lock = Lock({world.a: longer, world.b: locked_entry()})
     start(r, s, world.b, lock, pointer=p)
-    flip(r, s, world.b, lock, pointer=p)
+    flip(r, s, world.b, lock, pointer=p, registry=REGISTRY)
     keep = keep_ms(REGISTRY)
     assert abs(r.pttl(p.previous_key) - keep) < 60_000  # A is written for one more TTL
     # Its last write lands up to ``keep`` from now and lives up to A's longest TTL.
@@ -206,14 +207,14 @@ def test_warming_stops_when_the_version_is_no_longer_deployed(world: Deploy) -> 
 
     def batches() -> Iterator[list[tuple[str, str]]]:
         yield [(world.tenant, "1")]
-        cancel(r, s, lock, pointer=p)  # another operator, mid-warm
+        cancel(r, s, lock, pointer=p, registry=REGISTRY)  # another operator, mid-warm
         yield [(world.tenant, "2")]
 
     def guard() -> None:
         deploy.writing(r, s, world.b, pointer=p)
 
     with pytest.raises(DeployError, match="not being deployed"):
-        warm(r, world.engine, world.b, "txn_90d", batches(), lock, guard=guard)
+        warm(r, world.engine, world.b, "txn_90d", batches(), lock, guard=guard, registry=REGISTRY)
     assert world.count(feature_pattern(world.b)) == 1  # nothing written after the cancel
 
 
@@ -221,9 +222,9 @@ def test_a_cold_flip_and_a_rollback_still_work(world: Deploy) -> None:
     """A version nobody wrote since its marker expired may be flipped to cold."""
     r, s, p, lock = world.redis, world.settings, world.pointer, world.lock
     users = active_entities(world.engine, TXN_90D.entity, [world.tenant], batch_size=50)
-    warm(r, world.engine, world.a, "txn_90d", users, lock)
-    assert flip(r, s, world.b, lock, pointer=p).previous == world.a
-    assert flip(r, s, world.a, lock, pointer=p).previous == world.b
+    warm(r, world.engine, world.a, "txn_90d", users, lock, registry=REGISTRY)
+    assert flip(r, s, world.b, lock, pointer=p, registry=REGISTRY).previous == world.a
+    assert flip(r, s, world.a, lock, pointer=p, registry=REGISTRY).previous == world.b
     assert r.exists(p.retired_key(world.a)) == 0  # written all along: no marker
     assert r.exists(p.retired_key(world.b)) == 1
 

@@ -31,12 +31,12 @@ from freshline.pipeline.cache.versions import Pointer, publish_fields, state
 from freshline.pipeline.core.errors import DeployError
 from freshline.pipeline.core.features import Registry
 from freshline.pipeline.core.lock import Lock, LockedSet
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.services import redis_client
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.deploy.pointer import flip, retire, start
 from freshline.pipeline.deploy.warm import warm
 from tests.helpers import (
+    REGISTRY,
     Api,
     as_user,
     fresh_version,
@@ -203,7 +203,7 @@ def world(
             b,
             pointer,
         )
-        flip(redis_client, world.settings, a, world.old, pointer=pointer)
+        flip(redis_client, world.settings, a, world.old, pointer=pointer, registry=REGISTRY)
         world.warm(a, CODE_A, WARM + COLD)
         yield world
         redis_client.delete(
@@ -324,7 +324,14 @@ def test_a_reader_past_a_forced_flip_serves_its_own_version_or_503_never_500(
         assert any(f"schema version {world.b} is active" in p for p in status["problems"])
         assert {p["kind"] for p in status["processes"]} == {"serve", "client"}
         # A no longer written: misses are refused, hits still served.
-        retire(world.admin, world.settings, world.a, world.new, pointer=world.pointer)
+        retire(
+            world.admin,
+            world.settings,
+            world.a,
+            world.new,
+            pointer=world.pointer,
+            registry=REGISTRY,
+        )
         assert wait_until(
             lambda: served(api, world, COLD[2]) == (503, "schema_version_unknown"), timeout=10
         )
@@ -348,7 +355,14 @@ def test_an_unpublished_version_is_served_from_the_own_one_then_refused(world: W
         world.flip(world.b, force=True)
         world.admin.delete(world.pointer.fields_key(world.b))
         assert wait_until(lambda: served(api, world, WARM[2]) == (200, world.a), timeout=10)
-        retire(world.admin, world.settings, world.a, world.new, pointer=world.pointer)
+        retire(
+            world.admin,
+            world.settings,
+            world.a,
+            world.new,
+            pointer=world.pointer,
+            registry=REGISTRY,
+        )
         assert wait_until(
             lambda: served(api, world, WARM[2]) == (503, "schema_version_unknown"), timeout=10
         )

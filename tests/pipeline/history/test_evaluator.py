@@ -16,7 +16,6 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from freshline.pipeline.core.features import FeatureSet, Field
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.types import FeatureValues
 from freshline.pipeline.history.evaluator import (
     AtCommitTime,
@@ -25,6 +24,7 @@ from freshline.pipeline.history.evaluator import (
     HistoryRefused,
     history_sql,
 )
+from tests.helpers import REGISTRY
 from tests.pipeline.history import recording
 
 HOUR = dt.timedelta(hours=1)

@@ -15,11 +15,10 @@ from sqlalchemy.engine import Engine
 from fraud.seed import SeedSummary
 from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
-from freshline.pipeline.core.repository import REGISTRY
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.history import tables
 from freshline.pipeline.history.training import training_set
-from tests.helpers import ROOT, fresh_version
+from tests.helpers import REGISTRY, ROOT, fresh_version
 from tests.pipeline.history import recording
 
 pa = pytest.importorskip("pyarrow")
@@ -55,11 +54,11 @@ def test_a_frame_read_equals_the_training_set_at_its_entries_snapshots(
         )
     users = [5, 1, 8, 3]
     version = fresh_version()
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     batches = {fs.name: compute(api, fs, [(tenant, str(u)) for u in users]) for fs in REGISTRY}
     for batch in batches.values():
         store.write(batch)
-    frame = FeatureClient(redis_client, version).get_frame(
+    frame = FeatureClient(redis_client, version, registry=REGISTRY).get_frame(
         [fs.name for fs in REGISTRY], tenant, users
     )
     for name, batch in batches.items():

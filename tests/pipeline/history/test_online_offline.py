@@ -43,7 +43,7 @@ from freshline.pipeline.cache.recompute import compute
 from freshline.pipeline.core.db import make_engine
 from freshline.pipeline.core.features import Registry
 from freshline.pipeline.core.maintenance import install_missing
-from freshline.pipeline.core.repository import REGISTRY, load
+from freshline.pipeline.core.repository import load
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import FeatureValues
 from freshline.pipeline.history import tables
@@ -51,7 +51,7 @@ from freshline.pipeline.history.backfill import backfill
 from freshline.pipeline.history.evaluator import AtCommitTime, AtSnapshot, Evaluator
 from freshline.pipeline.history.recorder import Recorder
 from tests.faults import reference
-from tests.helpers import ROOT, drop_database, migrate, recreate_database, role_url
+from tests.helpers import REGISTRY, ROOT, drop_database, migrate, recreate_database, role_url
 from tests.pipeline.history import recording
 
 EXAMPLES = int(os.environ.get("FRESHLINE_HISTORY_EXAMPLES", "15"))

@@ -37,13 +37,12 @@ from freshline.pipeline.cdc.connect import (
     names,
     streaming,
 )
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.history import tables
 from freshline.pipeline.history.backfill import backfill
 from freshline.pipeline.history.evaluator import AtCommitTime, AtSnapshot, Evaluator
 from tests.consumers.conftest import own_settings, wait_for
-from tests.helpers import role_engine
+from tests.helpers import REGISTRY, role_engine
 
 pytestmark = [pytest.mark.kafka, pytest.mark.connect]
 

@@ -25,13 +25,12 @@ from freshline.pipeline.api import create_app
 from freshline.pipeline.api.auth import create_tenant
 from freshline.pipeline.core.codec import HEADER
 from freshline.pipeline.core.keys import feature_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.topics import SERVED, qualified
 from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.observe.served_files import ParquetLog
 from freshline.pipeline.observe.skew import check
-from tests.helpers import Api, fresh_version, freshline, running
+from tests.helpers import REGISTRY, Api, fresh_version, freshline, running
 from tests.pipeline.history import recording
 
 LOG = {"Freshline-Log": "1"}
@@ -73,7 +72,12 @@ def api(
     logged: Settings, engine: Engine, redis_client: redis.Redis, key: str, recorded: None
 ) -> Iterator[Api]:
     app = create_app(
-        logged, engine=engine, redis_client=redis_client, follow_deploys=False, keep_snapshots=True
+        logged,
+        engine=engine,
+        redis_client=redis_client,
+        follow_deploys=False,
+        keep_snapshots=True,
+        registry=REGISTRY,
     )
     with running(app, key) as client:
         yield client
@@ -186,7 +190,12 @@ def test_reads_whose_snapshot_was_not_kept_are_counted_unchecked(
 ) -> None:
     add_transaction(engine, tenant, "3.00")
     app = create_app(
-        logged, engine=engine, redis_client=redis_client, follow_deploys=False, keep_snapshots=False
+        logged,
+        engine=engine,
+        redis_client=redis_client,
+        follow_deploys=False,
+        keep_snapshots=False,
+        registry=REGISTRY,
     )
     with running(app, key) as client:
         assert client.get("/v1/features/txn_90d/7", headers=LOG).status_code == 200

@@ -15,16 +15,15 @@ from fraud.seed import SeedSummary
 from freshline.consumers.processor import Processor
 from freshline.pipeline.cache.readthrough import Hooks, ReadThrough
 from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.db import make_engine
 from freshline.pipeline.core.keys import feature_pattern
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import ChangeEvent, EntityRef
 from freshline.pipeline.history.snapshots import keeper, snapshot_of, snapshots_of
 from freshline.pipeline.history.tables import epoch_us
 from tests.consumers.conftest import insert_transaction
-from tests.helpers import drop_database, recreate_database, role_engine
+from tests.helpers import REGISTRY, drop_database, recreate_database, role_engine
 
 
 @pytest.fixture
@@ -59,7 +58,11 @@ def test_every_entry_a_consumer_writes_names_a_kept_snapshot(
 ) -> None:
     consumer = role_engine(settings, "FRESHLINE_STACK_POSTGRES_CONSUMER_URL")
     processor = Processor(
-        consumer, redis_client, versions=lambda: [version], on_computed=keeper(consumer)
+        consumer,
+        redis_client,
+        versions=lambda: [version],
+        on_computed=keeper(consumer),
+        registry=REGISTRY,
     )
     with consumer.begin() as conn:
         conn.execute(sa.text("SELECT 1"))
@@ -71,7 +74,7 @@ def test_every_entry_a_consumer_writes_names_a_kept_snapshot(
         "transactions", "c", tenant, {"tenant_id": tenant, "user_id": 3, "id": txn_id}
     )
     processor.apply([event])
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     keys = list(redis_client.scan_iter(match=feature_pattern(version), count=1000))
     refs = []
     for key in keys:
@@ -88,7 +91,7 @@ def test_every_entry_a_consumer_writes_names_a_kept_snapshot(
 def test_a_read_through_fill_names_a_kept_snapshot(
     engine: Engine, redis_client: redis.Redis, tenant: str, version: int
 ) -> None:
-    store = FeatureStore(redis_client, version)
+    store = EntryStore(redis_client, version, registry=REGISTRY)
     rt = ReadThrough(store, engine, hooks=Hooks(on_computed=keeper(engine)))
     [result] = rt.get_many([EntityRef("txn_90d", tenant, "2")])
     assert result.source == "computed"

@@ -11,11 +11,11 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from freshline.pipeline.core.repository import REGISTRY, load
+from freshline.pipeline.core.repository import load
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.history.evaluator import AtCommitTime, Evaluator
 from freshline.pipeline.history.training import SpineError, training_set
-from tests.helpers import ROOT, error_line, freshline, role_url
+from tests.helpers import REGISTRY, ROOT, error_line, freshline, role_url
 from tests.pipeline.history import recording
 from tests.pipeline.history.test_evaluator import txn
 

@@ -27,17 +27,16 @@ from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
 from freshline.pipeline.cache.recompute import Batch, compute
-from freshline.pipeline.cache.store import FeatureStore
+from freshline.pipeline.cache.store import EntryStore
 from freshline.pipeline.core.errors import ConfigError, InvalidId, UnknownFeatureSet
 from freshline.pipeline.core.keys import feature_key, parse_feature_key
 from freshline.pipeline.core.maintenance import DerivedPath
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.observe.audit import Auditor, RecheckHook, Suspect, sample_pattern
 from freshline.pipeline.observe.audit_metrics import AuditMetrics
 from freshline.pipeline.observe.consistency import AuditReport, GraceResult, Mismatch, same
-from tests.helpers import FRESHLINE
+from tests.helpers import FRESHLINE, REGISTRY
 
 USERS = 20
 GRACES = (0.001, 0.002)  # real but tiny: these tests assert outcomes, not timings
@@ -64,7 +63,7 @@ class FakeClock:
 
 
 def materialize(
-    engine: Engine, store: FeatureStore, tenant: str, users: Sequence[int] = range(1, USERS + 1)
+    engine: Engine, store: EntryStore, tenant: str, users: Sequence[int] = range(1, USERS + 1)
 ) -> list[EntityRef]:
     """Compute and write every feature set for ``users``: what a consumer does."""
     pairs = [(tenant, str(u)) for u in users]
@@ -78,7 +77,7 @@ FAR_AHEAD = 1 << 100
 
 
 def corrupt(
-    engine: Engine, store: FeatureStore, ref: EntityRef, field: str, value: object, ahead: int = 1
+    engine: Engine, store: EntryStore, ref: EntityRef, field: str, value: object, ahead: int = 1
 ) -> Batch:
     """Overwrite ``ref``'s entry with a wrong ``field``, under a higher watermark."""
     truth = compute(engine, REGISTRY[ref.feature_set], [(ref.tenant, ref.entity)])
@@ -93,7 +92,7 @@ def corrupt(
     return bad
 
 
-def rewrite_truth(engine: Engine, store: FeatureStore, ref: EntityRef) -> None:
+def rewrite_truth(engine: Engine, store: EntryStore, ref: EntityRef) -> None:
     """What a consumer catching up does: recompute now and write (a newer watermark)."""
     batch = compute(engine, REGISTRY[ref.feature_set], [(ref.tenant, ref.entity)])
     assert store.write(batch).written == 1
@@ -111,7 +110,7 @@ def change(engine: Engine, ref: EntityRef) -> None:
         )
 
 
-def active(store: FeatureStore, refs: Sequence[EntityRef]) -> EntityRef:
+def active(store: EntryStore, refs: Sequence[EntityRef]) -> EntityRef:
     """A txn_90d entity with transactions in its window, so a change shows."""
     txn = [r for r in refs if r.feature_set == "txn_90d"]
     return next(
@@ -127,12 +126,12 @@ def tenant(tenant_factory: Callable[..., SeedSummary]) -> str:
 
 
 @pytest.fixture
-def store(redis_client: redis.Redis, version: int) -> FeatureStore:
-    return FeatureStore(redis_client, version)
+def store(redis_client: redis.Redis, version: int) -> EntryStore:
+    return EntryStore(redis_client, version, registry=REGISTRY)
 
 
 @pytest.fixture
-def refs(engine: Engine, store: FeatureStore, tenant: str) -> list[EntityRef]:
+def refs(engine: Engine, store: EntryStore, tenant: str) -> list[EntityRef]:
     """The tenant's entries of every feature set, written by the pipeline: 60 of them."""
     return materialize(engine, store, tenant)
 
@@ -148,7 +147,9 @@ def auditor(redis_client: redis.Redis, engine: Engine, version: int) -> AuditorF
     def make(*, clock: FakeClock | None = None, **kwargs: Any) -> Auditor:
         if clock is not None:
             kwargs.update(clock=clock, sleep=clock.sleep)
-        return Auditor(redis_client, engine, version, **{"rate": None, **kwargs})
+        return Auditor(
+            redis_client, engine, version, **{"rate": None, "registry": REGISTRY, **kwargs}
+        )
 
     return make
 
@@ -228,7 +229,7 @@ def test_entries_written_by_the_pipeline_are_consistent(
 
 
 def test_bucket_drift_is_a_mismatch_since_the_audit_recomputes_in_full(
-    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
+    engine: Engine, store: EntryStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     """A consumer on the incremental path writes what drifted partials say; the audit
     recomputes with the defining full query, never that path, so it finds the drift
@@ -259,7 +260,7 @@ def test_bucket_drift_is_a_mismatch_since_the_audit_recomputes_in_full(
 
 def test_a_corrupted_entry_is_reported_with_both_values_and_watermarks(
     engine: Engine,
-    store: FeatureStore,
+    store: EntryStore,
     version: int,
     auditor: AuditorFactory,
     refs: list[EntityRef],
@@ -302,7 +303,7 @@ def test_a_corrupted_entry_is_reported_with_both_values_and_watermarks(
 @pytest.mark.parametrize("fixed_at", [0, 1])
 def test_a_mismatch_healed_within_a_grace_counts_only_before_it(
     engine: Engine,
-    store: FeatureStore,
+    store: EntryStore,
     version: int,
     auditor: AuditorFactory,
     refs: list[EntityRef],
@@ -343,7 +344,7 @@ def test_a_mismatch_healed_within_a_grace_counts_only_before_it(
 
 
 def test_an_entry_that_caught_up_and_changed_again_is_consistent_at_that_grace(
-    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
+    engine: Engine, store: EntryStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     """A busy entity: by the re-check the consumer applied the change the first check
     saw, and a newer one is in flight. The entry differs again, yet it is fresh."""
@@ -377,7 +378,7 @@ def audit_verified(
 
 
 def test_a_wrong_entry_whose_watermark_caught_up_ends_a_mismatch_never_verified(
-    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
+    engine: Engine, store: EntryStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     """A writer that computes wrong values from a fresh snapshot: by its watermark the
     entry caught up; by its values it never does. Re-checked on every pass, unchanged
@@ -411,7 +412,7 @@ def test_a_wrong_entry_whose_watermark_caught_up_ends_a_mismatch_never_verified(
 
 
 def test_a_wrong_entry_rewritten_under_fresh_watermarks_ends_unverified(
-    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
+    engine: Engine, store: EntryStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     """Wrong values under a watermark that keeps moving: never seen right, never the
     same entry twice, so neither verified nor shown wrong: unverified, apart."""
@@ -456,7 +457,7 @@ def test_a_wrong_entry_rewritten_under_fresh_watermarks_ends_unverified(
 
 
 def test_an_entry_left_behind_by_a_newer_change_ends_unverified_not_a_mismatch(
-    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
+    engine: Engine, store: EntryStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     """Accepted on its watermark, then the entity changes and the consumer is late
     past the bound: the entry is unchanged and differs, but from a value Postgres has
@@ -484,7 +485,7 @@ def test_an_entry_left_behind_by_a_newer_change_ends_unverified_not_a_mismatch(
 
 
 def test_a_correct_entry_of_a_hot_entity_ends_verified(
-    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
+    engine: Engine, store: EntryStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     """A hot entity: at the re-check and at the next passes the consumer has applied
     a change newer than the first check saw and the next is in flight, so its entry
@@ -529,7 +530,7 @@ def test_a_correct_entry_of_a_hot_entity_ends_verified(
 
 
 def test_an_entry_rewritten_from_a_snapshot_older_than_the_first_check_has_not_caught_up(
-    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
+    engine: Engine, store: EntryStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     target = active(store, refs)
     before = compute(engine, REGISTRY["txn_90d"], [(target.tenant, target.entity)])
@@ -546,7 +547,7 @@ def test_an_entry_rewritten_from_a_snapshot_older_than_the_first_check_has_not_c
 
 
 def test_an_entry_showing_the_first_checks_truth_from_a_moment_before_it_is_consistent(
-    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
+    engine: Engine, store: EntryStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     """The consumer computed after the change but a moment before the first check's
     recompute, and wrote late; by the re-check a newer change is in flight. The entry
@@ -567,7 +568,7 @@ def test_an_entry_showing_the_first_checks_truth_from_a_moment_before_it_is_cons
 
 
 def test_an_entry_claiming_a_snapshot_it_cannot_have_seen_never_catches_up(
-    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
+    engine: Engine, store: EntryStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     """Wrong values under a watermark beyond the re-check's own recompute (a writer
     with a bad clock or a bug): rewritten since the first check, but not caught up."""
@@ -586,7 +587,7 @@ def test_an_entry_claiming_a_snapshot_it_cannot_have_seen_never_catches_up(
 
 
 def test_an_entry_wrong_from_the_start_under_a_future_watermark_stays_inconsistent(
-    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
+    engine: Engine, store: EntryStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     target = active(store, refs)
     corrupt(engine, store, target, "txn_sum", -1.0, ahead=FAR_AHEAD)
@@ -639,7 +640,7 @@ def test_the_rules_of_catching_up() -> None:
 
 
 def test_rechecks_run_at_each_grace_after_the_first_check(
-    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
+    engine: Engine, store: EntryStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     corrupt(engine, store, refs[0], "txn_count", 999_999)
     clock = FakeClock()
@@ -668,7 +669,7 @@ class CountingAuditor(Auditor):
 def test_rechecks_ride_with_the_first_checks_never_late(
     redis_client: redis.Redis,
     engine: Engine,
-    store: FeatureStore,
+    store: EntryStore,
     version: int,
     refs: list[EntityRef],
 ) -> None:
@@ -688,6 +689,7 @@ def test_rechecks_ride_with_the_first_checks_never_late(
             clock=clock,
             sleep=clock.sleep,
             before_recheck=clock.note_recheck,
+            registry=REGISTRY,
         )
         report = audit.audit_refs(refs, graces=(0.25,))
         return audit.checks, clock.rechecks, report
@@ -702,7 +704,7 @@ def test_rechecks_ride_with_the_first_checks_never_late(
 
 
 def test_a_value_of_another_json_type_is_a_mismatch(
-    engine: Engine, store: FeatureStore, auditor: AuditorFactory, refs: list[EntityRef]
+    engine: Engine, store: EntryStore, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     """1.0 is not 1: the comparison is of the codec's JSON, not of Python equality."""
     target = active(store, refs)
@@ -715,7 +717,7 @@ def test_a_value_of_another_json_type_is_a_mismatch(
 
 
 def test_tombstones_and_absent_entries_are_consistent(
-    engine: Engine, store: FeatureStore, tenant: str, auditor: AuditorFactory
+    engine: Engine, store: EntryStore, tenant: str, auditor: AuditorFactory
 ) -> None:
     from freshline.pipeline.cache.recompute import current_watermark
 
@@ -728,7 +730,7 @@ def test_tombstones_and_absent_entries_are_consistent(
 
 
 def test_entries_below_a_truncate_floor_read_as_absent(
-    engine: Engine, store: FeatureStore, tenant: str, refs: list[EntityRef], auditor: AuditorFactory
+    engine: Engine, store: EntryStore, tenant: str, refs: list[EntityRef], auditor: AuditorFactory
 ) -> None:
     """A truncate voids a feature set's older entries for readers, and so for the audit."""
     from freshline.pipeline.cache.recompute import current_watermark
@@ -745,7 +747,7 @@ def test_entries_below_a_truncate_floor_read_as_absent(
 def test_samples_one_feature_set_or_tenant_and_skips_foreign_keys(
     redis_client: redis.Redis,
     engine: Engine,
-    store: FeatureStore,
+    store: EntryStore,
     version: int,
     auditor: AuditorFactory,
     tenant_factory: Callable[..., SeedSummary],
@@ -800,7 +802,7 @@ def test_a_stall_builds_no_credit_above_the_rate(
 
 
 def test_a_timed_audit_samples_until_its_duration_and_rechecks_meanwhile(
-    engine: Engine, store: FeatureStore, tenant: str, auditor: AuditorFactory, refs: list[EntityRef]
+    engine: Engine, store: EntryStore, tenant: str, auditor: AuditorFactory, refs: list[EntityRef]
 ) -> None:
     target = next(r for r in refs if r.feature_set == "geo")
     corrupt(engine, store, target, "last_city", "Atlantis")
@@ -833,7 +835,7 @@ def test_a_timed_audit_of_nothing_waits_between_samples(
 
 def test_a_report_keeps_the_first_mismatches_and_counts_them_all(
     engine: Engine,
-    store: FeatureStore,
+    store: EntryStore,
     auditor: AuditorFactory,
     refs: list[EntityRef],
     monkeypatch: pytest.MonkeyPatch,
@@ -919,7 +921,7 @@ def test_the_command_prints_a_summary_at_80_columns(
 def test_the_command_exits_1_on_a_persistent_mismatch_and_prints_json(
     settings: Settings,
     engine: Engine,
-    store: FeatureStore,
+    store: EntryStore,
     refs: list[EntityRef],
     version: int,
     tmp_path: Path,
@@ -956,7 +958,7 @@ def test_the_command_exits_1_on_a_persistent_mismatch_and_prints_json(
 def test_the_command_audits_sample_after_sample_for_a_duration(
     settings: Settings,
     engine: Engine,
-    store: FeatureStore,
+    store: EntryStore,
     version: int,
     tenant: str,
     tmp_path: Path,

@@ -19,13 +19,12 @@ from freshline.consumers.kafka import Producer, admin_client
 from freshline.consumers.topics import ensure, managed_topics
 from freshline.pipeline.core.codec import encode_entry
 from freshline.pipeline.core.keys import feature_key
-from freshline.pipeline.core.repository import REGISTRY
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.topics import qualified
 from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.observe.staleness import GroupLag, sample, source_topics
 from tests.consumers.conftest import wait_for
-from tests.helpers import Api, api_for, fresh_version, make_url_redis
+from tests.helpers import REGISTRY, Api, api_for, fresh_version, make_url_redis
 
 # The staleness test samples a Redis database of its own, small enough for one sample to
 # cover every key, so the injected entry is always seen.

@@ -77,13 +77,17 @@ def exported(settings: Settings, engine: Engine, redis_client: redis.Redis) -> I
     consumer_metrics()
     audit_metrics()
     skew_metrics()
-    from prometheus_client import REGISTRY
+    from prometheus_client import REGISTRY as METRICS
+
+    from tests.helpers import REGISTRY
 
     names: set[str] = set()
-    for family in REGISTRY.collect():
+    for family in METRICS.collect():
         names.add(family.name)
         names.update(family.name + s for s in SUFFIXES)
-    app = create_app(settings, engine=engine, redis_client=redis_client, follow_deploys=False)
+    app = create_app(
+        settings, engine=engine, redis_client=redis_client, follow_deploys=False, registry=REGISTRY
+    )
     with running(app):
         for family in app.state.sampled_metrics.collect():
             names.add(family.name)

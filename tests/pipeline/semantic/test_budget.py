@@ -33,7 +33,7 @@ from freshline.pipeline.semantic.decision import Learned
 from freshline.pipeline.semantic.embed import Embedder, normalise
 from freshline.pipeline.semantic.entry import entry_id
 from freshline.pipeline.semantic.namespaces import purge_keys, stats
-from tests.helpers import running, wait_until
+from tests.helpers import REGISTRY, running, wait_until
 from tests.pipeline.semantic.test_index import DIM, Vectors, answer
 from tests.pipeline.semantic.test_learning import Draws
 from tests.pipeline.semantic.test_ttl import Near
@@ -273,7 +273,9 @@ def test_the_api_answers_413_for_an_entry_larger_than_the_tenants_budget(
     tuned = settings.model_copy(
         update={"semantic_enabled": True, "semantic_tenant_max_bytes": 16 * 1024}
     )
-    app = create_app(tuned, engine=engine, redis_client=redis_client, follow_deploys=False)
+    app = create_app(
+        tuned, engine=engine, redis_client=redis_client, follow_deploys=False, registry=REGISTRY
+    )
     body = {
         "model": "bot",
         "model_version": "v1",

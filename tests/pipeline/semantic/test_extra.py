@@ -31,10 +31,9 @@ if os.environ["ABSENT"] == "1":
     for name in extra:
         sys.modules[name] = None
 from starlette.testclient import TestClient
-from freshline.pipeline.api.app import create_app
-from freshline.pipeline.core.settings import load_settings
+from freshline import FeatureStore
 try:
-    app = create_app(load_settings(), follow_deploys=False)
+    app = FeatureStore.from_env().app(follow_deploys=False)
 except Exception as exc:
     print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
     sys.exit(0)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from freshline.pipeline.core.errors import ConfigError
+from freshline import ConfigError
 
 revision = "0009"
 down_revision = "0005"
