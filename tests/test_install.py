@@ -287,7 +287,8 @@ def test_the_installed_wheel_reads_features_from_the_stack(
         ROOT / "examples" / "fraud",
         tenant,
         "2",
-        env=env_for(place) | {"FRESHLINE_SCHEMA_VERSION": str(version)},
+        env=env_for(place)
+        | {"FRESHLINE_SCHEMA_VERSION": str(version), "FRESHLINE_REDIS_URL": settings.redis_url},
         cwd=place,
     )
     assert json.loads(out) == {
