@@ -91,11 +91,13 @@ class ApiKeyBackend(AuthenticationBackend):
         scope = conn.scope
         if not scope["path"].startswith(GUARDED_PREFIX):
             return None
-        address = client_address(scope)
         try:
-            return CREDENTIALS, await self._principal(scope, address)
+            key = bearer_token(_authorization(scope))
+            known, principal = self.auth.cached(key)
+            if principal is None:  # not cached (the usual request is), or refused
+                principal = await self._looked_up(key, known, client_address(scope))
         except Unauthorized as exc:
-            self._refused(exc.reason, address, exc.key_id)
+            self._refused(exc.reason, client_address(scope), exc.key_id)
             raise Refused(401, "unauthorized", str(exc), {"WWW-Authenticate": "Bearer"}) from exc
         except sa.exc.OperationalError as exc:
             # Outside the app's exception handlers: answered here, as they would.
@@ -103,17 +105,11 @@ class ApiKeyBackend(AuthenticationBackend):
             raise Refused(
                 503, "service_unavailable", "Postgres did not answer; retry later"
             ) from exc
+        return CREDENTIALS, principal
 
-    async def _principal(self, scope: Scope, address: str) -> Principal:
-        header = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                header = value.decode("latin-1")
-                break
-        key = bearer_token(header)
-        known, principal = self.auth.cached(key)
-        if known and principal is not None:
-            return principal
+    async def _looked_up(self, key: str, known: bool, address: str) -> Principal:
+        """``key``'s principal from Postgres (``known``: the cache has refused it), unless
+        ``address`` is locked out and ``key`` cannot be valid."""
         group = address_group(address)
         # Locked out: the key is looked up only if it may be valid. That check comes
         # first, so others' failures from this address never refuse a valid key.
@@ -143,6 +139,14 @@ class ApiKeyBackend(AuthenticationBackend):
             while len(self._throttle_logged) > 10_000:
                 self._throttle_logged.popitem(last=False)
         audit_log.record("auth.refused", reason=reason, key_id=key_id, client=address)
+
+
+def _authorization(scope: Scope) -> str | None:
+    """The request's ``Authorization`` header (no ``Headers`` object made for it)."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return str(value.decode("latin-1"))
+    return None
 
 
 class KeyIndex:

@@ -112,11 +112,15 @@ class PoolBudget:
         """Seconds of pool time ``tenant`` may spend now (negative: in debt)."""
         return self._spent.level(tenant, share)
 
+    def over(self, tenant: str, share: float | None = None) -> bool:
+        """Whether ``tenant`` owes more than it may wait for (:meth:`check` refuses it)."""
+        return self._spent.owed(tenant, share) > self.max_wait_s
+
     async def check(self, tenant: str, share: float | None = None) -> None:
         """Raise :class:`TenantOverBudget` if ``tenant`` owes more than it may wait, once
         ``max_wait_s`` has passed: refused at once, a flood's sender would ask again at
         once, and the refusals would take the worker in the work's place."""
-        if self._spent.owed(tenant, share) > self.max_wait_s:
+        if self.over(tenant, share):
             await asyncio.sleep(self.max_wait_s)
             raise TenantOverBudget(self._spent.owed(tenant, share))
 
@@ -209,24 +213,41 @@ class Limits:
         self.probes = TokenBuckets(settings.api_probe_rate_per_s, settings.api_probe_burst)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refused = None
         if scope["type"] == "http":
-            principal = scope.get("user")
-            if isinstance(principal, Principal):
-                refused = await self._admit(scope, principal)
+            user = scope.get("user")
+            if isinstance(user, Principal):
+                wait = self._reserve(user)
+                # The usual request, within its limits, awaits nothing here.
+                if wait != 0.0 or self._over_budget(user):
+                    refused = await self._held(scope, user, wait)
             elif scope["path"] in PROBES:
                 refused = self._probe(scope)
-            else:
-                refused = None
-            if refused is not None:
-                await refused(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if refused is None:
+            await self.app(scope, receive, send)
+        else:
+            await refused(scope, receive, send)
 
-    async def _admit(self, scope: Scope, principal: Principal) -> Response | None:
-        """None once ``principal``'s tenant may go on; else its refusal, after the hold."""
+    def _reserve(self, principal: Principal) -> float | None:
+        """Take ``principal``'s tenant's token: the seconds until it is due, or ``None``
+        (nothing taken) if that is past the hold."""
+        own = principal.limits
+        return self.per_tenant.reserve(
+            principal.tenant, self.rate_hold_s, own.rate_per_s, own.rate_burst
+        )
+
+    def _over_budget(self, principal: Principal) -> bool:
+        return self.pool is not None and self.pool.over(
+            principal.tenant, principal.limits.pool_share
+        )
+
+    async def _held(
+        self, scope: Scope, principal: Principal, wait: float | None
+    ) -> Response | None:
+        """None once ``principal``'s request may go on, its token due in ``wait`` s;
+        else its refusal, after the hold (``wait`` ``None``: over the rate)."""
         own = principal.limits
         tenant = principal.tenant
-        wait = self.per_tenant.reserve(tenant, self.rate_hold_s, own.rate_per_s, own.rate_burst)
         if wait is None:
             await asyncio.sleep(self.rate_hold_s)
             _limited("rate_limited", "rate.limited", principal, scope)
