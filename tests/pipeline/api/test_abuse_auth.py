@@ -82,7 +82,8 @@ def guard(app: Starlette) -> ApiKeyBackend:
     """The app's :class:`ApiKeyBackend` (built with its middleware stack, on first use)."""
     layer: Any = app.middleware_stack
     while not isinstance(layer, AuthenticationMiddleware):
-        layer = layer.app
+        # granian's proxy-header wrapper copies the attributes of what it wraps.
+        layer = getattr(layer, "__wrapped__", None) or layer.app
     assert isinstance(layer.backend, ApiKeyBackend)
     return layer.backend
 
