@@ -129,7 +129,7 @@ UNTRUSTED_TENANT = {
     "rows_burst": 100,
 }
 """The limits ``docs/security.md`` gives a tenant the platform does not trust, set with
-``freshline tenants limits`` (:func:`freshline.pipeline.api.auth.set_tenant_limits`)."""
+``freshline tenants limits`` (:func:`freshline.pipeline.api.accounts.set_tenant_limits`)."""
 PROFILES: dict[str, dict[str, Any]] = {
     "defaults": {"server": {}, "abuser": {}},
     "untrusted tenant": {"server": {}, "abuser": UNTRUSTED_TENANT},
@@ -381,7 +381,7 @@ def _redis_footprint(ctx: common.Context, tenant: str) -> dict[str, int]:
 
 
 def run(quick: bool) -> dict[str, Any]:
-    from freshline.pipeline.api.auth import create_api_key, create_tenant, set_tenant_limits
+    from freshline.pipeline.api.accounts import create_api_key, create_tenant, set_tenant_limits
     from freshline.pipeline.inference.models import ModelRegistry
 
     ctx = common.context(quick)

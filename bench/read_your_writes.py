@@ -283,7 +283,7 @@ def both(
     """Read-your-writes through Debezium (with the server's default ``wait_ms``, then
     a fifth as many trials with ``wait_ms=0``: straight to the recompute), then through
     domain events. The issue's 10,000 trials per path; 40 with ``quick``."""
-    from freshline.pipeline.api.auth import create_api_key
+    from freshline.pipeline.api.accounts import create_api_key
 
     trials = trials or (40 if quick else 10_000)
     busy = set(writers)
@@ -388,7 +388,7 @@ def builds(trees: dict[str, str], rounds: int, trials: int) -> dict[str, Any]:
 
 
 def _api_key(ctx: common.Context, tenant: str) -> str:
-    from freshline.pipeline.api.auth import create_api_key
+    from freshline.pipeline.api.accounts import create_api_key
 
     return create_api_key(ctx.engine, tenant)
 

@@ -423,7 +423,7 @@ def prepared(ctx: common.Context) -> tuple[int, str, str, list[int]]:
 
     Returns ``(version, tenant, api_key, users)``.
     """
-    from freshline.pipeline.api.auth import create_api_key
+    from freshline.pipeline.api.accounts import create_api_key
     from freshline.pipeline.cache.recompute import compute
     from freshline.pipeline.cache.store import EntryStore
     from freshline.pipeline.core.types import EntityRef

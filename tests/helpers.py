@@ -400,7 +400,7 @@ def api_for(
     """The API on ``settings`` running, following no deploys (``create``: more
     ``create_app`` arguments), and a client of it holding a new key of ``tenant``."""
     from freshline.pipeline.api import create_app  # imported here: see api_app
-    from freshline.pipeline.api.auth import create_api_key
+    from freshline.pipeline.api.accounts import create_api_key
 
     create.setdefault("registry", REGISTRY)
     app = create_app(settings, engine=engine, redis_client=client, follow_deploys=False, **create)

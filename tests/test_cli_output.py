@@ -28,7 +28,7 @@ from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
 from freshline.pipeline.api import create_app
-from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.accounts import create_api_key
 from freshline.pipeline.cdc.connect import CdcStatus, Names, SlotState, TaskState
 from freshline.pipeline.cli.advise import report
 from freshline.pipeline.cli.cdc import status_report

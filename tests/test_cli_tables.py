@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from rich.console import Console
 
-from freshline.pipeline.api.auth import KeyInfo
+from freshline.pipeline.api.accounts import KeyInfo
 from freshline.pipeline.cli.apikey import key_table
 
 app = importlib.import_module(

@@ -6,12 +6,8 @@ import pytest
 import sqlalchemy as sa
 
 from freshline import migrations
-from freshline.pipeline.api.auth import (
-    Authenticator,
-    TenantLimits,
-    create_tenant,
-    set_tenant_limits,
-)
+from freshline.pipeline.api.accounts import TenantLimits, create_tenant, set_tenant_limits
+from freshline.pipeline.api.auth import Authenticator
 from freshline.pipeline.core.db import metadata
 from freshline.pipeline.core.errors import ConfigError
 from freshline.pipeline.core.settings import Settings

@@ -27,7 +27,7 @@ from freshline.consumers.processor import Processor
 from freshline.consumers.routing import Router
 from freshline.consumers.topics import ensure, ensure_cdc_topics, managed
 from freshline.pipeline.api import create_app
-from freshline.pipeline.api.auth import TenantExists, create_api_key, create_tenant
+from freshline.pipeline.api.accounts import TenantExists, create_api_key, create_tenant
 from freshline.pipeline.cache.readthrough import Hooks, ReadThrough
 from freshline.pipeline.cache.recompute import compute
 from freshline.pipeline.cache.store import EntryStore

@@ -27,7 +27,7 @@ from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
 from freshline.pipeline.api import create_app
-from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.accounts import create_api_key
 from freshline.pipeline.api.fastpath import async_client
 from freshline.pipeline.cache.recompute import compute
 from freshline.pipeline.cache.store import EntryStore

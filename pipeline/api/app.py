@@ -13,13 +13,17 @@ import redis
 from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.routing import BaseRoute, Route
 
 from freshline.pipeline.api import audit_log, metrics, ops, routes
+from freshline.pipeline.api.addresses import proxy_headers
 from freshline.pipeline.api.auth import Authenticator
+from freshline.pipeline.api.authentication import GUARDED_PREFIX, ApiKeyBackend, refusal
+from freshline.pipeline.api.bodies import BodyDeadline
 from freshline.pipeline.api.errors import HANDLERS
 from freshline.pipeline.api.fastpath import async_client
-from freshline.pipeline.api.limits import AccessGuard, PoolBudget, RowBudget
+from freshline.pipeline.api.limits import Limits, PoolBudget, RowBudget
 from freshline.pipeline.api.openapi import document
 from freshline.pipeline.api.reader import FeatureReader
 from freshline.pipeline.api.semantic_status import reader as semantic_reader
@@ -274,7 +278,7 @@ def create_app(
         routes=[*ROUTES, *ops.api_routes(operator), *semantic_routes],
         exception_handlers=HANDLERS,
         lifespan=lifespan,
-        middleware=[Middleware(AccessGuard, auth=services.auth, settings=settings, pool=pool)],
+        middleware=middleware(services.auth, settings, pool),
     )
     app.state.services = services
     app.state.tenant_slots = TenantSlots(settings.api_tenant_concurrency, pool)
@@ -296,6 +300,20 @@ def create_app(
     app.state.sampled_metrics = operator.sampled
     app.state.semantic = semantic
     return app
+
+
+def middleware(auth: Authenticator, settings: Settings, pool: PoolBudget) -> list[Middleware]:
+    """In front of the routes, outermost first, one concern each: the client's address
+    behind trusted proxies, who is calling (:mod:`freshline.pipeline.api.authentication`),
+    the tenant's rate and pool time and the probes' rate
+    (:mod:`freshline.pipeline.api.limits`), then the body's deadline. All pure ASGI:
+    ``BaseHTTPMiddleware`` would cost every read a task and a stream."""
+    return [
+        Middleware(proxy_headers, settings.api_trusted_proxies),
+        Middleware(AuthenticationMiddleware, ApiKeyBackend(auth, settings), on_error=refusal),
+        Middleware(Limits, settings=settings, pool=pool),
+        Middleware(BodyDeadline, timeout_s=settings.api_body_timeout_s, prefix=GUARDED_PREFIX),
+    ]
 
 
 def deploy_report(

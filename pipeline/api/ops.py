@@ -12,7 +12,7 @@ cache's namespaces) is taken at most once per ``FRESHLINE_OPS_CACHE_S`` whoever 
 period. Counters are read fresh on every request. ``/readyz`` reuses its Redis and
 Postgres check for ``FRESHLINE_API_READY_CACHE_S``, one check at a time
 (:class:`Recent`), so probes cost no round trip each; on the API port they are limited
-per client address too (:class:`freshline.pipeline.api.limits.AccessGuard`).
+per client address too (:class:`freshline.pipeline.api.limits.Limits`).
 """
 
 from __future__ import annotations

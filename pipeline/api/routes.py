@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from freshline.pipeline.api import freshness, metrics, served
-from freshline.pipeline.api.auth import Authenticator, bearer_token
+from freshline.pipeline.api.auth import Authenticator, Principal, bearer_token
 from freshline.pipeline.api.contracts import (
     batch_size,
     feature_selection,
@@ -85,14 +85,16 @@ def services(request: Request) -> Services:
 async def authenticate(request: Request) -> str:
     """The caller's tenant, from its API key alone.
 
-    :class:`freshline.pipeline.api.limits.AccessGuard` has checked the key (and its limits)
-    before any ``/v1`` endpoint runs; this is only the fallback for an app without it.
+    :mod:`freshline.pipeline.api.authentication` has checked the key (and
+    :mod:`freshline.pipeline.api.limits` its limits) before any ``/v1`` endpoint runs:
+    ``request.user``; this is only the fallback for an app without them.
     """
-    principal = request.scope.get("state", {}).get("principal")
-    if principal is None:
-        key = bearer_token(request.headers.get("authorization"))
-        principal = await run_in_threadpool(services(request).auth.principal, key)
-    return str(principal.tenant)
+    user = request.scope.get("user")
+    if isinstance(user, Principal):
+        return user.tenant
+    key = bearer_token(request.headers.get("authorization"))
+    principal = await run_in_threadpool(services(request).auth.principal, key)
+    return principal.tenant
 
 
 def entity_ids(

@@ -32,7 +32,8 @@ from typing import Any, Protocol, TypeVar
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from freshline.pipeline.api.auth import SERVER_DEFAULTS, Principal, TenantLimits
+from freshline.pipeline.api.accounts import SERVER_DEFAULTS, TenantLimits
+from freshline.pipeline.api.auth import Principal
 from freshline.pipeline.api.limits import PoolBudget, RowBudget
 
 T = TypeVar("T")
@@ -93,6 +94,15 @@ class TenantSlots:
         return slot[1][0] if slot else 0
 
 
+def own_limits(request: Request, tenant: str) -> TenantLimits:
+    """``tenant``'s own limits, as read with the request's key (``request.user``); the
+    settings' if the request is not the tenant's."""
+    principal = request.scope.get("user")
+    if isinstance(principal, Principal) and principal.tenant == tenant:
+        return principal.limits
+    return SERVER_DEFAULTS
+
+
 async def admit_rows(request: Request, tenant: str, rows: int) -> None:
     """Return once ``tenant`` may ask for ``rows`` rows (:class:`RowBudget`, under its
     own limits where set); an app that :func:`freshline.pipeline.api.create_app` did not build
@@ -100,9 +110,7 @@ async def admit_rows(request: Request, tenant: str, rows: int) -> None:
     budget: RowBudget | None = getattr(request.app.state, "rows", None)
     if budget is None:
         return
-    principal: Principal | None = request.scope.get("state", {}).get("principal")
-    own = principal.limits if principal is not None and principal.tenant == tenant else None
-    own = own or SERVER_DEFAULTS
+    own = own_limits(request, tenant)
     await budget.admit(tenant, rows, own.rows_per_s, own.rows_burst)
 
 
@@ -128,6 +136,4 @@ async def in_pool(request: Request, tenant: str, fn: Callable[..., T], *args: An
     slots: TenantSlots | None = getattr(request.app.state, "tenant_slots", None)
     if slots is None:
         return await run_in_threadpool(fn, *args)
-    principal: Principal | None = request.scope.get("state", {}).get("principal")
-    limits = principal.limits if principal is not None and principal.tenant == tenant else None
-    return await slots.run(tenant, fn, *args, limits=limits or SERVER_DEFAULTS)
+    return await slots.run(tenant, fn, *args, limits=own_limits(request, tenant))

@@ -21,7 +21,7 @@ from freshline.pipeline.core.services import redis_client
 from freshline.pipeline.core.settings import Settings, load_settings
 
 if TYPE_CHECKING:
-    from freshline.pipeline.api.auth import KeyInfo
+    from freshline.pipeline.api.accounts import KeyInfo
 
 tenants_app = typer.Typer(help="Tenants and their API keys.", no_args_is_help=True)
 apikey_app = typer.Typer(help="API keys of the read API.", no_args_is_help=True)
@@ -73,7 +73,7 @@ def tenants_create(
     name: Annotated[str | None, typer.Option(help="Display name (default: the id)")] = None,
 ) -> None:
     """Create a tenant and print its first API key (shown only this once)."""
-    from freshline.pipeline.api.auth import register_tenant
+    from freshline.pipeline.api.accounts import register_tenant
     from freshline.pipeline.core.db import make_owner_engine
 
     issued = register_tenant(make_owner_engine(_settings()), tenant, name)
@@ -147,7 +147,7 @@ def tenants_limits(
     not trust less, on the same servers. Every API worker applies a change on the
     tenant's next request. With no option, shows the limits.
     """
-    from freshline.pipeline.api.auth import LIMIT_NAMES, set_tenant_limits
+    from freshline.pipeline.api.accounts import LIMIT_NAMES, set_tenant_limits
     from freshline.pipeline.core.db import make_owner_engine
 
     names = {"rate": "rate_per_s", "burst": "rate_burst", "concurrency": "concurrency"}
@@ -202,7 +202,7 @@ def apikey_create(
     ] = None,
 ) -> None:
     """Add an API key for a tenant and print it (shown only this once)."""
-    from freshline.pipeline.api.auth import issue_api_key
+    from freshline.pipeline.api.accounts import issue_api_key
     from freshline.pipeline.core.db import make_owner_engine
 
     expires_at = datetime.now(UTC) + parse_duration(expires_in) if expires_in else None
@@ -224,7 +224,7 @@ def apikey_list(
     tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant's keys")] = None,
 ) -> None:
     """List keys: id, tenant, state, label and times (UTC). Never the keys themselves."""
-    from freshline.pipeline.api.auth import list_api_keys
+    from freshline.pipeline.api.accounts import list_api_keys
     from freshline.pipeline.core.db import make_engine
 
     keys = list_api_keys(make_engine(load_settings()), tenant)
@@ -244,7 +244,7 @@ def apikey_revoke(
     the same and the command fails (exit 1) saying so: run it again once Redis answers.
     """
 
-    from freshline.pipeline.api.auth import revoke_api_key
+    from freshline.pipeline.api.accounts import revoke_api_key
     from freshline.pipeline.core.db import make_owner_engine
 
     settings = _settings()

@@ -377,7 +377,7 @@ class ApiSettings(SettingsGroup):
     api_key_index_refresh_s: float = Field(default=1.0, gt=0)
     """While an address is locked out, how often a worker may read the API keys made
     since its last read; a key it has not read waits for the next
-    ([Security](security.md); :class:`freshline.pipeline.api.limits.KeyIndex`)."""
+    ([Security](security.md); :class:`freshline.pipeline.api.authentication.KeyIndex`)."""
     api_key_cache_s: float = Field(default=60.0, ge=0)
     """How long a worker caches an API key (revocations drop it at once)."""
     api_key_last_used_s: float = Field(default=60.0, gt=0)

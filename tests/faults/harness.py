@@ -36,7 +36,7 @@ from sqlalchemy.engine import Engine, make_url
 
 from fraud.seed import seed
 from freshline.consumers.kafka import Producer, admin_client
-from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.accounts import create_api_key
 from freshline.pipeline.cdc.connect import names
 from freshline.pipeline.core.db import make_engine
 from freshline.pipeline.core.lock import Lock, LockedSet

@@ -35,7 +35,7 @@ from confluent_kafka import Producer as RawProducer
 
 from freshline.consumers.events import decode
 from freshline.consumers.kafka import client_config
-from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.accounts import create_api_key
 from freshline.pipeline.cache.versions import state
 from freshline.pipeline.core.keys import ACTIVE_SCHEMA_KEY
 from freshline.pipeline.core.topics import DLQ, logical, qualified

@@ -13,7 +13,7 @@ import redis
 from sqlalchemy.engine import Engine
 
 from freshline.pipeline.api import create_app
-from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.accounts import create_api_key
 from freshline.pipeline.api.routes import MAX_JSON_DEPTH
 from freshline.pipeline.cache.readthrough import Hooks, ReadThrough, Result
 from freshline.pipeline.cache.store import EntryStore

@@ -24,11 +24,13 @@ from prometheus_client import REGISTRY as METRICS
 from pydantic import SecretStr
 from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
+from starlette.middleware.authentication import AuthenticationMiddleware
 
 from fraud.seed import SeedSummary
 from freshline.pipeline.api import create_app
-from freshline.pipeline.api.auth import create_api_key
-from freshline.pipeline.api.limits import AccessGuard, address_group
+from freshline.pipeline.api.accounts import create_api_key
+from freshline.pipeline.api.addresses import address_group
+from freshline.pipeline.api.authentication import ApiKeyBackend
 from freshline.pipeline.core.errors import ConfigError
 from freshline.pipeline.core.settings import Settings, load_settings, redact
 from freshline.pipeline.inference.models import LogisticModel, ModelRegistry
@@ -76,12 +78,14 @@ class Callers:
         return self.portal.call(send)
 
 
-def guard(app: Starlette) -> AccessGuard:
-    """The app's :class:`AccessGuard` (built with its middleware stack, on first use)."""
+def guard(app: Starlette) -> ApiKeyBackend:
+    """The app's :class:`ApiKeyBackend` (built with its middleware stack, on first use)."""
     layer: Any = app.middleware_stack
-    while not isinstance(layer, AccessGuard):
-        layer = layer.app
-    return layer
+    while not isinstance(layer, AuthenticationMiddleware):
+        # granian's proxy-header wrapper copies the attributes of what it wraps.
+        layer = getattr(layer, "__wrapped__", None) or layer.app
+    assert isinstance(layer.backend, ApiKeyBackend)
+    return layer.backend
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
 from freshline.pipeline.api import create_app
-from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.accounts import create_api_key
 from freshline.pipeline.cache.invalidation import Invalidation
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.recompute import Batch, compute

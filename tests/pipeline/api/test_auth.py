@@ -11,15 +11,13 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from freshline.pipeline.api.auth import (
-    Authenticator,
+from freshline.pipeline.api.accounts import (
     TenantExists,
-    Unauthorized,
     UnknownTenant,
-    bearer_token,
     create_api_key,
     create_tenant,
 )
+from freshline.pipeline.api.auth import Authenticator, Unauthorized, bearer_token
 from freshline.pipeline.core.errors import InvalidId
 from freshline.pipeline.core.settings import Settings
 from tests.helpers import FRESHLINE

@@ -18,7 +18,7 @@ from sqlalchemy.engine import Engine
 from typer.testing import CliRunner
 
 from freshline.pipeline.api import create_app
-from freshline.pipeline.api.auth import create_api_key, create_tenant
+from freshline.pipeline.api.accounts import create_api_key, create_tenant
 from freshline.pipeline.core.budget import (
     ADMIT_CHUNK,
     TenantBudget,

@@ -26,7 +26,7 @@ from fraud.seed import SeedSummary
 from freshline.consumers.processor import Processor
 from freshline.pipeline.api import create_app
 from freshline.pipeline.api import freshness as api_freshness
-from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.accounts import create_api_key
 from freshline.pipeline.api.errors import ApiError
 from freshline.pipeline.api.freshness import Demand
 from freshline.pipeline.api.reader import FeatureReader, Lookup, Mode

@@ -28,10 +28,8 @@ from sqlalchemy.engine import Engine
 
 import freshline.pipeline.api.auth as auth_module
 from fraud.seed import SeedSummary
-from freshline.pipeline.api import metrics
-from freshline.pipeline.api.auth import (
-    Authenticator,
-    Unauthorized,
+from freshline.pipeline.api import accounts, metrics
+from freshline.pipeline.api.accounts import (
     UnknownKey,
     create_api_key,
     create_tenant,
@@ -39,7 +37,8 @@ from freshline.pipeline.api.auth import (
     list_api_keys,
     revoke_api_key,
 )
-from freshline.pipeline.api.limits import TokenBuckets
+from freshline.pipeline.api.auth import Authenticator, Unauthorized
+from freshline.pipeline.api.buckets import TokenBuckets
 from freshline.pipeline.api.openapi import document
 from freshline.pipeline.api.reader import parse_entity
 from freshline.pipeline.core.errors import InvalidId
@@ -146,7 +145,7 @@ def test_a_worker_cut_off_from_the_channel_trusts_no_cached_key(
         with engine.begin() as conn:
             conn.execute(
                 sa.text("UPDATE freshline.api_keys SET revoked_at = now() WHERE key_hash = :h"),
-                {"h": auth_module.hash_key(key)},
+                {"h": accounts.hash_key(key)},
             )
         with pytest.raises(Unauthorized):
             worker.principal(key)
@@ -161,7 +160,7 @@ def test_keys_are_compared_in_constant_time_and_cached_keys_hash_nothing(
     key = create_tenant(engine, fresh_tenant())
     compared: list[tuple[str, str]] = []
     hashed: list[str] = []
-    real_compare, real_hash = hmac.compare_digest, auth_module.hash_key
+    real_compare, real_hash = hmac.compare_digest, accounts.hash_key
 
     def compare(a: str, b: str) -> bool:
         compared.append((a, b))

@@ -20,7 +20,7 @@ from pydantic import SecretStr
 from sqlalchemy.engine import Engine
 
 from freshline.pipeline.api import create_app
-from freshline.pipeline.api.auth import create_api_key, create_tenant
+from freshline.pipeline.api.accounts import create_api_key, create_tenant
 from freshline.pipeline.api.ops import Ops, SharedObserver
 from freshline.pipeline.core.services import redis_client as make_redis_client
 from freshline.pipeline.core.settings import Settings

@@ -11,7 +11,7 @@ import redis
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from freshline.pipeline.api.auth import create_api_key, set_tenant_limits
+from freshline.pipeline.api.accounts import create_api_key, set_tenant_limits
 from freshline.pipeline.api.tenancy import TenantSlots
 from freshline.pipeline.cache.tokens import freshline_token
 from freshline.pipeline.core.settings import Settings

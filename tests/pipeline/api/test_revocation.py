@@ -21,15 +21,13 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from freshline.pipeline.api.auth import (
-    Authenticator,
-    Principal,
-    Unauthorized,
+from freshline.pipeline.api.accounts import (
     create_tenant,
     issue_api_key,
     list_api_keys,
     revoke_api_key,
 )
+from freshline.pipeline.api.auth import Authenticator, Principal, Unauthorized
 from freshline.pipeline.core.db import make_engine
 from freshline.pipeline.core.errors import FreshlineError
 from freshline.pipeline.core.keys import APIKEY_CHANNEL

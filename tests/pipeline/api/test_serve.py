@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.accounts import create_api_key
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.dev.processes import DidNotStart, serving
 from tests.helpers import FRESHLINE, free_port, wait_until

@@ -22,7 +22,7 @@ from freshline.consumers.kafka import admin_client
 from freshline.consumers.served import ServedSink
 from freshline.consumers.topics import ensure
 from freshline.pipeline.api import create_app
-from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.accounts import create_api_key
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.recompute import compute
 from freshline.pipeline.core.features import Registry

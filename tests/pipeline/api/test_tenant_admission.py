@@ -13,7 +13,7 @@ import redis
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.accounts import create_api_key
 from freshline.pipeline.api.limits import PoolBudget, TenantOverBudget
 from freshline.pipeline.core.settings import Settings
 from tests.helpers import api_app, running

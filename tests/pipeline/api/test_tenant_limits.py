@@ -17,14 +17,15 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from freshline.pipeline.api.auth import (
+from freshline.pipeline.api.accounts import (
     TenantLimits,
     UnknownTenant,
     create_api_key,
     set_tenant_limits,
     tenant_limits,
 )
-from freshline.pipeline.api.limits import PoolBudget, TokenBuckets
+from freshline.pipeline.api.buckets import TokenBuckets
+from freshline.pipeline.api.limits import PoolBudget
 from freshline.pipeline.core.settings import Settings
 from tests.helpers import FRESHLINE, api_app, running, wait_until
 from tests.pipeline.api.test_tenancy import reads_held_to

@@ -18,7 +18,7 @@ import redis
 from sqlalchemy.engine import Engine
 
 from freshline.pipeline.api import create_app
-from freshline.pipeline.api.auth import create_tenant
+from freshline.pipeline.api.accounts import create_tenant
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.recompute import Batch
 from freshline.pipeline.cache.store import EntryStore

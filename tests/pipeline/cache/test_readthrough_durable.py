@@ -22,7 +22,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.accounts import create_api_key
 from freshline.pipeline.cache.readthrough import ReadThrough
 from freshline.pipeline.cache.recompute import FORCE_RETRY_S, compute, flushed_lsn
 from freshline.pipeline.cache.store import EntryStore

@@ -24,7 +24,7 @@ import redis
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.accounts import create_api_key
 from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.roster import CONSUMER, READER, Kind, Proc, Registration, roster
 from freshline.pipeline.cache.versions import Pointer, publish_fields, state

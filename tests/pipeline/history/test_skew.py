@@ -22,7 +22,7 @@ from freshline.consumers.kafka import admin_client
 from freshline.consumers.served import ServedSink
 from freshline.consumers.topics import ensure
 from freshline.pipeline.api import create_app
-from freshline.pipeline.api.auth import create_tenant
+from freshline.pipeline.api.accounts import create_tenant
 from freshline.pipeline.core.codec import HEADER
 from freshline.pipeline.core.keys import feature_key
 from freshline.pipeline.core.settings import Settings

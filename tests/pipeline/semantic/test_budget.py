@@ -18,7 +18,7 @@ import redis
 from sqlalchemy.engine import Engine
 
 from freshline.pipeline.api import create_app
-from freshline.pipeline.api.auth import create_api_key, create_tenant
+from freshline.pipeline.api.accounts import create_api_key, create_tenant
 from freshline.pipeline.core.budget import TenantBudget, usage
 from freshline.pipeline.core.keys import (
     semantic_budget_keys,

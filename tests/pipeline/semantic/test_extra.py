@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy.engine import Engine
 
 from fraud.seed import SeedSummary
-from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.api.accounts import create_api_key
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.semantic.extra import INSTALL, MODULES
 from tests.helpers import fresh_version
