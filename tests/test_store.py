@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 import freshline
 from fraud.seed import SeedSummary
 from freshline import IMPLICIT_TENANT, FeatureStore
-from freshline.pipeline.api.auth import TenantExists, create_api_key, create_tenant
+from freshline.pipeline.api.accounts import TenantExists, create_api_key, create_tenant
 from freshline.pipeline.core.errors import UnknownFeatureSet
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
