@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,10 +26,13 @@ from freshline.pipeline.api import create_app
 from freshline.pipeline.api.auth import create_api_key
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.core.codec import encode_entry
 from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.keys import feature_key
 from freshline.pipeline.core.repository import REGISTRY, active
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.topics import SERVED, qualified
+from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.inference.models import LogisticModel, ModelRegistry
 from freshline.pipeline.observe import served
 from freshline.pipeline.observe.served import LOGGED, Served, ServedLog
@@ -330,3 +334,40 @@ def test_the_setting_logs_every_feature_set(
         answers = [api.get(f"/v1/features/txn_90d/{u}") for u in range(1, 6)]
     assert all(a.status_code == 200 for a in answers)
     assert sum("x-request-id" in a.headers for a in answers) == logged_ids
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["redis", "tier"])
+def test_a_read_asking_for_freshness_logs_the_entry_it_served(
+    api_factory: Callable[..., Api],
+    logged: Settings,
+    engine: Engine,
+    tenant: str,
+    tmp_path: Path,
+    local: bool,
+) -> None:
+    api = api_factory(local=local)
+    svc = api.app.state.services
+    url = "/v1/features/txn_90d/3"
+    assert api.get(url).status_code == 200  # the entry, computed and stored
+    # Overwritten with one too old for the bound and a value of its own: the bounded
+    # read must not serve it, and its log must not name it.
+    fs = REGISTRY["txn_90d"]
+    version = svc.reader.schema_version
+    wrong = {**truth(engine, tenant, "txn_90d", "3"), "txn_count": 10_000}
+    old = time.time_ns() // 1_000_000 - 60_000
+    svc.redis.set(
+        feature_key(version, EntityRef("txn_90d", tenant, "3")),
+        encode_entry([wrong[f] for f in fs.field_names], version, old, 1),
+        px=fs.ttl_s * 1000,
+    )
+    bounded = api.get(f"{url}?max_staleness_ms=1000&wait_ms=0", headers=LOG)
+    assert bounded.status_code == 200, bounded.text
+    assert bounded.json()["source"] == "computed"
+    assert bounded.json()["values"] == truth(engine, tenant, "txn_90d", "3")
+
+    [row] = sink_rows(logged, tmp_path, 1)
+    assert row["request_id"] == bounded.headers["x-request-id"]
+    assert row["source"] == "read-through"
+    assert orjson.loads(row["values"]) == bounded.json()["values"]
+    assert row["entry"] is not None, "logged without its entry"
+    assert row["watermark"] is not None and int(row["watermark"]) > 1, row
