@@ -404,11 +404,12 @@ def show_training_set(engine: Engine, tenant: str) -> int:
     return len(table)
 
 
-def check_served(ops: str, directory: Path, tenant: str = "acme") -> list[str]:
-    """The demo's ending: its logged reads written to ``directory`` (``freshline served
-    sink``'s work), the training set built from history, and the skew report on the
-    reads (``freshline skew``'s check): served values against the training set's at
-    each entry's snapshot (must be equal) and at the request's moment (stale).
+def check_served(settings: Settings, sent: int, directory: Path, tenant: str = "acme") -> list[str]:
+    """The demo's ending: the ``sent`` records of its logged reads written to
+    ``directory`` (``freshline served sink``'s work), the training set built from
+    history, and the skew report on the reads (``freshline skew``'s check): served
+    values against the training set's at each entry's snapshot (must be equal) and at
+    the request's moment (stale).
 
     Returns what went wrong: an exact mismatch, or no read checked at all.
     """
@@ -417,8 +418,6 @@ def check_served(ops: str, directory: Path, tenant: str = "acme") -> list[str]:
     from freshline.pipeline.observe.served_files import ParquetLog
     from freshline.pipeline.observe.skew import check
 
-    settings = load_settings()
-    sent = logged_reads(ops)
     sink = ServedSink(settings, REGISTRY, directory, poll_s=0.2)
     try:
         written = sink.run(max_rows=sent, timeout=SERVED_S) if sent else 0
@@ -473,7 +472,7 @@ def main(argv: list[str]) -> int:
             catch_up(load_settings())
             return 0 if cdc_change(base, key, tenant, int(user), psql_url) else 1
         case ["served", ops, directory]:
-            failed = check_served(ops, Path(directory))
+            failed = check_served(load_settings(), logged_reads(ops), Path(directory))
             for line in failed:
                 sys.stderr.write(f"demo: failed: {line}\n")
             return 1 if failed else 0
