@@ -21,11 +21,13 @@ from sqlalchemy.engine import Engine
 from fraud.seed import SeedSummary
 from freshline.consumers.kafka import admin_client
 from freshline.consumers.served import ServedSink
-from freshline.consumers.topics import ensure
+from freshline.consumers.topics import allow_consumer, ensure
 from freshline.pipeline.api import create_app
 from freshline.pipeline.api.auth import create_api_key
+from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.local import LocalTier
 from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import FeatureStore
 from freshline.pipeline.core.codec import encode_entry
 from freshline.pipeline.core.features import Registry
 from freshline.pipeline.core.keys import feature_key
@@ -38,7 +40,7 @@ from freshline.pipeline.observe import served
 from freshline.pipeline.observe.served import LOGGED, Served, ServedLog
 from freshline.pipeline.observe.served_files import ParquetLog
 from freshline.pipeline.observe.served_training import from_logs
-from tests.helpers import Api, fresh_version, freshline, running, wait_until
+from tests.helpers import Api, fresh_version, freshline, kafka_login, running, wait_until
 
 LOG = {"Freshline-Log": "1"}
 ENTITY_FEATURES = ("txn_90d.txn_count", "txn_90d.txn_sum", "geo.distinct_countries_30d")
@@ -371,3 +373,54 @@ def test_a_read_asking_for_freshness_logs_the_entry_it_served(
     assert orjson.loads(row["values"]) == bounded.json()["values"]
     assert row["entry"] is not None, "logged without its entry"
     assert row["watermark"] is not None and int(row["watermark"]) > 1, row
+
+
+def test_the_python_client_logs_its_reads_as_the_api_does(
+    logged: Settings, engine: Engine, redis_client: redis.Redis, tenant: str, tmp_path: Path
+) -> None:
+    version = logged.schema_version
+    FeatureStore(redis_client, version).write(
+        compute(engine, REGISTRY["txn_90d"], [(tenant, "1"), (tenant, "2")])
+    )
+    # The consumers' Kafka login, granted the prefix's topics as apply grants them:
+    # besides the admin, the one that may write the log.
+    as_consumers = kafka_login(logged, "consumer")
+    allow_consumer(admin_client(logged), as_consumers.kafka_sasl_username or "", logged)
+    queued = LOGGED.labels("queued")._value.get()
+    client = FeatureClient(redis_client, version, served=ServedLog(as_consumers))
+    sampled = FeatureClient(
+        redis_client,
+        version,
+        served=ServedLog(as_consumers.model_copy(update={"served_log_sample": 1.0})),
+    )
+    try:
+        assert client.get("txn_90d", tenant, 1) is not None  # no share, not asked: unlogged
+        assert LOGGED.labels("queued")._value.get() == queued
+        items: list[tuple[str, str, str | int]] = [
+            ("txn_90d", tenant, 1),
+            ("txn_90d", tenant, "2"),
+            ("geo", tenant, 1),
+        ]
+        got = client.get_many(items, request_id="client-call.1", log=True)
+        every = sampled.get("txn_90d", tenant, 2)  # the settings' share: every call
+    finally:
+        client.close()
+        sampled.close()
+    assert every is not None and got[0] is not None and got[1] is not None and got[2] is None
+
+    rows = sink_rows(logged, tmp_path, 4)
+    assert {(r["route"], r["tenant"]) for r in rows} == {("client", tenant)}
+    by_key = {(r["request_id"], r["feature_set"], r["entity"]): r for r in rows}
+    [other] = [rid for rid, _, _ in by_key if rid != "client-call.1"]
+    assert by_key["client-call.1", "geo", "1"]["source"] == "miss"
+    assert by_key["client-call.1", "geo", "1"]["values"] is None
+    for key, features in [
+        (("client-call.1", "txn_90d", "1"), got[0]),
+        (("client-call.1", "txn_90d", "2"), got[1]),
+        ((other, "txn_90d", "2"), every),
+    ]:
+        row = by_key[key]
+        assert row["source"] == "redis"
+        assert orjson.loads(row["values"]) == features.values
+        assert int(row["watermark"]) == features.watermark
+        assert row["schema_version"] == version
