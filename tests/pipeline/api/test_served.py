@@ -26,6 +26,7 @@ from freshline.pipeline.api import create_app
 from freshline.pipeline.api.auth import create_api_key
 from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.readthrough import ReadThrough
 from freshline.pipeline.cache.recompute import compute
 from freshline.pipeline.cache.store import FeatureStore
 from freshline.pipeline.core.codec import encode_entry
@@ -393,6 +394,12 @@ def test_the_python_client_logs_its_reads_as_the_api_does(
         version,
         served=ServedLog(as_consumers.model_copy(update={"served_log_sample": 1.0})),
     )
+    bounded = FeatureClient(
+        redis_client,
+        version,
+        readthrough=ReadThrough(FeatureStore(redis_client, version), engine),
+        served=ServedLog(as_consumers),
+    )
     try:
         assert client.get("txn_90d", tenant, 1) is not None  # no share, not asked: unlogged
         assert LOGGED.labels("queued")._value.get() == queued
@@ -403,15 +410,32 @@ def test_the_python_client_logs_its_reads_as_the_api_does(
         ]
         got = client.get_many(items, request_id="client-call.1", log=True)
         every = sampled.get("txn_90d", tenant, 2)  # the settings' share: every call
+        # A bounded read of an entry too old for it: computed, and logged as computed.
+        fs = REGISTRY["txn_90d"]
+        wrong = {**truth(engine, tenant, "txn_90d", "3"), "txn_count": 10_000}
+        redis_client.set(
+            feature_key(version, EntityRef("txn_90d", tenant, "3")),
+            encode_entry([wrong[f] for f in fs.field_names], version, 1, 1),
+            px=fs.ttl_s * 1000,
+        )
+        fresh = bounded.get(
+            "txn_90d", tenant, 3, max_staleness_ms=1000, wait_ms=0, request_id="b", log=True
+        )
     finally:
         client.close()
         sampled.close()
+        bounded.close()
     assert every is not None and got[0] is not None and got[1] is not None and got[2] is None
+    assert fresh is not None and fresh.values == truth(engine, tenant, "txn_90d", "3")
 
-    rows = sink_rows(logged, tmp_path, 4)
+    rows = sink_rows(logged, tmp_path, 5)
     assert {(r["route"], r["tenant"]) for r in rows} == {("client", tenant)}
     by_key = {(r["request_id"], r["feature_set"], r["entity"]): r for r in rows}
-    [other] = [rid for rid, _, _ in by_key if rid != "client-call.1"]
+    [other] = [rid for rid, _, _ in by_key if rid not in ("client-call.1", "b")]
+    computed = by_key["b", "txn_90d", "3"]
+    assert computed["source"] == "read-through"
+    assert orjson.loads(computed["values"]) == fresh.values
+    assert int(computed["watermark"]) == fresh.watermark > 1
     assert by_key["client-call.1", "geo", "1"]["source"] == "miss"
     assert by_key["client-call.1", "geo", "1"]["values"] is None
     for key, features in [
