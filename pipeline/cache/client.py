@@ -13,9 +13,9 @@ asked (:mod:`freshline.pipeline.cache.freshness`).
 
 With ``served=`` (a :class:`freshline.pipeline.observe.served.ServedLog`) the client logs
 its reads as the read API does, in the same records (route ``client``): a call is
-logged when a feature set it reads asks for it (``log_sample``) or the settings do
-(``FRESHLINE_SERVED_LOG_SAMPLE``), sampled by a hash of its ``request_id``, or always
-with ``log=True``. :meth:`following` makes that log when a share is configured.
+logged when a feature set it reads asks for it (``log_sample``) or the log's settings
+do (``FRESHLINE_SERVED_LOG_SAMPLE``), sampled by a hash of its ``request_id``, or always
+with ``log=True``.
 
 A Redis server back with fewer writes than it acknowledged (restarted from an older
 snapshot, a replica promoted) serves nothing until a consumer has raised the floors:
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import redis
 
@@ -49,9 +49,8 @@ if TYPE_CHECKING:
     from freshline.pipeline.cache.versions import Pointer, VersionResolver
     from freshline.pipeline.core.lock import Lock
     from freshline.pipeline.core.settings import Settings
-    from freshline.pipeline.observe.served import ServedLog
 
-__all__ = ["FeatureClient", "Features", "freshline_token"]
+__all__ = ["FeatureClient", "Features", "ReadLog", "freshline_token"]
 
 
 class Features(NamedTuple):
@@ -67,6 +66,29 @@ class Features(NamedTuple):
     age_ms: int
     schema_version: int
     watermark: int
+
+
+Read = tuple[str, str, str, str, Features | None]
+"""One read as logged: feature set, tenant, entity, where it came from, what it served."""
+
+
+class ReadLog(Protocol):
+    """Where a client logs its reads: :class:`freshline.pipeline.observe.served.ServedLog`
+    (a layer above this one, hence a protocol here)."""
+
+    @property
+    def enabled(self) -> bool: ...
+    @property
+    def sample(self) -> float: ...
+    def chosen(self, request_id: str | None, rate: float, asked: bool) -> str | None:
+        """The call's request id if it is logged at ``rate`` (or ``asked``), else None."""
+        ...
+
+    def log_reads(self, request_id: str, route: str, at_us: int, reads: Sequence[Read]) -> None:
+        """Queue the records of one call's ``reads``."""
+        ...
+
+    def close(self, timeout_s: float = 10.0) -> None: ...
 
 
 class _Refs(LazyRefs):
@@ -109,7 +131,7 @@ class FeatureClient:
         versions: VersionResolver | None = None,
         hot: HotReads | None = None,
         readthrough: ReadThrough | None = None,
-        served: ServedLog | None = None,
+        served: ReadLog | None = None,
     ) -> None:
         self.store = FeatureStore(client, schema_version, registry=registry)
         self.local = local
@@ -151,8 +173,10 @@ class FeatureClient:
         registry: Registry = REGISTRY,
         pointer: Pointer | None = None,
         lock: Lock | None = None,
+        served: ReadLog | None = None,
     ) -> FeatureClient:
-        """A client on the active-version pointer that samples reads for warming.
+        """A client on the active-version pointer that samples reads for warming (and,
+        with ``served``, logs them).
 
         Listening, it registers itself as a reader (:mod:`freshline.pipeline.cache.roster`) until
         :meth:`close`, so ``deploy flip`` knows which versions it can serve.
@@ -160,18 +184,16 @@ class FeatureClient:
         from freshline.pipeline.cache.hot import HotReads
         from freshline.pipeline.cache.roster import Proc, Registration
         from freshline.pipeline.cache.versions import DEFAULT_POINTER, VersionResolver
-        from freshline.pipeline.observe.served import ServedLog
 
         pointer = pointer or DEFAULT_POINTER
         versions = VersionResolver(client, settings, pointer=pointer, lock=lock)
-        logs = settings.served_log_sample > 0 or any(fs.log_sample > 0 for fs in registry)
         features = cls(
             client,
             settings.schema_version,
             registry=registry,
             versions=versions,
             hot=HotReads(client, flush_s=1.0),
-            served=ServedLog(settings) if logs else None,
+            served=served,
         )
         if listen:
             versions.listen()
@@ -263,37 +285,29 @@ class FeatureClient:
         return self._plain(items, sources)
 
     def _logged(
-        self, log: ServedLog, items: list[Item], request_id: str | None, asked: bool
+        self, log: ReadLog, items: list[Item], request_id: str | None, asked: bool
     ) -> str | None:
         """The call's request id if it is logged, else ``None``."""
-        from freshline.pipeline.observe import served
-
         rate = max([log.sample, *(self._log_samples.get(fs, 0.0) for fs, _, _ in items)])
         if rate <= 0.0 and not asked:
             return None
-        rid = served.request_id(request_id)
-        return rid if asked or served.sampled(rid, rate) else None
+        return log.chosen(request_id, rate, asked)
 
     @staticmethod
     def _log(
-        log: ServedLog,
+        log: ReadLog,
         rid: str,
         at_us: int,
         items: list[Item],
         found: list[Features | None],
         sources: list[str],
     ) -> None:
-        """Queue the call's records (one per tenant it read), as the read API's."""
-        from freshline.pipeline.observe.served import Served
-
-        by_tenant: dict[str, Served] = {}
-        for (fs, tenant, entity), features, source in zip(items, found, sources, strict=True):
-            record = by_tenant.get(tenant)
-            if record is None:
-                record = by_tenant[tenant] = Served(rid, tenant, "client", at_us, [])
-            record.items.append((fs, entity, "miss" if features is None else source, features))
-        for record in by_tenant.values():
-            log.put(record)
+        """Queue the call's records, as the read API's."""
+        reads: list[Read] = [
+            (fs, tenant, entity, "miss" if features is None else source, features)
+            for (fs, tenant, entity), features, source in zip(items, found, sources, strict=True)
+        ]
+        log.log_reads(rid, "client", at_us, reads)
 
     def _canonical(self, items: Sequence[tuple[str, str, str | int]]) -> list[Item]:
         """``items`` with each entity id in its key type's canonical text."""
