@@ -1,11 +1,12 @@
-"""The read path with the served log at 100% and 1% of requests, against off.
+"""The read path with the served log at 0%, 1%, 10% and 100% of requests, against off.
 
-Three ``freshline serve`` processes (granian, the read-path benchmark's workers, tier
-off) on the same ``txn_90d`` entries (:func:`bench.reference_app.prepared`), with
-``FRESHLINE_SERVED_LOG_SAMPLE`` 0 (off), 0.01 and 1, logging to a topic of the run's own
+Five ``freshline serve`` processes (granian, the read-path benchmark's workers, tier
+off) on the same ``txn_90d`` entries (:func:`bench.reference_app.prepared`): one
+without the log (``FRESHLINE_SERVED_LOG_BUFFER=0``, "off"), and four with
+``FRESHLINE_SERVED_LOG_SAMPLE`` 0, 0.01, 0.1 and 1, logging to a topic of the run's own
 (``<the run's prefix>freshline.served``, made here and deleted after; the servers
 log in to Kafka as the benchmark does). ``wrk`` loads each with
-HTTP GET and batch-100 (cache-only) at 16 connections, the three interleaved round by
+HTTP GET and batch-100 (cache-only) at 16 connections, all interleaved round by
 round; the ratios are the medians of each round's p50 and p99 against off.
 
 Targets (issue 58): at 1%, p50 <= 1.10x and p99 <= 1.2x; at 100%, p50 <= 1.3x. Nothing
@@ -21,7 +22,15 @@ from typing import Any
 from bench import common, reference_app
 from freshline.pipeline.core.topics import SERVED
 
-SHARES = {"off": "0", "1%": "0.01", "100%": "1"}
+SHARES = {
+    "off": {"FRESHLINE_SERVED_LOG_BUFFER": "0"},
+    "0%": {"FRESHLINE_SERVED_LOG_SAMPLE": "0"},
+    "1%": {"FRESHLINE_SERVED_LOG_SAMPLE": "0.01"},
+    "10%": {"FRESHLINE_SERVED_LOG_SAMPLE": "0.1"},
+    "100%": {"FRESHLINE_SERVED_LOG_SAMPLE": "1"},
+}
+"""Each server's settings: off has no log at all; 0% has one and samples nothing."""
+LOGGED = [share for share in SHARES if share != "off"]
 CONCURRENCY = 16
 
 
@@ -50,10 +59,7 @@ def run(quick: bool) -> dict[str, Any]:
                     reference_app.serve_freshline(
                         ctx,
                         version,
-                        env={
-                            "FRESHLINE_SERVED_LOG_SAMPLE": value,
-                            "FRESHLINE_TOPIC_PREFIX": prefix,
-                        },
+                        env={**value, "FRESHLINE_TOPIC_PREFIX": prefix},
                     )
                 )
                 for share, value in SHARES.items()
@@ -61,7 +67,8 @@ def run(quick: bool) -> dict[str, Any]:
             for url in urls.values():
                 reference_app.warm(url, api_key, users)
             for r in range(rounds):
-                order = list(SHARES)[r % 3 :] + list(SHARES)[: r % 3]
+                k = r % len(SHARES)
+                order = list(SHARES)[k:] + list(SHARES)[:k]
                 for endpoint, script in scripts.items():
                     for share in order:
                         common.note(f"round {r + 1}: {endpoint}, logging {share}")
@@ -81,7 +88,7 @@ def run(quick: bool) -> dict[str, Any]:
                 )
                 for p in ("p50", "p99")
             }
-            for share in ("1%", "100%")
+            for share in LOGGED
         }
         for endpoint, runs in figures.items()
     }
@@ -141,10 +148,11 @@ def markdown(res: dict[str, Any]) -> str:
     ]
     return "\n".join(
         [
-            "## served_log: the read path with the served log at 100% and 1%",
+            "## served_log: the read path with the served log at 0%, 1%, 10% and 100%",
             "",
-            f"`freshline serve` ({p['server_workers']} workers, tier off, {p['mode']}) three "
-            f"times, with `FRESHLINE_SERVED_LOG_SAMPLE` 0, 0.01 and 1; `wrk` at "
+            f"`freshline serve` ({p['server_workers']} workers, tier off, {p['mode']}) five "
+            "times: without the log (`FRESHLINE_SERVED_LOG_BUFFER=0`, off), and with "
+            f"`FRESHLINE_SERVED_LOG_SAMPLE` 0, 0.01, 0.1 and 1; `wrk` at "
             f"{p['concurrency']} connections, {p['rounds']} interleaved rounds of "
             f"{p['seconds']} s per server and endpoint, {p['entities']} entities. Medians; "
             "ratios are the median of each round's ratio to off.",

@@ -23,8 +23,7 @@ LIBRARY = ("pipeline", "consumers", "schemas", "migrations", "freshline")
 """The folders the wheel installs (``freshline`` holds symlinks to the others: skipped)."""
 MAX_DOCSTRING = 30
 """About 25 lines of text, with the quotes and a line or two of slack."""
-LONG_DOCSTRINGS = {
-}
+LONG_DOCSTRINGS: frozenset[str] = frozenset()
 """Modules whose docstring may be longer, for now: each one's content is to move to the
 docs page it belongs to. The list only shrinks."""
 REASON = re.compile(r"#\s*long:\s*\S")

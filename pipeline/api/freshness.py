@@ -36,6 +36,7 @@ from freshline.pipeline.core.clock import now_ms
 from freshline.pipeline.core.features import Registry
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import Entry
+from freshline.pipeline.observe import served
 
 FIELDS: Final = ("after", "max_staleness_ms", "wait_ms")
 _FIRST_PAUSE_S, _LONGEST_PAUSE_S = 0.001, 0.05
@@ -165,6 +166,7 @@ async def read(
                 compute=mode == "read-through",
             )
         )
+        served.saw(refs, found)
         took = _took(started)
         return [
             _answer(r, took)
@@ -182,6 +184,7 @@ async def read(
         entry = local.get(ref, version) if local is not None else None
         if entry is not None and fresh.takes(entry, now):
             answers[i] = _served(ref.feature_set, ref.entity, entry, "local", now, started)
+            served.saw((ref,), (entry,))
         else:
             pending.append(i)
 
@@ -197,6 +200,7 @@ async def read(
         for i, ref, entry in zip(todo, wanted, entries, strict=True):
             if entry is not None and fresh.takes(entry, now):
                 answers[i] = _served(ref.feature_set, ref.entity, entry, source, now, started)
+                served.saw((ref,), (entry,))
                 if local is not None:
                     local.put(ref, entry, seal)
             else:
@@ -223,12 +227,14 @@ async def read(
             ref = refs[i]
             missed = answer(ref.feature_set, ref.entity, None, "miss", 0, version)
             answers[i] = _timed(missed, started)
+            served.saw((ref,), (None,))
     elif computing:
         seal = local.token() if local is not None else 0
         began = now_ms()
         results = await pool(
             target.recompute, [refs[i] for i in computing], lambda e: fresh.takes(e, now_ms())
         )
+        served.saw((r.ref for r in results), results)
         took = _took(started)
         for i, r in zip(computing, results, strict=True):
             answers[i] = _answer(fresh.check(r), took)

@@ -11,6 +11,12 @@ With ``readthrough=``, a read may ask for freshness: ``after=`` a token from
 ``max_staleness_ms=``; it then never answers ``None``, and never an entry older than
 asked (:mod:`freshline.pipeline.cache.freshness`).
 
+With ``served=`` (a :class:`freshline.pipeline.observe.served.ServedLog`) the client logs
+its reads as the read API does, in the same records (route ``client``): a call is
+logged when a feature set it reads asks for it (``log_sample``) or the log's settings
+do (``FRESHLINE_SERVED_LOG_SAMPLE``), sampled by a hash of its ``request_id``, or always
+with ``log=True``.
+
 A Redis server back with fewer writes than it acknowledged (restarted from an older
 snapshot, a replica promoted) serves nothing until a consumer has raised the floors:
 its entries are misses meanwhile (:mod:`freshline.pipeline.cache.server`).
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, NamedTuple, overload
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, overload
 
 import redis
 
@@ -46,7 +52,7 @@ if TYPE_CHECKING:
     from freshline.pipeline.core.lock import Lock
     from freshline.pipeline.core.settings import Settings
 
-__all__ = ["FeatureClient", "Features", "freshline_token"]
+__all__ = ["FeatureClient", "Features", "ReadLog", "freshline_token"]
 
 
 class Features(NamedTuple):
@@ -62,6 +68,29 @@ class Features(NamedTuple):
     age_ms: int
     schema_version: int
     watermark: int
+
+
+Read = tuple[str, str, str, str, Features | None]
+"""One read as logged: feature set, tenant, entity, where it came from, what it served."""
+
+
+class ReadLog(Protocol):
+    """Where a client logs its reads: :class:`freshline.pipeline.observe.served.ServedLog`
+    (a layer above this one, hence a protocol here)."""
+
+    @property
+    def enabled(self) -> bool: ...
+    @property
+    def sample(self) -> float: ...
+    def chosen(self, request_id: str | None, rate: float, asked: bool) -> str | None:
+        """The call's request id if it is logged at ``rate`` (or ``asked``), else None."""
+        ...
+
+    def log_reads(self, request_id: str, route: str, at_us: int, reads: Sequence[Read]) -> None:
+        """Queue the records of one call's ``reads``."""
+        ...
+
+    def close(self, timeout_s: float = 10.0) -> None: ...
 
 
 class _Refs(LazyRefs):
@@ -104,12 +133,16 @@ class FeatureClient:
         versions: VersionResolver | None = None,
         hot: HotReads | None = None,
         readthrough: ReadThrough | None = None,
+        served: ReadLog | None = None,
     ) -> None:
         self.store = EntryStore(client, schema_version, registry=registry)
         self.local = local
         self.versions = versions
         self.hot = hot
         self.readthrough = readthrough
+        self.served = served if served is not None and served.enabled else None
+        # The share of calls each feature set logs (FeatureSet.log_sample), where it logs any.
+        self._log_samples = {fs.name: fs.log_sample for fs in registry if fs.log_sample > 0}
         self._stores = {schema_version: self.store}
         self._tokens: Tokens | None = None
         self._arrivals: Arrivals | None = None
@@ -133,7 +166,7 @@ class FeatureClient:
         return cls(redis.Redis.from_url(url), schema_version, registry=registry, local=local)
 
     @classmethod
-    def following(
+    def following(  # noqa: PLR0913 (the constructor's collaborators, each optional)
         cls,
         client: redis.Redis,
         settings: Settings,
@@ -144,9 +177,11 @@ class FeatureClient:
         lock: Lock | None = None,
         local: LocalTier | None = None,
         readthrough: ReadThrough | None = None,
+        served: ReadLog | None = None,
     ) -> FeatureClient:
         """A client on the active-version pointer that samples reads for warming
-        (``local``: an in-process tier in front of Redis; ``readthrough``: see the class).
+        (``local``: an in-process tier in front of Redis; ``readthrough``: see the class;
+        with ``served``, it logs them).
 
         Listening, it registers itself as a reader (:mod:`freshline.pipeline.cache.roster`) until
         :meth:`close`, so ``deploy flip`` knows which versions it can serve.
@@ -165,6 +200,7 @@ class FeatureClient:
             versions=versions,
             hot=HotReads(client, flush_s=1.0),
             readthrough=readthrough,
+            served=served,
         )
         if listen:
             versions.listen()
@@ -183,6 +219,8 @@ class FeatureClient:
         after: str | None = None,
         max_staleness_ms: int | None = None,
         wait_ms: int = freshness.DEFAULT_WAIT_MS,
+        request_id: str | None = None,
+        log: bool = False,
     ) -> Features | None:
         """:meth:`get_many` of one item."""
         return self.get_many(
@@ -190,6 +228,8 @@ class FeatureClient:
             after=after,
             max_staleness_ms=max_staleness_ms,
             wait_ms=wait_ms,
+            request_id=request_id,
+            log=log,
         )[0]
 
     @overload
@@ -201,6 +241,8 @@ class FeatureClient:
         max_staleness_ms: int | None = ...,
         wait_ms: int = ...,
         as_: Literal["features"] = ...,
+        request_id: str | None = ...,
+        log: bool = ...,
     ) -> list[Features | None]: ...
 
     @overload
@@ -212,6 +254,8 @@ class FeatureClient:
         max_staleness_ms: int | None = ...,
         wait_ms: int = ...,
         as_: Literal["arrow"],
+        request_id: str | None = ...,
+        log: bool = ...,
     ) -> pa.Table: ...
 
     def get_many(
@@ -222,6 +266,8 @@ class FeatureClient:
         max_staleness_ms: int | None = None,
         wait_ms: int = freshness.DEFAULT_WAIT_MS,
         as_: Literal["features", "arrow"] = "features",
+        request_id: str | None = None,
+        log: bool = False,
     ) -> list[Features | None] | pa.Table:
         """All ``items`` in one MGET, in order; ``None`` marks a miss.
 
@@ -244,6 +290,10 @@ class FeatureClient:
         (:func:`freshline.pipeline.core.features.validate_key`, the read API's rule: an upper-case
         uuid reads the entry of its lower-case spelling); one that is not a key of that
         type raises :class:`~freshline.pipeline.core.errors.InvalidId`, as HTTP answers 400.
+
+        With a served log (the module docstring), ``request_id`` names the call in it (1
+        to 64 of ``A-Z a-z 0-9 . _ : -``, else one is made) and ``log=True`` logs it
+        whatever the sampling.
         """
         if as_ != "features":  # one comparison on the hot path
             if as_ != "arrow":
@@ -251,19 +301,67 @@ class FeatureClient:
             frames.arrow()  # before the read: without pyarrow, say so first
             named = self._canonical(items)
             found = self.get_many(
-                named, after=after, max_staleness_ms=max_staleness_ms, wait_ms=wait_ms
+                named,
+                after=after,
+                max_staleness_ms=max_staleness_ms,
+                wait_ms=wait_ms,
+                request_id=request_id,
+                log=log,
             )
             return frames.items_frame(self.store.registry, named, found)
         items = self._canonical(items)
+        served = self.served
+        logged = None if served is None else self._logged(served, items, request_id, log)
+        if served is None or logged is None:
+            return self._read(items, after, max_staleness_ms, wait_ms, None)
+        at_us = time.time_ns() // 1000
+        sources: list[str] = []
+        found = self._read(items, after, max_staleness_ms, wait_ms, sources)
+        self._log(served, logged, at_us, items, found, sources)
+        return found
+
+    def _read(
+        self,
+        items: list[Item],
+        after: str | None,
+        max_staleness_ms: int | None,
+        wait_ms: int,
+        sources: list[str] | None,
+    ) -> list[Features | None]:
         if self._bounds and max_staleness_ms is None:
             bounds = [self._bounds[fs] for fs, _, _ in items if fs in self._bounds]
             if bounds:  # the sets' declared default, the smallest
                 max_staleness_ms = min(bounds)
                 if after is None and self.readthrough is None:
-                    return self._within(items, max_staleness_ms)
+                    return self._within(items, max_staleness_ms, sources)
         if after is not None or max_staleness_ms is not None:
-            return self._fresh(items, after, max_staleness_ms, wait_ms)
-        return self._plain(items)
+            return self._fresh(items, after, max_staleness_ms, wait_ms, sources)
+        return self._plain(items, sources)
+
+    def _logged(
+        self, log: ReadLog, items: list[Item], request_id: str | None, asked: bool
+    ) -> str | None:
+        """The call's request id if it is logged, else ``None``."""
+        rate = max([log.sample, *(self._log_samples.get(fs, 0.0) for fs, _, _ in items)])
+        if rate <= 0.0 and not asked:
+            return None
+        return log.chosen(request_id, rate, asked)
+
+    @staticmethod
+    def _log(
+        log: ReadLog,
+        rid: str,
+        at_us: int,
+        items: list[Item],
+        found: list[Features | None],
+        sources: list[str],
+    ) -> None:
+        """Queue the call's records, as the read API's."""
+        reads: list[Read] = [
+            (fs, tenant, entity, "miss" if features is None else source, features)
+            for (fs, tenant, entity), features, source in zip(items, found, sources, strict=True)
+        ]
+        log.log_reads(rid, "client", at_us, reads)
 
     def get_frame(
         self,
@@ -328,15 +426,18 @@ class FeatureClient:
                 append((fs, tenant, of.validate(entity)))
         return out
 
-    def _plain(self, items: Sequence[tuple[str, str, str | int]]) -> list[Features | None]:
-        """Every item as cached (tier, then Redis), ``None`` for a miss."""
+    def _plain(
+        self, items: Sequence[tuple[str, str, str | int]], sources: list[str] | None = None
+    ) -> list[Features | None]:
+        """Every item as cached (tier, then Redis), ``None`` for a miss; with ``sources``,
+        where each answer came from is appended there (for the served log)."""
         store = self._store_for_call()
         version = store.schema_version
         named = _named(items)
         out: list[Features | None] = []
         append = out.append
         if self.local is not None:
-            entries = self._through_tier(self.local, named, store)
+            entries = self._through_tier(self.local, named, store, sources)
             now = time.time_ns() // 1_000_000
             for (fs, tenant, entity), e in zip(named, entries, strict=True):
                 append(
@@ -366,6 +467,8 @@ class FeatureClient:
                 )
                 for i, features in zip(missing, found, strict=True):
                     out[i] = features
+            if sources is not None:
+                sources.extend("hit" for _ in out)
         if self.hot is not None:
             self.hot.record(version, _Refs(named))
         return out
@@ -399,11 +502,14 @@ class FeatureClient:
         return out
 
     def _within(
-        self, items: Sequence[tuple[str, str, str | int]], bound_ms: int
+        self,
+        items: Sequence[tuple[str, str, str | int]],
+        bound_ms: int,
+        sources: list[str] | None = None,
     ) -> list[Features | None]:
         """A plain read under a declared bound with nothing to recompute with: an entry
         computed ``bound_ms`` ago or longer is a miss."""
-        found = self._plain(items)
+        found = self._plain(items, sources)
         return [f if f is not None and f.age_ms < bound_ms else None for f in found]
 
     def _fresh(
@@ -412,6 +518,7 @@ class FeatureClient:
         after: str | None,
         max_staleness_ms: int | None,
         wait_ms: int,
+        sources: list[str] | None = None,
     ) -> list[Features | None]:
         started = time.monotonic()
         rt = self.readthrough
@@ -439,6 +546,8 @@ class FeatureClient:
             if all(row is not None and fresh.takes_row(row, now) for row in rows):
                 if self.hot is not None:
                     self.hot.record(version, _Refs(named))
+                if sources is not None:
+                    sources.extend("hit" for _ in rows)
                 return self._rows_as_features(named, rows, version)
         target = rt if version == rt.store.schema_version else rt._for_version(version)
         refs = [EntityRef(fs, tenant, str(entity)) for fs, tenant, entity in items]
@@ -452,6 +561,8 @@ class FeatureClient:
         )
         if self.hot is not None:
             self.hot.record(version, refs)
+        if sources is not None:
+            sources.extend("miss" if r is None else r.source for r in results)
         return [
             None
             if r is None
@@ -472,6 +583,8 @@ class FeatureClient:
         freshness wait with; :meth:`following`'s deploy subscription and registration)."""
         if self._arrivals is not None:
             self._arrivals.close()
+        if self.served is not None:  # sends what is queued
+            self.served.close()
         if self._registration is not None:  # following()'s, with the resolver it made
             self._registration.close()
             self._registration = None
@@ -479,12 +592,16 @@ class FeatureClient:
                 self.versions.close()
 
     @staticmethod
-    def _through_tier(local: LocalTier, items: list[Item], store: EntryStore) -> list[Entry | None]:
+    def _through_tier(
+        local: LocalTier, items: list[Item], store: EntryStore, sources: list[str] | None
+    ) -> list[Entry | None]:
         """The local tier first; one MGET for the rest, which then fills the tier."""
         refs = [EntityRef(*item) for item in items]
         version = store.schema_version
         entries = [local.get(r, version) for r in refs]
         missing = [i for i, e in enumerate(entries) if e is None]
+        if sources is not None:
+            sources.extend("local" if e is not None else "hit" for e in entries)
         if missing:
             token = local.token()
             for i, entry in zip(missing, store.read([refs[i] for i in missing]), strict=True):

@@ -78,6 +78,9 @@ class ServedResult(Protocol):
     def watermark(self) -> int: ...
 
 
+Read = tuple[str, str, str, str, "ServedResult | None"]
+"""One read of the Python client: feature set, tenant, entity, source, what it served."""
+
 Seen = dict[tuple[str, str], "bytes | str | Entry | ServedResult | None"]
 """What the reader served each (feature set, entity) from: entry bytes, or an entry."""
 
@@ -123,6 +126,9 @@ def request_id(given: str | None) -> str:
     if given is not None and REQUEST_ID.fullmatch(given):
         return given
     return uuid.uuid4().hex
+
+
+_request_id = request_id  # for ServedLog.chosen, whose parameter has the name
 
 
 def sampled(rid: str, rate: float) -> bool:
@@ -230,6 +236,24 @@ class ServedLog:
             return False
         LOGGED.labels("queued").inc()
         return True
+
+    def chosen(self, request_id: str | None, rate: float, asked: bool) -> str | None:
+        """The id of a call (the caller's ``request_id`` when well formed) if it is
+        logged: ``asked``, or sampled at ``rate``; else ``None``."""
+        rid = _request_id(request_id)
+        return rid if asked or sampled(rid, rate) else None
+
+    def log_reads(self, request_id: str, route: str, at_us: int, reads: Sequence[Read]) -> None:
+        """Queue one call's ``reads`` (feature set, tenant, entity, source, what was
+        served), one record per tenant: the Python client's side of the log."""
+        by_tenant: dict[str, Served] = {}
+        for fs, tenant, entity, source, entry in reads:
+            record = by_tenant.get(tenant)
+            if record is None:
+                record = by_tenant[tenant] = Served(request_id, tenant, route, at_us, [])
+            record.items.append((fs, entity, source, entry))
+        for record in by_tenant.values():
+            self.put(record)
 
     def _start(self) -> None:
         with self._lock:

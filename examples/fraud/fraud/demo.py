@@ -7,6 +7,7 @@ scoring service would::
     python -m fraud.demo tour API_URL API_KEY
     python -m fraud.demo catch-up
     python -m fraud.demo cdc API_URL API_KEY TENANT USER PSQL_URL
+    python -m fraud.demo served OPS_URL SERVED_DIR
 
 Every timed change first waits for the consumer group to catch up (:func:`catch_up`):
 on a fresh clone the seed's tens of thousands of CDC events are still queued, and a
@@ -15,10 +16,12 @@ change behind them would time the backlog, not the pipeline.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -32,6 +35,9 @@ from freshline.pipeline.observe.staleness import GroupLag
 
 if TYPE_CHECKING:
     from confluent_kafka.admin import AdminClient
+    from sqlalchemy.engine import Engine
+
+    from freshline.pipeline.observe.skew import SkewReport
 
 DEADLINE_S = 15.0
 """How long a change may take to be served before the demo says it did not arrive."""
@@ -43,6 +49,7 @@ API_HINT = "is `freshline serve` running? scripts/demo starts it"
 USAGE = """usage: python -m fraud.demo tour API_URL API_KEY
        python -m fraud.demo catch-up
        python -m fraud.demo cdc API_URL API_KEY TENANT USER PSQL_URL
+       python -m fraud.demo served OPS_URL SERVED_DIR
 """
 
 
@@ -329,6 +336,131 @@ def cdc_change(
     return True
 
 
+# -- what was served, checked --------------------------------------------------------
+
+SERVED_S = 60.0
+"""How long the demo waits for its reads to reach the served log's files, and for
+history to be complete to the last of them."""
+_COUNTS = re.compile(r'^freshline_served_log_total\{outcome="(\w+)"\} (\S+)$', re.M)
+
+
+def logged_reads(ops: str, deadline_s: float = SERVED_S) -> int:
+    """How many records the API's served log has sent, once it has sent (or dropped)
+    every one it queued (its ``/metrics`` on the ops port ``ops``)."""
+    started = time.monotonic()
+    while True:
+        text = fetch(ops.rstrip("/") + "/metrics", service="the API's ops port").text()
+        counts = {name: float(value) for name, value in _COUNTS.findall(text)}
+        queued = counts.get("queued", 0)
+        done = counts.get("sent", 0) + counts.get("dropped", 0) + counts.get("failed", 0)
+        if done >= queued or time.monotonic() - started > deadline_s:
+            return int(counts.get("sent", 0))
+        time.sleep(0.1)  # the log's thread sends within its linger
+
+
+def complete_to(engine: Engine) -> datetime | None:
+    """What every captured table's history is complete to (None: not yet anything)."""
+    from freshline.pipeline.history.evaluator import captured
+
+    with engine.connect() as conn:
+        ends = [c.complete_to for c in captured(conn).values()]
+    return None if not ends or None in ends else min(e for e in ends if e is not None)
+
+
+def wait_for_history(engine: Engine, moment: datetime, deadline_s: float = SERVED_S) -> bool:
+    """Wait until history is complete to ``moment`` (the recorder marks it at each of
+    Debezium's heartbeats, every 10 s); False if the deadline passes first."""
+    started = time.monotonic()
+    said = False
+    while (done := complete_to(engine)) is None or done < moment:
+        if time.monotonic() - started > deadline_s:
+            _say(f"history is complete only to {done} after {deadline_s:.0f} s")
+            return False
+        if not said:
+            _say("waiting for history to be complete to the last read (a heartbeat, <= 10 s)")
+            said = True
+        time.sleep(0.2)  # polling Postgres while the recorder works
+    return True
+
+
+def show_training_set(engine: Engine, tenant: str) -> int:
+    """Print the example's training set from history (:mod:`fraud.training`): one row
+    per ``tenant`` transaction since history started, features as of its moment."""
+    from fraud.training import MODEL_INPUTS, features, spine
+
+    rows = spine(engine, tenant)
+    if rows is None or rows.num_rows == 0:
+        _say("training set: no transaction in history yet")
+        return 0
+    table = features(engine, rows).to_pylist()
+    labels = sum(1 for r in table if r["reversed"])
+    _say(
+        f"training set: {len(table):,} {tenant} transactions since history started, each "
+        f"with the {len(MODEL_INPUTS)} model features as of its moment; {labels} reversed"
+    )
+    for row in table[-2:]:
+        shown = ", ".join(f"{n}={row[f'{fs}__{n}']}" for fs, n in MODEL_INPUTS[:2])
+        shown += f", geo countries={row['geo__distinct_countries_30d']}"
+        _say(f"  user {row['user_id']} at {row['timestamp']:%H:%M:%S.%f}: {shown}")
+    return len(table)
+
+
+def check_served(settings: Settings, sent: int, directory: Path, tenant: str = "acme") -> list[str]:
+    """The demo's ending: the ``sent`` records of its logged reads written to
+    ``directory`` (``freshline served sink``'s work), the training set built from
+    history, and the skew report on the reads (``freshline skew``'s check): served
+    values against the training set's at each entry's snapshot (must be equal) and at
+    the request's moment (stale).
+
+    Returns what went wrong: an exact mismatch, or no read checked at all.
+    """
+    from freshline.consumers.served import ServedSink
+    from freshline.pipeline.core.repository import active
+    from freshline.pipeline.observe.served_files import ParquetLog
+    from freshline.pipeline.observe.skew import check
+
+    registry = active().registry
+    sink = ServedSink(settings, registry, directory, poll_s=0.2)
+    try:
+        written = sink.run(max_rows=sent, timeout=SERVED_S) if sent else 0
+    finally:
+        sink.close()
+    rows = ParquetLog(directory).read().to_pylist()
+    _say(f"the served log: {sent:,} logged requests, {written:,} reads written to {directory}")
+    if not rows:
+        return ["no read was logged"]
+    engine = make_engine(settings)
+    try:
+        wait_for_history(engine, max(r["requested_at"] for r in rows))
+        show_training_set(engine, tenant)
+        snapshot = engine.execution_options(isolation_level="REPEATABLE READ")
+        with snapshot.connect() as conn, conn.begin():
+            report = check(conn, registry, rows)
+    finally:
+        engine.dispose()
+    return _show_skew(report)
+
+
+def _show_skew(report: SkewReport) -> list[str]:
+    """The skew report in a few lines; what went wrong."""
+    _say("skew: served values against the training set's (freshline skew shows the table)")
+    for s in report.sets.values():
+        ages = s.ages()
+        age = f", {ages['p50']:,}/{ages['max']:,} ms old (p50/max)" if ages else ""
+        unchecked = "".join(f", {n} unchecked ({why})" for why, n in s.unchecked.items())
+        _say(
+            f"  {s.feature_set:<12} {s.reads:>4} reads: {s.checked} checked, "
+            f"{s.mismatched} wrong, {s.stale} stale{age}, {s.missing} missing{unchecked}"
+        )
+    checked = sum(s.checked for s in report.sets.values())
+    if report.mismatched:
+        return [f"{report.mismatched} exact mismatches: served values unlike their snapshot's"]
+    if not checked:
+        return ["no logged read could be checked against history"]
+    _say(f"exact mismatches: 0 of {checked} reads checked at their entry's snapshot")
+    return []
+
+
 def main(argv: list[str]) -> int:
     match argv:
         case ["tour", base, key]:
@@ -341,6 +473,11 @@ def main(argv: list[str]) -> int:
         case ["cdc", base, key, tenant, user, psql_url]:
             catch_up(load_settings())
             return 0 if cdc_change(base, key, tenant, int(user), psql_url) else 1
+        case ["served", ops, directory]:
+            failed = check_served(load_settings(), logged_reads(ops), Path(directory))
+            for line in failed:
+                sys.stderr.write(f"demo: failed: {line}\n")
+            return 1 if failed else 0
         case _:
             sys.stderr.write(USAGE)
             return 2

@@ -9,10 +9,11 @@ set is one row per transaction whose moment (``created_at``) history answers for
 its start to what it is complete to): the features as freshline would have served them
 at that moment, from :func:`freshline.training_set`, and the label whether that
 transaction was reversed (a chargeback). No row committed later, and no later
-correction, reaches a row's features (docs/training.md). Without history it falls back
-to one row per user with today's features and, as label, whether the user had a
-transaction reversed in the last 90 days: those features already hold the reversed
-transactions, so that fallback leaks and only shows the wiring.
+correction, reaches a row's features (docs/training.md). Without history, or while
+history holds too few transactions to train on (fewer than :data:`MIN_ROWS`, or one
+class), it falls back to one row per user with today's features and, as label, whether
+the user had a transaction reversed in the last 90 days: those features already hold
+the reversed transactions, so that fallback leaks and only shows the wiring.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def vector(features: dict[str, dict[str, object]]) -> list[float]:
 
 SPINE_LIMIT = 50_000
 """The most recent transactions a history-based training set holds."""
+MIN_ROWS = 10
+"""The fewest transactions a history-based training set trains on."""
 
 
 def spine(engine: Engine, tenant: str) -> Any | None:
@@ -113,11 +116,8 @@ def dataset(
     """Features and labels: from history where it is recorded (a row per transaction,
     features as of its moment), else today's per user (see the module docstring)."""
     rows = spine(engine, tenant) if _has_arrow() else None
-    if rows is not None:
-        from freshline import training_set
-
-        sets = list(dict.fromkeys(fs for fs, _ in MODEL_INPUTS))
-        table = training_set(ACTIVE, rows, sets, engine=engine, progress=progress)
+    if rows is not None and _trainable(rows.column("reversed").to_pylist()):
+        table = features(engine, rows, progress)
         columns = [table.column(f"{fs}__{name}").to_pylist() for fs, name in MODEL_INPUTS]
         x = np.array(
             [[float(v or 0) for v in row] for row in zip(*columns, strict=True)],
@@ -125,6 +125,19 @@ def dataset(
         ).reshape(-1, len(MODEL_INPUTS))
         return x, np.array(table.column("reversed").to_pylist(), dtype=np.float64)
     return _today(engine, tenant, progress)
+
+
+def features(engine: Engine, rows: Any, progress: Callable[[int, int], None] | None = None) -> Any:
+    """The training set of ``rows`` (a :func:`spine`): the model's feature sets as of
+    each row's moment, from :func:`freshline.training_set`."""
+    from freshline import training_set
+
+    sets = list(dict.fromkeys(fs for fs, _ in MODEL_INPUTS))
+    return training_set(ACTIVE, rows, sets, engine=engine, progress=progress)
+
+
+def _trainable(labels: list[bool]) -> bool:
+    return len(labels) >= MIN_ROWS and len(set(labels)) == 2
 
 
 def _has_arrow() -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,21 +21,35 @@ from sqlalchemy.engine import Engine
 from fraud.seed import SeedSummary
 from freshline.consumers.kafka import admin_client
 from freshline.consumers.served import ServedSink
-from freshline.consumers.topics import ensure
+from freshline.consumers.topics import allow_consumer, ensure
 from freshline.pipeline.api import create_app
 from freshline.pipeline.api.accounts import create_api_key
+from freshline.pipeline.cache.client import FeatureClient
 from freshline.pipeline.cache.local import LocalTier
+from freshline.pipeline.cache.readthrough import ReadThrough
 from freshline.pipeline.cache.recompute import compute
+from freshline.pipeline.cache.store import EntryStore
+from freshline.pipeline.core.codec import encode_entry
 from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.keys import feature_key
 from freshline.pipeline.core.repository import active
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.topics import SERVED, qualified
+from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.inference.models import LogisticModel, ModelRegistry
 from freshline.pipeline.observe import served
 from freshline.pipeline.observe.served import LOGGED, Served, ServedLog
 from freshline.pipeline.observe.served_files import ParquetLog
 from freshline.pipeline.observe.served_training import from_logs
-from tests.helpers import REGISTRY, Api, fresh_version, freshline, running, wait_until
+from tests.helpers import (
+    REGISTRY,
+    Api,
+    fresh_version,
+    freshline,
+    kafka_login,
+    running,
+    wait_until,
+)
 
 LOG = {"Freshline-Log": "1"}
 ENTITY_FEATURES = ("txn_90d.txn_count", "txn_90d.txn_sum", "geo.distinct_countries_30d")
@@ -332,3 +347,116 @@ def test_the_setting_logs_every_feature_set(
         answers = [api.get(f"/v1/features/txn_90d/{u}") for u in range(1, 6)]
     assert all(a.status_code == 200 for a in answers)
     assert sum("x-request-id" in a.headers for a in answers) == logged_ids
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["redis", "tier"])
+def test_a_read_asking_for_freshness_logs_the_entry_it_served(
+    api_factory: Callable[..., Api],
+    logged: Settings,
+    engine: Engine,
+    tenant: str,
+    tmp_path: Path,
+    local: bool,
+) -> None:
+    api = api_factory(local=local)
+    svc = api.app.state.services
+    url = "/v1/features/txn_90d/3"
+    assert api.get(url).status_code == 200  # the entry, computed and stored
+    # Overwritten with one too old for the bound and a value of its own: the bounded
+    # read must not serve it, and its log must not name it.
+    fs = REGISTRY["txn_90d"]
+    version = svc.reader.schema_version
+    wrong = {**truth(engine, tenant, "txn_90d", "3"), "txn_count": 10_000}
+    old = time.time_ns() // 1_000_000 - 60_000
+    svc.redis.set(
+        feature_key(version, EntityRef("txn_90d", tenant, "3")),
+        encode_entry([wrong[f] for f in fs.field_names], version, old, 1),
+        px=fs.ttl_s * 1000,
+    )
+    bounded = api.get(f"{url}?max_staleness_ms=1000&wait_ms=0", headers=LOG)
+    assert bounded.status_code == 200, bounded.text
+    assert bounded.json()["source"] == "computed"
+    assert bounded.json()["values"] == truth(engine, tenant, "txn_90d", "3")
+
+    [row] = sink_rows(logged, tmp_path, 1)
+    assert row["request_id"] == bounded.headers["x-request-id"]
+    assert row["source"] == "read-through"
+    assert orjson.loads(row["values"]) == bounded.json()["values"]
+    assert row["entry"] is not None, "logged without its entry"
+    assert row["watermark"] is not None and int(row["watermark"]) > 1, row
+
+
+def test_the_python_client_logs_its_reads_as_the_api_does(
+    logged: Settings, engine: Engine, redis_client: redis.Redis, tenant: str, tmp_path: Path
+) -> None:
+    version = logged.schema_version
+    EntryStore(redis_client, version, registry=REGISTRY).write(
+        compute(engine, REGISTRY["txn_90d"], [(tenant, "1"), (tenant, "2")])
+    )
+    # The consumers' Kafka login, granted the prefix's topics as apply grants them:
+    # besides the admin, the one that may write the log.
+    as_consumers = kafka_login(logged, "consumer")
+    allow_consumer(admin_client(logged), as_consumers.kafka_sasl_username or "", logged)
+    queued = LOGGED.labels("queued")._value.get()
+    client = FeatureClient(redis_client, version, registry=REGISTRY, served=ServedLog(as_consumers))
+    sampled = FeatureClient(
+        redis_client,
+        version,
+        registry=REGISTRY,
+        served=ServedLog(as_consumers.model_copy(update={"served_log_sample": 1.0})),
+    )
+    bounded = FeatureClient(
+        redis_client,
+        version,
+        registry=REGISTRY,
+        readthrough=ReadThrough(EntryStore(redis_client, version, registry=REGISTRY), engine),
+        served=ServedLog(as_consumers),
+    )
+    try:
+        assert client.get("txn_90d", tenant, 1) is not None  # no share, not asked: unlogged
+        assert LOGGED.labels("queued")._value.get() == queued
+        items: list[tuple[str, str, str | int]] = [
+            ("txn_90d", tenant, 1),
+            ("txn_90d", tenant, "2"),
+            ("geo", tenant, 1),
+        ]
+        got = client.get_many(items, request_id="client-call.1", log=True)
+        every = sampled.get("txn_90d", tenant, 2)  # the settings' share: every call
+        # A bounded read of an entry too old for it: computed, and logged as computed.
+        fs = REGISTRY["txn_90d"]
+        wrong = {**truth(engine, tenant, "txn_90d", "3"), "txn_count": 10_000}
+        redis_client.set(
+            feature_key(version, EntityRef("txn_90d", tenant, "3")),
+            encode_entry([wrong[f] for f in fs.field_names], version, 1, 1),
+            px=fs.ttl_s * 1000,
+        )
+        fresh = bounded.get(
+            "txn_90d", tenant, 3, max_staleness_ms=1000, wait_ms=0, request_id="b", log=True
+        )
+    finally:
+        client.close()
+        sampled.close()
+        bounded.close()
+    assert every is not None and got[0] is not None and got[1] is not None and got[2] is None
+    assert fresh is not None and fresh.values == truth(engine, tenant, "txn_90d", "3")
+
+    rows = sink_rows(logged, tmp_path, 5)
+    assert {(r["route"], r["tenant"]) for r in rows} == {("client", tenant)}
+    by_key = {(r["request_id"], r["feature_set"], r["entity"]): r for r in rows}
+    [other] = [rid for rid, _, _ in by_key if rid not in ("client-call.1", "b")]
+    computed = by_key["b", "txn_90d", "3"]
+    assert computed["source"] == "read-through"
+    assert orjson.loads(computed["values"]) == fresh.values
+    assert int(computed["watermark"]) == fresh.watermark > 1
+    assert by_key["client-call.1", "geo", "1"]["source"] == "miss"
+    assert by_key["client-call.1", "geo", "1"]["values"] is None
+    for key, features in [
+        (("client-call.1", "txn_90d", "1"), got[0]),
+        (("client-call.1", "txn_90d", "2"), got[1]),
+        ((other, "txn_90d", "2"), every),
+    ]:
+        row = by_key[key]
+        assert row["source"] == "redis"
+        assert orjson.loads(row["values"]) == features.values
+        assert int(row["watermark"]) == features.watermark
+        assert row["schema_version"] == version

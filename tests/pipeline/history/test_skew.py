@@ -18,6 +18,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from fraud.demo import check_served
 from freshline.consumers.kafka import admin_client
 from freshline.consumers.served import ServedSink
 from freshline.consumers.topics import ensure
@@ -204,3 +205,36 @@ def test_reads_whose_snapshot_was_not_kept_are_counted_unchecked(
         skew = check(conn, REGISTRY, rows).sets["txn_90d"]
     assert skew.checked == 0 and skew.mismatched == 0
     assert skew.unchecked == {"snapshot not kept": 1}
+
+
+def test_the_demo_ends_with_its_training_set_and_a_skew_report_of_no_mismatch(
+    api: Api,
+    logged: Settings,
+    engine: Engine,
+    redis_client: redis.Redis,
+    tenant: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = "/v1/features/txn_90d/7"
+    add_transaction(engine, tenant, "5.00")
+    assert api.get(url, headers=LOG).json()["source"] == "computed"
+    assert api.get(url, headers=LOG).json()["source"] == "hit"
+    add_transaction(engine, tenant, "7.00")  # no consumer runs: the entry goes stale
+    assert api.get(url, headers=LOG).status_code == 200
+
+    assert check_served(logged, 3, tmp_path, tenant) == []
+    said = capsys.readouterr().out
+    assert "the served log: 3 logged requests, 3 reads written" in said
+    assert f"training set: 2 {tenant} transactions since history started" in said
+    assert "skew: served values against the training set's" in said
+    assert "txn_90d         3 reads: 3 checked, 0 wrong, 1 stale" in said
+    assert "exact mismatches: 0 of 3 reads checked at their entry's snapshot" in said
+
+    # Not vacuous: an entry changed by hand and served fails the demo, saying why.
+    corrupt(redis_client, feature_key(logged.schema_version, EntityRef("txn_90d", tenant, "7")))
+    assert api.get(url, headers=LOG).status_code == 200
+    assert check_served(logged, 1, tmp_path, tenant) == [
+        "1 exact mismatches: served values unlike their snapshot's"
+    ]
+    assert "txn_90d         4 reads: 4 checked, 1 wrong" in capsys.readouterr().out
