@@ -69,8 +69,8 @@ ROUTES = [
 :mod:`freshline.pipeline.api.ops`'s."""
 
 
-# long: wires every collaborator and route in one place; issue 59's middleware rewrite splits it
-def create_app(
+# long: its docstring is the manual of its keywords; the body makes the parts in order
+def create_app(  # noqa: PLR0913 (a keyword per collaborator a test or FeatureStore.app gives)
     settings: Settings,
     *,
     engine: Engine | None = None,
@@ -116,171 +116,27 @@ def create_app(
     """
     if settings.semantic_enabled:
         require_extra("FRESHLINE_SEMANTIC_ENABLED")  # before any client is made
-    owned_engine = engine is None
-    owned_redis = redis_client is None
-    engine = engine or make_engine(settings, pool_size=10)
-    client = redis_client or make_redis_client(
-        settings,
-        socket_connect_timeout=settings.api_redis_connect_timeout_s,
-        socket_timeout=settings.api_redis_timeout_s,
-    )
-    owned_local = local is None and settings.local_cache_size > 0
-    if owned_local:
-        local = LocalTier(
-            client,
-            max_entries=settings.local_cache_size,
-            registry=registry,
-            silence_s=settings.subscription_silence_ms / 1000,
-        )
-
-    store = EntryStore(
-        client, settings.schema_version, registry=registry, tombstone_ttl_s=settings.tombstone_ttl_s
-    )
-    versions = (
-        VersionResolver(client, settings, pointer=pointer, lock=lock) if follow_deploys else None
-    )
-    # Sampled reads gather in memory and are flushed in the background: no round trip.
-    hot = HotReads(client, flush_s=HOT_FLUSH_S) if follow_deploys else None
-    # With a replica, the feature queries run there and the primary gates the writes.
-    replica = (
-        make_engine(settings, pool_size=10, url=settings.postgres_replica_url)
-        if settings.postgres_replica_url
-        else None
-    )
-    readthrough = ReadThrough(
-        store,
-        replica or engine,
-        lease_ms=settings.lease_ms,
-        wait_ms=settings.read_wait_ms,
-        versions=versions,
-        hot=hot,
-        primary=engine if replica is not None else None,
-        hooks=Hooks(on_computed=keeper(engine)) if keep_snapshots else None,
-    )
-    services = routes.Services(
-        settings=settings,
-        redis=client,
-        engine=engine,
-        registry=registry,
-        reader=FeatureReader(
-            readthrough,
-            local,
-            timeout_s=settings.api_redis_timeout_s,
-            tokens=Tokens(engine, client),
-            arrivals=Arrivals(client, silence_s=settings.subscription_silence_ms / 1000),
-        ),
-        auth=Authenticator(
-            engine,
-            redis_client=client,
-            ttl_s=settings.api_key_cache_s,
-            silence_s=settings.subscription_silence_ms / 1000,
-            last_used_interval_s=settings.api_key_last_used_s,
-        ),
-        models=ModelRegistry(client),
-        inference=InferenceCache(
-            client,
-            decimals=settings.inference_decimals,
-            ttl_s=settings.inference_ttl_s,
-            budget=TenantBudget(
-                client,
-                max_keys=settings.inference_tenant_max_keys,
-                max_bytes=settings.inference_tenant_max_bytes,
-            ),
-        ),
-        served=ServedLog(settings) if settings.served_log_buffer > 0 else None,
-    )
-
+    parts = _Parts.of(settings, registry, pointer, engine, redis_client, local)
+    parts.read_path(follow_deploys=follow_deploys, lock=lock, keep_snapshots=keep_snapshots)
     if consumer_metrics is None:
         port = settings.consumer_metrics_port
         consumer_metrics = [f"http://127.0.0.1:{port}/metrics"] if port else []
     if semantic_figures is None:
         semantic_figures = settings.semantic_enabled
-    observer = ops.SharedObserver(
-        client,
-        registry,
-        settings,
-        version=lambda: services.reader.schema_version,
-        counters=metrics.process_registry,
-        consumer_metrics=consumer_metrics,
-        lag=GroupLag(settings),
-        semantic_namespaces=semantic_reader(settings, client, engine) if semantic_figures else None,
-        deploy=lambda: deploy_report(client, pointer, readthrough),
-        sample_max_age_s=settings.ops_cache_s,
+    operator = parts.operator(
+        consumer_metrics, semantic_figures, status_interval_s, keep_snapshots=keep_snapshots
     )
-    board = StatusBoard(
-        observer,
-        interval_s=status_interval_s,
-        history=(lambda: history_rows(engine)) if keep_snapshots else None,
-    )
-    operator = ops.Ops(
-        board=board,
-        sampled=SampledMetrics(observer),
-        readiness=ops.Recent(
-            ops.readiness_check(client, engine), max_age_s=settings.api_ready_cache_s
-        ),
-        key=settings.ops_key.get_secret_value(),
-    )
-    semantic, semantic_routes = semantic_service(settings, client)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        """Start what serves; on the way out close it in the reverse order, the status
-        board and the subscriptions first, the clients last. A close that raises skips
-        none of those after it; the last failure is raised, chained to any before it."""
-        async with contextlib.AsyncExitStack() as stack:
-            if replica is not None:
-                stack.callback(replica.dispose)
-            if owned_engine:
-                stack.callback(engine.dispose)
-            if owned_redis:
-                stack.callback(client.close)
-            try:
-                check_eviction_policy(client)  # read-through fills are writes too
-            except redis.exceptions.ConnectionError as exc:
-                # Not ready yet (/readyz says so); the API still starts and serves health.
-                log.warning(
-                    "Redis not reachable at start-up (%s); its eviction policy was not checked",
-                    exc,
-                )
-            if owned_local and local is not None:
-                local.start()
-                stack.callback(local.close)
-            if versions is not None:
-                versions.listen()
-                stack.callback(versions.close)
-                proc = Proc.of("serve", versions.lock, registry, pointer=pointer)
-                serving = Registration(
-                    client, proc, pointer=pointer, serving=lambda: services.reader.schema_version
-                )
-                stack.callback(serving.start().close)
-            stack.callback(metrics.flush)  # what this worker gathered since the last tick
-            stack.callback(metrics.time_feature_queries(engine, registry))
-            if semantic is not None:
-                semantic.start()
-                stack.callback(semantic.close)
-            if hot is not None:
-                stack.callback(hot.close)
-            # Made here, on the loop that serves: an asyncio client belongs to one loop.
-            services.reader.aredis = async_client(settings)
-            stack.push_async_callback(_close_async_client, services.reader)
-            stack.callback(services.reader.close)
-            services.auth.start()
-            stack.callback(services.auth.close)
-            board.start()
-            stack.callback(board.close)
-            if services.served is not None:
-                stack.callback(services.served.close)
-            yield
+    parts.semantic, semantic_routes = semantic_service(settings, parts.client)
 
     audit_log.configure(settings.audit_log)
     pool = PoolBudget.from_settings(settings)
     app = Starlette(
         routes=[*ROUTES, *ops.api_routes(operator), *semantic_routes],
         exception_handlers=HANDLERS,
-        lifespan=lifespan,
-        middleware=middleware(services.auth, settings, pool),
+        lifespan=parts.lifespan,
+        middleware=middleware(parts.services.auth, settings, pool),
     )
-    app.state.services = services
+    app.state.services = parts.services
     app.state.tenant_slots = TenantSlots(settings.api_tenant_concurrency, pool)
     app.state.rows = RowBudget.from_settings(settings)
     app.state.openapi = document(
@@ -288,7 +144,7 @@ def create_app(
         batch_limit=settings.api_batch_limit,
         body_limit=settings.api_body_limit_bytes,
         prompt_limit=settings.semantic_max_prompt_chars,
-        semantic=semantic is not None,
+        semantic=parts.semantic is not None,
         key_types={fs.entity.type for fs in registry},
         token_wait_ms=settings.token_wait_ms,
         token_wait_max_ms=settings.token_wait_max_ms,
@@ -296,10 +152,239 @@ def create_app(
     )
     app.state.ops = operator
     app.state.ops_app = ops.ops_app(operator)
-    app.state.status = board
+    app.state.status = parts.board
     app.state.sampled_metrics = operator.sampled
-    app.state.semantic = semantic
+    app.state.semantic = parts.semantic
     return app
+
+
+@dataclasses.dataclass
+class _Parts:
+    """What one app is made of, made in :func:`create_app`'s order, and what its lifespan
+    starts and then closes. ``owned``: the clients made here rather than passed in."""
+
+    settings: Settings
+    registry: Registry
+    pointer: Pointer
+    engine: Engine
+    client: redis.Redis
+    local: LocalTier | None
+    owned: frozenset[str]
+    versions: VersionResolver | None = None
+    hot: HotReads | None = None
+    replica: Engine | None = None
+    readthrough: ReadThrough | None = None
+    services: routes.Services = dataclasses.field(init=False)
+    board: StatusBoard = dataclasses.field(init=False)
+    semantic: SemanticService | None = None
+
+    @classmethod
+    def of(
+        cls,
+        settings: Settings,
+        registry: Registry,
+        pointer: Pointer,
+        engine: Engine | None,
+        client: redis.Redis | None,
+        local: LocalTier | None,
+    ) -> _Parts:
+        """The clients: those passed in, else made from ``settings``; the in-process
+        tier when ``settings.local_cache_size > 0`` and none is passed."""
+        owned = {
+            name
+            for name, given in (("engine", engine), ("redis", client), ("local", local))
+            if given is None
+        }
+        client = client or make_redis_client(
+            settings,
+            socket_connect_timeout=settings.api_redis_connect_timeout_s,
+            socket_timeout=settings.api_redis_timeout_s,
+        )
+        if local is None and settings.local_cache_size > 0:
+            local = LocalTier(
+                client,
+                max_entries=settings.local_cache_size,
+                registry=registry,
+                silence_s=settings.subscription_silence_ms / 1000,
+            )
+        else:
+            owned.discard("local")
+        return cls(
+            settings,
+            registry,
+            pointer,
+            engine or make_engine(settings, pool_size=10),
+            client,
+            local,
+            frozenset(owned),
+        )
+
+    def read_path(self, *, follow_deploys: bool, lock: Lock | None, keep_snapshots: bool) -> None:
+        """The read-through and the services the routes read with."""
+        settings, client, engine = self.settings, self.client, self.engine
+        store = EntryStore(
+            client,
+            settings.schema_version,
+            registry=self.registry,
+            tombstone_ttl_s=settings.tombstone_ttl_s,
+        )
+        if follow_deploys:
+            self.versions = VersionResolver(client, settings, pointer=self.pointer, lock=lock)
+            # Sampled reads gather in memory and are flushed in the background.
+            self.hot = HotReads(client, flush_s=HOT_FLUSH_S)
+        # With a replica, the feature queries run there and the primary gates the writes.
+        if settings.postgres_replica_url:
+            self.replica = make_engine(settings, pool_size=10, url=settings.postgres_replica_url)
+        self.readthrough = ReadThrough(
+            store,
+            self.replica or engine,
+            lease_ms=settings.lease_ms,
+            wait_ms=settings.read_wait_ms,
+            versions=self.versions,
+            hot=self.hot,
+            primary=engine if self.replica is not None else None,
+            hooks=Hooks(on_computed=keeper(engine)) if keep_snapshots else None,
+        )
+        silence_s = settings.subscription_silence_ms / 1000
+        self.services = routes.Services(
+            settings=settings,
+            redis=client,
+            engine=engine,
+            registry=self.registry,
+            reader=FeatureReader(
+                self.readthrough,
+                self.local,
+                timeout_s=settings.api_redis_timeout_s,
+                tokens=Tokens(engine, client),
+                arrivals=Arrivals(client, silence_s=silence_s),
+            ),
+            auth=Authenticator(
+                engine,
+                redis_client=client,
+                ttl_s=settings.api_key_cache_s,
+                silence_s=silence_s,
+                last_used_interval_s=settings.api_key_last_used_s,
+            ),
+            models=ModelRegistry(client),
+            inference=InferenceCache(
+                client,
+                decimals=settings.inference_decimals,
+                ttl_s=settings.inference_ttl_s,
+                budget=TenantBudget(
+                    client,
+                    max_keys=settings.inference_tenant_max_keys,
+                    max_bytes=settings.inference_tenant_max_bytes,
+                ),
+            ),
+            served=ServedLog(settings) if settings.served_log_buffer > 0 else None,
+        )
+
+    def operator(
+        self,
+        consumer_metrics: list[str],
+        semantic_figures: bool,
+        status_interval_s: float,
+        *,
+        keep_snapshots: bool,
+    ) -> ops.Ops:
+        """The status board and the operator's pages."""
+        settings, client, engine, readthrough = (
+            self.settings,
+            self.client,
+            self.engine,
+            self.readthrough,
+        )
+        assert readthrough is not None  # read_path first
+        observer = ops.SharedObserver(
+            client,
+            self.registry,
+            settings,
+            version=lambda: self.services.reader.schema_version,
+            counters=metrics.process_registry,
+            consumer_metrics=consumer_metrics,
+            lag=GroupLag(settings),
+            semantic_namespaces=(
+                semantic_reader(settings, client, engine) if semantic_figures else None
+            ),
+            deploy=lambda: deploy_report(client, self.pointer, readthrough),
+            sample_max_age_s=settings.ops_cache_s,
+        )
+        self.board = StatusBoard(
+            observer,
+            interval_s=status_interval_s,
+            history=(lambda: history_rows(engine)) if keep_snapshots else None,
+        )
+        return ops.Ops(
+            board=self.board,
+            sampled=SampledMetrics(observer),
+            readiness=ops.Recent(
+                ops.readiness_check(client, engine), max_age_s=settings.api_ready_cache_s
+            ),
+            key=settings.ops_key.get_secret_value(),
+        )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        """Start what serves; on the way out close it in the reverse order, the status
+        board and the subscriptions first, the clients last. A close that raises skips
+        none of those after it; the last failure is raised, chained to any before it."""
+        async with contextlib.AsyncExitStack() as stack:
+            self._clients(stack)
+            self._subscriptions(stack)
+            reader, auth = self.services.reader, self.services.auth
+            # Made here, on the loop that serves: an asyncio client belongs to one loop.
+            reader.aredis = async_client(self.settings)
+            stack.push_async_callback(_close_async_client, reader)
+            stack.callback(reader.close)
+            auth.start()
+            stack.callback(auth.close)
+            self.board.start()
+            stack.callback(self.board.close)
+            if self.services.served is not None:
+                stack.callback(self.services.served.close)
+            yield
+
+    def _clients(self, stack: contextlib.AsyncExitStack) -> None:
+        """The clients' closes, last on the way out; Redis's eviction policy checked."""
+        if self.replica is not None:
+            stack.callback(self.replica.dispose)
+        if "engine" in self.owned:
+            stack.callback(self.engine.dispose)
+        if "redis" in self.owned:
+            stack.callback(self.client.close)
+        try:
+            check_eviction_policy(self.client)  # read-through fills are writes too
+        except redis.exceptions.ConnectionError as exc:
+            # Not ready yet (/readyz says so); the API still starts and serves health.
+            log.warning(
+                "Redis not reachable at start-up (%s); its eviction policy was not checked",
+                exc,
+            )
+
+    def _subscriptions(self, stack: contextlib.AsyncExitStack) -> None:
+        """The in-process tier, the deploy listener and this worker's registration, the
+        metrics' flush, the semantic cache and the hot reads' flush."""
+        if "local" in self.owned and self.local is not None:
+            self.local.start()
+            stack.callback(self.local.close)
+        if self.versions is not None:
+            self.versions.listen()
+            stack.callback(self.versions.close)
+            proc = Proc.of("serve", self.versions.lock, self.registry, pointer=self.pointer)
+            serving = Registration(
+                self.client,
+                proc,
+                pointer=self.pointer,
+                serving=lambda: self.services.reader.schema_version,
+            )
+            stack.callback(serving.start().close)
+        stack.callback(metrics.flush)  # what this worker gathered since the last tick
+        stack.callback(metrics.time_feature_queries(self.engine, self.registry))
+        if self.semantic is not None:
+            self.semantic.start()
+            stack.callback(self.semantic.close)
+        if self.hot is not None:
+            stack.callback(self.hot.close)
 
 
 def middleware(auth: Authenticator, settings: Settings, pool: PoolBudget) -> list[Middleware]:

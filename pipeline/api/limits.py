@@ -5,31 +5,24 @@ owe, how many rows it may ask for, and how often an address may probe.
 (:mod:`freshline.pipeline.api.authentication`). For each request, in order:
 
 1. the key's tenant takes a token from its bucket (``FRESHLINE_API_RATE_PER_S``,
-   ``FRESHLINE_API_RATE_BURST``, or the tenant's own: ``freshline tenants limits``),
-   one bucket for all its keys, so more keys buy no more rate: a request a little over
-   the rate waits its turn (up to ``FRESHLINE_API_RATE_HOLD_S``) and is served;
-   further over, it is held that long and answered 429 with ``Retry-After``, so a
-   sender that asks again at once gets one refusal per hold and connection, not a
-   flood of them;
-2. the key's tenant must not owe more thread-pool time than it may wait for
-   (:class:`PoolBudget`, ``FRESHLINE_API_TENANT_POOL_*``), or the request is held
+   ``_BURST``, or the tenant's own: ``freshline tenants limits``), one bucket for all
+   its keys: a request a little over the rate waits its turn (up to
+   ``FRESHLINE_API_RATE_HOLD_S``); further over, it is held that long and answered 429
+   with ``Retry-After`` (one refusal per hold and connection, not a flood);
+2. the tenant must not owe more thread-pool time than it may wait for
+   (:class:`PoolBudget`, ``FRESHLINE_API_TENANT_POOL_*``), or it is held
    ``FRESHLINE_API_TENANT_POOL_WAIT_S``, then answered 429 ``tenant_over_budget``;
-3. once a batch read's or a prediction's body is read, its tenant's rows
-   (:class:`RowBudget`, ``FRESHLINE_API_ROWS_PER_S``, or its own) must be due within
-   ``FRESHLINE_API_RATE_HOLD_S``: a request that asks for a hundred rows counts a
-   hundred; held, then 429 ``rows_limited`` past the rate, 413 ``over_rows_burst``
-   past the burst (the routes ask, :func:`freshline.pipeline.api.tenancy.admit_rows`).
+3. a batch read's or a prediction's rows (:class:`RowBudget`,
+   ``FRESHLINE_API_ROWS_PER_S``, or its own) must be due within the hold: held, then 429
+   ``rows_limited``, 413 ``over_rows_burst`` past the burst (the routes ask,
+   :func:`freshline.pipeline.api.tenancy.admit_rows`).
 
 The probes on the API port (``/healthz``, ``/readyz``: no key) take a token from their
-client address's bucket (``FRESHLINE_API_PROBE_RATE_PER_S``, ``_BURST``), or get 429:
-an anonymous flood costs an answer from memory each, never a check (``/readyz``
-reuses one, :mod:`freshline.pipeline.api.ops`). Load balancers and orchestrators should probe the
-ops port (``FRESHLINE_OPS_PORT``), whose probes are not limited: there, no client can
-spend them.
-
-Refusals are written to the audit log (:mod:`freshline.pipeline.api.audit_log`) and counted in
-``freshline_api_refused_total{reason}``. Buckets live in the worker process (one event
-loop, so no lock): with ``N`` workers a tenant can reach ``N`` times its rate.
+client address's bucket (``FRESHLINE_API_PROBE_RATE_PER_S``, ``_BURST``), or get 429;
+load balancers should probe the ops port (``FRESHLINE_OPS_PORT``), which no client can
+reach. Refusals are audited and counted in ``freshline_api_refused_total{reason}``.
+Buckets live in the worker process (one event loop, no lock): with ``N`` workers a
+tenant can reach ``N`` times its rate. The reasoning: docs/security.md.
 """
 
 from __future__ import annotations

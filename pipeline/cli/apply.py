@@ -131,6 +131,7 @@ def apply(
     )
 
 
+# long: apply's steps in order, each a few lines, read top to bottom
 def apply_plan(
     store: FeatureStore,
     *,
