@@ -21,6 +21,8 @@ these; ``freshline plan`` shows what they would change and ``freshline apply`` d
                              window="90d", aggs=[agg.count(), agg.count_distinct("book_id")])
 """
 
+from typing import TYPE_CHECKING, Any
+
 from freshline import agg
 from freshline.pipeline.core.aggregations import Aggregations, Lookup
 from freshline.pipeline.core.errors import ConfigError, FreshlineError
@@ -34,9 +36,25 @@ from freshline.pipeline.core.features import (
     Table,
 )
 from freshline.pipeline.core.incremental import BuildState, IncrementalPath
+from freshline.pipeline.core.keys import validate_id
 from freshline.pipeline.core.repository import Repository, load
 from freshline.pipeline.history.training import training_set
 from freshline.store import FeatureStore, freshline_token
+
+if TYPE_CHECKING:
+    from freshline.pipeline.inference.models import LogisticModel, input_row
+
+_MODELS = ("LogisticModel", "input_row")
+
+
+def __getattr__(name: str) -> Any:
+    """The model names, imported on first use (they bring numpy and Redis)."""
+    if name in _MODELS:
+        from freshline.pipeline.inference import models
+
+        return getattr(models, name)
+    raise AttributeError(f"module 'freshline' has no attribute {name!r}")
+
 
 __all__ = [
     "AS_OF",
@@ -52,11 +70,14 @@ __all__ = [
     "Field",
     "FreshlineError",
     "IncrementalPath",
+    "LogisticModel",
     "Lookup",
     "Repository",
     "Table",
     "agg",
     "freshline_token",
+    "input_row",
     "load",
     "training_set",
+    "validate_id",
 ]

@@ -11,18 +11,21 @@ Kafka and pyarrow are imported by the method that first needs them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from freshline.pipeline.core.features import Registry
+from freshline.pipeline.core.features import FeatureSet, Registry
+from freshline.pipeline.core.incremental import IncrementalPath
 from freshline.pipeline.core.repository import Repository, active, load
 from freshline.pipeline.core.settings import Settings, load_settings
 
 if TYPE_CHECKING:
     import pyarrow as pa
     import redis
-    from sqlalchemy.engine import Engine
+    from sqlalchemy.engine import Connection, Engine
     from starlette.applications import Starlette
 
     from freshline.consumers.worker import Totals, Worker
@@ -30,7 +33,14 @@ if TYPE_CHECKING:
     from freshline.pipeline.cache.readthrough import ReadThrough
     from freshline.pipeline.cache.store import EntryStore
     from freshline.pipeline.core.lock import Lock
+    from freshline.pipeline.core.types import FeatureValues
     from freshline.pipeline.deploy.plan import Plan
+    from freshline.pipeline.history.evaluator import Captured
+
+
+_ENABLE = {"A": "ENABLE ALWAYS", "O": "ENABLE", "R": "ENABLE REPLICA"}
+"""How ``ALTER TABLE`` sets a trigger back to each ``pg_trigger.tgenabled`` (``D``:
+disabled, left so)."""
 
 
 class FeatureStore:
@@ -189,6 +199,24 @@ class FeatureStore:
             hooks = Hooks(on_computed=keeper(self.engine))
         return ReadThrough(self.entries(), self.engine, hooks=hooks)
 
+    def compute(
+        self,
+        feature_set: str | FeatureSet,
+        refs: Sequence[tuple[str, str]],
+        *,
+        path: Literal["full", "incremental"] | None = None,
+        db: Engine | Connection | None = None,
+    ) -> dict[tuple[str, str], FeatureValues]:
+        """``feature_set``'s values now for each ``(tenant, entity)`` of ``refs``,
+        computed in Postgres in one statement (one snapshot), past Redis: ``{ref:
+        values}``, a ref without rows left out. ``path``: ``"full"`` (the defining query
+        over the source rows), ``"incremental"`` or, by default, the feature set's own.
+        ``db``: the engine or connection to compute on (default: the store's engine)."""
+        from freshline.pipeline.cache.recompute import compute
+
+        fs = self.registry[feature_set] if isinstance(feature_set, str) else feature_set
+        return compute(db if db is not None else self.engine, fs, refs, path=path).values
+
     def app(self, **options: Any) -> Starlette:
         """The read API as an ASGI app (Starlette) for this repository, to run under any
         ASGI server; ``freshline serve`` runs the same. ``options`` are
@@ -223,6 +251,46 @@ class FeatureStore:
         return self.worker(**options).run(
             max_messages=max_messages, timeout=timeout, idle_timeout=idle_timeout
         )
+
+    @contextmanager
+    def bulk_load(self, conn: Connection, table: str) -> Iterator[list[IncrementalPath]]:
+        """Load many rows into ``table`` in ``conn``'s transaction without the per-row
+        upkeep of the declared aggregations' incremental paths over it: inside the
+        block their insert triggers are off (other writers of ``table`` wait for the
+        transaction), and at its end they are as they were (ALWAYS, as ``apply``
+        installs them). Yields the paths paused: call ``path.rebuild(conn, keys)``
+        after the block, in the same transaction, for the keys loaded (building them
+        from their rows is faster than folding the load)."""
+        import sqlalchemy as sa
+
+        from freshline.pipeline.core.maintenance import DerivedPath, catalog
+
+        paths = [
+            path
+            for path in self.registry.maintenances()
+            if isinstance(path, DerivedPath) and path.decl.table == table and path.installed(conn)
+        ]
+        if not paths:
+            yield []
+            return
+        qualified = catalog.qualified(conn, table)
+        names = [f"{path.trigger}_i" for path in paths]
+        states: dict[str, str] = dict(
+            conn.execute(
+                sa.text(
+                    "SELECT tgname, tgenabled FROM pg_trigger "
+                    "WHERE tgrelid = CAST(:table AS regclass) AND tgname = ANY(:names)"
+                ),
+                {"table": qualified, "names": names},
+            ).all()
+        )
+        for name in names:
+            conn.execute(sa.text(f"ALTER TABLE {qualified} DISABLE TRIGGER {name}"))
+        yield list[IncrementalPath](paths)
+        for name in names:
+            enable = _ENABLE.get(states.get(name, "A"))
+            if enable is not None:
+                conn.execute(sa.text(f"ALTER TABLE {qualified} {enable} TRIGGER {name}"))
 
     # -- deploying --------------------------------------------------------------------
 
@@ -277,6 +345,22 @@ class FeatureStore:
         options.setdefault("settings", self.settings)
         options.setdefault("engine", self.engine)
         return training_set(self.repository, spine, features, **options)
+
+    def history(self, db: Engine | Connection | None = None) -> dict[str, Captured]:
+        """The tables whose history is recorded, by name, each with what history answers
+        for: from ``start`` (the backfill's moment) up to ``complete_to`` (what the
+        recorder has read), before ``broken_from`` (a DDL change it could not follow),
+        kept ``retention_s``; empty where history is not set up (docs/training.md).
+        ``db``: the engine or connection to read with (default: the store's engine)."""
+        from sqlalchemy.engine import Connection
+
+        from freshline.pipeline.history.evaluator import captured
+
+        target = db if db is not None else self.engine
+        if isinstance(target, Connection):
+            return captured(target)
+        with target.connect() as conn:
+            return captured(conn)
 
     def served_training_set(
         self, spine: Any, features: list[str], served: str | Path, **options: Any

@@ -137,6 +137,76 @@ def test_help_reads_as_a_manual() -> None:
         "plan",
         "apply",
         "training_set",
+        "compute",
+        "history",
+        "bulk_load",
         "close",
     ):
         assert getattr(FeatureStore, name).__doc__, name
+
+
+@pytest.mark.unit
+def test_the_model_names_are_freshlines_and_imported_on_first_use() -> None:
+    """``freshline.LogisticModel`` and ``freshline.input_row`` are the served model's,
+    imported when first asked for, so ``import freshline`` stays light."""
+    from freshline.pipeline.inference import models
+
+    assert freshline.LogisticModel is models.LogisticModel
+    assert freshline.input_row is models.input_row
+    with pytest.raises(AttributeError, match="no_such_name"):
+        freshline.no_such_name
+
+
+def test_a_bulk_load_pauses_the_derived_paths_and_rebuilds_the_loaded_keys(
+    settings: Settings, engine: Engine, tenant_factory: Callable[..., SeedSummary]
+) -> None:
+    """The fraud seed loads ``transactions`` inside ``store.bulk_load``: the installed
+    derived paths over it have their insert triggers off in the block and on after it,
+    and the partials the seed rebuilds from the rows give the defining query's values."""
+    [tenant] = tenant_factory(users=30, transactions=900).tenants
+    refs = [(tenant, str(user)) for user in range(1, 31)]
+    with FeatureStore(FRAUD, settings) as store:
+        full = store.compute("txn_90d", refs, path="full", db=engine)
+        assert len(full) > 1 and any(v["txn_count"] for v in full.values())
+        assert store.compute("txn_90d", refs, path="incremental", db=engine) == full
+        assert store.compute(store.registry["txn_90d"], refs) == full  # the store's engine
+
+        with engine.connect() as conn:
+            enabled = sa.text("SELECT tgenabled FROM pg_trigger WHERE tgname = :t")
+            names = list(
+                conn.execute(
+                    sa.text(
+                        "SELECT tgname FROM pg_trigger WHERE tgrelid = 'transactions'::regclass "
+                        "AND tgname LIKE 'freshline\\_%\\_i' ORDER BY tgname"
+                    )
+                ).scalars()
+            )
+            before = [conn.execute(enabled, {"t": n}).scalar() for n in names]
+            with store.bulk_load(conn, "transactions") as paths:
+                assert paths  # txn_90d's path is installed
+                paused = sorted(f"{p.trigger}_i" for p in paths)  # type: ignore[attr-defined]
+                assert paused == names
+                states = [conn.execute(enabled, {"t": n}).scalar() for n in names]
+                assert states == ["D"] * len(names)
+            assert [conn.execute(enabled, {"t": n}).scalar() for n in names] == before
+            conn.rollback()
+
+
+def test_seeding_leaves_the_derived_paths_triggers_firing_in_every_session(
+    engine: Engine, tenant_factory: Callable[..., SeedSummary]
+) -> None:
+    """The derived paths' triggers fire ALWAYS, also in replica-role sessions (as
+    ``apply`` installs them); a bulk load that pauses them leaves them so, not firing
+    in origin sessions only (which ``plan`` reports as a fix to make)."""
+    insert_triggers = sa.text(
+        "SELECT tgname, tgenabled FROM pg_trigger WHERE tgrelid = 'transactions'::regclass "
+        "AND tgname LIKE 'freshline\\_%\\_i' ORDER BY tgname"
+    )
+    with engine.begin() as conn:
+        names = [name for name, _ in conn.execute(insert_triggers)]
+        assert names  # the fraud example's derived paths are installed
+        for name in names:
+            conn.execute(sa.text(f"ALTER TABLE transactions ENABLE ALWAYS TRIGGER {name}"))
+    tenant_factory(users=5, transactions=50)
+    with engine.connect() as conn:
+        assert [state for _, state in conn.execute(insert_triggers)] == ["A"] * len(names)

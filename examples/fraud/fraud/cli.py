@@ -1,3 +1,4 @@
+# The demo's harness, not code a user's repository needs (it may use freshline's internals).
 """The fraud example's own commands, mounted by freshline as ``freshline fraud ...``.
 
 A repository may name a Typer app in its ``freshline.toml`` (``commands =

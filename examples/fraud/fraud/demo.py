@@ -1,3 +1,4 @@
+# The demo's harness, not code a user's repository needs (it may use freshline's internals).
 """The guided part of ``scripts/demo``: a change made, and fresh features served.
 
 Runs against the stack, consumer and API that ``scripts/demo`` started, and calls the

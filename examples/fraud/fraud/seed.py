@@ -20,10 +20,8 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from fraud import own_repository
-from freshline import FreshlineError
-from freshline.pipeline.core.keys import validate_id
-from freshline.pipeline.core.maintenance import DerivedPath
+from fraud import own_store
+from freshline import FreshlineError, IncrementalPath, validate_id
 
 Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``, called as rows are loaded."""
@@ -189,30 +187,20 @@ def seed(
         # load, for a fold to recompute one by one: their insert triggers are off for the
         # load (until commit other writers of transactions wait for the seed), and the
         # new tenants' partials are built from their rows at the end instead.
-        paths = _installed_paths(conn)
-        for path in paths:
-            conn.execute(sa.text(f"ALTER TABLE transactions DISABLE TRIGGER {path.trigger}_i"))
-        for tenant, u_idx, t_idx in zip(ids, per_tenant_users, per_tenant_txns, strict=True):
-            total_devices += _seed_tenant(conn, rng, tenant, len(u_idx), len(t_idx), now, progress)
-        for path in paths:
-            conn.execute(sa.text(f"ALTER TABLE transactions ENABLE TRIGGER {path.trigger}_i"))
+        with own_store().bulk_load(conn, "transactions") as paths:
+            for tenant, u_idx, t_idx in zip(ids, per_tenant_users, per_tenant_txns, strict=True):
+                total_devices += _seed_tenant(
+                    conn, rng, tenant, len(u_idx), len(t_idx), now, progress
+                )
         _build_partials(conn, paths, ids, progress)
     return SeedSummary(ids, users, total_devices, transactions, geo)
 
 
-def _installed_paths(conn: sa.Connection) -> list[DerivedPath]:
-    """The derived incremental paths over ``transactions`` installed in this database."""
-    return [
-        path
-        for path in own_repository().registry.maintenances()
-        if isinstance(path, DerivedPath)
-        and path.decl.table == "transactions"
-        and path.installed(conn)
-    ]
-
-
 def _build_partials(
-    conn: sa.Connection, paths: list[DerivedPath], tenants: list[str], progress: Progress | None
+    conn: sa.Connection,
+    paths: list[IncrementalPath],
+    tenants: list[str],
+    progress: Progress | None,
 ) -> None:
     """Build the new tenants' partials from their rows (a build from the rows is about
     twice as fast as folding a bulk load day by day)."""

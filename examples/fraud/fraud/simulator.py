@@ -1,3 +1,4 @@
+# The demo's harness, not code a user's repository needs (it may use freshline's internals).
 """A source of realistic change: writes to Postgres and emits the matching domain events.
 
 ``freshline fraud simulate --rate R`` drives it, so the demo (and the benchmarks) can

@@ -26,9 +26,8 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from fraud import own_repository
-from freshline.pipeline.cache.recompute import compute
-from freshline.pipeline.inference.models import LogisticModel, input_row
+from fraud import own_store
+from freshline import LogisticModel, input_row, training_set
 
 MODEL_NAME = "fraud_example"
 MODEL_INPUTS: tuple[tuple[str, str], ...] = (
@@ -70,10 +69,8 @@ def spine(engine: Engine, tenant: str) -> Any | None:
     whether it was reversed; None without history of ``transactions``."""
     import pyarrow as pa
 
-    from freshline.pipeline.history.evaluator import captured
-
     with engine.connect() as conn:
-        recorded = captured(conn)
+        recorded = own_store().history(conn)
         if recorded.get("transactions") is None:
             return None
         tables = recorded.values()
@@ -130,8 +127,6 @@ def dataset(
 def features(engine: Engine, rows: Any, progress: Callable[[int, int], None] | None = None) -> Any:
     """The training set of ``rows`` (a :func:`spine`): the model's feature sets as of
     each row's moment, from :func:`freshline.training_set`."""
-    from freshline import training_set
-
     sets = list(dict.fromkeys(fs for fs, _ in MODEL_INPUTS))
     return training_set(ACTIVE, rows, sets, engine=engine, progress=progress)
 
@@ -167,11 +162,12 @@ def _today(
                 {"t": tenant},
             )
         }
+    store = own_store()
     rows: list[list[float]] = []
     for start in range(0, len(users), BATCH):
         chunk = users[start : start + BATCH]
         refs = [(tenant, u) for u in chunk]
-        batches = {fs.name: compute(engine, fs, refs).values for fs in own_repository().registry}
+        batches = {fs.name: store.compute(fs, refs, db=engine) for fs in store.registry}
         rows.extend(
             vector({name: values[(tenant, u)] for name, values in batches.items()}) for u in chunk
         )
