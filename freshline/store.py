@@ -38,11 +38,6 @@ if TYPE_CHECKING:
     from freshline.pipeline.history.evaluator import Captured
 
 
-_ENABLE = {"A": "ENABLE ALWAYS", "O": "ENABLE", "R": "ENABLE REPLICA"}
-"""How ``ALTER TABLE`` sets a trigger back to each ``pg_trigger.tgenabled`` (``D``:
-disabled, left so)."""
-
-
 class FeatureStore:
     """One feature repository with its settings: the object a program starts from.
 
@@ -261,36 +256,10 @@ class FeatureStore:
         installs them). Yields the paths paused: call ``path.rebuild(conn, keys)``
         after the block, in the same transaction, for the keys loaded (building them
         from their rows is faster than folding the load)."""
-        import sqlalchemy as sa
+        from freshline.pipeline.core.maintenance import paused_inserts
 
-        from freshline.pipeline.core.maintenance import DerivedPath, catalog
-
-        paths = [
-            path
-            for path in self.registry.maintenances()
-            if isinstance(path, DerivedPath) and path.decl.table == table and path.installed(conn)
-        ]
-        if not paths:
-            yield []
-            return
-        qualified = catalog.qualified(conn, table)
-        names = [f"{path.trigger}_i" for path in paths]
-        states: dict[str, str] = dict(
-            conn.execute(
-                sa.text(
-                    "SELECT tgname, tgenabled FROM pg_trigger "
-                    "WHERE tgrelid = CAST(:table AS regclass) AND tgname = ANY(:names)"
-                ),
-                {"table": qualified, "names": names},
-            ).all()
-        )
-        for name in names:
-            conn.execute(sa.text(f"ALTER TABLE {qualified} DISABLE TRIGGER {name}"))
-        yield list[IncrementalPath](paths)
-        for name in names:
-            enable = _ENABLE.get(states.get(name, "A"))
-            if enable is not None:
-                conn.execute(sa.text(f"ALTER TABLE {qualified} {enable} TRIGGER {name}"))
+        with paused_inserts(conn, self.registry.maintenances(), table) as paths:
+            yield list[IncrementalPath](paths)
 
     # -- deploying --------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from freshline.pipeline.core.maintenance.fold import HEAD_ROWS
 from freshline.pipeline.core.maintenance.installed import (
     Installed,
     install_missing,
+    paused_inserts,
     secure_installed,
     superseded,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "DerivedPath",
     "Installed",
     "install_missing",
+    "paused_inserts",
     "secure_installed",
     "superseded",
 ]

@@ -1,16 +1,18 @@
 """The derived paths in the database: installing those missing, securing those an
-earlier freshline made, and finding those no declaration keeps (``freshline buckets
-prune``)."""
+earlier freshline made, pausing their logging for a bulk load, and finding those no
+declaration keeps (``freshline buckets prune``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from freshline.pipeline.core.incremental import IncrementalPath
+from freshline.pipeline.core.maintenance import catalog
 from freshline.pipeline.core.maintenance.path import DerivedPath
 from freshline.pipeline.core.maintenance.sql import SCHEMA
 
@@ -24,6 +26,47 @@ def install_missing(conn: Connection, paths: Iterable[IncrementalPath]) -> list[
             path.install(conn)
             done.append(path)
     return done
+
+
+_ENABLE = {"A": "ENABLE ALWAYS", "O": "ENABLE", "R": "ENABLE REPLICA"}
+"""How ``ALTER TABLE`` sets a trigger back to each ``pg_trigger.tgenabled`` (``D``:
+disabled, left so)."""
+
+
+@contextmanager
+def paused_inserts(
+    conn: Connection, paths: Iterable[IncrementalPath], table: str
+) -> Iterator[list[DerivedPath]]:
+    """The installed derived paths among ``paths`` over ``table``, their insert triggers
+    off inside the block (in ``conn``'s transaction) and at its end as they were: ALWAYS,
+    as :meth:`DerivedPath.install` makes them, not the origin-only a plain ``ENABLE
+    TRIGGER`` would leave."""
+    found = [
+        path
+        for path in paths
+        if isinstance(path, DerivedPath) and path.decl.table == table and path.installed(conn)
+    ]
+    if not found:
+        yield []
+        return
+    qualified = catalog.qualified(conn, table)
+    names = [f"{path.trigger}_i" for path in found]
+    states: dict[str, str] = dict(
+        conn.execute(
+            sa.text(
+                "SELECT tgname, tgenabled FROM pg_trigger "
+                "WHERE tgrelid = CAST(:table AS regclass) AND tgname = ANY(:names)"
+            ),
+            {"table": qualified, "names": names},
+        ).all()
+    )
+    for name in names:
+        conn.execute(sa.text(f"ALTER TABLE {qualified} DISABLE TRIGGER {name}"))
+    yield found
+    for name in names:
+        enable = _ENABLE.get(states.get(name, "A"))
+        if enable is not None:
+            conn.execute(sa.text(f"ALTER TABLE {qualified} {enable} TRIGGER {name}"))
 
 
 def secure_installed(conn: Connection, paths: Iterable[IncrementalPath]) -> list[DerivedPath]:
