@@ -19,6 +19,10 @@ these; ``freshline plan`` shows what they would change and ``freshline apply`` d
                            fields=[Field("open_loans", "int")], query="SELECT ...")
     loans_90d = Aggregations("loans_90d", entity=member, table=loans, time="loaned_at",
                              window="90d", aggs=[agg.count(), agg.count_distinct("book_id")])
+
+A trainer fits the model the API serves with ``freshline.LogisticModel`` and builds its
+input rows as the predict route does with ``freshline.input_row`` (both imported on
+first use: they bring numpy and Redis).
 """
 
 from typing import TYPE_CHECKING, Any
