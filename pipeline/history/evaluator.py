@@ -133,18 +133,29 @@ _SNAPSHOT = (
 )
 
 
+def _array(values: Sequence[int | str]) -> str:
+    """``values`` as a Postgres array literal (``{"a","b"}``), every element quoted."""
+    quoted = (str(v).replace("\\", "\\\\").replace('"', '\\"') for v in values)
+    return "{" + ",".join(f'"{v}"' for v in quoted) + "}"
+
+
 def history_sql(fs: FeatureSet, tables: Mapping[str, Captured], snapshots: bool) -> str:
     """The statement evaluating ``fs`` at many moments: :class:`AtSnapshot` ones with
     ``snapshots``, else :class:`AtCommitTime` ones.
 
-    Parameters: ``:mg``/``:mat``/``:msnap`` (per moment: a group number, ``as_of``, the
-    snapshot text or NULL), ``:sg``/``:tenants``/``:ids`` (per key: its moment's group,
-    tenant and id). Rows: the group, then what the feature query returns.
+    Parameters, one element per moment: ``:mg`` (a group number), ``:mat`` (``as_of``),
+    ``:msnap`` (the snapshot text or NULL), ``:mtenants`` and ``:mids`` (its distinct
+    keys, each an array literal: :func:`_array`). Rows: the group, then what the feature
+    query returns.
+
+    Each moment carries its own keys, so its ``keys`` cost what they hold, not a scan of
+    the chunk's spine; ``unnest`` of a computed array is planned as a few rows, as the
+    keys of one moment are (docs/training.md, *How it is evaluated*).
     """
     entity = fs.entity
     predicate = _SNAPSHOT if snapshots else _COMMIT_TIME
-    key_type = entity.type
-    spine_columns = "s.tenant, s.id" if entity.tenant else "s.id"
+    ids = f"CAST(_fl_m.ids AS {entity.type}[])"
+    keys = f"CAST(_fl_m.tenants AS text[]), {ids}" if entity.tenant else ids
     history = "".join(
         f",\n{_quote(c.table)} AS NOT MATERIALIZED (\n"
         f"    SELECT {', '.join('h.' + _quote(col) for col in c.columns)}\n"
@@ -152,16 +163,13 @@ def history_sql(fs: FeatureSet, tables: Mapping[str, Captured], snapshots: bool)
         for c in tables.values()
     )
     return (
-        "WITH _fl_moments(g, at, snap) AS (\n"
-        "    SELECT u.g, u.at, CAST(u.snap AS pg_snapshot) FROM unnest(CAST(:mg AS int[]), "
-        "CAST(:mat AS timestamptz[]), CAST(:msnap AS text[])) AS u(g, at, snap)\n"
-        "), _fl_spine(g, tenant, id) AS (\n"
-        f"    SELECT * FROM unnest(CAST(:sg AS int[]), CAST(:tenants AS text[]), "
-        f"CAST(:ids AS {key_type}[]))\n"
+        "WITH _fl_moments(g, at, snap, tenants, ids) AS (\n"
+        "    SELECT u.g, u.at, CAST(u.snap AS pg_snapshot), u.tenants, u.ids FROM "
+        "unnest(CAST(:mg AS int[]), CAST(:mat AS timestamptz[]), CAST(:msnap AS text[]), "
+        "CAST(:mtenants AS text[]), CAST(:mids AS text[])) AS u(g, at, snap, tenants, ids)\n"
         ")\nSELECT _fl_m.g, f.* FROM _fl_moments AS _fl_m CROSS JOIN LATERAL (\n"
-        f"WITH keys({', '.join(entity.columns)}) AS (\n"
-        f"    SELECT DISTINCT {spine_columns} FROM _fl_spine AS s WHERE s.g = _fl_m.g\n"
-        "), k AS (SELECT * FROM keys), t(as_of) AS (SELECT _fl_m.at)"
+        f"WITH keys({', '.join(entity.columns)}) AS (SELECT * FROM unnest({keys})), "
+        "k AS (SELECT * FROM keys), t(as_of) AS (SELECT _fl_m.at)"
         f"{history}\n{fs.query}\n) AS f"
     )
 
@@ -277,18 +285,14 @@ class Evaluator:
         kind = kinds.pop()
         _check_query(fs)
         order = list(moments)
-        params: dict[str, Any] = {"mg": [], "mat": [], "msnap": [], "sg": []}
-        tenants: list[str] = []
-        ids: list[int | str] = []
+        params: dict[str, Any] = {"mg": [], "mat": [], "msnap": [], "mtenants": [], "mids": []}
         for g, moment in enumerate(order):
             params["mg"].append(g)
             params["mat"].append(moment.at)
             params["msnap"].append(moment.snapshot if isinstance(moment, AtSnapshot) else None)
-            got_tenants, got_ids = entity_ids(moments[moment], fs.entity)
-            tenants += got_tenants
-            ids += got_ids
-            params["sg"] += [g] * len(got_ids)
-        params["tenants"], params["ids"] = tenants, ids
+            tenants, ids = entity_ids(moments[moment], fs.entity)
+            params["mtenants"].append(_array(tenants))
+            params["mids"].append(_array(ids))
         statement = history_sql(fs, self.tables, kind is AtSnapshot)
         if (fs.name, kind) not in self._read:
             self._read[(fs.name, kind)] = guard(self.conn, fs, statement, params, self.tables)

@@ -22,6 +22,7 @@ from freshline.pipeline.history.evaluator import (
     AtSnapshot,
     Evaluator,
     HistoryRefused,
+    _array,
     history_sql,
 )
 from tests.helpers import REGISTRY
@@ -202,6 +203,39 @@ def test_many_moments_and_keys_in_one_statement_each_see_their_own(
         got = Evaluator.on(conn).evaluate(REGISTRY["txn_90d"], moments)
     assert [got[m][(tenant, "7")]["txn_count"] for m in moments] == [0, 1, 2, 3]
     assert [got[m][(tenant, "8")]["txn_count"] for m in moments] == [0, 0, 0, 0]
+
+
+def test_each_moment_of_a_statement_answers_for_its_own_keys_only(
+    engine: Engine, api: Engine, captured: None, tenant: str, t: dt.datetime
+) -> None:
+    """Moments with different keys, a key at several moments and twice at one: each
+    moment's keys travel with it, and no key of one moment is evaluated at another."""
+    with engine.begin() as conn:
+        for user in (7, 8, 9):
+            recording.version(conn, "transactions", txn(tenant, user, user, t - 9 * HOUR), t - HOUR)
+    moments = {
+        AtCommitTime(t - 2 * HOUR): [(tenant, "7")],
+        AtCommitTime(t): [(tenant, "8"), (tenant, "7"), (tenant, "8")],
+        AtCommitTime(t + US): [(tenant, "9")],
+    }
+    with api.connect() as conn:
+        got = Evaluator.on(conn).evaluate(REGISTRY["txn_90d"], moments)
+    counts = {m.at: {ref: v["txn_count"] for ref, v in got[m].items()} for m in moments}
+    assert counts == {
+        t - 2 * HOUR: {(tenant, "7"): 0},
+        t: {(tenant, "7"): 1, (tenant, "8"): 1},
+        t + US: {(tenant, "9"): 1},
+    }
+
+
+@pytest.mark.parametrize(
+    "values",
+    [["a", "b"], ['say "hi"', "back\\slash", "a,b", "{x}", "NULL", " pad ", ""], [1, 22]],
+)
+def test_a_moments_keys_reach_postgres_as_they_are(api: Engine, values: list[int | str]) -> None:
+    with api.connect() as conn:
+        got = conn.execute(sa.text("SELECT CAST(:a AS text[])"), {"a": _array(values)}).scalar()
+    assert got == [str(v) for v in values]
 
 
 def test_at_snapshot_sees_what_the_snapshot_saw(
