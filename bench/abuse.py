@@ -393,9 +393,11 @@ def run(quick: bool) -> dict[str, Any]:
     models = tempfile.TemporaryDirectory()  # the registry names the file: kept for the run
     ModelRegistry(ctx.redis).register(_model(model, Path(models.name)))
     pairs, seconds = (1, 1.0) if quick else (5, 10.0)
+    # A smoke run takes the target's profile alone: the other runs the same code.
+    chosen = {TARGET_PROFILE: PROFILES[TARGET_PROFILE]} if quick else PROFILES
     with models:
         profiles = {}
-        for n, (name, profile) in enumerate(PROFILES.items()):
+        for n, (name, profile) in enumerate(chosen.items()):
             # Set before the profile's servers start: they read it with the key.
             reset = dict.fromkeys(UNTRUSTED_TENANT)
             set_tenant_limits(ctx.engine, None, abuser_tenant, {**reset, **profile["abuser"]})
