@@ -409,9 +409,16 @@ def _run_here(selected: list[str], argv: list[str]) -> Outcome:
     return results, sections, env
 
 
-def _worker(todo: Any, done: Any, out: Path, quick: bool, plots: bool, argv: list[str]) -> None:
+def _worker(
+    index: int, todo: Any, done: Any, out: Path, quick: bool, plots: bool, argv: list[str]
+) -> None:
     """A process of :func:`_run_in_workers`: its own context (database, topics, data
-    set), then benchmarks from ``todo`` until ``None``; what it did goes to ``done``."""
+    set, and Redis database: the ``index``-th after ``FRESHLINE_BENCH_REDIS_DB``, since
+    a deploy pointer and the roster of running processes are per Redis database and
+    ``consistency`` flips one), then benchmarks from ``todo`` until ``None``; what it
+    did goes to ``done``."""
+    base = int(os.environ.get("FRESHLINE_BENCH_REDIS_DB", "3"))
+    os.environ["FRESHLINE_BENCH_REDIS_DB"] = str(base + index)
 
     def on_term(_signum: int, _frame: object) -> None:
         raise SystemExit(143)
@@ -448,7 +455,7 @@ def _run_in_workers(selected: list[str], jobs: int, argv: list[str]) -> Outcome:
     # By its importable name: a spawned process does not import a package's __main__
     # under the name __main__, so it finds nothing there by that name.
     target = importlib.import_module("bench.__main__")._worker
-    workers = [mp.Process(target=target, args=args, name=f"bench-{i}") for i in range(jobs)]
+    workers = [mp.Process(target=target, args=(i, *args), name=f"bench-{i}") for i in range(jobs)]
     for w in workers:
         w.start()
     results: dict[str, Any] = {}
