@@ -1,8 +1,11 @@
-"""``python -m bench [--quick] [--only NAME ...] [--out DIR] [--no-plots]``.
+"""``python -m bench [--quick [--jobs N]] [--only|--skip NAME ...] [--out DIR] [--no-plots]``.
 
 Runs the benchmarks in order against the local stack (``scripts/stack up``), each in
 an isolated world (:class:`bench.common.Context`), and writes ``results.json``,
-``RESULTS.md`` and PNG plots into the output directory (``bench/`` by default).
+``RESULTS.md`` and PNG plots into the output directory (``bench/`` by default). The
+smoke run, ``--quick``, checks that each benchmark runs, not its figures: smallest
+sizes, one round, no warm-up, several benchmarks side by side (``--jobs``), into a
+scratch directory unless ``--out`` names another (never ``bench/``).
 
 A benchmark is a module ``bench/<name>.py`` with ``run(quick: bool) -> dict`` (JSON-able
 figures, parameters, references, ratios and targets) and ``markdown(results) -> str``
@@ -22,6 +25,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from datetime import UTC, datetime
@@ -331,8 +335,167 @@ def rerender(out: Path) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args_list = sys.argv[1:] if argv is None else argv
+QUICK_JOBS = 3
+"""Processes of a smoke run: its benchmarks mostly wait (servers starting, consumers
+joining their groups, Kafka Connect), so three side by side fit two cores."""
+
+
+class _ContextError(Exception):
+    """The run's isolated world could not be opened (a login, a service): one line."""
+
+
+def _run_benchmark(name: str, quick: bool, argv: list[str]) -> tuple[dict[str, Any], str]:
+    """Run one benchmark: its result (with ``error`` if it raised) and its section."""
+    module = importlib.import_module(f"bench.{name}")
+    print(f"bench: {name} ...", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    measured = _measured(argv)
+    try:
+        with translate_errors():
+            result = module.run(quick)
+        result["elapsed_s"] = round(time.monotonic() - t0, 1)
+        result["measured"] = measured
+        section = result["rendered"] = _markdown(module, result)
+    except FreshlineError as exc:  # a tool or a login missing: one line says which
+        print(f"bench: {name}: error: {exc}", file=sys.stderr)
+        result = {"error": str(exc), "elapsed_s": round(time.monotonic() - t0, 1)}
+        section = f"## {name}\n\n**failed**: {str(exc)[:300]}\n"
+    except Exception as exc:
+        print(traceback.format_exc(), file=sys.stderr)
+        result = {
+            "error": f"{type(exc).__name__}: {exc}",
+            "elapsed_s": round(time.monotonic() - t0, 1),
+        }
+        section = f"## {name}\n\n**failed**: `{type(exc).__name__}: {str(exc)[:300]}`\n"
+    print(f"bench: {name} done in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+    return result, section
+
+
+def _open_context(quick: bool) -> common.Context:
+    try:
+        with translate_errors():
+            return common.context(quick)
+    except FreshlineError as exc:
+        raise _ContextError(str(exc)) from exc
+
+
+Outcome = tuple[dict[str, Any], dict[str, str], dict[str, Any]]
+"""Results and sections by benchmark, and the environment they ran in."""
+
+
+def _run_here(selected: list[str], argv: list[str]) -> Outcome:
+    """The benchmarks one after another in this process, in one context."""
+    quick = bool(common.quick())
+    ctx = _open_context(quick)
+    results: dict[str, Any] = {}
+    sections: dict[str, str] = {}
+    try:
+        for name in selected:
+            results[name], sections[name] = _run_benchmark(name, quick, argv)
+        env = environment(ctx)
+    finally:
+        common.close_context()
+    return results, sections, env
+
+
+def _worker(
+    index: int, todo: Any, done: Any, out: Path, quick: bool, plots: bool, argv: list[str]
+) -> None:
+    """A process of :func:`_run_in_workers`: its own context (database, topics, data
+    set, and Redis database: the ``index``-th after ``FRESHLINE_BENCH_REDIS_DB``, since
+    a deploy pointer and the roster of running processes are per Redis database and
+    ``consistency`` flips one), then benchmarks from ``todo`` until ``None``; what it
+    did goes to ``done``."""
+    base = int(os.environ.get("FRESHLINE_BENCH_REDIS_DB", "3"))
+    os.environ["FRESHLINE_BENCH_REDIS_DB"] = str(base + index)
+
+    def on_term(_signum: int, _frame: object) -> None:
+        raise SystemExit(143)
+
+    signal.signal(signal.SIGTERM, on_term)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    common.configure(out, quick, plots=plots)
+    try:
+        ctx = _open_context(quick)
+    except _ContextError as exc:
+        done.put(("fatal", str(exc)))
+        return
+    try:
+        while (name := todo.get()) is not None:
+            done.put(("result", name, *_run_benchmark(name, quick, argv)))
+        done.put(("exit", environment(ctx)))
+    finally:
+        common.close_context()
+
+
+def _run_in_workers(selected: list[str], jobs: int, argv: list[str]) -> Outcome:
+    """The benchmarks of a smoke run in ``jobs`` processes side by side, each taking
+    the next as it finishes one; each process opens its own isolated context."""
+    import multiprocessing
+    import queue
+
+    mp = multiprocessing.get_context("spawn")
+    todo, done = mp.Queue(), mp.Queue()
+    # In the standard order: each process runs a subsequence of the serial run, so no
+    # benchmark meets what one after it leaves (write_path's naive consumer reads the
+    # run's topic from its start, and took a later benchmark's events for bad input).
+    for name in selected:
+        todo.put(name)
+    for _ in range(jobs):
+        todo.put(None)
+    args = (todo, done, common.out_dir(), common.quick(), common.plots(), argv)
+    # By its importable name: a spawned process does not import a package's __main__
+    # under the name __main__, so it finds nothing there by that name.
+    target = importlib.import_module("bench.__main__")._worker
+    workers = [mp.Process(target=target, args=(i, *args), name=f"bench-{i}") for i in range(jobs)]
+    for w in workers:
+        w.start()
+    results: dict[str, Any] = {}
+    sections: dict[str, str] = {}
+    env: dict[str, Any] | None = None
+    fatal: list[str] = []
+    finished = 0
+    try:
+        while finished < jobs:
+            try:
+                msg = done.get(timeout=1.0)
+            except queue.Empty:
+                if not any(w.is_alive() for w in workers) and done.empty():
+                    break  # a worker died without a word: its benchmark is reported missing
+                continue
+            if msg[0] == "result":
+                results[msg[1]], sections[msg[1]] = msg[2], msg[3]
+            else:
+                finished += 1
+                if msg[0] == "fatal":
+                    fatal.append(msg[1])
+                else:
+                    env = env or msg[1]
+    finally:
+        for w in workers:
+            if w.is_alive():
+                w.terminate()  # SIGTERM: it closes its context on the way out
+        for w in workers:
+            w.join(60)
+    if fatal:
+        raise _ContextError(fatal[0])
+    for name in selected:
+        if name not in results:
+            results[name] = {"error": "its worker process died"}
+            sections[name] = f"## {name}\n\n**failed**: its worker process died\n"
+    order = {name: i for i, name in enumerate(BENCHMARKS)}
+    ordered = sorted(results, key=order.__getitem__)
+    return (
+        {n: results[n] for n in ordered},
+        {n: sections[n] for n in ordered},
+        env or environment(None),
+    )
+
+
+def options(argv: list[str]) -> argparse.Namespace:
+    """The command line, with the defaults that depend on ``--quick``: a smoke run writes
+    to a new scratch directory (never over the committed ``bench/RESULTS.md``) and runs
+    :data:`QUICK_JOBS` benchmarks side by side; a full run, one at a time into bench/."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke sizes: under two minutes")
     parser.add_argument(
@@ -343,10 +506,20 @@ def main(argv: list[str] | None = None) -> int:
         help="run only these benchmarks (in the standard order)",
     )
     parser.add_argument(
+        "--skip", nargs="+", metavar="NAME", choices=BENCHMARKS, help="run all but these"
+    )
+    parser.add_argument(
         "--out",
         type=Path,
-        default=common.BENCH_DIR,
-        help="where results.json, RESULTS.md and plots go (default: bench/)",
+        help="where results.json, RESULTS.md and plots go (default: bench/; with --quick "
+        "a new scratch directory, never bench/)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        metavar="N",
+        help=f"with --quick: run the benchmarks in N processes side by side (default "
+        f"{QUICK_JOBS}); a full run measures one at a time",
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument(
@@ -354,7 +527,24 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="rewrite RESULTS.md from the results.json in --out; run nothing",
     )
-    args = parser.parse_args(args_list)
+    args = parser.parse_args(argv)
+    if args.quick and args.out is not None and args.out.resolve() == common.BENCH_DIR:
+        parser.error("--quick never writes over bench/RESULTS.md: give --out another directory")
+    if args.jobs is None:
+        args.jobs = QUICK_JOBS if args.quick else 1
+    elif args.jobs < 1:
+        parser.error("--jobs: at least 1")
+    elif args.jobs > 1 and not args.quick:
+        parser.error("--jobs: benchmarks measured side by side would time each other")
+    if args.out is None:
+        quick = args.quick and not args.render_only
+        args.out = Path(tempfile.mkdtemp(prefix="bench-quick-")) if quick else common.BENCH_DIR
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_list = sys.argv[1:] if argv is None else argv
+    args = options(args_list)
     if args.render_only:
         return rerender(args.out)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -363,57 +553,25 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     plots = not args.no_plots and _has_matplotlib(args.quick)
     common.configure(out, args.quick, plots=plots)
-    selected = [b for b in BENCHMARKS if not args.only or b in args.only]
+    selected = [
+        b for b in BENCHMARKS if (not args.only or b in args.only) and b not in (args.skip or ())
+    ]
 
     def on_term(_signum: int, _frame: object) -> None:
         raise SystemExit(143)  # unwinds through the finally below, which cleans up
 
     signal.signal(signal.SIGTERM, on_term)
     started = time.monotonic()
-    results: dict[str, Any] = {}
-    sections: dict[str, str] = {}
-    failed = False
+    jobs = min(args.jobs, len(selected))
     try:
-        with translate_errors():
-            ctx = common.context(args.quick)
-    except FreshlineError as exc:
+        if jobs > 1:
+            results, sections, env = _run_in_workers(selected, jobs, args_list)
+        else:
+            results, sections, env = _run_here(selected, args_list)
+    except _ContextError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 1
-    try:
-        for name in selected:
-            module = importlib.import_module(f"bench.{name}")
-            print(f"bench: {name} ...", file=sys.stderr, flush=True)
-            t0 = time.monotonic()
-            measured = _measured(args_list)
-            try:
-                with translate_errors():
-                    result = module.run(args.quick)
-                result["elapsed_s"] = round(time.monotonic() - t0, 1)
-                result["measured"] = measured
-                results[name] = result
-                sections[name] = result["rendered"] = _markdown(module, result)
-            except FreshlineError as exc:  # a tool or a login missing: one line says which
-                failed = True
-                print(f"bench: {name}: error: {exc}", file=sys.stderr)
-                results[name] = {"error": str(exc), "elapsed_s": round(time.monotonic() - t0, 1)}
-                sections[name] = f"## {name}\n\n**failed**: {str(exc)[:300]}\n"
-            except Exception as exc:
-                failed = True
-                trace = traceback.format_exc()
-                print(trace, file=sys.stderr)
-                results[name] = {
-                    "error": f"{type(exc).__name__}: {exc}",
-                    "elapsed_s": round(time.monotonic() - t0, 1),
-                }
-                sections[name] = (
-                    f"## {name}\n\n**failed**: `{type(exc).__name__}: {str(exc)[:300]}`\n"
-                )
-            print(
-                f"bench: {name} done in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True
-            )
-        env = environment(ctx)
-    finally:
-        common.close_context()
+    failed = any("error" in result for result in results.values())
     doc = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": _git_commit(),
@@ -423,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": env,
         "results": results,
     }
-    if args.only and not args.quick:
+    if (args.only or args.skip) and not args.quick:
         kept = _kept_results(out / "results.json", set(selected))
         doc["results"] = {
             name: {**kept, **results}[name]

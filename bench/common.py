@@ -174,7 +174,7 @@ def measure(
     names = list(candidates)
     series = {n: Series(items_per_call=(items or {}).get(n, 1)) for n in names}
     for fn in candidates.values():
-        for _ in range(warmup):
+        for _ in range(0 if quick() else warmup):  # a smoke run's figures are not read
             fn()
     pool = ThreadPoolExecutor(concurrency) if concurrency > 1 else None
     try:
@@ -480,6 +480,15 @@ def close_context() -> None:
 
 def out_dir() -> Path:
     return _state["out"]  # type: ignore[no-any-return]
+
+
+def quick() -> bool:
+    """Whether this is a smoke run (``--quick``): smallest sizes, figures not to quote."""
+    return bool(_state["quick"])
+
+
+def plots() -> bool:
+    return bool(_state["plots"])
 
 
 def pyplot() -> Any:

@@ -157,13 +157,12 @@ def run(quick: bool) -> dict[str, Any]:
     results: dict[str, Any] = {}
     wrk: dict[str, Any] = {}
     try:
-        with (
-            reference_app.serve_freshline(ctx, version) as url,
-            reference_app.serve_reference(ctx, version, tenant) as ref_url,
-        ):
+        # One start of the servers for the Python candidates and wrk alike.
+        w_rounds, w_seconds = (1, 1) if quick else (3, 5)
+        with reference_app.servers(ctx, version, tenant, api_key, users) as urls:
             for http in (
-                _http_candidates(url, api_key, users),
-                _http_candidates(ref_url, api_key, users, MINIMAL),
+                _http_candidates(urls["freshline"], api_key, users),
+                _http_candidates(urls["minimal"], api_key, users, MINIMAL),
             ):
                 get_name, batch_name = list(http)
                 single[get_name] = http[get_name]
@@ -180,9 +179,7 @@ def run(quick: bool) -> dict[str, Any]:
                     items=dict.fromkeys(many, BATCH),
                 )
                 results[f"c{concurrency}"] = {**one, **hundred}
-        common.note("wrk against the minimal app and freshline (tier off, tier warm)")
-        w_rounds, w_seconds = (1, 1) if quick else (3, 5)
-        with reference_app.servers(ctx, version, tenant, api_key, users) as urls:
+            common.note("wrk against the minimal app and freshline (tier off, tier warm)")
             wrk = reference_app.compare(urls, api_key, users, rounds=w_rounds, seconds=w_seconds)
         wrk["parameters"] = {
             "rounds": w_rounds,

@@ -55,6 +55,9 @@ HEADER = 31  # tag + watermark ahead of an entry's JSON (freshline.pipeline.core
 SERVERS = ("minimal", "minimal+decode", "freshline", "freshline+tier")
 FLOOR = "minimal+decode"
 ENDPOINTS = ("GET", "batch 100")
+START_DEADLINE_S = 180.0
+"""A deadline, not a measure: at a load average of 35 a server took over a minute to
+answer (abuse's two, started together beside a smoke run's other benchmarks)."""
 
 
 # -- the minimal app -------------------------------------------------------------------
@@ -173,8 +176,11 @@ def launch(
     argv: list[str], env: dict[str, str], port: int, ready: str
 ) -> contextlib.AbstractContextManager[str]:
     """Run ``argv`` in a process group of its own, with ``env`` on top of this
-    environment, until ``ready`` answers; yields the URL (``processes.serving``)."""
-    return processes.serving(argv, port, ready=ready, env={**os.environ, **env}, grace_s=10)
+    environment, until ``ready`` answers (within :data:`START_DEADLINE_S`); yields the
+    URL (``processes.serving``)."""
+    return processes.serving(
+        argv, port, ready=ready, env={**os.environ, **env}, timeout=START_DEADLINE_S, grace_s=10
+    )
 
 
 def serve_freshline(

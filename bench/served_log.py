@@ -21,6 +21,7 @@ from typing import Any
 
 from bench import common, reference_app
 from freshline.pipeline.core.topics import SERVED
+from freshline.pipeline.dev import processes
 
 SHARES = {
     "off": {"FRESHLINE_SERVED_LOG_BUFFER": "0"},
@@ -44,7 +45,7 @@ def run(quick: bool) -> dict[str, Any]:
     topic = prefix + SERVED
     admin = admin_client(ctx.settings)
     ensure(admin, 1, topics=[topic])
-    rounds, seconds = (1, 2) if quick else (5, 5)
+    rounds, seconds = (1, 1) if quick else (5, 5)
     scripts = {
         "GET": reference_app.wrk_script(api_key, users, batch=False),
         "batch 100": reference_app.wrk_script(api_key, users, batch=True),
@@ -54,18 +55,15 @@ def run(quick: bool) -> dict[str, Any]:
     }
     try:
         with contextlib.ExitStack() as stack:
-            urls = {
-                share: stack.enter_context(
-                    reference_app.serve_freshline(
-                        ctx,
-                        version,
-                        env={**value, "FRESHLINE_TOPIC_PREFIX": prefix},
-                    )
+            servers = [
+                reference_app.serve_freshline(
+                    ctx, version, env={**value, "FRESHLINE_TOPIC_PREFIX": prefix}
                 )
-                for share, value in SHARES.items()
-            }
+                for value in SHARES.values()
+            ]
+            urls = dict(zip(SHARES, processes.enter_together(stack, servers), strict=True))
             for url in urls.values():
-                reference_app.warm(url, api_key, users)
+                reference_app.warm(url, api_key, users, passes=1 if quick else 3)
             for r in range(rounds):
                 k = r % len(SHARES)
                 order = list(SHARES)[k:] + list(SHARES)[:k]

@@ -87,7 +87,7 @@ class Scale:
     feast: bool
 
 
-QUICK = Scale(200, 2_000, 40, 4.0, 400, 40, 1, False)
+QUICK = Scale(200, 2_000, 40, 1.0, 400, 40, 1, False)
 FULL = Scale(5_000, 100_000, 200, 60.0, 250_000, 2_000, 3, True)
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import shutil
 from pathlib import Path
 
 import orjson
+import pytest
 
 from bench.__main__ import BENCHMARKS, rerender
 
@@ -138,3 +140,24 @@ def test_training_renders_a_missed_target_and_a_failed_feast_run() -> None:
     text = training.markdown(result)
     assert "Target >= 20x: **missed**" in text
     assert "Feast: **failed**" in text and "1,000,000" in text
+
+
+def test_a_smoke_run_writes_to_a_scratch_directory_never_over_the_figures() -> None:
+    from bench.__main__ import QUICK_JOBS, options
+    from bench.common import BENCH_DIR
+
+    quick = options(["--quick"])
+    try:
+        assert quick.out != BENCH_DIR and not any(quick.out.iterdir())
+        assert quick.jobs == QUICK_JOBS
+    finally:
+        shutil.rmtree(quick.out)
+    assert options([]).out == BENCH_DIR and options([]).jobs == 1
+    for refused in (
+        ["--quick", "--out", str(BENCH_DIR)],
+        ["--jobs", "2"],
+        ["--quick", "--jobs", "0"],
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            options(refused)
+        assert exit_.value.code == 2
