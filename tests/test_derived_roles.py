@@ -297,6 +297,64 @@ def test_a_writer_with_no_grant_on_freshline_has_its_writes_logged(db: Engine) -
             assert "permission denied" in refused(writer, statement)
 
 
+# A schema of the writer's own, with operators and functions named as those the insert
+# trigger's function uses (its check's <> and =, AT TIME ZONE's timezone(), the cast to
+# date), open to every role: each raises, naming the role it ran as.
+LENT = "LANGUAGE plpgsql AS $$BEGIN RAISE EXCEPTION 'lent to %', current_user; END$$"
+LURE = [
+    "CREATE SCHEMA lure",
+    "GRANT USAGE ON SCHEMA lure TO PUBLIC",  # else the owner, whom it would lure, sees none
+    f"CREATE FUNCTION lure.lent(text, text) RETURNS boolean {LENT}",
+    f"CREATE FUNCTION lure.lent(oid, regclass) RETURNS boolean {LENT}",
+    f"CREATE FUNCTION lure.lent(regclass, oid) RETURNS boolean {LENT}",
+    *(
+        f"CREATE OPERATOR lure.{op} (LEFTARG = {a}, RIGHTARG = {b}, FUNCTION = lure.lent)"
+        for op in ("<>", "=")
+        for a, b in (("text", "text"), ("oid", "regclass"), ("regclass", "oid"))
+    ),
+    f"CREATE FUNCTION lure.timezone(text, timestamptz) RETURNS timestamp {LENT}",
+    f"CREATE FUNCTION lure.date(timestamp) RETURNS date {LENT}",
+]
+
+
+def test_a_writers_search_path_lends_the_insert_trigger_nothing(db: Engine) -> None:
+    """The insert trigger's function runs as the owner with no ``search_path`` of its
+    own (every INSERT would pay to set and restore one), so under the writer's: a writer
+    that puts a schema of its own before pg_catalog, with operators and functions named
+    as those the function uses, has none of them run, as the owner or at all. Its
+    INSERT is logged and the values stay exact."""
+    database = db.url.database
+    with new_role(
+        db,
+        "GRANT SELECT, INSERT ON orders TO {role}",
+        "GRANT USAGE ON SEQUENCE orders_id_seq TO {role}",
+        f'GRANT CREATE ON DATABASE "{database}" TO {{role}}',
+    ) as writer:
+        assert refused(writer, *LURE) == ""
+        shop = f"s{uuid.uuid4().hex[:10]}"
+        error = refused(
+            writer,
+            "SET search_path = lure, pg_catalog, public",
+            "SELECT CASE WHEN 'a' = 'a' THEN 1 END",  # the lure works on the writer itself
+        )
+        assert "lent to freshline_test_" in error
+        error = refused(
+            writer,
+            "SET search_path = lure, pg_catalog, public",
+            "INSERT INTO orders (shop_id, customer_id, amount, sku, placed_at) "
+            f"VALUES ('{shop}', 'c1', 5, 'k1', now() - interval '2 days')",
+        )
+        assert error == ""
+    for fs in PATHS:
+        with db.connect() as conn:
+            logged = conn.execute(
+                sa.text(f"SELECT count(*) FROM {path_of(fs).log} WHERE shop_id = :s"), {"s": shop}
+            ).scalar_one()
+        assert logged == 1, fs.name
+        inc = compute(db, fs, [(shop, "c1")], path="incremental").values
+        assert inc == compute(db, fs, [(shop, "c1")], path="full").values
+
+
 def attempts(conn: Connection) -> list[tuple[str, list[str]]]:
     """Every write of every table of freshline's schema and every use of its functions,
     as (what, statements): INSERT and UPDATE of each column, DELETE, TRUNCATE, a trigger
@@ -423,7 +481,7 @@ def test_no_login_but_the_owner_may_write_freshlines_schema(
     assert_only_the_owner_may_write(db, logins, [path_of(fs) for fs in PATHS])
 
 
-GUARD = re.compile(r"    IF \(?(?:CASE WHEN )?TG_RELID .*?END IF;\n", re.S)
+GUARD = re.compile(r"    IF \(?(?:CASE WHEN )?TG_RELID .*?\n    END IF;\n", re.S)
 
 
 def as_main_made_it(conn: Connection, path: DerivedPath) -> None:
@@ -513,7 +571,7 @@ def test_an_install_made_before_the_checks_is_fixed_in_place(
                 assert f"{fs.name}'s incremental path: apply runs: {grant}" in shown
     assert f"PUBLIC may use {path_of(SPEND).log}" in shown
     spend = path_of(SPEND).prefix
-    assert f"not SECURITY DEFINER with its fixed search_path: freshline.{spend}_i()" in shown
+    assert f"not SECURITY DEFINER as made now: freshline.{spend}_i()" in shown
     assert f"running as any trigger it is attached to: freshline.{spend}_{{i,u,d,t,p}}()" in shown
     assert f"executable by PUBLIC: freshline.{spend}_{{i,u,d,t,p}}()" in shown
     applied = freshline("apply", "--no-cdc", **env)

@@ -12,14 +12,21 @@ from sqlalchemy.engine import Connection
 from freshline.pipeline.core.maintenance.catalog import search_path
 from freshline.pipeline.core.maintenance.shape import Shape
 from freshline.pipeline.core.maintenance.sql import SCHEMA
-from freshline.pipeline.core.maintenance.triggers import fold_signature, guard, made_for, signatures
+from freshline.pipeline.core.maintenance.triggers import (
+    fold_signature,
+    guard,
+    made_for,
+    settings,
+    signatures,
+)
 
 
 def lacking(conn: Connection, shape: Shape, table: str, lookups: list[str]) -> list[str]:
     """What the installed path lacks, one line per fault: each function SECURITY
-    DEFINER with the fixed ``search_path``, each trigger function checking the trigger
-    it runs as, none executable by PUBLIC, no privilege of PUBLIC on a table, the grants
-    of :func:`.ddl.grants`. Empty when nothing."""
+    DEFINER with its fixed ``search_path`` or none (:func:`.triggers.settings`), each
+    trigger function checking the trigger it runs as, none executable by PUBLIC, no
+    privilege of PUBLIC on a table, the grants of :func:`.ddl.grants`. Empty when
+    nothing."""
     found = _functions(conn, shape)
     out = _function_faults(shape, table, lookups, found)
     for name in shape.tables:
@@ -71,7 +78,8 @@ def _function_faults(
     shape: Shape, table: str, lookups: list[str], found: dict[str, tuple[Any, ...]]
 ) -> list[str]:
     """What the functions ``found`` lack of those :mod:`.ddl` makes now."""
-    config = [f"search_path={search_path(table, lookups)}"]
+    paths = {f"{shape.prefix}_{name}": path for name, path in settings(table, lookups).items()}
+    paths[fold_signature(shape)] = search_path(table, lookups)
     guards = {
         f"{shape.prefix}_{name}": guard(shape, name.removesuffix("()"), *on)
         for name, on in made_for(table, lookups).items()
@@ -81,9 +89,10 @@ def _function_faults(
         if name not in found:
             faults.setdefault("missing", []).append(name)
             continue
-        definer, settings, source, public = found[name]
-        if not definer or list(settings or []) != config:
-            faults.setdefault("not SECURITY DEFINER with its fixed search_path", []).append(name)
+        definer, config, source, public = found[name]
+        path = paths.get(name)
+        if not definer or list(config or []) != ([f"search_path={path}"] if path else []):
+            faults.setdefault("not SECURITY DEFINER as made now", []).append(name)
         if guards.get(name, "") not in source:
             faults.setdefault("running as any trigger it is attached to", []).append(name)
         if public:

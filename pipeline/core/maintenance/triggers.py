@@ -40,57 +40,88 @@ def made_for(table: str, lookups: list[str]) -> dict[str, tuple[str, str]]:
 def guard(shape: Shape, name: str, table: str, op: str) -> str:
     """Trigger function ``name``'s first statement: refuse to run as any trigger but the
     AFTER ``op`` statement trigger on ``table``. EXECUTE is checked when a trigger is
-    made, not when it fires, and the owner may attach it anywhere."""
+    made, not when it fires, and the owner may attach it anywhere. Its operators are
+    qualified, so that it means the same under any ``search_path`` (:func:`functions`:
+    the insert trigger's function runs under the writer's)."""
     literal = table.replace("'", "''")
     root = f"'{literal}'::pg_catalog.regclass"
+    ne, eq = " OPERATOR(pg_catalog.<>) ", " OPERATOR(pg_catalog.=) "
     # A write addressed to a partition fires the partition's own statement triggers,
     # not the parent's: i(), u() and d() run on every partition too, and p() on a
     # partition only. CASE orders the checks: the parent's costs no lookup (in
     # parentheses: PL/pgSQL ends an IF's condition at the first THEN outside them).
     partition = (
         f"NOT EXISTS (SELECT 1 FROM pg_catalog.pg_partition_tree({root}) AS p "
-        "WHERE p.relid = TG_RELID)"
+        f"WHERE p.relid{eq}TG_RELID)"
     )
     when, what = "AFTER", f"the AFTER {op} statement trigger on %"
     if name in ("i", "u", "d"):
-        relation = f"(CASE WHEN TG_RELID = {root} THEN false ELSE {partition} END)"
+        relation = f"(CASE WHEN TG_RELID{eq}{root} THEN false ELSE {partition} END)"
         what += " or a partition of it"
     elif name == "p":
-        relation = f"(CASE WHEN TG_RELID = {root} THEN true ELSE {partition} END)"
+        relation = f"(CASE WHEN TG_RELID{eq}{root} THEN true ELSE {partition} END)"
         when, what = "BEFORE", f"the BEFORE {op} statement trigger on a partition of %"
     else:
-        relation = f"TG_RELID <> {root}"
-    return (
-        f"IF {relation} OR TG_WHEN <> '{when}' "
-        f"OR TG_LEVEL <> 'STATEMENT' OR TG_OP <> '{op}' THEN\n"
+        relation = f"TG_RELID{ne}{root}"
+    trigger = f"TG_WHEN{ne}'{when}' OR TG_LEVEL{ne}'STATEMENT' OR TG_OP{ne}'{op}'"
+    check = (
+        f"IF {relation} OR {trigger} THEN\n"
         f"        RAISE EXCEPTION 'freshline: {SCHEMA}.{shape.prefix}_{name}() runs only as "
         f"{what}', '{literal}' "
         "USING ERRCODE = 'triggered_action_exception';\n    END IF"
     )
+    if name not in ("i", "u", "d"):
+        return check
+    # The partitions' subquery makes the condition one PL/pgSQL hands to the executor
+    # (a plan started and ended at every call); a condition without one it evaluates
+    # itself. So the trigger on the table itself, which every write to the table
+    # fires, is told apart first without it.
+    nested = check.replace("\n", "\n    ")
+    return f"IF TG_RELID{ne}{root} OR {trigger} THEN\n        {nested};\n    END IF"
 
 
 def plpgsql(
-    shape: Shape, path: str, name: str, body: list[str], declare: str = "", returns: str = "trigger"
+    shape: Shape,
+    path: str | None,
+    name: str,
+    body: list[str],
+    declare: str = "",
+    returns: str = "trigger",
 ) -> str:
-    """``CREATE OR REPLACE FUNCTION`` of the path's function ``name``, SECURITY DEFINER
-    with the fixed ``search_path`` ``path``: no other login needs a right on freshline's
-    schema, and a writer of the table none on the log."""
+    """``CREATE OR REPLACE FUNCTION`` of the path's function ``name``, SECURITY DEFINER:
+    no other login needs a right on freshline's schema, and a writer of the table none
+    on the log. With the fixed ``search_path`` ``path``; without one (``None``) only for
+    a body that names everything qualified, operators too, so that no schema on the
+    caller's ``search_path`` can lend it a function of its own."""
     statements = "".join(f"    {b};\n" for b in body)
     end = "    RETURN NULL;\n" if returns == "trigger" else ""
+    settings = "" if path is None else f"SET search_path = {path} "
     return (
         f"CREATE OR REPLACE FUNCTION {shape.function}_{name} RETURNS {returns} LANGUAGE plpgsql "
-        f"SECURITY DEFINER SET search_path = {path} "
+        f"SECURITY DEFINER {settings}"
         f"AS $fn$\n{declare}BEGIN\n{statements}{end}END\n$fn$"
     )
 
 
+def settings(table: str, lookups: list[str]) -> dict[str, str | None]:
+    """Each function's fixed ``search_path`` (:func:`plpgsql`), by name (``i()``, ...):
+    none for the insert trigger's, whose body freshline writes whole (the key columns,
+    the UTC day, the log) and qualifies: every INSERT and COPY enters it, and entering
+    a function with a ``SET`` clause sets the setting and restores it, a cost measured
+    in bench/RESULTS.md (section ``incremental``). Every other function runs SQL of the
+    declaration's, which names what it names as the repository wrote it."""
+    path = search_path(table, lookups)
+    return {name: None if name == "i()" else path for name in made_for(table, lookups)}
+
+
 def functions(shape: Shape, source: Source) -> list[str]:
     """The trigger functions, each guarded (:func:`guard`)."""
-    path = search_path(source.table, source.lookups)
     targets = made_for(source.table, source.lookups)
+    paths = settings(source.table, source.lookups)
 
     def function(name: str, body: list[str]) -> str:
-        return plpgsql(shape, path, name, [guard(shape, name[:-2], *targets[name]), *body])
+        checked = [guard(shape, name[:-2], *targets[name]), *body]
+        return plpgsql(shape, paths[name], name, checked)
 
     truncate = [f"TRUNCATE {', '.join(shape.tables)}"]
     out = [
@@ -124,7 +155,11 @@ def _looked_up(shape: Shape, table: str, lookup: Lookup, *transition: str) -> st
 
 
 def log_inserts(shape: Shape) -> str:
-    """The insert trigger's body: every new row with a key and a time, logged."""
+    """The insert trigger's body: every new row with a key and a time, logged. It names
+    nothing by the ``search_path``, which is the writer's here (:func:`settings`): the
+    transition table, columns, the log, the UTC day (``AT TIME ZONE`` is
+    ``pg_catalog.timezone``) and ``IS NOT NULL``; the declaration's ``where`` is left
+    out (:func:`functions`)."""
     time = shape.decl.time
     own = " AND ".join(f"x.{c} IS NOT NULL" for c in [*shape.source_columns(), time])
     keys = ", ".join(shape.keys)
