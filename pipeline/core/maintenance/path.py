@@ -59,8 +59,9 @@ class DerivedPath(Shape, IncrementalPath):
         return ddl.describe(self, table, catalog.lookup_tables(conn, self))
 
     def search_path(self, conn: Connection) -> str:
-        """The ``search_path`` the path's trigger functions and fold run with: ``plan``
-        checks the declaration's SQL under it, so what plan accepts, the triggers run."""
+        """The ``search_path`` the path's functions that run the declaration's SQL (all
+        but the insert trigger's) run with: ``plan`` checks that SQL under it, so what
+        plan accepts, the triggers run."""
         table = catalog.qualified(conn, self.decl.table)
         return catalog.search_path(table, catalog.lookup_tables(conn, self))
 
@@ -154,10 +155,11 @@ class DerivedPath(Shape, IncrementalPath):
 
     def unsecured(self, conn: Connection) -> list[str]:
         """What an installed path lacks of what :meth:`ddl` makes now, as to who may do
-        what (an earlier freshline's, say): each function SECURITY DEFINER with the fixed
-        ``search_path``, each trigger function checking the trigger it runs as, none
-        executable by PUBLIC, no privilege of PUBLIC on a table, the grants of
-        :meth:`grants`. Empty when nothing; :meth:`secure` makes it so."""
+        what (an earlier freshline's, say): each function SECURITY DEFINER with its fixed
+        ``search_path`` (the insert trigger's with none), each trigger function checking
+        the trigger it runs as, none executable by PUBLIC, no privilege of PUBLIC on a
+        table, the grants of :meth:`grants`. Empty when nothing; :meth:`secure` makes it
+        so."""
         table = catalog.qualified(conn, self.decl.table)
         return lacking(conn, self, table, catalog.lookup_tables(conn, self))
 
