@@ -1,7 +1,8 @@
 """The statement triggers a derived path puts on the user's tables, and their
 functions: each appends the (key, day)s its statement touched to the log, in the
 writer's transaction (an UPDATE that moves only sums and extremes, as a delta), and
-refuses to run as any trigger but its own (docs/incremental.md)."""
+refuses to run as any trigger but its own (docs/incremental.md). The insert trigger's,
+which every INSERT and COPY enters, is kept cheap: :func:`guard`, :func:`settings`."""
 
 from __future__ import annotations
 
@@ -95,10 +96,10 @@ def plpgsql(
     caller's ``search_path`` can lend it a function of its own."""
     statements = "".join(f"    {b};\n" for b in body)
     end = "    RETURN NULL;\n" if returns == "trigger" else ""
-    settings = "" if path is None else f"SET search_path = {path} "
+    fixed = "" if path is None else f"SET search_path = {path} "
     return (
         f"CREATE OR REPLACE FUNCTION {shape.function}_{name} RETURNS {returns} LANGUAGE plpgsql "
-        f"SECURITY DEFINER {settings}"
+        f"SECURITY DEFINER {fixed}"
         f"AS $fn$\n{declare}BEGIN\n{statements}{end}END\n$fn$"
     )
 
