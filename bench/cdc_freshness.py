@@ -52,6 +52,7 @@ from confluent_kafka import Message
 from sqlalchemy.engine import make_url
 
 from bench import common
+from bench.sql_load import UPDATE_SHARE
 from freshline.consumers.kafka import Consumer
 from freshline.consumers.topics import ensure_cdc_topics
 from freshline.pipeline.cdc.connect import (
@@ -68,7 +69,6 @@ from freshline.pipeline.cdc.connect import (
 RATE = 500
 TARGET_P99_MS = 1000.0
 FEATURE_SETS = ("txn_90d", "geo")
-UPDATE_SHARE = 0.3
 SAMPLE_ROWS = 20_000
 """Rows sampled for the writers' users (their users in proportion to their rows)."""
 PATHS: tuple[Literal["full", "incremental"], ...] = ("full", "incremental")

@@ -41,11 +41,15 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.pool import PoolProxiedConnection
 
+from bench import pacing
 from freshline.pipeline.cache.invalidation import Invalidation
 from freshline.pipeline.cache.recompute import unpack_watermark
 from freshline.pipeline.core.errors import FreshlineError
 from freshline.pipeline.core.keys import INVALIDATION_CHANNEL
 from freshline.pipeline.core.services import redis_client
+
+paced = pacing.paced
+"""Open-loop pacing (:mod:`bench.pacing`, which the writer process imports alone)."""
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -581,21 +585,6 @@ class InvalidationWatcher:
         self._stop.set()
         self.thread.join(5)
         self.pubsub.close()
-
-
-def paced(rate: float, window: float) -> Iterator[int]:
-    """Yield 0, 1, 2, ... at ``rate`` per second, open loop, until ``window`` s have passed."""
-    started = time.monotonic()
-    i = 0
-    while True:
-        now = time.monotonic()
-        if now - started >= window:
-            return
-        due = started + i / rate
-        if due > now:
-            time.sleep(due - now)  # pacing the offered rate
-        yield i
-        i += 1
 
 
 def start_consumer(

@@ -17,9 +17,10 @@ from typing import Any
 import orjson
 import psycopg
 
-from bench import common
-from bench.cdc_freshness import UPDATE_SHARE
-from freshline.consumers.kafka import Producer
+from bench.pacing import paced
+
+UPDATE_SHARE = 0.3
+"""The share of writes that UPDATE one of the writer's earlier rows; the rest INSERT."""
 
 PER_WRITER = 500
 """Writes/s one background writer thread is asked for; more writers for more."""
@@ -48,6 +49,9 @@ def _load_main(
     writers = max(1, -(-rate // PER_WRITER))
     producer = None
     if events is not None:
+        # Here, not at the top: the spawned process imports this module, and only a
+        # writer that publishes needs the Kafka client.
+        from freshline.consumers.kafka import Producer
         from freshline.pipeline.core.settings import Settings
 
         producer = Producer(Settings(), **{"linger.ms": 1})
@@ -60,7 +64,7 @@ def _load_main(
         with psycopg.connect(conninfo, autocommit=True) as conn:
             conn.execute("SET synchronous_commit = on")
             connected.wait()
-            for _ in common.paced(rate / writers, seconds):
+            for _ in paced(rate / writers, seconds):
                 if stop.is_set():
                     break
                 if mine and rng.random() < UPDATE_SHARE:

@@ -246,7 +246,11 @@ def _process_reader(
 def test_sixteen_processes_on_one_missing_key_compute_once(
     redis_client: redis.Redis, settings: Settings, tenant: str, version: int
 ) -> None:
-    ctx = mp.get_context("spawn")
+    # Sixteen processes, each its own Redis and Postgres connections; forked from a
+    # server that imported this module once (a spawned interpreter each imported
+    # freshline again, most of the test's time), never from this threaded process.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     start = ctx.Barrier(16)
     counter = f"test:computations:{uuid.uuid4().hex}"
     ref = EntityRef("txn_90d", tenant, "5")
