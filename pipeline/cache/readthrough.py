@@ -43,7 +43,7 @@ from freshline.pipeline.cache.recompute import (
 )
 from freshline.pipeline.cache.store import LEASE_BUSY, LEASE_FOUND, LEASE_GRANTED, EntryStore
 from freshline.pipeline.core.clock import now_ms
-from freshline.pipeline.core.db import autocommit
+from freshline.pipeline.core.db import autocommit, sql_text
 from freshline.pipeline.core.errors import SchemaVersionUnknown, ServiceUnavailable
 from freshline.pipeline.core.features import IMPLICIT_TENANT, Entity
 from freshline.pipeline.core.types import EntityRef, Entry, FeatureValues
@@ -125,13 +125,13 @@ def existing_entities(
     tenants, ids = entity_ids(pairs, entity)
     column = entity.table_key or entity.key
     if entity.tenant:
-        statement = sa.text(
+        statement = sql_text(
             f"SELECT e.{entity.tenant}, e.{column}::text FROM {entity.table} e "
             f"JOIN unnest(CAST(:tenants AS text[]), CAST(:ids AS {entity.type}[])) AS k(t, id) "
             f"ON e.{entity.tenant} = k.t AND e.{column} = k.id"
         )
     else:
-        statement = sa.text(
+        statement = sql_text(
             f"SELECT '{IMPLICIT_TENANT}', e.{column}::text FROM {entity.table} e "
             f"WHERE e.{column} = ANY(CAST(:ids AS {entity.type}[]))"
         )
