@@ -473,9 +473,11 @@ class ReadThrough:
                     self.counters.uncached += len(group)
                     answers.update(self._from_batch(batch, group, "uncached"))
                     continue
-                if self._durable(batch, conn):
-                    known = existing_entities(conn, self.store.registry[name].entity, group)
-                else:  # answered, not stored, as an unknown id is (docs/keys.md)
+                # Ids with no source row first: they are never stored, so a group of
+                # them (a flood of ghost ids) need not wait for the flush, nor ask.
+                known = existing_entities(conn, self.store.registry[name].entity, group)
+                if known and not self._durable(batch, conn):
+                    # answered, not stored, as an unknown id is (docs/keys.md)
                     known = set()
                     self.counters.undurable += len(group)
             filled = [r for r in group if (r.tenant, r.entity) in known]
