@@ -5,7 +5,9 @@
 A key the worker's cache knows costs no query. One it does not know costs one Postgres
 query, unless its client address has spent its budget of failed authentications (a
 token bucket per address, per /64 for IPv6:
-:func:`freshline.pipeline.api.addresses.address_group`): then only a key whose hash is
+:func:`freshline.pipeline.api.addresses.address_group`; a lookup takes its token before
+it runs, and a valid key gives it back, so guesses sent at once cannot each find the
+budget unspent): then only a key whose hash is
 in the worker's :class:`KeyIndex` is looked up, and any other gets 401 with no query,
 so random keys cannot drive the database while a valid key is never refused for
 someone else's failures. Refusals are JSON (:func:`refusal`), written to the audit log
