@@ -8,6 +8,7 @@ is not (:func:`proxy_headers`).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from typing import cast
 
@@ -30,10 +31,13 @@ def client_address(scope: Scope) -> str:
     return str(client[0]) if client else "-"
 
 
+@functools.lru_cache(maxsize=4096)
 def address_group(address: str) -> str:
     """The name an address's failed authentications are counted under: the address,
     or its /64 for IPv6 (one host's usual allocation, so rotating within it gains
-    nothing); an IPv4-mapped IPv6 address counts as its IPv4 address."""
+    nothing); an IPv4-mapped IPv6 address counts as its IPv4 address. The last few
+    thousand are kept: a flood of bad keys comes from few addresses, and parsing one
+    cost a refusal more than the rest of it."""
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:

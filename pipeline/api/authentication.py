@@ -5,7 +5,9 @@
 A key the worker's cache knows costs no query. One it does not know costs one Postgres
 query, unless its client address has spent its budget of failed authentications (a
 token bucket per address, per /64 for IPv6:
-:func:`freshline.pipeline.api.addresses.address_group`): then only a key whose hash is
+:func:`freshline.pipeline.api.addresses.address_group`; a lookup takes its token before
+it runs, and a valid key gives it back, so guesses sent at once cannot each find the
+budget unspent): then only a key whose hash is
 in the worker's :class:`KeyIndex` is looked up, and any other gets 401 with no query,
 so random keys cannot drive the database while a valid key is never refused for
 someone else's failures. Refusals are JSON (:func:`refusal`), written to the audit log
@@ -111,9 +113,12 @@ class ApiKeyBackend(AuthenticationBackend):
         """``key``'s principal from Postgres (``known``: the cache has refused it), unless
         ``address`` is locked out and ``key`` cannot be valid."""
         group = address_group(address)
+        # A lookup takes its failure token before it runs, so guesses sent at once
+        # cannot each find the budget unspent; a key that turns out valid gives it back.
+        taken = not known and self.failures.take(group) == 0
         # Locked out: the key is looked up only if it may be valid. That check comes
         # first, so others' failures from this address never refuse a valid key.
-        if not known and self.failures.wait(group) > 0 and not await self.keys.admits(key):
+        if not known and not taken and not await self.keys.admits(key):
             raise Unauthorized(
                 "too many failed authentications from this address; retry later",
                 reason="throttled",
@@ -121,10 +126,18 @@ class ApiKeyBackend(AuthenticationBackend):
         try:
             # A cached refusal raises again from the cache; the thread keeps a lookup,
             # should the entry expire meanwhile, off the event loop.
-            return await run_in_threadpool(self.auth.principal, key)
+            principal = await run_in_threadpool(self.auth.principal, key)
         except Unauthorized:
-            self.failures.take(group)
+            if not taken:
+                self.failures.take(group)
             raise
+        except BaseException:  # Postgres away: not a failed authentication
+            if taken:
+                self.failures.give(group)
+            raise
+        if taken:
+            self.failures.give(group)
+        return principal
 
     def _refused(self, reason: str, address: str, key_id: str | None) -> None:
         metrics.REFUSED.labels(reason).inc()

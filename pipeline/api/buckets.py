@@ -61,6 +61,13 @@ class TokenBuckets:
         self._store(name, tokens - 1, now)
         return 0.0
 
+    def give(self, name: str, tokens: float = 1.0) -> None:
+        """Give back ``tokens`` taken for what did not happen (up to the burst)."""
+        if self.rate > 0 and name in self._buckets:
+            now = self.clock()
+            level = self._level(name, now, self.rate, self.burst)
+            self._store(name, min(self.burst, level + tokens), now)
+
     def reserve(
         self,
         name: str,

@@ -43,7 +43,7 @@ from freshline.pipeline.cache.recompute import (
 )
 from freshline.pipeline.cache.store import LEASE_BUSY, LEASE_FOUND, LEASE_GRANTED, EntryStore
 from freshline.pipeline.core.clock import now_ms
-from freshline.pipeline.core.db import autocommit
+from freshline.pipeline.core.db import autocommit, sql_text
 from freshline.pipeline.core.errors import SchemaVersionUnknown, ServiceUnavailable
 from freshline.pipeline.core.features import IMPLICIT_TENANT, Entity
 from freshline.pipeline.core.types import EntityRef, Entry, FeatureValues
@@ -125,13 +125,13 @@ def existing_entities(
     tenants, ids = entity_ids(pairs, entity)
     column = entity.table_key or entity.key
     if entity.tenant:
-        statement = sa.text(
+        statement = sql_text(
             f"SELECT e.{entity.tenant}, e.{column}::text FROM {entity.table} e "
             f"JOIN unnest(CAST(:tenants AS text[]), CAST(:ids AS {entity.type}[])) AS k(t, id) "
             f"ON e.{entity.tenant} = k.t AND e.{column} = k.id"
         )
     else:
-        statement = sa.text(
+        statement = sql_text(
             f"SELECT '{IMPLICIT_TENANT}', e.{column}::text FROM {entity.table} e "
             f"WHERE e.{column} = ANY(CAST(:ids AS {entity.type}[]))"
         )
@@ -473,9 +473,11 @@ class ReadThrough:
                     self.counters.uncached += len(group)
                     answers.update(self._from_batch(batch, group, "uncached"))
                     continue
-                if self._durable(batch, conn):
-                    known = existing_entities(conn, self.store.registry[name].entity, group)
-                else:  # answered, not stored, as an unknown id is (docs/keys.md)
+                # Ids with no source row first: they are never stored, so a group of
+                # them (a flood of ghost ids) need not wait for the flush, nor ask.
+                known = existing_entities(conn, self.store.registry[name].entity, group)
+                if known and not self._durable(batch, conn):
+                    # answered, not stored, as an unknown id is (docs/keys.md)
                     known = set()
                     self.counters.undurable += len(group)
             filled = [r for r in group if (r.tenant, r.entity) in known]

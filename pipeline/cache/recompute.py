@@ -25,7 +25,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from freshline.pipeline.core.db import autocommit
+from freshline.pipeline.core.db import autocommit, sql_text
 from freshline.pipeline.core.errors import DefinitionFailed, FreshlineError, InvalidId
 from freshline.pipeline.core.features import (
     AS_OF,
@@ -479,7 +479,7 @@ def feature_statement(fs: FeatureSet, path: Path | None = None) -> sa.TextClause
     body = fs.sql(path)
     if fs.horizon is not None:  # its moment as the last column: see FeatureSet.horizon
         body = f"SELECT f.*, {fs.horizon} AS valid_until FROM ({body}) AS f"
-    return sa.text(
+    return sql_text(
         f"SELECT w.snapshot, w.us, w.invisible, f.*, w.as_of_us, w.lsn "
         f"FROM (SELECT s.*, {_AS_OF_US} AS as_of_us, {_INSERT_LSN} AS lsn "
         f"FROM ({_SNAPSHOT_SELECT}) AS s) AS w "

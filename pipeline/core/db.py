@@ -7,6 +7,8 @@ defined here: feature sets reach them through their own SQL.
 
 from __future__ import annotations
 
+import functools
+
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
@@ -169,6 +171,14 @@ def make_engine(settings: Settings, *, pool_size: int = 5, url: str | None = Non
         pool_pre_ping=True,
         connect_args=_connect_args(),
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def sql_text(statement: str) -> sa.TextClause:
+    """``sa.text(statement)``, made once per statement text: making one scans the text
+    for its parameters, which took 0.8 ms for a feature query, as long as running it
+    on an indexed miss. Statements built from definitions, not from values."""
+    return sa.text(statement)
 
 
 def autocommit(engine: Engine) -> Connection:

@@ -150,6 +150,38 @@ def test_a_valid_key_is_served_from_an_address_that_others_locked_out(
         assert guard(app).keys.top_ups - top_ups <= 1 + elapsed / REFRESH_S
 
 
+def test_a_flood_of_guesses_at_once_looks_up_no_more_keys_than_the_budget(
+    settings: Settings, engine: Engine, redis_client: redis.Redis, tenants: list[str]
+) -> None:
+    # Guesses sent at once, before any has failed, must not each find the budget
+    # unspent: every one would be a Postgres lookup in the thread pool.
+    app = guarded_app(settings, engine, redis_client)
+    with calling(app) as api:
+        guesses = api.flood(URL, [f"fl_herd{i}" for i in range(60)], address="192.0.2.8")
+        assert all(r.status_code == 401 for r in guesses)
+        assert app.state.services.auth.lookups <= 3  # api_auth_failures_burst
+        # A valid key from the locked-out address is still served, and gives back
+        # nothing it did not take: the next guess is refused with no lookup.
+        valid = create_api_key(engine, tenants[1])
+        assert api.get(URL, key=valid, address="192.0.2.8").status_code == 200
+        lookups = app.state.services.auth.lookups
+        assert throttled(api.get(URL, key="fl_herd_after", address="192.0.2.8"))
+        assert app.state.services.auth.lookups == lookups
+
+
+def test_a_valid_key_gives_back_the_failure_token_its_lookup_took(
+    settings: Settings, engine: Engine, redis_client: redis.Redis, tenants: list[str]
+) -> None:
+    app = guarded_app(settings, engine, redis_client)
+    valid = [create_api_key(engine, tenants[i % 2]) for i in range(5)]
+    with calling(app) as api:
+        # More valid keys than the failure budget, never seen: each is looked up and
+        # served, and none of them spends the address's budget of failures.
+        assert all(api.get(URL, key=k, address="192.0.2.10").status_code == 200 for k in valid)
+        guesses = [api.get(URL, key=f"fl_guess{i}", address="192.0.2.10") for i in range(4)]
+        assert [throttled(r) for r in guesses] == [False] * 3 + [True]
+
+
 def test_failed_authentications_are_counted_per_ipv6_64(
     settings: Settings, engine: Engine, redis_client: redis.Redis, tenants: list[str]
 ) -> None:

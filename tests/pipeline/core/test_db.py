@@ -88,3 +88,10 @@ def test_feature_queries_are_never_jit_compiled(settings: Settings, path: Path) 
             conn.rollback()
     finally:
         engine.dispose()
+
+
+def test_a_feature_statement_is_made_once_and_kept_within_a_bound() -> None:
+    fs = REGISTRY["txn_90d"]
+    # Made once: every fill reuses it (making one scans the text for its parameters).
+    assert feature_statement(fs) is feature_statement(fs)
+    assert db.sql_text.cache_info().maxsize == 1024  # statements from definitions: few
