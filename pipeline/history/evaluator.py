@@ -331,13 +331,20 @@ def _at(moment: Moment) -> dt.datetime:
 
 
 def _params(fs: FeatureSet, moments: Mapping[M, Sequence[Ref]]) -> dict[str, Any]:
-    """The parameters of :func:`history_sql` for ``moments``, numbered in their order."""
-    params: dict[str, Any] = {"mg": [], "mat": [], "msnap": [], "mtenants": [], "mids": []}
-    for g, moment in enumerate(moments):
-        params["mg"].append(g)
-        params["mat"].append(moment.at)
-        params["msnap"].append(moment.snapshot if isinstance(moment, AtSnapshot) else None)
-        tenants, ids = entity_ids(moments[moment], fs.entity)
-        params["mtenants"].append(_array(tenants))
-        params["mids"].append(_array(ids))
-    return params
+    """The parameters of :func:`history_sql` for ``moments``, numbered in their order,
+    each one array literal (:func:`_array`): one text value to send, not an array of
+    thousands for the driver to escape one by one."""
+    tenants: list[str] = []
+    ids: list[str] = []
+    for refs in moments.values():
+        moment_tenants, moment_ids = entity_ids(refs, fs.entity)
+        tenants.append(_array(moment_tenants))
+        ids.append(_array(moment_ids))
+    snaps = [m.snapshot if isinstance(m, AtSnapshot) else None for m in moments]
+    return {
+        "mg": "{" + ",".join(map(str, range(len(moments)))) + "}",
+        "mat": _array([m.at.isoformat() for m in moments]),
+        "msnap": "{" + ",".join("NULL" if s is None else _array([s])[1:-1] for s in snaps) + "}",
+        "mtenants": _array(tenants),
+        "mids": _array(ids),
+    }
