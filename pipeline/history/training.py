@@ -251,7 +251,8 @@ def _evaluate(
                 if firsts is None or firsts[n] == n:
                     rows[moment].append(n)
             got: list[dict[str, Any] | None] = [None] * len(moments)
-            batches = _chunks(rows, chunk)
+            count = sum(len(r) for r in rows.values())
+            batches = _chunks(rows, min(chunk, max(1, -(-count // workers))))  # each a slice
             asks = ({m: [keys[n] for n in rows[m]] for m in batch} for batch in batches)
             answered = pool.map(functools.partial(_evaluate_one, free, fs), asks)
             for batch, answers in zip(batches, answered, strict=True):
@@ -263,7 +264,7 @@ def _evaluate(
                     progress(done, total)
             if firsts is not None:
                 got = [got[first] for first in firsts]
-                done += len(moments) - sum(len(r) for r in rows.values())
+                done += len(moments) - count
                 if progress:
                     progress(done, total)
             values[fs.name] = got
