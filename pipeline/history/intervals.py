@@ -29,6 +29,7 @@ from sqlalchemy.engine import Connection
 from freshline.pipeline.core.aggregations import full_query
 from freshline.pipeline.core.db import SCHEMA
 from freshline.pipeline.core.declarations import ALL_TIME, Declaration
+from freshline.pipeline.core.errors import InvalidId
 from freshline.pipeline.core.features import FeatureSet
 from freshline.pipeline.history.evaluator import Captured, Ref, _quote
 
@@ -100,7 +101,11 @@ def representatives(
             ids = sorted({ref[1] for ref in refs})
             params = {"ids": ids, "lo": lo, "hi": hi}
             for row in conn.execute(sa.text(_points_sql(fs, decl, history)), params):
-                key = (str(row[0]), str(row[1])) if tenanted else (str(row[0]),)
+                try:  # the canonical text a spine's key has (a uuid in lower case)
+                    id_ = fs.entity.validate(row[-2])
+                except InvalidId:
+                    continue  # no spine key is spelt so
+                key = (str(row[0]), id_) if tenanted else (id_,)
                 own[key] = list(row[-1])
         else:
             params = {"lo": lo, "hi": hi}
