@@ -875,9 +875,10 @@ def markdown(res: dict[str, Any]) -> str:
         "(docs/training.md). The spine is in time order, so its first rows hold about one "
         "row a user and share little; the first users' rows "
         + (f"({d['users']:,} users) " if d else "")
-        + "hold as many rows a user as the whole spine, and share as much. Naive is "
-        "`chunk=1, share=False`: one statement per row, nothing shared; psycopg prepares "
-        "it after five runs, so it pays no plan either.",
+        + "hold as many rows a user as the whole spine, and share as much. The default "
+        "evaluates on one connection a core, all reading one snapshot. Naive is "
+        "`chunk=1, share=False, workers=1`: one statement per row on one connection, "
+        "nothing shared; psycopg prepares it after five runs, so it pays no plan either.",
     ]
     if "feast" in res:
         f = res["feast"]
