@@ -11,6 +11,10 @@ the snapshot a ``snapshot`` column names
 The spine's own columns pass through unchanged, in its order. docs/training.md says
 what the moments mean and how to turn history on.
 
+Rows are evaluated in chunks on one connection a core, all reading one snapshot; a
+declared aggregation is evaluated once for the rows of a key whose moments it cannot
+tell apart (:mod:`freshline.pipeline.history.intervals`).
+
 pyarrow is imported only when a training set is asked for (the ``training`` extra);
 the columns' names and types are :mod:`freshline.pipeline.core.frames`'s, which batch
 reads share.
