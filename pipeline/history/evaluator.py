@@ -271,6 +271,35 @@ class Evaluator:
         now = conn.execute(sa.text("SELECT now()")).scalar_one()
         return cls(conn, captured(conn), now, {})
 
+    def reads(self, fs: FeatureSet, moments: Mapping[M, Sequence[Ref]]) -> list[Captured]:
+        """The captured tables the statement evaluating ``fs`` at ``moments`` (of one
+        kind) reads; refused unless they are history tables only."""
+        kind = self._kind(moments)
+        _check_query(fs)
+        if (fs.name, kind) not in self._read:
+            statement = history_sql(fs, self.tables, kind is AtSnapshot)
+            first = next(iter(moments))
+            params = _params(fs, {first: moments[first]})  # the plan's relations, not sizes
+            self._read[(fs.name, kind)] = guard(self.conn, fs, statement, params, self.tables)
+        return self._read[(fs.name, kind)]
+
+    def check(self, fs: FeatureSet, moments: Mapping[M, Sequence[Ref]]) -> None:
+        """Refuse any of ``moments`` that history cannot answer for ``fs`` without
+        leaking (:class:`HistoryRefused`). Each refusal is of the moments before or after
+        some point, so the earliest and the latest moment decide for all."""
+        read = self.reads(fs, moments)
+        if any(m.at.tzinfo is None for m in moments):
+            _check_moment(next(m for m in moments if m.at.tzinfo is None), read, self.now)
+        for moment in (min(moments, key=_at), max(moments, key=_at)):
+            _check_moment(moment, read, self.now)
+
+    @staticmethod
+    def _kind(moments: Mapping[M, Sequence[Ref]]) -> type:
+        kinds = {type(m) for m in moments}
+        if len(kinds) != 1:
+            raise ValueError("moments of one kind per call: AtCommitTime or AtSnapshot")
+        return kinds.pop()
+
     def evaluate(
         self, fs: FeatureSet, moments: Mapping[M, Sequence[Ref]]
     ) -> dict[M, dict[Ref, FeatureValues]]:
@@ -279,25 +308,10 @@ class Evaluator:
         returns no row for is absent."""
         if not moments:
             return {}
-        kinds = {type(m) for m in moments}
-        if len(kinds) != 1:
-            raise ValueError("moments of one kind per call: AtCommitTime or AtSnapshot")
-        kind = kinds.pop()
-        _check_query(fs)
+        self.check(fs, moments)
         order = list(moments)
-        params: dict[str, Any] = {"mg": [], "mat": [], "msnap": [], "mtenants": [], "mids": []}
-        for g, moment in enumerate(order):
-            params["mg"].append(g)
-            params["mat"].append(moment.at)
-            params["msnap"].append(moment.snapshot if isinstance(moment, AtSnapshot) else None)
-            tenants, ids = entity_ids(moments[moment], fs.entity)
-            params["mtenants"].append(_array(tenants))
-            params["mids"].append(_array(ids))
-        statement = history_sql(fs, self.tables, kind is AtSnapshot)
-        if (fs.name, kind) not in self._read:
-            self._read[(fs.name, kind)] = guard(self.conn, fs, statement, params, self.tables)
-        for moment in order:
-            _check_moment(moment, self._read[(fs.name, kind)], self.now)
+        params = _params(fs, moments)
+        statement = history_sql(fs, self.tables, isinstance(order[0], AtSnapshot))
         out: dict[M, dict[Ref, FeatureValues]] = {m: {} for m in order}
         names = fs.field_names
         kinds_ = [f.type for f in fs.fields]
@@ -310,3 +324,27 @@ class Evaluator:
                 for name, kind_, v in zip(names, kinds_, row[start:], strict=True)
             }
         return out
+
+
+def _at(moment: Moment) -> dt.datetime:
+    return moment.at
+
+
+def _params(fs: FeatureSet, moments: Mapping[M, Sequence[Ref]]) -> dict[str, Any]:
+    """The parameters of :func:`history_sql` for ``moments``, numbered in their order,
+    each one array literal (:func:`_array`): one text value to send, not an array of
+    thousands for the driver to escape one by one."""
+    tenants: list[str] = []
+    ids: list[str] = []
+    for refs in moments.values():
+        moment_tenants, moment_ids = entity_ids(refs, fs.entity)
+        tenants.append(_array(moment_tenants))
+        ids.append(_array(moment_ids))
+    snaps = [m.snapshot if isinstance(m, AtSnapshot) else None for m in moments]
+    return {
+        "mg": "{" + ",".join(map(str, range(len(moments)))) + "}",
+        "mat": _array([m.at.isoformat() for m in moments]),
+        "msnap": "{" + ",".join("NULL" if s is None else _array([s])[1:-1] for s in snaps) + "}",
+        "mtenants": _array(tenants),
+        "mids": _array(ids),
+    }
