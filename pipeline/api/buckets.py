@@ -89,21 +89,23 @@ class TokenBuckets:
         self._store(name, tokens - cost, now)
         return wait
 
-    def charge(self, name: str, cost: float, rate: float | None = None) -> None:
+    def charge(
+        self, name: str, cost: float, rate: float | None = None, burst: float | None = None
+    ) -> None:
         """Take ``cost`` tokens for work already done: into debt, if need be."""
-        rate, burst = self.limits(rate, None)
+        rate, burst = self.limits(rate, burst)
         if rate > 0:
             now = self.clock()
             self._store(name, self._level(name, now, rate, burst) - cost, now)
 
-    def level(self, name: str, rate: float | None = None) -> float:
+    def level(self, name: str, rate: float | None = None, burst: float | None = None) -> float:
         """``name``'s tokens now (negative: in debt; infinite with no limit)."""
-        rate, burst = self.limits(rate, None)
+        rate, burst = self.limits(rate, burst)
         return self._level(name, self.clock(), rate, burst) if rate > 0 else math.inf
 
-    def owed(self, name: str, rate: float | None = None) -> float:
+    def owed(self, name: str, rate: float | None = None, burst: float | None = None) -> float:
         """Seconds until ``name`` is out of debt (0 if it is not in debt)."""
-        rate, burst = self.limits(rate, None)
+        rate, burst = self.limits(rate, burst)
         if rate <= 0:
             return 0.0
         return max(0.0, -self._level(name, self.clock(), rate, burst) / rate)

@@ -61,7 +61,10 @@ class TenantOverBudget(ApiError):
 
 class PoolBudget:
     """Each tenant's thread-pool time in a worker: ``share`` seconds of work per
-    second, ``burst_s`` at once, charged by what each job took.
+    second, ``burst_s`` at once, charged by what each job took. A tenant with a share of
+    its own has a burst in proportion (``burst_s`` x its share / ``share``): every
+    tenant's bucket fills in the same ``burst_s / share`` seconds, so a share of 0.01 is
+    not 5 s of work at once after an idle spell.
 
     The work that reaches the pool (read-through misses, predictions, semantic cache
     calls) costs what it costs: a batch of a hundred ids with no source row, or a
@@ -86,8 +89,15 @@ class PoolBudget:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.share = share
+        self.burst_s = burst_s
         self.max_wait_s = max_wait_s
         self._spent = TokenBuckets(share, burst_s, clock=clock)
+
+    def _burst(self, share: float | None) -> float | None:
+        """The burst of a tenant of ``share`` (``None``: the server's)."""
+        if share is None:
+            return None
+        return self.burst_s * share / (self.share if self.share > 0 else 1.0)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PoolBudget:
@@ -99,15 +109,15 @@ class PoolBudget:
 
     def owed(self, tenant: str, share: float | None = None) -> float:
         """Seconds until ``tenant`` is out of debt."""
-        return self._spent.owed(tenant, share)
+        return self._spent.owed(tenant, share, self._burst(share))
 
     def left(self, tenant: str, share: float | None = None) -> float:
         """Seconds of pool time ``tenant`` may spend now (negative: in debt)."""
-        return self._spent.level(tenant, share)
+        return self._spent.level(tenant, share, self._burst(share))
 
     def over(self, tenant: str, share: float | None = None) -> bool:
         """Whether ``tenant`` owes more than it may wait for (:meth:`check` refuses it)."""
-        return self._spent.owed(tenant, share) > self.max_wait_s
+        return self.owed(tenant, share) > self.max_wait_s
 
     async def check(self, tenant: str, share: float | None = None) -> None:
         """Raise :class:`TenantOverBudget` if ``tenant`` owes more than it may wait, once
@@ -115,15 +125,15 @@ class PoolBudget:
         once, and the refusals would take the worker in the work's place."""
         if self.over(tenant, share):
             await asyncio.sleep(self.max_wait_s)
-            raise TenantOverBudget(self._spent.owed(tenant, share))
+            raise TenantOverBudget(self.owed(tenant, share))
 
     async def paid(self, tenant: str, share: float | None = None) -> None:
         """Return once ``tenant`` is out of debt (others' jobs may add to it meanwhile)."""
-        while (owed := self._spent.owed(tenant, share)) > 0:
+        while (owed := self.owed(tenant, share)) > 0:
             await asyncio.sleep(owed)
 
     def charge(self, tenant: str, seconds: float, share: float | None = None) -> None:
-        self._spent.charge(tenant, seconds, share)
+        self._spent.charge(tenant, seconds, share, self._burst(share))
 
 
 class RowBudget:

@@ -57,9 +57,30 @@ def test_a_tenants_own_pool_share_is_charged_at_its_rate() -> None:
     budget._spent.clock = lambda: now[0]
     budget.charge("small", 1.5, share=0.01)
     budget.charge("default", 1.5)
-    # 0.5 s of debt each: paid back in 0.5 s at the server's share, 50 s at 0.01.
+    # The server's burst is 1 s, the small tenant's 0.01 s (its share of it): 0.5 s of
+    # debt paid back in 0.5 s at the server's share, 1.49 s of debt in 149 s at 0.01.
     assert budget.owed("default") == pytest.approx(0.5)
-    assert budget.owed("small", share=0.01) == pytest.approx(50.0)
+    assert budget.owed("small", share=0.01) == pytest.approx(149.0)
+
+
+def test_a_small_share_is_a_small_burst_after_an_idle_spell() -> None:
+    """A tenant of share 0.01 under the server's 5 s burst may not spend 5 s of a
+    worker's threads at once (500 s of its share) after a quiet spell: its bucket holds
+    its share of the burst, 0.05 s, as a default tenant's holds 5 s."""
+    now = [0.0]
+    budget = PoolBudget(1.0, 5.0, 2.0)
+    budget._spent.clock = lambda: now[0]
+    now[0] = 3600.0  # an hour idle: both buckets are full
+    budget.charge("small", 0.1, share=0.01)
+    budget.charge("default", 0.1)
+    assert budget.owed("default") == 0.0
+    assert budget.left("default") == pytest.approx(4.9)
+    assert budget.owed("small", share=0.01) == pytest.approx(5.0)  # 0.05 s of debt at 0.01/s
+    now[0] += 5.0
+    assert budget.owed("small", share=0.01) == 0.0
+    assert budget.left("small", share=0.01) == pytest.approx(0.0)
+    # A share above the server's has a burst above it, in proportion.
+    assert budget.left("big", share=2.0) == pytest.approx(10.0)
 
 
 def test_a_tenants_own_rate_applies_to_its_cached_keys_at_once_and_to_no_one_else(
