@@ -19,7 +19,9 @@ from tests.helpers import api_app, running
 from tests.pipeline.api.test_tenancy import reads_held_to
 
 REQUESTS = 6
-BURST_S = 60.0  # pool seconds: more than the lock below is ever held, so no read waits
+SHARE = 0.05
+BURST_S = 60.0  # the tenant's pool seconds: more than the lock below is ever held, so no
+# read waits; its burst is the server's in proportion to its share over the server's (1)
 
 
 @pytest.fixture
@@ -34,13 +36,14 @@ def test_a_tenants_freshness_reads_keep_to_its_concurrency_and_pay_its_pool_time
     """``max_staleness_ms=0`` computes every read anew, and so does a token read that
     waits for nothing (``wait_ms=0``) of entries not there: each a recompute in the
     thread pool, held to the tenant's one job at once however many it sends."""
-    set_tenant_limits(engine, None, tenant, {"concurrency": 1, "pool_share": 0.05})
+    set_tenant_limits(engine, None, tenant, {"concurrency": 1, "pool_share": SHARE})
     app = api_app(
         settings,
         engine,
         redis_client,
         api_tenant_concurrency=4,
-        api_tenant_pool_burst_s=BURST_S,
+        api_tenant_pool_share=1.0,
+        api_tenant_pool_burst_s=BURST_S / SHARE,
     )
     key = create_api_key(engine, tenant)
     if ask == "after":
@@ -52,7 +55,8 @@ def test_a_tenants_freshness_reads_keep_to_its_concurrency_and_pay_its_pool_time
         answers = reads_held_to(api, engine, key, tenant, REQUESTS, allowed=1, query=query)
         budget = slots.budget
         assert budget is not None
-        left = budget.left(tenant, 0.05)
+        assert budget.left("another tenant", SHARE) == pytest.approx(BURST_S)
+        left = budget.left(tenant, SHARE)
     assert [a.status_code for a in answers] == [200] * REQUESTS
     assert {a.json()["source"] for a in answers} == {"computed"}
     # Each recompute was charged to the tenant's pool time: the first one's wait in
