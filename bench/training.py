@@ -88,7 +88,7 @@ class Scale:
 
 
 QUICK = Scale(200, 2_000, 40, 1.0, 400, 40, 1, False)
-FULL = Scale(5_000, 100_000, 200, 60.0, 250_000, 2_000, 3, True)
+FULL = Scale(5_000, 100_000, 500, 60.0, 1_000_000, 2_000, 3, True)
 
 
 def _feast_venv() -> Path:
