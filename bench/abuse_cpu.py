@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,8 @@ import redis.asyncio.connection
 import sqlalchemy as sa
 
 from bench import abuse, common, reference_app
-from bench.request_cpu import _lifespan
+from bench.request_cpu import Asgi, _call, _lifespan
 from tests.helpers import REGISTRY
-
-Asgi = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
 KINDS = abuse.ALL_KINDS
 
@@ -62,50 +60,6 @@ def _count_round_trips() -> None:
                 return await _o(self, *args, **kw)
 
             cls.send_packed_command = asy  # type: ignore[method-assign]
-
-
-async def _call(app: Asgi, method: str, path: str, query: bytes, body: bytes, key: str) -> int:
-    sent = False
-    status = 0
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if sent:
-            await asyncio.Event().wait()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-
-    headers = [(b"authorization", f"Bearer {key}".encode()), (b"host", b"bench")]
-    if body:
-        headers += [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ]
-    await app(
-        {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": method,
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": query,
-            "root_path": "",
-            "headers": headers,
-            "client": ("127.0.0.1", 40000),
-            "server": ("127.0.0.1", 80),
-            "state": {},
-        },
-        receive,
-        send,
-    )
-    return status
 
 
 class Requests:
