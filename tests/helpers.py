@@ -212,8 +212,21 @@ def recreate_database(base: Settings, name: str) -> str:
 
 
 def drop_database(base: Settings, name: str) -> None:
+    """Drop ``name`` as the owner, once no other login's session is on it: FORCE ends
+    the owner's own, but the owner (no superuser) may not end another login's, and
+    those of a process just stopped (a consumer, the API, Debezium's connector after
+    `cdc remove`) end a moment after it."""
     admin = _admin_engine(base)
+    others = sa.text(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = :name "
+        "AND usename IS DISTINCT FROM current_user"
+    )
     with admin.connect() as conn:
+
+        def alone() -> bool:
+            return conn.execute(others, {"name": name}).scalar_one() == 0
+
+        assert wait_until(alone, timeout=60), f"other logins' sessions stay on {name}"
         conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
 

@@ -349,7 +349,9 @@ class ApiSettings(SettingsGroup):
     warns when that could keep every CPU of the host busy."""
     api_tenant_pool_burst_s: float = Field(default=5.0, gt=0)
     """The token bucket of ``api_tenant_pool_share``: pool seconds one tenant may spend
-    at once before it waits."""
+    at once before it waits. A tenant with a pool share of its own (``freshline tenants
+    limits --pool-share``) has this burst in proportion to its share over
+    ``api_tenant_pool_share``."""
     api_tenant_pool_wait_s: float = Field(default=2.0, ge=0)
     """How far over its ``api_tenant_pool_share`` (in seconds of waiting) a tenant may
     be and still have its requests wait; further over, each is held this long, then
