@@ -224,7 +224,7 @@ def drop_database(base: Settings, name: str) -> None:
     with admin.connect() as conn:
 
         def alone() -> bool:
-            return conn.execute(others, {"name": name}).scalar_one() == 0
+            return int(conn.execute(others, {"name": name}).scalar_one()) == 0
 
         assert wait_until(alone, timeout=60), f"other logins' sessions stay on {name}"
         conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
