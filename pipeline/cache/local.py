@@ -448,9 +448,9 @@ class LocalTier:
         try:
             msg = Invalidation.decode(data)
         except FreshlineError as exc:
-            self.stats.bad_messages += 1
             log.warning("%s; flushing the local tier", exc)
             self.flush()
+            self.stats.bad_messages += 1  # counted once flushed: a reader of it sees the flush
             return
         if msg.entity == ALL:  # a truncated source table: every entity of the set
             self.flush()
