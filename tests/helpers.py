@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import logging
 import os
 import re
 import shutil
@@ -448,22 +449,48 @@ def freshline(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     """``freshline args`` in this process (``main`` under click's ``CliRunner``), with
     ``env`` added: what ``freshline()`` answers without starting Python, for a test that
-    is not about the process itself."""
+    is not about the process itself.
+
+    What the command leaves behind that its process's exit would have ended is ended
+    here: the engines it connected (disposed, as exit closes their connections) and the
+    audit logger it pointed at a file (as it was before).
+    """
     from click.testing import CliRunner
 
     from freshline.pipeline.cli import main
 
+    command_thread = threading.get_ident()
+    connected: dict[int, Engine] = {}
+
+    def seen(conn: sa.Connection) -> None:
+        if threading.get_ident() == command_thread:
+            connected[id(conn.engine)] = conn.engine
+
+    audit = logging.getLogger("freshline.audit")
+    audit_state = (list(audit.handlers), audit.level, audit.propagate)
     argv = sys.argv
-    with CliRunner().isolation(env=env) as (out, err, _):
-        sys.argv = [FRESHLINE, *args]
-        try:
-            main()
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-        finally:
-            sys.argv = argv
-        stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    sa.event.listen(Engine, "engine_connect", seen)
+    try:
+        with CliRunner().isolation(env=env) as (out, err, _):
+            sys.argv = [FRESHLINE, *args]
+            try:
+                main()
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            finally:
+                sys.argv = argv
+            stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    finally:
+        sa.event.remove(Engine, "engine_connect", seen)
+        for engine in connected.values():
+            engine.dispose()
+        for handler in audit.handlers:
+            if handler not in audit_state[0]:
+                handler.close()
+        audit.handlers[:] = audit_state[0]
+        audit.setLevel(audit_state[1])
+        audit.propagate = audit_state[2]
     return subprocess.CompletedProcess([FRESHLINE, *args], code, stdout, stderr)
 
 
