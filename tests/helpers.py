@@ -452,8 +452,9 @@ def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     is not about the process itself.
 
     What the command leaves behind that its process's exit would have ended is ended
-    here: the engines it connected (disposed, as exit closes their connections) and the
-    audit logger it pointed at a file (as it was before).
+    here: the engines it connected (disposed, as exit closes their connections), the
+    audit logger it pointed at a file and the environment it set (``--repo``) are put
+    back as they were.
     """
     from click.testing import CliRunner
 
@@ -468,7 +469,7 @@ def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 
     audit = logging.getLogger("freshline.audit")
     audit_state = (list(audit.handlers), audit.level, audit.propagate)
-    argv = sys.argv
+    argv, environ = sys.argv, dict(os.environ)
     sa.event.listen(Engine, "engine_connect", seen)
     try:
         with CliRunner().isolation(env=env) as (out, err, _):
@@ -491,6 +492,9 @@ def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         audit.handlers[:] = audit_state[0]
         audit.setLevel(audit_state[1])
         audit.propagate = audit_state[2]
+        if os.environ != environ:
+            os.environ.clear()
+            os.environ.update(environ)
     return subprocess.CompletedProcess([FRESHLINE, *args], code, stdout, stderr)
 
 
