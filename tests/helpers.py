@@ -446,10 +446,10 @@ def freshline(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, **env: str | None) -> subprocess.CompletedProcess[str]:
     """``freshline args`` in this process (``main`` under click's ``CliRunner``), with
-    ``env`` added: what ``freshline()`` answers without starting Python, for a test that
-    is not about the process itself.
+    ``env`` added (a None unsets its variable): what ``freshline()`` answers without
+    starting Python, for a test that is not about the process itself.
 
     What the command leaves behind that its process's exit would have ended is ended
     here: the engines it connected (disposed, as exit closes their connections), the
