@@ -115,6 +115,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # The stack's one Connect worker rebalances every connector when one comes or
             # goes: the tests that add them run one at a time, on one xdist worker.
             item.add_marker(pytest.mark.xdist_group("connect"))
+            if getattr(config.option, "loadgroup", False):  # an xdist worker, loadgroup
+                name_the_group(item, "connect")
+
+
+def name_the_group(item: pytest.Item, group: str) -> None:
+    """Suffix ``item``'s id with ``@group``, as pytest-xdist does for its loadgroup
+    scheduler (``ModuleOrGroup`` below reads it). xdist 3.8 sets ``item._nodeid``, which
+    pytest 9 no longer reads (its id is ``item._id``): without this, no test ran in its
+    group and the connector tests ran on both workers at once."""
+    if "@" in item.nodeid.rpartition("]")[2] or not hasattr(item, "_id"):
+        return  # named already, or a pytest whose id xdist's own suffix reaches
+    from _pytest.nodeid import NodeId
+
+    item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
@@ -127,9 +141,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class ModuleOrGroup(LoadGroupScheduling):  # type: ignore[misc]  # xdist has no types
         def _split_scope(self, nodeid: str) -> str:
-            if "@" in nodeid:
+            if "@" in nodeid.rpartition("]")[2]:
                 return nodeid.rsplit("@", 1)[-1]
             return nodeid.split("::", 1)[0]
+
+        def _assign_work_unit(self, node: Any) -> None:
+            # The connector tests first: one at a time, they are the longest unit (some
+            # 4 minutes of the tier's 12 on CI), and started late they would end last.
+            if "connect" in self.workqueue:
+                self.workqueue.move_to_end("connect", last=False)
+            super()._assign_work_unit(node)
 
     return ModuleOrGroup(config, log)
 

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import logging
 import os
 import re
 import shutil
@@ -445,26 +446,70 @@ def freshline(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, **env: str | None) -> subprocess.CompletedProcess[str]:
     """``freshline args`` in this process (``main`` under click's ``CliRunner``), with
-    ``env`` added: what ``freshline()`` answers without starting Python, for a test that
-    is not about the process itself."""
+    ``env`` added (a None unsets its variable): what ``freshline()`` answers without
+    starting Python, for a test that is not about the process itself.
+
+    What the command leaves behind that its process's exit would have ended is ended
+    here: the engines it connected (disposed, as exit closes their connections), the
+    audit logger it pointed at a file and the environment it set (``--repo``) are put
+    back as they were. Its consoles take their size from ``env`` as a new process's
+    would (rich reads ``COLUMNS`` and ``LINES`` once, when the CLI is imported: in an
+    xdist worker, 80 and 24).
+    """
     from click.testing import CliRunner
 
     from freshline.pipeline.cli import main
+    from freshline.pipeline.cli.app import console, out
 
-    argv = sys.argv
-    with CliRunner().isolation(env=env) as (out, err, _):
-        sys.argv = [FRESHLINE, *args]
-        try:
-            main()
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-        finally:
-            sys.argv = argv
-        stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    command_thread = threading.get_ident()
+    connected: dict[int, Engine] = {}
+
+    def seen(conn: sa.Connection) -> None:
+        if threading.get_ident() == command_thread:
+            connected[id(conn.engine)] = conn.engine
+
+    audit = logging.getLogger("freshline.audit")
+    audit_state = (list(audit.handlers), audit.level, audit.propagate)
+    argv, environ = sys.argv, dict(os.environ)
+    sizes = [(c._width, c._height) for c in (console, out)]
+    sa.event.listen(Engine, "engine_connect", seen)
+    try:
+        with CliRunner().isolation(env=env) as (stdout_bytes, stderr_bytes, _):
+            for c in (console, out):
+                c._width, c._height = _dimension("COLUMNS"), _dimension("LINES")
+            sys.argv = [FRESHLINE, *args]
+            try:
+                main()
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            finally:
+                sys.argv = argv
+            stdout, stderr = stdout_bytes.getvalue().decode(), stderr_bytes.getvalue().decode()
+    finally:
+        for c, (width, height) in zip((console, out), sizes, strict=True):
+            c._width, c._height = width, height
+        sa.event.remove(Engine, "engine_connect", seen)
+        for engine in connected.values():
+            engine.dispose()
+        for handler in audit.handlers:
+            if handler not in audit_state[0]:
+                handler.close()
+        audit.handlers[:] = audit_state[0]
+        audit.setLevel(audit_state[1])
+        audit.propagate = audit_state[2]
+        if os.environ != environ:
+            os.environ.clear()
+            os.environ.update(environ)
     return subprocess.CompletedProcess([FRESHLINE, *args], code, stdout, stderr)
+
+
+def _dimension(name: str) -> int | None:
+    """``COLUMNS`` or ``LINES`` as rich reads it when a console is made (None: unset)."""
+    value = os.environ.get(name)
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def error_line(done: subprocess.CompletedProcess[str]) -> str:

@@ -16,7 +16,7 @@ from freshline.pipeline.semantic import prior
 from freshline.pipeline.semantic.cache import Scope, SemanticCache
 from freshline.pipeline.semantic.embed import local_model
 from freshline.pipeline.semantic.extra import MODULES
-from tests.helpers import freshline
+from tests.helpers import cli
 
 
 def test_stats_then_purge(settings: Settings, redis_client: redis.Redis) -> None:
@@ -30,14 +30,14 @@ def test_stats_then_purge(settings: Settings, redis_client: redis.Redis) -> None
     cache.lookup(Scope(tenant, "bot", "v1", "t1"), "where is order 12", {"temperature": 0})
     cache.close()
 
-    r = freshline("semantic", "stats", "--tenant", tenant, **env)
+    r = cli("semantic", "stats", "--tenant", tenant, **env)
     assert r.returncode == 0, r.stderr
     assert f"{tenant} bot  version v1, template t1" in r.stdout
     assert "1 entries; hit rate 100.0% (1 hits, 0 misses)" in r.stdout
     assert "explored 0.0% of lookups (0, 0 audits); labels 0 right, 0 wrong" in r.stdout
     assert "error of hits: estimated -, flagged 0.0%, audited - (0 labelled)" in r.stdout
     assert max(len(line) for line in r.stdout.splitlines()) <= 80
-    rows = json.loads(freshline("semantic", "stats", "--tenant", tenant, "--json", **env).stdout)
+    rows = json.loads(cli("semantic", "stats", "--tenant", tenant, "--json", **env).stdout)
     assert [(row["model_version"], row["entries"]) for row in rows] == [("v1", 1), ("v2", 1)]
     assert (rows[0]["exploration_rate"], rows[0]["observed_error"], rows[0]["explored"]) == (
         0.0,
@@ -45,19 +45,16 @@ def test_stats_then_purge(settings: Settings, redis_client: redis.Redis) -> None
         0,
     )
 
-    r = freshline("semantic", "purge", "--tenant", tenant, "--model-version", "v1", **env)
+    r = cli("semantic", "purge", "--tenant", tenant, "--model-version", "v1", **env)
     assert r.returncode == 0, r.stderr
     assert "purged 1 namespace(s)" in r.stdout
-    rows = json.loads(freshline("semantic", "stats", "--tenant", tenant, "--json", **env).stdout)
+    rows = json.loads(cli("semantic", "stats", "--tenant", tenant, "--json", **env).stdout)
     assert [row["model_version"] for row in rows] == ["v2"]
 
-    r = freshline("semantic", "purge", **env)
+    r = cli("semantic", "purge", **env)
     assert r.returncode == 2 and "--tenant" in r.stderr and "Traceback" not in r.stderr
-    assert freshline("semantic", "purge", "--tenant", tenant, **env).returncode == 0
-    assert (
-        "no semantic cache entries"
-        in freshline("semantic", "stats", "--tenant", tenant, **env).stderr
-    )
+    assert cli("semantic", "purge", "--tenant", tenant, **env).returncode == 0
+    assert "no semantic cache entries" in cli("semantic", "stats", "--tenant", tenant, **env).stderr
 
 
 @pytest.mark.slow  # embeds every pair with the local model
@@ -74,7 +71,7 @@ def test_tune_prints_both_rates_at_each_threshold(tmp_path: Path) -> None:
     ]
     path = tmp_path / "pairs.json"
     path.write_text(json.dumps({"pairs": pairs}))
-    r = freshline("semantic", "tune", "--pairs", str(path))
+    r = cli("semantic", "tune", "--pairs", str(path))
     assert r.returncode == 0, r.stderr
     rows = [line.split() for line in r.stdout.splitlines() if line.strip()[:2] == "0."]
     assert [row[0] for row in rows] == [f"{0.85 + i / 100:.2f}" for i in range(13)]
@@ -82,13 +79,11 @@ def test_tune_prints_both_rates_at_each_threshold(tmp_path: Path) -> None:
     assert "max error 2.0%): a fresh entry is served from 0.885" in r.stdout  # the prior's
     assert rows[0][1] == "100.0%"  # both paraphrases at 0.85
     assert max(len(line) for line in r.stdout.splitlines()) <= 80
-    static = freshline(
-        "semantic", "tune", "--pairs", str(path), FRESHLINE_SEMANTIC_DECISION="static"
-    )
+    static = cli("semantic", "tune", "--pairs", str(path), FRESHLINE_SEMANTIC_DECISION="static")
     assert any("<- configured" in line for line in static.stdout.splitlines() if "0.93" in line)
 
     written = tmp_path / "prior.json"
-    r = freshline("semantic", "tune", "--pairs", str(path), "--write-prior", str(written))
+    r = cli("semantic", "tune", "--pairs", str(path), "--write-prior", str(written))
     assert r.returncode == 0, r.stderr
     fitted = prior.load(written)
     assert fitted.embedding_model == "all-MiniLM-L6-v2" and fitted.groups == 3
@@ -96,7 +91,7 @@ def test_tune_prints_both_rates_at_each_threshold(tmp_path: Path) -> None:
     assert f"-> {written}" in r.stdout.replace("\n", "")
 
     path.write_text(json.dumps([{"a": "x", "label": "same"}]))
-    r = freshline("semantic", "tune", "--pairs", str(path))
+    r = cli("semantic", "tune", "--pairs", str(path))
     assert r.returncode == 1 and "pair 0" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -29,7 +29,7 @@ from freshline.pipeline.core.features import FeatureSet
 from freshline.pipeline.core.maintenance import DerivedPath
 from freshline.pipeline.core.repository import load
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import ROOT, drop_database, freshline, recreate_database
+from tests.helpers import ROOT, cli, drop_database, recreate_database
 
 TABLES = """
 CREATE TABLE orders (id bigserial PRIMARY KEY, shop_id text NOT NULL,
@@ -559,7 +559,7 @@ def test_an_install_made_before_the_checks_is_fixed_in_place(
     }
     engine = sa.create_engine(earlier, poolclass=sa.pool.NullPool)
     before = partials(engine)
-    planned = freshline("plan", **env)
+    planned = cli("plan", **env)
     assert planned.returncode == 0, planned.stdout + planned.stderr
     shown = " ".join(planned.stdout.split())  # as one line: rich wraps it at 80 columns
     for fs in PATHS:
@@ -574,7 +574,7 @@ def test_an_install_made_before_the_checks_is_fixed_in_place(
     assert f"not SECURITY DEFINER as made now: freshline.{spend}_i()" in shown
     assert f"running as any trigger it is attached to: freshline.{spend}_{{i,u,d,t,p}}()" in shown
     assert f"executable by PUBLIC: freshline.{spend}_{{i,u,d,t,p}}()" in shown
-    applied = freshline("apply", "--no-cdc", **env)
+    applied = cli("apply", "--no-cdc", **env)
     assert applied.returncode == 0, applied.stdout + applied.stderr
     ran = " ".join(applied.stderr.split())
     assert "fixed the derived incremental path of spend in place" in ran
@@ -584,7 +584,7 @@ def test_an_install_made_before_the_checks_is_fixed_in_place(
                 assert f"ran: {grant}" in ran
                 assert f"{fs.name}'s incremental path: apply runs: {grant}" in shown
     assert partials(engine) == before
-    again = freshline("plan", **env)
+    again = cli("plan", **env)
     assert "security fix pending" not in again.stdout, again.stdout
     with engine.connect() as conn:
         for fs in PATHS:

@@ -54,6 +54,7 @@ from freshline.pipeline.deploy.pointer import flip, start
 from freshline.pipeline.deploy.warm import active_entities, count_active, warm
 from tests.helpers import (
     FRESHLINE,
+    cli,
     drop_database,
     fresh_version,
     paused_reader,
@@ -387,15 +388,12 @@ def test_warming_lists_the_active_entities_of_a_single_tenant_uuid_entity(
 def freshline(settings: Settings) -> Callable[..., subprocess.CompletedProcess[str]]:
     """Run the freshline CLI against the test database."""
     env = {
-        **os.environ,
         "FRESHLINE_POSTGRES_URL": settings.postgres_url,
         "FRESHLINE_POSTGRES_ADMIN_URL": settings.postgres_url,
     }
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [FRESHLINE, *args], capture_output=True, text=True, env=env, timeout=60
-        )
+        return cli(*args, **env)
 
     return run
 

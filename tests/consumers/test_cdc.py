@@ -10,7 +10,6 @@ afterwards. Each test seeds its own tenant.
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import threading
 import uuid
@@ -44,7 +43,7 @@ from freshline.pipeline.core.keys import feature_pattern
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import EntityRef
 from tests.consumers.conftest import own_settings, wait_for
-from tests.helpers import FRESHLINE, REGISTRY
+from tests.helpers import REGISTRY, cli
 
 pytestmark = [pytest.mark.kafka, pytest.mark.connect]
 
@@ -478,24 +477,15 @@ def test_restarting_the_connect_worker_mid_burst_loses_nothing(
 def test_status_shows_the_connector_and_the_slot(cdc: Cdc) -> None:
     s = cdc.settings
     env = {
-        **os.environ,
         "FRESHLINE_POSTGRES_URL": s.postgres_url,
         "FRESHLINE_TOPIC_PREFIX": s.topic_prefix,
         "COLUMNS": "200",
     }
-    done = subprocess.run(
-        [FRESHLINE, "cdc", "status"], env=env, capture_output=True, text=True, timeout=60
-    )
+    done = cli("cdc", "status", **env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"connector  {cdc.names.connector}: RUNNING" in done.stdout
     assert f"slot       {cdc.names.slot}: active" in done.stdout
     assert "retains" in done.stdout
-    missing = subprocess.run(
-        [FRESHLINE, "cdc", "status", "--name", "no-such-connector"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    missing = cli("cdc", "status", "--name", "no-such-connector", **env)
     assert missing.returncode == 1
     assert "not registered" in missing.stdout

@@ -20,7 +20,7 @@ from sqlalchemy.engine import Engine
 from freshline.consumers.topics import revoke_writer, topic_acls
 from freshline.pipeline.cdc.connect import ConnectClient, Names, captured_tables, drop_slot, names
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import REGISTRY, freshline
+from tests.helpers import REGISTRY, cli
 
 pytestmark = [pytest.mark.kafka, pytest.mark.connect]
 
@@ -72,7 +72,7 @@ def test_cdc_remove_deletes_the_acls_register_made(
         "FRESHLINE_TOPIC_PREFIX": local.topic_prefix,
     }
     user = local.kafka_connect_user
-    registered = freshline("cdc", "register", "--wait", "0", **env)
+    registered = cli("cdc", "register", "--wait", "0", **env)
     assert registered.returncode == 0, registered.stderr
     granted = {
         (owned.topic(t), op)
@@ -81,12 +81,12 @@ def test_cdc_remove_deletes_the_acls_register_made(
     }
     assert connect_acls(admin, user, owned, granted) == granted
 
-    removed = freshline("cdc", "remove", **env)
+    removed = cli("cdc", "remove", **env)
     assert removed.returncode == 0, removed.stderr
     said = removed.stdout + removed.stderr
     assert f"WRITE and DESCRIBE deleted on {len(captured_tables(REGISTRY))} topics" in said, said
     assert connect_acls(admin, user, owned, set()) == set()
 
-    again = freshline("cdc", "remove", **env)
+    again = cli("cdc", "remove", **env)
     assert again.returncode == 0, again.stderr
     assert f"acls User:{user} on {owned.topic('')}*: none" in again.stdout + again.stderr

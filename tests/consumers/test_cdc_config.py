@@ -11,7 +11,7 @@ import pytest
 from freshline.consumers.topics import subscription
 from freshline.pipeline.cdc.connect import captured_tables, connector_config, names, slot_name
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import REGISTRY, error_line, freshline
+from tests.helpers import REGISTRY, cli, error_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,7 +106,7 @@ def test_the_migration_publishes_exactly_the_captured_tables() -> None:
 
 
 def test_register_says_in_one_line_when_connect_is_down(settings: Settings) -> None:
-    done = freshline(
+    done = cli(
         "cdc",
         "register",
         FRESHLINE_POSTGRES_URL=settings.postgres_url,

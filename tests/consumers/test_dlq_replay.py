@@ -3,7 +3,6 @@ on the real broker, Postgres and Redis."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -37,7 +36,7 @@ from tests.consumers.conftest import (
     insert_transaction,
     read_topic,
 )
-from tests.helpers import FRESHLINE, REGISTRY, ROOT, kafka_header_pairs
+from tests.helpers import REGISTRY, ROOT, cli, kafka_header_pairs
 
 SETS = ("txn_90d", "geo")
 
@@ -55,17 +54,11 @@ def cdc_topic(env: Env, admin: AdminClient) -> Iterator[str]:
 
 def freshline(env: Env, *args: str) -> subprocess.CompletedProcess[str]:
     """``freshline <args>`` on the test's topics and Redis database."""
-    done = subprocess.run(
-        [FRESHLINE, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={
-            **os.environ,
-            "FRESHLINE_TOPIC_PREFIX": env.settings.topic_prefix,
-            "FRESHLINE_REDIS_URL": env.settings.redis_url,
-            "COLUMNS": "200",
-        },
+    done = cli(
+        *args,
+        FRESHLINE_TOPIC_PREFIX=env.settings.topic_prefix,
+        FRESHLINE_REDIS_URL=env.settings.redis_url,
+        COLUMNS="200",
     )
     assert done.returncode == 0, done.stderr
     return done

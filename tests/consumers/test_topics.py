@@ -16,7 +16,7 @@ from freshline.pipeline.core.topics import (
     INVALIDATIONS,
     SERVED,
 )
-from tests.helpers import cli, error_line, freshline
+from tests.helpers import cli, error_line
 
 pytestmark = pytest.mark.kafka
 
@@ -69,8 +69,8 @@ def test_ensure_creates_only_the_missing(admin: AdminClient, names: list[str]) -
 
 def test_cli_is_idempotent(admin: AdminClient) -> None:
     """Runs on the managed topics themselves: ``ensure`` is what scripts/test runs too."""
-    freshline("topics", "ensure")
-    r = freshline("topics", "ensure")
+    cli("topics", "ensure")
+    r = cli("topics", "ensure")
     assert r.returncode == 0, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == len(managed())

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
 import uuid
 
 import pytest
@@ -20,7 +18,7 @@ from freshline.pipeline.api.accounts import (
 from freshline.pipeline.api.auth import Authenticator, Unauthorized, bearer_token
 from freshline.pipeline.core.errors import InvalidId
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import FRESHLINE
+from tests.helpers import cli
 
 
 def fresh_tenant() -> str:
@@ -110,36 +108,17 @@ def test_bearer_token_is_case_insensitive_on_the_scheme() -> None:
 def test_cli_prints_the_key_once_and_it_works(settings: Settings, engine: Engine) -> None:
     tenant = fresh_tenant()
     env = {
-        **os.environ,
         "FRESHLINE_POSTGRES_URL": settings.postgres_url,
         "FRESHLINE_REDIS_URL": settings.redis_url,
     }
-    created = subprocess.run(
-        [FRESHLINE, "tenants", "create", tenant, "--name", "From CLI"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    created = cli("tenants", "create", tenant, "--name", "From CLI", **env)
     assert created.returncode == 0, created.stderr
     key = created.stdout.strip()
-    added = subprocess.run(
-        [FRESHLINE, "apikey", "create", "--tenant", tenant],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    added = cli("apikey", "create", "--tenant", tenant, **env)
     assert added.returncode == 0, added.stderr
     auth = Authenticator(engine)
     assert auth.tenant(key) == tenant
     assert auth.tenant(added.stdout.strip()) == tenant
-    missing = subprocess.run(
-        [FRESHLINE, "apikey", "create", "--tenant", fresh_tenant()],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    missing = cli("apikey", "create", "--tenant", fresh_tenant(), **env)
     assert missing.returncode == 1
     assert "unknown tenant" in missing.stderr and "Traceback" not in missing.stderr

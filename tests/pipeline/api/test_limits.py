@@ -8,7 +8,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import os
 import socket
 import subprocess
 import time
@@ -45,7 +44,15 @@ from freshline.pipeline.core.errors import InvalidId
 from freshline.pipeline.core.keys import feature_pattern
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.inference.models import LogisticModel, ModelRegistry
-from tests.helpers import FRESHLINE, REGISTRY, api_app, fresh_version, running, serving, wait_until
+from tests.helpers import (
+    REGISTRY,
+    api_app,
+    cli,
+    fresh_version,
+    running,
+    serving,
+    wait_until,
+)
 
 
 def fresh_tenant() -> str:
@@ -226,16 +233,13 @@ def test_cli_creates_lists_and_revokes_keys_and_audits_them(
     tenant = fresh_tenant()
     audit_file = tmp_path / "audit.jsonl"
     env = {
-        **os.environ,
         "FRESHLINE_POSTGRES_URL": settings.postgres_url,
         "FRESHLINE_REDIS_URL": settings.redis_url,
         "FRESHLINE_AUDIT_LOG": str(audit_file),
     }
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [FRESHLINE, *args], capture_output=True, text=True, env=env, timeout=60
-        )
+        return cli(*args, **env)
 
     created = run("tenants", "create", tenant)
     assert created.returncode == 0, created.stderr

@@ -32,7 +32,7 @@ from freshline.pipeline.core.db import make_engine
 from freshline.pipeline.core.errors import FreshlineError
 from freshline.pipeline.core.keys import APIKEY_CHANNEL
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import error_line, free_port, freshline, wait_until
+from tests.helpers import cli, error_line, free_port, wait_until
 
 DEADLINE_S = 10.0
 
@@ -162,7 +162,7 @@ def test_apikey_revoke_fails_loudly_when_redis_does_not_answer(
     tenant = fresh_tenant()
     create_tenant(engine, tenant)
     issued = issue_api_key(engine, tenant)
-    revoked = freshline(
+    revoked = cli(
         "apikey",
         "revoke",
         issued.key_id,

@@ -44,8 +44,8 @@ from freshline.pipeline.observe.served_training import from_logs
 from tests.helpers import (
     REGISTRY,
     Api,
+    cli,
     fresh_version,
-    freshline,
     kafka_login,
     running,
     wait_until,
@@ -307,7 +307,7 @@ def test_a_feature_set_logs_its_share_without_the_header(
         both = {"feature_sets": ["geo", "txn_90d"], "entities": ["1"]}
         assert "x-request-id" in api.post("/v1/features/batch", json=both).headers
     # The sink as the command line runs it.
-    done = freshline(
+    done = cli(
         "served",
         "sink",
         "--dir",

@@ -6,7 +6,6 @@ request, and by no other tenant."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +26,7 @@ from freshline.pipeline.api.accounts import (
 from freshline.pipeline.api.buckets import TokenBuckets
 from freshline.pipeline.api.limits import PoolBudget
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import FRESHLINE, api_app, running, wait_until
+from tests.helpers import api_app, cli, running, wait_until
 from tests.pipeline.api.test_tenancy import reads_held_to
 
 REQUESTS = 3
@@ -174,14 +173,7 @@ def test_unknown_limits_and_tenants_are_refused(engine: Engine, two_tenants: lis
 
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [FRESHLINE, "tenants", "limits", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return cli("tenants", "limits", *args, **env)
 
 
 def test_cli_shows_sets_and_resets_a_tenants_limits(
@@ -190,7 +182,6 @@ def test_cli_shows_sets_and_resets_a_tenants_limits(
     tenant = two_tenants[0]
     audit_file = tmp_path / "audit.log"
     env = {
-        **os.environ,
         "FRESHLINE_POSTGRES_URL": settings.postgres_url,
         "FRESHLINE_REDIS_URL": settings.redis_url,
         "FRESHLINE_AUDIT_LOG": str(audit_file),

@@ -14,8 +14,6 @@ declarations.)
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -35,7 +33,7 @@ from freshline.pipeline.core.maintenance import DerivedPath
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.core.types import FeatureValues
 from freshline.pipeline.observe.reconcile import compare, reconcile
-from tests.helpers import FRESHLINE, REGISTRY, drop_database, examples, migrate, recreate_database
+from tests.helpers import REGISTRY, cli, drop_database, examples, migrate, recreate_database
 
 AS_OF = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 EDGE = AS_OF - timedelta(days=90)  # txn_90d's window starts after it
@@ -571,12 +569,10 @@ def test_a_fold_holds_no_lock_once_postgres_has_answered(db: Engine) -> None:
 def test_freshline_buckets_fold_and_status(db: Engine) -> None:
     tenant = new_tenant()
     insert(db, tenant, [(u, AS_OF - timedelta(days=1), "1.00", "m1", None) for u in USERS])
-    env = {**os.environ, "FRESHLINE_POSTGRES_URL": db.url.render_as_string(hide_password=False)}
+    url = db.url.render_as_string(hide_password=False)
 
     def run(*args: str, code: int = 0) -> str:
-        r = subprocess.run(
-            [FRESHLINE, "buckets", *args], capture_output=True, text=True, timeout=120, env=env
-        )
+        r = cli("buckets", *args, FRESHLINE_POSTGRES_URL=url)
         assert r.returncode == code, r.stderr
         return r.stdout + r.stderr  # results on stdout, progress on stderr
 
@@ -594,16 +590,10 @@ def test_freshline_buckets_fold_and_status(db: Engine) -> None:
 
 
 def test_freshline_buckets_prune_drops_a_path_no_longer_declared(db: Engine) -> None:
-    env = {**os.environ, "FRESHLINE_POSTGRES_URL": db.url.render_as_string(hide_password=False)}
+    url = db.url.render_as_string(hide_password=False)
 
     def run(*args: str) -> str:
-        r = subprocess.run(
-            [FRESHLINE, "buckets", "prune", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-        )
+        r = cli("buckets", "prune", *args, FRESHLINE_POSTGRES_URL=url)
         assert r.returncode == 0, r.stderr
         return r.stdout + r.stderr
 

@@ -8,7 +8,6 @@ then the admin.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import FRESHLINE, ROOT, forget_repository, need
+from tests.helpers import ROOT, cli, forget_repository, need
 
 pytestmark = [pytest.mark.kafka, pytest.mark.connect, pytest.mark.slow]
 
@@ -73,8 +72,7 @@ def test_apply_changes_no_table_until_kafka_allows_it_and_a_rerun_finishes(
 ) -> None:
     name, url = database
     repo = tmp_path / "myrepo"
-    env = {
-        **os.environ,
+    env: dict[str, str | None] = {
         "FRESHLINE_POSTGRES_URL": url,
         "FRESHLINE_TOPIC_PREFIX": f"{name}.",
         "FRESHLINE_REPO": str(repo),
@@ -82,13 +80,11 @@ def test_apply_changes_no_table_until_kafka_allows_it_and_a_rerun_finishes(
         # The consumers' own login: it may neither create topics nor grant ACLs.
         "FRESHLINE_KAFKA_SASL_USERNAME": need("FRESHLINE_STACK_KAFKA_CONSUMER_USER"),
         "FRESHLINE_KAFKA_SASL_PASSWORD": need("FRESHLINE_STACK_KAFKA_CONSUMER_PASSWORD"),
+        "FRESHLINE_POSTGRES_ADMIN_URL": None,
     }
-    env.pop("FRESHLINE_POSTGRES_ADMIN_URL", None)
 
     def freshline(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [FRESHLINE, *args], capture_output=True, text=True, env=env, timeout=180
-        )
+        return cli(*args, **env)
 
     assert freshline("init", str(repo)).returncode == 0
     # Without the flag, apply refuses to touch the user's tables, and changes nothing.
@@ -121,18 +117,15 @@ def test_a_connector_refused_after_the_tables_changed_says_how_to_undo_or_finish
 ) -> None:
     name, url = database
     repo = tmp_path / "myrepo"
-    env = {
-        **os.environ,
+    env: dict[str, str | None] = {
         "FRESHLINE_POSTGRES_URL": url,
         "FRESHLINE_TOPIC_PREFIX": f"{name}.",
         "FRESHLINE_REPO": str(repo),
+        "FRESHLINE_POSTGRES_ADMIN_URL": None,
     }
-    env.pop("FRESHLINE_POSTGRES_ADMIN_URL", None)
 
     def freshline(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [FRESHLINE, *args], capture_output=True, text=True, env=env, timeout=180
-        )
+        return cli(*args, **env)
 
     assert freshline("init", str(repo)).returncode == 0
     # Connect cannot reach Postgres under this name: the last step fails.

@@ -11,7 +11,6 @@ versions and an in-memory lock, as in ``test_deploy.py``.
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,7 +33,7 @@ from freshline.pipeline.deploy import pointer as deploy
 from freshline.pipeline.deploy.pointer import cancel, flip, keep_ms, start
 from freshline.pipeline.deploy.purge import purge
 from freshline.pipeline.deploy.warm import active_entities, warm
-from tests.helpers import FRESHLINE, REGISTRY, fresh_version
+from tests.helpers import REGISTRY, cli, fresh_version
 from tests.pipeline.deploy.test_deploy import Deploy, deploy_world, fill, locked_entry
 
 TXN_90D = REGISTRY["txn_90d"]
@@ -233,13 +232,7 @@ def test_a_cold_flip_and_a_rollback_still_work(world: Deploy) -> None:
 
 
 def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [FRESHLINE, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **env, "COLUMNS": "200"},
-    )
+    return cli(*args, **env, COLUMNS="200")
 
 
 def refused(result: subprocess.CompletedProcess[str], match: str) -> str:

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from fraud.cli import app
 from fraud.seed import SeedSummary, TenantsExist, seed
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import ANCHOR, error_line, freshline
+from tests.helpers import ANCHOR, cli, error_line
 
 
 def _profile(engine: Engine, tenant: str) -> list[tuple[object, ...]]:
@@ -141,5 +141,5 @@ def test_the_cli_refuses_in_one_line_without_a_traceback(
     assert "--tenant-prefix" in str(result.exception)
     assert "Traceback" not in result.output
     # The installed command, through main(): one line on stderr, exit status 1.
-    line = error_line(freshline("fraud", *args, **env))
+    line = error_line(cli("fraud", *args, **env))
     assert tenant in line and "--tenant-prefix" in line

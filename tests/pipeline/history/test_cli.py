@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from freshline.pipeline.core.settings import Settings
-from tests.helpers import FRESHLINE, drop_database, recreate_database
+from tests.helpers import FRESHLINE, cli, drop_database, recreate_database
 from tests.test_aggregations import TABLES as SHOP_TABLES
 
 pytestmark = [pytest.mark.kafka, pytest.mark.connect]
@@ -51,7 +51,6 @@ def run_history(
     prefix = f"hs{uuid.uuid4().hex[:6]}."
     repo = tmp_path / "repo"
     env = {
-        **os.environ,
         "FRESHLINE_POSTGRES_URL": url,
         "FRESHLINE_POSTGRES_ADMIN_URL": url,
         "FRESHLINE_REDIS_URL": settings.redis_url,
@@ -61,9 +60,7 @@ def run_history(
     }
 
     def freshline(*args: str) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
-            [FRESHLINE, *args], capture_output=True, text=True, env=env, timeout=180
-        )
+        done = cli(*args, **env)
         assert "Traceback" not in done.stderr, done.stderr
         return done
 
@@ -86,7 +83,7 @@ def run_history(
         assert "history: backfilled from snapshot" in applied.stderr + applied.stdout
         recorder = subprocess.Popen(
             [FRESHLINE, "record"],
-            env=env,
+            env={**os.environ, **env},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

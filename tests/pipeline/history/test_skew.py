@@ -31,7 +31,7 @@ from freshline.pipeline.core.topics import SERVED, qualified
 from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.observe.served_files import ParquetLog
 from freshline.pipeline.observe.skew import check
-from tests.helpers import REGISTRY, Api, fresh_version, freshline, running
+from tests.helpers import REGISTRY, Api, cli, fresh_version, running
 from tests.pipeline.history import recording
 
 LOG = {"Freshline-Log": "1"}
@@ -162,7 +162,7 @@ def test_a_corrupted_entry_is_a_mismatch_and_a_stale_one_is_stale(
     assert out["mismatched"] == 1
 
     # The command line says the same, and fails on the mismatch.
-    done = freshline(
+    done = cli(
         "skew",
         "--dir",
         str(tmp_path),
@@ -174,7 +174,7 @@ def test_a_corrupted_entry_is_a_mismatch_and_a_stale_one_is_stale(
     assert done.returncode == 1, done.stderr
     [printed] = orjson.loads(done.stdout)["feature_sets"]
     assert (printed["mismatched"], printed["stale"], printed["checked"]) == (1, 1, 4)
-    table = freshline(
+    table = cli(
         "skew", "--dir", str(tmp_path), FRESHLINE_POSTGRES_URL=logged.postgres_url, COLUMNS="120"
     )
     assert "txn_sum" in table.stdout and "txn_90d" in table.stdout, table.stderr

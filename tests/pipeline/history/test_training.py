@@ -15,7 +15,7 @@ from freshline.pipeline.core.repository import load
 from freshline.pipeline.core.settings import Settings
 from freshline.pipeline.history.evaluator import AtCommitTime, Evaluator
 from freshline.pipeline.history.training import SpineError, training_set
-from tests.helpers import REGISTRY, ROOT, error_line, freshline, role_url
+from tests.helpers import REGISTRY, ROOT, cli, error_line, role_url
 from tests.pipeline.history import recording
 from tests.pipeline.history.test_evaluator import txn
 
@@ -89,7 +89,7 @@ def test_a_spine_file_and_the_command_line(
     api: Engine, settings: Settings, spine: Any, tmp_path: Path
 ) -> None:
     pq.write_table(spine, tmp_path / "spine.parquet")
-    done = freshline(
+    done = cli(
         "training-set",
         str(tmp_path / "spine.parquet"),
         "--features",
@@ -143,7 +143,7 @@ def test_the_command_line_says_bad_input_in_one_line(
     settings: Settings, spine: Any, tmp_path: Path
 ) -> None:
     pq.write_table(spine.drop_columns(["tenant_id"]), tmp_path / "spine.parquet")
-    done = freshline(
+    done = cli(
         "training-set",
         str(tmp_path / "spine.parquet"),
         "--features",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -36,7 +35,7 @@ from freshline.pipeline.core.types import EntityRef
 from freshline.pipeline.observe.audit import Auditor, RecheckHook, Suspect, sample_pattern
 from freshline.pipeline.observe.audit_metrics import AuditMetrics
 from freshline.pipeline.observe.consistency import AuditReport, GraceResult, Mismatch, same
-from tests.helpers import FRESHLINE, REGISTRY
+from tests.helpers import REGISTRY, cli
 
 USERS = 20
 GRACES = (0.001, 0.002)  # real but tiny: these tests assert outcomes, not timings
@@ -875,15 +874,13 @@ def test_bad_requests_raise(version: int, auditor: AuditorFactory) -> None:
 
 
 def run_audit(settings: Settings, version: int, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "FRESHLINE_POSTGRES_URL": settings.postgres_url,
-        "FRESHLINE_REDIS_URL": settings.redis_url,
-        "FRESHLINE_SCHEMA_VERSION": str(version),
-        "COLUMNS": "80",
-    }
-    return subprocess.run(
-        [FRESHLINE, "audit", *args], env=env, capture_output=True, text=True, timeout=120
+    return cli(
+        "audit",
+        *args,
+        FRESHLINE_POSTGRES_URL=settings.postgres_url,
+        FRESHLINE_REDIS_URL=settings.redis_url,
+        FRESHLINE_SCHEMA_VERSION=str(version),
+        COLUMNS="80",
     )
 
 
