@@ -339,14 +339,14 @@ QUICK_JOBS = 3
 """Processes of a smoke run: its benchmarks mostly wait (servers starting, consumers
 joining their groups, Kafka Connect), so three side by side fit two cores."""
 SLOWEST_FIRST = (
-    "freshness",
-    "abuse",
     "training",
     "consistency",
+    "freshness",
     "read_path",
+    "abuse",
     "served_log",
-    "reference_app",
     "cdc_freshness",
+    "reference_app",
     "write_path",
 )
 """A smoke run's longest benchmarks, slowest first: handed out before the others, so

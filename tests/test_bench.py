@@ -172,3 +172,4 @@ def test_a_smoke_run_hands_out_every_benchmark_once_its_slowest_first() -> None:
     assert everything[: len(SLOWEST_FIRST)] == list(SLOWEST_FIRST)
     picked = ["seed", "memory", "abuse", "freshness"]
     assert handout(picked) == ["freshness", "abuse", "seed", "memory"]
+    assert handout(["abuse", "training"]) == ["training", "abuse"]
