@@ -173,12 +173,13 @@ def _server(
     }
     # launch() starts it in a session of its own: that session's autogroup gets the
     # nice too (ABUSER_NICE's docstring).
+    workers = 1 if ctx.quick else SERVER_WORKERS  # as reference_app.server_workers
     idle = "chrt --idle 0 " if ABUSER_IDLE else ""
     lowered = f'echo {nice} > /proc/self/autogroup 2>/dev/null; exec {idle}nice -n {nice} "$@"'
     with reference_app.launch(
         [
             *(["sh", "-c", lowered, "sh"] if nice else []),
-            *(FRESHLINE, "serve", "--port", str(port), "--workers", str(SERVER_WORKERS)),
+            *(FRESHLINE, "serve", "--port", str(port), "--workers", str(workers)),
         ],
         env,
         port,
@@ -369,12 +370,13 @@ def _good_phase(url: str, key: str, users: list[int], seconds: float) -> tuple[l
     return samples, failures + max(0, int(seconds * GOOD_RATE) - sent)
 
 
-def _warm(url: str, key: str, model: str, tag: str) -> None:
-    """Each worker loads the model and the embedding model before anything is timed."""
+def _warm(url: str, key: str, model: str, tag: str, *, quick: bool = False) -> None:
+    """Each worker loads the model and the embedding model before anything is timed
+    (a smoke run, whose figures are not read, sends each kind once)."""
     abuser = Abuser(url, key, model, tag)
     with httpx.Client(base_url=url, timeout=60) as client:
         for kind in ABUSE_KINDS:
-            for _ in range(4 * SERVER_WORKERS):
+            for _ in range(1 if quick else 4 * SERVER_WORKERS):
                 abuser._request(kind)(client)
 
 
@@ -417,7 +419,7 @@ def run(quick: bool) -> dict[str, Any]:
     measured = profiles[TARGET_PROFILE]
     return {
         "parameters": {
-            "server_workers": SERVER_WORKERS,
+            "server_workers": 1 if quick else SERVER_WORKERS,
             "good_rate_per_s": GOOD_RATE,
             "phase_s": seconds,
             "pairs": pairs,
@@ -485,8 +487,8 @@ def _profile(
         url, elsewhere = processes.enter_together(
             stack, [_server(ctx, version, limits), _server(ctx, version, limits, nice=nice)]
         )
-        _warm(url, abuser_key, model, ctx.tag)
-        _warm(elsewhere, abuser_key, model, ctx.tag)
+        _warm(url, abuser_key, model, ctx.tag, quick=ctx.quick)
+        _warm(elsewhere, abuser_key, model, ctx.tag, quick=ctx.quick)
         for p in range(pairs):
             p99: dict[str, float] = {}
             for phase in PHASES:

@@ -171,6 +171,9 @@ class Pipeline:
     log: Any = None
     registered: bool = False
     cdc_topics: list[str] = field(default_factory=list)
+    running: tuple[bool | None, dict[str, str] | None, list[str] | None] = (None, None, None)
+    """The connector's configuration (tuned or not) and the consumer's environment and
+    topics, as last set: what :meth:`reuse` compares."""
 
     def __post_init__(self) -> None:
         self.settings = self.ctx.settings_for(schema_version=self.version)
@@ -194,7 +197,11 @@ class Pipeline:
             config.update(BEFORE_CONNECTOR)
         client.put_config(self.owned.connector, config)
         self.registered = True
-        time.sleep(2.0)  # the config change restarts the task: let it begin
+        self.running = (tuned, None, None)
+        # The config change restarts the task: let it begin. A smoke run goes on at once:
+        # its probe (:meth:`probe`) waits for a write to come through all the same.
+        if not self.ctx.quick:
+            time.sleep(2.0)
         _wait(lambda: streaming(client, self.ctx.engine, self.owned), "the connector to run", 60)
         return {k: config[k] for k in sorted(config) if k in {*LATENCY_SETTINGS, *BEFORE_CONNECTOR}}
 
@@ -202,6 +209,7 @@ class Pipeline:
         """(Re)start ``freshline consume`` with ``env``; on ``topics`` or its default.
         ``env["MEMBERS"]`` (not passed on) starts that many processes in one group."""
         self.stop_consumer()
+        self.running = (self.running[0], dict(env), list(topics or []))
         env = dict(env)
         members = int(env.pop("MEMBERS", "1"))
         group = f"{self.settings.consumer_group}-{self.version}-{time.monotonic_ns()}"
@@ -227,6 +235,16 @@ class Pipeline:
                 )
             )
 
+    def reuse(self, tuned: bool, env: dict[str, str], topics: list[str] | None = None) -> bool:
+        """Whether the connector runs as ``tuned`` says and the consumer with ``env`` on
+        ``topics``, all its processes alive: a smoke run then keeps them rather than
+        starting them again."""
+        return (
+            self.running == (tuned, env, list(topics or []))
+            and bool(self.procs)
+            and all(proc.poll() is None for proc in self.procs)
+        )
+
     def probe(self, poke: Callable[[], None]) -> None:
         """``poke`` (a write) until one comes out the far end: the consumer has joined."""
         assert self.watcher is not None and self.procs
@@ -251,6 +269,7 @@ class Pipeline:
         client, name = self.client, self.owned.connector
         assert client is not None
         client.request("PUT", f"/connectors/{name}/pause")
+        self.running = (None, *self.running[1:])
 
         def paused() -> bool:
             state = (client.status(name) or {}).get("connector", {}).get("state")
@@ -365,7 +384,8 @@ def cdc(pipe: Pipeline, conninfo: str, writers: list[int], quick: bool) -> dict[
                 runs.setdefault(label, []).append((res, mine))
                 e2e = res["stages_ms"]["commit -> Redis"]
                 common.note(f"freshness:   commit -> Redis p50 {e2e['p50']} p99 {e2e['p99']} ms")
-                time.sleep(1.0 if quick else SETTLE_S)  # what the window left behind settles
+                if not quick:  # a smoke run's figures are not read
+                    time.sleep(SETTLE_S)  # what the window left behind settles
             for label, windows in runs.items():
                 out["windows"][f"{label}@{rate}"] = _pooled(pipe.watcher, windows)
     finally:

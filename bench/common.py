@@ -257,6 +257,7 @@ class Context:
         self._dataset: Dataset | None = None
         self.versions_used: list[int] = []
         self.topics: list[str] = []
+        self.own_topics: list[str] = []
 
     @staticmethod
     def new_schema_version() -> int:
@@ -346,6 +347,17 @@ class Context:
             self.topics = managed_topics(self.settings)
         return self.topics
 
+    def settings_with_own_topics(self, name: str) -> Any:
+        """The run's settings with a topic prefix of ``name``'s alone, its topics
+        created (and deleted at :meth:`close`): a benchmark that reads a topic from its
+        start meets no event another benchmark of the run produced."""
+        from freshline.consumers.topics import ensure_from_settings, managed_topics
+
+        settings = self.settings_for(topic_prefix=f"{self.settings.topic_prefix}{name}.")
+        ensure_from_settings(settings)
+        self.own_topics += managed_topics(settings)
+        return settings
+
     def close(self) -> None:
         if self._redis is not None:
             for version in [self.settings.schema_version, *self.versions_used]:
@@ -353,11 +365,13 @@ class Context:
                     _unlink_matching(self._redis, pattern)
             _unlink_matching(self._redis, f"infer:bench{self.tag}*")
             self._redis.close()
-        if self.topics:
+        if self.topics or self.own_topics:
             from freshline.consumers.kafka import admin_client
 
             kafka_admin = admin_client(self.settings)  # alive until the futures resolve
-            futures = kafka_admin.delete_topics(self.topics, operation_timeout=10)
+            futures = kafka_admin.delete_topics(
+                [*self.topics, *self.own_topics], operation_timeout=10
+            )
             for future in futures.values():
                 with contextlib.suppress(Exception):  # best effort clean-up
                     future.result(timeout=30)

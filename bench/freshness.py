@@ -184,6 +184,7 @@ def token_reads(ctx: common.Context, quick: bool) -> dict[str, Any]:
     return {
         "rounds": rounds,
         "seconds": seconds,
+        "server_workers": reference_app.server_workers(quick),
         "http": http_figures,
         "http_p50_ratio": http_ratios,
         "client": py,
@@ -320,7 +321,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines += [
             "### Token reads whose entry covers the token, against plain reads",
             "",
-            f"`GET /v1/features/txn_90d/{{id}}` on `freshline serve` (2 workers, tier off) "
+            f"`GET /v1/features/txn_90d/{{id}}` on `freshline serve` "
+            f"({tok.get('server_workers', 2)} workers, tier off) "
             f"over 1,000 cached users, `wrk` at 16 connections, {tok['rounds']} interleaved "
             f"rounds of {tok['seconds']} s; medians over rounds, the ratio is the median of "
             "each round's p50 ratio to the plain read.",

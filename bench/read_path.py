@@ -180,11 +180,18 @@ def run(quick: bool) -> dict[str, Any]:
                 )
                 results[f"c{concurrency}"] = {**one, **hundred}
             common.note("wrk against the minimal app and freshline (tier off, tier warm)")
-            wrk = reference_app.compare(urls, api_key, users, rounds=w_rounds, seconds=w_seconds)
+            wrk = reference_app.compare(
+                urls,
+                api_key,
+                users,
+                rounds=w_rounds,
+                seconds=w_seconds,
+                levels=reference_app.levels(quick),
+            )
         wrk["parameters"] = {
             "rounds": w_rounds,
             "seconds": w_seconds,
-            "server_workers": reference_app.SERVER_WORKERS,
+            "server_workers": reference_app.server_workers(quick),
         }
     finally:
         tier.close()
@@ -226,7 +233,7 @@ def run(quick: bool) -> dict[str, Any]:
             "batch": BATCH,
             "rounds": rounds,
             "calls_per_round_c1": calls,
-            "server_workers": reference_app.SERVER_WORKERS,
+            "server_workers": reference_app.server_workers(quick),
             "payload_bytes_mean": payload_bytes,
             "http_mode": "cache-only",
         },

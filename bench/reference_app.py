@@ -50,6 +50,21 @@ a row about to age out of the 90-day window ends at that moment (its horizon), a
 benchmark of hits would meet it as a miss."""
 BATCH = 100
 SERVER_WORKERS = 2
+
+
+def levels(quick: bool) -> tuple[int, ...]:
+    """The concurrencies :func:`compare` runs wrk at: a smoke run's, c=16 alone (the
+    same code; c=1 would be as many seconds of wrk again)."""
+    return (16,) if quick else (1, 16)
+
+
+def server_workers(quick: bool) -> int:
+    """Workers of each server a benchmark starts: :data:`SERVER_WORKERS`, one in a smoke
+    run (whose figures are not read: each worker is a process that imports freshline,
+    seconds of CPU on a machine the run shares with its other benchmarks)."""
+    return 1 if quick else SERVER_WORKERS
+
+
 FRESHLINE = str(Path(sys.executable).with_name("freshline"))
 HEADER = 31  # tag + watermark ahead of an entry's JSON (freshline.pipeline.core.codec.HEADER)
 SERVERS = ("minimal", "minimal+decode", "freshline", "freshline+tier")
@@ -203,7 +218,7 @@ def serve_freshline(
         "FRESHLINE_API_RATE_PER_S": "0",
     }
     return launch(
-        [FRESHLINE, "serve", "--port", str(port), "--workers", str(SERVER_WORKERS)],
+        [FRESHLINE, "serve", "--port", str(port), "--workers", str(server_workers(ctx.quick))],
         {**own, **(env or {})},
         port,
         "/readyz",
@@ -224,7 +239,7 @@ def serve_reference(
     code = (
         "from freshline.pipeline.cli.serve import run_granian; "
         f"run_granian('bench.reference_app:app_from_env', '127.0.0.1', {port}, "
-        f"{SERVER_WORKERS})"
+        f"{server_workers(ctx.quick)})"
     )
     return launch([sys.executable, "-c", code], env, port, "/v1/features/x/0")
 
@@ -304,9 +319,16 @@ def wrk(url: str, script: str, *, concurrency: int, seconds: float) -> dict[str,
 
 
 def compare(
-    urls: dict[str, str], key: str, users: list[int], *, rounds: int, seconds: float
+    urls: dict[str, str],
+    key: str,
+    users: list[int],
+    *,
+    rounds: int,
+    seconds: float,
+    levels: tuple[int, ...] = (1, 16),
 ) -> dict[str, Any]:
-    """wrk every server on both endpoints at c=1 and c=16, interleaved round by round.
+    """wrk every server on both endpoints at each of ``levels`` of concurrency (c=1 and
+    c=16), interleaved round by round.
 
     ``urls`` maps a server name of :data:`SERVERS` to its URL; the first is the
     reference. Returns the median figures per ``c<n>:<endpoint>:<server>``, the
@@ -317,7 +339,7 @@ def compare(
     ref = next(iter(urls))
     runs: dict[str, list[dict[str, Any]]] = {}
     for r in range(rounds):
-        for conc in (1, 16):
+        for conc in levels:
             for endpoint in ENDPOINTS:
                 names = list(urls)
                 order = names[r % len(names) :] + names[: r % len(names)]
@@ -456,14 +478,14 @@ def run(quick: bool) -> dict[str, Any]:
     version, tenant, key, users = prepared(ctx)
     rounds, seconds = (1, 1) if quick else (3, 5)
     with servers(ctx, version, tenant, key, users) as urls:
-        res = compare(urls, key, users, rounds=rounds, seconds=seconds)
+        res = compare(urls, key, users, rounds=rounds, seconds=seconds, levels=levels(quick))
     print_ratios(res)
     return {
         "parameters": {
             "feature_set": FEATURE_SET,
             "entities": len(users),
             "batch": BATCH,
-            "server_workers": SERVER_WORKERS,
+            "server_workers": server_workers(quick),
             "rounds": rounds,
             "seconds": seconds,
         },

@@ -31,7 +31,8 @@ SHARES = {
     "100%": {"FRESHLINE_SERVED_LOG_SAMPLE": "1"},
 }
 """Each server's settings: off has no log at all; 0% has one and samples nothing."""
-LOGGED = [share for share in SHARES if share != "off"]
+QUICK_SHARES = ("off", "1%", "100%")
+"""A smoke run's servers: those the targets read (0% and 10% run the same code as 1%)."""
 CONCURRENCY = 16
 
 
@@ -46,12 +47,13 @@ def run(quick: bool) -> dict[str, Any]:
     admin = admin_client(ctx.settings)
     ensure(admin, 1, topics=[topic])
     rounds, seconds = (1, 1) if quick else (5, 5)
+    shares = {k: v for k, v in SHARES.items() if k in QUICK_SHARES} if quick else SHARES
     scripts = {
         "GET": reference_app.wrk_script(api_key, users, batch=False),
         "batch 100": reference_app.wrk_script(api_key, users, batch=True),
     }
     figures: dict[str, dict[str, list[dict[str, Any]]]] = {
-        e: {s: [] for s in SHARES} for e in scripts
+        e: {s: [] for s in shares} for e in scripts
     }
     try:
         with contextlib.ExitStack() as stack:
@@ -59,14 +61,16 @@ def run(quick: bool) -> dict[str, Any]:
                 reference_app.serve_freshline(
                     ctx, version, env={**value, "FRESHLINE_TOPIC_PREFIX": prefix}
                 )
-                for value in SHARES.values()
+                for value in shares.values()
             ]
-            urls = dict(zip(SHARES, processes.enter_together(stack, servers), strict=True))
-            for url in urls.values():
-                reference_app.warm(url, api_key, users, passes=1 if quick else 3)
+            urls = dict(zip(shares, processes.enter_together(stack, servers), strict=True))
+            for url in urls.values():  # a smoke run's figures are not read: a few users
+                reference_app.warm(
+                    url, api_key, users[:20] if quick else users, passes=1 if quick else 3
+                )
             for r in range(rounds):
-                k = r % len(SHARES)
-                order = list(SHARES)[k:] + list(SHARES)[:k]
+                k = r % len(shares)
+                order = list(shares)[k:] + list(shares)[:k]
                 for endpoint, script in scripts.items():
                     for share in order:
                         common.note(f"round {r + 1}: {endpoint}, logging {share}")
@@ -86,7 +90,8 @@ def run(quick: bool) -> dict[str, Any]:
                 )
                 for p in ("p50", "p99")
             }
-            for share in LOGGED
+            for share in shares
+            if share != "off"
         }
         for endpoint, runs in figures.items()
     }
@@ -118,7 +123,8 @@ def run(quick: bool) -> dict[str, Any]:
             "rounds": rounds,
             "seconds": seconds,
             "concurrency": CONCURRENCY,
-            "server_workers": reference_app.SERVER_WORKERS,
+            "shares": list(shares),
+            "server_workers": reference_app.server_workers(quick),
             "entities": len(users),
             "mode": "cache-only",
         },
@@ -130,6 +136,7 @@ def run(quick: bool) -> dict[str, Any]:
 
 def markdown(res: dict[str, Any]) -> str:
     p = res["parameters"]
+    shares = [s for s in p.get("shares", SHARES) if s != "off"]
     rows = [
         (
             endpoint,
@@ -148,9 +155,9 @@ def markdown(res: dict[str, Any]) -> str:
         [
             "## served_log: the read path with the served log at 0%, 1%, 10% and 100%",
             "",
-            f"`freshline serve` ({p['server_workers']} workers, tier off, {p['mode']}) five "
-            "times: without the log (`FRESHLINE_SERVED_LOG_BUFFER=0`, off), and with "
-            f"`FRESHLINE_SERVED_LOG_SAMPLE` 0, 0.01, 0.1 and 1; `wrk` at "
+            f"`freshline serve` ({p['server_workers']} workers, tier off, {p['mode']}) once "
+            "per row's logging: without the log (`FRESHLINE_SERVED_LOG_BUFFER=0`, off), "
+            f"and with `FRESHLINE_SERVED_LOG_SAMPLE` at the share ({', '.join(shares)}); `wrk` at "
             f"{p['concurrency']} connections, {p['rounds']} interleaved rounds of "
             f"{p['seconds']} s per server and endpoint, {p['entities']} entities. Medians; "
             "ratios are the median of each round's ratio to off.",

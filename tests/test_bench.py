@@ -161,3 +161,15 @@ def test_a_smoke_run_writes_to_a_scratch_directory_never_over_the_figures() -> N
         with pytest.raises(SystemExit) as exit_:
             options(refused)
         assert exit_.value.code == 2
+
+
+def test_a_smoke_run_hands_out_every_benchmark_once_its_slowest_first() -> None:
+    from bench.__main__ import SLOWEST_FIRST, handout
+
+    assert set(SLOWEST_FIRST) <= set(BENCHMARKS)
+    everything = handout(list(BENCHMARKS))
+    assert sorted(everything) == sorted(BENCHMARKS)
+    assert everything[: len(SLOWEST_FIRST)] == list(SLOWEST_FIRST)
+    picked = ["seed", "memory", "abuse", "freshness"]
+    assert handout(picked) == ["freshness", "abuse", "seed", "memory"]
+    assert handout(["abuse", "training"]) == ["training", "abuse"]

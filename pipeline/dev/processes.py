@@ -82,11 +82,20 @@ def enter_together(
     stack: contextlib.ExitStack[bool | None],
     managers: Sequence[contextlib.AbstractContextManager[T]],
 ) -> list[T]:
-    """Enter ``managers`` side by side, a thread each, onto ``stack`` (which exits them):
-    servers that start together are up in the time of the slowest."""
+    """Enter ``managers`` side by side, a thread each; ``stack`` exits them side by side
+    too: servers that start (and stop) together take the time of the slowest."""
+    own = [contextlib.ExitStack() for _ in managers]
+    stack.callback(_exit_together, own)  # before entering: exits those that did enter
     with ThreadPoolExecutor(max(1, len(managers))) as pool:
-        futures = [pool.submit(stack.enter_context, m) for m in managers]
+        futures = [pool.submit(s.enter_context, m) for s, m in zip(own, managers, strict=True)]
     return [f.result() for f in futures]
+
+
+def _exit_together(stacks: Sequence[contextlib.ExitStack[bool | None]]) -> None:
+    with ThreadPoolExecutor(max(1, len(stacks))) as pool:
+        futures = [pool.submit(s.close) for s in stacks]
+    for f in futures:
+        f.result()
 
 
 def _answers(url: str, verify: ssl.SSLContext | bool) -> bool:
