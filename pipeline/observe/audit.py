@@ -321,22 +321,26 @@ class Auditor:
         self, n: int, pattern: str, rng: random.Random, run: _Run, until: float
     ) -> Iterator[list[EntityRef]]:
         """Batches of samples taken one after another while the next batch would start
-        before ``until``. An empty batch stands for a sample that found nothing to
-        audit (see :meth:`_run`)."""
+        before ``until``; the first batch always, however short the duration (an audit
+        that checked nothing would say nothing). An empty batch stands for a sample that
+        found nothing to audit (see :meth:`_run`)."""
 
         def before_until() -> bool:
             return max(self.clock(), run.next_at) < until
 
-        while before_until():
+        started = False
+        while not started or before_until():
             refs = self._sample(n, pattern, rng, run.report)
             if not refs:
                 run.report.samples += 1
+                started = True
                 yield []
             for i, batch in enumerate(self._batches(refs)):
-                if not before_until():
+                if started and not before_until():
                     return  # (a sample none of which was checked is not counted)
                 if i == 0:
                     run.report.samples += 1
+                started = True
                 yield batch
 
     def _sample(

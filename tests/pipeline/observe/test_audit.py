@@ -821,6 +821,15 @@ def test_a_timed_audit_samples_until_its_duration_and_rechecks_meanwhile(
     assert report.elapsed_s >= report.checking_s + 10.0 - 60 / 640 - 0.01
 
 
+def test_a_timed_audit_checks_its_first_sample_however_short_its_duration(
+    tenant: str, auditor: AuditorFactory, refs: list[EntityRef]
+) -> None:
+    """A duration shorter than the first SCAN (a loaded machine, or 0 s) still audits a
+    sample: an audit that checked nothing and exits 0 would vouch for nothing."""
+    report = auditor(clock=FakeClock()).audit_sample(60, tenant=tenant, duration_s=0.0)
+    assert report.samples == 1 and report.checked == 60 and report.consistent
+
+
 def test_a_timed_audit_of_nothing_waits_between_samples(
     tenant: str, auditor: AuditorFactory
 ) -> None:
