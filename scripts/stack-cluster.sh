@@ -246,8 +246,7 @@ cl_up_kafka() {
   fi
   mkdir -p "$CL/kafka"
   kafka_admin_properties "$CL/kafka"
-  [[ -s $CL/kafka/cluster.id ]] ||
-    head -c16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n' >"$CL/kafka/cluster.id"
+  kafka_cluster_id "$CL/kafka/cluster.id" >/dev/null
   for i in 1 2 3; do cl_up_kafka_node "$i"; done
   echo "$KAFKA_LOGINS" >"$CL/kafka/logins"
   for i in 1 2 3; do

@@ -146,3 +146,33 @@ def test_demo_refuses_an_unknown_argument_with_its_usage() -> None:
         [str(ROOT / "scripts" / "demo"), "--bogus"], capture_output=True, text=True, timeout=30
     )
     assert done.returncode == 2 and done.stderr.strip() == "usage: scripts/demo [--ci]"
+
+
+def shell_function(script: Path, name: str) -> str:
+    """The text of shell function ``name`` in ``script`` (from ``name() {`` to its ``}``)."""
+    lines = script.read_text().splitlines()
+    start = lines.index(f"{name}() {{")
+    return "\n".join(lines[start : lines.index("}", start) + 1])
+
+
+def test_a_kafka_cluster_id_never_starts_with_a_dash(tmp_path: Path) -> None:
+    """kafka-storage reads ``-t -x...`` as an option: an id must not start with "-", as
+    Kafka's own Uuid.randomUuid guarantees (one cluster up in 64 failed to format so)."""
+    made = tmp_path / "made"
+    program = shell_function(ROOT / "scripts" / "stack", "kafka_cluster_id") + (
+        # 640 ids (about ten would start with "-" if drawn plainly), then a kept good id
+        # and a kept bad one.
+        f'\nfor i in $(seq 640); do rm -f "{made}"; kafka_cluster_id "{made}"; done'
+        f'\nprintf keptAAAAAAAAAAAAAAAAAA >"{made}"; kafka_cluster_id "{made}"'
+        f'\nprintf -- -badAAAAAAAAAAAAAAAAAA >"{made}"; kafka_cluster_id "{made}"; cat "{made}"'
+    )
+    done = subprocess.run(["bash", "-c", program], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    *fresh, kept, remade, stored = done.stdout.splitlines()
+    assert len(fresh) == 640
+    assert all(len(i) == 22 and not i.startswith("-") for i in fresh)
+    assert set("".join(fresh)) <= set(
+        "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+    )
+    assert kept == "keptAAAAAAAAAAAAAAAAAA"
+    assert not remade.startswith("-") and len(remade) == 22 and stored == remade
