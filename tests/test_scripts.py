@@ -176,3 +176,27 @@ def test_a_kafka_cluster_id_never_starts_with_a_dash(tmp_path: Path) -> None:
     )
     assert kept == "keptAAAAAAAAAAAAAAAAAA"
     assert not remade.startswith("-") and len(remade) == 22 and stored == remade
+
+
+def test_a_start_is_not_taken_for_a_death_before_the_child_execs(tmp_path: Path) -> None:
+    """Just after ``setsid ... &``, the child is still a copy of the script: its command
+    line and directory are not yet the service's. wait_until must not call it dead (CI's
+    cluster topology once failed so: "kafka-2: process exited during start-up")."""
+    stack = tmp_path / "stack"
+    (stack / "run").mkdir(parents=True)
+    functions = "\n".join(
+        shell_function(ROOT / "scripts" / "stack", name)
+        for name in ("fail", "alive", "pid_of", "wait_until")
+    )
+    program = f"""{functions}
+STACK={stack} TIMEOUT=20
+(cd / && exec sleep 30) &  # alive, but nothing of it points into STACK
+echo $! >"$STACK/run/svc.pid"
+polls=0
+ready() {{ polls=$((polls + 1)); [[ $polls -ge 2 ]]; }}
+wait_until svc "" svc ready && echo "ready after $polls polls"
+kill %1
+"""
+    done = subprocess.run(["bash", "-c", program], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ready after 2 polls"
